@@ -1,0 +1,182 @@
+"""Every MPI call of the hot path, on contiguous buffers, and the ledger that counts them.
+
+A :class:`Group` wraps one communicator of the process grid under a name ("tp", "sp", "pp",
+"dp_sp", ...). Its methods are the uppercase (buffer) mpi4py calls — never pickle — and each call
+is recorded in the shared :class:`Ledger`: bytes, messages and seconds per (group, operation).
+
+Counting convention (what the planner predicts): ``bytes`` is the payload this rank hands to the
+operation — the buffer size of an all-reduce, the send buffer of an all-gather, reduce-scatter,
+all-to-all or point-to-point send — and ``messages`` the number of calls. A receive counts
+messages and seconds but no bytes (the sender counted them). A group of size 1 makes no MPI call
+and records nothing.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+
+@dataclass
+class LedgerEntry:
+    bytes: int = 0
+    messages: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Ledger:
+    """Bytes, messages and seconds per (group, operation), since the last ``reset``."""
+
+    entries: dict[tuple[str, str], LedgerEntry] = field(
+        default_factory=lambda: defaultdict(LedgerEntry))
+
+    def add(self, group: str, op: str, nbytes: int, seconds: float) -> None:
+        e = self.entries[(group, op)]
+        e.bytes += int(nbytes)
+        e.messages += 1
+        e.seconds += seconds
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def bytes_by_group(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (group, _), e in self.entries.items():
+            out[group] += e.bytes
+        return dict(out)
+
+    def seconds_by_group(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for (group, _), e in self.entries.items():
+            out[group] += e.seconds
+        return dict(out)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{"group/op": {"bytes", "messages", "seconds"}}`` for the metrics log."""
+        return {f"{g}/{op}": {"bytes": e.bytes, "messages": e.messages, "seconds": e.seconds}
+                for (g, op), e in sorted(self.entries.items())}
+
+
+class Request:
+    """A non-blocking operation; ``wait`` books its time in the ledger."""
+
+    def __init__(self, req: MPI.Request | None, ledger: Ledger, group: str, op: str,
+                 nbytes: int, start: float, on_done=None) -> None:
+        self._req, self._ledger, self._group, self._op = req, ledger, group, op
+        self._nbytes, self._start, self._on_done = nbytes, start, on_done
+        self.done = req is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        self._req.Wait()
+        # Seconds spent blocked in wait are the exposed communication time.
+        self._ledger.add(self._group, self._op, self._nbytes, time.perf_counter() - t0)
+        self.done = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+def _contig(buf: np.ndarray, name: str) -> np.ndarray:
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{name}: MPI buffers must be C-contiguous")
+    return buf
+
+
+class Group:
+    """One communicator of the grid, with ledger-counted buffer collectives and point-to-point."""
+
+    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
+        self.comm, self.name, self.ledger = comm, name, ledger
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+
+    def _timed(self, op: str, nbytes: int, fn, *args) -> None:
+        t0 = time.perf_counter()
+        fn(*args)
+        self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ collectives
+    def allreduce_(self, buf: np.ndarray, op: MPI.Op = MPI.SUM) -> np.ndarray:
+        """In-place all-reduce (sum by default) of a contiguous array; returns it."""
+        if self.size > 1:
+            _contig(buf, "allreduce")
+            self._timed("allreduce" if op is MPI.SUM else "allreduce_max", buf.nbytes,
+                        self.comm.Allreduce, MPI.IN_PLACE, buf, op)
+        return buf
+
+    def allreduce_max_(self, buf: np.ndarray) -> np.ndarray:
+        """In-place element-wise maximum over the group; returns it."""
+        return self.allreduce_(buf, MPI.MAX)
+
+    def iallreduce_(self, buf: np.ndarray, on_done=None) -> Request:
+        """Start an in-place sum all-reduce; ``wait()`` the result (the buffer is busy until then)."""
+        t0 = time.perf_counter()
+        if self.size == 1:
+            req = Request(None, self.ledger, self.name, "iallreduce", 0, t0)
+            if on_done is not None:
+                on_done()
+            return req
+        _contig(buf, "iallreduce")
+        return Request(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), self.ledger, self.name,
+                       "iallreduce", buf.nbytes, t0, on_done)
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+        """Gather equal blocks: ``recv`` is ``[size, *send.shape]`` (or its flat equivalent)."""
+        if self.size == 1:
+            recv.reshape(send.shape)[...] = send
+            return recv
+        self._timed("allgather", send.nbytes, self.comm.Allgather, _contig(send, "allgather"),
+                    _contig(recv, "allgather"))
+        return recv
+
+    def reduce_scatter_(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+        """Sum ``send`` (``size`` equal blocks) over the group; block ``rank`` lands in ``recv``."""
+        if self.size == 1:
+            recv[...] = send.reshape(recv.shape)
+            return recv
+        self._timed("reduce_scatter", send.nbytes, self.comm.Reduce_scatter_block,
+                    _contig(send, "reduce_scatter"), _contig(recv, "reduce_scatter"), MPI.SUM)
+        return recv
+
+    def alltoall(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+        """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` came from rank ``i``."""
+        if self.size == 1:
+            recv[...] = send
+            return recv
+        self._timed("alltoall", send.nbytes, self.comm.Alltoall, _contig(send, "alltoall"),
+                    _contig(recv, "alltoall"))
+        return recv
+
+    def bcast_(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
+        if self.size > 1:
+            self._timed("bcast", buf.nbytes if self.rank == root else 0, self.comm.Bcast,
+                        _contig(buf, "bcast"), root)
+        return buf
+
+    # ---------------------------------------------------------- point-to-point
+    def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int,
+                 tag: int = 0) -> np.ndarray:
+        """Send ``send`` to ``dest`` while receiving ``recv`` from ``source`` (ring step)."""
+        self._timed("sendrecv", send.nbytes, self.comm.Sendrecv, _contig(send, "sendrecv"), dest,
+                    tag, _contig(recv, "sendrecv"), source, tag)
+        return recv
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
+        t0 = time.perf_counter()
+        return Request(self.comm.Isend(_contig(buf, "isend"), dest, tag), self.ledger, self.name,
+                       "send", buf.nbytes, t0)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
+        t0 = time.perf_counter()
+        return Request(self.comm.Irecv(_contig(buf, "irecv"), source, tag), self.ledger,
+                       self.name, "recv", 0, t0)
+
+    def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
+        self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag)
+        return buf

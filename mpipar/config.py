@@ -1,0 +1,297 @@
+"""Configuration: model, parallel layout and training, from TOML with CLI overrides.
+
+Every field carries its documentation and its command-line flag in the dataclass metadata, so
+``python -m mpipar.train --help``, the TOML file and the README all describe the same thing.
+A TOML config has up to three tables, ``[model]``, ``[parallel]`` and ``[train]``, whose keys are
+the field names below. Command-line flags override the file; ``validate`` checks every rule
+before any communication happens.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+import tomli_w
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule; the message names the field, the value and the rule."""
+
+
+def _f(default: Any, help: str, flag: str | None = None, choices: tuple | None = None,
+       **kw: Any) -> Any:
+    meta = {"help": help, "flag": flag, "choices": choices, **kw}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama decoder (names follow Hugging Face ``LlamaConfig`` where they map)."""
+
+    vocab_size: int = _f(256, "vocabulary size (256 = byte-level tokens)")
+    hidden: int = _f(128, "model width (hidden_size)")
+    layers: int = _f(4, "number of decoder blocks")
+    heads: int = _f(4, "query heads")
+    kv_heads: int = _f(2, "key/value heads (grouped-query attention); must divide heads")
+    head_dim: int = _f(0, "width of one head; 0 means hidden // heads")
+    ffn_hidden: int = _f(0, "SwiGLU inner width; 0 means 8/3 * hidden rounded up to a multiple of 32")
+    rope_theta: float = _f(10000.0, "RoPE base frequency theta")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
+
+    def resolved(self) -> "ModelConfig":
+        """A copy with the derived defaults (head_dim, ffn_hidden) filled in."""
+        out = dataclasses.replace(self)
+        if out.head_dim == 0 and out.heads > 0:
+            out.head_dim = out.hidden // out.heads
+        if out.ffn_hidden == 0:
+            out.ffn_hidden = 32 * math.ceil(8 * out.hidden / 3 / 32)
+        return out
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is cut: world = dp * tp * pp * sp (TP fastest-varying, PP slowest)."""
+
+    dp: int = _f(0, "data-parallel size; 0 fills the world (world // (tp*pp*sp))")
+    tp: int = _f(1, "tensor-parallel size (Megatron column/row split of heads, FFN and vocabulary)")
+    pp: int = _f(1, "pipeline-parallel size (layers split into stages)")
+    sp: int = _f(1, "sequence/context-parallel size (ring attention over the sequence)")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation run: data, batch, optimiser, schedule, numerics, output."""
+
+    steps: int = _f(50, "total optimizer steps")
+    seq_len: int = _f(128, "tokens per sequence")
+    global_batch_size: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
+    micro_batch_size: int = _f(0, "sequences per microbatch on one DP rank; 0 means one microbatch "
+                                  "(global_batch_size // dp)")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "final learning rate of the cosine schedule")
+    lr_schedule: str = _f("cosine", "learning-rate schedule", choices=("constant", "cosine"))
+    warmup_steps: int = _f(5, "linear warm-up steps")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (parameters with >= 2 dims only)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    clip_grad: float = _f(1.0, "clip gradients to this global L2 norm; <= 0 disables clipping")
+    dtype: str = _f("float32", "parameter and compute dtype", choices=("float32", "float64"))
+    backend: str = _f("auto", "kernel backend", choices=("auto", "numpy", "numba", "cupy"))
+    data: str = _f("", "token data: a text file or directory, .bin (uint16), .npy, .h5; "
+                       "empty = the embedded Python-stdlib corpus")
+    shuffle: bool = _f(True, "shuffle samples each epoch (--no-shuffle: step k uses samples k*B..(k+1)*B-1)",
+                       flag="--no-shuffle")
+    seed: int = _f(1234, "seed for initialisation and data order")
+    run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
+    log_every: int = _f(10, "print a progress line every N steps (0: never)")
+
+
+@dataclass
+class Config:
+    """The whole resolved configuration of a run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    SECTIONS = ("model", "parallel", "train")
+
+    # ------------------------------------------------------------------ I/O
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {s: dataclasses.asdict(getattr(self, s)) for s in self.SECTIONS}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "Config":
+        cfg = cls()
+        for section, values in data.items():
+            if section not in cls.SECTIONS:
+                raise ConfigError(f"{source}: unknown table [{section}]; known tables: "
+                                  f"{', '.join(cls.SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{section}] must be a table")
+            _set_fields(getattr(cfg, section), values, f"{source}: {section}")
+        return cfg
+
+    @classmethod
+    def from_toml(cls, path: str) -> "Config":
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        return cls.from_dict(data, source=path)
+
+    # ------------------------------------------------------------ validation
+    def resolved(self, world_size: int) -> "Config":
+        """Validate against ``world_size`` and fill derived values (dp, head_dim, ffn, micro batch)."""
+        self.validate(world_size)
+        cfg = Config(self.model.resolved(), dataclasses.replace(self.parallel),
+                     dataclasses.replace(self.train))
+        par = cfg.parallel
+        if par.dp == 0:
+            par.dp = world_size // (par.tp * par.pp * par.sp)
+        if cfg.train.micro_batch_size == 0:
+            cfg.train.micro_batch_size = cfg.train.global_batch_size // par.dp
+        return cfg
+
+    def validate(self, world_size: int) -> None:
+        """Check every rule; raise ConfigError naming field, value and rule (first violation)."""
+        m, p, t = self.model.resolved(), self.parallel, self.train
+        _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
+                      "ffn_hidden"), "model")
+        _require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
+        _require(self.model.head_dim != 0 or m.hidden % m.heads == 0,
+                 f"model.hidden={m.hidden}: must be divisible by model.heads={m.heads} "
+                 f"(or set model.head_dim)")
+        _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: must be even (RoPE rotates pairs)")
+        _require(m.heads % m.kv_heads == 0,
+                 f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
+        _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
+        _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
+        _require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
+
+        _positive(p, ("tp", "pp", "sp"), "parallel")
+        _require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")
+        _require(world_size >= 1, f"world size {world_size}: must be >= 1")
+        mp = p.tp * p.pp * p.sp
+        if p.dp == 0:
+            _require(world_size % mp == 0,
+                     f"parallel: tp*pp*sp = {p.tp}*{p.pp}*{p.sp} = {mp} must divide the world size "
+                     f"{world_size}")
+        else:
+            _require(p.dp * mp == world_size,
+                     f"parallel: dp*tp*pp*sp = {p.dp}*{p.tp}*{p.pp}*{p.sp} = {p.dp * mp} must equal "
+                     f"the world size {world_size}")
+        dp = p.dp or world_size // mp
+        _require(m.heads % p.tp == 0, f"parallel.tp={p.tp}: must divide model.heads={m.heads}")
+        _require(m.kv_heads % p.tp == 0,
+                 f"parallel.tp={p.tp}: must divide model.kv_heads={m.kv_heads}")
+        _require(m.ffn_hidden % p.tp == 0,
+                 f"parallel.tp={p.tp}: must divide model.ffn_hidden={m.ffn_hidden}")
+        _require(m.layers % p.pp == 0,
+                 f"parallel.pp={p.pp}: must divide model.layers={m.layers}")
+        _require(t.seq_len % p.sp == 0,
+                 f"train.seq_len={t.seq_len}: must be divisible by parallel.sp={p.sp}")
+
+        _positive(t, ("seq_len", "global_batch_size"), "train")
+        _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
+        _require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size}: must be >= 0")
+        _require(t.global_batch_size % dp == 0,
+                 f"train.global_batch_size={t.global_batch_size}: must be divisible by dp={dp}")
+        if t.micro_batch_size:
+            _require(t.global_batch_size % (dp * t.micro_batch_size) == 0,
+                     f"train.global_batch_size={t.global_batch_size}: must be divisible by "
+                     f"dp*micro_batch_size = {dp}*{t.micro_batch_size}")
+        _require(t.lr >= 0, f"train.lr={t.lr}: must be >= 0")
+        _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must be in [0, lr={t.lr}]")
+        _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
+        _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
+        _require(0 <= t.beta1 < 1, f"train.beta1={t.beta1}: must be in [0, 1)")
+        _require(0 <= t.beta2 < 1, f"train.beta2={t.beta2}: must be in [0, 1)")
+        _require(t.eps > 0, f"train.eps={t.eps}: must be > 0")
+        _require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
+        for obj, section in ((m, "model"), (p, "parallel"), (t, "train")):
+            for f in fields(obj):
+                choices = f.metadata.get("choices")
+                value = getattr(obj, f.name)
+                _require(not choices or value in choices,
+                         f"{section}.{f.name}={value!r}: must be one of {', '.join(choices or ())}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(obj: Any, names: tuple[str, ...], section: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value >= 1, f"{section}.{name}={value}: must be a positive integer")
+
+
+def _set_fields(obj: Any, values: dict[str, Any], where: str) -> None:
+    known = {f.name: f for f in fields(obj)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown field; known: {', '.join(known)}")
+        setattr(obj, key, _coerce(value, known[key], f"{where}.{key}"))
+
+
+def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
+    kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str,
+                                                     "bool": bool}[str(f.type)]
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r}: must be true or false")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}={value!r}: must be an integer")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r}: must be a number")
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}={value!r}: must be a string")
+    return value
+
+
+# ------------------------------------------------------------------------------ CLI
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field (defaults None, so only given flags override)."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [parallel], [train]")
+    for section, cls in (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig)):
+        group = parser.add_argument_group(section)
+        for f in fields(cls):
+            dest = f"{section}.{f.name}"
+            if f.type in (bool, "bool"):
+                # The only boolean so far is `shuffle`, whose flag turns it off.
+                group.add_argument(_flag(f), dest=dest, action="store_const", const=not f.default,
+                                   default=None, help=f.metadata["help"])
+                continue
+            kind = {"int": int, "float": float, "str": str}[str(getattr(f.type, "__name__", f.type))]
+            group.add_argument(_flag(f), dest=dest, type=kind, default=None,
+                               choices=f.metadata.get("choices"),
+                               help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def from_args(args: argparse.Namespace) -> Config:
+    """Build a Config from ``--config`` (if any) and the flags that were given."""
+    cfg = Config.from_toml(args.config) if getattr(args, "config", None) else Config()
+    for key, value in vars(args).items():
+        if "." not in key or value is None:
+            continue
+        section, name = key.split(".", 1)
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def describe_fields() -> str:
+    """Markdown table of every field (used to keep README's configuration section true)."""
+    rows = ["| field | flag | default | meaning |", "|---|---|---|---|"]
+    for section, cls in (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig)):
+        for f in fields(cls):
+            rows.append(f"| `{section}.{f.name}` | `{_flag(f)}` | `{f.default!r}` | "
+                        f"{f.metadata['help']} |")
+    return "\n".join(rows)

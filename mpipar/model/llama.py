@@ -1,0 +1,235 @@
+"""The Llama decoder as a stage of layers with explicit forward and backward (no autograd).
+
+A :class:`LlamaStage` holds a contiguous run of decoder blocks and, on the first pipeline stage,
+the embedding, and on the last the final norm, LM head and cross-entropy. With one process a
+single stage holds everything. Parallelism enters only through three seams:
+
+- ``tp``: a :class:`mpipar.comm.Group`; the column/row-parallel linears all-reduce over it
+  (Megatron's f/g operators) and the vocabulary-parallel embedding and loss reduce over it;
+- ``attention``: the attention core (:class:`LocalAttention` here, ring or Ulysses attention
+  over SP from :mod:`mpipar.parallel`), which sees this rank's query chunk and global positions;
+- positions: RoPE uses the global token positions of this rank's sequence chunk.
+
+Shapes: ``B`` microbatch, ``S`` local sequence length, ``H`` hidden, ``hq``/``hkv`` the query/kv
+heads on this TP rank, ``D`` head_dim, ``F`` local FFN width, ``Vl`` local vocabulary rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from mpipar.config import ModelConfig
+from mpipar.comm import Group
+from mpipar.model.params import block_param_specs, padded_vocab
+
+
+class AttentionCore(Protocol):
+    """Causal attention of this rank's queries over the whole (possibly distributed) sequence."""
+
+    def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                positions: np.ndarray) -> tuple[np.ndarray, Any]:
+        """q ``[B, S, hq, D]``, k/v ``[B, S, hkv, D]`` -> (out ``[B, S, hq, D]``, saved context)."""
+
+    def backward(self, dout: np.ndarray, ctx: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """dout ``[B, S, hq, D]`` -> (dq, dk, dv) for this rank's q, k, v."""
+
+
+class LocalAttention:
+    """Attention over a sequence held entirely by this rank (no SP)."""
+
+    def __init__(self, kernels) -> None:
+        self.k = kernels
+
+    def forward(self, q, k, v, positions):
+        offset = int(positions[0])
+        out, lse = self.k.attention_fwd(q, k, v, offset, offset, True)
+        return out, (q, k, v, out, lse, offset)
+
+    def backward(self, dout, ctx):
+        q, k, v, out, lse, offset = ctx
+        return self.k.attention_bwd(q, k, v, out, lse, dout, offset, offset, True)
+
+
+@dataclass
+class VocabShard:
+    """The rows ``[start, start + local)`` of the (padded) vocabulary held by this TP rank."""
+
+    start: int
+    local: int
+    size: int  # true vocabulary size (ids >= size are padding)
+
+    @classmethod
+    def of(cls, vocab_size: int, tp: Group) -> "VocabShard":
+        local = padded_vocab(vocab_size, tp.size) // tp.size
+        return cls(tp.rank * local, local, vocab_size)
+
+
+class LlamaStage:
+    """Blocks ``layers`` of the model, plus embedding (``first``) and norm/head/loss (``last``)."""
+
+    def __init__(self, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
+                 tp: Group, attention: AttentionCore) -> None:
+        self.cfg = cfg.resolved()
+        self.k, self.layers, self.first, self.last = kernels, layers, first, last
+        self.tp, self.attention = tp, attention
+        self.vocab = VocabShard.of(self.cfg.vocab_size, tp)
+        self.hq = self.cfg.heads // tp.size
+        self.hkv = self.cfg.kv_heads // tp.size
+        self._rope: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+
+    # ---------------------------------------------------------------- helpers
+    def param_names(self) -> list[str]:
+        names = ["embed_tokens.weight"] if self.first else []
+        for i in self.layers:
+            names += [s.name for s in block_param_specs(self.cfg, i)]
+        if self.last:
+            names += ["norm.weight", "lm_head.weight"]
+        return names
+
+    def _cos_sin(self, positions: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+        key = positions.tobytes() + np.dtype(dtype).str.encode()
+        if key not in self._rope:
+            self._rope[key] = self.k.rope_cos_sin(positions, self.cfg.head_dim,
+                                                  self.cfg.rope_theta, dtype)
+        return self._rope[key]
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, params: dict[str, np.ndarray], inp: np.ndarray, positions: np.ndarray,
+                targets: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """Run the stage.
+
+        inp: token ids ``[B, S]`` on the first stage, else the activation ``[B, S, H]``.
+        positions: global positions ``[S]`` of this rank's tokens. targets ``[B, S]`` on the last.
+        Returns ``[B, S, H]``, or on the last stage the per-token loss ``[B, S]`` (float64).
+        """
+        cache: dict[str, Any] = {"positions": positions}
+        x = self._embed_fwd(params, inp, cache) if self.first else inp
+        cache["blocks"] = []
+        for i in self.layers:
+            x, c = self._block_fwd(params, i, x, positions)
+            cache["blocks"].append(c)
+        if not self.last:
+            return x, cache
+        return self._head_fwd(params, x, targets, cache), cache
+
+    def _embed_fwd(self, params, tokens, cache) -> np.ndarray:
+        w = params["embed_tokens.weight"]
+        local = tokens - self.vocab.start
+        mine = (local >= 0) & (local < self.vocab.local)
+        x = w[np.where(mine, local, 0)]
+        if self.tp.size > 1:
+            x *= mine[..., None]
+            self.tp.allreduce_(x)
+        cache["embed"] = (local, mine)
+        return x
+
+    def _block_fwd(self, params, i, x, positions):
+        k, p = self.k, params
+        n = f"layers.{i}."
+        B, S, _ = x.shape
+        D = self.cfg.head_dim
+        h1, rstd1 = k.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], self.cfg.norm_eps)
+        q = k.linear_fwd(h1, p[n + "self_attn.q_proj.weight"]).reshape(B, S, self.hq, D)
+        kk = k.linear_fwd(h1, p[n + "self_attn.k_proj.weight"]).reshape(B, S, self.hkv, D)
+        v = k.linear_fwd(h1, p[n + "self_attn.v_proj.weight"]).reshape(B, S, self.hkv, D)
+        cos, sin = self._cos_sin(positions, x.dtype)
+        q, kk = k.rope_fwd(q, cos, sin), k.rope_fwd(kk, cos, sin)
+        o, actx = self.attention.forward(q, kk, v, positions)
+        o = o.reshape(B, S, self.hq * D)
+        a = self.tp.allreduce_(k.linear_fwd(o, p[n + "self_attn.o_proj.weight"]))
+        x2 = x + a
+        h2, rstd2 = k.rmsnorm_fwd(x2, p[n + "post_attention_layernorm.weight"], self.cfg.norm_eps)
+        g = k.linear_fwd(h2, p[n + "mlp.gate_proj.weight"])
+        u = k.linear_fwd(h2, p[n + "mlp.up_proj.weight"])
+        m = k.swiglu_fwd(g, u)
+        y = self.tp.allreduce_(k.linear_fwd(m, p[n + "mlp.down_proj.weight"]))
+        cache = dict(x=x, h1=h1, rstd1=rstd1, actx=actx, o=o, x2=x2, h2=h2, rstd2=rstd2,
+                     g=g, u=u, m=m, cos=cos, sin=sin)
+        return x2 + y, cache
+
+    def _head_fwd(self, params, x, targets, cache) -> np.ndarray:
+        k = self.k
+        B, S, H = x.shape
+        hn, rstd = k.rmsnorm_fwd(x, params["norm.weight"], self.cfg.norm_eps)
+        logits = k.linear_fwd(hn.reshape(B * S, H), params["lm_head.weight"])
+        t = targets.reshape(B * S)
+        # Vocabulary-parallel cross-entropy: never gather the logits, reduce three numbers a token.
+        m, s, tl = k.cross_entropy_stats(logits, t, self.vocab.start, self.vocab.size)
+        if self.tp.size > 1:
+            gmax = self.tp.allreduce_max_(np.ascontiguousarray(m))
+            packed = self.tp.allreduce_(np.stack([s * np.exp(m - gmax), tl]))
+            m, s, tl = gmax, packed[0], packed[1]
+        lse = m + np.log(s)
+        cache["head"] = (x, hn, rstd, logits, t, lse)
+        return (lse - tl).astype(np.float64).reshape(B, S)
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
+                 dout: np.ndarray, cache: dict) -> np.ndarray | None:
+        """Accumulate parameter gradients into ``grads`` (+=) and return d(input).
+
+        dout: ``[B, S, H]``, or on the last stage the weight of each token's loss ``[B, S]``
+        (``1 / tokens in the global batch`` for the mean loss). Returns ``[B, S, H]``, or None on
+        the first stage (token ids have no gradient).
+        """
+        dx = self._head_bwd(params, grads, dout, cache) if self.last else dout
+        for i, c in zip(reversed(self.layers), reversed(cache["blocks"])):
+            dx = self._block_bwd(params, grads, i, dx, c)
+        if self.first:
+            self._embed_bwd(grads, dx, cache)
+            return None
+        return dx
+
+    def _head_bwd(self, params, grads, dloss, cache) -> np.ndarray:
+        k = self.k
+        x, hn, rstd, logits, t, lse = cache["head"]
+        B, S, H = x.shape
+        dlogits = k.cross_entropy_bwd(logits, t, lse, dloss.reshape(B * S).astype(lse.dtype),
+                                      self.vocab.start, self.vocab.size).astype(x.dtype)
+        dhn, dw = k.linear_bwd(dlogits, hn.reshape(B * S, H), params["lm_head.weight"])
+        grads["lm_head.weight"] += dw
+        self.tp.allreduce_(dhn)
+        dx, dwn = k.rmsnorm_bwd(dhn.reshape(B, S, H), x, params["norm.weight"], rstd)
+        grads["norm.weight"] += dwn
+        return dx
+
+    def _block_bwd(self, params, grads, i, dout, c) -> np.ndarray:
+        k, p, n = self.k, params, f"layers.{i}."
+        B, S, H = dout.shape
+        D = self.cfg.head_dim
+        dm, dw = k.linear_bwd(dout, c["m"], p[n + "mlp.down_proj.weight"])
+        grads[n + "mlp.down_proj.weight"] += dw
+        dg, du = k.swiglu_bwd(dm, c["g"], c["u"])
+        dh2, dw = k.linear_bwd(dg, c["h2"], p[n + "mlp.gate_proj.weight"])
+        grads[n + "mlp.gate_proj.weight"] += dw
+        dh2b, dw = k.linear_bwd(du, c["h2"], p[n + "mlp.up_proj.weight"])
+        grads[n + "mlp.up_proj.weight"] += dw
+        dh2 = self.tp.allreduce_(dh2 + dh2b)
+        dx2, dw = k.rmsnorm_bwd(dh2, c["x2"], p[n + "post_attention_layernorm.weight"], c["rstd2"])
+        grads[n + "post_attention_layernorm.weight"] += dw
+        dx2 = dx2 + dout
+        do, dw = k.linear_bwd(dx2, c["o"], p[n + "self_attn.o_proj.weight"])
+        grads[n + "self_attn.o_proj.weight"] += dw
+        dq, dk, dv = self.attention.backward(do.reshape(B, S, self.hq, D), c["actx"])
+        dq, dk = k.rope_bwd(dq, c["cos"], c["sin"]), k.rope_bwd(dk, c["cos"], c["sin"])
+        dh1, dw = k.linear_bwd(dq.reshape(B, S, -1), c["h1"], p[n + "self_attn.q_proj.weight"])
+        grads[n + "self_attn.q_proj.weight"] += dw
+        dtmp, dw = k.linear_bwd(dk.reshape(B, S, -1), c["h1"], p[n + "self_attn.k_proj.weight"])
+        grads[n + "self_attn.k_proj.weight"] += dw
+        dh1 += dtmp
+        dtmp, dw = k.linear_bwd(dv.reshape(B, S, -1), c["h1"], p[n + "self_attn.v_proj.weight"])
+        grads[n + "self_attn.v_proj.weight"] += dw
+        dh1 += dtmp
+        self.tp.allreduce_(dh1)
+        dx, dw = k.rmsnorm_bwd(dh1, c["x"], p[n + "input_layernorm.weight"], c["rstd1"])
+        grads[n + "input_layernorm.weight"] += dw
+        return dx + dx2
+
+    def _embed_bwd(self, grads, dx, cache) -> None:
+        local, mine = cache["embed"]
+        g = grads["embed_tokens.weight"]
+        H = dx.shape[-1]
+        rows = dx.reshape(-1, H)[mine.reshape(-1)]
+        np.add.at(g, local.reshape(-1)[mine.reshape(-1)], rows.astype(g.dtype))

@@ -1,0 +1,112 @@
+"""The 4D process grid: world = pp x dp x sp x tp, TP fastest-varying, PP slowest.
+
+``rank = ((pp_r * dp + dp_r) * sp + sp_r) * tp + tp_r`` — the row-major order of a Cartesian
+communicator with dims ``[pp, dp, sp, tp]``. The SP axis is periodic (it is the attention ring).
+Sub-communicators:
+
+- ``tp``, ``pp``, ``dp``, ``sp``: one per axis;
+- ``dp_sp``: the ranks that hold the same parameter shard (gradients are summed over it);
+- ``tp_pp``: the ranks that together hold one model replica (the gradient norm is summed over it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mpi4py import MPI
+
+AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest
+
+
+class Coord(NamedTuple):
+    """A rank's position on each axis."""
+
+    dp: int
+    tp: int
+    pp: int
+    sp: int
+
+
+@dataclass
+class ProcessGrid:
+    """Cartesian 4D grid over ``comm`` with one sub-communicator per axis and the combined groups.
+
+    Build it over any communicator whose size is ``dp * tp * pp * sp``, so tests can make small
+    grids inside a larger world (split COMM_WORLD first).
+    """
+
+    comm: MPI.Comm
+    dp: int
+    tp: int
+    pp: int
+    sp: int
+
+    def __post_init__(self) -> None:
+        size = self.dp * self.tp * self.pp * self.sp
+        if min(self.dp, self.tp, self.pp, self.sp) < 1:
+            raise ValueError(f"grid sizes must be >= 1, got dp={self.dp} tp={self.tp} "
+                             f"pp={self.pp} sp={self.sp}")
+        if size != self.comm.Get_size():
+            raise ValueError(f"dp*tp*pp*sp = {self.dp}*{self.tp}*{self.pp}*{self.sp} = {size} must "
+                             f"equal the communicator size {self.comm.Get_size()}")
+        self.dims = [self.pp, self.dp, self.sp, self.tp]
+        self.cart = self.comm.Create_cart(self.dims, periods=[False, False, True, False],
+                                          reorder=False)
+        self.rank = self.cart.Get_rank()
+        pp_r, dp_r, sp_r, tp_r = self.cart.Get_coords(self.rank)
+        self.coord = Coord(dp=dp_r, tp=tp_r, pp=pp_r, sp=sp_r)
+        self.comms: dict[str, MPI.Comm] = {}
+        for name, keep in (("pp", "pp"), ("dp", "dp"), ("sp", "sp"), ("tp", "tp"),
+                           ("dp_sp", "dp sp"), ("tp_pp", "tp pp")):
+            remain = [axis in keep.split() for axis in AXES]
+            self.comms[name] = self.cart.Sub(remain)
+
+    # ---------------------------------------------------------------- coordinates
+    def rank_of(self, dp: int = 0, tp: int = 0, pp: int = 0, sp: int = 0) -> int:
+        """Rank in ``comm`` of the given coordinates (SP wraps around, the others must be in range)."""
+        for name, value, size in (("dp", dp, self.dp), ("tp", tp, self.tp), ("pp", pp, self.pp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name}={value} out of range [0, {size})")
+        return ((pp * self.dp + dp) * self.sp + sp % self.sp) * self.tp + tp
+
+    def coords_of(self, rank: int) -> Coord:
+        """Coordinates of ``rank`` (inverse of ``rank_of``)."""
+        if not 0 <= rank < self.comm.Get_size():
+            raise ValueError(f"rank {rank} out of range [0, {self.comm.Get_size()})")
+        tp_r = rank % self.tp
+        sp_r = (rank // self.tp) % self.sp
+        dp_r = (rank // (self.tp * self.sp)) % self.dp
+        pp_r = rank // (self.tp * self.sp * self.dp)
+        return Coord(dp=dp_r, tp=tp_r, pp=pp_r, sp=sp_r)
+
+    # ---------------------------------------------------------------- neighbours
+    @property
+    def pp_prev(self) -> int | None:
+        """Rank (in the pp communicator) of the previous pipeline stage, None on the first."""
+        return self.coord.pp - 1 if self.coord.pp > 0 else None
+
+    @property
+    def pp_next(self) -> int | None:
+        """Rank (in the pp communicator) of the next pipeline stage, None on the last."""
+        return self.coord.pp + 1 if self.coord.pp < self.pp - 1 else None
+
+    @property
+    def sp_ring(self) -> tuple[int, int]:
+        """(source, dest) ranks in the sp communicator: receive from the left, send to the right."""
+        return (self.coord.sp - 1) % self.sp, (self.coord.sp + 1) % self.sp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.pp - 1
+
+    def describe(self) -> str:
+        return (f"world={self.comm.Get_size()} dp={self.dp} tp={self.tp} pp={self.pp} sp={self.sp}")
+
+    def free(self) -> None:
+        for c in self.comms.values():
+            c.Free()
+        self.cart.Free()

@@ -1,0 +1,121 @@
+"""Configuration rules: each one names field, value and rule; the CLI exits 2 on every rank."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpipar.config import Config, ConfigError
+from mpipar.train import resolve_config
+
+# (flags, world size, expected message fragment) — one row per rule of Config.validate.
+RULES = [
+    (["--vocab-size", "1"], 1, "model.vocab_size=1: must be at least 2"),
+    (["--layers", "0"], 1, "model.layers=0: must be a positive integer"),
+    (["--hidden", "100", "--heads", "3"], 1, "model.hidden=100: must be divisible by model.heads=3"),
+    (["--hidden", "60", "--heads", "4"], 1, "model.head_dim=15: must be even"),
+    (["--kv-heads", "3"], 1, "model.kv_heads=3: must divide model.heads=4"),
+    (["--rope-theta", "0"], 1, "model.rope_theta=0.0: must be > 0"),
+    (["--norm-eps", "0"], 1, "model.norm_eps=0.0: must be > 0"),
+    (["--init-std", "-1"], 1, "model.init_std=-1.0: must be > 0"),
+    (["--tp", "0"], 1, "parallel.tp=0: must be a positive integer"),
+    (["--dp", "-1"], 1, "parallel.dp=-1: must be >= 0"),
+    (["--dp", "2", "--tp", "2"], 8, "dp*tp*pp*sp = 2*2*1*1 = 4 must equal the world size 8"),
+    (["--tp", "3"], 8, "tp*pp*sp = 3*1*1 = 3 must divide the world size 8"),
+    (["--tp", "3", "--heads", "6", "--kv-heads", "2", "--hidden", "96"], 3,
+     "parallel.tp=3: must divide model.kv_heads=2"),
+    (["--tp", "4", "--heads", "6", "--kv-heads", "6", "--hidden", "96"], 4,
+     "parallel.tp=4: must divide model.heads=6"),
+    (["--tp", "2", "--ffn-hidden", "33"], 2, "parallel.tp=2: must divide model.ffn_hidden=33"),
+    (["--pp", "3"], 3, "parallel.pp=3: must divide model.layers=4"),
+    (["--sp", "3"], 3, "train.seq_len=128: must be divisible by parallel.sp=3"),
+    (["--seq-len", "0"], 1, "train.seq_len=0: must be a positive integer"),
+    (["--global-batch-size", "6"], 4, "train.global_batch_size=6: must be divisible by dp=4"),
+    (["--global-batch-size", "16", "--micro-batch-size", "3"], 1,
+     "must be divisible by dp*micro_batch_size = 1*3"),
+    (["--micro-batch-size", "-1"], 1, "train.micro_batch_size=-1: must be >= 0"),
+    (["--steps", "-1"], 1, "train.steps=-1: must be >= 0"),
+    (["--lr", "-1"], 1, "train.lr=-1.0: must be >= 0"),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], 1, "train.min_lr=0.01: must be in [0, lr=0.001]"),
+    (["--warmup-steps", "-2"], 1, "train.warmup_steps=-2: must be >= 0"),
+    (["--weight-decay", "-0.1"], 1, "train.weight_decay=-0.1: must be >= 0"),
+    (["--beta1", "1"], 1, "train.beta1=1.0: must be in [0, 1)"),
+    (["--beta2", "1.5"], 1, "train.beta2=1.5: must be in [0, 1)"),
+    (["--eps", "0"], 1, "train.eps=0.0: must be > 0"),
+    (["--log-every", "-1"], 1, "train.log_every=-1: must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("flags,world,message", RULES, ids=[r[2][:40] for r in RULES])
+def test_each_rule_exits_2_with_message(flags, world, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        resolve_config(flags, world)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_valid_layouts_resolve():
+    cfg = resolve_config(["--tp", "2", "--pp", "2"], 8)
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp) == (2, 2, 2, 1)
+    assert cfg.train.micro_batch_size == 8 and cfg.model.head_dim == 32
+    assert cfg.model.ffn_hidden == 352  # 8/3*128 = 341.3 rounded up to a multiple of 32
+
+
+def test_toml_and_flag_override(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nhidden = 64\nheads = 2\nkv_heads = 1\n[train]\nlr = 0.01\n'
+                    'lr_schedule = "constant"\n')
+    cfg = resolve_config(["--config", str(path), "--lr", "0.02"], 1)
+    assert cfg.model.hidden == 64 and cfg.model.heads == 2 and cfg.train.lr == 0.02
+    assert cfg.train.lr_schedule == "constant"
+    # The resolved config written to config.toml reads back to the same values.
+    again = Config.from_dict(__import__("tomllib").loads(cfg.to_toml()))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[train]\nlr_schedule = "linear"\n', "train.lr_schedule='linear': must be one of constant, cosine"),
+    ('[train]\nlrr = 1\n', "train.lrr: unknown field"),
+    ('[optim]\nlr = 1\n', "unknown table [optim]"),
+    ('[model]\nhidden = "big"\n', "model.hidden='big': must be an integer"),
+    ('[train]\nshuffle = 1\n', "train.shuffle=1: must be true or false"),
+    ('[model\n', "not valid TOML"),
+])
+def test_toml_errors(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        resolve_config(["--config", str(path)], 1)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_file(capsys):
+    with pytest.raises(SystemExit) as exc:
+        resolve_config(["--config", "/nonexistent/c.toml"], 1)
+    assert exc.value.code == 2 and "file not found" in capsys.readouterr().err
+
+
+def _mpirun() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "mpirun")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpirun")),
+                    reason="no mpirun beside this Python (install mpipar[mpich])")
+def test_cli_bad_layout_every_rank_exits_2(tmp_path):
+    """Under mpirun, a layout that does not fit fails on every rank, once, with status 2."""
+    proc = subprocess.run([_mpirun(), "-n", "3", sys.executable, "-m", "mpipar.train", "--tp", "2",
+                           "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("tp*pp*sp = 2*1*1 = 2 must divide the world size 3") == 1
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_argparse_choice_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--dtype", "float16"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'float16'" in proc.stderr

@@ -1,0 +1,67 @@
+"""The 4D process grid: every factorisation of 8 ranks into (dp, tp, pp, sp)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_all_ranks, factorisations
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("dp,tp,pp,sp", factorisations(8))
+def test_grid_every_factorisation(world, dp, tp, pp, sp):
+    from mpipar.topology import ProcessGrid
+
+    comm = world.Split(0 if world.rank < 8 else 1, world.rank)
+    if world.rank >= 8:
+        comm.Free()
+        return
+    grid = ProcessGrid(comm, dp, tp, pp, sp)
+    me, c = comm.rank, grid.coord
+    fails: list[str] = []
+
+    def check(ok, msg):
+        if not ok:
+            fails.append(msg)
+
+    # DESIGN.md formula, and coordinates <-> rank both ways for every rank.
+    check(me == ((c.pp * dp + c.dp) * sp + c.sp) * tp + c.tp, f"formula for {c}")
+    for r in range(8):
+        check(grid.rank_of(**grid.coords_of(r)._asdict()) == r, f"round trip of rank {r}")
+
+    # Every sub-communicator holds exactly the ranks that agree on the other coordinates.
+    same = {"tp": ("dp", "pp", "sp"), "pp": ("dp", "tp", "sp"), "dp": ("tp", "pp", "sp"),
+            "sp": ("dp", "tp", "pp"), "dp_sp": ("tp", "pp"), "tp_pp": ("dp", "sp")}
+    for name, fixed in same.items():
+        members = sorted(grid.comms[name].allgather(me))
+        expected = sorted(r for r in range(8)
+                          if all(getattr(grid.coords_of(r), a) == getattr(c, a) for a in fixed))
+        check(members == expected, f"{name} members {members} != {expected}")
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "sp": sp, "dp_sp": dp * sp, "tp_pp": tp * pp}
+    for name, size in sizes.items():
+        check(grid.comms[name].Get_size() == size, f"{name} size")
+    # Ranks inside an axis communicator are ordered by that axis' coordinate.
+    for axis in ("tp", "pp", "dp", "sp"):
+        check(grid.comms[axis].Get_rank() == getattr(c, axis), f"{axis} rank order")
+
+    # SP ring: pass my world rank to the right, receive the left neighbour's.
+    src, dst = grid.sp_ring
+    got = np.empty(1, dtype=np.int64)
+    grid.comms["sp"].Sendrecv(np.array([me], dtype=np.int64), dst, 0, got, src, 0)
+    check(got[0] == grid.rank_of(dp=c.dp, tp=c.tp, pp=c.pp, sp=c.sp - 1), "sp ring left")
+    # Pipeline neighbours.
+    check(grid.pp_prev == (c.pp - 1 if c.pp > 0 else None), "pp_prev")
+    check(grid.pp_next == (c.pp + 1 if c.pp < pp - 1 else None), "pp_next")
+    check(grid.is_first_stage == (c.pp == 0) and grid.is_last_stage == (c.pp == pp - 1), "ends")
+
+    assert_all_ranks(comm, fails)
+    grid.free()
+    comm.Free()
+
+
+def test_grid_rejects_wrong_size():
+    from mpi4py import MPI
+    from mpipar.topology import ProcessGrid
+
+    with pytest.raises(ValueError, match=r"dp\*tp\*pp\*sp = 2\*1\*1\*1 = 2 must equal"):
+        ProcessGrid(MPI.COMM_SELF, 2, 1, 1, 1)

@@ -1,0 +1,265 @@
+"""AdamW against an element-by-element float64 reference, clipping, norms and LR schedules."""
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from mpipar.optim import AdamW, AdamWConfig, LRSchedule, adamw_update, clip_grads, grad_norm_sq
+
+
+def reference_adamw(p, grads, lr, beta1, beta2, eps, wd):
+    """Element-by-element AdamW in Python floats; `grads` is the list of gradients per step.
+    Returns the parameter values after every step (flat lists)."""
+    p = [float(x) for x in np.ravel(p)]
+    m = [0.0] * len(p)
+    v = [0.0] * len(p)
+    history = []
+    for t, g in enumerate(grads, start=1):
+        g = [float(x) for x in np.ravel(g)]
+        for i in range(len(p)):
+            m[i] = beta1 * m[i] + (1 - beta1) * g[i]
+            v[i] = beta2 * v[i] + (1 - beta2) * g[i] ** 2
+            m_hat = m[i] / (1 - beta1 ** t)
+            v_hat = v[i] / (1 - beta2 ** t)
+            p[i] = p[i] - lr * wd * p[i] - lr * m_hat / (math.sqrt(v_hat) + eps)
+        history.append(list(p))
+    return history
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (5,), (2, 1, 3)])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_update_matches_reference_float64(shape, wd):
+    rng = np.random.default_rng(0)
+    p = rng.standard_normal(shape)
+    grads = [rng.standard_normal(shape) for _ in range(5)]
+    expected = reference_adamw(p, grads, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, wd=wd)
+    m, v = np.zeros(shape), np.zeros(shape)
+    for t, g in enumerate(grads, start=1):
+        adamw_update(p, g, m, v, t, 1e-2, 0.9, 0.95, 1e-8, wd)
+        np.testing.assert_allclose(p.ravel(), expected[t - 1], rtol=1e-12, atol=1e-14)
+
+
+def test_adamw_update_float32_keeps_dtype_and_tracks_reference():
+    rng = np.random.default_rng(1)
+    p64 = rng.standard_normal((4, 3))
+    grads = [rng.standard_normal((4, 3)) for _ in range(4)]
+    expected = reference_adamw(p64, grads, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1)
+    p = p64.astype(np.float32)
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        adamw_update(p, g.astype(np.float32), m, v, t, 1e-3, 0.9, 0.95, 1e-8, 0.1)
+    assert p.dtype == m.dtype == v.dtype == np.float32
+    np.testing.assert_allclose(p.ravel(), expected[-1], rtol=1e-5, atol=1e-6)
+
+
+def test_first_step_is_lr_times_sign():
+    """At step 1 the bias corrections cancel: p1 = p0 - lr * g / (|g| + eps) exactly."""
+    g = np.array([3.0, -0.5, 1e-3, -20.0])
+    p0 = np.array([1.0, 2.0, -1.0, 0.5])
+    p = p0.copy()
+    adamw_update(p, g, np.zeros(4), np.zeros(4), 1, 0.01, 0.9, 0.95, 1e-8, 0.0)
+    np.testing.assert_allclose(p, p0 - 0.01 * g / (np.abs(g) + 1e-8), rtol=1e-13)
+    np.testing.assert_allclose(p, p0 - 0.01 * np.sign(g), rtol=1e-7)
+
+
+def test_update_on_flat_buffer_views_equals_separate_arrays():
+    rng = np.random.default_rng(2)
+    flat = rng.standard_normal(10)
+    g = rng.standard_normal(10)
+    m, v = np.zeros(10), np.zeros(10)
+    whole = flat.copy()
+    mw, vw = np.zeros(10), np.zeros(10)
+    for t in (1, 2, 3):
+        for lo, hi in ((0, 4), (4, 10)):
+            adamw_update(flat[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], t, 0.1, 0.9, 0.95, 1e-8, 0.1)
+        adamw_update(whole, g, mw, vw, t, 0.1, 0.9, 0.95, 1e-8, 0.1)
+    np.testing.assert_array_equal(flat, whole)
+    np.testing.assert_array_equal(m, mw)
+
+
+def test_adamw_update_rejects_bad_input():
+    a = np.zeros(3)
+    with pytest.raises(ValueError, match=r"step must be >= 1.*got 0"):
+        adamw_update(a, a.copy(), a.copy(), a.copy(), 0, 0.1, 0.9, 0.95, 1e-8, 0.0)
+    with pytest.raises(ValueError, match=r"g \(4,\)"):
+        adamw_update(a, np.zeros(4), a.copy(), a.copy(), 1, 0.1, 0.9, 0.95, 1e-8, 0.0)
+
+
+def test_default_decay_mask_skips_1d_params():
+    """With zero gradients the Adam term is 0 / (0 + eps) = 0, so only decay moves params."""
+    params = {"w": np.full((2, 3), 2.0), "gain": np.full(3, 2.0)}
+    opt = AdamW(params, AdamWConfig(lr=0.1, weight_decay=0.5))
+    assert opt.decay == {"w": True, "gain": False}
+    grads = {name: np.zeros_like(p) for name, p in params.items()}
+    opt.step(params, grads, lr=0.1)
+    opt.step(params, grads, lr=0.1)
+    np.testing.assert_array_equal(params["w"], 2.0 * (1 - 0.1 * 0.5) ** 2)
+    np.testing.assert_array_equal(params["gain"], 2.0)
+    assert opt.step_count == 2
+
+
+def test_explicit_decay_mask_overrides_shapes():
+    """A shard of a 2-D weight may be 1-D locally: the caller's mask wins."""
+    params = {"shard": np.full(4, 1.0), "bias": np.full((2, 2), 1.0)}
+    opt = AdamW(params, AdamWConfig(lr=0.2, weight_decay=0.25), decay={"shard": True, "bias": False})
+    opt.step(params, {n: np.zeros_like(p) for n, p in params.items()}, lr=0.2)
+    np.testing.assert_array_equal(params["shard"], 1.0 - 0.2 * 0.25)
+    np.testing.assert_array_equal(params["bias"], 1.0)
+    with pytest.raises(ValueError, match=r"missing \['bias'\]"):
+        AdamW(params, AdamWConfig(lr=0.1), decay={"shard": True})
+
+
+def test_adamw_class_matches_reference_and_uses_given_lr():
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((2, 2)), "b": rng.standard_normal(3)}
+    start = copy.deepcopy(params)
+    grads = [{"w": rng.standard_normal((2, 2)), "b": rng.standard_normal(3)} for _ in range(3)]
+    opt = AdamW(params, AdamWConfig(lr=123.0, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.2))
+    for g in grads:
+        opt.step(params, g, lr=0.05)
+    for name, wd in (("w", 0.2), ("b", 0.0)):
+        expected = reference_adamw(start[name], [g[name] for g in grads], 0.05, 0.8, 0.99, 1e-6, wd)
+        np.testing.assert_allclose(params[name].ravel(), expected[-1], rtol=1e-12)
+
+
+def test_state_dict_round_trip_continues_identically():
+    rng = np.random.default_rng(4)
+    shapes = {"w": (3, 2), "b": (2,)}
+    grads = [{n: rng.standard_normal(s) for n, s in shapes.items()} for _ in range(6)]
+    lrs = [0.01, 0.02, 0.03, 0.02, 0.01, 0.005]
+    init = {n: rng.standard_normal(s) for n, s in shapes.items()}
+
+    params = copy.deepcopy(init)
+    opt = AdamW(params, AdamWConfig(lr=0.03))
+    for k in range(3):
+        opt.step(params, grads[k], lrs[k])
+    saved_params = copy.deepcopy(params)
+    saved_state = copy.deepcopy(opt.state_dict())
+    for k in range(3, 6):
+        opt.step(params, grads[k], lrs[k])
+
+    resumed = copy.deepcopy(saved_params)
+    opt2 = AdamW(resumed, AdamWConfig(lr=0.03))
+    opt2.load_state_dict(saved_state)
+    assert opt2.step_count == 3
+    for k in range(3, 6):
+        opt2.step(resumed, grads[k], lrs[k])
+    for name in shapes:
+        np.testing.assert_array_equal(resumed[name], params[name])
+        np.testing.assert_array_equal(opt2.m[name], opt.m[name])
+        np.testing.assert_array_equal(opt2.v[name], opt.v[name])
+
+
+def test_load_state_dict_keeps_dtype():
+    params = {"w": np.zeros((2, 2), np.float32)}
+    opt = AdamW(params, AdamWConfig(lr=0.1))
+    opt.load_state_dict({"step": 7, "m": {"w": np.full((2, 2), 0.5)}, "v": {"w": np.full((2, 2), 2.0)}})
+    assert opt.m["w"].dtype == np.float32 and opt.step_count == 7
+    np.testing.assert_array_equal(opt.v["w"], 2.0)
+
+
+@pytest.mark.parametrize("state, pattern", [
+    ({"m": {}, "v": {}}, r"lacks keys \['step'\]"),
+    ({"step": -1, "m": {}, "v": {}}, r"step must be an integer >= 0, got -1"),
+    ({"step": 1, "m": {"w": np.zeros((2, 2))}, "v": {}}, r"'v'.*missing \['w'\]"),
+    ({"step": 1, "m": {"w": np.zeros((2, 2)), "x": np.zeros(1)}, "v": {"w": np.zeros((2, 2))}},
+     r"unexpected \['x'\]"),
+    ({"step": 1, "m": {"w": np.zeros((2, 3))}, "v": {"w": np.zeros((2, 2))}},
+     r"'m' for w has shape \(2, 3\), expected \(2, 2\)"),
+])
+def test_load_state_dict_errors(state, pattern):
+    opt = AdamW({"w": np.zeros((2, 2))}, AdamWConfig(lr=0.1))
+    with pytest.raises(ValueError, match=pattern):
+        opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"lr": -1.0}, r"lr must be >= 0, got -1.0"),
+    ({"lr": 0.1, "beta1": 1.0}, r"beta1 must be in \[0, 1\), got 1.0"),
+    ({"lr": 0.1, "beta2": -0.1}, r"beta2 must be in \[0, 1\), got -0.1"),
+    ({"lr": 0.1, "eps": 0.0}, r"eps must be > 0, got 0.0"),
+    ({"lr": 0.1, "weight_decay": -0.5}, r"weight_decay must be >= 0, got -0.5"),
+])
+def test_adamw_config_validation(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        AdamWConfig(**kwargs)
+
+
+def test_grad_norm_sq_with_include():
+    grads = {"a": np.array([3.0, 4.0]), "b": np.array([[1.0, 2.0], [2.0, 0.0]]), "c": np.array([10.0])}
+    assert grad_norm_sq(grads) == 25.0 + 9.0 + 100.0
+    assert grad_norm_sq(grads, include=lambda n: n != "c") == 34.0
+    assert grad_norm_sq(grads, include=lambda n: False) == 0.0
+
+
+def test_grad_norm_sq_accumulates_float32_in_float64():
+    rng = np.random.default_rng(5)
+    g = rng.standard_normal(100_000).astype(np.float32) * 3
+    exact = math.fsum(float(x) ** 2 for x in g)
+    got = grad_norm_sq({"g": g})
+    assert isinstance(got, float)
+    assert abs(got - exact) / exact < 1e-12
+
+
+def test_clip_below_norm_leaves_grads_untouched():
+    g = {"a": np.array([0.3, 0.4])}
+    assert clip_grads(g, max_norm=1.0, total_norm=0.5) == 1.0
+    np.testing.assert_array_equal(g["a"], [0.3, 0.4])
+
+
+def test_clip_above_norm_scales_to_max_norm():
+    g = {"a": np.array([3.0, 4.0]), "b": np.array([[12.0]])}
+    total = math.sqrt(grad_norm_sq(g))
+    assert total == 13.0
+    coef = clip_grads(g, max_norm=1.0, total_norm=total)
+    assert coef == 1.0 / (13.0 + 1e-6)
+    np.testing.assert_allclose(g["a"], np.array([3.0, 4.0]) * coef, rtol=1e-15)
+    np.testing.assert_allclose(math.sqrt(grad_norm_sq(g)), 13.0 / (13.0 + 1e-6), rtol=1e-14)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, -1.0])
+def test_clip_off(max_norm):
+    g = {"a": np.array([300.0, 400.0])}
+    assert clip_grads(g, max_norm=max_norm, total_norm=500.0) == 1.0
+    np.testing.assert_array_equal(g["a"], [300.0, 400.0])
+
+
+@pytest.mark.parametrize("total", [float("nan"), float("inf"), -1.0])
+def test_clip_rejects_non_finite_norm(total):
+    with pytest.raises(ValueError, match="total_norm must be finite and >= 0"):
+        clip_grads({"a": np.ones(2)}, max_norm=1.0, total_norm=total)
+
+
+def test_cosine_schedule_values():
+    lr, min_lr = 6e-4, 6e-5
+    s = LRSchedule("cosine", lr=lr, min_lr=min_lr, warmup_steps=10, total_steps=110)
+    assert s(0) == pytest.approx(lr / 10, rel=1e-15)
+    assert s(4) == pytest.approx(lr * 5 / 10, rel=1e-15)
+    assert s(9) == pytest.approx(lr, rel=1e-15)          # last warm-up step reaches the peak
+    assert s(10) == pytest.approx(lr, rel=1e-15)         # progress 0
+    assert s(60) == pytest.approx((lr + min_lr) / 2, rel=1e-14)   # progress 1/2
+    assert s(35) == pytest.approx(min_lr + 0.5 * (lr - min_lr) * (1 + math.sqrt(0.5)), rel=1e-14)
+    assert s(110) == pytest.approx(min_lr, rel=1e-14)
+    assert s(1000) == pytest.approx(min_lr, rel=1e-14)
+
+
+def test_cosine_without_warmup_and_constant_schedule():
+    s = LRSchedule("cosine", lr=1.0, min_lr=0.0, total_steps=4)
+    assert [s(k) for k in range(5)] == pytest.approx([1.0, (1 + math.sqrt(0.5)) / 2, 0.5,
+                                                      (1 - math.sqrt(0.5)) / 2, 0.0], abs=1e-15)
+    c = LRSchedule("constant", lr=0.3, warmup_steps=4)
+    assert [c(k) for k in (0, 1, 3, 4, 100)] == pytest.approx([0.075, 0.15, 0.3, 0.3, 0.3], rel=1e-15)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"kind": "linear", "lr": 1.0}, r"kind must be 'constant' or 'cosine', got 'linear'"),
+    ({"kind": "cosine", "lr": -1.0}, r"lr must be >= 0, got -1.0"),
+    ({"kind": "cosine", "lr": 1.0, "min_lr": 2.0}, r"min_lr must satisfy 0 <= min_lr <= lr = 1.0, got 2.0"),
+    ({"kind": "cosine", "lr": 1.0, "min_lr": -0.1}, r"min_lr .* got -0.1"),
+    ({"kind": "cosine", "lr": 1.0, "warmup_steps": -2}, r"warmup_steps must be >= 0, got -2"),
+    ({"kind": "cosine", "lr": 1.0, "total_steps": 0}, r"total_steps must be >= 1, got 0"),
+])
+def test_schedule_validation(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LRSchedule(**kwargs)

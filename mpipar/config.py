@@ -66,6 +66,18 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel size (Megatron column/row split of heads, FFN and vocabulary)")
     pp: int = _f(1, "pipeline-parallel size (layers split into stages)")
     sp: int = _f(1, "sequence/context-parallel size (ring attention over the sequence)")
+    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (> 1 needs --schedule interleaved)")
+    sp_split: str = _f("contiguous", "how a sequence is cut over SP (zigzag: rank i holds chunks i "
+                                     "and 2*sp-1-i, balancing causal work)",
+                       choices=("contiguous", "zigzag"))
+    sp_mode: str = _f("ring", "SP attention: ring (K/V passed around) or ulysses (all-to-all "
+                              "to head groups)", choices=("ring", "ulysses"))
+    sp_overlap: bool = _f(False, "ring attention: post the next K/V transfer before computing the "
+                                 "current block (Isend/Irecv)")
+    zero: int = _f(0, "ZeRO stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp x sp)",
+                   choices=(0, 1))
+    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB (reduction overlaps backward)")
 
 
 @dataclass
@@ -184,10 +196,28 @@ class Config:
                  f"parallel.tp={p.tp}: must divide model.kv_heads={m.kv_heads}")
         _require(m.ffn_hidden % p.tp == 0,
                  f"parallel.tp={p.tp}: must divide model.ffn_hidden={m.ffn_hidden}")
-        _require(m.layers % p.pp == 0,
-                 f"parallel.pp={p.pp}: must divide model.layers={m.layers}")
-        _require(t.seq_len % p.sp == 0,
-                 f"train.seq_len={t.seq_len}: must be divisible by parallel.sp={p.sp}")
+        _positive(p, ("virtual_stages",), "parallel")
+        stages = p.pp * p.virtual_stages
+        _require(m.layers % stages == 0,
+                 f"parallel.pp*virtual_stages = {p.pp}*{p.virtual_stages} = {stages}: must divide "
+                 f"model.layers={m.layers}")
+        _require(p.virtual_stages == 1 or p.schedule == "interleaved",
+                 f"parallel.virtual_stages={p.virtual_stages}: more than 1 needs "
+                 f"--schedule interleaved (got {p.schedule!r})")
+        _require(p.schedule != "interleaved" or p.virtual_stages >= 2,
+                 f"parallel.schedule='interleaved': needs parallel.virtual_stages >= 2 "
+                 f"(got {p.virtual_stages})")
+        parts = p.sp * (2 if p.sp_split == "zigzag" else 1)
+        _require(t.seq_len % parts == 0,
+                 f"train.seq_len={t.seq_len}: must be divisible by "
+                 + (f"2*sp = {parts} for the zigzag split" if p.sp_split == "zigzag"
+                    else f"parallel.sp={p.sp}"))
+        if p.sp_mode == "ulysses":
+            for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
+                _require((heads // p.tp) % p.sp == 0,
+                         f"parallel.sp={p.sp}: ulysses needs model.{name}/tp = {heads}/{p.tp} "
+                         f"divisible by sp")
+        _require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")
 
         _positive(t, ("seq_len", "global_batch_size"), "train")
         _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
@@ -198,6 +228,14 @@ class Config:
             _require(t.global_batch_size % (dp * t.micro_batch_size) == 0,
                      f"train.global_batch_size={t.global_batch_size}: must be divisible by "
                      f"dp*micro_batch_size = {dp}*{t.micro_batch_size}")
+        micro = t.micro_batch_size or (t.global_batch_size // dp)
+        if micro and t.global_batch_size % (dp * micro) == 0:
+            from mpipar.parallel.schedule import build_schedule
+            try:
+                build_schedule(p.schedule, p.pp, t.global_batch_size // (dp * micro),
+                               p.virtual_stages)
+            except ValueError as exc:
+                raise ConfigError(f"parallel.schedule={p.schedule!r}: {exc}") from None
         _require(t.lr >= 0, f"train.lr={t.lr}: must be >= 0")
         _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must be in [0, lr={t.lr}]")
         _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
@@ -211,7 +249,7 @@ class Config:
                 choices = f.metadata.get("choices")
                 value = getattr(obj, f.name)
                 _require(not choices or value in choices,
-                         f"{section}.{f.name}={value!r}: must be one of {', '.join(choices or ())}")
+                         f"{section}.{f.name}={value!r}: must be one of {', '.join(map(str, choices or ()))}")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -266,7 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for f in fields(cls):
             dest = f"{section}.{f.name}"
             if f.type in (bool, "bool"):
-                # The only boolean so far is `shuffle`, whose flag turns it off.
+                # A boolean flag flips the default (--sp-overlap turns on, --no-shuffle turns off).
                 group.add_argument(_flag(f), dest=dest, action="store_const", const=not f.default,
                                    default=None, help=f.metadata["help"])
                 continue

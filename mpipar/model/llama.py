@@ -78,6 +78,7 @@ class LlamaStage:
         self.hq = self.cfg.heads // tp.size
         self.hkv = self.cfg.kv_heads // tp.size
         self._rope: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._deferred: list | None = None
 
     # ---------------------------------------------------------------- helpers
     def param_names(self) -> list[str]:
@@ -158,7 +159,7 @@ class LlamaStage:
         # Vocabulary-parallel cross-entropy: never gather the logits, reduce three numbers a token.
         m, s, tl = k.cross_entropy_stats(logits, t, self.vocab.start, self.vocab.size)
         if self.tp.size > 1:
-            gmax = self.tp.allreduce_max_(np.ascontiguousarray(m))
+            gmax = self.tp.allreduce_max_(m.copy())  # in place: keep the local max for rescaling
             packed = self.tp.allreduce_(np.stack([s * np.exp(m - gmax), tl]))
             m, s, tl = gmax, packed[0], packed[1]
         lse = m + np.log(s)
@@ -167,20 +168,51 @@ class LlamaStage:
 
     # ---------------------------------------------------------------- backward
     def backward(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
-                 dout: np.ndarray, cache: dict) -> np.ndarray | None:
+                 dout: np.ndarray, cache: dict, deferred: list | None = None,
+                 on_ready=None) -> np.ndarray | None:
         """Accumulate parameter gradients into ``grads`` (+=) and return d(input).
 
         dout: ``[B, S, H]``, or on the last stage the weight of each token's loss ``[B, S]``
         (``1 / tokens in the global batch`` for the mean loss). Returns ``[B, S, H]``, or None on
         the first stage (token ids have no gradient).
+
+        deferred: if a list is given, the weight gradients of the linear layers are not computed
+        but appended to it as ``(name, dy, x)`` for :meth:`weight_backward` to run later (the
+        input-gradient / weight-gradient split of zero-bubble schedules).
+        on_ready: called with the list of parameter names whose gradients this call has finished,
+        after each block (the hook that launches data-parallel bucket reductions early).
         """
-        dx = self._head_bwd(params, grads, dout, cache) if self.last else dout
+        self._deferred = deferred
+        notify = on_ready if deferred is None else None
+        if self.last:
+            dx = self._head_bwd(params, grads, dout, cache)
+            notify and notify(["norm.weight", "lm_head.weight"])
+        else:
+            dx = dout
         for i, c in zip(reversed(self.layers), reversed(cache["blocks"])):
             dx = self._block_bwd(params, grads, i, dx, c)
+            notify and notify([s.name for s in block_param_specs(self.cfg, i)])
+        self._deferred = None
         if self.first:
             self._embed_bwd(grads, dx, cache)
+            notify and notify(["embed_tokens.weight"])
             return None
         return dx
+
+    def weight_backward(self, grads: dict[str, np.ndarray], deferred: list) -> None:
+        """Run the weight-gradient GEMMs that :meth:`backward` deferred."""
+        for name, dy, x in deferred:
+            grads[name] += dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        deferred.clear()
+
+    def _linear_bwd(self, dy, x, w, name, grads) -> np.ndarray:
+        """d(input) of ``y = x @ w.T``; the weight gradient now, or deferred (see backward)."""
+        if self._deferred is None:
+            dx, dw = self.k.linear_bwd(dy, x, w)
+            grads[name] += dw
+            return dx
+        self._deferred.append((name, dy, x))
+        return dy @ w
 
     def _head_bwd(self, params, grads, dloss, cache) -> np.ndarray:
         k = self.k
@@ -188,8 +220,8 @@ class LlamaStage:
         B, S, H = x.shape
         dlogits = k.cross_entropy_bwd(logits, t, lse, dloss.reshape(B * S).astype(lse.dtype),
                                       self.vocab.start, self.vocab.size).astype(x.dtype)
-        dhn, dw = k.linear_bwd(dlogits, hn.reshape(B * S, H), params["lm_head.weight"])
-        grads["lm_head.weight"] += dw
+        dhn = self._linear_bwd(dlogits, hn.reshape(B * S, H), params["lm_head.weight"],
+                               "lm_head.weight", grads)
         self.tp.allreduce_(dhn)
         dx, dwn = k.rmsnorm_bwd(dhn.reshape(B, S, H), x, params["norm.weight"], rstd)
         grads["norm.weight"] += dwn
@@ -199,29 +231,24 @@ class LlamaStage:
         k, p, n = self.k, params, f"layers.{i}."
         B, S, H = dout.shape
         D = self.cfg.head_dim
-        dm, dw = k.linear_bwd(dout, c["m"], p[n + "mlp.down_proj.weight"])
-        grads[n + "mlp.down_proj.weight"] += dw
+        lin = self._linear_bwd
+        dm = lin(dout, c["m"], p[n + "mlp.down_proj.weight"], n + "mlp.down_proj.weight", grads)
         dg, du = k.swiglu_bwd(dm, c["g"], c["u"])
-        dh2, dw = k.linear_bwd(dg, c["h2"], p[n + "mlp.gate_proj.weight"])
-        grads[n + "mlp.gate_proj.weight"] += dw
-        dh2b, dw = k.linear_bwd(du, c["h2"], p[n + "mlp.up_proj.weight"])
-        grads[n + "mlp.up_proj.weight"] += dw
-        dh2 = self.tp.allreduce_(dh2 + dh2b)
+        dh2 = lin(dg, c["h2"], p[n + "mlp.gate_proj.weight"], n + "mlp.gate_proj.weight", grads)
+        dh2 += lin(du, c["h2"], p[n + "mlp.up_proj.weight"], n + "mlp.up_proj.weight", grads)
+        dh2 = self.tp.allreduce_(dh2)
         dx2, dw = k.rmsnorm_bwd(dh2, c["x2"], p[n + "post_attention_layernorm.weight"], c["rstd2"])
         grads[n + "post_attention_layernorm.weight"] += dw
         dx2 = dx2 + dout
-        do, dw = k.linear_bwd(dx2, c["o"], p[n + "self_attn.o_proj.weight"])
-        grads[n + "self_attn.o_proj.weight"] += dw
+        do = lin(dx2, c["o"], p[n + "self_attn.o_proj.weight"], n + "self_attn.o_proj.weight", grads)
         dq, dk, dv = self.attention.backward(do.reshape(B, S, self.hq, D), c["actx"])
         dq, dk = k.rope_bwd(dq, c["cos"], c["sin"]), k.rope_bwd(dk, c["cos"], c["sin"])
-        dh1, dw = k.linear_bwd(dq.reshape(B, S, -1), c["h1"], p[n + "self_attn.q_proj.weight"])
-        grads[n + "self_attn.q_proj.weight"] += dw
-        dtmp, dw = k.linear_bwd(dk.reshape(B, S, -1), c["h1"], p[n + "self_attn.k_proj.weight"])
-        grads[n + "self_attn.k_proj.weight"] += dw
-        dh1 += dtmp
-        dtmp, dw = k.linear_bwd(dv.reshape(B, S, -1), c["h1"], p[n + "self_attn.v_proj.weight"])
-        grads[n + "self_attn.v_proj.weight"] += dw
-        dh1 += dtmp
+        dh1 = lin(dq.reshape(B, S, -1), c["h1"], p[n + "self_attn.q_proj.weight"],
+                  n + "self_attn.q_proj.weight", grads)
+        dh1 += lin(dk.reshape(B, S, -1), c["h1"], p[n + "self_attn.k_proj.weight"],
+                   n + "self_attn.k_proj.weight", grads)
+        dh1 += lin(dv.reshape(B, S, -1), c["h1"], p[n + "self_attn.v_proj.weight"],
+                   n + "self_attn.v_proj.weight", grads)
         self.tp.allreduce_(dh1)
         dx, dw = k.rmsnorm_bwd(dh1, c["x"], p[n + "input_layernorm.weight"], c["rstd1"])
         grads[n + "input_layernorm.weight"] += dw

@@ -1,0 +1,63 @@
+"""Shared by the multi-rank engine tests: a small model, its data, and runs of the engine."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+
+VOCAB = 13  # not a power of two: TP pads it
+
+
+def small_config(dtype: str = "float64", **parallel) -> Config:
+    return Config(
+        ModelConfig(vocab_size=VOCAB, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48,
+                    init_std=0.2),
+        ParallelConfig(**parallel),
+        TrainConfig(steps=2, seq_len=16, global_batch_size=8, micro_batch_size=1, lr=1e-2,
+                    min_lr=1e-3, warmup_steps=1, clip_grad=0.5, dtype=dtype, backend="numpy",
+                    seed=11),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def token_source(seq_len: int = 16):
+    from mpipar.data import TokenSource  # noqa: F401  (type of the return value)
+    import tempfile, os
+    rng = np.random.default_rng(3)
+    samples = rng.integers(0, VOCAB, size=(64, seq_len + 1))
+    path = os.path.join(tempfile.mkdtemp(prefix="mpipar-test-"), "samples.npy")
+    np.save(path, samples)
+    from mpipar.data import load_tokens
+    return load_tokens(path, VOCAB, seq_len)
+
+
+def run(cfg: Config, comm, steps: int = 2):
+    """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, engine)."""
+    from mpipar.engine import Engine
+    eng = Engine(cfg.resolved(comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    results = [eng.train_step(k) for k in range(steps)]
+    return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params(), eng)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(dtype: str = "float64", steps: int = 2):
+    """The single-process run (computed once per process)."""
+    from mpi4py import MPI
+    losses, norms, params, _ = run(small_config(dtype), MPI.COMM_SELF, steps)
+    return losses, norms, params
+
+
+def compare(got, ref, tol: float) -> list[str]:
+    """Relative differences above ``tol`` between two runs' (losses, norms, params)."""
+    fails = []
+    for what, a, b in (("loss", got[0], ref[0]), ("grad_norm", got[1], ref[1])):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if abs(x - y) > tol * abs(y):
+                fails.append(f"{what}[{i}] {x!r} vs {y!r}")
+    for name, want in ref[2].items():
+        err = np.abs(got[2][name] - want).max() / max(np.abs(want).max(), 1e-300)
+        if not err <= tol:
+            fails.append(f"{name}: rel err {err:.3g}")
+    return fails

@@ -23,7 +23,7 @@ from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens
 from mpipar.kernels import get_backend
 from mpipar.model.llama import LlamaStage, LocalAttention
-from mpipar.model.params import ParamSpec, init_params, param_specs, unshard
+from mpipar.model.params import ParamSpec, init_params, param_specs, shard, unshard
 from mpipar.optim import AdamW, AdamWConfig, LRSchedule, clip_grads, grad_norm_sq
 from mpipar.parallel.grads import GradReducer, ZeroAdamW
 from mpipar.parallel.pipeline import Microbatch, PipelineExecutor
@@ -156,6 +156,20 @@ class Engine:
                 full = np.empty(spec.shape, self.dtype)
             out[spec.name] = pp.bcast_(full, root=owner)
         return out
+
+    def load_params(self, values: dict[str, np.ndarray]) -> None:
+        """Overwrite this rank's shards from global tensors (every name the model has, global
+        shapes as in :func:`param_specs`), cast to the training dtype. Collective-free."""
+        missing = sorted(set(self.specs) - set(values))
+        if missing:
+            raise ValueError(f"load_params: missing parameters {missing[:5]}")
+        tp = self.groups["tp"]
+        for name, local in self.params.items():
+            spec, value = self.specs[name], np.asarray(values[name])
+            if value.shape != spec.shape:
+                raise ValueError(f"load_params: {name} has shape {value.shape}, the model needs "
+                                 f"{spec.shape}")
+            local[...] = shard(spec, value.astype(self.dtype), tp.rank, tp.size)
 
     def _owner_stage(self, spec: ParamSpec) -> int:
         """pp rank that holds ``spec``."""

@@ -22,6 +22,25 @@ from mpipar.comm import Group, Request
 from mpipar.optim import AdamWConfig, adamw_update
 
 
+def plan_buckets(sizes: list[int], limit_bytes: int) -> list[list[int]]:
+    """Group consecutive parameters (``sizes`` in bytes, in backward order) into buckets: a
+    bucket closes once it holds at least ``limit_bytes``. Returns the indices of each bucket."""
+    buckets: list[list[int]] = [[]]
+    total = 0
+    for i, size in enumerate(sizes):
+        buckets[-1].append(i)
+        total += size
+        if total >= limit_bytes:
+            buckets.append([])
+            total = 0
+    return [b for b in buckets if b]
+
+
+def padded_size(elements: int, group_size: int) -> int:
+    """Bucket length rounded up so every rank of the group owns an equal slice."""
+    return -(-elements // group_size) * group_size
+
+
 @dataclass
 class Bucket:
     names: list[str]
@@ -40,17 +59,8 @@ class GradReducer:
                  bucket_mb: float, zero: bool) -> None:
         self.group, self.zero = group, zero
         limit = max(1, int(bucket_mb * 2**20))
-        self.buckets: list[Bucket] = []
-        current: list[str] = []
-        size = 0
-        for name in order:
-            current.append(name)
-            size += params[name].nbytes
-            if size >= limit:
-                self.buckets.append(self._make_bucket(params, current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(self._make_bucket(params, current))
+        self.buckets = [self._make_bucket(params, [order[i] for i in idx])
+                        for idx in plan_buckets([params[n].nbytes for n in order], limit)]
         self.params = {n: b.params[s:e].reshape(params[n].shape)
                        for b in self.buckets for n, (s, e) in b.offsets.items()}
         self.grads = {n: b.grads[s:e].reshape(params[n].shape)
@@ -62,7 +72,7 @@ class GradReducer:
         for n in names:
             offsets[n] = (at, at + params[n].size)
             at += params[n].size
-        at = -(-at // self.group.size) * self.group.size  # pad so every rank owns an equal slice
+        at = padded_size(at, self.group.size)
         dtype = params[names[0]].dtype
         flat = np.zeros(at, dtype)
         for n in names:

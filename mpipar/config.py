@@ -309,7 +309,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    default=None, help=f.metadata["help"])
                 continue
             kind = {"int": int, "float": float, "str": str}[str(getattr(f.type, "__name__", f.type))]
-            group.add_argument(_flag(f), dest=dest, type=kind, default=None,
+            group.add_argument(_flag(f), dest=dest, type=kind, default=None, metavar=f.name.upper(),
                                choices=f.metadata.get("choices"),
                                help=f"{f.metadata['help']} (default: {f.default})")
 

@@ -65,6 +65,8 @@ def resolve_config(argv: list[str] | None, world: int) -> Config:
 def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     install_abort_hook(comm)
     cfg = resolve_config(argv, comm.Get_size())
+    from mpipar.backend import configure_threads
+    threads = configure_threads(comm)  # before NumPy/Numba load their thread pools
 
     from mpipar.data import DataError
     from mpipar.engine import Engine
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
         print(f"mpipar: layout {engine.grid.describe()} | kernels {engine.kernels.describe()} | "
               f"model {cfg.model.layers}x{cfg.model.hidden} heads {cfg.model.heads}/"
               f"{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
-              f"({engine.source.num_samples} samples of {tr.seq_len}) | {tr.dtype}", flush=True)
+              f"({engine.source.num_samples} samples of {tr.seq_len}) | {tr.dtype} | "
+              f"{threads} thread(s)/rank", flush=True)
     for k in range(tr.steps):
         engine.ledger.reset()
         result = engine.train_step(k)

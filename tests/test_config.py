@@ -132,3 +132,13 @@ def test_cli_argparse_choice_exit_2():
     proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--dtype", "float16"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice: 'float16'" in proc.stderr
+
+
+def test_readme_configuration_table_is_current():
+    """README's configuration table is generated from the field metadata; keep them equal."""
+    from pathlib import Path
+
+    from mpipar.config import describe_fields
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    assert describe_fields() in readme.read_text(), "regenerate README's table: describe_fields()"

@@ -85,11 +85,11 @@ class RingAttention:
 
     def _shift(self, buf: np.ndarray, tag: int) -> np.ndarray:
         """Blocking ring step: send ``buf`` right, receive the left neighbour's."""
-        recv = np.empty_like(buf)
+        recv = np.empty(buf.shape, buf.dtype)
         return self.sp.sendrecv(buf, self.right, recv, self.left, tag)
 
     def _start_shift(self, buf: np.ndarray, tag: int):
-        recv = np.empty_like(buf)
+        recv = np.empty(buf.shape, buf.dtype)
         reqs = [self.sp.irecv(recv, self.left, tag), self.sp.isend(buf, self.right, tag)]
         return recv, reqs
 
@@ -98,7 +98,7 @@ class RingAttention:
         out = np.zeros_like(q)
         lse = np.full((B, hq, S), -np.inf, dtype=np.float64 if q.dtype == np.float64
                       else np.float32)
-        kv = np.stack([k, v])  # one message per hop: [2, B, S, hkv, D]
+        kv = np.ascontiguousarray(np.stack([k, v]))  # one message per hop: [2, B, S, hkv, D]
         for t in range(self.sp.size):
             src = (self.rank - t) % self.sp.size
             last = t == self.sp.size - 1
@@ -121,7 +121,8 @@ class RingAttention:
         q, k, v, out, lse = ctx
         dq = np.zeros_like(q)
         # Travelling buffer: this block's K, V and the dK, dV accumulated for it so far.
-        buf = np.concatenate([np.stack([k, v]), np.zeros((2,) + k.shape, k.dtype)])
+        buf = np.ascontiguousarray(np.concatenate([np.stack([k, v]),
+                                                   np.zeros((2,) + k.shape, k.dtype)]))
         n = self.sp.size
         for t in range(n):
             src = (self.rank - t) % n
@@ -153,7 +154,7 @@ class UlyssesAttention:
         B, S, h, D = x.shape
         n = self.sp.size
         send = np.ascontiguousarray(x.reshape(B, S, n, h // n, D).transpose(2, 0, 1, 3, 4))
-        recv = self.sp.alltoall(send, np.empty_like(send))  # block i: rank i's chunk
+        recv = self.sp.alltoall(send, np.empty(send.shape, send.dtype))  # block i: rank i's chunk
         full = recv.transpose(1, 0, 2, 3, 4).reshape(B, n * S, h // n, D)
         return full[:, self.order]
 
@@ -163,7 +164,7 @@ class UlyssesAttention:
         n = self.sp.size
         S = St // n
         send = np.ascontiguousarray(x[:, self.inverse].reshape(B, n, S, hg, D).transpose(1, 0, 2, 3, 4))
-        recv = self.sp.alltoall(send, np.empty_like(send))  # block i: head group i
+        recv = self.sp.alltoall(send, np.empty(send.shape, send.dtype))  # block i: head group i
         return recv.transpose(1, 2, 0, 3, 4).reshape(B, S, n * hg, D)
 
     def forward(self, q, k, v, positions):

@@ -1,0 +1,145 @@
+"""Compute kernels of mpipar and the dispatcher that picks an implementation per op.
+
+    from mpipar.kernels import get_backend
+    kb = get_backend("auto")          # cupy if usable, else numba, else numpy
+    y = kb.linear_fwd(x, w)           # every op of OPS is an attribute
+    print(kb.describe())              # e.g. "numba (linear_fwd, linear_bwd: numpy BLAS; ...)"
+
+Backends: `numpy` (numpy_ref: the reference, array-module generic), `numba` (numba_cpu, with
+numpy_ref for the ops it lacks or where NumPy is faster) and `cupy` (numpy_ref's generic code on
+CuPy arrays plus the CUDA kernels of cupy_gpu). Kernels are pure functions of arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from types import MappingProxyType, ModuleType
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from . import numpy_ref
+
+OPS: tuple[str, ...] = (
+    "linear_fwd", "linear_bwd", "linear_swiglu_fwd",
+    "rmsnorm_fwd", "rmsnorm_bwd",
+    "rope_cos_sin", "rope_fwd", "rope_bwd",
+    "swiglu_fwd", "swiglu_bwd",
+    "attention_fwd", "attention_bwd", "attention_merge",
+    "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd",
+)
+BACKENDS: tuple[str, ...] = ("numpy", "numba", "cupy")
+_CHOICES = ("auto",) + BACKENDS
+
+Kernel = Callable[..., Any]
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    """One set of kernels: `per_op[op]` names the implementation ("numpy", "numba" or "cupy") of each op.
+
+    `fallback_reasons[op]` says why an op does not use the backend's own implementation. Backends are
+    cached per name, so they compare and hash by identity.
+    """
+
+    name: str
+    xp: ModuleType
+    per_op: Mapping[str, str]
+    linear_fwd: Kernel
+    linear_bwd: Kernel
+    linear_swiglu_fwd: Kernel
+    rmsnorm_fwd: Kernel
+    rmsnorm_bwd: Kernel
+    rope_cos_sin: Kernel
+    rope_fwd: Kernel
+    rope_bwd: Kernel
+    swiglu_fwd: Kernel
+    swiglu_bwd: Kernel
+    attention_fwd: Kernel
+    attention_bwd: Kernel
+    attention_merge: Kernel
+    cross_entropy_stats: Kernel
+    cross_entropy_fwd: Kernel
+    cross_entropy_bwd: Kernel
+    fallback_reasons: Mapping[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: the backend name and which ops use another implementation, and why."""
+        groups: dict[str, list[str]] = {}
+        for op in OPS:
+            if self.per_op[op] != self.name:
+                groups.setdefault(self.fallback_reasons.get(op, self.per_op[op]), []).append(op)
+        if not groups:
+            return self.name
+        parts = ["{}: {}".format(", ".join(ops), why) for why, ops in groups.items()]
+        return f"{self.name} ({'; '.join(parts)})"
+
+
+def available_backends() -> dict[str, str | None]:
+    """Backend name -> None if it can be used here, else the reason it cannot."""
+    return {name: _unavailable_reason(name) for name in BACKENDS}
+
+
+@functools.cache
+def _unavailable_reason(name: str) -> str | None:
+    """Probe one backend (imports numba or cupy) once per process."""
+    if name == "numba":
+        try:
+            from . import numba_cpu  # noqa: F401  (imports numba)
+        except ImportError as exc:
+            return f"numba is not importable ({exc})"
+    elif name == "cupy":
+        from . import cupy_gpu
+
+        return cupy_gpu.unavailable_reason()
+    return None
+
+
+@functools.cache
+def _build(name: str) -> Backend:
+    """The Backend for an available `name`, built once per process."""
+    ops: dict[str, Kernel] = {op: getattr(numpy_ref, op) for op in OPS}
+    per_op = {op: "numpy" for op in OPS}
+    reasons: dict[str, str] = {}
+    xp: ModuleType = np
+    if name == "numba":
+        from . import numba_cpu
+
+        for op in numba_cpu.IMPLEMENTED:
+            if op in numba_cpu.SLOWER_THAN_NUMPY:
+                reasons[op] = numba_cpu.SLOWER_THAN_NUMPY[op]
+            else:
+                ops[op], per_op[op] = getattr(numba_cpu, op), "numba"
+        for op in OPS:
+            if per_op[op] == "numpy" and op not in reasons:
+                reasons[op] = "numpy"
+    elif name == "cupy":
+        from . import cupy_gpu
+
+        xp = cupy_gpu.array_module()
+        for op in cupy_gpu.IMPLEMENTED:
+            ops[op], per_op[op] = getattr(cupy_gpu, op), "cupy"
+        for op in OPS:
+            if per_op[op] == "numpy":
+                reasons[op] = "numpy_ref on cupy arrays"
+    return Backend(name=name, xp=xp, per_op=MappingProxyType(per_op),
+                   fallback_reasons=MappingProxyType(reasons), **ops)
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """The Backend called `name`: "auto", "numpy", "numba" or "cupy" (one cached object per name).
+
+    "auto" is cupy when it is importable and sees a GPU, else numba when importable, else numpy.
+    Raises ValueError for an unknown name and RuntimeError for a backend that cannot be used here.
+    """
+    if name not in _CHOICES:
+        raise ValueError(f"unknown kernel backend {name!r}: choose one of {', '.join(_CHOICES)}")
+    if name == "auto":
+        name = next(n for n in ("cupy", "numba", "numpy") if _unavailable_reason(n) is None)
+    elif (reason := _unavailable_reason(name)) is not None:
+        raise RuntimeError(f"kernel backend {name!r} is unavailable: {reason}")
+    return _build(name)
+
+
+__all__ = ["Backend", "BACKENDS", "OPS", "available_backends", "get_backend"]

@@ -1,0 +1,432 @@
+"""Reference kernels: clear, vectorised array math, forward and backward.
+
+This module is the reference every other backend is tested against, and the fallback for ops a
+backend does not implement. The code is array-module generic: the module is taken from the input
+arrays (`numpy` or `cupy`), so the same functions run on CuPy arrays unchanged.
+
+Conventions:
+  * arrays keep their dtype (float32 or float64) unless a docstring says otherwise;
+  * attention tensors are `[batch, seq, heads, head_dim]`; log-sum-exp tensors are
+    `[batch, heads, seq]`, in float64 for float64 inputs and float32 otherwise;
+  * a query row that sees no key has `lse = -inf` and output 0 (this happens for blocks of
+    ring attention), and contributes nothing to any gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+def array_module(*arrays: Array) -> ModuleType:
+    """Return `cupy` if any argument is a CuPy array, else `numpy`."""
+    for a in arrays:
+        if type(a).__module__.startswith("cupy"):
+            return sys.modules["cupy"]
+    return np
+
+
+def stat_dtype(dtype: Any) -> np.dtype:
+    """dtype for softmax statistics (lse, max, sums): float64 for float64 input, else float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def require(cond: bool, message: str) -> None:
+    """Raise ValueError(message) unless cond holds."""
+    if not cond:
+        raise ValueError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear
+# ----------------------------------------------------------------------------------------------
+
+def linear_fwd(x: Array, w: Array) -> Array:
+    """y = x @ w.T.
+
+    x: `[..., in]`, w: `[out, in]` -> y: `[..., out]`.
+    """
+    require(w.ndim == 2, f"linear_fwd: w must be 2-D [out, in], got shape {w.shape}")
+    require(x.shape[-1] == w.shape[1],
+           f"linear_fwd: x.shape[-1]={x.shape[-1]} must equal w.shape[1]={w.shape[1]}")
+    return x @ w.T
+
+
+def linear_bwd(dy: Array, x: Array, w: Array) -> tuple[Array, Array]:
+    """Gradients of y = x @ w.T.
+
+    dy: `[..., out]`, x: `[..., in]`, w: `[out, in]` ->
+    dx: `[..., in]` = dy @ w, dw: `[out, in]` = sum over leading dims of dy^T x.
+    """
+    require(dy.shape[:-1] == x.shape[:-1] and dy.shape[-1] == w.shape[0] and x.shape[-1] == w.shape[1],
+           f"linear_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape} must be [..., out], [..., in], [out, in]")
+    dx = dy @ w
+    dw = dy.reshape(-1, w.shape[0]).T @ x.reshape(-1, w.shape[1])
+    return dx, dw
+
+
+def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Array, Array]:
+    """h = silu(x @ w_gate.T) * (x @ w_up.T), the first half of a SwiGLU MLP.
+
+    x: `[..., in]`, w_gate, w_up: `[ffn, in]` -> (h, gate, up), each `[..., ffn]`; gate and up are
+    kept for the backward (`swiglu_bwd` then `linear_bwd` twice).
+    """
+    require(w_gate.shape == w_up.shape,
+           f"linear_swiglu_fwd: w_gate.shape={w_gate.shape} must equal w_up.shape={w_up.shape}")
+    gate = linear_fwd(x, w_gate)
+    up = linear_fwd(x, w_up)
+    return swiglu_fwd(gate, up), gate, up
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------------
+
+def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
+    """y = x / sqrt(mean(x**2) + eps) * w over the last axis.
+
+    x: `[..., H]`, w: `[H]` -> y: `[..., H]`, rstd: `[...]` (1 / rms, kept for the backward).
+    """
+    require(w.ndim == 1 and x.shape[-1] == w.shape[0],
+           f"rmsnorm_fwd: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]}")
+    require(eps >= 0, f"rmsnorm_fwd: eps={eps} must be >= 0")
+    xp = array_module(x)
+    rstd = (1.0 / xp.sqrt(xp.mean(x * x, axis=-1) + eps)).astype(x.dtype, copy=False)
+    y = x * rstd[..., None] * w
+    return y, rstd
+
+
+def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
+    """Gradients of `rmsnorm_fwd`.
+
+    dy, x: `[..., H]`, w: `[H]`, rstd: `[...]` -> dx: `[..., H]`, dw: `[H]` (summed over leading dims).
+    dx = rstd * (dy*w) - rstd**3 * x * mean(dy*w*x).
+    """
+    require(dy.shape == x.shape and rstd.shape == x.shape[:-1] and w.shape == x.shape[-1:],
+           f"rmsnorm_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
+           "must be [..., H], [..., H], [H], [...]")
+    xp = array_module(x)
+    r = rstd[..., None]
+    dyw = dy * w
+    dot = xp.mean(dyw * x, axis=-1, keepdims=True)
+    dx = r * dyw - (r * r * r) * x * dot
+    dw = (dy * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary position embedding (rotate-half convention of Hugging Face Llama)
+# ----------------------------------------------------------------------------------------------
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any) -> tuple[Array, Array]:
+    """cos and sin tables for the given global token positions.
+
+    positions: int `[S]` -> cos, sin: `[S, head_dim // 2]` in `dtype`. The angles
+    positions[s] * theta ** (-2i / head_dim) are computed in float64 and then cast.
+    """
+    require(head_dim > 0 and head_dim % 2 == 0, f"rope_cos_sin: head_dim={head_dim} must be positive and even")
+    require(theta > 0, f"rope_cos_sin: theta={theta} must be > 0")
+    xp = array_module(positions)
+    pos = xp.asarray(positions)
+    require(pos.ndim == 1, f"rope_cos_sin: positions must be 1-D [S], got shape {pos.shape}")
+    require(pos.dtype.kind in "iu", f"rope_cos_sin: positions dtype {pos.dtype} must be an integer type")
+    inv_freq = theta ** (-(xp.arange(head_dim // 2, dtype=np.float64) * 2.0) / head_dim)
+    angles = pos.astype(np.float64)[:, None] * inv_freq[None, :]
+    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+
+
+def check_rope_shapes(x: Array, cos: Array, sin: Array, name: str) -> None:
+    """Validate x `[B, S, H, D]` (D even) against cos, sin `[S, D // 2]`."""
+    require(x.ndim == 4, f"{name}: x must be [batch, seq, heads, head_dim], got shape {x.shape}")
+    require(x.shape[3] % 2 == 0, f"{name}: head_dim={x.shape[3]} must be even")
+    want = (x.shape[1], x.shape[3] // 2)
+    require(cos.shape == want and sin.shape == want,
+           f"{name}: cos {cos.shape} and sin {sin.shape} must be [seq, head_dim // 2] = {want}")
+
+
+def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate pairs (x[..., i], x[..., i + D/2]) by the angle of each position.
+
+    x: `[batch, seq, heads, head_dim]`, cos, sin: `[seq, head_dim // 2]` -> y like x:
+    y1 = x1*cos - x2*sin, y2 = x2*cos + x1*sin.
+    """
+    check_rope_shapes(x, cos, sin, "rope_fwd")
+    xp = array_module(x)
+    half = x.shape[3] // 2
+    c = cos.astype(x.dtype, copy=False)[None, :, None, :]
+    s = sin.astype(x.dtype, copy=False)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
+    """Gradient of `rope_fwd`: the inverse rotation. dy: `[batch, seq, heads, head_dim]` -> dx like dy."""
+    check_rope_shapes(dy, cos, sin, "rope_bwd")
+    xp = array_module(dy)
+    half = dy.shape[3] // 2
+    c = cos.astype(dy.dtype, copy=False)[None, :, None, :]
+    s = sin.astype(dy.dtype, copy=False)[None, :, None, :]
+    d1, d2 = dy[..., :half], dy[..., half:]
+    return xp.concatenate([d1 * c + d2 * s, d2 * c - d1 * s], axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# SwiGLU
+# ----------------------------------------------------------------------------------------------
+
+def _sigmoid(g: Array) -> Array:
+    """Overflow-free logistic function: exp is only taken of -|g|."""
+    xp = array_module(g)
+    e = xp.exp(-xp.abs(g))
+    return xp.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(g.dtype, copy=False)
+
+
+def swiglu_fwd(gate: Array, up: Array) -> Array:
+    """h = silu(gate) * up with silu(g) = g * sigmoid(g). gate, up: `[..., ffn]` -> h: `[..., ffn]`."""
+    require(gate.shape == up.shape, f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
+    return gate * _sigmoid(gate) * up
+
+
+def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
+    """Gradients of `swiglu_fwd`. dh, gate, up: `[..., ffn]` -> (dgate, dup).
+
+    d silu / dg = sig * (1 + g * (1 - sig)).
+    """
+    require(dh.shape == gate.shape == up.shape,
+           f"swiglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
+    sig = _sigmoid(gate)
+    silu = gate * sig
+    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = dh * silu
+    return dgate, dup
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention (grouped-query, causal with global offsets, log-sum-exp for merging)
+# ----------------------------------------------------------------------------------------------
+
+def check_attention_shapes(q: Array, k: Array, v: Array, name: str) -> None:
+    """Validate q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` with Hq % Hkv == 0."""
+    require(q.ndim == 4 and k.ndim == 4 and v.ndim == 4,
+           f"{name}: q, k, v must be 4-D [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
+    require(k.shape == v.shape, f"{name}: k.shape={k.shape} must equal v.shape={v.shape}")
+    require(q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3],
+           f"{name}: batch and head_dim of q {q.shape} and k {k.shape} must agree")
+    require(k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0,
+           f"{name}: query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+
+
+def attention_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale: `scale` if given, else 1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def visible_mask(xp: ModuleType, sq: int, sk: int, q_offset: int, k_offset: int) -> Array:
+    """Boolean `[Sq, Sk]`: key j is visible to query i iff k_offset + j <= q_offset + i."""
+    qpos = xp.arange(sq)[:, None] + q_offset
+    kpos = xp.arange(sk)[None, :] + k_offset
+    return kpos <= qpos
+
+
+def _grouped_scores(q: Array, k: Array, scale: float) -> Array:
+    """scale * q.k for every query head: `[B, Hkv, G, Sq, Sk]` (G = Hq / Hkv query heads per kv head)."""
+    xp = array_module(q)
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, sq, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, Sq, D]
+    kt = k.transpose(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, Sk]
+    return xp.matmul(qg, kt) * q.dtype.type(scale)
+
+
+def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
+                  causal: bool = True, scale: float | None = None) -> tuple[Array, Array]:
+    """Softmax attention of one block of queries over one block of keys.
+
+    q: `[B, Sq, Hq, D]`, k, v: `[B, Sk, Hkv, D]`; query head h reads kv head h // (Hq // Hkv).
+    Query i sits at global position q_offset + i, key j at k_offset + j; with `causal` key j is
+    visible iff k_offset + j <= q_offset + i.
+    Returns out `[B, Sq, Hq, D]` (q's dtype) and lse `[B, Hq, Sq]` = log sum_j exp(scale q.k_j) over
+    visible keys (float64 for float64 q, else float32); rows with no visible key: out 0, lse -inf.
+    """
+    check_attention_shapes(q, k, v, "attention_fwd")
+    xp = array_module(q)
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    s = _grouped_scores(q, k, attention_scale(d, scale))  # [B, Hkv, G, Sq, Sk]
+    if causal:
+        s = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True) if sk > 0 else xp.full(s.shape[:-1] + (1,), -np.inf, q.dtype)
+    m_safe = xp.where(xp.isfinite(m), m, 0.0).astype(q.dtype, copy=False)
+    p = xp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
+    denom = p.sum(axis=-1, keepdims=True)
+    seen = denom > 0
+    out = xp.matmul(p, v.transpose(0, 2, 1, 3)[:, :, None]) / xp.where(seen, denom, 1.0)  # [B,Hkv,G,Sq,D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype, copy=False)
+    lse_dtype = stat_dtype(q.dtype)
+    lse = xp.where(seen, m_safe.astype(lse_dtype) + xp.log(xp.where(seen, denom, 1.0).astype(lse_dtype)),
+                   -np.inf)
+    return out, lse[..., 0].reshape(b, hq, sq)
+
+
+def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
+                  q_offset: int = 0, k_offset: int = 0, causal: bool = True,
+                  scale: float | None = None) -> tuple[Array, Array, Array]:
+    """Gradients of `attention_fwd` for one key block, given the (possibly merged) out and lse.
+
+    q, out, dout: `[B, Sq, Hq, D]`, k, v: `[B, Sk, Hkv, D]`, lse: `[B, Hq, Sq]`.
+    `out`/`lse` may be the results merged over all key blocks (ring attention); then the sum over
+    blocks of these gradients is the gradient of the merged attention. Flash-attention form:
+    P = exp(scale QK^T - lse), delta = rowsum(dout*out), dV = P^T dout, dS = P (dout V^T - delta),
+    dQ = scale dS K, dK = scale dS^T Q; dk, dv are summed over the query heads of each kv group.
+    Returns dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`.
+    """
+    check_attention_shapes(q, k, v, "attention_bwd")
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    require(out.shape == q.shape and dout.shape == q.shape and lse.shape == (b, hq, sq),
+           f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse {lse.shape} "
+           f"must be {(b, hq, sq)}")
+    xp = array_module(q)
+    sc = attention_scale(d, scale)
+    s = _grouped_scores(q, k, sc)  # [B, Hkv, G, Sq, Sk]
+    lse_g = lse.reshape(b, hkv, g, sq, 1)
+    lse_safe = xp.where(xp.isfinite(lse_g), lse_g, np.inf).astype(q.dtype, copy=False)
+    p = xp.exp(s - lse_safe)  # rows with lse = -inf: exp(-inf) = 0
+    if causal:
+        p = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset), p, 0.0).astype(q.dtype, copy=False)
+    dog = dout.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, Sq, D]
+    qg = q.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4)
+    delta = (dout * out).sum(axis=-1).reshape(b, sq, hkv, g).transpose(0, 2, 3, 1)[..., None]
+    v_t = v.transpose(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, Sk]
+    k_h = k.transpose(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, Sk, D]
+    dp = xp.matmul(dog, v_t)  # [B, Hkv, G, Sq, Sk]
+    ds = p * (dp - delta)
+    pt = p.swapaxes(-1, -2)
+    dv = xp.matmul(pt, dog).sum(axis=2)  # [B, Hkv, Sk, D]
+    dk = (xp.matmul(ds.swapaxes(-1, -2), qg).sum(axis=2)) * q.dtype.type(sc)
+    dq = xp.matmul(ds, k_h) * q.dtype.type(sc)  # [B, Hkv, G, Sq, D]
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
+    return dq, dk.transpose(0, 2, 1, 3).copy(), dv.transpose(0, 2, 1, 3).copy()
+
+
+def attention_merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
+    """Combine two partial attentions over disjoint key sets by log-sum-exp.
+
+    out_a, out_b: `[B, S, H, D]`, lse_a, lse_b: `[B, H, S]` -> (out, lse) of the same shapes.
+    A side with lse = -inf (no visible key) has weight 0; if both are -inf the result is out 0, lse -inf.
+    """
+    require(out_a.shape == out_b.shape and lse_a.shape == lse_b.shape
+           and lse_a.shape == (out_a.shape[0], out_a.shape[2], out_a.shape[1]),
+           f"attention_merge: out shapes {out_a.shape}, {out_b.shape} must be equal [B, S, H, D] and lse shapes "
+           f"{lse_a.shape}, {lse_b.shape} must be [B, H, S]")
+    xp = array_module(out_a)
+    lse = xp.maximum(lse_a, lse_b)
+    finite = xp.isfinite(lse)
+    base = xp.where(finite, lse, 0.0)
+    wa = xp.where(xp.isfinite(lse_a), xp.exp(lse_a - base), 0.0)
+    wb = xp.where(xp.isfinite(lse_b), xp.exp(lse_b - base), 0.0)
+    total = wa + wb
+    lse = xp.where(finite, base + xp.log(xp.where(finite, total, 1.0)), -np.inf).astype(lse_a.dtype, copy=False)
+    inv = xp.where(finite, 1.0 / xp.where(finite, total, 1.0), 0.0)
+    wa = (wa * inv).transpose(0, 2, 1)[..., None].astype(out_a.dtype, copy=False)
+    wb = (wb * inv).transpose(0, 2, 1)[..., None].astype(out_a.dtype, copy=False)
+    return wa * out_a + wb * out_b, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-entropy (vocab-parallel statistics)
+# ----------------------------------------------------------------------------------------------
+
+def valid_columns(n_columns: int, vocab_start: int, vocab_size: int | None) -> int:
+    """How many leading columns of a shard holding ids [vocab_start, vocab_start + n_columns) are real ids."""
+    require(vocab_start >= 0, f"vocab_start={vocab_start} must be >= 0")
+    if vocab_size is None:
+        return n_columns
+    require(vocab_size > 0, f"vocab_size={vocab_size} must be > 0")
+    return max(0, min(n_columns, vocab_size - vocab_start))
+
+
+def check_ce_inputs(logits: Array, targets: Array, vocab_size: int | None, name: str) -> None:
+    """Validate logits `[N, Vloc]` and integer targets `[N]` with 0 <= target < vocab_size."""
+    require(logits.ndim == 2, f"{name}: logits must be 2-D [tokens, vocab_shard], got shape {logits.shape}")
+    require(targets.ndim == 1 and targets.shape[0] == logits.shape[0],
+           f"{name}: targets shape {targets.shape} must be [tokens] = ({logits.shape[0]},)")
+    require(targets.dtype.kind in "iu", f"{name}: targets dtype {targets.dtype} must be an integer type")
+    if targets.size:
+        xp = array_module(targets)
+        lo, hi = int(xp.min(targets)), int(xp.max(targets))
+        require(lo >= 0, f"{name}: target id {lo} must be >= 0")
+        require(vocab_size is None or hi < vocab_size, f"{name}: target id {hi} must be < vocab_size={vocab_size}")
+
+
+def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
+                        vocab_size: int | None = None) -> tuple[Array, Array, Array]:
+    """Per-row softmax statistics of one vocab shard.
+
+    logits: `[N, Vloc]` holding the columns of vocab ids [vocab_start, vocab_start + Vloc); targets: `[N]`
+    global ids. Columns with id >= vocab_size are padding and ignored. Returns m `[N]` (local max, -inf
+    if the shard is all padding), s `[N]` = sum exp(logits - m), t `[N]` = target logit if the target is
+    in this shard else 0; float64 for float64 logits, else float32.
+    Combine shards with M = max m, S = sum s * exp(m - M), T = sum t: lse = M + log S, loss = lse - T.
+    """
+    check_ce_inputs(logits, targets, vocab_size, "cross_entropy_stats")
+    xp = array_module(logits)
+    n = logits.shape[0]
+    nvalid = valid_columns(logits.shape[1], vocab_start, vocab_size)
+    sd = stat_dtype(logits.dtype)
+    if nvalid == 0:
+        return xp.full(n, -np.inf, sd), xp.zeros(n, sd), xp.zeros(n, sd)
+    lv = logits[:, :nvalid].astype(sd, copy=False)
+    m = lv.max(axis=1)
+    s = xp.exp(lv - m[:, None]).sum(axis=1)
+    local = targets.astype(np.int64) - vocab_start
+    inside = (local >= 0) & (local < nvalid)
+    picked = lv[xp.arange(n), xp.where(inside, local, 0)]
+    t = xp.where(inside, picked, 0.0).astype(sd, copy=False)
+    return m, s, t
+
+
+def cross_entropy_fwd(logits: Array, targets: Array, vocab_size: int | None = None) -> tuple[Array, Array]:
+    """Cross-entropy of one unsharded set of logits.
+
+    logits: `[N, V]`, targets: `[N]` -> loss `[N]` = lse - target logit, lse `[N]` (statistics dtype).
+    Columns with id >= vocab_size are padding and ignored.
+    """
+    nvalid = valid_columns(logits.shape[1] if logits.ndim == 2 else 0, 0, vocab_size)
+    require(nvalid > 0, f"cross_entropy_fwd: vocab_size={vocab_size} must leave at least one column")
+    m, s, t = cross_entropy_stats(logits, targets, 0, nvalid)
+    xp = array_module(logits)
+    lse = m + xp.log(s)
+    return lse - t, lse
+
+
+def cross_entropy_bwd(logits: Array, targets: Array, lse: Array, dloss: Array, vocab_start: int = 0,
+                      vocab_size: int | None = None) -> Array:
+    """Gradient of the per-row loss w.r.t. one vocab shard of logits.
+
+    logits: `[N, Vloc]`, targets, lse, dloss: `[N]` (lse is the global one over all shards) ->
+    dlogits `[N, Vloc]` (logits dtype) = (softmax - onehot(target in shard)) * dloss; padding columns 0.
+    """
+    check_ce_inputs(logits, targets, vocab_size, "cross_entropy_bwd")
+    n = logits.shape[0]
+    require(lse.shape == (n,) and dloss.shape == (n,),
+           f"cross_entropy_bwd: lse {lse.shape} and dloss {dloss.shape} must be [tokens] = ({n},)")
+    xp = array_module(logits)
+    sd = stat_dtype(logits.dtype)
+    nvalid = valid_columns(logits.shape[1], vocab_start, vocab_size)
+    grad = xp.zeros(logits.shape, sd)
+    if nvalid > 0:
+        p = xp.exp(logits[:, :nvalid].astype(sd, copy=False) - lse.astype(sd, copy=False)[:, None])
+        local = targets.astype(np.int64) - vocab_start
+        inside = (local >= 0) & (local < nvalid)
+        rows = xp.arange(n)[inside]
+        p[rows, local[inside]] -= 1.0
+        grad[:, :nvalid] = p * dloss.astype(sd, copy=False)[:, None]
+    return grad.astype(logits.dtype, copy=False)

@@ -107,6 +107,13 @@ class TrainConfig:
     seed: int = _f(1234, "seed for initialisation and data order")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
+    init_from_hf: str = _f("", "start from a Hugging Face Llama directory (config.json + safetensors); "
+                               "model settings then come from it")
+    hf_untie_embeddings: bool = _f(False, "with --init-from-hf: accept tied embeddings by copying "
+                                          "them into an untied LM head")
+    export_hf: str = _f("", "write the trained weights as a Hugging Face Llama directory at the end")
+    export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
+                           choices=("", "float16", "float32", "float64"))
 
 
 @dataclass
@@ -323,6 +330,17 @@ def from_args(args: argparse.Namespace) -> Config:
         section, name = key.split(".", 1)
         setattr(getattr(cfg, section), name, value)
     return cfg
+
+
+def given_model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The model fields the user set, in ``--config``'s ``[model]`` table or as flags."""
+    given: dict[str, Any] = {}
+    if getattr(args, "config", None):  # already validated by from_args
+        with open(args.config, "rb") as fh:
+            given.update(tomllib.load(fh).get("model", {}))
+    given.update({k.split(".", 1)[1]: v for k, v in vars(args).items()
+                  if k.startswith("model.") and v is not None})
+    return given
 
 
 def describe_fields() -> str:

@@ -82,7 +82,8 @@ class Engine:
         adamw = AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps, tr.weight_decay)
         self.optimizer = (ZeroAdamW(self.reducer, adamw, decay) if par.zero
                           else AdamW(self.params, adamw, decay))
-        self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps, tr.steps)
+        self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
+                                   max(1, tr.steps))
         self.rows_per_dp = tr.global_batch_size // par.dp
         self.microbatches = self.rows_per_dp // tr.micro_batch_size
         ops = build_schedule(par.schedule, p, self.microbatches, v)[self.grid.coord.pp]

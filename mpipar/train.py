@@ -54,9 +54,23 @@ def fail_usage(message: str, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
 
 
 def resolve_config(argv: list[str] | None, world: int) -> Config:
+    """Parse, apply a Hugging Face checkpoint's model settings, validate; exit 2 on error."""
     args = build_parser().parse_args(argv)
     try:
-        return config_mod.from_args(args).resolved(world)
+        cfg = config_mod.from_args(args)
+        tr = cfg.train
+        if tr.init_from_hf or tr.export_hf:
+            from mpipar import hf
+            if tr.init_from_hf:
+                checkpoint = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
+                cfg.model = hf.model_config_with_overrides(
+                    checkpoint, config_mod.given_model_fields(args), source=tr.init_from_hf)
+            if tr.export_hf:
+                try:
+                    hf.check_export_target(tr.export_hf)
+                except ValueError as exc:
+                    raise ConfigError(f"--export-hf {tr.export_hf}: {exc}") from None
+        return cfg.resolved(world)
     except ConfigError as exc:
         fail_usage(str(exc))
         raise  # unreachable: fail_usage exits
@@ -64,20 +78,26 @@ def resolve_config(argv: list[str] | None, world: int) -> Config:
 
 def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     install_abort_hook(comm)
+    from mpipar.backend import configure_threads, local_size_from_env
+    # Thread pools are sized before NumPy/Numba load; from the launcher's environment when it
+    # says how many ranks share the node (no collective), else after validation by a split.
+    threads = configure_threads(None) if local_size_from_env() or comm.Get_size() == 1 else 0
     cfg = resolve_config(argv, comm.Get_size())
-    from mpipar.backend import configure_threads
-    threads = configure_threads(comm)  # before NumPy/Numba load their thread pools
+    threads = threads or configure_threads(comm)
 
     from mpipar.data import DataError
+    tr = cfg.train
     from mpipar.engine import Engine
     from mpipar.metrics import MetricsWriter
 
     try:
         engine = Engine(cfg, comm)
-    except DataError as exc:
+        if tr.init_from_hf:  # every rank reads the same files: an error is the same everywhere
+            from mpipar.hf import load_hf
+            engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1])
+    except (DataError, ConfigError) as exc:
         fail_usage(str(exc))
     rank0 = comm.Get_rank() == 0
-    tr = cfg.train
     writer = MetricsWriter(tr.run_dir, enabled=rank0)
     if rank0:
         os.makedirs(tr.run_dir, exist_ok=True)
@@ -98,7 +118,24 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
                   f"grad_norm {result.grad_norm:.3f}  lr {result.lr:.2e}  "
                   f"{result.tokens / result.step_time_s:,.0f} tok/s", flush=True)
     writer.close()
+    if tr.export_hf:
+        export_hf(engine, cfg, rank0)
     return 0
+
+
+def export_hf(engine, cfg: Config, rank0: bool) -> None:
+    """Gather the global weights (collective) and let rank 0 write the HF directory."""
+    from mpipar import hf
+    params = engine.gather_params()
+    if not rank0:
+        return
+    tr = cfg.train
+    extra = (hf.passthrough_config(tr.init_from_hf) if tr.init_from_hf
+             else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
+    hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
+               extra_config=extra)
+    print(f"mpipar: exported Hugging Face Llama weights ({tr.export_dtype or tr.dtype}) to "
+          f"{tr.export_hf}", flush=True)
 
 
 if __name__ == "__main__":

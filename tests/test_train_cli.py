@@ -89,3 +89,64 @@ def test_bad_data_path_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--data", str(tmp_path / "nope.bin"),
                            "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "nope.bin" in proc.stderr
+
+
+def _hf_checkpoint(tmp_path):
+    """A small Llama written in the Hugging Face format by mpipar itself (no torch needed)."""
+    import numpy as np
+
+    from mpipar.config import ModelConfig
+    from mpipar.hf import save_hf
+    from mpipar.model.params import init_params
+
+    cfg = ModelConfig(vocab_size=97, hidden=48, layers=2, heads=6, kv_heads=2, ffn_hidden=80,
+                      rope_theta=5000.0, init_std=0.1)
+    params = init_params(cfg, 21, np.float64)
+    save_hf(tmp_path / "hf", cfg, params, dtype="float64")
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "data.npy", rng.integers(0, 97, size=(32, 17)))
+    return tmp_path / "hf", tmp_path / "data.npy", params
+
+
+def test_init_from_hf_and_export(tmp_path):
+    import numpy as np
+
+    from mpipar.hf import load_hf
+
+    src, data, params = _hf_checkpoint(tmp_path)
+    common = ["--init-from-hf", str(src), "--data", str(data), "--seq-len", "16",
+              "--global-batch-size", "4", "--dtype", "float64", "--backend", "numpy"]
+    # Zero steps: the exported weights are the imported ones, bit for bit, still float64.
+    proc = subprocess.run([sys.executable, "-m", "mpipar.train", *common, "--steps", "0",
+                           "--export-hf", str(tmp_path / "same"), "--run-dir", str(tmp_path / "r0")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cfg, back = load_hf(tmp_path / "same")
+    assert cfg.hidden == 48 and cfg.rope_theta == 5000.0
+    assert all(back[n].dtype == np.float64 and np.array_equal(back[n], params[n]) for n in params)
+    # A contradicting model flag is an error naming both values.
+    bad = subprocess.run([sys.executable, "-m", "mpipar.train", *common, "--hidden", "64",
+                          "--run-dir", str(tmp_path / "bad")], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "model.hidden=64" in bad.stderr and "hidden_size=48" in bad.stderr
+
+
+@needs_mpirun
+def test_hf_fine_tune_is_layout_invariant(tmp_path):
+    import numpy as np
+
+    from mpipar.hf import load_hf
+
+    src, data, _ = _hf_checkpoint(tmp_path)
+    common = ["--init-from-hf", str(src), "--data", str(data), "--seq-len", "16", "--steps", "2",
+              "--global-batch-size", "4", "--dtype", "float64", "--backend", "numpy"]
+    one = subprocess.run([sys.executable, "-m", "mpipar.train", *common, "--export-hf",
+                          str(tmp_path / "a"), "--run-dir", str(tmp_path / "ra")],
+                         capture_output=True, text=True, timeout=120)
+    two = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "mpipar.train", *common, "--tp", "2",
+                          "--export-hf", str(tmp_path / "b"), "--run-dir", str(tmp_path / "rb")],
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    a, b = load_hf(tmp_path / "a")[1], load_hf(tmp_path / "b")[1]
+    for name in a:
+        assert np.abs(a[name] - b[name]).max() <= 1e-10 * np.abs(a[name]).max(), name

@@ -172,6 +172,84 @@ class Engine:
                                  f"{spec.shape}")
             local[...] = shard(spec, value.astype(self.dtype), tp.rank, tp.size)
 
+    # ------------------------------------------------------------ state (checkpoints)
+    @property
+    def writes_params(self) -> bool:
+        """Whether this rank writes the parameters of its (tp, pp) position (dp = sp = 0)."""
+        return self.groups["dp_sp"].rank == 0
+
+    def local_region(self, name: str) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """(region of the global tensor ``name`` that this rank's shard covers, the part of the
+        local shard that holds it) — they differ only by vocabulary padding rows, which no
+        global tensor contains."""
+        spec, local = self.specs[name], self.params[name].shape
+        glob = [slice(0, d) for d in spec.shape]
+        loc = [slice(0, d) for d in local]
+        if spec.tp_axis is not None:
+            ax = spec.tp_axis
+            start = self.groups["tp"].rank * local[ax]
+            stop = max(start, min(start + local[ax], spec.shape[ax]))
+            glob[ax] = slice(start, stop)
+            loc[ax] = slice(0, stop - start)
+        return tuple(glob), tuple(loc)
+
+    def optimizer_pieces(self):
+        """This rank's unique optimizer state: ``(kind, name, lo, hi, values)`` with ``kind`` in
+        ("exp_avg", "exp_avg_sq"), ``[lo, hi)`` a range of the flattened local shard of ``name``
+        and ``values`` a 1-D view. Without ZeRO the dp=sp=0 rank holds whole tensors; with ZeRO-1
+        every rank of dp x sp holds the pieces of its owned slices."""
+        opt = self.optimizer
+        if not self.cfg.parallel.zero:
+            if self.writes_params:
+                for name in self.params:
+                    size = self.params[name].size
+                    yield "exp_avg", name, 0, size, opt.m[name].reshape(-1)
+                    yield "exp_avg_sq", name, 0, size, opt.v[name].reshape(-1)
+            return
+        for i, name, lo, hi, start in self._zero_pieces():
+            yield "exp_avg", name, start, start + hi - lo, opt.m[i][lo:hi]
+            yield "exp_avg_sq", name, start, start + hi - lo, opt.v[i][lo:hi]
+
+    def _zero_pieces(self):
+        """(bucket index, name, lo, hi, start in the flattened shard) of the owned slices."""
+        red = self.reducer
+        n, r = red.group.size, red.group.rank
+        index = {id(b): i for i, b in enumerate(red.buckets)}
+        for b, name, lo, hi in red.owned_pieces():
+            L = b.grads.size // n
+            yield index[id(b)], name, lo, hi, r * L + lo - b.offsets[name][0]
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.optimizer.step_count
+
+    def load_state(self, read, step: int) -> None:
+        """Set parameters and AdamW moments from global tensors: ``read(kind, name, region)``
+        returns ``region`` of the global tensor (kind "param", "exp_avg" or "exp_avg_sq"), so a
+        checkpoint of any layout loads into this one. ``step`` is the optimizer step count."""
+        opt, zero = self.optimizer, self.cfg.parallel.zero
+        pieces: dict[str, list] = {}
+        for i, name, lo, hi, start in (self._zero_pieces() if zero else ()):
+            pieces.setdefault(name, []).append((i, lo, hi, start))
+
+        def shard(kind: str, name: str) -> np.ndarray:
+            region, valid = self.local_region(name)
+            full = np.zeros(self.params[name].shape, self.dtype)  # padding rows stay zero
+            full[valid] = read(kind, name, region)
+            return full
+
+        for name, local in self.params.items():
+            local[...] = shard("param", name)
+            if not zero:
+                opt.m[name][...] = shard("exp_avg", name)
+                opt.v[name][...] = shard("exp_avg_sq", name)
+            elif name in pieces:
+                m, v = shard("exp_avg", name).reshape(-1), shard("exp_avg_sq", name).reshape(-1)
+                for i, lo, hi, start in pieces[name]:
+                    opt.m[i][lo:hi] = m[start:start + hi - lo]
+                    opt.v[i][lo:hi] = v[start:start + hi - lo]
+        opt.step_count = step
+
     def _owner_stage(self, spec: ParamSpec) -> int:
         """pp rank that holds ``spec``."""
         p, v = self.cfg.parallel.pp, self.cfg.parallel.virtual_stages

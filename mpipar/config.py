@@ -107,6 +107,20 @@ class TrainConfig:
     seed: int = _f(1234, "seed for initialisation and data order")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
+    save_dir: str = _f("", "checkpoint directory (step_NNNNNNNN/ per checkpoint, plus `latest`)")
+    save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end, if save_dir is set)")
+    keep_last: int = _f(0, "keep only the newest K checkpoints after each commit (0: keep all)")
+    resume: str = _f("", "resume from 'auto' (newest complete checkpoint in save_dir, else start "
+                         "fresh) or a checkpoint path; model settings then come from it")
+    dump_activations: str = _f("", "steps whose chunk activations every rank writes to "
+                                    "RUN_DIR/activations/step_N/rank_R.h5, e.g. '1,100'")
+    recompute: str = _f("none", "activation memory: none, selective (attention internals), full "
+                                "(whole blocks from their inputs), offload (to a per-rank HDF5 file)",
+                        choices=("none", "selective", "full", "offload"))
+    on_nan: str = _f("stop", "a non-finite loss or gradient norm: skip the step, or stop with a "
+                             "checkpoint", choices=("stop", "skip"))
+    collective_timeout: float = _f(0.0, "abort a step stuck this many seconds in one collective, "
+                                        "naming the operation and group (0: off)")
     init_from_hf: str = _f("", "start from a Hugging Face Llama directory (config.json + safetensors); "
                                "model settings then come from it")
     hf_untie_embeddings: bool = _f(False, "with --init-from-hf: accept tied embeddings by copying "
@@ -157,6 +171,11 @@ class Config:
         return cls.from_dict(data, source=path)
 
     # ------------------------------------------------------------ validation
+    @property
+    def dump_steps(self) -> set[int]:
+        """The steps listed in ``train.dump_activations``."""
+        return {int(x) for x in self.train.dump_activations.split(",") if x.strip()}
+
     def resolved(self, world_size: int) -> "Config":
         """Validate against ``world_size`` and fill derived values (dp, head_dim, ffn, micro batch)."""
         self.validate(world_size)
@@ -251,6 +270,17 @@ class Config:
         _require(0 <= t.beta2 < 1, f"train.beta2={t.beta2}: must be in [0, 1)")
         _require(t.eps > 0, f"train.eps={t.eps}: must be > 0")
         _require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
+        _require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
+        _require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
+        _require(not t.save_every or t.save_dir,
+                 f"train.save_every={t.save_every}: needs --save-dir")
+        _require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
+        _require(t.collective_timeout >= 0,
+                 f"train.collective_timeout={t.collective_timeout}: must be >= 0")
+        for item in filter(None, t.dump_activations.split(",")):
+            _require(item.strip().isdigit() and int(item) >= 1,
+                     f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
+                     f"list of step numbers >= 1")
         for obj, section in ((m, "model"), (p, "parallel"), (t, "train")):
             for f in fields(obj):
                 choices = f.metadata.get("choices")

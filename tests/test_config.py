@@ -57,6 +57,13 @@ RULES = [
     (["--beta2", "1.5"], 1, "train.beta2=1.5: must be in [0, 1)"),
     (["--eps", "0"], 1, "train.eps=0.0: must be > 0"),
     (["--log-every", "-1"], 1, "train.log_every=-1: must be >= 0"),
+    (["--save-every", "5"], 1, "train.save_every=5: needs --save-dir"),
+    (["--save-every", "-1"], 1, "train.save_every=-1: must be >= 0"),
+    (["--keep-last", "-1"], 1, "train.keep_last=-1: must be >= 0"),
+    (["--resume", "auto"], 1, "train.resume='auto': needs --save-dir"),
+    (["--collective-timeout", "-1"], 1, "train.collective_timeout=-1.0: must be >= 0"),
+    (["--dump-activations", "1,x"], 1, "train.dump_activations='1,x': must be a comma-separated"),
+    (["--dump-activations", "0"], 1, "train.dump_activations='0': must be a comma-separated"),
 ]
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Mapping
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -360,6 +360,36 @@ def from_args(args: argparse.Namespace) -> Config:
         section, name = key.split(".", 1)
         setattr(getattr(cfg, section), name, value)
     return cfg
+
+
+CHECKPOINT_OVERRIDABLE = ("init_std",)  # model fields a command line may change on a checkpoint
+
+
+def model_from_checkpoint(saved: ModelConfig, given: Mapping[str, Any], source: str,
+                          names: Mapping[str, str] | None = None) -> ModelConfig:
+    """The resolved model config of a run that starts from a checkpoint.
+
+    Model settings come from the checkpoint (``saved``); ``given`` holds the model fields the user
+    set (flags or ``[model]``; None = not given). A given value must agree with the checkpoint
+    after derived defaults are resolved (``head_dim=0`` means hidden // heads), except the fields
+    in CHECKPOINT_OVERRIDABLE; otherwise ConfigError names the field, both values and ``source``
+    (``names`` maps field names to the checkpoint's own names for the message).
+    """
+    known = {f.name for f in fields(ModelConfig)}
+    given = {k: v for k, v in given.items() if v is not None}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"model fields {unknown} do not exist; known: {sorted(known)}")
+    base = saved.resolved()
+    candidate = dataclasses.replace(base, **given).resolved()
+    for name in given:
+        mine, theirs = getattr(candidate, name), getattr(base, name)
+        if name not in CHECKPOINT_OVERRIDABLE and mine != theirs:
+            raise ConfigError(
+                f"model.{name}={given[name]!r} (flag --{name.replace('_', '-')} or [model] "
+                f"{name}) contradicts {source} ({(names or {}).get(name, name)}={theirs!r}); "
+                f"model settings come from the checkpoint: drop the setting or give its value")
+    return candidate
 
 
 def given_model_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from mpipar.config import ConfigError, ModelConfig
+from mpipar.config import ConfigError, ModelConfig, model_from_checkpoint
 from mpipar.model.params import param_specs
 
 CONFIG_FILE = "config.json"
@@ -65,7 +65,6 @@ _HF_FIELD = {  # mpipar ModelConfig field -> config.json field
     "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
     "init_std": "initializer_range",
 }
-_ALLOWED_OVERRIDES = ("init_std",)  # model fields a command line may change on top of a checkpoint
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
@@ -257,32 +256,9 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
 
 def model_config_with_overrides(hf_cfg: ModelConfig, overrides: Mapping[str, Any],
                                 source: str = "the Hugging Face checkpoint") -> ModelConfig:
-    """The (resolved) model config of a run initialised from a checkpoint.
-
-    ``overrides`` maps ModelConfig field names to the values the user gave (command-line flags
-    or a TOML ``[model]`` table; absent or None = not given). Every field but ``init_std`` is
-    fixed by the checkpoint: a given value must agree with it after resolving derived defaults
-    (``head_dim=0`` means hidden // heads, so it agrees only where the checkpoint's head_dim is
-    that), else ConfigError names the field, both values and ``source``.
-    """
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    given = {k: v for k, v in overrides.items() if v is not None}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ConfigError(f"model fields {unknown} do not exist; known: {sorted(known)}")
-    base = hf_cfg.resolved()
-    candidate = dataclasses.replace(base, **given).resolved()
-    for name in given:
-        if name in _ALLOWED_OVERRIDES:
-            continue
-        mine, theirs = getattr(candidate, name), getattr(base, name)
-        if mine != theirs:
-            raise ConfigError(
-                f"model.{name}={given[name]!r} (flag --{name.replace('_', '-')} or [model] "
-                f"{name}) contradicts {source} "
-                f"({_HF_FIELD[name]}={theirs!r}); model-size settings come from the checkpoint: "
-                f"drop the setting or give the checkpoint's value")
-    return candidate
+    """The (resolved) model config of a run initialised from a checkpoint: see
+    :func:`mpipar.config.model_from_checkpoint` (errors name the config.json field)."""
+    return model_from_checkpoint(hf_cfg, overrides, source, _HF_FIELD)
 
 
 # --------------------------------------------------------------------------------- tensors

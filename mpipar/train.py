@@ -59,6 +59,13 @@ def resolve_config(argv: list[str] | None, world: int) -> Config:
     try:
         cfg = config_mod.from_args(args)
         tr = cfg.train
+        if tr.resume and (tr.resume != "auto" or tr.save_dir):  # else validate() names the rule
+            from mpipar import checkpoint
+            path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
+            if path is not None:
+                cfg.model = config_mod.model_from_checkpoint(
+                    checkpoint.read_model_config(path), config_mod.given_model_fields(args),
+                    source=str(path))
         if tr.init_from_hf or tr.export_hf:
             from mpipar import hf
             if tr.init_from_hf:
@@ -90,15 +97,26 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     from mpipar.engine import Engine
     from mpipar.metrics import MetricsWriter
 
+    rank0 = comm.Get_rank() == 0
+    start = 0
     try:
         engine = Engine(cfg, comm)
-        if tr.init_from_hf:  # every rank reads the same files: an error is the same everywhere
+        resume_from = None
+        if tr.resume:  # every rank reads the same files: the answer is the same everywhere
+            from mpipar import checkpoint
+            resume_from, notes = checkpoint.resolve_resume(tr.resume, tr.save_dir)
+            for note in notes if rank0 else ():
+                print(f"mpipar: {note}", flush=True)
+        if resume_from is not None:
+            start = checkpoint.load(engine, resume_from)
+            if rank0:
+                print(f"mpipar: resumed from {resume_from} at step {start}", flush=True)
+        elif tr.init_from_hf:
             from mpipar.hf import load_hf
             engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1])
     except (DataError, ConfigError) as exc:
         fail_usage(str(exc))
-    rank0 = comm.Get_rank() == 0
-    writer = MetricsWriter(tr.run_dir, enabled=rank0)
+    writer = MetricsWriter(tr.run_dir, enabled=rank0, append=start > 0)
     if rank0:
         os.makedirs(tr.run_dir, exist_ok=True)
         with open(os.path.join(tr.run_dir, "config.toml"), "w") as fh:
@@ -108,19 +126,33 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
               f"{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
               f"({engine.source.num_samples} samples of {tr.seq_len}) | {tr.dtype} | "
               f"{threads} thread(s)/rank", flush=True)
-    for k in range(tr.steps):
+    saved = start
+    for k in range(start, tr.steps):
         engine.ledger.reset()
         result = engine.train_step(k)
         writer.write(result, engine.ledger)
+        if tr.save_dir and tr.save_every and result.step % tr.save_every == 0:
+            checkpoint_save(engine, cfg, result.step, rank0)
+            saved = result.step
         if rank0 and tr.log_every and (result.step % tr.log_every == 0 or result.step == 1
                                        or result.step == tr.steps):
             print(f"step {result.step:>6}/{tr.steps}  loss {result.loss:.4f}  "
                   f"grad_norm {result.grad_norm:.3f}  lr {result.lr:.2e}  "
                   f"{result.tokens / result.step_time_s:,.0f} tok/s", flush=True)
     writer.close()
+    if tr.save_dir and saved != tr.steps:
+        checkpoint_save(engine, cfg, tr.steps, rank0)
     if tr.export_hf:
         export_hf(engine, cfg, rank0)
     return 0
+
+
+def checkpoint_save(engine, cfg: Config, step: int, rank0: bool) -> None:
+    """Save and commit a checkpoint of ``step`` (collective), pruning to ``keep_last``."""
+    from mpipar import checkpoint
+    path = checkpoint.save(engine, cfg, step, cfg.train.save_dir, cfg.train.keep_last)
+    if rank0:
+        print(f"mpipar: saved checkpoint {path}", flush=True)
 
 
 def export_hf(engine, cfg: Config, rank0: bool) -> None:

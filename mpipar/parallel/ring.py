@@ -4,7 +4,8 @@
   (the sequence cut into ``2*sp`` chunks; rank i holds chunks i and ``2*sp-1-i``, which balances the
   causal work). RoPE and the causal mask use the global positions.
 - :class:`RingAttention`: K and V travel around the SP ring (``Sendrecv``, or with ``overlap`` an
-  ``Isend``/``Irecv`` of the next block posted before the current block is computed); partial
+  ``Isend``/``Irecv`` of the next block posted before the current block is computed, in forward
+  and backward); partial
   results merge by log-sum-exp; blocks the causal mask empties are skipped, not computed. In
   backward the dK/dV of each block travel with it and arrive back at their owner after ``sp`` hops.
 - :class:`UlyssesAttention`: an all-to-all re-shards from sequence chunks to head groups, each rank
@@ -120,24 +121,47 @@ class RingAttention:
     def backward(self, dout, ctx):
         q, k, v, out, lse = ctx
         dq = np.zeros_like(q)
+        n = self.sp.size
+        if self.overlap:
+            return self._backward_overlapped(q, k, v, out, lse, dout, dq)
         # Travelling buffer: this block's K, V and the dK, dV accumulated for it so far.
         buf = np.ascontiguousarray(np.concatenate([np.stack([k, v]),
                                                    np.zeros((2,) + k.shape, k.dtype)]))
-        n = self.sp.size
         for t in range(n):
-            src = (self.rank - t) % n
-            for qsl, qs, ksl, ks in self._pairs(src):
-                dqp, dkp, dvp = self.k.attention_bwd(q[:, qsl], buf[0][:, ksl], buf[1][:, ksl],
-                                                     out[:, qsl], lse[:, :, qsl], dout[:, qsl],
-                                                     qs, ks, True)
-                dq[:, qsl] += dqp
-                buf[2][:, ksl] += dkp
-                buf[3][:, ksl] += dvp
+            self._block_grads(q, out, lse, dout, dq, buf[0], buf[1], buf[2], buf[3],
+                              (self.rank - t) % n)
             if t < n - 1:
                 buf = self._shift(buf, tag=100 + t)
             else:  # last hop: only the gradients still need to travel home
                 buf = self._shift(np.ascontiguousarray(buf[2:]), tag=100 + t)
         return dq, buf[-2], buf[-1]
+
+    def _backward_overlapped(self, q, k, v, out, lse, dout, dq):
+        """As backward, but the next K/V block travels while this one is computed; the dK/dV
+        of a block can only leave once computed, so they follow as a second message."""
+        n = self.sp.size
+        kv = np.ascontiguousarray(np.stack([k, v]))
+        dkv = np.zeros((2,) + k.shape, k.dtype)
+        for t in range(n):
+            if t < n - 1:
+                nxt, reqs = self._start_shift(kv, tag=200 + t)
+            self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
+                              (self.rank - t) % n)
+            dkv = self._shift(dkv, tag=100 + t)
+            if t < n - 1:
+                for r in reqs:
+                    r.wait()
+                kv = nxt
+        return dq, dkv[0], dkv[1]
+
+    def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int) -> None:
+        """Add block ``src``'s contributions to dq (this rank's) and dk, dv (the block's)."""
+        for qsl, qs, ksl, ks in self._pairs(src):
+            dqp, dkp, dvp = self.k.attention_bwd(q[:, qsl], k[:, ksl], v[:, ksl], out[:, qsl],
+                                                 lse[:, :, qsl], dout[:, qsl], qs, ks, True)
+            dq[:, qsl] += dqp
+            dk[:, ksl] += dkp
+            dv[:, ksl] += dvp
 
 
 class UlyssesAttention:

@@ -1,0 +1,113 @@
+"""``python -m mpipar.ckpt``: look at, check and convert mpipar checkpoints.
+
+    python -m mpipar.ckpt inspect PATH [--json]      tensors, shapes, dtypes, metadata, shards
+    python -m mpipar.ckpt verify PATH [PATH ...]     every shard present, every sha256 matches
+    python -m mpipar.ckpt consolidate PATH OUT.h5 [--params-only]
+    python -m mpipar.ckpt export-hf PATH OUT_DIR [--dtype float16|float32|float64]
+
+PATH is a checkpoint directory (``step_NNNNNNNN``) or a save directory (its ``latest``).
+Exit status: 0 success; 1 ``verify`` found problems (each printed on its own line, naming the
+file); 2 the checkpoint cannot be used (the message says why).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mpipar import checkpoint
+from mpipar.config import ConfigError
+
+
+def _inspect(path: str, as_json: bool) -> int:
+    info = checkpoint.inspect(path)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    lay = info["layout"]
+    print(f"{info['path']}: step {info['step']} (optimizer step {info['optimizer_step']}), "
+          f"{info['dtype']}, saved {info['saved_at']} by {info['world_size']} rank(s)")
+    print("layout: " + " ".join(f"{k}={v}" for k, v in lay.items()))
+    print("model:  " + " ".join(f"{k}={v}" for k, v in info["model"].items()))
+    sched = info["lr_schedule"]
+    print(f"lr:     {sched['kind']} peak {sched['lr']:g} min {sched['min_lr']:g} warm-up "
+          f"{sched['warmup_steps']} of {sched['total_steps']}; next step {sched['next_step']} "
+          f"lr {sched['next_lr']:.6g}")
+    data = info["data"]
+    print(f"data:   {data['path']} ({data['num_samples']} samples of {data['seq_len']}), seed "
+          f"{data['seed']}, shuffle {data['shuffle']}, batch {data['global_batch_size']}; "
+          f"next step {data['next_step']} ({data['samples_consumed']} samples consumed)")
+    print(f"shards: {len(info['shards'])}")
+    for s in info["shards"]:
+        print(f"  {s['file']}  rank {s['rank']:>4}  dp {s['dp']} tp {s['tp']} pp {s['pp']} "
+              f"sp {s['sp']}  {s['size']:>12,} bytes  {s['datasets']:>4} datasets  "
+              f"sha256 {s['sha256'][:16]}...")
+    total = 0
+    print(f"tensors: {len(info['tensors'])}")
+    for t in info["tensors"]:
+        count = 1
+        for n in t["shape"]:
+            count *= n
+        total += count
+        print(f"  {t['name']:<56} {t['dtype']:<8} {str(t['shape']):<14} "
+              f"{t['sources']} source rectangle(s)")
+    print(f"  {total:,} values")
+    return 0
+
+
+def _verify(paths: list[str]) -> int:
+    status = 0
+    for spec in paths:
+        path = checkpoint.resolve_path(spec)
+        problems = checkpoint.verify(path)
+        if problems:
+            status = 1
+            print(f"FAILED {path}: {len(problems)} problem(s)")
+            for p in problems:
+                print(f"  {p}")
+        else:
+            shards = len(checkpoint.inspect(path)["shards"])
+            print(f"ok {path}: index and {shards} shard(s) present, sha256 checksums match")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpipar.ckpt",
+                                     description="Inspect, verify and convert mpipar checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    ins = commands.add_parser("inspect", help="list tensors, shapes, dtypes and metadata")
+    ins.add_argument("path")
+    ins.add_argument("--json", action="store_true", help="print everything as JSON")
+    ver = commands.add_parser("verify", help="check every shard is present and its sha256 "
+                                             "matches; exit 1 naming each problem")
+    ver.add_argument("paths", nargs="+")
+    con = commands.add_parser("consolidate", help="write one HDF5 file of plain global datasets")
+    con.add_argument("path")
+    con.add_argument("out")
+    con.add_argument("--params-only", action="store_true", help="leave out the AdamW moments")
+    exp = commands.add_parser("export-hf", help="write a Hugging Face Llama directory")
+    exp.add_argument("path")
+    exp.add_argument("out")
+    exp.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
+                     help="dtype of the exported weights (default: the training dtype)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return _inspect(args.path, args.json)
+        if args.command == "verify":
+            return _verify(args.paths)
+        if args.command == "consolidate":
+            kinds = ("param",) if args.params_only else checkpoint.KINDS
+            out = checkpoint.consolidate(args.path, args.out, kinds)
+            print(f"wrote {out}: {', '.join(kinds)}")
+            return 0
+        out = checkpoint.export_hf(args.path, args.out, args.dtype)
+        print(f"wrote {out} (Hugging Face Llama)")
+        return 0
+    except (checkpoint.CheckpointError, ConfigError, OSError, ValueError) as exc:
+        print(f"mpipar.ckpt: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

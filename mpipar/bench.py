@@ -7,16 +7,20 @@ human-readable table and returns JSON-serialisable results (written with `--json
 
 Sections:
   kernels   every kernel op for every available backend, side by side, float32 and float64
+  memory    peak memory (tracemalloc) of one training step for each --recompute mode
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+import tracemalloc
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -244,6 +248,123 @@ def _configure_kernels(parser: argparse.ArgumentParser) -> None:
 
 
 register("kernels", run_kernels, "time every kernel op for each available backend", _configure_kernels)
+
+
+# ----------------------------------------------------------------------------------------------
+# memory section
+# ----------------------------------------------------------------------------------------------
+
+def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str,
+                        traced: bool = True) -> dict[str, Any]:
+    """One process trains with ``--recompute mode``: a warm-up step, then one step under
+    tracemalloc (which sees every NumPy allocation), then two untraced, timed steps.
+
+    Returns ``resident`` (bytes held between steps: parameters, gradients, optimizer state,
+    buffers), ``peak`` (highest traced bytes during the step), ``activations`` (peak - resident:
+    what the step adds, saved activations first), ``loss`` and ``step_cpu_s`` (CPU seconds of
+    the faster of two more untraced steps). ``traced=False`` runs the same steps untraced (a
+    warm-up that fills the process's lazy caches before the first measurement).
+    """
+    from mpi4py import MPI
+
+    from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from mpipar.data import load_tokens
+    from mpipar.engine import Engine
+
+    cfg = Config(
+        ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                    kv_heads=args.kv_heads, ffn_hidden=args.ffn),
+        ParallelConfig(),
+        TrainConfig(steps=10, seq_len=args.seq, global_batch_size=args.batch,
+                    micro_batch_size=args.micro_batch, dtype=args.dtype, backend="numpy",
+                    run_dir=run_dir, recompute=mode, warmup_steps=1, log_every=0),
+    ).resolved(1)
+    source = load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
+    if traced:
+        tracemalloc.start()
+    try:
+        engine = Engine(cfg, MPI.COMM_SELF, source=source)
+        engine.train_step(0)
+        gc.collect()
+        resident = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        loss = engine.train_step(1).loss
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    cpu = []
+    for k in (2, 3):  # CPU seconds: robust on a machine shared with other work
+        start = time.process_time()
+        engine.train_step(k)
+        cpu.append(time.process_time() - start)
+    engine.close()
+    return {"mode": mode, "resident": resident, "peak": peak, "activations": peak - resident,
+            "loss": loss, "step_cpu_s": min(cpu)}
+
+
+def run_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure every requested recompute mode on one model; print bytes and ratios to none."""
+    from mpipar.model.llama import RECOMPUTE_MODES
+
+    if args.quick:
+        args.layers, args.hidden, args.heads, args.kv_heads = 4, 128, 4, 2
+        args.ffn, args.seq, args.batch, args.micro_batch = 344, 128, 2, 2
+    modes = [m.strip() for m in args.modes.split(",")]
+    for m in modes:
+        if m not in RECOMPUTE_MODES:
+            raise SystemExit(f"--modes: unknown mode {m!r}; choose from "
+                             f"{', '.join(RECOMPUTE_MODES)}")
+    if "none" not in modes:
+        modes.insert(0, "none")  # the reference the ratios are relative to
+    print(f"memory: one training step, single process, numpy kernels, {args.dtype}; "
+          f"layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.kv_heads} "
+          f"ffn={args.ffn} vocab=256 seq={args.seq} batch={args.batch} "
+          f"micro_batch={args.micro_batch}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mpipar-bench-memory-") as run_dir:
+        measure_step_memory("none", args, run_dir, traced=False)
+        for mode in modes:
+            rows.append(measure_step_memory(mode, args, run_dir))
+            gc.collect()
+    base = rows[0]
+    header = (f"{'mode':<10} {'peak MiB':>9} {'vs none':>8} {'step adds MiB':>14} {'vs none':>8} "
+              f"{'resident MiB':>13} {'cpu s':>7} {'vs none':>8}  loss")
+    print(header)
+    print("-" * len(header))
+    mib = 2.0 ** 20
+    for r in rows:
+        r["peak_ratio"] = r["peak"] / base["peak"]
+        r["activations_ratio"] = r["activations"] / base["activations"]
+        r["time_ratio"] = r["step_cpu_s"] / base["step_cpu_s"]
+        print(f"{r['mode']:<10} {r['peak'] / mib:>9.1f} {r['peak_ratio']:>7.2f}x "
+              f"{r['activations'] / mib:>14.1f} {r['activations_ratio']:>7.2f}x "
+              f"{r['resident'] / mib:>13.1f} {r['step_cpu_s']:>7.2f} {r['time_ratio']:>7.2f}x  "
+              f"{r['loss']:.10f}")
+    print("peak: highest traced bytes during the step; step adds: peak minus what is held "
+          "between steps (parameters, gradients, optimizer state); cpu s: CPU seconds of a step "
+          "(untraced); offload's HDF5 buffers are not NumPy memory and are not counted")
+    return {"config": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads",
+                                                     "ffn", "seq", "batch", "micro_batch",
+                                                     "dtype")},
+            "rows": rows}
+
+
+def _configure_memory(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", default="none,selective,full,offload",
+                        help="comma list of --recompute modes (none is always measured)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=688)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch")
+
+
+register("memory", run_memory, "peak memory of one training step for each --recompute mode",
+         _configure_memory)
 
 
 # ----------------------------------------------------------------------------------------------

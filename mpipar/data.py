@@ -19,7 +19,9 @@ checked in chunks so they never load whole.
 The sampler maps an optimizer step to sample indices as a pure function of `(seed, step)`,
 so resuming after `k` steps continues exactly where an uninterrupted run would be.
 
-`python -m mpipar.data info PATH --seq-len S --vocab-size V` inspects a source.
+`python -m mpipar.data info PATH --seq-len S --vocab-size V` inspects a source;
+`python -m mpipar.data prepare TEXT... --out tokens.h5` turns text files into an HDF5 byte-token
+stream (see `prepare_tokens`).
 """
 from __future__ import annotations
 
@@ -379,19 +381,96 @@ class Sampler:
 
 
 # ---------------------------------------------------------------------------------------------
+# prepare
+
+
+PREPARE_CHUNK_TOKENS = 1 << 20
+"""HDF5 chunk length (tokens) of a prepared stream; shorter streams use one chunk."""
+
+
+def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
+                   chunk_tokens: int = PREPARE_CHUNK_TOKENS) -> int:
+    """Write the bytes of the files `paths`, concatenated in order, as byte tokens (vocabulary
+    256) to the HDF5 file `out`: a 1-D uint8 dataset `tokens` `[num_bytes]`, chunked
+    (`chunk_tokens` per chunk) with the fletcher32 checksum, and attributes `files` (the paths)
+    and `offsets` (int64 `[len(paths) + 1]`: file i is `tokens[offsets[i]:offsets[i + 1]]`).
+
+    Files are streamed a chunk at a time; the result is written to `out + ".tmp"` and renamed,
+    so `out` is either complete or untouched. Returns the number of tokens. Raises DataError for
+    no input, a path that is not a regular file, an output name the loader would not read as
+    HDF5 (suffix `.h5` or `.hdf5`), or no bytes at all.
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise DataError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    if not paths:
+        raise DataError("prepare needs at least one text file")
+    out = Path(out)
+    if out.suffix.lower() not in _H5_SUFFIXES:
+        raise DataError(f"--out {out}: must end in .h5 or .hdf5 (the suffix selects the HDF5 "
+                        f"reader)")
+    sizes = []
+    for path in paths:
+        p = Path(path)
+        if p.is_dir():
+            raise DataError(f"{path} is a directory; pass its files")
+        if not p.exists():
+            raise DataError(f"{path} does not exist")
+        if not p.is_file():
+            raise DataError(f"{path} is not a regular file")
+        sizes.append(p.stat().st_size)
+    total = sum(sizes)
+    if total == 0:
+        raise DataError(f"the inputs {', '.join(map(str, paths))} hold no bytes")
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with h5py.File(tmp, "w") as f:
+            d = f.create_dataset("tokens", shape=(total,), dtype=np.uint8,
+                                 chunks=(min(chunk_tokens, total),), fletcher32=True)
+            for path, start in zip(paths, offsets):
+                at = int(start)
+                with open(path, "rb") as fh:
+                    while block := fh.read(chunk_tokens):
+                        d[at:at + len(block)] = np.frombuffer(block, dtype=np.uint8)
+                        at += len(block)
+            f.attrs["files"] = [os.fspath(p) for p in paths]
+            f.attrs["offsets"] = offsets
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
 # command line
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m mpipar.data info PATH --seq-len S --vocab-size V`: load and check a source,
-    print its format, kind, dtype, token count and number of samples. Exit status 2 on DataError."""
-    parser = argparse.ArgumentParser(prog="python -m mpipar.data", description="Inspect token sources.")
+    print its format, kind, dtype, token count and number of samples.
+    `python -m mpipar.data prepare TEXT... --out tokens.h5`: see `prepare_tokens`.
+    Exit status 2 on DataError."""
+    parser = argparse.ArgumentParser(prog="python -m mpipar.data",
+                                     description="Inspect and prepare token sources.")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="check a source and print its size")
     info.add_argument("path", help="a file, a directory, or 'stdlib' for the built-in corpus")
     info.add_argument("--seq-len", type=int, required=True, help="tokens per sample input")
     info.add_argument("--vocab-size", type=int, required=True, help="token ids must be below this")
+    prep = commands.add_parser("prepare", help="write text files as an HDF5 byte-token stream")
+    prep.add_argument("texts", nargs="+", metavar="TEXT", help="text files, concatenated in order")
+    prep.add_argument("--out", required=True, help="output .h5 file (dataset 'tokens')")
     args = parser.parse_args(argv)
+    if args.command == "prepare":
+        try:
+            total = prepare_tokens(args.texts, args.out)
+        except DataError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}: {total} byte tokens (vocabulary 256) from "
+              f"{len(args.texts)} file(s)")
+        return 0
     try:
         src = load_tokens(args.path, args.vocab_size, args.seq_len)
     except DataError as err:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
 from mpipar.comm import Group, Ledger
 from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens
@@ -68,11 +69,15 @@ class Engine:
         p, v = par.pp, par.virtual_stages
         per = cfg.model.layers // (p * v)
         tp = self.groups["tp"]
+        # --recompute offload: one scratch file per rank for the saved activations.
+        self.offload = (OffloadStore(offload_path(tr.run_dir, self.grid.rank))
+                        if tr.recompute == "offload" else None)
         self.chunks = []
         for c in range(v):
             s = c * p + self.grid.coord.pp
             self.chunks.append(LlamaStage(cfg.model, self.kernels, range(s * per, (s + 1) * per),
-                                          s == 0, s == p * v - 1, tp, self._attention()))
+                                          s == 0, s == p * v - 1, tp, self._attention(),
+                                          tr.recompute, self.offload))
         names = [n for ch in self.chunks for n in ch.param_names()]
         params = init_params(cfg.model, tr.seed, self.dtype, set(names), tp.rank, tp.size)
         self.reducer = GradReducer(params, list(reversed(names)), self.groups["dp_sp"],
@@ -116,11 +121,20 @@ class Engine:
         tokens = tr.global_batch_size * tr.seq_len
         weight = np.full((mbs, len(self.positions)), 1.0 / tokens)
 
+        recorder = None
+        if step + 1 in self.cfg.dump_steps:  # --dump-activations: record this step's blocks
+            recorder = ActivationRecorder.for_schedule(self.executor.ops, self.chunks)
+            for ch in self.chunks:
+                ch.recorder = recorder
         self.reducer.start_step()
         loss = self.executor.run(self.params, self.grads, micro, self.positions,
                                  (mbs, len(self.positions), self.cfg.model.hidden), self.dtype,
                                  weight, on_ready=self.reducer.ready)
         self.reducer.finish()
+        if recorder is not None:
+            for ch in self.chunks:
+                ch.recorder = None
+            dump_engine_step(self, step + 1, recorder)
         loss_buf = self.groups["dp_sp"].allreduce_(np.array([loss]))
         self.groups["pp"].bcast_(loss_buf, root=par.pp - 1)
 
@@ -140,6 +154,11 @@ class Engine:
             self.optimizer.step(self.params, self.grads, lr)
         return StepResult(step + 1, float(loss_buf[0]) / tokens, grad_norm, lr,
                           time.perf_counter() - t0, tokens)
+
+    def close(self) -> None:
+        """Release what outlives steps on disk: the offload scratch file (removed)."""
+        if self.offload is not None:
+            self.offload.close()
 
     # ---------------------------------------------------------------- gather
     def gather_params(self) -> dict[str, np.ndarray]:

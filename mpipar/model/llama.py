@@ -12,6 +12,27 @@ single stage holds everything. Parallelism enters only through three seams:
 
 Shapes: ``B`` microbatch, ``S`` local sequence length, ``H`` hidden, ``hq``/``hkv`` the query/kv
 heads on this TP rank, ``D`` head_dim, ``F`` local FFN width, ``Vl`` local vocabulary rows.
+
+What forward keeps for backward (``recompute``), per block; backward rebuilds the rest with the
+same kernel calls on the same inputs, so every mode gives bit-identical results:
+
+- ``none``: block input ``x``, ``h1 = RMSNorm(x)``, the attention core's context (its q, k, v
+  after RoPE, output and log-sum-exp), ``x2`` (residual after attention), ``h2 = RMSNorm(x2)``,
+  ``g``, ``u`` (gate/up projections) and ``m = SwiGLU(g, u)``, plus the two norms' ``rstd``.
+- ``selective``: ``x``, ``x2``, the attention output and log-sum-exp, ``g`` and ``u``. Dropped and
+  recomputed in backward, none of it needing communication: both RMSNorms (``h1``, ``h2``, their
+  ``rstd``), the q/k/v projections of ``h1`` and RoPE, and ``m = SwiGLU(g, u)``. q, k, v are
+  dropped when the attention core's context starts with the very q, k, v it was given, as local
+  and ring attention do (Ulysses' context holds all-to-all'ed copies, which are kept); when the
+  context's fourth entry is the very output returned, o_proj's input is re-derived from it
+  instead of kept a second time (a reshape, a copy when the kernel's output is not contiguous).
+- ``full``: only ``x``; backward re-runs the whole block forward first, which repeats its TP
+  all-reduces and SP ring/all-to-all traffic (the ledger counts it; the planner does not).
+- ``offload``: what ``none`` keeps, written to a :class:`CacheStore` (a per-rank HDF5 scratch
+  file, :class:`mpipar.activations.OffloadStore`) block by block during forward and read back
+  block by block in backward; the LM head's context too.
+
+RoPE tables come from a per-stage cache keyed by positions in every mode.
 """
 from __future__ import annotations
 
@@ -23,6 +44,25 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.comm import Group
 from mpipar.model.params import block_param_specs, padded_vocab
+
+
+RECOMPUTE_MODES = ("none", "selective", "full", "offload")
+
+ACTIVATION_NAMES = ("input", "attention", "attention_out", "mlp", "output")
+"""What a recorder receives per block: ``input`` ``[B, S, H]`` (block input), ``attention``
+``[B, S, hq*D]`` (attention output before o_proj: this TP rank's heads), ``attention_out``
+``[B, S, H]`` (after o_proj and the TP all-reduce), ``mlp`` ``[B, S, H]`` (MLP output after
+down_proj and the TP all-reduce) and ``output`` ``[B, S, H]`` (block output)."""
+
+
+class CacheStore(Protocol):
+    """Somewhere off the working set to keep saved activations between forward and backward."""
+
+    def put(self, tree: Any) -> Any:
+        """Store a nested structure (dict/list/tuple of arrays and scalars); return its handle."""
+
+    def take(self, handle: Any) -> Any:
+        """Return the structure stored under ``handle`` and forget it."""
 
 
 class AttentionCore(Protocol):
@@ -70,7 +110,18 @@ class LlamaStage:
     """Blocks ``layers`` of the model, plus embedding (``first``) and norm/head/loss (``last``)."""
 
     def __init__(self, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
-                 tp: Group, attention: AttentionCore) -> None:
+                 tp: Group, attention: AttentionCore, recompute: str = "none",
+                 store: CacheStore | None = None) -> None:
+        """``recompute`` in :data:`RECOMPUTE_MODES` (see the module docstring); ``offload``
+        needs ``store``. ``recorder``, when set to a callable ``(layer, name, array)``, receives
+        the :data:`ACTIVATION_NAMES` tensors of every block the forward pass runs."""
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={recompute!r}: must be one of "
+                             f"{', '.join(RECOMPUTE_MODES)}")
+        if recompute == "offload" and store is None:
+            raise ValueError("recompute='offload': needs a store for the saved activations")
+        self.recompute, self.store = recompute, store
+        self.recorder = None
         self.cfg = cfg.resolved()
         self.k, self.layers, self.first, self.last = kernels, layers, first, last
         self.tp, self.attention = tp, attention
@@ -109,11 +160,59 @@ class LlamaStage:
         x = self._embed_fwd(params, inp, cache) if self.first else inp
         cache["blocks"] = []
         for i in self.layers:
-            x, c = self._block_fwd(params, i, x, positions)
-            cache["blocks"].append(c)
+            y, c = self._block_fwd(params, i, x, positions)
+            if self.recorder is not None:
+                for name, value in zip(ACTIVATION_NAMES, (x, c["o"], c["a"], c["y"], y)):
+                    self.recorder(i, name, value)
+            cache["blocks"].append(self._save_block(c))
+            x = y
         if not self.last:
             return x, cache
-        return self._head_fwd(params, x, targets, cache), cache
+        loss = self._head_fwd(params, x, targets, cache)
+        if self.recompute == "offload":
+            cache["head"] = self.store.put(cache["head"])
+        return loss, cache
+
+    def _save_block(self, c: dict) -> Any:
+        """What this block keeps for backward under ``self.recompute`` (module docstring)."""
+        keep = ("x", "h1", "rstd1", "actx", "o", "x2", "h2", "rstd2", "g", "u", "m")
+        if self.recompute == "none":
+            return {n: c[n] for n in keep}
+        if self.recompute == "offload":
+            return self.store.put({n: c[n] for n in keep})
+        if self.recompute == "full":
+            return {"x": c["x"]}
+        actx = c["actx"]
+        inputs = isinstance(actx, tuple) and len(actx) >= 4 and all(
+            a is b for a, b in zip(actx[:3], c["qkv"]))
+        # A context (q, k, v, out, ...) also holds the output o_proj reads (reshaped).
+        o_in_ctx = inputs and actx[3] is c["o_core"]
+        return dict(x=c["x"], x2=c["x2"], o=None if o_in_ctx else c["o"], g=c["g"], u=c["u"],
+                    actx=actx[3:] if inputs else actx, qkv_dropped=inputs)
+
+    def _restore_block(self, params, i: int, saved: Any, positions: np.ndarray) -> dict:
+        """The block cache ``_block_bwd`` needs, rebuilt from what :meth:`_save_block` kept."""
+        if self.recompute == "full":
+            c = self._block_fwd(params, i, saved["x"], positions)[1]
+        elif self.recompute == "offload":
+            c = self.store.take(saved)
+        else:
+            c = saved
+        if self.recompute == "selective":
+            k, p, n = self.k, params, f"layers.{i}."
+            c = dict(c)
+            c["h1"], c["rstd1"] = k.rmsnorm_fwd(c["x"], p[n + "input_layernorm.weight"],
+                                                self.cfg.norm_eps)
+            if c.pop("qkv_dropped"):
+                c["actx"] = self._qkv(params, i, c["h1"], positions) + tuple(c["actx"])
+            if c["o"] is None:
+                B, S, _ = c["x"].shape
+                c["o"] = c["actx"][3].reshape(B, S, self.hq * self.cfg.head_dim)
+            c["h2"], c["rstd2"] = k.rmsnorm_fwd(c["x2"], p[n + "post_attention_layernorm.weight"],
+                                                self.cfg.norm_eps)
+            c["m"] = k.swiglu_fwd(c["g"], c["u"])
+        c["cos"], c["sin"] = self._cos_sin(positions, c["x"].dtype)
+        return c
 
     def _embed_fwd(self, params, tokens, cache) -> np.ndarray:
         w = params["embed_tokens.weight"]
@@ -126,19 +225,28 @@ class LlamaStage:
         cache["embed"] = (local, mine)
         return x
 
+    def _qkv(self, params, i, h1, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q ``[B, S, hq, D]`` and k ``[B, S, hkv, D]`` after RoPE, v ``[B, S, hkv, D]``, of
+        ``h1 = RMSNorm(x)`` ``[B, S, H]`` (column-parallel: no communication)."""
+        k, p, n = self.k, params, f"layers.{i}."
+        B, S, _ = h1.shape
+        D = self.cfg.head_dim
+        q = k.linear_fwd(h1, p[n + "self_attn.q_proj.weight"]).reshape(B, S, self.hq, D)
+        kk = k.linear_fwd(h1, p[n + "self_attn.k_proj.weight"]).reshape(B, S, self.hkv, D)
+        v = k.linear_fwd(h1, p[n + "self_attn.v_proj.weight"]).reshape(B, S, self.hkv, D)
+        cos, sin = self._cos_sin(positions, h1.dtype)
+        return k.rope_fwd(q, cos, sin), k.rope_fwd(kk, cos, sin), v
+
     def _block_fwd(self, params, i, x, positions):
+        """Block ``i`` on ``x`` ``[B, S, H]`` -> (output ``[B, S, H]``, every intermediate)."""
         k, p = self.k, params
         n = f"layers.{i}."
         B, S, _ = x.shape
         D = self.cfg.head_dim
         h1, rstd1 = k.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], self.cfg.norm_eps)
-        q = k.linear_fwd(h1, p[n + "self_attn.q_proj.weight"]).reshape(B, S, self.hq, D)
-        kk = k.linear_fwd(h1, p[n + "self_attn.k_proj.weight"]).reshape(B, S, self.hkv, D)
-        v = k.linear_fwd(h1, p[n + "self_attn.v_proj.weight"]).reshape(B, S, self.hkv, D)
-        cos, sin = self._cos_sin(positions, x.dtype)
-        q, kk = k.rope_fwd(q, cos, sin), k.rope_fwd(kk, cos, sin)
-        o, actx = self.attention.forward(q, kk, v, positions)
-        o = o.reshape(B, S, self.hq * D)
+        q, kk, v = self._qkv(params, i, h1, positions)
+        o_core, actx = self.attention.forward(q, kk, v, positions)
+        o = o_core.reshape(B, S, self.hq * D)
         a = self.tp.allreduce_(k.linear_fwd(o, p[n + "self_attn.o_proj.weight"]))
         x2 = x + a
         h2, rstd2 = k.rmsnorm_fwd(x2, p[n + "post_attention_layernorm.weight"], self.cfg.norm_eps)
@@ -146,8 +254,8 @@ class LlamaStage:
         u = k.linear_fwd(h2, p[n + "mlp.up_proj.weight"])
         m = k.swiglu_fwd(g, u)
         y = self.tp.allreduce_(k.linear_fwd(m, p[n + "mlp.down_proj.weight"]))
-        cache = dict(x=x, h1=h1, rstd1=rstd1, actx=actx, o=o, x2=x2, h2=h2, rstd2=rstd2,
-                     g=g, u=u, m=m, cos=cos, sin=sin)
+        cache = dict(x=x, h1=h1, rstd1=rstd1, qkv=(q, kk, v), actx=actx, o_core=o_core, o=o, a=a,
+                     x2=x2, h2=h2, rstd2=rstd2, g=g, u=u, m=m, y=y)
         return x2 + y, cache
 
     def _head_fwd(self, params, x, targets, cache) -> np.ndarray:
@@ -189,7 +297,9 @@ class LlamaStage:
             notify and notify(["norm.weight", "lm_head.weight"])
         else:
             dx = dout
-        for i, c in zip(reversed(self.layers), reversed(cache["blocks"])):
+        blocks = cache["blocks"]
+        for i in reversed(self.layers):  # pop: each block's activations go once it is done
+            c = self._restore_block(params, i, blocks.pop(), cache["positions"])
             dx = self._block_bwd(params, grads, i, dx, c)
             notify and notify([s.name for s in block_param_specs(self.cfg, i)])
         self._deferred = None
@@ -216,7 +326,9 @@ class LlamaStage:
 
     def _head_bwd(self, params, grads, dloss, cache) -> np.ndarray:
         k = self.k
-        x, hn, rstd, logits, t, lse = cache["head"]
+        head = cache["head"]
+        x, hn, rstd, logits, t, lse = (self.store.take(head) if self.recompute == "offload"
+                                       else head)
         B, S, H = x.shape
         dlogits = k.cross_entropy_bwd(logits, t, lse, dloss.reshape(B * S).astype(lse.dtype),
                                       self.vocab.start, self.vocab.size).astype(x.dtype)

@@ -1,0 +1,205 @@
+"""Activation recomputation and offload: every ``--recompute`` mode trains bit-identically to
+``none``, and each keeps exactly the tensors its definition says.
+
+Serial: the stage with each mode (also with the zero-bubble input/weight split, whose deferred
+``(dy, x)`` references must outlive the recomputed caches) gives the same loss and gradients as
+``none``, bit for bit; the bytes each mode keeps per block equal an analytic count; the engine
+trains 2 steps identically in every mode. Under ``mpirun -n 8``: tp2+sp2+pp2 (1F1B and zb-h1,
+ring attention), dp2+pp4 zb-h1, Ulysses and interleaved+ZeRO layouts equal their ``none`` run
+bit for bit in every mode.
+"""
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import assert_all_ranks
+from layouts import compare, reference, small_config, token_source
+from mpipar.activations import OffloadStore
+from mpipar.comm import Group, Ledger
+from mpipar.config import ModelConfig
+from mpipar.kernels import get_backend, numpy_ref
+from mpipar.model.llama import RECOMPUTE_MODES, LlamaStage, LocalAttention
+from mpipar.model.params import init_params
+
+CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
+                  init_std=0.3).resolved()
+MODES = [m for m in RECOMPUTE_MODES if m != "none"]
+
+
+def _stage(mode: str, store=None) -> LlamaStage:
+    k = get_backend("numpy")
+    return LlamaStage(CFG, k, range(CFG.layers), True, True,
+                      Group(MPI.COMM_SELF, "tp", Ledger()), LocalAttention(k), mode, store)
+
+
+def _loss_and_grads(stage: LlamaStage, split: bool):
+    params = init_params(CFG, 4, np.float64)
+    rng = np.random.default_rng(5)
+    tokens, targets = rng.integers(0, 11, (2, 7)), rng.integers(0, 11, (2, 7))
+    loss, cache = stage.forward(params, tokens, np.arange(7), targets)
+    grads = {n: np.zeros_like(v) for n, v in params.items()}
+    deferred: list | None = [] if split else None
+    stage.backward(params, grads, np.full(tokens.shape, 1.0 / tokens.size), cache, deferred)
+    if split:
+        assert len(deferred) == 7 * CFG.layers + 1  # every linear of every block, and the head
+        stage.weight_backward(grads, deferred)
+    return loss, grads
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "zb-split"])
+@pytest.mark.parametrize("mode", MODES)
+def test_stage_modes_equal_none_bitwise(mode, split, tmp_path):
+    store = OffloadStore(tmp_path / "scratch.h5") if mode == "offload" else None
+    loss, grads = _loss_and_grads(_stage(mode, store), split)
+    ref_loss, ref_grads = _loss_and_grads(_stage("none"), split)
+    assert np.array_equal(loss, ref_loss)
+    for name, g in ref_grads.items():
+        assert np.array_equal(grads[name], g), name
+    if store is not None:
+        assert store.in_flight == 0  # every block and the head were read back
+        store.close()
+        assert not store.path.exists()
+
+
+def _kept_bytes(tree) -> int:
+    """Bytes of the distinct array buffers reachable from ``tree`` (views count once)."""
+    seen: dict[int, int] = {}
+
+    def walk(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+        elif isinstance(node, np.ndarray):
+            base = node
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            seen[id(base)] = base.nbytes
+    walk(tree)
+    return sum(seen.values())
+
+
+def test_each_mode_keeps_what_it_says():
+    """Per block, in float64 elements: none keeps x, h1, q, k, v, attention out, lse, x2, h2,
+    g, u, m, rstd1, rstd2 (and o_proj's input apart from the attention output when the kernel's
+    output is not contiguous, so that the reshape copies, as NumPy's is); selective keeps x, x2,
+    attention out, lse, g, u; full keeps x."""
+    B, S = 2, 7
+    H, F, D, hq, hkv = CFG.hidden, CFG.ffn_hidden, CFG.head_dim, CFG.heads, CFG.kv_heads
+    tok = B * S
+    kv = np.zeros((B, S, hkv, D))
+    copied = not numpy_ref.attention_fwd(np.zeros((B, S, hq, D)), kv, kv)[0].flags.c_contiguous
+    want = {"none": tok * (H + H + hq * D + 2 * hkv * D + hq * D * (1 + copied) + hq + H + H
+                           + 3 * F + 2),
+            "selective": tok * (H + H + hq * D + hq + 2 * F),
+            "full": tok * H}
+    params = init_params(CFG, 4, np.float64)
+    tokens = np.random.default_rng(0).integers(0, 11, (B, S))
+    for mode, elements in want.items():
+        stage = _stage(mode)
+        stage.last = False  # blocks only: the head's context is the same in every mode
+        _, cache = stage.forward(params, tokens, np.arange(S))
+        per_block = [_kept_bytes(b) for b in cache["blocks"]]
+        assert per_block == [8 * elements] * CFG.layers, (mode, per_block, 8 * elements)
+
+
+def test_offload_keeps_only_handles_in_memory(tmp_path):
+    store = OffloadStore(tmp_path / "s.h5")
+    stage = _stage("offload", store)
+    params = init_params(CFG, 4, np.float64)
+    tokens = np.random.default_rng(0).integers(0, 11, (2, 7))
+    _, cache = stage.forward(params, tokens, np.arange(7), tokens)
+    assert [type(b) for b in cache["blocks"]] == [int] * CFG.layers
+    assert isinstance(cache["head"], int) and store.in_flight == CFG.layers + 1
+    store.close()
+
+
+def test_bad_modes_are_rejected():
+    with pytest.raises(ValueError, match="recompute='sometimes'"):
+        _stage("sometimes")
+    with pytest.raises(ValueError, match="needs a store"):
+        _stage("offload")
+
+
+def _run(layout: dict, mode: str, comm, run_dir: str, **train):
+    from mpipar.engine import Engine
+    cfg = small_config("float64", **layout)
+    cfg.train.recompute, cfg.train.run_dir = mode, run_dir
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    eng = Engine(cfg.resolved(comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    out = [eng.train_step(k) for k in range(2)]
+    params = eng.gather_params()
+    eng.close()
+    return [r.loss for r in out], [r.grad_norm for r in out], params
+
+
+def _identical(got, ref) -> list[str]:
+    fails = [f"{what} {a!r} != {b!r}" for what, a, b in
+             (("losses", got[0], ref[0]), ("grad norms", got[1], ref[1])) if a != b]
+    return fails + [f"{n} differs" for n in ref[2] if not np.array_equal(got[2][n], ref[2][n])]
+
+
+@pytest.mark.parametrize("train", [{}, dict(micro_batch_size=2, global_batch_size=8)],
+                         ids=["mb1", "mb2"])
+def test_engine_modes_equal_none_bitwise(train, tmp_path):
+    ref = _run({}, "none", MPI.COMM_SELF, str(tmp_path), **train)
+    for mode in MODES:
+        assert _identical(_run({}, mode, MPI.COMM_SELF, str(tmp_path), **train), ref) == [], mode
+    assert not (tmp_path / "scratch").exists()  # the offload scratch file and folder are gone
+
+
+LAYOUTS = [dict(tp=2, sp=2, pp=2),
+           dict(tp=2, sp=2, pp=2, schedule="zb-h1", sp_split="zigzag"),
+           dict(dp=2, pp=4, schedule="zb-h1"),
+           dict(dp=2, sp=2, pp=2, sp_mode="ulysses"),
+           dict(pp=2, virtual_stages=2, schedule="interleaved", tp=2, dp=2, zero=1,
+                bucket_mb=0.002)]
+
+
+def _name(layout: dict) -> str:
+    return "-".join(f"{k}{v}" for k, v in layout.items())
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[_name(v) for v in LAYOUTS])
+def test_modes_equal_none_under_mpi(world, layout):
+    size = int(np.prod([layout.get(a, 1) for a in ("dp", "tp", "pp", "sp")]))
+    comm = world.Split(world.rank // size, world.rank)
+    run_dir = world.bcast(tempfile.mkdtemp(prefix="mpipar-rc-") if world.rank == 0 else None)
+    fails: list[str] = []
+    try:
+        ref = _run(layout, "none", comm, run_dir)
+        fails += compare(ref, reference("float64"), 1e-10)
+        for mode in MODES:
+            fails += [f"{mode}: {f}" for f in _identical(_run(layout, mode, comm, run_dir), ref)]
+    except Exception as exc:  # every rank must reach the allgather
+        fails.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)
+
+
+def test_memory_benchmark_reports_every_mode(tmp_path, capsys):
+    """``python -m mpipar.bench memory``: every mode trains the same loss, and the memory a step
+    adds falls from none to selective to full (offload keeps no block in memory either)."""
+    import json
+
+    from mpipar.bench import main
+    out = tmp_path / "mem.json"
+    assert main(["memory", "--layers", "4", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                 "--ffn", "160", "--seq", "64", "--batch", "2", "--micro-batch", "2",
+                 "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["memory"]["rows"]}
+    assert list(rows) == list(RECOMPUTE_MODES)
+    assert len({r["loss"] for r in rows.values()}) == 1
+    added = {m: r["activations"] for m, r in rows.items()}
+    assert added["none"] > added["selective"] > added["full"]
+    assert added["offload"] < added["selective"]
+    assert "selective" in capsys.readouterr().out

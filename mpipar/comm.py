@@ -4,6 +4,9 @@ A :class:`Group` wraps one communicator of the process grid under a name ("tp", 
 "dp_sp", ...). Its methods are the uppercase (buffer) mpi4py calls — never pickle — and each call
 is recorded in the shared :class:`Ledger`: bytes, messages and seconds per (group, operation).
 
+While a call is blocked in MPI the ledger holds it in ``in_flight`` (group, operation, group
+size, start), so a :class:`Watchdog` thread can abort a job stuck in one call and name the call.
+
 Counting convention (what the planner predicts): ``bytes`` is the payload this rank hands to the
 operation — the buffer size of an all-reduce, the send buffer of an all-gather, reduce-scatter,
 all-to-all or point-to-point send — and ``messages`` the number of calls. A receive counts
@@ -12,6 +15,8 @@ and records nothing.
 """
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,8 +38,15 @@ class Ledger:
 
     entries: dict[tuple[str, str], LedgerEntry] = field(
         default_factory=lambda: defaultdict(LedgerEntry))
+    in_flight: tuple[str, str, int, float] | None = None
+    """(group, operation, group size, time.monotonic() at entry) of the call blocked now."""
+
+    def begin(self, group: str, op: str, size: int) -> None:
+        """Mark the call about to block (``add`` clears the mark when it returns)."""
+        self.in_flight = (group, op, size, time.monotonic())
 
     def add(self, group: str, op: str, nbytes: int, seconds: float) -> None:
+        self.in_flight = None
         e = self.entries[(group, op)]
         e.bytes += int(nbytes)
         e.messages += 1
@@ -65,8 +77,9 @@ class Request:
     """A non-blocking operation; ``wait`` books its time in the ledger."""
 
     def __init__(self, req: MPI.Request | None, ledger: Ledger, group: str, op: str,
-                 nbytes: int, start: float, on_done=None) -> None:
+                 nbytes: int, start: float, on_done=None, size: int = 1) -> None:
         self._req, self._ledger, self._group, self._op = req, ledger, group, op
+        self._size = size
         self._nbytes, self._start, self._on_done = nbytes, start, on_done
         self.done = req is None
 
@@ -74,6 +87,7 @@ class Request:
         if self.done:
             return
         t0 = time.perf_counter()
+        self._ledger.begin(self._group, self._op, self._size)
         self._req.Wait()
         # Seconds spent blocked in wait are the exposed communication time.
         self._ledger.add(self._group, self._op, self._nbytes, time.perf_counter() - t0)
@@ -97,6 +111,7 @@ class Group:
         self.rank = comm.Get_rank()
 
     def _timed(self, op: str, nbytes: int, fn, *args) -> None:
+        self.ledger.begin(self.name, op, self.size)
         t0 = time.perf_counter()
         fn(*args)
         self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0)
@@ -124,7 +139,7 @@ class Group:
             return req
         _contig(buf, "iallreduce")
         return Request(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), self.ledger, self.name,
-                       "iallreduce", buf.nbytes, t0, on_done)
+                       "iallreduce", buf.nbytes, t0, on_done, self.size)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Gather equal blocks: ``recv`` is ``[size, *send.shape]`` (or its flat equivalent)."""
@@ -173,13 +188,57 @@ class Group:
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
         t0 = time.perf_counter()
         return Request(self.comm.Isend(_contig(buf, "isend"), dest, tag), self.ledger, self.name,
-                       "send", buf.nbytes, t0)
+                       "send", buf.nbytes, t0, size=self.size)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
         t0 = time.perf_counter()
         return Request(self.comm.Irecv(_contig(buf, "irecv"), source, tag), self.ledger,
-                       self.name, "recv", 0, t0)
+                       self.name, "recv", 0, t0, size=self.size)
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
         self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag)
         return buf
+
+
+class Watchdog:
+    """A daemon thread that aborts the whole job when one MPI call of ``ledgers`` has been
+    blocked longer than ``timeout`` seconds, after printing which call, on which group, for how
+    long (``MPI_Abort`` from this thread needs ``MPI_THREAD_MULTIPLE``, mpi4py's default)."""
+
+    def __init__(self, ledgers: list[Ledger], timeout: float, comm: MPI.Comm = MPI.COMM_WORLD,
+                 exit_code: int = 1) -> None:
+        if not timeout > 0:
+            raise ValueError(f"watchdog timeout={timeout!r}: must be > 0 seconds")
+        self.ledgers, self.timeout, self.comm, self.exit_code = ledgers, timeout, comm, exit_code
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mpipar-watchdog", daemon=True)
+
+    def stuck(self, now: float | None = None) -> str | None:
+        """The message naming the call blocked longer than the timeout, or None."""
+        now = time.monotonic() if now is None else now
+        for ledger in self.ledgers:
+            entry = ledger.in_flight
+            if entry is not None and now - entry[3] > self.timeout:
+                group, op, size, start = entry
+                return (f"mpipar: rank {self.comm.Get_rank()}: collective watchdog: {op} on "
+                        f"group '{group}' (size {size}) has been blocked {now - start:.1f} s, "
+                        f"longer than --collective-timeout {self.timeout:g} s; another rank is "
+                        f"stuck or gone. Aborting all ranks")
+        return None
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout / 4)
+        while not self._stop.wait(poll):
+            message = self.stuck()
+            if message is not None:
+                sys.stderr.write(message + "\n")
+                sys.stderr.flush()
+                self.comm.Abort(self.exit_code)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

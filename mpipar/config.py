@@ -107,7 +107,8 @@ class TrainConfig:
     seed: int = _f(1234, "seed for initialisation and data order")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
-    save_dir: str = _f("", "checkpoint directory (step_NNNNNNNN/ per checkpoint, plus `latest`)")
+    save_dir: str = _f("", "checkpoint directory (step_NNNNNNNN/ per checkpoint, plus `latest`); "
+                           "empty: RUN_DIR/checkpoints")
     save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end, if save_dir is set)")
     keep_last: int = _f(0, "keep only the newest K checkpoints after each commit (0: keep all)")
     resume: str = _f("", "resume from 'auto' (newest complete checkpoint in save_dir, else start "

@@ -12,6 +12,7 @@ the mean over every token of the global batch, whatever the layout.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -146,14 +147,18 @@ class Engine:
         self.groups["tp_pp"].allreduce_(norm_sq)
         grad_norm = float(np.sqrt(norm_sq[0]))
         lr = self.schedule(step)
+        loss = float(loss_buf[0]) / tokens
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # Non-finite (the same on every rank, after the reductions): no update is applied;
+            # the caller skips the step or stops (--on-nan).
+            return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens)
         if par.zero:
             clip_grads(self.optimizer.owned_grads(), tr.clip_grad, grad_norm)
             self.optimizer.step(lr)
         else:
             clip_grads(self.grads, tr.clip_grad, grad_norm)
             self.optimizer.step(self.params, self.grads, lr)
-        return StepResult(step + 1, float(loss_buf[0]) / tokens, grad_norm, lr,
-                          time.perf_counter() - t0, tokens)
+        return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens)
 
     def close(self) -> None:
         """Release what outlives steps on disk: the offload scratch file (removed)."""

@@ -1,13 +1,136 @@
-"""Per-step metrics: one JSON object a line in ``RUN_DIR/metrics.jsonl`` (rank 0 writes)."""
+"""Per-step metrics: time breakdown, MFU, memory, one JSON line per step, progress, timeline.
+
+Every rank measures its own step; :class:`Telemetry` gathers the numbers to rank 0 once per
+step (one small all-gather, which also carries the stop flag of a preemption signal, so every
+rank decides to stop at the same step), and rank 0 writes ``RUN_DIR/metrics.jsonl``.
+
+Time breakdown of a step on one rank (seconds, :data:`TIME_KEYS`), from the ledger and the
+pipeline executor's op records:
+
+- ``tp_comm``, ``sp_comm``: ledger seconds of the ``tp`` and ``sp`` groups (spent inside
+  forward/backward ops);
+- ``compute``: the forward/backward ops' time minus the TP and SP communication inside them;
+- ``pipeline_wait``: ledger seconds of ``pp`` (blocked in receives: the bubble and the
+  point-to-point transfers, plus the loss broadcast);
+- ``dp_comm``: ledger seconds of ``dp_sp`` and ``tp_pp`` (gradient reduction, ZeRO all-gather,
+  loss and gradient-norm all-reduces);
+- ``optimizer``: the rest of the engine's step time (clipping, AdamW, batch slicing);
+- ``io``: time outside the engine's step that this step caused (checkpoint writes).
+"""
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+import resource
+import shutil
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpipar.comm import Group, Ledger
 
 if TYPE_CHECKING:
-    from mpipar.comm import Ledger
     from mpipar.engine import StepResult
+    from mpipar.parallel.pipeline import OpRecord
+
+TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
+GROUPS = ("tp", "sp", "pp", "dp_sp", "tp_pp")
+COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak resident memory (VmHWM; ``ru_maxrss`` where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
+                   timeline: list["OpRecord"], io_s: float = 0.0) -> dict[str, float]:
+    """Seconds per :data:`TIME_KEYS` of one step on one rank (see the module docstring)."""
+    tp, sp = ledger_seconds.get("tp", 0.0), ledger_seconds.get("sp", 0.0)
+    ops = sum(r.end - r.start for r in timeline if r.kind in COMPUTE_OPS)
+    out = {"compute": max(0.0, ops - tp - sp), "tp_comm": tp, "sp_comm": sp,
+           "pipeline_wait": ledger_seconds.get("pp", 0.0),
+           "dp_comm": ledger_seconds.get("dp_sp", 0.0) + ledger_seconds.get("tp_pp", 0.0)}
+    out["optimizer"] = max(0.0, step_time_s - sum(out.values()))
+    out["io"] = io_s
+    return out
+
+
+def measure_peak(backend_name: str, dtype: str, threads: int, ranks_on_node: int) -> float:
+    """FLOP/s peak of this rank: the device's for cupy; else a short GEMM probe with this
+    rank's ``threads``, times its share of the node's cores (less than 1 when more ranks x
+    threads than cores share the node)."""
+    from mpipar import backend
+    if backend_name == "cupy":
+        return backend.gpu_peak_flops(dtype)
+    return (backend.measure_peak_flops(dtype)
+            * backend.cpu_peak_share(threads, ranks_on_node))
+
+
+class Telemetry:
+    """The per-step exchange of every rank's numbers (an all-gather over ``comm``, on its own
+    ledger so the engine's byte counts stay those the planner predicts)."""
+
+    FIELDS = ("stop", "memory", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS))
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.ledger = Ledger()
+        self.group = Group(comm, "world", self.ledger)
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+
+    def gather_peaks(self, peak: float) -> list[float]:
+        """Every rank's FLOP/s peak, on every rank."""
+        out = np.empty(self.size)
+        self.group.allgather(np.array([peak]), out)
+        return out.tolist()
+
+    def exchange(self, stop: bool, times: dict[str, float], step_bytes: dict[str, int]
+                 ) -> tuple[bool, list[dict[str, float]]]:
+        """(whether any rank asks to stop, every rank's numbers as dicts of :attr:`FIELDS`)."""
+        row = np.array([float(stop), float(peak_memory_bytes()), *(times[k] for k in TIME_KEYS),
+                        *(float(step_bytes.get(g, 0)) for g in GROUPS)])
+        table = np.empty((self.size, row.size))
+        self.group.allgather(row, table)
+        ranks = [dict(zip(self.FIELDS, r.tolist())) for r in table]
+        return any(r["stop"] for r in ranks), ranks
+
+
+def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Ledger,
+                flops: float, peak_total: float, skipped: bool, skipped_total: int
+                ) -> dict[str, Any]:
+    """The metrics.jsonl line of a step (``ledger`` is rank 0's, ``ranks`` every rank's row)."""
+    times = {k: float(np.mean([r[k] for r in ranks])) for k in TIME_KEYS}
+    return {
+        "step": result.step,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "tokens_per_s": result.tokens / result.step_time_s,
+        "step_time_s": result.step_time_s,
+        "tokens": result.tokens,
+        "flops": flops,
+        "mfu": flops / result.step_time_s / peak_total,
+        "skipped": skipped,
+        "skipped_steps": skipped_total,
+        "time": times,                                   # mean over ranks
+        "time_max": {k: max(r[k] for r in ranks) for k in TIME_KEYS},
+        "comm_bytes": ledger.bytes_by_group(),           # rank 0
+        "comm_bytes_max": {g: int(max(r[f"bytes_{g}"] for r in ranks)) for g in GROUPS
+                           if any(r[f"bytes_{g}"] for r in ranks)},
+        "comm_seconds": ledger.seconds_by_group(),       # rank 0
+        "memory_bytes": [int(r["memory"]) for r in ranks],
+    }
 
 
 class MetricsWriter:
@@ -20,20 +143,9 @@ class MetricsWriter:
             os.makedirs(run_dir, exist_ok=True)
             self._fh = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")
 
-    def write(self, result: "StepResult", ledger: "Ledger") -> None:
+    def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {
-            "step": result.step,
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
-            "lr": result.lr,
-            "tokens_per_s": result.tokens / result.step_time_s,
-            "step_time_s": result.step_time_s,
-            "tokens": result.tokens,
-            "comm_bytes": ledger.bytes_by_group(),
-            "comm_seconds": ledger.seconds_by_group(),
-        }
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
 
@@ -41,3 +153,77 @@ class MetricsWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+class Progress:
+    """Rank 0's progress: a tqdm bar when stdout is a terminal, else a line every ``every``
+    steps (and the first and last); ``every = 0`` prints nothing."""
+
+    def __init__(self, total: int, start: int, every: int, enabled: bool,
+                 tty: bool | None = None) -> None:
+        self.total, self.every, self.enabled = total, every, enabled and every > 0
+        self.bar = None
+        if self.enabled and (sys.stdout.isatty() if tty is None else tty):
+            from tqdm import tqdm
+            # A terminal that reports a size of 0 x 0 (a fresh pty) would hide the bar: fall back.
+            size = shutil.get_terminal_size()
+            self.bar = tqdm(total=total, initial=start, unit="step", ncols=size.columns,
+                            nrows=size.lines)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                 tok_s=f"{record['tokens_per_s']:,.0f}",
+                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+            return
+        if step % self.every == 0 or step == 1 or step == self.total:
+            skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
+            print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
+                  f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+                  f"{record['tokens_per_s']:,.0f} tok/s  MFU {100 * record['mfu']:.2f}%{skipped}",
+                  flush=True)
+
+    def note(self, text: str) -> None:
+        """A message that does not break the bar."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def gather_timeline(comm: MPI.Comm, step: int, timeline: list["OpRecord"], started: float,
+                    coord: tuple[int, ...]) -> dict[str, Any] | None:
+    """Every rank's op records of ``step`` on rank 0 (None elsewhere): a collective, once a run.
+
+    ``started`` is ``time.time()`` when this rank began the step; op times are shifted so that
+    all ranks share one clock whose zero is the earliest rank's start (ranks of one node share
+    the wall clock; across nodes the offset is as good as their clock synchronisation)."""
+    mine = {"rank": comm.Get_rank(), "coord": dict(zip(("dp", "tp", "pp", "sp"), coord)),
+            "started": started,
+            "ops": [[r.kind, r.microbatch, r.chunk, r.start, r.end] for r in timeline]}
+    rows = comm.gather(mine, root=0)
+    if rows is None:
+        return None
+    zero = min(r["started"] for r in rows)
+    for r in rows:
+        shift = r.pop("started") - zero
+        r["ops"] = [[k, mb, c, s + shift, e + shift] for k, mb, c, s, e in r["ops"]]
+    return {"step": step, "ranks": rows}
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write ``data`` as JSON through a temporary file and a rename (never half a file)."""
+    tmp = f"{path}.tmp.{os.getpid()}.{time.monotonic_ns()}"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
+        fh.write("\n")
+    os.replace(tmp, path)

@@ -1,20 +1,64 @@
-"""Cost model of a layout: what one optimizer step sends, per rank and per group.
+"""Cost model of a layout: bytes, messages, memory and time of one optimizer step, per rank.
 
 ``predict_step_bytes(cfg, coord)`` derives, from the layer shapes alone, the bytes this rank hands
 to MPI in one training step for every group of the grid, under the ledger's counting convention
-(:mod:`mpipar.comm`: the payload of each call, sender side). The tests hold the engine's ledger to
-these numbers exactly, so the model and the implementation cannot drift apart.
+(:mod:`mpipar.comm`: the payload of each call, sender side); ``predict_step_messages`` counts the
+calls. The tests hold the engine's ledger to these numbers exactly, so the model and the
+implementation cannot drift apart.
+
+``predict_memory`` gives a rank's bytes of weights, gradients and optimizer state (exact: the
+engine's flat buffers and moments) and of saved activations (an estimate from what each recompute
+mode keeps, at the peak number of microbatches the schedule holds in flight).
+
+``predict_step_time`` is the model that ranks layouts::
+
+    op time    = FLOPs of one microbatch through one chunk / peak  +  its TP and SP traffic
+    pipeline   = dry run of the schedule with those op times (backward = 2 x forward, plus
+                 the forward work recompute repeats) and
+                 point-to-point messages of  activation bytes / bandwidth + latency: the makespan,
+                 which includes the bubble
+    step time  = pipeline + DP x SP gradient traffic + gradient-norm all-reduce
+
+with traffic ``bytes x algorithm factor / bandwidth + messages x latency`` (ring all-reduce moves
+``2 (n-1)/n`` of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it).
+``plan_layouts`` enumerates the layouts of a world and ranks the ones that fit;
+``auto_layout`` is what ``python -m mpipar.train`` does when no parallel size is given.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
+import math
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpipar.config import Config
-from mpipar.model.params import padded_vocab, param_specs
+from mpipar.config import Config, ConfigError, ModelConfig
+from mpipar.model.params import ParamSpec, padded_vocab, param_specs
 from mpipar.parallel.grads import padded_size, plan_buckets
+from mpipar.parallel.schedule import Op, build_schedule, dry_run
 from mpipar.topology import Coord
+
+SIZE_FIELDS = ("dp", "tp", "pp", "sp")
+
+
+@functools.lru_cache(maxsize=64)
+def _specs(model: tuple) -> list[ParamSpec]:
+    """:func:`param_specs` of the resolved model whose field values are ``model`` (cached)."""
+    return param_specs(ModelConfig(*model))
+
+
+def _model_specs(cfg: Config) -> list[ParamSpec]:
+    return _specs(dataclasses.astuple(cfg.model.resolved()))
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int) -> list[list[Op]]:
+    """:func:`build_schedule`, cached (the op lists are only read)."""
+    return build_schedule(name, p, m, v)
 
 
 def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
@@ -24,7 +68,7 @@ def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
     per = m.layers // (p * v)
     stages = [c * p + coord.pp for c in range(v)]
     out = {}
-    for spec in param_specs(m):
+    for spec in _model_specs(cfg):
         if spec.layer is None:
             stage = 0 if spec.name == "embed_tokens.weight" else p * v - 1
         else:
@@ -45,20 +89,34 @@ def _chunk_order(cfg: Config, coord: Coord) -> list[str]:
     m, par = cfg.model.resolved(), cfg.parallel
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
+    by_layer: dict[int | None, list[str]] = defaultdict(list)
+    for spec in _model_specs(cfg):
+        by_layer[spec.layer].append(spec.name)
     names = []
     for c in range(v):
         s = c * p + coord.pp
         if s == 0:
             names.append("embed_tokens.weight")
         for i in range(s * per, (s + 1) * per):
-            names += [x.name for x in param_specs(m) if x.layer == i]
+            names += by_layer[i]
         if s == p * v - 1:
             names += ["norm.weight", "lm_head.weight"]
     return names
 
 
-def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
-    """Bytes per group that the rank at ``coord`` hands to MPI in one step (resolved ``cfg``)."""
+def bucket_lengths(cfg: Config, coord: Coord) -> list[int]:
+    """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp)."""
+    par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
+    shapes = local_param_shapes(cfg, coord)
+    order = list(reversed(_chunk_order(cfg, coord)))
+    sizes = [math.prod(shapes[n]) for n in order]
+    limit = max(1, int(par.bucket_mb * 2**20))
+    return [padded_size(sum(sizes[i] for i in idx), par.dp * par.sp)
+            for idx in plan_buckets([s * e for s in sizes], limit)]
+
+
+def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
+    """``{group: [bytes, messages]}`` this rank hands to MPI in one step (resolved ``cfg``)."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     se = 8 if tr.dtype == "float64" else 4          # softmax statistics dtype
@@ -70,37 +128,391 @@ def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
     stages = [c * p + coord.pp for c in range(v)]
     blocks = per * len(stages)
     first, last = 0 in stages, (p * v - 1) in stages
-    out: dict[str, int] = defaultdict(int)
+    full = tr.recompute == "full"                    # backward re-runs each block's forward
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     if par.tp > 1:
-        tp = 4 * n_tok * H * e * blocks                      # 2 all-reduces fwd, 2 bwd per block
-        tp += n_tok * H * e if first else 0                  # vocab-parallel embedding
+        fwd = 2 + (2 if full else 0)                 # all-reduces per block: after o and down
+        tp = (fwd + 2) * n_tok * H * e * blocks      # ... and 2 in backward
+        msgs = (fwd + 2) * blocks
+        tp += n_tok * H * e if first else 0                    # vocab-parallel embedding
         tp += (3 * n_tok * se + n_tok * H * e) if last else 0  # max, (sum-exp, target), d(hidden)
-        out["tp"] = tp * micro
+        msgs += int(first) + (3 if last else 0)
+        out["tp"] = [tp * micro, msgs * micro]
     if par.sp > 1:
         q = b * s_loc * (m.heads // par.tp) * D * e
         kv = b * s_loc * (m.kv_heads // par.tp) * D * e
         if par.sp_mode == "ulysses":
-            per_block = 4 * q + 4 * kv                       # q,k,v,out fwd; dout,dq,dk,dv bwd
+            fwd = bwd = 2 * q + 2 * kv       # all-to-alls: q, k, v, out | dout, dq, dk, dv
+            fwd_msgs, bwd_msgs = 4, 4
         else:
-            per_block = (par.sp - 1) * 2 * kv + (par.sp - 1) * 4 * kv + 2 * kv
-        out["sp"] = per_block * blocks * micro
+            fwd, bwd = (par.sp - 1) * 2 * kv, (par.sp - 1) * 4 * kv + 2 * kv
+            if par.sp_overlap:  # K/V by Isend + Irecv per hop; backward's dK/dV by Sendrecv
+                fwd_msgs, bwd_msgs = 2 * (par.sp - 1), 3 * (par.sp - 1) + 1
+            else:
+                fwd_msgs, bwd_msgs = par.sp - 1, par.sp
+        reps = 2 if full else 1
+        out["sp"] = [(reps * fwd + bwd) * blocks * micro,
+                     (reps * fwd_msgs + bwd_msgs) * blocks * micro]
     if p > 1:
         act = n_tok * H * e
         sends = sum((s < p * v - 1) + (s > 0) for s in stages) * micro
-        out["pp"] = sends * act + (8 if coord.pp == p - 1 else 0)  # + the loss broadcast
-    group = par.dp * par.sp
-    if group > 1:
-        shapes = local_param_shapes(cfg, coord)
-        order = list(reversed(_chunk_order(cfg, coord)))
-        sizes = [int(np.prod(shapes[n])) for n in order]
-        limit = max(1, int(par.bucket_mb * 2**20))
-        lengths = [padded_size(sum(sizes[i] for i in idx), group)
-                   for idx in plan_buckets([s * e for s in sizes], limit)]
+        out["pp"] = [sends * act + (8 if coord.pp == p - 1 else 0),  # + the loss broadcast
+                     2 * sends + 1]                                   # each send has its receive
+    if par.dp * par.sp > 1:
+        lengths = bucket_lengths(cfg, coord)
+        group = par.dp * par.sp
         if par.zero:
-            out["dp_sp"] = sum(L * e + (L // group) * e for L in lengths) + 8 + 8  # + loss, norm
+            out["dp_sp"] = [sum(L * e + (L // group) * e for L in lengths) + 8 + 8,  # + loss, norm
+                            2 * len(lengths) + 2]
         else:
-            out["dp_sp"] = sum(L * e for L in lengths) + 8                      # + loss
+            out["dp_sp"] = [sum(L * e for L in lengths) + 8, len(lengths) + 1]      # + loss
     if par.tp * p > 1:
-        out["tp_pp"] = 8                                      # the squared gradient norm
+        out["tp_pp"] = [8, 1]                                  # the squared gradient norm
     return dict(out)
+
+
+def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
+    """Bytes per group that the rank at ``coord`` hands to MPI in one step (resolved ``cfg``)."""
+    return {g: t[0] for g, t in _traffic(cfg, coord).items()}
+
+
+def predict_step_messages(cfg: Config, coord: Coord) -> dict[str, int]:
+    """MPI calls per group (the ledger's ``messages``) of the rank at ``coord`` in one step."""
+    return {g: t[1] for g, t in _traffic(cfg, coord).items()}
+
+
+# ------------------------------------------------------------------------------------ memory
+@dataclass
+class MemoryEstimate:
+    """Bytes one rank holds: exact for the state, an estimate for activations."""
+
+    weights: int       # flat parameter buckets (padded to a multiple of dp*sp)
+    grads: int         # flat gradient buckets, same size
+    optimizer: int     # AdamW moments m and v (ZeRO-1: this rank's slices only)
+    activations: int   # saved for backward at the schedule's peak, plus one block's working set
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def _block_activation_bytes(cfg: Config, mode: str) -> int:
+    """Bytes one block keeps for backward for one microbatch on one rank under ``mode``."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    e, se = np.dtype(tr.dtype).itemsize, (8 if tr.dtype == "float64" else 4)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    H, q, kv, F = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim, \
+        m.ffn_hidden // par.tp
+    lse = n * (m.heads // par.tp) * se
+    ulysses = par.sp > 1 and par.sp_mode == "ulysses"
+    # Attention context: q, k, v and the output (ulysses: its all-to-all'ed copies plus the
+    # output returned to the sequence layout).
+    context = (2 * q + 2 * kv) * n * e + lse + (q * n * e if ulysses else 0)
+    if mode == "none":
+        return (4 * H + 2 + 3 * F) * n * e + context    # x, h1, x2, h2, 2 rstd, g, u, m
+    if mode == "selective":
+        kept = (2 * q + 2 * kv) * n * e + q * n * e if ulysses else q * n * e
+        return (2 * H + 2 * F) * n * e + kept + lse     # x, x2, g, u, attention out (+ ulysses)
+    if mode == "full":
+        return H * n * e                                # the block input only
+    return 0                                            # offload: on disk
+
+
+def _head_activation_bytes(cfg: Config) -> int:
+    """Bytes the LM head keeps for one microbatch: x, normed x, rstd, logits, targets, lse."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    e, se = np.dtype(tr.dtype).itemsize, (8 if tr.dtype == "float64" else 4)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
+    return (2 * m.hidden + 1 + vl) * n * e + n * (8 + se)
+
+
+def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
+    """Memory of the rank at ``coord`` (resolved ``cfg``); see :class:`MemoryEstimate`."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    e = np.dtype(tr.dtype).itemsize
+    lengths = bucket_lengths(cfg, coord)
+    flat = sum(lengths) * e
+    if par.zero:
+        optimizer = 2 * sum(L // (par.dp * par.sp) for L in lengths) * e
+    else:
+        optimizer = 2 * sum(math.prod(s) for s in local_param_shapes(cfg, coord).values()) * e
+
+    p, v = par.pp, par.virtual_stages
+    per = m.layers // (p * v)
+    last = p * v - 1
+    mode = tr.recompute
+    block = _block_activation_bytes(cfg, mode)
+    head = 0 if mode == "offload" else _head_activation_bytes(cfg)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    weight = {c: per * block + (head if c * p + coord.pp == last else 0)
+              + (9 * n if c * p + coord.pp == 0 else 0)              # token ids and mask
+              for c in range(v)}
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    ops = _schedule(par.schedule, p, micro, v)[coord.pp]
+    live, peak = 0, 0
+    for op in ops:                                      # what is saved between fwd and bwd
+        if op.kind == "fwd":
+            live += weight[op.chunk]
+            peak = max(peak, live)
+        elif op.kind in ("bwd", "bwd_weight"):
+            live -= weight[op.chunk]
+    working = _block_activation_bytes(cfg, "none") + (_head_activation_bytes(cfg)
+                                                      if last % p == coord.pp else 0)
+    return MemoryEstimate(flat, flat, optimizer, peak + working)
+
+
+# -------------------------------------------------------------------------------------- FLOPs
+def _block_flops_per_token(cfg: Config, context: float) -> float:
+    """Forward FLOPs of one block for one token of this TP rank attending to ``context`` keys."""
+    m, par = cfg.model.resolved(), cfg.parallel
+    H, D = m.hidden, m.head_dim
+    hq, hkv, F = m.heads // par.tp, m.kv_heads // par.tp, m.ffn_hidden // par.tp
+    matmul = 2 * H * (2 * hq * D + 2 * hkv * D) + 2 * 3 * H * F   # q, o, k, v; gate, up, down
+    return matmul + 4 * hq * D * context                           # q k^T and p v
+
+
+def model_flops_per_step(cfg: Config) -> float:
+    """Model FLOPs of one optimizer step (forward + backward = 3 x forward, causal attention:
+    a query at position i sees i + 1 keys), whatever the layout and recompute mode."""
+    m, tr = cfg.model.resolved(), cfg.train
+    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
+    per_token = (m.layers * _block_flops_per_token(one, (tr.seq_len + 1) / 2)
+                 + 2 * m.hidden * m.vocab_size)                    # LM head
+    return 3.0 * per_token * tr.global_batch_size * tr.seq_len
+
+
+def _sp_context(cfg: Config) -> float:
+    """Mean keys a query attends to on the SP rank with the most causal work."""
+    tr, par = cfg.train, cfg.parallel
+    S, n = tr.seq_len, par.sp
+    if n == 1 or par.sp_mode == "ulysses" or par.sp_split == "zigzag":
+        return (S + 1) / 2
+    return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
+
+
+# --------------------------------------------------------------------------------------- time
+@dataclass(frozen=True)
+class Hardware:
+    """What the time model assumes about one rank and its links."""
+
+    peak_flops: float = 1e11       # FLOP/s of one rank
+    bandwidth: float = 1e10        # bytes/s of one rank's link
+    latency: float = 1e-5          # seconds per MPI call
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one step on the slowest rank."""
+
+    compute: float                  # FLOPs / peak of every op of the busiest pipeline rank
+    comm: dict[str, float]          # exposed seconds per group
+    bubble: float                   # idle fraction of the pipeline (dry run)
+    total: float
+
+
+def _factor(group: str, cfg: Config) -> float:
+    """Wire bytes per ledger byte of a group's collectives."""
+    par = cfg.parallel
+    n = {"tp": par.tp, "dp_sp": par.dp * par.sp, "sp": par.sp}.get(group, 2)
+    if group == "sp":
+        return (n - 1) / n if par.sp_mode == "ulysses" else 1.0
+    if group in ("tp", "dp_sp"):
+        return 2 * (n - 1) / n
+    return 1.0
+
+
+def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
+    """The step time model of this module's docstring for a resolved ``cfg``."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    p, v = par.pp, par.virtual_stages
+    per = m.layers // (p * v)
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
+    block_fwd = _block_flops_per_token(cfg, _sp_context(cfg)) * n * per / hw.peak_flops
+    head_fwd = 2 * m.hidden * vl * n / hw.peak_flops
+    # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
+    qkv = 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * per
+    redo = {"full": block_fwd, "selective": qkv / hw.peak_flops}.get(tr.recompute, 0.0)
+
+    comm: dict[str, float] = {}
+    unit, compute = 0.0, 0.0
+    for r in range(p):
+        traffic = _traffic(cfg, Coord(dp=0, tp=0, pp=r, sp=0))
+        seconds = {g: b * _factor(g, cfg) / hw.bandwidth + k * hw.latency
+                   for g, (b, k) in traffic.items()}
+        for g, t in seconds.items():
+            comm[g] = max(comm.get(g, 0.0), t)
+        inner = (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)) / (micro * v)  # per fwd + bwd
+        head = head_fwd if r == (p * v - 1) % p else 0.0    # on the rank's worst chunk
+        unit = max(unit, block_fwd + head + inner / 3)
+        compute = max(compute, micro * (v * (3 * block_fwd + redo) + 3 * head))
+    hop = (n * m.hidden * np.dtype(tr.dtype).itemsize / hw.bandwidth + hw.latency) if p > 1 else 0.0
+    run = dry_run(_schedule(par.schedule, p, micro, v), p, micro, v, cost_fwd=unit,
+                  cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
+    total = run.makespan + comm.get("dp_sp", 0.0) + comm.get("tp_pp", 0.0)
+    return StepTime(compute, comm, run.bubble_fraction, total)
+
+
+# ------------------------------------------------------------------------------ enumeration
+@dataclass
+class Candidate:
+    """A layout that validates, with its predictions (worst pipeline rank)."""
+
+    cfg: Config
+    memory: MemoryEstimate
+    step_bytes: dict[str, int]
+    time: StepTime
+
+    def describe(self) -> str:
+        par, tr = self.cfg.parallel, self.cfg.train
+        text = f"dp={par.dp} tp={par.tp} pp={par.pp} sp={par.sp}"
+        if par.pp > 1:
+            text += f" {par.schedule}" + (f"(v={par.virtual_stages})" if par.virtual_stages > 1
+                                          else "")
+        if par.sp > 1:
+            text += f" {par.sp_mode}" + ("" if par.sp_mode == "ulysses" else f"/{par.sp_split}")
+        return text + f" mbs={tr.micro_batch_size} zero={par.zero} recompute={tr.recompute}"
+
+
+@dataclass
+class Rejection:
+    layout: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    ranked: list[Candidate] = field(default_factory=list)     # fastest first
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def _factorisations(world: int) -> list[tuple[int, int, int, int]]:
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [c for c in itertools.product(divisors, repeat=4) if math.prod(c) == world]
+
+
+def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
+              ) -> Iterator[Config]:
+    """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch choice."""
+    par, tr, m = base.parallel, base.train, base.model.resolved()
+    dp, tp, pp, sp = sizes
+    if {"schedule", "virtual_stages"} & fixed or pp == 1:
+        schedules = [(par.schedule, par.virtual_stages)] if pp > 1 or {"schedule",
+                                                                        "virtual_stages"} & fixed \
+            else [("1f1b", 1)]
+    else:
+        schedules = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)] + [
+            ("interleaved", v) for v in (2, 4) if m.layers % (pp * v) == 0]
+    if sp == 1 or {"sp_mode", "sp_split"} & fixed:
+        sp_modes = [(par.sp_mode, par.sp_split)]
+    else:
+        sp_modes = [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous")]
+    rows = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
+    if "micro_batch_size" in fixed or rows == 0:
+        micro = [tr.micro_batch_size]
+    else:
+        micro = [b for b in range(1, rows + 1) if rows % b == 0]
+    zeros = [par.zero] if "zero" in fixed or dp * sp == 1 else [0, 1]
+    for (schedule, v), (mode, split), mbs, zero in itertools.product(schedules, sp_modes, micro,
+                                                                     zeros):
+        yield Config(base.model, dataclasses.replace(
+            par, dp=dp, tp=tp, pp=pp, sp=sp, schedule=schedule, virtual_stages=v, sp_mode=mode,
+            sp_split=split, zero=zero), dataclasses.replace(tr, micro_batch_size=mbs))
+
+
+def evaluate(cfg: Config, hw: Hardware = Hardware()) -> Candidate:
+    """Predictions for a resolved ``cfg``: memory and bytes of its worst pipeline rank."""
+    coords = [Coord(dp=0, tp=0, pp=r, sp=0) for r in range(cfg.parallel.pp)]
+    memory = max((predict_memory(cfg, c) for c in coords), key=lambda x: x.total)
+    step_bytes: dict[str, int] = {}
+    for c in coords:
+        for g, b in predict_step_bytes(cfg, c).items():
+            step_bytes[g] = max(step_bytes.get(g, 0), b)
+    return Candidate(cfg, memory, step_bytes, predict_step_time(cfg, hw))
+
+
+def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
+                 memory_bytes: float | None = None, hw: Hardware = Hardware()) -> Plan:
+    """Every layout of ``world`` ranks for ``base``'s model and batch, ranked by predicted step
+    time; ``fixed`` names the fields (of [parallel] and [train]) to keep as ``base`` has them.
+    For each layout the first recompute mode (none, selective, full) whose memory fits
+    ``memory_bytes`` per rank is taken (a fixed ``recompute`` is kept). Layouts that break a
+    configuration rule, or whose every variant exceeds the memory, are returned as rejections
+    with the reason (the rule's message, or the least memory any variant needs)."""
+    plan = Plan()
+    given = {f: getattr(base.parallel, f) for f in SIZE_FIELDS if f in fixed}
+    for sizes in _factorisations(world):
+        if any(dict(zip(SIZE_FIELDS, sizes))[f] != v for f, v in given.items() if v):
+            continue
+        errors: list[str] = []
+        too_big: list[Candidate] = []
+        accepted = 0
+        for cfg in _variants(base, sizes, fixed):
+            try:
+                cfg = cfg.resolved(world)
+            except ConfigError as exc:
+                errors.append(str(exc))
+                continue
+            modes = [cfg.train.recompute] if "recompute" in fixed else RECOMPUTE_ORDER
+            for mode in modes:
+                trial = evaluate(dataclasses.replace(
+                    cfg, train=dataclasses.replace(cfg.train, recompute=mode)), hw)
+                if memory_bytes is None or trial.memory.total <= memory_bytes:
+                    plan.ranked.append(trial)
+                    accepted += 1
+                    break
+            else:
+                too_big.append(trial)
+        if accepted:
+            continue
+        label = "dp={} tp={} pp={} sp={}".format(*sizes)
+        if too_big:
+            least = min(too_big, key=lambda c: c.memory.total)
+            plan.rejected.append(Rejection(label, (
+                f"needs at least {least.memory.total / 2**30:.3g} GiB per rank "
+                f"({least.describe()}), more than --memory-gb {memory_bytes / 2**30:g}")))
+        elif errors:
+            plan.rejected.append(Rejection(label, errors[0]))
+    plan.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
+    return plan
+
+
+def auto_layout(cfg: Config, world: int, given: set[str]) -> tuple[Config, str | None]:
+    """The layout ``python -m mpipar.train`` uses when no parallel size is ``given``: pure data
+    parallelism when ``dp = world`` divides the batch; otherwise the fastest layout of
+    :func:`plan_layouts` (nominal :class:`Hardware`, so every rank decides the same); otherwise,
+    unless the global batch size was given, the batch rounded up to a multiple of the world.
+    Returns the config (unresolved) and a note saying what was chosen, or None if nothing
+    changed."""
+    if set(SIZE_FIELDS) & given:
+        return cfg, None
+    try:
+        cfg.validate(world)
+        return cfg, None
+    except ConfigError as exc:
+        first_error = str(exc)
+    fixed = {f.name for sec in (cfg.parallel, cfg.train) for f in dataclasses.fields(sec)}
+    fixed -= set(SIZE_FIELDS)
+    plan = plan_layouts(cfg, world, fixed)
+    if plan.ranked:
+        best = plan.ranked[0].cfg.parallel
+        out = Config(cfg.model, dataclasses.replace(cfg.parallel, dp=best.dp, tp=best.tp,
+                                                    pp=best.pp, sp=best.sp), cfg.train)
+        return out, (f"{first_error}; chose dp={best.dp} tp={best.tp} pp={best.pp} sp={best.sp} "
+                     f"(the planner's fastest layout; set --dp/--tp/--pp/--sp to choose)")
+    if "global_batch_size" in given:
+        return cfg, None
+    tr = cfg.train
+    unit = world * (tr.micro_batch_size or 1)
+    batch = -(-tr.global_batch_size // unit) * unit
+    out = Config(cfg.model, dataclasses.replace(cfg.parallel, dp=world),
+                 dataclasses.replace(tr, global_batch_size=batch))
+    return out, (f"{first_error}; no layout of {world} ranks fits global_batch_size="
+                 f"{tr.global_batch_size}, so it is {batch} (dp={world}); set "
+                 f"--global-batch-size to choose")

@@ -1,0 +1,127 @@
+"""``python -m mpipar.plan --world N``: which layouts fit, how much memory and traffic each
+needs, and which should be fastest.
+
+    python -m mpipar.plan --world 8 [--memory-gb G] [--top K] [model/train/parallel flags | --config FILE]
+
+Every factorisation ``dp x tp x pp x sp`` of the world is tried with every free choice (pipeline
+schedule, SP mode and split, microbatch size, ZeRO stage); flags given fix a choice. Per layout
+the first recompute mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are
+ranked by the step time model of :mod:`mpipar.planner`; the rejected ones are listed with the
+configuration rule they break or the memory they would need. Exit status 0 when a layout fits,
+1 when none does, 2 for bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+from mpipar import config as config_mod
+from mpipar.config import Config, ConfigError
+from mpipar.model.params import param_specs
+from mpipar.planner import Candidate, Hardware, Plan, plan_layouts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpipar.plan",
+        description="Enumerate, check and rank the parallel layouts of a model on N ranks.")
+    parser.add_argument("--world", type=int, required=True, metavar="N", help="number of ranks")
+    parser.add_argument("--memory-gb", type=float, metavar="G",
+                        help="memory per rank in GiB (default: no limit)")
+    parser.add_argument("--top", type=int, default=10, metavar="K",
+                        help="show the K fastest layouts (default 10; 0 shows all)")
+    parser.add_argument("--peak-gflops", type=float, metavar="F",
+                        help="per-rank peak GFLOP/s (default: a GEMM probe on this machine)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=10.0, metavar="B",
+                        help="per-rank link bandwidth in GB/s (default 10)")
+    parser.add_argument("--latency-us", type=float, default=10.0, metavar="L",
+                        help="seconds per MPI call, in microseconds (default 10)")
+    config_mod.add_arguments(parser)
+    return parser
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"mpipar.plan: error: {message}\n")
+    return 2
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: float | None,
+                top: int, peak_note: str) -> str:
+    """The report printed by the CLI."""
+    m, tr = base.model.resolved(), base.train
+    params = sum(math.prod(s.shape) for s in param_specs(m))
+    lines = [
+        f"mpipar plan: world {world}, model {m.layers} layers x {m.hidden} hidden, heads "
+        f"{m.heads}/{m.kv_heads}, vocab {m.vocab_size} ({params / 1e6:.2f} M parameters), global "
+        f"batch {tr.global_batch_size} x {tr.seq_len} tokens, {tr.dtype}",
+        f"time model: FLOPs / {hw.peak_flops / 1e9:,.1f} GFLOP/s per rank ({peak_note}) + bytes x "
+        f"algorithm factor / {hw.bandwidth / 1e9:g} GB/s + {hw.latency * 1e6:g} us per MPI call; "
+        f"the pipeline by a dry run of its schedule (bubble included)",
+        f"memory limit: {'none' if memory_gb is None else f'{memory_gb:g} GiB per rank'}",
+        "",
+        f"{'#':>3}  {'layout':<66} {'step ms':>8} {'tok/s':>10} {'bubble':>6}  "
+        f"{'memory MiB: total = weights + grads + optimizer + activations':<60}  "
+        f"bytes/step per group",
+    ]
+    shown = plan.ranked if top == 0 else plan.ranked[:top]
+    for i, c in enumerate(shown, 1):
+        lines.append(_row(i, c, tr.global_batch_size * tr.seq_len))
+    if len(shown) < len(plan.ranked):
+        lines.append(f"     ... {len(plan.ranked) - len(shown)} more (--top 0 shows all)")
+    if not plan.ranked:
+        lines.append("     no layout fits")
+    if plan.rejected:
+        lines += ["", f"rejected ({len(plan.rejected)}):"]
+        lines += [f"  {r.layout}: {r.reason}" for r in plan.rejected]
+    return "\n".join(lines) + "\n"
+
+
+def _row(i: int, c: Candidate, tokens: int) -> str:
+    mem = c.memory
+    memory = (f"{_gib(mem.total)} = {_gib(mem.weights)} + {_gib(mem.grads)} + "
+              f"{_gib(mem.optimizer)} + {_gib(mem.activations)}")
+    traffic = ", ".join(f"{g} {b:,}" for g, b in sorted(c.step_bytes.items())) or "none"
+    return (f"{i:>3}  {c.describe():<66} {1e3 * c.time.total:>8.2f} "
+            f"{tokens / c.time.total:>10,.0f} {100 * c.time.bubble:>5.0f}%  {memory:<60}  "
+            f"{traffic}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.world < 1:
+        return _fail(f"--world {args.world}: must be >= 1")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        return _fail(f"--memory-gb {args.memory_gb}: must be > 0")
+    if args.top < 0:
+        return _fail(f"--top {args.top}: must be >= 0")
+    for name in ("peak_gflops", "bandwidth_gbs", "latency_us"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            return _fail(f"--{name.replace('_', '-')} {value}: must be > 0")
+    try:
+        base = config_mod.from_args(args)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    from mpipar.train import given_fields
+    fixed = given_fields(args)
+    if args.peak_gflops:
+        peak, note = args.peak_gflops * 1e9, "given"
+    else:
+        from mpipar.backend import measure_peak_flops
+        peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
+    hw = Hardware(peak, args.bandwidth_gbs * 1e9, args.latency_us * 1e-6)
+    memory = None if args.memory_gb is None else args.memory_gb * 2**30
+    base = dataclasses.replace(base, model=base.model.resolved())
+    plan = plan_layouts(base, args.world, fixed, memory, hw)
+    sys.stdout.write(format_plan(plan, base, args.world, hw, args.memory_gb, args.top, note))
+    return 0 if plan.ranked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

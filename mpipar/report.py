@@ -1,0 +1,347 @@
+"""``python -m mpipar.report RUN_DIR``: plots of a run and a summary naming its bottleneck.
+
+Reads ``RUN_DIR/metrics.jsonl``, ``RUN_DIR/timeline.json`` (the last step's op records of every
+rank) and ``RUN_DIR/config.toml``, and writes into ``RUN_DIR/report/`` (or ``--out``):
+
+- ``loss.png`` (skipped steps marked), ``throughput.png`` (tokens/s and MFU),
+  ``time_breakdown.png`` (stacked seconds per step: compute, TP/SP comm, pipeline wait, DP comm,
+  optimizer, I/O), ``memory.png`` (peak resident memory per rank), ``timeline.png`` (a Gantt chart
+  of each rank's forward / backward / receive-wait ops over the recorded step);
+- ``summary.txt``: the numbers, the bottleneck and what to change (also printed).
+
+The analysis (:func:`summarize`, :func:`diagnose`) needs no matplotlib; ``train`` writes the same
+summary at the end of every run. Plotting needs the ``[report]`` extra (matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from mpipar.metrics import COMPUTE_OPS, TIME_KEYS
+
+LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
+          "pipeline_wait": "pipeline wait (bubble and transfers)",
+          "dp_comm": "DP gradient communication", "optimizer": "optimizer step",
+          "io": "I/O (checkpoints)"}
+COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "sp_comm": "#937860",
+          "pipeline_wait": "#c44e52", "dp_comm": "#55a868", "optimizer": "#8172b3",
+          "io": "#8c8c8c"}
+OP_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "bwd_input": "#dd8452", "bwd_weight": "#f3b77b",
+             "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
+BUBBLE_LIMIT = 0.30
+
+
+# ----------------------------------------------------------------------------------- loading
+def load_run(run_dir: str) -> tuple[list[dict], dict | None, dict | None]:
+    """(metrics records, timeline or None, config dict or None) of ``run_dir``."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
+    with open(path) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    timeline = config = None
+    if os.path.exists(os.path.join(run_dir, "timeline.json")):
+        with open(os.path.join(run_dir, "timeline.json")) as fh:
+            timeline = json.load(fh)
+    if os.path.exists(os.path.join(run_dir, "config.toml")):
+        with open(os.path.join(run_dir, "config.toml"), "rb") as fh:
+            config = tomllib.load(fh)
+    return records, timeline, config
+
+
+# ---------------------------------------------------------------------------------- analysis
+def timeline_bubble(timeline: dict | None) -> float | None:
+    """Mean over ranks of the fraction of the step spent blocked in pipeline receives."""
+    if not timeline or not timeline.get("ranks"):
+        return None
+    fractions = []
+    for rank in timeline["ranks"]:
+        ops = rank["ops"]
+        if not ops:
+            continue
+        span = max(o[4] for o in ops) - min(o[3] for o in ops)
+        wait = sum(o[4] - o[3] for o in ops if o[0].startswith("recv"))
+        fractions.append(wait / span if span > 0 else 0.0)
+    return statistics.mean(fractions) if fractions else None
+
+
+def _steady(records: list[dict]) -> list[dict]:
+    """The steps after the first (warm-up: compilation, first touches), if there are any."""
+    return records[1:] if len(records) > 1 else records
+
+
+def summarize(records: list[dict], timeline: dict | None = None, config: dict | None = None,
+              status: str | None = None) -> dict[str, Any]:
+    """The numbers of a run: losses, medians of throughput, mean time breakdown, bytes, memory."""
+    if not records:
+        raise ValueError("summarize: no step records")
+    steady = _steady(records)
+    finite = [r["loss"] for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
+    times = {k: statistics.mean(r["time"][k] for r in steady) for k in TIME_KEYS}
+    par = (config or {}).get("parallel", {})
+    tr = (config or {}).get("train", {})
+    out: dict[str, Any] = {
+        "status": status,
+        "steps": [records[0]["step"], records[-1]["step"]],
+        "loss_first": finite[0] if finite else None,
+        "loss_last": statistics.mean(finite[-5:]) if finite else None,
+        "loss_min": min(finite) if finite else None,
+        "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady),
+        "time_s": times,
+        "comm_bytes_per_step": records[-1].get("comm_bytes_max", {}),
+        "memory_bytes": records[-1].get("memory_bytes", []),
+        "skipped_steps": records[-1].get("skipped_steps", 0),
+        "layout": {k: par[k] for k in ("dp", "tp", "pp", "sp", "schedule", "virtual_stages",
+                                       "zero", "sp_mode", "sp_split") if k in par},
+    }
+    if tr.get("global_batch_size") and tr.get("micro_batch_size") and par.get("dp"):
+        out["layout"]["microbatches"] = tr["global_batch_size"] // (par["dp"]
+                                                                  * tr["micro_batch_size"])
+    if tr.get("recompute"):
+        out["layout"]["recompute"] = tr["recompute"]
+    bubble = timeline_bubble(timeline)
+    if bubble is None:
+        pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
+        bubble = times["pipeline_wait"] / pipe if pipe > 0 else 0.0
+    out["bubble"] = bubble
+    return out
+
+
+def diagnose(summary: dict[str, Any]) -> list[str]:
+    """The bottleneck (first line) and what to change (following lines) of a run summary."""
+    t = summary["time_s"]
+    total = sum(t.values()) or 1.0
+    frac = {k: v / total for k, v in t.items()}
+    worst = max(TIME_KEYS, key=lambda k: t[k])
+    lay = summary.get("layout", {})
+    dp, tp, pp, sp = (lay.get(k, 1) for k in ("dp", "tp", "pp", "sp"))
+    lines = [f"bottleneck: {LABELS[worst]} ({100 * frac[worst]:.0f}% of the step time)"]
+    bubble = summary.get("bubble", 0.0)
+    if pp > 1 and bubble > BUBBLE_LIMIT:
+        m = lay.get("microbatches")
+        more = f" (now {m} per step for pp={pp})" if m else ""
+        lines.append(f"pipeline bubble {100 * bubble:.0f}% > {100 * BUBBLE_LIMIT:.0f}%: use more "
+                     f"microbatches{more} with a smaller --micro-batch-size, or interleaving "
+                     f"(--schedule interleaved --virtual-stages 2) or --schedule zb-h1")
+    if tp > 1 and t["tp_comm"] > t["compute"]:
+        lines.append(f"TP communication ({t['tp_comm']:.3g} s) is above compute "
+                     f"({t['compute']:.3g} s): use a smaller --tp (e.g. --tp {tp // 2}) and give "
+                     f"the factor to dp or pp; keep tp within a node")
+    if sp > 1 and t["sp_comm"] > 0.5 * t["compute"]:
+        lines.append(f"SP communication ({t['sp_comm']:.3g} s) is over half of compute: use a "
+                     f"smaller --sp, --sp-overlap (ring), or --sp-mode ulysses; SP pays off for "
+                     f"long sequences")
+    if dp * sp > 1 and frac["dp_comm"] > 0.25:
+        lines.append(f"gradient reduction over dp x sp takes {100 * frac['dp_comm']:.0f}% of the "
+                     f"step: do more work per reduction (a larger global batch per rank), use "
+                     f"fewer DP ranks, or a larger --bucket-mb so reductions overlap backward")
+    if frac["optimizer"] > 0.25:
+        zero = (" --zero 1 shards it over dp x sp;" if dp * sp > 1 and not lay.get("zero")
+                else "")
+        lines.append(f"the optimizer step takes {100 * frac['optimizer']:.0f}% of the step:{zero} "
+                     f"larger batches amortise it")
+    if frac["io"] > 0.10:
+        lines.append(f"I/O takes {100 * frac['io']:.0f}% of the time: checkpoint less often "
+                     f"(--save-every)")
+    if summary.get("skipped_steps"):
+        lines.append(f"{summary['skipped_steps']} step(s) were skipped for a non-finite loss or "
+                     f"gradient norm: lower --lr, lengthen --warmup-steps or lower --clip-grad")
+    memory = [m for m in summary.get("memory_bytes", []) if m]
+    if len(memory) > 1 and max(memory) > 1.5 * min(memory):
+        hi, lo = memory.index(max(memory)), memory.index(min(memory))
+        lines.append(f"memory is unbalanced: rank {hi} peaks at {max(memory) / 2**20:.0f} MiB, "
+                     f"rank {lo} at {min(memory) / 2**20:.0f} MiB (pipeline stages with the "
+                     f"embedding or head, or ZeRO off); --recompute or --zero 1 lowers the peak")
+    if len(lines) == 1:
+        if worst == "compute":
+            lines.append(f"compute-bound at MFU {100 * summary.get('mfu', 0):.1f}%: larger "
+                         f"microbatches use the GEMMs better; the numba/cupy kernels are faster "
+                         f"than numpy")
+        else:
+            lines.append(f"no rule fired; the largest share is {LABELS[worst]}")
+    return lines
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """Human-readable summary: the numbers, then :func:`diagnose`."""
+    s = summary
+    lay = s.get("layout", {})
+    t = s["time_s"]
+    total = sum(t.values()) or 1.0
+    loss = ("n/a" if s["loss_first"] is None else
+            f"{s['loss_first']:.4f} -> {s['loss_last']:.4f} (min {s['loss_min']:.4f})")
+    out = [f"run: steps {s['steps'][0]}..{s['steps'][1]}"
+           + (f", {s['status']}" if s.get("status") else ""),
+           "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
+           f"loss: {loss}",
+           f"throughput: {s['tokens_per_s']:,.0f} tokens/s, step {s['step_time_s']:.4g} s, "
+           f"MFU {100 * s['mfu']:.2f}% (medians after step 1)",
+           "time per step (mean over ranks): " + ", ".join(
+               f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS),
+           f"pipeline bubble: {100 * s['bubble']:.0f}%",
+           "bytes per step (busiest rank): " + (", ".join(
+               f"{g} {b:,}" for g, b in s["comm_bytes_per_step"].items()) or "none"),
+           "peak memory per rank (MiB): " + ", ".join(
+               f"{m / 2**20:.0f}" for m in s["memory_bytes"]),
+           f"skipped steps: {s['skipped_steps']}"]
+    return "\n".join(out + diagnose(s)) + "\n"
+
+
+# ------------------------------------------------------------------------------------- plots
+def _figure(width: float = 8, height: float = 4.5):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt, *plt.subplots(figsize=(width, height))
+
+
+def plot_loss(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure()
+    steps = [r["step"] for r in records if not r.get("skipped")]
+    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2, label="loss")
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    if skipped:
+        top = max((r["loss"] for r in records if math.isfinite(r["loss"])), default=1.0)
+        ax.scatter(skipped, [top] * len(skipped), marker="x", color="red", label="skipped step")
+    ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", title="Training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_throughput(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure()
+    records = _steady(records)
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["tokens_per_s"] for r in records], color="#4c72b0")
+    ax.set(xlabel="step", ylabel="tokens / s", title="Throughput and MFU (after step 1)")
+    right = ax.twinx()
+    right.plot(steps, [100 * r["mfu"] for r in records], color="#dd8452")
+    right.set_ylabel("MFU (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_time_breakdown(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure(9, 4.5)
+    records = _steady(records)
+    steps = [r["step"] for r in records]
+    bottom = [0.0] * len(records)
+    for k in TIME_KEYS:
+        values = [r["time"][k] for r in records]
+        ax.bar(steps, values, bottom=bottom, width=1.0, color=COLORS[k], label=LABELS[k],
+               linewidth=0)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(xlabel="step", ylabel="seconds (mean over ranks)",
+           title="Where a step's time goes (after step 1)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_memory(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure()
+    memory = records[-1].get("memory_bytes", [])
+    ax.bar(range(len(memory)), [m / 2**20 for m in memory], color="#55a868")
+    ax.set(xlabel="rank", ylabel="peak resident memory (MiB)", title="Peak memory per rank")
+    ax.set_xticks(range(len(memory)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_timeline(timeline: dict, path: str) -> None:
+    """Gantt chart: one row per rank, a bar per op, coloured by kind, labelled by microbatch."""
+    ranks = timeline["ranks"]
+    plt, fig, ax = _figure(10, 1.0 + 0.5 * len(ranks))
+    for row, rank in enumerate(ranks):
+        for kind, mb, chunk, start, end in rank["ops"]:
+            if kind not in OP_COLORS or end <= start:
+                continue
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8),
+                           facecolors=OP_COLORS[kind],
+                           edgecolor="white" if kind in COMPUTE_OPS else "none", linewidth=0.5)
+            if kind in COMPUTE_OPS and (end - start) > 0:
+                ax.text((start + end) / 2 * 1e3, row, str(mb), ha="center", va="center",
+                        fontsize=6, clip_on=True)
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r['rank']} (pp {r['coord']['pp']})" for r in ranks])
+    ax.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=OP_COLORS[k])
+               for k in ("fwd", "bwd", "bwd_weight", "recv_fwd")]
+    ax.legend(handles, ["forward", "backward (input)", "backward (weights)", "waiting (recv)"],
+              fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set(xlabel="ms since the step began", title=f"Pipeline timeline of step {timeline['step']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(run_dir: str, out_dir: str | None = None) -> tuple[list[str], str]:
+    """Write the plots and summary.txt of ``run_dir``; returns (paths written, summary text)."""
+    records, timeline, config = load_run(run_dir)
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no steps")
+    out_dir = out_dir or os.path.join(run_dir, "report")
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, fn in (("loss", plot_loss), ("throughput", plot_throughput),
+                     ("time_breakdown", plot_time_breakdown), ("memory", plot_memory)):
+        path = os.path.join(out_dir, f"{name}.png")
+        fn(records, path)
+        written.append(path)
+    if timeline:
+        path = os.path.join(out_dir, "timeline.png")
+        plot_timeline(timeline, path)
+        written.append(path)
+    status = None
+    if os.path.exists(os.path.join(run_dir, "summary.json")):
+        with open(os.path.join(run_dir, "summary.json")) as fh:
+            status = json.load(fh).get("status")
+    text = summary_text(summarize(records, timeline, config, status))
+    path = os.path.join(out_dir, "summary.txt")
+    with open(path, "w") as fh:
+        fh.write(text)
+    written.append(path)
+    return written, text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpipar.report",
+        description="Plots and a bottleneck summary of a training run.")
+    parser.add_argument("run_dir", help="the run's directory (--run-dir of mpipar.train)")
+    parser.add_argument("--out", help="where to write (default: RUN_DIR/report)")
+    args = parser.parse_args(argv)
+    try:
+        written, text = write_report(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        sys.stderr.write(f"mpipar.report: error: {exc}\n")
+        return 2
+    except ImportError as exc:
+        sys.stderr.write(f"mpipar.report: error: plotting needs matplotlib "
+                         f"(pip install 'mpipar[report]'): {exc}\n")
+        return 2
+    sys.stdout.write(text)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""The training run as users live it: the default run, preemption, failures, bad data.
+
+Every test launches ``python -m mpipar.train`` (under ``mpirun`` for several ranks) as a
+subprocess, so these are serial tests. Faults are injected by small driver scripts that wrap one
+real function of the engine on one rank before calling ``mpipar.train.main``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+needs_mpirun = pytest.mark.skipif(not os.path.exists(MPIRUN),
+                                  reason="no mpirun beside this Python (install mpipar[mpich])")
+TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "32",
+        "--global-batch-size", "4", "--backend", "numpy", "--log-every", "0"]
+
+
+def _metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _launch(ranks: int, args: list[str], script: str | None = None, cwd=None) -> subprocess.Popen:
+    prog = [script] if script else ["-m", "mpipar.train"]
+    launch = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
+    return subprocess.Popen([*launch, sys.executable, *prog, *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run(ranks: int, args: list[str], script: str | None = None, cwd=None,
+         timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = _launch(ranks, args, script, cwd)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Block until ``metrics.jsonl`` holds ``steps`` lines (the ranks are inside the loop)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if os.path.exists(path):
+            with open(path) as fh:
+                if sum(1 for _ in fh) >= steps:
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"no {steps} steps in {path} after {timeout} s")
+
+
+def _rank_pids(root: int) -> list[int]:
+    """Python processes started (through hydra's proxy) by the ``mpirun`` with pid ``root``."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    below, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - below
+        below |= frontier
+    out = []
+    for pid in sorted(below):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"mpipar" in fh.read() and os.path.basename(os.readlink(f"/proc/{pid}/exe")) \
+                        .startswith("python"):
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------------- default run
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_default_run(tmp_path, ranks):
+    """No flag but a short --steps: the embedded default trains on 1, 2 and 8 ranks, the loss
+    falls clearly, and RUN_DIR holds config, metrics, timeline, summary and a checkpoint."""
+    if ranks > 1 and not os.path.exists(MPIRUN):
+        pytest.skip("no mpirun")
+    from mpipar import checkpoint
+    from mpipar.config import Config
+    from mpipar.planner import predict_step_bytes
+    from mpipar.topology import Coord
+
+    proc = _run(ranks, ["--steps", "20"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"layout world={ranks} dp={ranks} tp=1 pp=1 sp=1" in proc.stdout
+    run = tmp_path / "runs" / "mpipar"
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
+    assert abs(first - math.log(256)) < 0.1 and last < first - 1.5, (first, last)
+    summary = json.loads((run / "summary.json").read_text())
+    for r in rows:
+        assert r["mfu"] == pytest.approx(r["flops"] / r["step_time_s"] / summary["peak_flops"])
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"])
+        assert r["mfu"] > 0 and r["skipped_steps"] == 0
+        assert len(r["memory_bytes"]) == ranks and min(r["memory_bytes"]) > 2**20
+        assert set(r["time"]) == {"compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm",
+                                  "optimizer", "io"}
+        assert r["time"]["compute"] > 0
+    # Bytes per group are the planner's (data parallel: the gradient buckets and the loss).
+    cfg = Config.from_dict(__import__("tomllib").loads((run / "config.toml").read_text()))
+    assert rows[-1]["comm_bytes_max"] == predict_step_bytes(cfg, Coord(0, 0, 0, 0))
+    assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / "step_00000020"
+    assert summary["status"] == "completed" and summary["steps"] == [1, 20]
+    assert "bottleneck:" in (run / "summary.txt").read_text()
+    timeline = json.loads((run / "timeline.json").read_text())
+    assert timeline["step"] == 20 and len(timeline["ranks"]) == ranks
+    assert all([op[0] for op in r["ops"]] == ["fwd", "bwd"] for r in timeline["ranks"])
+
+
+def test_progress_bar_on_a_terminal_log_lines_otherwise(tmp_path):
+    """stdout a terminal: a tqdm bar and no log lines; a pipe: one line every --log-every."""
+    import pty
+
+    args = [sys.executable, "-m", "mpipar.train", *TINY[:-2], "--steps", "4", "--log-every", "2"]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([*args, "--run-dir", str(tmp_path / "tty")], stdout=follower,
+                            stderr=follower, text=True)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0
+    tty = b"".join(chunks).decode(errors="replace")
+    assert "4/4" in tty and ("step/s" in tty or "s/step" in tty), tty
+    assert "step      2/4" not in tty
+    piped = _run(1, [*TINY[:-2], "--steps", "4", "--log-every", "2",
+                     "--run-dir", str(tmp_path / "pipe")])
+    lines = [line for line in piped.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/4", "2/4", "4/4"]
+
+
+# ------------------------------------------------------------------------------ preemption
+@needs_mpirun
+def test_sigterm_to_mpirun_checkpoints_and_exits_0(tmp_path):
+    """mpirun forwards SIGTERM to every rank: the step finishes, a checkpoint is committed at
+    the step the metrics end with, every rank exits 0."""
+    from mpipar import checkpoint
+
+    run = tmp_path / "run"
+    proc = _launch(4, [*TINY, "--dp", "2", "--pp", "2", "--micro-batch-size", "1",
+                       "--steps", "100000", "--run-dir", str(run)])
+    _wait_for_steps(run, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    last = _metrics(run)[-1]["step"]
+    assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / f"step_{last:08d}"
+    assert f"preempted after step {last} of 100000 on a stop signal" in out
+    assert json.loads((run / "summary.json").read_text())["status"] == f"preempted after step {last}"
+
+
+@needs_mpirun
+def test_sigusr1_to_one_rank_stops_all_and_resume_is_exact(tmp_path):
+    """SIGUSR1 reaches only the last rank: all ranks stop after the same step (a collective
+    decision), and ``--resume auto`` then gives bit for bit the losses, norms and LRs of an
+    uninterrupted run."""
+    steps = 400
+    common = [*TINY, "--pp", "2", "--micro-batch-size", "2", "--dtype", "float64",
+              "--steps", str(steps)]
+    run = tmp_path / "run"
+    proc = _launch(2, [*common, "--run-dir", str(run)])
+    _wait_for_steps(run, 3, proc)
+    ranks = _rank_pids(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    stopped = _metrics(run)[-1]["step"]
+    assert stopped < steps and f"preempted after step {stopped}" in out
+    again = _run(2, [*common, "--run-dir", str(run), "--resume", "auto"])
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {run / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" \
+        in again.stdout
+    reference = _run(2, [*common, "--run-dir", str(tmp_path / "reference")])
+    assert reference.returncode == 0, reference.stderr
+    got, want = _metrics(run), _metrics(tmp_path / "reference")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+# -------------------------------------------------------------------------------- failures
+@needs_mpirun
+def test_sigkill_of_one_rank_ends_the_job_within_30_s(tmp_path):
+    run = tmp_path / "run"
+    proc = _launch(4, [*TINY, "--dp", "2", "--pp", "2", "--micro-batch-size", "1",
+                       "--steps", "100000", "--run-dir", str(run)])
+    _wait_for_steps(run, 3, proc)
+    ranks = _rank_pids(proc.pid)
+    assert len(ranks) == 4, ranks
+    t0 = time.monotonic()
+    os.kill(ranks[1], signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 30
+
+
+def test_watchdog_names_only_a_call_blocked_too_long():
+    from mpi4py import MPI
+
+    from mpipar.comm import Ledger, Watchdog
+
+    ledger = Ledger()
+    dog = Watchdog([Ledger(), ledger], timeout=5.0, comm=MPI.COMM_SELF)
+    assert dog.stuck() is None
+    ledger.begin("tp", "allreduce", 4)
+    start = ledger.in_flight[3]
+    assert dog.stuck(start + 4.9) is None
+    assert dog.stuck(start + 7.25) == (
+        "mpipar: rank 0: collective watchdog: allreduce on group 'tp' (size 4) has been blocked "
+        "7.2 s, longer than --collective-timeout 5 s; another rank is stuck or gone. Aborting "
+        "all ranks")
+    ledger.add("tp", "allreduce", 64, 0.1)                  # the call returned
+    assert ledger.in_flight is None and dog.stuck(start + 100) is None
+    with pytest.raises(ValueError, match="must be > 0 seconds"):
+        Watchdog([ledger], 0.0)
+
+
+STALL = """
+    import sys, time
+    from mpi4py import MPI
+    from mpipar import train
+    from mpipar.parallel import grads
+    real = grads.GradReducer.finish
+    calls = [0]
+    def finish(self):
+        calls[0] += 1
+        if calls[0] == 3 and MPI.COMM_WORLD.rank == 1:
+            time.sleep(120)  # rank 1 hangs inside step 3; rank 0 waits in the gradient all-reduce
+        return real(self)
+    grads.GradReducer.finish = finish
+    sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@needs_mpirun
+def test_collective_watchdog_names_the_operation_and_group(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(textwrap.dedent(STALL))
+    t0 = time.monotonic()
+    proc = _run(2, [*TINY, "--steps", "10", "--collective-timeout", "3",
+                    "--run-dir", str(tmp_path / "run")], script=str(script), timeout=100)
+    assert proc.returncode == 4  # train.EXIT_WATCHDOG, through MPI_Abort and mpirun
+    assert time.monotonic() - t0 < 60
+    assert ("mpipar: rank 0: collective watchdog: iallreduce on group 'dp_sp' (size 2) has been "
+            "blocked") in proc.stderr
+    assert "longer than --collective-timeout 3 s" in proc.stderr
+    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
+
+
+NAN = """
+    import sys
+    import numpy as np
+    from mpipar import train
+    from mpipar.parallel import grads
+    real = grads.GradReducer.finish
+    calls = [0]
+    def finish(self):
+        calls[0] += 1
+        if calls[0] == 3:  # step 3: one gradient element is NaN
+            self.buckets[0].grads[0] = np.nan
+        return real(self)
+    grads.GradReducer.finish = finish
+    sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_on_nan_skip_counts_the_step_and_leaves_the_state_untouched(tmp_path):
+    from mpipar import checkpoint
+
+    script = tmp_path / "nan.py"
+    script.write_text(textwrap.dedent(NAN))
+    run = tmp_path / "run"
+    proc = _run(1, [*TINY, "--steps", "4", "--on-nan", "skip", "--save-every", "1",
+                    "--run-dir", str(run)], script=str(script))
+    assert proc.returncode == 0, proc.stderr
+    rows = _metrics(run)
+    assert [r["skipped"] for r in rows] == [False, False, True, False]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1]
+    assert math.isnan(rows[2]["grad_norm"])
+    assert math.isfinite(rows[3]["loss"]) and math.isfinite(rows[3]["grad_norm"])
+    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == 1
+    # The skipped update changed nothing: the state after step 3 is the state after step 2.
+    ck = run / "checkpoints"
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        before = checkpoint.read_tensors(ck / "step_00000002", kind)
+        after = checkpoint.read_tensors(ck / "step_00000003", kind)
+        assert all(np.array_equal(before[n], after[n]) for n in before), kind
+
+
+def test_on_nan_stop_saves_and_exits_3_then_resume_continues(tmp_path):
+    from mpipar import checkpoint
+
+    script = tmp_path / "nan.py"
+    script.write_text(textwrap.dedent(NAN))
+    run = tmp_path / "run"
+    proc = _run(1, [*TINY, "--steps", "5", "--on-nan", "stop", "--save-every", "2",
+                    "--run-dir", str(run)], script=str(script))
+    assert proc.returncode == 3, proc.stderr
+    assert "step 3: loss" in proc.stderr and "is not finite (--on-nan stop)" in proc.stderr
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
+    ck = run / "checkpoints"
+    assert checkpoint.latest(ck) == ck / "step_00000003" and checkpoint.verify(ck / "step_00000003") == []
+    before, after = (checkpoint.read_tensors(ck / f"step_0000000{k}") for k in (2, 3))
+    assert all(np.array_equal(before[n], after[n]) for n in before)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "stopped at step 3: non-finite loss or gradient norm"
+    again = _run(1, [*TINY, "--steps", "5", "--on-nan", "stop", "--resume", "auto",
+                     "--run-dir", str(run)])
+    assert again.returncode == 0, again.stderr
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]  # carried over the resume
+
+
+# -------------------------------------------------------------------------------- bad data
+def _bad_data(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    np.save(tmp_path / "short.npy", np.zeros((4, 10), dtype=np.int64))
+    (tmp_path / "garbage.npy").write_bytes(b"not an array" * 8)
+    (tmp_path / "garbage.h5").write_bytes(b"not hdf5" * 16)
+    return {
+        "missing": (tmp_path / "nope.bin", "data path {} does not exist"),
+        "empty": (tmp_path / "empty.txt", "the token source is empty"),
+        "short": (tmp_path / "short.npy", "rows hold 10 tokens, but --seq-len 32 needs rows of "
+                                          "seq_len + 1 = 33 tokens"),
+        "unreadable-npy": (tmp_path / "garbage.npy", "cannot read {} as a .npy array"),
+        "unreadable-h5": (tmp_path / "garbage.h5", "cannot read {} as HDF5"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "short", "unreadable-npy", "unreadable-h5"])
+def test_bad_data_exits_2_with_a_clear_message(tmp_path, case):
+    path, message = _bad_data(tmp_path)[case]
+    proc = _run(1, [*TINY, "--data", str(path), "--run-dir", str(tmp_path / "run")], timeout=60)
+    assert proc.returncode == 2
+    assert message.format(path) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@needs_mpirun
+def test_bad_data_under_mpirun_exits_2_once(tmp_path):
+    path, message = _bad_data(tmp_path)["short"]
+    proc = _run(4, [*TINY, "--data", str(path), "--run-dir", str(tmp_path / "run")], timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count(message) == 1

@@ -1,0 +1,255 @@
+"""The planner: exact state memory and message counts against the engine, analytic parameter
+counts, the time model's ranking, rejection reasons, the default run's layout choice, the CLI."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from conftest import assert_all_ranks
+from layouts import small_config, token_source
+from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from mpipar.planner import (Hardware, auto_layout, model_flops_per_step, plan_layouts,
+                            predict_memory, predict_step_bytes, predict_step_messages,
+                            predict_step_time)
+from mpipar.topology import Coord
+
+CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, sp_mode="ulysses", dp=4),
+         dict(sp=4, sp_overlap=True, tp=2), dict(pp=2, dp=2, sp=2, schedule="interleaved", virtual_stages=2),
+         dict(dp=8, bucket_mb=0.001), dict(dp=4, tp=2, zero=1, bucket_mb=0.003),
+         dict(pp=4, tp=2, schedule="zb-h1"), dict(dp=2, tp=2, pp=2, dtype="float32"),
+         dict(tp=2, sp=2, dp=2, recompute="full"), dict(sp=2, sp_mode="ulysses", dp=2, pp=2,
+                                                         recompute="full"),
+         dict(tp=2, pp=2, dp=2, recompute="selective")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in CASES])
+def test_state_memory_and_messages_equal_the_engine(world, case):
+    """Weights, gradients and AdamW moments are the engine's buffers byte for byte; the MPI
+    calls per group are the ledger's, and so are the bytes (recompute=full repeats forward
+    traffic in backward)."""
+    from mpipar.engine import Engine
+
+    case = dict(case)
+    recompute = case.pop("recompute", "none")
+    cfg = small_config(case.pop("dtype", "float64"), **case)
+    cfg.train.recompute = recompute
+    cfg = cfg.resolved(8)
+    fails = []
+    try:
+        eng = Engine(cfg, world, source=token_source())
+        mem = predict_memory(cfg, eng.grid.coord)
+        buckets = eng.reducer.buckets
+        opt = eng.optimizer
+        moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v) if cfg.parallel.zero
+                   else sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
+        got = (sum(b.params.nbytes for b in buckets), sum(b.grads.nbytes for b in buckets), moments)
+        if got != (mem.weights, mem.grads, mem.optimizer):
+            fails.append(f"{eng.grid.coord}: engine {got} != predicted "
+                         f"{(mem.weights, mem.grads, mem.optimizer)}")
+        eng.ledger.reset()
+        eng.train_step(0)
+        messages: dict[str, int] = {}
+        for (group, _), entry in eng.ledger.entries.items():
+            messages[group] = messages.get(group, 0) + entry.messages
+        if messages != predict_step_messages(cfg, eng.grid.coord):
+            fails.append(f"{eng.grid.coord}: ledger messages {messages} != predicted "
+                         f"{predict_step_messages(cfg, eng.grid.coord)}")
+        if eng.ledger.bytes_by_group() != predict_step_bytes(cfg, eng.grid.coord):
+            fails.append(f"{eng.grid.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
+                         f"predicted {predict_step_bytes(cfg, eng.grid.coord)}")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)
+
+
+# ------------------------------------------------------------------------ analytic counts
+def _params(m: ModelConfig) -> int:
+    """Parameters of a Llama by hand: embedding, per block 2 norms + q, k, v, o + gate, up,
+    down, final norm, untied head."""
+    m = m.resolved()
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    block = 2 * m.hidden + m.hidden * q * 2 + m.hidden * kv * 2 + 3 * m.hidden * m.ffn_hidden
+    return 2 * m.vocab_size * m.hidden + m.layers * block + m.hidden
+
+
+def test_default_model_state_by_hand():
+    cfg = Config().resolved(1)
+    assert _params(cfg.model) == 803_968
+    mem = predict_memory(cfg, Coord(0, 0, 0, 0))
+    assert mem.weights == mem.grads == 803_968 * 4
+    assert mem.optimizer == 2 * 803_968 * 4                      # AdamW m and v
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_zero_shards_the_moments_over_dp(zero):
+    cfg = Config(parallel=ParallelConfig(dp=8, zero=zero)).resolved(8)
+    mem = predict_memory(cfg, Coord(3, 0, 0, 0))
+    n = _params(cfg.model)
+    padded = -(-n // 8) * 8                                        # one bucket, 8 equal slices
+    assert mem.weights == padded * 4
+    assert mem.optimizer == (2 * padded // 8 * 4 if zero else 2 * n * 4)
+
+
+def test_tensor_parallel_shards_all_but_the_norms():
+    """tp=2 with an odd vocabulary: every matrix halves, the vocabulary pads to 258 rows."""
+    model = ModelConfig(vocab_size=257)
+    cfg = Config(model=model, parallel=ParallelConfig(tp=2)).resolved(2)
+    m = cfg.model
+    norms = (2 * m.layers + 1) * m.hidden
+    matrices = _params(m) - norms - 2 * 257 * m.hidden
+    want = matrices // 2 + norms + 2 * 129 * m.hidden
+    assert predict_memory(cfg, Coord(0, 1, 0, 0)).weights == want * 4
+
+
+def test_pipeline_stages_hold_their_layers():
+    cfg = Config(parallel=ParallelConfig(pp=2)).resolved(2)
+    m = cfg.model
+    block = (_params(m) - 2 * m.vocab_size * m.hidden - m.hidden) // m.layers
+    first = predict_memory(cfg, Coord(0, 0, 0, 0)).weights // 4
+    last = predict_memory(cfg, Coord(0, 0, 1, 0)).weights // 4
+    assert first == m.vocab_size * m.hidden + 2 * block
+    assert last == 2 * block + m.hidden + m.vocab_size * m.hidden
+
+
+def test_activation_memory_by_recompute_mode():
+    """One microbatch, one stage: saved = blocks x per-block bytes + LM head + token ids, plus one
+    block's working set; full keeps exactly the block inputs; offload keeps none."""
+    base = Config(ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2,
+                              ffn_hidden=64), ParallelConfig(),
+                  TrainConfig(seq_len=16, global_batch_size=2, dtype="float64"))
+    sizes = {}
+    for mode in ("none", "selective", "full", "offload"):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=mode))
+        sizes[mode] = predict_memory(cfg.resolved(1), Coord(0, 0, 0, 0)).activations
+    n, e, H, F, V = 2 * 16, 8, 32, 64, 64
+    q, kv, lse = 32, 16, 4 * 8                                    # per token: q, k/v widths, lse
+    head = (2 * H + 1 + V) * n * e + n * (8 + 8)
+    none_block = (4 * H + 2 + 3 * F) * n * e + (2 * q + 2 * kv) * n * e + lse * n
+    working = none_block + head
+    assert sizes["none"] == 2 * none_block + head + 9 * n + working
+    assert sizes["selective"] == 2 * ((2 * H + 2 * F + q) * n * e + lse * n) + head + 9 * n + working
+    assert sizes["full"] == 2 * H * n * e + head + 9 * n + working
+    assert sizes["offload"] == 9 * n + working
+    assert sizes["none"] > sizes["selective"] > sizes["full"] > sizes["offload"]
+
+
+def test_gpipe_holds_every_microbatch_1f1b_only_p():
+    def act(schedule):
+        cfg = Config(parallel=ParallelConfig(pp=2, schedule=schedule),
+                     train=TrainConfig(global_batch_size=8, micro_batch_size=1)).resolved(2)
+        return predict_memory(cfg, Coord(0, 0, 0, 0)).activations
+    one = Config(parallel=ParallelConfig(pp=2),
+                 train=TrainConfig(global_batch_size=8, micro_batch_size=1,
+                                   recompute="offload")).resolved(2)
+    working = predict_memory(one, Coord(0, 0, 0, 0)).activations - 2 * 9 * 128  # ids of 2 mbs
+    per_mb = (act("1f1b") - working) / 2                          # 1F1B: p = 2 in flight on rank 0
+    assert act("gpipe") - working == pytest.approx(8 * per_mb)    # GPipe: all 8
+
+
+def test_model_flops_by_hand():
+    cfg = Config(ModelConfig(vocab_size=10, hidden=8, layers=1, heads=2, kv_heads=1,
+                             ffn_hidden=16), train=TrainConfig(seq_len=4, global_batch_size=3))
+    matmul = 2 * (8 * 8 + 8 * 4 * 2 + 8 * 8) + 2 * 3 * 8 * 16 + 2 * 8 * 10
+    attention = 4 * 2 * 4 * (4 + 1) / 2                           # heads x head_dim x mean keys
+    assert model_flops_per_step(cfg) == 3 * (matmul + attention) * 3 * 4
+
+
+# ---------------------------------------------------------------------------- time model
+def test_pipeline_bubble_is_the_schedules():
+    """Fast links: the predicted bubble of 1F1B is (p-1)/(m+p-1), interleaving lowers it."""
+    fast = Hardware(peak_flops=1e9, bandwidth=1e18, latency=0.0)
+    t = TrainConfig(global_batch_size=8, micro_batch_size=2)
+    one = predict_step_time(Config(parallel=ParallelConfig(pp=4), train=t).resolved(4), fast)
+    assert one.bubble == pytest.approx(3 / 7, abs=0.02)
+    inter = predict_step_time(Config(ModelConfig(layers=8), ParallelConfig(
+        pp=4, schedule="interleaved", virtual_stages=2), t).resolved(4), fast)
+    assert inter.bubble < one.bubble
+
+
+def test_ranking_follows_the_hardware():
+    """Compute-bound (fast links): no pipeline bubble wins, dp x sp splits the work evenly.
+    Link-bound (slow links, big model, few tokens): no gradient all-reduce wins."""
+    base = Config(ModelConfig(hidden=256, layers=4, heads=4, kv_heads=4),
+                  train=TrainConfig(seq_len=16, global_batch_size=4))
+    fast = plan_layouts(base, 4, hw=Hardware(1e9, 1e18, 0.0))
+    times = [c.time.total for c in fast.ranked]
+    assert times == sorted(times)
+    assert fast.ranked[0].cfg.parallel.pp == 1
+    slow = plan_layouts(base, 4, hw=Hardware(1e12, 1e6, 0.0)).ranked[0].cfg.parallel
+    assert slow.dp * slow.sp == 1
+
+
+def test_rejections_name_the_rule():
+    plan = plan_layouts(Config(), 8)
+    reasons = {r.layout: r.reason for r in plan.rejected}
+    assert reasons["dp=1 tp=8 pp=1 sp=1"] == "parallel.tp=8: must divide model.heads=4"
+    assert reasons["dp=1 tp=1 pp=8 sp=1"].startswith("parallel.pp*virtual_stages = 8*1 = 8")
+    accepted = {(c.cfg.parallel.dp, c.cfg.parallel.tp, c.cfg.parallel.pp, c.cfg.parallel.sp)
+                for c in plan.ranked}
+    assert (8, 1, 1, 1) in accepted and (2, 2, 2, 1) in accepted
+    assert not accepted & {(1, 8, 1, 1), (1, 1, 8, 1)}
+    tight = plan_layouts(Config(), 2, memory_bytes=2**20)
+    assert not tight.ranked and all("needs at least" in r.reason and "more than --memory-gb"
+                                    in r.reason for r in tight.rejected)
+
+
+def test_memory_limit_turns_recompute_on():
+    base = Config(ModelConfig(hidden=256, layers=8, heads=4, kv_heads=4),
+                  ParallelConfig(dp=1), TrainConfig(seq_len=512, global_batch_size=8,
+                                                    micro_batch_size=8))
+    fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "zero"}
+    free = plan_layouts(base, 1, fixed).ranked[0]
+    assert free.cfg.train.recompute == "none"
+    limit = (free.memory.total + predict_memory(dataclasses.replace(
+        free.cfg, train=dataclasses.replace(free.cfg.train, recompute="full")),
+        Coord(0, 0, 0, 0)).total) / 2
+    tight = plan_layouts(base, 1, fixed, memory_bytes=limit).ranked[0]
+    assert tight.cfg.train.recompute in ("selective", "full") and tight.memory.total <= limit
+    assert tight.time.total > free.time.total
+
+
+# ------------------------------------------------------------------------ default layout
+@pytest.mark.parametrize("world,batch", [(1, 16), (2, 16), (3, 18), (4, 16), (5, 20), (6, 18),
+                                         (7, 21), (8, 16)])
+def test_default_run_layout_fits_every_world(world, batch):
+    cfg, note = auto_layout(Config(), world, set())
+    cfg = cfg.resolved(world)
+    assert cfg.train.global_batch_size == batch and cfg.parallel.dp == world
+    assert (note is None) == (batch == 16)
+    if note:
+        assert f"so it is {batch} (dp={world})" in note
+
+
+def test_given_batch_is_kept_and_the_planner_picks_the_layout():
+    cfg = Config(train=TrainConfig(global_batch_size=4))
+    out, note = auto_layout(cfg, 8, {"global_batch_size"})
+    out = out.resolved(8)
+    assert out.train.global_batch_size == 4 and out.parallel.dp <= 4 and "planner" in note
+    with pytest.raises(ConfigError, match="must be divisible by dp=3"):
+        auto_layout(Config(), 3, {"global_batch_size"})[0].resolved(3)
+    same, note = auto_layout(Config(), 3, {"tp"})                # a size given: no choice made
+    assert note is None and same.train.global_batch_size == 16
+
+
+# ------------------------------------------------------------------------------------- CLI
+def test_plan_cli(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "3",
+                           "--peak-gflops", "100"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    first = next(line for line in lines if line.lstrip().startswith("1  "))
+    assert "dp=8 tp=1 pp=1 sp=1" in first and "dp_sp 3,215,880" in first
+    assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
+    none = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "2", "--memory-gb",
+                           "0.001", "--peak-gflops", "100", "--tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert none.returncode == 1 and "no layout fits" in none.stdout
+    assert "dp=1 tp=2 pp=1 sp=1: needs at least" in none.stdout
+    bad = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--world 0: must be >= 1" in bad.stderr

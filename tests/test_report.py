@@ -1,0 +1,167 @@
+"""``python -m mpipar.report``: PNGs of a run, and a summary that names the right bottleneck."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from mpipar import report
+from mpipar.metrics import TIME_KEYS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("loss", "throughput", "time_breakdown", "memory", "timeline")
+
+
+def _record(step: int, loss: float, **time) -> dict:
+    t = {k: 0.0 for k in TIME_KEYS} | time
+    total = sum(t.values())
+    return {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 4096,
+            "step_time_s": total, "tokens_per_s": 4096 / total, "flops": 1e9,
+            "mfu": 1e9 / total / 1e11, "skipped": False, "skipped_steps": 0, "time": t,
+            "time_max": t, "comm_bytes": {"pp": 1000}, "comm_bytes_max": {"pp": 1000},
+            "memory_bytes": [200 * 2**20, 210 * 2**20]}
+
+
+def _timeline() -> dict:
+    """Two pipeline ranks, one microbatch: rank 1 waits 0.25 s of its 1 s, rank 0 0.5 of 1."""
+    return {"step": 3, "ranks": [
+        {"rank": 0, "coord": {"dp": 0, "tp": 0, "pp": 0, "sp": 0},
+         "ops": [["fwd", 0, 0, 0.0, 0.25], ["send_fwd", 0, 0, 0.25, 0.25],
+                 ["recv_bwd", 0, 0, 0.25, 0.75], ["bwd", 0, 0, 0.75, 1.0]]},
+        {"rank": 1, "coord": {"dp": 0, "tp": 0, "pp": 1, "sp": 0},
+         "ops": [["recv_fwd", 0, 0, 0.0, 0.25], ["fwd", 0, 0, 0.25, 0.5],
+                 ["bwd", 0, 0, 0.5, 1.0], ["send_bwd", 0, 0, 1.0, 1.0]]}]}
+
+
+def _run_dir(tmp_path, records, timeline=None, config: str = "") -> str:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if timeline is not None:
+        (run / "timeline.json").write_text(json.dumps(timeline))
+    (run / "config.toml").write_text(config or '[parallel]\ndp = 1\ntp = 1\npp = 2\nsp = 1\n'
+                                              '[train]\nglobal_batch_size = 2\n'
+                                              'micro_batch_size = 2\n')
+    return str(run)
+
+
+def _png_size(path: str) -> tuple[int, int]:
+    with open(path, "rb") as fh:
+        head = fh.read(24)
+    assert head[:8] == PNG_MAGIC and head[12:16] == b"IHDR", path
+    return struct.unpack(">II", head[16:24])
+
+
+def test_plots_are_valid_pngs(tmp_path):
+    records = [_record(s, 5.0 - 0.1 * s, compute=0.2, pipeline_wait=0.1) for s in range(1, 6)]
+    records[2]["skipped"], records[2]["grad_norm"] = True, float("nan")
+    run = _run_dir(tmp_path, records, _timeline())
+    written, text = report.write_report(run)
+    for name in PLOTS:
+        path = os.path.join(run, "report", f"{name}.png")
+        assert path in written and os.path.getsize(path) > 1000
+        width, height = _png_size(path)
+        assert width >= 600 and height >= 150
+    assert open(os.path.join(run, "report", "summary.txt")).read() == text
+
+
+def test_cli_writes_the_report_and_fails_cleanly(tmp_path):
+    run = _run_dir(tmp_path, [_record(s, 4.0, compute=0.1) for s in (1, 2)])
+    proc = subprocess.run([sys.executable, "-m", "mpipar.report", run, "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "bottleneck: compute" in proc.stdout
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(
+        [f"{n}.png" for n in PLOTS if n != "timeline"] + ["summary.txt"])
+    missing = subprocess.run([sys.executable, "-m", "mpipar.report", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no metrics" in missing.stderr
+
+
+def test_summary_numbers(tmp_path):
+    records = [_record(1, 5.5, compute=1.0), _record(2, 4.0, compute=0.25, dp_comm=0.25),
+               _record(3, float("nan"), compute=0.25, dp_comm=0.25),
+               _record(4, 3.0, compute=0.25, dp_comm=0.75)]
+    records[2]["skipped"], records[2]["skipped_steps"], records[3]["skipped_steps"] = True, 1, 1
+    s = report.summarize(records, _timeline(), {"parallel": {"dp": 1, "pp": 2}})
+    assert s["steps"] == [1, 4] and s["loss_first"] == 5.5 and s["loss_min"] == 3.0
+    assert s["loss_last"] == pytest.approx((5.5 + 4.0 + 3.0) / 3)   # the skipped NaN left out
+    assert s["time_s"]["dp_comm"] == pytest.approx((0.25 + 0.25 + 0.75) / 3)  # after step 1
+    assert s["step_time_s"] == 0.5 and s["skipped_steps"] == 1
+    assert s["bubble"] == pytest.approx((0.5 + 0.25) / 2)            # from the timeline
+
+
+def _summary(layout: dict, **time) -> dict:
+    t = {k: 0.0 for k in TIME_KEYS} | time
+    return {"time_s": t, "layout": layout, "bubble": 0.0, "mfu": 0.2, "memory_bytes": [],
+            "skipped_steps": 0}
+
+
+def test_diagnosis_pipeline_bubble():
+    s = _summary({"dp": 1, "tp": 1, "pp": 4, "sp": 1, "microbatches": 4}, compute=1.0,
+                 pipeline_wait=1.2)
+    s["bubble"] = 0.45
+    lines = report.diagnose(s)
+    assert lines[0] == "bottleneck: pipeline wait (bubble and transfers) (55% of the step time)"
+    assert "pipeline bubble 45% > 30%: use more microbatches (now 4 per step for pp=4)" in lines[1]
+    assert "--schedule interleaved --virtual-stages 2" in lines[1]
+
+
+def test_diagnosis_small_bubble_is_not_flagged():
+    s = _summary({"pp": 4}, compute=1.0, pipeline_wait=0.2)
+    s["bubble"] = 0.2
+    assert report.diagnose(s)[0].startswith("bottleneck: compute")
+    assert not any("bubble" in line for line in report.diagnose(s)[1:])
+
+
+def test_diagnosis_tensor_parallel_communication():
+    lines = report.diagnose(_summary({"dp": 2, "tp": 4, "pp": 1, "sp": 1}, compute=0.3,
+                                     tp_comm=0.6))
+    assert lines[0] == "bottleneck: TP communication (67% of the step time)"
+    assert "use a smaller --tp (e.g. --tp 2)" in lines[1]
+
+
+def test_diagnosis_sequence_and_data_parallel():
+    lines = report.diagnose(_summary({"dp": 4, "sp": 2}, compute=1.0, sp_comm=0.8, dp_comm=1.2))
+    assert lines[0] == "bottleneck: DP gradient communication (40% of the step time)"
+    assert any("smaller --sp" in line for line in lines)
+    assert any("gradient reduction over dp x sp takes 40%" in line for line in lines)
+
+
+def test_diagnosis_optimizer_io_skips_memory():
+    s = _summary({"dp": 4}, compute=1.0, optimizer=1.0, io=0.5)
+    s["skipped_steps"], s["memory_bytes"] = 2, [100 * 2**20, 400 * 2**20]
+    lines = report.diagnose(s)
+    assert lines[0] == "bottleneck: compute (40% of the step time)"
+    assert any("--zero 1 shards it over dp x sp" in line for line in lines)
+    assert any("checkpoint less often" in line for line in lines)
+    assert any(line.startswith("2 step(s) were skipped") for line in lines)
+    assert any("rank 1 peaks at 400 MiB, rank 0 at 100 MiB" in line for line in lines)
+
+
+def test_diagnosis_compute_bound():
+    lines = report.diagnose(_summary({"dp": 8}, compute=1.0, dp_comm=0.1))
+    assert lines == ["bottleneck: compute (91% of the step time)",
+                     "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better; the "
+                     "numba/cupy kernels are faster than numpy"]
+
+
+def test_report_of_a_real_run(tmp_path):
+    """Train 3 steps of two microbatches on one process, then report on it."""
+    run = tmp_path / "real"
+    proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--hidden", "32", "--layers", "2",
+                           "--heads", "2", "--kv-heads", "1", "--seq-len", "16",
+                           "--global-batch-size", "4", "--micro-batch-size", "2", "--steps", "3",
+                           "--backend", "numpy", "--log-every", "0", "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    written, text = report.write_report(str(run))
+    assert all(_png_size(p)[0] > 0 for p in written if p.endswith(".png"))
+    assert len(written) == 6 and "bottleneck:" in text
+    timeline = json.loads((run / "timeline.json").read_text())
+    assert [op[:2] for op in timeline["ranks"][0]["ops"]] == [["fwd", 0], ["bwd", 0],
+                                                              ["fwd", 1], ["bwd", 1]]

@@ -19,12 +19,28 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 
 
+def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
+    """This node's task count from SLURM's compact form, e.g. ``"4(x2),3"`` = 4, 4, 3."""
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        count, _, repeat = item.partition("(x")
+        if not count.isdigit() or (repeat and not repeat.rstrip(")").isdigit()):
+            return None
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts[node_id] if 0 <= node_id < len(counts) else None
+
+
 def local_size_from_env() -> int | None:
-    """Ranks on this node as the launcher says (MPICH/Hydra, Open MPI, MVAPICH), or None."""
+    """Ranks on this node as the launcher says (MPICH/Hydra, Open MPI, MVAPICH, then srun), or
+    None. MPI launchers come first: ranks that mpirun starts inside an allocation inherit the
+    variables of its own one-task srun step, which would give the wrong count."""
     for var in LOCAL_SIZE_VARS:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 0:
             return int(value)
+    if "SLURM_PROCID" in os.environ and os.environ.get("SLURM_NODEID", "").isdigit():
+        return slurm_tasks_on_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""),
+                                   int(os.environ["SLURM_NODEID"]))
     return None
 
 

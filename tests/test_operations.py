@@ -368,3 +368,24 @@ def test_bad_data_under_mpirun_exits_2_once(tmp_path):
     proc = _run(4, [*TINY, "--data", str(path), "--run-dir", str(tmp_path / "run")], timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.count(message) == 1
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"MPI_LOCALNRANKS": "8"}, 8),
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 4),
+    ({"SLURM_PROCID": "5", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3"}, 4),
+    ({"SLURM_PROCID": "9", "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3"}, 3),
+    # mpirun's ranks inherit its one-task srun step: the MPI launcher's count wins.
+    ({"MPI_LOCALNRANKS": "8", "SLURM_PROCID": "0", "SLURM_NODEID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "1"}, 8),
+    ({"SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "garbage"}, None),
+    ({}, None),
+])
+def test_ranks_per_node_from_launcher_environment(monkeypatch, env, expected):
+    from mpipar import backend
+
+    for var in backend.LOCAL_SIZE_VARS + ("SLURM_PROCID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert backend.local_size_from_env() == expected

@@ -393,15 +393,20 @@ def model_from_checkpoint(saved: ModelConfig, given: Mapping[str, Any], source: 
     return candidate
 
 
-def given_model_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The model fields the user set, in ``--config``'s ``[model]`` table or as flags."""
+def given_fields(args: argparse.Namespace, section: str) -> dict[str, Any]:
+    """The fields of ``section`` the user set, in ``--config``'s table or as flags (flags win)."""
     given: dict[str, Any] = {}
     if getattr(args, "config", None):  # already validated by from_args
         with open(args.config, "rb") as fh:
-            given.update(tomllib.load(fh).get("model", {}))
+            given.update(tomllib.load(fh).get(section, {}))
     given.update({k.split(".", 1)[1]: v for k, v in vars(args).items()
-                  if k.startswith("model.") and v is not None})
+                  if k.startswith(section + ".") and v is not None})
     return given
+
+
+def given_names(args: argparse.Namespace, *sections: str) -> set[str]:
+    """Names of the fields of ``sections`` the user set (see :func:`given_fields`)."""
+    return {name for section in sections for name in given_fields(args, section)}
 
 
 def describe_fields() -> str:

@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         base = config_mod.from_args(args)
     except ConfigError as exc:
         return _fail(str(exc))
-    from mpipar.train import given_fields
-    fixed = given_fields(args)
+    fixed = config_mod.given_names(args, "parallel", "train")
     if args.peak_gflops:
         peak, note = args.peak_gflops * 1e9, "given"
     else:

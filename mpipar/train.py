@@ -96,17 +96,6 @@ def fail_usage(message: str, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
     raise SystemExit(EXIT_USAGE)
 
 
-def given_fields(args: argparse.Namespace) -> set[str]:
-    """Names of the [parallel] and [train] fields the user set (flags or ``--config``)."""
-    given = {k.split(".", 1)[1] for k, v in vars(args).items()
-             if k.startswith(("parallel.", "train.")) and v is not None}
-    if getattr(args, "config", None):  # already read (and validated) by from_args
-        with open(args.config, "rb") as fh:
-            data = config_mod.tomllib.load(fh)
-        given |= set(data.get("parallel", {})) | set(data.get("train", {}))
-    return given
-
-
 def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None = None) -> Config:
     """Parse, default the save directory to ``RUN_DIR/checkpoints``, apply a checkpoint's model
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
@@ -121,21 +110,21 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
             if path is not None:
                 cfg.model = config_mod.model_from_checkpoint(
-                    checkpoint.read_model_config(path), config_mod.given_model_fields(args),
+                    checkpoint.read_model_config(path), config_mod.given_fields(args, "model"),
                     source=str(path))
         if tr.init_from_hf or tr.export_hf:
             from mpipar import hf
             if tr.init_from_hf:
-                checkpoint = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
+                hf_model = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
                 cfg.model = hf.model_config_with_overrides(
-                    checkpoint, config_mod.given_model_fields(args), source=tr.init_from_hf)
+                    hf_model, config_mod.given_fields(args, "model"), source=tr.init_from_hf)
             if tr.export_hf:
                 try:
                     hf.check_export_target(tr.export_hf)
                 except ValueError as exc:
                     raise ConfigError(f"--export-hf {tr.export_hf}: {exc}") from None
         from mpipar.planner import auto_layout
-        cfg, note = auto_layout(cfg, world, given_fields(args))
+        cfg, note = auto_layout(cfg, world, config_mod.given_names(args, "parallel", "train"))
         if note is not None and notes is not None:
             notes.append(note)
         return cfg.resolved(world)

@@ -111,6 +111,7 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
                                                                   * tr["micro_batch_size"])
     if tr.get("recompute"):
         out["layout"]["recompute"] = tr["recompute"]
+        out["layout"]["backend"] = tr["backend"]
     bubble = timeline_bubble(timeline)
     if bubble is None:
         pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
@@ -166,9 +167,10 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
                      f"embedding or head, or ZeRO off); --recompute or --zero 1 lowers the peak")
     if len(lines) == 1:
         if worst == "compute":
+            kernels = ("; --backend auto (numba, or cupy on a GPU) is faster than numpy"
+                       if lay.get("backend") == "numpy" else "")
             lines.append(f"compute-bound at MFU {100 * summary.get('mfu', 0):.1f}%: larger "
-                         f"microbatches use the GEMMs better; the numba/cupy kernels are faster "
-                         f"than numpy")
+                         f"microbatches use the GEMMs better{kernels}")
         else:
             lines.append(f"no rule fired; the largest share is {LABELS[worst]}")
     return lines
@@ -284,7 +286,8 @@ def plot_timeline(timeline: dict, path: str) -> None:
     ax.invert_yaxis()
     handles = [plt.Rectangle((0, 0), 1, 1, color=OP_COLORS[k])
                for k in ("fwd", "bwd", "bwd_weight", "recv_fwd")]
-    ax.legend(handles, ["forward", "backward (input)", "backward (weights)", "waiting (recv)"],
+    ax.legend(handles, ["forward", "backward (whole, or input grad)", "backward (weight grad)",
+                        "waiting (recv)"],
               fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set(xlabel="ms since the step began", title=f"Pipeline timeline of step {timeline['step']}")
     fig.tight_layout()

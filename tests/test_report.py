@@ -144,10 +144,13 @@ def test_diagnosis_optimizer_io_skips_memory():
 
 
 def test_diagnosis_compute_bound():
-    lines = report.diagnose(_summary({"dp": 8}, compute=1.0, dp_comm=0.1))
+    lines = report.diagnose(_summary({"dp": 8, "backend": "numpy"}, compute=1.0, dp_comm=0.1))
     assert lines == ["bottleneck: compute (91% of the step time)",
-                     "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better; the "
-                     "numba/cupy kernels are faster than numpy"]
+                     "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better; "
+                     "--backend auto (numba, or cupy on a GPU) is faster than numpy"]
+    # Already on the fast kernels: no advice to switch.
+    lines = report.diagnose(_summary({"dp": 8, "backend": "numba"}, compute=1.0, dp_comm=0.1))
+    assert lines[1] == "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better"
 
 
 def test_report_of_a_real_run(tmp_path):

@@ -99,7 +99,9 @@ class TrainConfig:
     eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global L2 norm; <= 0 disables clipping")
     dtype: str = _f("float32", "parameter and compute dtype", choices=("float32", "float64"))
-    backend: str = _f("auto", "kernel backend", choices=("auto", "numpy", "numba", "cupy"))
+    backend: str = _f("auto", "kernel backend: auto (numba, else numpy), numba or numpy; cupy is "
+                              "refused: training keeps its arrays in host memory",
+                      choices=("auto", "numpy", "numba", "cupy"))
     data: str = _f("", "token data: a text file or directory, .bin (uint16), .npy, .h5; "
                        "empty = the embedded Python-stdlib corpus")
     shuffle: bool = _f(True, "shuffle samples each epoch (--no-shuffle: step k uses samples k*B..(k+1)*B-1)",
@@ -271,6 +273,10 @@ class Config:
         _require(0 <= t.beta2 < 1, f"train.beta2={t.beta2}: must be in [0, 1)")
         _require(t.eps > 0, f"train.eps={t.eps}: must be > 0")
         _require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
+        _require(t.backend != "cupy",
+                 "train.backend='cupy': GPU training is not available yet: the engine keeps "
+                 "parameters, activations and MPI buffers in host memory (the CuPy kernels exist in "
+                 "mpipar.kernels but training does not use them); use auto, numba or numpy")
         _require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
         _require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
         _require(not t.save_every or t.save_dir,

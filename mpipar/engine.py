@@ -23,7 +23,7 @@ from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_ste
 from mpipar.comm import Group, Ledger
 from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens
-from mpipar.kernels import get_backend
+from mpipar.kernels import available_backends, get_backend
 from mpipar.model.llama import LlamaStage, LocalAttention
 from mpipar.model.params import ParamSpec, init_params, param_specs, shard, unshard
 from mpipar.optim import AdamW, AdamWConfig, LRSchedule, clip_grads, grad_norm_sq
@@ -46,6 +46,18 @@ class StepResult:
     tokens: int        # tokens in the global batch
 
 
+HOST_BACKENDS = ("numba", "numpy")
+
+
+def host_backend(name: str):
+    """The kernels of the engine, which keeps every array in host memory: ``auto`` is the
+    fastest CPU backend available (Numba, else NumPy)."""
+    if name == "auto":
+        free = available_backends()
+        name = next(n for n in HOST_BACKENDS if free[n] is None)
+    return get_backend(name)
+
+
 class Engine:
     """Everything one rank needs to train: grid, groups, chunks, shards, optimizer, sampler."""
 
@@ -60,7 +72,7 @@ class Engine:
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp)
         self.ledger = Ledger()
         self.groups = {name: Group(c, name, self.ledger) for name, c in self.grid.comms.items()}
-        self.kernels = get_backend(tr.backend)
+        self.kernels = host_backend(tr.backend)
         self.dtype = np.dtype(tr.dtype)
         self.specs: dict[str, ParamSpec] = {s.name: s for s in param_specs(cfg.model)}
         self.layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)

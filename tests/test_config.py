@@ -57,6 +57,7 @@ RULES = [
     (["--beta2", "1.5"], 1, "train.beta2=1.5: must be in [0, 1)"),
     (["--eps", "0"], 1, "train.eps=0.0: must be > 0"),
     (["--log-every", "-1"], 1, "train.log_every=-1: must be >= 0"),
+    (["--backend", "cupy"], 1, "train.backend='cupy': GPU training is not available yet"),
     (["--save-every", "-1"], 1, "train.save_every=-1: must be >= 0"),
     (["--keep-last", "-1"], 1, "train.keep_last=-1: must be >= 0"),
     (["--collective-timeout", "-1"], 1, "train.collective_timeout=-1.0: must be >= 0"),

@@ -53,6 +53,19 @@ def reference(dtype: str = "float64", steps: int = 2):
     return losses, norms, params
 
 
+def layout_name(layout: dict) -> str:
+    """A test id for a layout dict, e.g. ``dp2-tp2-schedulezb-h1``."""
+    return "-".join(f"{k}{v}" for k, v in layout.items())
+
+
+def layout_size(layout: dict) -> int:
+    """Ranks a layout dict needs (dp * tp * pp * sp, missing axes = 1)."""
+    size = 1
+    for axis in ("dp", "tp", "pp", "sp"):
+        size *= layout.get(axis, 1)
+    return size
+
+
 def compare(got, ref, tol: float) -> list[str]:
     """Relative differences above ``tol`` between two runs' (losses, norms, params)."""
     fails = []

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_all_ranks
-from layouts import small_config, token_source
+from layouts import layout_name, layout_size, small_config, token_source
 from mpipar.activations import (ActivationRecorder, OffloadStore, load_global, step_dir,
                                 write_rank_dump)
 from mpipar.model.llama import ACTIVATION_NAMES
@@ -223,14 +223,11 @@ LAYOUTS = [dict(tp=2, sp=2, pp=2, sp_split="zigzag"),
            dict(pp=2, virtual_stages=2, schedule="interleaved", dp=2)]
 
 
-def _name(layout: dict) -> str:
-    return "-".join(f"{k}{v}" for k, v in layout.items())
-
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[_name(v) for v in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_dumps_reassemble_to_the_single_process_activations(world, layout):
-    size = int(np.prod([layout.get(a, 1) for a in ("dp", "tp", "pp", "sp")]))
+    size = layout_size(layout)
     color = world.rank // size
     comm = world.Split(color, world.rank)
     base = world.bcast(tempfile.mkdtemp(prefix="mpipar-act-") if world.rank == 0 else None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_all_ranks, factorisations
-from layouts import compare, reference, run, small_config
+from layouts import compare, layout_name, layout_size, reference, run, small_config
 
 
 def _admitted(dp, tp, pp, sp) -> bool:
@@ -45,14 +45,9 @@ FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 
 
-def _name(layout: dict) -> str:
-    return "-".join(f"{k}{v}" for k, v in layout.items())
-
 
 def _check(world, layout: dict, dtype: str, tol: float) -> None:
-    size = 1
-    for axis in ("dp", "tp", "pp", "sp"):
-        size *= layout.get(axis, 1)
+    size = layout_size(layout)
     comm = world.Split(world.rank // size, world.rank)
     fails: list[str] = []
     try:
@@ -66,12 +61,12 @@ def _check(world, layout: dict, dtype: str, tol: float) -> None:
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", VARIANTS, ids=[_name(v) for v in VARIANTS])
+@pytest.mark.parametrize("layout", VARIANTS, ids=[layout_name(v) for v in VARIANTS])
 def test_layout_equals_single_process_float64(world, layout):
     _check(world, layout, "float64", 1e-10)
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", FLOAT32, ids=[_name(v) for v in FLOAT32])
+@pytest.mark.parametrize("layout", FLOAT32, ids=[layout_name(v) for v in FLOAT32])
 def test_layout_equals_single_process_float32(world, layout):
     _check(world, layout, "float32", 1e-5)

@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_all_ranks
-from layouts import compare, reference, small_config, token_source
+from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.activations import OffloadStore
 from mpipar.comm import Group, Ledger
 from mpipar.config import ModelConfig
@@ -163,14 +163,11 @@ LAYOUTS = [dict(tp=2, sp=2, pp=2),
                 bucket_mb=0.002)]
 
 
-def _name(layout: dict) -> str:
-    return "-".join(f"{k}{v}" for k, v in layout.items())
-
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[_name(v) for v in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_modes_equal_none_under_mpi(world, layout):
-    size = int(np.prod([layout.get(a, 1) for a in ("dp", "tp", "pp", "sp")]))
+    size = layout_size(layout)
     comm = world.Split(world.rank // size, world.rank)
     run_dir = world.bcast(tempfile.mkdtemp(prefix="mpipar-rc-") if world.rank == 0 else None)
     fails: list[str] = []

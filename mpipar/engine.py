@@ -25,12 +25,13 @@ from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens
 from mpipar.kernels import available_backends, get_backend
 from mpipar.model.llama import LlamaStage, LocalAttention
-from mpipar.model.params import ParamSpec, init_params, param_specs, shard, unshard
+from mpipar.model.params import (ParamSpec, init_params, param_specs, param_stage, shard,
+                                 unshard)
 from mpipar.optim import AdamW, AdamWConfig, LRSchedule, clip_grads, grad_norm_sq
 from mpipar.parallel.grads import GradReducer, ZeroAdamW
 from mpipar.parallel.pipeline import Microbatch, PipelineExecutor
 from mpipar.parallel.ring import RingAttention, SeqLayout, UlyssesAttention
-from mpipar.parallel.schedule import build_schedule
+from mpipar.parallel.schedule import build_schedule, stage_layers, stage_owner, virtual_stage
 from mpipar.topology import ProcessGrid
 
 
@@ -80,16 +81,15 @@ class Engine:
 
         # Model chunks of this pipeline rank: virtual stage s = chunk * pp + pp_rank.
         p, v = par.pp, par.virtual_stages
-        per = cfg.model.layers // (p * v)
         tp = self.groups["tp"]
         # --recompute offload: one scratch file per rank for the saved activations.
         self.offload = (OffloadStore(offload_path(tr.run_dir, self.grid.rank))
                         if tr.recompute == "offload" else None)
         self.chunks = []
         for c in range(v):
-            s = c * p + self.grid.coord.pp
-            self.chunks.append(LlamaStage(cfg.model, self.kernels, range(s * per, (s + 1) * per),
-                                          s == 0, s == p * v - 1, tp, self._attention(),
+            s = virtual_stage(self.grid.coord.pp, c, p)
+            self.chunks.append(LlamaStage(cfg.model, self.kernels,
+                                          stage_layers(s, cfg.model.layers, p, v), s == 0, s == p * v - 1, tp, self._attention(),
                                           tr.recompute, self.offload))
         names = [n for ch in self.chunks for n in ch.param_names()]
         params = init_params(cfg.model, tr.seed, self.dtype, set(names), tp.rank, tp.size)
@@ -289,7 +289,4 @@ class Engine:
     def _owner_stage(self, spec: ParamSpec) -> int:
         """pp rank that holds ``spec``."""
         p, v = self.cfg.parallel.pp, self.cfg.parallel.virtual_stages
-        if spec.layer is None:
-            return 0 if spec.name == "embed_tokens.weight" else p - 1
-        per = self.cfg.model.layers // (p * v)
-        return (spec.layer // per) % p
+        return stage_owner(param_stage(spec, self.cfg.model.layers, p, v), p)[0]

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpipar.config import Config, ConfigError, ModelConfig
-from mpipar.model.params import ParamSpec, padded_vocab, param_specs
+from mpipar.model.params import (ParamSpec, padded_vocab, param_specs, param_stage,
+                                 stage_param_names)
 from mpipar.parallel.grads import padded_size, plan_buckets
-from mpipar.parallel.schedule import Op, build_schedule, dry_run
+from mpipar.parallel.schedule import Op, build_schedule, dry_run, stage_layers, virtual_stage
 from mpipar.topology import Coord
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
@@ -65,15 +66,10 @@ def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
     """Shapes of the parameter shards held by the rank at ``coord``, in forward order."""
     m, par = cfg.model.resolved(), cfg.parallel
     p, v = par.pp, par.virtual_stages
-    per = m.layers // (p * v)
-    stages = [c * p + coord.pp for c in range(v)]
+    stages = [virtual_stage(coord.pp, c, p) for c in range(v)]
     out = {}
     for spec in _model_specs(cfg):
-        if spec.layer is None:
-            stage = 0 if spec.name == "embed_tokens.weight" else p * v - 1
-        else:
-            stage = spec.layer // per
-        if stage not in stages:
+        if param_stage(spec, m.layers, p, v) not in stages:
             continue
         shape = list(spec.shape)
         if spec.tp_axis is not None:
@@ -88,19 +84,10 @@ def _chunk_order(cfg: Config, coord: Coord) -> list[str]:
     """Parameter names of this rank in the order the engine lays them out (chunk by chunk)."""
     m, par = cfg.model.resolved(), cfg.parallel
     p, v = par.pp, par.virtual_stages
-    per = m.layers // (p * v)
-    by_layer: dict[int | None, list[str]] = defaultdict(list)
-    for spec in _model_specs(cfg):
-        by_layer[spec.layer].append(spec.name)
     names = []
     for c in range(v):
-        s = c * p + coord.pp
-        if s == 0:
-            names.append("embed_tokens.weight")
-        for i in range(s * per, (s + 1) * per):
-            names += by_layer[i]
-        if s == p * v - 1:
-            names += ["norm.weight", "lm_head.weight"]
+        s = virtual_stage(coord.pp, c, p)
+        names += stage_param_names(m, stage_layers(s, m.layers, p, v), s == 0, s == p * v - 1)
     return names
 
 

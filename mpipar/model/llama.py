@@ -43,7 +43,7 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.comm import Group
-from mpipar.model.params import block_param_specs, padded_vocab
+from mpipar.model.params import block_param_specs, padded_vocab, stage_param_names
 
 
 RECOMPUTE_MODES = ("none", "selective", "full", "offload")
@@ -133,12 +133,7 @@ class LlamaStage:
 
     # ---------------------------------------------------------------- helpers
     def param_names(self) -> list[str]:
-        names = ["embed_tokens.weight"] if self.first else []
-        for i in self.layers:
-            names += [s.name for s in block_param_specs(self.cfg, i)]
-        if self.last:
-            names += ["norm.weight", "lm_head.weight"]
-        return names
+        return stage_param_names(self.cfg, self.layers, self.first, self.last)
 
     def _cos_sin(self, positions: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
         key = positions.tobytes() + np.dtype(dtype).str.encode()

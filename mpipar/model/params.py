@@ -62,6 +62,23 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
+def stage_param_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
+    """Parameters of a pipeline stage holding blocks ``layers``, plus the embedding (``first``)
+    and the final norm and LM head (``last``), in forward order."""
+    names = ["embed_tokens.weight"] if first else []
+    for i in layers:
+        names += [s.name for s in block_param_specs(cfg, i)]
+    return names + (["norm.weight", "lm_head.weight"] if last else [])
+
+
+def param_stage(spec: ParamSpec, layers: int, p: int, v: int = 1) -> int:
+    """Global virtual stage holding ``spec``: its block's stage (``layers / (p*v)`` blocks a
+    stage), the embedding on stage 0, the final norm and LM head on the last."""
+    if spec.layer is None:
+        return 0 if spec.name == "embed_tokens.weight" else p * v - 1
+    return spec.layer // (layers // (p * v))
+
+
 def init_param(spec: ParamSpec, cfg: ModelConfig, seed: int) -> np.ndarray:
     """The global float64 initial value of one parameter (independent of layout)."""
     if len(spec.shape) == 1:

@@ -91,6 +91,12 @@ def stage_owner(stage: int, p: int) -> tuple[int, int]:
     return stage % p, stage // p
 
 
+def stage_layers(stage: int, layers: int, p: int, v: int = 1) -> range:
+    """Decoder blocks of global virtual ``stage``: ``layers / (p*v)`` consecutive ones."""
+    per = layers // (p * v)
+    return range(stage * per, (stage + 1) * per)
+
+
 def message_key(op: Op, rank: int, p: int) -> tuple[str, int, int]:
     """Identity ``(channel, microbatch, sending virtual stage)`` of the message ``op`` sends or receives.
 

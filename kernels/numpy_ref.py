@@ -257,7 +257,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     check_attention_shapes(q, k, v, "attention_fwd")
     xp = array_module(q)
     b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sk = k.shape[1]
     s = _grouped_scores(q, k, attention_scale(d, scale))  # [B, Hkv, G, Sq, Sk]
     if causal:
         s = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset), s, -np.inf)

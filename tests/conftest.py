@@ -6,8 +6,15 @@ failures, the failures are gathered, and every rank asserts on the union.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 import pytest
+
+# Tests that launch jobs use the mpirun installed beside this Python (the [mpich] extra).
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+needs_mpirun = pytest.mark.skipif(not os.path.exists(MPIRUN),
+                                  reason="no mpirun beside this Python (install mpipar[mpich])")
 
 
 def factorisations(n: int, parts: int = 4) -> list[tuple[int, ...]]:

@@ -27,7 +27,6 @@ def small_config(dtype: str = "float64", **parallel) -> Config:
 
 @functools.lru_cache(maxsize=None)
 def token_source(seq_len: int = 16):
-    from mpipar.data import TokenSource  # noqa: F401  (type of the return value)
     import tempfile, os
     rng = np.random.default_rng(3)
     samples = rng.integers(0, VOCAB, size=(64, seq_len + 1))

@@ -17,9 +17,7 @@ from mpipar import checkpoint as ckpt
 from mpipar.config import ConfigError
 from mpipar.model.params import param_specs
 
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-needs_mpirun = pytest.mark.skipif(not os.path.exists(MPIRUN),
-                                  reason="no mpirun beside this Python (install mpipar[mpich])")
+from conftest import MPIRUN, needs_mpirun
 VOCAB = 13
 
 

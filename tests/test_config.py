@@ -1,14 +1,15 @@
 """Configuration rules: each one names field, value and rule; the CLI exits 2 on every rank."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from mpipar.config import Config, ConfigError
+from mpipar.config import Config
 from mpipar.train import resolve_config
+
+from conftest import MPIRUN, needs_mpirun
 
 # (flags, world size, expected message fragment) — one row per rule of Config.validate.
 RULES = [
@@ -118,15 +119,10 @@ def test_missing_config_file(capsys):
     assert exc.value.code == 2 and "file not found" in capsys.readouterr().err
 
 
-def _mpirun() -> str:
-    return os.path.join(os.path.dirname(sys.executable), "mpirun")
-
-
-@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpirun")),
-                    reason="no mpirun beside this Python (install mpipar[mpich])")
+@needs_mpirun
 def test_cli_bad_layout_every_rank_exits_2(tmp_path):
     """Under mpirun, a layout that does not fit fails on every rank, once, with status 2."""
-    proc = subprocess.run([_mpirun(), "-n", "3", sys.executable, "-m", "mpipar.train", "--tp", "2",
+    proc = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "mpipar.train", "--tp", "2",
                            "--run-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

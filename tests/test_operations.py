@@ -18,9 +18,7 @@ import time
 import numpy as np
 import pytest
 
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-needs_mpirun = pytest.mark.skipif(not os.path.exists(MPIRUN),
-                                  reason="no mpirun beside this Python (install mpipar[mpich])")
+from conftest import MPIRUN, needs_mpirun
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "32",
         "--global-batch-size", "4", "--backend", "numpy", "--log-every", "0"]
 
@@ -90,7 +88,7 @@ def test_default_run(tmp_path, ranks):
     """No flag but a short --steps: the embedded default trains on 1, 2 and 8 ranks, the loss
     falls clearly, and RUN_DIR holds config, metrics, timeline, summary and a checkpoint."""
     if ranks > 1 and not os.path.exists(MPIRUN):
-        pytest.skip("no mpirun")
+        pytest.skip("no mpirun beside this Python (install mpipar[mpich])")
     from mpipar import checkpoint
     from mpipar.config import Config
     from mpipar.planner import predict_step_bytes

@@ -10,9 +10,7 @@ import time
 
 import pytest
 
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-needs_mpirun = pytest.mark.skipif(not os.path.exists(MPIRUN),
-                                  reason="no mpirun beside this Python (install mpipar[mpich])")
+from conftest import MPIRUN, needs_mpirun
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "64",
         "--global-batch-size", "8", "--log-every", "10"]
 

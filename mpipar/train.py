@@ -48,6 +48,7 @@ from mpipar.config import Config, ConfigError
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_WATCHDOG = 4
+ABORT_GRACE_S = 1.0  # seconds between printing a failing rank's traceback and MPI_Abort
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -57,8 +58,12 @@ def install_abort_hook(comm: MPI.Comm = MPI.COMM_WORLD) -> None:
 
     def hook(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write(f"mpipar: rank {rank} failed; aborting all ranks\n{text}")
         sys.stderr.flush()
+        os.write(2, f"mpipar: rank {rank} failed; aborting all ranks\n{text}".encode())
+        # The launcher may stop forwarding this rank's output once it handles the abort (seen
+        # once: a run whose stderr lost both this message and MPICH's own abort line), so give
+        # it a moment to pass the traceback on first.
+        time.sleep(ABORT_GRACE_S)
         comm.Abort(1)
 
     sys.excepthook = hook

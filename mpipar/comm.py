@@ -15,10 +15,10 @@ and records nothing.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -201,15 +201,16 @@ class Group:
 
 
 class Watchdog:
-    """A daemon thread that aborts the whole job when one MPI call of ``ledgers`` has been
-    blocked longer than ``timeout`` seconds, after printing which call, on which group, for how
-    long (``MPI_Abort`` from this thread needs ``MPI_THREAD_MULTIPLE``, mpi4py's default)."""
+    """A daemon thread that ends the job when one MPI call of ``ledgers`` has been blocked longer
+    than ``timeout`` seconds: it calls ``on_stuck`` with a message naming the call, the group and
+    how long (the caller reports it and aborts; ``MPI_Abort`` from this thread needs
+    ``MPI_THREAD_MULTIPLE``, mpi4py's default)."""
 
-    def __init__(self, ledgers: list[Ledger], timeout: float, comm: MPI.Comm = MPI.COMM_WORLD,
-                 exit_code: int = 1) -> None:
+    def __init__(self, ledgers: list[Ledger], timeout: float, rank: int,
+                 on_stuck: Callable[[str], None]) -> None:
         if not timeout > 0:
             raise ValueError(f"watchdog timeout={timeout!r}: must be > 0 seconds")
-        self.ledgers, self.timeout, self.comm, self.exit_code = ledgers, timeout, comm, exit_code
+        self.ledgers, self.timeout, self.rank, self.on_stuck = ledgers, timeout, rank, on_stuck
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mpipar-watchdog", daemon=True)
 
@@ -220,7 +221,7 @@ class Watchdog:
             entry = ledger.in_flight
             if entry is not None and now - entry[3] > self.timeout:
                 group, op, size, start = entry
-                return (f"mpipar: rank {self.comm.Get_rank()}: collective watchdog: {op} on "
+                return (f"mpipar: rank {self.rank}: collective watchdog: {op} on "
                         f"group '{group}' (size {size}) has been blocked {now - start:.1f} s, "
                         f"longer than --collective-timeout {self.timeout:g} s; another rank is "
                         f"stuck or gone. Aborting all ranks")
@@ -231,9 +232,8 @@ class Watchdog:
         while not self._stop.wait(poll):
             message = self.stuck()
             if message is not None:
-                sys.stderr.write(message + "\n")
-                sys.stderr.flush()
-                self.comm.Abort(self.exit_code)
+                self.on_stuck(message)
+                return
 
     def start(self) -> "Watchdog":
         self._thread.start()

@@ -25,9 +25,15 @@ Exit status and failures:
   a checkpoint of that state is committed (numbered as the step, so ``--resume auto`` continues
   after the offending batch) and the run stops. ``--on-nan skip`` counts such steps
   (``skipped_steps`` in the metrics) and goes on.
-- non-zero (the abort's): an uncaught exception on any rank aborts the whole job with that rank's
-  number and traceback; with ``--collective-timeout S`` a rank blocked longer than S seconds in one
-  MPI call aborts the job naming the operation and group.
+- 1: an uncaught exception on any rank aborts the whole job with that rank's number and
+  traceback.
+- 4: with ``--collective-timeout S`` a rank blocked longer than S seconds in one MPI call aborts
+  the job naming the operation and group.
+- 128 + signal (143 for SIGTERM): a stop signal before the first step (nothing to checkpoint).
+
+Every abort (and ``--on-nan stop``) is reported durably before the job ends: one JSON line per
+failing rank in ``RUN_DIR/failure.txt`` (fsynced) and ``status: "failed"`` in ``summary.json``
+(:mod:`mpipar.failure`); a launcher may drop the aborting rank's stderr.
 """
 from __future__ import annotations
 
@@ -44,44 +50,53 @@ from mpi4py import MPI
 
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
+from mpipar.failure import FailureReport
 
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_WATCHDOG = 4
-ABORT_GRACE_S = 1.0  # seconds between printing a failing rank's traceback and MPI_Abort
+EXIT_EXCEPTION = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def install_abort_hook(comm: MPI.Comm = MPI.COMM_WORLD) -> None:
-    """Make an uncaught exception on any rank abort the whole job (never a hang)."""
-    rank = comm.Get_rank()
+def install_abort_hook(report: FailureReport) -> None:
+    """Make an uncaught exception on any rank abort the whole job (never a hang), reported
+    durably first (:mod:`mpipar.failure`)."""
 
     def hook(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.flush()
-        os.write(2, f"mpipar: rank {rank} failed; aborting all ranks\n{text}".encode())
-        # The launcher may stop forwarding this rank's output once it handles the abort (seen
-        # once: a run whose stderr lost both this message and MPICH's own abort line), so give
-        # it a moment to pass the traceback on first.
-        time.sleep(ABORT_GRACE_S)
-        comm.Abort(1)
+        report.abort("exception", f"mpipar: rank {report.rank} failed; aborting all ranks\n{text}",
+                     EXIT_EXCEPTION)
 
     sys.excepthook = hook
 
 
 class StopRequest:
-    """Remembers a preemption signal (SIGTERM, SIGUSR1); the loop stops after the current step."""
+    """Remembers a preemption signal (SIGTERM, SIGUSR1); the loop stops after the current step.
+    Before the loop starts (:meth:`training`) there is nothing to checkpoint, so a signal ends
+    the job at once: reported, then aborted with status 128 + the signal number."""
 
-    def __init__(self) -> None:
+    def __init__(self, report: FailureReport) -> None:
+        self.report = report
         self.signal: str | None = None
+        self._in_loop = False
 
     def install(self) -> "StopRequest":
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self
 
+    def training(self) -> None:
+        """From now on a signal stops the loop after the current step (a checkpoint follows)."""
+        self._in_loop = True
+
     def _handle(self, signum, frame) -> None:
-        self.signal = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if not self._in_loop:
+            self.report.abort("signal", f"mpipar: rank {self.report.rank}: {name} during "
+                                        f"initialisation; nothing to checkpoint, stopping",
+                              128 + signum)
+        self.signal = name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,14 +154,17 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
 
 
 def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
-    install_abort_hook(comm)
-    stop = StopRequest().install()
+    report = FailureReport(comm)
+    install_abort_hook(report)
+    stop = StopRequest(report).install()
     from mpipar.backend import configure_threads, local_size_from_env
     # Thread pools are sized before NumPy/Numba load; from the launcher's environment when it
     # says how many ranks share the node (no collective), else after validation by a split.
     threads = configure_threads(None) if local_size_from_env() or comm.Get_size() == 1 else 0
     notes: list[str] = []
     cfg = resolve_config(argv, comm.Get_size(), notes)
+    # Before any collective, so no other rank can have reported into this run's directory yet.
+    report.attach(cfg.train.run_dir, fresh=comm.Get_rank() == 0)
     threads = threads or configure_threads(comm)
 
     from mpipar.data import DataError
@@ -180,13 +198,13 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     if failed:
         fail_usage(failed[0])
     try:
-        return _run(engine, cfg, comm, start, stop, threads, notes)
+        return _run(engine, cfg, comm, start, stop, report, threads, notes)
     finally:
         engine.close()
 
 
-def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest, threads: int,
-         notes: list[str]) -> int:
+def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest,
+         report: FailureReport, threads: int, notes: list[str]) -> int:
     """The training loop and everything written around it (see the module docstring)."""
     from mpipar import metrics
     from mpipar.comm import Watchdog
@@ -198,8 +216,10 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest, thr
     telemetry = metrics.Telemetry(comm)
     watchdog = None
     if tr.collective_timeout:
-        watchdog = Watchdog([engine.ledger, telemetry.ledger], tr.collective_timeout, comm,
-                            EXIT_WATCHDOG).start()
+        watchdog = Watchdog([engine.ledger, telemetry.ledger], tr.collective_timeout,
+                            comm.Get_rank(),
+                            lambda message: report.abort("watchdog", message, EXIT_WATCHDOG)
+                            ).start()
     from mpipar.backend import local_ranks, local_size_from_env
     on_node = local_size_from_env() or local_ranks(comm)[1]
     peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype, threads,
@@ -222,6 +242,7 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest, thr
             print(f"mpipar: {tr.save_dir} holds checkpoints of an earlier run; this run starts "
                   f"fresh and saves beside them (--resume auto continues instead)", flush=True)
     progress = metrics.Progress(tr.steps, start, tr.log_every, rank0)
+    stop.training()
     status, code, saved, last = "completed", 0, start, None
     for k in range(start, tr.steps):
         engine.ledger.reset()
@@ -262,14 +283,15 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest, thr
     timeline = metrics.gather_timeline(comm, result.step, engine.executor.timeline, started,
                                        tuple(engine.grid.coord))
     if rank0:
-        _write_summary(cfg, timeline, status, peaks, flops, time.perf_counter() - t_run)
         if code == EXIT_NONFINITE:
-            sys.stderr.write(f"mpipar: step {result.step}: loss {result.loss} / gradient norm "
-                             f"{result.grad_norm} is not finite (--on-nan stop); its update was "
-                             f"not applied, the state is saved in "
-                             f"{path or _step_path(tr.save_dir, result.step)}; exit "
-                             f"{EXIT_NONFINITE}\n")
-        elif status.startswith("preempted"):
+            message = (f"mpipar: step {result.step}: loss {result.loss} / gradient norm "
+                       f"{result.grad_norm} is not finite (--on-nan stop); its update was not "
+                       f"applied, the state is saved in "
+                       f"{path or _step_path(tr.save_dir, result.step)}; exit {EXIT_NONFINITE}")
+            report.record("nonfinite", message, EXIT_NONFINITE)
+            sys.stderr.write(message + "\n")
+        _write_summary(cfg, timeline, status, peaks, flops, time.perf_counter() - t_run)
+        if status.startswith("preempted"):
             print(f"mpipar: {status} of {tr.steps} on a stop signal; checkpoint "
                   f"{path or _step_path(tr.save_dir, result.step)}; continue with --resume auto",
                   flush=True)
@@ -312,7 +334,7 @@ def _skipped_before(run_dir: str, start: int) -> int:
 def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float], flops: float,
                    wall_s: float) -> None:
     """Rank 0: timeline.json, summary.json and summary.txt of the run so far; prints the text."""
-    from mpipar import metrics, report
+    from mpipar import failure, metrics, report
     run_dir = cfg.train.run_dir
     metrics.write_json(os.path.join(run_dir, "timeline.json"), timeline)
     records, _, _ = report.load_run(run_dir)
@@ -320,6 +342,9 @@ def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float],
     summary.update(wall_s=wall_s, peak_flops=sum(peaks), peak_flops_per_rank=peaks,
                    model_flops_per_step=flops, save_dir=cfg.train.save_dir,
                    diagnosis=report.diagnose(summary))
+    failures = failure.read(run_dir)
+    if failures:
+        summary["failures"] = failures
     metrics.write_json(os.path.join(run_dir, "summary.json"), summary)
     text = report.summary_text(summary)
     with open(os.path.join(run_dir, "summary.txt"), "w") as fh:

@@ -202,6 +202,49 @@ def test_sigusr1_to_one_rank_stops_all_and_resume_is_exact(tmp_path):
 
 
 # -------------------------------------------------------------------------------- failures
+BLOCK_INIT = """
+    import pathlib, sys, time
+    from mpi4py import MPI
+    from mpipar import engine, train
+    def blocked(self, *args, **kwargs):
+        pathlib.Path(sys.argv[1], f"ready.{MPI.COMM_WORLD.rank}").touch()
+        time.sleep(600)  # initialisation that never ends (a huge model, a slow filesystem)
+    engine.Engine.__init__ = blocked
+    sys.exit(train.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_during_initialisation_exits_promptly(tmp_path, ranks):
+    """SIGTERM before the first step: nothing to checkpoint, so the job ends at once with status
+    143 (128 + SIGTERM), each signalled rank's report in failure.txt."""
+    if ranks > 1 and not os.path.exists(MPIRUN):
+        pytest.skip("no mpirun beside this Python (install mpipar[mpich])")
+    script = tmp_path / "block.py"
+    script.write_text(textwrap.dedent(BLOCK_INIT))
+    run = tmp_path / "run"
+    launch = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
+    proc = subprocess.Popen([*launch, sys.executable, str(script), str(tmp_path), *TINY,
+                             "--run-dir", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready.{r}").exists() for r in range(ranks)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the ranks never reached initialisation"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
+    lines = _failures(run)
+    assert lines and all(f["kind"] == "signal" and f["exit"] == 143 for f in lines), lines
+    assert all(f["message"] == f"mpipar: rank {f['rank']}: SIGTERM during initialisation; "
+                               f"nothing to checkpoint, stopping" for f in lines), lines
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    assert not (run / "checkpoints").exists()
+
+
 @needs_mpirun
 def test_sigkill_of_one_rank_ends_the_job_within_30_s(tmp_path):
     run = tmp_path / "run"
@@ -218,12 +261,15 @@ def test_sigkill_of_one_rank_ends_the_job_within_30_s(tmp_path):
 
 
 def test_watchdog_names_only_a_call_blocked_too_long():
-    from mpi4py import MPI
+    import threading
 
     from mpipar.comm import Ledger, Watchdog
 
     ledger = Ledger()
-    dog = Watchdog([Ledger(), ledger], timeout=5.0, comm=MPI.COMM_SELF)
+    called = threading.Event()
+    messages = []
+    dog = Watchdog([Ledger(), ledger], timeout=5.0, rank=0,
+                   on_stuck=lambda m: (messages.append(m), called.set()))
     assert dog.stuck() is None
     ledger.begin("tp", "allreduce", 4)
     start = ledger.in_flight[3]
@@ -235,7 +281,21 @@ def test_watchdog_names_only_a_call_blocked_too_long():
     ledger.add("tp", "allreduce", 64, 0.1)                  # the call returned
     assert ledger.in_flight is None and dog.stuck(start + 100) is None
     with pytest.raises(ValueError, match="must be > 0 seconds"):
-        Watchdog([ledger], 0.0)
+        Watchdog([ledger], 0.0, rank=0, on_stuck=print)
+    # The thread calls on_stuck once with the message, then ends.
+    fast = Watchdog([ledger], timeout=0.05, rank=3, on_stuck=lambda m: (messages.append(m),
+                                                                       called.set())).start()
+    ledger.begin("pp", "recv", 2)
+    assert called.wait(timeout=30)
+    fast._thread.join(timeout=30)
+    assert not fast._thread.is_alive()
+    assert len(messages) == 1 and messages[0].startswith(
+        "mpipar: rank 3: collective watchdog: recv on group 'pp' (size 2) has been blocked")
+
+
+def _failures(run_dir) -> list[dict]:
+    from mpipar import failure
+    return failure.read(str(run_dir))
 
 
 STALL = """
@@ -257,17 +317,26 @@ STALL = """
 
 @needs_mpirun
 def test_collective_watchdog_names_the_operation_and_group(tmp_path):
+    """Rank 1 hangs in step 3: rank 0's watchdog reports the blocked all-reduce durably in
+    failure.txt and summary.json (the launcher may drop an aborting job's stderr), then aborts."""
     script = tmp_path / "stall.py"
     script.write_text(textwrap.dedent(STALL))
+    run = tmp_path / "run"
     t0 = time.monotonic()
     proc = _run(2, [*TINY, "--steps", "10", "--collective-timeout", "3",
-                    "--run-dir", str(tmp_path / "run")], script=str(script), timeout=100)
-    assert proc.returncode == 4  # train.EXIT_WATCHDOG, through MPI_Abort and mpirun
+                    "--run-dir", str(run)], script=str(script), timeout=100)
+    assert proc.returncode == 4, proc.stderr  # train.EXIT_WATCHDOG, through MPI_Abort and mpirun
     assert time.monotonic() - t0 < 60
-    assert ("mpipar: rank 0: collective watchdog: iallreduce on group 'dp_sp' (size 2) has been "
-            "blocked") in proc.stderr
-    assert "longer than --collective-timeout 3 s" in proc.stderr
-    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
+    lines = _failures(run)
+    assert [(f["rank"], f["exit"], f["kind"]) for f in lines] == [(0, 4, "watchdog")], lines
+    assert lines[0]["message"].startswith(
+        "mpipar: rank 0: collective watchdog: iallreduce on group 'dp_sp' (size 2) has been "
+        "blocked")
+    assert "longer than --collective-timeout 3 s" in lines[0]["message"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["exit_code"] == 4
+    assert summary["failures"] == lines and summary["last_step"] == 2
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
 
 
 NAN = """
@@ -320,6 +389,9 @@ def test_on_nan_stop_saves_and_exits_3_then_resume_continues(tmp_path):
                     "--run-dir", str(run)], script=str(script))
     assert proc.returncode == 3, proc.stderr
     assert "step 3: loss" in proc.stderr and "is not finite (--on-nan stop)" in proc.stderr
+    [line] = _failures(run)
+    assert (line["rank"], line["exit"], line["kind"]) == (0, 3, "nonfinite")
+    assert line["message"].startswith("mpipar: step 3: loss")
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
     ck = run / "checkpoints"
     assert checkpoint.latest(ck) == ck / "step_00000003" and checkpoint.verify(ck / "step_00000003") == []
@@ -327,12 +399,15 @@ def test_on_nan_stop_saves_and_exits_3_then_resume_continues(tmp_path):
     assert all(np.array_equal(before[n], after[n]) for n in before)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "stopped at step 3: non-finite loss or gradient norm"
+    assert summary["failures"] == [line]
     again = _run(1, [*TINY, "--steps", "5", "--on-nan", "stop", "--resume", "auto",
                      "--run-dir", str(run)])
     assert again.returncode == 0, again.stderr
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]  # carried over the resume
+    assert _failures(run) == []  # the report describes the latest run, which finished
+    assert "failures" not in json.loads((run / "summary.json").read_text())
 
 
 # -------------------------------------------------------------------------------- bad data

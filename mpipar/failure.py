@@ -1,0 +1,133 @@
+"""A failing rank's last words, made durable: ``RUN_DIR/failure.txt`` and ``summary.json``.
+
+When one rank must end the whole job (an uncaught exception, the collective watchdog, a stop
+signal before the first step) it calls :meth:`FailureReport.abort`. ``MPI_Abort`` makes the
+launcher tear every process down, and a launcher may drop output it has not yet forwarded (seen
+with MPICH's hydra: the whole stderr of an aborted job lost about one run in ten). So before
+aborting, the rank:
+
+1. appends one JSON line to ``RUN_DIR/failure.txt`` (``rank``, ``exit``, ``kind``, ``message``,
+   ``time``), under an exclusive lock, and fsyncs it: this is the report that cannot be lost;
+2. rewrites ``RUN_DIR/summary.json`` as ``status: "failed"`` with every line of
+   ``failure.txt`` so far (written through a rename: never half a file);
+3. writes the message to stderr unbuffered;
+4. waits :data:`ABORT_GRACE_S` so the launcher can forward stderr, then aborts.
+
+Before the run directory is known (config still being read) only steps 3 and 4 happen. A stop
+that is not an abort (``--on-nan stop``) records its line with :meth:`FailureReport.record`.
+Every run (resumed or not) removes a stale ``failure.txt`` (:meth:`FailureReport.attach` on
+rank 0), so the file, when present, describes the latest run in that directory.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+from typing import Any, NoReturn
+
+from mpi4py import MPI
+
+FAILURE_FILE = "failure.txt"
+SUMMARY_FILE = "summary.json"
+ABORT_GRACE_S = 1.0  # seconds between writing a failing rank's report and MPI_Abort
+
+
+class FailureReport:
+    """Where this rank reports a failure that ends the run (see the module docstring)."""
+
+    def __init__(self, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.run_dir: str | None = None
+
+    def attach(self, run_dir: str, fresh: bool) -> None:
+        """From now on reports also go to ``run_dir``; ``fresh`` (rank 0, before any collective)
+        removes an earlier run's report first."""
+        self.run_dir = run_dir
+        if fresh:
+            try:
+                os.remove(os.path.join(run_dir, FAILURE_FILE))
+            except FileNotFoundError:
+                pass
+
+    def record(self, kind: str, message: str, code: int) -> list[dict[str, Any]]:
+        """Append this rank's line to ``failure.txt`` (fsynced) and mark ``summary.json`` as
+        failed; returns every line of the file. Does nothing before :meth:`attach`. Never
+        raises: a report that cannot be written must not hide the failure it reports."""
+        if self.run_dir is None:
+            return []
+        line = {"rank": self.rank, "exit": code, "kind": kind, "message": message,
+                "time": time.time()}
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with open(os.path.join(self.run_dir, FAILURE_FILE), "a+") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)  # one writer at a time: whole lines, a whole summary
+                fh.write(json.dumps(line) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+                fh.seek(0)
+                lines = read_lines(fh.read())
+                _write_failed_summary(self.run_dir, lines)
+            return lines
+        except OSError as exc:
+            os.write(2, f"mpipar: rank {self.rank}: could not write {FAILURE_FILE} in "
+                        f"{self.run_dir}: {exc}\n".encode())
+            return []
+
+    def abort(self, kind: str, message: str, code: int) -> NoReturn:
+        """Report ``message`` durably and on stderr, give the launcher time to forward it, then
+        abort every rank with exit status ``code``."""
+        self.record(kind, message, code)
+        sys.stderr.flush()
+        os.write(2, (message.rstrip("\n") + "\n").encode())
+        time.sleep(ABORT_GRACE_S)
+        self.comm.Abort(code)
+        raise SystemExit(code)  # unreachable: MPI_Abort does not return
+
+
+def read_lines(text: str) -> list[dict[str, Any]]:
+    """The records of a ``failure.txt`` text (a torn last line, from a crash, is skipped)."""
+    out = []
+    for raw in text.splitlines():
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def read(run_dir: str) -> list[dict[str, Any]]:
+    """The failure records of ``run_dir`` (empty when the latest run reported none)."""
+    try:
+        with open(os.path.join(run_dir, FAILURE_FILE)) as fh:
+            return read_lines(fh.read())
+    except FileNotFoundError:
+        return []
+
+
+def _write_failed_summary(run_dir: str, lines: list[dict[str, Any]]) -> None:
+    """``summary.json`` of a run that failed: what failed, where, and how far it got."""
+    from mpipar.metrics import write_json
+    first = lines[0] if lines else {}
+    summary = {
+        "status": "failed",
+        "exit_code": first.get("exit"),
+        "failure": f"rank {first.get('rank')}: {first.get('kind')}",
+        "failures": lines,
+        "last_step": _last_logged_step(run_dir),
+    }
+    write_json(os.path.join(run_dir, SUMMARY_FILE), summary)
+
+
+def _last_logged_step(run_dir: str) -> int:
+    """The last step in ``metrics.jsonl`` (0 if none; a torn last line is ignored)."""
+    step = 0
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            for record in read_lines(fh.read()):
+                step = record.get("step", step)
+    except FileNotFoundError:
+        pass
+    return step

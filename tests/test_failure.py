@@ -1,0 +1,61 @@
+"""The durable failure report (mpipar.failure): lines that cannot be lost or torn."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+from mpi4py import MPI
+
+from mpipar import failure
+
+
+def test_record_appends_fsynced_lines_and_marks_the_summary_failed(tmp_path):
+    run = tmp_path / "run"
+    (run).mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # torn tail
+    report = failure.FailureReport(MPI.COMM_SELF)
+    assert report.record("exception", "ignored: no run dir yet", 1) == []
+    report.attach(str(run), fresh=True)
+    lines = report.record("watchdog", "mpipar: rank 0: collective watchdog: ...", 4)
+    assert [(x["rank"], x["exit"], x["kind"]) for x in lines] == [(0, 4, "watchdog")]
+    assert failure.read(str(run)) == lines
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary == {"status": "failed", "exit_code": 4, "failure": "rank 0: watchdog",
+                       "failures": lines, "last_step": 2}
+
+
+def test_a_fresh_run_removes_a_stale_report_and_a_torn_line_is_skipped(tmp_path):
+    (tmp_path / "failure.txt").write_text('{"rank": 3, "exit": 1, "kind": "exception", '
+                                          '"message": "old", "time": 0}\n{"rank": 1, "ex')
+    assert [x["message"] for x in failure.read(str(tmp_path))] == ["old"]
+    failure.FailureReport(MPI.COMM_SELF).attach(str(tmp_path), fresh=True)
+    assert failure.read(str(tmp_path)) == []
+    assert failure.read(str(tmp_path / "missing")) == []
+
+
+def _write_many(run_dir: str, who: int) -> None:
+    report = failure.FailureReport(MPI.COMM_SELF)
+    report.rank = who
+    report.attach(run_dir, fresh=False)
+    for k in range(20):
+        report.record("exception", f"process {who} line {k} " + "x" * 5000, 1)
+
+
+def test_concurrent_writers_never_interleave(tmp_path):
+    """Four processes append 20 long lines each at once: 80 whole lines, in each one's order,
+    and a summary that parses."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_many, args=(str(tmp_path), who)) for who in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    lines = failure.read(str(tmp_path))
+    assert len(lines) == 80
+    for who in range(4):
+        mine = [x["message"].split()[3] for x in lines if x["rank"] == who]
+        assert mine == [str(k) for k in range(20)]
+    assert len(json.loads((tmp_path / "summary.json").read_text())["failures"]) <= 80
+    assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]

@@ -34,7 +34,7 @@ from mpipar.comm import Group, Ledger
 
 if TYPE_CHECKING:
     from mpipar.engine import StepResult
-    from mpipar.parallel.pipeline import OpRecord
+    from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
 GROUPS = ("tp", "sp", "pp", "dp_sp", "tp_pp")

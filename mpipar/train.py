@@ -121,6 +121,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
     exit 2 on error."""
     args = build_parser().parse_args(argv)
+    import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
     try:
         cfg = config_mod.from_args(args)
         tr = cfg.train

@@ -42,7 +42,7 @@ def _run(ranks: int, args: list[str], script: str | None = None, cwd=None,
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Block until ``metrics.jsonl`` holds ``steps`` lines (the ranks are inside the loop)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     deadline = time.monotonic() + timeout
@@ -163,7 +163,7 @@ def test_sigterm_to_mpirun_checkpoints_and_exits_0(tmp_path):
                        "--steps", "100000", "--run-dir", str(run)])
     _wait_for_steps(run, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     last = _metrics(run)[-1]["step"]
     assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / f"step_{last:08d}"
@@ -185,7 +185,7 @@ def test_sigusr1_to_one_rank_stops_all_and_resume_is_exact(tmp_path):
     ranks = _rank_pids(proc.pid)
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGUSR1)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     stopped = _metrics(run)[-1]["step"]
     assert stopped < steps and f"preempted after step {stopped}" in out
@@ -227,7 +227,7 @@ def test_sigterm_during_initialisation_exits_promptly(tmp_path, ranks):
     proc = subprocess.Popen([*launch, sys.executable, str(script), str(tmp_path), *TINY,
                              "--run-dir", str(run)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not all((tmp_path / f"ready.{r}").exists() for r in range(ranks)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the ranks never reached initialisation"
@@ -302,15 +302,15 @@ STALL = """
     import sys, time
     from mpi4py import MPI
     from mpipar import train
-    from mpipar.parallel import grads
-    real = grads.GradReducer.finish
+    from mpipar.parallel import data
+    real = data.GradReducer.finish
     calls = [0]
     def finish(self):
         calls[0] += 1
         if calls[0] == 3 and MPI.COMM_WORLD.rank == 1:
             time.sleep(120)  # rank 1 hangs inside step 3; rank 0 waits in the gradient all-reduce
         return real(self)
-    grads.GradReducer.finish = finish
+    data.GradReducer.finish = finish
     sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -322,13 +322,13 @@ def test_collective_watchdog_names_the_operation_and_group(tmp_path):
     script = tmp_path / "stall.py"
     script.write_text(textwrap.dedent(STALL))
     run = tmp_path / "run"
-    t0 = time.monotonic()
     proc = _run(2, [*TINY, "--steps", "10", "--collective-timeout", "3",
-                    "--run-dir", str(run)], script=str(script), timeout=100)
+                    "--run-dir", str(run)], script=str(script), timeout=240)
+    ended = time.time()
     assert proc.returncode == 4, proc.stderr  # train.EXIT_WATCHDOG, through MPI_Abort and mpirun
-    assert time.monotonic() - t0 < 60
     lines = _failures(run)
     assert [(f["rank"], f["exit"], f["kind"]) for f in lines] == [(0, 4, "watchdog")], lines
+    assert ended - lines[0]["time"] < 30  # the job ends promptly once the watchdog fires
     assert lines[0]["message"].startswith(
         "mpipar: rank 0: collective watchdog: iallreduce on group 'dp_sp' (size 2) has been "
         "blocked")
@@ -343,15 +343,15 @@ NAN = """
     import sys
     import numpy as np
     from mpipar import train
-    from mpipar.parallel import grads
-    real = grads.GradReducer.finish
+    from mpipar.parallel import data
+    real = data.GradReducer.finish
     calls = [0]
     def finish(self):
         calls[0] += 1
         if calls[0] == 3:  # step 3: one gradient element is NaN
             self.buckets[0].grads[0] = np.nan
         return real(self)
-    grads.GradReducer.finish = finish
+    data.GradReducer.finish = finish
     sys.exit(train.main(sys.argv[1:]))
 """
 

@@ -109,9 +109,9 @@ def stdlib_corpus() -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
-def _directory_bytes(root: Path) -> np.ndarray:
-    """Bytes of every regular file under `root` (recursive, sorted by relative path, skipping
-    names that start with '.'), concatenated: uint8 [num_bytes]."""
+def directory_files(root: Path) -> list[str]:
+    """Relative posix paths of every regular file under `root` (recursive, skipping names that
+    start with '.'), sorted."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -119,8 +119,13 @@ def _directory_bytes(root: Path) -> np.ndarray:
             full = Path(dirpath, name)
             if not name.startswith(".") and full.is_file():
                 files.append(full.relative_to(root).as_posix())
+    return sorted(files)
+
+
+def _directory_bytes(root: Path) -> np.ndarray:
+    """Bytes of every file of `directory_files(root)`, concatenated: uint8 [num_bytes]."""
     parts = []
-    for rel in sorted(files):
+    for rel in directory_files(root):
         try:
             parts.append((root / rel).read_bytes())
         except OSError as err:
@@ -568,4 +573,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, so that its DataError is the one the other modules raise.
+    from mpipar.data import main as _main
+    sys.exit(_main())

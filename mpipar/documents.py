@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpipar.data import DataError
+from mpipar.data import DataError, directory_files
 
 BATCH_DOCUMENTS = 1024
 """Documents of a `.jsonl` or `.parquet` file read (and encoded) together."""
@@ -62,7 +62,7 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str]:
         if p.is_file():
             files.append(given)
         elif p.is_dir():
-            found = _directory_files(p)
+            found = [os.path.join(given, rel) for rel in directory_files(p)]
             if not found:
                 raise DataError(f"{given}: the directory holds no regular, non-hidden file")
             files.extend(found)
@@ -71,15 +71,6 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str]:
         else:
             raise DataError(f"{given} is neither a regular file nor a directory")
     return files
-
-
-def _directory_files(root: Path) -> list[str]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [Path(dirpath, n) for n in filenames
-                  if not n.startswith(".") and Path(dirpath, n).is_file()]
-    return [os.fspath(f) for f in sorted(found, key=lambda f: f.relative_to(root).as_posix())]
 
 
 def check_readable(path: str, text_field: str) -> None:

@@ -203,24 +203,37 @@ def _encode_to_part(task: tuple[str, str, str]) -> tuple[int, int]:
 
 
 class _TokenStream:
-    """A growing 1-D `tokens` dataset (resizable, chunked, fletcher32)."""
+    """A growing 1-D `tokens` dataset (resizable, chunked, fletcher32), written a chunk at a
+    time: appended ids wait in memory until they fill a chunk, or :meth:`flush`."""
 
     def __init__(self, f: h5py.File, dtype: np.dtype, chunk_tokens: int):
         self.data = f.create_dataset("tokens", shape=(0,), maxshape=(None,), dtype=dtype,
                                      chunks=(chunk_tokens,), fletcher32=True)
-        self.size = 0
+        self.size = 0  # tokens appended, written or waiting
+        self._waiting: list[np.ndarray] = []
+        self._written = 0
 
     def append(self, ids: np.ndarray) -> None:
-        if ids.size:
-            self.data.resize((self.size + ids.size,))
-            self.data[self.size:] = ids
-            self.size += ids.size
+        self._waiting.append(ids)
+        self.size += ids.size
+        if self.size - self._written >= self.data.chunks[0]:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.size > self._written:
+            self.data.resize((self.size,))
+            self.data[self._written:] = np.concatenate(self._waiting)
+            self._waiting, self._written = [], self.size
+
+
+def _cpus() -> int:
+    """CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def default_workers(num_files: int) -> int:
     """One process per CPU this process may use, at most one per file."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(num_files, cpus or 1))
+    return max(1, min(num_files, _cpus()))
 
 
 def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLike,
@@ -243,12 +256,14 @@ def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLik
     for path in files:
         documents.check_readable(path, text_field)
     tok, spec = load_tokenizer(tokenizer, eos)
-    workers = workers or default_workers(len(files))
+    workers = min(workers, len(files)) or default_workers(len(files))
     tmp = out.with_name(out.name + ".tmp")
     try:
-        with h5py.File(tmp, "w") as f:
+        # HDF5 1.10 object headers hold attributes over 64 KiB (the names of many files)
+        with h5py.File(tmp, "w", libver=("v110", "latest")) as f:
             stream = _TokenStream(f, spec.dtype, chunk_tokens)
             offsets, docs = _write(stream, files, tok, spec, text_field, workers, out, progress)
+            stream.flush()
             if stream.size == 0:
                 raise DataError(f"the inputs {', '.join(map(os.fspath, inputs))} hold no text")
             f.attrs.update(spec.attrs())
@@ -285,7 +300,7 @@ def _write_parallel(stream: _TokenStream, files: list[str], spec: TokenizerSpec,
                     text_field: str, workers: int, out: Path, bar) -> tuple[list[int], int]:
     """Files encoded by `workers` processes into part files, appended here in input order."""
     parts = Path(tempfile.mkdtemp(prefix=out.name + ".parts.", dir=out.parent))
-    threads = max(1, default_workers(1 << 30) // workers)
+    threads = max(1, _cpus() // workers)
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
     tasks = [(path, text_field, os.fspath(parts / f"{i:08d}.ids")) for i, path in enumerate(files)]
     offsets, docs = [0], 0

@@ -120,6 +120,22 @@ def test_worker_processes_write_the_same_file(tmp_path, bpe, corpus):
     assert not [p for p in os.listdir(tmp_path) if ".parts." in p]
 
 
+def test_many_files_are_recorded(tmp_path, bpe):
+    """The names of 500 files (over 64 KiB, more than a classic HDF5 attribute holds)."""
+    root, tok = bpe
+    texts = tmp_path / ("a_rather_long_directory_name_" * 4)
+    texts.mkdir()
+    for i in range(500):
+        (texts / f"{i:05d}.txt").write_text(f"doc {i}")
+    out = tmp_path / "many.h5"
+    done = prepare_tokenized([texts], out, root, workers=1)
+    assert done.documents == 500
+    with h5py.File(out, "r") as f:
+        assert sum(map(len, f.attrs["files"])) > 2**16 and len(f.attrs["offsets"]) == 501
+        assert f.attrs["files"][-1] == str(texts / "00499.txt")
+        assert f["tokens"][f.attrs["offsets"][-2]:].tolist() == _ids(tok, ["doc 499"])
+
+
 def test_a_large_text_file_encoded_in_blocks_equals_the_whole(tmp_path, bpe):
     _, tok = bpe
     text = "\n".join(_documents(80, 2)) + "\n  \n\u2603 end"

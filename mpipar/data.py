@@ -294,14 +294,21 @@ def _load_h5(path: str, seq_len: int, vocab_size: int) -> TokenSource:
     want = 1 if name == "tokens" else 2
     if len(shape) != want:
         raise DataError(f"{path}: dataset '{name}' must be {want}-D, got shape {shape}")
-    if tokenizer is not None and vocab_size < tokenizer["tokenizer_vocab_size"]:
-        size = tokenizer["tokenizer_vocab_size"]
+    if tokenizer is not None:
+        _check_tokenizer_vocab(path, tokenizer, vocab_size)
+    return _make_source(path, "hdf5", seq_len, vocab_size, shape, dtype, _h5_dataset(path, name),
+                        tokenizer)
+
+
+def _check_tokenizer_vocab(path: str, tokenizer: dict[str, Any], vocab_size: int) -> None:
+    """The model's vocabulary must hold every id of the recorded tokenizer (a larger one is
+    accepted: Hugging Face checkpoints often pad their embedding table)."""
+    size = tokenizer["tokenizer_vocab_size"]
+    if vocab_size < size:
         raise DataError(f"{path} was prepared with the tokenizer {tokenizer['tokenizer']} of "
                         f"{size} tokens (sha256 {tokenizer['tokenizer_sha256'][:16]}...), but the "
                         f"model's vocabulary has {vocab_size} (--vocab-size {vocab_size}): ids "
                         f"{vocab_size}..{size - 1} would have no embedding; use --vocab-size {size}")
-    return _make_source(path, "hdf5", seq_len, vocab_size, shape, dtype, _h5_dataset(path, name),
-                        tokenizer)
 
 
 def _tokenizer_attrs(f: h5py.File) -> dict[str, Any] | None:

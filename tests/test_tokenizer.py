@@ -105,6 +105,10 @@ def test_prepared_ids_are_the_encoding_of_every_document_then_eos(tmp_path, bpe,
     assert src.tokenizer["tokenizer_sha256"] == sha
     rows = src.sample(np.arange(src.num_samples))
     assert all(np.array_equal(r, flat[16 * i:16 * i + 17]) for i, r in enumerate(rows))
+    assert load_tokens(out, vocab + 64, 16).num_tokens == flat.size  # a padded embedding table
+    with pytest.raises(DataError, match=f"ids {vocab - 1}..{vocab - 1} would have no embedding; "
+                                        f"use --vocab-size {vocab}"):
+        load_tokens(out, vocab - 1, 16)
 
 
 def test_worker_processes_write_the_same_file(tmp_path, bpe, corpus):

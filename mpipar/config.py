@@ -136,6 +136,9 @@ class TrainConfig:
     export_hf: str = _f("", "write the trained weights as a Hugging Face Llama directory at the end")
     export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
                            choices=("", "float16", "float32", "float64"))
+    tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
+                              "none); empty: RUN_DIR/tensorboard when the [tensorboard] extra is "
+                              "installed, else none")
 
 
 @dataclass

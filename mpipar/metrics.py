@@ -134,25 +134,39 @@ def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Led
 
 
 class MetricsWriter:
-    """Appends step records to ``metrics.jsonl``; a fresh run truncates the file."""
+    """Appends step records to ``metrics.jsonl`` (a fresh run truncates the file) and, with a
+    ``tensorboard`` directory, their numbers to a new TensorBoard event file there
+    (:mod:`mpipar.tensorboard`)."""
 
-    def __init__(self, run_dir: str, enabled: bool = True, append: bool = False) -> None:
+    def __init__(self, run_dir: str, enabled: bool = True, append: bool = False,
+                 tensorboard: str | None = None) -> None:
         self.enabled = enabled
         self._fh = None
+        self._events = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             self._fh = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")
+            if tensorboard:
+                from mpipar.tensorboard import EventWriter
+                self._events = EventWriter(tensorboard)
 
     def write(self, record: dict[str, Any]) -> None:
+        """One record with a ``step`` and any (nested) numbers."""
         if not self.enabled:
             return
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        if self._events is not None:
+            from mpipar.tensorboard import scalars
+            self._events.add_scalars(record["step"], scalars(record))
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
 
 class Progress:

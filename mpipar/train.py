@@ -10,7 +10,9 @@ layout, else (no --global-batch-size given) the batch is rounded up to a multipl
 
 Writes into ``RUN_DIR``: ``config.toml`` (the full resolved configuration), ``metrics.jsonl`` (one
 JSON object per optimizer step: loss, grad norm, LR, tokens/s, MFU, time breakdown, bytes per
-group, peak memory per rank, skipped steps; :mod:`mpipar.metrics`), ``timeline.json`` (every
+group, peak memory per rank, skipped steps; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
+default when the ``[tensorboard]`` extra is installed, the same numbers as TensorBoard events in
+``RUN_DIR/tensorboard``: :mod:`mpipar.tensorboard`), ``timeline.json`` (every
 rank's pipeline ops of the last step), ``summary.json`` and ``summary.txt`` (the run's numbers and
 its bottleneck; :mod:`mpipar.report`), and checkpoints in ``--save-dir`` (default
 ``RUN_DIR/checkpoints``) every ``--save-every`` steps and at the end.
@@ -227,7 +229,9 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest,
                                                         on_node))
     flops = model_flops_per_step(cfg)
     skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
-    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, append=start > 0)
+    from mpipar.tensorboard import log_dir
+    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, append=start > 0,
+                                   tensorboard=log_dir(tr.tensorboard, tr.run_dir))
     if rank0:
         with open(os.path.join(tr.run_dir, "config.toml"), "w") as fh:
             fh.write(cfg.to_toml())

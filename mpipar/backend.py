@@ -2,7 +2,8 @@
 the peak FLOP/s of MFU.
 
 Ranks that share a node share its cores: ``configure_threads`` gives each rank
-``cores // ranks_on_this_node`` threads for BLAS, OpenMP and Numba. It sets environment variables,
+``cores it may use // ranks on those cores`` threads for BLAS, OpenMP and Numba (a rank bound to
+its own cores keeps them all). It sets environment variables,
 so it must run before NumPy or Numba are imported (``python -m mpipar.train`` does this); a
 variable the user already set wins.
 """
@@ -82,11 +83,61 @@ def local_ranks(comm: MPI.Comm = MPI.COMM_WORLD) -> tuple[int, int]:
         node.Free()
 
 
+def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
+    """The nodes of ``comm`` as MPI sees them (a ``COMM_TYPE_SHARED`` split, a collective):
+    ``"K node(s) x R rank(s) per node: host (ranks a-b), ..."`` (R like ``4/2`` when uneven)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        leader = comm.allgather(comm.Get_rank() if node.Get_rank() == 0 else -1)
+        first = node.bcast(comm.Get_rank())
+        ranks = comm.allgather((first, comm.Get_rank(), MPI.Get_processor_name()))
+    finally:
+        node.Free()
+    nodes = {r: [] for r in leader if r >= 0}
+    for first_rank, rank, host in ranks:
+        nodes[first_rank].append((rank, host))
+    sizes = [len(members) for members in nodes.values()]
+    per = str(sizes[0]) if len(set(sizes)) == 1 else "/".join(map(str, sizes))
+    hosts = ", ".join(f"{m[0][1]} (ranks {_ranges([r for r, _ in m])})" for m in nodes.values())
+    return f"{len(nodes)} node(s) x {per} rank(s) per node: {hosts}"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
+
+
 def cpu_count() -> int:
+    """Cores this process may run on (its affinity mask; all online cores where there is none)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def ranks_sharing_cores(ranks_on_node: int) -> int:
+    """How many of this node's ``ranks_on_node`` ranks run on this rank's cores.
+
+    A launcher that binds ranks (Open MPI without oversubscription, srun --cpu-bind) gives each
+    a slice of the cores its own process may use; one that does not gives every rank all of
+    them. The launcher's cores are this process's parent's affinity (its daemon: orted/prted,
+    hydra_pmi_proxy, slurmstepd) joined with this process's; ranks spread evenly over them."""
+    try:
+        mine = os.sched_getaffinity(0)
+        pool = mine | os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):  # not Linux, or the parent has gone
+        return ranks_on_node
+    return max(1, min(ranks_on_node, round(ranks_on_node * len(mine) / len(pool))))
+
+
+def threads_per_rank(ranks_on_node: int) -> int:
+    """Threads for a rank: the cores it may use split among the ranks that run on them."""
+    return max(1, cpu_count() // ranks_sharing_cores(ranks_on_node))
 
 
 def configure_threads(comm: MPI.Comm | None = MPI.COMM_WORLD) -> int:
@@ -97,11 +148,10 @@ def configure_threads(comm: MPI.Comm | None = MPI.COMM_WORLD) -> int:
     ranks = local_size_from_env()
     if ranks is None:
         ranks = local_ranks(comm)[1] if comm is not None else 1
-    threads = max(1, cpu_count() // ranks)
+    threads = threads_per_rank(ranks)
     for var in THREAD_VARS:
         os.environ.setdefault(var, str(threads))
     return int(os.environ["NUMBA_NUM_THREADS"])
-
 
 
 def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:
@@ -130,11 +180,12 @@ def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 3
 
 def cpu_peak_share(threads: int, ranks_on_node: int) -> float:
     """The fraction of its threads' peak a rank gets when ``ranks_on_node`` ranks of
-    ``threads`` threads each share this node's cores: 1 unless the node is oversubscribed."""
+    ``threads`` threads each share this node: 1 unless more threads than cores run on the cores
+    this rank may use (:func:`ranks_sharing_cores`: a rank bound to its own core gets all of it)."""
     if threads < 1 or ranks_on_node < 1:
         raise ValueError(f"cpu_peak_share: threads={threads} and ranks_on_node={ranks_on_node} "
                          f"must be >= 1")
-    return min(1.0, cpu_count() / (threads * ranks_on_node))
+    return min(1.0, cpu_count() / (threads * ranks_sharing_cores(ranks_on_node)))
 
 
 # Arithmetic lanes per streaming multiprocessor by compute capability: (float32, float64).
@@ -154,3 +205,21 @@ def gpu_peak_flops(dtype: str = "float32", device: int | None = None) -> float:
     lanes = _SM_LANES.get(cc) or _SM_LANES.get((cc[0], 0)) or (64, 2)
     per_sm = lanes[1] if dtype == "float64" else lanes[0]
     return 2.0 * attrs["MultiProcessorCount"] * per_sm * attrs["ClockRate"] * 1e3
+
+
+def main() -> int:
+    """``python -m mpipar.backend`` under a launcher: rank 0 prints the nodes and ranks per node
+    that MPI sees, and the threads and peak share each rank gets (a job's first line)."""
+    comm = MPI.COMM_WORLD
+    shape = node_shape(comm)
+    on_node = local_size_from_env() or local_ranks(comm)[1]
+    threads = threads_per_rank(on_node)
+    share = comm.gather(cpu_peak_share(threads, on_node))
+    if comm.Get_rank() == 0:
+        print(f"mpipar: {shape}; {threads} thread(s)/rank, CPU share per rank "
+              f"{min(share):.2f}-{max(share):.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -169,15 +169,33 @@ class MetricsWriter:
             self._events = None
 
 
+def users_terminal(stream: Any = None, env: dict[str, str] | None = None) -> bool:
+    """Whether ``stream`` (stdout) is the terminal the user watches. Open MPI gives every rank a
+    pseudo-terminal of its own whatever mpirun's output is (a log file too), so under Open MPI
+    (``OMPI_COMM_WORLD_SIZE`` set) only the process's controlling terminal counts."""
+    stream = sys.stdout if stream is None else stream
+    env = os.environ if env is None else env
+    try:
+        if not stream.isatty():
+            return False
+        if "OMPI_COMM_WORLD_SIZE" not in env:
+            return True
+        with open("/proc/self/stat") as fh:          # field 7: the controlling terminal
+            controlling = int(fh.read().rsplit(")", 1)[1].split()[4])
+        return controlling != 0 and controlling == os.fstat(stream.fileno()).st_rdev
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 class Progress:
-    """Rank 0's progress: a tqdm bar when stdout is a terminal, else a line every ``every``
-    steps (and the first and last); ``every = 0`` prints nothing."""
+    """Rank 0's progress: a tqdm bar when stdout is the user's terminal (:func:`users_terminal`),
+    else a line every ``every`` steps (and the first and last); ``every = 0`` prints nothing."""
 
     def __init__(self, total: int, start: int, every: int, enabled: bool,
                  tty: bool | None = None) -> None:
         self.total, self.every, self.enabled = total, every, enabled and every > 0
         self.bar = None
-        if self.enabled and (sys.stdout.isatty() if tty is None else tty):
+        if self.enabled and (users_terminal() if tty is None else tty):
             from tqdm import tqdm
             # A terminal that reports a size of 0 x 0 (a fresh pty) would hide the bar: fall back.
             size = shutil.get_terminal_size()

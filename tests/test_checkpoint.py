@@ -17,7 +17,7 @@ from mpipar import checkpoint as ckpt
 from mpipar.config import ConfigError
 from mpipar.model.params import param_specs
 
-from conftest import MPIRUN, needs_mpirun
+from conftest import launch_env, mpirun, needs_mpirun
 VOCAB = 13
 
 
@@ -250,10 +250,10 @@ def data(tmp_path_factory):
 def train(ranks: int, run_dir, *flags: str, data: str,
           check: bool = True) -> subprocess.CompletedProcess:
     """``python -m mpipar.train`` on ``ranks`` processes (no mpirun for one)."""
-    launch = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
+    launch = mpirun(ranks) if ranks > 1 else []
     proc = subprocess.run([*launch, sys.executable, "-m", "mpipar.train", *MODEL, "--data", data,
                            "--run-dir", str(run_dir), *flags],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, env=launch_env())
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -367,9 +367,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, data, uninte
     script = tmp_path / "kill.py"
     script.write_text(KILL_DURING_SAVE)
     killed = tmp_path / "killed"
-    launch = [MPIRUN, "-n", "4", sys.executable, str(script), str(killed), *MODEL, "--data", data,
+    launch = [*mpirun(4), sys.executable, str(script), str(killed), *MODEL, "--data", data,
               "--run-dir", str(tmp_path / "a"), *common, "--save-every", "1"]
-    proc = subprocess.run(launch, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(launch, capture_output=True, text=True, timeout=180, env=launch_env())
     assert proc.returncode != 0
     assert killed.exists()
     assert sorted(os.listdir(save)) == [".step_00000002.tmp", "latest", "step_00000001"]
@@ -389,7 +389,7 @@ def test_flipped_bytes_are_named_and_resume_auto_falls_back(tmp_path, data):
     shard = save / "step_00000002" / "shard_00000.h5"
     _flip_data_bytes(shard, "exp_avg/lm_head.weight/0")
     proc = subprocess.run([sys.executable, "-m", "mpipar.ckpt", "verify", str(save)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=launch_env())
     assert proc.returncode == 1
     assert f"{shard}: sha256" in proc.stdout and "exp_avg/lm_head.weight/0" in proc.stdout
     proc = train(1, tmp_path / "b", *common, "--resume", "auto", data=data)

@@ -9,7 +9,7 @@ import pytest
 from mpipar.config import Config
 from mpipar.train import resolve_config
 
-from conftest import MPIRUN, needs_mpirun
+from conftest import launch_env, mpirun, needs_mpirun
 
 # (flags, world size, expected message fragment) — one row per rule of Config.validate.
 RULES = [
@@ -122,9 +122,9 @@ def test_missing_config_file(capsys):
 @needs_mpirun
 def test_cli_bad_layout_every_rank_exits_2(tmp_path):
     """Under mpirun, a layout that does not fit fails on every rank, once, with status 2."""
-    proc = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "mpipar.train", "--tp", "2",
+    proc = subprocess.run([*mpirun(3), sys.executable, "-m", "mpipar.train", "--tp", "2",
                            "--run-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=launch_env())
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("tp*pp*sp = 2*1*1 = 2 must divide the world size 3") == 1
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -132,7 +132,7 @@ def test_cli_bad_layout_every_rank_exits_2(tmp_path):
 
 def test_cli_argparse_choice_exit_2():
     proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--dtype", "float16"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=launch_env())
     assert proc.returncode == 2 and "invalid choice: 'float16'" in proc.stderr
 
 

@@ -9,6 +9,8 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import launch_env
+
 from mpipar.data import DataError, load_tokens, main, prepare_tokens
 
 
@@ -76,6 +78,6 @@ def test_prepare_module_entry_point(tmp_path):
     paths = _texts(tmp_path, [b"0123456789" * 3])
     out = tmp_path / "m.h5"
     proc = subprocess.run([sys.executable, "-m", "mpipar.data", "prepare", *paths, "--out",
-                           str(out)], capture_output=True, text=True, timeout=60)
+                           str(out)], capture_output=True, text=True, timeout=60, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     assert load_tokens(out, 256, 4).num_tokens == 30

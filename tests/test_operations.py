@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MPIRUN, needs_mpirun
+from conftest import MPIRUN, launch_env, mpirun, needs_mpirun
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "32",
         "--global-batch-size", "4", "--backend", "numpy", "--log-every", "0"]
 
@@ -30,9 +30,10 @@ def _metrics(run_dir) -> list[dict]:
 
 def _launch(ranks: int, args: list[str], script: str | None = None, cwd=None) -> subprocess.Popen:
     prog = [script] if script else ["-m", "mpipar.train"]
-    launch = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
+    launch = mpirun(ranks) if ranks > 1 else []
     return subprocess.Popen([*launch, sys.executable, *prog, *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env())
 
 
 def _run(ranks: int, args: list[str], script: str | None = None, cwd=None,
@@ -129,7 +130,7 @@ def test_progress_bar_on_a_terminal_log_lines_otherwise(tmp_path):
     args = [sys.executable, "-m", "mpipar.train", *TINY[:-2], "--steps", "4", "--log-every", "2"]
     leader, follower = pty.openpty()
     proc = subprocess.Popen([*args, "--run-dir", str(tmp_path / "tty")], stdout=follower,
-                            stderr=follower, text=True)
+                            stderr=follower, text=True, env=launch_env())
     os.close(follower)
     chunks = []
     while True:
@@ -223,10 +224,10 @@ def test_sigterm_during_initialisation_exits_promptly(tmp_path, ranks):
     script = tmp_path / "block.py"
     script.write_text(textwrap.dedent(BLOCK_INIT))
     run = tmp_path / "run"
-    launch = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
+    launch = mpirun(ranks) if ranks > 1 else []
     proc = subprocess.Popen([*launch, sys.executable, str(script), str(tmp_path), *TINY,
                              "--run-dir", str(run)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=launch_env())
     deadline = time.monotonic() + 300
     while not all((tmp_path / f"ready.{r}").exists() for r in range(ranks)):
         assert proc.poll() is None, proc.communicate()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import assert_all_ranks, launch_env
 from layouts import small_config, token_source
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from mpipar.planner import (Hardware, auto_layout, model_flops_per_step, plan_layouts,
@@ -239,7 +239,8 @@ def test_given_batch_is_kept_and_the_planner_picks_the_layout():
 # ------------------------------------------------------------------------------------- CLI
 def test_plan_cli(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "3",
-                           "--peak-gflops", "100"], capture_output=True, text=True, timeout=120)
+                           "--peak-gflops", "100"], capture_output=True, text=True, timeout=120,
+                           env=launch_env())
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     first = next(line for line in lines if line.lstrip().startswith("1  "))
@@ -247,9 +248,9 @@ def test_plan_cli(tmp_path):
     assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
     none = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "2", "--memory-gb",
                            "0.001", "--peak-gflops", "100", "--tp", "2"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=launch_env())
     assert none.returncode == 1 and "no layout fits" in none.stdout
     assert "dp=1 tp=2 pp=1 sp=1: needs at least" in none.stdout
     bad = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "0"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=launch_env())
     assert bad.returncode == 2 and "--world 0: must be >= 1" in bad.stderr

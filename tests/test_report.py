@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import launch_env
+
 from mpipar import report
 from mpipar.metrics import TIME_KEYS
 
@@ -72,13 +74,14 @@ def test_plots_are_valid_pngs(tmp_path):
 def test_cli_writes_the_report_and_fails_cleanly(tmp_path):
     run = _run_dir(tmp_path, [_record(s, 4.0, compute=0.1) for s in (1, 2)])
     proc = subprocess.run([sys.executable, "-m", "mpipar.report", run, "--out",
-                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                           env=launch_env())
     assert proc.returncode == 0, proc.stderr
     assert "bottleneck: compute" in proc.stdout
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
         [f"{n}.png" for n in PLOTS if n != "timeline"] + ["summary.txt"])
     missing = subprocess.run([sys.executable, "-m", "mpipar.report", str(tmp_path / "nope")],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=launch_env())
     assert missing.returncode == 2 and "no metrics" in missing.stderr
 
 
@@ -160,7 +163,7 @@ def test_report_of_a_real_run(tmp_path):
                            "--heads", "2", "--kv-heads", "1", "--seq-len", "16",
                            "--global-batch-size", "4", "--micro-batch-size", "2", "--steps", "3",
                            "--backend", "numpy", "--log-every", "0", "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     written, text = report.write_report(str(run))
     assert all(_png_size(p)[0] > 0 for p in written if p.endswith(".png"))

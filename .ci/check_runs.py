@@ -1,6 +1,7 @@
 """Assertions on the output of the CI's Slurm jobs (.ci/slurm.sh, .ci/cluster.sh).
 
-    check_runs.py JOBS run NAME --steps N [--first S] [--layout L] [--nodes K --per-node R] [--ref REF]
+    check_runs.py JOBS run NAME --steps N [--first S] [--layout L] [--nodes K --per-node R]
+                                 [--ref REF]
     check_runs.py JOBS preempted NAME --steps N --ref REF [--nodes K --per-node R] [--moved]
 
 JOBS holds one directory per job (``job.out``, ``run/metrics.jsonl``). ``run`` checks that the job
@@ -97,7 +98,8 @@ def check_preempted(jobs: pathlib.Path, a: argparse.Namespace) -> str:
     second = m.group(1)
     m = at(r"mpipar: resumed from (\S+) at step (\d+)", m.end())
     ckpt = pathlib.Path(m.group(1))
-    assert int(m.group(2)) == stopped, f"{name}: preempted after step {stopped}, resumed at {m.group(2)}"
+    assert int(m.group(2)) == stopped, \
+        f"{name}: preempted after step {stopped}, resumed at {m.group(2)}"
     assert 5 <= stopped < a.steps, f"{name}: stopped at step {stopped}"
     assert ckpt.name == f"step_{stopped:08d}", f"{name}: resumed from {ckpt}"
     m = at(rf"^step +{a.steps}/{a.steps} ", m.end())

@@ -165,9 +165,9 @@ check preempted preemptible --steps "$STEPS" --ref reference --nodes 2 --per-nod
 
 # --- srun launches -------------------------------------------------------------------------
 say "$LAUNCHES srun launches of 2 nodes x 2 ranks"
-launch() {  # launch I: one srun of 2 nodes x 2 ranks; its output names both nodes
+launch() {  # launch I: one srun of 2 nodes x 2 ranks as the sbatch scripts launch (OFI netmod)
     local out=$WORK/launches/$1.out
-    timeout 60 srun --nodes=2 --ntasks-per-node=2 --mpi=pmi2 --kill-on-bad-exit=1 \
+    MPIR_CVAR_CH4_NETMOD=ofi timeout 60 srun --nodes=2 --ntasks-per-node=2 --mpi=pmi2 --kill-on-bad-exit=1 \
         "$PY" -m mpipar.backend > "$out" 2>&1 && grep -q "mpipar: 2 node(s) x 2 rank(s)" "$out" \
         && rm "$out"
 }

@@ -8,6 +8,11 @@ human-readable table and returns JSON-serialisable results (written with `--json
 Sections:
   kernels   every kernel op for every available backend, side by side, float32 and float64
   memory    peak memory (tracemalloc) of one training step for each --recompute mode
+  comm      under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside a
+            node and across nodes, the GEMM speed and the per-op overhead of every rank; written
+            as the hardware file the planner reads (python -m mpipar.plan --hardware FILE)
+  planner   the planner's predicted step time (from a hardware file) against the measured one of
+            training runs of several layouts, side by side
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -397,6 +403,195 @@ def _configure_memory(parser: argparse.ArgumentParser) -> None:
 register("memory", run_memory, "peak memory of one training step for each --recompute mode "
          "(under mpirun -n N: tp = N, with and without --tp-sequence-parallel)",
          _configure_memory)
+
+
+# ----------------------------------------------------------------------------------------------
+# comm section
+# ----------------------------------------------------------------------------------------------
+
+def _timed(fn: Callable[[], Any], comm: Any, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds for one ``fn()`` (all ranks start
+    together after a barrier)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(comm.allreduce(time.perf_counter() - start, op=_max_op()))
+    return statistics.median(samples)
+
+
+def _max_op() -> Any:
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def measure_link(comm: Any, small: int, large: int, repeats: int) -> dict[str, float]:
+    """Latency (seconds per call of ``small`` bytes) and bandwidth (bytes/s) over ``comm``:
+    send/recv between its ranks 0 and 1 (a ping-pong: half the round trip), all-reduce (bus
+    bandwidth: ``2 (n-1)/n x bytes / time``, as the planner counts it) and all-gather
+    (``(n-1)/n x n x bytes / time``)."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    out: dict[str, float] = {}
+    for label, size in (("latency", small), ("bandwidth", large)):
+        buf, back = np.ones(size // 8), np.empty(size // 8)
+        gathered = np.empty(n * (size // 8))
+
+        def pingpong() -> None:
+            if rank == 0:
+                comm.Send(buf, 1)
+                comm.Recv(back, 1)
+            elif rank == 1:
+                comm.Recv(back, 0)
+                comm.Send(buf, 0)
+
+        seconds = {"sendrecv": _timed(pingpong, comm, repeats) / 2,
+                   "allreduce": _timed(lambda: comm.Allreduce(buf, back), comm, repeats),
+                   "allgather": _timed(lambda: comm.Allgather(buf, gathered), comm, repeats)}
+        if label == "latency":
+            out.update({f"{op}_latency": t for op, t in seconds.items()})
+        else:
+            moved = {"sendrecv": size, "allreduce": 2 * (n - 1) / n * size,
+                     "allgather": (n - 1) * size}
+            out.update({f"{op}_bandwidth": moved[op] / t for op, t in seconds.items()})
+    return out
+
+
+def measure_op_overhead(hidden: int, repeats: int = 200) -> float:
+    """Seconds of one kernel call on a single token (no arithmetic to speak of): the Python and
+    NumPy dispatch cost that every op of a step pays (the median of ``repeats`` calls)."""
+    k = kernels.get_backend("numpy")
+    x, w = np.ones((1, 1, hidden)), np.ones(hidden)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        k.rmsnorm_fwd(x, w, 1e-5)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def run_comm(args: argparse.Namespace) -> dict[str, Any]:
+    """Links inside a node and across nodes, compute speed and per-op overhead of every rank,
+    measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
+    from mpi4py import MPI
+
+    from mpipar import backend
+    from mpipar.planner import Hardware
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    across = comm.Split(node.Get_rank(), rank)         # one rank per node: the same local rank
+    nodes = comm.allreduce(1 if node.Get_rank() == 0 else 0)
+    repeats = 5 if args.quick else args.repeats
+    small, large = 8, (1 if args.quick else args.mb) * 2**20
+    links = {}
+    for scope, group in (("intra", node), ("inter", across)):
+        if comm.allreduce(group.Get_size(), op=MPI.MIN) >= 2:
+            links[scope] = measure_link(group, small, large, repeats)
+    on_node = node.Get_size()
+    threads = backend.threads_per_rank(on_node)
+    peak = backend.measure_peak_flops(args.dtype) * backend.cpu_peak_share(threads, on_node)
+    overhead = measure_op_overhead(args.hidden) / backend.cpu_peak_share(threads, on_node)
+    peaks, overheads = comm.gather(peak), comm.gather(overhead)
+    for c in (across, node):
+        c.Free()
+    if rank != 0:
+        return {}
+    hw = Hardware.from_links(min(peaks), statistics.median(overheads), links, on_node, nodes)
+    print(f"comm: {comm.Get_size()} ranks on {nodes} node(s) x {on_node}; {args.dtype} GEMM "
+          f"{min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest, with its share of the cores), "
+          f"op overhead {statistics.median(overheads) * 1e6:.1f} us")
+    header = f"{'link':<6} {'op':<10} {'latency us':>11} {'bandwidth MB/s':>15}"
+    print(header)
+    print("-" * len(header))
+    for scope, values in links.items():
+        for op in ("sendrecv", "allreduce", "allgather"):
+            print(f"{scope:<6} {op:<10} {values[op + '_latency'] * 1e6:>11.1f} "
+                  f"{values[op + '_bandwidth'] / 1e6:>15.1f}")
+    hw.save(args.out)
+    print(f"comm: wrote {args.out} (python -m mpipar.plan --hardware {args.out})")
+    return {"links": links, "hardware": hw.to_dict()}
+
+
+def _configure_comm(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="hardware.json", help="the hardware file to write")
+    parser.add_argument("--mb", type=int, default=4, help="MiB of the bandwidth messages")
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                        help="dtype of the GEMM probe (train's default: float32)")
+    parser.add_argument("--hidden", type=int, default=128, help="width of the op-overhead probe")
+
+
+register("comm", run_comm, "MPI link latency/bandwidth, compute speed and op overhead (under "
+         "a launcher); writes the planner's hardware file", _configure_comm)
+
+
+# ----------------------------------------------------------------------------------------------
+# planner section
+# ----------------------------------------------------------------------------------------------
+
+PLANNER_LAYOUTS = ("--dp 8", "--dp 4 --tp 2", "--dp 2 --tp 2 --pp 2 --micro-batch-size 2",
+                   "--dp 2 --sp 2 --tp 2", "--tp 2 --sp 2 --pp 2 --micro-batch-size 4")
+
+
+def measured_step_time(launch: list[str], flags: list[str], run_dir: str) -> tuple[float, Any]:
+    """Median step time of steps after the first third of a training run of ``flags`` (the
+    default model), and the run's resolved config."""
+    from mpipar.config import Config
+
+    proc = subprocess.run([*launch, sys.executable, "-m", "mpipar.train", *flags, "--run-dir",
+                           run_dir, "--log-every", "0"], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"planner: training {' '.join(flags)} failed:\n{proc.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        times = [json.loads(line)["step_time_s"] for line in fh]
+    return statistics.median(times[len(times) // 3:]), Config.from_toml(
+        os.path.join(run_dir, "config.toml"))
+
+
+def run_planner(args: argparse.Namespace) -> dict[str, Any]:
+    """Train each layout for ``--steps`` steps under ``--launcher`` and print the planner's
+    predicted step time (``--hardware`` file) beside the measured median."""
+    from mpipar.planner import Hardware, predict_step_time
+
+    hw = Hardware.load(args.hardware)
+    launch = args.launcher.split() + ["-n", str(args.ranks)]
+    steps = 6 if args.quick else args.steps
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mpipar-bench-planner-") as tmp:
+        for i, layout in enumerate(args.layouts.split(";")):
+            flags = [*layout.split(), "--steps", str(steps), *args.train_args.split()]
+            measured, cfg = measured_step_time(launch, flags, os.path.join(tmp, str(i)))
+            predicted = predict_step_time(cfg, hw)
+            rows.append({"layout": layout, "predicted_s": predicted.total, "measured_s": measured,
+                         "ratio": predicted.total / measured})
+    print(f"planner: {args.ranks} ranks, {steps} steps each, the default model "
+          f"{args.train_args}; hardware {args.hardware}")
+    header = f"{'layout':<44} {'predicted ms':>13} {'measured ms':>12} {'predicted/measured':>19}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['layout']:<44} {r['predicted_s'] * 1e3:>13.1f} {r['measured_s'] * 1e3:>12.1f} "
+              f"{r['ratio']:>19.2f}")
+    return {"hardware": hw.to_dict(), "rows": rows}
+
+
+def _configure_planner(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hardware", default="hardware.json",
+                        help="from python -m mpipar.bench comm")
+    parser.add_argument("--launcher", default="mpirun", help="the launch command (before -n)")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--layouts", default=";".join(PLANNER_LAYOUTS),
+                        help="';'-separated layout flags")
+    parser.add_argument("--train-args", default="", help="more mpipar.train flags for every run")
+
+
+register("planner", run_planner, "predicted against measured step time of several layouts",
+         _configure_planner)
 
 
 # ----------------------------------------------------------------------------------------------

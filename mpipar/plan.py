@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="per-rank link bandwidth in GB/s (default 10)")
     parser.add_argument("--latency-us", type=float, default=10.0, metavar="L",
                         help="seconds per MPI call, in microseconds (default 10)")
+    parser.add_argument("--hardware", metavar="FILE",
+                        help="measured peak, links and op overhead from python -m mpipar.bench "
+                             "comm (replaces the three options above)")
     config_mod.add_arguments(parser)
     return parser
 
@@ -109,12 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     fixed = config_mod.given_names(args, "parallel", "train")
-    if args.peak_gflops:
-        peak, note = args.peak_gflops * 1e9, "given"
+    if args.hardware:
+        try:
+            hw, note = Hardware.load(args.hardware), f"measured, {args.hardware}"
+        except (OSError, ValueError, TypeError) as exc:
+            return _fail(f"--hardware {args.hardware}: {exc}")
     else:
-        from mpipar.backend import measure_peak_flops
-        peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
-    hw = Hardware(peak, args.bandwidth_gbs * 1e9, args.latency_us * 1e-6)
+        if args.peak_gflops:
+            peak, note = args.peak_gflops * 1e9, "given"
+        else:
+            from mpipar.backend import measure_peak_flops
+            peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
+        hw = Hardware(peak, args.bandwidth_gbs * 1e9, args.latency_us * 1e-6)
     memory = None if args.memory_gb is None else args.memory_gb * 2**30
     base = dataclasses.replace(base, model=base.model.resolved())
     plan = plan_layouts(base, args.world, fixed, memory, hw)

@@ -12,7 +12,8 @@ mode keeps, at the peak number of microbatches the schedule holds in flight).
 
 ``predict_step_time`` is the model that ranks layouts::
 
-    op time    = FLOPs of one microbatch through one chunk / peak  +  its TP and SP traffic
+    op time    = FLOPs of one microbatch through one chunk / peak  +  kernel calls x op overhead
+                 +  its TP and SP traffic
     pipeline   = dry run of the schedule with those op times (backward = 2 x forward, plus
                  the forward work recompute repeats) and
                  point-to-point messages of  activation bytes / bandwidth + latency: the makespan,
@@ -20,7 +21,11 @@ mode keeps, at the peak number of microbatches the schedule holds in flight).
     step time  = pipeline + DP x SP gradient traffic + gradient-norm all-reduce
 
 with traffic ``bytes x algorithm factor / bandwidth + messages x latency`` (ring all-reduce moves
-``2 (n-1)/n`` of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it).
+``2 (n-1)/n`` of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the
+link inside a node or the one across nodes, whichever the group spans. :class:`Hardware` holds
+the peak, the links and the per-call overhead: nominal, or measured by ``python -m mpipar.bench
+comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks share
+dominate small models: the peak is a rank's share of the node).
 ``plan_layouts`` enumerates the layouts of a world and ranks the ones that fit;
 ``auto_layout`` is what ``python -m mpipar.train`` does when no parallel size is given.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -296,11 +302,64 @@ def _sp_context(cfg: Config) -> float:
 # --------------------------------------------------------------------------------------- time
 @dataclass(frozen=True)
 class Hardware:
-    """What the time model assumes about one rank and its links."""
+    """What the time model assumes about one rank and its links: nominal numbers by default, or
+    those ``python -m mpipar.bench comm`` measured (:meth:`load`)."""
 
-    peak_flops: float = 1e11       # FLOP/s of one rank
-    bandwidth: float = 1e10        # bytes/s of one rank's link
-    latency: float = 1e-5          # seconds per MPI call
+    peak_flops: float = 1e11       # FLOP/s of one rank (with its share of the node's cores)
+    bandwidth: float = 1e10        # bytes/s of one rank's link to other nodes
+    latency: float = 1e-5          # seconds per MPI call to other nodes
+    intra_bandwidth: float = 0.0   # bytes/s inside a node (0: as across nodes)
+    intra_latency: float = 0.0     # seconds per MPI call inside a node (0: as across nodes)
+    ranks_per_node: int = 0        # ranks on one node (0: every group inside one node)
+    op_overhead: float = 0.0       # seconds every kernel call costs besides its FLOPs
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a group whose ranks lie ``span`` consecutive ranks apart:
+        inside a node when ``span`` fits in one (ranks fill nodes in order)."""
+        inside = self.ranks_per_node == 0 or span <= self.ranks_per_node
+        if inside and self.intra_bandwidth:
+            return self.intra_bandwidth, self.intra_latency or self.latency
+        return self.bandwidth, self.latency
+
+    @classmethod
+    def from_links(cls, peak_flops: float, op_overhead: float,
+                   links: dict[str, dict[str, float]], ranks_per_node: int,
+                   nodes: int) -> "Hardware":
+        """From measured links (``{"intra"|"inter": {"allreduce_bandwidth": ..., ...}}``): a
+        link's bandwidth and latency are those of its all-reduce (what most of a step's calls
+        are); the other link stands in for a missing one."""
+        def pick(scope: str) -> tuple[float, float]:
+            v = links.get(scope) or next(iter(links.values()), None)
+            return (v["allreduce_bandwidth"], v["allreduce_latency"]) if v else (1e10, 1e-5)
+        (bw, lat), (ibw, ilat) = pick("inter"), pick("intra")
+        return cls(peak_flops, bw, lat, ibw, ilat, ranks_per_node if nodes > 1 else 0,
+                   op_overhead)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+            fh.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> "Hardware":
+        """The hardware file ``path`` (from ``python -m mpipar.bench comm``)."""
+        with open(path) as fh:
+            data = json.load(fh)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{path}: unknown hardware fields {unknown}; expected {sorted(names)}")
+        return cls(**data)
+
+
+# Kernel and NumPy calls one microbatch makes through one block (counted in
+# mpipar/model/llama.py: norm, q/k/v, RoPE, attention, o, residual, norm, gate, up, SwiGLU, down,
+# residual forward; twice as many calls backward, whose linear ops each make two GEMMs), and
+# through the embedding and LM head together.
+OPS_BLOCK_FWD, OPS_BLOCK_BWD, OPS_ENDS = 16, 32, 12
 
 
 @dataclass
@@ -324,6 +383,15 @@ def _factor(group: str, cfg: Config) -> float:
     return 1.0
 
 
+def _span(group: str, cfg: Config) -> int:
+    """How many consecutive ranks a group of ``group`` spans (the grid orders pp, dp, sp, tp from
+    slowest to fastest): what decides whether its messages leave a node."""
+    par = cfg.parallel
+    world = par.dp * par.tp * par.pp * par.sp
+    return {"tp": par.tp, "sp": par.tp * par.sp, "dp_sp": par.tp * par.sp * par.dp,
+            "tp_pp": world if par.pp > 1 else par.tp}.get(group, world)
+
+
 def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     """The step time model of this module's docstring for a resolved ``cfg``."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
@@ -332,8 +400,9 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
-    block_fwd = _block_flops_per_token(cfg, _sp_context(cfg)) * n * per / hw.peak_flops
-    head_fwd = 2 * m.hidden * vl * n / hw.peak_flops
+    block_fwd = (_block_flops_per_token(cfg, _sp_context(cfg)) * n / hw.peak_flops
+                 + OPS_BLOCK_FWD * hw.op_overhead) * per
+    head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
     qkv = 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * per
     redo = {"full": block_fwd, "selective": qkv / hw.peak_flops}.get(tr.recompute, 0.0)
@@ -342,15 +411,18 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     unit, compute = 0.0, 0.0
     for r in range(p):
         traffic = _traffic(cfg, Coord(dp=0, tp=0, pp=r, sp=0))
-        seconds = {g: b * _factor(g, cfg) / hw.bandwidth + k * hw.latency
-                   for g, (b, k) in traffic.items()}
+        seconds = {}
+        for g, (b, k) in traffic.items():
+            bandwidth, latency = hw.link(_span(g, cfg))
+            seconds[g] = b * _factor(g, cfg) / bandwidth + k * latency
         for g, t in seconds.items():
             comm[g] = max(comm.get(g, 0.0), t)
         inner = (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)) / (micro * v)  # per fwd + bwd
         head = head_fwd if r == (p * v - 1) % p else 0.0    # on the rank's worst chunk
         unit = max(unit, block_fwd + head + inner / 3)
         compute = max(compute, micro * (v * (3 * block_fwd + redo) + 3 * head))
-    hop = (n * m.hidden * np.dtype(tr.dtype).itemsize / hw.bandwidth + hw.latency) if p > 1 else 0.0
+    bandwidth, latency = hw.link(_span("pp", cfg))
+    hop = (n * m.hidden * np.dtype(tr.dtype).itemsize / bandwidth + latency) if p > 1 else 0.0
     run = dry_run(_schedule(par.schedule, p, micro, v), p, micro, v, cost_fwd=unit,
                   cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
     total = run.makespan + comm.get("dp_sp", 0.0) + comm.get("tp_pp", 0.0)

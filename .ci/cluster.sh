@@ -18,6 +18,7 @@
 #   preemptible  preemptible.sbatch (srun), 2 nodes x 4 ranks, tp2 sp2 pp2, SIGUSR1 after 5
 #                steps, requeued onto two other nodes, --resume auto, to step STEPS
 #   launches     LAUNCHES srun launches of 2 nodes x 2 ranks, every one must start and finish
+#   links        python -m mpipar.bench comm on 2 nodes x 2 ranks: the planner's hardware file
 #
 # and every loss equals the reference's at the same step (<= 1e-10 relative), every job prints
 # the node shape MPI saw, and the bridge carried the traffic. Everything (daemons, namespaces,
@@ -180,5 +181,12 @@ failed=$(find "$WORK/launches" -name '*.out' | wc -l)
 for f in "$WORK"/launches/*.out; do [[ -f $f ]] && { say "launch $(basename "$f" .out) failed:"; tail -5 "$f"; }; done
 say "srun launches: $((LAUNCHES - failed))/$LAUNCHES started and finished, $failed failed"
 (( failed == 0 )) || die "$failed of $LAUNCHES srun launches failed"
+
+# --- links ---------------------------------------------------------------------------------
+say "python -m mpipar.bench comm on 2 nodes x 2 ranks (inside a node and across the bridge)"
+MPIR_CVAR_CH4_NETMOD=ofi timeout 120 srun --nodes=2 --ntasks-per-node=2 --mpi=pmi2 \
+    "$PY" -m mpipar.bench comm --quick --out "$WORK/hardware.json" | grep -v '^$'
+"$PY" -c "import sys; from mpipar.planner import Hardware; hw = Hardware.load(sys.argv[1]); \
+assert hw.ranks_per_node == 2 and hw.bandwidth > 0 and hw.intra_bandwidth > 0, hw" "$WORK/hardware.json"
 ok=1
 say "all cluster jobs passed"

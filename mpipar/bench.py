@@ -9,7 +9,8 @@ Sections:
   kernels   every kernel op for every available backend, side by side, float32 and float64
   memory    peak memory (tracemalloc) of one training step for each --recompute mode
   comm      under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside a
-            node and across nodes, the GEMM speed and the per-op overhead of every rank; written
+            node and across nodes, the GEMM speed and the per-op overhead every rank gets with
+            all ranks busy; written
             as the hardware file the planner reads (python -m mpipar.plan --hardware FILE)
   planner   the planner's predicted step time (from a hardware file) against the measured one of
             training runs of several layouts, side by side
@@ -30,10 +31,16 @@ import tracemalloc
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
+from mpipar import backend
 
-from mpipar import kernels
-from mpipar.kernels import numpy_ref
+# Before NumPy: under a launcher each rank gets its share of the node's cores for BLAS (as in
+# python -m mpipar.train), not all of them (8 ranks x all-core BLAS pools thrash 2 cores).
+backend.configure_threads(None)
+
+import numpy as np  # noqa: E402
+
+from mpipar import kernels  # noqa: E402
+from mpipar.kernels import numpy_ref  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -458,17 +465,28 @@ def measure_link(comm: Any, small: int, large: int, repeats: int) -> dict[str, f
     return out
 
 
-def measure_op_overhead(hidden: int, repeats: int = 200) -> float:
-    """Seconds of one kernel call on a single token (no arithmetic to speak of): the Python and
-    NumPy dispatch cost that every op of a step pays (the median of ``repeats`` calls)."""
+def sustained(fn: Callable[[], Any], seconds: float) -> float:
+    """Mean wall seconds of one ``fn()`` called back to back for about ``seconds``: with every
+    rank doing the same at once, what a rank really gets of its share of the cores."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def measure_compute(dtype: str, n: int, hidden: int, seconds: float) -> tuple[float, float]:
+    """(FLOP/s of an ``[n, n] @ [n, n]`` GEMM, seconds of a kernel call on one token), both
+    sustained (:func:`sustained`) while every rank runs them: the compute speed and the Python
+    and NumPy dispatch cost per op that a step meets on this machine now."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
+    out = np.empty((n, n), dtype)
+    flops = 2.0 * n ** 3 / sustained(lambda: np.matmul(a, b, out=out), seconds)
     k = kernels.get_backend("numpy")
-    x, w = np.ones((1, 1, hidden)), np.ones(hidden)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        k.rmsnorm_fwd(x, w, 1e-5)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    x, w = np.ones((1, 1, hidden), dtype), np.ones(hidden, dtype)
+    return flops, sustained(lambda: k.rmsnorm_fwd(x, w, 1e-5), seconds)
 
 
 def run_comm(args: argparse.Namespace) -> dict[str, Any]:
@@ -476,7 +494,6 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
     from mpi4py import MPI
 
-    from mpipar import backend
     from mpipar.planner import Hardware
 
     comm = MPI.COMM_WORLD
@@ -491,9 +508,8 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
         if comm.allreduce(group.Get_size(), op=MPI.MIN) >= 2:
             links[scope] = measure_link(group, small, large, repeats)
     on_node = node.Get_size()
-    threads = backend.threads_per_rank(on_node)
-    peak = backend.measure_peak_flops(args.dtype) * backend.cpu_peak_share(threads, on_node)
-    overhead = measure_op_overhead(args.hidden) / backend.cpu_peak_share(threads, on_node)
+    comm.Barrier()
+    peak, overhead = measure_compute(args.dtype, args.gemm, args.hidden, 0.5 if args.quick else 2)
     peaks, overheads = comm.gather(peak), comm.gather(overhead)
     for c in (across, node):
         c.Free()
@@ -501,8 +517,8 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     hw = Hardware.from_links(min(peaks), statistics.median(overheads), links, on_node, nodes)
     print(f"comm: {comm.Get_size()} ranks on {nodes} node(s) x {on_node}; {args.dtype} GEMM "
-          f"{min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest, with its share of the cores), "
-          f"op overhead {statistics.median(overheads) * 1e6:.1f} us")
+          f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
+          f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank)")
     header = f"{'link':<6} {'op':<10} {'latency us':>11} {'bandwidth MB/s':>15}"
     print(header)
     print("-" * len(header))
@@ -522,6 +538,8 @@ def _configure_comm(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="dtype of the GEMM probe (train's default: float32)")
     parser.add_argument("--hidden", type=int, default=128, help="width of the op-overhead probe")
+    parser.add_argument("--gemm", type=int, default=256,
+                        help="size of the GEMM probe (near the model's matrices)")
 
 
 register("comm", run_comm, "MPI link latency/bandwidth, compute speed and op overhead (under "

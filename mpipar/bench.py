@@ -34,7 +34,9 @@ from typing import Any, Callable
 from mpipar import backend
 
 # Before NumPy: under a launcher each rank gets its share of the node's cores for BLAS (as in
-# python -m mpipar.train), not all of them (8 ranks x all-core BLAS pools thrash 2 cores).
+# python -m mpipar.train), not all of them (8 ranks x all-core BLAS pools thrash 2 cores). The
+# jobs this module starts get the environment as it was, to budget their own threads.
+LAUNCH_ENV = dict(os.environ)
 backend.configure_threads(None)
 
 import numpy as np  # noqa: E402
@@ -476,17 +478,21 @@ def sustained(fn: Callable[[], Any], seconds: float) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def measure_compute(dtype: str, n: int, hidden: int, seconds: float) -> tuple[float, float]:
-    """(FLOP/s of an ``[n, n] @ [n, n]`` GEMM, seconds of a kernel call on one token), both
-    sustained (:func:`sustained`) while every rank runs them: the compute speed and the Python
-    and NumPy dispatch cost per op that a step meets on this machine now."""
+def measure_compute(dtype: str, n: int, hidden: int, seconds: float
+                    ) -> tuple[float, float, float]:
+    """(FLOP/s of an ``[n, n] @ [n, n]`` GEMM, seconds of a kernel call on one token, elements/s
+    of an in-place multiply of 2^20 elements), all sustained (:func:`sustained`) while every rank
+    runs them: the compute speed, the Python and NumPy dispatch cost per op, and the
+    memory-bound speed of the optimizer's passes that a step meets on this machine now."""
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
     out = np.empty((n, n), dtype)
     flops = 2.0 * n ** 3 / sustained(lambda: np.matmul(a, b, out=out), seconds)
     k = kernels.get_backend("numpy")
     x, w = np.ones((1, 1, hidden), dtype), np.ones(hidden, dtype)
-    return flops, sustained(lambda: k.rmsnorm_fwd(x, w, 1e-5), seconds)
+    big, other = np.ones(2**20, dtype), np.full(2**20, 0.5, dtype)
+    elements = 2**20 / sustained(lambda: np.multiply(big, other, out=big), seconds)
+    return flops, sustained(lambda: k.rmsnorm_fwd(x, w, 1e-5), seconds), elements
 
 
 def run_comm(args: argparse.Namespace) -> dict[str, Any]:
@@ -509,16 +515,19 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
             links[scope] = measure_link(group, small, large, repeats)
     on_node = node.Get_size()
     comm.Barrier()
-    peak, overhead = measure_compute(args.dtype, args.gemm, args.hidden, 0.5 if args.quick else 2)
-    peaks, overheads = comm.gather(peak), comm.gather(overhead)
+    peak, overhead, elements = measure_compute(args.dtype, args.gemm, args.hidden,
+                                               0.5 if args.quick else 2)
+    peaks, overheads, rates = comm.gather(peak), comm.gather(overhead), comm.gather(elements)
     for c in (across, node):
         c.Free()
     if rank != 0:
         return {}
-    hw = Hardware.from_links(min(peaks), statistics.median(overheads), links, on_node, nodes)
+    hw = Hardware.from_links(min(peaks), statistics.median(overheads), min(rates), links,
+                             on_node, nodes)
     print(f"comm: {comm.Get_size()} ranks on {nodes} node(s) x {on_node}; {args.dtype} GEMM "
           f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
-          f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank)")
+          f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank), in-place "
+          f"pass {min(rates) / 1e6:.0f} M elements/s (slowest)")
     header = f"{'link':<6} {'op':<10} {'latency us':>11} {'bandwidth MB/s':>15}"
     print(header)
     print("-" * len(header))
@@ -561,7 +570,7 @@ def measured_step_time(launch: list[str], flags: list[str], run_dir: str) -> tup
 
     proc = subprocess.run([*launch, sys.executable, "-m", "mpipar.train", *flags, "--run-dir",
                            run_dir, "--log-every", "0"], capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, env=LAUNCH_ENV)
     if proc.returncode != 0:
         raise SystemExit(f"planner: training {' '.join(flags)} failed:\n{proc.stderr[-2000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:

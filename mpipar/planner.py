@@ -19,6 +19,7 @@ mode keeps, at the peak number of microbatches the schedule holds in flight).
                  point-to-point messages of  activation bytes / bandwidth + latency: the makespan,
                  which includes the bubble
     step time  = pipeline + DP x SP gradient traffic + gradient-norm all-reduce
+                 + optimizer passes over the rank's parameters / elementwise rate
 
 with traffic ``bytes x algorithm factor / bandwidth + messages x latency`` (ring all-reduce moves
 ``2 (n-1)/n`` of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the
@@ -312,6 +313,7 @@ class Hardware:
     intra_latency: float = 0.0     # seconds per MPI call inside a node (0: as across nodes)
     ranks_per_node: int = 0        # ranks on one node (0: every group inside one node)
     op_overhead: float = 0.0       # seconds every kernel call costs besides its FLOPs
+    elementwise_rate: float = 0.0  # elements/s of one in-place NumPy pass (0: optimizer not timed)
 
     def link(self, span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a group whose ranks lie ``span`` consecutive ranks apart:
@@ -322,7 +324,7 @@ class Hardware:
         return self.bandwidth, self.latency
 
     @classmethod
-    def from_links(cls, peak_flops: float, op_overhead: float,
+    def from_links(cls, peak_flops: float, op_overhead: float, elementwise_rate: float,
                    links: dict[str, dict[str, float]], ranks_per_node: int,
                    nodes: int) -> "Hardware":
         """From measured links (``{"intra"|"inter": {"allreduce_bandwidth": ..., ...}}``): a
@@ -333,7 +335,7 @@ class Hardware:
             return (v["allreduce_bandwidth"], v["allreduce_latency"]) if v else (1e10, 1e-5)
         (bw, lat), (ibw, ilat) = pick("inter"), pick("intra")
         return cls(peak_flops, bw, lat, ibw, ilat, ranks_per_node if nodes > 1 else 0,
-                   op_overhead)
+                   op_overhead, elementwise_rate)
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -360,6 +362,12 @@ class Hardware:
 # residual forward; twice as many calls backward, whose linear ops each make two GEMMs), and
 # through the embedding and LM head together.
 OPS_BLOCK_FWD, OPS_BLOCK_BWD, OPS_ENDS = 16, 32, 12
+# Ring attention adds per hop beyond the first: a block attention and a merge forward (twice as
+# many calls backward).
+OPS_RING_HOP = 2
+# In-place NumPy passes of an optimizer step over this rank's parameters (mpipar/optim.py:
+# AdamW's 15 on the owned elements; gradient norm, clipping and zeroing 4 on all of them).
+ADAMW_PASSES, GRAD_PASSES = 15, 4
 
 
 @dataclass
@@ -400,8 +408,9 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
+    hops = par.sp - 1 if par.sp_mode == "ring" else 0
     block_fwd = (_block_flops_per_token(cfg, _sp_context(cfg)) * n / hw.peak_flops
-                 + OPS_BLOCK_FWD * hw.op_overhead) * per
+                 + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
     head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
     qkv = 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * per
@@ -425,8 +434,20 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     hop = (n * m.hidden * np.dtype(tr.dtype).itemsize / bandwidth + latency) if p > 1 else 0.0
     run = dry_run(_schedule(par.schedule, p, micro, v), p, micro, v, cost_fwd=unit,
                   cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
-    total = run.makespan + comm.get("dp_sp", 0.0) + comm.get("tp_pp", 0.0)
+    total = (run.makespan + comm.get("dp_sp", 0.0) + comm.get("tp_pp", 0.0)
+             + _optimizer_time(cfg, hw))
     return StepTime(compute, comm, run.bubble_fraction, total)
+
+
+def _optimizer_time(cfg: Config, hw: Hardware) -> float:
+    """Seconds of the optimizer step on the rank with the most parameters: memory-bound passes
+    at the measured elementwise rate (0 with nominal hardware)."""
+    if not hw.elementwise_rate:
+        return 0.0
+    par = cfg.parallel
+    local = max(sum(bucket_lengths(cfg, Coord(dp=0, tp=0, pp=r, sp=0))) for r in range(par.pp))
+    owned = local // (par.dp * par.sp) if par.zero else local
+    return (ADAMW_PASSES * owned + GRAD_PASSES * local) / hw.elementwise_rate
 
 
 # ------------------------------------------------------------------------------ enumeration

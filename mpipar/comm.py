@@ -152,6 +152,26 @@ class Group:
                     _contig(send, "reduce_scatter"), _contig(recv, "reduce_scatter"), MPI.SUM)
         return recv
 
+    def iallgather(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start gathering equal blocks into ``recv`` (flat ``[size * send.size]``); ``wait()``
+        before reading it (both buffers are busy until then)."""
+        if self.size == 1:
+            recv.reshape(send.shape)[...] = send
+            return Request(None, self.ledger, self.name, "iallgather", 0)
+        return Request(self.comm.Iallgather(_contig(send, "iallgather"),
+                                            _contig(recv, "iallgather")),
+                       self.ledger, self.name, "iallgather", send.nbytes, self.size)
+
+    def ireduce_scatter(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start summing ``send`` (``size`` equal blocks) over the group into ``recv`` (block
+        ``rank``); ``wait()`` before reading ``recv`` or reusing ``send``."""
+        if self.size == 1:
+            recv[...] = send.reshape(recv.shape)
+            return Request(None, self.ledger, self.name, "ireduce_scatter", 0)
+        return Request(self.comm.Ireduce_scatter_block(_contig(send, "ireduce_scatter"),
+                                                       _contig(recv, "ireduce_scatter"), MPI.SUM),
+                       self.ledger, self.name, "ireduce_scatter", send.nbytes, self.size)
+
     def alltoall(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` came from rank ``i``."""
         if self.size == 1:

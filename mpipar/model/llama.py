@@ -57,6 +57,46 @@ TP reduction), ``mlp`` (MLP output after down_proj and the TP reduction) and ``o
 output); all but ``attention`` in the residual stream's shape."""
 
 
+class ParamScope(Protocol):
+    """The seam through which a stage announces the *units* it reads parameters in (the
+    embedding ``embed``, each block ``layers.{i}``, the final norm and LM head ``head``): data
+    parallelism may keep a unit's parameters and gradients only while it runs (ZeRO-3,
+    :class:`mpipar.parallel.fsdp.ShardedParams`). The model makes no collective itself."""
+
+    def enter(self, unit: str, backward: bool) -> None:
+        """``params`` (and in ``backward`` the unit's ``grads``) hold ``unit`` until leave."""
+
+    def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
+        """Done with ``unit``; in backward, ``grads_final`` unless its weight gradients were
+        deferred (then :meth:`weights_done` follows)."""
+
+    def weights_done(self, units: list[str]) -> None:
+        """The deferred weight gradients of ``units`` are accumulated."""
+
+
+class Resident:
+    """The scope of parameters and gradients that stay in memory (ZeRO-0/1): nothing to do."""
+
+    def enter(self, unit: str, backward: bool) -> None:
+        pass
+
+    def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
+        pass
+
+    def weights_done(self, units: list[str]) -> None:
+        pass
+
+
+RESIDENT = Resident()
+
+
+def unit_of(name: str) -> str:
+    """The unit (:class:`ParamScope`) parameter ``name`` belongs to."""
+    if name.startswith("layers."):
+        return ".".join(name.split(".")[:2])
+    return "embed" if name == "embed_tokens.weight" else "head"
+
+
 class CacheStore(Protocol):
     """Somewhere off the working set to keep saved activations between forward and backward."""
 
@@ -158,6 +198,13 @@ class LlamaStage:
     def param_names(self) -> list[str]:
         return stage_param_names(self.cfg, self.layers, self.first, self.last)
 
+    def units(self) -> list[tuple[str, list[str]]]:
+        """``(unit, parameter names)`` of this stage in forward order (:class:`ParamScope`)."""
+        by_unit: dict[str, list[str]] = {}
+        for name in self.param_names():
+            by_unit.setdefault(unit_of(name), []).append(name)
+        return list(by_unit.items())
+
     def _cos_sin(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
         key = positions.tobytes() + np.dtype(dtype).str.encode()
         if key not in self._rope:
@@ -167,25 +214,33 @@ class LlamaStage:
 
     # ---------------------------------------------------------------- forward
     def forward(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
-                targets: Array | None = None) -> tuple[Array, StageCache]:
+                targets: Array | None = None, scope: ParamScope = RESIDENT
+                ) -> tuple[Array, StageCache]:
         """Run the stage.
 
         inp: token ids ``[B, S]`` on the first stage, else the stream. positions: global
         positions ``[S]`` of this rank's tokens. targets ``[B, S]`` on the last stage.
         Returns the stream, or on the last stage the per-token loss ``[B, S]`` (float64).
+        scope: told before and after each unit reads ``params``.
         """
         cache = StageCache(positions)
         if self.first:
             cache.tokens = inp
+            scope.enter("embed", False)
             x = self.tp.embed(params["embed_tokens.weight"], inp)
+            scope.leave("embed", False)
         else:
             x = inp
         for i in self.layers:
+            scope.enter(f"layers.{i}", False)
             x, saved = self._block_fwd(params, i, x, positions, record=True)
+            scope.leave(f"layers.{i}", False)
             cache.blocks.append(self._keep(saved))
         if not self.last:
             return x, cache
+        scope.enter("head", False)
         loss, cache.head = self._head_fwd(params, x, targets)
+        scope.leave("head", False)
         if self.recompute == "offload":
             cache.head = self.store.put(cache.head)
         return loss, cache
@@ -249,7 +304,8 @@ class LlamaStage:
 
     # ---------------------------------------------------------------- backward
     def backward(self, params: dict[str, Array], grads: dict[str, Array], dout: Array,
-                 cache: StageCache, deferred: list | None = None, on_ready=None) -> Array | None:
+                 cache: StageCache, deferred: list | None = None, on_ready=None,
+                 scope: ParamScope = RESIDENT) -> Array | None:
         """Accumulate parameter gradients into ``grads`` (+=) and return d(input).
 
         dout: the stream's gradient, or on the last stage the weight of each token's loss
@@ -260,29 +316,40 @@ class LlamaStage:
         but appended to it as ``(name, dy, x)`` for :meth:`weight_backward` to run later.
         on_ready: called with the list of parameter names whose gradients this call has finished,
         after each block (the hook that launches data-parallel bucket reductions early).
+        scope: told before and after each unit's backward (:class:`ParamScope`).
         """
         lin = LinearGrads(self.kernels, params, grads, deferred)
         notify = on_ready if deferred is None else None
         if self.last:
+            scope.enter("head", True)
             dx = self._head_bwd(params, grads, dout, cache.head, lin)
+            scope.leave("head", True, deferred is None)
             notify and notify(["norm.weight", "lm_head.weight"])
         else:
             dx = dout
         for i in reversed(self.layers):  # pop: each block's activations go once it is done
+            scope.enter(f"layers.{i}", True)
             saved = self._restore(params, i, cache.blocks.pop(), cache.positions)
             dx = self._block_bwd(params, grads, i, dx, saved, cache.positions, lin)
+            scope.leave(f"layers.{i}", True, deferred is None)
             notify and notify([s.name for s in block_param_specs(self.cfg, i)])
         if self.first:
+            scope.enter("embed", True)
             self.tp.embed_backward(grads["embed_tokens.weight"], dx, cache.tokens)
+            scope.leave("embed", True)
             notify and notify(["embed_tokens.weight"])
             return None
         return dx
 
-    def weight_backward(self, grads: dict[str, Array], deferred: list) -> None:
-        """Run the weight-gradient GEMMs that :meth:`backward` deferred."""
+    def weight_backward(self, grads: dict[str, Array], deferred: list,
+                        scope: ParamScope = RESIDENT) -> None:
+        """Run the weight-gradient GEMMs that :meth:`backward` deferred, then tell ``scope``
+        which units' gradients are now final."""
+        units = list(dict.fromkeys(unit_of(name) for name, _, _ in deferred))
         for name, dy, x in deferred:
             grads[name] += dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
         deferred.clear()
+        scope.weights_done(units)
 
     def _restore(self, params, i: int, kept: Any, positions: np.ndarray) -> BlockSaved:
         """The :class:`BlockSaved` backward needs, from what :meth:`_keep` kept; q, k, v stay

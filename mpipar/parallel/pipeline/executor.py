@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from mpipar.comm import Group
-from mpipar.model.llama import LlamaStage
+from mpipar.model.llama import RESIDENT, LlamaStage, ParamScope
 from mpipar.parallel.pipeline.schedule import Op, message_tag
 
 
@@ -48,6 +48,7 @@ class PipelineExecutor:
     p: int
     v: int
     xp: ModuleType   # the array module receive buffers come from
+    scope: ParamScope = RESIDENT   # told around each unit the chunks run (ZeRO-3 gathers there)
     timeline: list[OpRecord] = field(default_factory=list)
 
     def run(self, params: dict, grads: dict, microbatches: list[Microbatch],
@@ -98,7 +99,8 @@ class PipelineExecutor:
                 else:  # p == 1: the previous chunk is on this rank
                     inp = acts_out.pop((op.microbatch, op.chunk - 1))
                 out, caches[key] = chunk.forward(params, inp, positions,
-                                                 mb.targets if stage == last_stage else None)
+                                                 mb.targets if stage == last_stage else None,
+                                                 self.scope)
                 if stage == last_stage:
                     loss += float(out.sum())
                 else:
@@ -106,7 +108,7 @@ class PipelineExecutor:
             else:  # "bwd", "bwd_input" or "bwd_weight"
                 final = done_bwd[op.chunk] == m - 1
                 if op.kind == "bwd_weight":
-                    chunk.weight_backward(grads, deferred.pop(key))
+                    chunk.weight_backward(grads, deferred.pop(key), self.scope)
                 else:
                     if stage == last_stage:
                         dout = loss_weight
@@ -119,7 +121,8 @@ class PipelineExecutor:
                         deferred[key] = []
                     dx = chunk.backward(params, grads, dout, caches.pop(key),
                                         deferred=deferred.get(key),
-                                        on_ready=on_ready if final else None)
+                                        on_ready=on_ready if final else None,
+                                        scope=self.scope)
                     if stage > 0:
                         grad_out[key] = dx
                 if op.kind != "bwd_input":

@@ -1,0 +1,287 @@
+"""Fully sharded data parallelism: ZeRO-2 and ZeRO-3 over the dp x sp group.
+
+The model names the *units* it reads parameters in (:meth:`mpipar.model.llama.LlamaStage.units`):
+the embedding, each decoder block, the final norm with the LM head. Each unit is one flat buffer,
+padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns elements
+``[r * N / n, (r + 1) * N / n)`` of it: its slice of the gradients and of the optimizer state
+(:class:`mpipar.optim.ZeroAdamW`), and at ZeRO-3 of the parameters too.
+
+- **ZeRO-2** (``gather=False``): every rank keeps the whole parameters of its stage; after the
+  update the owned slices are all-gathered back (as ZeRO-1).
+- **ZeRO-3** (``gather=True``): only the owned slice is persistent. When the model enters a unit
+  (:meth:`ShardedParams.enter`, before its forward and again before its backward) the unit is
+  all-gathered into a buffer from a pool of reusable buffers, and the all-gathers of the next
+  ``prefetch`` units of the chunk in the same direction are posted non-blocking, so they run
+  while this one computes; when the model leaves the unit the buffer goes back to the pool.
+
+Gradients, both stages: a unit's full-size gradient buffer exists only while its backward is in
+flight. Once the unit's gradients of one microbatch are final (at :meth:`leave`, or for zb-h1's
+deferred weight gradients at :meth:`weights_done`) the tp-partial ones are summed over tp, a
+non-blocking reduce-scatter sends the buffer to the owners, and the received slice is added to
+the owned gradient; at most ``MAX_IN_FLIGHT`` reduce-scatters are outstanding. Summed over the
+step's microbatches this is the sum of the gradients over dp x sp, as the all-reduce of ZeRO-0.
+
+Every rank of dp x sp holds the same pipeline and tp position and so runs the same op list: its
+collectives start in the same order on every rank of the group. Buffers come from the kernel
+backend's array module (``xp``).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from mpipar.comm import Group, Request
+from mpipar.config import Config, require, rules
+
+MAX_IN_FLIGHT = 2
+"""Reduce-scatters of gradients outstanding at once (each holds one unit's full gradients)."""
+
+
+@dataclass
+class Unit:
+    """One unit's flat storage on this rank. ``offsets``: name -> (start, stop) in the flat
+    buffer of ``size`` elements (a multiple of the group size)."""
+
+    name: str
+    names: list[str]
+    shapes: dict[str, tuple[int, ...]]
+    offsets: dict[str, tuple[int, int]]
+    size: int
+    owned: Any                    # [size / n] this rank's parameters (ZeRO-2: a view of full)
+    owned_grad: Any               # [size / n] this rank's summed gradients
+    full: Any = None              # [size] the whole parameters (ZeRO-3: only while gathered)
+    gathering: Request | None = None
+    users: int = 0                # scopes reading ``full`` now
+    grad: Any = None              # [size] this microbatch's gradients while backward runs
+    grad_users: int = 0           # backward passes still writing ``grad``
+
+
+class BufferPool:
+    """Reusable flat buffers by length: a released buffer serves the next request of its size."""
+
+    def __init__(self, xp: ModuleType, dtype) -> None:
+        self.xp, self.dtype = xp, dtype
+        self.free: dict[int, list[Any]] = {}
+
+    def take(self, size: int) -> Any:
+        stack = self.free.get(size)
+        return stack.pop() if stack else self.xp.empty(size, self.dtype)
+
+    def give(self, buf: Any) -> None:
+        self.free.setdefault(buf.size, []).append(buf)
+
+
+class ShardedParams:
+    """ZeRO-2/3 storage and communication of one rank: the parameters as units sharded over
+    ``group`` (dp x sp), the ``params``/``grads`` dicts the model reads and writes, and the
+    scope the model announces its units through.
+
+    ``params``: this rank's (tp-local) tensors by name; ``chunks``: per model chunk, its units
+    in forward order as ``(unit name, parameter names)``; ``before_reduce(names)``: called with
+    a unit's parameter names before its gradients leave (sums the tp-partial ones over tp)."""
+
+    def __init__(self, params: dict[str, Any], chunks: list[list[tuple[str, list[str]]]],
+                 group: Group, gather: bool, prefetch: int, xp: ModuleType,
+                 before_reduce: Callable[[list[str]], None]) -> None:
+        self.group, self.gather, self.prefetch, self.xp = group, gather, prefetch, xp
+        self.before_reduce = before_reduce
+        dtype = next(iter(params.values())).dtype
+        self.pool = BufferPool(xp, dtype)
+        self.units: dict[str, Unit] = {}
+        self.order: dict[str, list[str]] = {}     # unit -> its chunk's units in forward order
+        for units in chunks:
+            names = [u for u, _ in units]
+            for unit, pnames in units:
+                self.units[unit] = self._make_unit(unit, pnames, params)
+                self.order[unit] = names
+        self.params: dict[str, Any] = {}
+        self.grads: dict[str, Any] = {}
+        self._reducing: deque[tuple[Request, Any, Unit, Any]] = deque()
+        for u in self.units.values():
+            if not gather:
+                self._bind(self.params, u, u.full)
+
+    def _make_unit(self, unit: str, names: list[str], params: dict[str, Any]) -> Unit:
+        offsets, at = {}, 0
+        for n in names:
+            offsets[n] = (at, at + params[n].size)
+            at += params[n].size
+        n_ranks = self.group.size
+        size = -(-at // n_ranks) * n_ranks
+        full = self.xp.zeros(size, params[names[0]].dtype)
+        for n in names:
+            s, e = offsets[n]
+            full[s:e] = self.xp.asarray(params[n]).reshape(-1)
+        lo, hi = self._range(size)
+        owned = full[lo:hi] if not self.gather else full[lo:hi].copy()
+        return Unit(unit, list(names), {n: tuple(params[n].shape) for n in names}, offsets, size,
+                    owned, self.xp.zeros(hi - lo, full.dtype), None if self.gather else full)
+
+    def _range(self, size: int) -> tuple[int, int]:
+        """``[lo, hi)`` of a unit of ``size`` elements that this rank owns."""
+        k = size // self.group.size
+        return self.group.rank * k, (self.group.rank + 1) * k
+
+    def _bind(self, into: dict[str, Any], u: Unit, flat: Any) -> None:
+        for n, (s, e) in u.offsets.items():
+            into[n] = flat[s:e].reshape(u.shapes[n])
+
+    @staticmethod
+    def _unbind(into: dict[str, Any], u: Unit) -> None:
+        for n in u.names:
+            into.pop(n, None)
+
+    # ------------------------------------------------------------ the model's scope
+    def enter(self, unit: str, backward: bool) -> None:
+        """The model is about to run ``unit`` (forward, or ``backward``): its parameters are
+        gathered (ZeRO-3), its gradient buffer bound (backward), the next units' gathers
+        posted."""
+        u = self.units[unit]
+        if self.gather:
+            self._start_gather(u)
+            u.gathering.wait()
+            if u.users == 0:
+                self._bind(self.params, u, u.full)
+            u.users += 1
+            order = self.order[unit][::-1] if backward else self.order[unit]
+            at = order.index(unit)
+            for nxt in order[at + 1:at + 1 + self.prefetch]:
+                self._start_gather(self.units[nxt])
+        if backward:
+            if u.grad is None:
+                u.grad = self.pool.take(u.size)
+                u.grad.fill(0)
+                self._bind(self.grads, u, u.grad)
+            u.grad_users += 1
+
+    def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
+        """The model is done with ``unit``: its gathered parameters go back to the pool; after
+        backward with ``grads_final`` its gradients are reduce-scattered (otherwise at
+        :meth:`weights_done`)."""
+        u = self.units[unit]
+        if self.gather:
+            u.users -= 1
+            if u.users == 0 and u.full is not None:
+                self._unbind(self.params, u)
+                self.pool.give(u.full)
+                u.full, u.gathering = None, None
+        if backward and grads_final:
+            self._grads_done(u)
+
+    def weights_done(self, units: list[str]) -> None:
+        """The deferred weight gradients of ``units`` (one backward pass each) are in."""
+        for unit in units:
+            self._grads_done(self.units[unit])
+
+    def _start_gather(self, u: Unit) -> None:
+        if u.full is None:
+            u.full = self.pool.take(u.size)
+            u.gathering = self.group.iallgather(u.owned, u.full)
+
+    def _grads_done(self, u: Unit) -> None:
+        u.grad_users -= 1
+        if u.grad_users:
+            return
+        self.before_reduce(u.names)
+        self._unbind(self.grads, u)
+        recv = self.pool.take(u.size // self.group.size)
+        self._reducing.append((self.group.ireduce_scatter(u.grad, recv), recv, u, u.grad))
+        u.grad = None
+        while len(self._reducing) > MAX_IN_FLIGHT:
+            self._complete_one()
+
+    def _complete_one(self) -> None:
+        req, recv, u, sent = self._reducing.popleft()
+        req.wait()
+        u.owned_grad += recv
+        self.pool.give(recv)
+        self.pool.give(sent)
+
+    # ------------------------------------------------------------ per step
+    def start_step(self) -> None:
+        for u in self.units.values():
+            u.owned_grad.fill(0)
+
+    def finish(self) -> None:
+        """Complete every outstanding reduce-scatter: the owned gradients are the step's sums."""
+        while self._reducing:
+            self._complete_one()
+
+    def gather_params(self) -> None:
+        """After the update: ZeRO-2 all-gathers the owned slices back into the whole
+        parameters; ZeRO-3 keeps only its slices."""
+        if not self.gather:
+            for u in self.units.values():
+                self.group.allgather(u.owned.copy(), u.full)
+
+    # ------------------------------------------------------------ the optimizer's view
+    def owned_range(self, u: Unit) -> tuple[int, int]:
+        return self._range(u.size)
+
+    def owned_pieces(self) -> Iterator[tuple[Unit, str, int, int]]:
+        """(unit, name, lo, hi) of every parameter range inside this rank's owned slices, with
+        ``lo, hi`` relative to the owned slice."""
+        for u in self.units.values():
+            a0, a1 = self.owned_range(u)
+            for name, (s, e) in u.offsets.items():
+                lo, hi = max(s, a0), min(e, a1)
+                if lo < hi:
+                    yield u, name, lo - a0, hi - a0
+
+    @property
+    def buckets(self) -> list[Unit]:
+        """The units, under the name the sharded optimizer iterates (a unit is its bucket)."""
+        return list(self.units.values())
+
+    # ------------------------------------------------------------ whole local tensors
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: s for u in self.units.values() for n, s in u.shapes.items()}
+
+    def materialize(self) -> dict[str, Any]:
+        """Every tp-local tensor of this rank, whole (collective over the group at ZeRO-3)."""
+        out: dict[str, Any] = {}
+        for u in self.units.values():
+            full = u.full
+            if self.gather:
+                full = self.xp.empty(u.size, u.owned.dtype)
+                self.group.allgather(u.owned, full)
+            self._bind(out, u, full)
+        return out
+
+    def param_pieces(self) -> Iterator[tuple[str, int, int, Any]]:
+        """``(name, lo, hi, values)``: ranges of the flattened tp-local tensors that this rank
+        reports as parameters (its owned slices: each element once over the group)."""
+        for u, name, lo, hi in self.owned_pieces():
+            a0, _ = self.owned_range(u)
+            start = a0 + lo - u.offsets[name][0]
+            yield name, start, start + hi - lo, u.owned[lo:hi]
+
+    def load_local(self, name: str, value: Any) -> None:
+        """Set parameter ``name`` from its whole tp-local tensor ``value`` (collective-free)."""
+        for u in self.units.values():
+            if name not in u.offsets:
+                continue
+            s, e = u.offsets[name]
+            a0, a1 = self.owned_range(u)
+            lo, hi = max(s, a0), min(e, a1)
+            flat = self.xp.asarray(value).reshape(-1)
+            if lo < hi:
+                u.owned[lo - a0:hi - a0] = flat[lo - s:hi - s]
+            if not self.gather:
+                u.full[s:e] = flat
+
+
+@rules("fsdp")
+def check_config(cfg: Config, world: int) -> None:
+    """ZeRO-2/3 shard over dp x sp (a group of one shards nothing), with the flat dense
+    reduction, untied embeddings, and a prefetch depth >= 0."""
+    p = cfg.parallel
+    require(p.zero_prefetch >= 0, f"parallel.zero_prefetch={p.zero_prefetch}: must be >= 0")
+    if p.zero < 2:
+        return
+    dp = p.dp or world // (p.tp * p.pp * p.sp)
+    require(dp * p.sp > 1, f"parallel.zero={p.zero}: ZeRO-2/3 shard over dp x sp, which needs "
+                           f"dp*sp > 1 (got dp={dp}, sp={p.sp})")

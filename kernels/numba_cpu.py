@@ -5,8 +5,8 @@ Every public function has the signature and semantics of the function of the sam
 are cast to the dtype of the first one, outputs are new arrays.
 
 What is here and why:
-  * attention fwd/bwd: blocked, online softmax (flash-attention style); a `[block_q, block_k]`
-    tile of scores is the largest temporary, fully masked key blocks are skipped under causality;
+  * attention fwd/bwd: `attention_cpu` (blockwise, online softmax, every inner product a BLAS
+    call on a tile that stays in cache; fully masked key blocks are skipped under causality);
   * rmsnorm, rope, swiglu, attention_merge, cross-entropy: one fused pass per row instead of the
     several full-size temporaries of the NumPy expressions;
   * linear fwd/bwd: a row-panel matmul written in Numba (vectorised, threaded). OpenBLAS is about
@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from . import numpy_ref as ref  # noqa: E402
+from .attention_cpu import attention_bwd, attention_fwd  # noqa: E402,F401  (this backend's attention)
 from .numpy_ref import Array, require  # noqa: E402
 
 # Ops implemented in this module (the dispatcher falls back to numpy_ref for the others).
@@ -53,8 +54,6 @@ SLOWER_THAN_NUMPY: dict[str, str] = {
 if not numba.config.USING_SVML:
     SLOWER_THAN_NUMPY.update({"cross_entropy_stats": "numpy SIMD exp", "cross_entropy_fwd": "numpy SIMD exp"})
 
-BLOCK_Q = 64  # query rows per attention tile
-BLOCK_K = 64  # key rows per attention tile
 TILE_M, TILE_N = 16, 256  # matmul tiles: rows of A per task, columns of B per panel
 
 _NEG_INF = -np.inf
@@ -303,201 +302,6 @@ def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
-
-@njit(cache=True, parallel=True, nogil=True)
-def _attention_fwd(q, k, v, q_offset, k_offset, causal, scale, bq, bk, out, lse):
-    """One task per (batch, query head, query block); online softmax over key blocks."""
-    nb, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    nqb = (sq + bq - 1) // bq
-    for task in prange(nb * hq * nqb):
-        b = task // (hq * nqb)
-        h = (task // nqb) % hq
-        i0 = (task % nqb) * bq
-        nq = min(bq, sq - i0)
-        kh = h // group
-        qs = np.empty((nq, d), q.dtype)
-        for i in range(nq):
-            for t in range(d):
-                qs[i, t] = q[b, i0 + i, h, t] * scale
-        acc = np.zeros((nq, d), q.dtype)
-        m = np.full(nq, _NEG_INF, q.dtype)
-        den = np.zeros(nq, q.dtype)
-        kt = np.empty((d, bk), q.dtype)
-        vb = np.empty((bk, d), q.dtype)
-        row = np.empty(bk, q.dtype)
-        kend = sk
-        if causal:  # keys j with k_offset + j <= q_offset + (last query of the block)
-            kend = max(0, min(sk, q_offset + i0 + nq - k_offset))
-        for j0 in range(0, kend, bk):
-            nk = min(bk, kend - j0)
-            for jj in range(nk):
-                for t in range(d):
-                    kt[t, jj] = k[b, j0 + jj, kh, t]
-                    vb[jj, t] = v[b, j0 + jj, kh, t]
-            for i in range(nq):
-                vis = nk
-                if causal:
-                    vis = max(0, min(nk, q_offset + i0 + i - k_offset - j0 + 1))
-                if vis == 0:
-                    continue
-                for jj in range(vis):
-                    row[jj] = 0
-                for t in range(d):
-                    qv = qs[i, t]
-                    for jj in range(vis):
-                        row[jj] += qv * kt[t, jj]
-                mx = m[i]
-                for jj in range(vis):
-                    if row[jj] > mx:
-                        mx = row[jj]
-                corr = np.exp(m[i] - mx)
-                den[i] *= corr
-                for t in range(d):
-                    acc[i, t] *= corr
-                m[i] = mx
-                for jj in range(vis):
-                    p = np.exp(row[jj] - mx)
-                    den[i] += p
-                    for t in range(d):
-                        acc[i, t] += p * vb[jj, t]
-        for i in range(nq):
-            if den[i] > 0:
-                for t in range(d):
-                    out[b, i0 + i, h, t] = acc[i, t] / den[i]
-                lse[b, h, i0 + i] = m[i] + np.log(den[i])
-            else:
-                for t in range(d):
-                    out[b, i0 + i, h, t] = 0
-                lse[b, h, i0 + i] = _NEG_INF
-
-
-def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None) -> tuple[Array, Array]:
-    """Blocked online-softmax attention; same contract as `numpy_ref.attention_fwd`.
-
-    q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out `[B, Sq, Hq, D]`, lse `[B, Hq, Sq]`.
-    """
-    dt = _float_dtype(q, "attention_fwd")
-    ref.check_attention_shapes(q, k, v, "attention_fwd")
-    b, sq, hq, d = q.shape
-    out = np.empty(q.shape, dt)
-    lse = np.empty((b, hq, sq), ref.stat_dtype(dt))
-    _attention_fwd(_c(q, dt), _c(k, dt), _c(v, dt), int(q_offset), int(k_offset), bool(causal),
-                   dt.type(ref.attention_scale(d, scale)), BLOCK_Q, BLOCK_K, out, lse)
-    return out, lse
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def _attention_bwd(q, k, v, lse, dout, delta, q_offset, k_offset, causal, scale, bq, bk, dq, dk_h, dv_h):
-    """One task per (batch, query head): for each key block, dk and dv accumulate locally over the
-    query blocks that see it; dk_h, dv_h `[B, Hq, Sk, D]` receive the per-query-head parts."""
-    nb, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    for task in prange(nb * hq):
-        b = task // hq
-        h = task % hq
-        kh = h // group
-        kb = np.empty((bk, d), q.dtype)
-        kt = np.empty((d, bk), q.dtype)
-        vt = np.empty((d, bk), q.dtype)
-        dk_acc = np.empty((bk, d), q.dtype)
-        dv_acc = np.empty((bk, d), q.dtype)
-        qb = np.empty((bq, d), q.dtype)
-        gb = np.empty((bq, d), q.dtype)
-        dqb = np.empty((bq, d), q.dtype)
-        p_blk = np.empty((bq, bk), q.dtype)
-        ds_blk = np.empty((bq, bk), q.dtype)
-        lse_b = np.empty(bq, q.dtype)
-        delta_b = np.empty(bq, q.dtype)
-        for j0 in range(0, sk, bk):
-            nk = min(bk, sk - j0)
-            i_first = 0
-            if causal:  # first query that sees key j0: q_offset + i >= k_offset + j0
-                i_first = max(0, k_offset + j0 - q_offset)
-            if i_first >= sq:
-                continue
-            for jj in range(nk):
-                for t in range(d):
-                    kb[jj, t] = k[b, j0 + jj, kh, t]
-                    kt[t, jj] = kb[jj, t]
-                    vt[t, jj] = v[b, j0 + jj, kh, t]
-                    dk_acc[jj, t] = 0
-                    dv_acc[jj, t] = 0
-            for i0 in range(i_first - i_first % bq, sq, bq):
-                nq = min(bq, sq - i0)
-                for i in range(nq):
-                    lse_b[i] = lse[b, h, i0 + i]
-                    delta_b[i] = delta[b, i0 + i, h]
-                    for t in range(d):
-                        qb[i, t] = q[b, i0 + i, h, t]
-                        gb[i, t] = dout[b, i0 + i, h, t]
-                        dqb[i, t] = 0
-                for i in range(nq):
-                    vis = nk
-                    if causal:
-                        vis = max(0, min(nk, q_offset + i0 + i - k_offset - j0 + 1))
-                    if vis == 0 or lse_b[i] == _NEG_INF:
-                        continue
-                    prow = p_blk[i]
-                    dsrow = ds_blk[i]
-                    for jj in range(vis):
-                        prow[jj] = 0
-                        dsrow[jj] = 0
-                    for t in range(d):  # scores and dP = dout V^T, vectorised over keys
-                        qv = qb[i, t]
-                        gv = gb[i, t]
-                        for jj in range(vis):
-                            prow[jj] += qv * kt[t, jj]
-                            dsrow[jj] += gv * vt[t, jj]
-                    for jj in range(vis):
-                        p = np.exp(prow[jj] * scale - lse_b[i])
-                        prow[jj] = p
-                        dsrow[jj] = p * (dsrow[jj] - delta_b[i]) * scale
-                    for jj in range(vis):
-                        p = prow[jj]
-                        ds = dsrow[jj]
-                        for t in range(d):
-                            dv_acc[jj, t] += p * gb[i, t]
-                            dk_acc[jj, t] += ds * qb[i, t]
-                            dqb[i, t] += ds * kb[jj, t]
-                for i in range(nq):
-                    for t in range(d):
-                        dq[b, i0 + i, h, t] += dqb[i, t]
-            for jj in range(nk):
-                for t in range(d):
-                    dk_h[b, h, j0 + jj, t] = dk_acc[jj, t]
-                    dv_h[b, h, j0 + jj, t] = dv_acc[jj, t]
-
-
-def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
-                  q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None) -> tuple[Array, Array, Array]:
-    """Blocked flash-attention backward from the given (possibly merged) out and lse.
-
-    Same contract as `numpy_ref.attention_bwd`: dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`.
-    """
-    dt = _float_dtype(q, "attention_bwd")
-    ref.check_attention_shapes(q, k, v, "attention_bwd")
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    require(out.shape == q.shape and dout.shape == q.shape and lse.shape == (b, hq, sq),
-            f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse {lse.shape} "
-            f"must be {(b, hq, sq)}")
-    dq = np.zeros(q.shape, dt)
-    dk_h = np.zeros((b, hq, sk, d), dt)  # key blocks no query sees stay 0
-    dv_h = np.zeros((b, hq, sk, d), dt)
-    dout_c = _c(dout, dt)
-    delta = (dout_c * out).sum(axis=-1, dtype=dt)  # [B, Sq, Hq]
-    _attention_bwd(_c(q, dt), _c(k, dt), _c(v, dt), _c(lse, dt), dout_c, delta, int(q_offset), int(k_offset),
-                   bool(causal), dt.type(ref.attention_scale(d, scale)), BLOCK_Q, BLOCK_K, dq, dk_h, dv_h)
-    group = hq // hkv
-    dk = dk_h.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
-    dv = dv_h.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
-    return dq, np.ascontiguousarray(dk), np.ascontiguousarray(dv)
-
 
 @njit(cache=True, parallel=True, nogil=True)
 def _attention_merge(out_a, lse_a, out_b, lse_b, out, lse):

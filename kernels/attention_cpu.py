@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import numpy_ref as ref
-from .numba_exp import vexp
+from .numba_simd import REORDER, vexp
 from .numba_gemm import gemm
 from .numpy_ref import Array, require
 
@@ -49,7 +49,6 @@ POSITIONS = 64  # query positions per tile
 SMALL_GEMM = 1 << 19  # positions * keys * head_dim of one tile product: under OpenBLAS's small-matrix limit
 SEGMENT = 32  # query positions per row segment on the causal diagonal
 SUM_LIMIT = 1e12  # a tile row sum above this redoes the row with its exact maximum
-_FAST = {"reassoc", "nsz", "contract", "arcp"}  # vectorise sums; keeps inf/nan semantics
 
 
 def tile_sizes(head_dim: int) -> tuple[int, int]:
@@ -99,7 +98,7 @@ def _segments(causal, q_offset, k_offset, i0, nq, j0, nk, seg):  # pragma: no co
     return n
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=REORDER)
 def _exp_row(p, n, shift, width):  # pragma: no cover (njit)
     """p[:n] = exp(p[:n] - shift) in place, p[n:width] = 0; returns the sum (p's dtype)."""
     total = p.dtype.type(0)
@@ -140,7 +139,7 @@ def _heads_major(x):  # pragma: no cover (njit)
 # Forward
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=REORDER)
 def _fwd_rows(p, t0, t1, i0, j0, width, causal, q_offset, k_offset, m, has_m, l, acc, qh, kta, sk,
               scale):  # pragma: no cover (njit)
     """Softmax weights of tile rows [t0, t1) of one head, in place in p (scores in, weights out);
@@ -258,7 +257,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 # Backward
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=REORDER)
 def _bwd_rows(p, dp, t0, t1, i0, j0, width, causal, q_offset, k_offset, lse_h, delta_h):  # pragma: no cover
     """Tile rows [t0, t1) of one head: p = exp(s - lse) in place of the scores s and
     dp = p * (dp - delta) in place of dP; both 0 past each row's visible keys."""

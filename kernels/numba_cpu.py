@@ -4,10 +4,12 @@ Every public function has the signature and semantics of the function of the sam
 `numpy_ref` (see there for the maths); inputs are float32 or float64 NumPy arrays, other arrays
 are cast to the dtype of the first one, outputs are new arrays.
 
-What is here and why:
+What is here and why (exp is `numba_simd.vexp` throughout: Numba's own is a scalar libm call
+without Intel SVML, 10x slower than NumPy's SIMD exp, which made several of these kernels lose):
   * attention fwd/bwd: `attention_cpu` (blockwise, online softmax, every inner product a BLAS
     call on a tile that stays in cache; fully masked key blocks are skipped under causality);
-  * rmsnorm, rope, swiglu, attention_merge, cross-entropy: one fused pass per row instead of the
+  * rmsnorm (also fused with the residual add before it: add_rmsnorm_fwd/bwd), rope, swiglu,
+    attention_merge, cross-entropy: one fused pass per row instead of the
     several full-size temporaries of the NumPy expressions;
   * linear fwd/bwd: a row-panel matmul written in Numba (vectorised, threaded). OpenBLAS is about
     5x faster (see `python -m mpipar.bench kernels`), so the dispatcher routes linear_fwd/linear_bwd of the
@@ -35,24 +37,22 @@ from numba import njit, prange  # noqa: E402
 
 from . import numpy_ref as ref  # noqa: E402
 from .attention_cpu import attention_bwd, attention_fwd  # noqa: E402,F401  (this backend's attention)
+from .numba_simd import REORDER, vexp  # noqa: E402
 from .numpy_ref import Array, require  # noqa: E402
 
 # Ops implemented in this module (the dispatcher falls back to numpy_ref for the others).
 IMPLEMENTED: tuple[str, ...] = (
-    "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd",
+    "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd",
+    "add_rmsnorm_bwd", "rope_fwd",
     "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd", "attention_bwd", "attention_merge",
     "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd",
 )
 # Ops where NumPy is faster than the implementation above (measured by `python -m mpipar.bench
-# kernels`): the numba backend uses numpy_ref for these, with this reason. The cross-entropy
-# statistics are one exp per logit and little else; without Intel SVML, Numba's exp is a scalar
-# libm call while NumPy's is SIMD, which outweighs the fused pass (0.8-0.95x measured on AVX-512).
+# kernels`): the numba backend uses numpy_ref for these, with this reason.
 SLOWER_THAN_NUMPY: dict[str, str] = {
     "linear_fwd": "numpy BLAS",
     "linear_bwd": "numpy BLAS",
 }
-if not numba.config.USING_SVML:
-    SLOWER_THAN_NUMPY.update({"cross_entropy_stats": "numpy SIMD exp", "cross_entropy_fwd": "numpy SIMD exp"})
 
 TILE_M, TILE_N = 16, 256  # matmul tiles: rows of A per task, columns of B per panel
 
@@ -126,6 +126,14 @@ def linear_bwd(dy: Array, x: Array, w: Array) -> tuple[Array, Array]:
     return dx.reshape(x.shape), dw
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _sigmoid(g, one):
+    """Overflow-free logistic function of a scalar: exp is only taken of -|g|. Inlined into the
+    callers' parallel loops (whose NumPy error model drops the division checks), which vectorise."""
+    e = vexp(-abs(g))
+    return one / (one + e) if g >= 0 else e / (one + e)
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def _linear_swiglu(x, w_gate, w_up, one):
     gate = np.dot(x, w_gate.T)
@@ -135,9 +143,7 @@ def _linear_swiglu(x, w_gate, w_up, one):
     for i in prange(n):
         for j in range(f):
             g = gate[i, j]
-            e = np.exp(-abs(g))
-            sig = one / (one + e) if g >= 0 else e / (one + e)
-            h[i, j] = g * sig * up[i, j]
+            h[i, j] = g * _sigmoid(g, one) * up[i, j]
     return h, gate, up
 
 
@@ -159,35 +165,54 @@ def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Arra
 # RMSNorm
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
-def _rmsnorm_fwd(x, w, eps, y, rstd):
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
+def _rmsnorm_fwd(x, r, add, w, eps, s, y, rstd):
+    """y = rmsnorm(x (+ r if add)) * w per row; with add, s = x + r is stored too."""
     n, h = x.shape
     for i in prange(n):
         acc = 0.0
         for j in range(h):
-            xi = np.float64(x[i, j])
-            acc += xi * xi
+            v = x[i, j] + r[i, j] if add else x[i, j]
+            if add:
+                s[i, j] = v
+            acc += np.float64(v) * v
         rstd[i] = 1.0 / math.sqrt(acc / h + eps)
-        r = rstd[i]
+        rs = rstd[i]
+        src = s if add else x
         for j in range(h):
-            y[i, j] = x[i, j] * r * w[j]
+            y[i, j] = src[i, j] * rs * w[j]
+
+
+def _rmsnorm_forward(x: Array, r: Array | None, w: Array, eps: float, name: str) -> tuple[Array, ...]:
+    """(y, rstd), or (s, y, rstd) with s = x + r when r is given; shapes as in numpy_ref."""
+    dt = _float_dtype(x, name)
+    require(w.ndim == 1 and w.shape[0] == x.shape[-1],
+            f"{name}: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]}")
+    require(r is None or r.shape == x.shape, f"{name}: x.shape={x.shape} must equal r.shape={getattr(r, 'shape', None)}")
+    require(eps >= 0, f"{name}: eps={eps} must be >= 0")
+    x2 = _c(x, dt).reshape(-1, x.shape[-1])
+    y = np.empty_like(x2)
+    s = x2 if r is None else np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], dt)
+    _rmsnorm_fwd(x2, x2 if r is None else _c(r, dt).reshape(x2.shape), r is not None, _c(w, dt), float(eps),
+                 s, y, rstd)
+    y, rstd = y.reshape(x.shape), rstd.reshape(x.shape[:-1])
+    return (y, rstd) if r is None else (s.reshape(x.shape), y, rstd)
 
 
 def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     """y `[..., H]` = x * rstd * w, rstd `[...]` = 1 / sqrt(mean(x**2) + eps); one pass per row."""
-    dt = _float_dtype(x, "rmsnorm_fwd")
-    require(w.ndim == 1 and w.shape[0] == x.shape[-1],
-            f"rmsnorm_fwd: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]}")
-    require(eps >= 0, f"rmsnorm_fwd: eps={eps} must be >= 0")
-    x2 = _c(x, dt).reshape(-1, x.shape[-1])
-    y = np.empty_like(x2)
-    rstd = np.empty(x2.shape[0], dt)
-    _rmsnorm_fwd(x2, _c(w, dt), float(eps), y, rstd)
-    return y.reshape(x.shape), rstd.reshape(x.shape[:-1])
+    return _rmsnorm_forward(x, None, w, eps, "rmsnorm_fwd")
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _rmsnorm_bwd(dy, x, w, rstd, dx, dw_parts):
+def add_rmsnorm_fwd(x: Array, r: Array, w: Array, eps: float) -> tuple[Array, Array, Array]:
+    """s = x + r, y = rmsnorm(s) * w, rstd, all `[..., H]` (rstd `[...]`) in one pass per row."""
+    return _rmsnorm_forward(x, r, w, eps, "add_rmsnorm_fwd")
+
+
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
+def _rmsnorm_bwd(dy, x, w, rstd, ds, add, dx, dw_parts):
+    """dx = rmsnorm_bwd(dy) (+ ds if add) per row; dw summed per row chunk into dw_parts."""
     n, h = x.shape
     nchunks = dw_parts.shape[0]
     for c in prange(nchunks):
@@ -195,25 +220,38 @@ def _rmsnorm_bwd(dy, x, w, rstd, dx, dw_parts):
             r = rstd[i]
             dot = 0.0
             for j in range(h):
-                dot += dy[i, j] * w[j] * x[i, j]
+                dot += np.float64(dy[i, j] * w[j]) * x[i, j]
             corr = r * r * r * (dot / h)
             for j in range(h):
-                dx[i, j] = r * (dy[i, j] * w[j]) - corr * x[i, j]
+                g = r * (dy[i, j] * w[j]) - corr * x[i, j]
+                dx[i, j] = g + ds[i, j] if add else g
                 dw_parts[c, j] += dy[i, j] * x[i, j] * r
 
 
-def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
-    """dx `[..., H]`, dw `[H]` of `rmsnorm_fwd`; dw is reduced per row chunk in float64."""
-    dt = _float_dtype(x, "rmsnorm_bwd")
+def _rmsnorm_backward(dy: Array, ds: Array | None, x: Array, w: Array, rstd: Array, name: str) -> tuple[Array, Array]:
+    """(dx (+ ds), dw) for x `[..., H]`; dw is reduced per row chunk in float64."""
+    dt = _float_dtype(x, name)
     require(dy.shape == x.shape and rstd.shape == x.shape[:-1] and w.shape == x.shape[-1:],
-            f"rmsnorm_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
+            f"{name}: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
             "must be [..., H], [..., H], [H], [...]")
+    require(ds is None or ds.shape == x.shape, f"{name}: ds.shape={getattr(ds, 'shape', None)} must equal {x.shape}")
     hdim = x.shape[-1]
     x2 = _c(x, dt).reshape(-1, hdim)
     dx = np.empty_like(x2)
     parts = np.zeros((_chunks(x2.shape[0]), hdim), np.float64)
-    _rmsnorm_bwd(_c(dy, dt).reshape(-1, hdim), x2, _c(w, dt), _c(rstd, dt).reshape(-1), dx, parts)
+    _rmsnorm_bwd(_c(dy, dt).reshape(-1, hdim), x2, _c(w, dt), _c(rstd, dt).reshape(-1),
+                 x2 if ds is None else _c(ds, dt).reshape(x2.shape), ds is not None, dx, parts)
     return dx.reshape(x.shape), parts.sum(axis=0).astype(dt)
+
+
+def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
+    """dx `[..., H]`, dw `[H]` of `rmsnorm_fwd`."""
+    return _rmsnorm_backward(dy, None, x, w, rstd, "rmsnorm_bwd")
+
+
+def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
+    """dsum `[..., H]` = rmsnorm_bwd(dy) + ds and dw `[H]` of `add_rmsnorm_fwd`, in one pass per row."""
+    return _rmsnorm_backward(dy, ds, s, w, rstd, "add_rmsnorm_bwd")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,18 +300,14 @@ def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
 @njit(cache=True, parallel=True, nogil=True)
 def _swiglu_fwd(g, u, h, one):
     for i in prange(g.size):
-        gi = g[i]
-        e = np.exp(-abs(gi))
-        sig = one / (one + e) if gi >= 0 else e / (one + e)
-        h[i] = gi * sig * u[i]
+        h[i] = g[i] * _sigmoid(g[i], one) * u[i]
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def _swiglu_bwd(dh, g, u, dg, du, one):
     for i in prange(g.size):
         gi = g[i]
-        e = np.exp(-abs(gi))
-        sig = one / (one + e) if gi >= 0 else e / (one + e)
+        sig = _sigmoid(gi, one)
         dg[i] = dh[i] * u[i] * sig * (one + gi * (one - sig))
         du[i] = dh[i] * (gi * sig)
 
@@ -346,16 +380,16 @@ def attention_merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
 # Cross-entropy
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
 def _ce_stats(logits, targets, vocab_start, nvalid, m, s, t):
+    """One pass per row (the row stays in cache): its max, sum of exp(logit - max), target logit."""
     for i in prange(logits.shape[0]):
         mx = logits[i, 0]
         for j in range(1, nvalid):
-            if logits[i, j] > mx:
-                mx = logits[i, j]
-        acc = 0.0
+            mx = max(mx, logits[i, j])
+        acc = logits.dtype.type(0)
         for j in range(nvalid):
-            acc += np.exp(logits[i, j] - mx)
+            acc += vexp(logits[i, j] - mx)
         m[i] = mx
         s[i] = acc
         local = targets[i] - vocab_start
@@ -386,7 +420,7 @@ def cross_entropy_fwd(logits: Array, targets: Array, vocab_size: int | None = No
     return lse - t, lse
 
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
 def _ce_bwd(logits, targets, lse, dloss, vocab_start, nvalid, one, grad):
     n, ncols = logits.shape
     for i in prange(n):
@@ -394,10 +428,9 @@ def _ce_bwd(logits, targets, lse, dloss, vocab_start, nvalid, one, grad):
         li = lse[i]
         gi = dloss[i]
         for j in range(nvalid):
-            p = np.exp(logits[i, j] - li)
-            if j == local:
-                p -= one
-            grad[i, j] = p * gi
+            grad[i, j] = vexp(logits[i, j] - li) * gi
+        if 0 <= local < nvalid:
+            grad[i, local] -= one * gi
         for j in range(nvalid, ncols):
             grad[i, j] = 0
 

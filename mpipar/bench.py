@@ -124,6 +124,8 @@ def kernel_cases(shape: KernelShape, dtype: np.dtype, seed: int = 0) -> dict[str
         "embedding_bwd": (np.zeros((vocab, hid), dtype), x, targets.reshape(b, s)),
         "rmsnorm_fwd": (x, norm_w, 1e-5),
         "rmsnorm_bwd": (rand(b, s, hid), x, norm_w, rstd),
+        "add_rmsnorm_fwd": (x, rand(b, s, hid), norm_w, 1e-5),
+        "add_rmsnorm_bwd": (rand(b, s, hid), rand(b, s, hid), x, norm_w, rstd),
         "rope_cos_sin": (positions, d, 10000.0, np.dtype(dtype)),
         "rope_fwd": (q, cos, sin),
         "rope_bwd": (rand(b, s, hq, d), cos, sin),

@@ -15,7 +15,7 @@ from mpipar.kernels import numpy_ref as ref
 ac = pytest.importorskip("mpipar.kernels.attention_cpu")
 from numba import njit  # noqa: E402  (after the importorskip: numba is there)
 
-from mpipar.kernels.numba_exp import vexp  # noqa: E402
+from mpipar.kernels.numba_simd import vexp  # noqa: E402
 from mpipar.kernels.numba_gemm import gemm  # noqa: E402
 
 TOL = {np.float64: 1e-12, np.float32: 1e-5}

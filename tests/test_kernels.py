@@ -78,6 +78,26 @@ def test_rmsnorm_grad(mod, rng):
 
 
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
+def test_add_rmsnorm_is_add_then_rmsnorm(mod, rng):
+    """The fused residual add + RMSNorm equals the two ops (float64) and its finite differences."""
+    x, r, w = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7)), rng.standard_normal(7)
+    dy, ds = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))
+    s, y, rstd = mod.add_rmsnorm_fwd(x, r, w, 1e-5)
+    y_ref, rstd_ref = ref.rmsnorm_fwd(x + r, w, 1e-5)
+    assert rel_err(s, x + r) < 1e-15 and rel_err(y, y_ref) < 1e-13 and rel_err(rstd, rstd_ref) < 1e-13
+    dsum, dw = mod.add_rmsnorm_bwd(dy, ds, s, w, rstd)
+    dx_ref, dw_ref = ref.rmsnorm_bwd(dy, x + r, w, rstd_ref)
+    assert rel_err(dsum, dx_ref + ds) < 1e-13 and rel_err(dw, dw_ref) < 1e-13
+
+    def loss() -> float:  # y feeds dy, s (the residual stream) feeds ds
+        s_, y_, _ = mod.add_rmsnorm_fwd(x, r, w, 1e-5)
+        return float(np.sum(y_ * dy) + np.sum(s_ * ds))
+
+    assert rel_err(dsum, num_grad(loss, x)) < 1e-6 and rel_err(dsum, num_grad(loss, r)) < 1e-6
+    assert rel_err(dw, num_grad(loss, w)) < 1e-6
+
+
+@pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_rope_grad(mod, rng):
     x, r = rng.standard_normal((2, 3, 2, 6)), rng.standard_normal((2, 3, 2, 6))
     cos, sin = ref.rope_cos_sin(np.array([5, 6, 7]), 6, 10000.0, np.float64)
@@ -351,6 +371,8 @@ def elementwise_cases(rng, dtype):
         ("linear_swiglu_fwd", (x, w, r(11, 13))),
         ("rmsnorm_fwd", (x, nw, 1e-6)),
         ("rmsnorm_bwd", (r(3, 7, 13), x, nw, rstd)),
+        ("add_rmsnorm_fwd", (x, r(3, 7, 13), nw, 1e-6)),
+        ("add_rmsnorm_bwd", (r(3, 7, 13), r(3, 7, 13), x, nw, rstd)),
         ("rope_fwd", (xr, cos, sin)),
         ("rope_bwd", (xr, cos, sin)),
         ("swiglu_fwd", (r(5, 9) * 10, r(5, 9))),

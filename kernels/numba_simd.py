@@ -1,6 +1,9 @@
-"""`vexp`: an exp that Numba loops vectorise, for float32 and float64 scalars.
+"""What lets LLVM vectorise Numba loops: `vexp` and the `REORDER` fastmath flags.
 
-Numba compiles `np.exp` in a loop to a call of the C library's scalar exp unless Intel SVML is
+`REORDER` allows a loop's sums to be reassociated (so that reductions are vectorised) while keeping
+the semantics of infinities and NaNs, which the kernels rely on (-inf log-sum-exp of empty rows).
+
+`vexp` is an exp for float32 and float64 scalars. Numba compiles `np.exp` in a loop to a call of the C library's scalar exp unless Intel SVML is
 installed, which leaves softmax-style loops 10x slower than NumPy's SIMD exp. `vexp` is plain
 arithmetic that LLVM vectorises: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2),
 exp(r) by its Taylor polynomial (degree 12 for float64, 7 for float32), and 2**n put together
@@ -15,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
+
+REORDER = {"reassoc", "nsz", "contract", "arcp"}  # fastmath flags: no "nnan"/"ninf"
 
 
 def vexp(x):  # pragma: no cover (replaced in compiled code by the overload below)

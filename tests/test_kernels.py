@@ -471,13 +471,26 @@ def test_bench_kernels_section(tmp_path, capsys):
 
     path = tmp_path / "bench.json"
     args = ["kernels", "--quick", "--dtypes", "float64", "--backends", "numpy,numba", "--batch", "1", "--seq", "8",
-            "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--ffn", "6", "--vocab", "5", "--json", str(path)]
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--ffn", "6", "--vocab", "5",
+            "--attn-seqs", "96", "--attn-head-dims", "16", "--attn-heads", "2", "--attn-threads", "1",
+            "--json", str(path)]
     assert bench.main(args) == 0
-    rows = json.loads(path.read_text())["kernels"]["rows"]
+    result = json.loads(path.read_text())["kernels"]
+    rows = result["rows"]
     assert len(rows) == len(kernels.OPS) + len(numba_cpu.IMPLEMENTED)  # one per (op, implementation)
     assert all(r["ms"] > 0 for r in rows)
+    fused = {r["op"]: r for r in result["fused"]}
+    assert set(fused) == {"add_rmsnorm_fwd", "add_rmsnorm_bwd"}
+    assert all(r["speedup"] == pytest.approx(r["unfused_ms"] / r["fused_ms"]) for r in fused.values())
+    (attn,) = result["attention"]  # measured in a child process with 1 thread
+    assert (attn["seq"], attn["head_dim"], attn["threads"], attn["kv_heads"]) == (96, 16, 1, 1)
+    fwd_flops, bwd_flops = 2 * 96 * 96 * 16 * 2, 5 * 96 * 96 * 16 * 2  # causal: half of 4 S^2 D per head
+    assert attn["fwd_gflops"] == pytest.approx(fwd_flops / attn["fwd_s"] / 1e9)
+    assert attn["bwd_gflops"] == pytest.approx(bwd_flops / attn["bwd_s"] / 1e9)
+    assert attn["fwd_pct_probe"] == pytest.approx(100 * attn["fwd_gflops"] / attn["probe_gflops"])
     table = capsys.readouterr().out
     assert "attention_bwd" in table and "numba backend uses" in table
+    assert "% of the GEMM probe" in table and "add_rmsnorm_bwd" in table
 
 
 def test_numba_accepts_non_contiguous_inputs(rng):

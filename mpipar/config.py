@@ -169,8 +169,10 @@ class Config:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"--config {path}: file not found") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        except OSError as exc:
+            raise ConfigError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
         return cls.from_dict(data, source=path)
 
     # ------------------------------------------------------------ validation
@@ -194,6 +196,8 @@ class Config:
     def validate(self, world_size: int) -> None:
         """Check every rule; raise ConfigError naming field, value and rule (first violation)."""
         m, p, t = self.model.resolved(), self.parallel, self.train
+        for obj, section in ((self.model, "model"), (p, "parallel"), (t, "train")):
+            _representable(obj, section)
         _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
                       "ffn_hidden"), "model")
         _require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
@@ -272,6 +276,7 @@ class Config:
         _require(0 <= t.beta1 < 1, f"train.beta1={t.beta1}: must be in [0, 1)")
         _require(0 <= t.beta2 < 1, f"train.beta2={t.beta2}: must be in [0, 1)")
         _require(t.eps > 0, f"train.eps={t.eps}: must be > 0")
+        _require(t.seed >= 0, f"train.seed={t.seed}: must be >= 0")
         _require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
         _require(t.backend != "cupy",
                  "train.backend='cupy': GPU training is not available yet: the engine keeps "
@@ -299,6 +304,22 @@ class Config:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+INT_LIMIT = 2**63
+"""Integer fields must lie in (-2**63, 2**63): they are stored as 64-bit HDF5 attributes in
+checkpoints and used as NumPy int64 values."""
+
+
+def _representable(obj: Any, section: str) -> None:
+    """Every float field of ``obj`` is finite and every int field fits in 64 bits."""
+    for f in fields(obj):
+        value, kind = getattr(obj, f.name), str(f.type)
+        if kind == "float":
+            _require(math.isfinite(value), f"{section}.{f.name}={value}: must be a finite number")
+        elif kind == "int":
+            _require(-INT_LIMIT < value < INT_LIMIT,
+                     f"{section}.{f.name}={value}: must lie in (-2**63, 2**63)")
 
 
 def _positive(obj: Any, names: tuple[str, ...], section: str) -> None:
@@ -329,7 +350,10 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}={value!r}: must be a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{where}={value}: too large for a floating-point number") from None
     if not isinstance(value, str):
         raise ConfigError(f"{where}={value!r}: must be a string")
     return value

@@ -99,8 +99,17 @@ class StopRequest:
         self.signal = name
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """An argument parser that prints usage, help and errors on rank 0 only: every rank parses
+    the same arguments and exits with the same status, but one copy of the text is enough."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = RankZeroParser(
         prog="python -m mpipar.train",
         description="Train a Llama-family model with data/tensor/pipeline/sequence parallelism "
                     "over MPI. Flags override --config; see README for every field.")

@@ -335,11 +335,20 @@ def list_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
 
 
 def latest(save_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``save_dir/latest`` names, or None when there is no such file."""
+    """The checkpoint ``save_dir/latest`` names, or None when there is no such file. A pointer
+    that is not a checkpoint name (binary, not UTF-8, empty) raises CheckpointError naming it."""
     pointer = Path(save_dir) / LATEST
     if not pointer.is_file():
         return None
-    return Path(save_dir) / pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer}: unreadable ({exc}); it should hold the name of a "
+                              f"checkpoint directory such as step_00000001") from None
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(f"{pointer}: holds {name[:40]!r}, not the name of a checkpoint "
+                              f"directory such as step_00000001")
+    return Path(save_dir) / name
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
@@ -525,9 +534,11 @@ def _damage(file: Path) -> str:
 
 # ------------------------------------------------------------------------------ resume
 def resolve_path(spec: str | os.PathLike) -> Path:
-    """A checkpoint directory from ``spec``: the directory itself, or a save directory's
-    ``latest``."""
+    """A checkpoint directory from ``spec``: the directory itself, a save directory (its
+    ``latest``) or a save directory's ``latest`` file."""
     p = Path(spec)
+    if p.name == LATEST and p.is_file():
+        return latest(p.parent) or p
     if not (p / INDEX).exists() and not _STEP_DIR.match(p.name):
         target = latest(p)
         if target is not None:
@@ -555,7 +566,12 @@ def resolve_resume(spec: str, save_dir: str | os.PathLike) -> tuple[Path | None,
         return path, []
     root = Path(save_dir)
     candidates = list_checkpoints(root)
-    pointed = latest(root)
+    try:
+        pointed = latest(root)
+    except CheckpointError as exc:
+        pointed, notes = None, [f"{exc}; taking the newest checkpoint that verifies"]
+    else:
+        notes = []
     if pointed is not None and pointed in candidates:
         candidates.remove(pointed)
         candidates.insert(0, pointed)
@@ -563,13 +579,13 @@ def resolve_resume(spec: str, save_dir: str | os.PathLike) -> tuple[Path | None,
     for path in candidates:
         problems = verify(path)
         if not problems:
-            return path, [f"checkpoint {p} failed verification ({'; '.join(why)}); falling back "
-                          f"to {path}" for p, why in failed]
+            return path, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); "
+                                  f"falling back to {path}" for p, why in failed]
         failed.append((path, problems))
     if not failed:
-        return None, [f"no checkpoint in {root}; starting fresh"]
-    return None, [f"checkpoint {p} failed verification ({'; '.join(why)}); no other checkpoint "
-                  f"verifies, starting fresh" for p, why in failed]
+        return None, notes + [f"no checkpoint in {root}; starting fresh"]
+    return None, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); no other "
+                          f"checkpoint verifies, starting fresh" for p, why in failed]
 
 
 def _require_sound(path: Path) -> None:
@@ -688,6 +704,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _require_outside(out: Path) -> None:
+    """Refuse an output path inside a checkpoint directory (or a save directory's ``latest``):
+    writing there would change, and break, what the index and its checksums describe."""
+    target = out.resolve()
+    inside = next((d for d in target.parents if (d / INDEX).is_file() or _STEP_DIR.match(d.name)),
+                  None)
+    if inside is None and (target / INDEX).is_file():
+        inside = target
+    if inside is not None:
+        raise CheckpointError(f"{out}: inside the checkpoint {inside}; writing there would "
+                              f"change what its index records; choose a path outside it")
+    if target.name == LATEST and list_checkpoints(target.parent):
+        raise CheckpointError(f"{out}: the 'latest' pointer of the save directory "
+                              f"{target.parent}; choose another path")
+
+
 def consolidate(path: str | os.PathLike, out: str | os.PathLike,
                 kinds: tuple[str, ...] = KINDS) -> Path:
     """Write the checkpoint as one HDF5 file of plain datasets ``<kind>/<name>`` (global shapes,
@@ -697,6 +729,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
     path, out = resolve_path(path), Path(out)
+    _require_outside(out)
     _require_sound(path)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -725,6 +758,7 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None
     model.safetensors) in ``dtype`` (default: the training dtype). Verifies first."""
     from mpipar import hf
 
+    _require_outside(Path(out))
     cfg = read_config(path)
     params = read_tensors(path, "param")
     hf.save_hf(out, cfg.model, params, dtype=dtype or cfg.train.dtype,

@@ -129,6 +129,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
     """Parse, default the save directory to ``RUN_DIR/checkpoints``, apply a checkpoint's model
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
     exit 2 on error."""
+    from mpipar.checkpoint import CheckpointError
     args = build_parser().parse_args(argv)
     try:
         cfg = config_mod.from_args(args)
@@ -157,7 +158,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
         if note is not None and notes is not None:
             notes.append(note)
         return cfg.resolved(world)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         fail_usage(str(exc))
         raise  # unreachable: fail_usage exits
 

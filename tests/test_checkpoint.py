@@ -233,6 +233,66 @@ def test_cli_consolidate_export_inspect_verify(saved, tmp_path, capsys):
     assert "nothing" in capsys.readouterr().err
 
 
+def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
+    """Issue 15, item 16: README's ``ckpt verify runs/exp1/checkpoints/latest`` failed ("no
+    such checkpoint directory") because ``latest`` is a file; it means the checkpoint it
+    names, as the save directory does."""
+    from mpipar import ckpt as cli
+
+    root, _, _ = saved
+    assert ckpt.resolve_path(root / "latest") == root / "step_00000002"
+    assert cli.main(["verify", str(root / "latest"), str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"ok {root / 'step_00000002'}: index and 1 shard(s) present") == 2, out
+
+
+def test_a_latest_pointer_that_is_not_text_is_named_and_resume_auto_falls_back(saved, tmp_path,
+                                                                               capsys):
+    """Issue 15, item 10: a ``latest`` that is not UTF-8 was a UnicodeDecodeError traceback in
+    resume and in ``ckpt verify``. Now verify exits 2 naming the file; ``--resume auto``
+    notes it and takes the newest checkpoint that verifies."""
+    from mpipar import ckpt as cli
+
+    root, _, _ = saved
+    shutil.copytree(root, tmp_path / "save")
+    root = tmp_path / "save"
+    (root / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    for spec in (root / "latest", root):
+        assert cli.main(["verify", str(spec)]) == 2
+        err = capsys.readouterr().err
+        assert f"{root / 'latest'}: unreadable" in err and "Traceback" not in err, err
+    found, notes = ckpt.resolve_resume("auto", root)
+    assert found == root / "step_00000002" and ckpt.verify(found) == []
+    assert notes == [f"{root / 'latest'}: unreadable ('utf-8' codec can't decode byte 0xff in "
+                     f"position 0: invalid start byte); it should hold the name of a checkpoint "
+                     f"directory such as step_00000001; taking the newest checkpoint that "
+                     f"verifies"]
+
+
+def test_consolidate_and_export_refuse_to_write_inside_a_checkpoint(saved, tmp_path, capsys):
+    """Issue 15, item 13: ``ckpt consolidate CK CK/index.h5`` overwrote the checkpoint's own
+    index and broke it. Writing inside a checkpoint (or over ``latest``) is refused, exit 2,
+    and the checkpoint still verifies."""
+    from mpipar import ckpt as cli
+
+    root, _, _ = saved
+    shutil.copytree(root, tmp_path / "save")
+    root = tmp_path / "save"
+    ck = root / "step_00000002"
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    for args in (["consolidate", str(ck), str(ck / "index.h5")],
+                 ["consolidate", str(root), str(root / "step_00000001" / "all.h5")],
+                 ["consolidate", str(ck), str(root / "latest")],
+                 ["export-hf", str(ck), str(ck / "hf")]):
+        assert cli.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert f"{args[2]}: " in err and ("inside the checkpoint" in err or "'latest'" in err), err
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert ckpt.verify(ck) == [] and ckpt.verify(root / "step_00000001") == []
+    assert ckpt.latest(root) == ck
+    assert cli.main(["consolidate", str(ck), str(root / "all.h5")]) == 0  # beside: allowed
+
+
 # ------------------------------------------------------------------ the CLI under mpirun
 MODEL = ["--hidden", "32", "--layers", "4", "--heads", "4", "--kv-heads", "4", "--seq-len", "16",
          "--global-batch-size", "8", "--micro-batch-size", "1", "--vocab-size", str(VOCAB),

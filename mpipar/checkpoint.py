@@ -74,6 +74,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from mpipar.comm import Group, Ledger
 from mpipar.config import Config, ConfigError, ModelConfig
 
 FORMAT = "mpipar-checkpoint"
@@ -366,14 +367,17 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 
 
 # ------------------------------------------------------------------------------ save
-def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last: int = 0) -> Path:
-    """Write and commit the checkpoint of ``step`` (collective over ``engine.grid.comm``).
+def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last: int = 0,
+         group: Group | None = None) -> Path:
+    """Write and commit the checkpoint of ``step``: collective over ``group``, a
+    :class:`~mpipar.comm.Group` of ``engine.grid.comm`` (training passes its control group,
+    which the collective watchdog watches; None: an unwatched one).
 
     Returns ``save_dir/step_NNNNNNNN``. A failure on any rank raises CheckpointError on every
     rank and leaves the previous checkpoints and ``latest`` untouched.
     """
-    comm = engine.grid.comm
-    rank = comm.Get_rank()
+    group = group or Group(engine.grid.comm, "world", Ledger())
+    rank = group.rank
     root = Path(save_dir)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
@@ -386,7 +390,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
             tmp.mkdir()
         except OSError as exc:
             problem = f"cannot create {tmp}: {exc}"
-    problem = comm.bcast(problem, root=0)
+    problem = group.bcast_object(problem, root=0)
     if problem:
         raise CheckpointError(problem)
 
@@ -403,10 +407,10 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
             outcome[1] = f"rank {rank} writing {path}: {type(exc).__name__}: {exc}"
 
     if os.environ.get(KILL_ENV, "").strip() == str(step):
-        _write_half_then_die(comm, bool(pieces), write, step)
+        _write_half_then_die(group, bool(pieces), write, step)
     else:
         write()
-    gathered = comm.gather(tuple(outcome), root=0)
+    gathered = group.gather_object(tuple(outcome), root=0)
 
     result, error = None, None
     if rank == 0:
@@ -421,22 +425,22 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
         except Exception as exc:
             error = exc
             result = f"{type(exc).__name__}: {exc}"
-    result = comm.bcast(result, root=0)
+    result = group.bcast_object(result, root=0)
     if result:
         raise CheckpointError(f"saving {final} failed: {result}") from error
     return final
 
 
-def _write_half_then_die(comm, writes: bool, write: Callable[[], None], step: int) -> None:
+def _write_half_then_die(group: Group, writes: bool, write: Callable[[], None], step: int) -> None:
     """Fault injection for tests (``MPIPAR_TEST_KILL_SAVE_AT_STEP``): the first half of the
     writing ranks write their shards; after a barrier the next writing rank SIGKILLs itself."""
-    rank = comm.Get_rank()
-    writers = [r for r, w in enumerate(comm.allgather(writes)) if w]
+    rank = group.rank
+    writers = [r for r, w in enumerate(group.allgather_object(writes)) if w]
     half = len(writers) // 2
     early = rank in writers[:half]
     if early:
         write()
-    comm.Barrier()
+    group.barrier()
     if writers and rank == writers[half]:
         sys.stderr.write(f"mpipar: {KILL_ENV}={step}: rank {rank} kills itself (SIGKILL) after "
                          f"{half} of {len(writers)} shard files were written\n")
@@ -610,6 +614,42 @@ def read_config(path: str | os.PathLike) -> Config:
     path = resolve_path(path)
     text = str(_index_attrs(path)["config_toml"])
     return Config.from_dict(tomllib.loads(text), source=f"{path / INDEX} (config_toml)")
+
+
+_RESUME_FIELDS = {
+    "data": "later steps read other samples than the checkpoint's run would have",
+    "seq_len": "later steps read other samples than the checkpoint's run would have",
+    "global_batch_size": "later steps read other samples than the checkpoint's run would have",
+    "seed": "later steps read other samples than the checkpoint's run would have",
+    "shuffle": "later steps read other samples than the checkpoint's run would have",
+    "steps": "the learning rate of later steps differs from the checkpoint's run",
+    "lr": "the learning rate of later steps differs from the checkpoint's run",
+    "min_lr": "the learning rate of later steps differs from the checkpoint's run",
+    "lr_schedule": "the learning rate of later steps differs from the checkpoint's run",
+    "warmup_steps": "the learning rate of later steps differs from the checkpoint's run",
+    "dtype": "the saved state is cast to the new dtype",
+}
+"""Training settings whose change on resume is reported, with what the change means."""
+
+
+def resume_changes(path: str | os.PathLike, cfg: Config, source) -> list[str]:
+    """What a run resuming from the checkpoint at ``path`` with ``cfg`` and token ``source``
+    does differently from the run that saved it (one line per change of :data:`_RESUME_FIELDS`,
+    or a data source of another size); empty when nothing changed and the resumed run continues
+    as the uninterrupted one would."""
+    path = resolve_path(path)
+    then = read_config(path).train
+    with h5py.File(path / INDEX, "r") as f:
+        samples = int(f["data"].attrs["num_samples"])
+    out = [f"train.{name} is {getattr(cfg.train, name)!r}, the checkpoint's run used "
+           f"{getattr(then, name)!r}: {meaning}" for name, meaning in _RESUME_FIELDS.items()
+           if getattr(cfg.train, name) != getattr(then, name)]
+    if samples != source.num_samples and (then.data, then.seq_len) == (cfg.train.data,
+                                                                         cfg.train.seq_len):
+        out.append(f"the data {source.path} holds {source.num_samples} samples of "
+                   f"{cfg.train.seq_len} tokens, the checkpoint's run saw {samples}: "
+                   f"{_RESUME_FIELDS['data']}")
+    return out
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:

@@ -122,8 +122,14 @@ class TrainConfig:
                         choices=("none", "selective", "full", "offload"))
     on_nan: str = _f("stop", "a non-finite loss or gradient norm: skip the step, or stop with a "
                              "checkpoint", choices=("stop", "skip"))
-    collective_timeout: float = _f(0.0, "abort a step stuck this many seconds in one collective, "
+    collective_timeout: float = _f(0.0, "abort a run stuck this many seconds in one collective, "
                                         "naming the operation and group (0: off)")
+    startup_timeout: float = _f(600.0, "with --collective-timeout: the limit until step 1 has "
+                                       "finished (start-up, checkpoint load, kernel compilation "
+                                       "and first touch of memory in step 1), if larger")
+    allow_oversubscribed_memory: bool = _f(False, "start even when the planner's memory of a rank "
+                                                  "exceeds its share of the node's available "
+                                                  "memory")
     init_from_hf: str = _f("", "start from a Hugging Face Llama directory (config.json + safetensors); "
                                "model settings then come from it")
     hf_untie_embeddings: bool = _f(False, "with --init-from-hf: accept tied embeddings by copying "
@@ -264,9 +270,15 @@ class Config:
         micro = t.micro_batch_size or (t.global_batch_size // dp)
         if micro and t.global_batch_size % (dp * micro) == 0:
             from mpipar.parallel.schedule import build_schedule
+            count = t.global_batch_size // (dp * micro)
+            slots = count * p.pp * p.virtual_stages
+            _require(slots <= MAX_SCHEDULE_SLOTS,
+                     f"train.global_batch_size={t.global_batch_size}: {count} microbatches per "
+                     f"step x pp*virtual_stages = {p.pp}*{p.virtual_stages} makes {slots} "
+                     f"schedule slots; at most {MAX_SCHEDULE_SLOTS} (a larger "
+                     f"train.micro_batch_size gives fewer microbatches)")
             try:
-                build_schedule(p.schedule, p.pp, t.global_batch_size // (dp * micro),
-                               p.virtual_stages)
+                build_schedule(p.schedule, p.pp, count, p.virtual_stages)
             except ValueError as exc:
                 raise ConfigError(f"parallel.schedule={p.schedule!r}: {exc}") from None
         _require(t.lr >= 0, f"train.lr={t.lr}: must be >= 0")
@@ -289,6 +301,7 @@ class Config:
         _require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
         _require(t.collective_timeout >= 0,
                  f"train.collective_timeout={t.collective_timeout}: must be >= 0")
+        _require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
         for item in filter(None, t.dump_activations.split(",")):
             _require(item.strip().isdigit() and int(item) >= 1,
                      f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
@@ -305,6 +318,10 @@ def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
+
+MAX_SCHEDULE_SLOTS = 2**16
+"""At most this many microbatches x pipeline chunks per step: the schedule is built as op lists
+and checked by a dry run, which takes about 3 s at this size."""
 
 INT_LIMIT = 2**63
 """Integer fields must lie in (-2**63, 2**63): they are stored as 64-bit HDF5 attributes in

@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpipar.metrics import COMPUTE_OPS, TIME_KEYS
+from mpipar.metrics import COMPUTE_OPS, TIME_KEYS, read_records
 
 LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
           "pipeline_wait": "pipeline wait (bubble and transfers)",
@@ -47,8 +47,7 @@ def load_run(run_dir: str) -> tuple[list[dict], dict | None, dict | None]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
-    with open(path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records = read_records(path)
     timeline = config = None
     if os.path.exists(os.path.join(run_dir, "timeline.json")):
         with open(os.path.join(run_dir, "timeline.json")) as fh:

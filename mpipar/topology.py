@@ -27,6 +27,15 @@ class Coord(NamedTuple):
     sp: int
 
 
+def rank_coord(rank: int, dp: int, tp: int, pp: int, sp: int) -> Coord:
+    """Coordinates of ``rank`` in a grid of these sizes (the inverse of the rank formula above);
+    no communicator needed."""
+    if not 0 <= rank < dp * tp * pp * sp:
+        raise ValueError(f"rank {rank} out of range [0, {dp * tp * pp * sp})")
+    return Coord(dp=(rank // (tp * sp)) % dp, tp=rank % tp, pp=rank // (tp * sp * dp),
+                 sp=(rank // tp) % sp)
+
+
 @dataclass
 class ProcessGrid:
     """Cartesian 4D grid over ``comm`` with one sub-communicator per axis and the combined groups.
@@ -71,13 +80,7 @@ class ProcessGrid:
 
     def coords_of(self, rank: int) -> Coord:
         """Coordinates of ``rank`` (inverse of ``rank_of``)."""
-        if not 0 <= rank < self.comm.Get_size():
-            raise ValueError(f"rank {rank} out of range [0, {self.comm.Get_size()})")
-        tp_r = rank % self.tp
-        sp_r = (rank // self.tp) % self.sp
-        dp_r = (rank // (self.tp * self.sp)) % self.dp
-        pp_r = rank // (self.tp * self.sp * self.dp)
-        return Coord(dp=dp_r, tp=tp_r, pp=pp_r, sp=sp_r)
+        return rank_coord(rank, self.dp, self.tp, self.pp, self.sp)
 
     # ---------------------------------------------------------------- neighbours
     @property

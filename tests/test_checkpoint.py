@@ -342,6 +342,7 @@ def test_resume_is_bit_exact(tmp_path, data, dtype, ranks, layout):
     proc = train(ranks, tmp_path / "b", *common, "--save-dir", str(tmp_path / "b" / "ck"),
                  "--resume", str(tmp_path / "a" / "ck" / "step_00000002"), data=data)
     assert f"resumed from {tmp_path / 'a' / 'ck' / 'step_00000002'} at step 2" in proc.stdout
+    assert "the checkpoint's run used" not in proc.stdout  # nothing changed: nothing to say
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr"):
@@ -394,6 +395,27 @@ def test_resume_under_another_layout(tmp_path, data, uninterrupted, n_a, layout_
             assert err <= 1e-10, (kind, name, err)
 
 
+def test_resume_names_what_changed(tmp_path, data):
+    """Issue 15, item 15: resuming with another batch size, seed, data source or schedule said
+    nothing. Each change is printed with what it means; the run goes on."""
+    save = tmp_path / "ck"
+    train(1, tmp_path / "a", "--steps", "1", "--save-dir", str(save), data=data)
+    other = tmp_path / "other.npy"
+    np.save(other, np.random.default_rng(4).integers(0, VOCAB, size=(32, 17)))
+    proc = train(1, tmp_path / "b", "--steps", "2", "--save-dir", str(save), "--resume", "auto",
+                 "--global-batch-size", "4", "--seed", "12", "--no-shuffle", data=str(other))
+    samples = "later steps read other samples than the checkpoint's run would have"
+    lr = "the learning rate of later steps differs from the checkpoint's run"
+    changes = [line for line in proc.stdout.splitlines() if "the checkpoint's run used" in line]
+    assert changes == [
+        f"mpipar: train.data is {str(other)!r}, the checkpoint's run used {data!r}: {samples}",
+        f"mpipar: train.global_batch_size is 4, the checkpoint's run used 8: {samples}",
+        f"mpipar: train.seed is 12, the checkpoint's run used 11: {samples}",
+        f"mpipar: train.shuffle is False, the checkpoint's run used True: {samples}",
+        f"mpipar: train.steps is 2, the checkpoint's run used 1: {lr}"], proc.stdout
+    assert [r["step"] for r in metrics(tmp_path / "b")] == [2]
+
+
 @needs_mpirun
 def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, data, uninterrupted):
     """A rank SIGKILLs itself after half of the step-2 shards are written (ZeRO-1: all 4 ranks
@@ -407,14 +429,14 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, data, uninte
                  env={ckpt.KILL_ENV: "2"})
     assert proc.returncode != 0
     assert "rank 2 kills itself (SIGKILL) after 2 of 4 shard files" in proc.stderr
-    assert sorted(os.listdir(save)) == [".step_00000002.tmp", "latest", "step_00000001"]
+    assert sorted(os.listdir(save)) == [".step_00000002.tmp", "latest", "lock", "step_00000001"]
     assert "index.h5" not in os.listdir(save / ".step_00000002.tmp")
     assert ckpt.latest(save) == save / "step_00000001" and ckpt.verify(save / "step_00000001") == []
     proc = train(4, tmp_path / "b", *common, "--resume", "auto", data=data)
     assert f"resumed from {save / 'step_00000001'} at step 1" in proc.stdout
     got, want = metrics(tmp_path / "b")[0]["loss"], uninterrupted[0][1]["loss"]
     assert abs(got - want) <= 1e-10 * want
-    assert sorted(os.listdir(save)) == ["latest", "step_00000001", "step_00000002"]
+    assert sorted(os.listdir(save)) == ["latest", "lock", "step_00000001", "step_00000002"]
 
 
 def test_flipped_bytes_are_named_and_resume_auto_falls_back(tmp_path, data):

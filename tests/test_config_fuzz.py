@@ -103,7 +103,7 @@ def _validate(data: dict, world: int) -> str | None:
     return None
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None,
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=configs(), world=st.sampled_from([1, 2, 3, 4, 8]))
 def test_every_configuration_validates_or_names_a_field(data, world):

@@ -22,7 +22,7 @@ import numpy as np
 from . import numpy_ref
 
 OPS: tuple[str, ...] = (
-    "linear_fwd", "linear_bwd", "linear_swiglu_fwd",
+    "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "embedding_fwd", "embedding_bwd",
     "rmsnorm_fwd", "rmsnorm_bwd",
     "rope_cos_sin", "rope_fwd", "rope_bwd",
     "swiglu_fwd", "swiglu_bwd",
@@ -49,6 +49,8 @@ class Backend:
     linear_fwd: Kernel
     linear_bwd: Kernel
     linear_swiglu_fwd: Kernel
+    embedding_fwd: Kernel
+    embedding_bwd: Kernel
     rmsnorm_fwd: Kernel
     rmsnorm_bwd: Kernel
     rope_cos_sin: Kernel

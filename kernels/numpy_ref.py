@@ -85,6 +85,44 @@ def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Arra
 
 
 # ----------------------------------------------------------------------------------------------
+# Embedding (one vocabulary shard)
+# ----------------------------------------------------------------------------------------------
+
+def _rows_held(ids: Array, row_start: int, rows: int) -> tuple[Array, Array]:
+    """(row of each id in a shard of `rows` rows starting at `row_start` (0 where not held),
+    whether the shard holds it)."""
+    xp = array_module(ids)
+    local = ids.astype(np.int64) - row_start
+    held = (local >= 0) & (local < rows)
+    return xp.where(held, local, 0), held
+
+
+def embedding_fwd(w: Array, ids: Array, row_start: int = 0) -> Array:
+    """Rows of one vocabulary shard.
+
+    w: `[V_shard, H]` holding ids `[row_start, row_start + V_shard)`, ids: `[...]` ->
+    x `[..., H]`: `w[id - row_start]` for the ids the shard holds, zero rows for the others
+    (another shard holds them; the shards' outputs sum to the full embedding).
+    """
+    require(w.ndim == 2, f"embedding_fwd: w must be 2-D [rows, hidden], got shape {w.shape}")
+    local, held = _rows_held(ids, row_start, w.shape[0])
+    x = w[local]
+    x *= held[..., None]
+    return x
+
+
+def embedding_bwd(dw: Array, dx: Array, ids: Array, row_start: int = 0) -> Array:
+    """Accumulate into `dw` `[V_shard, H]` (in place; returned) the gradient of `embedding_fwd`:
+    each row of `dx` `[..., H]` is added to the row of its id, for the ids the shard holds."""
+    require(dx.shape == ids.shape + (dw.shape[1],),
+            f"embedding_bwd: dx {dx.shape} must be ids {ids.shape} + [hidden={dw.shape[1]}]")
+    local, held = _rows_held(ids.reshape(-1), row_start, dw.shape[0])
+    xp = array_module(dw)
+    xp.add.at(dw, local[held], dx.reshape(-1, dw.shape[1])[held].astype(dw.dtype, copy=False))
+    return dw
+
+
+# ----------------------------------------------------------------------------------------------
 # RMSNorm
 # ----------------------------------------------------------------------------------------------
 

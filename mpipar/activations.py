@@ -28,6 +28,7 @@ per-rank HDF5 scratch file between forward and backward.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import weakref
@@ -37,15 +38,11 @@ from typing import Any
 import h5py
 import numpy as np
 
+from mpipar.backend import to_host
 from mpipar.model.llama import ACTIVATION_NAMES
 
 TP_SHARDED = ("attention",)
 _RANK_FILE = re.compile(r"rank_(\d+)\.h5$")
-
-
-def _host(a: Any) -> np.ndarray:
-    """A NumPy array of ``a`` (a CuPy array is copied to the host)."""
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def _dataset(group: h5py.Group, name: str, data: np.ndarray) -> h5py.Dataset:
@@ -89,7 +86,7 @@ class ActivationRecorder:
         if layer not in self.forward_order:
             raise ValueError(f"layer={layer}: not among this rank's layers "
                              f"{sorted(self.forward_order)}")
-        self.values.setdefault((layer, name), []).append(np.array(_host(value), copy=True))
+        self.values.setdefault((layer, name), []).append(np.array(to_host(value), copy=True))
 
     def stacked(self, layer: int, name: str) -> np.ndarray:
         """``[rows, S_loc, width]``: every microbatch of ``layer``/``name`` in microbatch order."""
@@ -144,7 +141,7 @@ def dump_engine_step(engine, step: int, recorder: ActivationRecorder) -> Path:
         grid=np.asarray([par.dp, par.tp, par.pp, par.sp], dtype=np.int64),
         dp=c.dp, tp=c.tp, pp=c.pp, sp=c.sp, step=int(step),
         positions=np.asarray(engine.positions, dtype=np.int64),
-        segments=np.asarray(engine.layout.segments(c.sp), dtype=np.int64),
+        segments=np.asarray(engine.seq_layout.segments(c.sp), dtype=np.int64),
         rows=rows, samples=engine.sampler.indices(step - 1)[rows],
         global_batch=tr.global_batch_size, seq_len=tr.seq_len, hidden=m.hidden, heads=m.heads,
         head_dim=m.head_dim, dtype=str(engine.dtype))
@@ -233,8 +230,8 @@ def load_global(run_dir: str | os.PathLike, step: int, layer: int, name: str) ->
 class OffloadStore:
     """Saved activations kept in a per-rank HDF5 scratch file between forward and backward.
 
-    :meth:`put` writes every array of a nested structure (dicts, lists, tuples of arrays and
-    scalars) as a dataset of group ``/<key>`` and keeps only the structure in memory;
+    :meth:`put` writes every array of a nested structure (dataclasses, dicts, lists, tuples of
+    arrays and scalars) as a dataset of group ``/<key>`` and keeps only the structure in memory;
     :meth:`take` reads them back (into NumPy, or CuPy for arrays that were CuPy) and deletes the
     group, so the file holds only what is in flight (HDF5 reuses the freed space). The file is
     created on the first put, removed (with its folder, once empty) by :meth:`close` or when the
@@ -262,6 +259,9 @@ class OffloadStore:
         count = [0]
 
         def encode(node: Any) -> Any:
+            if dataclasses.is_dataclass(node):
+                return _Record(type(node), {f.name: encode(getattr(node, f.name))
+                                            for f in dataclasses.fields(node)})
             if isinstance(node, dict):
                 return {k: encode(v) for k, v in node.items()}
             if isinstance(node, (list, tuple)):
@@ -269,7 +269,7 @@ class OffloadStore:
             if hasattr(node, "shape") and hasattr(node, "dtype"):
                 name = str(count[0])
                 count[0] += 1
-                _dataset(group, name, _host(node))
+                _dataset(group, name, to_host(node))
                 kind = ("scalar" if isinstance(node, np.generic) else
                         "cupy" if type(node).__module__.startswith("cupy") else "numpy")
                 return _Slot(name, kind)
@@ -285,6 +285,8 @@ class OffloadStore:
         group = self._file[str(key)]
 
         def decode(node: Any) -> Any:
+            if isinstance(node, _Record):
+                return node.cls(**{k: decode(v) for k, v in node.fields.items()})
             if isinstance(node, dict):
                 return {k: decode(v) for k, v in node.items()}
             if isinstance(node, (list, tuple)):
@@ -312,6 +314,15 @@ class OffloadStore:
             self._finalizer()
         self._file, self._finalizer = None, None
         self._skeletons.clear()
+
+
+class _Record:
+    """A dataclass instance of an offloaded structure: its class and encoded fields."""
+
+    __slots__ = ("cls", "fields")
+
+    def __init__(self, cls: type, fields: dict[str, Any]) -> None:
+        self.cls, self.fields = cls, fields
 
 
 class _Slot:

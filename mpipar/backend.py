@@ -1,5 +1,5 @@
-"""Where the arithmetic runs: CPU thread budgets per rank, the memory a node can still give,
-and the peak FLOP/s of MFU.
+"""Where the arithmetic runs: the kernel backend of training, CPU thread budgets per rank, the
+memory a node can still give, and the peak FLOP/s of MFU.
 
 Ranks that share a node share its cores: ``configure_threads`` gives each rank
 ``cores // ranks_on_this_node`` threads for BLAS, OpenMP and Numba. It sets environment variables,
@@ -14,10 +14,38 @@ import os
 import time
 from pathlib import Path
 
+from mpipar.config import Config, require, rules
+
+HOST_BACKENDS = ("numba", "numpy")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def training_backend(name: str):
+    """The kernels of training, which keeps every array in host memory: ``auto`` is the fastest
+    CPU backend available (Numba, else NumPy)."""
+    from mpipar.kernels import available_backends, get_backend
+    if name == "auto":
+        free = available_backends()
+        name = next(n for n in HOST_BACKENDS if free[n] is None)
+    return get_backend(name)
+
+
+def to_host(a):
+    """A NumPy view (or, for a CuPy array, a host copy) of ``a``."""
+    import numpy as np
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+@rules("backend")
+def check_config(cfg: Config, world: int) -> None:
+    """Training keeps its arrays in host memory: the CuPy backend is refused."""
+    require(cfg.train.backend != "cupy",
+            "train.backend='cupy': GPU training is not available yet: the engine keeps "
+            "parameters, activations and MPI buffers in host memory (the CuPy kernels exist in "
+            "mpipar.kernels but training does not use them); use auto, numba or numpy")
 
 
 def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:

@@ -120,6 +120,8 @@ def kernel_cases(shape: KernelShape, dtype: np.dtype, seed: int = 0) -> dict[str
         "linear_fwd": (x, w_gate),
         "linear_bwd": (rand(b, s, ffn), x, w_gate),
         "linear_swiglu_fwd": (x, w_gate, w_up),
+        "embedding_fwd": (rand(vocab, hid), targets.reshape(b, s)),
+        "embedding_bwd": (np.zeros((vocab, hid), dtype), x, targets.reshape(b, s)),
         "rmsnorm_fwd": (x, norm_w, 1e-5),
         "rmsnorm_bwd": (rand(b, s, hid), x, norm_w, rstd),
         "rope_cos_sin": (positions, d, 10000.0, np.dtype(dtype)),
@@ -254,16 +256,17 @@ register("kernels", run_kernels, "time every kernel op for each available backen
 # memory section
 # ----------------------------------------------------------------------------------------------
 
-def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str,
-                        traced: bool = True) -> dict[str, Any]:
-    """One process trains with ``--recompute mode``: a warm-up step, then one step under
-    tracemalloc (which sees every NumPy allocation), then two untraced, timed steps.
+def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, traced: bool = True,
+                        comm=None, tp_sequence_parallel: bool = False) -> dict[str, Any]:
+    """Train with ``--recompute mode`` on ``comm`` (default: one process) as tensor parallelism
+    over all its ranks: a warm-up step, then one step under tracemalloc (which sees every NumPy
+    allocation), then two untraced, timed steps.
 
-    Returns ``resident`` (bytes held between steps: parameters, gradients, optimizer state,
-    buffers), ``peak`` (highest traced bytes during the step), ``activations`` (peak - resident:
-    what the step adds, saved activations first), ``loss`` and ``step_cpu_s`` (CPU seconds of
-    the faster of two more untraced steps). ``traced=False`` runs the same steps untraced (a
-    warm-up that fills the process's lazy caches before the first measurement).
+    Returns this rank's ``resident`` (bytes held between steps: parameters, gradients, optimizer
+    state, buffers), ``peak`` (highest traced bytes during the step), ``activations`` (peak -
+    resident: what the step adds, saved activations first), ``loss`` and ``step_cpu_s`` (CPU
+    seconds of the faster of two more untraced steps). ``traced=False`` runs the same steps
+    untraced (a warm-up that fills the process's lazy caches before the first measurement).
     """
     from mpi4py import MPI
 
@@ -271,19 +274,20 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str,
     from mpipar.data import load_tokens
     from mpipar.engine import Engine
 
+    comm = comm or MPI.COMM_SELF
     cfg = Config(
         ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, ffn_hidden=args.ffn),
-        ParallelConfig(),
+        ParallelConfig(tp=comm.Get_size(), tp_sequence_parallel=tp_sequence_parallel),
         TrainConfig(steps=10, seq_len=args.seq, global_batch_size=args.batch,
                     micro_batch_size=args.micro_batch, dtype=args.dtype, backend="numpy",
                     run_dir=run_dir, recompute=mode, warmup_steps=1, log_every=0),
-    ).resolved(1)
+    ).resolved(comm.Get_size())
     source = load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
     if traced:
         tracemalloc.start()
     try:
-        engine = Engine(cfg, MPI.COMM_SELF, source=source)
+        engine = Engine(cfg, comm, source=source)
         engine.train_step(0)
         gc.collect()
         resident = tracemalloc.get_traced_memory()[0]
@@ -298,14 +302,24 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str,
         engine.train_step(k)
         cpu.append(time.process_time() - start)
     engine.close()
-    return {"mode": mode, "resident": resident, "peak": peak, "activations": peak - resident,
-            "loss": loss, "step_cpu_s": min(cpu)}
+    return {"mode": mode, "tp": comm.Get_size(), "tp_sequence_parallel": tp_sequence_parallel,
+            "resident": resident, "peak": peak, "activations": peak - resident, "loss": loss,
+            "step_cpu_s": min(cpu)}
 
 
-def run_memory(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure every requested recompute mode on one model; print bytes and ratios to none."""
+def run_memory(args: argparse.Namespace, comm=None) -> dict[str, Any]:
+    """Measure every requested recompute mode on one model; print bytes and ratios to none.
+
+    Under ``mpirun -n N`` (or with a ``comm`` of N ranks) the model runs with tp = N, each mode
+    without and with --tp-sequence-parallel, side by side; the figures are the largest over the
+    ranks, and a ratio column gives what sequence parallelism keeps of the step's activations."""
+    from mpi4py import MPI
+
     from mpipar.model.llama import RECOMPUTE_MODES
 
+    comm = comm or MPI.COMM_WORLD
+    tp, rank0 = comm.Get_size(), comm.Get_rank() == 0
+    say = print if rank0 else (lambda *a, **k: None)
     if args.quick:
         args.layers, args.hidden, args.heads, args.kv_heads = 4, 128, 4, 2
         args.ffn, args.seq, args.batch, args.micro_batch = 344, 128, 2, 2
@@ -316,37 +330,54 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                              f"{', '.join(RECOMPUTE_MODES)}")
     if "none" not in modes:
         modes.insert(0, "none")  # the reference the ratios are relative to
-    print(f"memory: one training step, single process, numpy kernels, {args.dtype}; "
-          f"layers={args.layers} hidden={args.hidden} heads={args.heads}/{args.kv_heads} "
-          f"ffn={args.ffn} vocab=256 seq={args.seq} batch={args.batch} "
-          f"micro_batch={args.micro_batch}")
+    variants = [(m, sp) for m in modes for sp in ((False, True) if tp > 1 else (False,))]
+    say(f"memory: one training step, {'single process' if tp == 1 else f'tp={tp}'}, numpy "
+        f"kernels, {args.dtype}; layers={args.layers} hidden={args.hidden} heads={args.heads}/"
+        f"{args.kv_heads} ffn={args.ffn} vocab=256 seq={args.seq} batch={args.batch} "
+        f"micro_batch={args.micro_batch}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="mpipar-bench-memory-") as run_dir:
-        measure_step_memory("none", args, run_dir, traced=False)
-        for mode in modes:
-            rows.append(measure_step_memory(mode, args, run_dir))
+        run_dir = comm.bcast(run_dir)
+        measure_step_memory("none", args, run_dir, traced=False, comm=comm)
+        for mode, seqpar in variants:
+            mine = measure_step_memory(mode, args, run_dir, comm=comm,
+                                       tp_sequence_parallel=seqpar)
+            every = comm.allgather(mine)
+            rows.append({**mine, **{k: max(r[k] for r in every)
+                                    for k in ("resident", "peak", "activations", "step_cpu_s")}})
             gc.collect()
+    _print_memory(rows, say)
+    return {"config": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads",
+                                                     "ffn", "seq", "batch", "micro_batch",
+                                                     "dtype")} | {"tp": tp},
+            "rows": rows}
+
+
+def _print_memory(rows: list[dict[str, Any]], say: Callable[..., None]) -> None:
+    """The memory table: each mode against none, and tp sequence parallelism against none."""
     base = rows[0]
-    header = (f"{'mode':<10} {'peak MiB':>9} {'vs none':>8} {'step adds MiB':>14} {'vs none':>8} "
-              f"{'resident MiB':>13} {'cpu s':>7} {'vs none':>8}  loss")
-    print(header)
-    print("-" * len(header))
+    plain = {r["mode"]: r for r in rows if not r["tp_sequence_parallel"]}
+    header = (f"{'mode':<10} {'tp-SP':>5} {'peak MiB':>9} {'vs none':>8} {'step adds MiB':>14} "
+              f"{'vs none':>8} {'vs no tp-SP':>11} {'resident MiB':>13} {'cpu s':>7} "
+              f"{'vs none':>8}  loss")
+    say(header)
+    say("-" * len(header))
     mib = 2.0 ** 20
     for r in rows:
         r["peak_ratio"] = r["peak"] / base["peak"]
         r["activations_ratio"] = r["activations"] / base["activations"]
+        r["tp_sequence_parallel_ratio"] = r["activations"] / plain[r["mode"]]["activations"]
         r["time_ratio"] = r["step_cpu_s"] / base["step_cpu_s"]
-        print(f"{r['mode']:<10} {r['peak'] / mib:>9.1f} {r['peak_ratio']:>7.2f}x "
-              f"{r['activations'] / mib:>14.1f} {r['activations_ratio']:>7.2f}x "
-              f"{r['resident'] / mib:>13.1f} {r['step_cpu_s']:>7.2f} {r['time_ratio']:>7.2f}x  "
-              f"{r['loss']:.10f}")
-    print("peak: highest traced bytes during the step; step adds: peak minus what is held "
-          "between steps (parameters, gradients, optimizer state); cpu s: CPU seconds of a step "
-          "(untraced); offload's HDF5 buffers are not NumPy memory and are not counted")
-    return {"config": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads",
-                                                     "ffn", "seq", "batch", "micro_batch",
-                                                     "dtype")},
-            "rows": rows}
+        say(f"{r['mode']:<10} {'on' if r['tp_sequence_parallel'] else 'off':>5} "
+            f"{r['peak'] / mib:>9.1f} {r['peak_ratio']:>7.2f}x {r['activations'] / mib:>14.1f} "
+            f"{r['activations_ratio']:>7.2f}x {r['tp_sequence_parallel_ratio']:>10.2f}x "
+            f"{r['resident'] / mib:>13.1f} {r['step_cpu_s']:>7.2f} {r['time_ratio']:>7.2f}x  "
+            f"{r['loss']:.10f}")
+    say("peak: highest traced bytes during the step (the largest over ranks); step adds: peak "
+        "minus what is held between steps (parameters, gradients, optimizer state); vs no "
+        "tp-SP: step adds against the same mode without --tp-sequence-parallel; cpu s: CPU "
+        "seconds of a step (untraced); offload's HDF5 buffers are not NumPy memory and are not "
+        "counted")
 
 
 def _configure_memory(parser: argparse.ArgumentParser) -> None:
@@ -363,7 +394,8 @@ def _configure_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch")
 
 
-register("memory", run_memory, "peak memory of one training step for each --recompute mode",
+register("memory", run_memory, "peak memory of one training step for each --recompute mode "
+         "(under mpirun -n N: tp = N, with and without --tp-sequence-parallel)",
          _configure_memory)
 
 
@@ -409,11 +441,13 @@ def main(argv: list[str] | None = None) -> int:
             ns = sub.parse_args([])
             ns.quick, ns.json, ns.section = args.quick, args.json, name
             chosen[name] = ns
+    from mpi4py import MPI
+
     results = {}
     for name, ns in chosen.items():
         results[name] = SECTIONS[name].run(ns)
         print()
-    if args.json:
+    if args.json and MPI.COMM_WORLD.Get_rank() == 0:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=2)
         print(f"wrote {args.json}", file=sys.stderr)

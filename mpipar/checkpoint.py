@@ -11,10 +11,10 @@ A save directory holds one directory per checkpoint and a pointer to the newest:
         index.sha256          sha256 of index.h5
       .step_00000300.tmp/     a save in progress, or one a crash interrupted: never read
 
-**Shards.** Parameters are written once per (tp, pp) position (by the rank with
-``engine.writes_params``); replicated tensors (the norm weights) only by TP rank 0. AdamW moments
-come from the same ranks without ZeRO; under ZeRO-1 every rank of dp x sp writes the pieces it
-owns. A piece is a flat range of a local shard ``[rows, cols]``; it is stored as rectangles of
+**Shards.** Each rank writes its share of the unique state (:meth:`mpipar.state.TrainState.pieces`):
+parameters once per (tp, pp) position (by dp = sp = 0), replicated tensors (the norm weights) only
+by TP rank 0; AdamW moments from the same ranks without ZeRO, and under ZeRO-1 from every rank of
+dp x sp for the slices it owns. A piece is a flat range of a local shard ``[rows, cols]``; it is stored as rectangles of
 the global tensor (a partial first row, the full rows, a partial last row), and vocabulary
 padding rows are dropped. A shard file holds ``/<kind>/<name>/<k>`` datasets (kind ``param``,
 ``exp_avg`` or ``exp_avg_sq``; ``k`` counts the rectangles of that tensor in the file), chunked
@@ -48,9 +48,6 @@ read; :func:`resolve_resume` with "auto" tries the checkpoint ``latest`` names, 
 newest first, and takes the first that verifies. :func:`load` reads, for each tensor, the region
 of the global tensor this rank's shard covers, so any layout loads any checkpoint.
 
-**Fault injection (tests only).** With the environment variable ``MPIPAR_TEST_KILL_SAVE_AT_STEP=N``
-the save of step N writes half of the shard files (the first half of the writing ranks, in rank
-order), then the next writing rank kills itself with SIGKILL; the launcher then ends the job.
 """
 from __future__ import annotations
 
@@ -60,11 +57,10 @@ import math
 import os
 import re
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import h5py
 import numpy as np
@@ -83,7 +79,6 @@ INDEX = "index.h5"
 INDEX_SUM = "index.sha256"
 LATEST = "latest"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-KILL_ENV = "MPIPAR_TEST_KILL_SAVE_AT_STEP"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _HASH_BLOCK = 1 << 22
 
@@ -160,30 +155,6 @@ def piece_blocks(local_shape: tuple[int, ...], valid: Slices, region: Slices, lo
     return out
 
 
-def _host(a: Any) -> np.ndarray:
-    """A NumPy view or copy of a NumPy or CuPy array."""
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
-def unique_pieces(engine) -> Iterator[tuple[str, str, int, int, np.ndarray]]:
-    """This rank's share of the unique state: ``(kind, name, lo, hi, values [hi - lo])``, with
-    ``[lo, hi)`` a range of the flattened local shard of ``name``. Replicated tensors are left to
-    TP rank 0; the engine already leaves everything else to one rank of dp x sp (ZeRO-1: each
-    owned slice to its owner)."""
-    tp0 = engine.grid.coord.tp == 0
-
-    def mine(name: str) -> bool:
-        return engine.specs[name].tp_axis is not None or tp0
-
-    if engine.writes_params:
-        for name, local in engine.params.items():
-            if mine(name):
-                yield "param", name, 0, local.size, _host(local).reshape(-1)
-    for kind, name, lo, hi, values in engine.optimizer_pieces():
-        if mine(name):
-            yield kind, name, lo, hi, _host(values)
-
-
 # ------------------------------------------------------------------------------ files
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a file, read in 4 MiB blocks."""
@@ -212,11 +183,12 @@ def _fsync_dir(path: Path) -> None:
 def _write_shard(path: Path, pieces: list, engine) -> dict[str, Any]:
     """Write this rank's rectangles to ``path`` (fsynced); return its record for the index."""
     blocks, counts = [], {}
+    state = engine.state
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT + "-shard"
         for kind, name, lo, hi, values in pieces:
-            region, valid = engine.local_region(name)
-            for glob, block in piece_blocks(engine.params[name].shape, valid, region, lo, hi,
+            region, valid = state.region(name)
+            for glob, block in piece_blocks(state.local_shape(name), valid, region, lo, hi,
                                             values):
                 k = counts.get((kind, name), 0)
                 counts[(kind, name)] = k + 1
@@ -235,22 +207,22 @@ def _write_shard(path: Path, pieces: list, engine) -> dict[str, Any]:
 
 def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict]) -> None:
     """Build ``index.h5`` (virtual datasets over the shards) and ``index.sha256`` in ``tmp``."""
-    dtype = np.dtype(engine.dtype)
-    specs = engine.specs
+    dtype = engine.state.dtype
+    shapes = engine.state.shapes
     layouts: dict[tuple[str, str], h5py.VirtualLayout] = {}
     covered: dict[tuple[str, str], int] = {}
     for rec in records:
         for kind, name, dataset, start, shape in rec["blocks"]:
             key = (kind, name)
             if key not in layouts:
-                layouts[key] = h5py.VirtualLayout(shape=specs[name].shape, dtype=dtype)
+                layouts[key] = h5py.VirtualLayout(shape=shapes[name], dtype=dtype)
                 covered[key] = 0
             source = h5py.VirtualSource(rec["file"], dataset, shape=shape, dtype=dtype)
             layouts[key][tuple(slice(a, a + n) for a, n in zip(start, shape))] = source
             covered[key] += math.prod(shape)
     for kind in KINDS:
-        for name, spec in specs.items():
-            got, want = covered.get((kind, name), 0), math.prod(spec.shape)
+        for name, shape in shapes.items():
+            got, want = covered.get((kind, name), 0), math.prod(shape)
             if got != want:
                 raise CheckpointError(f"{kind}/{name}: the shards hold {got} of its {want} "
                                       f"elements; the engine's state pieces do not tile it")
@@ -259,13 +231,13 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
     with h5py.File(index, "w") as f:
         a = f.attrs
         a["format"], a["format_version"] = FORMAT, FORMAT_VERSION
-        a["step"], a["optimizer_step"] = step, int(engine.optimizer_step)
+        a["step"], a["optimizer_step"] = step, int(engine.state.step)
         a["dtype"], a["world_size"] = dtype.name, engine.grid.comm.Get_size()
         a["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         a["config_toml"] = cfg.to_toml()
         lay = f.create_group("layout").attrs
         for key in ("dp", "tp", "pp", "sp", "virtual_stages", "schedule", "zero", "sp_split",
-                    "sp_mode"):
+                    "sp_mode", "tp_sequence_parallel"):
             lay[key] = getattr(par, key)
         sched = f.create_group("lr_schedule").attrs
         s = engine.schedule
@@ -290,7 +262,7 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
             g["datasets"] = len(rec["blocks"])
         for kind in KINDS:
             group = f.create_group(kind, track_order=True)  # forward order, as param_specs
-            for name in specs:
+            for name in shapes:
                 group.create_virtual_dataset(name, layouts[(kind, name)], fillvalue=np.nan)
     _fsync_file(index)
     summary = tmp / INDEX_SUM
@@ -394,7 +366,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
     if problem:
         raise CheckpointError(problem)
 
-    pieces = list(unique_pieces(engine))
+    pieces = list(engine.state.pieces())
     outcome: list = [None, None]  # (record, error)
 
     def write() -> None:
@@ -406,10 +378,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
         except Exception as exc:  # reported by rank 0 on every rank, never a hang
             outcome[1] = f"rank {rank} writing {path}: {type(exc).__name__}: {exc}"
 
-    if os.environ.get(KILL_ENV, "").strip() == str(step):
-        _write_half_then_die(group, bool(pieces), write, step)
-    else:
-        write()
+    write()
     gathered = group.gather_object(tuple(outcome), root=0)
 
     result, error = None, None
@@ -429,25 +398,6 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
     if result:
         raise CheckpointError(f"saving {final} failed: {result}") from error
     return final
-
-
-def _write_half_then_die(group: Group, writes: bool, write: Callable[[], None], step: int) -> None:
-    """Fault injection for tests (``MPIPAR_TEST_KILL_SAVE_AT_STEP``): the first half of the
-    writing ranks write their shards; after a barrier the next writing rank SIGKILLs itself."""
-    rank = group.rank
-    writers = [r for r, w in enumerate(group.allgather_object(writes)) if w]
-    half = len(writers) // 2
-    early = rank in writers[:half]
-    if early:
-        write()
-    group.barrier()
-    if writers and rank == writers[half]:
-        sys.stderr.write(f"mpipar: {KILL_ENV}={step}: rank {rank} kills itself (SIGKILL) after "
-                         f"{half} of {len(writers)} shard files were written\n")
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    if not early:
-        write()
 
 
 # ------------------------------------------------------------------------------ verify
@@ -686,14 +636,14 @@ def load(engine, path: str | os.PathLike) -> int:
     _require_sound(path)
     with h5py.File(path / INDEX, "r") as f:
         for kind in KINDS:
-            for name, spec in engine.specs.items():
+            for name, shape in engine.state.shapes.items():
                 key = f"{kind}/{name}"
                 if key not in f:
                     raise CheckpointError(f"{path / INDEX}: has no {key}; the model needs it")
-                if f[key].shape != spec.shape:
+                if f[key].shape != shape:
                     raise CheckpointError(f"{path / INDEX}: {key} has shape {f[key].shape}, the "
-                                          f"model needs {spec.shape}")
-        engine.load_state(lambda kind, name, region: _read_region(f, path, kind, name, region),
+                                          f"model needs {shape}")
+        engine.state.load(lambda kind, name, region: _read_region(f, path, kind, name, region),
                           int(f.attrs["optimizer_step"]))
         return int(f.attrs["step"])
 

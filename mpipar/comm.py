@@ -85,10 +85,9 @@ class Request:
     """A non-blocking operation; ``wait`` books its time in the ledger."""
 
     def __init__(self, req: MPI.Request | None, ledger: Ledger, group: str, op: str,
-                 nbytes: int, start: float, on_done=None, size: int = 1) -> None:
+                 nbytes: int, size: int = 1) -> None:
         self._req, self._ledger, self._group, self._op = req, ledger, group, op
-        self._size = size
-        self._nbytes, self._start, self._on_done = nbytes, start, on_done
+        self._size, self._nbytes = size, nbytes
         self.done = req is None
 
     def wait(self) -> None:
@@ -100,8 +99,6 @@ class Request:
         # Seconds spent blocked in wait are the exposed communication time.
         self._ledger.add(self._group, self._op, self._nbytes, time.perf_counter() - t0)
         self.done = True
-        if self._on_done is not None:
-            self._on_done()
 
 
 def _contig(buf: np.ndarray, name: str) -> np.ndarray:
@@ -138,17 +135,13 @@ class Group:
         """In-place element-wise maximum over the group; returns it."""
         return self.allreduce_(buf, MPI.MAX)
 
-    def iallreduce_(self, buf: np.ndarray, on_done=None) -> Request:
+    def iallreduce_(self, buf: np.ndarray) -> Request:
         """Start an in-place sum all-reduce; ``wait()`` the result (the buffer is busy until then)."""
-        t0 = time.perf_counter()
         if self.size == 1:
-            req = Request(None, self.ledger, self.name, "iallreduce", 0, t0)
-            if on_done is not None:
-                on_done()
-            return req
+            return Request(None, self.ledger, self.name, "iallreduce", 0)
         _contig(buf, "iallreduce")
         return Request(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), self.ledger, self.name,
-                       "iallreduce", buf.nbytes, t0, on_done, self.size)
+                       "iallreduce", buf.nbytes, self.size)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Gather equal blocks: ``recv`` is ``[size, *send.shape]`` (or its flat equivalent)."""
@@ -218,14 +211,12 @@ class Group:
         return recv
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
-        t0 = time.perf_counter()
         return Request(self.comm.Isend(_contig(buf, "isend"), dest, tag), self.ledger, self.name,
-                       "send", buf.nbytes, t0, size=self.size)
+                       "send", buf.nbytes, size=self.size)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
-        t0 = time.perf_counter()
         return Request(self.comm.Irecv(_contig(buf, "irecv"), source, tag), self.ledger,
-                       self.name, "recv", 0, t0, size=self.size)
+                       self.name, "recv", 0, size=self.size)
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
         self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag)

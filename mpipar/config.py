@@ -13,6 +13,7 @@ import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field, fields
+from collections.abc import Callable
 from typing import Any, Mapping
 
 if sys.version_info >= (3, 11):
@@ -78,6 +79,10 @@ class ParallelConfig:
     zero: int = _f(0, "ZeRO stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp x sp)",
                    choices=(0, 1))
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB (reduction overlaps backward)")
+    tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
+                                           "residuals and pipeline messages hold 1/tp of the "
+                                           "tokens (all-gather / reduce-scatter replace the "
+                                           "all-reduces)")
 
 
 @dataclass
@@ -137,6 +142,9 @@ class TrainConfig:
     export_hf: str = _f("", "write the trained weights as a Hugging Face Llama directory at the end")
     export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
                            choices=("", "float16", "float32", "float64"))
+    tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
+                              "none); empty: RUN_DIR/tensorboard when the [tensorboard] extra is "
+                              "installed, else none")
 
 
 @dataclass
@@ -200,121 +208,87 @@ class Config:
         return cfg
 
     def validate(self, world_size: int) -> None:
-        """Check every rule; raise ConfigError naming field, value and rule (first violation)."""
+        """Check every rule; raise ConfigError naming field, value and rule (first violation).
+
+        The fields' own rules (ranges, choices) are checked here; a rule that involves what a
+        component does with the values (the grid, tensor, context and pipeline parallelism, the
+        data-parallel batch, the optimizer, the kernel backend) lives with that component, which
+        registers it with :func:`rules` when imported, and is asked here in :data:`COMPONENTS`
+        order. Importing :mod:`mpipar.engine` imports every component."""
+        missing = [c for c in COMPONENTS if c not in _RULES]
+        if missing:
+            raise RuntimeError(f"the configuration rules of {', '.join(missing)} are not "
+                               f"registered: import mpipar.engine before validating a Config")
         m, p, t = self.model.resolved(), self.parallel, self.train
         for obj, section in ((self.model, "model"), (p, "parallel"), (t, "train")):
             _representable(obj, section)
         _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
                       "ffn_hidden"), "model")
-        _require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
-        _require(self.model.head_dim != 0 or m.hidden % m.heads == 0,
-                 f"model.hidden={m.hidden}: must be divisible by model.heads={m.heads} "
-                 f"(or set model.head_dim)")
-        _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: must be even (RoPE rotates pairs)")
-        _require(m.heads % m.kv_heads == 0,
-                 f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
-        _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
-        _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
-        _require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
+        require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
+        require(self.model.head_dim != 0 or m.hidden % m.heads == 0,
+                f"model.hidden={m.hidden}: must be divisible by model.heads={m.heads} "
+                f"(or set model.head_dim)")
+        require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: must be even (RoPE rotates pairs)")
+        require(m.heads % m.kv_heads == 0,
+                f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
+        require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
+        require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
+        require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
 
-        _positive(p, ("tp", "pp", "sp"), "parallel")
-        _require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")
-        _require(world_size >= 1, f"world size {world_size}: must be >= 1")
-        mp = p.tp * p.pp * p.sp
-        if p.dp == 0:
-            _require(world_size % mp == 0,
-                     f"parallel: tp*pp*sp = {p.tp}*{p.pp}*{p.sp} = {mp} must divide the world size "
-                     f"{world_size}")
-        else:
-            _require(p.dp * mp == world_size,
-                     f"parallel: dp*tp*pp*sp = {p.dp}*{p.tp}*{p.pp}*{p.sp} = {p.dp * mp} must equal "
-                     f"the world size {world_size}")
-        dp = p.dp or world_size // mp
-        _require(m.heads % p.tp == 0, f"parallel.tp={p.tp}: must divide model.heads={m.heads}")
-        _require(m.kv_heads % p.tp == 0,
-                 f"parallel.tp={p.tp}: must divide model.kv_heads={m.kv_heads}")
-        _require(m.ffn_hidden % p.tp == 0,
-                 f"parallel.tp={p.tp}: must divide model.ffn_hidden={m.ffn_hidden}")
-        _positive(p, ("virtual_stages",), "parallel")
-        stages = p.pp * p.virtual_stages
-        _require(m.layers % stages == 0,
-                 f"parallel.pp*virtual_stages = {p.pp}*{p.virtual_stages} = {stages}: must divide "
-                 f"model.layers={m.layers}")
-        _require(p.virtual_stages == 1 or p.schedule == "interleaved",
-                 f"parallel.virtual_stages={p.virtual_stages}: more than 1 needs "
-                 f"--schedule interleaved (got {p.schedule!r})")
-        _require(p.schedule != "interleaved" or p.virtual_stages >= 2,
-                 f"parallel.schedule='interleaved': needs parallel.virtual_stages >= 2 "
-                 f"(got {p.virtual_stages})")
-        parts = p.sp * (2 if p.sp_split == "zigzag" else 1)
-        _require(t.seq_len % parts == 0,
-                 f"train.seq_len={t.seq_len}: must be divisible by "
-                 + (f"2*sp = {parts} for the zigzag split" if p.sp_split == "zigzag"
-                    else f"parallel.sp={p.sp}"))
-        if p.sp_mode == "ulysses":
-            for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
-                _require((heads // p.tp) % p.sp == 0,
-                         f"parallel.sp={p.sp}: ulysses needs model.{name}/tp = {heads}/{p.tp} "
-                         f"divisible by sp")
-        _require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")
+        _positive(p, ("tp", "pp", "sp", "virtual_stages"), "parallel")
+        require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")
+        require(world_size >= 1, f"world size {world_size}: must be >= 1")
 
         _positive(t, ("seq_len", "global_batch_size"), "train")
-        _require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
-        _require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size}: must be >= 0")
-        _require(t.global_batch_size % dp == 0,
-                 f"train.global_batch_size={t.global_batch_size}: must be divisible by dp={dp}")
-        if t.micro_batch_size:
-            _require(t.global_batch_size % (dp * t.micro_batch_size) == 0,
-                     f"train.global_batch_size={t.global_batch_size}: must be divisible by "
-                     f"dp*micro_batch_size = {dp}*{t.micro_batch_size}")
-        micro = t.micro_batch_size or (t.global_batch_size // dp)
-        if micro and t.global_batch_size % (dp * micro) == 0:
-            from mpipar.parallel.schedule import build_schedule
-            count = t.global_batch_size // (dp * micro)
-            slots = count * p.pp * p.virtual_stages
-            _require(slots <= MAX_SCHEDULE_SLOTS,
-                     f"train.global_batch_size={t.global_batch_size}: {count} microbatches per "
-                     f"step x pp*virtual_stages = {p.pp}*{p.virtual_stages} makes {slots} "
-                     f"schedule slots; at most {MAX_SCHEDULE_SLOTS} (a larger "
-                     f"train.micro_batch_size gives fewer microbatches)")
-            try:
-                build_schedule(p.schedule, p.pp, count, p.virtual_stages)
-            except ValueError as exc:
-                raise ConfigError(f"parallel.schedule={p.schedule!r}: {exc}") from None
-        _require(t.lr >= 0, f"train.lr={t.lr}: must be >= 0")
-        _require(0 <= t.min_lr <= t.lr, f"train.min_lr={t.min_lr}: must be in [0, lr={t.lr}]")
-        _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
-        _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0")
-        _require(0 <= t.beta1 < 1, f"train.beta1={t.beta1}: must be in [0, 1)")
-        _require(0 <= t.beta2 < 1, f"train.beta2={t.beta2}: must be in [0, 1)")
-        _require(t.eps > 0, f"train.eps={t.eps}: must be > 0")
-        _require(t.seed >= 0, f"train.seed={t.seed}: must be >= 0")
-        _require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
-        _require(t.backend != "cupy",
-                 "train.backend='cupy': GPU training is not available yet: the engine keeps "
-                 "parameters, activations and MPI buffers in host memory (the CuPy kernels exist in "
-                 "mpipar.kernels but training does not use them); use auto, numba or numpy")
-        _require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
-        _require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
-        _require(not t.save_every or t.save_dir,
-                 f"train.save_every={t.save_every}: needs --save-dir")
-        _require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
-        _require(t.collective_timeout >= 0,
-                 f"train.collective_timeout={t.collective_timeout}: must be >= 0")
-        _require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
+        require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
+        require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size}: must be >= 0")
+        _schedule_size(p, t, world_size)
+        require(t.seed >= 0, f"train.seed={t.seed}: must be >= 0")
+        require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
+        require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
+        require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
+        require(not t.save_every or t.save_dir,
+                f"train.save_every={t.save_every}: needs --save-dir")
+        require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
+        require(t.collective_timeout >= 0,
+                f"train.collective_timeout={t.collective_timeout}: must be >= 0")
+        require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
         for item in filter(None, t.dump_activations.split(",")):
-            _require(item.strip().isdigit() and int(item) >= 1,
-                     f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
-                     f"list of step numbers >= 1")
+            require(item.strip().isdigit() and int(item) >= 1,
+                    f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
+                    f"list of step numbers >= 1")
         for obj, section in ((m, "model"), (p, "parallel"), (t, "train")):
             for f in fields(obj):
                 choices = f.metadata.get("choices")
                 value = getattr(obj, f.name)
-                _require(not choices or value in choices,
-                         f"{section}.{f.name}={value!r}: must be one of {', '.join(map(str, choices or ()))}")
+                require(not choices or value in choices,
+                        f"{section}.{f.name}={value!r}: must be one of "
+                        f"{', '.join(map(str, choices or ()))}")
+        for component in COMPONENTS:
+            _RULES[component](self, world_size)
 
 
-def _require(ok: bool, message: str) -> None:
+COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "optimizer", "backend")
+"""The components whose configuration rules :meth:`Config.validate` asks, in this order."""
+
+_RULES: dict[str, Callable[[Config, int], None]] = {}
+
+
+def rules(component: str) -> Callable[[Callable[[Config, int], None]], Callable[[Config, int], None]]:
+    """Register ``check(cfg, world_size)`` as the configuration rules of ``component`` (one of
+    :data:`COMPONENTS`); ``check`` raises :class:`ConfigError` naming field, value and rule."""
+    if component not in COMPONENTS:
+        raise ValueError(f"component={component!r}: must be one of {', '.join(COMPONENTS)}")
+
+    def register(check: Callable[[Config, int], None]) -> Callable[[Config, int], None]:
+        _RULES[component] = check
+        return check
+
+    return register
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` (field, value and rule) unless ``ok``."""
     if not ok:
         raise ConfigError(message)
 
@@ -333,16 +307,33 @@ def _representable(obj: Any, section: str) -> None:
     for f in fields(obj):
         value, kind = getattr(obj, f.name), str(f.type)
         if kind == "float":
-            _require(math.isfinite(value), f"{section}.{f.name}={value}: must be a finite number")
+            require(math.isfinite(value), f"{section}.{f.name}={value}: must be a finite number")
         elif kind == "int":
-            _require(-INT_LIMIT < value < INT_LIMIT,
-                     f"{section}.{f.name}={value}: must lie in (-2**63, 2**63)")
+            require(-INT_LIMIT < value < INT_LIMIT,
+                    f"{section}.{f.name}={value}: must lie in (-2**63, 2**63)")
+
+
+def _schedule_size(p: ParallelConfig, t: TrainConfig, world: int) -> None:
+    """At most :data:`MAX_SCHEDULE_SLOTS` microbatches x pipeline chunks per step, checked
+    before the pipeline's own rule builds the schedule (the sizes the grid and data rules refuse
+    are left to them)."""
+    mp = p.tp * p.pp * p.sp
+    dp = p.dp or (world // mp if world % mp == 0 else 0)
+    micro = t.micro_batch_size or (t.global_batch_size // dp if dp else 0)
+    if not (dp and micro and t.global_batch_size % (dp * micro) == 0):
+        return
+    count = t.global_batch_size // (dp * micro)
+    slots = count * p.pp * p.virtual_stages
+    require(slots <= MAX_SCHEDULE_SLOTS,
+            f"train.global_batch_size={t.global_batch_size}: {count} microbatches per step x "
+            f"pp*virtual_stages = {p.pp}*{p.virtual_stages} makes {slots} schedule slots; at most "
+            f"{MAX_SCHEDULE_SLOTS} (a larger train.micro_batch_size gives fewer microbatches)")
 
 
 def _positive(obj: Any, names: tuple[str, ...], section: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        _require(value >= 1, f"{section}.{name}={value}: must be a positive integer")
+        require(value >= 1, f"{section}.{name}={value}: must be a positive integer")
 
 
 def _set_fields(obj: Any, values: dict[str, Any], where: str) -> None:

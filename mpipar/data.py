@@ -20,9 +20,13 @@ dtype cannot hold a bad id, so that a damaged chunk is named when the source is 
 The sampler maps an optimizer step to sample indices as a pure function of `(seed, step)`,
 so resuming after `k` steps continues exactly where an uninterrupted run would be.
 
-`python -m mpipar.data info PATH --seq-len S --vocab-size V` inspects a source;
+An HDF5 file written by `prepare --tokenizer` records its tokenizer (`TOKENIZER_ATTRS`); loading
+it checks that the model's vocabulary holds the tokenizer's.
+
+`python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]` inspects a source;
 `python -m mpipar.data prepare TEXT... --out tokens.h5` turns text files into an HDF5 byte-token
-stream (see `prepare_tokens`).
+stream (see `prepare_tokens`); with `--tokenizer HF_DIR_OR_tokenizer.json` it encodes text files,
+directories, `.jsonl` and Parquet with a Hugging Face tokenizer instead (:mod:`mpipar.tokenizer`).
 """
 from __future__ import annotations
 
@@ -48,6 +52,10 @@ _STDLIB_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib
 _H5_SUFFIXES = (".h5", ".hdf5")
 _CHECK_CHUNK = 1 << 22
 """Elements read at a time when checking token ids against the vocabulary."""
+
+TOKENIZER_ATTRS = ("tokenizer", "tokenizer_vocab_size", "tokenizer_sha256", "eos_token", "eos_id",
+                   "documents")
+"""HDF5 file attributes of a tokenized stream (:mod:`mpipar.tokenizer` writes them)."""
 
 Opener = Callable[[], ContextManager[Any]]
 """A callable returning a context manager that yields an array-like (numpy array, memmap or
@@ -102,9 +110,9 @@ def stdlib_corpus() -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
-def _directory_bytes(root: Path) -> np.ndarray:
-    """Bytes of every regular file under `root` (recursive, sorted by relative path, skipping
-    names that start with '.'), concatenated: uint8 [num_bytes]."""
+def directory_files(root: Path) -> list[str]:
+    """Relative posix paths of every regular file under `root` (recursive, skipping names that
+    start with '.'), sorted."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -112,8 +120,13 @@ def _directory_bytes(root: Path) -> np.ndarray:
             full = Path(dirpath, name)
             if not name.startswith(".") and full.is_file():
                 files.append(full.relative_to(root).as_posix())
+    return sorted(files)
+
+
+def _directory_bytes(root: Path) -> np.ndarray:
+    """Bytes of every file of `directory_files(root)`, concatenated: uint8 [num_bytes]."""
     parts = []
-    for rel in sorted(files):
+    for rel in directory_files(root):
         try:
             parts.append((root / rel).read_bytes())
         except OSError as err:
@@ -151,8 +164,9 @@ class TokenSource:
     """
 
     def __init__(self, path: str, fmt: str, seq_len: int, shape: tuple[int, ...],
-                 dtype: np.dtype, opener: Opener):
+                 dtype: np.dtype, opener: Opener, tokenizer: dict[str, Any] | None = None):
         self.path = path
+        self.tokenizer = tokenizer  # TOKENIZER_ATTRS of a tokenized HDF5 file, else None
         self.format = fmt
         self.seq_len = seq_len
         self.shape = tuple(int(s) for s in shape)
@@ -229,7 +243,8 @@ def _check_ids(src: TokenSource, vocab_size: int, read_all: bool = False) -> Non
 
 
 def _make_source(path: str, fmt: str, seq_len: int, vocab_size: int, shape: tuple[int, ...],
-                 dtype: np.dtype, opener: Opener, read_all: bool = False) -> TokenSource:
+                 dtype: np.dtype, opener: Opener, tokenizer: dict[str, Any] | None = None,
+                 read_all: bool = False) -> TokenSource:
     """Check shape, dtype and ids (reading every element when `read_all`), then build the
     source."""
     dtype = np.dtype(dtype)
@@ -246,7 +261,7 @@ def _make_source(path: str, fmt: str, seq_len: int, vocab_size: int, shape: tupl
     if len(shape) == 1 and shape[0] < seq_len + 1:
         raise DataError(f"{path}: the stream has {shape[0]} tokens, fewer than the seq_len + 1 = "
                         f"{seq_len + 1} one sample needs (--seq-len {seq_len})")
-    src = TokenSource(path, fmt, seq_len, shape, dtype, opener)
+    src = TokenSource(path, fmt, seq_len, shape, dtype, opener, tokenizer)
     _check_ids(src, vocab_size, read_all)
     return src
 
@@ -284,13 +299,46 @@ def _load_h5(path: str, seq_len: int, vocab_size: int) -> TokenSource:
                 raise DataError(f"{path}: {rule}")
             name = present[0]
             shape, dtype = f[name].shape, f[name].dtype
+            tokenizer = _tokenizer_attrs(f)
     except OSError as err:
         raise DataError(f"cannot read {path} as HDF5: {err}") from err
     want = 1 if name == "tokens" else 2
     if len(shape) != want:
         raise DataError(f"{path}: dataset '{name}' must be {want}-D, got shape {shape}")
+    if tokenizer is not None:
+        _check_tokenizer_vocab(path, tokenizer, vocab_size)
     return _make_source(path, "hdf5", seq_len, vocab_size, shape, dtype, _h5_dataset(path, name),
-                        read_all=True)
+                        tokenizer, read_all=True)
+
+
+def _check_tokenizer_vocab(path: str, tokenizer: dict[str, Any], vocab_size: int) -> None:
+    """The model's vocabulary must hold every id of the recorded tokenizer (a larger one is
+    accepted: Hugging Face checkpoints often pad their embedding table)."""
+    size = tokenizer["tokenizer_vocab_size"]
+    if vocab_size < size:
+        raise DataError(f"{path} was prepared with the tokenizer {tokenizer['tokenizer']} of "
+                        f"{size} tokens (sha256 {tokenizer['tokenizer_sha256'][:16]}...), but the "
+                        f"model's vocabulary has {vocab_size} (--vocab-size {vocab_size}): ids "
+                        f"{vocab_size}..{size - 1} would have no embedding; use --vocab-size {size}")
+
+
+def _tokenizer_attrs(f: h5py.File) -> dict[str, Any] | None:
+    """The TOKENIZER_ATTRS of a file written by `prepare --tokenizer` (None for other files)."""
+    if "tokenizer_vocab_size" not in f.attrs:
+        return None
+    return {k: f.attrs[k].item() if isinstance(f.attrs[k], np.generic) else f.attrs[k]
+            for k in TOKENIZER_ATTRS if k in f.attrs}
+
+
+def recorded_tokenizer(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The tokenizer recorded in the HDF5 file `path` (None for any other source)."""
+    if Path(path).suffix.lower() not in _H5_SUFFIXES or not Path(path).is_file():
+        return None
+    try:
+        with h5py.File(path, "r") as f:
+            return _tokenizer_attrs(f)
+    except OSError as err:
+        raise DataError(f"cannot read {path} as HDF5: {err}") from err
 
 
 def load_tokens(path: str | os.PathLike | None, vocab_size: int, seq_len: int) -> TokenSource:
@@ -400,6 +448,20 @@ PREPARE_CHUNK_TOKENS = 1 << 20
 """HDF5 chunk length (tokens) of a prepared stream; shorter streams use one chunk."""
 
 
+def output_file(out: str | os.PathLike) -> Path:
+    """The output of a prepare: an HDF5 name (suffix `.h5` or `.hdf5`, which selects the
+    reader), its directory created when missing. Raises DataError naming `--out`."""
+    out = Path(out)
+    if out.suffix.lower() not in _H5_SUFFIXES:
+        raise DataError(f"--out {out}: must end in .h5 or .hdf5 (the suffix selects the HDF5 "
+                        f"reader)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"--out {out}: cannot be written ({err})") from None
+    return out
+
+
 def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
                    chunk_tokens: int = PREPARE_CHUNK_TOKENS) -> int:
     """Write the bytes of the files `paths`, concatenated in order, as byte tokens (vocabulary
@@ -417,10 +479,7 @@ def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
         raise DataError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
     if not paths:
         raise DataError("prepare needs at least one text file")
-    out = Path(out)
-    if out.suffix.lower() not in _H5_SUFFIXES:
-        raise DataError(f"--out {out}: must end in .h5 or .hdf5 (the suffix selects the HDF5 "
-                        f"reader)")
+    out = output_file(out)
     sizes = []
     for path in paths:
         p = Path(path)
@@ -437,7 +496,6 @@ def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     tmp = out.with_name(out.name + ".tmp")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp, "w") as f:
             d = f.create_dataset("tokens", shape=(total,), dtype=np.uint8,
                                  chunks=(min(chunk_tokens, total),), fletcher32=True)
@@ -464,46 +522,91 @@ def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
 # command line
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mpipar.data info PATH --seq-len S --vocab-size V`: load and check a source,
-    print its format, kind, dtype, token count and number of samples.
-    `python -m mpipar.data prepare TEXT... --out tokens.h5`: see `prepare_tokens`.
-    Exit status 2 on DataError."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpipar.data",
                                      description="Inspect and prepare token sources.")
     commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="check a source and print its size")
+    info = commands.add_parser("info", help="check a source and print its size and tokenizer")
     info.add_argument("path", help="a file, a directory, or 'stdlib' for the built-in corpus")
-    info.add_argument("--seq-len", type=int, required=True, help="tokens per sample input")
-    info.add_argument("--vocab-size", type=int, required=True, help="token ids must be below this")
-    prep = commands.add_parser("prepare", help="write text files as an HDF5 byte-token stream")
-    prep.add_argument("texts", nargs="+", metavar="TEXT", help="text files, concatenated in order")
+    info.add_argument("--seq-len", type=int, default=128,
+                      help="tokens per sample input (default: 128, training's default)")
+    info.add_argument("--vocab-size", type=int,
+                      help="token ids must be below this (default: the vocabulary of the tokenizer "
+                           "recorded in the file, else 256)")
+    prep = commands.add_parser(
+        "prepare", help="write text as an HDF5 token stream: bytes, or --tokenizer ids")
+    prep.add_argument("texts", nargs="+", metavar="INPUT",
+                      help="text files, concatenated in order; with --tokenizer also directories, "
+                           ".jsonl and .parquet files")
     prep.add_argument("--out", required=True, help="output .h5 file (dataset 'tokens')")
-    args = parser.parse_args(argv)
-    if args.command == "prepare":
-        try:
-            total = prepare_tokens(args.texts, args.out)
-        except DataError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+    prep.add_argument("--tokenizer", metavar="HF_DIR_OR_JSON",
+                      help="encode with this Hugging Face tokenizer (a directory holding "
+                           "tokenizer.json, or the file); default: byte tokens (vocabulary 256)")
+    prep.add_argument("--eos", metavar="TOKEN",
+                      help="end-of-document token (default: eos_token of tokenizer_config.json)")
+    prep.add_argument("--text-field", default="text",
+                      help="the text field of .jsonl records and Parquet rows (default: text)")
+    prep.add_argument("--workers", type=int, default=0,
+                      help="processes encoding files in parallel (default 0: one per CPU, at "
+                           "most one per file); the output does not depend on it")
+    return parser
+
+
+def _prepare_command(args: argparse.Namespace) -> None:
+    if args.tokenizer is None:
+        extra = [f for f in ("eos", "workers") if getattr(args, f)]
+        extra += ["text_field"] if args.text_field != "text" else []
+        if extra:
+            raise DataError(f"--{extra[0].replace('_', '-')} needs --tokenizer (without it, "
+                            f"prepare writes the files' bytes)")
+        total = prepare_tokens(args.texts, args.out)
         print(f"wrote {args.out}: {total} byte tokens (vocabulary 256) from "
               f"{len(args.texts)} file(s)")
-        return 0
+        return
+    from mpipar.tokenizer import prepare_tokenized
+    done = prepare_tokenized(args.texts, args.out, args.tokenizer, args.eos, args.text_field,
+                             args.workers)
+    print(f"wrote {args.out}: {done.tokens} tokens ({done.tokenizer.dtype}) in {done.documents} "
+          f"document(s) from {len(done.files)} file(s); tokenizer {done.tokenizer.name}, "
+          f"vocabulary {done.tokenizer.vocab_size}, EOS {done.tokenizer.eos_token!r} = "
+          f"{done.tokenizer.eos_id}; train with --vocab-size {done.tokenizer.vocab_size}")
+
+
+def _info_command(args: argparse.Namespace) -> None:
+    recorded = None if args.path == "stdlib" else recorded_tokenizer(args.path)
+    vocab = args.vocab_size or (recorded["tokenizer_vocab_size"] if recorded else 256)
+    src = load_tokens(args.path, vocab, args.seq_len)
+    rows = [("path", src.path), ("format", src.format), ("kind", src.kind),
+            ("dtype", src.dtype), ("shape", list(src.shape)), ("tokens", src.num_tokens),
+            ("seq_len", src.seq_len), ("samples", src.num_samples), ("vocab", vocab)]
+    for key, value in rows:
+        print(f"{key + ':':<10}{value}")
+    if src.tokenizer:
+        tok = src.tokenizer
+        print("tokenizer:")
+        for key, value in (("name", tok["tokenizer"]), ("vocab_size", tok["tokenizer_vocab_size"]),
+                           ("sha256", tok["tokenizer_sha256"]),
+                           ("eos", f"{tok['eos_token']!r} = {tok['eos_id']}"),
+                           ("documents", tok.get("documents", "?"))):
+            print(f"  {key + ':':<12}{value}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]`: load and check a source,
+    print its format, kind, dtype, token count, number of samples and recorded tokenizer.
+    `python -m mpipar.data prepare INPUT... --out tokens.h5 [--tokenizer T]`: see
+    `prepare_tokens` (bytes) and :func:`mpipar.tokenizer.prepare_tokenized`.
+    Exit status 2 on DataError."""
+    args = _parser().parse_args(argv)
     try:
-        src = load_tokens(args.path, args.vocab_size, args.seq_len)
+        (_prepare_command if args.command == "prepare" else _info_command)(args)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"path:     {src.path}")
-    print(f"format:   {src.format}")
-    print(f"kind:     {src.kind}")
-    print(f"dtype:    {src.dtype}")
-    print(f"shape:    {list(src.shape)}")
-    print(f"tokens:   {src.num_tokens}")
-    print(f"seq_len:  {src.seq_len}")
-    print(f"samples:  {src.num_samples}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, so that its DataError is the one the other modules raise.
+    from mpipar.data import main as _main
+    sys.exit(_main())

@@ -37,7 +37,7 @@ from mpipar.comm import Group, Ledger
 
 if TYPE_CHECKING:
     from mpipar.engine import StepResult
-    from mpipar.parallel.pipeline import OpRecord
+    from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
 GROUPS = ("tp", "sp", "pp", "dp_sp", "tp_pp")
@@ -154,14 +154,18 @@ def read_records(path: str) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    """Writes step records to ``RUN_DIR/metrics.jsonl`` (rank 0: ``enabled``). A fresh run
-    (``start`` 0) starts the file anew; a run resumed at step ``start`` keeps the records of
-    steps 1..start and drops any later ones (steps a crashed run logged after its last
-    checkpoint, which the resumed run trains again), rewriting the file through a rename."""
+    """Writes step records to ``RUN_DIR/metrics.jsonl`` (rank 0: ``enabled``) and, with a
+    ``tensorboard`` directory, their numbers to a new TensorBoard event file there
+    (:mod:`mpipar.tensorboard`). A fresh run (``start`` 0) starts the file anew; a run resumed
+    at step ``start`` keeps the records of steps 1..start and drops any later ones (steps a
+    crashed run logged after its last checkpoint, which the resumed run trains again),
+    rewriting the file through a rename."""
 
-    def __init__(self, run_dir: str, enabled: bool = True, start: int = 0) -> None:
+    def __init__(self, run_dir: str, enabled: bool = True, start: int = 0,
+                 tensorboard: str | None = None) -> None:
         self.enabled = enabled
         self._fh = None
+        self._events = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             path = os.path.join(run_dir, "metrics.jsonl")
@@ -174,12 +178,19 @@ class MetricsWriter:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
             self._fh = open(path, "a")
+            if tensorboard:
+                from mpipar.tensorboard import EventWriter
+                self._events = EventWriter(tensorboard)
 
     def write(self, record: dict[str, Any]) -> None:
+        """One record with a ``step`` and any (nested) numbers."""
         if not self.enabled:
             return
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        if self._events is not None:
+            from mpipar.tensorboard import scalars
+            self._events.add_scalars(record["step"], scalars(record))
 
     def sync(self) -> None:
         """Make every record written so far durable (before a checkpoint commits)."""
@@ -191,6 +202,9 @@ class MetricsWriter:
             self.sync()
             self._fh.close()
             self._fh = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
 
 class Progress:

@@ -1,17 +1,30 @@
-"""AdamW, gradient-norm clipping and learning-rate schedules.
+"""The optimizer: AdamW, replicated or ZeRO-1 sharded behind one interface, gradient-norm
+clipping and learning-rate schedules.
 
-Nothing here talks to MPI: the engine sums `grad_norm_sq` over its groups, takes the square
-root and passes the global norm to `clip_grads`. Arrays may be numpy or cupy; the array module
-is taken from the arrays themselves. All updates are in place and in the arrays' dtype.
+Both optimizers implement :class:`Optimizer`, so the engine never asks which one it has:
+
+- :class:`AdamW` updates whole local shards; its moments are replicated over dp x sp like the
+  parameters, so one replica (``replica.rank == 0``) reports them as checkpoint state.
+- :class:`ZeroAdamW` (``--zero 1``) updates only this rank's owned slice of every flat gradient
+  bucket (the data-parallel reducer reduce-scatters them, :mod:`mpipar.parallel.data`); its
+  moments are 1/n of the full size, its gradient norm is summed over dp x sp, and the updated
+  slices are all-gathered back into every rank's parameters.
+
+The update math (:func:`adamw_update`, :func:`clip_grads`, :func:`grad_norm_sq`) talks to no
+MPI. Arrays may be NumPy or CuPy (the array module is the arrays'); updates are in place and in
+the arrays' dtype.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+from mpipar.comm import Group
+from mpipar.config import Config, ConfigError, rules
 
 
 def _array_module(a: Any) -> Any:
@@ -39,15 +52,15 @@ class AdamWConfig:
 
     def __post_init__(self) -> None:
         if not self.lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
+            raise ValueError(f"lr={self.lr}: must be >= 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay}: must be >= 0")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not 0 <= value < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {value}")
+                raise ValueError(f"{name}={value}: must be in [0, 1)")
         if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+            raise ValueError(f"eps={self.eps}: must be > 0")
 
 
 def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: float, beta2: float,
@@ -88,62 +101,165 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
     p -= scratch
 
 
-class AdamW:
-    """AdamW over a dict of named parameters (whole tensors or this rank's shards).
+StatePiece = tuple[str, str, int, int, Any]
+"""``(kind, name, lo, hi, values)``: ``values`` (1-D) are elements ``[lo, hi)`` of the flattened
+local shard of moment ``kind`` ("exp_avg" or "exp_avg_sq") of parameter ``name``."""
 
-    params: name -> array, any shape; the moments m, v are zero arrays of the same shape and dtype.
-    decay: name -> whether weight decay applies; default True iff the array is at least 2-D
-        (matrices and embeddings decay; norms' gains and biases do not). When `params` hold
-        shards, pass the mask computed from the global shapes.
+
+class Optimizer(Protocol):
+    """What the engine and checkpoints ask of an optimizer (:class:`AdamW`, :class:`ZeroAdamW`)."""
+
+    step_count: int
+    """Updates applied so far (AdamW's bias correction uses it)."""
+
+    def grad_norm_sq(self, counted: Callable[[str], bool]) -> float:
+        """Sum of squares of the gradients of the parameters ``counted`` accepts, over this rank's
+        model replica shard (a sharded optimizer sums its shard group itself)."""
+
+    def clip(self, max_norm: float, total_norm: float) -> float:
+        """Scale the gradients to a global norm of at most ``max_norm`` (:func:`clip_grads`)."""
+
+    def step(self, lr: float) -> None:
+        """Apply one update at learning rate ``lr`` to the parameters."""
+
+    def state(self) -> Iterator[StatePiece]:
+        """This rank's share of the moments: each element of the model's optimizer state is
+        reported by exactly one rank of the dp x sp group."""
+
+    def load_state(self, local: Callable[[str, str], Any], step: int) -> None:
+        """Set the moments from ``local(kind, name)`` (this rank's whole local shard of that
+        moment, from a checkpoint of any layout) and the update count from ``step``."""
+
+
+class AdamW:
+    """AdamW over named tensors (whole tensors or this rank's shards), updated in place.
+
+    params, grads: name -> array, the gradients filled by backward; the moments m, v are zero
+    arrays of the same shapes and dtypes. decay: name -> whether weight decay applies; default
+    True iff the array is at least 2-D (matrices and embeddings decay; norms' gains do not).
+    When ``params`` hold shards, pass the mask computed from the global shapes. replica: the
+    group over which the parameters (and so these moments) are replicated; its rank 0 reports
+    the moments in :meth:`state`.
     """
 
-    def __init__(self, params: Mapping[str, Any], cfg: AdamWConfig,
-                 decay: Mapping[str, bool] | None = None):
+    def __init__(self, params: Mapping[str, Any], grads: Mapping[str, Any], cfg: AdamWConfig,
+                 decay: Mapping[str, bool] | None = None, replica: Group | None = None):
         if decay is None:
             decay = {name: p.ndim >= 2 for name, p in params.items()}
         _check_names("decay mask", decay.keys(), params.keys())
-        self.cfg = cfg
+        _check_names("grads", grads.keys(), params.keys())
+        self.params, self.grads, self.cfg, self.replica = params, grads, cfg, replica
         self.decay = {name: bool(decay[name]) for name in params}
         self.m = {name: _array_module(p).zeros_like(p) for name, p in params.items()}
         self.v = {name: _array_module(p).zeros_like(p) for name, p in params.items()}
         self.step_count = 0
 
-    def step(self, params: Mapping[str, Any], grads: Mapping[str, Any], lr: float) -> None:
-        """Update every parameter in place with its gradient at learning rate `lr`."""
-        _check_names("params", params.keys(), self.m.keys())
-        _check_names("grads", grads.keys(), self.m.keys())
+    def grad_norm_sq(self, counted: Callable[[str], bool] | None = None) -> float:
+        return grad_norm_sq(self.grads, counted)
+
+    def clip(self, max_norm: float, total_norm: float) -> float:
+        return clip_grads(self.grads, max_norm, total_norm)
+
+    def step(self, lr: float) -> None:
+        """Update every parameter in place with its gradient at learning rate ``lr``."""
         self.step_count += 1
         cfg = self.cfg
-        for name, p in params.items():
+        for name, p in self.params.items():
             wd = cfg.weight_decay if self.decay[name] else 0.0
-            adamw_update(p, grads[name], self.m[name], self.v[name], self.step_count, lr,
+            adamw_update(p, self.grads[name], self.m[name], self.v[name], self.step_count, lr,
                          cfg.beta1, cfg.beta2, cfg.eps, wd)
 
-    def state_dict(self) -> dict:
-        """{"step": int, "m": {name: array}, "v": {name: array}}; the arrays are the live
-        moments (not copies), so save them before the next step."""
-        return {"step": self.step_count, "m": dict(self.m), "v": dict(self.v)}
+    def state(self) -> Iterator[StatePiece]:
+        """The live moments, whole, from the replica of rank 0 (save them before the next step)."""
+        if self.replica is not None and self.replica.rank != 0:
+            return
+        for name in self.params:
+            size = self.m[name].size
+            yield "exp_avg", name, 0, size, self.m[name].reshape(-1)
+            yield "exp_avg_sq", name, 0, size, self.v[name].reshape(-1)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Copy a `state_dict` into this optimizer (moments keep their dtype and device).
-
-        Raises ValueError when keys, parameter names or shapes differ."""
-        missing = {"step", "m", "v"} - set(state)
-        if missing:
-            raise ValueError(f"optimizer state lacks keys {sorted(missing)} (needs step, m, v)")
-        step = state["step"]
+    def load_state(self, local: Callable[[str, str], Any], step: int) -> None:
+        """Copy the moments in (they keep their dtype and device); ValueError on a step below
+        0 or a moment whose shape differs from its parameter's."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"optimizer state step must be an integer >= 0, got {step!r}")
-        for key in ("m", "v"):
-            _check_names(f"optimizer state '{key}'", state[key].keys(), self.m.keys())
-            for name, src in state[key].items():
-                if tuple(src.shape) != tuple(self.m[name].shape):
-                    raise ValueError(f"optimizer state '{key}' for {name} has shape {tuple(src.shape)}, "
-                                     f"expected {tuple(self.m[name].shape)}")
-        for key, dst in (("m", self.m), ("v", self.v)):
-            for name, arr in dst.items():
-                arr[...] = _array_module(arr).asarray(state[key][name], dtype=arr.dtype)
+            raise ValueError(f"optimizer step={step!r}: must be an integer >= 0")
+        for kind, moments in (("exp_avg", self.m), ("exp_avg_sq", self.v)):
+            for name, arr in moments.items():
+                value = local(kind, name)
+                if tuple(value.shape) != tuple(arr.shape):
+                    raise ValueError(f"optimizer state {kind} of {name} has shape "
+                                     f"{tuple(value.shape)}, the parameter {tuple(arr.shape)}")
+                arr[...] = _array_module(arr).asarray(value, dtype=arr.dtype)
         self.step_count = int(step)
+
+
+class ZeroAdamW:
+    """AdamW over the owned slices of a ZeRO-1 reducer (:class:`mpipar.parallel.data.GradReducer`
+    with ``sharded=True``): moments are 1/n of the flat buckets, updated slices are all-gathered."""
+
+    def __init__(self, reducer, cfg: AdamWConfig, decay: Mapping[str, bool]) -> None:
+        self.reducer, self.cfg, self.decay = reducer, cfg, decay
+        n, xp = reducer.group.size, reducer.xp
+        self.m = [xp.zeros(b.grads.size // n, b.grads.dtype) for b in reducer.buckets]
+        self.v = [xp.zeros(b.grads.size // n, b.grads.dtype) for b in reducer.buckets]
+        self._index = {id(b): i for i, b in enumerate(reducer.buckets)}
+        self.step_count = 0
+
+    def grad_norm_sq(self, counted: Callable[[str], bool]) -> float:
+        """Sum of squares of the owned gradient slices ``counted`` accepts, over the shard group
+        (one all-reduce)."""
+        total = 0.0
+        for b, name, lo, hi in self.reducer.owned_pieces():
+            if counted(name):
+                g = b.owned_grad[lo:hi].astype(np.float64)
+                total += float(g @ g)
+        xp = self.reducer.xp
+        return float(self.reducer.group.allreduce_(xp.array([total]))[0])
+
+    def clip(self, max_norm: float, total_norm: float) -> float:
+        return clip_grads(dict(enumerate(b.owned_grad for b in self.reducer.buckets)),
+                          max_norm, total_norm)
+
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        red, c = self.reducer, self.cfg
+        n, r = red.group.size, red.group.rank
+        for b, name, lo, hi in red.owned_pieces():
+            i = self._index[id(b)]
+            a0, _ = b.owned_range(r, n)
+            adamw_update(b.params[a0 + lo:a0 + hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
+                         self.v[i][lo:hi], self.step_count, lr, c.beta1, c.beta2, c.eps,
+                         c.weight_decay if self.decay[name] else 0.0)
+        for b in red.buckets:
+            a0, a1 = b.owned_range(r, n)
+            red.group.allgather(b.params[a0:a1].copy(), b.params)
+
+    def _pieces(self):
+        """(bucket index, name, lo, hi, start in the flattened local shard) of owned slices."""
+        r, n = self.reducer.group.rank, self.reducer.group.size
+        for b, name, lo, hi in self.reducer.owned_pieces():
+            a0, _ = b.owned_range(r, n)
+            yield self._index[id(b)], name, lo, hi, a0 + lo - b.offsets[name][0]
+
+    def state(self) -> Iterator[StatePiece]:
+        for i, name, lo, hi, start in self._pieces():
+            yield "exp_avg", name, start, start + hi - lo, self.m[i][lo:hi]
+            yield "exp_avg_sq", name, start, start + hi - lo, self.v[i][lo:hi]
+
+    def load_state(self, local: Callable[[str, str], Any], step: int) -> None:
+        xp = self.reducer.xp
+        for i, name, lo, hi, start in self._pieces():
+            for kind, moments in (("exp_avg", self.m), ("exp_avg_sq", self.v)):
+                moments[i][lo:hi] = xp.asarray(local(kind, name).reshape(-1)[start:start + hi - lo])
+        self.step_count = int(step)
+
+
+def build_optimizer(zero: int, reducer, cfg: AdamWConfig, decay: Mapping[str, bool]) -> Optimizer:
+    """The optimizer of ZeRO stage ``zero`` (0: :class:`AdamW`, 1: :class:`ZeroAdamW`) over the
+    flat buffers of ``reducer``."""
+    if zero:
+        return ZeroAdamW(reducer, cfg, decay)
+    return AdamW(reducer.params, reducer.grads, cfg, decay, reducer.group)
 
 
 def _check_names(what: str, got: Any, expected: Any) -> None:
@@ -204,15 +320,15 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.kind not in ("constant", "cosine"):
-            raise ValueError(f"kind must be 'constant' or 'cosine', got {self.kind!r}")
+            raise ValueError(f"kind={self.kind!r}: must be 'constant' or 'cosine'")
         if not self.lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
+            raise ValueError(f"lr={self.lr}: must be >= 0")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr must satisfy 0 <= min_lr <= lr = {self.lr}, got {self.min_lr}")
+            raise ValueError(f"min_lr={self.min_lr}: must be in [0, lr={self.lr}]")
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise ValueError(f"warmup_steps={self.warmup_steps}: must be >= 0")
         if self.total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+            raise ValueError(f"total_steps={self.total_steps}: must be >= 1")
 
     def __call__(self, step: int) -> float:
         """Learning rate for the optimizer step about to be taken (`step` is 0-based)."""
@@ -225,3 +341,14 @@ class LRSchedule:
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+@rules("optimizer")
+def check_config(cfg: Config, world: int) -> None:
+    """AdamW's hyper-parameters and the LR schedule, as they validate themselves."""
+    t = cfg.train
+    try:
+        AdamWConfig(t.lr, t.beta1, t.beta2, t.eps, t.weight_decay)
+        LRSchedule(t.lr_schedule, t.lr, t.min_lr, t.warmup_steps, max(1, t.steps))
+    except ValueError as exc:
+        raise ConfigError(f"train.{exc}") from None

@@ -36,24 +36,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
 from mpipar.config import Config, ConfigError, ModelConfig
-from mpipar.model.params import (ParamSpec, padded_vocab, param_specs, param_stage,
-                                 stage_param_names)
-from mpipar.parallel.grads import padded_size, plan_buckets
-from mpipar.parallel.schedule import Op, build_schedule, dry_run, stage_layers, virtual_stage
+from mpipar.parallel.data import padded_size, plan_buckets
+from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
+from mpipar.placement import PlacementTable, padded_vocab
 from mpipar.topology import Coord
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
 
 
 @functools.lru_cache(maxsize=64)
-def _specs(model: tuple) -> list[ParamSpec]:
-    """:func:`param_specs` of the resolved model whose field values are ``model`` (cached)."""
-    return param_specs(ModelConfig(*model))
+def _table(model: tuple, pp: int, v: int) -> PlacementTable:
+    """The placement table of the resolved model whose field values are ``model`` (cached)."""
+    return PlacementTable(ModelConfig(*model), pp, v)
 
 
-def _model_specs(cfg: Config) -> list[ParamSpec]:
-    return _specs(dataclasses.astuple(cfg.model.resolved()))
+def placement_table(cfg: Config) -> PlacementTable:
+    par = cfg.parallel
+    return _table(dataclasses.astuple(cfg.model.resolved()), par.pp, par.virtual_stages)
 
 
 @functools.lru_cache(maxsize=256)
@@ -63,40 +64,16 @@ def _schedule(name: str, p: int, m: int, v: int) -> list[list[Op]]:
 
 
 def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
-    """Shapes of the parameter shards held by the rank at ``coord``, in forward order."""
-    m, par = cfg.model.resolved(), cfg.parallel
-    p, v = par.pp, par.virtual_stages
-    stages = [virtual_stage(coord.pp, c, p) for c in range(v)]
-    out = {}
-    for spec in _model_specs(cfg):
-        if param_stage(spec, m.layers, p, v) not in stages:
-            continue
-        shape = list(spec.shape)
-        if spec.tp_axis is not None:
-            if spec.vocab_parallel:
-                shape[0] = padded_vocab(shape[0], par.tp)
-            shape[spec.tp_axis] //= par.tp
-        out[spec.name] = tuple(shape)
-    return out
-
-
-def _chunk_order(cfg: Config, coord: Coord) -> list[str]:
-    """Parameter names of this rank in the order the engine lays them out (chunk by chunk)."""
-    m, par = cfg.model.resolved(), cfg.parallel
-    p, v = par.pp, par.virtual_stages
-    names = []
-    for c in range(v):
-        s = virtual_stage(coord.pp, c, p)
-        names += stage_param_names(m, stage_layers(s, m.layers, p, v), s == 0, s == p * v - 1)
-    return names
+    """Shapes of the parameter shards held by the rank at ``coord``, in the order the engine
+    lays them out (chunk by chunk, forward order)."""
+    return placement_table(cfg).local_shapes(coord.pp, cfg.parallel.tp)
 
 
 def bucket_lengths(cfg: Config, coord: Coord) -> list[int]:
     """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp)."""
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
     shapes = local_param_shapes(cfg, coord)
-    order = list(reversed(_chunk_order(cfg, coord)))
-    sizes = [math.prod(shapes[n]) for n in order]
+    sizes = [math.prod(shapes[n]) for n in reversed(list(shapes))]
     limit = max(1, int(par.bucket_mb * 2**20))
     return [padded_size(sum(sizes[i] for i in idx), par.dp * par.sp)
             for idx in plan_buckets([s * e for s in sizes], limit)]
@@ -119,13 +96,7 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     if par.tp > 1:
-        fwd = 2 + (2 if full else 0)                 # all-reduces per block: after o and down
-        tp = (fwd + 2) * n_tok * H * e * blocks      # ... and 2 in backward
-        msgs = (fwd + 2) * blocks
-        tp += n_tok * H * e if first else 0                    # vocab-parallel embedding
-        tp += (3 * n_tok * se + n_tok * H * e) if last else 0  # max, (sum-exp, target), d(hidden)
-        msgs += int(first) + (3 if last else 0)
-        out["tp"] = [tp * micro, msgs * micro]
+        out["tp"] = _tp_traffic(cfg, n_tok, blocks, first, last, micro, stages)
     if par.sp > 1:
         q = b * s_loc * (m.heads // par.tp) * D * e
         kv = b * s_loc * (m.kv_heads // par.tp) * D * e
@@ -142,7 +113,7 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
         out["sp"] = [(reps * fwd + bwd) * blocks * micro,
                      (reps * fwd_msgs + bwd_msgs) * blocks * micro]
     if p > 1:
-        act = n_tok * H * e
+        act = n_tok * H * e // (par.tp if par.tp_sequence_parallel else 1)  # the stream
         sends = sum((s < p * v - 1) + (s > 0) for s in stages) * micro
         out["pp"] = [sends * act + (8 if coord.pp == p - 1 else 0),  # + the loss broadcast
                      2 * sends + 1]                                   # each send has its receive
@@ -157,6 +128,45 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
     if par.tp * p > 1:
         out["tp_pp"] = [8, 1]                                  # the squared gradient norm
     return dict(out)
+
+
+def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, micro: int,
+                stages: list[int]) -> list[int]:
+    """[bytes, messages] of the tp group in one step (see :mod:`mpipar.parallel.tensor`).
+
+    Without sequence parallelism each block all-reduces the stream twice forward (after o and
+    down) and twice backward (the inputs of q/k/v and gate/up). With it, forward all-gathers the
+    two normed inputs and reduce-scatters the two outputs; backward all-gathers the two output
+    gradients and, again, the two normed inputs (kept as shards), and reduce-scatters the two
+    input gradients; once a step the norm weights' partial gradients are all-reduced, packed per
+    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights)."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    e = np.dtype(tr.dtype).itemsize
+    se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
+    full_stream = n_tok * m.hidden * e
+    reruns = 2 if tr.recompute == "full" else 1      # backward re-runs each block's forward
+    stats = 3 * n_tok * se                           # max, then (sum-exp, target logit)
+    if not par.tp_sequence_parallel:
+        size = (2 * reruns + 2) * full_stream * blocks, (2 * reruns + 2) * blocks
+        size = (size[0] + (full_stream if first else 0) + ((stats + full_stream) if last else 0),
+                size[1] + int(first) + (3 if last else 0))
+        return [size[0] * micro, size[1] * micro]
+    shard = full_stream // par.tp
+    fwd = 2 * shard + 2 * full_stream
+    bwd = 4 * shard + 2 * full_stream
+    nbytes = (reruns * fwd + bwd) * blocks
+    msgs = (4 * reruns + 6) * blocks
+    if first:                                        # reduce-scatter | all-gather
+        nbytes, msgs = nbytes + full_stream + shard, msgs + 2
+    if last:                                         # gather hn, stats | gather hn, scatter dhn
+        nbytes, msgs = nbytes + shard + stats + shard + full_stream, msgs + 5
+    H = m.hidden
+    per = m.layers // (par.pp * par.virtual_stages)
+    if par.schedule == "zb-h1":                      # one call per chunk with all its norms
+        norm = [(2 * per + int(s == par.pp * par.virtual_stages - 1)) * H * e for s in stages]
+    else:                                            # one call per block, one for the head
+        norm = [2 * H * e] * blocks + ([H * e] if last else [])
+    return [nbytes * micro + sum(norm), msgs * micro + len(norm)]
 
 
 def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
@@ -185,34 +195,38 @@ class MemoryEstimate:
 
 
 def _block_activation_bytes(cfg: Config, mode: str) -> int:
-    """Bytes one block keeps for backward for one microbatch on one rank under ``mode``."""
+    """Bytes one block keeps for backward for one microbatch on one rank under ``mode`` (the
+    fields of :class:`mpipar.model.llama.BlockSaved` it fills)."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e, se = np.dtype(tr.dtype).itemsize, (8 if tr.dtype == "float64" else 4)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
     H, q, kv, F = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim, \
         m.ffn_hidden // par.tp
     lse = n * (m.heads // par.tp) * se
     ulysses = par.sp > 1 and par.sp_mode == "ulysses"
-    # Attention context: q, k, v and the output (ulysses: its all-to-all'ed copies plus the
-    # output returned to the sequence layout).
-    context = (2 * q + 2 * kv) * n * e + lse + (q * n * e if ulysses else 0)
+    # The core's output, and its context: the lse (local, ring) or Ulysses' all-to-all'ed copies
+    # of q, k, v and of the output, and the lse.
+    core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0)
+    inputs = 0 if ulysses else (q + 2 * kv) * n * e          # q, k, v as the core reads them
     if mode == "none":
-        return (4 * H + 2 + 3 * F) * n * e + context    # x, h1, x2, h2, 2 rstd, g, u, m
+        return (4 * H + 2) * ns * e + 3 * F * n * e + inputs + core  # x, h1, x2, h2, rstds, g, u, m
     if mode == "selective":
-        kept = (2 * q + 2 * kv) * n * e + q * n * e if ulysses else q * n * e
-        return (2 * H + 2 * F) * n * e + kept + lse     # x, x2, g, u, attention out (+ ulysses)
+        return 2 * H * ns * e + 2 * F * n * e + core               # x, x2, g, u, the core's
     if mode == "full":
-        return H * n * e                                # the block input only
-    return 0                                            # offload: on disk
+        return H * ns * e                                           # the block input only
+    return 0                                                        # offload: on disk
 
 
 def _head_activation_bytes(cfg: Config) -> int:
-    """Bytes the LM head keeps for one microbatch: x, normed x, rstd, logits, targets, lse."""
+    """Bytes the LM head keeps for one microbatch: x, normed x, rstd (stream), logits, targets,
+    lse."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e, se = np.dtype(tr.dtype).itemsize, (8 if tr.dtype == "float64" else 4)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
-    return (2 * m.hidden + 1 + vl) * n * e + n * (8 + se)
+    return (2 * m.hidden + 1) * ns * e + vl * n * e + n * (8 + se)
 
 
 def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
@@ -274,8 +288,9 @@ def predict_peak_memory(cfg: Config, coord: Coord) -> int:
     interpreter and its libraries: the largest of
 
     - initialisation: its initial parameter shards, plus the largest parameter it holds as a
-      float64 global tensor, cast to the training dtype and (vocabulary-parallel) padded: a
-      parameter is initialised whole, then sliced (:func:`mpipar.model.params.init_param`);
+      float64 global tensor, cast to the training dtype and copied (or padded) into its shard:
+      a parameter is initialised whole, then sliced (:func:`mpipar.model.params.init_param`,
+      ``Engine._initial_shards``);
     - building the engine: those shards while the flat weight and gradient buffers and the
       AdamW moments are allocated;
     - a step: :func:`predict_memory`, plus the step's tokens (this DP rank's int64 rows of
@@ -286,7 +301,8 @@ def predict_peak_memory(cfg: Config, coord: Coord) -> int:
     mem = predict_memory(cfg, coord)
     shapes = local_param_shapes(cfg, coord)
     shards = e * sum(math.prod(shape) for shape in shapes.values())
-    largest = max(math.prod(s.shape) for s in _model_specs(cfg) if s.name in shapes)
+    table = placement_table(cfg)
+    largest = max(math.prod(table[name].spec.shape) for name in shapes)
     initialising = shards + largest * (8 + 2 * e)
     building = shards + mem.weights + mem.grads + mem.optimizer
     rows = tr.global_batch_size // par.dp

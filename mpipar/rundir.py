@@ -3,9 +3,10 @@
 :func:`prepare_outputs` (every rank, before anything is allocated) creates every output
 directory the run owns, with its parents, and proves each writable by creating and removing a
 file: ``--run-dir``, ``--save-dir``, the parent of ``--export-hf`` (which must also be new, empty
-or a previous export), ``RUN_DIR/activations`` with ``--dump-activations`` and ``RUN_DIR/scratch``
-with ``--recompute offload``. A read-only or file-typed target is a configuration error naming
-the flag, found before step 1 rather than at the first save after the whole run has trained.
+or a previous export), ``RUN_DIR/activations`` with ``--dump-activations``, ``RUN_DIR/scratch``
+with ``--recompute offload`` and the TensorBoard event directory (``--tensorboard``). A read-only
+or file-typed target is a configuration error naming the flag, found before step 1 rather than
+at the first save after the whole run has trained.
 
 :class:`RunLock` (rank 0) holds an exclusive ``flock`` on ``RUN_DIR/lock`` and ``SAVE_DIR/lock``
 for the whole run and writes its holder into them (host, pid, start time, command). A second run
@@ -42,6 +43,10 @@ def output_dirs(cfg: Config) -> list[tuple[str, Path]]:
         out.append(("--dump-activations", run / "activations"))
     if tr.recompute == "offload":
         out.append(("--recompute offload", run / "scratch"))
+    from mpipar.tensorboard import log_dir
+    events = log_dir(tr.tensorboard, tr.run_dir)
+    if events:
+        out.append(("--tensorboard", Path(events)))
     return out
 
 

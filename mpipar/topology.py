@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
+from mpipar.config import Config, require, rules
+
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest
 
 
@@ -70,42 +72,6 @@ class ProcessGrid:
             remain = [axis in keep.split() for axis in AXES]
             self.comms[name] = self.cart.Sub(remain)
 
-    # ---------------------------------------------------------------- coordinates
-    def rank_of(self, dp: int = 0, tp: int = 0, pp: int = 0, sp: int = 0) -> int:
-        """Rank in ``comm`` of the given coordinates (SP wraps around, the others must be in range)."""
-        for name, value, size in (("dp", dp, self.dp), ("tp", tp, self.tp), ("pp", pp, self.pp)):
-            if not 0 <= value < size:
-                raise ValueError(f"{name}={value} out of range [0, {size})")
-        return ((pp * self.dp + dp) * self.sp + sp % self.sp) * self.tp + tp
-
-    def coords_of(self, rank: int) -> Coord:
-        """Coordinates of ``rank`` (inverse of ``rank_of``)."""
-        return rank_coord(rank, self.dp, self.tp, self.pp, self.sp)
-
-    # ---------------------------------------------------------------- neighbours
-    @property
-    def pp_prev(self) -> int | None:
-        """Rank (in the pp communicator) of the previous pipeline stage, None on the first."""
-        return self.coord.pp - 1 if self.coord.pp > 0 else None
-
-    @property
-    def pp_next(self) -> int | None:
-        """Rank (in the pp communicator) of the next pipeline stage, None on the last."""
-        return self.coord.pp + 1 if self.coord.pp < self.pp - 1 else None
-
-    @property
-    def sp_ring(self) -> tuple[int, int]:
-        """(source, dest) ranks in the sp communicator: receive from the left, send to the right."""
-        return (self.coord.sp - 1) % self.sp, (self.coord.sp + 1) % self.sp
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coord.pp == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coord.pp == self.pp - 1
-
     def describe(self) -> str:
         return (f"world={self.comm.Get_size()} dp={self.dp} tp={self.tp} pp={self.pp} sp={self.sp}")
 
@@ -113,3 +79,16 @@ class ProcessGrid:
         for c in self.comms.values():
             c.Free()
         self.cart.Free()
+
+
+@rules("grid")
+def check_config(cfg: Config, world: int) -> None:
+    """The grid's sizes must multiply to the world (dp = 0 fills it)."""
+    p = cfg.parallel
+    mp = p.tp * p.pp * p.sp
+    if p.dp == 0:
+        require(world % mp == 0, f"parallel: tp*pp*sp = {p.tp}*{p.pp}*{p.sp} = {mp} must divide "
+                                 f"the world size {world}")
+    else:
+        require(p.dp * mp == world, f"parallel: dp*tp*pp*sp = {p.dp}*{p.tp}*{p.pp}*{p.sp} = "
+                                    f"{p.dp * mp} must equal the world size {world}")

@@ -10,7 +10,9 @@ layout, else (no --global-batch-size given) the batch is rounded up to a multipl
 
 Writes into ``RUN_DIR``: ``config.toml`` (the full resolved configuration), ``metrics.jsonl`` (one
 JSON object per optimizer step: loss, grad norm, LR, tokens/s, MFU, time breakdown, bytes per
-group, peak memory per rank, skipped steps; :mod:`mpipar.metrics`), ``timeline.json`` (every
+group, peak memory per rank, skipped steps; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
+default when the ``[tensorboard]`` extra is installed, the same numbers as TensorBoard events in
+``RUN_DIR/tensorboard``: :mod:`mpipar.tensorboard`), ``timeline.json`` (every
 rank's pipeline ops of the last step), ``summary.json`` and ``summary.txt`` (the run's numbers and
 its bottleneck; :mod:`mpipar.report`), and checkpoints in ``--save-dir`` (default
 ``RUN_DIR/checkpoints``) every ``--save-every`` steps and at the end.
@@ -156,6 +158,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
     exit 2 on error."""
     from mpipar.checkpoint import CheckpointError
     args = build_parser().parse_args(argv)
+    import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
     try:
         cfg = config_mod.from_args(args)
         tr = cfg.train
@@ -353,7 +356,9 @@ def _run(engine, start: int, ctx: RunContext) -> int:
     peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype,
                                                         ctx.threads, ctx.on_node))
     flops = model_flops_per_step(ctx.cfg)
-    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start)
+    from mpipar.tensorboard import log_dir
+    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
+                                   tensorboard=log_dir(tr.tensorboard, tr.run_dir))
     skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
     if rank0:
         _announce(engine, ctx, peaks)

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import mpipar.engine  # noqa: F401  (every component's configuration rules, for Config.validate)
+
 # Tests that launch jobs use the mpirun installed beside this Python (the [mpich] extra).
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 needs_mpirun = pytest.mark.skipif(not os.path.exists(MPIRUN),

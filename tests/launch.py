@@ -34,7 +34,7 @@ def run_train(ranks: int, args: list[str], script: str | None = None, cwd=None,
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Block until ``metrics.jsonl`` holds ``steps`` lines (the ranks are inside the loop)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     deadline = time.monotonic() + timeout

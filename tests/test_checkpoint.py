@@ -307,14 +307,13 @@ def data(tmp_path_factory):
     return str(path)
 
 
-def train(ranks: int, run_dir, *flags: str, data: str, env: dict | None = None,
+def train(ranks: int, run_dir, *flags: str, data: str,
           check: bool = True) -> subprocess.CompletedProcess:
     """``python -m mpipar.train`` on ``ranks`` processes (no mpirun for one)."""
     launch = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
     proc = subprocess.run([*launch, sys.executable, "-m", "mpipar.train", *MODEL, "--data", data,
                            "--run-dir", str(run_dir), *flags],
-                          capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=180)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -368,13 +367,15 @@ RESHARD = [
     (4, ["--dp", "4", "--zero", "1"], 4, ["--dp", "2", "--tp", "2"]),
     (4, ["--pp", "2", "--dp", "2", "--schedule", "interleaved", "--virtual-stages", "2"],
      2, ["--pp", "2", "--schedule", "1f1b"]),
+    (4, ["--tp", "4", "--tp-sequence-parallel"], 4, ["--tp", "2", "--pp", "2"]),
+    (4, ["--dp", "2", "--tp", "2"], 4, ["--tp", "2", "--sp", "2", "--tp-sequence-parallel"]),
 ]
 
 
 @needs_mpirun
 @pytest.mark.parametrize("n_a,layout_a,n_b,layout_b", RESHARD,
                          ids=["dp2tp2pp2-tp4pp2", "pp2sp2tp2-dp8", "dp4zero1-dp2tp2",
-                              "interleaved-1f1b"])
+                              "interleaved-1f1b", "tp4seqpar-tp2pp2", "dp2tp2-tp2sp2seqpar"])
 def test_resume_under_another_layout(tmp_path, data, uninterrupted, n_a, layout_a, n_b,
                                      layout_b):
     """Step 1 under layout A, saved; step 2 under layout B from that checkpoint: equal to the
@@ -416,19 +417,43 @@ def test_resume_names_what_changed(tmp_path, data):
     assert [r["step"] for r in metrics(tmp_path / "b")] == [2]
 
 
+KILL_DURING_SAVE = """
+import os, pathlib, signal, sys
+from mpipar import checkpoint, train
+real = checkpoint._write_shard
+def write_shard(path, pieces, engine):
+    # The save of step 2: ranks 0 and 1 write their shards, then rank 2 dies; 3 never writes.
+    if path.parent.name != ".step_00000002.tmp":
+        return real(path, pieces, engine)
+    comm = engine.grid.comm
+    record = real(path, pieces, engine) if comm.rank < 2 else None
+    comm.Barrier()
+    if comm.rank == 2:
+        pathlib.Path(sys.argv[1]).touch()  # the test's evidence (stderr may be lost)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return record if comm.rank < 2 else real(path, pieces, engine)
+checkpoint._write_shard = write_shard
+sys.exit(train.main(sys.argv[2:]))
+"""
+
+
 @needs_mpirun
 def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, data, uninterrupted):
     """A rank SIGKILLs itself after half of the step-2 shards are written (ZeRO-1: all 4 ranks
-    write). The job fails, `latest` still names step 1, which verifies and resumes (step 2 then
-    equals the uninterrupted run's); the partial directory is ignored and the next save
-    removes it."""
+    write; the fault is injected by a driver script around the real shard writer). The job
+    fails, `latest` still names step 1, which verifies and resumes (step 2 then equals the
+    uninterrupted run's); the partial directory is ignored and the next save removes it."""
     save = tmp_path / "ck"
     common = ["--dtype", "float64", "--steps", "2", "--dp", "2", "--pp", "2", "--zero", "1",
               "--save-dir", str(save)]
-    proc = train(4, tmp_path / "a", *common, "--save-every", "1", data=data, check=False,
-                 env={ckpt.KILL_ENV: "2"})
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_DURING_SAVE)
+    killed = tmp_path / "killed"
+    launch = [MPIRUN, "-n", "4", sys.executable, str(script), str(killed), *MODEL, "--data", data,
+              "--run-dir", str(tmp_path / "a"), *common, "--save-every", "1"]
+    proc = subprocess.run(launch, capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
-    assert "rank 2 kills itself (SIGKILL) after 2 of 4 shard files" in proc.stderr
+    assert killed.exists()
     assert sorted(os.listdir(save)) == [".step_00000002.tmp", "latest", "lock", "step_00000001"]
     assert "index.h5" not in os.listdir(save / ".step_00000002.tmp")
     assert ckpt.latest(save) == save / "step_00000001" and ckpt.verify(save / "step_00000001") == []

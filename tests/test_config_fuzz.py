@@ -175,7 +175,7 @@ def test_launched_configurations_run_a_step_or_exit_2_on_every_rank(tmp_path_fac
     proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(tmp / "driver.py"), str(tmp),
                            "--config", str(tmp / "c.toml")], capture_output=True, text=True,
                           timeout=120)
-    assert time.monotonic() - t0 < 60, data
+    assert time.monotonic() - t0 < 90, data  # mpirun, imports and one small step
     statuses = [(tmp / f"exit.{r}").read_text() for r in range(2)]
     assert statuses[0] == statuses[1] == str(proc.returncode), (statuses, proc.stderr)
     if expected is not None:  # (the memory the node has left differs from moment to moment)

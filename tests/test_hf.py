@@ -136,7 +136,7 @@ def mpipar_logits(engine: Engine, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     """Per-token logits ``[B, S, V]`` and losses ``[B, S]`` of ``rows`` ``[B, S + 1]``."""
     stage = engine.chunks[0]
     loss, cache = stage.forward(engine.params, rows[:, :-1], engine.positions, rows[:, 1:])
-    logits = cache["head"][3]  # [B*S, V]: the LM head's output, kept for the backward
+    logits = cache.head.logits  # [B*S, V]: the LM head's output, kept for the backward
     return logits.reshape(rows.shape[0], S, V), loss
 
 

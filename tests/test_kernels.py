@@ -270,6 +270,24 @@ def test_cross_entropy_all_padding_shard(mod, rng):
     assert np.all(g == 0)
 
 
+def test_embedding_shards_sum_to_the_table_and_grad_matches_finite_differences(rng):
+    """Three vocabulary shards (the last padded) each give their rows and zeros elsewhere; their
+    sum is the full lookup. embedding_bwd is the gradient of sum(dx * embedding_fwd(w, ids))."""
+    vocab, hid = 7, 4
+    full = rng.standard_normal((9, hid))  # 7 ids padded to 3 shards of 3 rows
+    ids = rng.integers(0, vocab, (2, 5))
+    out = sum(ref.embedding_fwd(full[3 * r:3 * r + 3].copy(), ids, 3 * r) for r in range(3))
+    assert np.array_equal(out, full[ids])
+    dx = rng.standard_normal((2, 5, hid))
+    for r in range(3):
+        w = full[3 * r:3 * r + 3].copy()
+        want = num_grad(lambda: float(np.sum(dx * ref.embedding_fwd(w, ids, 3 * r))), w)
+        got = ref.embedding_bwd(np.zeros_like(w), dx, ids, 3 * r)
+        assert rel_err(got, want) <= 1e-9
+    with pytest.raises(ValueError, match="embedding_bwd: dx"):
+        ref.embedding_bwd(np.zeros((3, hid)), dx[:, :4], ids)
+
+
 def test_rope_tables_and_relative_positions(rng):
     d, theta = 8, 500.0
     pos = np.array([0, 3, 11])

@@ -4,7 +4,8 @@ Under ``mpirun -n 8``: for the small model of ``layouts.py`` (vocabulary 13, kv 
 every (dp, tp, pp, sp) with dp*tp*pp*sp in {2, 4, 8} that the model admits, each pipeline
 schedule and each SP split/mode gives, after 2 optimizer steps, the same losses, gradient norms
 and (gathered) parameters as one process: <= 1e-10 relative in float64, <= 1e-5 in float32.
-A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once.
+A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once. Every layout
+with tp > 1 runs again with ``--tp-sequence-parallel``.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def _variants():
 
 
 VARIANTS = _variants()
+TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in VARIANTS if v["tp"] > 1]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 
@@ -63,6 +65,14 @@ def _check(world, layout: dict, dtype: str, tol: float) -> None:
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", VARIANTS, ids=[layout_name(v) for v in VARIANTS])
 def test_layout_equals_single_process_float64(world, layout):
+    _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", TP_SEQUENCE_PARALLEL,
+                         ids=[layout_name(v) for v in TP_SEQUENCE_PARALLEL])
+def test_tp_sequence_parallel_equals_single_process_float64(world, layout):
+    """Megatron sequence parallelism inside TP, on every layout of the suite with tp > 1."""
     _check(world, layout, "float64", 1e-10)
 
 

@@ -9,7 +9,14 @@ from layouts import small_config, token_source
 CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, sp_mode="ulysses", dp=4),
          dict(sp=4, sp_overlap=True, tp=2), dict(pp=2, dp=2, sp=2, schedule="interleaved", virtual_stages=2),
          dict(dp=8, bucket_mb=0.001), dict(dp=4, tp=2, zero=1, bucket_mb=0.003),
-         dict(pp=4, tp=2, schedule="zb-h1"), dict(dp=2, tp=2, pp=2, dtype="float32")]
+         dict(pp=4, tp=2, schedule="zb-h1"), dict(dp=2, tp=2, pp=2, dtype="float32"),
+         dict(tp=2, dp=4, tp_sequence_parallel=True),
+         dict(sp=2, tp=2, pp=2, tp_sequence_parallel=True),
+         dict(pp=4, tp=2, schedule="zb-h1", tp_sequence_parallel=True),
+         dict(pp=2, tp=2, dp=2, zero=1, bucket_mb=0.003, tp_sequence_parallel=True,
+              recompute="full"),
+         dict(pp=2, tp=2, sp=2, schedule="interleaved", virtual_stages=2,
+              tp_sequence_parallel=True, recompute="selective")]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -19,7 +26,10 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
     from mpipar.planner import predict_step_bytes
 
     case = dict(case)
-    cfg = small_config(case.pop("dtype", "float64"), **case).resolved(8)
+    recompute = case.pop("recompute", "none")
+    cfg = small_config(case.pop("dtype", "float64"), **case)
+    cfg.train.recompute = recompute
+    cfg = cfg.resolved(8)
     fails = []
     try:
         eng = Engine(cfg, world, source=token_source())

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-from mpipar.comm import Group, Ledger
 from mpipar.config import ModelConfig
 from mpipar.kernels import get_backend
-from mpipar.model.llama import LlamaStage, LocalAttention
+from mpipar.model.attention import LocalAttention
+from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_params, param_specs
+from mpipar.parallel.tensor import TensorParallel
 
 CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                   rope_theta=500.0, init_std=0.3).resolved()
@@ -18,8 +18,8 @@ CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_h
 
 def make_stage(backend: str = "numpy") -> LlamaStage:
     k = get_backend(backend)
-    tp = Group(MPI.COMM_SELF, "tp", Ledger())
-    return LlamaStage(CFG, k, range(CFG.layers), True, True, tp, LocalAttention(k))
+    return LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
+                      LocalAttention(k))
 
 
 def batch(seed: int = 0, B: int = 2, S: int = 7):
@@ -114,7 +114,7 @@ def test_loss_at_init_is_near_uniform():
     cfg = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                       init_std=1e-4)
     k = get_backend("numpy")
-    stage = LlamaStage(cfg, k, range(2), True, True, Group(MPI.COMM_SELF, "tp", Ledger()),
+    stage = LlamaStage(cfg, k, range(2), True, True, TensorParallel(k, cfg.vocab_size),
                        LocalAttention(k))
     tokens, targets = batch()
     loss, _ = loss_and_grads(stage, init_params(cfg, 0, np.float64), tokens, targets)

@@ -103,7 +103,7 @@ def test_sigterm_to_mpirun_checkpoints_and_exits_0(tmp_path):
                        "--steps", "100000", "--run-dir", str(run)])
     wait_for_steps(run, 3, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     last = metrics(run)[-1]["step"]
     assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / f"step_{last:08d}"
@@ -158,7 +158,7 @@ def test_sigusr1_to_one_rank_stops_all_and_resume_is_exact(tmp_path):
     ranks = rank_pids(proc.pid)
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGUSR1)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     stopped = metrics(run)[-1]["step"]
     assert stopped < steps and f"preempted after step {stopped}" in out
@@ -202,14 +202,14 @@ def test_a_stop_signal_during_initialisation_exits_promptly(tmp_path, ranks, sig
     proc = subprocess.Popen([*launch, sys.executable, str(script), str(tmp_path), *TINY,
                              "--run-dir", str(run)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not all((tmp_path / f"ready.{r}").exists() for r in range(ranks)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the ranks never reached initialisation"
         time.sleep(0.05)
     t0 = time.monotonic()
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=120)
     assert time.monotonic() - t0 < 30
     assert proc.returncode == 128 + sig, (proc.returncode, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
@@ -279,15 +279,15 @@ STALL = """
     import sys, time
     from mpi4py import MPI
     from mpipar import train
-    from mpipar.parallel import grads
-    real = grads.GradReducer.finish
+    from mpipar.parallel import data
+    real = data.GradReducer.finish
     calls = [0]
     def finish(self):
         calls[0] += 1
         if calls[0] == 3 and MPI.COMM_WORLD.rank == 1:
             time.sleep(120)  # rank 1 hangs inside step 3; rank 0 waits in the gradient all-reduce
         return real(self)
-    grads.GradReducer.finish = finish
+    data.GradReducer.finish = finish
     sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -299,13 +299,13 @@ def test_collective_watchdog_names_the_operation_and_group(tmp_path):
     script = tmp_path / "stall.py"
     script.write_text(textwrap.dedent(STALL))
     run = tmp_path / "run"
-    t0 = time.monotonic()
     proc = run_train(2, [*TINY, "--steps", "10", "--collective-timeout", "3",
-                     "--run-dir", str(run)], script=str(script), timeout=100)
+                         "--run-dir", str(run)], script=str(script), timeout=240)
+    ended = time.time()
     assert proc.returncode == 4, proc.stderr  # train.EXIT_WATCHDOG, through MPI_Abort and mpirun
-    assert time.monotonic() - t0 < 60
     lines = _failures(run)
     assert [(f["rank"], f["exit"], f["kind"]) for f in lines] == [(0, 4, "watchdog")], lines
+    assert ended - lines[0]["time"] < 30  # the job ends promptly once the watchdog fires
     assert lines[0]["message"].startswith(
         "mpipar: rank 0: collective watchdog: iallreduce on group 'dp_sp' (size 2) has been "
         "blocked")
@@ -319,8 +319,8 @@ def test_collective_watchdog_names_the_operation_and_group(tmp_path):
 STALL_OUTSIDE_STEPS = """
     import sys, time
     from mpi4py import MPI
-    from mpipar import checkpoint, metrics, train
-    module, name = {"checkpoint": (checkpoint, "unique_pieces"),
+    from mpipar import metrics, state, train
+    module, name = {"checkpoint": (state.TrainState, "pieces"),  # every rank, in every save
                     "shutdown": (metrics, "gather_timeline")}[sys.argv[1]]
     real, calls = getattr(module, name), [0]
     def stalled(*args, **kwargs):
@@ -346,13 +346,13 @@ def test_the_watchdog_covers_checkpoints_and_shutdown(tmp_path, where, call, ste
     script = tmp_path / "stall.py"
     script.write_text(textwrap.dedent(STALL_OUTSIDE_STEPS))
     run = tmp_path / "run"
-    t0 = time.monotonic()
     proc = run_train(2, [where, str(call), *TINY, "--steps", str(steps), "--save-every", "1",
-                     "--collective-timeout", "3", "--run-dir", str(run)],
-                     script=str(script), timeout=100)
+                         "--collective-timeout", "3", "--run-dir", str(run)],
+                     script=str(script), timeout=240)
+    ended = time.time()
     assert proc.returncode == 4, proc.stderr
-    assert time.monotonic() - t0 < 60
     lines = _failures(run)
+    assert ended - lines[0]["time"] < 30  # the job ends promptly once the watchdog fires
     assert [(f["rank"], f["exit"], f["kind"]) for f in lines] == [(0, 4, "watchdog")], lines
     assert lines[0]["message"].startswith(
         "mpipar: rank 0: collective watchdog: gather_object on group 'world' (size 2) has been "
@@ -411,7 +411,7 @@ def test_absurd_sizes_exit_2_naming_needed_and_available_bytes(tmp_path, flags):
     t0 = time.monotonic()
     proc = run_train(2, args, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60  # mpirun, imports and the check: seconds, even when busy
     assert proc.stderr.count(f"mpipar: error: rank 0 needs at least {need:,} bytes") == 1, \
         proc.stderr
     assert "bytes available for 2 rank(s)" in proc.stderr and "Traceback" not in proc.stderr
@@ -451,15 +451,15 @@ NAN = """
     import sys
     import numpy as np
     from mpipar import train
-    from mpipar.parallel import grads
-    real = grads.GradReducer.finish
+    from mpipar.parallel import data
+    real = data.GradReducer.finish
     calls = [0]
     def finish(self):
         calls[0] += 1
         if calls[0] == 3:  # step 3: one gradient element is NaN
             self.buckets[0].grads[0] = np.nan
         return real(self)
-    grads.GradReducer.finish = finish
+    data.GradReducer.finish = finish
     sys.exit(train.main(sys.argv[1:]))
 """
 

@@ -89,11 +89,11 @@ def test_adamw_update_rejects_bad_input():
 def test_default_decay_mask_skips_1d_params():
     """With zero gradients the Adam term is 0 / (0 + eps) = 0, so only decay moves params."""
     params = {"w": np.full((2, 3), 2.0), "gain": np.full(3, 2.0)}
-    opt = AdamW(params, AdamWConfig(lr=0.1, weight_decay=0.5))
-    assert opt.decay == {"w": True, "gain": False}
     grads = {name: np.zeros_like(p) for name, p in params.items()}
-    opt.step(params, grads, lr=0.1)
-    opt.step(params, grads, lr=0.1)
+    opt = AdamW(params, grads, AdamWConfig(lr=0.1, weight_decay=0.5))
+    assert opt.decay == {"w": True, "gain": False}
+    opt.step(lr=0.1)
+    opt.step(lr=0.1)
     np.testing.assert_array_equal(params["w"], 2.0 * (1 - 0.1 * 0.5) ** 2)
     np.testing.assert_array_equal(params["gain"], 2.0)
     assert opt.step_count == 2
@@ -102,12 +102,14 @@ def test_default_decay_mask_skips_1d_params():
 def test_explicit_decay_mask_overrides_shapes():
     """A shard of a 2-D weight may be 1-D locally: the caller's mask wins."""
     params = {"shard": np.full(4, 1.0), "bias": np.full((2, 2), 1.0)}
-    opt = AdamW(params, AdamWConfig(lr=0.2, weight_decay=0.25), decay={"shard": True, "bias": False})
-    opt.step(params, {n: np.zeros_like(p) for n, p in params.items()}, lr=0.2)
+    grads = {n: np.zeros_like(p) for n, p in params.items()}
+    opt = AdamW(params, grads, AdamWConfig(lr=0.2, weight_decay=0.25),
+                decay={"shard": True, "bias": False})
+    opt.step(lr=0.2)
     np.testing.assert_array_equal(params["shard"], 1.0 - 0.2 * 0.25)
     np.testing.assert_array_equal(params["bias"], 1.0)
     with pytest.raises(ValueError, match=r"missing \['bias'\]"):
-        AdamW(params, AdamWConfig(lr=0.1), decay={"shard": True})
+        AdamW(params, grads, AdamWConfig(lr=0.1), decay={"shard": True})
 
 
 def test_adamw_class_matches_reference_and_uses_given_lr():
@@ -115,71 +117,96 @@ def test_adamw_class_matches_reference_and_uses_given_lr():
     params = {"w": rng.standard_normal((2, 2)), "b": rng.standard_normal(3)}
     start = copy.deepcopy(params)
     grads = [{"w": rng.standard_normal((2, 2)), "b": rng.standard_normal(3)} for _ in range(3)]
-    opt = AdamW(params, AdamWConfig(lr=123.0, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.2))
+    live = {n: np.zeros_like(p) for n, p in params.items()}
+    opt = AdamW(params, live, AdamWConfig(lr=123.0, beta1=0.8, beta2=0.99, eps=1e-6,
+                                          weight_decay=0.2))
     for g in grads:
-        opt.step(params, g, lr=0.05)
+        for n in live:
+            live[n][...] = g[n]
+        opt.step(lr=0.05)
     for name, wd in (("w", 0.2), ("b", 0.0)):
         expected = reference_adamw(start[name], [g[name] for g in grads], 0.05, 0.8, 0.99, 1e-6, wd)
         np.testing.assert_allclose(params[name].ravel(), expected[-1], rtol=1e-12)
 
 
-def test_state_dict_round_trip_continues_identically():
+def _moments(opt: AdamW) -> dict[tuple[str, str], np.ndarray]:
+    """The optimizer's state() as whole local tensors (copies)."""
+    out = {}
+    for kind, name, lo, hi, values in opt.state():
+        assert (lo, hi) == (0, opt.m[name].size)
+        out[(kind, name)] = values.reshape(opt.m[name].shape).copy()
+    return out
+
+
+def test_state_round_trip_continues_identically():
     rng = np.random.default_rng(4)
     shapes = {"w": (3, 2), "b": (2,)}
     grads = [{n: rng.standard_normal(s) for n, s in shapes.items()} for _ in range(6)]
     lrs = [0.01, 0.02, 0.03, 0.02, 0.01, 0.005]
     init = {n: rng.standard_normal(s) for n, s in shapes.items()}
 
+    def run(opt, live, steps):
+        for k in steps:
+            for n in live:
+                live[n][...] = grads[k][n]
+            opt.step(lrs[k])
+
     params = copy.deepcopy(init)
-    opt = AdamW(params, AdamWConfig(lr=0.03))
-    for k in range(3):
-        opt.step(params, grads[k], lrs[k])
-    saved_params = copy.deepcopy(params)
-    saved_state = copy.deepcopy(opt.state_dict())
-    for k in range(3, 6):
-        opt.step(params, grads[k], lrs[k])
+    live = {n: np.zeros(s) for n, s in shapes.items()}
+    opt = AdamW(params, live, AdamWConfig(lr=0.03))
+    run(opt, live, range(3))
+    saved_params, saved_state, saved_step = copy.deepcopy(params), _moments(opt), opt.step_count
+    run(opt, live, range(3, 6))
 
     resumed = copy.deepcopy(saved_params)
-    opt2 = AdamW(resumed, AdamWConfig(lr=0.03))
-    opt2.load_state_dict(saved_state)
+    live2 = {n: np.zeros(s) for n, s in shapes.items()}
+    opt2 = AdamW(resumed, live2, AdamWConfig(lr=0.03))
+    opt2.load_state(lambda kind, name: saved_state[(kind, name)], saved_step)
     assert opt2.step_count == 3
-    for k in range(3, 6):
-        opt2.step(resumed, grads[k], lrs[k])
+    run(opt2, live2, range(3, 6))
     for name in shapes:
         np.testing.assert_array_equal(resumed[name], params[name])
         np.testing.assert_array_equal(opt2.m[name], opt.m[name])
         np.testing.assert_array_equal(opt2.v[name], opt.v[name])
 
 
-def test_load_state_dict_keeps_dtype():
+def test_load_state_keeps_dtype():
     params = {"w": np.zeros((2, 2), np.float32)}
-    opt = AdamW(params, AdamWConfig(lr=0.1))
-    opt.load_state_dict({"step": 7, "m": {"w": np.full((2, 2), 0.5)}, "v": {"w": np.full((2, 2), 2.0)}})
+    opt = AdamW(params, {"w": np.zeros((2, 2), np.float32)}, AdamWConfig(lr=0.1))
+    state = {"exp_avg": np.full((2, 2), 0.5), "exp_avg_sq": np.full((2, 2), 2.0)}
+    opt.load_state(lambda kind, name: state[kind], 7)
     assert opt.m["w"].dtype == np.float32 and opt.step_count == 7
     np.testing.assert_array_equal(opt.v["w"], 2.0)
 
 
-@pytest.mark.parametrize("state, pattern", [
-    ({"m": {}, "v": {}}, r"lacks keys \['step'\]"),
-    ({"step": -1, "m": {}, "v": {}}, r"step must be an integer >= 0, got -1"),
-    ({"step": 1, "m": {"w": np.zeros((2, 2))}, "v": {}}, r"'v'.*missing \['w'\]"),
-    ({"step": 1, "m": {"w": np.zeros((2, 2)), "x": np.zeros(1)}, "v": {"w": np.zeros((2, 2))}},
-     r"unexpected \['x'\]"),
-    ({"step": 1, "m": {"w": np.zeros((2, 3))}, "v": {"w": np.zeros((2, 2))}},
-     r"'m' for w has shape \(2, 3\), expected \(2, 2\)"),
+@pytest.mark.parametrize("state, step, pattern", [
+    ({"exp_avg": np.zeros((2, 2)), "exp_avg_sq": np.zeros((2, 2))}, -1,
+     r"optimizer step=-1: must be an integer >= 0"),
+    ({"exp_avg": np.zeros((2, 3)), "exp_avg_sq": np.zeros((2, 2))}, 1,
+     r"exp_avg of w has shape \(2, 3\), the parameter \(2, 2\)"),
 ])
-def test_load_state_dict_errors(state, pattern):
-    opt = AdamW({"w": np.zeros((2, 2))}, AdamWConfig(lr=0.1))
+def test_load_state_errors(state, step, pattern):
+    opt = AdamW({"w": np.zeros((2, 2))}, {"w": np.zeros((2, 2))}, AdamWConfig(lr=0.1))
     with pytest.raises(ValueError, match=pattern):
-        opt.load_state_dict(state)
+        opt.load_state(lambda kind, name: state[kind], step)
+
+
+def test_replicas_report_state_once():
+    """The moments are replicated over dp x sp like the parameters: only replica 0 reports."""
+    from mpi4py import MPI
+    from mpipar.comm import Group, Ledger
+
+    opt = AdamW({"w": np.zeros(3)}, {"w": np.zeros(3)}, AdamWConfig(lr=0.1),
+                replica=Group(MPI.COMM_SELF, "dp_sp", Ledger()))
+    assert [p[:4] for p in opt.state()] == [("exp_avg", "w", 0, 3), ("exp_avg_sq", "w", 0, 3)]
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    ({"lr": -1.0}, r"lr must be >= 0, got -1.0"),
-    ({"lr": 0.1, "beta1": 1.0}, r"beta1 must be in \[0, 1\), got 1.0"),
-    ({"lr": 0.1, "beta2": -0.1}, r"beta2 must be in \[0, 1\), got -0.1"),
-    ({"lr": 0.1, "eps": 0.0}, r"eps must be > 0, got 0.0"),
-    ({"lr": 0.1, "weight_decay": -0.5}, r"weight_decay must be >= 0, got -0.5"),
+    ({"lr": -1.0}, r"lr=-1.0: must be >= 0"),
+    ({"lr": 0.1, "beta1": 1.0}, r"beta1=1.0: must be in \[0, 1\)"),
+    ({"lr": 0.1, "beta2": -0.1}, r"beta2=-0.1: must be in \[0, 1\)"),
+    ({"lr": 0.1, "eps": 0.0}, r"eps=0.0: must be > 0"),
+    ({"lr": 0.1, "weight_decay": -0.5}, r"weight_decay=-0.5: must be >= 0"),
 ])
 def test_adamw_config_validation(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -253,12 +280,12 @@ def test_cosine_without_warmup_and_constant_schedule():
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    ({"kind": "linear", "lr": 1.0}, r"kind must be 'constant' or 'cosine', got 'linear'"),
-    ({"kind": "cosine", "lr": -1.0}, r"lr must be >= 0, got -1.0"),
-    ({"kind": "cosine", "lr": 1.0, "min_lr": 2.0}, r"min_lr must satisfy 0 <= min_lr <= lr = 1.0, got 2.0"),
-    ({"kind": "cosine", "lr": 1.0, "min_lr": -0.1}, r"min_lr .* got -0.1"),
-    ({"kind": "cosine", "lr": 1.0, "warmup_steps": -2}, r"warmup_steps must be >= 0, got -2"),
-    ({"kind": "cosine", "lr": 1.0, "total_steps": 0}, r"total_steps must be >= 1, got 0"),
+    ({"kind": "linear", "lr": 1.0}, r"kind='linear': must be 'constant' or 'cosine'"),
+    ({"kind": "cosine", "lr": -1.0}, r"lr=-1.0: must be >= 0"),
+    ({"kind": "cosine", "lr": 1.0, "min_lr": 2.0}, r"min_lr=2.0: must be in \[0, lr=1.0\]"),
+    ({"kind": "cosine", "lr": 1.0, "min_lr": -0.1}, r"min_lr=-0.1: must be in"),
+    ({"kind": "cosine", "lr": 1.0, "warmup_steps": -2}, r"warmup_steps=-2: must be >= 0"),
+    ({"kind": "cosine", "lr": 1.0, "total_steps": 0}, r"total_steps=0: must be >= 1"),
 ])
 def test_schedule_validation(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -10,6 +10,7 @@ bit for bit in every mode.
 """
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import numpy as np
@@ -19,11 +20,12 @@ from mpi4py import MPI
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.activations import OffloadStore
-from mpipar.comm import Group, Ledger
 from mpipar.config import ModelConfig
-from mpipar.kernels import get_backend, numpy_ref
-from mpipar.model.llama import RECOMPUTE_MODES, LlamaStage, LocalAttention
+from mpipar.kernels import get_backend
+from mpipar.model.attention import LocalAttention
+from mpipar.model.llama import RECOMPUTE_MODES, LlamaStage
 from mpipar.model.params import init_params
+from mpipar.parallel.tensor import TensorParallel
 
 CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                   init_std=0.3).resolved()
@@ -32,8 +34,8 @@ MODES = [m for m in RECOMPUTE_MODES if m != "none"]
 
 def _stage(mode: str, store=None) -> LlamaStage:
     k = get_backend("numpy")
-    return LlamaStage(CFG, k, range(CFG.layers), True, True,
-                      Group(MPI.COMM_SELF, "tp", Ledger()), LocalAttention(k), mode, store)
+    return LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
+                      LocalAttention(k), mode, store)
 
 
 def _loss_and_grads(stage: LlamaStage, split: bool):
@@ -70,7 +72,10 @@ def _kept_bytes(tree) -> int:
     seen: dict[int, int] = {}
 
     def walk(node):
-        if isinstance(node, dict):
+        if dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name))
+        elif isinstance(node, dict):
             for v in node.values():
                 walk(v)
         elif isinstance(node, (list, tuple)):
@@ -87,16 +92,12 @@ def _kept_bytes(tree) -> int:
 
 def test_each_mode_keeps_what_it_says():
     """Per block, in float64 elements: none keeps x, h1, q, k, v, attention out, lse, x2, h2,
-    g, u, m, rstd1, rstd2 (and o_proj's input apart from the attention output when the kernel's
-    output is not contiguous, so that the reshape copies, as NumPy's is); selective keeps x, x2,
-    attention out, lse, g, u; full keeps x."""
+    g, u, m, rstd1, rstd2 (o_proj's input is the attention output, reshaped when backward needs
+    it); selective keeps x, x2, attention out, lse, g, u; full keeps x."""
     B, S = 2, 7
     H, F, D, hq, hkv = CFG.hidden, CFG.ffn_hidden, CFG.head_dim, CFG.heads, CFG.kv_heads
     tok = B * S
-    kv = np.zeros((B, S, hkv, D))
-    copied = not numpy_ref.attention_fwd(np.zeros((B, S, hq, D)), kv, kv)[0].flags.c_contiguous
-    want = {"none": tok * (H + H + hq * D + 2 * hkv * D + hq * D * (1 + copied) + hq + H + H
-                           + 3 * F + 2),
+    want = {"none": tok * (H + H + hq * D + 2 * hkv * D + hq * D + hq + H + H + 3 * F + 2),
             "selective": tok * (H + H + hq * D + hq + 2 * F),
             "full": tok * H}
     params = init_params(CFG, 4, np.float64)
@@ -105,7 +106,7 @@ def test_each_mode_keeps_what_it_says():
         stage = _stage(mode)
         stage.last = False  # blocks only: the head's context is the same in every mode
         _, cache = stage.forward(params, tokens, np.arange(S))
-        per_block = [_kept_bytes(b) for b in cache["blocks"]]
+        per_block = [_kept_bytes(b) for b in cache.blocks]
         assert per_block == [8 * elements] * CFG.layers, (mode, per_block, 8 * elements)
 
 
@@ -115,8 +116,8 @@ def test_offload_keeps_only_handles_in_memory(tmp_path):
     params = init_params(CFG, 4, np.float64)
     tokens = np.random.default_rng(0).integers(0, 11, (2, 7))
     _, cache = stage.forward(params, tokens, np.arange(7), tokens)
-    assert [type(b) for b in cache["blocks"]] == [int] * CFG.layers
-    assert isinstance(cache["head"], int) and store.in_flight == CFG.layers + 1
+    assert [type(b) for b in cache.blocks] == [int] * CFG.layers
+    assert isinstance(cache.head, int) and store.in_flight == CFG.layers + 1
     store.close()
 
 

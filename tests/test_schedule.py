@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from mpipar.parallel.schedule import (
+from mpipar.parallel.pipeline.schedule import (
     SCHEDULES,
     Op,
     ScheduleError,

@@ -10,26 +10,22 @@ from layouts import compare, reference, small_config, token_source
 
 
 def global_state(eng, world) -> dict[tuple[str, str], np.ndarray]:
-    """Assemble every global tensor of params and AdamW moments from all ranks' unique pieces."""
+    """Assemble every global tensor of params and AdamW moments from all ranks' unique pieces,
+    and check that no element is reported twice."""
     mine = []
-    if eng.writes_params:
-        for name, local in eng.params.items():
-            region, valid = eng.local_region(name)
-            mine.append(("param", name, region, valid, local.shape, None, local[valid].copy()))
-    for kind, name, lo, hi, values in eng.optimizer_pieces():
-        region, valid = eng.local_region(name)
-        mine.append((kind, name, region, valid, eng.params[name].shape, (lo, hi), values.copy()))
+    for kind, name, lo, hi, values in eng.state.pieces():
+        region, valid = eng.state.region(name)
+        mine.append((kind, name, region, valid, eng.state.local_shape(name), (lo, hi),
+                     values.copy()))
     out: dict[tuple[str, str], np.ndarray] = {}
     for items in world.allgather(mine):
         for kind, name, region, valid, local_shape, flat_range, values in items:
-            arr = out.setdefault((kind, name), np.full(eng.specs[name].shape, np.nan))
-            if flat_range is None:
-                arr[region] = values
-                continue
+            arr = out.setdefault((kind, name), np.full(eng.state.shapes[name], np.nan))
             flat = np.full(int(np.prod(local_shape)), np.nan)  # a flat range of that rank's shard
             flat[flat_range[0]:flat_range[1]] = values
             block = flat.reshape(local_shape)[valid]
             target = arr[region]
+            assert np.isnan(target[~np.isnan(block)]).all(), f"{kind}/{name} reported twice"
             target[~np.isnan(block)] = block[~np.isnan(block)]
     return out
 
@@ -53,7 +49,7 @@ def test_state_moves_between_layouts(world, before, after):
         if any(np.isnan(v).any() for v in state.values()):
             fails.append("some global state was not held by any rank")
         b = Engine(small_config(**after).resolved(8), world, source=token_source())
-        b.load_state(lambda kind, name, region: state[(kind, name)][region], a.optimizer_step)
+        b.state.load(lambda kind, name, region: state[(kind, name)][region], a.state.step)
         r2 = b.train_step(1)
         got = ([None, r2.loss], [None, r2.grad_norm], b.gather_params())
         ref = reference()

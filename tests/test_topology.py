@@ -24,10 +24,14 @@ def test_grid_every_factorisation(world, dp, tp, pp, sp):
         if not ok:
             fails.append(msg)
 
-    # DESIGN.md formula, and coordinates <-> rank both ways for every rank.
-    check(me == ((c.pp * dp + c.dp) * sp + c.sp) * tp + c.tp, f"formula for {c}")
+    # docs/architecture.md's formula, and every rank's coordinates known to every rank.
+    def rank_of(dp_r, tp_r, pp_r, sp_r):
+        return ((pp_r * dp + dp_r) * sp + sp_r % sp) * tp + tp_r
+
+    check(me == rank_of(c.dp, c.tp, c.pp, c.sp), f"formula for {c}")
+    coords = comm.allgather(c)
     for r in range(8):
-        check(grid.rank_of(**grid.coords_of(r)._asdict()) == r, f"round trip of rank {r}")
+        check(rank_of(*coords[r]) == r, f"coordinates of rank {r}")
 
     # Every sub-communicator holds exactly the ranks that agree on the other coordinates.
     same = {"tp": ("dp", "pp", "sp"), "pp": ("dp", "tp", "sp"), "dp": ("tp", "pp", "sp"),
@@ -35,7 +39,7 @@ def test_grid_every_factorisation(world, dp, tp, pp, sp):
     for name, fixed in same.items():
         members = sorted(grid.comms[name].allgather(me))
         expected = sorted(r for r in range(8)
-                          if all(getattr(grid.coords_of(r), a) == getattr(c, a) for a in fixed))
+                          if all(getattr(coords[r], a) == getattr(c, a) for a in fixed))
         check(members == expected, f"{name} members {members} != {expected}")
     sizes = {"tp": tp, "pp": pp, "dp": dp, "sp": sp, "dp_sp": dp * sp, "tp_pp": tp * pp}
     for name, size in sizes.items():
@@ -44,15 +48,13 @@ def test_grid_every_factorisation(world, dp, tp, pp, sp):
     for axis in ("tp", "pp", "dp", "sp"):
         check(grid.comms[axis].Get_rank() == getattr(c, axis), f"{axis} rank order")
 
-    # SP ring: pass my world rank to the right, receive the left neighbour's.
-    src, dst = grid.sp_ring
+    # SP ring (periodic): pass my world rank to the right, receive the left neighbour's.
+    src, dst = grid.cart.Shift(2, 1)
     got = np.empty(1, dtype=np.int64)
-    grid.comms["sp"].Sendrecv(np.array([me], dtype=np.int64), dst, 0, got, src, 0)
-    check(got[0] == grid.rank_of(dp=c.dp, tp=c.tp, pp=c.pp, sp=c.sp - 1), "sp ring left")
-    # Pipeline neighbours.
-    check(grid.pp_prev == (c.pp - 1 if c.pp > 0 else None), "pp_prev")
-    check(grid.pp_next == (c.pp + 1 if c.pp < pp - 1 else None), "pp_next")
-    check(grid.is_first_stage == (c.pp == 0) and grid.is_last_stage == (c.pp == pp - 1), "ends")
+    grid.comms["sp"].Sendrecv(np.array([me], dtype=np.int64), (c.sp + 1) % sp, 0, got,
+                              (c.sp - 1) % sp, 0)
+    check(got[0] == rank_of(c.dp, c.tp, c.pp, c.sp - 1) == src, "sp ring left")
+    check(dst == rank_of(c.dp, c.tp, c.pp, c.sp + 1), "sp ring right")
 
     assert_all_ranks(comm, fails)
     grid.free()

@@ -73,15 +73,16 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
         engine.Engine.train_step = step
         sys.exit(train.main(sys.argv[1:]))
     """))
-    t0 = time.monotonic()
     proc = subprocess.run([MPIRUN, "-n", "4", sys.executable, str(script), *TINY, "--steps", "5",
                            "--dp", "2", "--tp", "2", "--run-dir", str(tmp_path / "r")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=240)
+    ended = time.time()
     assert proc.returncode == 1, proc.stderr
-    assert time.monotonic() - t0 < 60
-    # The durable report (the launcher may drop an aborting rank's stderr: not asserted).
+    # The durable report (the launcher may drop an aborting rank's stderr: not asserted). The
+    # job ended within 30 s of the failure (start-up time on a loaded machine is not counted).
     from mpipar import failure
     [line] = failure.read(str(tmp_path / "r"))
+    assert ended - line["time"] < 30
     assert (line["rank"], line["exit"], line["kind"]) == (1, 1, "exception")
     assert line["message"].startswith("mpipar: rank 1 failed; aborting all ranks\nTraceback")
     assert "RuntimeError: injected failure on rank 1" in line["message"]

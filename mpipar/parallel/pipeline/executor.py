@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import numpy as np
+from types import ModuleType
+from typing import Any
 
 from mpipar.comm import Group
 from mpipar.model.llama import LlamaStage
-from mpipar.parallel.schedule import Op, message_tag
+from mpipar.parallel.pipeline.schedule import Op, message_tag
 
 
 @dataclass
@@ -34,8 +34,8 @@ class OpRecord:
 
 @dataclass
 class Microbatch:
-    tokens: np.ndarray | None    # [B, S_loc] on the first virtual stage
-    targets: np.ndarray | None   # [B, S_loc] on the last virtual stage
+    tokens: Any    # [B, S_loc] token ids (an array of the backend's module)
+    targets: Any   # [B, S_loc]
 
 
 @dataclass
@@ -47,22 +47,24 @@ class PipelineExecutor:
     pp: Group
     p: int
     v: int
+    xp: ModuleType   # the array module receive buffers come from
     timeline: list[OpRecord] = field(default_factory=list)
 
     def run(self, params: dict, grads: dict, microbatches: list[Microbatch],
-            positions: np.ndarray, act_shape: tuple[int, ...], dtype, loss_weight: np.ndarray,
+            positions: Any, act_shape: tuple[int, ...], dtype, loss_weight: Any,
             on_ready=None) -> float:
         """Execute the schedule; return this rank's summed token loss (0 off the last stage).
 
-        on_ready(names): called once the gradients of ``names`` are final for the step.
+        act_shape: the stream's shape (what travels between stages); on_ready(names): called
+        once the gradients of ``names`` are final for the step.
         """
         rank, p, v, m = self.pp.rank, self.p, self.v, len(microbatches)
         last_stage = p * v - 1
-        acts_in: dict[tuple[int, int], np.ndarray] = {}    # (mb, chunk) -> input activation
-        acts_out: dict[tuple[int, int], np.ndarray] = {}   # (mb, chunk) -> output to send
-        grad_in: dict[tuple[int, int], np.ndarray] = {}    # (mb, chunk) -> d(output)
-        grad_out: dict[tuple[int, int], np.ndarray] = {}   # (mb, chunk) -> d(input) to send
-        caches: dict[tuple[int, int], dict] = {}
+        acts_in: dict[tuple[int, int], Any] = {}    # (mb, chunk) -> input activation
+        acts_out: dict[tuple[int, int], Any] = {}   # (mb, chunk) -> output to send
+        grad_in: dict[tuple[int, int], Any] = {}    # (mb, chunk) -> d(output)
+        grad_out: dict[tuple[int, int], Any] = {}   # (mb, chunk) -> d(input) to send
+        caches: dict[tuple[int, int], Any] = {}
         deferred: dict[tuple[int, int], list] = {}
         done_bwd = [0] * v
         pending = []
@@ -76,10 +78,10 @@ class PipelineExecutor:
             chunk = self.chunks[op.chunk]
             start = time.perf_counter() - t0
             if op.kind == "recv_fwd":
-                buf = np.empty(act_shape, dtype)
+                buf = self.xp.empty(act_shape, dtype)
                 acts_in[key] = self.pp.recv(buf, op.peer, message_tag(op, rank, p, v))
             elif op.kind == "recv_bwd":
-                buf = np.empty(act_shape, dtype)
+                buf = self.xp.empty(act_shape, dtype)
                 grad_in[key] = self.pp.recv(buf, op.peer, message_tag(op, rank, p, v))
             elif op.kind == "send_fwd":
                 buf = acts_out.pop(key)

@@ -9,7 +9,7 @@ from conftest import assert_all_ranks
 
 
 def test_zigzag_positions():
-    from mpipar.parallel.ring import SeqLayout
+    from mpipar.parallel.context import SeqLayout
 
     lay = SeqLayout(16, 4, "zigzag")
     assert lay.positions(0).tolist() == [0, 1, 14, 15]
@@ -50,7 +50,7 @@ def _full_attention(q, k, v, dout):
                                                 ("ulysses", "zigzag", False)])
 def test_sp_attention_equals_full_attention(world, mode, split, overlap):
     from mpipar.comm import Group, Ledger
-    from mpipar.parallel.ring import RingAttention, SeqLayout, UlyssesAttention
+    from mpipar.parallel.context import RingAttention, SeqLayout, UlyssesAttention
 
     sp = 8 if mode == "ring" else 4  # Ulysses: 8 query / 4 kv heads split over 4 ranks
     comm = world.Split(world.rank // sp, world.rank)
@@ -64,8 +64,8 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap):
     group = Group(comm, "sp", Ledger())
     attn = (RingAttention(kern, group, lay, overlap) if mode == "ring"
             else UlyssesAttention(kern, group, lay))
-    out, ctx = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos)
-    dq, dk, dv = attn.backward(dout[:, pos], ctx)
+    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos)
+    dq, dk, dv = attn.backward(dout[:, pos], q[:, pos], k[:, pos], v[:, pos], out, saved)
     fails = []
     for name, got, ref in (("out", out, want[0]), ("dq", dq, want[1]), ("dk", dk, want[2]),
                            ("dv", dv, want[3])):

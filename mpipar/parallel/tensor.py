@@ -1,0 +1,201 @@
+"""Tensor parallelism (Megatron-LM): column- and row-parallel linears, the vocabulary-parallel
+embedding and cross-entropy, and sequence parallelism inside the tp group.
+
+Which parameter is split how is the placement table's business (:mod:`mpipar.placement`); this
+module is what the split means for the activations. A :class:`TensorParallel` is the tp group as
+a block sees it:
+
+- A *column-parallel* linear (q/k/v, gate/up: whole heads or FFN columns per rank) needs the
+  whole input on every rank and produces this rank's output columns; a *row-parallel* linear
+  (o, down) takes this rank's columns and produces a partial sum of the whole output. Between
+  them every op is local (attention over this rank's heads, SwiGLU over its FFN columns).
+- Entering the region (:meth:`TensorParallel.enter`, Megatron's ``f``): identity forward,
+  all-reduce of the input gradient backward. Leaving it (:meth:`TensorParallel.leave`, ``g``):
+  all-reduce forward, identity backward.
+- With ``sequence_parallel`` (Megatron's ``--sequence-parallel``, mpipar's
+  ``--tp-sequence-parallel``) the residual stream between regions, and so the norms, residual
+  adds and pipeline messages, hold only this rank's shard of the tokens: ``[N/tp, H]`` with
+  ``N = B * S`` tokens in row-major order. Entering all-gathers the shards (backward:
+  reduce-scatter of the input gradient); leaving reduce-scatters the partial sums (backward:
+  all-gather). The bytes sent equal those of the all-reduces; the stream's memory falls by tp.
+  Norm weights then see token shards: their gradients are partial over tp
+  (:meth:`TensorParallel.reduce_partial_grads`).
+- The embedding and the LM head are vocabulary-parallel: each rank holds a slice of the (padded)
+  vocabulary; the embedding's partial rows are summed on leaving, and the cross-entropy reduces
+  three numbers a token (max, sum of exponentials, target logit) instead of gathering logits.
+
+Stream shapes: ``[B, S, H]`` without sequence parallelism, ``[B*S/tp, H]`` with it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpipar.comm import Group
+from mpipar.config import Config, require, rules
+from mpipar.placement import padded_vocab
+
+Array = Any
+LinearBackward = Callable[[Array, Array, str], Array]
+"""``(dy, x, name) -> dx`` of ``y = x @ w.T`` for the parameter ``name``; the weight gradient is
+accumulated now or deferred (zero-bubble schedules) by the caller's bookkeeping."""
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The rows ``[start, start + local)`` of the (padded) vocabulary held by one tp rank."""
+
+    start: int
+    local: int
+    size: int  # true vocabulary size (ids >= size are padding)
+
+    @classmethod
+    def of(cls, vocab_size: int, tp_rank: int, tp_size: int) -> "VocabShard":
+        local = padded_vocab(vocab_size, tp_size) // tp_size
+        return cls(tp_rank * local, local, vocab_size)
+
+
+class TensorParallel:
+    """The tp group as a block sees it (see the module docstring). ``group=None`` is a tp size
+    of 1: every op is local. ``kernels`` is the backend whose ops and array module are used."""
+
+    def __init__(self, kernels, vocab_size: int, group: Group | None = None,
+                 sequence_parallel: bool = False) -> None:
+        self.kernels, self.xp = kernels, kernels.xp
+        self.group = group
+        self.size = group.size if group is not None else 1
+        self.rank = group.rank if group is not None else 0
+        self.sequence_parallel = sequence_parallel and self.size > 1
+        self.vocab = VocabShard.of(vocab_size, self.rank, self.size)
+
+    # ------------------------------------------------------------------ the stream
+    def stream_shape(self, batch: int, seq: int, hidden: int) -> tuple[int, ...]:
+        """Shape of the residual stream of a ``[batch, seq]`` microbatch on this rank."""
+        if self.sequence_parallel:
+            return (batch * seq // self.size, hidden)
+        return (batch, seq, hidden)
+
+    def enter(self, x: Array) -> Array:
+        """Input of a column-parallel region: the whole ``x`` (all-gathered token shards under
+        sequence parallelism: ``[N/tp, H]`` -> ``[N, H]``)."""
+        if not self.sequence_parallel:
+            return x
+        out = self.xp.empty((self.size * x.shape[0],) + x.shape[1:], x.dtype)
+        return self.group.allgather(self.xp.ascontiguousarray(x), out)
+
+    def enter_backward(self, dx: Array) -> Array:
+        """Gradient of :meth:`enter`: the sum over tp of the partial input gradients (all-reduce,
+        or reduce-scatter to this rank's token shard)."""
+        if self.size == 1:
+            return dx
+        if not self.sequence_parallel:
+            return self.group.allreduce_(dx)
+        flat = self.xp.ascontiguousarray(dx.reshape(-1, dx.shape[-1]))
+        out = self.xp.empty((flat.shape[0] // self.size, flat.shape[1]), dx.dtype)
+        return self.group.reduce_scatter_(flat, out)
+
+    def leave(self, y: Array) -> Array:
+        """Output of a row-parallel region: the sum over tp of the partial outputs (all-reduce,
+        or reduce-scatter to this rank's token shard)."""
+        return self.enter_backward(y)
+
+    def leave_backward(self, dy: Array) -> Array:
+        """Gradient of :meth:`leave`: identity, or the all-gather of the token shards."""
+        return self.enter(dy)
+
+    # ------------------------------------------------------------------ linears
+    def column_linear(self, x: Array, *weights: Array) -> tuple[Array, list[Array]]:
+        """``x`` entered into the region, and ``x_full @ w.T`` for each column-parallel weight
+        (several weights share one input and one collective, as q/k/v and gate/up do)."""
+        full = self.enter(x)
+        return full, [self.kernels.linear_fwd(full, w) for w in weights]
+
+    def column_linear_backward(self, dys: Sequence[Array], x_full: Array, names: Sequence[str],
+                               linear_backward: LinearBackward) -> Array:
+        """Input gradient of :meth:`column_linear` (weight gradients through
+        ``linear_backward``): the partial input gradients summed, then :meth:`enter_backward`."""
+        lead = x_full.shape[:-1]
+        dx = None
+        for dy, name in zip(dys, names):
+            part = linear_backward(dy.reshape(lead + (-1,)), x_full, name)
+            dx = part if dx is None else dx.__iadd__(part)
+        return self.enter_backward(dx)
+
+    def row_linear(self, x: Array, w: Array) -> Array:
+        """``x @ w.T`` of this rank's input columns, summed over tp (:meth:`leave`)."""
+        return self.leave(self.kernels.linear_fwd(x, w))
+
+    def row_linear_backward(self, dy: Array, x: Array, name: str,
+                            linear_backward: LinearBackward) -> Array:
+        """Input gradient of :meth:`row_linear` (``dy`` in the stream's shape, ``x`` the input
+        the forward saw)."""
+        full = self.leave_backward(dy).reshape(x.shape[:-1] + (dy.shape[-1],))
+        return linear_backward(full, x, name)
+
+    # ------------------------------------------------------------------ vocabulary parallel
+    def embed(self, w: Array, ids: Array) -> Array:
+        """Stream ``x`` of token ids ``[B, S]``: this rank's rows of ``w`` ``[V/tp, H]``, summed
+        over tp (ids held by another rank give zero rows here)."""
+        x = self.kernels.embedding_fwd(w, ids, self.vocab.start)
+        return self.leave(x) if self.size > 1 else x
+
+    def embed_backward(self, dw: Array, dx: Array, ids: Array) -> None:
+        """Accumulate into ``dw`` the gradient of this rank's embedding rows (``dx`` in the
+        stream's shape)."""
+        full = self.leave_backward(dx).reshape(ids.shape + (dx.shape[-1],))
+        self.kernels.embedding_bwd(dw, full, ids, self.vocab.start)
+
+    def cross_entropy(self, logits: Array, targets: Array) -> tuple[Array, Array]:
+        """(per-token loss ``[N]``, log-sum-exp ``[N]``) of vocabulary-parallel ``logits``
+        ``[N, V/tp]`` against ``targets`` ``[N]``: never gathers the logits, reduces three
+        numbers a token. The loss is float64, the lse in the statistics dtype."""
+        xp = self.xp
+        m, s, target_logit = self.kernels.cross_entropy_stats(logits, targets, self.vocab.start,
+                                                        self.vocab.size)
+        if self.size > 1:
+            gmax = self.group.allreduce_max_(xp.array(m, copy=True))  # keep the local max
+            packed = self.group.allreduce_(xp.stack([s * xp.exp(m - gmax), target_logit]))
+            m, s, target_logit = gmax, packed[0], packed[1]
+        lse = m + xp.log(s)
+        return (lse - target_logit).astype(xp.float64), lse
+
+    def cross_entropy_backward(self, logits: Array, targets: Array, lse: Array,
+                               dloss: Array) -> Array:
+        """Gradient of :meth:`cross_entropy` for this rank's logit columns (no communication)."""
+        return self.kernels.cross_entropy_bwd(logits, targets, lse, dloss.astype(lse.dtype),
+                                        self.vocab.start, self.vocab.size)
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_partial_grads(self, grads: Sequence[Array]) -> None:
+        """Sum over tp, in place, gradients that are partial per rank (replicated weights that
+        saw token shards: :attr:`mpipar.placement.Placement.grad_partial_over_tp`), packed in
+        one all-reduce."""
+        if not grads or not self.sequence_parallel:
+            return
+        xp = self.xp
+        packed = self.group.allreduce_(xp.concatenate([g.reshape(-1) for g in grads]))
+        at = 0
+        for g in grads:
+            g.reshape(-1)[...] = packed[at:at + g.size]
+            at += g.size
+
+
+@rules("tensor")
+def check_config(cfg: Config, world: int) -> None:
+    """The tensor-parallel split must divide the heads and the FFN; sequence parallelism inside
+    tp must divide each microbatch's tokens."""
+    m, p, t = cfg.model.resolved(), cfg.parallel, cfg.train
+    require(m.heads % p.tp == 0, f"parallel.tp={p.tp}: must divide model.heads={m.heads}")
+    require(m.kv_heads % p.tp == 0,
+             f"parallel.tp={p.tp}: must divide model.kv_heads={m.kv_heads}")
+    require(m.ffn_hidden % p.tp == 0,
+             f"parallel.tp={p.tp}: must divide model.ffn_hidden={m.ffn_hidden}")
+    if p.tp_sequence_parallel and p.tp > 1:
+        dp = p.dp or world // (p.tp * p.pp * p.sp)
+        micro = t.micro_batch_size or t.global_batch_size // max(dp, 1)
+        tokens = micro * (t.seq_len // p.sp)
+        require(tokens % p.tp == 0,
+                 f"parallel.tp_sequence_parallel: the tokens of a microbatch on one rank, "
+                 f"micro_batch_size*seq_len/sp = {micro}*{t.seq_len}/{p.sp} = {tokens}, must be "
+                 f"divisible by parallel.tp={p.tp}")

@@ -1,0 +1,203 @@
+"""Where every parameter lives on the grid: one placement per parameter, for every axis.
+
+The model (:mod:`mpipar.model.params`) declares parameters as dense global tensors: a name, a
+shape and the block that owns it. This module is the *placement table* that parallelises them
+from outside (as torchtitan's plan does): for each parameter, how the tensor-parallel axis
+splits it, which pipeline stage holds it, and what the data-parallel axes do with it.
+
+===============================  =============================  ================  ==========
+parameter                        tp (:class:`TensorSplit`)       pp                dp x sp
+===============================  =============================  ================  ==========
+``embed_tokens.weight``          rows, vocabulary-padded         first stage       replicated
+``q/k/v_proj``, ``gate/up_proj``  rows (column-parallel)          its block's       replicated
+``o_proj``, ``down_proj``         columns (row-parallel)          its block's       replicated
+``*layernorm.weight``            replicated                      its block's       replicated
+``norm.weight``                  replicated                      last stage        replicated
+``lm_head.weight``               rows, vocabulary-padded         last stage        replicated
+===============================  =============================  ================  ==========
+
+(ZeRO-1 shards the optimizer *state* over dp x sp, not the parameters: that is the optimizer's
+business, :mod:`mpipar.optim`.) With ``--tp-sequence-parallel`` the norm weights stay replicated,
+but each tp rank sees only its token shard, so their gradients are partial sums over tp
+(:attr:`Placement.grad_partial_over_tp`).
+
+Everything that asks "how is this parameter split" asks a :class:`Placement`: sharding and
+unsharding (initialisation, HF import/export, gathering), the global region a shard covers
+(checkpoints), which rank counts a replicated tensor in the global norm and writes it to a
+checkpoint, and the planner's shard shapes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpipar.config import ModelConfig
+from mpipar.model.params import ParamSpec, param_specs
+from mpipar.parallel.pipeline.schedule import stage_layers, stage_owner
+
+Slices = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """How the tensor-parallel axis places a parameter: ``dim`` split into tp equal parts
+    (None: every tp rank holds all of it); ``padded``: the split dimension (the vocabulary) is
+    first padded with zero rows up to a multiple of tp."""
+
+    dim: int | None
+    padded: bool = False
+
+
+REPLICATED = TensorSplit(None)
+COLUMN_PARALLEL = TensorSplit(0)    # rows of [out, in]: whole heads / FFN columns per rank
+ROW_PARALLEL = TensorSplit(1)       # columns of [out, in]: the input features per rank
+VOCAB_PARALLEL = TensorSplit(0, padded=True)
+
+TENSOR_PARALLEL_PLAN: dict[str, TensorSplit] = {
+    "embed_tokens.weight": VOCAB_PARALLEL,
+    "input_layernorm.weight": REPLICATED,
+    "self_attn.q_proj.weight": COLUMN_PARALLEL,
+    "self_attn.k_proj.weight": COLUMN_PARALLEL,
+    "self_attn.v_proj.weight": COLUMN_PARALLEL,
+    "self_attn.o_proj.weight": ROW_PARALLEL,
+    "post_attention_layernorm.weight": REPLICATED,
+    "mlp.gate_proj.weight": COLUMN_PARALLEL,
+    "mlp.up_proj.weight": COLUMN_PARALLEL,
+    "mlp.down_proj.weight": ROW_PARALLEL,
+    "norm.weight": REPLICATED,
+    "lm_head.weight": VOCAB_PARALLEL,
+}
+"""The tensor-parallel column of the table, by parameter name without its ``layers.{i}.``."""
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp (padding rows are zero and never used)."""
+    return -(-vocab_size // tp) * tp
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One row of the placement table: the parameter and where each axis puts it."""
+
+    spec: ParamSpec
+    tp: TensorSplit
+    stage: int                 # global virtual pipeline stage holding it
+    tp_sequence_parallel: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def grad_partial_over_tp(self) -> bool:
+        """Whether each tp rank's gradient is a partial sum to be all-reduced over tp (a
+        replicated weight applied to token shards under --tp-sequence-parallel)."""
+        return self.tp.dim is None and self.tp_sequence_parallel
+
+    def owned_by(self, tp_rank: int) -> bool:
+        """Whether tp rank ``tp_rank``'s copy is the one counted in the global gradient norm and
+        written to checkpoints: every shard of a split tensor, rank 0's of a replicated one."""
+        return self.tp.dim is not None or tp_rank == 0
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        """Shape of one tp rank's shard (vocabulary padding included)."""
+        shape = list(self.spec.shape)
+        d = self.tp.dim
+        if d is not None:
+            if self.tp.padded:
+                shape[d] = padded_vocab(shape[d], tp_size)
+            shape[d] //= tp_size
+        return tuple(shape)
+
+    def shard(self, value: np.ndarray, tp_rank: int, tp_size: int) -> np.ndarray:
+        """This tp rank's slice of the global tensor ``value`` (a new C-contiguous array)."""
+        d = self.tp.dim
+        if d is None or tp_size == 1:
+            return np.array(value, copy=True, order="C")
+        if self.tp.padded:
+            pad = padded_vocab(value.shape[d], tp_size) - value.shape[d]
+            if pad:
+                widths = [(0, 0)] * value.ndim
+                widths[d] = (0, pad)
+                value = np.pad(value, widths)
+        n = value.shape[d] // tp_size
+        index = [slice(None)] * value.ndim
+        index[d] = slice(tp_rank * n, (tp_rank + 1) * n)
+        return np.ascontiguousarray(value[tuple(index)])
+
+    def unshard(self, pieces: list[Any]) -> np.ndarray:
+        """Inverse of :meth:`shard`: join the tp slices (in tp-rank order), drop the padding."""
+        d = self.tp.dim
+        if d is None:
+            return np.asarray(pieces[0])
+        full = np.concatenate(pieces, axis=d)
+        if self.tp.padded:
+            index = [slice(None)] * full.ndim
+            index[d] = slice(0, self.spec.shape[d])
+            full = full[tuple(index)]
+        return full
+
+    def region(self, tp_rank: int, tp_size: int) -> tuple[Slices, Slices]:
+        """(region of the global tensor that tp rank ``tp_rank``'s shard covers, the part of the
+        shard holding it): they differ only by vocabulary padding, which no global tensor has."""
+        glob = [slice(0, n) for n in self.spec.shape]
+        local_shape = self.local_shape(tp_size)
+        loc = [slice(0, n) for n in local_shape]
+        d = self.tp.dim
+        if d is not None:
+            start = tp_rank * local_shape[d]
+            stop = max(start, min(start + local_shape[d], self.spec.shape[d]))
+            glob[d], loc[d] = slice(start, stop), slice(0, stop - start)
+        return tuple(glob), tuple(loc)
+
+
+class PlacementTable:
+    """The placement of every parameter of ``model`` on a grid with ``pp`` pipeline ranks of
+    ``virtual_stages`` chunks each, in forward order."""
+
+    def __init__(self, model: ModelConfig, pp: int = 1, virtual_stages: int = 1,
+                 tp_sequence_parallel: bool = False) -> None:
+        self.model = model.resolved()
+        self.pp, self.virtual_stages = pp, virtual_stages
+        stages = pp * virtual_stages
+        self.rows: dict[str, Placement] = {}
+        for spec in param_specs(self.model):
+            if spec.layer is not None:
+                stage = spec.layer // (self.model.layers // stages)
+            else:
+                stage = 0 if spec.name == "embed_tokens.weight" else stages - 1
+            suffix = spec.name.split(".", 2)[-1] if spec.layer is not None else spec.name
+            self.rows[spec.name] = Placement(spec, TENSOR_PARALLEL_PLAN[suffix], stage,
+                                             tp_sequence_parallel)
+
+    def __getitem__(self, name: str) -> Placement:
+        return self.rows[name]
+
+    def __iter__(self):
+        return iter(self.rows.values())
+
+    def pipeline_rank(self, name: str) -> int:
+        """The pipeline rank holding ``name``."""
+        return stage_owner(self.rows[name].stage, self.pp)[0]
+
+    def stage_names(self, stage: int) -> list[str]:
+        """Parameters of global virtual ``stage``, in forward order."""
+        return [p.name for p in self if p.stage == stage]
+
+    def stage_layers(self, stage: int) -> range:
+        return stage_layers(stage, self.model.layers, self.pp, self.virtual_stages)
+
+    def local_shapes(self, pp_rank: int, tp_size: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of the shards held by pipeline rank ``pp_rank`` (any tp rank), chunk by chunk
+        in forward order (the order the engine lays out its flat buffers)."""
+        out = {}
+        for chunk in range(self.virtual_stages):
+            for name in self.stage_names(chunk * self.pp + pp_rank):
+                out[name] = self.rows[name].local_shape(tp_size)
+        return out
+
+    def local_elements(self, pp_rank: int, tp_size: int) -> int:
+        return sum(math.prod(s) for s in self.local_shapes(pp_rank, tp_size).values())

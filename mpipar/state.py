@@ -1,0 +1,88 @@
+"""The training state one rank holds, seen as pieces of global tensors (what checkpoints need).
+
+A rank holds shards of some parameters (:mod:`mpipar.placement`) and the optimizer's moments for
+them (all of them, or ZeRO-1's owned slices: :mod:`mpipar.optim`). A checkpoint stores global
+tensors, so this module answers, for this rank:
+
+- :meth:`TrainState.pieces`: its share of the unique state as flat ranges of its local shards,
+  every element of every global tensor reported by exactly one rank of the world: parameters by
+  dp = sp = 0 (and, for tp-replicated ones, tp = 0), moments by whichever rank the optimizer
+  says (and the same tp rule);
+- :meth:`TrainState.region`: which region of a global tensor a local shard covers (vocabulary
+  padding rows belong to no global tensor);
+- :meth:`TrainState.load`: set every parameter and moment from a reader of global regions, so
+  a checkpoint of any layout loads into this one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mpipar.backend import to_host
+from mpipar.optim import Optimizer, StatePiece
+from mpipar.placement import PlacementTable, Slices
+
+Reader = Callable[[str, str, Slices], np.ndarray]
+"""``read(kind, name, region)``: ``region`` of the global tensor ``kind/name`` (kind "param",
+"exp_avg" or "exp_avg_sq")."""
+
+
+class TrainState:
+    """This rank's parameters and optimizer state as pieces of global tensors."""
+
+    def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable,
+                 tp_rank: int, tp_size: int, replica_rank: int, dtype: np.dtype,
+                 xp: ModuleType = np) -> None:
+        """``params``: this rank's shards (arrays of ``xp``); ``replica_rank``: its rank in
+        dp x sp (0 writes the parameters of its (tp, pp) position)."""
+        self.params, self.optimizer, self.table, self.xp = params, optimizer, table, xp
+        self.tp_rank, self.tp_size, self.replica_rank = tp_rank, tp_size, replica_rank
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Global shape of every parameter of the model, in forward order."""
+        return {p.name: p.spec.shape for p in self.table}
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far."""
+        return self.optimizer.step_count
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.params[name].shape)
+
+    def region(self, name: str) -> tuple[Slices, Slices]:
+        """(region of the global tensor ``name`` this rank's shard covers, the part of the local
+        shard holding it)."""
+        return self.table[name].region(self.tp_rank, self.tp_size)
+
+    def pieces(self) -> Iterator[StatePiece]:
+        """``(kind, name, lo, hi, values)``: this rank's share of the unique state, ``[lo, hi)``
+        a range of the flattened local shard of ``name``, ``values`` its host copy."""
+        def owned(name: str) -> bool:
+            return self.table[name].owned_by(self.tp_rank)
+
+        if self.replica_rank == 0:
+            for name, local in self.params.items():
+                if owned(name):
+                    yield "param", name, 0, local.size, to_host(local).reshape(-1)
+        for kind, name, lo, hi, values in self.optimizer.state():
+            if owned(name):
+                yield kind, name, lo, hi, to_host(values)
+
+    def load(self, read: Reader, step: int) -> None:
+        """Set every parameter and moment of this rank from ``read`` (global regions) and the
+        optimizer's update count from ``step``. Collective-free."""
+        def local(kind: str, name: str) -> np.ndarray:
+            glob, loc = self.region(name)
+            full = np.zeros(self.local_shape(name), self.dtype)  # padding rows stay zero
+            full[loc] = read(kind, name, glob)
+            return full
+
+        for name, shard in self.params.items():
+            shard[...] = self.xp.asarray(local("param", name))
+        self.optimizer.load_state(local, step)

@@ -1,0 +1,322 @@
+"""Hugging Face tokenizers: a raw-text corpus to an HDF5 token stream the trainer reads.
+
+`python -m mpipar.data prepare INPUT... --tokenizer HF_DIR_OR_tokenizer.json --out tokens.h5`
+encodes the documents of the inputs (text files, directories, `.jsonl`, Parquet:
+:mod:`mpipar.documents`) with the `tokenizers` library (`pip install 'mpipar[tokenizers]'`;
+no PyTorch) and writes one 1-D dataset `tokens`:
+
+- each document is the tokenizer's encoding without its special-token template (no BOS),
+  followed by the tokenizer's end-of-document token (EOS), documents in input order;
+- ids in the smallest unsigned dtype that holds the vocabulary (uint8, uint16 or uint32);
+- streamed: batches of documents are encoded and appended to a resizable, chunked, fletcher32
+  dataset, so memory stays bounded by a batch, whatever the corpus size;
+- with `workers > 1`, files are encoded in parallel processes, each into a temporary part file,
+  and appended in input order: the output is the same for every number of workers;
+- the file's attributes record the tokenizer (the path given, its vocabulary size, the sha256 of
+  its tokenizer.json, the EOS token and id; :data:`mpipar.data.TOKENIZER_ATTRS`), the input files
+  with the token offset of each (`files`, `offsets`), the document count and the text field.
+  The trainer checks the vocabulary against the model's (:func:`mpipar.data.load_tokens`).
+
+The EOS token is `--eos` when given, else `eos_token` of the `tokenizer_config.json` or
+`special_tokens_map.json` beside tokenizer.json, else the one special token among
+:data:`KNOWN_EOS` the tokenizer has.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from mpipar import documents
+from mpipar.data import PREPARE_CHUNK_TOKENS, DataError, output_file
+
+KNOWN_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
+"""End-of-document tokens recognised when no tokenizer_config.json names one."""
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What identifies a tokenizer in a prepared file."""
+
+    name: str           # the path as given
+    file: str           # its tokenizer.json
+    vocab_size: int     # ids are in [0, vocab_size)
+    sha256: str         # of tokenizer.json
+    eos_token: str
+    eos_id: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The smallest unsigned dtype that holds every id."""
+        return token_dtype(self.vocab_size)
+
+    def attrs(self) -> dict[str, Any]:
+        """The HDF5 attributes (names in :data:`mpipar.data.TOKENIZER_ATTRS`)."""
+        return {"tokenizer": self.name, "tokenizer_vocab_size": self.vocab_size,
+                "tokenizer_sha256": self.sha256, "eos_token": self.eos_token,
+                "eos_id": self.eos_id}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare_tokenized` wrote."""
+
+    tokens: int
+    documents: int
+    files: list[str]
+    tokenizer: TokenizerSpec
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint8, uint16 or uint32: the smallest unsigned dtype holding ids below `vocab_size`."""
+    return next(np.dtype(t) for t in (np.uint8, np.uint16, np.uint32, np.uint64)
+                if vocab_size - 1 <= np.iinfo(t).max)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tokenizer
+
+
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The tokenizer.json of `path` (a Hugging Face directory or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+        if not p.is_file():
+            raise DataError(f"--tokenizer {path}: the directory has no tokenizer.json (a fast "
+                            f"tokenizer of the `tokenizers` library)")
+    elif not p.is_file():
+        raise DataError(f"--tokenizer {path} does not exist")
+    return p
+
+
+def load_tokenizer(path: str | os.PathLike, eos: str | None = None):
+    """(the `tokenizers.Tokenizer` of `path`, its :class:`TokenizerSpec`). Truncation and padding
+    stored in the file are switched off: every document is encoded whole."""
+    file = tokenizer_file(path)
+    tokenizer = _read_tokenizer(file)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    eos_token = eos or _configured_eos(file) or _known_eos(tokenizer, path)
+    if eos_token not in vocab:
+        raise DataError(f"--tokenizer {path}: the end-of-document token {eos_token!r} is not in "
+                        f"its vocabulary" + ("" if eos else "; name one with --eos TOKEN"))
+    spec = TokenizerSpec(os.fspath(path), os.fspath(file), max(vocab.values()) + 1,
+                         hashlib.sha256(file.read_bytes()).hexdigest(), eos_token, vocab[eos_token])
+    return tokenizer, spec
+
+
+def _read_tokenizer(file: Path):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError("--tokenizer needs the tokenizers package: "
+                        "pip install 'mpipar[tokenizers]'") from None
+    try:
+        tokenizer = Tokenizer.from_file(os.fspath(file))
+    except Exception as err:  # tokenizers raises its own Exception for malformed JSON
+        raise DataError(f"cannot read {file} as a tokenizers JSON file: {err}") from None
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def _configured_eos(file: Path) -> str | None:
+    """`eos_token` from tokenizer_config.json or special_tokens_map.json beside `file`."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = file.with_name(name)
+        if not config.is_file():
+            continue
+        try:
+            value = json.loads(config.read_text()).get("eos_token")
+        except (ValueError, AttributeError) as err:
+            raise DataError(f"cannot read {config} as a JSON object: {err}") from None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _known_eos(tokenizer, path) -> str:
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    found = [t for t in KNOWN_EOS if t in special]
+    if len(found) != 1:
+        raise DataError(f"--tokenizer {path}: cannot tell its end-of-document token (no eos_token "
+                        f"in a tokenizer_config.json beside it; special tokens among "
+                        f"{', '.join(KNOWN_EOS)}: {', '.join(found) or 'none'}); "
+                        f"name it with --eos TOKEN")
+    return found[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def encode_file(tokenizer, spec: TokenizerSpec, path: str, text_field: str
+                ) -> Iterator[tuple[np.ndarray, int, int]]:
+    """(ids [n] in `spec.dtype`, documents ended, input bytes consumed) per batch of `path`."""
+    for batch in documents.read_batches(path, text_field):
+        encodings = tokenizer.encode_batch_fast(batch.texts, add_special_tokens=False)
+        pieces = []
+        for encoding, end in zip(encodings, batch.ends):
+            pieces.append(encoding.ids)
+            if end:
+                pieces.append((spec.eos_id,))
+        ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=spec.dtype)
+        yield ids, sum(batch.ends), batch.nbytes
+
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(name: str, eos: str, threads: int) -> None:
+    """A worker process: cap the tokenizer's thread pool, then load the tokenizer once."""
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    _worker["tokenizer"], _worker["spec"] = load_tokenizer(name, eos)
+
+
+def _encode_to_part(task: tuple[str, str, str]) -> tuple[int, int]:
+    """Encode one file into a raw part file of ids; returns (tokens, documents)."""
+    path, text_field, part = task
+    tokens = docs = 0
+    with open(part, "wb") as fh:
+        for ids, ended, _ in encode_file(_worker["tokenizer"], _worker["spec"], path, text_field):
+            fh.write(ids.tobytes())
+            tokens, docs = tokens + ids.size, docs + ended
+    return tokens, docs
+
+
+# ---------------------------------------------------------------------------------------------
+# the output file
+
+
+class _TokenStream:
+    """A growing 1-D `tokens` dataset (resizable, chunked, fletcher32), written a chunk at a
+    time: appended ids wait in memory until they fill a chunk, or :meth:`flush`."""
+
+    def __init__(self, f: h5py.File, dtype: np.dtype, chunk_tokens: int):
+        self.data = f.create_dataset("tokens", shape=(0,), maxshape=(None,), dtype=dtype,
+                                     chunks=(chunk_tokens,), fletcher32=True)
+        self.size = 0  # tokens appended, written or waiting
+        self._waiting: list[np.ndarray] = []
+        self._written = 0
+
+    def append(self, ids: np.ndarray) -> None:
+        self._waiting.append(ids)
+        self.size += ids.size
+        if self.size - self._written >= self.data.chunks[0]:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.size > self._written:
+            self.data.resize((self.size,))
+            self.data[self._written:] = np.concatenate(self._waiting)
+            self._waiting, self._written = [], self.size
+
+
+def _cpus() -> int:
+    """CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_workers(num_files: int) -> int:
+    """One process per CPU this process may use, at most one per file."""
+    return max(1, min(num_files, _cpus()))
+
+
+def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLike,
+                      tokenizer: str | os.PathLike, eos: str | None = None,
+                      text_field: str = "text", workers: int = 0,
+                      chunk_tokens: int = PREPARE_CHUNK_TOKENS,
+                      progress: bool | None = None) -> Prepared:
+    """Encode the documents of `inputs` with `tokenizer` into the HDF5 file `out` (see the
+    module docstring). `workers` 0 means :func:`default_workers`; `progress` None shows a bar
+    on a terminal only. The output is written to `out + ".tmp"` and renamed, so `out` is either
+    complete or untouched. Raises DataError naming the input and the rule broken."""
+    for name, value, low in (("workers", workers, 0), ("chunk_tokens", chunk_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise DataError(f"{name} must be an integer >= {low}, got {value!r}")
+    out = output_file(out)
+    files = documents.expand_inputs(inputs)
+    for path in files:
+        documents.check_readable(path, text_field)
+    tok, spec = load_tokenizer(tokenizer, eos)
+    workers = min(workers, len(files)) or default_workers(len(files))
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        # HDF5 1.10 object headers hold attributes over 64 KiB (the names of many files)
+        with h5py.File(tmp, "w", libver=("v110", "latest")) as f:
+            stream = _TokenStream(f, spec.dtype, chunk_tokens)
+            offsets, docs = _write(stream, files, tok, spec, text_field, workers, out, progress)
+            stream.flush()
+            if stream.size == 0:
+                raise DataError(f"the inputs {', '.join(map(os.fspath, inputs))} hold no text")
+            f.attrs.update(spec.attrs())
+            f.attrs.update({"files": files, "offsets": np.asarray(offsets, dtype=np.int64),
+                            "documents": docs, "text_field": text_field})
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return Prepared(stream.size, docs, files, spec)
+
+
+def _write(stream: _TokenStream, files: list[str], tok, spec: TokenizerSpec, text_field: str,
+           workers: int, out: Path, progress: bool | None) -> tuple[list[int], int]:
+    """Append every file's ids to `stream` in input order; (token offsets [files + 1], docs)."""
+    from tqdm import tqdm
+    total = sum(os.path.getsize(p) for p in files)
+    disable = None if progress is None else not progress
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=disable,
+              file=sys.stderr) as bar:
+        if workers == 1:
+            offsets, docs = [0], 0
+            for path in files:
+                for ids, ended, nbytes in encode_file(tok, spec, path, text_field):
+                    stream.append(ids)
+                    docs += ended
+                    bar.update(nbytes)
+                offsets.append(stream.size)
+            return offsets, docs
+        return _write_parallel(stream, files, spec, text_field, workers, out, bar)
+
+
+def _write_parallel(stream: _TokenStream, files: list[str], spec: TokenizerSpec,
+                    text_field: str, workers: int, out: Path, bar) -> tuple[list[int], int]:
+    """Files encoded by `workers` processes into part files, appended here in input order."""
+    parts = Path(tempfile.mkdtemp(prefix=out.name + ".parts.", dir=out.parent))
+    threads = max(1, _cpus() // workers)
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
+    tasks = [(path, text_field, os.fspath(parts / f"{i:08d}.ids")) for i, path in enumerate(files)]
+    offsets, docs = [0], 0
+    try:
+        with context.Pool(workers, _init_worker, (spec.name, spec.eos_token, threads)) as pool:
+            for (path, _, part), (count, ended) in zip(tasks, pool.imap(_encode_to_part, tasks)):
+                _append_part(stream, part, spec.dtype, count)
+                docs += ended
+                offsets.append(stream.size)
+                bar.update(os.path.getsize(path))
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+    return offsets, docs
+
+
+def _append_part(stream: _TokenStream, part: str, dtype: np.dtype, count: int) -> None:
+    """Copy a part file's `count` ids into `stream` a chunk at a time, then delete it."""
+    step = stream.data.chunks[0]
+    with open(part, "rb") as fh:
+        for _ in range(0, count, step):
+            stream.append(np.frombuffer(fh.read(step * dtype.itemsize), dtype=dtype))
+    os.unlink(part)

@@ -1,0 +1,110 @@
+"""One array seam: every array a training step allocates outside the kernels and the optimizer
+math (both array-module generic: they allocate in the module of their inputs) comes from the
+kernel backend's ``xp``.
+
+A step runs with the backend's ``xp`` swapped for a recording wrapper of NumPy, while ``np`` in
+every hot-path module is swapped for a guard that fails on any NumPy function (types, dtypes
+and constants pass). The step must still equal the single-process run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+
+import numpy as np
+import pytest
+
+from conftest import assert_all_ranks
+from layouts import compare, layout_name, layout_size, reference, small_config, token_source
+
+HOT_PATH = ("mpipar.engine", "mpipar.comm", "mpipar.model.llama", "mpipar.model.attention",
+            "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data",
+            "mpipar.parallel.pipeline.executor")
+ALLOWED = {"dtype", "inf", "nan", "ndarray", "generic", "integer", "floating", "bool_"}
+
+
+class RecordingXP(types.ModuleType):
+    """NumPy, counting each function called through it."""
+
+    def __init__(self) -> None:
+        super().__init__("recording_xp")
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        value = getattr(np, name)
+        if callable(value) and not isinstance(value, type):
+            def counted(*args, **kwargs):
+                self.calls[name] = self.calls.get(name, 0) + 1
+                return value(*args, **kwargs)
+            return counted
+        return value
+
+
+class NumpyGuard(types.ModuleType):
+    """Stands in for ``np`` in a hot-path module: types, dtypes and constants only."""
+
+    def __init__(self, module: str) -> None:
+        super().__init__("numpy_guard")
+        self.module = module
+
+    def __getattr__(self, name: str):
+        value = getattr(np, name)
+        if isinstance(value, (type, float, np.dtype)) or name in ALLOWED:
+            return value
+        raise AssertionError(f"np.{name} called in {self.module} during a training step: "
+                             f"allocate from the backend's xp")
+
+
+def _guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
+    """Two steps with the seam swapped in; returns (losses, norms, params) and the recorder."""
+    from mpipar import engine as engine_mod
+    from mpipar.backend import training_backend
+
+    recording = RecordingXP()
+    backend = dataclasses.replace(training_backend("numpy"), xp=recording)
+    monkeypatch.setattr(engine_mod, "training_backend", lambda name: backend)
+    eng = engine_mod.Engine(cfg.resolved(comm.Get_size()), comm, source=token_source())
+    for name in HOT_PATH:
+        module = importlib.import_module(name)
+        if hasattr(module, "np"):
+            monkeypatch.setattr(module, "np", NumpyGuard(name))
+    results = [eng.train_step(k) for k in range(2)]
+    monkeypatch.undo()
+    return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params()), \
+        recording
+
+
+def test_one_process_step_allocates_through_xp(monkeypatch):
+    from mpi4py import MPI
+
+    got, recording = _guarded_step(monkeypatch, small_config(), MPI.COMM_SELF)
+    assert compare(got, reference("float64"), 1e-12) == []
+    # The microbatches cross once each; the loss weight, the loss and norm buffers are xp's.
+    assert recording.calls.get("asarray", 0) >= 2 * 2 * 8 and recording.calls.get("full") == 2
+    assert recording.calls.get("array", 0) >= 4
+
+
+LAYOUTS = [dict(tp=2, sp=2, pp=2), dict(dp=2, sp=2, sp_mode="ulysses", zero=1, bucket_mb=0.002),
+           dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True),
+           dict(sp=4, sp_overlap=True, tp=2, sp_split="zigzag")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
+def test_every_layout_allocates_through_xp(world, layout):
+    size = layout_size(layout)
+    comm = world.Split(world.rank // size, world.rank)
+    fails: list[str] = []
+    patch = pytest.MonkeyPatch()
+    try:
+        got, recording = _guarded_step(patch, small_config(**layout), comm)
+        fails += compare(got, reference("float64"), 1e-10)
+        if not recording.calls.get("empty"):
+            fails.append(f"no receive or ring buffer came from xp: {recording.calls}")
+    except Exception as exc:  # every rank must reach the allgather
+        fails.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        patch.undo()
+        comm.Free()
+    assert_all_ranks(world, fails)

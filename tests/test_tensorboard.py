@@ -1,0 +1,108 @@
+"""TensorBoard event files written without TensorFlow, read back with TensorBoard's own reader:
+every number of every metrics.jsonl record is there, at its step, as the float32 TensorBoard
+stores scalars as."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import MPIRUN, needs_mpirun
+from mpipar import tensorboard
+from mpipar.metrics import MetricsWriter
+
+event_accumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator",
+    reason="reading event files back needs the tensorboard package "
+           "(pip install 'mpipar[tensorboard]')")
+
+
+def _leaves(value, path: str = "") -> dict[str, float]:
+    """Every number of a JSON value by its path (the reference for the tags), 'step' aside."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _leaves(item, path + key + "/").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value)
+                for k, v in _leaves(item, f"{path}rank_{i}/").items()}
+    tag = path.rstrip("/")
+    return {} if tag == "step" or isinstance(value, str) else {tag: float(value)}
+
+
+def _read(log_dir) -> event_accumulator.EventAccumulator:
+    acc = event_accumulator.EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def _assert_events_hold(records: list[dict], acc) -> None:
+    tags = set(acc.Tags()["scalars"])
+    for record in records:
+        want = _leaves(record)
+        assert set(want) <= tags, sorted(set(want) - tags)
+        for tag, value in want.items():
+            got = [e.value for e in acc.Scalars(tag) if e.step == record["step"]]
+            assert got == [float(np.float32(value))], (tag, record["step"], got, value)
+
+
+def test_crc32c_matches_the_standard_and_tensorboards():
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 300):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert tensorboard.masked_crc32c(data) == masked_crc32c(data)
+
+
+def test_any_flat_dict_and_metrics_records_read_back(tmp_path):
+    records = [{"step": 1, "loss": 2.5, "skipped": False, "time": {"compute": 0.25, "io": 0.0},
+                "comm_bytes": {"tp": 1 << 40}, "memory_bytes": [123456789, 987654321],
+                "note": "text is left out"},
+               {"step": 2, "loss": float("nan"), "skipped": True, "time": {"compute": 1e-9},
+                "eval_loss": 3.0, "flops": 1e39}]
+    writer = MetricsWriter(str(tmp_path / "run"), tensorboard=str(tmp_path / "tb"))
+    for r in records:
+        writer.write(r)
+    writer.close()
+    acc = _read(tmp_path / "tb")
+    assert sorted(acc.Tags()["scalars"]) == sorted(set(_leaves(records[0])) | set(_leaves(records[1])))
+    assert np.isnan(acc.Scalars("loss")[1].value) and acc.Scalars("flops")[0].value == np.inf
+    _assert_events_hold([records[0]], acc)
+    assert [(e.step, e.value) for e in acc.Scalars("skipped")] == [(1, 0.0), (2, 1.0)]
+    assert acc.Scalars("memory_bytes/rank_1")[0].value == float(np.float32(987654321))
+    assert tensorboard.scalars({"eval_loss": 1.5, "step": 9}) == {"eval_loss": 1.5}
+
+
+def test_the_directory_setting(tmp_path, monkeypatch):
+    assert tensorboard.log_dir("off", "run") is None
+    assert tensorboard.log_dir("tb/x", "run") == "tb/x"
+    monkeypatch.setattr(tensorboard, "installed", lambda: True)
+    assert tensorboard.log_dir("", "run") == os.path.join("run", "tensorboard")
+    monkeypatch.setattr(tensorboard, "installed", lambda: False)
+    assert tensorboard.log_dir("", "run") is None
+
+
+@needs_mpirun
+def test_a_run_writes_every_metric_of_every_step(tmp_path):
+    """Two ranks (TP=2, so there are bytes per group); the default directory, since the
+    tensorboard package is installed."""
+    run = tmp_path / "run"
+    proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "mpipar.train", "--tp", "2",
+                           "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                           "--seq-len", "32", "--global-batch-size", "4", "--steps", "3",
+                           "--backend", "numpy", "--log-every", "0", "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    with open(run / "metrics.jsonl") as fh:
+        records = [json.loads(line) for line in fh]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert len(os.listdir(run / "tensorboard")) == 1  # rank 0 alone writes
+    acc = _read(run / "tensorboard")
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "time/compute",
+                "time_max/tp_comm", "comm_bytes/tp", "comm_bytes_max/tp", "comm_seconds/tp",
+                "memory_bytes/rank_1"):
+        assert tag in acc.Tags()["scalars"], tag
+    _assert_events_hold(records, acc)

@@ -237,7 +237,8 @@ class Watchdog:
                  on_stuck: Callable[[str], None], startup: float | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"watchdog timeout={timeout!r}: must be > 0 seconds")
-        self.ledgers, self.timeout, self.rank, self.on_stuck = list(ledgers), timeout, rank, on_stuck
+        self.ledgers, self.timeout, self.rank = list(ledgers), timeout, rank
+        self.on_stuck = on_stuck
         self.startup = startup if startup is not None and startup > timeout else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mpipar-watchdog", daemon=True)

@@ -268,6 +268,14 @@ def test_watchdog_names_only_a_call_blocked_too_long():
     assert not fast._thread.is_alive()
     assert len(messages) == 1 and messages[0].startswith(
         "mpipar: rank 3: collective watchdog: recv on group 'pp' (size 2) has been blocked")
+    # Start-up (until step 1 has finished) is allowed --startup-timeout instead, if longer.
+    slow = Watchdog([ledger], timeout=5.0, rank=0, on_stuck=print, startup=60.0)
+    start = ledger.in_flight[3]
+    assert slow.stuck(start + 59) is None
+    assert "longer than --startup-timeout 60 s (start-up and step 1)" in slow.stuck(start + 61)
+    slow.steady()
+    assert "longer than --collective-timeout 5 s;" in slow.stuck(start + 6)
+    assert Watchdog([ledger], 5.0, 0, print, startup=1.0).stuck(start + 6) is not None
 
 
 def _failures(run_dir) -> list[dict]:

@@ -23,7 +23,7 @@ from . import numpy_ref
 
 OPS: tuple[str, ...] = (
     "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "embedding_fwd", "embedding_bwd",
-    "rmsnorm_fwd", "rmsnorm_bwd",
+    "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd",
     "rope_cos_sin", "rope_fwd", "rope_bwd",
     "swiglu_fwd", "swiglu_bwd",
     "attention_fwd", "attention_bwd", "attention_merge",
@@ -53,6 +53,8 @@ class Backend:
     embedding_bwd: Kernel
     rmsnorm_fwd: Kernel
     rmsnorm_bwd: Kernel
+    add_rmsnorm_fwd: Kernel
+    add_rmsnorm_bwd: Kernel
     rope_cos_sin: Kernel
     rope_fwd: Kernel
     rope_bwd: Kernel

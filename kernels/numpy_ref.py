@@ -158,6 +158,29 @@ def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Arra
     return dx, dw
 
 
+def add_rmsnorm_fwd(x: Array, r: Array, w: Array, eps: float) -> tuple[Array, Array, Array]:
+    """Residual add then RMSNorm: s = x + r, y = rmsnorm(s) * w.
+
+    x, r: `[..., H]`, w: `[H]` -> s: `[..., H]` (the new residual stream), y: `[..., H]`, rstd: `[...]`.
+    """
+    require(x.shape == r.shape, f"add_rmsnorm_fwd: x.shape={x.shape} must equal r.shape={r.shape}")
+    s = x + r
+    y, rstd = rmsnorm_fwd(s, w, eps)
+    return s, y, rstd
+
+
+def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
+    """Gradients of `add_rmsnorm_fwd` given dy on y and ds on s (the gradient the residual stream
+    brings from later layers).
+
+    dy, ds, s: `[..., H]`, w: `[H]`, rstd: `[...]` -> dsum: `[..., H]` = rmsnorm_bwd(dy) + ds, the
+    gradient of both x and r; dw: `[H]`.
+    """
+    require(ds.shape == s.shape, f"add_rmsnorm_bwd: ds.shape={ds.shape} must equal s.shape={s.shape}")
+    dx, dw = rmsnorm_bwd(dy, s, w, rstd)
+    return dx + ds, dw
+
+
 # ----------------------------------------------------------------------------------------------
 # Rotary position embedding (rotate-half convention of Hugging Face Llama)
 # ----------------------------------------------------------------------------------------------

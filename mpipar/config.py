@@ -127,8 +127,14 @@ class TrainConfig:
                         choices=("none", "selective", "full", "offload"))
     on_nan: str = _f("stop", "a non-finite loss or gradient norm: skip the step, or stop with a "
                              "checkpoint", choices=("stop", "skip"))
-    collective_timeout: float = _f(0.0, "abort a step stuck this many seconds in one collective, "
+    collective_timeout: float = _f(0.0, "abort a run stuck this many seconds in one collective, "
                                         "naming the operation and group (0: off)")
+    startup_timeout: float = _f(600.0, "with --collective-timeout: the limit until step 1 has "
+                                       "finished (start-up, checkpoint load, kernel compilation "
+                                       "and first touch of memory in step 1), if larger")
+    allow_oversubscribed_memory: bool = _f(False, "start even when the planner's memory of a rank "
+                                                  "exceeds its share of the node's available "
+                                                  "memory")
     init_from_hf: str = _f("", "start from a Hugging Face Llama directory (config.json + safetensors); "
                                "model settings then come from it")
     hf_untie_embeddings: bool = _f(False, "with --init-from-hf: accept tied embeddings by copying "
@@ -177,8 +183,10 @@ class Config:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"--config {path}: file not found") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        except OSError as exc:
+            raise ConfigError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
         return cls.from_dict(data, source=path)
 
     # ------------------------------------------------------------ validation
@@ -212,6 +220,8 @@ class Config:
             raise RuntimeError(f"the configuration rules of {', '.join(missing)} are not "
                                f"registered: import mpipar.engine before validating a Config")
         m, p, t = self.model.resolved(), self.parallel, self.train
+        for obj, section in ((self.model, "model"), (p, "parallel"), (t, "train")):
+            _representable(obj, section)
         _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
                       "ffn_hidden"), "model")
         require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
@@ -232,6 +242,8 @@ class Config:
         _positive(t, ("seq_len", "global_batch_size"), "train")
         require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
         require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size}: must be >= 0")
+        _schedule_size(p, t, world_size)
+        require(t.seed >= 0, f"train.seed={t.seed}: must be >= 0")
         require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
         require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
         require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
@@ -240,6 +252,7 @@ class Config:
         require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
         require(t.collective_timeout >= 0,
                 f"train.collective_timeout={t.collective_timeout}: must be >= 0")
+        require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
         for item in filter(None, t.dump_activations.split(",")):
             require(item.strip().isdigit() and int(item) >= 1,
                     f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
@@ -280,6 +293,43 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+MAX_SCHEDULE_SLOTS = 2**16
+"""At most this many microbatches x pipeline chunks per step: the schedule is built as op lists
+and checked by a dry run, which takes about 3 s at this size."""
+
+INT_LIMIT = 2**63
+"""Integer fields must lie in (-2**63, 2**63): they are stored as 64-bit HDF5 attributes in
+checkpoints and used as NumPy int64 values."""
+
+
+def _representable(obj: Any, section: str) -> None:
+    """Every float field of ``obj`` is finite and every int field fits in 64 bits."""
+    for f in fields(obj):
+        value, kind = getattr(obj, f.name), str(f.type)
+        if kind == "float":
+            require(math.isfinite(value), f"{section}.{f.name}={value}: must be a finite number")
+        elif kind == "int":
+            require(-INT_LIMIT < value < INT_LIMIT,
+                    f"{section}.{f.name}={value}: must lie in (-2**63, 2**63)")
+
+
+def _schedule_size(p: ParallelConfig, t: TrainConfig, world: int) -> None:
+    """At most :data:`MAX_SCHEDULE_SLOTS` microbatches x pipeline chunks per step, checked
+    before the pipeline's own rule builds the schedule (the sizes the grid and data rules refuse
+    are left to them)."""
+    mp = p.tp * p.pp * p.sp
+    dp = p.dp or (world // mp if world % mp == 0 else 0)
+    micro = t.micro_batch_size or (t.global_batch_size // dp if dp else 0)
+    if not (dp and micro and t.global_batch_size % (dp * micro) == 0):
+        return
+    count = t.global_batch_size // (dp * micro)
+    slots = count * p.pp * p.virtual_stages
+    require(slots <= MAX_SCHEDULE_SLOTS,
+            f"train.global_batch_size={t.global_batch_size}: {count} microbatches per step x "
+            f"pp*virtual_stages = {p.pp}*{p.virtual_stages} makes {slots} schedule slots; at most "
+            f"{MAX_SCHEDULE_SLOTS} (a larger train.micro_batch_size gives fewer microbatches)")
+
+
 def _positive(obj: Any, names: tuple[str, ...], section: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -308,7 +358,10 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}={value!r}: must be a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{where}={value}: too large for a floating-point number") from None
     if not isinstance(value, str):
         raise ConfigError(f"{where}={value!r}: must be a string")
     return value

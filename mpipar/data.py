@@ -14,7 +14,8 @@ A token source is one path holding integer token ids, cut into training samples 
 
 Byte-level sources (stdlib, directory, text) have vocabulary 256. Every source is checked
 once when loaded (integer dtype, long enough, every id in `[0, vocab_size)`); large files are
-checked in chunks so they never load whole.
+checked in chunks so they never load whole. An HDF5 source is read once in full even when its
+dtype cannot hold a bad id, so that a damaged chunk is named when the source is loaded.
 
 The sampler maps an optimizer step to sample indices as a pure function of `(seed, step)`,
 so resuming after `k` steps continues exactly where an uninterrupted run would be.
@@ -209,16 +210,25 @@ class TokenSource:
         return out
 
 
-def _check_ids(src: TokenSource, vocab_size: int) -> None:
-    """Every token id in [0, vocab_size), read `_CHECK_CHUNK` elements at a time."""
+def _check_ids(src: TokenSource, vocab_size: int, read_all: bool = False) -> None:
+    """Every token id in [0, vocab_size), read `_CHECK_CHUNK` elements at a time. Skipped when
+    the dtype cannot hold a bad id, unless `read_all`: then every element is read once anyway,
+    so that a damaged HDF5 chunk (its fletcher32 checksum or filter fails) is named now rather
+    than met in the middle of training."""
     info = np.iinfo(src.dtype)
-    if info.min >= 0 and info.max < vocab_size:
+    if info.min >= 0 and info.max < vocab_size and not read_all:
         return
     row_len = src.shape[1] if src.kind == "samples" else 1
     step = max(1, _CHECK_CHUNK // row_len)
+    what = "rows" if src.kind == "samples" else "tokens"
     with src._open() as arr:
         for start in range(0, src.shape[0], step):
-            chunk = np.asarray(arr[start:start + step])
+            try:
+                chunk = np.asarray(arr[start:start + step])
+            except OSError as err:
+                raise DataError(f"{src.path}: cannot read {what} [{start}, "
+                                f"{min(start + step, src.shape[0])}): {err} (the file is "
+                                f"damaged)") from None
             if chunk.min() >= 0 and chunk.max() < vocab_size:
                 continue
             flat = chunk.reshape(-1)
@@ -233,9 +243,10 @@ def _check_ids(src: TokenSource, vocab_size: int) -> None:
 
 
 def _make_source(path: str, fmt: str, seq_len: int, vocab_size: int, shape: tuple[int, ...],
-                 dtype: np.dtype, opener: Opener, tokenizer: dict[str, Any] | None = None
-                 ) -> TokenSource:
-    """Check shape, dtype and ids, then build the source."""
+                 dtype: np.dtype, opener: Opener, tokenizer: dict[str, Any] | None = None,
+                 read_all: bool = False) -> TokenSource:
+    """Check shape, dtype and ids (reading every element when `read_all`), then build the
+    source."""
     dtype = np.dtype(dtype)
     if dtype.kind not in "iu":
         raise DataError(f"{path}: tokens must have an integer dtype, got {dtype}")
@@ -251,7 +262,7 @@ def _make_source(path: str, fmt: str, seq_len: int, vocab_size: int, shape: tupl
         raise DataError(f"{path}: the stream has {shape[0]} tokens, fewer than the seq_len + 1 = "
                         f"{seq_len + 1} one sample needs (--seq-len {seq_len})")
     src = TokenSource(path, fmt, seq_len, shape, dtype, opener, tokenizer)
-    _check_ids(src, vocab_size)
+    _check_ids(src, vocab_size, read_all)
     return src
 
 
@@ -297,7 +308,7 @@ def _load_h5(path: str, seq_len: int, vocab_size: int) -> TokenSource:
     if tokenizer is not None:
         _check_tokenizer_vocab(path, tokenizer, vocab_size)
     return _make_source(path, "hdf5", seq_len, vocab_size, shape, dtype, _h5_dataset(path, name),
-                        tokenizer)
+                        tokenizer, read_all=True)
 
 
 def _check_tokenizer_vocab(path: str, tokenizer: dict[str, Any], vocab_size: int) -> None:
@@ -437,6 +448,20 @@ PREPARE_CHUNK_TOKENS = 1 << 20
 """HDF5 chunk length (tokens) of a prepared stream; shorter streams use one chunk."""
 
 
+def output_file(out: str | os.PathLike) -> Path:
+    """The output of a prepare: an HDF5 name (suffix `.h5` or `.hdf5`, which selects the
+    reader), its directory created when missing. Raises DataError naming `--out`."""
+    out = Path(out)
+    if out.suffix.lower() not in _H5_SUFFIXES:
+        raise DataError(f"--out {out}: must end in .h5 or .hdf5 (the suffix selects the HDF5 "
+                        f"reader)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"--out {out}: cannot be written ({err})") from None
+    return out
+
+
 def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
                    chunk_tokens: int = PREPARE_CHUNK_TOKENS) -> int:
     """Write the bytes of the files `paths`, concatenated in order, as byte tokens (vocabulary
@@ -445,18 +470,16 @@ def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     and `offsets` (int64 `[len(paths) + 1]`: file i is `tokens[offsets[i]:offsets[i + 1]]`).
 
     Files are streamed a chunk at a time; the result is written to `out + ".tmp"` and renamed,
-    so `out` is either complete or untouched. Returns the number of tokens. Raises DataError for
-    no input, a path that is not a regular file, an output name the loader would not read as
-    HDF5 (suffix `.h5` or `.hdf5`), or no bytes at all.
+    so `out` is either complete or untouched; its directory is created when missing. Returns the
+    number of tokens. Raises DataError for no input, a path that is not a regular file, an
+    output name the loader would not read as HDF5 (suffix `.h5` or `.hdf5`), no bytes at all, or
+    an output that cannot be written.
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise DataError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
     if not paths:
         raise DataError("prepare needs at least one text file")
-    out = Path(out)
-    if out.suffix.lower() not in _H5_SUFFIXES:
-        raise DataError(f"--out {out}: must end in .h5 or .hdf5 (the suffix selects the HDF5 "
-                        f"reader)")
+    out = output_file(out)
     sizes = []
     for path in paths:
         p = Path(path)
@@ -485,6 +508,10 @@ def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
             f.attrs["files"] = [os.fspath(p) for p in paths]
             f.attrs["offsets"] = offsets
         os.replace(tmp, out)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise DataError(f"--out {out}: cannot be written ({err})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

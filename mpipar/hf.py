@@ -25,6 +25,7 @@ file's dtype unless a dtype is asked for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -34,7 +35,7 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -267,12 +268,8 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
     root = Path(path)
     single, index = root / WEIGHTS_FILE, root / INDEX_FILE
     if single.is_file():
-        from safetensors import safe_open
-        try:
-            with safe_open(str(single), framework="np") as f:
-                return {name: single for name in f.keys()}
-        except Exception as exc:  # safetensors raises its own error types
-            raise HFCheckpointError(f"{single}: not a readable safetensors file ({exc})") from None
+        with _safetensors(single) as f:
+            return {name: single for name in f.keys()}
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -291,6 +288,57 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
     raise HFCheckpointError(f"{root}: no {WEIGHTS_FILE} and no {INDEX_FILE}{hint}")
 
 
+@contextlib.contextmanager
+def _safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open(file)`` for NumPy; a file it cannot open (truncated, a damaged header) is an
+    HFCheckpointError naming the file."""
+    from safetensors import safe_open
+    try:
+        handle = safe_open(str(file), framework="np")
+    except Exception as exc:  # safetensors raises its own error types
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+    with handle as f:
+        yield f
+
+
+def check_tensors(path: str | os.PathLike, cfg: ModelConfig, tied: bool) -> dict[Path, list[str]]:
+    """Check, from the safetensors headers alone, that directory ``path`` holds exactly the
+    tensors of the model ``cfg`` (``lm_head.weight`` may be absent when ``tied``), each with its
+    shape and a dtype mpipar reads. Returns the Hugging Face names to read from each file.
+    Raises HFCheckpointError naming the file, the tensors or the shapes."""
+    root = Path(path)
+    files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
+    specs = {hf_name(s.name): s for s in param_specs(cfg)}
+    optional = {HEAD} if tied else set()
+    missing = sorted(set(specs) - optional - set(files))
+    unexpected = sorted(set(files) - set(specs))
+    for what, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise HFCheckpointError(f"{root}: {len(names)} {what} tensor(s) for a Llama with "
+                                    f"{cfg.layers} layers: {shown}")
+    wanted: dict[Path, list[str]] = {}
+    for name in specs:
+        if name in files:
+            wanted.setdefault(files[name], []).append(name)
+    for file, names in wanted.items():
+        with _safetensors(file) as f:
+            stored = set(f.keys())
+            for name in names:
+                if name not in stored:
+                    raise HFCheckpointError(f"{file}: tensor {name} is listed in {INDEX_FILE} "
+                                            f"but not stored in this shard")
+                piece = f.get_slice(name)
+                kind, shape = piece.get_dtype(), list(piece.get_shape())
+                if kind not in _NUMPY_DTYPES and kind != "BF16":
+                    raise HFCheckpointError(f"{file}: tensor {name} has dtype {kind}; mpipar "
+                                            f"reads floating-point F16, BF16, F32 and F64 tensors")
+                if tuple(shape) != specs[name].shape:
+                    raise HFCheckpointError(f"{root}: tensor {name} has shape {shape}, "
+                                            f"{CONFIG_FILE} implies {list(specs[name].shape)}")
+    return wanted
+
+
 def _header(file: Path) -> tuple[dict[str, Any], int]:
     """The safetensors JSON header of ``file`` and the byte offset where tensor data begins.
 
@@ -303,23 +351,15 @@ def _header(file: Path) -> tuple[dict[str, Any], int]:
 
 
 def _read_file(file: Path, names: list[str]) -> dict[str, np.ndarray]:
-    """Tensors ``names`` of safetensors ``file`` as NumPy arrays (bfloat16 widened to float32)."""
-    from safetensors import safe_open
+    """Tensors ``names`` of safetensors ``file`` (checked by :func:`check_tensors`) as NumPy
+    arrays (bfloat16 widened to float32)."""
     out, bf16 = {}, []
-    with safe_open(str(file), framework="np") as f:
-        stored = set(f.keys())
+    with _safetensors(file) as f:
         for name in names:
-            if name not in stored:
-                raise HFCheckpointError(f"{file}: tensor {name} is listed in {INDEX_FILE} but "
-                                        f"not stored in this shard")
-            kind = f.get_slice(name).get_dtype()
-            if kind in _NUMPY_DTYPES:
-                out[name] = f.get_tensor(name)
-            elif kind == "BF16":
+            if f.get_slice(name).get_dtype() == "BF16":
                 bf16.append(name)
             else:
-                raise HFCheckpointError(f"{file}: tensor {name} has dtype {kind}; mpipar reads "
-                                        f"floating-point F16, BF16, F32 and F64 tensors")
+                out[name] = f.get_tensor(name)
     if bf16:
         header, start = _header(file)
         for name in bf16:
@@ -360,32 +400,10 @@ def load_hf(path: str | os.PathLike, dtype: Any = None,
     where = str(root / CONFIG_FILE)
     cfg = model_config_from_hf(raw, where)
     tied = _tied(raw, where, untie_embeddings)
-    files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
-    specs = {s.name: s for s in param_specs(cfg)}
-    expected = {hf_name(n) for n in specs}
-    optional = {HEAD} if tied else set()
-    missing = sorted(expected - optional - set(files))
-    unexpected = sorted(set(files) - expected)
-    for what, names in (("missing", missing), ("unexpected", unexpected)):
-        if names:
-            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-            raise HFCheckpointError(f"{root}: {len(names)} {what} tensor(s) for a Llama with "
-                                    f"{cfg.layers} layers: {shown}")
-    wanted: dict[Path, list[str]] = {}
-    for name in specs:
-        if not (tied and name == HEAD):
-            wanted.setdefault(files[hf_name(name)], []).append(hf_name(name))
-    arrays = {n: v for file, names in wanted.items() for n, v in _read_file(file, names).items()}
-    params: dict[str, np.ndarray] = {}
-    for name, spec in specs.items():
-        if tied and name == HEAD:
-            continue
-        value = arrays.pop(hf_name(name))
-        if tuple(value.shape) != spec.shape:
-            raise HFCheckpointError(f"{root}: tensor {hf_name(name)} has shape "
-                                    f"{list(value.shape)}, {CONFIG_FILE} implies "
-                                    f"{list(spec.shape)}")
-        params[name] = value if dt is None else value.astype(dt)
+    arrays = {n: v for file, names in check_tensors(root, cfg, tied).items()
+              for n, v in _read_file(file, names).items()}
+    params = {s.name: arrays[hf_name(s.name)] if dt is None else arrays[hf_name(s.name)].astype(dt)
+              for s in param_specs(cfg) if hf_name(s.name) in arrays}
     if tied:
         params[HEAD] = params[EMBED].copy()
     return cfg, params
@@ -448,7 +466,10 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        mask = _umask()  # mkdtemp makes 0700 and safetensors 0600: give what the umask allows
+        os.chmod(tmp, 0o777 & ~mask)
         for name in (WEIGHTS_FILE, CONFIG_FILE):
+            os.chmod(tmp / name, 0o666 & ~mask)
             with open(tmp / name, "rb") as fh:
                 os.fsync(fh.fileno())
         old = None
@@ -463,16 +484,22 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
         raise
 
 
+def _umask() -> int:
+    """The process's file-mode creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 # ------------------------------------------------------------------------------------- CLI
 def _describe_tensors(path: Path) -> list[str]:
-    from safetensors import safe_open
     files = weight_files(path)
     rows, total = [], 0
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     for file, names in sorted(by_file.items()):
-        with safe_open(str(file), framework="np") as f:
+        with _safetensors(file) as f:
             for name in sorted(names):
                 piece = f.get_slice(name)
                 shape = piece.get_shape()
@@ -492,6 +519,7 @@ def _inspect(path: str) -> int:
         print(row)
     try:
         cfg = read_model_config(root)
+        check_tensors(root, cfg, tied=False)  # what training checks before it reads a weight
     except HFCheckpointError as exc:
         print(f"mpipar: not supported: {exc}")
         return 1

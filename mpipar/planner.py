@@ -271,6 +271,52 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
     return MemoryEstimate(flat, flat, optimizer, peak + working)
 
 
+def parameter_count(model: ModelConfig) -> int:
+    """Parameters of ``model`` from its sizes alone (no per-layer list: a model of 10^8 layers
+    is counted at once): embedding and LM head ``V x H`` each, the final norm ``H``, and per
+    block two norms, q/k/v/o and the three SwiGLU matrices."""
+    m = model.resolved()
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    block = 2 * m.hidden + (2 * q + 2 * kv) * m.hidden + 3 * m.ffn_hidden * m.hidden
+    return 2 * m.vocab_size * m.hidden + m.hidden + m.layers * block
+
+
+def memory_lower_bound(cfg: Config) -> int:
+    """Bytes the busiest rank of a resolved ``cfg`` needs at least: its share of the weights and
+    gradients, ``2 x dtype bytes x parameters / (tp x pp)``. Cheap for any size, so absurd
+    models are refused before :func:`predict_peak_memory` lists their parameters."""
+    par = cfg.parallel
+    e = np.dtype(cfg.train.dtype).itemsize
+    return 2 * e * parameter_count(cfg.model) // (par.tp * par.pp)
+
+
+def predict_peak_memory(cfg: Config, coord: Coord) -> int:
+    """The most bytes the rank at ``coord`` holds at once (resolved ``cfg``), not counting the
+    interpreter and its libraries: the largest of
+
+    - initialisation: its initial parameter shards, plus the largest parameter it holds as a
+      float64 global tensor, cast to the training dtype and copied (or padded) into its shard:
+      a parameter is initialised whole, then sliced (:func:`mpipar.model.params.init_param`,
+      ``Engine._initial_shards``);
+    - building the engine: those shards while the flat weight and gradient buffers and the
+      AdamW moments are allocated;
+    - a step: :func:`predict_memory`, plus the step's tokens (this DP rank's int64 rows of
+      ``seq_len + 1``, its inputs and targets, and their sequence chunks).
+    """
+    par, tr = cfg.parallel, cfg.train
+    e = np.dtype(tr.dtype).itemsize
+    mem = predict_memory(cfg, coord)
+    shapes = local_param_shapes(cfg, coord)
+    shards = e * sum(math.prod(shape) for shape in shapes.values())
+    table = placement_table(cfg)
+    largest = max(math.prod(table[name].spec.shape) for name in shapes)
+    initialising = shards + largest * (8 + 2 * e)
+    building = shards + mem.weights + mem.grads + mem.optimizer
+    rows = tr.global_batch_size // par.dp
+    tokens = 8 * rows * (3 * (tr.seq_len + 1) + 2 * (tr.seq_len // par.sp))
+    return max(initialising, building, mem.total + tokens)
+
+
 # -------------------------------------------------------------------------------------- FLOPs
 def _block_flops_per_token(cfg: Config, context: float) -> float:
     """Forward FLOPs of one block for one token of this TP rank attending to ``context`` keys."""

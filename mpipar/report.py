@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpipar.metrics import COMPUTE_OPS, TIME_KEYS
+from mpipar.metrics import COMPUTE_OPS, TIME_KEYS, read_records
 
 LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
           "pipeline_wait": "pipeline wait (bubble and transfers)",
@@ -47,8 +47,7 @@ def load_run(run_dir: str) -> tuple[list[dict], dict | None, dict | None]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
-    with open(path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records = read_records(path)
     timeline = config = None
     if os.path.exists(os.path.join(run_dir, "timeline.json")):
         with open(os.path.join(run_dir, "timeline.json")) as fh:
@@ -107,8 +106,11 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
                                        "zero", "sp_mode", "sp_split") if k in par},
     }
     if tr.get("global_batch_size") and tr.get("micro_batch_size") and par.get("dp"):
+        out["layout"]["micro_batch_size"] = tr["micro_batch_size"]
         out["layout"]["microbatches"] = tr["global_batch_size"] // (par["dp"]
                                                                   * tr["micro_batch_size"])
+    if (config or {}).get("model", {}).get("layers"):
+        out["layers"] = config["model"]["layers"]
     if tr.get("recompute"):
         out["layout"]["recompute"] = tr["recompute"]
         out["layout"]["backend"] = tr["backend"]
@@ -131,11 +133,8 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     lines = [f"bottleneck: {LABELS[worst]} ({100 * frac[worst]:.0f}% of the step time)"]
     bubble = summary.get("bubble", 0.0)
     if pp > 1 and bubble > BUBBLE_LIMIT:
-        m = lay.get("microbatches")
-        more = f" (now {m} per step for pp={pp})" if m else ""
-        lines.append(f"pipeline bubble {100 * bubble:.0f}% > {100 * BUBBLE_LIMIT:.0f}%: use more "
-                     f"microbatches{more} with a smaller --micro-batch-size, or interleaving "
-                     f"(--schedule interleaved --virtual-stages 2) or --schedule zb-h1")
+        lines.append(f"pipeline bubble {100 * bubble:.0f}% > {100 * BUBBLE_LIMIT:.0f}%: use "
+                     + ", or ".join(_bubble_remedies(lay, summary.get("layers"))))
     if tp > 1 and t["tp_comm"] > t["compute"]:
         lines.append(f"TP communication ({t['tp_comm']:.3g} s) is above compute "
                      f"({t['compute']:.3g} s): use a smaller --tp (e.g. --tp {tp // 2}) and give "
@@ -174,6 +173,28 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
         else:
             lines.append(f"no rule fired; the largest share is {LABELS[worst]}")
     return lines
+
+
+def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:
+    """What would shrink the pipeline bubble of a run with layout ``lay`` (its pp, schedule,
+    virtual stages, micro-batch size and microbatches) and ``layers`` blocks (None: unknown),
+    leaving out what the run already did."""
+    pp, v = lay["pp"], lay.get("virtual_stages", 1)
+    schedule, m, mbs = lay.get("schedule"), lay.get("microbatches"), lay.get("micro_batch_size")
+    now = f" (now {m} per step for pp={pp})" if m else ""
+    how = "a larger --global-batch-size" if mbs == 1 else "a smaller --micro-batch-size"
+    out = [f"more microbatches{now} with {how}"]
+    if layers is None:
+        fits = [2 * v]
+    else:
+        fits = [w for w in range(v + 1, layers // pp + 1) if layers % (pp * w) == 0]
+    if fits and schedule == "interleaved":
+        out.append(f"more virtual stages (--virtual-stages {fits[0]}, now {v})")
+    elif fits:
+        out.append(f"interleaving (--schedule interleaved --virtual-stages {fits[0]})")
+    if schedule != "zb-h1":
+        out.append("--schedule zb-h1")
+    return out
 
 
 def summary_text(summary: dict[str, Any]) -> str:

@@ -29,6 +29,15 @@ class Coord(NamedTuple):
     sp: int
 
 
+def rank_coord(rank: int, dp: int, tp: int, pp: int, sp: int) -> Coord:
+    """Coordinates of ``rank`` in a grid of these sizes (the inverse of the rank formula above);
+    no communicator needed."""
+    if not 0 <= rank < dp * tp * pp * sp:
+        raise ValueError(f"rank {rank} out of range [0, {dp * tp * pp * sp})")
+    return Coord(dp=(rank // (tp * sp)) % dp, tp=rank % tp, pp=rank // (tp * sp * dp),
+                 sp=(rank // tp) % sp)
+
+
 @dataclass
 class ProcessGrid:
     """Cartesian 4D grid over ``comm`` with one sub-communicator per axis and the combined groups.

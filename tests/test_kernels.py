@@ -78,6 +78,26 @@ def test_rmsnorm_grad(mod, rng):
 
 
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
+def test_add_rmsnorm_is_add_then_rmsnorm(mod, rng):
+    """The fused residual add + RMSNorm equals the two ops (float64) and its finite differences."""
+    x, r, w = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7)), rng.standard_normal(7)
+    dy, ds = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))
+    s, y, rstd = mod.add_rmsnorm_fwd(x, r, w, 1e-5)
+    y_ref, rstd_ref = ref.rmsnorm_fwd(x + r, w, 1e-5)
+    assert rel_err(s, x + r) < 1e-15 and rel_err(y, y_ref) < 1e-13 and rel_err(rstd, rstd_ref) < 1e-13
+    dsum, dw = mod.add_rmsnorm_bwd(dy, ds, s, w, rstd)
+    dx_ref, dw_ref = ref.rmsnorm_bwd(dy, x + r, w, rstd_ref)
+    assert rel_err(dsum, dx_ref + ds) < 1e-13 and rel_err(dw, dw_ref) < 1e-13
+
+    def loss() -> float:  # y feeds dy, s (the residual stream) feeds ds
+        s_, y_, _ = mod.add_rmsnorm_fwd(x, r, w, 1e-5)
+        return float(np.sum(y_ * dy) + np.sum(s_ * ds))
+
+    assert rel_err(dsum, num_grad(loss, x)) < 1e-6 and rel_err(dsum, num_grad(loss, r)) < 1e-6
+    assert rel_err(dw, num_grad(loss, w)) < 1e-6
+
+
+@pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_rope_grad(mod, rng):
     x, r = rng.standard_normal((2, 3, 2, 6)), rng.standard_normal((2, 3, 2, 6))
     cos, sin = ref.rope_cos_sin(np.array([5, 6, 7]), 6, 10000.0, np.float64)
@@ -351,6 +371,8 @@ def elementwise_cases(rng, dtype):
         ("linear_swiglu_fwd", (x, w, r(11, 13))),
         ("rmsnorm_fwd", (x, nw, 1e-6)),
         ("rmsnorm_bwd", (r(3, 7, 13), x, nw, rstd)),
+        ("add_rmsnorm_fwd", (x, r(3, 7, 13), nw, 1e-6)),
+        ("add_rmsnorm_bwd", (r(3, 7, 13), r(3, 7, 13), x, nw, rstd)),
         ("rope_fwd", (xr, cos, sin)),
         ("rope_bwd", (xr, cos, sin)),
         ("swiglu_fwd", (r(5, 9) * 10, r(5, 9))),
@@ -449,13 +471,26 @@ def test_bench_kernels_section(tmp_path, capsys):
 
     path = tmp_path / "bench.json"
     args = ["kernels", "--quick", "--dtypes", "float64", "--backends", "numpy,numba", "--batch", "1", "--seq", "8",
-            "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--ffn", "6", "--vocab", "5", "--json", str(path)]
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--ffn", "6", "--vocab", "5",
+            "--attn-seqs", "96", "--attn-head-dims", "16", "--attn-heads", "2", "--attn-threads", "1",
+            "--json", str(path)]
     assert bench.main(args) == 0
-    rows = json.loads(path.read_text())["kernels"]["rows"]
+    result = json.loads(path.read_text())["kernels"]
+    rows = result["rows"]
     assert len(rows) == len(kernels.OPS) + len(numba_cpu.IMPLEMENTED)  # one per (op, implementation)
     assert all(r["ms"] > 0 for r in rows)
+    fused = {r["op"]: r for r in result["fused"]}
+    assert set(fused) == {"add_rmsnorm_fwd", "add_rmsnorm_bwd"}
+    assert all(r["speedup"] == pytest.approx(r["unfused_ms"] / r["fused_ms"]) for r in fused.values())
+    (attn,) = result["attention"]  # measured in a child process with 1 thread
+    assert (attn["seq"], attn["head_dim"], attn["threads"], attn["kv_heads"]) == (96, 16, 1, 1)
+    fwd_flops, bwd_flops = 2 * 96 * 96 * 16 * 2, 5 * 96 * 96 * 16 * 2  # causal: half of 4 S^2 D per head
+    assert attn["fwd_gflops"] == pytest.approx(fwd_flops / attn["fwd_s"] / 1e9)
+    assert attn["bwd_gflops"] == pytest.approx(bwd_flops / attn["bwd_s"] / 1e9)
+    assert attn["fwd_pct_probe"] == pytest.approx(100 * attn["fwd_gflops"] / attn["probe_gflops"])
     table = capsys.readouterr().out
     assert "attention_bwd" in table and "numba backend uses" in table
+    assert "% of the GEMM probe" in table and "add_rmsnorm_bwd" in table
 
 
 def test_numba_accepts_non_contiguous_inputs(rng):

@@ -29,6 +29,10 @@ def test_grid_every_factorisation(world, dp, tp, pp, sp):
         return ((pp_r * dp + dp_r) * sp + sp_r % sp) * tp + tp_r
 
     check(me == rank_of(c.dp, c.tp, c.pp, c.sp), f"formula for {c}")
+    # rank_coord (no communicator: the memory check before the grid exists) agrees with MPI's.
+    from mpipar.topology import rank_coord
+    check(rank_coord(me, dp, tp, pp, sp) == c, f"rank_coord({me}) = "
+                                               f"{rank_coord(me, dp, tp, pp, sp)} != {c}")
     coords = comm.allgather(c)
     for r in range(8):
         check(rank_of(*coords[r]) == r, f"coordinates of rank {r}")

@@ -76,8 +76,10 @@ class ParallelConfig:
                               "to head groups)", choices=("ring", "ulysses"))
     sp_overlap: bool = _f(False, "ring attention: post the next K/V transfer before computing the "
                                  "current block (Isend/Irecv)")
-    zero: int = _f(0, "ZeRO stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp x sp)",
-                   choices=(0, 1))
+    zero: int = _f(0, "ZeRO stage over dp x sp: 0 (replicated), 1 (optimizer state sharded), "
+                      "2 (gradients too), 3 (parameters too: all-gathered per layer before its "
+                      "forward and backward, freed after)", choices=(0, 1, 2, 3))
+    zero_prefetch: int = _f(1, "ZeRO-3: all-gathers of the next layers posted while one computes")
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB (reduction overlaps backward)")
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
@@ -268,7 +270,7 @@ class Config:
             _RULES[component](self, world_size)
 
 
-COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "optimizer", "backend")
+COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "fsdp", "optimizer", "backend")
 """The components whose configuration rules :meth:`Config.validate` asks, in this order."""
 
 _RULES: dict[str, Callable[[Config, int], None]] = {}

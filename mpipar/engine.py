@@ -32,11 +32,12 @@ from mpipar.comm import Group, Ledger
 from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens
 from mpipar.model.attention import LocalAttention
-from mpipar.model.llama import LlamaStage
+from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.params import init_param
 from mpipar.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.context import RingAttention, SeqLayout, UlyssesAttention
 from mpipar.parallel.data import GradReducer
+from mpipar.parallel.fsdp import ShardedParams
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
@@ -85,22 +86,26 @@ class Engine:
         self.chunks = [self._chunk(virtual_stage(self.grid.coord.pp, c, par.pp))
                        for c in range(par.virtual_stages)]
         names = [n for ch in self.chunks for n in ch.param_names()]
-        self.reducer = GradReducer(self._initial_shards(names), list(reversed(names)),
-                                   self.groups["dp_sp"], par.bucket_mb, par.zero == 1, self.xp)
+        self.sharded = self._sharded(names) if par.zero >= 2 else None
+        self.reducer = self.sharded or GradReducer(
+            self._initial_shards(names), list(reversed(names)), self.groups["dp_sp"],
+            par.bucket_mb, par.zero == 1, self.xp)
         self.params, self.grads = self.reducer.params, self.reducer.grads
-        decay = {n: len(self.table[n].spec.shape) >= 2 for n in self.params}
+        decay = {n: len(self.table[n].spec.shape) >= 2 for n in names}
         self.optimizer = build_optimizer(par.zero, self.reducer,
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
                                                      tr.weight_decay), decay)
         self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
-                                self.tensor.size, self.groups["dp_sp"].rank, self.dtype, self.xp)
+                                self.tensor.size, self.groups["dp_sp"].rank, self.dtype, self.xp,
+                                self.sharded)
         self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
                                    max(1, tr.steps))
         self.rows_per_dp = tr.global_batch_size // par.dp
         self.microbatches = self.rows_per_dp // tr.micro_batch_size
         ops = build_schedule(par.schedule, par.pp, self.microbatches, par.virtual_stages)
         self.executor = PipelineExecutor(ops[self.grid.coord.pp], self.chunks, self.groups["pp"],
-                                         par.pp, par.virtual_stages, self.xp)
+                                         par.pp, par.virtual_stages, self.xp,
+                                         self.sharded or RESIDENT)
 
     def _chunk(self, stage: int) -> LlamaStage:
         """The model chunk of global virtual ``stage``, with this rank's seams."""
@@ -116,6 +121,19 @@ class Engine:
         if par.sp_mode == "ulysses":
             return UlyssesAttention(self.kernels, sp, self.seq_layout)
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
+
+    def _sharded(self, names: list[str]) -> ShardedParams:
+        """ZeRO-2/3: the parameters as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`);
+        tp-partial gradients are summed over tp before each unit's reduce-scatter."""
+        par = self.cfg.parallel
+
+        def before_reduce(unit_names: list[str]) -> None:
+            self.tensor.reduce_partial_grads([self.grads[n] for n in unit_names
+                                              if self.table[n].grad_partial_over_tp])
+
+        return ShardedParams(self._initial_shards(names), [ch.units() for ch in self.chunks],
+                             self.groups["dp_sp"], par.zero == 3, par.zero_prefetch, self.xp,
+                             before_reduce)
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
         """This rank's shards of the initial parameters (every layout starts from the same
@@ -159,7 +177,8 @@ class Engine:
         self.reducer.start_step()
         loss = self.executor.run(self.params, self.grads, micro, self.positions,
                                  self.tensor.stream_shape(mbs, s_loc, self.cfg.model.hidden),
-                                 self.dtype, weight, on_ready=self._grads_ready)
+                                 self.dtype, weight,
+                                 on_ready=None if self.sharded else self._grads_ready)
         self.reducer.finish()
         if recorder is not None:
             for ch in self.chunks:
@@ -205,11 +224,12 @@ class Engine:
     def gather_params(self) -> dict[str, np.ndarray]:
         """Every global parameter, assembled from all shards, on every rank (tests, export)."""
         tp, pp = self.groups["tp"], self.groups["pp"]
+        params = self.sharded.materialize() if self.sharded else self.params
         out = {}
         for placement in self.table:
             owner = self.table.pipeline_rank(placement.name)
             if pp.rank == owner:
-                local = self.xp.ascontiguousarray(self.params[placement.name])
+                local = self.xp.ascontiguousarray(params[placement.name])
                 pieces = self.xp.empty((tp.size,) + local.shape, local.dtype)
                 tp.allgather(local, pieces)
                 full = np.ascontiguousarray(placement.unshard(list(to_host(pieces))))
@@ -225,10 +245,14 @@ class Engine:
         missing = sorted(p.name for p in self.table if p.name not in values)
         if missing:
             raise ValueError(f"load_params: missing parameters {missing[:5]}")
-        for name, local in self.params.items():
+        names = self.sharded.local_shapes() if self.sharded else self.params
+        for name in names:
             placement, value = self.table[name], np.asarray(values[name])
             if value.shape != placement.spec.shape:
                 raise ValueError(f"load_params: {name} has shape {value.shape}, the model needs "
                                  f"{placement.spec.shape}")
-            local[...] = self.xp.asarray(placement.shard(value.astype(self.dtype),
-                                                         self.tensor.rank, self.tensor.size))
+            local = placement.shard(value.astype(self.dtype), self.tensor.rank, self.tensor.size)
+            if self.sharded:
+                self.sharded.load_local(name, local)
+            else:
+                self.params[name][...] = self.xp.asarray(local)

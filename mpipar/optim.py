@@ -199,9 +199,9 @@ class ZeroAdamW:
 
     def __init__(self, reducer, cfg: AdamWConfig, decay: Mapping[str, bool]) -> None:
         self.reducer, self.cfg, self.decay = reducer, cfg, decay
-        n, xp = reducer.group.size, reducer.xp
-        self.m = [xp.zeros(b.grads.size // n, b.grads.dtype) for b in reducer.buckets]
-        self.v = [xp.zeros(b.grads.size // n, b.grads.dtype) for b in reducer.buckets]
+        xp = reducer.xp
+        self.m = [xp.zeros_like(b.owned_grad) for b in reducer.buckets]
+        self.v = [xp.zeros_like(b.owned_grad) for b in reducer.buckets]
         self._index = {id(b): i for i, b in enumerate(reducer.buckets)}
         self.step_count = 0
 
@@ -223,22 +223,17 @@ class ZeroAdamW:
     def step(self, lr: float) -> None:
         self.step_count += 1
         red, c = self.reducer, self.cfg
-        n, r = red.group.size, red.group.rank
         for b, name, lo, hi in red.owned_pieces():
             i = self._index[id(b)]
-            a0, _ = b.owned_range(r, n)
-            adamw_update(b.params[a0 + lo:a0 + hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
+            adamw_update(b.owned[lo:hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
                          self.v[i][lo:hi], self.step_count, lr, c.beta1, c.beta2, c.eps,
                          c.weight_decay if self.decay[name] else 0.0)
-        for b in red.buckets:
-            a0, a1 = b.owned_range(r, n)
-            red.group.allgather(b.params[a0:a1].copy(), b.params)
+        red.gather_params()
 
     def _pieces(self):
         """(bucket index, name, lo, hi, start in the flattened local shard) of owned slices."""
-        r, n = self.reducer.group.rank, self.reducer.group.size
         for b, name, lo, hi in self.reducer.owned_pieces():
-            a0, _ = b.owned_range(r, n)
+            a0, _ = self.reducer.owned_range(b)
             yield self._index[id(b)], name, lo, hi, a0 + lo - b.offsets[name][0]
 
     def state(self) -> Iterator[StatePiece]:

@@ -1,13 +1,14 @@
 """The training state one rank holds, seen as pieces of global tensors (what checkpoints need).
 
 A rank holds shards of some parameters (:mod:`mpipar.placement`) and the optimizer's moments for
-them (all of them, or ZeRO-1's owned slices: :mod:`mpipar.optim`). A checkpoint stores global
+them (all of them, or ZeRO's owned slices: :mod:`mpipar.optim`); at ZeRO-2/3 the parameters are
+held as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`). A checkpoint stores global
 tensors, so this module answers, for this rank:
 
 - :meth:`TrainState.pieces`: its share of the unique state as flat ranges of its local shards,
   every element of every global tensor reported by exactly one rank of the world: parameters by
-  dp = sp = 0 (and, for tp-replicated ones, tp = 0), moments by whichever rank the optimizer
-  says (and the same tp rule);
+  dp = sp = 0 (ZeRO-2/3: by the rank owning the slice), and, for tp-replicated ones, tp = 0;
+  moments by whichever rank the optimizer says (and the same tp rule);
 - :meth:`TrainState.region`: which region of a global tensor a local shard covers (vocabulary
   padding rows belong to no global tensor);
 - :meth:`TrainState.load`: set every parameter and moment from a reader of global regions, so
@@ -23,6 +24,7 @@ import numpy as np
 
 from mpipar.backend import to_host
 from mpipar.optim import Optimizer, StatePiece
+from mpipar.parallel.fsdp import ShardedParams
 from mpipar.placement import PlacementTable, Slices
 
 Reader = Callable[[str, str, Slices], np.ndarray]
@@ -35,10 +37,12 @@ class TrainState:
 
     def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable,
                  tp_rank: int, tp_size: int, replica_rank: int, dtype: np.dtype,
-                 xp: ModuleType = np) -> None:
+                 xp: ModuleType = np, sharded: ShardedParams | None = None) -> None:
         """``params``: this rank's shards (arrays of ``xp``); ``replica_rank``: its rank in
-        dp x sp (0 writes the parameters of its (tp, pp) position)."""
+        dp x sp (0 writes the parameters of its (tp, pp) position); ``sharded``: at ZeRO-2/3
+        the units holding the parameters (then ``params`` is not read)."""
         self.params, self.optimizer, self.table, self.xp = params, optimizer, table, xp
+        self.sharded = sharded
         self.tp_rank, self.tp_size, self.replica_rank = tp_rank, tp_size, replica_rank
         self.dtype = np.dtype(dtype)
 
@@ -53,6 +57,8 @@ class TrainState:
         return self.optimizer.step_count
 
     def local_shape(self, name: str) -> tuple[int, ...]:
+        if self.sharded is not None:
+            return self.sharded.local_shapes()[name]
         return tuple(self.params[name].shape)
 
     def region(self, name: str) -> tuple[Slices, Slices]:
@@ -66,7 +72,11 @@ class TrainState:
         def owned(name: str) -> bool:
             return self.table[name].owned_by(self.tp_rank)
 
-        if self.replica_rank == 0:
+        if self.sharded is not None:
+            for name, lo, hi, values in self.sharded.param_pieces():
+                if owned(name):
+                    yield "param", name, lo, hi, to_host(values)
+        elif self.replica_rank == 0:
             for name, local in self.params.items():
                 if owned(name):
                     yield "param", name, 0, local.size, to_host(local).reshape(-1)
@@ -83,6 +93,10 @@ class TrainState:
             full[loc] = read(kind, name, glob)
             return full
 
-        for name, shard in self.params.items():
-            shard[...] = self.xp.asarray(local("param", name))
+        if self.sharded is not None:
+            for name in self.sharded.local_shapes():
+                self.sharded.load_local(name, local("param", name))
+        else:
+            for name, shard in self.params.items():
+                shard[...] = self.xp.asarray(local("param", name))
         self.optimizer.load_state(local, step)

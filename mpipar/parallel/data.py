@@ -52,6 +52,7 @@ class Bucket:
     pending: set[str] = field(default_factory=set)
     request: Request | None = None
     owned_grad: Any = None               # ZeRO-1: this rank's slice of the summed gradients
+    owned: Any = None                    # ZeRO-1: the view of ``params`` this rank updates
 
     def owned_range(self, rank: int, size: int) -> tuple[int, int]:
         """``[lo, hi)`` of the flat buffer that rank ``rank`` of ``size`` owns (ZeRO-1)."""
@@ -87,7 +88,11 @@ class GradReducer:
         for n in names:
             s, e = offsets[n]
             flat[s:e] = self.xp.asarray(params[n]).reshape(-1)
-        return Bucket(list(names), offsets, flat, self.xp.zeros(at, dtype))
+        b = Bucket(list(names), offsets, flat, self.xp.zeros(at, dtype))
+        if self.sharded:
+            a0, a1 = b.owned_range(self.group.rank, self.group.size)
+            b.owned, b.owned_grad = flat[a0:a1], self.xp.empty(a1 - a0, dtype)
+        return b
 
     # ------------------------------------------------------------ per step
     def start_step(self) -> None:
@@ -110,13 +115,20 @@ class GradReducer:
         """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice)."""
         for b in self.buckets:
             if self.sharded:
-                owned = self.xp.empty(b.grads.size // self.group.size, b.grads.dtype)
-                self.group.reduce_scatter_(b.grads, owned)
-                b.owned_grad = owned
+                self.group.reduce_scatter_(b.grads, b.owned_grad)
             else:
                 if b.request is None:
                     b.request = self.group.iallreduce_(b.grads)
                 b.request.wait()
+
+    def owned_range(self, b: Bucket) -> tuple[int, int]:
+        """ZeRO-1: ``[lo, hi)`` of ``b``'s flat buffer this rank owns."""
+        return b.owned_range(self.group.rank, self.group.size)
+
+    def gather_params(self) -> None:
+        """ZeRO-1, after the update: all-gather the owned slices back into every rank."""
+        for b in self.buckets:
+            self.group.allgather(b.owned.copy(), b.params)
 
     def owned_pieces(self):
         """ZeRO-1: (bucket, name, lo, hi) of every parameter range inside this rank's owned

@@ -5,7 +5,10 @@ every (dp, tp, pp, sp) with dp*tp*pp*sp in {2, 4, 8} that the model admits, each
 schedule and each SP split/mode gives, after 2 optimizer steps, the same losses, gradient norms
 and (gathered) parameters as one process: <= 1e-10 relative in float64, <= 1e-5 in float32.
 A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once. Every layout
-with tp > 1 runs again with ``--tp-sequence-parallel``.
+with tp > 1 runs again with ``--tp-sequence-parallel``. ZeRO-2 and ZeRO-3 (sharded gradients,
+and parameters gathered per layer) run on a representative set: every schedule, SP mode and
+split, tp sequence parallelism and prefetch depths 0, 1 and 2 at 2, 4 and 8 ranks (their
+recompute modes are in ``test_recompute.py``).
 """
 from __future__ import annotations
 
@@ -43,6 +46,17 @@ def _variants():
 
 VARIANTS = _variants()
 TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in VARIANTS if v["tp"] > 1]
+ZERO = [dict(dp=2, zero=2), dict(dp=2, zero=3, zero_prefetch=0),
+        dict(dp=2, pp=2, zero=3), dict(dp=2, pp=2, zero=2, schedule="gpipe"),
+        dict(dp=2, pp=2, zero=3, schedule="zb-h1"),
+        dict(dp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2),
+        dict(dp=2, tp=2, zero=3, tp_sequence_parallel=True),
+        dict(sp=2, tp=2, zero=3, sp_split="zigzag", sp_overlap=True),
+        dict(dp=2, sp=2, zero=2, sp_mode="ulysses"),
+        dict(dp=8, zero=3, zero_prefetch=2), dict(dp=4, sp=2, zero=2),
+        dict(dp=2, tp=2, pp=2, zero=3, schedule="zb-h1"),
+        dict(dp=2, sp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2),
+        dict(dp=2, sp=2, tp=2, zero=3, tp_sequence_parallel=True, sp_split="zigzag")]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 
@@ -73,6 +87,13 @@ def test_layout_equals_single_process_float64(world, layout):
                          ids=[layout_name(v) for v in TP_SEQUENCE_PARALLEL])
 def test_tp_sequence_parallel_equals_single_process_float64(world, layout):
     """Megatron sequence parallelism inside TP, on every layout of the suite with tp > 1."""
+    _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", ZERO, ids=[layout_name(v) for v in ZERO])
+def test_zero_equals_single_process_float64(world, layout):
+    """ZeRO-2/3: gradients (and parameters) sharded over dp x sp change no number."""
     _check(world, layout, "float64", 1e-10)
 
 

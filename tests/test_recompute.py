@@ -161,7 +161,9 @@ LAYOUTS = [dict(tp=2, sp=2, pp=2),
            dict(dp=2, pp=4, schedule="zb-h1"),
            dict(dp=2, sp=2, pp=2, sp_mode="ulysses"),
            dict(pp=2, virtual_stages=2, schedule="interleaved", tp=2, dp=2, zero=1,
-                bucket_mb=0.002)]
+                bucket_mb=0.002),
+           dict(dp=2, sp=2, pp=2, schedule="zb-h1", zero=3),
+           dict(dp=4, tp=2, zero=2)]
 
 
 

@@ -150,8 +150,6 @@ def test_init_from_hf_and_export(tmp_path):
 def test_hf_fine_tune_is_layout_invariant(tmp_path, model, layout):
     """Two steps from a checkpoint on one process and on two ranks export the same weights (a
     tied model: one tensor, the tie across the two pipeline stages kept)."""
-    import json
-
     import numpy as np
 
     from mpipar.hf import load_hf

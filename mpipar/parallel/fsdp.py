@@ -28,7 +28,7 @@ backend's array module (``xp``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -81,11 +81,14 @@ class ShardedParams:
 
     ``params``: this rank's (tp-local) tensors by name; ``chunks``: per model chunk, its units
     in forward order as ``(unit name, parameter names)``; ``before_reduce(names)``: called with
-    a unit's parameter names before its gradients leave (sums the tp-partial ones over tp)."""
+    a unit's parameter names before its gradients leave (sums the tp-partial ones over tp);
+    ``tied``: names (the embedding tied across the pipeline, a unit of its own on both ends)
+    whose owned gradients are then summed over ``tied_group``."""
 
     def __init__(self, params: dict[str, Any], chunks: list[list[tuple[str, list[str]]]],
                  group: Group, gather: bool, prefetch: int, xp: ModuleType,
-                 before_reduce: Callable[[list[str]], None]) -> None:
+                 before_reduce: Callable[[list[str]], None], tied: Collection[str] = (),
+                 tied_group: Group | None = None) -> None:
         self.group, self.gather, self.prefetch, self.xp = group, gather, prefetch, xp
         self.before_reduce = before_reduce
         dtype = next(iter(params.values())).dtype
@@ -97,6 +100,9 @@ class ShardedParams:
             for unit, pnames in units:
                 self.units[unit] = self._make_unit(unit, pnames, params)
                 self.order[unit] = names
+        self.tied_group = tied_group
+        self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
+        self.shapes = {n: s for u in self.units.values() for n, s in u.shapes.items()}
         self.params: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
         self._reducing: deque[tuple[Request, Any, Unit, Any]] = deque()
@@ -209,6 +215,8 @@ class ShardedParams:
         """Complete every outstanding reduce-scatter: the owned gradients are the step's sums."""
         while self._reducing:
             self._complete_one()
+        for u in self.tied_units:
+            self.tied_group.allreduce_(u.owned_grad)
 
     def gather_params(self) -> None:
         """After the update: ZeRO-2 all-gathers the owned slices back into the whole
@@ -238,7 +246,7 @@ class ShardedParams:
 
     # ------------------------------------------------------------ whole local tensors
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: s for u in self.units.values() for n, s in u.shapes.items()}
+        return self.shapes
 
     def materialize(self) -> dict[str, Any]:
         """Every tp-local tensor of this rank, whole (collective over the group at ZeRO-3)."""

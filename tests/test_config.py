@@ -50,6 +50,10 @@ RULES = [
     (["--sp", "8", "--sp-mode", "ulysses"], 8,
      "parallel.sp=8: ulysses needs model.heads/tp = 4/1 divisible by sp"),
     (["--bucket-mb", "0"], 1, "parallel.bucket_mb=0.0: must be > 0"),
+    (["--zero", "3"], 1, "parallel.zero=3: ZeRO-2/3 shard over dp x sp, which needs dp*sp > 1 "
+                         "(got dp=1, sp=1)"),
+    (["--zero", "2", "--tp", "2"], 2, "parallel.zero=2: ZeRO-2/3 shard over dp x sp, which needs"),
+    (["--zero", "3", "--zero-prefetch", "-1"], 2, "parallel.zero_prefetch=-1: must be >= 0"),
     (["--sp", "3"], 3, "train.seq_len=128: must be divisible by parallel.sp=3"),
     (["--seq-len", "0"], 1, "train.seq_len=0: must be a positive integer"),
     (["--global-batch-size", "6", "--dp", "4"], 4, "train.global_batch_size=6: must be divisible by dp=4"),
@@ -120,7 +124,7 @@ def test_toml_and_flag_override(tmp_path):
     ('[optim]\nlr = 1\n', "unknown table [optim]"),
     ('[model]\nhidden = "big"\n', "model.hidden='big': must be an integer"),
     ('[train]\nshuffle = 1\n', "train.shuffle=1: must be true or false"),
-    ('[parallel]\nzero = 2\n', "parallel.zero=2: must be one of 0, 1"),
+    ('[parallel]\nzero = 4\n', "parallel.zero=4: must be one of 0, 1, 2, 3"),
     ('[model\n', "not valid TOML"),
     ("[train]\nlr = 1" + "0" * 400 + "\n", "too large for a floating-point number"),
 ])

@@ -58,7 +58,11 @@ ZERO = [dict(dp=2, zero=2), dict(dp=2, zero=3, zero_prefetch=0),
         dict(dp=8, zero=3, zero_prefetch=2), dict(dp=4, sp=2, zero=2),
         dict(dp=2, tp=2, pp=2, zero=3, schedule="zb-h1"),
         dict(dp=2, sp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2),
-        dict(dp=2, sp=2, tp=2, zero=3, tp_sequence_parallel=True, sp_split="zigzag")]
+        dict(dp=2, sp=2, tp=2, zero=3, tp_sequence_parallel=True, sp_split="zigzag"),
+        dict(model="tied", pp=2, dp=2, zero=3), dict(model="tied", pp=2, dp=2, zero=2,
+                                                      schedule="zb-h1"),
+        dict(model="tied", dp=2, tp=2, schedule="interleaved", virtual_stages=2, zero=3),
+        dict(model="dynamic", sp=2, dp=2, zero=3, sp_split="zigzag")]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 

@@ -97,9 +97,10 @@ class ShardedParams:
         self.order: dict[str, list[str]] = {}     # unit -> its chunk's units in forward order
         for units in chunks:
             names = [u for u, _ in units]
-            for unit, pnames in units:
-                self.units[unit] = self._make_unit(unit, pnames, params)
-                self.order[unit] = names
+            for unit, pnames in units:   # a unit two chunks read (a tied embedding) is one
+                if unit not in self.units:
+                    self.units[unit] = self._make_unit(unit, pnames, params)
+                    self.order[unit] = names
         self.tied_group = tied_group
         self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
         self.shapes = {n: s for u in self.units.values() for n, s in u.shapes.items()}
@@ -212,7 +213,14 @@ class ShardedParams:
             u.owned_grad.fill(0)
 
     def finish(self) -> None:
-        """Complete every outstanding reduce-scatter: the owned gradients are the step's sums."""
+        """Complete every outstanding reduce-scatter: the owned gradients are the step's sums
+        (the tied ones summed over the pipeline's ends too). A gather prefetched but not
+        entered is completed and dropped: the update is about to change the shards."""
+        for u in self.units.values():
+            if self.gather and u.full is not None and u.users == 0:
+                u.gathering.wait()
+                self.pool.give(u.full)
+                u.full, u.gathering = None, None
         while self._reducing:
             self._complete_one()
         for u in self.tied_units:

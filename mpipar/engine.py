@@ -78,7 +78,8 @@ class Engine:
         self.kernels = training_backend(tr.backend)
         self.xp = self.kernels.xp
         self.dtype = np.dtype(tr.dtype)
-        self.table = PlacementTable(cfg.model, par.pp, par.virtual_stages, par.tp_sequence_parallel)
+        self.table = PlacementTable(cfg.model, par.pp, par.virtual_stages, par.tp_sequence_parallel,
+                                    par.zero)
         self.tensor = TensorParallel(self.kernels, cfg.model.vocab_size, self.groups["tp"],
                                      par.tp_sequence_parallel)
         self.seq_layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
@@ -93,7 +94,7 @@ class Engine:
         names = list(self.holders)
         self._unfinished: Counter[str] = Counter()  # chunks yet to finish each gradient (a step)
         tied = [n for n in names if self.table[n].tied_across_pipeline]
-        self.sharded = self._sharded(names, tied) if par.zero >= 2 else None
+        self.sharded = self._sharded(tied) if par.zero >= 2 else None
         self.reducer = self.sharded or GradReducer(
             self._initial_shards(names), list(reversed(names)), self.groups["dp_sp"],
             par.bucket_mb, par.zero == 1, self.xp, tied, self.groups["pp_ends"])
@@ -129,7 +130,7 @@ class Engine:
             return UlyssesAttention(self.kernels, sp, self.seq_layout)
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
 
-    def _sharded(self, names: list[str], tied: list[str]) -> ShardedParams:
+    def _sharded(self, tied: list[str]) -> ShardedParams:
         """ZeRO-2/3: the parameters as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`);
         tp-partial gradients are summed over tp before each unit's reduce-scatter, the ``tied``
         embedding's over the pipeline's ends after it."""
@@ -139,7 +140,8 @@ class Engine:
             self.tensor.reduce_partial_grads([self.grads[n] for n in unit_names
                                               if self.table[n].grad_partial_over_tp])
 
-        return ShardedParams(self._initial_shards(names), [ch.units() for ch in self.chunks],
+        return ShardedParams(lambda n: self._initial_shards([n])[n],
+                             self.table.units(self.grid.coord.pp),
                              self.groups["dp_sp"], par.zero == 3, par.zero_prefetch, self.xp,
                              before_reduce, tied, self.groups["pp_ends"])
 

@@ -5,21 +5,25 @@ shape and the block that owns it. This module is the *placement table* that para
 from outside (as torchtitan's plan does): for each parameter, how the tensor-parallel axis
 splits it, which pipeline stage holds it, and what the data-parallel axes do with it.
 
-===============================  =============================  ================  ==========
+===============================  =============================  ================  ==============
 parameter                        tp (:class:`TensorSplit`)       pp                dp x sp
-===============================  =============================  ================  ==========
-``embed_tokens.weight``          rows, vocabulary-padded         first stage (and  replicated
+===============================  =============================  ================  ==============
+``embed_tokens.weight``          rows, vocabulary-padded         first stage (and  unit ``embed``
                                                                  last, if tied)
-``q/k/v_proj``, ``gate/up_proj``  rows (column-parallel)          its block's       replicated
-``q/k/v_proj.bias``              rows, with their weight's       its block's       replicated
-``o_proj``, ``down_proj``         columns (row-parallel)          its block's       replicated
-``*layernorm.weight``            replicated                      its block's       replicated
-``norm.weight``                  replicated                      last stage        replicated
-``lm_head.weight`` (untied)      rows, vocabulary-padded         last stage        replicated
-===============================  =============================  ================  ==========
+``q/k/v_proj``, ``gate/up_proj``  rows (column-parallel)          its block's       unit ``layers.i``
+``q/k/v_proj.bias``              rows, with their weight's       its block's       unit ``layers.i``
+``o_proj``, ``down_proj``         columns (row-parallel)          its block's       unit ``layers.i``
+``*layernorm.weight``            replicated                      its block's       unit ``layers.i``
+``norm.weight``                  replicated                      last stage        unit ``head``
+``lm_head.weight`` (untied)      rows, vocabulary-padded         last stage        unit ``head``
+===============================  =============================  ================  ==============
 
-(ZeRO-1 shards the optimizer *state* over dp x sp, not the parameters: that is the optimizer's
-business, :mod:`mpipar.optim`.) With ``--tp-sequence-parallel`` the norm weights stay replicated,
+The dp x sp column: every parameter is replicated over dp x sp, except under ``--zero 3``, where
+it is *sharded over dp x sp* as part of its unit (:attr:`Placement.dp_sp`): a unit is one flat
+buffer of which each rank of dp x sp holds 1/(dp*sp), all-gathered around the unit's forward and
+backward (:mod:`mpipar.parallel.fsdp`, :meth:`PlacementTable.units`). ZeRO-1 and ZeRO-2 shard
+the optimizer state (and ZeRO-2 the gradients) the same way, but not the parameters: that is
+the optimizer's and the reducer's business (:mod:`mpipar.optim`, :mod:`mpipar.parallel.fsdp`). With ``--tp-sequence-parallel`` the norm weights stay replicated,
 but each tp rank sees only its token shard, so their gradients are partial sums over tp
 (:attr:`Placement.grad_partial_over_tp`).
 
@@ -44,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.model.params import EMBED, ParamSpec, param_specs, stage_param_names
+from mpipar.model.params import EMBED, ParamSpec, param_specs, stage_param_names, stage_units
 from mpipar.parallel.pipeline.schedule import stage_layers, stage_owner
 
 Slices = tuple[slice, ...]
@@ -100,6 +104,7 @@ class Placement:
     stages: tuple[int, ...]          # global virtual pipeline stages that use it
     pipeline_ranks: tuple[int, ...]  # pipeline ranks holding a copy (the first's is the owner)
     tp_sequence_parallel: bool = False
+    dp_sp: str = "replicated"        # or "sharded" (--zero 3: 1/(dp*sp) of its unit per rank)
 
     @property
     def name(self) -> str:
@@ -180,7 +185,7 @@ class PlacementTable:
     ``virtual_stages`` chunks each, in forward order."""
 
     def __init__(self, model: ModelConfig, pp: int = 1, virtual_stages: int = 1,
-                 tp_sequence_parallel: bool = False) -> None:
+                 tp_sequence_parallel: bool = False, zero: int = 0) -> None:
         self.model = model.resolved()
         self.pp, self.virtual_stages = pp, virtual_stages
         self.rows: dict[str, Placement] = {}
@@ -189,7 +194,8 @@ class PlacementTable:
             ranks = tuple(dict.fromkeys(stage_owner(s, pp)[0] for s in stages))
             suffix = spec.name.split(".", 2)[-1] if spec.layer is not None else spec.name
             self.rows[spec.name] = Placement(spec, TENSOR_PARALLEL_PLAN[suffix], stages, ranks,
-                                             tp_sequence_parallel)
+                                             tp_sequence_parallel,
+                                             "sharded" if zero == 3 else "replicated")
 
     def _stages(self, spec: ParamSpec) -> tuple[int, ...]:
         """The global virtual stages that use ``spec``: its block's; the embedding's first (and,
@@ -228,6 +234,12 @@ class PlacementTable:
             for name in self.stage_names(chunk * self.pp + pp_rank):
                 out.setdefault(name, self.rows[name].local_shape(tp_size))
         return out
+
+    def units(self, pp_rank: int) -> list[list[tuple[str, list[str]]]]:
+        """Per chunk of pipeline rank ``pp_rank``, its units in forward order as ``(unit,
+        parameter names)`` (:func:`mpipar.model.params.stage_units`): what ZeRO-2/3 shard."""
+        return [stage_units(self.stage_names(chunk * self.pp + pp_rank))
+                for chunk in range(self.virtual_stages)]
 
     def local_elements(self, pp_rank: int, tp_size: int) -> int:
         return sum(math.prod(s) for s in self.local_shapes(pp_rank, tp_size).values())

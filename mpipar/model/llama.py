@@ -52,7 +52,8 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore
-from mpipar.model.params import EMBED, block_param_specs, head_weight_name, stage_param_names
+from mpipar.model.params import (EMBED, block_param_specs, head_weight_name, stage_param_names,
+                                 unit_of)
 from mpipar.parallel.tensor import TensorParallel
 
 Array = Any
@@ -96,13 +97,6 @@ class Resident:
 
 
 RESIDENT = Resident()
-
-
-def unit_of(name: str) -> str:
-    """The unit (:class:`ParamScope`) parameter ``name`` belongs to."""
-    if name.startswith("layers."):
-        return ".".join(name.split(".")[:2])
-    return "embed" if name == EMBED else "head"
 
 
 class CacheStore(Protocol):
@@ -223,13 +217,6 @@ class LlamaStage:
 
     def param_names(self) -> list[str]:
         return stage_param_names(self.cfg, self.layers, self.first, self.last)
-
-    def units(self) -> list[tuple[str, list[str]]]:
-        """``(unit, parameter names)`` of this stage in forward order (:class:`ParamScope`)."""
-        by_unit: dict[str, list[str]] = {}
-        for name in self.param_names():
-            by_unit.setdefault(unit_of(name), []).append(name)
-        return list(by_unit.items())
 
     def _cos_sin(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
         """RoPE cos, sin ``[S, D/2]`` of ``positions`` (computed once per position set)."""

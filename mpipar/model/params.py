@@ -83,6 +83,23 @@ def stage_param_names(cfg: ModelConfig, layers: range, first: bool, last: bool) 
     return names
 
 
+def unit_of(name: str) -> str:
+    """The *unit* parameter ``name`` is read in (:class:`mpipar.model.llama.ParamScope`): its
+    block ``layers.{i}``, the embedding ``embed``, or ``head`` (final norm and LM head)."""
+    if name.startswith("layers."):
+        return ".".join(name.split(".")[:2])
+    return "embed" if name == EMBED else "head"
+
+
+def stage_units(names: list[str]) -> list[tuple[str, list[str]]]:
+    """``(unit, parameter names)`` of a stage's parameters ``names`` (forward order), in the
+    order their first parameter comes."""
+    by_unit: dict[str, list[str]] = {}
+    for name in names:
+        by_unit.setdefault(unit_of(name), []).append(name)
+    return list(by_unit.items())
+
+
 def init_param(spec: ParamSpec, cfg: ModelConfig, seed: int) -> np.ndarray:
     """The global float64 initial value of one parameter (independent of layout): norm weights
     ones, biases zeros, matrices normal."""

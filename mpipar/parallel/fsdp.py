@@ -79,28 +79,28 @@ class ShardedParams:
     ``group`` (dp x sp), the ``params``/``grads`` dicts the model reads and writes, and the
     scope the model announces its units through.
 
-    ``params``: this rank's (tp-local) tensors by name; ``chunks``: per model chunk, its units
-    in forward order as ``(unit name, parameter names)``; ``before_reduce(names)``: called with
+    ``initial(name)``: this rank's (tp-local) initial tensor of a parameter, asked for one unit
+    at a time (so initialisation never holds more than one whole unit); ``chunks``: per model
+    chunk, its units in forward order as ``(unit name, parameter names)``; ``before_reduce(names)``: called with
     a unit's parameter names before its gradients leave (sums the tp-partial ones over tp);
     ``tied``: names (the embedding tied across the pipeline, a unit of its own on both ends)
     whose owned gradients are then summed over ``tied_group``."""
 
-    def __init__(self, params: dict[str, Any], chunks: list[list[tuple[str, list[str]]]],
+    def __init__(self, initial: Callable[[str], Any], chunks: list[list[tuple[str, list[str]]]],
                  group: Group, gather: bool, prefetch: int, xp: ModuleType,
                  before_reduce: Callable[[list[str]], None], tied: Collection[str] = (),
                  tied_group: Group | None = None) -> None:
         self.group, self.gather, self.prefetch, self.xp = group, gather, prefetch, xp
         self.before_reduce = before_reduce
-        dtype = next(iter(params.values())).dtype
-        self.pool = BufferPool(xp, dtype)
         self.units: dict[str, Unit] = {}
         self.order: dict[str, list[str]] = {}     # unit -> its chunk's units in forward order
         for units in chunks:
             names = [u for u, _ in units]
             for unit, pnames in units:   # a unit two chunks read (a tied embedding) is one
                 if unit not in self.units:
-                    self.units[unit] = self._make_unit(unit, pnames, params)
+                    self.units[unit] = self._make_unit(unit, pnames, initial)
                     self.order[unit] = names
+        self.pool = BufferPool(xp, next(iter(self.units.values())).owned.dtype)
         self.tied_group = tied_group
         self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
         self.shapes = {n: s for u in self.units.values() for n, s in u.shapes.items()}
@@ -111,20 +111,21 @@ class ShardedParams:
             if not gather:
                 self._bind(self.params, u, u.full)
 
-    def _make_unit(self, unit: str, names: list[str], params: dict[str, Any]) -> Unit:
+    def _make_unit(self, unit: str, names: list[str], initial: Callable[[str], Any]) -> Unit:
+        values = {n: initial(n) for n in names}
         offsets, at = {}, 0
         for n in names:
-            offsets[n] = (at, at + params[n].size)
-            at += params[n].size
+            offsets[n] = (at, at + values[n].size)
+            at += values[n].size
         n_ranks = self.group.size
         size = -(-at // n_ranks) * n_ranks
-        full = self.xp.zeros(size, params[names[0]].dtype)
+        full = self.xp.zeros(size, values[names[0]].dtype)
         for n in names:
             s, e = offsets[n]
-            full[s:e] = self.xp.asarray(params[n]).reshape(-1)
+            full[s:e] = self.xp.asarray(values[n]).reshape(-1)
         lo, hi = self._range(size)
         owned = full[lo:hi] if not self.gather else full[lo:hi].copy()
-        return Unit(unit, list(names), {n: tuple(params[n].shape) for n in names}, offsets, size,
+        return Unit(unit, list(names), {n: tuple(values[n].shape) for n in names}, offsets, size,
                     owned, self.xp.zeros(hi - lo, full.dtype), None if self.gather else full)
 
     def _range(self, size: int) -> tuple[int, int]:

@@ -45,6 +45,7 @@ import numpy as np
 
 import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
 from mpipar.config import Config, ConfigError, ModelConfig
+from mpipar.model.params import EMBED
 from mpipar.parallel.data import padded_size, plan_buckets
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
@@ -95,6 +96,68 @@ def _buckets(cfg: Config, coord: Coord) -> list[tuple[int, bool]]:
             for idx in plan_buckets([s * e for s in sizes], limit, tied)]
 
 
+def unit_lengths(cfg: Config, coord: Coord) -> dict[str, int]:
+    """ZeRO-2/3: elements of each unit of this rank (padded to a multiple of dp*sp), each once,
+    as :class:`mpipar.parallel.fsdp.ShardedParams` lays them out."""
+    shapes = local_param_shapes(cfg, coord)
+    out: dict[str, int] = {}
+    for units in placement_table(cfg).units(coord.pp):
+        for unit, names in units:
+            out.setdefault(unit, padded_size(sum(math.prod(shapes[n]) for n in names),
+                                             cfg.parallel.dp * cfg.parallel.sp))
+    return out
+
+
+def _unit_passes(cfg: Config, coord: Coord) -> list[tuple[str, int]]:
+    """ZeRO-2/3: ``(unit, reduce-scatters in a step)`` of each unit a pass of a chunk of this
+    rank enters, in order (:class:`mpipar.model.llama.LlamaStage`): the embedding on the first
+    stage, the blocks, the head on the last (and the tied embedding the head reads). A unit's
+    gradients leave once per microbatch, except under zb-h1's deferred weight gradients: then
+    once each time no backward of its chunk is left waiting for its weight op."""
+    par, table = cfg.parallel, placement_table(cfg)
+    micro = cfg.train.global_batch_size // (par.dp * cfg.train.micro_batch_size)
+    last = par.pp * par.virtual_stages - 1
+    ops = _schedule(par.schedule, par.pp, micro, par.virtual_stages)[coord.pp]
+    out = []
+    for chunk in range(par.virtual_stages):
+        stage = chunk * par.pp + coord.pp
+        waiting, settled = 0, 0
+        for op in ops:
+            if op.chunk == chunk and op.kind in ("bwd", "bwd_input", "bwd_weight"):
+                waiting += op.kind == "bwd_input"
+                waiting -= op.kind == "bwd_weight"
+                settled += waiting == 0 and op.kind != "bwd_input"
+        blocks = [f"layers.{i}" for i in table.stage_layers(stage)]
+        if stage == last:
+            blocks += ["head"] + (["embed"] if table.model.tie_embeddings else [])
+        out += [("embed", micro)] if stage == 0 else []
+        out += [(u, settled) for u in blocks]
+    return out
+
+
+def _zero_traffic(cfg: Config, coord: Coord) -> tuple[list[int], float]:
+    """ZeRO-2/3: ([bytes, messages] over dp x sp of one step, the bytes on the wire): a
+    reduce-scatter of a unit's
+    gradients each time they leave (:func:`_unit_passes`), at ZeRO-3 an all-gather of its slice
+    per forward and per backward pass of each microbatch, at ZeRO-2 one of every unit after the
+    update; plus the loss and the gradient norm."""
+    par, tr = cfg.parallel, cfg.train
+    e, n = np.dtype(tr.dtype).itemsize, par.dp * par.sp
+    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    lengths = unit_lengths(cfg, coord)
+    passes = _unit_passes(cfg, coord)
+    scattered = sum(lengths[u] * k for u, k in passes) * e          # reduce-scatters
+    msgs = sum(k for _, k in passes)
+    if par.zero == 3:
+        gathered = 2 * micro * sum(lengths[u] for u, _ in passes) // n * e
+        msgs += 2 * micro * len(passes)
+    else:
+        gathered = sum(lengths.values()) // n * e
+        msgs += len(lengths)
+    wire = scattered * (n - 1) / n + gathered * (n - 1) + 2 * 16 * (n - 1) / n
+    return [scattered + gathered + 16, msgs + 2], wire
+
+
 def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
     """``{group: [bytes, messages]}`` this rank hands to MPI in one step (resolved ``cfg``)."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
@@ -133,7 +196,9 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
         sends = sum((s < p * v - 1) + (s > 0) for s in stages) * micro
         out["pp"] = [sends * act + (8 if coord.pp == p - 1 else 0),  # + the loss broadcast
                      2 * sends + 1]                                   # each send has its receive
-    if par.dp * par.sp > 1:
+    if par.dp * par.sp > 1 and par.zero >= 2:
+        out["dp_sp"] = _zero_traffic(cfg, coord)[0]
+    elif par.dp * par.sp > 1:
         lengths = bucket_lengths(cfg, coord)
         group = par.dp * par.sp
         if par.zero:
@@ -143,7 +208,12 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
             out["dp_sp"] = [sum(L * e for L in lengths) + 8, len(lengths) + 1]      # + loss
     if par.tp * p > 1:
         out["tp_pp"] = [8, 1]                                  # the squared gradient norm
-    tied = [L // (par.dp * par.sp if par.zero else 1) for L, t in _buckets(cfg, coord) if t]
+    if par.zero >= 2:
+        table = placement_table(cfg)
+        tied = [L // (par.dp * par.sp) for u, L in unit_lengths(cfg, coord).items()
+                if u == "embed" and table[EMBED].tied_across_pipeline]
+    else:
+        tied = [L // (par.dp * par.sp if par.zero else 1) for L, t in _buckets(cfg, coord) if t]
     if tied:                                  # tied embedding copies: all-reduce (ZeRO: a slice)
         out["pp_ends"] = [sum(tied) * e, len(tied)]
     return dict(out)
@@ -158,7 +228,8 @@ def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, m
     two normed inputs and reduce-scatters the two outputs; backward all-gathers the two output
     gradients and, again, the two normed inputs (kept as shards), and reduce-scatters the two
     input gradients; once a step the norm weights' partial gradients are all-reduced, packed per
-    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights)."""
+    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights), or at
+    ZeRO-2/3 once a microbatch, per unit before its reduce-scatter."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
@@ -181,7 +252,11 @@ def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, m
         nbytes, msgs = nbytes + shard + stats + shard + full_stream, msgs + 5
     H = m.hidden
     per = m.layers // (par.pp * par.virtual_stages)
-    if par.schedule == "zb-h1":                      # one call per chunk with all its norms
+    if par.zero >= 2:                                # one call per unit reduce-scattered
+        norm = [(2 if u.startswith("layers.") else 1) * H * e
+                for u, k in _unit_passes(cfg, Coord(dp=0, tp=0, pp=stages[0], sp=0))
+                if u != "embed" for _ in range(k)]
+    elif par.schedule == "zb-h1":                    # one call per chunk with all its norms
         norm = [(2 * per + int(s == par.pp * par.virtual_stages - 1)) * H * e for s in stages]
     else:                                            # one call per block, one for the head
         norm = [2 * H * e] * blocks + ([H * e] if last else [])
@@ -203,14 +278,20 @@ def predict_step_messages(cfg: Config, coord: Coord) -> dict[str, int]:
 class MemoryEstimate:
     """Bytes one rank holds: exact for the state, an estimate for activations."""
 
-    weights: int       # flat parameter buckets (padded to a multiple of dp*sp)
-    grads: int         # flat gradient buckets, same size
-    optimizer: int     # AdamW moments m and v (ZeRO-1: this rank's slices only)
+    weights: int       # flat parameter buckets (padded to a multiple of dp*sp; ZeRO-3: a slice)
+    grads: int         # flat gradient buckets, same size (ZeRO-2/3: this rank's slices only)
+    optimizer: int     # AdamW moments m and v (ZeRO-1/2/3: this rank's slices only)
     activations: int   # saved for backward at the schedule's peak, plus one block's working set
+    buffers: int = 0   # ZeRO-2/3: the pool of whole units (gathered, gradients), at most
+
+    @property
+    def state(self) -> int:
+        """Weights, gradients and optimizer state: what ZeRO shards."""
+        return self.weights + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.state + self.activations + self.buffers
 
 
 def _block_activation_bytes(cfg: Config, mode: str) -> int:
@@ -252,10 +333,12 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
     """Memory of the rank at ``coord`` (resolved ``cfg``); see :class:`MemoryEstimate`."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
-    lengths = bucket_lengths(cfg, coord)
+    lengths = list(unit_lengths(cfg, coord).values()) if par.zero >= 2 else \
+        bucket_lengths(cfg, coord)
     flat = sum(lengths) * e
+    owned = sum(L // (par.dp * par.sp) for L in lengths) * e
     if par.zero:
-        optimizer = 2 * sum(L // (par.dp * par.sp) for L in lengths) * e
+        optimizer = 2 * owned
     else:
         optimizer = 2 * sum(math.prod(s) for s in local_param_shapes(cfg, coord).values()) * e
 
@@ -280,7 +363,30 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
             live -= weight[op.chunk]
     working = _block_activation_bytes(cfg, "none") + (_head_activation_bytes(cfg)
                                                       if last % p == coord.pp else 0)
-    return MemoryEstimate(flat, flat, optimizer, peak + working)
+    if par.zero < 2:
+        return MemoryEstimate(flat, flat, optimizer, peak + working)
+    return MemoryEstimate(owned if par.zero == 3 else flat, owned, optimizer, peak + working,
+                          _unit_buffers(cfg, coord))
+
+
+def _unit_buffers(cfg: Config, coord: Coord) -> int:
+    """ZeRO-2/3: a bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.
+    BufferPool` keeps what a step needed at once, by length): per unit length, the gathered
+    units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head:
+    ZeRO-3) and the gradient buffers (the unit in backward and ``MAX_IN_FLIGHT``
+    reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight op, beside them),
+    and the received slices."""
+    from mpipar.parallel.fsdp import MAX_IN_FLIGHT
+    par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
+    by_length: dict[int, int] = defaultdict(int)
+    for L in unit_lengths(cfg, coord).values():
+        by_length[L] += 1
+    total = 0
+    for L, k in by_length.items():
+        gathered = min(k, 2 + par.zero_prefetch) if par.zero == 3 else 0
+        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(k, 1 + MAX_IN_FLIGHT)
+        total += (gathered + grads) * L * e + min(k, 1 + MAX_IN_FLIGHT) * L // (par.dp * par.sp) * e
+    return total
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -322,6 +428,8 @@ def predict_peak_memory(cfg: Config, coord: Coord) -> int:
     shards = e * sum(math.prod(shape) for shape in shapes.values())
     table = placement_table(cfg)
     largest = max(math.prod(table[name].spec.shape) for name in shapes)
+    if par.zero >= 2:        # ZeRO-2/3 initialise one unit at a time
+        shards = max(unit_lengths(cfg, coord).values()) * e
     initialising = shards + largest * (8 + 2 * e)
     building = shards + mem.weights + mem.grads + mem.optimizer
     rows = tr.global_batch_size // par.dp
@@ -477,11 +585,15 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0
     for r in range(p):
-        traffic = _traffic(cfg, Coord(dp=0, tp=0, pp=r, sp=0))
+        coord = Coord(dp=0, tp=0, pp=r, sp=0)
+        traffic = _traffic(cfg, coord)
         seconds = {}
         for g, (b, k) in traffic.items():
             bandwidth, latency = hw.link(_span(g, cfg))
-            seconds[g] = b * _factor(g, cfg) / bandwidth + k * latency
+            wire = b * _factor(g, cfg)
+            if g == "dp_sp" and par.zero >= 2:   # gathers and scatters, not all-reduces
+                wire = _zero_traffic(cfg, coord)[1]
+            seconds[g] = wire / bandwidth + k * latency
         for g, t in seconds.items():
             comm[g] = max(comm.get(g, 0.0), t)
         inner = (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)) / (micro * v)  # per fwd + bwd
@@ -570,7 +682,7 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
         micro = [tr.micro_batch_size]
     else:
         micro = [b for b in range(1, rows + 1) if rows % b == 0]
-    zeros = [par.zero] if "zero" in fixed or dp * sp == 1 else [0, 1]
+    zeros = [par.zero] if "zero" in fixed or dp * sp == 1 else [0, 1, 2, 3]
     for (schedule, v), (mode, split), mbs, zero in itertools.product(schedules, sp_modes, micro,
                                                                      zeros):
         yield Config(base.model, dataclasses.replace(

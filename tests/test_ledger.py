@@ -21,7 +21,12 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(model="tied", pp=2, tp=2, dp=2),
          dict(model="tied", pp=2, dp=2, sp=2, zero=1, bucket_mb=0.003),
          dict(model="tied", pp=4, tp=2, schedule="zb-h1", tp_sequence_parallel=True),
-         dict(model="tied", pp=2, dp=2, tp=2, schedule="interleaved", virtual_stages=2, zero=1)]
+         dict(model="tied", pp=2, dp=2, tp=2, schedule="interleaved", virtual_stages=2, zero=1),
+         # ZeRO-2/3: per-unit all-gathers and reduce-scatters (zb-h1 merges deferred ones)
+         dict(dp=4, sp=2, zero=3, recompute="full"),
+         dict(pp=2, tp=2, dp=2, zero=3, schedule="zb-h1", tp_sequence_parallel=True),
+         dict(model="tied", pp=2, dp=2, sp=2, zero=2, schedule="interleaved", virtual_stages=2),
+         dict(model="tied", dp=4, tp=2, zero=3, tp_sequence_parallel=True)]
 
 
 @pytest.mark.mpi(min_size=8)

@@ -24,7 +24,9 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
                                                          recompute="full"),
          dict(tp=2, pp=2, dp=2, recompute="selective"),
          dict(model="tied", pp=2, tp=2, dp=2, zero=1, bucket_mb=0.003),
-         dict(model="tied", dp=4, tp=2, schedule="interleaved", virtual_stages=2)]
+         dict(model="tied", dp=4, tp=2, schedule="interleaved", virtual_stages=2),
+         dict(dp=8, zero=3), dict(dp=2, tp=2, pp=2, zero=2, schedule="zb-h1"),
+         dict(model="tied", dp=2, sp=2, pp=2, zero=3, zero_prefetch=2, recompute="full")]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -48,7 +50,12 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
         opt = eng.optimizer
         moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v) if cfg.parallel.zero
                    else sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
-        got = (sum(b.params.nbytes for b in buckets), sum(b.grads.nbytes for b in buckets), moments)
+        if cfg.parallel.zero >= 2:   # units: this rank's slices (ZeRO-2: the whole parameters)
+            got = (sum((b.owned if cfg.parallel.zero == 3 else b.full).nbytes for b in buckets),
+                   sum(b.owned_grad.nbytes for b in buckets), moments)
+        else:
+            got = (sum(b.params.nbytes for b in buckets), sum(b.grads.nbytes for b in buckets),
+                   moments)
         if got != (mem.weights, mem.grads, mem.optimizer):
             fails.append(f"{eng.grid.coord}: engine {got} != predicted "
                          f"{(mem.weights, mem.grads, mem.optimizer)}")
@@ -63,6 +70,10 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
         if eng.ledger.bytes_by_group() != predict_step_bytes(cfg, eng.grid.coord):
             fails.append(f"{eng.grid.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
                          f"predicted {predict_step_bytes(cfg, eng.grid.coord)}")
+        if cfg.parallel.zero >= 2:   # the buffers a step needed at once stay in the pool
+            pooled = sum(b.nbytes for bufs in eng.sharded.pool.free.values() for b in bufs)
+            if not 0 < pooled <= mem.buffers:
+                fails.append(f"{eng.grid.coord}: pool {pooled} B, bound {mem.buffers} B")
         eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
@@ -95,6 +106,48 @@ def test_zero_shards_the_moments_over_dp(zero):
     padded = -(-n // 8) * 8                                        # one bucket, 8 equal slices
     assert mem.weights == padded * 4
     assert mem.optimizer == (2 * padded // 8 * 4 if zero else 2 * n * 4)
+
+
+def test_zero3_state_is_one_over_dp_sp():
+    """ZeRO-3: weights, gradients and moments are 1/(dp*sp) of ZeRO-0's (each unit padded to a
+    multiple of dp*sp); ZeRO-2 keeps the whole weights; the step's bytes over dp x sp are per
+    microbatch 2 all-gathers of each unit's slice and a reduce-scatter of its gradients."""
+    model = ModelConfig(vocab_size=256, hidden=64, layers=4, heads=4, kv_heads=2)
+    train = TrainConfig(seq_len=16, global_batch_size=16, micro_batch_size=2)
+    full = predict_memory(Config(model, ParallelConfig(dp=1), train).resolved(1), Coord(0, 0, 0, 0))
+    n_params = _params(model)
+    assert full.state == 4 * n_params * 4
+    for dp, sp in ((2, 1), (8, 1), (2, 4)):
+        cfg = Config(model, ParallelConfig(dp=dp, sp=sp, zero=3), train).resolved(dp * sp)
+        mem = predict_memory(cfg, Coord(0, 0, 0, 0))
+        n = dp * sp
+        units = [model.resolved().vocab_size * 64, 64 + 64 * 256] + \
+            [(_params(model) - 2 * 256 * 64 - 64) // 4] * 4       # embed, head, blocks
+        assert sum(units) == n_params
+        padded = sum(-(-u // n) * n for u in units)
+        assert mem.state == 4 * padded // n * 4
+        assert full.state / n <= mem.state < full.state / n + 4 * 6 * 4   # padding only
+        micro = 16 // (dp * 2)
+        assert predict_step_bytes(cfg, Coord(0, 0, 0, 0))["dp_sp"] == \
+            micro * (padded * 4 + 2 * padded // n * 4) + 16
+        two = predict_memory(dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, zero=2)), Coord(0, 0, 0, 0))
+        assert two.weights == padded * 4 and two.grads == mem.grads
+
+
+def test_memory_budget_picks_the_zero_stage():
+    """With dp = 8 fixed and a budget between the ZeRO-3 and the ZeRO-2 state, the planner ranks
+    only ZeRO-3; with no budget every stage is ranked, ZeRO-3 (two all-gathers more) last."""
+    base = Config(ModelConfig(vocab_size=256, hidden=256, layers=4, heads=4, kv_heads=4),
+                  ParallelConfig(dp=8), TrainConfig(seq_len=16, global_batch_size=8,
+                                                    micro_batch_size=1, recompute="full"))
+    fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "recompute"}
+    free = plan_layouts(base, 8, fixed, hw=Hardware(1e11, 1e9, 1e-5)).ranked
+    assert [c.cfg.parallel.zero for c in free][-1] == 3 and len(free) == 4
+    mem = {c.cfg.parallel.zero: c.memory.total for c in free}
+    assert mem[3] < mem[2] < mem[1] < mem[0]
+    tight = plan_layouts(base, 8, fixed, memory_bytes=(mem[3] + mem[2]) / 2).ranked
+    assert [c.cfg.parallel.zero for c in tight] == [3]
 
 
 def test_tensor_parallel_shards_all_but_the_norms():

@@ -9,7 +9,9 @@ Sections:
   kernels   every kernel op for every available backend, side by side, float32 and float64; the
             fused kernels against the ops they replace; attention forward/backward GFLOP/s and
             % of the GEMM probe at long sequences, per thread count
-  memory    peak memory (tracemalloc) of one training step for each --recompute mode
+  memory    peak memory (tracemalloc) of one training step for each --recompute mode; with
+            --zero STAGES under mpirun -n N: dp = N, each ZeRO stage's memory per rank against
+            a --budget-mb, and ZeRO-3's exposed all-gather time against its transfer time
   comm      under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside a
             node and across nodes, the GEMM speed and the per-op overhead every rank gets with
             all ranks busy; written
@@ -515,6 +517,138 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
             "step_cpu_s": min(cpu)}
 
 
+def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_dir: str):
+    """An engine of the --zero benchmark model with dp = every rank of ``comm``."""
+    from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from mpipar.data import load_tokens
+    from mpipar.engine import Engine
+
+    world = comm.Get_size()
+    cfg = Config(
+        ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                    kv_heads=args.kv_heads, ffn_hidden=args.ffn),
+        ParallelConfig(dp=world, zero=stage, zero_prefetch=prefetch),
+        TrainConfig(steps=10, seq_len=args.seq, global_batch_size=args.batch,
+                    micro_batch_size=args.micro_batch, dtype=args.dtype, backend="numpy",
+                    run_dir=run_dir, recompute=args.modes.split(",")[0], warmup_steps=1,
+                    log_every=0),
+    ).resolved(world)
+    return Engine(cfg, comm, source=load_tokens(None, 256, args.seq))
+
+
+def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, comm,
+                        run_dir: str) -> tuple[dict[str, Any], Any]:
+    """Build and train one ZeRO ``stage`` engine under tracemalloc (only its own allocations
+    are traced): the peak of building it, what it holds between steps (``resident``: state,
+    the unit pool, caches) and the peak of a step; the planner's prediction beside them."""
+    from mpipar.planner import predict_memory
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        engine = _zero_engine(stage, prefetch, args, comm, run_dir)
+        build = tracemalloc.get_traced_memory()[1]
+        engine.train_step(0)
+        gc.collect()
+        resident = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        loss = engine.train_step(1).loss
+        step = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    pool = (sum(b.nbytes for bufs in engine.sharded.pool.free.values() for b in bufs)
+            if engine.sharded else 0)
+    predicted = predict_memory(engine.cfg, engine.grid.coord)
+    return {"zero": stage, "prefetch": prefetch, "build_peak": build, "resident": resident,
+            "step_peak": step, "peak": max(build, step), "pool": pool,
+            "state_predicted": predicted.state, "total_predicted": predicted.total,
+            "loss": loss}, engine
+
+
+def _gather_seconds(engine) -> tuple[float, int]:
+    """(seconds blocked in all-gather waits, all-gathers) the ledger booked since its reset."""
+    e = engine.ledger.entries.get(("dp_sp", "iallgather"))
+    return (e.seconds, e.messages) if e else (0.0, 0)
+
+
+def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
+    """The --zero benchmark: each stage's memory per rank (largest over ranks) against the
+    budget, then ZeRO-3's steps at prefetch 0 (every all-gather waited as soon as posted: its
+    whole transfer) and at --prefetch, interleaved step by step, with their step times."""
+    world, rank0 = comm.Get_size(), comm.Get_rank() == 0
+    say = print if rank0 else (lambda *a, **k: None)
+    stages = [int(s) for s in args.zero.split(",")]
+    mib = 2.0 ** 20
+    say(f"memory: ZeRO stages, dp={world}, numpy kernels, {args.dtype}; layers={args.layers} "
+        f"hidden={args.hidden} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab=256 "
+        f"seq={args.seq} batch={args.batch} micro_batch={args.micro_batch}; budget "
+        f"{args.budget_mb} MiB per rank")
+    from mpipar.data import load_tokens
+    load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
+    rows, engines = [], {}
+    with tempfile.TemporaryDirectory(prefix="mpipar-bench-zero-") as run_dir:
+        run_dir = comm.bcast(run_dir)
+        for stage in stages:
+            mine, engines[stage] = measure_zero_memory(stage, args.prefetch, args, comm, run_dir)
+            if stage != 3:          # only ZeRO-3's engine goes on (to the overlap runs)
+                engines.pop(stage).close()
+            every = comm.allgather(mine)
+            rows.append({**mine, **{k: max(r[k] for r in every) for k in mine
+                                    if k not in ("zero", "prefetch", "loss")}})
+        full_state = rows[0]["state_predicted"] if stages[0] == 0 else None
+        header = (f"{'zero':>4} {'build MiB':>10} {'resident':>9} {'step peak':>10} "
+                  f"{'pool MiB':>9} {'state (planner)':>16} {'fits':>5}  loss")
+        say(header)
+        say("-" * len(header))
+        for r in rows:
+            r["fits"] = r["peak"] <= args.budget_mb * mib
+            say(f"{r['zero']:>4} {r['build_peak'] / mib:>10.1f} {r['resident'] / mib:>9.1f} "
+                f"{r['step_peak'] / mib:>10.1f} {r['pool'] / mib:>9.1f} "
+                f"{r['state_predicted'] / mib:>16.1f} {'yes' if r['fits'] else 'NO':>5}  "
+                f"{r['loss']:.6f}")
+        if full_state and 3 in engines:
+            r3 = rows[stages.index(3)]
+            r3["resident_vs_share"] = r3["resident"] / (full_state / world + r3["pool"])
+            say(f"ZeRO-3 resident / (ZeRO-0 state / {world} + pool) = "
+                f"{r3['resident_vs_share']:.3f}")
+        overlap = _zero_overlap(engines.get(3), args, comm, run_dir, say) if 3 in engines else {}
+    return {"config": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads",
+                                                     "ffn", "seq", "batch", "micro_batch",
+                                                     "dtype", "budget_mb", "prefetch")}
+            | {"dp": world}, "rows": rows, "overlap": overlap}
+
+
+def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say) -> dict[str, Any]:
+    """ZeRO-3 at prefetch 0 against ``engine`` (at --prefetch), steps interleaved: the seconds
+    a step blocks in all-gather waits (the ledger), and the step times."""
+    blocking = _zero_engine(3, 0, args, comm, run_dir)
+    blocking.train_step(0)
+    out = {}
+    for name, eng in (("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)):
+        out[name] = {"waited_s": 0.0, "gathers": 0, "step_s": []}
+    for k in range(2, 2 + args.zero_steps):
+        for name, eng in (("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)):
+            eng.ledger.reset()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            eng.train_step(k)
+            out[name]["step_s"].append(time.perf_counter() - t0)
+            seconds, count = _gather_seconds(eng)
+            out[name]["waited_s"] += seconds / args.zero_steps
+            out[name]["gathers"] = count
+    for row in out.values():       # the slowest rank's
+        row["waited_s"] = comm.allreduce(row["waited_s"], op=_max_op())
+        row["step_s"] = statistics.median(row["step_s"])
+    base = out["prefetch0"]["waited_s"]
+    for name, row in out.items():
+        row["exposed_fraction"] = row["waited_s"] / base if base else float("nan")
+        say(f"ZeRO-3 {name}: {row['gathers']} all-gathers a step, blocked "
+            f"{row['waited_s'] * 1e3:.1f} ms a step ({100 * row['exposed_fraction']:.0f}% of "
+            f"prefetch 0's, whose wait is the whole transfer); step {row['step_s']:.3f} s")
+    blocking.close()
+    return out
+
+
 def run_memory(args: argparse.Namespace, comm=None) -> dict[str, Any]:
     """Measure every requested recompute mode on one model; print bytes and ratios to none.
 
@@ -526,6 +660,8 @@ def run_memory(args: argparse.Namespace, comm=None) -> dict[str, Any]:
     from mpipar.model.llama import RECOMPUTE_MODES
 
     comm = comm or MPI.COMM_WORLD
+    if args.zero:
+        return run_zero_memory(args, comm)
     tp, rank0 = comm.Get_size(), comm.Get_rank() == 0
     say = print if rank0 else (lambda *a, **k: None)
     if args.quick:
@@ -600,6 +736,14 @@ def _configure_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch")
+    parser.add_argument("--zero", default="", metavar="STAGES",
+                        help="comma list of ZeRO stages to measure with dp = the world instead "
+                             "of the recompute modes (the first of --modes is used)")
+    parser.add_argument("--budget-mb", type=float, default=256.0,
+                        help="--zero: memory per rank a stage's traced peak must fit")
+    parser.add_argument("--prefetch", type=int, default=1, help="--zero: ZeRO-3 prefetch depth")
+    parser.add_argument("--zero-steps", type=int, default=3,
+                        help="--zero: interleaved steps timing ZeRO-3's all-gathers")
 
 
 register("memory", run_memory, "peak memory of one training step for each --recompute mode "

@@ -33,7 +33,7 @@ from mpi4py import MPI
 from mpipar.comm import Group, Ledger
 
 if TYPE_CHECKING:
-    from mpipar.engine import StepResult
+    from mpipar.engine import EvalResult, StepResult
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
@@ -133,6 +133,13 @@ def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Led
     }
 
 
+def eval_record(result: "EvalResult", ledger: Ledger) -> dict[str, Any]:
+    """The ``eval`` part of a validation step's metrics.jsonl line: the validation pass's loss,
+    perplexity, tokens, seconds and bytes per group (its own ledger, rank 0's)."""
+    return {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
+            "seconds": result.seconds, "comm_bytes": ledger.bytes_by_group()}
+
+
 class MetricsWriter:
     """Appends step records to ``metrics.jsonl`` (a fresh run truncates the file) and, with a
     ``tensorboard`` directory, their numbers to a new TensorBoard event file there
@@ -188,6 +195,9 @@ class Progress:
         if not self.enabled:
             return
         step = record["step"]
+        if "eval" in record:
+            self.note(f"step {step:>6}/{self.total}  eval loss {record['eval']['loss']:.4f}  "
+                      f"perplexity {record['eval']['perplexity']:.3f}")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",

@@ -10,7 +10,9 @@ layout, else (no --global-batch-size given) the batch is rounded up to a multipl
 
 Writes into ``RUN_DIR``: ``config.toml`` (the full resolved configuration), ``metrics.jsonl`` (one
 JSON object per optimizer step: loss, grad norm, LR, tokens/s, MFU, time breakdown, bytes per
-group, peak memory per rank, skipped steps; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
+group, peak memory per rank, skipped steps, and on validation steps (``--eval-every``, the last
+step; with ``--eval-data`` or ``--eval-fraction``) the validation loss and perplexity under
+``eval``; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
 default when the ``[tensorboard]`` extra is installed, the same numbers as TensorBoard events in
 ``RUN_DIR/tensorboard``: :mod:`mpipar.tensorboard`), ``timeline.json`` (every
 rank's pipeline ops of the last step), ``summary.json`` and ``summary.txt`` (the run's numbers and
@@ -132,9 +134,11 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             from mpipar import checkpoint
             path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
             if path is not None:
+                saved = checkpoint.read_config(path)
                 cfg.model = config_mod.model_from_checkpoint(
-                    checkpoint.read_model_config(path), config_mod.given_fields(args, "model"),
-                    source=str(path))
+                    saved.model, config_mod.given_fields(args, "model"), source=str(path))
+                tr.eval_fraction = config_mod.held_out_from_checkpoint(
+                    saved.train, config_mod.given_fields(args, "train"), source=str(path))
         if tr.init_from_hf or tr.export_hf:
             from mpipar import hf
             if tr.init_from_hf:
@@ -219,7 +223,8 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest,
     telemetry = metrics.Telemetry(comm)
     watchdog = None
     if tr.collective_timeout:
-        watchdog = Watchdog([engine.ledger, telemetry.ledger], tr.collective_timeout,
+        watchdog = Watchdog([engine.ledger, engine.eval_ledger, telemetry.ledger],
+                            tr.collective_timeout,
                             comm.Get_rank(),
                             lambda message: report.abort("watchdog", message, EXIT_WATCHDOG)
                             ).start()
@@ -266,6 +271,8 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest,
         skipped += nonfinite
         record = metrics.step_record(result, ranks, engine.ledger, flops, sum(peaks), nonfinite,
                                      skipped)
+        if engine.eval_set is not None and _eval_due(result.step, tr):
+            record["eval"] = metrics.eval_record(engine.evaluate(), engine.eval_ledger)
         writer.write(record)
         progress.update(record)
         last = (result, started)
@@ -309,6 +316,12 @@ def _finish(watchdog, engine, cfg: Config, rank0: bool, export: bool) -> None:
         watchdog.stop()
     if export and cfg.train.export_hf:
         export_hf(engine, cfg, rank0)
+
+
+def _eval_due(step: int, tr) -> bool:
+    """Whether the validation loss is computed after ``step`` (1-based): every ``eval_every``
+    steps and after the last."""
+    return step == tr.steps or bool(tr.eval_every and step % tr.eval_every == 0)
 
 
 def _step_path(save_dir: str, step: int) -> str:

@@ -195,21 +195,21 @@ class Progress:
         if not self.enabled:
             return
         step = record["step"]
-        if "eval" in record:
-            self.note(f"step {step:>6}/{self.total}  eval loss {record['eval']['loss']:.4f}  "
-                      f"perplexity {record['eval']['perplexity']:.3f}")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
                                  tok_s=f"{record['tokens_per_s']:,.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
-            return
-        if step % self.every == 0 or step == 1 or step == self.total:
+        elif step % self.every == 0 or step == 1 or step == self.total:
             skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
             print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
                   f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_s']:,.0f} tok/s  MFU {100 * record['mfu']:.2f}%{skipped}",
                   flush=True)
+        if "eval" in record:
+            self.note(f"step {step:>6}/{self.total}  validation loss "
+                      f"{record['eval']['loss']:.4f}  perplexity "
+                      f"{record['eval']['perplexity']:.3f}")
 
     def note(self, text: str) -> None:
         """A message that does not break the bar."""

@@ -165,6 +165,9 @@ def test_validation_loss_is_the_same_on_every_layout(world, layout):
         got = (engine.evaluate().loss, engine.train_step(1).loss, engine.evaluate().loss)
         engine.close()
         want = _single_process()
+        diffs = [abs(a - b) / abs(b) for a, b in zip(got, (want[0], want[2], want[1]))]
+        if world.rank == 0:
+            print(f"\n{layout_name(layout)}: validation rel diffs {diffs[0]:.1e}, {diffs[2]:.1e}")
         for what, a, b in zip(("eval after 1 step", "step 2 loss", "eval after 2 steps"), got,
                               (want[0], want[2], want[1])):
             if not abs(a - b) <= 1e-10 * abs(b):

@@ -227,8 +227,10 @@ class Engine:
                 total += sum(float(losses[i].sum()) for i in sorted(losses))
             tokens = self.eval_set.batches * tr.global_batch_size * tr.seq_len
             loss = self._global_sum(total) / tokens
-        with np.errstate(over="ignore"):
-            perplexity = float(np.exp(loss))
+        try:
+            perplexity = math.exp(loss)
+        except OverflowError:
+            perplexity = math.inf
         return EvalResult(loss, perplexity, tokens, time.perf_counter() - t0)
 
     def _start_dump(self, step: int) -> ActivationRecorder | None:

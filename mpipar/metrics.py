@@ -1,4 +1,5 @@
-"""Per-step metrics: time breakdown, MFU, memory, one JSON line per step, progress, timeline.
+"""Per-step metrics: time breakdown, MFU, memory, one JSON line per step (with the validation
+pass's numbers on validation steps: :func:`eval_record`), progress, timeline.
 
 Every rank measures its own step; :class:`Telemetry` gathers the numbers to rank 0 once per
 step (one small all-gather, which also carries the stop flag of a preemption signal, so every

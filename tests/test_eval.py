@@ -155,7 +155,6 @@ def test_validation_loss_is_the_same_on_every_layout(world, layout):
     comm = world.Split(world.rank // size, world.rank)
     fails: list[str] = []
     try:
-        layout = dict(layout)
         recompute = "offload" if layout.get("pp") == 4 and layout.get("tp") else "none"
         cfg = eval_config(**layout)
         cfg.train.recompute = recompute

@@ -217,7 +217,9 @@ def _traffic(cfg: Config, coord: Coord, eval_batches: int = 0) -> dict[str, list
         out["dp_sp"] = _dp_traffic(cfg, coord, e) if train else _eval_gathers(cfg, coord, passes)
     if train and par.tp * p > 1:
         out["tp_pp"] = [8, 1]                                  # the squared gradient norm
-    if par.zero >= 2:
+    if not train:                             # a validation pass has no gradients
+        tied = []
+    elif par.zero >= 2:
         table = placement_table(cfg)
         tied = [L // (par.dp * par.sp) for u, L in unit_lengths(cfg, coord).items()
                 if u == "embed" and table[EMBED].tied_across_pipeline]

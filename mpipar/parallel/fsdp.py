@@ -107,6 +107,7 @@ class ShardedParams:
         self.params: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
         self._reducing: deque[tuple[Request, Any, Unit, Any]] = deque()
+        self._in_use = 0                          # units gathered and entered now (ZeRO-3)
         for u in self.units.values():
             if not gather:
                 self._bind(self.params, u, u.full)
@@ -146,17 +147,20 @@ class ShardedParams:
     def enter(self, unit: str, backward: bool) -> None:
         """The model is about to run ``unit`` (forward, or ``backward``): its parameters are
         gathered (ZeRO-3), its gradient buffer bound (backward), the next units' gathers
-        posted."""
+        posted. A unit entered inside another (the tied embedding the head reads) posts none:
+        the units after it are not the ones to come."""
         u = self.units[unit]
         if self.gather:
+            nested = self._in_use > 0
             self._start_gather(u)
             u.gathering.wait()
             if u.users == 0:
                 self._bind(self.params, u, u.full)
+                self._in_use += 1
             u.users += 1
             order = self.order[unit][::-1] if backward else self.order[unit]
             at = order.index(unit)
-            for nxt in order[at + 1:at + 1 + self.prefetch]:
+            for nxt in ([] if nested else order[at + 1:at + 1 + self.prefetch]):
                 self._start_gather(self.units[nxt])
         if backward:
             if u.grad is None:
@@ -173,6 +177,7 @@ class ShardedParams:
         if self.gather:
             u.users -= 1
             if u.users == 0 and u.full is not None:
+                self._in_use -= 1
                 self._unbind(self.params, u)
                 self.pool.give(u.full)
                 u.full, u.gathering = None, None

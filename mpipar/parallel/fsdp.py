@@ -35,6 +35,7 @@ from typing import Any
 
 from mpipar.comm import Group, Request
 from mpipar.config import Config, require, rules
+from mpipar.parallel.data import padded_size
 
 MAX_IN_FLIGHT = 2
 """Reduce-scatters of gradients outstanding at once (each holds one unit's full gradients)."""
@@ -81,8 +82,9 @@ class ShardedParams:
 
     ``initial(name)``: this rank's (tp-local) initial tensor of a parameter, asked for one unit
     at a time (so initialisation never holds more than one whole unit); ``chunks``: per model
-    chunk, its units in forward order as ``(unit name, parameter names)``; ``before_reduce(names)``: called with
-    a unit's parameter names before its gradients leave (sums the tp-partial ones over tp);
+    chunk, its units in forward order as ``(unit name, parameter names)``;
+    ``before_reduce(names)``: called with a unit's parameter names before its gradients leave
+    (sums the tp-partial ones over tp);
     ``tied``: names (the embedding tied across the pipeline, a unit of its own on both ends)
     whose owned gradients are then summed over ``tied_group``."""
 
@@ -108,18 +110,19 @@ class ShardedParams:
         self.grads: dict[str, Any] = {}
         self._reducing: deque[tuple[Request, Any, Unit, Any]] = deque()
         self._in_use = 0                          # units gathered and entered now (ZeRO-3)
-        for u in self.units.values():
-            if not gather:
+        if not gather:                            # ZeRO-2: the whole parameters stay bound
+            for u in self.units.values():
                 self._bind(self.params, u, u.full)
 
     def _make_unit(self, unit: str, names: list[str], initial: Callable[[str], Any]) -> Unit:
+        """The unit of parameters ``names``, laid out flat in that order and padded; this rank
+        keeps its slice (ZeRO-3) or the whole (ZeRO-2)."""
         values = {n: initial(n) for n in names}
         offsets, at = {}, 0
         for n in names:
             offsets[n] = (at, at + values[n].size)
             at += values[n].size
-        n_ranks = self.group.size
-        size = -(-at // n_ranks) * n_ranks
+        size = padded_size(at, self.group.size)
         full = self.xp.zeros(size, values[names[0]].dtype)
         for n in names:
             s, e = offsets[n]

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.staging import DirectPath, HostCopies, MpiPath
+
 
 @dataclass
 class LedgerEntry:
@@ -50,6 +52,9 @@ class Ledger:
         default_factory=lambda: defaultdict(LedgerEntry))
     in_flight: tuple[str, str, int, float] | None = None
     """(group, operation, group size, time.monotonic() at entry) of the call blocked now."""
+    staging: LedgerEntry = field(default_factory=LedgerEntry)
+    """Copies between arrays and MPI's host buffers (:mod:`mpipar.staging`): bytes copied
+    either way, copies, seconds; apart from ``entries``, which hold what the planner predicts."""
 
     def begin(self, group: str, op: str, size: int) -> None:
         """Mark the call about to block (``add`` clears the mark when it returns)."""
@@ -62,8 +67,15 @@ class Ledger:
         e.messages += 1
         e.seconds += seconds
 
+    def stage(self, nbytes: int, seconds: float) -> None:
+        """Book a staging copy of ``nbytes`` (0: time spent waiting for one) and its seconds."""
+        self.staging.bytes += int(nbytes)
+        self.staging.messages += 1 if nbytes else 0
+        self.staging.seconds += seconds
+
     def reset(self) -> None:
         self.entries.clear()
+        self.staging = LedgerEntry()
 
     def bytes_by_group(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -84,12 +96,13 @@ class Ledger:
 
 
 class Request:
-    """A non-blocking operation; ``wait`` books its time in the ledger."""
+    """A non-blocking operation; ``wait`` books its time in the ledger, then runs ``on_done``
+    (a staged buffer copied back and returned to its pool)."""
 
     def __init__(self, req: MPI.Request | None, ledger: Ledger, group: str, op: str,
-                 nbytes: int, size: int = 1) -> None:
+                 nbytes: int, size: int = 1, on_done: Callable[[], None] | None = None) -> None:
         self._req, self._ledger, self._group, self._op = req, ledger, group, op
-        self._size, self._nbytes = size, nbytes
+        self._size, self._nbytes, self._on_done = size, nbytes, on_done
         self.done = req is None
 
     def wait(self) -> None:
@@ -101,6 +114,8 @@ class Request:
         # Seconds spent blocked in wait are the exposed communication time.
         self._ledger.add(self._group, self._op, self._nbytes, time.perf_counter() - t0)
         self.done = True
+        if self._on_done is not None:
+            self._on_done()
 
 
 def _contig(buf: np.ndarray, name: str) -> np.ndarray:
@@ -110,12 +125,37 @@ def _contig(buf: np.ndarray, name: str) -> np.ndarray:
 
 
 class Group:
-    """One communicator of the grid, with ledger-counted buffer collectives and point-to-point."""
+    """One communicator of the grid, with ledger-counted buffer collectives and point-to-point.
 
-    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
+    ``path`` decides what MPI sees of each array (:mod:`mpipar.staging`): the array itself
+    (default: host arrays), or a staged host buffer; every buffer method goes through it."""
+
+    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger,
+                 path: MpiPath | None = None) -> None:
         self.comm, self.name, self.ledger = comm, name, ledger
+        self.path = path or DirectPath(HostCopies(), "host arrays")
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
+
+    @contextlib.contextmanager
+    def _buffers(self, send: tuple = (), recv: tuple = (), both: tuple = ()) -> Iterator[list]:
+        """What MPI sees of ``send`` (read), ``recv`` (written) and ``both`` (in place), in that
+        order; received values reach the arrays when the block ends."""
+        led, path = self.ledger, self.path
+        leases = ([(a, path.lease(a, led, True), False) for a in send]
+                  + [(a, path.lease(a, led, False), True) for a in recv]
+                  + [(a, path.lease(a, led, True), True) for a in both])
+        try:
+            yield [buf for _, buf, _ in leases]
+        finally:
+            for a, buf, store in leases:
+                path.release(a, buf, led, store)
+
+    def stage_ahead(self, buf: Any) -> None:
+        """A coming call will send ``buf``: a staging path starts copying it now, overlapping
+        the call in progress (the next gradient bucket during the current one's reduction)."""
+        if self.size > 1:
+            self.path.ahead(buf, self.ledger)
 
     def _timed(self, op: str, nbytes: int, fn, *args) -> Any:
         self.ledger.begin(self.name, op, self.size)
@@ -129,8 +169,9 @@ class Group:
         """In-place all-reduce (sum by default) of a contiguous array; returns it."""
         if self.size > 1:
             _contig(buf, "allreduce")
-            self._timed("allreduce" if op is MPI.SUM else "allreduce_max", buf.nbytes,
-                        self.comm.Allreduce, MPI.IN_PLACE, buf, op)
+            with self._buffers(both=(buf,)) as (mbuf,):
+                self._timed("allreduce" if op is MPI.SUM else "allreduce_max", buf.nbytes,
+                            self.comm.Allreduce, MPI.IN_PLACE, mbuf, op)
         return buf
 
     def allreduce_max_(self, buf: np.ndarray) -> np.ndarray:
@@ -142,16 +183,22 @@ class Group:
         if self.size == 1:
             return Request(None, self.ledger, self.name, "iallreduce", 0)
         _contig(buf, "iallreduce")
-        return Request(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), self.ledger, self.name,
-                       "iallreduce", buf.nbytes, self.size)
+        mbuf = self.path.lease(buf, self.ledger, True)
+        return Request(self.comm.Iallreduce(MPI.IN_PLACE, mbuf, MPI.SUM), self.ledger, self.name,
+                       "iallreduce", buf.nbytes, self.size, self._release(buf, mbuf, True))
+
+    def _release(self, a: Any, buf: Any, store: bool) -> Callable[[], None]:
+        """What a request does when it completes: ``buf`` back to ``a`` (``store``), pooled."""
+        ledger = self.ledger
+        return lambda: self.path.release(a, buf, ledger, store)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Gather equal blocks: ``recv`` is ``[size, *send.shape]`` (or its flat equivalent)."""
         if self.size == 1:
             recv.reshape(send.shape)[...] = send
             return recv
-        self._timed("allgather", send.nbytes, self.comm.Allgather, _contig(send, "allgather"),
-                    _contig(recv, "allgather"))
+        with self._buffers((_contig(send, "allgather"),), (_contig(recv, "allgather"),)) as b:
+            self._timed("allgather", send.nbytes, self.comm.Allgather, *b)
         return recv
 
     def reduce_scatter_(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
@@ -159,8 +206,10 @@ class Group:
         if self.size == 1:
             recv[...] = send.reshape(recv.shape)
             return recv
-        self._timed("reduce_scatter", send.nbytes, self.comm.Reduce_scatter_block,
-                    _contig(send, "reduce_scatter"), _contig(recv, "reduce_scatter"), MPI.SUM)
+        with self._buffers((_contig(send, "reduce_scatter"),),
+                           (_contig(recv, "reduce_scatter"),)) as b:
+            self._timed("reduce_scatter", send.nbytes, self.comm.Reduce_scatter_block, *b,
+                        MPI.SUM)
         return recv
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
@@ -168,14 +217,16 @@ class Group:
         if self.size == 1:
             recv[...] = send
             return recv
-        self._timed("alltoall", send.nbytes, self.comm.Alltoall, _contig(send, "alltoall"),
-                    _contig(recv, "alltoall"))
+        with self._buffers((_contig(send, "alltoall"),), (_contig(recv, "alltoall"),)) as b:
+            self._timed("alltoall", send.nbytes, self.comm.Alltoall, *b)
         return recv
 
     def bcast_(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         if self.size > 1:
-            self._timed("bcast", buf.nbytes if self.rank == root else 0, self.comm.Bcast,
-                        _contig(buf, "bcast"), root)
+            root_side = self.rank == root
+            with self._buffers((_contig(buf, "bcast"),) if root_side else (),
+                               () if root_side else (_contig(buf, "bcast"),)) as (mbuf,):
+                self._timed("bcast", buf.nbytes if root_side else 0, self.comm.Bcast, mbuf, root)
         return buf
 
     # ------------------------------------------------ control (pickled objects)
@@ -208,20 +259,24 @@ class Group:
         if self.size == 1:
             recv[...] = send
             return recv
-        self._timed("sendrecv", send.nbytes, self.comm.Sendrecv, _contig(send, "sendrecv"), dest,
-                    tag, _contig(recv, "sendrecv"), source, tag)
+        with self._buffers((_contig(send, "sendrecv"),), (_contig(recv, "sendrecv"),)) as b:
+            self._timed("sendrecv", send.nbytes, self.comm.Sendrecv, b[0], dest, tag, b[1],
+                        source, tag)
         return recv
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
-        return Request(self.comm.Isend(_contig(buf, "isend"), dest, tag), self.ledger, self.name,
-                       "send", buf.nbytes, size=self.size)
+        mbuf = self.path.lease(_contig(buf, "isend"), self.ledger, True)
+        return Request(self.comm.Isend(mbuf, dest, tag), self.ledger, self.name, "send",
+                       buf.nbytes, self.size, self._release(buf, mbuf, False))
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
-        return Request(self.comm.Irecv(_contig(buf, "irecv"), source, tag), self.ledger,
-                       self.name, "recv", 0, size=self.size)
+        mbuf = self.path.lease(_contig(buf, "irecv"), self.ledger, False)
+        return Request(self.comm.Irecv(mbuf, source, tag), self.ledger, self.name, "recv", 0,
+                       self.size, self._release(buf, mbuf, True))
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
-        self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag)
+        with self._buffers(recv=(_contig(buf, "recv"),)) as (mbuf,):
+            self._timed("recv", 0, self.comm.Recv, mbuf, source, tag)
         return buf
 
 

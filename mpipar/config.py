@@ -123,10 +123,23 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global L2 norm; <= 0 disables clipping")
-    dtype: str = _f("float32", "parameter and compute dtype", choices=("float32", "float64"))
-    backend: str = _f("auto", "kernel backend: auto (numba, else numpy), numba or numpy; cupy is "
-                              "refused: training keeps its arrays in host memory",
+    dtype: str = _f("float32", "parameter and compute dtype (bfloat16: refused for now, "
+                               "mixed precision is not built yet)",
+                    choices=("float32", "float64", "bfloat16"))
+    backend: str = _f("auto", "kernel backend: auto (cupy on a CUDA device, else numba, else "
+                              "numpy), numba or numpy (CPU), cupy (--device cuda)",
                       choices=("auto", "numpy", "numba", "cupy"))
+    device: str = _f("cpu", "where parameters, gradients, optimizer state and activations live: "
+                            "cpu, cuda (rank r takes GPU local_rank % visible GPUs; ranks may "
+                            "share one), auto (cuda when CuPy sees a device)",
+                     choices=("cpu", "cuda", "auto"))
+    cuda_aware_mpi: str = _f("auto", "how arrays reach MPI: on (device buffers straight to a "
+                                     "CUDA-aware MPI; refused when the library does not report "
+                                     "CUDA support), off (staged through reusable host "
+                                     "buffers, on the CPU too), auto (straight when the "
+                                     "library is CUDA-aware or the arrays are on the host); "
+                                     "env MPIPAR_CUDA_AWARE_MPI=1/0 overrides the library's "
+                                     "answer", choices=("auto", "on", "off"))
     data: str = _f("", "token data: a text file or directory, .bin (uint16), .npy, .h5; "
                        "empty = the embedded Python-stdlib corpus")
     shuffle: bool = _f(True, "shuffle samples each epoch (--no-shuffle: step k uses samples k*B..(k+1)*B-1)",

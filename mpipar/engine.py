@@ -36,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
-from mpipar.backend import to_host, training_backend
+from mpipar.backend import select_device, to_host, training_backend
 from mpipar.comm import Group, Ledger, booked_to
 from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens, validation
@@ -50,6 +50,7 @@ from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.placement import PlacementTable
+from mpipar.staging import choose_path
 from mpipar.state import TrainState
 from mpipar.topology import ProcessGrid
 
@@ -90,11 +91,16 @@ class Engine:
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
                                train_samples)
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp)
+        # The device before any array: parameters, gradients, optimizer state and activations
+        # are allocated by the kernels' array module (CuPy's on cuda) on it.
+        self.device = select_device(tr.device, comm)
+        self.kernels = training_backend(tr.backend, self.device.kind)
+        self.xp = self.kernels.xp
+        self.mpi_path = choose_path(tr.cuda_aware_mpi, self.device.kind == "cuda")
         self.ledger = Ledger()
         self.eval_ledger = Ledger()
-        self.groups = {name: Group(c, name, self.ledger) for name, c in self.grid.comms.items()}
-        self.kernels = training_backend(tr.backend)
-        self.xp = self.kernels.xp
+        self.groups = {name: Group(c, name, self.ledger, self.mpi_path)
+                       for name, c in self.grid.comms.items()}
         self.dtype = np.dtype(tr.dtype)
         self.table = PlacementTable(cfg.model, par.pp, par.virtual_stages, par.tp_sequence_parallel)
         self.tensor = TensorParallel(self.kernels, cfg.model.vocab_size, self.groups["tp"],

@@ -135,6 +135,8 @@ def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Led
         "comm_bytes_max": {g: int(max(r[f"bytes_{g}"] for r in ranks)) for g in GROUPS
                            if any(r[f"bytes_{g}"] for r in ranks)},
         "comm_seconds": ledger.seconds_by_group(),       # rank 0
+        "staging": {"bytes": ledger.staging.bytes, "copies": ledger.staging.messages,
+                    "seconds": ledger.staging.seconds},  # rank 0: arrays <-> MPI host buffers
         "memory_bytes": [int(r["memory"]) for r in ranks],
     }
 

@@ -404,7 +404,9 @@ def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
           f"model {cfg.model.layers}x{cfg.model.hidden} heads {cfg.model.heads}/"
           f"{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
           f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
-          f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | {ctx.threads} thread(s)/rank | "
+          f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | device "
+          f"{engine.device.describe()} | MPI buffers {engine.mpi_path.describe()} | "
+          f"{ctx.threads} thread(s)/rank | "
           f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
 
 

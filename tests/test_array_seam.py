@@ -65,7 +65,7 @@ def _guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
 
     recording = RecordingXP()
     backend = dataclasses.replace(training_backend("numpy"), xp=recording)
-    monkeypatch.setattr(engine_mod, "training_backend", lambda name: backend)
+    monkeypatch.setattr(engine_mod, "training_backend", lambda name, device="cpu": backend)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2,
                                                              eval_data=token_source().path))
     eng = engine_mod.Engine(cfg.resolved(comm.Get_size()), comm, source=token_source())

@@ -129,7 +129,10 @@ class GradReducer:
     def finish(self) -> None:
         """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice), the
         tied ones then over the tied group too."""
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
+            later = self.buckets[i + 1:i + 2]  # a staging path copies it during this one
+            if later and (self.sharded or later[0].request is None):
+                self.group.stage_ahead(later[0].grads)
             if self.sharded:
                 owned = self.xp.empty(b.grads.size // self.group.size, b.grads.dtype)
                 self.group.reduce_scatter_(b.grads, owned)

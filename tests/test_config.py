@@ -65,7 +65,10 @@ RULES = [
     (["--beta2", "1.5"], 1, "train.beta2=1.5: must be in [0, 1)"),
     (["--eps", "0"], 1, "train.eps=0.0: must be > 0"),
     (["--log-every", "-1"], 1, "train.log_every=-1: must be >= 0"),
-    (["--backend", "cupy"], 1, "train.backend='cupy': GPU training is not available yet"),
+    (["--backend", "cupy"], 1, "train.backend='cupy' with train.device='cpu': the CuPy kernels "
+                               "need device arrays"),
+    (["--dtype", "bfloat16"], 1, "train.dtype='bfloat16': mixed precision (bf16 compute with "
+                                 "float32 master weights"),
     (["--save-every", "-1"], 1, "train.save_every=-1: must be >= 0"),
     (["--keep-last", "-1"], 1, "train.keep_last=-1: must be >= 0"),
     (["--collective-timeout", "-1"], 1, "train.collective_timeout=-1.0: must be >= 0"),

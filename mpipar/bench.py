@@ -18,6 +18,8 @@ Sections:
             training runs of several layouts, side by side
   train     one training step of mpipar against PyTorch eager (transformers Llama, sdpa, AdamW)
             on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo)
+  gpu       on a CUDA device (mpipar.bench_gpu): attention TFLOP/s against the GEMM of equal
+            FLOPs, end-to-end tokens/s and MFU of a 350M Llama against PyTorch eager
 
 Sections that compare thread counts run each count in child processes started with
 OMP/OPENBLAS/MKL/NUMBA_NUM_THREADS set (NumPy's BLAS reads its thread count once, at import).
@@ -1194,6 +1196,19 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
 
 register("train", run_train, "a training step of mpipar against PyTorch eager, same model and threads",
          _configure_train)
+def _run_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    from mpipar import bench_gpu
+    return bench_gpu.run(args)
+
+
+def _configure_gpu(parser: argparse.ArgumentParser) -> None:
+    from mpipar import bench_gpu
+    bench_gpu.configure(parser)
+
+
+register("gpu", _run_gpu, "on a CUDA device: flash attention TFLOP/s against the GEMM of equal "
+         "FLOPs; tokens/s and MFU of a 350M Llama against PyTorch eager (skipped without one)",
+         _configure_gpu)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class TrainConfig:
                               "numpy), numba or numpy (CPU), cupy (--device cuda)",
                       choices=("auto", "numpy", "numba", "cupy"))
     device: str = _f("cpu", "where parameters, gradients, optimizer state and activations live: "
-                            "cpu, cuda (rank r takes GPU local_rank % visible GPUs; ranks may "
+                            "cpu, cuda (rank r takes GPU local_rank mod visible GPUs; ranks may "
                             "share one), auto (cuda when CuPy sees a device)",
                      choices=("cpu", "cuda", "auto"))
     cuda_aware_mpi: str = _f("auto", "how arrays reach MPI: on (device buffers straight to a "

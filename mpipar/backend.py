@@ -1,17 +1,19 @@
-"""Where the arithmetic runs: the kernel backend of training, CPU thread budgets per rank, and
-the peak FLOP/s of MFU.
+"""Where the arithmetic runs: the kernel backend of training, CPU thread budgets per rank, the
+memory a node can still give, and the peak FLOP/s of MFU.
 
 Ranks that share a node share its cores: ``configure_threads`` gives each rank
 ``cores it may use // ranks on those cores`` threads for BLAS, OpenMP and Numba (a rank bound to
 its own cores keeps them all). It sets environment variables,
 so it must run before NumPy or Numba are imported (``python -m mpipar.train`` does this); a
-variable the user already set wins.
+variable the user already set wins. They share its memory too: training compares the planner's
+per-rank memory with ``available_memory_bytes() / ranks_on_this_node`` before it allocates.
 """
 from __future__ import annotations
 
 import math
 import os
 import time
+from pathlib import Path
 
 from mpi4py import MPI
 
@@ -74,13 +76,10 @@ def local_size_from_env() -> int | None:
     return None
 
 
-def local_ranks(comm: MPI.Comm = MPI.COMM_WORLD) -> tuple[int, int]:
-    """(this rank's index among the ranks of its node, how many ranks share the node)."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
+def ranks_on_node(names: list[str], rank: int) -> int:
+    """How many ranks share this rank's node, from every rank's processor name (``names``, in
+    rank order: the launcher did not say, so the caller gathered them)."""
+    return names.count(names[rank])
 
 
 def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
@@ -140,18 +139,58 @@ def threads_per_rank(ranks_on_node: int) -> int:
     return max(1, cpu_count() // ranks_sharing_cores(ranks_on_node))
 
 
-def configure_threads(comm: MPI.Comm | None = MPI.COMM_WORLD) -> int:
-    """Split this node's cores among its ranks; returns the threads per rank.
-
-    The launcher's environment is used when it tells the ranks per node; otherwise ``comm`` is
-    split by node (a collective), and with ``comm=None`` a lone process is assumed."""
-    ranks = local_size_from_env()
+def configure_threads(ranks: int | None) -> int:
+    """Split this node's cores among the ``ranks`` that share it (None: the count the launcher
+    gives, else a lone process); returns the threads per rank."""
     if ranks is None:
-        ranks = local_ranks(comm)[1] if comm is not None else 1
+        ranks = local_size_from_env() or 1
     threads = threads_per_rank(ranks)
     for var in THREAD_VARS:
         os.environ.setdefault(var, str(threads))
     return int(os.environ["NUMBA_NUM_THREADS"])
+
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this node can still give, in bytes: ``MemAvailable`` of /proc/meminfo, lowered to
+    what this process's memory cgroup still allows when it has a limit (a container or a batch
+    job); None where neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as fh:
+            found += [int(line.split()[1]) * 1024 for line in fh
+                      if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        found.append(headroom)
+    return min(found) if found else None
+
+
+def _cgroup_headroom() -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, or v1), or None without one."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, files = f"/sys/fs/cgroup{path}", ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = (f"/sys/fs/cgroup/memory{path}",
+                           ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        else:
+            continue
+        try:
+            limit, usage = (Path(base, f).read_text().strip() for f in files)
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit() and int(limit) < 2**62:  # "max" or 2**63-ish: none
+            return int(limit) - int(usage)
+    return None
 
 
 def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:
@@ -212,7 +251,8 @@ def main() -> int:
     that MPI sees, and the threads and peak share each rank gets (a job's first line)."""
     comm = MPI.COMM_WORLD
     shape = node_shape(comm)
-    on_node = local_size_from_env() or local_ranks(comm)[1]
+    on_node = local_size_from_env() or ranks_on_node(comm.allgather(MPI.Get_processor_name()),
+                                                     comm.Get_rank())
     threads = threads_per_rank(on_node)
     share = comm.gather(cpu_peak_share(threads, on_node))
     if comm.Get_rank() == 0:

@@ -114,6 +114,34 @@ def test_diagnosis_pipeline_bubble():
     assert "--schedule interleaved --virtual-stages 2" in lines[1]
 
 
+@pytest.mark.parametrize("layout,layers,advice", [
+    ({"schedule": "interleaved", "virtual_stages": 2, "micro_batch_size": 1}, 16,
+     "use more microbatches (now 8 per step for pp=2) with a larger --global-batch-size, or more "
+     "virtual stages (--virtual-stages 4, now 2), or --schedule zb-h1"),
+    ({"schedule": "interleaved", "virtual_stages": 2, "micro_batch_size": 2}, 4,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "--schedule zb-h1"),
+    ({"schedule": "zb-h1", "virtual_stages": 1, "micro_batch_size": 2}, 6,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "interleaving (--schedule interleaved --virtual-stages 3)"),
+    ({"schedule": "1f1b", "virtual_stages": 1, "micro_batch_size": 2}, 4,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "interleaving (--schedule interleaved --virtual-stages 2), or --schedule zb-h1"),
+])
+def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
+    """Issue 15, item 18: a run that already used --schedule interleaved --virtual-stages 2 was
+    told to use exactly that; the advice now names only what the run did not do (more virtual
+    stages when the layers divide, zb-h1, more microbatches)."""
+    mbs = layout.pop("micro_batch_size")
+    config = {"model": {"layers": layers},
+              "parallel": {"dp": 1, "tp": 1, "pp": 2, "sp": 1, **layout},
+              "train": {"global_batch_size": 8 * mbs, "micro_batch_size": mbs}}
+    records = [_record(k, 4.0, compute=1.0, pipeline_wait=1.0) for k in (1, 2)]
+    summary = report.summarize(records, None, config)  # what train and mpipar.report run
+    line = next(x for x in report.diagnose(summary) if x.startswith("pipeline bubble"))
+    assert line == f"pipeline bubble 50% > 30%: {advice}"
+
+
 def test_diagnosis_small_bubble_is_not_flagged():
     s = _summary({"pp": 4}, compute=1.0, pipeline_wait=0.2)
     s["bubble"] = 0.2

@@ -867,11 +867,12 @@ class MpiparPeer:
                 time.sleep(0.002)
         return COMMANDS[int(code[0])]
 
-    def step(self) -> float:
-        start = time.perf_counter()
+    def step(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of one training step (CPU: this rank's process, all its threads)."""
+        start, cpu = time.perf_counter(), time.process_time()
         self.engine.train_step(self.steps)
         self.steps += 1
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     def profile(self) -> dict[str, float]:
         """Seconds per kernel op (cumulative time of the ops in kernels.OPS), the optimizer and
@@ -881,7 +882,7 @@ class MpiparPeer:
 
         prof = cProfile.Profile()
         prof.enable()
-        total = self.step()
+        total = self.step()[0]
         prof.disable()
         kernel_dir = os.path.dirname(os.path.abspath(kernels.__file__))
         parts: dict[str, float] = {}
@@ -941,9 +942,10 @@ class TorchTrainer:
         self.vocab = args.vocab
         self.steps = 0
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of one training step, like :meth:`MpiparPeer.step`."""
         torch = self.torch
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         inputs, targets = self.sampler.batch(self.steps, self.rows)
         logits = self.model(input_ids=torch.from_numpy(inputs)).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), torch.from_numpy(targets).reshape(-1))
@@ -952,7 +954,7 @@ class TorchTrainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.steps += 1
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _torch_rank(rank: int, world: int, init_file: str, options: dict[str, Any]) -> None:
@@ -990,7 +992,7 @@ class TorchPeer:
             self.trainer.torch.distributed.broadcast_object_list([command], src=0)
         return command
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
         return self.trainer.step()
 
     def reply(self, message: dict[str, Any]) -> None:
@@ -1013,7 +1015,8 @@ def serve(args: argparse.Namespace) -> None:
     peer.reply({"ready": True, **peer.info})
     while (command := peer.command()) != "quit":
         if command == "step":
-            peer.reply({"seconds": peer.step()})
+            wall, cpu = peer.step()
+            peer.reply({"seconds": wall, "cpu_seconds": cpu})
         else:
             peer.reply({"breakdown": peer.profile()})
     peer.close()
@@ -1056,16 +1059,17 @@ class Server:
         self.errors.close()
 
 
-def race(servers: list[Server], warmup: int, steps: int) -> dict[str, list[float]]:
-    """Step times of each server: `warmup` untimed steps each, then `steps` rounds in which every
-    server runs one step in turn (the order reversed every round)."""
+def race(servers: list[Server], warmup: int, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of each server's steps: `warmup` untimed steps each, then `steps`
+    rounds in which every server runs one step in turn (the order reversed every round)."""
     for _ in range(warmup):
         for server in servers:
             server.ask("step")
-    times: dict[str, list[float]] = {s.name: [] for s in servers}
+    times: dict[str, list[tuple[float, float]]] = {s.name: [] for s in servers}
     for k in range(steps):
         for server in servers if k % 2 == 0 else reversed(servers):
-            times[server.name].append(server.ask("step")["seconds"])
+            answer = server.ask("step")
+            times[server.name].append((answer["seconds"], answer["cpu_seconds"]))
     return times
 
 
@@ -1105,9 +1109,11 @@ def run_comparison(label: str, servers: list[Server], args: argparse.Namespace) 
     row: dict[str, Any] = {"label": label, "threads": info["threads"], "ranks": info["ranks"],
                            "peak_flops": peak, "flops_per_step": info["flops_per_step"], "breakdown": breakdown}
     for server in servers:
-        step = statistics.median(times[server.name])
-        row[server.name] = {"step_s": times[server.name], "median_step_s": step,
-                            "tokens_per_s": info["tokens_per_step"] / step,
+        wall, cpu = ([t[i] for t in times[server.name]] for i in (0, 1))
+        step, cpu_step = statistics.median(wall), statistics.median(cpu)
+        row[server.name] = {"step_s": wall, "median_step_s": step, "cpu_step_s": cpu,
+                            "median_cpu_step_s": cpu_step, "tokens_per_s": info["tokens_per_step"] / step,
+                            "tokens_per_cpu_s": info["tokens_per_step"] / cpu_step,
                             "mfu": info["flops_per_step"] / step / peak, "info": server.info}
     return row
 
@@ -1147,7 +1153,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
     header = (f"{'run':<40} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
-              f"{'mpipar/torch':>13}")
+              f"{'mpipar/torch':>13} {'CPU s/step m/t':>15} {'per CPU s':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -1155,10 +1161,14 @@ def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
         line = f"{r['label']:<40} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
         if t is not None:
             line += (f" {t['tokens_per_s']:>12.0f} {100 * t['mfu']:>5.1f}% "
-                     f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x")
+                     f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x "
+                     f"{m['median_cpu_step_s']:>7.2f}/{t['median_cpu_step_s']:<7.2f} "
+                     f"{t['median_cpu_step_s'] / m['median_cpu_step_s']:>9.2f}x")
         print(line)
     print("tok/s from the median step; MFU = model FLOPs/step (mpipar.planner.model_flops_per_step, the same "
-          "for both) / step time / the GEMM probe of the same threads x ranks")
+          "for both) / step time / the GEMM probe of the same threads x ranks; CPU s/step: median CPU "
+          "time of rank 0's process (all its threads), per CPU s = torch/mpipar CPU time of a step (on a "
+          "machine shared with other work, the 1-thread rows' fairest ratio)")
     for note in notes:
         print(note)
     for r in rows:

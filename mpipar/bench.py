@@ -306,15 +306,32 @@ def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> tuple[fl
     return fwd, 2.5 * fwd
 
 
-def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Fastest of `repeats` timed calls after one untimed call (which compiles)."""
+def best_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(fastest wall, fastest CPU) seconds of `repeats` timed calls after one untimed call (which
+    compiles). CPU seconds are this process's, all threads: with one thread, the time the call
+    ran, however many other processes shared the cores meanwhile."""
     fn()
-    best = math.inf
+    wall = cpu = math.inf
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - cpu_start)
+    return wall, cpu
+
+
+def cpu_probe_flops(dtype: np.dtype, n: int = 384, seconds: float = 0.25) -> float:
+    """FLOPs per CPU second of the GEMM probe's product (`[n, n] @ [n, n]`, as
+    `mpipar.backend.measure_peak_flops`), the fastest of repeated calls over `seconds` of CPU."""
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    best, spent = math.inf, 0.0
+    while spent < seconds:
+        start = time.process_time()
+        a @ a
+        took = time.process_time() - start
+        spent += took
+        best = min(best, took) if took > 0 else best
+    return 2.0 * n ** 3 / best
 
 
 def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -336,14 +353,18 @@ def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
                 k, v = (rng.standard_normal((b, s, max(1, hq // 2), d)).astype(dtype) for _ in range(2))
                 out, lse = backend.attention_fwd(q, k, v)
                 dout = rng.standard_normal(q.shape).astype(dtype)
-                fwd_s = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
-                bwd_s = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout), args.attn_repeats)
+                fwd_s, fwd_cpu = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
+                bwd_s, bwd_cpu = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout),
+                                              args.attn_repeats)
                 fwd_flops, bwd_flops = attention_flops(b, s, hq, d)
                 rows.append({"dtype": dtype.name, "head_dim": d, "seq": s, "batch": b, "heads": hq,
                              "kv_heads": k.shape[2], "threads": numba.get_num_threads(),
                              "fwd_s": fwd_s, "bwd_s": bwd_s, "fwd_gflops": fwd_flops / fwd_s / 1e9,
                              "bwd_gflops": bwd_flops / bwd_s / 1e9,
-                             "probe_gflops": measure_peak_flops(dtype.name) / 1e9})
+                             "probe_gflops": measure_peak_flops(dtype.name) / 1e9,
+                             "fwd_cpu_s": fwd_cpu, "bwd_cpu_s": bwd_cpu,
+                             "fwd_cpu_pct_probe": 100 * fwd_flops / fwd_cpu / cpu_probe_flops(dtype),
+                             "bwd_cpu_pct_probe": 100 * bwd_flops / bwd_cpu / cpu_probe_flops(dtype)})
     return rows
 
 
@@ -402,6 +423,9 @@ def attention_by_threads(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for phase in ("fwd", "bwd"):
                     if row[f"{phase}_s"] < old[f"{phase}_s"]:
                         old[f"{phase}_s"], old[f"{phase}_gflops"] = row[f"{phase}_s"], row[f"{phase}_gflops"]
+                    if row[f"{phase}_cpu_pct_probe"] > old[f"{phase}_cpu_pct_probe"]:
+                        old[f"{phase}_cpu_s"] = row[f"{phase}_cpu_s"]
+                        old[f"{phase}_cpu_pct_probe"] = row[f"{phase}_cpu_pct_probe"]
                 old["probe_gflops"] = max(old["probe_gflops"], row["probe_gflops"])
     rows = list(best.values())
     _print_attention_table(rows)
@@ -416,7 +440,7 @@ def _print_attention_table(rows: list[dict[str, Any]]) -> None:
           "GFLOP/s and % of the GEMM probe (mpipar.backend.measure_peak_flops, same threads, measured "
           "beside each row); FLOPs per head: forward half of 4 S^2 D, backward 2.5x forward")
     header = (f"{'dtype':<8} {'D':>4} {'seq':>6} {'thr':>4} {'fwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} "
-              f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12}")
+              f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12} {'CPU %probe':>11}")
     print(header)
     print("-" * len(header))
     single = {(r["dtype"], r["head_dim"], r["seq"]): r for r in rows if r["threads"] == 1}
@@ -426,10 +450,13 @@ def _print_attention_table(rows: list[dict[str, Any]]) -> None:
             f"{one['fwd_s'] / r['fwd_s']:.2f}x/{one['bwd_s'] / r['bwd_s']:.2f}x"
         r["fwd_pct_probe"] = 100 * r["fwd_gflops"] / r["probe_gflops"]
         r["bwd_pct_probe"] = 100 * r["bwd_gflops"] / r["probe_gflops"]
+        cpu = f"{r['fwd_cpu_pct_probe']:.0f}%/{r['bwd_cpu_pct_probe']:.0f}%" if r["threads"] == 1 else ""
         print(f"{r['dtype']:<8} {r['head_dim']:>4} {r['seq']:>6} {r['threads']:>4} {r['fwd_s'] * 1e3:>9.1f} "
               f"{r['fwd_gflops']:>8.1f} {r['fwd_pct_probe']:>6.0f}% {r['bwd_s'] * 1e3:>9.1f} "
-              f"{r['bwd_gflops']:>8.1f} {r['bwd_pct_probe']:>6.0f}% {r['probe_gflops']:>7.1f} {speedup:>12}")
-    print("vs 1 thread: forward / backward speed-up over the same row at 1 thread")
+              f"{r['bwd_gflops']:>8.1f} {r['bwd_pct_probe']:>6.0f}% {r['probe_gflops']:>7.1f} {speedup:>12} "
+              f"{cpu:>11}")
+    print("vs 1 thread: forward / backward speed-up over the same row at 1 thread; CPU %probe (1 thread): "
+          "forward / backward FLOPs per CPU second over the probe's, for a machine shared with other work")
 
 
 def _configure_kernels(parser: argparse.ArgumentParser) -> None:

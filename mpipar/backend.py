@@ -39,6 +39,26 @@ def training_backend(name: str, device: str = "cpu"):
     return get_backend(name)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+POOL_LIMIT = 32 << 20  # glibc's largest M_MMAP_THRESHOLD on 64-bit systems
+
+
+def pool_freed_memory() -> bool:
+    """Make the C allocator the step's buffer pool: arrays up to :data:`POOL_LIMIT` bytes come
+    from a heap that keeps what is freed (no mmap per array, no trim), so the activations of one
+    microbatch, freed after its backward, are the memory of the next, step after step: a step
+    touches new pages only in its first microbatch of the first step, not on every allocation
+    (measured: the page faults per step in docs/benchmarks.md). Process-wide and once per
+    process; returns False where the C library has no ``mallopt`` (not glibc), changing
+    nothing."""
+    import ctypes
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, POOL_LIMIT) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def to_host(a):
     """A NumPy view (or, for a CuPy array, a host copy) of ``a``."""
     import numpy as np

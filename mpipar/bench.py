@@ -308,15 +308,32 @@ def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> tuple[fl
     return fwd, 2.5 * fwd
 
 
-def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Fastest of `repeats` timed calls after one untimed call (which compiles)."""
+def best_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(fastest wall, fastest CPU) seconds of `repeats` timed calls after one untimed call (which
+    compiles). CPU seconds are this process's, all threads: with one thread, the time the call
+    ran, however many other processes shared the cores meanwhile."""
     fn()
-    best = math.inf
+    wall = cpu = math.inf
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - cpu_start)
+    return wall, cpu
+
+
+def cpu_probe_flops(dtype: np.dtype, n: int = 384, seconds: float = 0.25) -> float:
+    """FLOPs per CPU second of the GEMM probe's product (`[n, n] @ [n, n]`, as
+    `mpipar.backend.measure_peak_flops`), the fastest of repeated calls over `seconds` of CPU."""
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    best, spent = math.inf, 0.0
+    while spent < seconds:
+        start = time.process_time()
+        a @ a
+        took = time.process_time() - start
+        spent += took
+        best = min(best, took) if took > 0 else best
+    return 2.0 * n ** 3 / best
 
 
 def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -338,14 +355,18 @@ def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
                 k, v = (rng.standard_normal((b, s, max(1, hq // 2), d)).astype(dtype) for _ in range(2))
                 out, lse = backend.attention_fwd(q, k, v)
                 dout = rng.standard_normal(q.shape).astype(dtype)
-                fwd_s = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
-                bwd_s = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout), args.attn_repeats)
+                fwd_s, fwd_cpu = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
+                bwd_s, bwd_cpu = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout),
+                                              args.attn_repeats)
                 fwd_flops, bwd_flops = attention_flops(b, s, hq, d)
                 rows.append({"dtype": dtype.name, "head_dim": d, "seq": s, "batch": b, "heads": hq,
                              "kv_heads": k.shape[2], "threads": numba.get_num_threads(),
                              "fwd_s": fwd_s, "bwd_s": bwd_s, "fwd_gflops": fwd_flops / fwd_s / 1e9,
                              "bwd_gflops": bwd_flops / bwd_s / 1e9,
-                             "probe_gflops": measure_peak_flops(dtype.name) / 1e9})
+                             "probe_gflops": measure_peak_flops(dtype.name) / 1e9,
+                             "fwd_cpu_s": fwd_cpu, "bwd_cpu_s": bwd_cpu,
+                             "fwd_cpu_pct_probe": 100 * fwd_flops / fwd_cpu / cpu_probe_flops(dtype),
+                             "bwd_cpu_pct_probe": 100 * bwd_flops / bwd_cpu / cpu_probe_flops(dtype)})
     return rows
 
 
@@ -404,6 +425,9 @@ def attention_by_threads(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for phase in ("fwd", "bwd"):
                     if row[f"{phase}_s"] < old[f"{phase}_s"]:
                         old[f"{phase}_s"], old[f"{phase}_gflops"] = row[f"{phase}_s"], row[f"{phase}_gflops"]
+                    if row[f"{phase}_cpu_pct_probe"] > old[f"{phase}_cpu_pct_probe"]:
+                        old[f"{phase}_cpu_s"] = row[f"{phase}_cpu_s"]
+                        old[f"{phase}_cpu_pct_probe"] = row[f"{phase}_cpu_pct_probe"]
                 old["probe_gflops"] = max(old["probe_gflops"], row["probe_gflops"])
     rows = list(best.values())
     _print_attention_table(rows)
@@ -418,7 +442,7 @@ def _print_attention_table(rows: list[dict[str, Any]]) -> None:
           "GFLOP/s and % of the GEMM probe (mpipar.backend.measure_peak_flops, same threads, measured "
           "beside each row); FLOPs per head: forward half of 4 S^2 D, backward 2.5x forward")
     header = (f"{'dtype':<8} {'D':>4} {'seq':>6} {'thr':>4} {'fwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} "
-              f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12}")
+              f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12} {'CPU %probe':>11}")
     print(header)
     print("-" * len(header))
     single = {(r["dtype"], r["head_dim"], r["seq"]): r for r in rows if r["threads"] == 1}
@@ -428,10 +452,13 @@ def _print_attention_table(rows: list[dict[str, Any]]) -> None:
             f"{one['fwd_s'] / r['fwd_s']:.2f}x/{one['bwd_s'] / r['bwd_s']:.2f}x"
         r["fwd_pct_probe"] = 100 * r["fwd_gflops"] / r["probe_gflops"]
         r["bwd_pct_probe"] = 100 * r["bwd_gflops"] / r["probe_gflops"]
+        cpu = f"{r['fwd_cpu_pct_probe']:.0f}%/{r['bwd_cpu_pct_probe']:.0f}%" if r["threads"] == 1 else ""
         print(f"{r['dtype']:<8} {r['head_dim']:>4} {r['seq']:>6} {r['threads']:>4} {r['fwd_s'] * 1e3:>9.1f} "
               f"{r['fwd_gflops']:>8.1f} {r['fwd_pct_probe']:>6.0f}% {r['bwd_s'] * 1e3:>9.1f} "
-              f"{r['bwd_gflops']:>8.1f} {r['bwd_pct_probe']:>6.0f}% {r['probe_gflops']:>7.1f} {speedup:>12}")
-    print("vs 1 thread: forward / backward speed-up over the same row at 1 thread")
+              f"{r['bwd_gflops']:>8.1f} {r['bwd_pct_probe']:>6.0f}% {r['probe_gflops']:>7.1f} {speedup:>12} "
+              f"{cpu:>11}")
+    print("vs 1 thread: forward / backward speed-up over the same row at 1 thread; CPU %probe (1 thread): "
+          "forward / backward FLOPs per CPU second over the probe's, for a machine shared with other work")
 
 
 def _configure_kernels(parser: argparse.ArgumentParser) -> None:
@@ -869,11 +896,12 @@ class MpiparPeer:
                 time.sleep(0.002)
         return COMMANDS[int(code[0])]
 
-    def step(self) -> float:
-        start = time.perf_counter()
+    def step(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of one training step (CPU: this rank's process, all its threads)."""
+        start, cpu = time.perf_counter(), time.process_time()
         self.engine.train_step(self.steps)
         self.steps += 1
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     def profile(self) -> dict[str, float]:
         """Seconds per kernel op (cumulative time of the ops in kernels.OPS), the optimizer and
@@ -883,7 +911,7 @@ class MpiparPeer:
 
         prof = cProfile.Profile()
         prof.enable()
-        total = self.step()
+        total = self.step()[0]
         prof.disable()
         kernel_dir = os.path.dirname(os.path.abspath(kernels.__file__))
         parts: dict[str, float] = {}
@@ -943,9 +971,10 @@ class TorchTrainer:
         self.vocab = args.vocab
         self.steps = 0
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of one training step, like :meth:`MpiparPeer.step`."""
         torch = self.torch
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         inputs, targets = self.sampler.batch(self.steps, self.rows)
         logits = self.model(input_ids=torch.from_numpy(inputs)).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), torch.from_numpy(targets).reshape(-1))
@@ -954,7 +983,7 @@ class TorchTrainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.steps += 1
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _torch_rank(rank: int, world: int, init_file: str, options: dict[str, Any]) -> None:
@@ -992,7 +1021,7 @@ class TorchPeer:
             self.trainer.torch.distributed.broadcast_object_list([command], src=0)
         return command
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
         return self.trainer.step()
 
     def reply(self, message: dict[str, Any]) -> None:
@@ -1015,7 +1044,8 @@ def serve(args: argparse.Namespace) -> None:
     peer.reply({"ready": True, **peer.info})
     while (command := peer.command()) != "quit":
         if command == "step":
-            peer.reply({"seconds": peer.step()})
+            wall, cpu = peer.step()
+            peer.reply({"seconds": wall, "cpu_seconds": cpu})
         else:
             peer.reply({"breakdown": peer.profile()})
     peer.close()
@@ -1058,16 +1088,17 @@ class Server:
         self.errors.close()
 
 
-def race(servers: list[Server], warmup: int, steps: int) -> dict[str, list[float]]:
-    """Step times of each server: `warmup` untimed steps each, then `steps` rounds in which every
-    server runs one step in turn (the order reversed every round)."""
+def race(servers: list[Server], warmup: int, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of each server's steps: `warmup` untimed steps each, then `steps`
+    rounds in which every server runs one step in turn (the order reversed every round)."""
     for _ in range(warmup):
         for server in servers:
             server.ask("step")
-    times: dict[str, list[float]] = {s.name: [] for s in servers}
+    times: dict[str, list[tuple[float, float]]] = {s.name: [] for s in servers}
     for k in range(steps):
         for server in servers if k % 2 == 0 else reversed(servers):
-            times[server.name].append(server.ask("step")["seconds"])
+            answer = server.ask("step")
+            times[server.name].append((answer["seconds"], answer["cpu_seconds"]))
     return times
 
 
@@ -1107,9 +1138,11 @@ def run_comparison(label: str, servers: list[Server], args: argparse.Namespace) 
     row: dict[str, Any] = {"label": label, "threads": info["threads"], "ranks": info["ranks"],
                            "peak_flops": peak, "flops_per_step": info["flops_per_step"], "breakdown": breakdown}
     for server in servers:
-        step = statistics.median(times[server.name])
-        row[server.name] = {"step_s": times[server.name], "median_step_s": step,
-                            "tokens_per_s": info["tokens_per_step"] / step,
+        wall, cpu = ([t[i] for t in times[server.name]] for i in (0, 1))
+        step, cpu_step = statistics.median(wall), statistics.median(cpu)
+        row[server.name] = {"step_s": wall, "median_step_s": step, "cpu_step_s": cpu,
+                            "median_cpu_step_s": cpu_step, "tokens_per_s": info["tokens_per_step"] / step,
+                            "tokens_per_cpu_s": info["tokens_per_step"] / cpu_step,
                             "mfu": info["flops_per_step"] / step / peak, "info": server.info}
     return row
 
@@ -1149,7 +1182,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
     header = (f"{'run':<40} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
-              f"{'mpipar/torch':>13}")
+              f"{'mpipar/torch':>13} {'CPU s/step m/t':>15} {'per CPU s':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -1157,10 +1190,14 @@ def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
         line = f"{r['label']:<40} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
         if t is not None:
             line += (f" {t['tokens_per_s']:>12.0f} {100 * t['mfu']:>5.1f}% "
-                     f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x")
+                     f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x "
+                     f"{m['median_cpu_step_s']:>7.2f}/{t['median_cpu_step_s']:<7.2f} "
+                     f"{t['median_cpu_step_s'] / m['median_cpu_step_s']:>9.2f}x")
         print(line)
     print("tok/s from the median step; MFU = model FLOPs/step (mpipar.planner.model_flops_per_step, the same "
-          "for both) / step time / the GEMM probe of the same threads x ranks")
+          "for both) / step time / the GEMM probe of the same threads x ranks; CPU s/step: median CPU "
+          "time of rank 0's process (all its threads), per CPU s = torch/mpipar CPU time of a step (on a "
+          "machine shared with other work, the 1-thread rows' fairest ratio)")
     for note in notes:
         print(note)
     for r in rows:

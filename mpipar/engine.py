@@ -36,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
-from mpipar.backend import select_device, to_host, training_backend
+from mpipar.backend import pool_freed_memory, select_device, to_host, training_backend
 from mpipar.comm import Group, Ledger, booked_to
 from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens, validation
@@ -101,6 +101,7 @@ class Engine:
         self.eval_ledger = Ledger()
         self.groups = {name: Group(c, name, self.ledger, self.mpi_path)
                        for name, c in self.grid.comms.items()}
+        pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
         self.dtype = np.dtype(tr.dtype)
         self.table = PlacementTable(cfg.model, par.pp, par.virtual_stages, par.tp_sequence_parallel)
         self.tensor = TensorParallel(self.kernels, cfg.model.vocab_size, self.groups["tp"],

@@ -12,6 +12,14 @@ operation — the buffer size of an all-reduce, the send buffer of an all-gather
 all-to-all or point-to-point send — and ``messages`` the number of calls. A receive counts
 messages and seconds but no bytes (the sender counted them). A group of size 1 makes no MPI call
 and records nothing.
+
+Links: a group knows the node of each of its ranks (:mod:`mpipar.topology`), and the ledger
+splits what each call puts on the wire into ``intra``- and ``inter``-node bytes. Wire bytes are
+the payload times the per-rank factor of the bandwidth-optimal algorithm of the operation
+(:func:`wire_bytes`: ring all-reduce ``2(n-1)/n``, reduce-scatter and all-to-all ``(n-1)/n``,
+all-gather ``n-1``, point-to-point and broadcast 1). A collective's wire bytes are inter-node when
+its group spans more than one node (it runs at the pace of the slow link), else intra-node; a
+point-to-point message's are inter-node when its peer is on another node.
 """
 from __future__ import annotations
 
@@ -25,11 +33,33 @@ import numpy as np
 from mpi4py import MPI
 
 
+WIRE_FACTORS: dict[str, Callable[[int], tuple[int, int]]] = {
+    "allreduce": lambda n: (2 * (n - 1), n), "allreduce_max": lambda n: (2 * (n - 1), n),
+    "iallreduce": lambda n: (2 * (n - 1), n),
+    "reduce_scatter": lambda n: (n - 1, n), "ireduce_scatter": lambda n: (n - 1, n),
+    "alltoall": lambda n: (n - 1, n), "ialltoall": lambda n: (n - 1, n),
+    "allgather": lambda n: (n - 1, 1), "iallgather": lambda n: (n - 1, 1),
+}
+"""Per operation, the wire bytes per payload byte of a group of ``n`` as (numerator,
+denominator); operations not listed (point-to-point, broadcast) put their payload on the wire."""
+
+LINKS = ("intra", "inter")
+
+
+def wire_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank puts on the wire for ``op`` with a payload of ``nbytes`` in a group of
+    ``size`` (rounded down to whole bytes), under the bandwidth-optimal algorithm."""
+    num, den = WIRE_FACTORS[op](size) if op in WIRE_FACTORS else (1, 1)
+    return int(nbytes) * num // den
+
+
 @dataclass
 class LedgerEntry:
     bytes: int = 0
     messages: int = 0
     seconds: float = 0.0
+    intra: int = 0      # wire bytes on links inside a node
+    inter: int = 0      # wire bytes on links between nodes
 
 
 @dataclass
@@ -45,12 +75,15 @@ class Ledger:
         """Mark the call about to block (``add`` clears the mark when it returns)."""
         self.in_flight = (group, op, size, time.monotonic())
 
-    def add(self, group: str, op: str, nbytes: int, seconds: float) -> None:
+    def add(self, group: str, op: str, nbytes: int, seconds: float, wire: int = 0,
+            link: str = "intra") -> None:
+        """Count one call: its payload ``nbytes``, ``seconds``, and ``wire`` bytes on ``link``."""
         self.in_flight = None
         e = self.entries[(group, op)]
         e.bytes += int(nbytes)
         e.messages += 1
         e.seconds += seconds
+        setattr(e, link, getattr(e, link) + int(wire))
 
     def reset(self) -> None:
         self.entries.clear()
@@ -61,6 +94,16 @@ class Ledger:
             out[group] += e.bytes
         return dict(out)
 
+    def bytes_by_link(self) -> dict[str, dict[str, int]]:
+        """``{group: {"intra": wire bytes, "inter": wire bytes}}`` of the groups that sent any."""
+        out: dict[str, dict[str, int]] = {}
+        for (group, _), e in self.entries.items():
+            if e.intra or e.inter:
+                links = out.setdefault(group, dict.fromkeys(LINKS, 0))
+                links["intra"] += e.intra
+                links["inter"] += e.inter
+        return out
+
     def seconds_by_group(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
         for (group, _), e in self.entries.items():
@@ -69,18 +112,26 @@ class Ledger:
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{"group/op": {"bytes", "messages", "seconds"}}`` for the metrics log."""
-        return {f"{g}/{op}": {"bytes": e.bytes, "messages": e.messages, "seconds": e.seconds}
+        return {f"{g}/{op}": {"bytes": e.bytes, "messages": e.messages, "seconds": e.seconds,
+                              "intra": e.intra, "inter": e.inter}
                 for (g, op), e in sorted(self.entries.items())}
 
 
 class Request:
-    """A non-blocking operation; ``wait`` books its time in the ledger."""
+    """A non-blocking operation; ``wait`` (or a ``test`` that finds it complete) books it in the
+    ledger, with the seconds spent blocked in ``wait`` and ``test``: the exposed time."""
 
     def __init__(self, req: MPI.Request | None, ledger: Ledger, group: str, op: str,
-                 nbytes: int, size: int = 1) -> None:
+                 nbytes: int, size: int = 1, link: str = "intra") -> None:
         self._req, self._ledger, self._group, self._op = req, ledger, group, op
-        self._size, self._nbytes = size, nbytes
+        self._size, self._nbytes, self._link = size, nbytes, link
+        self._seconds = 0.0
         self.done = req is None
+
+    def _book(self) -> None:
+        self._ledger.add(self._group, self._op, self._nbytes, self._seconds,
+                         wire_bytes(self._op, self._nbytes, self._size), self._link)
+        self.done = True
 
     def wait(self) -> None:
         if self.done:
@@ -88,9 +139,19 @@ class Request:
         t0 = time.perf_counter()
         self._ledger.begin(self._group, self._op, self._size)
         self._req.Wait()
-        # Seconds spent blocked in wait are the exposed communication time.
-        self._ledger.add(self._group, self._op, self._nbytes, time.perf_counter() - t0)
-        self.done = True
+        self._seconds += time.perf_counter() - t0
+        self._book()
+
+    def test(self) -> bool:
+        """Whether the operation has completed (it progresses MPI; never blocks)."""
+        if self.done:
+            return True
+        t0 = time.perf_counter()
+        complete = self._req.Test()
+        self._seconds += time.perf_counter() - t0
+        if complete:
+            self._book()
+        return complete
 
 
 def _contig(buf: np.ndarray, name: str) -> np.ndarray:
@@ -100,18 +161,37 @@ def _contig(buf: np.ndarray, name: str) -> np.ndarray:
 
 
 class Group:
-    """One communicator of the grid, with ledger-counted buffer collectives and point-to-point."""
+    """One communicator of the grid, with ledger-counted buffer collectives and point-to-point.
 
-    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
+    ``nodes``: the node of each rank of the group (by group rank; default: all on one node),
+    which decides whether a call's wire bytes are intra- or inter-node."""
+
+    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger,
+                 nodes: list[int] | None = None) -> None:
         self.comm, self.name, self.ledger = comm, name, ledger
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
+        self.nodes = list(nodes) if nodes is not None else [0] * self.size
+        if len(self.nodes) != self.size:
+            raise ValueError(f"group {name}: {len(self.nodes)} node ids for {self.size} ranks")
+        self.crosses_nodes = len(set(self.nodes)) > 1
+        self._collective_link = "inter" if self.crosses_nodes else "intra"
 
-    def _timed(self, op: str, nbytes: int, fn, *args) -> None:
+    def link_to(self, peer: int) -> str:
+        """"intra" when group rank ``peer`` shares this rank's node, else "inter"."""
+        return "intra" if self.nodes[peer] == self.nodes[self.rank] else "inter"
+
+    def _timed(self, op: str, nbytes: int, fn, *args, link: str | None = None) -> None:
         self.ledger.begin(self.name, op, self.size)
         t0 = time.perf_counter()
         fn(*args)
-        self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0)
+        self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0,
+                        wire_bytes(op, nbytes, self.size), link or self._collective_link)
+
+    def _request(self, req: MPI.Request, op: str, nbytes: int, link: str | None = None
+                 ) -> Request:
+        return Request(req, self.ledger, self.name, op, nbytes, self.size,
+                       link or self._collective_link)
 
     # ------------------------------------------------------------ collectives
     def allreduce_(self, buf: np.ndarray, op: MPI.Op = MPI.SUM) -> np.ndarray:
@@ -131,8 +211,8 @@ class Group:
         if self.size == 1:
             return Request(None, self.ledger, self.name, "iallreduce", 0)
         _contig(buf, "iallreduce")
-        return Request(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), self.ledger, self.name,
-                       "iallreduce", buf.nbytes, self.size)
+        return self._request(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), "iallreduce",
+                             buf.nbytes)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Gather equal blocks: ``recv`` is ``[size, *send.shape]`` (or its flat equivalent)."""
@@ -143,6 +223,15 @@ class Group:
                     _contig(recv, "allgather"))
         return recv
 
+    def iallgather(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start :meth:`allgather` (``send`` and ``recv`` are busy until the request completes)."""
+        if self.size == 1:
+            recv.reshape(send.shape)[...] = send
+            return Request(None, self.ledger, self.name, "iallgather", 0)
+        return self._request(self.comm.Iallgather(_contig(send, "iallgather"),
+                                                  _contig(recv, "iallgather")),
+                             "iallgather", send.nbytes)
+
     def reduce_scatter_(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Sum ``send`` (``size`` equal blocks) over the group; block ``rank`` lands in ``recv``."""
         if self.size == 1:
@@ -152,6 +241,15 @@ class Group:
                     _contig(send, "reduce_scatter"), _contig(recv, "reduce_scatter"), MPI.SUM)
         return recv
 
+    def ireduce_scatter_(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start :meth:`reduce_scatter_` (both buffers are busy until the request completes)."""
+        if self.size == 1:
+            recv[...] = send.reshape(recv.shape)
+            return Request(None, self.ledger, self.name, "ireduce_scatter", 0)
+        return self._request(self.comm.Ireduce_scatter_block(
+            _contig(send, "ireduce_scatter"), _contig(recv, "ireduce_scatter"), MPI.SUM),
+            "ireduce_scatter", send.nbytes)
+
     def alltoall(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` came from rank ``i``."""
         if self.size == 1:
@@ -160,6 +258,15 @@ class Group:
         self._timed("alltoall", send.nbytes, self.comm.Alltoall, _contig(send, "alltoall"),
                     _contig(recv, "alltoall"))
         return recv
+
+    def ialltoall(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start :meth:`alltoall` (both buffers are busy until the request completes)."""
+        if self.size == 1:
+            recv[...] = send
+            return Request(None, self.ledger, self.name, "ialltoall", 0)
+        return self._request(self.comm.Ialltoall(_contig(send, "ialltoall"),
+                                                 _contig(recv, "ialltoall")),
+                             "ialltoall", send.nbytes)
 
     def bcast_(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         if self.size > 1:
@@ -175,19 +282,20 @@ class Group:
             recv[...] = send
             return recv
         self._timed("sendrecv", send.nbytes, self.comm.Sendrecv, _contig(send, "sendrecv"), dest,
-                    tag, _contig(recv, "sendrecv"), source, tag)
+                    tag, _contig(recv, "sendrecv"), source, tag, link=self.link_to(dest))
         return recv
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
-        return Request(self.comm.Isend(_contig(buf, "isend"), dest, tag), self.ledger, self.name,
-                       "send", buf.nbytes, size=self.size)
+        return self._request(self.comm.Isend(_contig(buf, "isend"), dest, tag), "send",
+                             buf.nbytes, self.link_to(dest))
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
-        return Request(self.comm.Irecv(_contig(buf, "irecv"), source, tag), self.ledger,
-                       self.name, "recv", 0, size=self.size)
+        return self._request(self.comm.Irecv(_contig(buf, "irecv"), source, tag), "recv", 0,
+                             self.link_to(source))
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
-        self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag)
+        self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag,
+                    link=self.link_to(source))
         return buf
 
 

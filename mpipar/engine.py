@@ -35,8 +35,9 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_param
 from mpipar.optim import AdamWConfig, LRSchedule, build_optimizer
-from mpipar.parallel.context import RingAttention, SeqLayout, UlyssesAttention
-from mpipar.parallel.data import GradReducer
+from mpipar.parallel.compression import make_codec
+from mpipar.parallel.context import HybridAttention, RingAttention, SeqLayout, UlyssesAttention
+from mpipar.parallel.data import GradReducer, ReduceGroups
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
@@ -68,9 +69,14 @@ class Engine:
         # Data first: a bad path or token id fails on every rank before any collective.
         self.source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle)
-        self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp)
+        self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
+        if par.dp_reduce == "hierarchical":
+            self.grid.split_dp_sp_by_node()
+        if par.sp_mode == "hybrid":
+            self.grid.split_sp(par.ulysses_size)
         self.ledger = Ledger()
-        self.groups = {name: Group(c, name, self.ledger) for name, c in self.grid.comms.items()}
+        self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name))
+                       for name, c in self.grid.comms.items()}
         self.kernels = training_backend(tr.backend)
         self.xp = self.kernels.xp
         self.dtype = np.dtype(tr.dtype)
@@ -85,15 +91,15 @@ class Engine:
         self.chunks = [self._chunk(virtual_stage(self.grid.coord.pp, c, par.pp))
                        for c in range(par.virtual_stages)]
         names = [n for ch in self.chunks for n in ch.param_names()]
-        self.reducer = GradReducer(self._initial_shards(names), list(reversed(names)),
-                                   self.groups["dp_sp"], par.bucket_mb, par.zero == 1, self.xp)
+        self.reducer = self._reducer(names)
         self.params, self.grads = self.reducer.params, self.reducer.grads
         decay = {n: len(self.table[n].spec.shape) >= 2 for n in self.params}
         self.optimizer = build_optimizer(par.zero, self.reducer,
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
                                                      tr.weight_decay), decay)
         self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
-                                self.tensor.size, self.groups["dp_sp"].rank, self.dtype, self.xp)
+                                self.tensor.size, self.groups["dp_sp"].rank, self.dtype, self.xp,
+                                self.reducer)
         self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
                                    max(1, tr.steps))
         self.rows_per_dp = tr.global_batch_size // par.dp
@@ -115,7 +121,20 @@ class Engine:
             return LocalAttention(self.kernels)
         if par.sp_mode == "ulysses":
             return UlyssesAttention(self.kernels, sp, self.seq_layout)
+        if par.sp_mode == "hybrid":
+            return HybridAttention(self.kernels, self.groups["sp_ulysses"], self.groups["sp_ring"],
+                                   self.seq_layout, par.sp_overlap)
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
+
+    def _reducer(self, names: list[str]) -> GradReducer:
+        """The gradient reducer over dp x sp: flat or hierarchical, dense or compressed."""
+        par, g = self.cfg.parallel, self.groups
+        groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
+                  if par.dp_reduce == "hierarchical" else ReduceGroups(g["dp_sp"], g["dp_sp"]))
+        return GradReducer(self._initial_shards(names), list(reversed(names)), groups,
+                           par.bucket_mb, par.zero == 1, self.xp,
+                           make_codec(par.grad_compression, par.topk_ratio, self.xp),
+                           par.error_feedback == "on")
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
         """This rank's shards of the initial parameters (every layout starts from the same

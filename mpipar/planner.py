@@ -3,8 +3,12 @@
 ``predict_step_bytes(cfg, coord)`` derives, from the layer shapes alone, the bytes this rank hands
 to MPI in one training step for every group of the grid, under the ledger's counting convention
 (:mod:`mpipar.comm`: the payload of each call, sender side); ``predict_step_messages`` counts the
-calls. The tests hold the engine's ledger to these numbers exactly, so the model and the
-implementation cannot drift apart.
+calls, and ``predict_link_bytes`` the wire bytes per group inside and across nodes (nodes of
+``ranks_per_node`` consecutive ranks; :mod:`mpipar.comm` for the wire factors and links). All
+three come from one list of the step's MPI calls (:func:`_calls`: tensor, sequence, pipeline,
+and the gradient reduction, flat or hierarchical, dense or compressed). The tests hold the
+engine's ledger to these numbers exactly, so the model and the implementation cannot drift
+apart.
 
 ``predict_memory`` gives a rank's bytes of weights, gradients and optimizer state (exact: the
 engine's flat buffers and moments) and of saved activations (an estimate from what each recompute
@@ -17,10 +21,12 @@ mode keeps, at the peak number of microbatches the schedule holds in flight).
                  the forward work recompute repeats) and
                  point-to-point messages of  activation bytes / bandwidth + latency: the makespan,
                  which includes the bubble
-    step time  = pipeline + DP x SP gradient traffic + gradient-norm all-reduce
+    step time  = pipeline + DP x SP gradient traffic (+ compression's encode/decode work)
+                 + gradient-norm all-reduce
 
-with traffic ``bytes x algorithm factor / bandwidth + messages x latency`` (ring all-reduce moves
-``2 (n-1)/n`` of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it).
+with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce moves ``2 (n-1)/n``
+of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the link inside a node
+or, for a group that spans nodes, across them (:class:`Hardware`).
 ``plan_layouts`` enumerates the layouts of a world and ranks the ones that fit;
 ``auto_layout`` is what ``python -m mpipar.train`` does when no parallel size is given.
 """
@@ -38,10 +44,12 @@ import numpy as np
 
 import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
 from mpipar.config import Config, ConfigError, ModelConfig
+from mpipar.comm import LINKS, wire_bytes
+from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
 from mpipar.parallel.data import padded_size, plan_buckets
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
-from mpipar.topology import Coord
+from mpipar.topology import GROUP_AXES, Coord, GridShape, NodeMap
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
 
@@ -69,21 +77,62 @@ def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
     return placement_table(cfg).local_shapes(coord.pp, cfg.parallel.tp)
 
 
+def _compressed_size(cfg: Config) -> int:
+    """Ranks of the group the gradient reduction compresses over (and the residual slots):
+    across nodes when hierarchical, else dp x sp; 1 when nothing is compressed."""
+    par = cfg.parallel
+    if par.grad_compression == "none":
+        return 1
+    return group_sizes(cfg)["dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"]
+
+
 def bucket_lengths(cfg: Config, coord: Coord) -> list[int]:
-    """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp)."""
+    """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp, of
+    whole int8 scale blocks when int8 compression runs)."""
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
     shapes = local_param_shapes(cfg, coord)
     sizes = [math.prod(shapes[n]) for n in reversed(list(shapes))]
     limit = max(1, int(par.bucket_mb * 2**20))
-    return [padded_size(sum(sizes[i] for i in idx), par.dp * par.sp)
+    align = alignment(par.grad_compression) if _compressed_size(cfg) > 1 else 1
+    return [padded_size(sum(sizes[i] for i in idx), par.dp * par.sp, align)
             for idx in plan_buckets([s * e for s in sizes], limit)]
 
 
-def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
-    """``{group: [bytes, messages]}`` this rank hands to MPI in one step (resolved ``cfg``)."""
+# ----------------------------------------------------------------------------------- traffic
+@dataclass(frozen=True)
+class Call:
+    """``count`` MPI calls of ``op`` (the ledger's operation names) on group ``group``, each
+    handing over ``nbytes``; point-to-point calls name their ``peer`` (a grid rank)."""
+
+    group: str
+    op: str
+    nbytes: int
+    count: int = 1
+    peer: int | None = None
+
+
+def nodes_of(cfg: Config) -> NodeMap:
+    """The node map the planner assumes: ``ranks_per_node`` consecutive ranks a node (0: the
+    whole world on one node, as when MPI finds one machine)."""
+    par = cfg.parallel
+    return NodeMap.blocks(par.dp * par.tp * par.pp * par.sp, par.ranks_per_node)
+
+
+def group_sizes(cfg: Config) -> dict[str, int]:
+    """Ranks in each group of the grid (the node split of dp x sp on :func:`nodes_of`)."""
+    par = cfg.parallel
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    intra = len(shape.node_split(0, nodes_of(cfg))[0])
+    u = par.ulysses_size or 1
+    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "sp": par.sp, "dp_sp": par.dp * par.sp,
+            "tp_pp": par.tp * par.pp, "dp_sp_intra": intra,
+            "dp_sp_inter": par.dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u}
+
+
+def _calls(cfg: Config, coord: Coord) -> list[Call]:
+    """Every MPI call the rank at ``coord`` makes in one step (resolved ``cfg``)."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
-    se = 8 if tr.dtype == "float64" else 4          # softmax statistics dtype
     b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
     n_tok, H, D = b * s_loc, m.hidden, m.head_dim
     micro = tr.global_batch_size // (par.dp * b)
@@ -91,92 +140,191 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
     per = m.layers // (p * v)
     stages = [c * p + coord.pp for c in range(v)]
     blocks = per * len(stages)
-    first, last = 0 in stages, (p * v - 1) in stages
-    full = tr.recompute == "full"                    # backward re-runs each block's forward
-    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    calls: list[Call] = []
     if par.tp > 1:
-        out["tp"] = _tp_traffic(cfg, n_tok, blocks, first, last, micro, stages)
+        calls += _tp_calls(cfg, n_tok, blocks, 0 in stages, (p * v - 1) in stages, micro, stages)
     if par.sp > 1:
         q = b * s_loc * (m.heads // par.tp) * D * e
         kv = b * s_loc * (m.kv_heads // par.tp) * D * e
+        reps = (2 if tr.recompute == "full" else 1) * blocks * micro   # forwards per step
+        bwds = blocks * micro
+        right = shape.rank_of(coord._replace(sp=coord.sp + 1))
         if par.sp_mode == "ulysses":
-            fwd = bwd = 2 * q + 2 * kv       # all-to-alls: q, k, v, out | dout, dq, dk, dv
-            fwd_msgs, bwd_msgs = 4, 4
+            calls += _ulysses_calls("sp", q, kv, reps, bwds)
+        elif par.sp_mode == "hybrid":
+            u = par.ulysses_size
+            ring_right = shape.rank_of(coord._replace(sp=coord.sp + u))
+            calls += _ulysses_calls("sp_ulysses", q, kv, reps, bwds) if u > 1 else []
+            calls += _ring_calls("sp_ring", par.sp // u, kv, reps, bwds, par.sp_overlap,
+                                 ring_right)
         else:
-            fwd, bwd = (par.sp - 1) * 2 * kv, (par.sp - 1) * 4 * kv + 2 * kv
-            if par.sp_overlap:  # K/V by Isend + Irecv per hop; backward's dK/dV by Sendrecv
-                fwd_msgs, bwd_msgs = 2 * (par.sp - 1), 3 * (par.sp - 1) + 1
-            else:
-                fwd_msgs, bwd_msgs = par.sp - 1, par.sp
-        reps = 2 if full else 1
-        out["sp"] = [(reps * fwd + bwd) * blocks * micro,
-                     (reps * fwd_msgs + bwd_msgs) * blocks * micro]
+            calls += _ring_calls("sp", par.sp, kv, reps, bwds, par.sp_overlap, right)
     if p > 1:
-        act = n_tok * H * e // (par.tp if par.tp_sequence_parallel else 1)  # the stream
-        sends = sum((s < p * v - 1) + (s > 0) for s in stages) * micro
-        out["pp"] = [sends * act + (8 if coord.pp == p - 1 else 0),  # + the loss broadcast
-                     2 * sends + 1]                                   # each send has its receive
+        calls += _pp_calls(cfg, coord, n_tok * H * e, stages, micro, shape)
     if par.dp * par.sp > 1:
-        lengths = bucket_lengths(cfg, coord)
-        group = par.dp * par.sp
+        calls += _reduction_calls(cfg, coord)
+        calls.append(Call("dp_sp", "allreduce", 8))                       # the loss
         if par.zero:
-            out["dp_sp"] = [sum(L * e + (L // group) * e for L in lengths) + 8 + 8,  # + loss, norm
-                            2 * len(lengths) + 2]
-        else:
-            out["dp_sp"] = [sum(L * e for L in lengths) + 8, len(lengths) + 1]      # + loss
+            calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
     if par.tp * p > 1:
-        out["tp_pp"] = [8, 1]                                  # the squared gradient norm
-    return dict(out)
+        calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
+    return calls
 
 
-def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, micro: int,
-                stages: list[int]) -> list[int]:
-    """[bytes, messages] of the tp group in one step (see :mod:`mpipar.parallel.tensor`).
+def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:
+    """All-to-alls of q, k, v and the output forward, of dout, dq, dk, dv backward."""
+    return [Call(group, "alltoall", q, 2 * (reps + bwds)),
+            Call(group, "alltoall", kv, 2 * (reps + bwds))]
+
+
+def _ring_calls(group: str, n: int, kv: int, reps: int, bwds: int, overlap: bool,
+                right: int) -> list[Call]:
+    """The ring of ``n`` ranks: forward, K/V ``n - 1`` hops; backward, K/V and dK/dV ``n - 1``
+    hops and dK/dV's last hop home (with ``overlap``, K/V by Isend/Irecv and dK/dV by
+    Sendrecv). Every send goes to the ``right`` neighbour."""
+    hops = n - 1
+    if not overlap:
+        return [Call(group, "sendrecv", 2 * kv, hops * reps, right),
+                Call(group, "sendrecv", 4 * kv, hops * bwds, right),
+                Call(group, "sendrecv", 2 * kv, bwds, right)]
+    return [Call(group, "send", 2 * kv, hops * (reps + bwds), right),
+            Call(group, "recv", 0, hops * (reps + bwds)),
+            Call(group, "sendrecv", 2 * kv, n * bwds, right)]
+
+
+def _pp_calls(cfg: Config, coord: Coord, act_full: int, stages: list[int], micro: int,
+              shape: GridShape) -> list[Call]:
+    """Activations to the next stage, their gradients to the previous one (each with its
+    receive on the other side), and the loss broadcast from the last stage."""
+    par = cfg.parallel
+    p, last = par.pp, par.pp * par.virtual_stages - 1
+    act = act_full // (par.tp if par.tp_sequence_parallel else 1)        # the stream
+    fwd = sum(s < last for s in stages) * micro
+    bwd = sum(s > 0 for s in stages) * micro
+    nxt = shape.rank_of(coord._replace(pp=(coord.pp + 1) % p))
+    prv = shape.rank_of(coord._replace(pp=(coord.pp - 1) % p))
+    return [Call("pp", "send", act, fwd, nxt), Call("pp", "send", act, bwd, prv),
+            Call("pp", "recv", 0, fwd + bwd),
+            Call("pp", "bcast", 8 if coord.pp == p - 1 else 0)]
+
+
+def _reduction_calls(cfg: Config, coord: Coord) -> list[Call]:
+    """The gradient reduction of every bucket (:mod:`mpipar.parallel.data`) and, with ZeRO-1,
+    the parameters' all-gather."""
+    par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
+    sizes = group_sizes(cfg)
+    hier = par.dp_reduce == "hierarchical" and sizes["dp_sp_intra"] > 1
+    L = sizes["dp_sp_intra"] if hier else 1
+    inter = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+    c = sizes[inter]
+    calls = []
+    for length in bucket_lengths(cfg, coord):
+        x = length // L                                  # what crosses the nodes
+        if hier:
+            calls.append(Call("dp_sp_intra", "ireduce_scatter", length * e))
+        if c > 1:
+            calls += _across_calls(cfg, inter, x, c, e)
+        if hier and not par.zero:
+            calls.append(Call("dp_sp_intra", "iallgather", x * e))
+        if par.zero:
+            if c > 1:
+                calls.append(Call(inter, "allgather", x // c * e))
+            if hier:
+                calls.append(Call("dp_sp_intra", "allgather", x * e))
+    return calls
+
+
+def _across_calls(cfg: Config, group: str, x: int, c: int, e: int) -> list[Call]:
+    """Reducing ``x`` elements over ``group`` of ``c`` ranks: dense, int8 or top-k."""
+    par = cfg.parallel
+    kind = par.grad_compression
+    if kind == "none":
+        return [Call(group, "ireduce_scatter" if par.zero else "iallreduce", x * e)]
+    if kind == "int8":
+        piece = Int8Codec(np).packed_bytes(x // c)
+        return [Call(group, "ialltoall", c * piece)] + \
+            ([] if par.zero else [Call(group, "iallgather", piece)])
+    return [Call(group, "iallgather", TopKCodec(np, par.topk_ratio).packed_bytes(x, e))]
+
+
+def _tp_calls(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, micro: int,
+              stages: list[int]) -> list[Call]:
+    """The tp group's calls in one step (see :mod:`mpipar.parallel.tensor`).
 
     Without sequence parallelism each block all-reduces the stream twice forward (after o and
     down) and twice backward (the inputs of q/k/v and gate/up). With it, forward all-gathers the
     two normed inputs and reduce-scatters the two outputs; backward all-gathers the two output
     gradients and, again, the two normed inputs (kept as shards), and reduce-scatters the two
     input gradients; once a step the norm weights' partial gradients are all-reduced, packed per
-    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights)."""
+    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights). The
+    first stage reduces the embedding (forward); the last all-reduces the cross-entropy's max and
+    then its (sum-exp, target logit) per token, and the head's input gradient."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
-    full_stream = n_tok * m.hidden * e
+    full = n_tok * m.hidden * e
     reruns = 2 if tr.recompute == "full" else 1      # backward re-runs each block's forward
-    stats = 3 * n_tok * se                           # max, then (sum-exp, target logit)
+    stats = [Call("tp", "allreduce_max", n_tok * se, micro), Call("tp", "allreduce", 2 * n_tok * se, micro)]
     if not par.tp_sequence_parallel:
-        size = (2 * reruns + 2) * full_stream * blocks, (2 * reruns + 2) * blocks
-        size = (size[0] + (full_stream if first else 0) + ((stats + full_stream) if last else 0),
-                size[1] + int(first) + (3 if last else 0))
-        return [size[0] * micro, size[1] * micro]
-    shard = full_stream // par.tp
-    fwd = 2 * shard + 2 * full_stream
-    bwd = 4 * shard + 2 * full_stream
-    nbytes = (reruns * fwd + bwd) * blocks
-    msgs = (4 * reruns + 6) * blocks
-    if first:                                        # reduce-scatter | all-gather
-        nbytes, msgs = nbytes + full_stream + shard, msgs + 2
-    if last:                                         # gather hn, stats | gather hn, scatter dhn
-        nbytes, msgs = nbytes + shard + stats + shard + full_stream, msgs + 5
+        calls = [Call("tp", "allreduce", full, (2 * reruns + 2) * blocks * micro
+                      + micro * (int(first) + int(last)))]
+        return calls + (stats if last else [])
+    shard = full // par.tp
+    calls = [Call("tp", "allgather", shard, (2 * reruns + 4) * blocks * micro
+                  + micro * (int(first) + 2 * int(last))),
+             Call("tp", "reduce_scatter", full, (2 * reruns + 2) * blocks * micro
+                  + micro * (int(first) + int(last)))]
+    if last:
+        calls += stats
     H = m.hidden
     per = m.layers // (par.pp * par.virtual_stages)
     if par.schedule == "zb-h1":                      # one call per chunk with all its norms
-        norm = [(2 * per + int(s == par.pp * par.virtual_stages - 1)) * H * e for s in stages]
+        sizes = [(2 * per + int(s == par.pp * par.virtual_stages - 1)) * H * e for s in stages]
     else:                                            # one call per block, one for the head
-        norm = [2 * H * e] * blocks + ([H * e] if last else [])
-    return [nbytes * micro + sum(norm), msgs * micro + len(norm)]
+        sizes = [2 * H * e] * blocks + ([H * e] if last else [])
+    return calls + [Call("tp", "allreduce", size) for size in sizes]
 
 
 def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
     """Bytes per group that the rank at ``coord`` hands to MPI in one step (resolved ``cfg``)."""
-    return {g: t[0] for g, t in _traffic(cfg, coord).items()}
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord):
+        out[call.group] += call.nbytes * call.count
+    return dict(out)
 
 
 def predict_step_messages(cfg: Config, coord: Coord) -> dict[str, int]:
     """MPI calls per group (the ledger's ``messages``) of the rank at ``coord`` in one step."""
-    return {g: t[1] for g, t in _traffic(cfg, coord).items()}
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord):
+        out[call.group] += call.count
+    return dict(out)
+
+
+def _link(cfg: Config, coord: Coord, call: Call) -> str:
+    """"intra" or "inter": a collective by whether its group's instance spans nodes, a
+    point-to-point call by its peer's node (:mod:`mpipar.comm`)."""
+    par, nodes = cfg.parallel, nodes_of(cfg)
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    me = shape.rank_of(coord)
+    if call.peer is not None:
+        return "intra" if nodes.nodes[call.peer] == nodes.nodes[me] else "inter"
+    members = shape.members(call.group, me, nodes, par.ulysses_size or 1)
+    return "inter" if len({nodes.nodes[r] for r in members}) > 1 else "intra"
+
+
+def predict_link_bytes(cfg: Config, coord: Coord) -> dict[str, dict[str, int]]:
+    """``{group: {"intra": wire bytes, "inter": wire bytes}}`` the rank at ``coord`` sends in
+    one step (the ledger's :meth:`mpipar.comm.Ledger.bytes_by_link`)."""
+    sizes = group_sizes(cfg)
+    out: dict[str, dict[str, int]] = {}
+    for call in _calls(cfg, coord):
+        wire = wire_bytes(call.op, call.nbytes, sizes[call.group]) * call.count
+        if wire:
+            links = out.setdefault(call.group, dict.fromkeys(LINKS, 0))
+            links[_link(cfg, coord, call)] += wire
+    return out
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -188,10 +336,24 @@ class MemoryEstimate:
     grads: int         # flat gradient buckets, same size
     optimizer: int     # AdamW moments m and v (ZeRO-1: this rank's slices only)
     activations: int   # saved for backward at the schedule's peak, plus one block's working set
+    residuals: int = 0  # error-feedback residuals of compressed reduction
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.residuals
+
+
+def residual_bytes(cfg: Config, lengths: list[int]) -> int:
+    """Bytes of a rank's error-feedback residuals over buckets of ``lengths`` elements: what it
+    compresses (its node shard, or the bucket) and, int8 without ZeRO, its owned sum."""
+    par = cfg.parallel
+    c = _compressed_size(cfg)
+    if c == 1 or par.error_feedback == "off":
+        return 0
+    per_node = group_sizes(cfg)["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
+    second = par.grad_compression == "int8" and not par.zero
+    x = sum(length // per_node for length in lengths)
+    return (x + (x // c if second else 0)) * np.dtype(cfg.train.dtype).itemsize
 
 
 def _block_activation_bytes(cfg: Config, mode: str) -> int:
@@ -261,7 +423,7 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
             live -= weight[op.chunk]
     working = _block_activation_bytes(cfg, "none") + (_head_activation_bytes(cfg)
                                                       if last % p == coord.pp else 0)
-    return MemoryEstimate(flat, flat, optimizer, peak + working)
+    return MemoryEstimate(flat, flat, optimizer, peak + working, residual_bytes(cfg, lengths))
 
 
 # -------------------------------------------------------------------------------------- FLOPs
@@ -296,11 +458,22 @@ def _sp_context(cfg: Config) -> float:
 # --------------------------------------------------------------------------------------- time
 @dataclass(frozen=True)
 class Hardware:
-    """What the time model assumes about one rank and its links."""
+    """What the time model assumes about one rank and its links: ``bandwidth`` and ``latency``
+    across nodes, ``intra_bandwidth`` and ``intra_latency`` inside one (0: as across)."""
 
     peak_flops: float = 1e11       # FLOP/s of one rank
-    bandwidth: float = 1e10        # bytes/s of one rank's link
-    latency: float = 1e-5          # seconds per MPI call
+    bandwidth: float = 1e10        # bytes/s of one rank's link to other nodes
+    latency: float = 1e-5          # seconds per MPI call to other nodes
+    intra_bandwidth: float = 0.0   # bytes/s of one rank's link inside its node (0: as across)
+    intra_latency: float = 0.0     # seconds per MPI call inside a node (0: as across)
+    int8_seconds: float = 0.0      # a rank's int8 encode/decode work per element compressed
+    topk_seconds: float = 0.0      # a rank's top-k selection and decode work per element
+
+    def link(self, kind: str) -> tuple[float, float]:
+        """(bytes/s, seconds per call) of the link ``kind`` ("intra" or "inter")."""
+        if kind == "intra":
+            return self.intra_bandwidth or self.bandwidth, self.intra_latency or self.latency
+        return self.bandwidth, self.latency
 
 
 @dataclass
@@ -313,15 +486,34 @@ class StepTime:
     total: float
 
 
-def _factor(group: str, cfg: Config) -> float:
-    """Wire bytes per ledger byte of a group's collectives."""
+INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring")        # inside forward and backward ops
+STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp")  # after the pipeline
+
+
+def _group_seconds(cfg: Config, coord: Coord, hw: Hardware) -> dict[str, float]:
+    """Seconds per group of the rank at ``coord``: its wire bytes over the group's link plus
+    its calls times the link's latency. A group whose instance spans nodes runs at the pace of
+    the link across them (a ring or a pipeline waits for its slowest hop)."""
     par = cfg.parallel
-    n = {"tp": par.tp, "dp_sp": par.dp * par.sp, "sp": par.sp}.get(group, 2)
-    if group == "sp":
-        return (n - 1) / n if par.sp_mode == "ulysses" else 1.0
-    if group in ("tp", "dp_sp"):
-        return 2 * (n - 1) / n
-    return 1.0
+    sizes, nodes = group_sizes(cfg), nodes_of(cfg)
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    me = shape.rank_of(coord)
+    links: dict[str, tuple[float, float]] = {}
+    out: dict[str, float] = defaultdict(float)
+    for call in _calls(cfg, coord):
+        if call.group not in links:
+            members = shape.members(call.group, me, nodes, par.ulysses_size or 1)
+            links[call.group] = hw.link("inter" if len({nodes.nodes[r] for r in members}) > 1
+                                        else "intra")
+        bw, lat = links[call.group]
+        out[call.group] += (wire_bytes(call.op, call.nbytes, sizes[call.group]) / bw
+                            + lat) * call.count
+    if _compressed_size(cfg) > 1:          # encoding and decoding sit on the reduction's path
+        group = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+        per_node = sizes["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
+        rate = hw.int8_seconds if par.grad_compression == "int8" else hw.topk_seconds
+        out[group] += rate * sum(bucket_lengths(cfg, coord)) / per_node
+    return dict(out)
 
 
 def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
@@ -341,20 +533,30 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0
     for r in range(p):
-        traffic = _traffic(cfg, Coord(dp=0, tp=0, pp=r, sp=0))
-        seconds = {g: b * _factor(g, cfg) / hw.bandwidth + k * hw.latency
-                   for g, (b, k) in traffic.items()}
+        seconds = _group_seconds(cfg, Coord(dp=0, tp=0, pp=r, sp=0), hw)
         for g, t in seconds.items():
             comm[g] = max(comm.get(g, 0.0), t)
-        inner = (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)) / (micro * v)  # per fwd + bwd
+        inner = sum(seconds.get(g, 0.0) for g in INNER_GROUPS) / (micro * v)  # per fwd + bwd
         head = head_fwd if r == (p * v - 1) % p else 0.0    # on the rank's worst chunk
         unit = max(unit, block_fwd + head + inner / 3)
         compute = max(compute, micro * (v * (3 * block_fwd + redo) + 3 * head))
-    hop = (n * m.hidden * np.dtype(tr.dtype).itemsize / hw.bandwidth + hw.latency) if p > 1 else 0.0
+    hop = 0.0
+    if p > 1:
+        bw, lat = hw.link("inter" if "pp" in _crossing(cfg) else "intra")
+        hop = n * m.hidden * np.dtype(tr.dtype).itemsize / bw + lat
     run = dry_run(_schedule(par.schedule, p, micro, v), p, micro, v, cost_fwd=unit,
                   cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
-    total = run.makespan + comm.get("dp_sp", 0.0) + comm.get("tp_pp", 0.0)
+    total = run.makespan + sum(comm.get(g, 0.0) for g in STEP_GROUPS)
     return StepTime(compute, comm, run.bubble_fraction, total)
+
+
+def _crossing(cfg: Config) -> set[str]:
+    """The groups some instance of which spans nodes on :func:`nodes_of`."""
+    par = cfg.parallel
+    shape, nodes = GridShape(par.dp, par.tp, par.pp, par.sp), nodes_of(cfg)
+    if nodes.count == 1:
+        return set()
+    return {g for g in GROUP_AXES if shape.crosses(g, nodes)}
 
 
 # ------------------------------------------------------------------------------ enumeration
@@ -366,6 +568,7 @@ class Candidate:
     memory: MemoryEstimate
     step_bytes: dict[str, int]
     time: StepTime
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)   # wire, worst rank
 
     def describe(self) -> str:
         par, tr = self.cfg.parallel, self.cfg.train
@@ -375,6 +578,12 @@ class Candidate:
                                           else "")
         if par.sp > 1:
             text += f" {par.sp_mode}" + ("" if par.sp_mode == "ulysses" else f"/{par.sp_split}")
+            text += f"(U={par.ulysses_size})" if par.sp_mode == "hybrid" else ""
+        if par.dp * par.sp > 1 and par.dp_reduce == "hierarchical":
+            text += " hierarchical"
+        if par.dp * par.sp > 1 and par.grad_compression != "none":
+            text += " " + {"int8": "int8", "topk": f"top-{par.topk_ratio:g}"}[
+                par.grad_compression] + ("" if par.error_feedback == "on" else " no-EF")
         return text + f" mbs={tr.micro_batch_size} zero={par.zero} recompute={tr.recompute}"
 
 
@@ -400,7 +609,8 @@ def _factorisations(world: int) -> list[tuple[int, int, int, int]]:
 
 def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
               ) -> Iterator[Config]:
-    """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch choice."""
+    """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch / ZeRO /
+    reduction / compression choice (hierarchical reduction and hybrid SP when nodes are given)."""
     par, tr, m = base.parallel, base.train, base.model.resolved()
     dp, tp, pp, sp = sizes
     if {"schedule", "virtual_stages"} & fixed or pp == 1:
@@ -410,32 +620,47 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
     else:
         schedules = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)] + [
             ("interleaved", v) for v in (2, 4) if m.layers % (pp * v) == 0]
-    if sp == 1 or {"sp_mode", "sp_split"} & fixed:
-        sp_modes = [(par.sp_mode, par.sp_split)]
+    if sp == 1 or {"sp_mode", "sp_split", "ulysses_size"} & fixed:
+        sp_modes = [(par.sp_mode, par.sp_split, par.ulysses_size)]
     else:
-        sp_modes = [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous")]
+        sp_modes = [("ring", "zigzag", 0), ("ring", "contiguous", 0), ("ulysses", "contiguous", 0)]
+        node_sp = par.ranks_per_node // tp if par.ranks_per_node % tp == 0 else 0
+        if 1 < node_sp < sp and sp % node_sp == 0:      # Ulysses inside a node, ring across
+            sp_modes.append(("hybrid", "zigzag", node_sp))
     rows = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
     if "micro_batch_size" in fixed or rows == 0:
         micro = [tr.micro_batch_size]
     else:
         micro = [b for b in range(1, rows + 1) if rows % b == 0]
     zeros = [par.zero] if "zero" in fixed or dp * sp == 1 else [0, 1]
-    for (schedule, v), (mode, split), mbs, zero in itertools.product(schedules, sp_modes, micro,
-                                                                     zeros):
+    across = par.ranks_per_node and par.ranks_per_node < dp * tp * pp * sp   # several nodes
+    reduces = ([par.dp_reduce] if "dp_reduce" in fixed or dp * sp == 1 or not across
+               else ["flat", "hierarchical"])
+    codecs = ([par.grad_compression] if "grad_compression" in fixed or dp * sp == 1
+              or not across else ["none", "int8", "topk"])
+    for (schedule, v), (mode, split, u), mbs, zero, reduce, codec in itertools.product(
+            schedules, sp_modes, micro, zeros, reduces, codecs):
         yield Config(base.model, dataclasses.replace(
             par, dp=dp, tp=tp, pp=pp, sp=sp, schedule=schedule, virtual_stages=v, sp_mode=mode,
-            sp_split=split, zero=zero), dataclasses.replace(tr, micro_batch_size=mbs))
+            sp_split=split, ulysses_size=u, zero=zero, dp_reduce=reduce,
+            grad_compression=codec), dataclasses.replace(tr, micro_batch_size=mbs))
 
 
 def evaluate(cfg: Config, hw: Hardware = Hardware()) -> Candidate:
-    """Predictions for a resolved ``cfg``: memory and bytes of its worst pipeline rank."""
+    """Predictions for a resolved ``cfg``: memory, bytes and wire bytes per link of its worst
+    pipeline rank (its first rank on every other axis)."""
     coords = [Coord(dp=0, tp=0, pp=r, sp=0) for r in range(cfg.parallel.pp)]
     memory = max((predict_memory(cfg, c) for c in coords), key=lambda x: x.total)
     step_bytes: dict[str, int] = {}
+    link_bytes: dict[str, dict[str, int]] = {}
     for c in coords:
         for g, b in predict_step_bytes(cfg, c).items():
             step_bytes[g] = max(step_bytes.get(g, 0), b)
-    return Candidate(cfg, memory, step_bytes, predict_step_time(cfg, hw))
+        for g, links in predict_link_bytes(cfg, c).items():
+            worst = link_bytes.setdefault(g, dict.fromkeys(LINKS, 0))
+            for link, b in links.items():
+                worst[link] = max(worst[link], b)
+    return Candidate(cfg, memory, step_bytes, predict_step_time(cfg, hw), link_bytes)
 
 
 def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),

@@ -158,3 +158,32 @@ def make_codec(kind: str, topk_ratio: float, xp: ModuleType) -> Codec | None:
 def alignment(kind: str) -> int:
     """Elements a compressed piece must be a multiple of (int8: its scale block)."""
     return BLOCK if kind == "int8" else 1
+
+
+def local_work_seconds(codec: Codec, elements: int = 1 << 20, group: int = 2,
+                       dtype: str = "float32", repeats: int = 3) -> float:
+    """Seconds per element of what a rank computes in one compressed reduction of
+    ``elements`` over ``group`` ranks (encoding with error feedback, decoding and summing what
+    it receives; int8 also re-encodes its sum), the fastest of ``repeats``: the planner's probe
+    of compression's cost (pure arithmetic, no MPI)."""
+    import time
+
+    xp = codec.xp
+    x = xp.asarray(xp.linspace(-1.0, 1.0, elements, dtype=dtype) ** 3)
+    residual = xp.zeros_like(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if isinstance(codec, Int8Codec):
+            n = elements // group
+            packed = xp.empty((group, codec.packed_bytes(n)), xp.uint8)
+            codec.encode_feedback(x.copy().reshape(group, n), residual, packed)
+            total = codec.decode_sum(packed, xp.empty(n, x.dtype))
+            codec.encode_feedback(total.reshape(1, n), residual[:n], packed[:1])
+            codec.decode(packed, xp.empty((group, n), x.dtype))
+        else:
+            packed = xp.empty((1, codec.packed_bytes(elements, x.itemsize)), xp.uint8)
+            codec.encode_feedback(x.copy().reshape(1, -1), residual, packed)
+            codec.decode_sum(xp.concatenate([packed] * group), xp.empty_like(x))
+        best = min(best, time.perf_counter() - t0)
+    return best / elements

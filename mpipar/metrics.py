@@ -7,13 +7,14 @@ rank decides to stop at the same step), and rank 0 writes ``RUN_DIR/metrics.json
 Time breakdown of a step on one rank (seconds, :data:`TIME_KEYS`), from the ledger and the
 pipeline executor's op records:
 
-- ``tp_comm``, ``sp_comm``: ledger seconds of the ``tp`` and ``sp`` groups (spent inside
-  forward/backward ops);
+- ``tp_comm``, ``sp_comm``: ledger seconds of the ``tp`` and the sp groups (``sp``, and hybrid
+  attention's ``sp_ulysses`` and ``sp_ring``; spent inside forward/backward ops);
 - ``compute``: the forward/backward ops' time minus the TP and SP communication inside them;
 - ``pipeline_wait``: ledger seconds of ``pp`` (blocked in receives: the bubble and the
   point-to-point transfers, plus the loss broadcast);
-- ``dp_comm``: ledger seconds of ``dp_sp`` and ``tp_pp`` (gradient reduction, ZeRO all-gather,
-  loss and gradient-norm all-reduces);
+- ``dp_comm``: ledger seconds of the dp x sp groups (``dp_sp``, and hierarchical reduction's
+  ``dp_sp_intra`` and ``dp_sp_inter``) and ``tp_pp`` (gradient reduction, ZeRO all-gather, loss
+  and gradient-norm all-reduces);
 - ``optimizer``: the rest of the engine's step time (clipping, AdamW, batch slicing);
 - ``io``: time outside the engine's step that this step caused (checkpoint writes).
 """
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
-GROUPS = ("tp", "sp", "pp", "dp_sp", "tp_pp")
+SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
+DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp")
+GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS)
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 
@@ -57,11 +60,12 @@ def peak_memory_bytes() -> int:
 def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
                    timeline: list["OpRecord"], io_s: float = 0.0) -> dict[str, float]:
     """Seconds per :data:`TIME_KEYS` of one step on one rank (see the module docstring)."""
-    tp, sp = ledger_seconds.get("tp", 0.0), ledger_seconds.get("sp", 0.0)
+    tp = ledger_seconds.get("tp", 0.0)
+    sp = sum(ledger_seconds.get(g, 0.0) for g in SP_GROUPS)
     ops = sum(r.end - r.start for r in timeline if r.kind in COMPUTE_OPS)
     out = {"compute": max(0.0, ops - tp - sp), "tp_comm": tp, "sp_comm": sp,
            "pipeline_wait": ledger_seconds.get("pp", 0.0),
-           "dp_comm": ledger_seconds.get("dp_sp", 0.0) + ledger_seconds.get("tp_pp", 0.0)}
+           "dp_comm": sum(ledger_seconds.get(g, 0.0) for g in DP_GROUPS)}
     out["optimizer"] = max(0.0, step_time_s - sum(out.values()))
     out["io"] = io_s
     return out
@@ -82,7 +86,7 @@ class Telemetry:
     """The per-step exchange of every rank's numbers (an all-gather over ``comm``, on its own
     ledger so the engine's byte counts stay those the planner predicts)."""
 
-    FIELDS = ("stop", "memory", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS))
+    FIELDS = ("stop", "memory", "inter_bytes", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS))
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.ledger = Ledger()
@@ -95,10 +99,12 @@ class Telemetry:
         self.group.allgather(np.array([peak]), out)
         return out.tolist()
 
-    def exchange(self, stop: bool, times: dict[str, float], step_bytes: dict[str, int]
-                 ) -> tuple[bool, list[dict[str, float]]]:
-        """(whether any rank asks to stop, every rank's numbers as dicts of :attr:`FIELDS`)."""
-        row = np.array([float(stop), float(peak_memory_bytes()), *(times[k] for k in TIME_KEYS),
+    def exchange(self, stop: bool, times: dict[str, float], step_bytes: dict[str, int],
+                 inter_bytes: int = 0) -> tuple[bool, list[dict[str, float]]]:
+        """(whether any rank asks to stop, every rank's numbers as dicts of :attr:`FIELDS`);
+        ``inter_bytes``: this rank's wire bytes across nodes."""
+        row = np.array([float(stop), float(peak_memory_bytes()), float(inter_bytes),
+                        *(times[k] for k in TIME_KEYS),
                         *(float(step_bytes.get(g, 0)) for g in GROUPS)])
         table = np.empty((self.size, row.size))
         self.group.allgather(row, table)
@@ -128,6 +134,8 @@ def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Led
         "comm_bytes": ledger.bytes_by_group(),           # rank 0
         "comm_bytes_max": {g: int(max(r[f"bytes_{g}"] for r in ranks)) for g in GROUPS
                            if any(r[f"bytes_{g}"] for r in ranks)},
+        "comm_wire_bytes": ledger.bytes_by_link(),       # rank 0, inside / across nodes
+        "inter_node_bytes_max": int(max(r["inter_bytes"] for r in ranks)),
         "comm_seconds": ledger.seconds_by_group(),       # rank 0
         "memory_bytes": [int(r["memory"]) for r in ranks],
     }

@@ -237,7 +237,8 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest,
             fh.write(cfg.to_toml())
         for note in notes:
             print(f"mpipar: {note}", flush=True)
-        print(f"mpipar: layout {engine.grid.describe()} | kernels {engine.kernels.describe()} | "
+        print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()} | "
+              f"kernels {engine.kernels.describe()} | "
               f"model {cfg.model.layers}x{cfg.model.hidden} heads {cfg.model.heads}/"
               f"{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
               f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
@@ -261,8 +262,9 @@ def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest,
             saved, io = result.step, time.perf_counter() - t0
         times = metrics.time_breakdown(result.step_time_s, engine.ledger.seconds_by_group(),
                                        engine.executor.timeline, io)
-        stopping, ranks = telemetry.exchange(stop.signal is not None, times,
-                                             engine.ledger.bytes_by_group())
+        stopping, ranks = telemetry.exchange(
+            stop.signal is not None, times, engine.ledger.bytes_by_group(),
+            sum(links["inter"] for links in engine.ledger.bytes_by_link().values()))
         skipped += nonfinite
         record = metrics.step_record(result, ranks, engine.ledger, flops, sum(peaks), nonfinite,
                                      skipped)

@@ -5,7 +5,10 @@ every (dp, tp, pp, sp) with dp*tp*pp*sp in {2, 4, 8} that the model admits, each
 schedule and each SP split/mode gives, after 2 optimizer steps, the same losses, gradient norms
 and (gathered) parameters as one process: <= 1e-10 relative in float64, <= 1e-5 in float32.
 A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once. Every layout
-with tp > 1 runs again with ``--tp-sequence-parallel``.
+with tp > 1 runs again with ``--tp-sequence-parallel``. Every layout of 4 and 8 ranks whose
+nodes of 2 or 4 ranks hold more than one rank of a dp x sp group, and more than one node,
+runs with hierarchical reduction (with and without ZeRO-1, several buckets), and every
+layout with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 
 from conftest import assert_all_ranks, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
+from mpipar.topology import GridShape, NodeMap
 
 
 def _admitted(dp, tp, pp, sp) -> bool:
@@ -41,8 +45,24 @@ def _variants():
     return out
 
 
-VARIANTS = _variants()
-TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in VARIANTS if v["tp"] > 1]
+def _nodes_split(dp, tp, pp, sp, k) -> bool:
+    """Nodes of ``k`` ranks hold several ranks of a dp x sp group, and there are several."""
+    shape = GridShape(dp, tp, pp, sp)
+    per_node = len(shape.node_split(0, NodeMap.blocks(shape.world, k))[0])
+    return 1 < per_node < dp * sp
+
+
+HIERARCHICAL = [dict(dp=dp, tp=tp, pp=pp, sp=sp, ranks_per_node=k, dp_reduce="hierarchical",
+                     bucket_mb=0.002, **zero)
+                for dp, tp, pp, sp in BASE for k in (2, 4)
+                for zero in ({}, {"zero": 1})[:1 + ((k == 2) == (dp * tp * pp * sp == 4))]
+                if k < dp * tp * pp * sp and _nodes_split(dp, tp, pp, sp, k)]
+HYBRID = [dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_size=2, **extra)
+          for dp, tp, pp, sp in BASE if sp >= 4 and tp == 1
+          for extra in ({}, {"sp_split": "zigzag"},
+                        {"sp_split": "zigzag", "sp_overlap": True, "ranks_per_node": 2})]
+VARIANTS = _variants() + HIERARCHICAL + HYBRID
+TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in _variants() if v["tp"] > 1]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 

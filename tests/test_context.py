@@ -80,3 +80,37 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap):
             fails.append(f"{kern.fwd_calls} attention blocks computed, expected {expect}")
     comm.Free()
     assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("split,overlap,ulysses", [("contiguous", False, 2), ("zigzag", True, 2),
+                                                   ("zigzag", False, 4)])
+def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses):
+    """Ulysses over groups of ``ulysses`` consecutive sp ranks, ring over the 8 / ulysses groups:
+    out, dq, dk, dv equal attention over the whole sequence (8 query / 4 kv heads)."""
+    from mpipar.comm import Group, Ledger
+    from mpipar.kernels import get_backend
+    from mpipar.parallel.context import HybridAttention, SeqLayout
+
+    rng = np.random.default_rng(0)
+    B, S, hq, hkv, D = 2, 32, 8, 4, 6
+    q, k, v, dout = (rng.normal(size=(B, S, h, D)) for h in (hq, hkv, hkv, hq))
+    want = _full_attention(q, k, v, dout)
+    lay = SeqLayout(S, 8, split)
+    pos = lay.positions(world.rank)
+    ledger = Ledger()
+    uly = world.Split(world.rank // ulysses, world.rank)
+    ring = world.Split(world.rank % ulysses, world.rank)
+    attn = HybridAttention(get_backend("numpy"), Group(uly, "sp_ulysses", ledger),
+                           Group(ring, "sp_ring", ledger), lay, overlap)
+    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos)
+    dq, dk, dv = attn.backward(dout[:, pos], None, None, None, out, saved)
+    fails = []
+    for name, got, ref in (("out", out, want[0]), ("dq", dq, want[1]), ("dk", dk, want[2]),
+                           ("dv", dv, want[3])):
+        err = np.abs(got - ref[:, pos]).max() / np.abs(ref).max()
+        if err > 1e-12:
+            fails.append(f"{name} rel err {err:.2e}")
+    uly.Free()
+    ring.Free()
+    assert_all_ranks(world, fails)

@@ -239,7 +239,8 @@ def test_given_batch_is_kept_and_the_planner_picks_the_layout():
 # ------------------------------------------------------------------------------------- CLI
 def test_plan_cli(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "3",
-                           "--peak-gflops", "100"], capture_output=True, text=True, timeout=120)
+                           "--peak-gflops", "100", "--intra-gbps", "10"], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     first = next(line for line in lines if line.lstrip().startswith("1  "))
@@ -253,3 +254,37 @@ def test_plan_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--world 0: must be >= 1" in bad.stderr
+    nodes = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "20",
+                            "--peak-gflops", "100", "--dp", "8", "--ranks-per-node", "4",
+                            "--intra-gbps", "20", "--inter-gbps", "1"],
+                           capture_output=True, text=True, timeout=300)
+    assert nodes.returncode == 0, nodes.stderr
+    rows = [line for line in nodes.stdout.splitlines() if "dp=8 tp=1" in line]
+    assert "hierarchical" in rows[0] and "across nodes 803,982" in rows[0]
+    assert any(" int8 " in r for r in rows) and any(" top-0.01 " in r for r in rows)
+    assert any("hierarchical" not in r and "across nodes 5,627,790" in r for r in rows)
+
+
+def test_hierarchical_and_compressed_options_ranked_beside_flat():
+    """On 2 nodes of 4: a slow link across nodes ranks hierarchical reduction above flat, and
+    (compression's work negligible) int8 and top-k above dense; with links as fast inside as
+    across and compression's work costed, flat dense ranks first. The wire bytes across nodes
+    are what the reduction sends across them."""
+    base = Config(parallel=ParallelConfig(dp=8, ranks_per_node=4))
+    fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "zero"}
+
+    def best(hw, **extra):
+        cfg = Config(base.model, dataclasses.replace(base.parallel, **extra), base.train)
+        plan = plan_layouts(cfg, 8, fixed | set(extra), hw=hw)
+        return plan.ranked[0], plan.ranked
+
+    slow = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)
+    top, ranked = best(slow, grad_compression="none")
+    assert top.cfg.parallel.dp_reduce == "hierarchical"
+    flat = next(c for c in ranked if c.cfg.parallel.dp_reduce == "flat")
+    inter = {c.cfg.parallel.dp_reduce: c.link_bytes["dp_sp_inter" if c is top else "dp_sp"]
+             ["inter"] for c in (top, flat)}
+    assert inter["flat"] >= 4 * inter["hierarchical"]
+    assert best(slow)[0].cfg.parallel.grad_compression in ("int8", "topk")
+    even = Hardware(1e11, 1e10, 1e-6, 1e10, 1e-6, int8_seconds=1e-8, topk_seconds=1e-8)
+    assert best(even)[0].cfg.parallel.grad_compression == "none"

@@ -272,14 +272,14 @@ class HybridAttention:
         u, r = ulysses.size, ring.rank
         self.ring_layout = SeqLayout(seq_layout.seq_len, ring.size, seq_layout.split)
         members = [r * u + i for i in range(u)]
-        self.exchange = HeadExchange(kernels.xp, ulysses, seq_layout, members,
-                                     self.ring_layout.positions(r))
+        self.positions = self.ring_layout.positions(r)   # of the tokens the ring attends with
+        self.exchange = HeadExchange(kernels.xp, ulysses, seq_layout, members, self.positions)
         self.ring = RingAttention(kernels, ring, self.ring_layout, overlap)
 
     def forward(self, q, k, v, positions):
         ex = self.exchange
         qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
-        o, lse = self.ring.forward(qf, kf, vf, self.ring_layout.positions(self.ring.rank))
+        o, lse = self.ring.forward(qf, kf, vf, self.positions)
         return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
 
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved):

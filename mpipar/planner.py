@@ -265,7 +265,8 @@ def _tp_calls(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, mic
     se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
     full = n_tok * m.hidden * e
     reruns = 2 if tr.recompute == "full" else 1      # backward re-runs each block's forward
-    stats = [Call("tp", "allreduce_max", n_tok * se, micro), Call("tp", "allreduce", 2 * n_tok * se, micro)]
+    stats = [Call("tp", "allreduce_max", n_tok * se, micro),
+             Call("tp", "allreduce", 2 * n_tok * se, micro)]
     if not par.tp_sequence_parallel:
         calls = [Call("tp", "allreduce", full, (2 * reruns + 2) * blocks * micro
                       + micro * (int(first) + int(last)))]

@@ -148,7 +148,8 @@ def test_flat_compressed_reduction_is_the_codecs_math(world, codec, sharded):
                 packed = np.empty((1, ref.packed_bytes(n // 8)), np.uint8)
                 ref.encode_feedback(s.reshape(1, -1),
                                     gathered_residual[owner * n // 8:(owner + 1) * n // 8], packed)
-                total[owner * n // 8:(owner + 1) * n // 8] = ref.decode(packed, np.empty((1, n // 8)))
+                total[owner * n // 8:(owner + 1) * n // 8] = ref.decode(packed,
+                                                                        np.empty((1, n // 8)))
         else:
             packed = np.empty((8, ref.packed_bytes(n, 8)), np.uint8)
             new_res = []

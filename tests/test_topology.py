@@ -76,7 +76,7 @@ NODE_CASES = [(8, 1, 1, 1, 4, 1), (2, 2, 1, 2, 4, 2), (2, 1, 2, 2, 2, 1), (1, 1,
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("dp,tp,pp,sp,k,u", NODE_CASES,
-                         ids=[f"dp{c[0]}tp{c[1]}pp{c[2]}sp{c[3]}-k{c[4]}-u{c[5]}" for c in NODE_CASES])
+                         ids=[f"dp{a}tp{b}pp{c}sp{d}-k{k}-u{u}" for a, b, c, d, k, u in NODE_CASES])
 def test_node_groups_are_the_pure_ones(world, dp, tp, pp, sp, k, u):
     """With --ranks-per-node K: the node split of dp x sp and the hybrid split of sp hold
     exactly the ranks GridShape.members says, in that order, and every group's node ids, its

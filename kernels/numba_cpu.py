@@ -4,10 +4,12 @@ Every public function has the signature and semantics of the function of the sam
 `numpy_ref` (see there for the maths); inputs are float32 or float64 NumPy arrays, other arrays
 are cast to the dtype of the first one, outputs are new arrays.
 
-What is here and why:
-  * attention fwd/bwd: blocked, online softmax (flash-attention style); a `[block_q, block_k]`
-    tile of scores is the largest temporary, fully masked key blocks are skipped under causality;
-  * rmsnorm, rope, swiglu, attention_merge, cross-entropy: one fused pass per row instead of the
+What is here and why (exp is `numba_simd.vexp` throughout: Numba's own is a scalar libm call
+without Intel SVML, 10x slower than NumPy's SIMD exp, which made several of these kernels lose):
+  * attention fwd/bwd: `attention_cpu` (blockwise, online softmax, every inner product a BLAS
+    call on a tile that stays in cache; fully masked key blocks are skipped under causality);
+  * rmsnorm (also fused with the residual add before it: add_rmsnorm_fwd/bwd), rope, swiglu,
+    attention_merge, cross-entropy: one fused pass per row instead of the
     several full-size temporaries of the NumPy expressions;
   * linear fwd/bwd: a row-panel matmul written in Numba (vectorised, threaded). OpenBLAS is about
     5x faster (see `python -m mpipar.bench kernels`), so the dispatcher routes linear_fwd/linear_bwd of the
@@ -34,27 +36,24 @@ import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from . import numpy_ref as ref  # noqa: E402
+from .attention_cpu import attention_bwd, attention_fwd  # noqa: E402,F401  (this backend's attention)
+from .numba_simd import REORDER, vexp  # noqa: E402
 from .numpy_ref import Array, require  # noqa: E402
 
 # Ops implemented in this module (the dispatcher falls back to numpy_ref for the others).
 IMPLEMENTED: tuple[str, ...] = (
-    "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd",
+    "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd",
+    "add_rmsnorm_bwd", "rope_fwd",
     "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd", "attention_bwd", "attention_merge",
     "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd",
 )
 # Ops where NumPy is faster than the implementation above (measured by `python -m mpipar.bench
-# kernels`): the numba backend uses numpy_ref for these, with this reason. The cross-entropy
-# statistics are one exp per logit and little else; without Intel SVML, Numba's exp is a scalar
-# libm call while NumPy's is SIMD, which outweighs the fused pass (0.8-0.95x measured on AVX-512).
+# kernels`): the numba backend uses numpy_ref for these, with this reason.
 SLOWER_THAN_NUMPY: dict[str, str] = {
     "linear_fwd": "numpy BLAS",
     "linear_bwd": "numpy BLAS",
 }
-if not numba.config.USING_SVML:
-    SLOWER_THAN_NUMPY.update({"cross_entropy_stats": "numpy SIMD exp", "cross_entropy_fwd": "numpy SIMD exp"})
 
-BLOCK_Q = 64  # query rows per attention tile
-BLOCK_K = 64  # key rows per attention tile
 TILE_M, TILE_N = 16, 256  # matmul tiles: rows of A per task, columns of B per panel
 
 _NEG_INF = -np.inf
@@ -105,12 +104,16 @@ def _matmul(a, b, tm, tn):
     return c
 
 
-def linear_fwd(x: Array, w: Array) -> Array:
-    """y `[..., out]` = x `[..., in]` @ w.T (w `[out, in]`), tiled Numba matmul."""
+def linear_fwd(x: Array, w: Array, b: Array | None = None) -> Array:
+    """y `[..., out]` = x `[..., in]` @ w.T (w `[out, in]`) + b (`[out]` or None), tiled Numba
+    matmul."""
     dt = _float_dtype(x, "linear_fwd")
     require(w.ndim == 2 and x.shape[-1] == w.shape[1],
             f"linear_fwd: x.shape[-1]={x.shape[-1]} must equal w.shape[1] of w {w.shape}")
+    ref.check_bias(b, w, "linear_fwd")
     y = _matmul(_c(x, dt).reshape(-1, x.shape[-1]), _c(w.T, dt), TILE_M, TILE_N)
+    if b is not None:
+        y += _c(b, dt)
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
@@ -127,6 +130,14 @@ def linear_bwd(dy: Array, x: Array, w: Array) -> tuple[Array, Array]:
     return dx.reshape(x.shape), dw
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _sigmoid(g, one):
+    """Overflow-free logistic function of a scalar: exp is only taken of -|g|. Inlined into the
+    callers' parallel loops (whose NumPy error model drops the division checks), which vectorise."""
+    e = vexp(-abs(g))
+    return one / (one + e) if g >= 0 else e / (one + e)
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def _linear_swiglu(x, w_gate, w_up, one):
     gate = np.dot(x, w_gate.T)
@@ -136,9 +147,7 @@ def _linear_swiglu(x, w_gate, w_up, one):
     for i in prange(n):
         for j in range(f):
             g = gate[i, j]
-            e = np.exp(-abs(g))
-            sig = one / (one + e) if g >= 0 else e / (one + e)
-            h[i, j] = g * sig * up[i, j]
+            h[i, j] = g * _sigmoid(g, one) * up[i, j]
     return h, gate, up
 
 
@@ -160,35 +169,54 @@ def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Arra
 # RMSNorm
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
-def _rmsnorm_fwd(x, w, eps, y, rstd):
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
+def _rmsnorm_fwd(x, r, add, w, eps, s, y, rstd):
+    """y = rmsnorm(x (+ r if add)) * w per row; with add, s = x + r is stored too."""
     n, h = x.shape
     for i in prange(n):
         acc = 0.0
         for j in range(h):
-            xi = np.float64(x[i, j])
-            acc += xi * xi
+            v = x[i, j] + r[i, j] if add else x[i, j]
+            if add:
+                s[i, j] = v
+            acc += np.float64(v) * v
         rstd[i] = 1.0 / math.sqrt(acc / h + eps)
-        r = rstd[i]
+        rs = rstd[i]
+        src = s if add else x
         for j in range(h):
-            y[i, j] = x[i, j] * r * w[j]
+            y[i, j] = src[i, j] * rs * w[j]
+
+
+def _rmsnorm_forward(x: Array, r: Array | None, w: Array, eps: float, name: str) -> tuple[Array, ...]:
+    """(y, rstd), or (s, y, rstd) with s = x + r when r is given; shapes as in numpy_ref."""
+    dt = _float_dtype(x, name)
+    require(w.ndim == 1 and w.shape[0] == x.shape[-1],
+            f"{name}: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]}")
+    require(r is None or r.shape == x.shape, f"{name}: x.shape={x.shape} must equal r.shape={getattr(r, 'shape', None)}")
+    require(eps >= 0, f"{name}: eps={eps} must be >= 0")
+    x2 = _c(x, dt).reshape(-1, x.shape[-1])
+    y = np.empty_like(x2)
+    s = x2 if r is None else np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], dt)
+    _rmsnorm_fwd(x2, x2 if r is None else _c(r, dt).reshape(x2.shape), r is not None, _c(w, dt), float(eps),
+                 s, y, rstd)
+    y, rstd = y.reshape(x.shape), rstd.reshape(x.shape[:-1])
+    return (y, rstd) if r is None else (s.reshape(x.shape), y, rstd)
 
 
 def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     """y `[..., H]` = x * rstd * w, rstd `[...]` = 1 / sqrt(mean(x**2) + eps); one pass per row."""
-    dt = _float_dtype(x, "rmsnorm_fwd")
-    require(w.ndim == 1 and w.shape[0] == x.shape[-1],
-            f"rmsnorm_fwd: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]}")
-    require(eps >= 0, f"rmsnorm_fwd: eps={eps} must be >= 0")
-    x2 = _c(x, dt).reshape(-1, x.shape[-1])
-    y = np.empty_like(x2)
-    rstd = np.empty(x2.shape[0], dt)
-    _rmsnorm_fwd(x2, _c(w, dt), float(eps), y, rstd)
-    return y.reshape(x.shape), rstd.reshape(x.shape[:-1])
+    return _rmsnorm_forward(x, None, w, eps, "rmsnorm_fwd")
 
 
-@njit(cache=True, parallel=True, nogil=True)
-def _rmsnorm_bwd(dy, x, w, rstd, dx, dw_parts):
+def add_rmsnorm_fwd(x: Array, r: Array, w: Array, eps: float) -> tuple[Array, Array, Array]:
+    """s = x + r, y = rmsnorm(s) * w, rstd, all `[..., H]` (rstd `[...]`) in one pass per row."""
+    return _rmsnorm_forward(x, r, w, eps, "add_rmsnorm_fwd")
+
+
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
+def _rmsnorm_bwd(dy, x, w, rstd, ds, add, dx, dw_parts):
+    """dx = rmsnorm_bwd(dy) (+ ds if add) per row; dw summed per row chunk into dw_parts."""
     n, h = x.shape
     nchunks = dw_parts.shape[0]
     for c in prange(nchunks):
@@ -196,25 +224,38 @@ def _rmsnorm_bwd(dy, x, w, rstd, dx, dw_parts):
             r = rstd[i]
             dot = 0.0
             for j in range(h):
-                dot += dy[i, j] * w[j] * x[i, j]
+                dot += np.float64(dy[i, j] * w[j]) * x[i, j]
             corr = r * r * r * (dot / h)
             for j in range(h):
-                dx[i, j] = r * (dy[i, j] * w[j]) - corr * x[i, j]
+                g = r * (dy[i, j] * w[j]) - corr * x[i, j]
+                dx[i, j] = g + ds[i, j] if add else g
                 dw_parts[c, j] += dy[i, j] * x[i, j] * r
 
 
-def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
-    """dx `[..., H]`, dw `[H]` of `rmsnorm_fwd`; dw is reduced per row chunk in float64."""
-    dt = _float_dtype(x, "rmsnorm_bwd")
+def _rmsnorm_backward(dy: Array, ds: Array | None, x: Array, w: Array, rstd: Array, name: str) -> tuple[Array, Array]:
+    """(dx (+ ds), dw) for x `[..., H]`; dw is reduced per row chunk in float64."""
+    dt = _float_dtype(x, name)
     require(dy.shape == x.shape and rstd.shape == x.shape[:-1] and w.shape == x.shape[-1:],
-            f"rmsnorm_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
+            f"{name}: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
             "must be [..., H], [..., H], [H], [...]")
+    require(ds is None or ds.shape == x.shape, f"{name}: ds.shape={getattr(ds, 'shape', None)} must equal {x.shape}")
     hdim = x.shape[-1]
     x2 = _c(x, dt).reshape(-1, hdim)
     dx = np.empty_like(x2)
     parts = np.zeros((_chunks(x2.shape[0]), hdim), np.float64)
-    _rmsnorm_bwd(_c(dy, dt).reshape(-1, hdim), x2, _c(w, dt), _c(rstd, dt).reshape(-1), dx, parts)
+    _rmsnorm_bwd(_c(dy, dt).reshape(-1, hdim), x2, _c(w, dt), _c(rstd, dt).reshape(-1),
+                 x2 if ds is None else _c(ds, dt).reshape(x2.shape), ds is not None, dx, parts)
     return dx.reshape(x.shape), parts.sum(axis=0).astype(dt)
+
+
+def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
+    """dx `[..., H]`, dw `[H]` of `rmsnorm_fwd`."""
+    return _rmsnorm_backward(dy, None, x, w, rstd, "rmsnorm_bwd")
+
+
+def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
+    """dsum `[..., H]` = rmsnorm_bwd(dy) + ds and dw `[H]` of `add_rmsnorm_fwd`, in one pass per row."""
+    return _rmsnorm_backward(dy, ds, s, w, rstd, "add_rmsnorm_bwd")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,18 +304,14 @@ def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
 @njit(cache=True, parallel=True, nogil=True)
 def _swiglu_fwd(g, u, h, one):
     for i in prange(g.size):
-        gi = g[i]
-        e = np.exp(-abs(gi))
-        sig = one / (one + e) if gi >= 0 else e / (one + e)
-        h[i] = gi * sig * u[i]
+        h[i] = g[i] * _sigmoid(g[i], one) * u[i]
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def _swiglu_bwd(dh, g, u, dg, du, one):
     for i in prange(g.size):
         gi = g[i]
-        e = np.exp(-abs(gi))
-        sig = one / (one + e) if gi >= 0 else e / (one + e)
+        sig = _sigmoid(gi, one)
         dg[i] = dh[i] * u[i] * sig * (one + gi * (one - sig))
         du[i] = dh[i] * (gi * sig)
 
@@ -303,201 +340,6 @@ def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
-
-@njit(cache=True, parallel=True, nogil=True)
-def _attention_fwd(q, k, v, q_offset, k_offset, causal, scale, bq, bk, out, lse):
-    """One task per (batch, query head, query block); online softmax over key blocks."""
-    nb, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    nqb = (sq + bq - 1) // bq
-    for task in prange(nb * hq * nqb):
-        b = task // (hq * nqb)
-        h = (task // nqb) % hq
-        i0 = (task % nqb) * bq
-        nq = min(bq, sq - i0)
-        kh = h // group
-        qs = np.empty((nq, d), q.dtype)
-        for i in range(nq):
-            for t in range(d):
-                qs[i, t] = q[b, i0 + i, h, t] * scale
-        acc = np.zeros((nq, d), q.dtype)
-        m = np.full(nq, _NEG_INF, q.dtype)
-        den = np.zeros(nq, q.dtype)
-        kt = np.empty((d, bk), q.dtype)
-        vb = np.empty((bk, d), q.dtype)
-        row = np.empty(bk, q.dtype)
-        kend = sk
-        if causal:  # keys j with k_offset + j <= q_offset + (last query of the block)
-            kend = max(0, min(sk, q_offset + i0 + nq - k_offset))
-        for j0 in range(0, kend, bk):
-            nk = min(bk, kend - j0)
-            for jj in range(nk):
-                for t in range(d):
-                    kt[t, jj] = k[b, j0 + jj, kh, t]
-                    vb[jj, t] = v[b, j0 + jj, kh, t]
-            for i in range(nq):
-                vis = nk
-                if causal:
-                    vis = max(0, min(nk, q_offset + i0 + i - k_offset - j0 + 1))
-                if vis == 0:
-                    continue
-                for jj in range(vis):
-                    row[jj] = 0
-                for t in range(d):
-                    qv = qs[i, t]
-                    for jj in range(vis):
-                        row[jj] += qv * kt[t, jj]
-                mx = m[i]
-                for jj in range(vis):
-                    if row[jj] > mx:
-                        mx = row[jj]
-                corr = np.exp(m[i] - mx)
-                den[i] *= corr
-                for t in range(d):
-                    acc[i, t] *= corr
-                m[i] = mx
-                for jj in range(vis):
-                    p = np.exp(row[jj] - mx)
-                    den[i] += p
-                    for t in range(d):
-                        acc[i, t] += p * vb[jj, t]
-        for i in range(nq):
-            if den[i] > 0:
-                for t in range(d):
-                    out[b, i0 + i, h, t] = acc[i, t] / den[i]
-                lse[b, h, i0 + i] = m[i] + np.log(den[i])
-            else:
-                for t in range(d):
-                    out[b, i0 + i, h, t] = 0
-                lse[b, h, i0 + i] = _NEG_INF
-
-
-def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None) -> tuple[Array, Array]:
-    """Blocked online-softmax attention; same contract as `numpy_ref.attention_fwd`.
-
-    q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out `[B, Sq, Hq, D]`, lse `[B, Hq, Sq]`.
-    """
-    dt = _float_dtype(q, "attention_fwd")
-    ref.check_attention_shapes(q, k, v, "attention_fwd")
-    b, sq, hq, d = q.shape
-    out = np.empty(q.shape, dt)
-    lse = np.empty((b, hq, sq), ref.stat_dtype(dt))
-    _attention_fwd(_c(q, dt), _c(k, dt), _c(v, dt), int(q_offset), int(k_offset), bool(causal),
-                   dt.type(ref.attention_scale(d, scale)), BLOCK_Q, BLOCK_K, out, lse)
-    return out, lse
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def _attention_bwd(q, k, v, lse, dout, delta, q_offset, k_offset, causal, scale, bq, bk, dq, dk_h, dv_h):
-    """One task per (batch, query head): for each key block, dk and dv accumulate locally over the
-    query blocks that see it; dk_h, dv_h `[B, Hq, Sk, D]` receive the per-query-head parts."""
-    nb, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    for task in prange(nb * hq):
-        b = task // hq
-        h = task % hq
-        kh = h // group
-        kb = np.empty((bk, d), q.dtype)
-        kt = np.empty((d, bk), q.dtype)
-        vt = np.empty((d, bk), q.dtype)
-        dk_acc = np.empty((bk, d), q.dtype)
-        dv_acc = np.empty((bk, d), q.dtype)
-        qb = np.empty((bq, d), q.dtype)
-        gb = np.empty((bq, d), q.dtype)
-        dqb = np.empty((bq, d), q.dtype)
-        p_blk = np.empty((bq, bk), q.dtype)
-        ds_blk = np.empty((bq, bk), q.dtype)
-        lse_b = np.empty(bq, q.dtype)
-        delta_b = np.empty(bq, q.dtype)
-        for j0 in range(0, sk, bk):
-            nk = min(bk, sk - j0)
-            i_first = 0
-            if causal:  # first query that sees key j0: q_offset + i >= k_offset + j0
-                i_first = max(0, k_offset + j0 - q_offset)
-            if i_first >= sq:
-                continue
-            for jj in range(nk):
-                for t in range(d):
-                    kb[jj, t] = k[b, j0 + jj, kh, t]
-                    kt[t, jj] = kb[jj, t]
-                    vt[t, jj] = v[b, j0 + jj, kh, t]
-                    dk_acc[jj, t] = 0
-                    dv_acc[jj, t] = 0
-            for i0 in range(i_first - i_first % bq, sq, bq):
-                nq = min(bq, sq - i0)
-                for i in range(nq):
-                    lse_b[i] = lse[b, h, i0 + i]
-                    delta_b[i] = delta[b, i0 + i, h]
-                    for t in range(d):
-                        qb[i, t] = q[b, i0 + i, h, t]
-                        gb[i, t] = dout[b, i0 + i, h, t]
-                        dqb[i, t] = 0
-                for i in range(nq):
-                    vis = nk
-                    if causal:
-                        vis = max(0, min(nk, q_offset + i0 + i - k_offset - j0 + 1))
-                    if vis == 0 or lse_b[i] == _NEG_INF:
-                        continue
-                    prow = p_blk[i]
-                    dsrow = ds_blk[i]
-                    for jj in range(vis):
-                        prow[jj] = 0
-                        dsrow[jj] = 0
-                    for t in range(d):  # scores and dP = dout V^T, vectorised over keys
-                        qv = qb[i, t]
-                        gv = gb[i, t]
-                        for jj in range(vis):
-                            prow[jj] += qv * kt[t, jj]
-                            dsrow[jj] += gv * vt[t, jj]
-                    for jj in range(vis):
-                        p = np.exp(prow[jj] * scale - lse_b[i])
-                        prow[jj] = p
-                        dsrow[jj] = p * (dsrow[jj] - delta_b[i]) * scale
-                    for jj in range(vis):
-                        p = prow[jj]
-                        ds = dsrow[jj]
-                        for t in range(d):
-                            dv_acc[jj, t] += p * gb[i, t]
-                            dk_acc[jj, t] += ds * qb[i, t]
-                            dqb[i, t] += ds * kb[jj, t]
-                for i in range(nq):
-                    for t in range(d):
-                        dq[b, i0 + i, h, t] += dqb[i, t]
-            for jj in range(nk):
-                for t in range(d):
-                    dk_h[b, h, j0 + jj, t] = dk_acc[jj, t]
-                    dv_h[b, h, j0 + jj, t] = dv_acc[jj, t]
-
-
-def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
-                  q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None) -> tuple[Array, Array, Array]:
-    """Blocked flash-attention backward from the given (possibly merged) out and lse.
-
-    Same contract as `numpy_ref.attention_bwd`: dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`.
-    """
-    dt = _float_dtype(q, "attention_bwd")
-    ref.check_attention_shapes(q, k, v, "attention_bwd")
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    require(out.shape == q.shape and dout.shape == q.shape and lse.shape == (b, hq, sq),
-            f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse {lse.shape} "
-            f"must be {(b, hq, sq)}")
-    dq = np.zeros(q.shape, dt)
-    dk_h = np.zeros((b, hq, sk, d), dt)  # key blocks no query sees stay 0
-    dv_h = np.zeros((b, hq, sk, d), dt)
-    dout_c = _c(dout, dt)
-    delta = (dout_c * out).sum(axis=-1, dtype=dt)  # [B, Sq, Hq]
-    _attention_bwd(_c(q, dt), _c(k, dt), _c(v, dt), _c(lse, dt), dout_c, delta, int(q_offset), int(k_offset),
-                   bool(causal), dt.type(ref.attention_scale(d, scale)), BLOCK_Q, BLOCK_K, dq, dk_h, dv_h)
-    group = hq // hkv
-    dk = dk_h.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
-    dv = dv_h.reshape(b, hkv, group, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
-    return dq, np.ascontiguousarray(dk), np.ascontiguousarray(dv)
-
 
 @njit(cache=True, parallel=True, nogil=True)
 def _attention_merge(out_a, lse_a, out_b, lse_b, out, lse):
@@ -542,16 +384,16 @@ def attention_merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
 # Cross-entropy
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
 def _ce_stats(logits, targets, vocab_start, nvalid, m, s, t):
+    """One pass per row (the row stays in cache): its max, sum of exp(logit - max), target logit."""
     for i in prange(logits.shape[0]):
         mx = logits[i, 0]
         for j in range(1, nvalid):
-            if logits[i, j] > mx:
-                mx = logits[i, j]
-        acc = 0.0
+            mx = max(mx, logits[i, j])
+        acc = logits.dtype.type(0)
         for j in range(nvalid):
-            acc += np.exp(logits[i, j] - mx)
+            acc += vexp(logits[i, j] - mx)
         m[i] = mx
         s[i] = acc
         local = targets[i] - vocab_start
@@ -582,7 +424,7 @@ def cross_entropy_fwd(logits: Array, targets: Array, vocab_size: int | None = No
     return lse - t, lse
 
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)
 def _ce_bwd(logits, targets, lse, dloss, vocab_start, nvalid, one, grad):
     n, ncols = logits.shape
     for i in prange(n):
@@ -590,10 +432,9 @@ def _ce_bwd(logits, targets, lse, dloss, vocab_start, nvalid, one, grad):
         li = lse[i]
         gi = dloss[i]
         for j in range(nvalid):
-            p = np.exp(logits[i, j] - li)
-            if j == local:
-                p -= one
-            grad[i, j] = p * gi
+            grad[i, j] = vexp(logits[i, j] - li) * gi
+        if 0 <= local < nvalid:
+            grad[i, local] -= one * gi
         for j in range(nvalid, ncols):
             grad[i, j] = 0
 

@@ -1,16 +1,19 @@
-"""Where the arithmetic runs: the kernel backend of training, CPU thread budgets per rank, and
-the peak FLOP/s of MFU.
+"""Where the arithmetic runs: the kernel backend of training, CPU thread budgets per rank, the
+memory a node can still give, and the peak FLOP/s of MFU.
 
 Ranks that share a node share its cores: ``configure_threads`` gives each rank
-``cores // ranks_on_this_node`` threads for BLAS, OpenMP and Numba. It sets environment variables,
+``cores it may use // ranks on those cores`` threads for BLAS, OpenMP and Numba (a rank bound to
+its own cores keeps them all). It sets environment variables,
 so it must run before NumPy or Numba are imported (``python -m mpipar.train`` does this); a
-variable the user already set wins.
+variable the user already set wins. They share its memory too: training compares the planner's
+per-rank memory with ``available_memory_bytes() / ranks_on_this_node`` before it allocates.
 """
 from __future__ import annotations
 
 import math
 import os
 import time
+from pathlib import Path
 
 from mpi4py import MPI
 
@@ -73,35 +76,130 @@ def local_size_from_env() -> int | None:
     return None
 
 
-def local_ranks(comm: MPI.Comm = MPI.COMM_WORLD) -> tuple[int, int]:
-    """(this rank's index among the ranks of its node, how many ranks share the node)."""
+def ranks_on_node(names: list[str], rank: int) -> int:
+    """How many ranks share this rank's node, from every rank's processor name (``names``, in
+    rank order: the launcher did not say, so the caller gathered them)."""
+    return names.count(names[rank])
+
+
+def shared_memory_nodes(comm: MPI.Comm = MPI.COMM_WORLD) -> list[int]:
+    """The node of every rank of ``comm``, by rank (small integers in order of first appearance),
+    as MPI sees them: the ranks that can share memory (``Split_type(COMM_TYPE_SHARED)``, a
+    collective). The one node detection of mpipar: the grid's node map and :func:`node_shape`
+    both read it."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return node.Get_rank(), node.Get_size()
+        leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
     finally:
         node.Free()
+    first: dict[int, int] = {}
+    return [first.setdefault(x, len(first)) for x in comm.allgather(leader)]
+
+
+def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
+    """The nodes of ``comm`` as MPI sees them (:func:`shared_memory_nodes`, a collective):
+    ``"K node(s) x R rank(s) per node: host (ranks a-b), ..."`` (R like ``4/2`` when uneven)."""
+    nodes = shared_memory_nodes(comm)
+    hosts = comm.allgather(MPI.Get_processor_name())
+    members: dict[int, list[int]] = {}
+    for rank, n in enumerate(nodes):
+        members.setdefault(n, []).append(rank)
+    sizes = [len(m) for m in members.values()]
+    per = str(sizes[0]) if len(set(sizes)) == 1 else "/".join(map(str, sizes))
+    text = ", ".join(f"{hosts[m[0]]} (ranks {_ranges(m)})" for m in members.values())
+    return f"{len(members)} node(s) x {per} rank(s) per node: {text}"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
 
 
 def cpu_count() -> int:
+    """Cores this process may run on (its affinity mask; all online cores where there is none)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
 
 
-def configure_threads(comm: MPI.Comm | None = MPI.COMM_WORLD) -> int:
-    """Split this node's cores among its ranks; returns the threads per rank.
+def ranks_sharing_cores(ranks_on_node: int) -> int:
+    """How many of this node's ``ranks_on_node`` ranks run on this rank's cores.
 
-    The launcher's environment is used when it tells the ranks per node; otherwise ``comm`` is
-    split by node (a collective), and with ``comm=None`` a lone process is assumed."""
-    ranks = local_size_from_env()
+    A launcher that binds ranks (Open MPI without oversubscription, srun --cpu-bind) gives each
+    a slice of the cores its own process may use; one that does not gives every rank all of
+    them. The launcher's cores are this process's parent's affinity (its daemon: orted/prted,
+    hydra_pmi_proxy, slurmstepd) joined with this process's; ranks spread evenly over them."""
+    try:
+        mine = os.sched_getaffinity(0)
+        pool = mine | os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):  # not Linux, or the parent has gone
+        return ranks_on_node
+    return max(1, min(ranks_on_node, round(ranks_on_node * len(mine) / len(pool))))
+
+
+def threads_per_rank(ranks_on_node: int) -> int:
+    """Threads for a rank: the cores it may use split among the ranks that run on them."""
+    return max(1, cpu_count() // ranks_sharing_cores(ranks_on_node))
+
+
+def configure_threads(ranks: int | None) -> int:
+    """Split this node's cores among the ``ranks`` that share it (None: the count the launcher
+    gives, else a lone process); returns the threads per rank."""
     if ranks is None:
-        ranks = local_ranks(comm)[1] if comm is not None else 1
-    threads = max(1, cpu_count() // ranks)
+        ranks = local_size_from_env() or 1
+    threads = threads_per_rank(ranks)
     for var in THREAD_VARS:
         os.environ.setdefault(var, str(threads))
     return int(os.environ["NUMBA_NUM_THREADS"])
 
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this node can still give, in bytes: ``MemAvailable`` of /proc/meminfo, lowered to
+    what this process's memory cgroup still allows when it has a limit (a container or a batch
+    job); None where neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as fh:
+            found += [int(line.split()[1]) * 1024 for line in fh
+                      if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        found.append(headroom)
+    return min(found) if found else None
+
+
+def _cgroup_headroom() -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, or v1), or None without one."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, files = f"/sys/fs/cgroup{path}", ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = (f"/sys/fs/cgroup/memory{path}",
+                           ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        else:
+            continue
+        try:
+            limit, usage = (Path(base, f).read_text().strip() for f in files)
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit() and int(limit) < 2**62:  # "max" or 2**63-ish: none
+            return int(limit) - int(usage)
+    return None
 
 
 def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:
@@ -130,11 +228,12 @@ def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 3
 
 def cpu_peak_share(threads: int, ranks_on_node: int) -> float:
     """The fraction of its threads' peak a rank gets when ``ranks_on_node`` ranks of
-    ``threads`` threads each share this node's cores: 1 unless the node is oversubscribed."""
+    ``threads`` threads each share this node: 1 unless more threads than cores run on the cores
+    this rank may use (:func:`ranks_sharing_cores`: a rank bound to its own core gets all of it)."""
     if threads < 1 or ranks_on_node < 1:
         raise ValueError(f"cpu_peak_share: threads={threads} and ranks_on_node={ranks_on_node} "
                          f"must be >= 1")
-    return min(1.0, cpu_count() / (threads * ranks_on_node))
+    return min(1.0, cpu_count() / (threads * ranks_sharing_cores(ranks_on_node)))
 
 
 # Arithmetic lanes per streaming multiprocessor by compute capability: (float32, float64).
@@ -154,3 +253,22 @@ def gpu_peak_flops(dtype: str = "float32", device: int | None = None) -> float:
     lanes = _SM_LANES.get(cc) or _SM_LANES.get((cc[0], 0)) or (64, 2)
     per_sm = lanes[1] if dtype == "float64" else lanes[0]
     return 2.0 * attrs["MultiProcessorCount"] * per_sm * attrs["ClockRate"] * 1e3
+
+
+def main() -> int:
+    """``python -m mpipar.backend`` under a launcher: rank 0 prints the nodes and ranks per node
+    that MPI sees, and the threads and peak share each rank gets (a job's first line)."""
+    comm = MPI.COMM_WORLD
+    shape = node_shape(comm)
+    on_node = local_size_from_env() or ranks_on_node(comm.allgather(MPI.Get_processor_name()),
+                                                     comm.Get_rank())
+    threads = threads_per_rank(on_node)
+    share = comm.gather(cpu_peak_share(threads, on_node))
+    if comm.Get_rank() == 0:
+        print(f"mpipar: {shape}; {threads} thread(s)/rank, CPU share per rank "
+              f"{min(share):.2f}-{max(share):.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

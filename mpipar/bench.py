@@ -6,10 +6,23 @@ human-readable table and returns JSON-serialisable results (written with `--json
 `{section: results}`); `configure(parser)` may add section options.
 
 Sections:
-  kernels      every kernel op for every available backend, side by side, float32 and float64
+  kernels      every kernel op for every available backend, side by side, float32 and float64; the
+               fused kernels against the ops they replace; attention forward/backward GFLOP/s
+               and % of the GEMM probe at long sequences, per thread count
   memory       peak memory (tracemalloc) of one training step for each --recompute mode
+  comm         under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside
+               a node and across nodes, the GEMM speed, the per-op overhead and the compression
+               codecs' work every rank gets with all ranks busy; written as the hardware file the
+               planner reads (python -m mpipar.plan --hardware FILE)
+  planner      the planner's predicted step time (from a hardware file) against the measured one
+               of training runs of several layouts, side by side
+  train        one training step of mpipar against PyTorch eager (transformers Llama, sdpa,
+               AdamW) on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo)
   compression  convergence of gradient compression: the default model trained under mpirun with
                no, int8 and top-k compression, with and without error feedback (loss table, plot)
+
+Sections that compare thread counts run each count in child processes started with
+OMP/OPENBLAS/MKL/NUMBA_NUM_THREADS set (NumPy's BLAS reads its thread count once, at import).
 """
 
 from __future__ import annotations
@@ -17,8 +30,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,10 +41,18 @@ import tracemalloc
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
+from mpipar import backend
 
-from mpipar import kernels
-from mpipar.kernels import numpy_ref
+# Before NumPy: under a launcher each rank gets its share of the node's cores for BLAS (as in
+# python -m mpipar.train), not all of them (8 ranks x all-core BLAS pools thrash 2 cores). The
+# jobs this module starts get the environment as it was, to budget their own threads.
+LAUNCH_ENV = dict(os.environ)
+backend.configure_threads(None)
+
+import numpy as np  # noqa: E402
+
+from mpipar import kernels  # noqa: E402
+from mpipar.kernels import numpy_ref  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -121,11 +144,14 @@ def kernel_cases(shape: KernelShape, dtype: np.dtype, seed: int = 0) -> dict[str
     return {
         "linear_fwd": (x, w_gate),
         "linear_bwd": (rand(b, s, ffn), x, w_gate),
+        "linear_bias_bwd": (rand(b, s, ffn),),
         "linear_swiglu_fwd": (x, w_gate, w_up),
         "embedding_fwd": (rand(vocab, hid), targets.reshape(b, s)),
         "embedding_bwd": (np.zeros((vocab, hid), dtype), x, targets.reshape(b, s)),
         "rmsnorm_fwd": (x, norm_w, 1e-5),
         "rmsnorm_bwd": (rand(b, s, hid), x, norm_w, rstd),
+        "add_rmsnorm_fwd": (x, rand(b, s, hid), norm_w, 1e-5),
+        "add_rmsnorm_bwd": (rand(b, s, hid), rand(b, s, hid), x, norm_w, rstd),
         "rope_cos_sin": (positions, d, 10000.0, np.dtype(dtype)),
         "rope_fwd": (q, cos, sin),
         "rope_bwd": (rand(b, s, hq, d), cos, sin),
@@ -165,7 +191,10 @@ def _implementations(names: list[str]) -> dict[str, tuple[dict[str, Callable[...
 
 
 def run_kernels(args: argparse.Namespace) -> dict[str, Any]:
-    """Time every op of every requested, available backend; print one table per run."""
+    """Time every op of every requested, available backend; print one table per run; then the
+    fused kernels against their unfused ops and the attention rows (one child per thread count)."""
+    if args.attention_only:  # a child of _attention_by_threads: this process's thread count
+        return {"attention": measure_attention(args)}
     available = kernels.available_backends()
     wanted = [n.strip() for n in args.backends.split(",")] if args.backends else list(kernels.BACKENDS)
     for name in wanted:
@@ -202,8 +231,11 @@ def run_kernels(args: argparse.Namespace) -> dict[str, Any]:
                 seconds = time_call(lambda: fn(*call_args), sync, repeats, min_seconds)
                 rows.append({"op": op, "dtype": dtype.name, "backend": name, "ms": seconds * 1e3})
     _print_kernel_table(rows, names, numba_backend)
+    fused = measure_fusions(shape, args.dtypes, "numba" if numba_backend else "numpy", repeats, min_seconds)
+    attention = attention_by_threads(args)
     return {"shape": shape.__dict__, "repeats": repeats, "backends": names,
-            "numba_backend": numba_backend.describe() if numba_backend else None, "rows": rows}
+            "numba_backend": numba_backend.describe() if numba_backend else None, "rows": rows,
+            "fused": fused, "attention": attention}
 
 
 def _numba_threads() -> str:
@@ -238,6 +270,170 @@ def _print_kernel_table(rows: list[dict[str, Any]], names: list[str], numba_back
     print("vs numpy = numpy ms / backend ms (above 1: faster than numpy)")
 
 
+def unfused_compositions(backend: Any, cases: dict[str, tuple[Any, ...]]) -> dict[str, Callable[[], Any]]:
+    """Fused op -> the unfused ops it replaces, called with the same arguments (kernel_cases)."""
+    x, r, w, eps = cases["add_rmsnorm_fwd"]
+    dy, ds, s, w2, rstd = cases["add_rmsnorm_bwd"]
+    return {
+        "add_rmsnorm_fwd": lambda: (x + r, *backend.rmsnorm_fwd(x + r, w, eps)),
+        "add_rmsnorm_bwd": lambda: (backend.rmsnorm_bwd(dy, s, w2, rstd)[0] + ds),
+    }
+
+
+def measure_fusions(shape: KernelShape, dtypes: str, backend_name: str, repeats: int,
+                    min_seconds: float) -> list[dict[str, Any]]:
+    """Each fused kernel of `backend_name` against the unfused ops of the same backend; prints a table."""
+    backend = kernels.get_backend(backend_name)
+    rows = []
+    for dtype_name in dtypes.split(","):
+        dtype = np.dtype(dtype_name.strip())
+        cases = kernel_cases(shape, dtype)
+        for op, unfused in unfused_compositions(backend, cases).items():
+            fn, call_args = getattr(backend, op), cases[op]
+            fused_s = time_call(lambda: fn(*call_args), lambda: None, repeats, min_seconds)
+            unfused_s = time_call(unfused, lambda: None, repeats, min_seconds)
+            rows.append({"op": op, "dtype": dtype.name, "backend": backend_name, "fused_ms": fused_s * 1e3,
+                         "unfused_ms": unfused_s * 1e3, "speedup": unfused_s / fused_s})
+    print(f"\nfused kernels ({backend_name} backend) against the ops they replace, same arguments")
+    print(f"{'op':<20} {'dtype':<8} {'unfused ms':>11} {'fused ms':>9} {'speed-up':>9}")
+    for r in rows:
+        print(f"{r['op']:<20} {r['dtype']:<8} {r['unfused_ms']:>11.3f} {r['fused_ms']:>9.3f} {r['speedup']:>8.2f}x")
+    return rows
+
+
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of causal attention counted the standard way: per head, half of
+    4 * seq**2 * head_dim forward (Q K^T and P V) and 2.5 times that backward."""
+    fwd = 0.5 * 4.0 * seq * seq * head_dim * heads * batch
+    return fwd, 2.5 * fwd
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Fastest of `repeats` timed calls after one untimed call (which compiles)."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Attention forward and backward of the numba backend (this process's threads), causal, one
+    row per (dtype, head dim, sequence length), each next to a fresh GEMM probe of the same threads."""
+    import numba
+
+    from mpipar.backend import measure_peak_flops
+
+    backend = kernels.get_backend("numba")
+    rng = np.random.default_rng(0)
+    b, hq = args.attn_batch, args.attn_heads
+    rows = []
+    for dtype_name in args.attn_dtypes.split(","):
+        dtype = np.dtype(dtype_name.strip())
+        for d in _ints(args.attn_head_dims):
+            for s in _ints(args.attn_seqs):
+                q = rng.standard_normal((b, s, hq, d)).astype(dtype)
+                k, v = (rng.standard_normal((b, s, max(1, hq // 2), d)).astype(dtype) for _ in range(2))
+                out, lse = backend.attention_fwd(q, k, v)
+                dout = rng.standard_normal(q.shape).astype(dtype)
+                fwd_s = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
+                bwd_s = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout), args.attn_repeats)
+                fwd_flops, bwd_flops = attention_flops(b, s, hq, d)
+                rows.append({"dtype": dtype.name, "head_dim": d, "seq": s, "batch": b, "heads": hq,
+                             "kv_heads": k.shape[2], "threads": numba.get_num_threads(),
+                             "fwd_s": fwd_s, "bwd_s": bwd_s, "fwd_gflops": fwd_flops / fwd_s / 1e9,
+                             "bwd_gflops": bwd_flops / bwd_s / 1e9,
+                             "probe_gflops": measure_peak_flops(dtype.name) / 1e9})
+    return rows
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def run_child(section_argv: list[str], threads: int, launcher: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Results of `python -m mpipar.bench SECTION_ARGV --json F` run in a child process (under
+    `launcher`, e.g. mpirun) with `threads` threads for BLAS, OpenMP and Numba."""
+    from mpipar.backend import THREAD_VARS
+
+    env = dict(os.environ, **{var: str(threads) for var in THREAD_VARS})
+    with tempfile.TemporaryDirectory(prefix="mpipar-bench-") as tmp:
+        path = os.path.join(tmp, "results.json")
+        argv = [*launcher, sys.executable, "-m", "mpipar.bench", *section_argv, "--json", path]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench child {' '.join(argv)} failed with status {proc.returncode}:\n"
+                               f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+def thread_counts(text: str) -> list[int]:
+    """--threads: a comma list, or "" for 1 and every core of this machine."""
+    counts = _ints(text) or sorted({1, _cpu_count()})
+    if any(t < 1 for t in counts):
+        raise SystemExit(f"--threads {text!r}: thread counts must be >= 1")
+    return counts
+
+
+def _cpu_count() -> int:
+    from mpipar.backend import cpu_count
+
+    return cpu_count()
+
+
+def attention_by_threads(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The attention rows measured in one child per thread count, the children alternating for
+    --attn-rounds rounds; each row keeps its fastest round. Prints the table."""
+    if not _ints(args.attn_seqs) or kernels.available_backends()["numba"] is not None:
+        return []
+    argv = ["kernels", "--attention-only", "--attn-seqs", args.attn_seqs, "--attn-head-dims", args.attn_head_dims,
+            "--attn-heads", str(args.attn_heads), "--attn-batch", str(args.attn_batch), "--attn-dtypes",
+            args.attn_dtypes, "--attn-repeats", str(1 if args.quick else args.attn_repeats)]
+    best: dict[tuple, dict[str, Any]] = {}
+    for _ in range(1 if args.quick else args.attn_rounds):
+        for t in thread_counts(args.attn_threads):
+            for row in run_child(argv, t)["kernels"]["attention"]:
+                key = (row["dtype"], row["head_dim"], row["seq"], row["threads"])
+                old = best.get(key)
+                if old is None:
+                    best[key] = row
+                    continue
+                for phase in ("fwd", "bwd"):
+                    if row[f"{phase}_s"] < old[f"{phase}_s"]:
+                        old[f"{phase}_s"], old[f"{phase}_gflops"] = row[f"{phase}_s"], row[f"{phase}_gflops"]
+                old["probe_gflops"] = max(old["probe_gflops"], row["probe_gflops"])
+    rows = list(best.values())
+    _print_attention_table(rows)
+    return rows
+
+
+def _print_attention_table(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    r0 = rows[0]
+    print(f"\nattention (numba backend), causal, batch {r0['batch']}, heads {r0['heads']}/{r0['kv_heads']}: "
+          "GFLOP/s and % of the GEMM probe (mpipar.backend.measure_peak_flops, same threads, measured "
+          "beside each row); FLOPs per head: forward half of 4 S^2 D, backward 2.5x forward")
+    header = (f"{'dtype':<8} {'D':>4} {'seq':>6} {'thr':>4} {'fwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} "
+              f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12}")
+    print(header)
+    print("-" * len(header))
+    single = {(r["dtype"], r["head_dim"], r["seq"]): r for r in rows if r["threads"] == 1}
+    for r in sorted(rows, key=lambda r: (r["dtype"], r["head_dim"], r["seq"], r["threads"])):
+        one = single.get((r["dtype"], r["head_dim"], r["seq"]))
+        speedup = "" if one is None or r["threads"] == 1 else \
+            f"{one['fwd_s'] / r['fwd_s']:.2f}x/{one['bwd_s'] / r['bwd_s']:.2f}x"
+        r["fwd_pct_probe"] = 100 * r["fwd_gflops"] / r["probe_gflops"]
+        r["bwd_pct_probe"] = 100 * r["bwd_gflops"] / r["probe_gflops"]
+        print(f"{r['dtype']:<8} {r['head_dim']:>4} {r['seq']:>6} {r['threads']:>4} {r['fwd_s'] * 1e3:>9.1f} "
+              f"{r['fwd_gflops']:>8.1f} {r['fwd_pct_probe']:>6.0f}% {r['bwd_s'] * 1e3:>9.1f} "
+              f"{r['bwd_gflops']:>8.1f} {r['bwd_pct_probe']:>6.0f}% {r['probe_gflops']:>7.1f} {speedup:>12}")
+    print("vs 1 thread: forward / backward speed-up over the same row at 1 thread")
+
+
 def _configure_kernels(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="", help="comma list of backends (default: all available)")
     parser.add_argument("--dtypes", default="float32,float64", help="comma list of dtypes")
@@ -249,6 +445,18 @@ def _configure_kernels(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--ffn", type=int, default=688)
     parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--attn-seqs", default="512,2048,8192",
+                        help="attention rows: comma list of sequence lengths (empty: no attention rows)")
+    parser.add_argument("--attn-head-dims", default="64,128", help="attention rows: comma list of head dims")
+    parser.add_argument("--attn-heads", type=int, default=4, help="attention rows: query heads (kv heads: half)")
+    parser.add_argument("--attn-batch", type=int, default=1, help="attention rows: batch")
+    parser.add_argument("--attn-dtypes", default="float32", help="attention rows: comma list of dtypes")
+    parser.add_argument("--attn-threads", default="", help="attention rows: comma list of thread counts, "
+                        "one child process each (default: 1 and all cores)")
+    parser.add_argument("--attn-rounds", type=int, default=2,
+                        help="attention rows: rounds of children (alternating thread counts); best kept")
+    parser.add_argument("--attn-repeats", type=int, default=3, help="attention rows: timed calls (fastest kept)")
+    parser.add_argument("--attention-only", action="store_true", help=argparse.SUPPRESS)  # child mode
 
 
 register("kernels", run_kernels, "time every kernel op for each available backend", _configure_kernels)
@@ -402,6 +610,609 @@ register("memory", run_memory, "peak memory of one training step for each --reco
 
 
 # ----------------------------------------------------------------------------------------------
+# comm section
+# ----------------------------------------------------------------------------------------------
+
+def _timed(fn: Callable[[], Any], comm: Any, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds for one ``fn()`` (all ranks start
+    together after a barrier)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(comm.allreduce(time.perf_counter() - start, op=_max_op()))
+    return statistics.median(samples)
+
+
+def _max_op() -> Any:
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def measure_link(comm: Any, small: int, large: int, repeats: int) -> dict[str, float]:
+    """Latency (seconds per call of ``small`` bytes) and bandwidth (bytes/s) over ``comm``:
+    send/recv between its ranks 0 and 1 (a ping-pong: half the round trip), all-reduce (bus
+    bandwidth: ``2 (n-1)/n x bytes / time``, as the planner counts it) and all-gather
+    (``(n-1)/n x n x bytes / time``)."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    out: dict[str, float] = {}
+    for label, size in (("latency", small), ("bandwidth", large)):
+        buf, back = np.ones(size // 8), np.empty(size // 8)
+        gathered = np.empty(n * (size // 8))
+
+        def pingpong() -> None:
+            if rank == 0:
+                comm.Send(buf, 1)
+                comm.Recv(back, 1)
+            elif rank == 1:
+                comm.Recv(back, 0)
+                comm.Send(buf, 0)
+
+        seconds = {"sendrecv": _timed(pingpong, comm, repeats) / 2,
+                   "allreduce": _timed(lambda: comm.Allreduce(buf, back), comm, repeats),
+                   "allgather": _timed(lambda: comm.Allgather(buf, gathered), comm, repeats)}
+        if label == "latency":
+            out.update({f"{op}_latency": t for op, t in seconds.items()})
+        else:
+            moved = {"sendrecv": size, "allreduce": 2 * (n - 1) / n * size,
+                     "allgather": (n - 1) * size}
+            out.update({f"{op}_bandwidth": moved[op] / t for op, t in seconds.items()})
+    return out
+
+
+def sustained(fn: Callable[[], Any], seconds: float) -> float:
+    """Mean wall seconds of one ``fn()`` called back to back for about ``seconds``: with every
+    rank doing the same at once, what a rank really gets of its share of the cores."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def measure_compute(dtype: str, n: int, hidden: int, seconds: float
+                    ) -> tuple[float, float, float]:
+    """(FLOP/s of an ``[n, n] @ [n, n]`` GEMM, seconds of a kernel call on one token, elements/s
+    of an in-place multiply of 2^20 elements), all sustained (:func:`sustained`) while every rank
+    runs them: the compute speed, the Python and NumPy dispatch cost per op, and the
+    memory-bound speed of the optimizer's passes that a step meets on this machine now."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
+    out = np.empty((n, n), dtype)
+    flops = 2.0 * n ** 3 / sustained(lambda: np.matmul(a, b, out=out), seconds)
+    k = kernels.get_backend("numpy")
+    x, w = np.ones((1, 1, hidden), dtype), np.ones(hidden, dtype)
+    big, other = np.ones(2**20, dtype), np.full(2**20, 0.5, dtype)
+    elements = 2**20 / sustained(lambda: np.multiply(big, other, out=big), seconds)
+    return flops, sustained(lambda: k.rmsnorm_fwd(x, w, 1e-5), seconds), elements
+
+
+def codec_work(dtype: str, repeats: int) -> tuple[float, float]:
+    """Seconds per element of a rank's int8 and top-k (1%) encode and decode work (the fastest
+    of ``repeats``, :func:`mpipar.parallel.compression.local_work_seconds`) while every rank
+    runs it."""
+    from mpipar.parallel.compression import Int8Codec, TopKCodec, local_work_seconds
+    return (local_work_seconds(Int8Codec(np), dtype=dtype, repeats=repeats),
+            local_work_seconds(TopKCodec(np, 0.01), dtype=dtype, repeats=repeats))
+
+
+def run_comm(args: argparse.Namespace) -> dict[str, Any]:
+    """Links inside a node and across nodes, compute speed and per-op overhead of every rank,
+    measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
+    from mpi4py import MPI
+
+    from mpipar.planner import Hardware
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    ids = backend.shared_memory_nodes(comm)
+    node = comm.Split(ids[rank], rank)
+    across = comm.Split(node.Get_rank(), rank)         # one rank per node: the same local rank
+    nodes = len(set(ids))
+    repeats = 5 if args.quick else args.repeats
+    small, large = 8, (1 if args.quick else args.mb) * 2**20
+    links = {}
+    for scope, group in (("intra", node), ("inter", across)):
+        if comm.allreduce(group.Get_size(), op=MPI.MIN) >= 2:
+            links[scope] = measure_link(group, small, large, repeats)
+    on_node = node.Get_size()
+    comm.Barrier()
+    peak, overhead, elements = measure_compute(args.dtype, args.gemm, args.hidden,
+                                               0.5 if args.quick else 2)
+    codecs = codec_work(args.dtype, 3 if args.quick else 10)
+    peaks, overheads, rates = comm.gather(peak), comm.gather(overhead), comm.gather(elements)
+    codecs = comm.gather(codecs)
+    for c in (across, node):
+        c.Free()
+    if rank != 0:
+        return {}
+    hw = Hardware.from_links(min(peaks), statistics.median(overheads), min(rates), links,
+                             on_node, nodes, tuple(max(c[i] for c in codecs) for i in (0, 1)))
+    print(f"comm: {comm.Get_size()} ranks on {nodes} node(s) x {on_node}; {args.dtype} GEMM "
+          f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
+          f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank), in-place "
+          f"pass {min(rates) / 1e6:.0f} M elements/s (slowest), compression work "
+          f"{hw.int8_seconds * 1e9:.2f} ns (int8), {hw.topk_seconds * 1e9:.2f} ns (top-k 1%) per "
+          f"element (slowest)")
+    header = f"{'link':<6} {'op':<10} {'latency us':>11} {'bandwidth MB/s':>15}"
+    print(header)
+    print("-" * len(header))
+    for scope, values in links.items():
+        for op in ("sendrecv", "allreduce", "allgather"):
+            print(f"{scope:<6} {op:<10} {values[op + '_latency'] * 1e6:>11.1f} "
+                  f"{values[op + '_bandwidth'] / 1e6:>15.1f}")
+    hw.save(args.out)
+    print(f"comm: wrote {args.out} (python -m mpipar.plan --hardware {args.out})")
+    return {"links": links, "hardware": hw.to_dict()}
+
+
+def _configure_comm(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="hardware.json", help="the hardware file to write")
+    parser.add_argument("--mb", type=int, default=4, help="MiB of the bandwidth messages")
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                        help="dtype of the GEMM probe (train's default: float32)")
+    parser.add_argument("--hidden", type=int, default=128, help="width of the op-overhead probe")
+    parser.add_argument("--gemm", type=int, default=256,
+                        help="size of the GEMM probe (near the model's matrices)")
+
+
+register("comm", run_comm, "MPI link latency/bandwidth, compute speed and op overhead (under "
+         "a launcher); writes the planner's hardware file", _configure_comm)
+
+
+# ----------------------------------------------------------------------------------------------
+# planner section
+# ----------------------------------------------------------------------------------------------
+
+PLANNER_LAYOUTS = ("--dp 8", "--dp 4 --tp 2", "--dp 2 --tp 2 --pp 2 --micro-batch-size 2",
+                   "--dp 2 --sp 2 --tp 2", "--tp 2 --sp 2 --pp 2 --micro-batch-size 4")
+
+
+def measured_step_time(launch: list[str], flags: list[str], run_dir: str) -> tuple[float, Any]:
+    """Median step time of steps after the first third of a training run of ``flags`` (the
+    default model), and the run's resolved config."""
+    from mpipar.config import Config
+
+    proc = subprocess.run([*launch, sys.executable, "-m", "mpipar.train", *flags, "--run-dir",
+                           run_dir, "--log-every", "0"], capture_output=True, text=True,
+                          timeout=900, env=LAUNCH_ENV)
+    if proc.returncode != 0:
+        raise SystemExit(f"planner: training {' '.join(flags)} failed:\n{proc.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        times = [json.loads(line)["step_time_s"] for line in fh]
+    return statistics.median(times[len(times) // 3:]), Config.from_toml(
+        os.path.join(run_dir, "config.toml"))
+
+
+def run_planner(args: argparse.Namespace) -> dict[str, Any]:
+    """Train each layout for ``--steps`` steps under ``--launcher`` and print the planner's
+    predicted step time (``--hardware`` file) beside the measured median."""
+    from mpipar.planner import Hardware, predict_step_time
+
+    hw = Hardware.load(args.hardware)
+    launch = args.launcher.split() + ["-n", str(args.ranks)]
+    steps = 6 if args.quick else args.steps
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mpipar-bench-planner-") as tmp:
+        for i, layout in enumerate(args.layouts.split(";")):
+            flags = [*layout.split(), "--steps", str(steps), *args.train_args.split()]
+            measured, cfg = measured_step_time(launch, flags, os.path.join(tmp, str(i)))
+            predicted = predict_step_time(cfg, hw)
+            rows.append({"layout": layout, "predicted_s": predicted.total, "measured_s": measured,
+                         "ratio": predicted.total / measured})
+    print(f"planner: {args.ranks} ranks, {steps} steps each, the default model "
+          f"{args.train_args}; hardware {args.hardware}")
+    header = f"{'layout':<44} {'predicted ms':>13} {'measured ms':>12} {'predicted/measured':>19}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['layout']:<44} {r['predicted_s'] * 1e3:>13.1f} {r['measured_s'] * 1e3:>12.1f} "
+              f"{r['ratio']:>19.2f}")
+    return {"hardware": hw.to_dict(), "rows": rows}
+
+
+def _configure_planner(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hardware", default="hardware.json",
+                        help="from python -m mpipar.bench comm")
+    parser.add_argument("--launcher", default="mpirun", help="the launch command (before -n)")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--layouts", default=";".join(PLANNER_LAYOUTS),
+                        help="';'-separated layout flags")
+    parser.add_argument("--train-args", default="", help="more mpipar.train flags for every run")
+
+
+register("planner", run_planner, "predicted against measured step time of several layouts",
+         _configure_planner)
+
+
+# ----------------------------------------------------------------------------------------------
+# train section: mpipar against PyTorch eager, each peer a child process serving steps on request
+# ----------------------------------------------------------------------------------------------
+
+REPLY = "@bench "  # prefix of a serving child's answer lines (any other output is ignored)
+COMMANDS = ("quit", "step", "profile")
+
+
+def train_config(args: argparse.Namespace, world: int, run_dir: str) -> Any:
+    """The resolved mpipar Config of the benchmarked model (pure data parallelism over `world`)."""
+    from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+
+    return Config(
+        ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                    kv_heads=args.kv_heads, ffn_hidden=args.ffn),
+        ParallelConfig(),
+        TrainConfig(steps=1000, seq_len=args.seq, global_batch_size=args.batch, dtype="float32",
+                    backend=args.backend, run_dir=run_dir, log_every=0),
+    ).resolved(world)
+
+
+class MpiparPeer:
+    """mpipar's training step on MPI.COMM_WORLD (one rank, or data parallel under mpirun)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import numba
+        from mpi4py import MPI
+
+        from mpipar.backend import measure_peak_flops
+        from mpipar.engine import Engine
+        from mpipar.planner import model_flops_per_step
+
+        self.comm = MPI.COMM_WORLD
+        self.rank0 = self.comm.Get_rank() == 0
+        self.tmp = tempfile.TemporaryDirectory(prefix="mpipar-bench-train-")
+        cfg = train_config(args, self.comm.Get_size(), self.tmp.name)
+        self.engine = Engine(cfg, self.comm)
+        self.steps = 0
+        self.info = {"ranks": self.comm.Get_size(), "threads": numba.get_num_threads(),
+                     "peak_flops_per_rank": measure_peak_flops("float32"),
+                     "flops_per_step": model_flops_per_step(cfg), "tokens_per_step": args.batch * args.seq,
+                     "kernels": self.engine.kernels.describe()}
+
+    def command(self) -> str:
+        """The next command, read by rank 0 and sent to every rank; other ranks wait without
+        spinning (a busy MPI wait would take a core from the peer being timed meanwhile)."""
+        code = np.array([COMMANDS.index(_read_command()) if self.rank0 else 0])
+        if self.comm.Get_size() > 1:
+            req = self.comm.Ibcast(code, root=0)
+            while not req.Test():
+                time.sleep(0.002)
+        return COMMANDS[int(code[0])]
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.engine.train_step(self.steps)
+        self.steps += 1
+        return time.perf_counter() - start
+
+    def profile(self) -> dict[str, float]:
+        """Seconds per kernel op (cumulative time of the ops in kernels.OPS), the optimizer and
+        the rest, of one step run under cProfile (whose overhead the step then includes)."""
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        total = self.step()
+        prof.disable()
+        kernel_dir = os.path.dirname(os.path.abspath(kernels.__file__))
+        parts: dict[str, float] = {}
+        for (path, _, func), (_, _, _, cumulative, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+            if func in kernels.OPS and os.path.abspath(path).startswith(kernel_dir):
+                parts[func] = parts.get(func, 0.0) + cumulative
+            elif func == "step" and path.endswith(os.path.join("mpipar", "optim.py")):
+                parts["optimizer"] = parts.get("optimizer", 0.0) + cumulative
+        parts["other"] = total - sum(parts.values())
+        parts["step"] = total
+        return parts
+
+    def reply(self, message: dict[str, Any]) -> None:
+        if self.rank0:
+            print(REPLY + json.dumps(message), flush=True)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.tmp.cleanup()
+
+
+class TorchTrainer:
+    """The same model in PyTorch eager as a new user writes it: transformers' LlamaForCausalLM
+    (attn_implementation="sdpa"), float32, torch.optim.AdamW with mpipar's defaults (no weight
+    decay on 1-D weights), gradient clipping to norm 1, and mpipar's batches; DDP (gloo) when
+    world > 1, each rank on its slice of the global batch."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, init_file: str) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from mpipar.config import TrainConfig
+        from mpipar.data import Sampler, load_tokens
+
+        self.torch = torch
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        if world > 1:
+            torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                                 world_size=world)
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                          attn_implementation="sdpa")
+        model = LlamaForCausalLM(cfg).train()
+        self.model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        tr = TrainConfig()
+        params = list(model.parameters())
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": tr.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps)
+        self.clip = tr.clip_grad
+        self.sampler = Sampler(load_tokens(None, args.vocab, args.seq), args.batch, tr.seed, tr.shuffle)
+        per = args.batch // world
+        self.rows = slice(rank * per, (rank + 1) * per)
+        self.vocab = args.vocab
+        self.steps = 0
+
+    def step(self) -> float:
+        torch = self.torch
+        start = time.perf_counter()
+        inputs, targets = self.sampler.batch(self.steps, self.rows)
+        logits = self.model(input_ids=torch.from_numpy(inputs)).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), torch.from_numpy(targets).reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.steps += 1
+        return time.perf_counter() - start
+
+
+def _torch_rank(rank: int, world: int, init_file: str, options: dict[str, Any]) -> None:
+    """Entry of DDP ranks 1..world-1: run a step whenever rank 0 broadcasts one."""
+    trainer = TorchTrainer(argparse.Namespace(**options), rank, world, init_file)
+    while True:
+        command = [None]
+        trainer.torch.distributed.broadcast_object_list(command, src=0)
+        if command[0] != "step":
+            break
+        trainer.step()
+
+
+class TorchPeer:
+    """PyTorch's training step: this process is rank 0; DDP ranks 1.. are processes it spawns."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch.multiprocessing as mp
+
+        self.tmp = tempfile.TemporaryDirectory(prefix="mpipar-bench-ddp-")
+        init_file = os.path.join(self.tmp.name, "init")
+        self.world = args.world
+        ctx = mp.get_context("spawn")
+        self.others = [ctx.Process(target=_torch_rank, args=(r, self.world, init_file, vars(args)))
+                       for r in range(1, self.world)]
+        for proc in self.others:
+            proc.start()
+        self.trainer = TorchTrainer(args, 0, self.world, init_file)
+        self.info = {"ranks": self.world, "threads": self.trainer.torch.get_num_threads(),
+                     "torch": self.trainer.torch.__version__}
+
+    def command(self) -> str:
+        command = _read_command()
+        if self.world > 1:
+            self.trainer.torch.distributed.broadcast_object_list([command], src=0)
+        return command
+
+    def step(self) -> float:
+        return self.trainer.step()
+
+    def reply(self, message: dict[str, Any]) -> None:
+        print(REPLY + json.dumps(message), flush=True)
+
+    def close(self) -> None:
+        for proc in self.others:
+            proc.join(timeout=60)
+        self.tmp.cleanup()
+
+
+def _read_command() -> str:
+    line = sys.stdin.readline().strip()
+    return line if line in COMMANDS else "quit"  # end of input: quit
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Child mode (--serve PEER): build the peer, answer "ready", then one answer per command."""
+    peer = MpiparPeer(args) if args.serve == "mpipar" else TorchPeer(args)
+    peer.reply({"ready": True, **peer.info})
+    while (command := peer.command()) != "quit":
+        if command == "step":
+            peer.reply({"seconds": peer.step()})
+        else:
+            peer.reply({"breakdown": peer.profile()})
+    peer.close()
+
+
+class Server:
+    """A serving child process (`python -m mpipar.bench train --serve ...`) with `threads` threads."""
+
+    def __init__(self, name: str, argv: list[str], threads: int, launcher: tuple[str, ...] = ()) -> None:
+        from mpipar.backend import THREAD_VARS
+
+        self.name = name
+        env = dict(os.environ, **{var: str(threads) for var in THREAD_VARS})
+        self.errors = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([*launcher, sys.executable, "-m", "mpipar.bench", "train", *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
+                                     text=True, bufsize=1, env=env)
+        self.info = self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        self.errors.seek(0)
+        raise RuntimeError(f"bench train peer {self.name} ended (status {self.proc.wait()}):\n"
+                           f"{self.errors.read()[-4000:]}")
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.errors.close()
+
+
+def race(servers: list[Server], warmup: int, steps: int) -> dict[str, list[float]]:
+    """Step times of each server: `warmup` untimed steps each, then `steps` rounds in which every
+    server runs one step in turn (the order reversed every round)."""
+    for _ in range(warmup):
+        for server in servers:
+            server.ask("step")
+    times: dict[str, list[float]] = {s.name: [] for s in servers}
+    for k in range(steps):
+        for server in servers if k % 2 == 0 else reversed(servers):
+            times[server.name].append(server.ask("step")["seconds"])
+    return times
+
+
+def torch_missing() -> str | None:
+    """None if the PyTorch peer can run here, else why not."""
+    import importlib.util
+
+    for module in ("torch", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not importable (pip install torch==2.13.0 transformers)"
+    return None
+
+
+def _model_argv(args: argparse.Namespace) -> list[str]:
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}"
+            for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq", "batch", "backend")]
+
+
+def _mpirun() -> str | None:
+    """The mpirun beside this Python (the [mpich] extra), else the one on PATH."""
+    import shutil
+
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.access(here, os.X_OK) else shutil.which("mpirun")
+
+
+def run_comparison(label: str, servers: list[Server], args: argparse.Namespace) -> dict[str, Any]:
+    """Race the servers; tokens/s (median step) and MFU against mpipar's GEMM probe per rank."""
+    try:
+        times = race(servers, args.warmup, args.steps)
+        breakdown = servers[0].ask("profile")["breakdown"] if args.breakdown else None
+    finally:
+        for server in servers:
+            server.close()
+    info = servers[0].info
+    peak = info["peak_flops_per_rank"] * info["ranks"]
+    row: dict[str, Any] = {"label": label, "threads": info["threads"], "ranks": info["ranks"],
+                           "peak_flops": peak, "flops_per_step": info["flops_per_step"], "breakdown": breakdown}
+    for server in servers:
+        step = statistics.median(times[server.name])
+        row[server.name] = {"step_s": times[server.name], "median_step_s": step,
+                            "tokens_per_s": info["tokens_per_step"] / step,
+                            "mfu": info["flops_per_step"] / step / peak, "info": server.info}
+    return row
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """mpipar against PyTorch eager, one comparison per thread count, then dp=2 against DDP."""
+    if args.serve:
+        serve(args)
+        return {}
+    if args.quick:
+        args.steps, args.warmup = min(args.steps, 2), 1
+    model = _model_argv(args)
+    why_not = torch_missing()
+    notes = [] if why_not is None else [f"PyTorch peer skipped: {why_not}"]
+    print(f"train: Llama hidden {args.hidden}, {args.layers} layers, heads {args.heads}/{args.kv_heads}, "
+          f"ffn {args.ffn}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, float32; "
+          f"{args.warmup} warm-up + {args.steps} timed steps per peer, interleaved; cores={_cpu_count()}")
+    rows = []
+    for t in thread_counts(args.threads):
+        servers = [Server("mpipar", ["--serve", "mpipar", *model], t)]
+        if why_not is None:
+            servers.append(Server("torch", ["--serve", "torch", "--world", "1", *model], t))
+        rows.append(run_comparison(f"{t} thread(s), 1 rank", servers, args))
+    mpirun = _mpirun()
+    if args.dp2 and (mpirun is None or args.batch % 2):
+        notes.append("dp=2 skipped: " + ("no mpirun found" if mpirun is None else f"batch {args.batch} is odd"))
+    elif args.dp2:
+        servers = [Server("mpipar", ["--serve", "mpipar", *model], 1, (mpirun, "-n", "2"))]
+        if why_not is None:
+            servers.append(Server("torch", ["--serve", "torch", "--world", "2", *model], 1))
+        rows.append(run_comparison("dp=2, 1 thread/rank (torch: DDP gloo)", servers, args))
+    _print_train(rows, notes)
+    return {"model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab",
+                                                    "seq", "batch")},
+            "rows": rows, "notes": notes}
+
+
+def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
+    header = (f"{'run':<40} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
+              f"{'mpipar/torch':>13}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        m, t = r["mpipar"], r.get("torch")
+        line = f"{r['label']:<40} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
+        if t is not None:
+            line += (f" {t['tokens_per_s']:>12.0f} {100 * t['mfu']:>5.1f}% "
+                     f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x")
+        print(line)
+    print("tok/s from the median step; MFU = model FLOPs/step (mpipar.planner.model_flops_per_step, the same "
+          "for both) / step time / the GEMM probe of the same threads x ranks")
+    for note in notes:
+        print(note)
+    for r in rows:
+        parts = r["breakdown"]
+        if not parts:
+            continue
+        print(f"\nmpipar per-op time, {r['label']}, one step under cProfile ({parts['step'] * 1e3:.0f} ms):")
+        for op, sec in sorted(((k, v) for k, v in parts.items() if k != "step"), key=lambda kv: -kv[1]):
+            print(f"  {op:<22} {sec * 1e3:>9.1f} ms {100 * sec / parts['step']:>6.1f}%")
+
+
+def _configure_train(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", default="", help="comma list of thread counts for the 1-rank comparison "
+                        "(default: 1 and all cores)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per peer (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per peer first")
+    parser.add_argument("--no-dp2", dest="dp2", action="store_false",
+                        help="skip the dp=2 comparison (mpirun -n 2 against DDP)")
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                        help="skip mpipar's per-op profile step")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=1376)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    parser.add_argument("--backend", default="numba", choices=("numba", "numpy"), help="mpipar's kernels")
+    parser.add_argument("--serve", choices=("mpipar", "torch"), help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)  # torch child: DDP ranks
+
+
+register("train", run_train, "a training step of mpipar against PyTorch eager, same model and threads",
+         _configure_train)
+
+
+# ----------------------------------------------------------------------------------------------
 # compression section
 # ----------------------------------------------------------------------------------------------
 
@@ -415,31 +1226,22 @@ COMPRESSION_VARIANTS = {
 """Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio)."""
 
 
-def _mpirun() -> str:
-    """The launcher beside this Python (the [mpich] extra), else the one on PATH."""
-    import shutil
-    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    found = beside if os.path.exists(beside) else shutil.which("mpirun")
-    if found is None:
-        raise SystemExit("compression: no mpirun beside this Python or on PATH")
-    return found
-
-
 def _train_variant(name: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
     """Train one variant under mpirun (the default model and corpus, dp = ranks) and read its
     metrics: losses per step, the final loss (mean of the last ``--last`` steps), the median
     step time after step 1, and rank 0's bytes per step across nodes and in total."""
-    import subprocess
-
     run_dir = os.path.join(out, name)
     flags = [*COMPRESSION_VARIANTS[name], "--topk-ratio", str(args.topk_ratio),
              "--steps", str(args.steps), "--dp", str(args.ranks), "--run-dir", run_dir,
              "--log-every", "0", "--tensorboard", "off", *args.train_flags.split()]
     if args.ranks_per_node:
         flags += ["--ranks-per-node", str(args.ranks_per_node), "--dp-reduce", args.dp_reduce]
-    cmd = [_mpirun(), "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
+    mpirun = _mpirun()
+    if mpirun is None:
+        raise SystemExit("compression: no mpirun beside this Python or on PATH")
+    cmd = [mpirun, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
     if proc.returncode != 0:
         raise SystemExit(f"compression: {name} failed ({' '.join(cmd)}):\n"
                          f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")

@@ -33,7 +33,8 @@ groups ``layout`` (dp, tp, pp, sp, virtual_stages, schedule, zero, sp_split, sp_
 tp_sequence_parallel, ranks_per_node, dp_reduce, grad_compression),
 ``lr_schedule`` (its settings and ``next_step``/``next_lr``: the LR schedule is a function of the
 step), ``data`` (the sampler is a pure function of (seed, step): ``seed``, ``shuffle``,
-``global_batch_size``, ``next_step``, ``samples_consumed``; initialisation is seeded by
+``global_batch_size``, ``next_step``, ``samples_consumed``, and the held-out validation split:
+``eval_fraction``, ``train_samples``, the samples training draws from; initialisation is seeded by
 (seed, name), so ``seed`` is the whole RNG state), and ``shards/<file>`` (sha256, size, rank,
 grid coordinates).
 
@@ -54,6 +55,7 @@ of the global tensor this rank's shard covers, so any layout loads any checkpoin
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -62,6 +64,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +76,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from mpipar.comm import Group, Ledger
 from mpipar.config import Config, ConfigError, ModelConfig
+from mpipar.state import Reader
 
 FORMAT = "mpipar-checkpoint"
 FORMAT_VERSION = 1
@@ -259,6 +264,8 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
         data["global_batch_size"], data["seq_len"] = tr.global_batch_size, tr.seq_len
         data["num_samples"] = engine.source.num_samples
         data["next_step"], data["samples_consumed"] = step, step * tr.global_batch_size
+        data["eval_fraction"] = tr.eval_fraction  # samples [train_samples, num_samples) held out
+        data["train_samples"] = engine.sampler.num_samples
         rng = f.create_group("rng").attrs
         rng["seed"] = tr.seed
         rng["note"] = ("parameters initialise from default_rng([seed, crc32(name)]); the sampler "
@@ -318,11 +325,20 @@ def list_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
 
 
 def latest(save_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``save_dir/latest`` names, or None when there is no such file."""
+    """The checkpoint ``save_dir/latest`` names, or None when there is no such file. A pointer
+    that is not a checkpoint name (binary, not UTF-8, empty) raises CheckpointError naming it."""
     pointer = Path(save_dir) / LATEST
     if not pointer.is_file():
         return None
-    return Path(save_dir) / pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer}: unreadable ({exc}); it should hold the name of a "
+                              f"checkpoint directory such as step_00000001") from None
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(f"{pointer}: holds {name[:40]!r}, not the name of a checkpoint "
+                              f"directory such as step_00000001")
+    return Path(save_dir) / name
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
@@ -340,14 +356,17 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 
 
 # ------------------------------------------------------------------------------ save
-def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last: int = 0) -> Path:
-    """Write and commit the checkpoint of ``step`` (collective over ``engine.grid.comm``).
+def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last: int = 0,
+         group: Group | None = None) -> Path:
+    """Write and commit the checkpoint of ``step``: collective over ``group``, a
+    :class:`~mpipar.comm.Group` of ``engine.grid.comm`` (training passes its control group,
+    which the collective watchdog watches; None: an unwatched one).
 
     Returns ``save_dir/step_NNNNNNNN``. A failure on any rank raises CheckpointError on every
     rank and leaves the previous checkpoints and ``latest`` untouched.
     """
-    comm = engine.grid.comm
-    rank = comm.Get_rank()
+    group = group or Group(engine.grid.comm, "world", Ledger())
+    rank = group.rank
     root = Path(save_dir)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
@@ -360,7 +379,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
             tmp.mkdir()
         except OSError as exc:
             problem = f"cannot create {tmp}: {exc}"
-    problem = comm.bcast(problem, root=0)
+    problem = group.bcast_object(problem, root=0)
     if problem:
         raise CheckpointError(problem)
 
@@ -377,7 +396,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
             outcome[1] = f"rank {rank} writing {path}: {type(exc).__name__}: {exc}"
 
     write()
-    gathered = comm.gather(tuple(outcome), root=0)
+    gathered = group.gather_object(tuple(outcome), root=0)
 
     result, error = None, None
     if rank == 0:
@@ -392,7 +411,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
         except Exception as exc:
             error = exc
             result = f"{type(exc).__name__}: {exc}"
-    result = comm.bcast(result, root=0)
+    result = group.bcast_object(result, root=0)
     if result:
         raise CheckpointError(f"saving {final} failed: {result}") from error
     return final
@@ -486,9 +505,11 @@ def _damage(file: Path) -> str:
 
 # ------------------------------------------------------------------------------ resume
 def resolve_path(spec: str | os.PathLike) -> Path:
-    """A checkpoint directory from ``spec``: the directory itself, or a save directory's
-    ``latest``."""
+    """A checkpoint directory from ``spec``: the directory itself, a save directory (its
+    ``latest``) or a save directory's ``latest`` file."""
     p = Path(spec)
+    if p.name == LATEST and p.is_file():
+        return latest(p.parent) or p
     if not (p / INDEX).exists() and not _STEP_DIR.match(p.name):
         target = latest(p)
         if target is not None:
@@ -516,7 +537,12 @@ def resolve_resume(spec: str, save_dir: str | os.PathLike) -> tuple[Path | None,
         return path, []
     root = Path(save_dir)
     candidates = list_checkpoints(root)
-    pointed = latest(root)
+    try:
+        pointed = latest(root)
+    except CheckpointError as exc:
+        pointed, notes = None, [f"{exc}; taking the newest checkpoint that verifies"]
+    else:
+        notes = []
     if pointed is not None and pointed in candidates:
         candidates.remove(pointed)
         candidates.insert(0, pointed)
@@ -524,13 +550,13 @@ def resolve_resume(spec: str, save_dir: str | os.PathLike) -> tuple[Path | None,
     for path in candidates:
         problems = verify(path)
         if not problems:
-            return path, [f"checkpoint {p} failed verification ({'; '.join(why)}); falling back "
-                          f"to {path}" for p, why in failed]
+            return path, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); "
+                                  f"falling back to {path}" for p, why in failed]
         failed.append((path, problems))
     if not failed:
-        return None, [f"no checkpoint in {root}; starting fresh"]
-    return None, [f"checkpoint {p} failed verification ({'; '.join(why)}); no other checkpoint "
-                  f"verifies, starting fresh" for p, why in failed]
+        return None, notes + [f"no checkpoint in {root}; starting fresh"]
+    return None, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); no other "
+                          f"checkpoint verifies, starting fresh" for p, why in failed]
 
 
 def _require_sound(path: Path) -> None:
@@ -557,6 +583,42 @@ def read_config(path: str | os.PathLike) -> Config:
     return Config.from_dict(tomllib.loads(text), source=f"{path / INDEX} (config_toml)")
 
 
+_RESUME_FIELDS = {
+    "data": "later steps read other samples than the checkpoint's run would have",
+    "seq_len": "later steps read other samples than the checkpoint's run would have",
+    "global_batch_size": "later steps read other samples than the checkpoint's run would have",
+    "seed": "later steps read other samples than the checkpoint's run would have",
+    "shuffle": "later steps read other samples than the checkpoint's run would have",
+    "steps": "the learning rate of later steps differs from the checkpoint's run",
+    "lr": "the learning rate of later steps differs from the checkpoint's run",
+    "min_lr": "the learning rate of later steps differs from the checkpoint's run",
+    "lr_schedule": "the learning rate of later steps differs from the checkpoint's run",
+    "warmup_steps": "the learning rate of later steps differs from the checkpoint's run",
+    "dtype": "the saved state is cast to the new dtype",
+}
+"""Training settings whose change on resume is reported, with what the change means."""
+
+
+def resume_changes(path: str | os.PathLike, cfg: Config, source) -> list[str]:
+    """What a run resuming from the checkpoint at ``path`` with ``cfg`` and token ``source``
+    does differently from the run that saved it (one line per change of :data:`_RESUME_FIELDS`,
+    or a data source of another size); empty when nothing changed and the resumed run continues
+    as the uninterrupted one would."""
+    path = resolve_path(path)
+    then = read_config(path).train
+    with h5py.File(path / INDEX, "r") as f:
+        samples = int(f["data"].attrs["num_samples"])
+    out = [f"train.{name} is {getattr(cfg.train, name)!r}, the checkpoint's run used "
+           f"{getattr(then, name)!r}: {meaning}" for name, meaning in _RESUME_FIELDS.items()
+           if getattr(cfg.train, name) != getattr(then, name)]
+    if samples != source.num_samples and (then.data, then.seq_len) == (cfg.train.data,
+                                                                         cfg.train.seq_len):
+        out.append(f"the data {source.path} holds {source.num_samples} samples of "
+                   f"{cfg.train.seq_len} tokens, the checkpoint's run saw {samples}: "
+                   f"{_RESUME_FIELDS['data']}")
+    return out
+
+
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """The checkpoint's model configuration (from its stored TOML)."""
     return read_config(path).model
@@ -580,6 +642,18 @@ def _read_region(f: h5py.File, path: Path, kind: str, name: str, region: Slices)
 def _overlaps(bounds: tuple, region: Slices) -> bool:
     (lo, hi) = bounds  # inclusive corners of the mapping in the virtual dataset
     return all(s.start < b + 1 and a < s.stop for a, b, s in zip(lo, hi, region))
+
+
+@contextlib.contextmanager
+def open_reader(path: str | os.PathLike) -> Iterator[Reader]:
+    """Verify the checkpoint at ``path`` (or a save directory's ``latest``), then yield
+    ``read(kind, name, region)``: a region of a global tensor, read from the shards that hold it.
+    Any layout reads any checkpoint this way (:func:`mpipar.state.read_shard`), e.g. generation
+    under its own tp x pp. No collective."""
+    path = resolve_path(path)
+    _require_sound(path)
+    with h5py.File(path / INDEX, "r") as f:
+        yield lambda kind, name, region: _read_region(f, path, kind, name, region)
 
 
 def load(engine, path: str | os.PathLike) -> int:
@@ -656,6 +730,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _require_outside(out: Path) -> None:
+    """Refuse an output path inside a checkpoint directory (or a save directory's ``latest``):
+    writing there would change, and break, what the index and its checksums describe."""
+    target = out.resolve()
+    inside = next((d for d in target.parents if (d / INDEX).is_file() or _STEP_DIR.match(d.name)),
+                  None)
+    if inside is None and (target / INDEX).is_file():
+        inside = target
+    if inside is not None:
+        raise CheckpointError(f"{out}: inside the checkpoint {inside}; writing there would "
+                              f"change what its index records; choose a path outside it")
+    if target.name == LATEST and list_checkpoints(target.parent):
+        raise CheckpointError(f"{out}: the 'latest' pointer of the save directory "
+                              f"{target.parent}; choose another path")
+
+
 def consolidate(path: str | os.PathLike, out: str | os.PathLike,
                 kinds: tuple[str, ...] = KINDS) -> Path:
     """Write the checkpoint as one HDF5 file of plain datasets ``<kind>/<name>`` (global shapes,
@@ -665,6 +755,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
     path, out = resolve_path(path), Path(out)
+    _require_outside(out)
     _require_sound(path)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -689,10 +780,12 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
 
 
 def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> Path:
-    """Write the checkpoint's parameters as a Hugging Face Llama directory (config.json +
-    model.safetensors) in ``dtype`` (default: the training dtype). Verifies first."""
+    """Write the checkpoint's parameters as a Hugging Face directory (config.json +
+    model.safetensors: :func:`mpipar.hf.save_hf`) in ``dtype`` (default: the training dtype).
+    Verifies first."""
     from mpipar import hf
 
+    _require_outside(Path(out))
     cfg = read_config(path)
     params = read_tensors(path, "param")
     hf.save_hf(out, cfg.model, params, dtype=dtype or cfg.train.dtype,

@@ -1,17 +1,25 @@
-"""Every MPI call of the hot path, on contiguous buffers, and the ledger that counts them.
+"""Every MPI call of a run, and the ledger that counts them.
 
 A :class:`Group` wraps one communicator of the process grid under a name ("tp", "sp", "pp",
-"dp_sp", ...). Its methods are the uppercase (buffer) mpi4py calls — never pickle — and each call
-is recorded in the shared :class:`Ledger`: bytes, messages and seconds per (group, operation).
+"dp_sp", ...). The hot path uses its buffer methods, the uppercase mpi4py calls on contiguous
+arrays; the run's control collectives outside the engine (agreeing on errors, the per-step
+telemetry, checkpoint commits, the timeline, shutdown) use its ``*_object`` methods and
+:meth:`Group.barrier` on a group of their own ("world", with its own ledger, so the engine's
+byte counts stay the planner's). Each call is recorded in the group's :class:`Ledger`: bytes,
+messages and seconds per (group, operation).
 
 While a call is blocked in MPI the ledger holds it in ``in_flight`` (group, operation, group
-size, start), so a :class:`Watchdog` thread can abort a job stuck in one call and name the call.
+size, start), so a :class:`Watchdog` thread can abort a job stuck in one call and name the call;
+the watchdog watches the engine's ledger and the control group's, i.e. every collective of a
+run but those that build the process grid.
 
 Counting convention (what the planner predicts): ``bytes`` is the payload this rank hands to the
 operation — the buffer size of an all-reduce, the send buffer of an all-gather, reduce-scatter,
 all-to-all or point-to-point send — and ``messages`` the number of calls. A receive counts
-messages and seconds but no bytes (the sender counted them). A group of size 1 makes no MPI call
-and records nothing.
+messages and seconds but no bytes (the sender counted them), and so does an object collective
+(mpi4py pickles the object inside the call). A group of size 1 makes no MPI call and records
+nothing. A phase with books of its own (evaluation between training steps) points the groups at
+another ledger for its duration (:func:`booked_to`).
 
 Links: a group knows the node of each of its ranks (:mod:`mpipar.topology`), and the ledger
 splits what each call puts on the wire into ``intra``- and ``inter``-node bytes. Wire bytes are
@@ -23,11 +31,13 @@ point-to-point message's are inter-node when its peer is on another node.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -181,12 +191,13 @@ class Group:
         """"intra" when group rank ``peer`` shares this rank's node, else "inter"."""
         return "intra" if self.nodes[peer] == self.nodes[self.rank] else "inter"
 
-    def _timed(self, op: str, nbytes: int, fn, *args, link: str | None = None) -> None:
+    def _timed(self, op: str, nbytes: int, fn, *args, link: str | None = None) -> Any:
         self.ledger.begin(self.name, op, self.size)
         t0 = time.perf_counter()
-        fn(*args)
+        out = fn(*args)
         self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0,
                         wire_bytes(op, nbytes, self.size), link or self._collective_link)
+        return out
 
     def _request(self, req: MPI.Request, op: str, nbytes: int, link: str | None = None
                  ) -> Request:
@@ -274,6 +285,29 @@ class Group:
                         _contig(buf, "bcast"), root)
         return buf
 
+    # ------------------------------------------------ control (pickled objects)
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        return self._timed("allgather_object", 0, self.comm.allgather, obj)
+
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on ``root``; None elsewhere."""
+        if self.size == 1:
+            return [obj]
+        return self._timed("gather_object", 0, self.comm.gather, obj, root)
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """``root``'s ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        return self._timed("bcast_object", 0, self.comm.bcast, obj, root)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._timed("barrier", 0, self.comm.Barrier)
+
     # ---------------------------------------------------------- point-to-point
     def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int,
                  tag: int = 0) -> np.ndarray:
@@ -299,31 +333,64 @@ class Group:
         return buf
 
 
+@contextlib.contextmanager
+def booked_to(groups: Iterable[Group], ledger: Ledger) -> Iterator[None]:
+    """Book every call of ``groups`` in ``ledger`` while the block runs, then give each group
+    its own ledger back (a phase with its own books, e.g. evaluation: the training step's
+    ledger keeps exactly what the planner predicts for a step)."""
+    groups = list(groups)
+    saved = [g.ledger for g in groups]
+    for g in groups:
+        g.ledger = ledger
+    try:
+        yield
+    finally:
+        for g, own in zip(groups, saved):
+            g.ledger = own
+
+
 class Watchdog:
     """A daemon thread that ends the job when one MPI call of ``ledgers`` has been blocked longer
     than ``timeout`` seconds: it calls ``on_stuck`` with a message naming the call, the group and
     how long (the caller reports it and aborts; ``MPI_Abort`` from this thread needs
-    ``MPI_THREAD_MULTIPLE``, mpi4py's default)."""
+    ``MPI_THREAD_MULTIPLE``, mpi4py's default).
+
+    Until :meth:`steady` is called the limit is ``max(timeout, startup)``: the first step of a
+    run compiles kernels and touches its memory for the first time, and a rank that does so
+    while its peers already wait must not look stuck (``startup`` None: no allowance)."""
 
     def __init__(self, ledgers: list[Ledger], timeout: float, rank: int,
-                 on_stuck: Callable[[str], None]) -> None:
+                 on_stuck: Callable[[str], None], startup: float | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"watchdog timeout={timeout!r}: must be > 0 seconds")
-        self.ledgers, self.timeout, self.rank, self.on_stuck = ledgers, timeout, rank, on_stuck
+        self.ledgers, self.timeout, self.rank = list(ledgers), timeout, rank
+        self.on_stuck = on_stuck
+        self.startup = startup if startup is not None and startup > timeout else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mpipar-watchdog", daemon=True)
 
+    def watch(self, ledger: Ledger) -> None:
+        """Watch ``ledger`` too (one created after the watchdog started)."""
+        self.ledgers = [*self.ledgers, ledger]
+
+    def steady(self) -> None:
+        """Start-up is over: from now on the limit is ``timeout``."""
+        self.startup = None
+
     def stuck(self, now: float | None = None) -> str | None:
-        """The message naming the call blocked longer than the timeout, or None."""
+        """The message naming the call blocked longer than the limit, or None."""
         now = time.monotonic() if now is None else now
+        limit = self.startup or self.timeout
         for ledger in self.ledgers:
             entry = ledger.in_flight
-            if entry is not None and now - entry[3] > self.timeout:
+            if entry is not None and now - entry[3] > limit:
                 group, op, size, start = entry
+                which = (f"--startup-timeout {limit:g} s (start-up and step 1)" if self.startup
+                         else f"--collective-timeout {limit:g} s")
                 return (f"mpipar: rank {self.rank}: collective watchdog: {op} on "
                         f"group '{group}' (size {size}) has been blocked {now - start:.1f} s, "
-                        f"longer than --collective-timeout {self.timeout:g} s; another rank is "
-                        f"stuck or gone. Aborting all ranks")
+                        f"longer than {which}; another rank is stuck or gone. Aborting all "
+                        f"ranks")
         return None
 
     def _watch(self) -> None:

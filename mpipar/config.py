@@ -46,6 +46,26 @@ class ModelConfig:
     head_dim: int = _f(0, "width of one head; 0 means hidden // heads")
     ffn_hidden: int = _f(0, "SwiGLU inner width; 0 means 8/3 * hidden rounded up to a multiple of 32")
     rope_theta: float = _f(10000.0, "RoPE base frequency theta")
+    rope_type: str = _f("default", "RoPE frequency scaling (transformers' rope_type): default "
+                                   "(none), linear (frequencies / rope_factor), dynamic (NTK: "
+                                   "theta grows for sequences longer than "
+                                   "rope_original_max_positions), llama3 (Llama 3.1's "
+                                   "low/high-frequency rule)",
+                        choices=("default", "linear", "dynamic", "llama3"))
+    rope_factor: float = _f(1.0, "RoPE scaling factor (linear, dynamic, llama3); 1 with default")
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE: frequencies whose wavelength exceeds "
+                                          "rope_original_max_positions / this are divided by "
+                                          "rope_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE: frequencies whose wavelength is below "
+                                           "rope_original_max_positions / this are kept (those "
+                                           "between the two bounds are interpolated)")
+    rope_original_max_positions: int = _f(0, "pretraining context of a scaled RoPE (llama3: "
+                                             "original_max_position_embeddings; dynamic: "
+                                             "max_position_embeddings)")
+    tie_embeddings: bool = _f(False, "the LM head is the embedding matrix: one parameter "
+                                     "(tie_word_embeddings), a copy on the first and the last "
+                                     "pipeline stage whose gradients are summed")
+    attention_bias: bool = _f(False, "q, k and v projections have biases (Qwen2)")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
 
@@ -131,6 +151,15 @@ class TrainConfig:
                        "empty = the embedded Python-stdlib corpus")
     shuffle: bool = _f(True, "shuffle samples each epoch (--no-shuffle: step k uses samples k*B..(k+1)*B-1)",
                        flag="--no-shuffle")
+    eval_data: str = _f("", "validation token data (the formats of --data), never trained on; "
+                            "empty: none, or --eval-fraction")
+    eval_fraction: float = _f(0.0, "hold out the last fraction of the training data's samples "
+                                   "for validation (training never draws them; a resumed run "
+                                   "keeps the checkpoint's)")
+    eval_every: int = _f(0, "validation loss every N steps and after the last step (0: after the "
+                            "last step only, when a validation set is given)")
+    eval_batches: int = _f(4, "validation batches of global_batch_size sequences, evenly spaced "
+                              "over the validation samples, the same at every evaluation")
     seed: int = _f(1234, "seed for initialisation and data order")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
@@ -147,13 +176,21 @@ class TrainConfig:
                         choices=("none", "selective", "full", "offload"))
     on_nan: str = _f("stop", "a non-finite loss or gradient norm: skip the step, or stop with a "
                              "checkpoint", choices=("stop", "skip"))
-    collective_timeout: float = _f(0.0, "abort a step stuck this many seconds in one collective, "
+    collective_timeout: float = _f(0.0, "abort a run stuck this many seconds in one collective, "
                                         "naming the operation and group (0: off)")
-    init_from_hf: str = _f("", "start from a Hugging Face Llama directory (config.json + safetensors); "
-                               "model settings then come from it")
-    hf_untie_embeddings: bool = _f(False, "with --init-from-hf: accept tied embeddings by copying "
-                                          "them into an untied LM head")
-    export_hf: str = _f("", "write the trained weights as a Hugging Face Llama directory at the end")
+    startup_timeout: float = _f(600.0, "with --collective-timeout: the limit until step 1 has "
+                                       "finished (start-up, checkpoint load, kernel compilation "
+                                       "and first touch of memory in step 1), if larger")
+    allow_oversubscribed_memory: bool = _f(False, "start even when the planner's memory of a rank "
+                                                  "exceeds its share of the node's available "
+                                                  "memory")
+    init_from_hf: str = _f("", "start from a Hugging Face Llama or Qwen2 directory (config.json + "
+                               "safetensors); model settings then come from it")
+    hf_untie_embeddings: bool = _f(False, "with --init-from-hf of a tied checkpoint: untie the "
+                                          "LM head (it starts as a copy of the embedding and "
+                                          "trains apart); default: keep them tied")
+    export_hf: str = _f("", "write the trained weights as a Hugging Face directory at the end "
+                            "(Llama; Qwen2 when the model has attention biases)")
     export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
                            choices=("", "float16", "float32", "float64"))
     tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
@@ -197,8 +234,10 @@ class Config:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"--config {path}: file not found") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        except OSError as exc:
+            raise ConfigError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
         return cls.from_dict(data, source=path)
 
     # ------------------------------------------------------------ validation
@@ -232,6 +271,8 @@ class Config:
             raise RuntimeError(f"the configuration rules of {', '.join(missing)} are not "
                                f"registered: import mpipar.engine before validating a Config")
         m, p, t = self.model.resolved(), self.parallel, self.train
+        for obj, section in ((self.model, "model"), (p, "parallel"), (t, "train")):
+            _representable(obj, section)
         _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
                       "ffn_hidden"), "model")
         require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
@@ -242,6 +283,7 @@ class Config:
         require(m.heads % m.kv_heads == 0,
                 f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
         require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
+        _check_rope_scaling(m)
         require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
         require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
 
@@ -252,6 +294,8 @@ class Config:
         _positive(t, ("seq_len", "global_batch_size"), "train")
         require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
         require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size}: must be >= 0")
+        _schedule_size(p, t, world_size)
+        require(t.seed >= 0, f"train.seed={t.seed}: must be >= 0")
         require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
         require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
         require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
@@ -260,6 +304,7 @@ class Config:
         require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
         require(t.collective_timeout >= 0,
                 f"train.collective_timeout={t.collective_timeout}: must be >= 0")
+        require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
         for item in filter(None, t.dump_activations.split(",")):
             require(item.strip().isdigit() and int(item) >= 1,
                     f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
@@ -275,7 +320,7 @@ class Config:
             _RULES[component](self, world_size)
 
 
-COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "optimizer", "backend")
+COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "eval", "optimizer", "backend")
 """The components whose configuration rules :meth:`Config.validate` asks, in this order."""
 
 _RULES: dict[str, Callable[[Config, int], None]] = {}
@@ -298,6 +343,63 @@ def require(ok: bool, message: str) -> None:
     """Raise :class:`ConfigError` with ``message`` (field, value and rule) unless ``ok``."""
     if not ok:
         raise ConfigError(message)
+
+
+MAX_SCHEDULE_SLOTS = 2**16
+"""At most this many microbatches x pipeline chunks per step: the schedule is built as op lists
+and checked by a dry run, which takes about 3 s at this size."""
+
+INT_LIMIT = 2**63
+"""Integer fields must lie in (-2**63, 2**63): they are stored as 64-bit HDF5 attributes in
+checkpoints and used as NumPy int64 values."""
+
+
+def _representable(obj: Any, section: str) -> None:
+    """Every float field of ``obj`` is finite and every int field fits in 64 bits."""
+    for f in fields(obj):
+        value, kind = getattr(obj, f.name), str(f.type)
+        if kind == "float":
+            require(math.isfinite(value), f"{section}.{f.name}={value}: must be a finite number")
+        elif kind == "int":
+            require(-INT_LIMIT < value < INT_LIMIT,
+                    f"{section}.{f.name}={value}: must lie in (-2**63, 2**63)")
+
+
+def _schedule_size(p: ParallelConfig, t: TrainConfig, world: int) -> None:
+    """At most :data:`MAX_SCHEDULE_SLOTS` microbatches x pipeline chunks per step, checked
+    before the pipeline's own rule builds the schedule (the sizes the grid and data rules refuse
+    are left to them)."""
+    mp = p.tp * p.pp * p.sp
+    dp = p.dp or (world // mp if world % mp == 0 else 0)
+    micro = t.micro_batch_size or (t.global_batch_size // dp if dp else 0)
+    if not (dp and micro and t.global_batch_size % (dp * micro) == 0):
+        return
+    count = t.global_batch_size // (dp * micro)
+    slots = count * p.pp * p.virtual_stages
+    require(slots <= MAX_SCHEDULE_SLOTS,
+            f"train.global_batch_size={t.global_batch_size}: {count} microbatches per step x "
+            f"pp*virtual_stages = {p.pp}*{p.virtual_stages} makes {slots} schedule slots; at most "
+            f"{MAX_SCHEDULE_SLOTS} (a larger train.micro_batch_size gives fewer microbatches)")
+
+
+def _check_rope_scaling(m: ModelConfig) -> None:
+    """The RoPE scaling fields' own rules (a factor only with a scaling type; llama3's bounds)."""
+    if m.rope_type == "default":
+        require(m.rope_factor == 1.0,
+                f"model.rope_factor={m.rope_factor}: scales only with model.rope_type linear, "
+                f"dynamic or llama3 (rope_type is 'default')")
+    require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor}: must be > 0")
+    require(m.rope_original_max_positions >= 0,
+            f"model.rope_original_max_positions={m.rope_original_max_positions}: must be >= 0")
+    if m.rope_type in ("dynamic", "llama3"):
+        require(m.rope_original_max_positions >= 1,
+                f"model.rope_original_max_positions={m.rope_original_max_positions}: "
+                f"rope_type {m.rope_type!r} needs the pretraining context (>= 1)")
+    if m.rope_type == "llama3":
+        require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+                f"model.rope_low_freq_factor={m.rope_low_freq_factor}, "
+                f"model.rope_high_freq_factor={m.rope_high_freq_factor}: llama3 RoPE needs "
+                f"0 < low < high")
 
 
 def _positive(obj: Any, names: tuple[str, ...], section: str) -> None:
@@ -328,7 +430,10 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}={value!r}: must be a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{where}={value}: too large for a floating-point number") from None
     if not isinstance(value, str):
         raise ConfigError(f"{where}={value!r}: must be a string")
     return value
@@ -396,6 +501,19 @@ def model_from_checkpoint(saved: ModelConfig, given: Mapping[str, Any], source: 
                 f"{name}) contradicts {source} ({(names or {}).get(name, name)}={theirs!r}); "
                 f"model settings come from the checkpoint: drop the setting or give its value")
     return candidate
+
+
+def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:
+    """The ``eval_fraction`` of a run resumed from a checkpoint saved with ``saved``: the
+    checkpoint's, so the samples held out for validation stay held out (never trained on). A
+    different value in ``given`` (the train fields the user set) is a ConfigError naming both."""
+    mine = given.get("eval_fraction")
+    if mine is not None and float(mine) != saved.eval_fraction:
+        raise ConfigError(
+            f"train.eval_fraction={mine!r} (flag --eval-fraction or [train] eval_fraction) "
+            f"contradicts {source} (eval_fraction={saved.eval_fraction!r}); the held-out "
+            f"split is fixed for a run: drop the setting")
+    return saved.eval_fraction
 
 
 def given_fields(args: argparse.Namespace, section: str) -> dict[str, Any]:

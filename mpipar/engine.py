@@ -4,14 +4,21 @@
 kernels, the placement of every parameter (:mod:`mpipar.placement`), this rank's model chunks
 with their tensor-parallel and attention seams, the flat gradient buckets, the optimizer and the
 pipeline executor; ``engine.train_step(k)`` runs optimizer step ``k`` (0-based) and returns its
-:class:`StepResult`, identical on every rank. ``engine.state`` is the same rank seen as pieces
+:class:`StepResult`, identical on every rank. ``engine.evaluate()`` computes the validation loss
+(:class:`EvalResult`) under the same layout, forward only: the schedule's forward-only op list
+(:func:`mpipar.parallel.pipeline.schedule.forward_only`), no gradient buffers touched, nothing
+kept for a backward, its traffic booked in ``engine.eval_ledger`` (reset at each pass, so
+``engine.ledger`` holds exactly a training step's traffic, and each ledger what the planner
+predicts for its phase). ``engine.state`` is the same rank seen as pieces
 of global tensors, for checkpoints (:mod:`mpipar.state`).
 
 One step, as data flows (docs/architecture.md): this DP rank takes its rows of the global batch,
 cuts them into microbatches and this SP rank's sequence chunk; each microbatch runs forward and
 backward through the stage; gradients are summed over dp x sp; the global norm is summed over
 tp x pp counting each parameter once; clipping and the optimizer update the local shards. The
-loss is the mean over every token of the global batch, whatever the layout.
+loss is the mean over every token of the global batch, whatever the layout. A tied embedding's
+copies on the first and last pipeline stage have their gradients summed over ``pp_ends`` by the
+reducer, count once in the norm, and stay identical.
 
 Importing this module imports every component, and so registers every configuration rule
 (:func:`mpipar.config.rules`).
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +37,9 @@ from mpi4py import MPI
 
 from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
 from mpipar.backend import to_host, training_backend
-from mpipar.comm import Group, Ledger
+from mpipar.comm import Group, Ledger, booked_to
 from mpipar.config import Config
-from mpipar.data import Sampler, TokenSource, load_tokens
+from mpipar.data import Sampler, TokenSource, load_tokens, validation
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_param
@@ -39,7 +48,7 @@ from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import HybridAttention, RingAttention, SeqLayout, UlyssesAttention
 from mpipar.parallel.data import GradReducer, ReduceGroups
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
-from mpipar.parallel.pipeline.schedule import build_schedule, virtual_stage
+from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.placement import PlacementTable
 from mpipar.state import TrainState
@@ -58,6 +67,16 @@ class StepResult:
     tokens: int        # tokens in the global batch
 
 
+@dataclass
+class EvalResult:
+    """What one validation pass produced (the same on every rank)."""
+
+    loss: float        # mean token loss over every token of the validation batches
+    perplexity: float  # exp(loss)
+    tokens: int        # tokens in the validation batches
+    seconds: float
+
+
 class Engine:
     """Everything one rank needs to train: grid, groups, chunks, shards, optimizer, sampler."""
 
@@ -68,13 +87,16 @@ class Engine:
         par, tr = cfg.parallel, cfg.train
         # Data first: a bad path or token id fails on every rank before any collective.
         self.source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
-        self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle)
+        train_samples, self.eval_set = validation(self.source, tr, cfg.model.vocab_size)
+        self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
+                               train_samples)
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
         if par.dp_reduce == "hierarchical":
             self.grid.split_dp_sp_by_node()
         if par.sp_mode == "hybrid":
             self.grid.split_sp(par.ulysses_size)
         self.ledger = Ledger()
+        self.eval_ledger = Ledger()
         self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name))
                        for name, c in self.grid.comms.items()}
         self.kernels = training_backend(tr.backend)
@@ -90,7 +112,10 @@ class Engine:
                         if tr.recompute == "offload" else None)
         self.chunks = [self._chunk(virtual_stage(self.grid.coord.pp, c, par.pp))
                        for c in range(par.virtual_stages)]
-        names = [n for ch in self.chunks for n in ch.param_names()]
+        # A parameter two chunks of this rank use (the tied embedding with pp = 1) is held once.
+        self.holders = Counter(n for ch in self.chunks for n in ch.param_names())
+        names = list(self.holders)
+        self._unfinished: Counter[str] = Counter()  # chunks yet to finish each gradient (a step)
         self.reducer = self._reducer(names)
         self.params, self.grads = self.reducer.params, self.reducer.grads
         decay = {n: len(self.table[n].spec.shape) >= 2 for n in self.params}
@@ -98,8 +123,8 @@ class Engine:
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
                                                      tr.weight_decay), decay)
         self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
-                                self.tensor.size, self.groups["dp_sp"].rank, self.dtype, self.xp,
-                                self.reducer)
+                                self.tensor.size, self.grid.coord.pp, self.groups["dp_sp"].rank,
+                                self.dtype, self.xp, self.reducer)
         self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
                                    max(1, tr.steps))
         self.rows_per_dp = tr.global_batch_size // par.dp
@@ -107,13 +132,15 @@ class Engine:
         ops = build_schedule(par.schedule, par.pp, self.microbatches, par.virtual_stages)
         self.executor = PipelineExecutor(ops[self.grid.coord.pp], self.chunks, self.groups["pp"],
                                          par.pp, par.virtual_stages, self.xp)
+        self.evaluator = PipelineExecutor(forward_only(ops)[self.grid.coord.pp], self.chunks,
+                                          self.groups["pp"], par.pp, par.virtual_stages, self.xp)
 
     def _chunk(self, stage: int) -> LlamaStage:
         """The model chunk of global virtual ``stage``, with this rank's seams."""
         last = self.cfg.parallel.pp * self.cfg.parallel.virtual_stages - 1
         return LlamaStage(self.cfg.model, self.kernels, self.table.stage_layers(stage), stage == 0,
                           stage == last, self.tensor, self._attention(), self.cfg.train.recompute,
-                          self.offload)
+                          self.offload, self.cfg.train.seq_len)
 
     def _attention(self):
         par, sp = self.cfg.parallel, self.groups["sp"]
@@ -127,14 +154,16 @@ class Engine:
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
 
     def _reducer(self, names: list[str]) -> GradReducer:
-        """The gradient reducer over dp x sp: flat or hierarchical, dense or compressed."""
+        """The gradient reducer over dp x sp: flat or hierarchical, dense or compressed; the
+        tied embedding's copies then summed over ``pp_ends``."""
         par, g = self.cfg.parallel, self.groups
+        tied = [n for n in names if self.table[n].tied_across_pipeline]
         groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
                   if par.dp_reduce == "hierarchical" else ReduceGroups(g["dp_sp"], g["dp_sp"]))
         return GradReducer(self._initial_shards(names), list(reversed(names)), groups,
                            par.bucket_mb, par.zero == 1, self.xp,
                            make_codec(par.grad_compression, par.topk_ratio, self.xp),
-                           par.error_feedback == "on")
+                           par.error_feedback == "on", tied, g["pp_ends"])
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
         """This rank's shards of the initial parameters (every layout starts from the same
@@ -146,21 +175,30 @@ class Engine:
 
     # ------------------------------------------------------------------- step
     def _norm_counted(self, name: str) -> bool:
-        """Count each parameter once in the global norm: replicated ones on TP rank 0 only."""
-        return self.table[name].owned_by(self.tensor.rank)
+        """Count each parameter once in the global norm: replicated ones on TP rank 0 only, a
+        tied embedding on its first pipeline rank only."""
+        return self.table[name].owned_by(self.tensor.rank, self.grid.coord.pp)
 
     def _grads_ready(self, names: list[str]) -> None:
-        """Gradients of ``names`` are final for the step: sum the tp-partial ones over tp, then
-        let the data-parallel reducer launch their buckets."""
-        self.tensor.reduce_partial_grads([self.grads[n] for n in names
+        """A chunk has finished the gradients of ``names`` for the step; those every chunk of
+        this rank that uses them has finished are final: sum the tp-partial ones over tp, then
+        let the data-parallel reducer launch their buckets (and sum the tied ones over
+        ``pp_ends`` when it finishes)."""
+        final = []
+        for n in names:
+            self._unfinished[n] -= 1
+            if not self._unfinished[n]:
+                final.append(n)
+        self.tensor.reduce_partial_grads([self.grads[n] for n in final
                                           if self.table[n].grad_partial_over_tp])
-        self.reducer.ready(names)
+        self.reducer.ready(final)
 
-    def _microbatches(self, step: int) -> list[Microbatch]:
-        """This rank's microbatches of step ``step``: its DP rows, its SP positions, moved to
-        the backend's array module once each."""
+    def _microbatches(self, batch: Callable[[int, slice], tuple], k: int) -> list[Microbatch]:
+        """This rank's microbatches of global batch ``k`` of ``batch`` (the sampler's, or the
+        validation set's): its DP rows, its SP positions, moved to the backend's array module
+        once each."""
         d, rows, mbs = self.grid.coord.dp, self.rows_per_dp, self.cfg.train.micro_batch_size
-        inputs, targets = self.sampler.batch(step, slice(d * rows, (d + 1) * rows))
+        inputs, targets = batch(k, slice(d * rows, (d + 1) * rows))
         inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         return [Microbatch(self.xp.asarray(inputs[i * mbs:(i + 1) * mbs]),
                            self.xp.asarray(targets[i * mbs:(i + 1) * mbs]))
@@ -169,13 +207,14 @@ class Engine:
     def train_step(self, step: int) -> StepResult:
         """Run optimizer step ``step`` (0-based) and return its result (the same on every rank)."""
         t0 = time.perf_counter()
-        par, tr, xp = self.cfg.parallel, self.cfg.train, self.xp
-        micro = self._microbatches(step)
+        tr, xp = self.cfg.train, self.xp
+        micro = self._microbatches(self.sampler.batch, step)
         tokens = tr.global_batch_size * tr.seq_len
         mbs, s_loc = tr.micro_batch_size, len(self.positions)
         weight = xp.full((mbs, s_loc), 1.0 / tokens)
         recorder = self._start_dump(step)
         self.reducer.start_step()
+        self._unfinished = Counter(self.holders)
         loss = self.executor.run(self.params, self.grads, micro, self.positions,
                                  self.tensor.stream_shape(mbs, s_loc, self.cfg.model.hidden),
                                  self.dtype, weight, on_ready=self._grads_ready)
@@ -184,19 +223,51 @@ class Engine:
             for ch in self.chunks:
                 ch.recorder = None
             dump_engine_step(self, step + 1, recorder)
-        loss_buf = self.groups["dp_sp"].allreduce_(xp.array([loss]))
-        self.groups["pp"].bcast_(loss_buf, root=par.pp - 1)
+        loss = self._global_sum(loss) / tokens
         norm_sq = xp.array([self.optimizer.grad_norm_sq(self._norm_counted)])
         self.groups["tp_pp"].allreduce_(norm_sq)
         grad_norm = math.sqrt(float(norm_sq[0]))
         lr = self.schedule(step)
-        loss = float(loss_buf[0]) / tokens
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.clip(tr.clip_grad, grad_norm)
             self.optimizer.step(lr)
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
         return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens)
+
+    def _global_sum(self, loss: float) -> float:
+        """The sum over the world of the last stage's summed token losses (over dp x sp, then
+        broadcast from the last pipeline stage), on every rank."""
+        buf = self.groups["dp_sp"].allreduce_(self.xp.array([loss]))
+        return float(self.groups["pp"].bcast_(buf, root=self.cfg.parallel.pp - 1)[0])
+
+    def evaluate(self) -> EvalResult:
+        """The mean token loss over the validation batches (``--eval-batches``), computed under
+        this layout forward only (module docstring); the same on every rank."""
+        if self.eval_set is None:
+            raise ValueError("evaluate: no validation set (--eval-data or --eval-fraction)")
+        t0 = time.perf_counter()
+        tr = self.cfg.train
+        shape = self.tensor.stream_shape(tr.micro_batch_size, len(self.positions),
+                                         self.cfg.model.hidden)
+
+        def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
+            return chunk.forward_only(self.params, inp, self.positions, mb.targets)
+
+        total = 0.0
+        self.eval_ledger.reset()
+        with booked_to(self.groups.values(), self.eval_ledger):
+            for k in range(self.eval_set.batches):
+                micro = self._microbatches(self.eval_set.batch, k)
+                losses = self.evaluator.run_forward(micro, shape, self.dtype, stage_forward)
+                total += sum(float(losses[i].sum()) for i in sorted(losses))
+            tokens = self.eval_set.batches * tr.global_batch_size * tr.seq_len
+            loss = self._global_sum(total) / tokens
+        try:
+            perplexity = math.exp(loss)
+        except OverflowError:
+            perplexity = math.inf
+        return EvalResult(loss, perplexity, tokens, time.perf_counter() - t0)
 
     def _start_dump(self, step: int) -> ActivationRecorder | None:
         """--dump-activations: a recorder installed on every chunk for this step, or None. With

@@ -1,8 +1,12 @@
-"""Per-step metrics: time breakdown, MFU, memory, one JSON line per step, progress, timeline.
+"""Per-step metrics: time breakdown, MFU, memory, one JSON line per step (with the validation
+pass's numbers on validation steps: :func:`eval_record`), progress, timeline.
 
 Every rank measures its own step; :class:`Telemetry` gathers the numbers to rank 0 once per
-step (one small all-gather, which also carries the stop flag of a preemption signal, so every
-rank decides to stop at the same step), and rank 0 writes ``RUN_DIR/metrics.jsonl``.
+step (one small all-gather, which also carries the stop signal a rank received, so every rank
+decides to stop at the same step), and rank 0 writes ``RUN_DIR/metrics.jsonl``. A resumed run
+cuts the log back to the step it resumes from (:class:`MetricsWriter`), and the log is fsynced
+before each checkpoint commit, so a crash never leaves a step twice or a committed step
+missing; a torn last line (a crash mid-write) is skipped by :func:`read_records`.
 
 Time breakdown of a step on one rank (seconds, :data:`TIME_KEYS`), from the ledger and the
 pipeline executor's op records:
@@ -13,10 +17,11 @@ pipeline executor's op records:
 - ``pipeline_wait``: ledger seconds of ``pp`` (blocked in receives: the bubble and the
   point-to-point transfers, plus the loss broadcast);
 - ``dp_comm``: ledger seconds of the dp x sp groups (``dp_sp``, and hierarchical reduction's
-  ``dp_sp_intra`` and ``dp_sp_inter``) and ``tp_pp`` (gradient reduction, ZeRO all-gather, loss
-  and gradient-norm all-reduces);
+  ``dp_sp_intra`` and ``dp_sp_inter``), ``tp_pp`` and ``pp_ends`` (gradient reduction, ZeRO
+  all-gather, loss and gradient-norm all-reduces, the tied embedding's gradient sum);
 - ``optimizer``: the rest of the engine's step time (clipping, AdamW, batch slicing);
-- ``io``: time outside the engine's step that this step caused (checkpoint writes).
+- ``io``: time outside the engine's step since the previous step's record (the checkpoint
+  written after that record: a step's record is logged before its checkpoint commits).
 """
 from __future__ import annotations
 
@@ -29,17 +34,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from mpi4py import MPI
 
 from mpipar.comm import Group, Ledger
 
 if TYPE_CHECKING:
-    from mpipar.engine import StepResult
+    from mpipar.engine import EvalResult, StepResult
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
 SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
-DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp")
+DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
 GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS)
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
@@ -83,15 +87,15 @@ def measure_peak(backend_name: str, dtype: str, threads: int, ranks_on_node: int
 
 
 class Telemetry:
-    """The per-step exchange of every rank's numbers (an all-gather over ``comm``, on its own
-    ledger so the engine's byte counts stay those the planner predicts)."""
+    """The per-step exchange of every rank's numbers: an all-gather over ``group``, the run's
+    control group (its own ledger, so the engine's byte counts stay those the planner
+    predicts)."""
 
     FIELDS = ("stop", "memory", "inter_bytes", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS))
 
-    def __init__(self, comm: MPI.Comm) -> None:
-        self.ledger = Ledger()
-        self.group = Group(comm, "world", self.ledger)
-        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.size, self.rank = group.size, group.rank
 
     def gather_peaks(self, peak: float) -> list[float]:
         """Every rank's FLOP/s peak, on every rank."""
@@ -99,17 +103,19 @@ class Telemetry:
         self.group.allgather(np.array([peak]), out)
         return out.tolist()
 
-    def exchange(self, stop: bool, times: dict[str, float], step_bytes: dict[str, int],
-                 inter_bytes: int = 0) -> tuple[bool, list[dict[str, float]]]:
-        """(whether any rank asks to stop, every rank's numbers as dicts of :attr:`FIELDS`);
-        ``inter_bytes``: this rank's wire bytes across nodes."""
+    def exchange(self, stop: int, times: dict[str, float], step_bytes: dict[str, int],
+                 inter_bytes: int = 0) -> tuple[int, list[dict[str, float]]]:
+        """``stop``: the number of the stop signal this rank received (0: none);
+        ``inter_bytes``: this rank's wire bytes across nodes. Returns (the highest stop signal
+        of any rank, 0 if none: the same on every rank; every rank's numbers as dicts of
+        :attr:`FIELDS`)."""
         row = np.array([float(stop), float(peak_memory_bytes()), float(inter_bytes),
                         *(times[k] for k in TIME_KEYS),
                         *(float(step_bytes.get(g, 0)) for g in GROUPS)])
         table = np.empty((self.size, row.size))
         self.group.allgather(row, table)
         ranks = [dict(zip(self.FIELDS, r.tolist())) for r in table]
-        return any(r["stop"] for r in ranks), ranks
+        return int(max(r["stop"] for r in ranks)), ranks
 
 
 def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Ledger,
@@ -141,19 +147,53 @@ def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Led
     }
 
 
-class MetricsWriter:
-    """Appends step records to ``metrics.jsonl`` (a fresh run truncates the file) and, with a
-    ``tensorboard`` directory, their numbers to a new TensorBoard event file there
-    (:mod:`mpipar.tensorboard`)."""
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The step records of a ``metrics.jsonl``; a torn last line (a crash or a full disk in the
+    middle of a write: the file is fsynced only at checkpoint commits) is skipped."""
+    with open(path) as fh:
+        lines = [line for line in fh.read().split("\n") if line.strip()]
+    records = []
+    for k, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path}: line {k + 1} is not JSON ({line[:60]!r}...)") from None
+    return records
 
-    def __init__(self, run_dir: str, enabled: bool = True, append: bool = False,
+
+def eval_record(result: "EvalResult", ledger: Ledger) -> dict[str, Any]:
+    """The ``eval`` part of a validation step's metrics.jsonl line: the validation pass's loss,
+    perplexity, tokens, seconds and bytes per group (its own ledger, rank 0's)."""
+    return {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
+            "seconds": result.seconds, "comm_bytes": ledger.bytes_by_group()}
+
+
+class MetricsWriter:
+    """Writes step records to ``RUN_DIR/metrics.jsonl`` (rank 0: ``enabled``) and, with a
+    ``tensorboard`` directory, their numbers to a new TensorBoard event file there
+    (:mod:`mpipar.tensorboard`). A fresh run (``start`` 0) starts the file anew; a run resumed
+    at step ``start`` keeps the records of steps 1..start and drops any later ones (steps a
+    crashed run logged after its last checkpoint, which the resumed run trains again),
+    rewriting the file through a rename."""
+
+    def __init__(self, run_dir: str, enabled: bool = True, start: int = 0,
                  tensorboard: str | None = None) -> None:
         self.enabled = enabled
         self._fh = None
         self._events = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
-            self._fh = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w")
+            path = os.path.join(run_dir, "metrics.jsonl")
+            kept = ([r for r in read_records(path) if r.get("step", 0) <= start]
+                    if start and os.path.exists(path) else [])
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "w") as fh:
+                fh.write("".join(json.dumps(r) + "\n" for r in kept))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            self._fh = open(path, "a")
             if tensorboard:
                 from mpipar.tensorboard import EventWriter
                 self._events = EventWriter(tensorboard)
@@ -168,8 +208,14 @@ class MetricsWriter:
             from mpipar.tensorboard import scalars
             self._events.add_scalars(record["step"], scalars(record))
 
+    def sync(self) -> None:
+        """Make every record written so far durable (before a checkpoint commits)."""
+        if self._fh is not None:
+            os.fsync(self._fh.fileno())
+
     def close(self) -> None:
         if self._fh is not None:
+            self.sync()
             self._fh.close()
             self._fh = None
         if self._events is not None:
@@ -177,15 +223,33 @@ class MetricsWriter:
             self._events = None
 
 
+def users_terminal(stream: Any = None, env: dict[str, str] | None = None) -> bool:
+    """Whether ``stream`` (stdout) is the terminal the user watches. Open MPI gives every rank a
+    pseudo-terminal of its own whatever mpirun's output is (a log file too), so under Open MPI
+    (``OMPI_COMM_WORLD_SIZE`` set) only the process's controlling terminal counts."""
+    stream = sys.stdout if stream is None else stream
+    env = os.environ if env is None else env
+    try:
+        if not stream.isatty():
+            return False
+        if "OMPI_COMM_WORLD_SIZE" not in env:
+            return True
+        with open("/proc/self/stat") as fh:          # field 7: the controlling terminal
+            controlling = int(fh.read().rsplit(")", 1)[1].split()[4])
+        return controlling != 0 and controlling == os.fstat(stream.fileno()).st_rdev
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 class Progress:
-    """Rank 0's progress: a tqdm bar when stdout is a terminal, else a line every ``every``
-    steps (and the first and last); ``every = 0`` prints nothing."""
+    """Rank 0's progress: a tqdm bar when stdout is the user's terminal (:func:`users_terminal`),
+    else a line every ``every`` steps (and the first and last); ``every = 0`` prints nothing."""
 
     def __init__(self, total: int, start: int, every: int, enabled: bool,
                  tty: bool | None = None) -> None:
         self.total, self.every, self.enabled = total, every, enabled and every > 0
         self.bar = None
-        if self.enabled and (sys.stdout.isatty() if tty is None else tty):
+        if self.enabled and (users_terminal() if tty is None else tty):
             from tqdm import tqdm
             # A terminal that reports a size of 0 x 0 (a fresh pty) would hide the bar: fall back.
             size = shutil.get_terminal_size()
@@ -201,13 +265,16 @@ class Progress:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
                                  tok_s=f"{record['tokens_per_s']:,.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
-            return
-        if step % self.every == 0 or step == 1 or step == self.total:
+        elif step % self.every == 0 or step == 1 or step == self.total:
             skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
             print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
                   f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_s']:,.0f} tok/s  MFU {100 * record['mfu']:.2f}%{skipped}",
                   flush=True)
+        if "eval" in record:
+            self.note(f"step {step:>6}/{self.total}  validation loss "
+                      f"{record['eval']['loss']:.4f}  perplexity "
+                      f"{record['eval']['perplexity']:.3f}")
 
     def note(self, text: str) -> None:
         """A message that does not break the bar."""
@@ -222,17 +289,18 @@ class Progress:
             self.bar = None
 
 
-def gather_timeline(comm: MPI.Comm, step: int, timeline: list["OpRecord"], started: float,
+def gather_timeline(group: Group, step: int, timeline: list["OpRecord"], started: float,
                     coord: tuple[int, ...]) -> dict[str, Any] | None:
-    """Every rank's op records of ``step`` on rank 0 (None elsewhere): a collective, once a run.
+    """Every rank's op records of ``step`` on rank 0 (None elsewhere): a collective over the
+    run's control ``group``, once a run.
 
     ``started`` is ``time.time()`` when this rank began the step; op times are shifted so that
     all ranks share one clock whose zero is the earliest rank's start (ranks of one node share
     the wall clock; across nodes the offset is as good as their clock synchronisation)."""
-    mine = {"rank": comm.Get_rank(), "coord": dict(zip(("dp", "tp", "pp", "sp"), coord)),
+    mine = {"rank": group.rank, "coord": dict(zip(("dp", "tp", "pp", "sp"), coord)),
             "started": started,
             "ops": [[r.kind, r.microbatch, r.chunk, r.start, r.end] for r in timeline]}
-    rows = comm.gather(mine, root=0)
+    rows = group.gather_object(mine, root=0)
     if rows is None:
         return None
     zero = min(r["started"] for r in rows)

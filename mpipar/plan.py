@@ -10,7 +10,8 @@ hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the 
 mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
 time model of :mod:`mpipar.planner`, with the links inside a node (``--intra-gbps``, default
 half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and across
-nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here; each
+nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
+all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too); each
 row shows its bytes per group and, across nodes, the wire bytes on the slow link. The rejected
 ones are listed with the configuration rule they break or the memory they would need. Exit
 status 0 when a layout fits, 1 when none does, 2 for bad flags.
@@ -28,7 +29,7 @@ import numpy as np
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
-from mpipar.planner import Candidate, Hardware, Plan, plan_layouts
+from mpipar.planner import Candidate, Hardware, Plan, plan_layouts, with_nodes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds per MPI call across nodes, in microseconds (default 10)")
     parser.add_argument("--intra-latency-us", type=float, default=1.0, metavar="L",
                         help="seconds per MPI call inside a node, in microseconds (default 1)")
+    parser.add_argument("--hardware", metavar="FILE",
+                        help="measured peak, links, op overhead, nodes and compression work from "
+                             "python -m mpipar.bench comm (replaces the five options above)")
     config_mod.add_arguments(parser)
     return parser
 
@@ -87,7 +91,7 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         f"{hw.intra_bandwidth / 1e9:.3g} GB/s ({link_note}) + {hw.intra_latency * 1e6:g} us, "
         f"across nodes {hw.bandwidth / 1e9:g} GB/s + {hw.latency * 1e6:g} us "
         f"({_nodes(base, world)}); compression's work {hw.int8_seconds * 1e9:.3g} ns (int8), "
-        f"{hw.topk_seconds * 1e9:.3g} ns (top-k) per element (measured here); the pipeline by "
+        f"{hw.topk_seconds * 1e9:.3g} ns (top-k) per element; the pipeline by "
         f"a dry run of its schedule (bubble included)",
         f"memory limit: {'none' if memory_gb is None else f'{memory_gb:g} GiB per rank'}",
         "",
@@ -143,6 +147,24 @@ def codec_seconds(base: Config) -> tuple[float, float]:
             local_work_seconds(TopKCodec(np, par.topk_ratio), dtype=base.train.dtype))
 
 
+def _probed_hardware(args: argparse.Namespace, base: Config) -> tuple[Hardware, str, str]:
+    """The hardware of the flags, with what they leave out probed here: (hardware, where the
+    peak came from, where the link inside a node came from)."""
+    if args.peak_gflops:
+        peak, note = args.peak_gflops * 1e9, "given"
+    else:
+        from mpipar.backend import measure_peak_flops
+        peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
+    if args.intra_gbps:
+        intra, link_note = args.intra_gbps * 1e9, "given"
+    else:
+        intra, link_note = memory_copy_bandwidth() / 2, "half the memory copy probed here"
+    hw = Hardware(peak, args.inter_gbps * 1e9, args.inter_latency_us * 1e-6, intra,
+                  args.intra_latency_us * 1e-6)
+    return dataclasses.replace(hw, **dict(zip(("int8_seconds", "topk_seconds"),
+                                              codec_seconds(base)))), note, link_note
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.world < 1:
@@ -161,19 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     fixed = config_mod.given_names(args, "parallel", "train")
-    if args.peak_gflops:
-        peak, note = args.peak_gflops * 1e9, "given"
+    if args.hardware:
+        try:
+            hw, note = Hardware.load(args.hardware), f"measured, {args.hardware}"
+        except (OSError, ValueError, TypeError) as exc:
+            return _fail(f"--hardware {args.hardware}: {exc}")
+        link_note = note
     else:
-        from mpipar.backend import measure_peak_flops
-        peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
-    if args.intra_gbps:
-        intra, link_note = args.intra_gbps * 1e9, "given"
-    else:
-        intra, link_note = memory_copy_bandwidth() / 2, "half the memory copy probed here"
-    hw = Hardware(peak, args.inter_gbps * 1e9, args.inter_latency_us * 1e-6, intra,
-                  args.intra_latency_us * 1e-6, *codec_seconds(base))
+        hw, note, link_note = _probed_hardware(args, base)
     memory = None if args.memory_gb is None else args.memory_gb * 2**30
-    base = dataclasses.replace(base, model=base.model.resolved())
+    base = with_nodes(dataclasses.replace(base, model=base.model.resolved()), hw, args.world)
     plan = plan_layouts(base, args.world, fixed, memory, hw)
     sys.stdout.write(format_plan(plan, base, args.world, hw, args.memory_gb, args.top, note,
                                  link_note))

@@ -16,17 +16,23 @@ mode keeps, at the peak number of microbatches the schedule holds in flight).
 
 ``predict_step_time`` is the model that ranks layouts::
 
-    op time    = FLOPs of one microbatch through one chunk / peak  +  its TP and SP traffic
+    op time    = FLOPs of one microbatch through one chunk / peak  +  kernel calls x op overhead
+                 +  its TP and SP traffic
     pipeline   = dry run of the schedule with those op times (backward = 2 x forward, plus
                  the forward work recompute repeats) and
                  point-to-point messages of  activation bytes / bandwidth + latency: the makespan,
                  which includes the bubble
     step time  = pipeline + DP x SP gradient traffic (+ compression's encode/decode work)
-                 + gradient-norm all-reduce
+                 + gradient-norm all-reduce + the tied embedding's gradient sum
+                 + optimizer passes over the rank's parameters / elementwise rate
 
 with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce moves ``2 (n-1)/n``
 of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the link inside a node
-or, for a group that spans nodes, across them (:class:`Hardware`).
+or, for a group that spans nodes, across them. :class:`Hardware` holds the peak, the links, the
+per-call overhead and compression's work per element: nominal, or measured by ``python -m
+mpipar.bench comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks
+share dominate small models: the peak is a rank's share of the node). The nodes are
+``parallel.ranks_per_node`` consecutive ranks each, else those of the hardware file, else one.
 ``plan_layouts`` enumerates the layouts of a world and ranks the ones that fit;
 ``auto_layout`` is what ``python -m mpipar.train`` does when no parallel size is given.
 """
@@ -35,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -89,13 +96,22 @@ def _compressed_size(cfg: Config) -> int:
 def bucket_lengths(cfg: Config, coord: Coord) -> list[int]:
     """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp, of
     whole int8 scale blocks when int8 compression runs)."""
+    return [length for length, _ in _buckets(cfg, coord)]
+
+
+def _buckets(cfg: Config, coord: Coord) -> list[tuple[int, bool]]:
+    """(elements, whether it holds a tied embedding summed over pp_ends) of each flat gradient
+    bucket of this rank, as :class:`mpipar.parallel.data.GradReducer` lays them out."""
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
+    table = placement_table(cfg)
     shapes = local_param_shapes(cfg, coord)
-    sizes = [math.prod(shapes[n]) for n in reversed(list(shapes))]
+    order = list(reversed(list(shapes)))
+    sizes = [math.prod(shapes[n]) for n in order]
+    tied = {i for i, n in enumerate(order) if table[n].tied_across_pipeline}
     limit = max(1, int(par.bucket_mb * 2**20))
     align = alignment(par.grad_compression) if _compressed_size(cfg) > 1 else 1
-    return [padded_size(sum(sizes[i] for i in idx), par.dp * par.sp, align)
-            for idx in plan_buckets([s * e for s in sizes], limit)]
+    return [(padded_size(sum(sizes[i] for i in idx), par.dp * par.sp, align), set(idx) <= tied)
+            for idx in plan_buckets([s * e for s in sizes], limit, tied)]
 
 
 # ----------------------------------------------------------------------------------- traffic
@@ -129,13 +145,17 @@ def group_sizes(cfg: Config) -> dict[str, int]:
             "dp_sp_inter": par.dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u}
 
 
-def _calls(cfg: Config, coord: Coord) -> list[Call]:
-    """Every MPI call the rank at ``coord`` makes in one step (resolved ``cfg``)."""
+def _calls(cfg: Config, coord: Coord, eval_batches: int = 0) -> list[Call]:
+    """Every MPI call the rank at ``coord`` makes in one training step, or with
+    ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
+    reduced once: :meth:`mpipar.engine.Engine.evaluate`). ``cfg`` is resolved."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    train = eval_batches == 0
     e = np.dtype(tr.dtype).itemsize
     b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
     n_tok, H, D = b * s_loc, m.hidden, m.head_dim
     micro = tr.global_batch_size // (par.dp * b)
+    passes = micro if train else micro * eval_batches   # forwards of a microbatch per chunk
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
     stages = [c * p + coord.pp for c in range(v)]
@@ -143,12 +163,14 @@ def _calls(cfg: Config, coord: Coord) -> list[Call]:
     shape = GridShape(par.dp, par.tp, par.pp, par.sp)
     calls: list[Call] = []
     if par.tp > 1:
-        calls += _tp_calls(cfg, n_tok, blocks, 0 in stages, (p * v - 1) in stages, micro, stages)
+        calls += _tp_calls(cfg, n_tok, blocks, 0 in stages, (p * v - 1) in stages, passes, stages,
+                           train)
     if par.sp > 1:
         q = b * s_loc * (m.heads // par.tp) * D * e
         kv = b * s_loc * (m.kv_heads // par.tp) * D * e
-        reps = (2 if tr.recompute == "full" else 1) * blocks * micro   # forwards per step
-        bwds = blocks * micro
+        reruns = 2 if train and tr.recompute == "full" else 1   # backward re-runs forwards
+        reps, bwds = reruns * blocks * passes, blocks * passes if train else 0
+
         right = shape.rank_of(coord._replace(sp=coord.sp + 1))
         if par.sp_mode == "ulysses":
             calls += _ulysses_calls("sp", q, kv, reps, bwds)
@@ -161,15 +183,18 @@ def _calls(cfg: Config, coord: Coord) -> list[Call]:
         else:
             calls += _ring_calls("sp", par.sp, kv, reps, bwds, par.sp_overlap, right)
     if p > 1:
-        calls += _pp_calls(cfg, coord, n_tok * H * e, stages, micro, shape)
+        calls += _pp_calls(cfg, coord, n_tok * H * e, stages, passes, shape, train)
     if par.dp * par.sp > 1:
-        calls += _reduction_calls(cfg, coord)
+        calls += _reduction_calls(cfg, coord) if train else []
         calls.append(Call("dp_sp", "allreduce", 8))                       # the loss
-        if par.zero:
+        if train and par.zero:
             calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
-    if par.tp * p > 1:
+    if train and par.tp * p > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
-    return calls
+    if train:             # tied embedding copies: all-reduce after dp x sp (ZeRO: its slice)
+        calls += [Call("pp_ends", "allreduce", L // (par.dp * par.sp if par.zero else 1) * e)
+                  for L, tied in _buckets(cfg, coord) if tied]
+    return [c for c in calls if c.count]
 
 
 def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:
@@ -193,15 +218,18 @@ def _ring_calls(group: str, n: int, kv: int, reps: int, bwds: int, overlap: bool
             Call(group, "sendrecv", 2 * kv, n * bwds, right)]
 
 
-def _pp_calls(cfg: Config, coord: Coord, act_full: int, stages: list[int], micro: int,
-              shape: GridShape) -> list[Call]:
-    """Activations to the next stage, their gradients to the previous one (each with its
-    receive on the other side), and the loss broadcast from the last stage."""
+def _pp_calls(cfg: Config, coord: Coord, act_full: int, stages: list[int], passes: int,
+              shape: GridShape, train: bool = True) -> list[Call]:
+    """Activations to the next stage, their gradients to the previous one (``train``; each
+    with its receive on the other side), and the loss broadcast from the last stage."""
     par = cfg.parallel
     p, last = par.pp, par.pp * par.virtual_stages - 1
     act = act_full // (par.tp if par.tp_sequence_parallel else 1)        # the stream
-    fwd = sum(s < last for s in stages) * micro
-    bwd = sum(s > 0 for s in stages) * micro
+    fwd = sum(s < last for s in stages) * passes
+    bwd = sum(s > 0 for s in stages) * passes
+    if not train:                  # forward only: activations out, activations in
+        return [Call("pp", "send", act, fwd, shape.rank_of(coord._replace(pp=(coord.pp + 1) % p))),
+                Call("pp", "recv", 0, bwd), Call("pp", "bcast", 8 if coord.pp == p - 1 else 0)]
     nxt = shape.rank_of(coord._replace(pp=(coord.pp + 1) % p))
     prv = shape.rank_of(coord._replace(pp=(coord.pp - 1) % p))
     return [Call("pp", "send", act, fwd, nxt), Call("pp", "send", act, bwd, prv),
@@ -248,9 +276,11 @@ def _across_calls(cfg: Config, group: str, x: int, c: int, e: int) -> list[Call]
     return [Call(group, "iallgather", TopKCodec(np, par.topk_ratio).packed_bytes(x, e))]
 
 
-def _tp_calls(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, micro: int,
-              stages: list[int]) -> list[Call]:
-    """The tp group's calls in one step (see :mod:`mpipar.parallel.tensor`).
+def _tp_calls(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, passes: int,
+              stages: list[int], backward: bool = True) -> list[Call]:
+    """The tp group's calls in ``passes`` forwards of a microbatch through this rank's chunks,
+    each with its backward (``backward``: a training step) or without (a validation pass); see
+    :mod:`mpipar.parallel.tensor`.
 
     Without sequence parallelism each block all-reduces the stream twice forward (after o and
     down) and twice backward (the inputs of q/k/v and gate/up). With it, forward all-gathers the
@@ -264,20 +294,23 @@ def _tp_calls(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, mic
     e = np.dtype(tr.dtype).itemsize
     se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
     full = n_tok * m.hidden * e
-    reruns = 2 if tr.recompute == "full" else 1      # backward re-runs each block's forward
-    stats = [Call("tp", "allreduce_max", n_tok * se, micro),
-             Call("tp", "allreduce", 2 * n_tok * se, micro)]
-    if not par.tp_sequence_parallel:
-        calls = [Call("tp", "allreduce", full, (2 * reruns + 2) * blocks * micro
-                      + micro * (int(first) + int(last)))]
+    bw = int(backward)
+    reruns = 2 if backward and tr.recompute == "full" else 1   # backward re-runs each forward
+    stats = [Call("tp", "allreduce_max", n_tok * se, passes),
+             Call("tp", "allreduce", 2 * n_tok * se, passes)]
+    if not par.tp_sequence_parallel:     # per block: leave o, down | enter q/k/v, gate/up
+        calls = [Call("tp", "allreduce", full, passes * ((2 * reruns + 2 * bw) * blocks
+                                                         + int(first) + bw * int(last)))]
         return calls + (stats if last else [])
     shard = full // par.tp
-    calls = [Call("tp", "allgather", shard, (2 * reruns + 4) * blocks * micro
-                  + micro * (int(first) + 2 * int(last))),
-             Call("tp", "reduce_scatter", full, (2 * reruns + 2) * blocks * micro
-                  + micro * (int(first) + int(last)))]
+    calls = [Call("tp", "allgather", shard, passes * ((2 * reruns + 4 * bw) * blocks
+                                                      + bw * int(first) + (1 + bw) * int(last))),
+             Call("tp", "reduce_scatter", full, passes * ((2 * reruns + 2 * bw) * blocks
+                                                          + int(first) + bw * int(last)))]
     if last:
         calls += stats
+    if not backward:
+        return calls
     H = m.hidden
     per = m.layers // (par.pp * par.virtual_stages)
     if par.schedule == "zb-h1":                      # one call per chunk with all its norms
@@ -326,6 +359,23 @@ def predict_link_bytes(cfg: Config, coord: Coord) -> dict[str, dict[str, int]]:
             links = out.setdefault(call.group, dict.fromkeys(LINKS, 0))
             links[_link(cfg, coord, call)] += wire
     return out
+
+
+def predict_eval_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
+    """Bytes per group that the rank at ``coord`` hands to MPI in one validation pass of
+    ``cfg.train.eval_batches`` batches (booked in the engine's ``eval_ledger``)."""
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord, cfg.train.eval_batches):
+        out[call.group] += call.nbytes * call.count
+    return dict(out)
+
+
+def predict_eval_messages(cfg: Config, coord: Coord) -> dict[str, int]:
+    """MPI calls per group of the rank at ``coord`` in one validation pass."""
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord, cfg.train.eval_batches):
+        out[call.group] += call.count
+    return dict(out)
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -427,6 +477,52 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
     return MemoryEstimate(flat, flat, optimizer, peak + working, residual_bytes(cfg, lengths))
 
 
+def parameter_count(model: ModelConfig) -> int:
+    """Parameters of ``model`` from its sizes alone (no per-layer list: a model of 10^8 layers
+    is counted at once): embedding and LM head ``V x H`` each, the final norm ``H``, and per
+    block two norms, q/k/v/o and the three SwiGLU matrices."""
+    m = model.resolved()
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    block = 2 * m.hidden + (2 * q + 2 * kv) * m.hidden + 3 * m.ffn_hidden * m.hidden
+    return 2 * m.vocab_size * m.hidden + m.hidden + m.layers * block
+
+
+def memory_lower_bound(cfg: Config) -> int:
+    """Bytes the busiest rank of a resolved ``cfg`` needs at least: its share of the weights and
+    gradients, ``2 x dtype bytes x parameters / (tp x pp)``. Cheap for any size, so absurd
+    models are refused before :func:`predict_peak_memory` lists their parameters."""
+    par = cfg.parallel
+    e = np.dtype(cfg.train.dtype).itemsize
+    return 2 * e * parameter_count(cfg.model) // (par.tp * par.pp)
+
+
+def predict_peak_memory(cfg: Config, coord: Coord) -> int:
+    """The most bytes the rank at ``coord`` holds at once (resolved ``cfg``), not counting the
+    interpreter and its libraries: the largest of
+
+    - initialisation: its initial parameter shards, plus the largest parameter it holds as a
+      float64 global tensor, cast to the training dtype and copied (or padded) into its shard:
+      a parameter is initialised whole, then sliced (:func:`mpipar.model.params.init_param`,
+      ``Engine._initial_shards``);
+    - building the engine: those shards while the flat weight and gradient buffers and the
+      AdamW moments are allocated;
+    - a step: :func:`predict_memory`, plus the step's tokens (this DP rank's int64 rows of
+      ``seq_len + 1``, its inputs and targets, and their sequence chunks).
+    """
+    par, tr = cfg.parallel, cfg.train
+    e = np.dtype(tr.dtype).itemsize
+    mem = predict_memory(cfg, coord)
+    shapes = local_param_shapes(cfg, coord)
+    shards = e * sum(math.prod(shape) for shape in shapes.values())
+    table = placement_table(cfg)
+    largest = max(math.prod(table[name].spec.shape) for name in shapes)
+    initialising = shards + largest * (8 + 2 * e)
+    building = shards + mem.weights + mem.grads + mem.optimizer + mem.residuals
+    rows = tr.global_batch_size // par.dp
+    tokens = 8 * rows * (3 * (tr.seq_len + 1) + 2 * (tr.seq_len // par.sp))
+    return max(initialising, building, mem.total + tokens)
+
+
 # -------------------------------------------------------------------------------------- FLOPs
 def _block_flops_per_token(cfg: Config, context: float) -> float:
     """Forward FLOPs of one block for one token of this TP rank attending to ``context`` keys."""
@@ -459,14 +555,19 @@ def _sp_context(cfg: Config) -> float:
 # --------------------------------------------------------------------------------------- time
 @dataclass(frozen=True)
 class Hardware:
-    """What the time model assumes about one rank and its links: ``bandwidth`` and ``latency``
-    across nodes, ``intra_bandwidth`` and ``intra_latency`` inside one (0: as across)."""
+    """What the time model assumes about one rank and its links: nominal numbers by default, or
+    those ``python -m mpipar.bench comm`` measured (:meth:`load`). ``bandwidth`` and ``latency``
+    are the link across nodes, ``intra_bandwidth`` and ``intra_latency`` the one inside a node
+    (0: as across)."""
 
-    peak_flops: float = 1e11       # FLOP/s of one rank
+    peak_flops: float = 1e11       # FLOP/s of one rank (with its share of the node's cores)
     bandwidth: float = 1e10        # bytes/s of one rank's link to other nodes
     latency: float = 1e-5          # seconds per MPI call to other nodes
-    intra_bandwidth: float = 0.0   # bytes/s of one rank's link inside its node (0: as across)
-    intra_latency: float = 0.0     # seconds per MPI call inside a node (0: as across)
+    intra_bandwidth: float = 0.0   # bytes/s inside a node (0: as across nodes)
+    intra_latency: float = 0.0     # seconds per MPI call inside a node (0: as across nodes)
+    ranks_per_node: int = 0        # ranks on one node measured (0: one node)
+    op_overhead: float = 0.0       # seconds every kernel call costs besides its FLOPs
+    elementwise_rate: float = 0.0  # elements/s of one in-place NumPy pass (0: optimizer not timed)
     int8_seconds: float = 0.0      # a rank's int8 encode/decode work per element compressed
     topk_seconds: float = 0.0      # a rank's top-k selection and decode work per element
 
@@ -475,6 +576,53 @@ class Hardware:
         if kind == "intra":
             return self.intra_bandwidth or self.bandwidth, self.intra_latency or self.latency
         return self.bandwidth, self.latency
+
+    @classmethod
+    def from_links(cls, peak_flops: float, op_overhead: float, elementwise_rate: float,
+                   links: dict[str, dict[str, float]], ranks_per_node: int, nodes: int,
+                   codec_seconds: tuple[float, float] = (0.0, 0.0)) -> "Hardware":
+        """From measured links (``{"intra"|"inter": {"allreduce_bandwidth": ..., ...}}``): a
+        link's bandwidth and latency are those of its all-reduce (what most of a step's calls
+        are); the other link stands in for a missing one. ``codec_seconds``: int8's and top-k's
+        work per element."""
+        def pick(scope: str) -> tuple[float, float]:
+            v = links.get(scope) or next(iter(links.values()), None)
+            return (v["allreduce_bandwidth"], v["allreduce_latency"]) if v else (1e10, 1e-5)
+        (bw, lat), (ibw, ilat) = pick("inter"), pick("intra")
+        return cls(peak_flops, bw, lat, ibw, ilat, ranks_per_node if nodes > 1 else 0,
+                   op_overhead, elementwise_rate, *codec_seconds)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+            fh.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> "Hardware":
+        """The hardware file ``path`` (from ``python -m mpipar.bench comm``)."""
+        with open(path) as fh:
+            data = json.load(fh)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{path}: unknown hardware fields {unknown}; expected {sorted(names)}")
+        return cls(**data)
+
+
+# Kernel and NumPy calls one microbatch makes through one block (counted in
+# mpipar/model/llama.py: norm, q/k/v, RoPE, attention, o, residual, norm, gate, up, SwiGLU, down,
+# residual forward; twice as many calls backward, whose linear ops each make two GEMMs), and
+# through the embedding and LM head together.
+OPS_BLOCK_FWD, OPS_BLOCK_BWD, OPS_ENDS = 16, 32, 12
+# Ring attention adds per hop beyond the first: a block attention and a merge forward (twice as
+# many calls backward).
+OPS_RING_HOP = 2
+# In-place NumPy passes of an optimizer step over this rank's parameters (mpipar/optim.py:
+# AdamW's 15 on the owned elements; gradient norm, clipping and zeroing 4 on all of them).
+ADAMW_PASSES, GRAD_PASSES = 15, 4
 
 
 @dataclass
@@ -488,7 +636,7 @@ class StepTime:
 
 
 INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring")        # inside forward and backward ops
-STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp")  # after the pipeline
+STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")  # after the pipeline
 
 
 def _group_seconds(cfg: Config, coord: Coord, hw: Hardware) -> dict[str, float]:
@@ -517,16 +665,30 @@ def _group_seconds(cfg: Config, coord: Coord, hw: Hardware) -> dict[str, float]:
     return dict(out)
 
 
+def with_nodes(cfg: Config, hw: Hardware, world: int) -> Config:
+    """``cfg`` on the nodes the planner assumes: its own ``ranks_per_node`` when given, else the
+    hardware's measured one (when it divides ``world``), else one node."""
+    k, par = hw.ranks_per_node, cfg.parallel
+    if par.ranks_per_node or not k or world % k:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(par, ranks_per_node=k))
+
+
 def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
-    """The step time model of this module's docstring for a resolved ``cfg``."""
+    """The step time model of this module's docstring for a resolved ``cfg`` (on
+    :func:`with_nodes`)."""
+    par = cfg.parallel
+    cfg = with_nodes(cfg, hw, par.dp * par.tp * par.pp * par.sp)
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
-    block_fwd = _block_flops_per_token(cfg, _sp_context(cfg)) * n * per / hw.peak_flops
-    head_fwd = 2 * m.hidden * vl * n / hw.peak_flops
+    hops = {"ring": par.sp - 1, "hybrid": par.sp // (par.ulysses_size or 1) - 1}.get(par.sp_mode, 0)
+    block_fwd = (_block_flops_per_token(cfg, _sp_context(cfg)) * n / hw.peak_flops
+                 + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
+    head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
     qkv = 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * per
     redo = {"full": block_fwd, "selective": qkv / hw.peak_flops}.get(tr.recompute, 0.0)
@@ -547,8 +709,20 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
         hop = n * m.hidden * np.dtype(tr.dtype).itemsize / bw + lat
     run = dry_run(_schedule(par.schedule, p, micro, v), p, micro, v, cost_fwd=unit,
                   cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
-    total = run.makespan + sum(comm.get(g, 0.0) for g in STEP_GROUPS)
+    total = (run.makespan + sum(comm.get(g, 0.0) for g in STEP_GROUPS)
+             + _optimizer_time(cfg, hw))
     return StepTime(compute, comm, run.bubble_fraction, total)
+
+
+def _optimizer_time(cfg: Config, hw: Hardware) -> float:
+    """Seconds of the optimizer step on the rank with the most parameters: memory-bound passes
+    at the measured elementwise rate (0 with nominal hardware)."""
+    if not hw.elementwise_rate:
+        return 0.0
+    par = cfg.parallel
+    local = max(sum(bucket_lengths(cfg, Coord(dp=0, tp=0, pp=r, sp=0))) for r in range(par.pp))
+    owned = local // (par.dp * par.sp) if par.zero else local
+    return (ADAMW_PASSES * owned + GRAD_PASSES * local) / hw.elementwise_rate
 
 
 def _crossing(cfg: Config) -> set[str]:
@@ -649,7 +823,9 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
 
 def evaluate(cfg: Config, hw: Hardware = Hardware()) -> Candidate:
     """Predictions for a resolved ``cfg``: memory, bytes and wire bytes per link of its worst
-    pipeline rank (its first rank on every other axis)."""
+    pipeline rank (its first rank on every other axis), on :func:`with_nodes`."""
+    par = cfg.parallel
+    cfg = with_nodes(cfg, hw, par.dp * par.tp * par.pp * par.sp)
     coords = [Coord(dp=0, tp=0, pp=r, sp=0) for r in range(cfg.parallel.pp)]
     memory = max((predict_memory(cfg, c) for c in coords), key=lambda x: x.total)
     step_bytes: dict[str, int] = {}
@@ -673,6 +849,7 @@ def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
     configuration rule, or whose every variant exceeds the memory, are returned as rejections
     with the reason (the rule's message, or the least memory any variant needs)."""
     plan = Plan()
+    base = with_nodes(base, hw, world)
     given = {f: getattr(base.parallel, f) for f in SIZE_FIELDS if f in fixed}
     for sizes in _factorisations(world):
         if any(dict(zip(SIZE_FIELDS, sizes))[f] != v for f, v in given.items() if v):

@@ -3,7 +3,8 @@
 Reads ``RUN_DIR/metrics.jsonl``, ``RUN_DIR/timeline.json`` (the last step's op records of every
 rank) and ``RUN_DIR/config.toml``, and writes into ``RUN_DIR/report/`` (or ``--out``):
 
-- ``loss.png`` (skipped steps marked), ``throughput.png`` (tokens/s and MFU),
+- ``loss.png`` (skipped steps marked; the validation loss of the evaluated steps beside the
+  training loss), ``throughput.png`` (tokens/s and MFU),
   ``time_breakdown.png`` (stacked seconds per step: compute, TP/SP comm, pipeline wait, DP comm,
   optimizer, I/O), ``memory.png`` (peak resident memory per rank), ``timeline.png`` (a Gantt chart
   of each rank's forward / backward / receive-wait ops over the recorded step);
@@ -27,7 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpipar.metrics import COMPUTE_OPS, TIME_KEYS
+from mpipar.metrics import COMPUTE_OPS, TIME_KEYS, read_records
 
 LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
           "pipeline_wait": "pipeline wait (bubble and transfers)",
@@ -47,8 +48,7 @@ def load_run(run_dir: str) -> tuple[list[dict], dict | None, dict | None]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
-    with open(path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records = read_records(path)
     timeline = config = None
     if os.path.exists(os.path.join(run_dir, "timeline.json")):
         with open(os.path.join(run_dir, "timeline.json")) as fh:
@@ -104,13 +104,17 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         "inter_node_bytes_per_step": records[-1].get("inter_node_bytes_max", 0),
         "memory_bytes": records[-1].get("memory_bytes", []),
         "skipped_steps": records[-1].get("skipped_steps", 0),
+        "eval": _last_eval(records),
         "layout": {k: par[k] for k in ("dp", "tp", "pp", "sp", "schedule", "virtual_stages",
                                        "zero", "sp_mode", "sp_split", "ranks_per_node",
                                        "dp_reduce", "grad_compression") if k in par},
     }
     if tr.get("global_batch_size") and tr.get("micro_batch_size") and par.get("dp"):
+        out["layout"]["micro_batch_size"] = tr["micro_batch_size"]
         out["layout"]["microbatches"] = tr["global_batch_size"] // (par["dp"]
                                                                   * tr["micro_batch_size"])
+    if (config or {}).get("model", {}).get("layers"):
+        out["layers"] = config["model"]["layers"]
     if tr.get("recompute"):
         out["layout"]["recompute"] = tr["recompute"]
         out["layout"]["backend"] = tr["backend"]
@@ -120,6 +124,15 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         bubble = times["pipeline_wait"] / pipe if pipe > 0 else 0.0
     out["bubble"] = bubble
     return out
+
+
+def _last_eval(records: list[dict]) -> dict[str, Any] | None:
+    """The last validation of a run: ``step``, ``loss``, ``perplexity`` (None if none ran)."""
+    evals = [r for r in records if "eval" in r]
+    if not evals:
+        return None
+    return {"step": evals[-1]["step"], "loss": evals[-1]["eval"]["loss"],
+            "perplexity": evals[-1]["eval"]["perplexity"]}
 
 
 def diagnose(summary: dict[str, Any]) -> list[str]:
@@ -133,11 +146,8 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     lines = [f"bottleneck: {LABELS[worst]} ({100 * frac[worst]:.0f}% of the step time)"]
     bubble = summary.get("bubble", 0.0)
     if pp > 1 and bubble > BUBBLE_LIMIT:
-        m = lay.get("microbatches")
-        more = f" (now {m} per step for pp={pp})" if m else ""
-        lines.append(f"pipeline bubble {100 * bubble:.0f}% > {100 * BUBBLE_LIMIT:.0f}%: use more "
-                     f"microbatches{more} with a smaller --micro-batch-size, or interleaving "
-                     f"(--schedule interleaved --virtual-stages 2) or --schedule zb-h1")
+        lines.append(f"pipeline bubble {100 * bubble:.0f}% > {100 * BUBBLE_LIMIT:.0f}%: use "
+                     + ", or ".join(_bubble_remedies(lay, summary.get("layers"))))
     if tp > 1 and t["tp_comm"] > t["compute"]:
         lines.append(f"TP communication ({t['tp_comm']:.3g} s) is above compute "
                      f"({t['compute']:.3g} s): use a smaller --tp (e.g. --tp {tp // 2}) and give "
@@ -178,6 +188,28 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:
+    """What would shrink the pipeline bubble of a run with layout ``lay`` (its pp, schedule,
+    virtual stages, micro-batch size and microbatches) and ``layers`` blocks (None: unknown),
+    leaving out what the run already did."""
+    pp, v = lay["pp"], lay.get("virtual_stages", 1)
+    schedule, m, mbs = lay.get("schedule"), lay.get("microbatches"), lay.get("micro_batch_size")
+    now = f" (now {m} per step for pp={pp})" if m else ""
+    how = "a larger --global-batch-size" if mbs == 1 else "a smaller --micro-batch-size"
+    out = [f"more microbatches{now} with {how}"]
+    if layers is None:
+        fits = [2 * v]
+    else:
+        fits = [w for w in range(v + 1, layers // pp + 1) if layers % (pp * w) == 0]
+    if fits and schedule == "interleaved":
+        out.append(f"more virtual stages (--virtual-stages {fits[0]}, now {v})")
+    elif fits:
+        out.append(f"interleaving (--schedule interleaved --virtual-stages {fits[0]})")
+    if schedule != "zb-h1":
+        out.append("--schedule zb-h1")
+    return out
+
+
 def summary_text(summary: dict[str, Any]) -> str:
     """Human-readable summary: the numbers, then :func:`diagnose`."""
     s = summary
@@ -190,6 +222,9 @@ def summary_text(summary: dict[str, Any]) -> str:
            + (f", {s['status']}" if s.get("status") else ""),
            "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
            f"loss: {loss}",
+           *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
+              f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
+             else []),
            f"throughput: {s['tokens_per_s']:,.0f} tokens/s, step {s['step_time_s']:.4g} s, "
            f"MFU {100 * s['mfu']:.2f}% (medians after step 1)",
            "time per step (mean over ranks): " + ", ".join(
@@ -216,12 +251,18 @@ def _figure(width: float = 8, height: float = 4.5):
 def plot_loss(records: list[dict], path: str) -> None:
     plt, fig, ax = _figure()
     steps = [r["step"] for r in records if not r.get("skipped")]
-    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2, label="loss")
+    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2,
+            label="training loss")
     skipped = [r["step"] for r in records if r.get("skipped")]
     if skipped:
         top = max((r["loss"] for r in records if math.isfinite(r["loss"])), default=1.0)
         ax.scatter(skipped, [top] * len(skipped), marker="x", color="red", label="skipped step")
-    ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", title="Training loss")
+    evals = [r for r in records if "eval" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval"]["loss"] for r in evals], "o-", lw=1.2,
+                color="#dd8452", label="validation loss")
+    ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)",
+           title="Training and validation loss" if evals else "Training loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -6,8 +6,8 @@ tensors, so this module answers, for this rank:
 
 - :meth:`TrainState.pieces`: its share of the unique state as flat ranges of its local shards,
   every element of every global tensor reported by exactly one rank of the world: parameters by
-  dp = sp = 0 (and, for tp-replicated ones, tp = 0), moments by whichever rank the optimizer
-  says (and the same tp rule);
+  dp = sp = 0 (and, for tp-replicated ones, tp = 0; for a tied embedding, its first pipeline
+  rank), moments by whichever rank the optimizer says (and the same tp and pp rules);
 - :meth:`TrainState.region`: which region of a global tensor a local shard covers (vocabulary
   padding rows belong to no global tensor);
 - :meth:`TrainState.load`: set every parameter and moment from a reader of global regions, so
@@ -28,25 +28,38 @@ import numpy as np
 from mpipar.backend import to_host
 from mpipar.optim import Optimizer, StatePiece
 from mpipar.parallel.data import GradReducer
-from mpipar.placement import PlacementTable, Slices
+from mpipar.placement import Placement, PlacementTable, Slices
 
 Reader = Callable[[str, str, Slices], np.ndarray]
 """``read(kind, name, region)``: ``region`` of the global tensor ``kind/name`` (kind "param",
 "exp_avg", "exp_avg_sq", or a residual kind the checkpoint holds)."""
 
 
+def read_shard(read: Reader, kind: str, placement: Placement, tp_rank: int, tp_size: int,
+               dtype: np.dtype) -> np.ndarray:
+    """tp rank ``tp_rank``'s shard of the global tensor ``kind/<placement.name>``, read region
+    by region through ``read`` (vocabulary padding rows stay zero), as a host array of
+    ``dtype``: how a checkpoint of any layout loads into this one."""
+    glob, loc = placement.region(tp_rank, tp_size)
+    full = np.zeros(placement.local_shape(tp_size), dtype)
+    full[loc] = read(kind, placement.name, glob)
+    return full
+
+
 class TrainState:
     """This rank's parameters and optimizer state as pieces of global tensors."""
 
     def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable,
-                 tp_rank: int, tp_size: int, replica_rank: int, dtype: np.dtype,
+                 tp_rank: int, tp_size: int, pp_rank: int, replica_rank: int, dtype: np.dtype,
                  xp: ModuleType = np, reducer: GradReducer | None = None) -> None:
-        """``params``: this rank's shards (arrays of ``xp``); ``replica_rank``: its rank in
-        dp x sp (0 writes the parameters of its (tp, pp) position); ``reducer``: the gradient
+        """``params``: this rank's shards (arrays of ``xp``); ``pp_rank``: its pipeline rank (a
+        tied embedding is reported by its first pipeline rank only); ``replica_rank``: its rank
+        in dp x sp (0 writes the parameters of its (tp, pp) position); ``reducer``: the gradient
         reducer whose error-feedback residuals are state too."""
         self.params, self.optimizer, self.table, self.xp = params, optimizer, table, xp
         self.reducer = reducer
         self.tp_rank, self.tp_size, self.replica_rank = tp_rank, tp_size, replica_rank
+        self.pp_rank = pp_rank
         self.dtype = np.dtype(dtype)
 
     @property
@@ -71,7 +84,7 @@ class TrainState:
         """``(kind, name, lo, hi, values)``: this rank's share of the unique state, ``[lo, hi)``
         a range of the flattened local shard of ``name``, ``values`` its host copy."""
         def owned(name: str) -> bool:
-            return self.table[name].owned_by(self.tp_rank)
+            return self.table[name].owned_by(self.tp_rank, self.pp_rank)
 
         if self.replica_rank == 0:
             for name, local in self.params.items():
@@ -87,10 +100,8 @@ class TrainState:
         optimizer's update count from ``step``, and the residuals from those of ``kinds`` (the
         kinds the source holds beyond parameters and moments). Collective-free."""
         def local(kind: str, name: str) -> np.ndarray:
-            glob, loc = self.region(name)
-            full = np.zeros(self.local_shape(name), self.dtype)  # padding rows stay zero
-            full[loc] = read(kind, name, glob)
-            return full
+            return read_shard(read, kind, self.table[name], self.tp_rank, self.tp_size,
+                              self.dtype)
 
         for name, shard in self.params.items():
             shard[...] = self.xp.asarray(local("param", name))

@@ -40,7 +40,7 @@ import h5py
 import numpy as np
 
 from mpipar import documents
-from mpipar.data import _H5_SUFFIXES, PREPARE_CHUNK_TOKENS, DataError
+from mpipar.data import PREPARE_CHUNK_TOKENS, DataError, output_file
 
 KNOWN_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
 """End-of-document tokens recognised when no tokenizer_config.json names one."""
@@ -248,10 +248,7 @@ def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLik
     for name, value, low in (("workers", workers, 0), ("chunk_tokens", chunk_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise DataError(f"{name} must be an integer >= {low}, got {value!r}")
-    out = Path(out)
-    if out.suffix.lower() not in _H5_SUFFIXES:
-        raise DataError(f"--out {out}: must end in .h5 or .hdf5 (the suffix selects the HDF5 "
-                        f"reader)")
+    out = output_file(out)
     files = documents.expand_inputs(inputs)
     for path in files:
         documents.check_readable(path, text_field)

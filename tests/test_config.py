@@ -9,7 +9,7 @@ import pytest
 from mpipar.config import Config
 from mpipar.train import resolve_config
 
-from conftest import MPIRUN, needs_mpirun
+from conftest import launch_env, mpirun, needs_mpirun
 
 # (flags, world size, expected message fragment) — one row per rule of Config.validate.
 RULES = [
@@ -19,6 +19,13 @@ RULES = [
     (["--hidden", "60", "--heads", "4"], 1, "model.head_dim=15: must be even"),
     (["--kv-heads", "3"], 1, "model.kv_heads=3: must divide model.heads=4"),
     (["--rope-theta", "0"], 1, "model.rope_theta=0.0: must be > 0"),
+    (["--rope-factor", "8"], 1, "model.rope_factor=8.0: scales only with model.rope_type linear"),
+    (["--rope-type", "linear", "--rope-factor", "0"], 1, "model.rope_factor=0.0: must be > 0"),
+    (["--rope-type", "llama3", "--rope-factor", "8"], 1,
+     "model.rope_original_max_positions=0: rope_type 'llama3' needs the pretraining context"),
+    (["--rope-type", "llama3", "--rope-factor", "8", "--rope-original-max-positions", "64",
+      "--rope-low-freq-factor", "4"], 1, "llama3 RoPE needs 0 < low < high"),
+    (["--rope-type", "yarn"], 1, "argument --rope-type: invalid choice: 'yarn'"),
     (["--norm-eps", "0"], 1, "model.norm_eps=0.0: must be > 0"),
     (["--init-std", "-1"], 1, "model.init_std=-1.0: must be > 0"),
     (["--tp", "0"], 1, "parallel.tp=0: must be a positive integer"),
@@ -79,6 +86,18 @@ RULES = [
      "parallel.ulysses_size=3: --sp-mode hybrid needs a Ulysses group size that divides"),
     (["--sp", "4", "--sp-mode", "hybrid", "--ulysses-size", "4"], 4,
      "parallel.ulysses_size=4: hybrid needs model.kv_heads/tp = 2/1 divisible by ulysses_size"),
+    # issue 15, item 9: accepted but wrong (non-finite floats), item 10: tracebacks before
+    (["--lr", "inf"], 1, "train.lr=inf: must be a finite number"),
+    (["--init-std", "inf"], 1, "model.init_std=inf: must be a finite number"),
+    (["--weight-decay", "inf"], 1, "train.weight_decay=inf: must be a finite number"),
+    (["--eps", "inf"], 1, "train.eps=inf: must be a finite number"),
+    (["--norm-eps", "inf"], 1, "model.norm_eps=inf: must be a finite number"),
+    (["--rope-theta", "inf"], 1, "model.rope_theta=inf: must be a finite number"),
+    (["--clip-grad", "nan"], 1, "train.clip_grad=nan: must be a finite number"),
+    (["--bucket-mb", "inf"], 1, "parallel.bucket_mb=inf: must be a finite number"),
+    (["--collective-timeout", "nan"], 1, "train.collective_timeout=nan: must be a finite number"),
+    (["--seed", "-1"], 1, "train.seed=-1: must be >= 0"),
+    (["--steps", str(2**63)], 1, f"train.steps={2**63}: must lie in (-2**63, 2**63)"),
 ]
 
 
@@ -118,6 +137,7 @@ def test_toml_and_flag_override(tmp_path):
     ('[train]\nshuffle = 1\n', "train.shuffle=1: must be true or false"),
     ('[parallel]\nzero = 2\n', "parallel.zero=2: must be one of 0, 1"),
     ('[model\n', "not valid TOML"),
+    ("[train]\nlr = 1" + "0" * 400 + "\n", "too large for a floating-point number"),
 ])
 def test_toml_errors(tmp_path, capsys, text, message):
     path = tmp_path / "bad.toml"
@@ -134,12 +154,26 @@ def test_missing_config_file(capsys):
     assert exc.value.code == 2 and "file not found" in capsys.readouterr().err
 
 
+def test_unreadable_config_files_exit_2_naming_the_file(tmp_path, capsys):
+    """Issue 15, item 10: a binary file and a directory given as --config are errors, not
+    tracebacks."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\x00\xff\xfe\x80 not text")
+    for path, message in ((binary, f"--config {binary}: not valid TOML"),
+                          (tmp_path, f"--config {tmp_path}: cannot be read (Is a directory)")):
+        with pytest.raises(SystemExit) as exc:
+            resolve_config(["--config", str(path)], 1)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
 @needs_mpirun
 def test_cli_bad_layout_every_rank_exits_2(tmp_path):
     """Under mpirun, a layout that does not fit fails on every rank, once, with status 2."""
-    proc = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-m", "mpipar.train", "--tp", "2",
+    proc = subprocess.run([*mpirun(3), sys.executable, "-m", "mpipar.train", "--tp", "2",
                            "--run-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=launch_env())
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("tp*pp*sp = 2*1*1 = 2 must divide the world size 3") == 1
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -147,8 +181,22 @@ def test_cli_bad_layout_every_rank_exits_2(tmp_path):
 
 def test_cli_argparse_choice_exit_2():
     proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--dtype", "float16"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=launch_env())
     assert proc.returncode == 2 and "invalid choice: 'float16'" in proc.stderr
+
+
+@needs_mpirun
+def test_argparse_errors_and_help_print_once_under_mpirun():
+    """Issue 15, item 11: an argparse error (and --help) is printed by rank 0 only; every rank
+    exits with argparse's status."""
+    bad = subprocess.run([*mpirun(4), sys.executable, "-m", "mpipar.train", "--dtype",
+                          "float16"], capture_output=True, text=True, timeout=120, env=launch_env())
+    assert bad.returncode == 2
+    assert bad.stderr.count("invalid choice: 'float16'") == 1, bad.stderr
+    assert bad.stderr.count("usage: python -m mpipar.train") == 1, bad.stderr
+    helped = subprocess.run([*mpirun(4), sys.executable, "-m", "mpipar.train", "--help"],
+                            capture_output=True, text=True, timeout=120, env=launch_env())
+    assert helped.returncode == 0 and helped.stdout.count("usage: python -m mpipar.train") == 1
 
 
 def test_readme_configuration_table_is_current():

@@ -9,6 +9,8 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import launch_env
+
 from mpipar.data import DataError, load_tokens, main, prepare_tokens
 
 
@@ -76,6 +78,58 @@ def test_prepare_module_entry_point(tmp_path):
     paths = _texts(tmp_path, [b"0123456789" * 3])
     out = tmp_path / "m.h5"
     proc = subprocess.run([sys.executable, "-m", "mpipar.data", "prepare", *paths, "--out",
-                           str(out)], capture_output=True, text=True, timeout=60)
+                           str(out)], capture_output=True, text=True, timeout=60, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     assert load_tokens(out, 256, 4).num_tokens == 30
+
+
+def test_prepare_creates_a_missing_output_directory_and_names_an_unwritable_one(tmp_path,
+                                                                                capsys):
+    """Issue 15, item 10: ``data prepare --out missing_dir/x.h5`` was a traceback. The directory
+    is now created (as a run creates its output directories); one that cannot be created is an
+    error naming the output, status 2."""
+    paths = _texts(tmp_path, [b"abc" * 10])
+    out = tmp_path / "missing_dir" / "x.h5"
+    assert main(["prepare", *paths, "--out", str(out)]) == 0
+    assert load_tokens(out, 256, 4).num_tokens == 30
+    (tmp_path / "a_file").write_bytes(b"")
+    blocked = tmp_path / "a_file" / "x.h5"
+    capsys.readouterr()
+    assert main(["prepare", *paths, "--out", str(blocked)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {blocked}: cannot be written" in err and "Traceback" not in err, err
+
+
+def _damage_chunk(path, index: int) -> None:
+    """Invert one byte inside stored chunk ``index`` of dataset ``tokens``."""
+    with h5py.File(path, "r") as f:
+        offset = f["tokens"].id.get_chunk_info(index).byte_offset
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 100)
+        byte = fh.read(1)
+        fh.seek(offset + 100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_damaged_chunk_is_named_when_the_source_loads(tmp_path, capsys):
+    """Issue 15, item 10: a corrupted chunk of a prepared uint8 file (whose ids need no range
+    check) loaded silently and failed mid-training with a traceback; loading now reads every
+    chunk once, and ``data info`` and training exit 2 naming the file and the token range."""
+    paths = _texts(tmp_path, [bytes(range(256)) * 1000])
+    out = tmp_path / "tokens.h5"
+    prepare_tokens(paths, out, chunk_tokens=1 << 14)
+    _damage_chunk(out, 3)
+    message = f"{out}: cannot read tokens [0, 256000)"  # one check read covers the stream
+    with pytest.raises(DataError, match="fletcher32|filter returned failure") as err:
+        load_tokens(out, 256, 16)
+    assert str(err.value).startswith(message) and "the file is damaged" in str(err.value)
+    assert main(["info", str(out), "--seq-len", "16", "--vocab-size", "256"]) == 2
+    assert message in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--data", str(out),
+                           "--seq-len", "16", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
+                           "--layers", "2", "--global-batch-size", "4", "--steps", "1",
+                           "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

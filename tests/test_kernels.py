@@ -65,6 +65,18 @@ def test_linear_grad(mod, rng):
 
 
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
+def test_linear_with_bias_grad(mod, rng):
+    x, w, b = rng.standard_normal((2, 3, 5)), rng.standard_normal((4, 5)), rng.standard_normal(4)
+    r = rng.standard_normal((2, 3, 4))
+    loss = lambda: float(np.sum(mod.linear_fwd(x, w, b) * r))  # noqa: E731
+    assert rel_err(kernels.get_backend("numpy").linear_bias_bwd(r), num_grad(loss, b)) < 1e-6
+    assert rel_err(mod.linear_fwd(x, w, b), np.einsum("bsi,oi->bso", x, w) + b) < 1e-13
+    assert rel_err(mod.linear_bwd(r, x, w)[1], num_grad(loss, w)) < 1e-6  # the bias changes no dw
+    with pytest.raises(ValueError, match=r"linear_fwd: b must be \[out\] = \(4,\)"):
+        mod.linear_fwd(x, w, b[:3])
+
+
+@pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_rmsnorm_grad(mod, rng):
     x, w, r = rng.standard_normal((2, 3, 7)), rng.standard_normal(7), rng.standard_normal((2, 3, 7))
     y, rstd = mod.rmsnorm_fwd(x, w, 1e-5)
@@ -74,6 +86,26 @@ def test_rmsnorm_grad(mod, rng):
     dx, dw = mod.rmsnorm_bwd(r, x, w, rstd)
     loss = lambda: float(np.sum(mod.rmsnorm_fwd(x, w, 1e-5)[0] * r))  # noqa: E731
     assert rel_err(dx, num_grad(loss, x)) < 1e-6
+    assert rel_err(dw, num_grad(loss, w)) < 1e-6
+
+
+@pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
+def test_add_rmsnorm_is_add_then_rmsnorm(mod, rng):
+    """The fused residual add + RMSNorm equals the two ops (float64) and its finite differences."""
+    x, r, w = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7)), rng.standard_normal(7)
+    dy, ds = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))
+    s, y, rstd = mod.add_rmsnorm_fwd(x, r, w, 1e-5)
+    y_ref, rstd_ref = ref.rmsnorm_fwd(x + r, w, 1e-5)
+    assert rel_err(s, x + r) < 1e-15 and rel_err(y, y_ref) < 1e-13 and rel_err(rstd, rstd_ref) < 1e-13
+    dsum, dw = mod.add_rmsnorm_bwd(dy, ds, s, w, rstd)
+    dx_ref, dw_ref = ref.rmsnorm_bwd(dy, x + r, w, rstd_ref)
+    assert rel_err(dsum, dx_ref + ds) < 1e-13 and rel_err(dw, dw_ref) < 1e-13
+
+    def loss() -> float:  # y feeds dy, s (the residual stream) feeds ds
+        s_, y_, _ = mod.add_rmsnorm_fwd(x, r, w, 1e-5)
+        return float(np.sum(y_ * dy) + np.sum(s_ * ds))
+
+    assert rel_err(dsum, num_grad(loss, x)) < 1e-6 and rel_err(dsum, num_grad(loss, r)) < 1e-6
     assert rel_err(dw, num_grad(loss, w)) < 1e-6
 
 
@@ -308,6 +340,42 @@ def test_rope_tables_and_relative_positions(rng):
     assert rel_err(rotated(q, 9), np.concatenate([x1 * c[0] - x2 * s[0], x2 * c[0] + x1 * s[0]])) < 1e-15
 
 
+def test_rope_scaling_rules():
+    """transformers' rules (modeling_rope_utils), checked on their defining properties; the
+    float64 comparison with transformers itself is in test_hf.py."""
+    d, theta = 16, 10000.0
+    base = ref.rope_inv_freq(d, theta)
+    assert rel_err(base, theta ** (-np.arange(0, d, 2) / d)) < 1e-15
+    # linear: every frequency divided by the factor (positions stretched).
+    assert rel_err(ref.rope_inv_freq(d, theta, "linear", 4.0), base / 4) == 0
+    # dynamic: plain up to the pretraining context, then theta grows with the sequence length.
+    dyn = dict(scaling="dynamic", factor=2.0, original_max_positions=64)
+    assert np.array_equal(ref.rope_inv_freq(d, theta, seq_len=64, **dyn), base)
+    grown = theta * (2.0 * 100 / 64 - 1.0) ** (d / (d - 2))
+    assert rel_err(ref.rope_inv_freq(d, theta, seq_len=100, **dyn),
+                   ref.rope_inv_freq(d, grown)) < 1e-15
+    # llama3: long wavelengths / factor, short ones kept, between a continuous interpolation.
+    old, lo, hi, factor = 64, 1.0, 4.0, 8.0
+    got = ref.rope_inv_freq(d, theta, "llama3", factor, lo, hi, old)
+    wave = 2 * np.pi / base
+    long, short = wave > old / lo, wave < old / hi
+    assert long.any() and short.any() and (~long & ~short).any()
+    assert np.array_equal(got[long], base[long] / factor) and np.array_equal(got[short], base[short])
+    mid = ~long & ~short
+    assert np.all((base[mid] / factor < got[mid]) & (got[mid] < base[mid]))
+    s = (old / wave[mid] - lo) / (hi - lo)  # 0 at wavelength old/lo, 1 at old/hi: continuous
+    assert rel_err(got[mid], (1 - s) * base[mid] / factor + s * base[mid]) < 1e-15
+    # the tables use them, for a whole sequence's length given apart from the positions
+    cos, _ = ref.rope_cos_sin(np.array([3, 5]), d, theta, np.float64, seq_len=100, **dyn)
+    assert rel_err(cos, np.cos(np.array([[3], [5]]) * ref.rope_inv_freq(d, grown))) < 1e-15
+    for bad, match in ((dict(scaling="yarn"), "scaling='yarn'"),
+                       (dict(scaling="llama3", factor=8.0, low_freq_factor=4.0,
+                             original_max_positions=64), "low_freq_factor < high_freq_factor"),
+                       (dict(scaling="dynamic", factor=2.0), "original_max_positions=0")):
+        with pytest.raises(ValueError, match=match):
+            ref.rope_inv_freq(d, theta, **bad)
+
+
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_linear_swiglu_is_linear_then_swiglu(mod, rng):
     x, wg, wu = rng.standard_normal((2, 3, 5)), rng.standard_normal((7, 5)), rng.standard_normal((7, 5))
@@ -347,10 +415,13 @@ def elementwise_cases(rng, dtype):
     lb[0, 0, 1:3] = -np.inf
     return [
         ("linear_fwd", (x, w)),
+        ("linear_fwd", (x, w, r(11))),
         ("linear_bwd", (dy, x, w)),
         ("linear_swiglu_fwd", (x, w, r(11, 13))),
         ("rmsnorm_fwd", (x, nw, 1e-6)),
         ("rmsnorm_bwd", (r(3, 7, 13), x, nw, rstd)),
+        ("add_rmsnorm_fwd", (x, r(3, 7, 13), nw, 1e-6)),
+        ("add_rmsnorm_bwd", (r(3, 7, 13), r(3, 7, 13), x, nw, rstd)),
         ("rope_fwd", (xr, cos, sin)),
         ("rope_bwd", (xr, cos, sin)),
         ("swiglu_fwd", (r(5, 9) * 10, r(5, 9))),
@@ -449,13 +520,26 @@ def test_bench_kernels_section(tmp_path, capsys):
 
     path = tmp_path / "bench.json"
     args = ["kernels", "--quick", "--dtypes", "float64", "--backends", "numpy,numba", "--batch", "1", "--seq", "8",
-            "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--ffn", "6", "--vocab", "5", "--json", str(path)]
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--ffn", "6", "--vocab", "5",
+            "--attn-seqs", "96", "--attn-head-dims", "16", "--attn-heads", "2", "--attn-threads", "1",
+            "--json", str(path)]
     assert bench.main(args) == 0
-    rows = json.loads(path.read_text())["kernels"]["rows"]
+    result = json.loads(path.read_text())["kernels"]
+    rows = result["rows"]
     assert len(rows) == len(kernels.OPS) + len(numba_cpu.IMPLEMENTED)  # one per (op, implementation)
     assert all(r["ms"] > 0 for r in rows)
+    fused = {r["op"]: r for r in result["fused"]}
+    assert set(fused) == {"add_rmsnorm_fwd", "add_rmsnorm_bwd"}
+    assert all(r["speedup"] == pytest.approx(r["unfused_ms"] / r["fused_ms"]) for r in fused.values())
+    (attn,) = result["attention"]  # measured in a child process with 1 thread
+    assert (attn["seq"], attn["head_dim"], attn["threads"], attn["kv_heads"]) == (96, 16, 1, 1)
+    fwd_flops, bwd_flops = 2 * 96 * 96 * 16 * 2, 5 * 96 * 96 * 16 * 2  # causal: half of 4 S^2 D per head
+    assert attn["fwd_gflops"] == pytest.approx(fwd_flops / attn["fwd_s"] / 1e9)
+    assert attn["bwd_gflops"] == pytest.approx(bwd_flops / attn["bwd_s"] / 1e9)
+    assert attn["fwd_pct_probe"] == pytest.approx(100 * attn["fwd_gflops"] / attn["probe_gflops"])
     table = capsys.readouterr().out
     assert "attention_bwd" in table and "numba backend uses" in table
+    assert "% of the GEMM probe" in table and "add_rmsnorm_bwd" in table
 
 
 def test_numba_accepts_non_contiguous_inputs(rng):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import assert_all_ranks, launch_env
 from layouts import small_config, token_source
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from mpipar.planner import (Hardware, auto_layout, model_flops_per_step, plan_layouts,
@@ -22,7 +22,9 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(pp=4, tp=2, schedule="zb-h1"), dict(dp=2, tp=2, pp=2, dtype="float32"),
          dict(tp=2, sp=2, dp=2, recompute="full"), dict(sp=2, sp_mode="ulysses", dp=2, pp=2,
                                                          recompute="full"),
-         dict(tp=2, pp=2, dp=2, recompute="selective")]
+         dict(tp=2, pp=2, dp=2, recompute="selective"),
+         dict(model="tied", pp=2, tp=2, dp=2, zero=1, bucket_mb=0.003),
+         dict(model="tied", dp=4, tp=2, schedule="interleaved", virtual_stages=2)]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -104,6 +106,25 @@ def test_tensor_parallel_shards_all_but_the_norms():
     matrices = _params(m) - norms - 2 * 257 * m.hidden
     want = matrices // 2 + norms + 2 * 129 * m.hidden
     assert predict_memory(cfg, Coord(0, 1, 0, 0)).weights == want * 4
+
+
+def test_tied_embedding_and_biases_by_hand():
+    """A tied model holds the embedding once on one stage and a copy on each end of a pipeline,
+    whose gradient (the whole, or under ZeRO-1 the owned slice) is all-reduced over pp_ends
+    once a step; q/k/v biases add q + 2 kv values per block."""
+    model = ModelConfig(tie_embeddings=True, attention_bias=True)
+    m = model.resolved()
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    n = _params(m) - m.vocab_size * m.hidden + m.layers * (q + 2 * kv)
+    assert predict_memory(Config(model=model).resolved(1), Coord(0, 0, 0, 0)).weights == n * 4
+    for zero, dp in ((0, 1), (1, 2)):
+        cfg = Config(model=model, parallel=ParallelConfig(pp=2, dp=dp, zero=zero)).resolved(2 * dp)
+        first = predict_memory(cfg, Coord(0, 0, 0, 0)).weights // 4
+        last = predict_memory(cfg, Coord(0, 0, 1, 0)).weights // 4
+        embed = m.vocab_size * m.hidden          # every bucket is even: no padding for dp = 2
+        assert first + last == n + embed
+        for r in (0, 1):
+            assert predict_step_bytes(cfg, Coord(0, 0, r, 0))["pp_ends"] == embed // dp * 4
 
 
 def test_pipeline_stages_hold_their_layers():
@@ -240,7 +261,7 @@ def test_given_batch_is_kept_and_the_planner_picks_the_layout():
 def test_plan_cli(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "3",
                            "--peak-gflops", "100", "--intra-gbps", "10"], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     first = next(line for line in lines if line.lstrip().startswith("1  "))
@@ -248,16 +269,16 @@ def test_plan_cli(tmp_path):
     assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
     none = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "2", "--memory-gb",
                            "0.001", "--peak-gflops", "100", "--tp", "2"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=launch_env())
     assert none.returncode == 1 and "no layout fits" in none.stdout
     assert "dp=1 tp=2 pp=1 sp=1: needs at least" in none.stdout
     bad = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "0"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=launch_env())
     assert bad.returncode == 2 and "--world 0: must be >= 1" in bad.stderr
     nodes = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "20",
                             "--peak-gflops", "100", "--dp", "8", "--ranks-per-node", "4",
                             "--intra-gbps", "20", "--inter-gbps", "1"],
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300, env=launch_env())
     assert nodes.returncode == 0, nodes.stderr
     rows = [line for line in nodes.stdout.splitlines() if "dp=8 tp=1" in line]
     assert "hierarchical" in rows[0] and "across nodes 803,982" in rows[0]

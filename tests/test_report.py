@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import launch_env
+
 from mpipar import report
 from mpipar.metrics import TIME_KEYS
 
@@ -72,13 +74,14 @@ def test_plots_are_valid_pngs(tmp_path):
 def test_cli_writes_the_report_and_fails_cleanly(tmp_path):
     run = _run_dir(tmp_path, [_record(s, 4.0, compute=0.1) for s in (1, 2)])
     proc = subprocess.run([sys.executable, "-m", "mpipar.report", run, "--out",
-                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                           env=launch_env())
     assert proc.returncode == 0, proc.stderr
     assert "bottleneck: compute" in proc.stdout
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
         [f"{n}.png" for n in PLOTS if n != "timeline"] + ["summary.txt"])
     missing = subprocess.run([sys.executable, "-m", "mpipar.report", str(tmp_path / "nope")],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=launch_env())
     assert missing.returncode == 2 and "no metrics" in missing.stderr
 
 
@@ -109,6 +112,34 @@ def test_diagnosis_pipeline_bubble():
     assert lines[0] == "bottleneck: pipeline wait (bubble and transfers) (55% of the step time)"
     assert "pipeline bubble 45% > 30%: use more microbatches (now 4 per step for pp=4)" in lines[1]
     assert "--schedule interleaved --virtual-stages 2" in lines[1]
+
+
+@pytest.mark.parametrize("layout,layers,advice", [
+    ({"schedule": "interleaved", "virtual_stages": 2, "micro_batch_size": 1}, 16,
+     "use more microbatches (now 8 per step for pp=2) with a larger --global-batch-size, or more "
+     "virtual stages (--virtual-stages 4, now 2), or --schedule zb-h1"),
+    ({"schedule": "interleaved", "virtual_stages": 2, "micro_batch_size": 2}, 4,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "--schedule zb-h1"),
+    ({"schedule": "zb-h1", "virtual_stages": 1, "micro_batch_size": 2}, 6,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "interleaving (--schedule interleaved --virtual-stages 3)"),
+    ({"schedule": "1f1b", "virtual_stages": 1, "micro_batch_size": 2}, 4,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "interleaving (--schedule interleaved --virtual-stages 2), or --schedule zb-h1"),
+])
+def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
+    """Issue 15, item 18: a run that already used --schedule interleaved --virtual-stages 2 was
+    told to use exactly that; the advice now names only what the run did not do (more virtual
+    stages when the layers divide, zb-h1, more microbatches)."""
+    mbs = layout.pop("micro_batch_size")
+    config = {"model": {"layers": layers},
+              "parallel": {"dp": 1, "tp": 1, "pp": 2, "sp": 1, **layout},
+              "train": {"global_batch_size": 8 * mbs, "micro_batch_size": mbs}}
+    records = [_record(k, 4.0, compute=1.0, pipeline_wait=1.0) for k in (1, 2)]
+    summary = report.summarize(records, None, config)  # what train and mpipar.report run
+    line = next(x for x in report.diagnose(summary) if x.startswith("pipeline bubble"))
+    assert line == f"pipeline bubble 50% > 30%: {advice}"
 
 
 def test_diagnosis_small_bubble_is_not_flagged():
@@ -160,7 +191,7 @@ def test_report_of_a_real_run(tmp_path):
                            "--heads", "2", "--kv-heads", "1", "--seq-len", "16",
                            "--global-batch-size", "4", "--micro-batch-size", "2", "--steps", "3",
                            "--backend", "numpy", "--log-every", "0", "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     written, text = report.write_report(str(run))
     assert all(_png_size(p)[0] > 0 for p in written if p.endswith(".png"))

@@ -40,10 +40,19 @@ global tensors like the moments (:meth:`residual_pieces`). On resume with the sa
 slots and the same codec they load slot by slot — bit-exact on the same layout; otherwise their
 sum, the gradient the reduction still owes, goes into slot 0 and nothing owed is lost
 (:meth:`load_residuals`); a run without error feedback ignores them.
+
+A tied embedding's two copies (first and last pipeline stage, :mod:`mpipar.placement`) are then
+summed over the ``tied`` group (Megatron's embedding group), after the dp x sp reduction as
+Megatron does it: the whole gradient, or under ZeRO-1 the owned slice. Each tied parameter has a
+bucket of its own, so the buffer is the same on both copies (same length, same values, same
+owned slice) and the sum of two is exact: both copies see bit-identical gradients and stay
+bit-identical through identical updates. The sum waits for :meth:`GradReducer.finish` rather than
+blocking in backward, where the two pipeline ranks reach their final gradients at different
+points of the schedule.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -56,12 +65,17 @@ RESIDUAL_SEND = "residual_send"
 RESIDUAL_GATHER = "residual_gather"
 
 
-def plan_buckets(sizes: list[int], limit_bytes: int) -> list[list[int]]:
+def plan_buckets(sizes: list[int], limit_bytes: int, alone: Collection[int] = ()
+                 ) -> list[list[int]]:
     """Group consecutive parameters (``sizes`` in bytes, in backward order) into buckets: a
-    bucket closes once it holds at least ``limit_bytes``. Returns the indices of each bucket."""
+    bucket closes once it holds at least ``limit_bytes``; the indices in ``alone`` get a bucket
+    of their own. Returns the indices of each bucket."""
     buckets: list[list[int]] = [[]]
     total = 0
     for i, size in enumerate(sizes):
+        if i in alone:
+            buckets += [[i], []]
+            continue
         buckets[-1].append(i)
         total += size
         if total >= limit_bytes:
@@ -111,11 +125,13 @@ class GradReducer:
     """Owns the flat buffers and reduces gradients over ``groups`` (``sharded``: ZeRO-1's
     reduce-scatter instead of the all-reduce; ``codec``: compressed across ``groups.inter``,
     with residuals when ``feedback``). ``params``: host tensors in any order; ``order``: the
-    names in backward order (the bucket order)."""
+    names in backward order (the bucket order); ``tied``: the names whose gradients are then
+    summed over ``tied_group`` (the module docstring)."""
 
     def __init__(self, params: dict[str, Any], order: list[str], groups: ReduceGroups,
                  bucket_mb: float, sharded: bool, xp: ModuleType, codec: Codec | None = None,
-                 feedback: bool = True) -> None:
+                 feedback: bool = True, tied: Collection[str] = (),
+                 tied_group: Group | None = None) -> None:
         self.hierarchical = groups.intra is not None
         if groups.intra is not None and groups.intra.size == 1:   # one rank a node: no step inside
             groups = ReduceGroups(groups.full, groups.inter)
@@ -124,8 +140,11 @@ class GradReducer:
         self.feedback = feedback and self.codec is not None
         self.align = self.codec.block if isinstance(self.codec, Int8Codec) else 1
         limit = max(1, int(bucket_mb * 2**20))
+        alone = {i for i, n in enumerate(order) if n in tied}
         self.buckets = [self._make_bucket(params, [order[i] for i in idx])
-                        for idx in plan_buckets([params[n].nbytes for n in order], limit)]
+                        for idx in plan_buckets([params[n].nbytes for n in order], limit, alone)]
+        self.tied_group = tied_group
+        self.tied_buckets = [b for b in self.buckets if set(b.names) <= set(tied)]
         self.params = {n: b.params[s:e].reshape(params[n].shape)
                        for b in self.buckets for n, (s, e) in b.offsets.items()}
         self.grads = {n: b.grads[s:e].reshape(params[n].shape)
@@ -217,12 +236,15 @@ class GradReducer:
         self._progress(block=False)
 
     def finish(self) -> None:
-        """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice)."""
+        """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice), the
+        tied ones then over the tied group too."""
         launched = {id(b) for b in self._launched}
         for b in self.buckets:
             if id(b) not in launched:
                 self._launch(b)
         self._progress(block=True)
+        for b in self.tied_buckets:
+            self.tied_group.allreduce_(b.owned_grad if self.sharded else b.grads)
 
     def _launch(self, b: Bucket) -> None:
         b.chain, b.request, b.started = self._reduce(b), None, 0

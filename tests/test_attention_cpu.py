@@ -1,0 +1,198 @@
+"""Blockwise CPU attention (kernels/attention_cpu.py) against numpy_ref, and its building blocks:
+the BLAS gemm callable from Numba and the vectorisable exp.
+
+Shapes span several tiles (tile_sizes(64) = 64 positions x 128 keys), with lengths that are not
+multiples of the tile and the causal diagonal crossing tiles at every offset. No MPI.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpipar.kernels import numpy_ref as ref
+
+ac = pytest.importorskip("mpipar.kernels.attention_cpu")
+from numba import njit  # noqa: E402  (after the importorskip: numba is there)
+
+from mpipar.kernels.numba_simd import vexp  # noqa: E402
+from mpipar.kernels.numba_gemm import gemm  # noqa: E402
+
+TOL = {np.float64: 1e-12, np.float32: 1e-5}
+
+
+@njit
+def gemm_call(ta, tb, m, n, k, a, lda, b, ldb, c, ldc, single):
+    """gemm with alpha 0.5 and beta 2 on the arrays' first elements."""
+    gemm(ta, tb, m, n, k, 0.5, a.ctypes.data, lda, b.ctypes.data, ldb, 2.0, c.ctypes.data, ldc, single)
+
+
+@njit
+def vexp_all(x, out):
+    for i in range(x.size):
+        out[i] = vexp(x[i])
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    """max|a - b| / max|b| over the finite entries of b; the infinities of a and b must agree."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.array_equal(np.isinf(a), np.isinf(b)) and not np.isnan(a).any()
+    fin = np.isfinite(b)
+    scale = np.abs(b[fin]).max(initial=0.0)
+    diff = np.abs(a[fin] - b[fin]).max(initial=0.0)
+    return diff / scale if scale > 0 else diff
+
+
+def inputs(rng, b, sq, sk, hq, hkv, d, dtype):
+    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(dtype)
+    return q, k, v
+
+
+def check_against_reference(rng, q, k, v, q_offset, k_offset, causal, dtype):
+    """Forward (out, lse) and backward (dq, dk, dv) equal numpy_ref within TOL[dtype]."""
+    out, lse = ac.attention_fwd(q, k, v, q_offset, k_offset, causal)
+    r_out, r_lse = ref.attention_fwd(q, k, v, q_offset, k_offset, causal)
+    assert out.dtype == dtype and lse.dtype == r_lse.dtype and out.flags.c_contiguous
+    assert rel_err(out, r_out) < TOL[dtype] and rel_err(lse, r_lse) < TOL[dtype]
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    grads = ac.attention_bwd(q, k, v, r_out, r_lse, dout, q_offset, k_offset, causal)
+    r_grads = ref.attention_bwd(q, k, v, r_out, r_lse, dout, q_offset, k_offset, causal)
+    for g, r in zip(grads, r_grads):
+        assert g.dtype == dtype and g.flags.c_contiguous and g.shape == r.shape
+        assert rel_err(g, r) < TOL[dtype]
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("q_offset,k_offset,causal,sq,sk", [
+    (0, 0, True, 203, 203),      # causal self-attention, 203 = 3 x 64 + 11 positions
+    (300, 0, True, 150, 170),    # ring: the key block lies wholly before the query block
+    (130, 130, True, 190, 190),  # ring: equal offsets (a rank's own block)
+    (0, 0, False, 77, 260),      # non-causal, keys 2 x 128 + 4
+    (40, 100, True, 150, 140),   # keys start after the first queries: rows without keys, partial tiles
+])
+def test_matches_reference(rng, dtype, group, q_offset, k_offset, causal, sq, sk):
+    q, k, v = inputs(rng, 2 if group < 4 else 1, sq, sk, 2 * group, 2, 64, dtype)
+    check_against_reference(rng, q, k, v, q_offset, k_offset, causal, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("d", [8, 128])
+def test_head_dims(rng, dtype, d):
+    """Other head dims give other tile widths (512 keys for d=8, 64 for d=128)."""
+    q, k, v = inputs(rng, 1, 150, 150, 4, 2, d, dtype)
+    check_against_reference(rng, q, k, v, 0, 0, True, dtype)
+
+
+def test_zigzag_pairs_merge_to_the_whole_sequence(rng):
+    """A sequence of 4 chunks as 2 zigzag ranks hold it (rank 0: chunks 0, 3; rank 1: 1, 2): every
+    (query chunk, key chunk) pair the mask does not empty, merged by log-sum-exp, equals numpy_ref on
+    the whole sequence; the blockwise backward with the merged out/lse sums to the whole gradient."""
+    c, hq, hkv, d = 70, 4, 2, 64
+    q, k, v = inputs(rng, 1, 4 * c, 4 * c, hq, hkv, d, np.float64)
+    dout = rng.standard_normal(q.shape)
+    r_out, r_lse = ref.attention_fwd(q, k, v)
+    r_dq, r_dk, r_dv = ref.attention_bwd(q, k, v, r_out, r_lse, dout)
+    chunk = [slice(i * c, (i + 1) * c) for i in range(4)]
+    for rank_chunks in ([0, 3], [1, 2]):
+        for qi in rank_chunks:
+            pairs = [ki for ki in range(4) if ki <= qi]
+            merged = None
+            for ki in pairs:
+                part = ac.attention_fwd(q[:, chunk[qi]], k[:, chunk[ki]], v[:, chunk[ki]], qi * c, ki * c)
+                merged = part if merged is None else ref.attention_merge(*merged, *part)
+            assert rel_err(merged[0], r_out[:, chunk[qi]]) < 1e-12
+            assert rel_err(merged[1], r_lse[:, :, chunk[qi]]) < 1e-12
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for qi in range(4):
+        for ki in range(qi + 1):
+            g = ac.attention_bwd(q[:, chunk[qi]], k[:, chunk[ki]], v[:, chunk[ki]], r_out[:, chunk[qi]],
+                                 r_lse[:, :, chunk[qi]], dout[:, chunk[qi]], qi * c, ki * c)
+            dq[:, chunk[qi]] += g[0]
+            dk[:, chunk[ki]] += g[1]
+            dv[:, chunk[ki]] += g[2]
+    assert rel_err(dq, r_dq) < 1e-12 and rel_err(dk, r_dk) < 1e-12 and rel_err(dv, r_dv) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_score_far_above_the_first_ones(rng, dtype):
+    """Key 200 scores ~60 above the first keys of every row: the tile sum passes SUM_LIMIT and the row
+    is redone with its exact maximum (float32 would overflow exp(s - m) without it)."""
+    q, k, v = inputs(rng, 1, 260, 260, 2, 1, 64, dtype)
+    k[0, 200, 0] = q[0, 230, 0] * (480 / np.sum(q[0, 230, 0].astype(np.float64) ** 2))  # score 480 / 8 = 60
+    check_against_reference(rng, q, k, v, 0, 0, True, dtype)
+    out, lse = ac.attention_fwd(q, k, v)
+    assert np.all(np.isfinite(out)) and lse[0, 0, 230] > 50
+
+
+def test_non_contiguous_and_mixed_dtype_inputs(rng):
+    """Strided q and float32 k, v with float64 q: cast to q's dtype like numpy_ref's arithmetic."""
+    q, k, v = inputs(rng, 2, 90, 90, 4, 2, 16, np.float64)
+    qt = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert not qt.flags.c_contiguous
+    k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    out, lse = ac.attention_fwd(qt, k32, v32)
+    r_out, r_lse = ref.attention_fwd(q, k32.astype(np.float64), v32.astype(np.float64))
+    assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+
+
+def test_bad_inputs_raise(rng):
+    q, k, v = inputs(rng, 1, 5, 5, 3, 2, 4, np.float64)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        ac.attention_fwd(q, k, v)
+    with pytest.raises(ValueError, match="float32 or float64 numpy array"):
+        ac.attention_fwd(q.astype(np.int64), k, v)
+    q, k, v = inputs(rng, 1, 5, 5, 2, 2, 4, np.float64)
+    with pytest.raises(ValueError, match="lse"):
+        ac.attention_bwd(q, k, v, q, np.zeros((1, 2, 4)), q)
+
+
+def test_tile_sizes_stay_under_the_small_gemm_limit():
+    for d in (8, 16, 32, 64, 96, 128, 256):
+        positions, keys = ac.tile_sizes(d)
+        assert keys % 16 == 0 and 16 <= keys <= 512
+        assert positions * keys * d <= ac.SMALL_GEMM or keys == 16
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemm_on_strided_views(rng, dtype, trans_a, trans_b):
+    """C[2:9, 1:6] = 0.5 op(A) op(B) + 2 C on row-major views inside larger arrays; the rest of C
+    is left alone."""
+    m, n, k = 7, 5, 4
+    a = rng.standard_normal((10, 12)).astype(dtype)
+    b = rng.standard_normal((11, 9)).astype(dtype)
+    c = rng.standard_normal((12, 8)).astype(dtype)
+    av, bv = a[1:, 2:], b[3:, 1:]
+    op_a = av[:k, :m].T if trans_a else av[:m, :k]
+    op_b = bv[:n, :k].T if trans_b else bv[:k, :n]
+    expect = c.astype(np.float64)
+    expect[2:9, 1:6] = 0.5 * op_a.astype(np.float64) @ op_b + 2 * expect[2:9, 1:6]
+    gemm_call(trans_a, trans_b, m, n, k, av, 12, bv, 9, c[2:, 1:], 8, dtype == np.float32)
+    assert rel_err(c, expect) < TOL[dtype] / 10
+    assert np.array_equal(c[:2], expect[:2].astype(dtype))
+    assert np.array_equal(c[:, 6:], expect[:, 6:].astype(dtype))
+
+
+@pytest.mark.parametrize("dtype,bound", [(np.float64, 4e-16), (np.float32, 2e-7)])
+def test_vexp_accuracy_and_clamps(dtype, bound):
+    lo, hi = (-708.0, 709.0) if dtype == np.float64 else (-87.0, 88.0)
+    x = np.concatenate([np.linspace(lo, hi, 100001), [0.0, -1e-30, 1e-30, np.log(2.0)]]).astype(dtype)
+    out = np.empty_like(x)
+    vexp_all(x, out)
+    assert np.max(np.abs(out / np.exp(x.astype(np.float64)) - 1)) < bound
+    edges = np.array([lo - 50, -np.inf, hi + 50], dtype)  # clamped to lo, lo, hi
+    vexp_all(edges, out[:3])
+    assert np.max(np.abs(out[:3] / np.exp([lo, lo, hi]) - 1)) < bound

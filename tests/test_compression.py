@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import assert_all_ranks, launch_env, mpirun, needs_mpirun
 from mpipar.parallel.compression import BLOCK, Int8Codec, TopKCodec
 
 
@@ -255,27 +255,24 @@ MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "
      "--grad-compression", "int8"],
     ["--dtype", "float64", "--dp", "2", "--sp", "2", "--grad-compression", "topk",
      "--topk-ratio", "0.05", "--zero", "1"]], ids=["hierarchical-int8", "topk-zero1"])
+@needs_mpirun
 def test_resume_with_compression_is_bit_exact(tmp_path, layout):
     """4 steps saving at 2, against resuming from the step-2 checkpoint in a new job: losses,
     norms, parameters, moments and every residual agree bit for bit (4 ranks)."""
     import json
-    import os
     import subprocess
     import sys
 
-    from conftest import MPIRUN
     from mpipar import checkpoint as ckpt
 
-    if not os.path.exists(MPIRUN):
-        pytest.skip("no mpirun beside this Python")
     data = tmp_path / "samples.npy"
     np.save(data, np.random.default_rng(3).integers(0, 13, size=(64, 17)))
 
     def train(run: str, *flags: str) -> None:
-        proc = subprocess.run([MPIRUN, "-n", "4", sys.executable, "-m", "mpipar.train", *MODEL,
+        proc = subprocess.run([*mpirun(4), sys.executable, "-m", "mpipar.train", *MODEL,
                                *layout, "--data", str(data), "--run-dir", str(tmp_path / run),
                                "--save-dir", str(tmp_path / run / "ck"), *flags],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, env=launch_env())
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
     def records(run: str) -> list[dict]:

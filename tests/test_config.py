@@ -78,6 +78,9 @@ RULES = [
      "parallel.dp_reduce='hierarchical' with ranks_per_node=4: the nodes (3 nodes x 4 ranks "
      "(--ranks-per-node)) hold [1, 2] ranks of one dp x sp group"),
     (["--topk-ratio", "0"], 1, "parallel.topk_ratio=0.0: must be in (0, 1]"),
+    (["--tie-embeddings", "--pp", "2", "--dp", "2", "--grad-compression", "int8"], 4,
+     "parallel.grad_compression='int8' with error feedback: not with model.tie_embeddings and "
+     "pp=2"),
     (["--ulysses-size", "2"], 1, "parallel.ulysses_size=2: needs --sp-mode hybrid"),
     (["--sp", "4", "--sp-mode", "hybrid"], 4,
      "parallel.ulysses_size=0: --sp-mode hybrid needs a Ulysses group size that divides "

@@ -8,7 +8,8 @@ A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once. E
 with tp > 1 runs again with ``--tp-sequence-parallel``. Every layout of 4 and 8 ranks whose
 nodes of 2 or 4 ranks hold more than one rank of a dp x sp group, and more than one node,
 runs with hierarchical reduction (with and without ZeRO-1, several buckets), and every
-layout with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across). A model
+layout with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across; on nodes of
+2 ranks, and of 4 at 8 ranks). A model
 with tied embeddings, q/k/v biases and llama3 RoPE, and one with biases and dynamic RoPE, run on
 layouts chosen for them.
 """
@@ -63,7 +64,8 @@ HIERARCHICAL = [dict(dp=dp, tp=tp, pp=pp, sp=sp, ranks_per_node=k, dp_reduce="hi
 HYBRID = [dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_size=2, **extra)
           for dp, tp, pp, sp in BASE if sp >= 4 and tp == 1
           for extra in ({}, {"sp_split": "zigzag"},
-                        {"sp_split": "zigzag", "sp_overlap": True, "ranks_per_node": 2})]
+                        {"sp_split": "zigzag", "sp_overlap": True, "ranks_per_node": 2},
+                        {"ranks_per_node": 4})[:3 + (dp * pp * sp == 8)]]
 VARIANTS = _variants() + HIERARCHICAL + HYBRID
 TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in _variants() if v["tp"] > 1]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),

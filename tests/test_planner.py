@@ -309,3 +309,26 @@ def test_hierarchical_and_compressed_options_ranked_beside_flat():
     assert best(slow)[0].cfg.parallel.grad_compression in ("int8", "topk")
     even = Hardware(1e11, 1e10, 1e-6, 1e10, 1e-6, int8_seconds=1e-8, topk_seconds=1e-8)
     assert best(even)[0].cfg.parallel.grad_compression == "none"
+
+
+def test_measured_nodes_place_the_groups():
+    """A hardware file's ranks per node (``bench comm``) decides which groups cross nodes when the
+    layout names none, and the layout's own ``ranks_per_node`` wins: dp=8 on nodes of 4 is timed
+    on the slow link, exactly its wire bytes over that link plus a latency per call."""
+    from mpipar.planner import predict_link_bytes, with_nodes
+
+    cfg = Config(parallel=ParallelConfig(dp=8)).resolved(8)
+    one_node = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)
+    measured = dataclasses.replace(one_node, ranks_per_node=4)
+    on_nodes = with_nodes(cfg, measured, 8)
+    assert on_nodes.parallel.ranks_per_node == 4 and with_nodes(cfg, one_node, 8) is cfg
+    given = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ranks_per_node=2))
+    assert with_nodes(given, measured, 8).parallel.ranks_per_node == 2
+    coord = Coord(dp=0, tp=0, pp=0, sp=0)
+    wire = predict_link_bytes(on_nodes, coord)["dp_sp"]
+    calls = predict_step_messages(cfg, coord)["dp_sp"]
+    assert wire["intra"] == 0 and predict_link_bytes(cfg, coord)["dp_sp"]["inter"] == 0
+    assert predict_step_time(cfg, measured).comm["dp_sp"] == pytest.approx(
+        wire["inter"] / 1e8 + calls * 1e-5, rel=1e-12)
+    assert predict_step_time(cfg, one_node).comm["dp_sp"] == pytest.approx(
+        wire["inter"] / 1e11 + calls * 1e-6, rel=1e-12)

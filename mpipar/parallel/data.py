@@ -417,7 +417,9 @@ def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, 
 @rules("data")
 def check_config(cfg: Config, world: int) -> None:
     """The global batch must split evenly over dp and into microbatches; buckets need a size;
-    hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1]."""
+    hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1];
+    error-feedback residuals, one per rank, cannot follow a tied embedding across pipeline
+    ranks."""
     from mpipar.topology import GridShape, NodeMap
 
     p, t = cfg.parallel, cfg.train
@@ -430,6 +432,12 @@ def check_config(cfg: Config, world: int) -> None:
                 f"train.global_batch_size={t.global_batch_size}: must be divisible by "
                 f"dp*micro_batch_size = {dp}*{t.micro_batch_size}")
     require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio={p.topk_ratio}: must be in (0, 1]")
+    require(not (p.grad_compression != "none" and p.error_feedback == "on" and dp * p.sp > 1
+                 and cfg.model.tie_embeddings and p.pp > 1),
+            f"parallel.grad_compression={p.grad_compression!r} with error feedback: not with "
+            f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
+            f"residuals, and a checkpoint holds one); use --error-feedback off, pp=1 or untied "
+            f"embeddings")
     if p.dp_reduce == "hierarchical" and p.ranks_per_node and dp * p.tp * p.pp * p.sp == world:
         problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
             NodeMap.blocks(world, p.ranks_per_node))

@@ -135,13 +135,14 @@ def nodes_of(cfg: Config) -> NodeMap:
 
 
 def group_sizes(cfg: Config) -> dict[str, int]:
-    """Ranks in each group of the grid (the node split of dp x sp on :func:`nodes_of`)."""
+    """Ranks in each group of the grid (the node split of dp x sp on :func:`nodes_of`;
+    ``pp_ends`` as on the first and last pipeline ranks, the only ones that call it)."""
     par = cfg.parallel
     shape = GridShape(par.dp, par.tp, par.pp, par.sp)
     intra = len(shape.node_split(0, nodes_of(cfg))[0])
     u = par.ulysses_size or 1
     return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "sp": par.sp, "dp_sp": par.dp * par.sp,
-            "tp_pp": par.tp * par.pp, "dp_sp_intra": intra,
+            "tp_pp": par.tp * par.pp, "pp_ends": min(par.pp, 2), "dp_sp_intra": intra,
             "dp_sp_inter": par.dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u}
 
 

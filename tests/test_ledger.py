@@ -89,7 +89,10 @@ LINK_CASES = [
     dict(sp=4, dp=2, sp_mode="hybrid", ulysses_size=2, ranks_per_node=2,
          dp_reduce="hierarchical"),
     dict(pp=4, tp=2, ranks_per_node=2, schedule="zb-h1", tp_sequence_parallel=True),
-    dict(pp=2, dp=2, sp=2, ranks_per_node=4, schedule="interleaved", virtual_stages=2)]
+    dict(pp=2, dp=2, sp=2, ranks_per_node=4, schedule="interleaved", virtual_stages=2),
+    dict(model="tied", pp=2, dp=4, ranks_per_node=4, dp_reduce="hierarchical", zero=1),
+    dict(model="tied", pp=2, dp=4, ranks_per_node=2, grad_compression="topk",
+         error_feedback="off")]
 
 
 @pytest.mark.mpi(min_size=8)

@@ -287,9 +287,13 @@ class Engine:
         return recorder
 
     def close(self) -> None:
-        """Release what outlives steps on disk: the offload scratch file (removed)."""
+        """Release what outlives steps: the offload scratch file (removed) and the grid's and
+        the reducer's communicators (MPI has a few thousand per process). The engine makes no
+        MPI call after it."""
         if self.offload is not None:
             self.offload.close()
+        self.reducer.close()
+        self.grid.free()
 
     # ---------------------------------------------------------------- global tensors
     def gather_params(self) -> dict[str, np.ndarray]:

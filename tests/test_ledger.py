@@ -53,6 +53,7 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
             if got_eval != want_eval:
                 fails.append(f"validation after step {step} {eng.grid.coord}: eval ledger "
                              f"{got_eval} != predicted {want_eval}")
+        eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
     assert_all_ranks(world, fails)
@@ -122,6 +123,7 @@ def test_ledger_links_equal_planner_prediction(world, case):
                     ("messages", messages, predict_step_messages(cfg, coord))):
                 if got != want:
                     fails.append(f"step {step} {coord} {what}: ledger {got} != predicted {want}")
+        eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
     assert_all_ranks(world, fails)
@@ -149,6 +151,7 @@ def test_inter_node_bytes_fall(world, k):
             eng.ledger.reset()
             eng.train_step(0)
             mine = sum(links["inter"] for links in eng.ledger.bytes_by_link().values())
+            eng.close()
             inter[mode] = max(world.allgather(mine))
         ratio = {mode: inter["flat"] / inter[mode] for mode in MODES}
         for mode, least in (("hierarchical", k), ("int8", 3.5), ("topk", 10.0),

@@ -208,12 +208,20 @@ class GradReducer:
         if g.intra is not None and not self.sharded:
             kinds.append(g.intra)                                   # all-gather
         out, used = [], set()
+        self._duplicates: list[Group] = []
         for group in kinds:
             if id(group) in used:
                 group = Group(group.comm.Dup(), group.name, group.ledger, group.nodes)
+                self._duplicates.append(group)
             used.add(id(group))
             out.append(group)
         return out
+
+    def close(self) -> None:
+        """Free the duplicate communicators of the chain (MPI has a few thousand per process)."""
+        for group in self._duplicates:
+            group.comm.Free()
+        self._duplicates = []
 
     # ------------------------------------------------------------ per step
     def start_step(self) -> None:

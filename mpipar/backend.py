@@ -185,23 +185,32 @@ def ranks_on_node(names: list[str], rank: int) -> int:
     return names.count(names[rank])
 
 
-def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
-    """The nodes of ``comm`` as MPI sees them (a ``COMM_TYPE_SHARED`` split, a collective):
-    ``"K node(s) x R rank(s) per node: host (ranks a-b), ..."`` (R like ``4/2`` when uneven)."""
+def shared_memory_nodes(comm: MPI.Comm = MPI.COMM_WORLD) -> list[int]:
+    """The node of every rank of ``comm``, by rank (small integers in order of first appearance),
+    as MPI sees them: the ranks that can share memory (``Split_type(COMM_TYPE_SHARED)``, a
+    collective). The one node detection of mpipar: the grid's node map and :func:`node_shape`
+    both read it."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        leader = comm.allgather(comm.Get_rank() if node.Get_rank() == 0 else -1)
-        first = node.bcast(comm.Get_rank())
-        ranks = comm.allgather((first, comm.Get_rank(), MPI.Get_processor_name()))
+        leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
     finally:
         node.Free()
-    nodes = {r: [] for r in leader if r >= 0}
-    for first_rank, rank, host in ranks:
-        nodes[first_rank].append((rank, host))
-    sizes = [len(members) for members in nodes.values()]
+    first: dict[int, int] = {}
+    return [first.setdefault(x, len(first)) for x in comm.allgather(leader)]
+
+
+def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
+    """The nodes of ``comm`` as MPI sees them (:func:`shared_memory_nodes`, a collective):
+    ``"K node(s) x R rank(s) per node: host (ranks a-b), ..."`` (R like ``4/2`` when uneven)."""
+    nodes = shared_memory_nodes(comm)
+    hosts = comm.allgather(MPI.Get_processor_name())
+    members: dict[int, list[int]] = {}
+    for rank, n in enumerate(nodes):
+        members.setdefault(n, []).append(rank)
+    sizes = [len(m) for m in members.values()]
     per = str(sizes[0]) if len(set(sizes)) == 1 else "/".join(map(str, sizes))
-    hosts = ", ".join(f"{m[0][1]} (ranks {_ranges([r for r, _ in m])})" for m in nodes.values())
-    return f"{len(nodes)} node(s) x {per} rank(s) per node: {hosts}"
+    text = ", ".join(f"{hosts[m[0]]} (ranks {_ranges(m)})" for m in members.values())
+    return f"{len(members)} node(s) x {per} rank(s) per node: {text}"
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -6,20 +6,22 @@ human-readable table and returns JSON-serialisable results (written with `--json
 `{section: results}`); `configure(parser)` may add section options.
 
 Sections:
-  kernels   every kernel op for every available backend, side by side, float32 and float64; the
-            fused kernels against the ops they replace; attention forward/backward GFLOP/s and
-            % of the GEMM probe at long sequences, per thread count
-  memory    peak memory (tracemalloc) of one training step for each --recompute mode
-  comm      under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside a
-            node and across nodes, the GEMM speed and the per-op overhead every rank gets with
-            all ranks busy; written
-            as the hardware file the planner reads (python -m mpipar.plan --hardware FILE)
-  planner   the planner's predicted step time (from a hardware file) against the measured one of
-            training runs of several layouts, side by side
-  train     one training step of mpipar against PyTorch eager (transformers Llama, sdpa, AdamW)
-            on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo)
-  gpu       on a CUDA device (mpipar.bench_gpu): attention TFLOP/s against the GEMM of equal
-            FLOPs, end-to-end tokens/s and MFU of a 350M Llama against PyTorch eager
+  kernels      every kernel op for every available backend, side by side, float32 and float64; the
+               fused kernels against the ops they replace; attention forward/backward GFLOP/s
+               and % of the GEMM probe at long sequences, per thread count
+  memory       peak memory (tracemalloc) of one training step for each --recompute mode
+  comm         under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside
+               a node and across nodes, the GEMM speed, the per-op overhead and the compression
+               codecs' work every rank gets with all ranks busy; written as the hardware file the
+               planner reads (python -m mpipar.plan --hardware FILE)
+  planner      the planner's predicted step time (from a hardware file) against the measured one
+               of training runs of several layouts, side by side
+  train        one training step of mpipar against PyTorch eager (transformers Llama, sdpa,
+               AdamW) on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo)
+  compression  convergence of gradient compression: the default model trained under mpirun with
+               no, int8 and top-k compression, with and without error feedback (loss table, plot)
+  gpu          on a CUDA device (mpipar.bench_gpu): attention TFLOP/s against the GEMM of equal
+               FLOPs, end-to-end tokens/s and MFU of a 350M Llama against PyTorch eager
 
 Sections that compare thread counts run each count in child processes started with
 OMP/OPENBLAS/MKL/NUMBA_NUM_THREADS set (NumPy's BLAS reads its thread count once, at import).
@@ -717,6 +719,15 @@ def measure_compute(dtype: str, n: int, hidden: int, seconds: float
     return flops, sustained(lambda: k.rmsnorm_fwd(x, w, 1e-5), seconds), elements
 
 
+def codec_work(dtype: str, repeats: int) -> tuple[float, float]:
+    """Seconds per element of a rank's int8 and top-k (1%) encode and decode work (the fastest
+    of ``repeats``, :func:`mpipar.parallel.compression.local_work_seconds`) while every rank
+    runs it."""
+    from mpipar.parallel.compression import Int8Codec, TopKCodec, local_work_seconds
+    return (local_work_seconds(Int8Codec(np), dtype=dtype, repeats=repeats),
+            local_work_seconds(TopKCodec(np, 0.01), dtype=dtype, repeats=repeats))
+
+
 def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     """Links inside a node and across nodes, compute speed and per-op overhead of every rank,
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
@@ -726,9 +737,10 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ids = backend.shared_memory_nodes(comm)
+    node = comm.Split(ids[rank], rank)
     across = comm.Split(node.Get_rank(), rank)         # one rank per node: the same local rank
-    nodes = comm.allreduce(1 if node.Get_rank() == 0 else 0)
+    nodes = len(set(ids))
     repeats = 5 if args.quick else args.repeats
     small, large = 8, (1 if args.quick else args.mb) * 2**20
     links = {}
@@ -739,17 +751,21 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     comm.Barrier()
     peak, overhead, elements = measure_compute(args.dtype, args.gemm, args.hidden,
                                                0.5 if args.quick else 2)
+    codecs = codec_work(args.dtype, 3 if args.quick else 10)
     peaks, overheads, rates = comm.gather(peak), comm.gather(overhead), comm.gather(elements)
+    codecs = comm.gather(codecs)
     for c in (across, node):
         c.Free()
     if rank != 0:
         return {}
     hw = Hardware.from_links(min(peaks), statistics.median(overheads), min(rates), links,
-                             on_node, nodes)
+                             on_node, nodes, tuple(max(c[i] for c in codecs) for i in (0, 1)))
     print(f"comm: {comm.Get_size()} ranks on {nodes} node(s) x {on_node}; {args.dtype} GEMM "
           f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
           f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank), in-place "
-          f"pass {min(rates) / 1e6:.0f} M elements/s (slowest)")
+          f"pass {min(rates) / 1e6:.0f} M elements/s (slowest), compression work "
+          f"{hw.int8_seconds * 1e9:.2f} ns (int8), {hw.topk_seconds * 1e9:.2f} ns (top-k 1%) per "
+          f"element (slowest)")
     header = f"{'link':<6} {'op':<10} {'latency us':>11} {'bandwidth MB/s':>15}"
     print(header)
     print("-" * len(header))
@@ -1246,6 +1262,150 @@ def _configure_gpu(parser: argparse.ArgumentParser) -> None:
 register("gpu", _run_gpu, "on a CUDA device: flash attention TFLOP/s against the GEMM of equal "
          "FLOPs; tokens/s and MFU of a 350M Llama against PyTorch eager (skipped without one)",
          _configure_gpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# compression section
+# ----------------------------------------------------------------------------------------------
+
+COMPRESSION_VARIANTS = {
+    "none": [],
+    "int8": ["--grad-compression", "int8"],
+    "int8-noef": ["--grad-compression", "int8", "--error-feedback", "off"],
+    "topk": ["--grad-compression", "topk"],
+    "topk-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
+}
+"""Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio)."""
+
+
+def _train_variant(name: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
+    """Train one variant under mpirun (the default model and corpus, dp = ranks) and read its
+    metrics: losses per step, the final loss (mean of the last ``--last`` steps), the median
+    step time after step 1, and rank 0's bytes per step across nodes and in total."""
+    run_dir = os.path.join(out, name)
+    flags = [*COMPRESSION_VARIANTS[name], "--topk-ratio", str(args.topk_ratio),
+             "--steps", str(args.steps), "--dp", str(args.ranks), "--run-dir", run_dir,
+             "--log-every", "0", "--tensorboard", "off", *args.train_flags.split()]
+    if args.ranks_per_node:
+        flags += ["--ranks-per-node", str(args.ranks_per_node), "--dp-reduce", args.dp_reduce]
+    mpirun = _mpirun()
+    if mpirun is None:
+        raise SystemExit("compression: no mpirun beside this Python or on PATH")
+    cmd = [mpirun, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
+    if proc.returncode != 0:
+        raise SystemExit(f"compression: {name} failed ({' '.join(cmd)}):\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    losses = [r["loss"] for r in records]
+    wire = records[-1].get("comm_wire_bytes", {})
+    return {"variant": name, "flags": flags, "losses": losses,
+            "final_loss": statistics.mean(losses[-args.last:]),
+            "step_time_s": statistics.median(r["step_time_s"] for r in records[1:] or records),
+            "inter_node_bytes": sum(v["inter"] for v in wire.values()),
+            "wire_bytes": sum(v["intra"] + v["inter"] for v in wire.values()),
+            "wall_s": time.perf_counter() - start}
+
+
+def _plot_losses(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Loss per step of every variant (raw, faint) and its 20-step running mean."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        losses = np.asarray(r["losses"])
+        steps = np.arange(1, losses.size + 1)
+        line, = ax.plot(steps, losses, alpha=0.25, linewidth=0.8)
+        width = min(20, losses.size)
+        smooth = np.convolve(losses, np.ones(width) / width, mode="valid")
+        ax.plot(steps[width - 1:], smooth, color=line.get_color(), linewidth=1.6,
+                label=f"{r['variant']} (final {r['final_loss']:.4f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(top=min(ax.get_ylim()[1], float(np.median([r["losses"][0] for r in rows])) + 0.2))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_compression(args: argparse.Namespace) -> dict[str, Any]:
+    """Train each variant side by side and compare its final loss with no compression's."""
+    if args.quick:
+        args.steps, args.ranks, args.last = 30, 4, 10
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in COMPRESSION_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from "
+                         f"{', '.join(COMPRESSION_VARIANTS)}")
+    if "none" not in names:
+        names.insert(0, "none")
+    os.makedirs(args.out, exist_ok=True)
+    reduce = (f"{args.dp_reduce} on nodes of {args.ranks_per_node}" if args.ranks_per_node
+              else "flat over dp")
+    title = (f"default model, stdlib corpus, dp={args.ranks} ({reduce}), {args.steps} steps, "
+             f"top-k ratio {args.topk_ratio:g}")
+    print(f"compression: {title}; final loss = mean of the last {args.last} steps")
+    rows = []
+    for name in names:
+        rows.append(_train_variant(name, args, args.out))
+        print(f"  {name}: final loss {rows[-1]['final_loss']:.4f} "
+              f"({rows[-1]['wall_s']:.0f} s)", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["vs_none"] = r["final_loss"] / base["final_loss"] - 1
+        r["bytes_ratio"] = (base["wire_bytes"] / r["wire_bytes"]) if r["wire_bytes"] else None
+    _print_compression(rows)
+    plot = os.path.join(args.out, "compression_loss.png")
+    _plot_losses(rows, plot, title)
+    print(f"loss plot: {plot}")
+    return {"config": {"steps": args.steps, "ranks": args.ranks, "last": args.last,
+                       "topk_ratio": args.topk_ratio, "ranks_per_node": args.ranks_per_node,
+                       "dp_reduce": args.dp_reduce, "train_flags": args.train_flags},
+            "rows": [{k: v for k, v in r.items() if k != "losses"} | {"losses": r["losses"]}
+                     for r in rows], "plot": plot}
+
+
+def _print_compression(rows: list[dict[str, Any]]) -> None:
+    header = (f"{'variant':<10} {'final loss':>10} {'vs none':>8} {'wire bytes/step':>16} "
+              f"{'fewer':>7} {'step s':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        fewer = f"{r['bytes_ratio']:.1f}x" if r["bytes_ratio"] else "-"
+        print(f"{r['variant']:<10} {r['final_loss']:>10.4f} {100 * r['vs_none']:>+7.2f}% "
+              f"{r['wire_bytes']:>16,} {fewer:>7} {r['step_time_s']:>7.3f}")
+    print("vs none: final loss relative to no compression; wire bytes: what rank 0 put on the "
+          "wire in the last step (all groups); fewer: none's wire bytes over the variant's; "
+          "step s: median step time (ranks sharing this machine's cores: not a speed figure)")
+
+
+def _configure_compression(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variants", default="none,int8,topk,topk-noef",
+                        help=f"comma list of {', '.join(COMPRESSION_VARIANTS)} (none is always "
+                             f"run)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--ranks", type=int, default=8, help="mpirun -n (dp = ranks)")
+    parser.add_argument("--last", type=int, default=20, help="final loss: mean of the last N steps")
+    parser.add_argument("--topk-ratio", type=float, default=0.01)
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="nodes of K ranks (compression then runs across them with "
+                             "--dp-reduce hierarchical)")
+    parser.add_argument("--dp-reduce", default="hierarchical", choices=("flat", "hierarchical"))
+    parser.add_argument("--train-flags", default="", help="more python -m mpipar.train flags")
+    parser.add_argument("--out", default="runs/bench-compression",
+                        help="run directories and compression_loss.png go here")
+
+
+register("compression", run_compression, "final loss of the default model trained with no, int8 "
+         "and top-k gradient compression, with and without error feedback (mpirun)",
+         _configure_compression)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -92,13 +92,33 @@ class ParallelConfig:
     sp_split: str = _f("contiguous", "how a sequence is cut over SP (zigzag: rank i holds chunks i "
                                      "and 2*sp-1-i, balancing causal work)",
                        choices=("contiguous", "zigzag"))
-    sp_mode: str = _f("ring", "SP attention: ring (K/V passed around) or ulysses (all-to-all "
-                              "to head groups)", choices=("ring", "ulysses"))
+    sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
+                              "to head groups) or hybrid (Ulysses inside groups of "
+                              "--ulysses-size sp ranks, ring across them)",
+                      choices=("ring", "ulysses", "hybrid"))
+    ulysses_size: int = _f(0, "--sp-mode hybrid: sp ranks per Ulysses group (consecutive, so "
+                              "on one node when tp x ulysses_size ranks fit in one); the ring "
+                              "runs over sp / ulysses_size of them")
     sp_overlap: bool = _f(False, "ring attention: post the next K/V transfer before computing the "
                                  "current block (Isend/Irecv)")
     zero: int = _f(0, "ZeRO stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp x sp)",
                    choices=(0, 1))
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB (reduction overlaps backward)")
+    ranks_per_node: int = _f(0, "ranks per node: 0 asks MPI (ranks that share memory); K treats "
+                                "each K consecutive ranks as one node (one machine standing in "
+                                "for a cluster)")
+    dp_reduce: str = _f("flat", "gradient reduction over dp x sp: flat (one group) or "
+                                "hierarchical (reduce-scatter inside the node, all-reduce of the "
+                                "shard across nodes, all-gather inside the node)",
+                        choices=("flat", "hierarchical"))
+    grad_compression: str = _f("none", "compress the gradient reduction across nodes "
+                                       "(hierarchical) or over dp x sp (flat): int8 with "
+                                       "per-block scales both ways, or topk values + indices",
+                               choices=("none", "int8", "topk"))
+    topk_ratio: float = _f(0.01, "--grad-compression topk: fraction of each bucket's elements "
+                                 "sent")
+    error_feedback: str = _f("on", "keep what compression did not send and add it to the next "
+                                   "step's gradient (saved in checkpoints)", choices=("on", "off"))
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
                                            "tokens (all-gather / reduce-scatter replace the "

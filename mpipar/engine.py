@@ -44,8 +44,9 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_param
 from mpipar.optim import AdamWConfig, LRSchedule, build_optimizer
-from mpipar.parallel.context import RingAttention, SeqLayout, UlyssesAttention
-from mpipar.parallel.data import GradReducer
+from mpipar.parallel.compression import make_codec
+from mpipar.parallel.context import HybridAttention, RingAttention, SeqLayout, UlyssesAttention
+from mpipar.parallel.data import GradReducer, ReduceGroups
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
@@ -90,7 +91,11 @@ class Engine:
         train_samples, self.eval_set = validation(self.source, tr, cfg.model.vocab_size)
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
                                train_samples)
-        self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp)
+        self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
+        if par.dp_reduce == "hierarchical":
+            self.grid.split_dp_sp_by_node()
+        if par.sp_mode == "hybrid":
+            self.grid.split_sp(par.ulysses_size)
         # The device before any array: parameters, gradients, optimizer state and activations
         # are allocated by the kernels' array module (CuPy's on cuda) on it.
         self.device = select_device(tr.device, comm)
@@ -99,7 +104,8 @@ class Engine:
         self.mpi_path = choose_path(tr.cuda_aware_mpi, self.device.kind == "cuda")
         self.ledger = Ledger()
         self.eval_ledger = Ledger()
-        self.groups = {name: Group(c, name, self.ledger, self.mpi_path)
+        self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
+                                   self.mpi_path)
                        for name, c in self.grid.comms.items()}
         pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
         self.dtype = np.dtype(tr.dtype)
@@ -117,10 +123,7 @@ class Engine:
         self.holders = Counter(n for ch in self.chunks for n in ch.param_names())
         names = list(self.holders)
         self._unfinished: Counter[str] = Counter()  # chunks yet to finish each gradient (a step)
-        tied = [n for n in names if self.table[n].tied_across_pipeline]
-        self.reducer = GradReducer(self._initial_shards(names), list(reversed(names)),
-                                   self.groups["dp_sp"], par.bucket_mb, par.zero == 1, self.xp,
-                                   tied, self.groups["pp_ends"])
+        self.reducer = self._reducer(names)
         self.params, self.grads = self.reducer.params, self.reducer.grads
         decay = {n: len(self.table[n].spec.shape) >= 2 for n in self.params}
         self.optimizer = build_optimizer(par.zero, self.reducer,
@@ -128,7 +131,7 @@ class Engine:
                                                      tr.weight_decay), decay)
         self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
                                 self.tensor.size, self.grid.coord.pp, self.groups["dp_sp"].rank,
-                                self.dtype, self.xp)
+                                self.dtype, self.xp, self.reducer)
         self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
                                    max(1, tr.steps))
         self.rows_per_dp = tr.global_batch_size // par.dp
@@ -152,7 +155,22 @@ class Engine:
             return LocalAttention(self.kernels)
         if par.sp_mode == "ulysses":
             return UlyssesAttention(self.kernels, sp, self.seq_layout)
+        if par.sp_mode == "hybrid":
+            return HybridAttention(self.kernels, self.groups["sp_ulysses"], self.groups["sp_ring"],
+                                   self.seq_layout, par.sp_overlap)
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
+
+    def _reducer(self, names: list[str]) -> GradReducer:
+        """The gradient reducer over dp x sp: flat or hierarchical, dense or compressed; the
+        tied embedding's copies then summed over ``pp_ends``."""
+        par, g = self.cfg.parallel, self.groups
+        tied = [n for n in names if self.table[n].tied_across_pipeline]
+        groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
+                  if par.dp_reduce == "hierarchical" else ReduceGroups(g["dp_sp"], g["dp_sp"]))
+        return GradReducer(self._initial_shards(names), list(reversed(names)), groups,
+                           par.bucket_mb, par.zero == 1, self.xp,
+                           make_codec(par.grad_compression, par.topk_ratio, self.xp),
+                           par.error_feedback == "on", tied, g["pp_ends"])
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
         """This rank's shards of the initial parameters (every layout starts from the same
@@ -276,9 +294,13 @@ class Engine:
         return recorder
 
     def close(self) -> None:
-        """Release what outlives steps on disk: the offload scratch file (removed)."""
+        """Release what outlives steps: the offload scratch file (removed) and the grid's and
+        the reducer's communicators (MPI has a few thousand per process). The engine makes no
+        MPI call after it."""
         if self.offload is not None:
             self.offload.close()
+        self.reducer.close()
+        self.grid.free()
 
     # ---------------------------------------------------------------- global tensors
     def gather_params(self) -> dict[str, np.ndarray]:

@@ -23,6 +23,7 @@ from launch import TINY, metrics, rank_pids, run_train, start_train, wait_for_st
 
 
 # ---------------------------------------------------------------------------- default run
+@pytest.mark.timeout(600)  # a hang guard: 8 ranks on 2 busy cores have taken 240 s
 @pytest.mark.parametrize("ranks", [1, 2, 8])
 def test_default_run(tmp_path, ranks):
     """No flag but a short --steps: the embedded default trains on 1, 2 and 8 ranks, the loss
@@ -34,7 +35,7 @@ def test_default_run(tmp_path, ranks):
     from mpipar.planner import predict_step_bytes
     from mpipar.topology import Coord
 
-    proc = run_train(ranks, ["--steps", "20"], cwd=tmp_path)
+    proc = run_train(ranks, ["--steps", "20"], cwd=tmp_path, timeout=540)
     assert proc.returncode == 0, proc.stderr
     assert f"layout world={ranks} dp={ranks} tp=1 pp=1 sp=1" in proc.stdout
     run = tmp_path / "runs" / "mpipar"

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MPIRUN, launch_env, mpirun, needs_mpirun
+from conftest import MPIRUN, launch_env, mpirun, needs_mpirun, open_mpi
 from launch import TINY, metrics, rank_pids, run_train, start_train, wait_for_steps
 
 
@@ -219,7 +219,13 @@ def test_a_stop_signal_during_initialisation_exits_promptly(tmp_path, ranks, sig
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert time.monotonic() - t0 < 30
-    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    # Each rank exits 128 + its signal (failure.txt says so below). MPICH's mpiexec forwards the
+    # signal and passes that status on; Open MPI's mpirun forwards SIGTERM for either signal and
+    # then reports its own 1.
+    openmpi_launcher = ranks > 1 and open_mpi()
+    launcher_status = 1 if openmpi_launcher else 128 + sig
+    sig = signal.SIGTERM if openmpi_launcher else sig
+    assert proc.returncode == launcher_status, (proc.returncode, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     lines = _failures(run)
     assert lines and all(f["kind"] == "signal" and f["exit"] == 128 + sig for f in lines), lines

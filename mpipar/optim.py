@@ -194,8 +194,12 @@ class AdamW:
 
 
 class ZeroAdamW:
-    """AdamW over the owned slices of a ZeRO-1 reducer (:class:`mpipar.parallel.data.GradReducer`
-    with ``sharded=True``): moments are 1/n of the flat buckets, updated slices are all-gathered."""
+    """AdamW over the owned slices of a sharded reducer: ZeRO-1's
+    :class:`mpipar.parallel.data.GradReducer` with ``sharded=True`` (which says which slice a rank
+    owns: flat or following the node split), or ZeRO-2/3's
+    :class:`mpipar.parallel.fsdp.ShardedParams`. Each bucket (or unit) exposes ``owned`` (the
+    parameters this rank updates) and ``owned_grad``; moments are the size of ``owned_grad``;
+    the reducer puts the updated slices back (``gather_params``)."""
 
     def __init__(self, reducer, cfg: AdamWConfig, decay: Mapping[str, bool]) -> None:
         self.reducer, self.cfg, self.decay = reducer, cfg, decay

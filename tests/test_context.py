@@ -43,6 +43,16 @@ def _full_attention(q, k, v, dout):
     return (out,) + tuple(kk.attention_bwd(q, k, v, out, lse, dout, 0, 0, True))
 
 
+def _differences(got: tuple, want: tuple, pos: np.ndarray) -> list[str]:
+    """out, dq, dk, dv of this rank's positions against the whole sequence's, above 1e-12."""
+    fails = []
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), got, want):
+        err = np.abs(mine - ref[:, pos]).max() / np.abs(ref).max()
+        if err > 1e-12:
+            fails.append(f"{name} rel err {err:.2e}")
+    return fails
+
+
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("mode,split,overlap", [("ring", "contiguous", False),
                                                 ("ring", "zigzag", False),
@@ -66,12 +76,7 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap):
             else UlyssesAttention(kern, group, lay))
     out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos)
     dq, dk, dv = attn.backward(dout[:, pos], q[:, pos], k[:, pos], v[:, pos], out, saved)
-    fails = []
-    for name, got, ref in (("out", out, want[0]), ("dq", dq, want[1]), ("dk", dk, want[2]),
-                           ("dv", dv, want[3])):
-        err = np.abs(got - ref[:, pos]).max() / np.abs(ref).max()
-        if err > 1e-12:
-            fails.append(f"{name} rel err {err:.2e}")
+    fails = _differences((out, dq, dk, dv), want, pos)
     if mode == "ring":
         # Causally empty blocks are skipped: contiguous rank r computes r+1 blocks; zigzag gives
         # every rank the same 2*sp+1 (query chunk, key chunk) pairs.
@@ -79,4 +84,33 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap):
         if kern.fwd_calls != expect:
             fails.append(f"{kern.fwd_calls} attention blocks computed, expected {expect}")
     comm.Free()
+    assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("split,overlap,ulysses", [("contiguous", False, 2), ("zigzag", True, 2),
+                                                   ("zigzag", False, 4)])
+def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses):
+    """Ulysses over groups of ``ulysses`` consecutive sp ranks, ring over the 8 / ulysses groups:
+    out, dq, dk, dv equal attention over the whole sequence (8 query / 4 kv heads)."""
+    from mpipar.comm import Group, Ledger
+    from mpipar.kernels import get_backend
+    from mpipar.parallel.context import HybridAttention, SeqLayout
+
+    rng = np.random.default_rng(0)
+    B, S, hq, hkv, D = 2, 32, 8, 4, 6
+    q, k, v, dout = (rng.normal(size=(B, S, h, D)) for h in (hq, hkv, hkv, hq))
+    want = _full_attention(q, k, v, dout)
+    lay = SeqLayout(S, 8, split)
+    pos = lay.positions(world.rank)
+    ledger = Ledger()
+    uly = world.Split(world.rank // ulysses, world.rank)
+    ring = world.Split(world.rank % ulysses, world.rank)
+    attn = HybridAttention(get_backend("numpy"), Group(uly, "sp_ulysses", ledger),
+                           Group(ring, "sp_ring", ledger), lay, overlap)
+    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos)
+    dq, dk, dv = attn.backward(dout[:, pos], None, None, None, out, saved)
+    fails = _differences((out, dq, dk, dv), want, pos)
+    uly.Free()
+    ring.Free()
     assert_all_ranks(world, fails)

@@ -204,7 +204,7 @@ class ShardedParams:
         self.before_reduce(u.names)
         self._unbind(self.grads, u)
         recv = self.pool.take(u.size // self.group.size)
-        self._reducing.append((self.group.ireduce_scatter(u.grad, recv), recv, u, u.grad))
+        self._reducing.append((self.group.ireduce_scatter_(u.grad, recv), recv, u, u.grad))
         u.grad = None
         while len(self._reducing) > MAX_IN_FLIGHT:
             self._complete_one()
@@ -241,6 +241,16 @@ class ShardedParams:
         if not self.gather:
             for u in self.units.values():
                 self.group.allgather(u.owned.copy(), u.full)
+
+    def describe(self) -> str:
+        """The sharding in words, for the startup line."""
+        stage = (f"ZeRO-3 (parameters gathered per unit, {self.prefetch} prefetched)"
+                 if self.gather else "ZeRO-2")
+        return (f"dp x sp {stage}: {len(self.units)} units sharded over {self.group.size} ranks, "
+                f"reduce-scattered per unit")
+
+    def close(self) -> None:
+        """Nothing to free: the units use the dp x sp group itself (the engine frees it)."""
 
     # ------------------------------------------------------------ the optimizer's view
     def owned_range(self, u: Unit) -> tuple[int, int]:
@@ -301,8 +311,9 @@ class ShardedParams:
 
 @rules("fsdp")
 def check_config(cfg: Config, world: int) -> None:
-    """ZeRO-2/3 shard over dp x sp (a group of one shards nothing), with the flat dense
-    reduction, untied embeddings, and a prefetch depth >= 0."""
+    """ZeRO-2/3 shard over dp x sp (a group of one shards nothing) with a flat, dense
+    reduce-scatter per unit (neither the hierarchical reduction nor compression), and a prefetch
+    depth >= 0."""
     p = cfg.parallel
     require(p.zero_prefetch >= 0, f"parallel.zero_prefetch={p.zero_prefetch}: must be >= 0")
     if p.zero < 2:
@@ -310,3 +321,9 @@ def check_config(cfg: Config, world: int) -> None:
     dp = p.dp or world // (p.tp * p.pp * p.sp)
     require(dp * p.sp > 1, f"parallel.zero={p.zero}: ZeRO-2/3 shard over dp x sp, which needs "
                            f"dp*sp > 1 (got dp={dp}, sp={p.sp})")
+    require(p.dp_reduce == "flat", f"parallel.dp_reduce={p.dp_reduce!r} with parallel.zero="
+                                   f"{p.zero}: ZeRO-2/3 reduce-scatter each unit over the flat "
+                                   f"dp x sp group (use dp_reduce='flat', or zero <= 1)")
+    require(p.grad_compression == "none", f"parallel.grad_compression={p.grad_compression!r} with "
+                                          f"parallel.zero={p.zero}: ZeRO-2/3 reduce dense "
+                                          f"gradients (use grad_compression='none', or zero <= 1)")

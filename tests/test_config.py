@@ -54,6 +54,11 @@ RULES = [
                          "(got dp=1, sp=1)"),
     (["--zero", "2", "--tp", "2"], 2, "parallel.zero=2: ZeRO-2/3 shard over dp x sp, which needs"),
     (["--zero", "3", "--zero-prefetch", "-1"], 2, "parallel.zero_prefetch=-1: must be >= 0"),
+    (["--zero", "2", "--dp-reduce", "hierarchical", "--ranks-per-node", "2"], 4,
+     "parallel.dp_reduce='hierarchical' with parallel.zero=2: ZeRO-2/3 reduce-scatter each unit "
+     "over the flat dp x sp group"),
+    (["--zero", "3", "--grad-compression", "int8"], 2,
+     "parallel.grad_compression='int8' with parallel.zero=3: ZeRO-2/3 reduce dense gradients"),
     (["--sp", "3"], 3, "train.seq_len=128: must be divisible by parallel.sp=3"),
     (["--seq-len", "0"], 1, "train.seq_len=0: must be a positive integer"),
     (["--global-batch-size", "6", "--dp", "4"], 4, "train.global_batch_size=6: must be divisible by dp=4"),

@@ -22,8 +22,8 @@ import numpy as np
 from . import numpy_ref
 
 OPS: tuple[str, ...] = (
-    "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "embedding_fwd", "embedding_bwd",
-    "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd",
+    "linear_fwd", "linear_bwd", "linear_bias_bwd", "linear_swiglu_fwd", "embedding_fwd",
+    "embedding_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd",
     "rope_cos_sin", "rope_fwd", "rope_bwd",
     "swiglu_fwd", "swiglu_bwd",
     "attention_fwd", "attention_bwd", "attention_merge",
@@ -48,6 +48,7 @@ class Backend:
     per_op: Mapping[str, str]
     linear_fwd: Kernel
     linear_bwd: Kernel
+    linear_bias_bwd: Kernel
     linear_swiglu_fwd: Kernel
     embedding_fwd: Kernel
     embedding_bwd: Kernel

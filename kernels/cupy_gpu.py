@@ -68,9 +68,11 @@ def _device_float(a: Array, name: str) -> Array:
     return a
 
 
-def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any) -> tuple[Array, Array]:
-    """cos, sin `[S, head_dim // 2]` on the device for global positions `[S]` (host or device array)."""
-    return ref.rope_cos_sin(array_module().asarray(positions), head_dim, theta, dtype)
+def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any,
+                 **scaling: Any) -> tuple[Array, Array]:
+    """cos, sin `[S, head_dim // 2]` on the device for global positions `[S]` (host or device
+    array); ``scaling``: the RoPE scaling arguments of :func:`numpy_ref.rope_cos_sin`."""
+    return ref.rope_cos_sin(array_module().asarray(positions), head_dim, theta, dtype, **scaling)
 
 
 def swiglu_fwd(gate: Array, up: Array) -> Array:

@@ -104,12 +104,16 @@ def _matmul(a, b, tm, tn):
     return c
 
 
-def linear_fwd(x: Array, w: Array) -> Array:
-    """y `[..., out]` = x `[..., in]` @ w.T (w `[out, in]`), tiled Numba matmul."""
+def linear_fwd(x: Array, w: Array, b: Array | None = None) -> Array:
+    """y `[..., out]` = x `[..., in]` @ w.T (w `[out, in]`) + b (`[out]` or None), tiled Numba
+    matmul."""
     dt = _float_dtype(x, "linear_fwd")
     require(w.ndim == 2 and x.shape[-1] == w.shape[1],
             f"linear_fwd: x.shape[-1]={x.shape[-1]} must equal w.shape[1] of w {w.shape}")
+    ref.check_bias(b, w, "linear_fwd")
     y = _matmul(_c(x, dt).reshape(-1, x.shape[-1]), _c(w.T, dt), TILE_M, TILE_N)
+    if b is not None:
+        y += _c(b, dt)
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 

@@ -142,6 +142,7 @@ def kernel_cases(shape: KernelShape, dtype: np.dtype, seed: int = 0) -> dict[str
     return {
         "linear_fwd": (x, w_gate),
         "linear_bwd": (rand(b, s, ffn), x, w_gate),
+        "linear_bias_bwd": (rand(b, s, ffn),),
         "linear_swiglu_fwd": (x, w_gate, w_up),
         "embedding_fwd": (rand(vocab, hid), targets.reshape(b, s)),
         "embedding_bwd": (np.zeros((vocab, hid), dtype), x, targets.reshape(b, s)),

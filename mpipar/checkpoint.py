@@ -744,8 +744,9 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
 
 
 def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> Path:
-    """Write the checkpoint's parameters as a Hugging Face Llama directory (config.json +
-    model.safetensors) in ``dtype`` (default: the training dtype). Verifies first."""
+    """Write the checkpoint's parameters as a Hugging Face directory (config.json +
+    model.safetensors: :func:`mpipar.hf.save_hf`) in ``dtype`` (default: the training dtype).
+    Verifies first."""
     from mpipar import hf
 
     _require_outside(Path(out))

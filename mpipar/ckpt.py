@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     con.add_argument("path")
     con.add_argument("out")
     con.add_argument("--params-only", action="store_true", help="leave out the AdamW moments")
-    exp = commands.add_parser("export-hf", help="write a Hugging Face Llama directory")
+    exp = commands.add_parser("export-hf", help="write a Hugging Face directory (Llama; Qwen2 "
+                                                "with attention biases)")
     exp.add_argument("path")
     exp.add_argument("out")
     exp.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}: {', '.join(kinds)}")
             return 0
         out = checkpoint.export_hf(args.path, args.out, args.dtype)
-        print(f"wrote {out} (Hugging Face Llama)")
+        arch = json.loads((out / "config.json").read_text())["architectures"][0]
+        print(f"wrote {out} (Hugging Face {arch})")
         return 0
     except (checkpoint.CheckpointError, ConfigError, OSError, ValueError) as exc:
         print(f"mpipar.ckpt: error: {exc}", file=sys.stderr)

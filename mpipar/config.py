@@ -46,6 +46,26 @@ class ModelConfig:
     head_dim: int = _f(0, "width of one head; 0 means hidden // heads")
     ffn_hidden: int = _f(0, "SwiGLU inner width; 0 means 8/3 * hidden rounded up to a multiple of 32")
     rope_theta: float = _f(10000.0, "RoPE base frequency theta")
+    rope_type: str = _f("default", "RoPE frequency scaling (transformers' rope_type): default "
+                                   "(none), linear (frequencies / rope_factor), dynamic (NTK: "
+                                   "theta grows for sequences longer than "
+                                   "rope_original_max_positions), llama3 (Llama 3.1's "
+                                   "low/high-frequency rule)",
+                        choices=("default", "linear", "dynamic", "llama3"))
+    rope_factor: float = _f(1.0, "RoPE scaling factor (linear, dynamic, llama3); 1 with default")
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE: frequencies whose wavelength exceeds "
+                                          "rope_original_max_positions / this are divided by "
+                                          "rope_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE: frequencies whose wavelength is below "
+                                           "rope_original_max_positions / this are kept (those "
+                                           "between the two bounds are interpolated)")
+    rope_original_max_positions: int = _f(0, "pretraining context of a scaled RoPE (llama3: "
+                                             "original_max_position_embeddings; dynamic: "
+                                             "max_position_embeddings)")
+    tie_embeddings: bool = _f(False, "the LM head is the embedding matrix: one parameter "
+                                     "(tie_word_embeddings), a copy on the first and the last "
+                                     "pipeline stage whose gradients are summed")
+    attention_bias: bool = _f(False, "q, k and v projections have biases (Qwen2)")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
 
@@ -135,11 +155,13 @@ class TrainConfig:
     allow_oversubscribed_memory: bool = _f(False, "start even when the planner's memory of a rank "
                                                   "exceeds its share of the node's available "
                                                   "memory")
-    init_from_hf: str = _f("", "start from a Hugging Face Llama directory (config.json + safetensors); "
-                               "model settings then come from it")
-    hf_untie_embeddings: bool = _f(False, "with --init-from-hf: accept tied embeddings by copying "
-                                          "them into an untied LM head")
-    export_hf: str = _f("", "write the trained weights as a Hugging Face Llama directory at the end")
+    init_from_hf: str = _f("", "start from a Hugging Face Llama or Qwen2 directory (config.json + "
+                               "safetensors); model settings then come from it")
+    hf_untie_embeddings: bool = _f(False, "with --init-from-hf of a tied checkpoint: untie the "
+                                          "LM head (it starts as a copy of the embedding and "
+                                          "trains apart); default: keep them tied")
+    export_hf: str = _f("", "write the trained weights as a Hugging Face directory at the end "
+                            "(Llama; Qwen2 when the model has attention biases)")
     export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
                            choices=("", "float16", "float32", "float64"))
     tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
@@ -232,6 +254,7 @@ class Config:
         require(m.heads % m.kv_heads == 0,
                 f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
         require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
+        _check_rope_scaling(m)
         require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
         require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
 
@@ -328,6 +351,26 @@ def _schedule_size(p: ParallelConfig, t: TrainConfig, world: int) -> None:
             f"train.global_batch_size={t.global_batch_size}: {count} microbatches per step x "
             f"pp*virtual_stages = {p.pp}*{p.virtual_stages} makes {slots} schedule slots; at most "
             f"{MAX_SCHEDULE_SLOTS} (a larger train.micro_batch_size gives fewer microbatches)")
+
+
+def _check_rope_scaling(m: ModelConfig) -> None:
+    """The RoPE scaling fields' own rules (a factor only with a scaling type; llama3's bounds)."""
+    if m.rope_type == "default":
+        require(m.rope_factor == 1.0,
+                f"model.rope_factor={m.rope_factor}: scales only with model.rope_type linear, "
+                f"dynamic or llama3 (rope_type is 'default')")
+    require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor}: must be > 0")
+    require(m.rope_original_max_positions >= 0,
+            f"model.rope_original_max_positions={m.rope_original_max_positions}: must be >= 0")
+    if m.rope_type in ("dynamic", "llama3"):
+        require(m.rope_original_max_positions >= 1,
+                f"model.rope_original_max_positions={m.rope_original_max_positions}: "
+                f"rope_type {m.rope_type!r} needs the pretraining context (>= 1)")
+    if m.rope_type == "llama3":
+        require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+                f"model.rope_low_freq_factor={m.rope_low_freq_factor}, "
+                f"model.rope_high_freq_factor={m.rope_high_freq_factor}: llama3 RoPE needs "
+                f"0 < low < high")
 
 
 def _positive(obj: Any, names: tuple[str, ...], section: str) -> None:

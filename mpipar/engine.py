@@ -11,7 +11,9 @@ One step, as data flows (docs/architecture.md): this DP rank takes its rows of t
 cuts them into microbatches and this SP rank's sequence chunk; each microbatch runs forward and
 backward through the stage; gradients are summed over dp x sp; the global norm is summed over
 tp x pp counting each parameter once; clipping and the optimizer update the local shards. The
-loss is the mean over every token of the global batch, whatever the layout.
+loss is the mean over every token of the global batch, whatever the layout. A tied embedding's
+copies on the first and last pipeline stage have their gradients summed over ``pp_ends`` by the
+reducer, count once in the norm, and stay identical.
 
 Importing this module imports every component, and so registers every configuration rule
 (:func:`mpipar.config.rules`).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,16 +87,22 @@ class Engine:
                         if tr.recompute == "offload" else None)
         self.chunks = [self._chunk(virtual_stage(self.grid.coord.pp, c, par.pp))
                        for c in range(par.virtual_stages)]
-        names = [n for ch in self.chunks for n in ch.param_names()]
+        # A parameter two chunks of this rank use (the tied embedding with pp = 1) is held once.
+        self.holders = Counter(n for ch in self.chunks for n in ch.param_names())
+        names = list(self.holders)
+        self._unfinished: Counter[str] = Counter()  # chunks yet to finish each gradient (a step)
+        tied = [n for n in names if self.table[n].tied_across_pipeline]
         self.reducer = GradReducer(self._initial_shards(names), list(reversed(names)),
-                                   self.groups["dp_sp"], par.bucket_mb, par.zero == 1, self.xp)
+                                   self.groups["dp_sp"], par.bucket_mb, par.zero == 1, self.xp,
+                                   tied, self.groups["pp_ends"])
         self.params, self.grads = self.reducer.params, self.reducer.grads
         decay = {n: len(self.table[n].spec.shape) >= 2 for n in self.params}
         self.optimizer = build_optimizer(par.zero, self.reducer,
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
                                                      tr.weight_decay), decay)
         self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
-                                self.tensor.size, self.groups["dp_sp"].rank, self.dtype, self.xp)
+                                self.tensor.size, self.grid.coord.pp, self.groups["dp_sp"].rank,
+                                self.dtype, self.xp)
         self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
                                    max(1, tr.steps))
         self.rows_per_dp = tr.global_batch_size // par.dp
@@ -107,7 +116,7 @@ class Engine:
         last = self.cfg.parallel.pp * self.cfg.parallel.virtual_stages - 1
         return LlamaStage(self.cfg.model, self.kernels, self.table.stage_layers(stage), stage == 0,
                           stage == last, self.tensor, self._attention(), self.cfg.train.recompute,
-                          self.offload)
+                          self.offload, self.cfg.train.seq_len)
 
     def _attention(self):
         par, sp = self.cfg.parallel, self.groups["sp"]
@@ -127,15 +136,23 @@ class Engine:
 
     # ------------------------------------------------------------------- step
     def _norm_counted(self, name: str) -> bool:
-        """Count each parameter once in the global norm: replicated ones on TP rank 0 only."""
-        return self.table[name].owned_by(self.tensor.rank)
+        """Count each parameter once in the global norm: replicated ones on TP rank 0 only, a
+        tied embedding on its first pipeline rank only."""
+        return self.table[name].owned_by(self.tensor.rank, self.grid.coord.pp)
 
     def _grads_ready(self, names: list[str]) -> None:
-        """Gradients of ``names`` are final for the step: sum the tp-partial ones over tp, then
-        let the data-parallel reducer launch their buckets."""
-        self.tensor.reduce_partial_grads([self.grads[n] for n in names
+        """A chunk has finished the gradients of ``names`` for the step; those every chunk of
+        this rank that uses them has finished are final: sum the tp-partial ones over tp, then
+        let the data-parallel reducer launch their buckets (and sum the tied ones over
+        ``pp_ends`` when it finishes)."""
+        final = []
+        for n in names:
+            self._unfinished[n] -= 1
+            if not self._unfinished[n]:
+                final.append(n)
+        self.tensor.reduce_partial_grads([self.grads[n] for n in final
                                           if self.table[n].grad_partial_over_tp])
-        self.reducer.ready(names)
+        self.reducer.ready(final)
 
     def _microbatches(self, step: int) -> list[Microbatch]:
         """This rank's microbatches of step ``step``: its DP rows, its SP positions, moved to
@@ -157,6 +174,7 @@ class Engine:
         weight = xp.full((mbs, s_loc), 1.0 / tokens)
         recorder = self._start_dump(step)
         self.reducer.start_step()
+        self._unfinished = Counter(self.holders)
         loss = self.executor.run(self.params, self.grads, micro, self.positions,
                                  self.tensor.stream_shape(mbs, s_loc, self.cfg.model.hidden),
                                  self.dtype, weight, on_ready=self._grads_ready)

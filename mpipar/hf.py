@@ -1,6 +1,6 @@
-"""Hugging Face Llama checkpoints in and out: ``config.json`` + safetensors, with NumPy only.
+"""Hugging Face Llama and Qwen2 checkpoints in and out: ``config.json`` + safetensors, NumPy only.
 
-A Hugging Face Llama directory holds ``config.json`` and the weights, either in one
+A Hugging Face directory holds ``config.json`` and the weights, either in one
 ``model.safetensors`` or in shards listed by ``model.safetensors.index.json``. Tensor names are
 mpipar's parameter names with a ``model.`` prefix (``model.embed_tokens.weight``,
 ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``), except the head,
@@ -8,15 +8,20 @@ mpipar's parameter names with a ``model.`` prefix (``model.embed_tokens.weight``
 in the rotate-half convention (pairs ``(i, i + head_dim/2)``), so q/k projections map without
 any permutation; grouped-query heads are the ``kv_heads`` row blocks of k/v in both.
 
-    python -m mpipar.hf inspect DIR
+    python -m mpipar.hf inspect DIR      # what of the checkpoint mpipar supports, field by field
     python -m mpipar.hf convert SRC DST [--dtype float16|float32|float64]
 
-What is refused, with the field named: another architecture or ``model_type``, RoPE scaling
-types other than ``default`` (``rope_scaling`` in transformers 4.x, ``rope_parameters`` in 5.x),
-``partial_rotary_factor`` below 1, ``attention_bias`` or ``mlp_bias`` true, a ``hidden_act``
-other than SiLU, missing or unexpected tensors, shapes that disagree with the config, and tied
-embeddings (``tie_word_embeddings: true``) unless the caller asks to untie them: mpipar trains an
-untied LM head, so untying starts it as a copy of the embedding and the two then train apart.
+What mpipar reads (:func:`support`): ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` (whose q, k
+and v projections have biases: mpipar's ``attention_bias``); RoPE scaling of ``rope_type``
+``default``, ``linear``, ``dynamic`` and ``llama3`` (``rope_scaling`` in transformers 4.x,
+``rope_parameters`` in 5.x); tied embeddings (``tie_word_embeddings: true``), kept as one
+parameter, or untied on request (the LM head then starts as a copy of the embedding and trains
+apart). What is refused, with the field named: another architecture or ``model_type``, the other
+RoPE types (yarn, longrope, ...), ``partial_rotary_factor`` below 1, Llama's
+``attention_bias`` (it adds an o_proj bias mpipar does not have) and ``mlp_bias``, Qwen2's sliding
+window, a ``hidden_act`` other than SiLU, missing or unexpected tensors, and shapes that disagree
+with the config. An export writes ``Qwen2ForCausalLM`` for a model with attention biases and
+``LlamaForCausalLM`` otherwise, tied or not as the model is.
 
 bfloat16 tensors: NumPy has no bfloat16, so they are read from the file's raw bytes and widened
 exactly to float32 (a bfloat16 is the upper 16 bits of a float32). Other tensors keep the
@@ -34,19 +39,26 @@ import shutil
 import struct
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from mpipar.config import ConfigError, ModelConfig, model_from_checkpoint
-from mpipar.model.params import param_specs
+from mpipar.model.params import EMBED, HEAD, param_specs
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-HEAD = "lm_head.weight"
-EMBED = "embed_tokens.weight"
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""The ``model_type`` values mpipar reads and writes, and their architecture."""
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+"""The ``rope_type`` values mpipar computes exactly (:func:`mpipar.kernels.numpy_ref.rope_inv_freq`)."""
+
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768}  # transformers' max_position_embeddings defaults
 
 SAVE_DTYPES = ("float16", "float32", "float64")
 """dtypes :func:`save_hf` writes and :func:`load_hf` casts to."""
@@ -64,7 +76,11 @@ _HF_FIELD = {  # mpipar ModelConfig field -> config.json field
     "vocab_size": "vocab_size", "hidden": "hidden_size", "layers": "num_hidden_layers",
     "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
     "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
-    "init_std": "initializer_range",
+    "init_std": "initializer_range", "rope_type": "rope_scaling.rope_type",
+    "rope_factor": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_original_max_positions": "rope_scaling.original_max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings", "attention_bias": "model_type (qwen2: q/k/v biases)",
 }
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
@@ -102,112 +118,220 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     return raw
 
 
-def _rope(raw: Mapping[str, Any], where: str) -> float:
-    """RoPE theta from either config style, refusing scaling types mpipar does not implement.
+Reading = tuple[str, dict[str, Any]]
+"""What a config rule makes of its fields: a description, and the ModelConfig fields it sets."""
+
+
+def _architecture(raw: Mapping[str, Any]) -> Reading:
+    """``model_type`` and ``architectures``: a Llama or a Qwen2 causal LM."""
+    kind = raw.get("model_type", "llama")
+    if kind not in ARCHITECTURES:
+        raise HFCheckpointError(f"model_type={kind!r} is not supported; mpipar reads "
+                                f"{', '.join(map(repr, ARCHITECTURES))}")
+    archs = raw.get("architectures")
+    if archs is not None and archs != [ARCHITECTURES[kind]]:
+        raise HFCheckpointError(f"architectures={archs!r} is not supported for model_type "
+                                f"{kind!r}; mpipar reads and writes [{ARCHITECTURES[kind]!r}]")
+    return ARCHITECTURES[kind], {}
+
+
+def _attention(raw: Mapping[str, Any]) -> Reading:
+    """Attention biases and window: Qwen2's q/k/v biases over the whole causal context; a Llama
+    without biases."""
+    if raw.get("model_type", "llama") == "qwen2":
+        if raw.get("use_sliding_window"):
+            raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
+                                    "to the whole causal context")
+        windows = sorted(set(raw.get("layer_types") or ()) - {"full_attention"})
+        if windows:
+            raise HFCheckpointError(f"layer_types {windows} are not supported; mpipar's layers "
+                                    f"are all 'full_attention'")
+        return "q, k and v projections with biases (Qwen2), full causal attention", \
+            {"attention_bias": True}
+    if raw.get("attention_bias", False):
+        raise HFCheckpointError("attention_bias=true is not supported: in LlamaForCausalLM it "
+                                "also gives o_proj a bias, which mpipar does not have (its "
+                                "attention biases are Qwen2's: q, k and v)")
+    return "no attention biases", {"attention_bias": False}
+
+
+def _mlp(raw: Mapping[str, Any]) -> Reading:
+    """The MLP: SwiGLU with SiLU, no biases."""
+    if raw.get("mlp_bias", False):
+        raise HFCheckpointError(f"mlp_bias={raw['mlp_bias']!r} is not supported; mpipar's MLP "
+                                f"has no biases")
+    act = raw.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise HFCheckpointError(f"hidden_act={act!r} is not supported; mpipar's MLP is SwiGLU "
+                                f"with 'silu'")
+    return "SwiGLU (silu), no biases", {}
+
+
+def _number(params: Mapping[str, Any], name: str, where: str, default: Any = None) -> float:
+    value = params.get(name, default)
+    if value is None:
+        raise HFCheckpointError(f"{where}.{name} is missing")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise HFCheckpointError(f"{where}.{name}={value!r} must be a positive number")
+    return float(value)
+
+
+def _rope(raw: Mapping[str, Any]) -> Reading:
+    """RoPE theta and scaling from either config style, refusing types mpipar does not implement.
 
     transformers 4.x: ``rope_theta`` at top level, scaling in ``rope_scaling`` (None = plain RoPE).
     transformers 5.x: ``rope_parameters = {"rope_type": ..., "rope_theta": ...}``. As in
-    transformers, a non-empty ``rope_scaling`` takes precedence over ``rope_parameters``.
+    transformers, a non-empty ``rope_scaling`` takes precedence over ``rope_parameters``; llama3's
+    ``original_max_position_embeddings`` is a top-level field if there is one, else the scaling's,
+    else ``max_position_embeddings``; dynamic scaling starts beyond ``max_position_embeddings``.
     """
     field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     params = raw.get(field) or {}
     if not isinstance(params, dict):
-        raise HFCheckpointError(f"{where}: {field}={params!r} must be an object or null")
+        raise HFCheckpointError(f"{field}={params!r} must be an object or null")
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise HFCheckpointError(f"{where}: {field}.rope_type={kind!r} is not supported; mpipar "
-                                f"implements only plain RoPE (rope_type 'default' or no {field})")
+    if kind not in ROPE_TYPES:
+        raise HFCheckpointError(f"{field}.rope_type={kind!r} is not supported; mpipar "
+                                f"implements {', '.join(map(repr, ROPE_TYPES))}")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise HFCheckpointError(f"{where}: partial_rotary_factor={partial!r} is not supported; "
-                                f"mpipar rotates the whole head (1.0)")
+        raise HFCheckpointError(f"partial_rotary_factor={partial!r} is not supported; mpipar "
+                                f"rotates the whole head (1.0)")
     top, inner = raw.get("rope_theta"), params.get("rope_theta")
     if top is not None and inner is not None and float(top) != float(inner):
-        raise HFCheckpointError(f"{where}: rope_theta={top!r} contradicts "
-                                f"{field}.rope_theta={inner!r}")
+        raise HFCheckpointError(f"rope_theta={top!r} contradicts {field}.rope_theta={inner!r}")
     theta = inner if inner is not None else top if top is not None else 10000.0
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise HFCheckpointError(f"{where}: rope_theta={theta!r} must be a positive number")
-    return float(theta)
+        raise HFCheckpointError(f"rope_theta={theta!r} must be a positive number")
+    theta = float(theta)
+    out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
+    if kind == "default":
+        return f"plain RoPE, theta {theta:g}", out
+    out["rope_factor"] = _number(params, "factor", field)
+    if kind == "linear":
+        return f"linear RoPE scaling, factor {out['rope_factor']:g}, theta {theta:g}", out
+    positions = raw.get("max_position_embeddings") or _MAX_POSITIONS[raw.get("model_type",
+                                                                              "llama")]
+    if kind == "llama3":
+        positions = raw.get("original_max_position_embeddings",
+                            params.get("original_max_position_embeddings", positions))
+        out["rope_low_freq_factor"] = _number(params, "low_freq_factor", field)
+        out["rope_high_freq_factor"] = _number(params, "high_freq_factor", field)
+        if not out["rope_low_freq_factor"] < out["rope_high_freq_factor"]:
+            raise HFCheckpointError(f"{field}.low_freq_factor={out['rope_low_freq_factor']!r} "
+                                    f"must be below high_freq_factor="
+                                    f"{out['rope_high_freq_factor']!r}")
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise HFCheckpointError(f"original_max_position_embeddings={positions!r} must be a "
+                                f"positive integer")
+    out["rope_original_max_positions"] = positions
+    extra = (f", low/high frequency factors {out['rope_low_freq_factor']:g}/"
+             f"{out['rope_high_freq_factor']:g}" if kind == "llama3" else "")
+    return (f"{kind} RoPE scaling, factor {out['rope_factor']:g}{extra}, pretraining context "
+            f"{positions}, theta {theta:g}"), out
 
 
-def _int_field(raw: Mapping[str, Any], name: str, where: str, default: int | None = None) -> int:
+def _tie(raw: Mapping[str, Any], untie_embeddings: bool) -> Reading:
+    """``tie_word_embeddings``: one parameter for embedding and LM head, unless untied."""
+    if not raw.get("tie_word_embeddings", False):
+        return "untied embedding and LM head", {"tie_embeddings": False}
+    if untie_embeddings:
+        return ("tied in the checkpoint, untied on request: the LM head starts as a copy of the "
+                "embedding and trains apart", {"tie_embeddings": False})
+    return "tied: one parameter for embedding and LM head", {"tie_embeddings": True}
+
+
+def _shape(raw: Mapping[str, Any]) -> Reading:
+    """The sizes, with transformers' defaults for the optional ones."""
+    hidden = _int_field(raw, "hidden_size")
+    heads = _int_field(raw, "num_attention_heads")
+    kv_heads = _int_field(raw, "num_key_value_heads", heads)
+    if raw.get("head_dim") is None and hidden % heads:
+        raise HFCheckpointError(f"hidden_size={hidden} is not divisible by "
+                                f"num_attention_heads={heads} and head_dim is not given")
+    head_dim = _int_field(raw, "head_dim", hidden // heads)
+    if head_dim % 2:
+        raise HFCheckpointError(f"head_dim={head_dim} must be even (RoPE rotates pairs)")
+    if heads % kv_heads:
+        raise HFCheckpointError(f"num_key_value_heads={kv_heads} must divide "
+                                f"num_attention_heads={heads}")
+    fields = dict(vocab_size=_int_field(raw, "vocab_size"), hidden=hidden,
+                  layers=_int_field(raw, "num_hidden_layers"), heads=heads, kv_heads=kv_heads,
+                  head_dim=head_dim, ffn_hidden=_int_field(raw, "intermediate_size"),
+                  norm_eps=_float_field(raw, "rms_norm_eps", 1e-6),
+                  init_std=_float_field(raw, "initializer_range", 0.02))
+    return (f"{fields['layers']} layers x {hidden} hidden, heads {heads}/{kv_heads} of "
+            f"{head_dim}, FFN {fields['ffn_hidden']}, vocabulary {fields['vocab_size']}"), fields
+
+
+def _int_field(raw: Mapping[str, Any], name: str, default: int | None = None) -> int:
     """``raw[name]`` as a positive int; absent or null takes ``default`` (None: required)."""
     value = raw.get(name)
     value = default if value is None else value
     if value is None:
-        raise HFCheckpointError(f"{where}: field {name} is missing")
+        raise HFCheckpointError(f"field {name} is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise HFCheckpointError(f"{where}: {name}={value!r} must be a positive integer")
+        raise HFCheckpointError(f"{name}={value!r} must be a positive integer")
     return value
 
 
-def _float_field(raw: Mapping[str, Any], name: str, where: str, default: float) -> float:
+def _float_field(raw: Mapping[str, Any], name: str, default: float) -> float:
     value = raw.get(name)
     value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise HFCheckpointError(f"{where}: {name}={value!r} must be a positive number")
+        raise HFCheckpointError(f"{name}={value!r} must be a positive number")
     return float(value)
 
 
-def model_config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> ModelConfig:
-    """mpipar's (resolved) ModelConfig from a parsed Llama ``config.json``; refuse what mpipar
-    cannot compute exactly. Tied embeddings are not judged here (see :func:`read_model_config`).
-    Defaults for absent optional fields are transformers' LlamaConfig defaults."""
-    archs = raw.get("architectures")
-    if archs is not None and archs != ["LlamaForCausalLM"]:
-        raise HFCheckpointError(f"{where}: architectures={archs!r} is not supported; mpipar "
-                                f"reads and writes ['LlamaForCausalLM'] only")
-    if raw.get("model_type", "llama") != "llama":
-        raise HFCheckpointError(f"{where}: model_type={raw.get('model_type')!r} is not supported; "
-                                f"mpipar needs 'llama'")
-    for name in ("attention_bias", "mlp_bias"):
-        if raw.get(name, False):
-            raise HFCheckpointError(f"{where}: {name}={raw[name]!r} is not supported; mpipar's "
-                                    f"linear layers have no bias")
-    act = raw.get("hidden_act", "silu")
-    if act not in _ACTIVATIONS:
-        raise HFCheckpointError(f"{where}: hidden_act={act!r} is not supported; mpipar's MLP is "
-                                f"SwiGLU with 'silu'")
-    theta = _rope(raw, where)
-    hidden = _int_field(raw, "hidden_size", where)
-    heads = _int_field(raw, "num_attention_heads", where)
-    kv_heads = _int_field(raw, "num_key_value_heads", where, heads)
-    if raw.get("head_dim") is None and hidden % heads:
-        raise HFCheckpointError(f"{where}: hidden_size={hidden} is not divisible by "
-                                f"num_attention_heads={heads} and head_dim is not given")
-    head_dim = _int_field(raw, "head_dim", where, hidden // heads)
-    if head_dim % 2:
-        raise HFCheckpointError(f"{where}: head_dim={head_dim} must be even (RoPE rotates pairs)")
-    if heads % kv_heads:
-        raise HFCheckpointError(f"{where}: num_key_value_heads={kv_heads} must divide "
-                                f"num_attention_heads={heads}")
-    return ModelConfig(
-        vocab_size=_int_field(raw, "vocab_size", where), hidden=hidden,
-        layers=_int_field(raw, "num_hidden_layers", where), heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, ffn_hidden=_int_field(raw, "intermediate_size", where),
-        rope_theta=theta, norm_eps=_float_field(raw, "rms_norm_eps", where, 1e-6),
-        init_std=_float_field(raw, "initializer_range", where, 0.02))
+_RULES = (("architecture", _architecture), ("shape", _shape), ("attention", _attention),
+          ("mlp", _mlp), ("rope", _rope))
+"""Each aspect of a config.json and the rule that reads it (:func:`support`)."""
 
 
-def _tied(raw: Mapping[str, Any], where: str, untie_embeddings: bool) -> bool:
-    tied = bool(raw.get("tie_word_embeddings", False))
-    if tied and not untie_embeddings:
-        raise HFCheckpointError(
-            f"{where}: tie_word_embeddings=true is not supported as such: mpipar trains an untied "
-            f"LM head. Ask to untie (untie_embeddings=True) to start lm_head as a copy of "
-            f"embed_tokens; the two are then trained separately and exported untied")
-    return tied
+@dataclass(frozen=True)
+class Support:
+    """What mpipar makes of one aspect of a checkpoint's ``config.json``: ``reading`` describes
+    it when supported; ``problem`` names the field and the reason when not (empty: supported)."""
+
+    aspect: str
+    reading: str
+    problem: str = ""
+
+
+def support(raw: Mapping[str, Any], untie_embeddings: bool = False
+            ) -> tuple[list[Support], dict[str, Any]]:
+    """Every aspect of a parsed ``config.json`` (architecture, shape, attention, MLP, RoPE, tied
+    embeddings), supported or not, and the ModelConfig fields of the supported ones."""
+    found, fields = [], {}
+    rules = _RULES + (("embeddings", lambda r: _tie(r, untie_embeddings)),)
+    for aspect, rule in rules:
+        try:
+            reading, values = rule(raw)
+        except HFCheckpointError as exc:
+            found.append(Support(aspect, "", str(exc)))
+            continue
+        found.append(Support(aspect, reading))
+        fields.update(values)
+    return found, fields
+
+
+def model_config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE,
+                         untie_embeddings: bool = False) -> ModelConfig:
+    """mpipar's (resolved) ModelConfig from a parsed Llama or Qwen2 ``config.json``; refuse what
+    mpipar cannot compute exactly, naming the first field at fault (:func:`support` lists them
+    all). Absent optional fields take transformers' defaults."""
+    found, fields = support(raw, untie_embeddings)
+    for aspect in found:
+        if aspect.problem:
+            raise HFCheckpointError(f"{where}: {aspect.problem}")
+    return ModelConfig(**fields).resolved()
 
 
 def read_model_config(path: str | os.PathLike, untie_embeddings: bool = False) -> ModelConfig:
     """The ModelConfig of the checkpoint in directory ``path``, from ``config.json`` alone (cheap:
     use it to validate a run before any weights are read). Raises HFCheckpointError."""
     raw = read_config_json(path)
-    where = str(Path(path) / CONFIG_FILE)
-    cfg = model_config_from_hf(raw, where)
-    _tied(raw, where, untie_embeddings)
-    return cfg
+    return model_config_from_hf(raw, str(Path(path) / CONFIG_FILE), untie_embeddings)
 
 
 def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -216,19 +340,29 @@ def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
     return {k: raw[k] for k in PASSTHROUGH_FIELDS if k in raw}
 
 
+def architecture(cfg: ModelConfig) -> str:
+    """The transformers architecture mpipar writes ``cfg`` as: Qwen2ForCausalLM with attention
+    biases (q/k/v), else LlamaForCausalLM."""
+    return ARCHITECTURES["qwen2" if cfg.attention_bias else "llama"]
+
+
 def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = None) -> dict:
-    """The ``config.json`` of a LlamaForCausalLM with mpipar's model ``cfg`` and weights in
-    ``dtype``. RoPE theta is written in both styles (top-level ``rope_theta`` for transformers
-    4.x, ``rope_parameters`` for 5.x); ``extra`` may set the :data:`PASSTHROUGH_FIELDS`."""
+    """The ``config.json`` of mpipar's model ``cfg`` with weights in ``dtype``: a
+    Qwen2ForCausalLM when it has attention biases, else a LlamaForCausalLM; tied or not as the
+    model is. RoPE is written in both styles (top-level ``rope_theta`` and ``rope_scaling`` for
+    transformers 4.x, ``rope_parameters`` for 5.x); ``extra`` may set the
+    :data:`PASSTHROUGH_FIELDS`, except that dynamic RoPE scaling fixes ``max_position_embeddings``
+    (its pretraining context)."""
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(PASSTHROUGH_FIELDS))
     if unknown:
         raise ValueError(f"extra config fields {unknown}: only {list(PASSTHROUGH_FIELDS)} may be "
                          f"given; the others follow from the model config")
     m = cfg.resolved()
+    kind = "qwen2" if m.attention_bias else "llama"
     out = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture(m)],
+        "model_type": kind,
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden,
         "intermediate_size": m.ffn_hidden,
@@ -241,17 +375,32 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
         "initializer_range": m.init_std,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": m.tie_embeddings,
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+    out.update({"use_sliding_window": False} if kind == "qwen2" else
+               {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     out.update(extra)
+    scaling = _rope_scaling(m)
+    if scaling:
+        out["rope_scaling"] = scaling
+    if m.rope_type == "dynamic":
+        out["max_position_embeddings"] = m.rope_original_max_positions
+    out["rope_parameters"] = {"rope_type": m.rope_type, "rope_theta": m.rope_theta, **scaling}
+    return out
+
+
+def _rope_scaling(m: ModelConfig) -> dict[str, Any]:
+    """transformers' scaling parameters of ``m``'s RoPE (empty for plain RoPE)."""
+    if m.rope_type == "default":
+        return {}
+    out: dict[str, Any] = {"rope_type": m.rope_type, "factor": m.rope_factor}
+    if m.rope_type == "llama3":
+        out.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
+                   original_max_position_embeddings=m.rope_original_max_positions)
     return out
 
 
@@ -301,44 +450,6 @@ def _safetensors(file: Path) -> Iterator[Any]:
         yield f
 
 
-def check_tensors(path: str | os.PathLike, cfg: ModelConfig, tied: bool) -> dict[Path, list[str]]:
-    """Check, from the safetensors headers alone, that directory ``path`` holds exactly the
-    tensors of the model ``cfg`` (``lm_head.weight`` may be absent when ``tied``), each with its
-    shape and a dtype mpipar reads. Returns the Hugging Face names to read from each file.
-    Raises HFCheckpointError naming the file, the tensors or the shapes."""
-    root = Path(path)
-    files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
-    specs = {hf_name(s.name): s for s in param_specs(cfg)}
-    optional = {HEAD} if tied else set()
-    missing = sorted(set(specs) - optional - set(files))
-    unexpected = sorted(set(files) - set(specs))
-    for what, names in (("missing", missing), ("unexpected", unexpected)):
-        if names:
-            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-            raise HFCheckpointError(f"{root}: {len(names)} {what} tensor(s) for a Llama with "
-                                    f"{cfg.layers} layers: {shown}")
-    wanted: dict[Path, list[str]] = {}
-    for name in specs:
-        if name in files:
-            wanted.setdefault(files[name], []).append(name)
-    for file, names in wanted.items():
-        with _safetensors(file) as f:
-            stored = set(f.keys())
-            for name in names:
-                if name not in stored:
-                    raise HFCheckpointError(f"{file}: tensor {name} is listed in {INDEX_FILE} "
-                                            f"but not stored in this shard")
-                piece = f.get_slice(name)
-                kind, shape = piece.get_dtype(), list(piece.get_shape())
-                if kind not in _NUMPY_DTYPES and kind != "BF16":
-                    raise HFCheckpointError(f"{file}: tensor {name} has dtype {kind}; mpipar "
-                                            f"reads floating-point F16, BF16, F32 and F64 tensors")
-                if tuple(shape) != specs[name].shape:
-                    raise HFCheckpointError(f"{root}: tensor {name} has shape {shape}, "
-                                            f"{CONFIG_FILE} implies {list(specs[name].shape)}")
-    return wanted
-
-
 def _header(file: Path) -> tuple[dict[str, Any], int]:
     """The safetensors JSON header of ``file`` and the byte offset where tensor data begins.
 
@@ -383,28 +494,70 @@ def _check_dtype(dtype: Any) -> np.dtype | None:
     return dt
 
 
+def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Path]:
+    """Check, from the safetensors headers alone, that directory ``root`` holds exactly the
+    tensors of the model ``cfg`` that its config ``raw`` implies, each with its shape and a dtype
+    mpipar reads; returns ``{mpipar name: safetensors file}`` of the parameters to read. A tied
+    checkpoint's head is its embedding (a stored ``lm_head.weight`` is then ignored, as
+    transformers ignores it). Raises HFCheckpointError naming the file, tensors or shapes."""
+    files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
+    tied = bool(raw.get("tie_word_embeddings", False))
+    specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
+    expected = {hf_name(n) for n in specs}
+    missing = sorted(expected - set(files))
+    unexpected = sorted(set(files) - expected - ({HEAD} if tied else set()))
+    for what, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise HFCheckpointError(f"{root}: {len(names)} {what} tensor(s) for a "
+                                    f"{architecture(cfg)} with {cfg.layers} layers: {shown}")
+    stored = {n: files[hf_name(n)] for n in specs}
+    by_file: dict[Path, list[str]] = {}
+    for name, file in stored.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with _safetensors(file) as f:
+            present = set(f.keys())
+            for name in names:
+                hf = hf_name(name)
+                if hf not in present:
+                    raise HFCheckpointError(f"{file}: tensor {hf} is listed in {INDEX_FILE} "
+                                            f"but not stored in this shard")
+                piece = f.get_slice(hf)
+                kind, shape = piece.get_dtype(), list(piece.get_shape())
+                if kind not in _NUMPY_DTYPES and kind != "BF16":
+                    raise HFCheckpointError(f"{file}: tensor {hf} has dtype {kind}; mpipar "
+                                            f"reads floating-point F16, BF16, F32 and F64 tensors")
+                if tuple(shape) != specs[name].shape:
+                    raise HFCheckpointError(f"{root}: tensor {hf} has shape {shape}, "
+                                            f"{CONFIG_FILE} implies {list(specs[name].shape)}")
+    return stored
+
+
 def load_hf(path: str | os.PathLike, dtype: Any = None,
             untie_embeddings: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read the Hugging Face Llama checkpoint in directory ``path``.
+    """Read the Hugging Face Llama or Qwen2 checkpoint in directory ``path``.
 
     Returns the resolved ModelConfig and every parameter as a global array under mpipar's name
     (shapes as in :func:`mpipar.model.params.param_specs`, e.g. ``layers.0.self_attn.k_proj.weight``
     ``[kv_heads * head_dim, hidden]``). ``dtype`` None keeps each tensor's file dtype (bfloat16
-    becomes float32); else every tensor is cast to it (float16, float32 or float64).
-    ``untie_embeddings`` accepts ``tie_word_embeddings: true`` by copying the embedding into
-    ``lm_head.weight``. Raises HFCheckpointError (a ConfigError) naming the field or tensors.
+    becomes float32); else every tensor is cast to it (float16, float32 or float64). A tied
+    checkpoint gives a tied model (no ``lm_head.weight``), or with ``untie_embeddings`` an untied
+    one whose ``lm_head.weight`` is a copy of the embedding. Raises HFCheckpointError (a
+    ConfigError) naming the field or tensors.
     """
     dt = _check_dtype(dtype)
     root = Path(path)
     raw = read_config_json(root)
-    where = str(root / CONFIG_FILE)
-    cfg = model_config_from_hf(raw, where)
-    tied = _tied(raw, where, untie_embeddings)
-    arrays = {n: v for file, names in check_tensors(root, cfg, tied).items()
-              for n, v in _read_file(file, names).items()}
-    params = {s.name: arrays[hf_name(s.name)] if dt is None else arrays[hf_name(s.name)].astype(dt)
-              for s in param_specs(cfg) if hf_name(s.name) in arrays}
-    if tied:
+    cfg = model_config_from_hf(raw, str(root / CONFIG_FILE), untie_embeddings)
+    stored = check_tensors(root, raw, cfg)
+    wanted: dict[Path, list[str]] = {}
+    for name, file in stored.items():
+        wanted.setdefault(file, []).append(hf_name(name))
+    arrays = {n: v for file, names in wanted.items() for n, v in _read_file(file, names).items()}
+    params = {name: arrays[hf_name(name)] if dt is None else arrays[hf_name(name)].astype(dt)
+              for name in stored}
+    if any(s.name == HEAD for s in param_specs(cfg)) and HEAD not in params:  # untied on request
         params[HEAD] = params[EMBED].copy()
     return cfg, params
 
@@ -431,14 +584,16 @@ def check_export_target(path: str | os.PathLike) -> None:
 
 def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.ndarray],
             dtype: Any = None, extra_config: Mapping[str, Any] | None = None) -> None:
-    """Write ``params`` (mpipar names, global shapes) as a Hugging Face LlamaForCausalLM.
+    """Write ``params`` (mpipar names, global shapes) as a Hugging Face model (:func:`hf_config`:
+    Qwen2ForCausalLM with attention biases, else LlamaForCausalLM; a tied model's embedding once).
 
     Writes ``config.json`` and ``model.safetensors`` into a temporary directory beside ``path``
     and renames it into place, so ``path`` never holds a partial export. An existing ``path`` is
     replaced only if it is empty or a previous export (config.json and model.safetensors alone):
     it is renamed to ``.NAME.old-PID`` beside it, the new one renamed in, then the old removed
-    (a crash between the two renames leaves the old export under that hidden name). ``dtype`` None keeps the parameters' dtype (they must share one);
-    else float16, float32 or float64. ``extra_config`` sets :data:`PASSTHROUGH_FIELDS`.
+    (a crash between the two renames leaves the old export under that hidden name). ``dtype``
+    None keeps the parameters' dtype (they must share one); else float16, float32 or float64.
+    ``extra_config`` sets :data:`PASSTHROUGH_FIELDS`.
     """
     from safetensors.numpy import save_file
 
@@ -509,6 +664,8 @@ def _describe_tensors(path: Path) -> list[str]:
 
 
 def _inspect(path: str) -> int:
+    """Print config.json, the tensors, and what mpipar makes of each aspect; 1 if any is not
+    supported."""
     root = Path(path)
     raw = read_config_json(root)
     print(f"{root / CONFIG_FILE}:")
@@ -517,11 +674,20 @@ def _inspect(path: str) -> int:
     print("tensors:")
     for row in _describe_tensors(root):
         print(row)
-    try:
-        cfg = read_model_config(root)
-        check_tensors(root, cfg, tied=False)  # what training checks before it reads a weight
-    except HFCheckpointError as exc:
-        print(f"mpipar: not supported: {exc}")
+    found, fields = support(raw)
+    if not any(a.problem for a in found):
+        cfg = ModelConfig(**fields).resolved()
+        try:
+            count = len(check_tensors(root, raw, cfg))  # what training checks before it reads
+            found.append(Support("tensors", f"the {count} tensors the config implies, no other"))
+        except HFCheckpointError as exc:
+            found.append(Support("tensors", "", str(exc)))
+    print("mpipar support:")
+    for a in found:
+        print(f"  {a.aspect:<12} " + (f"NOT SUPPORTED: {a.problem}" if a.problem else a.reading))
+    problems = [a.aspect for a in found if a.problem]
+    if problems:
+        print(f"mpipar: not supported: {', '.join(problems)} (see above)")
         return 1
     print("mpipar model config:")
     for f in dataclasses.fields(cfg):
@@ -540,10 +706,11 @@ def _convert(src: str, dst: str, dtype: str | None, untie: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m mpipar.hf {inspect,convert}``; exit status 2 on an unusable checkpoint."""
     parser = argparse.ArgumentParser(prog="python -m mpipar.hf",
-                                     description="Inspect and convert Hugging Face Llama "
-                                                 "checkpoints.")
+                                     description="Inspect and convert Hugging Face Llama and "
+                                                 "Qwen2 checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
-    ins = commands.add_parser("inspect", help="print config.json, the tensors and mpipar's reading")
+    ins = commands.add_parser("inspect", help="print config.json, the tensors, and what of them "
+                                              "mpipar supports (exit 1 if anything is not)")
     ins.add_argument("dir")
     conv = commands.add_parser("convert", help="read a checkpoint and write it as mpipar exports "
                                                "(config.json + one model.safetensors)")
@@ -553,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="cast every tensor (default: keep the file's dtype; "
                            "bfloat16 -> float32)")
     conv.add_argument("--untie-embeddings", action="store_true",
-                      help="accept tie_word_embeddings: write lm_head as a copy of the embedding")
+                      help="untie a tied checkpoint: write lm_head as a copy of the embedding "
+                           "(default: keep them tied, one tensor)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":

@@ -15,8 +15,8 @@ pipeline executor's op records:
 - ``compute``: the forward/backward ops' time minus the TP and SP communication inside them;
 - ``pipeline_wait``: ledger seconds of ``pp`` (blocked in receives: the bubble and the
   point-to-point transfers, plus the loss broadcast);
-- ``dp_comm``: ledger seconds of ``dp_sp`` and ``tp_pp`` (gradient reduction, ZeRO all-gather,
-  loss and gradient-norm all-reduces);
+- ``dp_comm``: ledger seconds of ``dp_sp``, ``tp_pp`` and ``pp_ends`` (gradient reduction, ZeRO
+  all-gather, loss and gradient-norm all-reduces, the tied embedding's gradient sum);
 - ``optimizer``: the rest of the engine's step time (clipping, AdamW, batch slicing);
 - ``io``: time outside the engine's step since the previous step's record (the checkpoint
   written after that record: a step's record is logged before its checkpoint commits).
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
-GROUPS = ("tp", "sp", "pp", "dp_sp", "tp_pp")
+GROUPS = ("tp", "sp", "pp", "dp_sp", "tp_pp", "pp_ends")
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 
@@ -64,7 +64,7 @@ def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
     ops = sum(r.end - r.start for r in timeline if r.kind in COMPUTE_OPS)
     out = {"compute": max(0.0, ops - tp - sp), "tp_comm": tp, "sp_comm": sp,
            "pipeline_wait": ledger_seconds.get("pp", 0.0),
-           "dp_comm": ledger_seconds.get("dp_sp", 0.0) + ledger_seconds.get("tp_pp", 0.0)}
+           "dp_comm": sum(ledger_seconds.get(g, 0.0) for g in ("dp_sp", "tp_pp", "pp_ends"))}
     out["optimizer"] = max(0.0, step_time_s - sum(out.values()))
     out["io"] = io_s
     return out

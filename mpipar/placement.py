@@ -8,18 +8,27 @@ splits it, which pipeline stage holds it, and what the data-parallel axes do wit
 ===============================  =============================  ================  ==========
 parameter                        tp (:class:`TensorSplit`)       pp                dp x sp
 ===============================  =============================  ================  ==========
-``embed_tokens.weight``          rows, vocabulary-padded         first stage       replicated
+``embed_tokens.weight``          rows, vocabulary-padded         first stage (and  replicated
+                                                                 last, if tied)
 ``q/k/v_proj``, ``gate/up_proj``  rows (column-parallel)          its block's       replicated
+``q/k/v_proj.bias``              rows, with their weight's       its block's       replicated
 ``o_proj``, ``down_proj``         columns (row-parallel)          its block's       replicated
 ``*layernorm.weight``            replicated                      its block's       replicated
 ``norm.weight``                  replicated                      last stage        replicated
-``lm_head.weight``               rows, vocabulary-padded         last stage        replicated
+``lm_head.weight`` (untied)      rows, vocabulary-padded         last stage        replicated
 ===============================  =============================  ================  ==========
 
 (ZeRO-1 shards the optimizer *state* over dp x sp, not the parameters: that is the optimizer's
 business, :mod:`mpipar.optim`.) With ``--tp-sequence-parallel`` the norm weights stay replicated,
 but each tp rank sees only its token shard, so their gradients are partial sums over tp
 (:attr:`Placement.grad_partial_over_tp`).
+
+Tied embeddings (``tie_embeddings``) are one parameter used by the first stage (embedding) and
+the last (LM head). With pp > 1 both pipeline ranks hold a copy (Megatron's embedding group):
+each accumulates its own gradient, the two are summed over the ``pp_ends`` group
+(:mod:`mpipar.topology`) before the update, and identical updates keep the copies identical.
+The copy on the first stage's rank is the one counted in the gradient norm and written to
+checkpoints (:meth:`Placement.owned_by`), so the tensor is once on disk.
 
 Everything that asks "how is this parameter split" asks a :class:`Placement`: sharding and
 unsharding (initialisation, HF import/export, gathering), the global region a shard covers
@@ -35,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.model.params import ParamSpec, param_specs
+from mpipar.model.params import EMBED, ParamSpec, param_specs, stage_param_names
 from mpipar.parallel.pipeline.schedule import stage_layers, stage_owner
 
 Slices = tuple[slice, ...]
@@ -52,7 +61,8 @@ class TensorSplit:
 
 
 REPLICATED = TensorSplit(None)
-COLUMN_PARALLEL = TensorSplit(0)    # rows of [out, in]: whole heads / FFN columns per rank
+COLUMN_PARALLEL = TensorSplit(0)    # rows of [out, in] (and of a bias [out]): whole heads /
+                                    # FFN columns per rank
 ROW_PARALLEL = TensorSplit(1)       # columns of [out, in]: the input features per rank
 VOCAB_PARALLEL = TensorSplit(0, padded=True)
 
@@ -62,6 +72,9 @@ TENSOR_PARALLEL_PLAN: dict[str, TensorSplit] = {
     "self_attn.q_proj.weight": COLUMN_PARALLEL,
     "self_attn.k_proj.weight": COLUMN_PARALLEL,
     "self_attn.v_proj.weight": COLUMN_PARALLEL,
+    "self_attn.q_proj.bias": COLUMN_PARALLEL,
+    "self_attn.k_proj.bias": COLUMN_PARALLEL,
+    "self_attn.v_proj.bias": COLUMN_PARALLEL,
     "self_attn.o_proj.weight": ROW_PARALLEL,
     "post_attention_layernorm.weight": REPLICATED,
     "mlp.gate_proj.weight": COLUMN_PARALLEL,
@@ -84,7 +97,8 @@ class Placement:
 
     spec: ParamSpec
     tp: TensorSplit
-    stage: int                 # global virtual pipeline stage holding it
+    stages: tuple[int, ...]          # global virtual pipeline stages that use it
+    pipeline_ranks: tuple[int, ...]  # pipeline ranks holding a copy (the first's is the owner)
     tp_sequence_parallel: bool = False
 
     @property
@@ -92,15 +106,22 @@ class Placement:
         return self.spec.name
 
     @property
+    def tied_across_pipeline(self) -> bool:
+        """Whether several pipeline ranks hold a copy (the tied embedding with pp > 1): their
+        gradients are summed over the ``pp_ends`` group before the update."""
+        return len(self.pipeline_ranks) > 1
+
+    @property
     def grad_partial_over_tp(self) -> bool:
         """Whether each tp rank's gradient is a partial sum to be all-reduced over tp (a
         replicated weight applied to token shards under --tp-sequence-parallel)."""
         return self.tp.dim is None and self.tp_sequence_parallel
 
-    def owned_by(self, tp_rank: int) -> bool:
-        """Whether tp rank ``tp_rank``'s copy is the one counted in the global gradient norm and
-        written to checkpoints: every shard of a split tensor, rank 0's of a replicated one."""
-        return self.tp.dim is not None or tp_rank == 0
+    def owned_by(self, tp_rank: int, pp_rank: int) -> bool:
+        """Whether the copy of the rank at (``tp_rank``, ``pp_rank``), which holds it, is the one
+        counted in the global gradient norm and written to checkpoints: every shard of a split
+        tensor, tp rank 0's of a replicated one; of a tied one, the first pipeline rank's."""
+        return (self.tp.dim is not None or tp_rank == 0) and pp_rank == self.pipeline_ranks[0]
 
     def local_shape(self, tp_size: int) -> tuple[int, ...]:
         """Shape of one tp rank's shard (vocabulary padding included)."""
@@ -162,16 +183,23 @@ class PlacementTable:
                  tp_sequence_parallel: bool = False) -> None:
         self.model = model.resolved()
         self.pp, self.virtual_stages = pp, virtual_stages
-        stages = pp * virtual_stages
         self.rows: dict[str, Placement] = {}
         for spec in param_specs(self.model):
-            if spec.layer is not None:
-                stage = spec.layer // (self.model.layers // stages)
-            else:
-                stage = 0 if spec.name == "embed_tokens.weight" else stages - 1
+            stages = self._stages(spec)
+            ranks = tuple(dict.fromkeys(stage_owner(s, pp)[0] for s in stages))
             suffix = spec.name.split(".", 2)[-1] if spec.layer is not None else spec.name
-            self.rows[spec.name] = Placement(spec, TENSOR_PARALLEL_PLAN[suffix], stage,
+            self.rows[spec.name] = Placement(spec, TENSOR_PARALLEL_PLAN[suffix], stages, ranks,
                                              tp_sequence_parallel)
+
+    def _stages(self, spec: ParamSpec) -> tuple[int, ...]:
+        """The global virtual stages that use ``spec``: its block's; the embedding's first (and,
+        tied, the last); the final norm's and LM head's last."""
+        last = self.pp * self.virtual_stages - 1
+        if spec.layer is not None:
+            return (spec.layer // (self.model.layers // (last + 1)),)
+        if spec.name == EMBED:
+            return (0, last) if self.model.tie_embeddings and last > 0 else (0,)
+        return (last,)
 
     def __getitem__(self, name: str) -> Placement:
         return self.rows[name]
@@ -180,12 +208,14 @@ class PlacementTable:
         return iter(self.rows.values())
 
     def pipeline_rank(self, name: str) -> int:
-        """The pipeline rank holding ``name``."""
-        return stage_owner(self.rows[name].stage, self.pp)[0]
+        """The pipeline rank holding ``name`` (of a tied one, the owner of its copies)."""
+        return self.rows[name].pipeline_ranks[0]
 
     def stage_names(self, stage: int) -> list[str]:
-        """Parameters of global virtual ``stage``, in forward order."""
-        return [p.name for p in self if p.stage == stage]
+        """Parameters of global virtual ``stage``, in the forward order of its chunk
+        (:func:`mpipar.model.params.stage_param_names`: the tied embedding last on the last)."""
+        return stage_param_names(self.model, self.stage_layers(stage), stage == 0,
+                                 stage == self.pp * self.virtual_stages - 1)
 
     def stage_layers(self, stage: int) -> range:
         return stage_layers(stage, self.model.layers, self.pp, self.virtual_stages)
@@ -193,10 +223,10 @@ class PlacementTable:
     def local_shapes(self, pp_rank: int, tp_size: int) -> dict[str, tuple[int, ...]]:
         """Shapes of the shards held by pipeline rank ``pp_rank`` (any tp rank), chunk by chunk
         in forward order (the order the engine lays out its flat buffers)."""
-        out = {}
+        out = {}  # a tied parameter used by two chunks of this rank is held once
         for chunk in range(self.virtual_stages):
             for name in self.stage_names(chunk * self.pp + pp_rank):
-                out[name] = self.rows[name].local_shape(tp_size)
+                out.setdefault(name, self.rows[name].local_shape(tp_size))
         return out
 
     def local_elements(self, pp_rank: int, tp_size: int) -> int:

@@ -78,12 +78,21 @@ def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
 
 def bucket_lengths(cfg: Config, coord: Coord) -> list[int]:
     """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp)."""
+    return [length for length, _ in _buckets(cfg, coord)]
+
+
+def _buckets(cfg: Config, coord: Coord) -> list[tuple[int, bool]]:
+    """(elements, whether it holds a tied embedding summed over pp_ends) of each flat gradient
+    bucket of this rank, as :class:`mpipar.parallel.data.GradReducer` lays them out."""
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
+    table = placement_table(cfg)
     shapes = local_param_shapes(cfg, coord)
-    sizes = [math.prod(shapes[n]) for n in reversed(list(shapes))]
+    order = list(reversed(list(shapes)))
+    sizes = [math.prod(shapes[n]) for n in order]
+    tied = {i for i, n in enumerate(order) if table[n].tied_across_pipeline}
     limit = max(1, int(par.bucket_mb * 2**20))
-    return [padded_size(sum(sizes[i] for i in idx), par.dp * par.sp)
-            for idx in plan_buckets([s * e for s in sizes], limit)]
+    return [(padded_size(sum(sizes[i] for i in idx), par.dp * par.sp), set(idx) <= tied)
+            for idx in plan_buckets([s * e for s in sizes], limit, tied)]
 
 
 def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
@@ -134,6 +143,9 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
             out["dp_sp"] = [sum(L * e for L in lengths) + 8, len(lengths) + 1]      # + loss
     if par.tp * p > 1:
         out["tp_pp"] = [8, 1]                                  # the squared gradient norm
+    tied = [L // (par.dp * par.sp if par.zero else 1) for L, t in _buckets(cfg, coord) if t]
+    if tied:                                  # tied embedding copies: all-reduce (ZeRO: a slice)
+        out["pp_ends"] = [sum(tied) * e, len(tied)]
     return dict(out)
 
 
@@ -480,7 +492,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     hop = (n * m.hidden * np.dtype(tr.dtype).itemsize / bandwidth + latency) if p > 1 else 0.0
     run = dry_run(_schedule(par.schedule, p, micro, v), p, micro, v, cost_fwd=unit,
                   cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
-    total = (run.makespan + comm.get("dp_sp", 0.0) + comm.get("tp_pp", 0.0)
+    total = (run.makespan + sum(comm.get(g, 0.0) for g in ("dp_sp", "tp_pp", "pp_ends"))
              + _optimizer_time(cfg, hw))
     return StepTime(compute, comm, run.bubble_fraction, total)
 

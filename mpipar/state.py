@@ -6,8 +6,8 @@ tensors, so this module answers, for this rank:
 
 - :meth:`TrainState.pieces`: its share of the unique state as flat ranges of its local shards,
   every element of every global tensor reported by exactly one rank of the world: parameters by
-  dp = sp = 0 (and, for tp-replicated ones, tp = 0), moments by whichever rank the optimizer
-  says (and the same tp rule);
+  dp = sp = 0 (and, for tp-replicated ones, tp = 0; for a tied embedding, its first pipeline
+  rank), moments by whichever rank the optimizer says (and the same tp and pp rules);
 - :meth:`TrainState.region`: which region of a global tensor a local shard covers (vocabulary
   padding rows belong to no global tensor);
 - :meth:`TrainState.load`: set every parameter and moment from a reader of global regions, so
@@ -34,12 +34,14 @@ class TrainState:
     """This rank's parameters and optimizer state as pieces of global tensors."""
 
     def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable,
-                 tp_rank: int, tp_size: int, replica_rank: int, dtype: np.dtype,
+                 tp_rank: int, tp_size: int, pp_rank: int, replica_rank: int, dtype: np.dtype,
                  xp: ModuleType = np) -> None:
-        """``params``: this rank's shards (arrays of ``xp``); ``replica_rank``: its rank in
-        dp x sp (0 writes the parameters of its (tp, pp) position)."""
+        """``params``: this rank's shards (arrays of ``xp``); ``pp_rank``: its pipeline rank (a
+        tied embedding is reported by its first pipeline rank only); ``replica_rank``: its rank
+        in dp x sp (0 writes the parameters of its (tp, pp) position)."""
         self.params, self.optimizer, self.table, self.xp = params, optimizer, table, xp
         self.tp_rank, self.tp_size, self.replica_rank = tp_rank, tp_size, replica_rank
+        self.pp_rank = pp_rank
         self.dtype = np.dtype(dtype)
 
     @property
@@ -64,7 +66,7 @@ class TrainState:
         """``(kind, name, lo, hi, values)``: this rank's share of the unique state, ``[lo, hi)``
         a range of the flattened local shard of ``name``, ``values`` its host copy."""
         def owned(name: str) -> bool:
-            return self.table[name].owned_by(self.tp_rank)
+            return self.table[name].owned_by(self.tp_rank, self.pp_rank)
 
         if self.replica_rank == 0:
             for name, local in self.params.items():

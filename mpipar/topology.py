@@ -6,7 +6,10 @@ Sub-communicators:
 
 - ``tp``, ``pp``, ``dp``, ``sp``: one per axis;
 - ``dp_sp``: the ranks that hold the same parameter shard (gradients are summed over it);
-- ``tp_pp``: the ranks that together hold one model replica (the gradient norm is summed over it).
+- ``tp_pp``: the ranks that together hold one model replica (the gradient norm is summed over it);
+- ``pp_ends``: the first and the last pipeline rank of each (dp, sp, tp) position, which hold the
+  two copies of a tied embedding (Megatron's embedding group: their gradients are summed over
+  it); every other rank is alone in its ``pp_ends`` group, as is every rank when pp = 1.
 """
 from __future__ import annotations
 
@@ -71,6 +74,16 @@ class ProcessGrid:
                            ("dp_sp", "dp sp"), ("tp_pp", "tp pp")):
             remain = [axis in keep.split() for axis in AXES]
             self.comms[name] = self.cart.Sub(remain)
+        self.comms["pp_ends"] = self._pp_ends()
+
+    def _pp_ends(self) -> MPI.Comm:
+        """The ``pp_ends`` communicator (module docstring): one per (dp, sp, tp) position on the
+        first and last pipeline ranks, ordered by pipeline rank; a singleton elsewhere."""
+        c = self.coord
+        position = (c.dp * self.sp + c.sp) * self.tp + c.tp
+        end = c.pp in (0, self.pp - 1)
+        color = position if end else self.dp * self.sp * self.tp + self.rank
+        return self.cart.Split(color, c.pp)
 
     def describe(self) -> str:
         return (f"world={self.comm.Get_size()} dp={self.dp} tp={self.tp} pp={self.pp} sp={self.sp}")

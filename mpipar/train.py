@@ -535,8 +535,8 @@ def export_hf(engine, cfg: Config, rank0: bool) -> None:
              else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
     hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
                extra_config=extra)
-    print(f"mpipar: exported Hugging Face Llama weights ({tr.export_dtype or tr.dtype}) to "
-          f"{tr.export_hf}", flush=True)
+    print(f"mpipar: exported Hugging Face weights ({hf.architecture(cfg.model)}, "
+          f"{tr.export_dtype or tr.dtype}) to {tr.export_hf}", flush=True)
 
 
 if __name__ == "__main__":

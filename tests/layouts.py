@@ -9,15 +9,29 @@ from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 
 VOCAB = 13  # not a power of two: TP pads it
 
+MODELS = {
+    "llama": {},
+    # One parameter for the embedding and the LM head, Qwen2's q/k/v biases, and Llama 3.1's
+    # RoPE rule with a pretraining context of 8 < seq_len = 16, so that of the 4 frequencies
+    # (wavelengths 6.3, 63, 628, 6283) one is interpolated and three are divided by the factor.
+    "tied": dict(tie_embeddings=True, attention_bias=True, rope_type="llama3", rope_factor=4.0,
+                 rope_original_max_positions=8),
+    # Dynamic NTK RoPE scales with the whole sequence (16 > 8), which no SP rank's chunk shows.
+    "dynamic": dict(attention_bias=True, rope_type="dynamic", rope_factor=2.0,
+                    rope_original_max_positions=8),
+}
+"""Test models by name: fields of ModelConfig on top of the small model's."""
 
-def small_config(dtype: str = "float64", **parallel) -> Config:
-    """The test model. In float32, AdamW's eps is 1e-4: with eps = 1e-8 the first update of an
-    element whose gradient is at float32 round-off level is ~lr*sign(g), which turns layout
-    round-off (losses and gradient norms agree to ~5e-8) into 3e-4 parameter differences; with
-    eps = 1e-4 the update is a smooth function of the gradient and parameters agree to ~3e-6."""
+
+def small_config(dtype: str = "float64", model: str = "llama", **parallel) -> Config:
+    """The test model (``model``: a name of :data:`MODELS`). In float32, AdamW's eps is 1e-4:
+    with eps = 1e-8 the first update of an element whose gradient is at float32 round-off level
+    is ~lr*sign(g), which turns layout round-off (losses and gradient norms agree to ~5e-8) into
+    3e-4 parameter differences; with eps = 1e-4 the update is a smooth function of the gradient
+    and parameters agree to ~3e-6."""
     return Config(
         ModelConfig(vocab_size=VOCAB, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48,
-                    init_std=0.2),
+                    init_std=0.2, **MODELS[model]),
         ParallelConfig(**parallel),
         TrainConfig(steps=2, seq_len=16, global_batch_size=8, micro_batch_size=1, lr=1e-2,
                     min_lr=1e-3, warmup_steps=1, clip_grad=0.5, dtype=dtype, backend="numpy",
@@ -45,10 +59,10 @@ def run(cfg: Config, comm, steps: int = 2):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(dtype: str = "float64", steps: int = 2):
+def reference(dtype: str = "float64", steps: int = 2, model: str = "llama"):
     """The single-process run (computed once per process)."""
     from mpi4py import MPI
-    losses, norms, params, _ = run(small_config(dtype), MPI.COMM_SELF, steps)
+    losses, norms, params, _ = run(small_config(dtype, model), MPI.COMM_SELF, steps)
     return losses, norms, params
 
 

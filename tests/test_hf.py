@@ -1,27 +1,36 @@
-"""Hugging Face Llama in and out, checked against transformers in float64.
+"""Hugging Face Llama and Qwen2 in and out, checked against transformers in float64.
 
-A small random ``LlamaForCausalLM`` (vocabulary 97, 6 query heads over 2 kv heads: neither a
-power of two, grouped-query attention) is saved with ``save_pretrained`` and read by
-:func:`mpipar.hf.load_hf`; mpipar's logits, loss and three training steps must match
-transformers + ``torch.optim.AdamW`` to 1e-10 relative.
+Three small random models (vocabulary 97, 6 query heads over 2 kv heads: neither a power of
+two, grouped-query attention) are saved with ``save_pretrained`` and read by
+:func:`mpipar.hf.load_hf` (:data:`MODELS`): a plain ``LlamaForCausalLM``; one with Llama 3.1's
+``llama3`` RoPE scaling and tied embeddings; a ``Qwen2ForCausalLM`` (q/k/v biases). mpipar's
+logits, loss and three training steps must match transformers + ``torch.optim.AdamW`` to 1e-10
+relative, on one process and (under ``mpirun -n 8``) on layouts with PP (the tie across
+stages), TP, SP and ZeRO-1; so must the exported parameters. The ``linear`` and ``dynamic``
+RoPE rules are compared on logits.
 
 transformers is not float64 throughout, even for a float64 model (transformers 5.x source,
-``models/llama/modeling_llama.py`` and ``loss/loss_utils.py``):
+``models/{llama,qwen2}/modeling_*.py``, ``modeling_rope_utils.py`` and ``loss/loss_utils.py``):
 
-- ``LlamaRotaryEmbedding``: ``inv_freq`` is built with ``dtype=torch.float`` and ``forward``
-  computes ``position_ids.float() * inv_freq.float()`` and its cos/sin in float32;
-- ``LlamaRMSNorm.forward`` casts the hidden state ``.to(torch.float32)`` before normalising;
+- the rotary embedding: ``inv_freq`` is built with ``dtype=torch.float`` by the rope_type's
+  init function and ``forward`` computes ``position_ids.float() * inv_freq.float()`` and its
+  cos/sin in float32;
+- ``LlamaRMSNorm.forward`` (and Qwen2's) casts the hidden state ``.to(torch.float32)`` before
+  normalising;
 - ``ForCausalLMLoss`` computes the loss from ``logits.float()``.
 
 mpipar computes all three in the working dtype (RoPE angles in float64). So the exact reference
-(:func:`float64_transformers`) replaces the two module forwards by the same formulas in the
-tensor's own dtype and computes the loss with ``ForCausalLMLoss``'s shift in float64; the
-unpatched model is also compared and must differ at float32 round-off (1e-9 .. 1e-5 relative),
-so the gap is explained rather than hidden. Attention is ``sdpa`` (float64 on CPU); the
-``eager`` path would add a float32 softmax.
+(:func:`float64_transformers`) runs transformers' own RoPE init function of the config's
+``rope_type`` with ``torch.float`` and the default dtype set to float64, replaces the RMSNorm
+forward by the same formula in the tensor's own dtype, and computes
+``ForCausalLMLoss``'s cross-entropy in float64; the unpatched model is also compared and must differ at
+float32 round-off (1e-9 .. 1e-5 relative), so the gap is explained rather than hidden.
+Attention is ``sdpa`` (float64 on CPU); the ``eager`` path would add a float32 softmax.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,10 +46,15 @@ torch = pytest.importorskip(
 transformers = pytest.importorskip(
     "transformers", reason="transformers is a test-only dependency of the Hugging Face tests")
 from mpi4py import MPI  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 
+from conftest import assert_all_ranks  # noqa: E402
+from layouts import layout_name, layout_size  # noqa: E402
 from mpipar.config import (Config, ConfigError, ModelConfig, ParallelConfig,  # noqa: E402
                            TrainConfig)
 from mpipar.data import load_tokens  # noqa: E402
@@ -53,6 +67,24 @@ V, H, HEADS, KV, LAYERS, FFN, THETA, EPS = 97, 48, 6, 2, 2, 80, 10000.0, 1e-6
 B, S, STEPS = 2, 12, 3
 OPT = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=0.5)
 TOL = 1e-10
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8, "rope_theta": THETA}
+"""Llama 3.1's rule with a pretraining context of 8 < S: of the 4 frequencies of head_dim 8
+(wavelengths 6.3, 63, 628, 6283) one is interpolated and three are divided by the factor."""
+
+MODELS = {
+    "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
+    "llama3-tied": (LlamaConfig, dict(tie_word_embeddings=True, rope_parameters=LLAMA3,
+                                      max_position_embeddings=64)),
+    "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
+    "linear": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 3.0,
+                                                  "rope_theta": THETA})),
+    "dynamic": (LlamaConfig, dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                   "rope_theta": THETA},
+                                  max_position_embeddings=8)),  # < S: the NTK theta grows
+}
+"""Test checkpoints by name: the transformers config class and its settings beyond the sizes."""
+TRAINED = ("llama", "llama3-tied", "qwen2")
 
 
 def rel(a, b) -> float:
@@ -62,20 +94,33 @@ def rel(a, b) -> float:
 
 
 # ------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    """A random float64 LlamaForCausalLM written by transformers' save_pretrained."""
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, num_attention_heads=HEADS,
-                      num_key_value_heads=KV, num_hidden_layers=LAYERS, intermediate_size=FFN,
-                      rope_theta=THETA, rms_norm_eps=EPS, tie_word_embeddings=False)
+def make_checkpoint(kind: str, root: Path) -> Path:
+    """A random float64 model of :data:`MODELS` written by transformers' save_pretrained."""
+    config_class, extra = MODELS[kind]
+    cfg = config_class(vocab_size=V, hidden_size=H, num_attention_heads=HEADS,
+                       num_key_value_heads=KV, num_hidden_layers=LAYERS, intermediate_size=FFN,
+                       rope_theta=THETA, rms_norm_eps=EPS, **extra)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.float64)
-    with torch.no_grad():  # larger weights than the default init, and norms away from 1
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float64)
+    with torch.no_grad():  # larger weights than the default init, norms away from 1, biases
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("hf") / "llama"
+            scale = 1 if name.endswith("norm.weight") else 0
+            p.copy_(scale + (0.1 if p.ndim == 1 else 0.15) * torch.randn_like(p))
+    path = root / kind
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: make_checkpoint(kind, root) for kind in MODELS}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(hf_dirs) -> Path:
+    """The plain Llama."""
+    return hf_dirs["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -86,48 +131,78 @@ def samples(tmp_path_factory) -> Path:
     return path
 
 
-def hf_model(path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
+def hf_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                attn_implementation="sdpa")
 
 
 def _rmsnorm_own_dtype(self, x):
-    """LlamaRMSNorm.forward without the float32 cast: the same formula in x's dtype."""
+    """LlamaRMSNorm.forward (and Qwen2's) without the float32 cast: the formula in x's dtype."""
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+@contextlib.contextmanager
+def _torch_float_is_float64():
+    """``torch.float`` and the default dtype are float64: transformers' RoPE code, which asks
+    for ``torch.float`` (float32) and promotes Python scalars to the default dtype, computes in
+    float64."""
+    old_float, old_default = torch.float, torch.get_default_dtype()
+    torch.float = torch.float64
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.float = old_float
+        torch.set_default_dtype(old_default)
+
+
 def _rotary_float64(self, x, position_ids):
-    """LlamaRotaryEmbedding.forward (rope_type default) with inv_freq and angles in float64."""
-    cfg = self.config
-    params = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
-    dim = cfg.head_dim
-    with torch.no_grad():
-        inv_freq = params["rope_theta"] ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        freqs = position_ids[..., None].to(torch.float64) * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    """The rotary embedding's forward with transformers' own init function of the config's
+    rope_type run in float64, and float64 angles. ``seq_len`` is the sequence's length, as the
+    dynamic update takes it (``max(position_ids) + 1``; for the other types it is unused)."""
+    init = (self.compute_default_rope_parameters if self.rope_type == "default"
+            else ROPE_INIT_FUNCTIONS[self.rope_type])
+    with torch.no_grad(), _torch_float_is_float64():
+        inv_freq, scaling = init(self.config, device=x.device,
+                                 seq_len=int(position_ids.max()) + 1)
+        freqs = position_ids[..., None].to(torch.float64) * inv_freq.to(torch.float64)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
+PATCHES = [(module.__dict__[f"{name}RMSNorm"], _rmsnorm_own_dtype) for module, name in
+           ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"))] + \
+          [(module.__dict__[f"{name}RotaryEmbedding"], _rotary_float64) for module, name in
+           ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"))]
+"""(class, forward) of every float32 cast the exact reference removes."""
 
 
 @pytest.fixture
 def float64_transformers(monkeypatch):
-    """transformers' Llama with RMSNorm and RoPE computed in the model dtype (see module doc)."""
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rmsnorm_own_dtype)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", _rotary_float64)
+    """transformers' Llama and Qwen2 with RMSNorm and RoPE computed in the model dtype (see the
+    module docstring)."""
+    for cls, forward in PATCHES:
+        monkeypatch.setattr(cls, "forward", forward)
 
 
-def hf_loss_float64(logits, labels):
-    """ForCausalLMLoss (pad labels with -100, shift left, mean cross-entropy) without its
-    ``logits.float()``: logits ``[B, T, V]``, labels ``[B, T]`` -> scalar."""
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+def hf_loss(logits, rows):
+    """ForCausalLMLoss's mean cross-entropy of the logits of ``rows[:, :-1]`` ``[B, S, V]``
+    against the next tokens ``rows[:, 1:]`` (its label shift), in the logits' dtype (without its
+    ``logits.float()`` for float64 logits). The model sees the S inputs alone, as mpipar does:
+    dynamic RoPE depends on the sequence's length."""
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             shifted.reshape(-1), ignore_index=-100)
+                                             rows[:, 1:].reshape(-1))
 
 
-def mpipar_engine(model_cfg: ModelConfig, params, samples) -> Engine:
-    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=B, micro_batch_size=0,
-                        lr_schedule="constant", warmup_steps=0, min_lr=0.0, dtype="float64",
-                        backend="numpy", shuffle=False, seed=0, **OPT)
-    cfg = Config(model_cfg, ParallelConfig(), train).resolved(1)
-    engine = Engine(cfg, MPI.COMM_SELF, source=load_tokens(str(samples), V, S))
+def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
+                  **parallel) -> Engine:
+    """An engine on ``comm`` with ``params`` loaded, training the samples' rows in order."""
+    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=B,
+                        micro_batch_size=1 if parallel else 0, lr_schedule="constant",
+                        warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
+                        shuffle=False, seed=0, **OPT)
+    cfg = Config(model_cfg, ParallelConfig(**parallel), train).resolved(comm.Get_size())
+    engine = Engine(cfg, comm, source=load_tokens(str(samples), V, S))
     engine.load_params(params)
     return engine
 
@@ -138,6 +213,43 @@ def mpipar_logits(engine: Engine, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     loss, cache = stage.forward(engine.params, rows[:, :-1], engine.positions, rows[:, 1:])
     logits = cache.head.logits  # [B*S, V]: the LM head's output, kept for the backward
     return logits.reshape(rows.shape[0], S, V), loss
+
+
+@functools.lru_cache(maxsize=None)
+def torch_training(path: Path, samples: Path) -> tuple[list, list, dict[str, np.ndarray]]:
+    """transformers + torch.optim.AdamW (decay on matrices only, clipping) for STEPS steps on
+    the samples' rows in order, with the float32 casts removed: (losses, gradient norms,
+    trained parameters by mpipar name). Call it with the float64 patches applied."""
+    model = hf_model(path)
+    model.train()
+    named = dict(model.named_parameters())  # a tied head is the embedding: listed once
+    opt = torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim >= 2],
+                              "weight_decay": OPT["weight_decay"]},
+                             {"params": [p for p in named.values() if p.ndim < 2],
+                              "weight_decay": 0.0}],
+                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
+    rows = torch.from_numpy(np.load(samples))
+    losses, norms = [], []
+    for k in range(STEPS):
+        ids = rows[k * B:(k + 1) * B]
+        opt.zero_grad()
+        loss = hf_loss(model(input_ids=ids[:, :S]).logits, ids)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip_grad"]).item())
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, {mpipar_name(n): p.detach().numpy().copy() for n, p in named.items()}
+
+
+def training_differences(results, trained: dict, want) -> tuple[list[float], float]:
+    """(relative loss differences per step, max relative parameter difference) of an mpipar
+    run against :func:`torch_training`'s; raises AssertionError on a norm or name mismatch."""
+    losses, norms, params = want
+    assert sorted(trained) == sorted(params)
+    for r, norm in zip(results, norms):
+        assert abs(r.grad_norm - norm) <= TOL * norm, (r.grad_norm, norm)
+    return ([abs(r.loss - loss) / loss for r, loss in zip(results, losses)],
+            max(rel(v, params[n]) for n, v in trained.items()))
 
 
 # ------------------------------------------------------------------------- 1. logits
@@ -154,88 +266,133 @@ def test_import_config_and_dtype(hf_dir):
     assert {p.dtype for p in cast.values()} == {np.dtype(np.float32)}
 
 
-def test_logits_and_loss_match_transformers(hf_dir, samples, monkeypatch):
-    cfg, params = load_hf(hf_dir)
+def test_import_of_scaled_tied_and_biased_models(hf_dirs):
+    """What each test checkpoint becomes: RoPE scaling fields, one embedding, q/k/v biases."""
+    got = {kind: load_hf(path) for kind, path in hf_dirs.items()}
+    cfg, params = got["llama3-tied"]
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max_positions, cfg.tie_embeddings) == ("llama3", 4, 1, 4, 8, True)
+    assert "lm_head.weight" not in params and not cfg.attention_bias
+    cfg, params = got["qwen2"]
+    assert cfg.attention_bias and not cfg.tie_embeddings and cfg.rope_type == "default"
+    assert params["layers.1.self_attn.k_proj.bias"].shape == (KV * H // HEADS,)
+    assert got["linear"][0].rope_type == "linear" and got["linear"][0].rope_factor == 3.0
+    cfg = got["dynamic"][0]
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_positions) == ("dynamic", 2, 8)
+    for kind, (_, params) in got.items():
+        ref = hf_model(hf_dirs[kind]).state_dict()
+        for name, value in params.items():
+            np.testing.assert_array_equal(value, ref[hf_name(name)].numpy())
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_logits_and_loss_match_transformers(hf_dirs, kind, samples, monkeypatch):
+    cfg, params = load_hf(hf_dirs[kind])
     rows = np.load(samples)[:B]
     ids = torch.from_numpy(rows)
     got, token_loss = mpipar_logits(mpipar_engine(cfg, params, samples), rows)
 
-    model = hf_model(hf_dir)
+    model = hf_model(hf_dirs[kind])
     with torch.no_grad():
-        plain = model(input_ids=ids, labels=ids)
-    err_plain = rel(got, plain.logits[:, :S].numpy())
-    loss_plain = abs(token_loss.mean() - plain.loss.item()) / plain.loss.item()
+        plain = model(input_ids=ids[:, :S]).logits
+    err_plain = rel(got, plain.numpy())
+    shipped_loss = hf_loss(plain.float(), ids).item()
+    loss_plain = abs(token_loss.mean() - shipped_loss) / shipped_loss
 
     partial = {}  # each float32 cast alone leaves a float32-sized gap: both patches are needed
-    for cls, forward in ((modeling_llama.LlamaRotaryEmbedding, _rotary_float64),
-                         (modeling_llama.LlamaRMSNorm, _rmsnorm_own_dtype)):
+    for cls, forward in PATCHES:
+        if cls.__module__ != type(model).__module__:
+            continue
         with monkeypatch.context() as patch:
             patch.setattr(cls, "forward", forward)
             with torch.no_grad():
-                logits = model(input_ids=ids).logits[:, :S].numpy()
+                logits = model(input_ids=ids[:, :S]).logits.numpy()
             partial[f"only {cls.__name__} patched"] = rel(got, logits)
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rmsnorm_own_dtype)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", _rotary_float64)
+    for cls, forward in PATCHES:
+        monkeypatch.setattr(cls, "forward", forward)
     with torch.no_grad():
-        exact = model(input_ids=ids).logits
-    want_loss = hf_loss_float64(exact, ids).item()
-    err = rel(got, exact[:, :S].numpy())
+        exact = model(input_ids=ids[:, :S]).logits
+    want_loss = hf_loss(exact, ids).item()
+    err = rel(got, exact.numpy())
     err_loss = abs(token_loss.mean() - want_loss) / want_loss
-    print(f"\nlogits rel diff: float64 reference {err:.2e}, transformers as shipped {err_plain:.2e}"
-          f"\nloss rel diff:   float64 reference {err_loss:.2e}, transformers as shipped "
-          f"{loss_plain:.2e}\nlogits rel diff with one patch: "
+    print(f"\n{kind}: logits rel diff: float64 reference {err:.2e}, transformers as shipped "
+          f"{err_plain:.2e}\nloss rel diff:   float64 reference {err_loss:.2e}, transformers as "
+          f"shipped {loss_plain:.2e}\nlogits rel diff with one patch: "
           + ", ".join(f"{k} {v:.2e}" for k, v in partial.items()))
     assert err <= TOL and err_loss <= TOL
-    # transformers as shipped: RoPE, RMSNorm and loss in float32 -> float32 round-off, no more.
+    # transformers as shipped: RoPE, RMSNorm and loss in float32 -> float32 round-off, no more
+    # (a RoPE rule that differed from transformers' would differ by far more).
     assert 1e-9 < err_plain < 1e-5
-    assert all(1e-9 < v < 1e-5 for v in partial.values()), partial
+    assert len(partial) == 2 and all(1e-9 < v < 1e-5 for v in partial.values()), partial
     assert loss_plain < 1e-6
     assert token_loss.mean() > 1.0  # random weights: far from a trivial loss
 
 
 # --------------------------------------------------------------------- 2. training
-def test_training_matches_torch_adamw(hf_dir, samples, float64_transformers, tmp_path):
-    cfg, params = load_hf(hf_dir)
+@pytest.mark.parametrize("kind", TRAINED)
+def test_training_matches_torch_adamw(hf_dirs, kind, samples, float64_transformers, tmp_path):
+    cfg, params = load_hf(hf_dirs[kind])
     engine = mpipar_engine(cfg, params, samples)
     results = [engine.train_step(k) for k in range(STEPS)]
     trained = engine.gather_params()
+    want = torch_training(hf_dirs[kind], samples)
 
-    model = hf_model(hf_dir)
-    model.train()
-    named = dict(model.named_parameters())
-    decay = [p for p in named.values() if p.ndim >= 2]
-    no_decay = [p for p in named.values() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=OPT["lr"],
-                            betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
-    rows = torch.from_numpy(np.load(samples))
-    losses, norms = [], []
-    for k in range(STEPS):
-        ids = rows[k * B:(k + 1) * B]
-        opt.zero_grad()
-        loss = hf_loss_float64(model(input_ids=ids).logits, ids)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip_grad"]).item())
-        opt.step()
-        losses.append(loss.item())
-
-    assert norms[0] > OPT["clip_grad"]  # clipping is exercised
-    for k, r in enumerate(results):
-        assert abs(r.loss - losses[k]) <= TOL * losses[k], (k, r.loss, losses[k])
-        assert abs(r.grad_norm - norms[k]) <= TOL * norms[k], (k, r.grad_norm, norms[k])
-    errs = {n: rel(v, named[hf_name(n)].detach().numpy()) for n, v in trained.items()}
+    assert want[1][0] > OPT["clip_grad"]  # clipping is exercised
+    loss_diffs, param_diff = training_differences(results, trained, want)
     moved = max(rel(trained[n], params[n]) for n in trained)
-    print(f"\nafter {STEPS} steps: max param rel diff {max(errs.values()):.2e} (params moved by "
-          f"up to {moved:.2e}); loss diffs "
-          f"{[f'{abs(r.loss - l) / l:.1e}' for r, l in zip(results, losses)]}")
-    assert max(errs.values()) <= TOL, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    print(f"\n{kind} after {STEPS} steps: max param rel diff {param_diff:.2e} (params moved by "
+          f"up to {moved:.2e}); loss diffs {[f'{d:.1e}' for d in loss_diffs]}")
+    assert max(loss_diffs) <= TOL and param_diff <= TOL
     assert moved > 1e-3
 
-    # --export-hf: the trained float64 weights load into transformers unchanged.
+    # --export-hf: the trained float64 weights load into transformers unchanged (tied: once).
     save_hf(tmp_path / "trained", cfg, trained)
-    reloaded = hf_model(tmp_path / "trained").state_dict()
+    with safe_open(str(tmp_path / "trained" / WEIGHTS_FILE), framework="np") as f:
+        assert ("lm_head.weight" in f.keys()) != cfg.tie_embeddings
+    reloaded = hf_model(tmp_path / "trained")
+    assert type(reloaded).__name__ == hf_model(hf_dirs[kind]).__class__.__name__
+    state = reloaded.state_dict()
     for name, value in trained.items():
-        np.testing.assert_array_equal(reloaded[hf_name(name)].numpy(), value)
+        np.testing.assert_array_equal(state[hf_name(name)].numpy(), value)
+    if cfg.tie_embeddings:
+        assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+
+
+HF_LAYOUTS = [("llama3-tied", dict(pp=2, tp=2, dp=2)),
+              ("llama3-tied", dict(pp=2, sp=2, dp=2, zero=1, schedule="zb-h1")),
+              ("llama3-tied", dict(pp=2, tp=2, sp=2, sp_split="zigzag", zero=1, bucket_mb=0.002)),
+              ("llama3-tied", dict(sp=4, dp=2, zero=1)),
+              ("qwen2", dict(pp=2, tp=2, dp=2)),
+              ("qwen2", dict(tp=2, sp=2, dp=2, zero=1, tp_sequence_parallel=True)),
+              ("qwen2", dict(pp=2, sp=2, sp_mode="ulysses", dp=2, schedule="gpipe"))]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("kind,layout", HF_LAYOUTS,
+                         ids=[f"{k}-{layout_name(v)}" for k, v in HF_LAYOUTS])
+def test_layouts_train_like_torch_adamw(world, hf_dirs, kind, layout, samples,
+                                        float64_transformers):
+    """Every rank builds the same checkpoint and its transformers reference (deterministic);
+    the layout trains it and must equal transformers: losses, norms and exported parameters."""
+    size = layout_size(layout)
+    comm = world.Split(world.rank // size, world.rank)
+    fails: list[str] = []
+    try:
+        cfg, params = load_hf(hf_dirs[kind])
+        engine = mpipar_engine(cfg, params, samples, comm, **layout)
+        results = [engine.train_step(k) for k in range(STEPS)]
+        loss_diffs, param_diff = training_differences(results, engine.gather_params(),
+                                                      torch_training(hf_dirs[kind], samples))
+        if world.rank == 0:
+            print(f"\n{kind} {layout_name(layout)}: max param rel diff {param_diff:.2e}, loss "
+                  f"diffs {[f'{d:.1e}' for d in loss_diffs]}")
+        if not (max(loss_diffs) <= TOL and param_diff <= TOL):
+            fails.append(f"loss diffs {loss_diffs}, param diff {param_diff:.3g}")
+    except Exception as exc:  # a rank's error must reach every rank, never hang them
+        fails.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)
 
 
 # ------------------------------------------------------------------- 3. round trip
@@ -248,16 +405,20 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_round_trip_and_transformers_loads_export(hf_dir, tmp_path):
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_round_trip_and_transformers_loads_export(hf_dirs, kind, tmp_path):
+    hf_dir = hf_dirs[kind]
     cfg, params = load_hf(hf_dir)
     out = tmp_path / "export"
     save_hf(out, cfg, params, extra_config=passthrough_config(hf_dir))
     assert sorted(os.listdir(out)) == [CONFIG_FILE, WEIGHTS_FILE]
     written = json.loads((out / CONFIG_FILE).read_text())
+    original = json.loads((hf_dir / CONFIG_FILE).read_text())
     assert written["dtype"] == written["torch_dtype"] == "float64"
-    assert written["tie_word_embeddings"] is False
+    for key in ("architectures", "model_type", "tie_word_embeddings", "rope_parameters",
+                "max_position_embeddings", "bos_token_id", "eos_token_id"):
+        assert written[key] == original[key], key  # the model as it was, tokens carried over
     assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == THETA
-    assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # carried over
     cfg2, params2 = load_hf(out)
     assert cfg2 == cfg and params2.keys() == params.keys()
     for name, value in params.items():
@@ -270,8 +431,8 @@ def test_round_trip_and_transformers_loads_export(hf_dir, tmp_path):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True,
-                                                           dtype="auto")
+            model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
+                                                               dtype="auto")
     finally:
         root.removeHandler(records)
     assert all(not v for v in info.values()), info  # missing, unexpected, mismatched, errors
@@ -280,9 +441,10 @@ def test_round_trip_and_transformers_loads_export(hf_dir, tmp_path):
                                                     "newly initialized", "not initialized"))]
     assert not noise, noise
     assert {p.dtype for p in model.parameters()} == {torch.float64}
-    original = hf_model(hf_dir).state_dict()
+    assert type(model) is type(hf_model(hf_dir))
+    state = hf_model(hf_dir).state_dict()
     for name, value in model.state_dict().items():
-        torch.testing.assert_close(value, original[name], rtol=0, atol=0)
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0)
 
 
 def test_export_dtype_and_replacement(hf_dir, tmp_path):
@@ -352,33 +514,72 @@ def _v5_style(raw):
     return dict(raw, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
 
 
-@pytest.mark.parametrize("edit", [_v4_style, _v5_style], ids=["transformers4", "transformers5"])
+def _v4_llama31(raw):
+    """Llama 3.1/3.2's config.json as transformers 4.x wrote it (original context on top)."""
+    raw = dict(_v4_style(raw), max_position_embeddings=131072,
+               rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+    return raw
+
+
+def _v4_dynamic_type(raw):
+    return dict(_v4_style(raw), rope_scaling={"type": "dynamic", "factor": 2.0},
+                max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("edit", [_v4_style, _v5_style, _v4_llama31, _v4_dynamic_type],
+                         ids=["transformers4", "transformers5", "llama3.1", "v4-type-dynamic"])
 def test_config_styles(hf_dir, tmp_path, edit):
     cfg, _ = load_hf(_copy_with_config(hf_dir, tmp_path / "c", edit))
     assert cfg.rope_theta == 500000.0 and cfg.kv_heads == KV and cfg.norm_eps == EPS
+    want = {_v4_llama31: ("llama3", 8.0, 8192), _v4_dynamic_type: ("dynamic", 2.0, 1024)}
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_positions) == \
+        want.get(edit, ("default", 1.0, 0))
 
 
 REFUSALS = {
     "architecture": (lambda r: dict(r, architectures=["MistralForCausalLM"]), "architectures"),
     "model_type": (lambda r: dict(r, model_type="mistral"), "model_type='mistral'"),
-    "rope_scaling": (lambda r: dict(r, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-                     "rope_scaling.rope_type='llama3'"),
-    "rope_scaling_v4_type": (lambda r: dict(r, rope_scaling={"type": "linear", "factor": 2.0}),
-                             "rope_scaling.rope_type='linear'"),
+    "qwen2_type_llama_arch": (lambda r: dict(r, model_type="qwen2"),
+                              r"architectures=\['LlamaForCausalLM'\] is not supported for "
+                              r"model_type 'qwen2'"),
+    "rope_scaling": (lambda r: dict(r, rope_scaling={"rope_type": "yarn", "factor": 8.0}),
+                     "rope_scaling.rope_type='yarn' is not supported; mpipar implements 'default', "
+                     "'linear', 'dynamic', 'llama3'"),
+    "rope_scaling_v4_type": (lambda r: dict(r, rope_scaling={"type": "longrope", "factor": 2.0}),
+                             "rope_scaling.rope_type='longrope'"),
     "rope_parameters": (lambda r: dict(r, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                            "rope_theta": 1e4}),
                         "rope_parameters.rope_type='yarn'"),
+    "llama3_without_factors": (lambda r: dict(r, rope_scaling={"rope_type": "llama3",
+                                                               "factor": 8.0}),
+                               "rope_scaling.low_freq_factor is missing"),
+    "llama3_bounds": (lambda r: dict(r, rope_scaling=dict(LLAMA3, low_freq_factor=4.0)),
+                      "low_freq_factor=4.0 must be below high_freq_factor=4.0"),
+    "linear_without_factor": (lambda r: dict(r, rope_scaling={"rope_type": "linear"}),
+                              "rope_scaling.factor is missing"),
     "rope_theta_conflict": (lambda r: dict(r, rope_theta=5.0), "rope_theta=5.0 contradicts"),
-    "attention_bias": (lambda r: dict(r, attention_bias=True), "attention_bias=True"),
+    "attention_bias": (lambda r: dict(r, attention_bias=True),
+                       "attention_bias=true is not supported: in LlamaForCausalLM it also gives "
+                       "o_proj a bias"),
     "mlp_bias": (lambda r: dict(r, mlp_bias=True), "mlp_bias=True"),
     "hidden_act": (lambda r: dict(r, hidden_act="gelu"), "hidden_act='gelu'"),
-    "tied": (lambda r: dict(r, tie_word_embeddings=True), "tie_word_embeddings"),
     "kv_heads": (lambda r: dict(r, num_key_value_heads=4), "num_key_value_heads=4"),
     "missing_field": (lambda r: {k: v for k, v in r.items() if k != "vocab_size"}, "vocab_size"),
     "shape": (lambda r: dict(r, intermediate_size=64),
               r"mlp.gate_proj.weight has shape \[80, 48\], config.json implies \[64, 48\]"),
-    "missing_tensors": (lambda r: dict(r, num_hidden_layers=3), "9 missing tensor"),
+    "missing_tensors": (lambda r: dict(r, num_hidden_layers=3),
+                        "9 missing tensor.*for a LlamaForCausalLM with 3 layers"),
     "unexpected_tensors": (lambda r: dict(r, num_hidden_layers=1), "9 unexpected tensor"),
+    # a Llama's tensors read as a Qwen2's lack its q/k/v biases
+    "qwen2_biases": (lambda r: dict(r, model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+                     r"6 missing tensor.*Qwen2ForCausalLM.*q_proj.bias"),
+    "sliding_window": (lambda r: dict(r, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                                      use_sliding_window=True, sliding_window=4),
+                       "use_sliding_window=true is not supported"),
+    "layer_types": (lambda r: dict(r, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                                   layer_types=["full_attention", "sliding_attention"]),
+                    r"layer_types \['sliding_attention'\] are not supported"),
 }
 
 
@@ -407,19 +608,23 @@ def test_unexpected_bias_and_missing_files(hf_dir, tmp_path):
         load_hf(tmp_path)
 
 
-def test_tied_embeddings_untied_on_request(hf_dir, tmp_path):
-    _, params = load_hf(hf_dir)
-    out = tmp_path / "tied"
-    out.mkdir()
-    raw = json.loads((hf_dir / CONFIG_FILE).read_text())
-    (out / CONFIG_FILE).write_text(json.dumps(dict(raw, tie_word_embeddings=True)))
-    save_file({hf_name(n): v for n, v in params.items() if n != "lm_head.weight"},
-              str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    with pytest.raises(HFCheckpointError, match="tie_word_embeddings"):
-        read_model_config(out)
-    _, got = load_hf(out, untie_embeddings=True)
+def test_tied_checkpoint_kept_tied_or_untied_on_request(hf_dirs, tmp_path):
+    """A tied checkpoint is one parameter; untied on request the head starts as a copy. A stored
+    head of a tied checkpoint is ignored, as transformers ignores it."""
+    tied = hf_dirs["llama3-tied"]
+    cfg, params = load_hf(tied)
+    assert cfg.tie_embeddings and "lm_head.weight" not in params
+    assert read_model_config(tied).tie_embeddings
+    untied_cfg, got = load_hf(tied, untie_embeddings=True)
+    assert not untied_cfg.tie_embeddings and not read_model_config(tied, True).tie_embeddings
     np.testing.assert_array_equal(got["lm_head.weight"], params["embed_tokens.weight"])
     assert got["lm_head.weight"] is not got["embed_tokens.weight"]
+    out = tmp_path / "with-head"
+    out.mkdir()
+    (out / CONFIG_FILE).write_text((tied / CONFIG_FILE).read_text())
+    save_file({**{hf_name(n): v for n, v in params.items()}, "lm_head.weight": np.zeros((V, H))},
+              str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    assert load_hf(out)[1].keys() == params.keys()
 
 
 def test_bfloat16_widened_exactly(tmp_path, hf_dir):
@@ -456,11 +661,29 @@ def test_overrides_from_the_command_line(hf_dir):
         model_config_with_overrides(hf_cfg, {"width": 3})
 
 
-def test_cli_inspect_and_convert(hf_dir, tmp_path, capsys):
+def test_cli_inspect_and_convert(hf_dirs, tmp_path, capsys):
+    hf_dir = hf_dirs["llama"]
     assert main(["inspect", str(hf_dir)]) == 0
     text = capsys.readouterr().out
     assert "model.layers.1.mlp.down_proj.weight" in text and "[48, 80]" in text
     assert "F64" in text and f"kv_heads = {KV}" in text
+    assert main(["inspect", str(hf_dirs["llama3-tied"])]) == 0
+    text = capsys.readouterr().out
+    assert ("llama3 RoPE scaling, factor 4, low/high frequency factors 1/4, pretraining context 8"
+            in text and "tied: one parameter for embedding and LM head" in text)
+    assert main(["inspect", str(hf_dirs["qwen2"])]) == 0
+    assert "q, k and v projections with biases (Qwen2)" in capsys.readouterr().out
+    # every unsupported aspect is named, not only the first
+    bad = _copy_with_config(hf_dirs["llama"], tmp_path / "many", lambda r: dict(
+        r, mlp_bias=True, rope_scaling={"rope_type": "yarn", "factor": 2.0}, attention_bias=True))
+    assert main(["inspect", str(bad)]) == 1
+    text = capsys.readouterr().out
+    assert all(w in text for w in ("mlp_bias=True", "rope_type='yarn'", "attention_bias=true",
+                                   "not supported: attention, mlp, rope"))
+    missing = _copy_with_config(hf_dirs["llama"], tmp_path / "qwen", lambda r: dict(
+        r, model_type="qwen2", architectures=["Qwen2ForCausalLM"]))
+    assert main(["inspect", str(missing)]) == 1
+    assert "tensors      NOT SUPPORTED" in capsys.readouterr().out
     assert main(["convert", str(hf_dir), str(tmp_path / "f32"), "--dtype", "float32"]) == 0
     _, params = load_hf(hf_dir)
     _, got = load_hf(tmp_path / "f32")

@@ -65,6 +65,18 @@ def test_linear_grad(mod, rng):
 
 
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
+def test_linear_with_bias_grad(mod, rng):
+    x, w, b = rng.standard_normal((2, 3, 5)), rng.standard_normal((4, 5)), rng.standard_normal(4)
+    r = rng.standard_normal((2, 3, 4))
+    loss = lambda: float(np.sum(mod.linear_fwd(x, w, b) * r))  # noqa: E731
+    assert rel_err(kernels.get_backend("numpy").linear_bias_bwd(r), num_grad(loss, b)) < 1e-6
+    assert rel_err(mod.linear_fwd(x, w, b), np.einsum("bsi,oi->bso", x, w) + b) < 1e-13
+    assert rel_err(mod.linear_bwd(r, x, w)[1], num_grad(loss, w)) < 1e-6  # the bias changes no dw
+    with pytest.raises(ValueError, match=r"linear_fwd: b must be \[out\] = \(4,\)"):
+        mod.linear_fwd(x, w, b[:3])
+
+
+@pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_rmsnorm_grad(mod, rng):
     x, w, r = rng.standard_normal((2, 3, 7)), rng.standard_normal(7), rng.standard_normal((2, 3, 7))
     y, rstd = mod.rmsnorm_fwd(x, w, 1e-5)
@@ -328,6 +340,42 @@ def test_rope_tables_and_relative_positions(rng):
     assert rel_err(rotated(q, 9), np.concatenate([x1 * c[0] - x2 * s[0], x2 * c[0] + x1 * s[0]])) < 1e-15
 
 
+def test_rope_scaling_rules():
+    """transformers' rules (modeling_rope_utils), checked on their defining properties; the
+    float64 comparison with transformers itself is in test_hf.py."""
+    d, theta = 16, 10000.0
+    base = ref.rope_inv_freq(d, theta)
+    assert rel_err(base, theta ** (-np.arange(0, d, 2) / d)) < 1e-15
+    # linear: every frequency divided by the factor (positions stretched).
+    assert rel_err(ref.rope_inv_freq(d, theta, "linear", 4.0), base / 4) == 0
+    # dynamic: plain up to the pretraining context, then theta grows with the sequence length.
+    dyn = dict(scaling="dynamic", factor=2.0, original_max_positions=64)
+    assert np.array_equal(ref.rope_inv_freq(d, theta, seq_len=64, **dyn), base)
+    grown = theta * (2.0 * 100 / 64 - 1.0) ** (d / (d - 2))
+    assert rel_err(ref.rope_inv_freq(d, theta, seq_len=100, **dyn),
+                   ref.rope_inv_freq(d, grown)) < 1e-15
+    # llama3: long wavelengths / factor, short ones kept, between a continuous interpolation.
+    old, lo, hi, factor = 64, 1.0, 4.0, 8.0
+    got = ref.rope_inv_freq(d, theta, "llama3", factor, lo, hi, old)
+    wave = 2 * np.pi / base
+    long, short = wave > old / lo, wave < old / hi
+    assert long.any() and short.any() and (~long & ~short).any()
+    assert np.array_equal(got[long], base[long] / factor) and np.array_equal(got[short], base[short])
+    mid = ~long & ~short
+    assert np.all((base[mid] / factor < got[mid]) & (got[mid] < base[mid]))
+    s = (old / wave[mid] - lo) / (hi - lo)  # 0 at wavelength old/lo, 1 at old/hi: continuous
+    assert rel_err(got[mid], (1 - s) * base[mid] / factor + s * base[mid]) < 1e-15
+    # the tables use them, for a whole sequence's length given apart from the positions
+    cos, _ = ref.rope_cos_sin(np.array([3, 5]), d, theta, np.float64, seq_len=100, **dyn)
+    assert rel_err(cos, np.cos(np.array([[3], [5]]) * ref.rope_inv_freq(d, grown))) < 1e-15
+    for bad, match in ((dict(scaling="yarn"), "scaling='yarn'"),
+                       (dict(scaling="llama3", factor=8.0, low_freq_factor=4.0,
+                             original_max_positions=64), "low_freq_factor < high_freq_factor"),
+                       (dict(scaling="dynamic", factor=2.0), "original_max_positions=0")):
+        with pytest.raises(ValueError, match=match):
+            ref.rope_inv_freq(d, theta, **bad)
+
+
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_linear_swiglu_is_linear_then_swiglu(mod, rng):
     x, wg, wu = rng.standard_normal((2, 3, 5)), rng.standard_normal((7, 5)), rng.standard_normal((7, 5))
@@ -367,6 +415,7 @@ def elementwise_cases(rng, dtype):
     lb[0, 0, 1:3] = -np.inf
     return [
         ("linear_fwd", (x, w)),
+        ("linear_fwd", (x, w, r(11))),
         ("linear_bwd", (dy, x, w)),
         ("linear_swiglu_fwd", (x, w, r(11, 13))),
         ("rmsnorm_fwd", (x, nw, 1e-6)),

@@ -5,10 +5,12 @@ every (dp, tp, pp, sp) with dp*tp*pp*sp in {2, 4, 8} that the model admits, each
 schedule and each SP split/mode gives, after 2 optimizer steps, the same losses, gradient norms
 and (gathered) parameters as one process: <= 1e-10 relative in float64, <= 1e-5 in float32.
 A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once. Every layout
-with tp > 1 runs again with ``--tp-sequence-parallel``.
+with tp > 1 runs again with ``--tp-sequence-parallel``. A model with tied embeddings, q/k/v
+biases and llama3 RoPE, and one with biases and dynamic RoPE, run on layouts chosen for them.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conftest import assert_all_ranks, factorisations
@@ -46,15 +48,43 @@ TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in VARIANTS if 
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 
+# Tied embeddings with q/k/v biases and llama3 RoPE: the tie across pipeline ranks (pp > 1:
+# every schedule, with ZeRO-1 and small buckets), inside one rank's two chunks (pp = 1,
+# interleaved), under TP (vocabulary-parallel on both ends, biases split with their heads, with
+# and without tp sequence parallelism) and SP.
+TIED = [dict(model="tied", **v) for v in (
+    dict(pp=2, tp=2, dp=2), dict(pp=4, dp=2, schedule="zb-h1"),
+    dict(pp=2, sp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=1, bucket_mb=0.002),
+    dict(pp=1, dp=2, tp=2, schedule="interleaved", virtual_stages=2),
+    dict(pp=2, tp=2, sp=2, tp_sequence_parallel=True, schedule="gpipe"),
+    dict(pp=2, dp=4, zero=1), dict(tp=2, sp=2, dp=2, zero=1, sp_split="zigzag"))]
+# Biases with dynamic NTK RoPE, which depends on the whole sequence's length, under SP splits.
+DYNAMIC = [dict(model="dynamic", **v) for v in (
+    dict(sp=2, tp=2, dp=2), dict(sp=4, pp=2, sp_split="zigzag"),
+    dict(sp=2, dp=2, pp=2, sp_mode="ulysses", zero=1))]
 
 
-def _check(world, layout: dict, dtype: str, tol: float) -> None:
+
+def _tied_copies_differ(engine) -> list[str]:
+    """The two pipeline ranks' copies of a tied embedding must be bit-identical."""
+    group = engine.groups["pp_ends"]
+    if group.size == 1 or not engine.table["embed_tokens.weight"].tied_across_pipeline:
+        return []
+    copies = group.comm.allgather(engine.params["embed_tokens.weight"])
+    if np.array_equal(copies[0], copies[1]):
+        return []
+    return [f"tied embedding copies differ by {np.abs(copies[0] - copies[1]).max():.3g}"]
+
+
+def _check(world, layout: dict, dtype: str, tol: float, extra=lambda engine: []) -> None:
     size = layout_size(layout)
     comm = world.Split(world.rank // size, world.rank)
     fails: list[str] = []
+    layout = dict(layout)
+    model = layout.pop("model", "llama")
     try:
-        got = run(small_config(dtype, **layout), comm)
-        fails = compare(got[:3], reference(dtype), tol)
+        got = run(small_config(dtype, model, **layout), comm)
+        fails = compare(got[:3], reference(dtype, model=model), tol) + extra(got[3])
     except Exception as exc:  # a rank's error must reach every rank, never hang them
         fails = [f"{type(exc).__name__}: {exc}"]
     finally:
@@ -80,3 +110,11 @@ def test_tp_sequence_parallel_equals_single_process_float64(world, layout):
 @pytest.mark.parametrize("layout", FLOAT32, ids=[layout_name(v) for v in FLOAT32])
 def test_layout_equals_single_process_float32(world, layout):
     _check(world, layout, "float32", 1e-5)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", TIED + DYNAMIC, ids=[layout_name(v) for v in TIED + DYNAMIC])
+def test_tied_biased_scaled_model_equals_single_process_float64(world, layout):
+    """Tied embeddings, attention biases and RoPE scaling keep every layout equal to one process,
+    and the tied embedding's copies on the first and the last pipeline stage bit-identical."""
+    _check(world, layout, "float64", 1e-10, _tied_copies_differ)

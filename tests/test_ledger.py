@@ -16,7 +16,12 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(pp=2, tp=2, dp=2, zero=1, bucket_mb=0.003, tp_sequence_parallel=True,
               recompute="full"),
          dict(pp=2, tp=2, sp=2, schedule="interleaved", virtual_stages=2,
-              tp_sequence_parallel=True, recompute="selective")]
+              tp_sequence_parallel=True, recompute="selective"),
+         # tied embeddings (their gradient sum over pp_ends), q/k/v biases, llama3 RoPE
+         dict(model="tied", pp=2, tp=2, dp=2),
+         dict(model="tied", pp=2, dp=2, sp=2, zero=1, bucket_mb=0.003),
+         dict(model="tied", pp=4, tp=2, schedule="zb-h1", tp_sequence_parallel=True),
+         dict(model="tied", pp=2, dp=2, tp=2, schedule="interleaved", virtual_stages=2, zero=1)]
 
 
 @pytest.mark.mpi(min_size=8)

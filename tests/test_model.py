@@ -2,11 +2,14 @@
 finite differences for every parameter, and backends against each other."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from mpipar.config import ModelConfig
 from mpipar.kernels import get_backend
+from mpipar.kernels.numpy_ref import rope_inv_freq
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_params, param_specs
@@ -14,12 +17,21 @@ from mpipar.parallel.tensor import TensorParallel
 
 CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                   rope_theta=500.0, init_std=0.3).resolved()
+# One parameter for embedding and LM head, q/k/v biases, llama3 RoPE (pretraining context 4 < 7).
+TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True, rope_type="llama3",
+                           rope_factor=4.0, rope_original_max_positions=4)
 
 
-def make_stage(backend: str = "numpy") -> LlamaStage:
+def make_stage(backend: str = "numpy", cfg: ModelConfig = CFG) -> LlamaStage:
     k = get_backend(backend)
-    return LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
+    return LlamaStage(cfg, k, range(cfg.layers), True, True, TensorParallel(k, cfg.vocab_size),
                       LocalAttention(k))
+
+
+def random_biases(params: dict, seed: int) -> dict:
+    """``params`` with random (not the initial zero) biases, so that they matter."""
+    rng = np.random.default_rng(seed)
+    return {n: rng.normal(0, 0.3, v.shape) if n.endswith(".bias") else v for n, v in params.items()}
 
 
 def batch(seed: int = 0, B: int = 2, S: int = 7):
@@ -27,17 +39,19 @@ def batch(seed: int = 0, B: int = 2, S: int = 7):
     return rng.integers(0, CFG.vocab_size, (B, S)), rng.integers(0, CFG.vocab_size, (B, S))
 
 
-def naive_loss(p: dict, tokens: np.ndarray, targets: np.ndarray) -> float:
-    """The Llama forward written out directly (no kernels), float64."""
-    c = CFG
+def naive_loss(p: dict, tokens: np.ndarray, targets: np.ndarray, c: ModelConfig = CFG) -> float:
+    """The Llama forward written out directly (no kernels but the RoPE frequency rule, tested in
+    test_kernels.py), float64; biases and a tied head when ``p`` has them."""
     B, S = tokens.shape
     D, hq, hkv = c.head_dim, c.heads, c.kv_heads
+    zero = np.zeros(1)
 
     def rms(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + c.norm_eps) * w
 
     def rope(x):  # [B, S, h, D], rotate-half
-        inv = c.rope_theta ** (-np.arange(0, D, 2) / D)
+        inv = rope_inv_freq(D, c.rope_theta, c.rope_type, c.rope_factor, c.rope_low_freq_factor,
+                            c.rope_high_freq_factor, c.rope_original_max_positions, S)
         ang = np.arange(S)[:, None] * inv[None, :]
         cos = np.concatenate([np.cos(ang)] * 2, -1)[None, :, None, :]
         sin = np.concatenate([np.sin(ang)] * 2, -1)[None, :, None, :]
@@ -48,9 +62,10 @@ def naive_loss(p: dict, tokens: np.ndarray, targets: np.ndarray) -> float:
     for i in range(c.layers):
         n = f"layers.{i}."
         h = rms(x, p[n + "input_layernorm.weight"])
-        q = rope((h @ p[n + "self_attn.q_proj.weight"].T).reshape(B, S, hq, D))
-        k = rope((h @ p[n + "self_attn.k_proj.weight"].T).reshape(B, S, hkv, D))
-        v = (h @ p[n + "self_attn.v_proj.weight"].T).reshape(B, S, hkv, D)
+        q, k, v = (h @ p[n + f"self_attn.{x}_proj.weight"].T + p.get(n + f"self_attn.{x}_proj.bias",
+                                                                    zero) for x in "qkv")
+        q, k = rope(q.reshape(B, S, hq, D)), rope(k.reshape(B, S, hkv, D))
+        v = v.reshape(B, S, hkv, D)
         k, v = np.repeat(k, hq // hkv, axis=2), np.repeat(v, hq // hkv, axis=2)
         s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
         s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
@@ -61,7 +76,7 @@ def naive_loss(p: dict, tokens: np.ndarray, targets: np.ndarray) -> float:
         h = rms(x, p[n + "post_attention_layernorm.weight"])
         g, u = h @ p[n + "mlp.gate_proj.weight"].T, h @ p[n + "mlp.up_proj.weight"].T
         x = x + (g / (1 + np.exp(-g)) * u) @ p[n + "mlp.down_proj.weight"].T
-    logits = rms(x, p["norm.weight"]) @ p["lm_head.weight"].T
+    logits = rms(x, p["norm.weight"]) @ p.get("lm_head.weight", p["embed_tokens.weight"]).T
     m = logits.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
     return float((lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]).mean())
@@ -74,21 +89,24 @@ def loss_and_grads(stage, params, tokens, targets):
     return float(loss.mean()), grads
 
 
-def test_forward_matches_naive_reference():
-    stage = make_stage()
-    params = init_params(CFG, 7, np.float64)
+@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["llama", "tied-bias-llama3"])
+def test_forward_matches_naive_reference(cfg):
+    stage = make_stage(cfg=cfg)
+    params = random_biases(init_params(cfg, 7, np.float64), 1)
     tokens, targets = batch()
     loss, _ = loss_and_grads(stage, params, tokens, targets)
-    ref = naive_loss(params, tokens, targets)
+    ref = naive_loss(params, tokens, targets, cfg)
     assert abs(loss - ref) <= 1e-12 * abs(ref)
 
 
-def test_every_parameter_gradient_matches_finite_differences():
-    stage = make_stage()
-    params = init_params(CFG, 3, np.float64)
+@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["llama", "tied-bias-llama3"])
+def test_every_parameter_gradient_matches_finite_differences(cfg):
+    stage = make_stage(cfg=cfg)
+    params = random_biases(init_params(cfg, 3, np.float64), 2)
     tokens, targets = batch(1)
     _, grads = loss_and_grads(stage, params, tokens, targets)
-    assert set(grads) == {s.name for s in param_specs(CFG)}
+    assert set(grads) == {s.name for s in param_specs(cfg)}
+    assert ("lm_head.weight" in grads) != cfg.tie_embeddings
     rng = np.random.default_rng(0)
     h = 1e-5
     for name, value in params.items():
@@ -96,7 +114,7 @@ def test_every_parameter_gradient_matches_finite_differences():
         # Embedding rows of tokens that appear, plus random entries everywhere else.
         picks = rng.choice(flat.size, size=min(flat.size, 6), replace=False)
         if name == "embed_tokens.weight":
-            picks = np.concatenate([picks, tokens[0, 0] * CFG.hidden + np.arange(3)])
+            picks = np.concatenate([picks, tokens[0, 0] * cfg.hidden + np.arange(3)])
         for j in picks:
             old = flat[j]
             flat[j] = old + h
@@ -121,12 +139,13 @@ def test_loss_at_init_is_near_uniform():
     assert abs(loss - np.log(11)) < 1e-3
 
 
+@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["llama", "tied-bias-llama3"])
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-11), (np.float32, 2e-4)])
-def test_numba_backend_equals_numpy_on_the_model(dtype, tol):
+def test_numba_backend_equals_numpy_on_the_model(dtype, tol, cfg):
     tokens, targets = batch(2)
-    params = init_params(CFG, 5, dtype)
-    l_np, g_np = loss_and_grads(make_stage("numpy"), params, tokens, targets)
-    l_nb, g_nb = loss_and_grads(make_stage("numba"), params, tokens, targets)
+    params = {n: v.astype(dtype) for n, v in random_biases(init_params(cfg, 5, dtype), 3).items()}
+    l_np, g_np = loss_and_grads(make_stage("numpy", cfg), params, tokens, targets)
+    l_nb, g_nb = loss_and_grads(make_stage("numba", cfg), params, tokens, targets)
     assert abs(l_np - l_nb) <= tol * abs(l_np)
     for name in g_np:
         scale = np.abs(g_np[name]).max()

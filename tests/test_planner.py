@@ -22,7 +22,9 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(pp=4, tp=2, schedule="zb-h1"), dict(dp=2, tp=2, pp=2, dtype="float32"),
          dict(tp=2, sp=2, dp=2, recompute="full"), dict(sp=2, sp_mode="ulysses", dp=2, pp=2,
                                                          recompute="full"),
-         dict(tp=2, pp=2, dp=2, recompute="selective")]
+         dict(tp=2, pp=2, dp=2, recompute="selective"),
+         dict(model="tied", pp=2, tp=2, dp=2, zero=1, bucket_mb=0.003),
+         dict(model="tied", dp=4, tp=2, schedule="interleaved", virtual_stages=2)]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -104,6 +106,25 @@ def test_tensor_parallel_shards_all_but_the_norms():
     matrices = _params(m) - norms - 2 * 257 * m.hidden
     want = matrices // 2 + norms + 2 * 129 * m.hidden
     assert predict_memory(cfg, Coord(0, 1, 0, 0)).weights == want * 4
+
+
+def test_tied_embedding_and_biases_by_hand():
+    """A tied model holds the embedding once on one stage and a copy on each end of a pipeline,
+    whose gradient (the whole, or under ZeRO-1 the owned slice) is all-reduced over pp_ends
+    once a step; q/k/v biases add q + 2 kv values per block."""
+    model = ModelConfig(tie_embeddings=True, attention_bias=True)
+    m = model.resolved()
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    n = _params(m) - m.vocab_size * m.hidden + m.layers * (q + 2 * kv)
+    assert predict_memory(Config(model=model).resolved(1), Coord(0, 0, 0, 0)).weights == n * 4
+    for zero, dp in ((0, 1), (1, 2)):
+        cfg = Config(model=model, parallel=ParallelConfig(pp=2, dp=dp, zero=zero)).resolved(2 * dp)
+        first = predict_memory(cfg, Coord(0, 0, 0, 0)).weights // 4
+        last = predict_memory(cfg, Coord(0, 0, 1, 0)).weights // 4
+        embed = m.vocab_size * m.hidden          # every bucket is even: no padding for dp = 2
+        assert first + last == n + embed
+        for r in (0, 1):
+            assert predict_step_bytes(cfg, Coord(0, 0, r, 0))["pp_ends"] == embed // dp * 4
 
 
 def test_pipeline_stages_hold_their_layers():

@@ -29,17 +29,20 @@ from mpipar.parallel.tensor import TensorParallel
 
 CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                   init_std=0.3).resolved()
+TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True)  # biases recomputed too
 MODES = [m for m in RECOMPUTE_MODES if m != "none"]
 
 
-def _stage(mode: str, store=None) -> LlamaStage:
+def _stage(mode: str, store=None, cfg: ModelConfig = CFG) -> LlamaStage:
     k = get_backend("numpy")
-    return LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
+    return LlamaStage(cfg, k, range(cfg.layers), True, True, TensorParallel(k, cfg.vocab_size),
                       LocalAttention(k), mode, store)
 
 
 def _loss_and_grads(stage: LlamaStage, split: bool):
-    params = init_params(CFG, 4, np.float64)
+    rng = np.random.default_rng(4)
+    params = {n: rng.normal(0, 0.3, v.shape) if n.endswith(".bias") else v
+              for n, v in init_params(stage.cfg, 4, np.float64).items()}
     rng = np.random.default_rng(5)
     tokens, targets = rng.integers(0, 11, (2, 7)), rng.integers(0, 11, (2, 7))
     loss, cache = stage.forward(params, tokens, np.arange(7), targets)
@@ -52,12 +55,13 @@ def _loss_and_grads(stage: LlamaStage, split: bool):
     return loss, grads
 
 
+@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["llama", "tied-bias"])
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "zb-split"])
 @pytest.mark.parametrize("mode", MODES)
-def test_stage_modes_equal_none_bitwise(mode, split, tmp_path):
+def test_stage_modes_equal_none_bitwise(mode, split, cfg, tmp_path):
     store = OffloadStore(tmp_path / "scratch.h5") if mode == "offload" else None
-    loss, grads = _loss_and_grads(_stage(mode, store), split)
-    ref_loss, ref_grads = _loss_and_grads(_stage("none"), split)
+    loss, grads = _loss_and_grads(_stage(mode, store, cfg), split)
+    ref_loss, ref_grads = _loss_and_grads(_stage("none", cfg=cfg), split)
     assert np.array_equal(loss, ref_loss)
     for name, g in ref_grads.items():
         assert np.array_equal(grads[name], g), name

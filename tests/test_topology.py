@@ -48,6 +48,13 @@ def test_grid_every_factorisation(world, dp, tp, pp, sp):
     sizes = {"tp": tp, "pp": pp, "dp": dp, "sp": sp, "dp_sp": dp * sp, "tp_pp": tp * pp}
     for name, size in sizes.items():
         check(grid.comms[name].Get_size() == size, f"{name} size")
+    # pp_ends: the first and last pipeline rank of my (dp, sp, tp) position; alone elsewhere.
+    ends = {0, pp - 1}
+    members = sorted(grid.comms["pp_ends"].allgather(me))
+    expected = sorted(r for r in range(8) if coords[r].pp in ends and c.pp in ends
+                      and all(getattr(coords[r], a) == getattr(c, a) for a in ("dp", "sp", "tp")))
+    check(members == (expected or [me]), f"pp_ends members {members} != {expected or [me]}")
+    check(grid.comms["pp_ends"].Get_rank() == (c.pp == pp - 1 and pp > 1), "pp_ends rank order")
     # Ranks inside an axis communicator are ordered by that axis' coordinate.
     for axis in ("tp", "pp", "dp", "sp"):
         check(grid.comms[axis].Get_rank() == getattr(c, axis), f"{axis} rank order")

@@ -98,8 +98,14 @@ def test_bad_data_path_exits_2(tmp_path):
     assert proc.returncode == 2 and "nope.bin" in proc.stderr
 
 
-def _hf_checkpoint(tmp_path):
-    """A small Llama written in the Hugging Face format by mpipar itself (no torch needed)."""
+TIED_QWEN2 = dict(tie_embeddings=True, attention_bias=True, rope_type="llama3", rope_factor=4.0,
+                  rope_original_max_positions=8)
+"""A tied Qwen2 (q/k/v biases) with llama3 RoPE scaling, as mpipar writes it."""
+
+
+def _hf_checkpoint(tmp_path, **model):
+    """A small Llama (or, with ``model`` fields, e.g. a Qwen2) written in the Hugging Face format
+    by mpipar itself (no torch needed); biases random, not zero."""
     import numpy as np
 
     from mpipar.config import ModelConfig
@@ -107,8 +113,10 @@ def _hf_checkpoint(tmp_path):
     from mpipar.model.params import init_params
 
     cfg = ModelConfig(vocab_size=97, hidden=48, layers=2, heads=6, kv_heads=2, ffn_hidden=80,
-                      rope_theta=5000.0, init_std=0.1)
-    params = init_params(cfg, 21, np.float64)
+                      rope_theta=5000.0, init_std=0.1, **model)
+    rng = np.random.default_rng(1)
+    params = {n: rng.normal(0, 0.1, v.shape) if n.endswith(".bias") else v
+              for n, v in init_params(cfg, 21, np.float64).items()}
     save_hf(tmp_path / "hf", cfg, params, dtype="float64")
     rng = np.random.default_rng(0)
     np.save(tmp_path / "data.npy", rng.integers(0, 97, size=(32, 17)))
@@ -139,21 +147,30 @@ def test_init_from_hf_and_export(tmp_path):
 
 
 @needs_mpirun
-def test_hf_fine_tune_is_layout_invariant(tmp_path):
+@pytest.mark.parametrize("model,layout", [({}, ["--tp", "2"]), (TIED_QWEN2, ["--pp", "2"])],
+                         ids=["llama-tp2", "tied-qwen2-llama3-pp2"])
+def test_hf_fine_tune_is_layout_invariant(tmp_path, model, layout):
+    """Two steps from a checkpoint on one process and on two ranks export the same weights (a
+    tied model: one tensor, the tie across the two pipeline stages kept)."""
     import numpy as np
 
     from mpipar.hf import load_hf
 
-    src, data, _ = _hf_checkpoint(tmp_path)
+    src, data, _ = _hf_checkpoint(tmp_path, **model)
     common = ["--init-from-hf", str(src), "--data", str(data), "--seq-len", "16", "--steps", "2",
               "--global-batch-size", "4", "--dtype", "float64", "--backend", "numpy"]
     one = subprocess.run([sys.executable, "-m", "mpipar.train", *common, "--export-hf",
                           str(tmp_path / "a"), "--run-dir", str(tmp_path / "ra")],
                          capture_output=True, text=True, timeout=120, env=launch_env())
-    two = subprocess.run([*mpirun(2), sys.executable, "-m", "mpipar.train", *common, "--tp", "2",
+    two = subprocess.run([*mpirun(2), sys.executable, "-m", "mpipar.train", *common, *layout,
                           "--export-hf", str(tmp_path / "b"), "--run-dir", str(tmp_path / "rb")],
                          capture_output=True, text=True, timeout=120, env=launch_env())
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    for out in ("a", "b"):
+        written = json.loads((tmp_path / out / "config.json").read_text())
+        assert written["tie_word_embeddings"] == bool(model)
+        assert written["architectures"] == ["Qwen2ForCausalLM" if model else "LlamaForCausalLM"]
     a, b = load_hf(tmp_path / "a")[1], load_hf(tmp_path / "b")[1]
+    assert ("lm_head.weight" in a) != bool(model) and a.keys() == b.keys()
     for name in a:
         assert np.abs(a[name] - b[name]).max() <= 1e-10 * np.abs(a[name]).max(), name

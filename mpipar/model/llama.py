@@ -11,7 +11,15 @@ no collective. Parallelism enters through two objects it is given:
 - ``attention``: the attention core (:class:`mpipar.model.attention.AttentionCore`), which sees
   this rank's query chunk and global positions (ring or Ulysses attention over SP).
 
-RoPE uses the global token positions of this rank's sequence chunk.
+RoPE uses the global token positions of this rank's sequence chunk, with the model's frequency
+scaling (``rope_type``: linear, dynamic NTK, llama3), whose dynamic rule depends on the length of
+the whole sequence (``seq_len``), not of this rank's chunk.
+
+Config facts the block follows: ``attention_bias`` adds q/k/v biases to the column-parallel
+projections (the kernels' ``linear_fwd`` adds them, :class:`LinearGrads` accumulates their
+gradients beside the weights'); ``tie_embeddings`` makes the LM head multiply by the embedding
+matrix (:func:`mpipar.model.params.head_weight_name`), so a single stage accumulates both uses
+into one gradient.
 
 Shapes: ``B`` microbatch, ``S`` local sequence length, ``H`` hidden, ``hq``/``hkv`` the query/kv
 heads on this TP rank, ``D`` head_dim, ``F`` local FFN width, ``V`` local vocabulary rows. The
@@ -44,7 +52,7 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore
-from mpipar.model.params import block_param_specs, stage_param_names
+from mpipar.model.params import EMBED, block_param_specs, head_weight_name, stage_param_names
 from mpipar.parallel.tensor import TensorParallel
 
 Array = Any
@@ -114,10 +122,16 @@ class StageCache:
     head: Any = None
 
 
+def bias_name(weight: str) -> str:
+    """The name of the bias of linear weight ``weight`` (``...q_proj.weight`` -> ``...bias``)."""
+    return weight.removesuffix("weight") + "bias"
+
+
 class LinearGrads:
-    """The weight gradients of one backward call: ``(dy, x, name) -> dx`` for ``y = x @ w.T``,
-    accumulating ``dw`` into ``grads[name]`` now, or appending ``(name, dy, x)`` to ``deferred``
-    for :meth:`LlamaStage.weight_backward` (the input/weight split of zero-bubble schedules)."""
+    """The weight gradients of one backward call: ``(dy, x, name) -> dx`` for
+    ``y = x @ w.T (+ b)``, accumulating ``dw`` into ``grads[name]`` (and ``db`` into the bias's,
+    when the model has one) now, or appending ``(name, dy, x)`` to ``deferred`` for
+    :meth:`LlamaStage.weight_backward` (the input/weight split of zero-bubble schedules)."""
 
     def __init__(self, kernels, params: dict, grads: dict, deferred: list | None) -> None:
         self.kernels, self.params, self.grads, self.deferred = kernels, params, grads, deferred
@@ -127,9 +141,15 @@ class LinearGrads:
         if self.deferred is None:
             dx, dw = self.kernels.linear_bwd(dy, x, w)
             self.grads[name] += dw
+            self.bias(dy, name)
             return dx
         self.deferred.append((name, dy, x))
         return dy @ w
+
+    def bias(self, dy: Array, name: str) -> None:
+        """Accumulate the gradient of weight ``name``'s bias, if the model has one."""
+        if bias_name(name) in self.grads:
+            self.grads[bias_name(name)] += self.kernels.linear_bias_bwd(dy)
 
 
 class LlamaStage:
@@ -137,10 +157,12 @@ class LlamaStage:
 
     def __init__(self, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
                  tp: TensorParallel, attention: AttentionCore, recompute: str = "none",
-                 store: CacheStore | None = None) -> None:
+                 store: CacheStore | None = None, seq_len: int = 0) -> None:
         """``recompute`` in :data:`RECOMPUTE_MODES` (see the module docstring); ``offload``
-        needs ``store``. ``recorder``, when set to a callable ``(layer, name, array)``, receives
-        the :data:`ACTIVATION_NAMES` tensors of every block the forward pass runs."""
+        needs ``store``. ``seq_len``: the length of the whole sequences whose positions forward
+        receives (dynamic RoPE scaling depends on it; 0: the largest position + 1).
+        ``recorder``, when set to a callable ``(layer, name, array)``, receives the
+        :data:`ACTIVATION_NAMES` tensors of every block the forward pass runs."""
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={recompute!r}: must be one of "
                              f"{', '.join(RECOMPUTE_MODES)}")
@@ -153,17 +175,28 @@ class LlamaStage:
         self.tp, self.attention = tp, attention
         self.hq = self.cfg.heads // tp.size
         self.hkv = self.cfg.kv_heads // tp.size
+        self.head = head_weight_name(self.cfg)
+        self.seq_len = seq_len
         self._rope: dict[bytes, tuple[Array, Array]] = {}
 
     def param_names(self) -> list[str]:
         return stage_param_names(self.cfg, self.layers, self.first, self.last)
 
     def _cos_sin(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
+        """RoPE cos, sin ``[S, D/2]`` of ``positions`` (computed once per position set)."""
         key = positions.tobytes() + np.dtype(dtype).str.encode()
         if key not in self._rope:
-            self._rope[key] = self.kernels.rope_cos_sin(self.kernels.xp.asarray(positions),
-                                                  self.cfg.head_dim, self.cfg.rope_theta, dtype)
+            c = self.cfg
+            self._rope[key] = self.kernels.rope_cos_sin(
+                self.kernels.xp.asarray(positions), c.head_dim, c.rope_theta, dtype,
+                scaling=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+                high_freq_factor=c.rope_high_freq_factor,
+                original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)
         return self._rope[key]
+
+    def _bias(self, params, weight: str) -> Array | None:
+        """The bias of linear ``weight``, or None when the model has none."""
+        return params.get(bias_name(weight))
 
     # ---------------------------------------------------------------- forward
     def forward(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
@@ -177,7 +210,7 @@ class LlamaStage:
         cache = StageCache(positions)
         if self.first:
             cache.tokens = inp
-            x = self.tp.embed(params["embed_tokens.weight"], inp)
+            x = self.tp.embed(params[EMBED], inp)
         else:
             x = inp
         for i in self.layers:
@@ -205,7 +238,8 @@ class LlamaStage:
         """q ``[B, S, hq, D]`` and k ``[B, S, hkv, D]`` after RoPE, v ``[B, S, hkv, D]``, of the
         normed input entered into the tp region (column-parallel: no communication here)."""
         ops, p, n, D = self.kernels, params, f"layers.{i}.", self.cfg.head_dim
-        q, key, v = (ops.linear_fwd(h1_full, p[n + f"self_attn.{x}_proj.weight"]) for x in "qkv")
+        q, key, v = (ops.linear_fwd(h1_full, p[w], self._bias(p, w))
+                     for w in (n + f"self_attn.{x}_proj.weight" for x in "qkv"))
         q, key, v = (a.reshape(-1, S, h, D) for a, h in ((q, self.hq), (key, self.hkv),
                                                           (v, self.hkv)))
         return q, key, v
@@ -241,7 +275,7 @@ class LlamaStage:
 
     def _head_fwd(self, params, x: Array, targets: Array) -> tuple[Array, HeadSaved]:
         hn, rstd = self.kernels.rmsnorm_fwd(x, params["norm.weight"], self.cfg.norm_eps)
-        _, (logits,) = self.tp.column_linear(hn, params["lm_head.weight"])
+        _, (logits,) = self.tp.column_linear(hn, params[self.head])
         logits = logits.reshape(-1, logits.shape[-1])
         t = targets.reshape(-1)
         loss, lse = self.tp.cross_entropy(logits, t)
@@ -265,7 +299,8 @@ class LlamaStage:
         notify = on_ready if deferred is None else None
         if self.last:
             dx = self._head_bwd(params, grads, dout, cache.head, lin)
-            notify and notify(["norm.weight", "lm_head.weight"])
+            tied_here = self.first and self.head == EMBED  # final after the embedding's backward
+            notify and notify(["norm.weight"] + ([] if tied_here else [self.head]))
         else:
             dx = dout
         for i in reversed(self.layers):  # pop: each block's activations go once it is done
@@ -273,15 +308,17 @@ class LlamaStage:
             dx = self._block_bwd(params, grads, i, dx, saved, cache.positions, lin)
             notify and notify([s.name for s in block_param_specs(self.cfg, i)])
         if self.first:
-            self.tp.embed_backward(grads["embed_tokens.weight"], dx, cache.tokens)
-            notify and notify(["embed_tokens.weight"])
+            self.tp.embed_backward(grads[EMBED], dx, cache.tokens)
+            notify and notify([EMBED])
             return None
         return dx
 
     def weight_backward(self, grads: dict[str, Array], deferred: list) -> None:
-        """Run the weight-gradient GEMMs that :meth:`backward` deferred."""
+        """Run the weight-gradient GEMMs (and bias sums) that :meth:`backward` deferred."""
+        lin = LinearGrads(self.kernels, {}, grads, None)
         for name, dy, x in deferred:
             grads[name] += dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+            lin.bias(dy, name)
         deferred.clear()
 
     def _restore(self, params, i: int, kept: Any, positions: np.ndarray) -> BlockSaved:
@@ -302,8 +339,7 @@ class LlamaStage:
         c = self.store.take(kept) if self.recompute == "offload" else kept
         dlogits = self.tp.cross_entropy_backward(c.logits, c.targets, c.lse,
                                                  dloss.reshape(-1)).astype(c.x.dtype)
-        dhn = self.tp.column_linear_backward([dlogits], self.tp.enter(c.hn), ["lm_head.weight"],
-                                             lin)
+        dhn = self.tp.column_linear_backward([dlogits], self.tp.enter(c.hn), [self.head], lin)
         dx, dwn = self.kernels.rmsnorm_bwd(dhn, c.x, params["norm.weight"], c.rstd)
         grads["norm.weight"] += dwn
         return dx

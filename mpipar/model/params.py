@@ -4,6 +4,10 @@ Names follow Hugging Face Llama without the ``model.`` prefix; matrices are ``[o
 ``torch.nn.Linear``. Every parameter is initialised as its *global* tensor from a generator seeded
 by ``(seed, crc32(name))``, so every layout starts from the same numbers. How the grid splits
 and places them is not the model's business: :mod:`mpipar.placement` holds that table.
+
+Two config facts change the set: ``attention_bias`` adds the q/k/v biases
+(``layers.{i}.self_attn.{q,k,v}_proj.bias``, Qwen2's), and ``tie_embeddings`` drops
+``lm_head.weight``: the LM head then reads ``embed_tokens.weight`` (:func:`head_weight_name`).
 """
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.config import ModelConfig
+
+
+EMBED, HEAD = "embed_tokens.weight", "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -29,11 +36,14 @@ def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     """Specs of decoder block ``i``."""
     h, q, kv, f = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
     p = f"layers.{i}."
+    biases = [ParamSpec(p + f"self_attn.{x}_proj.bias", (n,), i)
+              for x, n in (("q", q), ("k", kv), ("v", kv))] if cfg.attention_bias else []
     return [
         ParamSpec(p + "input_layernorm.weight", (h,), i),
         ParamSpec(p + "self_attn.q_proj.weight", (q, h), i),
         ParamSpec(p + "self_attn.k_proj.weight", (kv, h), i),
         ParamSpec(p + "self_attn.v_proj.weight", (kv, h), i),
+        *biases,
         ParamSpec(p + "self_attn.o_proj.weight", (h, q), i),
         ParamSpec(p + "post_attention_layernorm.weight", (h,), i),
         ParamSpec(p + "mlp.gate_proj.weight", (f, h), i),
@@ -45,25 +55,39 @@ def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the model, in forward order."""
     cfg = cfg.resolved()
-    specs = [ParamSpec("embed_tokens.weight", (cfg.vocab_size, cfg.hidden), None)]
+    specs = [ParamSpec(EMBED, (cfg.vocab_size, cfg.hidden), None)]
     for i in range(cfg.layers):
         specs += block_param_specs(cfg, i)
-    specs += [ParamSpec("norm.weight", (cfg.hidden,), None),
-              ParamSpec("lm_head.weight", (cfg.vocab_size, cfg.hidden), None)]
+    specs.append(ParamSpec("norm.weight", (cfg.hidden,), None))
+    if not cfg.tie_embeddings:
+        specs.append(ParamSpec(HEAD, (cfg.vocab_size, cfg.hidden), None))
     return specs
+
+
+def head_weight_name(cfg: ModelConfig) -> str:
+    """The parameter the LM head multiplies by: ``lm_head.weight``, or the embedding when tied."""
+    return EMBED if cfg.tie_embeddings else HEAD
 
 
 def stage_param_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
     """Parameters of a pipeline stage holding blocks ``layers``, plus the embedding (``first``)
-    and the final norm and LM head (``last``), in forward order."""
-    names = ["embed_tokens.weight"] if first else []
+    and the final norm and LM head (``last``; the embedding when tied), in forward order, each
+    once."""
+    names = [EMBED] if first else []
     for i in layers:
         names += [s.name for s in block_param_specs(cfg, i)]
-    return names + (["norm.weight", "lm_head.weight"] if last else [])
+    if last:
+        names.append("norm.weight")
+        if head_weight_name(cfg) not in names:  # tied, on a single stage: already there
+            names.append(head_weight_name(cfg))
+    return names
 
 
 def init_param(spec: ParamSpec, cfg: ModelConfig, seed: int) -> np.ndarray:
-    """The global float64 initial value of one parameter (independent of layout)."""
+    """The global float64 initial value of one parameter (independent of layout): norm weights
+    ones, biases zeros, matrices normal."""
+    if spec.name.endswith(".bias"):
+        return np.zeros(spec.shape)
     if len(spec.shape) == 1:
         return np.ones(spec.shape)
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])

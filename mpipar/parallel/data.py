@@ -13,9 +13,19 @@ backward order (the LM head first, the embedding last) up to ``bucket_mb`` each.
 
 Both sum over the group; the global mean comes from the loss weight ``1 / tokens``. Buffers come
 from the kernel backend's array module (``xp``).
+
+A tied embedding's two copies (first and last pipeline stage, :mod:`mpipar.placement`) are then
+summed over the ``tied`` group (Megatron's embedding group), after the dp x sp reduction as
+Megatron does it: the whole gradient, or under ZeRO-1 the owned slice. Each tied parameter has a
+bucket of its own, so the buffer is the same on both copies (same length, same values, same
+owned slice) and the sum of two is exact: both copies see bit-identical gradients and stay
+bit-identical through identical updates. The sum waits for :meth:`GradReducer.finish` rather than
+blocking in backward, where the two pipeline ranks reach their final gradients at different
+points of the schedule.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -24,12 +34,17 @@ from mpipar.comm import Group, Request
 from mpipar.config import Config, require, rules
 
 
-def plan_buckets(sizes: list[int], limit_bytes: int) -> list[list[int]]:
+def plan_buckets(sizes: list[int], limit_bytes: int, alone: Collection[int] = ()
+                 ) -> list[list[int]]:
     """Group consecutive parameters (``sizes`` in bytes, in backward order) into buckets: a
-    bucket closes once it holds at least ``limit_bytes``. Returns the indices of each bucket."""
+    bucket closes once it holds at least ``limit_bytes``; the indices in ``alone`` get a bucket
+    of their own. Returns the indices of each bucket."""
     buckets: list[list[int]] = [[]]
     total = 0
     for i, size in enumerate(sizes):
+        if i in alone:
+            buckets += [[i], []]
+            continue
         buckets[-1].append(i)
         total += size
         if total >= limit_bytes:
@@ -62,14 +77,19 @@ class Bucket:
 class GradReducer:
     """Owns the flat buffers and reduces gradients over ``group`` (``sharded``: ZeRO-1's
     reduce-scatter instead of the all-reduce). ``params``: host tensors in any order; ``order``:
-    the names in backward order (the bucket order)."""
+    the names in backward order (the bucket order); ``tied``: the names whose gradients are then
+    summed over ``tied_group`` (the module docstring)."""
 
     def __init__(self, params: dict[str, Any], order: list[str], group: Group,
-                 bucket_mb: float, sharded: bool, xp: ModuleType) -> None:
+                 bucket_mb: float, sharded: bool, xp: ModuleType, tied: Collection[str] = (),
+                 tied_group: Group | None = None) -> None:
         self.group, self.sharded, self.xp = group, sharded, xp
         limit = max(1, int(bucket_mb * 2**20))
+        alone = {i for i, n in enumerate(order) if n in tied}
         self.buckets = [self._make_bucket(params, [order[i] for i in idx])
-                        for idx in plan_buckets([params[n].nbytes for n in order], limit)]
+                        for idx in plan_buckets([params[n].nbytes for n in order], limit, alone)]
+        self.tied_group = tied_group
+        self.tied_buckets = [b for b in self.buckets if set(b.names) <= set(tied)]
         self.params = {n: b.params[s:e].reshape(params[n].shape)
                        for b in self.buckets for n, (s, e) in b.offsets.items()}
         self.grads = {n: b.grads[s:e].reshape(params[n].shape)
@@ -107,7 +127,8 @@ class GradReducer:
                 b.request = self.group.iallreduce_(b.grads)
 
     def finish(self) -> None:
-        """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice)."""
+        """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice), the
+        tied ones then over the tied group too."""
         for b in self.buckets:
             if self.sharded:
                 owned = self.xp.empty(b.grads.size // self.group.size, b.grads.dtype)
@@ -117,6 +138,8 @@ class GradReducer:
                 if b.request is None:
                     b.request = self.group.iallreduce_(b.grads)
                 b.request.wait()
+        for b in self.tied_buckets:
+            self.tied_group.allreduce_(b.owned_grad if self.sharded else b.grads)
 
     def owned_pieces(self):
         """ZeRO-1: (bucket, name, lo, hi) of every parameter range inside this rank's owned

@@ -68,6 +68,29 @@ class ModelConfig:
     attention_bias: bool = _f(False, "q, k and v projections have biases (Qwen2)")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
+    sliding_window: int = _f(0, "sliding-window attention: a token sees itself and the W-1 "
+                                "tokens before it (Mistral's sliding_window); 0 = full causal")
+    window_layers: str = _f("all", "the layers that use --sliding-window: all, even (layers 0, 2, "
+                                   "... local, the others global, as Gemma 2), odd, or a comma "
+                                   "list of layer indices")
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of block ``layer``: ``sliding_window`` if ``window_layers`` names
+        the layer, else 0 (full causal attention)."""
+        if self.sliding_window == 0:
+            return 0
+        spec = self.window_layers.strip()
+        if spec == "all":
+            chosen = True
+        elif spec in ("even", "odd"):
+            chosen = layer % 2 == (spec == "odd")
+        else:
+            chosen = layer in {int(x) for x in spec.split(",") if x.strip()}
+        return self.sliding_window if chosen else 0
+
+    def windows(self) -> list[int]:
+        """The sliding window of every layer (0: full causal), in layer order."""
+        return [self.layer_window(i) for i in range(self.layers)]
 
     def resolved(self) -> "ModelConfig":
         """A copy with the derived defaults (head_dim, ffn_hidden) filled in."""
@@ -92,8 +115,10 @@ class ParallelConfig:
     sp_split: str = _f("contiguous", "how a sequence is cut over SP (zigzag: rank i holds chunks i "
                                      "and 2*sp-1-i, balancing causal work)",
                        choices=("contiguous", "zigzag"))
-    sp_mode: str = _f("ring", "SP attention: ring (K/V passed around) or ulysses (all-to-all "
-                              "to head groups)", choices=("ring", "ulysses"))
+    sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
+                              "to head groups) or halo (sliding window: only the W-1 positions "
+                              "before each rank's tokens come from their neighbours)",
+                      choices=("ring", "ulysses", "halo"))
     sp_overlap: bool = _f(False, "ring attention: post the next K/V transfer before computing the "
                                  "current block (Isend/Irecv)")
     zero: int = _f(0, "ZeRO stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp x sp)",
@@ -257,6 +282,7 @@ class Config:
         _check_rope_scaling(m)
         require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
         require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
+        _check_window(m)
 
         _positive(p, ("tp", "pp", "sp", "virtual_stages"), "parallel")
         require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")
@@ -314,6 +340,19 @@ def require(ok: bool, message: str) -> None:
     """Raise :class:`ConfigError` with ``message`` (field, value and rule) unless ``ok``."""
     if not ok:
         raise ConfigError(message)
+
+
+def _check_window(m: ModelConfig) -> None:
+    """``sliding_window`` is >= 0; ``window_layers`` is all, even, odd or a list of layers."""
+    require(m.sliding_window >= 0,
+            f"model.sliding_window={m.sliding_window}: must be >= 0 (0 = full causal)")
+    spec = m.window_layers.strip()
+    if spec in ("all", "even", "odd"):
+        return
+    items = [x.strip() for x in spec.split(",")]
+    require(spec != "" and all(x.isdigit() and int(x) < m.layers for x in items),
+            f"model.window_layers={m.window_layers!r}: must be all, even, odd or a comma list of "
+            f"layer indices in [0, {m.layers})")
 
 
 MAX_SCHEDULE_SLOTS = 2**16

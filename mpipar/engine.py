@@ -38,7 +38,8 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_param
 from mpipar.optim import AdamWConfig, LRSchedule, build_optimizer
-from mpipar.parallel.context import RingAttention, SeqLayout, UlyssesAttention
+from mpipar.parallel.context import (HaloAttention, RingAttention, SeqLayout,
+                                     UlyssesAttention)
 from mpipar.parallel.data import GradReducer
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, virtual_stage
@@ -124,6 +125,8 @@ class Engine:
             return LocalAttention(self.kernels)
         if par.sp_mode == "ulysses":
             return UlyssesAttention(self.kernels, sp, self.seq_layout)
+        if par.sp_mode == "halo":
+            return HaloAttention(self.kernels, sp, self.seq_layout)
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:

@@ -45,6 +45,7 @@ import numpy as np
 
 import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
 from mpipar.config import Config, ConfigError, ModelConfig
+from mpipar.parallel.context import SeqLayout, halo_plan, halo_traffic, ring_hops, ring_traffic
 from mpipar.parallel.data import padded_size, plan_buckets
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
@@ -114,20 +115,10 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
     if par.tp > 1:
         out["tp"] = _tp_traffic(cfg, n_tok, blocks, first, last, micro, stages)
     if par.sp > 1:
-        q = b * s_loc * (m.heads // par.tp) * D * e
-        kv = b * s_loc * (m.kv_heads // par.tp) * D * e
-        if par.sp_mode == "ulysses":
-            fwd = bwd = 2 * q + 2 * kv       # all-to-alls: q, k, v, out | dout, dq, dk, dv
-            fwd_msgs, bwd_msgs = 4, 4
-        else:
-            fwd, bwd = (par.sp - 1) * 2 * kv, (par.sp - 1) * 4 * kv + 2 * kv
-            if par.sp_overlap:  # K/V by Isend + Irecv per hop; backward's dK/dV by Sendrecv
-                fwd_msgs, bwd_msgs = 2 * (par.sp - 1), 3 * (par.sp - 1) + 1
-            else:
-                fwd_msgs, bwd_msgs = par.sp - 1, par.sp
+        layers = [i for st in stages for i in placement_table(cfg).stage_layers(st)]
+        fwd, bwd = _sp_traffic(cfg, coord.sp, layers)
         reps = 2 if full else 1
-        out["sp"] = [(reps * fwd + bwd) * blocks * micro,
-                     (reps * fwd_msgs + bwd_msgs) * blocks * micro]
+        out["sp"] = [(reps * fwd[0] + bwd[0]) * micro, (reps * fwd[1] + bwd[1]) * micro]
     if p > 1:
         act = n_tok * H * e // (par.tp if par.tp_sequence_parallel else 1)  # the stream
         sends = sum((s < p * v - 1) + (s > 0) for s in stages) * micro
@@ -147,6 +138,31 @@ def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
     if tied:                                  # tied embedding copies: all-reduce (ZeRO: a slice)
         out["pp_ends"] = [sum(tied) * e, len(tied)]
     return dict(out)
+
+
+def _sp_traffic(cfg: Config, sp_rank: int, layers: list[int]) -> tuple[list[int], list[int]]:
+    """([bytes, calls] forward, [bytes, calls] backward) of one microbatch's attention over SP
+    through ``layers`` on SP rank ``sp_rank``, each layer with its own sliding window (resolved
+    ``cfg``): the hop and halo plans of :mod:`mpipar.parallel.context` say what travels."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    e = np.dtype(tr.dtype).itemsize
+    b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
+    row = b * (m.kv_heads // par.tp) * m.head_dim * e          # one position's K
+    layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    fwd, bwd = [0, 0], [0, 0]
+    for layer in layers:
+        window = m.layer_window(layer)
+        if par.sp_mode == "ulysses":      # all-to-alls: q, k, v, out | dout, dq, dk, dv
+            q = b * s_loc * (m.heads // par.tp) * m.head_dim * e
+            f = bk = 2 * q + 2 * row * s_loc
+            fc = bc = 4
+        elif par.sp_mode == "halo":
+            f, bk, fc, bc = halo_traffic(halo_plan(layout, sp_rank, window), row)
+        else:
+            f, bk, fc, bc = ring_traffic(ring_hops(layout, window), row * s_loc, par.sp_overlap)
+        fwd = [fwd[0] + f, fwd[1] + fc]
+        bwd = [bwd[0] + bk, bwd[1] + bc]
+    return fwd, bwd
 
 
 def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, micro: int,
@@ -226,7 +242,7 @@ def _block_activation_bytes(cfg: Config, mode: str) -> int:
     ulysses = par.sp > 1 and par.sp_mode == "ulysses"
     # The core's output, and its context: the lse (local, ring) or Ulysses' all-to-all'ed copies
     # of q, k, v and of the output, and the lse.
-    core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0)
+    core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0) + _halo_bytes(cfg)
     inputs = 0 if ulysses else (q + 2 * kv) * n * e          # q, k, v as the core reads them
     if mode == "none":
         return (4 * H + 2) * ns * e + 3 * F * n * e + inputs + core  # x, h1, x2, h2, rstds, g, u, m
@@ -235,6 +251,19 @@ def _block_activation_bytes(cfg: Config, mode: str) -> int:
     if mode == "full":
         return H * ns * e                                           # the block input only
     return 0                                                        # offload: on disk
+
+
+def _halo_bytes(cfg: Config) -> int:
+    """Bytes of the K/V rows halo attention keeps for backward in one block (the most of any
+    SP rank and layer); 0 in the other modes."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    if par.sp == 1 or par.sp_mode != "halo":
+        return 0
+    layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    rows = max(sum(len(p) for p in halo_plan(layout, r, w).recv.values())
+               for r in range(par.sp) for w in set(m.windows()))
+    return 2 * rows * tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim \
+        * np.dtype(tr.dtype).itemsize
 
 
 def _head_activation_bytes(cfg: Config) -> int:
@@ -339,20 +368,33 @@ def _block_flops_per_token(cfg: Config, context: float) -> float:
     return matmul + 4 * hq * D * context                           # q k^T and p v
 
 
+def window_context(seq_len: int, window: int) -> float:
+    """Mean keys a query sees over a sequence: (S + 1) / 2 causal; with a sliding window W the
+    query at position i sees min(i + 1, W)."""
+    if window == 0 or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
 def model_flops_per_step(cfg: Config) -> float:
     """Model FLOPs of one optimizer step (forward + backward = 3 x forward, causal attention:
-    a query at position i sees i + 1 keys), whatever the layout and recompute mode."""
+    a query at position i sees i + 1 keys, or min(i + 1, W) in a layer with a sliding window W),
+    whatever the layout and recompute mode."""
     m, tr = cfg.model.resolved(), cfg.train
     one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
-    per_token = (m.layers * _block_flops_per_token(one, (tr.seq_len + 1) / 2)
+    per_token = (sum(_block_flops_per_token(one, window_context(tr.seq_len, w))
+                     for w in m.windows())
                  + 2 * m.hidden * m.vocab_size)                    # LM head
     return 3.0 * per_token * tr.global_batch_size * tr.seq_len
 
 
-def _sp_context(cfg: Config) -> float:
-    """Mean keys a query attends to on the SP rank with the most causal work."""
+def _sp_context(cfg: Config, window: int = 0) -> float:
+    """Mean keys a query attends to on the SP rank with the most causal work, in a layer with
+    sliding ``window`` (0: full causal)."""
     tr, par = cfg.train, cfg.parallel
     S, n = tr.seq_len, par.sp
+    if window:
+        return min(window, _sp_context(cfg))
     if n == 1 or par.sp_mode == "ulysses" or par.sp_split == "zigzag":
         return (S + 1) / 2
     return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
@@ -458,6 +500,17 @@ def _span(group: str, cfg: Config) -> int:
             "tp_pp": world if par.pp > 1 else par.tp}.get(group, world)
 
 
+def _sp_blocks(mode: str, layout: SeqLayout, window: int) -> int:
+    """Key blocks beyond its own that a rank attends to in a layer with ``window``: the ring's
+    hops, or the halo's source ranks (the most of any rank); 0 for Ulysses and without SP."""
+    if layout.sp == 1 or mode == "ulysses":
+        return 0
+    if mode == "halo":
+        return max(len(halo_plan(layout, r, window).recv) for r in range(layout.sp))
+    hops = ring_hops(layout, window)
+    return hops.right + hops.left
+
+
 def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     """The step time model of this module's docstring for a resolved ``cfg``."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
@@ -466,8 +519,12 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
-    hops = par.sp - 1 if par.sp_mode == "ring" else 0
-    block_fwd = (_block_flops_per_token(cfg, _sp_context(cfg)) * n / hw.peak_flops
+    windows = m.windows()
+    layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
+    context = sum(_sp_context(cfg, w) for w in windows) / len(windows)
+    hops = sum(_sp_blocks(par.sp_mode, layout, w) for w in windows) / len(windows)
+    block_fwd = (_block_flops_per_token(cfg, context) * n / hw.peak_flops
                  + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
     head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).

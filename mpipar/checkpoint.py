@@ -30,7 +30,8 @@ done), ``optimizer_step``, ``dtype``, ``world_size``, ``config_toml`` (the resol
 groups ``layout`` (dp, tp, pp, sp, virtual_stages, schedule, zero, sp_split, sp_mode),
 ``lr_schedule`` (its settings and ``next_step``/``next_lr``: the LR schedule is a function of the
 step), ``data`` (the sampler is a pure function of (seed, step): ``seed``, ``shuffle``,
-``global_batch_size``, ``next_step``, ``samples_consumed``; initialisation is seeded by
+``global_batch_size``, ``next_step``, ``samples_consumed``, and the held-out validation split:
+``eval_fraction``, ``train_samples``, the samples training draws from; initialisation is seeded by
 (seed, name), so ``seed`` is the whole RNG state), and ``shards/<file>`` (sha256, size, rank,
 grid coordinates).
 
@@ -51,6 +52,7 @@ of the global tensor this rank's shard covers, so any layout loads any checkpoin
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -59,6 +61,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from mpipar.comm import Group, Ledger
 from mpipar.config import Config, ConfigError, ModelConfig
+from mpipar.state import Reader
 
 FORMAT = "mpipar-checkpoint"
 FORMAT_VERSION = 1
@@ -249,6 +253,8 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
         data["global_batch_size"], data["seq_len"] = tr.global_batch_size, tr.seq_len
         data["num_samples"] = engine.source.num_samples
         data["next_step"], data["samples_consumed"] = step, step * tr.global_batch_size
+        data["eval_fraction"] = tr.eval_fraction  # samples [train_samples, num_samples) held out
+        data["train_samples"] = engine.sampler.num_samples
         rng = f.create_group("rng").attrs
         rng["seed"] = tr.seed
         rng["note"] = ("parameters initialise from default_rng([seed, crc32(name)]); the sampler "
@@ -625,6 +631,18 @@ def _read_region(f: h5py.File, path: Path, kind: str, name: str, region: Slices)
 def _overlaps(bounds: tuple, region: Slices) -> bool:
     (lo, hi) = bounds  # inclusive corners of the mapping in the virtual dataset
     return all(s.start < b + 1 and a < s.stop for a, b, s in zip(lo, hi, region))
+
+
+@contextlib.contextmanager
+def open_reader(path: str | os.PathLike) -> Iterator[Reader]:
+    """Verify the checkpoint at ``path`` (or a save directory's ``latest``), then yield
+    ``read(kind, name, region)``: a region of a global tensor, read from the shards that hold it.
+    Any layout reads any checkpoint this way (:func:`mpipar.state.read_shard`), e.g. generation
+    under its own tp x pp. No collective."""
+    path = resolve_path(path)
+    _require_sound(path)
+    with h5py.File(path / INDEX, "r") as f:
+        yield lambda kind, name, region: _read_region(f, path, kind, name, region)
 
 
 def load(engine, path: str | os.PathLike) -> int:

@@ -18,14 +18,16 @@ operation — the buffer size of an all-reduce, the send buffer of an all-gather
 all-to-all or point-to-point send — and ``messages`` the number of calls. A receive counts
 messages and seconds but no bytes (the sender counted them), and so does an object collective
 (mpi4py pickles the object inside the call). A group of size 1 makes no MPI call and records
-nothing.
+nothing. A phase with books of its own (evaluation between training steps) points the groups at
+another ledger for its duration (:func:`booked_to`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,6 +223,22 @@ class Group:
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
         self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag)
         return buf
+
+
+@contextlib.contextmanager
+def booked_to(groups: Iterable[Group], ledger: Ledger) -> Iterator[None]:
+    """Book every call of ``groups`` in ``ledger`` while the block runs, then give each group
+    its own ledger back (a phase with its own books, e.g. evaluation: the training step's
+    ledger keeps exactly what the planner predicts for a step)."""
+    groups = list(groups)
+    saved = [g.ledger for g in groups]
+    for g in groups:
+        g.ledger = ledger
+    try:
+        yield
+    finally:
+        for g, own in zip(groups, saved):
+            g.ledger = own
 
 
 class Watchdog:

@@ -156,6 +156,15 @@ class TrainConfig:
                        "empty = the embedded Python-stdlib corpus")
     shuffle: bool = _f(True, "shuffle samples each epoch (--no-shuffle: step k uses samples k*B..(k+1)*B-1)",
                        flag="--no-shuffle")
+    eval_data: str = _f("", "validation token data (the formats of --data), never trained on; "
+                            "empty: none, or --eval-fraction")
+    eval_fraction: float = _f(0.0, "hold out the last fraction of the training data's samples "
+                                   "for validation (training never draws them; a resumed run "
+                                   "keeps the checkpoint's)")
+    eval_every: int = _f(0, "validation loss every N steps and after the last step (0: after the "
+                            "last step only, when a validation set is given)")
+    eval_batches: int = _f(4, "validation batches of global_batch_size sequences, evenly spaced "
+                              "over the validation samples, the same at every evaluation")
     seed: int = _f(1234, "seed for initialisation and data order")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
@@ -317,7 +326,7 @@ class Config:
             _RULES[component](self, world_size)
 
 
-COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "optimizer", "backend")
+COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "eval", "optimizer", "backend")
 """The components whose configuration rules :meth:`Config.validate` asks, in this order."""
 
 _RULES: dict[str, Callable[[Config, int], None]] = {}
@@ -511,6 +520,19 @@ def model_from_checkpoint(saved: ModelConfig, given: Mapping[str, Any], source: 
                 f"{name}) contradicts {source} ({(names or {}).get(name, name)}={theirs!r}); "
                 f"model settings come from the checkpoint: drop the setting or give its value")
     return candidate
+
+
+def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:
+    """The ``eval_fraction`` of a run resumed from a checkpoint saved with ``saved``: the
+    checkpoint's, so the samples held out for validation stay held out (never trained on). A
+    different value in ``given`` (the train fields the user set) is a ConfigError naming both."""
+    mine = given.get("eval_fraction")
+    if mine is not None and float(mine) != saved.eval_fraction:
+        raise ConfigError(
+            f"train.eval_fraction={mine!r} (flag --eval-fraction or [train] eval_fraction) "
+            f"contradicts {source} (eval_fraction={saved.eval_fraction!r}); the held-out "
+            f"split is fixed for a run: drop the setting")
+    return saved.eval_fraction
 
 
 def given_fields(args: argparse.Namespace, section: str) -> dict[str, Any]:

@@ -20,6 +20,12 @@ dtype cannot hold a bad id, so that a damaged chunk is named when the source is 
 The sampler maps an optimizer step to sample indices as a pure function of `(seed, step)`,
 so resuming after `k` steps continues exactly where an uninterrupted run would be.
 
+Validation (:class:`EvalSet`): `--eval-data PATH` is a separate source; `--eval-fraction F` holds
+out the last `round(F * num_samples)` samples of the training source, which the sampler then
+never draws (:func:`validation`). Either way `--eval-batches K` batches of the global batch size
+are fixed once: `K * B` samples evenly spaced over the validation samples. The split is a pure
+function of the source and F, so a resumed run (which must keep F) holds out the same samples.
+
 An HDF5 file written by `prepare --tokenizer` records its tokenizer (`TOKENIZER_ATTRS`); loading
 it checks that the model's vocabulary holds the tokenizer's.
 
@@ -42,6 +48,8 @@ from typing import Any, ContextManager
 
 import h5py
 import numpy as np
+
+from mpipar.config import Config, TrainConfig, require, rules
 
 STDLIB_CAP_BYTES = 16 * 2**20
 """The built-in corpus keeps the longest prefix of its sorted file list that fits in 16 MiB.
@@ -392,15 +400,25 @@ class Sampler:
     epochs (B = global_batch), so an epoch boundary may fall inside a batch. A call costs
     O(B) plus one O(num_samples) permutation the first time an epoch is touched (the last two
     epochs' permutations are kept); no other state, so resuming at step k is exact.
+
+    `samples` (default: all of the source) limits training to samples `[0, samples)`: the rest
+    is held out for validation (:func:`validation`) and never drawn; `num_samples` above is then
+    `samples`.
     """
 
-    def __init__(self, source: TokenSource, global_batch: int, seed: int, shuffle: bool = True):
+    def __init__(self, source: TokenSource, global_batch: int, seed: int, shuffle: bool = True,
+                 samples: int | None = None):
         if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) \
                 or global_batch < 1:
             raise ValueError(f"global_batch must be an integer >= 1, got {global_batch!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        samples = source.num_samples if samples is None else samples
+        if not 1 <= samples <= source.num_samples:
+            raise ValueError(f"samples={samples!r}: must be in [1, {source.num_samples}] "
+                             f"(the samples of {source.path})")
         self.source = source
+        self.num_samples = int(samples)
         self.global_batch = int(global_batch)
         self.seed = int(seed)
         self.shuffle = shuffle
@@ -410,7 +428,7 @@ class Sampler:
         """Sample order of `epoch`: int64 [num_samples]."""
         order = self._orders.get(epoch)
         if order is None:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.source.num_samples)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
             if len(self._orders) >= 2:
                 del self._orders[next(iter(self._orders))]
             self._orders[epoch] = order
@@ -420,7 +438,7 @@ class Sampler:
         """Sample indices of optimizer step `step` (0-based): int64 [global_batch]."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        n, b = self.source.num_samples, self.global_batch
+        n, b = self.num_samples, self.global_batch
         first, stop = int(step) * b, (int(step) + 1) * b
         if not self.shuffle:
             return np.arange(first, stop, dtype=np.int64) % n
@@ -436,8 +454,84 @@ class Sampler:
         Returns (inputs, targets), int64 [len(rows), seq_len] each; targets are inputs shifted
         left by one token.
         """
-        data = self.source.sample(self.indices(step)[rows])
-        return np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
+        return inputs_targets(self.source, self.indices(step)[rows])
+
+
+def inputs_targets(source: TokenSource, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of samples `idx` [n]: int64 [n, seq_len] each, targets shifted left by
+    one token."""
+    data = source.sample(idx)
+    return np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+class EvalSet:
+    """The fixed validation batches: `batches` batches of `batch` samples, evenly spaced over
+    samples `[start, stop)` of `source` (sample `start + (j * n) // (batches * batch)` is row
+    `j % batch` of batch `j // batch`, `n = stop - start`), the same at every evaluation."""
+
+    def __init__(self, source: TokenSource, start: int, stop: int, batches: int, batch: int):
+        need, have = batches * batch, stop - start
+        if have < need:
+            raise DataError(f"{source.path}: the validation set holds {have} samples of "
+                            f"seq_len + 1 = {source.seq_len + 1} tokens, fewer than --eval-batches "
+                            f"{batches} x --global-batch-size {batch} = {need}; lower "
+                            f"--eval-batches, or give more validation data")
+        self.source, self.batches, self.batch_size = source, batches, batch
+        self.indices = start + (np.arange(need, dtype=np.int64) * have) // need
+
+    def batch(self, k: int, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """Rows `rows` of validation batch `k` (0-based): (inputs, targets) as
+        :meth:`Sampler.batch`."""
+        if not 0 <= k < self.batches:
+            raise ValueError(f"validation batch {k}: must be in [0, {self.batches})")
+        return inputs_targets(self.source, self.indices[k * self.batch_size:
+                                                        (k + 1) * self.batch_size][rows])
+
+
+def held_out(num_samples: int, fraction: float) -> int:
+    """Samples `--eval-fraction` holds out of `num_samples`: `round(fraction * num_samples)`, the
+    last ones of the source."""
+    return round(fraction * num_samples)
+
+
+def validation(source: TokenSource, train: TrainConfig, vocab_size: int
+               ) -> tuple[int, EvalSet | None]:
+    """(samples of `source` training may draw, the validation set or None) of `train`'s
+    `eval_data` / `eval_fraction` / `eval_batches` (module docstring). Raises DataError when
+    the split leaves no training or too few validation samples, or `eval_data` is unusable."""
+    batch, batches = train.global_batch_size, train.eval_batches
+    if train.eval_data:
+        evals = load_tokens(train.eval_data, vocab_size, train.seq_len)
+        return source.num_samples, EvalSet(evals, 0, evals.num_samples, batches, batch)
+    if not train.eval_fraction:
+        return source.num_samples, None
+    n = source.num_samples
+    keep = n - held_out(n, train.eval_fraction)
+    if keep < 1:
+        raise DataError(f"{source.path}: --eval-fraction {train.eval_fraction} of its {n} "
+                        f"samples leaves none to train on")
+    return keep, EvalSet(source, keep, n, batches, batch)
+
+
+@rules("eval")
+def check_config(cfg: Config, world: int) -> None:
+    """One validation source at most (a separate file or a held-out fraction of the training
+    data); a fraction in [0, 1); at least one validation batch; --eval-every needs a source."""
+    t = cfg.train
+    require(0 <= t.eval_fraction < 1,
+            f"train.eval_fraction={t.eval_fraction}: must be in [0, 1)")
+    require(not (t.eval_data and t.eval_fraction),
+            f"train.eval_fraction={t.eval_fraction}: give --eval-data or --eval-fraction, not "
+            f"both (eval_data={t.eval_data!r})")
+    require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches}: must be >= 1")
+    require(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0")
+    require(not t.eval_every or t.eval_data or t.eval_fraction,
+            f"train.eval_every={t.eval_every}: needs a validation set (--eval-data or "
+            f"--eval-fraction)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,12 @@
 kernels, the placement of every parameter (:mod:`mpipar.placement`), this rank's model chunks
 with their tensor-parallel and attention seams, the flat gradient buckets, the optimizer and the
 pipeline executor; ``engine.train_step(k)`` runs optimizer step ``k`` (0-based) and returns its
-:class:`StepResult`, identical on every rank. ``engine.state`` is the same rank seen as pieces
+:class:`StepResult`, identical on every rank. ``engine.evaluate()`` computes the validation loss
+(:class:`EvalResult`) under the same layout, forward only: the schedule's forward-only op list
+(:func:`mpipar.parallel.pipeline.schedule.forward_only`), no gradient buffers touched, nothing
+kept for a backward, its traffic booked in ``engine.eval_ledger`` (reset at each pass, so
+``engine.ledger`` holds exactly a training step's traffic, and each ledger what the planner
+predicts for its phase). ``engine.state`` is the same rank seen as pieces
 of global tensors, for checkpoints (:mod:`mpipar.state`).
 
 One step, as data flows (docs/architecture.md): this DP rank takes its rows of the global batch,
@@ -23,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +37,9 @@ from mpi4py import MPI
 
 from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
 from mpipar.backend import to_host, training_backend
-from mpipar.comm import Group, Ledger
+from mpipar.comm import Group, Ledger, booked_to
 from mpipar.config import Config
-from mpipar.data import Sampler, TokenSource, load_tokens
+from mpipar.data import Sampler, TokenSource, load_tokens, validation
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_param
@@ -42,7 +48,7 @@ from mpipar.parallel.context import (HaloAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
 from mpipar.parallel.data import GradReducer
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
-from mpipar.parallel.pipeline.schedule import build_schedule, virtual_stage
+from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.placement import PlacementTable
 from mpipar.state import TrainState
@@ -61,6 +67,16 @@ class StepResult:
     tokens: int        # tokens in the global batch
 
 
+@dataclass
+class EvalResult:
+    """What one validation pass produced (the same on every rank)."""
+
+    loss: float        # mean token loss over every token of the validation batches
+    perplexity: float  # exp(loss)
+    tokens: int        # tokens in the validation batches
+    seconds: float
+
+
 class Engine:
     """Everything one rank needs to train: grid, groups, chunks, shards, optimizer, sampler."""
 
@@ -71,9 +87,12 @@ class Engine:
         par, tr = cfg.parallel, cfg.train
         # Data first: a bad path or token id fails on every rank before any collective.
         self.source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
-        self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle)
+        train_samples, self.eval_set = validation(self.source, tr, cfg.model.vocab_size)
+        self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
+                               train_samples)
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp)
         self.ledger = Ledger()
+        self.eval_ledger = Ledger()
         self.groups = {name: Group(c, name, self.ledger) for name, c in self.grid.comms.items()}
         self.kernels = training_backend(tr.backend)
         self.xp = self.kernels.xp
@@ -111,6 +130,8 @@ class Engine:
         ops = build_schedule(par.schedule, par.pp, self.microbatches, par.virtual_stages)
         self.executor = PipelineExecutor(ops[self.grid.coord.pp], self.chunks, self.groups["pp"],
                                          par.pp, par.virtual_stages, self.xp)
+        self.evaluator = PipelineExecutor(forward_only(ops)[self.grid.coord.pp], self.chunks,
+                                          self.groups["pp"], par.pp, par.virtual_stages, self.xp)
 
     def _chunk(self, stage: int) -> LlamaStage:
         """The model chunk of global virtual ``stage``, with this rank's seams."""
@@ -157,11 +178,12 @@ class Engine:
                                           if self.table[n].grad_partial_over_tp])
         self.reducer.ready(final)
 
-    def _microbatches(self, step: int) -> list[Microbatch]:
-        """This rank's microbatches of step ``step``: its DP rows, its SP positions, moved to
-        the backend's array module once each."""
+    def _microbatches(self, batch: Callable[[int, slice], tuple], k: int) -> list[Microbatch]:
+        """This rank's microbatches of global batch ``k`` of ``batch`` (the sampler's, or the
+        validation set's): its DP rows, its SP positions, moved to the backend's array module
+        once each."""
         d, rows, mbs = self.grid.coord.dp, self.rows_per_dp, self.cfg.train.micro_batch_size
-        inputs, targets = self.sampler.batch(step, slice(d * rows, (d + 1) * rows))
+        inputs, targets = batch(k, slice(d * rows, (d + 1) * rows))
         inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         return [Microbatch(self.xp.asarray(inputs[i * mbs:(i + 1) * mbs]),
                            self.xp.asarray(targets[i * mbs:(i + 1) * mbs]))
@@ -170,8 +192,8 @@ class Engine:
     def train_step(self, step: int) -> StepResult:
         """Run optimizer step ``step`` (0-based) and return its result (the same on every rank)."""
         t0 = time.perf_counter()
-        par, tr, xp = self.cfg.parallel, self.cfg.train, self.xp
-        micro = self._microbatches(step)
+        tr, xp = self.cfg.train, self.xp
+        micro = self._microbatches(self.sampler.batch, step)
         tokens = tr.global_batch_size * tr.seq_len
         mbs, s_loc = tr.micro_batch_size, len(self.positions)
         weight = xp.full((mbs, s_loc), 1.0 / tokens)
@@ -186,19 +208,51 @@ class Engine:
             for ch in self.chunks:
                 ch.recorder = None
             dump_engine_step(self, step + 1, recorder)
-        loss_buf = self.groups["dp_sp"].allreduce_(xp.array([loss]))
-        self.groups["pp"].bcast_(loss_buf, root=par.pp - 1)
+        loss = self._global_sum(loss) / tokens
         norm_sq = xp.array([self.optimizer.grad_norm_sq(self._norm_counted)])
         self.groups["tp_pp"].allreduce_(norm_sq)
         grad_norm = math.sqrt(float(norm_sq[0]))
         lr = self.schedule(step)
-        loss = float(loss_buf[0]) / tokens
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.clip(tr.clip_grad, grad_norm)
             self.optimizer.step(lr)
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
         return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens)
+
+    def _global_sum(self, loss: float) -> float:
+        """The sum over the world of the last stage's summed token losses (over dp x sp, then
+        broadcast from the last pipeline stage), on every rank."""
+        buf = self.groups["dp_sp"].allreduce_(self.xp.array([loss]))
+        return float(self.groups["pp"].bcast_(buf, root=self.cfg.parallel.pp - 1)[0])
+
+    def evaluate(self) -> EvalResult:
+        """The mean token loss over the validation batches (``--eval-batches``), computed under
+        this layout forward only (module docstring); the same on every rank."""
+        if self.eval_set is None:
+            raise ValueError("evaluate: no validation set (--eval-data or --eval-fraction)")
+        t0 = time.perf_counter()
+        tr = self.cfg.train
+        shape = self.tensor.stream_shape(tr.micro_batch_size, len(self.positions),
+                                         self.cfg.model.hidden)
+
+        def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
+            return chunk.forward_only(self.params, inp, self.positions, mb.targets)
+
+        total = 0.0
+        self.eval_ledger.reset()
+        with booked_to(self.groups.values(), self.eval_ledger):
+            for k in range(self.eval_set.batches):
+                micro = self._microbatches(self.eval_set.batch, k)
+                losses = self.evaluator.run_forward(micro, shape, self.dtype, stage_forward)
+                total += sum(float(losses[i].sum()) for i in sorted(losses))
+            tokens = self.eval_set.batches * tr.global_batch_size * tr.seq_len
+            loss = self._global_sum(total) / tokens
+        try:
+            perplexity = math.exp(loss)
+        except OverflowError:
+            perplexity = math.inf
+        return EvalResult(loss, perplexity, tokens, time.perf_counter() - t0)
 
     def _start_dump(self, step: int) -> ActivationRecorder | None:
         """--dump-activations: a recorder installed on every chunk for this step, or None. With

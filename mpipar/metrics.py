@@ -1,4 +1,5 @@
-"""Per-step metrics: time breakdown, MFU, memory, one JSON line per step, progress, timeline.
+"""Per-step metrics: time breakdown, MFU, memory, one JSON line per step (with the validation
+pass's numbers on validation steps: :func:`eval_record`), progress, timeline.
 
 Every rank measures its own step; :class:`Telemetry` gathers the numbers to rank 0 once per
 step (one small all-gather, which also carries the stop signal a rank received, so every rank
@@ -36,7 +37,7 @@ import numpy as np
 from mpipar.comm import Group, Ledger
 
 if TYPE_CHECKING:
-    from mpipar.engine import StepResult
+    from mpipar.engine import EvalResult, StepResult
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
@@ -153,6 +154,13 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
+def eval_record(result: "EvalResult", ledger: Ledger) -> dict[str, Any]:
+    """The ``eval`` part of a validation step's metrics.jsonl line: the validation pass's loss,
+    perplexity, tokens, seconds and bytes per group (its own ledger, rank 0's)."""
+    return {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
+            "seconds": result.seconds, "comm_bytes": ledger.bytes_by_group()}
+
+
 class MetricsWriter:
     """Writes step records to ``RUN_DIR/metrics.jsonl`` (rank 0: ``enabled``) and, with a
     ``tensorboard`` directory, their numbers to a new TensorBoard event file there
@@ -249,13 +257,16 @@ class Progress:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
                                  tok_s=f"{record['tokens_per_s']:,.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
-            return
-        if step % self.every == 0 or step == 1 or step == self.total:
+        elif step % self.every == 0 or step == 1 or step == self.total:
             skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
             print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
                   f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_s']:,.0f} tok/s  MFU {100 * record['mfu']:.2f}%{skipped}",
                   flush=True)
+        if "eval" in record:
+            self.note(f"step {step:>6}/{self.total}  validation loss "
+                      f"{record['eval']['loss']:.4f}  perplexity "
+                      f"{record['eval']['perplexity']:.3f}")
 
     def note(self, text: str) -> None:
         """A message that does not break the bar."""

@@ -96,43 +96,44 @@ def _buckets(cfg: Config, coord: Coord) -> list[tuple[int, bool]]:
             for idx in plan_buckets([s * e for s in sizes], limit, tied)]
 
 
-def _traffic(cfg: Config, coord: Coord) -> dict[str, list[int]]:
-    """``{group: [bytes, messages]}`` this rank hands to MPI in one step (resolved ``cfg``)."""
+def _traffic(cfg: Config, coord: Coord, eval_batches: int = 0) -> dict[str, list[int]]:
+    """``{group: [bytes, messages]}`` this rank hands to MPI in one training step, or with
+    ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
+    reduced once: :meth:`mpipar.engine.Engine.evaluate`). ``cfg`` is resolved."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    train = eval_batches == 0
     e = np.dtype(tr.dtype).itemsize
-    se = 8 if tr.dtype == "float64" else 4          # softmax statistics dtype
     b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
     n_tok, H, D = b * s_loc, m.hidden, m.head_dim
     micro = tr.global_batch_size // (par.dp * b)
+    passes = micro if train else micro * eval_batches   # forwards of a microbatch per chunk
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
     stages = [c * p + coord.pp for c in range(v)]
     blocks = per * len(stages)
     first, last = 0 in stages, (p * v - 1) in stages
-    full = tr.recompute == "full"                    # backward re-runs each block's forward
+    reps = 2 if train and tr.recompute == "full" else 1  # backward re-runs each block's forward
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     if par.tp > 1:
-        out["tp"] = _tp_traffic(cfg, n_tok, blocks, first, last, micro, stages)
+        out["tp"] = _tp_traffic(cfg, n_tok, blocks, first, last, passes, stages, train)
     if par.sp > 1:
         layers = [i for st in stages for i in placement_table(cfg).stage_layers(st)]
         fwd, bwd = _sp_traffic(cfg, coord.sp, layers)
-        reps = 2 if full else 1
-        out["sp"] = [(reps * fwd[0] + bwd[0]) * micro, (reps * fwd[1] + bwd[1]) * micro]
+        if not train:
+            bwd = [0, 0]
+        out["sp"] = [(reps * fwd[0] + bwd[0]) * passes, (reps * fwd[1] + bwd[1]) * passes]
     if p > 1:
         act = n_tok * H * e // (par.tp if par.tp_sequence_parallel else 1)  # the stream
-        sends = sum((s < p * v - 1) + (s > 0) for s in stages) * micro
+        sends = sum(s < p * v - 1 for s in stages) * passes    # activations forward
+        recvs = sum(s > 0 for s in stages) * passes
+        if train:                                              # gradients backward
+            sends, recvs = sends + recvs, recvs + sends
         out["pp"] = [sends * act + (8 if coord.pp == p - 1 else 0),  # + the loss broadcast
-                     2 * sends + 1]                                   # each send has its receive
+                     sends + recvs + 1]
     if par.dp * par.sp > 1:
-        lengths = bucket_lengths(cfg, coord)
-        group = par.dp * par.sp
-        if par.zero:
-            out["dp_sp"] = [sum(L * e + (L // group) * e for L in lengths) + 8 + 8,  # + loss, norm
-                            2 * len(lengths) + 2]
-        else:
-            out["dp_sp"] = [sum(L * e for L in lengths) + 8, len(lengths) + 1]      # + loss
-    if par.tp * p > 1:
+        out["dp_sp"] = [8, 1] if not train else _dp_traffic(cfg, coord, e)
+    if train and par.tp * p > 1:
         out["tp_pp"] = [8, 1]                                  # the squared gradient norm
     tied = [L // (par.dp * par.sp if par.zero else 1) for L, t in _buckets(cfg, coord) if t]
     if tied:                                  # tied embedding copies: all-reduce (ZeRO: a slice)
@@ -165,9 +166,22 @@ def _sp_traffic(cfg: Config, sp_rank: int, layers: list[int]) -> tuple[list[int]
     return fwd, bwd
 
 
-def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, micro: int,
-                stages: list[int]) -> list[int]:
-    """[bytes, messages] of the tp group in one step (see :mod:`mpipar.parallel.tensor`).
+def _dp_traffic(cfg: Config, coord: Coord, e: int) -> list[int]:
+    """[bytes, messages] of the dp x sp group in one training step: the gradient buckets
+    (all-reduced, or ZeRO-1's reduce-scatter and all-gather), the loss and, under ZeRO-1, the
+    gradient norm."""
+    lengths = bucket_lengths(cfg, coord)
+    group = cfg.parallel.dp * cfg.parallel.sp
+    if cfg.parallel.zero:
+        return [sum(L * e + (L // group) * e for L in lengths) + 8 + 8, 2 * len(lengths) + 2]
+    return [sum(L * e for L in lengths) + 8, len(lengths) + 1]
+
+
+def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, passes: int,
+                stages: list[int], backward: bool = True) -> list[int]:
+    """[bytes, messages] of the tp group in ``passes`` forwards of a microbatch through this
+    rank's chunks, each with its backward (``backward``: a training step) or without
+    (a validation pass); see :mod:`mpipar.parallel.tensor`.
 
     Without sequence parallelism each block all-reduces the stream twice forward (after o and
     down) and twice backward (the inputs of q/k/v and gate/up). With it, forward all-gathers the
@@ -178,30 +192,32 @@ def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, m
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
-    full_stream = n_tok * m.hidden * e
-    reruns = 2 if tr.recompute == "full" else 1      # backward re-runs each block's forward
+    full = n_tok * m.hidden * e
+    shard = full // par.tp
     stats = 3 * n_tok * se                           # max, then (sum-exp, target logit)
+    reruns = 2 if tr.recompute == "full" else 1      # backward re-runs each block's forward
     if not par.tp_sequence_parallel:
-        size = (2 * reruns + 2) * full_stream * blocks, (2 * reruns + 2) * blocks
-        size = (size[0] + (full_stream if first else 0) + ((stats + full_stream) if last else 0),
-                size[1] + int(first) + (3 if last else 0))
-        return [size[0] * micro, size[1] * micro]
-    shard = full_stream // par.tp
-    fwd = 2 * shard + 2 * full_stream
-    bwd = 4 * shard + 2 * full_stream
-    nbytes = (reruns * fwd + bwd) * blocks
-    msgs = (4 * reruns + 6) * blocks
-    if first:                                        # reduce-scatter | all-gather
-        nbytes, msgs = nbytes + full_stream + shard, msgs + 2
-    if last:                                         # gather hn, stats | gather hn, scatter dhn
-        nbytes, msgs = nbytes + shard + stats + shard + full_stream, msgs + 5
+        block_fwd = block_bwd = (2 * full, 2)        # leave o, down | enter q/k/v, gate/up
+        ends_fwd = (full * first + stats * last, int(first) + 2 * last)  # embedding | statistics
+        ends_bwd = (full * last, int(last))          # the LM head's input gradient
+    else:
+        block_fwd = (2 * shard + 2 * full, 4)
+        block_bwd = (4 * shard + 2 * full, 6)
+        ends_fwd = (full * first + (shard + stats) * last, int(first) + 3 * last)
+        ends_bwd = (shard * first + (shard + full) * last, int(first) + 2 * last)
+    if not backward:
+        return [passes * (blocks * block_fwd[i] + ends_fwd[i]) for i in (0, 1)]
+    step = [passes * (blocks * (reruns * block_fwd[i] + block_bwd[i]) + ends_fwd[i] + ends_bwd[i])
+            for i in (0, 1)]
+    if not par.tp_sequence_parallel:
+        return step
     H = m.hidden
     per = m.layers // (par.pp * par.virtual_stages)
     if par.schedule == "zb-h1":                      # one call per chunk with all its norms
         norm = [(2 * per + int(s == par.pp * par.virtual_stages - 1)) * H * e for s in stages]
     else:                                            # one call per block, one for the head
         norm = [2 * H * e] * blocks + ([H * e] if last else [])
-    return [nbytes * micro + sum(norm), msgs * micro + len(norm)]
+    return [step[0] + sum(norm), step[1] + len(norm)]
 
 
 def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
@@ -212,6 +228,17 @@ def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
 def predict_step_messages(cfg: Config, coord: Coord) -> dict[str, int]:
     """MPI calls per group (the ledger's ``messages``) of the rank at ``coord`` in one step."""
     return {g: t[1] for g, t in _traffic(cfg, coord).items()}
+
+
+def predict_eval_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
+    """Bytes per group that the rank at ``coord`` hands to MPI in one validation pass of
+    ``cfg.train.eval_batches`` batches (booked in the engine's ``eval_ledger``)."""
+    return {g: t[0] for g, t in _traffic(cfg, coord, cfg.train.eval_batches).items()}
+
+
+def predict_eval_messages(cfg: Config, coord: Coord) -> dict[str, int]:
+    """MPI calls per group of the rank at ``coord`` in one validation pass."""
+    return {g: t[1] for g, t in _traffic(cfg, coord, cfg.train.eval_batches).items()}
 
 
 # ------------------------------------------------------------------------------------ memory

@@ -3,7 +3,8 @@
 Reads ``RUN_DIR/metrics.jsonl``, ``RUN_DIR/timeline.json`` (the last step's op records of every
 rank) and ``RUN_DIR/config.toml``, and writes into ``RUN_DIR/report/`` (or ``--out``):
 
-- ``loss.png`` (skipped steps marked), ``throughput.png`` (tokens/s and MFU),
+- ``loss.png`` (skipped steps marked; the validation loss of the evaluated steps beside the
+  training loss), ``throughput.png`` (tokens/s and MFU),
   ``time_breakdown.png`` (stacked seconds per step: compute, TP/SP comm, pipeline wait, DP comm,
   optimizer, I/O), ``memory.png`` (peak resident memory per rank), ``timeline.png`` (a Gantt chart
   of each rank's forward / backward / receive-wait ops over the recorded step);
@@ -102,6 +103,7 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         "comm_bytes_per_step": records[-1].get("comm_bytes_max", {}),
         "memory_bytes": records[-1].get("memory_bytes", []),
         "skipped_steps": records[-1].get("skipped_steps", 0),
+        "eval": _last_eval(records),
         "layout": {k: par[k] for k in ("dp", "tp", "pp", "sp", "schedule", "virtual_stages",
                                        "zero", "sp_mode", "sp_split") if k in par},
     }
@@ -120,6 +122,15 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         bubble = times["pipeline_wait"] / pipe if pipe > 0 else 0.0
     out["bubble"] = bubble
     return out
+
+
+def _last_eval(records: list[dict]) -> dict[str, Any] | None:
+    """The last validation of a run: ``step``, ``loss``, ``perplexity`` (None if none ran)."""
+    evals = [r for r in records if "eval" in r]
+    if not evals:
+        return None
+    return {"step": evals[-1]["step"], "loss": evals[-1]["eval"]["loss"],
+            "perplexity": evals[-1]["eval"]["perplexity"]}
 
 
 def diagnose(summary: dict[str, Any]) -> list[str]:
@@ -209,6 +220,9 @@ def summary_text(summary: dict[str, Any]) -> str:
            + (f", {s['status']}" if s.get("status") else ""),
            "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
            f"loss: {loss}",
+           *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
+              f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
+             else []),
            f"throughput: {s['tokens_per_s']:,.0f} tokens/s, step {s['step_time_s']:.4g} s, "
            f"MFU {100 * s['mfu']:.2f}% (medians after step 1)",
            "time per step (mean over ranks): " + ", ".join(
@@ -233,12 +247,18 @@ def _figure(width: float = 8, height: float = 4.5):
 def plot_loss(records: list[dict], path: str) -> None:
     plt, fig, ax = _figure()
     steps = [r["step"] for r in records if not r.get("skipped")]
-    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2, label="loss")
+    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2,
+            label="training loss")
     skipped = [r["step"] for r in records if r.get("skipped")]
     if skipped:
         top = max((r["loss"] for r in records if math.isfinite(r["loss"])), default=1.0)
         ax.scatter(skipped, [top] * len(skipped), marker="x", color="red", label="skipped step")
-    ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)", title="Training loss")
+    evals = [r for r in records if "eval" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval"]["loss"] for r in evals], "o-", lw=1.2,
+                color="#dd8452", label="validation loss")
+    ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)",
+           title="Training and validation loss" if evals else "Training loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

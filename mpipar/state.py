@@ -23,11 +23,22 @@ import numpy as np
 
 from mpipar.backend import to_host
 from mpipar.optim import Optimizer, StatePiece
-from mpipar.placement import PlacementTable, Slices
+from mpipar.placement import Placement, PlacementTable, Slices
 
 Reader = Callable[[str, str, Slices], np.ndarray]
 """``read(kind, name, region)``: ``region`` of the global tensor ``kind/name`` (kind "param",
 "exp_avg" or "exp_avg_sq")."""
+
+
+def read_shard(read: Reader, kind: str, placement: Placement, tp_rank: int, tp_size: int,
+               dtype: np.dtype) -> np.ndarray:
+    """tp rank ``tp_rank``'s shard of the global tensor ``kind/<placement.name>``, read region
+    by region through ``read`` (vocabulary padding rows stay zero), as a host array of
+    ``dtype``: how a checkpoint of any layout loads into this one."""
+    glob, loc = placement.region(tp_rank, tp_size)
+    full = np.zeros(placement.local_shape(tp_size), dtype)
+    full[loc] = read(kind, placement.name, glob)
+    return full
 
 
 class TrainState:
@@ -80,10 +91,8 @@ class TrainState:
         """Set every parameter and moment of this rank from ``read`` (global regions) and the
         optimizer's update count from ``step``. Collective-free."""
         def local(kind: str, name: str) -> np.ndarray:
-            glob, loc = self.region(name)
-            full = np.zeros(self.local_shape(name), self.dtype)  # padding rows stay zero
-            full[loc] = read(kind, name, glob)
-            return full
+            return read_shard(read, kind, self.table[name], self.tp_rank, self.tp_size,
+                              self.dtype)
 
         for name, shard in self.params.items():
             shard[...] = self.xp.asarray(local("param", name))

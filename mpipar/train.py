@@ -10,7 +10,9 @@ layout, else (no --global-batch-size given) the batch is rounded up to a multipl
 
 Writes into ``RUN_DIR``: ``config.toml`` (the full resolved configuration), ``metrics.jsonl`` (one
 JSON object per optimizer step: loss, grad norm, LR, tokens/s, MFU, time breakdown, bytes per
-group, peak memory per rank, skipped steps; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
+group, peak memory per rank, skipped steps, and on validation steps (``--eval-every``, the last
+step; with ``--eval-data`` or ``--eval-fraction``) the validation loss and perplexity under
+``eval``; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
 default when the ``[tensorboard]`` extra is installed, the same numbers as TensorBoard events in
 ``RUN_DIR/tensorboard``: :mod:`mpipar.tensorboard`), ``timeline.json`` (every
 rank's pipeline ops of the last step), ``summary.json`` and ``summary.txt`` (the run's numbers and
@@ -167,9 +169,11 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             from mpipar import checkpoint
             path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
             if path is not None:
+                saved = checkpoint.read_config(path)
                 cfg.model = config_mod.model_from_checkpoint(
-                    checkpoint.read_model_config(path), config_mod.given_fields(args, "model"),
-                    source=str(path))
+                    saved.model, config_mod.given_fields(args, "model"), source=str(path))
+                tr.eval_fraction = config_mod.held_out_from_checkpoint(
+                    saved.train, config_mod.given_fields(args, "train"), source=str(path))
         if tr.init_from_hf:
             from mpipar import hf
             hf_model = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
@@ -317,6 +321,7 @@ def _build(ctx: RunContext):
         engine = Engine(ctx.cfg, ctx.control.comm)
         if ctx.watchdog is not None:
             ctx.watchdog.watch(engine.ledger)
+            ctx.watchdog.watch(engine.eval_ledger)
         start = _load_state(engine, ctx)
     except (DataError, ConfigError, CheckpointError) as exc:
         error = str(exc)
@@ -433,6 +438,8 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
         skipped += nonfinite
         record = metrics.step_record(result, ranks, engine.ledger, flops, sum(peaks), nonfinite,
                                      skipped)
+        if engine.eval_set is not None and _eval_due(result.step, tr):
+            record["eval"] = metrics.eval_record(engine.evaluate(), engine.eval_ledger)
         writer.write(record)
         progress.update(record)
         out.last, io = (result, started), 0.0
@@ -471,6 +478,12 @@ def _finish(engine, ctx: RunContext, export: bool) -> None:
     ctx.control.barrier()
     if ctx.watchdog is not None:
         ctx.watchdog.stop()
+
+
+def _eval_due(step: int, tr) -> bool:
+    """Whether the validation loss is computed after ``step`` (1-based): every ``eval_every``
+    steps and after the last."""
+    return step == tr.steps or bool(tr.eval_every and step % tr.eval_every == 0)
 
 
 def _step_path(save_dir: str, step: int) -> str:

@@ -57,20 +57,26 @@ class NumpyGuard(types.ModuleType):
 
 
 def _guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
-    """Two steps with the seam swapped in; returns (losses, norms, params) and the recorder."""
+    """Two steps and a validation pass (on a separate file: the training data stays the
+    reference's) with the seam swapped in; returns (losses, norms, params) and the recorder. The
+    validation loss must equal an unguarded pass's."""
     from mpipar import engine as engine_mod
     from mpipar.backend import training_backend
 
     recording = RecordingXP()
     backend = dataclasses.replace(training_backend("numpy"), xp=recording)
     monkeypatch.setattr(engine_mod, "training_backend", lambda name: backend)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2,
+                                                             eval_data=token_source().path))
     eng = engine_mod.Engine(cfg.resolved(comm.Get_size()), comm, source=token_source())
     for name in HOT_PATH:
         module = importlib.import_module(name)
         if hasattr(module, "np"):
             monkeypatch.setattr(module, "np", NumpyGuard(name))
     results = [eng.train_step(k) for k in range(2)]
+    guarded = eng.evaluate().loss
     monkeypatch.undo()
+    assert guarded == eng.evaluate().loss
     return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params()), \
         recording
 

@@ -93,6 +93,8 @@ def test_inspect_refuses_what_training_refuses(exported, tmp_path, capsys):
     message = (f"{src}: tensor model.layers.0.mlp.gate_proj.weight has shape [64, 32], "
                f"config.json implies [96, 32]")
     assert main(["inspect", str(src)]) == 1
-    assert f"mpipar: not supported: {message}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"tensors      NOT SUPPORTED: {message}" in out
+    assert "mpipar: not supported: tensors (see above)" in out
     proc = _train(tmp_path, "--init-from-hf", str(src))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -27,24 +27,32 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("case", CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in CASES])
 def test_ledger_bytes_equal_planner_prediction(world, case):
+    """A validation pass after each step books its own traffic in the engine's eval ledger, as
+    predicted for it (forward only), and leaves the step's ledger as predicted for a step."""
     from mpipar.engine import Engine
-    from mpipar.planner import predict_step_bytes
+    from mpipar.planner import predict_eval_bytes, predict_step_bytes
 
     case = dict(case)
     recompute = case.pop("recompute", "none")
     cfg = small_config(case.pop("dtype", "float64"), **case)
     cfg.train.recompute = recompute
+    cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
     cfg = cfg.resolved(8)
     fails = []
     try:
         eng = Engine(cfg, world, source=token_source())
+        want = predict_step_bytes(cfg, eng.grid.coord)
+        want_eval = predict_eval_bytes(cfg, eng.grid.coord)
         for step in range(2):  # the second step must count the same as the first
             eng.ledger.reset()
             eng.train_step(step)
-            got = eng.ledger.bytes_by_group()
-            want = predict_step_bytes(cfg, eng.grid.coord)
+            eng.evaluate()
+            got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
             if got != want:
                 fails.append(f"step {step} {eng.grid.coord}: ledger {got} != predicted {want}")
+            if got_eval != want_eval:
+                fails.append(f"validation after step {step} {eng.grid.coord}: eval ledger "
+                             f"{got_eval} != predicted {want_eval}")
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
     assert_all_ranks(world, fails)
@@ -63,3 +71,19 @@ def test_prediction_of_a_hand_counted_layout():
     tokens = 4  # one microbatch of 1 x 4 tokens, 2 microbatches
     per_mb = 4 * tokens * 8 * 8 + tokens * 8 * 8 + 3 * tokens * 8 + tokens * 8 * 8
     assert got == {"tp": 2 * per_mb, "tp_pp": 8}
+
+
+def test_prediction_of_a_hand_counted_validation_pass():
+    """The same layout, 3 validation batches forward only: per microbatch the two all-reduces of
+    the block's outputs, the embedding's and the cross-entropy statistics; no backward, no norm."""
+    from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from mpipar.planner import predict_eval_bytes
+    from mpipar.topology import Coord
+
+    cfg = Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
+                 ParallelConfig(tp=2), TrainConfig(seq_len=4, global_batch_size=2,
+                                                   micro_batch_size=1, dtype="float64",
+                                                   eval_fraction=0.5, eval_batches=3)).resolved(2)
+    tokens = 4
+    per_mb = 2 * tokens * 8 * 8 + tokens * 8 * 8 + 3 * tokens * 8
+    assert predict_eval_bytes(cfg, Coord(dp=0, tp=0, pp=0, sp=0)) == {"tp": 3 * 2 * per_mb}

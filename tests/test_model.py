@@ -99,6 +99,52 @@ def test_forward_matches_naive_reference(cfg):
     assert abs(loss - ref) <= 1e-12 * abs(ref)
 
 
+class _RefusingStore:
+    """An offload store that fails the test if anything is put into it."""
+
+    def put(self, tree):
+        raise AssertionError("forward_only kept an activation record")
+
+    def take(self, handle):
+        raise AssertionError("forward_only read an activation record")
+
+
+def test_forward_only_keeps_nothing_and_equals_the_training_forward():
+    k = get_backend("numpy")
+    stage = LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
+                       LocalAttention(k), recompute="offload", store=_RefusingStore())
+    params = init_params(CFG, 7, np.float64)
+    tokens, targets = batch()
+    positions = np.arange(tokens.shape[1])
+    loss = stage.forward_only(params, tokens, positions, targets)
+    want = make_stage().forward(params, tokens, positions, targets)[0]
+    np.testing.assert_array_equal(loss, want)
+    assert abs(loss.mean() - naive_loss(params, tokens, targets)) <= 1e-12 * loss.mean()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_kv_cache_decoding_equals_the_whole_sequence_forward(backend):
+    """A prompt of 4 tokens, then one token at a time through the KV cache: each step's logits
+    equal those of the whole sequence's forward at that position (float64)."""
+    from mpipar.model.llama import KVCache
+    k = get_backend(backend)
+    stage = LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
+                       LocalAttention(k))
+    params = init_params(CFG, 5, np.float64)
+    tokens = batch(2, B=2, S=9)[0]
+    whole = stage.forward_only(params, tokens, np.arange(9)).reshape(2, 9, -1)
+    kv = KVCache.empty(np, stage.layers, 2, 9, CFG.kv_heads, CFG.head_dim, np.float64)
+    steps = [(0, 4)] + [(s, s + 1) for s in range(4, 9)]
+    for start, stop in steps:
+        got = stage.forward_only(params, tokens[:, start:stop], np.arange(start, stop), kv=kv)
+        kv.length = stop
+        want = whole[:, start:stop]
+        err = np.abs(got.reshape(want.shape) - want).max() / np.abs(want).max()
+        assert err <= 1e-13, (start, err)
+    with pytest.raises(ValueError, match="position 9 is beyond its capacity of 9"):
+        stage.forward_only(params, tokens[:, :1], np.arange(9, 10), kv=kv)
+
+
 @pytest.mark.parametrize("cfg", [CFG, TIED], ids=["llama", "tied-bias-llama3"])
 def test_every_parameter_gradient_matches_finite_differences(cfg):
     stage = make_stage(cfg=cfg)

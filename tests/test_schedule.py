@@ -11,6 +11,7 @@ from mpipar.parallel.pipeline.schedule import (
     ScheduleError,
     build_schedule,
     dry_run,
+    forward_only,
     interleaved_groups,
     message_key,
     message_tag,
@@ -282,3 +283,33 @@ def test_bad_op_kind_and_cost_are_rejected() -> None:
         dry_run(build_schedule("gpipe", 1, 1), 1, 1, cost_fwd=-1.0)
     with pytest.raises(ValueError, match="compute op"):
         message_key(Op("fwd", 0), 0, 2)
+
+
+# ------------------------------------------------------------------ forward-only schedules
+@pytest.mark.parametrize("name,p,v", CASES)
+def test_forward_only_schedules_complete_without_deadlock(name: str, p: int, v: int) -> None:
+    """Evaluation and generation walk a schedule's forwards alone: one forward of every
+    (microbatch, stage), each activation sent once, nothing kept; with unit forwards the
+    makespan is every rank's forwards back to back after the pipeline fills."""
+    for m in MS:
+        schedule = forward_only(build_schedule(name, p, m, v))
+        result = dry_run(schedule, p, m, v, forward_only=True)
+        kinds = Counter(op.kind for ops in schedule for op in ops)
+        messages = m * (v * p - 1) if p > 1 else 0
+        assert kinds == Counter({"fwd": m * v * p, **({"send_fwd": messages,
+                                                          "recv_fwd": messages} if p > 1 else {})})
+        assert result.peak_activations == [0] * p
+        filling = v * p + m - 1 if name == "interleaved" and m < p else v * m + p - 1
+        assert result.makespan == filling
+
+
+def test_forward_only_dry_run_rejects_backward_ops_and_missing_forwards() -> None:
+    with pytest.raises(ScheduleError, match="a forward-only schedule holds only"):
+        dry_run(build_schedule("1f1b", 2, 2), 2, 2, forward_only=True)
+    schedule = forward_only(build_schedule("gpipe", 2, 2))
+    schedule[1] = [op for op in schedule[1] if op.microbatch != 1]
+    schedule[0] = [op for op in schedule[0] if op != Op("send_fwd", 1, 0, 1)]
+    with pytest.raises(ScheduleError, match="microbatch 1, chunk 0 .* forward is missing"):
+        dry_run(schedule, 2, 2, forward_only=True)
+    with pytest.raises(ScheduleError, match="backward is missing"):  # a training dry run
+        dry_run(forward_only(build_schedule("gpipe", 2, 2)), 2, 2)

@@ -42,6 +42,11 @@ calls on the same inputs, so every mode gives bit-identical results:
 - ``offload``: what ``none`` keeps, written to a :class:`CacheStore` (a per-rank HDF5 scratch
   file, :class:`mpipar.activations.OffloadStore`) block by block during forward and read back
   block by block in backward; the LM head's record too.
+
+:meth:`LlamaStage.forward_only` runs the same blocks keeping nothing for a backward (evaluation
+and generation, whatever ``recompute`` says). Given a :class:`KVCache` it is the incremental
+forward of generation: each block appends its keys and values for the new tokens to the cache
+and attends over every cached position (causal, local: generation holds whole sequences).
 """
 from __future__ import annotations
 
@@ -125,6 +130,38 @@ class StageCache:
 def bias_name(weight: str) -> str:
     """The name of the bias of linear weight ``weight`` (``...q_proj.weight`` -> ``...bias``)."""
     return weight.removesuffix("weight") + "bias"
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions seen so far, per block, for incremental decoding.
+
+    ``keys[i]``, ``values[i]``: ``[B, capacity, hkv, D]`` of block ``i`` (this rank's kv heads);
+    positions ``[0, length)`` are filled. :meth:`LlamaStage.forward_only` appends a block's new
+    positions and reads back the whole prefix."""
+
+    keys: dict[int, Array]
+    values: dict[int, Array]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, xp, layers: range, batch: int, capacity: int, kv_heads: int, head_dim: int,
+              dtype) -> "KVCache":
+        """A cache of ``capacity`` positions for blocks ``layers`` (arrays of module ``xp``)."""
+        shape = (batch, capacity, kv_heads, head_dim)
+        return cls({i: xp.zeros(shape, dtype) for i in layers},
+                   {i: xp.zeros(shape, dtype) for i in layers})
+
+    def append(self, layer: int, k: Array, v: Array, start: int) -> tuple[Array, Array]:
+        """Store block ``layer``'s k, v ``[B, n, hkv, D]`` at positions ``[start, start + n)``;
+        return its keys and values of positions ``[0, start + n)``."""
+        end = start + k.shape[1]
+        if end > self.keys[layer].shape[1]:
+            raise ValueError(f"KVCache: position {end - 1} is beyond its capacity of "
+                             f"{self.keys[layer].shape[1]} positions")
+        self.keys[layer][:, start:end] = k
+        self.values[layer][:, start:end] = v
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
 
 
 class LinearGrads:
@@ -223,6 +260,24 @@ class LlamaStage:
             cache.head = self.store.put(cache.head)
         return loss, cache
 
+    def forward_only(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
+                     targets: Array | None = None, kv: KVCache | None = None) -> Array:
+        """The stage's forward keeping nothing for a backward (evaluation, generation).
+
+        inp and positions as in :meth:`forward` (with ``kv``: the new tokens, at consecutive
+        positions from ``kv.length``; the caller advances ``kv.length``). Returns the stream; on
+        the last stage the per-token loss ``[B, S]`` (float64) when ``targets`` are given, else
+        this rank's logits ``[B*S, V/tp]`` (its vocabulary shard; tokens in row-major order).
+        """
+        x = self.tp.embed(params["embed_tokens.weight"], inp) if self.first else inp
+        for i in self.layers:
+            x, _ = self._block_fwd(params, i, x, positions, kv=kv)
+        if not self.last:
+            return x
+        if targets is not None:
+            return self._head_fwd(params, x, targets)[0]
+        return self._logits(params, x)[1]
+
     def _keep(self, c: BlockSaved) -> Any:
         """What this block keeps under ``self.recompute`` (module docstring)."""
         if self.recompute == "none":
@@ -248,16 +303,22 @@ class LlamaStage:
         cos, sin = self._cos_sin(positions, q.dtype)
         return self.kernels.rope_fwd(q, cos, sin), self.kernels.rope_fwd(key, cos, sin)
 
-    def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray, record: bool = False
-                   ) -> tuple[Array, BlockSaved]:
+    def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray, record: bool = False,
+                   kv: KVCache | None = None) -> tuple[Array, BlockSaved]:
         """Block ``i`` on the stream ``x`` -> (output stream, every intermediate); ``record``:
-        hand the :data:`ACTIVATION_NAMES` tensors to the recorder, if one is set."""
+        hand the :data:`ACTIVATION_NAMES` tensors to the recorder, if one is set; ``kv``: attend
+        over the cached positions too (incremental decoding, module docstring)."""
         ops, p, tp, n, eps = self.kernels, params, self.tp, f"layers.{i}.", self.cfg.norm_eps
         h1, rstd1 = ops.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], eps)
         q, key, v = self._qkv(params, i, tp.enter(h1), len(positions))
         q, key = self._rope_fwd(q, key, positions)
-        out, attention_saved = self.attention.forward(q, key, v, positions,
-                                                      self.cfg.layer_window(i))
+        window = self.cfg.layer_window(i)
+        if kv is None:
+            out, attention_saved = self.attention.forward(q, key, v, positions, window)
+        else:
+            keys, values = kv.append(i, key, v, int(positions[0]))
+            out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
+                                                     window=window)
         B, S = out.shape[:2]
         a = tp.row_linear(out.reshape(B, S, -1), p[n + "self_attn.o_proj.weight"])
         x2 = x + a
@@ -274,10 +335,14 @@ class LlamaStage:
         return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
                                   g, u, m)
 
-    def _head_fwd(self, params, x: Array, targets: Array) -> tuple[Array, HeadSaved]:
+    def _logits(self, params, x: Array) -> tuple[tuple[Array, Array], Array]:
+        """((final norm of the stream ``hn``, its ``rstd``), this rank's logits ``[N, V/tp]``)."""
         hn, rstd = self.kernels.rmsnorm_fwd(x, params["norm.weight"], self.cfg.norm_eps)
         _, (logits,) = self.tp.column_linear(hn, params[self.head])
-        logits = logits.reshape(-1, logits.shape[-1])
+        return (hn, rstd), logits.reshape(-1, logits.shape[-1])
+
+    def _head_fwd(self, params, x: Array, targets: Array) -> tuple[Array, HeadSaved]:
+        (hn, rstd), logits = self._logits(params, x)
         t = targets.reshape(-1)
         loss, lse = self.tp.cross_entropy(logits, t)
         return loss.reshape(targets.shape), HeadSaved(x, hn, rstd, logits, t, lse)

@@ -160,6 +160,15 @@ class TensorParallel:
         lse = m + xp.log(s)
         return (lse - target_logit).astype(xp.float64), lse
 
+    def gather_vocab(self, logits: Array) -> Array:
+        """The whole vocabulary's logits ``[N, V]`` from every rank's shard ``[N, V/tp]`` (an
+        all-gather; the padding columns dropped): what sampling a next token needs."""
+        if self.size == 1:
+            return logits[:, :self.vocab.size]
+        pieces = self.xp.empty((self.size,) + logits.shape, logits.dtype)
+        self.group.allgather(self.xp.ascontiguousarray(logits), pieces)
+        return pieces.transpose(1, 0, 2).reshape(logits.shape[0], -1)[:, :self.vocab.size]
+
     def cross_entropy_backward(self, logits: Array, targets: Array, lse: Array,
                                dloss: Array) -> Array:
         """Gradient of :meth:`cross_entropy` for this rank's logit columns (no communication)."""

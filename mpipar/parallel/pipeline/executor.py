@@ -1,9 +1,12 @@
 """The pipeline executor: walks this rank's op list of a schedule (:mod:`.schedule`) with MPI
 point-to-point on the pp communicator.
 
-Sends are non-blocking (their buffers are kept until completion at the end of the step);
-receives block. The schedule's dry run proves that this cannot deadlock. Messages are matched by
-a tag derived from (direction, microbatch, virtual stage), so matching never depends on order.
+:meth:`PipelineExecutor.run` walks a training schedule (forward and backward of every
+microbatch); :meth:`PipelineExecutor.run_forward` walks a forward-only one (evaluation,
+generation: :func:`.schedule.forward_only`). Sends are non-blocking (their buffers are kept
+until completion at the end of the walk); receives block. The schedule's dry run proves that
+this cannot deadlock. Messages are matched by a tag derived from (direction, microbatch, virtual
+stage), so matching never depends on order.
 
 Virtual stage ``s = chunk * p + rank`` holds the layers ``[s*L/(p*v), (s+1)*L/(p*v))``; stage 0
 embeds, stage ``p*v - 1`` computes the loss. With ``p == 1`` consecutive chunks hand activations
@@ -12,13 +15,17 @@ and gradients over locally.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 from mpipar.comm import Group
 from mpipar.model.llama import LlamaStage
-from mpipar.parallel.pipeline.schedule import Op, message_tag
+from mpipar.parallel.pipeline.schedule import MESSAGE_KINDS, Op, message_tag
+
+StageForward = Callable[[LlamaStage, Any, "Microbatch"], Any]
+"""``(chunk, input, microbatch) -> output`` of one chunk in a forward-only walk."""
 
 
 @dataclass
@@ -60,14 +67,10 @@ class PipelineExecutor:
         """
         rank, p, v, m = self.pp.rank, self.p, self.v, len(microbatches)
         last_stage = p * v - 1
-        acts_in: dict[tuple[int, int], Any] = {}    # (mb, chunk) -> input activation
-        acts_out: dict[tuple[int, int], Any] = {}   # (mb, chunk) -> output to send
-        grad_in: dict[tuple[int, int], Any] = {}    # (mb, chunk) -> d(output)
-        grad_out: dict[tuple[int, int], Any] = {}   # (mb, chunk) -> d(input) to send
+        wire = _Wire(self, act_shape, dtype)
         caches: dict[tuple[int, int], Any] = {}
         deferred: dict[tuple[int, int], list] = {}
         done_bwd = [0] * v
-        pending = []
         loss = 0.0
         self.timeline = []
         t0 = time.perf_counter()
@@ -77,32 +80,16 @@ class PipelineExecutor:
             stage = op.chunk * p + rank
             chunk = self.chunks[op.chunk]
             start = time.perf_counter() - t0
-            if op.kind == "recv_fwd":
-                buf = self.xp.empty(act_shape, dtype)
-                acts_in[key] = self.pp.recv(buf, op.peer, message_tag(op, rank, p, v))
-            elif op.kind == "recv_bwd":
-                buf = self.xp.empty(act_shape, dtype)
-                grad_in[key] = self.pp.recv(buf, op.peer, message_tag(op, rank, p, v))
-            elif op.kind == "send_fwd":
-                buf = acts_out.pop(key)
-                pending.append((self.pp.isend(buf, op.peer, message_tag(op, rank, p, v)), buf))
-            elif op.kind == "send_bwd":
-                buf = grad_out.pop(key)
-                pending.append((self.pp.isend(buf, op.peer, message_tag(op, rank, p, v)), buf))
+            if op.kind in MESSAGE_KINDS:
+                wire.message(op)
             elif op.kind == "fwd":
                 mb = microbatches[op.microbatch]
-                if stage == 0:
-                    inp = mb.tokens
-                elif key in acts_in:
-                    inp = acts_in.pop(key)
-                else:  # p == 1: the previous chunk is on this rank
-                    inp = acts_out.pop((op.microbatch, op.chunk - 1))
-                out, caches[key] = chunk.forward(params, inp, positions,
+                out, caches[key] = chunk.forward(params, wire.stage_input(op, stage, mb), positions,
                                                  mb.targets if stage == last_stage else None)
                 if stage == last_stage:
                     loss += float(out.sum())
                 else:
-                    acts_out[key] = out
+                    wire.acts_out[key] = out
             else:  # "bwd", "bwd_input" or "bwd_weight"
                 final = done_bwd[op.chunk] == m - 1
                 if op.kind == "bwd_weight":
@@ -110,10 +97,10 @@ class PipelineExecutor:
                 else:
                     if stage == last_stage:
                         dout = loss_weight
-                    elif key in grad_in:
-                        dout = grad_in.pop(key)
+                    elif key in wire.grad_in:
+                        dout = wire.grad_in.pop(key)
                     else:  # p == 1: the next chunk is on this rank
-                        dout = grad_out.pop((op.microbatch, op.chunk + 1))
+                        dout = wire.grad_out.pop((op.microbatch, op.chunk + 1))
                     split = op.kind == "bwd_input"
                     if split:
                         deferred[key] = []
@@ -121,18 +108,84 @@ class PipelineExecutor:
                                         deferred=deferred.get(key),
                                         on_ready=on_ready if final else None)
                     if stage > 0:
-                        grad_out[key] = dx
+                        wire.grad_out[key] = dx
                 if op.kind != "bwd_input":
                     done_bwd[op.chunk] += 1
                     if final and op.kind == "bwd_weight" and on_ready is not None:
                         on_ready(chunk.param_names())
             self.timeline.append(OpRecord(op.kind, op.microbatch, op.chunk, start,
                                           time.perf_counter() - t0))
-        for req, _ in pending:
+        wire.finish(caches=caches)
+        return loss
+
+    def run_forward(self, microbatches: list[Microbatch], act_shape: tuple[int, ...], dtype,
+                    stage_forward: StageForward) -> dict[int, Any]:
+        """Walk a forward-only op list (:func:`.schedule.forward_only`: evaluation, generation):
+        ``stage_forward(chunk, input, microbatch)`` runs one chunk keeping nothing for a
+        backward. Returns the last stage's outputs by microbatch (empty off the last stage).
+        The step's :attr:`timeline` is left as it was."""
+        rank, p = self.pp.rank, self.p
+        last_stage = p * self.v - 1
+        wire = _Wire(self, act_shape, dtype)
+        outputs: dict[int, Any] = {}
+        for op in self.ops:
+            if op.kind in MESSAGE_KINDS:
+                wire.message(op)
+                continue
+            if op.kind != "fwd":
+                raise ValueError(f"run_forward: {op} is not a forward-only op")
+            stage = op.chunk * p + rank
+            mb = microbatches[op.microbatch]
+            out = stage_forward(self.chunks[op.chunk], wire.stage_input(op, stage, mb), mb)
+            if stage == last_stage:
+                outputs[op.microbatch] = out
+            else:
+                wire.acts_out[(op.microbatch, op.chunk)] = out
+        wire.finish()
+        return outputs
+
+
+class _Wire:
+    """What one walk of an op list holds between its ops: activations and gradients received
+    or to send, keyed ``(microbatch, chunk)``, and the sends in flight."""
+
+    def __init__(self, executor: PipelineExecutor, act_shape: tuple[int, ...], dtype) -> None:
+        self.executor, self.act_shape, self.dtype = executor, act_shape, dtype
+        self.acts_in: dict[tuple[int, int], Any] = {}    # input activation received
+        self.acts_out: dict[tuple[int, int], Any] = {}   # output to send (or hand over)
+        self.grad_in: dict[tuple[int, int], Any] = {}    # d(output) received
+        self.grad_out: dict[tuple[int, int], Any] = {}   # d(input) to send (or hand over)
+        self.pending: list = []
+
+    def message(self, op: Op) -> None:
+        """Post a send (non-blocking; the buffer is kept until :meth:`finish`) or receive one
+        (blocking) on the pp group, tagged by the message's identity."""
+        ex = self.executor
+        key, rank = (op.microbatch, op.chunk), ex.pp.rank
+        tag = message_tag(op, rank, ex.p, ex.v)
+        if op.kind.startswith("recv"):
+            into = self.acts_in if op.kind == "recv_fwd" else self.grad_in
+            into[key] = ex.pp.recv(ex.xp.empty(self.act_shape, self.dtype), op.peer, tag)
+        else:
+            buf = (self.acts_out if op.kind == "send_fwd" else self.grad_out).pop(key)
+            self.pending.append((ex.pp.isend(buf, op.peer, tag), buf))
+
+    def stage_input(self, op: Op, stage: int, mb: Microbatch) -> Any:
+        """The input of a forward: the tokens on stage 0, else the received activation, or (one
+        pipeline rank) the previous chunk's output on this rank."""
+        if stage == 0:
+            return mb.tokens
+        key = (op.microbatch, op.chunk)
+        if key in self.acts_in:
+            return self.acts_in.pop(key)
+        return self.acts_out.pop((op.microbatch, op.chunk - 1))
+
+    def finish(self, **more: dict) -> None:
+        """Complete the sends; every received or produced tensor must have been consumed."""
+        for req, _ in self.pending:
             req.wait()
-        leftovers = [k for k, d in (("acts_in", acts_in), ("acts_out", acts_out),
-                                    ("grad_in", grad_in), ("grad_out", grad_out),
-                                    ("caches", caches)) if d]
+        held = {"acts_in": self.acts_in, "acts_out": self.acts_out, "grad_in": self.grad_in,
+                "grad_out": self.grad_out, **more}
+        leftovers = [name for name, d in held.items() if d]
         if leftovers:
             raise RuntimeError(f"pipeline schedule left unconsumed state: {leftovers}")
-        return loss

@@ -18,6 +18,11 @@ deadlock-free for the executor iff its dry run completes.
 Messages are matched by identity, not by order: :func:`message_key` names a message by
 ``(channel, microbatch, sending virtual stage)`` and :func:`message_tag` turns it into an MPI tag
 that is unique between any pair of ranks.
+
+A *forward-only* schedule (:func:`forward_only`: evaluation, generation) keeps a training
+schedule's forwards and their messages, in the same order; nothing is kept for a backward.
+``dry_run(..., forward_only=True)`` proves it deadlock-free and complete (one forward of every
+``(microbatch, virtual stage)``, no backward).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMPUTE_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 MESSAGE_KINDS = ("send_fwd", "recv_fwd", "send_bwd", "recv_bwd")
 OP_KINDS = COMPUTE_KINDS + MESSAGE_KINDS
+FORWARD_KINDS = ("fwd", "send_fwd", "recv_fwd")  # the ops of a forward-only schedule
 _GRAD_PRODUCERS = ("bwd", "bwd_input")  # compute ops that produce the input gradient of a stage
 
 
@@ -228,6 +234,14 @@ def _interleaved_steps(rank: int, p: int, m: int, v: int) -> list[tuple[str, int
     return steps + [("bwd", mb, c) for mb, c in backwards[total - warmup:]]
 
 
+def forward_only(schedule: list[list[Op]]) -> list[list[Op]]:
+    """The forward ops of ``schedule`` and their messages (``fwd``, ``send_fwd``, ``recv_fwd``),
+    in each rank's order: the walk of evaluation and generation, which keep nothing for a
+    backward. A rank's forwards keep their relative order, so every receive still follows the
+    send it waits for; :func:`dry_run` with ``forward_only=True`` proves it."""
+    return [[op for op in ops if op.kind in FORWARD_KINDS] for ops in schedule]
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
     """Op lists, one per pipeline rank, of schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v``
     model chunks per rank.
@@ -271,11 +285,13 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
 
 
 class _RankState:
-    """What one rank has done so far in a dry run."""
+    """What one rank has done so far in a dry run; ``keeps``: whether a forward keeps its
+    activations until its backward (False for a forward-only schedule)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeps: bool = True) -> None:
         self.done: set[tuple[str, int, int]] = set()  # (kind, microbatch, stage) of compute ops run
         self.received: set[tuple[str, int, int]] = set()  # (channel, microbatch, receiving stage)
+        self.keeps = keeps
         self.in_flight = 0
         self.peak = 0
 
@@ -355,7 +371,7 @@ def _run_compute(op: Op, state: _RankState, s: int, last: int, p: int, where: st
             ready = ("fwd", mb, s - 1) in done if p == 1 else ("fwd", mb, s) in state.received
             if not ready:
                 raise ScheduleError(f"{where}: the activation from virtual stage {s - 1} is not available")
-        state.in_flight += 1
+        state.in_flight += int(state.keeps)
         state.peak = max(state.peak, state.in_flight)
     elif op.kind in _GRAD_PRODUCERS:
         if any((kind, mb, s) in done for kind in _GRAD_PRODUCERS):
@@ -377,8 +393,10 @@ def _run_compute(op: Op, state: _RankState, s: int, last: int, p: int, where: st
     done.add((op.kind, mb, s))
 
 
-def _check_complete(states: list[_RankState], p: int, m: int, v: int) -> None:
-    """Every (microbatch, stage) ran one forward and one backward (or one bwd_input + one bwd_weight)."""
+def _check_complete(states: list[_RankState], p: int, m: int, v: int,
+                    forward_only: bool = False) -> None:
+    """Every (microbatch, stage) ran one forward and one backward (or one bwd_input + one
+    bwd_weight); with ``forward_only``, one forward and nothing else."""
     for s in range(v * p):
         rank, chunk = stage_owner(s, p)
         done = states[rank].done
@@ -386,6 +404,8 @@ def _check_complete(states: list[_RankState], p: int, m: int, v: int) -> None:
             where = f"rank {rank}, microbatch {mb}, chunk {chunk} (virtual stage {s})"
             if ("fwd", mb, s) not in done:
                 raise ScheduleError(f"{where}: the forward is missing")
+            if forward_only:
+                continue
             if ("bwd_input", mb, s) in done and ("bwd_weight", mb, s) not in done:
                 raise ScheduleError(f"{where}: bwd_input ran but its bwd_weight is missing")
             if not _has_grad(states[rank], mb, s):
@@ -401,6 +421,7 @@ def dry_run(
     cost_bwd_input: float = 1.0,
     cost_bwd_weight: float = 1.0,
     cost_comm: float = 0.0,
+    forward_only: bool = False,
 ) -> DryRunResult:
     """Run every rank's op list serially in virtual time and verify the schedule.
 
@@ -410,8 +431,9 @@ def dry_run(
     completes at ``max(rank clock, send time + cost_comm)``. Verifies the format (ranges, peers,
     placement of messages), that every send has exactly one matching receive, every dependency,
     and that each ``(microbatch, virtual stage)`` has exactly one forward and one backward (or one
-    ``bwd_input`` and one ``bwd_weight``). Raises ScheduleError naming the stuck op of every rank on
-    a deadlock, or the offending op on a broken rule.
+    ``bwd_input`` and one ``bwd_weight``); with ``forward_only`` (:func:`forward_only`), exactly one
+    forward, no backward op, and nothing kept in flight. Raises ScheduleError naming the stuck op
+    of every rank on a deadlock, or the offending op on a broken rule.
     """
     _check_sizes(p, m, v)
     for name, cost in (("cost_fwd", cost_fwd), ("cost_bwd_input", cost_bwd_input),
@@ -422,13 +444,16 @@ def dry_run(
         raise ScheduleError(f"the schedule has {len(schedule)} op lists; it must have one per rank, p={p}")
     for rank, ops in enumerate(schedule):
         for index, op in enumerate(ops):
+            if forward_only and op.kind not in FORWARD_KINDS:
+                raise ScheduleError(f"rank {rank} op #{index} {op}: a forward-only schedule holds "
+                                    f"only {', '.join(FORWARD_KINDS)} ops")
             _check_op(op, rank, index, ops, p, m, v)
     _check_messages(schedule, p)
 
     cost = {"fwd": cost_fwd, "bwd": cost_bwd_input + cost_bwd_weight, "bwd_input": cost_bwd_input,
             "bwd_weight": cost_bwd_weight}
     last = v * p - 1
-    states = [_RankState() for _ in range(p)]
+    states = [_RankState(keeps=not forward_only) for _ in range(p)]
     clock = [0.0] * p
     position = [0] * p
     sent_at: dict[tuple[str, int, int], float] = {}
@@ -474,7 +499,7 @@ def dry_run(
             stuck.append(f"rank {rank}: op #{position[rank]} {op} waits for send_{channel} of microbatch "
                          f"{mb} from rank {stage_owner(sender, p)[0]} (virtual stage {sender})")
         raise ScheduleError("deadlock: no rank can proceed; " + "; ".join(stuck))
-    _check_complete(states, p, m, v)
+    _check_complete(states, p, m, v, forward_only)
 
     makespan = max(clock)
     busy = sum(end - start for ops in timeline for start, end, op in ops if op.kind in COMPUTE_KINDS)

@@ -1,0 +1,206 @@
+"""``python -m mpipar.generate CHECKPOINT_OR_HF_DIR --prompt TEXT``: sample text from a model.
+
+    python -m mpipar.generate runs/exp1/checkpoints --prompt "def main(" --max-new-tokens 64
+    mpirun -n 4 python -m mpipar.generate runs/exp1/checkpoints --tp 2 --pp 2 --prompt "import "
+    python -m mpipar.generate path/to/llama --prompt "Once upon a time" --temperature 0.8 \\
+        --top-k 40 --top-p 0.95 --seed 1
+
+The model is an mpipar checkpoint (a ``step_N`` directory, or a save directory whose ``latest``
+names one), read directly under this run's layout whatever layout saved it; or a Hugging Face
+Llama directory (``config.json`` + safetensors). The layout is ``world = tp x pp`` (``--tp``
+defaults to the world / ``--pp``). Decoding keeps a KV cache (:mod:`mpipar.inference`).
+
+Tokens: ``--tokenizer`` (a Hugging Face directory holding ``tokenizer.json``, or the file; the
+``tokenizers`` library) encodes the prompt and decodes the output, and generation stops at its
+end-of-document token; a Hugging Face model directory holding a ``tokenizer.json`` is its own
+default. Otherwise tokens are UTF-8 bytes (byte-level models: vocabulary >= 256), with no
+end-of-document token. The prompt is encoded without the tokenizer's special-token template
+(no BOS), as ``python -m mpipar.data prepare`` encodes documents; ``--add-special-tokens`` adds
+it (what a pretrained Hugging Face model expects).
+
+``--temperature 0`` is greedy; otherwise the next token is sampled (``--top-k``, ``--top-p``)
+from a generator seeded by ``--seed``: the same output on every layout (:mod:`mpipar.sampling`).
+Rank 0 prints the prompt followed by the generated text, or with ``--json`` one JSON object
+(``prompt_ids``, ``ids``, ``text``, ``stopped``). Bad arguments or an unusable model: exit
+status 2 on every rank, before any collective.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpi4py import MPI
+
+from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+
+HF_CONFIG = "config.json"
+BYTE_VOCAB = 256
+_HF_DTYPES = ("float32", "float64")  # a file in another dtype computes in float32
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Text to token ids and back: a Hugging Face tokenizer, or UTF-8 bytes."""
+
+    name: str
+    vocab_size: int                      # ids it produces are below this
+    eos: int | None                      # the end-of-document id, if any
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+
+def byte_codec() -> Codec:
+    """UTF-8 bytes; ids of 256 and above (a model with a larger vocabulary) decode as U+FFFD."""
+    def decode(ids: list[int]) -> str:
+        return b"".join(bytes([i]) if i < BYTE_VOCAB else "\ufffd".encode() for i in ids
+                        ).decode("utf-8", errors="replace")
+
+    return Codec("bytes", BYTE_VOCAB, None, lambda text: list(text.encode("utf-8")), decode)
+
+
+def tokenizer_codec(path: str, add_special_tokens: bool) -> Codec:
+    """The Hugging Face tokenizer at ``path`` (:func:`mpipar.tokenizer.load_tokenizer`)."""
+    from mpipar.tokenizer import load_tokenizer
+    tokenizer, spec = load_tokenizer(path)
+    return Codec(spec.name, spec.vocab_size, spec.eos_id,
+                 lambda text: tokenizer.encode(text, add_special_tokens=add_special_tokens).ids,
+                 lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpipar.generate",
+        description="Generate text from an mpipar checkpoint or a Hugging Face Llama directory, "
+                    "with a KV cache, on one rank or under mpirun with --tp/--pp.")
+    parser.add_argument("model", metavar="CHECKPOINT_OR_HF_DIR",
+                        help="an mpipar checkpoint (step directory or save directory) or a "
+                             "Hugging Face Llama directory")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--tokenizer", metavar="HF_DIR_OR_JSON",
+                        help="Hugging Face tokenizer (default: the model directory's own "
+                             "tokenizer.json if any, else UTF-8 bytes)")
+    parser.add_argument("--add-special-tokens", action="store_true",
+                        help="encode the prompt with the tokenizer's special-token template")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="0 is greedy (default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens "
+                                                             "(default 0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="keep the likeliest tokens up to this probability (default 1: all)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--tp", type=int, default=0,
+                        help="tensor-parallel size (default: the world / --pp)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
+    parser.add_argument("--dtype", choices=("float32", "float64"),
+                        help="compute dtype (default: the checkpoint's training dtype; a "
+                             "Hugging Face directory's own if float32/float64, else float32)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy"),
+                        help="kernel backend (default: auto)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def read_model(path: str) -> tuple[ModelConfig, str, str]:
+    """(model config, its dtype, kind "hf" or "checkpoint") of ``path``. Reads metadata only."""
+    if (Path(path) / HF_CONFIG).is_file():
+        from mpipar import hf
+        raw = hf.read_config_json(path)
+        dtype = raw.get("dtype") or raw.get("torch_dtype")
+        return (hf.read_model_config(path, untie_embeddings=True),
+                dtype if dtype in _HF_DTYPES else "float32", "hf")
+    from mpipar import checkpoint
+    if not (checkpoint.resolve_path(path) / checkpoint.INDEX).is_file():
+        raise ConfigError(f"{path}: neither a Hugging Face directory ({HF_CONFIG}) nor an "
+                          f"mpipar checkpoint ({checkpoint.INDEX}, or a save directory's "
+                          f"{checkpoint.LATEST})")
+    saved = checkpoint.read_config(path)
+    return saved.model, saved.train.dtype, "checkpoint"
+
+
+def resolve(args: argparse.Namespace, world: int) -> tuple[Config, str, Codec]:
+    """The generation config (validated by every component's rules for world = tp x pp), the
+    model's kind and the codec; ConfigError, DataError or CheckpointError on bad input."""
+    import mpipar.engine  # noqa: F401  (every component's configuration rules)
+    from mpipar.sampling import Sampling
+    Sampling(args.temperature, args.top_k, args.top_p)  # ValueError names the flag's value
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1),
+                               ("--seed", args.seed, 0), ("--tp", args.tp, 0),
+                               ("--pp", args.pp, 1)):
+        if value < least:
+            raise ConfigError(f"{flag} {value}: must be >= {least}")
+    model, dtype, kind = read_model(args.model)
+    tp = args.tp or max(1, world // args.pp)
+    train = TrainConfig(seq_len=1, global_batch_size=1, micro_batch_size=1,
+                        dtype=args.dtype or dtype, backend=args.backend)
+    cfg = Config(model, ParallelConfig(dp=1, tp=tp, pp=args.pp), train).resolved(world)
+    own = Path(args.model) / "tokenizer.json"
+    tokenizer = args.tokenizer or (str(Path(args.model)) if kind == "hf" and own.is_file()
+                                   else None)
+    codec = tokenizer_codec(tokenizer, args.add_special_tokens) if tokenizer else byte_codec()
+    if codec.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"{codec.name} tokens go up to id {codec.vocab_size - 1}, but the "
+                          f"model's vocabulary has {cfg.model.vocab_size} ids")
+    return cfg, kind, codec
+
+
+def _load(generator, path: str, kind: str) -> None:
+    """The parameters of ``generator``'s shards from the model at ``path``."""
+    if kind == "hf":
+        from mpipar.hf import load_hf
+        generator.load_params(load_hf(path, untie_embeddings=True)[1])
+        return
+    from mpipar import checkpoint
+    with checkpoint.open_reader(path) as read:
+        generator.load_checkpoint(read)
+
+
+def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
+    from mpipar.failure import FailureReport
+    from mpipar.train import fail_usage, install_abort_hook
+    install_abort_hook(FailureReport(comm))
+    args = build_parser().parse_args(argv)
+    from mpipar.backend import configure_threads, local_size_from_env
+    threads = configure_threads(None) if local_size_from_env() or comm.Get_size() == 1 else 0
+    try:  # ConfigError, DataError, CheckpointError and the sampling settings' are ValueErrors
+        cfg, kind, codec = resolve(args, comm.Get_size())
+        prompt = codec.encode(args.prompt)
+        if not prompt:
+            raise ConfigError(f"--prompt {args.prompt!r}: encodes to no token")
+    except ValueError as exc:
+        fail_usage(str(exc), comm)
+    if not threads:
+        configure_threads(comm)
+    from mpipar.inference import Generator
+    from mpipar.sampling import Sampling
+    generator = Generator(cfg, comm)
+    error = None
+    try:
+        _load(generator, args.model, kind)
+    except (ValueError, OSError) as exc:  # a damaged checkpoint or safetensors file
+        error = str(exc)
+    failed = [e for e in comm.allgather(error) if e]
+    if failed:
+        fail_usage(failed[0], comm)
+    out = generator.generate(prompt, args.max_new_tokens,
+                             Sampling(args.temperature, args.top_k, args.top_p), args.seed,
+                             codec.eos)
+    generator.close()
+    if comm.Get_rank() == 0:
+        text = codec.decode(out.ids)
+        if args.json:
+            print(json.dumps({"prompt_ids": prompt, "ids": out.ids, "text": text,
+                              "stopped": out.stopped}), flush=True)
+        else:
+            print(args.prompt + text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the imported module's main (the module's classes are those the other modules use).
+    from mpipar.generate import main as _main
+    sys.exit(_main())

@@ -1,0 +1,279 @@
+"""Generation with a KV cache: greedy output equal to transformers' ``generate`` token for token
+on a random tiny Llama (float64), from one rank and from a TP=2 sharded checkpoint under mpirun;
+sampling that is deterministic and the same on every tp x pp layout; the sampling rules against
+their definition; bad input exits 2."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import MPIRUN, assert_all_ranks, needs_mpirun
+from layouts import small_config, token_source
+from mpipar import generate
+from mpipar.config import Config, ParallelConfig, TrainConfig
+from mpipar.inference import Generator
+from mpipar.sampling import Sampling, candidates, next_token
+from test_tokenizer import EOS, bpe  # noqa: F401  (the BPE tokenizer fixture)
+
+V, H, HEADS, KV, LAYERS, FFN = 256, 48, 6, 2, 2, 80   # byte-level: prompts are UTF-8 bytes
+PROMPT = "hello"
+NEW = 12
+
+
+# ------------------------------------------------------------------------------ sampling
+def test_greedy_top_k_and_top_p_keep_what_they_define():
+    logits = np.array([1.0, 3.0, 2.0, 3.0, -1.0, 0.5])
+    assert next_token(logits, Sampling(0.0), np.random.default_rng(0)) == 1  # lowest of the ties
+    ids, prob = candidates(logits, Sampling(0.5))
+    assert ids.tolist() == [1, 3, 2, 0, 5, 4]             # by logit, ties by id
+    want = np.exp(logits[ids] / 0.5) / np.exp(logits / 0.5).sum()
+    np.testing.assert_allclose(prob, want, rtol=1e-14)
+    ids, prob = candidates(logits, Sampling(1.0, top_k=3))
+    np.testing.assert_allclose(prob, np.exp([3.0, 3.0, 2.0]) / np.exp([3.0, 3.0, 2.0]).sum())
+    full = np.exp(logits[[1, 3, 2, 0]]) / np.exp(logits).sum()   # cumulative .37 .74 .88 .93
+    ids, _ = candidates(logits, Sampling(1.0, top_p=0.8))
+    assert ids.tolist() == [1, 3, 2] and full[:2].sum() < 0.8 <= full[:3].sum()
+    assert candidates(logits, Sampling(1.0, top_p=0.1))[0].tolist() == [1]  # at least one
+
+
+def test_sampled_frequencies_follow_the_kept_probabilities():
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    rng, draws = np.random.default_rng(7), 20000
+    picks = np.bincount([next_token(logits, Sampling(1.0, top_k=4), rng) for _ in range(draws)],
+                        minlength=5)
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.0]) / 0.95
+    assert picks[4] == 0
+    assert np.all(np.abs(picks / draws - p) <= 4 * np.sqrt(p * (1 - p) / draws) + 1e-12), picks
+    again = [next_token(logits, Sampling(0.7, 3, 0.9), np.random.default_rng(3)) for _ in range(5)]
+    assert len(set(again)) == 1  # a function of the logits and the seed
+
+
+@pytest.mark.parametrize("kwargs,rule", [(dict(temperature=-1.0), "--temperature -1.0"),
+                                         (dict(top_k=-2), "--top-k -2"),
+                                         (dict(top_p=0.0), "--top-p 0.0")])
+def test_bad_sampling_settings_are_named(kwargs, rule):
+    with pytest.raises(ValueError, match=rule):
+        Sampling(**kwargs)
+
+
+# ------------------------------------------------------------------- against transformers
+@pytest.fixture(scope="module")
+def transformers_llama():
+    """(transformers, the float64 patches of test_hf): transformers' RoPE and RMSNorm computed in
+    the model's dtype, so its float64 model is float64 throughout."""
+    pytest.importorskip("torch", reason="torch is a test-only dependency (pip install "
+                                        "torch==2.13.0)")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+    from test_hf import _rmsnorm_own_dtype, _rotary_float64
+    patch = pytest.MonkeyPatch()
+    patch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rmsnorm_own_dtype)
+    patch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", _rotary_float64)
+    yield transformers
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, transformers_llama):
+    """A random float64 byte-level LlamaForCausalLM written by save_pretrained."""
+    import torch
+    cfg = transformers_llama.LlamaConfig(
+        vocab_size=V, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV,
+        num_hidden_layers=LAYERS, intermediate_size=FFN, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers_llama.LlamaForCausalLM(cfg).to(torch.float64)
+    with torch.no_grad():  # larger weights than the default init, norms away from 1
+        for p in model.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(path)
+    return path
+
+
+def transformers_greedy(transformers, path, prompt: list[int], new: int
+                        ) -> tuple[list[int], np.ndarray]:
+    """(transformers' greedy ``generate`` of ``new`` tokens, the float64 logits of the whole
+    generated sequence's forward at the positions that chose them ``[new, V]``)."""
+    import torch
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                          attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # always `new` tokens, as mpipar without EOS
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+        logits = model(out).logits[0, len(prompt) - 1:-1].numpy()
+    return out[0, len(prompt):].tolist(), logits
+
+
+def _generator(model_cfg, comm, tp: int = 1, pp: int = 1, dtype: str = "float64") -> Generator:
+    train = TrainConfig(seq_len=1, global_batch_size=1, dtype=dtype, backend="numpy")
+    return Generator(Config(model_cfg, ParallelConfig(dp=1, tp=tp, pp=pp), train)
+                     .resolved(comm.Get_size()), comm)
+
+
+def test_greedy_equals_transformers_generate_on_one_rank(hf_dir, transformers_llama):
+    from mpipar.hf import load_hf
+    model_cfg, params = load_hf(hf_dir)
+    generator = _generator(model_cfg, MPI.COMM_SELF)
+    generator.load_params(params)
+    prompt = list(PROMPT.encode())
+    got = generator.generate(prompt, NEW, Sampling(0.0), keep_logits=True)
+    want, logits = transformers_greedy(transformers_llama, hf_dir, prompt, NEW)
+    err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got.logits, logits))
+    print(f"\ngreedy ids {got.ids}; KV-cache logits vs transformers' float64 forward: max rel "
+          f"diff {err:.2e}")
+    assert got.ids == want and got.stopped == "length"
+    assert err <= 1e-10
+    first = got.ids[0]  # stops after the end-of-document token
+    stopped = generator.generate(prompt, NEW, Sampling(0.0), eos=first)
+    assert (stopped.ids, stopped.stopped) == ([first], "eos")
+
+
+@needs_mpirun
+def test_greedy_from_a_tp2_sharded_checkpoint_equals_transformers(tmp_path, hf_dir,
+                                                                 transformers_llama, capsys,
+                                                                 monkeypatch):
+    """Fine-tune the Hugging Face model 2 steps under TP=2 (a sharded checkpoint and an export);
+    ``python -m mpipar.generate`` under mpirun with TP=2 reads the checkpoint's shards directly
+    and gives transformers' greedy tokens on the export; so does one rank."""
+    samples = tmp_path / "samples.npy"
+    np.save(samples, np.random.default_rng(1).integers(0, V, size=(8, 17)))
+    run, export = tmp_path / "run", tmp_path / "export"
+    train = subprocess.run(
+        [MPIRUN, "-n", "2", sys.executable, "-m", "mpipar.train", "--init-from-hf", str(hf_dir),
+         "--tp", "2", "--steps", "2", "--dtype", "float64", "--backend", "numpy", "--data",
+         str(samples), "--seq-len", "16", "--global-batch-size", "2", "--warmup-steps", "0",
+         "--log-every", "0", "--tensorboard", "off", "--run-dir", str(run),
+         "--export-hf", str(export)], capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr
+    args = [str(run / "checkpoints"), "--prompt", PROMPT, "--temperature", "0",
+            "--max-new-tokens", str(NEW), "--json", "--backend", "numpy"]
+    two = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "mpipar.generate", *args,
+                          "--tp", "2"], capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr
+    sharded = json.loads(two.stdout)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # main installs its abort hook
+    assert generate.main(args, MPI.COMM_SELF) == 0
+    one = json.loads(capsys.readouterr().out)
+    want, _ = transformers_greedy(transformers_llama, export, list(PROMPT.encode()), NEW)
+    assert sharded["prompt_ids"] == list(PROMPT.encode()) and sharded["ids"] == want
+    assert one["ids"] == want and one["stopped"] == "length"
+    assert sharded["text"] == generate.byte_codec().decode(want)
+
+
+def test_a_tokenizer_encodes_the_prompt_and_decodes_the_text(tmp_path, bpe, capsys,  # noqa: F811
+                                                             monkeypatch):
+    """A Hugging Face directory with its own tokenizer.json: the prompt is its encoding (no
+    special tokens), the text its decoding of the ids."""
+    from mpipar.hf import save_hf
+    from mpipar.model.params import init_params
+    root, tok = bpe
+    cfg = small_config().model
+    cfg.vocab_size = tok.get_vocab_size()
+    model = tmp_path / "model"
+    save_hf(model, cfg, init_params(cfg, 3, np.float64))
+    (model / "tokenizer.json").write_text((root / "tokenizer.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    assert generate.main([str(model), "--prompt", "the cat sat", "--max-new-tokens", "6",
+                          "--seed", "2", "--json", "--backend", "numpy"], MPI.COMM_SELF) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_ids"] == tok.encode("the cat sat", add_special_tokens=False).ids
+    assert out["text"] == tok.decode(out["ids"], skip_special_tokens=False)
+    assert len(out["ids"]) == 6 or out["ids"][-1] == tok.token_to_id(EOS)
+
+
+@pytest.mark.parametrize("extra,rule", [
+    (["--top-p", "0"], "--top-p 0.0: must be in"),
+    (["--tp", "3"], "= 3 must equal the world size 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["--prompt", ""], "encodes to no token"),
+])
+def test_bad_input_exits_2(tmp_path, capsys, monkeypatch, extra, rule):
+    model = _small_checkpoint(tmp_path)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    with pytest.raises(SystemExit) as exc:
+        generate.main([model, "--prompt", "x", *extra], MPI.COMM_SELF)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpipar: error: ") and len(err.splitlines()) == 1
+    assert re.search(rule, err), err
+
+
+def test_a_byte_prompt_needs_a_byte_vocabulary_and_a_model_must_exist(tmp_path, capsys,
+                                                                      monkeypatch):
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    for path, rule in ((_small_checkpoint(tmp_path, 13), "bytes tokens go up to id 255, but the "
+                                                         "model's vocabulary has 13 ids"),
+                       (str(tmp_path / "nothing"), "neither a Hugging Face directory")):
+        with pytest.raises(SystemExit) as exc:
+            generate.main([path, "--prompt", "x"], MPI.COMM_SELF)
+        assert exc.value.code == 2 and rule in capsys.readouterr().err
+
+
+def _small_checkpoint(tmp_path, vocab_size: int = V) -> str:
+    """A one-process checkpoint of the layouts test model with ``vocab_size`` tokens."""
+    from mpipar import checkpoint
+    from mpipar.engine import Engine
+    cfg = small_config()
+    cfg.model.vocab_size = vocab_size
+    cfg = cfg.resolved(1)
+    engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
+    return str(checkpoint.save(engine, cfg, 0, tmp_path / "ckpt"))
+
+
+# --------------------------------------------------------------- every layout (8 ranks)
+GEN_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4)]   # (tp, pp)
+SAMPLED = Sampling(0.9, top_k=8, top_p=0.95)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_generation_is_the_same_on_every_layout(world):
+    """A checkpoint saved under dp=2 x tp=2 x pp=2 after one step, read directly by each tp x pp
+    layout: greedy and seeded sampled tokens equal one rank's, logits to 1e-10."""
+    from mpipar import checkpoint
+    from mpipar.engine import Engine
+    fails: list[str] = []
+    root = world.bcast(tempfile.mkdtemp(prefix="mpipar-test-gen-") if world.rank == 0 else None)
+    cfg = small_config(dp=2, tp=2, pp=2).resolved(8)
+    engine = Engine(cfg, world, source=token_source())
+    engine.train_step(0)
+    path = checkpoint.save(engine, cfg, 1, root)
+    runs = {}
+    for tp, pp in GEN_LAYOUTS:
+        comm = world.Split(world.rank // (tp * pp), world.rank)
+        try:
+            generator = _generator(cfg.model, comm, tp, pp)
+            with checkpoint.open_reader(path) as read:
+                generator.load_checkpoint(read)
+            runs[(tp, pp)] = [generator.generate([1, 5, 7], 8, s, seed=4, keep_logits=True)
+                              for s in (Sampling(0.0), SAMPLED)]
+            generator.close()
+        except Exception as exc:  # a rank's error must reach every rank, never hang them
+            fails.append(f"tp={tp} pp={pp}: {type(exc).__name__}: {exc}")
+        comm.Free()
+    one = runs.get((1, 1))
+    worst = 0.0
+    for layout, (greedy, sampled) in runs.items():
+        for what, got, want in (("greedy", greedy, one and one[0]),
+                                ("sampled", sampled, one and one[1])):
+            if want is None or got.ids != want.ids:
+                fails.append(f"{layout} {what}: {got.ids} vs one rank {want and want.ids}")
+                continue
+            err = max(float(np.abs(a - b).max() / np.abs(b).max())
+                      for a, b in zip(got.logits, want.logits))
+            worst = max(worst, err)
+            if not err <= 1e-10:
+                fails.append(f"{layout} {what}: logits rel diff {err:.2e}")
+    if world.rank == 0:
+        print(f"\ngeneration on {sorted(runs)} (tp, pp): ids equal one rank's, logits max rel "
+              f"diff {worst:.2e}")
+    if one is not None and one[0].ids == one[1].ids:
+        fails.append("the sampled tokens equal the greedy ones: sampling was not exercised")
+    assert_all_ranks(world, fails)

@@ -1,9 +1,10 @@
-"""Hugging Face Llama and Qwen2 in and out, checked against transformers in float64.
+"""Hugging Face Llama, Qwen2 and Mistral in and out, checked against transformers in float64.
 
-Three small random models (vocabulary 97, 6 query heads over 2 kv heads: neither a power of
+Small random models (vocabulary 97, 6 query heads over 2 kv heads: neither a power of
 two, grouped-query attention) are saved with ``save_pretrained`` and read by
 :func:`mpipar.hf.load_hf` (:data:`MODELS`): a plain ``LlamaForCausalLM``; one with Llama 3.1's
-``llama3`` RoPE scaling and tied embeddings; a ``Qwen2ForCausalLM`` (q/k/v biases). mpipar's
+``llama3`` RoPE scaling and tied embeddings; a ``Qwen2ForCausalLM`` (q/k/v biases); a
+``MistralForCausalLM`` with a sliding window shorter than the sequence. mpipar's
 logits, loss and three training steps must match transformers + ``torch.optim.AdamW`` to 1e-10
 relative, on one process and (under ``mpirun -n 8``) on layouts with PP (the tie across
 stages), TP, SP and ZeRO-1; so must the exported parameters. The ``linear`` and ``dynamic``
@@ -48,9 +49,10 @@ transformers = pytest.importorskip(
 from mpi4py import MPI  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 
 from conftest import assert_all_ranks  # noqa: E402
@@ -77,6 +79,8 @@ MODELS = {
     "llama3-tied": (LlamaConfig, dict(tie_word_embeddings=True, rope_parameters=LLAMA3,
                                       max_position_embeddings=64)),
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
+    # A sliding window of 5 < S = 12: every query past the fifth loses keys to the window.
+    "mistral": (MistralConfig, dict(tie_word_embeddings=False, sliding_window=5)),
     "linear": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 3.0,
                                                   "rope_theta": THETA})),
     "dynamic": (LlamaConfig, dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
@@ -84,7 +88,7 @@ MODELS = {
                                   max_position_embeddings=8)),  # < S: the NTK theta grows
 }
 """Test checkpoints by name: the transformers config class and its settings beyond the sizes."""
-TRAINED = ("llama", "llama3-tied", "qwen2")
+TRAINED = ("llama", "llama3-tied", "qwen2", "mistral")
 
 
 def rel(a, b) -> float:
@@ -170,10 +174,9 @@ def _rotary_float64(self, x, position_ids):
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
-PATCHES = [(module.__dict__[f"{name}RMSNorm"], _rmsnorm_own_dtype) for module, name in
-           ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"))] + \
-          [(module.__dict__[f"{name}RotaryEmbedding"], _rotary_float64) for module, name in
-           ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"))]
+_MODULES = ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"), (modeling_mistral, "Mistral"))
+PATCHES = [(module.__dict__[f"{name}RMSNorm"], _rmsnorm_own_dtype) for module, name in _MODULES] + \
+          [(module.__dict__[f"{name}RotaryEmbedding"], _rotary_float64) for module, name in _MODULES]
 """(class, forward) of every float32 cast the exact reference removes."""
 
 
@@ -326,6 +329,9 @@ def test_logits_and_loss_match_transformers(hf_dirs, kind, samples, monkeypatch)
     assert len(partial) == 2 and all(1e-9 < v < 1e-5 for v in partial.values()), partial
     assert loss_plain < 1e-6
     assert token_loss.mean() > 1.0  # random weights: far from a trivial loss
+    if cfg.sliding_window:  # the window matters: full causal attention is far from transformers
+        full = ModelConfig(**{**cfg.__dict__, "sliding_window": 0})
+        assert rel(mpipar_logits(mpipar_engine(full, params, samples), rows)[0], exact.numpy()) > 1e-3
 
 
 # --------------------------------------------------------------------- 2. training
@@ -364,7 +370,9 @@ HF_LAYOUTS = [("llama3-tied", dict(pp=2, tp=2, dp=2)),
               ("llama3-tied", dict(sp=4, dp=2, zero=1)),
               ("qwen2", dict(pp=2, tp=2, dp=2)),
               ("qwen2", dict(tp=2, sp=2, dp=2, zero=1, tp_sequence_parallel=True)),
-              ("qwen2", dict(pp=2, sp=2, sp_mode="ulysses", dp=2, schedule="gpipe"))]
+              ("qwen2", dict(pp=2, sp=2, sp_mode="ulysses", dp=2, schedule="gpipe")),
+              ("mistral", dict(sp=4, dp=2, sp_mode="halo")),
+              ("mistral", dict(pp=2, tp=2, sp=2, sp_split="zigzag"))]
 
 
 @pytest.mark.mpi(min_size=8)

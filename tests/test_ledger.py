@@ -21,7 +21,13 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(model="tied", pp=2, tp=2, dp=2),
          dict(model="tied", pp=2, dp=2, sp=2, zero=1, bucket_mb=0.003),
          dict(model="tied", pp=4, tp=2, schedule="zb-h1", tp_sequence_parallel=True),
-         dict(model="tied", pp=2, dp=2, tp=2, schedule="interleaved", virtual_stages=2, zero=1)]
+         dict(model="tied", pp=2, dp=2, tp=2, schedule="interleaved", virtual_stages=2, zero=1),
+         # Sliding windows: ring hops and halo rows per layer (Gemma: local and global layers).
+         dict(model="window", sp=4, dp=2), dict(model="window", sp=8, sp_split="zigzag"),
+         dict(model="window", sp=8, sp_mode="halo", sp_split="zigzag"),
+         dict(model="window", sp=4, tp=2, sp_mode="halo", recompute="full"),
+         dict(model="gemma", sp=4, pp=2, sp_overlap=True, sp_split="zigzag"),
+         dict(model="gemma", sp=4, dp=2, sp_mode="halo")]
 
 
 @pytest.mark.mpi(min_size=8)

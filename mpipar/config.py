@@ -189,13 +189,15 @@ class TrainConfig:
     allow_oversubscribed_memory: bool = _f(False, "start even when the planner's memory of a rank "
                                                   "exceeds its share of the node's available "
                                                   "memory")
-    init_from_hf: str = _f("", "start from a Hugging Face Llama or Qwen2 directory (config.json + "
+    init_from_hf: str = _f("", "start from a Hugging Face Llama, Qwen2 or Mistral directory "
+                               "(config.json + "
                                "safetensors); model settings then come from it")
     hf_untie_embeddings: bool = _f(False, "with --init-from-hf of a tied checkpoint: untie the "
                                           "LM head (it starts as a copy of the embedding and "
                                           "trains apart); default: keep them tied")
     export_hf: str = _f("", "write the trained weights as a Hugging Face directory at the end "
-                            "(Llama; Qwen2 when the model has attention biases)")
+                            "(Llama; Qwen2 when the model has attention biases; Mistral with "
+                            "a sliding window on every layer)")
     export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
                            choices=("", "float16", "float32", "float64"))
     tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "

@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpi4py import MPI
 
-from mpipar.config import Config, require, rules
+from mpipar.config import Config, ConfigError, require, rules
 
 HOST_BACKENDS = ("numba", "numpy")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -26,14 +27,36 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 
 
-def training_backend(name: str):
-    """The kernels of training, which keeps every array in host memory: ``auto`` is the fastest
-    CPU backend available (Numba, else NumPy)."""
+def training_backend(name: str, device: str = "cpu"):
+    """The kernels of training on ``device`` (resolved: cpu or cuda): on cuda the CuPy kernels;
+    on the CPU ``auto`` is the fastest CPU backend available (Numba, else NumPy)."""
     from mpipar.kernels import available_backends, get_backend
+    if device == "cuda":
+        return get_backend("cupy")
     if name == "auto":
         free = available_backends()
         name = next(n for n in HOST_BACKENDS if free[n] is None)
     return get_backend(name)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+POOL_LIMIT = 32 << 20  # glibc's largest M_MMAP_THRESHOLD on 64-bit systems
+
+
+def pool_freed_memory() -> bool:
+    """Make the C allocator the step's buffer pool: arrays up to :data:`POOL_LIMIT` bytes come
+    from a heap that keeps what is freed (no mmap per array, no trim), so the activations of one
+    microbatch, freed after its backward, are the memory of the next, step after step: a step
+    touches new pages only in its first microbatch of the first step, not on every allocation
+    (measured: the page faults per step in docs/benchmarks.md). Process-wide and once per
+    process; returns False where the C library has no ``mallopt`` (not glibc), changing
+    nothing."""
+    import ctypes
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, POOL_LIMIT) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def to_host(a):
@@ -42,13 +65,93 @@ def to_host(a):
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
+def cuda_unavailable() -> str | None:
+    """None if CuPy imports and sees a CUDA device, else the reason it does not."""
+    from mpipar.kernels import available_backends
+    return available_backends()["cupy"]
+
+
+def resolve_device(device: str) -> str:
+    """``--device`` as a run uses it: ``auto`` is cuda when CuPy sees a device, else cpu."""
+    if device == "auto":
+        return "cuda" if cuda_unavailable() is None else "cpu"
+    return device
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where one rank's arrays live: ``kind`` cpu or cuda, the CUDA device ``index`` (-1 on the
+    CPU), and how many devices this process sees."""
+
+    kind: str
+    index: int = -1
+    visible: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            return "cpu"
+        return f"cuda:{self.index} of {self.visible} visible"
+
+
+def local_rank(comm: MPI.Comm) -> int:
+    """This rank's index among the ranks of its node (a ``COMM_TYPE_SHARED`` split of ``comm``,
+    a collective: every rank of ``comm`` calls it)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def gpu_for(local: int, visible: int) -> int:
+    """The CUDA device of the rank with node-local index ``local`` among ``visible`` devices
+    (``CUDA_VISIBLE_DEVICES`` decides which and how many): ``local % visible``; several ranks
+    share a device when there are more ranks than devices."""
+    if visible < 1:
+        raise ValueError(f"gpu_for: visible={visible}: no CUDA device to place rank {local} on")
+    return local % visible
+
+
+def select_device(device: str, comm: MPI.Comm) -> Device:
+    """Make this rank's device current and say which it is (``device``: --device; on cuda a
+    collective over ``comm`` finds the node-local rank). Call after the configuration rules."""
+    if resolve_device(device) == "cpu":
+        return Device("cpu")
+    import cupy
+    visible = cupy.cuda.runtime.getDeviceCount()
+    index = gpu_for(local_rank(comm), visible)
+    cupy.cuda.Device(index).use()
+    return Device("cuda", index, visible)
+
+
 @rules("backend")
 def check_config(cfg: Config, world: int) -> None:
-    """Training keeps its arrays in host memory: the CuPy backend is refused."""
-    require(cfg.train.backend != "cupy",
-            "train.backend='cupy': GPU training is not available yet: the engine keeps "
-            "parameters, activations and MPI buffers in host memory (the CuPy kernels exist in "
-            "mpipar.kernels but training does not use them); use auto, numba or numpy")
+    """The device, the kernels that run on it, the dtypes built, and how arrays reach MPI."""
+    t = cfg.train
+    require(t.dtype != "bfloat16",
+            "train.dtype='bfloat16': mixed precision (bf16 compute with float32 master weights, "
+            "optimizer state and gradient accumulation) is not built yet, on the CPU or on a "
+            "CUDA device; use float32 or float64")
+    if t.device == "cuda":
+        reason = cuda_unavailable()
+        require(reason is None, f"train.device='cuda': no CUDA device here: {reason}; use "
+                                f"--device cpu (or auto)")
+    device = resolve_device(t.device)
+    require(device == "cuda" or t.backend != "cupy",
+            f"train.backend='cupy' with train.device={t.device!r}: the CuPy kernels need "
+            f"device arrays; use --device cuda (or auto on a machine with a CUDA device)")
+    require(device == "cpu" or t.backend in ("auto", "cupy"),
+            f"train.backend={t.backend!r} with train.device={t.device!r}: the CPU kernels "
+            f"cannot run on a CUDA device; use --backend auto or cupy")
+    if t.cuda_aware_mpi != "off":
+        from mpipar.staging import cuda_aware_mpi
+        try:
+            aware, how = cuda_aware_mpi()
+        except ValueError as exc:
+            raise ConfigError(f"train.cuda_aware_mpi={t.cuda_aware_mpi!r}: {exc}") from None
+        require(aware or t.cuda_aware_mpi != "on",
+                f"train.cuda_aware_mpi='on': the MPI library does not take CUDA device buffers "
+                f"({how}); use auto or off (staging through host buffers)")
 
 
 def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
@@ -82,23 +185,32 @@ def ranks_on_node(names: list[str], rank: int) -> int:
     return names.count(names[rank])
 
 
-def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
-    """The nodes of ``comm`` as MPI sees them (a ``COMM_TYPE_SHARED`` split, a collective):
-    ``"K node(s) x R rank(s) per node: host (ranks a-b), ..."`` (R like ``4/2`` when uneven)."""
+def shared_memory_nodes(comm: MPI.Comm = MPI.COMM_WORLD) -> list[int]:
+    """The node of every rank of ``comm``, by rank (small integers in order of first appearance),
+    as MPI sees them: the ranks that can share memory (``Split_type(COMM_TYPE_SHARED)``, a
+    collective). The one node detection of mpipar: the grid's node map and :func:`node_shape`
+    both read it."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        leader = comm.allgather(comm.Get_rank() if node.Get_rank() == 0 else -1)
-        first = node.bcast(comm.Get_rank())
-        ranks = comm.allgather((first, comm.Get_rank(), MPI.Get_processor_name()))
+        leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
     finally:
         node.Free()
-    nodes = {r: [] for r in leader if r >= 0}
-    for first_rank, rank, host in ranks:
-        nodes[first_rank].append((rank, host))
-    sizes = [len(members) for members in nodes.values()]
+    first: dict[int, int] = {}
+    return [first.setdefault(x, len(first)) for x in comm.allgather(leader)]
+
+
+def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
+    """The nodes of ``comm`` as MPI sees them (:func:`shared_memory_nodes`, a collective):
+    ``"K node(s) x R rank(s) per node: host (ranks a-b), ..."`` (R like ``4/2`` when uneven)."""
+    nodes = shared_memory_nodes(comm)
+    hosts = comm.allgather(MPI.Get_processor_name())
+    members: dict[int, list[int]] = {}
+    for rank, n in enumerate(nodes):
+        members.setdefault(n, []).append(rank)
+    sizes = [len(m) for m in members.values()]
     per = str(sizes[0]) if len(set(sizes)) == 1 else "/".join(map(str, sizes))
-    hosts = ", ".join(f"{m[0][1]} (ranks {_ranges([r for r, _ in m])})" for m in nodes.values())
-    return f"{len(nodes)} node(s) x {per} rank(s) per node: {hosts}"
+    text = ", ".join(f"{hosts[m[0]]} (ranks {_ranges(m)})" for m in members.values())
+    return f"{len(members)} node(s) x {per} rank(s) per node: {text}"
 
 
 def _ranges(ranks: list[int]) -> str:

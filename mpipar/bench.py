@@ -6,18 +6,22 @@ human-readable table and returns JSON-serialisable results (written with `--json
 `{section: results}`); `configure(parser)` may add section options.
 
 Sections:
-  kernels   every kernel op for every available backend, side by side, float32 and float64; the
-            fused kernels against the ops they replace; attention forward/backward GFLOP/s and
-            % of the GEMM probe at long sequences, per thread count
-  memory    peak memory (tracemalloc) of one training step for each --recompute mode
-  comm      under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside a
-            node and across nodes, the GEMM speed and the per-op overhead every rank gets with
-            all ranks busy; written
-            as the hardware file the planner reads (python -m mpipar.plan --hardware FILE)
-  planner   the planner's predicted step time (from a hardware file) against the measured one of
-            training runs of several layouts, side by side
-  train     one training step of mpipar against PyTorch eager (transformers Llama, sdpa, AdamW)
-            on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo)
+  kernels      every kernel op for every available backend, side by side, float32 and float64; the
+               fused kernels against the ops they replace; attention forward/backward GFLOP/s
+               and % of the GEMM probe at long sequences, per thread count
+  memory       peak memory (tracemalloc) of one training step for each --recompute mode
+  comm         under a launcher: send/recv, all-reduce and all-gather latency and bandwidth inside
+               a node and across nodes, the GEMM speed, the per-op overhead and the compression
+               codecs' work every rank gets with all ranks busy; written as the hardware file the
+               planner reads (python -m mpipar.plan --hardware FILE)
+  planner      the planner's predicted step time (from a hardware file) against the measured one
+               of training runs of several layouts, side by side
+  train        one training step of mpipar against PyTorch eager (transformers Llama, sdpa,
+               AdamW) on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo)
+  compression  convergence of gradient compression: the default model trained under mpirun with
+               no, int8 and top-k compression, with and without error feedback (loss table, plot)
+  gpu          on a CUDA device (mpipar.bench_gpu): attention TFLOP/s against the GEMM of equal
+               FLOPs, end-to-end tokens/s and MFU of a 350M Llama against PyTorch eager
 
 Sections that compare thread counts run each count in child processes started with
 OMP/OPENBLAS/MKL/NUMBA_NUM_THREADS set (NumPy's BLAS reads its thread count once, at import).
@@ -306,15 +310,32 @@ def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> tuple[fl
     return fwd, 2.5 * fwd
 
 
-def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Fastest of `repeats` timed calls after one untimed call (which compiles)."""
+def best_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(fastest wall, fastest CPU) seconds of `repeats` timed calls after one untimed call (which
+    compiles). CPU seconds are this process's, all threads: with one thread, the time the call
+    ran, however many other processes shared the cores meanwhile."""
     fn()
-    best = math.inf
+    wall = cpu = math.inf
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - cpu_start)
+    return wall, cpu
+
+
+def cpu_probe_flops(dtype: np.dtype, n: int = 384, seconds: float = 0.25) -> float:
+    """FLOPs per CPU second of the GEMM probe's product (`[n, n] @ [n, n]`, as
+    `mpipar.backend.measure_peak_flops`), the fastest of repeated calls over `seconds` of CPU."""
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    best, spent = math.inf, 0.0
+    while spent < seconds:
+        start = time.process_time()
+        a @ a
+        took = time.process_time() - start
+        spent += took
+        best = min(best, took) if took > 0 else best
+    return 2.0 * n ** 3 / best
 
 
 def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -336,14 +357,18 @@ def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
                 k, v = (rng.standard_normal((b, s, max(1, hq // 2), d)).astype(dtype) for _ in range(2))
                 out, lse = backend.attention_fwd(q, k, v)
                 dout = rng.standard_normal(q.shape).astype(dtype)
-                fwd_s = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
-                bwd_s = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout), args.attn_repeats)
+                fwd_s, fwd_cpu = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
+                bwd_s, bwd_cpu = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout),
+                                              args.attn_repeats)
                 fwd_flops, bwd_flops = attention_flops(b, s, hq, d)
                 rows.append({"dtype": dtype.name, "head_dim": d, "seq": s, "batch": b, "heads": hq,
                              "kv_heads": k.shape[2], "threads": numba.get_num_threads(),
                              "fwd_s": fwd_s, "bwd_s": bwd_s, "fwd_gflops": fwd_flops / fwd_s / 1e9,
                              "bwd_gflops": bwd_flops / bwd_s / 1e9,
-                             "probe_gflops": measure_peak_flops(dtype.name) / 1e9})
+                             "probe_gflops": measure_peak_flops(dtype.name) / 1e9,
+                             "fwd_cpu_s": fwd_cpu, "bwd_cpu_s": bwd_cpu,
+                             "fwd_cpu_pct_probe": 100 * fwd_flops / fwd_cpu / cpu_probe_flops(dtype),
+                             "bwd_cpu_pct_probe": 100 * bwd_flops / bwd_cpu / cpu_probe_flops(dtype)})
     return rows
 
 
@@ -402,6 +427,9 @@ def attention_by_threads(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for phase in ("fwd", "bwd"):
                     if row[f"{phase}_s"] < old[f"{phase}_s"]:
                         old[f"{phase}_s"], old[f"{phase}_gflops"] = row[f"{phase}_s"], row[f"{phase}_gflops"]
+                    if row[f"{phase}_cpu_pct_probe"] > old[f"{phase}_cpu_pct_probe"]:
+                        old[f"{phase}_cpu_s"] = row[f"{phase}_cpu_s"]
+                        old[f"{phase}_cpu_pct_probe"] = row[f"{phase}_cpu_pct_probe"]
                 old["probe_gflops"] = max(old["probe_gflops"], row["probe_gflops"])
     rows = list(best.values())
     _print_attention_table(rows)
@@ -416,7 +444,7 @@ def _print_attention_table(rows: list[dict[str, Any]]) -> None:
           "GFLOP/s and % of the GEMM probe (mpipar.backend.measure_peak_flops, same threads, measured "
           "beside each row); FLOPs per head: forward half of 4 S^2 D, backward 2.5x forward")
     header = (f"{'dtype':<8} {'D':>4} {'seq':>6} {'thr':>4} {'fwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} "
-              f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12}")
+              f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12} {'CPU %probe':>11}")
     print(header)
     print("-" * len(header))
     single = {(r["dtype"], r["head_dim"], r["seq"]): r for r in rows if r["threads"] == 1}
@@ -426,10 +454,13 @@ def _print_attention_table(rows: list[dict[str, Any]]) -> None:
             f"{one['fwd_s'] / r['fwd_s']:.2f}x/{one['bwd_s'] / r['bwd_s']:.2f}x"
         r["fwd_pct_probe"] = 100 * r["fwd_gflops"] / r["probe_gflops"]
         r["bwd_pct_probe"] = 100 * r["bwd_gflops"] / r["probe_gflops"]
+        cpu = f"{r['fwd_cpu_pct_probe']:.0f}%/{r['bwd_cpu_pct_probe']:.0f}%" if r["threads"] == 1 else ""
         print(f"{r['dtype']:<8} {r['head_dim']:>4} {r['seq']:>6} {r['threads']:>4} {r['fwd_s'] * 1e3:>9.1f} "
               f"{r['fwd_gflops']:>8.1f} {r['fwd_pct_probe']:>6.0f}% {r['bwd_s'] * 1e3:>9.1f} "
-              f"{r['bwd_gflops']:>8.1f} {r['bwd_pct_probe']:>6.0f}% {r['probe_gflops']:>7.1f} {speedup:>12}")
-    print("vs 1 thread: forward / backward speed-up over the same row at 1 thread")
+              f"{r['bwd_gflops']:>8.1f} {r['bwd_pct_probe']:>6.0f}% {r['probe_gflops']:>7.1f} {speedup:>12} "
+              f"{cpu:>11}")
+    print("vs 1 thread: forward / backward speed-up over the same row at 1 thread; CPU %probe (1 thread): "
+          "forward / backward FLOPs per CPU second over the probe's, for a machine shared with other work")
 
 
 def _configure_kernels(parser: argparse.ArgumentParser) -> None:
@@ -770,6 +801,15 @@ def measure_compute(dtype: str, n: int, hidden: int, seconds: float
     return flops, sustained(lambda: k.rmsnorm_fwd(x, w, 1e-5), seconds), elements
 
 
+def codec_work(dtype: str, repeats: int) -> tuple[float, float]:
+    """Seconds per element of a rank's int8 and top-k (1%) encode and decode work (the fastest
+    of ``repeats``, :func:`mpipar.parallel.compression.local_work_seconds`) while every rank
+    runs it."""
+    from mpipar.parallel.compression import Int8Codec, TopKCodec, local_work_seconds
+    return (local_work_seconds(Int8Codec(np), dtype=dtype, repeats=repeats),
+            local_work_seconds(TopKCodec(np, 0.01), dtype=dtype, repeats=repeats))
+
+
 def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     """Links inside a node and across nodes, compute speed and per-op overhead of every rank,
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
@@ -779,9 +819,10 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ids = backend.shared_memory_nodes(comm)
+    node = comm.Split(ids[rank], rank)
     across = comm.Split(node.Get_rank(), rank)         # one rank per node: the same local rank
-    nodes = comm.allreduce(1 if node.Get_rank() == 0 else 0)
+    nodes = len(set(ids))
     repeats = 5 if args.quick else args.repeats
     small, large = 8, (1 if args.quick else args.mb) * 2**20
     links = {}
@@ -792,17 +833,21 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     comm.Barrier()
     peak, overhead, elements = measure_compute(args.dtype, args.gemm, args.hidden,
                                                0.5 if args.quick else 2)
+    codecs = codec_work(args.dtype, 3 if args.quick else 10)
     peaks, overheads, rates = comm.gather(peak), comm.gather(overhead), comm.gather(elements)
+    codecs = comm.gather(codecs)
     for c in (across, node):
         c.Free()
     if rank != 0:
         return {}
     hw = Hardware.from_links(min(peaks), statistics.median(overheads), min(rates), links,
-                             on_node, nodes)
+                             on_node, nodes, tuple(max(c[i] for c in codecs) for i in (0, 1)))
     print(f"comm: {comm.Get_size()} ranks on {nodes} node(s) x {on_node}; {args.dtype} GEMM "
           f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
           f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank), in-place "
-          f"pass {min(rates) / 1e6:.0f} M elements/s (slowest)")
+          f"pass {min(rates) / 1e6:.0f} M elements/s (slowest), compression work "
+          f"{hw.int8_seconds * 1e9:.2f} ns (int8), {hw.topk_seconds * 1e9:.2f} ns (top-k 1%) per "
+          f"element (slowest)")
     header = f"{'link':<6} {'op':<10} {'latency us':>11} {'bandwidth MB/s':>15}"
     print(header)
     print("-" * len(header))
@@ -949,11 +994,12 @@ class MpiparPeer:
                 time.sleep(0.002)
         return COMMANDS[int(code[0])]
 
-    def step(self) -> float:
-        start = time.perf_counter()
+    def step(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of one training step (CPU: this rank's process, all its threads)."""
+        start, cpu = time.perf_counter(), time.process_time()
         self.engine.train_step(self.steps)
         self.steps += 1
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     def profile(self) -> dict[str, float]:
         """Seconds per kernel op (cumulative time of the ops in kernels.OPS), the optimizer and
@@ -963,7 +1009,7 @@ class MpiparPeer:
 
         prof = cProfile.Profile()
         prof.enable()
-        total = self.step()
+        total = self.step()[0]
         prof.disable()
         kernel_dir = os.path.dirname(os.path.abspath(kernels.__file__))
         parts: dict[str, float] = {}
@@ -1023,9 +1069,10 @@ class TorchTrainer:
         self.vocab = args.vocab
         self.steps = 0
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of one training step, like :meth:`MpiparPeer.step`."""
         torch = self.torch
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         inputs, targets = self.sampler.batch(self.steps, self.rows)
         logits = self.model(input_ids=torch.from_numpy(inputs)).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), torch.from_numpy(targets).reshape(-1))
@@ -1034,7 +1081,7 @@ class TorchTrainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.steps += 1
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _torch_rank(rank: int, world: int, init_file: str, options: dict[str, Any]) -> None:
@@ -1072,7 +1119,7 @@ class TorchPeer:
             self.trainer.torch.distributed.broadcast_object_list([command], src=0)
         return command
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
         return self.trainer.step()
 
     def reply(self, message: dict[str, Any]) -> None:
@@ -1095,7 +1142,8 @@ def serve(args: argparse.Namespace) -> None:
     peer.reply({"ready": True, **peer.info})
     while (command := peer.command()) != "quit":
         if command == "step":
-            peer.reply({"seconds": peer.step()})
+            wall, cpu = peer.step()
+            peer.reply({"seconds": wall, "cpu_seconds": cpu})
         else:
             peer.reply({"breakdown": peer.profile()})
     peer.close()
@@ -1138,16 +1186,17 @@ class Server:
         self.errors.close()
 
 
-def race(servers: list[Server], warmup: int, steps: int) -> dict[str, list[float]]:
-    """Step times of each server: `warmup` untimed steps each, then `steps` rounds in which every
-    server runs one step in turn (the order reversed every round)."""
+def race(servers: list[Server], warmup: int, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of each server's steps: `warmup` untimed steps each, then `steps`
+    rounds in which every server runs one step in turn (the order reversed every round)."""
     for _ in range(warmup):
         for server in servers:
             server.ask("step")
-    times: dict[str, list[float]] = {s.name: [] for s in servers}
+    times: dict[str, list[tuple[float, float]]] = {s.name: [] for s in servers}
     for k in range(steps):
         for server in servers if k % 2 == 0 else reversed(servers):
-            times[server.name].append(server.ask("step")["seconds"])
+            answer = server.ask("step")
+            times[server.name].append((answer["seconds"], answer["cpu_seconds"]))
     return times
 
 
@@ -1187,9 +1236,11 @@ def run_comparison(label: str, servers: list[Server], args: argparse.Namespace) 
     row: dict[str, Any] = {"label": label, "threads": info["threads"], "ranks": info["ranks"],
                            "peak_flops": peak, "flops_per_step": info["flops_per_step"], "breakdown": breakdown}
     for server in servers:
-        step = statistics.median(times[server.name])
-        row[server.name] = {"step_s": times[server.name], "median_step_s": step,
-                            "tokens_per_s": info["tokens_per_step"] / step,
+        wall, cpu = ([t[i] for t in times[server.name]] for i in (0, 1))
+        step, cpu_step = statistics.median(wall), statistics.median(cpu)
+        row[server.name] = {"step_s": wall, "median_step_s": step, "cpu_step_s": cpu,
+                            "median_cpu_step_s": cpu_step, "tokens_per_s": info["tokens_per_step"] / step,
+                            "tokens_per_cpu_s": info["tokens_per_step"] / cpu_step,
                             "mfu": info["flops_per_step"] / step / peak, "info": server.info}
     return row
 
@@ -1229,7 +1280,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
     header = (f"{'run':<40} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
-              f"{'mpipar/torch':>13}")
+              f"{'mpipar/torch':>13} {'CPU s/step m/t':>15} {'per CPU s':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -1237,10 +1288,14 @@ def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
         line = f"{r['label']:<40} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
         if t is not None:
             line += (f" {t['tokens_per_s']:>12.0f} {100 * t['mfu']:>5.1f}% "
-                     f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x")
+                     f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x "
+                     f"{m['median_cpu_step_s']:>7.2f}/{t['median_cpu_step_s']:<7.2f} "
+                     f"{t['median_cpu_step_s'] / m['median_cpu_step_s']:>9.2f}x")
         print(line)
     print("tok/s from the median step; MFU = model FLOPs/step (mpipar.planner.model_flops_per_step, the same "
-          "for both) / step time / the GEMM probe of the same threads x ranks")
+          "for both) / step time / the GEMM probe of the same threads x ranks; CPU s/step: median CPU "
+          "time of rank 0's process (all its threads), per CPU s = torch/mpipar CPU time of a step (on a "
+          "machine shared with other work, the 1-thread rows' fairest ratio)")
     for note in notes:
         print(note)
     for r in rows:
@@ -1276,6 +1331,163 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
 
 register("train", run_train, "a training step of mpipar against PyTorch eager, same model and threads",
          _configure_train)
+def _run_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    from mpipar import bench_gpu
+    return bench_gpu.run(args)
+
+
+def _configure_gpu(parser: argparse.ArgumentParser) -> None:
+    from mpipar import bench_gpu
+    bench_gpu.configure(parser)
+
+
+register("gpu", _run_gpu, "on a CUDA device: flash attention TFLOP/s against the GEMM of equal "
+         "FLOPs; tokens/s and MFU of a 350M Llama against PyTorch eager (skipped without one)",
+         _configure_gpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# compression section
+# ----------------------------------------------------------------------------------------------
+
+COMPRESSION_VARIANTS = {
+    "none": [],
+    "int8": ["--grad-compression", "int8"],
+    "int8-noef": ["--grad-compression", "int8", "--error-feedback", "off"],
+    "topk": ["--grad-compression", "topk"],
+    "topk-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
+}
+"""Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio)."""
+
+
+def _train_variant(name: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
+    """Train one variant under mpirun (the default model and corpus, dp = ranks) and read its
+    metrics: losses per step, the final loss (mean of the last ``--last`` steps), the median
+    step time after step 1, and rank 0's bytes per step across nodes and in total."""
+    run_dir = os.path.join(out, name)
+    flags = [*COMPRESSION_VARIANTS[name], "--topk-ratio", str(args.topk_ratio),
+             "--steps", str(args.steps), "--dp", str(args.ranks), "--run-dir", run_dir,
+             "--log-every", "0", "--tensorboard", "off", *args.train_flags.split()]
+    if args.ranks_per_node:
+        flags += ["--ranks-per-node", str(args.ranks_per_node), "--dp-reduce", args.dp_reduce]
+    mpirun = _mpirun()
+    if mpirun is None:
+        raise SystemExit("compression: no mpirun beside this Python or on PATH")
+    cmd = [mpirun, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
+    if proc.returncode != 0:
+        raise SystemExit(f"compression: {name} failed ({' '.join(cmd)}):\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    losses = [r["loss"] for r in records]
+    wire = records[-1].get("comm_wire_bytes", {})
+    return {"variant": name, "flags": flags, "losses": losses,
+            "final_loss": statistics.mean(losses[-args.last:]),
+            "step_time_s": statistics.median(r["step_time_s"] for r in records[1:] or records),
+            "inter_node_bytes": sum(v["inter"] for v in wire.values()),
+            "wire_bytes": sum(v["intra"] + v["inter"] for v in wire.values()),
+            "wall_s": time.perf_counter() - start}
+
+
+def _plot_losses(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Loss per step of every variant (raw, faint) and its 20-step running mean."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        losses = np.asarray(r["losses"])
+        steps = np.arange(1, losses.size + 1)
+        line, = ax.plot(steps, losses, alpha=0.25, linewidth=0.8)
+        width = min(20, losses.size)
+        smooth = np.convolve(losses, np.ones(width) / width, mode="valid")
+        ax.plot(steps[width - 1:], smooth, color=line.get_color(), linewidth=1.6,
+                label=f"{r['variant']} (final {r['final_loss']:.4f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(top=min(ax.get_ylim()[1], float(np.median([r["losses"][0] for r in rows])) + 0.2))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_compression(args: argparse.Namespace) -> dict[str, Any]:
+    """Train each variant side by side and compare its final loss with no compression's."""
+    if args.quick:
+        args.steps, args.ranks, args.last = 30, 4, 10
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in COMPRESSION_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from "
+                         f"{', '.join(COMPRESSION_VARIANTS)}")
+    if "none" not in names:
+        names.insert(0, "none")
+    os.makedirs(args.out, exist_ok=True)
+    reduce = (f"{args.dp_reduce} on nodes of {args.ranks_per_node}" if args.ranks_per_node
+              else "flat over dp")
+    title = (f"default model, stdlib corpus, dp={args.ranks} ({reduce}), {args.steps} steps, "
+             f"top-k ratio {args.topk_ratio:g}")
+    print(f"compression: {title}; final loss = mean of the last {args.last} steps")
+    rows = []
+    for name in names:
+        rows.append(_train_variant(name, args, args.out))
+        print(f"  {name}: final loss {rows[-1]['final_loss']:.4f} "
+              f"({rows[-1]['wall_s']:.0f} s)", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["vs_none"] = r["final_loss"] / base["final_loss"] - 1
+        r["bytes_ratio"] = (base["wire_bytes"] / r["wire_bytes"]) if r["wire_bytes"] else None
+    _print_compression(rows)
+    plot = os.path.join(args.out, "compression_loss.png")
+    _plot_losses(rows, plot, title)
+    print(f"loss plot: {plot}")
+    return {"config": {"steps": args.steps, "ranks": args.ranks, "last": args.last,
+                       "topk_ratio": args.topk_ratio, "ranks_per_node": args.ranks_per_node,
+                       "dp_reduce": args.dp_reduce, "train_flags": args.train_flags},
+            "rows": [{k: v for k, v in r.items() if k != "losses"} | {"losses": r["losses"]}
+                     for r in rows], "plot": plot}
+
+
+def _print_compression(rows: list[dict[str, Any]]) -> None:
+    header = (f"{'variant':<10} {'final loss':>10} {'vs none':>8} {'wire bytes/step':>16} "
+              f"{'fewer':>7} {'step s':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        fewer = f"{r['bytes_ratio']:.1f}x" if r["bytes_ratio"] else "-"
+        print(f"{r['variant']:<10} {r['final_loss']:>10.4f} {100 * r['vs_none']:>+7.2f}% "
+              f"{r['wire_bytes']:>16,} {fewer:>7} {r['step_time_s']:>7.3f}")
+    print("vs none: final loss relative to no compression; wire bytes: what rank 0 put on the "
+          "wire in the last step (all groups); fewer: none's wire bytes over the variant's; "
+          "step s: median step time (ranks sharing this machine's cores: not a speed figure)")
+
+
+def _configure_compression(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variants", default="none,int8,topk,topk-noef",
+                        help=f"comma list of {', '.join(COMPRESSION_VARIANTS)} (none is always "
+                             f"run)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--ranks", type=int, default=8, help="mpirun -n (dp = ranks)")
+    parser.add_argument("--last", type=int, default=20, help="final loss: mean of the last N steps")
+    parser.add_argument("--topk-ratio", type=float, default=0.01)
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="nodes of K ranks (compression then runs across them with "
+                             "--dp-reduce hierarchical)")
+    parser.add_argument("--dp-reduce", default="hierarchical", choices=("flat", "hierarchical"))
+    parser.add_argument("--train-flags", default="", help="more python -m mpipar.train flags")
+    parser.add_argument("--out", default="runs/bench-compression",
+                        help="run directories and compression_loss.png go here")
+
+
+register("compression", run_compression, "final loss of the default model trained with no, int8 "
+         "and top-k gradient compression, with and without error feedback (mpirun)",
+         _configure_compression)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,13 +21,16 @@ padding rows are dropped. A shard file holds ``/<kind>/<name>/<k>`` datasets (ki
 with the ``fletcher32`` filter, each with a ``global_start`` attribute.
 
 **Index.** ``index.h5`` presents every tensor as its global shape through virtual datasets
-(``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``) whose mappings are
+(``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, and with gradient compression and
+error feedback the residuals per slot, ``residual_send.<slot>/<name>`` and
+``residual_gather/<name>``: :mod:`mpipar.parallel.data`) whose mappings are
 rectangle-to-rectangle and whose source files are named relative to the checkpoint directory
 (a renamed or copied directory still works). A missing source reads as the fill value (NaN) in
 HDF5, so nothing is read before :func:`verify` has checked that every shard is present and
 matches its sha256. Root attributes: ``format``, ``format_version``, ``step`` (training steps
 done), ``optimizer_step``, ``dtype``, ``world_size``, ``config_toml`` (the resolved config);
-groups ``layout`` (dp, tp, pp, sp, virtual_stages, schedule, zero, sp_split, sp_mode),
+groups ``layout`` (dp, tp, pp, sp, virtual_stages, schedule, zero, sp_split, sp_mode,
+tp_sequence_parallel, ranks_per_node, dp_reduce, grad_compression),
 ``lr_schedule`` (its settings and ``next_step``/``next_lr``: the LR schedule is a function of the
 step), ``data`` (the sampler is a pure function of (seed, step): ``seed``, ``shuffle``,
 ``global_batch_size``, ``next_step``, ``samples_consumed``, and the held-out validation split:
@@ -209,9 +212,16 @@ def _write_shard(path: Path, pieces: list, engine) -> dict[str, Any]:
             "coord": (coord.dp, coord.tp, coord.pp, coord.sp), "blocks": blocks}
 
 
+def _kinds(records: list[dict]) -> tuple[str, ...]:
+    """:data:`KINDS`, then the other kinds (residuals) the shards hold, sorted."""
+    extra = {kind for rec in records for kind, *_ in rec["blocks"]} - set(KINDS)
+    return KINDS + tuple(sorted(extra))
+
+
 def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict]) -> None:
     """Build ``index.h5`` (virtual datasets over the shards) and ``index.sha256`` in ``tmp``."""
     dtype = engine.state.dtype
+    kinds = _kinds(records)
     shapes = engine.state.shapes
     layouts: dict[tuple[str, str], h5py.VirtualLayout] = {}
     covered: dict[tuple[str, str], int] = {}
@@ -224,7 +234,7 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
             source = h5py.VirtualSource(rec["file"], dataset, shape=shape, dtype=dtype)
             layouts[key][tuple(slice(a, a + n) for a, n in zip(start, shape))] = source
             covered[key] += math.prod(shape)
-    for kind in KINDS:
+    for kind in kinds:
         for name, shape in shapes.items():
             got, want = covered.get((kind, name), 0), math.prod(shape)
             if got != want:
@@ -241,7 +251,8 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
         a["config_toml"] = cfg.to_toml()
         lay = f.create_group("layout").attrs
         for key in ("dp", "tp", "pp", "sp", "virtual_stages", "schedule", "zero", "sp_split",
-                    "sp_mode", "tp_sequence_parallel"):
+                    "sp_mode", "tp_sequence_parallel", "ranks_per_node", "dp_reduce",
+                    "grad_compression"):
             lay[key] = getattr(par, key)
         sched = f.create_group("lr_schedule").attrs
         s = engine.schedule
@@ -266,7 +277,7 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
             for axis, value in zip(("dp", "tp", "pp", "sp"), rec["coord"]):
                 g[axis] = value
             g["datasets"] = len(rec["blocks"])
-        for kind in KINDS:
+        for kind in kinds:
             group = f.create_group(kind, track_order=True)  # forward order, as param_specs
             for name in shapes:
                 group.create_virtual_dataset(name, layouts[(kind, name)], fillvalue=np.nan)
@@ -653,7 +664,8 @@ def load(engine, path: str | os.PathLike) -> int:
     path = resolve_path(path)
     _require_sound(path)
     with h5py.File(path / INDEX, "r") as f:
-        for kind in KINDS:
+        extra = set(_held_kinds(f)) - set(KINDS)
+        for kind in (*KINDS, *sorted(extra)):
             for name, shape in engine.state.shapes.items():
                 key = f"{kind}/{name}"
                 if key not in f:
@@ -662,17 +674,23 @@ def load(engine, path: str | os.PathLike) -> int:
                     raise CheckpointError(f"{path / INDEX}: {key} has shape {f[key].shape}, the "
                                           f"model needs {shape}")
         engine.state.load(lambda kind, name, region: _read_region(f, path, kind, name, region),
-                          int(f.attrs["optimizer_step"]))
+                          int(f.attrs["optimizer_step"]), extra)
         return int(f.attrs["step"])
 
 
+def _held_kinds(f: h5py.File) -> list[str]:
+    """The tensor kinds an index holds (its groups but the metadata ones)."""
+    return [k for k in f if k not in ("layout", "lr_schedule", "data", "rng", "shards")]
+
+
 def read_tensors(path: str | os.PathLike, kind: str = "param") -> dict[str, np.ndarray]:
-    """Every global tensor of ``kind`` ("param", "exp_avg" or "exp_avg_sq"), verified first."""
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
+    """Every global tensor of ``kind`` ("param", "exp_avg", "exp_avg_sq" or a residual kind the
+    checkpoint holds), verified first."""
     path = resolve_path(path)
     _require_sound(path)
     with h5py.File(path / INDEX, "r") as f:
+        if kind not in _held_kinds(f):
+            raise ValueError(f"kind={kind!r}: must be one of {', '.join(_held_kinds(f))}")
         return {name: _read_region(f, path, kind, name, tuple(slice(0, n) for n in ds.shape))
                 for name, ds in f[kind].items()}
 
@@ -699,7 +717,7 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
                          for name, g in f["shards"].items()]
         out["tensors"] = [{"name": f"{kind}/{name}", "shape": list(ds.shape),
                            "dtype": ds.dtype.name, "sources": len(ds.virtual_sources())}
-                          for kind in KINDS for name, ds in f[kind].items()]
+                          for kind in _held_kinds(f) for name, ds in f[kind].items()]
     return out
 
 

@@ -20,6 +20,14 @@ messages and seconds but no bytes (the sender counted them), and so does an obje
 (mpi4py pickles the object inside the call). A group of size 1 makes no MPI call and records
 nothing. A phase with books of its own (evaluation between training steps) points the groups at
 another ledger for its duration (:func:`booked_to`).
+
+Links: a group knows the node of each of its ranks (:mod:`mpipar.topology`), and the ledger
+splits what each call puts on the wire into ``intra``- and ``inter``-node bytes. Wire bytes are
+the payload times the per-rank factor of the bandwidth-optimal algorithm of the operation
+(:func:`wire_bytes`: ring all-reduce ``2(n-1)/n``, reduce-scatter and all-to-all ``(n-1)/n``,
+all-gather ``n-1``, point-to-point and broadcast 1). A collective's wire bytes are inter-node when
+its group spans more than one node (it runs at the pace of the slow link), else intra-node; a
+point-to-point message's are inter-node when its peer is on another node.
 """
 from __future__ import annotations
 
@@ -34,12 +42,36 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from mpipar.staging import DirectPath, HostCopies, MpiPath
+
+
+WIRE_FACTORS: dict[str, Callable[[int], tuple[int, int]]] = {
+    "allreduce": lambda n: (2 * (n - 1), n), "allreduce_max": lambda n: (2 * (n - 1), n),
+    "iallreduce": lambda n: (2 * (n - 1), n),
+    "reduce_scatter": lambda n: (n - 1, n), "ireduce_scatter": lambda n: (n - 1, n),
+    "alltoall": lambda n: (n - 1, n), "ialltoall": lambda n: (n - 1, n),
+    "allgather": lambda n: (n - 1, 1), "iallgather": lambda n: (n - 1, 1),
+}
+"""Per operation, the wire bytes per payload byte of a group of ``n`` as (numerator,
+denominator); operations not listed (point-to-point, broadcast) put their payload on the wire."""
+
+LINKS = ("intra", "inter")
+
+
+def wire_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank puts on the wire for ``op`` with a payload of ``nbytes`` in a group of
+    ``size`` (rounded down to whole bytes), under the bandwidth-optimal algorithm."""
+    num, den = WIRE_FACTORS[op](size) if op in WIRE_FACTORS else (1, 1)
+    return int(nbytes) * num // den
+
 
 @dataclass
 class LedgerEntry:
     bytes: int = 0
     messages: int = 0
     seconds: float = 0.0
+    intra: int = 0      # wire bytes on links inside a node
+    inter: int = 0      # wire bytes on links between nodes
 
 
 @dataclass
@@ -50,26 +82,49 @@ class Ledger:
         default_factory=lambda: defaultdict(LedgerEntry))
     in_flight: tuple[str, str, int, float] | None = None
     """(group, operation, group size, time.monotonic() at entry) of the call blocked now."""
+    staging: LedgerEntry = field(default_factory=LedgerEntry)
+    """Copies between arrays and MPI's host buffers (:mod:`mpipar.staging`): bytes copied
+    either way, copies, seconds; apart from ``entries``, which hold what the planner predicts."""
 
     def begin(self, group: str, op: str, size: int) -> None:
         """Mark the call about to block (``add`` clears the mark when it returns)."""
         self.in_flight = (group, op, size, time.monotonic())
 
-    def add(self, group: str, op: str, nbytes: int, seconds: float) -> None:
+    def add(self, group: str, op: str, nbytes: int, seconds: float, wire: int = 0,
+            link: str = "intra") -> None:
+        """Count one call: its payload ``nbytes``, ``seconds``, and ``wire`` bytes on ``link``."""
         self.in_flight = None
         e = self.entries[(group, op)]
         e.bytes += int(nbytes)
         e.messages += 1
         e.seconds += seconds
+        setattr(e, link, getattr(e, link) + int(wire))
+
+    def stage(self, nbytes: int, seconds: float) -> None:
+        """Book a staging copy of ``nbytes`` (0: time spent waiting for one) and its seconds."""
+        self.staging.bytes += int(nbytes)
+        self.staging.messages += 1 if nbytes else 0
+        self.staging.seconds += seconds
 
     def reset(self) -> None:
         self.entries.clear()
+        self.staging = LedgerEntry()
 
     def bytes_by_group(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         for (group, _), e in self.entries.items():
             out[group] += e.bytes
         return dict(out)
+
+    def bytes_by_link(self) -> dict[str, dict[str, int]]:
+        """``{group: {"intra": wire bytes, "inter": wire bytes}}`` of the groups that sent any."""
+        out: dict[str, dict[str, int]] = {}
+        for (group, _), e in self.entries.items():
+            if e.intra or e.inter:
+                links = out.setdefault(group, dict.fromkeys(LINKS, 0))
+                links["intra"] += e.intra
+                links["inter"] += e.inter
+        return out
 
     def seconds_by_group(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -79,18 +134,30 @@ class Ledger:
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{"group/op": {"bytes", "messages", "seconds"}}`` for the metrics log."""
-        return {f"{g}/{op}": {"bytes": e.bytes, "messages": e.messages, "seconds": e.seconds}
+        return {f"{g}/{op}": {"bytes": e.bytes, "messages": e.messages, "seconds": e.seconds,
+                              "intra": e.intra, "inter": e.inter}
                 for (g, op), e in sorted(self.entries.items())}
 
 
 class Request:
-    """A non-blocking operation; ``wait`` books its time in the ledger."""
+    """A non-blocking operation; ``wait`` (or a ``test`` that finds it complete) books it in the
+    ledger, with the seconds spent blocked in ``wait`` and ``test``: the exposed time; then runs
+    ``on_done`` (staged buffers copied back and returned to their pool)."""
 
     def __init__(self, req: MPI.Request | None, ledger: Ledger, group: str, op: str,
-                 nbytes: int, size: int = 1) -> None:
+                 nbytes: int, size: int = 1, link: str = "intra",
+                 on_done: Callable[[], None] | None = None) -> None:
         self._req, self._ledger, self._group, self._op = req, ledger, group, op
-        self._size, self._nbytes = size, nbytes
+        self._size, self._nbytes, self._link, self._on_done = size, nbytes, link, on_done
+        self._seconds = 0.0
         self.done = req is None
+
+    def _book(self) -> None:
+        self._ledger.add(self._group, self._op, self._nbytes, self._seconds,
+                         wire_bytes(self._op, self._nbytes, self._size), self._link)
+        self.done = True
+        if self._on_done is not None:
+            self._on_done()
 
     def wait(self) -> None:
         if self.done:
@@ -98,9 +165,19 @@ class Request:
         t0 = time.perf_counter()
         self._ledger.begin(self._group, self._op, self._size)
         self._req.Wait()
-        # Seconds spent blocked in wait are the exposed communication time.
-        self._ledger.add(self._group, self._op, self._nbytes, time.perf_counter() - t0)
-        self.done = True
+        self._seconds += time.perf_counter() - t0
+        self._book()
+
+    def test(self) -> bool:
+        """Whether the operation has completed (it progresses MPI; never blocks)."""
+        if self.done:
+            return True
+        t0 = time.perf_counter()
+        complete = self._req.Test()
+        self._seconds += time.perf_counter() - t0
+        if complete:
+            self._book()
+        return complete
 
 
 def _contig(buf: np.ndarray, name: str) -> np.ndarray:
@@ -110,27 +187,83 @@ def _contig(buf: np.ndarray, name: str) -> np.ndarray:
 
 
 class Group:
-    """One communicator of the grid, with ledger-counted buffer collectives and point-to-point."""
+    """One communicator of the grid, with ledger-counted buffer collectives and point-to-point.
 
-    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger) -> None:
+    ``nodes``: the node of each rank of the group (by group rank; default: all on one node),
+    which decides whether a call's wire bytes are intra- or inter-node. ``path`` decides what MPI
+    sees of each array (:mod:`mpipar.staging`): the array itself (default: host arrays), or a
+    staged host buffer; every buffer method goes through it."""
+
+    def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger,
+                 nodes: list[int] | None = None, path: MpiPath | None = None) -> None:
         self.comm, self.name, self.ledger = comm, name, ledger
+        self.path = path or DirectPath(HostCopies(), "host arrays")
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
+        self.nodes = list(nodes) if nodes is not None else [0] * self.size
+        if len(self.nodes) != self.size:
+            raise ValueError(f"group {name}: {len(self.nodes)} node ids for {self.size} ranks")
+        self.crosses_nodes = len(set(self.nodes)) > 1
+        self._collective_link = "inter" if self.crosses_nodes else "intra"
 
-    def _timed(self, op: str, nbytes: int, fn, *args) -> Any:
+    def link_to(self, peer: int) -> str:
+        """"intra" when group rank ``peer`` shares this rank's node, else "inter"."""
+        return "intra" if self.nodes[peer] == self.nodes[self.rank] else "inter"
+
+    @contextlib.contextmanager
+    def _buffers(self, send: tuple = (), recv: tuple = (), both: tuple = ()) -> Iterator[list]:
+        """What MPI sees of ``send`` (read), ``recv`` (written) and ``both`` (in place), in that
+        order; received values reach the arrays when the block ends."""
+        led, path = self.ledger, self.path
+        leases = ([(a, path.lease(a, led, True), False) for a in send]
+                  + [(a, path.lease(a, led, False), True) for a in recv]
+                  + [(a, path.lease(a, led, True), True) for a in both])
+        try:
+            yield [buf for _, buf, _ in leases]
+        finally:
+            for a, buf, store in leases:
+                path.release(a, buf, led, store)
+
+    def _leased(self, send: tuple = (), recv: tuple = (), both: tuple = ()
+                ) -> tuple[list, Callable[[], None]]:
+        """:meth:`_buffers` for a non-blocking call: the buffers MPI sees, and what its request
+        runs when it completes (received values back to the arrays, buffers to the pool)."""
+        led, path = self.ledger, self.path
+        leases = ([(a, path.lease(a, led, True), False) for a in send]
+                  + [(a, path.lease(a, led, False), True) for a in recv]
+                  + [(a, path.lease(a, led, True), True) for a in both])
+
+        def release() -> None:
+            for a, buf, store in leases:
+                path.release(a, buf, led, store)
+        return [buf for _, buf, _ in leases], release
+
+    def stage_ahead(self, buf: Any) -> None:
+        """A coming call will send ``buf``: a staging path starts copying it now, overlapping
+        the call in progress (the next gradient bucket during the current one's reduction)."""
+        if self.size > 1:
+            self.path.ahead(buf, self.ledger)
+
+    def _timed(self, op: str, nbytes: int, fn, *args, link: str | None = None) -> Any:
         self.ledger.begin(self.name, op, self.size)
         t0 = time.perf_counter()
         out = fn(*args)
-        self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0)
+        self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0,
+                        wire_bytes(op, nbytes, self.size), link or self._collective_link)
         return out
+
+    def _request(self, req: MPI.Request, op: str, nbytes: int, link: str | None = None,
+                 on_done: Callable[[], None] | None = None) -> Request:
+        return Request(req, self.ledger, self.name, op, nbytes, self.size,
+                       link or self._collective_link, on_done)
 
     # ------------------------------------------------------------ collectives
     def allreduce_(self, buf: np.ndarray, op: MPI.Op = MPI.SUM) -> np.ndarray:
         """In-place all-reduce (sum by default) of a contiguous array; returns it."""
         if self.size > 1:
-            _contig(buf, "allreduce")
-            self._timed("allreduce" if op is MPI.SUM else "allreduce_max", buf.nbytes,
-                        self.comm.Allreduce, MPI.IN_PLACE, buf, op)
+            with self._buffers(both=(_contig(buf, "allreduce"),)) as (mbuf,):
+                self._timed("allreduce" if op is MPI.SUM else "allreduce_max", buf.nbytes,
+                            self.comm.Allreduce, MPI.IN_PLACE, mbuf, op)
         return buf
 
     def allreduce_max_(self, buf: np.ndarray) -> np.ndarray:
@@ -141,41 +274,71 @@ class Group:
         """Start an in-place sum all-reduce; ``wait()`` the result (the buffer is busy until then)."""
         if self.size == 1:
             return Request(None, self.ledger, self.name, "iallreduce", 0)
-        _contig(buf, "iallreduce")
-        return Request(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM), self.ledger, self.name,
-                       "iallreduce", buf.nbytes, self.size)
+        (mbuf,), done = self._leased(both=(_contig(buf, "iallreduce"),))
+        return self._request(self.comm.Iallreduce(MPI.IN_PLACE, mbuf, MPI.SUM), "iallreduce",
+                             buf.nbytes, on_done=done)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Gather equal blocks: ``recv`` is ``[size, *send.shape]`` (or its flat equivalent)."""
         if self.size == 1:
             recv.reshape(send.shape)[...] = send
             return recv
-        self._timed("allgather", send.nbytes, self.comm.Allgather, _contig(send, "allgather"),
-                    _contig(recv, "allgather"))
+        with self._buffers((_contig(send, "allgather"),), (_contig(recv, "allgather"),)) as b:
+            self._timed("allgather", send.nbytes, self.comm.Allgather, *b)
         return recv
+
+    def iallgather(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start :meth:`allgather` (``send`` and ``recv`` are busy until the request completes)."""
+        if self.size == 1:
+            recv.reshape(send.shape)[...] = send
+            return Request(None, self.ledger, self.name, "iallgather", 0)
+        b, done = self._leased((_contig(send, "iallgather"),), (_contig(recv, "iallgather"),))
+        return self._request(self.comm.Iallgather(*b), "iallgather", send.nbytes, on_done=done)
 
     def reduce_scatter_(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Sum ``send`` (``size`` equal blocks) over the group; block ``rank`` lands in ``recv``."""
         if self.size == 1:
             recv[...] = send.reshape(recv.shape)
             return recv
-        self._timed("reduce_scatter", send.nbytes, self.comm.Reduce_scatter_block,
-                    _contig(send, "reduce_scatter"), _contig(recv, "reduce_scatter"), MPI.SUM)
+        with self._buffers((_contig(send, "reduce_scatter"),),
+                           (_contig(recv, "reduce_scatter"),)) as b:
+            self._timed("reduce_scatter", send.nbytes, self.comm.Reduce_scatter_block, *b,
+                        MPI.SUM)
         return recv
+
+    def ireduce_scatter_(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start :meth:`reduce_scatter_` (both buffers are busy until the request completes)."""
+        if self.size == 1:
+            recv[...] = send.reshape(recv.shape)
+            return Request(None, self.ledger, self.name, "ireduce_scatter", 0)
+        b, done = self._leased((_contig(send, "ireduce_scatter"),),
+                               (_contig(recv, "ireduce_scatter"),))
+        return self._request(self.comm.Ireduce_scatter_block(*b, MPI.SUM), "ireduce_scatter",
+                             send.nbytes, on_done=done)
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` came from rank ``i``."""
         if self.size == 1:
             recv[...] = send
             return recv
-        self._timed("alltoall", send.nbytes, self.comm.Alltoall, _contig(send, "alltoall"),
-                    _contig(recv, "alltoall"))
+        with self._buffers((_contig(send, "alltoall"),), (_contig(recv, "alltoall"),)) as b:
+            self._timed("alltoall", send.nbytes, self.comm.Alltoall, *b)
         return recv
+
+    def ialltoall(self, send: np.ndarray, recv: np.ndarray) -> Request:
+        """Start :meth:`alltoall` (both buffers are busy until the request completes)."""
+        if self.size == 1:
+            recv[...] = send
+            return Request(None, self.ledger, self.name, "ialltoall", 0)
+        b, done = self._leased((_contig(send, "ialltoall"),), (_contig(recv, "ialltoall"),))
+        return self._request(self.comm.Ialltoall(*b), "ialltoall", send.nbytes, on_done=done)
 
     def bcast_(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         if self.size > 1:
-            self._timed("bcast", buf.nbytes if self.rank == root else 0, self.comm.Bcast,
-                        _contig(buf, "bcast"), root)
+            root_side = self.rank == root
+            with self._buffers((_contig(buf, "bcast"),) if root_side else (),
+                               () if root_side else (_contig(buf, "bcast"),)) as (mbuf,):
+                self._timed("bcast", buf.nbytes if root_side else 0, self.comm.Bcast, mbuf, root)
         return buf
 
     # ------------------------------------------------ control (pickled objects)
@@ -208,20 +371,24 @@ class Group:
         if self.size == 1:
             recv[...] = send
             return recv
-        self._timed("sendrecv", send.nbytes, self.comm.Sendrecv, _contig(send, "sendrecv"), dest,
-                    tag, _contig(recv, "sendrecv"), source, tag)
+        with self._buffers((_contig(send, "sendrecv"),), (_contig(recv, "sendrecv"),)) as b:
+            self._timed("sendrecv", send.nbytes, self.comm.Sendrecv, b[0], dest, tag, b[1],
+                        source, tag, link=self.link_to(dest))
         return recv
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
-        return Request(self.comm.Isend(_contig(buf, "isend"), dest, tag), self.ledger, self.name,
-                       "send", buf.nbytes, size=self.size)
+        (mbuf,), done = self._leased((_contig(buf, "isend"),))
+        return self._request(self.comm.Isend(mbuf, dest, tag), "send", buf.nbytes,
+                             self.link_to(dest), done)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
-        return Request(self.comm.Irecv(_contig(buf, "irecv"), source, tag), self.ledger,
-                       self.name, "recv", 0, size=self.size)
+        (mbuf,), done = self._leased(recv=(_contig(buf, "irecv"),))
+        return self._request(self.comm.Irecv(mbuf, source, tag), "recv", 0,
+                             self.link_to(source), done)
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
-        self._timed("recv", 0, self.comm.Recv, _contig(buf, "recv"), source, tag)
+        with self._buffers(recv=(_contig(buf, "recv"),)) as (mbuf,):
+            self._timed("recv", 0, self.comm.Recv, mbuf, source, tag, link=self.link_to(source))
         return buf
 
 

@@ -116,14 +116,34 @@ class ParallelConfig:
                                      "and 2*sp-1-i, balancing causal work)",
                        choices=("contiguous", "zigzag"))
     sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
-                              "to head groups) or halo (sliding window: only the W-1 positions "
-                              "before each rank's tokens come from their neighbours)",
-                      choices=("ring", "ulysses", "halo"))
+                              "to head groups), hybrid (Ulysses inside groups of "
+                              "--ulysses-size sp ranks, ring across them) or halo (sliding "
+                              "window: only the W-1 positions before each rank's tokens come "
+                              "from the ranks holding them)",
+                      choices=("ring", "ulysses", "hybrid", "halo"))
+    ulysses_size: int = _f(0, "--sp-mode hybrid: sp ranks per Ulysses group (consecutive, so "
+                              "on one node when tp x ulysses_size ranks fit in one); the ring "
+                              "runs over sp / ulysses_size of them")
     sp_overlap: bool = _f(False, "ring attention: post the next K/V transfer before computing the "
                                  "current block (Isend/Irecv)")
     zero: int = _f(0, "ZeRO stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp x sp)",
                    choices=(0, 1))
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB (reduction overlaps backward)")
+    ranks_per_node: int = _f(0, "ranks per node: 0 asks MPI (ranks that share memory); K treats "
+                                "each K consecutive ranks as one node (one machine standing in "
+                                "for a cluster)")
+    dp_reduce: str = _f("flat", "gradient reduction over dp x sp: flat (one group) or "
+                                "hierarchical (reduce-scatter inside the node, all-reduce of the "
+                                "shard across nodes, all-gather inside the node)",
+                        choices=("flat", "hierarchical"))
+    grad_compression: str = _f("none", "compress the gradient reduction across nodes "
+                                       "(hierarchical) or over dp x sp (flat): int8 with "
+                                       "per-block scales both ways, or topk values + indices",
+                               choices=("none", "int8", "topk"))
+    topk_ratio: float = _f(0.01, "--grad-compression topk: fraction of each bucket's elements "
+                                 "sent")
+    error_feedback: str = _f("on", "keep what compression did not send and add it to the next "
+                                   "step's gradient (saved in checkpoints)", choices=("on", "off"))
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
                                            "tokens (all-gather / reduce-scatter replace the "
@@ -148,10 +168,23 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global L2 norm; <= 0 disables clipping")
-    dtype: str = _f("float32", "parameter and compute dtype", choices=("float32", "float64"))
-    backend: str = _f("auto", "kernel backend: auto (numba, else numpy), numba or numpy; cupy is "
-                              "refused: training keeps its arrays in host memory",
+    dtype: str = _f("float32", "parameter and compute dtype (bfloat16: refused for now, "
+                               "mixed precision is not built yet)",
+                    choices=("float32", "float64", "bfloat16"))
+    backend: str = _f("auto", "kernel backend: auto (cupy on a CUDA device, else numba, else "
+                              "numpy), numba or numpy (CPU), cupy (--device cuda)",
                       choices=("auto", "numpy", "numba", "cupy"))
+    device: str = _f("cpu", "where parameters, gradients, optimizer state and activations live: "
+                            "cpu, cuda (rank r takes GPU local_rank mod visible GPUs; ranks may "
+                            "share one), auto (cuda when CuPy sees a device)",
+                     choices=("cpu", "cuda", "auto"))
+    cuda_aware_mpi: str = _f("auto", "how arrays reach MPI: on (device buffers straight to a "
+                                     "CUDA-aware MPI; refused when the library does not report "
+                                     "CUDA support), off (staged through reusable host "
+                                     "buffers, on the CPU too), auto (straight when the "
+                                     "library is CUDA-aware or the arrays are on the host); "
+                                     "env MPIPAR_CUDA_AWARE_MPI=1/0 overrides the library's "
+                                     "answer", choices=("auto", "on", "off"))
     data: str = _f("", "token data: a text file or directory, .bin (uint16), .npy, .h5; "
                        "empty = the embedded Python-stdlib corpus")
     shuffle: bool = _f(True, "shuffle samples each epoch (--no-shuffle: step k uses samples k*B..(k+1)*B-1)",

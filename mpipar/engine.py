@@ -36,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
-from mpipar.backend import to_host, training_backend
+from mpipar.backend import pool_freed_memory, select_device, to_host, training_backend
 from mpipar.comm import Group, Ledger, booked_to
 from mpipar.config import Config
 from mpipar.data import Sampler, TokenSource, load_tokens, validation
@@ -44,13 +44,15 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_param
 from mpipar.optim import AdamWConfig, LRSchedule, build_optimizer
-from mpipar.parallel.context import (HaloAttention, RingAttention, SeqLayout,
+from mpipar.parallel.compression import make_codec
+from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
-from mpipar.parallel.data import GradReducer
+from mpipar.parallel.data import GradReducer, ReduceGroups
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.placement import PlacementTable
+from mpipar.staging import choose_path
 from mpipar.state import TrainState
 from mpipar.topology import ProcessGrid
 
@@ -90,12 +92,23 @@ class Engine:
         train_samples, self.eval_set = validation(self.source, tr, cfg.model.vocab_size)
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
                                train_samples)
-        self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp)
+        self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
+        if par.dp_reduce == "hierarchical":
+            self.grid.split_dp_sp_by_node()
+        if par.sp_mode == "hybrid":
+            self.grid.split_sp(par.ulysses_size)
+        # The device before any array: parameters, gradients, optimizer state and activations
+        # are allocated by the kernels' array module (CuPy's on cuda) on it.
+        self.device = select_device(tr.device, comm)
+        self.kernels = training_backend(tr.backend, self.device.kind)
+        self.xp = self.kernels.xp
+        self.mpi_path = choose_path(tr.cuda_aware_mpi, self.device.kind == "cuda")
         self.ledger = Ledger()
         self.eval_ledger = Ledger()
-        self.groups = {name: Group(c, name, self.ledger) for name, c in self.grid.comms.items()}
-        self.kernels = training_backend(tr.backend)
-        self.xp = self.kernels.xp
+        self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
+                                   self.mpi_path)
+                       for name, c in self.grid.comms.items()}
+        pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
         self.dtype = np.dtype(tr.dtype)
         self.table = PlacementTable(cfg.model, par.pp, par.virtual_stages, par.tp_sequence_parallel)
         self.tensor = TensorParallel(self.kernels, cfg.model.vocab_size, self.groups["tp"],
@@ -111,10 +124,7 @@ class Engine:
         self.holders = Counter(n for ch in self.chunks for n in ch.param_names())
         names = list(self.holders)
         self._unfinished: Counter[str] = Counter()  # chunks yet to finish each gradient (a step)
-        tied = [n for n in names if self.table[n].tied_across_pipeline]
-        self.reducer = GradReducer(self._initial_shards(names), list(reversed(names)),
-                                   self.groups["dp_sp"], par.bucket_mb, par.zero == 1, self.xp,
-                                   tied, self.groups["pp_ends"])
+        self.reducer = self._reducer(names)
         self.params, self.grads = self.reducer.params, self.reducer.grads
         decay = {n: len(self.table[n].spec.shape) >= 2 for n in self.params}
         self.optimizer = build_optimizer(par.zero, self.reducer,
@@ -122,7 +132,7 @@ class Engine:
                                                      tr.weight_decay), decay)
         self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
                                 self.tensor.size, self.grid.coord.pp, self.groups["dp_sp"].rank,
-                                self.dtype, self.xp)
+                                self.dtype, self.xp, self.reducer)
         self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
                                    max(1, tr.steps))
         self.rows_per_dp = tr.global_batch_size // par.dp
@@ -148,7 +158,22 @@ class Engine:
             return UlyssesAttention(self.kernels, sp, self.seq_layout)
         if par.sp_mode == "halo":
             return HaloAttention(self.kernels, sp, self.seq_layout)
+        if par.sp_mode == "hybrid":
+            return HybridAttention(self.kernels, self.groups["sp_ulysses"], self.groups["sp_ring"],
+                                   self.seq_layout, par.sp_overlap)
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
+
+    def _reducer(self, names: list[str]) -> GradReducer:
+        """The gradient reducer over dp x sp: flat or hierarchical, dense or compressed; the
+        tied embedding's copies then summed over ``pp_ends``."""
+        par, g = self.cfg.parallel, self.groups
+        tied = [n for n in names if self.table[n].tied_across_pipeline]
+        groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
+                  if par.dp_reduce == "hierarchical" else ReduceGroups(g["dp_sp"], g["dp_sp"]))
+        return GradReducer(self._initial_shards(names), list(reversed(names)), groups,
+                           par.bucket_mb, par.zero == 1, self.xp,
+                           make_codec(par.grad_compression, par.topk_ratio, self.xp),
+                           par.error_feedback == "on", tied, g["pp_ends"])
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
         """This rank's shards of the initial parameters (every layout starts from the same
@@ -272,9 +297,13 @@ class Engine:
         return recorder
 
     def close(self) -> None:
-        """Release what outlives steps on disk: the offload scratch file (removed)."""
+        """Release what outlives steps: the offload scratch file (removed) and the grid's and
+        the reducer's communicators (MPI has a few thousand per process). The engine makes no
+        MPI call after it."""
         if self.offload is not None:
             self.offload.close()
+        self.reducer.close()
+        self.grid.free()
 
     # ---------------------------------------------------------------- global tensors
     def gather_params(self) -> dict[str, np.ndarray]:

@@ -11,12 +11,13 @@ missing; a torn last line (a crash mid-write) is skipped by :func:`read_records`
 Time breakdown of a step on one rank (seconds, :data:`TIME_KEYS`), from the ledger and the
 pipeline executor's op records:
 
-- ``tp_comm``, ``sp_comm``: ledger seconds of the ``tp`` and ``sp`` groups (spent inside
-  forward/backward ops);
+- ``tp_comm``, ``sp_comm``: ledger seconds of the ``tp`` and the sp groups (``sp``, and hybrid
+  attention's ``sp_ulysses`` and ``sp_ring``; spent inside forward/backward ops);
 - ``compute``: the forward/backward ops' time minus the TP and SP communication inside them;
 - ``pipeline_wait``: ledger seconds of ``pp`` (blocked in receives: the bubble and the
   point-to-point transfers, plus the loss broadcast);
-- ``dp_comm``: ledger seconds of ``dp_sp``, ``tp_pp`` and ``pp_ends`` (gradient reduction, ZeRO
+- ``dp_comm``: ledger seconds of the dp x sp groups (``dp_sp``, and hierarchical reduction's
+  ``dp_sp_intra`` and ``dp_sp_inter``), ``tp_pp`` and ``pp_ends`` (gradient reduction, ZeRO
   all-gather, loss and gradient-norm all-reduces, the tied embedding's gradient sum);
 - ``optimizer``: the rest of the engine's step time (clipping, AdamW, batch slicing);
 - ``io``: time outside the engine's step since the previous step's record (the checkpoint
@@ -41,7 +42,9 @@ if TYPE_CHECKING:
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
-GROUPS = ("tp", "sp", "pp", "dp_sp", "tp_pp", "pp_ends")
+SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
+DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
+GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS)
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 
@@ -61,11 +64,12 @@ def peak_memory_bytes() -> int:
 def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
                    timeline: list["OpRecord"], io_s: float = 0.0) -> dict[str, float]:
     """Seconds per :data:`TIME_KEYS` of one step on one rank (see the module docstring)."""
-    tp, sp = ledger_seconds.get("tp", 0.0), ledger_seconds.get("sp", 0.0)
+    tp = ledger_seconds.get("tp", 0.0)
+    sp = sum(ledger_seconds.get(g, 0.0) for g in SP_GROUPS)
     ops = sum(r.end - r.start for r in timeline if r.kind in COMPUTE_OPS)
     out = {"compute": max(0.0, ops - tp - sp), "tp_comm": tp, "sp_comm": sp,
            "pipeline_wait": ledger_seconds.get("pp", 0.0),
-           "dp_comm": sum(ledger_seconds.get(g, 0.0) for g in ("dp_sp", "tp_pp", "pp_ends"))}
+           "dp_comm": sum(ledger_seconds.get(g, 0.0) for g in DP_GROUPS)}
     out["optimizer"] = max(0.0, step_time_s - sum(out.values()))
     out["io"] = io_s
     return out
@@ -87,7 +91,7 @@ class Telemetry:
     control group (its own ledger, so the engine's byte counts stay those the planner
     predicts)."""
 
-    FIELDS = ("stop", "memory", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS))
+    FIELDS = ("stop", "memory", "inter_bytes", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS))
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -99,12 +103,14 @@ class Telemetry:
         self.group.allgather(np.array([peak]), out)
         return out.tolist()
 
-    def exchange(self, stop: int, times: dict[str, float], step_bytes: dict[str, int]
-                 ) -> tuple[int, list[dict[str, float]]]:
-        """``stop``: the number of the stop signal this rank received (0: none). Returns (the
-        highest stop signal of any rank, 0 if none: the same on every rank; every rank's
-        numbers as dicts of :attr:`FIELDS`)."""
-        row = np.array([float(stop), float(peak_memory_bytes()), *(times[k] for k in TIME_KEYS),
+    def exchange(self, stop: int, times: dict[str, float], step_bytes: dict[str, int],
+                 inter_bytes: int = 0) -> tuple[int, list[dict[str, float]]]:
+        """``stop``: the number of the stop signal this rank received (0: none);
+        ``inter_bytes``: this rank's wire bytes across nodes. Returns (the highest stop signal
+        of any rank, 0 if none: the same on every rank; every rank's numbers as dicts of
+        :attr:`FIELDS`)."""
+        row = np.array([float(stop), float(peak_memory_bytes()), float(inter_bytes),
+                        *(times[k] for k in TIME_KEYS),
                         *(float(step_bytes.get(g, 0)) for g in GROUPS)])
         table = np.empty((self.size, row.size))
         self.group.allgather(row, table)
@@ -134,7 +140,11 @@ def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Led
         "comm_bytes": ledger.bytes_by_group(),           # rank 0
         "comm_bytes_max": {g: int(max(r[f"bytes_{g}"] for r in ranks)) for g in GROUPS
                            if any(r[f"bytes_{g}"] for r in ranks)},
+        "comm_wire_bytes": ledger.bytes_by_link(),       # rank 0, inside / across nodes
+        "inter_node_bytes_max": int(max(r["inter_bytes"] for r in ranks)),
         "comm_seconds": ledger.seconds_by_group(),       # rank 0
+        "staging": {"bytes": ledger.staging.bytes, "copies": ledger.staging.messages,
+                    "seconds": ledger.staging.seconds},  # rank 0: arrays <-> MPI host buffers
         "memory_bytes": [int(r["memory"]) for r in ranks],
     }
 

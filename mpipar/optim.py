@@ -195,7 +195,9 @@ class AdamW:
 
 class ZeroAdamW:
     """AdamW over the owned slices of a ZeRO-1 reducer (:class:`mpipar.parallel.data.GradReducer`
-    with ``sharded=True``): moments are 1/n of the flat buckets, updated slices are all-gathered."""
+    with ``sharded=True``, which says which slice a rank owns: flat or following the node
+    split): moments are 1/n of the flat buckets, updated slices are all-gathered by the
+    reducer."""
 
     def __init__(self, reducer, cfg: AdamWConfig, decay: Mapping[str, bool]) -> None:
         self.reducer, self.cfg, self.decay = reducer, cfg, decay
@@ -223,22 +225,18 @@ class ZeroAdamW:
     def step(self, lr: float) -> None:
         self.step_count += 1
         red, c = self.reducer, self.cfg
-        n, r = red.group.size, red.group.rank
         for b, name, lo, hi in red.owned_pieces():
             i = self._index[id(b)]
-            a0, _ = b.owned_range(r, n)
+            a0, _ = red.owned_range(b)
             adamw_update(b.params[a0 + lo:a0 + hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
                          self.v[i][lo:hi], self.step_count, lr, c.beta1, c.beta2, c.eps,
                          c.weight_decay if self.decay[name] else 0.0)
-        for b in red.buckets:
-            a0, a1 = b.owned_range(r, n)
-            red.group.allgather(b.params[a0:a1].copy(), b.params)
+        red.gather_params()
 
     def _pieces(self):
         """(bucket index, name, lo, hi, start in the flattened local shard) of owned slices."""
-        r, n = self.reducer.group.rank, self.reducer.group.size
         for b, name, lo, hi in self.reducer.owned_pieces():
-            a0, _ = b.owned_range(r, n)
+            a0, _ = self.reducer.owned_range(b)
             yield self._index[id(b)], name, lo, hi, a0 + lo - b.offsets[name][0]
 
     def state(self) -> Iterator[StatePiece]:

@@ -4,11 +4,17 @@ needs, and which should be fastest.
     python -m mpipar.plan --world 8 [--memory-gb G] [--top K] [model/train/parallel flags | --config FILE]
 
 Every factorisation ``dp x tp x pp x sp`` of the world is tried with every free choice (pipeline
-schedule, SP mode and split, microbatch size, ZeRO stage); flags given fix a choice. Per layout
-the first recompute mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are
-ranked by the step time model of :mod:`mpipar.planner`; the rejected ones are listed with the
-configuration rule they break or the memory they would need. Exit status 0 when a layout fits,
-1 when none does, 2 for bad flags.
+schedule, SP mode and split, microbatch size, ZeRO stage; with ``--ranks-per-node K`` describing
+several nodes also flat or hierarchical reduction, no, int8 or top-k gradient compression, and
+hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the first recompute
+mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
+time model of :mod:`mpipar.planner`, with the links inside a node (``--intra-gbps``, default
+half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and across
+nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
+all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too); each
+row shows its bytes per group and, across nodes, the wire bytes on the slow link. The rejected
+ones are listed with the configuration rule they break or the memory they would need. Exit
+status 0 when a layout fits, 1 when none does, 2 for bad flags.
 """
 from __future__ import annotations
 
@@ -16,11 +22,14 @@ import argparse
 import dataclasses
 import math
 import sys
+import time
+
+import numpy as np
 
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
-from mpipar.planner import Candidate, Hardware, Plan, plan_layouts
+from mpipar.planner import Candidate, Hardware, Plan, plan_layouts, with_nodes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,13 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the K fastest layouts (default 10; 0 shows all)")
     parser.add_argument("--peak-gflops", type=float, metavar="F",
                         help="per-rank peak GFLOP/s (default: a GEMM probe on this machine)")
-    parser.add_argument("--bandwidth-gbs", type=float, default=10.0, metavar="B",
-                        help="per-rank link bandwidth in GB/s (default 10)")
-    parser.add_argument("--latency-us", type=float, default=10.0, metavar="L",
-                        help="seconds per MPI call, in microseconds (default 10)")
+    parser.add_argument("--inter-gbps", "--bandwidth-gbs", dest="inter_gbps", type=float,
+                        default=10.0, metavar="B",
+                        help="per-rank link bandwidth across nodes in GB/s (default 10)")
+    parser.add_argument("--intra-gbps", type=float, metavar="B",
+                        help="per-rank link bandwidth inside a node in GB/s (default: half "
+                             "the memory-copy bandwidth a probe measures here)")
+    parser.add_argument("--inter-latency-us", "--latency-us", dest="inter_latency_us",
+                        type=float, default=10.0, metavar="L",
+                        help="seconds per MPI call across nodes, in microseconds (default 10)")
+    parser.add_argument("--intra-latency-us", type=float, default=1.0, metavar="L",
+                        help="seconds per MPI call inside a node, in microseconds (default 1)")
     parser.add_argument("--hardware", metavar="FILE",
-                        help="measured peak, links and op overhead from python -m mpipar.bench "
-                             "comm (replaces the three options above)")
+                        help="measured peak, links, op overhead, nodes and compression work from "
+                             "python -m mpipar.bench comm (replaces the five options above)")
     config_mod.add_arguments(parser)
     return parser
 
@@ -54,8 +70,15 @@ def _gib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _nodes(base: Config, world: int) -> str:
+    k = base.parallel.ranks_per_node
+    if not k or k >= world:
+        return "one node"
+    return f"{world // k} nodes x {k} ranks"
+
+
 def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: float | None,
-                top: int, peak_note: str) -> str:
+                top: int, peak_note: str, link_note: str = "given") -> str:
     """The report printed by the CLI."""
     m, tr = base.model.resolved(), base.train
     params = sum(math.prod(s.shape) for s in param_specs(m))
@@ -63,9 +86,13 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         f"mpipar plan: world {world}, model {m.layers} layers x {m.hidden} hidden, heads "
         f"{m.heads}/{m.kv_heads}, vocab {m.vocab_size} ({params / 1e6:.2f} M parameters), global "
         f"batch {tr.global_batch_size} x {tr.seq_len} tokens, {tr.dtype}",
-        f"time model: FLOPs / {hw.peak_flops / 1e9:,.1f} GFLOP/s per rank ({peak_note}) + bytes x "
-        f"algorithm factor / {hw.bandwidth / 1e9:g} GB/s + {hw.latency * 1e6:g} us per MPI call; "
-        f"the pipeline by a dry run of its schedule (bubble included)",
+        f"time model: FLOPs / {hw.peak_flops / 1e9:,.1f} GFLOP/s per rank ({peak_note}) + wire "
+        f"bytes / link bandwidth + latency per MPI call, inside a node "
+        f"{hw.intra_bandwidth / 1e9:.3g} GB/s ({link_note}) + {hw.intra_latency * 1e6:g} us, "
+        f"across nodes {hw.bandwidth / 1e9:g} GB/s + {hw.latency * 1e6:g} us "
+        f"({_nodes(base, world)}); compression's work {hw.int8_seconds * 1e9:.3g} ns (int8), "
+        f"{hw.topk_seconds * 1e9:.3g} ns (top-k) per element; the pipeline by "
+        f"a dry run of its schedule (bubble included)",
         f"memory limit: {'none' if memory_gb is None else f'{memory_gb:g} GiB per rank'}",
         "",
         f"{'#':>3}  {'layout':<66} {'step ms':>8} {'tok/s':>10} {'bubble':>6}  "
@@ -89,10 +116,53 @@ def _row(i: int, c: Candidate, tokens: int) -> str:
     mem = c.memory
     memory = (f"{_gib(mem.total)} = {_gib(mem.weights)} + {_gib(mem.grads)} + "
               f"{_gib(mem.optimizer)} + {_gib(mem.activations)}")
+    inter = sum(links["inter"] for links in c.link_bytes.values())
     traffic = ", ".join(f"{g} {b:,}" for g, b in sorted(c.step_bytes.items())) or "none"
+    traffic += f" | across nodes {inter:,}" if inter else ""
     return (f"{i:>3}  {c.describe():<66} {1e3 * c.time.total:>8.2f} "
             f"{tokens / c.time.total:>10,.0f} {100 * c.time.bubble:>5.0f}%  {memory:<60}  "
             f"{traffic}")
+
+
+def memory_copy_bandwidth(nbytes: int = 1 << 26, repeats: int = 5) -> float:
+    """Bytes/s of the fastest of ``repeats`` copies of ``nbytes`` on this machine (a probe)."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def codec_seconds(base: Config) -> tuple[float, float]:
+    """Seconds per element of a rank's int8 and top-k work in a compressed reduction, probed
+    here; (0, 0) when no layout of the plan compresses (no nodes given, compression off)."""
+    par = base.parallel
+    if not par.ranks_per_node and par.grad_compression == "none":
+        return 0.0, 0.0
+    from mpipar.parallel.compression import Int8Codec, TopKCodec, local_work_seconds
+    return (local_work_seconds(Int8Codec(np), dtype=base.train.dtype),
+            local_work_seconds(TopKCodec(np, par.topk_ratio), dtype=base.train.dtype))
+
+
+def _probed_hardware(args: argparse.Namespace, base: Config) -> tuple[Hardware, str, str]:
+    """The hardware of the flags, with what they leave out probed here: (hardware, where the
+    peak came from, where the link inside a node came from)."""
+    if args.peak_gflops:
+        peak, note = args.peak_gflops * 1e9, "given"
+    else:
+        from mpipar.backend import measure_peak_flops
+        peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
+    if args.intra_gbps:
+        intra, link_note = args.intra_gbps * 1e9, "given"
+    else:
+        intra, link_note = memory_copy_bandwidth() / 2, "half the memory copy probed here"
+    hw = Hardware(peak, args.inter_gbps * 1e9, args.inter_latency_us * 1e-6, intra,
+                  args.intra_latency_us * 1e-6)
+    return dataclasses.replace(hw, **dict(zip(("int8_seconds", "topk_seconds"),
+                                              codec_seconds(base)))), note, link_note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--memory-gb {args.memory_gb}: must be > 0")
     if args.top < 0:
         return _fail(f"--top {args.top}: must be >= 0")
-    for name in ("peak_gflops", "bandwidth_gbs", "latency_us"):
+    for name in ("peak_gflops", "inter_gbps", "intra_gbps", "inter_latency_us",
+                 "intra_latency_us"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             return _fail(f"--{name.replace('_', '-')} {value}: must be > 0")
@@ -117,17 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             hw, note = Hardware.load(args.hardware), f"measured, {args.hardware}"
         except (OSError, ValueError, TypeError) as exc:
             return _fail(f"--hardware {args.hardware}: {exc}")
+        link_note = note
     else:
-        if args.peak_gflops:
-            peak, note = args.peak_gflops * 1e9, "given"
-        else:
-            from mpipar.backend import measure_peak_flops
-            peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
-        hw = Hardware(peak, args.bandwidth_gbs * 1e9, args.latency_us * 1e-6)
+        hw, note, link_note = _probed_hardware(args, base)
     memory = None if args.memory_gb is None else args.memory_gb * 2**30
-    base = dataclasses.replace(base, model=base.model.resolved())
+    base = with_nodes(dataclasses.replace(base, model=base.model.resolved()), hw, args.world)
     plan = plan_layouts(base, args.world, fixed, memory, hw)
-    sys.stdout.write(format_plan(plan, base, args.world, hw, args.memory_gb, args.top, note))
+    sys.stdout.write(format_plan(plan, base, args.world, hw, args.memory_gb, args.top, note,
+                                 link_note))
     return 0 if plan.ranked else 1
 
 

@@ -3,8 +3,12 @@
 ``predict_step_bytes(cfg, coord)`` derives, from the layer shapes alone, the bytes this rank hands
 to MPI in one training step for every group of the grid, under the ledger's counting convention
 (:mod:`mpipar.comm`: the payload of each call, sender side); ``predict_step_messages`` counts the
-calls. The tests hold the engine's ledger to these numbers exactly, so the model and the
-implementation cannot drift apart.
+calls, and ``predict_link_bytes`` the wire bytes per group inside and across nodes (nodes of
+``ranks_per_node`` consecutive ranks; :mod:`mpipar.comm` for the wire factors and links). All
+three come from one list of the step's MPI calls (:func:`_calls`: tensor, sequence, pipeline,
+and the gradient reduction, flat or hierarchical, dense or compressed). The tests hold the
+engine's ledger to these numbers exactly, so the model and the implementation cannot drift
+apart.
 
 ``predict_memory`` gives a rank's bytes of weights, gradients and optimizer state (exact: the
 engine's flat buffers and moments) and of saved activations (an estimate from what each recompute
@@ -18,15 +22,17 @@ mode keeps, at the peak number of microbatches the schedule holds in flight).
                  the forward work recompute repeats) and
                  point-to-point messages of  activation bytes / bandwidth + latency: the makespan,
                  which includes the bubble
-    step time  = pipeline + DP x SP gradient traffic + gradient-norm all-reduce
+    step time  = pipeline + DP x SP gradient traffic (+ compression's encode/decode work)
+                 + gradient-norm all-reduce + the tied embedding's gradient sum
                  + optimizer passes over the rank's parameters / elementwise rate
 
-with traffic ``bytes x algorithm factor / bandwidth + messages x latency`` (ring all-reduce moves
-``2 (n-1)/n`` of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the
-link inside a node or the one across nodes, whichever the group spans. :class:`Hardware` holds
-the peak, the links and the per-call overhead: nominal, or measured by ``python -m mpipar.bench
-comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks share
-dominate small models: the peak is a rank's share of the node).
+with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce moves ``2 (n-1)/n``
+of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the link inside a node
+or, for a group that spans nodes, across them. :class:`Hardware` holds the peak, the links, the
+per-call overhead and compression's work per element: nominal, or measured by ``python -m
+mpipar.bench comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks
+share dominate small models: the peak is a rank's share of the node). The nodes are
+``parallel.ranks_per_node`` consecutive ranks each, else those of the hardware file, else one.
 ``plan_layouts`` enumerates the layouts of a world and ranks the ones that fit;
 ``auto_layout`` is what ``python -m mpipar.train`` does when no parallel size is given.
 """
@@ -45,11 +51,14 @@ import numpy as np
 
 import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
 from mpipar.config import Config, ConfigError, ModelConfig
-from mpipar.parallel.context import SeqLayout, halo_plan, halo_traffic, ring_hops, ring_traffic
+from mpipar.comm import LINKS, wire_bytes
+from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
+from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_hops,
+                                     ring_messages)
 from mpipar.parallel.data import padded_size, plan_buckets
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
-from mpipar.topology import Coord
+from mpipar.topology import GROUP_AXES, Coord, GridShape, NodeMap
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
 
@@ -77,8 +86,18 @@ def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
     return placement_table(cfg).local_shapes(coord.pp, cfg.parallel.tp)
 
 
+def _compressed_size(cfg: Config) -> int:
+    """Ranks of the group the gradient reduction compresses over (and the residual slots):
+    across nodes when hierarchical, else dp x sp; 1 when nothing is compressed."""
+    par = cfg.parallel
+    if par.grad_compression == "none":
+        return 1
+    return group_sizes(cfg)["dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"]
+
+
 def bucket_lengths(cfg: Config, coord: Coord) -> list[int]:
-    """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp)."""
+    """Elements of each flat gradient bucket of this rank (padded to a multiple of dp*sp, of
+    whole int8 scale blocks when int8 compression runs)."""
     return [length for length, _ in _buckets(cfg, coord)]
 
 
@@ -92,12 +111,45 @@ def _buckets(cfg: Config, coord: Coord) -> list[tuple[int, bool]]:
     sizes = [math.prod(shapes[n]) for n in order]
     tied = {i for i, n in enumerate(order) if table[n].tied_across_pipeline}
     limit = max(1, int(par.bucket_mb * 2**20))
-    return [(padded_size(sum(sizes[i] for i in idx), par.dp * par.sp), set(idx) <= tied)
+    align = alignment(par.grad_compression) if _compressed_size(cfg) > 1 else 1
+    return [(padded_size(sum(sizes[i] for i in idx), par.dp * par.sp, align), set(idx) <= tied)
             for idx in plan_buckets([s * e for s in sizes], limit, tied)]
 
 
-def _traffic(cfg: Config, coord: Coord, eval_batches: int = 0) -> dict[str, list[int]]:
-    """``{group: [bytes, messages]}`` this rank hands to MPI in one training step, or with
+# ----------------------------------------------------------------------------------- traffic
+@dataclass(frozen=True)
+class Call:
+    """``count`` MPI calls of ``op`` (the ledger's operation names) on group ``group``, each
+    handing over ``nbytes``; point-to-point calls name their ``peer`` (a grid rank)."""
+
+    group: str
+    op: str
+    nbytes: int
+    count: int = 1
+    peer: int | None = None
+
+
+def nodes_of(cfg: Config) -> NodeMap:
+    """The node map the planner assumes: ``ranks_per_node`` consecutive ranks a node (0: the
+    whole world on one node, as when MPI finds one machine)."""
+    par = cfg.parallel
+    return NodeMap.blocks(par.dp * par.tp * par.pp * par.sp, par.ranks_per_node)
+
+
+def group_sizes(cfg: Config) -> dict[str, int]:
+    """Ranks in each group of the grid (the node split of dp x sp on :func:`nodes_of`;
+    ``pp_ends`` as on the first and last pipeline ranks, the only ones that call it)."""
+    par = cfg.parallel
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    intra = len(shape.node_split(0, nodes_of(cfg))[0])
+    u = par.ulysses_size or 1
+    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "sp": par.sp, "dp_sp": par.dp * par.sp,
+            "tp_pp": par.tp * par.pp, "pp_ends": min(par.pp, 2), "dp_sp_intra": intra,
+            "dp_sp_inter": par.dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u}
+
+
+def _calls(cfg: Config, coord: Coord, eval_batches: int = 0) -> list[Call]:
+    """Every MPI call the rank at ``coord`` makes in one training step, or with
     ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
     reduced once: :meth:`mpipar.engine.Engine.evaluate`). ``cfg`` is resolved."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
@@ -111,134 +163,227 @@ def _traffic(cfg: Config, coord: Coord, eval_batches: int = 0) -> dict[str, list
     per = m.layers // (p * v)
     stages = [c * p + coord.pp for c in range(v)]
     blocks = per * len(stages)
-    first, last = 0 in stages, (p * v - 1) in stages
-    reps = 2 if train and tr.recompute == "full" else 1  # backward re-runs each block's forward
-    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    calls: list[Call] = []
     if par.tp > 1:
-        out["tp"] = _tp_traffic(cfg, n_tok, blocks, first, last, passes, stages, train)
+        calls += _tp_calls(cfg, n_tok, blocks, 0 in stages, (p * v - 1) in stages, passes, stages,
+                           train)
     if par.sp > 1:
+        reruns = 2 if train and tr.recompute == "full" else 1   # backward re-runs forwards
         layers = [i for st in stages for i in placement_table(cfg).stage_layers(st)]
-        fwd, bwd = _sp_traffic(cfg, coord.sp, layers)
-        if not train:
-            bwd = [0, 0]
-        out["sp"] = [(reps * fwd[0] + bwd[0]) * passes, (reps * fwd[1] + bwd[1]) * passes]
+        calls += _sp_calls(cfg, coord, shape, layers, reruns * passes, passes if train else 0)
     if p > 1:
-        act = n_tok * H * e // (par.tp if par.tp_sequence_parallel else 1)  # the stream
-        sends = sum(s < p * v - 1 for s in stages) * passes    # activations forward
-        recvs = sum(s > 0 for s in stages) * passes
-        if train:                                              # gradients backward
-            sends, recvs = sends + recvs, recvs + sends
-        out["pp"] = [sends * act + (8 if coord.pp == p - 1 else 0),  # + the loss broadcast
-                     sends + recvs + 1]
+        calls += _pp_calls(cfg, coord, n_tok * H * e, stages, passes, shape, train)
     if par.dp * par.sp > 1:
-        out["dp_sp"] = [8, 1] if not train else _dp_traffic(cfg, coord, e)
+        calls += _reduction_calls(cfg, coord) if train else []
+        calls.append(Call("dp_sp", "allreduce", 8))                       # the loss
+        if train and par.zero:
+            calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
     if train and par.tp * p > 1:
-        out["tp_pp"] = [8, 1]                                  # the squared gradient norm
-    tied = [L // (par.dp * par.sp if par.zero else 1) for L, t in _buckets(cfg, coord) if t]
-    if tied:                                  # tied embedding copies: all-reduce (ZeRO: a slice)
-        out["pp_ends"] = [sum(tied) * e, len(tied)]
-    return dict(out)
+        calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
+    if train:             # tied embedding copies: all-reduce after dp x sp (ZeRO: its slice)
+        calls += [Call("pp_ends", "allreduce", L // (par.dp * par.sp if par.zero else 1) * e)
+                  for L, tied in _buckets(cfg, coord) if tied]
+    return [c for c in calls if c.count]
 
 
-def _sp_traffic(cfg: Config, sp_rank: int, layers: list[int]) -> tuple[list[int], list[int]]:
-    """([bytes, calls] forward, [bytes, calls] backward) of one microbatch's attention over SP
-    through ``layers`` on SP rank ``sp_rank``, each layer with its own sliding window (resolved
-    ``cfg``): the hop and halo plans of :mod:`mpipar.parallel.context` say what travels."""
+def _sp_calls(cfg: Config, coord: Coord, shape: GridShape, layers: list[int], reps: int,
+              bwds: int) -> list[Call]:
+    """SP attention of ``layers`` on the rank at ``coord``: ``reps`` forwards and ``bwds``
+    backwards of each layer in a step, each layer with its own sliding window. Ring and halo
+    messages come from :mod:`mpipar.parallel.context`'s hop and halo plans (hybrid: the ring
+    over the Ulysses groups, ``ulysses_size`` sp ranks apart)."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
-    b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
-    row = b * (m.kv_heads // par.tp) * m.head_dim * e          # one position's K
+    s_loc = tr.seq_len // par.sp
+    row = tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim * e   # one position's K
+    q = tr.micro_batch_size * s_loc * (m.heads // par.tp) * m.head_dim * e
+    n = len(layers)
+    if par.sp_mode == "ulysses":
+        return _ulysses_calls("sp", q, row * s_loc, reps * n, bwds * n)
+    calls, group, stride = [], "sp", 1
     layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
-    fwd, bwd = [0, 0], [0, 0]
+    if par.sp_mode == "hybrid":
+        stride = par.ulysses_size
+        calls += _ulysses_calls("sp_ulysses", q, row * s_loc, reps * n, bwds * n) if stride > 1 \
+            else []
+        group, layout = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
     for layer in layers:
         window = m.layer_window(layer)
-        if par.sp_mode == "ulysses":      # all-to-alls: q, k, v, out | dout, dq, dk, dv
-            q = b * s_loc * (m.heads // par.tp) * m.head_dim * e
-            f = bk = 2 * q + 2 * row * s_loc
-            fc = bc = 4
-        elif par.sp_mode == "halo":
-            f, bk, fc, bc = halo_traffic(halo_plan(layout, sp_rank, window), row)
-        else:
-            f, bk, fc, bc = ring_traffic(ring_hops(layout, window), row * s_loc, par.sp_overlap)
-        fwd = [fwd[0] + f, fwd[1] + fc]
-        bwd = [bwd[0] + bk, bwd[1] + bc]
-    return fwd, bwd
+        fwd, bwd = (halo_messages(halo_plan(layout, coord.sp, window), coord.sp, par.sp, row)
+                    if par.sp_mode == "halo" else
+                    ring_messages(ring_hops(layout, window), row * s_loc, par.sp_overlap))
+        for (op, nbytes, count, off), times in [(x, reps) for x in fwd] + [(x, bwds) for x in bwd]:
+            peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
+                    if off else None)
+            calls.append(Call(group, op, nbytes, count * times, peer))
+    return calls
 
 
-def _dp_traffic(cfg: Config, coord: Coord, e: int) -> list[int]:
-    """[bytes, messages] of the dp x sp group in one training step: the gradient buckets
-    (all-reduced, or ZeRO-1's reduce-scatter and all-gather), the loss and, under ZeRO-1, the
-    gradient norm."""
-    lengths = bucket_lengths(cfg, coord)
-    group = cfg.parallel.dp * cfg.parallel.sp
-    if cfg.parallel.zero:
-        return [sum(L * e + (L // group) * e for L in lengths) + 8 + 8, 2 * len(lengths) + 2]
-    return [sum(L * e for L in lengths) + 8, len(lengths) + 1]
+def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:
+    """All-to-alls of q, k, v and the output forward, of dout, dq, dk, dv backward."""
+    return [Call(group, "alltoall", q, 2 * (reps + bwds)),
+            Call(group, "alltoall", kv, 2 * (reps + bwds))]
 
 
-def _tp_traffic(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, passes: int,
-                stages: list[int], backward: bool = True) -> list[int]:
-    """[bytes, messages] of the tp group in ``passes`` forwards of a microbatch through this
-    rank's chunks, each with its backward (``backward``: a training step) or without
-    (a validation pass); see :mod:`mpipar.parallel.tensor`.
+def _pp_calls(cfg: Config, coord: Coord, act_full: int, stages: list[int], passes: int,
+              shape: GridShape, train: bool = True) -> list[Call]:
+    """Activations to the next stage, their gradients to the previous one (``train``; each
+    with its receive on the other side), and the loss broadcast from the last stage."""
+    par = cfg.parallel
+    p, last = par.pp, par.pp * par.virtual_stages - 1
+    act = act_full // (par.tp if par.tp_sequence_parallel else 1)        # the stream
+    fwd = sum(s < last for s in stages) * passes
+    bwd = sum(s > 0 for s in stages) * passes
+    if not train:                  # forward only: activations out, activations in
+        return [Call("pp", "send", act, fwd, shape.rank_of(coord._replace(pp=(coord.pp + 1) % p))),
+                Call("pp", "recv", 0, bwd), Call("pp", "bcast", 8 if coord.pp == p - 1 else 0)]
+    nxt = shape.rank_of(coord._replace(pp=(coord.pp + 1) % p))
+    prv = shape.rank_of(coord._replace(pp=(coord.pp - 1) % p))
+    return [Call("pp", "send", act, fwd, nxt), Call("pp", "send", act, bwd, prv),
+            Call("pp", "recv", 0, fwd + bwd),
+            Call("pp", "bcast", 8 if coord.pp == p - 1 else 0)]
+
+
+def _reduction_calls(cfg: Config, coord: Coord) -> list[Call]:
+    """The gradient reduction of every bucket (:mod:`mpipar.parallel.data`) and, with ZeRO-1,
+    the parameters' all-gather."""
+    par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
+    sizes = group_sizes(cfg)
+    hier = par.dp_reduce == "hierarchical" and sizes["dp_sp_intra"] > 1
+    L = sizes["dp_sp_intra"] if hier else 1
+    inter = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+    c = sizes[inter]
+    calls = []
+    for length in bucket_lengths(cfg, coord):
+        x = length // L                                  # what crosses the nodes
+        if hier:
+            calls.append(Call("dp_sp_intra", "ireduce_scatter", length * e))
+        if c > 1:
+            calls += _across_calls(cfg, inter, x, c, e)
+        if hier and not par.zero:
+            calls.append(Call("dp_sp_intra", "iallgather", x * e))
+        if par.zero:
+            if c > 1:
+                calls.append(Call(inter, "allgather", x // c * e))
+            if hier:
+                calls.append(Call("dp_sp_intra", "allgather", x * e))
+    return calls
+
+
+def _across_calls(cfg: Config, group: str, x: int, c: int, e: int) -> list[Call]:
+    """Reducing ``x`` elements over ``group`` of ``c`` ranks: dense, int8 or top-k."""
+    par = cfg.parallel
+    kind = par.grad_compression
+    if kind == "none":
+        return [Call(group, "ireduce_scatter" if par.zero else "iallreduce", x * e)]
+    if kind == "int8":
+        piece = Int8Codec(np).packed_bytes(x // c)
+        return [Call(group, "ialltoall", c * piece)] + \
+            ([] if par.zero else [Call(group, "iallgather", piece)])
+    return [Call(group, "iallgather", TopKCodec(np, par.topk_ratio).packed_bytes(x, e))]
+
+
+def _tp_calls(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, passes: int,
+              stages: list[int], backward: bool = True) -> list[Call]:
+    """The tp group's calls in ``passes`` forwards of a microbatch through this rank's chunks,
+    each with its backward (``backward``: a training step) or without (a validation pass); see
+    :mod:`mpipar.parallel.tensor`.
 
     Without sequence parallelism each block all-reduces the stream twice forward (after o and
     down) and twice backward (the inputs of q/k/v and gate/up). With it, forward all-gathers the
     two normed inputs and reduce-scatters the two outputs; backward all-gathers the two output
     gradients and, again, the two normed inputs (kept as shards), and reduce-scatters the two
     input gradients; once a step the norm weights' partial gradients are all-reduced, packed per
-    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights)."""
+    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights). The
+    first stage reduces the embedding (forward); the last all-reduces the cross-entropy's max and
+    then its (sum-exp, target logit) per token, and the head's input gradient."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
     full = n_tok * m.hidden * e
+    bw = int(backward)
+    reruns = 2 if backward and tr.recompute == "full" else 1   # backward re-runs each forward
+    stats = [Call("tp", "allreduce_max", n_tok * se, passes),
+             Call("tp", "allreduce", 2 * n_tok * se, passes)]
+    if not par.tp_sequence_parallel:     # per block: leave o, down | enter q/k/v, gate/up
+        calls = [Call("tp", "allreduce", full, passes * ((2 * reruns + 2 * bw) * blocks
+                                                         + int(first) + bw * int(last)))]
+        return calls + (stats if last else [])
     shard = full // par.tp
-    stats = 3 * n_tok * se                           # max, then (sum-exp, target logit)
-    reruns = 2 if tr.recompute == "full" else 1      # backward re-runs each block's forward
-    if not par.tp_sequence_parallel:
-        block_fwd = block_bwd = (2 * full, 2)        # leave o, down | enter q/k/v, gate/up
-        ends_fwd = (full * first + stats * last, int(first) + 2 * last)  # embedding | statistics
-        ends_bwd = (full * last, int(last))          # the LM head's input gradient
-    else:
-        block_fwd = (2 * shard + 2 * full, 4)
-        block_bwd = (4 * shard + 2 * full, 6)
-        ends_fwd = (full * first + (shard + stats) * last, int(first) + 3 * last)
-        ends_bwd = (shard * first + (shard + full) * last, int(first) + 2 * last)
+    calls = [Call("tp", "allgather", shard, passes * ((2 * reruns + 4 * bw) * blocks
+                                                      + bw * int(first) + (1 + bw) * int(last))),
+             Call("tp", "reduce_scatter", full, passes * ((2 * reruns + 2 * bw) * blocks
+                                                          + int(first) + bw * int(last)))]
+    if last:
+        calls += stats
     if not backward:
-        return [passes * (blocks * block_fwd[i] + ends_fwd[i]) for i in (0, 1)]
-    step = [passes * (blocks * (reruns * block_fwd[i] + block_bwd[i]) + ends_fwd[i] + ends_bwd[i])
-            for i in (0, 1)]
-    if not par.tp_sequence_parallel:
-        return step
+        return calls
     H = m.hidden
     per = m.layers // (par.pp * par.virtual_stages)
     if par.schedule == "zb-h1":                      # one call per chunk with all its norms
-        norm = [(2 * per + int(s == par.pp * par.virtual_stages - 1)) * H * e for s in stages]
+        sizes = [(2 * per + int(s == par.pp * par.virtual_stages - 1)) * H * e for s in stages]
     else:                                            # one call per block, one for the head
-        norm = [2 * H * e] * blocks + ([H * e] if last else [])
-    return [step[0] + sum(norm), step[1] + len(norm)]
+        sizes = [2 * H * e] * blocks + ([H * e] if last else [])
+    return calls + [Call("tp", "allreduce", size) for size in sizes]
 
 
 def predict_step_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
     """Bytes per group that the rank at ``coord`` hands to MPI in one step (resolved ``cfg``)."""
-    return {g: t[0] for g, t in _traffic(cfg, coord).items()}
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord):
+        out[call.group] += call.nbytes * call.count
+    return dict(out)
 
 
 def predict_step_messages(cfg: Config, coord: Coord) -> dict[str, int]:
     """MPI calls per group (the ledger's ``messages``) of the rank at ``coord`` in one step."""
-    return {g: t[1] for g, t in _traffic(cfg, coord).items()}
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord):
+        out[call.group] += call.count
+    return dict(out)
+
+
+def _link(cfg: Config, coord: Coord, call: Call) -> str:
+    """"intra" or "inter": a collective by whether its group's instance spans nodes, a
+    point-to-point call by its peer's node (:mod:`mpipar.comm`)."""
+    par, nodes = cfg.parallel, nodes_of(cfg)
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    me = shape.rank_of(coord)
+    if call.peer is not None:
+        return "intra" if nodes.nodes[call.peer] == nodes.nodes[me] else "inter"
+    members = shape.members(call.group, me, nodes, par.ulysses_size or 1)
+    return "inter" if len({nodes.nodes[r] for r in members}) > 1 else "intra"
+
+
+def predict_link_bytes(cfg: Config, coord: Coord) -> dict[str, dict[str, int]]:
+    """``{group: {"intra": wire bytes, "inter": wire bytes}}`` the rank at ``coord`` sends in
+    one step (the ledger's :meth:`mpipar.comm.Ledger.bytes_by_link`)."""
+    sizes = group_sizes(cfg)
+    out: dict[str, dict[str, int]] = {}
+    for call in _calls(cfg, coord):
+        wire = wire_bytes(call.op, call.nbytes, sizes[call.group]) * call.count
+        if wire:
+            links = out.setdefault(call.group, dict.fromkeys(LINKS, 0))
+            links[_link(cfg, coord, call)] += wire
+    return out
 
 
 def predict_eval_bytes(cfg: Config, coord: Coord) -> dict[str, int]:
     """Bytes per group that the rank at ``coord`` hands to MPI in one validation pass of
     ``cfg.train.eval_batches`` batches (booked in the engine's ``eval_ledger``)."""
-    return {g: t[0] for g, t in _traffic(cfg, coord, cfg.train.eval_batches).items()}
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord, cfg.train.eval_batches):
+        out[call.group] += call.nbytes * call.count
+    return dict(out)
 
 
 def predict_eval_messages(cfg: Config, coord: Coord) -> dict[str, int]:
     """MPI calls per group of the rank at ``coord`` in one validation pass."""
-    return {g: t[1] for g, t in _traffic(cfg, coord, cfg.train.eval_batches).items()}
+    out: dict[str, int] = defaultdict(int)
+    for call in _calls(cfg, coord, cfg.train.eval_batches):
+        out[call.group] += call.count
+    return dict(out)
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -250,10 +395,24 @@ class MemoryEstimate:
     grads: int         # flat gradient buckets, same size
     optimizer: int     # AdamW moments m and v (ZeRO-1: this rank's slices only)
     activations: int   # saved for backward at the schedule's peak, plus one block's working set
+    residuals: int = 0  # error-feedback residuals of compressed reduction
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.residuals
+
+
+def residual_bytes(cfg: Config, lengths: list[int]) -> int:
+    """Bytes of a rank's error-feedback residuals over buckets of ``lengths`` elements: what it
+    compresses (its node shard, or the bucket) and, int8 without ZeRO, its owned sum."""
+    par = cfg.parallel
+    c = _compressed_size(cfg)
+    if c == 1 or par.error_feedback == "off":
+        return 0
+    per_node = group_sizes(cfg)["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
+    second = par.grad_compression == "int8" and not par.zero
+    x = sum(length // per_node for length in lengths)
+    return (x + (x // c if second else 0)) * np.dtype(cfg.train.dtype).itemsize
 
 
 def _block_activation_bytes(cfg: Config, mode: str) -> int:
@@ -336,7 +495,7 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
             live -= weight[op.chunk]
     working = _block_activation_bytes(cfg, "none") + (_head_activation_bytes(cfg)
                                                       if last % p == coord.pp else 0)
-    return MemoryEstimate(flat, flat, optimizer, peak + working)
+    return MemoryEstimate(flat, flat, optimizer, peak + working, residual_bytes(cfg, lengths))
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -379,7 +538,7 @@ def predict_peak_memory(cfg: Config, coord: Coord) -> int:
     table = placement_table(cfg)
     largest = max(math.prod(table[name].spec.shape) for name in shapes)
     initialising = shards + largest * (8 + 2 * e)
-    building = shards + mem.weights + mem.grads + mem.optimizer
+    building = shards + mem.weights + mem.grads + mem.optimizer + mem.residuals
     rows = tr.global_batch_size // par.dp
     tokens = 8 * rows * (3 * (tr.seq_len + 1) + 2 * (tr.seq_len // par.sp))
     return max(initialising, building, mem.total + tokens)
@@ -431,38 +590,41 @@ def _sp_context(cfg: Config, window: int = 0) -> float:
 @dataclass(frozen=True)
 class Hardware:
     """What the time model assumes about one rank and its links: nominal numbers by default, or
-    those ``python -m mpipar.bench comm`` measured (:meth:`load`)."""
+    those ``python -m mpipar.bench comm`` measured (:meth:`load`). ``bandwidth`` and ``latency``
+    are the link across nodes, ``intra_bandwidth`` and ``intra_latency`` the one inside a node
+    (0: as across)."""
 
     peak_flops: float = 1e11       # FLOP/s of one rank (with its share of the node's cores)
     bandwidth: float = 1e10        # bytes/s of one rank's link to other nodes
     latency: float = 1e-5          # seconds per MPI call to other nodes
     intra_bandwidth: float = 0.0   # bytes/s inside a node (0: as across nodes)
     intra_latency: float = 0.0     # seconds per MPI call inside a node (0: as across nodes)
-    ranks_per_node: int = 0        # ranks on one node (0: every group inside one node)
+    ranks_per_node: int = 0        # ranks on one node measured (0: one node)
     op_overhead: float = 0.0       # seconds every kernel call costs besides its FLOPs
     elementwise_rate: float = 0.0  # elements/s of one in-place NumPy pass (0: optimizer not timed)
+    int8_seconds: float = 0.0      # a rank's int8 encode/decode work per element compressed
+    topk_seconds: float = 0.0      # a rank's top-k selection and decode work per element
 
-    def link(self, span: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a group whose ranks lie ``span`` consecutive ranks apart:
-        inside a node when ``span`` fits in one (ranks fill nodes in order)."""
-        inside = self.ranks_per_node == 0 or span <= self.ranks_per_node
-        if inside and self.intra_bandwidth:
-            return self.intra_bandwidth, self.intra_latency or self.latency
+    def link(self, kind: str) -> tuple[float, float]:
+        """(bytes/s, seconds per call) of the link ``kind`` ("intra" or "inter")."""
+        if kind == "intra":
+            return self.intra_bandwidth or self.bandwidth, self.intra_latency or self.latency
         return self.bandwidth, self.latency
 
     @classmethod
     def from_links(cls, peak_flops: float, op_overhead: float, elementwise_rate: float,
-                   links: dict[str, dict[str, float]], ranks_per_node: int,
-                   nodes: int) -> "Hardware":
+                   links: dict[str, dict[str, float]], ranks_per_node: int, nodes: int,
+                   codec_seconds: tuple[float, float] = (0.0, 0.0)) -> "Hardware":
         """From measured links (``{"intra"|"inter": {"allreduce_bandwidth": ..., ...}}``): a
         link's bandwidth and latency are those of its all-reduce (what most of a step's calls
-        are); the other link stands in for a missing one."""
+        are); the other link stands in for a missing one. ``codec_seconds``: int8's and top-k's
+        work per element."""
         def pick(scope: str) -> tuple[float, float]:
             v = links.get(scope) or next(iter(links.values()), None)
             return (v["allreduce_bandwidth"], v["allreduce_latency"]) if v else (1e10, 1e-5)
         (bw, lat), (ibw, ilat) = pick("inter"), pick("intra")
         return cls(peak_flops, bw, lat, ibw, ilat, ranks_per_node if nodes > 1 else 0,
-                   op_overhead, elementwise_rate)
+                   op_overhead, elementwise_rate, *codec_seconds)
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -507,24 +669,43 @@ class StepTime:
     total: float
 
 
-def _factor(group: str, cfg: Config) -> float:
-    """Wire bytes per ledger byte of a group's collectives."""
-    par = cfg.parallel
-    n = {"tp": par.tp, "dp_sp": par.dp * par.sp, "sp": par.sp}.get(group, 2)
-    if group == "sp":
-        return (n - 1) / n if par.sp_mode == "ulysses" else 1.0
-    if group in ("tp", "dp_sp"):
-        return 2 * (n - 1) / n
-    return 1.0
+INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring")        # inside forward and backward ops
+STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")  # after the pipeline
 
 
-def _span(group: str, cfg: Config) -> int:
-    """How many consecutive ranks a group of ``group`` spans (the grid orders pp, dp, sp, tp from
-    slowest to fastest): what decides whether its messages leave a node."""
+def _group_seconds(cfg: Config, coord: Coord, hw: Hardware) -> dict[str, float]:
+    """Seconds per group of the rank at ``coord``: its wire bytes over the group's link plus
+    its calls times the link's latency. A group whose instance spans nodes runs at the pace of
+    the link across them (a ring or a pipeline waits for its slowest hop)."""
     par = cfg.parallel
-    world = par.dp * par.tp * par.pp * par.sp
-    return {"tp": par.tp, "sp": par.tp * par.sp, "dp_sp": par.tp * par.sp * par.dp,
-            "tp_pp": world if par.pp > 1 else par.tp}.get(group, world)
+    sizes, nodes = group_sizes(cfg), nodes_of(cfg)
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    me = shape.rank_of(coord)
+    links: dict[str, tuple[float, float]] = {}
+    out: dict[str, float] = defaultdict(float)
+    for call in _calls(cfg, coord):
+        if call.group not in links:
+            members = shape.members(call.group, me, nodes, par.ulysses_size or 1)
+            links[call.group] = hw.link("inter" if len({nodes.nodes[r] for r in members}) > 1
+                                        else "intra")
+        bw, lat = links[call.group]
+        out[call.group] += (wire_bytes(call.op, call.nbytes, sizes[call.group]) / bw
+                            + lat) * call.count
+    if _compressed_size(cfg) > 1:          # encoding and decoding sit on the reduction's path
+        group = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+        per_node = sizes["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
+        rate = hw.int8_seconds if par.grad_compression == "int8" else hw.topk_seconds
+        out[group] += rate * sum(bucket_lengths(cfg, coord)) / per_node
+    return dict(out)
+
+
+def with_nodes(cfg: Config, hw: Hardware, world: int) -> Config:
+    """``cfg`` on the nodes the planner assumes: its own ``ranks_per_node`` when given, else the
+    hardware's measured one (when it divides ``world``), else one node."""
+    k, par = hw.ranks_per_node, cfg.parallel
+    if par.ranks_per_node or not k or world % k:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(par, ranks_per_node=k))
 
 
 def _sp_blocks(mode: str, layout: SeqLayout, window: int) -> int:
@@ -539,7 +720,10 @@ def _sp_blocks(mode: str, layout: SeqLayout, window: int) -> int:
 
 
 def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
-    """The step time model of this module's docstring for a resolved ``cfg``."""
+    """The step time model of this module's docstring for a resolved ``cfg`` (on
+    :func:`with_nodes`)."""
+    par = cfg.parallel
+    cfg = with_nodes(cfg, hw, par.dp * par.tp * par.pp * par.sp)
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
@@ -547,7 +731,8 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     windows = m.windows()
-    layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    layout = (SeqLayout(tr.seq_len, par.sp // par.ulysses_size, par.sp_split)
+              if par.sp_mode == "hybrid" else SeqLayout(tr.seq_len, par.sp, par.sp_split))
     # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
     context = sum(_sp_context(cfg, w) for w in windows) / len(windows)
     hops = sum(_sp_blocks(par.sp_mode, layout, w) for w in windows) / len(windows)
@@ -561,22 +746,20 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0
     for r in range(p):
-        traffic = _traffic(cfg, Coord(dp=0, tp=0, pp=r, sp=0))
-        seconds = {}
-        for g, (b, k) in traffic.items():
-            bandwidth, latency = hw.link(_span(g, cfg))
-            seconds[g] = b * _factor(g, cfg) / bandwidth + k * latency
+        seconds = _group_seconds(cfg, Coord(dp=0, tp=0, pp=r, sp=0), hw)
         for g, t in seconds.items():
             comm[g] = max(comm.get(g, 0.0), t)
-        inner = (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)) / (micro * v)  # per fwd + bwd
+        inner = sum(seconds.get(g, 0.0) for g in INNER_GROUPS) / (micro * v)  # per fwd + bwd
         head = head_fwd if r == (p * v - 1) % p else 0.0    # on the rank's worst chunk
         unit = max(unit, block_fwd + head + inner / 3)
         compute = max(compute, micro * (v * (3 * block_fwd + redo) + 3 * head))
-    bandwidth, latency = hw.link(_span("pp", cfg))
-    hop = (n * m.hidden * np.dtype(tr.dtype).itemsize / bandwidth + latency) if p > 1 else 0.0
+    hop = 0.0
+    if p > 1:
+        bw, lat = hw.link("inter" if "pp" in _crossing(cfg) else "intra")
+        hop = n * m.hidden * np.dtype(tr.dtype).itemsize / bw + lat
     run = dry_run(_schedule(par.schedule, p, micro, v), p, micro, v, cost_fwd=unit,
                   cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
-    total = (run.makespan + sum(comm.get(g, 0.0) for g in ("dp_sp", "tp_pp", "pp_ends"))
+    total = (run.makespan + sum(comm.get(g, 0.0) for g in STEP_GROUPS)
              + _optimizer_time(cfg, hw))
     return StepTime(compute, comm, run.bubble_fraction, total)
 
@@ -592,6 +775,15 @@ def _optimizer_time(cfg: Config, hw: Hardware) -> float:
     return (ADAMW_PASSES * owned + GRAD_PASSES * local) / hw.elementwise_rate
 
 
+def _crossing(cfg: Config) -> set[str]:
+    """The groups some instance of which spans nodes on :func:`nodes_of`."""
+    par = cfg.parallel
+    shape, nodes = GridShape(par.dp, par.tp, par.pp, par.sp), nodes_of(cfg)
+    if nodes.count == 1:
+        return set()
+    return {g for g in GROUP_AXES if shape.crosses(g, nodes)}
+
+
 # ------------------------------------------------------------------------------ enumeration
 @dataclass
 class Candidate:
@@ -601,6 +793,7 @@ class Candidate:
     memory: MemoryEstimate
     step_bytes: dict[str, int]
     time: StepTime
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)   # wire, worst rank
 
     def describe(self) -> str:
         par, tr = self.cfg.parallel, self.cfg.train
@@ -610,6 +803,12 @@ class Candidate:
                                           else "")
         if par.sp > 1:
             text += f" {par.sp_mode}" + ("" if par.sp_mode == "ulysses" else f"/{par.sp_split}")
+            text += f"(U={par.ulysses_size})" if par.sp_mode == "hybrid" else ""
+        if par.dp * par.sp > 1 and par.dp_reduce == "hierarchical":
+            text += " hierarchical"
+        if par.dp * par.sp > 1 and par.grad_compression != "none":
+            text += " " + {"int8": "int8", "topk": f"top-{par.topk_ratio:g}"}[
+                par.grad_compression] + ("" if par.error_feedback == "on" else " no-EF")
         return text + f" mbs={tr.micro_batch_size} zero={par.zero} recompute={tr.recompute}"
 
 
@@ -635,7 +834,8 @@ def _factorisations(world: int) -> list[tuple[int, int, int, int]]:
 
 def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
               ) -> Iterator[Config]:
-    """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch choice."""
+    """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch / ZeRO /
+    reduction / compression choice (hierarchical reduction and hybrid SP when nodes are given)."""
     par, tr, m = base.parallel, base.train, base.model.resolved()
     dp, tp, pp, sp = sizes
     if {"schedule", "virtual_stages"} & fixed or pp == 1:
@@ -645,32 +845,49 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
     else:
         schedules = [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)] + [
             ("interleaved", v) for v in (2, 4) if m.layers % (pp * v) == 0]
-    if sp == 1 or {"sp_mode", "sp_split"} & fixed:
-        sp_modes = [(par.sp_mode, par.sp_split)]
+    if sp == 1 or {"sp_mode", "sp_split", "ulysses_size"} & fixed:
+        sp_modes = [(par.sp_mode, par.sp_split, par.ulysses_size)]
     else:
-        sp_modes = [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous")]
+        sp_modes = [("ring", "zigzag", 0), ("ring", "contiguous", 0), ("ulysses", "contiguous", 0)]
+        node_sp = par.ranks_per_node // tp if par.ranks_per_node % tp == 0 else 0
+        if 1 < node_sp < sp and sp % node_sp == 0:      # Ulysses inside a node, ring across
+            sp_modes.append(("hybrid", "zigzag", node_sp))
     rows = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
     if "micro_batch_size" in fixed or rows == 0:
         micro = [tr.micro_batch_size]
     else:
         micro = [b for b in range(1, rows + 1) if rows % b == 0]
     zeros = [par.zero] if "zero" in fixed or dp * sp == 1 else [0, 1]
-    for (schedule, v), (mode, split), mbs, zero in itertools.product(schedules, sp_modes, micro,
-                                                                     zeros):
+    across = par.ranks_per_node and par.ranks_per_node < dp * tp * pp * sp   # several nodes
+    reduces = ([par.dp_reduce] if "dp_reduce" in fixed or dp * sp == 1 or not across
+               else ["flat", "hierarchical"])
+    codecs = ([par.grad_compression] if "grad_compression" in fixed or dp * sp == 1
+              or not across else ["none", "int8", "topk"])
+    for (schedule, v), (mode, split, u), mbs, zero, reduce, codec in itertools.product(
+            schedules, sp_modes, micro, zeros, reduces, codecs):
         yield Config(base.model, dataclasses.replace(
             par, dp=dp, tp=tp, pp=pp, sp=sp, schedule=schedule, virtual_stages=v, sp_mode=mode,
-            sp_split=split, zero=zero), dataclasses.replace(tr, micro_batch_size=mbs))
+            sp_split=split, ulysses_size=u, zero=zero, dp_reduce=reduce,
+            grad_compression=codec), dataclasses.replace(tr, micro_batch_size=mbs))
 
 
 def evaluate(cfg: Config, hw: Hardware = Hardware()) -> Candidate:
-    """Predictions for a resolved ``cfg``: memory and bytes of its worst pipeline rank."""
+    """Predictions for a resolved ``cfg``: memory, bytes and wire bytes per link of its worst
+    pipeline rank (its first rank on every other axis), on :func:`with_nodes`."""
+    par = cfg.parallel
+    cfg = with_nodes(cfg, hw, par.dp * par.tp * par.pp * par.sp)
     coords = [Coord(dp=0, tp=0, pp=r, sp=0) for r in range(cfg.parallel.pp)]
     memory = max((predict_memory(cfg, c) for c in coords), key=lambda x: x.total)
     step_bytes: dict[str, int] = {}
+    link_bytes: dict[str, dict[str, int]] = {}
     for c in coords:
         for g, b in predict_step_bytes(cfg, c).items():
             step_bytes[g] = max(step_bytes.get(g, 0), b)
-    return Candidate(cfg, memory, step_bytes, predict_step_time(cfg, hw))
+        for g, links in predict_link_bytes(cfg, c).items():
+            worst = link_bytes.setdefault(g, dict.fromkeys(LINKS, 0))
+            for link, b in links.items():
+                worst[link] = max(worst[link], b)
+    return Candidate(cfg, memory, step_bytes, predict_step_time(cfg, hw), link_bytes)
 
 
 def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
@@ -682,6 +899,7 @@ def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
     configuration rule, or whose every variant exceeds the memory, are returned as rejections
     with the reason (the rule's message, or the least memory any variant needs)."""
     plan = Plan()
+    base = with_nodes(base, hw, world)
     given = {f: getattr(base.parallel, f) for f in SIZE_FIELDS if f in fixed}
     for sizes in _factorisations(world):
         if any(dict(zip(SIZE_FIELDS, sizes))[f] != v for f, v in given.items() if v):

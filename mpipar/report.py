@@ -101,11 +101,13 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         "mfu": statistics.median(r["mfu"] for r in steady),
         "time_s": times,
         "comm_bytes_per_step": records[-1].get("comm_bytes_max", {}),
+        "inter_node_bytes_per_step": records[-1].get("inter_node_bytes_max", 0),
         "memory_bytes": records[-1].get("memory_bytes", []),
         "skipped_steps": records[-1].get("skipped_steps", 0),
         "eval": _last_eval(records),
         "layout": {k: par[k] for k in ("dp", "tp", "pp", "sp", "schedule", "virtual_stages",
-                                       "zero", "sp_mode", "sp_split") if k in par},
+                                       "zero", "sp_mode", "sp_split", "ranks_per_node",
+                                       "dp_reduce", "grad_compression") if k in par},
     }
     if tr.get("global_batch_size") and tr.get("micro_batch_size") and par.get("dp"):
         out["layout"]["micro_batch_size"] = tr["micro_batch_size"]
@@ -229,7 +231,9 @@ def summary_text(summary: dict[str, Any]) -> str:
                f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS),
            f"pipeline bubble: {100 * s['bubble']:.0f}%",
            "bytes per step (busiest rank): " + (", ".join(
-               f"{g} {b:,}" for g, b in s["comm_bytes_per_step"].items()) or "none"),
+               f"{g} {b:,}" for g, b in s["comm_bytes_per_step"].items()) or "none")
+           + (f"; on the wire across nodes {s['inter_node_bytes_per_step']:,}"
+              if s.get("inter_node_bytes_per_step") else ""),
            "peak memory per rank (MiB): " + ", ".join(
                f"{m / 2**20:.0f}" for m in s["memory_bytes"]),
            f"skipped steps: {s['skipped_steps']}"]

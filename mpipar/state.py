@@ -12,6 +12,10 @@ tensors, so this module answers, for this rank:
   padding rows belong to no global tensor);
 - :meth:`TrainState.load`: set every parameter and moment from a reader of global regions, so
   a checkpoint of any layout loads into this one.
+
+With gradient compression and error feedback the state also holds the reducer's residuals, as
+global tensors per slot (kinds ``residual_send.<slot>`` and ``residual_gather``: see
+:mod:`mpipar.parallel.data` for what they are and how another layout loads them).
 """
 from __future__ import annotations
 
@@ -23,11 +27,12 @@ import numpy as np
 
 from mpipar.backend import to_host
 from mpipar.optim import Optimizer, StatePiece
+from mpipar.parallel.data import GradReducer
 from mpipar.placement import Placement, PlacementTable, Slices
 
 Reader = Callable[[str, str, Slices], np.ndarray]
 """``read(kind, name, region)``: ``region`` of the global tensor ``kind/name`` (kind "param",
-"exp_avg" or "exp_avg_sq")."""
+"exp_avg", "exp_avg_sq", or a residual kind the checkpoint holds)."""
 
 
 def read_shard(read: Reader, kind: str, placement: Placement, tp_rank: int, tp_size: int,
@@ -46,11 +51,13 @@ class TrainState:
 
     def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable,
                  tp_rank: int, tp_size: int, pp_rank: int, replica_rank: int, dtype: np.dtype,
-                 xp: ModuleType = np) -> None:
+                 xp: ModuleType = np, reducer: GradReducer | None = None) -> None:
         """``params``: this rank's shards (arrays of ``xp``); ``pp_rank``: its pipeline rank (a
         tied embedding is reported by its first pipeline rank only); ``replica_rank``: its rank
-        in dp x sp (0 writes the parameters of its (tp, pp) position)."""
+        in dp x sp (0 writes the parameters of its (tp, pp) position); ``reducer``: the gradient
+        reducer whose error-feedback residuals are state too."""
         self.params, self.optimizer, self.table, self.xp = params, optimizer, table, xp
+        self.reducer = reducer
         self.tp_rank, self.tp_size, self.replica_rank = tp_rank, tp_size, replica_rank
         self.pp_rank = pp_rank
         self.dtype = np.dtype(dtype)
@@ -83,13 +90,15 @@ class TrainState:
             for name, local in self.params.items():
                 if owned(name):
                     yield "param", name, 0, local.size, to_host(local).reshape(-1)
-        for kind, name, lo, hi, values in self.optimizer.state():
+        residuals = self.reducer.residual_pieces() if self.reducer is not None else ()
+        for kind, name, lo, hi, values in (*self.optimizer.state(), *residuals):
             if owned(name):
                 yield kind, name, lo, hi, to_host(values)
 
-    def load(self, read: Reader, step: int) -> None:
-        """Set every parameter and moment of this rank from ``read`` (global regions) and the
-        optimizer's update count from ``step``. Collective-free."""
+    def load(self, read: Reader, step: int, kinds: set[str] = frozenset()) -> None:
+        """Set every parameter and moment of this rank from ``read`` (global regions), the
+        optimizer's update count from ``step``, and the residuals from those of ``kinds`` (the
+        kinds the source holds beyond parameters and moments). Collective-free."""
         def local(kind: str, name: str) -> np.ndarray:
             return read_shard(read, kind, self.table[name], self.tp_rank, self.tp_size,
                               self.dtype)
@@ -97,3 +106,5 @@ class TrainState:
         for name, shard in self.params.items():
             shard[...] = self.xp.asarray(local("param", name))
         self.optimizer.load_state(local, step)
+        if self.reducer is not None:
+            self.reducer.load_residuals(local, set(kinds))

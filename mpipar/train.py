@@ -400,11 +400,13 @@ def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
         fh.write(cfg.to_toml())
     for note in ctx.notes:
         print(f"mpipar: {note}", flush=True)
-    print(f"mpipar: layout {engine.grid.describe()} | kernels {engine.kernels.describe()} | "
-          f"model {cfg.model.layers}x{cfg.model.hidden} heads {cfg.model.heads}/"
-          f"{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
+    print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()} | "
+          f"kernels {engine.kernels.describe()} | model {cfg.model.layers}x{cfg.model.hidden} "
+          f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
           f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
-          f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | {ctx.threads} thread(s)/rank | "
+          f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | device "
+          f"{engine.device.describe()} | MPI buffers {engine.mpi_path.describe()} | "
+          f"{ctx.threads} thread(s)/rank | "
           f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
 
 
@@ -432,7 +434,9 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
         nonfinite = not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
         times = metrics.time_breakdown(result.step_time_s, engine.ledger.seconds_by_group(),
                                        engine.executor.timeline, io)
-        signum, ranks = telemetry.exchange(ctx.stop.signum, times, engine.ledger.bytes_by_group())
+        signum, ranks = telemetry.exchange(
+            ctx.stop.signum, times, engine.ledger.bytes_by_group(),
+            sum(links["inter"] for links in engine.ledger.bytes_by_link().values()))
         if ctx.watchdog is not None:
             ctx.watchdog.steady()  # every rank has finished a step: start-up is over
         skipped += nonfinite

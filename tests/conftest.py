@@ -99,3 +99,16 @@ def assert_all_ranks(comm, failures: list[str]) -> None:
 def world():
     from mpi4py import MPI
     return MPI.COMM_WORLD
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/gpu/ (issue 10) needs a CUDA device and CuPy: its tests are marked ``gpu`` and
+    skipped, with the reason, where there is none (CI). On a device: ``python -m pytest -q
+    tests/gpu`` and ``mpirun -n 8 python -m pytest -q --only-mpi tests/gpu``."""
+    from mpipar.backend import cuda_unavailable
+    gpu = [item for item in items if "/tests/gpu/" in str(item.path).replace("\\", "/")]
+    reason = cuda_unavailable() if gpu else None
+    for item in gpu:
+        item.add_marker(pytest.mark.gpu)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"no CUDA device: {reason}"))

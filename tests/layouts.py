@@ -66,7 +66,8 @@ def run(cfg: Config, comm, steps: int = 2):
 def reference(dtype: str = "float64", steps: int = 2, model: str = "llama"):
     """The single-process run (computed once per process)."""
     from mpi4py import MPI
-    losses, norms, params, _ = run(small_config(dtype, model), MPI.COMM_SELF, steps)
+    losses, norms, params, engine = run(small_config(dtype, model), MPI.COMM_SELF, steps)
+    engine.close()
     return losses, norms, params
 
 

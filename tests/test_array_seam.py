@@ -20,7 +20,7 @@ from layouts import compare, layout_name, layout_size, reference, small_config, 
 
 HOT_PATH = ("mpipar.engine", "mpipar.comm", "mpipar.model.llama", "mpipar.model.attention",
             "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data",
-            "mpipar.parallel.pipeline.executor")
+            "mpipar.parallel.compression", "mpipar.parallel.pipeline.executor")
 ALLOWED = {"dtype", "inf", "nan", "ndarray", "generic", "integer", "floating", "bool_"}
 
 
@@ -65,7 +65,7 @@ def _guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
 
     recording = RecordingXP()
     backend = dataclasses.replace(training_backend("numpy"), xp=recording)
-    monkeypatch.setattr(engine_mod, "training_backend", lambda name: backend)
+    monkeypatch.setattr(engine_mod, "training_backend", lambda name, device="cpu": backend)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2,
                                                              eval_data=token_source().path))
     eng = engine_mod.Engine(cfg.resolved(comm.Get_size()), comm, source=token_source())
@@ -93,7 +93,12 @@ def test_one_process_step_allocates_through_xp(monkeypatch):
 
 LAYOUTS = [dict(tp=2, sp=2, pp=2), dict(dp=2, sp=2, sp_mode="ulysses", zero=1, bucket_mb=0.002),
            dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True),
-           dict(sp=4, sp_overlap=True, tp=2, sp_split="zigzag")]
+           dict(sp=4, sp_overlap=True, tp=2, sp_split="zigzag"),
+           dict(dp=2, sp=4, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag",
+                ranks_per_node=4, dp_reduce="hierarchical", bucket_mb=0.002)]
+COMPRESSED = [dict(dp=4, sp=2, ranks_per_node=4, dp_reduce="hierarchical",
+                   grad_compression="int8", bucket_mb=0.002),
+              dict(dp=8, grad_compression="topk", zero=1)]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -113,4 +118,26 @@ def test_every_layout_allocates_through_xp(world, layout):
     finally:
         patch.undo()
         comm.Free()
+    assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", COMPRESSED, ids=[layout_name(v) for v in COMPRESSED])
+def test_compressed_reduction_allocates_through_xp(world, layout):
+    """Compressed reductions (encoding, decoding, residuals, their messages) allocate from xp
+    too; the guarded steps equal the same layout's unguarded ones bit for bit."""
+    from layouts import run
+
+    fails: list[str] = []
+    patch = pytest.MonkeyPatch()
+    try:
+        want = run(small_config(**layout), world)[:3]
+        got, recording = _guarded_step(patch, small_config(**layout), world)
+        fails += compare(got, want, 0.0)
+        if not recording.calls.get("rint" if "int8" in layout.values() else "argpartition"):
+            fails.append(f"the codec did not run through xp: {recording.calls}")
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        patch.undo()
     assert_all_ranks(world, fails)

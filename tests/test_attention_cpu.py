@@ -198,6 +198,16 @@ def test_vexp_accuracy_and_clamps(dtype, bound):
     assert np.max(np.abs(out[:3] / np.exp([lo, lo, hi]) - 1)) < bound
 
 
+def test_outputs_feed_the_projections_without_a_copy(rng):
+    """out is C-contiguous, so the block's o_proj reads out.reshape(B, S, Hq * D) as a view of it;
+    dq, dk, dv likewise for the q/k/v weight gradients."""
+    q, k, v = inputs(rng, 2, 70, 70, 4, 2, 16, np.float32)
+    out, lse = ac.attention_fwd(q, k, v)
+    assert out.flags.c_contiguous and np.shares_memory(out.reshape(2, 70, -1), out)
+    grads = ac.attention_bwd(q, k, v, out, lse, np.ones_like(out))
+    assert all(g.flags.c_contiguous for g in grads)
+
+
 # Sliding windows against numpy_ref. tile_sizes(64) = 64 positions x 128 keys: windows smaller
 # than, equal to and larger than a tile's positions and keys, with the offsets of ring blocks
 # (keys several windows back, partly and wholly outside the window) and zigzag chunks.

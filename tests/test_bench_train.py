@@ -37,6 +37,8 @@ def test_bench_train_rows(tmp_path, capsys):
             r = row[peer]
             assert len(r["step_s"]) == 2 and r["median_step_s"] == pytest.approx(statistics.median(r["step_s"]))
             assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["median_step_s"])
+            assert len(r["cpu_step_s"]) == 2 and all(c > 0 for c in r["cpu_step_s"])
+            assert r["tokens_per_cpu_s"] == pytest.approx(4 * 32 / statistics.median(r["cpu_step_s"]))
             assert r["mfu"] == pytest.approx(flops / r["median_step_s"] / row["peak_flops"])
             assert r["info"]["ranks"] == row["ranks"]
         parts = row["breakdown"]

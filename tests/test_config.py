@@ -65,12 +65,33 @@ RULES = [
     (["--beta2", "1.5"], 1, "train.beta2=1.5: must be in [0, 1)"),
     (["--eps", "0"], 1, "train.eps=0.0: must be > 0"),
     (["--log-every", "-1"], 1, "train.log_every=-1: must be >= 0"),
-    (["--backend", "cupy"], 1, "train.backend='cupy': GPU training is not available yet"),
+    (["--backend", "cupy"], 1, "train.backend='cupy' with train.device='cpu': the CuPy kernels "
+                               "need device arrays"),
+    (["--dtype", "bfloat16"], 1, "train.dtype='bfloat16': mixed precision (bf16 compute with "
+                                 "float32 master weights"),
     (["--save-every", "-1"], 1, "train.save_every=-1: must be >= 0"),
     (["--keep-last", "-1"], 1, "train.keep_last=-1: must be >= 0"),
     (["--collective-timeout", "-1"], 1, "train.collective_timeout=-1.0: must be >= 0"),
     (["--dump-activations", "1,x"], 1, "train.dump_activations='1,x': must be a comma-separated"),
     (["--dump-activations", "0"], 1, "train.dump_activations='0': must be a comma-separated"),
+    (["--ranks-per-node", "-1"], 1, "parallel.ranks_per_node=-1: must be >= 0"),
+    (["--ranks-per-node", "3"], 8, "parallel.ranks_per_node=3: must divide the world size 8"),
+    (["--dp-reduce", "hierarchical", "--ranks-per-node", "4", "--tp", "3", "--heads", "6",
+      "--kv-heads", "3", "--hidden", "96", "--ffn-hidden", "96"], 12,
+     "parallel.dp_reduce='hierarchical' with ranks_per_node=4: the nodes (3 nodes x 4 ranks "
+     "(--ranks-per-node)) hold [1, 2] ranks of one dp x sp group"),
+    (["--topk-ratio", "0"], 1, "parallel.topk_ratio=0.0: must be in (0, 1]"),
+    (["--tie-embeddings", "--pp", "2", "--dp", "2", "--grad-compression", "int8"], 4,
+     "parallel.grad_compression='int8' with error feedback: not with model.tie_embeddings and "
+     "pp=2"),
+    (["--ulysses-size", "2"], 1, "parallel.ulysses_size=2: needs --sp-mode hybrid"),
+    (["--sp", "4", "--sp-mode", "hybrid"], 4,
+     "parallel.ulysses_size=0: --sp-mode hybrid needs a Ulysses group size that divides "
+     "parallel.sp=4"),
+    (["--sp", "4", "--sp-mode", "hybrid", "--ulysses-size", "3"], 4,
+     "parallel.ulysses_size=3: --sp-mode hybrid needs a Ulysses group size that divides"),
+    (["--sp", "4", "--sp-mode", "hybrid", "--ulysses-size", "4"], 4,
+     "parallel.ulysses_size=4: hybrid needs model.kv_heads/tp = 2/1 divisible by ulysses_size"),
     # issue 15, item 9: accepted but wrong (non-finite floats), item 10: tracebacks before
     (["--lr", "inf"], 1, "train.lr=inf: must be a finite number"),
     (["--init-std", "inf"], 1, "model.init_std=inf: must be a finite number"),

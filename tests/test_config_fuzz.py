@@ -33,7 +33,7 @@ BASE = {"model": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2},
                   "log_every": 0}}
 """A small configuration that validates on 1, 2 and 4 ranks."""
 
-PATHS = {"data", "run_dir", "save_dir", "init_from_hf", "export_hf"}
+PATHS = {"data", "eval_data", "run_dir", "save_dir", "init_from_hf", "export_hf"}
 """Fields naming files: their rules are the file checks of other tests, not validation's."""
 
 NAMES_A_FIELD = re.compile(r"\b(model|parallel|train)[.:]|--[a-z][a-z-]+")

@@ -88,6 +88,16 @@ CASES = [("ring", "contiguous", False, 0), ("ring", "zigzag", False, 0),
          ("ulysses", "contiguous", False, 5)]
 
 
+def _differences(got: tuple, want: tuple, pos: np.ndarray) -> list[str]:
+    """out, dq, dk, dv of this rank's positions against the whole sequence's, above 1e-12."""
+    fails = []
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), got, want):
+        err = np.abs(mine - ref[:, pos]).max() / np.abs(ref).max()
+        if err > 1e-12:
+            fails.append(f"{name} rel err {err:.2e}")
+    return fails
+
+
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("mode,split,overlap,window", CASES)
 def test_sp_attention_equals_full_attention(world, mode, split, overlap, window):
@@ -96,8 +106,8 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
     hand MPI the bytes the planner's formulas say."""
     from mpipar.comm import Group, Ledger
     from mpipar.parallel.context import (HaloAttention, RingAttention, SeqLayout,
-                                         UlyssesAttention, halo_plan, halo_traffic, ring_hops,
-                                         ring_traffic, runs_visible)
+                                         UlyssesAttention, halo_messages, halo_plan, ring_hops,
+                                         ring_messages, runs_visible)
 
     sp = 4 if mode == "ulysses" else 8  # Ulysses: 8 query / 4 kv heads split over 4 ranks
     comm = world.Split(world.rank // sp, world.rank)
@@ -115,12 +125,7 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
             "ulysses": lambda: UlyssesAttention(kern, group, lay)}[mode]()
     out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos, window)
     dq, dk, dv = attn.backward(dout[:, pos], q[:, pos], k[:, pos], v[:, pos], out, saved, window)
-    fails = []
-    for name, got, ref in (("out", out, want[0]), ("dq", dq, want[1]), ("dk", dk, want[2]),
-                           ("dv", dv, want[3])):
-        err = np.abs(got - ref[:, pos]).max() / np.abs(ref).max()
-        if err > 1e-12:
-            fails.append(f"{name} rel err {err:.2e}")
+    fails = _differences((out, dq, dk, dv), want, pos)
     if mode != "ulysses":
         # Blocks emptied by the causal mask or the window are skipped: exactly the visible
         # (query run, key run) pairs are computed (zigzag, full causal: 2*sp+1 on every rank).
@@ -134,9 +139,41 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
         if kern.fwd_calls != expect:
             fails.append(f"{kern.fwd_calls} attention blocks computed, expected {expect}")
         row = B * hkv * D * 8
-        f, b, _, _ = (ring_traffic(ring_hops(lay, window), row * len(pos), overlap)
-                      if mode == "ring" else halo_traffic(halo_plan(lay, comm.rank, window), row))
-        if ledger.bytes_by_group().get("sp", 0) != f + b:
-            fails.append(f"ledger {ledger.bytes_by_group()} != predicted {f + b}")
+        fwd, bwd = (ring_messages(ring_hops(lay, window), row * len(pos), overlap)
+                    if mode == "ring" else halo_messages(halo_plan(lay, comm.rank, window),
+                                                         comm.rank, sp, row))
+        want_bytes = sum(nbytes * count for _, nbytes, count, _ in fwd + bwd)
+        if ledger.bytes_by_group().get("sp", 0) != want_bytes:
+            fails.append(f"ledger {ledger.bytes_by_group()} != predicted {want_bytes}")
     comm.Free()
+    assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("split,overlap,ulysses,window", [
+    ("contiguous", False, 2, 0), ("zigzag", True, 2, 0), ("zigzag", False, 4, 0),
+    ("contiguous", False, 2, 9), ("zigzag", True, 2, 5)])
+def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses, window):
+    """Ulysses over groups of ``ulysses`` consecutive sp ranks, ring over the 8 / ulysses groups:
+    out, dq, dk, dv equal attention over the whole sequence (8 query / 4 kv heads)."""
+    from mpipar.comm import Group, Ledger
+    from mpipar.kernels import get_backend
+    from mpipar.parallel.context import HybridAttention, SeqLayout
+
+    rng = np.random.default_rng(0)
+    B, S, hq, hkv, D = 2, 32, 8, 4, 6
+    q, k, v, dout = (rng.normal(size=(B, S, h, D)) for h in (hq, hkv, hkv, hq))
+    want = _full_attention(q, k, v, dout, window)
+    lay = SeqLayout(S, 8, split)
+    pos = lay.positions(world.rank)
+    ledger = Ledger()
+    uly = world.Split(world.rank // ulysses, world.rank)
+    ring = world.Split(world.rank % ulysses, world.rank)
+    attn = HybridAttention(get_backend("numpy"), Group(uly, "sp_ulysses", ledger),
+                           Group(ring, "sp_ring", ledger), lay, overlap)
+    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos, window)
+    dq, dk, dv = attn.backward(dout[:, pos], None, None, None, out, saved, window)
+    fails = _differences((out, dq, dk, dv), want, pos)
+    uly.Free()
+    ring.Free()
     assert_all_ranks(world, fails)

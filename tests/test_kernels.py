@@ -109,6 +109,18 @@ def test_add_rmsnorm_is_add_then_rmsnorm(mod, rng):
     assert rel_err(dw, num_grad(loss, w)) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_numba_add_rmsnorm_is_bitwise_add_then_rmsnorm(rng, dtype):
+    """The fused Numba norm gives the bits of the add followed by the plain norm (rows long enough
+    to vectorise), which recomputing a block's norms from the kept sum relies on."""
+    nb = pytest.importorskip("mpipar.kernels.numba_cpu")
+    x, r = (rng.standard_normal((3, 5, 520)).astype(dtype) for _ in range(2))
+    w = rng.standard_normal(520).astype(dtype)
+    s, y, rstd = nb.add_rmsnorm_fwd(x, r, w, 1e-5)
+    y_ref, rstd_ref = nb.rmsnorm_fwd(x + r, w, 1e-5)
+    assert np.array_equal(s, x + r) and np.array_equal(y, y_ref) and np.array_equal(rstd, rstd_ref)
+
+
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_rope_grad(mod, rng):
     x, r = rng.standard_normal((2, 3, 2, 6)), rng.standard_normal((2, 3, 2, 6))

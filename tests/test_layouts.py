@@ -5,8 +5,13 @@ every (dp, tp, pp, sp) with dp*tp*pp*sp in {2, 4, 8} that the model admits, each
 schedule and each SP split/mode gives, after 2 optimizer steps, the same losses, gradient norms
 and (gathered) parameters as one process: <= 1e-10 relative in float64, <= 1e-5 in float32.
 A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once. Every layout
-with tp > 1 runs again with ``--tp-sequence-parallel``. A model with tied embeddings, q/k/v
-biases and llama3 RoPE, and one with biases and dynamic RoPE, run on layouts chosen for them.
+with tp > 1 runs again with ``--tp-sequence-parallel``. Every layout of 4 and 8 ranks whose
+nodes of 2 or 4 ranks hold more than one rank of a dp x sp group, and more than one node,
+runs with hierarchical reduction (with and without ZeRO-1, several buckets), and every
+layout with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across; on nodes of
+2 ranks, and of 4 at 8 ranks). A model
+with tied embeddings, q/k/v biases and llama3 RoPE, and one with biases and dynamic RoPE, run on
+layouts chosen for them.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import pytest
 
 from conftest import assert_all_ranks, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
+from mpipar.topology import GridShape, NodeMap
 
 
 def _admitted(dp, tp, pp, sp) -> bool:
@@ -43,8 +49,25 @@ def _variants():
     return out
 
 
-VARIANTS = _variants()
-TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in VARIANTS if v["tp"] > 1]
+def _nodes_split(dp, tp, pp, sp, k) -> bool:
+    """Nodes of ``k`` ranks hold several ranks of a dp x sp group, and there are several."""
+    shape = GridShape(dp, tp, pp, sp)
+    per_node = len(shape.node_split(0, NodeMap.blocks(shape.world, k))[0])
+    return 1 < per_node < dp * sp
+
+
+HIERARCHICAL = [dict(dp=dp, tp=tp, pp=pp, sp=sp, ranks_per_node=k, dp_reduce="hierarchical",
+                     bucket_mb=0.002, **zero)
+                for dp, tp, pp, sp in BASE for k in (2, 4)
+                for zero in ({}, {"zero": 1})[:1 + ((k == 2) == (dp * tp * pp * sp == 4))]
+                if k < dp * tp * pp * sp and _nodes_split(dp, tp, pp, sp, k)]
+HYBRID = [dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_size=2, **extra)
+          for dp, tp, pp, sp in BASE if sp >= 4 and tp == 1
+          for extra in ({}, {"sp_split": "zigzag"},
+                        {"sp_split": "zigzag", "sp_overlap": True, "ranks_per_node": 2},
+                        {"ranks_per_node": 4})[:3 + (dp * pp * sp == 8)]]
+VARIANTS = _variants() + HIERARCHICAL + HYBRID
+TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in _variants() if v["tp"] > 1]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 
@@ -95,7 +118,10 @@ def _check(world, layout: dict, dtype: str, tol: float, extra=lambda engine: [])
     model = layout.pop("model", "llama")
     try:
         got = run(small_config(dtype, model, **layout), comm)
-        fails = compare(got[:3], reference(dtype, model=model), tol) + extra(got[3])
+        try:
+            fails = compare(got[:3], reference(dtype, model=model), tol) + extra(got[3])
+        finally:
+            got[3].close()      # its communicators: the suite builds hundreds of engines
     except Exception as exc:  # a rank's error must reach every rank, never hang them
         fails = [f"{type(exc).__name__}: {exc}"]
     finally:

@@ -59,6 +59,7 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
             if got_eval != want_eval:
                 fails.append(f"validation after step {step} {eng.grid.coord}: eval ledger "
                              f"{got_eval} != predicted {want_eval}")
+        eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
     assert_all_ranks(world, fails)
@@ -77,6 +78,99 @@ def test_prediction_of_a_hand_counted_layout():
     tokens = 4  # one microbatch of 1 x 4 tokens, 2 microbatches
     per_mb = 4 * tokens * 8 * 8 + tokens * 8 * 8 + 3 * tokens * 8 + tokens * 8 * 8
     assert got == {"tp": 2 * per_mb, "tp_pp": 8}
+
+
+# ------------------------------------------------------------------------ links across nodes
+LINK_CASES = [
+    dict(dp=8, ranks_per_node=4), dict(dp=8, ranks_per_node=4, dp_reduce="hierarchical"),
+    dict(dp=8, ranks_per_node=2, dp_reduce="hierarchical", zero=1, bucket_mb=0.002),
+    dict(dp=8, ranks_per_node=4, grad_compression="int8", bucket_mb=0.002),
+    dict(dp=8, ranks_per_node=4, grad_compression="topk", zero=1),
+    dict(dp=8, ranks_per_node=2, dp_reduce="hierarchical", grad_compression="int8"),
+    dict(dp=4, tp=2, ranks_per_node=4, dp_reduce="hierarchical", grad_compression="int8",
+         zero=1, bucket_mb=0.002),
+    dict(dp=2, sp=2, tp=2, ranks_per_node=4, dp_reduce="hierarchical", grad_compression="topk",
+         error_feedback="off"),
+    dict(sp=8, ranks_per_node=4), dict(sp=8, sp_mode="hybrid", ulysses_size=2, ranks_per_node=2,
+                                       sp_overlap=True, sp_split="zigzag"),
+    dict(sp=4, dp=2, sp_mode="hybrid", ulysses_size=2, ranks_per_node=2,
+         dp_reduce="hierarchical"),
+    dict(pp=4, tp=2, ranks_per_node=2, schedule="zb-h1", tp_sequence_parallel=True),
+    dict(pp=2, dp=2, sp=2, ranks_per_node=4, schedule="interleaved", virtual_stages=2),
+    dict(model="tied", pp=2, dp=4, ranks_per_node=4, dp_reduce="hierarchical", zero=1),
+    dict(model="tied", pp=2, dp=4, ranks_per_node=2, grad_compression="topk",
+         error_feedback="off")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", LINK_CASES,
+                         ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in LINK_CASES])
+def test_ledger_links_equal_planner_prediction(world, case):
+    """With nodes of --ranks-per-node ranks, each group's wire bytes inside and across nodes,
+    its payload bytes and its calls are the planner's, in every reduction, compression and SP
+    mode."""
+    from mpipar.engine import Engine
+    from mpipar.planner import predict_link_bytes, predict_step_bytes, predict_step_messages
+
+    cfg = small_config("float32", **case).resolved(8)
+    fails = []
+    try:
+        eng = Engine(cfg, world, source=token_source())
+        for step in range(2):
+            eng.ledger.reset()
+            eng.train_step(step)
+            messages: dict[str, int] = {}
+            for (group, _), entry in eng.ledger.entries.items():
+                messages[group] = messages.get(group, 0) + entry.messages
+            coord = eng.grid.coord
+            for what, got, want in (
+                    ("links", eng.ledger.bytes_by_link(), predict_link_bytes(cfg, coord)),
+                    ("bytes", eng.ledger.bytes_by_group(), predict_step_bytes(cfg, coord)),
+                    ("messages", messages, predict_step_messages(cfg, coord))):
+                if got != want:
+                    fails.append(f"step {step} {coord} {what}: ledger {got} != predicted {want}")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)
+
+
+MODES = {"flat": {}, "hierarchical": dict(dp_reduce="hierarchical"),
+         "int8": dict(grad_compression="int8"), "topk": dict(grad_compression="topk"),
+         "hierarchical+int8": dict(dp_reduce="hierarchical", grad_compression="int8"),
+         "hierarchical+topk": dict(dp_reduce="hierarchical", grad_compression="topk")}
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("k", [2, 4])
+def test_inter_node_bytes_fall(world, k):
+    """dp=8 on nodes of k ranks, float32: the most wire bytes any rank sends across nodes in a
+    step (ledger) fall by at least k with hierarchical reduction, by >= 3.5x with int8 and by
+    >= 10x with top-k 1% against flat; hierarchical and compressed multiply."""
+    from mpipar.engine import Engine
+
+    inter, fails = {}, []
+    try:
+        for mode, extra in MODES.items():
+            cfg = small_config("float32", dp=8, ranks_per_node=k, **extra).resolved(8)
+            eng = Engine(cfg, world, source=token_source())
+            eng.ledger.reset()
+            eng.train_step(0)
+            mine = sum(links["inter"] for links in eng.ledger.bytes_by_link().values())
+            eng.close()
+            inter[mode] = max(world.allgather(mine))
+        ratio = {mode: inter["flat"] / inter[mode] for mode in MODES}
+        for mode, least in (("hierarchical", k), ("int8", 3.5), ("topk", 10.0),
+                            ("hierarchical+int8", 3.5 * k), ("hierarchical+topk", 10.0 * k)):
+            if not ratio[mode] >= least:
+                fails.append(f"{mode}: inter-node bytes {inter[mode]:,} vs flat "
+                             f"{inter['flat']:,}: {ratio[mode]:.2f}x < {least}x")
+        if world.rank == 0:
+            print(f"nodes of {k}: inter-node bytes per rank per step " + ", ".join(
+                f"{m} {inter[m]:,} ({ratio[m]:.2f}x)" for m in MODES))
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)
 
 
 def test_prediction_of_a_hand_counted_validation_pass():

@@ -260,8 +260,8 @@ def test_given_batch_is_kept_and_the_planner_picks_the_layout():
 # ------------------------------------------------------------------------------------- CLI
 def test_plan_cli(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "3",
-                           "--peak-gflops", "100"], capture_output=True, text=True, timeout=120,
-                           env=launch_env())
+                           "--peak-gflops", "100", "--intra-gbps", "10"], capture_output=True,
+                          text=True, timeout=120, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     first = next(line for line in lines if line.lstrip().startswith("1  "))
@@ -275,3 +275,60 @@ def test_plan_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "0"],
                          capture_output=True, text=True, timeout=60, env=launch_env())
     assert bad.returncode == 2 and "--world 0: must be >= 1" in bad.stderr
+    nodes = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "20",
+                            "--peak-gflops", "100", "--dp", "8", "--ranks-per-node", "4",
+                            "--intra-gbps", "20", "--inter-gbps", "1"],
+                           capture_output=True, text=True, timeout=300, env=launch_env())
+    assert nodes.returncode == 0, nodes.stderr
+    rows = [line for line in nodes.stdout.splitlines() if "dp=8 tp=1" in line]
+    assert "hierarchical" in rows[0] and "across nodes 803,982" in rows[0]
+    assert any(" int8 " in r for r in rows) and any(" top-0.01 " in r for r in rows)
+    assert any("hierarchical" not in r and "across nodes 5,627,790" in r for r in rows)
+
+
+def test_hierarchical_and_compressed_options_ranked_beside_flat():
+    """On 2 nodes of 4: a slow link across nodes ranks hierarchical reduction above flat, and
+    (compression's work negligible) int8 and top-k above dense; with links as fast inside as
+    across and compression's work costed, flat dense ranks first. The wire bytes across nodes
+    are what the reduction sends across them."""
+    base = Config(parallel=ParallelConfig(dp=8, ranks_per_node=4))
+    fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "zero"}
+
+    def best(hw, **extra):
+        cfg = Config(base.model, dataclasses.replace(base.parallel, **extra), base.train)
+        plan = plan_layouts(cfg, 8, fixed | set(extra), hw=hw)
+        return plan.ranked[0], plan.ranked
+
+    slow = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)
+    top, ranked = best(slow, grad_compression="none")
+    assert top.cfg.parallel.dp_reduce == "hierarchical"
+    flat = next(c for c in ranked if c.cfg.parallel.dp_reduce == "flat")
+    inter = {c.cfg.parallel.dp_reduce: c.link_bytes["dp_sp_inter" if c is top else "dp_sp"]
+             ["inter"] for c in (top, flat)}
+    assert inter["flat"] >= 4 * inter["hierarchical"]
+    assert best(slow)[0].cfg.parallel.grad_compression in ("int8", "topk")
+    even = Hardware(1e11, 1e10, 1e-6, 1e10, 1e-6, int8_seconds=1e-8, topk_seconds=1e-8)
+    assert best(even)[0].cfg.parallel.grad_compression == "none"
+
+
+def test_measured_nodes_place_the_groups():
+    """A hardware file's ranks per node (``bench comm``) decides which groups cross nodes when the
+    layout names none, and the layout's own ``ranks_per_node`` wins: dp=8 on nodes of 4 is timed
+    on the slow link, exactly its wire bytes over that link plus a latency per call."""
+    from mpipar.planner import predict_link_bytes, with_nodes
+
+    cfg = Config(parallel=ParallelConfig(dp=8)).resolved(8)
+    one_node = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)
+    measured = dataclasses.replace(one_node, ranks_per_node=4)
+    on_nodes = with_nodes(cfg, measured, 8)
+    assert on_nodes.parallel.ranks_per_node == 4 and with_nodes(cfg, one_node, 8) is cfg
+    given = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ranks_per_node=2))
+    assert with_nodes(given, measured, 8).parallel.ranks_per_node == 2
+    coord = Coord(dp=0, tp=0, pp=0, sp=0)
+    wire = predict_link_bytes(on_nodes, coord)["dp_sp"]
+    calls = predict_step_messages(cfg, coord)["dp_sp"]
+    assert wire["intra"] == 0 and predict_link_bytes(cfg, coord)["dp_sp"]["inter"] == 0
+    assert predict_step_time(cfg, measured).comm["dp_sp"] == pytest.approx(
+        wire["inter"] / 1e8 + calls * 1e-5, rel=1e-12)
+    assert predict_step_time(cfg, one_node).comm["dp_sp"] == pytest.approx(
+        wire["inter"] / 1e11 + calls * 1e-6, rel=1e-12)

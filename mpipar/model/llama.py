@@ -321,8 +321,7 @@ class LlamaStage:
                                                      window=window)
         B, S = out.shape[:2]
         a = tp.row_linear(out.reshape(B, S, -1), p[n + "self_attn.o_proj.weight"])
-        x2 = x + a
-        h2, rstd2 = ops.rmsnorm_fwd(x2, p[n + "post_attention_layernorm.weight"], eps)
+        x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
         _, (g, u) = tp.column_linear(h2, p[n + "mlp.gate_proj.weight"], p[n + "mlp.up_proj.weight"])
         m = ops.swiglu_fwd(g, u)
         y = tp.row_linear(m, p[n + "mlp.down_proj.weight"])
@@ -418,9 +417,9 @@ class LlamaStage:
         dh2 = tp.column_linear_backward([dg, du], tp.enter(c.h2),
                                         [n + "mlp.gate_proj.weight", n + "mlp.up_proj.weight"],
                                         lin)
-        dx2, dw = ops.rmsnorm_bwd(dh2, c.x2, p[n + "post_attention_layernorm.weight"], c.rstd2)
+        dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
+                                      c.rstd2)
         grads[n + "post_attention_layernorm.weight"] += dw
-        dx2 = dx2 + dout
         out = c.attention_out
         B, S = out.shape[:2]
         do = tp.row_linear_backward(dx2, out.reshape(B, S, -1), n + "self_attn.o_proj.weight", lin)
@@ -435,6 +434,6 @@ class LlamaStage:
         dq, dk = ops.rope_bwd(dq, cos, sin), ops.rope_bwd(dk, cos, sin)
         dh1 = tp.column_linear_backward([dq, dk, dv], h1_full,
                                         [n + f"self_attn.{x}_proj.weight" for x in "qkv"], lin)
-        dx, dw = ops.rmsnorm_bwd(dh1, c.x, p[n + "input_layernorm.weight"], c.rstd1)
+        dx, dw = ops.add_rmsnorm_bwd(dh1, dx2, c.x, p[n + "input_layernorm.weight"], c.rstd1)
         grads[n + "input_layernorm.weight"] += dw
-        return dx + dx2
+        return dx

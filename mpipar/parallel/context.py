@@ -18,6 +18,12 @@ holds only this rank's chunk of the sequence.
   point-to-point, overlapped with the local block): O(W) bytes per rank instead of O(S).
 - :class:`UlyssesAttention`: an all-to-all re-shards from sequence chunks to head groups, each rank
   attends over the whole sequence for ``heads/sp`` heads, and a second all-to-all returns.
+- :class:`HybridAttention` (``--sp-mode hybrid``, USP's and Megatron's hierarchical context
+  parallelism): Ulysses' all-to-all among the ``U = --ulysses-size`` consecutive sp ranks (one
+  node's, when they fit in one), then ring attention over the ``sp / U`` such groups, so only
+  the ring crosses nodes. A Ulysses group's chunks together are the chunks of one ring rank of
+  the same split over ``sp / U`` ranks (contiguous stays contiguous; zigzag stays zigzag, with
+  ``U``-times larger chunks), so the ring keeps its causal skipping, zigzag balance and overlap.
 
 Shapes: q ``[B, S_loc, hq, D]``, k/v ``[B, S_loc, hkv, D]``, lse ``[B, hq, S_loc]``.
 Every buffer is allocated from the kernel backend's array module (``kernels.xp``).
@@ -107,17 +113,28 @@ class RingHops:
         return [(d, h) for d, h in ((1, self.right), (-1, self.left)) if h]
 
 
-def ring_traffic(hops: RingHops, kv: int, overlap: bool) -> tuple[int, int, int, int]:
-    """(forward bytes, backward bytes, forward calls, backward calls) one rank hands to MPI for
-    one block of ring attention; ``kv``: bytes of this rank's K (= of its V). Per relay of h
-    hops: forward h K/V messages; backward 4 h K-sized units (K/V at hop 1, K/V with dK/dV at
-    hops 2..h, dK/dV home), in h + 1 Sendrecvs, or with overlap h Isend/Irecv pairs of K/V and h
-    Sendrecvs of dK/dV."""
-    h = hops.right + hops.left
-    relays = len(hops.relays())
-    if overlap:
-        return 2 * kv * h, 4 * kv * h, 2 * h, 3 * h
-    return 2 * kv * h, 4 * kv * h, h, h + relays
+Message = tuple[str, int, int, int]
+"""``(operation, bytes, count, offset)``: ``count`` calls of the ledger operation ``op``, each
+handing MPI ``bytes``, to the SP rank ``offset`` places on (0: a receive, which names none)."""
+
+
+def ring_messages(hops: RingHops, kv: int, overlap: bool) -> tuple[list[Message], list[Message]]:
+    """(forward, backward) messages of one block of ring attention on one rank; ``kv``: bytes of
+    this rank's K (= of its V). Per relay of h hops in direction d: forward h K/V Sendrecvs (with
+    overlap Isend + Irecv); backward the K/V at hop 1, K/V with their dK/dV at hops 2..h (with
+    overlap: h K/V Isend/Irecv and h - 1 dK/dV Sendrecvs) and the dK/dV home, d h ranks back."""
+    fwd: list[Message] = []
+    bwd: list[Message] = []
+    for d, h in hops.relays():
+        home = ("sendrecv", 2 * kv, 1, -d * h)
+        if overlap:
+            fwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0)]
+            bwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0),
+                    ("sendrecv", 2 * kv, h - 1, d), home]
+        else:
+            fwd += [("sendrecv", 2 * kv, h, d)]
+            bwd += [("sendrecv", 2 * kv, 1, d), ("sendrecv", 4 * kv, h - 1, d), home]
+    return fwd, bwd
 
 
 @functools.lru_cache(maxsize=256)
@@ -321,15 +338,17 @@ def halo_plan(layout: SeqLayout, rank: int, window: int) -> HaloPlan:
     return HaloPlan(recv, send)
 
 
-def halo_traffic(plan: HaloPlan, row: int) -> tuple[int, int, int, int]:
-    """(forward bytes, backward bytes, forward calls, backward calls) one rank hands to MPI for
-    one block of halo attention; ``row``: bytes of one position's K (= of its V). Forward sends
-    the K/V rows others need, backward returns the dK/dV of the rows received; every message is
-    an Isend with its Irecv."""
-    sent = sum(len(i) for i in plan.send.values())
-    received = sum(len(p) for p in plan.recv.values())
-    calls = len(plan.send) + len(plan.recv)
-    return 2 * row * sent, 2 * row * received, calls, calls
+def halo_messages(plan: HaloPlan, rank: int, sp: int,
+                  row: int) -> tuple[list[Message], list[Message]]:
+    """(forward, backward) messages of one block of halo attention on SP rank ``rank`` of
+    ``sp``; ``row``: bytes of one position's K (= of its V). Forward sends the K/V rows each
+    other rank needs, backward returns the dK/dV of the rows received; each by Isend, with an
+    Irecv per message the rank receives."""
+    fwd = [("send", 2 * row * len(i), 1, (dst - rank) % sp) for dst, i in plan.send.items()]
+    fwd.append(("recv", 0, len(plan.recv), 0))
+    bwd = [("send", 2 * row * len(p), 1, (src - rank) % sp) for src, p in plan.recv.items()]
+    bwd.append(("recv", 0, len(plan.send), 0))
+    return fwd, bwd
 
 
 @dataclass
@@ -438,14 +457,52 @@ class HaloAttention:
 
 @dataclass
 class UlyssesSaved:
-    """What Ulysses attention keeps for backward: its all-to-all'ed copies (whole sequence,
-    ``heads/sp`` heads, global order) of q, k, v and of the output, and the lse."""
+    """What Ulysses (and hybrid) attention keeps for backward: its all-to-all'ed copies
+    (``heads/U`` heads of the group's tokens, in the order the attention over them takes) of q,
+    k, v and of the output, and the lse."""
 
-    q: Array     # [B, S, hq/sp, D]
-    k: Array     # [B, S, hkv/sp, D]
+    q: Array     # [B, S_group, hq/U, D]
+    k: Array     # [B, S_group, hkv/U, D]
     v: Array
-    out: Array   # [B, S, hq/sp, D]
-    lse: Array   # [B, hq/sp, S]
+    out: Array   # [B, S_group, hq/U, D]
+    lse: Array   # [B, hq/U, S_group]
+
+
+class HeadExchange:
+    """Ulysses' re-sharding over ``group``: this rank's sequence chunk of every head
+    <-> every group rank's chunks of this rank's ``h / U`` heads, the tokens in ``target``
+    order (the group's positions as the attention over them wants them)."""
+
+    def __init__(self, xp, group: Group, seq_layout: SeqLayout, members: list[int],
+                 target: np.ndarray) -> None:
+        """``members``: the sp ranks of ``group`` in group-rank order; ``target``: their
+        positions in the order wanted after the exchange."""
+        self.xp, self.group = xp, group
+        gathered = np.concatenate([seq_layout.positions(r) for r in members])
+        order = np.argsort(gathered, kind="stable")[np.searchsorted(np.sort(gathered), target)]
+        self.order = xp.asarray(order)                              # gathered -> target
+        self.inverse = xp.asarray(np.argsort(order, kind="stable"))  # target -> gathered
+
+    def to_heads(self, x: Array) -> Array:
+        """``[B, S_loc, h, D]`` (sequence chunk) -> ``[B, U * S_loc, h/U, D]`` (head group)."""
+        xp = self.xp
+        B, S, h, D = x.shape
+        n = self.group.size
+        send = xp.ascontiguousarray(x.reshape(B, S, n, h // n, D).transpose(2, 0, 1, 3, 4))
+        recv = self.group.alltoall(send, xp.empty(send.shape, send.dtype))  # block i: rank i's
+        full = recv.transpose(1, 0, 2, 3, 4).reshape(B, n * S, h // n, D)
+        return full[:, self.order]
+
+    def to_seq(self, x: Array) -> Array:
+        """Inverse of :meth:`to_heads`."""
+        xp = self.xp
+        B, St, hg, D = x.shape
+        n = self.group.size
+        S = St // n
+        send = xp.ascontiguousarray(x[:, self.inverse].reshape(B, n, S, hg, D)
+                                    .transpose(1, 0, 2, 3, 4))
+        recv = self.group.alltoall(send, xp.empty(send.shape, send.dtype))  # block i: group i
+        return recv.transpose(1, 2, 0, 3, 4).reshape(B, S, n * hg, D)
 
 
 class UlyssesAttention:
@@ -455,56 +512,73 @@ class UlyssesAttention:
     needs_inputs = False
 
     def __init__(self, kernels, sp: Group, seq_layout: SeqLayout) -> None:
-        self.kernels, self.xp, self.sp = kernels, kernels.xp, sp
-        full = np.concatenate([seq_layout.positions(r) for r in range(sp.size)])
-        order = np.argsort(full, kind="stable")         # gathered order -> global order
-        self.order = self.xp.asarray(order)
-        self.inverse = self.xp.asarray(np.argsort(order, kind="stable"))
-
-    def _to_heads(self, x: Array) -> Array:
-        """``[B, S_loc, h, D]`` (sequence chunk) -> ``[B, S, h/sp, D]`` (global order, head group)."""
-        xp = self.xp
-        B, S, h, D = x.shape
-        n = self.sp.size
-        send = xp.ascontiguousarray(x.reshape(B, S, n, h // n, D).transpose(2, 0, 1, 3, 4))
-        recv = self.sp.alltoall(send, xp.empty(send.shape, send.dtype))  # block i: rank i's chunk
-        full = recv.transpose(1, 0, 2, 3, 4).reshape(B, n * S, h // n, D)
-        return full[:, self.order]
-
-    def _to_seq(self, x: Array) -> Array:
-        """Inverse of :meth:`_to_heads`."""
-        xp = self.xp
-        B, St, hg, D = x.shape
-        n = self.sp.size
-        S = St // n
-        send = xp.ascontiguousarray(x[:, self.inverse].reshape(B, n, S, hg, D)
-                                    .transpose(1, 0, 2, 3, 4))
-        recv = self.sp.alltoall(send, xp.empty(send.shape, send.dtype))  # block i: head group i
-        return recv.transpose(1, 2, 0, 3, 4).reshape(B, S, n * hg, D)
+        self.kernels = kernels
+        self.exchange = HeadExchange(kernels.xp, sp, seq_layout, list(range(sp.size)),
+                                     np.arange(seq_layout.seq_len))
 
     def forward(self, q, k, v, positions, window: int = 0):
-        qf, kf, vf = self._to_heads(q), self._to_heads(k), self._to_heads(v)
+        ex = self.exchange
+        qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
         o, lse = self.kernels.attention_fwd(qf, kf, vf, 0, 0, True, window=window)
-        return self._to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
+        return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
 
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
+        ex = self.exchange
         dq, dk, dv = self.kernels.attention_bwd(saved.q, saved.k, saved.v, saved.out, saved.lse,
-                                                self._to_heads(dout), 0, 0, True, window=window)
-        return self._to_seq(dq), self._to_seq(dk), self._to_seq(dv)
+                                                ex.to_heads(dout), 0, 0, True, window=window)
+        return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
+
+
+class HybridAttention:
+    """Ulysses inside groups of ``ulysses.size`` consecutive sp ranks, ring attention across
+    the ``ring.size`` groups (``ring``: the sp ranks at this rank's place in every group). Its
+    backward works on its own copies, as Ulysses'."""
+
+    needs_inputs = False
+
+    def __init__(self, kernels, ulysses: Group, ring: Group, seq_layout: SeqLayout,
+                 overlap: bool = False) -> None:
+        u, r = ulysses.size, ring.rank
+        self.ring_layout = SeqLayout(seq_layout.seq_len, ring.size, seq_layout.split)
+        members = [r * u + i for i in range(u)]
+        self.positions = self.ring_layout.positions(r)   # of the tokens the ring attends with
+        self.exchange = HeadExchange(kernels.xp, ulysses, seq_layout, members, self.positions)
+        self.ring = RingAttention(kernels, ring, self.ring_layout, overlap)
+
+    def forward(self, q, k, v, positions, window: int = 0):
+        ex = self.exchange
+        qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
+        o, lse = self.ring.forward(qf, kf, vf, self.positions, window)
+        return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
+
+    def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
+        ex = self.exchange
+        dq, dk, dv = self.ring.backward(ex.to_heads(dout), saved.q, saved.k, saved.v, saved.out,
+                                        saved.lse, window)
+        return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 
 
 @rules("context")
 def check_config(cfg: Config, world: int) -> None:
     """The sequence must cut into the split's equal parts; Ulysses needs each rank's heads to
-    divide into sp groups."""
+    divide into sp groups; hybrid a Ulysses group size that divides sp and the heads."""
     m, p, t = cfg.model.resolved(), cfg.parallel, cfg.train
     parts = split_parts(p.sp, p.sp_split)
     require(t.seq_len % parts == 0,
             f"train.seq_len={t.seq_len}: must be divisible by "
             + (f"2*sp = {parts} for the zigzag split" if p.sp_split == "zigzag"
                else f"parallel.sp={p.sp}"))
-    if p.sp_mode == "ulysses":
+    require(p.ulysses_size >= 0, f"parallel.ulysses_size={p.ulysses_size}: must be >= 0")
+    require(p.sp_mode == "hybrid" or p.ulysses_size == 0,
+            f"parallel.ulysses_size={p.ulysses_size}: needs --sp-mode hybrid")
+    if p.sp_mode == "hybrid":
+        u = p.ulysses_size
+        require(u >= 1 and p.sp % u == 0,
+                f"parallel.ulysses_size={u}: --sp-mode hybrid needs a Ulysses group size that "
+                f"divides parallel.sp={p.sp}")
+    if p.sp_mode in ("ulysses", "hybrid"):
+        group, what = ((p.sp, "sp") if p.sp_mode == "ulysses" else (p.ulysses_size, "ulysses_size"))
         for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
-            require((heads // p.tp) % p.sp == 0,
-                    f"parallel.sp={p.sp}: ulysses needs model.{name}/tp = {heads}/{p.tp} "
-                    f"divisible by sp")
+            require((heads // p.tp) % group == 0,
+                    f"parallel.{what}={group}: {p.sp_mode} needs model.{name}/tp = "
+                    f"{heads}/{p.tp} divisible by {what}")

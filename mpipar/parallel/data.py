@@ -1,18 +1,45 @@
 """Data parallelism: the batch split over dp, and gradient reduction over the dp x sp group in
-buckets overlapped with backward (reduce-scattered for ZeRO-1).
+buckets overlapped with backward — flat or hierarchical over the nodes, dense or compressed, and
+reduce-scattered for ZeRO-1.
 
 Parameters and gradients live in flat per-bucket buffers; the ``params`` and ``grads`` dicts hold
 views into them, so the model writes straight into the buffers MPI reduces. Buckets are filled in
-backward order (the LM head first, the embedding last) up to ``bucket_mb`` each.
+backward order (the LM head first, the embedding last) up to ``bucket_mb`` each, and padded so
+every rank's share is equal (and, for int8, whole scale blocks).
 
-- Without ZeRO a bucket's non-blocking all-reduce starts as soon as every gradient in it is
-  final (``ready(names)`` from the backward pass), overlapping the rest of the backward.
-- With ZeRO-1 (``sharded``) each rank of the group owns a contiguous 1/n of every bucket: the
-  gradients are reduce-scattered, and the sharded optimizer (:class:`mpipar.optim.ZeroAdamW`)
-  updates the owned slices and all-gathers the parameters back.
+A bucket's reduction starts as soon as every gradient in it is final (``ready(names)`` from the
+backward pass) and runs as a chain of non-blocking collectives, advanced whenever backward hands
+over more gradients, so it overlaps the rest of the backward (:meth:`GradReducer.finish` waits
+for the rest):
 
-Both sum over the group; the global mean comes from the loss weight ``1 / tokens``. Buffers come
-from the kernel backend's array module (``xp``).
+- ``flat``: one all-reduce over dp x sp (ZeRO-1: a reduce-scatter).
+- ``hierarchical`` (Horovod's hierarchical all-reduce): reduce-scatter over the node's ranks of
+  the group (``intra``, L of them), all-reduce of this rank's 1/L shard over the ranks holding
+  the same shard on the other nodes (``inter``), all-gather inside the node. Inter-node bytes
+  fall by L. With ZeRO-1 the shard is reduce-scattered across nodes instead, so the optimizer's
+  owned slice follows the node split: ``lo = a * len / L + j * len / (L * N)`` for intra rank
+  ``a`` and inter rank ``j`` (:meth:`GradReducer.owned_range`; flat is ``L = 1``).
+- ``--grad-compression int8|topk`` (:mod:`mpipar.parallel.compression`) replaces the step across
+  nodes (hierarchical) or over the whole group (flat): int8 all-to-alls every rank's encoded
+  pieces to their owners, which sum them, re-encode and all-gather (ZeRO-1 keeps the owner's
+  sum); top-k all-gathers every rank's values and indices and adds them up (ZeRO-1 keeps its
+  slice). With error feedback each rank keeps the residual of each direction it encodes.
+
+The collectives of successive buckets on one communicator must start in the same order on every
+rank, whatever order their requests complete in: each step of the chain that reuses a group gets
+a duplicate communicator of its own, and a bucket never starts a step before the bucket launched
+before it has. Both sum over the group; the global mean comes from the loss weight
+``1 / tokens``. Buffers come from the kernel backend's array module (``xp``).
+
+**Residuals in checkpoints.** A residual is per rank, not a global tensor, but it has one index
+beyond the parameter element: its *slot*, the rank's place in the compressed group (its rank in
+dp x sp when flat, across nodes when hierarchical). For each slot ``s`` the residuals of the
+ranks in that slot tile every parameter exactly once (``residual_send.<s>``), and the owners'
+second-direction residuals (int8) tile it once more (``residual_gather``), so they are saved as
+global tensors like the moments (:meth:`residual_pieces`). On resume with the same number of
+slots and the same codec they load slot by slot — bit-exact on the same layout; otherwise their
+sum, the gradient the reduction still owes, goes into slot 0 and nothing owed is lost
+(:meth:`load_residuals`); a run without error feedback ignores them.
 
 A tied embedding's two copies (first and last pipeline stage, :mod:`mpipar.placement`) are then
 summed over the ``tied`` group (Megatron's embedding group), after the dp x sp reduction as
@@ -25,13 +52,17 @@ points of the schedule.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 from mpipar.comm import Group, Request
 from mpipar.config import Config, require, rules
+from mpipar.parallel.compression import Codec, Int8Codec
+
+RESIDUAL_SEND = "residual_send"
+RESIDUAL_GATHER = "residual_gather"
 
 
 def plan_buckets(sizes: list[int], limit_bytes: int, alone: Collection[int] = ()
@@ -53,9 +84,26 @@ def plan_buckets(sizes: list[int], limit_bytes: int, alone: Collection[int] = ()
     return [b for b in buckets if b]
 
 
-def padded_size(elements: int, group_size: int) -> int:
-    """Bucket length rounded up so every rank of the group owns an equal slice."""
-    return -(-elements // group_size) * group_size
+def padded_size(elements: int, group_size: int, align: int = 1) -> int:
+    """Bucket length rounded up so every rank of the group owns an equal slice of whole
+    ``align``-element blocks."""
+    unit = group_size * align
+    return -(-elements // unit) * unit
+
+
+@dataclass
+class ReduceGroups:
+    """The groups one bucket's reduction runs over: ``full`` is dp x sp; ``inter`` the group
+    across nodes (flat: ``full`` itself); ``intra`` this node's ranks of it (flat: None)."""
+
+    full: Group
+    inter: Group
+    intra: Group | None = None
+
+    @property
+    def per_node(self) -> int:
+        """L: ranks of the group on this node (1 when flat)."""
+        return self.intra.size if self.intra is not None else 1
 
 
 @dataclass
@@ -65,25 +113,32 @@ class Bucket:
     params: Any                          # flat, padded to a multiple of the group size
     grads: Any
     pending: set[str] = field(default_factory=set)
-    request: Request | None = None
     owned_grad: Any = None               # ZeRO-1: this rank's slice of the summed gradients
-
-    def owned_range(self, rank: int, size: int) -> tuple[int, int]:
-        """``[lo, hi)`` of the flat buffer that rank ``rank`` of ``size`` owns (ZeRO-1)."""
-        n = self.grads.size // size
-        return rank * n, (rank + 1) * n
+    scratch: dict[str, Any] = field(default_factory=dict)    # the chain's buffers
+    residual: dict[str, Any] = field(default_factory=dict)   # kind -> this rank's residual
+    chain: Iterator[Request] | None = None
+    request: Request | None = None
+    started: int = 0                      # collectives of the chain started this step
 
 
 class GradReducer:
-    """Owns the flat buffers and reduces gradients over ``group`` (``sharded``: ZeRO-1's
-    reduce-scatter instead of the all-reduce). ``params``: host tensors in any order; ``order``:
-    the names in backward order (the bucket order); ``tied``: the names whose gradients are then
+    """Owns the flat buffers and reduces gradients over ``groups`` (``sharded``: ZeRO-1's
+    reduce-scatter instead of the all-reduce; ``codec``: compressed across ``groups.inter``,
+    with residuals when ``feedback``). ``params``: host tensors in any order; ``order``: the
+    names in backward order (the bucket order); ``tied``: the names whose gradients are then
     summed over ``tied_group`` (the module docstring)."""
 
-    def __init__(self, params: dict[str, Any], order: list[str], group: Group,
-                 bucket_mb: float, sharded: bool, xp: ModuleType, tied: Collection[str] = (),
+    def __init__(self, params: dict[str, Any], order: list[str], groups: ReduceGroups,
+                 bucket_mb: float, sharded: bool, xp: ModuleType, codec: Codec | None = None,
+                 feedback: bool = True, tied: Collection[str] = (),
                  tied_group: Group | None = None) -> None:
-        self.group, self.sharded, self.xp = group, sharded, xp
+        self.hierarchical = groups.intra is not None
+        if groups.intra is not None and groups.intra.size == 1:   # one rank a node: no step inside
+            groups = ReduceGroups(groups.full, groups.inter)
+        self.groups, self.group, self.sharded, self.xp = groups, groups.full, sharded, xp
+        self.codec = codec if groups.inter.size > 1 else None
+        self.feedback = feedback and self.codec is not None
+        self.align = self.codec.block if isinstance(self.codec, Int8Codec) else 1
         limit = max(1, int(bucket_mb * 2**20))
         alone = {i for i, n in enumerate(order) if n in tied}
         self.buckets = [self._make_bucket(params, [order[i] for i in idx])
@@ -95,67 +150,289 @@ class GradReducer:
         self.grads = {n: b.grads[s:e].reshape(params[n].shape)
                       for b in self.buckets for n, (s, e) in b.offsets.items()}
         self._bucket_of = {n: b for b in self.buckets for n in b.names}
+        self._stages = self._stage_groups()
+        self._launched: list[Bucket] = []
 
     def _make_bucket(self, params: dict[str, Any], names: list[str]) -> Bucket:
         offsets, at = {}, 0
         for n in names:
             offsets[n] = (at, at + params[n].size)
             at += params[n].size
-        at = padded_size(at, self.group.size)
+        at = padded_size(at, self.group.size, self.align)
         dtype = params[names[0]].dtype
         flat = self.xp.zeros(at, dtype)
         for n in names:
             s, e = offsets[n]
             flat[s:e] = self.xp.asarray(params[n]).reshape(-1)
-        return Bucket(list(names), offsets, flat, self.xp.zeros(at, dtype))
+        b = Bucket(list(names), offsets, flat, self.xp.zeros(at, dtype))
+        self._allocate(b)
+        return b
+
+    def _allocate(self, b: Bucket) -> None:
+        """The buffers of ``b``'s chain: the node shard, ZeRO's owned slice, the encoded
+        messages and the residuals."""
+        xp, dtype, length = self.xp, b.grads.dtype, b.grads.size
+        L, c = self.groups.per_node, self.groups.inter.size
+        m = length // L                               # the buffer reduced across nodes
+        if self.groups.intra is not None:
+            b.scratch["shard"] = xp.empty(m, dtype)
+        if self.sharded:
+            b.owned_grad = xp.empty(m // c, dtype)
+        if self.codec is None:
+            return
+        if isinstance(self.codec, Int8Codec):
+            piece = self.codec.packed_bytes(m // c, dtype.itemsize)
+            b.scratch.update(send=xp.empty((c, piece), xp.uint8),
+                             recv=xp.empty((c, piece), xp.uint8))
+            if not self.sharded:
+                b.scratch.update(sum=xp.empty(m // c, dtype), send2=xp.empty((1, piece), xp.uint8),
+                                 gathered=xp.empty((c, piece), xp.uint8))
+                if self.feedback:
+                    b.residual[RESIDUAL_GATHER] = xp.zeros(m // c, dtype)
+        else:
+            piece = self.codec.packed_bytes(m, dtype.itemsize)
+            b.scratch.update(send=xp.empty((1, piece), xp.uint8),
+                             gathered=xp.empty((c, piece), xp.uint8))
+        if self.feedback:
+            b.residual[RESIDUAL_SEND] = xp.zeros(m, dtype)
+
+    def _stage_groups(self) -> list[Group]:
+        """The group of each collective of a bucket's chain, in order: a group that an earlier
+        step already uses gets a duplicate communicator (a collective, at construction)."""
+        g, kinds = self.groups, []
+        if g.intra is not None:
+            kinds.append(g.intra)                                   # reduce-scatter
+        if g.inter.size > 1:
+            int8 = isinstance(self.codec, Int8Codec)
+            kinds += [g.inter] * (2 if int8 and not self.sharded else 1)
+        if g.intra is not None and not self.sharded:
+            kinds.append(g.intra)                                   # all-gather
+        out, used = [], set()
+        self._duplicates: list[Group] = []
+        for group in kinds:
+            if id(group) in used:
+                group = Group(group.comm.Dup(), group.name, group.ledger, group.nodes)
+                self._duplicates.append(group)
+            used.add(id(group))
+            out.append(group)
+        return out
+
+    def close(self) -> None:
+        """Free the duplicate communicators of the chain (MPI has a few thousand per process)."""
+        for group in self._duplicates:
+            group.comm.Free()
+        self._duplicates = []
 
     # ------------------------------------------------------------ per step
     def start_step(self) -> None:
         for b in self.buckets:
             b.grads.fill(0)
             b.pending = set(b.names)
-            b.request = None
+            b.chain, b.request, b.started = None, None, 0
+        self._launched = []
 
     def ready(self, names: list[str]) -> None:
-        """Gradients of ``names`` are final: launch each bucket whose gradients are all final."""
+        """Gradients of ``names`` are final: launch each bucket whose gradients are all final,
+        and advance the reductions in flight as far as they go without waiting."""
         for n in names:
             b = self._bucket_of.get(n)
             if b is None or n not in b.pending:
                 continue
             b.pending.discard(n)
-            if not b.pending and not self.sharded:
-                b.request = self.group.iallreduce_(b.grads)
+            if not b.pending:
+                self._launch(b)
+        self._progress(block=False)
 
     def finish(self) -> None:
         """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice), the
         tied ones then over the tied group too."""
+        launched = {id(b) for b in self._launched}
         for b in self.buckets:
-            if self.sharded:
-                owned = self.xp.empty(b.grads.size // self.group.size, b.grads.dtype)
-                self.group.reduce_scatter_(b.grads, owned)
-                b.owned_grad = owned
-            else:
-                if b.request is None:
-                    b.request = self.group.iallreduce_(b.grads)
-                b.request.wait()
+            if id(b) not in launched:
+                self._launch(b)
+                if self.codec is None and self._stages:
+                    # A staging path starts copying it now, overlapping the reductions before it.
+                    self._stages[0].stage_ahead(b.grads)
+        self._progress(block=True)
         for b in self.tied_buckets:
             self.tied_group.allreduce_(b.owned_grad if self.sharded else b.grads)
 
-    def owned_pieces(self):
+    def _launch(self, b: Bucket) -> None:
+        b.chain, b.request, b.started = self._reduce(b), None, 0
+        self._launched.append(b)
+
+    def _progress(self, block: bool) -> None:
+        """Advance every launched chain, in launch order; none may start a step before the
+        chain launched before it has started that step (collective order per communicator)."""
+        limit = len(self._stages)
+        for b in self._launched:
+            self._advance(b, limit, block)
+            limit = b.started
+
+    def _advance(self, b: Bucket, limit: int, block: bool) -> None:
+        while b.chain is not None:
+            if b.request is not None:
+                if block:
+                    b.request.wait()
+                elif not b.request.test():
+                    return
+                b.request = None
+            if limit <= b.started < len(self._stages):
+                return
+            try:
+                b.request = next(b.chain)
+                b.started += 1
+            except StopIteration:
+                b.chain = None
+
+    # ------------------------------------------------------------ the chain of one bucket
+    def _reduce(self, b: Bucket) -> Iterator[Request]:
+        """Bucket ``b``'s reduction: yields each collective's request once started; the code
+        between the yields is local work (encoding, decoding, copies)."""
+        stages = iter(self._stages)
+        x = b.grads
+        if self.groups.intra is not None:
+            x = b.scratch["shard"]
+            yield next(stages).ireduce_scatter_(b.grads, x)
+        if self.groups.inter.size == 1:
+            if self.sharded:
+                b.owned_grad[...] = x
+        elif self.codec is None:
+            group = next(stages)
+            yield (group.ireduce_scatter_(x, b.owned_grad) if self.sharded
+                   else group.iallreduce_(x))
+        elif isinstance(self.codec, Int8Codec):
+            yield from self._int8(b, x, stages)
+        else:
+            yield from self._topk(b, x, stages)
+        if self.groups.intra is not None and not self.sharded:
+            yield next(stages).iallgather(x, b.grads)
+
+    def _int8(self, b: Bucket, x: Any, stages: Iterator[Group]) -> Iterator[Request]:
+        """int8 across ``inter``: all-to-all of the encoded pieces, sum at the owner; then (not
+        sharded) re-encode the sum and all-gather it back into ``x``."""
+        c, s = self.groups.inter.size, b.scratch
+        self.codec.encode_feedback(x.reshape(c, -1), b.residual.get(RESIDUAL_SEND), s["send"])
+        yield next(stages).ialltoall(s["send"], s["recv"])
+        if self.sharded:
+            self.codec.decode_sum(s["recv"], b.owned_grad)
+            return
+        total = self.codec.decode_sum(s["recv"], s["sum"])
+        self.codec.encode_feedback(total.reshape(1, -1), b.residual.get(RESIDUAL_GATHER),
+                                   s["send2"])
+        yield next(stages).iallgather(s["send2"], s["gathered"])
+        self.codec.decode(s["gathered"], x.reshape(c, -1))
+
+    def _topk(self, b: Bucket, x: Any, stages: Iterator[Group]) -> Iterator[Request]:
+        """top-k across ``inter``: all-gather every rank's values and indices, add them up."""
+        s = b.scratch
+        self.codec.encode_feedback(x.reshape(1, -1), b.residual.get(RESIDUAL_SEND), s["send"])
+        yield next(stages).iallgather(s["send"], s["gathered"])
+        self.codec.decode_sum(s["gathered"], x)
+        if self.sharded:
+            j, m = self.groups.inter.rank, b.owned_grad.size
+            b.owned_grad[...] = x[j * m:(j + 1) * m]
+
+    # ------------------------------------------------------------ ZeRO-1
+    def _node_range(self, b: Bucket) -> tuple[int, int]:
+        """``[lo, hi)`` of the bucket this rank's node shard covers (all of it when flat)."""
+        m = b.grads.size // self.groups.per_node
+        a = self.groups.intra.rank if self.groups.intra is not None else 0
+        return a * m, (a + 1) * m
+
+    def owned_range(self, b: Bucket) -> tuple[int, int]:
+        """``[lo, hi)`` of the flat buffer this rank owns under ZeRO-1 (and whose second-way
+        int8 residual it keeps)."""
+        lo, hi = self._node_range(b)
+        m = (hi - lo) // self.groups.inter.size
+        lo += self.groups.inter.rank * m
+        return lo, lo + m
+
+    def owned_pieces(self) -> Iterator[tuple[Bucket, str, int, int]]:
         """ZeRO-1: (bucket, name, lo, hi) of every parameter range inside this rank's owned
         slices, with ``lo, hi`` relative to the bucket's owned slice."""
-        r, n = self.group.rank, self.group.size
         for b in self.buckets:
-            a0, a1 = b.owned_range(r, n)
-            for name, (s, e) in b.offsets.items():
-                lo, hi = max(s, a0), min(e, a1)
-                if lo < hi:
-                    yield b, name, lo - a0, hi - a0
+            a0, a1 = self.owned_range(b)
+            for name, p_lo, p_hi, lo, hi in _param_ranges(b, a0, a1):
+                yield b, name, lo, hi
+
+    def gather_params(self) -> None:
+        """ZeRO-1: every rank's updated owned slices back into every rank's parameters (across
+        nodes into the node shard, then inside the node)."""
+        g = self.groups
+        for b in self.buckets:
+            lo, hi = self.owned_range(b)
+            n0, n1 = self._node_range(b)
+            if g.inter.size > 1:
+                g.inter.allgather(b.params[lo:hi].copy(), b.params[n0:n1])
+            if g.intra is not None:
+                g.intra.allgather(b.params[n0:n1].copy(), b.params)
+
+    # ------------------------------------------------------------ residuals (checkpoints)
+    def _residual_ranges(self, b: Bucket) -> Iterator[tuple[str, Any, int]]:
+        """(kind, residual buffer, its start in the bucket) of this rank's residuals."""
+        slot = self.groups.inter.rank
+        if RESIDUAL_SEND in b.residual:
+            yield f"{RESIDUAL_SEND}.{slot}", b.residual[RESIDUAL_SEND], self._node_range(b)[0]
+        if RESIDUAL_GATHER in b.residual:
+            yield RESIDUAL_GATHER, b.residual[RESIDUAL_GATHER], self.owned_range(b)[0]
+
+    def residual_pieces(self) -> Iterator[tuple[str, str, int, int, Any]]:
+        """``(kind, name, lo, hi, values)``: this rank's residuals as flat ranges ``[lo, hi)``
+        of its local shards (see the module docstring for the kinds)."""
+        for b in self.buckets:
+            for kind, buf, start in self._residual_ranges(b):
+                for name, p_lo, p_hi, lo, hi in _param_ranges(b, start, start + buf.size):
+                    yield kind, name, p_lo, p_hi, buf[lo:hi]
+
+    def load_residuals(self, local: Callable[[str, str], Any], kinds: set[str]) -> None:
+        """Set the residuals from ``local(kind, name)`` (this rank's whole local shard of a
+        saved residual) given the residual ``kinds`` a checkpoint holds: slot by slot when it
+        has this run's slots and codec, else their sum into slot 0 (module docstring)."""
+        if not self.feedback:
+            return
+        slots = sorted(k for k in kinds if k.startswith(RESIDUAL_SEND + "."))
+        mine = {k for b in self.buckets[:1] for k, _, _ in self._residual_ranges(b)}
+        exact = len(slots) == self.groups.inter.size and \
+            (RESIDUAL_GATHER in kinds) == (RESIDUAL_GATHER in mine)
+        owed = slots + sorted(kinds & {RESIDUAL_GATHER})
+        for b in self.buckets:
+            for kind, buf, start in self._residual_ranges(b):
+                buf.fill(0)
+                if not exact and (kind == RESIDUAL_GATHER or self.groups.inter.rank != 0):
+                    continue
+                for name, p_lo, p_hi, lo, hi in _param_ranges(b, start, start + buf.size):
+                    for saved in ([kind] if exact else owed):
+                        buf[lo:hi] += self.xp.asarray(local(saved, name).reshape(-1)[p_lo:p_hi])
+
+    def describe(self) -> str:
+        """The reduction in words, for the startup line."""
+        g = self.groups
+        how = (f"hierarchical ({g.per_node} per node x {g.inter.size} across)"
+               if self.hierarchical else "flat")
+        if self.codec is not None:
+            how += f", {self.codec.name} compression"
+            how += " with error feedback" if self.feedback else " without error feedback"
+        return f"dp x sp reduce {how}"
+
+
+def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, int, int, int]]:
+    """(name, lo, hi in the parameter's flat shard, lo, hi relative to ``start``) of every
+    parameter range of bucket ``b`` inside ``[start, stop)``."""
+    for name, (s, e) in b.offsets.items():
+        lo, hi = max(s, start), min(e, stop)
+        if lo < hi:
+            yield name, lo - s, hi - s, lo - start, hi - start
 
 
 @rules("data")
 def check_config(cfg: Config, world: int) -> None:
-    """The global batch must split evenly over dp and into microbatches; buckets need a size."""
+    """The global batch must split evenly over dp and into microbatches; buckets need a size;
+    hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1];
+    error-feedback residuals, one per rank, cannot follow a tied embedding across pipeline
+    ranks."""
+    from mpipar.topology import GridShape, NodeMap
+
     p, t = cfg.parallel, cfg.train
     require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")
     dp = p.dp or world // (p.tp * p.pp * p.sp)
@@ -165,3 +442,15 @@ def check_config(cfg: Config, world: int) -> None:
         require(t.global_batch_size % (dp * t.micro_batch_size) == 0,
                 f"train.global_batch_size={t.global_batch_size}: must be divisible by "
                 f"dp*micro_batch_size = {dp}*{t.micro_batch_size}")
+    require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio={p.topk_ratio}: must be in (0, 1]")
+    require(not (p.grad_compression != "none" and p.error_feedback == "on" and dp * p.sp > 1
+                 and cfg.model.tie_embeddings and p.pp > 1),
+            f"parallel.grad_compression={p.grad_compression!r} with error feedback: not with "
+            f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
+            f"residuals, and a checkpoint holds one); use --error-feedback off, pp=1 or untied "
+            f"embeddings")
+    if p.dp_reduce == "hierarchical" and p.ranks_per_node and dp * p.tp * p.pp * p.sp == world:
+        problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
+            NodeMap.blocks(world, p.ranks_per_node))
+        require(problem is None, f"parallel.dp_reduce='hierarchical' with "
+                                 f"ranks_per_node={p.ranks_per_node}: {problem}")

@@ -1,0 +1,71 @@
+"""The staging path on every axis (issue 10): with ``--cuda-aware-mpi off`` on the CPU every
+buffer call of every group (dp x sp buckets and ZeRO-1, tp, pp send/recv, ring Sendrecv and
+Isend/Irecv, Ulysses all-to-all, the tied embedding's pp_ends) goes through reusable host
+buffers, through the same code a device run uses with pinned buffers. Each layout must equal the
+single-process run in float64 (<= 1e-10), book exactly the MPI traffic of the direct path, and
+stop allocating host buffers after its first step."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import assert_all_ranks
+from layouts import compare, layout_name, layout_size, reference, small_config, token_source
+
+LAYOUTS = [
+    dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002),
+    dict(sp=4, tp=2, sp_overlap=True, sp_split="zigzag"),
+    dict(dp=2, sp=2, pp=2, sp_mode="ulysses", schedule="interleaved", virtual_stages=2),
+    dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True, schedule="zb-h1", bucket_mb=0.002),
+    dict(model="tied", dp=2, sp=2, pp=2),
+]
+
+
+def _engine(layout: dict, comm, path: str):
+    from mpipar.engine import Engine
+    layout = dict(layout)
+    cfg = small_config(model=layout.pop("model", "llama"), **layout)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_aware_mpi=path))
+    return Engine(cfg.resolved(comm.Get_size()), comm, source=token_source())
+
+
+def _check(layout: dict, comm) -> list[str]:
+    staged, direct = _engine(layout, comm, "off"), _engine(layout, comm, "auto")
+    fails = [] if staged.mpi_path.staging and not direct.mpi_path.staging else ["paths"]
+    runs = []
+    for eng in (staged, direct):
+        results = [eng.train_step(k) for k in range(2)]
+        runs.append(([r.loss for r in results], [r.grad_norm for r in results],
+                     eng.gather_params()))
+        eng.ledger.reset()
+    fails += compare(runs[0], reference("float64", model=layout.get("model", "llama")), 1e-10)
+    pool = staged.mpi_path.allocated
+    for eng in (staged, direct):
+        eng.train_step(2)
+    if staged.mpi_path.allocated != pool:
+        fails.append(f"staging allocated {staged.mpi_path.allocated - pool} buffers in step 3")
+    mine = {k: (e.bytes, e.messages) for k, e in staged.ledger.entries.items()}
+    theirs = {k: (e.bytes, e.messages) for k, e in direct.ledger.entries.items()}
+    if mine != theirs:
+        fails.append(f"staged ledger {mine} != direct {theirs}")
+    if mine and not staged.ledger.staging.bytes:
+        fails.append("no staging copies booked")
+    if direct.ledger.staging.bytes:
+        fails.append(f"the direct path staged {direct.ledger.staging.bytes} bytes")
+    return fails
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
+def test_staged_layouts_equal_one_process(world, layout):
+    size = layout_size(layout)
+    comm = world.Split(world.rank // size, world.rank)
+    fails: list[str] = []
+    try:
+        fails = _check(layout, comm)
+    except Exception as exc:  # every rank must reach the allgather
+        fails.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)

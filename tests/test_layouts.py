@@ -93,7 +93,8 @@ WINDOW = [dict(model="window", **v) for v in (
     dict(sp=4, pp=2, sp_mode="halo"), dict(sp=2, pp=2, dp=2, sp_mode="ulysses", sp_split="zigzag"),
     dict(sp=8, sp_mode="halo", sp_split="zigzag"), dict(sp=8, sp_overlap=True),
     dict(sp=2, tp=2, pp=2, sp_mode="halo", tp_sequence_parallel=True, schedule="zb-h1"),
-    dict(pp=2, tp=2, dp=2))] + [dict(model="gemma", **v) for v in (
+    dict(pp=2, tp=2, dp=2), dict(sp=4, dp=2, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"))
+] + [dict(model="gemma", **v) for v in (
     dict(sp=4, dp=2, sp_overlap=True, sp_split="zigzag", zero=1, bucket_mb=0.002),
     dict(sp=4, tp=2, sp_mode="halo"), dict(sp=2, pp=2, dp=2, schedule="interleaved",
                                            virtual_stages=2))]

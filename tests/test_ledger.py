@@ -27,7 +27,9 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(model="window", sp=8, sp_mode="halo", sp_split="zigzag"),
          dict(model="window", sp=4, tp=2, sp_mode="halo", recompute="full"),
          dict(model="gemma", sp=4, pp=2, sp_overlap=True, sp_split="zigzag"),
-         dict(model="gemma", sp=4, dp=2, sp_mode="halo")]
+         dict(model="gemma", sp=4, dp=2, sp_mode="halo"),
+         dict(model="window", sp=8, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag",
+              sp_overlap=True)]
 
 
 @pytest.mark.mpi(min_size=8)

@@ -684,11 +684,12 @@ def run_window(args: argparse.Namespace) -> dict[str, Any]:
     seqs = _ints(args.seqs)
     rows = []
     with tempfile.TemporaryDirectory(prefix="mpipar-bench-window-") as tmp:
-        data = comm.bcast(os.path.join(tmp, "tokens.npy"))
-        if comm.Get_rank() == 0:
-            np.save(data, np.random.default_rng(0).integers(0, 256, size=(4, max(seqs) + 1)))
-        comm.Barrier()
+        tmp = comm.bcast(tmp)
         for seq in seqs:
+            data = os.path.join(tmp, f"tokens_{seq}.npy")
+            if comm.Get_rank() == 0:
+                np.save(data, np.random.default_rng(0).integers(0, 256, size=(4, seq + 1)))
+            comm.Barrier()
             for mode, window in (("ring", 0), ("ring", args.window), ("halo", args.window)):
                 rows.append(measure_window_step(mode, window, seq, args, data, comm))
         comm.Barrier()

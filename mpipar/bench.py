@@ -681,6 +681,8 @@ def run_window(args: argparse.Namespace) -> dict[str, Any]:
 
     comm = MPI.COMM_WORLD
     say = print if comm.Get_rank() == 0 else (lambda *a, **k: None)
+    if args.quick:
+        args.seqs, args.window, args.steps = "256,1024", 64, 2
     seqs = _ints(args.seqs)
     rows = []
     with tempfile.TemporaryDirectory(prefix="mpipar-bench-window-") as tmp:

@@ -243,7 +243,8 @@ class RingAttention:
         hops = ring_hops(self.seq_layout, window)
         for i, (d, h) in enumerate(hops.relays()):
             relay = self._relay_overlapped if self.overlap else self._relay
-            home = relay(q, k, v, out, lse, dout, dq, d, h, window, tag=100 + 50 * i)
+            home = relay(q, k, v, out, lse, dout, dq, d, h, window,
+                         tag=4 * self.sp.size * (i + 1))
             dk += home[0]
             dv += home[1]
         return dq, dk, dv
@@ -274,10 +275,10 @@ class RingAttention:
             kv = nxt
             if t < hops:
                 nxt, reqs = self._start_shift(kv, d, tag + t)
-            dkv = xp.zeros_like(kv) if dkv is None else self._shift(dkv, d, tag + 25 + t)
+            dkv = xp.zeros_like(kv) if dkv is None else self._shift(dkv, d, tag + self.sp.size + t)
             self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
                               (self.rank - d * t) % self.sp.size, window)
-        return self._home(dkv, d, hops, tag + 49)
+        return self._home(dkv, d, hops, tag + 3 * self.sp.size)
 
     def _home(self, dkv: Array, d: int, hops: int, tag: int) -> Array:
         """Send the dK/dV of the block last computed (rank r - d hops') to their owner; receive

@@ -23,6 +23,13 @@ LAUNCHER_VARS = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCA
 USER_VARS = ("OMPI_MCA_", "PRTE_MCA_")
 
 
+def open_mpi() -> bool:
+    """Whether mpi4py loaded Open MPI (whose mpirun has its own exit-status rules)."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().startswith("Open MPI")
+
+
 @functools.lru_cache(maxsize=1)
 def mpi_launcher() -> tuple[str, tuple[str, ...]]:
     """(mpiexec of the MPI library that mpi4py loaded, the flags it needs here), or ("", ()).
@@ -40,7 +47,7 @@ def mpi_launcher() -> tuple[str, tuple[str, ...]]:
             if os.path.basename(path).startswith("libmpi.so"):
                 library = os.path.realpath(path)
                 break
-    openmpi = MPI.Get_library_version().startswith("Open MPI")
+    openmpi = open_mpi()
     names = ("mpiexec.openmpi", "mpiexec") if openmpi else ("mpiexec.mpich", "mpiexec.hydra",
                                                            "mpiexec")
     dirs = [os.path.join(os.path.dirname(os.path.dirname(library)), "bin")] if library else []

@@ -14,9 +14,11 @@ then runs without packing its operands and, with the tile in the L1/L2 caches, a
 a large GEMM (see `python -m mpipar.bench kernels`). K and V are transposed once per call so
 that the score products Q K^T and dO V^T are plain (NN) products.
 
-Causality. Key blocks past the last visible key are never computed; a tile that crosses the
-diagonal is cut into row segments of SEGMENT positions, each multiplied only with the keys it
-can see, so that at most SEGMENT / 2 keys per row are computed in vain.
+Causality and sliding windows. Key blocks past the last visible key, and with a sliding window
+W key blocks before the first key the window reaches, are never computed; a tile that crosses
+the diagonal or the window's edge is cut into row segments of SEGMENT positions, each
+multiplied only with the range of keys its rows can see, so that at most about SEGMENT / 2 keys
+per row and edge are computed in vain. `tile_work` counts the tiles and segments computed.
 
 Forward softmax. Each row keeps a reference value m (one of its own scores, taken in its first
 visible tile) and accumulates l = sum exp(s - m) and acc = sum exp(s - m) v. There is no
@@ -63,10 +65,20 @@ def tile_sizes(head_dim: int) -> tuple[int, int]:
 
 @njit(cache=True, nogil=True)
 def _visible(causal, q_offset, k_offset, pos, j0, nk):  # pragma: no cover (njit)
-    """How many of the keys [j0, j0 + nk) the query at local position `pos` sees."""
+    """End (exclusive, relative to j0) of the keys [j0, j0 + nk) the query at local position `pos`
+    sees: the causal bound."""
     if not causal:
         return nk
     return max(0, min(nk, q_offset + pos - k_offset - j0 + 1))
+
+
+@njit(cache=True, nogil=True)
+def _first(window, q_offset, k_offset, pos, j0, nk):  # pragma: no cover (njit)
+    """Start (relative to j0) of the keys the query at local position `pos` sees: the window's
+    bound (0 without a window)."""
+    if window <= 0:
+        return 0
+    return max(0, min(nk, q_offset + pos - window + 1 - k_offset - j0))
 
 
 @njit(cache=True, nogil=True)
@@ -80,42 +92,74 @@ def _even_step(n, most):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
-def _segments(causal, q_offset, k_offset, i0, nq, j0, nk, seg):  # pragma: no cover (njit)
+def _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, seg):  # pragma: no cover (njit)
     """Cut the tile (queries [i0, i0 + nq), keys [j0, j0 + nk)) into row segments: seg[s] =
-    (first position, end position, keys) for the positions that see any key; segments that see all
-    nk keys are merged. Returns the number of segments."""
+    (first position, end position, first key, end key) for the positions that see any key, the
+    keys being the union of what the segment's rows see (both bounds grow with the position);
+    segments that see all nk keys are merged. Returns the number of segments."""
     n = 0
     for t0 in range(0, nq, SEGMENT):
         t1 = min(nq, t0 + SEGMENT)
-        width = _visible(causal, q_offset, k_offset, i0 + t1 - 1, j0, nk)
-        if width == 0:
+        c0 = _first(window, q_offset, k_offset, i0 + t0, j0, nk)
+        c1 = _visible(causal, q_offset, k_offset, i0 + t1 - 1, j0, nk)
+        if c1 <= c0:
             continue
-        if n > 0 and width == nk and seg[n - 1, 2] == nk:
+        if n > 0 and c0 == 0 and c1 == nk and seg[n - 1, 2] == 0 and seg[n - 1, 3] == nk:
             seg[n - 1, 1] = t1
         else:
-            seg[n, 0], seg[n, 1], seg[n, 2] = t0, t1, width
+            seg[n, 0], seg[n, 1], seg[n, 2], seg[n, 3] = t0, t1, c0, c1
             n += 1
     return n
 
 
+def _key_range(causal: bool, window: int, q_offset: int, k_offset: int, lo: int, hi: int,
+               sk: int) -> tuple[int, int]:
+    """[start, end) of the keys that the query positions [lo, hi) can see."""
+    end = max(0, min(sk, q_offset + hi - k_offset)) if causal else sk
+    start = min(end, max(0, q_offset + lo - window + 1 - k_offset)) if window > 0 else 0
+    return start, end
+
+
+def tile_work(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: int = 0,
+              causal: bool = True, window: int = 0) -> tuple[int, int]:
+    """(tiles, score entries) the forward computes for one query head of one sequence of a
+    `[Sq]` x `[Sk]` block: what causal and window skipping leave of the Sq * Sk scores (a
+    host-side count of the kernel's own loops)."""
+    bq, bk = tile_sizes(head_dim)
+    seg = np.empty((bq // SEGMENT + 2, 4), np.int64)
+    tiles = entries = 0
+    for i0 in range(0, sq, bq):
+        nq = min(bq, sq - i0)
+        start, end = _key_range(causal, window, q_offset + i0, k_offset, 0, nq, sk)
+        step = _even_step(end - start, bk)
+        for j0 in range(start, end, step):
+            n = _segments(causal, window, q_offset, k_offset, i0, nq, j0, min(step, end - j0), seg)
+            tiles += n > 0
+            entries += int(((seg[:n, 1] - seg[:n, 0]) * (seg[:n, 3] - seg[:n, 2])).sum())
+    return tiles, entries
+
+
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _exp_row(p, n, shift, width):  # pragma: no cover (njit)
-    """p[:n] = exp(p[:n] - shift) in place, p[n:width] = 0; returns the sum (p's dtype)."""
+def _exp_row(p, lo, hi, shift, width):  # pragma: no cover (njit)
+    """p[lo:hi] = exp(p[lo:hi] - shift) in place, p[:lo] = p[hi:width] = 0; returns the sum
+    (p's dtype)."""
     total = p.dtype.type(0)
     sh = p.dtype.type(shift)
-    for j in range(n):
+    for j in range(lo):
+        p[j] = 0
+    for j in range(lo, hi):
         e = vexp(p[j] - sh)
         p[j] = e
         total += e
-    for j in range(n, width):
+    for j in range(hi, width):
         p[j] = 0
     return total
 
 
 @njit(cache=True, nogil=True)
-def _row_max(p, n):  # pragma: no cover (njit)
-    mx = p[0]
-    for j in range(1, n):
+def _row_max(p, lo, hi):  # pragma: no cover (njit)
+    mx = p[lo]
+    for j in range(lo + 1, hi):
         mx = max(mx, p[j])
     return mx
 
@@ -140,39 +184,44 @@ def _heads_major(x):  # pragma: no cover (njit)
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _fwd_rows(p, t0, t1, i0, j0, width, causal, q_offset, k_offset, m, has_m, l, acc, qh, kta, sk,
-              scale):  # pragma: no cover (njit)
-    """Softmax weights of tile rows [t0, t1) of one head, in place in p (scores in, weights out);
-    updates that head's m, l, acc `[positions(, D)]`. qh: the head's query rows `[positions, D]`,
-    kta: address of the key tile's K^T (to redo a row)."""
+def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, m, has_m, l, acc, qh, kta,
+              sk, scale):  # pragma: no cover (njit)
+    """Softmax weights of tile rows [t0, t1) of one head over the tile's keys [c0, c1), in place
+    in p[:, c0:c1] (scores in, weights out); updates that head's m, l, acc `[positions(, D)]`.
+    qh: the head's query rows `[positions, D]`, kta: address of K^T at key c0 (to redo a row)."""
     single = p.itemsize == 4
     d = acc.shape[1]
+    width = c1 - c0
     for t in range(t0, t1):
-        vis = _visible(causal, q_offset, k_offset, i0 + t, j0, width)
-        if vis == 0:
+        row = p[t, c0:c1]
+        hi = max(0, _visible(causal, q_offset, k_offset, i0 + t, j0, c1) - c0)
+        lo = max(0, _first(window, q_offset, k_offset, i0 + t, j0, c1) - c0)
+        if hi <= lo:
             for j in range(width):
-                p[t, j] = 0
+                row[j] = 0
             continue
         if not has_m[t]:
-            m[t] = _row_max(p[t], min(vis, 8))
+            m[t] = _row_max(row, lo, min(hi, lo + 8))
             has_m[t] = True
-        total = _exp_row(p[t], vis, m[t], width)
+        total = _exp_row(row, lo, hi, m[t], width)
         if not total <= SUM_LIMIT:  # a score far above m: redo the row with its exact maximum
             gemm(False, False, 1, width, d, scale, qh[t:].ctypes.data, qh.strides[0] // qh.itemsize, kta, sk,
-                 0.0, p[t].ctypes.data, width, single)
-            mx = _row_max(p[t], vis)
+                 0.0, row.ctypes.data, width, single)
+            mx = _row_max(row, lo, hi)
             corr = math.exp(m[t] - mx)
             l[t] *= corr
             for c in range(d):
                 acc[t, c] *= corr
             m[t] = mx
-            total = _exp_row(p[t], vis, mx, width)
+            total = _exp_row(row, lo, hi, mx, width)
         l[t] += total
 
 
 @njit(cache=True, nogil=True)
-def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, scale, bk, out, lse):  # pragma: no cover
-    """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over all keys."""
+def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, window, scale, bk, out,
+              lse):  # pragma: no cover (njit)
+    """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over the keys they
+    can see."""
     hq, d = q.shape[2], q.shape[3]
     hkv, sk = kt.shape[1], kt.shape[3]
     group = hq // hkv
@@ -182,22 +231,24 @@ def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, scale, bk, ou
     has_m = np.zeros((group, nq), np.bool_)
     l = np.zeros((group, nq))
     p = np.empty((nq, bk), q.dtype)
-    seg = np.empty((nq // SEGMENT + 2, 3), np.int64)
+    seg = np.empty((nq // SEGMENT + 2, 4), np.int64)
     kend = max(0, min(sk, q_offset + i0 + nq - k_offset)) if causal else sk
-    step = _even_step(kend, bk)
-    for j0 in range(0, kend, step):
+    kstart = min(kend, max(0, q_offset + i0 - window + 1 - k_offset)) if window > 0 else 0
+    step = _even_step(kend - kstart, bk)
+    for j0 in range(kstart, kend, step):
         nk = min(step, kend - j0)
-        kta = kt[b, kh, :, j0:].ctypes.data
+        nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, seg)
         for g in range(group):
             qh = q[b, i0:, kh * group + g]
-            for s in range(_segments(causal, q_offset, k_offset, i0, nq, j0, nk, seg)):
-                t0, t1, width = seg[s, 0], seg[s, 1], seg[s, 2]
-                gemm(False, False, t1 - t0, width, d, scale, qh[t0:].ctypes.data, hq * d, kta, sk, 0.0,
-                     p[t0:].ctypes.data, bk, single)
-                _fwd_rows(p, t0, t1, i0, j0, width, causal, q_offset, k_offset, m[g], has_m[g], l[g], acc[g],
-                          qh, kta, sk, scale)
-                gemm(False, False, t1 - t0, d, width, 1.0, p[t0:].ctypes.data, bk, v[b, j0:, kh].ctypes.data,
-                     hkv * d, 1.0, acc[g, t0:].ctypes.data, d, single)
+            for s in range(nseg):
+                t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
+                kta = kt[b, kh, :, j0 + c0:].ctypes.data
+                gemm(False, False, t1 - t0, c1 - c0, d, scale, qh[t0:].ctypes.data, hq * d, kta, sk, 0.0,
+                     p[t0:, c0:].ctypes.data, bk, single)
+                _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, m[g], has_m[g], l[g],
+                          acc[g], qh, kta, sk, scale)
+                gemm(False, False, t1 - t0, d, c1 - c0, 1.0, p[t0:, c0:].ctypes.data, bk,
+                     v[b, j0 + c0:, kh].ctypes.data, hkv * d, 1.0, acc[g, t0:].ctypes.data, d, single)
     for t in range(nq):
         for g in range(group):
             h = kh * group + g
@@ -213,7 +264,8 @@ def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, scale, bk, ou
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_fwd(q, kt, v, q_offset, k_offset, causal, scale, bq, bk, out, lse):  # pragma: no cover
+def _attention_fwd(q, kt, v, q_offset, k_offset, causal, window, scale, bq, bk, out,
+                   lse):  # pragma: no cover (njit)
     """One task per (sequence, kv head, query block); query blocks in zigzag order (0, n-1, 1, ...)
     so that the equal shares of tasks that threads get hold equal causal work."""
     nb, sq = q.shape[0], q.shape[1]
@@ -224,7 +276,7 @@ def _attention_fwd(q, kt, v, q_offset, k_offset, causal, scale, bq, bk, out, lse
         qb = idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2
         i0 = qb * bq
         _fwd_task(q, kt, v, task // (hkv * nqb), (task // nqb) % hkv, i0, min(bq, sq - i0), q_offset,
-                  k_offset, causal, scale, bk, out, lse)
+                  k_offset, causal, window, scale, bk, out, lse)
 
 
 def _inputs(q: Array, k: Array, v: Array, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype]:
@@ -238,17 +290,19 @@ def _inputs(q: Array, k: Array, v: Array, name: str) -> tuple[np.ndarray, np.nda
 
 
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None) -> tuple[Array, Array]:
-    """Blockwise attention; same contract as `numpy_ref.attention_fwd`.
+                  causal: bool = True, scale: float | None = None,
+                  window: int = 0) -> tuple[Array, Array]:
+    """Blockwise attention; same contract as `numpy_ref.attention_fwd` (sliding `window` included).
 
     q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out `[B, Sq, Hq, D]` (C-contiguous), lse `[B, Hq, Sq]`.
     """
     q, k, v, dt = _inputs(q, k, v, "attention_fwd")
+    ref.check_window(window, causal, "attention_fwd")
     b, sq, hq, d = q.shape
     out = np.empty(q.shape, dt)
     lse = np.empty((b, hq, sq), ref.stat_dtype(dt))
     bq, bk = tile_sizes(d)
-    _attention_fwd(q, _heads_major(k), v, int(q_offset), int(k_offset), bool(causal),
+    _attention_fwd(q, _heads_major(k), v, int(q_offset), int(k_offset), bool(causal), int(window),
                    dt.type(ref.attention_scale(d, scale)), bq, bk, out, lse)
     return out, lse
 
@@ -258,27 +312,32 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _bwd_rows(p, dp, t0, t1, i0, j0, width, causal, q_offset, k_offset, lse_h, delta_h):  # pragma: no cover
-    """Tile rows [t0, t1) of one head: p = exp(s - lse) in place of the scores s and
-    dp = p * (dp - delta) in place of dP; both 0 past each row's visible keys."""
+def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, lse_h,
+              delta_h):  # pragma: no cover (njit)
+    """Tile rows [t0, t1) of one head over the keys [c0, c1): p = exp(s - lse) in place of the
+    scores s and dp = p * (dp - delta) in place of dP; both 0 outside each row's visible keys."""
     for t in range(t0, t1):
-        vis = _visible(causal, q_offset, k_offset, i0 + t, j0, width)
+        hi = _visible(causal, q_offset, k_offset, i0 + t, j0, c1)
+        lo = _first(window, q_offset, k_offset, i0 + t, j0, c1)
         if lse_h[i0 + t] == -np.inf:
-            vis = 0
+            hi = lo
         sh = p.dtype.type(lse_h[i0 + t])
         dl = p.dtype.type(delta_h[i0 + t])
-        for j in range(vis):
+        for j in range(c0, max(c0, lo)):
+            p[t, j] = 0
+            dp[t, j] = 0
+        for j in range(max(c0, lo), hi):
             e = vexp(p[t, j] - sh)
             p[t, j] = e
             dp[t, j] = e * (dp[t, j] - dl)
-        for j in range(vis, width):
+        for j in range(max(c0, hi), c1):
             p[t, j] = 0
             dp[t, j] = 0
 
 
 @njit(cache=True, nogil=True)
-def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal, scale, bq, bk, dq, dk,
-              dv):  # pragma: no cover (njit)
+def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, scale, bq, bk,
+              dq, dk, dv):  # pragma: no cover (njit)
     """All gradients of kv head kh of sequence b: dk, dv rows of that head and dq (+=) of its query
     heads. delta `[B, Hq, Sq]` = rowsum(dout * out)."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
@@ -290,30 +349,36 @@ def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal,
     dp = np.empty((bq, bk), q.dtype)
     dk_acc = np.empty((bk, d), q.dtype)
     dv_acc = np.empty((bk, d), q.dtype)
-    seg = np.empty((bq // SEGMENT + 2, 3), np.int64)
+    seg = np.empty((bq // SEGMENT + 2, 4), np.int64)
     for j0 in range(0, sk, bk):
         nk = min(bk, sk - j0)
         first = max(0, k_offset + j0 - q_offset) if causal else 0  # first query that sees key j0
         if first >= sq:
             break
+        # The window: no query past the last one whose window reaches key j0 + nk - 1.
+        last = min(sq, k_offset + j0 + nk - 1 + window - q_offset) if window > 0 else sq
+        if last <= first:
+            continue
         dk_acc[:] = 0
         dv_acc[:] = 0
-        kta, vta = kt[b, kh, :, j0:].ctypes.data, vt[b, kh, :, j0:].ctypes.data
-        for i0 in range(first - first % bq, sq, bq):
+        for i0 in range(first - first % bq, last, bq):
             nq = min(bq, sq - i0)
-            nseg = _segments(causal, q_offset, k_offset, i0, nq, j0, nk, seg)
+            nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, seg)
             for g in range(group):
                 h = kh * group + g
                 for s in range(nseg):
-                    t0, t1, w = seg[s, 0], seg[s, 1], seg[s, 2]
-                    nr, pa, dpa = t1 - t0, p[t0:].ctypes.data, dp[t0:].ctypes.data
+                    t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
+                    nr, w, pa, dpa = t1 - t0, c1 - c0, p[t0:, c0:].ctypes.data, dp[t0:, c0:].ctypes.data
+                    kta, vta = kt[b, kh, :, j0 + c0:].ctypes.data, vt[b, kh, :, j0 + c0:].ctypes.data
                     qa, doa = q[b, i0 + t0:, h].ctypes.data, dout[b, i0 + t0:, h].ctypes.data
                     gemm(False, False, nr, w, d, scale, qa, ldq, kta, sk, 0.0, pa, bk, single)
                     gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, sk, 0.0, dpa, bk, single)
-                    _bwd_rows(p, dp, t0, t1, i0, j0, w, causal, q_offset, k_offset, lse[b, h], delta[b, h])
-                    gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, dv_acc.ctypes.data, d, single)
-                    gemm(True, False, w, d, nr, scale, dpa, bk, qa, ldq, 1.0, dk_acc.ctypes.data, d, single)
-                    gemm(False, False, nr, d, w, scale, dpa, bk, k[b, j0:, kh].ctypes.data, hkv * d, 1.0,
+                    _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, lse[b, h],
+                              delta[b, h])
+                    gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, dv_acc[c0:].ctypes.data, d, single)
+                    gemm(True, False, w, d, nr, scale, dpa, bk, qa, ldq, 1.0, dk_acc[c0:].ctypes.data, d,
+                         single)
+                    gemm(False, False, nr, d, w, scale, dpa, bk, k[b, j0 + c0:, kh].ctypes.data, hkv * d, 1.0,
                          dq[b, i0 + t0:, h].ctypes.data, ldq, single)
         for j in range(nk):
             for c in range(d):
@@ -322,13 +387,13 @@ def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal,
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_bwd(q, k, kt, vt, lse, delta, dout, q_offset, k_offset, causal, scale, bq, bk, dq, dk,
-                   dv):  # pragma: no cover (njit)
+def _attention_bwd(q, k, kt, vt, lse, delta, dout, q_offset, k_offset, causal, window, scale, bq, bk,
+                   dq, dk, dv):  # pragma: no cover (njit)
     """One task per (sequence, kv head)."""
     hkv = k.shape[2]
     for task in prange(q.shape[0] * hkv):
-        _bwd_task(q, k, kt, vt, lse, delta, dout, task // hkv, task % hkv, q_offset, k_offset, causal, scale,
-                  bq, bk, dq, dk, dv)
+        _bwd_task(q, k, kt, vt, lse, delta, dout, task // hkv, task % hkv, q_offset, k_offset, causal,
+                  window, scale, bq, bk, dq, dk, dv)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -348,13 +413,15 @@ def _row_dots(a, b):  # pragma: no cover (njit)
 
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None) -> tuple[Array, Array, Array]:
-    """Blockwise flash-attention backward from the given (possibly merged) out and lse.
+                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
+    """Blockwise flash-attention backward from the given (possibly merged) out and lse (sliding
+    `window` included).
 
     Same contract as `numpy_ref.attention_bwd`: dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`
     (C-contiguous).
     """
     q, k, v, dt = _inputs(q, k, v, "attention_bwd")
+    ref.check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
     require(out.shape == q.shape and dout.shape == q.shape and lse.shape == (b, hq, sq),
             f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse {lse.shape} "
@@ -366,5 +433,5 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     bq, bk = tile_sizes(d)
     _attention_bwd(q, k, _heads_major(k), _heads_major(v), np.ascontiguousarray(lse, ref.stat_dtype(dt)),
                    _row_dots(dout, np.ascontiguousarray(out, dt)), dout, int(q_offset), int(k_offset),
-                   bool(causal), dt.type(ref.attention_scale(d, scale)), bq, bk, dq, dk, dv)
+                   bool(causal), int(window), dt.type(ref.attention_scale(d, scale)), bq, bk, dq, dk, dv)
     return dq, dk, dv

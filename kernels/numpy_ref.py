@@ -354,11 +354,22 @@ def attention_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def visible_mask(xp: ModuleType, sq: int, sk: int, q_offset: int, k_offset: int) -> Array:
-    """Boolean `[Sq, Sk]`: key j is visible to query i iff k_offset + j <= q_offset + i."""
+def visible_mask(xp: ModuleType, sq: int, sk: int, q_offset: int, k_offset: int,
+                 window: int = 0) -> Array:
+    """Boolean `[Sq, Sk]`: key j is visible to query i iff k_offset + j <= q_offset + i and, with a
+    sliding `window` W > 0, also q_offset + i - (k_offset + j) < W (the query and the W - 1 keys
+    before it, as Mistral's sliding_window)."""
     qpos = xp.arange(sq)[:, None] + q_offset
     kpos = xp.arange(sk)[None, :] + k_offset
+    if window > 0:
+        return (kpos <= qpos) & (qpos - kpos < window)
     return kpos <= qpos
+
+
+def check_window(window: int, causal: bool, name: str) -> None:
+    """A sliding window is a non-negative key count (0: none) and needs causal attention."""
+    require(int(window) == window and window >= 0, f"{name}: window={window} must be an integer >= 0")
+    require(causal or window == 0, f"{name}: window={window} needs causal=True")
 
 
 def _grouped_scores(q: Array, k: Array, scale: float) -> Array:
@@ -372,22 +383,25 @@ def _grouped_scores(q: Array, k: Array, scale: float) -> Array:
 
 
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None) -> tuple[Array, Array]:
+                  causal: bool = True, scale: float | None = None,
+                  window: int = 0) -> tuple[Array, Array]:
     """Softmax attention of one block of queries over one block of keys.
 
     q: `[B, Sq, Hq, D]`, k, v: `[B, Sk, Hkv, D]`; query head h reads kv head h // (Hq // Hkv).
     Query i sits at global position q_offset + i, key j at k_offset + j; with `causal` key j is
-    visible iff k_offset + j <= q_offset + i.
+    visible iff k_offset + j <= q_offset + i, and with a sliding `window` W > 0 only if also
+    q_offset + i - (k_offset + j) < W (see `visible_mask`).
     Returns out `[B, Sq, Hq, D]` (q's dtype) and lse `[B, Hq, Sq]` = log sum_j exp(scale q.k_j) over
     visible keys (float64 for float64 q, else float32); rows with no visible key: out 0, lse -inf.
     """
     check_attention_shapes(q, k, v, "attention_fwd")
+    check_window(window, causal, "attention_fwd")
     xp = array_module(q)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     s = _grouped_scores(q, k, attention_scale(d, scale))  # [B, Hkv, G, Sq, Sk]
     if causal:
-        s = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset), s, -np.inf)
+        s = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset, window), s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if sk > 0 else xp.full(s.shape[:-1] + (1,), -np.inf, q.dtype)
     m_safe = xp.where(xp.isfinite(m), m, 0.0).astype(q.dtype, copy=False)
     p = xp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
@@ -403,8 +417,9 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None) -> tuple[Array, Array, Array]:
-    """Gradients of `attention_fwd` for one key block, given the (possibly merged) out and lse.
+                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
+    """Gradients of `attention_fwd` for one key block, given the (possibly merged) out and lse
+    (with the same causal mask and sliding `window`).
 
     q, out, dout: `[B, Sq, Hq, D]`, k, v: `[B, Sk, Hkv, D]`, lse: `[B, Hq, Sq]`.
     `out`/`lse` may be the results merged over all key blocks (ring attention); then the sum over
@@ -414,6 +429,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     Returns dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`.
     """
     check_attention_shapes(q, k, v, "attention_bwd")
+    check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -427,7 +443,8 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     lse_safe = xp.where(xp.isfinite(lse_g), lse_g, np.inf).astype(q.dtype, copy=False)
     p = xp.exp(s - lse_safe)  # rows with lse = -inf: exp(-inf) = 0
     if causal:
-        p = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset), p, 0.0).astype(q.dtype, copy=False)
+        p = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset, window), p, 0.0).astype(q.dtype,
+                                                                                      copy=False)
     dog = dout.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, Sq, D]
     qg = q.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4)
     delta = (dout * out).sum(axis=-1).reshape(b, sq, hkv, g).transpose(0, 2, 3, 1)[..., None]

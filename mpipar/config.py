@@ -68,6 +68,29 @@ class ModelConfig:
     attention_bias: bool = _f(False, "q, k and v projections have biases (Qwen2)")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
+    sliding_window: int = _f(0, "sliding-window attention: a token sees itself and the W-1 "
+                                "tokens before it (Mistral's sliding_window); 0 = full causal")
+    window_layers: str = _f("all", "the layers that use --sliding-window: all, even (layers 0, 2, "
+                                   "... local, the others global, as Gemma 2), odd, or a comma "
+                                   "list of layer indices")
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of block ``layer``: ``sliding_window`` if ``window_layers`` names
+        the layer, else 0 (full causal attention)."""
+        if self.sliding_window == 0:
+            return 0
+        spec = self.window_layers.strip()
+        if spec == "all":
+            chosen = True
+        elif spec in ("even", "odd"):
+            chosen = layer % 2 == (spec == "odd")
+        else:
+            chosen = layer in {int(x) for x in spec.split(",") if x.strip()}
+        return self.sliding_window if chosen else 0
+
+    def windows(self) -> list[int]:
+        """The sliding window of every layer (0: full causal), in layer order."""
+        return [self.layer_window(i) for i in range(self.layers)]
 
     def resolved(self) -> "ModelConfig":
         """A copy with the derived defaults (head_dim, ffn_hidden) filled in."""
@@ -93,9 +116,11 @@ class ParallelConfig:
                                      "and 2*sp-1-i, balancing causal work)",
                        choices=("contiguous", "zigzag"))
     sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
-                              "to head groups) or hybrid (Ulysses inside groups of "
-                              "--ulysses-size sp ranks, ring across them)",
-                      choices=("ring", "ulysses", "hybrid"))
+                              "to head groups), hybrid (Ulysses inside groups of "
+                              "--ulysses-size sp ranks, ring across them) or halo (sliding "
+                              "window: only the W-1 positions before each rank's tokens come "
+                              "from the ranks holding them)",
+                      choices=("ring", "ulysses", "hybrid", "halo"))
     ulysses_size: int = _f(0, "--sp-mode hybrid: sp ranks per Ulysses group (consecutive, so "
                               "on one node when tp x ulysses_size ranks fit in one); the ring "
                               "runs over sp / ulysses_size of them")
@@ -199,13 +224,15 @@ class TrainConfig:
     allow_oversubscribed_memory: bool = _f(False, "start even when the planner's memory of a rank "
                                                   "exceeds its share of the node's available "
                                                   "memory")
-    init_from_hf: str = _f("", "start from a Hugging Face Llama or Qwen2 directory (config.json + "
+    init_from_hf: str = _f("", "start from a Hugging Face Llama, Qwen2 or Mistral directory "
+                               "(config.json + "
                                "safetensors); model settings then come from it")
     hf_untie_embeddings: bool = _f(False, "with --init-from-hf of a tied checkpoint: untie the "
                                           "LM head (it starts as a copy of the embedding and "
                                           "trains apart); default: keep them tied")
     export_hf: str = _f("", "write the trained weights as a Hugging Face directory at the end "
-                            "(Llama; Qwen2 when the model has attention biases)")
+                            "(Llama; Qwen2 when the model has attention biases; Mistral with "
+                            "a sliding window on every layer)")
     export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
                            choices=("", "float16", "float32", "float64"))
     tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
@@ -301,6 +328,7 @@ class Config:
         _check_rope_scaling(m)
         require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
         require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
+        _check_window(m)
 
         _positive(p, ("tp", "pp", "sp", "virtual_stages"), "parallel")
         require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")
@@ -359,6 +387,19 @@ def require(ok: bool, message: str) -> None:
     """Raise :class:`ConfigError` with ``message`` (field, value and rule) unless ``ok``."""
     if not ok:
         raise ConfigError(message)
+
+
+def _check_window(m: ModelConfig) -> None:
+    """``sliding_window`` is >= 0; ``window_layers`` is all, even, odd or a list of layers."""
+    require(m.sliding_window >= 0,
+            f"model.sliding_window={m.sliding_window}: must be >= 0 (0 = full causal)")
+    spec = m.window_layers.strip()
+    if spec in ("all", "even", "odd"):
+        return
+    items = [x.strip() for x in spec.split(",")]
+    require(spec != "" and all(x.isdigit() and int(x) < m.layers for x in items),
+            f"model.window_layers={m.window_layers!r}: must be all, even, odd or a comma list of "
+            f"layer indices in [0, {m.layers})")
 
 
 MAX_SCHEDULE_SLOTS = 2**16

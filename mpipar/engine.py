@@ -45,7 +45,8 @@ from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.params import init_param
 from mpipar.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
-from mpipar.parallel.context import HybridAttention, RingAttention, SeqLayout, UlyssesAttention
+from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
+                                     UlyssesAttention)
 from mpipar.parallel.data import GradReducer, ReduceGroups
 from mpipar.parallel.fsdp import ShardedParams
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
@@ -161,6 +162,8 @@ class Engine:
             return LocalAttention(self.kernels)
         if par.sp_mode == "ulysses":
             return UlyssesAttention(self.kernels, sp, self.seq_layout)
+        if par.sp_mode == "halo":
+            return HaloAttention(self.kernels, sp, self.seq_layout)
         if par.sp_mode == "hybrid":
             return HybridAttention(self.kernels, self.groups["sp_ulysses"], self.groups["sp_ring"],
                                    self.seq_layout, par.sp_overlap)

@@ -1,4 +1,4 @@
-"""Hugging Face Llama and Qwen2 checkpoints in and out: ``config.json`` + safetensors, NumPy only.
+"""Hugging Face Llama, Qwen2 and Mistral checkpoints in and out: ``config.json`` + safetensors.
 
 A Hugging Face directory holds ``config.json`` and the weights, either in one
 ``model.safetensors`` or in shards listed by ``model.safetensors.index.json``. Tensor names are
@@ -11,8 +11,9 @@ any permutation; grouped-query heads are the ``kv_heads`` row blocks of k/v in b
     python -m mpipar.hf inspect DIR      # what of the checkpoint mpipar supports, field by field
     python -m mpipar.hf convert SRC DST [--dtype float16|float32|float64]
 
-What mpipar reads (:func:`support`): ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` (whose q, k
-and v projections have biases: mpipar's ``attention_bias``); RoPE scaling of ``rope_type``
+What mpipar reads (:func:`support`): ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (whose q, k
+and v projections have biases: mpipar's ``attention_bias``) and ``MistralForCausalLM`` (whose
+``sliding_window`` is mpipar's, on every layer); RoPE scaling of ``rope_type``
 ``default``, ``linear``, ``dynamic`` and ``llama3`` (``rope_scaling`` in transformers 4.x,
 ``rope_parameters`` in 5.x); tied embeddings (``tie_word_embeddings: true``), kept as one
 parameter, or untied on request (the LM head then starts as a copy of the embedding and trains
@@ -20,8 +21,9 @@ apart). What is refused, with the field named: another architecture or ``model_t
 RoPE types (yarn, longrope, ...), ``partial_rotary_factor`` below 1, Llama's
 ``attention_bias`` (it adds an o_proj bias mpipar does not have) and ``mlp_bias``, Qwen2's sliding
 window, a ``hidden_act`` other than SiLU, missing or unexpected tensors, and shapes that disagree
-with the config. An export writes ``Qwen2ForCausalLM`` for a model with attention biases and
-``LlamaForCausalLM`` otherwise, tied or not as the model is.
+with the config. An export writes ``Qwen2ForCausalLM`` for a model with attention biases,
+``MistralForCausalLM`` for one with a sliding window on every layer, and ``LlamaForCausalLM``
+otherwise, tied or not as the model is.
 
 bfloat16 tensors: NumPy has no bfloat16, so they are read from the file's raw bytes and widened
 exactly to float32 (a bfloat16 is the upper 16 bits of a float32). Other tensors keep the
@@ -52,13 +54,14 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 """The ``model_type`` values mpipar reads and writes, and their architecture."""
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 """The ``rope_type`` values mpipar computes exactly (:func:`mpipar.kernels.numpy_ref.rope_inv_freq`)."""
 
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768}  # transformers' max_position_embeddings defaults
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}  # transformers' max_position_embeddings defaults
 
 SAVE_DTYPES = ("float16", "float32", "float64")
 """dtypes :func:`save_hf` writes and :func:`load_hf` casts to."""
@@ -81,6 +84,7 @@ _HF_FIELD = {  # mpipar ModelConfig field -> config.json field
     "rope_high_freq_factor": "rope_scaling.high_freq_factor",
     "rope_original_max_positions": "rope_scaling.original_max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings", "attention_bias": "model_type (qwen2: q/k/v biases)",
+    "sliding_window": "sliding_window (mistral)",
 }
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
@@ -148,6 +152,19 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
                                     f"are all 'full_attention'")
         return "q, k and v projections with biases (Qwen2), full causal attention", \
             {"attention_bias": True}
+    if raw.get("model_type", "llama") == "mistral":
+        window = raw.get("sliding_window")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                                   or window < 1):
+            raise HFCheckpointError(f"sliding_window={window!r}: must be a positive integer or "
+                                    f"null")
+        if raw.get("layer_types"):
+            raise HFCheckpointError(f"layer_types={raw['layer_types']!r} is not supported for "
+                                    f"model_type 'mistral' (every layer uses sliding_window)")
+        if not window:
+            return "no attention biases, full causal attention (Mistral)", {"sliding_window": 0}
+        return (f"no attention biases, a sliding window of {window} positions on every layer "
+                f"(Mistral)", {"sliding_window": window, "window_layers": "all"})
     if raw.get("attention_bias", False):
         raise HFCheckpointError("attention_bias=true is not supported: in LlamaForCausalLM it "
                                 "also gives o_proj a bias, which mpipar does not have (its "
@@ -340,10 +357,21 @@ def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
     return {k: raw[k] for k in PASSTHROUGH_FIELDS if k in raw}
 
 
+def model_type(cfg: ModelConfig) -> str:
+    """The ``model_type`` mpipar writes ``cfg`` as: qwen2 with attention biases (q/k/v), mistral
+    with a sliding window on every layer, else llama. A window on some layers only, or with
+    biases, has no such architecture (HFCheckpointError)."""
+    if cfg.sliding_window and (cfg.attention_bias or cfg.window_layers.strip() != "all"):
+        raise HFCheckpointError(
+            f"model.sliding_window={cfg.sliding_window} with window_layers="
+            f"{cfg.window_layers!r} and attention_bias={cfg.attention_bias}: only a window on "
+            f"every layer without biases (MistralForCausalLM) can be exported")
+    return "qwen2" if cfg.attention_bias else "mistral" if cfg.sliding_window else "llama"
+
+
 def architecture(cfg: ModelConfig) -> str:
-    """The transformers architecture mpipar writes ``cfg`` as: Qwen2ForCausalLM with attention
-    biases (q/k/v), else LlamaForCausalLM."""
-    return ARCHITECTURES["qwen2" if cfg.attention_bias else "llama"]
+    """The transformers architecture mpipar writes ``cfg`` as (see :func:`model_type`)."""
+    return ARCHITECTURES[model_type(cfg)]
 
 
 def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = None) -> dict:
@@ -359,7 +387,7 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
         raise ValueError(f"extra config fields {unknown}: only {list(PASSTHROUGH_FIELDS)} may be "
                          f"given; the others follow from the model config")
     m = cfg.resolved()
-    kind = "qwen2" if m.attention_bias else "llama"
+    kind = model_type(m)
     out = {
         "architectures": [architecture(m)],
         "model_type": kind,
@@ -381,8 +409,9 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    out.update({"use_sliding_window": False} if kind == "qwen2" else
-               {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
+    out.update({"qwen2": {"use_sliding_window": False},
+                "mistral": {"sliding_window": m.sliding_window}}.get(
+        kind, {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}))
     out.update(extra)
     scaling = _rope_scaling(m)
     if scaling:

@@ -54,6 +54,8 @@ from mpipar.config import Config, ConfigError, ModelConfig
 from mpipar.comm import LINKS, wire_bytes
 from mpipar.model.params import EMBED
 from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
+from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_hops,
+                                     ring_messages)
 from mpipar.parallel.data import padded_size, plan_buckets
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
@@ -194,7 +196,7 @@ def _calls(cfg: Config, coord: Coord, eval_batches: int = 0) -> list[Call]:
     train = eval_batches == 0
     e = np.dtype(tr.dtype).itemsize
     b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
-    n_tok, H, D = b * s_loc, m.hidden, m.head_dim
+    n_tok, H = b * s_loc, m.hidden
     micro = tr.global_batch_size // (par.dp * b)
     passes = micro if train else micro * eval_batches   # forwards of a microbatch per chunk
     p, v = par.pp, par.virtual_stages
@@ -207,22 +209,9 @@ def _calls(cfg: Config, coord: Coord, eval_batches: int = 0) -> list[Call]:
         calls += _tp_calls(cfg, n_tok, blocks, 0 in stages, (p * v - 1) in stages, passes, stages,
                            train)
     if par.sp > 1:
-        q = b * s_loc * (m.heads // par.tp) * D * e
-        kv = b * s_loc * (m.kv_heads // par.tp) * D * e
         reruns = 2 if train and tr.recompute == "full" else 1   # backward re-runs forwards
-        reps, bwds = reruns * blocks * passes, blocks * passes if train else 0
-
-        right = shape.rank_of(coord._replace(sp=coord.sp + 1))
-        if par.sp_mode == "ulysses":
-            calls += _ulysses_calls("sp", q, kv, reps, bwds)
-        elif par.sp_mode == "hybrid":
-            u = par.ulysses_size
-            ring_right = shape.rank_of(coord._replace(sp=coord.sp + u))
-            calls += _ulysses_calls("sp_ulysses", q, kv, reps, bwds) if u > 1 else []
-            calls += _ring_calls("sp_ring", par.sp // u, kv, reps, bwds, par.sp_overlap,
-                                 ring_right)
-        else:
-            calls += _ring_calls("sp", par.sp, kv, reps, bwds, par.sp_overlap, right)
+        layers = [i for st in stages for i in placement_table(cfg).stage_layers(st)]
+        calls += _sp_calls(cfg, coord, shape, layers, reruns * passes, passes if train else 0)
     if p > 1:
         calls += _pp_calls(cfg, coord, n_tok * H * e, stages, passes, shape, train)
     if par.dp * par.sp > 1:
@@ -266,25 +255,43 @@ def _sharded_calls(cfg: Config, coord: Coord, train: bool, passes: int) -> list[
     return calls + [Call("dp_sp", "allgather", L // n * e) for L in lengths.values()]
 
 
+def _sp_calls(cfg: Config, coord: Coord, shape: GridShape, layers: list[int], reps: int,
+              bwds: int) -> list[Call]:
+    """SP attention of ``layers`` on the rank at ``coord``: ``reps`` forwards and ``bwds``
+    backwards of each layer in a step, each layer with its own sliding window. Ring and halo
+    messages come from :mod:`mpipar.parallel.context`'s hop and halo plans (hybrid: the ring
+    over the Ulysses groups, ``ulysses_size`` sp ranks apart)."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    e = np.dtype(tr.dtype).itemsize
+    s_loc = tr.seq_len // par.sp
+    row = tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim * e   # one position's K
+    q = tr.micro_batch_size * s_loc * (m.heads // par.tp) * m.head_dim * e
+    n = len(layers)
+    if par.sp_mode == "ulysses":
+        return _ulysses_calls("sp", q, row * s_loc, reps * n, bwds * n)
+    calls, group, stride = [], "sp", 1
+    layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    if par.sp_mode == "hybrid":
+        stride = par.ulysses_size
+        calls += _ulysses_calls("sp_ulysses", q, row * s_loc, reps * n, bwds * n) if stride > 1 \
+            else []
+        group, layout = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
+    for layer in layers:
+        window = m.layer_window(layer)
+        fwd, bwd = (halo_messages(halo_plan(layout, coord.sp, window), coord.sp, par.sp, row)
+                    if par.sp_mode == "halo" else
+                    ring_messages(ring_hops(layout, window), row * s_loc, par.sp_overlap))
+        for (op, nbytes, count, off), times in [(x, reps) for x in fwd] + [(x, bwds) for x in bwd]:
+            peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
+                    if off else None)
+            calls.append(Call(group, op, nbytes, count * times, peer))
+    return calls
+
+
 def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:
     """All-to-alls of q, k, v and the output forward, of dout, dq, dk, dv backward."""
     return [Call(group, "alltoall", q, 2 * (reps + bwds)),
             Call(group, "alltoall", kv, 2 * (reps + bwds))]
-
-
-def _ring_calls(group: str, n: int, kv: int, reps: int, bwds: int, overlap: bool,
-                right: int) -> list[Call]:
-    """The ring of ``n`` ranks: forward, K/V ``n - 1`` hops; backward, K/V and dK/dV ``n - 1``
-    hops and dK/dV's last hop home (with ``overlap``, K/V by Isend/Irecv and dK/dV by
-    Sendrecv). Every send goes to the ``right`` neighbour."""
-    hops = n - 1
-    if not overlap:
-        return [Call(group, "sendrecv", 2 * kv, hops * reps, right),
-                Call(group, "sendrecv", 4 * kv, hops * bwds, right),
-                Call(group, "sendrecv", 2 * kv, bwds, right)]
-    return [Call(group, "send", 2 * kv, hops * (reps + bwds), right),
-            Call(group, "recv", 0, hops * (reps + bwds)),
-            Call(group, "sendrecv", 2 * kv, n * bwds, right)]
 
 
 def _pp_calls(cfg: Config, coord: Coord, act_full: int, stages: list[int], passes: int,
@@ -500,7 +507,7 @@ def _block_activation_bytes(cfg: Config, mode: str) -> int:
     ulysses = par.sp > 1 and par.sp_mode == "ulysses"
     # The core's output, and its context: the lse (local, ring) or Ulysses' all-to-all'ed copies
     # of q, k, v and of the output, and the lse.
-    core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0)
+    core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0) + _halo_bytes(cfg)
     inputs = 0 if ulysses else (q + 2 * kv) * n * e          # q, k, v as the core reads them
     if mode == "none":
         return (4 * H + 2) * ns * e + 3 * F * n * e + inputs + core  # x, h1, x2, h2, rstds, g, u, m
@@ -509,6 +516,19 @@ def _block_activation_bytes(cfg: Config, mode: str) -> int:
     if mode == "full":
         return H * ns * e                                           # the block input only
     return 0                                                        # offload: on disk
+
+
+def _halo_bytes(cfg: Config) -> int:
+    """Bytes of the K/V rows halo attention keeps for backward in one block (the most of any
+    SP rank and layer); 0 in the other modes."""
+    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    if par.sp == 1 or par.sp_mode != "halo":
+        return 0
+    layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    rows = max(sum(len(p) for p in halo_plan(layout, r, w).recv.values())
+               for r in range(par.sp) for w in set(m.windows()))
+    return 2 * rows * tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim \
+        * np.dtype(tr.dtype).itemsize
 
 
 def _head_activation_bytes(cfg: Config) -> int:
@@ -641,20 +661,33 @@ def _block_flops_per_token(cfg: Config, context: float) -> float:
     return matmul + 4 * hq * D * context                           # q k^T and p v
 
 
+def window_context(seq_len: int, window: int) -> float:
+    """Mean keys a query sees over a sequence: (S + 1) / 2 causal; with a sliding window W the
+    query at position i sees min(i + 1, W)."""
+    if window == 0 or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
 def model_flops_per_step(cfg: Config) -> float:
     """Model FLOPs of one optimizer step (forward + backward = 3 x forward, causal attention:
-    a query at position i sees i + 1 keys), whatever the layout and recompute mode."""
+    a query at position i sees i + 1 keys, or min(i + 1, W) in a layer with a sliding window W),
+    whatever the layout and recompute mode."""
     m, tr = cfg.model.resolved(), cfg.train
     one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
-    per_token = (m.layers * _block_flops_per_token(one, (tr.seq_len + 1) / 2)
+    per_token = (sum(_block_flops_per_token(one, window_context(tr.seq_len, w))
+                     for w in m.windows())
                  + 2 * m.hidden * m.vocab_size)                    # LM head
     return 3.0 * per_token * tr.global_batch_size * tr.seq_len
 
 
-def _sp_context(cfg: Config) -> float:
-    """Mean keys a query attends to on the SP rank with the most causal work."""
+def _sp_context(cfg: Config, window: int = 0) -> float:
+    """Mean keys a query attends to on the SP rank with the most causal work, in a layer with
+    sliding ``window`` (0: full causal)."""
     tr, par = cfg.train, cfg.parallel
     S, n = tr.seq_len, par.sp
+    if window:
+        return min(window, _sp_context(cfg))
     if n == 1 or par.sp_mode == "ulysses" or par.sp_split == "zigzag":
         return (S + 1) / 2
     return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
@@ -782,6 +815,17 @@ def with_nodes(cfg: Config, hw: Hardware, world: int) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(par, ranks_per_node=k))
 
 
+def _sp_blocks(mode: str, layout: SeqLayout, window: int) -> int:
+    """Key blocks beyond its own that a rank attends to in a layer with ``window``: the ring's
+    hops, or the halo's source ranks (the most of any rank); 0 for Ulysses and without SP."""
+    if layout.sp == 1 or mode == "ulysses":
+        return 0
+    if mode == "halo":
+        return max(len(halo_plan(layout, r, window).recv) for r in range(layout.sp))
+    hops = ring_hops(layout, window)
+    return hops.right + hops.left
+
+
 def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     """The step time model of this module's docstring for a resolved ``cfg`` (on
     :func:`with_nodes`)."""
@@ -793,8 +837,13 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
-    hops = {"ring": par.sp - 1, "hybrid": par.sp // (par.ulysses_size or 1) - 1}.get(par.sp_mode, 0)
-    block_fwd = (_block_flops_per_token(cfg, _sp_context(cfg)) * n / hw.peak_flops
+    windows = m.windows()
+    layout = (SeqLayout(tr.seq_len, par.sp // par.ulysses_size, par.sp_split)
+              if par.sp_mode == "hybrid" else SeqLayout(tr.seq_len, par.sp, par.sp_split))
+    # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
+    context = sum(_sp_context(cfg, w) for w in windows) / len(windows)
+    hops = sum(_sp_blocks(par.sp_mode, layout, w) for w in windows) / len(windows)
+    block_fwd = (_block_flops_per_token(cfg, context) * n / hw.peak_flops
                  + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
     head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).

@@ -113,8 +113,13 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         out["layout"]["micro_batch_size"] = tr["micro_batch_size"]
         out["layout"]["microbatches"] = tr["global_batch_size"] // (par["dp"]
                                                                   * tr["micro_batch_size"])
-    if (config or {}).get("model", {}).get("layers"):
-        out["layers"] = config["model"]["layers"]
+    model = (config or {}).get("model", {})
+    if model.get("layers"):
+        out["layers"] = model["layers"]
+    if model.get("sliding_window"):
+        out["window"] = {"sliding_window": model["sliding_window"],
+                         "window_layers": model.get("window_layers", "all"),
+                         "seq_len": tr.get("seq_len")}
     if tr.get("recompute"):
         out["layout"]["recompute"] = tr["recompute"]
         out["layout"]["backend"] = tr["backend"]
@@ -152,10 +157,17 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
         lines.append(f"TP communication ({t['tp_comm']:.3g} s) is above compute "
                      f"({t['compute']:.3g} s): use a smaller --tp (e.g. --tp {tp // 2}) and give "
                      f"the factor to dp or pp; keep tp within a node")
+    window = summary.get("window")
     if sp > 1 and t["sp_comm"] > 0.5 * t["compute"]:
-        lines.append(f"SP communication ({t['sp_comm']:.3g} s) is over half of compute: use a "
-                     f"smaller --sp, --sp-overlap (ring), or --sp-mode ulysses; SP pays off for "
-                     f"long sequences")
+        if window and lay.get("sp_mode") != "halo":
+            lines.append(f"SP communication ({t['sp_comm']:.3g} s) is over half of compute: with "
+                         f"a sliding window of {window['sliding_window']} tokens, --sp-mode halo "
+                         f"sends each rank only the K/V within the window (bytes grow with the "
+                         f"window, not the sequence); or use a smaller --sp")
+        else:
+            lines.append(f"SP communication ({t['sp_comm']:.3g} s) is over half of compute: use "
+                         f"a smaller --sp, --sp-overlap (ring), or --sp-mode ulysses; SP pays off "
+                         f"for long sequences")
     if dp * sp > 1 and frac["dp_comm"] > 0.25:
         lines.append(f"gradient reduction over dp x sp takes {100 * frac['dp_comm']:.0f}% of the "
                      f"step: do more work per reduction (a larger global batch per rank), use "
@@ -210,6 +222,14 @@ def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:
     return out
 
 
+def _window_text(window: dict[str, Any] | None) -> str:
+    if not window:
+        return "full causal"
+    seq = f" of seq_len {window['seq_len']}" if window.get("seq_len") else ""
+    return (f"sliding window {window['sliding_window']}{seq} on layers "
+            f"{window['window_layers']}")
+
+
 def summary_text(summary: dict[str, Any]) -> str:
     """Human-readable summary: the numbers, then :func:`diagnose`."""
     s = summary
@@ -221,6 +241,7 @@ def summary_text(summary: dict[str, Any]) -> str:
     out = [f"run: steps {s['steps'][0]}..{s['steps'][1]}"
            + (f", {s['status']}" if s.get("status") else ""),
            "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
+           "attention: " + _window_text(s.get("window")),
            f"loss: {loss}",
            *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
               f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")

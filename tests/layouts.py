@@ -19,6 +19,10 @@ MODELS = {
     # Dynamic NTK RoPE scales with the whole sequence (16 > 8), which no SP rank's chunk shows.
     "dynamic": dict(attention_bias=True, rope_type="dynamic", rope_factor=2.0,
                     rope_original_max_positions=8),
+    # Sliding windows (seq_len 16): 5 is less than an SP chunk at sp = 2 and more than one at
+    # sp = 4 or 8 (several ranks back); "gemma" alternates local (even) and global layers.
+    "window": dict(sliding_window=5),
+    "gemma": dict(sliding_window=3, window_layers="even"),
 }
 """Test models by name: fields of ModelConfig on top of the small model's."""
 

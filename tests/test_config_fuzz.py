@@ -43,7 +43,8 @@ INTS = st.one_of(st.integers(-3, 70), st.sampled_from(
 FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
     [0.0, -0.0, 5e-324, 1e-300, 1e-8, 0.5, 1.0, 1e300, -1.0]))
 STRINGS = {"dump_activations": st.sampled_from(["", "1", "1,2", "0", "x", "1,,2", " 3 "]),
-           "resume": st.sampled_from(["", "auto"]), "tensorboard": st.sampled_from(["", "off"])}
+           "resume": st.sampled_from(["", "auto"]), "tensorboard": st.sampled_from(["", "off"]),
+           "window_layers": st.sampled_from(["all", "even", "odd", "0,2", "", "x", "9", "1,,2"])}
 
 
 def _value(section: str, f: dataclasses.Field) -> st.SearchStrategy:

@@ -31,16 +31,61 @@ class CountingKernels:
     def __getattr__(self, name):
         return getattr(self.k, name)
 
-    def attention_fwd(self, *args):
+    def attention_fwd(self, *args, **kw):
         self.fwd_calls += 1
-        return self.k.attention_fwd(*args)
+        return self.k.attention_fwd(*args, **kw)
 
 
-def _full_attention(q, k, v, dout):
+def _full_attention(q, k, v, dout, window=0):
     from mpipar.kernels import get_backend
     kk = get_backend("numpy")
-    out, lse = kk.attention_fwd(q, k, v, 0, 0, True)
-    return (out,) + tuple(kk.attention_bwd(q, k, v, out, lse, dout, 0, 0, True))
+    out, lse = kk.attention_fwd(q, k, v, 0, 0, True, window=window)
+    return (out,) + tuple(kk.attention_bwd(q, k, v, out, lse, dout, 0, 0, True, window=window))
+
+
+def _visible_pairs(lay, rank: int, window: int, own_only: bool = False) -> int:
+    """(query run, key run) pairs of ``rank`` with a visible entry, over every rank's runs (or
+    only its own): counted by brute force on the positions."""
+    count = 0
+    for qs, qn in lay.segments(rank):
+        qp = np.arange(qs, qs + qn)[:, None]
+        for src in ([rank] if own_only else range(lay.sp)):
+            for ks, kn in lay.segments(src):
+                kp = np.arange(ks, ks + kn)[None, :]
+                seen = (kp <= qp) & ((qp - kp < window) if window else True)
+                count += bool(seen.any())
+    return count
+
+
+def test_ring_hops_and_halo_plans():
+    """Ring hops: ceil((W-1)/S_loc) for a contiguous split, both ways for zigzag, the whole ring
+    (one way) for full causal attention; the halo is the W-1 positions before a rank's run."""
+    from mpipar.parallel.context import RingHops, SeqLayout, halo_plan, ring_hops
+
+    for W in (1, 2, 4, 5, 8, 9, 13, 17, 40):
+        assert ring_hops(SeqLayout(32, 8, "contiguous"), W) == RingHops(min(7, -(-(W - 1) // 4)), 0)
+    assert ring_hops(SeqLayout(32, 8, "contiguous"), 0) == RingHops(7, 0)
+    assert ring_hops(SeqLayout(32, 8, "zigzag"), 0) == RingHops(7, 0)
+    # zigzag chunks of 2: W = 3 reaches one chunk back, i.e. one rank each way.
+    assert ring_hops(SeqLayout(32, 8, "zigzag"), 3) == RingHops(1, 1)
+    assert ring_hops(SeqLayout(32, 8, "zigzag"), 5) == RingHops(2, 2)
+    assert ring_hops(SeqLayout(32, 8, "zigzag"), 9) == RingHops(7, 0)   # 4 + 4 > 7 hops
+    plan = halo_plan(SeqLayout(32, 8, "contiguous"), 3, 3)
+    assert {s: p.tolist() for s, p in plan.recv.items()} == {2: [10, 11]}
+    assert {d: i.tolist() for d, i in plan.send.items()} == {4: [2, 3]}
+    plan = halo_plan(SeqLayout(32, 8, "contiguous"), 3, 7)      # 6 positions: two ranks back
+    assert {s: p.tolist() for s, p in plan.recv.items()} == {1: [6, 7], 2: [8, 9, 10, 11]}
+    plan = halo_plan(SeqLayout(32, 4, "zigzag"), 1, 3)          # chunks 1 and 6 of 4 positions
+    assert {s: p.tolist() for s, p in plan.recv.items()} == {0: [2, 3], 2: [22, 23]}
+
+
+CASES = [("ring", "contiguous", False, 0), ("ring", "zigzag", False, 0),
+         ("ring", "contiguous", True, 0), ("ulysses", "zigzag", False, 0),
+         ("ring", "contiguous", False, 3), ("ring", "contiguous", True, 9),
+         ("ring", "zigzag", False, 5), ("ring", "zigzag", True, 3), ("ring", "zigzag", False, 17),
+         ("halo", "contiguous", False, 3), ("halo", "contiguous", False, 9),
+         ("halo", "zigzag", False, 5), ("halo", "zigzag", False, 0),
+         ("ulysses", "contiguous", False, 5)]
 
 
 def _differences(got: tuple, want: tuple, pos: np.ndarray) -> list[str]:
@@ -54,43 +99,61 @@ def _differences(got: tuple, want: tuple, pos: np.ndarray) -> list[str]:
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("mode,split,overlap", [("ring", "contiguous", False),
-                                                ("ring", "zigzag", False),
-                                                ("ring", "contiguous", True),
-                                                ("ulysses", "zigzag", False)])
-def test_sp_attention_equals_full_attention(world, mode, split, overlap):
+@pytest.mark.parametrize("mode,split,overlap,window", CASES)
+def test_sp_attention_equals_full_attention(world, mode, split, overlap, window):
+    """Ring, halo and Ulysses attention with and without a sliding window equal attention over
+    the whole sequence (float64, 1e-12); ring and halo compute exactly the visible blocks and
+    hand MPI the bytes the planner's formulas say."""
     from mpipar.comm import Group, Ledger
-    from mpipar.parallel.context import RingAttention, SeqLayout, UlyssesAttention
+    from mpipar.parallel.context import (HaloAttention, RingAttention, SeqLayout,
+                                         UlyssesAttention, halo_messages, halo_plan, ring_hops,
+                                         ring_messages, runs_visible)
 
-    sp = 8 if mode == "ring" else 4  # Ulysses: 8 query / 4 kv heads split over 4 ranks
+    sp = 4 if mode == "ulysses" else 8  # Ulysses: 8 query / 4 kv heads split over 4 ranks
     comm = world.Split(world.rank // sp, world.rank)
     rng = np.random.default_rng(0)
     B, S, hq, hkv, D = 2, 32, 8, 4, 6
     q, k, v, dout = (rng.normal(size=(B, S, h, D)) for h in (hq, hkv, hkv, hq))
-    want = _full_attention(q, k, v, dout)
+    want = _full_attention(q, k, v, dout, window)
     lay = SeqLayout(S, sp, split)
     pos = lay.positions(comm.rank)
     kern = CountingKernels()
-    group = Group(comm, "sp", Ledger())
-    attn = (RingAttention(kern, group, lay, overlap) if mode == "ring"
-            else UlyssesAttention(kern, group, lay))
-    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos)
-    dq, dk, dv = attn.backward(dout[:, pos], q[:, pos], k[:, pos], v[:, pos], out, saved)
+    ledger = Ledger()
+    group = Group(comm, "sp", ledger)
+    attn = {"ring": lambda: RingAttention(kern, group, lay, overlap),
+            "halo": lambda: HaloAttention(kern, group, lay),
+            "ulysses": lambda: UlyssesAttention(kern, group, lay)}[mode]()
+    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos, window)
+    dq, dk, dv = attn.backward(dout[:, pos], q[:, pos], k[:, pos], v[:, pos], out, saved, window)
     fails = _differences((out, dq, dk, dv), want, pos)
-    if mode == "ring":
-        # Causally empty blocks are skipped: contiguous rank r computes r+1 blocks; zigzag gives
-        # every rank the same 2*sp+1 (query chunk, key chunk) pairs.
-        expect = comm.rank + 1 if split == "contiguous" else 2 * sp + 1
+    if mode != "ulysses":
+        # Blocks emptied by the causal mask or the window are skipped: exactly the visible
+        # (query run, key run) pairs are computed (zigzag, full causal: 2*sp+1 on every rank).
+        expect = _visible_pairs(lay, comm.rank, window)
+        if mode == "halo":  # the rows from one rank arrive as contiguous runs, one block each
+            plan = halo_plan(lay, comm.rank, window)
+            expect = _visible_pairs(lay, comm.rank, window, own_only=True) + sum(
+                runs_visible(qs, qn, ks, sl.stop - sl.start, window)
+                for qs, qn in lay.segments(comm.rank) for src in plan.recv
+                for sl, ks in plan.runs(src))
         if kern.fwd_calls != expect:
             fails.append(f"{kern.fwd_calls} attention blocks computed, expected {expect}")
+        row = B * hkv * D * 8
+        fwd, bwd = (ring_messages(ring_hops(lay, window), row * len(pos), overlap)
+                    if mode == "ring" else halo_messages(halo_plan(lay, comm.rank, window),
+                                                         comm.rank, sp, row))
+        want_bytes = sum(nbytes * count for _, nbytes, count, _ in fwd + bwd)
+        if ledger.bytes_by_group().get("sp", 0) != want_bytes:
+            fails.append(f"ledger {ledger.bytes_by_group()} != predicted {want_bytes}")
     comm.Free()
     assert_all_ranks(world, fails)
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("split,overlap,ulysses", [("contiguous", False, 2), ("zigzag", True, 2),
-                                                   ("zigzag", False, 4)])
-def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses):
+@pytest.mark.parametrize("split,overlap,ulysses,window", [
+    ("contiguous", False, 2, 0), ("zigzag", True, 2, 0), ("zigzag", False, 4, 0),
+    ("contiguous", False, 2, 9), ("zigzag", True, 2, 5)])
+def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses, window):
     """Ulysses over groups of ``ulysses`` consecutive sp ranks, ring over the 8 / ulysses groups:
     out, dq, dk, dv equal attention over the whole sequence (8 query / 4 kv heads)."""
     from mpipar.comm import Group, Ledger
@@ -100,7 +163,7 @@ def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses):
     rng = np.random.default_rng(0)
     B, S, hq, hkv, D = 2, 32, 8, 4, 6
     q, k, v, dout = (rng.normal(size=(B, S, h, D)) for h in (hq, hkv, hkv, hq))
-    want = _full_attention(q, k, v, dout)
+    want = _full_attention(q, k, v, dout, window)
     lay = SeqLayout(S, 8, split)
     pos = lay.positions(world.rank)
     ledger = Ledger()
@@ -108,8 +171,8 @@ def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses):
     ring = world.Split(world.rank % ulysses, world.rank)
     attn = HybridAttention(get_backend("numpy"), Group(uly, "sp_ulysses", ledger),
                            Group(ring, "sp_ring", ledger), lay, overlap)
-    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos)
-    dq, dk, dv = attn.backward(dout[:, pos], None, None, None, out, saved)
+    out, saved = attn.forward(q[:, pos], k[:, pos], v[:, pos], pos, window)
+    dq, dk, dv = attn.backward(dout[:, pos], None, None, None, out, saved, window)
     fails = _differences((out, dq, dk, dv), want, pos)
     uly.Free()
     ring.Free()

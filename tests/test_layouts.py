@@ -104,6 +104,18 @@ DYNAMIC = [dict(model="dynamic", **v) for v in (
     dict(sp=2, tp=2, dp=2), dict(sp=4, pp=2, sp_split="zigzag"),
     dict(sp=2, dp=2, pp=2, sp_mode="ulysses", zero=1))]
 
+# Sliding-window attention on every SP mode and split, with TP, PP and DP, at 2, 4 and 8 ranks.
+WINDOW = [dict(model="window", **v) for v in (
+    dict(sp=2), dict(sp=2, dp=2, sp_mode="halo", sp_split="zigzag"),
+    dict(sp=2, dp=2, sp_mode="ulysses"), dict(sp=4, tp=2, sp_split="zigzag"),
+    dict(sp=4, pp=2, sp_mode="halo"), dict(sp=2, pp=2, dp=2, sp_mode="ulysses", sp_split="zigzag"),
+    dict(sp=8, sp_mode="halo", sp_split="zigzag"), dict(sp=8, sp_overlap=True),
+    dict(sp=2, tp=2, pp=2, sp_mode="halo", tp_sequence_parallel=True, schedule="zb-h1"),
+    dict(pp=2, tp=2, dp=2), dict(sp=4, dp=2, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"))
+] + [dict(model="gemma", **v) for v in (
+    dict(sp=4, dp=2, sp_overlap=True, sp_split="zigzag", zero=1, bucket_mb=0.002),
+    dict(sp=4, tp=2, sp_mode="halo"), dict(sp=2, pp=2, dp=2, schedule="interleaved",
+                                           virtual_stages=2))]
 
 
 def _tied_copies_differ(engine) -> list[str]:
@@ -169,3 +181,11 @@ def test_tied_biased_scaled_model_equals_single_process_float64(world, layout):
     """Tied embeddings, attention biases and RoPE scaling keep every layout equal to one process,
     and the tied embedding's copies on the first and the last pipeline stage bit-identical."""
     _check(world, layout, "float64", 1e-10, _tied_copies_differ)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", WINDOW, ids=[layout_name(v) for v in WINDOW])
+def test_sliding_window_model_equals_single_process_float64(world, layout):
+    """Sliding-window attention (every layer, or Gemma 2's alternation) on ring, halo and
+    Ulysses SP, both splits, with TP, PP and DP: equal to one process."""
+    _check(world, layout, "float64", 1e-10)

@@ -26,7 +26,16 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(dp=4, sp=2, zero=3, recompute="full"),
          dict(pp=2, tp=2, dp=2, zero=3, schedule="zb-h1", tp_sequence_parallel=True),
          dict(model="tied", pp=2, dp=2, sp=2, zero=2, schedule="interleaved", virtual_stages=2),
-         dict(model="tied", dp=4, tp=2, zero=3, tp_sequence_parallel=True)]
+         dict(model="tied", dp=4, tp=2, zero=3, tp_sequence_parallel=True),
+         # Sliding windows: ring hops and halo rows per layer (Gemma: local and global layers).
+         dict(model="window", sp=4, dp=2), dict(model="window", sp=8, sp_split="zigzag"),
+         dict(model="window", sp=8, sp_mode="halo", sp_split="zigzag"),
+         dict(model="window", sp=4, tp=2, sp_mode="halo", recompute="full"),
+         dict(model="gemma", sp=4, pp=2, sp_overlap=True, sp_split="zigzag"),
+         dict(model="gemma", sp=4, dp=2, sp_mode="halo"),
+         dict(model="window", sp=8, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag",
+              sp_overlap=True),
+         dict(model="window", sp=4, dp=2, zero=3, sp_mode="halo")]
 
 
 @pytest.mark.mpi(min_size=8)

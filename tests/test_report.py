@@ -199,3 +199,25 @@ def test_report_of_a_real_run(tmp_path):
     timeline = json.loads((run / "timeline.json").read_text())
     assert [op[:2] for op in timeline["ranks"][0]["ops"]] == [["fwd", 0], ["bwd", 0],
                                                               ["fwd", 1], ["bwd", 1]]
+
+
+def test_the_report_knows_the_sliding_window():
+    """Issue 14: the summary names the window, and SP-bound runs with one are advised the halo
+    exchange (whose bytes grow with the window, not the sequence); without one, they are not."""
+    config = {"model": {"layers": 4, "sliding_window": 64, "window_layers": "even"},
+              "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 4, "sp_mode": "ring"},
+              "train": {"seq_len": 1024, "global_batch_size": 4, "micro_batch_size": 1}}
+    records = [_record(k, 4.0, compute=1.0, sp_comm=0.9) for k in (1, 2)]
+    summary = report.summarize(records, None, config)
+    assert summary["window"] == {"sliding_window": 64, "window_layers": "even", "seq_len": 1024}
+    text = report.summary_text(summary)
+    assert "attention: sliding window 64 of seq_len 1024 on layers even" in text
+    advice = next(x for x in report.diagnose(summary) if x.startswith("SP communication"))
+    assert "--sp-mode halo" in advice and "64 tokens" in advice
+    config["parallel"]["sp_mode"] = "halo"
+    assert not any("--sp-mode halo" in x for x in report.diagnose(report.summarize(records, None,
+                                                                                   config)))
+    del config["model"]["sliding_window"]
+    full = report.summarize(records, None, config)
+    assert "window" not in full and "attention: full causal" in report.summary_text(full)
+    assert not any("halo" in x for x in report.diagnose(full))

@@ -5,9 +5,11 @@ A block computes q, k, v (after RoPE) for its tokens and hands them to an *atten
 over sequence parallelism (:mod:`mpipar.parallel.context`). A core says explicitly what its
 backward reads, so the block's recomputation knows what it may drop:
 
-- ``forward(q, k, v, positions) -> (out, saved)``: ``saved`` is what the core keeps beyond the
-  block's own tensors (the lse, or Ulysses' all-to-all'ed copies);
-- ``backward(dout, q, k, v, out, saved) -> (dq, dk, dv)``;
+- ``forward(q, k, v, positions, window) -> (out, saved)``: ``saved`` is what the core keeps
+  beyond the block's own tensors (the lse, or Ulysses' all-to-all'ed copies); ``window`` is the
+  block's sliding window (a query sees itself and the ``window - 1`` positions before it; 0 =
+  full causal), which may differ from layer to layer;
+- ``backward(dout, q, k, v, out, saved, window) -> (dq, dk, dv)``;
 - ``needs_inputs``: whether backward reads q, k, v (and ``out``) as given. When it does, the
   block keeps them (``--recompute none``) or recomputes q, k, v from its input
   (``selective``); when it does not, the block keeps none of them and passes None.
@@ -45,11 +47,13 @@ class LocalAttention:
     def __init__(self, kernels) -> None:
         self.kernels = kernels
 
-    def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray) -> tuple[Array, Any]:
+    def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray,
+                window: int = 0) -> tuple[Array, Any]:
         offset = int(positions[0])
-        out, lse = self.kernels.attention_fwd(q, k, v, offset, offset, True)
+        out, lse = self.kernels.attention_fwd(q, k, v, offset, offset, True, window=window)
         return out, (lse, offset)
 
-    def backward(self, dout, q, k, v, out, saved):
+    def backward(self, dout, q, k, v, out, saved, window: int = 0):
         lse, offset = saved
-        return self.kernels.attention_bwd(q, k, v, out, lse, dout, offset, offset, True)
+        return self.kernels.attention_bwd(q, k, v, out, lse, dout, offset, offset, True,
+                                          window=window)

@@ -370,11 +370,13 @@ class LlamaStage:
         h1, rstd1 = ops.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], eps)
         q, key, v = self._qkv(params, i, tp.enter(h1), len(positions))
         q, key = self._rope_fwd(q, key, positions)
+        window = self.cfg.layer_window(i)
         if kv is None:
-            out, attention_saved = self.attention.forward(q, key, v, positions)
+            out, attention_saved = self.attention.forward(q, key, v, positions, window)
         else:
             keys, values = kv.append(i, key, v, int(positions[0]))
-            out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True)
+            out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
+                                                     window=window)
         B, S = out.shape[:2]
         a = tp.row_linear(out.reshape(B, S, -1), p[n + "self_attn.o_proj.weight"])
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
@@ -501,7 +503,7 @@ class LlamaStage:
             q, key, v = self._qkv(params, i, h1_full, S)
             q, key = self._rope_fwd(q, key, positions)
         dq, dk, dv = self.attention.backward(do.reshape(out.shape), q, key, v, out,
-                                             c.attention_saved)
+                                             c.attention_saved, self.cfg.layer_window(i))
         cos, sin = self._cos_sin(positions, dq.dtype)
         dq, dk = ops.rope_bwd(dq, cos, sin), ops.rope_bwd(dk, cos, sin)
         dh1 = tp.column_linear_backward([dq, dk, dv], h1_full,

@@ -1,16 +1,21 @@
 """Sequence (context) parallelism: how a sequence is split over SP, and attention across it.
 
-Both attention cores implement :class:`mpipar.model.attention.AttentionCore` for a block that
+The attention cores implement :class:`mpipar.model.attention.AttentionCore` for a block that
 holds only this rank's chunk of the sequence.
 
 - :class:`SeqLayout`: ``contiguous`` (rank i holds tokens ``[i*S/sp, (i+1)*S/sp)``) or ``zigzag``
   (the sequence cut into ``2*sp`` chunks; rank i holds chunks i and ``2*sp-1-i``, which balances the
   causal work). RoPE and the causal mask use the global positions.
-- :class:`RingAttention`: K and V travel around the SP ring (``Sendrecv``, or with ``overlap`` an
+- :class:`RingAttention`: K and V travel along the SP ring (``Sendrecv``, or with ``overlap`` an
   ``Isend``/``Irecv`` of the next block posted before the current block is computed, in forward
-  and backward); partial
-  results merge by log-sum-exp; blocks the causal mask empties are skipped, not computed. In
-  backward the dK/dV of each block travel with it and arrive back at their owner after ``sp`` hops.
+  and backward); partial results merge by log-sum-exp; blocks the causal mask or the sliding
+  window empties are skipped, not computed. The hops are those that can still reach a query
+  (:func:`ring_hops`): the whole ring for full causal attention, ``ceil((W-1)/S_loc)`` for a
+  window W over a contiguous split, and both ways for zigzag. In backward the dK/dV of each
+  block travel with it and go straight home after its relay's last hop.
+- :class:`HaloAttention` (``--sp-mode halo``): with a sliding window, each rank receives just the
+  K/V of the ``W - 1`` positions before its runs from the ranks holding them (non-blocking
+  point-to-point, overlapped with the local block): O(W) bytes per rank instead of O(S).
 - :class:`UlyssesAttention`: an all-to-all re-shards from sequence chunks to head groups, each rank
   attends over the whole sequence for ``heads/sp`` heads, and a second all-to-all returns.
 - :class:`HybridAttention` (``--sp-mode hybrid``, USP's and Megatron's hierarchical context
@@ -25,6 +30,7 @@ Every buffer is allocated from the kernel backend's array module (``kernels.xp``
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +85,88 @@ def _local_slices(segments: list[tuple[int, int]]) -> list[slice]:
     return out
 
 
+def runs_visible(qs: int, qn: int, ks: int, kn: int, window: int) -> bool:
+    """Whether some key of the run ``[ks, ks + kn)`` is visible to some query of
+    ``[qs, qs + qn)``: causal (key <= query) and, with a window W > 0, query - key < W."""
+    return ks <= qs + qn - 1 and (window == 0 or qs - (ks + kn - 1) < window)
+
+
+def needs_block(layout: SeqLayout, rank: int, src: int, window: int) -> bool:
+    """Whether ``rank``'s queries see any key that SP rank ``src`` holds."""
+    return any(runs_visible(qs, qn, ks, kn, window) for qs, qn in layout.segments(rank)
+               for ks, kn in layout.segments(src))
+
+
+@dataclass(frozen=True)
+class RingHops:
+    """The hops ring attention makes for one window: ``right`` hops of a relay that passes K/V
+    to the right (at hop t a rank computes the block of rank ``r - t``) and ``left`` hops of one
+    that passes them to the left (rank ``r + t``). Full causal attention is the whole ring to the
+    right; a window stops after the hops that can still reach a query, and zigzag (whose late
+    chunk reads the ranks to its right) takes hops both ways."""
+
+    right: int
+    left: int
+
+    def relays(self) -> list[tuple[int, int]]:
+        """(direction, hops) of each relay with hops: +1 right, -1 left."""
+        return [(d, h) for d, h in ((1, self.right), (-1, self.left)) if h]
+
+
+Message = tuple[str, int, int, int]
+"""``(operation, bytes, count, offset)``: ``count`` calls of the ledger operation ``op``, each
+handing MPI ``bytes``, to the SP rank ``offset`` places on (0: a receive, which names none)."""
+
+
+def ring_messages(hops: RingHops, kv: int, overlap: bool) -> tuple[list[Message], list[Message]]:
+    """(forward, backward) messages of one block of ring attention on one rank; ``kv``: bytes of
+    this rank's K (= of its V). Per relay of h hops in direction d: forward h K/V Sendrecvs (with
+    overlap Isend + Irecv); backward the K/V at hop 1, K/V with their dK/dV at hops 2..h (with
+    overlap: h K/V Isend/Irecv and h - 1 dK/dV Sendrecvs) and the dK/dV home, d h ranks back."""
+    fwd: list[Message] = []
+    bwd: list[Message] = []
+    for d, h in hops.relays():
+        home = ("sendrecv", 2 * kv, 1, -d * h)
+        if overlap:
+            fwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0)]
+            bwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0),
+                    ("sendrecv", 2 * kv, h - 1, d), home]
+        else:
+            fwd += [("sendrecv", 2 * kv, h, d)]
+            bwd += [("sendrecv", 2 * kv, 1, d), ("sendrecv", 4 * kv, h - 1, d), home]
+    return fwd, bwd
+
+
+@functools.lru_cache(maxsize=256)
+def ring_hops(layout: SeqLayout, window: int) -> RingHops:
+    """The cheapest (right, left) relay pair such that every rank reaches every block its
+    queries see: a rank needs src iff :func:`needs_block`; a relay pair (a, b) reaches the
+    ranks ``r - 1 .. r - a`` and ``r + 1 .. r + b``. Cost: the bytes a rank sends, 6 units a hop
+    (forward 2, backward 4), with ties going to fewer hops and then to the right relay."""
+    n = layout.sp
+    need = [[(src - r) % n for src in range(n) if src != r and needs_block(layout, r, src, window)]
+            for r in range(n)]
+    best = None
+    for a in range(n):
+        for b in range(n - a):
+            if all(all(off >= n - a or off <= b for off in offs) for offs in need):
+                key = (6 * (a + b), a + b, -a)
+                if best is None or key < best[0]:
+                    best = (key, RingHops(a, b))
+    return best[1]
+
+
 class RingAttention:
-    """Causal attention of this rank's queries over all SP ranks' keys, by passing K/V around.
-    Its backward reads the block's q, k, v and output as given; it saves only the lse."""
+    """Causal (optionally sliding-window) attention of this rank's queries over the SP ranks'
+    keys, by passing K/V along relays (:class:`RingHops`). Its backward reads the block's q, k,
+    v and output as given; it saves only the lse.
+
+    Forward: this rank's own block, then each relay's hops; at hop t the K/V received are those
+    of rank ``r - d t`` (d = +1 right, -1 left). Backward, per relay: hop 1 passes the K/V, hops
+    2..h pass the K/V with the dK/dV accumulated for them so far, and after the last hop the
+    dK/dV go straight home to their owner; the own block's gradients never travel. With
+    ``overlap`` the next K/V leave (``Isend``/``Irecv``) before the current block is computed and
+    the dK/dV follow as their own message."""
 
     needs_inputs = True
 
@@ -89,30 +174,51 @@ class RingAttention:
         self.kernels, self.xp, self.sp, self.overlap = kernels, kernels.xp, sp, overlap
         self.seq_layout = seq_layout
         self.rank = sp.rank
-        self.left, self.right = (sp.rank - 1) % sp.size, (sp.rank + 1) % sp.size
         self.q_segs = seq_layout.segments(sp.rank)
         self.q_slices = _local_slices(self.q_segs)
 
-    def _pairs(self, src: int):
+    def _pairs(self, src: int, window: int):
         """(q slice, q start, k slice, k start) of every (query run, key run) pair of block ``src``
-        that the causal mask does not empty entirely."""
+        that the causal mask and the window do not empty entirely."""
         k_segs = self.seq_layout.segments(src)
         for qsl, (qs, qn) in zip(self.q_slices, self.q_segs):
-            for ksl, (ks, _) in zip(_local_slices(k_segs), k_segs):
-                if ks <= qs + qn - 1:
+            for ksl, (ks, kn) in zip(_local_slices(k_segs), k_segs):
+                if runs_visible(qs, qn, ks, kn, window):
                     yield qsl, qs, ksl, ks
 
-    def _shift(self, buf: Array, tag: int) -> Array:
-        """Blocking ring step: send ``buf`` right, receive the left neighbour's."""
-        recv = self.xp.empty(buf.shape, buf.dtype)
-        return self.sp.sendrecv(buf, self.right, recv, self.left, tag)
+    def _peer(self, offset: int) -> int:
+        return (self.rank + offset) % self.sp.size
 
-    def _start_shift(self, buf: Array, tag: int):
+    def _shift(self, buf: Array, d: int, tag: int) -> Array:
+        """Blocking relay step: send ``buf`` to rank r + d, receive rank r - d's."""
         recv = self.xp.empty(buf.shape, buf.dtype)
-        reqs = [self.sp.irecv(recv, self.left, tag), self.sp.isend(buf, self.right, tag)]
+        return self.sp.sendrecv(buf, self._peer(d), recv, self._peer(-d), tag)
+
+    def _start_shift(self, buf: Array, d: int, tag: int):
+        recv = self.xp.empty(buf.shape, buf.dtype)
+        reqs = [self.sp.irecv(recv, self._peer(-d), tag), self.sp.isend(buf, self._peer(d), tag)]
         return recv, reqs
 
-    def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray) -> tuple[Array, Array]:
+    def _blocks(self, kv: Array, hops: RingHops, tag: int):
+        """Yield (src, K/V block of src) in compute order: this rank's, then each relay's hops.
+        With overlap the next block's transfer is in flight while the caller computes."""
+        steps = [(0, 0, kv)] + [(d, t, None) for d, h in hops.relays() for t in range(1, h + 1)]
+        pending = None
+        for i, (d, t, buf) in enumerate(steps):
+            if pending is not None:
+                buf, reqs = pending
+                for r in reqs:
+                    r.wait()
+            elif t:
+                buf = self._shift(steps[i - 1][2] if steps[i - 1][0] == d else kv, d, tag + i)
+            steps[i] = (d, t, buf)
+            nxt = steps[i + 1] if i + 1 < len(steps) else None
+            pending = (self._start_shift(buf if nxt[0] == d else kv, nxt[0], tag + i + 1)
+                       if self.overlap and nxt else None)
+            yield (self.rank - d * t) % self.sp.size, buf
+
+    def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray,
+                window: int = 0) -> tuple[Array, Array]:
         """(out ``[B, S, hq, D]``, lse ``[B, hq, S]``: what backward needs beyond q, k, v, out)."""
         xp = self.xp
         B, S, hq, D = q.shape
@@ -120,70 +226,234 @@ class RingAttention:
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
         kv = xp.ascontiguousarray(xp.stack([k, v]))  # one message per hop: [2, B, S, hkv, D]
-        for t in range(self.sp.size):
-            src = (self.rank - t) % self.sp.size
-            last = t == self.sp.size - 1
-            if self.overlap and not last:
-                nxt, reqs = self._start_shift(kv, tag=t)
-            for qsl, qs, ksl, ks in self._pairs(src):
-                o, l = self.kernels.attention_fwd(q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], qs, ks, True)
-                out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(out[:, qsl], lse[:, :, qsl],
-                                                                     o, l)
-            if not last:
-                if self.overlap:
-                    for r in reqs:
-                        r.wait()
-                    kv = nxt
-                else:
-                    kv = self._shift(kv, tag=t)
+        for src, blk in self._blocks(kv, ring_hops(self.seq_layout, window), tag=0):
+            for qsl, qs, ksl, ks in self._pairs(src, window):
+                o, l = self.kernels.attention_fwd(q[:, qsl], blk[0][:, ksl], blk[1][:, ksl], qs, ks,
+                                                  True, window=window)
+                out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
+                    out[:, qsl], lse[:, :, qsl], o, l)
         return out, lse
 
     def backward(self, dout: Array, q: Array, k: Array, v: Array, out: Array,
-                 lse: Array) -> tuple[Array, Array, Array]:
+                 lse: Array, window: int = 0) -> tuple[Array, Array, Array]:
         xp = self.xp
         dq = xp.zeros_like(q)
-        n = self.sp.size
-        if self.overlap:
-            return self._backward_overlapped(q, k, v, out, lse, dout, dq)
-        # Travelling buffer: this block's K, V and the dK, dV accumulated for it so far.
-        buf = xp.ascontiguousarray(xp.concatenate([xp.stack([k, v]),
-                                                   xp.zeros((2,) + k.shape, k.dtype)]))
-        for t in range(n):
-            self._block_grads(q, out, lse, dout, dq, buf[0], buf[1], buf[2], buf[3],
-                              (self.rank - t) % n)
-            if t < n - 1:
-                buf = self._shift(buf, tag=100 + t)
-            else:  # last hop: only the gradients still need to travel home
-                buf = self._shift(xp.ascontiguousarray(buf[2:]), tag=100 + t)
-        return dq, buf[-2], buf[-1]
+        dk, dv = xp.zeros_like(k), xp.zeros_like(v)
+        self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window)
+        hops = ring_hops(self.seq_layout, window)
+        for i, (d, h) in enumerate(hops.relays()):
+            relay = self._relay_overlapped if self.overlap else self._relay
+            home = relay(q, k, v, out, lse, dout, dq, d, h, window,
+                         tag=4 * self.sp.size * (i + 1))
+            dk += home[0]
+            dv += home[1]
+        return dq, dk, dv
 
-    def _backward_overlapped(self, q, k, v, out, lse, dout, dq):
-        """As backward, but the next K/V block travels while this one is computed; the dK/dV
+    def _relay(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int, tag: int):
+        """One relay of backward: -> this rank's dK/dV from the ranks it visited ``[2, B, S, hkv, D]``."""
+        xp = self.xp
+        buf = self._shift(xp.ascontiguousarray(xp.stack([k, v])), d, tag)
+        buf = xp.concatenate([buf, xp.zeros_like(buf)])  # K, V, and the dK, dV gathered for them
+        for t in range(1, hops + 1):
+            if t > 1:
+                buf = self._shift(buf, d, tag + t)
+            self._block_grads(q, out, lse, dout, dq, buf[0], buf[1], buf[2], buf[3],
+                              (self.rank - d * t) % self.sp.size, window)
+        return self._home(xp.ascontiguousarray(buf[2:]), d, hops, tag + hops + 1)
+
+    def _relay_overlapped(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int,
+                          tag: int):
+        """As :meth:`_relay`, but the next K/V travel while this block is computed; the dK/dV
         of a block can only leave once computed, so they follow as a second message."""
         xp = self.xp
-        n = self.sp.size
         kv = xp.ascontiguousarray(xp.stack([k, v]))
-        dkv = xp.zeros((2,) + k.shape, k.dtype)
-        for t in range(n):
-            if t < n - 1:
-                nxt, reqs = self._start_shift(kv, tag=200 + t)
+        dkv = None
+        nxt, reqs = self._start_shift(kv, d, tag)
+        for t in range(1, hops + 1):
+            for r in reqs:
+                r.wait()
+            kv = nxt
+            if t < hops:
+                nxt, reqs = self._start_shift(kv, d, tag + t)
+            dkv = xp.zeros_like(kv) if dkv is None else self._shift(dkv, d, tag + self.sp.size + t)
             self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
-                              (self.rank - t) % n)
-            dkv = self._shift(dkv, tag=100 + t)
-            if t < n - 1:
-                for r in reqs:
-                    r.wait()
-                kv = nxt
-        return dq, dkv[0], dkv[1]
+                              (self.rank - d * t) % self.sp.size, window)
+        return self._home(dkv, d, hops, tag + 3 * self.sp.size)
 
-    def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int) -> None:
+    def _home(self, dkv: Array, d: int, hops: int, tag: int) -> Array:
+        """Send the dK/dV of the block last computed (rank r - d hops') to their owner; receive
+        this rank's from rank r + d hops."""
+        recv = self.xp.empty(dkv.shape, dkv.dtype)
+        return self.sp.sendrecv(dkv, self._peer(-d * hops), recv, self._peer(d * hops), tag)
+
+    def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int, window: int) -> None:
         """Add block ``src``'s contributions to dq (this rank's) and dk, dv (the block's)."""
-        for qsl, qs, ksl, ks in self._pairs(src):
+        for qsl, qs, ksl, ks in self._pairs(src, window):
             dqp, dkp, dvp = self.kernels.attention_bwd(q[:, qsl], k[:, ksl], v[:, ksl], out[:, qsl],
-                                                 lse[:, :, qsl], dout[:, qsl], qs, ks, True)
+                                                       lse[:, :, qsl], dout[:, qsl], qs, ks, True,
+                                                       window=window)
             dq[:, qsl] += dqp
             dk[:, ksl] += dkp
             dv[:, ksl] += dvp
+
+
+@dataclass(frozen=True)
+class HaloPlan:
+    """The K/V rows that cross between SP ranks for one window (:class:`HaloAttention`):
+    ``recv[src]``, the global positions (ascending) this rank's queries see that rank ``src``
+    holds; ``send[dst]``, the local indices of this rank's rows that rank ``dst`` needs."""
+
+    recv: dict[int, np.ndarray]
+    send: dict[int, np.ndarray]
+
+    def runs(self, src: int) -> list[tuple[slice, int]]:
+        """(slice of the received buffer, first global position) of each contiguous run of the
+        positions received from ``src``."""
+        pos = self.recv[src]
+        cuts = [0] + [i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1] + [len(pos)]
+        return [(slice(a, b), int(pos[a])) for a, b in zip(cuts, cuts[1:])]
+
+
+def halo_positions(layout: SeqLayout, rank: int, window: int) -> np.ndarray:
+    """Global positions ``rank``'s queries see that it does not hold: the ``window - 1``
+    positions before each of its runs (all of them before it with window 0), ascending."""
+    wanted = [np.arange(max(0, qs - window + 1) if window else 0, qs)
+              for qs, _ in layout.segments(rank)]
+    return np.setdiff1d(np.concatenate(wanted), layout.positions(rank))
+
+
+@functools.lru_cache(maxsize=256)
+def halo_plan(layout: SeqLayout, rank: int, window: int) -> HaloPlan:
+    """What ``rank`` receives from and sends to every other SP rank for ``window``."""
+    owner = np.empty(layout.seq_len, np.int64)
+    for r in range(layout.sp):
+        owner[layout.positions(r)] = r
+    mine = halo_positions(layout, rank, window)
+    recv = {int(src): mine[owner[mine] == src] for src in np.unique(owner[mine])}
+    own, send = layout.positions(rank), {}
+    for dst in range(layout.sp):
+        theirs = halo_positions(layout, dst, window) if dst != rank else mine[:0]
+        theirs = theirs[owner[theirs] == rank]
+        if len(theirs):
+            send[dst] = np.searchsorted(own, theirs)
+    return HaloPlan(recv, send)
+
+
+def halo_messages(plan: HaloPlan, rank: int, sp: int,
+                  row: int) -> tuple[list[Message], list[Message]]:
+    """(forward, backward) messages of one block of halo attention on SP rank ``rank`` of
+    ``sp``; ``row``: bytes of one position's K (= of its V). Forward sends the K/V rows each
+    other rank needs, backward returns the dK/dV of the rows received; each by Isend, with an
+    Irecv per message the rank receives."""
+    fwd = [("send", 2 * row * len(i), 1, (dst - rank) % sp) for dst, i in plan.send.items()]
+    fwd.append(("recv", 0, len(plan.recv), 0))
+    bwd = [("send", 2 * row * len(p), 1, (src - rank) % sp) for src, p in plan.recv.items()]
+    bwd.append(("recv", 0, len(plan.send), 0))
+    return fwd, bwd
+
+
+@dataclass
+class HaloSaved:
+    """What halo attention keeps for backward: the lse and the K/V received from each rank."""
+
+    lse: Array                 # [B, hq, S_loc]
+    halo: dict[int, Array]     # src -> [2, B, rows from src, hkv, D]
+
+
+class HaloAttention:
+    """Sliding-window attention over SP by halo exchange (``--sp-mode halo``): each rank receives
+    from the ranks that hold them just the K/V of the ``W - 1`` positions before each of its
+    runs (:func:`halo_plan`), by ``Isend``/``Irecv`` posted before the local block is computed,
+    so the exchange overlaps it; the halo blocks are merged by log-sum-exp. Backward computes the
+    halo blocks first and sends their dK/dV home while the local block is computed. Bytes per
+    rank grow with W, not with the sequence. Its backward reads q, k, v and out as given."""
+
+    needs_inputs = True
+    TAG = 300
+
+    def __init__(self, kernels, sp: Group, seq_layout: SeqLayout) -> None:
+        self.kernels, self.xp, self.sp, self.seq_layout = kernels, kernels.xp, sp, seq_layout
+        self.rank = sp.rank
+        self.q_segs = seq_layout.segments(sp.rank)
+        self.q_slices = _local_slices(self.q_segs)
+
+    def _local_pairs(self, window: int):
+        """(q slice, q start, k slice, k start) of this rank's own (query run, key run) pairs."""
+        for qsl, (qs, qn) in zip(self.q_slices, self.q_segs):
+            for ksl, (ks, kn) in zip(self.q_slices, self.q_segs):
+                if runs_visible(qs, qn, ks, kn, window):
+                    yield qsl, qs, ksl, ks
+
+    def _halo_pairs(self, plan: HaloPlan, src: int, window: int):
+        """As :meth:`_local_pairs`, for the runs received from ``src``."""
+        for qsl, (qs, qn) in zip(self.q_slices, self.q_segs):
+            for ksl, ks in plan.runs(src):
+                if runs_visible(qs, qn, ks, ksl.stop - ksl.start, window):
+                    yield qsl, qs, ksl, ks
+
+    def _attend(self, q, out, lse, kv, pairs, window: int) -> None:
+        for qsl, qs, ksl, ks in pairs:
+            o, l = self.kernels.attention_fwd(q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], qs, ks, True,
+                                              window=window)
+            out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(out[:, qsl], lse[:, :, qsl],
+                                                                       o, l)
+
+    def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray,
+                window: int = 0) -> tuple[Array, HaloSaved]:
+        """(out ``[B, S, hq, D]``, :class:`HaloSaved`)."""
+        xp = self.xp
+        plan = halo_plan(self.seq_layout, self.rank, window)
+        B, S, hq, D = q.shape
+        kv = xp.ascontiguousarray(xp.stack([k, v]))                 # [2, B, S, hkv, D]
+        halo = {src: xp.empty((2, B, len(pos)) + k.shape[2:], k.dtype)
+                for src, pos in plan.recv.items()}
+        sends = {dst: xp.ascontiguousarray(kv[:, :, xp.asarray(idx)])
+                 for dst, idx in plan.send.items()}
+        reqs = ([self.sp.irecv(buf, src, self.TAG) for src, buf in halo.items()]
+                + [self.sp.isend(buf, dst, self.TAG) for dst, buf in sends.items()])
+        out = xp.zeros_like(q)
+        lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
+                      else xp.float32)
+        self._attend(q, out, lse, kv, self._local_pairs(window), window)
+        for r in reqs:
+            r.wait()
+        for src, buf in halo.items():
+            self._attend(q, out, lse, buf, self._halo_pairs(plan, src, window), window)
+        return out, HaloSaved(lse, halo)
+
+    def _grads(self, q, out, lse, dout, dq, kv, dkv, pairs, window: int) -> None:
+        for qsl, qs, ksl, ks in pairs:
+            dqp, dkp, dvp = self.kernels.attention_bwd(q[:, qsl], kv[0][:, ksl], kv[1][:, ksl],
+                                                       out[:, qsl], lse[:, :, qsl], dout[:, qsl],
+                                                       qs, ks, True, window=window)
+            dq[:, qsl] += dqp
+            dkv[0][:, ksl] += dkp
+            dkv[1][:, ksl] += dvp
+
+    def backward(self, dout: Array, q: Array, k: Array, v: Array, out: Array,
+                 saved: HaloSaved, window: int = 0) -> tuple[Array, Array, Array]:
+        xp = self.xp
+        plan = halo_plan(self.seq_layout, self.rank, window)
+        B = q.shape[0]
+        back = {dst: xp.empty((2, B, len(idx)) + k.shape[2:], k.dtype)
+                for dst, idx in plan.send.items()}
+        reqs = [self.sp.irecv(buf, dst, self.TAG + 1) for dst, buf in back.items()]
+        dq = xp.zeros_like(q)
+        dhalo = {}
+        for src, buf in saved.halo.items():
+            dhalo[src] = xp.zeros_like(buf)
+            self._grads(q, out, saved.lse, dout, dq, buf, dhalo[src],
+                        self._halo_pairs(plan, src, window), window)
+            reqs.append(self.sp.isend(dhalo[src], src, self.TAG + 1))
+        dkv = xp.zeros((2,) + k.shape, k.dtype)
+        self._grads(q, out, saved.lse, dout, dq, xp.stack([k, v]), dkv,
+                    self._local_pairs(window), window)
+        for r in reqs:
+            r.wait()
+        for dst, buf in back.items():
+            idx = xp.asarray(plan.send[dst])
+            dkv[:, :, idx] += buf
+        return dq, dkv[0], dkv[1]
 
 
 @dataclass
@@ -247,16 +517,16 @@ class UlyssesAttention:
         self.exchange = HeadExchange(kernels.xp, sp, seq_layout, list(range(sp.size)),
                                      np.arange(seq_layout.seq_len))
 
-    def forward(self, q, k, v, positions):
+    def forward(self, q, k, v, positions, window: int = 0):
         ex = self.exchange
         qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
-        o, lse = self.kernels.attention_fwd(qf, kf, vf, 0, 0, True)
+        o, lse = self.kernels.attention_fwd(qf, kf, vf, 0, 0, True, window=window)
         return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
 
-    def backward(self, dout, q, k, v, out, saved: UlyssesSaved):
+    def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
         ex = self.exchange
         dq, dk, dv = self.kernels.attention_bwd(saved.q, saved.k, saved.v, saved.out, saved.lse,
-                                                ex.to_heads(dout), 0, 0, True)
+                                                ex.to_heads(dout), 0, 0, True, window=window)
         return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 
 
@@ -276,16 +546,16 @@ class HybridAttention:
         self.exchange = HeadExchange(kernels.xp, ulysses, seq_layout, members, self.positions)
         self.ring = RingAttention(kernels, ring, self.ring_layout, overlap)
 
-    def forward(self, q, k, v, positions):
+    def forward(self, q, k, v, positions, window: int = 0):
         ex = self.exchange
         qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
-        o, lse = self.ring.forward(qf, kf, vf, self.positions)
+        o, lse = self.ring.forward(qf, kf, vf, self.positions, window)
         return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
 
-    def backward(self, dout, q, k, v, out, saved: UlyssesSaved):
+    def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
         ex = self.exchange
         dq, dk, dv = self.ring.backward(ex.to_heads(dout), saved.q, saved.k, saved.v, saved.out,
-                                        saved.lse)
+                                        saved.lse, window)
         return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 
 

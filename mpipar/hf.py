@@ -127,7 +127,7 @@ Reading = tuple[str, dict[str, Any]]
 
 
 def _architecture(raw: Mapping[str, Any]) -> Reading:
-    """``model_type`` and ``architectures``: a Llama or a Qwen2 causal LM."""
+    """``model_type`` and ``architectures``: a Llama, Qwen2 or Mistral causal LM."""
     kind = raw.get("model_type", "llama")
     if kind not in ARCHITECTURES:
         raise HFCheckpointError(f"model_type={kind!r} is not supported; mpipar reads "

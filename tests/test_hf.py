@@ -579,7 +579,7 @@ def test_config_styles(hf_dir, tmp_path, edit):
 
 REFUSALS = {
     "architecture": (lambda r: dict(r, architectures=["MistralForCausalLM"]), "architectures"),
-    "model_type": (lambda r: dict(r, model_type="mistral"), "model_type='mistral'"),
+    "model_type": (lambda r: dict(r, model_type="gemma"), "model_type='gemma'"),
     "qwen2_type_llama_arch": (lambda r: dict(r, model_type="qwen2"),
                               r"architectures=\['LlamaForCausalLM'\] is not supported for "
                               r"model_type 'qwen2'"),

@@ -4,8 +4,9 @@
   cuBLAS GEMMs;
 - flash attention forward and backward are CUDA kernels (`_FLASH`, one RawModule compiled per
   dtype and head width): K/V tiles in shared memory, online softmax, the log-sum-exp returned
-  for the ring merge, causal masks at global query/key offsets (ring and zigzag blocks),
-  grouped-query heads, accumulation in float32 (float64 for float64); no S x S matrix exists;
+  for the ring merge, causal masks at global query/key offsets (ring and zigzag blocks) and
+  sliding windows (key tiles outside a block's window skipped), grouped-query heads,
+  accumulation in float32 (float64 for float64); no S x S matrix exists;
 - fused RMSNorm forward/backward (one block per row), RoPE and SwiGLU (elementwise kernels), and
   the vocabulary-parallel cross-entropy statistics (one block per row).
 
@@ -297,19 +298,29 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
 # --------------------------------------------------------------------------- flash attention
 _FLASH = r"""
 // q [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (contiguous), lse [B, Hq, Sq]. Query head h reads kv
-// head h / G. Query i sits at q_off + i, key j at k_off + j; causal: visible iff kpos <= qpos.
+// head h / G. Query i sits at q_off + i, key j at k_off + j; causal: visible iff kpos <= qpos,
+// and with a sliding window W > 0 (causal only) also qpos - kpos < W.
 // One thread per query row (forward, dq) or key row (dk, dv); tiles of the other side in
 // shared memory; A is the accumulation type (float for float, double for double).
 
 __device__ inline bool visible(long long i, long long j, long long q_off, long long k_off,
-                               int causal) {
-    return !causal || k_off + j <= q_off + i;
+                               int causal, long long window) {
+    long long gap = (q_off + i) - (k_off + j);
+    return !causal || (gap >= 0 && (window == 0 || gap < window));
+}
+
+// The first key tile a block of queries starting at row first_q can see (0 without a window).
+__device__ inline long long first_key(long long first_q, long long q_off, long long k_off,
+                                      int causal, long long window, int tile) {
+    if (!causal || window == 0) return 0;
+    long long j = max(0LL, q_off + first_q - (window - 1) - k_off);
+    return j - j % tile;
 }
 
 template<typename T, typename A, int D, int BN>
 __global__ void flash_fwd(const T* q, const T* k, const T* v, T* out, A* lse, int Sq, int Sk,
                           int Hq, int Hkv, long long q_off, long long k_off, int causal,
-                          A scale) {
+                          long long window, A scale) {
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
     int bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / (Hq / Hkv);
@@ -322,7 +333,9 @@ __global__ void flash_fwd(const T* q, const T* k, const T* v, T* out, A* lse, in
     // Keys past the block's last visible one are never loaded.
     long long last_q = min((long long)Sq, (long long)(blockIdx.x + 1) * blockDim.x) - 1;
     long long kend = causal ? min((long long)Sk, q_off + last_q - k_off + 1) : Sk;
-    for (long long k0 = 0; k0 < kend; k0 += BN) {
+    long long first_q = (long long)blockIdx.x * blockDim.x;
+    for (long long k0 = first_key(first_q, q_off, k_off, causal, window, BN); k0 < kend;
+         k0 += BN) {
         for (int e = threadIdx.x; e < BN * D; e += blockDim.x) {
             long long j = k0 + e / D;
             long long at = (((long long)b * Sk + j) * Hkv + hk) * D + e % D;
@@ -332,7 +345,7 @@ __global__ void flash_fwd(const T* q, const T* k, const T* v, T* out, A* lse, in
         __syncthreads();
         for (int jj = 0; jj < BN && row; ++jj) {
             long long j = k0 + jj;
-            if (j >= Sk || !visible(i, j, q_off, k_off, causal)) continue;
+            if (j >= Sk || !visible(i, j, q_off, k_off, causal, window)) continue;
             A s = 0;
             for (int d = 0; d < D; ++d) s += qr[d] * (A)ks[jj][d];
             A m_new = max(m, s), corr = exp(m - m_new), p = exp(s - m_new);
@@ -352,7 +365,8 @@ __global__ void flash_fwd(const T* q, const T* k, const T* v, T* out, A* lse, in
 template<typename T, typename A, int D, int BN>
 __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const A* lse,
                              const A* delta, T* dq, int Sq, int Sk, int Hq, int Hkv,
-                             long long q_off, long long k_off, int causal, A scale) {
+                             long long q_off, long long k_off, int causal, long long window,
+                             A scale) {
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
     int bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / (Hq / Hkv);
@@ -368,7 +382,9 @@ __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* dout, 
     }
     long long last_q = min((long long)Sq, (long long)(blockIdx.x + 1) * blockDim.x) - 1;
     long long kend = causal ? min((long long)Sk, q_off + last_q - k_off + 1) : Sk;
-    for (long long k0 = 0; k0 < kend; k0 += BN) {
+    long long first_q = (long long)blockIdx.x * blockDim.x;
+    for (long long k0 = first_key(first_q, q_off, k_off, causal, window, BN); k0 < kend;
+         k0 += BN) {
         for (int e = threadIdx.x; e < BN * D; e += blockDim.x) {
             long long j = k0 + e / D;
             long long at = (((long long)b * Sk + j) * Hkv + hk) * D + e % D;
@@ -378,7 +394,7 @@ __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* dout, 
         __syncthreads();
         for (int jj = 0; jj < BN && live; ++jj) {
             long long j = k0 + jj;
-            if (j >= Sk || !visible(i, j, q_off, k_off, causal)) continue;
+            if (j >= Sk || !visible(i, j, q_off, k_off, causal, window)) continue;
             A s = 0, dp = 0;
             for (int d = 0; d < D; ++d) { s += qr[d] * (A)ks[jj][d]; dp += dor[d] * (A)vs[jj][d]; }
             A ds = exp(s - L) * (dp - dl);
@@ -394,7 +410,8 @@ __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* dout, 
 template<typename T, typename A, int D, int BM>
 __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const A* lse,
                                const A* delta, T* dk, T* dv, int Sq, int Sk, int Hq, int Hkv,
-                               long long q_off, long long k_off, int causal, A scale) {
+                               long long q_off, long long k_off, int causal, long long window,
+                               A scale) {
     __shared__ T qs[BM][D];
     __shared__ T ds_[BM][D];
     __shared__ A ls[BM];
@@ -410,9 +427,13 @@ __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout
     // Queries before the block's first key are never visible to it.
     long long first_k = (long long)blockIdx.x * blockDim.x;
     long long qbeg = causal ? max(0LL, k_off + first_k - q_off) : 0;
+    // With a window, queries past the block's last key + window - 1 see none of its keys.
+    long long last_k = min((long long)Sk, first_k + blockDim.x) - 1;
+    long long qend = causal && window ? min((long long)Sq, k_off + last_k + window - q_off)
+                                      : (long long)Sq;
     for (int g = 0; g < G; ++g) {
         int h = hk * G + g;
-        for (long long i0 = qbeg - qbeg % BM; i0 < Sq; i0 += BM) {
+        for (long long i0 = qbeg - qbeg % BM; i0 < qend; i0 += BM) {
             for (int e = threadIdx.x; e < BM * D; e += blockDim.x) {
                 long long i = i0 + e / D;
                 long long at = (((long long)b * Sq + i) * Hq + h) * D + e % D;
@@ -427,7 +448,7 @@ __global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout
             __syncthreads();
             for (int ii = 0; ii < BM && row; ++ii) {
                 long long i = i0 + ii;
-                if (i >= Sq || !isfinite(ls[ii]) || !visible(i, j, q_off, k_off, causal)) continue;
+                if (i >= Sq || !isfinite(ls[ii]) || !visible(i, j, q_off, k_off, causal, window)) continue;
                 A s = 0, dp = 0;
                 for (int d = 0; d < D; ++d) { s += (A)qs[ii][d] * kr[d]; dp += (A)ds_[ii][d] * vr[d]; }
                 A p = exp(s * scale - ls[ii]);
@@ -474,19 +495,22 @@ def _flash(name: str, dtype: Any, head_dim: int) -> Any:
 
 
 def _flash_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
-                scale: float | None, acc: Any) -> tuple:
+                scale: float | None, acc: Any, window: int = 0) -> tuple:
     cupy = array_module()
     b, sq, hq, d = q.shape
     return (cupy.int32(sq), cupy.int32(k.shape[1]), cupy.int32(hq), cupy.int32(k.shape[2]),
             cupy.int64(q_offset), cupy.int64(k_offset), cupy.int32(bool(causal)),
-            acc.type(ref.attention_scale(d, scale)))
+            cupy.int64(window), acc.type(ref.attention_scale(d, scale)))
 
 
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None) -> tuple[Array, Array]:
-    """Flash attention forward (`numpy_ref.attention_fwd`'s contract): q `[B, Sq, Hq, D]`,
-    k, v `[B, Sk, Hkv, D]` -> out like q, lse `[B, Hq, Sq]` (float32; float64 for float64)."""
+                  causal: bool = True, scale: float | None = None,
+                  window: int = 0) -> tuple[Array, Array]:
+    """Flash attention forward (`numpy_ref.attention_fwd`'s contract, sliding `window`
+    included): q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out like q, lse `[B, Hq, Sq]`
+    (float32; float64 for float64). Key tiles wholly before a block's window are not loaded."""
     ref.check_attention_shapes(q, k, v, "attention_fwd")
+    ref.check_window(window, causal, "attention_fwd")
     _device_float(q, "attention_fwd")
     cupy = array_module()
     q, k, v = (cupy.ascontiguousarray(a, q.dtype) for a in (q, k, v))
@@ -496,17 +520,19 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     if sq:
         grid = (-(-sq // _ROWS_PER_BLOCK), b * hq)
         _flash("flash_fwd", q.dtype, d)(grid, (_ROWS_PER_BLOCK,), (
-            q, k, v, out, lse, *_flash_args(q, k, q_offset, k_offset, causal, scale, acc)))
+            q, k, v, out, lse, *_flash_args(q, k, q_offset, k_offset, causal, scale, acc,
+                                            window)))
     return out, lse
 
 
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None) -> tuple[Array, Array, Array]:
+                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
     """Flash attention backward for one key block given the (possibly ring-merged) out and lse
     (`numpy_ref.attention_bwd`'s contract): dq by query rows, dk and dv by key rows (summed over
     each kv head's query heads), without atomics."""
     ref.check_attention_shapes(q, k, v, "attention_bwd")
+    ref.check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
     require(out.shape == q.shape and dout.shape == q.shape and lse.shape == (b, hq, sq),
             f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse "
@@ -519,7 +545,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     delta = cupy.ascontiguousarray((dout.astype(acc) * out.astype(acc)).sum(axis=-1)
                                    .transpose(0, 2, 1))  # [B, Hq, Sq]
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-    args = _flash_args(q, k, q_offset, k_offset, causal, scale, acc)
+    args = _flash_args(q, k, q_offset, k_offset, causal, scale, acc, window)
     if sq:
         _flash("flash_bwd_dq", q.dtype, d)((-(-sq // _ROWS_PER_BLOCK), b * hq), (_ROWS_PER_BLOCK,),
                                           (q, k, v, dout, lse, delta, dq, *args))

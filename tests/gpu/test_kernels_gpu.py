@@ -53,6 +53,34 @@ def test_attention(dtype, sq, sk, q_off, k_off, causal, hq, hkv):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk,q_off,k_off,window", [
+    (150, 150, 0, 0, 1),       # each query sees itself only
+    (150, 150, 0, 0, 16),      # smaller than a tile (16 keys in float64, 32 in float32)
+    (150, 150, 0, 0, 64),      # equal to a block of query rows
+    (150, 150, 0, 0, 100),     # larger than a block
+    (32, 32, 64, 32, 40),      # ring: an earlier key block, partly inside the window
+    (40, 40, 600, 0, 100),     # a key block wholly outside the window: out 0, lse -inf
+    (16, 48, 40, 8, 20),       # zigzag offsets
+])
+def test_attention_window(dtype, sq, sk, q_off, k_off, window):
+    """Issue 14: the sliding window on the device, forward and backward, against numpy_ref."""
+    from mpipar.kernels import cupy_gpu
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, sq, 4, 64)).astype(dtype)
+    k, v = (rng.standard_normal((1, sk, 2, 64)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    out, lse = ref.attention_fwd(q, k, v, q_off, k_off, True, window=window)
+    got_out, got_lse = cupy_gpu.attention_fwd(*_dev(q, k, v), q_off, k_off, True, window=window)
+    _close(got_out, out, dtype)
+    _close(got_lse, lse, dtype)
+    want = ref.attention_bwd(q, k, v, out, lse, dout, q_off, k_off, True, window=window)
+    got = cupy_gpu.attention_bwd(*_dev(q, k, v, out, lse, dout), q_off, k_off, True,
+                                 window=window)
+    for g, w in zip(got, want):
+        _close(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_rope_swiglu(dtype):
     from mpipar.kernels import cupy_gpu
     rng = np.random.default_rng(1)

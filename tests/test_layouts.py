@@ -10,9 +10,9 @@ nodes of 2 or 4 ranks hold more than one rank of a dp x sp group, and more than 
 runs with hierarchical reduction (with and without ZeRO-1, several buckets), and every
 layout with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across; on nodes of
 2 ranks, and of 4 at 8 ranks). ZeRO-2 and ZeRO-3 (sharded gradients, and parameters gathered
-per layer) run on a representative set: every schedule, SP mode and split, tp sequence
-parallelism and prefetch depths 0, 1 and 2 at 2, 4 and 8 ranks (their recompute modes are in
-``test_recompute.py``). A model with tied embeddings, q/k/v biases and llama3 RoPE, and one
+per layer) run on every base layout with dp x sp > 1, then with every schedule, SP mode and
+split, tp sequence parallelism, prefetch depths 0, 1 and 2, and the tied, scaled and windowed
+models (their recompute modes are in ``test_recompute.py``). A model with tied embeddings, q/k/v biases and llama3 RoPE, and one
 with biases and dynamic RoPE, run on layouts chosen for them.
 """
 from __future__ import annotations
@@ -70,14 +70,19 @@ HYBRID = [dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_size=2, **e
                         {"ranks_per_node": 4})[:3 + (dp * pp * sp == 8)]]
 VARIANTS = _variants() + HIERARCHICAL + HYBRID
 TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in _variants() if v["tp"] > 1]
-ZERO = [dict(dp=2, zero=2), dict(dp=2, zero=3, zero_prefetch=0),
+# ZeRO-2 and ZeRO-3 on every base layout with dp x sp > 1, then with each schedule, SP mode and
+# split, tp sequence parallelism, prefetch depths and the tied and scaled models.
+ZERO_BASE = [dict(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero) for dp, tp, pp, sp in BASE
+             if dp * sp > 1 for zero in (2, 3)]
+ZERO = ZERO_BASE + [
+        dict(dp=2, zero=3, zero_prefetch=0),
         dict(dp=2, pp=2, zero=3), dict(dp=2, pp=2, zero=2, schedule="gpipe"),
         dict(dp=2, pp=2, zero=3, schedule="zb-h1"),
         dict(dp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2),
         dict(dp=2, tp=2, zero=3, tp_sequence_parallel=True),
         dict(sp=2, tp=2, zero=3, sp_split="zigzag", sp_overlap=True),
         dict(dp=2, sp=2, zero=2, sp_mode="ulysses"),
-        dict(dp=8, zero=3, zero_prefetch=2), dict(dp=4, sp=2, zero=2),
+        dict(dp=8, zero=3, zero_prefetch=2),
         dict(dp=2, tp=2, pp=2, zero=3, schedule="zb-h1"),
         dict(dp=2, sp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2),
         dict(dp=2, sp=2, tp=2, zero=3, tp_sequence_parallel=True, sp_split="zigzag"),
@@ -85,7 +90,9 @@ ZERO = [dict(dp=2, zero=2), dict(dp=2, zero=3, zero_prefetch=0),
                                                       schedule="zb-h1"),
         dict(model="tied", dp=2, tp=2, schedule="interleaved", virtual_stages=2, zero=3),
         dict(model="dynamic", sp=2, dp=2, zero=3, sp_split="zigzag"),
-        dict(dp=2, sp=4, zero=3, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag")]
+        dict(dp=2, sp=4, zero=3, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"),
+        dict(model="window", sp=4, dp=2, zero=3, sp_mode="halo"),
+        dict(model="gemma", sp=2, dp=2, pp=2, zero=2, sp_split="zigzag")]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 

@@ -526,18 +526,8 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
                     run_dir=run_dir, recompute=mode, warmup_steps=1, log_every=0),
     ).resolved(comm.Get_size())
     source = load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
-    if traced:
-        tracemalloc.start()
-    try:
-        engine = Engine(cfg, comm, source=source)
-        engine.train_step(0)
-        gc.collect()
-        resident = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        loss = engine.train_step(1).loss
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    engine, m = _traced_build_and_step(lambda: Engine(cfg, comm, source=source), traced)
+    resident, peak, loss = m["resident"], m["step_peak"], m["loss"]
     cpu = []
     for k in (2, 3):  # CPU seconds: robust on a machine shared with other work
         start = time.process_time()
@@ -547,6 +537,27 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
     return {"mode": mode, "tp": comm.Get_size(), "tp_sequence_parallel": tp_sequence_parallel,
             "resident": resident, "peak": peak, "activations": peak - resident, "loss": loss,
             "step_cpu_s": min(cpu)}
+
+
+def _traced_build_and_step(build: Callable[[], Any], traced: bool = True) -> tuple[Any, dict]:
+    """``build()`` an engine and run its steps 0 and 1 under tracemalloc (``traced``): the
+    engine and {``build_peak``: the peak while building, ``resident``: what it holds after step
+    0, ``step_peak``: the peak of step 1, ``loss``: step 1's loss} (zeros when untraced)."""
+    if traced:
+        tracemalloc.start()
+    try:
+        engine = build()
+        build_peak = tracemalloc.get_traced_memory()[1]
+        engine.train_step(0)
+        gc.collect()
+        resident = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        loss = engine.train_step(1).loss
+        step_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return engine, {"build_peak": build_peak, "resident": resident, "step_peak": step_peak,
+                    "loss": loss}
 
 
 def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_dir: str):
@@ -576,18 +587,8 @@ def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, com
     from mpipar.planner import predict_memory
 
     gc.collect()
-    tracemalloc.start()
-    try:
-        engine = _zero_engine(stage, prefetch, args, comm, run_dir)
-        build = tracemalloc.get_traced_memory()[1]
-        engine.train_step(0)
-        gc.collect()
-        resident = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        loss = engine.train_step(1).loss
-        step = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    engine, m = _traced_build_and_step(lambda: _zero_engine(stage, prefetch, args, comm, run_dir))
+    build, resident, step, loss = m["build_peak"], m["resident"], m["step_peak"], m["loss"]
     pool = (sum(b.nbytes for bufs in engine.sharded.pool.free.values() for b in bufs)
             if engine.sharded else 0)
     predicted = predict_memory(engine.cfg, engine.grid.coord)

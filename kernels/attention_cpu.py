@@ -140,20 +140,28 @@ def tile_work(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: int 
 
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _exp_row(p, lo, hi, shift, width):  # pragma: no cover (njit)
-    """p[lo:hi] = exp(p[lo:hi] - shift) in place, p[:lo] = p[hi:width] = 0; returns the sum
-    (p's dtype)."""
+def _exp_seg(p, shift):  # pragma: no cover (njit)
+    """p = exp(p - shift) in place; returns the sum (p's dtype). The loop starts at 0: LLVM
+    vectorised the same loop starting at a run-time index badly (the forward took 1.8x as
+    long)."""
     total = p.dtype.type(0)
     sh = p.dtype.type(shift)
-    for j in range(lo):
-        p[j] = 0
-    for j in range(lo, hi):
+    for j in range(p.size):
         e = vexp(p[j] - sh)
         p[j] = e
         total += e
-    for j in range(hi, width):
-        p[j] = 0
     return total
+
+
+@njit(cache=True, nogil=True)
+def _exp_row(p, start, lo, hi, end, shift):  # pragma: no cover (njit)
+    """p[lo:hi] = exp(p[lo:hi] - shift) in place, p[start:lo] = p[hi:end] = 0; returns the sum
+    (p's dtype)."""
+    for j in range(start, lo):
+        p[j] = 0
+    for j in range(hi, end):
+        p[j] = 0
+    return _exp_seg(p[lo:hi], shift)
 
 
 @njit(cache=True, nogil=True)
@@ -193,27 +201,27 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, m, 
     d = acc.shape[1]
     width = c1 - c0
     for t in range(t0, t1):
-        row = p[t, c0:c1]
-        hi = max(0, _visible(causal, q_offset, k_offset, i0 + t, j0, c1) - c0)
-        lo = max(0, _first(window, q_offset, k_offset, i0 + t, j0, c1) - c0)
+        row = p[t]                                    # positions c0 .. c1 of it are the tile's
+        hi = max(c0, _visible(causal, q_offset, k_offset, i0 + t, j0, c1))
+        lo = max(c0, _first(window, q_offset, k_offset, i0 + t, j0, c1))
         if hi <= lo:
-            for j in range(width):
+            for j in range(c0, c1):
                 row[j] = 0
             continue
         if not has_m[t]:
             m[t] = _row_max(row, lo, min(hi, lo + 8))
             has_m[t] = True
-        total = _exp_row(row, lo, hi, m[t], width)
+        total = _exp_row(row, c0, lo, hi, c1, m[t])
         if not total <= SUM_LIMIT:  # a score far above m: redo the row with its exact maximum
             gemm(False, False, 1, width, d, scale, qh[t:].ctypes.data, qh.strides[0] // qh.itemsize, kta, sk,
-                 0.0, row.ctypes.data, width, single)
+                 0.0, p[t, c0:].ctypes.data, width, single)
             mx = _row_max(row, lo, hi)
             corr = math.exp(m[t] - mx)
             l[t] *= corr
             for c in range(d):
                 acc[t, c] *= corr
             m[t] = mx
-            total = _exp_row(row, lo, hi, mx, width)
+            total = _exp_row(row, c0, lo, hi, c1, mx)
         l[t] += total
 
 
@@ -317,22 +325,27 @@ def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset,
     """Tile rows [t0, t1) of one head over the keys [c0, c1): p = exp(s - lse) in place of the
     scores s and dp = p * (dp - delta) in place of dP; both 0 outside each row's visible keys."""
     for t in range(t0, t1):
-        hi = _visible(causal, q_offset, k_offset, i0 + t, j0, c1)
-        lo = _first(window, q_offset, k_offset, i0 + t, j0, c1)
+        lo = max(c0, _first(window, q_offset, k_offset, i0 + t, j0, c1))
+        hi = max(lo, _visible(causal, q_offset, k_offset, i0 + t, j0, c1))
         if lse_h[i0 + t] == -np.inf:
             hi = lo
-        sh = p.dtype.type(lse_h[i0 + t])
-        dl = p.dtype.type(delta_h[i0 + t])
-        for j in range(c0, max(c0, lo)):
+        for j in range(c0, lo):
             p[t, j] = 0
             dp[t, j] = 0
-        for j in range(max(c0, lo), hi):
-            e = vexp(p[t, j] - sh)
-            p[t, j] = e
-            dp[t, j] = e * (dp[t, j] - dl)
-        for j in range(max(c0, hi), c1):
+        _grad_seg(p[t, lo:hi], dp[t, lo:hi], lse_h[i0 + t], delta_h[i0 + t])
+        for j in range(hi, c1):
             p[t, j] = 0
             dp[t, j] = 0
+
+
+@njit(cache=True, nogil=True, fastmath=REORDER)
+def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
+    """p = exp(p - lse), dp = p * (dp - delta) in place, from index 0 (see `_exp_seg`)."""
+    sh, dl = p.dtype.type(lse), p.dtype.type(delta)
+    for j in range(p.size):
+        e = vexp(p[j] - sh)
+        p[j] = e
+        dp[j] = e * (dp[j] - dl)
 
 
 @njit(cache=True, nogil=True)

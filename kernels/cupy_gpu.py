@@ -317,6 +317,28 @@ __device__ inline long long first_key(long long first_q, long long q_off, long l
     return j - j % tile;
 }
 
+// The key tiles [*kbeg, *kend) a block of query rows can see: after the causal diagonal's last
+// visible key none, and with a window none before its first (rounded down to a tile).
+__device__ inline void key_range(int Sq, int Sk, long long q_off, long long k_off, int causal,
+                                 long long window, int tile, long long* kbeg, long long* kend) {
+    long long first_q = (long long)blockIdx.x * blockDim.x;
+    long long last_q = min((long long)Sq, first_q + blockDim.x) - 1;
+    *kend = causal ? min((long long)Sk, q_off + last_q - k_off + 1) : Sk;
+    *kbeg = first_key(first_q, q_off, k_off, causal, window, tile);
+}
+
+// Keys [k0, k0 + BN) of kv head hk of sequence b into shared memory (zeros past Sk).
+template<typename T, int D, int BN>
+__device__ inline void load_kv(const T* k, const T* v, T (*ks)[D], T (*vs)[D], int b, int hk,
+                               long long k0, int Sk, int Hkv) {
+    for (int e = threadIdx.x; e < BN * D; e += blockDim.x) {
+        long long j = k0 + e / D;
+        long long at = (((long long)b * Sk + j) * Hkv + hk) * D + e % D;
+        ks[e / D][e % D] = j < Sk ? k[at] : (T)0;
+        vs[e / D][e % D] = j < Sk ? v[at] : (T)0;
+    }
+}
+
 template<typename T, typename A, int D, int BN>
 __global__ void flash_fwd(const T* q, const T* k, const T* v, T* out, A* lse, int Sq, int Sk,
                           int Hq, int Hkv, long long q_off, long long k_off, int causal,
@@ -331,17 +353,10 @@ __global__ void flash_fwd(const T* q, const T* k, const T* v, T* out, A* lse, in
     for (int d = 0; d < D; ++d) { qr[d] = row ? (A)qp[d] * scale : 0; o[d] = 0; }
     A m = -INFINITY, l = 0;
     // Keys past the block's last visible one are never loaded.
-    long long last_q = min((long long)Sq, (long long)(blockIdx.x + 1) * blockDim.x) - 1;
-    long long kend = causal ? min((long long)Sk, q_off + last_q - k_off + 1) : Sk;
-    long long first_q = (long long)blockIdx.x * blockDim.x;
-    for (long long k0 = first_key(first_q, q_off, k_off, causal, window, BN); k0 < kend;
-         k0 += BN) {
-        for (int e = threadIdx.x; e < BN * D; e += blockDim.x) {
-            long long j = k0 + e / D;
-            long long at = (((long long)b * Sk + j) * Hkv + hk) * D + e % D;
-            ks[e / D][e % D] = j < Sk ? k[at] : (T)0;
-            vs[e / D][e % D] = j < Sk ? v[at] : (T)0;
-        }
+    long long kbeg, kend;
+    key_range(Sq, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    for (long long k0 = kbeg; k0 < kend; k0 += BN) {
+        load_kv<T, D, BN>(k, v, ks, vs, b, hk, k0, Sk, Hkv);
         __syncthreads();
         for (int jj = 0; jj < BN && row; ++jj) {
             long long j = k0 + jj;
@@ -380,17 +395,10 @@ __global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* dout, 
     for (int d = 0; d < D; ++d) {
         qr[d] = row ? (A)q[at_q + d] * scale : 0; dor[d] = row ? (A)dout[at_q + d] : 0; acc[d] = 0;
     }
-    long long last_q = min((long long)Sq, (long long)(blockIdx.x + 1) * blockDim.x) - 1;
-    long long kend = causal ? min((long long)Sk, q_off + last_q - k_off + 1) : Sk;
-    long long first_q = (long long)blockIdx.x * blockDim.x;
-    for (long long k0 = first_key(first_q, q_off, k_off, causal, window, BN); k0 < kend;
-         k0 += BN) {
-        for (int e = threadIdx.x; e < BN * D; e += blockDim.x) {
-            long long j = k0 + e / D;
-            long long at = (((long long)b * Sk + j) * Hkv + hk) * D + e % D;
-            ks[e / D][e % D] = j < Sk ? k[at] : (T)0;
-            vs[e / D][e % D] = j < Sk ? v[at] : (T)0;
-        }
+    long long kbeg, kend;
+    key_range(Sq, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    for (long long k0 = kbeg; k0 < kend; k0 += BN) {
+        load_kv<T, D, BN>(k, v, ks, vs, b, hk, k0, Sk, Hkv);
         __syncthreads();
         for (int jj = 0; jj < BN && live; ++jj) {
             long long j = k0 + jj;

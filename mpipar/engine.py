@@ -293,6 +293,8 @@ class Engine:
                 micro = self._microbatches(self.eval_set.batch, k)
                 losses = self.evaluator.run_forward(micro, shape, self.dtype, stage_forward)
                 total += sum(float(losses[i].sum()) for i in sorted(losses))
+            if self.sharded:
+                self.sharded.release()     # the units kept from the last forward (ZeRO-3)
             tokens = self.eval_set.batches * tr.global_batch_size * tr.seq_len
             loss = self._global_sum(total) / tokens
         try:

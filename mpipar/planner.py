@@ -57,6 +57,7 @@ from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
 from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_hops,
                                      ring_messages)
 from mpipar.parallel.data import padded_size, plan_buckets
+from mpipar.parallel.fsdp import kept_after_forward
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
 from mpipar.topology import GROUP_AXES, Coord, GridShape, NodeMap
@@ -127,6 +128,13 @@ def unit_lengths(cfg: Config, coord: Coord) -> dict[str, int]:
             out.setdefault(unit, padded_size(sum(math.prod(shapes[n]) for n in names),
                                              cfg.parallel.dp * cfg.parallel.sp))
     return out
+
+
+def _kept_units(cfg: Config, coord: Coord) -> set[str]:
+    """ZeRO-3: the units of this rank gathered from their forward to their backward
+    (:func:`mpipar.parallel.fsdp.kept_after_forward`)."""
+    return kept_after_forward([[u for u, _ in units]
+                               for units in placement_table(cfg).units(coord.pp)])
 
 
 def _unit_passes(cfg: Config, coord: Coord) -> list[tuple[str, int]]:
@@ -244,14 +252,17 @@ def _sharded_calls(cfg: Config, coord: Coord, train: bool, passes: int) -> list[
     par, tr = cfg.parallel, cfg.train
     e, n = np.dtype(tr.dtype).itemsize, par.dp * par.sp
     lengths, entered = unit_lengths(cfg, coord), _unit_passes(cfg, coord)
-    if not train:
-        return [Call("dp_sp", "iallgather", lengths[u] // n * e, passes)
+    if not train:         # a kept unit: once, its later passes find it gathered
+        kept = _kept_units(cfg, coord)
+        return [Call("dp_sp", "iallgather", lengths[u] // n * e,
+                     min(passes, 1) if u in kept else passes)
                 for u, _ in entered] if par.zero == 3 else []
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * e, k) for u, k in entered]
-    if par.zero == 3:
-        return calls + [Call("dp_sp", "iallgather", lengths[u] // n * e, 2 * micro)
-                        for u, _ in entered]
+    if par.zero == 3:     # a kept unit: once per microbatch (its backward reuses the forward's)
+        kept = _kept_units(cfg, coord)
+        return calls + [Call("dp_sp", "iallgather", lengths[u] // n * e,
+                             micro if u in kept else 2 * micro) for u, _ in entered]
     return calls + [Call("dp_sp", "allgather", L // n * e) for L in lengths.values()]
 
 
@@ -586,18 +597,22 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
 def _unit_buffers(cfg: Config, coord: Coord) -> int:
     """ZeRO-2/3: a bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.
     BufferPool` keeps what a step needed at once, by length): per unit length, the gathered
-    units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head:
-    ZeRO-3) and the gradient buffers (the unit in backward and ``MAX_IN_FLIGHT``
+    units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head, the
+    units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and ``MAX_IN_FLIGHT``
     reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight op, beside them),
     and the received slices."""
     from mpipar.parallel.fsdp import MAX_IN_FLIGHT
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
     by_length: dict[int, int] = defaultdict(int)
-    for L in unit_lengths(cfg, coord).values():
+    kept: dict[int, int] = defaultdict(int)
+    lengths = unit_lengths(cfg, coord)
+    for L in lengths.values():
         by_length[L] += 1
+    for u in _kept_units(cfg, coord) if par.zero == 3 else ():
+        kept[lengths[u]] += 1
     total = 0
     for L, k in by_length.items():
-        gathered = min(k, 2 + par.zero_prefetch) if par.zero == 3 else 0
+        gathered = min(k, 2 + par.zero_prefetch + kept[L]) if par.zero == 3 else 0
         grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(k, 1 + MAX_IN_FLIGHT)
         total += (gathered + grads) * L * e + min(k, 1 + MAX_IN_FLIGHT) * L // (par.dp * par.sp) * e
     return total

@@ -87,6 +87,10 @@ class ParamScope(Protocol):
     def weights_done(self, units: list[str]) -> None:
         """The deferred weight gradients of ``units`` are accumulated."""
 
+    def progress(self) -> None:
+        """The model is between two operations of a unit: the transfers in flight may advance
+        (an MPI on the CPU moves a non-blocking collective only while some call is in MPI)."""
+
 
 class Resident:
     """The scope of parameters and gradients that stay in memory (ZeRO-0/1): nothing to do."""
@@ -98,6 +102,9 @@ class Resident:
         pass
 
     def weights_done(self, units: list[str]) -> None:
+        pass
+
+    def progress(self) -> None:
         pass
 
 
@@ -292,7 +299,7 @@ class LlamaStage:
             x = inp
         for i in self.layers:
             scope.enter(f"layers.{i}", False)
-            x, saved = self._block_fwd(params, i, x, positions, record=True)
+            x, saved = self._block_fwd(params, i, x, positions, record=True, scope=scope)
             scope.leave(f"layers.{i}", False)
             cache.blocks.append(self._keep(saved))
         if not self.last:
@@ -324,7 +331,7 @@ class LlamaStage:
             scope.leave("embed", False)
         for i in self.layers:
             scope.enter(f"layers.{i}", False)
-            x, _ = self._block_fwd(params, i, x, positions, kv=kv)
+            x, _ = self._block_fwd(params, i, x, positions, kv=kv, scope=scope)
             scope.leave(f"layers.{i}", False)
         if not self.last:
             return x
@@ -362,13 +369,15 @@ class LlamaStage:
         return self.kernels.rope_fwd(q, cos, sin), self.kernels.rope_fwd(key, cos, sin)
 
     def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray, record: bool = False,
-                   kv: KVCache | None = None) -> tuple[Array, BlockSaved]:
+                   kv: KVCache | None = None, scope: ParamScope = RESIDENT
+                   ) -> tuple[Array, BlockSaved]:
         """Block ``i`` on the stream ``x`` -> (output stream, every intermediate); ``record``:
         hand the :data:`ACTIVATION_NAMES` tensors to the recorder, if one is set; ``kv``: attend
         over the cached positions too (incremental decoding, module docstring)."""
         ops, p, tp, n, eps = self.kernels, params, self.tp, f"layers.{i}.", self.cfg.norm_eps
         h1, rstd1 = ops.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], eps)
         q, key, v = self._qkv(params, i, tp.enter(h1), len(positions))
+        scope.progress()
         q, key = self._rope_fwd(q, key, positions)
         window = self.cfg.layer_window(i)
         if kv is None:
@@ -377,10 +386,12 @@ class LlamaStage:
             keys, values = kv.append(i, key, v, int(positions[0]))
             out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
                                                      window=window)
+        scope.progress()
         B, S = out.shape[:2]
         a = tp.row_linear(out.reshape(B, S, -1), p[n + "self_attn.o_proj.weight"])
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
         _, (g, u) = tp.column_linear(h2, p[n + "mlp.gate_proj.weight"], p[n + "mlp.up_proj.weight"])
+        scope.progress()
         m = ops.swiglu_fwd(g, u)
         y = tp.row_linear(m, p[n + "mlp.down_proj.weight"])
         block_out = x2 + y
@@ -435,7 +446,7 @@ class LlamaStage:
         for i in reversed(self.layers):  # pop: each block's activations go once it is done
             scope.enter(f"layers.{i}", True)
             saved = self._restore(params, i, cache.blocks.pop(), cache.positions)
-            dx = self._block_bwd(params, grads, i, dx, saved, cache.positions, lin)
+            dx = self._block_bwd(params, grads, i, dx, saved, cache.positions, lin, scope)
             scope.leave(f"layers.{i}", True, deferred is None)
             notify and notify([s.name for s in block_param_specs(self.cfg, i)])
         if self.first:
@@ -484,19 +495,23 @@ class LlamaStage:
         return dx
 
     def _block_bwd(self, params, grads, i: int, dout: Array, c: BlockSaved,
-                   positions: np.ndarray, lin: LinearGrads) -> Array:
+                   positions: np.ndarray, lin: LinearGrads, scope: ParamScope = RESIDENT
+                   ) -> Array:
         ops, p, tp, n = self.kernels, params, self.tp, f"layers.{i}."
         dm = tp.row_linear_backward(dout, c.m, n + "mlp.down_proj.weight", lin)
+        scope.progress()
         dg, du = ops.swiglu_bwd(dm, c.g, c.u)
         dh2 = tp.column_linear_backward([dg, du], tp.enter(c.h2),
                                         [n + "mlp.gate_proj.weight", n + "mlp.up_proj.weight"],
                                         lin)
+        scope.progress()
         dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
                                       c.rstd2)
         grads[n + "post_attention_layernorm.weight"] += dw
         out = c.attention_out
         B, S = out.shape[:2]
         do = tp.row_linear_backward(dx2, out.reshape(B, S, -1), n + "self_attn.o_proj.weight", lin)
+        scope.progress()
         h1_full = tp.enter(c.h1)
         q, key, v = c.q, c.k, c.v
         if q is None and self.attention.needs_inputs:  # dropped by selective recomputation
@@ -504,6 +519,7 @@ class LlamaStage:
             q, key = self._rope_fwd(q, key, positions)
         dq, dk, dv = self.attention.backward(do.reshape(out.shape), q, key, v, out,
                                              c.attention_saved, self.cfg.layer_window(i))
+        scope.progress()
         cos, sin = self._cos_sin(positions, dq.dtype)
         dq, dk = ops.rope_bwd(dq, cos, sin), ops.rope_bwd(dk, cos, sin)
         dh1 = tp.column_linear_backward([dq, dk, dv], h1_full,

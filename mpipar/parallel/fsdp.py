@@ -12,7 +12,13 @@ padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns e
   (:meth:`ShardedParams.enter`, before its forward and again before its backward) the unit is
   all-gathered into a buffer from a pool of reusable buffers, and the all-gathers of the next
   ``prefetch`` units of the chunk in the same direction are posted non-blocking, so they run
-  while this one computes; when the model leaves the unit the buffer goes back to the pool.
+  while this one computes; when the model leaves the unit the buffer goes back to the pool
+  (except the chunk's last unit after its forward: its backward is next, and keeps it).
+  Between its operations the model calls :meth:`ShardedParams.progress`, which tests every
+  gather and reduce-scatter in flight: an MPI without a progress thread (every CPU MPI by
+  default) moves a non-blocking collective only while some call is inside MPI, so without it
+  the prefetched transfer would happen in the wait. The reduce-scatters in flight are tested
+  too: with MPICH, testing the gathers alone left them unfinished behind them (measured).
 
 Gradients, both stages: a unit's full-size gradient buffer exists only while its backward is in
 flight. Once the unit's gradients of one microbatch are final (at :meth:`leave`, or for zb-h1's
@@ -39,6 +45,17 @@ from mpipar.parallel.data import padded_size
 
 MAX_IN_FLIGHT = 2
 """Reduce-scatters of gradients outstanding at once (each holds one unit's full gradients)."""
+
+
+def kept_after_forward(chunks: list[list[str]]) -> set[str]:
+    """ZeRO-3: the units whose gathered parameters stay from their forward to their backward:
+    each chunk's last unit (its backward comes first), a unit read by several chunks counting
+    as the first chunk's. ``chunks``: each chunk's units in forward order."""
+    order: dict[str, list[str]] = {}
+    for names in chunks:
+        for unit in names:
+            order.setdefault(unit, names)
+    return {unit for unit, names in order.items() if names[-1] == unit}
 
 
 @dataclass
@@ -102,6 +119,7 @@ class ShardedParams:
                 if unit not in self.units:
                     self.units[unit] = self._make_unit(unit, pnames, initial)
                     self.order[unit] = names
+        self.kept = kept_after_forward([[u for u, _ in units] for units in chunks])
         self.pool = BufferPool(xp, next(iter(self.units.values())).owned.dtype)
         self.tied_group = tied_group
         self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
@@ -173,17 +191,20 @@ class ShardedParams:
             u.grad_users += 1
 
     def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
-        """The model is done with ``unit``: its gathered parameters go back to the pool; after
-        backward with ``grads_final`` its gradients are reduce-scattered (otherwise at
-        :meth:`weights_done`)."""
+        """The model is done with ``unit``: its gathered parameters go back to the pool, except
+        after the forward of its chunk's last unit, whose backward comes next (FSDP's
+        reshard-after-forward off for the last layer: that gather would have nothing to hide
+        behind); after backward with ``grads_final`` its gradients are reduce-scattered
+        (otherwise at :meth:`weights_done`)."""
         u = self.units[unit]
         if self.gather:
             u.users -= 1
             if u.users == 0 and u.full is not None:
                 self._in_use -= 1
                 self._unbind(self.params, u)
-                self.pool.give(u.full)
-                u.full, u.gathering = None, None
+                if backward or unit not in self.kept:
+                    self.pool.give(u.full)
+                    u.full, u.gathering = None, None
         if backward and grads_final:
             self._grads_done(u)
 
@@ -191,6 +212,15 @@ class ShardedParams:
         """The deferred weight gradients of ``units`` (one backward pass each) are in."""
         for unit in units:
             self._grads_done(self.units[unit])
+
+    def progress(self) -> None:
+        """Advance the all-gathers and reduce-scatters in flight (``test`` runs MPI's progress
+        engine): on an MPI without a progress thread they move only while some call is in MPI."""
+        for u in self.units.values():
+            if u.gathering is not None:
+                u.gathering.test()
+        for request, *_ in self._reducing:
+            request.test()
 
     def _start_gather(self, u: Unit) -> None:
         if u.full is None:
@@ -224,16 +254,22 @@ class ShardedParams:
     def finish(self) -> None:
         """Complete every outstanding reduce-scatter: the owned gradients are the step's sums
         (the tied ones summed over the pipeline's ends too). A gather prefetched but not
-        entered is completed and dropped: the update is about to change the shards."""
+        entered, or kept from the forward, is completed and dropped: the update is about to
+        change the shards."""
+        self.release()
+        while self._reducing:
+            self._complete_one()
+        for u in self.tied_units:
+            self.tied_group.allreduce_(u.owned_grad)
+
+    def release(self) -> None:
+        """Give back every gathered buffer no scope is reading (prefetched, or kept from the
+        forward), its gather completed first (after an evaluation, before an update)."""
         for u in self.units.values():
             if self.gather and u.full is not None and u.users == 0:
                 u.gathering.wait()
                 self.pool.give(u.full)
                 u.full, u.gathering = None, None
-        while self._reducing:
-            self._complete_one()
-        for u in self.tied_units:
-            self.tied_group.allreduce_(u.owned_grad)
 
     def gather_params(self) -> None:
         """After the update: ZeRO-2 all-gathers the owned slices back into the whole
@@ -295,7 +331,9 @@ class ShardedParams:
             yield name, start, start + hi - lo, u.owned[lo:hi]
 
     def load_local(self, name: str, value: Any) -> None:
-        """Set parameter ``name`` from its whole tp-local tensor ``value`` (collective-free)."""
+        """Set parameter ``name`` from its whole tp-local tensor ``value`` (collective-free;
+        a gathered copy no scope is reading is dropped, as it would be stale)."""
+        self.release()
         for u in self.units.values():
             if name not in u.offsets:
                 continue

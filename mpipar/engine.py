@@ -29,6 +29,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,13 +289,12 @@ class Engine:
 
         total = 0.0
         self.eval_ledger.reset()
-        with booked_to(self.groups.values(), self.eval_ledger):
+        with booked_to(self.groups.values(), self.eval_ledger), \
+                (self.sharded.forward_only() if self.sharded else nullcontext()):
             for k in range(self.eval_set.batches):
                 micro = self._microbatches(self.eval_set.batch, k)
                 losses = self.evaluator.run_forward(micro, shape, self.dtype, stage_forward)
                 total += sum(float(losses[i].sum()) for i in sorted(losses))
-            if self.sharded:
-                self.sharded.release()     # the units kept from the last forward (ZeRO-3)
             tokens = self.eval_set.batches * tr.global_batch_size * tr.seq_len
             loss = self._global_sum(total) / tokens
         try:

@@ -134,7 +134,25 @@ def _kept_units(cfg: Config, coord: Coord) -> set[str]:
     """ZeRO-3: the units of this rank gathered from their forward to their backward
     (:func:`mpipar.parallel.fsdp.kept_after_forward`)."""
     return kept_after_forward([[u for u, _ in units]
-                               for units in placement_table(cfg).units(coord.pp)])
+                               for units in placement_table(cfg).units(coord.pp)],
+                              cfg.parallel.zero_prefetch)
+
+
+def _kept_meets_forward(cfg: Config, coord: Coord) -> bool:
+    """Whether this rank's schedule runs a forward while a chunk's kept units wait for that
+    chunk's next backward (a forward of a chunk after its last backward: pipeline warm-up,
+    interleaving), so that they are gathered beside the forward's units."""
+    par = cfg.parallel
+    micro = cfg.train.global_batch_size // (par.dp * cfg.train.micro_batch_size)
+    waiting: set[int] = set()
+    for op in _schedule(par.schedule, par.pp, micro, par.virtual_stages)[coord.pp]:
+        if op.kind == "fwd":
+            if waiting:
+                return True
+            waiting.add(op.chunk)
+        elif op.kind in ("bwd", "bwd_input"):
+            waiting.discard(op.chunk)
+    return False
 
 
 def _unit_passes(cfg: Config, coord: Coord) -> list[tuple[str, int]]:
@@ -252,10 +270,8 @@ def _sharded_calls(cfg: Config, coord: Coord, train: bool, passes: int) -> list[
     par, tr = cfg.parallel, cfg.train
     e, n = np.dtype(tr.dtype).itemsize, par.dp * par.sp
     lengths, entered = unit_lengths(cfg, coord), _unit_passes(cfg, coord)
-    if not train:         # a kept unit: once, its later passes find it gathered
-        kept = _kept_units(cfg, coord)
-        return [Call("dp_sp", "iallgather", lengths[u] // n * e,
-                     min(passes, 1) if u in kept else passes)
+    if not train:
+        return [Call("dp_sp", "iallgather", lengths[u] // n * e, passes)
                 for u, _ in entered] if par.zero == 3 else []
     micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
     calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * e, k) for u, k in entered]
@@ -608,7 +624,7 @@ def _unit_buffers(cfg: Config, coord: Coord) -> int:
     lengths = unit_lengths(cfg, coord)
     for L in lengths.values():
         by_length[L] += 1
-    for u in _kept_units(cfg, coord) if par.zero == 3 else ():
+    for u in _kept_units(cfg, coord) if par.zero == 3 and _kept_meets_forward(cfg, coord) else ():
         kept[lengths[u]] += 1
     total = 0
     for L, k in by_length.items():

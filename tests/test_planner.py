@@ -111,8 +111,9 @@ def test_zero_shards_the_moments_over_dp(zero):
 def test_zero3_state_is_one_over_dp_sp():
     """ZeRO-3: weights, gradients and moments are 1/(dp*sp) of ZeRO-0's (each unit padded to a
     multiple of dp*sp); ZeRO-2 keeps the whole weights; the step's bytes over dp x sp are per
-    microbatch 2 all-gathers of each unit's slice (1 of the head's, which stays gathered from its
-    forward to its backward) and a reduce-scatter of its gradients."""
+    microbatch 2 all-gathers of each unit's slice (1 of the head's and the last block's, which
+    stay gathered from their forward to their backward at prefetch 1) and a reduce-scatter of
+    its gradients."""
     model = ModelConfig(vocab_size=256, hidden=64, layers=4, heads=4, kv_heads=2)
     train = TrainConfig(seq_len=16, global_batch_size=16, micro_batch_size=2)
     full = predict_memory(Config(model, ParallelConfig(dp=1), train).resolved(1), Coord(0, 0, 0, 0))
@@ -129,9 +130,9 @@ def test_zero3_state_is_one_over_dp_sp():
         assert mem.state == 4 * padded // n * 4
         assert full.state / n <= mem.state < full.state / n + 4 * 6 * 4   # padding only
         micro = 16 // (dp * 2)
-        head = -(-units[1] // n) * n
+        kept = -(-units[1] // n) * n + -(-units[2] // n) * n
         assert predict_step_bytes(cfg, Coord(0, 0, 0, 0))["dp_sp"] == \
-            micro * (padded * 4 + (2 * padded - head) // n * 4) + 16
+            micro * (padded * 4 + (2 * padded - kept) // n * 4) + 16
         two = predict_memory(dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, zero=2)), Coord(0, 0, 0, 0))
         assert two.weights == padded * 4 and two.grads == mem.grads

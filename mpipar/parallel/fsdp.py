@@ -13,7 +13,8 @@ padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns e
   all-gathered into a buffer from a pool of reusable buffers, and the all-gathers of the next
   ``prefetch`` units of the chunk in the same direction are posted non-blocking, so they run
   while this one computes; when the model leaves the unit the buffer goes back to the pool
-  (except the chunk's last unit after its forward: its backward is next, and keeps it).
+  (except, after the forward, the chunk's last ``1 + prefetch`` units: the backward enters
+  them first, with nothing to hide their gathers behind).
   Between its operations the model calls :meth:`ShardedParams.progress`, which tests every
   gather and reduce-scatter in flight: an MPI without a progress thread (every CPU MPI by
   default) moves a non-blocking collective only while some call is inside MPI, so without it
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -47,15 +49,17 @@ MAX_IN_FLIGHT = 2
 """Reduce-scatters of gradients outstanding at once (each holds one unit's full gradients)."""
 
 
-def kept_after_forward(chunks: list[list[str]]) -> set[str]:
+def kept_after_forward(chunks: list[list[str]], prefetch: int) -> set[str]:
     """ZeRO-3: the units whose gathered parameters stay from their forward to their backward:
-    each chunk's last unit (its backward comes first), a unit read by several chunks counting
-    as the first chunk's. ``chunks``: each chunk's units in forward order."""
+    each chunk's last ``1 + prefetch`` units, which its backward enters first and would gather
+    at once, with no compute before them to hide behind (FSDP's reshard-after-forward off for
+    the last layer). A unit read by several chunks counts as the first chunk's. ``chunks``:
+    each chunk's units in forward order."""
     order: dict[str, list[str]] = {}
     for names in chunks:
         for unit in names:
             order.setdefault(unit, names)
-    return {unit for unit, names in order.items() if names[-1] == unit}
+    return {unit for unit, names in order.items() if unit in names[-1 - prefetch:]}
 
 
 @dataclass
@@ -119,7 +123,8 @@ class ShardedParams:
                 if unit not in self.units:
                     self.units[unit] = self._make_unit(unit, pnames, initial)
                     self.order[unit] = names
-        self.kept = kept_after_forward([[u for u, _ in units] for units in chunks])
+        self.kept = kept_after_forward([[u for u, _ in units] for units in chunks], prefetch)
+        self.keeping = True   # off for forward-only passes (:meth:`forward_only`)
         self.pool = BufferPool(xp, next(iter(self.units.values())).owned.dtype)
         self.tied_group = tied_group
         self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
@@ -192,17 +197,16 @@ class ShardedParams:
 
     def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
         """The model is done with ``unit``: its gathered parameters go back to the pool, except
-        after the forward of its chunk's last unit, whose backward comes next (FSDP's
-        reshard-after-forward off for the last layer: that gather would have nothing to hide
-        behind); after backward with ``grads_final`` its gradients are reduce-scattered
-        (otherwise at :meth:`weights_done`)."""
+        after the forward of a unit the backward enters first (:func:`kept_after_forward`);
+        after backward with ``grads_final`` its gradients are reduce-scattered (otherwise at
+        :meth:`weights_done`)."""
         u = self.units[unit]
         if self.gather:
             u.users -= 1
             if u.users == 0 and u.full is not None:
                 self._in_use -= 1
                 self._unbind(self.params, u)
-                if backward or unit not in self.kept:
+                if backward or not self.keeping or unit not in self.kept:
                     self.pool.give(u.full)
                     u.full, u.gathering = None, None
         if backward and grads_final:
@@ -261,6 +265,17 @@ class ShardedParams:
             self._complete_one()
         for u in self.tied_units:
             self.tied_group.allreduce_(u.owned_grad)
+
+    @contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """Passes with no backward (evaluation): every unit goes back to the pool as it is left,
+        and the units kept before are released first."""
+        self.release()
+        self.keeping = False
+        try:
+            yield
+        finally:
+            self.keeping = True
 
     def release(self) -> None:
         """Give back every gathered buffer no scope is reading (prefetched, or kept from the

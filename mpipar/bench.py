@@ -1505,8 +1505,11 @@ COMPRESSION_VARIANTS = {
     "int8-noef": ["--grad-compression", "int8", "--error-feedback", "off"],
     "topk": ["--grad-compression", "topk"],
     "topk-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
+    "topk-warm": ["--grad-compression", "topk"],
+    "topk-warm-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
 }
-"""Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio)."""
+"""Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio; the ``-warm``
+ones after --warmup uncompressed steps)."""
 
 
 def _train_variant(name: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
@@ -1514,7 +1517,8 @@ def _train_variant(name: str, args: argparse.Namespace, out: str) -> dict[str, A
     metrics: losses per step, the final loss (mean of the last ``--last`` steps), the median
     step time after step 1, and rank 0's bytes per step across nodes and in total."""
     run_dir = os.path.join(out, name)
-    flags = [*COMPRESSION_VARIANTS[name], "--topk-ratio", str(args.topk_ratio),
+    warm = ["--compression-warmup", str(args.warmup)] if "-warm" in name else []
+    flags = [*COMPRESSION_VARIANTS[name], *warm, "--topk-ratio", str(args.topk_ratio),
              "--steps", str(args.steps), "--dp", str(args.ranks), "--run-dir", run_dir,
              "--log-every", "0", "--tensorboard", "off", *args.train_flags.split()]
     if args.ranks_per_node:
@@ -1569,7 +1573,7 @@ def _plot_losses(rows: list[dict[str, Any]], path: str, title: str) -> None:
 def run_compression(args: argparse.Namespace) -> dict[str, Any]:
     """Train each variant side by side and compare its final loss with no compression's."""
     if args.quick:
-        args.steps, args.ranks, args.last = 30, 4, 10
+        args.steps, args.ranks, args.last, args.warmup = 30, 4, 10, 3
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in COMPRESSION_VARIANTS]
     if unknown:
@@ -1581,7 +1585,7 @@ def run_compression(args: argparse.Namespace) -> dict[str, Any]:
     reduce = (f"{args.dp_reduce} on nodes of {args.ranks_per_node}" if args.ranks_per_node
               else "flat over dp")
     title = (f"default model, stdlib corpus, dp={args.ranks} ({reduce}), {args.steps} steps, "
-             f"top-k ratio {args.topk_ratio:g}")
+             f"top-k ratio {args.topk_ratio:g}, -warm: {args.warmup} steps uncompressed first")
     print(f"compression: {title}; final loss = mean of the last {args.last} steps")
     rows = []
     for name in names:
@@ -1618,13 +1622,16 @@ def _print_compression(rows: list[dict[str, Any]]) -> None:
 
 
 def _configure_compression(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variants", default="none,int8,topk,topk-noef",
+    parser.add_argument("--variants", default="none,int8,topk,topk-noef,topk-warm,topk-warm-noef",
                         help=f"comma list of {', '.join(COMPRESSION_VARIANTS)} (none is always "
                              f"run)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=8, help="mpirun -n (dp = ranks)")
     parser.add_argument("--last", type=int, default=20, help="final loss: mean of the last N steps")
     parser.add_argument("--topk-ratio", type=float, default=0.01)
+    parser.add_argument("--warmup", type=int, default=30,
+                        help="the -warm variants: --compression-warmup steps (default 10 %% of "
+                             "the 300 steps)")
     parser.add_argument("--ranks-per-node", type=int, default=0,
                         help="nodes of K ranks (compression then runs across them with "
                              "--dp-reduce hierarchical)")

@@ -146,6 +146,10 @@ class ParallelConfig:
                                  "sent")
     error_feedback: str = _f("on", "keep what compression did not send and add it to the next "
                                    "step's gradient (saved in checkpoints)", choices=("on", "off"))
+    compression_warmup: int = _f(0, "--grad-compression: steps reduced uncompressed before "
+                                    "compression starts (the warm-up of Deep Gradient "
+                                    "Compression and 1-bit Adam: the first steps move the model "
+                                    "most, and compression delays what it does not send)")
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
                                            "tokens (all-gather / reduce-scatter replace the "

@@ -194,7 +194,8 @@ class Engine:
         return GradReducer(self._initial_shards(names), list(reversed(names)), groups,
                            par.bucket_mb, par.zero == 1, self.xp,
                            make_codec(par.grad_compression, par.topk_ratio, self.xp),
-                           par.error_feedback == "on", tied, g["pp_ends"])
+                           par.error_feedback == "on", tied, g["pp_ends"],
+                           par.compression_warmup)
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
         """This rank's shards of the initial parameters (every layout starts from the same
@@ -244,7 +245,7 @@ class Engine:
         mbs, s_loc = tr.micro_batch_size, len(self.positions)
         weight = xp.full((mbs, s_loc), 1.0 / tokens)
         recorder = self._start_dump(step)
-        self.reducer.start_step()
+        self.reducer.start_step(step)
         self._unfinished = Counter(self.holders)
         loss = self.executor.run(self.params, self.grads, micro, self.positions,
                                  self.tensor.stream_shape(mbs, s_loc, self.cfg.model.hidden),

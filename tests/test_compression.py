@@ -254,7 +254,9 @@ MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "
     ["--dtype", "float32", "--dp", "4", "--ranks-per-node", "2", "--dp-reduce", "hierarchical",
      "--grad-compression", "int8"],
     ["--dtype", "float64", "--dp", "2", "--sp", "2", "--grad-compression", "topk",
-     "--topk-ratio", "0.05", "--zero", "1"]], ids=["hierarchical-int8", "topk-zero1"])
+     "--topk-ratio", "0.05", "--zero", "1"],
+    ["--dtype", "float64", "--dp", "4", "--grad-compression", "int8", "--compression-warmup",
+     "3"]], ids=["hierarchical-int8", "topk-zero1", "int8-warmup-across-the-resume"])
 @needs_mpirun
 def test_resume_with_compression_is_bit_exact(tmp_path, layout):
     """4 steps saving at 2, against resuming from the step-2 checkpoint in a new job: losses,
@@ -289,3 +291,41 @@ def test_resume_with_compression_is_bit_exact(tmp_path, layout):
         x = ckpt.read_tensors(tmp_path / "a" / "ck", kind)
         y = ckpt.read_tensors(tmp_path / "b" / "ck", kind)
         assert all(np.array_equal(x[n], y[n]) for n in x), kind
+
+
+@needs_mpirun
+def test_warmup_steps_are_uncompressed_then_compression_starts(tmp_path):
+    """--compression-warmup 2 (int8, flat dp = 4, float64): steps 1-2 equal the uncompressed run
+    bit for bit (loss, gradient norm; the wire bytes of the same all-reduce); steps 3-4 put the compressed run's bytes on
+    the wire, and step 3's gradient norm is the int8 sum's, no longer the dense one."""
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "samples.npy"
+    np.save(data, np.random.default_rng(3).integers(0, 13, size=(64, 17)))
+
+    def train(run: str, *flags: str) -> list[dict]:
+        proc = subprocess.run([*mpirun(4), sys.executable, "-m", "mpipar.train", *MODEL,
+                               "--dtype", "float64", "--dp", "4", "--data", str(data),
+                               "--run-dir", str(tmp_path / run), *flags],
+                              capture_output=True, text=True, timeout=300, env=launch_env())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        with open(tmp_path / run / "metrics.jsonl") as fh:
+            return [json.loads(line) for line in fh]
+
+    def wire(r: dict) -> int:
+        return sum(v["intra"] + v["inter"] for v in r["comm_wire_bytes"].values())
+
+    dense = train("dense")
+    warm = train("warm", "--grad-compression", "int8", "--compression-warmup", "2")
+    cold = train("cold", "--grad-compression", "int8")
+    for k in (0, 1):
+        assert (warm[k]["loss"], warm[k]["grad_norm"]) == (dense[k]["loss"], dense[k]["grad_norm"])
+        # the same all-reduce, of a bucket padded to whole int8 scale blocks (a few elements)
+        assert wire(dense[k]) <= wire(warm[k]) < 1.01 * wire(dense[k])
+    assert warm[2]["loss"] == dense[2]["loss"]       # the parameters after two dense updates
+    assert warm[2]["grad_norm"] != dense[2]["grad_norm"]
+    assert abs(warm[2]["grad_norm"] / dense[2]["grad_norm"] - 1) < 0.05   # int8 of the same sum
+    for k in (2, 3):
+        assert wire(warm[k]) == wire(cold[k]) < wire(dense[k]) / 3.5

@@ -90,6 +90,10 @@ RULES = [
      "parallel.dp_reduce='hierarchical' with ranks_per_node=4: the nodes (3 nodes x 4 ranks "
      "(--ranks-per-node)) hold [1, 2] ranks of one dp x sp group"),
     (["--topk-ratio", "0"], 1, "parallel.topk_ratio=0.0: must be in (0, 1]"),
+    (["--compression-warmup", "5"], 1, "parallel.compression_warmup=5: only with "
+     "--grad-compression int8 or topk"),
+    (["--grad-compression", "topk", "--compression-warmup", "-1"], 1,
+     "parallel.compression_warmup=-1: must be >= 0"),
     (["--tie-embeddings", "--pp", "2", "--dp", "2", "--grad-compression", "int8"], 4,
      "parallel.grad_compression='int8' with error feedback: not with model.tie_embeddings and "
      "pp=2"),

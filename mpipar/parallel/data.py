@@ -24,6 +24,10 @@ for the rest):
   pieces to their owners, which sum them, re-encode and all-gather (ZeRO-1 keeps the owner's
   sum); top-k all-gathers every rank's values and indices and adds them up (ZeRO-1 keeps its
   slice). With error feedback each rank keeps the residual of each direction it encodes.
+  ``dense_steps`` (``--compression-warmup``): the first steps reduce uncompressed, as Deep
+  Gradient Compression's warm-up and 1-bit Adam's ``freeze_step`` do; their residuals stay
+  zero. A step skips the chain's second compressed collective (int8's all-gather) by a request
+  that is already complete, so the chain's order of steps is the same every step.
 
 The collectives of successive buckets on one communicator must start in the same order on every
 rank, whatever order their requests complete in: each step of the chain that reuses a group gets
@@ -132,8 +136,9 @@ class GradReducer:
     def __init__(self, params: dict[str, Any], order: list[str], groups: ReduceGroups,
                  bucket_mb: float, sharded: bool, xp: ModuleType, codec: Codec | None = None,
                  feedback: bool = True, tied: Collection[str] = (),
-                 tied_group: Group | None = None) -> None:
+                 tied_group: Group | None = None, dense_steps: int = 0) -> None:
         self.hierarchical = groups.intra is not None
+        self.dense_steps, self._compress = dense_steps, True
         if groups.intra is not None and groups.intra.size == 1:   # one rank a node: no step inside
             groups = ReduceGroups(groups.full, groups.inter)
         self.groups, self.group, self.sharded, self.xp = groups, groups.full, sharded, xp
@@ -227,7 +232,10 @@ class GradReducer:
         self._duplicates = []
 
     # ------------------------------------------------------------ per step
-    def start_step(self) -> None:
+    def start_step(self, step: int = 0) -> None:
+        """Before optimizer step ``step`` (0-based): its reduction is compressed unless the
+        step is one of the ``dense_steps`` first."""
+        self._compress = step >= self.dense_steps
         for b in self.buckets:
             b.grads.fill(0)
             b.pending = set(b.names)
@@ -300,10 +308,13 @@ class GradReducer:
         if self.groups.inter.size == 1:
             if self.sharded:
                 b.owned_grad[...] = x
-        elif self.codec is None:
+        elif self.codec is None or not self._compress:
             group = next(stages)
             yield (group.ireduce_scatter_(x, b.owned_grad) if self.sharded
                    else group.iallreduce_(x))
+            if isinstance(self.codec, Int8Codec) and not self.sharded:
+                skipped = next(stages)                       # int8's all-gather: not this step
+                yield Request(None, skipped.ledger, skipped.name, "skipped", 0)
         elif isinstance(self.codec, Int8Codec):
             yield from self._int8(b, x, stages)
         else:
@@ -416,6 +427,8 @@ class GradReducer:
         if self.codec is not None:
             how += f", {self.codec.name} compression"
             how += " with error feedback" if self.feedback else " without error feedback"
+            if self.dense_steps:
+                how += f" after {self.dense_steps} uncompressed steps"
         return f"dp x sp reduce {how}"
 
 
@@ -431,8 +444,8 @@ def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, 
 @rules("data")
 def check_config(cfg: Config, world: int) -> None:
     """The global batch must split evenly over dp and into microbatches; buckets need a size;
-    hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1];
-    error-feedback residuals, one per rank, cannot follow a tied embedding across pipeline
+    hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1]; a
+    compression warm-up a compression and a count >= 0; error-feedback residuals, one per rank, cannot follow a tied embedding across pipeline
     ranks."""
     from mpipar.topology import GridShape, NodeMap
 
@@ -446,6 +459,11 @@ def check_config(cfg: Config, world: int) -> None:
                 f"train.global_batch_size={t.global_batch_size}: must be divisible by "
                 f"dp*micro_batch_size = {dp}*{t.micro_batch_size}")
     require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio={p.topk_ratio}: must be in (0, 1]")
+    require(p.compression_warmup >= 0,
+            f"parallel.compression_warmup={p.compression_warmup}: must be >= 0")
+    require(p.compression_warmup == 0 or p.grad_compression != "none",
+            f"parallel.compression_warmup={p.compression_warmup}: only with --grad-compression "
+            f"int8 or topk (there is nothing to warm up from)")
     require(not (p.grad_compression != "none" and p.error_feedback == "on" and dp * p.sp > 1
                  and cfg.model.tie_embeddings and p.pp > 1),
             f"parallel.grad_compression={p.grad_compression!r} with error feedback: not with "

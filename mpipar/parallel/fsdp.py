@@ -251,7 +251,8 @@ class ShardedParams:
         self.pool.give(sent)
 
     # ------------------------------------------------------------ per step
-    def start_step(self) -> None:
+    def start_step(self, step: int = 0) -> None:
+        """Before optimizer step ``step``: the owned gradients start from zero."""
         for u in self.units.values():
             u.owned_grad.fill(0)
 

@@ -1608,13 +1608,13 @@ def run_compression(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_compression(rows: list[dict[str, Any]]) -> None:
-    header = (f"{'variant':<10} {'final loss':>10} {'vs none':>8} {'wire bytes/step':>16} "
+    header = (f"{'variant':<14} {'final loss':>10} {'vs none':>8} {'wire bytes/step':>16} "
               f"{'fewer':>7} {'step s':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
         fewer = f"{r['bytes_ratio']:.1f}x" if r["bytes_ratio"] else "-"
-        print(f"{r['variant']:<10} {r['final_loss']:>10.4f} {100 * r['vs_none']:>+7.2f}% "
+        print(f"{r['variant']:<14} {r['final_loss']:>10.4f} {100 * r['vs_none']:>+7.2f}% "
               f"{r['wire_bytes']:>16,} {fewer:>7} {r['step_time_s']:>7.3f}")
     print("vs none: final loss relative to no compression; wire bytes: what rank 0 put on the "
           "wire in the last step (all groups); fewer: none's wire bytes over the variant's; "

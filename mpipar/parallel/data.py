@@ -445,8 +445,8 @@ def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, 
 def check_config(cfg: Config, world: int) -> None:
     """The global batch must split evenly over dp and into microbatches; buckets need a size;
     hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1]; a
-    compression warm-up a compression and a count >= 0; error-feedback residuals, one per rank, cannot follow a tied embedding across pipeline
-    ranks."""
+    compression warm-up a compression and a count >= 0; error-feedback residuals, one per
+    rank, cannot follow a tied embedding across pipeline ranks."""
     from mpipar.topology import GridShape, NodeMap
 
     p, t = cfg.parallel, cfg.train

@@ -118,3 +118,26 @@ def test_bar_only_on_the_users_terminal():
     finally:
         for fd in (leader, follower, read, write):
             os.close(fd)
+
+
+SPIN = """
+    import os, sys
+    from mpipar import backend
+    backend.configure_threads(1)
+    print(os.environ["OPENBLAS_THREAD_TIMEOUT"], "numpy" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("given, want", [(None, "4"), ("28", "28")])
+def test_blas_workers_sleep_between_gemms_unless_the_user_says(tmp_path, given, want):
+    """``configure_threads`` sets OpenBLAS's worker spin to 2^4 cycles (``BLAS_SPIN``) before
+    NumPy loads, and keeps a value the user set."""
+    script = tmp_path / "spin.py"
+    script.write_text(textwrap.dedent(SPIN))
+    env = {k: v for k, v in launch_env().items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [want, "False"]     # set before NumPy (and OpenBLAS) loads

@@ -57,7 +57,7 @@ from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
 from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_hops,
                                      ring_messages)
 from mpipar.parallel.data import padded_size, plan_buckets
-from mpipar.parallel.fsdp import kept_after_forward
+from mpipar.parallel.fsdp import MAX_IN_FLIGHT, kept_after_forward
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
 from mpipar.topology import GROUP_AXES, Coord, GridShape, NodeMap
@@ -80,6 +80,17 @@ def placement_table(cfg: Config) -> PlacementTable:
 def _schedule(name: str, p: int, m: int, v: int) -> list[list[Op]]:
     """:func:`build_schedule`, cached (the op lists are only read)."""
     return build_schedule(name, p, m, v)
+
+
+def _microbatches(cfg: Config) -> int:
+    """Microbatches per step on each data-parallel rank."""
+    return cfg.train.global_batch_size // (cfg.parallel.dp * cfg.train.micro_batch_size)
+
+
+def _rank_ops(cfg: Config, coord: Coord) -> list[Op]:
+    """The pipeline schedule's op list of the rank at ``coord`` (:func:`_schedule`)."""
+    par = cfg.parallel
+    return _schedule(par.schedule, par.pp, _microbatches(cfg), par.virtual_stages)[coord.pp]
 
 
 def local_param_shapes(cfg: Config, coord: Coord) -> dict[str, tuple[int, ...]]:
@@ -142,10 +153,8 @@ def _kept_meets_forward(cfg: Config, coord: Coord) -> bool:
     """Whether this rank's schedule runs a forward while a chunk's kept units wait for that
     chunk's next backward (a forward of a chunk after its last backward: pipeline warm-up,
     interleaving), so that they are gathered beside the forward's units."""
-    par = cfg.parallel
-    micro = cfg.train.global_batch_size // (par.dp * cfg.train.micro_batch_size)
     waiting: set[int] = set()
-    for op in _schedule(par.schedule, par.pp, micro, par.virtual_stages)[coord.pp]:
+    for op in _rank_ops(cfg, coord):
         if op.kind == "fwd":
             if waiting:
                 return True
@@ -162,9 +171,9 @@ def _unit_passes(cfg: Config, coord: Coord) -> list[tuple[str, int]]:
     gradients leave once per microbatch, except under zb-h1's deferred weight gradients: then
     once each time no backward of its chunk is left waiting for its weight op."""
     par, table = cfg.parallel, placement_table(cfg)
-    micro = cfg.train.global_batch_size // (par.dp * cfg.train.micro_batch_size)
+    micro = _microbatches(cfg)
     last = par.pp * par.virtual_stages - 1
-    ops = _schedule(par.schedule, par.pp, micro, par.virtual_stages)[coord.pp]
+    ops = _rank_ops(cfg, coord)
     out = []
     for chunk in range(par.virtual_stages):
         stage = chunk * par.pp + coord.pp
@@ -223,7 +232,7 @@ def _calls(cfg: Config, coord: Coord, eval_batches: int = 0) -> list[Call]:
     e = np.dtype(tr.dtype).itemsize
     b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
     n_tok, H = b * s_loc, m.hidden
-    micro = tr.global_batch_size // (par.dp * b)
+    micro = _microbatches(cfg)
     passes = micro if train else micro * eval_batches   # forwards of a microbatch per chunk
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
@@ -273,7 +282,7 @@ def _sharded_calls(cfg: Config, coord: Coord, train: bool, passes: int) -> list[
     if not train:
         return [Call("dp_sp", "iallgather", lengths[u] // n * e, passes)
                 for u, _ in entered] if par.zero == 3 else []
-    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    micro = _microbatches(cfg)
     calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * e, k) for u, k in entered]
     if par.zero == 3:     # a kept unit: once per microbatch (its backward reuses the forward's)
         kept = _kept_units(cfg, coord)
@@ -592,8 +601,7 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
     weight = {c: per * block + (head if c * p + coord.pp == last else 0)
               + (9 * n if c * p + coord.pp == 0 else 0)              # token ids and mask
               for c in range(v)}
-    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
-    ops = _schedule(par.schedule, p, micro, v)[coord.pp]
+    ops = _rank_ops(cfg, coord)
     live, peak = 0, 0
     for op in ops:                                      # what is saved between fwd and bwd
         if op.kind == "fwd":
@@ -614,10 +622,9 @@ def _unit_buffers(cfg: Config, coord: Coord) -> int:
     """ZeRO-2/3: a bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.
     BufferPool` keeps what a step needed at once, by length): per unit length, the gathered
     units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head, the
-    units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and ``MAX_IN_FLIGHT``
-    reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight op, beside them),
-    and the received slices."""
-    from mpipar.parallel.fsdp import MAX_IN_FLIGHT
+    units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and
+    ``MAX_IN_FLIGHT`` reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight
+    op, beside them), and the received slices."""
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
     by_length: dict[int, int] = defaultdict(int)
     kept: dict[int, int] = defaultdict(int)
@@ -865,7 +872,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
-    micro = tr.global_batch_size // (par.dp * tr.micro_batch_size)
+    micro = _microbatches(cfg)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     windows = m.windows()

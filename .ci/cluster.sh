@@ -36,6 +36,10 @@ START=$SECONDS
 # shellcheck source=.ci/slurm_lib.sh
 source .ci/slurm_lib.sh
 export MPIPAR_VENV=${MPIPAR_VENV:-$REPO/.venv}
+# A rank stuck in MPI start-up prints its stack and exits after a minute (mpipar/mpi_init.py), and
+# the job scripts launch a failed probe again: a start-up hang ends, with its stack, within the
+# 420 s a job may take. sbatch passes the environment on to the jobs.
+export MPIPAR_INIT_TIMEOUT=${MPIPAR_INIT_TIMEOUT:-60}
 PY=$MPIPAR_VENV/bin/python
 NODES=4
 LAUNCHES=${CLUSTER_LAUNCHES:-100}

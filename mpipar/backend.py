@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpi4py import MPI
+from mpipar.mpi_init import MPI  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
 from mpipar.config import Config, ConfigError, require, rules
 
@@ -368,8 +368,15 @@ def gpu_peak_flops(dtype: str = "float32", device: int | None = None) -> float:
 
 def main() -> int:
     """``python -m mpipar.backend`` under a launcher: rank 0 prints the nodes and ranks per node
-    that MPI sees, and the threads and peak share each rank gets (a job's first line)."""
-    comm = MPI.COMM_WORLD
+    that MPI sees, and the threads and peak share each rank gets (a job's first line). All
+    of it is start-up, so all of it runs under ``MPIPAR_INIT_TIMEOUT`` (:mod:`mpipar.mpi_init`):
+    a launch whose ranks cannot reach each other fails instead of hanging."""
+    from mpipar.mpi_init import deadline
+    with deadline():
+        return _probe(MPI.COMM_WORLD)
+
+
+def _probe(comm: MPI.Comm) -> int:
     shape = node_shape(comm)
     on_node = local_size_from_env() or ranks_on_node(comm.allgather(MPI.Get_processor_name()),
                                                      comm.Get_rank())

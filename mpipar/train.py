@@ -61,7 +61,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpi4py import MPI
+from mpipar.mpi_init import MPI  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError

@@ -1,0 +1,81 @@
+"""MPI start-up under a deadline (:mod:`mpipar.mpi_init`): a rank stuck in ``MPI_Init`` prints
+its stack and exits 1 after ``MPIPAR_INIT_TIMEOUT`` seconds instead of hanging the job; a bad
+value is refused once with status 2; a normal start is untouched.
+
+The hang is real: MPICH's PMI-1 client is pointed (``PMI_PORT``) at a socket that accepts the
+connection and never answers, so ``MPI_Init`` waits for its PMI server forever, as a rank whose
+launcher lost it does."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import launch_env, mpirun, needs_mpirun
+from mpipar.mpi_init import DEFAULT_SECONDS, init_timeout
+
+
+def test_init_timeout_values():
+    assert init_timeout({}) == DEFAULT_SECONDS == 300.0
+    assert init_timeout({"MPIPAR_INIT_TIMEOUT": " "}) == DEFAULT_SECONDS
+    assert init_timeout({"MPIPAR_INIT_TIMEOUT": "0"}) == 0.0
+    assert init_timeout({"MPIPAR_INIT_TIMEOUT": "12.5"}) == 12.5
+    for bad in ("abc", "-1", "inf", "nan", "1e999"):
+        with pytest.raises(ValueError, match=rf"MPIPAR_INIT_TIMEOUT='{bad}': must be a number of "
+                                             r"seconds >= 0 \(0: no deadline for MPI_Init\)"):
+            init_timeout({"MPIPAR_INIT_TIMEOUT": bad})
+
+
+def _mpich() -> bool:
+    from mpi4py import MPI
+    return "MPICH" in MPI.Get_library_version()
+
+
+@pytest.mark.skipif(not _mpich(), reason="the silent PMI server speaks MPICH's PMI_PORT protocol")
+@pytest.mark.parametrize("module", ["mpipar.backend", "mpipar.train"])
+def test_a_rank_stuck_in_mpi_init_ends_after_the_deadline(module):
+    server = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    port = server.getsockname()[1]
+    env = dict(launch_env(), PMI_PORT=f"127.0.0.1:{port}", PMI_RANK="0", PMI_SIZE="2",
+               PMI_ID="0", MPIPAR_INIT_TIMEOUT="2")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True,
+                              timeout=120, env=env)
+    finally:
+        server.close()
+    took = time.monotonic() - start
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith("Timeout (0:00:02)!"), proc.stderr
+    assert "mpipar/mpi_init.py" in proc.stderr and "in _initialise" in proc.stderr, proc.stderr
+    assert 2.0 <= took < 60, took
+    assert proc.stdout == ""
+
+
+@needs_mpirun
+def test_a_bad_deadline_is_refused_once_before_mpi_starts():
+    env = dict(launch_env(), MPIPAR_INIT_TIMEOUT="soon")
+    proc = subprocess.run([*mpirun(2), sys.executable, "-m", "mpipar.train", "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    message = ("mpipar: MPIPAR_INIT_TIMEOUT='soon': must be a number of seconds >= 0 "
+               "(0: no deadline for MPI_Init)")
+    assert proc.stderr.count(message) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@needs_mpirun
+def test_a_normal_start_is_untouched_by_the_deadline():
+    """A deadline does not fire once MPI_Init has returned (the process outlives it by a
+    second), and a deadline of 0 is none."""
+    for seconds, sleep in (("5", 6), ("0", 0)):
+        env = dict(launch_env(), MPIPAR_INIT_TIMEOUT=seconds)
+        proc = subprocess.run([*mpirun(2), sys.executable, "-c",
+                               f"import time, mpipar.mpi_init as m; time.sleep({sleep}); "
+                               "print(f'alive{m.MPI.COMM_WORLD.allreduce(1)}', flush=True)"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.count("alive2") == 2, proc.stdout

@@ -598,10 +598,11 @@ def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, com
             "loss": loss}, engine
 
 
-def _gather_seconds(engine) -> tuple[float, int]:
-    """(seconds blocked in all-gather waits, all-gathers) the ledger booked since its reset."""
+def _gather_seconds(engine) -> tuple[float, float, int]:
+    """(seconds blocked in all-gather waits and tests, of them in tests, all-gathers) the
+    ledger booked since its reset."""
     e = engine.ledger.entries.get(("dp_sp", "iallgather"))
-    return (e.seconds, e.messages) if e else (0.0, 0)
+    return (e.seconds, e.tested, e.messages) if e else (0.0, 0.0, 0)
 
 
 def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
@@ -653,12 +654,13 @@ def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
 
 def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say) -> dict[str, Any]:
     """ZeRO-3 at prefetch 0 against ``engine`` (at --prefetch), steps interleaved: the seconds
-    a step blocks in all-gather waits (the ledger), and the step times."""
+    a step blocks in all-gather waits and tests (the ledger; the test share apart), and the
+    step times."""
     blocking = _zero_engine(3, 0, args, comm, run_dir)
     blocking.train_step(0)
     out = {}
     for name, eng in (("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)):
-        out[name] = {"waited_s": 0.0, "gathers": 0, "step_s": []}
+        out[name] = {"waited_s": 0.0, "tested_s": 0.0, "gathers": 0, "step_s": []}
     for k in range(2, 2 + args.zero_steps):
         for name, eng in (("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)):
             eng.ledger.reset()
@@ -666,18 +668,21 @@ def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say) -> 
             t0 = time.perf_counter()
             eng.train_step(k)
             out[name]["step_s"].append(time.perf_counter() - t0)
-            seconds, count = _gather_seconds(eng)
+            seconds, tested, count = _gather_seconds(eng)
             out[name]["waited_s"] += seconds / args.zero_steps
+            out[name]["tested_s"] += tested / args.zero_steps
             out[name]["gathers"] = count
-    for row in out.values():       # the slowest rank's
-        row["waited_s"] = comm.allreduce(row["waited_s"], op=_max_op())
+    for row in out.values():       # the slowest rank's (its test share beside it)
+        row["waited_s"], row["tested_s"] = max(comm.allgather((row["waited_s"],
+                                                               row["tested_s"])))
         row["step_s"] = statistics.median(row["step_s"])
     base = out["prefetch0"]["waited_s"]
     for name, row in out.items():
         row["exposed_fraction"] = row["waited_s"] / base if base else float("nan")
         say(f"ZeRO-3 {name}: {row['gathers']} all-gathers a step, blocked "
             f"{row['waited_s'] * 1e3:.1f} ms a step ({100 * row['exposed_fraction']:.0f}% of "
-            f"prefetch 0's, whose wait is the whole transfer); step {row['step_s']:.3f} s")
+            f"prefetch 0's, whose wait is the whole transfer; {row['tested_s'] * 1e3:.1f} ms of "
+            f"it in test calls, the rank moving the data); step {row['step_s']:.3f} s")
     blocking.close()
     return out
 

@@ -195,3 +195,36 @@ def test_prediction_of_a_hand_counted_validation_pass():
     tokens = 4
     per_mb = 2 * tokens * 8 * 8 + tokens * 8 * 8 + 3 * tokens * 8
     assert predict_eval_bytes(cfg, Coord(dp=0, tp=0, pp=0, sp=0)) == {"tp": 3 * 2 * per_mb}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_request_books_its_test_seconds_apart(world):
+    """A non-blocking all-gather completed by ``test`` calls books those seconds as ``tested``
+    (part of ``seconds``); one completed by ``wait`` books none; bytes and data are exact."""
+    import time
+
+    import numpy as np
+
+    from mpipar.comm import Group, Ledger
+
+    group, failures = Group(world, "world", Ledger()), []
+    n, size, rank = 1 << 16, group.size, group.rank
+    send = np.arange(n, dtype=np.float64) + rank * n
+    recv = np.empty(n * size)
+    req, deadline = group.iallgather(send, recv), time.monotonic() + 60
+    while not req.test():
+        if time.monotonic() > deadline:
+            raise AssertionError("the all-gather did not complete in 60 s")
+    e = group.ledger.entries[("world", "iallgather")]
+    first = (e.messages, e.bytes, e.tested, e.seconds, recv.copy())
+    group.iallgather(send, recv).wait()
+    whole = np.arange(n * size, dtype=np.float64)
+    try:
+        assert first[:2] == (1, send.nbytes), first[:2]
+        assert 0 < first[2] == first[3], first[2:4]
+        np.testing.assert_array_equal(first[4], whole)
+        assert e.messages == 2 and e.tested == first[2] and e.seconds > first[2]
+        np.testing.assert_array_equal(recv, whole)
+    except AssertionError as error:
+        failures.append(str(error))
+    assert_all_ranks(world, failures)

@@ -1512,9 +1512,12 @@ COMPRESSION_VARIANTS = {
     "topk-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
     "topk-warm": ["--grad-compression", "topk"],
     "topk-warm-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
+    "topk-plain": ["--grad-compression", "topk", "--topk-catch-up", "off"],
+    "topk-warm-plain": ["--grad-compression", "topk", "--topk-catch-up", "off"],
 }
 """Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio; the ``-warm``
-ones after --warmup uncompressed steps)."""
+ones after --warmup uncompressed steps; ``-plain``: AdamW without the catch-up, one step on
+each arriving sum)."""
 
 
 def _train_variant(name: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
@@ -1627,7 +1630,8 @@ def _print_compression(rows: list[dict[str, Any]]) -> None:
 
 
 def _configure_compression(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variants", default="none,int8,topk,topk-noef,topk-warm,topk-warm-noef",
+    parser.add_argument("--variants", default="none,int8,topk,topk-noef,topk-plain,topk-warm,"
+                                               "topk-warm-noef,topk-warm-plain",
                         help=f"comma list of {', '.join(COMPRESSION_VARIANTS)} (none is always "
                              f"run)")
     parser.add_argument("--steps", type=int, default=300)

@@ -146,6 +146,12 @@ class ParallelConfig:
                                  "sent")
     error_feedback: str = _f("on", "keep what compression did not send and add it to the next "
                                    "step's gradient (saved in checkpoints)", choices=("on", "off"))
+    topk_catch_up: str = _f("on", "--grad-compression topk with error feedback: AdamW moves a "
+                                  "coordinate when its gradient arrives, by the steps it "
+                                  "waited (moments decayed that many steps toward the mean "
+                                  "gradient); off: one AdamW step on the arriving sum, as if "
+                                  "it were one step's gradient",
+                            choices=("on", "off"))
     compression_warmup: int = _f(0, "--grad-compression: steps reduced uncompressed before "
                                     "compression starts (the warm-up of Deep Gradient "
                                     "Compression and 1-bit Adam: the first steps move the model "

@@ -132,9 +132,12 @@ class Engine:
         self.reducer = self.sharded or self._reducer(names, tied)
         self.params, self.grads = self.reducer.params, self.reducer.grads
         decay = {n: len(self.table[n].spec.shape) >= 2 for n in names}
+        # Top-k sums with error feedback: AdamW moves a coordinate by the steps it waited.
+        self.catch_up = (par.topk_catch_up == "on" and self.sharded is None
+                         and self.reducer.sends_sparse)
         self.optimizer = build_optimizer(par.zero, self.reducer,
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
-                                                     tr.weight_decay), decay)
+                                                     tr.weight_decay), decay, self.catch_up)
         self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
                                 self.tensor.size, self.grid.coord.pp, self.groups["dp_sp"].rank,
                                 self.dtype, self.xp,

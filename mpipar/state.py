@@ -120,6 +120,6 @@ class TrainState:
         else:
             for name, shard in self.params.items():
                 shard[...] = self.xp.asarray(local("param", name))
-        self.optimizer.load_state(local, step)
+        self.optimizer.load_state(local, step, kinds)
         if self.reducer is not None:
             self.reducer.load_residuals(local, set(kinds))

@@ -400,7 +400,8 @@ def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
         fh.write(cfg.to_toml())
     for note in ctx.notes:
         print(f"mpipar: {note}", flush=True)
-    print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()} | "
+    catch_up = ", AdamW catching up what top-k held back" if engine.catch_up else ""
+    print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()}{catch_up} | "
           f"kernels {engine.kernels.describe()} | model {cfg.model.layers}x{cfg.model.hidden} "
           f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
           f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "

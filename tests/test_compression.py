@@ -256,11 +256,15 @@ MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "
     ["--dtype", "float64", "--dp", "2", "--sp", "2", "--grad-compression", "topk",
      "--topk-ratio", "0.05", "--zero", "1"],
     ["--dtype", "float64", "--dp", "4", "--grad-compression", "int8", "--compression-warmup",
-     "3"]], ids=["hierarchical-int8", "topk-zero1", "int8-warmup-across-the-resume"])
+     "3"],
+    ["--dtype", "float64", "--dp", "4", "--grad-compression", "topk", "--topk-ratio", "0.05",
+     "--compression-warmup", "1"]],
+    ids=["hierarchical-int8", "topk-zero1", "int8-warmup-across-the-resume", "topk-catch-up"])
 @needs_mpirun
 def test_resume_with_compression_is_bit_exact(tmp_path, layout):
     """4 steps saving at 2, against resuming from the step-2 checkpoint in a new job: losses,
-    norms, parameters, moments and every residual agree bit for bit (4 ranks)."""
+    norms, parameters, moments, every residual and (top-k) the catch-up's wait counts agree bit
+    for bit (4 ranks)."""
     import json
     import subprocess
     import sys
@@ -287,6 +291,7 @@ def test_resume_with_compression_is_bit_exact(tmp_path, layout):
         assert [r[key] for r in records("a")][2:] == [r[key] for r in records("b")], key
     held = {t["name"].split("/")[0] for t in ckpt.inspect(tmp_path / "a" / "ck")["tensors"]}
     assert any(k.startswith("residual_send.") for k in held), held
+    assert ("idle_steps" in held) == ("topk" in layout), held   # the catch-up's wait counts
     for kind in held:
         x = ckpt.read_tensors(tmp_path / "a" / "ck", kind)
         y = ckpt.read_tensors(tmp_path / "b" / "ck", kind)
@@ -329,3 +334,39 @@ def test_warmup_steps_are_uncompressed_then_compression_starts(tmp_path):
     assert abs(warm[2]["grad_norm"] / dense[2]["grad_norm"] - 1) < 0.05   # int8 of the same sum
     for k in (2, 3):
         assert wire(warm[k]) == wire(cold[k]) < wire(dense[k]) / 3.5
+
+
+@needs_mpirun
+def test_catch_up_is_one_update_under_zero0_and_zero1(tmp_path):
+    """Top-k 5 % with error feedback, flat dp = 4, float64, 5 steps: ZeRO-1's owned slices
+    catch up exactly as ZeRO-0's whole shards (losses and final parameters <= 1e-12), and
+    --topk-catch-up off trains differently from the third step on (the catch-up acts)."""
+    import json
+    import subprocess
+    import sys
+
+    from mpipar import checkpoint as ckpt
+
+    data = tmp_path / "samples.npy"
+    np.save(data, np.random.default_rng(3).integers(0, 13, size=(64, 17)))
+
+    def train(run: str, *flags: str) -> tuple[list[float], dict]:
+        proc = subprocess.run([*mpirun(4), sys.executable, "-m", "mpipar.train", *MODEL,
+                               "--steps", "5", "--dtype", "float64", "--dp", "4",
+                               "--grad-compression", "topk", "--topk-ratio", "0.05",
+                               "--data", str(data), "--run-dir", str(tmp_path / run),
+                               "--save-dir", str(tmp_path / run / "ck"), *flags],
+                              capture_output=True, text=True, timeout=300, env=launch_env())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        with open(tmp_path / run / "metrics.jsonl") as fh:
+            losses = [json.loads(line)["loss"] for line in fh]
+        return losses, ckpt.read_tensors(tmp_path / run / "ck", "param")
+
+    zero0, p0 = train("zero0")
+    zero1, p1 = train("zero1", "--zero", "1")
+    off, _ = train("off", "--topk-catch-up", "off")
+    np.testing.assert_allclose(zero1, zero0, rtol=1e-12)
+    for name in p0:
+        np.testing.assert_allclose(p1[name], p0[name], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(off[:2], zero0[:2], rtol=1e-14)  # step 1: nothing waited yet
+    assert all(abs(a / b - 1) > 1e-9 for a, b in zip(off[2:], zero0[2:])), (off, zero0)

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from mpipar.optim import AdamW, AdamWConfig, LRSchedule, adamw_update, clip_grads, grad_norm_sq
+from mpipar.optim import (IDLE, AdamW, AdamWConfig, LRSchedule, adamw_catch_up, adamw_update,
+                          clip_grads, grad_norm_sq)
 
 
 def reference_adamw(p, grads, lr, beta1, beta2, eps, wd):
@@ -290,3 +291,81 @@ def test_cosine_without_warmup_and_constant_schedule():
 def test_schedule_validation(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         LRSchedule(**kwargs)
+
+
+# --------------------------------------------------------------- top-k catch-up (adamw_catch_up)
+
+def test_catch_up_with_every_coordinate_sent_is_adamw():
+    rng = np.random.default_rng(5)
+    p, g, m = rng.normal(size=(3, 4, 5))
+    v = rng.random((4, 5))
+    a = [p.copy(), m.copy(), v.copy()]
+    b = [p.copy(), m.copy(), v.copy()]
+    idle = np.zeros((4, 5))
+    adamw_update(a[0], g, a[1], a[2], 7, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    adamw_catch_up(b[0], g, b[1], b[2], idle, 7, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(y, x, rtol=1e-14, atol=0)
+    assert not idle.any()
+
+
+@pytest.mark.parametrize("d", [1, 2, 7, 40])
+def test_a_sum_of_d_steps_moves_like_d_steps_of_its_mean(d):
+    """A coordinate held back d - 1 steps, then sent with the sum d * c of d equal gradients c:
+    its moments equal AdamW's after d steps of c, and it moves d times the step those moments
+    give; while it waits it does not move (weight decay aside) and counts the steps."""
+    lr, b1, b2, eps, wd, step = 1e-2, 0.9, 0.95, 1e-8, 0.1, 50
+    c = np.array([0.3, -2.0])
+    p0, m0, v0 = np.array([1.0, -0.5]), np.array([0.05, 0.1]), np.array([0.02, 0.3])
+    p, m, v, idle = p0.copy(), m0.copy(), v0.copy(), np.zeros(2)
+    for _ in range(d - 1):                       # held back: zeros arrive
+        adamw_catch_up(p, np.zeros(2), m, v, idle, step, lr, b1, b2, eps, wd)
+    np.testing.assert_array_equal(idle, [d - 1, d - 1])
+    np.testing.assert_array_equal((m, v), (m0, v0))
+    np.testing.assert_allclose(p, p0 * (1 - lr * wd) ** (d - 1), rtol=1e-15)
+    before = p.copy()
+    adamw_catch_up(p, d * c, m, v, idle, step, lr, b1, b2, eps, wd)
+    mm, vv = m0.copy(), v0.copy()
+    for _ in range(d):                           # AdamW's moment recurrences, d steps of c
+        mm, vv = b1 * mm + (1 - b1) * c, b2 * vv + (1 - b2) * c * c
+    np.testing.assert_allclose(m, mm, rtol=1e-13)
+    np.testing.assert_allclose(v, vv, rtol=1e-13)
+    move = d * lr / (1 - b1 ** step) * mm / (np.sqrt(vv) / math.sqrt(1 - b2 ** step) + eps)
+    np.testing.assert_allclose(before * (1 - lr * wd) - p, move, rtol=1e-12)
+    np.testing.assert_array_equal(idle, [0, 0])
+
+
+def test_catch_up_counts_each_coordinate_apart():
+    p, m, v, idle = np.ones(4), np.zeros(4), np.zeros(4), np.array([0.0, 3.0, 5.0, 0.0])
+    g = np.array([1.0, 0.0, 2.0, 0.0])
+    adamw_catch_up(p, g, m, v, idle, 1, 0.1, 0.9, 0.95, 1e-8, 0.0)
+    np.testing.assert_array_equal(idle, [0, 4, 0, 1])
+    assert p[1] == p[3] == 1.0 and m[1] == m[3] == v[1] == v[3] == 0.0
+    # the third waited 6 steps: gradient 2 / 6 a step, moments six steps from zero
+    np.testing.assert_allclose(m[2], (1 - 0.9 ** 6) * (2 / 6), rtol=1e-15)
+    np.testing.assert_allclose(v[2], (1 - 0.95 ** 6) * (2 / 6) ** 2, rtol=1e-15)
+
+
+def test_adamw_catches_up_only_on_sparse_steps_and_keeps_its_waits_in_state():
+    """AdamW with ``catch_up``: the steps it says are sparse use the catch-up, the others
+    AdamW; the wait counts are state (kind idle_steps) and load back, zero when absent."""
+    params = {"w": np.ones((2, 3)), "b": np.ones(3)}
+    grads = {"w": np.zeros((2, 3)), "b": np.ones(3)}
+    sparse = [True]
+    opt = AdamW(params, grads, AdamWConfig(lr=0.1), catch_up=lambda: sparse[0])
+    opt.step(0.1)
+    np.testing.assert_array_equal(opt.idle["w"], np.ones((2, 3)))
+    np.testing.assert_array_equal(params["w"], np.full((2, 3), 1 - 0.1 * 0.1))  # decay only
+    sparse[0] = False
+    opt.step(0.1)          # a dense step: zeros are zero gradients, AdamW moves by momentum 0
+    np.testing.assert_array_equal(opt.idle["w"], np.ones((2, 3)))
+    saved = {(k, n): np.array(x) for k, n, _, _, x in opt.state()}
+    assert {k for k, _ in saved} == {"exp_avg", "exp_avg_sq", IDLE}
+    fresh = AdamW({k: x.copy() for k, x in params.items()}, grads, AdamWConfig(lr=0.1),
+                  catch_up=lambda: True)
+    fresh.load_state(lambda k, n: saved[(k, n)].reshape(params[n].shape), 2, {IDLE})
+    np.testing.assert_array_equal(fresh.idle["w"], np.ones((2, 3)))
+    fresh.load_state(lambda k, n: saved[(k, n)].reshape(params[n].shape), 2, set())
+    assert not fresh.idle["w"].any()
+    plain = AdamW(params, grads, AdamWConfig(lr=0.1))
+    assert IDLE not in {k for k, *_ in plain.state()}

@@ -63,7 +63,7 @@ from typing import Any
 
 from mpipar.comm import Group, Request
 from mpipar.config import Config, require, rules
-from mpipar.parallel.compression import Codec, Int8Codec
+from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
 
 RESIDUAL_SEND = "residual_send"
 RESIDUAL_GATHER = "residual_gather"
@@ -230,6 +230,19 @@ class GradReducer:
         for group in self._duplicates:
             group.comm.Free()
         self._duplicates = []
+
+    @property
+    def sends_sparse(self) -> bool:
+        """Whether this reducer's compressed steps give sums of top-k selections with error
+        feedback: a zero is then a coordinate no rank sent, whose gradient waits in the
+        residuals, not a zero gradient (the optimizer's :func:`mpipar.optim.adamw_catch_up`)."""
+        return self.feedback and isinstance(self.codec, TopKCodec)
+
+    @property
+    def sparse_sums(self) -> bool:
+        """Whether this step's gradients are such sums (:attr:`sends_sparse`, past the
+        warm-up)."""
+        return self.sends_sparse and self._compress
 
     # ------------------------------------------------------------ per step
     def start_step(self, step: int = 0) -> None:

@@ -23,7 +23,8 @@ with the ``fletcher32`` filter, each with a ``global_start`` attribute.
 **Index.** ``index.h5`` presents every tensor as its global shape through virtual datasets
 (``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, and with gradient compression and
 error feedback the residuals per slot, ``residual_send.<slot>/<name>`` and
-``residual_gather/<name>``: :mod:`mpipar.parallel.data`) whose mappings are
+``residual_gather/<name>``: :mod:`mpipar.parallel.data`; with top-k's catch-up the optimizer's
+wait counts, ``idle_steps/<name>``: :func:`mpipar.optim.adamw_catch_up`) whose mappings are
 rectangle-to-rectangle and whose source files are named relative to the checkpoint directory
 (a renamed or copied directory still works). A missing source reads as the fill value (NaN) in
 HDF5, so nothing is read before :func:`verify` has checked that every shard is present and

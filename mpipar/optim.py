@@ -16,8 +16,8 @@ is a coordinate whose gradient still waits in some rank's residual. There both o
 arrives, as many steps as it waited, instead of one step with an inflated second moment.
 
 The update math (:func:`adamw_update`, :func:`adamw_catch_up`, :func:`clip_grads`,
-:func:`grad_norm_sq`) talks to no MPI. Arrays may be NumPy or CuPy (the array module is the arrays'); updates are in place and in
-the arrays' dtype.
+:func:`grad_norm_sq`) talks to no MPI. Arrays may be NumPy or CuPy (the array module is the
+arrays'); updates are in place and in the arrays' dtype.
 """
 from __future__ import annotations
 

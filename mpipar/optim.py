@@ -148,6 +148,15 @@ def adamw_catch_up(p: Any, g: Any, m: Any, v: Any, idle: Any, step: int, lr: flo
     idle[sent] = 0
 
 
+def _adamw_step(p: Any, g: Any, m: Any, v: Any, idle: Any | None, step: int, lr: float,
+                cfg: AdamWConfig, weight_decay: float) -> None:
+    """:func:`adamw_catch_up` with the wait counts ``idle``, :func:`adamw_update` without."""
+    if idle is None:
+        adamw_update(p, g, m, v, step, lr, cfg.beta1, cfg.beta2, cfg.eps, weight_decay)
+    else:
+        adamw_catch_up(p, g, m, v, idle, step, lr, cfg.beta1, cfg.beta2, cfg.eps, weight_decay)
+
+
 IDLE = "idle_steps"
 """The state kind of :func:`adamw_catch_up`'s wait counts (in checkpoints beside the moments)."""
 
@@ -224,12 +233,8 @@ class AdamW:
         sparse = self.catch_up is not None and self.catch_up()
         for name, p in self.params.items():
             wd = cfg.weight_decay if self.decay[name] else 0.0
-            if sparse:
-                adamw_catch_up(p, self.grads[name], self.m[name], self.v[name], self.idle[name],
-                               self.step_count, lr, cfg.beta1, cfg.beta2, cfg.eps, wd)
-            else:
-                adamw_update(p, self.grads[name], self.m[name], self.v[name], self.step_count,
-                             lr, cfg.beta1, cfg.beta2, cfg.eps, wd)
+            _adamw_step(p, self.grads[name], self.m[name], self.v[name],
+                        self.idle[name] if sparse else None, self.step_count, lr, cfg, wd)
 
     def state(self) -> Iterator[StatePiece]:
         """The live moments, whole, from the replica of rank 0 (save them before the next step)."""
@@ -305,13 +310,9 @@ class ZeroAdamW:
         for b, name, lo, hi in red.owned_pieces():
             i = self._index[id(b)]
             wd = c.weight_decay if self.decay[name] else 0.0
-            if sparse:
-                adamw_catch_up(b.owned[lo:hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
-                               self.v[i][lo:hi], self.idle[i][lo:hi], self.step_count, lr,
-                               c.beta1, c.beta2, c.eps, wd)
-            else:
-                adamw_update(b.owned[lo:hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
-                             self.v[i][lo:hi], self.step_count, lr, c.beta1, c.beta2, c.eps, wd)
+            _adamw_step(b.owned[lo:hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
+                        self.v[i][lo:hi], self.idle[i][lo:hi] if sparse else None,
+                        self.step_count, lr, c, wd)
         red.gather_params()
 
     def _pieces(self):

@@ -288,6 +288,20 @@ def available_memory_bytes() -> int | None:
     return min(found) if found else None
 
 
+SHARED_MEMORY_DIR = "/dev/shm"
+"""Where MPICH and Open MPI put the files behind shared-memory windows on Linux."""
+
+
+def shared_memory_bytes() -> int | None:
+    """Bytes still free in :data:`SHARED_MEMORY_DIR` (a tmpfs: a container's is 64 MiB unless
+    told otherwise), or None where there is none."""
+    try:
+        st = os.statvfs(SHARED_MEMORY_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _cgroup_headroom() -> int | None:
     """Limit minus usage of this process's memory cgroup (v2, or v1), or None without one."""
     try:

@@ -560,8 +560,10 @@ def _traced_build_and_step(build: Callable[[], Any], traced: bool = True) -> tup
                     "loss": loss}
 
 
-def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_dir: str):
-    """An engine of the --zero benchmark model with dp = every rank of ``comm``."""
+def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_dir: str,
+                 shared: bool = False):
+    """An engine of the --zero benchmark model with dp = every rank of ``comm`` (``shared``:
+    ZeRO-3's parameters in node shared memory)."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from mpipar.data import load_tokens
     from mpipar.engine import Engine
@@ -570,7 +572,8 @@ def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_
     cfg = Config(
         ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, ffn_hidden=args.ffn),
-        ParallelConfig(dp=world, zero=stage, zero_prefetch=prefetch),
+        ParallelConfig(dp=world, zero=stage, zero_prefetch=prefetch,
+                       zero_shared="node" if shared else "off"),
         TrainConfig(steps=10, seq_len=args.seq, global_batch_size=args.batch,
                     micro_batch_size=args.micro_batch, dtype=args.dtype, backend="numpy",
                     run_dir=run_dir, recompute=args.modes.split(",")[0], warmup_steps=1,
@@ -580,19 +583,25 @@ def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_
 
 
 def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, comm,
-                        run_dir: str) -> tuple[dict[str, Any], Any]:
+                        run_dir: str, shared: bool = False) -> tuple[dict[str, Any], Any]:
     """Build and train one ZeRO ``stage`` engine under tracemalloc (only its own allocations
     are traced): the peak of building it, what it holds between steps (``resident``: state,
-    the unit pool, caches) and the peak of a step; the planner's prediction beside them."""
+    the unit pool, caches) and the peak of a step; the planner's prediction beside them.
+    ``shared``: ZeRO-3 in node shared memory, whose slices (not NumPy's, so not traced) are
+    added to each figure."""
     from mpipar.planner import predict_memory
 
     gc.collect()
-    engine, m = _traced_build_and_step(lambda: _zero_engine(stage, prefetch, args, comm, run_dir))
-    build, resident, step, loss = m["build_peak"], m["resident"], m["step_peak"], m["loss"]
+    engine, m = _traced_build_and_step(
+        lambda: _zero_engine(stage, prefetch, args, comm, run_dir, shared))
+    extra = engine.sharded.shared_bytes if engine.sharded else 0
+    build, resident, step, loss = (m["build_peak"] + extra, m["resident"] + extra,
+                                   m["step_peak"] + extra, m["loss"])
     pool = (sum(b.nbytes for bufs in engine.sharded.pool.free.values() for b in bufs)
             if engine.sharded else 0)
     predicted = predict_memory(engine.cfg, engine.grid.coord)
-    return {"zero": stage, "prefetch": prefetch, "build_peak": build, "resident": resident,
+    return {"zero": f"{stage}n" if shared else stage, "prefetch": prefetch,
+            "build_peak": build, "resident": resident,
             "step_peak": step, "peak": max(build, step), "pool": pool,
             "state_predicted": predicted.state, "total_predicted": predicted.total,
             "loss": loss}, engine
@@ -622,9 +631,11 @@ def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
     rows, engines = [], {}
     with tempfile.TemporaryDirectory(prefix="mpipar-bench-zero-") as run_dir:
         run_dir = comm.bcast(run_dir)
-        for stage in stages:
-            mine, engines[stage] = measure_zero_memory(stage, args.prefetch, args, comm, run_dir)
-            if stage != 3:          # only ZeRO-3's engine goes on (to the overlap runs)
+        for stage in stages + (["3n"] if args.zero_shared else []):
+            mine, engines[stage] = measure_zero_memory(3 if stage == "3n" else stage,
+                                                       args.prefetch, args, comm, run_dir,
+                                                       shared=stage == "3n")
+            if stage not in (3, "3n"):      # only ZeRO-3's engines go on (to the overlap runs)
                 engines.pop(stage).close()
             every = comm.allgather(mine)
             rows.append({**mine, **{k: max(r[k] for r in every) for k in mine
@@ -640,35 +651,45 @@ def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
                 f"{r['step_peak'] / mib:>10.1f} {r['pool'] / mib:>9.1f} "
                 f"{r['state_predicted'] / mib:>16.1f} {'yes' if r['fits'] else 'NO':>5}  "
                 f"{r['loss']:.6f}")
-        if full_state and 3 in engines:
-            r3 = rows[stages.index(3)]
-            r3["resident_vs_share"] = r3["resident"] / (full_state / world + r3["pool"])
-            say(f"ZeRO-3 resident / (ZeRO-0 state / {world} + pool) = "
-                f"{r3['resident_vs_share']:.3f}")
-        overlap = _zero_overlap(engines.get(3), args, comm, run_dir, say) if 3 in engines else {}
+        for key in (3, "3n"):
+            if full_state and key in engines:
+                r3 = rows[(stages + ["3n"]).index(key)]
+                r3["resident_vs_share"] = r3["resident"] / (full_state / world + r3["pool"])
+                say(f"ZeRO-{key} resident / (ZeRO-0 state / {world} + pool) = "
+                    f"{r3['resident_vs_share']:.3f}")
+        overlap = (_zero_overlap(engines.get(3), args, comm, run_dir, say, engines.get("3n"))
+                   if 3 in engines else {})
+        if "3n" in engines:
+            engines.pop("3n").close()
     return {"config": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads",
                                                      "ffn", "seq", "batch", "micro_batch",
                                                      "dtype", "budget_mb", "prefetch")}
             | {"dp": world}, "rows": rows, "overlap": overlap}
 
 
-def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say) -> dict[str, Any]:
-    """ZeRO-3 at prefetch 0 against ``engine`` (at --prefetch), steps interleaved: the seconds
-    a step blocks in all-gather waits and tests (the ledger; the test share apart), and the
-    step times."""
+def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say,
+                  shared=None) -> dict[str, Any]:
+    """ZeRO-3 at prefetch 0 against ``engine`` (at --prefetch), and ``shared`` (node shared
+    memory) when given, steps interleaved: the seconds a step blocks in all-gather waits and
+    tests (the ledger; the test share apart; node shared: in the barrier that publishes the
+    update), and the step times."""
     blocking = _zero_engine(3, 0, args, comm, run_dir)
     blocking.train_step(0)
+    runs = [("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)]
+    runs += [("node shared", shared)] if shared is not None else []
     out = {}
-    for name, eng in (("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)):
+    for name, eng in runs:
         out[name] = {"waited_s": 0.0, "tested_s": 0.0, "gathers": 0, "step_s": []}
     for k in range(2, 2 + args.zero_steps):
-        for name, eng in (("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)):
+        for name, eng in runs:
             eng.ledger.reset()
             comm.Barrier()
             t0 = time.perf_counter()
             eng.train_step(k)
             out[name]["step_s"].append(time.perf_counter() - t0)
             seconds, tested, count = _gather_seconds(eng)
+            if eng is shared:
+                seconds += eng.ledger.entries[("dp_sp", "barrier")].seconds
             out[name]["waited_s"] += seconds / args.zero_steps
             out[name]["tested_s"] += tested / args.zero_steps
             out[name]["gathers"] = count
@@ -679,10 +700,13 @@ def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say) -> 
     base = out["prefetch0"]["waited_s"]
     for name, row in out.items():
         row["exposed_fraction"] = row["waited_s"] / base if base else float("nan")
+        where = (f"{row['tested_s'] * 1e3:.1f} ms of it in test calls, the rank moving the "
+                 f"data" if name != "node shared" else "all of it in the barrier publishing the "
+                 "update")
         say(f"ZeRO-3 {name}: {row['gathers']} all-gathers a step, blocked "
             f"{row['waited_s'] * 1e3:.1f} ms a step ({100 * row['exposed_fraction']:.0f}% of "
-            f"prefetch 0's, whose wait is the whole transfer; {row['tested_s'] * 1e3:.1f} ms of "
-            f"it in test calls, the rank moving the data); step {row['step_s']:.3f} s")
+            f"prefetch 0's, whose wait is the whole transfer; {where}); step "
+            f"{row['step_s']:.3f} s")
     blocking.close()
     return out
 
@@ -780,6 +804,10 @@ def _configure_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-mb", type=float, default=256.0,
                         help="--zero: memory per rank a stage's traced peak must fit")
     parser.add_argument("--prefetch", type=int, default=1, help="--zero: ZeRO-3 prefetch depth")
+    parser.add_argument("--zero-shared", action="store_true",
+                        help="--zero with 3: also ZeRO-3 with the parameters in node shared "
+                             "memory (row 3n; its blocked time is the barrier publishing the "
+                             "update)")
     parser.add_argument("--zero-steps", type=int, default=3,
                         help="--zero: interleaved steps timing ZeRO-3's all-gathers")
 

@@ -194,6 +194,20 @@ def _contig(buf: np.ndarray, name: str) -> np.ndarray:
     return buf
 
 
+class SharedArray:
+    """One array in node shared memory (:meth:`Group.shared_array`): ``array``, the window
+    behind it. A rank writes only its own slice; :meth:`Group.sync_shared` publishes the
+    writes. :meth:`free` (a collective) unmaps it: no view of ``array`` may be used after."""
+
+    def __init__(self, win: MPI.Win, array: np.ndarray) -> None:
+        self.win, self.array = win, array
+
+    def free(self) -> None:
+        self.array = None
+        self.win.Unlock_all()
+        self.win.Free()
+
+
 class Group:
     """One communicator of the grid, with ledger-counted buffer collectives and point-to-point.
 
@@ -371,6 +385,40 @@ class Group:
     def barrier(self) -> None:
         if self.size > 1:
             self._timed("barrier", 0, self.comm.Barrier)
+
+    # ------------------------------------------------------ node shared memory
+    def on_one_node(self) -> bool:
+        """Whether every rank of the group shares memory with every other (one node, as MPI's
+        ``COMM_TYPE_SHARED`` split sees it). A collective; the same answer on every rank."""
+        if self.size == 1:
+            return True
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return local.Get_size() == self.size
+        finally:
+            local.Free()
+
+    def shared_array(self, count: int, dtype: Any) -> SharedArray:
+        """A flat array of ``size * count`` elements that every rank of a one-node group maps
+        (an MPI-3 shared-memory window; a collective): this rank allocates elements
+        ``[rank * count, (rank + 1) * count)``, MPI lays the slices back to back (the window's
+        default, contiguous allocation), and every rank's ``array`` is the whole."""
+        dtype = np.dtype(dtype)
+        win = MPI.Win.Allocate_shared(count * dtype.itemsize, dtype.itemsize, comm=self.comm)
+        win.Lock_all(MPI.MODE_NOCHECK)          # one passive epoch: Sync orders loads and stores
+        base, _ = win.Shared_query(0)
+        whole = MPI.buffer.fromaddress(base.address, self.size * count * dtype.itemsize)
+        return SharedArray(win, np.frombuffer(whole, dtype))
+
+    def sync_shared(self, arrays: Iterable[SharedArray]) -> None:
+        """After it, every rank's writes to its slices of ``arrays`` are visible to every rank
+        (memory barrier, group barrier, memory barrier)."""
+        arrays = list(arrays)
+        for a in arrays:
+            a.win.Sync()
+        self.barrier()
+        for a in arrays:
+            a.win.Sync()
 
     # ---------------------------------------------------------- point-to-point
     def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int,

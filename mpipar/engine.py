@@ -49,7 +49,7 @@ from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
 from mpipar.parallel.data import GradReducer, ReduceGroups
-from mpipar.parallel.fsdp import ShardedParams
+from mpipar.parallel.fsdp import ShardedParams, node_shared
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
@@ -183,10 +183,13 @@ class Engine:
             self.tensor.reduce_partial_grads([self.grads[n] for n in unit_names
                                               if self.table[n].grad_partial_over_tp])
 
+        group = self.groups["dp_sp"]
+        shared = (node_shared(par, group.crosses_nodes, self.xp is not np)
+                  and group.on_one_node())
         return ShardedParams(lambda n: self._initial_shards([n])[n],
                              self.table.units(self.grid.coord.pp),
-                             self.groups["dp_sp"], par.zero == 3, par.zero_prefetch, self.xp,
-                             before_reduce, tied, self.groups["pp_ends"])
+                             group, par.zero == 3, par.zero_prefetch, self.xp,
+                             before_reduce, tied, self.groups["pp_ends"], shared)
 
     def _reducer(self, names: list[str], tied: list[str]) -> GradReducer:
         """ZeRO-0/1: the gradient reducer over dp x sp: flat or hierarchical, dense or

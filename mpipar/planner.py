@@ -57,7 +57,7 @@ from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
 from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_hops,
                                      ring_messages)
 from mpipar.parallel.data import padded_size, plan_buckets
-from mpipar.parallel.fsdp import MAX_IN_FLIGHT, kept_after_forward
+from mpipar.parallel.fsdp import MAX_IN_FLIGHT, kept_after_forward, node_shared
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
 from mpipar.topology import GROUP_AXES, Coord, GridShape, NodeMap
@@ -139,6 +139,16 @@ def unit_lengths(cfg: Config, coord: Coord) -> dict[str, int]:
             out.setdefault(unit, padded_size(sum(math.prod(shapes[n]) for n in names),
                                              cfg.parallel.dp * cfg.parallel.sp))
     return out
+
+
+def uses_node_shared(cfg: Config, coord: Coord) -> bool:
+    """Whether ZeRO-3 keeps this rank's parameters in node shared memory
+    (:func:`mpipar.parallel.fsdp.node_shared`), on the nodes the planner assumes."""
+    par = cfg.parallel
+    shape, nodes = GridShape(par.dp, par.tp, par.pp, par.sp), nodes_of(cfg)
+    group = shape.members("dp_sp", shape.rank_of(coord), nodes)
+    return node_shared(par, len({nodes.nodes[r] for r in group}) > 1,
+                       cfg.train.device == "cuda")
 
 
 def _kept_units(cfg: Config, coord: Coord) -> set[str]:
@@ -279,11 +289,14 @@ def _sharded_calls(cfg: Config, coord: Coord, train: bool, passes: int) -> list[
     par, tr = cfg.parallel, cfg.train
     e, n = np.dtype(tr.dtype).itemsize, par.dp * par.sp
     lengths, entered = unit_lengths(cfg, coord), _unit_passes(cfg, coord)
+    shared = uses_node_shared(cfg, coord)
     if not train:
         return [Call("dp_sp", "iallgather", lengths[u] // n * e, passes)
-                for u, _ in entered] if par.zero == 3 else []
+                for u, _ in entered] if par.zero == 3 and not shared else []
     micro = _microbatches(cfg)
     calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * e, k) for u, k in entered]
+    if shared:            # no gathers: the update's slices published with one barrier
+        return calls + [Call("dp_sp", "barrier", 0)]
     if par.zero == 3:     # a kept unit: once per microbatch (its backward reuses the forward's)
         kept = _kept_units(cfg, coord)
         return calls + [Call("dp_sp", "iallgather", lengths[u] // n * e,
@@ -628,14 +641,15 @@ def _unit_buffers(cfg: Config, coord: Coord) -> int:
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
     by_length: dict[int, int] = defaultdict(int)
     kept: dict[int, int] = defaultdict(int)
-    lengths = unit_lengths(cfg, coord)
+    lengths, shared = unit_lengths(cfg, coord), uses_node_shared(cfg, coord)
     for L in lengths.values():
         by_length[L] += 1
     for u in _kept_units(cfg, coord) if par.zero == 3 and _kept_meets_forward(cfg, coord) else ():
         kept[lengths[u]] += 1
     total = 0
     for L, k in by_length.items():
-        gathered = min(k, 2 + par.zero_prefetch + kept[L]) if par.zero == 3 else 0
+        gathered = (min(k, 2 + par.zero_prefetch + kept[L])
+                    if par.zero == 3 and not shared else 0)
         grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(k, 1 + MAX_IN_FLIGHT)
         total += (gathered + grads) * L * e + min(k, 1 + MAX_IN_FLIGHT) * L // (par.dp * par.sp) * e
     return total
@@ -954,7 +968,8 @@ class Candidate:
         if par.dp * par.sp > 1 and par.grad_compression != "none":
             text += " " + {"int8": "int8", "topk": f"top-{par.topk_ratio:g}"}[
                 par.grad_compression] + ("" if par.error_feedback == "on" else " no-EF")
-        return text + f" mbs={tr.micro_batch_size} zero={par.zero} recompute={tr.recompute}"
+        zero = f"{par.zero}" + ("(node shared)" if par.zero_shared == "node" else "")
+        return text + f" mbs={tr.micro_batch_size} zero={zero} recompute={tr.recompute}"
 
 
 @dataclass
@@ -1008,6 +1023,13 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
                else ["flat", "hierarchical"])
     codecs = ([par.grad_compression] if "grad_compression" in fixed or dp * sp == 1
               or not across else ["none", "int8", "topk"])
+    def shared_choices(zero: int) -> list[str]:
+        """ZeRO-3 on the CPU, all on one node: gathered or in node shared memory."""
+        if zero != 3:
+            return ["off"]
+        if "zero_shared" in fixed or across or tr.device == "cuda":
+            return [par.zero_shared]
+        return ["off", "node"]
     for (schedule, v), (mode, split, u), mbs, zero, reduce, codec in itertools.product(
             schedules, sp_modes, micro, zeros, reduces, codecs):
         # ZeRO-2/3 reduce-scatter dense and flat (fsdp's rule): a variant that clashes only
@@ -1017,10 +1039,12 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
                 or codec != "none" and "grad_compression" in fixed)) \
                 and (reduce, codec) != ("flat", "none"):
             continue
-        yield Config(base.model, dataclasses.replace(
-            par, dp=dp, tp=tp, pp=pp, sp=sp, schedule=schedule, virtual_stages=v, sp_mode=mode,
-            sp_split=split, ulysses_size=u, zero=zero, dp_reduce=reduce,
-            grad_compression=codec), dataclasses.replace(tr, micro_batch_size=mbs))
+        for shared in shared_choices(zero):
+            yield Config(base.model, dataclasses.replace(
+                par, dp=dp, tp=tp, pp=pp, sp=sp, schedule=schedule, virtual_stages=v,
+                sp_mode=mode, sp_split=split, ulysses_size=u, zero=zero, zero_shared=shared,
+                dp_reduce=reduce, grad_compression=codec),
+                dataclasses.replace(tr, micro_batch_size=mbs))
 
 
 def evaluate(cfg: Config, hw: Hardware = Hardware()) -> Candidate:

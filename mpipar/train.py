@@ -266,6 +266,7 @@ def _claim(ctx: RunContext):
     cfg, lock, error = ctx.cfg, None, None
     try:
         check_memory(cfg, ctx.control.rank, ctx.on_node)
+        check_shared_memory(cfg, ctx.control.rank, ctx.on_node)
         rundir.prepare_outputs(cfg)
         if ctx.rank0:
             lock = rundir.RunLock([cfg.train.run_dir, cfg.train.save_dir]).acquire()
@@ -307,6 +308,26 @@ def check_memory(cfg: Config, rank: int, on_node: int) -> None:
             f"rank(s), {share:,} each: use a smaller model or batch, spread it over more ranks "
             f"or nodes (--tp, --pp, --zero 1, --recompute), or set "
             f"train.allow_oversubscribed_memory (--allow-oversubscribed-memory) to start anyway")
+
+
+def check_shared_memory(cfg: Config, rank: int, on_node: int) -> None:
+    """Refuse (ConfigError) ZeRO-3 in node shared memory whose parameters (this rank's share,
+    ``on_node`` ranks alike) would not fit the free space of the shared-memory directory: a
+    window larger than it fails only when touched, with SIGBUS."""
+    from mpipar.backend import SHARED_MEMORY_DIR, shared_memory_bytes
+    from mpipar.planner import memory_lower_bound, uses_node_shared
+    from mpipar.topology import rank_coord
+    par = cfg.parallel
+    if not uses_node_shared(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp)):
+        return
+    free = shared_memory_bytes()
+    need = memory_lower_bound(cfg) // 2 // (par.dp * par.sp) * on_node   # the weights' shares
+    if free is not None and need > free:
+        raise ConfigError(
+            f"parallel.zero_shared='node': the {on_node} rank(s) of this node hold at least "
+            f"{need:,} bytes of parameters in shared memory, but {SHARED_MEMORY_DIR} has "
+            f"{free:,} bytes free: enlarge it (a container's is 64 MiB unless given more, e.g. "
+            f"docker run --shm-size), or set parallel.zero_shared='off' (--zero-shared off)")
 
 
 def _build(ctx: RunContext):

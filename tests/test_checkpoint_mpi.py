@@ -24,13 +24,17 @@ CASES = [(dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003), dict(dp=8)),
          # tied embeddings: saved from both pipeline ends' copies, loaded onto one stage and onto
          # the two ends of another pipeline
          (dict(model="tied", dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003), dict(dp=4, tp=2)),
-         (dict(model="tied", dp=8, zero=1), dict(model="tied", pp=4, dp=2, zero=1))]
+         (dict(model="tied", dp=8, zero=1), dict(model="tied", pp=4, dp=2, zero=1)),
+         # ZeRO-3 in node shared memory, out to ZeRO-3 gathering with TP and back in
+         (dict(dp=8, zero=3, zero_shared="node"), dict(dp=4, tp=2, zero=3)),
+         (dict(dp=4, tp=2, zero=3), dict(dp=2, pp=2, tp=2, zero=3, zero_shared="node"))]
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("before,after", CASES,
                          ids=["zero-tp2-pp2", "zero-dp8", "zero3-to-zero0-tp2", "zero0-to-zero3-dp8",
-                              "tied-pp2-to-tp2", "tied-dp8-to-pp4"])
+                              "tied-pp2-to-tp2", "tied-dp8-to-pp4", "zero3-shared-to-tp2",
+                              "zero3-tp2-to-shared-pp2"])
 def test_save_and_load_across_layouts(world, before, after):
     from mpipar import checkpoint
     from mpipar.engine import Engine

@@ -54,6 +54,10 @@ RULES = [
                          "(got dp=1, sp=1)"),
     (["--zero", "2", "--tp", "2"], 2, "parallel.zero=2: ZeRO-2/3 shard over dp x sp, which needs"),
     (["--zero", "3", "--zero-prefetch", "-1"], 2, "parallel.zero_prefetch=-1: must be >= 0"),
+    (["--zero", "2", "--zero-shared", "node"], 2, "parallel.zero_shared='node' with "
+     "parallel.zero=2: node shared memory holds ZeRO-3's parameters (use zero=3)"),
+    (["--zero", "3", "--zero-shared", "node", "--device", "cuda"], 2,
+     "parallel.zero_shared='node' with train.device='cuda': node shared memory holds host arrays"),
     (["--zero", "2", "--dp-reduce", "hierarchical", "--ranks-per-node", "2"], 4,
      "parallel.dp_reduce='hierarchical' with parallel.zero=2: ZeRO-2/3 reduce-scatter each unit "
      "over the flat dp x sp group"),

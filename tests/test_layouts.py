@@ -12,7 +12,9 @@ layout with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring acros
 2 ranks, and of 4 at 8 ranks). ZeRO-2 and ZeRO-3 (sharded gradients, and parameters gathered
 per layer) run on every base layout with dp x sp > 1, then with every schedule, SP mode and
 split, tp sequence parallelism, prefetch depths 0, 1 and 2, and the tied, scaled and windowed
-models (their recompute modes are in ``test_recompute.py``). A model with tied embeddings, q/k/v biases and llama3 RoPE, and one
+models (their recompute modes are in ``test_recompute.py``); ZeRO-3 with the parameters in
+node shared memory on layouts of its own. A model with tied embeddings, q/k/v biases and
+llama3 RoPE, and one
 with biases and dynamic RoPE, run on layouts chosen for them.
 """
 from __future__ import annotations
@@ -93,6 +95,15 @@ ZERO = ZERO_BASE + [
         dict(dp=2, sp=4, zero=3, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"),
         dict(model="window", sp=4, dp=2, zero=3, sp_mode="halo"),
         dict(model="gemma", sp=2, dp=2, pp=2, zero=2, sp_split="zigzag")]
+# ZeRO-3 with the parameters in node shared memory (no all-gathers): alone, at 8 ranks, with
+# each schedule, TP and SP modes and the tied model; and on declared nodes of 2, where the
+# dp x sp group crosses nodes and the units are gathered instead.
+ZERO_SHARED = [dict(v, zero=3, zero_shared="node") for v in (
+    dict(dp=2), dict(dp=8), dict(dp=2, pp=2, schedule="zb-h1"),
+    dict(dp=2, tp=2, pp=2, schedule="interleaved", virtual_stages=2),
+    dict(dp=2, sp=2, tp=2, tp_sequence_parallel=True, sp_split="zigzag"),
+    dict(dp=4, sp=2, sp_mode="ulysses"), dict(model="tied", pp=2, dp=2),
+    dict(dp=4, pp=2, ranks_per_node=2))]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 
@@ -174,6 +185,25 @@ def test_tp_sequence_parallel_equals_single_process_float64(world, layout):
 def test_zero_equals_single_process_float64(world, layout):
     """ZeRO-2/3: gradients (and parameters) sharded over dp x sp change no number."""
     _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", ZERO_SHARED, ids=[layout_name(v) for v in ZERO_SHARED])
+def test_zero3_node_shared_equals_single_process_float64(world, layout):
+    """ZeRO-3 reading the parameters in place from node shared memory changes no number; it is
+    used exactly when the dp x sp group is on one node (declared nodes of 2 gather instead)."""
+    crosses = layout.get("ranks_per_node") == 2
+
+    def how_held(engine) -> list[str]:
+        s = engine.sharded
+        held = "gathered" if s.gather else "node shared" if s.shared else "resident"
+        want = "gathered" if crosses else "node shared"
+        fails = [] if held == want else [f"parameters {held}, expected {want}"]
+        gathers = engine.ledger.entries.get(("dp_sp", "iallgather"))
+        if not crosses and gathers is not None:
+            fails.append(f"{gathers.messages} all-gathers with node shared parameters")
+        return fails
+    _check(world, layout, "float64", 1e-10, how_held)
 
 
 @pytest.mark.mpi(min_size=8)

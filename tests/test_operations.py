@@ -469,6 +469,45 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
     check_memory(cfg, 0, on_node=4)
 
 
+@needs_mpirun
+def test_node_shared_parameters_larger_than_dev_shm_exit_2(tmp_path):
+    """ZeRO-3 in node shared memory whose parameters /dev/shm could not hold (a window larger
+    than the tmpfs fails with SIGBUS when touched) exits 2 before anything is allocated, once,
+    naming the bytes and the fix; --allow-oversubscribed-memory (RAM) does not skip it."""
+    from mpipar.planner import memory_lower_bound
+    from mpipar.train import resolve_config
+
+    args = [*TINY, "--zero", "3", "--zero-shared", "node", "--hidden", "1000000",
+            "--allow-oversubscribed-memory", "--run-dir", str(tmp_path / "run")]
+    need = memory_lower_bound(resolve_config(args, 2)) // 2 // 2 * 2
+    proc = run_train(2, args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(f"mpipar: error: parallel.zero_shared='node': the 2 rank(s) of this "
+                             f"node hold at least {need:,} bytes of parameters in shared "
+                             f"memory, but /dev/shm has ") == 1, proc.stderr
+    assert "--zero-shared off" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
+    """In process: the weights' shares of the node's ranks against /dev/shm's free bytes, only
+    where ZeRO-3 keeps them in node shared memory (not gathering, not across declared nodes)."""
+    from mpipar import backend
+    from mpipar.config import ConfigError
+    from mpipar.planner import memory_lower_bound
+    from mpipar.train import check_shared_memory, resolve_config
+
+    cfg = resolve_config([*TINY, "--zero", "3", "--zero-shared", "node"], 4)
+    need = memory_lower_bound(cfg) // 2 // 4     # one rank's share of the weights
+    monkeypatch.setattr(backend, "shared_memory_bytes", lambda: 4 * need)
+    check_shared_memory(cfg, 0, on_node=4)
+    with pytest.raises(ConfigError, match=f"hold at least {5 * need:,} bytes"):
+        check_shared_memory(cfg, 0, on_node=5)
+    for flags in (["--zero", "3"], ["--zero", "3", "--zero-shared", "node",
+                                    "--ranks-per-node", "2"]):
+        check_shared_memory(resolve_config([*TINY, *flags], 4), 0, on_node=5)
+
+
 NAN = """
     import sys
     import numpy as np

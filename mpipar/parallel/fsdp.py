@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from mpipar.comm import Group, Request
+from mpipar.comm import Group, Request, SharedArray
 from mpipar.config import Config, require, rules
 from mpipar.parallel.data import padded_size
 
@@ -60,6 +60,15 @@ def kept_after_forward(chunks: list[list[str]], prefetch: int) -> set[str]:
         for unit in names:
             order.setdefault(unit, names)
     return {unit for unit, names in order.items() if unit in names[-1 - prefetch:]}
+
+
+def node_shared(par: Any, crosses_nodes: bool, device_buffers: bool) -> bool:
+    """Whether ZeRO-3 holds the parameters in node shared memory instead of gathering them:
+    asked for (``zero_shared="node"``), a dp x sp group on one node (``crosses_nodes``: by the
+    node map, declared or detected; the engine also asks MPI), host buffers (CUDA memory is not
+    an MPI shared window)."""
+    return (par.zero == 3 and par.zero_shared == "node" and not crosses_nodes
+            and not device_buffers)
 
 
 @dataclass
@@ -112,8 +121,13 @@ class ShardedParams:
     def __init__(self, initial: Callable[[str], Any], chunks: list[list[tuple[str, list[str]]]],
                  group: Group, gather: bool, prefetch: int, xp: ModuleType,
                  before_reduce: Callable[[list[str]], None], tied: Collection[str] = (),
-                 tied_group: Group | None = None) -> None:
-        self.group, self.gather, self.prefetch, self.xp = group, gather, prefetch, xp
+                 tied_group: Group | None = None, shared: bool = False) -> None:
+        # ZeRO-3 in node shared memory: the whole units stay bound, as at ZeRO-2, but each is
+        # one array the group's ranks map together, each rank allocating its own slice.
+        self.shared = shared and gather
+        self.group, self.gather, self.prefetch, self.xp = group, gather and not shared, prefetch, xp
+        self.windows: list[SharedArray] = []
+        self._stale = False        # a rank wrote its slices and has not published them yet
         self.before_reduce = before_reduce
         self.units: dict[str, Unit] = {}
         self.order: dict[str, list[str]] = {}     # unit -> its chunk's units in forward order
@@ -133,9 +147,11 @@ class ShardedParams:
         self.grads: dict[str, Any] = {}
         self._reducing: deque[tuple[Request, Any, Unit, Any]] = deque()
         self._in_use = 0                          # units gathered and entered now (ZeRO-3)
-        if not gather:                            # ZeRO-2: the whole parameters stay bound
+        if not self.gather:          # ZeRO-2, or node shared: the whole parameters stay bound
             for u in self.units.values():
                 self._bind(self.params, u, u.full)
+        if self.shared:
+            self._publish()
 
     def _make_unit(self, unit: str, names: list[str], initial: Callable[[str], Any]) -> Unit:
         """The unit of parameters ``names``, laid out flat in that order and padded; this rank
@@ -151,6 +167,11 @@ class ShardedParams:
             s, e = offsets[n]
             full[s:e] = self.xp.asarray(values[n]).reshape(-1)
         lo, hi = self._range(size)
+        if self.shared:              # this rank writes its slice of the node's one copy
+            window = self.group.shared_array(hi - lo, full.dtype)
+            self.windows.append(window)
+            window.array[lo:hi] = full[lo:hi]
+            full = window.array
         owned = full[lo:hi] if not self.gather else full[lo:hi].copy()
         return Unit(unit, list(names), {n: tuple(values[n].shape) for n in names}, offsets, size,
                     owned, self.xp.zeros(hi - lo, full.dtype), None if self.gather else full)
@@ -176,6 +197,8 @@ class ShardedParams:
         posted. A unit entered inside another (the tied embedding the head reads) posts none:
         the units after it are not the ones to come."""
         u = self.units[unit]
+        if self._stale:
+            self._publish()
         if self.gather:
             nested = self._in_use > 0
             self._start_gather(u)
@@ -287,22 +310,47 @@ class ShardedParams:
                 self.pool.give(u.full)
                 u.full, u.gathering = None, None
 
+    def _publish(self) -> None:
+        """Node shared memory: every rank's writes to its slices become visible to all."""
+        self.group.sync_shared(self.windows)
+        self._stale = False
+
     def gather_params(self) -> None:
         """After the update: ZeRO-2 all-gathers the owned slices back into the whole
-        parameters; ZeRO-3 keeps only its slices."""
-        if not self.gather:
+        parameters; ZeRO-3 keeps only its slices (in node shared memory: publishes them, the
+        one barrier of its step; no rank reads a slice while its owner updates it, as the
+        update waits for every reduce-scatter, which each rank posts after its last read)."""
+        if self.shared:
+            self._publish()
+        elif not self.gather:
             for u in self.units.values():
                 self.group.allgather(u.owned.copy(), u.full)
 
     def describe(self) -> str:
         """The sharding in words, for the startup line."""
         stage = (f"ZeRO-3 (parameters gathered per unit, {self.prefetch} prefetched)"
-                 if self.gather else "ZeRO-2")
+                 if self.gather else
+                 "ZeRO-3 (parameters in node shared memory: each rank holds its slice and "
+                 "reads the others' in place)" if self.shared else "ZeRO-2")
         return (f"dp x sp {stage}: {len(self.units)} units sharded over {self.group.size} ranks, "
                 f"reduce-scattered per unit")
 
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of node shared memory this rank allocated (its slices; not numpy's, so
+        tracemalloc does not see them)."""
+        return sum(w.array.nbytes for w in self.windows) // self.group.size
+
     def close(self) -> None:
-        """Nothing to free: the units use the dp x sp group itself (the engine frees it)."""
+        """Free the node shared memory (a collective; no parameter view may be used after);
+        the units use the dp x sp group itself (the engine frees it)."""
+        if self.windows:
+            self.params.clear()
+            for u in self.units.values():
+                u.full = u.owned = None
+            for w in self.windows:
+                w.free()
+            self.windows = []
 
     # ------------------------------------------------------------ the optimizer's view
     def owned_range(self, u: Unit) -> tuple[int, int]:
@@ -329,6 +377,8 @@ class ShardedParams:
 
     def materialize(self) -> dict[str, Any]:
         """Every tp-local tensor of this rank, whole (collective over the group at ZeRO-3)."""
+        if self._stale:
+            self._publish()
         out: dict[str, Any] = {}
         for u in self.units.values():
             full = u.full
@@ -359,7 +409,9 @@ class ShardedParams:
             flat = self.xp.asarray(value).reshape(-1)
             if lo < hi:
                 u.owned[lo - a0:hi - a0] = flat[lo - s:hi - s]
-            if not self.gather:
+            if self.shared:      # the other slices are their owners' to write
+                self._stale = True
+            elif not self.gather:
                 u.full[s:e] = flat
 
 
@@ -367,9 +419,15 @@ class ShardedParams:
 def check_config(cfg: Config, world: int) -> None:
     """ZeRO-2/3 shard over dp x sp (a group of one shards nothing) with a flat, dense
     reduce-scatter per unit (neither the hierarchical reduction nor compression), and a prefetch
-    depth >= 0."""
+    depth >= 0; node shared memory is for ZeRO-3 on the CPU."""
     p = cfg.parallel
     require(p.zero_prefetch >= 0, f"parallel.zero_prefetch={p.zero_prefetch}: must be >= 0")
+    if p.zero_shared == "node":
+        require(p.zero == 3, f"parallel.zero_shared='node' with parallel.zero={p.zero}: node "
+                             f"shared memory holds ZeRO-3's parameters (use zero=3)")
+        require(cfg.train.device != "cuda",
+                "parallel.zero_shared='node' with train.device='cuda': node shared memory "
+                "holds host arrays (use device='cpu', or zero_shared='off')")
     if p.zero < 2:
         return
     dp = p.dp or world // (p.tp * p.pp * p.sp)

@@ -20,6 +20,12 @@ padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns e
   default) moves a non-blocking collective only while some call is inside MPI, so without it
   the prefetched transfer would happen in the wait. The reduce-scatters in flight are tested
   too: with MPICH, testing the gathers alone left them unfinished behind them (measured).
+- **ZeRO-3 in node shared memory** (``shared=True``, :func:`node_shared`): when the group is
+  on one node, each unit is one MPI-3 shared-memory window (:meth:`mpipar.comm.Group.
+  shared_array`) in which this rank allocates its slice; every rank reads the whole unit in
+  place, so the storage runs as ZeRO-2's (``gather`` false, the units bound) with nothing
+  gathered, and the node holds one copy. A rank writes only its slices (the update, a load);
+  :meth:`gather_params` publishes them with one barrier (and the first ``enter`` after a load).
 
 Gradients, both stages: a unit's full-size gradient buffer exists only while its backward is in
 flight. Once the unit's gradients of one microbatch are final (at :meth:`leave`, or for zb-h1's

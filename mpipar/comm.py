@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from mpipar.staging import DirectPath, HostCopies, MpiPath
 
@@ -308,6 +309,17 @@ class Group:
         with self._buffers((_contig(send, "allgather"),), (_contig(recv, "allgather"),)) as b:
             self._timed("allgather", send.nbytes, self.comm.Allgather, *b)
         return recv
+
+    def allgather_in_place(self, buf: np.ndarray, count: int, offsets: list[int]) -> np.ndarray:
+        """Group rank ``j``'s ``count`` elements at ``buf[offsets[j]:offsets[j] + count]``, on
+        every rank; this rank's own are already in place (an in-place ``Allgatherv``). Booked
+        as an all-gather of ``count`` elements (host arrays)."""
+        if self.size > 1:
+            spec = [_contig(buf, "allgather"), [count] * self.size, list(offsets),
+                    from_numpy_dtype(buf.dtype)]
+            self._timed("allgather", count * buf.itemsize, self.comm.Allgatherv, MPI.IN_PLACE,
+                        spec)
+        return buf
 
     def iallgather(self, send: np.ndarray, recv: np.ndarray) -> Request:
         """Start :meth:`allgather` (``send`` and ``recv`` are busy until the request completes)."""

@@ -131,9 +131,11 @@ class ParallelConfig:
                       "forward and backward, freed after)", choices=(0, 1, 2, 3))
     zero_prefetch: int = _f(1, "ZeRO-3: all-gathers of the next layers posted while one computes")
     zero_shared: str = _f("off", "ZeRO-3 on the CPU: node keeps the parameters in node shared "
-                                 "memory when the dp x sp group is on one node (each rank "
-                                 "allocates its slice, every rank reads all in place: no "
-                                 "all-gather, one copy per node); off gathers them",
+                                 "memory, one copy per node (each of the node's ranks of the "
+                                 "dp x sp group allocates a part, every one reads all in "
+                                 "place: no all-gather per layer; across nodes the updated "
+                                 "slices are all-gathered into every copy once a step); off "
+                                 "gathers them per layer",
                           choices=("off", "node"))
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB (reduction overlaps backward)")
     ranks_per_node: int = _f(0, "ranks per node: 0 asks MPI (ranks that share memory); K treats "

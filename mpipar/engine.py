@@ -95,8 +95,6 @@ class Engine:
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
                                train_samples)
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
-        if par.dp_reduce == "hierarchical":
-            self.grid.split_dp_sp_by_node()
         if par.sp_mode == "hybrid":
             self.grid.split_sp(par.ulysses_size)
         # The device before any array: parameters, gradients, optimizer state and activations
@@ -105,6 +103,14 @@ class Engine:
         self.kernels = training_backend(tr.backend, self.device.kind)
         self.xp = self.kernels.xp
         self.mpi_path = choose_path(tr.cuda_aware_mpi, self.device.kind == "cuda")
+        # dp x sp split by node: the hierarchical reduction, and ZeRO-3's copies on each node
+        shape, nodes = self.grid.shape, self.grid.nodes
+        self.node_copies = (node_shared(par, self.device.kind == "cuda")
+                            and shape.crosses("dp_sp", nodes)
+                            and shape.node_split_problem(nodes) is None
+                            and len(shape.node_split(self.grid.rank, nodes)[0]) > 1)
+        if par.dp_reduce == "hierarchical" or self.node_copies:
+            self.grid.split_dp_sp_by_node()
         self.ledger = Ledger()
         self.eval_ledger = Ledger()
         self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
@@ -183,13 +189,18 @@ class Engine:
             self.tensor.reduce_partial_grads([self.grads[n] for n in unit_names
                                               if self.table[n].grad_partial_over_tp])
 
-        group = self.groups["dp_sp"]
-        shared = (node_shared(par, group.crosses_nodes, self.xp is not np)
-                  and group.on_one_node())
+        group, node_groups = self.groups["dp_sp"], None
+        if node_shared(par, self.device.kind == "cuda"):
+            if not group.crosses_nodes:
+                node_groups = (group, None)
+            elif self.node_copies:
+                node_groups = (self.groups["dp_sp_intra"], self.groups["dp_sp_inter"])
+            if node_groups and not node_groups[0].on_one_node():   # as MPI sees them
+                node_groups = None
         return ShardedParams(lambda n: self._initial_shards([n])[n],
                              self.table.units(self.grid.coord.pp),
                              group, par.zero == 3, par.zero_prefetch, self.xp,
-                             before_reduce, tied, self.groups["pp_ends"], shared)
+                             before_reduce, tied, self.groups["pp_ends"], node_groups)
 
     def _reducer(self, names: list[str], tied: list[str]) -> GradReducer:
         """ZeRO-0/1: the gradient reducer over dp x sp: flat or hierarchical, dense or

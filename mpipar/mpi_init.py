@@ -11,6 +11,11 @@ thread that needs no GIL. Importing this module arms it for ``MPIPAR_INIT_TIMEOU
 ends the launch. The deadline is disarmed as soon as ``MPI_Init`` returns; later blocking is the
 business of ``--collective-timeout`` (:class:`mpipar.comm.Watchdog`).
 
+MPI start-up under ``srun --mpi=pmi2`` with the MPICH wheel fails now and then, also after a
+probe launch went through. A training launch marks, through :func:`mark_started`, that every
+rank came through it (the file ``MPIPAR_STARTED_FILE`` names, when set): the srun job scripts
+launch again, up to three times, a launch that failed without it, which did nothing.
+
 The entry points (``python -m mpipar.train``, ``python -m mpipar.backend``) import ``MPI`` from
 here; a process that already initialised MPI is left alone. ``python -m mpipar.backend``, the
 job scripts' probe, which is nothing but start-up, runs whole under :func:`deadline` (its node
@@ -82,7 +87,29 @@ def _initialise() -> None:
         from mpi4py import MPI  # noqa: F401  (MPI_Init: past the deadline, this line is the stack)
 
 
+STARTED_VARIABLE = "MPIPAR_STARTED_FILE"
+"""A file for rank 0 to create once every rank of the launch is past MPI start-up: a job script
+that finds it missing after a failed launch knows the launch did nothing, and launches again."""
+
+
+def mark_started(rank: int, environ=os.environ) -> None:
+    """Call after the first collective over the world has completed (every rank is past
+    ``MPI_Init``): rank 0 creates the file ``$MPIPAR_STARTED_FILE`` names, when one is named
+    (a warning, never an error, when it cannot)."""
+    path = environ.get(STARTED_VARIABLE, "")
+    if rank != 0 or not path:
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        print(f"mpipar: warning: {STARTED_VARIABLE}={path!r}: cannot create it ({error}); a "
+              f"job script may take a later failure for a failed start-up", file=sys.stderr,
+              flush=True)
+
+
 _initialise()
 from mpi4py import MPI  # noqa: E402  (initialised above)
 
-__all__ = ["MPI", "deadline", "init_timeout", "VARIABLE", "DEFAULT_SECONDS"]
+__all__ = ["MPI", "deadline", "init_timeout", "mark_started", "VARIABLE", "DEFAULT_SECONDS",
+           "STARTED_VARIABLE"]

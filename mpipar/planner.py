@@ -141,14 +141,25 @@ def unit_lengths(cfg: Config, coord: Coord) -> dict[str, int]:
     return out
 
 
-def uses_node_shared(cfg: Config, coord: Coord) -> bool:
-    """Whether ZeRO-3 keeps this rank's parameters in node shared memory
-    (:func:`mpipar.parallel.fsdp.node_shared`), on the nodes the planner assumes."""
+def node_copy(cfg: Config, coord: Coord) -> tuple[int, int] | None:
+    """ZeRO-3 in node shared memory (:func:`mpipar.parallel.fsdp.node_shared`), on the nodes
+    the planner assumes, as the engine decides: (ranks of this rank's dp x sp group on its
+    node, nodes the group spans), or None where the units are gathered (not asked for, CUDA,
+    or a group across nodes that hold unequal numbers of its ranks, or one rank each)."""
     par = cfg.parallel
+    if not node_shared(par, cfg.train.device == "cuda"):
+        return None
     shape, nodes = GridShape(par.dp, par.tp, par.pp, par.sp), nodes_of(cfg)
     group = shape.members("dp_sp", shape.rank_of(coord), nodes)
-    return node_shared(par, len({nodes.nodes[r] for r in group}) > 1,
-                       cfg.train.device == "cuda")
+    spans = len({nodes.nodes[r] for r in group})
+    if spans > 1 and (shape.node_split_problem(nodes) is not None or len(group) == spans):
+        return None
+    return len(group) // spans, spans
+
+
+def uses_node_shared(cfg: Config, coord: Coord) -> bool:
+    """Whether ZeRO-3 keeps this rank's parameters in node shared memory (:func:`node_copy`)."""
+    return node_copy(cfg, coord) is not None
 
 
 def _kept_units(cfg: Config, coord: Coord) -> set[str]:
@@ -296,7 +307,11 @@ def _sharded_calls(cfg: Config, coord: Coord, train: bool, passes: int) -> list[
     micro = _microbatches(cfg)
     calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * e, k) for u, k in entered]
     if shared:            # no gathers: the update's slices published with one barrier
-        return calls + [Call("dp_sp", "barrier", 0)]
+        per_node, spans = node_copy(cfg, coord)
+        if spans == 1:
+            return calls + [Call("dp_sp", "barrier", 0)]
+        return calls + [Call("dp_sp_inter", "allgather", L // n * e)       # into each copy
+                        for L in lengths.values()] + [Call("dp_sp_intra", "barrier", 0)]
     if par.zero == 3:     # a kept unit: once per microbatch (its backward reuses the forward's)
         kept = _kept_units(cfg, coord)
         return calls + [Call("dp_sp", "iallgather", lengths[u] // n * e,
@@ -627,8 +642,10 @@ def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
     if par.zero < 2:
         return MemoryEstimate(flat, flat, optimizer, peak + working,
                               residuals=residual_bytes(cfg, lengths))
-    return MemoryEstimate(owned if par.zero == 3 else flat, owned, optimizer, peak + working,
-                          _unit_buffers(cfg, coord))
+    copy = node_copy(cfg, coord)
+    weights = (flat if par.zero == 2 else owned if copy is None
+               else sum(L // copy[0] for L in lengths) * e)        # its part of the node's copy
+    return MemoryEstimate(weights, owned, optimizer, peak + working, _unit_buffers(cfg, coord))
 
 
 def _unit_buffers(cfg: Config, coord: Coord) -> int:
@@ -1024,10 +1041,10 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
     codecs = ([par.grad_compression] if "grad_compression" in fixed or dp * sp == 1
               or not across else ["none", "int8", "topk"])
     def shared_choices(zero: int) -> list[str]:
-        """ZeRO-3 on the CPU, all on one node: gathered or in node shared memory."""
+        """ZeRO-3 on the CPU: gathered, or in node shared memory."""
         if zero != 3:
             return ["off"]
-        if "zero_shared" in fixed or across or tr.device == "cuda":
+        if "zero_shared" in fixed or tr.device == "cuda":
             return [par.zero_shared]
         return ["off", "node"]
     for (schedule, v), (mode, split, u), mbs, zero, reduce, codec in itertools.product(

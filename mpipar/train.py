@@ -61,7 +61,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpipar.mpi_init import MPI  # MPI_Init under MPIPAR_INIT_TIMEOUT
+from mpipar.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
                                          comm.Get_rank())
     ctx.threads = configure_threads(ctx.on_node)  # a value set before (or by the user) stays
     lock = _claim(ctx)
+    mark_started(ctx.control.rank)   # _claim ended in a collective over the world
     try:
         # Under the lock: no other run can be reporting into this run directory.
         report.attach(cfg.train.run_dir, fresh=ctx.rank0)
@@ -311,17 +312,20 @@ def check_memory(cfg: Config, rank: int, on_node: int) -> None:
 
 
 def check_shared_memory(cfg: Config, rank: int, on_node: int) -> None:
-    """Refuse (ConfigError) ZeRO-3 in node shared memory whose parameters (this rank's share,
-    ``on_node`` ranks alike) would not fit the free space of the shared-memory directory: a
-    window larger than it fails only when touched, with SIGBUS."""
+    """Refuse (ConfigError) ZeRO-3 in node shared memory whose parameters (this rank's part of
+    its node's copy, ``on_node`` ranks alike) would not fit the free space of the shared-memory
+    directory: a window larger than it fails only when touched, with SIGBUS."""
     from mpipar.backend import SHARED_MEMORY_DIR, shared_memory_bytes
-    from mpipar.planner import memory_lower_bound, uses_node_shared
+    from mpipar.planner import memory_lower_bound, node_copy
     from mpipar.topology import rank_coord
     par = cfg.parallel
-    if not uses_node_shared(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp)):
+    copy = node_copy(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp))
+    if copy is None:
         return
+    # ranks sharing one copy: given nodes say; detected ones are not known yet (a collective)
+    per_copy = copy[0] if par.ranks_per_node else max(1, min(par.dp * par.sp, on_node // par.tp))
     free = shared_memory_bytes()
-    need = memory_lower_bound(cfg) // 2 // (par.dp * par.sp) * on_node   # the weights' shares
+    need = memory_lower_bound(cfg) // 2 // per_copy * on_node   # the weights' parts
     if free is not None and need > free:
         raise ConfigError(
             f"parallel.zero_shared='node': the {on_node} rank(s) of this node hold at least "

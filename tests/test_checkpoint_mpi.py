@@ -27,14 +27,16 @@ CASES = [(dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003), dict(dp=8)),
          (dict(model="tied", dp=8, zero=1), dict(model="tied", pp=4, dp=2, zero=1)),
          # ZeRO-3 in node shared memory, out to ZeRO-3 gathering with TP and back in
          (dict(dp=8, zero=3, zero_shared="node"), dict(dp=4, tp=2, zero=3)),
-         (dict(dp=4, tp=2, zero=3), dict(dp=2, pp=2, tp=2, zero=3, zero_shared="node"))]
+         (dict(dp=4, tp=2, zero=3), dict(dp=2, pp=2, tp=2, zero=3, zero_shared="node")),
+         # ... and with a copy on each of two declared nodes, out to ZeRO-0 with TP
+         (dict(dp=8, zero=3, zero_shared="node", ranks_per_node=4), dict(dp=4, tp=2))]
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("before,after", CASES,
                          ids=["zero-tp2-pp2", "zero-dp8", "zero3-to-zero0-tp2", "zero0-to-zero3-dp8",
                               "tied-pp2-to-tp2", "tied-dp8-to-pp4", "zero3-shared-to-tp2",
-                              "zero3-tp2-to-shared-pp2"])
+                              "zero3-tp2-to-shared-pp2", "zero3-node-copies-to-tp2"])
 def test_save_and_load_across_layouts(world, before, after):
     from mpipar import checkpoint
     from mpipar.engine import Engine

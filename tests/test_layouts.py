@@ -95,15 +95,23 @@ ZERO = ZERO_BASE + [
         dict(dp=2, sp=4, zero=3, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"),
         dict(model="window", sp=4, dp=2, zero=3, sp_mode="halo"),
         dict(model="gemma", sp=2, dp=2, pp=2, zero=2, sp_split="zigzag")]
-# ZeRO-3 with the parameters in node shared memory (no all-gathers): alone, at 8 ranks, with
-# each schedule, TP and SP modes and the tied model; and on declared nodes of 2, where the
-# dp x sp group crosses nodes and the units are gathered instead.
-ZERO_SHARED = [dict(v, zero=3, zero_shared="node") for v in (
-    dict(dp=2), dict(dp=8), dict(dp=2, pp=2, schedule="zb-h1"),
-    dict(dp=2, tp=2, pp=2, schedule="interleaved", virtual_stages=2),
-    dict(dp=2, sp=2, tp=2, tp_sequence_parallel=True, sp_split="zigzag"),
-    dict(dp=4, sp=2, sp_mode="ulysses"), dict(model="tied", pp=2, dp=2),
-    dict(dp=4, pp=2, ranks_per_node=2))]
+# ZeRO-3 with the parameters in node shared memory: alone, at 8 ranks, with each schedule,
+# TP and SP modes and the tied model (one node: no all-gathers); on declared nodes of 2 and 4
+# (a copy on each node, the updated slices all-gathered across nodes once a step); and where a
+# node holds one rank of a group (the units gathered).
+ZERO_SHARED = [(dict(v, zero=3, zero_shared="node"), held) for v, held in (
+    (dict(dp=2), "one node"), (dict(dp=8), "one node"),
+    (dict(dp=2, pp=2, schedule="zb-h1"), "one node"),
+    (dict(dp=2, tp=2, pp=2, schedule="interleaved", virtual_stages=2), "one node"),
+    (dict(dp=2, sp=2, tp=2, tp_sequence_parallel=True, sp_split="zigzag"), "one node"),
+    (dict(dp=4, sp=2, sp_mode="ulysses"), "one node"),
+    (dict(model="tied", pp=2, dp=2), "one node"),
+    (dict(dp=4, pp=2, ranks_per_node=2), "node copies"),
+    (dict(dp=8, ranks_per_node=4), "node copies"),
+    (dict(dp=2, sp=2, tp=2, ranks_per_node=4, sp_split="zigzag"), "node copies"),
+    (dict(model="tied", dp=4, pp=2, ranks_per_node=2, schedule="interleaved",
+          virtual_stages=2), "node copies"),
+    (dict(dp=4, tp=2, ranks_per_node=2), "gathered"))]
 FLOAT32 = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
            dict(pp=4, dp=2, schedule="zb-h1"), dict(dp=4, sp=2, zero=1)]
 
@@ -188,20 +196,24 @@ def test_zero_equals_single_process_float64(world, layout):
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", ZERO_SHARED, ids=[layout_name(v) for v in ZERO_SHARED])
-def test_zero3_node_shared_equals_single_process_float64(world, layout):
-    """ZeRO-3 reading the parameters in place from node shared memory changes no number; it is
-    used exactly when the dp x sp group is on one node (declared nodes of 2 gather instead)."""
-    crosses = layout.get("ranks_per_node") == 2
-
+@pytest.mark.parametrize("layout,want", ZERO_SHARED,
+                         ids=[layout_name(v) for v, _ in ZERO_SHARED])
+def test_zero3_node_shared_equals_single_process_float64(world, layout, want):
+    """ZeRO-3 reading the parameters in place from node shared memory changes no number, on
+    one node and with a copy on each node; it is used where it applies, and no unit is gathered
+    per layer then."""
     def how_held(engine) -> list[str]:
         s = engine.sharded
-        held = "gathered" if s.gather else "node shared" if s.shared else "resident"
-        want = "gathered" if crosses else "node shared"
+        held = ("gathered" if s.gather else "resident" if not s.shared
+                else "node copies" if s.inter is not None else "one node")
         fails = [] if held == want else [f"parameters {held}, expected {want}"]
         gathers = engine.ledger.entries.get(("dp_sp", "iallgather"))
-        if not crosses and gathers is not None:
+        if s.shared and gathers is not None:
             fails.append(f"{gathers.messages} all-gathers with node shared parameters")
+        if s.shared and s.shared_bytes * s.intra.size != sum(u.size for u in s.units.values()) \
+                * np.dtype("float64").itemsize:
+            fails.append(f"{s.shared_bytes} B of shared memory, not 1/{s.intra.size} of the "
+                         f"units")
         return fails
     _check(world, layout, "float64", 1e-10, how_held)
 

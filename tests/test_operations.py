@@ -490,8 +490,8 @@ def test_node_shared_parameters_larger_than_dev_shm_exit_2(tmp_path):
 
 
 def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
-    """In process: the weights' shares of the node's ranks against /dev/shm's free bytes, only
-    where ZeRO-3 keeps them in node shared memory (not gathering, not across declared nodes)."""
+    """In process: the node's ranks' parts of its copy of the weights against /dev/shm's free
+    bytes, only where ZeRO-3 keeps them in node shared memory (not when gathering)."""
     from mpipar import backend
     from mpipar.config import ConfigError
     from mpipar.planner import memory_lower_bound
@@ -503,9 +503,13 @@ def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
     check_shared_memory(cfg, 0, on_node=4)
     with pytest.raises(ConfigError, match=f"hold at least {5 * need:,} bytes"):
         check_shared_memory(cfg, 0, on_node=5)
-    for flags in (["--zero", "3"], ["--zero", "3", "--zero-shared", "node",
-                                    "--ranks-per-node", "2"]):
-        check_shared_memory(resolve_config([*TINY, *flags], 4), 0, on_node=5)
+    check_shared_memory(resolve_config([*TINY, "--zero", "3"], 4), 0, on_node=5)   # gathered
+    # declared nodes of 2 ranks: each node holds a copy, each rank half of it
+    two = resolve_config([*TINY, "--zero", "3", "--zero-shared", "node", "--ranks-per-node",
+                          "2"], 4)
+    check_shared_memory(two, 0, on_node=2)
+    with pytest.raises(ConfigError, match=f"hold at least {memory_lower_bound(two) // 4 * 3:,}"):
+        check_shared_memory(two, 0, on_node=3)
 
 
 NAN = """

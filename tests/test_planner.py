@@ -27,7 +27,8 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(model="tied", dp=4, tp=2, schedule="interleaved", virtual_stages=2),
          dict(dp=8, zero=3), dict(dp=2, tp=2, pp=2, zero=2, schedule="zb-h1"),
          dict(model="tied", dp=2, sp=2, pp=2, zero=3, zero_prefetch=2, recompute="full"),
-         dict(dp=2, tp=2, pp=2, zero=3, zero_shared="node", schedule="zb-h1")]
+         dict(dp=2, tp=2, pp=2, zero=3, zero_shared="node", schedule="zb-h1"),
+         dict(dp=4, pp=2, zero=3, zero_shared="node", ranks_per_node=2)]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -51,9 +52,11 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
         opt = eng.optimizer
         moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v) if cfg.parallel.zero
                    else sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
-        if cfg.parallel.zero >= 2:   # units: this rank's slices (ZeRO-2: the whole parameters)
-            got = (sum((b.owned if cfg.parallel.zero == 3 else b.full).nbytes for b in buckets),
-                   sum(b.owned_grad.nbytes for b in buckets), moments)
+        if cfg.parallel.zero >= 2:   # units: this rank's slices (ZeRO-2: the whole parameters;
+            # node shared: its part of the node's copy)
+            weights = (eng.sharded.shared_bytes if eng.sharded.shared else
+                       sum((b.owned if cfg.parallel.zero == 3 else b.full).nbytes for b in buckets))
+            got = (weights, sum(b.owned_grad.nbytes for b in buckets), moments)
         else:
             got = (sum(b.params.nbytes for b in buckets), sum(b.grads.nbytes for b in buckets),
                    moments)

@@ -20,12 +20,16 @@ padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns e
   default) moves a non-blocking collective only while some call is inside MPI, so without it
   the prefetched transfer would happen in the wait. The reduce-scatters in flight are tested
   too: with MPICH, testing the gathers alone left them unfinished behind them (measured).
-- **ZeRO-3 in node shared memory** (``shared=True``, :func:`node_shared`): when the group is
-  on one node, each unit is one MPI-3 shared-memory window (:meth:`mpipar.comm.Group.
-  shared_array`) in which this rank allocates its slice; every rank reads the whole unit in
-  place, so the storage runs as ZeRO-2's (``gather`` false, the units bound) with nothing
-  gathered, and the node holds one copy. A rank writes only its slices (the update, a load);
-  :meth:`gather_params` publishes them with one barrier (and the first ``enter`` after a load).
+- **ZeRO-3 in node shared memory** (``node_groups``, :func:`node_shared`): each unit is one
+  MPI-3 shared-memory window over the group's ranks on this node (``intra``;
+  :meth:`mpipar.comm.Group.shared_array`), in which each allocates an equal part; every rank
+  reads the whole unit in place, so the storage runs as ZeRO-2's (``gather`` false, the units
+  bound) with nothing gathered per layer. A rank writes only its own slice (the update, a
+  load); :meth:`gather_params` publishes the slices with one barrier over ``intra`` (and the
+  first ``enter`` after a load). When the group spans nodes, each node holds a copy: before
+  the barrier each rank all-gathers, over ``inter`` (the ranks in its place on every node),
+  their updated slices into its node's copy, once a step (HSDP's memory: 1/``intra.size`` of
+  the parameters a rank; its gradients and optimizer state stay 1/n).
 
 Gradients, both stages: a unit's full-size gradient buffer exists only while its backward is in
 flight. Once the unit's gradients of one microbatch are final (at :meth:`leave`, or for zb-h1's
@@ -68,13 +72,13 @@ def kept_after_forward(chunks: list[list[str]], prefetch: int) -> set[str]:
     return {unit for unit, names in order.items() if unit in names[-1 - prefetch:]}
 
 
-def node_shared(par: Any, crosses_nodes: bool, device_buffers: bool) -> bool:
-    """Whether ZeRO-3 holds the parameters in node shared memory instead of gathering them:
-    asked for (``zero_shared="node"``), a dp x sp group on one node (``crosses_nodes``: by the
-    node map, declared or detected; the engine also asks MPI), host buffers (CUDA memory is not
-    an MPI shared window)."""
-    return (par.zero == 3 and par.zero_shared == "node" and not crosses_nodes
-            and not device_buffers)
+def node_shared(par: Any, device_buffers: bool) -> bool:
+    """Whether ZeRO-3 may hold the parameters in node shared memory instead of gathering them:
+    asked for (``zero_shared="node"``) with host buffers (CUDA memory is not an MPI shared
+    window). It does where the dp x sp group is on one node, or spans nodes that each hold the
+    same number (> 1) of its ranks (then each node holds a copy); elsewhere the units are
+    gathered."""
+    return par.zero == 3 and par.zero_shared == "node" and not device_buffers
 
 
 @dataclass
@@ -127,12 +131,19 @@ class ShardedParams:
     def __init__(self, initial: Callable[[str], Any], chunks: list[list[tuple[str, list[str]]]],
                  group: Group, gather: bool, prefetch: int, xp: ModuleType,
                  before_reduce: Callable[[list[str]], None], tied: Collection[str] = (),
-                 tied_group: Group | None = None, shared: bool = False) -> None:
+                 tied_group: Group | None = None,
+                 node_groups: tuple[Group, Group | None] | None = None) -> None:
         # ZeRO-3 in node shared memory: the whole units stay bound, as at ZeRO-2, but each is
-        # one array the group's ranks map together, each rank allocating its own slice.
-        self.shared = shared and gather
-        self.group, self.gather, self.prefetch, self.xp = group, gather and not shared, prefetch, xp
+        # one array the node's ranks of the group map together, each allocating a part.
+        self.shared = node_groups is not None and gather
+        self.group, self.gather, self.prefetch, self.xp = group, gather and not self.shared, \
+            prefetch, xp
+        self.intra, self.inter = node_groups if self.shared else (None, None)
         self.windows: list[SharedArray] = []
+        # across nodes: the position (dp x sp rank) of each rank of ``inter``, whose slices this
+        # rank gathers into its node's copy
+        self._across = (self.inter.allgather_object(group.rank)
+                        if self.inter is not None and self.inter.size > 1 else None)
         self._stale = False        # a rank wrote its slices and has not published them yet
         self.before_reduce = before_reduce
         self.units: dict[str, Unit] = {}
@@ -173,8 +184,8 @@ class ShardedParams:
             s, e = offsets[n]
             full[s:e] = self.xp.asarray(values[n]).reshape(-1)
         lo, hi = self._range(size)
-        if self.shared:              # this rank writes its slice of the node's one copy
-            window = self.group.shared_array(hi - lo, full.dtype)
+        if self.shared:              # this rank writes its slice of the node's copy
+            window = self.intra.shared_array(size // self.intra.size, full.dtype)
             self.windows.append(window)
             window.array[lo:hi] = full[lo:hi]
             full = window.array
@@ -317,8 +328,14 @@ class ShardedParams:
                 u.full, u.gathering = None, None
 
     def _publish(self) -> None:
-        """Node shared memory: every rank's writes to its slices become visible to all."""
-        self.group.sync_shared(self.windows)
+        """Node shared memory: every rank's writes to its slices become visible to all (across
+        nodes, each rank first all-gathers the slices of the ranks in its place on the other
+        nodes into its node's copy)."""
+        if self._across is not None:
+            for u in self.units.values():
+                k = u.size // self.group.size
+                self.inter.allgather_in_place(u.full, k, [p * k for p in self._across])
+        self.intra.sync_shared(self.windows)
         self._stale = False
 
     def gather_params(self) -> None:
@@ -336,16 +353,22 @@ class ShardedParams:
         """The sharding in words, for the startup line."""
         stage = (f"ZeRO-3 (parameters gathered per unit, {self.prefetch} prefetched)"
                  if self.gather else
-                 "ZeRO-3 (parameters in node shared memory: each rank holds its slice and "
-                 "reads the others' in place)" if self.shared else "ZeRO-2")
+                 f"ZeRO-3 (parameters in node shared memory{self._copies()}: each rank "
+                 f"holds 1/{self.intra.size} of them and reads the rest in place)"
+                 if self.shared else "ZeRO-2")
         return (f"dp x sp {stage}: {len(self.units)} units sharded over {self.group.size} ranks, "
                 f"reduce-scattered per unit")
 
+    def _copies(self) -> str:
+        return ("" if self._across is None else
+                f", a copy on each of {len(self._across)} nodes, the updated slices all-gathered "
+                f"across them")
+
     @property
     def shared_bytes(self) -> int:
-        """Bytes of node shared memory this rank allocated (its slices; not numpy's, so
-        tracemalloc does not see them)."""
-        return sum(w.array.nbytes for w in self.windows) // self.group.size
+        """Bytes of node shared memory this rank allocated (its part of the node's copy; not
+        NumPy's, so tracemalloc does not see them)."""
+        return sum(w.array.nbytes for w in self.windows) // self.intra.size if self.shared else 0
 
     def close(self) -> None:
         """Free the node shared memory (a collective; no parameter view may be used after);

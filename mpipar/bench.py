@@ -573,7 +573,8 @@ def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_
         ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, ffn_hidden=args.ffn),
         ParallelConfig(dp=world, zero=stage, zero_prefetch=prefetch,
-                       zero_shared="node" if shared else "off"),
+                       zero_shared="node" if shared else "off",
+                       ranks_per_node=args.ranks_per_node),
         TrainConfig(steps=10, seq_len=args.seq, global_batch_size=args.batch,
                     micro_batch_size=args.micro_batch, dtype=args.dtype, backend="numpy",
                     run_dir=run_dir, recompute=args.modes.split(",")[0], warmup_steps=1,
@@ -679,7 +680,8 @@ def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say,
     runs += [("node shared", shared)] if shared is not None else []
     out = {}
     for name, eng in runs:
-        out[name] = {"waited_s": 0.0, "tested_s": 0.0, "gathers": 0, "step_s": []}
+        out[name] = {"waited_s": 0.0, "tested_s": 0.0, "gathers": 0, "step_s": [],
+                     "inter_bytes": 0}
     for k in range(2, 2 + args.zero_steps):
         for name, eng in runs:
             eng.ledger.reset()
@@ -688,25 +690,33 @@ def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say,
             eng.train_step(k)
             out[name]["step_s"].append(time.perf_counter() - t0)
             seconds, tested, count = _gather_seconds(eng)
-            if eng is shared:
-                seconds += eng.ledger.entries[("dp_sp", "barrier")].seconds
+            if eng is shared:         # the barrier publishing the update (and across nodes,
+                published = [e for (g, op), e in eng.ledger.entries.items()  # its all-gathers)
+                             if op == "barrier" or g == "dp_sp_inter"]
+                seconds += sum(e.seconds for e in published)
+                count += sum(e.messages for e in published if e.bytes)
             out[name]["waited_s"] += seconds / args.zero_steps
             out[name]["tested_s"] += tested / args.zero_steps
             out[name]["gathers"] = count
+            out[name]["inter_bytes"] = sum(links["inter"] for links
+                                           in eng.ledger.bytes_by_link().values())
     for row in out.values():       # the slowest rank's (its test share beside it)
         row["waited_s"], row["tested_s"] = max(comm.allgather((row["waited_s"],
                                                                row["tested_s"])))
+        row["inter_bytes"] = max(comm.allgather(row["inter_bytes"]))
         row["step_s"] = statistics.median(row["step_s"])
     base = out["prefetch0"]["waited_s"]
     for name, row in out.items():
         row["exposed_fraction"] = row["waited_s"] / base if base else float("nan")
         where = (f"{row['tested_s'] * 1e3:.1f} ms of it in test calls, the rank moving the "
-                 f"data" if name != "node shared" else "all of it in the barrier publishing the "
-                 "update")
+                 f"data" if name != "node shared" else "all of it publishing the update: its "
+                 "barrier, and across nodes the all-gathers into each node's copy")
+        across = (f"; {row['inter_bytes'] / 1e6:.2f} MB a step across nodes (the rank that "
+                  f"sends most)" if args.ranks_per_node else "")
         say(f"ZeRO-3 {name}: {row['gathers']} all-gathers a step, blocked "
             f"{row['waited_s'] * 1e3:.1f} ms a step ({100 * row['exposed_fraction']:.0f}% of "
             f"prefetch 0's, whose wait is the whole transfer; {where}); step "
-            f"{row['step_s']:.3f} s")
+            f"{row['step_s']:.3f} s{across}")
     blocking.close()
     return out
 
@@ -804,6 +814,9 @@ def _configure_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-mb", type=float, default=256.0,
                         help="--zero: memory per rank a stage's traced peak must fit")
     parser.add_argument("--prefetch", type=int, default=1, help="--zero: ZeRO-3 prefetch depth")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="--zero: treat each K consecutive ranks as a node (node shared "
+                             "memory then keeps a copy on each; bytes across nodes printed)")
     parser.add_argument("--zero-shared", action="store_true",
                         help="--zero with 3: also ZeRO-3 with the parameters in node shared "
                              "memory (row 3n; its blocked time is the barrier publishing the "

@@ -144,17 +144,23 @@ def test_zero3_state_is_one_over_dp_sp():
 
 def test_memory_budget_picks_the_zero_stage():
     """With dp = 8 fixed and a budget between the ZeRO-3 and the ZeRO-2 state, the planner ranks
-    only ZeRO-3; with no budget every stage is ranked, ZeRO-3 (two all-gathers more) last."""
+    only ZeRO-3; with no budget every stage is ranked, ZeRO-3 gathering (two all-gathers more)
+    last, ZeRO-3 in node shared memory (one node: a reduce-scatter, no all-gather) first and
+    smallest (no gathered units)."""
     base = Config(ModelConfig(vocab_size=256, hidden=256, layers=4, heads=4, kv_heads=4),
                   ParallelConfig(dp=8), TrainConfig(seq_len=16, global_batch_size=8,
                                                     micro_batch_size=1, recompute="full"))
     fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "recompute"}
     free = plan_layouts(base, 8, fixed, hw=Hardware(1e11, 1e9, 1e-5)).ranked
-    assert [c.cfg.parallel.zero for c in free][-1] == 3 and len(free) == 4
-    mem = {c.cfg.parallel.zero: c.memory.total for c in free}
-    assert mem[3] < mem[2] < mem[1] < mem[0]
-    tight = plan_layouts(base, 8, fixed, memory_bytes=(mem[3] + mem[2]) / 2).ranked
-    assert [c.cfg.parallel.zero for c in tight] == [3]
+    stages = [(c.cfg.parallel.zero, c.cfg.parallel.zero_shared) for c in free]
+    assert stages[0] == (3, "node") and stages[-1] == (3, "off") and len(free) == 5
+    mem = {s: c.memory.total for s, c in zip(stages, free)}
+    assert mem[(3, "node")] < mem[(3, "off")] < mem[(2, "off")] < mem[(1, "off")] < mem[(0, "off")]
+    tight = plan_layouts(base, 8, fixed, memory_bytes=(mem[(3, "off")] + mem[(2, "off")]) / 2)
+    assert sorted(c.cfg.parallel.zero_shared for c in tight.ranked) == ["node", "off"]
+    assert {c.cfg.parallel.zero for c in tight.ranked} == {3}
+    cpu_fixed = plan_layouts(base, 8, fixed | {"zero_shared"}, hw=Hardware(1e11, 1e9, 1e-5))
+    assert [c.cfg.parallel.zero for c in cpu_fixed.ranked][-1] == 3 and len(cpu_fixed.ranked) == 4
 
 
 def test_tensor_parallel_shards_all_but_the_norms():
@@ -319,13 +325,17 @@ def test_given_batch_is_kept_and_the_planner_picks_the_layout():
 
 # ------------------------------------------------------------------------------------- CLI
 def test_plan_cli(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "3",
+    proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "0",
                            "--peak-gflops", "100", "--intra-gbps", "10"], capture_output=True,
                           text=True, timeout=120, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     first = next(line for line in lines if line.lstrip().startswith("1  "))
-    assert "dp=8 tp=1 pp=1 sp=1" in first and "dp_sp 3,215,880" in first
+    # on one CPU node: ZeRO-3 in node shared memory (a reduce-scatter, no all-gather) first
+    assert "dp=8 tp=1 pp=1 sp=1" in first and "zero=3(node shared)" in first, first
+    assert "dp_sp 3,215,888" in first, first
+    zero0 = next(line for line in lines if "dp=8 tp=1 pp=1 sp=1 mbs=2 zero=0 " in line)
+    assert "dp_sp 3,215,880" in zero0
     assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
     none = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "2", "--memory-gb",
                            "0.001", "--peak-gflops", "100", "--tp", "2"],

@@ -109,6 +109,8 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
                                        "zero", "sp_mode", "sp_split", "ranks_per_node",
                                        "dp_reduce", "grad_compression") if k in par},
     }
+    if par.get("zero") == 3 and par.get("zero_shared", "off") != "off":
+        out["layout"]["zero_shared"] = par["zero_shared"]
     if tr.get("global_batch_size") and tr.get("micro_batch_size") and par.get("dp"):
         out["layout"]["micro_batch_size"] = tr["micro_batch_size"]
         out["layout"]["microbatches"] = tr["global_batch_size"] // (par["dp"]

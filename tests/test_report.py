@@ -142,6 +142,16 @@ def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
     assert line == f"pipeline bubble 50% > 30%: {advice}"
 
 
+def test_summary_layout_names_zero3_in_node_shared_memory():
+    """The summary's layout says where ZeRO-3's parameters live when not gathered (and only
+    then: the default adds nothing)."""
+    records = [_record(k, 1.0, compute=1.0) for k in (1, 2)]
+    for shared, want in (("node", {"zero": 3, "zero_shared": "node"}), ("off", {"zero": 3})):
+        config = {"parallel": {"dp": 2, "zero": 3, "zero_shared": shared}, "train": {}}
+        layout = report.summarize(records, None, config)["layout"]
+        assert {k: layout[k] for k in layout if k.startswith("zero")} == want
+
+
 def test_diagnosis_small_bubble_is_not_flagged():
     s = _summary({"pp": 4}, compute=1.0, pipeline_wait=0.2)
     s["bubble"] = 0.2

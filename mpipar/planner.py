@@ -157,10 +157,6 @@ def node_copy(cfg: Config, coord: Coord) -> tuple[int, int] | None:
     return len(group) // spans, spans
 
 
-def uses_node_shared(cfg: Config, coord: Coord) -> bool:
-    """Whether ZeRO-3 keeps this rank's parameters in node shared memory (:func:`node_copy`)."""
-    return node_copy(cfg, coord) is not None
-
 
 def _kept_units(cfg: Config, coord: Coord) -> set[str]:
     """ZeRO-3: the units of this rank gathered from their forward to their backward
@@ -295,20 +291,21 @@ def _sharded_calls(cfg: Config, coord: Coord, train: bool, passes: int) -> list[
     """ZeRO-2/3 over dp x sp (:mod:`mpipar.parallel.fsdp`). A training step: a reduce-scatter
     of a unit's gradients each time they leave (:func:`_unit_passes`); at ZeRO-3 an all-gather
     of its slice per forward and per backward pass of each microbatch, at ZeRO-2 one of every
-    unit after the update. A validation pass of ``passes`` forwards per chunk: at ZeRO-3 an
-    all-gather of each unit a forward enters."""
+    unit after the update; at ZeRO-3 in node shared memory (:func:`node_copy`) the barrier
+    that publishes the update, and across nodes before it an all-gather of each unit's slice
+    over dp_sp_inter. A validation pass of ``passes`` forwards per chunk: at ZeRO-3 gathering,
+    an all-gather of each unit a forward enters."""
     par, tr = cfg.parallel, cfg.train
     e, n = np.dtype(tr.dtype).itemsize, par.dp * par.sp
     lengths, entered = unit_lengths(cfg, coord), _unit_passes(cfg, coord)
-    shared = uses_node_shared(cfg, coord)
+    copy = node_copy(cfg, coord)
     if not train:
         return [Call("dp_sp", "iallgather", lengths[u] // n * e, passes)
-                for u, _ in entered] if par.zero == 3 and not shared else []
+                for u, _ in entered] if par.zero == 3 and copy is None else []
     micro = _microbatches(cfg)
     calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * e, k) for u, k in entered]
-    if shared:            # no gathers: the update's slices published with one barrier
-        per_node, spans = node_copy(cfg, coord)
-        if spans == 1:
+    if copy is not None:  # no gathers: the update's slices published with one barrier
+        if copy[1] == 1:
             return calls + [Call("dp_sp", "barrier", 0)]
         return calls + [Call("dp_sp_inter", "allgather", L // n * e)       # into each copy
                         for L in lengths.values()] + [Call("dp_sp_intra", "barrier", 0)]
@@ -658,7 +655,7 @@ def _unit_buffers(cfg: Config, coord: Coord) -> int:
     par, e = cfg.parallel, np.dtype(cfg.train.dtype).itemsize
     by_length: dict[int, int] = defaultdict(int)
     kept: dict[int, int] = defaultdict(int)
-    lengths, shared = unit_lengths(cfg, coord), uses_node_shared(cfg, coord)
+    lengths, shared = unit_lengths(cfg, coord), node_copy(cfg, coord) is not None
     for L in lengths.values():
         by_length[L] += 1
     for u in _kept_units(cfg, coord) if par.zero == 3 and _kept_meets_forward(cfg, coord) else ():

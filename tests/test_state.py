@@ -38,7 +38,9 @@ CASES = [(dict(dp=2, tp=2, pp=2), dict(tp=2, pp=4)),
          (dict(dp=2, tp=2, pp=2), dict(dp=4, sp=2, zero=3, zero_prefetch=2)),
          (dict(dp=2, sp=2, pp=2, zero=2), dict(dp=2, tp=2, sp=2, zero=3)),
          (dict(dp=4, tp=2, zero=3, zero_shared="node"), dict(dp=2, tp=2, pp=2)),
-         (dict(dp=2, tp=2, pp=2), dict(dp=8, zero=3, zero_shared="node"))]
+         (dict(dp=2, tp=2, pp=2), dict(dp=8, zero=3, zero_shared="node")),
+         (dict(dp=4, sp=2, zero=1), dict(dp=4, tp=2, zero=3, zero_shared="node",
+                                         ranks_per_node=4))]
 
 
 @pytest.mark.mpi(min_size=8)

@@ -49,7 +49,7 @@ from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
 from mpipar.parallel.data import GradReducer, ReduceGroups
-from mpipar.parallel.fsdp import ShardedParams, node_shared
+from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
@@ -104,12 +104,9 @@ class Engine:
         self.xp = self.kernels.xp
         self.mpi_path = choose_path(tr.cuda_aware_mpi, self.device.kind == "cuda")
         # dp x sp split by node: the hierarchical reduction, and ZeRO-3's copies on each node
-        shape, nodes = self.grid.shape, self.grid.nodes
-        self.node_copies = (node_shared(par, self.device.kind == "cuda")
-                            and shape.crosses("dp_sp", nodes)
-                            and shape.node_split_problem(nodes) is None
-                            and len(shape.node_split(self.grid.rank, nodes)[0]) > 1)
-        if par.dp_reduce == "hierarchical" or self.node_copies:
+        self.node_copy = node_copy_layout(par, self.device.kind == "cuda", self.grid.shape,
+                                          self.grid.nodes, self.grid.rank)
+        if par.dp_reduce == "hierarchical" or (self.node_copy and self.node_copy[1] > 1):
             self.grid.split_dp_sp_by_node()
         self.ledger = Ledger()
         self.eval_ledger = Ledger()
@@ -190,12 +187,10 @@ class Engine:
                                               if self.table[n].grad_partial_over_tp])
 
         group, node_groups = self.groups["dp_sp"], None
-        if node_shared(par, self.device.kind == "cuda"):
-            if not group.crosses_nodes:
-                node_groups = (group, None)
-            elif self.node_copies:
-                node_groups = (self.groups["dp_sp_intra"], self.groups["dp_sp_inter"])
-            if node_groups and not node_groups[0].on_one_node():   # as MPI sees them
+        if self.node_copy is not None:
+            node_groups = ((group, None) if self.node_copy[1] == 1 else
+                           (self.groups["dp_sp_intra"], self.groups["dp_sp_inter"]))
+            if not node_groups[0].on_one_node():   # as MPI sees them
                 node_groups = None
         return ShardedParams(lambda n: self._initial_shards([n])[n],
                              self.table.units(self.grid.coord.pp),

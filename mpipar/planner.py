@@ -57,7 +57,7 @@ from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
 from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_hops,
                                      ring_messages)
 from mpipar.parallel.data import padded_size, plan_buckets
-from mpipar.parallel.fsdp import MAX_IN_FLIGHT, kept_after_forward, node_shared
+from mpipar.parallel.fsdp import MAX_IN_FLIGHT, kept_after_forward, node_copy_layout
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.placement import PlacementTable, padded_vocab
 from mpipar.topology import GROUP_AXES, Coord, GridShape, NodeMap
@@ -147,14 +147,9 @@ def node_copy(cfg: Config, coord: Coord) -> tuple[int, int] | None:
     node, nodes the group spans), or None where the units are gathered (not asked for, CUDA,
     or a group across nodes that hold unequal numbers of its ranks, or one rank each)."""
     par = cfg.parallel
-    if not node_shared(par, cfg.train.device == "cuda"):
-        return None
-    shape, nodes = GridShape(par.dp, par.tp, par.pp, par.sp), nodes_of(cfg)
-    group = shape.members("dp_sp", shape.rank_of(coord), nodes)
-    spans = len({nodes.nodes[r] for r in group})
-    if spans > 1 and (shape.node_split_problem(nodes) is not None or len(group) == spans):
-        return None
-    return len(group) // spans, spans
+    shape = GridShape(par.dp, par.tp, par.pp, par.sp)
+    return node_copy_layout(par, cfg.train.device == "cuda", shape, nodes_of(cfg),
+                            shape.rank_of(coord))
 
 
 

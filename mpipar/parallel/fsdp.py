@@ -81,6 +81,22 @@ def node_shared(par: Any, device_buffers: bool) -> bool:
     return par.zero == 3 and par.zero_shared == "node" and not device_buffers
 
 
+def node_copy_layout(par: Any, device_buffers: bool, shape: Any, nodes: Any,
+                     rank: int) -> tuple[int, int] | None:
+    """Where :func:`node_shared` applies to grid rank ``rank`` (``shape``: the grid's
+    :class:`mpipar.topology.GridShape`, ``nodes`` its node map): (ranks of its dp x sp group on
+    its node, nodes the group spans), or None where the units are gathered (not asked for,
+    CUDA, or a group across nodes that hold unequal numbers of its ranks, or one rank each).
+    The engine and the planner both ask this."""
+    if not node_shared(par, device_buffers):
+        return None
+    group = shape.members("dp_sp", rank, nodes)
+    spans = len({nodes.nodes[r] for r in group})
+    if spans > 1 and (shape.node_split_problem(nodes) is not None or len(group) == spans):
+        return None
+    return len(group) // spans, spans
+
+
 @dataclass
 class Unit:
     """One unit's flat storage on this rank. ``offsets``: name -> (start, stop) in the flat

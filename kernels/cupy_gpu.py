@@ -147,6 +147,9 @@ def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
 
 # ---------------------------------------------------------------------------------- RMSNorm
 _ROWS = r"""
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 template<typename T> __device__ T block_sum(T v, T* scratch) {
     // Sum over the block (blockDim.x a power of two <= 1024), returned to every thread.
     scratch[threadIdx.x] = v;
@@ -297,6 +300,9 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
 
 # --------------------------------------------------------------------------- flash attention
 _FLASH = r"""
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 // q [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (contiguous), lse [B, Hq, Sq]. Query head h reads kv
 // head h / G. Query i sits at q_off + i, key j at k_off + j; causal: visible iff kpos <= qpos,
 // and with a sliding window W > 0 (causal only) also qpos - kpos < W.

@@ -367,17 +367,23 @@ _SM_LANES = {(6, 0): (64, 32), (6, 1): (128, 4), (7, 0): (64, 32), (7, 5): (64, 
              (9, 0): (128, 64), (10, 0): (128, 64), (12, 0): (128, 2)}
 
 
+# cudaDeviceAttr values (CUDA's driver_types.h): multiprocessors and the peak SM clock in kHz.
+_ATTR_SM_COUNT, _ATTR_CLOCK_KHZ = 16, 13
+
+
 def gpu_peak_flops(dtype: str = "float32", device: int | None = None) -> float:
     """Peak FMA FLOP/s of a CUDA device (without tensor cores) from its attributes:
     ``2 * SMs * lanes per SM * clock``, lanes by compute capability (:data:`_SM_LANES`)."""
     import cupy
 
     dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
-    attrs = dev.attributes
-    cc = (attrs["ComputeCapabilityMajor"], attrs["ComputeCapabilityMinor"])
+    cc_text = dev.compute_capability  # e.g. "90"
+    cc = (int(cc_text[:-1]), int(cc_text[-1]))
+    get = cupy.cuda.runtime.deviceGetAttribute
+    sms, clock_khz = get(_ATTR_SM_COUNT, dev.id), get(_ATTR_CLOCK_KHZ, dev.id)
     lanes = _SM_LANES.get(cc) or _SM_LANES.get((cc[0], 0)) or (64, 2)
     per_sm = lanes[1] if dtype == "float64" else lanes[0]
-    return 2.0 * attrs["MultiProcessorCount"] * per_sm * attrs["ClockRate"] * 1e3
+    return 2.0 * sms * per_sm * clock_khz * 1e3
 
 
 def main() -> int:

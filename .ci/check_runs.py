@@ -6,7 +6,7 @@
 
 JOBS holds one directory per job (``job.out``, ``run/metrics.jsonl``). ``run`` checks that the job
 printed its layout, its node shape (``mpipar: K node(s) x R rank(s) per node``, from ``python -m
-mpipar.backend`` inside the job) and its final step, that metrics.jsonl holds steps S..N once
+mpipar.runtime.nodes`` inside the job) and its final step, that metrics.jsonl holds steps S..N once
 each, that the loss falls (a run from step 1), and that every loss equals job REF's at the same
 step to <= 1e-10 relative (float64: every layout computes the same numbers). ``preempted`` checks
 the round trip of a preempted job: SIGUSR1, a checkpoint, exit 0, a requeue, ``--resume auto`` at

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from mpipar import checkpoint
+from mpipar.checkpoint import store as checkpoint
 from mpipar.config import ConfigError
 
 

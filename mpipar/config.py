@@ -324,11 +324,11 @@ class Config:
         component does with the values (the grid, tensor, context and pipeline parallelism, the
         data-parallel batch, the optimizer, the kernel backend) lives with that component, which
         registers it with :func:`rules` when imported, and is asked here in :data:`COMPONENTS`
-        order. Importing :mod:`mpipar.engine` imports every component."""
+        order. Importing :mod:`mpipar.training.engine` imports every component."""
         missing = [c for c in COMPONENTS if c not in _RULES]
         if missing:
             raise RuntimeError(f"the configuration rules of {', '.join(missing)} are not "
-                               f"registered: import mpipar.engine before validating a Config")
+                               f"registered: import mpipar.training.engine before validating a Config")
         m, p, t = self.model.resolved(), self.parallel, self.train
         for obj, section in ((self.model, "model"), (p, "parallel"), (t, "train")):
             _representable(obj, section)

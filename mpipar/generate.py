@@ -8,7 +8,7 @@
 The model is an mpipar checkpoint (a ``step_N`` directory, or a save directory whose ``latest``
 names one), read directly under this run's layout whatever layout saved it; or a Hugging Face
 Llama directory (``config.json`` + safetensors). The layout is ``world = tp x pp`` (``--tp``
-defaults to the world / ``--pp``). Decoding keeps a KV cache (:mod:`mpipar.inference`).
+defaults to the world / ``--pp``). Decoding keeps a KV cache (:mod:`mpipar.inference.generator`).
 
 Tokens: ``--tokenizer`` (a Hugging Face directory holding ``tokenizer.json``, or the file; the
 ``tokenizers`` library) encodes the prompt and decodes the output, and generation stops at its
@@ -19,7 +19,7 @@ end-of-document token. The prompt is encoded without the tokenizer's special-tok
 it (what a pretrained Hugging Face model expects).
 
 ``--temperature 0`` is greedy; otherwise the next token is sampled (``--top-k``, ``--top-p``)
-from a generator seeded by ``--seed``: the same output on every layout (:mod:`mpipar.sampling`).
+from a generator seeded by ``--seed``: the same output on every layout (:mod:`mpipar.inference.sampling`).
 Rank 0 prints the prompt followed by the generated text, or with ``--json`` one JSON object
 (``prompt_ids``, ``ids``, ``text``, ``stopped``). Bad arguments or an unusable model: exit
 status 2 on every rank, before any collective.
@@ -63,8 +63,8 @@ def byte_codec() -> Codec:
 
 
 def tokenizer_codec(path: str, add_special_tokens: bool) -> Codec:
-    """The Hugging Face tokenizer at ``path`` (:func:`mpipar.tokenizer.load_tokenizer`)."""
-    from mpipar.tokenizer import load_tokenizer
+    """The Hugging Face tokenizer at ``path`` (:func:`mpipar.data.tokenizer.load_tokenizer`)."""
+    from mpipar.data.tokenizer import load_tokenizer
     tokenizer, spec = load_tokenizer(path)
     return Codec(spec.name, spec.vocab_size, spec.eos_id,
                  lambda text: tokenizer.encode(text, add_special_tokens=add_special_tokens).ids,
@@ -108,12 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 def read_model(path: str) -> tuple[ModelConfig, str, str]:
     """(model config, its dtype, kind "hf" or "checkpoint") of ``path``. Reads metadata only."""
     if (Path(path) / HF_CONFIG).is_file():
-        from mpipar import hf
+        from mpipar.checkpoint import huggingface as hf
         raw = hf.read_config_json(path)
         dtype = raw.get("dtype") or raw.get("torch_dtype")
         return (hf.read_model_config(path, untie_embeddings=True),
                 dtype if dtype in _HF_DTYPES else "float32", "hf")
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
     if not (checkpoint.resolve_path(path) / checkpoint.INDEX).is_file():
         raise ConfigError(f"{path}: neither a Hugging Face directory ({HF_CONFIG}) nor an "
                           f"mpipar checkpoint ({checkpoint.INDEX}, or a save directory's "
@@ -125,8 +125,8 @@ def read_model(path: str) -> tuple[ModelConfig, str, str]:
 def resolve(args: argparse.Namespace, world: int) -> tuple[Config, str, Codec]:
     """The generation config (validated by every component's rules for world = tp x pp), the
     model's kind and the codec; ConfigError, DataError or CheckpointError on bad input."""
-    import mpipar.engine  # noqa: F401  (every component's configuration rules)
-    from mpipar.sampling import Sampling
+    import mpipar.training.engine  # noqa: F401  (every component's configuration rules)
+    from mpipar.inference.sampling import Sampling
     Sampling(args.temperature, args.top_k, args.top_p)  # ValueError names the flag's value
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1),
                                ("--seed", args.seed, 0), ("--tp", args.tp, 0),
@@ -151,20 +151,20 @@ def resolve(args: argparse.Namespace, world: int) -> tuple[Config, str, Codec]:
 def _load(generator, path: str, kind: str) -> None:
     """The parameters of ``generator``'s shards from the model at ``path``."""
     if kind == "hf":
-        from mpipar.hf import load_hf
+        from mpipar.checkpoint.huggingface import load_hf
         generator.load_params(load_hf(path, untie_embeddings=True)[1])
         return
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
     with checkpoint.open_reader(path) as read:
         generator.load_checkpoint(read)
 
 
 def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
-    from mpipar.failure import FailureReport
+    from mpipar.training.failure import FailureReport
     from mpipar.train import fail_usage, install_abort_hook
     install_abort_hook(FailureReport(comm))
     args = build_parser().parse_args(argv)
-    from mpipar.backend import configure_threads, local_size_from_env
+    from mpipar.runtime.nodes import configure_threads, local_size_from_env
     threads = configure_threads(None) if local_size_from_env() or comm.Get_size() == 1 else 0
     try:  # ConfigError, DataError, CheckpointError and the sampling settings' are ValueErrors
         cfg, kind, codec = resolve(args, comm.Get_size())
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
         fail_usage(str(exc), comm)
     if not threads:
         configure_threads(comm)
-    from mpipar.inference import Generator
-    from mpipar.sampling import Sampling
+    from mpipar.inference.generator import Generator
+    from mpipar.inference.sampling import Sampling
     generator = Generator(cfg, comm)
     error = None
     try:

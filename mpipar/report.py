@@ -28,7 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpipar.metrics import COMPUTE_OPS, TIME_KEYS, read_records
+from mpipar.observe.metrics import COMPUTE_OPS, TIME_KEYS, read_records
 
 LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
           "pipeline_wait": "pipeline wait (bubble and transfers)",

@@ -6,20 +6,20 @@ With no flag at all it trains the embedded default (a 4-layer byte-level Llama o
 standard library's source) on any number of ranks: without --dp/--tp/--pp/--sp the layout is
 pure data parallelism when the world divides the global batch, else the planner's fastest
 layout, else (no --global-batch-size given) the batch is rounded up to a multiple of the world
-(:func:`mpipar.planner.auto_layout`); the choice is printed.
+(:func:`mpipar.plan.cost.auto_layout`); the choice is printed.
 
 Writes into ``RUN_DIR``: ``config.toml`` (the full resolved configuration), ``metrics.jsonl`` (one
 JSON object per optimizer step: loss, grad norm, LR, tokens/s, MFU, time breakdown, bytes per
 group, peak memory per rank, skipped steps, and on validation steps (``--eval-every``, the last
 step; with ``--eval-data`` or ``--eval-fraction``) the validation loss and perplexity under
-``eval``; :mod:`mpipar.metrics`; with ``--tensorboard``, or by
+``eval``; :mod:`mpipar.observe.metrics`; with ``--tensorboard``, or by
 default when the ``[tensorboard]`` extra is installed, the same numbers as TensorBoard events in
-``RUN_DIR/tensorboard``: :mod:`mpipar.tensorboard`), ``timeline.json`` (every
+``RUN_DIR/tensorboard``: :mod:`mpipar.observe.tensorboard`), ``timeline.json`` (every
 rank's pipeline ops of the last step), ``summary.json`` and ``summary.txt`` (the run's numbers and
 its bottleneck; :mod:`mpipar.report`), and checkpoints in ``--save-dir`` (default
 ``RUN_DIR/checkpoints``) every ``--save-every`` steps and at the end.
 
-Before anything is allocated the run claims its directories (:mod:`mpipar.rundir`): the planner's
+Before anything is allocated the run claims its directories (:mod:`mpipar.training.rundir`): the planner's
 memory of each rank against its share of the node's available memory, every output directory
 created and proved writable, and a lock on the run and save directories (a second run there, or
 a fresh run beside an earlier run's checkpoints, exits 2).
@@ -47,7 +47,7 @@ Exit status and failures:
 
 Every abort (and ``--on-nan stop``) is reported durably before the job ends: one JSON line per
 failing rank in ``RUN_DIR/failure.txt`` (fsynced) and ``status: "failed"`` in ``summary.json``
-(:mod:`mpipar.failure`); a launcher may drop the aborting rank's stderr.
+(:mod:`mpipar.training.failure`); a launcher may drop the aborting rank's stderr.
 """
 from __future__ import annotations
 
@@ -61,14 +61,14 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mpipar.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_INIT_TIMEOUT
+from mpipar.runtime.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
-from mpipar.failure import FailureReport
+from mpipar.training.failure import FailureReport
 
-if TYPE_CHECKING:  # mpipar.comm loads NumPy, which must wait for the thread settings
-    from mpipar.comm import Group, Watchdog
+if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
+    from mpipar.runtime.comm import Group, Watchdog
 
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3
@@ -80,7 +80,7 @@ STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)    # SIGINT (Ctrl-C): checkp
 
 def install_abort_hook(report: FailureReport) -> None:
     """Make an uncaught exception on any rank abort the whole job (never a hang), reported
-    durably first (:mod:`mpipar.failure`)."""
+    durably first (:mod:`mpipar.training.failure`)."""
 
     def hook(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
@@ -158,15 +158,15 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
     """Parse, default the save directory to ``RUN_DIR/checkpoints``, apply a checkpoint's model
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
     exit 2 on error."""
-    from mpipar.checkpoint import CheckpointError
+    from mpipar.checkpoint.store import CheckpointError
     args = build_parser().parse_args(argv)
-    import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
+    import mpipar.training.engine  # noqa: F401  (imports every component: their configuration rules)
     try:
         cfg = config_mod.from_args(args)
         tr = cfg.train
         tr.save_dir = tr.save_dir or os.path.join(tr.run_dir, "checkpoints")
         if tr.resume:
-            from mpipar import checkpoint
+            from mpipar.checkpoint import store as checkpoint
             path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
             if path is not None:
                 saved = checkpoint.read_config(path)
@@ -175,11 +175,11 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
                 tr.eval_fraction = config_mod.held_out_from_checkpoint(
                     saved.train, config_mod.given_fields(args, "train"), source=str(path))
         if tr.init_from_hf:
-            from mpipar import hf
+            from mpipar.checkpoint import huggingface as hf
             hf_model = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
             cfg.model = hf.model_config_with_overrides(
                 hf_model, config_mod.given_fields(args, "model"), source=tr.init_from_hf)
-        from mpipar.planner import auto_layout
+        from mpipar.plan.cost import auto_layout
         cfg, note = auto_layout(cfg, world, config_mod.given_names(args, "parallel", "train"))
         if note is not None and notes is not None:
             notes.append(note)
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
     report = FailureReport(comm)
     install_abort_hook(report)
     stop = StopRequest(report).install()
-    from mpipar.backend import configure_threads, local_size_from_env, ranks_on_node
+    from mpipar.runtime.nodes import configure_threads, local_size_from_env, ranks_on_node
     # Thread pools are sized before NumPy/Numba load when the launcher says how many ranks
     # share the node; else after validation, from every rank's processor name.
     known = local_size_from_env() or (1 if comm.Get_size() == 1 else None)
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
         configure_threads(known)
     notes: list[str] = []
     cfg = resolve_config(argv, comm.Get_size(), notes)
-    from mpipar.comm import Group, Ledger
+    from mpipar.runtime.comm import Group, Ledger
     ctx = RunContext(cfg, Group(comm, "world", Ledger()), stop, report, notes)
     ctx.watchdog = _start_watchdog(ctx)
     ctx.on_node = known or ranks_on_node(ctx.control.allgather_object(MPI.Get_processor_name()),
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
 
 def _start_watchdog(ctx: RunContext) -> Watchdog | None:
     """With --collective-timeout: watch the control group now, the engine once it exists."""
-    from mpipar.comm import Watchdog
+    from mpipar.runtime.comm import Watchdog
     tr = ctx.cfg.train
     if not tr.collective_timeout:
         return None
@@ -262,8 +262,8 @@ def _agree(control: Group, error: str | None) -> None:
 def _claim(ctx: RunContext):
     """Before anything is allocated: the memory check, every output directory created and
     proved writable, and (rank 0) the lock on the run and save directories, refusing a fresh
-    run beside earlier checkpoints (:mod:`mpipar.rundir`). Returns the lock (rank 0)."""
-    from mpipar import rundir
+    run beside earlier checkpoints (:mod:`mpipar.training.rundir`). Returns the lock (rank 0)."""
+    from mpipar.training import rundir
     cfg, lock, error = ctx.cfg, None, None
     try:
         check_memory(cfg, ctx.control.rank, ctx.on_node)
@@ -287,11 +287,11 @@ def check_memory(cfg: Config, rank: int, on_node: int) -> None:
     """Refuse (ConfigError) a run whose rank ``rank`` is predicted to need more than its share
     of the node's available memory (``on_node`` ranks share it), before anything is allocated:
     the planner's peak (parameters, gradients, AdamW moments, activations, the token batch and
-    the global tensors of initialisation; :func:`mpipar.planner.predict_peak_memory`), or for
+    the global tensors of initialisation; :func:`mpipar.plan.cost.predict_peak_memory`), or for
     sizes too large to list, its lower bound. ``--allow-oversubscribed-memory`` skips it."""
-    from mpipar.backend import available_memory_bytes
-    from mpipar.planner import memory_lower_bound, predict_peak_memory
-    from mpipar.topology import rank_coord
+    from mpipar.runtime.memory import available_memory_bytes
+    from mpipar.plan.cost import memory_lower_bound, predict_peak_memory
+    from mpipar.runtime.topology import rank_coord
     available = available_memory_bytes()
     if cfg.train.allow_oversubscribed_memory or available is None:
         return
@@ -315,9 +315,9 @@ def check_shared_memory(cfg: Config, rank: int, on_node: int) -> None:
     """Refuse (ConfigError) ZeRO-3 in node shared memory whose parameters (this rank's part of
     its node's copy, ``on_node`` ranks alike) would not fit the free space of the shared-memory
     directory: a window larger than it fails only when touched, with SIGBUS."""
-    from mpipar.backend import SHARED_MEMORY_DIR, shared_memory_bytes
-    from mpipar.planner import memory_lower_bound, node_copy
-    from mpipar.topology import rank_coord
+    from mpipar.runtime.memory import SHARED_MEMORY_DIR, shared_memory_bytes
+    from mpipar.plan.cost import memory_lower_bound, node_copy
+    from mpipar.runtime.topology import rank_coord
     par = cfg.parallel
     copy = node_copy(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp))
     if copy is None:
@@ -338,9 +338,9 @@ def _build(ctx: RunContext):
     """The engine, with its state from ``--resume`` or ``--init-from-hf``; a data, checkpoint or
     configuration error on any rank stops every rank with status 2. Returns (engine, the step it
     starts after)."""
-    from mpipar.checkpoint import CheckpointError
-    from mpipar.data import DataError
-    from mpipar.engine import Engine
+    from mpipar.checkpoint.store import CheckpointError
+    from mpipar.data.sources import DataError
+    from mpipar.training.engine import Engine
     engine, start, error = None, 0, None
     try:
         engine = Engine(ctx.cfg, ctx.control.comm)
@@ -359,7 +359,7 @@ def _load_state(engine, ctx: RunContext) -> int:
     ``--init-from-hf`` into ``engine``; returns the step the checkpoint holds (0: fresh)."""
     tr = ctx.cfg.train
     if tr.resume:
-        from mpipar import checkpoint
+        from mpipar.checkpoint import store as checkpoint
         path, notes = checkpoint.resolve_resume(tr.resume, tr.save_dir)
         if path is not None:
             start = checkpoint.load(engine, path)
@@ -370,15 +370,15 @@ def _load_state(engine, ctx: RunContext) -> int:
         if path is not None:
             return start
     if tr.init_from_hf:
-        from mpipar.hf import load_hf
+        from mpipar.checkpoint.huggingface import load_hf
         engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1])
     return 0
 
 
 def _run(engine, start: int, ctx: RunContext) -> int:
     """The training loop and everything written around it (see the module docstring)."""
-    from mpipar import metrics
-    from mpipar.planner import model_flops_per_step
+    from mpipar.observe import metrics
+    from mpipar.plan.cost import model_flops_per_step
 
     tr, rank0 = ctx.cfg.train, ctx.rank0
     t_run = time.perf_counter()
@@ -386,7 +386,7 @@ def _run(engine, start: int, ctx: RunContext) -> int:
     peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype,
                                                         ctx.threads, ctx.on_node))
     flops = model_flops_per_step(ctx.cfg)
-    from mpipar.tensorboard import log_dir
+    from mpipar.observe.tensorboard import log_dir
     writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
                                    tensorboard=log_dir(tr.tensorboard, tr.run_dir))
     skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
@@ -449,7 +449,7 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
           totals: tuple[list[float], float, int]) -> LoopOutcome:
     """Steps start+1 .. steps. Each step's record is written (rank 0) before its checkpoint
     commits, fsynced with it; a save's I/O time goes into the next record."""
-    from mpipar import metrics
+    from mpipar.observe import metrics
     tr = ctx.cfg.train
     peaks, flops, skipped = totals
     out, io = LoopOutcome(saved=start), 0.0
@@ -517,13 +517,13 @@ def _eval_due(step: int, tr) -> bool:
 
 
 def _step_path(save_dir: str, step: int) -> str:
-    from mpipar.checkpoint import step_dir_name
+    from mpipar.checkpoint.store import step_dir_name
     return os.path.join(save_dir, step_dir_name(step))
 
 
 def _skipped_before(run_dir: str, start: int) -> int:
     """The skipped-step count of step ``start`` in the metrics kept from an earlier run."""
-    from mpipar.metrics import read_records
+    from mpipar.observe.metrics import read_records
     path = os.path.join(run_dir, "metrics.jsonl")
     if start == 0 or not os.path.exists(path):
         return 0
@@ -534,7 +534,9 @@ def _skipped_before(run_dir: str, start: int) -> int:
 def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float], flops: float,
                    wall_s: float) -> None:
     """Rank 0: timeline.json, summary.json and summary.txt of the run so far; prints the text."""
-    from mpipar import failure, metrics, report
+    from mpipar import report
+    from mpipar.training import failure
+    from mpipar.observe import metrics
     run_dir = cfg.train.run_dir
     metrics.write_json(os.path.join(run_dir, "timeline.json"), timeline)
     records, _, _ = report.load_run(run_dir)
@@ -555,7 +557,7 @@ def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float],
 def checkpoint_save(engine, ctx: RunContext, step: int, progress) -> str:
     """Save and commit a checkpoint of ``step`` (collective over the watched control group),
     pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing)."""
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
     tr = ctx.cfg.train
     path = checkpoint.save(engine, ctx.cfg, step, tr.save_dir, tr.keep_last, ctx.control)
     if ctx.rank0:
@@ -569,7 +571,7 @@ def checkpoint_save(engine, ctx: RunContext, step: int, progress) -> str:
 
 def export_hf(engine, cfg: Config, rank0: bool) -> None:
     """Gather the global weights (collective) and let rank 0 write the HF directory."""
-    from mpipar import hf
+    from mpipar.checkpoint import huggingface as hf
     params = engine.gather_params()
     if not rank0:
         return

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import mpipar.engine  # noqa: F401  (every component's configuration rules, for Config.validate)
+import mpipar.training.engine  # noqa: F401  (every component's configuration rules, for Config.validate)
 
 # Variables a launcher (mpirun, srun, a singleton MPI_Init) sets for its ranks; a job that a test
 # starts must not inherit them, or its own launcher takes itself for a rank of the test's job
@@ -112,7 +112,7 @@ def pytest_collection_modifyitems(config, items):
     """tests/gpu/ (issue 10) needs a CUDA device and CuPy: its tests are marked ``gpu`` and
     skipped, with the reason, where there is none (CI). On a device: ``python -m pytest -q
     tests/gpu`` and ``mpirun -n 8 python -m pytest -q --only-mpi tests/gpu``."""
-    from mpipar.backend import cuda_unavailable
+    from mpipar.runtime.device import cuda_unavailable
     gpu = [item for item in items if "/tests/gpu/" in str(item.path).replace("\\", "/")]
     reason = cuda_unavailable() if gpu else None
     for item in gpu:

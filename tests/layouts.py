@@ -50,13 +50,13 @@ def token_source(seq_len: int = 16):
     samples = rng.integers(0, VOCAB, size=(64, seq_len + 1))
     path = os.path.join(tempfile.mkdtemp(prefix="mpipar-test-"), "samples.npy")
     np.save(path, samples)
-    from mpipar.data import load_tokens
+    from mpipar.data.sources import load_tokens
     return load_tokens(path, VOCAB, seq_len)
 
 
 def run(cfg: Config, comm, steps: int = 2):
     """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, engine)."""
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
     eng = Engine(cfg.resolved(comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
     results = [eng.train_step(k) for k in range(steps)]
     return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params(), eng)

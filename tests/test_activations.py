@@ -20,14 +20,14 @@ import pytest
 
 from conftest import assert_all_ranks
 from layouts import layout_name, layout_size, small_config, token_source
-from mpipar.activations import (ActivationRecorder, OffloadStore, load_global, step_dir,
+from mpipar.checkpoint.activations import (ActivationRecorder, OffloadStore, load_global, step_dir,
                                 write_rank_dump)
 from mpipar.model.llama import ACTIVATION_NAMES
 from mpipar.model.params import init_params
 
 
 def _engine(cfg, comm, run_dir: str, dump: str):
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
     cfg.train.run_dir, cfg.train.dump_activations = run_dir, dump
     return Engine(cfg.resolved(comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
 
@@ -64,7 +64,7 @@ def test_single_process_dump_holds_the_model_tensors():
         assert d.attrs["columns"].tolist() == [0, m.heads * m.head_dim]
         assert d.attrs["heads"].tolist() == [0, m.heads]
         samples = f.attrs["samples"]
-    from mpipar.data import Sampler
+    from mpipar.data.sources import Sampler
     sampler = Sampler(token_source(cfg.train.seq_len), cfg.train.global_batch_size,
                       cfg.train.seed, cfg.train.shuffle)
     assert samples.tolist() == sampler.indices(0).tolist()

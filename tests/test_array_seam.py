@@ -18,7 +18,7 @@ import pytest
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 
-HOT_PATH = ("mpipar.engine", "mpipar.comm", "mpipar.model.llama", "mpipar.model.attention",
+HOT_PATH = ("mpipar.training.engine", "mpipar.runtime.comm", "mpipar.model.llama", "mpipar.model.attention",
             "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data",
             "mpipar.parallel.compression", "mpipar.parallel.pipeline.executor")
 ALLOWED = {"dtype", "inf", "nan", "ndarray", "generic", "integer", "floating", "bool_"}
@@ -60,8 +60,8 @@ def _guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
     """Two steps and a validation pass (on a separate file: the training data stays the
     reference's) with the seam swapped in; returns (losses, norms, params) and the recorder. The
     validation loss must equal an unguarded pass's."""
-    from mpipar import engine as engine_mod
-    from mpipar.backend import training_backend
+    from mpipar.training import engine as engine_mod
+    from mpipar.runtime.device import training_backend
 
     recording = RecordingXP()
     backend = dataclasses.replace(training_backend("numpy"), xp=recording)

@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from mpipar import bench
-from mpipar.planner import model_flops_per_step
+from mpipar.bench import sections as bench
+from mpipar.plan.cost import model_flops_per_step
 
 pytest.importorskip("numba")
 

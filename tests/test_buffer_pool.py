@@ -1,4 +1,4 @@
-"""The step's buffer pool (:func:`mpipar.backend.pool_freed_memory`): once the first step has
+"""The step's buffer pool (:func:`mpipar.runtime.memory.pool_freed_memory`): once the first step has
 allocated its activations, later steps reuse the freed memory and touch no new pages. Counted
 with the kernel's page-fault counter in a fresh process (the allocator setting is process-wide),
 against the same steps with the pool left off."""
@@ -12,15 +12,15 @@ import pytest
 SCRIPT = """
 import resource, sys, tempfile
 from mpi4py import MPI
-import mpipar.engine
+import mpipar.training.engine
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 if sys.argv[1] == "off":
-    mpipar.engine.pool_freed_memory = lambda: False
+    mpipar.training.engine.pool_freed_memory = lambda: False
 cfg = Config(ModelConfig(hidden=128, layers=2, heads=4, kv_heads=2),
              ParallelConfig(), TrainConfig(seq_len=256, global_batch_size=4, micro_batch_size=2,
                                            dtype="float64", backend="numpy",
                                            run_dir=tempfile.mkdtemp())).resolved(1)
-engine = mpipar.engine.Engine(cfg, MPI.COMM_SELF)
+engine = mpipar.training.engine.Engine(cfg, MPI.COMM_SELF)
 for k in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     engine.train_step(k)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from layouts import small_config, token_source
-from mpipar import checkpoint as ckpt
+from mpipar.checkpoint import store as ckpt
 from mpipar.config import ConfigError
 from mpipar.model.params import param_specs
 
@@ -66,7 +66,7 @@ def test_flat_rectangles_rejects_bad_ranges():
 def _engine(**train):
     from mpi4py import MPI
 
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
     cfg = small_config()
     for key, value in train.items():
         setattr(cfg.train, key, value)
@@ -208,7 +208,7 @@ def test_resume_auto_with_nothing_usable_starts_fresh(saved, tmp_path):
 
 def test_cli_consolidate_export_inspect_verify(saved, tmp_path, capsys):
     from mpipar import ckpt as cli
-    from mpipar.hf import load_hf
+    from mpipar.checkpoint.huggingface import load_hf
 
     root, cfg, state = saved
     assert cli.main(["consolidate", str(root), str(tmp_path / "all.h5")]) == 0
@@ -419,7 +419,8 @@ def test_resume_names_what_changed(tmp_path, data):
 
 KILL_DURING_SAVE = """
 import os, pathlib, signal, sys
-from mpipar import checkpoint, train
+from mpipar import train
+from mpipar.checkpoint import store as checkpoint
 real = checkpoint._write_shard
 def write_shard(path, pieces, engine):
     # The save of step 2: ranks 0 and 1 write their shards, then rank 2 dies; 3 never writes.

@@ -38,8 +38,8 @@ CASES = [(dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003), dict(dp=8)),
                               "tied-pp2-to-tp2", "tied-dp8-to-pp4", "zero3-shared-to-tp2",
                               "zero3-tp2-to-shared-pp2", "zero3-node-copies-to-tp2"])
 def test_save_and_load_across_layouts(world, before, after):
-    from mpipar import checkpoint
-    from mpipar.engine import Engine
+    from mpipar.checkpoint import store as checkpoint
+    from mpipar.training.engine import Engine
 
     root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ckpt-") if world.rank == 0 else None))
     model = before.get("model", "llama")

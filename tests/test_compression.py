@@ -86,10 +86,10 @@ def test_error_feedback_sends_everything_over_steps(codec):
 def _reducer(comm, codec: str, hierarchical: bool, sharded: bool, feedback: bool, n: int,
              ratio: float = 0.01):
     """A GradReducer of one bucket of ``n`` float64 elements over dp = 8 on nodes of 4."""
-    from mpipar.comm import Group, Ledger
+    from mpipar.runtime.comm import Group, Ledger
     from mpipar.parallel.compression import make_codec
     from mpipar.parallel.data import GradReducer, ReduceGroups
-    from mpipar.topology import ProcessGrid
+    from mpipar.runtime.topology import ProcessGrid
 
     grid = ProcessGrid(comm, 8, 1, 1, 1, ranks_per_node=4)
     if hierarchical:
@@ -205,8 +205,8 @@ def test_residuals_load_slot_by_slot_or_summed(world):
     from pathlib import Path
 
     from layouts import small_config, token_source
-    from mpipar import checkpoint
-    from mpipar.engine import Engine
+    from mpipar.checkpoint import store as checkpoint
+    from mpipar.training.engine import Engine
     from test_state import global_state
 
     root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ef-") if world.rank == 0 else None))
@@ -269,7 +269,7 @@ def test_resume_with_compression_is_bit_exact(tmp_path, layout):
     import subprocess
     import sys
 
-    from mpipar import checkpoint as ckpt
+    from mpipar.checkpoint import store as ckpt
 
     data = tmp_path / "samples.npy"
     np.save(data, np.random.default_rng(3).integers(0, 13, size=(64, 17)))
@@ -345,7 +345,7 @@ def test_catch_up_is_one_update_under_zero0_and_zero1(tmp_path):
     import subprocess
     import sys
 
-    from mpipar import checkpoint as ckpt
+    from mpipar.checkpoint import store as ckpt
 
     data = tmp_path / "samples.npy"
     np.save(data, np.random.default_rng(3).integers(0, 13, size=(64, 17)))

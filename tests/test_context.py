@@ -104,7 +104,7 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
     """Ring, halo and Ulysses attention with and without a sliding window equal attention over
     the whole sequence (float64, 1e-12); ring and halo compute exactly the visible blocks and
     hand MPI the bytes the planner's formulas say."""
-    from mpipar.comm import Group, Ledger
+    from mpipar.runtime.comm import Group, Ledger
     from mpipar.parallel.context import (HaloAttention, RingAttention, SeqLayout,
                                          UlyssesAttention, halo_messages, halo_plan, ring_hops,
                                          ring_messages, runs_visible)
@@ -156,7 +156,7 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
 def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses, window):
     """Ulysses over groups of ``ulysses`` consecutive sp ranks, ring over the 8 / ulysses groups:
     out, dq, dk, dv equal attention over the whole sequence (8 query / 4 kv heads)."""
-    from mpipar.comm import Group, Ledger
+    from mpipar.runtime.comm import Group, Ledger
     from mpipar.kernels import get_backend
     from mpipar.parallel.context import HybridAttention, SeqLayout
 

@@ -4,8 +4,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpipar import data
-from mpipar.data import DataError, Sampler, load_tokens, main, stdlib_corpus
+from mpipar.data import sources as data
+from mpipar.data.sources import DataError, Sampler, load_tokens, main, stdlib_corpus
 
 
 def windows(tokens, seq_len):

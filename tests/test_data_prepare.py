@@ -11,7 +11,7 @@ import pytest
 
 from conftest import launch_env
 
-from mpipar.data import DataError, load_tokens, main, prepare_tokens
+from mpipar.data.sources import DataError, load_tokens, main, prepare_tokens
 
 
 def _texts(tmp_path, contents: list[bytes], prefix: str = "t") -> list[str]:

@@ -16,8 +16,8 @@ from mpi4py import MPI
 from conftest import MPIRUN, assert_all_ranks, needs_mpirun
 from layouts import layout_name, layout_size, small_config, token_source
 from mpipar.config import ConfigError, TrainConfig
-from mpipar.data import DataError, EvalSet, Sampler, validation
-from mpipar.engine import Engine
+from mpipar.data.sources import DataError, EvalSet, Sampler, validation
+from mpipar.training.engine import Engine
 from mpipar.kernels import get_backend
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage

@@ -1,4 +1,4 @@
-"""The durable failure report (mpipar.failure): lines that cannot be lost or torn."""
+"""The durable failure report (mpipar.training.failure): lines that cannot be lost or torn."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import os
 
 from mpi4py import MPI
 
-from mpipar import failure
+from mpipar.training import failure
 
 
 def test_record_appends_fsynced_lines_and_marks_the_summary_failed(tmp_path):

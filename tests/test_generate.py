@@ -18,8 +18,8 @@ from conftest import MPIRUN, assert_all_ranks, needs_mpirun
 from layouts import small_config, token_source
 from mpipar import generate
 from mpipar.config import Config, ParallelConfig, TrainConfig
-from mpipar.inference import Generator
-from mpipar.sampling import Sampling, candidates, next_token
+from mpipar.inference.generator import Generator
+from mpipar.inference.sampling import Sampling, candidates, next_token
 from test_tokenizer import EOS, bpe  # noqa: F401  (the BPE tokenizer fixture)
 
 V, H, HEADS, KV, LAYERS, FFN = 256, 48, 6, 2, 2, 80   # byte-level: prompts are UTF-8 bytes
@@ -118,7 +118,7 @@ def _generator(model_cfg, comm, tp: int = 1, pp: int = 1, dtype: str = "float64"
 
 
 def test_greedy_equals_transformers_generate_on_one_rank(hf_dir, transformers_llama):
-    from mpipar.hf import load_hf
+    from mpipar.checkpoint.huggingface import load_hf
     model_cfg, params = load_hf(hf_dir)
     generator = _generator(model_cfg, MPI.COMM_SELF)
     generator.load_params(params)
@@ -171,7 +171,7 @@ def test_a_tokenizer_encodes_the_prompt_and_decodes_the_text(tmp_path, bpe, caps
                                                              monkeypatch):
     """A Hugging Face directory with its own tokenizer.json: the prompt is its encoding (no
     special tokens), the text its decoding of the ids."""
-    from mpipar.hf import save_hf
+    from mpipar.checkpoint.huggingface import save_hf
     from mpipar.model.params import init_params
     root, tok = bpe
     cfg = small_config().model
@@ -219,8 +219,8 @@ def test_a_byte_prompt_needs_a_byte_vocabulary_and_a_model_must_exist(tmp_path, 
 
 def _small_checkpoint(tmp_path, vocab_size: int = V) -> str:
     """A one-process checkpoint of the layouts test model with ``vocab_size`` tokens."""
-    from mpipar import checkpoint
-    from mpipar.engine import Engine
+    from mpipar.checkpoint import store as checkpoint
+    from mpipar.training.engine import Engine
     cfg = small_config()
     cfg.model.vocab_size = vocab_size
     cfg = cfg.resolved(1)
@@ -237,8 +237,8 @@ SAMPLED = Sampling(0.9, top_k=8, top_p=0.95)
 def test_generation_is_the_same_on_every_layout(world):
     """A checkpoint saved under dp=2 x tp=2 x pp=2 after one step, read directly by each tp x pp
     layout: greedy and seeded sampled tokens equal one rank's, logits to 1e-10."""
-    from mpipar import checkpoint
-    from mpipar.engine import Engine
+    from mpipar.checkpoint import store as checkpoint
+    from mpipar.training.engine import Engine
     fails: list[str] = []
     root = world.bcast(tempfile.mkdtemp(prefix="mpipar-test-gen-") if world.rank == 0 else None)
     cfg = small_config(dp=2, tp=2, pp=2).resolved(8)

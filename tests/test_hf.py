@@ -2,7 +2,7 @@
 
 Small random models (vocabulary 97, 6 query heads over 2 kv heads: neither a power of
 two, grouped-query attention) are saved with ``save_pretrained`` and read by
-:func:`mpipar.hf.load_hf` (:data:`MODELS`): a plain ``LlamaForCausalLM``; one with Llama 3.1's
+:func:`mpipar.checkpoint.huggingface.load_hf` (:data:`MODELS`): a plain ``LlamaForCausalLM``; one with Llama 3.1's
 ``llama3`` RoPE scaling and tied embeddings; a ``Qwen2ForCausalLM`` (q/k/v biases); a
 ``MistralForCausalLM`` with a sliding window shorter than the sequence. mpipar's
 logits, loss and three training steps must match transformers + ``torch.optim.AdamW`` to 1e-10
@@ -63,10 +63,11 @@ from conftest import assert_all_ranks  # noqa: E402
 from layouts import layout_name, layout_size  # noqa: E402
 from mpipar.config import (Config, ConfigError, ModelConfig, ParallelConfig,  # noqa: E402
                            TrainConfig)
-from mpipar.data import load_tokens  # noqa: E402
-from mpipar.engine import Engine  # noqa: E402
-from mpipar.hf import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFCheckpointError,  # noqa: E402
-                       check_export_target, hf_name, load_hf, main, model_config_with_overrides,
+from mpipar.data.sources import load_tokens  # noqa: E402
+from mpipar.training.engine import Engine  # noqa: E402
+from mpipar.hf import main  # noqa: E402
+from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFCheckpointError,  # noqa: E402
+                       check_export_target, hf_name, load_hf, model_config_with_overrides,
                        mpipar_name, passthrough_config, read_model_config, save_hf)
 
 V, H, HEADS, KV, LAYERS, FFN, THETA, EPS = 97, 48, 6, 2, 2, 80, 10000.0, 1e-6

@@ -14,7 +14,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from mpipar.config import ModelConfig
-from mpipar.hf import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_name, load_hf, main, save_hf)
+from mpipar.hf import main  # noqa: E402
+from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_name, load_hf, save_hf)
 from mpipar.model.params import init_params
 
 MODEL = ModelConfig(vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64)

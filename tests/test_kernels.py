@@ -528,7 +528,7 @@ def test_dispatcher_errors():
 
 
 def test_bench_kernels_section(tmp_path, capsys):
-    from mpipar import bench
+    from mpipar.bench import sections as bench
 
     path = tmp_path / "bench.json"
     args = ["kernels", "--quick", "--dtypes", "float64", "--backends", "numpy,numba", "--batch", "1", "--seq", "8",

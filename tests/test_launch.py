@@ -50,7 +50,7 @@ def test_jobs_started_from_a_rank_environment_get_a_clean_one(tmp_path, monkeypa
     assert env["OMPI_MCA_mpi_yield_when_idle"] == "1"            # the user's settings stay
     assert not {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_FD", "MPI_LOCALNRANKS"} & set(env)
     proc = subprocess.run([*mpirun(2), sys.executable, "-c",
-                           "from mpi4py import MPI; print('size', MPI.COMM_WORLD.Get_size())"],
+                           "import sys; from mpi4py import MPI; sys.stdout.write(f'size {MPI.COMM_WORLD.Get_size()}\\n')"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     # mpiexec forwards the two ranks' lines as they come: they may run together ("size 2size 2")
@@ -59,8 +59,8 @@ def test_jobs_started_from_a_rank_environment_get_a_clean_one(tmp_path, monkeypa
 
 @needs_mpirun
 def test_node_shape_inside_a_job():
-    """``python -m mpipar.backend`` prints what COMM_TYPE_SHARED and the host names say."""
-    proc = subprocess.run([*mpirun(3), sys.executable, "-m", "mpipar.backend"],
+    """``python -m mpipar.runtime.nodes`` prints what COMM_TYPE_SHARED and the host names say."""
+    proc = subprocess.run([*mpirun(3), sys.executable, "-m", "mpipar.runtime.nodes"],
                           capture_output=True, text=True, timeout=120, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     host = os.uname().nodename
@@ -70,13 +70,13 @@ def test_node_shape_inside_a_job():
 
 SHARE = """
     import os, sys
-    from mpipar import backend
+    from mpipar.runtime import nodes
     cores = sorted(os.sched_getaffinity(0))
     if sys.argv[1] == "bound":  # as Open MPI binds a rank: one core of the launcher's
         os.sched_setaffinity(0, {cores[0]})
     ranks = int(sys.argv[2])
-    threads = backend.threads_per_rank(ranks)
-    print(backend.ranks_sharing_cores(ranks), threads, backend.cpu_peak_share(threads, ranks))
+    threads = nodes.threads_per_rank(ranks)
+    print(nodes.ranks_sharing_cores(ranks), threads, nodes.cpu_peak_share(threads, ranks))
 """
 
 
@@ -106,7 +106,7 @@ def test_bar_only_on_the_users_terminal():
     """A terminal is the user's unless Open MPI launched the process and it is not the
     process's controlling terminal (Open MPI gives each rank a pty even when mpirun writes to a
     file); a pipe never is."""
-    from mpipar.metrics import users_terminal
+    from mpipar.observe.metrics import users_terminal
 
     leader, follower = pty.openpty()
     read, write = os.pipe()
@@ -123,8 +123,8 @@ def test_bar_only_on_the_users_terminal():
 
 SPIN = """
     import os, sys
-    from mpipar import backend
-    backend.configure_threads(1)
+    from mpipar.runtime import nodes
+    nodes.configure_threads(1)
     print(os.environ["OPENBLAS_THREAD_TIMEOUT"], "numpy" in sys.modules)
 """
 

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import assert_all_ranks, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
-from mpipar.topology import GridShape, NodeMap
+from mpipar.runtime.topology import GridShape, NodeMap
 
 
 def _admitted(dp, tp, pp, sp) -> bool:

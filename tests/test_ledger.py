@@ -43,8 +43,8 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
 def test_ledger_bytes_equal_planner_prediction(world, case):
     """A validation pass after each step books its own traffic in the engine's eval ledger, as
     predicted for it (forward only), and leaves the step's ledger as predicted for a step."""
-    from mpipar.engine import Engine
-    from mpipar.planner import predict_eval_bytes, predict_step_bytes
+    from mpipar.training.engine import Engine
+    from mpipar.plan.cost import predict_eval_bytes, predict_step_bytes
 
     case = dict(case)
     recompute = case.pop("recompute", "none")
@@ -76,8 +76,8 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
 def test_prediction_of_a_hand_counted_layout():
     """tp=2 on one block: 4 all-reduces of [tokens, hidden] per microbatch, plus embedding/head."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from mpipar.planner import predict_step_bytes
-    from mpipar.topology import Coord
+    from mpipar.plan.cost import predict_step_bytes
+    from mpipar.runtime.topology import Coord
 
     cfg = Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
                  ParallelConfig(tp=2), TrainConfig(seq_len=4, global_batch_size=2,
@@ -117,8 +117,8 @@ def test_ledger_links_equal_planner_prediction(world, case):
     """With nodes of --ranks-per-node ranks, each group's wire bytes inside and across nodes,
     its payload bytes and its calls are the planner's, in every reduction, compression and SP
     mode."""
-    from mpipar.engine import Engine
-    from mpipar.planner import predict_link_bytes, predict_step_bytes, predict_step_messages
+    from mpipar.training.engine import Engine
+    from mpipar.plan.cost import predict_link_bytes, predict_step_bytes, predict_step_messages
 
     cfg = small_config("float32", **case).resolved(8)
     fails = []
@@ -155,7 +155,7 @@ def test_inter_node_bytes_fall(world, k):
     """dp=8 on nodes of k ranks, float32: the most wire bytes any rank sends across nodes in a
     step (ledger) fall by at least k with hierarchical reduction, by >= 3.5x with int8 and by
     >= 10x with top-k 1% against flat; hierarchical and compressed multiply."""
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
 
     inter, fails = {}, []
     try:
@@ -185,8 +185,8 @@ def test_prediction_of_a_hand_counted_validation_pass():
     """The same layout, 3 validation batches forward only: per microbatch the two all-reduces of
     the block's outputs, the embedding's and the cross-entropy statistics; no backward, no norm."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from mpipar.planner import predict_eval_bytes
-    from mpipar.topology import Coord
+    from mpipar.plan.cost import predict_eval_bytes
+    from mpipar.runtime.topology import Coord
 
     cfg = Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
                  ParallelConfig(tp=2), TrainConfig(seq_len=4, global_batch_size=2,
@@ -205,7 +205,7 @@ def test_request_books_its_test_seconds_apart(world):
 
     import numpy as np
 
-    from mpipar.comm import Group, Ledger
+    from mpipar.runtime.comm import Group, Ledger
 
     group, failures = Group(world, "world", Ledger()), []
     n, size, rank = 1 << 16, group.size, group.rank

@@ -1,4 +1,4 @@
-"""MPI start-up under a deadline (:mod:`mpipar.mpi_init`): a rank stuck in ``MPI_Init`` prints
+"""MPI start-up under a deadline (:mod:`mpipar.runtime.mpi_init`): a rank stuck in ``MPI_Init`` prints
 its stack and exits 1 after ``MPIPAR_INIT_TIMEOUT`` seconds instead of hanging the job; a bad
 value is refused once with status 2; a normal start is untouched; a launch whose ranks all
 came through start-up says so in ``MPIPAR_STARTED_FILE``, which the srun job scripts read.
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import launch_env, mpirun, needs_mpirun
-from mpipar.mpi_init import DEFAULT_SECONDS, init_timeout
+from mpipar.runtime.mpi_init import DEFAULT_SECONDS, init_timeout
 
 
 def test_init_timeout_values():
@@ -36,7 +36,7 @@ def _mpich() -> bool:
 
 
 @pytest.mark.skipif(not _mpich(), reason="the silent PMI server speaks MPICH's PMI_PORT protocol")
-@pytest.mark.parametrize("module", ["mpipar.backend", "mpipar.train"])
+@pytest.mark.parametrize("module", ["mpipar.runtime.nodes", "mpipar.train"])
 def test_a_rank_stuck_in_mpi_init_ends_after_the_deadline(module, tmp_path):
     server = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
     port = server.getsockname()[1]
@@ -52,7 +52,7 @@ def test_a_rank_stuck_in_mpi_init_ends_after_the_deadline(module, tmp_path):
     took = time.monotonic() - start
     assert proc.returncode == 1, (proc.returncode, proc.stderr)
     assert proc.stderr.startswith("Timeout (0:00:02)!"), proc.stderr
-    assert "mpipar/mpi_init.py" in proc.stderr and "in _initialise" in proc.stderr, proc.stderr
+    assert "mpipar/runtime/mpi_init.py" in proc.stderr and "in _initialise" in proc.stderr, proc.stderr
     assert 2.0 <= took < 60, took
     assert proc.stdout == ""
     assert not started.exists()     # the job scripts launch it again
@@ -92,7 +92,7 @@ def test_a_normal_start_is_untouched_by_the_deadline():
     for seconds, sleep in (("5", 6), ("0", 0)):
         env = dict(launch_env(), MPIPAR_INIT_TIMEOUT=seconds)
         proc = subprocess.run([*mpirun(2), sys.executable, "-c",
-                               f"import time, mpipar.mpi_init as m; time.sleep({sleep}); "
+                               f"import time, mpipar.runtime.mpi_init as m; time.sleep({sleep}); "
                                "print(f'alive{m.MPI.COMM_WORLD.allreduce(1)}', flush=True)"],
                               capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0, proc.stderr

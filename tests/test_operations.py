@@ -30,10 +30,10 @@ def test_default_run(tmp_path, ranks):
     falls clearly, and RUN_DIR holds config, metrics, timeline, summary and a checkpoint."""
     if ranks > 1 and not os.path.exists(MPIRUN):
         pytest.skip("no mpirun beside this Python (install mpipar[mpich])")
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
     from mpipar.config import Config
-    from mpipar.planner import predict_step_bytes
-    from mpipar.topology import Coord
+    from mpipar.plan.cost import predict_step_bytes
+    from mpipar.runtime.topology import Coord
 
     proc = run_train(ranks, ["--steps", "20"], cwd=tmp_path, timeout=540)
     assert proc.returncode == 0, proc.stderr
@@ -102,7 +102,7 @@ def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig):
     the stop signal (README, jobs/README.md)."""
     from mpi4py import MPI
 
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
 
     if sig == signal.SIGTERM and MPI.Get_library_version().startswith("Open MPI v5"):
         pytest.skip("Open MPI 5's mpirun SIGKILLs the ranks 1 s after SIGTERM: use SIGUSR1")
@@ -125,7 +125,7 @@ def test_ctrl_c_checkpoints_prints_one_line_and_exits_130(tmp_path):
     sends it) printed a KeyboardInterrupt traceback from every rank and committed nothing. Now
     it is a stop like SIGTERM: the step finishes, a checkpoint is committed, rank 0 prints one
     line, every rank exits 130; --resume auto continues from the checkpoint."""
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
 
     run = tmp_path / "run"
     common = [*TINY, "--dp", "2", "--run-dir", str(run)]
@@ -186,7 +186,8 @@ def test_sigusr1_to_one_rank_stops_all_and_resume_is_exact(tmp_path):
 BLOCK_INIT = """
     import pathlib, sys, time
     from mpi4py import MPI
-    from mpipar import engine, train
+    from mpipar import train
+    from mpipar.training import engine
     def blocked(self, *args, **kwargs):
         pathlib.Path(sys.argv[1], f"ready.{MPI.COMM_WORLD.rank}").touch()
         time.sleep(600)  # initialisation that never ends (a huge model, a slow filesystem)
@@ -232,7 +233,7 @@ def test_a_stop_signal_during_initialisation_exits_promptly(tmp_path, ranks, sig
     assert all(f["message"] == f"mpipar: rank {f['rank']}: {sig.name} during initialisation; "
                                f"nothing to checkpoint, stopping" for f in lines), lines
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
-    from mpipar.checkpoint import list_checkpoints
+    from mpipar.checkpoint.store import list_checkpoints
     assert list_checkpoints(run / "checkpoints") == []
 
 
@@ -254,7 +255,7 @@ def test_sigkill_of_one_rank_ends_the_job_within_30_s(tmp_path):
 def test_watchdog_names_only_a_call_blocked_too_long():
     import threading
 
-    from mpipar.comm import Ledger, Watchdog
+    from mpipar.runtime.comm import Ledger, Watchdog
 
     ledger = Ledger()
     called = threading.Event()
@@ -293,7 +294,7 @@ def test_watchdog_names_only_a_call_blocked_too_long():
 
 
 def _failures(run_dir) -> list[dict]:
-    from mpipar import failure
+    from mpipar.training import failure
     return failure.read(str(run_dir))
 
 
@@ -341,7 +342,9 @@ def test_collective_watchdog_names_the_operation_and_group(tmp_path):
 STALL_OUTSIDE_STEPS = """
     import sys, time
     from mpi4py import MPI
-    from mpipar import metrics, state, train
+    from mpipar import train
+    from mpipar.observe import metrics
+    from mpipar.training import state
     module, name = {"checkpoint": (state.TrainState, "pieces"),  # every rank, in every save
                     "shutdown": (metrics, "gather_timeline")}[sys.argv[1]]
     real, calls = getattr(module, name), [0]
@@ -363,7 +366,7 @@ def test_the_watchdog_covers_checkpoints_and_shutdown(tmp_path, where, call, ste
     and broadcast bypassed the watched ledger. Every collective outside the engine (checkpoint
     commit, telemetry, timeline, shutdown) now goes through the watched control group: the job
     ends with status 4 naming the call, and nothing committed is lost."""
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
 
     script = tmp_path / "stall.py"
     script.write_text(textwrap.dedent(STALL_OUTSIDE_STEPS))
@@ -388,7 +391,8 @@ def test_the_watchdog_covers_checkpoints_and_shutdown(tmp_path, where, call, ste
 SLOW_FIRST_STEP = """
     import sys, time
     from mpi4py import MPI
-    from mpipar import engine, train
+    from mpipar import train
+    from mpipar.training import engine
     real = engine.Engine.train_step
     def step(self, k):
         if k == 0 and MPI.COMM_WORLD.rank == 1:
@@ -425,7 +429,7 @@ def test_absurd_sizes_exit_2_naming_needed_and_available_bytes(tmp_path, flags):
     MemoryError traceback. The planner's memory of a rank is compared with its share of the
     node's available memory before anything is allocated: exit 2 within seconds, printing the
     bytes needed (here the lower bound: twice the weights of one rank) and available."""
-    from mpipar.planner import memory_lower_bound
+    from mpipar.plan.cost import memory_lower_bound
     from mpipar.train import resolve_config
 
     args = [*TINY, *flags, "--run-dir", str(tmp_path / "run")]
@@ -446,11 +450,11 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
     sizes is the analytic parameter count (equal to the per-tensor sum)."""
     import math
 
-    from mpipar import backend
+    from mpipar.runtime import memory, nodes
     from mpipar.config import ConfigError, ModelConfig
     from mpipar.model.params import param_specs
-    from mpipar.planner import parameter_count, predict_peak_memory
-    from mpipar.topology import Coord
+    from mpipar.plan.cost import parameter_count, predict_peak_memory
+    from mpipar.runtime.topology import Coord
     from mpipar.train import check_memory, resolve_config
 
     for model in (ModelConfig(), ModelConfig(vocab_size=97, hidden=48, layers=3, heads=6,
@@ -458,7 +462,7 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
         assert parameter_count(model) == sum(math.prod(s.shape) for s in param_specs(model))
     cfg = resolve_config([*TINY, "--tp", "2"], 2)
     need = predict_peak_memory(cfg, Coord(dp=0, tp=0, pp=0, sp=0))
-    monkeypatch.setattr(backend, "available_memory_bytes", lambda: 4 * need - 4)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 4 * need - 4)
     check_memory(cfg, 0, on_node=3)                 # 1.33 x the need each: fits
     with pytest.raises(ConfigError) as err:
         check_memory(cfg, 0, on_node=4)             # just short
@@ -474,7 +478,7 @@ def test_node_shared_parameters_larger_than_dev_shm_exit_2(tmp_path):
     """ZeRO-3 in node shared memory whose parameters /dev/shm could not hold (a window larger
     than the tmpfs fails with SIGBUS when touched) exits 2 before anything is allocated, once,
     naming the bytes and the fix; --allow-oversubscribed-memory (RAM) does not skip it."""
-    from mpipar.planner import memory_lower_bound
+    from mpipar.plan.cost import memory_lower_bound
     from mpipar.train import resolve_config
 
     args = [*TINY, "--zero", "3", "--zero-shared", "node", "--hidden", "1000000",
@@ -492,14 +496,14 @@ def test_node_shared_parameters_larger_than_dev_shm_exit_2(tmp_path):
 def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
     """In process: the node's ranks' parts of its copy of the weights against /dev/shm's free
     bytes, only where ZeRO-3 keeps them in node shared memory (not when gathering)."""
-    from mpipar import backend
+    from mpipar.runtime import memory, nodes
     from mpipar.config import ConfigError
-    from mpipar.planner import memory_lower_bound
+    from mpipar.plan.cost import memory_lower_bound
     from mpipar.train import check_shared_memory, resolve_config
 
     cfg = resolve_config([*TINY, "--zero", "3", "--zero-shared", "node"], 4)
     need = memory_lower_bound(cfg) // 2 // 4     # one rank's share of the weights
-    monkeypatch.setattr(backend, "shared_memory_bytes", lambda: 4 * need)
+    monkeypatch.setattr(memory, "shared_memory_bytes", lambda: 4 * need)
     check_shared_memory(cfg, 0, on_node=4)
     with pytest.raises(ConfigError, match=f"hold at least {5 * need:,} bytes"):
         check_shared_memory(cfg, 0, on_node=5)
@@ -530,7 +534,7 @@ NAN = """
 
 
 def test_on_nan_skip_counts_the_step_and_leaves_the_state_untouched(tmp_path):
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
 
     script = tmp_path / "nan.py"
     script.write_text(textwrap.dedent(NAN))
@@ -553,7 +557,7 @@ def test_on_nan_skip_counts_the_step_and_leaves_the_state_untouched(tmp_path):
 
 
 def test_on_nan_stop_saves_and_exits_3_then_resume_continues(tmp_path):
-    from mpipar import checkpoint
+    from mpipar.checkpoint import store as checkpoint
 
     script = tmp_path / "nan.py"
     script.write_text(textwrap.dedent(NAN))
@@ -630,10 +634,10 @@ def test_bad_data_under_mpirun_exits_2_once(tmp_path):
     ({}, None),
 ])
 def test_ranks_per_node_from_launcher_environment(monkeypatch, env, expected):
-    from mpipar import backend
+    from mpipar.runtime import memory, nodes
 
-    for var in backend.LOCAL_SIZE_VARS + ("SLURM_PROCID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE"):
+    for var in nodes.LOCAL_SIZE_VARS + ("SLURM_PROCID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    assert backend.local_size_from_env() == expected
+    assert nodes.local_size_from_env() == expected

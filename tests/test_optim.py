@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from mpipar.optim import (IDLE, AdamW, AdamWConfig, LRSchedule, adamw_catch_up, adamw_update,
+from mpipar.training.optim import (IDLE, AdamW, AdamWConfig, LRSchedule, adamw_catch_up, adamw_update,
                           clip_grads, grad_norm_sq)
 
 
@@ -195,7 +195,7 @@ def test_load_state_errors(state, step, pattern):
 def test_replicas_report_state_once():
     """The moments are replicated over dp x sp like the parameters: only replica 0 reports."""
     from mpi4py import MPI
-    from mpipar.comm import Group, Ledger
+    from mpipar.runtime.comm import Group, Ledger
 
     opt = AdamW({"w": np.zeros(3)}, {"w": np.zeros(3)}, AdamWConfig(lr=0.1),
                 replica=Group(MPI.COMM_SELF, "dp_sp", Ledger()))

@@ -11,10 +11,10 @@ import pytest
 from conftest import assert_all_ranks, launch_env
 from layouts import small_config, token_source
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from mpipar.planner import (Hardware, auto_layout, model_flops_per_step, plan_layouts,
+from mpipar.plan.cost import (Hardware, auto_layout, model_flops_per_step, plan_layouts,
                             predict_memory, predict_step_bytes, predict_step_messages,
                             predict_step_time)
-from mpipar.topology import Coord
+from mpipar.runtime.topology import Coord
 
 CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, sp_mode="ulysses", dp=4),
          dict(sp=4, sp_overlap=True, tp=2), dict(pp=2, dp=2, sp=2, schedule="interleaved", virtual_stages=2),
@@ -37,7 +37,7 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
     """Weights, gradients and AdamW moments are the engine's buffers byte for byte; the MPI
     calls per group are the ledger's, and so are the bytes (recompute=full repeats forward
     traffic in backward)."""
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
 
     case = dict(case)
     recompute = case.pop("recompute", "none")
@@ -385,7 +385,7 @@ def test_measured_nodes_place_the_groups():
     """A hardware file's ranks per node (``bench comm``) decides which groups cross nodes when the
     layout names none, and the layout's own ``ranks_per_node`` wins: dp=8 on nodes of 4 is timed
     on the slow link, exactly its wire bytes over that link plus a latency per call."""
-    from mpipar.planner import predict_link_bytes, with_nodes
+    from mpipar.plan.cost import predict_link_bytes, with_nodes
 
     cfg = Config(parallel=ParallelConfig(dp=8)).resolved(8)
     one_node = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
-from mpipar.activations import OffloadStore
+from mpipar.checkpoint.activations import OffloadStore
 from mpipar.config import ModelConfig
 from mpipar.kernels import get_backend
 from mpipar.model.attention import LocalAttention
@@ -133,7 +133,7 @@ def test_bad_modes_are_rejected():
 
 
 def _run(layout: dict, mode: str, comm, run_dir: str, **train):
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
     cfg = small_config("float64", **layout)
     cfg.train.recompute, cfg.train.run_dir = mode, run_dir
     for key, value in train.items():
@@ -206,7 +206,7 @@ def test_memory_benchmark_reports_every_mode(tmp_path, capsys):
     adds falls from none to selective to full (offload keeps no block in memory either)."""
     import json
 
-    from mpipar.bench import main
+    from mpipar.bench.sections import main
     out = tmp_path / "mem.json"
     assert main(["memory", "--layers", "4", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                  "--ffn", "160", "--seq", "64", "--batch", "2", "--micro-batch", "2",

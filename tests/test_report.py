@@ -12,7 +12,7 @@ import pytest
 from conftest import launch_env
 
 from mpipar import report
-from mpipar.metrics import TIME_KEYS
+from mpipar.observe.metrics import TIME_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("loss", "throughput", "time_breakdown", "memory", "timeline")

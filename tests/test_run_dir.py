@@ -19,8 +19,8 @@ import pytest
 
 from conftest import MPIRUN, needs_mpirun
 from launch import TINY, metrics, run_train, start_train, wait_for_steps
-from mpipar import checkpoint
-from mpipar.metrics import read_records
+from mpipar.checkpoint import store as checkpoint
+from mpipar.observe.metrics import read_records
 from mpipar.model.params import param_specs
 
 UNSHARE = shutil.which("unshare")
@@ -92,7 +92,7 @@ def test_a_file_where_an_output_directory_goes_is_named(tmp_path, flag, blocker)
 def test_the_parents_of_every_output_are_created(tmp_path):
     """Issue 15, item 2: ``--run-dir X --export-hf X/hf`` was refused because X did not exist
     yet. Every output path's parents are created; the export lands where it was asked."""
-    from mpipar.hf import load_hf
+    from mpipar.checkpoint.huggingface import load_hf
 
     run = tmp_path / "new" / "exp"
     proc = run_train(1, [*TINY, "--steps", "2", "--run-dir", str(run), "--export-hf",
@@ -195,7 +195,8 @@ def test_resume_after_a_crash_keeps_each_step_once_despite_a_torn_line(tmp_path)
 
 KILL_DURING_SAVE = """
 import os, signal, sys
-from mpipar import checkpoint, train
+from mpipar import train
+from mpipar.checkpoint import store as checkpoint
 real = checkpoint._write_shard
 def write_shard(path, pieces, engine):
     if path.parent.name == ".step_00000004.tmp" and engine.grid.comm.rank == 1:

@@ -9,11 +9,13 @@ import os
 import numpy as np
 import pytest
 
-from mpipar import backend, staging
-from mpipar.comm import Ledger
+from mpipar.runtime import device
+
+from mpipar.runtime import staging
+from mpipar.runtime.comm import Ledger
 from mpipar.config import Config, ConfigError, TrainConfig
 
-NO_CUDA = backend.cuda_unavailable() is not None
+NO_CUDA = device.cuda_unavailable() is not None
 
 
 def test_detection_asks_the_loaded_library(monkeypatch):
@@ -50,7 +52,7 @@ def _cfg(**train) -> Config:
 def test_cuda_without_a_device_is_refused():
     with pytest.raises(ConfigError, match=r"train.device='cuda': no CUDA device here: cupy "):
         _cfg(device="cuda").validate(1)
-    assert backend.resolve_device("auto") == "cpu"
+    assert device.resolve_device("auto") == "cpu"
     _cfg(device="auto").validate(1)  # auto falls back to the CPU
 
 
@@ -72,12 +74,12 @@ def test_paths_chosen():
 
 @pytest.mark.parametrize("local,visible,want", [(0, 1, 0), (7, 1, 0), (5, 4, 1), (3, 8, 3)])
 def test_rank_to_gpu(local, visible, want):
-    assert backend.gpu_for(local, visible) == want
+    assert device.gpu_for(local, visible) == want
 
 
 def test_no_visible_gpu_is_an_error():
     with pytest.raises(ValueError, match="visible=0"):
-        backend.gpu_for(0, 0)
+        device.gpu_for(0, 0)
 
 
 def test_staged_buffers_carry_values_and_are_reused():
@@ -109,5 +111,5 @@ def test_staged_ahead_is_consumed_by_the_call_that_sends():
 
 
 def test_device_line_on_the_cpu():
-    assert backend.Device("cpu").describe() == "cpu"
-    assert backend.Device("cuda", 1, 4).describe() == "cuda:1 of 4 visible"
+    assert device.Device("cpu").describe() == "cpu"
+    assert device.Device("cuda", 1, 4).describe() == "cuda:1 of 4 visible"

@@ -26,7 +26,7 @@ LAYOUTS = [
 
 
 def _engine(layout: dict, comm, path: str):
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
     layout = dict(layout)
     cfg = small_config(model=layout.pop("model", "llama"), **layout)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_aware_mpi=path))

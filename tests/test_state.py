@@ -46,7 +46,7 @@ CASES = [(dict(dp=2, tp=2, pp=2), dict(tp=2, pp=4)),
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("before,after", CASES, ids=[f"{i}" for i in range(len(CASES))])
 def test_state_moves_between_layouts(world, before, after):
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
 
     fails = []
     try:

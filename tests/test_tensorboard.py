@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import MPIRUN, needs_mpirun
-from mpipar import tensorboard
-from mpipar.metrics import MetricsWriter
+from mpipar.observe import tensorboard
+from mpipar.observe.metrics import MetricsWriter
 
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator",

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import MPIRUN, needs_mpirun
-from mpipar import documents
-from mpipar.data import DataError, load_tokens, main
-from mpipar.tokenizer import load_tokenizer, prepare_tokenized, token_dtype
+from mpipar.data import documents
+from mpipar.data.sources import DataError, load_tokens, main
+from mpipar.data.tokenizer import load_tokenizer, prepare_tokenized, token_dtype
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the tokenizers package "
                                                       "(pip install 'mpipar[tokenizers]')")

@@ -10,7 +10,7 @@ from conftest import assert_all_ranks, factorisations
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("dp,tp,pp,sp", factorisations(8))
 def test_grid_every_factorisation(world, dp, tp, pp, sp):
-    from mpipar.topology import ProcessGrid
+    from mpipar.runtime.topology import ProcessGrid
 
     comm = world.Split(0 if world.rank < 8 else 1, world.rank)
     if world.rank >= 8:
@@ -30,7 +30,7 @@ def test_grid_every_factorisation(world, dp, tp, pp, sp):
 
     check(me == rank_of(c.dp, c.tp, c.pp, c.sp), f"formula for {c}")
     # rank_coord (no communicator: the memory check before the grid exists) agrees with MPI's.
-    from mpipar.topology import rank_coord
+    from mpipar.runtime.topology import rank_coord
     check(rank_coord(me, dp, tp, pp, sp) == c, f"rank_coord({me}) = "
                                                f"{rank_coord(me, dp, tp, pp, sp)} != {c}")
     coords = comm.allgather(c)
@@ -74,7 +74,7 @@ def test_grid_every_factorisation(world, dp, tp, pp, sp):
 
 def test_grid_rejects_wrong_size():
     from mpi4py import MPI
-    from mpipar.topology import ProcessGrid
+    from mpipar.runtime.topology import ProcessGrid
 
     with pytest.raises(ValueError, match=r"dp\*tp\*pp\*sp = 2\*1\*1\*1 = 2 must equal"):
         ProcessGrid(MPI.COMM_SELF, 2, 1, 1, 1)
@@ -92,8 +92,8 @@ def test_node_groups_are_the_pure_ones(world, dp, tp, pp, sp, k, u):
     """With --ranks-per-node K: the node split of dp x sp and the hybrid split of sp hold
     exactly the ranks GridShape.members says, in that order, and every group's node ids, its
     crossing and its point-to-point links follow rank // K."""
-    from mpipar.comm import Group, Ledger
-    from mpipar.topology import ProcessGrid
+    from mpipar.runtime.comm import Group, Ledger
+    from mpipar.runtime.topology import ProcessGrid
 
     comm = world.Split(0 if world.rank < 8 else 1, world.rank)
     fails: list[str] = []
@@ -121,7 +121,7 @@ def test_node_groups_are_the_pure_ones(world, dp, tp, pp, sp, k, u):
 @pytest.mark.mpi(min_size=2)
 def test_nodes_detected_here_are_one(world):
     """This machine is one node to MPI (COMM_TYPE_SHARED): every rank on node 0."""
-    from mpipar.topology import ProcessGrid
+    from mpipar.runtime.topology import ProcessGrid
 
     grid = ProcessGrid(world, world.size, 1, 1, 1)
     fails = [] if grid.nodes.nodes == (0,) * world.size and not grid.crossing() else \
@@ -134,7 +134,7 @@ def test_nodes_detected_here_are_one(world):
 def test_node_split_and_crossing_by_hand():
     """dp=4 tp=2 on nodes of 4: each node holds 2 ranks of each dp group (every 2nd rank), the
     inter group pairs node 0's and node 1's; nodes of 3 cannot split; tp stays inside."""
-    from mpipar.topology import GridShape, NodeMap
+    from mpipar.runtime.topology import GridShape, NodeMap
 
     shape = GridShape(dp=4, tp=2, pp=1, sp=1)
     nodes = NodeMap.blocks(8, 4)

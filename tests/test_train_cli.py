@@ -65,7 +65,8 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
     script.write_text(textwrap.dedent("""
         import sys
         from mpi4py import MPI
-        from mpipar import engine, train
+        from mpipar import train
+        from mpipar.training import engine
         real = engine.Engine.train_step
         def step(self, k):
             if k == 1 and MPI.COMM_WORLD.rank == 1:
@@ -81,7 +82,7 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
     assert proc.returncode == 1, proc.stderr
     # The durable report (the launcher may drop an aborting rank's stderr: not asserted). The
     # job ended within 30 s of the failure (start-up time on a loaded machine is not counted).
-    from mpipar import failure
+    from mpipar.training import failure
     [line] = failure.read(str(tmp_path / "r"))
     assert ended - line["time"] < 30
     assert (line["rank"], line["exit"], line["kind"]) == (1, 1, "exception")
@@ -109,7 +110,7 @@ def _hf_checkpoint(tmp_path, **model):
     import numpy as np
 
     from mpipar.config import ModelConfig
-    from mpipar.hf import save_hf
+    from mpipar.checkpoint.huggingface import save_hf
     from mpipar.model.params import init_params
 
     cfg = ModelConfig(vocab_size=97, hidden=48, layers=2, heads=6, kv_heads=2, ffn_hidden=80,
@@ -126,7 +127,7 @@ def _hf_checkpoint(tmp_path, **model):
 def test_init_from_hf_and_export(tmp_path):
     import numpy as np
 
-    from mpipar.hf import load_hf
+    from mpipar.checkpoint.huggingface import load_hf
 
     src, data, params = _hf_checkpoint(tmp_path)
     common = ["--init-from-hf", str(src), "--data", str(data), "--seq-len", "16",
@@ -154,7 +155,7 @@ def test_hf_fine_tune_is_layout_invariant(tmp_path, model, layout):
     tied model: one tensor, the tie across the two pipeline stages kept)."""
     import numpy as np
 
-    from mpipar.hf import load_hf
+    from mpipar.checkpoint.huggingface import load_hf
 
     src, data, _ = _hf_checkpoint(tmp_path, **model)
     common = ["--init-from-hf", str(src), "--data", str(data), "--seq-len", "16", "--steps", "2",

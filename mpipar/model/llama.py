@@ -40,7 +40,7 @@ calls on the same inputs, so every mode gives bit-identical results:
 - ``full``: only ``x``; backward re-runs the whole block forward first, which repeats its tensor-
   and sequence-parallel traffic (the planner counts it).
 - ``offload``: what ``none`` keeps, written to a :class:`CacheStore` (a per-rank HDF5 scratch
-  file, :class:`mpipar.activations.OffloadStore`) block by block during forward and read back
+  file, :class:`mpipar.checkpoint.activations.OffloadStore`) block by block during forward and read back
   block by block in backward; the LM head's record too.
 
 :meth:`LlamaStage.forward_only` runs the same blocks keeping nothing for a backward (evaluation

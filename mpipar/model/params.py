@@ -3,7 +3,7 @@
 Names follow Hugging Face Llama without the ``model.`` prefix; matrices are ``[out, in]`` as in
 ``torch.nn.Linear``. Every parameter is initialised as its *global* tensor from a generator seeded
 by ``(seed, crc32(name))``, so every layout starts from the same numbers. How the grid splits
-and places them is not the model's business: :mod:`mpipar.placement` holds that table.
+and places them is not the model's business: :mod:`mpipar.parallel.placement` holds that table.
 
 Two config facts change the set: ``attention_bias`` adds the q/k/v biases
 (``layers.{i}.self_attn.{q,k,v}_proj.bias``, Qwen2's), and ``tie_embeddings`` drops

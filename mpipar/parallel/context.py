@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from mpipar.comm import Group
+from mpipar.runtime.comm import Group
 from mpipar.config import Config, require, rules
 
 SPLITS = ("contiguous", "zigzag")

@@ -45,7 +45,7 @@ slots and the same codec they load slot by slot — bit-exact on the same layout
 sum, the gradient the reduction still owes, goes into slot 0 and nothing owed is lost
 (:meth:`load_residuals`); a run without error feedback ignores them.
 
-A tied embedding's two copies (first and last pipeline stage, :mod:`mpipar.placement`) are then
+A tied embedding's two copies (first and last pipeline stage, :mod:`mpipar.parallel.placement`) are then
 summed over the ``tied`` group (Megatron's embedding group), after the dp x sp reduction as
 Megatron does it: the whole gradient, or under ZeRO-1 the owned slice. Each tied parameter has a
 bucket of its own, so the buffer is the same on both copies (same length, same values, same
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from mpipar.comm import Group, Request
+from mpipar.runtime.comm import Group, Request
 from mpipar.config import Config, require, rules
 from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
 
@@ -235,7 +235,7 @@ class GradReducer:
     def sends_sparse(self) -> bool:
         """Whether this reducer's compressed steps give sums of top-k selections with error
         feedback: a zero is then a coordinate no rank sent, whose gradient waits in the
-        residuals, not a zero gradient (the optimizer's :func:`mpipar.optim.adamw_catch_up`)."""
+        residuals, not a zero gradient (the optimizer's :func:`mpipar.training.optim.adamw_catch_up`)."""
         return self.feedback and isinstance(self.codec, TopKCodec)
 
     @property
@@ -460,7 +460,7 @@ def check_config(cfg: Config, world: int) -> None:
     hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1]; a
     compression warm-up a compression and a count >= 0; error-feedback residuals, one per
     rank, cannot follow a tied embedding across pipeline ranks."""
-    from mpipar.topology import GridShape, NodeMap
+    from mpipar.runtime.topology import GridShape, NodeMap
 
     p, t = cfg.parallel, cfg.train
     require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")

@@ -4,7 +4,7 @@ The model names the *units* it reads parameters in (:meth:`mpipar.model.llama.Ll
 the embedding, each decoder block, the final norm with the LM head. Each unit is one flat buffer,
 padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns elements
 ``[r * N / n, (r + 1) * N / n)`` of it: its slice of the gradients and of the optimizer state
-(:class:`mpipar.optim.ZeroAdamW`), and at ZeRO-3 of the parameters too.
+(:class:`mpipar.training.optim.ZeroAdamW`), and at ZeRO-3 of the parameters too.
 
 - **ZeRO-2** (``gather=False``): every rank keeps the whole parameters of its stage; after the
   update the owned slices are all-gathered back (as ZeRO-1).
@@ -22,7 +22,7 @@ padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns e
   too: with MPICH, testing the gathers alone left them unfinished behind them (measured).
 - **ZeRO-3 in node shared memory** (``node_groups``, :func:`node_shared`): each unit is one
   MPI-3 shared-memory window over the group's ranks on this node (``intra``;
-  :meth:`mpipar.comm.Group.shared_array`), in which each allocates an equal part; every rank
+  :meth:`mpipar.runtime.comm.Group.shared_array`), in which each allocates an equal part; every rank
   reads the whole unit in place, so the storage runs as ZeRO-2's (``gather`` false, the units
   bound) with nothing gathered per layer. A rank writes only its own slice (the update, a
   load); :meth:`gather_params` publishes the slices with one barrier over ``intra`` (and the
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from mpipar.comm import Group, Request, SharedArray
+from mpipar.runtime.comm import Group, Request, SharedArray
 from mpipar.config import Config, require, rules
 from mpipar.parallel.data import padded_size
 
@@ -84,7 +84,7 @@ def node_shared(par: Any, device_buffers: bool) -> bool:
 def node_copy_layout(par: Any, device_buffers: bool, shape: Any, nodes: Any,
                      rank: int) -> tuple[int, int] | None:
     """Where :func:`node_shared` applies to grid rank ``rank`` (``shape``: the grid's
-    :class:`mpipar.topology.GridShape`, ``nodes`` its node map): (ranks of its dp x sp group on
+    :class:`mpipar.runtime.topology.GridShape`, ``nodes`` its node map): (ranks of its dp x sp group on
     its node, nodes the group spans), or None where the units are gathered (not asked for,
     CUDA, or a group across nodes that hold unequal numbers of its ranks, or one rank each).
     The engine and the planner both ask this."""

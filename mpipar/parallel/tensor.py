@@ -1,7 +1,7 @@
 """Tensor parallelism (Megatron-LM): column- and row-parallel linears, the vocabulary-parallel
 embedding and cross-entropy, and sequence parallelism inside the tp group.
 
-Which parameter is split how is the placement table's business (:mod:`mpipar.placement`); this
+Which parameter is split how is the placement table's business (:mod:`mpipar.parallel.placement`); this
 module is what the split means for the activations. A :class:`TensorParallel` is the tp group as
 a block sees it:
 
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mpipar.comm import Group
+from mpipar.runtime.comm import Group
 from mpipar.config import Config, require, rules
-from mpipar.placement import padded_vocab
+from mpipar.parallel.placement import padded_vocab
 
 Array = Any
 LinearBackward = Callable[[Array, Array, str], Array]
@@ -178,7 +178,7 @@ class TensorParallel:
     # ------------------------------------------------------------------ gradients
     def reduce_partial_grads(self, grads: Sequence[Array]) -> None:
         """Sum over tp, in place, gradients that are partial per rank (replicated weights that
-        saw token shards: :attr:`mpipar.placement.Placement.grad_partial_over_tp`), packed in
+        saw token shards: :attr:`mpipar.parallel.placement.Placement.grad_partial_over_tp`), packed in
         one all-reduce."""
         if not grads or not self.sequence_parallel:
             return

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
-from mpipar.staging import cuda_aware_mpi
+from mpipar.runtime.staging import cuda_aware_mpi
 
 LAYOUTS = [dict(), dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002),
            dict(sp=4, tp=2, sp_overlap=True, sp_split="zigzag"),
@@ -35,7 +35,7 @@ def _cfg(layout: dict, device: str, path: str = "auto"):
 def test_device_layouts_equal_the_cpu(world, layout, path):
     if path == "on" and not cuda_aware_mpi()[0]:
         pytest.skip(f"MPI is not CUDA-aware here: {cuda_aware_mpi()[1]}")
-    from mpipar.engine import Engine
+    from mpipar.training.engine import Engine
     size = layout_size(layout)
     comm = world.Split(world.rank // size, world.rank)
     fails: list[str] = []
@@ -58,8 +58,8 @@ def test_checkpoint_crosses_devices(tmp_path, first, second):
     """Two steps on ``first``, a checkpoint, then two more on ``second``, equal to four steps on
     the CPU in float64."""
     from mpi4py import MPI
-    from mpipar import checkpoint
-    from mpipar.engine import Engine
+    from mpipar.checkpoint import store as checkpoint
+    from mpipar.training.engine import Engine
     comm = MPI.COMM_SELF
     cfg = _cfg({}, first)
     cfg.train.steps = 4

@@ -13,7 +13,7 @@ DTYPES = ("float64", "float32")
 
 
 def _close(got, want, dtype: str) -> None:
-    from mpipar.backend import to_host
+    from mpipar.runtime.device import to_host
     got, want = np.asarray(to_host(got), np.float64), np.asarray(want, np.float64)
     finite = np.isfinite(want)
     assert np.array_equal(finite, np.isfinite(got))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from mpipar.comm import Group
+from mpipar.runtime.comm import Group
 from mpipar.model.llama import RESIDENT, LlamaStage, ParamScope
 from mpipar.parallel.pipeline.schedule import MESSAGE_KINDS, Op, message_tag
 

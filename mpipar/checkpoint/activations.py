@@ -38,7 +38,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from mpipar.backend import to_host
+from mpipar.runtime.device import to_host
 from mpipar.model.llama import ACTIVATION_NAMES
 
 TP_SHARDED = ("attention",)

@@ -23,7 +23,7 @@ Sections:
                AdamW) on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo)
   compression  convergence of gradient compression: the default model trained under mpirun with
                no, int8 and top-k compression, with and without error feedback (loss table, plot)
-  gpu          on a CUDA device (mpipar.bench_gpu): attention TFLOP/s against the GEMM of equal
+  gpu          on a CUDA device (mpipar.bench.gpu): attention TFLOP/s against the GEMM of equal
                FLOPs, end-to-end tokens/s and MFU of a 350M Llama against PyTorch eager
 
 Sections that compare thread counts run each count in child processes started with
@@ -46,13 +46,13 @@ import tracemalloc
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mpipar import backend
+from mpipar.runtime import nodes
 
 # Before NumPy: under a launcher each rank gets its share of the node's cores for BLAS (as in
 # python -m mpipar.train), not all of them (8 ranks x all-core BLAS pools thrash 2 cores). The
 # jobs this module starts get the environment as it was, to budget their own threads.
 LAUNCH_ENV = dict(os.environ)
-backend.configure_threads(None)
+nodes.configure_threads(None)
 
 import numpy as np  # noqa: E402
 
@@ -329,7 +329,7 @@ def best_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
 
 def cpu_probe_flops(dtype: np.dtype, n: int = 384, seconds: float = 0.25) -> float:
     """FLOPs per CPU second of the GEMM probe's product (`[n, n] @ [n, n]`, as
-    `mpipar.backend.measure_peak_flops`), the fastest of repeated calls over `seconds` of CPU."""
+    `mpipar.runtime.peak.measure_peak_flops`), the fastest of repeated calls over `seconds` of CPU."""
     a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
     best, spent = math.inf, 0.0
     while spent < seconds:
@@ -346,7 +346,7 @@ def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     row per (dtype, head dim, sequence length), each next to a fresh GEMM probe of the same threads."""
     import numba
 
-    from mpipar.backend import measure_peak_flops
+    from mpipar.runtime.peak import measure_peak_flops
 
     backend = kernels.get_backend("numba")
     rng = np.random.default_rng(0)
@@ -382,7 +382,7 @@ def _ints(text: str) -> list[int]:
 def run_child(section_argv: list[str], threads: int, launcher: tuple[str, ...] = ()) -> dict[str, Any]:
     """Results of `python -m mpipar.bench SECTION_ARGV --json F` run in a child process (under
     `launcher`, e.g. mpirun) with `threads` threads for BLAS, OpenMP and Numba."""
-    from mpipar.backend import THREAD_VARS
+    from mpipar.runtime.nodes import THREAD_VARS
 
     env = dict(os.environ, **{var: str(threads) for var in THREAD_VARS})
     with tempfile.TemporaryDirectory(prefix="mpipar-bench-") as tmp:
@@ -405,7 +405,7 @@ def thread_counts(text: str) -> list[int]:
 
 
 def _cpu_count() -> int:
-    from mpipar.backend import cpu_count
+    from mpipar.runtime.nodes import cpu_count
 
     return cpu_count()
 
@@ -444,7 +444,7 @@ def _print_attention_table(rows: list[dict[str, Any]]) -> None:
         return
     r0 = rows[0]
     print(f"\nattention (numba backend), causal, batch {r0['batch']}, heads {r0['heads']}/{r0['kv_heads']}: "
-          "GFLOP/s and % of the GEMM probe (mpipar.backend.measure_peak_flops, same threads, measured "
+          "GFLOP/s and % of the GEMM probe (mpipar.runtime.peak.measure_peak_flops, same threads, measured "
           "beside each row); FLOPs per head: forward half of 4 S^2 D, backward 2.5x forward")
     header = (f"{'dtype':<8} {'D':>4} {'seq':>6} {'thr':>4} {'fwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} "
               f"{'bwd ms':>9} {'GFLOP/s':>8} {'%probe':>7} {'probe':>7} {'vs 1 thread':>12} {'CPU %probe':>11}")
@@ -513,8 +513,8 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
     from mpi4py import MPI
 
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from mpipar.data import load_tokens
-    from mpipar.engine import Engine
+    from mpipar.data.sources import load_tokens
+    from mpipar.training.engine import Engine
 
     comm = comm or MPI.COMM_SELF
     cfg = Config(
@@ -565,8 +565,8 @@ def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_
     """An engine of the --zero benchmark model with dp = every rank of ``comm`` (``shared``:
     ZeRO-3's parameters in node shared memory)."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from mpipar.data import load_tokens
-    from mpipar.engine import Engine
+    from mpipar.data.sources import load_tokens
+    from mpipar.training.engine import Engine
 
     world = comm.Get_size()
     cfg = Config(
@@ -590,7 +590,7 @@ def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, com
     the unit pool, caches) and the peak of a step; the planner's prediction beside them.
     ``shared``: ZeRO-3 in node shared memory, whose slices (not NumPy's, so not traced) are
     added to each figure."""
-    from mpipar.planner import predict_memory
+    from mpipar.plan.cost import predict_memory
 
     gc.collect()
     engine, m = _traced_build_and_step(
@@ -627,7 +627,7 @@ def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
         f"hidden={args.hidden} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab=256 "
         f"seq={args.seq} batch={args.batch} micro_batch={args.micro_batch}; budget "
         f"{args.budget_mb} MiB per rank")
-    from mpipar.data import load_tokens
+    from mpipar.data.sources import load_tokens
     load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
     rows, engines = [], {}
     with tempfile.TemporaryDirectory(prefix="mpipar-bench-zero-") as run_dir:
@@ -839,9 +839,9 @@ def measure_window_step(sp_mode: str, window: int, seq: int, args: argparse.Name
     """Train ``args.steps`` steps with sp = comm size; (median step seconds after the first,
     the SP bytes per step of the rank that sends the most, the planner's prediction of it)."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from mpipar.data import load_tokens
-    from mpipar.engine import Engine
-    from mpipar.planner import predict_step_bytes
+    from mpipar.data.sources import load_tokens
+    from mpipar.training.engine import Engine
+    from mpipar.plan.cost import predict_step_bytes
 
     sp = comm.Get_size()
     cfg = Config(ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers,
@@ -1010,14 +1010,14 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
     from mpi4py import MPI
 
-    from mpipar.planner import Hardware
+    from mpipar.plan.cost import Hardware
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    ids = backend.shared_memory_nodes(comm)
+    ids = nodes.shared_memory_nodes(comm)
     node = comm.Split(ids[rank], rank)
     across = comm.Split(node.Get_rank(), rank)         # one rank per node: the same local rank
-    nodes = len(set(ids))
+    node_count = len(set(ids))
     repeats = 5 if args.quick else args.repeats
     small, large = 8, (1 if args.quick else args.mb) * 2**20
     links = {}
@@ -1036,8 +1036,8 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     if rank != 0:
         return {}
     hw = Hardware.from_links(min(peaks), statistics.median(overheads), min(rates), links,
-                             on_node, nodes, tuple(max(c[i] for c in codecs) for i in (0, 1)))
-    print(f"comm: {comm.Get_size()} ranks on {nodes} node(s) x {on_node}; {args.dtype} GEMM "
+                             on_node, node_count, tuple(max(c[i] for c in codecs) for i in (0, 1)))
+    print(f"comm: {comm.Get_size()} ranks on {node_count} node(s) x {on_node}; {args.dtype} GEMM "
           f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
           f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank), in-place "
           f"pass {min(rates) / 1e6:.0f} M elements/s (slowest), compression work "
@@ -1097,7 +1097,7 @@ def measured_step_time(launch: list[str], flags: list[str], run_dir: str) -> tup
 def run_planner(args: argparse.Namespace) -> dict[str, Any]:
     """Train each layout for ``--steps`` steps under ``--launcher`` and print the planner's
     predicted step time (``--hardware`` file) beside the measured median."""
-    from mpipar.planner import Hardware, predict_step_time
+    from mpipar.plan.cost import Hardware, predict_step_time
 
     hw = Hardware.load(args.hardware)
     launch = args.launcher.split() + ["-n", str(args.ranks)]
@@ -1164,9 +1164,9 @@ class MpiparPeer:
         import numba
         from mpi4py import MPI
 
-        from mpipar.backend import measure_peak_flops
-        from mpipar.engine import Engine
-        from mpipar.planner import model_flops_per_step
+        from mpipar.runtime.peak import measure_peak_flops
+        from mpipar.training.engine import Engine
+        from mpipar.plan.cost import model_flops_per_step
 
         self.comm = MPI.COMM_WORLD
         self.rank0 = self.comm.Get_rank() == 0
@@ -1237,7 +1237,7 @@ class TorchTrainer:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from mpipar.config import TrainConfig
-        from mpipar.data import Sampler, load_tokens
+        from mpipar.data.sources import Sampler, load_tokens
 
         self.torch = torch
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -1348,7 +1348,7 @@ class Server:
     """A serving child process (`python -m mpipar.bench train --serve ...`) with `threads` threads."""
 
     def __init__(self, name: str, argv: list[str], threads: int, launcher: tuple[str, ...] = ()) -> None:
-        from mpipar.backend import THREAD_VARS
+        from mpipar.runtime.nodes import THREAD_VARS
 
         self.name = name
         env = dict(os.environ, **{var: str(threads) for var in THREAD_VARS})
@@ -1487,7 +1487,7 @@ def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
                      f"{m['median_cpu_step_s']:>7.2f}/{t['median_cpu_step_s']:<7.2f} "
                      f"{t['median_cpu_step_s'] / m['median_cpu_step_s']:>9.2f}x")
         print(line)
-    print("tok/s from the median step; MFU = model FLOPs/step (mpipar.planner.model_flops_per_step, the same "
+    print("tok/s from the median step; MFU = model FLOPs/step (mpipar.plan.cost.model_flops_per_step, the same "
           "for both) / step time / the GEMM probe of the same threads x ranks; CPU s/step: median CPU "
           "time of rank 0's process (all its threads), per CPU s = torch/mpipar CPU time of a step (on a "
           "machine shared with other work, the 1-thread rows' fairest ratio)")
@@ -1527,12 +1527,12 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
 register("train", run_train, "a training step of mpipar against PyTorch eager, same model and threads",
          _configure_train)
 def _run_gpu(args: argparse.Namespace) -> dict[str, Any]:
-    from mpipar import bench_gpu
+    from mpipar.bench import gpu as bench_gpu
     return bench_gpu.run(args)
 
 
 def _configure_gpu(parser: argparse.ArgumentParser) -> None:
-    from mpipar import bench_gpu
+    from mpipar.bench import gpu as bench_gpu
     bench_gpu.configure(parser)
 
 

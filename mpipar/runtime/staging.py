@@ -1,6 +1,6 @@
 """How arrays reach MPI: handed over as they are, or staged through reusable host buffers.
 
-Every buffer call of a :class:`mpipar.comm.Group` asks its path for the buffers MPI sees:
+Every buffer call of a :class:`mpipar.runtime.comm.Group` asks its path for the buffers MPI sees:
 
 - :class:`DirectPath`: the arrays themselves. Host arrays always can; device (CuPy) arrays can
   when the MPI library is CUDA-aware (:func:`cuda_aware_mpi`), after the compute stream has been

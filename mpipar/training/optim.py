@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mpipar.comm import Group
+from mpipar.runtime.comm import Group
 from mpipar.config import Config, ConfigError, rules
 
 

@@ -2,9 +2,9 @@
 
 ``predict_step_bytes(cfg, coord)`` derives, from the layer shapes alone, the bytes this rank hands
 to MPI in one training step for every group of the grid, under the ledger's counting convention
-(:mod:`mpipar.comm`: the payload of each call, sender side); ``predict_step_messages`` counts the
+(:mod:`mpipar.runtime.comm`: the payload of each call, sender side); ``predict_step_messages`` counts the
 calls, and ``predict_link_bytes`` the wire bytes per group inside and across nodes (nodes of
-``ranks_per_node`` consecutive ranks; :mod:`mpipar.comm` for the wire factors and links). All
+``ranks_per_node`` consecutive ranks; :mod:`mpipar.runtime.comm` for the wire factors and links). All
 three come from one list of the step's MPI calls (:func:`_calls`: tensor, sequence, pipeline,
 and the gradient reduction, flat or hierarchical, dense or compressed). The tests hold the
 engine's ledger to these numbers exactly, so the model and the implementation cannot drift
@@ -30,7 +30,7 @@ with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce mo
 of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the link inside a node
 or, for a group that spans nodes, across them. :class:`Hardware` holds the peak, the links, the
 per-call overhead and compression's work per element: nominal, or measured by ``python -m
-mpipar.bench comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks
+mpipar.bench.sections comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks
 share dominate small models: the peak is a rank's share of the node). The nodes are
 ``parallel.ranks_per_node`` consecutive ranks each, else those of the hardware file, else one.
 ``plan_layouts`` enumerates the layouts of a world and ranks the ones that fit;
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-import mpipar.engine  # noqa: F401  (imports every component: their configuration rules)
+import mpipar.training.engine  # noqa: F401  (imports every component: their configuration rules)
 from mpipar.config import Config, ConfigError, ModelConfig
-from mpipar.comm import LINKS, wire_bytes
+from mpipar.runtime.comm import LINKS, wire_bytes
 from mpipar.model.params import EMBED
 from mpipar.parallel.compression import Int8Codec, TopKCodec, alignment
 from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_hops,
@@ -59,8 +59,8 @@ from mpipar.parallel.context import (SeqLayout, halo_messages, halo_plan, ring_h
 from mpipar.parallel.data import padded_size, plan_buckets
 from mpipar.parallel.fsdp import MAX_IN_FLIGHT, kept_after_forward, node_copy_layout
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
-from mpipar.placement import PlacementTable, padded_vocab
-from mpipar.topology import GROUP_AXES, Coord, GridShape, NodeMap
+from mpipar.parallel.placement import PlacementTable, padded_vocab
+from mpipar.runtime.topology import GROUP_AXES, Coord, GridShape, NodeMap
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
 
@@ -238,7 +238,7 @@ def group_sizes(cfg: Config) -> dict[str, int]:
 def _calls(cfg: Config, coord: Coord, eval_batches: int = 0) -> list[Call]:
     """Every MPI call the rank at ``coord`` makes in one training step, or with
     ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
-    reduced once: :meth:`mpipar.engine.Engine.evaluate`). ``cfg`` is resolved."""
+    reduced once: :meth:`mpipar.training.engine.Engine.evaluate`). ``cfg`` is resolved."""
     m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
     train = eval_batches == 0
     e = np.dtype(tr.dtype).itemsize
@@ -475,7 +475,7 @@ def predict_step_messages(cfg: Config, coord: Coord) -> dict[str, int]:
 
 def _link(cfg: Config, coord: Coord, call: Call) -> str:
     """"intra" or "inter": a collective by whether its group's instance spans nodes, a
-    point-to-point call by its peer's node (:mod:`mpipar.comm`)."""
+    point-to-point call by its peer's node (:mod:`mpipar.runtime.comm`)."""
     par, nodes = cfg.parallel, nodes_of(cfg)
     shape = GridShape(par.dp, par.tp, par.pp, par.sp)
     me = shape.rank_of(coord)
@@ -487,7 +487,7 @@ def _link(cfg: Config, coord: Coord, call: Call) -> str:
 
 def predict_link_bytes(cfg: Config, coord: Coord) -> dict[str, dict[str, int]]:
     """``{group: {"intra": wire bytes, "inter": wire bytes}}`` the rank at ``coord`` sends in
-    one step (the ledger's :meth:`mpipar.comm.Ledger.bytes_by_link`)."""
+    one step (the ledger's :meth:`mpipar.runtime.comm.Ledger.bytes_by_link`)."""
     sizes = group_sizes(cfg)
     out: dict[str, dict[str, int]] = {}
     for call in _calls(cfg, coord):

@@ -43,7 +43,7 @@ def output_dirs(cfg: Config) -> list[tuple[str, Path]]:
         out.append(("--dump-activations", run / "activations"))
     if tr.recompute == "offload":
         out.append(("--recompute offload", run / "scratch"))
-    from mpipar.tensorboard import log_dir
+    from mpipar.observe.tensorboard import log_dir
     events = log_dir(tr.tensorboard, tr.run_dir)
     if events:
         out.append(("--tensorboard", Path(events)))
@@ -57,7 +57,7 @@ def prepare_outputs(cfg: Config) -> None:
         _create(flag, path)
         _probe(flag, path)
     if cfg.train.export_hf:
-        from mpipar import hf
+        from mpipar.checkpoint import huggingface as hf
         try:
             hf.check_export_target(cfg.train.export_hf)
         except ValueError as exc:
@@ -131,7 +131,7 @@ def _lock(directory: Path):
 
 def refuse_earlier_checkpoints(cfg: Config) -> None:
     """A fresh run (no ``--resume``) must not save beside an earlier run's checkpoints."""
-    from mpipar.checkpoint import list_checkpoints
+    from mpipar.checkpoint.store import list_checkpoints
     tr = cfg.train
     found = list_checkpoints(tr.save_dir)
     if not tr.resume and found:

@@ -2,7 +2,7 @@
 
 `python -m mpipar.data prepare INPUT... --tokenizer HF_DIR_OR_tokenizer.json --out tokens.h5`
 encodes the documents of the inputs (text files, directories, `.jsonl`, Parquet:
-:mod:`mpipar.documents`) with the `tokenizers` library (`pip install 'mpipar[tokenizers]'`;
+:mod:`mpipar.data.documents`) with the `tokenizers` library (`pip install 'mpipar[tokenizers]'`;
 no PyTorch) and writes one 1-D dataset `tokens`:
 
 - each document is the tokenizer's encoding without its special-token template (no BOS),
@@ -13,9 +13,9 @@ no PyTorch) and writes one 1-D dataset `tokens`:
 - with `workers > 1`, files are encoded in parallel processes, each into a temporary part file,
   and appended in input order: the output is the same for every number of workers;
 - the file's attributes record the tokenizer (the path given, its vocabulary size, the sha256 of
-  its tokenizer.json, the EOS token and id; :data:`mpipar.data.TOKENIZER_ATTRS`), the input files
+  its tokenizer.json, the EOS token and id; :data:`mpipar.data.sources.TOKENIZER_ATTRS`), the input files
   with the token offset of each (`files`, `offsets`), the document count and the text field.
-  The trainer checks the vocabulary against the model's (:func:`mpipar.data.load_tokens`).
+  The trainer checks the vocabulary against the model's (:func:`mpipar.data.sources.load_tokens`).
 
 The EOS token is `--eos` when given, else `eos_token` of the `tokenizer_config.json` or
 `special_tokens_map.json` beside tokenizer.json, else the one special token among
@@ -39,8 +39,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from mpipar import documents
-from mpipar.data import PREPARE_CHUNK_TOKENS, DataError, output_file
+from mpipar.data import documents
+from mpipar.data.sources import PREPARE_CHUNK_TOKENS, DataError, output_file
 
 KNOWN_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
 """End-of-document tokens recognised when no tokenizer_config.json names one."""
@@ -63,7 +63,7 @@ class TokenizerSpec:
         return token_dtype(self.vocab_size)
 
     def attrs(self) -> dict[str, Any]:
-        """The HDF5 attributes (names in :data:`mpipar.data.TOKENIZER_ATTRS`)."""
+        """The HDF5 attributes (names in :data:`mpipar.data.sources.TOKENIZER_ATTRS`)."""
         return {"tokenizer": self.name, "tokenizer_vocab_size": self.vocab_size,
                 "tokenizer_sha256": self.sha256, "eos_token": self.eos_token,
                 "eos_id": self.eos_id}

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpipar.data import DataError, directory_files
+from mpipar.data.sources import DataError, directory_files
 
 BATCH_DOCUMENTS = 1024
 """Documents of a `.jsonl` or `.parquet` file read (and encoded) together."""

@@ -21,7 +21,7 @@ messages and seconds but no bytes (the sender counted them), and so does an obje
 nothing. A phase with books of its own (evaluation between training steps) points the groups at
 another ledger for its duration (:func:`booked_to`).
 
-Links: a group knows the node of each of its ranks (:mod:`mpipar.topology`), and the ledger
+Links: a group knows the node of each of its ranks (:mod:`mpipar.runtime.topology`), and the ledger
 splits what each call puts on the wire into ``intra``- and ``inter``-node bytes. Wire bytes are
 the payload times the per-rank factor of the bandwidth-optimal algorithm of the operation
 (:func:`wire_bytes`: ring all-reduce ``2(n-1)/n``, reduce-scatter and all-to-all ``(n-1)/n``,
@@ -43,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from mpipar.staging import DirectPath, HostCopies, MpiPath
+from mpipar.runtime.staging import DirectPath, HostCopies, MpiPath
 
 
 WIRE_FACTORS: dict[str, Callable[[int], tuple[int, int]]] = {
@@ -89,7 +89,7 @@ class Ledger:
     in_flight: tuple[str, str, int, float] | None = None
     """(group, operation, group size, time.monotonic() at entry) of the call blocked now."""
     staging: LedgerEntry = field(default_factory=LedgerEntry)
-    """Copies between arrays and MPI's host buffers (:mod:`mpipar.staging`): bytes copied
+    """Copies between arrays and MPI's host buffers (:mod:`mpipar.runtime.staging`): bytes copied
     either way, copies, seconds; apart from ``entries``, which hold what the planner predicts."""
 
     def begin(self, group: str, op: str, size: int) -> None:
@@ -214,7 +214,7 @@ class Group:
 
     ``nodes``: the node of each rank of the group (by group rank; default: all on one node),
     which decides whether a call's wire bytes are intra- or inter-node. ``path`` decides what MPI
-    sees of each array (:mod:`mpipar.staging`): the array itself (default: host arrays), or a
+    sees of each array (:mod:`mpipar.runtime.staging`): the array itself (default: host arrays), or a
     staged host buffer; every buffer method goes through it."""
 
     def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger,

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpipar.comm import Group, Ledger
+from mpipar.runtime.comm import Group, Ledger
 
 if TYPE_CHECKING:
-    from mpipar.engine import EvalResult, StepResult
+    from mpipar.training.engine import EvalResult, StepResult
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
@@ -79,11 +79,11 @@ def measure_peak(backend_name: str, dtype: str, threads: int, ranks_on_node: int
     """FLOP/s peak of this rank: the device's for cupy; else a short GEMM probe with this
     rank's ``threads``, times its share of the node's cores (less than 1 when more ranks x
     threads than cores share the node)."""
-    from mpipar import backend
+    from mpipar.runtime import nodes, peak
     if backend_name == "cupy":
-        return backend.gpu_peak_flops(dtype)
-    return (backend.measure_peak_flops(dtype)
-            * backend.cpu_peak_share(threads, ranks_on_node))
+        return peak.gpu_peak_flops(dtype)
+    return (peak.measure_peak_flops(dtype)
+            * nodes.cpu_peak_share(threads, ranks_on_node))
 
 
 class Telemetry:
@@ -174,7 +174,7 @@ def eval_record(result: "EvalResult", ledger: Ledger) -> dict[str, Any]:
 class MetricsWriter:
     """Writes step records to ``RUN_DIR/metrics.jsonl`` (rank 0: ``enabled``) and, with a
     ``tensorboard`` directory, their numbers to a new TensorBoard event file there
-    (:mod:`mpipar.tensorboard`). A fresh run (``start`` 0) starts the file anew; a run resumed
+    (:mod:`mpipar.observe.tensorboard`). A fresh run (``start`` 0) starts the file anew; a run resumed
     at step ``start`` keeps the records of steps 1..start and drops any later ones (steps a
     crashed run logged after its last checkpoint, which the resumed run trains again),
     rewriting the file through a rename."""
@@ -197,7 +197,7 @@ class MetricsWriter:
             os.replace(tmp, path)
             self._fh = open(path, "a")
             if tensorboard:
-                from mpipar.tensorboard import EventWriter
+                from mpipar.observe.tensorboard import EventWriter
                 self._events = EventWriter(tensorboard)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -207,7 +207,7 @@ class MetricsWriter:
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
         if self._events is not None:
-            from mpipar.tensorboard import scalars
+            from mpipar.observe.tensorboard import scalars
             self._events.add_scalars(record["step"], scalars(record))
 
     def sync(self) -> None:

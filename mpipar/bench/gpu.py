@@ -64,11 +64,11 @@ def mpipar_train(seq: int, steps: int) -> dict[str, float]:
     """Tokens/s and MFU of mpipar's training step of the 350M model on this device."""
     import cupy
     from mpi4py import MPI
-    from mpipar.backend import gpu_peak_flops
+    from mpipar.runtime.peak import gpu_peak_flops
     from mpipar.config import Config, ModelConfig, TrainConfig
-    from mpipar.data import load_tokens
-    from mpipar.engine import Engine
-    from mpipar.planner import model_flops_per_step
+    from mpipar.data.sources import load_tokens
+    from mpipar.training.engine import Engine
+    from mpipar.plan.cost import model_flops_per_step
     import numpy as np, os, tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
     np.save(path, np.random.default_rng(0).integers(0, 32000, (8, seq + 1)))
@@ -122,7 +122,7 @@ def torch_train(seq: int, steps: int) -> dict[str, float] | str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The section: attention rates, then the two training runs, printed and returned."""
-    from mpipar.backend import cuda_unavailable
+    from mpipar.runtime.device import cuda_unavailable
     reason = cuda_unavailable()
     if reason is not None:
         print(f"gpu: skipped: {reason}")

@@ -9,15 +9,15 @@ thread that needs no GIL. Importing this module arms it for ``MPIPAR_INIT_TIMEOU
 ``MPI_Init`` then prints ``Timeout (h:mm:ss)!`` and every thread's stack (naming
 :func:`_initialise` below) and exits with status 1, so ``srun --kill-on-bad-exit`` or mpirun
 ends the launch. The deadline is disarmed as soon as ``MPI_Init`` returns; later blocking is the
-business of ``--collective-timeout`` (:class:`mpipar.comm.Watchdog`).
+business of ``--collective-timeout`` (:class:`mpipar.runtime.comm.Watchdog`).
 
 MPI start-up under ``srun --mpi=pmi2`` with the MPICH wheel fails now and then, also after a
 probe launch went through. A training launch marks, through :func:`mark_started`, that every
 rank came through it (the file ``MPIPAR_STARTED_FILE`` names, when set): the srun job scripts
 launch again, up to three times, a launch that failed without it, which did nothing.
 
-The entry points (``python -m mpipar.train``, ``python -m mpipar.backend``) import ``MPI`` from
-here; a process that already initialised MPI is left alone. ``python -m mpipar.backend``, the
+The entry points (``python -m mpipar.train``, ``python -m mpipar.runtime.nodes``) import ``MPI`` from
+here; a process that already initialised MPI is left alone. ``python -m mpipar.runtime.nodes``, the
 job scripts' probe, which is nothing but start-up, runs whole under :func:`deadline` (its node
 detection is the first traffic between the nodes). The variable is read before MPI
 (and before any argument parsing), so a bad value is refused here: one message, status 2.

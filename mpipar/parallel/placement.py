@@ -23,14 +23,14 @@ it is *sharded over dp x sp* as part of its unit (:attr:`Placement.dp_sp`): a un
 buffer of which each rank of dp x sp holds 1/(dp*sp), all-gathered around the unit's forward and
 backward (:mod:`mpipar.parallel.fsdp`, :meth:`PlacementTable.units`). ZeRO-1 and ZeRO-2 shard
 the optimizer state (and ZeRO-2 the gradients) the same way, but not the parameters: that is
-the optimizer's and the reducer's business (:mod:`mpipar.optim`, :mod:`mpipar.parallel.fsdp`). With ``--tp-sequence-parallel`` the norm weights stay replicated,
+the optimizer's and the reducer's business (:mod:`mpipar.training.optim`, :mod:`mpipar.parallel.fsdp`). With ``--tp-sequence-parallel`` the norm weights stay replicated,
 but each tp rank sees only its token shard, so their gradients are partial sums over tp
 (:attr:`Placement.grad_partial_over_tp`).
 
 Tied embeddings (``tie_embeddings``) are one parameter used by the first stage (embedding) and
 the last (LM head). With pp > 1 both pipeline ranks hold a copy (Megatron's embedding group):
 each accumulates its own gradient, the two are summed over the ``pp_ends`` group
-(:mod:`mpipar.topology`) before the update, and identical updates keep the copies identical.
+(:mod:`mpipar.runtime.topology`) before the update, and identical updates keep the copies identical.
 The copy on the first stage's rank is the one counted in the gradient norm and written to
 checkpoints (:meth:`Placement.owned_by`), so the tensor is once on disk.
 

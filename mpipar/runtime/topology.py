@@ -18,7 +18,7 @@ Sub-communicators:
 
 **Nodes.** :class:`NodeMap` says which node each rank is on: ``--ranks-per-node K`` makes each
 ``K`` consecutive ranks one node (one machine standing in for a cluster); ``K = 0`` asks MPI
-(:func:`mpipar.backend.shared_memory_nodes`: the ranks that can share memory). Group membership and node
+(:func:`mpipar.runtime.nodes.shared_memory_nodes`: the ranks that can share memory). Group membership and node
 crossing are pure functions of the grid's sizes and the node map (:class:`GridShape`), so the
 planner predicts exactly what the engine's ledger records.
 """
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.backend import shared_memory_nodes
+from mpipar.runtime.nodes import shared_memory_nodes
 from mpipar.config import Config, ConfigError, require, rules
 
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest
@@ -73,7 +73,7 @@ class NodeMap:
 
     @classmethod
     def detect(cls, comm: MPI.Comm) -> "NodeMap":
-        """The nodes MPI sees (:func:`mpipar.backend.shared_memory_nodes`); a collective."""
+        """The nodes MPI sees (:func:`mpipar.runtime.nodes.shared_memory_nodes`); a collective."""
         return cls(tuple(shared_memory_nodes(comm)))
 
     @property

@@ -8,7 +8,7 @@ schedule, SP mode and split, microbatch size, ZeRO stage; with ``--ranks-per-nod
 several nodes also flat or hierarchical reduction, no, int8 or top-k gradient compression, and
 hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the first recompute
 mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
-time model of :mod:`mpipar.planner`, with the links inside a node (``--intra-gbps``, default
+time model of :mod:`mpipar.plan.cost`, with the links inside a node (``--intra-gbps``, default
 half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and across
 nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
 all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too); each
@@ -29,7 +29,7 @@ import numpy as np
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
-from mpipar.planner import Candidate, Hardware, Plan, plan_layouts, with_nodes
+from mpipar.plan.cost import Candidate, Hardware, Plan, plan_layouts, with_nodes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str) -> int:
-    sys.stderr.write(f"mpipar.plan: error: {message}\n")
+    sys.stderr.write(f"mpipar.plan.cli: error: {message}\n")
     return 2
 
 
@@ -153,7 +153,7 @@ def _probed_hardware(args: argparse.Namespace, base: Config) -> tuple[Hardware, 
     if args.peak_gflops:
         peak, note = args.peak_gflops * 1e9, "given"
     else:
-        from mpipar.backend import measure_peak_flops
+        from mpipar.runtime.peak import measure_peak_flops
         peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
     if args.intra_gbps:
         intra, link_note = args.intra_gbps * 1e9, "given"

@@ -1,7 +1,7 @@
 """The training engine: builds one rank's share of everything and runs one step at a time.
 
 ``Engine(cfg, comm)`` builds, from a *resolved* config, the process grid and its groups, the
-kernels, the placement of every parameter (:mod:`mpipar.placement`), this rank's model chunks
+kernels, the placement of every parameter (:mod:`mpipar.parallel.placement`), this rank's model chunks
 with their tensor-parallel and attention seams, the flat gradient buckets, the optimizer and the
 pipeline executor; ``engine.train_step(k)`` runs optimizer step ``k`` (0-based) and returns its
 :class:`StepResult`, identical on every rank. ``engine.evaluate()`` computes the validation loss
@@ -10,7 +10,7 @@ pipeline executor; ``engine.train_step(k)`` runs optimizer step ``k`` (0-based) 
 kept for a backward, its traffic booked in ``engine.eval_ledger`` (reset at each pass, so
 ``engine.ledger`` holds exactly a training step's traffic, and each ledger what the planner
 predicts for its phase). ``engine.state`` is the same rank seen as pieces
-of global tensors, for checkpoints (:mod:`mpipar.state`).
+of global tensors, for checkpoints (:mod:`mpipar.training.state`).
 
 One step, as data flows (docs/architecture.md): this DP rank takes its rows of the global batch,
 cuts them into microbatches and this SP rank's sequence chunk; each microbatch runs forward and
@@ -36,15 +36,16 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
-from mpipar.backend import pool_freed_memory, select_device, to_host, training_backend
-from mpipar.comm import Group, Ledger, booked_to
+from mpipar.checkpoint.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
+from mpipar.runtime.device import select_device, to_host, training_backend
+from mpipar.runtime.memory import pool_freed_memory
+from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.config import Config
-from mpipar.data import Sampler, TokenSource, load_tokens, validation
+from mpipar.data.sources import Sampler, TokenSource, load_tokens, validation
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.params import init_param
-from mpipar.optim import AdamWConfig, LRSchedule, build_optimizer
+from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
@@ -53,10 +54,10 @@ from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
-from mpipar.placement import PlacementTable
-from mpipar.staging import choose_path
-from mpipar.state import TrainState
-from mpipar.topology import ProcessGrid
+from mpipar.parallel.placement import PlacementTable
+from mpipar.runtime.staging import choose_path
+from mpipar.training.state import TrainState
+from mpipar.runtime.topology import ProcessGrid
 
 
 @dataclass

@@ -11,7 +11,7 @@ A save directory holds one directory per checkpoint and a pointer to the newest:
         index.sha256          sha256 of index.h5
       .step_00000300.tmp/     a save in progress, or one a crash interrupted: never read
 
-**Shards.** Each rank writes its share of the unique state (:meth:`mpipar.state.TrainState.pieces`):
+**Shards.** Each rank writes its share of the unique state (:meth:`mpipar.training.state.TrainState.pieces`):
 parameters once per (tp, pp) position (by dp = sp = 0), replicated tensors (the norm weights) only
 by TP rank 0; AdamW moments from the same ranks without ZeRO, and under ZeRO-1 from every rank of
 dp x sp for the slices it owns. A piece is a flat range of a local shard ``[rows, cols]``; it is stored as rectangles of
@@ -24,7 +24,7 @@ with the ``fletcher32`` filter, each with a ``global_start`` attribute.
 (``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, and with gradient compression and
 error feedback the residuals per slot, ``residual_send.<slot>/<name>`` and
 ``residual_gather/<name>``: :mod:`mpipar.parallel.data`; with top-k's catch-up the optimizer's
-wait counts, ``idle_steps/<name>``: :func:`mpipar.optim.adamw_catch_up`) whose mappings are
+wait counts, ``idle_steps/<name>``: :func:`mpipar.training.optim.adamw_catch_up`) whose mappings are
 rectangle-to-rectangle and whose source files are named relative to the checkpoint directory
 (a renamed or copied directory still works). A missing source reads as the fill value (NaN) in
 HDF5, so nothing is read before :func:`verify` has checked that every shard is present and
@@ -77,9 +77,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from mpipar.comm import Group, Ledger
+from mpipar.runtime.comm import Group, Ledger
 from mpipar.config import Config, ConfigError, ModelConfig
-from mpipar.state import Reader
+from mpipar.training.state import Reader
 
 FORMAT = "mpipar-checkpoint"
 FORMAT_VERSION = 1
@@ -360,7 +360,7 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last: int = 0,
          group: Group | None = None) -> Path:
     """Write and commit the checkpoint of ``step``: collective over ``group``, a
-    :class:`~mpipar.comm.Group` of ``engine.grid.comm`` (training passes its control group,
+    :class:`~mpipar.runtime.comm.Group` of ``engine.grid.comm`` (training passes its control group,
     which the collective watchdog watches; None: an unwatched one).
 
     Returns ``save_dir/step_NNNNNNNN``. A failure on any rank raises CheckpointError on every
@@ -649,7 +649,7 @@ def _overlaps(bounds: tuple, region: Slices) -> bool:
 def open_reader(path: str | os.PathLike) -> Iterator[Reader]:
     """Verify the checkpoint at ``path`` (or a save directory's ``latest``), then yield
     ``read(kind, name, region)``: a region of a global tensor, read from the shards that hold it.
-    Any layout reads any checkpoint this way (:func:`mpipar.state.read_shard`), e.g. generation
+    Any layout reads any checkpoint this way (:func:`mpipar.training.state.read_shard`), e.g. generation
     under its own tp x pp. No collective."""
     path = resolve_path(path)
     _require_sound(path)
@@ -782,9 +782,9 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
 
 def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> Path:
     """Write the checkpoint's parameters as a Hugging Face directory (config.json +
-    model.safetensors: :func:`mpipar.hf.save_hf`) in ``dtype`` (default: the training dtype).
+    model.safetensors: :func:`mpipar.checkpoint.huggingface.save_hf`) in ``dtype`` (default: the training dtype).
     Verifies first."""
-    from mpipar import hf
+    from mpipar.checkpoint import huggingface as hf
 
     _require_outside(Path(out))
     cfg = read_config(path)

@@ -32,7 +32,7 @@ it checks that the model's vocabulary holds the tokenizer's.
 `python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]` inspects a source;
 `python -m mpipar.data prepare TEXT... --out tokens.h5` turns text files into an HDF5 byte-token
 stream (see `prepare_tokens`); with `--tokenizer HF_DIR_OR_tokenizer.json` it encodes text files,
-directories, `.jsonl` and Parquet with a Hugging Face tokenizer instead (:mod:`mpipar.tokenizer`).
+directories, `.jsonl` and Parquet with a Hugging Face tokenizer instead (:mod:`mpipar.data.tokenizer`).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ _CHECK_CHUNK = 1 << 22
 
 TOKENIZER_ATTRS = ("tokenizer", "tokenizer_vocab_size", "tokenizer_sha256", "eos_token", "eos_id",
                    "documents")
-"""HDF5 file attributes of a tokenized stream (:mod:`mpipar.tokenizer` writes them)."""
+"""HDF5 file attributes of a tokenized stream (:mod:`mpipar.data.tokenizer` writes them)."""
 
 Opener = Callable[[], ContextManager[Any]]
 """A callable returning a context manager that yields an array-like (numpy array, memmap or
@@ -657,7 +657,7 @@ def _prepare_command(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}: {total} byte tokens (vocabulary 256) from "
               f"{len(args.texts)} file(s)")
         return
-    from mpipar.tokenizer import prepare_tokenized
+    from mpipar.data.tokenizer import prepare_tokenized
     done = prepare_tokenized(args.texts, args.out, args.tokenizer, args.eos, args.text_field,
                              args.workers)
     print(f"wrote {args.out}: {done.tokens} tokens ({done.tokenizer.dtype}) in {done.documents} "
@@ -689,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]`: load and check a source,
     print its format, kind, dtype, token count, number of samples and recorded tokenizer.
     `python -m mpipar.data prepare INPUT... --out tokens.h5 [--tokenizer T]`: see
-    `prepare_tokens` (bytes) and :func:`mpipar.tokenizer.prepare_tokenized`.
+    `prepare_tokens` (bytes) and :func:`mpipar.data.tokenizer.prepare_tokenized`.
     Exit status 2 on DataError."""
     args = _parser().parse_args(argv)
     try:
@@ -702,5 +702,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the imported module's main, so that its DataError is the one the other modules raise.
-    from mpipar.data import main as _main
+    from mpipar.data.sources import main as _main
     sys.exit(_main())

@@ -109,7 +109,7 @@ def read(run_dir: str) -> list[dict[str, Any]]:
 
 def _write_failed_summary(run_dir: str, lines: list[dict[str, Any]]) -> None:
     """``summary.json`` of a run that failed: what failed, where, and how far it got."""
-    from mpipar.metrics import write_json
+    from mpipar.observe.metrics import write_json
     first = lines[0] if lines else {}
     summary = {
         "status": "failed",

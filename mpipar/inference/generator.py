@@ -12,7 +12,7 @@ One decoding step feeds the new tokens through every stage with
 :meth:`LlamaStage.forward_only` and a :class:`KVCache` (the prompt at once, then one token at
 a time); the last stage gathers its vocabulary shards over tp
 (:meth:`TensorParallel.gather_vocab`) and broadcasts the last position's logits over pp, so
-every rank holds the same logits and picks the same next token (:mod:`mpipar.sampling`, one
+every rank holds the same logits and picks the same next token (:mod:`mpipar.inference.sampling`, one
 generator per rank, seeded alike). Greedy output equals transformers' ``generate`` token for
 token, from one rank or any tp x pp (tests/test_generate.py).
 
@@ -29,18 +29,18 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpipar.backend import to_host, training_backend
-from mpipar.comm import Group, Ledger
+from mpipar.runtime.device import to_host, training_backend
+from mpipar.runtime.comm import Group, Ledger
 from mpipar.config import Config
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import KVCache, LlamaStage
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only
 from mpipar.parallel.tensor import TensorParallel
-from mpipar.placement import PlacementTable
-from mpipar.sampling import Sampling, next_token
-from mpipar.state import Reader, read_shard
-from mpipar.topology import ProcessGrid
+from mpipar.parallel.placement import PlacementTable
+from mpipar.inference.sampling import Sampling, next_token
+from mpipar.training.state import Reader, read_shard
+from mpipar.runtime.topology import ProcessGrid
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Generator:
 
     def load_checkpoint(self, read: Reader) -> None:
         """This rank's shards read region by region from a checkpoint of any layout
-        (:func:`mpipar.checkpoint.open_reader`). Collective-free."""
+        (:func:`mpipar.checkpoint.store.open_reader`). Collective-free."""
         tp = self.tensor
         self.params = {n: self.xp.asarray(read_shard(read, "param", self.table[n], tp.rank,
                                                      tp.size, self.dtype))

@@ -1,7 +1,7 @@
 """The training state one rank holds, seen as pieces of global tensors (what checkpoints need).
 
-A rank holds shards of some parameters (:mod:`mpipar.placement`) and the optimizer's moments for
-them (all of them, or ZeRO's owned slices: :mod:`mpipar.optim`); at ZeRO-2/3 the parameters are
+A rank holds shards of some parameters (:mod:`mpipar.parallel.placement`) and the optimizer's moments for
+them (all of them, or ZeRO's owned slices: :mod:`mpipar.training.optim`); at ZeRO-2/3 the parameters are
 held as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`). A checkpoint stores global
 tensors, so this module answers, for this rank:
 
@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from mpipar.backend import to_host
-from mpipar.optim import Optimizer, StatePiece
+from mpipar.runtime.device import to_host
+from mpipar.training.optim import Optimizer, StatePiece
 from mpipar.parallel.data import GradReducer
 from mpipar.parallel.fsdp import ShardedParams
-from mpipar.placement import Placement, PlacementTable, Slices
+from mpipar.parallel.placement import Placement, PlacementTable, Slices
 
 Reader = Callable[[str, str, Slices], np.ndarray]
 """``read(kind, name, region)``: ``region`` of the global tensor ``kind/name`` (kind "param",

@@ -1,0 +1,119 @@
+"""Where the arithmetic of training runs: the kernel backend, the device (rank -> GPU), the copy
+of an array to the host, and the rules of --backend, --device, --dtype and --cuda-aware-mpi."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpipar.runtime.mpi_init import MPI  # MPI_Init under MPIPAR_INIT_TIMEOUT
+
+from mpipar.config import Config, ConfigError, require, rules
+
+HOST_BACKENDS = ("numba", "numpy")
+
+
+def training_backend(name: str, device: str = "cpu"):
+    """The kernels of training on ``device`` (resolved: cpu or cuda): on cuda the CuPy kernels;
+    on the CPU ``auto`` is the fastest CPU backend available (Numba, else NumPy)."""
+    from mpipar.kernels import available_backends, get_backend
+    if device == "cuda":
+        return get_backend("cupy")
+    if name == "auto":
+        free = available_backends()
+        name = next(n for n in HOST_BACKENDS if free[n] is None)
+    return get_backend(name)
+
+
+def to_host(a):
+    """A NumPy view (or, for a CuPy array, a host copy) of ``a``."""
+    import numpy as np
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def cuda_unavailable() -> str | None:
+    """None if CuPy imports and sees a CUDA device, else the reason it does not."""
+    from mpipar.kernels import available_backends
+    return available_backends()["cupy"]
+
+
+def resolve_device(device: str) -> str:
+    """``--device`` as a run uses it: ``auto`` is cuda when CuPy sees a device, else cpu."""
+    if device == "auto":
+        return "cuda" if cuda_unavailable() is None else "cpu"
+    return device
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where one rank's arrays live: ``kind`` cpu or cuda, the CUDA device ``index`` (-1 on the
+    CPU), and how many devices this process sees."""
+
+    kind: str
+    index: int = -1
+    visible: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            return "cpu"
+        return f"cuda:{self.index} of {self.visible} visible"
+
+
+def local_rank(comm: MPI.Comm) -> int:
+    """This rank's index among the ranks of its node (a ``COMM_TYPE_SHARED`` split of ``comm``,
+    a collective: every rank of ``comm`` calls it)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def gpu_for(local: int, visible: int) -> int:
+    """The CUDA device of the rank with node-local index ``local`` among ``visible`` devices
+    (``CUDA_VISIBLE_DEVICES`` decides which and how many): ``local % visible``; several ranks
+    share a device when there are more ranks than devices."""
+    if visible < 1:
+        raise ValueError(f"gpu_for: visible={visible}: no CUDA device to place rank {local} on")
+    return local % visible
+
+
+def select_device(device: str, comm: MPI.Comm) -> Device:
+    """Make this rank's device current and say which it is (``device``: --device; on cuda a
+    collective over ``comm`` finds the node-local rank). Call after the configuration rules."""
+    if resolve_device(device) == "cpu":
+        return Device("cpu")
+    import cupy
+    visible = cupy.cuda.runtime.getDeviceCount()
+    index = gpu_for(local_rank(comm), visible)
+    cupy.cuda.Device(index).use()
+    return Device("cuda", index, visible)
+
+
+@rules("backend")
+def check_config(cfg: Config, world: int) -> None:
+    """The device, the kernels that run on it, the dtypes built, and how arrays reach MPI."""
+    t = cfg.train
+    require(t.dtype != "bfloat16",
+            "train.dtype='bfloat16': mixed precision (bf16 compute with float32 master weights, "
+            "optimizer state and gradient accumulation) is not built yet, on the CPU or on a "
+            "CUDA device; use float32 or float64")
+    if t.device == "cuda":
+        reason = cuda_unavailable()
+        require(reason is None, f"train.device='cuda': no CUDA device here: {reason}; use "
+                                f"--device cpu (or auto)")
+    device = resolve_device(t.device)
+    require(device == "cuda" or t.backend != "cupy",
+            f"train.backend='cupy' with train.device={t.device!r}: the CuPy kernels need "
+            f"device arrays; use --device cuda (or auto on a machine with a CUDA device)")
+    require(device == "cpu" or t.backend in ("auto", "cupy"),
+            f"train.backend={t.backend!r} with train.device={t.device!r}: the CPU kernels "
+            f"cannot run on a CUDA device; use --backend auto or cupy")
+    if t.cuda_aware_mpi != "off":
+        from mpipar.runtime.staging import cuda_aware_mpi
+        try:
+            aware, how = cuda_aware_mpi()
+        except ValueError as exc:
+            raise ConfigError(f"train.cuda_aware_mpi={t.cuda_aware_mpi!r}: {exc}") from None
+        require(aware or t.cuda_aware_mpi != "on",
+                f"train.cuda_aware_mpi='on': the MPI library does not take CUDA device buffers "
+                f"({how}); use auto or off (staging through host buffers)")
+

@@ -1,0 +1,55 @@
+"""Peak FLOP/s, the denominator of MFU: a GEMM probe on the CPU, the share of it a rank gets
+when ranks share cores, and a CUDA device's rate from its attributes."""
+from __future__ import annotations
+
+import math
+import time
+
+def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:
+    """FLOP/s of a dense GEMM ``[n, n] @ [n, n]`` of ``dtype`` on the CPU with this process's
+    threads: the fastest of the products repeated for about ``seconds`` (after one warm-up).
+
+    The fastest repetition, not the mean, so that other processes that share the cores for a
+    moment do not lower the peak (:func:`cpu_peak_share` accounts for the sharing that lasts)."""
+    import numpy as np
+
+    if not seconds > 0 or n < 1:
+        raise ValueError(f"measure_peak_flops: seconds={seconds!r} must be > 0 and n={n} >= 1")
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    out = np.empty((n, n), dtype)
+    np.matmul(a, b, out=out)
+    best, reps, t_end = math.inf, 0, time.perf_counter() + seconds
+    while reps < 3 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2.0 * n ** 3 / best
+
+
+# Arithmetic lanes per streaming multiprocessor by compute capability: (float32, float64).
+_SM_LANES = {(6, 0): (64, 32), (6, 1): (128, 4), (7, 0): (64, 32), (7, 5): (64, 2),
+             (8, 0): (64, 32), (8, 6): (128, 2), (8, 7): (128, 2), (8, 9): (128, 2),
+             (9, 0): (128, 64), (10, 0): (128, 64), (12, 0): (128, 2)}
+
+
+# cudaDeviceAttr values (CUDA's driver_types.h): multiprocessors and the peak SM clock in kHz.
+_ATTR_SM_COUNT, _ATTR_CLOCK_KHZ = 16, 13
+
+
+def gpu_peak_flops(dtype: str = "float32", device: int | None = None) -> float:
+    """Peak FMA FLOP/s of a CUDA device (without tensor cores) from its attributes:
+    ``2 * SMs * lanes per SM * clock``, lanes by compute capability (:data:`_SM_LANES`)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
+    cc_text = dev.compute_capability  # e.g. "90"
+    cc = (int(cc_text[:-1]), int(cc_text[-1]))
+    get = cupy.cuda.runtime.deviceGetAttribute
+    sms, clock_khz = get(_ATTR_SM_COUNT, dev.id), get(_ATTR_CLOCK_KHZ, dev.id)
+    lanes = _SM_LANES.get(cc) or _SM_LANES.get((cc[0], 0)) or (64, 2)
+    per_sm = lanes[1] if dtype == "float64" else lanes[0]
+    return 2.0 * sms * per_sm * clock_khz * 1e3
+

@@ -13,7 +13,6 @@ import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field, fields
-from collections.abc import Callable
 from typing import Any, Mapping
 
 if sys.version_info >= (3, 11):
@@ -91,15 +90,6 @@ class ModelConfig:
     def windows(self) -> list[int]:
         """The sliding window of every layer (0: full causal), in layer order."""
         return [self.layer_window(i) for i in range(self.layers)]
-
-    def resolved(self) -> "ModelConfig":
-        """A copy with the derived defaults (head_dim, ffn_hidden) filled in."""
-        out = dataclasses.replace(self)
-        if out.head_dim == 0 and out.heads > 0:
-            out.head_dim = out.hidden // out.heads
-        if out.ffn_hidden == 0:
-            out.ffn_hidden = 32 * math.ceil(8 * out.hidden / 3 / 32)
-        return out
 
 
 @dataclass
@@ -305,99 +295,58 @@ class Config:
         """The steps listed in ``train.dump_activations``."""
         return {int(x) for x in self.train.dump_activations.split(",") if x.strip()}
 
-    def resolved(self, world_size: int) -> "Config":
-        """Validate against ``world_size`` and fill derived values (dp, head_dim, ffn, micro batch)."""
-        self.validate(world_size)
-        cfg = Config(self.model.resolved(), dataclasses.replace(self.parallel),
-                     dataclasses.replace(self.train))
-        par = cfg.parallel
-        if par.dp == 0:
-            par.dp = world_size // (par.tp * par.pp * par.sp)
-        if cfg.train.micro_batch_size == 0:
-            cfg.train.micro_batch_size = cfg.train.global_batch_size // par.dp
-        return cfg
 
-    def validate(self, world_size: int) -> None:
-        """Check every rule; raise ConfigError naming field, value and rule (first violation).
+def check_fields(cfg: Config, m: ModelConfig) -> None:
+    """The fields' own rules (ranges, choices, what one field asks of another in its section);
+    ``m`` is ``cfg.model`` with its derived defaults filled in (:func:`mpipar.layout.resolve_model`).
+    The rules that involve what a component does with the values live with that component and
+    are asked, in order, by :func:`mpipar.rules.validate`. Raises ConfigError naming the field,
+    the value and the rule (the first violation)."""
+    p, t = cfg.parallel, cfg.train
+    for obj, section in ((cfg.model, "model"), (p, "parallel"), (t, "train")):
+        _representable(obj, section)
+    _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
+                  "ffn_hidden"), "model")
+    require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
+    require(cfg.model.head_dim != 0 or m.hidden % m.heads == 0,
+            f"model.hidden={m.hidden}: must be divisible by model.heads={m.heads} "
+            f"(or set model.head_dim)")
+    require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: must be even (RoPE rotates pairs)")
+    require(m.heads % m.kv_heads == 0,
+            f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
+    require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
+    _check_rope_scaling(m)
+    require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
+    require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
+    _check_window(m)
 
-        The fields' own rules (ranges, choices) are checked here; a rule that involves what a
-        component does with the values (the grid, tensor, context and pipeline parallelism, the
-        data-parallel batch, the optimizer, the kernel backend) lives with that component, which
-        registers it with :func:`rules` when imported, and is asked here in :data:`COMPONENTS`
-        order. Importing :mod:`mpipar.training.engine` imports every component."""
-        missing = [c for c in COMPONENTS if c not in _RULES]
-        if missing:
-            raise RuntimeError(f"the configuration rules of {', '.join(missing)} are not "
-                               f"registered: import mpipar.training.engine before validating a Config")
-        m, p, t = self.model.resolved(), self.parallel, self.train
-        for obj, section in ((self.model, "model"), (p, "parallel"), (t, "train")):
-            _representable(obj, section)
-        _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
-                      "ffn_hidden"), "model")
-        require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
-        require(self.model.head_dim != 0 or m.hidden % m.heads == 0,
-                f"model.hidden={m.hidden}: must be divisible by model.heads={m.heads} "
-                f"(or set model.head_dim)")
-        require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: must be even (RoPE rotates pairs)")
-        require(m.heads % m.kv_heads == 0,
-                f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
-        require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
-        _check_rope_scaling(m)
-        require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
-        require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
-        _check_window(m)
+    _positive(p, ("tp", "pp", "sp", "virtual_stages"), "parallel")
+    require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")
 
-        _positive(p, ("tp", "pp", "sp", "virtual_stages"), "parallel")
-        require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")
-        require(world_size >= 1, f"world size {world_size}: must be >= 1")
-
-        _positive(t, ("seq_len", "global_batch_size"), "train")
-        require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
-        require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size}: must be >= 0")
-        _schedule_size(p, t, world_size)
-        require(t.seed >= 0, f"train.seed={t.seed}: must be >= 0")
-        require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
-        require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
-        require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
-        require(not t.save_every or t.save_dir,
-                f"train.save_every={t.save_every}: needs --save-dir")
-        require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
-        require(t.collective_timeout >= 0,
-                f"train.collective_timeout={t.collective_timeout}: must be >= 0")
-        require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
-        for item in filter(None, t.dump_activations.split(",")):
-            require(item.strip().isdigit() and int(item) >= 1,
-                    f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
-                    f"list of step numbers >= 1")
-        for obj, section in ((m, "model"), (p, "parallel"), (t, "train")):
-            for f in fields(obj):
-                choices = f.metadata.get("choices")
-                value = getattr(obj, f.name)
-                require(not choices or value in choices,
-                        f"{section}.{f.name}={value!r}: must be one of "
-                        f"{', '.join(map(str, choices or ()))}")
-        for component in COMPONENTS:
-            _RULES[component](self, world_size)
-
-
-COMPONENTS = ("grid", "tensor", "pipeline", "context", "data", "fsdp", "eval", "optimizer",
-              "backend")
-"""The components whose configuration rules :meth:`Config.validate` asks, in this order."""
-
-_RULES: dict[str, Callable[[Config, int], None]] = {}
-
-
-def rules(component: str) -> Callable[[Callable[[Config, int], None]], Callable[[Config, int], None]]:
-    """Register ``check(cfg, world_size)`` as the configuration rules of ``component`` (one of
-    :data:`COMPONENTS`); ``check`` raises :class:`ConfigError` naming field, value and rule."""
-    if component not in COMPONENTS:
-        raise ValueError(f"component={component!r}: must be one of {', '.join(COMPONENTS)}")
-
-    def register(check: Callable[[Config, int], None]) -> Callable[[Config, int], None]:
-        _RULES[component] = check
-        return check
-
-    return register
+    _positive(t, ("seq_len", "global_batch_size"), "train")
+    require(t.steps >= 0, f"train.steps={t.steps}: must be >= 0")
+    require(t.micro_batch_size >= 0, f"train.micro_batch_size={t.micro_batch_size}: must be >= 0")
+    require(t.seed >= 0, f"train.seed={t.seed}: must be >= 0")
+    require(t.log_every >= 0, f"train.log_every={t.log_every}: must be >= 0")
+    require(t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0")
+    require(t.keep_last >= 0, f"train.keep_last={t.keep_last}: must be >= 0")
+    require(not t.save_every or t.save_dir,
+            f"train.save_every={t.save_every}: needs --save-dir")
+    require(t.resume != "auto" or t.save_dir, "train.resume='auto': needs --save-dir")
+    require(t.collective_timeout >= 0,
+            f"train.collective_timeout={t.collective_timeout}: must be >= 0")
+    require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
+    for item in filter(None, t.dump_activations.split(",")):
+        require(item.strip().isdigit() and int(item) >= 1,
+                f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
+                f"list of step numbers >= 1")
+    for obj, section in ((m, "model"), (p, "parallel"), (t, "train")):
+        for f in fields(obj):
+            choices = f.metadata.get("choices")
+            value = getattr(obj, f.name)
+            require(not choices or value in choices,
+                    f"{section}.{f.name}={value!r}: must be one of "
+                    f"{', '.join(map(str, choices or ()))}")
 
 
 def require(ok: bool, message: str) -> None:
@@ -419,10 +368,6 @@ def _check_window(m: ModelConfig) -> None:
             f"layer indices in [0, {m.layers})")
 
 
-MAX_SCHEDULE_SLOTS = 2**16
-"""At most this many microbatches x pipeline chunks per step: the schedule is built as op lists
-and checked by a dry run, which takes about 3 s at this size."""
-
 INT_LIMIT = 2**63
 """Integer fields must lie in (-2**63, 2**63): they are stored as 64-bit HDF5 attributes in
 checkpoints and used as NumPy int64 values."""
@@ -437,23 +382,6 @@ def _representable(obj: Any, section: str) -> None:
         elif kind == "int":
             require(-INT_LIMIT < value < INT_LIMIT,
                     f"{section}.{f.name}={value}: must lie in (-2**63, 2**63)")
-
-
-def _schedule_size(p: ParallelConfig, t: TrainConfig, world: int) -> None:
-    """At most :data:`MAX_SCHEDULE_SLOTS` microbatches x pipeline chunks per step, checked
-    before the pipeline's own rule builds the schedule (the sizes the grid and data rules refuse
-    are left to them)."""
-    mp = p.tp * p.pp * p.sp
-    dp = p.dp or (world // mp if world % mp == 0 else 0)
-    micro = t.micro_batch_size or (t.global_batch_size // dp if dp else 0)
-    if not (dp and micro and t.global_batch_size % (dp * micro) == 0):
-        return
-    count = t.global_batch_size // (dp * micro)
-    slots = count * p.pp * p.virtual_stages
-    require(slots <= MAX_SCHEDULE_SLOTS,
-            f"train.global_batch_size={t.global_batch_size}: {count} microbatches per step x "
-            f"pp*virtual_stages = {p.pp}*{p.virtual_stages} makes {slots} schedule slots; at most "
-            f"{MAX_SCHEDULE_SLOTS} (a larger train.micro_batch_size gives fewer microbatches)")
 
 
 def _check_rope_scaling(m: ModelConfig) -> None:
@@ -548,33 +476,6 @@ def from_args(args: argparse.Namespace) -> Config:
 
 
 CHECKPOINT_OVERRIDABLE = ("init_std",)  # model fields a command line may change on a checkpoint
-
-
-def model_from_checkpoint(saved: ModelConfig, given: Mapping[str, Any], source: str,
-                          names: Mapping[str, str] | None = None) -> ModelConfig:
-    """The resolved model config of a run that starts from a checkpoint.
-
-    Model settings come from the checkpoint (``saved``); ``given`` holds the model fields the user
-    set (flags or ``[model]``; None = not given). A given value must agree with the checkpoint
-    after derived defaults are resolved (``head_dim=0`` means hidden // heads), except the fields
-    in CHECKPOINT_OVERRIDABLE; otherwise ConfigError names the field, both values and ``source``
-    (``names`` maps field names to the checkpoint's own names for the message).
-    """
-    known = {f.name for f in fields(ModelConfig)}
-    given = {k: v for k, v in given.items() if v is not None}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ConfigError(f"model fields {unknown} do not exist; known: {sorted(known)}")
-    base = saved.resolved()
-    candidate = dataclasses.replace(base, **given).resolved()
-    for name in given:
-        mine, theirs = getattr(candidate, name), getattr(base, name)
-        if name not in CHECKPOINT_OVERRIDABLE and mine != theirs:
-            raise ConfigError(
-                f"model.{name}={given[name]!r} (flag --{name.replace('_', '-')} or [model] "
-                f"{name}) contradicts {source} ({(names or {}).get(name, name)}={theirs!r}); "
-                f"model settings come from the checkpoint: drop the setting or give its value")
-    return candidate
 
 
 def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:

@@ -33,9 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpi4py import MPI
+from mpipar.runtime.mpi_init import MPI
 
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from mpipar.layout import Layout
+from mpipar.rules import validate
 
 HF_CONFIG = "config.json"
 BYTE_VOCAB = 256
@@ -122,10 +124,9 @@ def read_model(path: str) -> tuple[ModelConfig, str, str]:
     return saved.model, saved.train.dtype, "checkpoint"
 
 
-def resolve(args: argparse.Namespace, world: int) -> tuple[Config, str, Codec]:
+def resolve(args: argparse.Namespace, world: int) -> tuple[Layout, str, Codec]:
     """The generation config (validated by every component's rules for world = tp x pp), the
     model's kind and the codec; ConfigError, DataError or CheckpointError on bad input."""
-    import mpipar.training.engine  # noqa: F401  (every component's configuration rules)
     from mpipar.inference.sampling import Sampling
     Sampling(args.temperature, args.top_k, args.top_p)  # ValueError names the flag's value
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1),
@@ -137,7 +138,7 @@ def resolve(args: argparse.Namespace, world: int) -> tuple[Config, str, Codec]:
     tp = args.tp or max(1, world // args.pp)
     train = TrainConfig(seq_len=1, global_batch_size=1, micro_batch_size=1,
                         dtype=args.dtype or dtype, backend=args.backend)
-    cfg = Config(model, ParallelConfig(dp=1, tp=tp, pp=args.pp), train).resolved(world)
+    cfg = validate(Config(model, ParallelConfig(dp=1, tp=tp, pp=args.pp), train), world)
     own = Path(args.model) / "tokenizer.json"
     tokenizer = args.tokenizer or (str(Path(args.model)) if kind == "hf" and own.is_file()
                                    else None)
@@ -159,7 +160,8 @@ def _load(generator, path: str, kind: str) -> None:
         generator.load_checkpoint(read)
 
 
-def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
+def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
+    comm = MPI.COMM_WORLD if comm is None else comm
     from mpipar.training.failure import FailureReport
     from mpipar.train import fail_usage, install_abort_hook
     install_abort_hook(FailureReport(comm))

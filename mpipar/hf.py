@@ -18,6 +18,7 @@ from mpipar.checkpoint.huggingface import (CONFIG_FILE, SAVE_DTYPES, HFCheckpoin
                                            passthrough_config, read_config_json, save_hf,
                                            support, weight_files)
 from mpipar.config import ConfigError, ModelConfig
+from mpipar.layout import resolve_model
 def _describe_tensors(path: Path) -> list[str]:
     files = weight_files(path)
     rows, total = [], 0
@@ -47,7 +48,7 @@ def _inspect(path: str) -> int:
         print(row)
     found, fields = support(raw)
     if not any(a.problem for a in found):
-        cfg = ModelConfig(**fields).resolved()
+        cfg = resolve_model(ModelConfig(**fields))
         try:
             count = len(check_tensors(root, raw, cfg))  # what training checks before it reads
             found.append(Support("tensors", f"the {count} tensors the config implies, no other"))

@@ -66,6 +66,8 @@ from mpipar.runtime.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_I
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
 from mpipar.training.failure import FailureReport
+from mpipar.layout import Layout, model_from_checkpoint
+from mpipar.rules import validate
 
 if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
     from mpipar.runtime.comm import Group, Watchdog
@@ -146,21 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def fail_usage(message: str, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+def fail_usage(message: str, comm: MPI.Comm | None = None) -> None:
     """Print the error once (rank 0) and exit 2 on every rank, without any collective."""
+    comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_rank() == 0:
         sys.stderr.write(f"mpipar: error: {message}\n")
         sys.stderr.flush()
     raise SystemExit(EXIT_USAGE)
 
 
-def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None = None) -> Config:
+def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None = None) -> Layout:
     """Parse, default the save directory to ``RUN_DIR/checkpoints``, apply a checkpoint's model
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
     exit 2 on error."""
     from mpipar.checkpoint.store import CheckpointError
     args = build_parser().parse_args(argv)
-    import mpipar.training.engine  # noqa: F401  (imports every component: their configuration rules)
     try:
         cfg = config_mod.from_args(args)
         tr = cfg.train
@@ -170,7 +172,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
             if path is not None:
                 saved = checkpoint.read_config(path)
-                cfg.model = config_mod.model_from_checkpoint(
+                cfg.model = model_from_checkpoint(
                     saved.model, config_mod.given_fields(args, "model"), source=str(path))
                 tr.eval_fraction = config_mod.held_out_from_checkpoint(
                     saved.train, config_mod.given_fields(args, "train"), source=str(path))
@@ -183,7 +185,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
         cfg, note = auto_layout(cfg, world, config_mod.given_names(args, "parallel", "train"))
         if note is not None and notes is not None:
             notes.append(note)
-        return cfg.resolved(world)
+        return validate(cfg, world)
     except (ConfigError, CheckpointError) as exc:
         fail_usage(str(exc))
         raise  # unreachable: fail_usage exits
@@ -207,7 +209,8 @@ class RunContext:
         return self.control.rank == 0
 
 
-def main(argv: list[str] | None = None, comm: MPI.Comm = MPI.COMM_WORLD) -> int:
+def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
+    comm = MPI.COMM_WORLD if comm is None else comm
     report = FailureReport(comm)
     install_abort_hook(report)
     stop = StopRequest(report).install()

@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-import mpipar.training.engine  # noqa: F401  (every component's configuration rules, for Config.validate)
 
 # Variables a launcher (mpirun, srun, a singleton MPI_Init) sets for its ranks; a job that a test
 # starts must not inherit them, or its own launcher takes itself for a rank of the test's job

@@ -6,6 +6,7 @@ import functools
 import numpy as np
 
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from mpipar.rules import validate
 
 VOCAB = 13  # not a power of two: TP pads it
 
@@ -57,7 +58,7 @@ def token_source(seq_len: int = 16):
 def run(cfg: Config, comm, steps: int = 2):
     """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, engine)."""
     from mpipar.training.engine import Engine
-    eng = Engine(cfg.resolved(comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
     results = [eng.train_step(k) for k in range(steps)]
     return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params(), eng)
 

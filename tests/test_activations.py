@@ -24,12 +24,13 @@ from mpipar.checkpoint.activations import (ActivationRecorder, OffloadStore, loa
                                 write_rank_dump)
 from mpipar.model.llama import ACTIVATION_NAMES
 from mpipar.model.params import init_params
+from mpipar.rules import validate
 
 
 def _engine(cfg, comm, run_dir: str, dump: str):
     from mpipar.training.engine import Engine
     cfg.train.run_dir, cfg.train.dump_activations = run_dir, dump
-    return Engine(cfg.resolved(comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    return Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +49,7 @@ def single_process_dump() -> str:
 
 def test_single_process_dump_holds_the_model_tensors():
     run_dir = single_process_dump()
-    cfg = small_config("float64").resolved(1)
+    cfg = validate(small_config("float64"), 1)
     m = cfg.model
     for step in (1, 2):
         assert sorted(os.listdir(step_dir(run_dir, step))) == ["rank_0.h5"]

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
+from mpipar.rules import validate
 
 HOT_PATH = ("mpipar.training.engine", "mpipar.runtime.comm", "mpipar.model.llama", "mpipar.model.attention",
             "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data",
@@ -68,7 +69,7 @@ def _guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
     monkeypatch.setattr(engine_mod, "training_backend", lambda name, device="cpu": backend)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2,
                                                              eval_data=token_source().path))
-    eng = engine_mod.Engine(cfg.resolved(comm.Get_size()), comm, source=token_source())
+    eng = engine_mod.Engine(validate(cfg, comm.Get_size()), comm, source=token_source())
     for name in HOT_PATH:
         module = importlib.import_module(name)
         if hasattr(module, "np"):

@@ -16,6 +16,7 @@ from layouts import small_config, token_source
 from mpipar.checkpoint import store as ckpt
 from mpipar.config import ConfigError
 from mpipar.model.params import param_specs
+from mpipar.rules import validate
 
 from conftest import launch_env, mpirun, needs_mpirun
 VOCAB = 13
@@ -70,7 +71,7 @@ def _engine(**train):
     cfg = small_config()
     for key, value in train.items():
         setattr(cfg.train, key, value)
-    cfg = cfg.resolved(1)
+    cfg = validate(cfg, 1)
     return Engine(cfg, MPI.COMM_SELF, source=token_source()), cfg
 
 

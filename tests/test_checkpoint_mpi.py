@@ -16,6 +16,7 @@ import pytest
 
 from conftest import assert_all_ranks
 from layouts import compare, reference, small_config, token_source
+from mpipar.rules import validate
 
 CASES = [(dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003), dict(dp=8)),
          (dict(dp=8, zero=1, bucket_mb=0.002), dict(pp=2, sp=2, tp=2, zero=1)),
@@ -46,7 +47,7 @@ def test_save_and_load_across_layouts(world, before, after):
     after = dict(after, model=model)
     fails = []
     try:
-        a = Engine(small_config(**before).resolved(8), world, source=token_source())
+        a = Engine(validate(small_config(**before), 8), world, source=token_source())
         a.train_step(0)
         path = checkpoint.save(a, a.cfg, 1, root)
         params = a.gather_params()
@@ -66,7 +67,7 @@ def test_save_and_load_across_layouts(world, before, after):
             names = [t["name"] for t in info["tensors"]]
             if ("param/lm_head.weight" in names) == (model == "tied"):  # tied: embedding once
                 fails.append(f"{model} model's checkpoint tensors: {names}")
-        b = Engine(small_config(**after).resolved(8), world, source=token_source())
+        b = Engine(validate(small_config(**after), 8), world, source=token_source())
         if checkpoint.load(b, path) != 1:
             fails.append("load did not return step 1")
         r2 = b.train_step(1)

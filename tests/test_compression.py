@@ -11,6 +11,7 @@ import pytest
 
 from conftest import assert_all_ranks, launch_env, mpirun, needs_mpirun
 from mpipar.parallel.compression import BLOCK, Int8Codec, TopKCodec
+from mpipar.rules import validate
 
 
 def _gradient(rng, pieces: int, n: int, dtype) -> np.ndarray:
@@ -98,8 +99,8 @@ def _reducer(comm, codec: str, hierarchical: bool, sharded: bool, feedback: bool
     g = {name: Group(c, name, ledger, grid.group_nodes(name)) for name, c in grid.comms.items()}
     groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"]) if hierarchical
               else ReduceGroups(g["dp_sp"], g["dp_sp"]))
-    return GradReducer({"w": np.zeros(n)}, ["w"], groups, 1e3, sharded, np,
-                       make_codec(codec, ratio, np), feedback)
+    return GradReducer({"w": np.zeros(n)}, ["w"], groups, bucket_mb=1e3, sharded=sharded, xp=np,
+                       codec=make_codec(codec, ratio, np), feedback=feedback)
 
 
 def _reduce(red, grad: np.ndarray) -> np.ndarray:
@@ -212,7 +213,7 @@ def test_residuals_load_slot_by_slot_or_summed(world):
     root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ef-") if world.rank == 0 else None))
     fails = []
     try:
-        a = Engine(small_config(dp=8, grad_compression="int8").resolved(8), world,
+        a = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                    source=token_source())
         a.train_step(0)
         path = checkpoint.save(a, a.cfg, 1, root)
@@ -220,13 +221,13 @@ def test_residuals_load_slot_by_slot_or_summed(world):
         kinds = sorted({k for k, _ in saved if k.startswith("residual")})
         if set(kinds) != {f"residual_send.{s}" for s in range(8)} | {"residual_gather"}:
             fails.append(f"residual kinds {kinds}")
-        same = Engine(small_config(dp=8, grad_compression="int8").resolved(8), world,
+        same = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                       source=token_source())
         checkpoint.load(same, path)
         again = global_state(same, world)
         fails += [f"{key} differs" for key in saved if not np.array_equal(saved[key], again[key])]
-        other = Engine(small_config(dp=4, tp=2, ranks_per_node=4, dp_reduce="hierarchical",
-                                    grad_compression="int8").resolved(8), world,
+        other = Engine(validate(small_config(dp=4, tp=2, ranks_per_node=4, dp_reduce="hierarchical",
+                                    grad_compression="int8"), 8), world,
                        source=token_source())
         checkpoint.load(other, path)
         moved = global_state(other, world)

@@ -149,7 +149,7 @@ def test_toml_and_flag_override(tmp_path):
     assert cfg.train.lr_schedule == "constant"
     # The resolved config written to config.toml reads back to the same values.
     again = Config.from_dict(__import__("tomllib").loads(cfg.to_toml()))
-    assert again == cfg
+    assert again == cfg.config
 
 
 @pytest.mark.parametrize("text,message", [

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from conftest import MPIRUN, needs_mpirun
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from mpipar.rules import validate
 
 BASE = {"model": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2},
         "train": {"seq_len": 16, "global_batch_size": 4, "steps": 1, "backend": "numpy",
@@ -86,7 +87,7 @@ def _validate(data: dict, world: int) -> str | None:
     against ``world``, check rank 0's memory. Returns the error, or None if it may start."""
     from mpipar.train import check_memory
     try:
-        cfg = Config.from_dict(data).resolved(world)
+        cfg = validate(Config.from_dict(data), world)
         check_memory(cfg, 0, 1)
     except ConfigError as exc:
         return str(exc)

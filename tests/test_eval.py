@@ -22,6 +22,8 @@ from mpipar.kernels import get_backend
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.parallel.tensor import TensorParallel
+from mpipar.rules import validate
+from mpipar.layout import resolve_model
 
 FRACTION, BATCHES = 0.25, 2   # of the 64 test samples: 16 held out = 2 batches of 8
 
@@ -83,7 +85,7 @@ def test_configuration_rules(fields, rule):
     for name, value in fields.items():
         setattr(cfg.train, name, value)
     with pytest.raises(ConfigError, match=rule):
-        cfg.validate(1)
+        validate(cfg, 1)
 
 
 # ---------------------------------------------------------------- the pass, one process
@@ -91,7 +93,7 @@ def reference_eval(cfg, params: dict) -> float:
     """Mean token loss of the validation batches: one stage holding the whole model, forward
     only, one process."""
     k = get_backend("numpy")
-    model = cfg.model.resolved()
+    model = resolve_model(cfg.model)
     stage = LlamaStage(model, k, range(model.layers), True, True,
                        TensorParallel(k, model.vocab_size), LocalAttention(k))
     _, evals = validation(token_source(), cfg.train, model.vocab_size)
@@ -104,7 +106,7 @@ def reference_eval(cfg, params: dict) -> float:
 
 
 def test_evaluate_equals_the_reference_and_touches_no_training_state():
-    cfg = eval_config().resolved(1)
+    cfg = validate(eval_config(), 1)
     engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
     engine.train_step(0)
     before = ({n: v.copy() for n, v in engine.params.items()},
@@ -141,7 +143,7 @@ def _single_process(recompute: str = "none") -> tuple[float, float, float]:
     process, with a validation pass between the steps."""
     cfg = eval_config()
     cfg.train.recompute = recompute
-    engine = Engine(cfg.resolved(1), MPI.COMM_SELF, source=token_source())
+    engine = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
     engine.train_step(0)
     first = engine.evaluate().loss
     second_loss = engine.train_step(1).loss
@@ -159,7 +161,7 @@ def test_validation_loss_is_the_same_on_every_layout(world, layout):
         cfg = eval_config(**layout)
         cfg.train.recompute = recompute
         cfg.train.run_dir = f"/tmp/mpipar-test-eval-{os.getpid()}"
-        engine = Engine(cfg.resolved(size), comm, source=token_source())
+        engine = Engine(validate(cfg, size), comm, source=token_source())
         engine.train_step(0)
         got = (engine.evaluate().loss, engine.train_step(1).loss, engine.evaluate().loss)
         engine.close()

@@ -21,6 +21,7 @@ from mpipar.config import Config, ParallelConfig, TrainConfig
 from mpipar.inference.generator import Generator
 from mpipar.inference.sampling import Sampling, candidates, next_token
 from test_tokenizer import EOS, bpe  # noqa: F401  (the BPE tokenizer fixture)
+from mpipar.rules import validate
 
 V, H, HEADS, KV, LAYERS, FFN = 256, 48, 6, 2, 2, 80   # byte-level: prompts are UTF-8 bytes
 PROMPT = "hello"
@@ -223,7 +224,7 @@ def _small_checkpoint(tmp_path, vocab_size: int = V) -> str:
     from mpipar.training.engine import Engine
     cfg = small_config()
     cfg.model.vocab_size = vocab_size
-    cfg = cfg.resolved(1)
+    cfg = validate(cfg, 1)
     engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
     return str(checkpoint.save(engine, cfg, 0, tmp_path / "ckpt"))
 
@@ -241,7 +242,7 @@ def test_generation_is_the_same_on_every_layout(world):
     from mpipar.training.engine import Engine
     fails: list[str] = []
     root = world.bcast(tempfile.mkdtemp(prefix="mpipar-test-gen-") if world.rank == 0 else None)
-    cfg = small_config(dp=2, tp=2, pp=2).resolved(8)
+    cfg = validate(small_config(dp=2, tp=2, pp=2), 8)
     engine = Engine(cfg, world, source=token_source())
     engine.train_step(0)
     path = checkpoint.save(engine, cfg, 1, root)

@@ -66,9 +66,11 @@ from mpipar.config import (Config, ConfigError, ModelConfig, ParallelConfig,  # 
 from mpipar.data.sources import load_tokens  # noqa: E402
 from mpipar.training.engine import Engine  # noqa: E402
 from mpipar.hf import main  # noqa: E402
-from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFCheckpointError,  # noqa: E402
-                       check_export_target, hf_name, load_hf, model_config_with_overrides,
-                       mpipar_name, passthrough_config, read_model_config, save_hf)
+from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE,  # noqa: E402
+                                           HFCheckpointError, check_export_target, hf_name,
+                                           load_hf, model_config_with_overrides, mpipar_name,
+                                           passthrough_config, read_model_config, save_hf)
+from mpipar.rules import validate  # noqa: E402
 
 V, H, HEADS, KV, LAYERS, FFN, THETA, EPS = 97, 48, 6, 2, 2, 80, 10000.0, 1e-6
 B, S, STEPS = 2, 12, 3
@@ -237,7 +239,7 @@ def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
                         micro_batch_size=1 if parallel else 0, lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
                         shuffle=False, seed=0, **OPT)
-    cfg = Config(model_cfg, ParallelConfig(**parallel), train).resolved(comm.Get_size())
+    cfg = validate(Config(model_cfg, ParallelConfig(**parallel), train), comm.Get_size())
     engine = Engine(cfg, comm, source=load_tokens(str(samples), V, S))
     engine.load_params(params)
     return engine

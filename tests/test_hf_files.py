@@ -14,11 +14,14 @@ import pytest
 from safetensors.numpy import save_file
 
 from mpipar.config import ModelConfig
+from mpipar.layout import resolve_model
 from mpipar.hf import main  # noqa: E402
-from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_name, load_hf, save_hf)
+from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_name, load_hf,
+                                           save_hf)
 from mpipar.model.params import init_params
 
-MODEL = ModelConfig(vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64)
+MODEL = resolve_model(ModelConfig(vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2,
+                                   ffn_hidden=64))
 TRAIN = ["--seq-len", "8", "--global-batch-size", "2", "--steps", "1", "--backend", "numpy",
          "--log-every", "0"]
 

@@ -5,6 +5,7 @@ import pytest
 
 from conftest import assert_all_ranks
 from layouts import small_config, token_source
+from mpipar.rules import validate
 
 CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, sp_mode="ulysses", dp=4),
          dict(sp=4, sp_overlap=True, tp=2), dict(pp=2, dp=2, sp=2, schedule="interleaved", virtual_stages=2),
@@ -51,7 +52,7 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
     cfg = small_config(case.pop("dtype", "float64"), **case)
     cfg.train.recompute = recompute
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
-    cfg = cfg.resolved(8)
+    cfg = validate(cfg, 8)
     fails = []
     try:
         eng = Engine(cfg, world, source=token_source())
@@ -79,9 +80,9 @@ def test_prediction_of_a_hand_counted_layout():
     from mpipar.plan.cost import predict_step_bytes
     from mpipar.runtime.topology import Coord
 
-    cfg = Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
+    cfg = validate(Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
                  ParallelConfig(tp=2), TrainConfig(seq_len=4, global_batch_size=2,
-                                                   micro_batch_size=1, dtype="float64")).resolved(2)
+                                                   micro_batch_size=1, dtype="float64")), 2)
     got = predict_step_bytes(cfg, Coord(dp=0, tp=0, pp=0, sp=0))
     tokens = 4  # one microbatch of 1 x 4 tokens, 2 microbatches
     per_mb = 4 * tokens * 8 * 8 + tokens * 8 * 8 + 3 * tokens * 8 + tokens * 8 * 8
@@ -120,7 +121,7 @@ def test_ledger_links_equal_planner_prediction(world, case):
     from mpipar.training.engine import Engine
     from mpipar.plan.cost import predict_link_bytes, predict_step_bytes, predict_step_messages
 
-    cfg = small_config("float32", **case).resolved(8)
+    cfg = validate(small_config("float32", **case), 8)
     fails = []
     try:
         eng = Engine(cfg, world, source=token_source())
@@ -160,7 +161,7 @@ def test_inter_node_bytes_fall(world, k):
     inter, fails = {}, []
     try:
         for mode, extra in MODES.items():
-            cfg = small_config("float32", dp=8, ranks_per_node=k, **extra).resolved(8)
+            cfg = validate(small_config("float32", dp=8, ranks_per_node=k, **extra), 8)
             eng = Engine(cfg, world, source=token_source())
             eng.ledger.reset()
             eng.train_step(0)
@@ -188,10 +189,10 @@ def test_prediction_of_a_hand_counted_validation_pass():
     from mpipar.plan.cost import predict_eval_bytes
     from mpipar.runtime.topology import Coord
 
-    cfg = Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
+    cfg = validate(Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
                  ParallelConfig(tp=2), TrainConfig(seq_len=4, global_batch_size=2,
                                                    micro_batch_size=1, dtype="float64",
-                                                   eval_fraction=0.5, eval_batches=3)).resolved(2)
+                                                   eval_fraction=0.5, eval_batches=3)), 2)
     tokens = 4
     per_mb = 2 * tokens * 8 * 8 + tokens * 8 * 8 + 3 * tokens * 8
     assert predict_eval_bytes(cfg, Coord(dp=0, tp=0, pp=0, sp=0)) == {"tp": 3 * 2 * per_mb}

@@ -14,9 +14,10 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_params, param_specs
 from mpipar.parallel.tensor import TensorParallel
+from mpipar.layout import resolve_model
 
-CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
-                  rope_theta=500.0, init_std=0.3).resolved()
+CFG = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
+                  rope_theta=500.0, init_std=0.3))
 # One parameter for embedding and LM head, q/k/v biases, llama3 RoPE (pretraining context 4 < 7).
 TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True, rope_type="llama3",
                            rope_factor=4.0, rope_original_max_positions=4)
@@ -175,8 +176,8 @@ def test_every_parameter_gradient_matches_finite_differences(cfg):
 
 def test_loss_at_init_is_near_uniform():
     """With a small init the model predicts nearly uniformly: loss ~= log(vocab)."""
-    cfg = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
-                      init_std=1e-4)
+    cfg = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2,
+                                    ffn_hidden=24, init_std=1e-4))
     k = get_backend("numpy")
     stage = LlamaStage(cfg, k, range(2), True, True, TensorParallel(k, cfg.vocab_size),
                        LocalAttention(k))

@@ -15,6 +15,8 @@ from mpipar.plan.cost import (Hardware, auto_layout, model_flops_per_step, plan_
                             predict_memory, predict_step_bytes, predict_step_messages,
                             predict_step_time)
 from mpipar.runtime.topology import Coord
+from mpipar.rules import validate
+from mpipar.layout import resolve_model, vary
 
 CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, sp_mode="ulysses", dp=4),
          dict(sp=4, sp_overlap=True, tp=2), dict(pp=2, dp=2, sp=2, schedule="interleaved", virtual_stages=2),
@@ -43,7 +45,7 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
     recompute = case.pop("recompute", "none")
     cfg = small_config(case.pop("dtype", "float64"), **case)
     cfg.train.recompute = recompute
-    cfg = cfg.resolved(8)
+    cfg = validate(cfg, 8)
     fails = []
     try:
         eng = Engine(cfg, world, source=token_source())
@@ -88,14 +90,14 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
 def _params(m: ModelConfig) -> int:
     """Parameters of a Llama by hand: embedding, per block 2 norms + q, k, v, o + gate, up,
     down, final norm, untied head."""
-    m = m.resolved()
+    m = resolve_model(m)
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     block = 2 * m.hidden + m.hidden * q * 2 + m.hidden * kv * 2 + 3 * m.hidden * m.ffn_hidden
     return 2 * m.vocab_size * m.hidden + m.layers * block + m.hidden
 
 
 def test_default_model_state_by_hand():
-    cfg = Config().resolved(1)
+    cfg = validate(Config(), 1)
     assert _params(cfg.model) == 803_968
     mem = predict_memory(cfg, Coord(0, 0, 0, 0))
     assert mem.weights == mem.grads == 803_968 * 4
@@ -104,7 +106,7 @@ def test_default_model_state_by_hand():
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_zero_shards_the_moments_over_dp(zero):
-    cfg = Config(parallel=ParallelConfig(dp=8, zero=zero)).resolved(8)
+    cfg = validate(Config(parallel=ParallelConfig(dp=8, zero=zero)), 8)
     mem = predict_memory(cfg, Coord(3, 0, 0, 0))
     n = _params(cfg.model)
     padded = -(-n // 8) * 8                                        # one bucket, 8 equal slices
@@ -120,14 +122,14 @@ def test_zero3_state_is_one_over_dp_sp():
     its gradients."""
     model = ModelConfig(vocab_size=256, hidden=64, layers=4, heads=4, kv_heads=2)
     train = TrainConfig(seq_len=16, global_batch_size=16, micro_batch_size=2)
-    full = predict_memory(Config(model, ParallelConfig(dp=1), train).resolved(1), Coord(0, 0, 0, 0))
+    full = predict_memory(validate(Config(model, ParallelConfig(dp=1), train), 1), Coord(0, 0, 0, 0))
     n_params = _params(model)
     assert full.state == 4 * n_params * 4
     for dp, sp in ((2, 1), (8, 1), (2, 4)):
-        cfg = Config(model, ParallelConfig(dp=dp, sp=sp, zero=3), train).resolved(dp * sp)
+        cfg = validate(Config(model, ParallelConfig(dp=dp, sp=sp, zero=3), train), dp * sp)
         mem = predict_memory(cfg, Coord(0, 0, 0, 0))
         n = dp * sp
-        units = [model.resolved().vocab_size * 64, 64 + 64 * 256] + \
+        units = [resolve_model(model).vocab_size * 64, 64 + 64 * 256] + \
             [(_params(model) - 2 * 256 * 64 - 64) // 4] * 4       # embed, head, blocks
         assert sum(units) == n_params
         padded = sum(-(-u // n) * n for u in units)
@@ -137,8 +139,7 @@ def test_zero3_state_is_one_over_dp_sp():
         kept = -(-units[1] // n) * n + -(-units[2] // n) * n
         assert predict_step_bytes(cfg, Coord(0, 0, 0, 0))["dp_sp"] == \
             micro * (padded * 4 + (2 * padded - kept) // n * 4) + 16
-        two = predict_memory(dataclasses.replace(cfg, parallel=dataclasses.replace(
-            cfg.parallel, zero=2)), Coord(0, 0, 0, 0))
+        two = predict_memory(vary(cfg, parallel={"zero": 2}), Coord(0, 0, 0, 0))
         assert two.weights == padded * 4 and two.grads == mem.grads
 
 
@@ -166,7 +167,7 @@ def test_memory_budget_picks_the_zero_stage():
 def test_tensor_parallel_shards_all_but_the_norms():
     """tp=2 with an odd vocabulary: every matrix halves, the vocabulary pads to 258 rows."""
     model = ModelConfig(vocab_size=257)
-    cfg = Config(model=model, parallel=ParallelConfig(tp=2)).resolved(2)
+    cfg = validate(Config(model=model, parallel=ParallelConfig(tp=2)), 2)
     m = cfg.model
     norms = (2 * m.layers + 1) * m.hidden
     matrices = _params(m) - norms - 2 * 257 * m.hidden
@@ -179,12 +180,12 @@ def test_tied_embedding_and_biases_by_hand():
     whose gradient (the whole, or under ZeRO-1 the owned slice) is all-reduced over pp_ends
     once a step; q/k/v biases add q + 2 kv values per block."""
     model = ModelConfig(tie_embeddings=True, attention_bias=True)
-    m = model.resolved()
+    m = resolve_model(model)
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     n = _params(m) - m.vocab_size * m.hidden + m.layers * (q + 2 * kv)
-    assert predict_memory(Config(model=model).resolved(1), Coord(0, 0, 0, 0)).weights == n * 4
+    assert predict_memory(validate(Config(model=model), 1), Coord(0, 0, 0, 0)).weights == n * 4
     for zero, dp in ((0, 1), (1, 2)):
-        cfg = Config(model=model, parallel=ParallelConfig(pp=2, dp=dp, zero=zero)).resolved(2 * dp)
+        cfg = validate(Config(model=model, parallel=ParallelConfig(pp=2, dp=dp, zero=zero)), 2 * dp)
         first = predict_memory(cfg, Coord(0, 0, 0, 0)).weights // 4
         last = predict_memory(cfg, Coord(0, 0, 1, 0)).weights // 4
         embed = m.vocab_size * m.hidden          # every bucket is even: no padding for dp = 2
@@ -194,7 +195,7 @@ def test_tied_embedding_and_biases_by_hand():
 
 
 def test_pipeline_stages_hold_their_layers():
-    cfg = Config(parallel=ParallelConfig(pp=2)).resolved(2)
+    cfg = validate(Config(parallel=ParallelConfig(pp=2)), 2)
     m = cfg.model
     block = (_params(m) - 2 * m.vocab_size * m.hidden - m.hidden) // m.layers
     first = predict_memory(cfg, Coord(0, 0, 0, 0)).weights // 4
@@ -212,7 +213,7 @@ def test_activation_memory_by_recompute_mode():
     sizes = {}
     for mode in ("none", "selective", "full", "offload"):
         cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=mode))
-        sizes[mode] = predict_memory(cfg.resolved(1), Coord(0, 0, 0, 0)).activations
+        sizes[mode] = predict_memory(validate(cfg, 1), Coord(0, 0, 0, 0)).activations
     n, e, H, F, V = 2 * 16, 8, 32, 64, 64
     q, kv, lse = 32, 16, 4 * 8                                    # per token: q, k/v widths, lse
     head = (2 * H + 1 + V) * n * e + n * (8 + 8)
@@ -227,12 +228,12 @@ def test_activation_memory_by_recompute_mode():
 
 def test_gpipe_holds_every_microbatch_1f1b_only_p():
     def act(schedule):
-        cfg = Config(parallel=ParallelConfig(pp=2, schedule=schedule),
-                     train=TrainConfig(global_batch_size=8, micro_batch_size=1)).resolved(2)
+        cfg = validate(Config(parallel=ParallelConfig(pp=2, schedule=schedule),
+                     train=TrainConfig(global_batch_size=8, micro_batch_size=1)), 2)
         return predict_memory(cfg, Coord(0, 0, 0, 0)).activations
-    one = Config(parallel=ParallelConfig(pp=2),
+    one = validate(Config(parallel=ParallelConfig(pp=2),
                  train=TrainConfig(global_batch_size=8, micro_batch_size=1,
-                                   recompute="offload")).resolved(2)
+                                   recompute="offload")), 2)
     working = predict_memory(one, Coord(0, 0, 0, 0)).activations - 2 * 9 * 128  # ids of 2 mbs
     per_mb = (act("1f1b") - working) / 2                          # 1F1B: p = 2 in flight on rank 0
     assert act("gpipe") - working == pytest.approx(8 * per_mb)    # GPipe: all 8
@@ -243,7 +244,7 @@ def test_model_flops_by_hand():
                              ffn_hidden=16), train=TrainConfig(seq_len=4, global_batch_size=3))
     matmul = 2 * (8 * 8 + 8 * 4 * 2 + 8 * 8) + 2 * 3 * 8 * 16 + 2 * 8 * 10
     attention = 4 * 2 * 4 * (4 + 1) / 2                           # heads x head_dim x mean keys
-    assert model_flops_per_step(cfg) == 3 * (matmul + attention) * 3 * 4
+    assert model_flops_per_step(validate(cfg, 1)) == 3 * (matmul + attention) * 3 * 4
 
 
 # ---------------------------------------------------------------------------- time model
@@ -251,10 +252,10 @@ def test_pipeline_bubble_is_the_schedules():
     """Fast links: the predicted bubble of 1F1B is (p-1)/(m+p-1), interleaving lowers it."""
     fast = Hardware(peak_flops=1e9, bandwidth=1e18, latency=0.0)
     t = TrainConfig(global_batch_size=8, micro_batch_size=2)
-    one = predict_step_time(Config(parallel=ParallelConfig(pp=4), train=t).resolved(4), fast)
+    one = predict_step_time(validate(Config(parallel=ParallelConfig(pp=4), train=t), 4), fast)
     assert one.bubble == pytest.approx(3 / 7, abs=0.02)
-    inter = predict_step_time(Config(ModelConfig(layers=8), ParallelConfig(
-        pp=4, schedule="interleaved", virtual_stages=2), t).resolved(4), fast)
+    inter = predict_step_time(validate(Config(ModelConfig(layers=8), ParallelConfig(
+        pp=4, schedule="interleaved", virtual_stages=2), t), 4), fast)
     assert inter.bubble < one.bubble
 
 
@@ -292,9 +293,8 @@ def test_memory_limit_turns_recompute_on():
     fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "zero"}
     free = plan_layouts(base, 1, fixed).ranked[0]
     assert free.cfg.train.recompute == "none"
-    limit = (free.memory.total + predict_memory(dataclasses.replace(
-        free.cfg, train=dataclasses.replace(free.cfg.train, recompute="full")),
-        Coord(0, 0, 0, 0)).total) / 2
+    limit = (free.memory.total + predict_memory(vary(free.cfg, train={"recompute": "full"}),
+                                                Coord(0, 0, 0, 0)).total) / 2
     tight = plan_layouts(base, 1, fixed, memory_bytes=limit).ranked[0]
     assert tight.cfg.train.recompute in ("selective", "full") and tight.memory.total <= limit
     assert tight.time.total > free.time.total
@@ -305,7 +305,7 @@ def test_memory_limit_turns_recompute_on():
                                          (7, 21), (8, 16)])
 def test_default_run_layout_fits_every_world(world, batch):
     cfg, note = auto_layout(Config(), world, set())
-    cfg = cfg.resolved(world)
+    cfg = validate(cfg, world)
     assert cfg.train.global_batch_size == batch and cfg.parallel.dp == world
     assert (note is None) == (batch == 16)
     if note:
@@ -315,10 +315,10 @@ def test_default_run_layout_fits_every_world(world, batch):
 def test_given_batch_is_kept_and_the_planner_picks_the_layout():
     cfg = Config(train=TrainConfig(global_batch_size=4))
     out, note = auto_layout(cfg, 8, {"global_batch_size"})
-    out = out.resolved(8)
+    out = validate(out, 8)
     assert out.train.global_batch_size == 4 and out.parallel.dp <= 4 and "planner" in note
     with pytest.raises(ConfigError, match="must be divisible by dp=3"):
-        auto_layout(Config(), 3, {"global_batch_size"})[0].resolved(3)
+        validate(auto_layout(Config(), 3, {"global_batch_size"})[0], 3)
     same, note = auto_layout(Config(), 3, {"tp"})                # a size given: no choice made
     assert note is None and same.train.global_batch_size == 16
 
@@ -387,12 +387,12 @@ def test_measured_nodes_place_the_groups():
     on the slow link, exactly its wire bytes over that link plus a latency per call."""
     from mpipar.plan.cost import predict_link_bytes, with_nodes
 
-    cfg = Config(parallel=ParallelConfig(dp=8)).resolved(8)
+    cfg = validate(Config(parallel=ParallelConfig(dp=8)), 8)
     one_node = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)
     measured = dataclasses.replace(one_node, ranks_per_node=4)
     on_nodes = with_nodes(cfg, measured, 8)
     assert on_nodes.parallel.ranks_per_node == 4 and with_nodes(cfg, one_node, 8) is cfg
-    given = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ranks_per_node=2))
+    given = vary(cfg, parallel={"ranks_per_node": 2})
     assert with_nodes(given, measured, 8).parallel.ranks_per_node == 2
     coord = Coord(dp=0, tp=0, pp=0, sp=0)
     wire = predict_link_bytes(on_nodes, coord)["dp_sp"]

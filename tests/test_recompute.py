@@ -26,9 +26,11 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RECOMPUTE_MODES, LlamaStage
 from mpipar.model.params import init_params
 from mpipar.parallel.tensor import TensorParallel
+from mpipar.rules import validate
+from mpipar.layout import resolve_model
 
-CFG = ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
-                  init_std=0.3).resolved()
+CFG = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
+                  init_std=0.3))
 TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True)  # biases recomputed too
 MODES = [m for m in RECOMPUTE_MODES if m != "none"]
 
@@ -138,7 +140,7 @@ def _run(layout: dict, mode: str, comm, run_dir: str, **train):
     cfg.train.recompute, cfg.train.run_dir = mode, run_dir
     for key, value in train.items():
         setattr(cfg.train, key, value)
-    eng = Engine(cfg.resolved(comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
     out = [eng.train_step(k) for k in range(2)]
     params = eng.gather_params()
     eng.close()

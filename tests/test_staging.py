@@ -14,6 +14,7 @@ from mpipar.runtime import device
 from mpipar.runtime import staging
 from mpipar.runtime.comm import Ledger
 from mpipar.config import Config, ConfigError, TrainConfig
+from mpipar.rules import validate
 
 NO_CUDA = device.cuda_unavailable() is not None
 
@@ -41,7 +42,7 @@ def test_bad_override_is_a_config_error(monkeypatch):
     monkeypatch.setenv(staging.ENV_OVERRIDE, "maybe")
     with pytest.raises(ConfigError, match="train.cuda_aware_mpi='auto': MPIPAR_CUDA_AWARE_MPI="
                                           "'maybe': must be one of"):
-        Config(train=TrainConfig(backend="numpy")).validate(1)
+        validate(Config(train=TrainConfig(backend="numpy")), 1)
 
 
 def _cfg(**train) -> Config:
@@ -51,18 +52,18 @@ def _cfg(**train) -> Config:
 @pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is present: the rule accepts")
 def test_cuda_without_a_device_is_refused():
     with pytest.raises(ConfigError, match=r"train.device='cuda': no CUDA device here: cupy "):
-        _cfg(device="cuda").validate(1)
+        validate(_cfg(device="cuda"), 1)
     assert device.resolve_device("auto") == "cpu"
-    _cfg(device="auto").validate(1)  # auto falls back to the CPU
+    validate(_cfg(device="auto"), 1)  # auto falls back to the CPU
 
 
 def test_cuda_aware_on_is_refused_when_the_library_says_no(monkeypatch):
     monkeypatch.setenv(staging.ENV_OVERRIDE, "0")
     with pytest.raises(ConfigError, match=r"train.cuda_aware_mpi='on': the MPI library does not "
                                           r"take CUDA device buffers \(MPIPAR_CUDA_AWARE_MPI=0\)"):
-        _cfg(cuda_aware_mpi="on").validate(1)
+        validate(_cfg(cuda_aware_mpi="on"), 1)
     monkeypatch.setenv(staging.ENV_OVERRIDE, "1")
-    _cfg(cuda_aware_mpi="on").validate(1)
+    validate(_cfg(cuda_aware_mpi="on"), 1)
 
 
 def test_paths_chosen():

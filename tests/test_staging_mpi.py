@@ -12,6 +12,7 @@ import pytest
 
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
+from mpipar.rules import validate
 
 LAYOUTS = [
     dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002),
@@ -30,7 +31,7 @@ def _engine(layout: dict, comm, path: str):
     layout = dict(layout)
     cfg = small_config(model=layout.pop("model", "llama"), **layout)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_aware_mpi=path))
-    return Engine(cfg.resolved(comm.Get_size()), comm, source=token_source())
+    return Engine(validate(cfg, comm.Get_size()), comm, source=token_source())
 
 
 def _check(layout: dict, comm) -> list[str]:

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import assert_all_ranks
 from layouts import compare, reference, small_config, token_source
+from mpipar.rules import validate
 
 
 def global_state(eng, world) -> dict[tuple[str, str], np.ndarray]:
@@ -50,12 +51,12 @@ def test_state_moves_between_layouts(world, before, after):
 
     fails = []
     try:
-        a = Engine(small_config(**before).resolved(8), world, source=token_source())
+        a = Engine(validate(small_config(**before), 8), world, source=token_source())
         a.train_step(0)
         state = global_state(a, world)
         if any(np.isnan(v).any() for v in state.values()):
             fails.append("some global state was not held by any rank")
-        b = Engine(small_config(**after).resolved(8), world, source=token_source())
+        b = Engine(validate(small_config(**after), 8), world, source=token_source())
         b.state.load(lambda kind, name, region: state[(kind, name)][region], a.state.step)
         r2 = b.train_step(1)
         got = ([None, r2.loss], [None, r2.grad_norm], b.gather_params())

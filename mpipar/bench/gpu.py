@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from typing import Any, Callable
+from mpipar.rules import validate
 
 MODEL_350M = dict(vocab_size=32000, hidden=1024, layers=24, heads=16, kv_heads=16,
                   ffn_hidden=2816)
@@ -63,7 +64,7 @@ def attention_rates(seq: int, heads: int = 16, head_dim: int = 128) -> dict[str,
 def mpipar_train(seq: int, steps: int) -> dict[str, float]:
     """Tokens/s and MFU of mpipar's training step of the 350M model on this device."""
     import cupy
-    from mpi4py import MPI
+    from mpipar.runtime.mpi_init import MPI
     from mpipar.runtime.peak import gpu_peak_flops
     from mpipar.config import Config, ModelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
@@ -72,9 +73,9 @@ def mpipar_train(seq: int, steps: int) -> dict[str, float]:
     import numpy as np, os, tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
     np.save(path, np.random.default_rng(0).integers(0, 32000, (8, seq + 1)))
-    cfg = Config(ModelConfig(**MODEL_350M), train=TrainConfig(
+    cfg = validate(Config(ModelConfig(**MODEL_350M), train=TrainConfig(
         seq_len=seq, global_batch_size=1, device="cuda", steps=steps + 1, data=path,
-        dtype="float32")).resolved(1)
+        dtype="float32")), 1)
     eng = Engine(cfg, MPI.COMM_SELF, source=load_tokens(path, 32000, seq))
     eng.train_step(0)
     cupy.cuda.Device().synchronize()

@@ -58,6 +58,7 @@ import numpy as np  # noqa: E402
 
 from mpipar import kernels  # noqa: E402
 from mpipar.kernels import numpy_ref  # noqa: E402
+from mpipar.rules import validate
 
 
 @dataclass(frozen=True)
@@ -510,21 +511,21 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
     seconds of the faster of two more untraced steps). ``traced=False`` runs the same steps
     untraced (a warm-up that fills the process's lazy caches before the first measurement).
     """
-    from mpi4py import MPI
+    from mpipar.runtime.mpi_init import MPI
 
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
     from mpipar.training.engine import Engine
 
     comm = comm or MPI.COMM_SELF
-    cfg = Config(
+    cfg = validate(Config(
         ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, ffn_hidden=args.ffn),
         ParallelConfig(tp=comm.Get_size(), tp_sequence_parallel=tp_sequence_parallel),
         TrainConfig(steps=10, seq_len=args.seq, global_batch_size=args.batch,
                     micro_batch_size=args.micro_batch, dtype=args.dtype, backend="numpy",
                     run_dir=run_dir, recompute=mode, warmup_steps=1, log_every=0),
-    ).resolved(comm.Get_size())
+    ), comm.Get_size())
     source = load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
     engine, m = _traced_build_and_step(lambda: Engine(cfg, comm, source=source), traced)
     resident, peak, loss = m["resident"], m["step_peak"], m["loss"]
@@ -569,7 +570,7 @@ def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_
     from mpipar.training.engine import Engine
 
     world = comm.Get_size()
-    cfg = Config(
+    cfg = validate(Config(
         ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, ffn_hidden=args.ffn),
         ParallelConfig(dp=world, zero=stage, zero_prefetch=prefetch,
@@ -579,7 +580,7 @@ def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_
                     micro_batch_size=args.micro_batch, dtype=args.dtype, backend="numpy",
                     run_dir=run_dir, recompute=args.modes.split(",")[0], warmup_steps=1,
                     log_every=0),
-    ).resolved(world)
+    ), world)
     return Engine(cfg, comm, source=load_tokens(None, 256, args.seq))
 
 
@@ -727,7 +728,7 @@ def run_memory(args: argparse.Namespace, comm=None) -> dict[str, Any]:
     Under ``mpirun -n N`` (or with a ``comm`` of N ranks) the model runs with tp = N, each mode
     without and with --tp-sequence-parallel, side by side; the figures are the largest over the
     ranks, and a ratio column gives what sequence parallelism keeps of the step's activations."""
-    from mpi4py import MPI
+    from mpipar.runtime.mpi_init import MPI
 
     from mpipar.model.llama import RECOMPUTE_MODES
 
@@ -844,11 +845,11 @@ def measure_window_step(sp_mode: str, window: int, seq: int, args: argparse.Name
     from mpipar.plan.cost import predict_step_bytes
 
     sp = comm.Get_size()
-    cfg = Config(ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers,
+    cfg = validate(Config(ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers,
                              heads=args.heads, kv_heads=args.kv_heads, sliding_window=window),
                  ParallelConfig(sp=sp, sp_mode=sp_mode),
                  TrainConfig(seq_len=seq, global_batch_size=1, dtype="float32", backend="auto",
-                             steps=args.steps)).resolved(sp)
+                             steps=args.steps)), sp)
     engine = Engine(cfg, comm, source=load_tokens(data, 256, seq))
     seconds, sent = [], []
     for k in range(args.steps):
@@ -869,7 +870,7 @@ def measure_window_step(sp_mode: str, window: int, seq: int, args: argparse.Name
 def run_window(args: argparse.Namespace) -> dict[str, Any]:
     """SP bytes and step time against the window W and the sequence S (W fixed, S growing):
     full causal ring, windowed ring, halo. Run under ``mpirun -n SP``."""
-    from mpi4py import MPI
+    from mpipar.runtime.mpi_init import MPI
 
     comm = MPI.COMM_WORLD
     say = print if comm.Get_rank() == 0 else (lambda *a, **k: None)
@@ -933,7 +934,7 @@ def _timed(fn: Callable[[], Any], comm: Any, repeats: int) -> float:
 
 
 def _max_op() -> Any:
-    from mpi4py import MPI
+    from mpipar.runtime.mpi_init import MPI
     return MPI.MAX
 
 
@@ -1008,7 +1009,7 @@ def codec_work(dtype: str, repeats: int) -> tuple[float, float]:
 def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     """Links inside a node and across nodes, compute speed and per-op overhead of every rank,
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
-    from mpi4py import MPI
+    from mpipar.runtime.mpi_init import MPI
 
     from mpipar.plan.cost import Hardware
 
@@ -1148,13 +1149,13 @@ def train_config(args: argparse.Namespace, world: int, run_dir: str) -> Any:
     """The resolved mpipar Config of the benchmarked model (pure data parallelism over `world`)."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 
-    return Config(
+    return validate(Config(
         ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, ffn_hidden=args.ffn),
         ParallelConfig(),
         TrainConfig(steps=1000, seq_len=args.seq, global_batch_size=args.batch, dtype="float32",
                     backend=args.backend, run_dir=run_dir, log_every=0),
-    ).resolved(world)
+    ), world)
 
 
 class MpiparPeer:
@@ -1162,7 +1163,7 @@ class MpiparPeer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         import numba
-        from mpi4py import MPI
+        from mpipar.runtime.mpi_init import MPI
 
         from mpipar.runtime.peak import measure_peak_flops
         from mpipar.training.engine import Engine
@@ -1739,7 +1740,7 @@ def main(argv: list[str] | None = None) -> int:
             ns = sub.parse_args([])
             ns.quick, ns.json, ns.section = args.quick, args.json, name
             chosen[name] = ns
-    from mpi4py import MPI
+    from mpipar.runtime.mpi_init import MPI
 
     results = {}
     for name, ns in chosen.items():

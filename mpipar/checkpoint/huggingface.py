@@ -43,8 +43,9 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from mpipar.config import ConfigError, ModelConfig, model_from_checkpoint
+from mpipar.config import ConfigError, ModelConfig
 from mpipar.model.params import EMBED, HEAD, param_specs
+from mpipar.layout import model_from_checkpoint, resolve_model
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -337,7 +338,7 @@ def model_config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE,
     for aspect in found:
         if aspect.problem:
             raise HFCheckpointError(f"{where}: {aspect.problem}")
-    return ModelConfig(**fields).resolved()
+    return resolve_model(ModelConfig(**fields))
 
 
 def read_model_config(path: str | os.PathLike, untie_embeddings: bool = False) -> ModelConfig:
@@ -382,7 +383,7 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
     if unknown:
         raise ValueError(f"extra config fields {unknown}: only {list(PASSTHROUGH_FIELDS)} may be "
                          f"given; the others follow from the model config")
-    m = cfg.resolved()
+    m = resolve_model(cfg)
     kind = model_type(m)
     out = {
         "architectures": [architecture(m)],
@@ -432,7 +433,7 @@ def _rope_scaling(m: ModelConfig) -> dict[str, Any]:
 def model_config_with_overrides(hf_cfg: ModelConfig, overrides: Mapping[str, Any],
                                 source: str = "the Hugging Face checkpoint") -> ModelConfig:
     """The (resolved) model config of a run initialised from a checkpoint: see
-    :func:`mpipar.config.model_from_checkpoint` (errors name the config.json field)."""
+    :func:`mpipar.layout.model_from_checkpoint` (errors name the config.json field)."""
     return model_from_checkpoint(hf_cfg, overrides, source, _HF_FIELD)
 
 

@@ -49,7 +49,8 @@ from typing import Any, ContextManager
 import h5py
 import numpy as np
 
-from mpipar.config import Config, TrainConfig, require, rules
+from mpipar.config import TrainConfig, require
+from mpipar.layout import Layout
 
 STDLIB_CAP_BYTES = 16 * 2**20
 """The built-in corpus keeps the longest prefix of its sorted file list that fits in 16 MiB.
@@ -517,11 +518,10 @@ def validation(source: TokenSource, train: TrainConfig, vocab_size: int
     return keep, EvalSet(source, keep, n, batches, batch)
 
 
-@rules("eval")
-def check_config(cfg: Config, world: int) -> None:
+def check_config(layout: Layout) -> None:
     """One validation source at most (a separate file or a held-out fraction of the training
     data); a fraction in [0, 1); at least one validation batch; --eval-every needs a source."""
-    t = cfg.train
+    t = layout.train
     require(0 <= t.eval_fraction < 1,
             f"train.eval_fraction={t.eval_fraction}: must be in [0, 1)")
     require(not (t.eval_data and t.eval_fraction),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
+from mpipar.runtime.mpi_init import MPI
 
 from mpipar.runtime.device import to_host, training_backend
 from mpipar.runtime.comm import Group, Ledger
@@ -55,12 +55,13 @@ class Generation:
 class Generator:
     """This rank's share of a model for decoding under tp x pp (module docstring)."""
 
-    def __init__(self, cfg: Config, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+    def __init__(self, cfg: Config, comm: MPI.Comm | None = None) -> None:
         """``cfg``: resolved, with dp = sp = 1: the model, ``parallel.tp`` and ``parallel.pp``,
         ``train.dtype`` and ``train.backend``. Load parameters next (:meth:`load_params` or
         :meth:`load_checkpoint`)."""
+        comm = MPI.COMM_WORLD if comm is None else comm
         par = cfg.parallel
-        self.model = cfg.model.resolved()
+        self.model = cfg.model
         self.grid = ProcessGrid(comm, 1, par.tp, par.pp, 1)
         self.ledger = Ledger()
         groups = {name: Group(c, name, self.ledger) for name, c in self.grid.comms.items()}

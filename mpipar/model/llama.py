@@ -57,8 +57,8 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore
-from mpipar.model.params import (EMBED, block_param_specs, head_weight_name, stage_param_names,
-                                 unit_of)
+from mpipar.model.params import (EMBED, block_param_specs, head_weight_name, require_resolved,
+                                 stage_param_names, unit_of)
 from mpipar.parallel.tensor import TensorParallel
 
 Array = Any
@@ -248,7 +248,7 @@ class LlamaStage:
             raise ValueError("recompute='offload': needs a store for the saved activations")
         self.recompute, self.store = recompute, store
         self.recorder = None
-        self.cfg = cfg.resolved()
+        self.cfg = require_resolved(cfg)
         self.kernels, self.layers, self.first, self.last = kernels, layers, first, last
         self.tp, self.attention = tp, attention
         self.hq = self.cfg.heads // tp.size

@@ -52,9 +52,19 @@ def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     ]
 
 
+def require_resolved(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` itself, if its derived sizes are filled in (a Layout's model, or one read from a
+    checkpoint or a Hugging Face directory, is: :func:`mpipar.layout.resolve_model`); else a
+    ValueError: the model never guesses a default."""
+    if cfg.head_dim <= 0 or cfg.ffn_hidden <= 0:
+        raise ValueError(f"model config with head_dim={cfg.head_dim}, ffn_hidden={cfg.ffn_hidden}: "
+                         f"not resolved (mpipar.layout.resolve_model fills them in)")
+    return cfg
+
+
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
-    """Every parameter of the model, in forward order."""
-    cfg = cfg.resolved()
+    """Every parameter of the (resolved) model, in forward order."""
+    require_resolved(cfg)
     specs = [ParamSpec(EMBED, (cfg.vocab_size, cfg.hidden), None)]
     for i in range(cfg.layers):
         specs += block_param_specs(cfg, i)
@@ -116,5 +126,4 @@ def init_param(spec: ParamSpec, cfg: ModelConfig, seed: int) -> np.ndarray:
 
 def init_params(cfg: ModelConfig, seed: int, dtype: np.dtype) -> dict[str, np.ndarray]:
     """Every parameter's initial global tensor, cast to ``dtype`` (a single process's model)."""
-    cfg = cfg.resolved()
     return {spec.name: init_param(spec, cfg, seed).astype(dtype) for spec in param_specs(cfg)}

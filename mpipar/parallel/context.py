@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from mpipar.runtime.comm import Group
-from mpipar.config import Config, require, rules
+from mpipar.config import require
+from mpipar.layout import Layout
 
 SPLITS = ("contiguous", "zigzag")
 Array = Any
@@ -559,11 +560,10 @@ class HybridAttention:
         return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 
 
-@rules("context")
-def check_config(cfg: Config, world: int) -> None:
+def check_config(layout: Layout) -> None:
     """The sequence must cut into the split's equal parts; Ulysses needs each rank's heads to
     divide into sp groups; hybrid a Ulysses group size that divides sp and the heads."""
-    m, p, t = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, p, t = layout.model, layout.parallel, layout.train
     parts = split_parts(p.sp, p.sp_split)
     require(t.seq_len % parts == 0,
             f"train.seq_len={t.seq_len}: must be divisible by "

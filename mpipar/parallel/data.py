@@ -62,7 +62,8 @@ from types import ModuleType
 from typing import Any
 
 from mpipar.runtime.comm import Group, Request
-from mpipar.config import Config, require, rules
+from mpipar.config import require
+from mpipar.layout import Layout
 from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
 
 RESIDUAL_SEND = "residual_send"
@@ -133,7 +134,7 @@ class GradReducer:
     names in backward order (the bucket order); ``tied``: the names whose gradients are then
     summed over ``tied_group`` (the module docstring)."""
 
-    def __init__(self, params: dict[str, Any], order: list[str], groups: ReduceGroups,
+    def __init__(self, params: dict[str, Any], order: list[str], groups: ReduceGroups, *,
                  bucket_mb: float, sharded: bool, xp: ModuleType, codec: Codec | None = None,
                  feedback: bool = True, tied: Collection[str] = (),
                  tied_group: Group | None = None, dense_steps: int = 0) -> None:
@@ -454,23 +455,15 @@ def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, 
             yield name, lo - s, hi - s, lo - start, hi - start
 
 
-@rules("data")
-def check_config(cfg: Config, world: int) -> None:
-    """The global batch must split evenly over dp and into microbatches; buckets need a size;
+def check_config(layout: Layout) -> None:
+    """Buckets need a size;
     hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1]; a
     compression warm-up a compression and a count >= 0; error-feedback residuals, one per
     rank, cannot follow a tied embedding across pipeline ranks."""
     from mpipar.runtime.topology import GridShape, NodeMap
 
-    p, t = cfg.parallel, cfg.train
+    p, dp, world = layout.parallel, layout.dp, layout.world
     require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")
-    dp = p.dp or world // (p.tp * p.pp * p.sp)
-    require(t.global_batch_size % dp == 0,
-            f"train.global_batch_size={t.global_batch_size}: must be divisible by dp={dp}")
-    if t.micro_batch_size:
-        require(t.global_batch_size % (dp * t.micro_batch_size) == 0,
-                f"train.global_batch_size={t.global_batch_size}: must be divisible by "
-                f"dp*micro_batch_size = {dp}*{t.micro_batch_size}")
     require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio={p.topk_ratio}: must be in (0, 1]")
     require(p.compression_warmup >= 0,
             f"parallel.compression_warmup={p.compression_warmup}: must be >= 0")
@@ -478,12 +471,12 @@ def check_config(cfg: Config, world: int) -> None:
             f"parallel.compression_warmup={p.compression_warmup}: only with --grad-compression "
             f"int8 or topk (there is nothing to warm up from)")
     require(not (p.grad_compression != "none" and p.error_feedback == "on" and dp * p.sp > 1
-                 and cfg.model.tie_embeddings and p.pp > 1),
+                 and layout.model.tie_embeddings and p.pp > 1),
             f"parallel.grad_compression={p.grad_compression!r} with error feedback: not with "
             f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
             f"residuals, and a checkpoint holds one); use --error-feedback off, pp=1 or untied "
             f"embeddings")
-    if p.dp_reduce == "hierarchical" and p.ranks_per_node and dp * p.tp * p.pp * p.sp == world:
+    if p.dp_reduce == "hierarchical" and p.ranks_per_node:
         problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
             NodeMap.blocks(world, p.ranks_per_node))
         require(problem is None, f"parallel.dp_reduce='hierarchical' with "

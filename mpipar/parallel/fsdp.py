@@ -52,7 +52,8 @@ from types import ModuleType
 from typing import Any
 
 from mpipar.runtime.comm import Group, Request, SharedArray
-from mpipar.config import Config, require, rules
+from mpipar.config import require
+from mpipar.layout import Layout
 from mpipar.parallel.data import padded_size
 
 MAX_IN_FLIGHT = 2
@@ -145,7 +146,7 @@ class ShardedParams:
     whose owned gradients are then summed over ``tied_group``."""
 
     def __init__(self, initial: Callable[[str], Any], chunks: list[list[tuple[str, list[str]]]],
-                 group: Group, gather: bool, prefetch: int, xp: ModuleType,
+                 group: Group, *, gather: bool, prefetch: int, xp: ModuleType,
                  before_reduce: Callable[[list[str]], None], tied: Collection[str] = (),
                  tied_group: Group | None = None,
                  node_groups: tuple[Group, Group | None] | None = None) -> None:
@@ -460,22 +461,21 @@ class ShardedParams:
                 u.full[s:e] = flat
 
 
-@rules("fsdp")
-def check_config(cfg: Config, world: int) -> None:
+def check_config(layout: Layout) -> None:
     """ZeRO-2/3 shard over dp x sp (a group of one shards nothing) with a flat, dense
     reduce-scatter per unit (neither the hierarchical reduction nor compression), and a prefetch
     depth >= 0; node shared memory is for ZeRO-3 on the CPU."""
-    p = cfg.parallel
+    p = layout.parallel
     require(p.zero_prefetch >= 0, f"parallel.zero_prefetch={p.zero_prefetch}: must be >= 0")
     if p.zero_shared == "node":
         require(p.zero == 3, f"parallel.zero_shared='node' with parallel.zero={p.zero}: node "
                              f"shared memory holds ZeRO-3's parameters (use zero=3)")
-        require(cfg.train.device != "cuda",
+        require(layout.train.device != "cuda",
                 "parallel.zero_shared='node' with train.device='cuda': node shared memory "
                 "holds host arrays (use device='cpu', or zero_shared='off')")
     if p.zero < 2:
         return
-    dp = p.dp or world // (p.tp * p.pp * p.sp)
+    dp = layout.dp
     require(dp * p.sp > 1, f"parallel.zero={p.zero}: ZeRO-2/3 shard over dp x sp, which needs "
                            f"dp*sp > 1 (got dp={dp}, sp={p.sp})")
     require(p.dp_reduce == "flat", f"parallel.dp_reduce={p.dp_reduce!r} with parallel.zero="

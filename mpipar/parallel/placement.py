@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.model.params import EMBED, ParamSpec, param_specs, stage_param_names, stage_units
+from mpipar.model.params import (EMBED, ParamSpec, param_specs, require_resolved, stage_param_names,
+                                 stage_units)
 from mpipar.parallel.pipeline.schedule import stage_layers, stage_owner
 
 Slices = tuple[slice, ...]
@@ -186,7 +187,7 @@ class PlacementTable:
 
     def __init__(self, model: ModelConfig, pp: int = 1, virtual_stages: int = 1,
                  tp_sequence_parallel: bool = False, zero: int = 0) -> None:
-        self.model = model.resolved()
+        self.model = require_resolved(model)
         self.pp, self.virtual_stages = pp, virtual_stages
         self.rows: dict[str, Placement] = {}
         for spec in param_specs(self.model):

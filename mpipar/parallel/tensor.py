@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpipar.runtime.comm import Group
-from mpipar.config import Config, require, rules
+from mpipar.config import require
+from mpipar.layout import Layout
 from mpipar.parallel.placement import padded_vocab
 
 Array = Any
@@ -190,19 +191,17 @@ class TensorParallel:
             at += g.size
 
 
-@rules("tensor")
-def check_config(cfg: Config, world: int) -> None:
+def check_config(layout: Layout) -> None:
     """The tensor-parallel split must divide the heads and the FFN; sequence parallelism inside
     tp must divide each microbatch's tokens."""
-    m, p, t = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, p, t = layout.model, layout.parallel, layout.train
     require(m.heads % p.tp == 0, f"parallel.tp={p.tp}: must divide model.heads={m.heads}")
     require(m.kv_heads % p.tp == 0,
              f"parallel.tp={p.tp}: must divide model.kv_heads={m.kv_heads}")
     require(m.ffn_hidden % p.tp == 0,
              f"parallel.tp={p.tp}: must divide model.ffn_hidden={m.ffn_hidden}")
     if p.tp_sequence_parallel and p.tp > 1:
-        dp = p.dp or world // (p.tp * p.pp * p.sp)
-        micro = t.micro_batch_size or t.global_batch_size // max(dp, 1)
+        micro = layout.micro_batch_size
         tokens = micro * (t.seq_len // p.sp)
         require(tokens % p.tp == 0,
                  f"parallel.tp_sequence_parallel: the tokens of a microbatch on one rank, "

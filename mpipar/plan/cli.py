@@ -30,6 +30,7 @@ from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
 from mpipar.plan.cost import Candidate, Hardware, Plan, plan_layouts, with_nodes
+from mpipar.layout import resolve_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +81,7 @@ def _nodes(base: Config, world: int) -> str:
 def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: float | None,
                 top: int, peak_note: str, link_note: str = "given") -> str:
     """The report printed by the CLI."""
-    m, tr = base.model.resolved(), base.train
+    m, tr = resolve_model(base.model), base.train
     params = sum(math.prod(s.shape) for s in param_specs(m))
     lines = [
         f"mpipar plan: world {world}, model {m.layers} layers x {m.hidden} hidden, heads "
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         hw, note, link_note = _probed_hardware(args, base)
     memory = None if args.memory_gb is None else args.memory_gb * 2**30
-    base = with_nodes(dataclasses.replace(base, model=base.model.resolved()), hw, args.world)
+    base = with_nodes(dataclasses.replace(base, model=resolve_model(base.model)), hw, args.world)
     plan = plan_layouts(base, args.world, fixed, memory, hw)
     sys.stdout.write(format_plan(plan, base, args.world, hw, args.memory_gb, args.top, note,
                                  link_note))

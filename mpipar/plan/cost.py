@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-import mpipar.training.engine  # noqa: F401  (imports every component: their configuration rules)
 from mpipar.config import Config, ConfigError, ModelConfig
 from mpipar.runtime.comm import LINKS, wire_bytes
 from mpipar.model.params import EMBED
@@ -61,6 +60,8 @@ from mpipar.parallel.fsdp import MAX_IN_FLIGHT, kept_after_forward, node_copy_la
 from mpipar.parallel.pipeline.schedule import Op, build_schedule, dry_run
 from mpipar.parallel.placement import PlacementTable, padded_vocab
 from mpipar.runtime.topology import GROUP_AXES, Coord, GridShape, NodeMap
+from mpipar.rules import validate
+from mpipar.layout import Layout, resolve_model, vary
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
 
@@ -73,7 +74,7 @@ def _table(model: tuple, pp: int, v: int) -> PlacementTable:
 
 def placement_table(cfg: Config) -> PlacementTable:
     par = cfg.parallel
-    return _table(dataclasses.astuple(cfg.model.resolved()), par.pp, par.virtual_stages)
+    return _table(dataclasses.astuple(cfg.model), par.pp, par.virtual_stages)
 
 
 @functools.lru_cache(maxsize=256)
@@ -239,7 +240,7 @@ def _calls(cfg: Config, coord: Coord, eval_batches: int = 0) -> list[Call]:
     """Every MPI call the rank at ``coord`` makes in one training step, or with
     ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
     reduced once: :meth:`mpipar.training.engine.Engine.evaluate`). ``cfg`` is resolved."""
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     train = eval_batches == 0
     e = np.dtype(tr.dtype).itemsize
     b, s_loc = tr.micro_batch_size, tr.seq_len // par.sp
@@ -317,7 +318,7 @@ def _sp_calls(cfg: Config, coord: Coord, shape: GridShape, layers: list[int], re
     backwards of each layer in a step, each layer with its own sliding window. Ring and halo
     messages come from :mod:`mpipar.parallel.context`'s hop and halo plans (hybrid: the ring
     over the Ulysses groups, ``ulysses_size`` sp ranks apart)."""
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     s_loc = tr.seq_len // par.sp
     row = tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim * e   # one position's K
@@ -423,7 +424,7 @@ def _tp_calls(cfg: Config, n_tok: int, blocks: int, first: bool, last: bool, pas
     ZeRO-2/3 once a microbatch, per unit before its reduce-scatter. The first stage reduces the
     embedding (forward); the last all-reduces the cross-entropy's max and then its (sum-exp,
     target logit) per token, and the head's input gradient."""
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
     full = n_tok * m.hidden * e
@@ -553,7 +554,7 @@ def residual_bytes(cfg: Config, lengths: list[int]) -> int:
 def _block_activation_bytes(cfg: Config, mode: str) -> int:
     """Bytes one block keeps for backward for one microbatch on one rank under ``mode`` (the
     fields of :class:`mpipar.model.llama.BlockSaved` it fills)."""
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     e, se = np.dtype(tr.dtype).itemsize, (8 if tr.dtype == "float64" else 4)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
@@ -577,7 +578,7 @@ def _block_activation_bytes(cfg: Config, mode: str) -> int:
 def _halo_bytes(cfg: Config) -> int:
     """Bytes of the K/V rows halo attention keeps for backward in one block (the most of any
     SP rank and layer); 0 in the other modes."""
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     if par.sp == 1 or par.sp_mode != "halo":
         return 0
     layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
@@ -590,7 +591,7 @@ def _halo_bytes(cfg: Config) -> int:
 def _head_activation_bytes(cfg: Config) -> int:
     """Bytes the LM head keeps for one microbatch: x, normed x, rstd (stream), logits, targets,
     lse."""
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     e, se = np.dtype(tr.dtype).itemsize, (8 if tr.dtype == "float64" else 4)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     ns = n // (par.tp if par.tp_sequence_parallel else 1)
@@ -600,7 +601,7 @@ def _head_activation_bytes(cfg: Config) -> int:
 
 def predict_memory(cfg: Config, coord: Coord) -> MemoryEstimate:
     """Memory of the rank at ``coord`` (resolved ``cfg``); see :class:`MemoryEstimate`."""
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     e = np.dtype(tr.dtype).itemsize
     lengths = list(unit_lengths(cfg, coord).values()) if par.zero >= 2 else \
         bucket_lengths(cfg, coord)
@@ -668,7 +669,7 @@ def parameter_count(model: ModelConfig) -> int:
     """Parameters of ``model`` from its sizes alone (no per-layer list: a model of 10^8 layers
     is counted at once): embedding and LM head ``V x H`` each, the final norm ``H``, and per
     block two norms, q/k/v/o and the three SwiGLU matrices."""
-    m = model.resolved()
+    m = resolve_model(model)
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     block = 2 * m.hidden + (2 * q + 2 * kv) * m.hidden + 3 * m.ffn_hidden * m.hidden
     return 2 * m.vocab_size * m.hidden + m.hidden + m.layers * block
@@ -715,7 +716,7 @@ def predict_peak_memory(cfg: Config, coord: Coord) -> int:
 # -------------------------------------------------------------------------------------- FLOPs
 def _block_flops_per_token(cfg: Config, context: float) -> float:
     """Forward FLOPs of one block for one token of this TP rank attending to ``context`` keys."""
-    m, par = cfg.model.resolved(), cfg.parallel
+    m, par = cfg.model, cfg.parallel
     H, D = m.hidden, m.head_dim
     hq, hkv, F = m.heads // par.tp, m.kv_heads // par.tp, m.ffn_hidden // par.tp
     matmul = 2 * H * (2 * hq * D + 2 * hkv * D) + 2 * 3 * H * F   # q, o, k, v; gate, up, down
@@ -734,7 +735,7 @@ def model_flops_per_step(cfg: Config) -> float:
     """Model FLOPs of one optimizer step (forward + backward = 3 x forward, causal attention:
     a query at position i sees i + 1 keys, or min(i + 1, W) in a layer with a sliding window W),
     whatever the layout and recompute mode."""
-    m, tr = cfg.model.resolved(), cfg.train
+    m, tr = cfg.model, cfg.train
     one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
     per_token = (sum(_block_flops_per_token(one, window_context(tr.seq_len, w))
                      for w in m.windows())
@@ -868,11 +869,14 @@ def _group_seconds(cfg: Config, coord: Coord, hw: Hardware) -> dict[str, float]:
 
 
 def with_nodes(cfg: Config, hw: Hardware, world: int) -> Config:
-    """``cfg`` on the nodes the planner assumes: its own ``ranks_per_node`` when given, else the
-    hardware's measured one (when it divides ``world``), else one node."""
+    """``cfg`` (a configuration, or a resolved Layout) on the nodes the planner assumes: its own
+    ``ranks_per_node`` when given, else the hardware's measured one (when it divides ``world``),
+    else one node."""
     k, par = hw.ranks_per_node, cfg.parallel
     if par.ranks_per_node or not k or world % k:
         return cfg
+    if isinstance(cfg, Layout):
+        return vary(cfg, parallel={"ranks_per_node": k})
     return dataclasses.replace(cfg, parallel=dataclasses.replace(par, ranks_per_node=k))
 
 
@@ -892,7 +896,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     :func:`with_nodes`)."""
     par = cfg.parallel
     cfg = with_nodes(cfg, hw, par.dp * par.tp * par.pp * par.sp)
-    m, par, tr = cfg.model.resolved(), cfg.parallel, cfg.train
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
     p, v = par.pp, par.virtual_stages
     per = m.layers // (p * v)
     micro = _microbatches(cfg)
@@ -1005,7 +1009,7 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
               ) -> Iterator[Config]:
     """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch / ZeRO /
     reduction / compression choice (hierarchical reduction and hybrid SP when nodes are given)."""
-    par, tr, m = base.parallel, base.train, base.model.resolved()
+    par, tr, m = base.parallel, base.train, base.model
     dp, tp, pp, sp = sizes
     if {"schedule", "virtual_stages"} & fixed or pp == 1:
         schedules = [(par.schedule, par.virtual_stages)] if pp > 1 or {"schedule",
@@ -1094,14 +1098,13 @@ def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
         accepted = 0
         for cfg in _variants(base, sizes, fixed):
             try:
-                cfg = cfg.resolved(world)
+                cfg = validate(cfg, world)
             except ConfigError as exc:
                 errors.append(str(exc))
                 continue
             modes = [cfg.train.recompute] if "recompute" in fixed else RECOMPUTE_ORDER
             for mode in modes:
-                trial = evaluate(dataclasses.replace(
-                    cfg, train=dataclasses.replace(cfg.train, recompute=mode)), hw)
+                trial = evaluate(vary(cfg, train={"recompute": mode}), hw)
                 if memory_bytes is None or trial.memory.total <= memory_bytes:
                     plan.ranked.append(trial)
                     accepted += 1
@@ -1132,7 +1135,7 @@ def auto_layout(cfg: Config, world: int, given: set[str]) -> tuple[Config, str |
     if set(SIZE_FIELDS) & given:
         return cfg, None
     try:
-        cfg.validate(world)
+        validate(cfg, world)
         return cfg, None
     except ConfigError as exc:
         first_error = str(exc)

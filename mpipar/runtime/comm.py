@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
-from mpi4py.util.dtlib import from_numpy_dtype
+from mpipar.runtime.mpi_init import MPI
 
 from mpipar.runtime.staging import DirectPath, HostCopies, MpiPath
 
@@ -281,8 +280,9 @@ class Group:
                        link or self._collective_link, on_done)
 
     # ------------------------------------------------------------ collectives
-    def allreduce_(self, buf: np.ndarray, op: MPI.Op = MPI.SUM) -> np.ndarray:
+    def allreduce_(self, buf: np.ndarray, op: MPI.Op | None = None) -> np.ndarray:
         """In-place all-reduce (sum by default) of a contiguous array; returns it."""
+        op = MPI.SUM if op is None else op
         if self.size > 1:
             with self._buffers(both=(_contig(buf, "allreduce"),)) as (mbuf,):
                 self._timed("allreduce" if op is MPI.SUM else "allreduce_max", buf.nbytes,
@@ -315,6 +315,7 @@ class Group:
         every rank; this rank's own are already in place (an in-place ``Allgatherv``). Booked
         as an all-gather of ``count`` elements (host arrays)."""
         if self.size > 1:
+            from mpi4py.util.dtlib import from_numpy_dtype
             spec = [_contig(buf, "allgather"), [count] * self.size, list(offsets),
                     from_numpy_dtype(buf.dtype)]
             self._timed("allgather", count * buf.itemsize, self.comm.Allgatherv, MPI.IN_PLACE,

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from mpipar.runtime.mpi_init import MPI  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
-from mpipar.config import Config, ConfigError, require, rules
+from mpipar.config import ConfigError, require
+from mpipar.layout import Layout
 
 HOST_BACKENDS = ("numba", "numpy")
 
@@ -88,10 +89,9 @@ def select_device(device: str, comm: MPI.Comm) -> Device:
     return Device("cuda", index, visible)
 
 
-@rules("backend")
-def check_config(cfg: Config, world: int) -> None:
+def check_config(layout: Layout) -> None:
     """The device, the kernels that run on it, the dtypes built, and how arrays reach MPI."""
-    t = cfg.train
+    t = layout.train
     require(t.dtype != "bfloat16",
             "train.dtype='bfloat16': mixed precision (bf16 compute with float32 master weights, "
             "optimizer state and gradient accumulation) is not built yet, on the CPU or on a "
@@ -108,9 +108,12 @@ def check_config(cfg: Config, world: int) -> None:
             f"train.backend={t.backend!r} with train.device={t.device!r}: the CPU kernels "
             f"cannot run on a CUDA device; use --backend auto or cupy")
     if t.cuda_aware_mpi != "off":
-        from mpipar.runtime.staging import cuda_aware_mpi
+        from mpipar.runtime.staging import cuda_aware_mpi, env_override
         try:
-            aware, how = cuda_aware_mpi()
+            env_override()  # a value that is not a yes or no is refused on every device
+            # Only a choice that can pass device buffers asks the MPI library (loading it).
+            asks = t.cuda_aware_mpi == "on" or device == "cuda"
+            aware, how = cuda_aware_mpi() if asks else (False, "not asked")
         except ValueError as exc:
             raise ConfigError(f"train.cuda_aware_mpi={t.cuda_aware_mpi!r}: {exc}") from None
         require(aware or t.cuda_aware_mpi != "on",

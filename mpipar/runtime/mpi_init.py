@@ -16,8 +16,9 @@ probe launch went through. A training launch marks, through :func:`mark_started`
 rank came through it (the file ``MPIPAR_STARTED_FILE`` names, when set): the srun job scripts
 launch again, up to three times, a launch that failed without it, which did nothing.
 
-The entry points (``python -m mpipar.train``, ``python -m mpipar.runtime.nodes``) import ``MPI`` from
-here; a process that already initialised MPI is left alone. ``python -m mpipar.runtime.nodes``, the
+Every module imports ``MPI`` from here: an object that imports ``mpi4py.MPI`` (under the
+deadline) when a program first reads one of its names, never when a module is imported; a
+process that already initialised MPI is left alone. ``python -m mpipar.runtime.nodes``, the
 job scripts' probe, which is nothing but start-up, runs whole under :func:`deadline` (its node
 detection is the first traffic between the nodes). The variable is read before MPI
 (and before any argument parsing), so a bad value is refused here: one message, status 2.
@@ -108,8 +109,25 @@ def mark_started(rank: int, environ=os.environ) -> None:
               flush=True)
 
 
-_initialise()
-from mpi4py import MPI  # noqa: E402  (initialised above)
+class _LazyMPI:
+    """``mpi4py.MPI``, imported at the first attribute read (``MPI.COMM_WORLD``, ``MPI.SUM``,
+    ...), which runs ``MPI_Init`` under the deadline (:func:`_initialise`). Modules import this
+    object instead of ``mpi4py.MPI``, so importing one never starts MPI: the offline planner
+    (``python -m mpipar.plan``) runs where no MPI library is installed. Each name read is then
+    cached on the object."""
+
+    def __getattr__(self, name: str):
+        _initialise()
+        from mpi4py import MPI as module
+        value = getattr(module, name)
+        setattr(self, name, value)
+        return value
+
+    def __repr__(self) -> str:
+        return "<mpi4py.MPI, imported on first use by mpipar.runtime.mpi_init>"
+
+
+MPI = _LazyMPI()
 
 __all__ = ["MPI", "deadline", "init_timeout", "mark_started", "VARIABLE", "DEFAULT_SECONDS",
            "STARTED_VARIABLE"]

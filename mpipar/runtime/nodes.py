@@ -62,11 +62,12 @@ def ranks_on_node(names: list[str], rank: int) -> int:
     return names.count(names[rank])
 
 
-def shared_memory_nodes(comm: MPI.Comm = MPI.COMM_WORLD) -> list[int]:
+def shared_memory_nodes(comm: MPI.Comm | None = None) -> list[int]:
     """The node of every rank of ``comm``, by rank (small integers in order of first appearance),
     as MPI sees them: the ranks that can share memory (``Split_type(COMM_TYPE_SHARED)``, a
     collective). The one node detection of mpipar: the grid's node map and :func:`node_shape`
     both read it."""
+    comm = MPI.COMM_WORLD if comm is None else comm
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
@@ -76,9 +77,10 @@ def shared_memory_nodes(comm: MPI.Comm = MPI.COMM_WORLD) -> list[int]:
     return [first.setdefault(x, len(first)) for x in comm.allgather(leader)]
 
 
-def node_shape(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
+def node_shape(comm: MPI.Comm | None = None) -> str:
     """The nodes of ``comm`` as MPI sees them (:func:`shared_memory_nodes`, a collective):
     ``"K node(s) x R rank(s) per node: host (ranks a-b), ..."`` (R like ``4/2`` when uneven)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
     nodes = shared_memory_nodes(comm)
     hosts = comm.allgather(MPI.Get_processor_name())
     members: dict[int, list[int]] = {}

@@ -75,13 +75,22 @@ def cuda_aware_mpi() -> tuple[bool, str]:
     """Whether the loaded MPI library takes CUDA device buffers, and how we know: the
     environment override :data:`ENV_OVERRIDE` if set, else the library's own answer
     (:func:`query_cuda_support`). Raises ValueError for an override that is not a yes or no."""
-    override = os.environ.get(ENV_OVERRIDE, "").strip().lower()
-    if override:
-        if override not in _TRUE + _FALSE:
-            raise ValueError(f"{ENV_OVERRIDE}={override!r}: must be one of "
-                             f"{', '.join(_TRUE + _FALSE)}")
-        return override in _TRUE, f"{ENV_OVERRIDE}={override}"
+    override = env_override()
+    if override is not None:
+        return override, f"{ENV_OVERRIDE}={os.environ[ENV_OVERRIDE].strip().lower()}"
     return query_cuda_support(loaded_mpi_library())
+
+
+def env_override() -> bool | None:
+    """What :data:`ENV_OVERRIDE` says (None: not set), read without loading MPI; ValueError for
+    a value that is not a yes or no."""
+    override = os.environ.get(ENV_OVERRIDE, "").strip().lower()
+    if not override:
+        return None
+    if override not in _TRUE + _FALSE:
+        raise ValueError(f"{ENV_OVERRIDE}={override!r}: must be one of "
+                         f"{', '.join(_TRUE + _FALSE)}")
+    return override in _TRUE
 
 
 # ------------------------------------------------------------------------------- copies

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from mpi4py import MPI
+from mpipar.runtime.mpi_init import MPI
 
 from mpipar.runtime.nodes import shared_memory_nodes
-from mpipar.config import Config, ConfigError, require, rules
+from mpipar.config import ConfigError
 
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest
 GROUP_AXES = {"pp": ("pp",), "dp": ("dp",), "sp": ("sp",), "tp": ("tp",),
@@ -268,20 +268,3 @@ class ProcessGrid:
         for c in self.comms.values():
             c.Free()
         self.cart.Free()
-
-
-@rules("grid")
-def check_config(cfg: Config, world: int) -> None:
-    """The grid's sizes must multiply to the world (dp = 0 fills it); given nodes must divide it."""
-    p = cfg.parallel
-    mp = p.tp * p.pp * p.sp
-    if p.dp == 0:
-        require(world % mp == 0, f"parallel: tp*pp*sp = {p.tp}*{p.pp}*{p.sp} = {mp} must divide "
-                                 f"the world size {world}")
-    else:
-        require(p.dp * mp == world, f"parallel: dp*tp*pp*sp = {p.dp}*{p.tp}*{p.pp}*{p.sp} = "
-                                    f"{p.dp * mp} must equal the world size {world}")
-    require(p.ranks_per_node >= 0, f"parallel.ranks_per_node={p.ranks_per_node}: must be >= 0 "
-                                   f"(0 detects the nodes)")
-    require(p.ranks_per_node == 0 or world % p.ranks_per_node == 0,
-            f"parallel.ranks_per_node={p.ranks_per_node}: must divide the world size {world}")

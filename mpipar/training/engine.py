@@ -1,6 +1,7 @@
 """The training engine: builds one rank's share of everything and runs one step at a time.
 
-``Engine(cfg, comm)`` builds, from a *resolved* config, the process grid and its groups, the
+``Engine(layout, comm)`` builds, from a resolved :class:`~mpipar.layout.Layout`, the process
+grid and its groups, the
 kernels, the placement of every parameter (:mod:`mpipar.parallel.placement`), this rank's model chunks
 with their tensor-parallel and attention seams, the flat gradient buckets, the optimizer and the
 pipeline executor; ``engine.train_step(k)`` runs optimizer step ``k`` (0-based) and returns its
@@ -19,9 +20,6 @@ tp x pp counting each parameter once; clipping and the optimizer update the loca
 loss is the mean over every token of the global batch, whatever the layout. A tied embedding's
 copies on the first and last pipeline stage have their gradients summed over ``pp_ends`` by the
 reducer, count once in the norm, and stay identical.
-
-Importing this module imports every component, and so registers every configuration rule
-(:func:`mpipar.config.rules`).
 """
 from __future__ import annotations
 
@@ -34,13 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
+from mpipar.runtime.mpi_init import MPI
 
 from mpipar.checkpoint.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
 from mpipar.runtime.device import select_device, to_host, training_backend
 from mpipar.runtime.memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
-from mpipar.config import Config
+from mpipar.layout import Layout
 from mpipar.data.sources import Sampler, TokenSource, load_tokens, validation
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RESIDENT, LlamaStage
@@ -85,10 +83,13 @@ class EvalResult:
 class Engine:
     """Everything one rank needs to train: grid, groups, chunks, shards, optimizer, sampler."""
 
-    def __init__(self, cfg: Config, comm: MPI.Comm = MPI.COMM_WORLD,
+    def __init__(self, layout: Layout, comm: MPI.Comm | None = None,
                  source: TokenSource | None = None) -> None:
-        """``cfg`` must be resolved; ``source`` overrides ``cfg.train.data`` (tests, notebooks)."""
-        self.cfg = cfg
+        """``layout``: the run's resolved :class:`~mpipar.layout.Layout` (``rules.validate``);
+        ``source`` overrides ``train.data`` (tests, notebooks)."""
+        comm = MPI.COMM_WORLD if comm is None else comm
+        self.layout = layout
+        self.cfg = cfg = layout.config
         par, tr = cfg.parallel, cfg.train
         # Data first: a bad path or token id fails on every rank before any collective.
         self.source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
@@ -142,14 +143,16 @@ class Engine:
         self.optimizer = build_optimizer(par.zero, self.reducer,
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
                                                      tr.weight_decay), decay, self.catch_up)
-        self.state = TrainState(self.params, self.optimizer, self.table, self.tensor.rank,
-                                self.tensor.size, self.grid.coord.pp, self.groups["dp_sp"].rank,
-                                self.dtype, self.xp,
-                                None if self.sharded else self.reducer, self.sharded)
+        self.state = TrainState(self.params, self.optimizer, self.table,
+                                tp_rank=self.tensor.rank, tp_size=self.tensor.size,
+                                pp_rank=self.grid.coord.pp, replica_rank=self.groups["dp_sp"].rank,
+                                dtype=self.dtype, xp=self.xp,
+                                reducer=None if self.sharded else self.reducer,
+                                sharded=self.sharded)
         self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
                                    max(1, tr.steps))
-        self.rows_per_dp = tr.global_batch_size // par.dp
-        self.microbatches = self.rows_per_dp // tr.micro_batch_size
+        self.rows_per_dp = layout.rows_per_dp
+        self.microbatches = layout.microbatches
         ops = build_schedule(par.schedule, par.pp, self.microbatches, par.virtual_stages)
         self.executor = PipelineExecutor(ops[self.grid.coord.pp], self.chunks, self.groups["pp"],
                                          par.pp, par.virtual_stages, self.xp,
@@ -194,9 +197,10 @@ class Engine:
             if not node_groups[0].on_one_node():   # as MPI sees them
                 node_groups = None
         return ShardedParams(lambda n: self._initial_shards([n])[n],
-                             self.table.units(self.grid.coord.pp),
-                             group, par.zero == 3, par.zero_prefetch, self.xp,
-                             before_reduce, tied, self.groups["pp_ends"], node_groups)
+                             self.table.units(self.grid.coord.pp), group,
+                             gather=par.zero == 3, prefetch=par.zero_prefetch, xp=self.xp,
+                             before_reduce=before_reduce, tied=tied,
+                             tied_group=self.groups["pp_ends"], node_groups=node_groups)
 
     def _reducer(self, names: list[str], tied: list[str]) -> GradReducer:
         """ZeRO-0/1: the gradient reducer over dp x sp: flat or hierarchical, dense or
@@ -205,15 +209,15 @@ class Engine:
         groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
                   if par.dp_reduce == "hierarchical" else ReduceGroups(g["dp_sp"], g["dp_sp"]))
         return GradReducer(self._initial_shards(names), list(reversed(names)), groups,
-                           par.bucket_mb, par.zero == 1, self.xp,
-                           make_codec(par.grad_compression, par.topk_ratio, self.xp),
-                           par.error_feedback == "on", tied, g["pp_ends"],
-                           par.compression_warmup)
+                           bucket_mb=par.bucket_mb, sharded=par.zero == 1, xp=self.xp,
+                           codec=make_codec(par.grad_compression, par.topk_ratio, self.xp),
+                           feedback=par.error_feedback == "on", tied=tied,
+                           tied_group=g["pp_ends"], dense_steps=par.compression_warmup)
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
         """This rank's shards of the initial parameters (every layout starts from the same
         global tensors, :func:`mpipar.model.params.init_param`)."""
-        model, seed = self.cfg.model.resolved(), self.cfg.train.seed
+        model, seed = self.cfg.model, self.cfg.train.seed
         return {n: self.table[n].shard(init_param(self.table[n].spec, model, seed)
                                        .astype(self.dtype), self.tensor.rank, self.tensor.size)
                 for n in names}

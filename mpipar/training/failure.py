@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, NoReturn
 
-from mpi4py import MPI
+from mpipar.runtime.mpi_init import MPI
 
 FAILURE_FILE = "failure.txt"
 SUMMARY_FILE = "summary.json"
@@ -37,7 +37,8 @@ ABORT_GRACE_S = 1.0  # seconds between writing a failing rank's report and MPI_A
 class FailureReport:
     """Where this rank reports a failure that ends the run (see the module docstring)."""
 
-    def __init__(self, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+    def __init__(self, comm: MPI.Comm | None = None) -> None:
+        comm = MPI.COMM_WORLD if comm is None else comm
         self.comm = comm
         self.rank = comm.Get_rank()
         self.run_dir: str | None = None

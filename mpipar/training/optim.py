@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.runtime.comm import Group
-from mpipar.config import Config, ConfigError, rules
+from mpipar.config import ConfigError
+from mpipar.layout import Layout
 
 
 def _array_module(a: Any) -> Any:
@@ -433,10 +434,9 @@ class LRSchedule:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-@rules("optimizer")
-def check_config(cfg: Config, world: int) -> None:
+def check_config(layout: Layout) -> None:
     """AdamW's hyper-parameters and the LR schedule, as they validate themselves."""
-    t = cfg.train
+    t = layout.train
     try:
         AdamWConfig(t.lr, t.beta1, t.beta2, t.eps, t.weight_decay)
         LRSchedule(t.lr_schedule, t.lr, t.min_lr, t.warmup_steps, max(1, t.steps))

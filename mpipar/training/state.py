@@ -52,7 +52,7 @@ def read_shard(read: Reader, kind: str, placement: Placement, tp_rank: int, tp_s
 class TrainState:
     """This rank's parameters and optimizer state as pieces of global tensors."""
 
-    def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable,
+    def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable, *,
                  tp_rank: int, tp_size: int, pp_rank: int, replica_rank: int, dtype: np.dtype,
                  xp: ModuleType = np, reducer: GradReducer | None = None,
                  sharded: ShardedParams | None = None) -> None:

@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.runtime.staging import cuda_aware_mpi
+from mpipar.rules import validate
 
 LAYOUTS = [dict(), dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002),
            dict(sp=4, tp=2, sp_overlap=True, sp_split="zigzag"),
@@ -40,7 +41,7 @@ def test_device_layouts_equal_the_cpu(world, layout, path):
     comm = world.Split(world.rank // size, world.rank)
     fails: list[str] = []
     try:
-        eng = Engine(_cfg(layout, "cuda", path).resolved(size), comm, source=token_source())
+        eng = Engine(validate(_cfg(layout, "cuda", path), size), comm, source=token_source())
         if type(eng.params[next(iter(eng.params))]).__module__.split(".")[0] != "cupy":
             fails.append("parameters are not CuPy arrays")
         results = [eng.train_step(k) for k in range(2)]
@@ -63,13 +64,13 @@ def test_checkpoint_crosses_devices(tmp_path, first, second):
     comm = MPI.COMM_SELF
     cfg = _cfg({}, first)
     cfg.train.steps = 4
-    a = Engine(cfg.resolved(1), comm, source=token_source())
+    a = Engine(validate(cfg, 1), comm, source=token_source())
     for k in range(2):
         a.train_step(k)
-    path = checkpoint.save(a, cfg.resolved(1), 2, tmp_path)
+    path = checkpoint.save(a, validate(cfg, 1), 2, tmp_path)
     cfg2 = _cfg({}, second)
     cfg2.train.steps = 4
-    b = Engine(cfg2.resolved(1), comm, source=token_source())
+    b = Engine(validate(cfg2, 1), comm, source=token_source())
     assert checkpoint.load(b, path) == 2
     results = [b.train_step(k) for k in (2, 3)]
     ref_losses, ref_norms, ref_params = reference("float64", steps=4)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpipar.config import Config, ConfigError, require, rules
+from mpipar.config import ConfigError, require
+from mpipar.layout import Layout
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMPUTE_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -507,12 +508,11 @@ def dry_run(
     return DryRunResult(makespan, bubble, timeline, [state.peak for state in states])
 
 
-@rules("pipeline")
-def check_config(cfg: Config, world: int) -> None:
+def check_config(layout: Layout) -> None:
     """Layers must split evenly into the virtual stages, virtual stages need the interleaved
     schedule (and it them), and the schedule must be buildable for the step's microbatches."""
-    m, p, t = cfg.model.resolved(), cfg.parallel, cfg.train
-    stages = p.pp * p.virtual_stages
+    m, p = layout.model, layout.parallel
+    stages = layout.stages
     require(m.layers % stages == 0,
             f"parallel.pp*virtual_stages = {p.pp}*{p.virtual_stages} = {stages}: must divide "
             f"model.layers={m.layers}")
@@ -522,10 +522,7 @@ def check_config(cfg: Config, world: int) -> None:
     require(p.schedule != "interleaved" or p.virtual_stages >= 2,
             f"parallel.schedule='interleaved': needs parallel.virtual_stages >= 2 "
             f"(got {p.virtual_stages})")
-    dp = p.dp or world // (p.tp * p.pp * p.sp)
-    micro = t.micro_batch_size or (t.global_batch_size // max(dp, 1))
-    if dp and micro and t.global_batch_size % (dp * micro) == 0:  # else the data rule says why
-        try:
-            build_schedule(p.schedule, p.pp, t.global_batch_size // (dp * micro), p.virtual_stages)
-        except ValueError as exc:
-            raise ConfigError(f"parallel.schedule={p.schedule!r}: {exc}") from None
+    try:
+        build_schedule(p.schedule, p.pp, layout.microbatches, p.virtual_stages)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.schedule={p.schedule!r}: {exc}") from None

@@ -1,0 +1,43 @@
+"""Every configuration rule of a run, in the order they are asked.
+
+A rule lives with the component it governs (the tensor split with ``parallel/tensor.py``, the
+schedule with the pipeline, ...); this module only lists them. :func:`validate` checks the
+fields' own rules and the layout's (:func:`mpipar.layout.resolve`: the grid's sizes, the batch
+split), then asks each component in :data:`RULES` order with the resolved :class:`Layout`, and
+returns it. The first broken rule raises :class:`~mpipar.config.ConfigError` naming the field,
+the value and the rule; the entry points print it once and every rank exits 2 before any
+collective. Nothing registers itself on import: what is checked is what this list says.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mpipar.config import Config
+from mpipar.data import sources
+from mpipar.layout import Layout, resolve
+from mpipar.parallel import context, data, fsdp, tensor
+from mpipar.parallel.pipeline import schedule
+from mpipar.runtime import device
+from mpipar.training import optim
+
+Rule = Callable[[Layout], None]
+
+RULES: tuple[tuple[str, Rule], ...] = (
+    ("tensor", tensor.check_config),        # heads, FFN, tokens for tp sequence parallelism
+    ("pipeline", schedule.check_config),    # layers per stage, virtual stages, the schedule
+    ("context", context.check_config),      # sequence split, Ulysses heads, hybrid groups
+    ("data", data.check_config),            # buckets, hierarchical nodes, compression
+    ("fsdp", fsdp.check_config),            # ZeRO-2/3 groups, prefetch, node shared memory
+    ("eval", sources.check_config),         # the validation set
+    ("optimizer", optim.check_config),      # AdamW and the LR schedule
+    ("backend", device.check_config),       # kernels, device, dtype, CUDA-aware MPI
+)
+"""The components' rules, in the order :func:`validate` asks them."""
+
+
+def validate(cfg: Config, world: int) -> Layout:
+    """Every rule of ``cfg`` on ``world`` ranks, in order; the resolved Layout, or ConfigError."""
+    layout = resolve(cfg, world)
+    for _, check in RULES:
+        check(layout)
+    return layout

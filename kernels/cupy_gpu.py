@@ -385,7 +385,7 @@ __device__ inline void key_range(long long first_q, long long last_q, int Sk, lo
 // out_i = sum_j p_ij v_j / sum_j p_ij, p_ij = exp(scale q_i.k_j - m_i) (online softmax),
 // lse_i = m_i + log sum_j p_ij (-inf and out 0 where no key is visible).
 template<typename T, typename A, int D, int L, int BN, int NT>
-__global__ void __launch_bounds__(NT) flash_fwd(
+__global__ void __launch_bounds__(NT, 1) flash_fwd(
         const T* q, const T* k, const T* v, T* out, A* lse, int Sq, int Sk, int Hq, int Hkv,
         long long q_off, long long k_off, int causal, long long window, A scale) {
     constexpr int E = D / L, R = NT / L;
@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(NT) flash_fwd(
 
 // dq_i = scale * sum_j p_ij (dO_i . v_j - delta_i) k_j, p_ij = exp(scale q_i.k_j - lse_i).
 template<typename T, typename A, int D, int L, int BN, int NT>
-__global__ void __launch_bounds__(NT) flash_bwd_dq(
+__global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
         const T* q, const T* k, const T* v, const T* dout, const A* lse, const A* delta, T* dq,
         int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
         long long window, A scale) {
@@ -487,7 +487,7 @@ __global__ void __launch_bounds__(NT) flash_bwd_dq(
 // One key row j of kv head hk, over the G query heads h of its group and their rows i:
 // dv_j = sum p_ij dO_i, dk_j = scale * sum p_ij (dO_i . v_j - delta_i) q_i.
 template<typename T, typename A, int D, int L, int BM, int NT>
-__global__ void __launch_bounds__(NT) flash_bwd_dkdv(
+__global__ void __launch_bounds__(NT, 1) flash_bwd_dkdv(
         const T* q, const T* k, const T* v, const T* dout, const A* lse, const A* delta, T* dk,
         T* dv, int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
         long long window, A scale) {

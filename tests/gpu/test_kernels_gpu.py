@@ -193,3 +193,21 @@ def test_cross_entropy_stats(dtype, start, size):
     got = cupy_gpu.cross_entropy_stats(*_dev(logits, targets), start, size)
     for g, w in zip(got, want):
         _close(g, w, dtype)
+
+
+def test_gate_reports_what_rawmodule_builds():
+    """The compile gate's options are CuPy RawModule's: for every kernel of cupy_gpu on this
+    device's architecture, the registers, local memory and static shared memory the gate reports
+    (NVRTC without a device) equal the attributes of the kernel RawModule compiled."""
+    import cupy
+    from mpipar.kernels import cuda_gate, cupy_gpu
+    arch = f"sm_{cupy.cuda.Device().compute_capability}"
+    sources = cupy_gpu.cuda_sources()
+    reports = {(r.module, r.name): r for r in cuda_gate.compile_report(arch, sources)}
+    for src in sources:
+        module = cupy.RawModule(code=src["code"], options=src["options"],
+                                name_expressions=src["names"])
+        for name in src["names"]:
+            kernel, report = module.get_function(name), reports[src["name"], name]
+            assert (kernel.num_regs, kernel.local_size_bytes, kernel.shared_size_bytes) == (
+                report.registers, report.stack_bytes, report.static_smem), (src["name"], name)

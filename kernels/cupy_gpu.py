@@ -239,7 +239,8 @@ def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any,
 def swiglu_fwd(gate: Array, up: Array) -> Array:
     """h = silu(gate) * up in one CUDA kernel; gate, up `[..., ffn]`."""
     _device_float(gate, "swiglu_fwd")
-    require(gate.shape == up.shape, f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
+    require(gate.shape == up.shape,
+            f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
     cupy = array_module()
     g, u = (cupy.ascontiguousarray(a, gate.dtype) for a in (gate, up))
     h = cupy.empty_like(g)
@@ -571,7 +572,8 @@ def flash_config(head_dim: int, itemsize: int) -> tuple[int, int]:
     Pure: no CuPy."""
     require(head_dim in HEAD_DIMS, f"head_dim={head_dim} must be one of {HEAD_DIMS} on the GPU")
     lanes = 1
-    while head_dim // lanes > _MAX_PER_LANE[itemsize] and head_dim % (2 * lanes) == 0 and lanes < 32:
+    while (head_dim // lanes > _MAX_PER_LANE[itemsize] and head_dim % (2 * lanes) == 0
+           and lanes < 32):
         lanes *= 2
     return lanes, min(64, _TILE_BYTES // (head_dim * itemsize))
 
@@ -579,7 +581,8 @@ def flash_config(head_dim: int, itemsize: int) -> tuple[int, int]:
 def _flash_names(ctype: str, head_dim: int) -> tuple[str, ...]:
     """Name expressions of one flash module: forward, dq and dk/dv for one (C type, head_dim)."""
     lanes, tile = flash_config(head_dim, 8 if ctype == "double" else 4)
-    return tuple(f"{k}<{ctype},{ctype},{head_dim},{lanes},{tile},{_THREADS}>" for k in _FLASH_KERNELS)
+    return tuple(f"{k}<{ctype},{ctype},{head_dim},{lanes},{tile},{_THREADS}>"
+                 for k in _FLASH_KERNELS)
 
 
 @functools.cache

@@ -185,3 +185,18 @@ def test_smem_limits():
     assert cuda_gate.smem_limit("sm_80") == 166912
     assert cuda_gate.smem_limit("sm_90") == cuda_gate.smem_limit("sm_90a") == 232448
     assert cuda_gate.smem_limit("sm_89") == 101376
+
+
+def test_flash_config():
+    """The float32/float64 flash kernels' layout (pure): lanes per row a power of two <= 32
+    dividing head_dim, at most 16 (float32) or 8 (float64) elements a lane, and the kernels'
+    static tiles (two of [tile, head_dim], plus two [tile] statistics) within 48 KiB."""
+    from mpipar.kernels import cupy_gpu
+
+    for itemsize, per_lane in ((4, 16), (8, 8)):
+        for d in cupy_gpu.HEAD_DIMS:
+            lanes, tile = cupy_gpu.flash_config(d, itemsize)
+            assert lanes in (1, 2, 4, 8, 16, 32) and d % lanes == 0 and d // lanes <= per_lane
+            assert 2 * tile * d * itemsize + 2 * tile * itemsize <= cuda_gate.STATIC_SMEM_LIMIT
+    with pytest.raises(ValueError, match="head_dim=24"):
+        cupy_gpu.flash_config(24, 4)

@@ -152,7 +152,8 @@ def test_rmsnorm_rope_swiglu(dtype):
     gy, grstd = cupy_gpu.rmsnorm_fwd(*_dev(x, w), 1e-5)
     _close(gy, y, dtype)
     _close(grstd, rstd, dtype)
-    for g, want in zip(cupy_gpu.rmsnorm_bwd(*_dev(dy, x, w, rstd)), ref.rmsnorm_bwd(dy, x, w, rstd)):
+    for g, want in zip(cupy_gpu.rmsnorm_bwd(*_dev(dy, x, w, rstd)),
+                       ref.rmsnorm_bwd(dy, x, w, rstd)):
         _close(g, want, dtype)
     xr = rng.standard_normal((2, 17, 4, 64)).astype(dtype)
     cos, sin = ref.rope_cos_sin(np.arange(5, 22), 64, 10000.0, dtype)
@@ -175,7 +176,8 @@ def test_rows_past_one_block(dtype):
     y, rstd = ref.rmsnorm_fwd(x, w, 1e-6)
     for g, want in zip(cupy_gpu.rmsnorm_fwd(*_dev(x, w), 1e-6), (y, rstd)):
         _close(g, want, dtype)
-    for g, want in zip(cupy_gpu.rmsnorm_bwd(*_dev(dy, x, w, rstd)), ref.rmsnorm_bwd(dy, x, w, rstd)):
+    for g, want in zip(cupy_gpu.rmsnorm_bwd(*_dev(dy, x, w, rstd)),
+                       ref.rmsnorm_bwd(dy, x, w, rstd)):
         _close(g, want, dtype)
     xr = rng.standard_normal((3, 129, 8, 16)).astype(dtype)
     cos, sin = ref.rope_cos_sin(np.arange(129), 16, 500000.0, dtype)

@@ -1,19 +1,22 @@
-"""GPU kernels on CuPy arrays, written to mirror `numpy_ref`'s signatures.
+"""GPU kernels on CuPy arrays for float32 and float64, written to mirror `numpy_ref`'s signatures.
 
-- matmuls (linear layers) are `numpy_ref`'s generic code on CuPy arrays: `cupy.matmul`, i.e.
-  cuBLAS GEMMs;
-- flash attention forward and backward are CUDA kernels (`_FLASH`, one RawModule compiled per
-  dtype and head width): K/V tiles in shared memory, online softmax, the log-sum-exp returned
-  for the ring merge, causal masks at global query/key offsets (ring and zigzag blocks) and
-  sliding windows (key tiles outside a block's window skipped), grouped-query heads,
-  accumulation in float32 (float64 for float64); no S x S matrix exists;
-- fused RMSNorm forward/backward (one block per row), RoPE and SwiGLU (elementwise kernels), and
-  the vocabulary-parallel cross-entropy statistics (one block per row).
+These are the exactness kernels (float64 layouts on a GPU equal the CPU's to 1e-10 and better);
+the bf16 tensor-core kernels live beside them. Every CUDA source here is a CuPy ``RawModule``
+(:func:`cuda_sources` hands them to the compile gate, `mpipar.kernels.cuda_gate`):
 
-None of these has run in this repository's CI, which has no CUDA device: `tests/gpu/` holds
-their equality tests against `numpy_ref` (float64 <= 1e-12, float32 <= 1e-5), skipped without
-one. Importing this module never imports CuPy: that happens on first use, so the package imports
-cleanly on machines without CuPy or without a GPU (`unavailable_reason` says why).
+- the rows module: RMSNorm forward/backward and the vocabulary-parallel cross-entropy
+  statistics (one block per row), SwiGLU forward/backward and RoPE (grid-stride elementwise);
+- flash attention forward and backward, one module per (dtype, head_dim) compiled on first use:
+  K/V tiles in shared memory, online softmax, the log-sum-exp returned for the ring merge,
+  causal masks at global query/key offsets (ring and zigzag blocks), sliding windows (key tiles
+  outside a block's window skipped), grouped-query heads, accumulation in float32 (float64 for
+  float64), no S x S matrix. A few lanes of a warp share one row and sum dot products with warp
+  shuffles, so no thread holds a D-long vector and nothing spills (:func:`flash_config`).
+
+matmuls (linear layers) are `numpy_ref`'s generic code on CuPy arrays (cuBLAS through
+``cupy.matmul``; `mpipar.kernels.cublas` is the explicit wrapper). Importing this module never
+imports CuPy: that happens on first use, so the package imports cleanly without CuPy or a GPU
+(`unavailable_reason` says why).
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ IMPLEMENTED: tuple[str, ...] = ("rope_cos_sin", "rope_fwd", "rope_bwd", "swiglu_
                                  "rmsnorm_fwd", "rmsnorm_bwd", "attention_fwd", "attention_bwd",
                                  "cross_entropy_stats")
 
-_SIGMOID = "T e = exp(-fabs(g)); T sig = g >= 0 ? 1 / (1 + e) : e / (1 + e);"
+HEAD_DIMS: tuple[int, ...] = (8, 16, 32, 64, 80, 96, 128)
+"""Head widths the flash kernels support (a template argument; each one passes the compile gate
+with no spills for float32 and float64)."""
+
+_OPTIONS: tuple[str, ...] = ("--std=c++17",)
+"""NVRTC options of every RawModule here (CuPy adds its own; see `cuda_gate`)."""
+_THREADS = 256
+"""Threads per block of every kernel here (the flash kernels' NT template argument)."""
+_CTYPES = {4: "float", 8: "double"}
 
 
 def unavailable_reason() -> str | None:
@@ -55,23 +66,6 @@ def array_module() -> ModuleType:
     return cupy
 
 
-@functools.cache
-def _elementwise_kernels() -> tuple[Any, Any]:
-    """Compile (once) the SwiGLU forward and backward CUDA kernels."""
-    cupy = array_module()
-    fwd = cupy.ElementwiseKernel(
-        "T g, T u", "T h",
-        _SIGMOID + " h = g * sig * u;",
-        "mpipar_swiglu_fwd",
-    )
-    bwd = cupy.ElementwiseKernel(
-        "T dh, T g, T u", "T dg, T du",
-        _SIGMOID + " dg = dh * u * sig * (1 + g * (1 - sig)); du = dh * (g * sig);",
-        "mpipar_swiglu_bwd",
-    )
-    return fwd, bwd
-
-
 def _device_float(a: Array, name: str) -> Array:
     cupy = array_module()
     require(isinstance(a, cupy.ndarray) and a.dtype.kind == "f" and a.dtype.itemsize in (4, 8),
@@ -80,78 +74,18 @@ def _device_float(a: Array, name: str) -> Array:
     return a
 
 
-def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any,
-                 **scaling: Any) -> tuple[Array, Array]:
-    """cos, sin `[S, head_dim // 2]` on the device for global positions `[S]` (host or device
-    array); ``scaling``: the RoPE scaling arguments of :func:`numpy_ref.rope_cos_sin`."""
-    return ref.rope_cos_sin(array_module().asarray(positions), head_dim, theta, dtype, **scaling)
+def _ctype(dtype: Any) -> str:
+    """The C type ("float" or "double") of a float32 or float64 dtype."""
+    return _CTYPES[array_module().dtype(dtype).itemsize]
 
 
-def swiglu_fwd(gate: Array, up: Array) -> Array:
-    """h = silu(gate) * up in one CUDA kernel; gate, up `[..., ffn]`."""
-    _device_float(gate, "swiglu_fwd")
-    require(gate.shape == up.shape, f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
-    fwd, _ = _elementwise_kernels()
-    return fwd(gate, up.astype(gate.dtype, copy=False))
-
-
-def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
-    """(dgate, dup) of `swiglu_fwd` in one CUDA kernel; all `[..., ffn]`."""
-    _device_float(gate, "swiglu_bwd")
-    require(dh.shape == gate.shape == up.shape,
-            f"swiglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
-    _, bwd = _elementwise_kernels()
-    return bwd(dh.astype(gate.dtype, copy=False), gate, up.astype(gate.dtype, copy=False))
-
-
-# ------------------------------------------------------------------------------------- RoPE
-@functools.cache
-def _rope_kernel() -> Any:
-    """y1 = x1*c - sgn*x2*s, y2 = x2*c + sgn*x1*s on pairs (i, i + D/2): sgn = 1 forward, -1
-    backward (the inverse rotation). One thread per pair."""
-    return array_module().ElementwiseKernel(
-        "raw T x, raw T cos, raw T sin, int64 seq, int64 heads, int64 half, T sgn",
-        "raw T y",
-        """
-        long long pair = i % half, row = i / half;          // row = (b*seq + s)*heads + h
-        long long s = (row / heads) % seq;
-        long long a = row * 2 * half + pair, b = a + half;
-        T c = cos[s * half + pair], n = sgn * sin[s * half + pair];
-        T x1 = x[a], x2 = x[b];
-        y[a] = x1 * c - x2 * n;
-        y[b] = x2 * c + x1 * n;
-        """, "mpipar_rope")
-
-
-def _rope(x: Array, cos: Array, sin: Array, sgn: float, name: str) -> Array:
-    ref.check_rope_shapes(x, cos, sin, name)
-    _device_float(x, name)
-    cupy = array_module()
-    x = cupy.ascontiguousarray(x)
-    b, s, h, d = x.shape
-    y = cupy.empty_like(x)
-    _rope_kernel()(x, cupy.ascontiguousarray(cos, x.dtype), cupy.ascontiguousarray(sin, x.dtype),
-                   s, h, d // 2, x.dtype.type(sgn), y, size=x.size // 2)
-    return y
-
-
-def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotate pairs (x[..., i], x[..., i + D/2]); x `[B, S, H, D]`, cos, sin `[S, D // 2]`."""
-    return _rope(x, cos, sin, 1.0, "rope_fwd")
-
-
-def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
-    """Gradient of `rope_fwd` (the inverse rotation); dy `[B, S, H, D]`."""
-    return _rope(dy, cos, sin, -1.0, "rope_bwd")
-
-
-# ---------------------------------------------------------------------------------- RMSNorm
+# ------------------------------------------------------------------- rows and elementwise
 _ROWS = r"""
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
+// Sum (or max) over the block (blockDim.x a power of two <= 1024), returned to every thread.
 template<typename T> __device__ T block_sum(T v, T* scratch) {
-    // Sum over the block (blockDim.x a power of two <= 1024), returned to every thread.
     scratch[threadIdx.x] = v;
     __syncthreads();
     for (int step = blockDim.x / 2; step > 0; step /= 2) {
@@ -223,27 +157,131 @@ template<typename T> __global__ void ce_stats(const T* logits, const long long* 
         t[blockIdx.x] = (local >= 0 && local < nvalid) ? row[local] : (T)0;
     }
 }
+
+// Elementwise kernels: a grid-stride loop over n items.
+#define GRID_STRIDE(idx, n) \
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < (n); \
+         idx += (long long)gridDim.x * blockDim.x)
+
+// The logistic function without overflow: exp is only taken of -|g|.
+template<typename T> __device__ inline T sigmoid(T g) {
+    T e = exp(-fabs(g));
+    return g >= 0 ? (T)1 / ((T)1 + e) : e / ((T)1 + e);
+}
+
+// h = silu(g) * u.
+template<typename T> __global__ void swiglu_fwd(const T* g, const T* u, T* h, long long n) {
+    GRID_STRIDE(i, n) { T sg = sigmoid(g[i]); h[i] = g[i] * sg * u[i]; }
+}
+
+// dg = dh * u * sig * (1 + g (1 - sig)), du = dh * silu(g).
+template<typename T> __global__ void swiglu_bwd(const T* dh, const T* g, const T* u, T* dg,
+                                                T* du, long long n) {
+    GRID_STRIDE(i, n) {
+        T sg = sigmoid(g[i]);
+        dg[i] = dh[i] * u[i] * sg * ((T)1 + g[i] * ((T)1 - sg));
+        du[i] = dh[i] * (g[i] * sg);
+    }
+}
+
+// RoPE on pairs (a, a + half) of rows (b*seq + s)*heads + h: y1 = x1 c - x2 n, y2 = x2 c + x1 n
+// with n = sgn * sin (sgn = 1 forward, -1 backward: the inverse rotation); cos, sin [seq, half].
+template<typename T> __global__ void rope(const T* x, const T* cos_, const T* sin_, T* y,
+                                          long long pairs, long long seq, long long heads,
+                                          long long half, T sgn) {
+    GRID_STRIDE(i, pairs) {
+        long long pair = i % half, row = i / half;
+        long long s = (row / heads) % seq;
+        long long a = row * 2 * half + pair, b = a + half;
+        T c = cos_[s * half + pair], n = sgn * sin_[s * half + pair];
+        T x1 = x[a], x2 = x[b];
+        y[a] = x1 * c - x2 * n;
+        y[b] = x2 * c + x1 * n;
+    }
+}
 """
 
-_THREADS = 256
+_ROW_KERNELS = ("rmsnorm_fwd", "rmsnorm_bwd", "ce_stats", "swiglu_fwd", "swiglu_bwd", "rope")
+
+
+def _rows_names() -> tuple[str, ...]:
+    """Name expressions of the rows module: every kernel for float and double."""
+    return tuple(f"{k}<{t}>" for k in _ROW_KERNELS for t in ("float", "double"))
 
 
 @functools.cache
 def _rows_module() -> Any:
-    names = [f"{k}<{t}>" for k in ("rmsnorm_fwd", "rmsnorm_bwd", "ce_stats")
-             for t in ("float", "double")]
-    return array_module().RawModule(code=_ROWS, options=("-std=c++14",), name_expressions=names)
-
-
-def _row_kernel(name: str, dtype: Any) -> Any:
-    ctype = "double" if array_module().dtype(dtype).itemsize == 8 else "float"
-    return _rows_module().get_function(f"{name}<{ctype}>")
+    return array_module().RawModule(code=_ROWS, options=_OPTIONS, name_expressions=_rows_names())
 
 
 def _launch_rows(name: str, rows: int, dtype: Any, args: tuple) -> None:
+    """One block of `_THREADS` per row, with `_THREADS` items of scratch shared memory."""
     if rows:
+        kernel = _rows_module().get_function(f"{name}<{_ctype(dtype)}>")
         itemsize = array_module().dtype(dtype).itemsize
-        _row_kernel(name, dtype)((rows,), (_THREADS,), args, shared_mem=_THREADS * itemsize)
+        kernel((rows,), (_THREADS,), args, shared_mem=_THREADS * itemsize)
+
+
+def _launch_flat(name: str, n: int, dtype: Any, args: tuple) -> None:
+    """A grid-stride kernel over `n` items (`n` is its last argument)."""
+    if n:
+        kernel = _rows_module().get_function(f"{name}<{_ctype(dtype)}>")
+        kernel((min(-(-n // _THREADS), 1 << 16),), (_THREADS,), args)
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any,
+                 **scaling: Any) -> tuple[Array, Array]:
+    """cos, sin `[S, head_dim // 2]` on the device for global positions `[S]` (host or device
+    array); ``scaling``: the RoPE scaling arguments of :func:`numpy_ref.rope_cos_sin`."""
+    return ref.rope_cos_sin(array_module().asarray(positions), head_dim, theta, dtype, **scaling)
+
+
+def swiglu_fwd(gate: Array, up: Array) -> Array:
+    """h = silu(gate) * up in one CUDA kernel; gate, up `[..., ffn]`."""
+    _device_float(gate, "swiglu_fwd")
+    require(gate.shape == up.shape,
+            f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
+    cupy = array_module()
+    g, u = (cupy.ascontiguousarray(a, gate.dtype) for a in (gate, up))
+    h = cupy.empty_like(g)
+    _launch_flat("swiglu_fwd", g.size, g.dtype, (g, u, h, cupy.int64(g.size)))
+    return h
+
+
+def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
+    """(dgate, dup) of `swiglu_fwd` in one CUDA kernel; all `[..., ffn]`."""
+    _device_float(gate, "swiglu_bwd")
+    require(dh.shape == gate.shape == up.shape,
+            f"swiglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
+    cupy = array_module()
+    d, g, u = (cupy.ascontiguousarray(a, gate.dtype) for a in (dh, gate, up))
+    dg, du = cupy.empty_like(g), cupy.empty_like(g)
+    _launch_flat("swiglu_bwd", g.size, g.dtype, (d, g, u, dg, du, cupy.int64(g.size)))
+    return dg, du
+
+
+def _rope(x: Array, cos: Array, sin: Array, sgn: float, name: str) -> Array:
+    ref.check_rope_shapes(x, cos, sin, name)
+    _device_float(x, name)
+    cupy = array_module()
+    x = cupy.ascontiguousarray(x)
+    b, s, h, d = x.shape
+    y = cupy.empty_like(x)
+    _launch_flat("rope", x.size // 2, x.dtype,
+                 (x, cupy.ascontiguousarray(cos, x.dtype), cupy.ascontiguousarray(sin, x.dtype), y,
+                  cupy.int64(x.size // 2), cupy.int64(s), cupy.int64(h), cupy.int64(d // 2),
+                  x.dtype.type(sgn)))
+    return y
+
+
+def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate pairs (x[..., i], x[..., i + D/2]); x `[B, S, H, D]`, cos, sin `[S, D // 2]`."""
+    return _rope(x, cos, sin, 1.0, "rope_fwd")
+
+
+def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
+    """Gradient of `rope_fwd` (the inverse rotation); dy `[B, S, H, D]`."""
+    return _rope(dy, cos, sin, -1.0, "rope_bwd")
 
 
 def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
@@ -263,8 +301,7 @@ def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
 
 
 def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
-    """Gradients of `rmsnorm_fwd`: dx fused per row; dw `[H]` a column sum (cuBLAS-free
-    reduction of dy * x * rstd)."""
+    """Gradients of `rmsnorm_fwd`: dx fused per row; dw `[H]` a column sum of dy * x * rstd."""
     require(dy.shape == x.shape and rstd.shape == x.shape[:-1] and w.shape == x.shape[-1:],
             f"rmsnorm_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
             "must be [..., H], [..., H], [H], [...]")
@@ -281,8 +318,8 @@ def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Arra
 
 def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
                         vocab_size: int | None = None) -> tuple[Array, Array, Array]:
-    """Per-row softmax statistics (m, s, t) of one vocabulary shard, one block per row; as
-    `numpy_ref.cross_entropy_stats` (float32 statistics for float32 logits)."""
+    """Per-row softmax statistics (m, s, t) `[N]` of one vocabulary shard `[N, Vloc]`, one block
+    per row; as `numpy_ref.cross_entropy_stats` (float32 statistics for float32 logits)."""
     ref.check_ce_inputs(logits, targets, vocab_size, "cross_entropy_stats")
     cupy = array_module()
     n = logits.shape[0]
@@ -303,11 +340,21 @@ _FLASH = r"""
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
-// q [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (contiguous), lse [B, Hq, Sq]. Query head h reads kv
-// head h / G. Query i sits at q_off + i, key j at k_off + j; causal: visible iff kpos <= qpos,
-// and with a sliding window W > 0 (causal only) also qpos - kpos < W.
-// One thread per query row (forward, dq) or key row (dk, dv); tiles of the other side in
-// shared memory; A is the accumulation type (float for float, double for double).
+// Layouts: q, out, dout [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (contiguous), lse, delta
+// [B, Hq, Sq]. Query head h reads kv head h / (Hq / Hkv). Query i sits at q_off + i, key j at
+// k_off + j; causal: visible iff kpos <= qpos and, with a sliding window W > 0, qpos - kpos < W.
+//
+// L lanes (a power of two <= 32) share one row: lane l keeps the E = D / L elements
+// d = l + L*e of that row's vectors in registers, and dot products are summed over the L lanes
+// with warp shuffles (no thread holds a D-long array, so nothing spills). A block of NT threads
+// owns R = NT / L rows; tiles of the other side are staged in shared memory. A is the
+// accumulation type (float for float, double for double).
+
+template<int L, typename A> __device__ inline A lanes_sum(A v) {
+#pragma unroll
+    for (int off = L / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
 
 __device__ inline bool visible(long long i, long long j, long long q_off, long long k_off,
                                int causal, long long window) {
@@ -315,197 +362,246 @@ __device__ inline bool visible(long long i, long long j, long long q_off, long l
     return !causal || (gap >= 0 && (window == 0 || gap < window));
 }
 
-// The first key tile a block of queries starting at row first_q can see (0 without a window).
-__device__ inline long long first_key(long long first_q, long long q_off, long long k_off,
-                                      int causal, long long window, int tile) {
-    if (!causal || window == 0) return 0;
-    long long j = max(0LL, q_off + first_q - (window - 1) - k_off);
-    return j - j % tile;
-}
-
-// The key tiles [*kbeg, *kend) a block of query rows can see: after the causal diagonal's last
-// visible key none, and with a window none before its first (rounded down to a tile).
-__device__ inline void key_range(int Sq, int Sk, long long q_off, long long k_off, int causal,
-                                 long long window, int tile, long long* kbeg, long long* kend) {
-    long long first_q = (long long)blockIdx.x * blockDim.x;
-    long long last_q = min((long long)Sq, first_q + blockDim.x) - 1;
-    *kend = causal ? min((long long)Sk, q_off + last_q - k_off + 1) : Sk;
-    *kbeg = first_key(first_q, q_off, k_off, causal, window, tile);
-}
-
-// Keys [k0, k0 + BN) of kv head hk of sequence b into shared memory (zeros past Sk).
-template<typename T, int D, int BN>
-__device__ inline void load_kv(const T* k, const T* v, T (*ks)[D], T (*vs)[D], int b, int hk,
-                               long long k0, int Sk, int Hkv) {
-    for (int e = threadIdx.x; e < BN * D; e += blockDim.x) {
-        long long j = k0 + e / D;
-        long long at = (((long long)b * Sk + j) * Hkv + hk) * D + e % D;
-        ks[e / D][e % D] = j < Sk ? k[at] : (T)0;
-        vs[e / D][e % D] = j < Sk ? v[at] : (T)0;
+// Rows [r0, r0 + N) of one (batch, head) slice of a [B, S, H, D] tensor into sh (zeros past S);
+// base: the slice's first element, stride: H * D.
+template<typename T, int D, int N>
+__device__ inline void load_rows(const T* x, T (*sh)[D], long long base, long long stride,
+                                 long long r0, int S) {
+    for (int e = threadIdx.x; e < N * D; e += blockDim.x) {
+        long long r = r0 + e / D;
+        sh[e / D][e % D] = r < S ? x[base + r * stride + e % D] : (T)0;
     }
 }
 
-template<typename T, typename A, int D, int BN>
-__global__ void flash_fwd(const T* q, const T* k, const T* v, T* out, A* lse, int Sq, int Sk,
-                          int Hq, int Hkv, long long q_off, long long k_off, int causal,
-                          long long window, A scale) {
+// The keys [*kbeg, *kend) that queries [first_q, last_q] can see: none after the causal diagonal
+// of the last query, none before the window of the first (kbeg rounded down to a tile).
+__device__ inline void key_range(long long first_q, long long last_q, int Sk, long long q_off,
+                                 long long k_off, int causal, long long window, int tile,
+                                 long long* kbeg, long long* kend) {
+    *kend = causal ? min((long long)Sk, q_off + last_q - k_off + 1) : (long long)Sk;
+    long long j = causal && window ? max(0LL, q_off + first_q - (window - 1) - k_off) : 0LL;
+    *kbeg = j - j % tile;
+}
+
+// out_i = sum_j p_ij v_j / sum_j p_ij, p_ij = exp(scale q_i.k_j - m_i) (online softmax),
+// lse_i = m_i + log sum_j p_ij (-inf and out 0 where no key is visible).
+template<typename T, typename A, int D, int L, int BN, int NT>
+__global__ void __launch_bounds__(NT, 1) flash_fwd(
+        const T* q, const T* k, const T* v, T* out, A* lse, int Sq, int Sk, int Hq, int Hkv,
+        long long q_off, long long k_off, int causal, long long window, A scale) {
+    constexpr int E = D / L, R = NT / L;
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
-    int bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / (Hq / Hkv);
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    bool row = i < Sq;
-    A qr[D], o[D];
-    const T* qp = q + (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
-    for (int d = 0; d < D; ++d) { qr[d] = row ? (A)qp[d] * scale : 0; o[d] = 0; }
+    const int lane = threadIdx.x % L, b = blockIdx.y / Hq, h = blockIdx.y % Hq;
+    const long long i = (long long)blockIdx.x * R + threadIdx.x / L;
+    const bool row = i < Sq;
+    const long long at_q = (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
+    const long long kv_base = ((long long)b * Sk * Hkv + h / (Hq / Hkv)) * D;
+    A qr[E], o[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) { qr[e] = row ? (A)q[at_q + lane + L * e] * scale : (A)0; o[e] = 0; }
     A m = -INFINITY, l = 0;
-    // Keys past the block's last visible one are never loaded.
     long long kbeg, kend;
-    key_range(Sq, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    key_range((long long)blockIdx.x * R, min((long long)Sq, (long long)blockIdx.x * R + R) - 1,
+              Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
     for (long long k0 = kbeg; k0 < kend; k0 += BN) {
-        load_kv<T, D, BN>(k, v, ks, vs, b, hk, k0, Sk, Hkv);
+        load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
+        load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
         __syncthreads();
-        for (int jj = 0; jj < BN && row; ++jj) {
-            long long j = k0 + jj;
-            if (j >= Sk || !visible(i, j, q_off, k_off, causal, window)) continue;
+        const int n = (int)min((long long)BN, kend - k0);
+        for (int jj = 0; jj < n; ++jj) {
             A s = 0;
-            for (int d = 0; d < D; ++d) s += qr[d] * (A)ks[jj][d];
-            A m_new = max(m, s), corr = exp(m - m_new), p = exp(s - m_new);
-            l = l * corr + p;
-            for (int d = 0; d < D; ++d) o[d] = o[d] * corr + p * (A)vs[jj][d];
-            m = m_new;
+#pragma unroll
+            for (int e = 0; e < E; ++e) s += qr[e] * (A)ks[jj][lane + L * e];
+            s = lanes_sum<L>(s);
+            if (row && visible(i, k0 + jj, q_off, k_off, causal, window)) {
+                // One exp a key: the larger of m and s is the new maximum (exp(0) = 1).
+                A corr = 1, p = 1;
+                if (s > m) { corr = exp(m - s); m = s; } else { p = exp(s - m); }
+                l = l * corr + p;
+#pragma unroll
+                for (int e = 0; e < E; ++e) o[e] = o[e] * corr + p * (A)vs[jj][lane + L * e];
+            }
         }
         __syncthreads();
     }
     if (!row) return;
-    T* op = out + (((long long)b * Sq + i) * Hq + h) * D;
-    for (int d = 0; d < D; ++d) op[d] = l > 0 ? (T)(o[d] / l) : (T)0;
-    lse[((long long)b * Hq + h) * Sq + i] = l > 0 ? m + log(l) : -INFINITY;
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[at_q + lane + L * e] = l > 0 ? (T)(o[e] / l) : (T)0;
+    if (lane == 0) lse[((long long)b * Hq + h) * Sq + i] = l > 0 ? m + log(l) : -INFINITY;
 }
 
 // dq_i = scale * sum_j p_ij (dO_i . v_j - delta_i) k_j, p_ij = exp(scale q_i.k_j - lse_i).
-template<typename T, typename A, int D, int BN>
-__global__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const A* lse,
-                             const A* delta, T* dq, int Sq, int Sk, int Hq, int Hkv,
-                             long long q_off, long long k_off, int causal, long long window,
-                             A scale) {
+template<typename T, typename A, int D, int L, int BN, int NT>
+__global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
+        const T* q, const T* k, const T* v, const T* dout, const A* lse, const A* delta, T* dq,
+        int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
+        long long window, A scale) {
+    constexpr int E = D / L, R = NT / L;
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
-    int bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / (Hq / Hkv);
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    bool row = i < Sq;
-    long long at_q = (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
-    A L = row ? lse[((long long)b * Hq + h) * Sq + i] : -INFINITY;
-    A dl = row ? delta[((long long)b * Hq + h) * Sq + i] : 0;
-    bool live = row && isfinite(L);
-    A qr[D], dor[D], acc[D];
-    for (int d = 0; d < D; ++d) {
-        qr[d] = row ? (A)q[at_q + d] * scale : 0; dor[d] = row ? (A)dout[at_q + d] : 0; acc[d] = 0;
+    const int lane = threadIdx.x % L, b = blockIdx.y / Hq, h = blockIdx.y % Hq;
+    const long long i = (long long)blockIdx.x * R + threadIdx.x / L;
+    const bool row = i < Sq;
+    const long long at_q = (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
+    const long long kv_base = ((long long)b * Sk * Hkv + h / (Hq / Hkv)) * D;
+    const A lse_i = row ? lse[((long long)b * Hq + h) * Sq + i] : (A)-INFINITY;
+    const A delta_i = row ? delta[((long long)b * Hq + h) * Sq + i] : (A)0;
+    const bool live = row && isfinite(lse_i);
+    A qr[E], dor[E], acc[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        qr[e] = row ? (A)q[at_q + lane + L * e] * scale : (A)0;
+        dor[e] = row ? (A)dout[at_q + lane + L * e] : (A)0;
+        acc[e] = 0;
     }
     long long kbeg, kend;
-    key_range(Sq, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    key_range((long long)blockIdx.x * R, min((long long)Sq, (long long)blockIdx.x * R + R) - 1,
+              Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
     for (long long k0 = kbeg; k0 < kend; k0 += BN) {
-        load_kv<T, D, BN>(k, v, ks, vs, b, hk, k0, Sk, Hkv);
+        load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
+        load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
         __syncthreads();
-        for (int jj = 0; jj < BN && live; ++jj) {
-            long long j = k0 + jj;
-            if (j >= Sk || !visible(i, j, q_off, k_off, causal, window)) continue;
+        const int n = (int)min((long long)BN, kend - k0);
+        for (int jj = 0; jj < n; ++jj) {
             A s = 0, dp = 0;
-            for (int d = 0; d < D; ++d) { s += qr[d] * (A)ks[jj][d]; dp += dor[d] * (A)vs[jj][d]; }
-            A ds = exp(s - L) * (dp - dl);
-            for (int d = 0; d < D; ++d) acc[d] += ds * (A)ks[jj][d];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                s += qr[e] * (A)ks[jj][lane + L * e];
+                dp += dor[e] * (A)vs[jj][lane + L * e];
+            }
+            s = lanes_sum<L>(s);
+            dp = lanes_sum<L>(dp);
+            if (live && visible(i, k0 + jj, q_off, k_off, causal, window)) {
+                A ds = exp(s - lse_i) * (dp - delta_i);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[e] += ds * (A)ks[jj][lane + L * e];
+            }
         }
         __syncthreads();
     }
-    if (row) for (int d = 0; d < D; ++d) dq[at_q + d] = (T)(acc[d] * scale);
+    if (!row) return;
+#pragma unroll
+    for (int e = 0; e < E; ++e) dq[at_q + lane + L * e] = (T)(acc[e] * scale);
 }
 
-// dv_j = sum over the G query heads of kv head hk and the rows i: p_ij dO_i;
-// dk_j = scale * sum p_ij (dO_i . v_j - delta_i) q_i. One thread per key row.
-template<typename T, typename A, int D, int BM>
-__global__ void flash_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const A* lse,
-                               const A* delta, T* dk, T* dv, int Sq, int Sk, int Hq, int Hkv,
-                               long long q_off, long long k_off, int causal, long long window,
-                               A scale) {
+// One key row j of kv head hk, over the G query heads h of its group and their rows i:
+// dv_j = sum p_ij dO_i, dk_j = scale * sum p_ij (dO_i . v_j - delta_i) q_i.
+template<typename T, typename A, int D, int L, int BM, int NT>
+__global__ void __launch_bounds__(NT, 1) flash_bwd_dkdv(
+        const T* q, const T* k, const T* v, const T* dout, const A* lse, const A* delta, T* dk,
+        T* dv, int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
+        long long window, A scale) {
+    constexpr int E = D / L, R = NT / L;
     __shared__ T qs[BM][D];
-    __shared__ T ds_[BM][D];
+    __shared__ T dos[BM][D];
     __shared__ A ls[BM];
     __shared__ A dls[BM];
-    int bh = blockIdx.y, b = bh / Hkv, hk = bh % Hkv, G = Hq / Hkv;
-    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    bool row = j < Sk;
-    long long at_k = (((long long)b * Sk + (row ? j : 0)) * Hkv + hk) * D;
-    A kr[D], vr[D], dka[D], dva[D];
-    for (int d = 0; d < D; ++d) {
-        kr[d] = row ? (A)k[at_k + d] : 0; vr[d] = row ? (A)v[at_k + d] : 0; dka[d] = 0; dva[d] = 0;
+    const int lane = threadIdx.x % L, b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, G = Hq / Hkv;
+    const long long first_k = (long long)blockIdx.x * R, j = first_k + threadIdx.x / L;
+    const bool row = j < Sk;
+    const long long at_k = (((long long)b * Sk + (row ? j : 0)) * Hkv + hk) * D;
+    A kr[E], vr[E], dka[E], dva[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        kr[e] = row ? (A)k[at_k + lane + L * e] : (A)0;
+        vr[e] = row ? (A)v[at_k + lane + L * e] : (A)0;
+        dka[e] = 0;
+        dva[e] = 0;
     }
-    // Queries before the block's first key are never visible to it.
-    long long first_k = (long long)blockIdx.x * blockDim.x;
-    long long qbeg = causal ? max(0LL, k_off + first_k - q_off) : 0;
-    // With a window, queries past the block's last key + window - 1 see none of its keys.
-    long long last_k = min((long long)Sk, first_k + blockDim.x) - 1;
-    long long qend = causal && window ? min((long long)Sq, k_off + last_k + window - q_off)
-                                      : (long long)Sq;
+    // Queries before the block's first key see none of its keys; with a window, neither do the
+    // queries from the block's last key + window on.
+    const long long last_k = min((long long)Sk, first_k + R) - 1;
+    const long long qbeg = causal ? max(0LL, k_off + first_k - q_off) : 0LL;
+    const long long qend = causal && window ? min((long long)Sq, k_off + last_k + window - q_off)
+                                            : (long long)Sq;
     for (int g = 0; g < G; ++g) {
-        int h = hk * G + g;
+        const int h = hk * G + g;
+        const long long q_base = ((long long)b * Sq * Hq + h) * D, st = (long long)b * Hq + h;
         for (long long i0 = qbeg - qbeg % BM; i0 < qend; i0 += BM) {
-            for (int e = threadIdx.x; e < BM * D; e += blockDim.x) {
-                long long i = i0 + e / D;
-                long long at = (((long long)b * Sq + i) * Hq + h) * D + e % D;
-                qs[e / D][e % D] = i < Sq ? q[at] : (T)0;
-                ds_[e / D][e % D] = i < Sq ? dout[at] : (T)0;
-            }
+            load_rows<T, D, BM>(q, qs, q_base, (long long)Hq * D, i0, Sq);
+            load_rows<T, D, BM>(dout, dos, q_base, (long long)Hq * D, i0, Sq);
             for (int e = threadIdx.x; e < BM; e += blockDim.x) {
-                long long i = i0 + e;
-                ls[e] = i < Sq ? lse[((long long)b * Hq + h) * Sq + i] : -INFINITY;
-                dls[e] = i < Sq ? delta[((long long)b * Hq + h) * Sq + i] : 0;
+                ls[e] = i0 + e < Sq ? lse[st * Sq + i0 + e] : (A)-INFINITY;
+                dls[e] = i0 + e < Sq ? delta[st * Sq + i0 + e] : (A)0;
             }
             __syncthreads();
-            for (int ii = 0; ii < BM && row; ++ii) {
-                long long i = i0 + ii;
-                if (i >= Sq || !isfinite(ls[ii]) || !visible(i, j, q_off, k_off, causal, window)) continue;
+            const int n = (int)min((long long)BM, qend - i0);
+            for (int ii = 0; ii < n; ++ii) {
                 A s = 0, dp = 0;
-                for (int d = 0; d < D; ++d) { s += (A)qs[ii][d] * kr[d]; dp += (A)ds_[ii][d] * vr[d]; }
-                A p = exp(s * scale - ls[ii]);
-                A dsv = p * (dp - dls[ii]);
-                for (int d = 0; d < D; ++d) {
-                    dva[d] += p * (A)ds_[ii][d];
-                    dka[d] += dsv * (A)qs[ii][d];
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    s += (A)qs[ii][lane + L * e] * kr[e];
+                    dp += (A)dos[ii][lane + L * e] * vr[e];
+                }
+                s = lanes_sum<L>(s);
+                dp = lanes_sum<L>(dp);
+                if (row && isfinite(ls[ii]) && visible(i0 + ii, j, q_off, k_off, causal, window)) {
+                    A p = exp(s * scale - ls[ii]), dsv = p * (dp - dls[ii]);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        dva[e] += p * (A)dos[ii][lane + L * e];
+                        dka[e] += dsv * (A)qs[ii][lane + L * e];
+                    }
                 }
             }
             __syncthreads();
         }
     }
     if (!row) return;
-    for (int d = 0; d < D; ++d) { dk[at_k + d] = (T)(dka[d] * scale); dv[at_k + d] = (T)dva[d]; }
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        dk[at_k + lane + L * e] = (T)(dka[e] * scale);
+        dv[at_k + lane + L * e] = (T)dva[e];
+    }
 }
 """
 
-_HEAD_DIMS = (32, 64, 80, 96, 128)
-"""Head widths the flash kernels are compiled for (a template argument: registers per row)."""
-_ROWS_PER_BLOCK = 64
+_FLASH_KERNELS = ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv")
+_MAX_PER_LANE = {4: 16, 8: 8}
+"""Elements of a row vector one lane keeps in registers, float32 and float64: the flash_bwd_dkdv
+kernel keeps four such arrays (k, v, dk, dv), 64 registers of values at most."""
+_TILE_BYTES = 16384
+"""Bytes of one shared-memory tile (K or V; Q or dO): two tiles stay within 32 KiB."""
 
 
-def _tile(dtype: Any) -> int:
-    """Keys (or queries) per shared-memory tile: two tiles of `[tile, 128]` fit in 48 KiB."""
-    return 16 if array_module().dtype(dtype).itemsize == 8 else 32
+def flash_config(head_dim: int, itemsize: int) -> tuple[int, int]:
+    """(lanes per row, rows per shared-memory tile) of the flash kernels for a head width and an
+    element size (4 or 8): the fewest lanes (a power of two <= 32 dividing head_dim) that keep
+    at most `_MAX_PER_LANE` elements each, and as many tile rows (<= 64) as fit `_TILE_BYTES`.
+    Pure: no CuPy."""
+    require(head_dim in HEAD_DIMS, f"head_dim={head_dim} must be one of {HEAD_DIMS} on the GPU")
+    lanes = 1
+    while (head_dim // lanes > _MAX_PER_LANE[itemsize] and head_dim % (2 * lanes) == 0
+           and lanes < 32):
+        lanes *= 2
+    return lanes, min(64, _TILE_BYTES // (head_dim * itemsize))
+
+
+def _flash_names(ctype: str, head_dim: int) -> tuple[str, ...]:
+    """Name expressions of one flash module: forward, dq and dk/dv for one (C type, head_dim)."""
+    lanes, tile = flash_config(head_dim, 8 if ctype == "double" else 4)
+    return tuple(f"{k}<{ctype},{ctype},{head_dim},{lanes},{tile},{_THREADS}>"
+                 for k in _FLASH_KERNELS)
 
 
 @functools.cache
-def _flash_module() -> Any:
-    names = []
-    for t, a in (("float", "float"), ("double", "double")):
-        tile = 16 if t == "double" else 32
-        for d in _HEAD_DIMS:
-            names += [f"flash_fwd<{t},{a},{d},{tile}>", f"flash_bwd_dq<{t},{a},{d},{tile}>",
-                      f"flash_bwd_dkdv<{t},{a},{d},{tile}>"]
-    return array_module().RawModule(code=_FLASH, options=("-std=c++14",), name_expressions=names)
+def _flash_module(ctype: str, head_dim: int) -> Any:
+    """The flash RawModule of one (C type, head_dim), compiled on first use (a second or less;
+    every instantiation in one module took 36.5 s)."""
+    return array_module().RawModule(code=_FLASH, options=_OPTIONS,
+                                    name_expressions=_flash_names(ctype, head_dim))
 
 
-def _flash(name: str, dtype: Any, head_dim: int) -> Any:
-    require(head_dim in _HEAD_DIMS, f"{name}: head_dim={head_dim} must be one of {_HEAD_DIMS} "
-                                    f"on the GPU")
-    t = "double" if array_module().dtype(dtype).itemsize == 8 else "float"
-    return _flash_module().get_function(f"{name}<{t},{t},{head_dim},{_tile(dtype)}>")
+def _flash(name: str, dtype: Any, head_dim: int) -> tuple[Any, int]:
+    """(the kernel `name` for this dtype and head width, rows per block)."""
+    require(head_dim in HEAD_DIMS, f"{name}: head_dim={head_dim} must be one of {HEAD_DIMS} "
+                                   f"on the GPU")
+    ctype = _ctype(dtype)
+    names = _flash_names(ctype, head_dim)
+    lanes = flash_config(head_dim, 8 if ctype == "double" else 4)[0]
+    return _flash_module(ctype, head_dim).get_function(names[_FLASH_KERNELS.index(name)]), \
+        _THREADS // lanes
 
 
 def _flash_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
@@ -522,7 +618,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
                   window: int = 0) -> tuple[Array, Array]:
     """Flash attention forward (`numpy_ref.attention_fwd`'s contract, sliding `window`
     included): q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out like q, lse `[B, Hq, Sq]`
-    (float32; float64 for float64). Key tiles wholly before a block's window are not loaded."""
+    (float32; float64 for float64). Key tiles wholly outside a block's keys are not loaded."""
     ref.check_attention_shapes(q, k, v, "attention_fwd")
     ref.check_window(window, causal, "attention_fwd")
     _device_float(q, "attention_fwd")
@@ -531,11 +627,10 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     b, sq, hq, d = q.shape
     acc = cupy.dtype(ref.stat_dtype(q.dtype))
     out, lse = cupy.empty_like(q), cupy.empty((b, hq, sq), acc)
-    if sq:
-        grid = (-(-sq // _ROWS_PER_BLOCK), b * hq)
-        _flash("flash_fwd", q.dtype, d)(grid, (_ROWS_PER_BLOCK,), (
-            q, k, v, out, lse, *_flash_args(q, k, q_offset, k_offset, causal, scale, acc,
-                                            window)))
+    if sq and b * hq:
+        kernel, rows = _flash("flash_fwd", q.dtype, d)
+        kernel((-(-sq // rows), b * hq), (_THREADS,), (
+            q, k, v, out, lse, *_flash_args(q, k, q_offset, k_offset, causal, scale, acc, window)))
     return out, lse
 
 
@@ -543,8 +638,9 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
                   scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
     """Flash attention backward for one key block given the (possibly ring-merged) out and lse
-    (`numpy_ref.attention_bwd`'s contract): dq by query rows, dk and dv by key rows (summed over
-    each kv head's query heads), without atomics."""
+    (`numpy_ref.attention_bwd`'s contract): q, out, dout `[B, Sq, Hq, D]`, k, v
+    `[B, Sk, Hkv, D]`, lse `[B, Hq, Sq]` -> dq like q, dk, dv like k; dq by query rows, dk and
+    dv by key rows (summed over each kv head's query heads), without atomics."""
     ref.check_attention_shapes(q, k, v, "attention_bwd")
     ref.check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
@@ -556,15 +652,30 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     acc = cupy.dtype(ref.stat_dtype(q.dtype))
     q, k, v, dout = (cupy.ascontiguousarray(a, q.dtype) for a in (q, k, v, dout))
     lse = cupy.ascontiguousarray(lse, acc)
-    delta = cupy.ascontiguousarray((dout.astype(acc) * out.astype(acc)).sum(axis=-1)
+    delta = cupy.ascontiguousarray((dout.astype(acc) * cupy.asarray(out).astype(acc)).sum(axis=-1)
                                    .transpose(0, 2, 1))  # [B, Hq, Sq]
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     args = _flash_args(q, k, q_offset, k_offset, causal, scale, acc, window)
-    if sq:
-        _flash("flash_bwd_dq", q.dtype, d)((-(-sq // _ROWS_PER_BLOCK), b * hq), (_ROWS_PER_BLOCK,),
-                                          (q, k, v, dout, lse, delta, dq, *args))
-    if k.shape[1]:
-        _flash("flash_bwd_dkdv", q.dtype, d)((-(-k.shape[1] // _ROWS_PER_BLOCK), b * k.shape[2]),
-                                            (_ROWS_PER_BLOCK,),
-                                            (q, k, v, dout, lse, delta, dk, dv, *args))
+    if sq and b * hq:
+        kernel, rows = _flash("flash_bwd_dq", q.dtype, d)
+        kernel((-(-sq // rows), b * hq), (_THREADS,), (q, k, v, dout, lse, delta, dq, *args))
+    if k.shape[1] and b * k.shape[2]:
+        kernel, rows = _flash("flash_bwd_dkdv", q.dtype, d)
+        kernel((-(-k.shape[1] // rows), b * k.shape[2]), (_THREADS,),
+               (q, k, v, dout, lse, delta, dk, dv, *args))
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- compile gate
+def cuda_sources() -> list[dict]:
+    """Every CUDA source of this module with every instantiation it launches, for
+    `mpipar.kernels.cuda_gate`: the rows module and one flash module per (dtype, head_dim),
+    each {"name", "code", "names", "options", "dynamic_smem"} (bytes launched with). Pure."""
+    rows = {"name": "cupy_gpu.rows", "code": _ROWS, "names": _rows_names(), "options": _OPTIONS,
+            "dynamic_smem": {n: (_THREADS * (8 if "double" in n else 4)
+                                 if n.split("<")[0] in ("rmsnorm_fwd", "rmsnorm_bwd", "ce_stats")
+                                 else 0) for n in _rows_names()}}
+    flash = [{"name": f"cupy_gpu.flash<{t},{d}>", "code": _FLASH, "names": _flash_names(t, d),
+              "options": _OPTIONS, "dynamic_smem": {n: 0 for n in _flash_names(t, d)}}
+             for t in ("float", "double") for d in HEAD_DIMS]
+    return [rows, *flash]

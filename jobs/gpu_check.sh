@@ -1,92 +1,112 @@
 #!/usr/bin/env bash
-# The device check (see jobs/README.md): everything the GPU half owes, run on a fresh CUDA machine
-# with no network, in stages that print as they go. Usage: jobs/gpu_check.sh OUT_DIR [STAGE...]
-# Wheels for what the machine lacks (pytest-mpi, tomli-w, the mpich wheel for mpirun, the cuDNN
-# frontend) are taken from ./.whl when present; nothing is downloaded.
+# The device check: everything the GPU half owes, on a fresh CUDA machine with no network, in
+# stages that print as they go and leave their logs and a JSON of figures in OUT_DIR.
+#
+#   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
+#
+# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bench
+# Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
+# mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
+# root under Open MPI are allowed through OMPI_ALLOW_RUN_AS_ROOT (the lent machines run as root).
+# Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
-STAGES=${*:-"env setup compile kernels engine1 engine8 train"}
+STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bench"}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+    OMPI_MCA_mpi_yield_when_idle=1
 PY=${PYTHON:-python3}
 t0=$SECONDS
 stage() { echo "=== gpu_check: $1 ($((SECONDS - t0)) s)"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+record() { echo "$1 $2" >> "$OUT/results.txt"; }   # "stage status" lines; summarised at the end
 
 if has env; then
   stage env
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
-  which $PY mpirun mpiexec nvcc 2>&1
-  $PY - <<'PY'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+  $PY - <<'PY' 2>&1 | tee -a "$OUT/device.txt"
 import importlib
 for m in ("numpy", "cupy", "ml_dtypes", "mpi4py", "h5py", "numba", "torch", "transformers", "cudnn"):
     try:
-        mod = importlib.import_module(m); print(m, getattr(mod, "__version__", "?"))
+        mod = importlib.import_module(m)
+        print(m, getattr(mod, "__version__", "?"))
     except Exception as e:
-        print(m, "MISSING", type(e).__name__, e)
-try:
-    import cupy
-    print("cuda runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver", cupy.cuda.runtime.driverGetVersion())
-    from cupy.cuda import nvrtc; print("nvrtc", nvrtc.getVersion())
-except Exception as e:
-    print("cupy probe failed", e)
+        print(m, "MISSING", type(e).__name__)
 PY
-  $PY -m pip list 2>/dev/null | grep -i -E "nvidia|cudnn|mpi|pytest" 
 fi
 
 if has setup; then
   stage setup
   if [ -d .whl ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+        2>&1 | grep -v "already exists" | tail -3
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-    if ! command -v mpiexec >/dev/null && [ -f .whl/mpich-*.whl ]; then
+    if ! command -v mpiexec >/dev/null && ls .whl/mpich-*.whl >/dev/null 2>&1; then
       rm -rf /tmp/mpich && mkdir -p /tmp/mpich && (cd /tmp/mpich && unzip -q "$OLDPWD"/.whl/mpich-*.whl)
-      D=$(echo /tmp/mpich/mpich-*.data/data); chmod +x $D/bin/*
+      D=$(echo /tmp/mpich/mpich-*.data/data); chmod +x "$D"/bin/*
       export PATH=$D/bin:$PATH LD_LIBRARY_PATH=$D/lib:${LD_LIBRARY_PATH:-}
     fi
   fi
   [ -e mpipar/kernels ] || ln -s ../kernels mpipar/kernels
-  export PYTHONPATH=$PWD:$PYTHONPATH
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
   $PY -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
-  which mpiexec
 fi
 
-if has compile; then
-  stage compile
-  timeout 120 $PY - <<'PY' 2>&1 | tee "$OUT/compile.log"
-from mpipar.kernels import cupy_gpu as g
-import time
-t = time.time(); m = g._flash_module(); 
-for n in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"):
-    for dt in ("float32", "float64"):
-        for d in g._HEAD_DIMS:
-            try:
-                g._flash(n, dt, d); 
-            except Exception as e:
-                print("LOAD FAIL", n, dt, d, e)
-print("flash module loaded in", round(time.time() - t, 1), "s")
-t = time.time(); g._rows_module(); print("rows module", round(time.time() - t, 1), "s")
-PY
+if has gate; then
+  stage "gate (NVRTC on the device, sm_80 and sm_90)"
+  timeout 300 $PY -m mpipar.kernels.cuda_gate --arch sm_80,sm_90 --json "$OUT/gate.json" \
+      > "$OUT/gate.log" 2>&1; rc=$?
+  tail -5 "$OUT/gate.log"; record gate $rc
 fi
 
 if has kernels; then
-  stage kernels
-  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py 2>&1 | tail -40 | tee "$OUT/kernels.log"
+  stage "kernels (tests/gpu, one rank)"
+  timeout 600 $PY -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/kernels.log" 2>&1; rc=$?
+  tail -15 "$OUT/kernels.log"; record kernels $rc
 fi
 
-if has engine1; then
-  stage engine1
-  timeout 300 $PY -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15 | tee "$OUT/engine1.log"
-fi
-
-if has engine8; then
-  stage engine8
-  timeout 240 mpiexec -n 8 $PY -m pytest -q -x -p no:cacheprovider --only-mpi tests/gpu 2>&1 | tail -60 | tee "$OUT/engine8.log"
-fi
+for n in 1 2 4 8; do
+  has "engine$n" || continue
+  stage "engine on $n rank(s) sharing the GPU (tests/gpu --only-mpi)"
+  if [ "$n" = 1 ]; then launch=(); else launch=(mpiexec -n "$n"); fi
+  timeout 900 "${launch[@]}" $PY -m pytest -q -p no:cacheprovider --with-mpi --only-mpi tests/gpu \
+      > "$OUT/engine$n.log" 2>&1; rc=$?
+  grep -E "passed|failed|error" "$OUT/engine$n.log" | tail -3; record "engine$n" $rc
+done
 
 if has train; then
-  stage train
+  stage "train: --device cuda against the CPU, float32, 50 steps, 8 ranks"
   rm -rf /tmp/runs
-  timeout 100 mpiexec -n 8 $PY -m mpipar.train --device cuda --steps 5 --run-dir /tmp/runs/gpu 2>&1 | tail -30 | tee "$OUT/train.log"
+  timeout 600 mpiexec -n 8 $PY -m mpipar.train --device cuda --steps 50 --log-every 10 \
+      --run-dir /tmp/runs/cuda > "$OUT/train_cuda.log" 2>&1; rc1=$?
+  timeout 600 mpiexec -n 8 $PY -m mpipar.train --device cpu --steps 50 --log-every 10 \
+      --run-dir /tmp/runs/cpu > "$OUT/train_cpu.log" 2>&1; rc2=$?
+  tail -4 "$OUT/train_cuda.log"
+  cp /tmp/runs/cuda/metrics.jsonl "$OUT/metrics_cuda.jsonl" 2>/dev/null
+  cp /tmp/runs/cpu/metrics.jsonl "$OUT/metrics_cpu.jsonl" 2>/dev/null
+  $PY - "$OUT" <<'PY'; rc3=$?
+import json, sys
+out = sys.argv[1]
+runs = {}
+for kind in ("cuda", "cpu"):
+    with open(f"{out}/metrics_{kind}.jsonl") as fh:
+        runs[kind] = [json.loads(line)["loss"] for line in fh if '"loss"' in line]
+a, b = runs["cuda"], runs["cpu"]
+worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+print(f"train: {len(a)} steps on cuda, {len(b)} on cpu; largest relative loss difference {worst:.3g}")
+json.dump({"steps": [len(a), len(b)], "max_rel_loss_diff": worst}, open(f"{out}/train.json", "w"))
+sys.exit(0 if len(a) == len(b) == 50 and worst <= 1e-4 else 1)
+PY
+  record train "$rc1$rc2$rc3"
 fi
+
+if has bench; then
+  stage "bench gpu (attention against the GEMM rate; training step against PyTorch eager)"
+  timeout 900 $PY -m mpipar.bench gpu --out "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
+  rc=$?; tail -30 "$OUT/bench_gpu.log"; record bench $rc
+fi
+
 stage done
+echo "--- summary (stage status; 0 = passed)"; cat "$OUT/results.txt" 2>/dev/null

@@ -162,8 +162,7 @@ def _load(generator, path: str, kind: str) -> None:
 
 def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     comm = MPI.COMM_WORLD if comm is None else comm
-    from mpipar.training.failure import FailureReport
-    from mpipar.train import fail_usage, install_abort_hook
+    from mpipar.training.failure import FailureReport, fail_usage, install_abort_hook
     install_abort_hook(FailureReport(comm))
     args = build_parser().parse_args(argv)
     from mpipar.runtime.nodes import configure_threads, local_size_from_env

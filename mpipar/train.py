@@ -57,7 +57,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,31 +64,16 @@ from mpipar.runtime.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_I
 
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
-from mpipar.training.failure import FailureReport
+from mpipar.training.failure import (EXIT_NONFINITE, EXIT_WATCHDOG, FailureReport, fail_usage,
+                                     install_abort_hook)
 from mpipar.layout import Layout, model_from_checkpoint
 from mpipar.rules import validate
 
 if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
     from mpipar.runtime.comm import Group, Watchdog
 
-EXIT_USAGE = 2
-EXIT_NONFINITE = 3
-EXIT_WATCHDOG = 4
-EXIT_EXCEPTION = 1
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # checkpoint, then exit 0
 STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)    # SIGINT (Ctrl-C): checkpoint, exit 130
-
-
-def install_abort_hook(report: FailureReport) -> None:
-    """Make an uncaught exception on any rank abort the whole job (never a hang), reported
-    durably first (:mod:`mpipar.training.failure`)."""
-
-    def hook(exc_type, exc, tb):
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        report.abort("exception", f"mpipar: rank {report.rank} failed; aborting all ranks\n{text}",
-                     EXIT_EXCEPTION)
-
-    sys.excepthook = hook
 
 
 class StopRequest:
@@ -146,15 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "over MPI. Flags override --config; see README for every field.")
     config_mod.add_arguments(parser)
     return parser
-
-
-def fail_usage(message: str, comm: MPI.Comm | None = None) -> None:
-    """Print the error once (rank 0) and exit 2 on every rank, without any collective."""
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if comm.Get_rank() == 0:
-        sys.stderr.write(f"mpipar: error: {message}\n")
-        sys.stderr.flush()
-    raise SystemExit(EXIT_USAGE)
 
 
 def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None = None) -> Layout:

@@ -12,7 +12,6 @@ import pytest
 SCRIPT = """
 import resource, sys, tempfile
 from mpi4py import MPI
-import mpipar.training.engine
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from mpipar.rules import validate
 if sys.argv[1] == "off":

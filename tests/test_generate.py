@@ -114,8 +114,8 @@ def transformers_greedy(transformers, path, prompt: list[int], new: int
 
 def _generator(model_cfg, comm, tp: int = 1, pp: int = 1, dtype: str = "float64") -> Generator:
     train = TrainConfig(seq_len=1, global_batch_size=1, dtype=dtype, backend="numpy")
-    return Generator(Config(model_cfg, ParallelConfig(dp=1, tp=tp, pp=pp), train)
-                     .resolved(comm.Get_size()), comm)
+    return Generator(validate(Config(model_cfg, ParallelConfig(dp=1, tp=tp, pp=pp), train),
+                              comm.Get_size()), comm)
 
 
 def test_greedy_equals_transformers_generate_on_one_rank(hf_dir, transformers_llama):

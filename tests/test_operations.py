@@ -325,7 +325,7 @@ def test_collective_watchdog_names_the_operation_and_group(tmp_path):
     proc = run_train(2, [*TINY, "--steps", "10", "--collective-timeout", "3",
                          "--run-dir", str(run)], script=str(script), timeout=240)
     ended = time.time()
-    assert proc.returncode == 4, proc.stderr  # train.EXIT_WATCHDOG, through MPI_Abort and mpirun
+    assert proc.returncode == 4, proc.stderr  # failure.EXIT_WATCHDOG, through MPI_Abort and mpirun
     lines = _failures(run)
     assert [(f["rank"], f["exit"], f["kind"]) for f in lines] == [(0, 4, "watchdog")], lines
     assert ended - lines[0]["time"] < 30  # the job ends promptly once the watchdog fires

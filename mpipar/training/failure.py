@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any, NoReturn
 
 from mpipar.runtime.mpi_init import MPI
@@ -32,6 +33,12 @@ from mpipar.runtime.mpi_init import MPI
 FAILURE_FILE = "failure.txt"
 SUMMARY_FILE = "summary.json"
 ABORT_GRACE_S = 1.0  # seconds between writing a failing rank's report and MPI_Abort
+
+# Exit statuses of the programs (the README's table), the same on every rank.
+EXIT_USAGE = 2
+EXIT_NONFINITE = 3
+EXIT_WATCHDOG = 4
+EXIT_EXCEPTION = 1
 
 
 class FailureReport:
@@ -132,3 +139,24 @@ def _last_logged_step(run_dir: str) -> int:
     except FileNotFoundError:
         pass
     return step
+
+
+def install_abort_hook(report: FailureReport) -> None:
+    """Make an uncaught exception on any rank abort the whole job (never a hang), reported
+    durably first (:class:`FailureReport`)."""
+
+    def hook(exc_type, exc, tb):
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        report.abort("exception", f"mpipar: rank {report.rank} failed; aborting all ranks\n{text}",
+                     EXIT_EXCEPTION)
+
+    sys.excepthook = hook
+
+
+def fail_usage(message: str, comm: MPI.Comm | None = None) -> None:
+    """Print the error once (rank 0) and exit 2 on every rank, without any collective."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.Get_rank() == 0:
+        sys.stderr.write(f"mpipar: error: {message}\n")
+        sys.stderr.flush()
+    raise SystemExit(EXIT_USAGE)

@@ -197,6 +197,15 @@ __device__ __forceinline__ void to_a(u32 (*p)[4], const float (*s)[4]) {
     }
 }
 
+// A 1-D grid of (query tile, batch, head) with the tile slowest and in reverse: every head's
+// last (longest causal) tiles start first, and the heads sharing a kv head run side by side.
+__device__ __forceinline__ void block_rows(int Sq, int Hq, int BQ, int* q0, int* h, int* b) {
+    const int nqt = (Sq + BQ - 1) / BQ, bhc = gridDim.x / nqt, bh = blockIdx.x % bhc;
+    *q0 = (nqt - 1 - (int)blockIdx.x / bhc) * BQ;
+    *h = bh % Hq;
+    *b = bh / Hq;
+}
+
 // Key range [kbeg, kend) a block of query rows [q0, qlast] can see; kbeg a multiple of BK.
 __device__ __forceinline__ void key_range(int q0, int qlast, int Sk, long long shift, int causal,
                                           long long window, int BK, int* kbeg, int* kend) {
@@ -229,8 +238,9 @@ flash_fwd(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16
     bf16_t* ks = qs + BQ * SROW;                    // [2][BK][SROW]
     bf16_t* vs = ks + 2 * BK * SROW;                // [2][BK][SROW]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest causal rows start first
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    int q0, h, b;
+    block_rows(Sq, Hq, BQ, &q0, &h, &b);
+    const int hk = h / (Hq / Hkv);
     const long long qstride = (long long)Hq * D, kstride = (long long)Hkv * D;
     const bf16_t* kg = k + (long long)b * Sk * kstride + (long long)hk * D;
     const bf16_t* vg = v + (long long)b * Sk * kstride + (long long)hk * D;
@@ -392,8 +402,9 @@ flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     bf16_t* ks = ds + BQ * SROW;                    // [2][BK][SROW]
     bf16_t* vs = ks + 2 * BK * SROW;                // [2][BK][SROW]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
+    int q0, h, b;
+    block_rows(Sq, Hq, BQ, &q0, &h, &b);
+    const int hk = h / (Hq / Hkv);
     const long long qstride = (long long)Hq * D, kstride = (long long)Hkv * D;
     const bf16_t* kg = k + (long long)b * Sk * kstride + (long long)hk * D;
     const bf16_t* vg = v + (long long)b * Sk * kstride + (long long)hk * D;
@@ -516,7 +527,8 @@ flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     float* ls = reinterpret_cast<float*>(ds + 2 * BQ * SROW);  // [2][BQ] log2 lse
     float* dls = ls + 2 * BQ;                                   // [2][BQ] delta
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int k0 = blockIdx.x * BKV, hk = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const int nkt = (Sk + BKV - 1) / BKV, bh = blockIdx.x % (gridDim.x / nkt), G = Hq / Hkv;
+    const int k0 = blockIdx.x / (gridDim.x / nkt) * BKV, hk = bh % Hkv, b = bh / Hkv;
     const long long kstride = (long long)Hkv * D, shift = q_off - k_off;
     const long long kbase = ((long long)b * Sk + k0) * kstride + (long long)hk * D;
     // Queries that can see a key of [k0, klast]: causal from shift + i >= k0, window until
@@ -702,8 +714,8 @@ def _check(name: str, q: Array, k: Array, v: Array, causal: bool, window: int,
         require(a.flags.c_contiguous, f"{name}: inputs must be C-contiguous (got strides "
                                       f"{a.strides} for shape {a.shape}); pass a copy")
     require(k.dtype == q.dtype and v.dtype == q.dtype, f"{name}: q, k, v must all be bfloat16")
-    require(q.shape[0] <= 65535 and q.shape[2] <= 65535 and k.shape[2] <= 65535,
-            f"{name}: batch and head counts must be <= 65535 (grid limits), got {q.shape}")
+    require(max(q.shape[1], k.shape[1]) * q.shape[0] * q.shape[2] < 2 ** 31,
+            f"{name}: B * S * H must stay below 2^31 (one block per 16 rows), got {q.shape}")
     sc = ref.attention_scale(q.shape[3], scale)
     require(math.isfinite(sc) and sc > 0, f"{name}: scale={sc} must be finite and > 0")
     return sc
@@ -734,7 +746,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
         lse.fill(-cupy.inf)
         return out, lse
     w, mt, _ = _TILES[d]["fwd"]
-    grid = (-(-sq // (16 * mt * w)), hq, b)
+    grid = (-(-sq // (16 * mt * w)) * hq * b,)
     _launch(d, "fwd", grid, (q, k, v, out, lse, *_mask_args(q, k, q_offset, k_offset, causal,
                                                             window), cupy.float32(sc * LOG2E)))
     return out, lse
@@ -777,8 +789,8 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     tail = (*_mask_args(q, k, q_offset, k_offset, causal, window), cupy.float32(sc * LOG2E),
             cupy.float32(sc))
     if dq.size:
-        _launch(d, "dq", (-(-sq // (16 * _TILES[d]["dq"][0])), hq, b), (*args, dq, *tail))
+        _launch(d, "dq", (-(-sq // (16 * _TILES[d]["dq"][0])) * hq * b,), (*args, dq, *tail))
     if dk.size:
-        _launch(d, "dkdv", (-(-sk // (16 * _TILES[d]["dkdv"][0])), hkv, b),
+        _launch(d, "dkdv", (-(-sk // (16 * _TILES[d]["dkdv"][0])) * hkv * b,),
                 (*args, dk, dv, *tail))
     return dq, dk, dv

@@ -5,8 +5,8 @@ gemmEx with float32 compute) and, where torch imports with CUDA, torch's
 
 FLOPs: forward 4 * B * H * S^2 * D (two GEMMs), halved when causal; backward 2.5 times the
 forward (five GEMMs against two), whatever each implementation actually executes (flash_mma's
-two-pass backward recomputes S and dP: 7 GEMM passes). Timing: CUDA events around each call,
-after warm-up calls, the median of `repeats`.
+two-pass backward recomputes S and dP: 7 GEMM passes). Timing: CUDA events around a few
+back-to-back calls, after warm-up calls, the median of `repeats`.
 
 Shapes: B * S = `tokens` (16k) for S in 2048..16384; hidden 2048: 32 heads of 64, 16 of 128.
 Called as `run()` (returns the rows, prints a table) by `python -m mpipar.bench gpu`, or
@@ -32,10 +32,11 @@ def attention_flops(batch: int, seq: int, heads: int, head_dim: int,
     return fwd, 2.5 * fwd
 
 
-def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10,
+def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, inner: int = 4,
               event: Callable[[], Any] | None = None) -> float:
-    """Median milliseconds of `fn()` between two CUDA events (CuPy's, or `event()`'s: torch's),
-    after `warmup` untimed calls."""
+    """Median milliseconds per call of `fn()`: `repeats` times, `inner` back-to-back calls
+    between two CUDA events (CuPy's, or `event()`'s: torch's), so the host's launch work overlaps
+    the device's as in training; after `warmup` untimed calls."""
     import cupy
 
     make = event or cupy.cuda.Event
@@ -45,10 +46,12 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10,
     for _ in range(repeats):
         start, stop = make(), make()
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) if event else cupy.cuda.get_elapsed_time(start, stop))
+        ms = start.elapsed_time(stop) if event else cupy.cuda.get_elapsed_time(start, stop)
+        times.append(ms / inner)
     return statistics.median(times)
 
 

@@ -42,14 +42,20 @@ from .numpy_ref import Array, require
 HEAD_DIMS = (32, 64, 96, 128)
 """Head dims the kernels are instantiated for (a multiple of 32 keeps every ldmatrix aligned)."""
 
-# Tiles per head dim: fwd (warps, m-tiles per warp, key tile), dq (warps, key tile),
-# dkdv (warps, query tile). 16 rows per m-tile; see _smem_bytes for the shared memory they take.
+# Tiles per head dim. fwd: (warps, m-tiles of 16 rows per warp, key tile, min blocks per SM,
+# Q fragments kept in registers); dq: (warps, key tile, min blocks per SM, Q/dO in registers);
+# dkdv: (warps, query tile, min blocks per SM). Min blocks per SM caps the registers
+# (__launch_bounds__); _smem_bytes gives the shared memory each takes.
 _TILES: dict[int, dict[str, tuple[int, ...]]] = {
-    32: {"fwd": (4, 2, 64), "dq": (4, 64), "dkdv": (4, 64)},
-    64: {"fwd": (4, 2, 64), "dq": (4, 64), "dkdv": (4, 64)},
-    96: {"fwd": (4, 1, 64), "dq": (4, 32), "dkdv": (4, 32)},
-    128: {"fwd": (4, 1, 64), "dq": (4, 32), "dkdv": (4, 32)},
+    32: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2)},
+    64: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2)},
+    96: {"fwd": (4, 1, 64, 2, 1), "dq": (4, 32, 2, 1), "dkdv": (4, 32, 2)},
+    128: {"fwd": (4, 1, 64, 2, 1), "dq": (4, 32, 2, 1), "dkdv": (4, 32, 2)},
 }
+"""Chosen by timing on an H100 (causal, B*S = 16k): D=128 fwd (4,1,64) 265-291 TFLOP/s beat
+(4,1,32) at 3 blocks/SM and (4,2,32); D=64 fwd (4,2,64) 258-279 beat (4,1,128), (8,1,32); the
+dk/dv pass (the backward's slower kernel) is fastest with 64 keys per block."""
+
 _OPTIONS = ("--std=c++17",)
 _DELTA_WARPS = 8
 LOG2E = 1.4426950408889634
@@ -226,13 +232,13 @@ __device__ __forceinline__ bool tile_edge(int q0, int BQ, int k0, int BK, int Sk
                                       || (window > 0 && shift + q0 + BQ - 1 - k0 >= window)));
 }
 
-template <int D, int WARPS, int MT, int BK>
-__global__ void __launch_bounds__(WARPS * 32)
+template <int D, int WARPS, int MT, int BK, int MINB, bool QREG>
+__global__ void __launch_bounds__(WARPS * 32, MINB)
 flash_fwd(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
           bf16_t* __restrict__ out, float* __restrict__ lse, int Sq, int Sk, int Hq, int Hkv,
           long long q_off, long long k_off, int causal, long long window, float scale_log2) {
     constexpr int BQ = 16 * MT * WARPS, NT = 32 * WARPS, SROW = D + 8, NS = BK / 8, ND = D / 8;
-    constexpr bool QREG = MT == 1;  // one m-tile per warp: Q fragments stay in registers
+    static_assert(!QREG || MT == 1, "Q fragments stay in registers for one m-tile per warp only");
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* qs = reinterpret_cast<bf16_t*>(smem);  // [BQ][SROW]
     bf16_t* ks = qs + BQ * SROW;                    // [2][BK][SROW]
@@ -266,14 +272,9 @@ flash_fwd(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16
             ldsm4(qf[kk], sptr(qs) + (u32)(((warp * 16 + (lane & 15)) * SROW + kk * 16
                                             + (lane >> 4) * 8) * 2));
     }
-    float o[MT][ND][4], m[MT][2], l[MT][2];
+    float o[MT][ND][4] = {}, m[MT][2], l[MT][2] = {};
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int dn = 0; dn < ND; ++dn) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.f;
-        m[mt][0] = m[mt][1] = NEG_INF;
-        l[mt][0] = l[mt][1] = 0.f;
-    }
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = NEG_INF;
     for (int t = 0; t < ntiles; ++t) {
         const int k0 = kbeg + t * BK;
         cp_wait<0>();
@@ -291,9 +292,7 @@ flash_fwd(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int rbase = (warp * MT + mt) * 16;
-            float s[NS][4];
-#pragma unroll
-            for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            float s[NS][4] = {};
             gemm_abt<D, NS>(s, QREG ? qf : 0, sptr(qs + rbase * SROW), kb, lane);
             if (edge) {
 #pragma unroll
@@ -388,8 +387,8 @@ __global__ void attn_delta(const bf16_t* __restrict__ out, const bf16_t* __restr
 __device__ __forceinline__ float lse2_of(float x) { return x == NEG_INF ? POS_INF : x * LOG2E_F; }
 
 // dq = scale * dS K for 16 * WARPS query rows of one head, over the visible key tiles (BK rows).
-template <int D, int WARPS, int BK>
-__global__ void __launch_bounds__(WARPS * 32)
+template <int D, int WARPS, int BK, int MINB, bool QREG>
+__global__ void __launch_bounds__(WARPS * 32, MINB)
 flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
              const bf16_t* __restrict__ v, const bf16_t* __restrict__ dout,
              const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
@@ -423,12 +422,14 @@ flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     cp_commit();
     cp_wait<1>();
     __syncthreads();
-    u32 qf[KD][4], df[KD][4];
+    u32 qf[QREG ? KD : 1][4], df[QREG ? KD : 1][4];
+    if (QREG) {
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-        const u32 at = (u32)(((warp * 16 + (lane & 15)) * SROW + kk * 16 + (lane >> 4) * 8) * 2);
-        ldsm4(qf[kk], sptr(qs) + at);
-        ldsm4(df[kk], sptr(ds) + at);
+        for (int kk = 0; kk < KD; ++kk) {
+            const u32 at = (u32)(((warp * 16 + (lane & 15)) * SROW + kk * 16 + (lane >> 4) * 8) * 2);
+            ldsm4(qf[kk], sptr(qs) + at);
+            ldsm4(df[kk], sptr(ds) + at);
+        }
     }
     const int r0 = q0 + warp * 16 + (lane >> 2);
     float l2[2], dl[2];
@@ -438,9 +439,7 @@ flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         l2[rh] = row < Sq ? lse2_of(lse[((long long)b * Hq + h) * Sq + row]) : POS_INF;
         dl[rh] = row < Sq ? delta[((long long)b * Hq + h) * Sq + row] : 0.f;
     }
-    float acc[ND][4];
-#pragma unroll
-    for (int dn = 0; dn < ND; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
+    float acc[ND][4] = {};
     for (int t = 0; t < ntiles; ++t) {
         const int k0 = kbeg + t * BK;
         cp_wait<0>();
@@ -454,13 +453,9 @@ flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         }
         cp_commit();
         const u32 kb = sptr(ks + (t & 1) * BK * SROW), vb = sptr(vs + (t & 1) * BK * SROW);
-        float s[NS][4], dp[NS][4];
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-        gemm_abt<D, NS>(s, qf, 0, kb, lane);
-        gemm_abt<D, NS>(dp, df, 0, vb, lane);
+        float s[NS][4] = {}, dp[NS][4] = {};
+        gemm_abt<D, NS>(s, QREG ? qf : 0, sptr(qs + warp * 16 * SROW), kb, lane);
+        gemm_abt<D, NS>(dp, QREG ? df : 0, sptr(ds + warp * 16 * SROW), vb, lane);
         int lo[2] = {0, 0}, hi[2] = {BK, BK};
         if (tile_edge(q0, BQ, k0, BK, Sk, shift, causal, window)) {
             keys_seen(shift, r0, k0, Sk, causal, window, BK, &lo[0], &hi[0]);
@@ -510,8 +505,8 @@ __device__ __forceinline__ void load_q_tile(bf16_t* qs, bf16_t* ds, float* ls, f
 
 // dv = P^T dO, dk = scale * dS^T Q for 16 * WARPS key rows of one kv head, over the query tiles
 // (BQ rows) of every query head of its group that can see them.
-template <int D, int WARPS, int BQ>
-__global__ void __launch_bounds__(WARPS * 32)
+template <int D, int WARPS, int BQ, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB)
 flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                const bf16_t* __restrict__ v, const bf16_t* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta,
@@ -545,11 +540,7 @@ flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     if (total > 0)
         load_q_tile<D, BQ, NT>(qs, ds, ls, dls, q, dout, lse, delta, b, hk * G, qbeg, Sq, Hq);
     cp_commit();
-    float dka[ND][4], dva[ND][4];
-#pragma unroll
-    for (int dn = 0; dn < ND; ++dn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dka[dn][e] = dva[dn][e] = 0.f;
+    float dka[ND][4] = {}, dva[ND][4] = {};
     const u32 kw = sptr(ks + warp * 16 * SROW), vw = sptr(vs + warp * 16 * SROW);
     const int kr0 = k0 + warp * 16 + (lane >> 2);
     for (int t = 0; t < total; ++t) {
@@ -564,11 +555,7 @@ flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         }
         cp_commit();
         const u32 qb_ = sptr(qs + buf * BQ * SROW), db = sptr(ds + buf * BQ * SROW);
-        float s[NQ][4], dp[NQ][4];
-#pragma unroll
-        for (int n = 0; n < NQ; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+        float s[NQ][4] = {}, dp[NQ][4] = {};
         gemm_abt<D, NQ>(s, 0, kw, qb_, lane);   // S^T = K Q^T (keys x queries)
         gemm_abt<D, NQ>(dp, 0, vw, db, lane);   // dP^T = V dO^T
         int lo[2] = {0, 0}, hi[2] = {BQ, BQ};
@@ -617,10 +604,12 @@ flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
 def _names(head_dim: int) -> dict[str, str]:
     """The template instantiations launched for `head_dim`, by role."""
     t = _TILES[head_dim]
-    w, mt, bk = t["fwd"]
-    return {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}>",
-            "dq": f"flash_bwd_dq<{head_dim}, {t['dq'][0]}, {t['dq'][1]}>",
-            "dkdv": f"flash_bwd_dkdv<{head_dim}, {t['dkdv'][0]}, {t['dkdv'][1]}>",
+    w, mt, bk, minb, qreg = t["fwd"]
+    dw, dbk, dminb, dqreg = t["dq"]
+    kw, kbq, kminb = t["dkdv"]
+    return {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {'true' if qreg else 'false'}>",
+            "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {'true' if dqreg else 'false'}>",
+            "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}>",
             "delta": f"attn_delta<{head_dim}>"}
 
 
@@ -629,13 +618,13 @@ def _smem_bytes(head_dim: int, role: str) -> int:
     row = (head_dim + 8) * 2
     t = _TILES[head_dim]
     if role == "fwd":
-        w, mt, bk = t["fwd"]
+        w, mt, bk = t["fwd"][:3]
         return (16 * mt * w + 4 * bk) * row
     if role == "dq":
-        w, bk = t["dq"]
+        w, bk = t["dq"][:2]
         return (2 * 16 * w + 4 * bk) * row
     if role == "dkdv":
-        w, bq = t["dkdv"]
+        w, bq = t["dkdv"][:2]
         return (2 * 16 * w + 4 * bq) * row + 4 * bq * 4
     return 0
 
@@ -745,7 +734,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     if out.size == 0:
         lse.fill(-cupy.inf)
         return out, lse
-    w, mt, _ = _TILES[d]["fwd"]
+    w, mt = _TILES[d]["fwd"][:2]
     grid = (-(-sq // (16 * mt * w)) * hq * b,)
     _launch(d, "fwd", grid, (q, k, v, out, lse, *_mask_args(q, k, q_offset, k_offset, causal,
                                                             window), cupy.float32(sc * LOG2E)))

@@ -699,7 +699,8 @@ def _check(name: str, q: Array, k: Array, v: Array, causal: bool, window: int,
     reason = supports(q.dtype, q.shape[3])
     require(reason is None, f"{name}: {reason}")
     for a in (q, k, v) + extra:
-        require(isinstance(a, cupy.ndarray), f"{name}: expected CuPy arrays, got {type(a).__name__}")
+        require(isinstance(a, cupy.ndarray),
+                f"{name}: expected CuPy arrays, got {type(a).__name__}")
         require(a.flags.c_contiguous, f"{name}: inputs must be C-contiguous (got strides "
                                       f"{a.strides} for shape {a.shape}); pass a copy")
     require(k.dtype == q.dtype and v.dtype == q.dtype, f"{name}: q, k, v must all be bfloat16")

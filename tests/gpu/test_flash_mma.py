@@ -64,8 +64,8 @@ def _rng(*key) -> np.random.Generator:
 def _inputs(rng, b, sq, sk, hq, hkv, d):
     """q, k, v, dout as bf16 host arrays (standard normal, then rounded)."""
     bf = _bf16()
-    return (rng.standard_normal((b, sq, hq, d)).astype(bf), rng.standard_normal((b, sk, hkv, d)).astype(bf),
-            rng.standard_normal((b, sk, hkv, d)).astype(bf), rng.standard_normal((b, sq, hq, d)).astype(bf))
+    shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d))
+    return tuple(rng.standard_normal(shape).astype(bf) for shape in shapes)
 
 
 def _f64(*arrays):
@@ -108,7 +108,7 @@ def _check_fwd(out, lse, want_out, want_lse, name):
     out, lse = _f64(out, lse)
     dead = ~np.isfinite(want_lse)
     assert not np.isnan(lse).any(), f"{name}: lse has unwritten (NaN) entries"
-    assert np.array_equal(np.isneginf(lse), dead), f"{name}: lse is -inf exactly where no key is seen"
+    assert np.array_equal(np.isneginf(lse), dead), f"{name}: lse -inf exactly where no key is seen"
     lse_err = float(np.abs(lse[~dead] - want_lse[~dead]).max(initial=0.0))
     assert lse_err <= LSE_TOL, f"{name}: lse error {lse_err}"
     dead_rows = dead.transpose(0, 2, 1)  # [B, Sq, Hq]
@@ -129,7 +129,8 @@ def _run_case(name, b, sq, sk, hq, hkv, qo, ko, causal, window, d):
     err_out, err_lse = _check_fwd(out, lse, want_out, want_lse, name)
     out64, lse64 = _f64(out, lse)  # the backward takes the kernel's own (bf16) out and lse
     want = ref.attention_bwd(q64, k64, v64, out64, lse64, do64, qo, ko, causal, window=window)
-    got = flash_mma.attention_bwd(*_dev(q, k, v), out, lse, *_dev(do), qo, ko, causal, window=window)
+    got = flash_mma.attention_bwd(*_dev(q, k, v), out, lse, *_dev(do), qo, ko, causal,
+                                  window=window)
     errs = [_rel(*_f64(g), w) for g, w in zip(got, want)]
     print(f"\nERR {name} d={d}: out {err_out:.2e} lse {err_lse:.1e} dq {errs[0]:.2e} "
           f"dk {errs[1]:.2e} dv {errs[2]:.2e}")
@@ -167,8 +168,9 @@ def test_ring_merged_backward(poisoned, d):
     merged_bf = merged.astype(_bf16())
     q64, k64, v64, do64 = _f64(q, k, v, do)
     want = ref.attention_bwd(q64, k64, v64, merged_bf.astype(np.float64), lse, do64, 0, 0)
-    got = [flash_mma.attention_bwd(*_dev(q, kk.copy(), vv.copy(), merged_bf), _dev(lse.astype(np.float32))[0],
-                                   *_dev(do), 0, ko) for kk, vv, ko in parts]
+    lse32 = _dev(lse.astype(np.float32))[0]
+    got = [flash_mma.attention_bwd(*_dev(q, kk.copy(), vv.copy(), merged_bf), lse32, *_dev(do),
+                                   0, ko) for kk, vv, ko in parts]
     dq = sum(_f64(g[0])[0] for g in got)
     dk = np.concatenate([_f64(g[1])[0] for g in got], axis=1)
     dv = np.concatenate([_f64(g[2])[0] for g in got], axis=1)
@@ -195,7 +197,8 @@ def test_masked_tiles_never_read(poisoned, kind, d):
     v[:, nan_keys] = np.nan
     out, lse = flash_mma.attention_fwd(*_dev(q, k, v), qo, 0, True, window=window)
     _check_fwd(out, lse, want_out, want_lse, kind)
-    dq, dk, dv = flash_mma.attention_bwd(*_dev(q, k, v), out, lse, *_dev(do), qo, 0, True, window=window)
+    dq, dk, dv = flash_mma.attention_bwd(*_dev(q, k, v), out, lse, *_dev(do), qo, 0, True,
+                                         window=window)
     want = ref.attention_bwd(q64, k64, v64, *_f64(out, lse), do64, qo, 0, True, window=window)
     assert _rel(*_f64(dq), want[0]) <= TOL
     assert (_f64(dk)[0][:, nan_keys] == 0).all() and (_f64(dv)[0][:, nan_keys] == 0).all()
@@ -222,7 +225,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="C-contiguous"):
         flash_mma.attention_fwd(q[:, ::2], k[:, ::2], v[:, ::2])
     with pytest.raises(ValueError, match="bfloat16"):
-        flash_mma.attention_fwd(q.astype(cupy.float32), k.astype(cupy.float32), v.astype(cupy.float32))
+        flash_mma.attention_fwd(*(a.astype(cupy.float32) for a in (q, k, v)))
     assert flash_mma.supports(_bf16(), 128) is None
     assert "head_dim" in flash_mma.supports(_bf16(), 80)
     assert "bfloat16" in flash_mma.supports(np.float32, 64)

@@ -714,11 +714,11 @@ def predict_peak_memory(cfg: Config, coord: Coord) -> int:
 
 
 # -------------------------------------------------------------------------------------- FLOPs
-def _block_flops_per_token(cfg: Config, context: float) -> float:
-    """Forward FLOPs of one block for one token of this TP rank attending to ``context`` keys."""
-    m, par = cfg.model, cfg.parallel
+def _block_flops_per_token(m: ModelConfig, tp: int, context: float) -> float:
+    """Forward FLOPs of one block for one token of a TP rank (of ``tp``) attending to
+    ``context`` keys."""
     H, D = m.hidden, m.head_dim
-    hq, hkv, F = m.heads // par.tp, m.kv_heads // par.tp, m.ffn_hidden // par.tp
+    hq, hkv, F = m.heads // tp, m.kv_heads // tp, m.ffn_hidden // tp
     matmul = 2 * H * (2 * hq * D + 2 * hkv * D) + 2 * 3 * H * F   # q, o, k, v; gate, up, down
     return matmul + 4 * hq * D * context                           # q k^T and p v
 
@@ -736,8 +736,7 @@ def model_flops_per_step(cfg: Config) -> float:
     a query at position i sees i + 1 keys, or min(i + 1, W) in a layer with a sliding window W),
     whatever the layout and recompute mode."""
     m, tr = cfg.model, cfg.train
-    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
-    per_token = (sum(_block_flops_per_token(one, window_context(tr.seq_len, w))
+    per_token = (sum(_block_flops_per_token(m, 1, window_context(tr.seq_len, w))
                      for w in m.windows())
                  + 2 * m.hidden * m.vocab_size)                    # LM head
     return 3.0 * per_token * tr.global_batch_size * tr.seq_len
@@ -908,7 +907,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
     context = sum(_sp_context(cfg, w) for w in windows) / len(windows)
     hops = sum(_sp_blocks(par.sp_mode, layout, w) for w in windows) / len(windows)
-    block_fwd = (_block_flops_per_token(cfg, context) * n / hw.peak_flops
+    block_fwd = (_block_flops_per_token(cfg.model, cfg.parallel.tp, context) * n / hw.peak_flops
                  + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
     head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).

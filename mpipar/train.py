@@ -340,9 +340,9 @@ def _load_state(engine, ctx: RunContext) -> int:
         from mpipar.checkpoint import store as checkpoint
         path, notes = checkpoint.resolve_resume(tr.resume, tr.save_dir)
         if path is not None:
-            start = checkpoint.load(engine, path)
+            start = checkpoint.load(engine.state, path)
             notes += [f"resumed from {path} at step {start}",
-                      *checkpoint.resume_changes(path, ctx.cfg, engine.source)]
+                      *checkpoint.resume_changes(path, engine.run_position(start))]
         for note in notes if ctx.rank0 else ():
             print(f"mpipar: {note}", flush=True)
         if path is not None:
@@ -537,7 +537,8 @@ def checkpoint_save(engine, ctx: RunContext, step: int, progress) -> str:
     pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing)."""
     from mpipar.checkpoint import store as checkpoint
     tr = ctx.cfg.train
-    path = checkpoint.save(engine, ctx.cfg, step, tr.save_dir, tr.keep_last, ctx.control)
+    path = checkpoint.save(engine.state, engine.run_position(step), tr.save_dir, ctx.control,
+                           tr.keep_last)
     if ctx.rank0:
         text = f"mpipar: saved checkpoint {path}"
         if progress is not None:

@@ -207,6 +207,7 @@ def test_residuals_load_slot_by_slot_or_summed(world):
 
     from layouts import small_config, token_source
     from mpipar.checkpoint import store as checkpoint
+    from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
     from test_state import global_state
 
@@ -216,20 +217,20 @@ def test_residuals_load_slot_by_slot_or_summed(world):
         a = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                    source=token_source())
         a.train_step(0)
-        path = checkpoint.save(a, a.cfg, 1, root)
+        path = checkpoint.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
         saved = global_state(a, world)
         kinds = sorted({k for k, _ in saved if k.startswith("residual")})
         if set(kinds) != {f"residual_send.{s}" for s in range(8)} | {"residual_gather"}:
             fails.append(f"residual kinds {kinds}")
         same = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                       source=token_source())
-        checkpoint.load(same, path)
+        checkpoint.load(same.state, path)
         again = global_state(same, world)
         fails += [f"{key} differs" for key in saved if not np.array_equal(saved[key], again[key])]
         other = Engine(validate(small_config(dp=4, tp=2, ranks_per_node=4, dp_reduce="hierarchical",
                                     grad_compression="int8"), 8), world,
                        source=token_source())
-        checkpoint.load(other, path)
+        checkpoint.load(other.state, path)
         moved = global_state(other, world)
         for name in a.state.shapes:
             owed = sum(saved[(k, name)] for k in kinds)

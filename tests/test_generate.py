@@ -22,6 +22,7 @@ from mpipar.inference.generator import Generator
 from mpipar.inference.sampling import Sampling, candidates, next_token
 from test_tokenizer import EOS, bpe  # noqa: F401  (the BPE tokenizer fixture)
 from mpipar.rules import validate
+from mpipar.runtime.comm import Group, Ledger
 
 V, H, HEADS, KV, LAYERS, FFN = 256, 48, 6, 2, 2, 80   # byte-level: prompts are UTF-8 bytes
 PROMPT = "hello"
@@ -226,7 +227,8 @@ def _small_checkpoint(tmp_path, vocab_size: int = V) -> str:
     cfg.model.vocab_size = vocab_size
     cfg = validate(cfg, 1)
     engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
-    return str(checkpoint.save(engine, cfg, 0, tmp_path / "ckpt"))
+    return str(checkpoint.save(engine.state, engine.run_position(0), tmp_path / "ckpt",
+                               Group(MPI.COMM_SELF, "world", Ledger())))
 
 
 # --------------------------------------------------------------- every layout (8 ranks)
@@ -245,7 +247,8 @@ def test_generation_is_the_same_on_every_layout(world):
     cfg = validate(small_config(dp=2, tp=2, pp=2), 8)
     engine = Engine(cfg, world, source=token_source())
     engine.train_step(0)
-    path = checkpoint.save(engine, cfg, 1, root)
+    path = checkpoint.save(engine.state, engine.run_position(1), root,
+                           Group(world, "world", Ledger()))
     runs = {}
     for tp, pp in GEN_LAYOUTS:
         comm = world.Split(world.rank // (tp * pp), world.rank)

@@ -18,7 +18,9 @@ of the sequence chunk, in local order: one range contiguous, two for zigzag), ``
 source's sample index of each row), ``global_batch``, ``seq_len``, ``hidden``, ``heads``,
 ``head_dim``, ``layers``, ``names``. Every dataset carries ``columns`` (``[lo, hi)`` of the global
 last axis) and ``heads`` (``[lo, hi)``, attention only) and ``tp_sharded``. Datasets are chunked
-with ``fletcher32``, so corruption fails the read.
+with ``fletcher32``, so corruption fails the read. :func:`dump_step` writes a rank's file from
+what the engine hands it: the recorder, the rank's :class:`~mpipar.checkpoint.records.RankPlace`
+and the :class:`ActivationRegion` of the step.
 
 :func:`load_global` reassembles a global ``[global_batch, seq_len, width]`` tensor from every
 rank's file; a missing file, a file of another run, or a region no file covers is an error.
@@ -32,14 +34,17 @@ import dataclasses
 import os
 import re
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
-from mpipar.runtime.device import to_host
+from mpipar.checkpoint.records import RankPlace
+from mpipar.config import Config
 from mpipar.model.llama import ACTIVATION_NAMES
+from mpipar.runtime.device import to_host
 
 TP_SHARDED = ("attention",)
 _RANK_FILE = re.compile(r"rank_(\d+)\.h5$")
@@ -127,29 +132,39 @@ def write_rank_dump(path: str | os.PathLike, recorder: ActivationRecorder,
     return path
 
 
-def dump_engine_step(engine, step: int, recorder: ActivationRecorder) -> Path:
-    """Write ``engine``'s rank file for ``step`` (1-based) under ``engine.cfg.train.run_dir``."""
-    cfg, grid = engine.cfg, engine.grid
-    m, tr, par = cfg.model, cfg.train, cfg.parallel
-    c = grid.coord
-    rows = np.arange(c.dp * engine.rows_per_dp, (c.dp + 1) * engine.rows_per_dp)
-    tp = engine.groups["tp"]
-    hq = m.heads // tp.size
-    width = hq * m.head_dim
+@dataclass(frozen=True, eq=False)  # arrays: no element-wise equality
+class ActivationRegion:
+    """The part of one step's global activations a rank holds (built by the engine, recorded in
+    its dump file's attributes)."""
+
+    step: int                  # 1-based
+    rows: np.ndarray           # int64 [rows]: global batch rows, in order
+    samples: np.ndarray        # int64 [rows]: the data source's sample index of each row
+    positions: np.ndarray      # int64 [S_loc]: global token positions of the chunk, local order
+    segments: np.ndarray       # int64 [ranges, 2]: [start, length] of each contiguous range
+    heads: tuple[int, int]     # [lo, hi) of the attention heads of this tp rank
+
+
+def dump_step(recorder: ActivationRecorder, place: RankPlace, region: ActivationRegion,
+              cfg: Config) -> Path:
+    """Write the dump file of the rank at ``place`` for ``region.step`` under
+    ``cfg.train.run_dir``: ``recorder``'s activations, covering ``region`` of the global ones
+    (sizes from ``cfg``, the resolved configuration)."""
+    m, tr = cfg.model, cfg.train
+    c = place.coord
     attrs = dict(
-        world_rank=grid.rank, world_size=grid.comm.Get_size(),
-        grid=np.asarray([par.dp, par.tp, par.pp, par.sp], dtype=np.int64),
-        dp=c.dp, tp=c.tp, pp=c.pp, sp=c.sp, step=int(step),
-        positions=np.asarray(engine.positions, dtype=np.int64),
-        segments=np.asarray(engine.seq_layout.segments(c.sp), dtype=np.int64),
-        rows=rows, samples=engine.sampler.indices(step - 1)[rows],
+        world_rank=place.rank, world_size=place.world_size,
+        grid=np.asarray(place.sizes, dtype=np.int64),
+        dp=c.dp, tp=c.tp, pp=c.pp, sp=c.sp, step=int(region.step),
+        positions=np.asarray(region.positions, dtype=np.int64),
+        segments=np.asarray(region.segments, dtype=np.int64),
+        rows=region.rows, samples=region.samples,
         global_batch=tr.global_batch_size, seq_len=tr.seq_len, hidden=m.hidden, heads=m.heads,
-        head_dim=m.head_dim, dtype=str(engine.dtype))
+        head_dim=m.head_dim, dtype=str(np.dtype(tr.dtype)))
     columns = {n: (0, m.hidden) for n in ACTIVATION_NAMES}
-    columns["attention"] = (tp.rank * width, (tp.rank + 1) * width)
-    rank = attrs["world_rank"]
-    return write_rank_dump(step_dir(tr.run_dir, step) / f"rank_{rank}.h5", recorder, attrs,
-                           columns, (tp.rank * hq, (tp.rank + 1) * hq))
+    columns["attention"] = tuple(h * m.head_dim for h in region.heads)
+    return write_rank_dump(step_dir(tr.run_dir, region.step) / f"rank_{place.rank}.h5", recorder,
+                           attrs, columns, region.heads)
 
 
 def _rank_files(directory: Path) -> dict[int, Path]:

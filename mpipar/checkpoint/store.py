@@ -11,14 +11,15 @@ A save directory holds one directory per checkpoint and a pointer to the newest:
         index.sha256          sha256 of index.h5
       .step_00000300.tmp/     a save in progress, or one a crash interrupted: never read
 
-**Shards.** Each rank writes its share of the unique state (:meth:`mpipar.training.state.TrainState.pieces`):
-parameters once per (tp, pp) position (by dp = sp = 0), replicated tensors (the norm weights) only
-by TP rank 0; AdamW moments from the same ranks without ZeRO, and under ZeRO-1 from every rank of
-dp x sp for the slices it owns. A piece is a flat range of a local shard ``[rows, cols]``; it is stored as rectangles of
-the global tensor (a partial first row, the full rows, a partial last row), and vocabulary
-padding rows are dropped. A shard file holds ``/<kind>/<name>/<k>`` datasets (kind ``param``,
-``exp_avg`` or ``exp_avg_sq``; ``k`` counts the rectangles of that tensor in the file), chunked
-with the ``fletcher32`` filter, each with a ``global_start`` attribute.
+**Shards.** Each rank writes its share of the unique state (:meth:`.shards.RankState.pieces`):
+parameters once per (tp, pp) position (by dp = sp = 0), replicated tensors (the norm weights)
+only by TP rank 0; AdamW moments from the same ranks without ZeRO, and under ZeRO-1 from every
+rank of dp x sp for the slices it owns. A piece is a flat range of a local shard ``[rows,
+cols]``; it is stored as rectangles of the global tensor (a partial first row, the full rows, a
+partial last row), and vocabulary padding rows are dropped. A shard file holds
+``/<kind>/<name>/<k>`` datasets (kind ``param``, ``exp_avg`` or ``exp_avg_sq``; ``k`` counts the
+rectangles of that tensor in the file), chunked with the ``fletcher32`` filter, each with a
+``global_start`` attribute.
 
 **Index.** ``index.h5`` presents every tensor as its global shape through virtual datasets
 (``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, and with gradient compression and
@@ -32,12 +33,13 @@ matches its sha256. Root attributes: ``format``, ``format_version``, ``step`` (t
 done), ``optimizer_step``, ``dtype``, ``world_size``, ``config_toml`` (the resolved config);
 groups ``layout`` (dp, tp, pp, sp, virtual_stages, schedule, zero, sp_split, sp_mode,
 tp_sequence_parallel, ranks_per_node, dp_reduce, grad_compression),
-``lr_schedule`` (its settings and ``next_step``/``next_lr``: the LR schedule is a function of the
-step), ``data`` (the sampler is a pure function of (seed, step): ``seed``, ``shuffle``,
-``global_batch_size``, ``next_step``, ``samples_consumed``, and the held-out validation split:
-``eval_fraction``, ``train_samples``, the samples training draws from; initialisation is seeded by
-(seed, name), so ``seed`` is the whole RNG state), and ``shards/<file>`` (sha256, size, rank,
-grid coordinates).
+``lr_schedule`` (the fields of :class:`.records.LRScheduleState`: its settings and
+``next_step``/``next_lr``, the LR schedule is a function of the step), ``data`` (the fields of
+:class:`.records.DataCursor`: the sampler is a pure function of (seed, step): ``seed``,
+``shuffle``, ``global_batch_size``, ``next_step``, ``samples_consumed``, and the held-out
+validation split: ``eval_fraction``, ``train_samples``, the samples training draws from;
+initialisation is seeded by (seed, name), so ``seed`` is the whole RNG state), and
+``shards/<file>`` (sha256, size, rank, grid coordinates: :class:`.records.RankPlace`).
 
 **Commit.** Every writing rank writes and fsyncs its shard into ``.step_N.tmp/`` and hashes it;
 rank 0 gathers what each rank wrote, builds the index (the gather is the barrier: every shard is
@@ -77,9 +79,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from mpipar.runtime.comm import Group, Ledger
+from mpipar.checkpoint.records import AXES, RankPlace, RunPosition
+from mpipar.checkpoint.shards import Piece, RankState, Reader, Slices
 from mpipar.config import Config, ConfigError, ModelConfig
-from mpipar.training.state import Reader
+from mpipar.runtime.comm import Group
 
 FORMAT = "mpipar-checkpoint"
 FORMAT_VERSION = 1
@@ -89,8 +92,6 @@ LATEST = "latest"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _HASH_BLOCK = 1 << 22
-
-Slices = tuple[slice, ...]
 
 
 class CheckpointError(ValueError):
@@ -139,10 +140,10 @@ def piece_blocks(local_shape: tuple[int, ...], valid: Slices, region: Slices, lo
     """Split a flat range of a local shard into rectangles of the global tensor.
 
     ``local_shape`` is the shard's shape (padding rows included); ``valid`` and ``region`` come
-    from ``Engine.local_region`` (the part of the shard that holds real values, and the global
-    region it maps to); ``[lo, hi)`` is a range of the row-major flattened shard and ``values``
-    its ``hi - lo`` values. Returns ``(global index, block)`` pairs that cover exactly the valid
-    elements of the range, each block a view of ``values``.
+    from :meth:`.shards.RankState.region` (the part of the shard that holds real values, and
+    the global region it maps to); ``[lo, hi)`` is a range of the row-major flattened shard and
+    ``values`` its ``hi - lo`` values. Returns ``(global index, block)`` pairs that cover
+    exactly the valid elements of the range, each block a view of ``values``.
     """
     if values.shape != (hi - lo,):
         raise ValueError(f"values has shape {values.shape}, the range [{lo}, {hi}) needs "
@@ -188,10 +189,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_shard(path: Path, pieces: list, engine) -> dict[str, Any]:
-    """Write this rank's rectangles to ``path`` (fsynced); return its record for the index."""
+def _write_shard(path: Path, pieces: list[Piece], state: RankState,
+                 place: RankPlace) -> dict[str, Any]:
+    """Write this rank's rectangles of ``pieces`` (of ``state``) to ``path`` (fsynced); return
+    its record for the index: file, sha256, size, ``place``'s rank and coordinates, and the
+    datasets ``(kind, name, dataset, global start, shape)``."""
     blocks, counts = [], {}
-    state = engine.state
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT + "-shard"
         for kind, name, lo, hi, values in pieces:
@@ -207,10 +210,8 @@ def _write_shard(path: Path, pieces: list, engine) -> dict[str, Any]:
                 ds.attrs["global_start"] = np.array(start, np.int64)
                 blocks.append((kind, name, dataset, start, block.shape))
     _fsync_file(path)
-    coord = engine.grid.coord
     return {"file": path.name, "sha256": sha256_file(path), "size": path.stat().st_size,
-            "rank": engine.grid.comm.Get_rank(),
-            "coord": (coord.dp, coord.tp, coord.pp, coord.sp), "blocks": blocks}
+            "rank": place.rank, "coord": tuple(place.coord), "blocks": blocks}
 
 
 def _kinds(records: list[dict]) -> tuple[str, ...]:
@@ -219,11 +220,11 @@ def _kinds(records: list[dict]) -> tuple[str, ...]:
     return KINDS + tuple(sorted(extra))
 
 
-def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict]) -> None:
-    """Build ``index.h5`` (virtual datasets over the shards) and ``index.sha256`` in ``tmp``."""
-    dtype = engine.state.dtype
-    kinds = _kinds(records)
-    shapes = engine.state.shapes
+def _virtual_layouts(state: RankState, records: list[dict]
+                     ) -> dict[tuple[str, str], h5py.VirtualLayout]:
+    """Every ``(kind, name)`` of the shards' ``records`` as a virtual layout of its global shape
+    over the shard datasets; CheckpointError when the pieces do not tile each tensor."""
+    shapes, dtype = state.shapes, state.dtype
     layouts: dict[tuple[str, str], h5py.VirtualLayout] = {}
     covered: dict[tuple[str, str], int] = {}
     for rec in records:
@@ -235,52 +236,51 @@ def _write_index(tmp: Path, engine, cfg: Config, step: int, records: list[dict])
             source = h5py.VirtualSource(rec["file"], dataset, shape=shape, dtype=dtype)
             layouts[key][tuple(slice(a, a + n) for a, n in zip(start, shape))] = source
             covered[key] += math.prod(shape)
-    for kind in kinds:
+    for kind in _kinds(records):
         for name, shape in shapes.items():
             got, want = covered.get((kind, name), 0), math.prod(shape)
             if got != want:
                 raise CheckpointError(f"{kind}/{name}: the shards hold {got} of its {want} "
-                                      f"elements; the engine's state pieces do not tile it")
-    par, tr = cfg.parallel, cfg.train
+                                      f"elements; the ranks' state pieces do not tile it")
+    return layouts
+
+
+def _write_index(tmp: Path, state: RankState, position: RunPosition, records: list[dict]) -> None:
+    """Build ``index.h5`` (virtual datasets over the shards of ``records``, the metadata of
+    ``position``) and ``index.sha256`` in ``tmp``."""
+    layouts = _virtual_layouts(state, records)
+    cfg = position.config
     index = tmp / INDEX
     with h5py.File(index, "w") as f:
         a = f.attrs
         a["format"], a["format_version"] = FORMAT, FORMAT_VERSION
-        a["step"], a["optimizer_step"] = step, int(engine.state.step)
-        a["dtype"], a["world_size"] = dtype.name, engine.grid.comm.Get_size()
+        a["step"], a["optimizer_step"] = position.step, int(state.step)
+        a["dtype"], a["world_size"] = state.dtype.name, position.place.world_size
         a["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         a["config_toml"] = cfg.to_toml()
         lay = f.create_group("layout").attrs
         for key in ("dp", "tp", "pp", "sp", "virtual_stages", "schedule", "zero", "sp_split",
                     "sp_mode", "tp_sequence_parallel", "ranks_per_node", "dp_reduce",
                     "grad_compression"):
-            lay[key] = getattr(par, key)
-        sched = f.create_group("lr_schedule").attrs
-        s = engine.schedule
-        sched["kind"], sched["lr"], sched["min_lr"] = s.kind, s.lr, s.min_lr
-        sched["warmup_steps"], sched["total_steps"] = s.warmup_steps, s.total_steps
-        sched["next_step"], sched["next_lr"] = step, s(step)
-        data = f.create_group("data").attrs
-        data["path"], data["seed"], data["shuffle"] = str(engine.source.path), tr.seed, tr.shuffle
-        data["global_batch_size"], data["seq_len"] = tr.global_batch_size, tr.seq_len
-        data["num_samples"] = engine.source.num_samples
-        data["next_step"], data["samples_consumed"] = step, step * tr.global_batch_size
-        data["eval_fraction"] = tr.eval_fraction  # samples [train_samples, num_samples) held out
-        data["train_samples"] = engine.sampler.num_samples
+            lay[key] = getattr(cfg.parallel, key)
+        for group, record in (("lr_schedule", position.lr_schedule), ("data", position.data)):
+            attrs = f.create_group(group).attrs
+            for key, value in dataclasses.asdict(record).items():
+                attrs[key] = value
         rng = f.create_group("rng").attrs
-        rng["seed"] = tr.seed
+        rng["seed"] = position.data.seed
         rng["note"] = ("parameters initialise from default_rng([seed, crc32(name)]); the sampler "
                        "orders epoch e by default_rng([seed, e]): no other random state exists")
         shards = f.create_group("shards")
         for rec in sorted(records, key=lambda r: r["file"]):
             g = shards.create_group(rec["file"]).attrs
             g["sha256"], g["size"], g["rank"] = rec["sha256"], rec["size"], rec["rank"]
-            for axis, value in zip(("dp", "tp", "pp", "sp"), rec["coord"]):
+            for axis, value in zip(AXES, rec["coord"]):
                 g[axis] = value
             g["datasets"] = len(rec["blocks"])
-        for kind in kinds:
+        for kind in _kinds(records):
             group = f.create_group(kind, track_order=True)  # forward order, as param_specs
-            for name in shapes:
+            for name in state.shapes:
                 group.create_virtual_dataset(name, layouts[(kind, name)], fillvalue=np.nan)
     _fsync_file(index)
     summary = tmp / INDEX_SUM
@@ -357,19 +357,19 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 
 
 # ------------------------------------------------------------------------------ save
-def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last: int = 0,
-         group: Group | None = None) -> Path:
-    """Write and commit the checkpoint of ``step``: collective over ``group``, a
-    :class:`~mpipar.runtime.comm.Group` of ``engine.grid.comm`` (training passes its control group,
-    which the collective watchdog watches; None: an unwatched one).
+def save(state: RankState, position: RunPosition, save_dir: str | os.PathLike, group: Group,
+         keep_last: int = 0) -> Path:
+    """Write and commit the checkpoint of ``position.step``: this rank's pieces of ``state``,
+    and (rank 0) the index recording ``position``. Collective over ``group``, a
+    :class:`~mpipar.runtime.comm.Group` over the world whose rank is ``position.place.rank``
+    (training passes its control group, which the collective watchdog watches).
 
     Returns ``save_dir/step_NNNNNNNN``. A failure on any rank raises CheckpointError on every
     rank and leaves the previous checkpoints and ``latest`` untouched.
     """
-    group = group or Group(engine.grid.comm, "world", Ledger())
     rank = group.rank
     root = Path(save_dir)
-    final = root / step_dir_name(step)
+    final = root / step_dir_name(position.step)
     tmp = root / f".{final.name}.tmp"
     problem = None
     if rank == 0:
@@ -384,7 +384,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
     if problem:
         raise CheckpointError(problem)
 
-    pieces = list(engine.state.pieces())
+    pieces = list(state.pieces())
     outcome: list = [None, None]  # (record, error)
 
     def write() -> None:
@@ -392,7 +392,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
             return
         path = tmp / f"shard_{rank:05d}.h5"
         try:
-            outcome[0] = _write_shard(path, pieces, engine)
+            outcome[0] = _write_shard(path, pieces, state, position.place)
         except Exception as exc:  # reported by rank 0 on every rank, never a hang
             outcome[1] = f"rank {rank} writing {path}: {type(exc).__name__}: {exc}"
 
@@ -405,7 +405,7 @@ def save(engine, cfg: Config, step: int, save_dir: str | os.PathLike, keep_last:
             errors = [e for _, e in gathered if e]
             if errors:
                 raise CheckpointError("; ".join(errors))
-            _write_index(tmp, engine, cfg, step, [r for r, _ in gathered if r])
+            _write_index(tmp, state, position, [r for r, _ in gathered if r])
             _commit(tmp, final)
             _prune(root, keep_last, final.name)
             result = ""
@@ -600,22 +600,21 @@ _RESUME_FIELDS = {
 """Training settings whose change on resume is reported, with what the change means."""
 
 
-def resume_changes(path: str | os.PathLike, cfg: Config, source) -> list[str]:
-    """What a run resuming from the checkpoint at ``path`` with ``cfg`` and token ``source``
-    does differently from the run that saved it (one line per change of :data:`_RESUME_FIELDS`,
-    or a data source of another size); empty when nothing changed and the resumed run continues
-    as the uninterrupted one would."""
+def resume_changes(path: str | os.PathLike, position: RunPosition) -> list[str]:
+    """What a run resuming from the checkpoint at ``path`` at ``position`` (its configuration
+    and data cursor) does differently from the run that saved it (one line per change of
+    :data:`_RESUME_FIELDS`, or a data source of another size); empty when nothing changed and
+    the resumed run continues as the uninterrupted one would."""
     path = resolve_path(path)
-    then = read_config(path).train
+    then, now, data = read_config(path).train, position.config.train, position.data
     with h5py.File(path / INDEX, "r") as f:
         samples = int(f["data"].attrs["num_samples"])
-    out = [f"train.{name} is {getattr(cfg.train, name)!r}, the checkpoint's run used "
+    out = [f"train.{name} is {getattr(now, name)!r}, the checkpoint's run used "
            f"{getattr(then, name)!r}: {meaning}" for name, meaning in _RESUME_FIELDS.items()
-           if getattr(cfg.train, name) != getattr(then, name)]
-    if samples != source.num_samples and (then.data, then.seq_len) == (cfg.train.data,
-                                                                         cfg.train.seq_len):
-        out.append(f"the data {source.path} holds {source.num_samples} samples of "
-                   f"{cfg.train.seq_len} tokens, the checkpoint's run saw {samples}: "
+           if getattr(now, name) != getattr(then, name)]
+    if samples != data.num_samples and (then.data, then.seq_len) == (now.data, now.seq_len):
+        out.append(f"the data {data.path} holds {data.num_samples} samples of "
+                   f"{now.seq_len} tokens, the checkpoint's run saw {samples}: "
                    f"{_RESUME_FIELDS['data']}")
     return out
 
@@ -649,33 +648,34 @@ def _overlaps(bounds: tuple, region: Slices) -> bool:
 def open_reader(path: str | os.PathLike) -> Iterator[Reader]:
     """Verify the checkpoint at ``path`` (or a save directory's ``latest``), then yield
     ``read(kind, name, region)``: a region of a global tensor, read from the shards that hold it.
-    Any layout reads any checkpoint this way (:func:`mpipar.training.state.read_shard`), e.g. generation
-    under its own tp x pp. No collective."""
+    Any layout reads any checkpoint this way (:func:`.shards.read_shard`), e.g. generation under
+    its own tp x pp. No collective."""
     path = resolve_path(path)
     _require_sound(path)
     with h5py.File(path / INDEX, "r") as f:
         yield lambda kind, name, region: _read_region(f, path, kind, name, region)
 
 
-def load(engine, path: str | os.PathLike) -> int:
-    """Load parameters, AdamW moments and the optimizer step into ``engine`` (any layout) from the
-    checkpoint at ``path``; return the training step it holds. Verifies the checkpoint first
-    (cached when :func:`resolve_resume` already did) and checks every tensor's shape against the
-    model; raises CheckpointError naming the file (and dataset) at fault. No collective."""
+def load(state: RankState, path: str | os.PathLike) -> int:
+    """Load parameters, AdamW moments, the other state kinds the checkpoint holds and the
+    optimizer step into ``state`` (this rank's, any layout) from the checkpoint at ``path``;
+    return the training step it holds. Verifies the checkpoint first (cached when
+    :func:`resolve_resume` already did) and checks every tensor's shape against the model;
+    raises CheckpointError naming the file (and dataset) at fault. No collective."""
     path = resolve_path(path)
     _require_sound(path)
     with h5py.File(path / INDEX, "r") as f:
         extra = set(_held_kinds(f)) - set(KINDS)
         for kind in (*KINDS, *sorted(extra)):
-            for name, shape in engine.state.shapes.items():
+            for name, shape in state.shapes.items():
                 key = f"{kind}/{name}"
                 if key not in f:
                     raise CheckpointError(f"{path / INDEX}: has no {key}; the model needs it")
                 if f[key].shape != shape:
                     raise CheckpointError(f"{path / INDEX}: {key} has shape {f[key].shape}, the "
                                           f"model needs {shape}")
-        engine.state.load(lambda kind, name, region: _read_region(f, path, kind, name, region),
-                          int(f.attrs["optimizer_step"]), extra)
+        state.load(lambda kind, name, region: _read_region(f, path, kind, name, region),
+                   int(f.attrs["optimizer_step"]), extra)
         return int(f.attrs["step"])
 
 
@@ -782,8 +782,8 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
 
 def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> Path:
     """Write the checkpoint's parameters as a Hugging Face directory (config.json +
-    model.safetensors: :func:`mpipar.checkpoint.huggingface.save_hf`) in ``dtype`` (default: the training dtype).
-    Verifies first."""
+    model.safetensors: :func:`mpipar.checkpoint.huggingface.save_hf`) in ``dtype`` (default:
+    the training dtype). Verifies first."""
     from mpipar.checkpoint import huggingface as hf
 
     _require_outside(Path(out))

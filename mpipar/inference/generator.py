@@ -39,7 +39,7 @@ from mpipar.parallel.pipeline.schedule import build_schedule, forward_only
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.parallel.placement import PlacementTable
 from mpipar.inference.sampling import Sampling, next_token
-from mpipar.training.state import Reader, read_shard
+from mpipar.checkpoint.shards import Reader, read_shard
 from mpipar.runtime.topology import ProcessGrid
 
 

@@ -11,7 +11,9 @@ pipeline executor; ``engine.train_step(k)`` runs optimizer step ``k`` (0-based) 
 kept for a backward, its traffic booked in ``engine.eval_ledger`` (reset at each pass, so
 ``engine.ledger`` holds exactly a training step's traffic, and each ledger what the planner
 predicts for its phase). ``engine.state`` is the same rank seen as pieces
-of global tensors, for checkpoints (:mod:`mpipar.training.state`).
+of global tensors, for checkpoints (:mod:`mpipar.training.state`); ``engine.run_position(step)``
+is the rest a checkpoint records (:mod:`mpipar.checkpoint.records`): checkpoints and activation
+dumps see the engine only through these.
 
 One step, as data flows (docs/architecture.md): this DP rank takes its rows of the global batch,
 cuts them into microbatches and this SP rank's sequence chunk; each microbatch runs forward and
@@ -34,7 +36,9 @@ from typing import Any
 import numpy as np
 from mpipar.runtime.mpi_init import MPI
 
-from mpipar.checkpoint.activations import ActivationRecorder, OffloadStore, dump_engine_step, offload_path
+from mpipar.checkpoint.activations import (ActivationRecorder, ActivationRegion, OffloadStore,
+                                           dump_step, offload_path)
+from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
 from mpipar.runtime.device import select_device, to_host, training_backend
 from mpipar.runtime.memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
@@ -272,7 +276,7 @@ class Engine:
         if recorder is not None:
             for ch in self.chunks:
                 ch.recorder = None
-            dump_engine_step(self, step + 1, recorder)
+            dump_step(recorder, self.rank_place, self._activation_region(step + 1), self.cfg)
         loss = self._global_sum(loss) / tokens
         norm_sq = xp.array([self.optimizer.grad_norm_sq(self._norm_counted)])
         self.groups["tp_pp"].allreduce_(norm_sq)
@@ -337,6 +341,43 @@ class Engine:
         for ch in self.chunks:
             ch.recorder = record
         return recorder
+
+    # ------------------------------------------------------------- what checkpoints see
+    @property
+    def rank_place(self) -> RankPlace:
+        """This rank's place in the process grid."""
+        g = self.grid
+        return RankPlace(rank=g.rank, world_size=g.comm.Get_size(), coord=g.coord,
+                         sizes=(g.dp, g.tp, g.pp, g.sp))
+
+    def run_position(self, step: int) -> RunPosition:
+        """Where the run stands after ``step`` training steps: the configuration, this rank's
+        place, the LR schedule's state and the data cursor (what a checkpoint records besides
+        ``self.state``)."""
+        s, tr = self.schedule, self.cfg.train
+        lr = LRScheduleState(kind=s.kind, lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
+                             total_steps=s.total_steps, next_step=step, next_lr=s(step))
+        data = DataCursor(path=str(self.source.path), seed=tr.seed, shuffle=tr.shuffle,
+                          global_batch_size=tr.global_batch_size, seq_len=tr.seq_len,
+                          num_samples=self.source.num_samples, next_step=step,
+                          samples_consumed=step * tr.global_batch_size,
+                          eval_fraction=tr.eval_fraction,
+                          train_samples=self.sampler.num_samples)
+        return RunPosition(step=step, config=self.cfg, place=self.rank_place, lr_schedule=lr,
+                           data=data)
+
+    def _activation_region(self, step: int) -> ActivationRegion:
+        """The part of step ``step``'s (1-based) global activations this rank's dump holds: its
+        dp rows and their samples, its sp positions, its tp heads."""
+        c, rows_per_dp, tp = self.grid.coord, self.rows_per_dp, self.groups["tp"]
+        rows = np.arange(c.dp * rows_per_dp, (c.dp + 1) * rows_per_dp)
+        heads = self.cfg.model.heads // tp.size
+        return ActivationRegion(step=step, rows=rows,
+                                samples=self.sampler.indices(step - 1)[rows],
+                                positions=np.asarray(self.positions, dtype=np.int64),
+                                segments=np.asarray(self.seq_layout.segments(c.sp),
+                                                    dtype=np.int64),
+                                heads=(tp.rank * heads, (tp.rank + 1) * heads))
 
     def close(self) -> None:
         """Release what outlives steps: the offload scratch file (removed) and the grid's and

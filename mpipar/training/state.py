@@ -1,9 +1,10 @@
-"""The training state one rank holds, seen as pieces of global tensors (what checkpoints need).
+"""The training state one rank holds, seen as pieces of global tensors (what checkpoints need:
+:class:`mpipar.checkpoint.shards.RankState`).
 
-A rank holds shards of some parameters (:mod:`mpipar.parallel.placement`) and the optimizer's moments for
-them (all of them, or ZeRO's owned slices: :mod:`mpipar.training.optim`); at ZeRO-2/3 the parameters are
-held as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`). A checkpoint stores global
-tensors, so this module answers, for this rank:
+A rank holds shards of some parameters (:mod:`mpipar.parallel.placement`) and the optimizer's
+moments for them (all of them, or ZeRO's owned slices: :mod:`mpipar.training.optim`); at
+ZeRO-2/3 the parameters are held as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`).
+A checkpoint stores global tensors, so this module answers, for this rank:
 
 - :meth:`TrainState.pieces`: its share of the unique state as flat ranges of its local shards,
   every element of every global tensor reported by exactly one rank of the world: parameters by
@@ -21,36 +22,23 @@ global tensors per slot (kinds ``residual_send.<slot>`` and ``residual_gather``:
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from mpipar.runtime.device import to_host
-from mpipar.training.optim import Optimizer, StatePiece
+from mpipar.checkpoint.shards import Piece, Reader, Slices, read_shard
 from mpipar.parallel.data import GradReducer
 from mpipar.parallel.fsdp import ShardedParams
-from mpipar.parallel.placement import Placement, PlacementTable, Slices
-
-Reader = Callable[[str, str, Slices], np.ndarray]
-"""``read(kind, name, region)``: ``region`` of the global tensor ``kind/name`` (kind "param",
-"exp_avg", "exp_avg_sq", or a residual kind the checkpoint holds)."""
-
-
-def read_shard(read: Reader, kind: str, placement: Placement, tp_rank: int, tp_size: int,
-               dtype: np.dtype) -> np.ndarray:
-    """tp rank ``tp_rank``'s shard of the global tensor ``kind/<placement.name>``, read region
-    by region through ``read`` (vocabulary padding rows stay zero), as a host array of
-    ``dtype``: how a checkpoint of any layout loads into this one."""
-    glob, loc = placement.region(tp_rank, tp_size)
-    full = np.zeros(placement.local_shape(tp_size), dtype)
-    full[loc] = read(kind, placement.name, glob)
-    return full
+from mpipar.parallel.placement import PlacementTable
+from mpipar.runtime.device import to_host
+from mpipar.training.optim import Optimizer
 
 
 class TrainState:
-    """This rank's parameters and optimizer state as pieces of global tensors."""
+    """This rank's parameters and optimizer state as pieces of global tensors (a
+    :class:`~mpipar.checkpoint.shards.RankState`: what checkpoints save and load)."""
 
     def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable, *,
                  tp_rank: int, tp_size: int, pp_rank: int, replica_rank: int, dtype: np.dtype,
@@ -87,7 +75,7 @@ class TrainState:
         shard holding it)."""
         return self.table[name].region(self.tp_rank, self.tp_size)
 
-    def pieces(self) -> Iterator[StatePiece]:
+    def pieces(self) -> Iterator[Piece]:
         """``(kind, name, lo, hi, values)``: this rank's share of the unique state, ``[lo, hi)``
         a range of the flattened local shard of ``name``, ``values`` its host copy."""
         def owned(name: str) -> bool:

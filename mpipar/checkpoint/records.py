@@ -1,0 +1,69 @@
+"""What a checkpoint and an activation dump record about the run, besides the tensors.
+
+The engine builds these small frozen records (``Engine.rank_place``, ``Engine.run_position``);
+the checkpoint layer reads nothing else of it but its state (:class:`~.shards.RankState`). The
+fields of :class:`LRScheduleState` and :class:`DataCursor` are, in order, the attributes of the
+index's ``lr_schedule`` and ``data`` groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpipar.config import Config
+from mpipar.runtime.topology import Coord
+
+AXES = ("dp", "tp", "pp", "sp")
+"""The order of :attr:`RankPlace.coord` and :attr:`RankPlace.sizes`."""
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank sits in the process grid: what its shard file and its activation dump
+    record."""
+
+    rank: int
+    world_size: int
+    coord: Coord                         # this rank's (dp, tp, pp, sp) coordinates
+    sizes: tuple[int, int, int, int]     # the grid's (dp, tp, pp, sp) sizes
+
+
+@dataclass(frozen=True)
+class LRScheduleState:
+    """The learning-rate schedule, a function of the step: its settings and where it stands."""
+
+    kind: str             # "constant" or "cosine"
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    total_steps: int
+    next_step: int        # the 0-based optimizer step a resumed run takes next
+    next_lr: float        # its learning rate
+
+
+@dataclass(frozen=True)
+class DataCursor:
+    """Where the data stands: the sampler is a pure function of (seed, step), so its settings,
+    the source's description and the step are its whole state."""
+
+    path: str                  # the token source
+    seed: int
+    shuffle: bool
+    global_batch_size: int
+    seq_len: int
+    num_samples: int           # samples the source holds
+    next_step: int             # the 0-based step a resumed run draws next
+    samples_consumed: int      # next_step * global_batch_size
+    eval_fraction: float       # samples [train_samples, num_samples) are held out
+    train_samples: int         # the samples training draws from
+
+
+@dataclass(frozen=True)
+class RunPosition:
+    """Where a run stands after ``step`` training steps, as seen from one rank: its resolved
+    configuration, this rank's place, the LR schedule's state and the data cursor."""
+
+    step: int
+    config: Config
+    place: RankPlace
+    lr_schedule: LRScheduleState
+    data: DataCursor

@@ -1,6 +1,7 @@
 """`python -m mpipar.bench train` on a tiny model: mpipar's step served by a child process (and
 by `mpirun -n 2` for dp=2), PyTorch eager and DDP peers when torch is importable. The numbers are
-checked against their definitions (tokens / median step, model FLOPs / step / probe), not timed."""
+checked against their definitions (tokens / median step, model FLOPs / step / probe), not timed.
+Also `python -m mpipar.bench gpu --static`: the compile gate's arguments and status."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import statistics
 
 import pytest
 
-from mpipar.bench import sections as bench
+from mpipar.bench.__main__ import build_parser, main
+from mpipar.bench.harness import mpirun
+from mpipar.bench.train import torch_missing
+from mpipar.bench.train_peer import train_config
 from mpipar.plan.cost import model_flops_per_step
 
 pytest.importorskip("numba")
@@ -21,14 +25,14 @@ MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "
 @pytest.mark.timeout(600)
 def test_bench_train_rows(tmp_path, capsys):
     path = tmp_path / "train.json"
-    assert bench.main(["train", *MODEL, "--threads", "1", "--steps", "2", "--warmup", "1",
-                       "--json", str(path)]) == 0
+    assert main(["train", *MODEL, "--threads", "1", "--steps", "2", "--warmup", "1",
+                 "--json", str(path)]) == 0
     result = json.loads(path.read_text())["train"]
-    torch_here = bench.torch_missing() is None
-    dp2_here = bench._mpirun() is not None
+    torch_here = torch_missing() is None
+    dp2_here = mpirun() is not None
     assert [r["ranks"] for r in result["rows"]] == [1] + ([2] if dp2_here else [])
-    args = bench.build_parser()[1]["train"].parse_args(MODEL)
-    flops = model_flops_per_step(bench.train_config(args, 1, str(tmp_path)))
+    args = build_parser()[1]["train"].parse_args(MODEL)
+    flops = model_flops_per_step(train_config(args, 1, str(tmp_path)))
     for row in result["rows"]:
         assert row["flops_per_step"] == pytest.approx(flops)  # the same model FLOPs for dp = 1 and 2
         peers = ["mpipar"] + (["torch"] if torch_here else [])
@@ -47,3 +51,17 @@ def test_bench_train_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mpipar per-op time" in out
     assert ("PyTorch peer skipped" in out) != torch_here
+
+
+def test_gpu_static_returns_the_compile_gates_status(tmp_path, monkeypatch):
+    """``gpu --static`` runs no benchmark: it hands --arch and --json to the compile gate and
+    returns the gate's status."""
+    from mpipar.kernels import cuda_gate
+
+    calls = []
+    monkeypatch.setattr(cuda_gate, "main", lambda argv: calls.append(argv) or 1)
+    path = str(tmp_path / "gate.json")
+    assert main(["gpu", "--static", "--arch", "sm_90", "--json", path]) == 1
+    assert main(["gpu", "--static"]) == 1
+    assert calls == [["--arch", "sm_90", "--json", path], []]
+    assert not (tmp_path / "gate.json").exists()  # the gate writes its own report, not the bench

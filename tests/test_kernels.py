@@ -528,14 +528,14 @@ def test_dispatcher_errors():
 
 
 def test_bench_kernels_section(tmp_path, capsys):
-    from mpipar.bench import sections as bench
+    from mpipar.bench.__main__ import main
 
     path = tmp_path / "bench.json"
     args = ["kernels", "--quick", "--dtypes", "float64", "--backends", "numpy,numba", "--batch", "1", "--seq", "8",
             "--heads", "2", "--kv-heads", "1", "--head-dim", "4", "--ffn", "6", "--vocab", "5",
             "--attn-seqs", "96", "--attn-head-dims", "16", "--attn-heads", "2", "--attn-threads", "1",
             "--json", str(path)]
-    assert bench.main(args) == 0
+    assert main(args) == 0
     result = json.loads(path.read_text())["kernels"]
     rows = result["rows"]
     assert len(rows) == len(kernels.OPS) + len(numba_cpu.IMPLEMENTED)  # one per (op, implementation)

@@ -208,7 +208,7 @@ def test_memory_benchmark_reports_every_mode(tmp_path, capsys):
     adds falls from none to selective to full (offload keeps no block in memory either)."""
     import json
 
-    from mpipar.bench.sections import main
+    from mpipar.bench.__main__ import main
     out = tmp_path / "mem.json"
     assert main(["memory", "--layers", "4", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                  "--ffn", "160", "--seq", "64", "--batch", "2", "--micro-batch", "2",

@@ -1,4 +1,4 @@
-"""``python -m mpipar.bench gpu``: the GPU engine on one CUDA device (issue 10).
+"""``python -m mpipar.bench gpu``: the GPU engine on one CUDA device.
 
 - kernels: flash attention forward and backward TFLOP/s (causal, one sequence of ``--seq``
   tokens, 16 heads of 128) against a cuBLAS GEMM of equal FLOPs, float32;
@@ -9,12 +9,18 @@
 
 Without a CUDA device the section prints why and returns ``{"skipped": reason}``. Timings use
 CUDA events after warm-up; the figures are measured here, never assumed.
+
+``python -m mpipar.bench gpu --static [--arch sm_80,sm_90] [--json FILE]`` runs no benchmark
+but the compile gate (:mod:`mpipar.kernels.cuda_gate`: every CUDA source compiled through NVRTC
+for each architecture, no device needed), with the gate's table, JSON and exit status.
 """
 from __future__ import annotations
 
 import argparse
 import time
 from typing import Any, Callable
+
+from mpipar.bench.harness import Section
 from mpipar.rules import validate
 
 MODEL_350M = dict(vocab_size=32000, hidden=1024, layers=24, heads=16, kv_heads=16,
@@ -22,8 +28,24 @@ MODEL_350M = dict(vocab_size=32000, hidden=1024, layers=24, heads=16, kv_heads=1
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """The gpu section's options: sequence length and steps; --static and --arch for the gate."""
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps")
+    parser.add_argument("--static", action="store_true",
+                        help="no benchmark: the NVRTC compile gate of every CUDA kernel "
+                             "(python -m mpipar.kernels.cuda_gate; --json FILE gets its report)")
+    parser.add_argument("--arch", metavar="ARCHS",
+                        help="--static: comma-separated architectures (default: the gate's, "
+                             "sm_80,sm_90)")
+
+
+def compile_gate(args: argparse.Namespace) -> int:
+    """``--static``: the compile gate's status (0 every kernel passes, 1 one fails, 2 no CuPy or
+    NVRTC), its table printed and its report written to ``--json``."""
+    from mpipar.kernels import cuda_gate
+
+    argv = (["--arch", args.arch] if args.arch else []) + (["--json", args.json] if args.json else [])
+    return cuda_gate.main(argv)
 
 
 def _gpu_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
@@ -143,3 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         line += f"; PyTorch eager: {theirs}"
     print(line)
     return {"attention": att, "mpipar": ours, "torch": theirs}
+
+
+SECTION = Section("gpu", run, "on a CUDA device: flash attention TFLOP/s against the GEMM of equal "
+                  "FLOPs; tokens/s and MFU of a 350M Llama against PyTorch eager (skipped without "
+                  "one); --static: the NVRTC compile gate", configure)

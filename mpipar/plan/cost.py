@@ -30,7 +30,7 @@ with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce mo
 of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it), over the link inside a node
 or, for a group that spans nodes, across them. :class:`Hardware` holds the peak, the links, the
 per-call overhead and compression's work per element: nominal, or measured by ``python -m
-mpipar.bench.sections comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks
+mpipar.bench comm`` (on a CPU, a kernel call's Python and NumPy dispatch and the cores that ranks
 share dominate small models: the peak is a rank's share of the node). The nodes are
 ``parallel.ranks_per_node`` consecutive ranks each, else those of the hardware file, else one.
 ``plan_layouts`` enumerates the layouts of a world and ranks the ones that fit;

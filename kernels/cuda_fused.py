@@ -1,29 +1,21 @@
 """Fused bf16 GPU kernels: bf16 in and out, float32 math and statistics (the bf16 contract).
 
-One CUDA module (`_SOURCE`, compiled through CuPy's `RawModule` on first use) holds:
-
-- RMSNorm and residual-add + RMSNorm, forward and backward: a block owns whole rows (a
-  grid-stride loop over rows); thread t owns the vectors t, t + T, ... of every row, keeps the
-  first `_MAXV` of them (and of the weight) in registers, so each row is read from memory once;
-  the backward's weight gradient is summed per block in registers (partials `[blocks, H]`, float32)
-  and the partials are reduced by a second small kernel in a fixed order: no float atomics, and the
-  block count depends only on the shape, so dw is bit-identical run to run;
-- RoPE (rotate-half, float32 cos/sin tables `[S, D/2]` as `numpy_ref.rope_cos_sin` makes them),
-  forward and backward;
-- SwiGLU forward and backward (sigmoid and 1 - sigmoid from exp(-|g|) only: no cancellation);
-- vocabulary-parallel cross-entropy: per-row statistics (max, sum of exp, target logit) in one
-  pass over the bf16 logits (online max/sum), and the backward writing bf16 dlogits
-  (softmax - onehot) * dloss from the global lse; the logits are never copied to float32;
-- the embedding backward into a float32 weight gradient: ids sorted by the unique key
-  id * tokens + token (so equal ids are runs in token order), and the first token of each run
-  owns that weight row: dw[id] += dx[token] for its tokens in token order, exactly numpy_ref's
-  float32 `add.at` order (bit-identical to it), with no atomics.
-
-Loads and stores are vectorised: 8 bf16 (16 bytes) a thread where the row length and the
-pointers allow, else 4, 2 or 1 (every kernel is instantiated for each width). Arguments mirror
-`numpy_ref`'s, are validated with its messages, and must be CuPy arrays of the contract's
-dtypes (bf16 as `ml_dtypes.bfloat16`, statistics float32). Importing this module never imports
-CuPy. `cuda_sources()` lists the source and every instantiation for the NVRTC compile gate.
+One CUDA module (`_SOURCE`, a CuPy `RawModule` compiled on first use), 16-byte loads of 8 bf16
+where the row length and pointers allow (else 8, 4 or 2 bytes; every kernel is instantiated for
+each width):
+- (add +) RMSNorm forward and backward: a block loops over whole rows; thread t owns the vectors
+  t, t + T, ... of each row, the first `_MAXV` kept in registers (a row is read once). dw: per
+  block partials `[blocks, H]` summed in registers, reduced by a second kernel in a fixed order;
+  no float atomics and a block count fixed by the shape, so dw is bit-identical run to run;
+- RoPE (float32 cos/sin `[S, D/2]` as `numpy_ref.rope_cos_sin` makes them); SwiGLU;
+- vocabulary-parallel cross-entropy: per-row max, sum of exp and target logit in one pass over
+  the bf16 logits (online max/sum); bf16 dlogits = (softmax - onehot) * dloss from the global lse;
+- embedding backward into float32 dw by row ownership: sorting the unique keys id * tokens +
+  token makes each id a run in token order, whose first token owns row id and adds the run's rows
+  in token order (numpy_ref's float32 `add.at` order, bit for bit); no atomics.
+Arguments mirror numpy_ref's, validated with its messages; arrays are CuPy arrays of the
+contract's dtypes (bf16: `ml_dtypes.bfloat16`; statistics float32). Importing this module never
+imports CuPy. `cuda_sources()` lists the source and every instantiation for the compile gate.
 """
 
 from __future__ import annotations
@@ -41,28 +33,21 @@ IMPLEMENTED: tuple[str, ...] = (
     "swiglu_fwd", "swiglu_bwd", "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd",
     "embedding_bwd")
 
-_WIDTHS = (8, 4, 2, 1)
-"""bf16 elements a thread loads at once (16, 8, 4, 2 bytes); the largest the shape allows."""
-_MAXV = 4
-"""Vectors of a row each thread keeps in registers in the RMSNorm kernels (the CUDA MAXV)."""
-_ROW_THREADS = 512
-"""Most threads of a row block (the kernels' __launch_bounds__)."""
-_FWD_BLOCKS = 2048
-"""Most blocks of the RMSNorm forward (each loops over rows, the weight kept in registers)."""
-_DW_PARTS = 512
-"""Blocks, hence dw partial rows, of the RMSNorm backward: min(rows, this). A constant, so the
-summation order (and the bits of dw) depend only on the shape."""
-_CE_THREADS = 256
-_EW_THREADS = 256
+_WIDTHS = (8, 4, 2, 1)  # bf16 a thread loads at once (16 ... 2 bytes): the widest the shape allows
+_MAXV = 4  # vectors of a row a thread keeps in registers in the RMSNorm kernels (CUDA's MAXV)
+_ROW_THREADS = 512  # most threads of a RMSNorm block (the kernels' __launch_bounds__)
+_FWD_BLOCKS = 2048  # most blocks of the RMSNorm forward (each loops over rows)
+_DW_PARTS = 512  # blocks (= dw partials) of the RMSNorm backward: min(rows, this), a constant so
+#                  that dw's summation order, hence its bits, depend only on the shape
+_CE_THREADS = _EW_THREADS = 256
 _EMB_THREADS = 128
 _OPTIONS = ("--std=c++17",)
 
-# Device helpers. Everything that needs the GPU's own instructions is here, so that a host
-# emulation of the kernels can put its own definitions in place of this part.
+# Device helpers: what needs the GPU's own instructions is here, so that a host emulation of the
+# kernels can put its own definitions in place of this part.
 _DEVICE_PRELUDE = r"""
 #define MPIPAR_INF __int_as_float(0x7f800000)
 typedef unsigned short bf16;  // raw bfloat16 bits
-
 // Two floats to two bf16 (round to nearest even) in one word, lo in the low half.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
@@ -74,9 +59,7 @@ __device__ __forceinline__ unsigned short to_bf16(float f) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
-__device__ __forceinline__ float warp_xor(float v, int lane_mask) {
-    return __shfl_xor_sync(0xffffffffu, v, lane_mask);
-}
+__device__ __forceinline__ float warp_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 """
 
 _KERNELS = r"""
@@ -91,8 +74,7 @@ template<int V> struct Raw {
     }
 };
 
-// p: aligned to 2V bytes.
-template<int V> __device__ __forceinline__ Raw<V> load_bf(const bf16* p) {
+template<int V> __device__ __forceinline__ Raw<V> load_bf(const bf16* p) {  // p: 2V-byte aligned
     Raw<V> r;
     if constexpr (V == 8) {
         const uint4 t = *reinterpret_cast<const uint4*>(p);
@@ -100,68 +82,45 @@ template<int V> __device__ __forceinline__ Raw<V> load_bf(const bf16* p) {
     } else if constexpr (V == 4) {
         const uint2 t = *reinterpret_cast<const uint2*>(p);
         r.w[0] = t.x; r.w[1] = t.y;
-    } else if constexpr (V == 2) {
-        r.w[0] = *reinterpret_cast<const unsigned*>(p);
     } else {
-        r.w[0] = *p;
+        r.w[0] = V == 2 ? *reinterpret_cast<const unsigned*>(p) : *p;
     }
     return r;
 }
 
 template<int V> __device__ __forceinline__ void store_bf(bf16* p, const Raw<V>& r) {
-    if constexpr (V == 8) {
-        *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
-    } else if constexpr (V == 4) {
-        *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
-    } else if constexpr (V == 2) {
-        *reinterpret_cast<unsigned*>(p) = r.w[0];
-    } else {
-        *p = (bf16)r.w[0];
-    }
+    if constexpr (V == 8) *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+    else if constexpr (V == 4) *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
+    else if constexpr (V == 2) *reinterpret_cast<unsigned*>(p) = r.w[0];
+    else *p = (bf16)r.w[0];
 }
 
 template<int V> __device__ __forceinline__ Raw<V> pack_bf(const float* f) {
     Raw<V> r;
-    if constexpr (V == 1) {
-        r.w[0] = to_bf16(f[0]);
-    } else {
+    if constexpr (V == 1) r.w[0] = to_bf16(f[0]);
 #pragma unroll
-        for (int j = 0; j < V / 2; ++j) r.w[j] = pack_bf16x2(f[2 * j], f[2 * j + 1]);
-    }
+    for (int j = 0; j < V / 2; ++j) r.w[j] = pack_bf16x2(f[2 * j], f[2 * j + 1]);
     return r;
 }
 
-// V floats; p aligned to min(16, 4V) bytes.
+// V floats at p (8-byte aligned if V > 1) to f, and back.
 template<int V> __device__ __forceinline__ void load_f32(const float* p, float* f) {
-    if constexpr (V % 4 == 0) {
+    if constexpr (V == 1) f[0] = *p;
 #pragma unroll
-        for (int q = 0; q < V / 4; ++q) {
-            const float4 t = reinterpret_cast<const float4*>(p)[q];
-            f[4 * q] = t.x; f[4 * q + 1] = t.y; f[4 * q + 2] = t.z; f[4 * q + 3] = t.w;
-        }
-    } else if constexpr (V == 2) {
-        const float2 t = *reinterpret_cast<const float2*>(p);
-        f[0] = t.x; f[1] = t.y;
-    } else {
-        f[0] = *p;
+    for (int q = 0; q < V / 2; ++q) {
+        const float2 t = reinterpret_cast<const float2*>(p)[q];
+        f[2 * q] = t.x; f[2 * q + 1] = t.y;
     }
 }
 
 template<int V> __device__ __forceinline__ void store_f32(float* p, const float* f) {
-    if constexpr (V % 4 == 0) {
+    if constexpr (V == 1) *p = f[0];
 #pragma unroll
-        for (int q = 0; q < V / 4; ++q)
-            reinterpret_cast<float4*>(p)[q] = make_float4(f[4 * q], f[4 * q + 1], f[4 * q + 2],
-                                                          f[4 * q + 3]);
-    } else if constexpr (V == 2) {
-        *reinterpret_cast<float2*>(p) = make_float2(f[0], f[1]);
-    } else {
-        *p = f[0];
-    }
+    for (int q = 0; q < V / 2; ++q)
+        reinterpret_cast<float2*>(p)[q] = make_float2(f[2 * q], f[2 * q + 1]);
 }
 
-// Sum over the block (blockDim.x a multiple of 32), the same bits in every thread. sh: 32 floats
-// of shared scratch; the leading barrier lets the caller reuse it at once.
+// Sum over the block (blockDim.x a multiple of 32), the same bits in every thread; sh: 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* sh) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += warp_xor(v, o);
@@ -173,12 +132,10 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     return t;
 }
 
-// (m, s) <- the max and sum of exp(. - max) of the union of two sets (s = 0 for an empty set,
-// whose m is -inf). Symmetric in its two arguments, so butterfly partners agree bit for bit.
+// (m, s) <- max and sum of exp(. - max) of two sets' union (an empty set: -inf, 0); symmetric.
 __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2) {
     const float mx = fmaxf(m, m2);
-    if (mx == -MPIPAR_INF) { m = mx; s = 0.f; return; }
-    s = s * __expf(m - mx) + s2 * __expf(m2 - mx);
+    s = mx == -MPIPAR_INF ? 0.f : s * __expf(m - mx) + s2 * __expf(m2 - mx);
     m = mx;
 }
 
@@ -198,8 +155,7 @@ __device__ __forceinline__ void block_ms(float& m, float& s, float* shm, float* 
 // ------------------------------------------------------------------------------- RMSNorm
 // The row input at off: x, or with ADD s = bf16(x + r), also written to s_out.
 template<int V, bool ADD>
-__device__ __forceinline__ Raw<V> row_input(const bf16* x, const bf16* r, bf16* s_out,
-                                            long long off) {
+__device__ __forceinline__ Raw<V> row_input(const bf16* x, const bf16* r, bf16* s_out, long long off) {
     Raw<V> a = load_bf<V>(x + off);
     if constexpr (ADD) {
         const Raw<V> b = load_bf<V>(r + off);
@@ -219,8 +175,7 @@ template<int V> __device__ __forceinline__ float sum_sq(const Raw<V>& a) {
     return t;
 }
 
-template<int V> __device__ __forceinline__ Raw<V> scale_w(const Raw<V>& a, const Raw<V>& w,
-                                                          float rs) {
+template<int V> __device__ __forceinline__ Raw<V> scale_w(const Raw<V>& a, const Raw<V>& w, float rs) {
     float f[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) f[j] = a.get(j) * rs * w.get(j);
@@ -257,10 +212,9 @@ mpipar_rms_fwd(const bf16* __restrict__ x, const bf16* __restrict__ r, const bf1
         const float rs = 1.f / sqrtf(block_sum(ss, sh) / (float)H + eps);
         if (tid == 0) rstd[row] = rs;
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            const int i = tid + k * T;
-            if (i < nvec) store_bf<V>(y + base + (long long)i * V, scale_w<V>(xc[k], wc[k], rs));
-        }
+        for (int k = 0; k < MAXV; ++k)
+            if (const int i = tid + k * T; i < nvec)
+                store_bf<V>(y + base + (long long)i * V, scale_w<V>(xc[k], wc[k], rs));
         for (int i = tid + MAXV * T; i < nvec; i += T) {
             const long long off = base + (long long)i * V;
             const Raw<V> s = load_bf<V>((ADD ? s_out : x) + off);
@@ -269,8 +223,8 @@ mpipar_rms_fwd(const bf16* __restrict__ x, const bf16* __restrict__ r, const bf1
     }
 }
 
-template<int V> __device__ __forceinline__ float dot_gwx(const Raw<V>& g, const Raw<V>& w,
-                                                         const Raw<V>& x) {
+template<int V>
+__device__ __forceinline__ float dot_gwx(const Raw<V>& g, const Raw<V>& w, const Raw<V>& x) {
     float t = 0.f;
 #pragma unroll
     for (int j = 0; j < V; ++j) t += g.get(j) * w.get(j) * x.get(j);
@@ -306,12 +260,8 @@ mpipar_rms_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ ds, const b
     const int nvec = H / V, T = blockDim.x, tid = threadIdx.x;
     float* pr = part + (long long)blockIdx.x * H;
     Raw<V> xc[MAXV], gc[MAXV];  // w is read per row (from L1): caching it too would spill
-    float acc[MAXV][V];
+    float acc[MAXV][V] = {};
     const float zero[V] = {};
-#pragma unroll
-    for (int k = 0; k < MAXV; ++k)
-#pragma unroll
-        for (int j = 0; j < V; ++j) acc[k][j] = 0.f;
     for (int i = tid + MAXV * T; i < nvec; i += T) store_f32<V>(pr + (long long)i * V, zero);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long base = row * H;
@@ -333,12 +283,10 @@ mpipar_rms_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ ds, const b
         }
         const float c = rs * rs * rs * (block_sum(dot, sh) / (float)H);
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            const int i = tid + k * T;
-            if (i < nvec)
-                rms_grad<V, ADD>(gc[k], load_bf<V>(w + (long long)i * V), xc[k], ds, dx, base + (long long)i * V, rs, c,
-                                 acc[k]);
-        }
+        for (int k = 0; k < MAXV; ++k)
+            if (const int i = tid + k * T; i < nvec)
+                rms_grad<V, ADD>(gc[k], load_bf<V>(w + (long long)i * V), xc[k], ds, dx,
+                                 base + (long long)i * V, rs, c, acc[k]);
         for (int i = tid + MAXV * T; i < nvec; i += T) {
             const long long off = base + (long long)i * V;
             float p[V];
@@ -353,8 +301,8 @@ mpipar_rms_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ ds, const b
         if (tid + k * T < nvec) store_f32<V>(pr + (long long)(tid + k * T) * V, acc[k]);
 }
 
-// dw[c] = sum over p < parts of part[p][c]: 32 columns a block, G groups of parts (group g sums
-// the parts g, g + G, ... in order), then the groups in order. Block: 32 * G threads.
+// dw[c] = sum over p < parts of part[p][c]: 32 columns a block of 32 * G threads; group g sums
+// parts g, g + G, ... in order, then the groups are summed in order.
 template<int G>
 __global__ void __launch_bounds__(32 * G)
 mpipar_dw_reduce(const float* __restrict__ part, float* __restrict__ dw, int parts, int H) {
@@ -362,8 +310,7 @@ mpipar_dw_reduce(const float* __restrict__ part, float* __restrict__ dw, int par
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
     const long long col = (long long)blockIdx.x * 32 + lane;
     float a = 0.f;
-    if (col < H)
-        for (int p = grp; p < parts; p += G) a += part[(long long)p * H + col];
+    for (int p = grp; p < parts && col < H; p += G) a += part[(long long)p * H + col];
     sh[grp][lane] = a;
     __syncthreads();
     if (grp == 0 && col < H) {
@@ -375,9 +322,8 @@ mpipar_dw_reduce(const float* __restrict__ part, float* __restrict__ dw, int par
 }
 
 // ---------------------------------------------------------------------------------- RoPE
-// Pairs (x[..., p], x[..., p + half]) of rows [B*S*heads, 2*half]: y1 = x1*c - x2*sgn*s,
-// y2 = x2*c + x1*sgn*s (sgn = -1: the backward's inverse rotation); cos, sin [S, half]. One
-// thread per V pairs.
+// Pairs (x[.., p], x[.., p + half]) of rows [B*S*heads, 2*half], one thread per V pairs:
+// y1 = x1*c - x2*sgn*s, y2 = x2*c + x1*sgn*s (sgn = -1: the inverse rotation); cos, sin [S, half].
 template<int V>
 __global__ void __launch_bounds__(256)
 mpipar_rope(const bf16* __restrict__ x, const float* __restrict__ cosv,
@@ -392,16 +338,14 @@ mpipar_rope(const bf16* __restrict__ x, const float* __restrict__ cosv,
     const long long a = row * 2 * half + p;
     const Raw<V> x1 = load_bf<V>(x + a), x2 = load_bf<V>(x + a + half);
     float c[V], n[V], y1[V], y2[V];
-    load_f32<V>(cosv + s * half + p, c);
-    load_f32<V>(sinv + s * half + p, n);
+    load_f32<V>(cosv + s * half + p, c), load_f32<V>(sinv + s * half + p, n);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const float u = x1.get(j), v = x2.get(j), sn = sgn * n[j];
         y1[j] = u * c[j] - v * sn;
         y2[j] = v * c[j] + u * sn;
     }
-    store_bf<V>(y + a, pack_bf<V>(y1));
-    store_bf<V>(y + a + half, pack_bf<V>(y2));
+    store_bf<V>(y + a, pack_bf<V>(y1)), store_bf<V>(y + a + half, pack_bf<V>(y2));
 }
 
 // -------------------------------------------------------------------------------- SwiGLU
@@ -412,52 +356,37 @@ __device__ __forceinline__ void sigmoid2(float g, float& sig, float& rest) {
     rest = g >= 0.f ? b : a;
 }
 
-// h = g * sigmoid(g) * u over nvec vectors of V.
-template<int V>
+// Forward: o1 = bf16(g * sig * u) (dh, o2 unused); backward (BWD): o1 = dgate = bf16(dh * u * sig *
+// (1 + g * (1 - sig))), o2 = dup = bf16(dh * g * sig). nvec vectors of V.
+template<int V, bool BWD>
 __global__ void __launch_bounds__(256)
-mpipar_swiglu_fwd(const bf16* __restrict__ g, const bf16* __restrict__ u, bf16* __restrict__ h,
-                  long long nvec) {
+mpipar_swiglu(const bf16* __restrict__ dh, const bf16* __restrict__ g, const bf16* __restrict__ u,
+              bf16* __restrict__ o1, bf16* __restrict__ o2, long long nvec) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= nvec) return;
     const Raw<V> gv = load_bf<V>(g + i * V), uv = load_bf<V>(u + i * V);
-    float f[V];
+    Raw<V> hv;
+    if constexpr (BWD) hv = load_bf<V>(dh + i * V);
+    float f1[V], f2[V], sig, rest;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        float sig, rest;
-        sigmoid2(gv.get(j), sig, rest);
-        f[j] = gv.get(j) * sig * uv.get(j);
-    }
-    store_bf<V>(h + i * V, pack_bf<V>(f));
-}
-
-// dg = dh * u * sig * (1 + g * (1 - sig)), du = dh * g * sig.
-template<int V>
-__global__ void __launch_bounds__(256)
-mpipar_swiglu_bwd(const bf16* __restrict__ dh, const bf16* __restrict__ g,
-                  const bf16* __restrict__ u, bf16* __restrict__ dg, bf16* __restrict__ du,
-                  long long nvec) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= nvec) return;
-    const Raw<V> hv = load_bf<V>(dh + i * V), gv = load_bf<V>(g + i * V), uv = load_bf<V>(u + i * V);
-    float fg[V], fu[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-        float sig, rest;
         const float gj = gv.get(j);
         sigmoid2(gj, sig, rest);
-        fg[j] = hv.get(j) * uv.get(j) * sig * (1.f + gj * rest);
-        fu[j] = hv.get(j) * (gj * sig);
+        if constexpr (BWD) {
+            f1[j] = hv.get(j) * uv.get(j) * sig * (1.f + gj * rest);
+            f2[j] = hv.get(j) * (gj * sig);
+        } else {
+            f1[j] = gj * sig * uv.get(j);
+        }
     }
-    store_bf<V>(dg + i * V, pack_bf<V>(fg));
-    store_bf<V>(du + i * V, pack_bf<V>(fu));
+    store_bf<V>(o1 + i * V, pack_bf<V>(f1));
+    if constexpr (BWD) store_bf<V>(o2 + i * V, pack_bf<V>(f2));
 }
 
 // --------------------------------------------------------------------------- cross-entropy
-constexpr int CE_UNROLL = 4;  // vectors a thread has in flight
-
-// One block per row of logits [N, cols] (the first nvalid columns real): m = max, s = sum
-// exp(l - m) (online, one pass), t = the logit of targets[row] - vocab_start if in [0, nvalid)
-// else 0.
+constexpr int CE_UNROLL = 4;
+// One block per row of logits [N, cols] (the first nvalid columns real): m = max, s = sum exp(l - m)
+// (online, one pass), t = the logit of targets[row] - vocab_start if in [0, nvalid) else 0.
 template<int V>
 __global__ void __launch_bounds__(256)
 mpipar_ce_stats(const bf16* __restrict__ logits, const long long* __restrict__ targets,
@@ -468,7 +397,7 @@ mpipar_ce_stats(const bf16* __restrict__ logits, const long long* __restrict__ t
     const bf16* lr = logits + row * cols;
     const long long nv = (nvalid + V - 1) / V, T = blockDim.x;
     float m = -MPIPAR_INF, s = 0.f;
-    for (long long i0 = threadIdx.x; i0 < nv; i0 += T * CE_UNROLL) {
+    for (long long i0 = threadIdx.x; i0 < nv; i0 += T * CE_UNROLL) {  // CE_UNROLL loads in flight
         Raw<V> r[CE_UNROLL];
 #pragma unroll
         for (int u = 0; u < CE_UNROLL; ++u)
@@ -495,8 +424,7 @@ mpipar_ce_stats(const bf16* __restrict__ logits, const long long* __restrict__ t
     block_ms(m, s, shm, shs);
     if (threadIdx.x == 0) {
         const long long local = targets[row] - vocab_start;
-        m_out[row] = m;
-        s_out[row] = s;
+        m_out[row] = m, s_out[row] = s;
         t_out[row] = local >= 0 && local < nvalid ? __uint_as_float((unsigned)lr[local] << 16) : 0.f;
     }
 }
@@ -512,8 +440,7 @@ mpipar_ce_bwd(const bf16* __restrict__ logits, const long long* __restrict__ tar
     const bf16* lr = logits + row * cols;
     bf16* gr = dlogits + row * cols;
     const float L = lse[row], d = dloss[row];
-    const long long local = targets[row] - vocab_start;
-    const long long hit = local >= 0 && local < nvalid ? local : -1;
+    const long long local = targets[row] - vocab_start, hit = local >= 0 && local < nvalid ? local : -1;
     for (long long i0 = threadIdx.x; i0 < nv; i0 += T * CE_UNROLL) {
         Raw<V> r[CE_UNROLL];
 #pragma unroll
@@ -534,9 +461,8 @@ mpipar_ce_bwd(const bf16* __restrict__ logits, const long long* __restrict__ tar
 }
 
 // ------------------------------------------------------------------------------- embedding
-// keys [ntok] ascending, key = id * ntok + token (id = vrows for tokens another shard holds).
-// Block (b, y): if b starts a run of one id, dw[id][cols] += dx[token][cols] for the run's
-// tokens in order, cols the V-vectors y * blockDim.x + threadIdx.x; other blocks return.
+// keys [ntok] ascending, key = id * ntok + token (id = vrows: another shard's). Block (b, y), if b
+// starts an id's run: dw[id][vector y * blockDim.x + tid] += dx[token][same] over the run in order.
 template<int V>
 __global__ void __launch_bounds__(128)
 mpipar_embed_bwd(const long long* __restrict__ keys, const bf16* __restrict__ dx,
@@ -564,121 +490,103 @@ _SOURCE = _DEVICE_PRELUDE + _KERNELS
 
 def _name(kernel: str, *targs: Any) -> str:
     """The name expression of one instantiation, e.g. `mpipar_rms_fwd<8, true>`."""
-    args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in targs)
-    return f"{kernel}<{args}>"
+    return f"{kernel}<{', '.join(str(a).lower() if isinstance(a, bool) else str(a) for a in targs)}>"
 
 
 def _names() -> tuple[str, ...]:
     """Every instantiation this module launches."""
-    names = [_name(k, v, add) for k in ("mpipar_rms_fwd", "mpipar_rms_bwd") for v in _WIDTHS
-             for add in (False, True)]
-    names += [_name(k, v) for k in ("mpipar_rope", "mpipar_swiglu_fwd", "mpipar_swiglu_bwd",
-                                    "mpipar_ce_stats", "mpipar_ce_bwd", "mpipar_embed_bwd")
-              for v in _WIDTHS]
+    names = [_name(k, v, flag) for k in ("mpipar_rms_fwd", "mpipar_rms_bwd", "mpipar_swiglu")
+             for v in _WIDTHS for flag in (False, True)]
+    names += [_name(k, v) for k in ("mpipar_rope", "mpipar_ce_stats", "mpipar_ce_bwd",
+                                    "mpipar_embed_bwd") for v in _WIDTHS]
     return tuple(names + [_name("mpipar_dw_reduce", 8)])
 
 
 def cuda_sources() -> list[dict]:
-    """The CUDA sources of this module for the NVRTC compile gate: name, code, every name
-    expression launched, the NVRTC options (RawModule adds its own), dynamic shared memory per
-    name expression (none: all shared memory is static)."""
+    """This module's CUDA source for the NVRTC compile gate: name, code, every name expression
+    launched, NVRTC options (RawModule adds its own), dynamic shared memory (none: all static)."""
     return [{"name": "cuda_fused", "code": _SOURCE, "names": _names(), "options": _OPTIONS,
              "dynamic_smem": {}}]
 
 
-# ------------------------------------------------------------------------------ launching
+# ------------------------------------------------------------------------------- launching
 def _cupy() -> Any:
     import cupy
-
     return cupy
 
 
 @functools.cache
+def _kernel(name: str) -> Any:
+    """One instantiation; the RawModule is compiled whole on first use (CuPy caches it on disk)."""
+    return _module().get_function(name)
+
+
+@functools.cache
 def _module() -> Any:
-    """The RawModule, compiled on first use (CuPy caches the binary on disk)."""
     return _cupy().RawModule(code=_SOURCE, options=_OPTIONS, name_expressions=_names())
 
 
 def _launch(name: str, grid: tuple, block: tuple, args: tuple) -> None:
     """Launch one instantiation on the current stream."""
-    _module().get_function(name)(grid, block, args)
+    _kernel(name)(grid, block, args)
 
 
 def _ptr(a: Array) -> int:
     return a.data.ptr
 
 
-def _bf16_dtype() -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _is_device_array(a: Any) -> bool:
-    return isinstance(a, _cupy().ndarray)
-
-
 def _check(name: str, dtype: str, **arrays: Array) -> None:
     """Each array a CuPy array of `dtype` ("bfloat16" or "float32")."""
-    want = _bf16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
+    import ml_dtypes
+
+    want = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
     for arg, a in arrays.items():
-        require(_is_device_array(a) and a.dtype == want,
+        got = getattr(a, "dtype", None)
+        require(isinstance(a, _cupy().ndarray) and got == want,
                 f"{name}: {arg} must be a {dtype} CuPy array, got {type(a).__name__}"
-                f"{'' if getattr(a, 'dtype', None) is None else ' of dtype ' + str(a.dtype)}")
+                f"{'' if got is None else f' of dtype {got}'}")
 
 
 def _contiguous(*arrays: Array | None) -> list[Array | None]:
-    cp = _cupy()
-    return [None if a is None else cp.ascontiguousarray(a) for a in arrays]
+    return [None if a is None else _cupy().ascontiguousarray(a) for a in arrays]
 
 
 def _width(n: int, bf16: tuple, f32: tuple = ()) -> int:
-    """The widest V in _WIDTHS dividing n with every bf16 array aligned to 2V bytes and every
-    float32 array to min(16, 4V) bytes."""
-    for v in _WIDTHS:
-        if n % v == 0 and all(_ptr(a) % (2 * v) == 0 for a in bf16 if a is not None) \
-                and all(_ptr(a) % min(16, 4 * v) == 0 for a in f32):
-            return v
-    return 1
+    """The widest V in _WIDTHS dividing n with the bf16 arrays (None skipped) aligned to 2V
+    bytes and the float32 arrays to 8 (V > 1)."""
+    return next(v for v in _WIDTHS if n % v == 0
+                and all(_ptr(a) % (2 * v) == 0 for a in bf16 if a is not None)
+                and all(_ptr(a) % min(8, 4 * v) == 0 for a in f32))
 
 
 def _row_threads(h: int, v: int) -> int:
     """Threads of a row block: enough for _MAXV vectors each, a multiple of 32, <= _ROW_THREADS."""
-    per = -(-(h // v) // _MAXV)
-    return min(_ROW_THREADS, max(32, -(-per // 32) * 32))
-
-
-def _i64(n: int) -> np.int64:
-    return np.int64(n)
+    return min(_ROW_THREADS, max(32, -(-(h // v) // (32 * _MAXV)) * 32))
 
 
 def _i32(n: int, what: str) -> np.int32:
-    require(0 <= n < 2**31, f"{what}={n} must be < 2**31")
-    return np.int32(n)
+    return require(0 <= n < 2**31, f"{what}={n} must be < 2**31") or np.int32(n)
 
 
-# -------------------------------------------------------------------------------- RMSNorm
-def _check_rms(name: str, x: Array, w: Array) -> None:
-    require(w.ndim == 1 and x.shape[-1] == w.shape[0],
-            f"{name}: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]}")
-    require(x.shape[-1] > 0, f"{name}: the hidden size must be > 0, got x.shape={x.shape}")
+# --------------------------------------------------------------------------------- RMSNorm
+def _check_rms(name: str, x: Array, w: Array, eps: float | None = None) -> None:
+    require(w.ndim == 1 and x.shape[-1] == w.shape[0] and x.shape[-1] > 0,
+            f"{name}: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]} > 0")
+    require(eps is None or eps >= 0, f"{name}: eps={eps} must be >= 0")
 
 
 def _norm_fwd(x: Array, r: Array | None, w: Array, eps: float) -> tuple[Array | None, Array, Array]:
     """(s or None, y, rstd) of the (add-)RMSNorm forward kernel; x, r `[..., H]`, w `[H]`."""
     cp = _cupy()
     x, r, w = _contiguous(x, r, w)
-    h = x.shape[-1]
-    rows = x.size // h
-    y = cp.empty_like(x)
-    s = None if r is None else cp.empty_like(x)
+    h, rows = x.shape[-1], x.size // x.shape[-1]
+    y, s = cp.empty_like(x), None if r is None else cp.empty_like(x)
     rstd = cp.empty(x.shape[:-1], cp.float32)
     if rows:
         v = _width(h, (x, r, w, y, s))
         _launch(_name("mpipar_rms_fwd", v, r is not None), (min(rows, _FWD_BLOCKS),),
-                (_row_threads(h, v),),
-                (x, x if r is None else r, w, y, y if s is None else s, rstd, _i64(rows),
-                 _i32(h, "hidden"), np.float32(eps)))
+                (_row_threads(h, v),), (x, x if r is None else r, w, y, y if s is None else s,
+                                        rstd, np.int64(rows), _i32(h, "hidden"), np.float32(eps)))
     return s, y, rstd
 
 
@@ -687,105 +595,89 @@ def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
 
     x: bf16 `[..., H]`, w: bf16 `[H]` -> y: bf16 `[..., H]`, rstd: float32 `[...]`.
     """
-    _check_rms("rmsnorm_fwd", x, w)
-    require(eps >= 0, f"rmsnorm_fwd: eps={eps} must be >= 0")
+    _check_rms("rmsnorm_fwd", x, w, eps)
     _check("rmsnorm_fwd", "bfloat16", x=x, w=w)
-    _, y, rstd = _norm_fwd(x, None, w, eps)
-    return y, rstd
+    return _norm_fwd(x, None, w, eps)[1:]
 
 
 def add_rmsnorm_fwd(x: Array, r: Array, w: Array, eps: float) -> tuple[Array, Array, Array]:
-    """Residual add then RMSNorm: s = bf16(x + r), y = bf16(rmsnorm(s) * w) (the norm of the
-    rounded s, as the backward sees it).
-
-    x, r: bf16 `[..., H]`, w: bf16 `[H]` -> s, y: bf16 `[..., H]`, rstd: float32 `[...]`
-    (numpy_ref's order: s first).
+    """Residual add then RMSNorm: s = bf16(x + r), y = bf16(rmsnorm(s) * w), the norm of the
+    rounded s (as the backward sees it). x, r: bf16 `[..., H]`, w: bf16 `[H]` -> s, y: bf16
+    `[..., H]`, rstd: float32 `[...]` (numpy_ref's order: s first).
     """
     require(x.shape == r.shape, f"add_rmsnorm_fwd: x.shape={x.shape} must equal r.shape={r.shape}")
-    _check_rms("add_rmsnorm_fwd", x, w)
-    require(eps >= 0, f"add_rmsnorm_fwd: eps={eps} must be >= 0")
+    _check_rms("add_rmsnorm_fwd", x, w, eps)
     _check("add_rmsnorm_fwd", "bfloat16", x=x, r=r, w=w)
     s, y, rstd = _norm_fwd(x, r, w, eps)
     return s, y, rstd
 
 
-def _norm_bwd(dy: Array, ds: Array | None, x: Array, w: Array,
-              rstd: Array) -> tuple[Array, Array]:
-    """(dx, dw) of the (add-)RMSNorm backward kernels; dw from min(rows, _DW_PARTS) partials."""
+def _norm_bwd(dy: Array, ds: Array | None, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
+    """(dx, dw) of the (add-)RMSNorm backward kernel; dw from min(rows, _DW_PARTS) partials."""
     cp = _cupy()
     dy, ds, x, w, rstd = _contiguous(dy, ds, x, w, rstd)
-    h = x.shape[-1]
-    rows = x.size // h
+    h, rows = x.shape[-1], x.size // x.shape[-1]
     dx = cp.empty_like(x)
     if not rows:
         return dx, cp.zeros(h, cp.float32)
-    v = _width(h, (dy, ds, x, w, dx))
-    parts = min(rows, _DW_PARTS)
-    part = cp.empty((parts, h), cp.float32)
+    v, parts = _width(h, (dy, ds, x, w, dx)), min(rows, _DW_PARTS)
+    part, dw = cp.empty((parts, h), cp.float32), cp.empty(h, cp.float32)
     _launch(_name("mpipar_rms_bwd", v, ds is not None), (parts,), (_row_threads(h, v),),
-            (dy, dy if ds is None else ds, x, w, rstd, dx, part, _i64(rows), _i32(h, "hidden")))
-    dw = cp.empty(h, cp.float32)
-    _launch(_name("mpipar_dw_reduce", 8), (-(-h // 32),), (256,), (part, dw, np.int32(parts),
-                                                                  np.int32(h)))
+            (dy, dy if ds is None else ds, x, w, rstd, dx, part, np.int64(rows), _i32(h, "hidden")))
+    _launch(_name("mpipar_dw_reduce", 8), (-(-h // 32),), (256,),
+            (part, dw, np.int32(parts), np.int32(h)))
     return dx, dw
 
 
-def _check_rms_bwd(name: str, dy: Array, x: Array, w: Array, rstd: Array) -> None:
+def _check_rms_bwd(name: str, dy: Array, x: Array, w: Array, rstd: Array, bf16: dict) -> None:
     require(dy.shape == x.shape and rstd.shape == x.shape[:-1] and w.shape == x.shape[-1:],
             f"{name}: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
             "must be [..., H], [..., H], [H], [...]")
-    require(x.shape[-1] > 0, f"{name}: the hidden size must be > 0, got x.shape={x.shape}")
+    _check_rms(name, x, w)
+    _check(name, "bfloat16", dy=dy, w=w, **bf16)
+    _check(name, "float32", rstd=rstd)
 
 
 def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
-    """Gradients of `rmsnorm_fwd`: dx = rstd * dy*w - rstd**3 * x * mean(dy*w*x) (bf16) and
-    dw = sum over rows of dy * x * rstd (float32, a fixed summation order).
-
-    dy, x: bf16 `[..., H]`, w: bf16 `[H]`, rstd: float32 `[...]` -> dx bf16 `[..., H]`, dw f32 `[H]`.
+    """Gradients of `rmsnorm_fwd`: dx = bf16(rstd * dy*w - rstd**3 * x * mean(dy*w*x)), dw =
+    sum over rows of dy * x * rstd (float32, in a fixed order). dy, x: bf16 `[..., H]`, w: bf16
+    `[H]`, rstd: float32 `[...]` -> dx bf16 `[..., H]`, dw float32 `[H]`.
     """
-    _check_rms_bwd("rmsnorm_bwd", dy, x, w, rstd)
-    _check("rmsnorm_bwd", "bfloat16", dy=dy, x=x, w=w)
-    _check("rmsnorm_bwd", "float32", rstd=rstd)
+    _check_rms_bwd("rmsnorm_bwd", dy, x, w, rstd, {"x": x})
     return _norm_bwd(dy, None, x, w, rstd)
 
 
 def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
-    """Gradients of `add_rmsnorm_fwd` given dy on y and ds on s: dsum = bf16(rmsnorm_bwd(dy)
-    + ds) (the gradient of both x and r, rounded once), dw float32.
-
-    dy, ds, s: bf16 `[..., H]`, w: bf16 `[H]`, rstd: float32 `[...]`.
+    """Gradients of `add_rmsnorm_fwd` given dy on y and ds on s: dsum = bf16(rmsnorm_bwd's dx
+    + ds), the gradient of both x and r (rounded once), and dw float32. dy, ds, s: bf16
+    `[..., H]`, w: bf16 `[H]`, rstd: float32 `[...]`.
     """
     require(ds.shape == s.shape, f"add_rmsnorm_bwd: ds.shape={ds.shape} must equal s.shape={s.shape}")
-    _check_rms_bwd("add_rmsnorm_bwd", dy, s, w, rstd)
-    _check("add_rmsnorm_bwd", "bfloat16", dy=dy, ds=ds, s=s, w=w)
-    _check("add_rmsnorm_bwd", "float32", rstd=rstd)
+    _check_rms_bwd("add_rmsnorm_bwd", dy, s, w, rstd, {"ds": ds, "s": s})
     return _norm_bwd(dy, ds, s, w, rstd)
 
 
-# ----------------------------------------------------------------------------------- RoPE
+# ------------------------------------------------------------------------------------ RoPE
 def _rope(x: Array, cos: Array, sin: Array, sgn: float, name: str) -> Array:
+    """The rotation by sgn * angle of x `[B, S, H, D]` (numpy_ref's checks and layouts)."""
     ref.check_rope_shapes(x, cos, sin, name)
     _check(name, "bfloat16", x=x)
     _check(name, "float32", cos=cos, sin=sin)
-    cp = _cupy()
     x, cos, sin = _contiguous(x, cos, sin)
-    b, s, h, d = x.shape
-    y = cp.empty_like(x)
+    y = _cupy().empty_like(x)
     if x.size:
-        half = d // 2
-        v = _width(half, (x, y), (cos, sin))
+        b, s, h, d = x.shape
+        v = _width(d // 2, (x, y), (cos, sin))
         n = x.size // 2 // v
         _launch(_name("mpipar_rope", v), (-(-n // _EW_THREADS),), (_EW_THREADS,),
-                (x, cos, sin, y, _i64(n), _i64(s), _i64(h), _i32(half, "head_dim // 2"),
+                (x, cos, sin, y, np.int64(n), np.int64(s), np.int64(h), _i32(d // 2, "head_dim/2"),
                  np.float32(sgn)))
     return y
 
 
 def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
     """Rotate pairs (x[..., i], x[..., i + D/2]): y1 = x1*cos - x2*sin, y2 = x2*cos + x1*sin.
-
-    x: bf16 `[B, S, H, D]`, cos, sin: float32 `[S, D // 2]` -> y: bf16 like x.
-    """
+    x: bf16 `[B, S, H, D]`, cos, sin: float32 `[S, D // 2]` -> y: bf16 like x."""
     return _rope(x, cos, sin, 1.0, "rope_fwd")
 
 
@@ -794,49 +686,44 @@ def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
     return _rope(dy, cos, sin, -1.0, "rope_bwd")
 
 
-# --------------------------------------------------------------------------------- SwiGLU
-def _elementwise(kernel: str, ins: list, n_out: int) -> list:
-    """Launch a SwiGLU kernel over same-shape bf16 inputs; returns n_out new bf16 outputs."""
+# ---------------------------------------------------------------------------------- SwiGLU
+def _swiglu(dh: Array | None, gate: Array, up: Array) -> tuple[Array, Array | None]:
+    """(h, None) forward (dh None), (dgate, dup) backward, from the SwiGLU kernel."""
     cp = _cupy()
-    ins = _contiguous(*ins)
-    outs = [cp.empty_like(ins[0]) for _ in range(n_out)]
-    n = ins[0].size
-    if n:
-        v = _width(n, tuple(ins + outs))
-        nvec = n // v
-        _launch(_name(kernel, v), (-(-nvec // _EW_THREADS),), (_EW_THREADS,),
-                (*ins, *outs, _i64(nvec)))
-    return outs
+    dh, gate, up = _contiguous(dh, gate, up)
+    o1, o2 = cp.empty_like(gate), None if dh is None else cp.empty_like(gate)
+    if gate.size:
+        v = _width(gate.size, (dh, gate, up, o1, o2))
+        nvec = gate.size // v
+        _launch(_name("mpipar_swiglu", v, dh is not None), (-(-nvec // _EW_THREADS),),
+                (_EW_THREADS,), (gate if dh is None else dh, gate, up, o1,
+                                 o1 if o2 is None else o2, np.int64(nvec)))
+    return o1, o2
 
 
 def swiglu_fwd(gate: Array, up: Array) -> Array:
     """h = bf16(silu(gate) * up). gate, up: bf16 `[..., ffn]` -> h: bf16 `[..., ffn]`."""
-    require(gate.shape == up.shape, f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
+    require(gate.shape == up.shape,
+            f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
     _check("swiglu_fwd", "bfloat16", gate=gate, up=up)
-    return _elementwise("mpipar_swiglu_fwd", [gate, up], 1)[0]
+    return _swiglu(None, gate, up)[0]
 
 
 def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     """Gradients of `swiglu_fwd`: dgate = dh*up*sig*(1 + gate*(1 - sig)), dup = dh*silu(gate).
-
-    dh, gate, up: bf16 `[..., ffn]` -> (dgate, dup) bf16.
-    """
+    dh, gate, up: bf16 `[..., ffn]` -> (dgate, dup) bf16."""
     require(dh.shape == gate.shape == up.shape,
             f"swiglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
     _check("swiglu_bwd", "bfloat16", dh=dh, gate=gate, up=up)
-    dg, du = _elementwise("mpipar_swiglu_bwd", [dh, gate, up], 2)
-    return dg, du
+    return _swiglu(dh, gate, up)
 
 
-# -------------------------------------------------------------------------- cross-entropy
+# --------------------------------------------------------------------------- cross-entropy
 def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
                         vocab_size: int | None = None) -> tuple[Array, Array, Array]:
-    """Per-row softmax statistics of one vocab shard in one pass over the bf16 logits.
-
-    logits: bf16 `[N, Vloc]` (columns = ids [vocab_start, vocab_start + Vloc); ids >= vocab_size
-    are padding, ignored), targets: integer `[N]` global ids -> m, s, t: float32 `[N]` as
-    `numpy_ref.cross_entropy_stats` (m = -inf, s = t = 0 for an all-padding shard).
-    """
+    """Per-row softmax statistics of one vocab shard in one pass over the bf16 logits: logits
+    bf16 `[N, Vloc]` (ids [vocab_start, vocab_start + Vloc); ids >= vocab_size are padding),
+    targets integer `[N]` (global ids) -> m, s, t float32 `[N]` as numpy_ref's."""
     ref.check_ce_inputs(logits, targets, vocab_size, "cross_entropy_stats")
     _check("cross_entropy_stats", "bfloat16", logits=logits)
     cp = _cupy()
@@ -845,10 +732,10 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
     if nvalid == 0 or n == 0:
         return cp.full(n, -np.inf, cp.float32), cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
     (logits,) = _contiguous(logits)
-    tg = cp.ascontiguousarray(targets, cp.int64)
     m, s, t = (cp.empty(n, cp.float32) for _ in range(3))
     _launch(_name("mpipar_ce_stats", _width(cols, (logits,))), (n,), (_CE_THREADS,),
-            (logits, tg, m, s, t, _i64(cols), _i64(nvalid), _i64(vocab_start)))
+            (logits, cp.ascontiguousarray(targets, cp.int64), m, s, t, np.int64(cols),
+             np.int64(nvalid), np.int64(vocab_start)))
     return m, s, t
 
 
@@ -864,12 +751,9 @@ def cross_entropy_fwd(logits: Array, targets: Array,
 
 def cross_entropy_bwd(logits: Array, targets: Array, lse: Array, dloss: Array,
                       vocab_start: int = 0, vocab_size: int | None = None) -> Array:
-    """Gradient of the per-row loss w.r.t. one vocab shard of bf16 logits, written as bf16.
-
-    logits: bf16 `[N, Vloc]`, targets: integer `[N]`, lse (global, over all shards), dloss:
-    float32 `[N]` -> dlogits bf16 `[N, Vloc]` = (softmax - onehot(target in shard)) * dloss;
-    padding columns 0.
-    """
+    """Gradient of the per-row loss w.r.t. one vocab shard of bf16 logits `[N, Vloc]`: targets
+    integer `[N]`, lse (global, over all shards) and dloss float32 `[N]` -> dlogits bf16 = (softmax
+    - onehot(target in shard)) * dloss, padding columns 0."""
     ref.check_ce_inputs(logits, targets, vocab_size, "cross_entropy_bwd")
     n, cols = logits.shape
     require(lse.shape == (n,) and dloss.shape == (n,),
@@ -883,30 +767,25 @@ def cross_entropy_bwd(logits: Array, targets: Array, lse: Array, dloss: Array,
     logits, lse, dloss = _contiguous(logits, lse, dloss)
     grad = cp.empty_like(logits)
     _launch(_name("mpipar_ce_bwd", _width(cols, (logits, grad))), (n,), (_CE_THREADS,),
-            (logits, cp.ascontiguousarray(targets, cp.int64), lse, dloss, grad, _i64(cols),
-             _i64(nvalid), _i64(vocab_start)))
+            (logits, cp.ascontiguousarray(targets, cp.int64), lse, dloss, grad, np.int64(cols),
+             np.int64(nvalid), np.int64(vocab_start)))
     return grad
 
 
-# ------------------------------------------------------------------------------ embedding
+# ------------------------------------------------------------------------------- embedding
 def embedding_bwd(dw: Array, dx: Array, ids: Array, row_start: int = 0) -> Array:
-    """Accumulate into dw float32 `[V_shard, H]` (in place; returned) the gradient of the
-    embedding: dw[id - row_start] += dx[token] for the ids the shard holds, in token order.
-
-    dx: bf16 `ids.shape + [H]`, ids: integer. Deterministic without atomics: the unique keys
-    (id - row_start) * tokens + token (tokens of other shards keyed past the shard) are sorted,
-    and the first token of each id's run adds the run's rows to its weight row.
-    """
+    """dw float32 `[V_shard, H]` += (in place; returned) the embedding's gradient: dw[id -
+    row_start] += dx[token] for the ids the shard holds, in token order (numpy_ref's float32 order;
+    row ownership, see the module's docstring). dx: bf16 `ids.shape + [H]`, ids: integer."""
     require(dw.ndim == 2, f"embedding_bwd: dw must be 2-D [rows, hidden], got shape {dw.shape}")
     require(dx.shape == ids.shape + (dw.shape[1],),
             f"embedding_bwd: dx {dx.shape} must be ids {ids.shape} + [hidden={dw.shape[1]}]")
     require(ids.dtype.kind in "iu", f"embedding_bwd: ids dtype {ids.dtype} must be an integer type")
     _check("embedding_bwd", "float32", dw=dw)
     _check("embedding_bwd", "bfloat16", dx=dx)
-    require(dw.flags.c_contiguous, "embedding_bwd: dw must be C-contiguous (it is updated in place)")
+    require(dw.flags.c_contiguous, "embedding_bwd: dw must be C-contiguous (updated in place)")
     cp = _cupy()
-    vrows, h = dw.shape
-    ntok = ids.size
+    (vrows, h), ntok = dw.shape, ids.size
     if not ntok or not h:
         return dw
     (dx,) = _contiguous(dx)
@@ -915,5 +794,5 @@ def embedding_bwd(dw: Array, dx: Array, ids: Array, row_start: int = 0) -> Array
     keys = cp.sort(cp.where(held, local, vrows) * ntok + cp.arange(ntok, dtype=cp.int64))
     v = _width(h, (dx,), (dw,))
     _launch(_name("mpipar_embed_bwd", v), (ntok, -(-(h // v) // _EMB_THREADS)), (_EMB_THREADS,),
-            (keys, dx, dw, _i64(ntok), _i64(vrows), _i32(h, "hidden")))
+            (keys, dx, dw, np.int64(ntok), np.int64(vrows), _i32(h, "hidden")))
     return dw

@@ -28,10 +28,9 @@ import numpy as np
 from . import numpy_ref as ref
 from .numpy_ref import Array, require
 
-IMPLEMENTED: tuple[str, ...] = (
-    "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd", "rope_fwd", "rope_bwd",
-    "swiglu_fwd", "swiglu_bwd", "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd",
-    "embedding_bwd")
+IMPLEMENTED: tuple[str, ...] = ("rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd",
+                                "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "embedding_bwd",
+                                "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd")
 
 _WIDTHS = (8, 4, 2, 1)  # bf16 a thread loads at once (16 ... 2 bytes): the widest the shape allows
 _MAXV = 4  # vectors of a row a thread keeps in registers in the RMSNorm kernels (CUDA's MAXV)
@@ -186,7 +185,7 @@ template<int V> __device__ __forceinline__ Raw<V> scale_w(const Raw<V>& a, const
 // or s = bf16(x + r) written to s_out (ADD). A block does rows blockIdx.x + k * gridDim.x;
 // thread t the vectors t + k * blockDim.x of each (the first MAXV cached in registers).
 template<int V, bool ADD>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(512, 1)
 mpipar_rms_fwd(const bf16* __restrict__ x, const bf16* __restrict__ r, const bf16* __restrict__ w,
                bf16* __restrict__ y, bf16* __restrict__ s_out, float* __restrict__ rstd,
                long long rows, int H, float eps) {
@@ -200,13 +199,11 @@ mpipar_rms_fwd(const bf16* __restrict__ x, const bf16* __restrict__ r, const bf1
         const long long base = row * H;
         float ss = 0.f;
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            const int i = tid + k * T;
-            if (i < nvec) {
+        for (int k = 0; k < MAXV; ++k)  // every load issued before any is used
+            if (const int i = tid + k * T; i < nvec)
                 xc[k] = row_input<V, ADD>(x, r, s_out, base + (long long)i * V);
-                ss += sum_sq<V>(xc[k]);
-            }
-        }
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) ss += tid + k * T < nvec ? sum_sq<V>(xc[k]) : 0.f;
         for (int i = tid + MAXV * T; i < nvec; i += T)
             ss += sum_sq<V>(row_input<V, ADD>(x, r, s_out, base + (long long)i * V));
         const float rs = 1.f / sqrtf(block_sum(ss, sh) / (float)H + eps);
@@ -252,7 +249,7 @@ __device__ __forceinline__ void rms_grad(const Raw<V>& g, const Raw<V>& w, const
 // rstd^3 * x * mean(dy*w*x) [+ ds]); part[blockIdx.x][c] = sum over the block's rows, in row
 // order, of dy*x*rstd (every column written).
 template<int V, bool ADD>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(512, 1)
 mpipar_rms_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ ds, const bf16* __restrict__ x,
                const bf16* __restrict__ w, const float* __restrict__ rstd, bf16* __restrict__ dx,
                float* __restrict__ part, long long rows, int H) {
@@ -268,14 +265,14 @@ mpipar_rms_bwd(const bf16* __restrict__ dy, const bf16* __restrict__ ds, const b
         const float rs = rstd[row];
         float dot = 0.f;
 #pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            const int i = tid + k * T;
-            if (i < nvec) {
-                xc[k] = load_bf<V>(x + base + (long long)i * V);
+        for (int k = 0; k < MAXV; ++k)  // every load issued before any is used
+            if (const int i = tid + k * T; i < nvec)
+                xc[k] = load_bf<V>(x + base + (long long)i * V),
                 gc[k] = load_bf<V>(dy + base + (long long)i * V);
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k)
+            if (const int i = tid + k * T; i < nvec)
                 dot += dot_gwx<V>(gc[k], load_bf<V>(w + (long long)i * V), xc[k]);
-            }
-        }
         for (int i = tid + MAXV * T; i < nvec; i += T) {
             const long long off = base + (long long)i * V;
             dot += dot_gwx<V>(load_bf<V>(dy + off), load_bf<V>(w + (long long)i * V),
@@ -322,30 +319,30 @@ mpipar_dw_reduce(const float* __restrict__ part, float* __restrict__ dw, int par
 }
 
 // ---------------------------------------------------------------------------------- RoPE
-// Pairs (x[.., p], x[.., p + half]) of rows [B*S*heads, 2*half], one thread per V pairs:
-// y1 = x1*c - x2*sgn*s, y2 = x2*c + x1*sgn*s (sgn = -1: the inverse rotation); cos, sin [S, half].
+// Pairs (x[.., p], x[.., p + half]) of x [B*S, heads, 2*half], a block per position (b, s) and a
+// thread per V pairs: y1 = x1*c - x2*sgn*sn, y2 = x2*c + x1*sgn*sn (sgn = -1: the inverse
+// rotation), c, sn = cos, sin [s, p .. p + V) of the tables [S, half].
 template<int V>
 __global__ void __launch_bounds__(256)
 mpipar_rope(const bf16* __restrict__ x, const float* __restrict__ cosv,
-            const float* __restrict__ sinv, bf16* __restrict__ y, long long nthreads, long long S,
-            long long heads, int half, float sgn) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= nthreads) return;
+            const float* __restrict__ sinv, bf16* __restrict__ y, long long S, int heads, int half,
+            float sgn) {
+    const long long bs = blockIdx.x, s = bs % S;
     const int hv = half / V;
-    const long long row = t / hv;
-    const int p = (int)(t - row * hv) * V;
-    const long long s = (row / heads) % S;
-    const long long a = row * 2 * half + p;
-    const Raw<V> x1 = load_bf<V>(x + a), x2 = load_bf<V>(x + a + half);
-    float c[V], n[V], y1[V], y2[V];
-    load_f32<V>(cosv + s * half + p, c), load_f32<V>(sinv + s * half + p, n);
+    for (int t = threadIdx.x; t < heads * hv; t += blockDim.x) {
+        const int h = t / hv, p = (t - h * hv) * V;
+        const long long a = (bs * heads + h) * 2 * half + p;
+        const Raw<V> x1 = load_bf<V>(x + a), x2 = load_bf<V>(x + a + half);
+        float c[V], n[V], y1[V], y2[V];
+        load_f32<V>(cosv + s * half + p, c), load_f32<V>(sinv + s * half + p, n);
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-        const float u = x1.get(j), v = x2.get(j), sn = sgn * n[j];
-        y1[j] = u * c[j] - v * sn;
-        y2[j] = v * c[j] + u * sn;
+        for (int j = 0; j < V; ++j) {
+            const float u = x1.get(j), v = x2.get(j), sn = sgn * n[j];
+            y1[j] = u * c[j] - v * sn;
+            y2[j] = v * c[j] + u * sn;
+        }
+        store_bf<V>(y + a, pack_bf<V>(y1)), store_bf<V>(y + a + half, pack_bf<V>(y2));
     }
-    store_bf<V>(y + a, pack_bf<V>(y1)), store_bf<V>(y + a + half, pack_bf<V>(y2));
 }
 
 // -------------------------------------------------------------------------------- SwiGLU
@@ -385,41 +382,45 @@ mpipar_swiglu(const bf16* __restrict__ dh, const bf16* __restrict__ g, const bf1
 
 // --------------------------------------------------------------------------- cross-entropy
 constexpr int CE_UNROLL = 4;
+// Element j of the vector at column c0 of a row, or -inf past the nvalid real columns.
+template<int V>
+__device__ __forceinline__ float masked(const Raw<V>& r, int c0, int j, int nvalid) {
+    return c0 + j < nvalid ? r.get(j) : -MPIPAR_INF;
+}
+
 // One block per row of logits [N, cols] (the first nvalid columns real): m = max, s = sum exp(l - m)
-// (online, one pass), t = the logit of targets[row] - vocab_start if in [0, nvalid) else 0.
+// (online, one rescale per CE_UNROLL vectors), t = the logit of targets[row] - vocab_start if in
+// [0, nvalid) else 0.
 template<int V>
 __global__ void __launch_bounds__(256)
 mpipar_ce_stats(const bf16* __restrict__ logits, const long long* __restrict__ targets,
                 float* __restrict__ m_out, float* __restrict__ s_out, float* __restrict__ t_out,
-                long long cols, long long nvalid, long long vocab_start) {
+                int cols, int nvalid, long long vocab_start) {
     __shared__ float shm[32], shs[32];
     const long long row = blockIdx.x;
     const bf16* lr = logits + row * cols;
-    const long long nv = (nvalid + V - 1) / V, T = blockDim.x;
+    const int nv = (nvalid + V - 1) / V, T = blockDim.x;
     float m = -MPIPAR_INF, s = 0.f;
-    for (long long i0 = threadIdx.x; i0 < nv; i0 += T * CE_UNROLL) {  // CE_UNROLL loads in flight
+    for (int i0 = threadIdx.x; i0 < nv; i0 += T * CE_UNROLL) {  // CE_UNROLL loads in flight
         Raw<V> r[CE_UNROLL];
+        float vmax = -MPIPAR_INF, e = 0.f;
 #pragma unroll
         for (int u = 0; u < CE_UNROLL; ++u)
             if (i0 + u * T < nv) r[u] = load_bf<V>(lr + (i0 + u * T) * V);
 #pragma unroll
-        for (int u = 0; u < CE_UNROLL; ++u) {
-            const long long c0 = (i0 + u * T) * V;
-            if (c0 >= nvalid) continue;
-            float v[V], vmax = -MPIPAR_INF;
+        for (int u = 0; u < CE_UNROLL; ++u)
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                v[j] = c0 + j < nvalid ? r[u].get(j) : -MPIPAR_INF;
-                vmax = fmaxf(vmax, v[j]);
-            }
-            if (vmax == -MPIPAR_INF) continue;
-            const float mn = fmaxf(m, vmax);
-            float e = 0.f;
+            for (int j = 0; j < V && i0 + u * T < nv; ++j)
+                vmax = fmaxf(vmax, masked<V>(r[u], (i0 + u * T) * V, j, nvalid));
+        if (vmax == -MPIPAR_INF) continue;
+        const float mn = fmaxf(m, vmax);
 #pragma unroll
-            for (int j = 0; j < V; ++j) e += __expf(v[j] - mn);
-            s = s * __expf(m - mn) + e;
-            m = mn;
-        }
+        for (int u = 0; u < CE_UNROLL; ++u)
+#pragma unroll
+            for (int j = 0; j < V && i0 + u * T < nv; ++j)
+                e += __expf(masked<V>(r[u], (i0 + u * T) * V, j, nvalid) - mn);
+        s = s * __expf(m - mn) + e;
+        m = mn;
     }
     block_ms(m, s, shm, shs);
     if (threadIdx.x == 0) {
@@ -435,20 +436,22 @@ template<int V>
 __global__ void __launch_bounds__(256)
 mpipar_ce_bwd(const bf16* __restrict__ logits, const long long* __restrict__ targets,
               const float* __restrict__ lse, const float* __restrict__ dloss,
-              bf16* __restrict__ dlogits, long long cols, long long nvalid, long long vocab_start) {
-    const long long row = blockIdx.x, T = blockDim.x, nv = cols / V;
+              bf16* __restrict__ dlogits, int cols, int nvalid, long long vocab_start) {
+    const long long row = blockIdx.x;
+    const int T = blockDim.x, nv = cols / V;
     const bf16* lr = logits + row * cols;
     bf16* gr = dlogits + row * cols;
     const float L = lse[row], d = dloss[row];
-    const long long local = targets[row] - vocab_start, hit = local >= 0 && local < nvalid ? local : -1;
-    for (long long i0 = threadIdx.x; i0 < nv; i0 += T * CE_UNROLL) {
+    const long long local = targets[row] - vocab_start;
+    const int hit = local >= 0 && local < nvalid ? (int)local : -1;
+    for (int i0 = threadIdx.x; i0 < nv; i0 += T * CE_UNROLL) {
         Raw<V> r[CE_UNROLL];
 #pragma unroll
         for (int u = 0; u < CE_UNROLL; ++u)
             if (i0 + u * T < nv && (i0 + u * T) * V < nvalid) r[u] = load_bf<V>(lr + (i0 + u * T) * V);
 #pragma unroll
         for (int u = 0; u < CE_UNROLL; ++u) {
-            const long long c0 = (i0 + u * T) * V;
+            const int c0 = (i0 + u * T) * V;
             if (i0 + u * T >= nv) continue;
             float f[V];
 #pragma unroll
@@ -668,10 +671,9 @@ def _rope(x: Array, cos: Array, sin: Array, sgn: float, name: str) -> Array:
     if x.size:
         b, s, h, d = x.shape
         v = _width(d // 2, (x, y), (cos, sin))
-        n = x.size // 2 // v
-        _launch(_name("mpipar_rope", v), (-(-n // _EW_THREADS),), (_EW_THREADS,),
-                (x, cos, sin, y, np.int64(n), np.int64(s), np.int64(h), _i32(d // 2, "head_dim/2"),
-                 np.float32(sgn)))
+        threads = min(_EW_THREADS, -(-(h * d // 2 // v) // 32) * 32)  # a thread per V pairs
+        _launch(_name("mpipar_rope", v), (b * s,), (threads,), (x, cos, sin, y, np.int64(s),
+                _i32(h, "heads"), _i32(d // 2, "head_dim/2"), np.float32(sgn)))
     return y
 
 
@@ -734,8 +736,8 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
     (logits,) = _contiguous(logits)
     m, s, t = (cp.empty(n, cp.float32) for _ in range(3))
     _launch(_name("mpipar_ce_stats", _width(cols, (logits,))), (n,), (_CE_THREADS,),
-            (logits, cp.ascontiguousarray(targets, cp.int64), m, s, t, np.int64(cols),
-             np.int64(nvalid), np.int64(vocab_start)))
+            (logits, cp.ascontiguousarray(targets, cp.int64), m, s, t, _i32(cols, "columns"),
+             np.int32(nvalid), np.int64(vocab_start)))
     return m, s, t
 
 
@@ -767,8 +769,8 @@ def cross_entropy_bwd(logits: Array, targets: Array, lse: Array, dloss: Array,
     logits, lse, dloss = _contiguous(logits, lse, dloss)
     grad = cp.empty_like(logits)
     _launch(_name("mpipar_ce_bwd", _width(cols, (logits, grad))), (n,), (_CE_THREADS,),
-            (logits, cp.ascontiguousarray(targets, cp.int64), lse, dloss, grad, np.int64(cols),
-             np.int64(nvalid), np.int64(vocab_start)))
+            (logits, cp.ascontiguousarray(targets, cp.int64), lse, dloss, grad,
+             _i32(cols, "columns"), np.int32(nvalid), np.int64(vocab_start)))
     return grad
 
 

@@ -16,6 +16,10 @@ gradient is a float32 sum over rows of terms of either sign: per column |err| <=
 sum |terms|. The maximum logit and the target logit are bf16 values, exact in float32: equal.
 The embedding gradient is a float32 accumulation in numpy_ref's order: bit-identical to
 numpy_ref run in float32.
+
+Run: `python -m pytest -q tests/gpu/test_cuda_fused.py` (67 tests); `python
+tests/gpu/test_cuda_fused.py` prints the achieved bandwidth at realistic sizes (H100 80GB HBM3:
+rmsnorm_fwd 16384x4096 1.93 TB/s, cross_entropy_stats 8192x32000 1.63 TB/s, copy 2.65 TB/s).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from mpipar.bench import sections as bench
-from mpipar.plan.cost import model_flops_per_step
+from mpipar.plan.flops import model_flops_per_step
 
 pytest.importorskip("numba")
 

@@ -591,7 +591,7 @@ def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, com
     the unit pool, caches) and the peak of a step; the planner's prediction beside them.
     ``shared``: ZeRO-3 in node shared memory, whose slices (not NumPy's, so not traced) are
     added to each figure."""
-    from mpipar.plan.cost import predict_memory
+    from mpipar.plan.memory import predict_memory
 
     gc.collect()
     engine, m = _traced_build_and_step(
@@ -842,7 +842,7 @@ def measure_window_step(sp_mode: str, window: int, seq: int, args: argparse.Name
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
     from mpipar.training.engine import Engine
-    from mpipar.plan.cost import predict_step_bytes
+    from mpipar.plan.traffic import predict_step_bytes
 
     sp = comm.Get_size()
     cfg = validate(Config(ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers,
@@ -1011,7 +1011,7 @@ def run_comm(args: argparse.Namespace) -> dict[str, Any]:
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
     from mpipar.runtime.mpi_init import MPI
 
-    from mpipar.plan.cost import Hardware
+    from mpipar.plan.step_time import Hardware
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -1098,7 +1098,7 @@ def measured_step_time(launch: list[str], flags: list[str], run_dir: str) -> tup
 def run_planner(args: argparse.Namespace) -> dict[str, Any]:
     """Train each layout for ``--steps`` steps under ``--launcher`` and print the planner's
     predicted step time (``--hardware`` file) beside the measured median."""
-    from mpipar.plan.cost import Hardware, predict_step_time
+    from mpipar.plan.step_time import Hardware, predict_step_time
 
     hw = Hardware.load(args.hardware)
     launch = args.launcher.split() + ["-n", str(args.ranks)]
@@ -1167,7 +1167,7 @@ class MpiparPeer:
 
         from mpipar.runtime.peak import measure_peak_flops
         from mpipar.training.engine import Engine
-        from mpipar.plan.cost import model_flops_per_step
+        from mpipar.plan.flops import model_flops_per_step
 
         self.comm = MPI.COMM_WORLD
         self.rank0 = self.comm.Get_rank() == 0

@@ -6,7 +6,7 @@ With no flag at all it trains the embedded default (a 4-layer byte-level Llama o
 standard library's source) on any number of ranks: without --dp/--tp/--pp/--sp the layout is
 pure data parallelism when the world divides the global batch, else the planner's fastest
 layout, else (no --global-batch-size given) the batch is rounded up to a multiple of the world
-(:func:`mpipar.plan.cost.auto_layout`); the choice is printed.
+(:func:`mpipar.plan.search.auto_layout`); the choice is printed.
 
 Writes into ``RUN_DIR``: ``config.toml`` (the full resolved configuration), ``metrics.jsonl`` (one
 JSON object per optimizer step: loss, grad norm, LR, tokens/s, MFU, time breakdown, bytes per
@@ -156,7 +156,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             hf_model = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
             cfg.model = hf.model_config_with_overrides(
                 hf_model, config_mod.given_fields(args, "model"), source=tr.init_from_hf)
-        from mpipar.plan.cost import auto_layout
+        from mpipar.plan.search import auto_layout
         cfg, note = auto_layout(cfg, world, config_mod.given_names(args, "parallel", "train"))
         if note is not None and notes is not None:
             notes.append(note)
@@ -265,10 +265,10 @@ def check_memory(cfg: Config, rank: int, on_node: int) -> None:
     """Refuse (ConfigError) a run whose rank ``rank`` is predicted to need more than its share
     of the node's available memory (``on_node`` ranks share it), before anything is allocated:
     the planner's peak (parameters, gradients, AdamW moments, activations, the token batch and
-    the global tensors of initialisation; :func:`mpipar.plan.cost.predict_peak_memory`), or for
+    the global tensors of initialisation; :func:`mpipar.plan.memory.predict_peak_memory`), or for
     sizes too large to list, its lower bound. ``--allow-oversubscribed-memory`` skips it."""
     from mpipar.runtime.memory import available_memory_bytes
-    from mpipar.plan.cost import memory_lower_bound, predict_peak_memory
+    from mpipar.plan.memory import memory_lower_bound, predict_peak_memory
     from mpipar.runtime.topology import rank_coord
     available = available_memory_bytes()
     if cfg.train.allow_oversubscribed_memory or available is None:
@@ -294,7 +294,8 @@ def check_shared_memory(cfg: Config, rank: int, on_node: int) -> None:
     its node's copy, ``on_node`` ranks alike) would not fit the free space of the shared-memory
     directory: a window larger than it fails only when touched, with SIGBUS."""
     from mpipar.runtime.memory import SHARED_MEMORY_DIR, shared_memory_bytes
-    from mpipar.plan.cost import memory_lower_bound, node_copy
+    from mpipar.plan.memory import memory_lower_bound
+    from mpipar.plan.rank import node_copy
     from mpipar.runtime.topology import rank_coord
     par = cfg.parallel
     copy = node_copy(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp))
@@ -356,7 +357,7 @@ def _load_state(engine, ctx: RunContext) -> int:
 def _run(engine, start: int, ctx: RunContext) -> int:
     """The training loop and everything written around it (see the module docstring)."""
     from mpipar.observe import metrics
-    from mpipar.plan.cost import model_flops_per_step
+    from mpipar.plan.flops import model_flops_per_step
 
     tr, rank0 = ctx.cfg.train, ctx.rank0
     t_run = time.perf_counter()

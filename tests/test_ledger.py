@@ -1,4 +1,5 @@
-"""The ledger counts exactly what the layer shapes say one step sends (TP, SP, PP, DP)."""
+"""The ledger counts exactly what the layer shapes say one step sends (TP, SP, PP, DP); a
+mismatch names the axis whose prediction (:mod:`mpipar.parallel.traffic`) disagrees."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,31 @@ import pytest
 from conftest import assert_all_ranks
 from layouts import small_config, token_source
 from mpipar.rules import validate
+
+PREDICTED_BY = {
+    "tp": "mpipar.parallel.tensor.tensor_calls",
+    "sp": "mpipar.parallel.context.sequence_calls",
+    "sp_ulysses": "mpipar.parallel.context.sequence_calls",
+    "sp_ring": "mpipar.parallel.context.sequence_calls",
+    "pp": "mpipar.parallel.pipeline.schedule.pipeline_calls",
+    "tp_pp": "mpipar.plan.traffic._scalar_calls (the gradient norm)",
+}
+"""Which axis predicts each group's calls (:func:`mpipar.plan.traffic.step_calls`); the
+reduction's groups are :func:`_reduction_owner`'s."""
+
+
+def _reduction_owner(zero: int) -> str:
+    return ("mpipar.parallel.fsdp.sharded_calls" if zero >= 2 else
+            "mpipar.parallel.data.reduction_calls") + " (the loss: mpipar.plan.traffic)"
+
+
+def _mismatches(got: dict, want: dict, zero: int) -> str:
+    """Each group whose ledger count differs from the prediction, with the function that
+    predicts it: the file to look at."""
+    return "; ".join(f"{g}: ledger {got.get(g)} != predicted {want.get(g)} "
+                     f"[{PREDICTED_BY.get(g) or _reduction_owner(zero)}]"
+                     for g in sorted(set(got) | set(want)) if got.get(g) != want.get(g))
+
 
 CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, sp_mode="ulysses", dp=4),
          dict(sp=4, sp_overlap=True, tp=2), dict(pp=2, dp=2, sp=2, schedule="interleaved", virtual_stages=2),
@@ -45,7 +71,7 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
     """A validation pass after each step books its own traffic in the engine's eval ledger, as
     predicted for it (forward only), and leaves the step's ledger as predicted for a step."""
     from mpipar.training.engine import Engine
-    from mpipar.plan.cost import predict_eval_bytes, predict_step_bytes
+    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
 
     case = dict(case)
     recompute = case.pop("recompute", "none")
@@ -64,10 +90,11 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
             eng.evaluate()
             got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
             if got != want:
-                fails.append(f"step {step} {eng.grid.coord}: ledger {got} != predicted {want}")
+                fails.append(f"step {step} {eng.grid.coord}: "
+                             + _mismatches(got, want, cfg.parallel.zero))
             if got_eval != want_eval:
                 fails.append(f"validation after step {step} {eng.grid.coord}: eval ledger "
-                             f"{got_eval} != predicted {want_eval}")
+                             + _mismatches(got_eval, want_eval, cfg.parallel.zero))
         eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
@@ -77,7 +104,7 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
 def test_prediction_of_a_hand_counted_layout():
     """tp=2 on one block: 4 all-reduces of [tokens, hidden] per microbatch, plus embedding/head."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from mpipar.plan.cost import predict_step_bytes
+    from mpipar.plan.traffic import predict_step_bytes
     from mpipar.runtime.topology import Coord
 
     cfg = validate(Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),
@@ -119,7 +146,7 @@ def test_ledger_links_equal_planner_prediction(world, case):
     its payload bytes and its calls are the planner's, in every reduction, compression and SP
     mode."""
     from mpipar.training.engine import Engine
-    from mpipar.plan.cost import predict_link_bytes, predict_step_bytes, predict_step_messages
+    from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes, predict_step_messages
 
     cfg = validate(small_config("float32", **case), 8)
     fails = []
@@ -137,7 +164,8 @@ def test_ledger_links_equal_planner_prediction(world, case):
                     ("bytes", eng.ledger.bytes_by_group(), predict_step_bytes(cfg, coord)),
                     ("messages", messages, predict_step_messages(cfg, coord))):
                 if got != want:
-                    fails.append(f"step {step} {coord} {what}: ledger {got} != predicted {want}")
+                    fails.append(f"step {step} {coord} {what}: "
+                                 + _mismatches(got, want, cfg.parallel.zero))
         eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
@@ -186,7 +214,7 @@ def test_prediction_of_a_hand_counted_validation_pass():
     """The same layout, 3 validation batches forward only: per microbatch the two all-reduces of
     the block's outputs, the embedding's and the cross-entropy statistics; no backward, no norm."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from mpipar.plan.cost import predict_eval_bytes
+    from mpipar.plan.traffic import predict_eval_bytes
     from mpipar.runtime.topology import Coord
 
     cfg = validate(Config(ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16),

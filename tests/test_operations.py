@@ -32,8 +32,9 @@ def test_default_run(tmp_path, ranks):
         pytest.skip("no mpirun beside this Python (install mpipar[mpich])")
     from mpipar.checkpoint import store as checkpoint
     from mpipar.config import Config
-    from mpipar.plan.cost import predict_step_bytes
+    from mpipar.plan.traffic import predict_step_bytes
     from mpipar.runtime.topology import Coord
+    from mpipar.rules import validate
 
     proc = run_train(ranks, ["--steps", "20"], cwd=tmp_path, timeout=540)
     assert proc.returncode == 0, proc.stderr
@@ -53,7 +54,8 @@ def test_default_run(tmp_path, ranks):
                                   "optimizer", "io"}
         assert r["time"]["compute"] > 0
     # Bytes per group are the planner's (data parallel: the gradient buckets and the loss).
-    cfg = Config.from_dict(__import__("tomllib").loads((run / "config.toml").read_text()))
+    saved = __import__("tomllib").loads((run / "config.toml").read_text())
+    cfg = validate(Config.from_dict(saved), ranks)
     assert rows[-1]["comm_bytes_max"] == predict_step_bytes(cfg, Coord(0, 0, 0, 0))
     assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / "step_00000020"
     assert summary["status"] == "completed" and summary["steps"] == [1, 20]
@@ -429,7 +431,7 @@ def test_absurd_sizes_exit_2_naming_needed_and_available_bytes(tmp_path, flags):
     MemoryError traceback. The planner's memory of a rank is compared with its share of the
     node's available memory before anything is allocated: exit 2 within seconds, printing the
     bytes needed (here the lower bound: twice the weights of one rank) and available."""
-    from mpipar.plan.cost import memory_lower_bound
+    from mpipar.plan.memory import memory_lower_bound
     from mpipar.train import resolve_config
 
     args = [*TINY, *flags, "--run-dir", str(tmp_path / "run")]
@@ -453,7 +455,7 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
     from mpipar.runtime import memory, nodes
     from mpipar.config import ConfigError, ModelConfig
     from mpipar.model.params import param_specs
-    from mpipar.plan.cost import parameter_count, predict_peak_memory
+    from mpipar.plan.memory import parameter_count, predict_peak_memory
     from mpipar.runtime.topology import Coord
     from mpipar.train import check_memory, resolve_config
 
@@ -478,7 +480,7 @@ def test_node_shared_parameters_larger_than_dev_shm_exit_2(tmp_path):
     """ZeRO-3 in node shared memory whose parameters /dev/shm could not hold (a window larger
     than the tmpfs fails with SIGBUS when touched) exits 2 before anything is allocated, once,
     naming the bytes and the fix; --allow-oversubscribed-memory (RAM) does not skip it."""
-    from mpipar.plan.cost import memory_lower_bound
+    from mpipar.plan.memory import memory_lower_bound
     from mpipar.train import resolve_config
 
     args = [*TINY, "--zero", "3", "--zero-shared", "node", "--hidden", "1000000",
@@ -498,7 +500,7 @@ def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
     bytes, only where ZeRO-3 keeps them in node shared memory (not when gathering)."""
     from mpipar.runtime import memory, nodes
     from mpipar.config import ConfigError
-    from mpipar.plan.cost import memory_lower_bound
+    from mpipar.plan.memory import memory_lower_bound
     from mpipar.train import check_shared_memory, resolve_config
 
     cfg = resolve_config([*TINY, "--zero", "3", "--zero-shared", "node"], 4)

@@ -3,6 +3,7 @@ counts, the time model's ranking, rejection reasons, the default run's layout ch
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -11,9 +12,11 @@ import pytest
 from conftest import assert_all_ranks, launch_env
 from layouts import small_config, token_source
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from mpipar.plan.cost import (Hardware, auto_layout, model_flops_per_step, plan_layouts,
-                            predict_memory, predict_step_bytes, predict_step_messages,
-                            predict_step_time)
+from mpipar.plan.flops import model_flops_per_step
+from mpipar.plan.memory import predict_memory
+from mpipar.plan.search import auto_layout, plan_layouts
+from mpipar.plan.step_time import Hardware, predict_step_time
+from mpipar.plan.traffic import predict_step_bytes, predict_step_messages
 from mpipar.runtime.topology import Coord
 from mpipar.rules import validate
 from mpipar.layout import resolve_model, vary
@@ -356,6 +359,28 @@ def test_plan_cli(tmp_path):
     assert any("hierarchical" not in r and "across nodes 5,627,790" in r for r in rows)
 
 
+HIDE_MPI = """
+import runpy, sys
+sys.modules["mpi4py"] = None      # any import of mpi4py now raises ImportError
+sys.argv = ["python -m mpipar.plan", "--world", "8"]
+runpy.run_module("mpipar.plan", run_name="__main__")
+"""
+
+
+def test_plan_cli_runs_without_mpi():
+    """``python -m mpipar.plan --world 8`` on a machine where mpi4py cannot be imported: the
+    planner, its probes and every module they import start no MPI; the layouts are ranked."""
+    proc = subprocess.run([sys.executable, "-c", HIDE_MPI], capture_output=True, text=True,
+                          timeout=300, env=launch_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("mpipar plan: world 8, model 4 layers"), proc.stdout[:500]
+    ranked = [line for line in proc.stdout.splitlines()
+              if re.match(r"\s+\d+  dp=\d+ tp=\d+ pp=\d+ sp=\d+ .* zero=\d", line)]
+    assert len(ranked) == 10, proc.stdout[:2000]                     # the default --top 10
+    assert ranked[0].lstrip().startswith("1  "), ranked[0]
+    assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
+
+
 def test_hierarchical_and_compressed_options_ranked_beside_flat():
     """On 2 nodes of 4: a slow link across nodes ranks hierarchical reduction above flat, and
     (compression's work negligible) int8 and top-k above dense; with links as fast inside as
@@ -385,7 +410,8 @@ def test_measured_nodes_place_the_groups():
     """A hardware file's ranks per node (``bench comm``) decides which groups cross nodes when the
     layout names none, and the layout's own ``ranks_per_node`` wins: dp=8 on nodes of 4 is timed
     on the slow link, exactly its wire bytes over that link plus a latency per call."""
-    from mpipar.plan.cost import predict_link_bytes, with_nodes
+    from mpipar.plan.step_time import with_nodes
+    from mpipar.plan.traffic import predict_link_bytes
 
     cfg = validate(Config(parallel=ParallelConfig(dp=8)), 8)
     one_node = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)

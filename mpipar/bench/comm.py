@@ -92,7 +92,7 @@ def codec_work(dtype: str, repeats: int) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Links inside a node and across nodes, compute speed and per-op overhead of every rank,
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
-    from mpipar.plan.cost import Hardware
+    from mpipar.plan.step_time import Hardware
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

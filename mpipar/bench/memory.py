@@ -114,7 +114,7 @@ def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, com
     the unit pool, caches) and the peak of a step; the planner's prediction beside them.
     ``shared``: ZeRO-3 in node shared memory, whose slices (not NumPy's, so not traced) are
     added to each figure."""
-    from mpipar.plan.cost import predict_memory
+    from mpipar.plan.memory import predict_memory
 
     gc.collect()
     engine, m = _traced_build_and_step(
@@ -124,7 +124,7 @@ def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, com
                                    m["step_peak"] + extra, m["loss"])
     pool = (sum(b.nbytes for bufs in engine.sharded.pool.free.values() for b in bufs)
             if engine.sharded else 0)
-    predicted = predict_memory(engine.cfg, engine.grid.coord)
+    predicted = predict_memory(engine.layout, engine.grid.coord)
     return {"zero": f"{stage}n" if shared else stage, "prefetch": prefetch,
             "build_peak": build, "resident": resident,
             "step_peak": step, "peak": max(build, step), "pool": pool,

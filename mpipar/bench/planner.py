@@ -40,7 +40,8 @@ def measured_step_time(launch: list[str], flags: list[str], run_dir: str) -> tup
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train each layout for ``--steps`` steps under ``--launcher`` and print the planner's
     predicted step time (``--hardware`` file) beside the measured median."""
-    from mpipar.plan.cost import Hardware, predict_step_time
+    from mpipar.plan.step_time import Hardware, predict_step_time
+    from mpipar.rules import validate
 
     hw = Hardware.load(args.hardware)
     launch = args.launcher.split() + ["-n", str(args.ranks)]
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i, layout in enumerate(args.layouts.split(";")):
             flags = [*layout.split(), "--steps", str(steps), *args.train_args.split()]
             measured, cfg = measured_step_time(launch, flags, os.path.join(tmp, str(i)))
-            predicted = predict_step_time(cfg, hw)
+            predicted = predict_step_time(validate(cfg, args.ranks), hw)
             rows.append({"layout": layout, "predicted_s": predicted.total, "measured_s": measured,
                          "ratio": predicted.total / measured})
     print(f"planner: {args.ranks} ranks, {steps} steps each, the default model "

@@ -25,7 +25,7 @@ def measure_window_step(sp_mode: str, window: int, seq: int, args: argparse.Name
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
     from mpipar.training.engine import Engine
-    from mpipar.plan.cost import predict_step_bytes
+    from mpipar.plan.traffic import predict_step_bytes
 
     sp = comm.Get_size()
     cfg = validate(Config(ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers,

@@ -39,6 +39,8 @@ import numpy as np
 from mpipar.runtime.comm import Group
 from mpipar.config import require
 from mpipar.layout import Layout
+from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.runtime.topology import Coord, GridShape
 
 SPLITS = ("contiguous", "zigzag")
 Array = Any
@@ -583,3 +585,47 @@ def check_config(layout: Layout) -> None:
             require((heads // p.tp) % group == 0,
                     f"parallel.{what}={group}: {p.sp_mode} needs model.{name}/tp = "
                     f"{heads}/{p.tp} divisible by {what}")
+
+
+# ------------------------------------------------------------------------------------ traffic
+def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[int],
+                   passes: int, backward: bool) -> list[Call]:
+    """SP attention of ``layers`` (global indices, each with its own sliding window) on the
+    rank at ``coord`` of the grid ``shape``, in ``passes`` forwards of a microbatch through
+    each, each with its backward (``backward``: a training step, whose ``recompute="full"``
+    runs each forward twice) or without. Ring and halo messages come from :func:`ring_hops`
+    and :func:`halo_plan` (hybrid: the ring over the Ulysses groups, ``ulysses_size`` sp ranks
+    apart); Ulysses all-to-alls q ``[B, S/sp, hq/tp, D]`` and k/v ``[B, S/sp, hkv/tp, D]``."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    reps = (2 if backward and tr.recompute == "full" else 1) * passes
+    bwds = passes if backward else 0
+    e, s_loc = element_bytes(tr.dtype), tr.seq_len // par.sp
+    row = layout.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim * e  # one position's K
+    q = layout.micro_batch_size * s_loc * (m.heads // par.tp) * m.head_dim * e
+    n = len(layers)
+    if par.sp_mode == "ulysses":
+        return _ulysses_calls("sp", q, row * s_loc, reps * n, bwds * n)
+    calls, group, stride = [], "sp", 1
+    seq = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    if par.sp_mode == "hybrid":
+        stride = par.ulysses_size
+        calls += _ulysses_calls("sp_ulysses", q, row * s_loc, reps * n, bwds * n) if stride > 1 \
+            else []
+        group, seq = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
+    for layer in layers:
+        window = m.layer_window(layer)
+        fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row)
+                    if par.sp_mode == "halo" else
+                    ring_messages(ring_hops(seq, window), row * s_loc, par.sp_overlap))
+        for (op, nbytes, count, off), times in [(x, reps) for x in fwd] + [(x, bwds) for x in bwd]:
+            peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
+                    if off else None)
+            calls.append(Call(group, op, nbytes, count * times, peer))
+    return calls
+
+
+def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:
+    """All-to-alls of q, k, v and the output forward (``reps`` times), of dout, dq, dk, dv
+    backward (``bwds`` times); ``q``, ``kv``: bytes of this rank's q and of its k (= v)."""
+    return [Call(group, "alltoall", q, 2 * (reps + bwds)),
+            Call(group, "alltoall", kv, 2 * (reps + bwds))]

@@ -7,10 +7,10 @@ Every factorisation ``dp x tp x pp x sp`` of the world is tried with every free 
 schedule, SP mode and split, microbatch size, ZeRO stage; with ``--ranks-per-node K`` describing
 several nodes also flat or hierarchical reduction, no, int8 or top-k gradient compression, and
 hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the first recompute
-mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
-time model of :mod:`mpipar.plan.cost`, with the links inside a node (``--intra-gbps``, default
-half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and across
-nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
+mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the
+step time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--intra-gbps``,
+default half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and
+across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
 all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too); each
 row shows its bytes per group and, across nodes, the wire bytes on the slow link. The rejected
 ones are listed with the configuration rule they break or the memory they would need. Exit
@@ -29,8 +29,9 @@ import numpy as np
 from mpipar import config as config_mod
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
-from mpipar.plan.cost import Candidate, Hardware, Plan, plan_layouts, with_nodes
 from mpipar.layout import resolve_model
+from mpipar.plan.search import Candidate, Plan, plan_layouts
+from mpipar.plan.step_time import Hardware, with_nodes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from mpipar.config import ConfigError, require
 from mpipar.layout import Layout
+from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.runtime.topology import Coord, GridShape
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMPUTE_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -526,3 +528,27 @@ def check_config(layout: Layout) -> None:
         build_schedule(p.schedule, p.pp, layout.microbatches, p.virtual_stages)
     except ValueError as exc:
         raise ConfigError(f"parallel.schedule={p.schedule!r}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------ traffic
+def pipeline_calls(layout: Layout, coord: Coord, shape: GridShape, stages: list[int],
+                   passes: int, backward: bool) -> list[Call]:
+    """The pp group's calls of the rank at ``coord`` of the grid ``shape``, whose chunks are
+    the global virtual ``stages``, in ``passes`` microbatches through each chunk: the
+    activations ``[B, S/sp, H]`` (``[B*S/(sp*tp), H]`` under tensor sequence parallelism) to the
+    next stage and, with ``backward`` (a training step), their gradients to the previous one,
+    each with its receive on the other side; and the loss broadcast from the last stage."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    p, last = layout.pp, layout.stages - 1
+    tokens = layout.micro_batch_size * (tr.seq_len // par.sp)
+    act = tokens * m.hidden * element_bytes(tr.dtype) // (par.tp if par.tp_sequence_parallel
+                                                          else 1)
+    outgoing = sum(s < last for s in stages) * passes       # activations to the next stage
+    incoming = sum(s > 0 for s in stages) * passes          # activations from the previous
+    nxt = shape.rank_of(coord._replace(pp=(coord.pp + 1) % p))
+    loss = Call("pp", "bcast", 8 if coord.pp == p - 1 else 0)
+    if not backward:
+        return [Call("pp", "send", act, outgoing, nxt), Call("pp", "recv", 0, incoming), loss]
+    prv = shape.rank_of(coord._replace(pp=(coord.pp - 1) % p))
+    return [Call("pp", "send", act, outgoing, nxt), Call("pp", "send", act, incoming, prv),
+            Call("pp", "recv", 0, outgoing + incoming), loss]

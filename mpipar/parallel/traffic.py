@@ -1,0 +1,32 @@
+"""A predicted MPI call: what each parallel axis says one step hands to MPI.
+
+Each axis predicts its own traffic beside its runtime (:func:`mpipar.parallel.tensor.
+tensor_calls`, :func:`mpipar.parallel.context.sequence_calls`, :func:`mpipar.parallel.pipeline.
+schedule.pipeline_calls`, :func:`mpipar.parallel.data.reduction_calls`,
+:func:`mpipar.parallel.fsdp.sharded_calls`) as a list of :class:`Call`, under the ledger's
+counting convention (:mod:`mpipar.runtime.comm`: the payload of each call, sender side; a
+receive counts a call and no bytes). The planner (:mod:`mpipar.plan.traffic`) concatenates
+them; the ledger tests hold the engine to them exactly. Nothing here needs MPI.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Call:
+    """``count`` MPI calls of ``op`` (the ledger's operation names) on group ``group``, each
+    handing over ``nbytes``; point-to-point calls name their ``peer`` (a grid rank)."""
+
+    group: str
+    op: str
+    nbytes: int
+    count: int = 1
+    peer: int | None = None
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of the training ``dtype`` (``"float32"``: 4)."""
+    return np.dtype(dtype).itemsize

@@ -1,0 +1,39 @@
+"""FLOPs of the model: what the time model divides by the peak, and what MFU is measured against.
+
+Forward FLOPs of a block count its matrix products (q, k, v, o; gate, up, down: two FLOPs a
+multiply-add) and attention's ``q k^T`` and ``p v`` over the keys a query sees; backward is
+twice forward.
+"""
+from __future__ import annotations
+
+from mpipar.config import Config, ModelConfig
+from mpipar.layout import Layout
+
+
+def block_flops_per_token(model: ModelConfig, tp: int, context: float) -> float:
+    """Forward FLOPs of one block of the resolved ``model`` for one token on one of ``tp``
+    tensor-parallel ranks, attending to ``context`` keys."""
+    H, D = model.hidden, model.head_dim
+    hq, hkv, F = model.heads // tp, model.kv_heads // tp, model.ffn_hidden // tp
+    matmul = 2 * H * (2 * hq * D + 2 * hkv * D) + 2 * 3 * H * F   # q, o, k, v; gate, up, down
+    return matmul + 4 * hq * D * context                           # q k^T and p v
+
+
+def window_context(seq_len: int, window: int) -> float:
+    """Mean keys a query sees over a sequence: (S + 1) / 2 causal; with a sliding window W the
+    query at position i sees min(i + 1, W)."""
+    if window == 0 or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def model_flops_per_step(cfg: Config | Layout) -> float:
+    """Model FLOPs of one optimizer step of ``cfg`` (a configuration with a resolved model, or
+    a Layout): forward + backward = 3 x forward, causal attention (a query at position i sees
+    i + 1 keys, or min(i + 1, W) in a layer with a sliding window W), whatever the layout and
+    recompute mode."""
+    m, tr = cfg.model, cfg.train
+    per_token = (sum(block_flops_per_token(m, 1, window_context(tr.seq_len, w))
+                     for w in m.windows())
+                 + 2 * m.hidden * m.vocab_size)                    # LM head
+    return 3.0 * per_token * tr.global_batch_size * tr.seq_len

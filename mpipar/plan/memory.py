@@ -1,0 +1,241 @@
+"""What one rank holds in memory: its state exactly, its activations as an estimate.
+
+:func:`predict_memory` gives a rank's bytes of weights, gradients and optimizer state (exact: the
+engine's flat buffers and moments, or ZeRO-2/3's units) and of saved activations (an estimate
+from what each recompute mode keeps, at the peak number of microbatches the schedule holds in
+flight). :func:`predict_peak_memory` adds initialisation and the token batch: what training
+compares with the node's memory before it allocates anything; :func:`memory_lower_bound` is a
+cheap bound for models too large to list.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from mpipar.config import ModelConfig
+from mpipar.layout import Layout, resolve_model
+from mpipar.parallel.context import SeqLayout, halo_plan
+from mpipar.parallel.fsdp import MAX_IN_FLIGHT
+from mpipar.parallel.placement import padded_vocab
+from mpipar.parallel.traffic import element_bytes
+from mpipar.plan.rank import (bucket_lengths, compressed_size, group_sizes, kept_units,
+                              local_param_shapes, node_copy, placement_table, rank_ops,
+                              unit_lengths)
+from mpipar.runtime.topology import Coord
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes one rank holds: exact for the state, an estimate for activations."""
+
+    weights: int       # flat parameter buckets (padded to a multiple of dp*sp; ZeRO-3: a slice)
+    grads: int         # flat gradient buckets, same size (ZeRO-2/3: this rank's slices only)
+    optimizer: int     # AdamW moments m and v (ZeRO-1/2/3: this rank's slices only)
+    activations: int   # saved for backward at the schedule's peak, plus one block's working set
+    buffers: int = 0   # ZeRO-2/3: the pool of whole units (gathered, gradients), at most
+    residuals: int = 0  # error-feedback residuals of compressed reduction
+
+    @property
+    def state(self) -> int:
+        """Weights, gradients and optimizer state: what ZeRO shards."""
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.buffers + self.residuals
+
+
+def residual_bytes(layout: Layout, lengths: list[int]) -> int:
+    """Bytes of a rank's error-feedback residuals over buckets of ``lengths`` elements: what it
+    compresses (its node shard, or the bucket) and, int8 without ZeRO, its owned sum."""
+    par = layout.parallel
+    c = compressed_size(layout)
+    if c == 1 or par.error_feedback == "off":
+        return 0
+    per_node = group_sizes(layout)["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
+    second = par.grad_compression == "int8" and not par.zero
+    x = sum(length // per_node for length in lengths)
+    return (x + (x // c if second else 0)) * element_bytes(layout.train.dtype)
+
+
+def _block_activation_bytes(layout: Layout, mode: str) -> int:
+    """Bytes one block keeps for backward for one microbatch on one rank under ``mode`` (the
+    fields of :class:`mpipar.model.llama.BlockSaved` it fills)."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    e, se = element_bytes(tr.dtype), (8 if tr.dtype == "float64" else 4)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
+    H, q, kv, F = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim, \
+        m.ffn_hidden // par.tp
+    lse = n * (m.heads // par.tp) * se
+    ulysses = par.sp > 1 and par.sp_mode == "ulysses"
+    # The core's output, and its context: the lse (local, ring) or Ulysses' all-to-all'ed copies
+    # of q, k, v and of the output, and the lse.
+    core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0) + _halo_bytes(layout)
+    inputs = 0 if ulysses else (q + 2 * kv) * n * e          # q, k, v as the core reads them
+    if mode == "none":
+        return (4 * H + 2) * ns * e + 3 * F * n * e + inputs + core  # x, h1, x2, h2, rstds, g, u, m
+    if mode == "selective":
+        return 2 * H * ns * e + 2 * F * n * e + core               # x, x2, g, u, the core's
+    if mode == "full":
+        return H * ns * e                                           # the block input only
+    return 0                                                        # offload: on disk
+
+
+def _halo_bytes(layout: Layout) -> int:
+    """Bytes of the K/V rows halo attention keeps for backward in one block (the most of any
+    SP rank and layer); 0 in the other modes."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    if par.sp == 1 or par.sp_mode != "halo":
+        return 0
+    seq = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    rows = max(sum(len(p) for p in halo_plan(seq, r, w).recv.values())
+               for r in range(par.sp) for w in set(m.windows()))
+    return 2 * rows * tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim \
+        * element_bytes(tr.dtype)
+
+
+def _head_activation_bytes(layout: Layout) -> int:
+    """Bytes the LM head keeps for one microbatch: x, normed x, rstd (stream), logits, targets,
+    lse."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    e, se = element_bytes(tr.dtype), (8 if tr.dtype == "float64" else 4)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)
+    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
+    return (2 * m.hidden + 1) * ns * e + vl * n * e + n * (8 + se)
+
+
+def _activation_bytes(layout: Layout, coord: Coord) -> int:
+    """Activations of the rank at ``coord`` at the schedule's peak: what each chunk saves per
+    microbatch between its forward and its backward, plus one block's (and on the last stage
+    the head's) working set."""
+    par, tr = layout.parallel, layout.train
+    p, last = par.pp, layout.stages - 1
+    per = layout.model.layers // layout.stages
+    mode = tr.recompute
+    block = _block_activation_bytes(layout, mode)
+    head = 0 if mode == "offload" else _head_activation_bytes(layout)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    weight = {c: per * block + (head if c * p + coord.pp == last else 0)
+              + (9 * n if c * p + coord.pp == 0 else 0)              # token ids and mask
+              for c in range(par.virtual_stages)}
+    live, peak = 0, 0
+    for op in rank_ops(layout, coord):                  # what is saved between fwd and bwd
+        if op.kind == "fwd":
+            live += weight[op.chunk]
+            peak = max(peak, live)
+        elif op.kind in ("bwd", "bwd_weight"):
+            live -= weight[op.chunk]
+    working = _block_activation_bytes(layout, "none") + (_head_activation_bytes(layout)
+                                                         if last % p == coord.pp else 0)
+    return peak + working
+
+
+def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
+    """Memory of the rank at ``coord``; see :class:`MemoryEstimate`."""
+    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    lengths = list(unit_lengths(layout, coord).values()) if par.zero >= 2 else \
+        bucket_lengths(layout, coord)
+    flat = sum(lengths) * e
+    owned = sum(L // (layout.dp * par.sp) for L in lengths) * e
+    if par.zero:
+        optimizer = 2 * owned
+    else:
+        optimizer = 2 * sum(math.prod(s) for s in local_param_shapes(layout, coord).values()) * e
+    activations = _activation_bytes(layout, coord)
+    if par.zero < 2:
+        return MemoryEstimate(flat, flat, optimizer, activations,
+                              residuals=residual_bytes(layout, lengths))
+    copy = node_copy(layout, coord)
+    weights = (flat if par.zero == 2 else owned if copy is None
+               else sum(L // copy[0] for L in lengths) * e)        # its part of the node's copy
+    return MemoryEstimate(weights, owned, optimizer, activations, _unit_buffers(layout, coord))
+
+
+def _kept_meets_forward(layout: Layout, coord: Coord) -> bool:
+    """Whether the rank at ``coord`` runs a forward while a chunk's kept units wait for that
+    chunk's next backward (a forward of a chunk after its last backward: pipeline warm-up,
+    interleaving), so that they are gathered beside the forward's units."""
+    waiting: set[int] = set()
+    for op in rank_ops(layout, coord):
+        if op.kind == "fwd":
+            if waiting:
+                return True
+            waiting.add(op.chunk)
+        elif op.kind in ("bwd", "bwd_input"):
+            waiting.discard(op.chunk)
+    return False
+
+
+def _unit_buffers(layout: Layout, coord: Coord) -> int:
+    """ZeRO-2/3: a bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.
+    BufferPool` keeps what a step needed at once, by length): per unit length, the gathered
+    units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head, the
+    units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and
+    ``MAX_IN_FLIGHT`` reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight
+    op, beside them), and the received slices."""
+    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    by_length: dict[int, int] = defaultdict(int)
+    kept: dict[int, int] = defaultdict(int)
+    lengths, shared = unit_lengths(layout, coord), node_copy(layout, coord) is not None
+    for L in lengths.values():
+        by_length[L] += 1
+    if par.zero == 3 and _kept_meets_forward(layout, coord):
+        for u in kept_units(layout, coord):
+            kept[lengths[u]] += 1
+    total, n = 0, layout.dp * par.sp
+    for L, k in by_length.items():
+        gathered = (min(k, 2 + par.zero_prefetch + kept[L])
+                    if par.zero == 3 and not shared else 0)
+        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(k, 1 + MAX_IN_FLIGHT)
+        total += (gathered + grads) * L * e + min(k, 1 + MAX_IN_FLIGHT) * L // n * e
+    return total
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Parameters of ``model`` from its sizes alone (no per-layer list: a model of 10^8 layers
+    is counted at once): embedding and LM head ``V x H`` each, the final norm ``H``, and per
+    block two norms, q/k/v/o and the three SwiGLU matrices."""
+    m = resolve_model(model)
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    block = 2 * m.hidden + (2 * q + 2 * kv) * m.hidden + 3 * m.ffn_hidden * m.hidden
+    return 2 * m.vocab_size * m.hidden + m.hidden + m.layers * block
+
+
+def memory_lower_bound(layout: Layout) -> int:
+    """Bytes the busiest rank of ``layout`` needs at least: its share of the weights and
+    gradients, ``2 x dtype bytes x parameters / (tp x pp)``. Cheap for any size, so absurd
+    models are refused before :func:`predict_peak_memory` lists their parameters."""
+    e = element_bytes(layout.train.dtype)
+    return 2 * e * parameter_count(layout.model) // (layout.tp * layout.pp)
+
+
+def predict_peak_memory(layout: Layout, coord: Coord) -> int:
+    """The most bytes the rank at ``coord`` holds at once, not counting the interpreter and its
+    libraries: the largest of
+
+    - initialisation: its initial parameter shards, plus the largest parameter it holds as a
+      float64 global tensor, cast to the training dtype and copied (or padded) into its shard:
+      a parameter is initialised whole, then sliced (:func:`mpipar.model.params.init_param`,
+      ``Engine._initial_shards``);
+    - building the engine: those shards while the flat weight and gradient buffers and the
+      AdamW moments are allocated;
+    - a step: :func:`predict_memory`, plus the step's tokens (this DP rank's int64 rows of
+      ``seq_len + 1``, its inputs and targets, and their sequence chunks).
+    """
+    par, tr = layout.parallel, layout.train
+    e = element_bytes(tr.dtype)
+    mem = predict_memory(layout, coord)
+    shapes = local_param_shapes(layout, coord)
+    shards = e * sum(math.prod(shape) for shape in shapes.values())
+    table = placement_table(layout)
+    largest = max(math.prod(table[name].spec.shape) for name in shapes)
+    if par.zero >= 2:        # ZeRO-2/3 initialise one unit at a time
+        shards = max(unit_lengths(layout, coord).values()) * e
+    initialising = shards + largest * (8 + 2 * e)
+    building = shards + mem.weights + mem.grads + mem.optimizer + mem.residuals
+    rows = tr.global_batch_size // layout.dp
+    tokens = 8 * rows * (3 * (tr.seq_len + 1) + 2 * (tr.seq_len // par.sp))
+    return max(initialising, building, mem.total + tokens)

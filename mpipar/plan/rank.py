@@ -1,0 +1,136 @@
+"""One rank of a layout as the planner sees it: what it holds and runs, on the planner's nodes.
+
+A rank at grid coordinate ``coord`` of a resolved :class:`mpipar.layout.Layout` holds the
+parameter shards of its pipeline chunks (:func:`local_param_shapes`, from the placement table),
+in flat gradient buckets (:func:`bucket_lengths`, as :class:`mpipar.parallel.data.GradReducer`
+lays them out) or, at ZeRO-2/3, in units (:func:`unit_lengths`, as
+:class:`mpipar.parallel.fsdp.ShardedParams` does), and runs its pipeline rank's op list of the
+schedule (:func:`rank_ops`). The nodes are ``parallel.ranks_per_node`` consecutive ranks each
+(:func:`nodes_of`); :func:`group_sizes` gives the ranks of each group of the grid on them. The
+placement tables and schedules are cached: the layout search asks for the same ones many times.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from mpipar.config import ModelConfig
+from mpipar.layout import Layout
+from mpipar.parallel.compression import alignment
+from mpipar.parallel.data import reduction_buckets
+from mpipar.parallel import fsdp
+from mpipar.parallel.pipeline.schedule import Op, build_schedule
+from mpipar.parallel.placement import PlacementTable
+from mpipar.runtime.topology import Coord, GridShape, NodeMap
+
+
+@functools.lru_cache(maxsize=64)
+def _table(model: tuple, pp: int, v: int) -> PlacementTable:
+    """The placement table of the resolved model whose field values are ``model`` (cached)."""
+    return PlacementTable(model=ModelConfig(*model), pp=pp, virtual_stages=v)
+
+
+def placement_table(layout: Layout) -> PlacementTable:
+    """The placement of every parameter of ``layout``'s model on its pipeline (cached)."""
+    return _table(dataclasses.astuple(layout.model), layout.pp, layout.virtual_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, p: int, m: int, v: int) -> list[list[Op]]:
+    """:func:`build_schedule`, cached (the op lists are only read)."""
+    return build_schedule(name, p, m, v)
+
+
+def schedule_ops(layout: Layout) -> list[list[Op]]:
+    """The op list of every pipeline rank of ``layout``'s schedule for one step (cached)."""
+    return _schedule(layout.parallel.schedule, layout.pp, layout.microbatches,
+                     layout.virtual_stages)
+
+
+def rank_ops(layout: Layout, coord: Coord) -> list[Op]:
+    """The schedule's op list of the rank at ``coord``."""
+    return schedule_ops(layout)[coord.pp]
+
+
+def rank_stages(layout: Layout, coord: Coord) -> list[int]:
+    """The global virtual stages of the rank at ``coord``'s chunks, in chunk order."""
+    return [chunk * layout.pp + coord.pp for chunk in range(layout.virtual_stages)]
+
+
+def grid_shape(layout: Layout) -> GridShape:
+    """The sizes of ``layout``'s process grid (dp, tp, pp, sp)."""
+    return GridShape(layout.dp, layout.tp, layout.pp, layout.sp)
+
+
+def local_param_shapes(layout: Layout, coord: Coord) -> dict[str, tuple[int, ...]]:
+    """Shapes of the parameter shards held by the rank at ``coord``, in the order the engine
+    lays them out (chunk by chunk, forward order)."""
+    return placement_table(layout).local_shapes(coord.pp, layout.tp)
+
+
+def nodes_of(layout: Layout) -> NodeMap:
+    """The node map the planner assumes: ``ranks_per_node`` consecutive ranks a node (0: the
+    whole world on one node, as when MPI finds one machine)."""
+    return NodeMap.blocks(layout.world, layout.parallel.ranks_per_node)
+
+
+def group_sizes(layout: Layout) -> dict[str, int]:
+    """Ranks in each group of the grid (the node split of dp x sp on :func:`nodes_of`;
+    ``pp_ends`` as on the first and last pipeline ranks, the only ones that call it)."""
+    par, dp = layout.parallel, layout.dp
+    intra = len(grid_shape(layout).node_split(0, nodes_of(layout))[0])
+    u = par.ulysses_size or 1
+    return {"tp": par.tp, "pp": par.pp, "dp": dp, "sp": par.sp, "dp_sp": dp * par.sp,
+            "tp_pp": par.tp * par.pp, "pp_ends": min(par.pp, 2), "dp_sp_intra": intra,
+            "dp_sp_inter": dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u}
+
+
+def compressed_size(layout: Layout) -> int:
+    """Ranks of the group the gradient reduction compresses over (and the residual slots):
+    across nodes when hierarchical, else dp x sp; 1 when nothing is compressed."""
+    par = layout.parallel
+    if par.grad_compression == "none":
+        return 1
+    return group_sizes(layout)["dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"]
+
+
+def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
+    """(elements, whether it holds a tied embedding summed over pp_ends) of each flat gradient
+    bucket of the rank at ``coord`` (:func:`mpipar.parallel.data.reduction_buckets`)."""
+    table = placement_table(layout)
+    order = list(reversed(list(local_param_shapes(layout, coord).items())))
+    tied = {i for i, (n, _) in enumerate(order) if table[n].tied_across_pipeline}
+    align = alignment(layout.parallel.grad_compression) if compressed_size(layout) > 1 else 1
+    return reduction_buckets(layout, [math.prod(s) for _, s in order], tied, align)
+
+
+def bucket_lengths(layout: Layout, coord: Coord) -> list[int]:
+    """Elements of each flat gradient bucket of the rank at ``coord`` (padded to a multiple of
+    dp*sp, of whole int8 scale blocks when int8 compression runs)."""
+    return [length for length, _ in gradient_buckets(layout, coord)]
+
+
+def unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
+    """ZeRO-2/3: elements of each unit of the rank at ``coord`` (padded to a multiple of
+    dp*sp), each once (:func:`mpipar.parallel.fsdp.unit_lengths`)."""
+    elements = {n: math.prod(s) for n, s in local_param_shapes(layout, coord).items()}
+    return fsdp.unit_lengths(layout, placement_table(layout).units(coord.pp), elements)
+
+
+def kept_units(layout: Layout, coord: Coord) -> set[str]:
+    """ZeRO-3: the units of the rank at ``coord`` gathered from their forward to their backward
+    (:func:`mpipar.parallel.fsdp.kept_after_forward`)."""
+    return fsdp.kept_after_forward([[u for u, _ in units]
+                                    for units in placement_table(layout).units(coord.pp)],
+                                   layout.parallel.zero_prefetch)
+
+
+def node_copy(layout: Layout, coord: Coord) -> tuple[int, int] | None:
+    """ZeRO-3 in node shared memory (:func:`mpipar.parallel.fsdp.node_shared`), on the nodes
+    the planner assumes, as the engine decides: (ranks of this rank's dp x sp group on its
+    node, nodes the group spans), or None where the units are gathered (not asked for, CUDA,
+    or a group across nodes that hold unequal numbers of its ranks, or one rank each)."""
+    shape = grid_shape(layout)
+    return fsdp.node_copy_layout(layout.parallel, layout.train.device == "cuda", shape,
+                                 nodes_of(layout), shape.rank_of(coord))

@@ -1,0 +1,246 @@
+"""Which layouts of a world fit, and which should be fastest.
+
+:func:`plan_layouts` enumerates every factorisation ``dp x tp x pp x sp`` of the world with every
+free choice (:func:`_variants`: pipeline schedule, SP mode and split, microbatch size, ZeRO
+stage; with nodes, the reduction and compression), keeps those the configuration rules accept,
+takes for each the first recompute mode whose memory fits, and ranks them by the predicted step
+time (:mod:`mpipar.plan.step_time`). :func:`auto_layout` is what ``python -m mpipar.train`` does
+when no parallel size is given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from mpipar.config import Config, ConfigError
+from mpipar.layout import Layout, vary
+from mpipar.plan.memory import MemoryEstimate, predict_memory
+from mpipar.plan.step_time import Hardware, StepTime, predict_step_time, with_nodes
+from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes
+from mpipar.rules import validate
+from mpipar.runtime.comm import LINKS
+from mpipar.runtime.topology import Coord
+
+SIZE_FIELDS = ("dp", "tp", "pp", "sp")
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+@dataclass
+class Candidate:
+    """A layout that validates, with its predictions (worst pipeline rank)."""
+
+    cfg: Layout
+    memory: MemoryEstimate
+    step_bytes: dict[str, int]
+    time: StepTime
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)   # wire, worst rank
+
+    def describe(self) -> str:
+        par, tr = self.cfg.parallel, self.cfg.train
+        text = f"dp={par.dp} tp={par.tp} pp={par.pp} sp={par.sp}"
+        if par.pp > 1:
+            text += f" {par.schedule}" + (f"(v={par.virtual_stages})" if par.virtual_stages > 1
+                                          else "")
+        if par.sp > 1:
+            text += f" {par.sp_mode}" + ("" if par.sp_mode == "ulysses" else f"/{par.sp_split}")
+            text += f"(U={par.ulysses_size})" if par.sp_mode == "hybrid" else ""
+        if par.dp * par.sp > 1 and par.dp_reduce == "hierarchical":
+            text += " hierarchical"
+        if par.dp * par.sp > 1 and par.grad_compression != "none":
+            text += " " + {"int8": "int8", "topk": f"top-{par.topk_ratio:g}"}[
+                par.grad_compression] + ("" if par.error_feedback == "on" else " no-EF")
+        zero = f"{par.zero}" + ("(node shared)" if par.zero_shared == "node" else "")
+        return text + f" mbs={tr.micro_batch_size} zero={zero} recompute={tr.recompute}"
+
+
+@dataclass
+class Rejection:
+    """A factorisation of the world no variant of which is ranked, and why."""
+
+    layout: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    ranked: list[Candidate] = field(default_factory=list)     # fastest first
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+def _factorisations(world: int) -> list[tuple[int, int, int, int]]:
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [c for c in itertools.product(divisors, repeat=4) if math.prod(c) == world]
+
+
+def _schedule_choices(base: Config, pp: int, fixed: set[str]) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) to try with ``pp`` pipeline ranks."""
+    par = base.parallel
+    if {"schedule", "virtual_stages"} & fixed:
+        return [(par.schedule, par.virtual_stages)]
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)] + [
+        ("interleaved", v) for v in (2, 4) if base.model.layers % (pp * v) == 0]
+
+
+def _sp_choices(base: Config, tp: int, sp: int, fixed: set[str]) -> list[tuple[str, str, int]]:
+    """(mode, split, Ulysses size) to try with ``sp`` sequence ranks (hybrid: Ulysses inside a
+    node, ring across, when the nodes are given)."""
+    par = base.parallel
+    if sp == 1 or {"sp_mode", "sp_split", "ulysses_size"} & fixed:
+        return [(par.sp_mode, par.sp_split, par.ulysses_size)]
+    modes = [("ring", "zigzag", 0), ("ring", "contiguous", 0), ("ulysses", "contiguous", 0)]
+    node_sp = par.ranks_per_node // tp if par.ranks_per_node % tp == 0 else 0
+    if 1 < node_sp < sp and sp % node_sp == 0:
+        modes.append(("hybrid", "zigzag", node_sp))
+    return modes
+
+
+def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
+              ) -> Iterator[Config]:
+    """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch / ZeRO /
+    reduction / compression choice (hierarchical reduction and hybrid SP when nodes are given)."""
+    par, tr = base.parallel, base.train
+    dp, tp, pp, sp = sizes
+    rows = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
+    if "micro_batch_size" in fixed or rows == 0:
+        micro = [tr.micro_batch_size]
+    else:
+        micro = [b for b in range(1, rows + 1) if rows % b == 0]
+    zeros = [par.zero] if "zero" in fixed or dp * sp == 1 else [0, 1, 2, 3]
+    across = par.ranks_per_node and par.ranks_per_node < dp * tp * pp * sp   # several nodes
+    reduces = ([par.dp_reduce] if "dp_reduce" in fixed or dp * sp == 1 or not across
+               else ["flat", "hierarchical"])
+    codecs = ([par.grad_compression] if "grad_compression" in fixed or dp * sp == 1
+              or not across else ["none", "int8", "topk"])
+
+    def shared_choices(zero: int) -> list[str]:
+        """ZeRO-3 on the CPU: gathered, or in node shared memory."""
+        if zero != 3:
+            return ["off"]
+        if "zero_shared" in fixed or tr.device == "cuda":
+            return [par.zero_shared]
+        return ["off", "node"]
+    for (schedule, v), (mode, split, u), mbs, zero, reduce, codec in itertools.product(
+            _schedule_choices(base, pp, fixed), _sp_choices(base, tp, sp, fixed), micro, zeros,
+            reduces, codecs):
+        # ZeRO-2/3 reduce-scatter dense and flat (fsdp's rule): a variant that clashes only
+        # because a free field was varied is no layout; fixed fields that clash are rejected.
+        if zero >= 2 and not ("zero" in fixed and (
+                reduce != "flat" and "dp_reduce" in fixed
+                or codec != "none" and "grad_compression" in fixed)) \
+                and (reduce, codec) != ("flat", "none"):
+            continue
+        for shared in shared_choices(zero):
+            yield Config(base.model, dataclasses.replace(
+                par, dp=dp, tp=tp, pp=pp, sp=sp, schedule=schedule, virtual_stages=v,
+                sp_mode=mode, sp_split=split, ulysses_size=u, zero=zero, zero_shared=shared,
+                dp_reduce=reduce, grad_compression=codec),
+                dataclasses.replace(tr, micro_batch_size=mbs))
+
+
+def evaluate(layout: Layout, hw: Hardware = Hardware()) -> Candidate:
+    """Predictions for ``layout``: memory, bytes and wire bytes per link of its worst pipeline
+    rank (its first rank on every other axis), on :func:`mpipar.plan.step_time.with_nodes`."""
+    layout = with_nodes(layout, hw, layout.world)
+    coords = [Coord(dp=0, tp=0, pp=r, sp=0) for r in range(layout.pp)]
+    memory = max((predict_memory(layout, c) for c in coords), key=lambda x: x.total)
+    step_bytes: dict[str, int] = {}
+    link_bytes: dict[str, dict[str, int]] = {}
+    for c in coords:
+        for g, b in predict_step_bytes(layout, c).items():
+            step_bytes[g] = max(step_bytes.get(g, 0), b)
+        for g, links in predict_link_bytes(layout, c).items():
+            worst = link_bytes.setdefault(g, dict.fromkeys(LINKS, 0))
+            for link, b in links.items():
+                worst[link] = max(worst[link], b)
+    return Candidate(layout, memory, step_bytes, predict_step_time(layout, hw), link_bytes)
+
+
+def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
+                 memory_bytes: float | None = None, hw: Hardware = Hardware()) -> Plan:
+    """Every layout of ``world`` ranks for ``base``'s model and batch, ranked by predicted step
+    time; ``fixed`` names the fields (of [parallel] and [train]) to keep as ``base`` has them.
+    For each layout the first recompute mode (none, selective, full) whose memory fits
+    ``memory_bytes`` per rank is taken (a fixed ``recompute`` is kept). Layouts that break a
+    configuration rule, or whose every variant exceeds the memory, are returned as rejections
+    with the reason (the rule's message, or the least memory any variant needs)."""
+    plan = Plan()
+    base = with_nodes(base, hw, world)
+    given = {f: getattr(base.parallel, f) for f in SIZE_FIELDS if f in fixed}
+    for sizes in _factorisations(world):
+        if any(dict(zip(SIZE_FIELDS, sizes))[f] != v for f, v in given.items() if v):
+            continue
+        errors: list[str] = []
+        too_big: list[Candidate] = []
+        accepted = 0
+        for cfg in _variants(base, sizes, fixed):
+            try:
+                layout = validate(cfg, world)
+            except ConfigError as exc:
+                errors.append(str(exc))
+                continue
+            modes = [layout.train.recompute] if "recompute" in fixed else RECOMPUTE_ORDER
+            for mode in modes:
+                trial = evaluate(vary(layout, train={"recompute": mode}), hw)
+                if memory_bytes is None or trial.memory.total <= memory_bytes:
+                    plan.ranked.append(trial)
+                    accepted += 1
+                    break
+            else:
+                too_big.append(trial)
+        if not accepted:
+            plan.rejected += _rejection(sizes, too_big, errors, memory_bytes)
+    plan.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
+    return plan
+
+
+def _rejection(sizes: tuple[int, int, int, int], too_big: list[Candidate], errors: list[str],
+               memory_bytes: float | None) -> list[Rejection]:
+    """Why no variant of the factorisation ``sizes`` is ranked: the least memory a variant
+    needs, else the first rule broken (none when the factorisation had no variant)."""
+    label = "dp={} tp={} pp={} sp={}".format(*sizes)
+    if too_big:
+        least = min(too_big, key=lambda c: c.memory.total)
+        return [Rejection(label, (
+            f"needs at least {least.memory.total / 2**30:.3g} GiB per rank "
+            f"({least.describe()}), more than --memory-gb {memory_bytes / 2**30:g}"))]
+    return [Rejection(label, errors[0])] if errors else []
+
+
+def auto_layout(cfg: Config, world: int, given: set[str]) -> tuple[Config, str | None]:
+    """The layout ``python -m mpipar.train`` uses when no parallel size is ``given``: pure data
+    parallelism when ``dp = world`` divides the batch; otherwise the fastest layout of
+    :func:`plan_layouts` (nominal :class:`Hardware`, so every rank decides the same); otherwise,
+    unless the global batch size was given, the batch rounded up to a multiple of the world.
+    Returns the config (unresolved) and a note saying what was chosen, or None if nothing
+    changed."""
+    if set(SIZE_FIELDS) & given:
+        return cfg, None
+    try:
+        validate(cfg, world)
+        return cfg, None
+    except ConfigError as exc:
+        first_error = str(exc)
+    fixed = {f.name for sec in (cfg.parallel, cfg.train) for f in dataclasses.fields(sec)}
+    fixed -= set(SIZE_FIELDS)
+    plan = plan_layouts(cfg, world, fixed)
+    if plan.ranked:
+        best = plan.ranked[0].cfg.parallel
+        out = Config(cfg.model, dataclasses.replace(cfg.parallel, dp=best.dp, tp=best.tp,
+                                                    pp=best.pp, sp=best.sp), cfg.train)
+        return out, (f"{first_error}; chose dp={best.dp} tp={best.tp} pp={best.pp} sp={best.sp} "
+                     f"(the planner's fastest layout; set --dp/--tp/--pp/--sp to choose)")
+    if "global_batch_size" in given:
+        return cfg, None
+    tr = cfg.train
+    unit = world * (tr.micro_batch_size or 1)
+    batch = -(-tr.global_batch_size // unit) * unit
+    out = Config(cfg.model, dataclasses.replace(cfg.parallel, dp=world),
+                 dataclasses.replace(tr, global_batch_size=batch))
+    return out, (f"{first_error}; no layout of {world} ranks fits global_batch_size="
+                 f"{tr.global_batch_size}, so it is {batch} (dp={world}); set "
+                 f"--global-batch-size to choose")

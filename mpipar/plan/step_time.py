@@ -1,0 +1,251 @@
+"""How long one optimizer step of a layout takes: the model that ranks layouts.
+
+::
+
+    op time    = FLOPs of one microbatch through one chunk / peak  +  kernel calls x op overhead
+                 +  its TP and SP traffic
+    pipeline   = dry run of the schedule with those op times (backward = 2 x forward, plus
+                 the forward work recompute repeats) and
+                 point-to-point messages of  activation bytes / bandwidth + latency: the makespan,
+                 which includes the bubble
+    step time  = pipeline + DP x SP gradient traffic (+ compression's encode/decode work)
+                 + gradient-norm all-reduce + the tied embedding's gradient sum
+                 + optimizer passes over the rank's parameters / elementwise rate
+
+with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce moves ``2 (n-1)/n``
+of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it; the calls are
+:func:`mpipar.plan.traffic.step_calls`), over the link inside a node or, for a group that spans
+nodes, across them. :class:`Hardware` holds the peak, the links, the per-call overhead and
+compression's work per element: nominal, or measured by ``python -m mpipar.bench comm`` (on a
+CPU, a kernel call's Python and NumPy dispatch and the cores that ranks share dominate small
+models: the peak is a rank's share of the node). The nodes are ``parallel.ranks_per_node``
+consecutive ranks each, else those of the hardware file, else one (:func:`with_nodes`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+from mpipar.config import Config
+from mpipar.layout import Layout, vary
+from mpipar.parallel.context import SeqLayout, halo_plan, ring_hops
+from mpipar.parallel.pipeline.schedule import dry_run
+from mpipar.parallel.placement import padded_vocab
+from mpipar.parallel.traffic import element_bytes
+from mpipar.plan.flops import block_flops_per_token
+from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group_sizes,
+                              nodes_of, schedule_ops)
+from mpipar.plan.traffic import step_calls
+from mpipar.runtime.comm import wire_bytes
+from mpipar.runtime.topology import GROUP_AXES, Coord
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the time model assumes about one rank and its links: nominal numbers by default, or
+    those ``python -m mpipar.bench comm`` measured (:meth:`load`). ``bandwidth`` and ``latency``
+    are the link across nodes, ``intra_bandwidth`` and ``intra_latency`` the one inside a node
+    (0: as across)."""
+
+    peak_flops: float = 1e11       # FLOP/s of one rank (with its share of the node's cores)
+    bandwidth: float = 1e10        # bytes/s of one rank's link to other nodes
+    latency: float = 1e-5          # seconds per MPI call to other nodes
+    intra_bandwidth: float = 0.0   # bytes/s inside a node (0: as across nodes)
+    intra_latency: float = 0.0     # seconds per MPI call inside a node (0: as across nodes)
+    ranks_per_node: int = 0        # ranks on one node measured (0: one node)
+    op_overhead: float = 0.0       # seconds every kernel call costs besides its FLOPs
+    elementwise_rate: float = 0.0  # elements/s of one in-place NumPy pass (0: optimizer not timed)
+    int8_seconds: float = 0.0      # a rank's int8 encode/decode work per element compressed
+    topk_seconds: float = 0.0      # a rank's top-k selection and decode work per element
+
+    def link(self, kind: str) -> tuple[float, float]:
+        """(bytes/s, seconds per call) of the link ``kind`` ("intra" or "inter")."""
+        if kind == "intra":
+            return self.intra_bandwidth or self.bandwidth, self.intra_latency or self.latency
+        return self.bandwidth, self.latency
+
+    @classmethod
+    def from_links(cls, peak_flops: float, op_overhead: float, elementwise_rate: float,
+                   links: dict[str, dict[str, float]], ranks_per_node: int, nodes: int,
+                   codec_seconds: tuple[float, float] = (0.0, 0.0)) -> "Hardware":
+        """From measured links (``{"intra"|"inter": {"allreduce_bandwidth": ..., ...}}``): a
+        link's bandwidth and latency are those of its all-reduce (what most of a step's calls
+        are); the other link stands in for a missing one. ``codec_seconds``: int8's and top-k's
+        work per element."""
+        def pick(scope: str) -> tuple[float, float]:
+            v = links.get(scope) or next(iter(links.values()), None)
+            return (v["allreduce_bandwidth"], v["allreduce_latency"]) if v else (1e10, 1e-5)
+        (bw, lat), (ibw, ilat) = pick("inter"), pick("intra")
+        return cls(peak_flops, bw, lat, ibw, ilat, ranks_per_node if nodes > 1 else 0,
+                   op_overhead, elementwise_rate, *codec_seconds)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+            fh.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> "Hardware":
+        """The hardware file ``path`` (from ``python -m mpipar.bench comm``)."""
+        with open(path) as fh:
+            data = json.load(fh)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{path}: unknown hardware fields {unknown}; expected {sorted(names)}")
+        return cls(**data)
+
+
+def with_nodes(cfg: Config | Layout, hw: Hardware, world: int) -> Config | Layout:
+    """``cfg`` (a configuration, or a resolved Layout) on the nodes the planner assumes: its own
+    ``ranks_per_node`` when given, else the hardware's measured one (when it divides ``world``),
+    else one node."""
+    k, par = hw.ranks_per_node, cfg.parallel
+    if par.ranks_per_node or not k or world % k:
+        return cfg
+    if isinstance(cfg, Layout):
+        return vary(cfg, parallel={"ranks_per_node": k})
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(par, ranks_per_node=k))
+
+
+# Kernel and NumPy calls one microbatch makes through one block (counted in
+# mpipar/model/llama.py: norm, q/k/v, RoPE, attention, o, residual, norm, gate, up, SwiGLU, down,
+# residual forward; twice as many calls backward, whose linear ops each make two GEMMs), and
+# through the embedding and LM head together.
+OPS_BLOCK_FWD, OPS_BLOCK_BWD, OPS_ENDS = 16, 32, 12
+# Ring attention adds per hop beyond the first: a block attention and a merge forward (twice as
+# many calls backward).
+OPS_RING_HOP = 2
+# In-place NumPy passes of an optimizer step over this rank's parameters
+# (mpipar/training/optim.py: AdamW's 15 on the owned elements; gradient norm, clipping and
+# zeroing 4 on all of them).
+ADAMW_PASSES, GRAD_PASSES = 15, 4
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one step on the slowest rank."""
+
+    compute: float                  # FLOPs / peak of every op of the busiest pipeline rank
+    comm: dict[str, float]          # exposed seconds per group
+    bubble: float                   # idle fraction of the pipeline (dry run)
+    total: float
+
+
+INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring")        # inside forward and backward ops
+STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")  # after the pipeline
+
+
+def _group_seconds(layout: Layout, coord: Coord, hw: Hardware) -> dict[str, float]:
+    """Seconds per group of the rank at ``coord``: its wire bytes over the group's link plus
+    its calls times the link's latency. A group whose instance spans nodes runs at the pace of
+    the link across them (a ring or a pipeline waits for its slowest hop)."""
+    par = layout.parallel
+    sizes, nodes, shape = group_sizes(layout), nodes_of(layout), grid_shape(layout)
+    me = shape.rank_of(coord)
+    links: dict[str, tuple[float, float]] = {}
+    out: dict[str, float] = defaultdict(float)
+    for call in step_calls(layout, coord):
+        if call.group not in links:
+            members = shape.members(call.group, me, nodes, par.ulysses_size or 1)
+            links[call.group] = hw.link("inter" if len({nodes.nodes[r] for r in members}) > 1
+                                        else "intra")
+        bw, lat = links[call.group]
+        out[call.group] += (wire_bytes(call.op, call.nbytes, sizes[call.group]) / bw
+                            + lat) * call.count
+    if compressed_size(layout) > 1:        # encoding and decoding sit on the reduction's path
+        group = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+        per_node = sizes["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
+        rate = hw.int8_seconds if par.grad_compression == "int8" else hw.topk_seconds
+        out[group] += rate * sum(bucket_lengths(layout, coord)) / per_node
+    return dict(out)
+
+
+def _sp_blocks(mode: str, seq: SeqLayout, window: int) -> int:
+    """Key blocks beyond its own that a rank attends to in a layer with ``window``: the ring's
+    hops, or the halo's source ranks (the most of any rank); 0 for Ulysses and without SP."""
+    if seq.sp == 1 or mode == "ulysses":
+        return 0
+    if mode == "halo":
+        return max(len(halo_plan(seq, r, window).recv) for r in range(seq.sp))
+    hops = ring_hops(seq, window)
+    return hops.right + hops.left
+
+
+def _sp_context(layout: Layout, window: int = 0) -> float:
+    """Mean keys a query attends to on the SP rank with the most causal work, in a layer with
+    sliding ``window`` (0: full causal)."""
+    tr, par = layout.train, layout.parallel
+    S, n = tr.seq_len, par.sp
+    if window:
+        return min(window, _sp_context(layout))
+    if n == 1 or par.sp_mode == "ulysses" or par.sp_split == "zigzag":
+        return (S + 1) / 2
+    return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
+
+
+def predict_step_time(layout: Layout, hw: Hardware = Hardware()) -> StepTime:
+    """The step time model of this module's docstring for ``layout`` (on :func:`with_nodes`)."""
+    layout = with_nodes(layout, hw, layout.world)
+    m, par, tr = layout.model, layout.parallel, layout.train
+    p, v, micro = par.pp, par.virtual_stages, layout.microbatches
+    per = m.layers // (p * v)
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
+    windows = m.windows()
+    seq = (SeqLayout(tr.seq_len, par.sp // par.ulysses_size, par.sp_split)
+           if par.sp_mode == "hybrid" else SeqLayout(tr.seq_len, par.sp, par.sp_split))
+    # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
+    context = sum(_sp_context(layout, w) for w in windows) / len(windows)
+    hops = sum(_sp_blocks(par.sp_mode, seq, w) for w in windows) / len(windows)
+    block_fwd = (block_flops_per_token(m, par.tp, context) * n / hw.peak_flops
+                 + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
+    head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
+    # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
+    qkv = 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * per
+    redo = {"full": block_fwd, "selective": qkv / hw.peak_flops}.get(tr.recompute, 0.0)
+
+    comm: dict[str, float] = {}
+    unit, compute = 0.0, 0.0
+    for r in range(p):
+        seconds = _group_seconds(layout, Coord(dp=0, tp=0, pp=r, sp=0), hw)
+        for g, t in seconds.items():
+            comm[g] = max(comm.get(g, 0.0), t)
+        inner = sum(seconds.get(g, 0.0) for g in INNER_GROUPS) / (micro * v)  # per fwd + bwd
+        head = head_fwd if r == (p * v - 1) % p else 0.0    # on the rank's worst chunk
+        unit = max(unit, block_fwd + head + inner / 3)
+        compute = max(compute, micro * (v * (3 * block_fwd + redo) + 3 * head))
+    hop = 0.0
+    if p > 1:
+        bw, lat = hw.link("inter" if "pp" in _crossing(layout) else "intra")
+        hop = n * m.hidden * element_bytes(tr.dtype) / bw + lat
+    run = dry_run(schedule_ops(layout), p, micro, v, cost_fwd=unit,
+                  cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
+    total = (run.makespan + sum(comm.get(g, 0.0) for g in STEP_GROUPS)
+             + _optimizer_time(layout, hw))
+    return StepTime(compute, comm, run.bubble_fraction, total)
+
+
+def _optimizer_time(layout: Layout, hw: Hardware) -> float:
+    """Seconds of the optimizer step on the rank with the most parameters: memory-bound passes
+    at the measured elementwise rate (0 with nominal hardware)."""
+    if not hw.elementwise_rate:
+        return 0.0
+    par = layout.parallel
+    local = max(sum(bucket_lengths(layout, Coord(dp=0, tp=0, pp=r, sp=0)))
+                for r in range(par.pp))
+    owned = local // (layout.dp * par.sp) if par.zero else local
+    return (ADAMW_PASSES * owned + GRAD_PASSES * local) / hw.elementwise_rate
+
+
+def _crossing(layout: Layout) -> set[str]:
+    """The groups some instance of which spans nodes on :func:`mpipar.plan.rank.nodes_of`."""
+    shape, nodes = grid_shape(layout), nodes_of(layout)
+    if nodes.count == 1:
+        return set()
+    return {g for g in GROUP_AXES if shape.crosses(g, nodes)}

@@ -1,0 +1,132 @@
+"""What one rank hands to MPI in a step: bytes, calls and wire bytes per group.
+
+``predict_step_bytes(layout, coord)`` derives, from the layer shapes alone, the bytes the rank
+at ``coord`` hands to MPI in one training step for every group of the grid, under the ledger's
+counting convention (:mod:`mpipar.runtime.comm`: the payload of each call, sender side);
+``predict_step_messages`` counts the calls, and ``predict_link_bytes`` the wire bytes per group
+inside and across nodes (the planner's nodes, :func:`mpipar.plan.rank.nodes_of`;
+:mod:`mpipar.runtime.comm` for the wire factors and links). All three come from one list of the
+step's calls (:func:`step_calls`), which concatenates what each parallel axis predicts for
+itself (:mod:`mpipar.parallel.traffic`): tensor (:func:`mpipar.parallel.tensor.tensor_calls`),
+sequence (:func:`mpipar.parallel.context.sequence_calls`), pipeline
+(:func:`mpipar.parallel.pipeline.schedule.pipeline_calls`), and the gradient reduction over
+dp x sp (:func:`mpipar.parallel.data.reduction_calls`, or at ZeRO-2/3
+:func:`mpipar.parallel.fsdp.sharded_calls`), plus the engine's scalar reductions. The tests
+hold the engine's ledger to these numbers exactly, so the model and the implementation cannot
+drift apart; a mismatch in one group points at the axis that owns it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from mpipar.layout import Layout
+from mpipar.model.params import EMBED
+from mpipar.parallel.context import sequence_calls
+from mpipar.parallel.data import reduction_calls
+from mpipar.parallel.fsdp import sharded_calls, unit_passes
+from mpipar.parallel.pipeline.schedule import pipeline_calls
+from mpipar.parallel.tensor import tensor_calls
+from mpipar.parallel.traffic import Call
+from mpipar.plan.rank import (gradient_buckets, grid_shape, group_sizes, kept_units,
+                              node_copy, nodes_of, placement_table, rank_ops, rank_stages,
+                              unit_lengths)
+from mpipar.runtime.comm import LINKS, wire_bytes
+from mpipar.runtime.topology import Coord
+
+
+def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0) -> list[Call]:
+    """Every MPI call the rank at ``coord`` makes in one training step, or with
+    ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
+    reduced once: :meth:`mpipar.training.engine.Engine.evaluate`): the axes' predictions."""
+    par, train = layout.parallel, eval_batches == 0
+    passes = layout.microbatches * (1 if train else eval_batches)   # forwards per chunk
+    stages, shape = rank_stages(layout, coord), grid_shape(layout)
+    table = placement_table(layout)
+    chunk_layers = [table.stage_layers(stage) for stage in stages]
+    entered = (unit_passes(layout, coord.pp, rank_ops(layout, coord), chunk_layers)
+               if par.zero >= 2 else [])
+    calls: list[Call] = []
+    if par.tp > 1:
+        calls += tensor_calls(layout, stages, passes, train, entered)
+    if par.sp > 1:
+        layers = [i for chunk in chunk_layers for i in chunk]
+        calls += sequence_calls(layout, coord, shape, layers, passes, train)
+    if par.pp > 1:
+        calls += pipeline_calls(layout, coord, shape, stages, passes, train)
+    if par.zero >= 2:
+        calls += sharded_calls(
+            layout, lengths=unit_lengths(layout, coord), entered=entered,
+            kept=kept_units(layout, coord), copy=node_copy(layout, coord),
+            tied=table[EMBED].tied_across_pipeline, passes=passes,
+            backward=train)
+    elif train:
+        calls += reduction_calls(layout, gradient_buckets(layout, coord), group_sizes(layout))
+    return [c for c in calls + _scalar_calls(layout, train) if c.count]
+
+
+def _scalar_calls(layout: Layout, train: bool) -> list[Call]:
+    """The engine's reductions of a number: the loss over dp x sp, and in a training step the
+    gradient norm's sum of squares over dp x sp (ZeRO: over the slices) and over tp x pp."""
+    par = layout.parallel
+    calls = []
+    if layout.dp * par.sp > 1:
+        calls.append(Call("dp_sp", "allreduce", 8))                       # the loss
+        if train and par.zero:
+            calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
+    if train and par.tp * par.pp > 1:
+        calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
+    return calls
+
+
+def _per_group(calls: list[Call], count_bytes: bool) -> dict[str, int]:
+    """Bytes (``count_bytes``) or calls of ``calls``, summed per group."""
+    out: dict[str, int] = defaultdict(int)
+    for call in calls:
+        out[call.group] += call.count * (call.nbytes if count_bytes else 1)
+    return dict(out)
+
+
+def predict_step_bytes(layout: Layout, coord: Coord) -> dict[str, int]:
+    """Bytes per group that the rank at ``coord`` hands to MPI in one step (the ledger's
+    :meth:`mpipar.runtime.comm.Ledger.bytes_by_group`)."""
+    return _per_group(step_calls(layout, coord), True)
+
+
+def predict_step_messages(layout: Layout, coord: Coord) -> dict[str, int]:
+    """MPI calls per group (the ledger's ``messages``) of the rank at ``coord`` in one step."""
+    return _per_group(step_calls(layout, coord), False)
+
+
+def predict_eval_bytes(layout: Layout, coord: Coord) -> dict[str, int]:
+    """Bytes per group that the rank at ``coord`` hands to MPI in one validation pass of
+    ``train.eval_batches`` batches (booked in the engine's ``eval_ledger``)."""
+    return _per_group(step_calls(layout, coord, layout.train.eval_batches), True)
+
+
+def predict_eval_messages(layout: Layout, coord: Coord) -> dict[str, int]:
+    """MPI calls per group of the rank at ``coord`` in one validation pass."""
+    return _per_group(step_calls(layout, coord, layout.train.eval_batches), False)
+
+
+def call_link(layout: Layout, coord: Coord, call: Call) -> str:
+    """"intra" or "inter": a collective by whether its group's instance spans nodes, a
+    point-to-point call by its peer's node (:mod:`mpipar.runtime.comm`)."""
+    nodes, shape = nodes_of(layout), grid_shape(layout)
+    me = shape.rank_of(coord)
+    if call.peer is not None:
+        return "intra" if nodes.nodes[call.peer] == nodes.nodes[me] else "inter"
+    members = shape.members(call.group, me, nodes, layout.parallel.ulysses_size or 1)
+    return "inter" if len({nodes.nodes[r] for r in members}) > 1 else "intra"
+
+
+def predict_link_bytes(layout: Layout, coord: Coord) -> dict[str, dict[str, int]]:
+    """``{group: {"intra": wire bytes, "inter": wire bytes}}`` the rank at ``coord`` sends in
+    one step (the ledger's :meth:`mpipar.runtime.comm.Ledger.bytes_by_link`)."""
+    sizes = group_sizes(layout)
+    out: dict[str, dict[str, int]] = {}
+    for call in step_calls(layout, coord):
+        wire = wire_bytes(call.op, call.nbytes, sizes[call.group]) * call.count
+        if wire:
+            links = out.setdefault(call.group, dict.fromkeys(LINKS, 0))
+            links[call_link(layout, coord, call)] += wire
+    return out

@@ -176,7 +176,8 @@ def test_a_tokenizer_encodes_the_prompt_and_decodes_the_text(tmp_path, bpe, caps
     from mpipar.checkpoint.huggingface import save_hf
     from mpipar.model.params import init_params
     root, tok = bpe
-    cfg = small_config().model
+    from mpipar.layout import resolve_model
+    cfg = resolve_model(small_config().model)
     cfg.vocab_size = tok.get_vocab_size()
     model = tmp_path / "model"
     save_hf(model, cfg, init_params(cfg, 3, np.float64))

@@ -454,6 +454,7 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
 
     from mpipar.runtime import memory, nodes
     from mpipar.config import ConfigError, ModelConfig
+    from mpipar.layout import resolve_model
     from mpipar.model.params import param_specs
     from mpipar.plan.memory import parameter_count, predict_peak_memory
     from mpipar.runtime.topology import Coord
@@ -461,7 +462,8 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
 
     for model in (ModelConfig(), ModelConfig(vocab_size=97, hidden=48, layers=3, heads=6,
                                              kv_heads=2, head_dim=10, ffn_hidden=80)):
-        assert parameter_count(model) == sum(math.prod(s.shape) for s in param_specs(model))
+        assert parameter_count(model) == sum(math.prod(s.shape)
+                                             for s in param_specs(resolve_model(model)))
     cfg = resolve_config([*TINY, "--tp", "2"], 2)
     need = predict_peak_memory(cfg, Coord(dp=0, tp=0, pp=0, sp=0))
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 4 * need - 4)

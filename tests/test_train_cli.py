@@ -113,8 +113,9 @@ def _hf_checkpoint(tmp_path, **model):
     from mpipar.checkpoint.huggingface import save_hf
     from mpipar.model.params import init_params
 
-    cfg = ModelConfig(vocab_size=97, hidden=48, layers=2, heads=6, kv_heads=2, ffn_hidden=80,
-                      rope_theta=5000.0, init_std=0.1, **model)
+    from mpipar.layout import resolve_model
+    cfg = resolve_model(ModelConfig(vocab_size=97, hidden=48, layers=2, heads=6, kv_heads=2,
+                                    ffn_hidden=80, rope_theta=5000.0, init_std=0.1, **model))
     rng = np.random.default_rng(1)
     params = {n: rng.normal(0, 0.1, v.shape) if n.endswith(".bias") else v
               for n, v in init_params(cfg, 21, np.float64).items()}

@@ -44,17 +44,18 @@ HEAD_DIMS = (32, 64, 96, 128)
 
 # Tiles per head dim. fwd: (warps, m-tiles of 16 rows per warp, key tile, min blocks per SM,
 # Q fragments kept in registers); dq: (warps, key tile, min blocks per SM, Q/dO in registers);
-# dkdv: (warps, query tile, min blocks per SM). Min blocks per SM caps the registers
-# (__launch_bounds__); _smem_bytes gives the shared memory each takes.
+# dkdv: (warps, query tile, min blocks per SM, narrow k-steps in S^T/dP^T). Min blocks per SM
+# caps the registers (__launch_bounds__); _smem_bytes gives the shared memory each takes.
 _TILES: dict[int, dict[str, tuple[int, ...]]] = {
-    32: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2)},
-    64: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2)},
-    96: {"fwd": (4, 1, 64, 2, 1), "dq": (4, 32, 2, 1), "dkdv": (4, 32, 2)},
-    128: {"fwd": (4, 1, 64, 2, 1), "dq": (4, 32, 2, 1), "dkdv": (4, 32, 2)},
+    32: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2, 0)},
+    64: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2, 0)},
+    96: {"fwd": (4, 1, 64, 2, 1), "dq": (4, 32, 2, 1), "dkdv": (4, 32, 2, 0)},
+    128: {"fwd": (4, 1, 64, 2, 1), "dq": (4, 32, 2, 1), "dkdv": (4, 32, 2, 1)},
 }
 """Chosen by timing on an H100 (causal, B*S = 16k): D=128 fwd (4,1,64) 265-291 TFLOP/s beat
-(4,1,32) at 3 blocks/SM and (4,2,32); D=64 fwd (4,2,64) 258-279 beat (4,1,128), (8,1,32); the
-dk/dv pass (the backward's slower kernel) is fastest with 64 keys per block."""
+(4,1,32) at 3 blocks/SM and (4,2,32); D=64 fwd (4,2,64) 258-279 beat (4,1,128), (8,1,32). dk/dv: 64
+keys per block; D=128 narrow 8.1 ms at S=16k beat (8,32,1) 8.4, (4,16,2) 11.1 (238 regs, sm_90;
+wide k-steps with dP^T before dV, as first written: 255 and a spill under NVRTC 13.0.88)."""
 
 _OPTIONS = ("--std=c++17",)
 _DELTA_WARPS = 8
@@ -88,6 +89,10 @@ template <int N> __device__ __forceinline__ void cp_wait() {
 __device__ __forceinline__ void ldsm4(u32* r, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm2(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 __device__ __forceinline__ void ldsm4t(u32* r, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -150,26 +155,31 @@ __device__ __forceinline__ void queries_seen(long long shift, int j, int i0, int
     *hi = (int)max(0LL, min((long long)n, e - i0));
 }
 
-// acc[n] (16 rows x 8 columns each, NS of them) += A (16 x D, per k-step KD fragments, from
-// registers `a` or, with a == 0, from shared rows arow of `abuf`) * B^T, B rows from shared
-// (brow: row 0 of this tile's B, D + 8 bf16 per row) — i.e. S = Q K^T for a 16-row slab.
-template <int D, int NS>
+// acc[n] (16 x 8 each, NS of them) += A (16 x D: fragments `a`, or with a == 0 rows of `abuf`)
+// * B^T (rows of `bbuf`, D + 8 bf16 apart), i.e. S = Q K^T for a 16-row slab. NARROW: k steps of
+// 16 (B through ldmatrix.x2), not 32: the same bytes read, 6 fewer fragment registers live.
+template <int D, int NS, bool NARROW = false>
 __device__ __forceinline__ void gemm_abt(float (*acc)[4], const u32 (*a)[4], u32 abuf, u32 bbuf,
                                          int lane) {
     constexpr int SROW = D + 8;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk += 2) {
+    for (int kk = 0; kk < D / 16; kk += NARROW ? 1 : 2) {
         u32 a0[4], a1[4];
         if (a == 0) {
             ldsm4(a0, abuf + (u32)(((lane & 15) * SROW + kk * 16 + (lane >> 4) * 8) * 2));
-            ldsm4(a1, abuf + (u32)(((lane & 15) * SROW + kk * 16 + 16 + (lane >> 4) * 8) * 2));
+            if (!NARROW)
+                ldsm4(a1, abuf + (u32)(((lane & 15) * SROW + kk * 16 + 16 + (lane >> 4) * 8) * 2));
         }
 #pragma unroll
         for (int n = 0; n < NS; ++n) {
             u32 b[4];
-            ldsm4(b, bbuf + (u32)(((n * 8 + (lane & 7)) * SROW + kk * 16 + (lane >> 3) * 8) * 2));
+            if (NARROW)
+                ldsm2(b, bbuf + (u32)(((n * 8 + (lane & 7)) * SROW + kk * 16) * 2)
+                             + (u32)(((lane >> 3) & 1) * 16));
+            else
+                ldsm4(b, bbuf + (u32)(((n * 8 + (lane & 7)) * SROW + kk * 16 + (lane >> 3) * 8) * 2));
             mma(acc[n], a == 0 ? a0 : a[kk], b[0], b[1]);
-            mma(acc[n], a == 0 ? a1 : a[kk + 1], b[2], b[3]);
+            if (!NARROW) mma(acc[n], a == 0 ? a1 : a[kk + 1], b[2], b[3]);
         }
     }
 }
@@ -504,8 +514,9 @@ __device__ __forceinline__ void load_q_tile(bf16_t* qs, bf16_t* ds, float* ls, f
 }
 
 // dv = P^T dO, dk = scale * dS^T Q for 16 * WARPS key rows of one kv head, over the query tiles
-// (BQ rows) of every query head of its group that can see them.
-template <int D, int WARPS, int BQ, int MINB>
+// (BQ rows) of every query head of its group that can see them. Per query tile S^T, P, dV, then
+// dP^T, dS, dK: P's bf16 fragments die before dP^T is made (fewer live registers: _TILES).
+template <int D, int WARPS, int BQ, int MINB, bool NARROW>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                const bf16_t* __restrict__ v, const bf16_t* __restrict__ dout,
@@ -555,32 +566,37 @@ flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         }
         cp_commit();
         const u32 qb_ = sptr(qs + buf * BQ * SROW), db = sptr(ds + buf * BQ * SROW);
-        float s[NQ][4] = {}, dp[NQ][4] = {};
-        gemm_abt<D, NQ>(s, 0, kw, qb_, lane);   // S^T = K Q^T (keys x queries)
-        gemm_abt<D, NQ>(dp, 0, vw, db, lane);   // dP^T = V dO^T
+        float s[NQ][4] = {};
+        gemm_abt<D, NQ, NARROW>(s, 0, kw, qb_, lane);  // S^T = K Q^T (keys x queries)
         int lo[2] = {0, 0}, hi[2] = {BQ, BQ};
         if (causal && (shift + i0 < k0 + BKV - 1 || (window > 0 && shift + i0 + BQ - 1 - k0 >= window))) {
             queries_seen(shift, kr0, i0, causal, window, BQ, &lo[0], &hi[0]);
             queries_seen(shift, kr0 + 8, i0, causal, window, BQ, &lo[1], &hi[1]);
         }
-        const float* lt = ls + buf * BQ;
-        const float* dt = dls + buf * BQ;
+        const float *lt = ls + buf * BQ, *dt = dls + buf * BQ;
 #pragma unroll
         for (int n = 0; n < NQ; ++n) {
             const int c = n * 8 + (lane & 3) * 2;
             const float2 lq = *reinterpret_cast<const float2*>(lt + c);
-            const float2 dq_ = *reinterpret_cast<const float2*>(dt + c);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float p = exp2a(fmaf(s[n][e], scale_log2, -((e & 1) ? lq.y : lq.x)));
                 if (c + (e & 1) < lo[e >> 1] || c + (e & 1) >= hi[e >> 1]) p = 0.f;
-                s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - ((e & 1) ? dq_.y : dq_.x));  // dS^T
+                s[n][e] = p;  // P^T
             }
         }
         u32 pf[BQ / 16][4];
         to_a<BQ>(pf, s);
-        gemm_ab<D, BQ>(dva, pf, db, lane);   // dV += P^T dO
+        gemm_ab<D, BQ>(dva, pf, db, lane);  // dV += P^T dO
+        float dp[NQ][4] = {};
+        gemm_abt<D, NQ, NARROW>(dp, 0, vw, db, lane);  // dP^T = V dO^T
+#pragma unroll
+        for (int n = 0; n < NQ; ++n) {
+            const float2 dq_ = *reinterpret_cast<const float2*>(dt + n * 8 + (lane & 3) * 2);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)  // dS^T = P^T (dP^T - delta), P in float32
+                dp[n][e] = s[n][e] * (dp[n][e] - ((e & 1) ? dq_.y : dq_.x));
+        }
         to_a<BQ>(pf, dp);
         gemm_ab<D, BQ>(dka, pf, qb_, lane);  // dK += dS^T Q
     }
@@ -606,10 +622,11 @@ def _names(head_dim: int) -> dict[str, str]:
     t = _TILES[head_dim]
     w, mt, bk, minb, qreg = t["fwd"]
     dw, dbk, dminb, dqreg = t["dq"]
-    kw, kbq, kminb = t["dkdv"]
-    return {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {'true' if qreg else 'false'}>",
-            "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {'true' if dqreg else 'false'}>",
-            "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}>",
+    kw, kbq, kminb, knarrow = t["dkdv"]
+    qreg, dqreg, knarrow = (str(bool(x)).lower() for x in (qreg, dqreg, knarrow))
+    return {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {qreg}>",
+            "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {dqreg}>",
+            "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}, {knarrow}>",
             "delta": f"attn_delta<{head_dim}>"}
 
 
@@ -620,12 +637,9 @@ def _smem_bytes(head_dim: int, role: str) -> int:
     if role == "fwd":
         w, mt, bk = t["fwd"][:3]
         return (16 * mt * w + 4 * bk) * row
-    if role == "dq":
-        w, bk = t["dq"][:2]
-        return (2 * 16 * w + 4 * bk) * row
-    if role == "dkdv":
-        w, bq = t["dkdv"][:2]
-        return (2 * 16 * w + 4 * bq) * row + 4 * bq * 4
+    if role in ("dq", "dkdv"):  # dq: Q, dO + 2 x (K, V) tiles; dkdv: K, V + 2 x (Q, dO, lse, delta)
+        w, b = t[role][:2]
+        return (2 * 16 * w + 4 * b) * row + (4 * b * 4 if role == "dkdv" else 0)
     return 0
 
 

@@ -103,11 +103,6 @@ def _any_bf16(values: Any) -> bool:
     return False
 
 
-def compute_dtype(dtype: Any) -> np.dtype:
-    """The dtype arrays of `dtype` are computed in: float32 for bfloat16, else `dtype` itself."""
-    return np.dtype(np.float32) if is_bf16(dtype) else np.dtype(dtype)
-
-
 def upcast(a: Any) -> Any:
     """`a` in float32 if it is a bfloat16 array (exact), else `a` itself."""
     return a.astype(np.float32) if _bf16_array(a) else a

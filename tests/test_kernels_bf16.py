@@ -17,9 +17,13 @@ Checked for every op of the dispatcher, on both CPU backends:
     the float32 computation's own error, a count of roundings times 2**-24 times the magnitude of
     the terms (stated per op below; a GEMM over K terms: (K + 2) 2**-24 (|a| |b|));
   * numpy vs numba on bf16: bit-identical where both run the same float32 code (the linear ops,
-    which the numba backend takes from NumPy's BLAS, rope, embedding); elsewhere their float32
-    kernels sum in different orders, so a bf16 output can differ by one bf16 ulp where the two
-    float32 values straddle a rounding boundary; never more.
+    which the numba backend takes from NumPy's BLAS, and rope); elsewhere their float32 kernels
+    round differently (other summation orders, exps), so a bf16 output differs where the two
+    float32 values straddle a rounding boundary: by one bf16 ulp where the float32 formula has
+    no cancellation (norm, swiglu forward), by more where it cancels (an attention output near
+    0 is a small difference of large terms: both backends are then within the bounds above, which
+    is the guarantee; measured at 4096 x 1024 tokens: rmsnorm y 24 of 4.2M elements 1 ulp apart,
+    attention out 306 of 1M, up to 213 ulps on outputs near 0).
 """
 
 from __future__ import annotations
@@ -156,6 +160,9 @@ COMPOSED = {"linear_swiglu_fwd", "add_rmsnorm_fwd", "rope_cos_sin", "embedding_f
 # ops whose float32 code is the same on both backends (the numba backend takes the linear ops
 # from NumPy's BLAS; rope and the embedding do the same float32 operations in the same order)
 SAME_CODE = {"linear_fwd", "linear_bwd", "linear_bias_bwd", "rope_fwd", "rope_bwd"}
+# ops whose float32 formula has no cancellation (products, and sums of positive terms): a bf16
+# output of the two backends is the same value or its neighbour
+NO_CANCELLATION = {"rmsnorm_fwd", "add_rmsnorm_fwd", "swiglu_fwd", "linear_swiglu_fwd"}
 
 
 def test_the_tables_cover_every_op():
@@ -531,26 +538,30 @@ def test_cross_entropy_against_float64(name, rng):
 # ----------------------------------------------------------------------------------------------
 
 def test_numpy_and_numba_backends_agree_on_bf16(rng):
-    """Bit-identical where both run the same float32 code; elsewhere each bf16 output equals the
-    other backend's or is its neighbour (the float32 values straddled a rounding boundary), and
-    the float32 outputs agree to float32 accuracy."""
+    """Bit-identical where both run the same float32 code; elsewhere a bf16 output without
+    cancellation equals the other backend's or is its neighbour, any bf16 output is within two
+    roundings of it normwise (2 * 2**-8 max|out|: both are within 2**-8 |exact| + E32 of the exact
+    result, E32 normwise far smaller), and float32 outputs agree to float32 accuracy (2e-5
+    normwise, as tests/test_kernels.py)."""
     npb, nbb = BACKENDS["numpy"], BACKENDS["numba"]
     differing = total = 0
     for op, args in cases(rng):
         for i, (a, b) in enumerate(zip(as_tuple(getattr(npb, op)(*args)), as_tuple(getattr(nbb, op)(*args)))):
             assert a.dtype == b.dtype and a.shape == b.shape, (op, i)
+            fin = np.isfinite(f64(a))
+            assert np.array_equal(fin, np.isfinite(f64(b))) and identical(a[~fin], b[~fin]), (op, i)
+            diff = np.abs(f64(a[fin]) - f64(b[fin])).max(initial=0.0)
+            scale = np.abs(f64(a[fin])).max(initial=0.0)
             if op in SAME_CODE or op == "rope_cos_sin":
                 assert identical(a, b), (op, i)
             elif a.dtype == BF16:
                 gap = np.abs(order_key(a) - order_key(b))
-                assert gap.max(initial=0) <= 1, (op, i)
+                assert op not in NO_CANCELLATION or gap.max(initial=0) <= 1, (op, i)
+                assert diff <= 2 * U16 * scale, (op, i)
                 differing, total = differing + int(np.count_nonzero(gap)), total + gap.size
             else:
-                fin = np.isfinite(a)
-                assert np.array_equal(fin, np.isfinite(b)) and np.array_equal(a[~fin], b[~fin]), (op, i)
-                scale = np.abs(f64(a[fin])).max(initial=1.0)
-                assert np.abs(f64(a[fin]) - f64(b[fin])).max(initial=0.0) <= 2e-5 * scale, (op, i)
-    assert differing <= 0.02 * total  # boundary cases are rare: about 2**-24 / 2**-8 per rounding
+                assert diff <= 2e-5 * scale, (op, i)
+    assert differing <= 0.01 * total  # rare: two float32 results straddle a rounding boundary
 
 
 def test_numba_backend_keeps_its_kernels_for_bf16():

@@ -8,6 +8,13 @@
 Backends: `numpy` (numpy_ref: the reference, array-module generic), `numba` (numba_cpu, with
 numpy_ref for the ops it lacks or where NumPy is faster) and `cupy` (numpy_ref's generic code on
 CuPy arrays plus the CUDA kernels of cupy_gpu). Kernels are pure functions of arrays.
+
+Every op takes float32, float64 and bfloat16 (`ml_dtypes.bfloat16`) arrays. bf16 follows one
+mixed-precision recipe, whose rounding points numpy_ref's module docstring tabulates: inputs
+upcast to float32 once, float32 compute, only the activation outputs rounded to bf16, once;
+statistics and gradients of parameters and of attention stay float32. The numba backend runs
+its float32 kernels inside that recipe (upcast, kernel, round: 1.3-15x faster than numpy_ref on
+bf16 at 4096 tokens x 1024), so no op falls back for bf16.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Same contract as `numpy_ref.attention_fwd` / `attention_bwd` (grouped-query heads, causal
 visibility with the global offsets of ring and zigzag blocks, the log-sum-exp that merges
-blocks), float32 and float64. Outputs are new C-contiguous arrays: out and dq `[B, Sq, Hq, D]`,
-dk and dv `[B, Sk, Hkv, D]`.
+blocks), float32 and float64, and bfloat16 by numpy_ref's mixed-precision recipe (upcast to
+float32 once; out rounded to bf16 once, lse and the gradients float32). Outputs are new
+C-contiguous arrays: out and dq `[B, Sq, Hq, D]`, dk and dv `[B, Sk, Hkv, D]`.
 
 Tiles. A tile is `positions x keys` of one query head; the G = Hq / Hkv query heads that share a
 kv head are done one after the other on the same key tile while it is in cache. Products read
@@ -297,6 +298,7 @@ def _inputs(q: Array, k: Array, v: Array, name: str) -> tuple[np.ndarray, np.nda
     return np.ascontiguousarray(q), np.ascontiguousarray(k, dt), np.ascontiguousarray(v, dt), dt
 
 
+@ref.mixed_precision(0)
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
                   causal: bool = True, scale: float | None = None,
                   window: int = 0) -> tuple[Array, Array]:
@@ -424,6 +426,7 @@ def _row_dots(a, b):  # pragma: no cover (njit)
     return out
 
 
+@ref.mixed_precision()
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
                   scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:

@@ -2,7 +2,10 @@
 
 Every public function has the signature and semantics of the function of the same name in
 `numpy_ref` (see there for the maths); inputs are float32 or float64 NumPy arrays, other arrays
-are cast to the dtype of the first one, outputs are new arrays.
+are cast to the dtype of the first one, outputs are new arrays. bfloat16 inputs follow numpy_ref's
+mixed-precision recipe (`numpy_ref.mixed_precision`: upcast once, these float32 kernels, the
+marked outputs rounded once), with the same rounding points: a bf16 result is, bit for bit, the
+float32 kernel's result on the upcast inputs, rounded.
 
 What is here and why (exp is `numba_simd.vexp` throughout: Numba's own is a scalar libm call
 without Intel SVML, 10x slower than NumPy's SIMD exp, which made several of these kernels lose):
@@ -104,6 +107,7 @@ def _matmul(a, b, tm, tn):
     return c
 
 
+@ref.mixed_precision(0)
 def linear_fwd(x: Array, w: Array, b: Array | None = None) -> Array:
     """y `[..., out]` = x `[..., in]` @ w.T (w `[out, in]`) + b (`[out]` or None), tiled Numba
     matmul."""
@@ -117,17 +121,19 @@ def linear_fwd(x: Array, w: Array, b: Array | None = None) -> Array:
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
-def linear_bwd(dy: Array, x: Array, w: Array) -> tuple[Array, Array]:
-    """dx `[..., in]` = dy @ w, dw `[out, in]` = dy^T x summed over leading dims (tiled Numba matmul)."""
+@ref.mixed_precision(0)
+def linear_bwd(dy: Array, x: Array, w: Array | None, dw: Array | None = None) -> tuple[Array, Array]:
+    """dx `[..., in]` = dy @ w, dw `[out, in]` = dy^T x summed over leading dims (tiled Numba matmul);
+    a given dw is added into in place, and w None gives dx None (as `numpy_ref.linear_bwd`)."""
     dt = _float_dtype(x, "linear_bwd")
-    require(dy.shape[:-1] == x.shape[:-1] and w.ndim == 2 and dy.shape[-1] == w.shape[0]
-            and x.shape[-1] == w.shape[1],
-            f"linear_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape} must be [..., out], [..., in], [out, in]")
-    dy2 = _c(dy, dt).reshape(-1, w.shape[0])
-    x2 = _c(x, dt).reshape(-1, w.shape[1])
-    dx = _matmul(dy2, _c(w, dt), TILE_M, TILE_N)
-    dw = _matmul(_c(dy2.T, dt), x2, TILE_M, TILE_N)
-    return dx.reshape(x.shape), dw
+    out, inp = ref.check_linear_bwd(dy, x, w, dw)
+    dy2 = _c(dy, dt).reshape(-1, out)
+    dx = None if w is None else _matmul(dy2, _c(w, dt), TILE_M, TILE_N).reshape(x.shape)
+    grad = _matmul(_c(dy2.T, dt), _c(x, dt).reshape(-1, inp), TILE_M, TILE_N)
+    if dw is None:
+        return dx, grad
+    dw += grad
+    return dx, dw
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -155,7 +161,12 @@ def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Arra
     """(h, gate, up) with gate = x @ w_gate.T, up = x @ w_up.T, h = silu(gate) * up; BLAS + fused epilogue.
 
     x: `[..., in]`, w_gate, w_up: `[ffn, in]` -> h, gate, up: `[..., ffn]`.
+    bf16: as numpy_ref, `linear_fwd` twice (NumPy's BLAS, as this backend's linear_fwd) then
+    `swiglu_fwd` of the rounded gate and up.
     """
+    if ref.is_bf16(x.dtype):
+        gate, up = ref.linear_fwd(x, w_gate), ref.linear_fwd(x, w_up)
+        return swiglu_fwd(gate, up), gate, up
     dt = _float_dtype(x, "linear_swiglu_fwd")
     require(w_gate.ndim == 2 and w_gate.shape == w_up.shape and x.shape[-1] == w_gate.shape[1],
             f"linear_swiglu_fwd: w_gate {w_gate.shape} and w_up {w_up.shape} must both be [ffn, in] "
@@ -213,13 +224,19 @@ def _rmsnorm_forward(x: Array, r: Array | None, w: Array, eps: float, name: str)
     return (y, rstd) if r is None else (s.reshape(x.shape), y, rstd)
 
 
+@ref.mixed_precision(0)
 def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     """y `[..., H]` = x * rstd * w, rstd `[...]` = 1 / sqrt(mean(x**2) + eps); one pass per row."""
     return _rmsnorm_forward(x, None, w, eps, "rmsnorm_fwd")
 
 
 def add_rmsnorm_fwd(x: Array, r: Array, w: Array, eps: float) -> tuple[Array, Array, Array]:
-    """s = x + r, y = rmsnorm(s) * w, rstd, all `[..., H]` (rstd `[...]`) in one pass per row."""
+    """s = x + r, y = rmsnorm(s) * w, rstd, all `[..., H]` (rstd `[...]`) in one pass per row.
+    bf16: s = r(f(x) + f(r)) and `rmsnorm_fwd` of that rounded s, as numpy_ref."""
+    if ref.is_bf16(x.dtype):
+        require(x.shape == r.shape, f"add_rmsnorm_fwd: x.shape={x.shape} must equal r.shape={r.shape}")
+        s = (x.astype(np.float32) + ref.upcast(r)).astype(x.dtype)
+        return (s, *rmsnorm_fwd(s, w, eps))
     return _rmsnorm_forward(x, r, w, eps, "add_rmsnorm_fwd")
 
 
@@ -257,11 +274,13 @@ def _rmsnorm_backward(dy: Array, ds: Array | None, x: Array, w: Array, rstd: Arr
     return dx.reshape(x.shape), parts.sum(axis=0).astype(dt)
 
 
+@ref.mixed_precision(0)
 def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
     """dx `[..., H]`, dw `[H]` of `rmsnorm_fwd`."""
     return _rmsnorm_backward(dy, None, x, w, rstd, "rmsnorm_bwd")
 
 
+@ref.mixed_precision(0)
 def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
     """dsum `[..., H]` = rmsnorm_bwd(dy) + ds and dw `[H]` of `add_rmsnorm_fwd`, in one pass per row."""
     return _rmsnorm_backward(dy, ds, s, w, rstd, "add_rmsnorm_bwd")
@@ -288,6 +307,7 @@ def _rope(x, cos, sin, sign, y):
                 y[bi, si, hh, j + half] = x2 * c + x1 * sn
 
 
+@ref.mixed_precision(0)
 def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
     """Rotate-half RoPE. x `[B, S, H, D]`, cos, sin `[S, D // 2]` -> y like x."""
     dt = _float_dtype(x, "rope_fwd")
@@ -297,6 +317,7 @@ def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
     return y
 
 
+@ref.mixed_precision(0)
 def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
     """Inverse rotation of `rope_fwd`. dy `[B, S, H, D]` -> dx like dy."""
     dt = _float_dtype(dy, "rope_bwd")
@@ -325,6 +346,7 @@ def _swiglu_bwd(dh, g, u, dg, du, one):
         du[i] = dh[i] * (gi * sig)
 
 
+@ref.mixed_precision(0)
 def swiglu_fwd(gate: Array, up: Array) -> Array:
     """h = silu(gate) * up, elementwise over `[..., ffn]`."""
     dt = _float_dtype(gate, "swiglu_fwd")
@@ -334,6 +356,7 @@ def swiglu_fwd(gate: Array, up: Array) -> Array:
     return h
 
 
+@ref.mixed_precision(0, 1)
 def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     """(dgate, dup) of `swiglu_fwd`, elementwise over `[..., ffn]`."""
     dt = _float_dtype(gate, "swiglu_bwd")
@@ -375,6 +398,7 @@ def _attention_merge(out_a, lse_a, out_b, lse_b, out, lse):
                 out[b, si, h, t] = wa * out_a[b, si, h, t] + wb * out_b[b, si, h, t]
 
 
+@ref.mixed_precision(0)
 def attention_merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
     """Log-sum-exp merge of two partial attentions: out `[B, S, H, D]`, lse `[B, H, S]`; -inf safe."""
     dt = _float_dtype(out_a, "attention_merge")
@@ -409,6 +433,7 @@ def _ce_stats(logits, targets, vocab_start, nvalid, m, s, t):
         t[i] = logits[i, local] if 0 <= local < nvalid else 0
 
 
+@ref.mixed_precision()
 def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
                         vocab_size: int | None = None) -> tuple[Array, Array, Array]:
     """(m, s, t) `[N]` of one vocab shard `[N, Vloc]`; same contract as `numpy_ref.cross_entropy_stats`."""
@@ -448,6 +473,7 @@ def _ce_bwd(logits, targets, lse, dloss, vocab_start, nvalid, one, grad):
             grad[i, j] = 0
 
 
+@ref.mixed_precision(0)
 def cross_entropy_bwd(logits: Array, targets: Array, lse: Array, dloss: Array, vocab_start: int = 0,
                       vocab_size: int | None = None) -> Array:
     """dlogits `[N, Vloc]` = (softmax - onehot) * dloss for one vocab shard; padding columns 0."""

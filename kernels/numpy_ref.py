@@ -10,14 +10,56 @@ Conventions:
     `[batch, heads, seq]`, in float64 for float64 inputs and float32 otherwise;
   * a query row that sees no key has `lse = -inf` and output 0 (this happens for blocks of
     ring attention), and contributes nothing to any gradient.
+
+Mixed precision (bfloat16 storage, float32 compute). Every op also takes bf16 arrays
+(`ml_dtypes.bfloat16`, NumPy's or CuPy's: the same dtype) and then follows one recipe: the inputs
+are upcast to float32 once (exact), the op's float32 formula runs, and only the outputs marked
+bf16 below are rounded to bf16 (round to nearest even), once; everything else stays float32.
+With f() the exact upcast and r() that rounding of a float32 value:
+
+  op                   bf16 (rounded once)                        float32
+  linear_fwd           y = r(f(x) @ f(w).T + f(b))
+  linear_bwd           dx = r(f(dy) @ f(w))                       dw = f(dy)^T f(x), or added
+                                                                  into a given float32 dw
+  linear_bias_bwd                                                 db = sum of f(dy) over rows
+  linear_swiglu_fwd    gate = linear_fwd(x, w_gate), up likewise,
+                       h = swiglu_fwd(gate, up) of the rounded
+                       gate and up (= the unfused ops)
+  embedding_fwd        rows of w (copied, nothing to round)
+  embedding_bwd                                                   dw (a float32 buffer) += f(dx)
+  rmsnorm_fwd          y = r(f(x) * rstd * f(w))                  rstd = 1/sqrt(mean(f(x)^2)+eps)
+  rmsnorm_bwd          dx = r(rmsnorm_bwd's formula)              dw
+  add_rmsnorm_fwd      s = r(f(x) + f(r)); y = rmsnorm_fwd(s) of   rstd (of the rounded s)
+                       the rounded s (what the backward sees)
+  add_rmsnorm_bwd      dsum = r(dx + f(ds)), dx the float32       dw
+                       rmsnorm gradient (one rounding, not two)
+  rope_fwd, rope_bwd   y = r(f(x1) c - f(x2) s, f(x2) c + f(x1) s), c, s: the tables in float32
+  swiglu_fwd           h = r(f(g) sigmoid(f(g)) f(u))
+  swiglu_bwd           dgate, dup = r(swiglu_bwd's formulas)
+  attention_fwd        out = r(softmax(scale f(q) f(k)^T) f(v))   lse
+  attention_bwd                                                   dq, dk, dv (from f(q), f(k),
+                                                                  f(v), f(out), lse, f(dout))
+  attention_merge      out = r(wa f(out_a) + wb f(out_b))         lse
+  cross_entropy_stats                                             m, s, t
+  cross_entropy_fwd                                               loss, lse
+  cross_entropy_bwd    dlogits = r((softmax - onehot) * dloss)
+
+"The float32 formula" is this module's own float32 code: on bf16 inputs each op equals, bit for
+bit, its float32 result on the upcast inputs with the marked outputs rounded (`mixed_precision`).
+GEMMs always multiply float32 operands (NumPy has no BLAS for bf16; cuBLAS's gemmEx with
+CUBLAS_COMPUTE_32F computes the same product in float32 and rounds once). The storage dtype is
+that of the op's first array argument: the marked outputs are rounded only when it is bf16 (so
+`attention_merge` of a float32 running `out_a` and a bf16 block stays float32). Statistics
+(`stat_dtype`) are float32 for bf16 inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,8 +75,62 @@ def array_module(*arrays: Array) -> ModuleType:
 
 
 def stat_dtype(dtype: Any) -> np.dtype:
-    """dtype for softmax statistics (lse, max, sums): float64 for float64 input, else float32."""
+    """dtype for softmax statistics (lse, max, sums): float64 for float64 input, else float32
+    (float32 and bfloat16)."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def is_bf16(dtype: Any) -> bool:
+    """Whether `dtype` is bfloat16 (`ml_dtypes.bfloat16`; ml_dtypes need not be importable to ask)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "V" and dtype.name == "bfloat16"
+
+
+_NOT_AN_ARRAY = np.dtype(np.float64)
+
+
+def _bf16_array(a: Any) -> bool:
+    """Whether `a` is an array (or scalar) of dtype bfloat16."""
+    dtype = getattr(a, "dtype", _NOT_AN_ARRAY)
+    return dtype.kind == "V" and dtype.name == "bfloat16"
+
+
+def _any_bf16(values: Any) -> bool:
+    """Whether any of `values` is a bfloat16 array (a loop: this runs before every kernel call)."""
+    for a in values:
+        if getattr(a, "dtype", _NOT_AN_ARRAY).kind == "V" and _bf16_array(a):
+            return True
+    return False
+
+
+def upcast(a: Any) -> Any:
+    """`a` in float32 if it is a bfloat16 array (exact), else `a` itself."""
+    return a.astype(np.float32) if _bf16_array(a) else a
+
+
+def mixed_precision(*rounded: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: the bf16 recipe of the module docstring around a float32/float64 kernel.
+
+    Called with no bfloat16 argument, the kernel runs unchanged. Otherwise every bfloat16 array
+    argument is upcast to float32, the kernel runs, and when the first array argument (the
+    storage dtype) is bfloat16 the outputs at positions `rounded` (0 for a single output) are
+    rounded to bfloat16, once; the others are returned as the kernel made them (float32).
+    """
+    def wrap(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(kernel)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not _any_bf16(args) and not (kwargs and _any_bf16(kwargs.values())):
+                return kernel(*args, **kwargs)
+            result = kernel(*map(upcast, args), **{k: upcast(v) for k, v in kwargs.items()})
+            storage = next(a.dtype for a in (*args, *kwargs.values()) if hasattr(a, "dtype"))
+            if not is_bf16(storage):
+                return result
+            if not isinstance(result, tuple):
+                return result.astype(storage) if 0 in rounded else result
+            return tuple(out.astype(storage) if i in rounded and out is not None else out
+                         for i, out in enumerate(result))
+        return run
+    return wrap
 
 
 def require(cond: bool, message: str) -> None:
@@ -47,10 +143,12 @@ def require(cond: bool, message: str) -> None:
 # Linear
 # ----------------------------------------------------------------------------------------------
 
+@mixed_precision(0)
 def linear_fwd(x: Array, w: Array, b: Array | None = None) -> Array:
     """y = x @ w.T (+ b).
 
     x: `[..., in]`, w: `[out, in]`, b: `[out]` or None -> y: `[..., out]`.
+    bf16: y = r(f(x) @ f(w).T + f(b)), the float32 product (and bias) rounded once.
     """
     require(w.ndim == 2, f"linear_fwd: w must be 2-D [out, in], got shape {w.shape}")
     require(x.shape[-1] == w.shape[1],
@@ -68,23 +166,41 @@ def check_bias(b: Array | None, w: Array, name: str) -> None:
             f"{name}: b must be [out] = ({w.shape[0]},), got shape {getattr(b, 'shape', None)}")
 
 
+@mixed_precision()
 def linear_bias_bwd(dy: Array) -> Array:
     """Gradient of the bias of y = x @ w.T + b: dy `[..., out]` summed over its leading dims ->
-    db `[out]` (in dy's dtype)."""
+    db `[out]` (in dy's dtype; float32 for bf16 dy)."""
     return dy.reshape(-1, dy.shape[-1]).sum(axis=0)
 
 
-def linear_bwd(dy: Array, x: Array, w: Array) -> tuple[Array, Array]:
+@mixed_precision(0)
+def linear_bwd(dy: Array, x: Array, w: Array | None, dw: Array | None = None) -> tuple[Array, Array]:
     """Gradients of y = x @ w.T.
 
     dy: `[..., out]`, x: `[..., in]`, w: `[out, in]` ->
     dx: `[..., in]` = dy @ w, dw: `[out, in]` = sum over leading dims of dy^T x.
+    dw: given, an existing `[out, in]` buffer the weight gradient is added into (in place; it is
+    the dw returned). w: None computes only the weight gradient (dx is None; dw must be given):
+    the deferred half of a zero-bubble schedule (its other half is `linear_fwd(dy, w.T)`).
+    bf16 dy, x, w: dx = r(f(dy) @ f(w)); dw = f(dy)^T f(x) in float32 (a given dw: float32).
     """
-    require(dy.shape[:-1] == x.shape[:-1] and dy.shape[-1] == w.shape[0] and x.shape[-1] == w.shape[1],
-           f"linear_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape} must be [..., out], [..., in], [out, in]")
-    dx = dy @ w
-    dw = dy.reshape(-1, w.shape[0]).T @ x.reshape(-1, w.shape[1])
+    wshape = check_linear_bwd(dy, x, w, dw)
+    dx = None if w is None else dy @ w
+    grad = dy.reshape(-1, wshape[0]).T @ x.reshape(-1, wshape[1])
+    if dw is None:
+        return dx, grad
+    dw += grad
     return dx, dw
+
+
+def check_linear_bwd(dy: Array, x: Array, w: Array | None, dw: Array | None) -> tuple[int, int]:
+    """Validate `linear_bwd`'s arguments; returns the weight's shape (out, in)."""
+    wshape = getattr(w if w is not None else dw, "shape", None)
+    require(wshape is not None and len(wshape) == 2, "linear_bwd: needs w [out, in] or a dw buffer")
+    require(dy.shape[:-1] == x.shape[:-1] and (dy.shape[-1], x.shape[-1]) == wshape,
+            f"linear_bwd: shapes dy {dy.shape}, x {x.shape}, w {wshape} must be [..., out], [..., in], [out, in]")
+    require(dw is None or dw.shape == wshape, f"linear_bwd: dw {getattr(dw, 'shape', None)} must be {wshape}")
+    return wshape
 
 
 def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Array, Array]:
@@ -92,6 +208,7 @@ def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Arra
 
     x: `[..., in]`, w_gate, w_up: `[ffn, in]` -> (h, gate, up), each `[..., ffn]`; gate and up are
     kept for the backward (`swiglu_bwd` then `linear_bwd` twice).
+    bf16: exactly `linear_fwd` twice then `swiglu_fwd`: h is computed from the rounded gate and up.
     """
     require(w_gate.shape == w_up.shape,
            f"linear_swiglu_fwd: w_gate.shape={w_gate.shape} must equal w_up.shape={w_up.shape}")
@@ -118,7 +235,8 @@ def embedding_fwd(w: Array, ids: Array, row_start: int = 0) -> Array:
 
     w: `[V_shard, H]` holding ids `[row_start, row_start + V_shard)`, ids: `[...]` ->
     x `[..., H]`: `w[id - row_start]` for the ids the shard holds, zero rows for the others
-    (another shard holds them; the shards' outputs sum to the full embedding).
+    (another shard holds them; the shards' outputs sum to the full embedding). x has w's dtype
+    (bf16 rows are copied: nothing is rounded).
     """
     require(w.ndim == 2, f"embedding_fwd: w must be 2-D [rows, hidden], got shape {w.shape}")
     local, held = _rows_held(ids, row_start, w.shape[0])
@@ -129,7 +247,8 @@ def embedding_fwd(w: Array, ids: Array, row_start: int = 0) -> Array:
 
 def embedding_bwd(dw: Array, dx: Array, ids: Array, row_start: int = 0) -> Array:
     """Accumulate into `dw` `[V_shard, H]` (in place; returned) the gradient of `embedding_fwd`:
-    each row of `dx` `[..., H]` is added to the row of its id, for the ids the shard holds."""
+    each row of `dx` `[..., H]` is added to the row of its id, for the ids the shard holds.
+    The rows are added in dw's dtype: a float32 dw with bf16 dx adds f(dx)."""
     require(dx.shape == ids.shape + (dw.shape[1],),
             f"embedding_bwd: dx {dx.shape} must be ids {ids.shape} + [hidden={dw.shape[1]}]")
     local, held = _rows_held(ids.reshape(-1), row_start, dw.shape[0])
@@ -142,10 +261,12 @@ def embedding_bwd(dw: Array, dx: Array, ids: Array, row_start: int = 0) -> Array
 # RMSNorm
 # ----------------------------------------------------------------------------------------------
 
+@mixed_precision(0)
 def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     """y = x / sqrt(mean(x**2) + eps) * w over the last axis.
 
     x: `[..., H]`, w: `[H]` -> y: `[..., H]`, rstd: `[...]` (1 / rms, kept for the backward).
+    bf16: rstd = 1 / sqrt(mean(f(x)**2) + eps) in float32 (returned float32), y = r(f(x) * rstd * f(w)).
     """
     require(w.ndim == 1 and x.shape[-1] == w.shape[0],
            f"rmsnorm_fwd: w.shape={w.shape} must be [H] with H = x.shape[-1] = {x.shape[-1]}")
@@ -156,11 +277,13 @@ def rmsnorm_fwd(x: Array, w: Array, eps: float) -> tuple[Array, Array]:
     return y, rstd
 
 
+@mixed_precision(0)
 def rmsnorm_bwd(dy: Array, x: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
     """Gradients of `rmsnorm_fwd`.
 
     dy, x: `[..., H]`, w: `[H]`, rstd: `[...]` -> dx: `[..., H]`, dw: `[H]` (summed over leading dims).
     dx = rstd * (dy*w) - rstd**3 * x * mean(dy*w*x).
+    bf16 dy, x, w (float32 rstd): dx = r(that formula in float32), dw float32.
     """
     require(dy.shape == x.shape and rstd.shape == x.shape[:-1] and w.shape == x.shape[-1:],
            f"rmsnorm_bwd: shapes dy {dy.shape}, x {x.shape}, w {w.shape}, rstd {rstd.shape} "
@@ -178,19 +301,23 @@ def add_rmsnorm_fwd(x: Array, r: Array, w: Array, eps: float) -> tuple[Array, Ar
     """Residual add then RMSNorm: s = x + r, y = rmsnorm(s) * w.
 
     x, r: `[..., H]`, w: `[H]` -> s: `[..., H]` (the new residual stream), y: `[..., H]`, rstd: `[...]`.
+    bf16: s = r(f(x) + f(r)), then `rmsnorm_fwd` of that rounded s (the s the backward is given):
+    the same bits as the add and the norm done apart.
     """
     require(x.shape == r.shape, f"add_rmsnorm_fwd: x.shape={x.shape} must equal r.shape={r.shape}")
-    s = x + r
+    s = (upcast(x) + upcast(r)).astype(x.dtype, copy=False)
     y, rstd = rmsnorm_fwd(s, w, eps)
     return s, y, rstd
 
 
+@mixed_precision(0)
 def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tuple[Array, Array]:
     """Gradients of `add_rmsnorm_fwd` given dy on y and ds on s (the gradient the residual stream
     brings from later layers).
 
     dy, ds, s: `[..., H]`, w: `[H]`, rstd: `[...]` -> dsum: `[..., H]` = rmsnorm_bwd(dy) + ds, the
     gradient of both x and r; dw: `[H]`.
+    bf16: dsum = r(dx + f(ds)) with dx rmsnorm_bwd's float32 dx (rounded once, not twice); dw float32.
     """
     require(ds.shape == s.shape, f"add_rmsnorm_bwd: ds.shape={ds.shape} must equal s.shape={s.shape}")
     dx, dw = rmsnorm_bwd(dy, s, w, rstd)
@@ -251,7 +378,8 @@ def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any,
                  seq_len: int = 0) -> tuple[Array, Array]:
     """cos and sin tables for the given global token positions.
 
-    positions: int `[S]` -> cos, sin: `[S, head_dim // 2]` in `dtype`. The angles
+    positions: int `[S]` -> cos, sin: `[S, head_dim // 2]` in `dtype` (float32 for bf16
+    activations: the rope kernels compute in float32 and read the tables as they are). The angles
     ``positions[s] * inv_freq[i]`` (:func:`rope_inv_freq` under ``scaling`` and its parameters)
     are computed in float64 and then cast. ``seq_len``: the length of the whole sequence the
     positions belong to (dynamic scaling depends on it; 0 means ``max(positions) + 1``).
@@ -277,11 +405,13 @@ def check_rope_shapes(x: Array, cos: Array, sin: Array, name: str) -> None:
            f"{name}: cos {cos.shape} and sin {sin.shape} must be [seq, head_dim // 2] = {want}")
 
 
+@mixed_precision(0)
 def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
     """Rotate pairs (x[..., i], x[..., i + D/2]) by the angle of each position.
 
     x: `[batch, seq, heads, head_dim]`, cos, sin: `[seq, head_dim // 2]` -> y like x:
-    y1 = x1*cos - x2*sin, y2 = x2*cos + x1*sin.
+    y1 = x1*cos - x2*sin, y2 = x2*cos + x1*sin (cos, sin cast to x's compute dtype).
+    bf16 x: y = r(those in float32).
     """
     check_rope_shapes(x, cos, sin, "rope_fwd")
     xp = array_module(x)
@@ -292,8 +422,10 @@ def rope_fwd(x: Array, cos: Array, sin: Array) -> Array:
     return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+@mixed_precision(0)
 def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
-    """Gradient of `rope_fwd`: the inverse rotation. dy: `[batch, seq, heads, head_dim]` -> dx like dy."""
+    """Gradient of `rope_fwd`: the inverse rotation. dy: `[batch, seq, heads, head_dim]` -> dx like dy
+    (bf16 dy: dx = r(the rotation in float32))."""
     check_rope_shapes(dy, cos, sin, "rope_bwd")
     xp = array_module(dy)
     half = dy.shape[3] // 2
@@ -314,16 +446,21 @@ def _sigmoid(g: Array) -> Array:
     return xp.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(g.dtype, copy=False)
 
 
+@mixed_precision(0)
 def swiglu_fwd(gate: Array, up: Array) -> Array:
-    """h = silu(gate) * up with silu(g) = g * sigmoid(g). gate, up: `[..., ffn]` -> h: `[..., ffn]`."""
+    """h = silu(gate) * up with silu(g) = g * sigmoid(g). gate, up: `[..., ffn]` -> h: `[..., ffn]`.
+
+    bf16: h = r(f(g) * sigmoid(f(g)) * f(u)), all in float32.
+    """
     require(gate.shape == up.shape, f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
     return gate * _sigmoid(gate) * up
 
 
+@mixed_precision(0, 1)
 def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     """Gradients of `swiglu_fwd`. dh, gate, up: `[..., ffn]` -> (dgate, dup).
 
-    d silu / dg = sig * (1 + g * (1 - sig)).
+    d silu / dg = sig * (1 + g * (1 - sig)). bf16: dgate, dup = r(those in float32).
     """
     require(dh.shape == gate.shape == up.shape,
            f"swiglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
@@ -382,6 +519,7 @@ def _grouped_scores(q: Array, k: Array, scale: float) -> Array:
     return xp.matmul(qg, kt) * q.dtype.type(scale)
 
 
+@mixed_precision(0)
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
                   causal: bool = True, scale: float | None = None,
                   window: int = 0) -> tuple[Array, Array]:
@@ -393,6 +531,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     q_offset + i - (k_offset + j) < W (see `visible_mask`).
     Returns out `[B, Sq, Hq, D]` (q's dtype) and lse `[B, Hq, Sq]` = log sum_j exp(scale q.k_j) over
     visible keys (float64 for float64 q, else float32); rows with no visible key: out 0, lse -inf.
+    bf16 q, k, v: scores, softmax and P V in float32, out = r(that float32 result), lse float32.
     """
     check_attention_shapes(q, k, v, "attention_fwd")
     check_window(window, causal, "attention_fwd")
@@ -415,6 +554,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     return out, lse[..., 0].reshape(b, hq, sq)
 
 
+@mixed_precision()
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
                   scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
@@ -427,6 +567,8 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     P = exp(scale QK^T - lse), delta = rowsum(dout*out), dV = P^T dout, dS = P (dout V^T - delta),
     dQ = scale dS K, dK = scale dS^T Q; dk, dv are summed over the query heads of each kv group.
     Returns dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`.
+    bf16 q, k, v, out, dout (float32 lse): everything in float32 from their upcasts; dq, dk, dv
+    float32 (the callers sum them over ring steps and microbatches).
     """
     check_attention_shapes(q, k, v, "attention_bwd")
     check_window(window, causal, "attention_bwd")
@@ -460,11 +602,14 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     return dq, dk.transpose(0, 2, 1, 3).copy(), dv.transpose(0, 2, 1, 3).copy()
 
 
+@mixed_precision(0)
 def attention_merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
     """Combine two partial attentions over disjoint key sets by log-sum-exp.
 
     out_a, out_b: `[B, S, H, D]`, lse_a, lse_b: `[B, H, S]` -> (out, lse) of the same shapes.
     A side with lse = -inf (no visible key) has weight 0; if both are -inf the result is out 0, lse -inf.
+    bf16: merged in float32, out = r(wa f(out_a) + wb f(out_b)) when out_a is bf16 (a float32
+    out_a, a running sum kept in float32, gives a float32 out); lse float32.
     """
     require(out_a.shape == out_b.shape and lse_a.shape == lse_b.shape
            and lse_a.shape == (out_a.shape[0], out_a.shape[2], out_a.shape[1]),
@@ -510,6 +655,7 @@ def check_ce_inputs(logits: Array, targets: Array, vocab_size: int | None, name:
         require(vocab_size is None or hi < vocab_size, f"{name}: target id {hi} must be < vocab_size={vocab_size}")
 
 
+@mixed_precision()
 def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
                         vocab_size: int | None = None) -> tuple[Array, Array, Array]:
     """Per-row softmax statistics of one vocab shard.
@@ -517,7 +663,7 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
     logits: `[N, Vloc]` holding the columns of vocab ids [vocab_start, vocab_start + Vloc); targets: `[N]`
     global ids. Columns with id >= vocab_size are padding and ignored. Returns m `[N]` (local max, -inf
     if the shard is all padding), s `[N]` = sum exp(logits - m), t `[N]` = target logit if the target is
-    in this shard else 0; float64 for float64 logits, else float32.
+    in this shard else 0; float64 for float64 logits, else float32 (bf16 logits: from f(logits)).
     Combine shards with M = max m, S = sum s * exp(m - M), T = sum t: lse = M + log S, loss = lse - T.
     """
     check_ce_inputs(logits, targets, vocab_size, "cross_entropy_stats")
@@ -540,7 +686,8 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
 def cross_entropy_fwd(logits: Array, targets: Array, vocab_size: int | None = None) -> tuple[Array, Array]:
     """Cross-entropy of one unsharded set of logits.
 
-    logits: `[N, V]`, targets: `[N]` -> loss `[N]` = lse - target logit, lse `[N]` (statistics dtype).
+    logits: `[N, V]`, targets: `[N]` -> loss `[N]` = lse - target logit, lse `[N]` (statistics dtype:
+    float32 for bf16 logits).
     Columns with id >= vocab_size are padding and ignored.
     """
     nvalid = valid_columns(logits.shape[1] if logits.ndim == 2 else 0, 0, vocab_size)
@@ -551,12 +698,14 @@ def cross_entropy_fwd(logits: Array, targets: Array, vocab_size: int | None = No
     return lse - t, lse
 
 
+@mixed_precision(0)
 def cross_entropy_bwd(logits: Array, targets: Array, lse: Array, dloss: Array, vocab_start: int = 0,
                       vocab_size: int | None = None) -> Array:
     """Gradient of the per-row loss w.r.t. one vocab shard of logits.
 
     logits: `[N, Vloc]`, targets, lse, dloss: `[N]` (lse is the global one over all shards) ->
     dlogits `[N, Vloc]` (logits dtype) = (softmax - onehot(target in shard)) * dloss; padding columns 0.
+    bf16 logits (float32 lse, dloss): dlogits = r(that in float32).
     """
     check_ce_inputs(logits, targets, vocab_size, "cross_entropy_bwd")
     n = logits.shape[0]

@@ -21,6 +21,7 @@ from mpipar.training.engine import Engine
 from mpipar.kernels import get_backend
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
+from mpipar.parallel.placement import PlacementTable
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.rules import validate
 from mpipar.layout import resolve_model
@@ -94,8 +95,9 @@ def reference_eval(cfg, params: dict) -> float:
     only, one process."""
     k = get_backend("numpy")
     model = resolve_model(cfg.model)
-    stage = LlamaStage(model, k, range(model.layers), True, True,
-                       TensorParallel(k, model.vocab_size), LocalAttention(k))
+    stage = LlamaStage(cfg=model, kernels=k, layers=range(model.layers), first=True, last=True,
+                       tp=TensorParallel(kernels=k, table=PlacementTable(model=model)),
+                       attention=LocalAttention(k))
     _, evals = validation(token_source(), cfg.train, model.vocab_size)
     total = 0.0
     for b in range(evals.batches):

@@ -24,6 +24,7 @@ import pytest
 
 from conftest import assert_all_ranks, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
+from mpipar.parallel.placement import TENSOR_PARALLEL_PLAN
 from mpipar.runtime.topology import GridShape, NodeMap
 
 
@@ -238,3 +239,55 @@ def test_sliding_window_model_equals_single_process_float64(world, layout):
     """Sliding-window attention (every layer, or Gemma 2's alternation) on ring, halo and
     Ulysses SP, both splits, with TP, PP and DP: equal to one process."""
     _check(world, layout, "float64", 1e-10)
+
+
+# The MLP's linears replicated over tp in the placement table, instead of column- and
+# row-parallel: on tp alone (its all-reduces counted against the usual table's) and with tp
+# sequence parallelism and the pipeline.
+MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+TABLE_CHANGED = [dict(tp=2), dict(tp=2, pp=2, tp_sequence_parallel=True)]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", TABLE_CHANGED, ids=[layout_name(v) for v in TABLE_CHANGED])
+def test_the_placement_table_drives_the_weight_split_and_the_traffic(world, layout, monkeypatch):
+    """Each linear's tensor-parallel role is declared once, in the placement table: with the
+    MLP's linears replicated there, every tp rank holds them whole, their activations cross no
+    tp collective (without tp sequence parallelism: per block and microbatch one all-reduce
+    fewer in forward, the down projection's, and one in backward, the gate/up input's), and the
+    run still equals one process."""
+    size = layout_size(layout)
+    comm = world.Split(world.rank // size, world.rank)
+    want = reference("float64")
+    fails: list[str] = []
+
+    def all_reduces(engine) -> int:
+        return engine.ledger.entries[("tp", "allreduce")].messages
+
+    try:
+        usual = None
+        if not layout.get("tp_sequence_parallel"):
+            got = run(small_config("float64", **layout), comm)
+            usual = all_reduces(got[3])
+            got[3].close()
+        for name in MLP:
+            monkeypatch.setitem(TENSOR_PARALLEL_PLAN, name, "replicated")
+        got = run(small_config("float64", **layout), comm)
+        engine = got[3]
+        try:
+            fails = compare(got[:3], want, 1e-10)
+            blocks = [i for chunk in engine.chunks for i in chunk.layers]
+            held = engine.params[f"layers.{blocks[0]}.mlp.down_proj.weight"].shape
+            if held != (32, 48):
+                fails.append(f"down_proj held as {held}, not whole")
+            if usual is not None and usual - all_reduces(engine) != \
+                    2 * len(blocks) * engine.microbatches * 2:
+                fails.append(f"tp all-reduces {all_reduces(engine)} against {usual} with the "
+                             f"usual table")
+        finally:
+            engine.close()
+    except Exception as exc:  # a rank's error must reach every rank, never hang them
+        fails = [f"{type(exc).__name__}: {exc}"]
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)

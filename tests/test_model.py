@@ -13,6 +13,7 @@ from mpipar.kernels.numpy_ref import rope_inv_freq
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_params, param_specs
+from mpipar.parallel.placement import TP_ROLES, PlacementTable
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.layout import resolve_model
 
@@ -23,10 +24,12 @@ TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True, rope_t
                            rope_factor=4.0, rope_original_max_positions=4)
 
 
-def make_stage(backend: str = "numpy", cfg: ModelConfig = CFG) -> LlamaStage:
+def make_stage(backend: str = "numpy", cfg: ModelConfig = CFG, **options) -> LlamaStage:
+    """The whole model as one stage on one process (``options``: recompute, store)."""
     k = get_backend(backend)
-    return LlamaStage(cfg, k, range(cfg.layers), True, True, TensorParallel(k, cfg.vocab_size),
-                      LocalAttention(k))
+    return LlamaStage(cfg=cfg, kernels=k, layers=range(cfg.layers), first=True, last=True,
+                      tp=TensorParallel(kernels=k, table=PlacementTable(model=cfg)),
+                      attention=LocalAttention(k), **options)
 
 
 def random_biases(params: dict, seed: int) -> dict:
@@ -111,9 +114,7 @@ class _RefusingStore:
 
 
 def test_forward_only_keeps_nothing_and_equals_the_training_forward():
-    k = get_backend("numpy")
-    stage = LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
-                       LocalAttention(k), recompute="offload", store=_RefusingStore())
+    stage = make_stage(recompute="offload", store=_RefusingStore())
     params = init_params(CFG, 7, np.float64)
     tokens, targets = batch()
     positions = np.arange(tokens.shape[1])
@@ -128,9 +129,7 @@ def test_kv_cache_decoding_equals_the_whole_sequence_forward(backend):
     """A prompt of 4 tokens, then one token at a time through the KV cache: each step's logits
     equal those of the whole sequence's forward at that position (float64)."""
     from mpipar.model.llama import KVCache
-    k = get_backend(backend)
-    stage = LlamaStage(CFG, k, range(CFG.layers), True, True, TensorParallel(k, CFG.vocab_size),
-                       LocalAttention(k))
+    stage = make_stage(backend)
     params = init_params(CFG, 5, np.float64)
     tokens = batch(2, B=2, S=9)[0]
     whole = stage.forward_only(params, tokens, np.arange(9)).reshape(2, 9, -1)
@@ -178,9 +177,7 @@ def test_loss_at_init_is_near_uniform():
     """With a small init the model predicts nearly uniformly: loss ~= log(vocab)."""
     cfg = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2,
                                     ffn_hidden=24, init_std=1e-4))
-    k = get_backend("numpy")
-    stage = LlamaStage(cfg, k, range(2), True, True, TensorParallel(k, cfg.vocab_size),
-                       LocalAttention(k))
+    stage = make_stage(cfg=cfg)
     tokens, targets = batch()
     loss, _ = loss_and_grads(stage, init_params(cfg, 0, np.float64), tokens, targets)
     assert abs(loss - np.log(11)) < 1e-3
@@ -197,3 +194,86 @@ def test_numba_backend_equals_numpy_on_the_model(dtype, tol, cfg):
     for name in g_np:
         scale = np.abs(g_np[name]).max()
         assert np.abs(g_np[name] - g_nb[name]).max() <= tol * max(scale, 1e-30), name
+
+
+class _LinearsSeen:
+    """The numpy kernels, recording the weight of every linear they run (forward and
+    backward), and those run outside the tensor-parallel seam."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels, self.weights, self.outside, self.in_seam = kernels, set(), set(), 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernels, name)
+
+    def _saw(self, w) -> None:
+        self.weights.add(id(w))
+        if not self.in_seam:
+            self.outside.add(id(w))
+
+    def linear_fwd(self, x, w, b=None):
+        self._saw(w)
+        return self.kernels.linear_fwd(x, w, b)
+
+    def linear_bwd(self, dy, x, w):
+        self._saw(w)
+        return self.kernels.linear_bwd(dy, x, w)
+
+
+class _RolesAsked(TensorParallel):
+    """TensorParallel recording the parameters whose role it read in the placement table, and
+    telling its kernels while one of its linears runs."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.asked: set[str] = set()
+
+    def role(self, names):
+        self.asked.update(names)
+        return super().role(names)
+
+    def linear(self, *args):
+        self.kernels.in_seam += 1
+        out = super().linear(*args)
+        self.kernels.in_seam -= 1
+        return out
+
+    def linear_backward(self, *args):
+        self.kernels.in_seam += 1
+        out = super().linear_backward(*args)
+        self.kernels.in_seam -= 1
+        return out
+
+
+@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["llama", "tied-bias-llama3"])
+def test_every_linear_the_model_runs_takes_its_role_from_the_placement_table(cfg):
+    """The placement table is the one statement of each linear's tensor-parallel role: every
+    linear a kernel runs in forward and backward runs inside the tensor-parallel seam, on a
+    weight whose role the seam read in the table (a linear the block ran past the seam would
+    show here), and they are all of the model's weight matrices but an untied embedding (a
+    lookup)."""
+    k = _LinearsSeen(get_backend("numpy"))
+    table = PlacementTable(model=cfg)
+    tp = _RolesAsked(kernels=k, table=table)
+    stage = LlamaStage(cfg=cfg, kernels=k, layers=range(cfg.layers), first=True, last=True,
+                       tp=tp, attention=LocalAttention(k))
+    params = init_params(cfg, 7, np.float64)
+    loss_and_grads(stage, params, *batch())
+    multiplied = {n for n, v in params.items() if id(v) in k.weights}
+    matrices = {s.name for s in param_specs(cfg) if len(s.shape) == 2}
+    assert multiplied == matrices - ({"embed_tokens.weight"} - {stage.head})
+    assert not {n for n, v in params.items() if id(v) in k.outside}
+    assert multiplied <= tp.asked
+    assert {table[n].tp for n in tp.asked} <= set(TP_ROLES)
+
+
+def test_the_tensor_parallel_seam_refuses_what_the_table_does_not_say():
+    """A linear with no row in the placement table, linears sharing an input with different
+    roles, and an embedding not vocabulary-parallel are errors, not a guess."""
+    tp = TensorParallel(kernels=get_backend("numpy"), table=PlacementTable(model=CFG))
+    with pytest.raises(KeyError, match="no row for it"):
+        tp.role(["layers.0.mlp.gate_proj.weight", "layers.0.mlp.shortcut.weight"])
+    with pytest.raises(ValueError, match=r"roles \['column', 'row'\]"):
+        tp.role(["layers.0.mlp.gate_proj.weight", "layers.0.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="must be vocabulary-parallel"):
+        tp.embed({"norm.weight": np.ones(16)}, "norm.weight", np.zeros((1, 2), int))

@@ -25,6 +25,7 @@ from mpipar.kernels import get_backend
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RECOMPUTE_MODES, LlamaStage
 from mpipar.model.params import init_params
+from mpipar.parallel.placement import PlacementTable
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.rules import validate
 from mpipar.layout import resolve_model
@@ -37,8 +38,9 @@ MODES = [m for m in RECOMPUTE_MODES if m != "none"]
 
 def _stage(mode: str, store=None, cfg: ModelConfig = CFG, backend: str = "numpy") -> LlamaStage:
     k = get_backend(backend)
-    return LlamaStage(cfg, k, range(cfg.layers), True, True, TensorParallel(k, cfg.vocab_size),
-                      LocalAttention(k), mode, store)
+    return LlamaStage(cfg=cfg, kernels=k, layers=range(cfg.layers), first=True, last=True,
+                      tp=TensorParallel(kernels=k, table=PlacementTable(model=cfg)),
+                      attention=LocalAttention(k), recompute=mode, store=store)
 
 
 def _loss_and_grads(stage: LlamaStage, split: bool):

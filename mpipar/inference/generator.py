@@ -67,14 +67,16 @@ class Generator:
         groups = {name: Group(c, name, self.ledger) for name, c in self.grid.comms.items()}
         self.kernels = training_backend(cfg.train.backend)
         self.xp, self.dtype = self.kernels.xp, np.dtype(cfg.train.dtype)
-        self.table = PlacementTable(self.model, par.pp)
-        self.tensor = TensorParallel(self.kernels, self.model.vocab_size, groups["tp"])
+        self.table = PlacementTable(model=self.model, pp=par.pp)
+        self.tensor = TensorParallel(kernels=self.kernels, table=self.table, group=groups["tp"])
         rank = self.grid.coord.pp
-        self.stage = LlamaStage(self.model, self.kernels, self.table.stage_layers(rank), rank == 0,
-                                rank == par.pp - 1, self.tensor, LocalAttention(self.kernels))
+        self.stage = LlamaStage(cfg=self.model, kernels=self.kernels,
+                                layers=self.table.stage_layers(rank), first=rank == 0,
+                                last=rank == par.pp - 1, tp=self.tensor,
+                                attention=LocalAttention(self.kernels))
         self.pp = groups["pp"]
         ops = forward_only(build_schedule("gpipe", par.pp, 1))[rank]
-        self.executor = PipelineExecutor(ops, [self.stage], self.pp, par.pp, 1, self.xp)
+        self.executor = PipelineExecutor(ops=ops, chunks=[self.stage], pp=self.pp, xp=self.xp)
         self.params: dict[str, Any] = {}
 
     def load_params(self, values: dict[str, np.ndarray]) -> None:

@@ -3,13 +3,19 @@
 A :class:`LlamaStage` holds a contiguous run of decoder blocks and, on the first pipeline stage,
 the embedding, and on the last the final norm, LM head and cross-entropy. With one process a
 single stage holds everything. The code is a dense Llama block; it holds no MPI group and makes
-no collective. Parallelism enters through two objects it is given:
+no collective. Parallelism enters through the seams it is given and the scope it is told:
 
-- ``tp``: a :class:`mpipar.parallel.tensor.TensorParallel`: the column-parallel linears
-  (q/k/v, gate/up, LM head) and row-parallel ones (o, down) go through it, as do the
-  vocabulary-parallel embedding and cross-entropy. With tp = 1 every op is local;
+- ``tp``: the tensor-parallel ops (:class:`mpipar.model.tensor_ops.TensorOps`). Every linear,
+  the embedding and the cross-entropy go through it by the names of their weights; the block
+  never says which linear is column- or row-parallel: the placement table does, once, and the
+  seam follows it (with tp = 1 every op is local). The block reads its local head count and
+  FFN width from the shapes of the weights it is given;
 - ``attention``: the attention core (:class:`mpipar.model.attention.AttentionCore`), which sees
-  this rank's query chunk and global positions (ring or Ulysses attention over SP).
+  this rank's query chunk and global positions (ring or Ulysses attention over SP);
+- ``scope`` (:class:`ParamScope`): each *unit* (the embedding, a block, the head) runs inside
+  ``scope.using(unit)``, in one place per unit and direction: one walk serves
+  :meth:`LlamaStage.forward` and :meth:`LlamaStage.forward_only`, one
+  :meth:`LlamaStage.backward`.
 
 RoPE uses the global token positions of this rank's sequence chunk, with the model's frequency
 scaling (``rope_type``: linear, dynamic NTK, llama3), whose dynamic rule depends on the length of
@@ -50,6 +56,8 @@ and attends over every cached position (causal, local: generation holds whole se
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -57,9 +65,9 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore
-from mpipar.model.params import (EMBED, block_param_specs, head_weight_name, require_resolved,
-                                 stage_param_names, unit_of)
-from mpipar.parallel.tensor import TensorParallel
+from mpipar.model.params import (EMBED, bias_name, block_param_specs, head_weight_name,
+                                 require_resolved, stage_param_names, unit_of)
+from mpipar.model.tensor_ops import TensorOps
 
 Array = Any
 RECOMPUTE_MODES = ("none", "selective", "full", "offload")
@@ -77,12 +85,12 @@ class ParamScope(Protocol):
     parallelism may keep a unit's parameters and gradients only while it runs (ZeRO-3,
     :class:`mpipar.parallel.fsdp.ShardedParams`). The model makes no collective itself."""
 
-    def enter(self, unit: str, backward: bool) -> None:
-        """``params`` (and in ``backward`` the unit's ``grads``) hold ``unit`` until leave."""
-
-    def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
-        """Done with ``unit``; in backward, ``grads_final`` unless its weight gradients were
-        deferred (then :meth:`weights_done` follows)."""
+    def using(self, units: Sequence[str], backward: bool,
+              grads_final: bool = True) -> AbstractContextManager[None]:
+        """A context in which ``params`` (and in ``backward`` the units' ``grads``) hold
+        ``units``; leaving it, the parameters may go, and in backward with ``grads_final`` the
+        gradients are final (else their weight gradients were deferred: :meth:`weights_done`
+        follows). An exception inside leaves the units as they are."""
 
     def weights_done(self, units: list[str]) -> None:
         """The deferred weight gradients of ``units`` are accumulated."""
@@ -95,11 +103,9 @@ class ParamScope(Protocol):
 class Resident:
     """The scope of parameters and gradients that stay in memory (ZeRO-0/1): nothing to do."""
 
-    def enter(self, unit: str, backward: bool) -> None:
-        pass
-
-    def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
-        pass
+    def using(self, units: Sequence[str], backward: bool,
+              grads_final: bool = True) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def weights_done(self, units: list[str]) -> None:
         pass
@@ -168,11 +174,6 @@ class StageCache:
     head: Any = None
 
 
-def bias_name(weight: str) -> str:
-    """The name of the bias of linear weight ``weight`` (``...q_proj.weight`` -> ``...bias``)."""
-    return weight.removesuffix("weight") + "bias"
-
-
 @dataclass
 class KVCache:
     """Keys and values of the positions seen so far, per block, for incremental decoding.
@@ -230,11 +231,24 @@ class LinearGrads:
             self.grads[bias_name(name)] += self.kernels.linear_bias_bwd(dy)
 
 
+QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+O_PROJ = ("self_attn.o_proj.weight",)
+GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+DOWN = ("mlp.down_proj.weight",)
+"""A block's linears in groups that share one input (:mod:`mpipar.model.tensor_ops`), by name
+without the block's ``layers.{i}.``."""
+
+
+def in_block(i: int, group: Sequence[str]) -> list[str]:
+    """The parameter names of linear ``group`` in block ``i``."""
+    return [f"layers.{i}.{name}" for name in group]
+
+
 class LlamaStage:
     """Blocks ``layers`` of the model, plus embedding (``first``) and norm/head/loss (``last``)."""
 
-    def __init__(self, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
-                 tp: TensorParallel, attention: AttentionCore, recompute: str = "none",
+    def __init__(self, *, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
+                 tp: TensorOps, attention: AttentionCore, recompute: str = "none",
                  store: CacheStore | None = None, seq_len: int = 0) -> None:
         """``recompute`` in :data:`RECOMPUTE_MODES` (see the module docstring); ``offload``
         needs ``store``. ``seq_len``: the length of the whole sequences whose positions forward
@@ -251,8 +265,6 @@ class LlamaStage:
         self.cfg = require_resolved(cfg)
         self.kernels, self.layers, self.first, self.last = kernels, layers, first, last
         self.tp, self.attention = tp, attention
-        self.hq = self.cfg.heads // tp.size
-        self.hkv = self.cfg.kv_heads // tp.size
         self.head = head_weight_name(self.cfg)
         # The units the head reads: its own, and the embedding's when tied.
         self.head_units = ["head", "embed"] if self.head == EMBED else ["head"]
@@ -274,9 +286,14 @@ class LlamaStage:
                 original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)
         return self._rope[key]
 
-    def _bias(self, params, weight: str) -> Array | None:
-        """The bias of linear ``weight``, or None when the model has none."""
-        return params.get(bias_name(weight))
+    def _apply(self, params, names: Sequence[str], x: Array) -> list[Array]:
+        """The linears ``names`` (one input ``x``) through the tensor-parallel seam."""
+        return self.tp.linear(params, names, self.tp.linear_input(x, names))
+
+    def _apply_backward(self, dys: Sequence[Array], x: Array, names: Sequence[str],
+                        lin: LinearGrads) -> Array:
+        """The gradient of ``x`` from those of :meth:`_apply`'s outputs ``dys``."""
+        return self.tp.linear_backward(dys, self.tp.linear_input(x, names), names, lin)
 
     # ---------------------------------------------------------------- forward
     def forward(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
@@ -287,28 +304,18 @@ class LlamaStage:
         inp: token ids ``[B, S]`` on the first stage, else the stream. positions: global
         positions ``[S]`` of this rank's tokens. targets ``[B, S]`` on the last stage.
         Returns the stream, or on the last stage the per-token loss ``[B, S]`` (float64).
-        scope: told before and after each unit reads ``params``.
+        scope: holds each unit while it reads ``params``.
         """
-        cache = StageCache(positions)
-        if self.first:
-            cache.tokens = inp
-            scope.enter("embed", False)
-            x = self.tp.embed(params[EMBED], inp)
-            scope.leave("embed", False)
-        else:
-            x = inp
-        for i in self.layers:
-            scope.enter(f"layers.{i}", False)
-            x, saved = self._block_fwd(params, i, x, positions, record=True, scope=scope)
-            scope.leave(f"layers.{i}", False)
+        cache = StageCache(positions, tokens=inp if self.first else None)
+
+        def keep(saved: BlockSaved) -> None:
             cache.blocks.append(self._keep(saved))
+
+        out = self._walk(params, inp, positions, scope, on_block=keep,
+                         head=lambda x: self._head_fwd(params, x, targets))
         if not self.last:
-            return x, cache
-        for unit in self.head_units:
-            scope.enter(unit, False)
-        loss, cache.head = self._head_fwd(params, x, targets)
-        for unit in self.head_units:
-            scope.leave(unit, False)
+            return out, cache
+        loss, cache.head = out
         if self.recompute == "offload":
             cache.head = self.store.put(cache.head)
         return loss, cache
@@ -322,26 +329,37 @@ class LlamaStage:
         positions from ``kv.length``; the caller advances ``kv.length``). Returns the stream; on
         the last stage the per-token loss ``[B, S]`` (float64) when ``targets`` are given, else
         this rank's logits ``[B*S, V/tp]`` (its vocabulary shard; tokens in row-major order).
-        scope: told before and after each unit, as in :meth:`forward`.
+        scope: holds each unit while it reads ``params``, as in :meth:`forward`.
         """
+        def head(x: Array) -> Array:
+            if targets is not None:
+                return self._head_fwd(params, x, targets)[0]
+            return self._logits(params, x)[1]
+
+        return self._walk(params, inp, positions, scope, head=head, kv=kv)
+
+    def _walk(self, params, inp: Array, positions: np.ndarray, scope: ParamScope,
+              head: Callable[[Array], Any], on_block: Callable[[BlockSaved], None] | None = None,
+              kv: KVCache | None = None) -> Any:
+        """The forward of the stage's units in order, each inside ``scope.using``: the embedding
+        (first stage), each block (its :class:`BlockSaved` handed to ``on_block`` and its
+        activations to the recorder, when ``on_block`` is given; ``kv``: incremental decoding),
+        then, on the last stage, ``head(stream)`` inside the head's units. Returns what ``head``
+        returns, or the stream."""
         x = inp
         if self.first:
-            scope.enter("embed", False)
-            x = self.tp.embed(params[EMBED], inp)
-            scope.leave("embed", False)
+            with scope.using(["embed"], False):
+                x = self.tp.embed(params, EMBED, inp)
         for i in self.layers:
-            scope.enter(f"layers.{i}", False)
-            x, _ = self._block_fwd(params, i, x, positions, kv=kv, scope=scope)
-            scope.leave(f"layers.{i}", False)
+            with scope.using([f"layers.{i}"], False):
+                x, saved = self._block_fwd(params, i, x, positions, scope,
+                                           record=on_block is not None, kv=kv)
+            if on_block is not None:
+                on_block(saved)
         if not self.last:
             return x
-        for unit in self.head_units:
-            scope.enter(unit, False)
-        out = (self._head_fwd(params, x, targets)[0] if targets is not None
-               else self._logits(params, x)[1])
-        for unit in self.head_units:
-            scope.leave(unit, False)
-        return out
+        with scope.using(self.head_units, False):
+            return head(x)
 
     def _keep(self, c: BlockSaved) -> Any:
         """What this block keeps under ``self.recompute`` (module docstring)."""
@@ -354,29 +372,28 @@ class LlamaStage:
         return BlockSaved(c.x, attention_out=c.attention_out, attention_saved=c.attention_saved,
                           x2=c.x2, g=c.g, u=c.u)
 
-    def _qkv(self, params, i: int, h1_full: Array, S: int) -> tuple[Array, Array, Array]:
-        """q ``[B, S, hq, D]`` and k ``[B, S, hkv, D]`` after RoPE, v ``[B, S, hkv, D]``, of the
-        normed input entered into the tp region (column-parallel: no communication here)."""
-        ops, p, n, D = self.kernels, params, f"layers.{i}.", self.cfg.head_dim
-        q, key, v = (ops.linear_fwd(h1_full, p[w], self._bias(p, w))
-                     for w in (n + f"self_attn.{x}_proj.weight" for x in "qkv"))
-        q, key, v = (a.reshape(-1, S, h, D) for a, h in ((q, self.hq), (key, self.hkv),
-                                                          (v, self.hkv)))
+    def _qkv(self, params, i: int, h1_in: Array, S: int) -> tuple[Array, Array, Array]:
+        """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` (before RoPE): block ``i``'s q/k/v
+        linears on the normed input as they read it (``h1_in``, :meth:`TensorOps.linear_input`)."""
+        D = self.cfg.head_dim
+        q, key, v = (a.reshape(-1, S, a.shape[-1] // D, D)
+                     for a in self.tp.linear(params, in_block(i, QKV), h1_in))
         return q, key, v
 
     def _rope_fwd(self, q: Array, key: Array, positions: np.ndarray) -> tuple[Array, Array]:
         cos, sin = self._cos_sin(positions, q.dtype)
         return self.kernels.rope_fwd(q, cos, sin), self.kernels.rope_fwd(key, cos, sin)
 
-    def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray, record: bool = False,
-                   kv: KVCache | None = None, scope: ParamScope = RESIDENT
-                   ) -> tuple[Array, BlockSaved]:
+    def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray,
+                   scope: ParamScope = RESIDENT, record: bool = False,
+                   kv: KVCache | None = None) -> tuple[Array, BlockSaved]:
         """Block ``i`` on the stream ``x`` -> (output stream, every intermediate); ``record``:
         hand the :data:`ACTIVATION_NAMES` tensors to the recorder, if one is set; ``kv``: attend
         over the cached positions too (incremental decoding, module docstring)."""
-        ops, p, tp, n, eps = self.kernels, params, self.tp, f"layers.{i}.", self.cfg.norm_eps
+        ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
         h1, rstd1 = ops.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], eps)
-        q, key, v = self._qkv(params, i, tp.enter(h1), len(positions))
+        q, key, v = self._qkv(params, i, self.tp.linear_input(h1, in_block(i, QKV)),
+                              len(positions))
         scope.progress()
         q, key = self._rope_fwd(q, key, positions)
         window = self.cfg.layer_window(i)
@@ -388,12 +405,12 @@ class LlamaStage:
                                                      window=window)
         scope.progress()
         B, S = out.shape[:2]
-        a = tp.row_linear(out.reshape(B, S, -1), p[n + "self_attn.o_proj.weight"])
+        a, = self._apply(params, in_block(i, O_PROJ), out.reshape(B, S, -1))
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
-        _, (g, u) = tp.column_linear(h2, p[n + "mlp.gate_proj.weight"], p[n + "mlp.up_proj.weight"])
+        g, u = self._apply(params, in_block(i, GATE_UP), h2)
         scope.progress()
         m = ops.swiglu_fwd(g, u)
-        y = tp.row_linear(m, p[n + "mlp.down_proj.weight"])
+        y, = self._apply(params, in_block(i, DOWN), m)
         block_out = x2 + y
         if record and self.recorder is not None:
             for name, value in zip(ACTIVATION_NAMES, (x, out.reshape(B, S, -1), a, y, block_out)):
@@ -401,12 +418,12 @@ class LlamaStage:
         if not self.attention.needs_inputs:
             q = key = v = None
         return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
-                                  g, u, m)
+                                     g, u, m)
 
     def _logits(self, params, x: Array) -> tuple[tuple[Array, Array], Array]:
         """((final norm of the stream ``hn``, its ``rstd``), this rank's logits ``[N, V/tp]``)."""
         hn, rstd = self.kernels.rmsnorm_fwd(x, params["norm.weight"], self.cfg.norm_eps)
-        _, (logits,) = self.tp.column_linear(hn, params[self.head])
+        logits, = self._apply(params, [self.head], hn)
         return (hn, rstd), logits.reshape(-1, logits.shape[-1])
 
     def _head_fwd(self, params, x: Array, targets: Array) -> tuple[Array, HeadSaved]:
@@ -429,33 +446,28 @@ class LlamaStage:
         but appended to it as ``(name, dy, x)`` for :meth:`weight_backward` to run later.
         on_ready: called with the list of parameter names whose gradients this call has finished,
         after each block (the hook that launches data-parallel bucket reductions early).
-        scope: told before and after each unit's backward (:class:`ParamScope`).
+        scope: holds each unit during its backward (:class:`ParamScope`).
         """
         lin = LinearGrads(self.kernels, params, grads, deferred)
-        notify = on_ready if deferred is None else None
+        final = deferred is None
+        notify = on_ready if final else None
+        dx = dout
         if self.last:
-            for unit in self.head_units:
-                scope.enter(unit, True)
-            dx = self._head_bwd(params, grads, dout, cache.head, lin)
-            for unit in self.head_units:
-                scope.leave(unit, True, deferred is None)
+            with scope.using(self.head_units, True, final):
+                dx = self._head_bwd(params, grads, dout, cache.head, lin)
             tied_here = self.first and self.head == EMBED  # final after the embedding's backward
             notify and notify(["norm.weight"] + ([] if tied_here else [self.head]))
-        else:
-            dx = dout
         for i in reversed(self.layers):  # pop: each block's activations go once it is done
-            scope.enter(f"layers.{i}", True)
-            saved = self._restore(params, i, cache.blocks.pop(), cache.positions)
-            dx = self._block_bwd(params, grads, i, dx, saved, cache.positions, lin, scope)
-            scope.leave(f"layers.{i}", True, deferred is None)
+            with scope.using([f"layers.{i}"], True, final):
+                saved = self._restore(params, i, cache.blocks.pop(), cache.positions)
+                dx = self._block_bwd(params, grads, i, dx, saved, cache.positions, lin, scope)
             notify and notify([s.name for s in block_param_specs(self.cfg, i)])
-        if self.first:
-            scope.enter("embed", True)
-            self.tp.embed_backward(grads[EMBED], dx, cache.tokens)
-            scope.leave("embed", True)
-            notify and notify([EMBED])
-            return None
-        return dx
+        if not self.first:
+            return dx
+        with scope.using(["embed"], True):
+            self.tp.embed_backward(grads, EMBED, dx, cache.tokens)
+        notify and notify([EMBED])
+        return None
 
     def weight_backward(self, grads: dict[str, Array], deferred: list,
                         scope: ParamScope = RESIDENT) -> None:
@@ -489,7 +501,7 @@ class LlamaStage:
         c = self.store.take(kept) if self.recompute == "offload" else kept
         dlogits = self.tp.cross_entropy_backward(c.logits, c.targets, c.lse,
                                                  dloss.reshape(-1)).astype(c.x.dtype)
-        dhn = self.tp.column_linear_backward([dlogits], self.tp.enter(c.hn), [self.head], lin)
+        dhn = self._apply_backward([dlogits], c.hn, [self.head], lin)
         dx, dwn = self.kernels.rmsnorm_bwd(dhn, c.x, params["norm.weight"], c.rstd)
         grads["norm.weight"] += dwn
         return dx
@@ -497,33 +509,31 @@ class LlamaStage:
     def _block_bwd(self, params, grads, i: int, dout: Array, c: BlockSaved,
                    positions: np.ndarray, lin: LinearGrads, scope: ParamScope = RESIDENT
                    ) -> Array:
-        ops, p, tp, n = self.kernels, params, self.tp, f"layers.{i}."
-        dm = tp.row_linear_backward(dout, c.m, n + "mlp.down_proj.weight", lin)
+        ops, p, n = self.kernels, params, f"layers.{i}."
+        dm = self._apply_backward([dout], c.m, in_block(i, DOWN), lin)
         scope.progress()
         dg, du = ops.swiglu_bwd(dm, c.g, c.u)
-        dh2 = tp.column_linear_backward([dg, du], tp.enter(c.h2),
-                                        [n + "mlp.gate_proj.weight", n + "mlp.up_proj.weight"],
-                                        lin)
+        dh2 = self._apply_backward([dg, du], c.h2, in_block(i, GATE_UP), lin)
         scope.progress()
         dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
                                       c.rstd2)
         grads[n + "post_attention_layernorm.weight"] += dw
         out = c.attention_out
         B, S = out.shape[:2]
-        do = tp.row_linear_backward(dx2, out.reshape(B, S, -1), n + "self_attn.o_proj.weight", lin)
+        do = self._apply_backward([dx2], out.reshape(B, S, -1), in_block(i, O_PROJ), lin)
         scope.progress()
-        h1_full = tp.enter(c.h1)
+        qkv = in_block(i, QKV)
+        h1_in = self.tp.linear_input(c.h1, qkv)
         q, key, v = c.q, c.k, c.v
         if q is None and self.attention.needs_inputs:  # dropped by selective recomputation
-            q, key, v = self._qkv(params, i, h1_full, S)
+            q, key, v = self._qkv(params, i, h1_in, S)
             q, key = self._rope_fwd(q, key, positions)
         dq, dk, dv = self.attention.backward(do.reshape(out.shape), q, key, v, out,
                                              c.attention_saved, self.cfg.layer_window(i))
         scope.progress()
         cos, sin = self._cos_sin(positions, dq.dtype)
         dq, dk = ops.rope_bwd(dq, cos, sin), ops.rope_bwd(dk, cos, sin)
-        dh1 = tp.column_linear_backward([dq, dk, dv], h1_full,
-                                        [n + f"self_attn.{x}_proj.weight" for x in "qkv"], lin)
+        dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
         dx, dw = ops.add_rmsnorm_bwd(dh1, dx2, c.x, p[n + "input_layernorm.weight"], c.rstd1)
         grads[n + "input_layernorm.weight"] += dw
         return dx

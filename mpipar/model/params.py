@@ -74,6 +74,11 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
+def bias_name(weight: str) -> str:
+    """The name of the bias of linear weight ``weight`` (``...q_proj.weight`` -> ``...bias``)."""
+    return weight.removesuffix("weight") + "bias"
+
+
 def head_weight_name(cfg: ModelConfig) -> str:
     """The parameter the LM head multiplies by: ``lm_head.weight``, or the embedding when tied."""
     return EMBED if cfg.tie_embeddings else HEAD

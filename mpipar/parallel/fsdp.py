@@ -1,6 +1,6 @@
 """Fully sharded data parallelism: ZeRO-2 and ZeRO-3 over the dp x sp group.
 
-The model names the *units* it reads parameters in (:meth:`mpipar.model.llama.LlamaStage.units`):
+The model names the *units* it reads parameters in (:class:`mpipar.model.llama.ParamScope`):
 the embedding, each decoder block, the final norm with the LM head. Each unit is one flat buffer,
 padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns elements
 ``[r * N / n, (r + 1) * N / n)`` of it: its slice of the gradients and of the optimizer state
@@ -9,7 +9,7 @@ padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns e
 - **ZeRO-2** (``gather=False``): every rank keeps the whole parameters of its stage; after the
   update the owned slices are all-gathered back (as ZeRO-1).
 - **ZeRO-3** (``gather=True``): only the owned slice is persistent. When the model enters a unit
-  (:meth:`ShardedParams.enter`, before its forward and again before its backward) the unit is
+  (:meth:`ShardedParams.using`, around its forward and again around its backward) the unit is
   all-gathered into a buffer from a pool of reusable buffers, and the all-gathers of the next
   ``prefetch`` units of the chunk in the same direction are posted non-blocking, so they run
   while this one computes; when the model leaves the unit the buffer goes back to the pool
@@ -26,16 +26,16 @@ padded to a multiple of ``n`` (the dp x sp size); rank ``r`` of the group owns e
   reads the whole unit in place, so the storage runs as ZeRO-2's (``gather`` false, the units
   bound) with nothing gathered per layer. A rank writes only its own slice (the update, a
   load); :meth:`gather_params` publishes the slices with one barrier over ``intra`` (and the
-  first ``enter`` after a load). When the group spans nodes, each node holds a copy: before
+  first unit entered after a load). When the group spans nodes, each node holds a copy: before
   the barrier each rank all-gathers, over ``inter`` (the ranks in its place on every node),
   their updated slices into its node's copy, once a step (HSDP's memory: 1/``intra.size`` of
   the parameters a rank; its gradients and optimizer state stay 1/n).
 
 Gradients, both stages: a unit's full-size gradient buffer exists only while its backward is in
-flight. Once the unit's gradients of one microbatch are final (at :meth:`leave`, or for zb-h1's
-deferred weight gradients at :meth:`weights_done`) the tp-partial ones are summed over tp, a
-non-blocking reduce-scatter sends the buffer to the owners, and the received slice is added to
-the owned gradient; at most ``MAX_IN_FLIGHT`` reduce-scatters are outstanding. Summed over the
+flight. Once the unit's gradients of one microbatch are final (on leaving :meth:`using`, or
+for zb-h1's deferred weight gradients at :meth:`weights_done`) the tp-partial ones are summed
+over tp, a non-blocking reduce-scatter sends the buffer to the owners, and the received slice
+is added to the owned gradient; at most ``MAX_IN_FLIGHT`` reduce-scatters are outstanding. Summed over the
 step's microbatches this is the sum of the gradients over dp x sp, as the all-reduce of ZeRO-0.
 
 Every rank of dp x sp holds the same pipeline and tp position and so runs the same op list: its
@@ -45,7 +45,7 @@ backend's array module (``xp``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -227,7 +227,20 @@ class ShardedParams:
             into.pop(n, None)
 
     # ------------------------------------------------------------ the model's scope
-    def enter(self, unit: str, backward: bool) -> None:
+    @contextmanager
+    def using(self, units: Sequence[str], backward: bool,
+              grads_final: bool = True) -> Iterator[None]:
+        """The model runs ``units`` (forward, or ``backward``) inside this context
+        (:class:`mpipar.model.llama.ParamScope`): each is entered in order (:meth:`_enter`)
+        and left in order after it (:meth:`_leave`); an exception inside leaves them as they
+        are."""
+        for unit in units:
+            self._enter(unit, backward)
+        yield
+        for unit in units:
+            self._leave(unit, backward, grads_final)
+
+    def _enter(self, unit: str, backward: bool) -> None:
         """The model is about to run ``unit`` (forward, or ``backward``): its parameters are
         gathered (ZeRO-3), its gradient buffer bound (backward), the next units' gathers
         posted. A unit entered inside another (the tied embedding the head reads) posts none:
@@ -254,7 +267,7 @@ class ShardedParams:
                 self._bind(self.grads, u, u.grad)
             u.grad_users += 1
 
-    def leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
+    def _leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
         """The model is done with ``unit``: its gathered parameters go back to the pool, except
         after the forward of a unit the backward enters first (:func:`kept_after_forward`);
         after backward with ``grads_final`` its gradients are reduce-scattered (otherwise at

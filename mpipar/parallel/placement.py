@@ -6,17 +6,27 @@ from outside (as torchtitan's plan does): for each parameter, how the tensor-par
 splits it, which pipeline stage holds it, and what the data-parallel axes do with it.
 
 ===============================  =============================  ================  ==============
-parameter                        tp (:class:`TensorSplit`)       pp                dp x sp
+parameter                        tp (:data:`TP_ROLES`)           pp                dp x sp
 ===============================  =============================  ================  ==============
-``embed_tokens.weight``          rows, vocabulary-padded         first stage (and  unit ``embed``
+``embed_tokens.weight``          ``vocab``: rows, padded         first stage (and  unit ``embed``
                                                                  last, if tied)
-``q/k/v_proj``, ``gate/up_proj``  rows (column-parallel)          its block's       unit ``layers.i``
-``q/k/v_proj.bias``              rows, with their weight's       its block's       unit ``layers.i``
-``o_proj``, ``down_proj``         columns (row-parallel)          its block's       unit ``layers.i``
-``*layernorm.weight``            replicated                      its block's       unit ``layers.i``
-``norm.weight``                  replicated                      last stage        unit ``head``
-``lm_head.weight`` (untied)      rows, vocabulary-padded         last stage        unit ``head``
+``q/k/v_proj``, ``gate/up_proj``  ``column``: rows               its block's       unit ``layers.i``
+``q/k/v_proj.bias``              ``column``: with their weight   its block's       unit ``layers.i``
+``o_proj``, ``down_proj``         ``row``: columns                its block's       unit ``layers.i``
+``*layernorm.weight``            ``replicated``                  its block's       unit ``layers.i``
+``norm.weight``                  ``replicated``                  last stage        unit ``head``
+``lm_head.weight`` (untied)      ``vocab``: rows, padded         last stage        unit ``head``
 ===============================  =============================  ================  ==============
+
+The tp column is the only statement of each linear's tensor-parallel role: the split of the
+weight here (sharding, checkpoints) and the communication of its activations
+(:class:`mpipar.parallel.tensor.TensorParallel`, which the model calls by weight name) both
+read it.
+
+The pp column: virtual stage ``s`` of ``pp * virtual_stages`` holds the blocks
+``[s * L / stages, (s + 1) * L / stages)`` (:meth:`PlacementTable.stage_layers`, the one home
+of that rule); which pipeline rank holds a virtual stage is the schedule's
+(:func:`mpipar.parallel.pipeline.schedule.stage_owner`: Megatron's interleaving).
 
 The dp x sp column: every parameter is replicated over dp x sp, except under ``--zero 3``, where
 it is *sharded over dp x sp* as part of its unit (:attr:`Placement.dp_sp`): a unit is one flat
@@ -50,45 +60,37 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.model.params import (EMBED, ParamSpec, param_specs, require_resolved, stage_param_names,
                                  stage_units)
-from mpipar.parallel.pipeline.schedule import stage_layers, stage_owner
+from mpipar.parallel.pipeline.schedule import stage_owner
 
 Slices = tuple[slice, ...]
 
-
-@dataclass(frozen=True)
-class TensorSplit:
-    """How the tensor-parallel axis places a parameter: ``dim`` split into tp equal parts
-    (None: every tp rank holds all of it); ``padded``: the split dimension (the vocabulary) is
-    first padded with zero rows up to a multiple of tp."""
-
-    dim: int | None
-    padded: bool = False
-
-
-REPLICATED = TensorSplit(None)
-COLUMN_PARALLEL = TensorSplit(0)    # rows of [out, in] (and of a bias [out]): whole heads /
-                                    # FFN columns per rank
-ROW_PARALLEL = TensorSplit(1)       # columns of [out, in]: the input features per rank
-VOCAB_PARALLEL = TensorSplit(0, padded=True)
-
-TENSOR_PARALLEL_PLAN: dict[str, TensorSplit] = {
-    "embed_tokens.weight": VOCAB_PARALLEL,
-    "input_layernorm.weight": REPLICATED,
-    "self_attn.q_proj.weight": COLUMN_PARALLEL,
-    "self_attn.k_proj.weight": COLUMN_PARALLEL,
-    "self_attn.v_proj.weight": COLUMN_PARALLEL,
-    "self_attn.q_proj.bias": COLUMN_PARALLEL,
-    "self_attn.k_proj.bias": COLUMN_PARALLEL,
-    "self_attn.v_proj.bias": COLUMN_PARALLEL,
-    "self_attn.o_proj.weight": ROW_PARALLEL,
-    "post_attention_layernorm.weight": REPLICATED,
-    "mlp.gate_proj.weight": COLUMN_PARALLEL,
-    "mlp.up_proj.weight": COLUMN_PARALLEL,
-    "mlp.down_proj.weight": ROW_PARALLEL,
-    "norm.weight": REPLICATED,
-    "lm_head.weight": VOCAB_PARALLEL,
+TP_ROLES: dict[str, int | None] = {
+    "column": 0,         # rows of [out, in] (and of a bias [out]): whole heads / FFN columns
+    "row": 1,            # columns of [out, in]: the input features per rank
+    "vocab": 0,          # rows of the vocabulary, padded with zero rows to a multiple of tp
+    "replicated": None,  # every tp rank holds all of it
 }
-"""The tensor-parallel column of the table, by parameter name without its ``layers.{i}.``."""
+"""The tensor-parallel roles, each with the dimension its split divides into tp equal parts."""
+
+TENSOR_PARALLEL_PLAN: dict[str, str] = {
+    "embed_tokens.weight": "vocab",
+    "input_layernorm.weight": "replicated",
+    "self_attn.q_proj.weight": "column",
+    "self_attn.k_proj.weight": "column",
+    "self_attn.v_proj.weight": "column",
+    "self_attn.q_proj.bias": "column",
+    "self_attn.k_proj.bias": "column",
+    "self_attn.v_proj.bias": "column",
+    "self_attn.o_proj.weight": "row",
+    "post_attention_layernorm.weight": "replicated",
+    "mlp.gate_proj.weight": "column",
+    "mlp.up_proj.weight": "column",
+    "mlp.down_proj.weight": "row",
+    "norm.weight": "replicated",
+    "lm_head.weight": "vocab",
+}
+"""The tensor-parallel column of the table (a role of :data:`TP_ROLES`), by parameter name
+without its ``layers.{i}.``."""
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -101,7 +103,7 @@ class Placement:
     """One row of the placement table: the parameter and where each axis puts it."""
 
     spec: ParamSpec
-    tp: TensorSplit
+    tp: str                          # its tensor-parallel role (:data:`TP_ROLES`)
     stages: tuple[int, ...]          # global virtual pipeline stages that use it
     pipeline_ranks: tuple[int, ...]  # pipeline ranks holding a copy (the first's is the owner)
     tp_sequence_parallel: bool = False
@@ -110,6 +112,17 @@ class Placement:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def split_dim(self) -> int | None:
+        """The dimension tp splits into equal parts (None: every tp rank holds all of it)."""
+        return TP_ROLES[self.tp]
+
+    @property
+    def padded(self) -> bool:
+        """Whether the split dimension (the vocabulary) is first padded with zero rows up to a
+        multiple of tp."""
+        return self.tp == "vocab"
 
     @property
     def tied_across_pipeline(self) -> bool:
@@ -121,30 +134,30 @@ class Placement:
     def grad_partial_over_tp(self) -> bool:
         """Whether each tp rank's gradient is a partial sum to be all-reduced over tp (a
         replicated weight applied to token shards under --tp-sequence-parallel)."""
-        return self.tp.dim is None and self.tp_sequence_parallel
+        return self.split_dim is None and self.tp_sequence_parallel
 
     def owned_by(self, tp_rank: int, pp_rank: int) -> bool:
         """Whether the copy of the rank at (``tp_rank``, ``pp_rank``), which holds it, is the one
         counted in the global gradient norm and written to checkpoints: every shard of a split
         tensor, tp rank 0's of a replicated one; of a tied one, the first pipeline rank's."""
-        return (self.tp.dim is not None or tp_rank == 0) and pp_rank == self.pipeline_ranks[0]
+        return (self.split_dim is not None or tp_rank == 0) and pp_rank == self.pipeline_ranks[0]
 
     def local_shape(self, tp_size: int) -> tuple[int, ...]:
         """Shape of one tp rank's shard (vocabulary padding included)."""
         shape = list(self.spec.shape)
-        d = self.tp.dim
+        d = self.split_dim
         if d is not None:
-            if self.tp.padded:
+            if self.padded:
                 shape[d] = padded_vocab(shape[d], tp_size)
             shape[d] //= tp_size
         return tuple(shape)
 
     def shard(self, value: np.ndarray, tp_rank: int, tp_size: int) -> np.ndarray:
         """This tp rank's slice of the global tensor ``value`` (a new C-contiguous array)."""
-        d = self.tp.dim
+        d = self.split_dim
         if d is None or tp_size == 1:
             return np.array(value, copy=True, order="C")
-        if self.tp.padded:
+        if self.padded:
             pad = padded_vocab(value.shape[d], tp_size) - value.shape[d]
             if pad:
                 widths = [(0, 0)] * value.ndim
@@ -157,11 +170,11 @@ class Placement:
 
     def unshard(self, pieces: list[Any]) -> np.ndarray:
         """Inverse of :meth:`shard`: join the tp slices (in tp-rank order), drop the padding."""
-        d = self.tp.dim
+        d = self.split_dim
         if d is None:
             return np.asarray(pieces[0])
         full = np.concatenate(pieces, axis=d)
-        if self.tp.padded:
+        if self.padded:
             index = [slice(None)] * full.ndim
             index[d] = slice(0, self.spec.shape[d])
             full = full[tuple(index)]
@@ -173,7 +186,7 @@ class Placement:
         glob = [slice(0, n) for n in self.spec.shape]
         local_shape = self.local_shape(tp_size)
         loc = [slice(0, n) for n in local_shape]
-        d = self.tp.dim
+        d = self.split_dim
         if d is not None:
             start = tp_rank * local_shape[d]
             stop = max(start, min(start + local_shape[d], self.spec.shape[d]))
@@ -183,12 +196,17 @@ class Placement:
 
 class PlacementTable:
     """The placement of every parameter of ``model`` on a grid with ``pp`` pipeline ranks of
-    ``virtual_stages`` chunks each, in forward order."""
+    ``virtual_stages`` chunks each, in forward order; ``tp_sequence_parallel``: the stream
+    between tp regions holds token shards (:mod:`mpipar.parallel.tensor`); ``zero``: the
+    ZeRO stage (3 shards the parameters over dp x sp)."""
 
-    def __init__(self, model: ModelConfig, pp: int = 1, virtual_stages: int = 1,
+    def __init__(self, *, model: ModelConfig, pp: int = 1, virtual_stages: int = 1,
                  tp_sequence_parallel: bool = False, zero: int = 0) -> None:
         self.model = require_resolved(model)
         self.pp, self.virtual_stages = pp, virtual_stages
+        self.stages = pp * virtual_stages
+        self.layers_per_stage = self.model.layers // self.stages
+        self.tp_sequence_parallel = tp_sequence_parallel
         self.rows: dict[str, Placement] = {}
         for spec in param_specs(self.model):
             stages = self._stages(spec)
@@ -201,9 +219,9 @@ class PlacementTable:
     def _stages(self, spec: ParamSpec) -> tuple[int, ...]:
         """The global virtual stages that use ``spec``: its block's; the embedding's first (and,
         tied, the last); the final norm's and LM head's last."""
-        last = self.pp * self.virtual_stages - 1
+        last = self.stages - 1
         if spec.layer is not None:
-            return (spec.layer // (self.model.layers // (last + 1)),)
+            return (spec.layer // self.layers_per_stage,)
         if spec.name == EMBED:
             return (0, last) if self.model.tie_embeddings and last > 0 else (0,)
         return (last,)
@@ -222,10 +240,12 @@ class PlacementTable:
         """Parameters of global virtual ``stage``, in the forward order of its chunk
         (:func:`mpipar.model.params.stage_param_names`: the tied embedding last on the last)."""
         return stage_param_names(self.model, self.stage_layers(stage), stage == 0,
-                                 stage == self.pp * self.virtual_stages - 1)
+                                 stage == self.stages - 1)
 
     def stage_layers(self, stage: int) -> range:
-        return stage_layers(stage, self.model.layers, self.pp, self.virtual_stages)
+        """The decoder blocks of global virtual ``stage``: ``layers / stages`` consecutive
+        ones (the stage of block ``i`` is ``i // layers_per_stage``)."""
+        return range(stage * self.layers_per_stage, (stage + 1) * self.layers_per_stage)
 
     def local_shapes(self, pp_rank: int, tp_size: int) -> dict[str, tuple[int, ...]]:
         """Shapes of the shards held by pipeline rank ``pp_rank`` (any tp rank), chunk by chunk

@@ -1,14 +1,18 @@
 """Tensor parallelism (Megatron-LM): column- and row-parallel linears, the vocabulary-parallel
 embedding and cross-entropy, and sequence parallelism inside the tp group.
 
-Which parameter is split how is the placement table's business (:mod:`mpipar.parallel.placement`); this
+Which parameter is split how is the placement table's business (:mod:`mpipar.parallel.placement`,
+its tensor-parallel role per parameter: ``column``, ``row``, ``vocab`` or ``replicated``); this
 module is what the split means for the activations. A :class:`TensorParallel` is the tp group as
-a block sees it:
+a block sees it (:class:`mpipar.model.tensor_ops.TensorOps`): the block applies its linears by
+name, and the role the table gives each decides the communication around it, so the weight
+split and the activations' traffic follow one declaration:
 
 - A *column-parallel* linear (q/k/v, gate/up: whole heads or FFN columns per rank) needs the
   whole input on every rank and produces this rank's output columns; a *row-parallel* linear
   (o, down) takes this rank's columns and produces a partial sum of the whole output. Between
-  them every op is local (attention over this rank's heads, SwiGLU over its FFN columns).
+  them every op is local (attention over this rank's heads, SwiGLU over its FFN columns). A
+  *replicated* linear (every rank holds the whole weight) is local on whatever it is given.
 - Entering the region (:meth:`TensorParallel.enter`, Megatron's ``f``): identity forward,
   all-reduce of the input gradient backward. Leaving it (:meth:`TensorParallel.leave`, ``g``):
   all-reduce forward, identity backward.
@@ -28,7 +32,7 @@ Stream shapes: ``[B, S, H]`` without sequence parallelism, ``[B*S/tp, H]`` with 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +40,14 @@ from mpipar.parallel.traffic import Call, element_bytes
 from mpipar.runtime.comm import Group
 from mpipar.config import require
 from mpipar.layout import Layout
-from mpipar.parallel.placement import padded_vocab
+from mpipar.model.params import bias_name
+from mpipar.model.tensor_ops import LinearBackward
+from mpipar.parallel.placement import PlacementTable, padded_vocab
 
 Array = Any
-LinearBackward = Callable[[Array, Array, str], Array]
-"""``(dy, x, name) -> dx`` of ``y = x @ w.T`` for the parameter ``name``; the weight gradient is
-accumulated now or deferred (zero-bubble schedules) by the caller's bookkeeping."""
+ENTERS = ("column", "vocab")
+"""The roles whose linears read the whole input: it enters the tp region
+(:meth:`TensorParallel.enter`)."""
 
 
 @dataclass(frozen=True)
@@ -59,17 +65,35 @@ class VocabShard:
 
 
 class TensorParallel:
-    """The tp group as a block sees it (see the module docstring). ``group=None`` is a tp size
-    of 1: every op is local. ``kernels`` is the backend whose ops and array module are used."""
+    """The tp group as a block sees it (see the module docstring): each linear, the embedding
+    and the cross-entropy as ``table`` (:class:`mpipar.parallel.placement.PlacementTable`)
+    places their weights, with its sequence parallelism. ``group=None`` is a tp size of 1:
+    every op is local. ``kernels`` is the backend whose ops and array module are used."""
 
-    def __init__(self, kernels, vocab_size: int, group: Group | None = None,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(self, *, kernels, table: PlacementTable, group: Group | None = None) -> None:
         self.kernels, self.xp = kernels, kernels.xp
-        self.group = group
+        self.table, self.group = table, group
         self.size = group.size if group is not None else 1
         self.rank = group.rank if group is not None else 0
-        self.sequence_parallel = sequence_parallel and self.size > 1
-        self.vocab = VocabShard.of(vocab_size, self.rank, self.size)
+        self.sequence_parallel = table.tp_sequence_parallel and self.size > 1
+        self.vocab = VocabShard.of(table.model.vocab_size, self.rank, self.size)
+        for row in table:
+            if row.tp == "row" and bias_name(row.name) in table.rows:
+                raise ValueError(f"{row.name}: a row-parallel linear with a bias (added after "
+                                 f"the sum over tp) is not supported")
+
+    def role(self, names: Sequence[str]) -> str:
+        """The role the placement table gives the linears ``names``, which share one input."""
+        roles = set()
+        for name in names:
+            if name not in self.table.rows:
+                raise KeyError(f"{name}: the model applies it, but the placement table has no "
+                               f"row for it")
+            roles.add(self.table[name].tp)
+        if len(roles) != 1:
+            raise ValueError(f"linears {list(names)} share one input, but the placement table "
+                             f"gives them the roles {sorted(roles)}")
+        return roles.pop()
 
     # ------------------------------------------------------------------ the stream
     def stream_shape(self, batch: int, seq: int, hidden: int) -> tuple[int, ...]:
@@ -107,46 +131,54 @@ class TensorParallel:
         return self.enter(dy)
 
     # ------------------------------------------------------------------ linears
-    def column_linear(self, x: Array, *weights: Array) -> tuple[Array, list[Array]]:
-        """``x`` entered into the region, and ``x_full @ w.T`` for each column-parallel weight
-        (several weights share one input and one collective, as q/k/v and gate/up do)."""
-        full = self.enter(x)
-        return full, [self.kernels.linear_fwd(full, w) for w in weights]
+    def linear_input(self, x: Array, names: Sequence[str]) -> Array:
+        """``x`` as the linears ``names`` read it: entered into the region (column- and
+        vocabulary-parallel), else as it is (row-parallel: this rank's columns; replicated)."""
+        return self.enter(x) if self.role(names) in ENTERS else x
 
-    def column_linear_backward(self, dys: Sequence[Array], x_full: Array, names: Sequence[str],
-                               linear_backward: LinearBackward) -> Array:
-        """Input gradient of :meth:`column_linear` (weight gradients through
-        ``linear_backward``): the partial input gradients summed, then :meth:`enter_backward`."""
-        lead = x_full.shape[:-1]
+    def linear(self, params: dict[str, Array], names: Sequence[str], x_in: Array) -> list[Array]:
+        """``x_in @ w.T (+ b)`` for each weight of ``names``: this rank's output columns
+        (column-, vocabulary-parallel), the sum over tp of the partial outputs (row-parallel:
+        :meth:`leave`), or the whole output (replicated)."""
+        ys = [self.kernels.linear_fwd(x_in, params[n], params.get(bias_name(n))) for n in names]
+        return [self.leave(y) for y in ys] if self.role(names) == "row" else ys
+
+    def linear_backward(self, dys: Sequence[Array], x_in: Array, names: Sequence[str],
+                        linear_backward: LinearBackward) -> Array:
+        """Input gradient of :meth:`linear` (weight gradients through ``linear_backward``),
+        in the shape of the ``x`` whose :meth:`linear_input` was ``x_in``: a row-parallel
+        output's gradient is first made whole (:meth:`leave_backward`); the partial input
+        gradients are summed, and over tp (:meth:`enter_backward`) where the input entered."""
+        role = self.role(names)
+        lead = x_in.shape[:-1]
         dx = None
         for dy, name in zip(dys, names):
-            part = linear_backward(dy.reshape(lead + (-1,)), x_full, name)
+            if role == "row":
+                dy = self.leave_backward(dy)
+            part = linear_backward(dy.reshape(lead + (-1,)), x_in, name)
             dx = part if dx is None else dx.__iadd__(part)
-        return self.enter_backward(dx)
-
-    def row_linear(self, x: Array, w: Array) -> Array:
-        """``x @ w.T`` of this rank's input columns, summed over tp (:meth:`leave`)."""
-        return self.leave(self.kernels.linear_fwd(x, w))
-
-    def row_linear_backward(self, dy: Array, x: Array, name: str,
-                            linear_backward: LinearBackward) -> Array:
-        """Input gradient of :meth:`row_linear` (``dy`` in the stream's shape, ``x`` the input
-        the forward saw)."""
-        full = self.leave_backward(dy).reshape(x.shape[:-1] + (dy.shape[-1],))
-        return linear_backward(full, x, name)
+        return self.enter_backward(dx) if role in ENTERS else dx
 
     # ------------------------------------------------------------------ vocabulary parallel
-    def embed(self, w: Array, ids: Array) -> Array:
-        """Stream ``x`` of token ids ``[B, S]``: this rank's rows of ``w`` ``[V/tp, H]``, summed
-        over tp (ids held by another rank give zero rows here)."""
-        x = self.kernels.embedding_fwd(w, ids, self.vocab.start)
+    def embed(self, params: dict[str, Array], name: str, ids: Array) -> Array:
+        """Stream ``x`` of token ids ``[B, S]``: this rank's rows of the vocabulary-parallel
+        embedding ``params[name]`` ``[V/tp, H]``, summed over tp (ids held by another rank give
+        zero rows here)."""
+        x = self.kernels.embedding_fwd(params[self._vocabulary(name)], ids, self.vocab.start)
         return self.leave(x) if self.size > 1 else x
 
-    def embed_backward(self, dw: Array, dx: Array, ids: Array) -> None:
-        """Accumulate into ``dw`` the gradient of this rank's embedding rows (``dx`` in the
-        stream's shape)."""
+    def embed_backward(self, grads: dict[str, Array], name: str, dx: Array, ids: Array) -> None:
+        """Accumulate into ``grads[name]`` the gradient of this rank's embedding rows (``dx`` in
+        the stream's shape)."""
         full = self.leave_backward(dx).reshape(ids.shape + (dx.shape[-1],))
-        self.kernels.embedding_bwd(dw, full, ids, self.vocab.start)
+        self.kernels.embedding_bwd(grads[self._vocabulary(name)], full, ids, self.vocab.start)
+
+    def _vocabulary(self, name: str) -> str:
+        """``name``, which the placement table must place vocabulary-parallel."""
+        if self.role([name]) != "vocab":
+            raise ValueError(f"{name}: an embedding must be vocabulary-parallel, the placement "
+                             f"table says {self.role([name])!r}")
+        return name
 
     def cross_entropy(self, logits: Array, targets: Array) -> tuple[Array, Array]:
         """(per-token loss ``[N]``, log-sum-exp ``[N]``) of vocabulary-parallel ``logits``

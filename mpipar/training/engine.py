@@ -121,10 +121,10 @@ class Engine:
                        for name, c in self.grid.comms.items()}
         pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
         self.dtype = np.dtype(tr.dtype)
-        self.table = PlacementTable(cfg.model, par.pp, par.virtual_stages, par.tp_sequence_parallel,
-                                    par.zero)
-        self.tensor = TensorParallel(self.kernels, cfg.model.vocab_size, self.groups["tp"],
-                                     par.tp_sequence_parallel)
+        self.table = PlacementTable(model=cfg.model, pp=par.pp, virtual_stages=par.virtual_stages,
+                                    tp_sequence_parallel=par.tp_sequence_parallel, zero=par.zero)
+        self.tensor = TensorParallel(kernels=self.kernels, table=self.table,
+                                     group=self.groups["tp"])
         self.seq_layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
         self.positions = self.seq_layout.positions(self.grid.coord.sp)
         # --recompute offload: one scratch file per rank for the saved activations.
@@ -158,18 +158,20 @@ class Engine:
         self.rows_per_dp = layout.rows_per_dp
         self.microbatches = layout.microbatches
         ops = build_schedule(par.schedule, par.pp, self.microbatches, par.virtual_stages)
-        self.executor = PipelineExecutor(ops[self.grid.coord.pp], self.chunks, self.groups["pp"],
-                                         par.pp, par.virtual_stages, self.xp,
-                                         self.sharded or RESIDENT)
-        self.evaluator = PipelineExecutor(forward_only(ops)[self.grid.coord.pp], self.chunks,
-                                          self.groups["pp"], par.pp, par.virtual_stages, self.xp)
+        self.executor = PipelineExecutor(ops=ops[self.grid.coord.pp], chunks=self.chunks,
+                                         pp=self.groups["pp"], xp=self.xp,
+                                         scope=self.sharded or RESIDENT)
+        self.evaluator = PipelineExecutor(ops=forward_only(ops)[self.grid.coord.pp],
+                                          chunks=self.chunks, pp=self.groups["pp"], xp=self.xp)
 
     def _chunk(self, stage: int) -> LlamaStage:
         """The model chunk of global virtual ``stage``, with this rank's seams."""
         last = self.cfg.parallel.pp * self.cfg.parallel.virtual_stages - 1
-        return LlamaStage(self.cfg.model, self.kernels, self.table.stage_layers(stage), stage == 0,
-                          stage == last, self.tensor, self._attention(), self.cfg.train.recompute,
-                          self.offload, self.cfg.train.seq_len)
+        return LlamaStage(cfg=self.cfg.model, kernels=self.kernels,
+                          layers=self.table.stage_layers(stage), first=stage == 0,
+                          last=stage == last, tp=self.tensor, attention=self._attention(),
+                          recompute=self.cfg.train.recompute, store=self.offload,
+                          seq_len=self.cfg.train.seq_len)
 
     def _attention(self):
         par, sp = self.cfg.parallel, self.groups["sp"]

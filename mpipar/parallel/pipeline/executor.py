@@ -8,9 +8,11 @@ until completion at the end of the walk); receives block. The schedule's dry run
 this cannot deadlock. Messages are matched by a tag derived from (direction, microbatch, virtual
 stage), so matching never depends on order.
 
-Virtual stage ``s = chunk * p + rank`` holds the layers ``[s*L/(p*v), (s+1)*L/(p*v))``; stage 0
-embeds, stage ``p*v - 1`` computes the loss. With ``p == 1`` consecutive chunks hand activations
-and gradients over locally.
+Chunk ``c`` of pipeline rank ``r`` is virtual stage ``s = c * p + r`` (the schedule's rule), which
+holds the blocks the placement table gives it
+(:meth:`mpipar.parallel.placement.PlacementTable.stage_layers`); stage 0 embeds, stage
+``p*v - 1`` computes the loss. With ``p == 1`` consecutive chunks hand activations and gradients
+over locally.
 """
 from __future__ import annotations
 
@@ -45,18 +47,28 @@ class Microbatch:
     targets: Any   # [B, S_loc]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PipelineExecutor:
-    """Runs one step's forward and backward of every microbatch through this rank's chunks."""
+    """Runs one step's forward and backward of every microbatch through this rank's chunks:
+    ``ops``, this rank's op list; ``chunks``, its model chunks in order (``v`` of them: the
+    virtual stages per rank); ``pp``, the pipeline group (``p`` ranks)."""
 
     ops: list[Op]
     chunks: list[LlamaStage]
     pp: Group
-    p: int
-    v: int
     xp: ModuleType   # the array module receive buffers come from
-    scope: ParamScope = RESIDENT   # told around each unit the chunks run (ZeRO-3 gathers there)
+    scope: ParamScope = RESIDENT   # holds each unit the chunks run (ZeRO-3 gathers there)
     timeline: list[OpRecord] = field(default_factory=list)
+
+    @property
+    def p(self) -> int:
+        """Pipeline ranks."""
+        return self.pp.size
+
+    @property
+    def v(self) -> int:
+        """Model chunks (virtual stages) on each pipeline rank."""
+        return len(self.chunks)
 
     def run(self, params: dict, grads: dict, microbatches: list[Microbatch],
             positions: Any, act_shape: tuple[int, ...], dtype, loss_weight: Any,

@@ -102,12 +102,6 @@ def stage_owner(stage: int, p: int) -> tuple[int, int]:
     return stage % p, stage // p
 
 
-def stage_layers(stage: int, layers: int, p: int, v: int = 1) -> range:
-    """Decoder blocks of global virtual ``stage``: ``layers / (p*v)`` consecutive ones."""
-    per = layers // (p * v)
-    return range(stage * per, (stage + 1) * per)
-
-
 def message_key(op: Op, rank: int, p: int) -> tuple[str, int, int]:
     """Identity ``(channel, microbatch, sending virtual stage)`` of the message ``op`` sends or receives.
 
@@ -443,6 +437,23 @@ def dry_run(
                        ("cost_bwd_weight", cost_bwd_weight), ("cost_comm", cost_comm)):
         if not math.isfinite(cost) or cost < 0:
             raise ValueError(f"{name}={cost!r} is invalid: it must be finite and >= 0")
+    _check_format(schedule, p, m, v, forward_only)
+    cost = {"fwd": cost_fwd, "bwd": cost_bwd_input + cost_bwd_weight, "bwd_input": cost_bwd_input,
+            "bwd_weight": cost_bwd_weight}
+    replay = _Replay(schedule, p, v, forward_only)
+    replay.run(cost, cost_comm)
+    _check_complete(replay.states, p, m, v, forward_only)
+
+    makespan = max(replay.clock)
+    busy = sum(end - start for ops in replay.timeline for start, end, op in ops
+               if op.kind in COMPUTE_KINDS)
+    bubble = (p * makespan - busy) / (p * makespan) if makespan > 0 else 0.0
+    return DryRunResult(makespan, bubble, replay.timeline, [state.peak for state in replay.states])
+
+
+def _check_format(schedule: list[list[Op]], p: int, m: int, v: int, forward_only: bool) -> None:
+    """The static rules of a schedule: one op list per rank, each op's (:func:`_check_op`),
+    only forward ops in a forward-only one, and every message matched (:func:`_check_messages`)."""
     if len(schedule) != p:
         raise ScheduleError(f"the schedule has {len(schedule)} op lists; it must have one per rank, p={p}")
     for rank, ops in enumerate(schedule):
@@ -453,61 +464,72 @@ def dry_run(
             _check_op(op, rank, index, ops, p, m, v)
     _check_messages(schedule, p)
 
-    cost = {"fwd": cost_fwd, "bwd": cost_bwd_input + cost_bwd_weight, "bwd_input": cost_bwd_input,
-            "bwd_weight": cost_bwd_weight}
-    last = v * p - 1
-    states = [_RankState(keeps=not forward_only) for _ in range(p)]
-    clock = [0.0] * p
-    position = [0] * p
-    sent_at: dict[tuple[str, int, int], float] = {}
-    timeline: list[list[tuple[float, float, Op]]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for rank, ops in enumerate(schedule):
-            state = states[rank]
-            while position[rank] < len(ops):
-                op = ops[position[rank]]
-                where = f"rank {rank} op #{position[rank]} {op}"
-                s = virtual_stage(rank, op.chunk, p)
-                start = clock[rank]
-                if op.kind in COMPUTE_KINDS:
-                    _run_compute(op, state, s, last, p, where)
-                    end = start + cost[op.kind]
-                elif op.kind.startswith("send"):
-                    produced = ("fwd", op.microbatch, s) in state.done if op.kind == "send_fwd" \
-                        else _has_grad(state, op.microbatch, s)
-                    if not produced:
-                        raise ScheduleError(f"{where}: sends data its rank has not computed yet")
-                    sent_at[message_key(op, rank, p)] = start
-                    end = start
-                else:
-                    key = message_key(op, rank, p)
-                    if key not in sent_at:
-                        break
-                    end = max(start, sent_at[key] + cost_comm)
-                    state.received.add((key[0], op.microbatch, s))
-                timeline[rank].append((start, end, op))
-                clock[rank] = end
-                position[rank] += 1
-                progress = True
-    if any(position[rank] < len(ops) for rank, ops in enumerate(schedule)):
+
+class _Replay:
+    """The virtual-time walk of :func:`dry_run`: each rank's clock, position in its op list,
+    :class:`_RankState` and timeline, and when each message was sent."""
+
+    def __init__(self, schedule: list[list[Op]], p: int, v: int, forward_only: bool) -> None:
+        self.schedule, self.p, self.last = schedule, p, v * p - 1
+        self.states = [_RankState(keeps=not forward_only) for _ in range(p)]
+        self.clock = [0.0] * p
+        self.position = [0] * p
+        self.sent_at: dict[tuple[str, int, int], float] = {}
+        self.timeline: list[list[tuple[float, float, Op]]] = [[] for _ in range(p)]
+
+    def run(self, cost: dict[str, float], cost_comm: float) -> None:
+        """Advance every rank as far as its inputs allow, until none can; ScheduleError on a
+        deadlock (:meth:`_deadlock`) or a broken dependency."""
+        progress = True
+        while progress:
+            progress = False
+            for rank, ops in enumerate(self.schedule):
+                while self.position[rank] < len(ops) and self._step(rank, cost, cost_comm):
+                    progress = True
+        if any(self.position[rank] < len(ops) for rank, ops in enumerate(self.schedule)):
+            raise self._deadlock()
+
+    def _step(self, rank: int, cost: dict[str, float], cost_comm: float) -> bool:
+        """Run ``rank``'s next op; False if it is a receive whose message was not sent yet."""
+        p, state = self.p, self.states[rank]
+        op = self.schedule[rank][self.position[rank]]
+        where = f"rank {rank} op #{self.position[rank]} {op}"
+        s = virtual_stage(rank, op.chunk, p)
+        start = self.clock[rank]
+        if op.kind in COMPUTE_KINDS:
+            _run_compute(op, state, s, self.last, p, where)
+            end = start + cost[op.kind]
+        elif op.kind.startswith("send"):
+            produced = ("fwd", op.microbatch, s) in state.done if op.kind == "send_fwd" \
+                else _has_grad(state, op.microbatch, s)
+            if not produced:
+                raise ScheduleError(f"{where}: sends data its rank has not computed yet")
+            self.sent_at[message_key(op, rank, p)] = start
+            end = start
+        else:
+            key = message_key(op, rank, p)
+            if key not in self.sent_at:
+                return False
+            end = max(start, self.sent_at[key] + cost_comm)
+            state.received.add((key[0], op.microbatch, s))
+        self.timeline[rank].append((start, end, op))
+        self.clock[rank] = end
+        self.position[rank] += 1
+        return True
+
+    def _deadlock(self) -> ScheduleError:
+        """The error naming what every rank waits for, when none can proceed."""
         stuck = []
-        for rank, ops in enumerate(schedule):
-            if position[rank] == len(ops):
+        for rank, ops in enumerate(self.schedule):
+            if self.position[rank] == len(ops):
                 stuck.append(f"rank {rank}: finished")
                 continue
-            op = ops[position[rank]]
-            channel, mb, sender = message_key(op, rank, p)
-            stuck.append(f"rank {rank}: op #{position[rank]} {op} waits for send_{channel} of microbatch "
-                         f"{mb} from rank {stage_owner(sender, p)[0]} (virtual stage {sender})")
-        raise ScheduleError("deadlock: no rank can proceed; " + "; ".join(stuck))
-    _check_complete(states, p, m, v, forward_only)
-
-    makespan = max(clock)
-    busy = sum(end - start for ops in timeline for start, end, op in ops if op.kind in COMPUTE_KINDS)
-    bubble = (p * makespan - busy) / (p * makespan) if makespan > 0 else 0.0
-    return DryRunResult(makespan, bubble, timeline, [state.peak for state in states])
+            op = ops[self.position[rank]]
+            channel, mb, sender = message_key(op, rank, self.p)
+            stuck.append(f"rank {rank}: op #{self.position[rank]} {op} waits for send_{channel} of "
+                         f"microbatch {mb} from rank {stage_owner(sender, self.p)[0]} (virtual "
+                         f"stage {sender})")
+        return ScheduleError("deadlock: no rank can proceed; " + "; ".join(stuck))
 
 
 def check_config(layout: Layout) -> None:

@@ -7,7 +7,10 @@
 
 Backends: `numpy` (numpy_ref: the reference, array-module generic), `numba` (numba_cpu, with
 numpy_ref for the ops it lacks or where NumPy is faster) and `cupy` (numpy_ref's generic code on
-CuPy arrays plus the CUDA kernels of cupy_gpu). Kernels are pure functions of arrays.
+CuPy arrays plus the CUDA kernels of cupy_gpu for float32/float64, and for bf16 the tensor-core
+ops of gpu_bf16: cuBLAS GEMMs, the fused kernels of cuda_fused, attention from cuDNN or
+flash_mma, routed by the dtype of each call's first array; `with_attention` fixes the bf16
+attention backend for a model and says why). Kernels are pure functions of arrays.
 
 Every op takes float32, float64 and bfloat16 (`ml_dtypes.bfloat16`) arrays. bf16 follows one
 mixed-precision recipe, whose rounding points numpy_ref's module docstring tabulates: inputs
@@ -19,6 +22,7 @@ bf16 at 4096 tokens x 1024), so no op falls back for bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from types import MappingProxyType, ModuleType
@@ -127,7 +131,7 @@ def _build(name: str) -> Backend:
             if per_op[op] == "numpy" and op not in reasons:
                 reasons[op] = "numpy"
     elif name == "cupy":
-        from . import cupy_gpu
+        from . import cupy_gpu, gpu_bf16
 
         xp = cupy_gpu.array_module()
         for op in cupy_gpu.IMPLEMENTED:
@@ -135,8 +139,27 @@ def _build(name: str) -> Backend:
         for op in OPS:
             if per_op[op] == "numpy":
                 reasons[op] = "numpy_ref on cupy arrays"
+        for op, bf16_op in gpu_bf16.bf16_ops(gpu_bf16.PER_CALL).items():
+            ops[op] = gpu_bf16.by_dtype(ops[op], bf16_op)
     return Backend(name=name, xp=xp, per_op=MappingProxyType(per_op),
                    fallback_reasons=MappingProxyType(reasons), **ops)
+
+
+def with_attention(backend: Backend, requested: str, head_dim: int, window: int = 0
+                   ) -> tuple[Backend, str]:
+    """``backend`` with its bf16 attention fixed to the ``requested`` backend (auto, cudnn,
+    mpipar) for a model of ``head_dim`` (and sliding ``window``), and the line that says which
+    and why; the CPU backends are returned as they are. ValueError names the reason an explicit
+    choice cannot run."""
+    if backend.name != "cupy":
+        return backend, f"attention: {backend.per_op['attention_fwd']} kernels"
+    from . import cupy_gpu, gpu_bf16
+
+    choice = gpu_bf16.attention_choice(requested, head_dim, window)
+    fwd, bwd = gpu_bf16.attention_ops(choice)
+    new = dataclasses.replace(backend, attention_fwd=gpu_bf16.by_dtype(cupy_gpu.attention_fwd, fwd),
+                              attention_bwd=gpu_bf16.by_dtype(cupy_gpu.attention_bwd, bwd))
+    return new, choice.describe() + " for bf16; float32/float64: mpipar's exact kernels"
 
 
 def get_backend(name: str = "auto") -> Backend:
@@ -154,4 +177,4 @@ def get_backend(name: str = "auto") -> Backend:
     return _build(name)
 
 
-__all__ = ["Backend", "BACKENDS", "OPS", "available_backends", "get_backend"]
+__all__ = ["Backend", "BACKENDS", "OPS", "available_backends", "get_backend", "with_attention"]

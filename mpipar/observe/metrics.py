@@ -31,6 +31,7 @@ import resource
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,7 +39,6 @@ import numpy as np
 from mpipar.runtime.comm import Group, Ledger
 
 if TYPE_CHECKING:
-    from mpipar.training.engine import EvalResult, StepResult
     from mpipar.parallel.pipeline.executor import OpRecord
 
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
@@ -46,6 +46,28 @@ SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
 DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
 GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS)
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced (the same on every rank)."""
+
+    step: int          # 1-based number of the step just completed
+    loss: float        # mean token loss of this step's forward pass, before the update
+    grad_norm: float   # global L2 norm before clipping
+    lr: float
+    step_time_s: float
+    tokens: int        # tokens in the global batch
+
+
+@dataclass
+class EvalResult:
+    """What one validation pass produced (the same on every rank)."""
+
+    loss: float        # mean token loss over every token of the validation batches
+    perplexity: float  # exp(loss)
+    tokens: int        # tokens in the validation batches
+    seconds: float
 
 
 def peak_memory_bytes() -> int:
@@ -118,7 +140,7 @@ class Telemetry:
         return int(max(r["stop"] for r in ranks)), ranks
 
 
-def step_record(result: "StepResult", ranks: list[dict[str, float]], ledger: Ledger,
+def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledger,
                 flops: float, peak_total: float, skipped: bool, skipped_total: int
                 ) -> dict[str, Any]:
     """The metrics.jsonl line of a step (``ledger`` is rank 0's, ``ranks`` every rank's row)."""
@@ -164,7 +186,7 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def eval_record(result: "EvalResult", ledger: Ledger) -> dict[str, Any]:
+def eval_record(result: EvalResult, ledger: Ledger) -> dict[str, Any]:
     """The ``eval`` part of a validation step's metrics.jsonl line: the validation pass's loss,
     perplexity, tokens, seconds and bytes per group (its own ledger, rank 0's)."""
     return {"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,

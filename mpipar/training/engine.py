@@ -30,7 +30,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +42,7 @@ from mpipar.runtime.device import select_device, to_host, training_backend
 from mpipar.runtime.memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
+from mpipar.observe.metrics import EvalResult, StepResult
 from mpipar.data.sources import Sampler, TokenSource, load_tokens, validation
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RESIDENT, LlamaStage
@@ -60,28 +60,6 @@ from mpipar.parallel.placement import PlacementTable
 from mpipar.runtime.staging import choose_path
 from mpipar.training.state import TrainState
 from mpipar.runtime.topology import ProcessGrid
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step produced (the same on every rank)."""
-
-    step: int          # 1-based number of the step just completed
-    loss: float        # mean token loss of this step's forward pass, before the update
-    grad_norm: float   # global L2 norm before clipping
-    lr: float
-    step_time_s: float
-    tokens: int        # tokens in the global batch
-
-
-@dataclass
-class EvalResult:
-    """What one validation pass produced (the same on every rank)."""
-
-    loss: float        # mean token loss over every token of the validation batches
-    perplexity: float  # exp(loss)
-    tokens: int        # tokens in the validation batches
-    seconds: float
 
 
 class Engine:

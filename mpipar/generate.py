@@ -22,12 +22,17 @@ it (what a pretrained Hugging Face model expects).
 from a generator seeded by ``--seed``: the same output on every layout (:mod:`mpipar.inference.sampling`).
 Rank 0 prints the prompt followed by the generated text, or with ``--json`` one JSON object
 (``prompt_ids``, ``ids``, ``text``, ``stopped``). Bad arguments or an unusable model: exit
-status 2 on every rank, before any collective.
+status 2 on every rank, before any collective. Before anything is allocated, the busiest
+rank's least memory (weights and the KV cache of the prompt and the new tokens, from the sizes
+alone) is checked against the node's, then the stored tensors' shapes against the config, then
+(once the ranks know how many share a node) each rank's predicted peak against its share
+(:func:`check_model`, :func:`check_memory`; ``--allow-oversubscribed-memory`` skips the memory).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy"),
                         help="kernel backend (default: auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--allow-oversubscribed-memory", action="store_true",
+                        help="start even when the weights and KV cache a rank needs exceed its "
+                             "share of the node's available memory")
     return parser
 
 
@@ -149,6 +157,143 @@ def resolve(args: argparse.Namespace, world: int) -> tuple[Layout, str, Codec]:
     return cfg, kind, codec
 
 
+def encode_prompt(codec: Codec, prompt: str) -> list[int]:
+    """The ids of ``prompt``: ConfigError when it is not text (an argument that is not UTF-8
+    reaches Python as lone surrogates) or encodes to no token."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(prompt[exc.start])
+        what = (f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF
+                else f"the lone surrogate U+{code:04X}")
+        raise ConfigError(f"--prompt is not UTF-8 text: {what} at character {exc.start}") from None
+    ids = codec.encode(prompt)
+    if not ids:
+        raise ConfigError(f"--prompt {prompt!r}: encodes to no token")
+    return ids
+
+
+def check_model(args: argparse.Namespace, cfg: Layout, kind: str, positions: int,
+                on_node: int) -> int:
+    """Before anything is allocated, with no collective (every rank gets the same answer):
+    the busiest rank's least memory (:func:`memory_lower_bound`: weights and the KV cache of
+    ``positions`` positions) against its share of the node's available memory (``on_node``
+    ranks at least share it), so that a config claiming an absurd model is refused at once;
+    then the stored tensors' number and shapes against the config. Returns the bytes every
+    rank reads whole (a Hugging Face directory; 0 for a checkpoint). Raises ConfigError or
+    CheckpointError."""
+    from mpipar.runtime.memory import available_memory_bytes
+    available = available_memory_bytes()
+    need = memory_lower_bound(cfg, positions)
+    if (not args.allow_oversubscribed_memory and available is not None
+            and need > available // on_node):
+        raise ConfigError(_memory_message(args, "the busiest rank", "at least", need, available,
+                                          on_node, positions))
+    if kind == "hf":
+        from mpipar.checkpoint import huggingface as hf
+        root = Path(args.model)
+        _require_layers(args.model, cfg.model, len(hf.weight_files(root)))
+        return hf.stored_bytes(hf.check_tensors(root, hf.read_config_json(root), cfg.model))
+    _check_checkpoint_shapes(args.model, cfg.model)
+    return 0
+
+
+def _require_layers(path: str, model: ModelConfig, tensors: int) -> None:
+    """Each layer has tensors of its own: a config claiming more layers than ``path`` stores
+    tensors is refused before the tensors it implies are listed."""
+    if model.layers > tensors:
+        raise ConfigError(f"{path}: its config claims {model.layers:,} layers, but it stores "
+                          f"{tensors} tensors")
+
+
+def _check_checkpoint_shapes(path: str, model: ModelConfig) -> None:
+    """Every parameter the model config implies is stored, with its shape (metadata only)."""
+    from mpipar.checkpoint import store as checkpoint
+    from mpipar.model.params import param_specs
+    stored = {t["name"]: tuple(t["shape"]) for t in checkpoint.inspect(path)["tensors"]}
+    _require_layers(path, model, sum(name.startswith("param/") for name in stored))
+    for spec in param_specs(model):
+        name = f"param/{spec.name}"
+        if stored.get(name) != spec.shape:
+            found = "is missing" if name not in stored else f"has shape {list(stored[name])}"
+            raise checkpoint.CheckpointError(
+                f"{path}: {name} {found}, but the checkpoint's config implies {list(spec.shape)}")
+
+
+def check_memory(args: argparse.Namespace, cfg: Layout, rank: int, on_node: int,
+                 positions: int, prompt: int, read_whole: int) -> None:
+    """Refuse (ConfigError) a generation whose rank ``rank`` is predicted
+    (:func:`predict_memory`) to need more than its share of the
+    node's available memory (``on_node`` ranks share it). ``--allow-oversubscribed-memory``
+    skips it."""
+    from mpipar.runtime.memory import available_memory_bytes
+    available = available_memory_bytes()
+    if args.allow_oversubscribed_memory or available is None:
+        return
+    need = predict_memory(cfg, rank, positions, prompt, read_whole)
+    if need > available // on_node:
+        raise ConfigError(_memory_message(args, f"rank {rank}", "about", need, available,
+                                          on_node, positions))
+
+
+def _memory_message(args: argparse.Namespace, who: str, what: str, need: int, available: int,
+                    on_node: int, positions: int) -> str:
+    return (f"{who} needs {what} {need:,} bytes ({need / 2**30:,.3g} GiB, the planner's estimate "
+            f"of its weights, the KV cache of {positions:,} positions (the prompt and "
+            f"--max-new-tokens {args.max_new_tokens:,}) and the prompt's pass) but this node has "
+            f"{available:,} bytes available for {on_node} rank(s), {available // on_node:,} "
+            f"each: lower --max-new-tokens, spread the model over more ranks (--tp, --pp), or "
+            f"set --allow-oversubscribed-memory to start anyway")
+
+
+def memory_lower_bound(cfg: Layout, positions: int) -> int:
+    """Bytes the busiest rank of a generation under the resolved ``cfg`` needs at least, from
+    the sizes alone (any number of layers at once): its share of the weights and of the KV
+    cache of ``positions`` positions, ``e * (parameters + 2 * layers * positions * kv_heads *
+    head_dim) / (tp * pp)``."""
+    import numpy as np
+    from mpipar.plan.memory import parameter_count
+    m, par = cfg.model, cfg.parallel
+    e = np.dtype(cfg.train.dtype).itemsize
+    cache = 2 * m.layers * positions * m.kv_heads * m.head_dim
+    return e * (parameter_count(m) + cache) // (par.tp * par.pp)
+
+
+def predict_memory(cfg: Layout, rank: int, positions: int, prompt: int, read_whole: int = 0
+                   ) -> int:
+    """Bytes rank ``rank`` of a generation under the resolved ``cfg`` holds at its peak (the
+    interpreter and its libraries not counted): the larger of
+
+    - loading: its parameter shards, the largest global tensor cast to the dtype, and either
+      ``read_whole`` bytes (a Hugging Face directory: every rank reads every tensor) or its
+      largest shard read from a checkpoint;
+    - decoding: its shards, the KV cache of its stage's blocks for ``positions`` positions
+      (keys and values ``[1, positions, kv_heads / tp, head_dim]`` a block), and the prompt's
+      pass: ``prompt`` rows hidden-, head- and FFN-wide in a block, the block's attention
+      scores and probabilities ``[heads / tp, prompt, prompt]``, and on the last stage the
+      prompt's logits ``[prompt, V / tp]``.
+    """
+    import numpy as np
+    from mpipar.parallel.pipeline.schedule import stage_layers
+    from mpipar.plan.rank import local_param_shapes
+    from mpipar.runtime.topology import rank_coord
+    m, par = cfg.model, cfg.parallel
+    tp, e = par.tp, np.dtype(cfg.train.dtype).itemsize
+    coord = rank_coord(rank, 1, tp, par.pp, 1)
+    shapes = local_param_shapes(cfg, coord)
+    shards = e * sum(math.prod(s) for s in shapes.values())
+    largest_global = e * m.hidden * max(m.vocab_size, m.ffn_hidden, m.heads * m.head_dim)
+    loading = shards + largest_global + (read_whole or e * max(math.prod(s)
+                                                                for s in shapes.values()))
+    blocks = len(stage_layers(coord.pp, m.layers, par.pp, 1))
+    cache = 2 * blocks * positions * (m.kv_heads // tp) * m.head_dim * e
+    width = 4 * m.hidden + (3 * m.ffn_hidden + 2 * (m.heads + m.kv_heads) * m.head_dim) // tp
+    passing = e * prompt * (width + 2 * (m.heads // tp) * prompt)
+    if coord.pp == par.pp - 1:
+        passing += e * prompt * -(-m.vocab_size // tp)
+    return max(loading, shards + cache + passing)
+
+
 def _load(generator, path: str, kind: str) -> None:
     """The parameters of ``generator``'s shards from the model at ``path``."""
     if kind == "hf":
@@ -160,22 +305,38 @@ def _load(generator, path: str, kind: str) -> None:
         generator.load_checkpoint(read)
 
 
+def _agree(comm: MPI.Comm, error: str | None) -> None:
+    """Every rank's error (None: none) gathered: any one stops every rank with status 2."""
+    from mpipar.training.failure import fail_usage
+    failed = [e for e in comm.allgather(error) if e]
+    if failed:
+        fail_usage(failed[0], comm)
+
+
 def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     comm = MPI.COMM_WORLD if comm is None else comm
     from mpipar.training.failure import FailureReport, fail_usage, install_abort_hook
     install_abort_hook(FailureReport(comm))
     args = build_parser().parse_args(argv)
-    from mpipar.runtime.nodes import configure_threads, local_size_from_env
-    threads = configure_threads(None) if local_size_from_env() or comm.Get_size() == 1 else 0
+    from mpipar.runtime.nodes import configure_threads, local_size_from_env, ranks_on_node
+    known = local_size_from_env() or (1 if comm.Get_size() == 1 else None)
+    if known:
+        configure_threads(known)
     try:  # ConfigError, DataError, CheckpointError and the sampling settings' are ValueErrors
         cfg, kind, codec = resolve(args, comm.Get_size())
-        prompt = codec.encode(args.prompt)
-        if not prompt:
-            raise ConfigError(f"--prompt {args.prompt!r}: encodes to no token")
-    except ValueError as exc:
+        prompt = encode_prompt(codec, args.prompt)
+        positions = len(prompt) + args.max_new_tokens
+        read_whole = check_model(args, cfg, kind, positions, known or 1)
+    except (ValueError, OSError) as exc:
         fail_usage(str(exc), comm)
-    if not threads:
-        configure_threads(comm)
+    on_node = known or ranks_on_node(comm.allgather(MPI.Get_processor_name()), comm.Get_rank())
+    configure_threads(on_node)  # a value set before stays
+    error = None
+    try:
+        check_memory(args, cfg, comm.Get_rank(), on_node, positions, len(prompt), read_whole)
+    except ConfigError as exc:
+        error = str(exc)
+    _agree(comm, error)
     from mpipar.inference.generator import Generator
     from mpipar.inference.sampling import Sampling
     generator = Generator(cfg, comm)
@@ -184,9 +345,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
         _load(generator, args.model, kind)
     except (ValueError, OSError) as exc:  # a damaged checkpoint or safetensors file
         error = str(exc)
-    failed = [e for e in comm.allgather(error) if e]
-    if failed:
-        fail_usage(failed[0], comm)
+    _agree(comm, error)
     out = generator.generate(prompt, args.max_new_tokens,
                              Sampling(args.temperature, args.top_k, args.top_p), args.seed,
                              codec.eos)

@@ -44,19 +44,100 @@ BUBBLE_LIMIT = 0.30
 
 # ----------------------------------------------------------------------------------- loading
 def load_run(run_dir: str) -> tuple[list[dict], dict | None, dict | None]:
-    """(metrics records, timeline or None, config dict or None) of ``run_dir``."""
+    """(metrics records, timeline or None, config dict or None) of ``run_dir``, each checked to
+    hold what the analysis and the plots read (ValueError naming the file, step and field
+    otherwise: the files may come from elsewhere, or be damaged)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
     records = read_records(path)
+    for record in records:
+        _check_record(record, path)
     timeline = config = None
     if os.path.exists(os.path.join(run_dir, "timeline.json")):
         with open(os.path.join(run_dir, "timeline.json")) as fh:
             timeline = json.load(fh)
+        _check_timeline(timeline, os.path.join(run_dir, "timeline.json"))
     if os.path.exists(os.path.join(run_dir, "config.toml")):
         with open(os.path.join(run_dir, "config.toml"), "rb") as fh:
             config = tomllib.load(fh)
+        _check_config(config, os.path.join(run_dir, "config.toml"))
     return records, timeline, config
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers(value: Any) -> bool:
+    """A list of numbers, or an object of them."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, list) and all(_number(v) for v in value)
+
+
+def _check_record(r: dict, path: str) -> None:
+    """A step record as :func:`mpipar.observe.metrics.step_record` writes it."""
+    checks = [(k, r.get(k), _number) for k in ("loss", "step_time_s", "tokens_per_s", "mfu")]
+    checks.append(("time", r.get("time"), lambda t: isinstance(t, dict) and all(
+        _number(t.get(k)) for k in TIME_KEYS)))
+    optional = {"memory_bytes": lambda v: isinstance(v, list) and _numbers(v),
+                "comm_bytes_max": lambda v: isinstance(v, dict) and _numbers(v),
+                "inter_node_bytes_max": _number, "skipped_steps": _number,
+                "eval": lambda v: isinstance(v, dict) and _number(v.get("loss"))
+                and _number(v.get("perplexity"))}
+    checks += [(k, r[k], ok) for k, ok in optional.items() if k in r]
+    for key, value, ok in checks:
+        if not ok(value):
+            raise ValueError(f"{path}: step {r['step']}: {key}={str(value)[:60]} is not what a "
+                             f"step record holds (see README, metrics.jsonl)")
+
+
+def _check_timeline(timeline: Any, path: str) -> None:
+    """``{"step": int, "ranks": [{"rank": int, "coord": {"pp": int, ...}, "ops": [[kind,
+    microbatch, chunk, start, end], ...]}, ...]}``."""
+    def rank_ok(r: Any) -> bool:
+        return (isinstance(r, dict) and isinstance(r.get("rank"), int)
+                and isinstance(r.get("coord"), dict) and isinstance(r["coord"].get("pp"), int)
+                and isinstance(r.get("ops"), list) and all(
+                    isinstance(o, list) and len(o) == 5 and isinstance(o[0], str)
+                    and _number(o[3]) and _number(o[4]) for o in r["ops"]))
+
+    if not (isinstance(timeline, dict) and isinstance(timeline.get("step"), int)
+            and isinstance(timeline.get("ranks"), list)):
+        raise ValueError(f"{path}: must be an object with an integer 'step' and a list 'ranks'")
+    bad = next((k for k, r in enumerate(timeline["ranks"]) if not rank_ok(r)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: ranks[{bad}] must be an object with an integer 'rank', a "
+                         f"'coord' with an integer 'pp' and 'ops' of [kind, microbatch, chunk, "
+                         f"start, end]")
+
+
+_CONFIG_FIELDS = {
+    "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 1, "virtual_stages": 1, "zero": 0,
+                 "ranks_per_node": 0, "schedule": str, "sp_mode": str, "sp_split": str,
+                 "dp_reduce": str, "grad_compression": str, "zero_shared": str},
+    "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": 1, "recompute": str,
+              "backend": str},
+    "model": {"layers": 1, "sliding_window": 0, "window_layers": str},
+}
+"""The config.toml fields the summary reads: a type, or the least integer allowed."""
+
+
+def _check_config(config: dict, path: str) -> None:
+    for section, fields in _CONFIG_FIELDS.items():
+        table = config.get(section, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: [{section}] must be a table")
+        for key, rule in fields.items():
+            if key not in table:
+                continue
+            value = table[key]
+            ok = (isinstance(value, str) if rule is str else
+                  isinstance(value, int) and not isinstance(value, bool) and value >= rule)
+            if not ok:
+                what = "a string" if rule is str else f"an integer >= {rule}"
+                raise ValueError(f"{path}: {section}.{key}={value!r} must be {what}")
 
 
 # ---------------------------------------------------------------------------------- analysis
@@ -383,7 +464,10 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[list[str], s
     status = None
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(os.path.join(run_dir, "summary.json")) as fh:
-            status = json.load(fh).get("status")
+            summary = json.load(fh)
+        status = summary.get("status") if isinstance(summary, dict) else None
+        if status is not None and not isinstance(status, str):
+            raise ValueError(f"{run_dir}/summary.json: status={status!r} must be a string")
     text = summary_text(summarize(records, timeline, config, status))
     path = os.path.join(out_dir, "summary.txt")
     with open(path, "w") as fh:
@@ -401,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         written, text = write_report(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a missing, unreadable or malformed file
         sys.stderr.write(f"mpipar.report: error: {exc}\n")
         return 2
     except ImportError as exc:

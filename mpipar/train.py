@@ -239,8 +239,9 @@ def _agree(control: Group, error: str | None) -> None:
 
 def _claim(ctx: RunContext):
     """Before anything is allocated: the memory check, every output directory created and
-    proved writable, and (rank 0) the lock on the run and save directories, refusing a fresh
-    run beside earlier checkpoints (:mod:`mpipar.training.rundir`). Returns the lock (rank 0)."""
+    proved writable, and (rank 0) the lock on the run and save directories, refusing a run
+    that would overwrite another run's checkpoints or metrics (:mod:`mpipar.training.rundir`).
+    Returns the lock (rank 0)."""
     from mpipar.training import rundir
     cfg, lock, error = ctx.cfg, None, None
     try:
@@ -249,7 +250,7 @@ def _claim(ctx: RunContext):
         rundir.prepare_outputs(cfg)
         if ctx.rank0:
             lock = rundir.RunLock([cfg.train.run_dir, cfg.train.save_dir]).acquire()
-            rundir.refuse_earlier_checkpoints(cfg)
+            rundir.refuse_earlier_run(cfg)
     except ConfigError as exc:
         error = str(exc)
     try:

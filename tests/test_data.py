@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from mpipar.data import sources as data
-from mpipar.data.sources import DataError, Sampler, load_tokens, main, stdlib_corpus
+from mpipar.data.cli import main
+from mpipar.data.sources import DataError, Sampler, load_tokens, stdlib_corpus
 
 
 def windows(tokens, seq_len):

@@ -11,7 +11,9 @@ import pytest
 
 from conftest import launch_env
 
-from mpipar.data.sources import DataError, load_tokens, main, prepare_tokens
+from mpipar.data.prepare import prepare_tokens
+from mpipar.data.cli import main
+from mpipar.data.sources import DataError, load_tokens
 
 
 def _texts(tmp_path, contents: list[bytes], prefix: str = "t") -> list[str]:

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import MPIRUN, needs_mpirun
 from mpipar.data import documents
-from mpipar.data.sources import DataError, load_tokens, main
+from mpipar.data.cli import main
+from mpipar.data.sources import DataError, load_tokens
 from mpipar.data.tokenizer import load_tokenizer, prepare_tokenized, token_dtype
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the tokenizers package "

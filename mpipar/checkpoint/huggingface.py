@@ -25,6 +25,11 @@ with the config. An export writes ``Qwen2ForCausalLM`` for a model with attentio
 ``MistralForCausalLM`` for one with a sliding window on every layer, and ``LlamaForCausalLM``
 otherwise, tied or not as the model is.
 
+A directory may come from elsewhere: every config.json field is checked for its type and range
+(a wrong one is refused naming it), the shard files an index lists must be relative paths
+inside the directory (:func:`weight_files`), and tensors are checked from the safetensors
+headers before any is read (:func:`check_tensors`).
+
 bfloat16 tensors: NumPy has no bfloat16, so they are read from the file's raw bytes and widened
 exactly to float32 (a bfloat16 is the upper 16 bits of a float32). Other tensors keep the
 file's dtype unless a dtype is asked for.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -108,6 +114,8 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     if not Path(path).is_dir():
         raise HFCheckpointError(f"{path}: not a directory (a Hugging Face model directory holds "
                                 f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    if file.exists() and not file.is_file():
+        raise HFCheckpointError(f"{file}: not a regular file")
     try:
         raw = json.loads(file.read_text())
     except FileNotFoundError:
@@ -126,7 +134,7 @@ Reading = tuple[str, dict[str, Any]]
 def _architecture(raw: Mapping[str, Any]) -> Reading:
     """``model_type`` and ``architectures``: a Llama, Qwen2 or Mistral causal LM."""
     kind = raw.get("model_type", "llama")
-    if kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES:
         raise HFCheckpointError(f"model_type={kind!r} is not supported; mpipar reads "
                                 f"{', '.join(map(repr, ARCHITECTURES))}")
     archs = raw.get("architectures")
@@ -140,10 +148,13 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
     """Attention biases and window: Qwen2's q/k/v biases over the whole causal context; a Llama
     without biases."""
     if raw.get("model_type", "llama") == "qwen2":
-        if raw.get("use_sliding_window"):
+        if _flag(raw, "use_sliding_window"):
             raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
                                     "to the whole causal context")
-        windows = sorted(set(raw.get("layer_types") or ()) - {"full_attention"})
+        kinds = raw.get("layer_types") or []
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise HFCheckpointError(f"layer_types={kinds!r} must be a list of strings")
+        windows = sorted(set(kinds) - {"full_attention"})
         if windows:
             raise HFCheckpointError(f"layer_types {windows} are not supported; mpipar's layers "
                                     f"are all 'full_attention'")
@@ -162,7 +173,7 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
             return "no attention biases, full causal attention (Mistral)", {"sliding_window": 0}
         return (f"no attention biases, a sliding window of {window} positions on every layer "
                 f"(Mistral)", {"sliding_window": window, "window_layers": "all"})
-    if raw.get("attention_bias", False):
+    if _flag(raw, "attention_bias"):
         raise HFCheckpointError("attention_bias=true is not supported: in LlamaForCausalLM it "
                                 "also gives o_proj a bias, which mpipar does not have (its "
                                 "attention biases are Qwen2's: q, k and v)")
@@ -171,7 +182,7 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
 
 def _mlp(raw: Mapping[str, Any]) -> Reading:
     """The MLP: SwiGLU with SiLU, no biases."""
-    if raw.get("mlp_bias", False):
+    if _flag(raw, "mlp_bias"):
         raise HFCheckpointError(f"mlp_bias={raw['mlp_bias']!r} is not supported; mpipar's MLP "
                                 f"has no biases")
     act = raw.get("hidden_act", "silu")
@@ -181,11 +192,21 @@ def _mlp(raw: Mapping[str, Any]) -> Reading:
     return "SwiGLU (silu), no biases", {}
 
 
+def _positive(value: Any) -> bool:
+    """Whether ``value`` is a finite number above 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:  # an integer beyond float's range
+        return False
+
+
 def _number(params: Mapping[str, Any], name: str, where: str, default: Any = None) -> float:
     value = params.get(name, default)
     if value is None:
         raise HFCheckpointError(f"{where}.{name} is missing")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not _positive(value):
         raise HFCheckpointError(f"{where}.{name}={value!r} must be a positive number")
     return float(value)
 
@@ -212,20 +233,21 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
         raise HFCheckpointError(f"partial_rotary_factor={partial!r} is not supported; mpipar "
                                 f"rotates the whole head (1.0)")
     top, inner = raw.get("rope_theta"), params.get("rope_theta")
+    for name, value in (("rope_theta", top), (f"{field}.rope_theta", inner)):
+        if value is not None and not _positive(value):
+            raise HFCheckpointError(f"{name}={value!r} must be a positive number")
     if top is not None and inner is not None and float(top) != float(inner):
         raise HFCheckpointError(f"rope_theta={top!r} contradicts {field}.rope_theta={inner!r}")
-    theta = inner if inner is not None else top if top is not None else 10000.0
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise HFCheckpointError(f"rope_theta={theta!r} must be a positive number")
-    theta = float(theta)
+    theta = float(inner if inner is not None else top if top is not None else 10000.0)
     out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
     if kind == "default":
         return f"plain RoPE, theta {theta:g}", out
     out["rope_factor"] = _number(params, "factor", field)
     if kind == "linear":
         return f"linear RoPE scaling, factor {out['rope_factor']:g}, theta {theta:g}", out
-    positions = raw.get("max_position_embeddings") or _MAX_POSITIONS[raw.get("model_type",
-                                                                              "llama")]
+    model = raw.get("model_type", "llama")  # an unknown one is the architecture rule's error
+    positions = raw.get("max_position_embeddings") or _MAX_POSITIONS.get(
+        model if isinstance(model, str) else "llama", _MAX_POSITIONS["llama"])
     if kind == "llama3":
         positions = raw.get("original_max_position_embeddings",
                             params.get("original_max_position_embeddings", positions))
@@ -235,9 +257,9 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
             raise HFCheckpointError(f"{field}.low_freq_factor={out['rope_low_freq_factor']!r} "
                                     f"must be below high_freq_factor="
                                     f"{out['rope_high_freq_factor']!r}")
-    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
-        raise HFCheckpointError(f"original_max_position_embeddings={positions!r} must be a "
-                                f"positive integer")
+    if not _count(positions):
+        raise HFCheckpointError(f"original_max_position_embeddings={positions!r} must be an "
+                                f"integer in [1, {MAX_SIZE}]")
     out["rope_original_max_positions"] = positions
     extra = (f", low/high frequency factors {out['rope_low_freq_factor']:g}/"
              f"{out['rope_high_freq_factor']:g}" if kind == "llama3" else "")
@@ -247,7 +269,7 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
 
 def _tie(raw: Mapping[str, Any], untie_embeddings: bool) -> Reading:
     """``tie_word_embeddings``: one parameter for embedding and LM head, unless untied."""
-    if not raw.get("tie_word_embeddings", False):
+    if not _flag(raw, "tie_word_embeddings"):
         return "untied embedding and LM head", {"tie_embeddings": False}
     if untie_embeddings:
         return ("tied in the checkpoint, untied on request: the LM head starts as a copy of the "
@@ -284,15 +306,34 @@ def _int_field(raw: Mapping[str, Any], name: str, default: int | None = None) ->
     value = default if value is None else value
     if value is None:
         raise HFCheckpointError(f"field {name} is missing")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise HFCheckpointError(f"{name}={value!r} must be a positive integer")
+    if not _count(value):
+        raise HFCheckpointError(f"{name}={value!r} must be an integer in [1, {MAX_SIZE}]")
+    return value
+
+
+MAX_SIZE = 2**31 - 1
+"""The largest size a config.json may give (vocabulary, widths, layers, heads, positions)."""
+
+
+def _count(value: Any) -> bool:
+    """Whether ``value`` is an integer in [1, MAX_SIZE] (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_SIZE
+
+
+def _flag(raw: Mapping[str, Any], name: str) -> bool:
+    """``raw[name]`` as a bool; absent or null is False."""
+    value = raw.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise HFCheckpointError(f"{name}={value!r} must be true or false")
     return value
 
 
 def _float_field(raw: Mapping[str, Any], name: str, default: float) -> float:
     value = raw.get(name)
     value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not _positive(value):
         raise HFCheckpointError(f"{name}={value!r} must be a positive number")
     return float(value)
 
@@ -439,7 +480,9 @@ def model_config_with_overrides(hf_cfg: ModelConfig, overrides: Mapping[str, Any
 
 # --------------------------------------------------------------------------------- tensors
 def weight_files(path: str | os.PathLike) -> dict[str, Path]:
-    """Where each tensor of directory ``path`` lives: ``{hf name: safetensors file}``."""
+    """Where each tensor of directory ``path`` lives: ``{hf name: safetensors file}``. The shards
+    an index lists must be relative paths inside ``path`` (no absolute path, no ``..``), so that
+    an index cannot make mpipar read a file outside the directory."""
     root = Path(path)
     single, index = root / WEIGHTS_FILE, root / INDEX_FILE
     if single.is_file():
@@ -453,14 +496,28 @@ def weight_files(path: str | os.PathLike) -> dict[str, Path]:
                                     f"({type(exc).__name__}: {exc})") from None
         if not isinstance(weight_map, dict):
             raise HFCheckpointError(f"{index}: 'weight_map' must map tensor names to files")
-        files = {name: root / shard for name, shard in weight_map.items()}
+        files = {name: root / _shard_name(index, name, shard) for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():
-                raise HFCheckpointError(f"{index}: shard file {shard.name} does not exist")
+                raise HFCheckpointError(f"{index}: shard file {shard.relative_to(root)} does not "
+                                        f"exist")
         return files
     others = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pth"))
     hint = f" (found {others}: convert them to safetensors first)" if others else ""
     raise HFCheckpointError(f"{root}: no {WEIGHTS_FILE} and no {INDEX_FILE}{hint}")
+
+
+def _shard_name(index: Path, name: Any, shard: Any) -> str:
+    """The shard file of tensor ``name`` in ``index``'s weight map: a relative path without
+    ``..`` (HFCheckpointError naming the entry otherwise)."""
+    if not isinstance(shard, str) or not shard:
+        raise HFCheckpointError(f"{index}: weight_map[{name!r}] = {shard!r} must be the name of "
+                                f"a safetensors file")
+    parts = Path(shard).parts
+    if Path(shard).is_absolute() or ".." in parts:
+        raise HFCheckpointError(f"{index}: weight_map[{name!r}] = {shard!r} points outside the "
+                                f"model directory; shard files must be relative paths inside it")
+    return shard
 
 
 @contextlib.contextmanager
@@ -527,7 +584,7 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     checkpoint's head is its embedding (a stored ``lm_head.weight`` is then ignored, as
     transformers ignores it). Raises HFCheckpointError naming the file, tensors or shapes."""
     files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
-    tied = bool(raw.get("tie_word_embeddings", False))
+    tied = _flag(raw, "tie_word_embeddings")
     specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
     expected = {hf_name(n) for n in specs}
     missing = sorted(expected - set(files))
@@ -558,6 +615,23 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
                     raise HFCheckpointError(f"{root}: tensor {hf} has shape {shape}, "
                                             f"{CONFIG_FILE} implies {list(specs[name].shape)}")
     return stored
+
+
+def stored_bytes(stored: Mapping[str, Path]) -> int:
+    """Bytes :func:`load_hf` holds for the tensors ``stored`` (:func:`check_tensors`'s
+    ``{mpipar name: file}``), from the headers: each as read, bfloat16 widened to float32."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in stored.items():
+        by_file.setdefault(file, []).append(hf_name(name))
+    total = 0
+    for file, names in by_file.items():
+        with open_safetensors(file) as f:
+            for name in names:
+                piece = f.get_slice(name)
+                kind = piece.get_dtype()
+                size = 4 if kind == "BF16" else np.dtype(_NUMPY_DTYPES[kind]).itemsize
+                total += size * math.prod(piece.get_shape())
+    return total
 
 
 def load_hf(path: str | os.PathLike, dtype: Any = None,

@@ -1,6 +1,6 @@
-"""``python -m mpipar.data``: see :mod:`mpipar.data.sources`."""
+"""``python -m mpipar.data``: see :mod:`mpipar.data.cli`."""
 import sys
 
-from mpipar.data.sources import main
+from mpipar.data.cli import main
 
 sys.exit(main())

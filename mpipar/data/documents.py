@@ -12,11 +12,12 @@ is read by its suffix:
 A directory stands for its regular, non-hidden files, recursively, sorted by relative path.
 A text file is read in blocks of about `block_bytes`, each cut after a single newline between two
 characters that are not whitespace (or at the end of the file), so memory stays bounded by the
-block size or the longest stretch without such a newline (a file with CRLF line ends has none and
-is read whole). The regular expressions of byte-level BPE pre-tokenizers (GPT-2, Llama 3) never
-join two pieces across such a newline, so encoding the blocks one by one gives the ids of the
-whole file; tokenizers that prefix the start of each text with a space marker (SentencePiece
-style, Llama 2) see one at each block start.
+block size or the longest stretch without such a newline. The regular expressions of byte-level
+BPE pre-tokenizers (GPT-2, Llama 3) never join two pieces across such a newline, so encoding the
+blocks one by one gives the ids of the whole file; tokenizers that prefix the start of each text
+with a space marker (SentencePiece style, Llama 2) see one at each block start. A file with CRLF
+line ends has no such newline and is read whole: no cut there keeps the pieces of both
+expressions (GPT-2's splits "\\r" from "\\n" before a word, Llama 3's keeps "\\r\\n" whole).
 """
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ from mpipar.data.sources import DataError, directory_files
 
 BATCH_DOCUMENTS = 1024
 """Documents of a `.jsonl` or `.parquet` file read (and encoded) together."""
-BATCH_BYTES = 8 * 2**20
-"""Text per batch: a `.jsonl` batch ends once it holds this much; a text file's block size."""
+BATCH_BYTES = 2**20
+"""Text per batch: a `.jsonl` batch ends once it holds this much; a text file's block size; the
+most text encoded at once (the tokenizer's encodings of 1 MiB of English text take about
+170 MB, so each worker stays within a few hundred MB)."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,13 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str]:
 
 
 def check_readable(path: str, text_field: str) -> None:
-    """Fail early (DataError) for a Parquet input when `pyarrow` is absent, or one whose schema
-    lacks the string column `text_field`."""
+    """Fail early (DataError) for an input this process cannot open, a Parquet input when
+    `pyarrow` is absent, or one whose schema lacks the string column `text_field`."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
     if file_kind(path) != "parquet":
         return
     pq = _pyarrow_parquet(path)
@@ -114,27 +122,39 @@ def _decode(data: bytes, path: str, at: int) -> str:
 
 
 def _text_batches(path: str, block: int) -> Iterator[Batch]:
-    pending, at, started = b"", 0, False
-    with open(path, "rb") as fh:
-        while data := fh.read(block):
-            pending += data
-            cut = _last_cut(pending)
-            if cut:
-                text = _decode(pending[:cut], path, at)
-                yield Batch([text], [False], cut)
-                pending, at, started = pending[cut:], at + cut, True
-    text = _decode(pending, path, at)
+    pending, at, started = bytearray(), 0, False
+    for data in _read_blocks(path, block):
+        scanned = max(0, len(pending) - 5)  # newlines before here were judged whole
+        pending += data
+        cut = _last_cut(pending, scanned)
+        if cut:
+            text = _decode(bytes(pending[:cut]), path, at)
+            yield Batch([text], [False], cut)
+            del pending[:cut]
+            at, started = at + cut, True
+    text = _decode(bytes(pending), path, at)
     if text or started:  # the end of the document, so a non-empty file ends with EOS
         yield Batch([text], [True], len(pending))
 
 
-def _last_cut(data: bytes) -> int:
-    """The end of the last newline in `data` with a character that is not whitespace on either
-    side (0: none)."""
+def _read_blocks(path: str, block: int) -> Iterator[bytes]:
+    """The bytes of `path`, `block` at a time; a read error is a DataError naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            while data := fh.read(block):
+                yield data
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
+
+
+def _last_cut(data: bytes | bytearray, start: int = 0) -> int:
+    """The end of the last newline in `data[start:]` with a character that is not whitespace on
+    either side (0: none). Scanning only what was appended since the last scan keeps a file
+    without such a newline (CRLF line ends) linear in its size."""
     i = len(data) - 1
-    while (i := data.rfind(b"\n", 0, i)) > 0:
-        before = data[max(0, i - 4):i].decode("utf-8", "ignore")[-1:]
-        after = data[i + 1:i + 5].decode("utf-8", "ignore")[:1]
+    while (i := data.rfind(b"\n", max(start, 0), i)) > 0:
+        before = bytes(data[max(0, i - 4):i]).decode("utf-8", "ignore")[-1:]
+        after = bytes(data[i + 1:i + 5]).decode("utf-8", "ignore")[:1]
         if before and after and not before.isspace() and not after.isspace():
             return i + 1
     return 0
@@ -144,20 +164,28 @@ def _jsonl_batches(path: str, field: str, batch_bytes: int, batch_documents: int
                    ) -> Iterator[Batch]:
     texts: list[str] = []
     size = nbytes = 0
-    with open(path, "rb") as fh:
-        for number, line in enumerate(fh, 1):
-            nbytes += len(line)
-            if not line.strip():
-                continue
-            text = _jsonl_text(line, field, path, number)
-            if text:
-                texts.append(text)
-                size += len(text)
-            if len(texts) >= batch_documents or size >= batch_bytes:
-                yield Batch(texts, [True] * len(texts), nbytes)
-                texts, size, nbytes = [], 0, 0
+    for number, line in enumerate(_read_lines(path), 1):
+        nbytes += len(line)
+        if not line.strip():
+            continue
+        text = _jsonl_text(line, field, path, number)
+        if text:
+            texts.append(text)
+            size += len(text)
+        if len(texts) >= batch_documents or size >= batch_bytes:
+            yield Batch(texts, [True] * len(texts), nbytes)
+            texts, size, nbytes = [], 0, 0
     if texts or nbytes:
         yield Batch(texts, [True] * len(texts), nbytes)
+
+
+def _read_lines(path: str) -> Iterator[bytes]:
+    """The lines of `path`; a read error is a DataError naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            yield from fh
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
 
 
 def _jsonl_text(line: bytes, field: str, path: str, number: int) -> str:
@@ -171,6 +199,12 @@ def _jsonl_text(line: bytes, field: str, path: str, number: int) -> str:
     if not isinstance(text, str):
         raise DataError(f"{path}: line {number}: field {field!r} must be a string, got "
                         f"{type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON escapes such as "\\ud800" decode to lone surrogates
+        raise DataError(f"{path}: line {number}: field {field!r} holds the lone surrogate "
+                        f"U+{ord(text[err.start]):04X} at character {err.start}, which is not "
+                        f"text (no UTF-8 encoding); repair or drop the line") from None
     return text
 
 

@@ -29,18 +29,15 @@ function of the source and F, so a resumed run (which must keep F) holds out the
 An HDF5 file written by `prepare --tokenizer` records its tokenizer (`TOKENIZER_ATTRS`); loading
 it checks that the model's vocabulary holds the tokenizer's.
 
-`python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]` inspects a source;
-`python -m mpipar.data prepare TEXT... --out tokens.h5` turns text files into an HDF5 byte-token
-stream (see `prepare_tokens`); with `--tokenizer HF_DIR_OR_tokenizer.json` it encodes text files,
-directories, `.jsonl` and Parquet with a Hugging Face tokenizer instead (:mod:`mpipar.data.tokenizer`).
+`python -m mpipar.data info PATH` inspects a source and `python -m mpipar.data prepare` writes
+one (:mod:`mpipar.data.cli`): the bytes of text files (:func:`mpipar.data.prepare.prepare_tokens`),
+or the ids of a Hugging Face tokenizer (:mod:`mpipar.data.tokenizer`).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import os
-import sys
 import sysconfig
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -58,7 +55,7 @@ CPython 3.11's standard library (without tests, site-packages, idlelib, lib2to3,
 is about 11 MB in 580 files and reads in about 0.1 s, so there the cap keeps every file."""
 
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo"})
-_H5_SUFFIXES = (".h5", ".hdf5")
+H5_SUFFIXES = (".h5", ".hdf5")
 _CHECK_CHUNK = 1 << 22
 """Elements read at a time when checking token ids against the vocabulary."""
 
@@ -173,9 +170,12 @@ class TokenSource:
     """
 
     def __init__(self, path: str, fmt: str, seq_len: int, shape: tuple[int, ...],
-                 dtype: np.dtype, opener: Opener, tokenizer: dict[str, Any] | None = None):
+                 dtype: np.dtype, opener: Opener, tokenizer: dict[str, Any] | None = None,
+                 origin: str | None = None):
         self.path = path
         self.tokenizer = tokenizer  # TOKENIZER_ATTRS of a tokenized HDF5 file, else None
+        # what made the ids: "tokenizer SHA256", "bytes", or None (not recorded: .npy, .bin)
+        self.origin = origin
         self.format = fmt
         self.seq_len = seq_len
         self.shape = tuple(int(s) for s in shape)
@@ -253,7 +253,7 @@ def _check_ids(src: TokenSource, vocab_size: int, read_all: bool = False) -> Non
 
 def _make_source(path: str, fmt: str, seq_len: int, vocab_size: int, shape: tuple[int, ...],
                  dtype: np.dtype, opener: Opener, tokenizer: dict[str, Any] | None = None,
-                 read_all: bool = False) -> TokenSource:
+                 read_all: bool = False, origin: str | None = None) -> TokenSource:
     """Check shape, dtype and ids (reading every element when `read_all`), then build the
     source."""
     dtype = np.dtype(dtype)
@@ -270,7 +270,7 @@ def _make_source(path: str, fmt: str, seq_len: int, vocab_size: int, shape: tupl
     if len(shape) == 1 and shape[0] < seq_len + 1:
         raise DataError(f"{path}: the stream has {shape[0]} tokens, fewer than the seq_len + 1 = "
                         f"{seq_len + 1} one sample needs (--seq-len {seq_len})")
-    src = TokenSource(path, fmt, seq_len, shape, dtype, opener, tokenizer)
+    src = TokenSource(path, fmt, seq_len, shape, dtype, opener, tokenizer, origin)
     _check_ids(src, vocab_size, read_all)
     return src
 
@@ -279,7 +279,8 @@ def _byte_source(path: str, fmt: str, data: np.ndarray, seq_len: int, vocab_size
     if vocab_size < 256:
         raise DataError(f"{path}: byte-level text has token ids 0..255, so it needs --vocab-size >= 256 "
                         f"(got {vocab_size})")
-    return _make_source(path, fmt, seq_len, vocab_size, data.shape, data.dtype, _in_memory(data))
+    return _make_source(path, fmt, seq_len, vocab_size, data.shape, data.dtype, _in_memory(data),
+                        origin="bytes")
 
 
 def _memmap(path: str, dtype: type) -> np.ndarray:
@@ -300,15 +301,10 @@ def _load_npy(path: str, seq_len: int, vocab_size: int) -> TokenSource:
 def _load_h5(path: str, seq_len: int, vocab_size: int) -> TokenSource:
     try:
         with h5py.File(path, "r") as f:
-            present = [n for n in ("tokens", "samples") if isinstance(f.get(n), h5py.Dataset)]
-            if len(present) != 1:
-                rule = ("has both datasets 'tokens' and 'samples'; keep one" if present else
-                        f"needs a dataset 'tokens' (1-D stream) or 'samples' (2-D [N, seq_len + 1]); "
-                        f"top-level names: {sorted(f.keys())}")
-                raise DataError(f"{path}: {rule}")
-            name = present[0]
+            name = _token_dataset(f, path)
             shape, dtype = f[name].shape, f[name].dtype
-            tokenizer = _tokenizer_attrs(f)
+            tokenizer = _tokenizer_attrs(f, path)
+            prepared_bytes = tokenizer is None and {"files", "offsets"} <= set(f.attrs)
     except OSError as err:
         raise DataError(f"cannot read {path} as HDF5: {err}") from err
     want = 1 if name == "tokens" else 2
@@ -316,8 +312,41 @@ def _load_h5(path: str, seq_len: int, vocab_size: int) -> TokenSource:
         raise DataError(f"{path}: dataset '{name}' must be {want}-D, got shape {shape}")
     if tokenizer is not None:
         _check_tokenizer_vocab(path, tokenizer, vocab_size)
+    origin = (f"tokenizer {tokenizer['tokenizer_sha256']}" if tokenizer is not None else
+              "bytes" if prepared_bytes and np.dtype(dtype) == np.uint8 else None)
     return _make_source(path, "hdf5", seq_len, vocab_size, shape, dtype, _h5_dataset(path, name),
-                        tokenizer, read_all=True)
+                        tokenizer, read_all=True, origin=origin)
+
+
+def _token_dataset(f: h5py.File, path: str) -> str:
+    """The name of the token dataset of `f`, 'tokens' or 'samples', stored in the file itself:
+    a link to another file or path, external raw storage (the bytes of any file) or a virtual
+    dataset (its sources' bytes, or fill values for a missing source) is refused, so a token
+    file reads nothing but itself."""
+    present = []
+    for name in ("tokens", "samples"):
+        link = f.get(name, getlink=True)
+        if link is None:
+            continue
+        if not isinstance(link, h5py.HardLink):
+            raise DataError(f"{path}: '{name}' is a link ({type(link).__name__}) to another "
+                            f"file or path; a token dataset must be stored in the file itself")
+        if isinstance(f[name], h5py.Dataset):
+            present.append(name)
+    if len(present) != 1:
+        rule = ("has both datasets 'tokens' and 'samples'; keep one" if present else
+                f"needs a dataset 'tokens' (1-D stream) or 'samples' (2-D [N, seq_len + 1]); "
+                f"top-level names: {sorted(f.keys())}")
+        raise DataError(f"{path}: {rule}")
+    ds = f[present[0]]
+    if ds.is_virtual:
+        raise DataError(f"{path}: dataset '{present[0]}' is a virtual dataset (mapped from other "
+                        f"files); a token dataset must be stored in the file itself")
+    if ds.external:
+        raise DataError(f"{path}: dataset '{present[0]}' keeps its bytes in external files "
+                        f"({', '.join(str(e[0]) for e in ds.external[:3])}); a token dataset "
+                        f"must be stored in the file itself")
+    return present[0]
 
 
 def _check_tokenizer_vocab(path: str, tokenizer: dict[str, Any], vocab_size: int) -> None:
@@ -331,21 +360,57 @@ def _check_tokenizer_vocab(path: str, tokenizer: dict[str, Any], vocab_size: int
                         f"{vocab_size}..{size - 1} would have no embedding; use --vocab-size {size}")
 
 
-def _tokenizer_attrs(f: h5py.File) -> dict[str, Any] | None:
-    """The TOKENIZER_ATTRS of a file written by `prepare --tokenizer` (None for other files)."""
-    if "tokenizer_vocab_size" not in f.attrs:
+_TOKENIZER_TYPES = {"tokenizer": str, "tokenizer_vocab_size": int, "tokenizer_sha256": str,
+                    "eos_token": str, "eos_id": int, "documents": int}
+"""The type of each of TOKENIZER_ATTRS; all but `documents` are required once one is there."""
+
+
+def _tokenizer_attrs(f: h5py.File, path: str) -> dict[str, Any] | None:
+    """The TOKENIZER_ATTRS of a file written by `prepare --tokenizer` (None for a file with none
+    of them), each checked: strings, a vocabulary size >= 1, a sha256 of 64 hex digits, an EOS
+    id inside the vocabulary, a document count >= 0. Raises DataError naming the attribute."""
+    if not any(k in f.attrs for k in TOKENIZER_ATTRS[:-1]):
         return None
-    return {k: f.attrs[k].item() if isinstance(f.attrs[k], np.generic) else f.attrs[k]
-            for k in TOKENIZER_ATTRS if k in f.attrs}
+    out = {}
+    for key in TOKENIZER_ATTRS:
+        if key not in f.attrs:
+            if key == "documents":
+                continue
+            raise DataError(f"{path}: the tokenizer record lacks the attribute {key!r} (a file "
+                            f"written by prepare --tokenizer has {', '.join(TOKENIZER_ATTRS)})")
+        out[key] = _attribute(f.attrs[key], _TOKENIZER_TYPES[key], key, path)
+    size = out["tokenizer_vocab_size"]
+    for key, ok, rule in (
+            ("tokenizer_vocab_size", size >= 1, "must be >= 1"),
+            ("tokenizer_sha256", len(out["tokenizer_sha256"]) == 64 and all(
+                c in "0123456789abcdef" for c in out["tokenizer_sha256"]),
+             "must be 64 hexadecimal digits"),
+            ("eos_id", 0 <= out["eos_id"] < size, f"must be in [0, {size})"),
+            ("documents", out.get("documents", 0) >= 0, "must be >= 0")):
+        if not ok:
+            raise DataError(f"{path}: attribute {key}={out[key]!r} {rule}")
+    return out
+
+
+def _attribute(value: Any, kind: type, key: str, path: str) -> Any:
+    """An HDF5 attribute as the Python `kind` (str or int); DataError naming it otherwise."""
+    if isinstance(value, np.generic) and not isinstance(value, np.bool_):
+        value = value.item()
+    if kind is str and isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, bool) or not isinstance(value, kind):
+        what = "a string" if kind is str else "an integer"
+        raise DataError(f"{path}: attribute {key}={value!r} must be {what}")
+    return value
 
 
 def recorded_tokenizer(path: str | os.PathLike) -> dict[str, Any] | None:
     """The tokenizer recorded in the HDF5 file `path` (None for any other source)."""
-    if Path(path).suffix.lower() not in _H5_SUFFIXES or not Path(path).is_file():
+    if Path(path).suffix.lower() not in H5_SUFFIXES or not Path(path).is_file():
         return None
     try:
         with h5py.File(path, "r") as f:
-            return _tokenizer_attrs(f)
+            return _tokenizer_attrs(f, os.fspath(path))
     except OSError as err:
         raise DataError(f"cannot read {path} as HDF5: {err}") from err
 
@@ -373,7 +438,7 @@ def load_tokens(path: str | os.PathLike | None, vocab_size: int, seq_len: int) -
     suffix = p.suffix.lower()
     if suffix == ".npy":
         return _load_npy(path, seq_len, vocab_size)
-    if suffix in _H5_SUFFIXES:
+    if suffix in H5_SUFFIXES:
         return _load_h5(path, seq_len, vocab_size)
     size = p.stat().st_size
     if size == 0:
@@ -507,6 +572,7 @@ def validation(source: TokenSource, train: TrainConfig, vocab_size: int
     batch, batches = train.global_batch_size, train.eval_batches
     if train.eval_data:
         evals = load_tokens(train.eval_data, vocab_size, train.seq_len)
+        _require_same_origin(source, evals)
         return source.num_samples, EvalSet(evals, 0, evals.num_samples, batches, batch)
     if not train.eval_fraction:
         return source.num_samples, None
@@ -516,6 +582,24 @@ def validation(source: TokenSource, train: TrainConfig, vocab_size: int
         raise DataError(f"{source.path}: --eval-fraction {train.eval_fraction} of its {n} "
                         f"samples leaves none to train on")
     return keep, EvalSet(source, keep, n, batches, batch)
+
+
+def _describe_origin(src: TokenSource) -> str:
+    if src.tokenizer is not None:
+        return (f"ids of the tokenizer {src.tokenizer['tokenizer']} (sha256 "
+                f"{src.tokenizer['tokenizer_sha256'][:16]}...)")
+    return "byte tokens (no tokenizer)"
+
+
+def _require_same_origin(train: TokenSource, evals: TokenSource) -> None:
+    """Training and validation ids must come from the same tokenizer (or both be bytes) when
+    both sources say where their ids come from; a validation loss over other ids means
+    nothing. Sources that do not record it (.npy, .bin, other HDF5 files) are not compared."""
+    if train.origin is None or evals.origin is None or train.origin == evals.origin:
+        return
+    raise DataError(f"--eval-data {evals.path} holds {_describe_origin(evals)}, but --data "
+                    f"{train.path} holds {_describe_origin(train)}: a validation loss over ids "
+                    f"of another tokenizer means nothing; prepare both with the same tokenizer")
 
 
 def check_config(layout: Layout) -> None:
@@ -532,175 +616,3 @@ def check_config(layout: Layout) -> None:
     require(not t.eval_every or t.eval_data or t.eval_fraction,
             f"train.eval_every={t.eval_every}: needs a validation set (--eval-data or "
             f"--eval-fraction)")
-
-
-# ---------------------------------------------------------------------------------------------
-# prepare
-
-
-PREPARE_CHUNK_TOKENS = 1 << 20
-"""HDF5 chunk length (tokens) of a prepared stream; shorter streams use one chunk."""
-
-
-def output_file(out: str | os.PathLike) -> Path:
-    """The output of a prepare: an HDF5 name (suffix `.h5` or `.hdf5`, which selects the
-    reader), its directory created when missing. Raises DataError naming `--out`."""
-    out = Path(out)
-    if out.suffix.lower() not in _H5_SUFFIXES:
-        raise DataError(f"--out {out}: must end in .h5 or .hdf5 (the suffix selects the HDF5 "
-                        f"reader)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(f"--out {out}: cannot be written ({err})") from None
-    return out
-
-
-def prepare_tokens(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
-                   chunk_tokens: int = PREPARE_CHUNK_TOKENS) -> int:
-    """Write the bytes of the files `paths`, concatenated in order, as byte tokens (vocabulary
-    256) to the HDF5 file `out`: a 1-D uint8 dataset `tokens` `[num_bytes]`, chunked
-    (`chunk_tokens` per chunk) with the fletcher32 checksum, and attributes `files` (the paths)
-    and `offsets` (int64 `[len(paths) + 1]`: file i is `tokens[offsets[i]:offsets[i + 1]]`).
-
-    Files are streamed a chunk at a time; the result is written to `out + ".tmp"` and renamed,
-    so `out` is either complete or untouched; its directory is created when missing. Returns the
-    number of tokens. Raises DataError for no input, a path that is not a regular file, an
-    output name the loader would not read as HDF5 (suffix `.h5` or `.hdf5`), no bytes at all, or
-    an output that cannot be written.
-    """
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise DataError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
-    if not paths:
-        raise DataError("prepare needs at least one text file")
-    out = output_file(out)
-    sizes = []
-    for path in paths:
-        p = Path(path)
-        if p.is_dir():
-            raise DataError(f"{path} is a directory; pass its files")
-        if not p.exists():
-            raise DataError(f"{path} does not exist")
-        if not p.is_file():
-            raise DataError(f"{path} is not a regular file")
-        sizes.append(p.stat().st_size)
-    total = sum(sizes)
-    if total == 0:
-        raise DataError(f"the inputs {', '.join(map(str, paths))} hold no bytes")
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        with h5py.File(tmp, "w") as f:
-            d = f.create_dataset("tokens", shape=(total,), dtype=np.uint8,
-                                 chunks=(min(chunk_tokens, total),), fletcher32=True)
-            for path, start in zip(paths, offsets):
-                at = int(start)
-                with open(path, "rb") as fh:
-                    while block := fh.read(chunk_tokens):
-                        d[at:at + len(block)] = np.frombuffer(block, dtype=np.uint8)
-                        at += len(block)
-            f.attrs["files"] = [os.fspath(p) for p in paths]
-            f.attrs["offsets"] = offsets
-        os.replace(tmp, out)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise DataError(f"--out {out}: cannot be written ({err})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return total
-
-
-# ---------------------------------------------------------------------------------------------
-# command line
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mpipar.data",
-                                     description="Inspect and prepare token sources.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="check a source and print its size and tokenizer")
-    info.add_argument("path", help="a file, a directory, or 'stdlib' for the built-in corpus")
-    info.add_argument("--seq-len", type=int, default=128,
-                      help="tokens per sample input (default: 128, training's default)")
-    info.add_argument("--vocab-size", type=int,
-                      help="token ids must be below this (default: the vocabulary of the tokenizer "
-                           "recorded in the file, else 256)")
-    prep = commands.add_parser(
-        "prepare", help="write text as an HDF5 token stream: bytes, or --tokenizer ids")
-    prep.add_argument("texts", nargs="+", metavar="INPUT",
-                      help="text files, concatenated in order; with --tokenizer also directories, "
-                           ".jsonl and .parquet files")
-    prep.add_argument("--out", required=True, help="output .h5 file (dataset 'tokens')")
-    prep.add_argument("--tokenizer", metavar="HF_DIR_OR_JSON",
-                      help="encode with this Hugging Face tokenizer (a directory holding "
-                           "tokenizer.json, or the file); default: byte tokens (vocabulary 256)")
-    prep.add_argument("--eos", metavar="TOKEN",
-                      help="end-of-document token (default: eos_token of tokenizer_config.json)")
-    prep.add_argument("--text-field", default="text",
-                      help="the text field of .jsonl records and Parquet rows (default: text)")
-    prep.add_argument("--workers", type=int, default=0,
-                      help="processes encoding files in parallel (default 0: one per CPU, at "
-                           "most one per file); the output does not depend on it")
-    return parser
-
-
-def _prepare_command(args: argparse.Namespace) -> None:
-    if args.tokenizer is None:
-        extra = [f for f in ("eos", "workers") if getattr(args, f)]
-        extra += ["text_field"] if args.text_field != "text" else []
-        if extra:
-            raise DataError(f"--{extra[0].replace('_', '-')} needs --tokenizer (without it, "
-                            f"prepare writes the files' bytes)")
-        total = prepare_tokens(args.texts, args.out)
-        print(f"wrote {args.out}: {total} byte tokens (vocabulary 256) from "
-              f"{len(args.texts)} file(s)")
-        return
-    from mpipar.data.tokenizer import prepare_tokenized
-    done = prepare_tokenized(args.texts, args.out, args.tokenizer, args.eos, args.text_field,
-                             args.workers)
-    print(f"wrote {args.out}: {done.tokens} tokens ({done.tokenizer.dtype}) in {done.documents} "
-          f"document(s) from {len(done.files)} file(s); tokenizer {done.tokenizer.name}, "
-          f"vocabulary {done.tokenizer.vocab_size}, EOS {done.tokenizer.eos_token!r} = "
-          f"{done.tokenizer.eos_id}; train with --vocab-size {done.tokenizer.vocab_size}")
-
-
-def _info_command(args: argparse.Namespace) -> None:
-    recorded = None if args.path == "stdlib" else recorded_tokenizer(args.path)
-    vocab = args.vocab_size or (recorded["tokenizer_vocab_size"] if recorded else 256)
-    src = load_tokens(args.path, vocab, args.seq_len)
-    rows = [("path", src.path), ("format", src.format), ("kind", src.kind),
-            ("dtype", src.dtype), ("shape", list(src.shape)), ("tokens", src.num_tokens),
-            ("seq_len", src.seq_len), ("samples", src.num_samples), ("vocab", vocab)]
-    for key, value in rows:
-        print(f"{key + ':':<10}{value}")
-    if src.tokenizer:
-        tok = src.tokenizer
-        print("tokenizer:")
-        for key, value in (("name", tok["tokenizer"]), ("vocab_size", tok["tokenizer_vocab_size"]),
-                           ("sha256", tok["tokenizer_sha256"]),
-                           ("eos", f"{tok['eos_token']!r} = {tok['eos_id']}"),
-                           ("documents", tok.get("documents", "?"))):
-            print(f"  {key + ':':<12}{value}")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]`: load and check a source,
-    print its format, kind, dtype, token count, number of samples and recorded tokenizer.
-    `python -m mpipar.data prepare INPUT... --out tokens.h5 [--tokenizer T]`: see
-    `prepare_tokens` (bytes) and :func:`mpipar.data.tokenizer.prepare_tokenized`.
-    Exit status 2 on DataError."""
-    args = _parser().parse_args(argv)
-    try:
-        (_prepare_command if args.command == "prepare" else _info_command)(args)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    # Run the imported module's main, so that its DataError is the one the other modules raise.
-    from mpipar.data.sources import main as _main
-    sys.exit(_main())

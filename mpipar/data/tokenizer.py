@@ -24,14 +24,13 @@ The EOS token is `--eos` when given, else `eos_token` of the `tokenizer_config.j
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,8 @@ import h5py
 import numpy as np
 
 from mpipar.data import documents
-from mpipar.data.sources import PREPARE_CHUNK_TOKENS, DataError, output_file
+from mpipar.data.prepare import PREPARE_CHUNK_TOKENS, check_written, hdf5_output, output_file
+from mpipar.data.sources import DataError
 
 KNOWN_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
 """End-of-document tokens recognised when no tokenizer_config.json names one."""
@@ -166,16 +166,37 @@ def _known_eos(tokenizer, path) -> str:
 
 def encode_file(tokenizer, spec: TokenizerSpec, path: str, text_field: str
                 ) -> Iterator[tuple[np.ndarray, int, int]]:
-    """(ids [n] in `spec.dtype`, documents ended, input bytes consumed) per batch of `path`."""
+    """(ids [n] in `spec.dtype`, documents ended, input bytes consumed) per batch of `path`.
+    The texts of a batch are encoded a group of at most `documents.BATCH_BYTES` characters at a
+    time: the tokenizer's encodings take about 300 bytes a token, the ids kept 1 to 4."""
     for batch in documents.read_batches(path, text_field):
-        encodings = tokenizer.encode_batch_fast(batch.texts, add_special_tokens=False)
         pieces = []
-        for encoding, end in zip(encodings, batch.ends):
-            pieces.append(encoding.ids)
-            if end:
-                pieces.append((spec.eos_id,))
-        ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=spec.dtype)
+        for start, stop in _groups([len(t) for t in batch.texts], documents.BATCH_BYTES):
+            texts = batch.texts[start:stop]
+            try:
+                encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+            except Exception as err:  # the tokenizers library raises its own exception types
+                raise DataError(f"{path}: the tokenizer cannot encode it "
+                                f"({type(err).__name__}: {err})") from None
+            for encoding, end in zip(encodings, batch.ends[start:stop]):
+                pieces.append(np.asarray(encoding.ids, dtype=spec.dtype))
+                if end:
+                    pieces.append(np.asarray([spec.eos_id], dtype=spec.dtype))
+            del encodings
+        ids = np.concatenate(pieces) if pieces else np.empty(0, spec.dtype)
         yield ids, sum(batch.ends), batch.nbytes
+
+
+def _groups(lengths: list[int], limit: int) -> Iterator[tuple[int, int]]:
+    """Consecutive ranges [start, stop) of `lengths` of at most `limit` in all (or one item)."""
+    start, size = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and size + n > limit:
+            yield start, i
+            start, size = i, 0
+        size += n
+    if start < len(lengths):
+        yield start, len(lengths)
 
 
 _worker: dict[str, Any] = {}
@@ -188,13 +209,19 @@ def _init_worker(name: str, eos: str, threads: int) -> None:
 
 
 def _encode_to_part(task: tuple[str, str, str]) -> tuple[int, int]:
-    """Encode one file into a raw part file of ids; returns (tokens, documents)."""
+    """Encode one file into a raw part file of ids; returns (tokens, documents). Errors are
+    DataErrors, which the pool hands to the parent as they are."""
     path, text_field, part = task
     tokens = docs = 0
-    with open(part, "wb") as fh:
-        for ids, ended, _ in encode_file(_worker["tokenizer"], _worker["spec"], path, text_field):
-            fh.write(ids.tobytes())
-            tokens, docs = tokens + ids.size, docs + ended
+    try:
+        with open(part, "wb") as fh:
+            for ids, ended, _ in encode_file(_worker["tokenizer"], _worker["spec"], path,
+                                             text_field):
+                fh.write(ids.tobytes())
+                tokens, docs = tokens + ids.size, docs + ended
+    except OSError as err:
+        raise DataError(f"the part file {part} beside --out cannot be written "
+                        f"({err.strerror or err})") from None
     return tokens, docs
 
 
@@ -206,12 +233,14 @@ class _TokenStream:
     """A growing 1-D `tokens` dataset (resizable, chunked, fletcher32), written a chunk at a
     time: appended ids wait in memory until they fill a chunk, or :meth:`flush`."""
 
-    def __init__(self, f: h5py.File, dtype: np.dtype, chunk_tokens: int):
+    def __init__(self, f: h5py.File, dtype: np.dtype, chunk_tokens: int,
+                 check: Callable[[], None]):
         self.data = f.create_dataset("tokens", shape=(0,), maxshape=(None,), dtype=dtype,
                                      chunks=(chunk_tokens,), fletcher32=True)
         self.size = 0  # tokens appended, written or waiting
         self._waiting: list[np.ndarray] = []
         self._written = 0
+        self._check = check  # raises once a write to the file has failed
 
     def append(self, ids: np.ndarray) -> None:
         self._waiting.append(ids)
@@ -224,6 +253,7 @@ class _TokenStream:
             self.data.resize((self.size,))
             self.data[self._written:] = np.concatenate(self._waiting)
             self._waiting, self._written = [], self.size
+            self._check()
 
 
 def _cpus() -> int:
@@ -243,8 +273,10 @@ def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLik
                       progress: bool | None = None) -> Prepared:
     """Encode the documents of `inputs` with `tokenizer` into the HDF5 file `out` (see the
     module docstring). `workers` 0 means :func:`default_workers`; `progress` None shows a bar
-    on a terminal only. The output is written to `out + ".tmp"` and renamed, so `out` is either
-    complete or untouched. Raises DataError naming the input and the rule broken."""
+    on a terminal only. The output is written to a temporary file of a unique name and renamed
+    (:func:`mpipar.data.prepare.hdf5_output`), so `out` is either complete or untouched. Every
+    input is checked readable, and `out` writable, before anything is encoded. Raises DataError
+    naming the input or `--out` and the rule broken."""
     for name, value, low in (("workers", workers, 0), ("chunk_tokens", chunk_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise DataError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -254,22 +286,16 @@ def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLik
         documents.check_readable(path, text_field)
     tok, spec = load_tokenizer(tokenizer, eos)
     workers = min(workers, len(files)) or default_workers(len(files))
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        # HDF5 1.10 object headers hold attributes over 64 KiB (the names of many files)
-        with h5py.File(tmp, "w", libver=("v110", "latest")) as f:
-            stream = _TokenStream(f, spec.dtype, chunk_tokens)
-            offsets, docs = _write(stream, files, tok, spec, text_field, workers, out, progress)
-            stream.flush()
-            if stream.size == 0:
-                raise DataError(f"the inputs {', '.join(map(os.fspath, inputs))} hold no text")
-            f.attrs.update(spec.attrs())
-            f.attrs.update({"files": files, "offsets": np.asarray(offsets, dtype=np.int64),
-                            "documents": docs, "text_field": text_field})
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # HDF5 1.10 object headers hold attributes over 64 KiB (the names of many files)
+    with hdf5_output(out, libver=("v110", "latest")) as (f, sink):
+        stream = _TokenStream(f, spec.dtype, chunk_tokens, lambda: check_written(sink, out))
+        offsets, docs = _write(stream, files, tok, spec, text_field, workers, out, progress)
+        stream.flush()
+        if stream.size == 0:
+            raise DataError(f"the inputs {', '.join(map(os.fspath, inputs))} hold no text")
+        f.attrs.update(spec.attrs())
+        f.attrs.update({"files": files, "offsets": np.asarray(offsets, dtype=np.int64),
+                        "documents": docs, "text_field": text_field})
     return Prepared(stream.size, docs, files, spec)
 
 

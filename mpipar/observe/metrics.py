@@ -172,17 +172,25 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
-    """The step records of a ``metrics.jsonl``; a torn last line (a crash or a full disk in the
-    middle of a write: the file is fsynced only at checkpoint commits) is skipped."""
-    with open(path) as fh:
-        lines = [line for line in fh.read().split("\n") if line.strip()]
+    """The step records of a ``metrics.jsonl``: JSON objects with an integer ``step`` >= 1. A
+    torn last line (a crash or a full disk in the middle of a write: the file is fsynced only
+    at checkpoint commits) is skipped; any other line that is not such a record is a
+    ValueError naming the file and the line."""
+    with open(path, "rb") as fh:
+        lines = [line for line in fh.read().split(b"\n") if line.strip()]
     records = []
     for k, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
             if k < len(lines) - 1:
                 raise ValueError(f"{path}: line {k + 1} is not JSON ({line[:60]!r}...)") from None
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"{path}: line {k + 1} is not a step record (a JSON object with an "
+                             f"integer step >= 1): {line[:60]!r}")
+        records.append(record)
     return records
 
 

@@ -14,9 +14,16 @@ in the same run or save directory exits 2 naming the holder. The kernel releases
 the process ends however it ends (even SIGKILL), so a crashed run never leaves a stale lock; the
 file itself stays, naming the last holder.
 
-A fresh run (no ``--resume``) refuses a save directory that already holds checkpoints: saving
-beside them would overwrite the same-numbered ones and point ``latest`` into a mix of two runs
-(:func:`refuse_earlier_checkpoints`, rank 0, under the lock).
+A run never overwrites another run's outputs (:func:`refuse_earlier_run`, rank 0, under the
+lock): a fresh run (no ``--resume``) refuses a save directory that already holds checkpoints
+(saving beside them would overwrite the same-numbered ones and point ``latest`` into a mix of
+two runs); ``--resume auto`` refuses one whose checkpoints all fail verification (it would start
+fresh over them); a run resumed from another save directory refuses one that holds checkpoints;
+and a run that starts at step 0 (no ``--resume``, or ``--resume auto`` with no checkpoint)
+refuses a run directory whose ``metrics.jsonl`` holds steps (it would replace the metrics,
+config and summaries of the run that wrote them, which saved elsewhere). A resumed run keeps
+the records of the steps it resumes after, as always. A ``metrics.jsonl`` that cannot be read
+back is refused too, before step 1 rather than at the first record.
 """
 from __future__ import annotations
 
@@ -52,7 +59,8 @@ def output_dirs(cfg: Config) -> list[tuple[str, Path]]:
 
 def prepare_outputs(cfg: Config) -> None:
     """Create every output directory (with its parents) and prove it writable; check that
-    ``--export-hf`` may be written. Raises ConfigError naming the flag and the path."""
+    ``--export-hf`` may be written and that the model has a Hugging Face architecture to be
+    exported as. Raises ConfigError naming the flag and the path or fields."""
     for flag, path in output_dirs(cfg):
         _create(flag, path)
         _probe(flag, path)
@@ -60,6 +68,7 @@ def prepare_outputs(cfg: Config) -> None:
         from mpipar.checkpoint import huggingface as hf
         try:
             hf.check_export_target(cfg.train.export_hf)
+            hf.model_type(cfg.model)
         except ValueError as exc:
             raise ConfigError(f"--export-hf {cfg.train.export_hf}: {exc}") from None
 
@@ -129,12 +138,47 @@ def _lock(directory: Path):
     return fh
 
 
-def refuse_earlier_checkpoints(cfg: Config) -> None:
-    """A fresh run (no ``--resume``) must not save beside an earlier run's checkpoints."""
-    from mpipar.checkpoint.store import list_checkpoints
+def refuse_earlier_run(cfg: Config) -> None:
+    """Refuse (ConfigError) a run that would overwrite another run's checkpoints or metrics
+    (the module docstring); rank 0, under the lock. Checkpoint verification is cached, so
+    asking which checkpoint ``--resume auto`` takes again costs a ``stat`` per file."""
+    from mpipar.checkpoint import store as checkpoint
     tr = cfg.train
-    found = list_checkpoints(tr.save_dir)
+    found = checkpoint.list_checkpoints(tr.save_dir)
     if not tr.resume and found:
         raise ConfigError(f"--save-dir {tr.save_dir} holds checkpoints of an earlier run "
                           f"(newest {found[0].name}); a fresh run would overwrite them: use "
                           f"--resume auto to continue it, or a new --run-dir")
+    fresh = not tr.resume or (tr.resume == "auto" and not found)  # starts at step 0
+    if tr.resume == "auto" and found:
+        path, notes = checkpoint.resolve_resume("auto", tr.save_dir)
+        if path is None:
+            raise ConfigError(f"--resume auto: no checkpoint of --save-dir {tr.save_dir} "
+                              f"verifies ({'; '.join(notes)}); a fresh run would overwrite "
+                              f"them: move them aside, or choose a new --run-dir")
+    elif tr.resume and tr.resume != "auto" and found:
+        source = checkpoint.resolve_path(tr.resume).resolve().parent
+        if source != Path(tr.save_dir).resolve():
+            raise ConfigError(f"--save-dir {tr.save_dir} holds checkpoints of another run "
+                              f"(newest {found[0].name}); a run resumed from {tr.resume} would "
+                              f"save its steps over them: choose a new --run-dir or --save-dir")
+    _check_metrics(Path(tr.run_dir), fresh)
+
+
+def _check_metrics(run_dir: Path, fresh: bool) -> None:
+    """The run directory's metrics.jsonl must be readable, and hold no step when the run starts
+    at step 0 (``fresh``)."""
+    from mpipar.observe.metrics import read_records
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    try:
+        records = read_records(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--run-dir {run_dir}: {exc}; move metrics.jsonl aside, or choose a "
+                          f"new --run-dir") from None
+    if records and fresh:
+        raise ConfigError(f"--run-dir {run_dir} holds the metrics of an earlier run "
+                          f"({len(records)} step(s), the last step {records[-1]['step']}); this "
+                          f"run would replace them, its config and summaries: continue that run "
+                          f"with --resume, or choose a new --run-dir")

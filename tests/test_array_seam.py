@@ -20,7 +20,7 @@ from layouts import compare, layout_name, layout_size, reference, small_config, 
 from mpipar.rules import validate
 
 HOT_PATH = ("mpipar.training.engine", "mpipar.runtime.comm", "mpipar.model.llama", "mpipar.model.attention",
-            "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data",
+            "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data_parallel",
             "mpipar.parallel.compression", "mpipar.parallel.pipeline.executor")
 ALLOWED = {"dtype", "inf", "nan", "ndarray", "generic", "integer", "floating", "bool_"}
 

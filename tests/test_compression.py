@@ -89,7 +89,7 @@ def _reducer(comm, codec: str, hierarchical: bool, sharded: bool, feedback: bool
     """A GradReducer of one bucket of ``n`` float64 elements over dp = 8 on nodes of 4."""
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.parallel.compression import make_codec
-    from mpipar.parallel.data import GradReducer, ReduceGroups
+    from mpipar.parallel.data_parallel import GradReducer, ReduceGroups
     from mpipar.runtime.topology import ProcessGrid
 
     grid = ProcessGrid(comm, 8, 1, 1, 1, ranks_per_node=4)

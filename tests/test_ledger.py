@@ -22,7 +22,7 @@ reduction's groups are :func:`_reduction_owner`'s."""
 
 def _reduction_owner(zero: int) -> str:
     return ("mpipar.parallel.fsdp.sharded_calls" if zero >= 2 else
-            "mpipar.parallel.data.reduction_calls") + " (the loss: mpipar.plan.traffic)"
+            "mpipar.parallel.data_parallel.reduction_calls") + " (the loss: mpipar.plan.traffic)"
 
 
 def _mismatches(got: dict, want: dict, zero: int) -> str:

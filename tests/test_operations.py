@@ -304,7 +304,7 @@ STALL = """
     import sys, time
     from mpi4py import MPI
     from mpipar import train
-    from mpipar.parallel import data
+    from mpipar.parallel import data_parallel as data
     real = data.GradReducer.finish
     calls = [0]
     def finish(self):
@@ -524,7 +524,7 @@ NAN = """
     import sys
     import numpy as np
     from mpipar import train
-    from mpipar.parallel import data
+    from mpipar.parallel import data_parallel as data
     real = data.GradReducer.finish
     calls = [0]
     def finish(self):

@@ -24,7 +24,7 @@ rectangles of that tensor in the file), chunked with the ``fletcher32`` filter, 
 **Index.** ``index.h5`` presents every tensor as its global shape through virtual datasets
 (``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, and with gradient compression and
 error feedback the residuals per slot, ``residual_send.<slot>/<name>`` and
-``residual_gather/<name>``: :mod:`mpipar.parallel.data`; with top-k's catch-up the optimizer's
+``residual_gather/<name>``: :mod:`mpipar.parallel.data_parallel`; with top-k's catch-up the optimizer's
 wait counts, ``idle_steps/<name>``: :func:`mpipar.training.optim.adamw_catch_up`) whose mappings are
 rectangle-to-rectangle and whose source files are named relative to the checkpoint directory
 (a renamed or copied directory still works). A missing source reads as the fill value (NaN) in

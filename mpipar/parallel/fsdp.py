@@ -54,7 +54,7 @@ from typing import Any
 from mpipar.runtime.comm import Group, Request, SharedArray
 from mpipar.config import require
 from mpipar.layout import Layout
-from mpipar.parallel.data import padded_size
+from mpipar.parallel.data_parallel import padded_size
 from mpipar.parallel.pipeline.schedule import Op
 from mpipar.parallel.traffic import Call, element_bytes
 

@@ -2,7 +2,7 @@
 
 Each axis predicts its own traffic beside its runtime (:func:`mpipar.parallel.tensor.
 tensor_calls`, :func:`mpipar.parallel.context.sequence_calls`, :func:`mpipar.parallel.pipeline.
-schedule.pipeline_calls`, :func:`mpipar.parallel.data.reduction_calls`,
+schedule.pipeline_calls`, :func:`mpipar.parallel.data_parallel.reduction_calls`,
 :func:`mpipar.parallel.fsdp.sharded_calls`) as a list of :class:`Call`, under the ledger's
 counting convention (:mod:`mpipar.runtime.comm`: the payload of each call, sender side; a
 receive counts a call and no bytes). The planner (:mod:`mpipar.plan.traffic`) concatenates

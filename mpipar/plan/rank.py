@@ -2,7 +2,7 @@
 
 A rank at grid coordinate ``coord`` of a resolved :class:`mpipar.layout.Layout` holds the
 parameter shards of its pipeline chunks (:func:`local_param_shapes`, from the placement table),
-in flat gradient buckets (:func:`bucket_lengths`, as :class:`mpipar.parallel.data.GradReducer`
+in flat gradient buckets (:func:`bucket_lengths`, as :class:`mpipar.parallel.data_parallel.GradReducer`
 lays them out) or, at ZeRO-2/3, in units (:func:`unit_lengths`, as
 :class:`mpipar.parallel.fsdp.ShardedParams` does), and runs its pipeline rank's op list of the
 schedule (:func:`rank_ops`). The nodes are ``parallel.ranks_per_node`` consecutive ranks each
@@ -18,7 +18,7 @@ import math
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
 from mpipar.parallel.compression import alignment
-from mpipar.parallel.data import reduction_buckets
+from mpipar.parallel.data_parallel import reduction_buckets
 from mpipar.parallel import fsdp
 from mpipar.parallel.pipeline.schedule import Op, build_schedule
 from mpipar.parallel.placement import PlacementTable
@@ -97,7 +97,7 @@ def compressed_size(layout: Layout) -> int:
 
 def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
     """(elements, whether it holds a tied embedding summed over pp_ends) of each flat gradient
-    bucket of the rank at ``coord`` (:func:`mpipar.parallel.data.reduction_buckets`)."""
+    bucket of the rank at ``coord`` (:func:`mpipar.parallel.data_parallel.reduction_buckets`)."""
     table = placement_table(layout)
     order = list(reversed(list(local_param_shapes(layout, coord).items())))
     tied = {i for i, (n, _) in enumerate(order) if table[n].tied_across_pipeline}

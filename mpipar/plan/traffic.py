@@ -10,7 +10,7 @@ step's calls (:func:`step_calls`), which concatenates what each parallel axis pr
 itself (:mod:`mpipar.parallel.traffic`): tensor (:func:`mpipar.parallel.tensor.tensor_calls`),
 sequence (:func:`mpipar.parallel.context.sequence_calls`), pipeline
 (:func:`mpipar.parallel.pipeline.schedule.pipeline_calls`), and the gradient reduction over
-dp x sp (:func:`mpipar.parallel.data.reduction_calls`, or at ZeRO-2/3
+dp x sp (:func:`mpipar.parallel.data_parallel.reduction_calls`, or at ZeRO-2/3
 :func:`mpipar.parallel.fsdp.sharded_calls`), plus the engine's scalar reductions. The tests
 hold the engine's ledger to these numbers exactly, so the model and the implementation cannot
 drift apart; a mismatch in one group points at the axis that owns it.
@@ -22,7 +22,7 @@ from collections import defaultdict
 from mpipar.layout import Layout
 from mpipar.model.params import EMBED
 from mpipar.parallel.context import sequence_calls
-from mpipar.parallel.data import reduction_calls
+from mpipar.parallel.data_parallel import reduction_calls
 from mpipar.parallel.fsdp import sharded_calls, unit_passes
 from mpipar.parallel.pipeline.schedule import pipeline_calls
 from mpipar.parallel.tensor import tensor_calls

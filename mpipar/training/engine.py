@@ -51,7 +51,7 @@ from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
-from mpipar.parallel.data import GradReducer, ReduceGroups
+from mpipar.parallel.data_parallel import GradReducer, ReduceGroups
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage

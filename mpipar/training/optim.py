@@ -6,7 +6,7 @@ Both optimizers implement :class:`Optimizer`, so the engine never asks which one
 - :class:`AdamW` updates whole local shards; its moments are replicated over dp x sp like the
   parameters, so one replica (``replica.rank == 0``) reports them as checkpoint state.
 - :class:`ZeroAdamW` (``--zero 1``) updates only this rank's owned slice of every flat gradient
-  bucket (the data-parallel reducer reduce-scatters them, :mod:`mpipar.parallel.data`); its
+  bucket (the data-parallel reducer reduce-scatters them, :mod:`mpipar.parallel.data_parallel`); its
   moments are 1/n of the full size, its gradient norm is summed over dp x sp, and the updated
   slices are all-gathered back into every rank's parameters.
 
@@ -271,7 +271,7 @@ class AdamW:
 
 class ZeroAdamW:
     """AdamW over the owned slices of a sharded reducer: ZeRO-1's
-    :class:`mpipar.parallel.data.GradReducer` with ``sharded=True`` (which says which slice a rank
+    :class:`mpipar.parallel.data_parallel.GradReducer` with ``sharded=True`` (which says which slice a rank
     owns: flat or following the node split), or ZeRO-2/3's
     :class:`mpipar.parallel.fsdp.ShardedParams`. Each bucket (or unit) exposes ``owned`` (the
     parameters this rank updates) and ``owned_grad``; moments are the size of ``owned_grad``;

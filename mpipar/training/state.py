@@ -18,7 +18,7 @@ A checkpoint stores global tensors, so this module answers, for this rank:
 
 With gradient compression and error feedback the state also holds the reducer's residuals, as
 global tensors per slot (kinds ``residual_send.<slot>`` and ``residual_gather``: see
-:mod:`mpipar.parallel.data` for what they are and how another layout loads them).
+:mod:`mpipar.parallel.data_parallel` for what they are and how another layout loads them).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.checkpoint.shards import Piece, Reader, Slices, read_shard
-from mpipar.parallel.data import GradReducer
+from mpipar.parallel.data_parallel import GradReducer
 from mpipar.parallel.fsdp import ShardedParams
 from mpipar.parallel.placement import PlacementTable
 from mpipar.runtime.device import to_host

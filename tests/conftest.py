@@ -108,7 +108,7 @@ def world():
 
 
 def pytest_collection_modifyitems(config, items):
-    """tests/gpu/ (issue 10) needs a CUDA device and CuPy: its tests are marked ``gpu`` and
+    """tests/gpu/ needs a CUDA device and CuPy: its tests are marked ``gpu`` and
     skipped, with the reason, where there is none (CI). On a device: ``python -m pytest -q
     tests/gpu`` and ``mpirun -n 8 python -m pytest -q --only-mpi tests/gpu``."""
     from mpipar.runtime.device import cuda_unavailable

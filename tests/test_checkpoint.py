@@ -241,7 +241,7 @@ def test_cli_consolidate_export_inspect_verify(saved, tmp_path, capsys):
 
 
 def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
-    """Issue 15, item 16: README's ``ckpt verify runs/exp1/checkpoints/latest`` failed ("no
+    """README's ``ckpt verify runs/exp1/checkpoints/latest`` failed ("no
     such checkpoint directory") because ``latest`` is a file; it means the checkpoint it
     names, as the save directory does."""
     from mpipar import ckpt as cli
@@ -255,7 +255,7 @@ def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
 
 def test_a_latest_pointer_that_is_not_text_is_named_and_resume_auto_falls_back(saved, tmp_path,
                                                                                capsys):
-    """Issue 15, item 10: a ``latest`` that is not UTF-8 was a UnicodeDecodeError traceback in
+    """A ``latest`` that is not UTF-8 was a UnicodeDecodeError traceback in
     resume and in ``ckpt verify``. Now verify exits 2 naming the file; ``--resume auto``
     notes it and takes the newest checkpoint that verifies."""
     from mpipar import ckpt as cli
@@ -277,7 +277,7 @@ def test_a_latest_pointer_that_is_not_text_is_named_and_resume_auto_falls_back(s
 
 
 def test_consolidate_and_export_refuse_to_write_inside_a_checkpoint(saved, tmp_path, capsys):
-    """Issue 15, item 13: ``ckpt consolidate CK CK/index.h5`` overwrote the checkpoint's own
+    """``ckpt consolidate CK CK/index.h5`` overwrote the checkpoint's own
     index and broke it. Writing inside a checkpoint (or over ``latest``) is refused, exit 2,
     and the checkpoint still verifies."""
     from mpipar import ckpt as cli
@@ -404,7 +404,7 @@ def test_resume_under_another_layout(tmp_path, data, uninterrupted, n_a, layout_
 
 
 def test_resume_names_what_changed(tmp_path, data):
-    """Issue 15, item 15: resuming with another batch size, seed, data source or schedule said
+    """Resuming with another batch size, seed, data source or schedule said
     nothing. Each change is printed with what it means; the run goes on."""
     save = tmp_path / "ck"
     train(1, tmp_path / "a", "--steps", "1", "--save-dir", str(save), data=data)

@@ -109,7 +109,7 @@ RULES = [
      "parallel.ulysses_size=3: --sp-mode hybrid needs a Ulysses group size that divides"),
     (["--sp", "4", "--sp-mode", "hybrid", "--ulysses-size", "4"], 4,
      "parallel.ulysses_size=4: hybrid needs model.kv_heads/tp = 2/1 divisible by ulysses_size"),
-    # issue 15, item 9: accepted but wrong (non-finite floats), item 10: tracebacks before
+    # accepted but wrong (non-finite floats), and tracebacks before
     (["--lr", "inf"], 1, "train.lr=inf: must be a finite number"),
     (["--init-std", "inf"], 1, "model.init_std=inf: must be a finite number"),
     (["--weight-decay", "inf"], 1, "train.weight_decay=inf: must be a finite number"),
@@ -178,7 +178,7 @@ def test_missing_config_file(capsys):
 
 
 def test_unreadable_config_files_exit_2_naming_the_file(tmp_path, capsys):
-    """Issue 15, item 10: a binary file and a directory given as --config are errors, not
+    """A binary file and a directory given as --config are errors, not
     tracebacks."""
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\x00\xff\xfe\x80 not text")
@@ -210,7 +210,7 @@ def test_cli_argparse_choice_exit_2():
 
 @needs_mpirun
 def test_argparse_errors_and_help_print_once_under_mpirun():
-    """Issue 15, item 11: an argparse error (and --help) is printed by rank 0 only; every rank
+    """An argparse error (and --help) is printed by rank 0 only; every rank
     exits with argparse's status."""
     bad = subprocess.run([*mpirun(4), sys.executable, "-m", "mpipar.train", "--dtype",
                           "float16"], capture_output=True, text=True, timeout=120, env=launch_env())

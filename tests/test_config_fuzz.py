@@ -1,4 +1,4 @@
-"""Property-based fuzzing of configurations (issue 15): random combinations of fields and values,
+"""Property-based fuzzing of configurations: random combinations of fields and values,
 non-finite and extreme ones included, either validate or are refused with a message naming a
 field, within seconds, on every rank.
 

@@ -87,7 +87,7 @@ def test_prepare_module_entry_point(tmp_path):
 
 def test_prepare_creates_a_missing_output_directory_and_names_an_unwritable_one(tmp_path,
                                                                                 capsys):
-    """Issue 15, item 10: ``data prepare --out missing_dir/x.h5`` was a traceback. The directory
+    """``data prepare --out missing_dir/x.h5`` was a traceback. The directory
     is now created (as a run creates its output directories); one that cannot be created is an
     error naming the output, status 2."""
     paths = _texts(tmp_path, [b"abc" * 10])
@@ -114,7 +114,7 @@ def _damage_chunk(path, index: int) -> None:
 
 
 def test_a_damaged_chunk_is_named_when_the_source_loads(tmp_path, capsys):
-    """Issue 15, item 10: a corrupted chunk of a prepared uint8 file (whose ids need no range
+    """A corrupted chunk of a prepared uint8 file (whose ids need no range
     check) loaded silently and failed mid-training with a traceback; loading now reads every
     chunk once, and ``data info`` and training exit 2 naming the file and the token range."""
     paths = _texts(tmp_path, [bytes(range(256)) * 1000])

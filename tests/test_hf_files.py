@@ -59,7 +59,7 @@ def _train(tmp_path, *flags):
 
 @pytest.mark.parametrize("mask", [0o022, 0o077])
 def test_an_export_honours_the_umask(tmp_path, mask):
-    """Issue 15, item 12: exports were 0700 (directory) and 0600 (files) whatever the umask."""
+    """Exports were 0700 (directory) and 0600 (files) whatever the umask."""
     old = os.umask(mask)
     try:
         save_hf(tmp_path / "out", MODEL, init_params(MODEL, 3, np.float32))
@@ -71,7 +71,7 @@ def test_an_export_honours_the_umask(tmp_path, mask):
 
 
 def test_a_truncated_shard_is_named_by_training_and_inspect(exported, tmp_path, capsys):
-    """Issue 15, item 10: one truncated shard of a sharded checkpoint was a SafetensorError
+    """One truncated shard of a sharded checkpoint was a SafetensorError
     traceback; training exits 2 before any step and ``hf inspect`` exits 2, both naming it."""
     src, params = exported
     sharded = _sharded(src, tmp_path / "sharded")
@@ -89,7 +89,7 @@ def test_a_truncated_shard_is_named_by_training_and_inspect(exported, tmp_path, 
 
 
 def test_inspect_refuses_what_training_refuses(exported, tmp_path, capsys):
-    """Issue 15, item 14: ``hf inspect`` returned 0 for a directory whose tensor shapes
+    """``hf inspect`` returned 0 for a directory whose tensor shapes
     disagree with its config.json, which training refuses; both now give the same reason."""
     src, _ = exported
     raw = json.loads((src / CONFIG_FILE).read_text())

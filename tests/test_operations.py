@@ -123,7 +123,7 @@ def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig):
 
 @needs_mpirun
 def test_ctrl_c_checkpoints_prints_one_line_and_exits_130(tmp_path):
-    """Issue 15, item 17: Ctrl-C (SIGINT to the launcher's whole process group, as a terminal
+    """Ctrl-C (SIGINT to the launcher's whole process group, as a terminal
     sends it) printed a KeyboardInterrupt traceback from every rank and committed nothing. Now
     it is a stop like SIGTERM: the step finishes, a checkpoint is committed, rank 0 prints one
     line, every rank exits 130; --resume auto continues from the checkpoint."""
@@ -201,7 +201,7 @@ BLOCK_INIT = """
 @pytest.mark.parametrize("ranks,sig", [(1, signal.SIGTERM), (2, signal.SIGTERM),
                                        (2, signal.SIGINT)])
 def test_a_stop_signal_during_initialisation_exits_promptly(tmp_path, ranks, sig):
-    """Issue 15, items 7 and 17: SIGTERM or SIGINT before the first step: nothing to checkpoint,
+    """SIGTERM or SIGINT before the first step: nothing to checkpoint,
     so the job ends at once with status 128 + the signal (143, 130), each signalled rank's
     report in failure.txt, no KeyboardInterrupt traceback."""
     if ranks > 1 and not os.path.exists(MPIRUN):
@@ -364,7 +364,7 @@ STALL_OUTSIDE_STEPS = """
 @pytest.mark.parametrize("where,call,steps,saved", [("checkpoint", 2, 5, 1),
                                                      ("shutdown", 1, 2, 2)])
 def test_the_watchdog_covers_checkpoints_and_shutdown(tmp_path, where, call, steps, saved):
-    """Issue 15, item 5: a rank stopped during a checkpoint save hung the job: the save's gather
+    """A rank stopped during a checkpoint save hung the job: the save's gather
     and broadcast bypassed the watched ledger. Every collective outside the engine (checkpoint
     commit, telemetry, timeline, shutdown) now goes through the watched control group: the job
     ends with status 4 naming the call, and nothing committed is lost."""
@@ -407,7 +407,7 @@ SLOW_FIRST_STEP = """
 
 @needs_mpirun
 def test_a_slow_first_step_is_not_a_hang(tmp_path):
-    """Issue 15, item 6: with an empty Numba cache step 1 compiles every kernel (measured: 11.6
+    """With an empty Numba cache step 1 compiles every kernel (measured: 11.6
     s in the issue, 90 s on a loaded 2-core machine) while a peer waits in a collective, and
     --collective-timeout 4 aborted a healthy run. Until step 1 has finished the limit is
     --startup-timeout (600 s): rank 1 spends 8 s in step 1 and the run completes; later steps
@@ -427,7 +427,7 @@ def test_a_slow_first_step_is_not_a_hang(tmp_path):
 @pytest.mark.parametrize("flags", [["--hidden", "1000000"], ["--vocab-size", "1000000000000"],
                                    ["--layers", "100000000"]], ids=["hidden", "vocab", "layers"])
 def test_absurd_sizes_exit_2_naming_needed_and_available_bytes(tmp_path, flags):
-    """Issue 15, item 8: absurd sizes allocated until the machine swapped, or died with a
+    """Absurd sizes allocated until the machine swapped, or died with a
     MemoryError traceback. The planner's memory of a rank is compared with its share of the
     node's available memory before anything is allocated: exit 2 within seconds, printing the
     bytes needed (here the lower bound: twice the weights of one rank) and available."""

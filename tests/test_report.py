@@ -129,7 +129,7 @@ def test_diagnosis_pipeline_bubble():
      "interleaving (--schedule interleaved --virtual-stages 2), or --schedule zb-h1"),
 ])
 def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
-    """Issue 15, item 18: a run that already used --schedule interleaved --virtual-stages 2 was
+    """A run that already used --schedule interleaved --virtual-stages 2 was
     told to use exactly that; the advice now names only what the run did not do (more virtual
     stages when the layers divide, zb-h1, more microbatches)."""
     mbs = layout.pop("micro_batch_size")
@@ -212,7 +212,7 @@ def test_report_of_a_real_run(tmp_path):
 
 
 def test_the_report_knows_the_sliding_window():
-    """Issue 14: the summary names the window, and SP-bound runs with one are advised the halo
+    """The summary names the window, and SP-bound runs with one are advised the halo
     exchange (whose bytes grow with the window, not the sequence); without one, they are not."""
     config = {"model": {"layers": 4, "sliding_window": 64, "window_layers": "even"},
               "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 4, "sp_mode": "ring"},

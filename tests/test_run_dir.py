@@ -1,6 +1,6 @@
 """Run directories that cannot be lost: every output target created and proved writable before
 step 1, a lock against a second run, no fresh run over an earlier run's checkpoints, and a
-metrics log that holds each step once across crashes and resumes (issue 15, items 1-4).
+metrics log that holds each step once across crashes and resumes.
 
 Every test launches ``python -m mpipar.train`` as a subprocess and then checks that nothing was
 lost: the checkpoints verify, ``latest`` names a good one, and ``metrics.jsonl`` holds each step
@@ -55,7 +55,7 @@ def _readonly(directory) -> list[str]:
     ("--run-dir", "ro", "--run-dir {ro}: not writable (Read-only file system)"),
 ])
 def test_an_unwritable_output_is_found_before_step_1(tmp_path, flag, target, message):
-    """Issue 15, item 1: ``--save-dir`` on a read-only filesystem was noticed at the first save,
+    """``--save-dir`` on a read-only filesystem was noticed at the first save,
     after the whole run had trained. Now every output target is checked before step 1: exit 2
     on every rank, the flag and the reason printed once, nothing trained."""
     (tmp_path / "ro").mkdir()
@@ -73,7 +73,7 @@ def test_an_unwritable_output_is_found_before_step_1(tmp_path, flag, target, mes
                                           ("--dump-activations", "run/activations"),
                                           ("--recompute", "run/scratch")])
 def test_a_file_where_an_output_directory_goes_is_named(tmp_path, flag, blocker):
-    """Issue 15, item 10: a file-typed ``--run-dir`` was a traceback; the same for the dump and
+    """A file-typed ``--run-dir`` was a traceback; the same for the dump and
     offload directories inside it."""
     if blocker != "run":
         (tmp_path / "run").mkdir()
@@ -90,7 +90,7 @@ def test_a_file_where_an_output_directory_goes_is_named(tmp_path, flag, blocker)
 
 
 def test_the_parents_of_every_output_are_created(tmp_path):
-    """Issue 15, item 2: ``--run-dir X --export-hf X/hf`` was refused because X did not exist
+    """``--run-dir X --export-hf X/hf`` was refused because X did not exist
     yet. Every output path's parents are created; the export lands where it was asked."""
     from mpipar.checkpoint.huggingface import load_hf
 
@@ -108,7 +108,7 @@ def test_the_parents_of_every_output_are_created(tmp_path):
 # ----------------------------------------------------------------------------- 3: the lock
 @needs_mpirun
 def test_a_second_run_in_a_busy_directory_exits_2_naming_the_holder(tmp_path):
-    """Issue 15, item 3: a second run in the same run directory overwrote the first one's
+    """A second run in the same run directory overwrote the first one's
     checkpoints and truncated its metrics. Now the running job holds a lock: a second run (same
     run directory, or only the same save directory) exits 2 naming it, and the first run goes
     on and ends intact."""
@@ -137,7 +137,7 @@ def test_a_second_run_in_a_busy_directory_exits_2_naming_the_holder(tmp_path):
 
 @needs_mpirun
 def test_two_runs_started_at_once_never_mix(tmp_path):
-    """Issue 15, item 3: two runs started at once in one directory deleted each other's
+    """Two runs started at once in one directory deleted each other's
     in-progress saves. Exactly one of them runs; the other exits 2 (the directory is locked,
     or, if the first one has already finished, it holds the first one's checkpoints)."""
     run = tmp_path / "run"
@@ -151,7 +151,7 @@ def test_two_runs_started_at_once_never_mix(tmp_path):
 
 
 def test_a_fresh_run_beside_earlier_checkpoints_is_refused(tmp_path):
-    """Issue 15, item 3: a fresh run (no --resume) in a directory with checkpoints now exits 2
+    """A fresh run (no --resume) in a directory with checkpoints now exits 2
     saying how to continue, and leaves them as they were; --resume auto continues them."""
     run = tmp_path / "run"
     assert run_train(1, [*TINY, "--steps", "2", "--run-dir", str(run)]).returncode == 0
@@ -170,7 +170,7 @@ def test_a_fresh_run_beside_earlier_checkpoints_is_refused(tmp_path):
 
 # -------------------------------------------------------------- 4: metrics across crashes
 def test_resume_after_a_crash_keeps_each_step_once_despite_a_torn_line(tmp_path):
-    """Issue 15, item 4: after a crash the log holds steps past the last checkpoint, maybe with
+    """After a crash the log holds steps past the last checkpoint, maybe with
     a torn last line; resume failed on the torn line (JSONDecodeError), and the steps it trained
     again appeared twice. Now resume cuts the log back to its step (tolerating the torn tail)
     and the log is fsynced before each checkpoint commits."""
@@ -209,7 +209,7 @@ sys.exit(train.main(sys.argv[1:]))
 
 @needs_mpirun
 def test_a_fallback_to_an_older_checkpoint_cuts_the_log_back_to_it(tmp_path):
-    """Issue 15, item 4: a rank dies while saving step 4 (half the shards written). The record
+    """A rank dies while saving step 4 (half the shards written). The record
     of step 4 is already in the log (a record is written before its checkpoint commits); resume
     falls back to step 2 and the log holds steps 1..6 once each, the first two unchanged."""
     run = tmp_path / "run"

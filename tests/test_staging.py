@@ -1,4 +1,4 @@
-"""The device-agnostic parts of the GPU engine, on the host (issue 10): CUDA-aware MPI detection
+"""The device-agnostic parts of the GPU engine, on the host: CUDA-aware MPI detection
 on the MPI library really loaded here, the staging path's buffers, the device rules, and the
 rank -> GPU map. The multi-rank proof that every layout is unchanged by staging is in
 ``test_staging_mpi.py``."""

@@ -1,4 +1,4 @@
-"""The staging path on every axis (issues 10 and 18): with ``--cuda-aware-mpi off`` on the CPU
+"""The staging path on every axis: with ``--cuda-aware-mpi off`` on the CPU
 every buffer call of every group (dp x sp buckets, ZeRO-1, ZeRO-2/3's units, tp, pp send/recv,
 ring Sendrecv and Isend/Irecv, Ulysses all-to-all, the tied embedding's pp_ends) goes through
 reusable host buffers, through the same code a device run uses with pinned buffers. Each layout
@@ -20,7 +20,7 @@ LAYOUTS = [
     dict(dp=2, sp=2, pp=2, sp_mode="ulysses", schedule="interleaved", virtual_stages=2),
     dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True, schedule="zb-h1", bucket_mb=0.002),
     dict(model="tied", dp=2, sp=2, pp=2),
-    # ZeRO-2/3 (issue 18): prefetched all-gathers and reduce-scatters, non-blocking, staged
+    # ZeRO-2/3: prefetched all-gathers and reduce-scatters, non-blocking, staged
     dict(dp=2, tp=2, pp=2, zero=3, zero_prefetch=2), dict(dp=4, sp=2, zero=2),
     dict(dp=2, sp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2),
 ]

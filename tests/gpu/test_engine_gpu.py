@@ -1,4 +1,4 @@
-"""The engine on a CUDA device (issues 10 and 18, ZeRO-2/3 included): every layout of up to 8
+"""The engine on a CUDA device: every layout of up to 8
 ranks sharing the GPU equals the CPU's single-process run in float64 (<= 1e-10) through both
 MPI paths (staged through pinned buffers; device buffers where the MPI is CUDA-aware), and a
 checkpoint written by a GPU run resumes on the CPU, and the other way round, exactly."""
@@ -17,7 +17,7 @@ LAYOUTS = [dict(), dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002),
            dict(sp=4, tp=2, sp_overlap=True, sp_split="zigzag"),
            dict(dp=2, sp=2, pp=2, sp_mode="ulysses", schedule="interleaved", virtual_stages=2),
            dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True, schedule="zb-h1"),
-           # ZeRO-2/3 with device buffers (issue 18): gathered units and reduce-scatters
+           # ZeRO-2/3 with device buffers: gathered units and reduce-scatters
            dict(dp=2, tp=2, pp=2, zero=3, zero_prefetch=2), dict(dp=4, sp=2, zero=2),
            dict(dp=2, sp=2, pp=2, zero=3, schedule="interleaved", virtual_stages=2)]
 PATHS = ["off", "on"]

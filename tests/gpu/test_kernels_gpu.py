@@ -115,7 +115,7 @@ def test_attention(dtype, sq, sk, q_off, k_off, causal, hq, hkv):
     (16, 48, 40, 8, 20),       # zigzag offsets
 ])
 def test_attention_window(dtype, sq, sk, q_off, k_off, window):
-    """Issue 14: the sliding window on the device, forward and backward, against numpy_ref."""
+    """The sliding window on the device, forward and backward, against numpy_ref."""
     q, k, v = _qkv(np.random.default_rng(1), dtype, 1, sq, sk, 4, 2, 64)
     _check_attention(dtype, q, k, v, q_off, k_off, True, window)
 

@@ -115,12 +115,12 @@ def read_model(path: str) -> tuple[ModelConfig, str, str]:
         dtype = raw.get("dtype") or raw.get("torch_dtype")
         return (hf.read_model_config(path, untie_embeddings=True),
                 dtype if dtype in _HF_DTYPES else "float32", "hf")
-    from mpipar.checkpoint import store as checkpoint
-    if not (checkpoint.resolve_path(path) / checkpoint.INDEX).is_file():
+    from mpipar.checkpoint.directory import INDEX, LATEST, resolve_path
+    from mpipar.checkpoint.reader import read_config
+    if not (resolve_path(path) / INDEX).is_file():
         raise ConfigError(f"{path}: neither a Hugging Face directory ({HF_CONFIG}) nor an "
-                          f"mpipar checkpoint ({checkpoint.INDEX}, or a save directory's "
-                          f"{checkpoint.LATEST})")
-    saved = checkpoint.read_config(path)
+                          f"mpipar checkpoint ({INDEX}, or a save directory's {LATEST})")
+    saved = read_config(path)
     return saved.model, saved.train.dtype, "checkpoint"
 
 
@@ -155,8 +155,8 @@ def _load(generator, path: str, kind: str) -> None:
         from mpipar.checkpoint.huggingface import load_hf
         generator.load_params(load_hf(path, untie_embeddings=True)[1])
         return
-    from mpipar.checkpoint import store as checkpoint
-    with checkpoint.open_reader(path) as read:
+    from mpipar.checkpoint.reader import open_reader
+    with open_reader(path) as read:
         generator.load_checkpoint(read)
 
 

@@ -131,7 +131,7 @@ def _lock(directory: Path):
 
 def refuse_earlier_checkpoints(cfg: Config) -> None:
     """A fresh run (no ``--resume``) must not save beside an earlier run's checkpoints."""
-    from mpipar.checkpoint.store import list_checkpoints
+    from mpipar.checkpoint.directory import list_checkpoints
     tr = cfg.train
     found = list_checkpoints(tr.save_dir)
     if not tr.resume and found:

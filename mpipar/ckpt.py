@@ -6,8 +6,10 @@
     python -m mpipar.ckpt export-hf PATH OUT_DIR [--dtype float16|float32|float64]
 
 PATH is a checkpoint directory (``step_NNNNNNNN``) or a save directory (its ``latest``).
-Exit status: 0 success; 1 ``verify`` found problems (each printed on its own line, naming the
-file); 2 the checkpoint cannot be used (the message says why).
+Exit status: 0 success; 1 ``verify`` found damage (a missing, truncated or corrupted file; each
+problem printed on its own line, naming the file); 2 the checkpoint cannot be used: malformed
+metadata, a link or a path reaching outside its directory, a tensor the reading cannot find (the
+message names the file and the field or dataset).
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ import argparse
 import json
 import sys
 
-from mpipar.checkpoint import store as checkpoint
+from mpipar.checkpoint import tools
+from mpipar.checkpoint.directory import CheckpointError, resolve_path
+from mpipar.checkpoint.index import KINDS
+from mpipar.checkpoint.reader import verify
 from mpipar.config import ConfigError
 
 
 def _inspect(path: str, as_json: bool) -> int:
-    info = checkpoint.inspect(path)
+    info = tools.inspect(path)
     if as_json:
         print(json.dumps(info, indent=2))
         return 0
@@ -56,17 +61,24 @@ def _inspect(path: str, as_json: bool) -> int:
 
 
 def _verify(paths: list[str]) -> int:
+    """Status 1 when a checkpoint is damaged, 2 when one cannot be used at all (a malformed index
+    or shard, or one reaching outside its directory): the worst of ``paths``."""
     status = 0
     for spec in paths:
-        path = checkpoint.resolve_path(spec)
-        problems = checkpoint.verify(path)
+        try:
+            path = resolve_path(spec)
+            problems = verify(path)
+        except CheckpointError as exc:
+            print(f"mpipar.ckpt: error: {exc}", file=sys.stderr)
+            status = 2
+            continue
         if problems:
-            status = 1
+            status = max(status, 1)
             print(f"FAILED {path}: {len(problems)} problem(s)")
             for p in problems:
                 print(f"  {p}")
         else:
-            shards = len(checkpoint.inspect(path)["shards"])
+            shards = len(tools.inspect(path)["shards"])
             print(f"ok {path}: index and {shards} shard(s) present, sha256 checksums match")
     return status
 
@@ -98,15 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             return _verify(args.paths)
         if args.command == "consolidate":
-            kinds = ("param",) if args.params_only else checkpoint.KINDS
-            out = checkpoint.consolidate(args.path, args.out, kinds)
+            kinds = ("param",) if args.params_only else KINDS
+            out = tools.consolidate(args.path, args.out, kinds)
             print(f"wrote {out}: {', '.join(kinds)}")
             return 0
-        out = checkpoint.export_hf(args.path, args.out, args.dtype)
+        out = tools.export_hf(args.path, args.out, args.dtype)
         arch = json.loads((out / "config.json").read_text())["architectures"][0]
         print(f"wrote {out} (Hugging Face {arch})")
         return 0
-    except (checkpoint.CheckpointError, ConfigError, OSError, ValueError) as exc:
+    except (CheckpointError, ConfigError, OSError, ValueError) as exc:
         print(f"mpipar.ckpt: error: {exc}", file=sys.stderr)
         return 2
 

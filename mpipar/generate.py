@@ -123,12 +123,12 @@ def read_model(path: str) -> tuple[ModelConfig, str, str]:
         dtype = raw.get("dtype") or raw.get("torch_dtype")
         return (hf.read_model_config(path, untie_embeddings=True),
                 dtype if dtype in _HF_DTYPES else "float32", "hf")
-    from mpipar.checkpoint import store as checkpoint
-    if not (checkpoint.resolve_path(path) / checkpoint.INDEX).is_file():
+    from mpipar.checkpoint.directory import INDEX, LATEST, resolve_path
+    from mpipar.checkpoint.reader import read_config
+    if not (resolve_path(path) / INDEX).is_file():
         raise ConfigError(f"{path}: neither a Hugging Face directory ({HF_CONFIG}) nor an "
-                          f"mpipar checkpoint ({checkpoint.INDEX}, or a save directory's "
-                          f"{checkpoint.LATEST})")
-    saved = checkpoint.read_config(path)
+                          f"mpipar checkpoint ({INDEX}, or a save directory's {LATEST})")
+    saved = read_config(path)
     return saved.model, saved.train.dtype, "checkpoint"
 
 
@@ -208,15 +208,16 @@ def _require_layers(path: str, model: ModelConfig, tensors: int) -> None:
 
 def _check_checkpoint_shapes(path: str, model: ModelConfig) -> None:
     """Every parameter the model config implies is stored, with its shape (metadata only)."""
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint.directory import CheckpointError
+    from mpipar.checkpoint.tools import inspect
     from mpipar.model.params import param_specs
-    stored = {t["name"]: tuple(t["shape"]) for t in checkpoint.inspect(path)["tensors"]}
+    stored = {t["name"]: tuple(t["shape"]) for t in inspect(path)["tensors"]}
     _require_layers(path, model, sum(name.startswith("param/") for name in stored))
     for spec in param_specs(model):
         name = f"param/{spec.name}"
         if stored.get(name) != spec.shape:
             found = "is missing" if name not in stored else f"has shape {list(stored[name])}"
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{path}: {name} {found}, but the checkpoint's config implies {list(spec.shape)}")
 
 
@@ -300,8 +301,8 @@ def _load(generator, path: str, kind: str) -> None:
         from mpipar.checkpoint.huggingface import load_hf
         generator.load_params(load_hf(path, untie_embeddings=True)[1])
         return
-    from mpipar.checkpoint import store as checkpoint
-    with checkpoint.open_reader(path) as read:
+    from mpipar.checkpoint.reader import open_reader
+    with open_reader(path) as read:
         generator.load_checkpoint(read)
 
 

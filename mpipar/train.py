@@ -136,17 +136,17 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
     """Parse, default the save directory to ``RUN_DIR/checkpoints``, apply a checkpoint's model
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
     exit 2 on error."""
-    from mpipar.checkpoint.store import CheckpointError
+    from mpipar.checkpoint.directory import CheckpointError
     args = build_parser().parse_args(argv)
     try:
         cfg = config_mod.from_args(args)
         tr = cfg.train
         tr.save_dir = tr.save_dir or os.path.join(tr.run_dir, "checkpoints")
         if tr.resume:
-            from mpipar.checkpoint import store as checkpoint
-            path, _ = checkpoint.resolve_resume(tr.resume, tr.save_dir)
+            from mpipar.checkpoint import reader
+            path, _ = reader.resolve_resume(tr.resume, tr.save_dir)
             if path is not None:
-                saved = checkpoint.read_config(path)
+                saved = reader.read_config(path)
                 cfg.model = model_from_checkpoint(
                     saved.model, config_mod.given_fields(args, "model"), source=str(path))
                 tr.eval_fraction = config_mod.held_out_from_checkpoint(
@@ -318,7 +318,7 @@ def _build(ctx: RunContext):
     """The engine, with its state from ``--resume`` or ``--init-from-hf``; a data, checkpoint or
     configuration error on any rank stops every rank with status 2. Returns (engine, the step it
     starts after)."""
-    from mpipar.checkpoint.store import CheckpointError
+    from mpipar.checkpoint.directory import CheckpointError
     from mpipar.data.sources import DataError
     from mpipar.training.engine import Engine
     engine, start, error = None, 0, None
@@ -339,19 +339,20 @@ def _load_state(engine, ctx: RunContext) -> int:
     ``--init-from-hf`` into ``engine``; returns the step the checkpoint holds (0: fresh)."""
     tr = ctx.cfg.train
     if tr.resume:
-        from mpipar.checkpoint import store as checkpoint
-        path, notes = checkpoint.resolve_resume(tr.resume, tr.save_dir)
+        from mpipar.checkpoint import reader
+        path, notes = reader.resolve_resume(tr.resume, tr.save_dir)
         if path is not None:
-            start = checkpoint.load(engine.state, path)
+            start = reader.load(engine.state, path)
             notes += [f"resumed from {path} at step {start}",
-                      *checkpoint.resume_changes(path, engine.run_position(start))]
+                      *reader.resume_changes(path, engine.run_position(start))]
         for note in notes if ctx.rank0 else ():
             print(f"mpipar: {note}", flush=True)
         if path is not None:
             return start
     if tr.init_from_hf:
         from mpipar.checkpoint.huggingface import load_hf
-        engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1])
+        engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1],
+                           source=f"--init-from-hf {tr.init_from_hf}")
     return 0
 
 
@@ -497,7 +498,7 @@ def _eval_due(step: int, tr) -> bool:
 
 
 def _step_path(save_dir: str, step: int) -> str:
-    from mpipar.checkpoint.store import step_dir_name
+    from mpipar.checkpoint.directory import step_dir_name
     return os.path.join(save_dir, step_dir_name(step))
 
 
@@ -537,9 +538,9 @@ def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float],
 def checkpoint_save(engine, ctx: RunContext, step: int, progress) -> str:
     """Save and commit a checkpoint of ``step`` (collective over the watched control group),
     pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing)."""
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import writer
     tr = ctx.cfg.train
-    path = checkpoint.save(engine.state, engine.run_position(step), tr.save_dir, ctx.control,
+    path = writer.save(engine.state, engine.run_position(step), tr.save_dir, ctx.control,
                            tr.keep_last)
     if ctx.rank0:
         text = f"mpipar: saved checkpoint {path}"

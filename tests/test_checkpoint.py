@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from layouts import small_config, token_source
-from mpipar.checkpoint import store as ckpt
+from mpipar.checkpoint import directory, reader, tools, writer
+from mpipar.checkpoint.index import KINDS
 from mpipar.config import ConfigError
 from mpipar.model.params import param_specs
 from mpipar.rules import validate
@@ -46,7 +47,7 @@ def test_piece_blocks_tile_exactly_the_valid_part_of_a_flat_range(local_shape, v
                 pos = (idx[0] + row0,) + tuple(i + col0 for i in idx[1:])
                 want[pos] = local[idx]
         got = {}
-        blocks = ckpt.piece_blocks(local_shape, valid, region, lo, hi, local.reshape(-1)[lo:hi])
+        blocks = writer.piece_blocks(local_shape, valid, region, lo, hi, local.reshape(-1)[lo:hi])
         assert len(blocks) <= 3
         for glob, block in blocks:
             assert block.shape == tuple(s.stop - s.start for s in glob)
@@ -59,9 +60,9 @@ def test_piece_blocks_tile_exactly_the_valid_part_of_a_flat_range(local_shape, v
 
 def test_flat_rectangles_rejects_bad_ranges():
     with pytest.raises(ValueError, match=r"\[3, 2\)"):
-        ckpt.flat_rectangles((2, 2), 3, 2)
+        writer.flat_rectangles((2, 2), 3, 2)
     with pytest.raises(ValueError, match="1-D and 2-D"):
-        ckpt.flat_rectangles((2, 2, 2), 0, 8)
+        writer.flat_rectangles((2, 2, 2), 0, 8)
 
 
 # ------------------------------------------------------------------ one rank, in process
@@ -89,7 +90,7 @@ def saved(tmp_path_factory):
     eng, cfg = _engine()
     for k in range(2):
         eng.train_step(k)
-        ckpt.save(eng.state, eng.run_position(k + 1), root, _world(eng))
+        writer.save(eng.state, eng.run_position(k + 1), root, _world(eng))
     state = {"param": {n: p.copy() for n, p in eng.params.items()},
              "exp_avg": {n: m.copy() for n, m in eng.optimizer.m.items()},
              "exp_avg_sq": {n: v.copy() for n, v in eng.optimizer.v.items()}}
@@ -101,14 +102,14 @@ def test_checkpoint_layout_and_contents(saved):
     path = root / "step_00000002"
     assert (root / "latest").read_text() == "step_00000002\n"
     assert sorted(os.listdir(path)) == ["index.h5", "index.sha256", "shard_00000.h5"]
-    assert ckpt.verify(path) == []
+    assert reader.verify(path) == []
     with h5py.File(path / "index.h5", "r") as f:
         assert f.attrs["step"] == 2 and f.attrs["optimizer_step"] == 2
         assert f["lr_schedule"].attrs["next_step"] == 2
         assert f["data"].attrs["samples_consumed"] == 2 * cfg.train.global_batch_size
-        assert f["shards/shard_00000.h5"].attrs["sha256"] == ckpt.sha256_file(
+        assert f["shards/shard_00000.h5"].attrs["sha256"] == directory.sha256_file(
             path / "shard_00000.h5")
-        for kind in ckpt.KINDS:
+        for kind in KINDS:
             assert list(f[kind]) == [s.name for s in param_specs(cfg.model)]  # forward order
             assert all(f[kind][n].is_virtual for n in f[kind])
     with h5py.File(path / "shard_00000.h5", "r") as f:
@@ -117,13 +118,13 @@ def test_checkpoint_layout_and_contents(saved):
         assert len(names) == 3 * len(state["param"])
         assert all(f[n].fletcher32 and f[n].chunks for n in names)
     for kind, want in state.items():
-        got = ckpt.read_tensors(path, kind)
+        got = reader.read_tensors(path, kind)
         assert set(got) == set(want)
         for name in want:  # one rank, vocab 13 unpadded: the local shards are the global tensors
             assert got[name].dtype == np.float64 and np.array_equal(got[name], want[name]), name
-    assert ckpt.read_config(path).to_toml() == cfg.to_toml()
-    assert ckpt.read_model_config(path) == cfg.model
-    info = ckpt.inspect(root)  # a save directory means its latest
+    assert reader.read_config(path).to_toml() == cfg.to_toml()
+    assert reader.read_model_config(path) == cfg.model
+    info = tools.inspect(root)  # a save directory means its latest
     assert info["step"] == 2 and info["layout"]["dp"] == 1 and len(info["shards"]) == 1
     assert {"name": "exp_avg_sq/norm.weight", "shape": [32], "dtype": "float64",
             "sources": 1} in info["tensors"]
@@ -134,15 +135,15 @@ def test_keep_last_prunes_and_a_save_cleans_leftover_temporaries(tmp_path):
     (tmp_path / ".step_00000007.tmp").mkdir(parents=True)
     (tmp_path / ".step_00000007.tmp" / "shard_00000.h5").write_bytes(b"partial")
     for step in (1, 2, 3):
-        ckpt.save(eng.state, eng.run_position(step), tmp_path, _world(eng), keep_last=2)
+        writer.save(eng.state, eng.run_position(step), tmp_path, _world(eng), keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002", "step_00000003"]
-    assert ckpt.latest(tmp_path) == tmp_path / "step_00000003"
+    assert directory.latest(tmp_path) == tmp_path / "step_00000003"
 
 
 def test_load_restores_the_state_exactly(saved):
     root, _, state = saved
     eng, _ = _engine()
-    assert ckpt.load(eng.state, root / "step_00000002") == 2
+    assert reader.load(eng.state, root / "step_00000002") == 2
     assert eng.optimizer.step_count == 2
     for name in state["param"]:
         assert np.array_equal(eng.params[name], state["param"][name])
@@ -185,15 +186,15 @@ def test_damage_is_named_by_verify_load_and_resume(saved, tmp_path, damage):
     path = root / "step_00000002"
     apply, words = DAMAGE[damage]
     apply(path)
-    problems = ckpt.verify(path)
+    problems = reader.verify(path)
     assert len(problems) == 1 and all(w in problems[0] for w in words), problems
     eng, _ = _engine()
-    with pytest.raises(ckpt.CheckpointError, match="failed verification") as err:
-        ckpt.load(eng.state, path)
+    with pytest.raises(directory.CheckpointError, match="failed verification") as err:
+        reader.load(eng.state, path)
     assert words[0] in str(err.value)
     with pytest.raises(ConfigError, match=words[0]):
-        ckpt.resolve_resume(str(path), "")
-    found, notes = ckpt.resolve_resume("auto", root)
+        reader.resolve_resume(str(path), "")
+    found, notes = reader.resolve_resume("auto", root)
     assert found == root / "step_00000001"
     assert len(notes) == 1 and f"checkpoint {path} failed verification" in notes[0]
     assert notes[0].endswith(f"falling back to {root / 'step_00000001'}")
@@ -203,14 +204,14 @@ def test_damage_is_named_by_verify_load_and_resume(saved, tmp_path, damage):
 
 
 def test_resume_auto_with_nothing_usable_starts_fresh(saved, tmp_path):
-    assert ckpt.resolve_resume("auto", tmp_path / "none") == (
+    assert reader.resolve_resume("auto", tmp_path / "none") == (
         None, [f"no checkpoint in {tmp_path / 'none'}; starting fresh"])
     root, _, _ = saved
     shutil.copytree(root / "step_00000001", tmp_path / "s" / "step_00000001")
     os.remove(tmp_path / "s" / "step_00000001" / "shard_00000.h5")
-    found, notes = ckpt.resolve_resume("auto", tmp_path / "s")
+    found, notes = reader.resolve_resume("auto", tmp_path / "s")
     assert found is None and "starting fresh" in notes[0] and "missing shard" in notes[0]
-    assert ckpt.resolve_resume("", "") == (None, [])
+    assert reader.resolve_resume("", "") == (None, [])
 
 
 def test_cli_consolidate_export_inspect_verify(saved, tmp_path, capsys):
@@ -247,7 +248,7 @@ def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
     from mpipar import ckpt as cli
 
     root, _, _ = saved
-    assert ckpt.resolve_path(root / "latest") == root / "step_00000002"
+    assert directory.resolve_path(root / "latest") == root / "step_00000002"
     assert cli.main(["verify", str(root / "latest"), str(root)]) == 0
     out = capsys.readouterr().out
     assert out.count(f"ok {root / 'step_00000002'}: index and 1 shard(s) present") == 2, out
@@ -268,8 +269,8 @@ def test_a_latest_pointer_that_is_not_text_is_named_and_resume_auto_falls_back(s
         assert cli.main(["verify", str(spec)]) == 2
         err = capsys.readouterr().err
         assert f"{root / 'latest'}: unreadable" in err and "Traceback" not in err, err
-    found, notes = ckpt.resolve_resume("auto", root)
-    assert found == root / "step_00000002" and ckpt.verify(found) == []
+    found, notes = reader.resolve_resume("auto", root)
+    assert found == root / "step_00000002" and reader.verify(found) == []
     assert notes == [f"{root / 'latest'}: unreadable ('utf-8' codec can't decode byte 0xff in "
                      f"position 0: invalid start byte); it should hold the name of a checkpoint "
                      f"directory such as step_00000001; taking the newest checkpoint that "
@@ -295,8 +296,8 @@ def test_consolidate_and_export_refuse_to_write_inside_a_checkpoint(saved, tmp_p
         err = capsys.readouterr().err
         assert f"{args[2]}: " in err and ("inside the checkpoint" in err or "'latest'" in err), err
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
-    assert ckpt.verify(ck) == [] and ckpt.verify(root / "step_00000001") == []
-    assert ckpt.latest(root) == ck
+    assert reader.verify(ck) == [] and reader.verify(root / "step_00000001") == []
+    assert directory.latest(root) == ck
     assert cli.main(["consolidate", str(ck), str(root / "all.h5")]) == 0  # beside: allowed
 
 
@@ -353,9 +354,9 @@ def test_resume_is_bit_exact(tmp_path, data, dtype, ranks, layout):
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in a] == [r[key] for r in b], key
-    for kind in ckpt.KINDS:
-        x = ckpt.read_tensors(tmp_path / "a" / "ck", kind)
-        y = ckpt.read_tensors(tmp_path / "b" / "ck", kind)
+    for kind in KINDS:
+        x = reader.read_tensors(tmp_path / "a" / "ck", kind)
+        y = reader.read_tensors(tmp_path / "b" / "ck", kind)
         for name in x:
             assert x[name].dtype == np.dtype(dtype) and np.array_equal(x[name], y[name]), name
 
@@ -365,7 +366,7 @@ def uninterrupted(tmp_path_factory, data):
     """The one-process float64 run of 2 steps: its metrics and final checkpoint."""
     run = tmp_path_factory.mktemp("reference")
     train(1, run, "--dtype", "float64", "--steps", "2", "--save-dir", str(run / "ck"), data=data)
-    return metrics(run), {k: ckpt.read_tensors(run / "ck", k) for k in ckpt.KINDS}
+    return metrics(run), {k: reader.read_tensors(run / "ck", k) for k in KINDS}
 
 
 RESHARD = [
@@ -397,7 +398,7 @@ def test_resume_under_another_layout(tmp_path, data, uninterrupted, n_a, layout_
     for key in ("loss", "grad_norm", "lr"):
         assert abs(got[0][key] - ref_metrics[1][key]) <= 1e-10 * abs(ref_metrics[1][key]), key
     for kind, want in ref_state.items():
-        state = ckpt.read_tensors(tmp_path / "ck" / "step_00000002", kind)
+        state = reader.read_tensors(tmp_path / "ck" / "step_00000002", kind)
         for name, value in want.items():
             err = np.abs(state[name] - value).max() / np.abs(value).max()
             assert err <= 1e-10, (kind, name, err)
@@ -427,8 +428,8 @@ def test_resume_names_what_changed(tmp_path, data):
 KILL_DURING_SAVE = """
 import os, pathlib, signal, sys
 from mpipar import train
-from mpipar.checkpoint import store as checkpoint
-real = checkpoint._write_shard
+from mpipar.checkpoint import writer
+real = writer._write_shard
 def write_shard(path, pieces, state, place):
     # The save of step 2: ranks 0 and 1 write their shards, then rank 2 dies; 3 never writes.
     if path.parent.name != ".step_00000002.tmp":
@@ -440,7 +441,7 @@ def write_shard(path, pieces, state, place):
         pathlib.Path(sys.argv[1]).touch()  # the test's evidence (stderr may be lost)
         os.kill(os.getpid(), signal.SIGKILL)
     return record if place.rank < 2 else real(path, pieces, state, place)
-checkpoint._write_shard = write_shard
+writer._write_shard = write_shard
 sys.exit(train.main(sys.argv[2:]))
 """
 
@@ -464,7 +465,7 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, data, uninte
     assert killed.exists()
     assert sorted(os.listdir(save)) == [".step_00000002.tmp", "latest", "lock", "step_00000001"]
     assert "index.h5" not in os.listdir(save / ".step_00000002.tmp")
-    assert ckpt.latest(save) == save / "step_00000001" and ckpt.verify(save / "step_00000001") == []
+    assert directory.latest(save) == save / "step_00000001" and reader.verify(save / "step_00000001") == []
     proc = train(4, tmp_path / "b", *common, "--resume", "auto", data=data)
     assert f"resumed from {save / 'step_00000001'} at step 1" in proc.stdout
     got, want = metrics(tmp_path / "b")[0]["loss"], uninterrupted[0][1]["loss"]
@@ -487,4 +488,4 @@ def test_flipped_bytes_are_named_and_resume_auto_falls_back(tmp_path, data):
     assert f"falling back to {save / 'step_00000001'}" in proc.stdout
     assert f"resumed from {save / 'step_00000001'} at step 1" in proc.stdout
     assert metrics(tmp_path / "b")[0]["loss"] == metrics(tmp_path / "a")[1]["loss"]
-    assert ckpt.verify(save / "step_00000002") == []  # the resumed run saved it again
+    assert reader.verify(save / "step_00000002") == []  # the resumed run saved it again

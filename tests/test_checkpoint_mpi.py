@@ -39,7 +39,7 @@ CASES = [(dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003), dict(dp=8)),
                               "tied-pp2-to-tp2", "tied-dp8-to-pp4", "zero3-shared-to-tp2",
                               "zero3-tp2-to-shared-pp2", "zero3-node-copies-to-tp2"])
 def test_save_and_load_across_layouts(world, before, after):
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import reader, tools, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
 
@@ -50,17 +50,17 @@ def test_save_and_load_across_layouts(world, before, after):
     try:
         a = Engine(validate(small_config(**before), 8), world, source=token_source())
         a.train_step(0)
-        path = checkpoint.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
         params = a.gather_params()
         world.Barrier()
         if world.rank == 0:
-            saved = checkpoint.read_tensors(path, "param")
+            saved = reader.read_tensors(path, "param")
             fails += [f"param {n} differs" for n in params
                       if not np.array_equal(saved[n], params[n])]
-            moments = checkpoint.read_tensors(path, "exp_avg_sq")
+            moments = reader.read_tensors(path, "exp_avg_sq")
             fails += [f"exp_avg_sq {n} has a hole" for n, v in moments.items()
                       if np.isnan(v).any() or not (v > 0).any()]
-            info = checkpoint.inspect(path)
+            info = tools.inspect(path)
             if before.get("zero") and len(info["shards"]) != 8:  # ZeRO: every rank owns a slice
                 fails.append(f"{len(info['shards'])} shard files, expected 8")
             if before.get("zero") and max(t["sources"] for t in info["tensors"]) < 3:
@@ -69,7 +69,7 @@ def test_save_and_load_across_layouts(world, before, after):
             if ("param/lm_head.weight" in names) == (model == "tied"):  # tied: embedding once
                 fails.append(f"{model} model's checkpoint tensors: {names}")
         b = Engine(validate(small_config(**after), 8), world, source=token_source())
-        if checkpoint.load(b.state, path) != 1:
+        if reader.load(b.state, path) != 1:
             fails.append("load did not return step 1")
         r2 = b.train_step(1)
         ref = reference(model=model)

@@ -206,7 +206,7 @@ def test_residuals_load_slot_by_slot_or_summed(world):
     from pathlib import Path
 
     from layouts import small_config, token_source
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
     from test_state import global_state
@@ -217,20 +217,20 @@ def test_residuals_load_slot_by_slot_or_summed(world):
         a = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                    source=token_source())
         a.train_step(0)
-        path = checkpoint.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
         saved = global_state(a, world)
         kinds = sorted({k for k, _ in saved if k.startswith("residual")})
         if set(kinds) != {f"residual_send.{s}" for s in range(8)} | {"residual_gather"}:
             fails.append(f"residual kinds {kinds}")
         same = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                       source=token_source())
-        checkpoint.load(same.state, path)
+        reader.load(same.state, path)
         again = global_state(same, world)
         fails += [f"{key} differs" for key in saved if not np.array_equal(saved[key], again[key])]
         other = Engine(validate(small_config(dp=4, tp=2, ranks_per_node=4, dp_reduce="hierarchical",
                                     grad_compression="int8"), 8), world,
                        source=token_source())
-        checkpoint.load(other.state, path)
+        reader.load(other.state, path)
         moved = global_state(other, world)
         for name in a.state.shapes:
             owed = sum(saved[(k, name)] for k in kinds)
@@ -271,7 +271,7 @@ def test_resume_with_compression_is_bit_exact(tmp_path, layout):
     import subprocess
     import sys
 
-    from mpipar.checkpoint import store as ckpt
+    from mpipar.checkpoint import reader, tools
 
     data = tmp_path / "samples.npy"
     np.save(data, np.random.default_rng(3).integers(0, 13, size=(64, 17)))
@@ -291,12 +291,12 @@ def test_resume_with_compression_is_bit_exact(tmp_path, layout):
     train("b", "--resume", str(tmp_path / "a" / "ck" / "step_00000002"))
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records("a")][2:] == [r[key] for r in records("b")], key
-    held = {t["name"].split("/")[0] for t in ckpt.inspect(tmp_path / "a" / "ck")["tensors"]}
+    held = {t["name"].split("/")[0] for t in tools.inspect(tmp_path / "a" / "ck")["tensors"]}
     assert any(k.startswith("residual_send.") for k in held), held
     assert ("idle_steps" in held) == ("topk" in layout), held   # the catch-up's wait counts
     for kind in held:
-        x = ckpt.read_tensors(tmp_path / "a" / "ck", kind)
-        y = ckpt.read_tensors(tmp_path / "b" / "ck", kind)
+        x = reader.read_tensors(tmp_path / "a" / "ck", kind)
+        y = reader.read_tensors(tmp_path / "b" / "ck", kind)
         assert all(np.array_equal(x[n], y[n]) for n in x), kind
 
 
@@ -347,7 +347,7 @@ def test_catch_up_is_one_update_under_zero0_and_zero1(tmp_path):
     import subprocess
     import sys
 
-    from mpipar.checkpoint import store as ckpt
+    from mpipar.checkpoint import reader
 
     data = tmp_path / "samples.npy"
     np.save(data, np.random.default_rng(3).integers(0, 13, size=(64, 17)))
@@ -362,7 +362,7 @@ def test_catch_up_is_one_update_under_zero0_and_zero1(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         with open(tmp_path / run / "metrics.jsonl") as fh:
             losses = [json.loads(line)["loss"] for line in fh]
-        return losses, ckpt.read_tensors(tmp_path / run / "ck", "param")
+        return losses, reader.read_tensors(tmp_path / run / "ck", "param")
 
     zero0, p0 = train("zero0")
     zero1, p1 = train("zero1", "--zero", "1")

@@ -222,13 +222,13 @@ def test_a_byte_prompt_needs_a_byte_vocabulary_and_a_model_must_exist(tmp_path, 
 
 def _small_checkpoint(tmp_path, vocab_size: int = V) -> str:
     """A one-process checkpoint of the layouts test model with ``vocab_size`` tokens."""
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import writer
     from mpipar.training.engine import Engine
     cfg = small_config()
     cfg.model.vocab_size = vocab_size
     cfg = validate(cfg, 1)
     engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
-    return str(checkpoint.save(engine.state, engine.run_position(0), tmp_path / "ckpt",
+    return str(writer.save(engine.state, engine.run_position(0), tmp_path / "ckpt",
                                Group(MPI.COMM_SELF, "world", Ledger())))
 
 
@@ -241,21 +241,21 @@ SAMPLED = Sampling(0.9, top_k=8, top_p=0.95)
 def test_generation_is_the_same_on_every_layout(world):
     """A checkpoint saved under dp=2 x tp=2 x pp=2 after one step, read directly by each tp x pp
     layout: greedy and seeded sampled tokens equal one rank's, logits to 1e-10."""
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import reader, writer
     from mpipar.training.engine import Engine
     fails: list[str] = []
     root = world.bcast(tempfile.mkdtemp(prefix="mpipar-test-gen-") if world.rank == 0 else None)
     cfg = validate(small_config(dp=2, tp=2, pp=2), 8)
     engine = Engine(cfg, world, source=token_source())
     engine.train_step(0)
-    path = checkpoint.save(engine.state, engine.run_position(1), root,
+    path = writer.save(engine.state, engine.run_position(1), root,
                            Group(world, "world", Ledger()))
     runs = {}
     for tp, pp in GEN_LAYOUTS:
         comm = world.Split(world.rank // (tp * pp), world.rank)
         try:
             generator = _generator(cfg.model, comm, tp, pp)
-            with checkpoint.open_reader(path) as read:
+            with reader.open_reader(path) as read:
                 generator.load_checkpoint(read)
             runs[(tp, pp)] = [generator.generate([1, 5, 7], 8, s, seed=4, keep_logits=True)
                               for s in (Sampling(0.0), SAMPLED)]

@@ -30,7 +30,7 @@ def test_default_run(tmp_path, ranks):
     falls clearly, and RUN_DIR holds config, metrics, timeline, summary and a checkpoint."""
     if ranks > 1 and not os.path.exists(MPIRUN):
         pytest.skip("no mpirun beside this Python (install mpipar[mpich])")
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import directory
     from mpipar.config import Config
     from mpipar.plan.traffic import predict_step_bytes
     from mpipar.runtime.topology import Coord
@@ -57,7 +57,7 @@ def test_default_run(tmp_path, ranks):
     saved = __import__("tomllib").loads((run / "config.toml").read_text())
     cfg = validate(Config.from_dict(saved), ranks)
     assert rows[-1]["comm_bytes_max"] == predict_step_bytes(cfg, Coord(0, 0, 0, 0))
-    assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / "step_00000020"
+    assert directory.latest(run / "checkpoints") == run / "checkpoints" / "step_00000020"
     assert summary["status"] == "completed" and summary["steps"] == [1, 20]
     assert "bottleneck:" in (run / "summary.txt").read_text()
     timeline = json.loads((run / "timeline.json").read_text())
@@ -104,7 +104,7 @@ def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig):
     the stop signal (README, jobs/README.md)."""
     from mpi4py import MPI
 
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import directory
 
     if sig == signal.SIGTERM and MPI.Get_library_version().startswith("Open MPI v5"):
         pytest.skip("Open MPI 5's mpirun SIGKILLs the ranks 1 s after SIGTERM: use SIGUSR1")
@@ -116,7 +116,7 @@ def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig):
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     last = metrics(run)[-1]["step"]
-    assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / f"step_{last:08d}"
+    assert directory.latest(run / "checkpoints") == run / "checkpoints" / f"step_{last:08d}"
     assert f"preempted after step {last} of 100000 on a stop signal" in out
     assert json.loads((run / "summary.json").read_text())["status"] == f"preempted after step {last}"
 
@@ -127,7 +127,7 @@ def test_ctrl_c_checkpoints_prints_one_line_and_exits_130(tmp_path):
     sends it) printed a KeyboardInterrupt traceback from every rank and committed nothing. Now
     it is a stop like SIGTERM: the step finishes, a checkpoint is committed, rank 0 prints one
     line, every rank exits 130; --resume auto continues from the checkpoint."""
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import directory, reader
 
     run = tmp_path / "run"
     common = [*TINY, "--dp", "2", "--run-dir", str(run)]
@@ -143,7 +143,7 @@ def test_ctrl_c_checkpoints_prints_one_line_and_exits_130(tmp_path):
     last = metrics(run)[-1]["step"]
     assert [r["step"] for r in metrics(run)] == list(range(1, last + 1))
     saved = run / "checkpoints" / f"step_{last:08d}"
-    assert checkpoint.latest(run / "checkpoints") == saved and checkpoint.verify(saved) == []
+    assert directory.latest(run / "checkpoints") == saved and reader.verify(saved) == []
     line = (f"mpipar: interrupted after step {last} of 100000 on a stop signal (SIGINT); "
             f"checkpoint {saved}; continue with --resume auto")
     assert out.count("mpipar: interrupted") == 1 and line in out, out
@@ -235,7 +235,7 @@ def test_a_stop_signal_during_initialisation_exits_promptly(tmp_path, ranks, sig
     assert all(f["message"] == f"mpipar: rank {f['rank']}: {sig.name} during initialisation; "
                                f"nothing to checkpoint, stopping" for f in lines), lines
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
-    from mpipar.checkpoint.store import list_checkpoints
+    from mpipar.checkpoint.directory import list_checkpoints
     assert list_checkpoints(run / "checkpoints") == []
 
 
@@ -368,7 +368,7 @@ def test_the_watchdog_covers_checkpoints_and_shutdown(tmp_path, where, call, ste
     and broadcast bypassed the watched ledger. Every collective outside the engine (checkpoint
     commit, telemetry, timeline, shutdown) now goes through the watched control group: the job
     ends with status 4 naming the call, and nothing committed is lost."""
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import directory, reader
 
     script = tmp_path / "stall.py"
     script.write_text(textwrap.dedent(STALL_OUTSIDE_STEPS))
@@ -386,7 +386,7 @@ def test_the_watchdog_covers_checkpoints_and_shutdown(tmp_path, where, call, ste
         "blocked"), lines
     ck = run / "checkpoints"
     assert [r["step"] for r in metrics(run)] == list(range(1, saved + 1 + (where != "shutdown")))
-    assert checkpoint.latest(ck) == ck / f"step_{saved:08d}" and checkpoint.verify(
+    assert directory.latest(ck) == ck / f"step_{saved:08d}" and reader.verify(
         ck / f"step_{saved:08d}") == []
 
 
@@ -538,7 +538,7 @@ NAN = """
 
 
 def test_on_nan_skip_counts_the_step_and_leaves_the_state_untouched(tmp_path):
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import reader
 
     script = tmp_path / "nan.py"
     script.write_text(textwrap.dedent(NAN))
@@ -555,13 +555,13 @@ def test_on_nan_skip_counts_the_step_and_leaves_the_state_untouched(tmp_path):
     # The skipped update changed nothing: the state after step 3 is the state after step 2.
     ck = run / "checkpoints"
     for kind in ("param", "exp_avg", "exp_avg_sq"):
-        before = checkpoint.read_tensors(ck / "step_00000002", kind)
-        after = checkpoint.read_tensors(ck / "step_00000003", kind)
+        before = reader.read_tensors(ck / "step_00000002", kind)
+        after = reader.read_tensors(ck / "step_00000003", kind)
         assert all(np.array_equal(before[n], after[n]) for n in before), kind
 
 
 def test_on_nan_stop_saves_and_exits_3_then_resume_continues(tmp_path):
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import directory, reader
 
     script = tmp_path / "nan.py"
     script.write_text(textwrap.dedent(NAN))
@@ -575,8 +575,8 @@ def test_on_nan_stop_saves_and_exits_3_then_resume_continues(tmp_path):
     assert line["message"].startswith("mpipar: step 3: loss")
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
     ck = run / "checkpoints"
-    assert checkpoint.latest(ck) == ck / "step_00000003" and checkpoint.verify(ck / "step_00000003") == []
-    before, after = (checkpoint.read_tensors(ck / f"step_0000000{k}") for k in (2, 3))
+    assert directory.latest(ck) == ck / "step_00000003" and reader.verify(ck / "step_00000003") == []
+    before, after = (reader.read_tensors(ck / f"step_0000000{k}") for k in (2, 3))
     assert all(np.array_equal(before[n], after[n]) for n in before)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "stopped at step 3: non-finite loss or gradient norm"

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import MPIRUN, needs_mpirun
 from launch import TINY, metrics, run_train, start_train, wait_for_steps
-from mpipar.checkpoint import store as checkpoint
+from mpipar.checkpoint import directory, reader
 from mpipar.observe.metrics import read_records
 from mpipar.model.params import param_specs
 
@@ -30,9 +30,9 @@ def _intact(run_dir, steps: list[int], save_dir=None) -> None:
     """Nothing lost: metrics hold ``steps`` once each, ``latest`` names the last, it verifies."""
     save = save_dir or os.path.join(run_dir, "checkpoints")
     assert [r["step"] for r in metrics(run_dir)] == steps
-    assert checkpoint.latest(save) == checkpoint.resolve_path(save)
-    assert checkpoint.resolve_path(save).name == checkpoint.step_dir_name(steps[-1])
-    assert all(checkpoint.verify(p) == [] for p in checkpoint.list_checkpoints(save))
+    assert directory.latest(save) == directory.resolve_path(save)
+    assert directory.resolve_path(save).name == directory.step_dir_name(steps[-1])
+    assert all(reader.verify(p) == [] for p in directory.list_checkpoints(save))
 
 
 def _readonly(directory) -> list[str]:
@@ -181,7 +181,7 @@ def test_resume_after_a_crash_keeps_each_step_once_despite_a_torn_line(tmp_path)
     proc.kill()  # SIGKILL: no handler runs
     proc.communicate(timeout=60)
     crashed = metrics(run)
-    saved = int(checkpoint.latest(run / "checkpoints").name.split("_")[1])
+    saved = int(directory.latest(run / "checkpoints").name.split("_")[1])
     assert saved % 3 == 0 and len(crashed) >= saved, (saved, len(crashed))
     with open(run / "metrics.jsonl", "a") as fh:
         fh.write('{"step": ' + str(len(crashed) + 1) + ', "loss": 5.4')  # a torn write
@@ -196,13 +196,13 @@ def test_resume_after_a_crash_keeps_each_step_once_despite_a_torn_line(tmp_path)
 KILL_DURING_SAVE = """
 import os, signal, sys
 from mpipar import train
-from mpipar.checkpoint import store as checkpoint
-real = checkpoint._write_shard
+from mpipar.checkpoint import writer
+real = writer._write_shard
 def write_shard(path, pieces, state, place):
     if path.parent.name == ".step_00000004.tmp" and place.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # rank 1 dies saving step 4; rank 0 wrote its shard
     return real(path, pieces, state, place)
-checkpoint._write_shard = write_shard
+writer._write_shard = write_shard
 sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -219,7 +219,7 @@ def test_a_fallback_to_an_older_checkpoint_cuts_the_log_back_to_it(tmp_path):
     script.write_text(KILL_DURING_SAVE)
     proc = run_train(2, args, script=str(script))
     assert proc.returncode != 0, proc.stderr
-    assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / "step_00000002"
+    assert directory.latest(run / "checkpoints") == run / "checkpoints" / "step_00000002"
     crashed = read_records(str(run / "metrics.jsonl"))
     assert [r["step"] for r in crashed] == [1, 2, 3, 4]
     again = run_train(2, [*args, "--resume", "auto"])

@@ -24,7 +24,7 @@ from conftest import launch_env, mpirun, needs_mpirun
 from layouts import small_config, token_source
 from untrusted import run_generate, run_train
 from mpipar import report
-from mpipar.checkpoint import store as checkpoint
+from mpipar.checkpoint import directory, reader, writer
 from mpipar.runtime.comm import Group, Ledger
 from mpipar.rules import validate
 
@@ -43,7 +43,7 @@ def _checkpoint(save_dir, step: int = 0, **model) -> str:
         setattr(cfg.model, key, value)
     cfg = validate(cfg, 1)
     engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
-    return str(checkpoint.save(engine.state, engine.run_position(step), save_dir,
+    return str(writer.save(engine.state, engine.run_position(step), save_dir,
                                Group(MPI.COMM_SELF, "world", Ledger())))
 
 
@@ -69,15 +69,15 @@ def _with_config(src: str, dst, old: str, new: str) -> str:
     """A copy of checkpoint ``src`` whose stored config says ``new`` where it said ``old``, its
     index's sha256 rewritten to match (as whoever crafted it would)."""
     shutil.copytree(src, dst)
-    index = os.path.join(dst, checkpoint.INDEX)
+    index = os.path.join(dst, directory.INDEX)
     with h5py.File(index, "r+") as f:
         text = str(f.attrs["config_toml"])
         assert old in text
         f.attrs["config_toml"] = text.replace(old, new)
     with open(index, "rb") as fh:
         digest = hashlib.sha256(fh.read()).hexdigest()
-    with open(os.path.join(dst, checkpoint.INDEX_SUM), "w") as fh:
-        fh.write(f"{digest}  {checkpoint.INDEX}\n")
+    with open(os.path.join(dst, directory.INDEX_SUM), "w") as fh:
+        fh.write(f"{digest}  {directory.INDEX}\n")
     return str(dst)
 
 
@@ -92,7 +92,7 @@ def test_generation_beyond_memory_is_refused_at_once(saved):
     _one_error(code, err, "the busiest rank needs at least")
     assert "KV cache of 1,000,000,000,002 positions" in err and "bytes available" in err
     assert time.perf_counter() - started < 30
-    assert checkpoint.verify(saved) == []
+    assert reader.verify(saved) == []
 
 
 def test_a_config_claiming_a_huge_model_is_refused_before_allocating(saved, tmp_path):
@@ -159,7 +159,7 @@ def test_a_model_that_cannot_be_exported_is_refused_before_step_1(tmp_path, mode
                           f"window_layers=")
     assert "can be exported" in err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints") == []
+    assert directory.list_checkpoints(tmp_path / "run" / "checkpoints") == []
 
 
 # ----------------------------------------------------------- train: an earlier run's outputs

@@ -6,7 +6,8 @@ whole of what saving and loading ask of the training side (the engine passes its
 :class:`~mpipar.training.state.TrainState`, which has this shape): its share of the unique state
 as :data:`Piece` s going out, global regions read through a :data:`Reader` coming in.
 :func:`read_shard` is how any layout (training, or generation under its own tp x pp) fills one
-local shard from a checkpoint of any other layout.
+local shard from a checkpoint of any other layout, and :func:`require_finite` what the training
+side asks of every tensor it loads.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mpipar.checkpoint.directory import CheckpointError
 from mpipar.parallel.placement import Placement
 
 Slices = tuple[slice, ...]
@@ -70,3 +72,21 @@ def read_shard(read: Reader, kind: str, placement: Placement, tp_rank: int, tp_s
     full = np.zeros(placement.local_shape(tp_size), dtype)
     full[loc] = read(kind, placement.name, glob)
     return full
+
+
+class NonFiniteError(CheckpointError):
+    """A tensor to load holds a NaN or an infinity."""
+
+
+def require_finite(values: np.ndarray, what: str) -> None:
+    """Raise NonFiniteError naming ``what`` (the tensor) when ``values`` holds a NaN or an
+    infinity: a model loaded with one computes NaN from its first step."""
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    bad = values[~finite]
+    first = tuple(int(i) for i in np.argwhere(~finite)[0])
+    raise NonFiniteError(f"{what} holds {bad.size} non-finite value(s) of {values.size} "
+                         f"({int(np.isnan(bad).sum())} NaN, {int(np.isinf(bad).sum())} "
+                         f"infinite; the first at index {first}); training from it would "
+                         f"compute NaN from step 1")

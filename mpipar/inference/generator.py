@@ -89,7 +89,7 @@ class Generator:
 
     def load_checkpoint(self, read: Reader) -> None:
         """This rank's shards read region by region from a checkpoint of any layout
-        (:func:`mpipar.checkpoint.store.open_reader`). Collective-free."""
+        (:func:`mpipar.checkpoint.reader.open_reader`). Collective-free."""
         tp = self.tensor
         self.params = {n: self.xp.asarray(read_shard(read, "param", self.table[n], tp.rank,
                                                      tp.size, self.dtype))

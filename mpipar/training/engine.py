@@ -38,6 +38,7 @@ from mpipar.runtime.mpi_init import MPI
 from mpipar.checkpoint.activations import (ActivationRecorder, ActivationRegion, OffloadStore,
                                            dump_step, offload_path)
 from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
+from mpipar.checkpoint.shards import require_finite
 from mpipar.runtime.device import select_device, to_host, training_backend
 from mpipar.runtime.memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
@@ -386,9 +387,11 @@ class Engine:
             out[placement.name] = pp.bcast_(full, root=owner)
         return out
 
-    def load_params(self, values: dict[str, np.ndarray]) -> None:
+    def load_params(self, values: dict[str, np.ndarray], source: str = "load_params") -> None:
         """Overwrite this rank's shards from global tensors (every name the model has, global
         shapes as in :func:`mpipar.model.params.param_specs`), cast to the training dtype.
+        A tensor holding a NaN or an infinity (after the cast) raises
+        :class:`~mpipar.checkpoint.shards.NonFiniteError` naming ``source`` and the tensor.
         Collective-free."""
         missing = sorted(p.name for p in self.table if p.name not in values)
         if missing:
@@ -399,7 +402,9 @@ class Engine:
             if value.shape != placement.spec.shape:
                 raise ValueError(f"load_params: {name} has shape {value.shape}, the model needs "
                                  f"{placement.spec.shape}")
-            local = placement.shard(value.astype(self.dtype), self.tensor.rank, self.tensor.size)
+            value = value.astype(self.dtype)
+            require_finite(value, f"{source}: parameter {name}")
+            local = placement.shard(value, self.tensor.rank, self.tensor.size)
             if self.sharded:
                 self.sharded.load_local(name, local)
             else:

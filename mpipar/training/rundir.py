@@ -142,22 +142,23 @@ def refuse_earlier_run(cfg: Config) -> None:
     """Refuse (ConfigError) a run that would overwrite another run's checkpoints or metrics
     (the module docstring); rank 0, under the lock. Checkpoint verification is cached, so
     asking which checkpoint ``--resume auto`` takes again costs a ``stat`` per file."""
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint.directory import list_checkpoints, resolve_path
+    from mpipar.checkpoint.reader import resolve_resume
     tr = cfg.train
-    found = checkpoint.list_checkpoints(tr.save_dir)
+    found = list_checkpoints(tr.save_dir)
     if not tr.resume and found:
         raise ConfigError(f"--save-dir {tr.save_dir} holds checkpoints of an earlier run "
                           f"(newest {found[0].name}); a fresh run would overwrite them: use "
                           f"--resume auto to continue it, or a new --run-dir")
     fresh = not tr.resume or (tr.resume == "auto" and not found)  # starts at step 0
     if tr.resume == "auto" and found:
-        path, notes = checkpoint.resolve_resume("auto", tr.save_dir)
+        path, notes = resolve_resume("auto", tr.save_dir)
         if path is None:
             raise ConfigError(f"--resume auto: no checkpoint of --save-dir {tr.save_dir} "
                               f"verifies ({'; '.join(notes)}); a fresh run would overwrite "
                               f"them: move them aside, or choose a new --run-dir")
     elif tr.resume and tr.resume != "auto" and found:
-        source = checkpoint.resolve_path(tr.resume).resolve().parent
+        source = resolve_path(tr.resume).resolve().parent
         if source != Path(tr.save_dir).resolve():
             raise ConfigError(f"--save-dir {tr.save_dir} holds checkpoints of another run "
                               f"(newest {found[0].name}); a run resumed from {tr.resume} would "

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mpipar.checkpoint.shards import Piece, Reader, Slices, read_shard
+from mpipar.checkpoint.shards import Piece, Reader, Slices, read_shard, require_finite
 from mpipar.parallel.data_parallel import GradReducer
 from mpipar.parallel.fsdp import ShardedParams
 from mpipar.parallel.placement import PlacementTable
@@ -97,10 +97,14 @@ class TrainState:
     def load(self, read: Reader, step: int, kinds: set[str] = frozenset()) -> None:
         """Set every parameter and moment of this rank from ``read`` (global regions), the
         optimizer's update count from ``step``, and the residuals from those of ``kinds`` (the
-        kinds the source holds beyond parameters and moments). Collective-free."""
+        kinds the source holds beyond parameters and moments). A tensor holding a NaN or an
+        infinity raises :class:`~mpipar.checkpoint.shards.NonFiniteError` naming it, before
+        anything is trained from it. Collective-free."""
         def local(kind: str, name: str) -> np.ndarray:
-            return read_shard(read, kind, self.table[name], self.tp_rank, self.tp_size,
-                              self.dtype)
+            value = read_shard(read, kind, self.table[name], self.tp_rank, self.tp_size,
+                               self.dtype)
+            require_finite(value, f"{kind}/{name}")
+            return value
 
         if self.sharded is not None:
             for name in self.sharded.local_shapes():

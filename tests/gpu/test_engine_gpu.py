@@ -59,7 +59,7 @@ def test_checkpoint_crosses_devices(tmp_path, first, second):
     """Two steps on ``first``, a checkpoint, then two more on ``second``, equal to four steps on
     the CPU in float64."""
     from mpi4py import MPI
-    from mpipar.checkpoint import store as checkpoint
+    from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
     comm = MPI.COMM_SELF
@@ -68,11 +68,11 @@ def test_checkpoint_crosses_devices(tmp_path, first, second):
     a = Engine(validate(cfg, 1), comm, source=token_source())
     for k in range(2):
         a.train_step(k)
-    path = checkpoint.save(a.state, a.run_position(2), tmp_path, Group(comm, "world", Ledger()))
+    path = writer.save(a.state, a.run_position(2), tmp_path, Group(comm, "world", Ledger()))
     cfg2 = _cfg({}, second)
     cfg2.train.steps = 4
     b = Engine(validate(cfg2, 1), comm, source=token_source())
-    assert checkpoint.load(b.state, path) == 2
+    assert reader.load(b.state, path) == 2
     results = [b.train_step(k) for k in (2, 3)]
     ref_losses, ref_norms, ref_params = reference("float64", steps=4)
     got = ([r.loss for r in results], [r.grad_norm for r in results], b.gather_params())

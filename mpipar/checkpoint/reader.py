@@ -1,0 +1,405 @@
+"""Reading a checkpoint: verify it whole, then read global regions straight from its shard files.
+
+**Verify.** :func:`verify` checks, before anything is read, that ``index.h5`` matches
+``index.sha256``, that the index follows its schema (:func:`.index.read_index`: among others,
+every mapping's source is one of the shard files it records), that every recorded shard is
+present with its recorded size and sha256, and that every dataset a mapping names is a plain
+dataset of its shard: reached by hard links, stored in the file (no external storage, not
+virtual), of the mapping's shape and the index's dtype. Damage (a missing, truncated or
+corrupted file) comes back as problems, the datasets that fail their fletcher32 checksums named;
+a malformed index or shard, or a file that is a symbolic link, raises CheckpointError.
+
+**Read.** :class:`ShardFiles` reads a region of a global tensor from the datasets of the mappings
+that overlap it, opening the shard files itself. It never reads through the virtual datasets
+(HDF5 returns a missing source there as the fill value), so a shard removed after verification
+(``--keep-last`` pruning while another process reads) fails the read, naming the file.
+
+**Resume.** :func:`resolve_resume` with "auto" tries the checkpoint ``latest`` names, then the
+others newest first, and takes the first that verifies. :func:`load` reads, for each tensor, the
+region of the global tensor this rank's shard covers, so any layout loads any checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from mpipar.checkpoint.directory import (INDEX, INDEX_SUM, CheckpointError, latest,
+                                         list_checkpoints, require_own_file, resolve_path,
+                                         sha256_file)
+from mpipar.checkpoint.index import HDF5_ERRORS, KINDS, Index, Mapping, read_index
+from mpipar.checkpoint.records import RunPosition
+from mpipar.checkpoint.shards import NonFiniteError, RankState, Reader, Slices
+from mpipar.config import Config, ConfigError, ModelConfig
+
+_FILTERS = {h5py.h5z.FILTER_FLETCHER32: "fletcher32", h5py.h5z.FILTER_SHUFFLE: "shuffle",
+            h5py.h5z.FILTER_DEFLATE: "deflate"}
+"""The HDF5 filters a shard dataset may use (built into HDF5: no plugin is loaded)."""
+_LAYOUTS = (h5py.h5d.CONTIGUOUS, h5py.h5d.CHUNKED, h5py.h5d.COMPACT)
+"""The storage layouts of a dataset whose data lies in its own file."""
+
+
+# ------------------------------------------------------------------------------ shard files
+class ShardFiles:
+    """The shard files of a checkpoint whose index is ``index``, opened on first use; reads
+    regions of its global tensors (:meth:`read` is a :data:`~.shards.Reader`). Use as a context
+    manager: the files are closed at exit."""
+
+    def __init__(self, path: Path, index: Index) -> None:
+        self.path, self.index = path, index
+        self.files: dict[str, h5py.File] = {}
+        self.datasets: dict[tuple[str, str], h5py.Dataset] = {}
+
+    def __enter__(self) -> ShardFiles:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.datasets.clear()
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+
+    def _file(self, name: str) -> h5py.File:
+        if name not in self.files:
+            file = self.path / name
+            require_own_file(file)
+            try:
+                f = h5py.File(file, "r")
+            except OSError as exc:
+                raise CheckpointError(f"{file}: cannot be opened ({exc}); the checkpoint "
+                                      f"verified with it, so it was removed or replaced since "
+                                      f"(pruned by a run's --keep-last?)") from None
+            self.files[name] = f
+            size = os.fstat(f.id.get_vfd_handle()).st_size
+            if size != self.index.shards[name].size:
+                raise CheckpointError(f"{file}: {size} bytes, the index records "
+                                      f"{self.index.shards[name].size}: replaced since the "
+                                      f"checkpoint verified")
+        return self.files[name]
+
+    def dataset(self, m: Mapping) -> h5py.Dataset:
+        """The source dataset of ``m``, checked to be a plain dataset of its shard file."""
+        key = (m.file, m.dataset)
+        if key not in self.datasets:
+            try:
+                self.datasets[key] = self._plain(m)
+            except CheckpointError:
+                raise
+            except HDF5_ERRORS as exc:
+                raise CheckpointError(f"{self.path / m.file}: dataset {m.dataset}: unreadable "
+                                      f"HDF5 metadata ({type(exc).__name__}: {exc})") from None
+        return self.datasets[key]
+
+    def _plain(self, m: Mapping) -> h5py.Dataset:
+        where = f"{self.path / m.file}: dataset {m.dataset}"
+        obj: Any = self._file(m.file)
+        for part in m.dataset.split("/"):
+            link = obj.get(part, getlink=True) if isinstance(obj, h5py.Group) else None
+            if link is None:
+                raise CheckpointError(f"{where} is missing")
+            if not isinstance(link, h5py.HardLink):
+                raise CheckpointError(f"{where}: {part} is a soft or external link; a shard "
+                                      f"holds only its own objects")
+            obj = obj[part]
+        if not isinstance(obj, h5py.Dataset):
+            raise CheckpointError(f"{where} is a {type(obj).__name__.lower()}, not a dataset")
+        if obj.is_virtual or obj.external:
+            how = "a virtual dataset" if obj.is_virtual else "stored outside the file"
+            raise CheckpointError(f"{where} is {how}; a shard's data lies in the shard file")
+        plist = obj.id.get_create_plist()
+        filters = {plist.get_filter(i)[0] for i in range(plist.get_nfilters())}
+        if plist.get_layout() not in _LAYOUTS or not filters <= set(_FILTERS):
+            raise CheckpointError(f"{where}: its storage layout or filters ({sorted(filters)}) "
+                                  f"are not plain HDF5 (filters {', '.join(_FILTERS.values())})")
+        if obj.dtype != self.index.dtype or obj.shape != m.shape:
+            raise CheckpointError(f"{where} is {obj.dtype} {obj.shape}; the index maps it as "
+                                  f"{self.index.dtype} {m.shape}")
+        return obj
+
+    def check(self) -> None:
+        """Every mapping's source dataset, checked (:meth:`dataset`)."""
+        for tensors in self.index.tensors.values():
+            for tensor in tensors.values():
+                for m in tensor.mappings:
+                    self.dataset(m)
+
+    def read(self, kind: str, name: str, region: Slices) -> np.ndarray:
+        """``region`` of the global tensor ``kind/name``, in the index's dtype, from the shard
+        datasets of the mappings it overlaps; CheckpointError naming the file and dataset when
+        one fails."""
+        tensor = self.index.tensor(kind, name)
+        where = f"{self.index.file}: {kind}/{name}"
+        if len(region) != len(tensor.shape) or not all(
+                s.step in (None, 1) and None not in (s.start, s.stop)
+                and 0 <= s.start <= s.stop and (s.start == s.stop or s.stop <= n)
+                for s, n in zip(region, tensor.shape)):
+            raise CheckpointError(f"{where} has shape {tensor.shape}; the model reads "
+                                  f"{region} of it")
+        out = np.empty(tuple(s.stop - s.start for s in region), self.index.dtype)
+        for m in tensor.mappings:  # they tile the tensor (.index.read_index): out is covered
+            lo = [max(q.start, r.start) for q, r in zip(region, m.region)]
+            hi = [min(q.stop, r.stop) for q, r in zip(region, m.region)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            src = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, m.region))
+            dst = tuple(slice(a - q.start, b - q.start) for a, b, q in zip(lo, hi, region))
+            source = self.dataset(m)
+            try:
+                out[dst] = source[src]
+            except OSError as exc:
+                raise CheckpointError(f"{self.path / m.file}: reading dataset {m.dataset} "
+                                      f"failed: {exc}") from None
+        return out
+
+
+# ------------------------------------------------------------------------------ verify
+_VERIFIED: dict[tuple, tuple[tuple[str, ...], Index | None] | CheckpointError] = {}
+
+
+def _signature(path: Path) -> tuple:
+    """What changes when any entry of the directory changes (name, size, mtime, inode)."""
+    out = []
+    for entry in os.scandir(path):
+        st = entry.stat(follow_symlinks=False)
+        out.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(sorted(out))
+
+
+def verify(path: str | os.PathLike) -> list[str]:
+    """Problems that make the checkpoint at ``path`` unusable (empty list: it is sound); raises
+    CheckpointError, naming the file and the field or dataset, when its index or a shard is
+    malformed or reaches outside the directory (module docstring).
+
+    The answer is cached per directory state (names, sizes, mtimes, inodes), so repeating it
+    costs one ``stat`` per file."""
+    return list(_verified(Path(path))[0])
+
+
+def _verified(path: Path) -> tuple[tuple[str, ...], Index | None]:
+    """(:func:`verify`'s problems, the index when there are none), cached."""
+    if not path.is_dir():
+        return (f"{path}: no such checkpoint directory",), None
+    key = (str(path.resolve()), _signature(path))
+    if key not in _VERIFIED:
+        try:
+            _VERIFIED[key] = _verify(path)
+        except CheckpointError as exc:
+            _VERIFIED[key] = exc
+    found = _VERIFIED[key]
+    if isinstance(found, CheckpointError):
+        raise CheckpointError(str(found))
+    return found
+
+
+def _verify(path: Path) -> tuple[tuple[str, ...], Index | None]:
+    index, summary = path / INDEX, path / INDEX_SUM
+    for file in (index, summary):
+        require_own_file(file)
+    if not index.is_file():
+        return (f"{index}: missing (the checkpoint was never committed)",), None
+    if not summary.is_file():
+        return (f"{summary}: missing",), None
+    recorded = summary.read_bytes().decode("utf-8", errors="replace").split()
+    if not recorded or recorded[0] != sha256_file(index):
+        return (f"{index}: sha256 does not match {INDEX_SUM} (the index is corrupted)",), None
+    found = read_index(path)
+    problems = []
+    for name, record in sorted(found.shards.items()):
+        file = path / name
+        require_own_file(file)
+        if not file.is_file():
+            problems.append(f"{file}: missing shard")
+            continue
+        actual = file.stat().st_size
+        if actual != record.size:
+            how = "truncated" if actual < record.size else "longer than written"
+            problems.append(f"{file}: {actual} bytes, the index records {record.size} ({how})"
+                            + _damage(file))
+            continue
+        digest = sha256_file(file)
+        if digest != record.sha256:
+            problems.append(f"{file}: sha256 {digest[:16]}... does not match the recorded "
+                            f"{record.sha256[:16]}... (corrupted)" + _damage(file))
+    if problems:
+        return tuple(problems), None
+    with ShardFiles(path, found) as files:
+        files.check()
+    return (), found
+
+
+def _damage(file: Path) -> str:
+    """Which datasets of a damaged shard fail to read (fletcher32), as a message suffix."""
+    bad: list[str] = []
+    try:
+        with h5py.File(file, "r") as f:
+            def check(name: str, obj: Any) -> None:
+                if isinstance(obj, h5py.Dataset) and not (obj.is_virtual or obj.external):
+                    try:
+                        obj[()]
+                    except OSError:
+                        bad.append(name)
+            f.visititems(check)
+    except Exception as exc:  # h5py raises OSError, KeyError or RuntimeError on broken metadata
+        return f"; it cannot be opened as HDF5 ({type(exc).__name__}: {exc})"
+    if bad:
+        return f"; dataset(s) {', '.join(bad)} fail their fletcher32 checksum"
+    return "; every dataset passes its fletcher32 checksum (the damage is in HDF5 metadata)"
+
+
+def require_sound(path: Path) -> Index:
+    """The index of the checkpoint directory ``path`` once it verifies; CheckpointError naming
+    what does not."""
+    problems, index = _verified(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} failed verification: " + "; ".join(problems))
+    return index
+
+
+# ------------------------------------------------------------------------------ resume
+def _problems(path: Path) -> list[str]:
+    """:func:`verify`'s problems, a malformed checkpoint's one among them."""
+    try:
+        return verify(path)
+    except CheckpointError as exc:
+        return [str(exc)]
+
+
+def resolve_resume(spec: str, save_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from and notes for the log.
+
+    ``spec`` "" means no resume (None). "auto": the checkpoint ``save_dir/latest`` names, then the
+    other committed ones newest first; the first that verifies wins, each one skipped gets a note
+    saying why; None (start fresh) when none verifies or none exists. A path (a checkpoint or a
+    save directory) must verify, else ConfigError names the problems. No collective: every rank
+    gets the same answer from the same files.
+    """
+    if not spec:
+        return None, []
+    if spec != "auto":
+        path = resolve_path(spec)
+        problems = _problems(path)
+        if problems:
+            raise ConfigError(f"--resume {spec}: checkpoint {path} failed verification: "
+                              + "; ".join(problems))
+        return path, []
+    root = Path(save_dir)
+    candidates = list_checkpoints(root)
+    try:
+        pointed = latest(root)
+    except CheckpointError as exc:
+        pointed, notes = None, [f"{exc}; taking the newest checkpoint that verifies"]
+    else:
+        notes = []
+    if pointed is not None and pointed in candidates:
+        candidates.remove(pointed)
+        candidates.insert(0, pointed)
+    failed = []
+    for path in candidates:
+        problems = _problems(path)
+        if not problems:
+            return path, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); "
+                                  f"falling back to {path}" for p, why in failed]
+        failed.append((path, problems))
+    if not failed:
+        return None, notes + [f"no checkpoint in {root}; starting fresh"]
+    return None, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); no other "
+                          f"checkpoint verifies, starting fresh" for p, why in failed]
+
+
+def read_config(path: str | os.PathLike) -> Config:
+    """The resolved configuration the checkpoint at ``path`` was saved with (its index checked
+    against the schema; the shards are not verified)."""
+    return read_index(resolve_path(path)).config
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The checkpoint's model configuration (from its stored TOML)."""
+    return read_config(path).model
+
+
+_RESUME_FIELDS = {
+    "data": "later steps read other samples than the checkpoint's run would have",
+    "seq_len": "later steps read other samples than the checkpoint's run would have",
+    "global_batch_size": "later steps read other samples than the checkpoint's run would have",
+    "seed": "later steps read other samples than the checkpoint's run would have",
+    "shuffle": "later steps read other samples than the checkpoint's run would have",
+    "steps": "the learning rate of later steps differs from the checkpoint's run",
+    "lr": "the learning rate of later steps differs from the checkpoint's run",
+    "min_lr": "the learning rate of later steps differs from the checkpoint's run",
+    "lr_schedule": "the learning rate of later steps differs from the checkpoint's run",
+    "warmup_steps": "the learning rate of later steps differs from the checkpoint's run",
+    "dtype": "the saved state is cast to the new dtype",
+}
+"""Training settings whose change on resume is reported, with what the change means."""
+
+
+def resume_changes(path: str | os.PathLike, position: RunPosition) -> list[str]:
+    """What a run resuming from the checkpoint at ``path`` at ``position`` (its configuration
+    and data cursor) does differently from the run that saved it (one line per change of
+    :data:`_RESUME_FIELDS`, or a data source of another size); empty when nothing changed and
+    the resumed run continues as the uninterrupted one would."""
+    index = read_index(resolve_path(path))
+    then, now, data = index.config.train, position.config.train, position.data
+    samples = index.groups["data"]["num_samples"]
+    out = [f"train.{name} is {getattr(now, name)!r}, the checkpoint's run used "
+           f"{getattr(then, name)!r}: {meaning}" for name, meaning in _RESUME_FIELDS.items()
+           if getattr(now, name) != getattr(then, name)]
+    if samples != data.num_samples and (then.data, then.seq_len) == (now.data, now.seq_len):
+        out.append(f"the data {data.path} holds {data.num_samples} samples of "
+                   f"{now.seq_len} tokens, the checkpoint's run saw {samples}: "
+                   f"{_RESUME_FIELDS['data']}")
+    return out
+
+
+# ------------------------------------------------------------------------------ read
+@contextlib.contextmanager
+def open_reader(path: str | os.PathLike) -> Iterator[Reader]:
+    """Verify the checkpoint at ``path`` (or a save directory's ``latest``), then yield
+    ``read(kind, name, region)``: a region of a global tensor, read from the shards that hold it.
+    Any layout reads any checkpoint this way (:func:`.shards.read_shard`), e.g. generation under
+    its own tp x pp. No collective."""
+    path = resolve_path(path)
+    index = require_sound(path)
+    with ShardFiles(path, index) as files:
+        yield files.read
+
+
+def load(state: RankState, path: str | os.PathLike) -> int:
+    """Load parameters, AdamW moments, the other state kinds the checkpoint holds and the
+    optimizer step into ``state`` (this rank's, any layout) from the checkpoint at ``path``;
+    return the training step it holds. Verifies the checkpoint first (cached when
+    :func:`resolve_resume` already did) and checks every tensor's shape against the model;
+    raises CheckpointError naming the file (and dataset, or the tensor holding a NaN or an
+    infinity) at fault. No collective."""
+    path = resolve_path(path)
+    index = require_sound(path)
+    extra = sorted(set(index.tensors) - set(KINDS))
+    for kind in (*KINDS, *extra):
+        for name, shape in state.shapes.items():
+            held = index.tensor(kind, name).shape
+            if held != shape:
+                raise CheckpointError(f"{index.file}: {kind}/{name} has shape {held}, the model "
+                                      f"needs {shape}")
+    with ShardFiles(path, index) as files:
+        try:
+            state.load(files.read, index.optimizer_step, set(extra))
+        except NonFiniteError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    return index.step
+
+
+def read_tensors(path: str | os.PathLike, kind: str = "param") -> dict[str, np.ndarray]:
+    """Every global tensor of ``kind`` ("param", "exp_avg", "exp_avg_sq" or a residual kind the
+    checkpoint holds), verified first."""
+    path = resolve_path(path)
+    index = require_sound(path)
+    if kind not in index.tensors:
+        raise ValueError(f"kind={kind!r}: must be one of {', '.join(index.tensors)}")
+    with ShardFiles(path, index) as files:
+        return {name: files.read(kind, name, tuple(slice(0, n) for n in tensor.shape))
+                for name, tensor in index.tensors[kind].items()}

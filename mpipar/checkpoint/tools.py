@@ -1,0 +1,87 @@
+"""What ``python -m mpipar.ckpt`` does with a checkpoint: inspect it, consolidate it into one
+HDF5 file, export its parameters as a Hugging Face directory. Every one goes through the checked
+index (:func:`.index.read_index`); consolidate and export read tensors only once the checkpoint
+verifies (:func:`.reader.require_sound`), and write nothing inside a checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+
+from mpipar.checkpoint.directory import fsync_file, require_outside, resolve_path
+from mpipar.checkpoint.index import KINDS, read_index
+from mpipar.checkpoint.reader import ShardFiles, read_config, read_tensors, require_sound
+
+
+def inspect(path: str | os.PathLike) -> dict[str, Any]:
+    """What a checkpoint holds: metadata, layout, schedule and data positions, shards, tensors.
+
+    Returns a JSON-ready dict: ``path, step, optimizer_step, dtype, world_size, saved_at,
+    layout, lr_schedule, data, rng, model`` (dicts), ``shards`` (file, sha256, size, rank, dp,
+    tp, pp, sp, datasets) and ``tensors`` (name ``kind/name``, shape, dtype, number of source
+    rectangles). Reads the index only (checked against its schema); does not verify.
+    """
+    path = resolve_path(path)
+    index = read_index(path)
+    out: dict[str, Any] = {"path": str(path)}
+    for key in ("step", "optimizer_step", "dtype", "world_size", "saved_at"):
+        out[key] = index.attrs[key]
+    out.update({group: dict(attrs) for group, attrs in index.groups.items()})
+    out["model"] = dataclasses.asdict(index.config.model)
+    out["shards"] = [{"file": s.file, "sha256": s.sha256, "size": s.size, "rank": s.rank,
+                      **dict(zip(("dp", "tp", "pp", "sp"), s.coord)), "datasets": s.datasets}
+                     for s in index.shards.values()]
+    out["tensors"] = [{"name": f"{kind}/{name}", "shape": list(t.shape),
+                       "dtype": index.dtype.name, "sources": len(t.mappings)}
+                      for kind, tensors in index.tensors.items() for name, t in tensors.items()]
+    return out
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike,
+                kinds: tuple[str, ...] = KINDS) -> Path:
+    """Write the checkpoint as one HDF5 file of plain datasets ``<kind>/<name>`` (global shapes,
+    chunked with fletcher32) with the index's attributes; written beside ``out`` and renamed in.
+    Verifies the checkpoint first."""
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
+    path, out = resolve_path(path), Path(out)
+    require_outside(out)
+    index = require_sound(path)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with ShardFiles(path, index) as files, h5py.File(tmp, "w") as dst:
+            for key, value in index.attrs.items():
+                dst.attrs[key] = value
+            for group, attrs in index.groups.items():
+                g = dst.create_group(group)
+                for key, value in attrs.items():
+                    g.attrs[key] = value
+            for kind in kinds:
+                for name, tensor in index.tensors[kind].items():
+                    value = files.read(kind, name, tuple(slice(0, n) for n in tensor.shape))
+                    dst.create_dataset(f"{kind}/{name}", data=value, chunks=True, fletcher32=True)
+        fsync_file(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> Path:
+    """Write the checkpoint's parameters as a Hugging Face directory (config.json +
+    model.safetensors: :func:`mpipar.checkpoint.huggingface.save_hf`) in ``dtype`` (default:
+    the training dtype). Verifies first."""
+    from mpipar.checkpoint import huggingface as hf
+
+    require_outside(Path(out))
+    cfg = read_config(path)
+    params = read_tensors(path, "param")
+    hf.save_hf(out, cfg.model, params, dtype=dtype or cfg.train.dtype,
+               extra_config={"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS,
+                                                            cfg.train.seq_len)})
+    return Path(out)

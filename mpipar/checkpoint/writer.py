@@ -1,0 +1,204 @@
+"""Writing a checkpoint: every rank's shard, then (rank 0) the index, committed atomically.
+
+**Shards.** Each rank writes its share of the unique state (:meth:`.shards.RankState.pieces`):
+parameters once per (tp, pp) position (by dp = sp = 0), replicated tensors (the norm weights)
+only by TP rank 0; AdamW moments from the same ranks without ZeRO, and under ZeRO-1 from every
+rank of dp x sp for the slices it owns. A piece is a flat range of a local shard ``[rows,
+cols]``; it is stored as rectangles of the global tensor (a partial first row, the full rows, a
+partial last row), and vocabulary padding rows are dropped. A shard file holds
+``/<kind>/<name>/<k>`` datasets (kind ``param``, ``exp_avg`` or ``exp_avg_sq``, or a residual
+kind; ``k`` counts the rectangles of that tensor in the file), chunked with the ``fletcher32``
+filter, each with a ``global_start`` attribute. The index over them: :mod:`.index`.
+
+**Commit.** Every writing rank writes and fsyncs its shard into ``.step_N.tmp/`` and hashes it;
+rank 0 gathers what each rank wrote, builds the index (the gather is the barrier: every shard is
+complete), fsyncs it, renames the directory to ``step_N`` and then replaces ``latest`` through a
+temporary file. ``keep_last`` prunes older checkpoints afterwards, and leftover temporary
+directories are removed. A crash at any point leaves the previous checkpoint intact and
+``latest`` naming it. (Saving a step that already has a checkpoint moves the old one aside
+first; a crash between the two renames leaves ``latest`` naming a missing directory, and
+``--resume auto`` takes the newest other checkpoint.)
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from mpipar.checkpoint.directory import (CheckpointError, fsync_dir, fsync_file, prune,
+                                         sha256_file, shard_file_name, step_dir_name,
+                                         write_latest)
+from mpipar.checkpoint.index import FORMAT, write_index
+from mpipar.checkpoint.records import RankPlace, RunPosition
+from mpipar.checkpoint.shards import Piece, RankState, Slices
+from mpipar.runtime.comm import Group
+
+
+# ------------------------------------------------------------------------ pieces -> rectangles
+def flat_rectangles(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[Slices, int]]:
+    """Rectangles covering ``[lo, hi)`` of a row-major array of ``shape`` (1-D or 2-D), in order.
+
+    Returns ``(index, flat start)`` pairs: for 2-D at most a partial first row, a block of full
+    rows and a partial last row, each a contiguous flat range starting at ``flat start``.
+    """
+    size = math.prod(shape)
+    if not 0 <= lo <= hi <= size:
+        raise ValueError(f"flat range [{lo}, {hi}) must lie inside [0, {size}] of shape {shape}")
+    if lo == hi:
+        return []
+    if len(shape) == 1:
+        return [((slice(lo, hi),), lo)]
+    if len(shape) != 2:
+        raise ValueError(f"shape {shape}: checkpoints hold 1-D and 2-D tensors only")
+    cols = shape[1]
+    r0, c0 = divmod(lo, cols)
+    r1, c1 = divmod(hi, cols)
+    if r0 == r1:
+        return [((slice(r0, r0 + 1), slice(c0, c1)), lo)]
+    out = []
+    if c0:
+        out.append(((slice(r0, r0 + 1), slice(c0, cols)), lo))
+        r0 += 1
+    if r0 < r1:
+        out.append(((slice(r0, r1), slice(0, cols)), r0 * cols))
+    if c1:
+        out.append(((slice(r1, r1 + 1), slice(0, c1)), r1 * cols))
+    return out
+
+
+def piece_blocks(local_shape: tuple[int, ...], valid: Slices, region: Slices, lo: int, hi: int,
+                 values: np.ndarray) -> list[tuple[Slices, np.ndarray]]:
+    """Split a flat range of a local shard into rectangles of the global tensor.
+
+    ``local_shape`` is the shard's shape (padding rows included); ``valid`` and ``region`` come
+    from :meth:`.shards.RankState.region` (the part of the shard that holds real values, and
+    the global region it maps to); ``[lo, hi)`` is a range of the row-major flattened shard and
+    ``values`` its ``hi - lo`` values. Returns ``(global index, block)`` pairs that cover
+    exactly the valid elements of the range, each block a view of ``values``.
+    """
+    if values.shape != (hi - lo,):
+        raise ValueError(f"values has shape {values.shape}, the range [{lo}, {hi}) needs "
+                         f"({hi - lo},)")
+    out = []
+    for rect, start in flat_rectangles(local_shape, lo, hi):
+        shape = tuple(s.stop - s.start for s in rect)
+        block = values[start - lo:start - lo + math.prod(shape)].reshape(shape)
+        sub, glob = [], []
+        for r, v, g in zip(rect, valid, region):
+            a, b = max(r.start, v.start), min(r.stop, v.stop)
+            if a >= b:
+                break
+            sub.append(slice(a - r.start, b - r.start))
+            glob.append(slice(g.start + a - v.start, g.start + b - v.start))
+        else:
+            out.append((tuple(glob), block[tuple(sub)]))
+    return out
+
+
+# ------------------------------------------------------------------------------ files
+def _write_shard(path: Path, pieces: list[Piece], state: RankState,
+                 place: RankPlace) -> dict[str, Any]:
+    """Write this rank's rectangles of ``pieces`` (of ``state``) to ``path`` (fsynced); return
+    its record for the index: file, sha256, size, ``place``'s rank and coordinates, and the
+    datasets ``(kind, name, dataset, global start, shape)``."""
+    blocks, counts = [], {}
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = FORMAT + "-shard"
+        for kind, name, lo, hi, values in pieces:
+            region, valid = state.region(name)
+            for glob, block in piece_blocks(state.local_shape(name), valid, region, lo, hi,
+                                            values):
+                k = counts.get((kind, name), 0)
+                counts[(kind, name)] = k + 1
+                dataset = f"{kind}/{name}/{k}"
+                ds = f.create_dataset(dataset, data=np.ascontiguousarray(block), chunks=True,
+                                      fletcher32=True)
+                start = tuple(s.start for s in glob)
+                ds.attrs["global_start"] = np.array(start, np.int64)
+                blocks.append((kind, name, dataset, start, block.shape))
+    fsync_file(path)
+    return {"file": path.name, "sha256": sha256_file(path), "size": path.stat().st_size,
+            "rank": place.rank, "coord": tuple(place.coord), "blocks": blocks}
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final`` (replacing an older save of the same step), then ``latest``."""
+    root = final.parent
+    old = None
+    if final.exists():
+        old = root / f".{final.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    write_latest(root, final.name)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+# ------------------------------------------------------------------------------ save
+def save(state: RankState, position: RunPosition, save_dir: str | os.PathLike, group: Group,
+         keep_last: int = 0) -> Path:
+    """Write and commit the checkpoint of ``position.step``: this rank's pieces of ``state``,
+    and (rank 0) the index recording ``position``. Collective over ``group``, a
+    :class:`~mpipar.runtime.comm.Group` over the world whose rank is ``position.place.rank``
+    (training passes its control group, which the collective watchdog watches).
+
+    Returns ``save_dir/step_NNNNNNNN``. A failure on any rank raises CheckpointError on every
+    rank and leaves the previous checkpoints and ``latest`` untouched.
+    """
+    rank = group.rank
+    root = Path(save_dir)
+    final = root / step_dir_name(position.step)
+    tmp = root / f".{final.name}.tmp"
+    problem = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            problem = f"cannot create {tmp}: {exc}"
+    problem = group.bcast_object(problem, root=0)
+    if problem:
+        raise CheckpointError(problem)
+
+    pieces = list(state.pieces())
+    outcome: list = [None, None]  # (record, error)
+
+    def write() -> None:
+        if not pieces:
+            return
+        path = tmp / shard_file_name(rank)
+        try:
+            outcome[0] = _write_shard(path, pieces, state, position.place)
+        except Exception as exc:  # reported by rank 0 on every rank, never a hang
+            outcome[1] = f"rank {rank} writing {path}: {type(exc).__name__}: {exc}"
+
+    write()
+    gathered = group.gather_object(tuple(outcome), root=0)
+
+    result, error = None, None
+    if rank == 0:
+        try:
+            errors = [e for _, e in gathered if e]
+            if errors:
+                raise CheckpointError("; ".join(errors))
+            write_index(tmp, state, position, [r for r, _ in gathered if r])
+            _commit(tmp, final)
+            prune(root, keep_last, final.name)
+            result = ""
+        except Exception as exc:
+            error = exc
+            result = f"{type(exc).__name__}: {exc}"
+    result = group.bcast_object(result, root=0)
+    if result:
+        raise CheckpointError(f"saving {final} failed: {result}") from error
+    return final

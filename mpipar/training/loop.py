@@ -1,0 +1,293 @@
+"""The training loop of ``python -m mpipar.train`` and everything written around it: the steps,
+validation passes, metrics, progress and TensorBoard records, checkpoints every ``--save-every``
+steps and at the end, the timeline and summary, stop signals (a preemption finishes the step,
+commits a checkpoint and exits 0), ``--on-nan``, and the Hugging Face export. The program
+(:mod:`mpipar.train`) parses, claims the outputs and builds the engine; :func:`run` runs it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mpipar.config import Config
+from mpipar.training.failure import EXIT_NONFINITE, FailureReport
+
+if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
+    from mpipar.runtime.comm import Group, Watchdog
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # checkpoint, then exit 0
+
+
+STOP_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)    # SIGINT (Ctrl-C): checkpoint, exit 130
+
+
+class StopRequest:
+    """Remembers a stop signal (SIGTERM, SIGUSR1, SIGINT); the loop stops after the current
+    step. Before the loop starts (:meth:`training`) there is nothing to checkpoint, so a signal
+    ends the job at once: reported, then aborted with status 128 + the signal number. SIGINT
+    replaces Python's KeyboardInterrupt, which would print a traceback on every rank and
+    commit nothing."""
+
+    def __init__(self, report: FailureReport) -> None:
+        self.report = report
+        self.signum = 0  # the signal received (0: none)
+        self._in_loop = False
+
+    def install(self) -> "StopRequest":
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def training(self) -> None:
+        """From now on a signal stops the loop after the current step (a checkpoint follows)."""
+        self._in_loop = True
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self._in_loop:
+            self.report.abort("signal", f"mpipar: rank {self.report.rank}: {name} during "
+                                        f"initialisation; nothing to checkpoint, stopping",
+                              128 + signum)
+        self.signum = signum
+
+
+def stop_outcome(signum: int, step: int) -> tuple[str, int]:
+    """(status, exit code) of a run stopped by ``signum`` after ``step``: a preemption signal
+    exits 0 (the scheduler asked; the run continues with --resume auto), SIGINT 130."""
+    if signum in PREEMPTION_SIGNALS:
+        return f"preempted after step {step}", 0
+    return f"interrupted after step {step}", 128 + signum
+
+
+@dataclass
+class RunContext:
+    """What :func:`main` sets up around the engine, for the functions that run it."""
+
+    cfg: Config
+    control: Group               # every collective outside the engine (watched)
+    stop: StopRequest
+    report: FailureReport
+    notes: list[str]             # lines to print once training starts
+    watchdog: Watchdog | None = None
+    threads: int = 1             # compute threads per rank
+    on_node: int = 1             # ranks sharing this rank's node
+
+    @property
+    def rank0(self) -> bool:
+        return self.control.rank == 0
+
+
+def run(engine, start: int, ctx: RunContext) -> int:
+    """The training loop and everything written around it (see the module docstring)."""
+    from mpipar.observe import metrics
+    from mpipar.plan.flops import model_flops_per_step
+
+    tr, rank0 = ctx.cfg.train, ctx.rank0
+    t_run = time.perf_counter()
+    telemetry = metrics.Telemetry(ctx.control)
+    peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype,
+                                                        ctx.threads, ctx.on_node))
+    flops = model_flops_per_step(ctx.cfg)
+    from mpipar.observe.tensorboard import log_dir
+    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
+                                   tensorboard=log_dir(tr.tensorboard, tr.run_dir))
+    skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
+    if rank0:
+        _announce(engine, ctx, peaks)
+    progress = metrics.Progress(tr.steps, start, tr.log_every, rank0)
+    ctx.stop.training()
+    loop = _loop(engine, start, ctx, telemetry, writer, progress, (peaks, flops, skipped))
+    progress.close()
+    writer.close()
+    if loop.last is None:  # nothing to train (steps reached already, or --steps 0)
+        _finish(engine, ctx, export=True)
+        return 0
+    result, started = loop.last
+    path = None
+    if loop.saved != result.step:
+        path = checkpoint_save(engine, ctx, result.step, None)
+    path = path or _step_path(tr.save_dir, result.step)
+    timeline = metrics.gather_timeline(ctx.control, result.step, engine.executor.timeline,
+                                       started, tuple(engine.grid.coord))
+    if rank0:
+        _report_end(ctx, loop, result, path)
+        _write_summary(ctx.cfg, timeline, loop.status, peaks, flops, time.perf_counter() - t_run)
+        if loop.signum:
+            print(f"mpipar: {loop.status} of {tr.steps} on a stop signal "
+                  f"({signal.Signals(loop.signum).name}); checkpoint {path}; continue with "
+                  f"--resume auto", flush=True)
+    _finish(engine, ctx, export=loop.status == "completed")
+    return loop.code
+
+
+def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
+    """Rank 0, before step 1: config.toml, the notes, and one line describing the run."""
+    cfg, tr = ctx.cfg, ctx.cfg.train
+    with open(os.path.join(tr.run_dir, "config.toml"), "w") as fh:
+        fh.write(cfg.to_toml())
+    for note in ctx.notes:
+        print(f"mpipar: {note}", flush=True)
+    catch_up = ", AdamW catching up what top-k held back" if engine.catch_up else ""
+    print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()}{catch_up} | "
+          f"kernels {engine.kernels.describe()} | model {cfg.model.layers}x{cfg.model.hidden} "
+          f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
+          f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
+          f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | device "
+          f"{engine.device.describe()} | MPI buffers {engine.mpi_path.describe()} | "
+          f"{ctx.threads} thread(s)/rank | "
+          f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
+
+
+@dataclass
+class LoopOutcome:
+    status: str = "completed"
+    code: int = 0
+    signum: int = 0      # the stop signal the ranks agreed on (0: none)
+    saved: int = 0       # the step of the last checkpoint written in the loop
+    last: tuple | None = None  # (StepResult, time.time() at its start) of the last step
+
+
+def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
+          totals: tuple[list[float], float, int]) -> LoopOutcome:
+    """Steps start+1 .. steps. Each step's record is written (rank 0) before its checkpoint
+    commits, fsynced with it; a save's I/O time goes into the next record."""
+    from mpipar.observe import metrics
+    tr = ctx.cfg.train
+    peaks, flops, skipped = totals
+    out, io = LoopOutcome(saved=start), 0.0
+    for k in range(start, tr.steps):
+        engine.ledger.reset()
+        started = time.time()
+        result = engine.train_step(k)
+        nonfinite = not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
+        times = metrics.time_breakdown(result.step_time_s, engine.ledger.seconds_by_group(),
+                                       engine.executor.timeline, io)
+        signum, ranks = telemetry.exchange(
+            ctx.stop.signum, times, engine.ledger.bytes_by_group(),
+            sum(links["inter"] for links in engine.ledger.bytes_by_link().values()))
+        if ctx.watchdog is not None:
+            ctx.watchdog.steady()  # every rank has finished a step: start-up is over
+        skipped += nonfinite
+        record = metrics.step_record(result, ranks, engine.ledger, flops, sum(peaks), nonfinite,
+                                     skipped)
+        if engine.eval_set is not None and _eval_due(result.step, tr):
+            record["eval"] = metrics.eval_record(engine.evaluate(), engine.eval_ledger)
+        writer.write(record)
+        progress.update(record)
+        out.last, io = (result, started), 0.0
+        if nonfinite and tr.on_nan == "stop":
+            out.status = f"stopped at step {result.step}: non-finite loss or gradient norm"
+            out.code = EXIT_NONFINITE
+            break
+        if signum:
+            out.signum = signum
+            out.status, out.code = stop_outcome(signum, result.step)
+            break
+        if tr.save_every and result.step % tr.save_every == 0:
+            t0 = time.perf_counter()
+            writer.sync()
+            checkpoint_save(engine, ctx, result.step, progress)
+            out.saved, io = result.step, time.perf_counter() - t0
+    return out
+
+
+def _report_end(ctx: RunContext, loop: LoopOutcome, result, path: str) -> None:
+    """Rank 0: the line and the failure record of a --on-nan stop."""
+    if loop.code != EXIT_NONFINITE:
+        return
+    message = (f"mpipar: step {result.step}: loss {result.loss} / gradient norm "
+               f"{result.grad_norm} is not finite (--on-nan stop); its update was not applied, "
+               f"the state is saved in {path}; exit {EXIT_NONFINITE}")
+    ctx.report.record("nonfinite", message, EXIT_NONFINITE)
+    sys.stderr.write(message + "\n")
+
+
+def _finish(engine, ctx: RunContext, export: bool) -> None:
+    """Export (when asked and the run completed), then a last barrier under the watchdog: every
+    rank has finished every collective before the watchdog stops and MPI shuts down."""
+    if export and ctx.cfg.train.export_hf:
+        export_hf(engine, ctx.cfg, ctx.rank0)
+    ctx.control.barrier()
+    if ctx.watchdog is not None:
+        ctx.watchdog.stop()
+
+
+def _eval_due(step: int, tr) -> bool:
+    """Whether the validation loss is computed after ``step`` (1-based): every ``eval_every``
+    steps and after the last."""
+    return step == tr.steps or bool(tr.eval_every and step % tr.eval_every == 0)
+
+
+def _step_path(save_dir: str, step: int) -> str:
+    from mpipar.checkpoint.directory import step_dir_name
+    return os.path.join(save_dir, step_dir_name(step))
+
+
+def _skipped_before(run_dir: str, start: int) -> int:
+    """The skipped-step count of step ``start`` in the metrics kept from an earlier run."""
+    from mpipar.observe.metrics import read_records
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if start == 0 or not os.path.exists(path):
+        return 0
+    records = [r for r in read_records(path) if r.get("step", 0) <= start]
+    return records[-1].get("skipped_steps", 0) if records else 0
+
+
+def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float], flops: float,
+                   wall_s: float) -> None:
+    """Rank 0: timeline.json, summary.json and summary.txt of the run so far; prints the text."""
+    from mpipar import report
+    from mpipar.training import failure
+    from mpipar.observe import metrics
+    run_dir = cfg.train.run_dir
+    metrics.write_json(os.path.join(run_dir, "timeline.json"), timeline)
+    records, _, _ = report.load_run(run_dir)
+    summary = report.summarize(records, timeline, cfg.to_dict(), status)
+    summary.update(wall_s=wall_s, peak_flops=sum(peaks), peak_flops_per_rank=peaks,
+                   model_flops_per_step=flops, save_dir=cfg.train.save_dir,
+                   diagnosis=report.diagnose(summary))
+    failures = failure.read(run_dir)
+    if failures:
+        summary["failures"] = failures
+    metrics.write_json(os.path.join(run_dir, "summary.json"), summary)
+    text = report.summary_text(summary)
+    with open(os.path.join(run_dir, "summary.txt"), "w") as fh:
+        fh.write(text)
+    print(text, end="", flush=True)
+
+
+def checkpoint_save(engine, ctx: RunContext, step: int, progress) -> str:
+    """Save and commit a checkpoint of ``step`` (collective over the watched control group),
+    pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing)."""
+    from mpipar.checkpoint import writer
+    tr = ctx.cfg.train
+    path = writer.save(engine.state, engine.run_position(step), tr.save_dir, ctx.control,
+                           tr.keep_last)
+    if ctx.rank0:
+        text = f"mpipar: saved checkpoint {path}"
+        if progress is not None:
+            progress.note(text)
+        else:
+            print(text, flush=True)
+    return str(path)
+
+
+def export_hf(engine, cfg: Config, rank0: bool) -> None:
+    """Gather the global weights (collective) and let rank 0 write the HF directory."""
+    from mpipar.checkpoint import huggingface as hf
+    params = engine.gather_params()
+    if not rank0:
+        return
+    tr = cfg.train
+    extra = (hf.passthrough_config(tr.init_from_hf) if tr.init_from_hf
+             else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
+    hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
+               extra_config=extra)
+    print(f"mpipar: exported Hugging Face weights ({hf.architecture(cfg.model)}, "
+          f"{tr.export_dtype or tr.dtype}) to {tr.export_hf}", flush=True)
+

@@ -71,7 +71,7 @@ for n in 1 2 4 8; do
   has "engine$n" || continue
   stage "engine on $n rank(s) sharing the GPU (tests/gpu --only-mpi)"
   if [ "$n" = 1 ]; then launch=(); else launch=(mpiexec -n "$n"); fi
-  timeout 900 "${launch[@]}" $PY -m pytest -q -p no:cacheprovider --with-mpi --only-mpi tests/gpu \
+  timeout 900 "${launch[@]}" $PY -m pytest -q -p no:cacheprovider -p pytest_mpi --only-mpi tests/gpu \
       > "$OUT/engine$n.log" 2>&1; rc=$?
   grep -E "passed|failed|error" "$OUT/engine$n.log" | tail -3; record "engine$n" $rc
 done

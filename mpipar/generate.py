@@ -275,7 +275,6 @@ def predict_memory(cfg: Layout, rank: int, positions: int, prompt: int, read_who
       prompt's logits ``[prompt, V / tp]``.
     """
     import numpy as np
-    from mpipar.parallel.pipeline.schedule import stage_layers
     from mpipar.plan.rank import local_param_shapes
     from mpipar.runtime.topology import rank_coord
     m, par = cfg.model, cfg.parallel
@@ -286,7 +285,7 @@ def predict_memory(cfg: Layout, rank: int, positions: int, prompt: int, read_who
     largest_global = e * m.hidden * max(m.vocab_size, m.ffn_hidden, m.heads * m.head_dim)
     loading = shards + largest_global + (read_whole or e * max(math.prod(s)
                                                                 for s in shapes.values()))
-    blocks = len(stage_layers(coord.pp, m.layers, par.pp, 1))
+    blocks = m.layers // par.pp  # one chunk a pipeline rank when generating
     cache = 2 * blocks * positions * (m.kv_heads // tp) * m.head_dim * e
     width = 4 * m.hidden + (3 * m.ffn_hidden + 2 * (m.heads + m.kv_heads) * m.head_dim) // tp
     passing = e * prompt * (width + 2 * (m.heads // tp) * prompt)

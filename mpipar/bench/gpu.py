@@ -91,7 +91,7 @@ def mpipar_train(seq: int, steps: int) -> dict[str, float]:
     from mpipar.config import Config, ModelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
     from mpipar.training.engine import Engine
-    from mpipar.plan.flops import model_flops_per_step
+    from mpipar.model.flops import model_flops_per_step
     import numpy as np, os, tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
     np.save(path, np.random.default_rng(0).integers(0, 32000, (8, seq + 1)))

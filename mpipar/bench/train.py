@@ -157,7 +157,7 @@ def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
                      f"{m['median_cpu_step_s']:>7.2f}/{t['median_cpu_step_s']:<7.2f} "
                      f"{t['median_cpu_step_s'] / m['median_cpu_step_s']:>9.2f}x")
         print(line)
-    print("tok/s from the median step; MFU = model FLOPs/step (mpipar.plan.flops.model_flops_per_step, the same "
+    print("tok/s from the median step; MFU = model FLOPs/step (mpipar.model.flops.model_flops_per_step, the same "
           "for both) / step time / the GEMM probe of the same threads x ranks; CPU s/step: median CPU "
           "time of rank 0's process (all its threads), per CPU s = torch/mpipar CPU time of a step (on a "
           "machine shared with other work, the 1-thread rows' fairest ratio)")

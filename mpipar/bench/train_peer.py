@@ -56,7 +56,7 @@ class MpiparPeer:
 
         from mpipar.runtime.peak import measure_peak_flops
         from mpipar.training.engine import Engine
-        from mpipar.plan.flops import model_flops_per_step
+        from mpipar.model.flops import model_flops_per_step
 
         self.comm = MPI.COMM_WORLD
         self.rank0 = self.comm.Get_rank() == 0

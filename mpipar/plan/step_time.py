@@ -34,7 +34,7 @@ from mpipar.parallel.context import SeqLayout, halo_plan, ring_hops
 from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.placement import padded_vocab
 from mpipar.parallel.traffic import element_bytes
-from mpipar.plan.flops import block_flops_per_token
+from mpipar.model.flops import block_flops_per_token
 from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group_sizes,
                               nodes_of, schedule_ops)
 from mpipar.plan.traffic import step_calls

@@ -85,7 +85,7 @@ class RunContext:
 def run(engine, start: int, ctx: RunContext) -> int:
     """The training loop and everything written around it (see the module docstring)."""
     from mpipar.observe import metrics
-    from mpipar.plan.flops import model_flops_per_step
+    from mpipar.model.flops import model_flops_per_step
 
     tr, rank0 = ctx.cfg.train, ctx.rank0
     t_run = time.perf_counter()
@@ -241,7 +241,7 @@ def _skipped_before(run_dir: str, start: int) -> int:
 def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float], flops: float,
                    wall_s: float) -> None:
     """Rank 0: timeline.json, summary.json and summary.txt of the run so far; prints the text."""
-    from mpipar import report
+    from mpipar.observe import summary as report
     from mpipar.training import failure
     from mpipar.observe import metrics
     run_dir = cfg.train.run_dir

@@ -1,0 +1,332 @@
+"""A run's summary and diagnosis: its numbers (steady-state step time, throughput, MFU, the time
+breakdown, bytes, memory, the pipeline bubble, validation), its bottleneck and what to change.
+Read from ``metrics.jsonl``, ``timeline.json`` and ``config.toml`` (each record checked: a
+malformed one is a ValueError naming the file and the field); written by every training run at
+its end and by ``python -m mpipar.report``, which adds the plots. Needs no matplotlib.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from mpipar.observe.metrics import TIME_KEYS, read_records
+
+LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
+          "pipeline_wait": "pipeline wait (bubble and transfers)",
+          "dp_comm": "DP gradient communication", "optimizer": "optimizer step",
+          "io": "I/O (checkpoints)"}
+
+
+BUBBLE_LIMIT = 0.30
+
+
+# ----------------------------------------------------------------------------------- loading
+def load_run(run_dir: str) -> tuple[list[dict], dict | None, dict | None]:
+    """(metrics records, timeline or None, config dict or None) of ``run_dir``, each checked to
+    hold what the analysis and the plots read (ValueError naming the file, step and field
+    otherwise: the files may come from elsewhere, or be damaged)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
+    records = read_records(path)
+    for record in records:
+        _check_record(record, path)
+    timeline = config = None
+    if os.path.exists(os.path.join(run_dir, "timeline.json")):
+        with open(os.path.join(run_dir, "timeline.json")) as fh:
+            timeline = json.load(fh)
+        _check_timeline(timeline, os.path.join(run_dir, "timeline.json"))
+    if os.path.exists(os.path.join(run_dir, "config.toml")):
+        with open(os.path.join(run_dir, "config.toml"), "rb") as fh:
+            config = tomllib.load(fh)
+        _check_config(config, os.path.join(run_dir, "config.toml"))
+    return records, timeline, config
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers(value: Any) -> bool:
+    """A list of numbers, or an object of them."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, list) and all(_number(v) for v in value)
+
+
+def _check_record(r: dict, path: str) -> None:
+    """A step record as :func:`mpipar.observe.metrics.step_record` writes it."""
+    checks = [(k, r.get(k), _number) for k in ("loss", "step_time_s", "tokens_per_s", "mfu")]
+    checks.append(("time", r.get("time"), lambda t: isinstance(t, dict) and all(
+        _number(t.get(k)) for k in TIME_KEYS)))
+    optional = {"memory_bytes": lambda v: isinstance(v, list) and _numbers(v),
+                "comm_bytes_max": lambda v: isinstance(v, dict) and _numbers(v),
+                "inter_node_bytes_max": _number, "skipped_steps": _number,
+                "eval": lambda v: isinstance(v, dict) and _number(v.get("loss"))
+                and _number(v.get("perplexity"))}
+    checks += [(k, r[k], ok) for k, ok in optional.items() if k in r]
+    for key, value, ok in checks:
+        if not ok(value):
+            raise ValueError(f"{path}: step {r['step']}: {key}={str(value)[:60]} is not what a "
+                             f"step record holds (see README, metrics.jsonl)")
+
+
+def _check_timeline(timeline: Any, path: str) -> None:
+    """``{"step": int, "ranks": [{"rank": int, "coord": {"pp": int, ...}, "ops": [[kind,
+    microbatch, chunk, start, end], ...]}, ...]}``."""
+    def rank_ok(r: Any) -> bool:
+        return (isinstance(r, dict) and isinstance(r.get("rank"), int)
+                and isinstance(r.get("coord"), dict) and isinstance(r["coord"].get("pp"), int)
+                and isinstance(r.get("ops"), list) and all(
+                    isinstance(o, list) and len(o) == 5 and isinstance(o[0], str)
+                    and _number(o[3]) and _number(o[4]) for o in r["ops"]))
+
+    if not (isinstance(timeline, dict) and isinstance(timeline.get("step"), int)
+            and isinstance(timeline.get("ranks"), list)):
+        raise ValueError(f"{path}: must be an object with an integer 'step' and a list 'ranks'")
+    bad = next((k for k, r in enumerate(timeline["ranks"]) if not rank_ok(r)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: ranks[{bad}] must be an object with an integer 'rank', a "
+                         f"'coord' with an integer 'pp' and 'ops' of [kind, microbatch, chunk, "
+                         f"start, end]")
+
+
+_CONFIG_FIELDS = {
+    "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 1, "virtual_stages": 1, "zero": 0,
+                 "ranks_per_node": 0, "schedule": str, "sp_mode": str, "sp_split": str,
+                 "dp_reduce": str, "grad_compression": str, "zero_shared": str},
+    "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": 1, "recompute": str,
+              "backend": str},
+    "model": {"layers": 1, "sliding_window": 0, "window_layers": str},
+}
+"""The config.toml fields the summary reads: a type, or the least integer allowed."""
+
+
+def _check_config(config: dict, path: str) -> None:
+    for section, fields in _CONFIG_FIELDS.items():
+        table = config.get(section, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: [{section}] must be a table")
+        for key, rule in fields.items():
+            if key not in table:
+                continue
+            value = table[key]
+            ok = (isinstance(value, str) if rule is str else
+                  isinstance(value, int) and not isinstance(value, bool) and value >= rule)
+            if not ok:
+                what = "a string" if rule is str else f"an integer >= {rule}"
+                raise ValueError(f"{path}: {section}.{key}={value!r} must be {what}")
+
+
+# ---------------------------------------------------------------------------------- analysis
+def timeline_bubble(timeline: dict | None) -> float | None:
+    """Mean over ranks of the fraction of the step spent blocked in pipeline receives."""
+    if not timeline or not timeline.get("ranks"):
+        return None
+    fractions = []
+    for rank in timeline["ranks"]:
+        ops = rank["ops"]
+        if not ops:
+            continue
+        span = max(o[4] for o in ops) - min(o[3] for o in ops)
+        wait = sum(o[4] - o[3] for o in ops if o[0].startswith("recv"))
+        fractions.append(wait / span if span > 0 else 0.0)
+    return statistics.mean(fractions) if fractions else None
+
+
+def steady_records(records: list[dict]) -> list[dict]:
+    """The steps after the first (warm-up: compilation, first touches), if there are any."""
+    return records[1:] if len(records) > 1 else records
+
+
+def summarize(records: list[dict], timeline: dict | None = None, config: dict | None = None,
+              status: str | None = None) -> dict[str, Any]:
+    """The numbers of a run: losses, medians of throughput, mean time breakdown, bytes, memory."""
+    if not records:
+        raise ValueError("summarize: no step records")
+    steady = steady_records(records)
+    finite = [r["loss"] for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
+    times = {k: statistics.mean(r["time"][k] for r in steady) for k in TIME_KEYS}
+    par = (config or {}).get("parallel", {})
+    tr = (config or {}).get("train", {})
+    out: dict[str, Any] = {
+        "status": status,
+        "steps": [records[0]["step"], records[-1]["step"]],
+        "loss_first": finite[0] if finite else None,
+        "loss_last": statistics.mean(finite[-5:]) if finite else None,
+        "loss_min": min(finite) if finite else None,
+        "step_time_s": statistics.median(r["step_time_s"] for r in steady),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady),
+        "time_s": times,
+        "comm_bytes_per_step": records[-1].get("comm_bytes_max", {}),
+        "inter_node_bytes_per_step": records[-1].get("inter_node_bytes_max", 0),
+        "memory_bytes": records[-1].get("memory_bytes", []),
+        "skipped_steps": records[-1].get("skipped_steps", 0),
+        "eval": _last_eval(records),
+        "layout": {k: par[k] for k in ("dp", "tp", "pp", "sp", "schedule", "virtual_stages",
+                                       "zero", "sp_mode", "sp_split", "ranks_per_node",
+                                       "dp_reduce", "grad_compression") if k in par},
+    }
+    if par.get("zero") == 3 and par.get("zero_shared", "off") != "off":
+        out["layout"]["zero_shared"] = par["zero_shared"]
+    if tr.get("global_batch_size") and tr.get("micro_batch_size") and par.get("dp"):
+        out["layout"]["micro_batch_size"] = tr["micro_batch_size"]
+        out["layout"]["microbatches"] = tr["global_batch_size"] // (par["dp"]
+                                                                  * tr["micro_batch_size"])
+    model = (config or {}).get("model", {})
+    if model.get("layers"):
+        out["layers"] = model["layers"]
+    if model.get("sliding_window"):
+        out["window"] = {"sliding_window": model["sliding_window"],
+                         "window_layers": model.get("window_layers", "all"),
+                         "seq_len": tr.get("seq_len")}
+    if tr.get("recompute"):
+        out["layout"]["recompute"] = tr["recompute"]
+        out["layout"]["backend"] = tr["backend"]
+    bubble = timeline_bubble(timeline)
+    if bubble is None:
+        pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
+        bubble = times["pipeline_wait"] / pipe if pipe > 0 else 0.0
+    out["bubble"] = bubble
+    return out
+
+
+def _last_eval(records: list[dict]) -> dict[str, Any] | None:
+    """The last validation of a run: ``step``, ``loss``, ``perplexity`` (None if none ran)."""
+    evals = [r for r in records if "eval" in r]
+    if not evals:
+        return None
+    return {"step": evals[-1]["step"], "loss": evals[-1]["eval"]["loss"],
+            "perplexity": evals[-1]["eval"]["perplexity"]}
+
+
+def diagnose(summary: dict[str, Any]) -> list[str]:
+    """The bottleneck (first line) and what to change (following lines) of a run summary."""
+    t = summary["time_s"]
+    total = sum(t.values()) or 1.0
+    frac = {k: v / total for k, v in t.items()}
+    worst = max(TIME_KEYS, key=lambda k: t[k])
+    lay = summary.get("layout", {})
+    dp, tp, pp, sp = (lay.get(k, 1) for k in ("dp", "tp", "pp", "sp"))
+    lines = [f"bottleneck: {LABELS[worst]} ({100 * frac[worst]:.0f}% of the step time)"]
+    bubble = summary.get("bubble", 0.0)
+    if pp > 1 and bubble > BUBBLE_LIMIT:
+        lines.append(f"pipeline bubble {100 * bubble:.0f}% > {100 * BUBBLE_LIMIT:.0f}%: use "
+                     + ", or ".join(_bubble_remedies(lay, summary.get("layers"))))
+    if tp > 1 and t["tp_comm"] > t["compute"]:
+        lines.append(f"TP communication ({t['tp_comm']:.3g} s) is above compute "
+                     f"({t['compute']:.3g} s): use a smaller --tp (e.g. --tp {tp // 2}) and give "
+                     f"the factor to dp or pp; keep tp within a node")
+    window = summary.get("window")
+    if sp > 1 and t["sp_comm"] > 0.5 * t["compute"]:
+        if window and lay.get("sp_mode") != "halo":
+            lines.append(f"SP communication ({t['sp_comm']:.3g} s) is over half of compute: with "
+                         f"a sliding window of {window['sliding_window']} tokens, --sp-mode halo "
+                         f"sends each rank only the K/V within the window (bytes grow with the "
+                         f"window, not the sequence); or use a smaller --sp")
+        else:
+            lines.append(f"SP communication ({t['sp_comm']:.3g} s) is over half of compute: use "
+                         f"a smaller --sp, --sp-overlap (ring), or --sp-mode ulysses; SP pays off "
+                         f"for long sequences")
+    if dp * sp > 1 and frac["dp_comm"] > 0.25:
+        lines.append(f"gradient reduction over dp x sp takes {100 * frac['dp_comm']:.0f}% of the "
+                     f"step: do more work per reduction (a larger global batch per rank), use "
+                     f"fewer DP ranks, or a larger --bucket-mb so reductions overlap backward")
+    if frac["optimizer"] > 0.25:
+        zero = (" --zero 1 shards it over dp x sp;" if dp * sp > 1 and not lay.get("zero")
+                else "")
+        lines.append(f"the optimizer step takes {100 * frac['optimizer']:.0f}% of the step:{zero} "
+                     f"larger batches amortise it")
+    if frac["io"] > 0.10:
+        lines.append(f"I/O takes {100 * frac['io']:.0f}% of the time: checkpoint less often "
+                     f"(--save-every)")
+    if summary.get("skipped_steps"):
+        lines.append(f"{summary['skipped_steps']} step(s) were skipped for a non-finite loss or "
+                     f"gradient norm: lower --lr, lengthen --warmup-steps or lower --clip-grad")
+    memory = [m for m in summary.get("memory_bytes", []) if m]
+    if len(memory) > 1 and max(memory) > 1.5 * min(memory):
+        hi, lo = memory.index(max(memory)), memory.index(min(memory))
+        lines.append(f"memory is unbalanced: rank {hi} peaks at {max(memory) / 2**20:.0f} MiB, "
+                     f"rank {lo} at {min(memory) / 2**20:.0f} MiB (pipeline stages with the "
+                     f"embedding or head, or ZeRO off); --recompute or --zero 1 lowers the peak")
+    if len(lines) == 1:
+        if worst == "compute":
+            kernels = ("; --backend auto (numba, or cupy on a GPU) is faster than numpy"
+                       if lay.get("backend") == "numpy" else "")
+            lines.append(f"compute-bound at MFU {100 * summary.get('mfu', 0):.1f}%: larger "
+                         f"microbatches use the GEMMs better{kernels}")
+        else:
+            lines.append(f"no rule fired; the largest share is {LABELS[worst]}")
+    return lines
+
+
+def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:
+    """What would shrink the pipeline bubble of a run with layout ``lay`` (its pp, schedule,
+    virtual stages, micro-batch size and microbatches) and ``layers`` blocks (None: unknown),
+    leaving out what the run already did."""
+    pp, v = lay["pp"], lay.get("virtual_stages", 1)
+    schedule, m, mbs = lay.get("schedule"), lay.get("microbatches"), lay.get("micro_batch_size")
+    now = f" (now {m} per step for pp={pp})" if m else ""
+    how = "a larger --global-batch-size" if mbs == 1 else "a smaller --micro-batch-size"
+    out = [f"more microbatches{now} with {how}"]
+    if layers is None:
+        fits = [2 * v]
+    else:
+        fits = [w for w in range(v + 1, layers // pp + 1) if layers % (pp * w) == 0]
+    if fits and schedule == "interleaved":
+        out.append(f"more virtual stages (--virtual-stages {fits[0]}, now {v})")
+    elif fits:
+        out.append(f"interleaving (--schedule interleaved --virtual-stages {fits[0]})")
+    if schedule != "zb-h1":
+        out.append("--schedule zb-h1")
+    return out
+
+
+def _window_text(window: dict[str, Any] | None) -> str:
+    if not window:
+        return "full causal"
+    seq = f" of seq_len {window['seq_len']}" if window.get("seq_len") else ""
+    return (f"sliding window {window['sliding_window']}{seq} on layers "
+            f"{window['window_layers']}")
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """Human-readable summary: the numbers, then :func:`diagnose`."""
+    s = summary
+    lay = s.get("layout", {})
+    t = s["time_s"]
+    total = sum(t.values()) or 1.0
+    loss = ("n/a" if s["loss_first"] is None else
+            f"{s['loss_first']:.4f} -> {s['loss_last']:.4f} (min {s['loss_min']:.4f})")
+    out = [f"run: steps {s['steps'][0]}..{s['steps'][1]}"
+           + (f", {s['status']}" if s.get("status") else ""),
+           "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
+           "attention: " + _window_text(s.get("window")),
+           f"loss: {loss}",
+           *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
+              f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
+             else []),
+           f"throughput: {s['tokens_per_s']:,.0f} tokens/s, step {s['step_time_s']:.4g} s, "
+           f"MFU {100 * s['mfu']:.2f}% (medians after step 1)",
+           "time per step (mean over ranks): " + ", ".join(
+               f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS),
+           f"pipeline bubble: {100 * s['bubble']:.0f}%",
+           "bytes per step (busiest rank): " + (", ".join(
+               f"{g} {b:,}" for g, b in s["comm_bytes_per_step"].items()) or "none")
+           + (f"; on the wire across nodes {s['inter_node_bytes_per_step']:,}"
+              if s.get("inter_node_bytes_per_step") else ""),
+           "peak memory per rank (MiB): " + ", ".join(
+               f"{m / 2**20:.0f}" for m in s["memory_bytes"]),
+           f"skipped steps: {s['skipped_steps']}"]
+    return "\n".join(out + diagnose(s)) + "\n"
+

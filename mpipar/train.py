@@ -184,6 +184,7 @@ def _claim(ctx: RunContext):
     cfg, lock, error = ctx.cfg, None, None
     try:
         check_memory(cfg, ctx.control.rank, ctx.on_node)
+        check_device_memory(cfg, ctx.control.rank, ctx.on_node)
         check_shared_memory(cfg, ctx.control.rank, ctx.on_node)
         rundir.prepare_outputs(cfg)
         if ctx.rank0:
@@ -226,6 +227,35 @@ def check_memory(cfg: Config, rank: int, on_node: int) -> None:
             f"rank(s), {share:,} each: use a smaller model or batch, spread it over more ranks "
             f"or nodes (--tp, --pp, --zero 1, --recompute), or set "
             f"train.allow_oversubscribed_memory (--allow-oversubscribed-memory) to start anyway")
+
+
+def check_device_memory(cfg: Config, rank: int, on_node: int,
+                        free: tuple[int, int] | None = None) -> None:
+    """On a CUDA device: refuse (ConfigError) a run whose rank ``rank`` is predicted to need
+    more than its share of its GPU's free memory, before anything is allocated there. The
+    planner's bytes of a rank (parameters, gradients, AdamW moments, activations, ZeRO's unit
+    pool; :func:`mpipar.plan.memory.predict_memory`) against the free memory of the GPU divided
+    among the ranks of the node that share it (``on_node`` ranks over the visible GPUs, as
+    :func:`mpipar.runtime.device.gpu_for` deals them out). ``free``: (free bytes of the GPU,
+    visible GPUs), asked from the device when None. ``--allow-oversubscribed-memory`` skips it."""
+    from mpipar.runtime.device import device_memory, resolve_device
+    if cfg.train.allow_oversubscribed_memory or resolve_device(cfg.train.device) != "cuda":
+        return
+    from mpipar.plan.memory import predict_memory
+    from mpipar.runtime.topology import rank_coord
+    available, gpus = free if free is not None else device_memory()
+    sharing = -(-on_node // max(gpus, 1))          # ranks dealt to one GPU, at most
+    share = available // sharing
+    par = cfg.parallel
+    need = predict_memory(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp)).total
+    if need > share:
+        raise ConfigError(
+            f"rank {rank} needs about {need:,} bytes of GPU memory ({need / 2**30:,.3g} GiB, the "
+            f"planner's estimate of its parameters, gradients, AdamW moments and activations) "
+            f"but its GPU has {available:,} bytes free for {sharing} rank(s), {share:,} each: "
+            f"use a smaller model or batch, fewer ranks per GPU, or spread it (--tp, --pp, "
+            f"--zero 1, --recompute), or set train.allow_oversubscribed_memory "
+            f"(--allow-oversubscribed-memory) to start anyway")
 
 
 def check_shared_memory(cfg: Config, rank: int, on_node: int) -> None:

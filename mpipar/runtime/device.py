@@ -77,6 +77,14 @@ def gpu_for(local: int, visible: int) -> int:
     return local % visible
 
 
+def device_memory() -> tuple[int, int]:
+    """(free bytes of the current CUDA device, visible CUDA devices): what the device memory
+    check divides among the ranks that share a GPU."""
+    import cupy
+    free, _total = cupy.cuda.runtime.memGetInfo()
+    return int(free), cupy.cuda.runtime.getDeviceCount()
+
+
 def select_device(device: str, comm: MPI.Comm) -> Device:
     """Make this rank's device current and say which it is (``device``: --device; on cuda a
     collective over ``comm`` finds the node-local rank). Call after the configuration rules."""

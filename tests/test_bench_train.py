@@ -14,7 +14,7 @@ from mpipar.bench.__main__ import build_parser, main
 from mpipar.bench.harness import mpirun
 from mpipar.bench.train import torch_missing
 from mpipar.bench.train_peer import train_config
-from mpipar.plan.flops import model_flops_per_step
+from mpipar.model.flops import model_flops_per_step
 
 pytest.importorskip("numba")
 

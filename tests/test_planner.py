@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_all_ranks, launch_env
 from layouts import small_config, token_source
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from mpipar.plan.flops import model_flops_per_step
+from mpipar.model.flops import model_flops_per_step
 from mpipar.plan.memory import predict_memory
 from mpipar.plan.search import auto_layout, plan_layouts
 from mpipar.plan.step_time import Hardware, predict_step_time

@@ -12,6 +12,7 @@ import pytest
 from conftest import launch_env
 
 from mpipar import report
+from mpipar.observe import summary as run_summary
 from mpipar.observe.metrics import TIME_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -90,7 +91,7 @@ def test_summary_numbers(tmp_path):
                _record(3, float("nan"), compute=0.25, dp_comm=0.25),
                _record(4, 3.0, compute=0.25, dp_comm=0.75)]
     records[2]["skipped"], records[2]["skipped_steps"], records[3]["skipped_steps"] = True, 1, 1
-    s = report.summarize(records, _timeline(), {"parallel": {"dp": 1, "pp": 2}})
+    s = run_summary.summarize(records, _timeline(), {"parallel": {"dp": 1, "pp": 2}})
     assert s["steps"] == [1, 4] and s["loss_first"] == 5.5 and s["loss_min"] == 3.0
     assert s["loss_last"] == pytest.approx((5.5 + 4.0 + 3.0) / 3)   # the skipped NaN left out
     assert s["time_s"]["dp_comm"] == pytest.approx((0.25 + 0.25 + 0.75) / 3)  # after step 1
@@ -108,7 +109,7 @@ def test_diagnosis_pipeline_bubble():
     s = _summary({"dp": 1, "tp": 1, "pp": 4, "sp": 1, "microbatches": 4}, compute=1.0,
                  pipeline_wait=1.2)
     s["bubble"] = 0.45
-    lines = report.diagnose(s)
+    lines = run_summary.diagnose(s)
     assert lines[0] == "bottleneck: pipeline wait (bubble and transfers) (55% of the step time)"
     assert "pipeline bubble 45% > 30%: use more microbatches (now 4 per step for pp=4)" in lines[1]
     assert "--schedule interleaved --virtual-stages 2" in lines[1]
@@ -137,8 +138,8 @@ def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
               "parallel": {"dp": 1, "tp": 1, "pp": 2, "sp": 1, **layout},
               "train": {"global_batch_size": 8 * mbs, "micro_batch_size": mbs}}
     records = [_record(k, 4.0, compute=1.0, pipeline_wait=1.0) for k in (1, 2)]
-    summary = report.summarize(records, None, config)  # what train and mpipar.report run
-    line = next(x for x in report.diagnose(summary) if x.startswith("pipeline bubble"))
+    summary = run_summary.summarize(records, None, config)  # what train and mpipar.report run
+    line = next(x for x in run_summary.diagnose(summary) if x.startswith("pipeline bubble"))
     assert line == f"pipeline bubble 50% > 30%: {advice}"
 
 
@@ -148,26 +149,26 @@ def test_summary_layout_names_zero3_in_node_shared_memory():
     records = [_record(k, 1.0, compute=1.0) for k in (1, 2)]
     for shared, want in (("node", {"zero": 3, "zero_shared": "node"}), ("off", {"zero": 3})):
         config = {"parallel": {"dp": 2, "zero": 3, "zero_shared": shared}, "train": {}}
-        layout = report.summarize(records, None, config)["layout"]
+        layout = run_summary.summarize(records, None, config)["layout"]
         assert {k: layout[k] for k in layout if k.startswith("zero")} == want
 
 
 def test_diagnosis_small_bubble_is_not_flagged():
     s = _summary({"pp": 4}, compute=1.0, pipeline_wait=0.2)
     s["bubble"] = 0.2
-    assert report.diagnose(s)[0].startswith("bottleneck: compute")
-    assert not any("bubble" in line for line in report.diagnose(s)[1:])
+    assert run_summary.diagnose(s)[0].startswith("bottleneck: compute")
+    assert not any("bubble" in line for line in run_summary.diagnose(s)[1:])
 
 
 def test_diagnosis_tensor_parallel_communication():
-    lines = report.diagnose(_summary({"dp": 2, "tp": 4, "pp": 1, "sp": 1}, compute=0.3,
+    lines = run_summary.diagnose(_summary({"dp": 2, "tp": 4, "pp": 1, "sp": 1}, compute=0.3,
                                      tp_comm=0.6))
     assert lines[0] == "bottleneck: TP communication (67% of the step time)"
     assert "use a smaller --tp (e.g. --tp 2)" in lines[1]
 
 
 def test_diagnosis_sequence_and_data_parallel():
-    lines = report.diagnose(_summary({"dp": 4, "sp": 2}, compute=1.0, sp_comm=0.8, dp_comm=1.2))
+    lines = run_summary.diagnose(_summary({"dp": 4, "sp": 2}, compute=1.0, sp_comm=0.8, dp_comm=1.2))
     assert lines[0] == "bottleneck: DP gradient communication (40% of the step time)"
     assert any("smaller --sp" in line for line in lines)
     assert any("gradient reduction over dp x sp takes 40%" in line for line in lines)
@@ -176,7 +177,7 @@ def test_diagnosis_sequence_and_data_parallel():
 def test_diagnosis_optimizer_io_skips_memory():
     s = _summary({"dp": 4}, compute=1.0, optimizer=1.0, io=0.5)
     s["skipped_steps"], s["memory_bytes"] = 2, [100 * 2**20, 400 * 2**20]
-    lines = report.diagnose(s)
+    lines = run_summary.diagnose(s)
     assert lines[0] == "bottleneck: compute (40% of the step time)"
     assert any("--zero 1 shards it over dp x sp" in line for line in lines)
     assert any("checkpoint less often" in line for line in lines)
@@ -185,12 +186,12 @@ def test_diagnosis_optimizer_io_skips_memory():
 
 
 def test_diagnosis_compute_bound():
-    lines = report.diagnose(_summary({"dp": 8, "backend": "numpy"}, compute=1.0, dp_comm=0.1))
+    lines = run_summary.diagnose(_summary({"dp": 8, "backend": "numpy"}, compute=1.0, dp_comm=0.1))
     assert lines == ["bottleneck: compute (91% of the step time)",
                      "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better; "
                      "--backend auto (numba, or cupy on a GPU) is faster than numpy"]
     # Already on the fast kernels: no advice to switch.
-    lines = report.diagnose(_summary({"dp": 8, "backend": "numba"}, compute=1.0, dp_comm=0.1))
+    lines = run_summary.diagnose(_summary({"dp": 8, "backend": "numba"}, compute=1.0, dp_comm=0.1))
     assert lines[1] == "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better"
 
 
@@ -218,16 +219,16 @@ def test_the_report_knows_the_sliding_window():
               "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 4, "sp_mode": "ring"},
               "train": {"seq_len": 1024, "global_batch_size": 4, "micro_batch_size": 1}}
     records = [_record(k, 4.0, compute=1.0, sp_comm=0.9) for k in (1, 2)]
-    summary = report.summarize(records, None, config)
+    summary = run_summary.summarize(records, None, config)
     assert summary["window"] == {"sliding_window": 64, "window_layers": "even", "seq_len": 1024}
-    text = report.summary_text(summary)
+    text = run_summary.summary_text(summary)
     assert "attention: sliding window 64 of seq_len 1024 on layers even" in text
-    advice = next(x for x in report.diagnose(summary) if x.startswith("SP communication"))
+    advice = next(x for x in run_summary.diagnose(summary) if x.startswith("SP communication"))
     assert "--sp-mode halo" in advice and "64 tokens" in advice
     config["parallel"]["sp_mode"] = "halo"
-    assert not any("--sp-mode halo" in x for x in report.diagnose(report.summarize(records, None,
+    assert not any("--sp-mode halo" in x for x in run_summary.diagnose(run_summary.summarize(records, None,
                                                                                    config)))
     del config["model"]["sliding_window"]
-    full = report.summarize(records, None, config)
-    assert "window" not in full and "attention: full causal" in report.summary_text(full)
-    assert not any("halo" in x for x in report.diagnose(full))
+    full = run_summary.summarize(records, None, config)
+    assert "window" not in full and "attention: full causal" in run_summary.summary_text(full)
+    assert not any("halo" in x for x in run_summary.diagnose(full))

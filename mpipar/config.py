@@ -169,8 +169,20 @@ class TrainConfig:
     micro_batch_size: int = _f(0, "sequences per microbatch on one DP rank; 0 means one microbatch "
                                   "(global_batch_size // dp)")
     lr: float = _f(3e-3, "peak learning rate")
-    min_lr: float = _f(3e-4, "final learning rate of the cosine schedule")
-    lr_schedule: str = _f("cosine", "learning-rate schedule", choices=("constant", "cosine"))
+    min_lr: float = _f(3e-4, "final learning rate of the cosine and wsd schedules")
+    lr_schedule: str = _f("cosine", "learning-rate schedule after the warm-up: constant (lr), "
+                                    "cosine (from lr to min_lr over the remaining steps), wsd "
+                                    "(warmup-stable-decay: lr until the last --decay-fraction "
+                                    "of the steps, which decay to min_lr; resuming a checkpoint "
+                                    "of the stable phase with more --steps extends the run)",
+                          choices=("constant", "cosine", "wsd"))
+    decay_fraction: float = _f(0.0, "--lr-schedule wsd: the fraction F in (0, 1] of the steps "
+                                    "that decays (the last F * steps, rounded, at least one); "
+                                    "0 with the other schedules")
+    decay_shape: str = _f("linear", "--lr-schedule wsd: how the decay falls from lr to min_lr "
+                                    "with progress p in (0, 1]: linear (1 - p), cosine "
+                                    "((1 + cos(pi p)) / 2) or sqrt (1 - sqrt(p), the WSD papers' "
+                                    "cool-down)", choices=("linear", "cosine", "sqrt"))
     warmup_steps: int = _f(5, "linear warm-up steps")
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (parameters with >= 2 dims only)")
     beta1: float = _f(0.9, "AdamW beta1")

@@ -33,7 +33,7 @@ from mpipar.checkpoint.directory import (INDEX, INDEX_SUM, CheckpointError, late
                                          list_checkpoints, require_own_file, resolve_path,
                                          sha256_file)
 from mpipar.checkpoint.index import HDF5_ERRORS, KINDS, Index, Mapping, read_index
-from mpipar.checkpoint.records import RunPosition
+from mpipar.checkpoint.records import LRScheduleState, RunPosition
 from mpipar.checkpoint.shards import NonFiniteError, RankState, Reader, Slices
 from mpipar.config import Config, ConfigError, ModelConfig
 
@@ -333,22 +333,48 @@ _RESUME_FIELDS = {
     "min_lr": "the learning rate of later steps differs from the checkpoint's run",
     "lr_schedule": "the learning rate of later steps differs from the checkpoint's run",
     "warmup_steps": "the learning rate of later steps differs from the checkpoint's run",
+    "decay_fraction": "the learning rate of later steps differs from the checkpoint's run",
+    "decay_shape": "the learning rate of later steps differs from the checkpoint's run",
     "dtype": "the saved state is cast to the new dtype",
 }
-"""Training settings whose change on resume is reported, with what the change means."""
+"""Training settings whose change on resume is reported, with what the change means (a wsd
+run's ``steps``: :func:`_wsd_steps_note`)."""
+
+
+def _wsd_steps_note(saved: dict[str, Any], now: LRScheduleState) -> str:
+    """What a new ``--steps`` means for a run resumed under the wsd schedule at step k, from a
+    checkpoint whose ``lr_schedule`` group is ``saved``: before its decay (k <= S, the decay's
+    first step in 0-based numbering) the learning rate of every step is that of a run started
+    with the new steps, so this is how a wsd run is extended; past it, the learning rate jumps.
+    Steps are named as metrics.jsonl numbers them (1-based)."""
+    k, n = now.next_step, now.total_steps
+    if k <= min(saved["decay_start"], now.decay_start):
+        return (f"the checkpoint is in the wsd schedule's stable phase, so every step's learning "
+                f"rate is that of a run started with {n} steps: stable to step "
+                f"{now.decay_start}, decaying to min_lr over steps {now.decay_start + 1}-{n} "
+                f"(the expected way to extend a wsd run)")
+    return (f"the checkpoint at step {k} is past the start of a wsd decay (the checkpoint's run "
+            f"decays from step {saved['decay_start'] + 1}, this run from step "
+            f"{now.decay_start + 1}): the learning rate of step {k + 1} is {now.next_lr:.6g} "
+            f"where the checkpoint's run had {saved['next_lr']:.6g}; a wsd run extends exactly "
+            f"from a checkpoint of its stable phase (step <= {saved['decay_start']})")
 
 
 def resume_changes(path: str | os.PathLike, position: RunPosition) -> list[str]:
-    """What a run resuming from the checkpoint at ``path`` at ``position`` (its configuration
-    and data cursor) does differently from the run that saved it (one line per change of
-    :data:`_RESUME_FIELDS`, or a data source of another size); empty when nothing changed and
-    the resumed run continues as the uninterrupted one would."""
+    """What a run resuming from the checkpoint at ``path`` at ``position`` (its configuration,
+    LR schedule and data cursor) does differently from the run that saved it (one line per
+    change of :data:`_RESUME_FIELDS`, or a data source of another size); empty when nothing
+    changed and the resumed run continues as the uninterrupted one would. A wsd run given more
+    ``steps`` is extended: its line says whether the checkpoint lies in the stable phase."""
     index = read_index(resolve_path(path))
     then, now, data = index.config.train, position.config.train, position.data
     samples = index.groups["data"]["num_samples"]
+    extending = then.lr_schedule == now.lr_schedule == "wsd"
     out = [f"train.{name} is {getattr(now, name)!r}, the checkpoint's run used "
-           f"{getattr(then, name)!r}: {meaning}" for name, meaning in _RESUME_FIELDS.items()
-           if getattr(now, name) != getattr(then, name)]
+           f"{getattr(then, name)!r}: "
+           + (_wsd_steps_note(index.groups["lr_schedule"], position.lr_schedule)
+              if name == "steps" and extending else meaning)
+           for name, meaning in _RESUME_FIELDS.items() if getattr(now, name) != getattr(then, name)]
     if samples != data.num_samples and (then.data, then.seq_len) == (now.data, now.seq_len):
         out.append(f"the data {data.path} holds {data.num_samples} samples of "
                    f"{now.seq_len} tokens, the checkpoint's run saw {samples}: "

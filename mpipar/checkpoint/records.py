@@ -31,11 +31,15 @@ class RankPlace:
 class LRScheduleState:
     """The learning-rate schedule, a function of the step: its settings and where it stands."""
 
-    kind: str             # "constant" or "cosine"
+    kind: str             # "constant", "cosine" or "wsd"
     lr: float
     min_lr: float
     warmup_steps: int
     total_steps: int
+    decay_fraction: float  # wsd: the fraction of total_steps that decays (0 otherwise)
+    decay_shape: str      # wsd: linear, cosine or sqrt
+    decay_start: int      # the first 0-based step below the peak after warm-up (wsd: the
+                          # decay's first; constant: total_steps, never)
     next_step: int        # the 0-based optimizer step a resumed run takes next
     next_lr: float        # its learning rate
 

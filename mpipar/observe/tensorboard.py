@@ -10,7 +10,17 @@ The few fields used are encoded by hand below (proto field numbers from TensorBo
 :class:`EventWriter` takes any flat ``{tag: number}`` dict per step; :func:`scalars` flattens a
 ``metrics.jsonl`` record into one (``time/compute``, ``comm_bytes/tp``, ``memory_bytes/rank_3``).
 ``--tensorboard DIR`` picks the directory (:func:`log_dir`); view it with
-``tensorboard --logdir DIR`` (``pip install 'mpipar[tensorboard]'``).
+``tensorboard --logdir DIR`` (``pip install 'mpipar[tensorboard]'``). Each step's event is
+flushed to the file before :meth:`EventWriter.add_scalars` returns.
+
+Why not a maintained writer (measured with a 51-number metrics record, one a step): tensorboardX
+imports PyTorch whenever it is importable (its ``writer`` module tries ``import torch``): rank 0
+of every run where PyTorch is installed (the tests' environment) starts 1.6-6.6 s later with
+190 MiB more, PyTorch in the run; without PyTorch its import takes 150-330 ms, this one 8-28 ms.
+Its ``add_scalar`` per number costs 4-10 ms a step, this writer 0.3-0.8 ms, and its ``flush()``
+does not wait for its queue (no step's event was in the file when it returned). TensorBoard's
+own ``EventFileWriter`` costs the same per step as this one but imports TensorFlow when that is
+installed (``tensorboard.compat.tf``). The tests read these files with TensorBoard's reader.
 """
 from __future__ import annotations
 

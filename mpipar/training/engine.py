@@ -132,8 +132,7 @@ class Engine:
                                 dtype=self.dtype, xp=self.xp,
                                 reducer=None if self.sharded else self.reducer,
                                 sharded=self.sharded)
-        self.schedule = LRSchedule(tr.lr_schedule, tr.lr, tr.min_lr, tr.warmup_steps,
-                                   max(1, tr.steps))
+        self.schedule = LRSchedule.of(tr)
         self.rows_per_dp = layout.rows_per_dp
         self.microbatches = layout.microbatches
         ops = build_schedule(par.schedule, par.pp, self.microbatches, par.virtual_stages)
@@ -337,7 +336,9 @@ class Engine:
         ``self.state``)."""
         s, tr = self.schedule, self.cfg.train
         lr = LRScheduleState(kind=s.kind, lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
-                             total_steps=s.total_steps, next_step=step, next_lr=s(step))
+                             total_steps=s.total_steps, decay_fraction=s.decay_fraction,
+                             decay_shape=s.decay_shape, decay_start=s.decay_start,
+                             next_step=step, next_lr=s(step))
         data = DataCursor(path=str(self.source.path), seed=tr.seed, shuffle=tr.shuffle,
                           global_batch_size=tr.global_batch_size, seq_len=tr.seq_len,
                           num_samples=self.source.num_samples, next_step=step,

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.runtime.comm import Group
-from mpipar.config import ConfigError
+from mpipar.config import ConfigError, TrainConfig
 from mpipar.layout import Layout
 
 
@@ -394,24 +394,62 @@ def clip_grads(grads: Mapping[str, Any], max_norm: float, total_norm: float) -> 
     return coef
 
 
+SCHEDULES = ("constant", "cosine", "wsd")
+"""The learning-rate schedules (:class:`LRSchedule`'s ``kind``)."""
+
+DECAY_SHAPES = {
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    "sqrt": lambda p: 1.0 - math.sqrt(p),
+}
+"""The decay shapes of the wsd schedule: the fraction f(p) of (lr - min_lr) left at decay
+progress p in [0, 1] (f(0) = 1, f(1) = 0)."""
+
+
 @dataclass
 class LRSchedule:
-    """Learning rate of each optimizer step: linear warm-up, then constant or cosine decay."""
+    """Learning rate of each optimizer step: linear warm-up, then constant, cosine decay, or
+    warmup-stable-decay (wsd).
+
+    With ``s`` the 0-based step, W = ``warmup_steps``, N = ``total_steps``::
+
+        s < W:     lr * (s + 1) / W                                  (every kind)
+        constant:  lr
+        cosine:    min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2,   p = min(1, (s - W) / (N - W))
+        wsd:       lr                                                for s < S
+                   min_lr + (lr - min_lr) * f(p)                     for s >= S,
+                   D = max(1, floor(F * N + 1/2))   (F = decay_fraction: the decay's steps)
+                   S = max(W, N - D)                (the first decaying step)
+                   p = min(1, (s + 1 - S) / (N - S))
+                   f(p) = 1 - p (linear), (1 + cos(pi * p)) / 2 (cosine), 1 - sqrt(p) (sqrt)
+
+    wsd holds ``lr`` until the last D steps (those after warm-up, if fewer), whose learning
+    rates fall to ``min_lr``, reached at the last step (s = N - 1). Before S the learning rate
+    does not depend on N: a run resumed from a checkpoint taken at step k <= S with a larger N
+    has the learning rate, at every step, of a run started with that N (how a wsd run is
+    extended). sqrt is the "1 - sqrt" cool-down of the WSD papers (Hägele et al., 2024).
+    """
 
     kind: str
-    """"constant" or "cosine"."""
+    """One of :data:`SCHEDULES`."""
     lr: float
     """Peak learning rate, reached at the end of warm-up."""
     min_lr: float = 0.0
-    """Final learning rate of the cosine decay (ignored by "constant")."""
+    """Final learning rate of the decay (ignored by "constant")."""
     warmup_steps: int = 0
     """Steps of linear warm-up: step s < warmup_steps gets lr * (s + 1) / warmup_steps."""
     total_steps: int = 1
-    """Step at which the cosine reaches min_lr (and stays there)."""
+    """The run's steps: the cosine reaches min_lr at step total_steps, wsd at its last step
+    (total_steps - 1)."""
+    decay_fraction: float = 0.0
+    """wsd: the fraction of ``total_steps`` that decays, in (0, 1]; 0 for the other kinds."""
+    decay_shape: str = "linear"
+    """wsd: one of :data:`DECAY_SHAPES`; "linear" for the other kinds."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("constant", "cosine"):
-            raise ValueError(f"kind={self.kind!r}: must be 'constant' or 'cosine'")
+        if self.kind not in SCHEDULES:
+            raise ValueError(f"kind={self.kind!r}: must be "
+                             + " or ".join(repr(k) for k in SCHEDULES))
         if not self.lr >= 0:
             raise ValueError(f"lr={self.lr}: must be >= 0")
         if not 0 <= self.min_lr <= self.lr:
@@ -420,6 +458,36 @@ class LRSchedule:
             raise ValueError(f"warmup_steps={self.warmup_steps}: must be >= 0")
         if self.total_steps < 1:
             raise ValueError(f"total_steps={self.total_steps}: must be >= 1")
+        self._check_decay()
+
+    def _check_decay(self) -> None:
+        """The wsd fields: a decay fraction in (0, 1] and a known shape with wsd, neither set
+        with another kind."""
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ValueError(f"decay_shape={self.decay_shape!r}: must be one of "
+                             f"{', '.join(DECAY_SHAPES)}")
+        if self.kind == "wsd":
+            if not 0 < self.decay_fraction <= 1:
+                raise ValueError(f"decay_fraction={self.decay_fraction}: the wsd schedule needs "
+                                 f"the fraction of the steps that decays, in (0, 1]")
+            return
+        if self.decay_fraction != 0:
+            raise ValueError(f"decay_fraction={self.decay_fraction}: only with the wsd "
+                             f"schedule (the schedule is {self.kind!r})")
+        if self.decay_shape != "linear":
+            raise ValueError(f"decay_shape={self.decay_shape!r}: only with the wsd schedule "
+                             f"(the schedule is {self.kind!r})")
+
+    @property
+    def decay_start(self) -> int:
+        """The first 0-based step below the peak after warm-up: S for wsd, ``warmup_steps`` + 1
+        for the cosine, ``total_steps`` (never) for "constant"."""
+        if self.kind == "constant":
+            return self.total_steps
+        if self.kind == "cosine":
+            return self.warmup_steps + 1
+        decay = max(1, math.floor(self.decay_fraction * self.total_steps + 0.5))
+        return max(self.warmup_steps, self.total_steps - decay)
 
     def __call__(self, step: int) -> float:
         """Learning rate for the optimizer step about to be taken (`step` is 0-based)."""
@@ -429,9 +497,21 @@ class LRSchedule:
             return self.lr * (step + 1) / self.warmup_steps
         if self.kind == "constant":
             return self.lr
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        if self.kind == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
+            return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        start = self.decay_start
+        if step < start:
+            return self.lr
+        progress = min(1.0, (step + 1 - start) / max(1, self.total_steps - start))
+        return self.min_lr + (self.lr - self.min_lr) * DECAY_SHAPES[self.decay_shape](progress)
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> LRSchedule:
+        """The schedule a run's train section (:class:`mpipar.config.TrainConfig`) asks for."""
+        return cls(train.lr_schedule, train.lr, train.min_lr, train.warmup_steps,
+                   max(1, train.steps), train.decay_fraction, train.decay_shape)
 
 
 def check_config(layout: Layout) -> None:
@@ -439,6 +519,6 @@ def check_config(layout: Layout) -> None:
     t = layout.train
     try:
         AdamWConfig(t.lr, t.beta1, t.beta2, t.eps, t.weight_decay)
-        LRSchedule(t.lr_schedule, t.lr, t.min_lr, t.warmup_steps, max(1, t.steps))
+        LRSchedule.of(t)
     except ValueError as exc:
         raise ConfigError(f"train.{exc}") from None

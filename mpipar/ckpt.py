@@ -35,9 +35,11 @@ def _inspect(path: str, as_json: bool) -> int:
     print("layout: " + " ".join(f"{k}={v}" for k, v in lay.items()))
     print("model:  " + " ".join(f"{k}={v}" for k, v in info["model"].items()))
     sched = info["lr_schedule"]
+    decay = (f", {sched['decay_shape']} decay from step {sched['decay_start'] + 1} "
+             f"({sched['decay_fraction']:g} of the steps)" if sched["kind"] == "wsd" else "")
     print(f"lr:     {sched['kind']} peak {sched['lr']:g} min {sched['min_lr']:g} warm-up "
-          f"{sched['warmup_steps']} of {sched['total_steps']}; next step {sched['next_step']} "
-          f"lr {sched['next_lr']:.6g}")
+          f"{sched['warmup_steps']} of {sched['total_steps']}{decay}; next step "
+          f"{sched['next_step']} lr {sched['next_lr']:.6g}")
     data = info["data"]
     print(f"data:   {data['path']} ({data['num_samples']} samples of {data['seq_len']}), seed "
           f"{data['seed']}, shuffle {data['shuffle']}, batch {data['global_batch_size']}; "

@@ -162,3 +162,16 @@ def test_one_place_resolves(pattern):
             if p.name != "test_architecture.py"
             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(pattern, line)]
     assert not hits, hits
+
+
+def test_every_package_is_installed():
+    """A non-editable install carries every package: setup.cfg lists each folder of mpipar/
+    that holds modules (kernels/ is installed as mpipar.kernels)."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = {".".join(p.relative_to(ROOT).parts) for p in PACKAGE.rglob("*")
+             if p.is_dir() and (p / "__init__.py").exists()} | {"mpipar", "mpipar.kernels"}
+    assert listed == found, f"setup.cfg lists {sorted(listed - found)} too many, " \
+                            f"{sorted(found - listed)} missing"

@@ -1,0 +1,68 @@
+"""The GPU backend's choices, on the host: which bf16 attention backend a model gets and why
+(``kernels.gpu_bf16.attention_choice``), the per-call fallback of ``auto``, and the routing of a
+call by the dtype of its first array. The kernels themselves are faked: nothing here needs CuPy
+or a device (tests/gpu runs the real ones)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mpipar.kernels import cudnn_attention, flash_mma, gpu_bf16
+
+
+@pytest.fixture
+def backends(monkeypatch):
+    """Set what cuDNN and mpipar's kernel say about a case: None (takes it) or a reason."""
+    said = {"cudnn": None, "mpipar": None}
+    monkeypatch.setattr(cudnn_attention, "supports", lambda *a, **k: said["cudnn"])
+    monkeypatch.setattr(flash_mma, "supports", lambda *a, **k: said["mpipar"])
+    return said
+
+
+def test_auto_takes_cudnn_where_it_can_and_says_why_when_it_cannot(backends):
+    got = gpu_bf16.attention_choice("auto", head_dim=128)
+    assert got.backend == "cudnn" and "takes the model's attention" in got.describe()
+    backends["cudnn"] = "cudnn is not importable (ModuleNotFoundError)"
+    got = gpu_bf16.attention_choice("auto", head_dim=128)
+    assert got.backend == "mpipar"
+    assert got.describe() == ("attention: mpipar (cuDNN not used: cudnn is not importable "
+                              "(ModuleNotFoundError))")
+
+
+def test_an_explicit_choice_that_cannot_run_is_refused_with_the_reason(backends):
+    backends["cudnn"] = "the cuDNN attention backend takes bfloat16 only"
+    with pytest.raises(ValueError, match="attention backend 'cudnn': the cuDNN attention"):
+        gpu_bf16.attention_choice("cudnn", head_dim=128)
+    backends["mpipar"] = "flash_mma: head_dim=48 is not one of (32, 64, 96, 128)"
+    with pytest.raises(ValueError, match="attention backend 'mpipar': flash_mma: head_dim=48"):
+        gpu_bf16.attention_choice("mpipar", head_dim=48)
+    with pytest.raises(ValueError, match="no bf16 attention kernel.*cuDNN.*mpipar"):
+        gpu_bf16.attention_choice("auto", head_dim=48)
+    with pytest.raises(ValueError, match="must be one of auto, cudnn, mpipar"):
+        gpu_bf16.attention_choice("flash3", head_dim=128)
+
+
+def test_auto_sends_a_case_cudnn_refuses_to_mpipars_kernel(backends, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cudnn_attention, "attention_fwd", lambda *a: calls.append("cudnn"))
+    monkeypatch.setattr(flash_mma, "attention_fwd", lambda *a: calls.append("mpipar"))
+    q = np.zeros((1, 8, 2, 64), ml_dtypes.bfloat16)
+    fwd, _ = gpu_bf16.attention_ops(gpu_bf16.attention_choice("auto", head_dim=64))
+    fwd(q, q, q)
+    backends["cudnn"] = "a mask cuDNN cannot express"
+    fwd(q, q, q)
+    assert calls == ["cudnn", "mpipar"]
+    backends["cudnn"] = None                            # asked for: always cuDNN, no fallback
+    fwd, _ = gpu_bf16.attention_ops(gpu_bf16.attention_choice("cudnn", head_dim=64))
+    backends["cudnn"] = "a mask cuDNN cannot express"
+    fwd(q, q, q)
+    assert calls == ["cudnn", "mpipar", "cudnn"]
+
+
+def test_a_call_is_routed_by_the_dtype_of_its_first_array():
+    op = gpu_bf16.by_dtype(lambda x, y=0: ("float", x.dtype), lambda x, y=0: ("bf16", x.dtype))
+    assert op(np.zeros(2, np.float32))[0] == "float"
+    assert op(np.zeros(2, np.float64), y=1)[0] == "float"
+    assert op(np.zeros(2, ml_dtypes.bfloat16))[0] == "bf16"
+    assert op(x=np.zeros(2, ml_dtypes.bfloat16))[0] == "bf16"

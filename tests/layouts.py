@@ -44,6 +44,18 @@ def small_config(dtype: str = "float64", model: str = "llama", **parallel) -> Co
     )
 
 
+EVAL_FRACTION, EVAL_BATCHES = 0.25, 2
+"""The validation split of the test model's 64 samples: 16 held out = 2 batches of 8."""
+
+
+def eval_config(dtype: str = "float64", **parallel) -> Config:
+    """The test model (:func:`small_config`) validating on :data:`EVAL_BATCHES` batches of a
+    held-out :data:`EVAL_FRACTION` of its samples."""
+    cfg = small_config(dtype, **parallel)
+    cfg.train.eval_fraction, cfg.train.eval_batches = EVAL_FRACTION, EVAL_BATCHES
+    return cfg
+
+
 @functools.lru_cache(maxsize=None)
 def token_source(seq_len: int = 16):
     import tempfile, os
@@ -97,3 +109,24 @@ def compare(got, ref, tol: float) -> list[str]:
         if not err <= tol:
             fails.append(f"{name}: rel err {err:.3g}")
     return fails
+
+
+def global_state(eng, world) -> dict[tuple[str, str], np.ndarray]:
+    """Assemble every global tensor of params and AdamW moments from all ranks' unique pieces,
+    and check that no element is reported twice."""
+    mine = []
+    for kind, name, lo, hi, values in eng.state.pieces():
+        region, valid = eng.state.region(name)
+        mine.append((kind, name, region, valid, eng.state.local_shape(name), (lo, hi),
+                     values.copy()))
+    out: dict[tuple[str, str], np.ndarray] = {}
+    for items in world.allgather(mine):
+        for kind, name, region, valid, local_shape, flat_range, values in items:
+            arr = out.setdefault((kind, name), np.full(eng.state.shapes[name], np.nan))
+            flat = np.full(int(np.prod(local_shape)), np.nan)  # a flat range of that rank's shard
+            flat[flat_range[0]:flat_range[1]] = values
+            block = flat.reshape(local_shape)[valid]
+            target = arr[region]
+            assert np.isnan(target[~np.isnan(block)]).all(), f"{kind}/{name} reported twice"
+            target[~np.isnan(block)] = block[~np.isnan(block)]
+    return out

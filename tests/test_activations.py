@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 import pytest
 
+from activation_dumps import dumping_engine, reference_tensors, single_process_dump
 from conftest import assert_all_ranks
 from layouts import layout_name, layout_size, small_config, token_source
 from mpipar.checkpoint.activations import (ActivationRecorder, OffloadStore, load_global, step_dir,
@@ -25,23 +26,6 @@ from mpipar.checkpoint.activations import (ActivationRecorder, OffloadStore, loa
 from mpipar.model.llama import ACTIVATION_NAMES
 from mpipar.model.params import init_params
 from mpipar.rules import validate
-
-
-def _engine(cfg, comm, run_dir: str, dump: str):
-    from mpipar.training.engine import Engine
-    cfg.train.run_dir, cfg.train.dump_activations = run_dir, dump
-    return Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-
-
-@functools.lru_cache(maxsize=None)
-def single_process_dump() -> str:
-    """Run dir of a 2-step single-process run that dumped steps 1 and 2."""
-    from mpi4py import MPI
-    run_dir = tempfile.mkdtemp(prefix="mpipar-act-ref-")
-    eng = _engine(small_config("float64"), MPI.COMM_SELF, run_dir, "1,2")
-    for k in range(2):
-        eng.train_step(k)
-    return run_dir
 
 
 # --------------------------------------------------------------------------- serial
@@ -93,8 +77,8 @@ def test_dump_records_the_forward_pass_only_under_recompute(mode, tmp_path):
     from mpi4py import MPI
     cfg = small_config("float64")
     cfg.train.recompute = mode
-    _engine(cfg, MPI.COMM_SELF, str(tmp_path), "1").train_step(0)
-    for (i, name), want in _reference_tensors(1).items():
+    dumping_engine(cfg, MPI.COMM_SELF, str(tmp_path), "1").train_step(0)
+    for (i, name), want in reference_tensors(1).items():
         assert np.array_equal(load_global(tmp_path, 1, i, name), want), (i, name)
 
 
@@ -209,14 +193,6 @@ def test_offload_store_round_trips_nested_structures(tmp_path):
 # ------------------------------------------------------------------------- mpirun
 
 
-@functools.lru_cache(maxsize=None)
-def _reference_tensors(step: int) -> dict[tuple[int, str], np.ndarray]:
-    run_dir = single_process_dump()
-    layers = small_config().model.layers
-    return {(i, n): load_global(run_dir, step, i, n) for i in range(layers)
-            for n in ACTIVATION_NAMES}
-
-
 LAYOUTS = [dict(tp=2, sp=2, pp=2, sp_split="zigzag"),
            dict(dp=2, tp=2, pp=2),
            dict(dp=2, sp=4, sp_split="zigzag", sp_overlap=True),
@@ -235,14 +211,14 @@ def test_dumps_reassemble_to_the_single_process_activations(world, layout):
     fails: list[str] = []
     try:
         run_dir = os.path.join(base, str(color))
-        eng = _engine(small_config("float64", **layout), comm, run_dir, "2")
+        eng = dumping_engine(small_config("float64", **layout), comm, run_dir, "2")
         for k in range(2):
             eng.train_step(k)
         comm.Barrier()  # every rank's file is renamed into place
         if comm.rank == 0:
             assert len(os.listdir(step_dir(run_dir, 2))) == size
             assert not os.path.exists(step_dir(run_dir, 1))
-            for (i, name), want in _reference_tensors(2).items():
+            for (i, name), want in reference_tensors(2).items():
                 got = load_global(run_dir, 2, i, name)
                 err = np.abs(got - want).max()
                 if not err <= 1e-12:

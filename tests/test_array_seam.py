@@ -16,76 +16,14 @@ import numpy as np
 import pytest
 
 from conftest import assert_all_ranks
+from xp_guard import guarded_step
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.rules import validate
-
-HOT_PATH = ("mpipar.training.engine", "mpipar.runtime.comm", "mpipar.model.llama", "mpipar.model.attention",
-            "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data_parallel",
-            "mpipar.parallel.compression", "mpipar.parallel.pipeline.executor")
-ALLOWED = {"dtype", "inf", "nan", "ndarray", "generic", "integer", "floating", "bool_"}
-
-
-class RecordingXP(types.ModuleType):
-    """NumPy, counting each function called through it."""
-
-    def __init__(self) -> None:
-        super().__init__("recording_xp")
-        self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name: str):
-        value = getattr(np, name)
-        if callable(value) and not isinstance(value, type):
-            def counted(*args, **kwargs):
-                self.calls[name] = self.calls.get(name, 0) + 1
-                return value(*args, **kwargs)
-            return counted
-        return value
-
-
-class NumpyGuard(types.ModuleType):
-    """Stands in for ``np`` in a hot-path module: types, dtypes and constants only."""
-
-    def __init__(self, module: str) -> None:
-        super().__init__("numpy_guard")
-        self.module = module
-
-    def __getattr__(self, name: str):
-        value = getattr(np, name)
-        if isinstance(value, (type, float, np.dtype)) or name in ALLOWED:
-            return value
-        raise AssertionError(f"np.{name} called in {self.module} during a training step: "
-                             f"allocate from the backend's xp")
-
-
-def _guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
-    """Two steps and a validation pass (on a separate file: the training data stays the
-    reference's) with the seam swapped in; returns (losses, norms, params) and the recorder. The
-    validation loss must equal an unguarded pass's."""
-    from mpipar.training import engine as engine_mod
-    from mpipar.runtime.device import training_backend
-
-    recording = RecordingXP()
-    backend = dataclasses.replace(training_backend("numpy"), xp=recording)
-    monkeypatch.setattr(engine_mod, "training_backend", lambda name, device="cpu": backend)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2,
-                                                             eval_data=token_source().path))
-    eng = engine_mod.Engine(validate(cfg, comm.Get_size()), comm, source=token_source())
-    for name in HOT_PATH:
-        module = importlib.import_module(name)
-        if hasattr(module, "np"):
-            monkeypatch.setattr(module, "np", NumpyGuard(name))
-    results = [eng.train_step(k) for k in range(2)]
-    guarded = eng.evaluate().loss
-    monkeypatch.undo()
-    assert guarded == eng.evaluate().loss
-    return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params()), \
-        recording
-
 
 def test_one_process_step_allocates_through_xp(monkeypatch):
     from mpi4py import MPI
 
-    got, recording = _guarded_step(monkeypatch, small_config(), MPI.COMM_SELF)
+    got, recording = guarded_step(monkeypatch, small_config(), MPI.COMM_SELF)
     assert compare(got, reference("float64"), 1e-12) == []
     # The microbatches cross once each; the loss weight, the loss and norm buffers are xp's.
     assert recording.calls.get("asarray", 0) >= 2 * 2 * 8 and recording.calls.get("full") == 2
@@ -110,7 +48,7 @@ def test_every_layout_allocates_through_xp(world, layout):
     fails: list[str] = []
     patch = pytest.MonkeyPatch()
     try:
-        got, recording = _guarded_step(patch, small_config(**layout), comm)
+        got, recording = guarded_step(patch, small_config(**layout), comm)
         fails += compare(got, reference("float64"), 1e-10)
         if not recording.calls.get("empty"):
             fails.append(f"no receive or ring buffer came from xp: {recording.calls}")
@@ -133,7 +71,7 @@ def test_compressed_reduction_allocates_through_xp(world, layout):
     patch = pytest.MonkeyPatch()
     try:
         want = run(small_config(**layout), world)[:3]
-        got, recording = _guarded_step(patch, small_config(**layout), world)
+        got, recording = guarded_step(patch, small_config(**layout), world)
         fails += compare(got, want, 0.0)
         if not recording.calls.get("rint" if "int8" in layout.values() else "argpartition"):
             fails.append(f"the codec did not run through xp: {recording.calls}")

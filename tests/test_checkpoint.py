@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from layouts import small_config, token_source
+from hdf5_damage import invert_chunk_bytes
+from layouts import VOCAB, small_config, token_source
 from mpipar.checkpoint import directory, reader, tools, writer
 from mpipar.checkpoint.index import KINDS
 from mpipar.config import ConfigError
@@ -21,7 +22,6 @@ from mpipar.rules import validate
 from mpipar.runtime.comm import Group, Ledger
 
 from conftest import launch_env, mpirun, needs_mpirun
-VOCAB = 13
 
 
 # ------------------------------------------------------------------ flat pieces -> rectangles
@@ -151,17 +151,6 @@ def test_load_restores_the_state_exactly(saved):
         assert np.array_equal(eng.optimizer.v[name], state["exp_avg_sq"][name])
 
 
-def _flip_data_bytes(shard, dataset: str) -> None:
-    """Invert 8 bytes inside the first stored chunk of ``dataset``."""
-    with h5py.File(shard, "r") as f:
-        offset = f[dataset].id.get_chunk_info(0).byte_offset
-    with open(shard, "r+b") as fh:
-        fh.seek(offset + 8)
-        data = fh.read(8)
-        fh.seek(offset + 8)
-        fh.write(bytes(b ^ 0xFF for b in data))
-
-
 def _zero_bytes(path, offset: int, count: int) -> None:
     with open(path, "r+b") as fh:
         fh.seek(offset)
@@ -169,7 +158,7 @@ def _zero_bytes(path, offset: int, count: int) -> None:
 
 
 DAMAGE = {
-    "flipped": (lambda p: _flip_data_bytes(p / "shard_00000.h5", "param/norm.weight/0"),
+    "flipped": (lambda p: invert_chunk_bytes(p / "shard_00000.h5", "param/norm.weight/0"),
                 ["shard_00000.h5", "sha256", "param/norm.weight/0", "fletcher32"]),
     "truncated": (lambda p: os.truncate(p / "shard_00000.h5", 5000),
                   ["shard_00000.h5", "5000 bytes", "truncated"]),
@@ -478,7 +467,7 @@ def test_flipped_bytes_are_named_and_resume_auto_falls_back(tmp_path, data):
     common = ["--dtype", "float64", "--steps", "2", "--save-dir", str(save)]
     train(1, tmp_path / "a", *common, "--save-every", "1", data=data)
     shard = save / "step_00000002" / "shard_00000.h5"
-    _flip_data_bytes(shard, "exp_avg/lm_head.weight/0")
+    invert_chunk_bytes(shard, "exp_avg/lm_head.weight/0")
     proc = subprocess.run([sys.executable, "-m", "mpipar.ckpt", "verify", str(save)],
                           capture_output=True, text=True, timeout=60, env=launch_env())
     assert proc.returncode == 1

@@ -205,11 +205,10 @@ def test_residuals_load_slot_by_slot_or_summed(world):
     import tempfile
     from pathlib import Path
 
-    from layouts import small_config, token_source
+    from layouts import global_state, small_config, token_source
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
-    from test_state import global_state
 
     root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ef-") if world.rank == 0 else None))
     fails = []

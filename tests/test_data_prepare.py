@@ -10,19 +10,12 @@ import numpy as np
 import pytest
 
 from conftest import launch_env
+from hdf5_damage import invert_chunk_bytes
+from text_files import write_texts
 
 from mpipar.data.prepare import prepare_tokens
 from mpipar.data.cli import main
 from mpipar.data.sources import DataError, load_tokens
-
-
-def _texts(tmp_path, contents: list[bytes], prefix: str = "t") -> list[str]:
-    paths = []
-    for i, data in enumerate(contents):
-        p = tmp_path / f"{prefix}{i}.txt"
-        p.write_bytes(data)
-        paths.append(str(p))
-    return paths
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
@@ -30,7 +23,7 @@ def test_prepare_writes_the_concatenated_bytes(tmp_path, chunk):
     rng = np.random.default_rng(0)
     contents = [b"hello world\n", bytes(rng.integers(0, 256, 100, dtype=np.uint8)), b"",
                 "caf\u00e9 \u2603\n".encode()]
-    paths = _texts(tmp_path, contents)
+    paths = write_texts(tmp_path, contents)
     out = tmp_path / "tokens.h5"
     assert prepare_tokens(paths, out, chunk_tokens=chunk) == sum(map(len, contents))
     want = np.frombuffer(b"".join(contents), dtype=np.uint8)
@@ -51,7 +44,7 @@ def test_prepare_writes_the_concatenated_bytes(tmp_path, chunk):
 
 
 def test_prepare_command_line(tmp_path, capsys):
-    paths = _texts(tmp_path, [b"abc" * 10, b"xyz" * 5])
+    paths = write_texts(tmp_path, [b"abc" * 10, b"xyz" * 5])
     out = tmp_path / "t.hdf5"
     assert main(["prepare", *paths, "--out", str(out)]) == 0
     assert "45 byte tokens" in capsys.readouterr().out
@@ -63,10 +56,10 @@ def test_prepare_command_line(tmp_path, capsys):
     ("missing", "does not exist"), ("directory", "is a directory"),
     ("suffix", "must end in .h5"), ("empty", "hold no bytes")])
 def test_prepare_rejects_bad_input(tmp_path, capsys, case, message):
-    good = _texts(tmp_path, [b"some text"])
+    good = write_texts(tmp_path, [b"some text"])
     out = str(tmp_path / "o.h5")
     args = {"missing": [str(tmp_path / "nope.txt")], "directory": [str(tmp_path)],
-            "suffix": good, "empty": _texts(tmp_path, [b"", b""], "e")}[case]
+            "suffix": good, "empty": write_texts(tmp_path, [b"", b""], "e")}[case]
     if case == "suffix":
         out = str(tmp_path / "o.bin")
     with pytest.raises(DataError, match=message):
@@ -77,7 +70,7 @@ def test_prepare_rejects_bad_input(tmp_path, capsys, case, message):
 
 
 def test_prepare_module_entry_point(tmp_path):
-    paths = _texts(tmp_path, [b"0123456789" * 3])
+    paths = write_texts(tmp_path, [b"0123456789" * 3])
     out = tmp_path / "m.h5"
     proc = subprocess.run([sys.executable, "-m", "mpipar.data", "prepare", *paths, "--out",
                            str(out)], capture_output=True, text=True, timeout=60, env=launch_env())
@@ -90,7 +83,7 @@ def test_prepare_creates_a_missing_output_directory_and_names_an_unwritable_one(
     """``data prepare --out missing_dir/x.h5`` was a traceback. The directory
     is now created (as a run creates its output directories); one that cannot be created is an
     error naming the output, status 2."""
-    paths = _texts(tmp_path, [b"abc" * 10])
+    paths = write_texts(tmp_path, [b"abc" * 10])
     out = tmp_path / "missing_dir" / "x.h5"
     assert main(["prepare", *paths, "--out", str(out)]) == 0
     assert load_tokens(out, 256, 4).num_tokens == 30
@@ -102,25 +95,14 @@ def test_prepare_creates_a_missing_output_directory_and_names_an_unwritable_one(
     assert f"--out {blocked}: cannot be written" in err and "Traceback" not in err, err
 
 
-def _damage_chunk(path, index: int) -> None:
-    """Invert one byte inside stored chunk ``index`` of dataset ``tokens``."""
-    with h5py.File(path, "r") as f:
-        offset = f["tokens"].id.get_chunk_info(index).byte_offset
-    with open(path, "r+b") as fh:
-        fh.seek(offset + 100)
-        byte = fh.read(1)
-        fh.seek(offset + 100)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_a_damaged_chunk_is_named_when_the_source_loads(tmp_path, capsys):
     """A corrupted chunk of a prepared uint8 file (whose ids need no range
     check) loaded silently and failed mid-training with a traceback; loading now reads every
     chunk once, and ``data info`` and training exit 2 naming the file and the token range."""
-    paths = _texts(tmp_path, [bytes(range(256)) * 1000])
+    paths = write_texts(tmp_path, [bytes(range(256)) * 1000])
     out = tmp_path / "tokens.h5"
     prepare_tokens(paths, out, chunk_tokens=1 << 14)
-    _damage_chunk(out, 3)
+    invert_chunk_bytes(out, "tokens", 3, skip=100, count=1)
     message = f"{out}: cannot read tokens [0, 256000)"  # one check read covers the stream
     with pytest.raises(DataError, match="fletcher32|filter returned failure") as err:
         load_tokens(out, 256, 16)

@@ -14,7 +14,8 @@ import pytest
 from mpi4py import MPI
 
 from conftest import MPIRUN, assert_all_ranks, needs_mpirun
-from layouts import layout_name, layout_size, small_config, token_source
+from layouts import (EVAL_BATCHES, EVAL_FRACTION, eval_config, layout_name, layout_size,
+                     small_config, token_source)
 from mpipar.config import ConfigError, TrainConfig
 from mpipar.data.sources import DataError, EvalSet, Sampler, validation
 from mpipar.training.engine import Engine
@@ -26,20 +27,11 @@ from mpipar.parallel.tensor import TensorParallel
 from mpipar.rules import validate
 from mpipar.layout import resolve_model
 
-FRACTION, BATCHES = 0.25, 2   # of the 64 test samples: 16 held out = 2 batches of 8
-
-
-def eval_config(dtype: str = "float64", **parallel):
-    cfg = small_config(dtype, **parallel)
-    cfg.train.eval_fraction, cfg.train.eval_batches = FRACTION, BATCHES
-    return cfg
-
-
 # ------------------------------------------------------------------------------ the split
 def test_held_out_samples_are_never_drawn_and_the_split_is_fixed():
     source = token_source()
-    train = TrainConfig(seq_len=16, global_batch_size=8, eval_fraction=FRACTION,
-                        eval_batches=BATCHES)
+    train = TrainConfig(seq_len=16, global_batch_size=8, eval_fraction=EVAL_FRACTION,
+                        eval_batches=EVAL_BATCHES)
     keep, evals = validation(source, train, 13)
     assert (keep, evals.indices.tolist()) == (48, list(range(48, 64)))
     assert validation(source, train, 13)[1].indices.tolist() == evals.indices.tolist()
@@ -118,7 +110,7 @@ def test_evaluate_equals_the_reference_and_touches_no_training_state():
     want = reference_eval(cfg, engine.gather_params())
     assert abs(first.loss - want) <= 1e-12 * want and first.loss == again.loss
     assert first.perplexity == pytest.approx(np.exp(want), rel=1e-12)
-    assert first.tokens == BATCHES * 8 * 16
+    assert first.tokens == EVAL_BATCHES * 8 * 16
     for name in before[0]:
         np.testing.assert_array_equal(engine.params[name], before[0][name])
         np.testing.assert_array_equal(engine.grads[name], before[1][name])

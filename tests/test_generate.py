@@ -20,14 +20,11 @@ from mpipar import generate
 from mpipar.config import Config, ParallelConfig, TrainConfig
 from mpipar.inference.generator import Generator
 from mpipar.inference.sampling import Sampling, candidates, next_token
-from test_tokenizer import EOS, bpe  # noqa: F401  (the BPE tokenizer fixture)
 from mpipar.rules import validate
 from mpipar.runtime.comm import Group, Ledger
-
-V, H, HEADS, KV, LAYERS, FFN = 256, 48, 6, 2, 2, 80   # byte-level: prompts are UTF-8 bytes
-PROMPT = "hello"
-NEW = 12
-
+from generation import (NEW, PROMPT, V, build_generator, hf_dir, transformers_greedy,  # noqa: F401, F811
+                        transformers_llama)  # (fixtures)
+from small_tokenizers import EOS, bpe  # noqa: F401  (the BPE tokenizer fixture)
 
 # ------------------------------------------------------------------------------ sampling
 def test_greedy_top_k_and_top_p_keep_what_they_define():
@@ -66,63 +63,10 @@ def test_bad_sampling_settings_are_named(kwargs, rule):
 
 
 # ------------------------------------------------------------------- against transformers
-@pytest.fixture(scope="module")
-def transformers_llama():
-    """(transformers, the float64 patches of test_hf): transformers' RoPE and RMSNorm computed in
-    the model's dtype, so its float64 model is float64 throughout."""
-    pytest.importorskip("torch", reason="torch is a test-only dependency (pip install "
-                                        "torch==2.13.0)")
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama import modeling_llama
-    from test_hf import _rmsnorm_own_dtype, _rotary_float64
-    patch = pytest.MonkeyPatch()
-    patch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rmsnorm_own_dtype)
-    patch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", _rotary_float64)
-    yield transformers
-    patch.undo()
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, transformers_llama):
-    """A random float64 byte-level LlamaForCausalLM written by save_pretrained."""
-    import torch
-    cfg = transformers_llama.LlamaConfig(
-        vocab_size=V, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV,
-        num_hidden_layers=LAYERS, intermediate_size=FFN, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers_llama.LlamaForCausalLM(cfg).to(torch.float64)
-    with torch.no_grad():  # larger weights than the default init, norms away from 1
-        for p in model.parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.15 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("hf") / "llama"
-    model.save_pretrained(path)
-    return path
-
-
-def transformers_greedy(transformers, path, prompt: list[int], new: int
-                        ) -> tuple[list[int], np.ndarray]:
-    """(transformers' greedy ``generate`` of ``new`` tokens, the float64 logits of the whole
-    generated sequence's forward at the positions that chose them ``[new, V]``)."""
-    import torch
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                          attn_implementation="sdpa")
-    model.generation_config.eos_token_id = None  # always `new` tokens, as mpipar without EOS
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
-        logits = model(out).logits[0, len(prompt) - 1:-1].numpy()
-    return out[0, len(prompt):].tolist(), logits
-
-
-def _generator(model_cfg, comm, tp: int = 1, pp: int = 1, dtype: str = "float64") -> Generator:
-    train = TrainConfig(seq_len=1, global_batch_size=1, dtype=dtype, backend="numpy")
-    return Generator(validate(Config(model_cfg, ParallelConfig(dp=1, tp=tp, pp=pp), train),
-                              comm.Get_size()), comm)
-
-
 def test_greedy_equals_transformers_generate_on_one_rank(hf_dir, transformers_llama):
     from mpipar.checkpoint.huggingface import load_hf
     model_cfg, params = load_hf(hf_dir)
-    generator = _generator(model_cfg, MPI.COMM_SELF)
+    generator = build_generator(model_cfg, MPI.COMM_SELF)
     generator.load_params(params)
     prompt = list(PROMPT.encode())
     got = generator.generate(prompt, NEW, Sampling(0.0), keep_logits=True)
@@ -254,7 +198,7 @@ def test_generation_is_the_same_on_every_layout(world):
     for tp, pp in GEN_LAYOUTS:
         comm = world.Split(world.rank // (tp * pp), world.rank)
         try:
-            generator = _generator(cfg.model, comm, tp, pp)
+            generator = build_generator(cfg.model, comm, tp, pp)
             with reader.open_reader(path) as read:
                 generator.load_checkpoint(read)
             runs[(tp, pp)] = [generator.generate([1, 5, 7], 8, s, seed=4, keep_logits=True)

@@ -2,40 +2,17 @@
 
 Small random models (vocabulary 97, 6 query heads over 2 kv heads: neither a power of
 two, grouped-query attention) are saved with ``save_pretrained`` and read by
-:func:`mpipar.checkpoint.huggingface.load_hf` (:data:`MODELS`): a plain ``LlamaForCausalLM``; one with Llama 3.1's
-``llama3`` RoPE scaling and tied embeddings; a ``Qwen2ForCausalLM`` (q/k/v biases); a
-``MistralForCausalLM`` with a sliding window shorter than the sequence. mpipar's
-logits, loss and three training steps must match transformers + ``torch.optim.AdamW`` to 1e-10
-relative, on one process and (under ``mpirun -n 8``) on layouts with PP (the tie across
-stages), TP, SP and ZeRO-1; so must the exported parameters. The ``linear`` and ``dynamic``
-RoPE rules are compared on logits.
-
-transformers is not float64 throughout, even for a float64 model (transformers 5.x source,
-``models/{llama,qwen2}/modeling_*.py``, ``modeling_rope_utils.py`` and ``loss/loss_utils.py``):
-
-- the rotary embedding: ``inv_freq`` is built with ``dtype=torch.float`` by the rope_type's
-  init function and ``forward`` computes ``position_ids.float() * inv_freq.float()`` and its
-  cos/sin in float32;
-- ``LlamaRMSNorm.forward`` (and Qwen2's) casts the hidden state ``.to(torch.float32)`` before
-  normalising;
-- ``ForCausalLMLoss`` computes the loss from ``logits.float()``.
-
-mpipar computes all three in the working dtype (RoPE angles in float64). So the exact reference
-(:func:`float64_transformers`) runs transformers' own RoPE init function of the config's
-``rope_type`` with ``torch.float`` and the default dtype set to float64, replaces the RMSNorm
-forward by the same formula in the tensor's own dtype, and computes
-``ForCausalLMLoss``'s cross-entropy in float64; the unpatched model is also compared and must differ at
-float32 round-off (1e-9 .. 1e-5 relative), so the gap is explained rather than hidden.
-- the ``eager`` attention (Mistral's, which the issue asks to compare against) computes its
-  softmax with ``dtype=torch.float32``.
-
-The exact reference also runs that softmax in the scores' own dtype. Llama and Qwen2 run with
-``sdpa`` (float64 on CPU); Mistral runs ``eager``, with its sliding-window mask.
+:func:`mpipar.checkpoint.huggingface.load_hf` (:data:`transformers_reference.MODELS`): a plain
+``LlamaForCausalLM``; one with Llama 3.1's ``llama3`` RoPE scaling and tied embeddings; a
+``Qwen2ForCausalLM`` (q/k/v biases); a ``MistralForCausalLM`` with a sliding window shorter than
+the sequence. mpipar's logits, loss and three training steps must match transformers +
+``torch.optim.AdamW`` to 1e-10 relative, on one process and (under ``mpirun -n 8``) on layouts
+with PP (the tie across stages), TP, SP and ZeRO-1; so must the exported parameters. The
+``linear`` and ``dynamic`` RoPE rules are compared on logits. Why the reference removes
+transformers' float32 casts, and how: :mod:`transformers_reference`.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import logging
 import os
@@ -45,87 +22,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip(
-    "torch", reason="torch is a test-only dependency of the Hugging Face tests "
-                    "(pip install torch==2.13.0)")
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is a test-only dependency of the Hugging Face tests")
-from mpi4py import MPI  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
-from transformers.models.llama import modeling_llama  # noqa: E402
-from transformers.models.mistral import modeling_mistral  # noqa: E402
-from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+# First: skips this module where torch or transformers is missing.
+from transformers_reference import (B, EPS, FFN, H, HEADS, KV, LAYERS, LLAMA3, MODELS, OPT,
+                                    PATCHES, S, STEPS, THETA, TOL, V, float64_transformers,
+                                    hf_dirs, hf_loss, hf_model, mpipar_engine, rel, samples,
+                                    torch, torch_training, training_differences)  # noqa: F401, F811  (fixtures)
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from transformers import AutoModelForCausalLM
+from transformers.models.mistral import modeling_mistral
 
-from conftest import assert_all_ranks  # noqa: E402
-from layouts import layout_name, layout_size  # noqa: E402
-from mpipar.config import (Config, ConfigError, ModelConfig, ParallelConfig,  # noqa: E402
-                           TrainConfig)
-from mpipar.data.sources import load_tokens  # noqa: E402
-from mpipar.training.engine import Engine  # noqa: E402
-from mpipar.hf import main  # noqa: E402
-from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE,  # noqa: E402
+from conftest import assert_all_ranks
+from layouts import layout_name, layout_size
+from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE,
                                            HFCheckpointError, check_export_target, hf_name,
                                            load_hf, model_config_with_overrides, mpipar_name,
                                            passthrough_config, read_model_config, save_hf)
-from mpipar.rules import validate  # noqa: E402
+from mpipar.config import ConfigError, ModelConfig
+from mpipar.hf import main
+from mpipar.training.engine import Engine
 
-V, H, HEADS, KV, LAYERS, FFN, THETA, EPS = 97, 48, 6, 2, 2, 80, 10000.0, 1e-6
-B, S, STEPS = 2, 12, 3
-OPT = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=0.5)
-TOL = 1e-10
-LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8, "rope_theta": THETA}
-"""Llama 3.1's rule with a pretraining context of 8 < S: of the 4 frequencies of head_dim 8
-(wavelengths 6.3, 63, 628, 6283) one is interpolated and three are divided by the factor."""
-
-MODELS = {
-    "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
-    "llama3-tied": (LlamaConfig, dict(tie_word_embeddings=True, rope_parameters=LLAMA3,
-                                      max_position_embeddings=64)),
-    "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
-    # A sliding window of 5 < S = 12: every query past the fifth loses keys to the window.
-    "mistral": (MistralConfig, dict(tie_word_embeddings=False, sliding_window=5)),
-    "linear": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 3.0,
-                                                  "rope_theta": THETA})),
-    "dynamic": (LlamaConfig, dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                   "rope_theta": THETA},
-                                  max_position_embeddings=8)),  # < S: the NTK theta grows
-}
-"""Test checkpoints by name: the transformers config class and its settings beyond the sizes."""
 TRAINED = ("llama", "llama3-tied", "qwen2", "mistral")
-
-
-def rel(a, b) -> float:
-    """max |a - b| / max |b| (the relative difference used throughout)."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-# ------------------------------------------------------------------------------- fixtures
-def make_checkpoint(kind: str, root: Path) -> Path:
-    """A random float64 model of :data:`MODELS` written by transformers' save_pretrained."""
-    config_class, extra = MODELS[kind]
-    cfg = config_class(vocab_size=V, hidden_size=H, num_attention_heads=HEADS,
-                       num_key_value_heads=KV, num_hidden_layers=LAYERS, intermediate_size=FFN,
-                       rope_theta=THETA, rms_norm_eps=EPS, **extra)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.float64)
-    with torch.no_grad():  # larger weights than the default init, norms away from 1, biases
-        for name, p in model.named_parameters():
-            scale = 1 if name.endswith("norm.weight") else 0
-            p.copy_(scale + (0.1 if p.ndim == 1 else 0.15) * torch.randn_like(p))
-    path = root / kind
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    return {kind: make_checkpoint(kind, root) for kind in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -134,115 +51,8 @@ def hf_dir(hf_dirs) -> Path:
     return hf_dirs["llama"]
 
 
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> Path:
-    """Token rows ``[STEPS * B, S + 1]``; mpipar's step k trains rows k*B .. (k+1)*B - 1."""
-    path = tmp_path_factory.mktemp("data") / "samples.npy"
-    np.save(path, np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1)))
-    return path
-
-
-def hf_model(path):
-    """The checkpoint at ``path`` in float64: Mistral with transformers' ``eager`` attention
-    (its own masking of the window), the others with ``sdpa``."""
-    mistral = json.loads((Path(path) / "config.json").read_text())["model_type"] == "mistral"
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                attn_implementation="eager" if mistral else "sdpa")
-
-
-def _rmsnorm_own_dtype(self, x):
-    """LlamaRMSNorm.forward (and Qwen2's) without the float32 cast: the formula in x's dtype."""
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
-@contextlib.contextmanager
-def _torch_float_is_float64():
-    """``torch.float`` and the default dtype are float64: transformers' RoPE code, which asks
-    for ``torch.float`` (float32) and promotes Python scalars to the default dtype, computes in
-    float64."""
-    old_float, old_default = torch.float, torch.get_default_dtype()
-    torch.float = torch.float64
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.float = old_float
-        torch.set_default_dtype(old_default)
-
-
-def _rotary_float64(self, x, position_ids):
-    """The rotary embedding's forward with transformers' own init function of the config's
-    rope_type run in float64, and float64 angles. ``seq_len`` is the sequence's length, as the
-    dynamic update takes it (``max(position_ids) + 1``; for the other types it is unused)."""
-    init = (self.compute_default_rope_parameters if self.rope_type == "default"
-            else ROPE_INIT_FUNCTIONS[self.rope_type])
-    with torch.no_grad(), _torch_float_is_float64():
-        inv_freq, scaling = init(self.config, device=x.device,
-                                 seq_len=int(position_ids.max()) + 1)
-        freqs = position_ids[..., None].to(torch.float64) * inv_freq.to(torch.float64)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
-
-
-_EAGER = modeling_mistral.eager_attention_forward
-
-
-def _eager_softmax_own_dtype(module, query, *args, **kwargs):
-    """Mistral's ``eager_attention_forward`` with its softmax in the scores' dtype: it asks
-    ``nn.functional.softmax`` for ``dtype=torch.float32``, which is dropped for this call."""
-    softmax = torch.nn.functional.softmax
-
-    def own_dtype(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim)
-
-    torch.nn.functional.softmax = own_dtype
-    try:
-        return _EAGER(module, query, *args, **kwargs)
-    finally:
-        torch.nn.functional.softmax = softmax
-
-
-_MODULES = ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"), (modeling_mistral, "Mistral"))
-PATCHES = [(module.__dict__[f"{name}RMSNorm"], "forward", _rmsnorm_own_dtype)
-           for module, name in _MODULES] + \
-          [(module.__dict__[f"{name}RotaryEmbedding"], "forward", _rotary_float64)
-           for module, name in _MODULES] + \
-          [(modeling_mistral, "eager_attention_forward", _eager_softmax_own_dtype)]
-"""(class or module, attribute, replacement) of every float32 cast the exact reference removes."""
-
-
 def _module_of(owner) -> str:
     return owner.__name__ if isinstance(owner, type(modeling_mistral)) else owner.__module__
-
-
-@pytest.fixture
-def float64_transformers(monkeypatch):
-    """transformers' models with RMSNorm, RoPE and the eager softmax computed in the model dtype
-    (see the module docstring)."""
-    for owner, attr, replacement in PATCHES:
-        monkeypatch.setattr(owner, attr, replacement)
-
-
-def hf_loss(logits, rows):
-    """ForCausalLMLoss's mean cross-entropy of the logits of ``rows[:, :-1]`` ``[B, S, V]``
-    against the next tokens ``rows[:, 1:]`` (its label shift), in the logits' dtype (without its
-    ``logits.float()`` for float64 logits). The model sees the S inputs alone, as mpipar does:
-    dynamic RoPE depends on the sequence's length."""
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             rows[:, 1:].reshape(-1))
-
-
-def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
-                  **parallel) -> Engine:
-    """An engine on ``comm`` with ``params`` loaded, training the samples' rows in order."""
-    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=B,
-                        micro_batch_size=1 if parallel else 0, lr_schedule="constant",
-                        warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
-                        shuffle=False, seed=0, **OPT)
-    cfg = validate(Config(model_cfg, ParallelConfig(**parallel), train), comm.Get_size())
-    engine = Engine(cfg, comm, source=load_tokens(str(samples), V, S))
-    engine.load_params(params)
-    return engine
 
 
 def mpipar_logits(engine: Engine, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -251,43 +61,6 @@ def mpipar_logits(engine: Engine, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     loss, cache = stage.forward(engine.params, rows[:, :-1], engine.positions, rows[:, 1:])
     logits = cache.head.logits  # [B*S, V]: the LM head's output, kept for the backward
     return logits.reshape(rows.shape[0], S, V), loss
-
-
-@functools.lru_cache(maxsize=None)
-def torch_training(path: Path, samples: Path) -> tuple[list, list, dict[str, np.ndarray]]:
-    """transformers + torch.optim.AdamW (decay on matrices only, clipping) for STEPS steps on
-    the samples' rows in order, with the float32 casts removed: (losses, gradient norms,
-    trained parameters by mpipar name). Call it with the float64 patches applied."""
-    model = hf_model(path)
-    model.train()
-    named = dict(model.named_parameters())  # a tied head is the embedding: listed once
-    opt = torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim >= 2],
-                              "weight_decay": OPT["weight_decay"]},
-                             {"params": [p for p in named.values() if p.ndim < 2],
-                              "weight_decay": 0.0}],
-                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
-    rows = torch.from_numpy(np.load(samples))
-    losses, norms = [], []
-    for k in range(STEPS):
-        ids = rows[k * B:(k + 1) * B]
-        opt.zero_grad()
-        loss = hf_loss(model(input_ids=ids[:, :S]).logits, ids)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip_grad"]).item())
-        opt.step()
-        losses.append(loss.item())
-    return losses, norms, {mpipar_name(n): p.detach().numpy().copy() for n, p in named.items()}
-
-
-def training_differences(results, trained: dict, want) -> tuple[list[float], float]:
-    """(relative loss differences per step, max relative parameter difference) of an mpipar
-    run against :func:`torch_training`'s; raises AssertionError on a norm or name mismatch."""
-    losses, norms, params = want
-    assert sorted(trained) == sorted(params)
-    for r, norm in zip(results, norms):
-        assert abs(r.grad_norm - norm) <= TOL * norm, (r.grad_norm, norm)
-    return ([abs(r.loss - loss) / loss for r, loss in zip(results, losses)],
-            max(rel(v, params[n]) for n, v in trained.items()))
 
 
 # ------------------------------------------------------------------------- 1. logits

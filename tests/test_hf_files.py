@@ -13,23 +13,20 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from mpipar.config import ModelConfig
+from hf_export import export_small_model
 from mpipar.layout import resolve_model
 from mpipar.hf import main  # noqa: E402
 from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_name, load_hf,
                                            save_hf)
 from mpipar.model.params import init_params
 
-MODEL = resolve_model(ModelConfig(vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2,
-                                   ffn_hidden=64))
 TRAIN = ["--seq-len", "8", "--global-batch-size", "2", "--steps", "1", "--backend", "numpy",
          "--log-every", "0"]
 
 
 @pytest.fixture
 def exported(tmp_path):
-    params = init_params(MODEL, 3, np.float32)
-    save_hf(tmp_path / "hf", MODEL, params)
+    params = export_small_model(tmp_path / "hf")
     np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 61, size=(8, 9)))
     return tmp_path / "hf", params
 
@@ -62,7 +59,7 @@ def test_an_export_honours_the_umask(tmp_path, mask):
     """Exports were 0700 (directory) and 0600 (files) whatever the umask."""
     old = os.umask(mask)
     try:
-        save_hf(tmp_path / "out", MODEL, init_params(MODEL, 3, np.float32))
+        export_small_model(tmp_path / "out")
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o777 & ~mask

@@ -20,6 +20,7 @@ from mpi4py import MPI
 from conftest import assert_all_ranks
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.checkpoint.activations import OffloadStore
+from recompute_runs import MODES, identical, run_mode
 from mpipar.config import ModelConfig
 from mpipar.kernels import get_backend
 from mpipar.model.attention import LocalAttention
@@ -33,7 +34,6 @@ from mpipar.layout import resolve_model
 CFG = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                   init_std=0.3))
 TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True)  # biases recomputed too
-MODES = [m for m in RECOMPUTE_MODES if m != "none"]
 
 
 def _stage(mode: str, store=None, cfg: ModelConfig = CFG, backend: str = "numpy") -> LlamaStage:
@@ -136,31 +136,12 @@ def test_bad_modes_are_rejected():
         _stage("offload")
 
 
-def _run(layout: dict, mode: str, comm, run_dir: str, **train):
-    from mpipar.training.engine import Engine
-    cfg = small_config("float64", **layout)
-    cfg.train.recompute, cfg.train.run_dir = mode, run_dir
-    for key, value in train.items():
-        setattr(cfg.train, key, value)
-    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-    out = [eng.train_step(k) for k in range(2)]
-    params = eng.gather_params()
-    eng.close()
-    return [r.loss for r in out], [r.grad_norm for r in out], params
-
-
-def _identical(got, ref) -> list[str]:
-    fails = [f"{what} {a!r} != {b!r}" for what, a, b in
-             (("losses", got[0], ref[0]), ("grad norms", got[1], ref[1])) if a != b]
-    return fails + [f"{n} differs" for n in ref[2] if not np.array_equal(got[2][n], ref[2][n])]
-
-
 @pytest.mark.parametrize("train", [{}, dict(micro_batch_size=2, global_batch_size=8)],
                          ids=["mb1", "mb2"])
 def test_engine_modes_equal_none_bitwise(train, tmp_path):
-    ref = _run({}, "none", MPI.COMM_SELF, str(tmp_path), **train)
+    ref = run_mode({}, "none", MPI.COMM_SELF, str(tmp_path), **train)
     for mode in MODES:
-        assert _identical(_run({}, mode, MPI.COMM_SELF, str(tmp_path), **train), ref) == [], mode
+        assert identical(run_mode({}, mode, MPI.COMM_SELF, str(tmp_path), **train), ref) == [], mode
     assert not (tmp_path / "scratch").exists()  # the offload scratch file and folder are gone
 
 
@@ -194,10 +175,10 @@ def test_modes_equal_none_under_mpi(world, layout):
     run_dir = world.bcast(tempfile.mkdtemp(prefix="mpipar-rc-") if world.rank == 0 else None)
     fails: list[str] = []
     try:
-        ref = _run(layout, "none", comm, run_dir)
+        ref = run_mode(layout, "none", comm, run_dir)
         fails += compare(ref, reference("float64"), 1e-10)
         for mode in MODES:
-            fails += [f"{mode}: {f}" for f in _identical(_run(layout, mode, comm, run_dir), ref)]
+            fails += [f"{mode}: {f}" for f in identical(run_mode(layout, mode, comm, run_dir), ref)]
     except Exception as exc:  # every rank must reach the allgather
         fails.append(f"{type(exc).__name__}: {exc}")
     finally:

@@ -12,22 +12,9 @@ import pytest
 from conftest import launch_env
 
 from mpipar import report
+from report_records import PLOTS, png_size, record, write_run_dir
 from mpipar.observe import summary as run_summary
 from mpipar.observe.metrics import TIME_KEYS
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("loss", "throughput", "time_breakdown", "memory", "timeline")
-
-
-def _record(step: int, loss: float, **time) -> dict:
-    t = {k: 0.0 for k in TIME_KEYS} | time
-    total = sum(t.values())
-    return {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 4096,
-            "step_time_s": total, "tokens_per_s": 4096 / total, "flops": 1e9,
-            "mfu": 1e9 / total / 1e11, "skipped": False, "skipped_steps": 0, "time": t,
-            "time_max": t, "comm_bytes": {"pp": 1000}, "comm_bytes_max": {"pp": 1000},
-            "memory_bytes": [200 * 2**20, 210 * 2**20]}
-
 
 def _timeline() -> dict:
     """Two pipeline ranks, one microbatch: rank 1 waits 0.25 s of its 1 s, rank 0 0.5 of 1."""
@@ -40,40 +27,21 @@ def _timeline() -> dict:
                  ["bwd", 0, 0, 0.5, 1.0], ["send_bwd", 0, 0, 1.0, 1.0]]}]}
 
 
-def _run_dir(tmp_path, records, timeline=None, config: str = "") -> str:
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    if timeline is not None:
-        (run / "timeline.json").write_text(json.dumps(timeline))
-    (run / "config.toml").write_text(config or '[parallel]\ndp = 1\ntp = 1\npp = 2\nsp = 1\n'
-                                              '[train]\nglobal_batch_size = 2\n'
-                                              'micro_batch_size = 2\n')
-    return str(run)
-
-
-def _png_size(path: str) -> tuple[int, int]:
-    with open(path, "rb") as fh:
-        head = fh.read(24)
-    assert head[:8] == PNG_MAGIC and head[12:16] == b"IHDR", path
-    return struct.unpack(">II", head[16:24])
-
-
 def test_plots_are_valid_pngs(tmp_path):
-    records = [_record(s, 5.0 - 0.1 * s, compute=0.2, pipeline_wait=0.1) for s in range(1, 6)]
+    records = [record(s, 5.0 - 0.1 * s, compute=0.2, pipeline_wait=0.1) for s in range(1, 6)]
     records[2]["skipped"], records[2]["grad_norm"] = True, float("nan")
-    run = _run_dir(tmp_path, records, _timeline())
+    run = write_run_dir(tmp_path, records, _timeline())
     written, text = report.write_report(run)
     for name in PLOTS:
         path = os.path.join(run, "report", f"{name}.png")
         assert path in written and os.path.getsize(path) > 1000
-        width, height = _png_size(path)
+        width, height = png_size(path)
         assert width >= 600 and height >= 150
     assert open(os.path.join(run, "report", "summary.txt")).read() == text
 
 
 def test_cli_writes_the_report_and_fails_cleanly(tmp_path):
-    run = _run_dir(tmp_path, [_record(s, 4.0, compute=0.1) for s in (1, 2)])
+    run = write_run_dir(tmp_path, [record(s, 4.0, compute=0.1) for s in (1, 2)])
     proc = subprocess.run([sys.executable, "-m", "mpipar.report", run, "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
                            env=launch_env())
@@ -87,9 +55,9 @@ def test_cli_writes_the_report_and_fails_cleanly(tmp_path):
 
 
 def test_summary_numbers(tmp_path):
-    records = [_record(1, 5.5, compute=1.0), _record(2, 4.0, compute=0.25, dp_comm=0.25),
-               _record(3, float("nan"), compute=0.25, dp_comm=0.25),
-               _record(4, 3.0, compute=0.25, dp_comm=0.75)]
+    records = [record(1, 5.5, compute=1.0), record(2, 4.0, compute=0.25, dp_comm=0.25),
+               record(3, float("nan"), compute=0.25, dp_comm=0.25),
+               record(4, 3.0, compute=0.25, dp_comm=0.75)]
     records[2]["skipped"], records[2]["skipped_steps"], records[3]["skipped_steps"] = True, 1, 1
     s = run_summary.summarize(records, _timeline(), {"parallel": {"dp": 1, "pp": 2}})
     assert s["steps"] == [1, 4] and s["loss_first"] == 5.5 and s["loss_min"] == 3.0
@@ -137,7 +105,7 @@ def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
     config = {"model": {"layers": layers},
               "parallel": {"dp": 1, "tp": 1, "pp": 2, "sp": 1, **layout},
               "train": {"global_batch_size": 8 * mbs, "micro_batch_size": mbs}}
-    records = [_record(k, 4.0, compute=1.0, pipeline_wait=1.0) for k in (1, 2)]
+    records = [record(k, 4.0, compute=1.0, pipeline_wait=1.0) for k in (1, 2)]
     summary = run_summary.summarize(records, None, config)  # what train and mpipar.report run
     line = next(x for x in run_summary.diagnose(summary) if x.startswith("pipeline bubble"))
     assert line == f"pipeline bubble 50% > 30%: {advice}"
@@ -146,7 +114,7 @@ def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
 def test_summary_layout_names_zero3_in_node_shared_memory():
     """The summary's layout says where ZeRO-3's parameters live when not gathered (and only
     then: the default adds nothing)."""
-    records = [_record(k, 1.0, compute=1.0) for k in (1, 2)]
+    records = [record(k, 1.0, compute=1.0) for k in (1, 2)]
     for shared, want in (("node", {"zero": 3, "zero_shared": "node"}), ("off", {"zero": 3})):
         config = {"parallel": {"dp": 2, "zero": 3, "zero_shared": shared}, "train": {}}
         layout = run_summary.summarize(records, None, config)["layout"]
@@ -205,7 +173,7 @@ def test_report_of_a_real_run(tmp_path):
                           capture_output=True, text=True, timeout=300, env=launch_env())
     assert proc.returncode == 0, proc.stderr
     written, text = report.write_report(str(run))
-    assert all(_png_size(p)[0] > 0 for p in written if p.endswith(".png"))
+    assert all(png_size(p)[0] > 0 for p in written if p.endswith(".png"))
     assert len(written) == 6 and "bottleneck:" in text
     timeline = json.loads((run / "timeline.json").read_text())
     assert [op[:2] for op in timeline["ranks"][0]["ops"]] == [["fwd", 0], ["bwd", 0],
@@ -218,7 +186,7 @@ def test_the_report_knows_the_sliding_window():
     config = {"model": {"layers": 4, "sliding_window": 64, "window_layers": "even"},
               "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 4, "sp_mode": "ring"},
               "train": {"seq_len": 1024, "global_batch_size": 4, "micro_batch_size": 1}}
-    records = [_record(k, 4.0, compute=1.0, sp_comm=0.9) for k in (1, 2)]
+    records = [record(k, 4.0, compute=1.0, sp_comm=0.9) for k in (1, 2)]
     summary = run_summary.summarize(records, None, config)
     assert summary["window"] == {"sliding_window": 64, "window_layers": "even", "seq_len": 1024}
     text = run_summary.summary_text(summary)

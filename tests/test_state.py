@@ -6,29 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import assert_all_ranks
-from layouts import compare, reference, small_config, token_source
+from layouts import compare, global_state, reference, small_config, token_source
 from mpipar.rules import validate
-
-
-def global_state(eng, world) -> dict[tuple[str, str], np.ndarray]:
-    """Assemble every global tensor of params and AdamW moments from all ranks' unique pieces,
-    and check that no element is reported twice."""
-    mine = []
-    for kind, name, lo, hi, values in eng.state.pieces():
-        region, valid = eng.state.region(name)
-        mine.append((kind, name, region, valid, eng.state.local_shape(name), (lo, hi),
-                     values.copy()))
-    out: dict[tuple[str, str], np.ndarray] = {}
-    for items in world.allgather(mine):
-        for kind, name, region, valid, local_shape, flat_range, values in items:
-            arr = out.setdefault((kind, name), np.full(eng.state.shapes[name], np.nan))
-            flat = np.full(int(np.prod(local_shape)), np.nan)  # a flat range of that rank's shard
-            flat[flat_range[0]:flat_range[1]] = values
-            block = flat.reshape(local_shape)[valid]
-            target = arr[region]
-            assert np.isnan(target[~np.isnan(block)]).all(), f"{kind}/{name} reported twice"
-            target[~np.isnan(block)] = block[~np.isnan(block)]
-    return out
 
 
 CASES = [(dict(dp=2, tp=2, pp=2), dict(tp=2, pp=4)),

@@ -12,41 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import MPIRUN, needs_mpirun
+from tensorboard_events import assert_events_hold, leaves, read_events
 from mpipar.observe import tensorboard
 from mpipar.observe.metrics import MetricsWriter
-
-event_accumulator = pytest.importorskip(
-    "tensorboard.backend.event_processing.event_accumulator",
-    reason="reading event files back needs the tensorboard package "
-           "(pip install 'mpipar[tensorboard]')")
-
-
-def _leaves(value, path: str = "") -> dict[str, float]:
-    """Every number of a JSON value by its path (the reference for the tags), 'step' aside."""
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _leaves(item, path + key + "/").items()}
-    if isinstance(value, list):
-        return {k: v for i, item in enumerate(value)
-                for k, v in _leaves(item, f"{path}rank_{i}/").items()}
-    tag = path.rstrip("/")
-    return {} if tag == "step" or isinstance(value, str) else {tag: float(value)}
-
-
-def _read(log_dir) -> event_accumulator.EventAccumulator:
-    acc = event_accumulator.EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return acc
-
-
-def _assert_events_hold(records: list[dict], acc) -> None:
-    tags = set(acc.Tags()["scalars"])
-    for record in records:
-        want = _leaves(record)
-        assert set(want) <= tags, sorted(set(want) - tags)
-        for tag, value in want.items():
-            got = [e.value for e in acc.Scalars(tag) if e.step == record["step"]]
-            assert got == [float(np.float32(value))], (tag, record["step"], got, value)
-
 
 def test_crc32c_matches_the_standard_and_tensorboards():
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
@@ -67,10 +35,10 @@ def test_any_flat_dict_and_metrics_records_read_back(tmp_path):
     for r in records:
         writer.write(r)
     writer.close()
-    acc = _read(tmp_path / "tb")
-    assert sorted(acc.Tags()["scalars"]) == sorted(set(_leaves(records[0])) | set(_leaves(records[1])))
+    acc = read_events(tmp_path / "tb")
+    assert sorted(acc.Tags()["scalars"]) == sorted(set(leaves(records[0])) | set(leaves(records[1])))
     assert np.isnan(acc.Scalars("loss")[1].value) and acc.Scalars("flops")[0].value == np.inf
-    _assert_events_hold([records[0]], acc)
+    assert_events_hold([records[0]], acc)
     assert [(e.step, e.value) for e in acc.Scalars("skipped")] == [(1, 0.0), (2, 1.0)]
     assert acc.Scalars("memory_bytes/rank_1")[0].value == float(np.float32(987654321))
     assert tensorboard.scalars({"eval_loss": 1.5, "step": 9}) == {"eval_loss": 1.5}
@@ -100,9 +68,9 @@ def test_a_run_writes_every_metric_of_every_step(tmp_path):
         records = [json.loads(line) for line in fh]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert len(os.listdir(run / "tensorboard")) == 1  # rank 0 alone writes
-    acc = _read(run / "tensorboard")
+    acc = read_events(run / "tensorboard")
     for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "time/compute",
                 "time_max/tp_comm", "comm_bytes/tp", "comm_bytes_max/tp", "comm_seconds/tp",
                 "memory_bytes/rank_1"):
         assert tag in acc.Tags()["scalars"], tag
-    _assert_events_hold(records, acc)
+    assert_events_hold(records, acc)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIRUN, needs_mpirun
+from small_tokenizers import EOS, bpe, corpus, random_documents  # noqa: F401, F811  (fixtures)
 from mpipar.data import documents
 from mpipar.data.cli import main
 from mpipar.data.sources import DataError, load_tokens
@@ -23,59 +24,10 @@ from mpipar.data.tokenizer import load_tokenizer, prepare_tokenized, token_dtype
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the tokenizers package "
                                                       "(pip install 'mpipar[tokenizers]')")
-EOS = "<|endoftext|>"
-WORDS = ("the cat sat on a mat while dogs ran far away into green hills under bright skies and "
-         "seven wise owls counted forty silver stars above quiet rivers near caf\u00e9s \u2603").split()
-
-
-def _documents(n: int, seed: int) -> list[str]:
-    rng = np.random.default_rng(seed)
-    docs = []
-    for _ in range(n):
-        lines = [" ".join(rng.choice(WORDS, rng.integers(3, 14))) for _ in range(rng.integers(1, 5))]
-        docs.append("\n".join(lines) + ("\n\n  indented line\n" if rng.random() < 0.3 else "."))
-    return docs
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory):
-    """A byte-level BPE tokenizer of about 400 tokens trained on our corpus: its directory
-    (tokenizer.json + tokenizer_config.json naming EOS) and the Tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_documents(400, 0), trainer)
-    root = tmp_path_factory.mktemp("bpe")
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
-    return root, tok
-
-
 def _ids(tok, texts: list[str]) -> list[int]:
     """The reference: each document's encoding, then EOS."""
     eos = tok.token_to_id(EOS)
     return [i for t in texts for i in tok.encode(t, add_special_tokens=False).ids + [eos]]
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    """Two text files and a .jsonl under a directory; (the files in prepare's order, the
-    documents of each)."""
-    docs = _documents(60, 1)
-    root = tmp_path / "corpus"
-    (root / "b").mkdir(parents=True)
-    (root / "a.txt").write_text(docs[0])
-    (root / "b" / "c.txt").write_text(docs[1])
-    (root / "b" / ".hidden").write_text("never read")
-    with open(root / "b" / "d.jsonl", "w") as fh:
-        for d in docs[2:]:
-            fh.write(json.dumps({"text": d, "n": 1}) + "\n")
-        fh.write("\n")  # a blank line is no document
-    files = [root / "a.txt", root / "b" / "c.txt", root / "b" / "d.jsonl"]
-    return [str(f) for f in files], [[docs[0]], [docs[1]], docs[2:]]
 
 
 def test_prepared_ids_are_the_encoding_of_every_document_then_eos(tmp_path, bpe, corpus):
@@ -143,7 +95,7 @@ def test_many_files_are_recorded(tmp_path, bpe):
 
 def test_a_large_text_file_encoded_in_blocks_equals_the_whole(tmp_path, bpe):
     _, tok = bpe
-    text = "\n".join(_documents(80, 2)) + "\n  \n\u2603 end"
+    text = "\n".join(random_documents(80, 2)) + "\n  \n\u2603 end"
     path = tmp_path / "big.txt"
     path.write_text(text)
     batches = list(documents.read_batches(str(path), "text", batch_bytes=64))
@@ -156,7 +108,7 @@ def test_a_large_text_file_encoded_in_blocks_equals_the_whole(tmp_path, bpe):
 
 def test_jsonl_text_field_and_its_errors(tmp_path, bpe, capsys):
     root, tok = bpe
-    docs = _documents(5, 3)
+    docs = random_documents(5, 3)
     good = tmp_path / "g.jsonl"
     good.write_text("".join(json.dumps({"body": d, "text": 7}) + "\n" for d in docs))
     out = tmp_path / "j.h5"
@@ -185,7 +137,7 @@ def test_parquet_rows_are_documents(tmp_path, bpe):
                                                "(pip install 'mpipar[parquet]')")
     import pyarrow.parquet as pq
     root, tok = bpe
-    docs = _documents(30, 4)
+    docs = random_documents(30, 4)
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"id": list(range(30)), "content": docs}), path, row_group_size=7)
     out = tmp_path / "p.h5"
@@ -266,7 +218,7 @@ def test_four_ranks_train_on_tokenized_data_as_one_does(tmp_path, bpe):
     root, tok = bpe
     texts = tmp_path / "texts"
     texts.mkdir()
-    for i, doc in enumerate(_documents(300, 5)):
+    for i, doc in enumerate(random_documents(300, 5)):
         (texts / f"{i // 50}.txt").open("a").write(doc + "\n")
     data = tmp_path / "tokens.h5"
     assert main(["prepare", str(texts), "--tokenizer", str(root), "--out", str(data)]) == 0

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import launch_env
+from small_tokenizers import tokenizer_dir  # noqa: F401  (a fixture)
 from untrusted import run_train
 from mpipar.data import documents, prepare
 from mpipar.data.cli import main
@@ -187,20 +188,6 @@ def test_two_prepares_with_the_same_out_keep_each_others_files(tmp_path, monkeyp
 
 
 # ------------------------------------------------------------------------- prepare's failures
-@pytest.fixture
-def tokenizer_dir(tmp_path):
-    """A word-level tokenizer (the tokenizers library) of a few words, with its EOS named."""
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {w: i for i, w in enumerate(["</s>", "[UNK]", "the", "cat", "sat", "on", "mat"])}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    root = tmp_path / "tok"
-    root.mkdir()
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return root
-
-
 def _deny(monkeypatch, path) -> None:
     """Opening ``path`` fails as an unreadable file does (the tests may run as root)."""
     real = builtins.open

@@ -22,17 +22,11 @@ from mpi4py import MPI
 
 from conftest import launch_env, mpirun, needs_mpirun
 from layouts import small_config, token_source
-from untrusted import run_generate, run_train
+from untrusted import RUN, TINY, earlier_run, run_generate, run_train, snapshot
 from mpipar import report
 from mpipar.checkpoint import directory, reader, writer
 from mpipar.runtime.comm import Group, Ledger
 from mpipar.rules import validate
-
-RUN = ["--seq-len", "8", "--global-batch-size", "2", "--steps", "3", "--backend", "numpy",
-       "--log-every", "0", "--tensorboard", "off"]
-TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", *RUN]
-"""A fresh run's flags; a resumed one takes the model from its checkpoint (:data:`RUN`)."""
-
 
 def _checkpoint(save_dir, step: int = 0, **model) -> str:
     """A one-process checkpoint of step ``step`` of the layouts test model (byte vocabulary)."""
@@ -45,13 +39,6 @@ def _checkpoint(save_dir, step: int = 0, **model) -> str:
     engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
     return str(writer.save(engine.state, engine.run_position(step), save_dir,
                                Group(MPI.COMM_SELF, "world", Ledger())))
-
-
-def _snapshot(root) -> dict[str, bytes]:
-    """Every file under ``root`` and its bytes (what must not change), but the run locks (a
-    ``lock`` file names the last run that held it, whatever it did)."""
-    return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
-            for d, _, names in os.walk(root) for n in names if n != "lock"}
 
 
 def _one_error(code, err, message) -> None:
@@ -163,28 +150,17 @@ def test_a_model_that_cannot_be_exported_is_refused_before_step_1(tmp_path, mode
 
 
 # ----------------------------------------------------------- train: an earlier run's outputs
-def _earlier_run(run_dir, steps: int = 50) -> None:
-    """What an earlier run left in ``run_dir``: its metrics, config and summaries."""
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as fh:
-        for k in range(1, steps + 1):
-            fh.write(json.dumps({"step": k, "loss": 5.0 - k / 100}) + "\n")
-    for name in ("config.toml", "summary.json", "summary.txt"):
-        with open(os.path.join(run_dir, name), "w") as fh:
-            fh.write(f"the earlier run's {name}\n")
-
-
 def test_a_fresh_run_keeps_an_earlier_runs_metrics(tmp_path):
     """Issue: a fresh run in a ``--run-dir`` whose earlier run saved elsewhere (``--save-dir``)
     cut its 50-line metrics.jsonl to 3 lines and replaced its config and summaries, silently.
     Now exit 2 naming the run directory and the steps it holds; every file unchanged."""
     run = tmp_path / "run"
-    _earlier_run(run)
-    before = _snapshot(run)
+    earlier_run(run)
+    before = snapshot(run)
     code, err = run_train([*TINY, "--run-dir", str(run), "--save-dir", str(tmp_path / "ck")])
     _one_error(code, err, f"--run-dir {run} holds the metrics of an earlier run (50 step(s), the "
                           f"last step 50)")
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 def test_resume_auto_over_only_damaged_checkpoints_keeps_them(tmp_path):
@@ -192,18 +168,18 @@ def test_resume_auto_over_only_damaged_checkpoints_keeps_them(tmp_path):
     overwrote that damaged ``step_00000050`` and the metrics. Now exit 2 naming the checkpoint
     and why it failed; the damaged checkpoint and the metrics are as they were."""
     run = tmp_path / "run"
-    _earlier_run(run)
+    earlier_run(run)
     step = _checkpoint(run / "checkpoints", 50)
     shard = os.path.join(step, "shard_00000.h5")
     with open(shard, "r+b") as fh:
         fh.seek(os.path.getsize(shard) // 2)
         fh.write(b"\xff" * 64)
-    before = _snapshot(run)
+    before = snapshot(run)
     code, err = run_train([*TINY, "--run-dir", str(run), "--resume", "auto"])
     _one_error(code, err, f"--resume auto: no checkpoint of --save-dir {run / 'checkpoints'} "
                           f"verifies")
     assert "step_00000050" in err and "move them aside" in err
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 def test_a_run_resumed_from_elsewhere_keeps_this_save_directorys_checkpoints(tmp_path):
@@ -212,12 +188,12 @@ def test_a_run_resumed_from_elsewhere_keeps_this_save_directorys_checkpoints(tmp
     other = _checkpoint(tmp_path / "other", 1)
     mine = tmp_path / "run" / "checkpoints"
     _checkpoint(mine, 2)
-    before = _snapshot(mine)
+    before = snapshot(mine)
     code, err = run_train([*RUN, "--run-dir", str(tmp_path / "run"), "--resume", other])
     _one_error(code, err, f"--save-dir {mine} holds checkpoints of another run (newest "
                           f"step_00000002); a run resumed from {other} would save its steps "
                           f"over them")
-    assert _snapshot(mine) == before
+    assert snapshot(mine) == before
 
 
 def test_a_metrics_log_that_cannot_be_read_back_is_refused_before_step_1(tmp_path):
@@ -237,8 +213,8 @@ def test_every_rank_exits_2_and_one_prints(tmp_path):
     """The same refusal under mpirun on two ranks: each rank exits 2 (reported here by each
     rank's own exit hook), one message, no traceback, nothing written."""
     run = tmp_path / "run"
-    _earlier_run(run, 5)
-    before = _snapshot(run)
+    earlier_run(run, 5)
+    before = snapshot(run)
     script = tmp_path / "each.py"
     script.write_text(
         "import os, sys\n"
@@ -257,7 +233,7 @@ def test_every_rank_exits_2_and_one_prints(tmp_path):
     assert statuses == ["2", "2"]
     assert proc.stderr.count("holds the metrics of an earlier run") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 # --------------------------------------------------------------------------------- report

@@ -1,11 +1,15 @@
-"""In-process runs of mpipar's programs for the tests of untrusted inputs: the exit status and
+"""Runs of mpipar's programs for the tests of untrusted inputs. In process: the exit status and
 what the run printed to stderr, without launching a job (a launched run costs seconds on a
 2-core CI; the refusals these tests show happen before any collective, so one process shows
-them). A launched multi-rank run checks the same on every rank where it matters."""
+them); a launched multi-rank run checks the same on every rank where it matters. Also: the flags
+of a tiny run, what an earlier run left in its directory, and a snapshot of the files that must
+not change."""
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import signal
 import sys
 
@@ -44,3 +48,27 @@ def run_generate(argv: list[str]) -> tuple[int, str]:
     """``python -m mpipar.generate ARGV`` on one rank, in this process: (status, stderr)."""
     from mpipar import generate
     return _run(generate.main, argv)
+
+
+RUN = ["--seq-len", "8", "--global-batch-size", "2", "--steps", "3", "--backend", "numpy",
+       "--log-every", "0", "--tensorboard", "off"]
+TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", *RUN]
+"""A fresh run's flags; a resumed one takes the model from its checkpoint (:data:`RUN`)."""
+
+
+def earlier_run(run_dir, steps: int = 50) -> None:
+    """What an earlier run left in ``run_dir``: its metrics, config and summaries."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as fh:
+        for k in range(1, steps + 1):
+            fh.write(json.dumps({"step": k, "loss": 5.0 - k / 100}) + "\n")
+    for name in ("config.toml", "summary.json", "summary.txt"):
+        with open(os.path.join(run_dir, name), "w") as fh:
+            fh.write(f"the earlier run's {name}\n")
+
+
+def snapshot(root) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes (what must not change), but the run locks (a
+    ``lock`` file names the last run that held it, whatever it did)."""
+    return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(root) for n in names if n != "lock"}

@@ -1,0 +1,64 @@
+"""The planner's CLI, launched: ``python -m mpipar.plan`` ranks layouts and names its refusals,
+also on a machine where no MPI library can be loaded."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import launch_env
+
+
+# ------------------------------------------------------------------------------------- CLI
+def test_plan_cli(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "0",
+                           "--peak-gflops", "100", "--intra-gbps", "10"], capture_output=True,
+                          text=True, timeout=120, env=launch_env())
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    first = next(line for line in lines if line.lstrip().startswith("1  "))
+    # on one CPU node: ZeRO-3 in node shared memory (a reduce-scatter, no all-gather) first
+    assert "dp=8 tp=1 pp=1 sp=1" in first and "zero=3(node shared)" in first, first
+    assert "dp_sp 3,215,888" in first, first
+    zero0 = next(line for line in lines if "dp=8 tp=1 pp=1 sp=1 mbs=2 zero=0 " in line)
+    assert "dp_sp 3,215,880" in zero0
+    assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
+    none = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "2", "--memory-gb",
+                           "0.001", "--peak-gflops", "100", "--tp", "2"],
+                          capture_output=True, text=True, timeout=120, env=launch_env())
+    assert none.returncode == 1 and "no layout fits" in none.stdout
+    assert "dp=1 tp=2 pp=1 sp=1: needs at least" in none.stdout
+    bad = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "0"],
+                         capture_output=True, text=True, timeout=60, env=launch_env())
+    assert bad.returncode == 2 and "--world 0: must be >= 1" in bad.stderr
+    nodes = subprocess.run([sys.executable, "-m", "mpipar.plan", "--world", "8", "--top", "20",
+                            "--peak-gflops", "100", "--dp", "8", "--ranks-per-node", "4",
+                            "--intra-gbps", "20", "--inter-gbps", "1"],
+                           capture_output=True, text=True, timeout=300, env=launch_env())
+    assert nodes.returncode == 0, nodes.stderr
+    rows = [line for line in nodes.stdout.splitlines() if "dp=8 tp=1" in line]
+    assert "hierarchical" in rows[0] and "across nodes 803,982" in rows[0]
+    assert any(" int8 " in r for r in rows) and any(" top-0.01 " in r for r in rows)
+    assert any("hierarchical" not in r and "across nodes 5,627,790" in r for r in rows)
+
+
+HIDE_MPI = """
+import runpy, sys
+sys.modules["mpi4py"] = None      # any import of mpi4py now raises ImportError
+sys.argv = ["python -m mpipar.plan", "--world", "8"]
+runpy.run_module("mpipar.plan", run_name="__main__")
+"""
+
+
+def test_plan_cli_runs_without_mpi():
+    """``python -m mpipar.plan --world 8`` on a machine where mpi4py cannot be imported: the
+    planner, its probes and every module they import start no MPI; the layouts are ranked."""
+    proc = subprocess.run([sys.executable, "-c", HIDE_MPI], capture_output=True, text=True,
+                          timeout=300, env=launch_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("mpipar plan: world 8, model 4 layers"), proc.stdout[:500]
+    ranked = [line for line in proc.stdout.splitlines()
+              if re.match(r"\s+\d+  dp=\d+ tp=\d+ pp=\d+ sp=\d+ .* zero=\d", line)]
+    assert len(ranked) == 10, proc.stdout[:2000]                     # the default --top 10
+    assert ranked[0].lstrip().startswith("1  "), ranked[0]
+    assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout

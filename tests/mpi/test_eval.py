@@ -1,0 +1,66 @@
+"""Validation loss on 8 ranks: the forward-only pass under each training layout equals the
+single-process run's (float64 <= 1e-10), before and after a training step."""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from mpi4py import MPI
+
+from conftest import assert_all_ranks
+from layouts import eval_config, layout_name, layout_size, token_source
+from mpipar.rules import validate
+from mpipar.training.engine import Engine
+
+
+# ---------------------------------------------------------------- every layout (8 ranks)
+LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(sp=4, tp=2, sp_split="zigzag"),
+           dict(pp=4, dp=2, schedule="zb-h1"), dict(pp=2, dp=2, sp=2, schedule="interleaved",
+                                                    virtual_stages=2),
+           dict(sp=2, sp_mode="ulysses", dp=4), dict(tp=2, pp=2, sp=2, sp_overlap=True),
+           dict(dp=4, tp=2, tp_sequence_parallel=True, zero=1), dict(pp=4, tp=2, schedule="gpipe"),
+           dict(dp=2, pp=2), dict(tp=2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _single_process(recompute: str = "none") -> tuple[float, float, float]:
+    """(validation loss after one step, after two, and the second step's training loss) on one
+    process, with a validation pass between the steps."""
+    cfg = eval_config()
+    cfg.train.recompute = recompute
+    engine = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
+    engine.train_step(0)
+    first = engine.evaluate().loss
+    second_loss = engine.train_step(1).loss
+    return first, engine.evaluate().loss, second_loss
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
+def test_validation_loss_is_the_same_on_every_layout(world, layout):
+    size = layout_size(layout)
+    comm = world.Split(world.rank // size, world.rank)
+    fails: list[str] = []
+    try:
+        recompute = "offload" if layout.get("pp") == 4 and layout.get("tp") else "none"
+        cfg = eval_config(**layout)
+        cfg.train.recompute = recompute
+        cfg.train.run_dir = f"/tmp/mpipar-test-eval-{os.getpid()}"
+        engine = Engine(validate(cfg, size), comm, source=token_source())
+        engine.train_step(0)
+        got = (engine.evaluate().loss, engine.train_step(1).loss, engine.evaluate().loss)
+        engine.close()
+        want = _single_process()
+        diffs = [abs(a - b) / abs(b) for a, b in zip(got, (want[0], want[2], want[1]))]
+        if world.rank == 0:
+            print(f"\n{layout_name(layout)}: validation rel diffs {diffs[0]:.1e}, {diffs[2]:.1e}")
+        for what, a, b in zip(("eval after 1 step", "step 2 loss", "eval after 2 steps"), got,
+                              (want[0], want[2], want[1])):
+            if not abs(a - b) <= 1e-10 * abs(b):
+                fails.append(f"{what}: {a!r} vs one process {b!r} (rel {abs(a - b) / b:.2e})")
+    except Exception as exc:  # a rank's error must reach every rank, never hang them
+        fails = [f"{type(exc).__name__}: {exc}"]
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)

@@ -1,0 +1,67 @@
+"""Generation on 8 ranks: greedy and seeded sampled tokens from one checkpoint are the same on
+every tp x pp layout as on one rank, logits to 1e-10."""
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pytest
+
+from conftest import assert_all_ranks
+from generation import build_generator
+from layouts import small_config, token_source
+from mpipar.inference.sampling import Sampling
+from mpipar.rules import validate
+from mpipar.runtime.comm import Group, Ledger
+
+
+# --------------------------------------------------------------- every layout (8 ranks)
+GEN_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4)]   # (tp, pp)
+SAMPLED = Sampling(0.9, top_k=8, top_p=0.95)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_generation_is_the_same_on_every_layout(world):
+    """A checkpoint saved under dp=2 x tp=2 x pp=2 after one step, read directly by each tp x pp
+    layout: greedy and seeded sampled tokens equal one rank's, logits to 1e-10."""
+    from mpipar.checkpoint import reader, writer
+    from mpipar.training.engine import Engine
+    fails: list[str] = []
+    root = world.bcast(tempfile.mkdtemp(prefix="mpipar-test-gen-") if world.rank == 0 else None)
+    cfg = validate(small_config(dp=2, tp=2, pp=2), 8)
+    engine = Engine(cfg, world, source=token_source())
+    engine.train_step(0)
+    path = writer.save(engine.state, engine.run_position(1), root,
+                           Group(world, "world", Ledger()))
+    runs = {}
+    for tp, pp in GEN_LAYOUTS:
+        comm = world.Split(world.rank // (tp * pp), world.rank)
+        try:
+            generator = build_generator(cfg.model, comm, tp, pp)
+            with reader.open_reader(path) as read:
+                generator.load_checkpoint(read)
+            runs[(tp, pp)] = [generator.generate([1, 5, 7], 8, s, seed=4, keep_logits=True)
+                              for s in (Sampling(0.0), SAMPLED)]
+            generator.close()
+        except Exception as exc:  # a rank's error must reach every rank, never hang them
+            fails.append(f"tp={tp} pp={pp}: {type(exc).__name__}: {exc}")
+        comm.Free()
+    one = runs.get((1, 1))
+    worst = 0.0
+    for layout, (greedy, sampled) in runs.items():
+        for what, got, want in (("greedy", greedy, one and one[0]),
+                                ("sampled", sampled, one and one[1])):
+            if want is None or got.ids != want.ids:
+                fails.append(f"{layout} {what}: {got.ids} vs one rank {want and want.ids}")
+                continue
+            err = max(float(np.abs(a - b).max() / np.abs(b).max())
+                      for a, b in zip(got.logits, want.logits))
+            worst = max(worst, err)
+            if not err <= 1e-10:
+                fails.append(f"{layout} {what}: logits rel diff {err:.2e}")
+    if world.rank == 0:
+        print(f"\ngeneration on {sorted(runs)} (tp, pp): ids equal one rank's, logits max rel "
+              f"diff {worst:.2e}")
+    if one is not None and one[0].ids == one[1].ids:
+        fails.append("the sampled tokens equal the greedy ones: sampling was not exercised")
+    assert_all_ranks(world, fails)

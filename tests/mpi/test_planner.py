@@ -1,0 +1,78 @@
+"""The planner against the engine on 8 ranks: exact state memory and message counts on each
+layout."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_all_ranks
+from layouts import small_config, token_source
+from mpipar.plan.memory import predict_memory
+from mpipar.plan.traffic import predict_step_bytes, predict_step_messages
+from mpipar.rules import validate
+
+CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, sp_mode="ulysses", dp=4),
+         dict(sp=4, sp_overlap=True, tp=2), dict(pp=2, dp=2, sp=2, schedule="interleaved", virtual_stages=2),
+         dict(dp=8, bucket_mb=0.001), dict(dp=4, tp=2, zero=1, bucket_mb=0.003),
+         dict(pp=4, tp=2, schedule="zb-h1"), dict(dp=2, tp=2, pp=2, dtype="float32"),
+         dict(tp=2, sp=2, dp=2, recompute="full"), dict(sp=2, sp_mode="ulysses", dp=2, pp=2,
+                                                         recompute="full"),
+         dict(tp=2, pp=2, dp=2, recompute="selective"),
+         dict(model="tied", pp=2, tp=2, dp=2, zero=1, bucket_mb=0.003),
+         dict(model="tied", dp=4, tp=2, schedule="interleaved", virtual_stages=2),
+         dict(dp=8, zero=3), dict(dp=2, tp=2, pp=2, zero=2, schedule="zb-h1"),
+         dict(model="tied", dp=2, sp=2, pp=2, zero=3, zero_prefetch=2, recompute="full"),
+         dict(dp=2, tp=2, pp=2, zero=3, zero_shared="node", schedule="zb-h1"),
+         dict(dp=4, pp=2, zero=3, zero_shared="node", ranks_per_node=2)]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in CASES])
+def test_state_memory_and_messages_equal_the_engine(world, case):
+    """Weights, gradients and AdamW moments are the engine's buffers byte for byte; the MPI
+    calls per group are the ledger's, and so are the bytes (recompute=full repeats forward
+    traffic in backward)."""
+    from mpipar.training.engine import Engine
+
+    case = dict(case)
+    recompute = case.pop("recompute", "none")
+    cfg = small_config(case.pop("dtype", "float64"), **case)
+    cfg.train.recompute = recompute
+    cfg = validate(cfg, 8)
+    fails = []
+    try:
+        eng = Engine(cfg, world, source=token_source())
+        mem = predict_memory(cfg, eng.grid.coord)
+        buckets = eng.reducer.buckets
+        opt = eng.optimizer
+        moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v) if cfg.parallel.zero
+                   else sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
+        if cfg.parallel.zero >= 2:   # units: this rank's slices (ZeRO-2: the whole parameters;
+            # node shared: its part of the node's copy)
+            weights = (eng.sharded.shared_bytes if eng.sharded.shared else
+                       sum((b.owned if cfg.parallel.zero == 3 else b.full).nbytes for b in buckets))
+            got = (weights, sum(b.owned_grad.nbytes for b in buckets), moments)
+        else:
+            got = (sum(b.params.nbytes for b in buckets), sum(b.grads.nbytes for b in buckets),
+                   moments)
+        if got != (mem.weights, mem.grads, mem.optimizer):
+            fails.append(f"{eng.grid.coord}: engine {got} != predicted "
+                         f"{(mem.weights, mem.grads, mem.optimizer)}")
+        eng.ledger.reset()
+        eng.train_step(0)
+        messages: dict[str, int] = {}
+        for (group, _), entry in eng.ledger.entries.items():
+            messages[group] = messages.get(group, 0) + entry.messages
+        if messages != predict_step_messages(cfg, eng.grid.coord):
+            fails.append(f"{eng.grid.coord}: ledger messages {messages} != predicted "
+                         f"{predict_step_messages(cfg, eng.grid.coord)}")
+        if eng.ledger.bytes_by_group() != predict_step_bytes(cfg, eng.grid.coord):
+            fails.append(f"{eng.grid.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
+                         f"predicted {predict_step_bytes(cfg, eng.grid.coord)}")
+        if cfg.parallel.zero >= 2:   # the buffers a step needed at once stay in the pool
+            pooled = sum(b.nbytes for bufs in eng.sharded.pool.free.values() for b in bufs)
+            if not 0 < pooled <= mem.buffers:
+                fails.append(f"{eng.grid.coord}: pool {pooled} B, bound {mem.buffers} B")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)

@@ -1,0 +1,1 @@
+"""Serial tests that run in this process: no mpirun, no launched program."""

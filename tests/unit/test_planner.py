@@ -1,0 +1,305 @@
+"""The planner in process: analytic state memory and parameter counts, activation memory by
+recompute mode, the time model's ranking, rejection reasons, the default run's layout choice,
+measured nodes. Exact memory and messages against the engine on 8 ranks: mpi/test_planner.py;
+the CLI: e2e/test_planner.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from mpipar.layout import resolve_model, vary
+from mpipar.model.flops import model_flops_per_step
+from mpipar.plan.memory import predict_memory
+from mpipar.plan.search import auto_layout, plan_layouts
+from mpipar.plan.step_time import Hardware, predict_step_time
+from mpipar.plan.traffic import predict_step_bytes, predict_step_messages
+from mpipar.rules import validate
+from mpipar.runtime.topology import Coord
+
+
+# ------------------------------------------------------------------------ analytic counts
+def _params(m: ModelConfig) -> int:
+    """Parameters of a Llama by hand: embedding, per block 2 norms + q, k, v, o + gate, up,
+    down, final norm, untied head."""
+    m = resolve_model(m)
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    block = 2 * m.hidden + m.hidden * q * 2 + m.hidden * kv * 2 + 3 * m.hidden * m.ffn_hidden
+    return 2 * m.vocab_size * m.hidden + m.layers * block + m.hidden
+
+
+def test_default_model_state_by_hand():
+    cfg = validate(Config(), 1)
+    assert _params(cfg.model) == 803_968
+    mem = predict_memory(cfg, Coord(0, 0, 0, 0))
+    assert mem.weights == mem.grads == 803_968 * 4
+    assert mem.optimizer == 2 * 803_968 * 4                      # AdamW m and v
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_zero_shards_the_moments_over_dp(zero):
+    cfg = validate(Config(parallel=ParallelConfig(dp=8, zero=zero)), 8)
+    mem = predict_memory(cfg, Coord(3, 0, 0, 0))
+    n = _params(cfg.model)
+    padded = -(-n // 8) * 8                                        # one bucket, 8 equal slices
+    assert mem.weights == padded * 4
+    assert mem.optimizer == (2 * padded // 8 * 4 if zero else 2 * n * 4)
+
+
+def test_zero3_state_is_one_over_dp_sp():
+    """ZeRO-3: weights, gradients and moments are 1/(dp*sp) of ZeRO-0's (each unit padded to a
+    multiple of dp*sp); ZeRO-2 keeps the whole weights; the step's bytes over dp x sp are per
+    microbatch 2 all-gathers of each unit's slice (1 of the head's and the last block's, which
+    stay gathered from their forward to their backward at prefetch 1) and a reduce-scatter of
+    its gradients."""
+    model = ModelConfig(vocab_size=256, hidden=64, layers=4, heads=4, kv_heads=2)
+    train = TrainConfig(seq_len=16, global_batch_size=16, micro_batch_size=2)
+    full = predict_memory(validate(Config(model, ParallelConfig(dp=1), train), 1), Coord(0, 0, 0, 0))
+    n_params = _params(model)
+    assert full.state == 4 * n_params * 4
+    for dp, sp in ((2, 1), (8, 1), (2, 4)):
+        cfg = validate(Config(model, ParallelConfig(dp=dp, sp=sp, zero=3), train), dp * sp)
+        mem = predict_memory(cfg, Coord(0, 0, 0, 0))
+        n = dp * sp
+        units = [resolve_model(model).vocab_size * 64, 64 + 64 * 256] + \
+            [(_params(model) - 2 * 256 * 64 - 64) // 4] * 4       # embed, head, blocks
+        assert sum(units) == n_params
+        padded = sum(-(-u // n) * n for u in units)
+        assert mem.state == 4 * padded // n * 4
+        assert full.state / n <= mem.state < full.state / n + 4 * 6 * 4   # padding only
+        micro = 16 // (dp * 2)
+        kept = -(-units[1] // n) * n + -(-units[2] // n) * n
+        assert predict_step_bytes(cfg, Coord(0, 0, 0, 0))["dp_sp"] == \
+            micro * (padded * 4 + (2 * padded - kept) // n * 4) + 16
+        two = predict_memory(vary(cfg, parallel={"zero": 2}), Coord(0, 0, 0, 0))
+        assert two.weights == padded * 4 and two.grads == mem.grads
+
+
+def test_memory_budget_picks_the_zero_stage():
+    """With dp = 8 fixed and a budget between the ZeRO-3 and the ZeRO-2 state, the planner ranks
+    only ZeRO-3; with no budget every stage is ranked, ZeRO-3 gathering (two all-gathers more)
+    last, ZeRO-3 in node shared memory (one node: a reduce-scatter, no all-gather) first and
+    smallest (no gathered units)."""
+    base = Config(ModelConfig(vocab_size=256, hidden=256, layers=4, heads=4, kv_heads=4),
+                  ParallelConfig(dp=8), TrainConfig(seq_len=16, global_batch_size=8,
+                                                    micro_batch_size=1, recompute="full"))
+    fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "recompute"}
+    free = plan_layouts(base, 8, fixed, hw=Hardware(1e11, 1e9, 1e-5)).ranked
+    stages = [(c.cfg.parallel.zero, c.cfg.parallel.zero_shared) for c in free]
+    assert stages[0] == (3, "node") and stages[-1] == (3, "off") and len(free) == 5
+    mem = {s: c.memory.total for s, c in zip(stages, free)}
+    assert mem[(3, "node")] < mem[(3, "off")] < mem[(2, "off")] < mem[(1, "off")] < mem[(0, "off")]
+    tight = plan_layouts(base, 8, fixed, memory_bytes=(mem[(3, "off")] + mem[(2, "off")]) / 2)
+    assert sorted(c.cfg.parallel.zero_shared for c in tight.ranked) == ["node", "off"]
+    assert {c.cfg.parallel.zero for c in tight.ranked} == {3}
+    cpu_fixed = plan_layouts(base, 8, fixed | {"zero_shared"}, hw=Hardware(1e11, 1e9, 1e-5))
+    assert [c.cfg.parallel.zero for c in cpu_fixed.ranked][-1] == 3 and len(cpu_fixed.ranked) == 4
+
+
+def test_tensor_parallel_shards_all_but_the_norms():
+    """tp=2 with an odd vocabulary: every matrix halves, the vocabulary pads to 258 rows."""
+    model = ModelConfig(vocab_size=257)
+    cfg = validate(Config(model=model, parallel=ParallelConfig(tp=2)), 2)
+    m = cfg.model
+    norms = (2 * m.layers + 1) * m.hidden
+    matrices = _params(m) - norms - 2 * 257 * m.hidden
+    want = matrices // 2 + norms + 2 * 129 * m.hidden
+    assert predict_memory(cfg, Coord(0, 1, 0, 0)).weights == want * 4
+
+
+def test_tied_embedding_and_biases_by_hand():
+    """A tied model holds the embedding once on one stage and a copy on each end of a pipeline,
+    whose gradient (the whole, or under ZeRO-1 the owned slice) is all-reduced over pp_ends
+    once a step; q/k/v biases add q + 2 kv values per block."""
+    model = ModelConfig(tie_embeddings=True, attention_bias=True)
+    m = resolve_model(model)
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    n = _params(m) - m.vocab_size * m.hidden + m.layers * (q + 2 * kv)
+    assert predict_memory(validate(Config(model=model), 1), Coord(0, 0, 0, 0)).weights == n * 4
+    for zero, dp in ((0, 1), (1, 2)):
+        cfg = validate(Config(model=model, parallel=ParallelConfig(pp=2, dp=dp, zero=zero)), 2 * dp)
+        first = predict_memory(cfg, Coord(0, 0, 0, 0)).weights // 4
+        last = predict_memory(cfg, Coord(0, 0, 1, 0)).weights // 4
+        embed = m.vocab_size * m.hidden          # every bucket is even: no padding for dp = 2
+        assert first + last == n + embed
+        for r in (0, 1):
+            assert predict_step_bytes(cfg, Coord(0, 0, r, 0))["pp_ends"] == embed // dp * 4
+
+
+def test_pipeline_stages_hold_their_layers():
+    cfg = validate(Config(parallel=ParallelConfig(pp=2)), 2)
+    m = cfg.model
+    block = (_params(m) - 2 * m.vocab_size * m.hidden - m.hidden) // m.layers
+    first = predict_memory(cfg, Coord(0, 0, 0, 0)).weights // 4
+    last = predict_memory(cfg, Coord(0, 0, 1, 0)).weights // 4
+    assert first == m.vocab_size * m.hidden + 2 * block
+    assert last == 2 * block + m.hidden + m.vocab_size * m.hidden
+
+
+def test_activation_memory_by_recompute_mode():
+    """One microbatch, one stage: saved = blocks x per-block bytes + LM head + token ids, plus one
+    block's working set; full keeps exactly the block inputs; offload keeps none."""
+    base = Config(ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2,
+                              ffn_hidden=64), ParallelConfig(),
+                  TrainConfig(seq_len=16, global_batch_size=2, dtype="float64"))
+    sizes = {}
+    for mode in ("none", "selective", "full", "offload"):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=mode))
+        sizes[mode] = predict_memory(validate(cfg, 1), Coord(0, 0, 0, 0)).activations
+    n, e, H, F, V = 2 * 16, 8, 32, 64, 64
+    q, kv, lse = 32, 16, 4 * 8                                    # per token: q, k/v widths, lse
+    head = (2 * H + 1 + V) * n * e + n * (8 + 8)
+    none_block = (4 * H + 2 + 3 * F) * n * e + (2 * q + 2 * kv) * n * e + lse * n
+    working = none_block + head
+    assert sizes["none"] == 2 * none_block + head + 9 * n + working
+    assert sizes["selective"] == 2 * ((2 * H + 2 * F + q) * n * e + lse * n) + head + 9 * n + working
+    assert sizes["full"] == 2 * H * n * e + head + 9 * n + working
+    assert sizes["offload"] == 9 * n + working
+    assert sizes["none"] > sizes["selective"] > sizes["full"] > sizes["offload"]
+
+
+def test_gpipe_holds_every_microbatch_1f1b_only_p():
+    def act(schedule):
+        cfg = validate(Config(parallel=ParallelConfig(pp=2, schedule=schedule),
+                     train=TrainConfig(global_batch_size=8, micro_batch_size=1)), 2)
+        return predict_memory(cfg, Coord(0, 0, 0, 0)).activations
+    one = validate(Config(parallel=ParallelConfig(pp=2),
+                 train=TrainConfig(global_batch_size=8, micro_batch_size=1,
+                                   recompute="offload")), 2)
+    working = predict_memory(one, Coord(0, 0, 0, 0)).activations - 2 * 9 * 128  # ids of 2 mbs
+    per_mb = (act("1f1b") - working) / 2                          # 1F1B: p = 2 in flight on rank 0
+    assert act("gpipe") - working == pytest.approx(8 * per_mb)    # GPipe: all 8
+
+
+def test_model_flops_by_hand():
+    cfg = Config(ModelConfig(vocab_size=10, hidden=8, layers=1, heads=2, kv_heads=1,
+                             ffn_hidden=16), train=TrainConfig(seq_len=4, global_batch_size=3))
+    matmul = 2 * (8 * 8 + 8 * 4 * 2 + 8 * 8) + 2 * 3 * 8 * 16 + 2 * 8 * 10
+    attention = 4 * 2 * 4 * (4 + 1) / 2                           # heads x head_dim x mean keys
+    assert model_flops_per_step(validate(cfg, 1)) == 3 * (matmul + attention) * 3 * 4
+
+
+# ---------------------------------------------------------------------------- time model
+def test_pipeline_bubble_is_the_schedules():
+    """Fast links: the predicted bubble of 1F1B is (p-1)/(m+p-1), interleaving lowers it."""
+    fast = Hardware(peak_flops=1e9, bandwidth=1e18, latency=0.0)
+    t = TrainConfig(global_batch_size=8, micro_batch_size=2)
+    one = predict_step_time(validate(Config(parallel=ParallelConfig(pp=4), train=t), 4), fast)
+    assert one.bubble == pytest.approx(3 / 7, abs=0.02)
+    inter = predict_step_time(validate(Config(ModelConfig(layers=8), ParallelConfig(
+        pp=4, schedule="interleaved", virtual_stages=2), t), 4), fast)
+    assert inter.bubble < one.bubble
+
+
+def test_ranking_follows_the_hardware():
+    """Compute-bound (fast links): no pipeline bubble wins, dp x sp splits the work evenly.
+    Link-bound (slow links, big model, few tokens): no gradient all-reduce wins."""
+    base = Config(ModelConfig(hidden=256, layers=4, heads=4, kv_heads=4),
+                  train=TrainConfig(seq_len=16, global_batch_size=4))
+    fast = plan_layouts(base, 4, hw=Hardware(1e9, 1e18, 0.0))
+    times = [c.time.total for c in fast.ranked]
+    assert times == sorted(times)
+    assert fast.ranked[0].cfg.parallel.pp == 1
+    slow = plan_layouts(base, 4, hw=Hardware(1e12, 1e6, 0.0)).ranked[0].cfg.parallel
+    assert slow.dp * slow.sp == 1
+
+
+def test_rejections_name_the_rule():
+    plan = plan_layouts(Config(), 8)
+    reasons = {r.layout: r.reason for r in plan.rejected}
+    assert reasons["dp=1 tp=8 pp=1 sp=1"] == "parallel.tp=8: must divide model.heads=4"
+    assert reasons["dp=1 tp=1 pp=8 sp=1"].startswith("parallel.pp*virtual_stages = 8*1 = 8")
+    accepted = {(c.cfg.parallel.dp, c.cfg.parallel.tp, c.cfg.parallel.pp, c.cfg.parallel.sp)
+                for c in plan.ranked}
+    assert (8, 1, 1, 1) in accepted and (2, 2, 2, 1) in accepted
+    assert not accepted & {(1, 8, 1, 1), (1, 1, 8, 1)}
+    tight = plan_layouts(Config(), 2, memory_bytes=2**20)
+    assert not tight.ranked and all("needs at least" in r.reason and "more than --memory-gb"
+                                    in r.reason for r in tight.rejected)
+
+
+def test_memory_limit_turns_recompute_on():
+    base = Config(ModelConfig(hidden=256, layers=8, heads=4, kv_heads=4),
+                  ParallelConfig(dp=1), TrainConfig(seq_len=512, global_batch_size=8,
+                                                    micro_batch_size=8))
+    fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "zero"}
+    free = plan_layouts(base, 1, fixed).ranked[0]
+    assert free.cfg.train.recompute == "none"
+    limit = (free.memory.total + predict_memory(vary(free.cfg, train={"recompute": "full"}),
+                                                Coord(0, 0, 0, 0)).total) / 2
+    tight = plan_layouts(base, 1, fixed, memory_bytes=limit).ranked[0]
+    assert tight.cfg.train.recompute in ("selective", "full") and tight.memory.total <= limit
+    assert tight.time.total > free.time.total
+
+
+# ------------------------------------------------------------------------ default layout
+@pytest.mark.parametrize("world,batch", [(1, 16), (2, 16), (3, 18), (4, 16), (5, 20), (6, 18),
+                                         (7, 21), (8, 16)])
+def test_default_run_layout_fits_every_world(world, batch):
+    cfg, note = auto_layout(Config(), world, set())
+    cfg = validate(cfg, world)
+    assert cfg.train.global_batch_size == batch and cfg.parallel.dp == world
+    assert (note is None) == (batch == 16)
+    if note:
+        assert f"so it is {batch} (dp={world})" in note
+
+
+def test_given_batch_is_kept_and_the_planner_picks_the_layout():
+    cfg = Config(train=TrainConfig(global_batch_size=4))
+    out, note = auto_layout(cfg, 8, {"global_batch_size"})
+    out = validate(out, 8)
+    assert out.train.global_batch_size == 4 and out.parallel.dp <= 4 and "planner" in note
+    with pytest.raises(ConfigError, match="must be divisible by dp=3"):
+        validate(auto_layout(Config(), 3, {"global_batch_size"})[0], 3)
+    same, note = auto_layout(Config(), 3, {"tp"})                # a size given: no choice made
+    assert note is None and same.train.global_batch_size == 16
+
+
+def test_hierarchical_and_compressed_options_ranked_beside_flat():
+    """On 2 nodes of 4: a slow link across nodes ranks hierarchical reduction above flat, and
+    (compression's work negligible) int8 and top-k above dense; with links as fast inside as
+    across and compression's work costed, flat dense ranks first. The wire bytes across nodes
+    are what the reduction sends across them."""
+    base = Config(parallel=ParallelConfig(dp=8, ranks_per_node=4))
+    fixed = {"dp", "tp", "pp", "sp", "micro_batch_size", "zero"}
+
+    def best(hw, **extra):
+        cfg = Config(base.model, dataclasses.replace(base.parallel, **extra), base.train)
+        plan = plan_layouts(cfg, 8, fixed | set(extra), hw=hw)
+        return plan.ranked[0], plan.ranked
+
+    slow = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)
+    top, ranked = best(slow, grad_compression="none")
+    assert top.cfg.parallel.dp_reduce == "hierarchical"
+    flat = next(c for c in ranked if c.cfg.parallel.dp_reduce == "flat")
+    inter = {c.cfg.parallel.dp_reduce: c.link_bytes["dp_sp_inter" if c is top else "dp_sp"]
+             ["inter"] for c in (top, flat)}
+    assert inter["flat"] >= 4 * inter["hierarchical"]
+    assert best(slow)[0].cfg.parallel.grad_compression in ("int8", "topk")
+    even = Hardware(1e11, 1e10, 1e-6, 1e10, 1e-6, int8_seconds=1e-8, topk_seconds=1e-8)
+    assert best(even)[0].cfg.parallel.grad_compression == "none"
+
+
+def test_measured_nodes_place_the_groups():
+    """A hardware file's ranks per node (``bench comm``) decides which groups cross nodes when the
+    layout names none, and the layout's own ``ranks_per_node`` wins: dp=8 on nodes of 4 is timed
+    on the slow link, exactly its wire bytes over that link plus a latency per call."""
+    from mpipar.plan.step_time import with_nodes
+    from mpipar.plan.traffic import predict_link_bytes
+
+    cfg = validate(Config(parallel=ParallelConfig(dp=8)), 8)
+    one_node = Hardware(1e11, 1e8, 1e-5, 1e11, 1e-6)
+    measured = dataclasses.replace(one_node, ranks_per_node=4)
+    on_nodes = with_nodes(cfg, measured, 8)
+    assert on_nodes.parallel.ranks_per_node == 4 and with_nodes(cfg, one_node, 8) is cfg
+    given = vary(cfg, parallel={"ranks_per_node": 2})
+    assert with_nodes(given, measured, 8).parallel.ranks_per_node == 2
+    coord = Coord(dp=0, tp=0, pp=0, sp=0)
+    wire = predict_link_bytes(on_nodes, coord)["dp_sp"]
+    calls = predict_step_messages(cfg, coord)["dp_sp"]
+    assert wire["intra"] == 0 and predict_link_bytes(cfg, coord)["dp_sp"]["inter"] == 0
+    assert predict_step_time(cfg, measured).comm["dp_sp"] == pytest.approx(
+        wire["inter"] / 1e8 + calls * 1e-5, rel=1e-12)
+    assert predict_step_time(cfg, one_node).comm["dp_sp"] == pytest.approx(
+        wire["inter"] / 1e11 + calls * 1e-6, rel=1e-12)

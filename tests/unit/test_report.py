@@ -1,0 +1,168 @@
+"""``mpipar.report`` in process: PNGs of a run directory written by hand (:mod:`report_records`),
+and a summary that names the right bottleneck. The CLI and a real run's report:
+e2e/test_report.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mpipar import report
+from mpipar.observe import summary as run_summary
+from mpipar.observe.metrics import TIME_KEYS
+from report_records import PLOTS, png_size, record, write_run_dir
+
+
+def _timeline() -> dict:
+    """Two pipeline ranks, one microbatch: rank 1 waits 0.25 s of its 1 s, rank 0 0.5 of 1."""
+    return {"step": 3, "ranks": [
+        {"rank": 0, "coord": {"dp": 0, "tp": 0, "pp": 0, "sp": 0},
+         "ops": [["fwd", 0, 0, 0.0, 0.25], ["send_fwd", 0, 0, 0.25, 0.25],
+                 ["recv_bwd", 0, 0, 0.25, 0.75], ["bwd", 0, 0, 0.75, 1.0]]},
+        {"rank": 1, "coord": {"dp": 0, "tp": 0, "pp": 1, "sp": 0},
+         "ops": [["recv_fwd", 0, 0, 0.0, 0.25], ["fwd", 0, 0, 0.25, 0.5],
+                 ["bwd", 0, 0, 0.5, 1.0], ["send_bwd", 0, 0, 1.0, 1.0]]}]}
+
+
+def test_plots_are_valid_pngs(tmp_path):
+    records = [record(s, 5.0 - 0.1 * s, compute=0.2, pipeline_wait=0.1) for s in range(1, 6)]
+    records[2]["skipped"], records[2]["grad_norm"] = True, float("nan")
+    run = write_run_dir(tmp_path, records, _timeline())
+    written, text = report.write_report(run)
+    for name in PLOTS:
+        path = os.path.join(run, "report", f"{name}.png")
+        assert path in written and os.path.getsize(path) > 1000
+        width, height = png_size(path)
+        assert width >= 600 and height >= 150
+    assert open(os.path.join(run, "report", "summary.txt")).read() == text
+
+
+def test_summary_numbers(tmp_path):
+    records = [record(1, 5.5, compute=1.0), record(2, 4.0, compute=0.25, dp_comm=0.25),
+               record(3, float("nan"), compute=0.25, dp_comm=0.25),
+               record(4, 3.0, compute=0.25, dp_comm=0.75)]
+    records[2]["skipped"], records[2]["skipped_steps"], records[3]["skipped_steps"] = True, 1, 1
+    s = run_summary.summarize(records, _timeline(), {"parallel": {"dp": 1, "pp": 2}})
+    assert s["steps"] == [1, 4] and s["loss_first"] == 5.5 and s["loss_min"] == 3.0
+    assert s["loss_last"] == pytest.approx((5.5 + 4.0 + 3.0) / 3)   # the skipped NaN left out
+    assert s["time_s"]["dp_comm"] == pytest.approx((0.25 + 0.25 + 0.75) / 3)  # after step 1
+    assert s["step_time_s"] == 0.5 and s["skipped_steps"] == 1
+    assert s["bubble"] == pytest.approx((0.5 + 0.25) / 2)            # from the timeline
+
+
+def _summary(layout: dict, **time) -> dict:
+    t = {k: 0.0 for k in TIME_KEYS} | time
+    return {"time_s": t, "layout": layout, "bubble": 0.0, "mfu": 0.2, "memory_bytes": [],
+            "skipped_steps": 0}
+
+
+def test_diagnosis_pipeline_bubble():
+    s = _summary({"dp": 1, "tp": 1, "pp": 4, "sp": 1, "microbatches": 4}, compute=1.0,
+                 pipeline_wait=1.2)
+    s["bubble"] = 0.45
+    lines = run_summary.diagnose(s)
+    assert lines[0] == "bottleneck: pipeline wait (bubble and transfers) (55% of the step time)"
+    assert "pipeline bubble 45% > 30%: use more microbatches (now 4 per step for pp=4)" in lines[1]
+    assert "--schedule interleaved --virtual-stages 2" in lines[1]
+
+
+@pytest.mark.parametrize("layout,layers,advice", [
+    ({"schedule": "interleaved", "virtual_stages": 2, "micro_batch_size": 1}, 16,
+     "use more microbatches (now 8 per step for pp=2) with a larger --global-batch-size, or more "
+     "virtual stages (--virtual-stages 4, now 2), or --schedule zb-h1"),
+    ({"schedule": "interleaved", "virtual_stages": 2, "micro_batch_size": 2}, 4,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "--schedule zb-h1"),
+    ({"schedule": "zb-h1", "virtual_stages": 1, "micro_batch_size": 2}, 6,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "interleaving (--schedule interleaved --virtual-stages 3)"),
+    ({"schedule": "1f1b", "virtual_stages": 1, "micro_batch_size": 2}, 4,
+     "use more microbatches (now 8 per step for pp=2) with a smaller --micro-batch-size, or "
+     "interleaving (--schedule interleaved --virtual-stages 2), or --schedule zb-h1"),
+])
+def test_bubble_advice_starts_from_what_the_run_did(layout, layers, advice):
+    """A run that already used --schedule interleaved --virtual-stages 2 was
+    told to use exactly that; the advice now names only what the run did not do (more virtual
+    stages when the layers divide, zb-h1, more microbatches)."""
+    mbs = layout.pop("micro_batch_size")
+    config = {"model": {"layers": layers},
+              "parallel": {"dp": 1, "tp": 1, "pp": 2, "sp": 1, **layout},
+              "train": {"global_batch_size": 8 * mbs, "micro_batch_size": mbs}}
+    records = [record(k, 4.0, compute=1.0, pipeline_wait=1.0) for k in (1, 2)]
+    summary = run_summary.summarize(records, None, config)  # what train and mpipar.report run
+    line = next(x for x in run_summary.diagnose(summary) if x.startswith("pipeline bubble"))
+    assert line == f"pipeline bubble 50% > 30%: {advice}"
+
+
+def test_summary_layout_names_zero3_in_node_shared_memory():
+    """The summary's layout says where ZeRO-3's parameters live when not gathered (and only
+    then: the default adds nothing)."""
+    records = [record(k, 1.0, compute=1.0) for k in (1, 2)]
+    for shared, want in (("node", {"zero": 3, "zero_shared": "node"}), ("off", {"zero": 3})):
+        config = {"parallel": {"dp": 2, "zero": 3, "zero_shared": shared}, "train": {}}
+        layout = run_summary.summarize(records, None, config)["layout"]
+        assert {k: layout[k] for k in layout if k.startswith("zero")} == want
+
+
+def test_diagnosis_small_bubble_is_not_flagged():
+    s = _summary({"pp": 4}, compute=1.0, pipeline_wait=0.2)
+    s["bubble"] = 0.2
+    assert run_summary.diagnose(s)[0].startswith("bottleneck: compute")
+    assert not any("bubble" in line for line in run_summary.diagnose(s)[1:])
+
+
+def test_diagnosis_tensor_parallel_communication():
+    lines = run_summary.diagnose(_summary({"dp": 2, "tp": 4, "pp": 1, "sp": 1}, compute=0.3,
+                                     tp_comm=0.6))
+    assert lines[0] == "bottleneck: TP communication (67% of the step time)"
+    assert "use a smaller --tp (e.g. --tp 2)" in lines[1]
+
+
+def test_diagnosis_sequence_and_data_parallel():
+    lines = run_summary.diagnose(_summary({"dp": 4, "sp": 2}, compute=1.0, sp_comm=0.8, dp_comm=1.2))
+    assert lines[0] == "bottleneck: DP gradient communication (40% of the step time)"
+    assert any("smaller --sp" in line for line in lines)
+    assert any("gradient reduction over dp x sp takes 40%" in line for line in lines)
+
+
+def test_diagnosis_optimizer_io_skips_memory():
+    s = _summary({"dp": 4}, compute=1.0, optimizer=1.0, io=0.5)
+    s["skipped_steps"], s["memory_bytes"] = 2, [100 * 2**20, 400 * 2**20]
+    lines = run_summary.diagnose(s)
+    assert lines[0] == "bottleneck: compute (40% of the step time)"
+    assert any("--zero 1 shards it over dp x sp" in line for line in lines)
+    assert any("checkpoint less often" in line for line in lines)
+    assert any(line.startswith("2 step(s) were skipped") for line in lines)
+    assert any("rank 1 peaks at 400 MiB, rank 0 at 100 MiB" in line for line in lines)
+
+
+def test_diagnosis_compute_bound():
+    lines = run_summary.diagnose(_summary({"dp": 8, "backend": "numpy"}, compute=1.0, dp_comm=0.1))
+    assert lines == ["bottleneck: compute (91% of the step time)",
+                     "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better; "
+                     "--backend auto (numba, or cupy on a GPU) is faster than numpy"]
+    # Already on the fast kernels: no advice to switch.
+    lines = run_summary.diagnose(_summary({"dp": 8, "backend": "numba"}, compute=1.0, dp_comm=0.1))
+    assert lines[1] == "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better"
+
+
+def test_the_report_knows_the_sliding_window():
+    """The summary names the window, and SP-bound runs with one are advised the halo
+    exchange (whose bytes grow with the window, not the sequence); without one, they are not."""
+    config = {"model": {"layers": 4, "sliding_window": 64, "window_layers": "even"},
+              "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 4, "sp_mode": "ring"},
+              "train": {"seq_len": 1024, "global_batch_size": 4, "micro_batch_size": 1}}
+    records = [record(k, 4.0, compute=1.0, sp_comm=0.9) for k in (1, 2)]
+    summary = run_summary.summarize(records, None, config)
+    assert summary["window"] == {"sliding_window": 64, "window_layers": "even", "seq_len": 1024}
+    text = run_summary.summary_text(summary)
+    assert "attention: sliding window 64 of seq_len 1024 on layers even" in text
+    advice = next(x for x in run_summary.diagnose(summary) if x.startswith("SP communication"))
+    assert "--sp-mode halo" in advice and "64 tokens" in advice
+    config["parallel"]["sp_mode"] = "halo"
+    assert not any("--sp-mode halo" in x for x in run_summary.diagnose(run_summary.summarize(records, None,
+                                                                                   config)))
+    del config["model"]["sliding_window"]
+    full = run_summary.summarize(records, None, config)
+    assert "window" not in full and "attention: full causal" in run_summary.summary_text(full)
+    assert not any("halo" in x for x in run_summary.diagnose(full))

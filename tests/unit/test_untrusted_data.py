@@ -1,0 +1,290 @@
+"""Token data from elsewhere and ``data prepare`` runs that fail, in process: token files that name
+other files (external storage, links, virtual datasets) or carry a malformed tokenizer record,
+and validation data from another tokenizer, are refused naming the file and the rule; a prepare
+that fails (an unreadable input, an output that cannot be a file, text that is not text) exits
+2 with one message, and never loses another prepare's output; costs stay linear. Each test
+asserts the status, one message, no traceback, and what is left on disk. A full or read-only
+filesystem: e2e/test_untrusted_data.py."""
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import re
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from mpipar.data import documents, prepare
+from mpipar.data.cli import main
+from mpipar.data.prepare import prepare_tokens
+from mpipar.data.sources import DataError, load_tokens
+from small_tokenizers import tokenizer_dir  # noqa: F401  (a fixture)
+from untrusted import run_train
+
+SHA = "ab" * 32
+TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "8",
+        "--global-batch-size", "2", "--steps", "1", "--backend", "numpy", "--log-every", "0",
+        "--tensorboard", "off"]
+
+
+def _refused(capsys, argv: list[str], message: str) -> str:
+    """``python -m mpipar.data ARGV`` exits 2 printing one line that holds ``message``."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, err
+    return err
+
+
+def _tokens_file(path, tokens, **attrs) -> None:
+    with h5py.File(path, "w") as f:
+        f["tokens"] = np.asarray(tokens, dtype=np.uint16)
+        f.attrs.update(attrs)
+
+
+def _record(vocab: int = 300, sha: str = SHA) -> dict:
+    """The tokenizer record ``prepare --tokenizer`` writes."""
+    return {"tokenizer": "some/tokenizer", "tokenizer_vocab_size": vocab, "tokenizer_sha256": sha,
+            "eos_token": "</s>", "eos_id": 0, "documents": 3}
+
+
+# ------------------------------------------------------------- token files naming other files
+def _external(tmp_path, secret):
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        f.create_dataset("tokens", shape=(64,), dtype=np.uint8, external=[(str(secret), 0, 64)])
+
+
+def _external_link(tmp_path, secret):
+    _tokens_file(tmp_path / "other.h5", np.arange(64))
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        f["tokens"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/tokens")
+
+
+def _soft_link(tmp_path, secret):
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        f["elsewhere"] = np.arange(64, dtype=np.uint16)
+        f["tokens"] = h5py.SoftLink("/elsewhere")
+
+
+def _virtual(tmp_path, secret):
+    layout = h5py.VirtualLayout(shape=(64,), dtype=np.uint16)
+    layout[:] = h5py.VirtualSource(str(tmp_path / "missing.h5"), "tokens", shape=(64,))
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        f.create_virtual_dataset("tokens", layout, fillvalue=0)
+
+
+@pytest.mark.parametrize("craft,message", [
+    (_external, "keeps its bytes in external files"),
+    (_external_link, "'tokens' is a link (ExternalLink) to another file"),
+    (_soft_link, "'tokens' is a link (SoftLink)"),
+    (_virtual, "is a virtual dataset"),
+])
+def test_a_token_file_that_names_other_files_is_refused(tmp_path, capsys, craft, message):
+    """Issue: a token .h5 with external raw storage read the bytes of any file (/etc/passwd) as
+    tokens, and a virtual dataset with a missing source read as its fill value. A token
+    dataset must now be stored in the file itself: exit 2 naming the dataset, nothing read."""
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 2)
+    craft(tmp_path, secret)
+    _refused(capsys, ["info", str(tmp_path / "t.h5"), "--seq-len", "8"], message)
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_tokens(tmp_path / "t.h5", 256, 8)
+
+
+# ---------------------------------------------------------------- a malformed tokenizer record
+@pytest.mark.parametrize("change,message", [
+    (dict(tokenizer=None), "the tokenizer record lacks the attribute 'tokenizer'"),
+    (dict(tokenizer_vocab_size="300"), "attribute tokenizer_vocab_size='300' must be an integer"),
+    (dict(tokenizer_vocab_size=0), "attribute tokenizer_vocab_size=0 must be >= 1"),
+    (dict(tokenizer_sha256="abc"), "attribute tokenizer_sha256='abc' must be 64 hexadecimal"),
+    (dict(eos_id=300), "attribute eos_id=300 must be in [0, 300)"),
+    (dict(eos_token=7), "attribute eos_token=7 must be a string"),
+])
+def test_a_malformed_tokenizer_record_is_refused(tmp_path, capsys, change, message):
+    """Issue: ``tokenizer_vocab_size`` without ``tokenizer``, or as a string, crashed ``data
+    info`` and training with ``--data``/``--eval-data``. Each attribute is checked now."""
+    attrs = {k: v for k, v in {**_record(), **change}.items() if v is not None}
+    _tokens_file(tmp_path / "t.h5", np.arange(64) % 300, **attrs)
+    _refused(capsys, ["info", str(tmp_path / "t.h5"), "--seq-len", "8"], message)
+    for flag in ("--data", "--eval-data"):
+        data = tmp_path / "t.h5" if flag == "--data" else tmp_path / "ok.npy"
+        np.save(tmp_path / "ok.npy", np.arange(64) % 300)
+        extra = ["--eval-data", str(tmp_path / "t.h5")] if flag == "--eval-data" else []
+        code, err = run_train([*TINY, "--vocab-size", "300", "--data", str(data), *extra,
+                               "--run-dir", str(tmp_path / "run")])
+        assert code == 2 and err.count(message) == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "run" / "config.toml").exists()
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------ validation data's origin
+@pytest.mark.parametrize("case", ["other tokenizer", "bytes against tokens"])
+def test_validation_data_from_another_tokenizer_is_refused(tmp_path, case):
+    """Issue: ``--eval-data`` from another tokenizer with the same vocabulary size, or raw
+    bytes against tokenized ``--data``, was accepted though both files record their origin;
+    the validation loss meant nothing. Exit 2 naming both, before step 1."""
+    _tokens_file(tmp_path / "train.h5", np.arange(200) % 256, **_record(256))
+    if case == "other tokenizer":
+        _tokens_file(tmp_path / "eval.h5", np.arange(200) % 256, **_record(256, "cd" * 32))
+        want = "holds ids of the tokenizer some/tokenizer (sha256 cdcdcdcdcdcdcdcd...)"
+    else:
+        (tmp_path / "eval.txt").write_bytes(bytes(range(256)))
+        want = "holds byte tokens (no tokenizer)"
+    evals = tmp_path / ("eval.h5" if case == "other tokenizer" else "eval.txt")
+    code, err = run_train([*TINY, "--vocab-size", "256", "--data", str(tmp_path / "train.h5"),
+                           "--eval-data", str(evals), "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and err.count(want) == 1 and "Traceback" not in err, err
+    assert "sha256 abababababababab..." in err and "means nothing" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # the same tokenizer, or a source that does not say (.npy), is accepted
+    np.save(tmp_path / "eval.npy", np.arange(200) % 256)
+    from mpipar.config import TrainConfig
+    from mpipar.data.sources import validation
+    source = load_tokens(tmp_path / "train.h5", 256, 8)
+    for ok in (tmp_path / "train.h5", tmp_path / "eval.npy"):
+        validation(source, TrainConfig(seq_len=8, global_batch_size=2, eval_data=str(ok)), 256)
+
+
+# ------------------------------------------------------------------- two prepares, one --out
+def test_two_prepares_with_the_same_out_keep_each_others_files(tmp_path, monkeypatch):
+    """Issue: the temporary file was ``OUT.tmp`` for every run; a second run with the same
+    ``--out`` failed to lock it and its cleanup unlinked the first run's file, which then failed
+    at its rename after all its work. Now each run writes its own temporary file and removes
+    only that: while run A writes, run B fails (its own file removed) and run C completes; A
+    then completes too, and its output is whole."""
+    first, second = b"first run " * 1000, b"third run " * 10
+    (tmp_path / "a.txt").write_bytes(first)
+    (tmp_path / "b.txt").write_bytes(b"second run " * 10)
+    (tmp_path / "c.txt").write_bytes(second)
+    out = tmp_path / "x.h5"
+    real, started = prepare._blocks, []
+
+    def blocks(path, size):
+        if str(path).endswith("b.txt"):
+            raise DataError(f"{path}: cannot be read (Input/output error)")
+        for at, block in real(path, size):
+            if not started:  # A has created its temporary file and is writing
+                started.append(sorted(os.listdir(tmp_path)))
+                with pytest.raises(DataError, match="b.txt: cannot be read"):
+                    prepare_tokens([tmp_path / "b.txt"], out)
+                assert prepare_tokens([tmp_path / "c.txt"], out) == len(second)
+                with h5py.File(out) as f:
+                    assert bytes(f["tokens"][...]) == second
+            yield at, block
+
+    monkeypatch.setattr(prepare, "_blocks", blocks)
+    assert prepare_tokens([tmp_path / "a.txt"], out, chunk_tokens=4096) == len(first)
+    [temporary] = [n for n in started[0] if n.endswith(".tmp")]
+    assert temporary.startswith(".x.h5.")
+    with h5py.File(out) as f:
+        assert bytes(f["tokens"][...]) == first
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt", "x.h5"]
+
+
+# ------------------------------------------------------------------------- prepare's failures
+def _deny(monkeypatch, path) -> None:
+    """Opening ``path`` fails as an unreadable file does (the tests may run as root)."""
+    real = builtins.open
+
+    def fake(file, *args, **kwargs):
+        if os.fspath(file) == os.fspath(path):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake)
+
+
+@pytest.mark.parametrize("tokenized", [False, True], ids=["bytes", "tokenizer"])
+def test_an_unreadable_input_is_named_not_the_output(tmp_path, capsys, monkeypatch,
+                                                     tokenizer_dir, tokenized):
+    """Issue: an unreadable input traced back with ``--tokenizer``, and bytes mode blamed
+    ``--out`` for it. Both name the input now, before anything is written."""
+    (tmp_path / "ok.txt").write_text("the cat sat")
+    (tmp_path / "locked.txt").write_text("on the mat")
+    _deny(monkeypatch, tmp_path / "locked.txt")
+    extra = ["--tokenizer", str(tokenizer_dir)] if tokenized else []
+    err = _refused(capsys, ["prepare", str(tmp_path / "ok.txt"), str(tmp_path / "locked.txt"),
+                            "--out", str(tmp_path / "x.h5"), *extra],
+                   f"{tmp_path / 'locked.txt'}: cannot be read (Permission denied)")
+    assert "--out" not in err
+    assert sorted(os.listdir(tmp_path)) == ["locked.txt", "ok.txt", "tok"]
+
+
+def test_a_worker_error_is_one_message(tmp_path, capsys, tokenizer_dir):
+    """Issue: with ``--workers 2`` an input error came back as a RemoteTraceback. A worker's
+    error is now the same one message as in one process, and no part file stays."""
+    (tmp_path / "a.txt").write_text("the cat sat")
+    (tmp_path / "b.jsonl").write_text('{"text": "the mat"}\n{"text": 5}\n')
+    _refused(capsys, ["prepare", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out",
+                      str(tmp_path / "x.h5"), "--tokenizer", str(tokenizer_dir), "--workers", "2"],
+             f"{tmp_path / 'b.jsonl'}: line 2: field 'text' must be a string, got int")
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.jsonl", "tok"]
+
+
+def test_a_lone_surrogate_in_jsonl_is_named(tmp_path, capsys, tokenizer_dir):
+    """Issue: JSONL text with a lone surrogate (``"\\ud800"``, common in scraped data) traced
+    back inside the tokenizer. It is named now: file, line, character."""
+    (tmp_path / "d.jsonl").write_text('{"text": "the cat"}\n{"text": "sat \\ud800 on"}\n')
+    _refused(capsys, ["prepare", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "x.h5"),
+                      "--tokenizer", str(tokenizer_dir)],
+             f"{tmp_path / 'd.jsonl'}: line 2: field 'text' holds the lone surrogate U+D800 at "
+             f"character 4")
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "tok"]
+
+
+@pytest.mark.parametrize("target,message", [
+    ("outdir.h5", "exists and is not a regular file"),
+    ("afile/x.h5", "cannot be written ({tmp}/afile is not a directory)"),
+])
+def test_an_output_that_cannot_be_a_file_is_refused_before_tokenizing(tmp_path, capsys,
+                                                                      monkeypatch, tokenizer_dir,
+                                                                      target, message):
+    """Issue: ``--out`` an existing directory was found only after tokenising everything, and
+    an unwritable output directory traced back. Both are refused before any input is read."""
+    (tmp_path / "outdir.h5").mkdir()
+    (tmp_path / "afile").write_text("a file where a directory goes")
+    (tmp_path / "in.txt").write_text("the cat sat")
+    monkeypatch.setattr(documents, "read_batches", lambda *a, **k: pytest.fail("read an input"))
+    _refused(capsys, ["prepare", str(tmp_path / "in.txt"), "--out", str(tmp_path / target),
+                      "--tokenizer", str(tokenizer_dir)],
+             f"--out {tmp_path / target}: {message.format(tmp=tmp_path)}")
+    assert sorted(os.listdir(tmp_path / "outdir.h5")) == []
+
+
+# ------------------------------------------------------------------------- also weak: costs
+def test_a_crlf_file_is_scanned_in_linear_time(tmp_path):
+    """A CRLF file has no place to cut (module docstring of mpipar.data.documents) and was
+    rescanned whole at every block: quadratic. Each block's scan starts where the last ended
+    now; the text comes back whole, in one document."""
+    text = "the cat sat on the mat\r\n" * 100_000  # 2.4 MB, 100k newlines
+    (tmp_path / "crlf.txt").write_bytes(text.encode())
+    started = time.perf_counter()
+    batches = list(documents.read_batches(str(tmp_path / "crlf.txt"), "text", batch_bytes=4096))
+    elapsed = time.perf_counter() - started
+    assert [b.texts for b in batches] == [[text]] and batches[0].ends == [True]
+    assert elapsed < 5, f"{elapsed:.1f} s for 600 blocks of 4 KiB"  # quadratic: minutes
+
+
+def test_the_tokenizer_encodes_bounded_text_at_a_time(tmp_path, monkeypatch):
+    """Encoding an 8 MiB block peaked at ~2.7 GB a worker (the tokenizer's encodings take
+    about 300 bytes a token). Blocks, batches and the groups handed to the tokenizer are now
+    at most 1 MiB of text (one longer document alone), and the ids are the same."""
+    from mpipar.data.tokenizer import TokenizerSpec, encode_file
+    docs = [("w " * (n % 5000 + 1)).strip() for n in range(600)] + ["x " * 700_000]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    sizes: list[int] = []
+
+    class Fake:  # one id per character: the ids say which text they came from
+        def encode_batch_fast(self, texts, add_special_tokens):
+            sizes.append(sum(map(len, texts)))
+            return [type("Encoding", (), {"ids": [len(t) % 7] * len(t)}) for t in texts]
+
+    spec = TokenizerSpec("fake", "fake", 8, SHA, "</s>", 7)
+    ids = np.concatenate([ids for ids, _, _ in encode_file(Fake(), spec, str(tmp_path / "d.jsonl"),
+                                                           "text")])
+    want = np.concatenate([[len(d) % 7] * len(d) + [7] for d in docs])
+    assert np.array_equal(ids, want)
+    assert documents.BATCH_BYTES == 2**20
+    assert max(sizes[:-1]) <= documents.BATCH_BYTES and sizes[-1] == len(docs[-1])

@@ -14,7 +14,7 @@ a time); the last stage gathers its vocabulary shards over tp
 (:meth:`TensorParallel.gather_vocab`) and broadcasts the last position's logits over pp, so
 every rank holds the same logits and picks the same next token (:mod:`mpipar.inference.sampling`, one
 generator per rank, seeded alike). Greedy output equals transformers' ``generate`` token for
-token, from one rank or any tp x pp (tests/test_generate.py).
+token, from one rank or any tp x pp (tests/{unit,mpi}/test_generate.py).
 
 Parameters come from global tensors (:meth:`Generator.load_params`: a Hugging Face directory)
 or straight from a sharded mpipar checkpoint of any layout (:meth:`Generator.load_checkpoint`:

@@ -1,4 +1,6 @@
-"""Shared by the multi-rank engine tests: a small model, its data, and runs of the engine."""
+"""Shared by the engine tests, in one process and on 8 ranks: a small model (and its
+validation split), its data, runs of the engine and their comparison, and the engine's state
+assembled from every rank."""
 from __future__ import annotations
 
 import functools
@@ -112,8 +114,9 @@ def compare(got, ref, tol: float) -> list[str]:
 
 
 def global_state(eng, world) -> dict[tuple[str, str], np.ndarray]:
-    """Assemble every global tensor of params and AdamW moments from all ranks' unique pieces,
-    and check that no element is reported twice."""
+    """Every global tensor of params and AdamW moments (and residuals) by (kind, name), each of
+    the parameter's global shape, assembled from all ranks' unique pieces (NaN where no rank
+    holds an element); fails if an element is reported twice. Collective over ``world``."""
     mine = []
     for kind, name, lo, hi, values in eng.state.pieces():
         region, valid = eng.state.region(name)

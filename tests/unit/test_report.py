@@ -1,6 +1,6 @@
 """``mpipar.report`` in process: PNGs of a run directory written by hand (:mod:`report_records`),
-and a summary that names the right bottleneck. The CLI and a real run's report:
-e2e/test_report.py."""
+and the run's summary (:mod:`mpipar.observe.summary`) that names the right bottleneck. The CLI
+and a real run's report: e2e/test_report.py."""
 from __future__ import annotations
 
 import os

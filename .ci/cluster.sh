@@ -190,7 +190,7 @@ say "srun launches: $((LAUNCHES - failed))/$LAUNCHES started and finished, $fail
 say "python -m mpipar.bench comm on 2 nodes x 2 ranks (inside a node and across the bridge)"
 MPIR_CVAR_CH4_NETMOD=ofi timeout 120 srun --nodes=2 --ntasks-per-node=2 --mpi=pmi2 \
     "$PY" -m mpipar.bench comm --quick --out "$WORK/hardware.json" | grep -v '^$'
-"$PY" -c "import sys; from mpipar.plan.cost import Hardware; hw = Hardware.load(sys.argv[1]); \
+"$PY" -c "import sys; from mpipar.plan.step_time import Hardware; hw = Hardware.load(sys.argv[1]); \
 assert hw.ranks_per_node == 2 and hw.bandwidth > 0 and hw.intra_bandwidth > 0, hw" "$WORK/hardware.json"
 ok=1
 say "all cluster jobs passed"

@@ -30,10 +30,12 @@ LOSS_TOLERANCE = 0.01
 """Relative difference of a step's loss from the one-process bf16 run (module docstring)."""
 
 
-def bf16_config(steps: int = 20, recompute: str = "none", **parallel):
+def bf16_config(steps: int = 20, recompute: str = "none", cuda_aware_mpi: str = "auto",
+                **parallel):
     """The test model in bf16, AdamW eps 1e-4 (module docstring)."""
     cfg = small_config("bfloat16", **parallel)
     cfg.train.eps, cfg.train.steps, cfg.train.recompute = 1e-4, steps, recompute
+    cfg.train.cuda_aware_mpi = cuda_aware_mpi
     return cfg
 
 
@@ -87,14 +89,16 @@ LAYOUTS = [dict(dp=2, tp=2, pp=2, zero=2), dict(dp=2, sp=2, pp=2, zero=3),
            dict(sp=2, sp_mode="ulysses", dp=2, pp=2), dict(sp=8, sp_mode="hybrid", ulysses_size=2),
            dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True, schedule="zb-h1"),
            dict(pp=2, dp=2, tp=2, schedule="interleaved", virtual_stages=2,
-                tp_sequence_parallel=True, recompute="selective")]
+                tp_sequence_parallel=True, recompute="selective"),
+           dict(dp=2, tp=2, sp=2, zero=1, reduce_dtype="bfloat16", cuda_aware_mpi="off")]
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_layouts_track_one_process(world, layout):
     """ZeRO-2/3 (bf16 gathers), a bf16 dp x sp reduction, ring, zigzag, overlapped, Ulysses and
-    hybrid attention, tp sequence parallelism and zb-h1's deferred weight gradients: 5 steps."""
+    hybrid attention, tp sequence parallelism, zb-h1's deferred weight gradients, interleaving
+    with selective recomputation, and every axis staged through host buffers: 5 steps."""
     _on_slice(world, layout, 5, lambda got: _loss_differences(got, reference(5)))
 
 

@@ -333,7 +333,8 @@ _RESUME_FIELDS = {
     "min_lr": "the learning rate of later steps differs from the checkpoint's run",
     "lr_schedule": "the learning rate of later steps differs from the checkpoint's run",
     "warmup_steps": "the learning rate of later steps differs from the checkpoint's run",
-    "dtype": "the saved state is cast to the new dtype",
+    "dtype": "the saved master weights and moments are cast to the new run's (float32 "
+             "under bfloat16 compute)",
 }
 """Training settings whose change on resume is reported, with what the change means."""
 

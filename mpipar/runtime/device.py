@@ -104,7 +104,8 @@ def bf16_unavailable(device: str) -> str | None:
     try:
         import ml_dtypes  # noqa: F401
     except ImportError as exc:
-        return f"ml_dtypes (bfloat16 arrays) is not importable ({exc}); pip install 'ml-dtypes>=0.5'"
+        return (f"ml_dtypes (bfloat16 arrays) is not importable ({exc}); pip install "
+                f"'ml-dtypes>=0.5'")
     if device != "cuda":
         return None
     import cupy

@@ -53,12 +53,16 @@ class Precision:
     reduce: str
 
     @classmethod
+    def named(cls, dtype: str, reduce_dtype: str = "float32") -> "Precision":
+        """The precision of ``--dtype`` and ``--reduce-dtype`` as named."""
+        master = "float32" if dtype == "bfloat16" else dtype
+        return cls(dtype, master, "bfloat16" if reduce_dtype == "bfloat16" else master)
+
+    @classmethod
     def of(cls, train: Any, parallel: Any) -> "Precision":
         """The precision of ``train.dtype`` and ``parallel.reduce_dtype`` (a configuration's
         sections, or a Layout's)."""
-        master = "float32" if train.dtype == "bfloat16" else train.dtype
-        reduce = "bfloat16" if parallel.reduce_dtype == "bfloat16" else master
-        return cls(train.dtype, master, reduce)
+        return cls.named(train.dtype, parallel.reduce_dtype)
 
     @property
     def mixed(self) -> bool:

@@ -17,8 +17,9 @@ The path code is array-module generic: the copies are a :class:`HostCopies` (Num
 plain memory; used on the CPU when ``--cuda-aware-mpi off`` forces staging, which is how the
 host tests prove the staging path on every layout) or a :class:`DeviceCopies` (CuPy arrays,
 pinned buffers, a copy stream and events); they copy every dtype a run holds, bfloat16
-included (the group hands MPI its raw words after staging). The seconds and bytes of the copies
-are booked in the group's ledger (``Ledger.staging``), apart from the MPI calls the planner predicts.
+included (the group hands MPI its raw words after staging). The seconds and bytes of the
+copies are booked in the group's ledger (``Ledger.staging``), apart from the MPI calls the
+planner predicts.
 """
 from __future__ import annotations
 

@@ -338,3 +338,30 @@ def test_the_default_run_in_bf16_tracks_float32_for_30_steps():
         eng.close()
         means[dtype] = sum(losses[-10:]) / 10
     assert abs(means["bfloat16"] - means["float32"]) <= 0.03 * means["float32"], means
+
+
+# ------------------------------------------------------------------------- what a run reports
+def test_the_summary_names_the_precision():
+    from mpipar.observe.metrics import TIME_KEYS
+    from mpipar.observe.summary import summarize, summary_text
+
+    record = {"step": 1, "loss": 2.0, "step_time_s": 0.1, "tokens_per_s": 1e4, "mfu": 0.1,
+              "time": dict.fromkeys(TIME_KEYS, 0.01)}
+    config = Config()
+    config.train.dtype, config.parallel.reduce_dtype = "bfloat16", "bfloat16"
+    summary = summarize([record], None, config.to_dict())
+    assert summary["dtype"] == "bfloat16"
+    assert ("precision: bfloat16 compute, float32 master weights and optimizer, bfloat16 "
+            "gradient reduction") in summary_text(summary)
+
+
+def test_mfu_on_a_gpu_is_against_the_dense_bf16_tensor_core_rate():
+    from mpipar.runtime.peak import bf16_dense_peak, measure_peak_flops
+
+    assert bf16_dense_peak("NVIDIA H100 80GB HBM3", (9, 0)) == 989.4e12
+    assert bf16_dense_peak("NVIDIA H200", (9, 0)) == 989.4e12
+    assert bf16_dense_peak("NVIDIA A100-SXM4-80GB", (8, 0)) == 312e12
+    assert bf16_dense_peak("NVIDIA H100 PCIe", (9, 0)) == 756.5e12
+    assert bf16_dense_peak("a future part", (9, 0)) == 989.4e12      # by compute capability
+    assert bf16_dense_peak("a future part", (12, 0)) is None
+    assert measure_peak_flops("bfloat16", seconds=0.01, n=32) > 0    # the CPU: float32 GEMMs

@@ -164,7 +164,7 @@ def dump_step(recorder: ActivationRecorder, place: RankPlace, region: Activation
         segments=np.asarray(region.segments, dtype=np.int64),
         rows=region.rows, samples=region.samples,
         global_batch=tr.global_batch_size, seq_len=tr.seq_len, hidden=m.hidden, heads=m.heads,
-        head_dim=m.head_dim, dtype=str(np.dtype(tr.dtype)))
+        head_dim=m.head_dim, dtype=tr.dtype)
     columns = {n: (0, m.hidden) for n in ACTIVATION_NAMES}
     columns["attention"] = tuple(h * m.head_dim for h in region.heads)
     return write_rank_dump(step_dir(tr.run_dir, region.step) / f"rank_{place.rank}.h5", recorder,

@@ -201,7 +201,7 @@ class GradReducer:
             master[s:e] = self.xp.asarray(params[n]).reshape(-1)
         compute = master.astype(self.compute_dtype) if self.mixed else master
         b = Bucket(list(names), offsets, compute, self.xp.zeros(at, dtype), master=master)
-        if self.reduce_dtype != dtype:
+        if self.reduce_dtype != dtype and self.group.size > 1:    # one rank reduces nothing
             b.wire = self.xp.empty(at, self.reduce_dtype)
         self._allocate(b)
         if self.sharded and self.mixed:   # the owned slice is all a rank keeps of the masters

@@ -158,7 +158,8 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     masters = ((owned if par.zero else flat) * g) if prec.mixed else 0
     activations = _activation_bytes(layout, coord)
     if par.zero < 2:
-        wire = flat * prec.reduce_bytes if prec.reduce != prec.master else 0
+        reduced = prec.reduce != prec.master and layout.dp * par.sp > 1
+        wire = flat * prec.reduce_bytes if reduced else 0
         return MemoryEstimate(flat * e, flat * g, optimizer, activations, wire,
                               residual_bytes(layout, lengths), masters)
     copy = node_copy(layout, coord)

@@ -3,7 +3,7 @@
     python -m mpipar.ckpt inspect PATH [--json]      tensors, shapes, dtypes, metadata, shards
     python -m mpipar.ckpt verify PATH [PATH ...]     every shard present, every sha256 matches
     python -m mpipar.ckpt consolidate PATH OUT.h5 [--params-only]
-    python -m mpipar.ckpt export-hf PATH OUT_DIR [--dtype float16|float32|float64]
+    python -m mpipar.ckpt export-hf PATH OUT_DIR [--dtype float16|bfloat16|float32|float64]
 
 PATH is a checkpoint directory (``step_NNNNNNNN``) or a save directory (its ``latest``).
 Exit status: 0 success; 1 ``verify`` found damage (a missing, truncated or corrupted file; each
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "with attention biases)")
     exp.add_argument("path")
     exp.add_argument("out")
-    exp.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
+    exp.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"),
+                     default=None,
                      help="dtype of the exported weights (default: the training dtype)")
     args = parser.parse_args(argv)
     try:

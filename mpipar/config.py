@@ -153,6 +153,12 @@ class ParallelConfig:
                                     "compression starts (the warm-up of Deep Gradient "
                                     "Compression and 1-bit Adam: the first steps move the model "
                                     "most, and compression delays what it does not send)")
+    reduce_dtype: str = _f("float32", "dtype of the gradients the dp x sp reduction sends: "
+                                      "float32 (the gradients' own: float32, float64 in a "
+                                      "float64 run) or bfloat16 (--dtype bfloat16 only: half "
+                                      "the bytes, summed in float32 arithmetic and rounded to "
+                                      "bf16 at each step of the reduction)",
+                           choices=("float32", "bfloat16"))
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
                                            "tokens (all-gather / reduce-scatter replace the "
@@ -189,8 +195,11 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global L2 norm; <= 0 disables clipping")
-    dtype: str = _f("float32", "parameter and compute dtype (bfloat16: refused for now, "
-                               "mixed precision is not built yet)",
+    dtype: str = _f("float32", "compute dtype: float32 or float64 (parameters, gradients, "
+                               "optimizer state and activations all in it), or bfloat16 (mixed "
+                               "precision: bf16 compute copies of the parameters, activations "
+                               "and messages; float32 master weights, gradients, AdamW "
+                               "moments, statistics and loss)",
                     choices=("float32", "float64", "bfloat16"))
     backend: str = _f("auto", "kernel backend: auto (cupy on a CUDA device, else numba, else "
                               "numpy), numba or numpy (CPU), cupy (--device cuda)",
@@ -253,7 +262,7 @@ class TrainConfig:
                             "(Llama; Qwen2 when the model has attention biases; Mistral with "
                             "a sliding window on every layer)")
     export_dtype: str = _f("", "dtype of --export-hf (empty: the training dtype)",
-                           choices=("", "float16", "float32", "float64"))
+                           choices=("", "float16", "bfloat16", "float32", "float64"))
     tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
                               "none); empty: RUN_DIR/tensorboard when the [tensorboard] extra is "
                               "installed, else none")

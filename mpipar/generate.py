@@ -46,7 +46,7 @@ from mpipar.rules import validate
 
 HF_CONFIG = "config.json"
 BYTE_VOCAB = 256
-_HF_DTYPES = ("float32", "float64")  # a file in another dtype computes in float32
+_GENERATION_DTYPES = ("float32", "float64")  # a model saved in another dtype generates in float32
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tensor-parallel size (default: the world / --pp)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     parser.add_argument("--dtype", choices=("float32", "float64"),
-                        help="compute dtype (default: the checkpoint's training dtype; a "
-                             "Hugging Face directory's own if float32/float64, else float32)")
+                        help="compute dtype (default: the checkpoint's training dtype, "
+                             "float32 for a bfloat16 run's; a Hugging Face directory's own if "
+                             "float32/float64, else float32)")
     parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy"),
                         help="kernel backend (default: auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -122,14 +123,15 @@ def read_model(path: str) -> tuple[ModelConfig, str, str]:
         raw = hf.read_config_json(path)
         dtype = raw.get("dtype") or raw.get("torch_dtype")
         return (hf.read_model_config(path, untie_embeddings=True),
-                dtype if dtype in _HF_DTYPES else "float32", "hf")
+                dtype if dtype in _GENERATION_DTYPES else "float32", "hf")
     from mpipar.checkpoint.directory import INDEX, LATEST, resolve_path
     from mpipar.checkpoint.reader import read_config
     if not (resolve_path(path) / INDEX).is_file():
         raise ConfigError(f"{path}: neither a Hugging Face directory ({HF_CONFIG}) nor an "
                           f"mpipar checkpoint ({INDEX}, or a save directory's {LATEST})")
-    saved = read_config(path)
-    return saved.model, saved.train.dtype, "checkpoint"
+    saved = read_config(path)   # a bf16 run's checkpoint holds float32 masters
+    dtype = saved.train.dtype
+    return saved.model, dtype if dtype in _GENERATION_DTYPES else "float32", "checkpoint"
 
 
 def resolve(args: argparse.Namespace, world: int) -> tuple[Layout, str, Codec]:

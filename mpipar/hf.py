@@ -2,7 +2,7 @@
 (the formats and rules are :mod:`mpipar.checkpoint.huggingface`'s).
 
     python -m mpipar.hf inspect DIR      # what of the checkpoint mpipar supports, field by field
-    python -m mpipar.hf convert SRC DST [--dtype float16|float32|float64]
+    python -m mpipar.hf convert SRC DST [--dtype float16|bfloat16|float32|float64]
 """
 from __future__ import annotations
 

@@ -319,7 +319,9 @@ def _load_state(engine, ctx: RunContext) -> int:
             return start
     if tr.init_from_hf:
         from mpipar.checkpoint.huggingface import load_hf
-        engine.load_params(load_hf(tr.init_from_hf, tr.dtype, tr.hf_untie_embeddings)[1],
+        # read as the masters (float32 under bf16: a float32 file keeps its precision)
+        engine.load_params(load_hf(tr.init_from_hf, engine.master_dtype.name,
+                                   tr.hf_untie_embeddings)[1],
                            source=f"--init-from-hf {tr.init_from_hf}")
     return 0
 

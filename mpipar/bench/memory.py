@@ -2,7 +2,8 @@
 --recompute mode, one process or tp = N under ``mpirun -n N`` (with and without
 --tp-sequence-parallel); with ``--zero STAGES`` under ``mpirun -n N``: dp = N, each ZeRO stage's
 memory per rank against a --budget-mb, and ZeRO-3's exposed all-gather time against its
-transfer time.
+transfer time. ``--dtype float32,bfloat16`` measures each precision and prints the memory per
+rank side by side (bf16: half the compute copies and activations, float32 masters beside).
 
 Figures are bytes of NumPy allocations (tracemalloc sees every one); node shared memory
 (ZeRO-3 ``--zero-shared``) is added by hand, HDF5 buffers (offload) are not counted.
@@ -52,6 +53,7 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
     source = load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
     engine, m = _traced_build_and_step(lambda: Engine(cfg, comm, source=source), traced)
     resident, peak, loss = m["resident"], m["step_peak"], m["loss"]
+    saved = _saved_bytes(engine) if mode != "offload" else 0
     cpu = []
     for k in (2, 3):  # CPU seconds: robust on a machine shared with other work
         start = time.process_time()
@@ -59,8 +61,26 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
         cpu.append(time.process_time() - start)
     engine.close()
     return {"mode": mode, "tp": comm.Get_size(), "tp_sequence_parallel": tp_sequence_parallel,
-            "resident": resident, "peak": peak, "activations": peak - resident, "loss": loss,
-            "step_cpu_s": min(cpu)}
+            "resident": resident, "peak": peak, "activations": peak - resident, "saved": saved,
+            "loss": loss, "step_cpu_s": min(cpu)}
+
+
+def _saved_bytes(engine) -> int:
+    """Bytes the model keeps for backward from one microbatch's forward (its one chunk: the
+    benchmark runs pp = 1): the arrays of the forward's record, the step's working set aside."""
+    import dataclasses
+
+    def nbytes(node: Any) -> int:
+        if dataclasses.is_dataclass(node):
+            return sum(nbytes(getattr(node, f.name)) for f in dataclasses.fields(node))
+        if isinstance(node, (list, tuple)):
+            return sum(nbytes(v) for v in node)
+        return getattr(node, "nbytes", 0) if hasattr(node, "dtype") else 0
+
+    mb = engine._microbatches(engine.sampler.batch, 0)[0]
+    chunk = engine.chunks[0]
+    _, cache = chunk.forward(engine.params, mb.tokens, engine.positions, mb.targets)
+    return nbytes(cache.blocks) + nbytes(cache.head)
 
 
 def _traced_build_and_step(build: Callable[[], Any], traced: bool = True) -> tuple[Any, dict]:
@@ -254,6 +274,16 @@ def run(args: argparse.Namespace, comm=None) -> dict[str, Any]:
     from mpipar.model.llama import RECOMPUTE_MODES
 
     comm = comm or MPI.COMM_WORLD
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise SystemExit(f"--dtype: {bad or 'none given'}; choose from {', '.join(DTYPES)}")
+    if len(dtypes) > 1:
+        by_dtype = {d: run(argparse.Namespace(**{**vars(args), "dtype": d}), comm)
+                    for d in dtypes}
+        if not args.zero:
+            _print_dtypes(by_dtype, rank0_print(comm))
+        return {"by_dtype": by_dtype}
     if args.zero:
         return run_zero_memory(args, comm)
     tp, say = comm.Get_size(), rank0_print(comm)
@@ -316,11 +346,38 @@ def _print_memory(rows: list[dict[str, Any]], say: Callable[..., None]) -> None:
         "counted")
 
 
+def _print_dtypes(by_dtype: dict[str, dict[str, Any]], say: Callable[..., None]) -> None:
+    """Memory per rank of each mode in each precision, side by side, against the first."""
+    names = list(by_dtype)
+    first = by_dtype[names[0]]["rows"]
+    mib = 2.0 ** 20
+    what = ("peak", "adds", "saved")
+    cols = "".join(f" {d + ' ' + w:>22}" for d in names[1:] for w in what)
+    print_header(f"{'mode':<10} {'tp-SP':>5}" + "".join(f" {names[0] + ' ' + w + ' MiB':>22}"
+                                                      for w in what) + cols, say)
+    for i, base in enumerate(first):
+        line = (f"{base['mode']:<10} {'on' if base['tp_sequence_parallel'] else 'off':>5}"
+                + "".join(f" {base[k] / mib:>22.1f}" for k in ("peak", "activations", "saved")))
+        for d in names[1:]:
+            r = by_dtype[d]["rows"][i]
+            line += "".join(f" {r[k] / mib:>14.1f} ({r[k] / base[k]:.2f}x)" if base[k] else
+                            f" {r[k] / mib:>22.1f}" for k in ("peak", "activations", "saved"))
+        say(line)
+    say("peak: highest traced bytes of a step per rank (largest over ranks); adds: what the step "
+        "adds to what is held between steps (saved activations and the working set of the op "
+        "running, whose float32 upcasts and attention scores bf16 does not shrink); saved: "
+        f"what one microbatch's forward keeps for backward; (x): against {names[0]}")
+
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """The memory section's options: recompute modes, the model, and the --zero benchmark's."""
     parser.add_argument("--modes", default="none,selective,full,offload",
                         help="comma list of --recompute modes (none is always measured)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument("--dtype", default="float32",
+                        help=f"comma list of {', '.join(DTYPES)}: each measured, side by side")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)

@@ -45,13 +45,17 @@ from mpipar.checkpoint.records import RankPlace
 from mpipar.config import Config
 from mpipar.model.llama import ACTIVATION_NAMES
 from mpipar.runtime.device import to_host
+from mpipar.runtime.precision import is_bf16
 
 TP_SHARDED = ("attention",)
 _RANK_FILE = re.compile(r"rank_(\d+)\.h5$")
 
 
 def _dataset(group: h5py.Group, name: str, data: np.ndarray) -> h5py.Dataset:
-    """A dataset of ``data``: chunked with fletcher32 when it has elements and dimensions."""
+    """A dataset of ``data``: chunked with fletcher32 when it has elements and dimensions;
+    bfloat16 (which HDF5 has no type for) as its float32 values (exact)."""
+    if is_bf16(data.dtype):
+        data = data.astype(np.float32)
     if data.ndim and data.size:
         return group.create_dataset(name, data=data, chunks=True, fletcher32=True)
     return group.create_dataset(name, data=data)
@@ -160,7 +164,7 @@ def dump_step(recorder: ActivationRecorder, place: RankPlace, region: Activation
         segments=np.asarray(region.segments, dtype=np.int64),
         rows=region.rows, samples=region.samples,
         global_batch=tr.global_batch_size, seq_len=tr.seq_len, hidden=m.hidden, heads=m.heads,
-        head_dim=m.head_dim, dtype=str(np.dtype(tr.dtype)))
+        head_dim=m.head_dim, dtype=tr.dtype)
     columns = {n: (0, m.hidden) for n in ACTIVATION_NAMES}
     columns["attention"] = tuple(h * m.head_dim for h in region.heads)
     return write_rank_dump(step_dir(tr.run_dir, region.step) / f"rank_{place.rank}.h5", recorder,
@@ -287,7 +291,7 @@ class OffloadStore:
                 _dataset(group, name, to_host(node))
                 kind = ("scalar" if isinstance(node, np.generic) else
                         "cupy" if type(node).__module__.startswith("cupy") else "numpy")
-                return _Slot(name, kind)
+                return _Slot(name, kind, node.dtype)
             return node
 
         self._skeletons[key] = encode(tree)
@@ -307,7 +311,7 @@ class OffloadStore:
             if isinstance(node, (list, tuple)):
                 return type(node)(decode(v) for v in node)
             if isinstance(node, _Slot):
-                value = np.asarray(group[node.name][()])
+                value = np.asarray(group[node.name][()]).astype(node.dtype, copy=False)
                 if node.kind == "cupy":
                     import cupy
                     return cupy.asarray(value)
@@ -342,12 +346,13 @@ class _Record:
 
 class _Slot:
     """Where an array of an offloaded structure went: dataset ``name``; ``kind``: what it was
-    ("numpy" array, NumPy "scalar" or "cupy" array)."""
+    ("numpy" array, NumPy "scalar" or "cupy" array); ``dtype``: its dtype (bf16 is stored as
+    float32)."""
 
-    __slots__ = ("name", "kind")
+    __slots__ = ("name", "kind", "dtype")
 
-    def __init__(self, name: str, kind: str) -> None:
-        self.name, self.kind = name, kind
+    def __init__(self, name: str, kind: str, dtype: np.dtype) -> None:
+        self.name, self.kind, self.dtype = name, kind, dtype
 
 
 def _close_and_remove(f: h5py.File, path: Path) -> None:

@@ -30,9 +30,10 @@ A directory may come from elsewhere: every config.json field is checked for its 
 inside the directory (:func:`weight_files`), and tensors are checked from the safetensors
 headers before any is read (:func:`check_tensors`).
 
-bfloat16 tensors: NumPy has no bfloat16, so they are read from the file's raw bytes and widened
-exactly to float32 (a bfloat16 is the upper 16 bits of a float32). Other tensors keep the
-file's dtype unless a dtype is asked for.
+bfloat16 tensors: safetensors' NumPy API has no bfloat16, so they are read from the file's raw
+bytes and widened exactly to float32 (a bfloat16 is the upper 16 bits of a float32), and an
+export in bfloat16 (``ml_dtypes.bfloat16`` arrays) writes the file's format itself
+(:func:`write_safetensors`). Other tensors keep the file's dtype unless a dtype is asked for.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ import numpy as np
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.model.params import EMBED, HEAD, param_specs
 from mpipar.layout import model_from_checkpoint, resolve_model
+from mpipar.runtime.precision import numpy_dtype
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -66,8 +68,10 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}  # transformers' max_position_embeddings defaults
 
-SAVE_DTYPES = ("float16", "float32", "float64")
+SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """dtypes :func:`save_hf` writes and :func:`load_hf` casts to."""
+
+_SAFETENSORS_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
 
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 """config.json fields that do not change the computation but that an export should carry over."""
@@ -569,12 +573,34 @@ def _check_dtype(dtype: Any) -> np.dtype | None:
     if dtype is None:
         return None
     try:
-        dt = np.dtype(dtype)
+        dt = numpy_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     except TypeError:
         raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(SAVE_DTYPES)}") from None
     if dt.name not in SAVE_DTYPES:
         raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(SAVE_DTYPES)}")
     return dt
+
+
+def write_safetensors(tensors: Mapping[str, np.ndarray], file: Path,
+                      metadata: Mapping[str, str]) -> None:
+    """Write ``tensors`` as safetensors ``file`` directly (what bfloat16 needs): 8 bytes
+    little-endian header length N, N bytes of JSON (per tensor its ``dtype`` code, ``shape`` and
+    ``data_offsets`` relative to the data; ``__metadata__``) padded with spaces to a multiple
+    of 8, then the tensors' little-endian bytes back to back."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    at = 0
+    for name, a in tensors.items():
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
+                        "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)))
+        fh.write(text)
+        for a in tensors.values():
+            fh.write(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False)
+                     .tobytes())
 
 
 def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Path]:
@@ -692,8 +718,8 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
     replaced only if it is empty or a previous export (config.json and model.safetensors alone):
     it is renamed to ``.NAME.old-PID`` beside it, the new one renamed in, then the old removed
     (a crash between the two renames leaves the old export under that hidden name). ``dtype``
-    None keeps the parameters' dtype (they must share one); else float16, float32 or float64.
-    ``extra_config`` sets :data:`PASSTHROUGH_FIELDS`.
+    None keeps the parameters' dtype (they must share one); else float16, bfloat16 (rounded to
+    nearest even), float32 or float64. ``extra_config`` sets :data:`PASSTHROUGH_FIELDS`.
     """
     from safetensors.numpy import save_file
 
@@ -719,7 +745,10 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
     check_export_target(dst)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.resolve().parent))
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if dt.name == "bfloat16":
+            write_safetensors(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
+        else:
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         mask = _umask()  # mkdtemp makes 0700 and safetensors 0600: give what the umask allows
         os.chmod(tmp, 0o777 & ~mask)

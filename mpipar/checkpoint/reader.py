@@ -335,7 +335,8 @@ _RESUME_FIELDS = {
     "warmup_steps": "the learning rate of later steps differs from the checkpoint's run",
     "decay_fraction": "the learning rate of later steps differs from the checkpoint's run",
     "decay_shape": "the learning rate of later steps differs from the checkpoint's run",
-    "dtype": "the saved state is cast to the new dtype",
+    "dtype": "the saved master weights and moments are cast to the new run's (float32 "
+             "under bfloat16 compute)",
 }
 """Training settings whose change on resume is reported, with what the change means (a wsd
 run's ``steps``: :func:`_wsd_steps_note`)."""

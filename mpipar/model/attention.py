@@ -9,7 +9,10 @@ backward reads, so the block's recomputation knows what it may drop:
   beyond the block's own tensors (the lse, or Ulysses' all-to-all'ed copies); ``window`` is the
   block's sliding window (a query sees itself and the ``window - 1`` positions before it; 0 =
   full causal), which may differ from layer to layer;
-- ``backward(dout, q, k, v, out, saved, window) -> (dq, dk, dv)``;
+- ``backward(dout, q, k, v, out, saved, window) -> (dq, dk, dv)``, in the dtype of the
+  activations: the kernels' gradients are float32 under bf16 compute, and a core sums partial
+  results (blocks of a ring, halos) in :func:`accumulator` dtype and rounds each gradient once,
+  where it becomes an activation gradient (before a message that carries it as one);
 - ``needs_inputs``: whether backward reads q, k, v (and ``out``) as given. When it does, the
   block keeps them (``--recompute none``) or recomputes q, k, v from its input
   (``selective``); when it does not, the block keeps none of them and passes None.
@@ -22,7 +25,22 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mpipar.runtime.precision import is_bf16
+
 Array = Any
+
+
+def accumulator(dtype: Any) -> np.dtype:
+    """The dtype partial results of activations of ``dtype`` are summed in (attention blocks and
+    their gradients, RoPE tables): float32 for bfloat16 (rounded once, at the end), else the
+    dtype itself."""
+    return np.dtype(np.float32) if is_bf16(dtype) else np.dtype(dtype)
+
+
+def as_activations(grads: tuple[Array, ...], like: Array) -> tuple[Array, ...]:
+    """``grads`` in the dtype of the activation ``like`` (one rounding under bf16; no copy
+    otherwise)."""
+    return tuple(g.astype(like.dtype, copy=False) for g in grads)
 
 
 class AttentionCore(Protocol):
@@ -55,5 +73,5 @@ class LocalAttention:
 
     def backward(self, dout, q, k, v, out, saved, window: int = 0):
         lse, offset = saved
-        return self.kernels.attention_bwd(q, k, v, out, lse, dout, offset, offset, True,
-                                          window=window)
+        return as_activations(self.kernels.attention_bwd(q, k, v, out, lse, dout, offset, offset,
+                                                         True, window=window), q)

@@ -64,7 +64,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.model.attention import AttentionCore
+from mpipar.model.attention import AttentionCore, accumulator
 from mpipar.model.params import (EMBED, bias_name, block_param_specs, head_weight_name,
                                  require_resolved, stage_param_names, unit_of)
 from mpipar.model.tensor_ops import TensorOps
@@ -210,7 +210,9 @@ class LinearGrads:
     """The weight gradients of one backward call: ``(dy, x, name) -> dx`` for
     ``y = x @ w.T (+ b)``, accumulating ``dw`` into ``grads[name]`` (and ``db`` into the bias's,
     when the model has one) now, or appending ``(name, dy, x)`` to ``deferred`` for
-    :meth:`LlamaStage.weight_backward` (the input/weight split of zero-bubble schedules)."""
+    :meth:`LlamaStage.weight_backward` (the input/weight split of zero-bubble schedules).
+    The kernels add ``dw`` into the gradient buffer itself (float32 under bf16 compute: the
+    microbatches' weight gradients accumulate there unrounded)."""
 
     def __init__(self, kernels, params: dict, grads: dict, deferred: list | None) -> None:
         self.kernels, self.params, self.grads, self.deferred = kernels, params, grads, deferred
@@ -218,12 +220,11 @@ class LinearGrads:
     def __call__(self, dy: Array, x: Array, name: str) -> Array:
         w = self.params[name]
         if self.deferred is None:
-            dx, dw = self.kernels.linear_bwd(dy, x, w)
-            self.grads[name] += dw
+            dx, _ = self.kernels.linear_bwd(dy, x, w, dw=self.grads[name])
             self.bias(dy, name)
             return dx
         self.deferred.append((name, dy, x))
-        return dy @ w
+        return self.kernels.linear_fwd(dy, w.T)
 
     def bias(self, dy: Array, name: str) -> None:
         """Accumulate the gradient of weight ``name``'s bias, if the model has one."""
@@ -275,7 +276,9 @@ class LlamaStage:
         return stage_param_names(self.cfg, self.layers, self.first, self.last)
 
     def _cos_sin(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
-        """RoPE cos, sin ``[S, D/2]`` of ``positions`` (computed once per position set)."""
+        """RoPE cos, sin ``[S, D/2]`` of ``positions`` for activations of ``dtype`` (computed
+        once per position set; float32 tables for bf16 activations)."""
+        dtype = accumulator(dtype)
         key = positions.tobytes() + np.dtype(dtype).str.encode()
         if key not in self._rope:
             c = self.cfg
@@ -478,7 +481,7 @@ class LlamaStage:
             units.update(dict.fromkeys(self.head_units))
         lin = LinearGrads(self.kernels, {}, grads, None)
         for name, dy, x in deferred:
-            grads[name] += dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+            self.kernels.linear_bwd(dy, x, None, dw=grads[name])
             lin.bias(dy, name)
         deferred.clear()
         scope.weights_done(list(units))

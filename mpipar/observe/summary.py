@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mpipar.observe.metrics import TIME_KEYS, read_records
+from mpipar.runtime.precision import Precision
 
 LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
           "pipeline_wait": "pipeline wait (bubble and transfers)",
@@ -103,9 +104,10 @@ def _check_timeline(timeline: Any, path: str) -> None:
 _CONFIG_FIELDS = {
     "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 1, "virtual_stages": 1, "zero": 0,
                  "ranks_per_node": 0, "schedule": str, "sp_mode": str, "sp_split": str,
-                 "dp_reduce": str, "grad_compression": str, "zero_shared": str},
+                 "dp_reduce": str, "grad_compression": str, "zero_shared": str,
+                 "reduce_dtype": str},
     "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": 1, "recompute": str,
-              "backend": str},
+              "backend": str, "dtype": str},
     "model": {"layers": 1, "sliding_window": 0, "window_layers": str},
 }
 """The config.toml fields the summary reads: a type, or the least integer allowed."""
@@ -193,6 +195,10 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
     if tr.get("recompute"):
         out["layout"]["recompute"] = tr["recompute"]
         out["layout"]["backend"] = tr["backend"]
+    if tr.get("dtype"):
+        out["dtype"] = tr["dtype"]
+        out["precision"] = Precision.named(tr["dtype"], par.get("reduce_dtype", "float32")
+                                           ).describe()
     bubble = timeline_bubble(timeline)
     if bubble is None:
         pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
@@ -311,6 +317,7 @@ def summary_text(summary: dict[str, Any]) -> str:
     out = [f"run: steps {s['steps'][0]}..{s['steps'][1]}"
            + (f", {s['status']}" if s.get("status") else ""),
            "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
+           *([f"precision: {s['precision']}"] if s.get("precision") else []),
            "attention: " + _window_text(s.get("window")),
            f"loss: {loss}",
            *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "

@@ -25,21 +25,30 @@ holds only this rank's chunk of the sequence.
   the same split over ``sp / U`` ranks (contiguous stays contiguous; zigzag stays zigzag, with
   ``U``-times larger chunks), so the ring keeps its causal skipping, zigzag balance and overlap.
 
+Precision: K/V travel in the activations' dtype (bf16 under mixed precision); a core sums
+partial results in :func:`mpipar.model.attention.accumulator` dtype (float32 for bf16): the
+output merged over blocks, dQ over blocks, dK/dV over the ring's hops (they travel as float32
+with their K/V, one byte message a hop) and halos (sent home as float32), and rounds each once at
+the end. Ulysses' all-to-alls carry the rounded gradients.
+
 Shapes: q ``[B, S_loc, hq, D]``, k/v ``[B, S_loc, hkv, D]``, lse ``[B, hq, S_loc]``.
 Every buffer is allocated from the kernel backend's array module (``kernels.xp``).
 """
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from mpipar.model.attention import accumulator, as_activations
 from mpipar.runtime.comm import Group
 from mpipar.config import require
 from mpipar.layout import Layout
-from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.parallel.traffic import Call
+from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord, GridShape
 
 SPLITS = ("contiguous", "zigzag")
@@ -121,23 +130,41 @@ Message = tuple[str, int, int, int]
 handing MPI ``bytes``, to the SP rank ``offset`` places on (0: a receive, which names none)."""
 
 
-def ring_messages(hops: RingHops, kv: int, overlap: bool) -> tuple[list[Message], list[Message]]:
+def ring_messages(hops: RingHops, kv: int, dkv: int, overlap: bool
+                  ) -> tuple[list[Message], list[Message]]:
     """(forward, backward) messages of one block of ring attention on one rank; ``kv``: bytes of
-    this rank's K (= of its V). Per relay of h hops in direction d: forward h K/V Sendrecvs (with
-    overlap Isend + Irecv); backward the K/V at hop 1, K/V with their dK/dV at hops 2..h (with
-    overlap: h K/V Isend/Irecv and h - 1 dK/dV Sendrecvs) and the dK/dV home, d h ranks back."""
+    this rank's K (= of its V), ``dkv``: of its dK (= dV; float32 under bf16). Per relay of h
+    hops in direction d: forward h K/V Sendrecvs (with overlap Isend + Irecv); backward the K/V
+    at hop 1, K/V with their dK/dV at hops 2..h (with overlap: h K/V Isend/Irecv and h - 1
+    dK/dV Sendrecvs) and the dK/dV home, d h ranks back."""
     fwd: list[Message] = []
     bwd: list[Message] = []
     for d, h in hops.relays():
-        home = ("sendrecv", 2 * kv, 1, -d * h)
+        home = ("sendrecv", 2 * dkv, 1, -d * h)
         if overlap:
             fwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0)]
             bwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0),
-                    ("sendrecv", 2 * kv, h - 1, d), home]
+                    ("sendrecv", 2 * dkv, h - 1, d), home]
         else:
             fwd += [("sendrecv", 2 * kv, h, d)]
-            bwd += [("sendrecv", 2 * kv, 1, d), ("sendrecv", 4 * kv, h - 1, d), home]
+            bwd += [("sendrecv", 2 * kv, 1, d), ("sendrecv", 2 * kv + 2 * dkv, h - 1, d), home]
     return fwd, bwd
+
+
+def _with_grads(xp, kv: Array) -> Array:
+    """One backward relay message: the bytes of the K/V ``[2, B, S, hkv, D]`` of a block, then
+    room for the dK/dV gathered for them so far (zeros, in the accumulator dtype)."""
+    grads = kv.size * accumulator(kv.dtype).itemsize
+    buf = xp.zeros(kv.nbytes + grads, xp.uint8)
+    buf[:kv.nbytes] = kv.reshape(-1).view(xp.uint8)
+    return buf
+
+
+def _unpack(buf: Array, shape: tuple[int, ...], dtype: Any) -> tuple[Array, Array]:
+    """(K/V, dK/dV) ``[2, B, S, hkv, D]`` each, views of a message of :func:`_with_grads`."""
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    return (buf[:n].view(dtype).reshape(shape),
+            buf[n:].view(accumulator(dtype)).reshape(shape))
 
 
 @functools.lru_cache(maxsize=256)
@@ -225,7 +252,7 @@ class RingAttention:
         """(out ``[B, S, hq, D]``, lse ``[B, hq, S]``: what backward needs beyond q, k, v, out)."""
         xp = self.xp
         B, S, hq, D = q.shape
-        out = xp.zeros_like(q)
+        out = xp.zeros(q.shape, accumulator(q.dtype))     # merged in float32 under bf16
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
         kv = xp.ascontiguousarray(xp.stack([k, v]))  # one message per hop: [2, B, S, hkv, D]
@@ -235,13 +262,14 @@ class RingAttention:
                                                   True, window=window)
                 out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
                     out[:, qsl], lse[:, :, qsl], o, l)
-        return out, lse
+        return out.astype(q.dtype, copy=False), lse
 
     def backward(self, dout: Array, q: Array, k: Array, v: Array, out: Array,
                  lse: Array, window: int = 0) -> tuple[Array, Array, Array]:
         xp = self.xp
-        dq = xp.zeros_like(q)
-        dk, dv = xp.zeros_like(k), xp.zeros_like(v)
+        acc = accumulator(q.dtype)
+        dq = xp.zeros(q.shape, acc)
+        dk, dv = xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
         self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window)
         hops = ring_hops(self.seq_layout, window)
         for i, (d, h) in enumerate(hops.relays()):
@@ -250,19 +278,20 @@ class RingAttention:
                          tag=4 * self.sp.size * (i + 1))
             dk += home[0]
             dv += home[1]
-        return dq, dk, dv
+        return as_activations((dq, dk, dv), q)
 
     def _relay(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int, tag: int):
         """One relay of backward: -> this rank's dK/dV from the ranks it visited ``[2, B, S, hkv, D]``."""
         xp = self.xp
-        buf = self._shift(xp.ascontiguousarray(xp.stack([k, v])), d, tag)
-        buf = xp.concatenate([buf, xp.zeros_like(buf)])  # K, V, and the dK, dV gathered for them
+        kv = self._shift(xp.ascontiguousarray(xp.stack([k, v])), d, tag)
+        buf = _with_grads(xp, kv)             # K, V, and the dK, dV gathered for them
         for t in range(1, hops + 1):
             if t > 1:
                 buf = self._shift(buf, d, tag + t)
-            self._block_grads(q, out, lse, dout, dq, buf[0], buf[1], buf[2], buf[3],
+            kv, dkv = _unpack(buf, kv.shape, kv.dtype)
+            self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
                               (self.rank - d * t) % self.sp.size, window)
-        return self._home(xp.ascontiguousarray(buf[2:]), d, hops, tag + hops + 1)
+        return self._home(xp.ascontiguousarray(dkv), d, hops, tag + hops + 1)
 
     def _relay_overlapped(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int,
                           tag: int):
@@ -278,7 +307,8 @@ class RingAttention:
             kv = nxt
             if t < hops:
                 nxt, reqs = self._start_shift(kv, d, tag + t)
-            dkv = xp.zeros_like(kv) if dkv is None else self._shift(dkv, d, tag + self.sp.size + t)
+            dkv = (xp.zeros(kv.shape, accumulator(kv.dtype)) if dkv is None
+                   else self._shift(dkv, d, tag + self.sp.size + t))
             self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
                               (self.rank - d * t) % self.sp.size, window)
         return self._home(dkv, d, hops, tag + 3 * self.sp.size)
@@ -342,15 +372,16 @@ def halo_plan(layout: SeqLayout, rank: int, window: int) -> HaloPlan:
     return HaloPlan(recv, send)
 
 
-def halo_messages(plan: HaloPlan, rank: int, sp: int,
-                  row: int) -> tuple[list[Message], list[Message]]:
+def halo_messages(plan: HaloPlan, rank: int, sp: int, row: int,
+                  grad_row: int) -> tuple[list[Message], list[Message]]:
     """(forward, backward) messages of one block of halo attention on SP rank ``rank`` of
-    ``sp``; ``row``: bytes of one position's K (= of its V). Forward sends the K/V rows each
-    other rank needs, backward returns the dK/dV of the rows received; each by Isend, with an
-    Irecv per message the rank receives."""
+    ``sp``; ``row``: bytes of one position's K (= of its V), ``grad_row``: of its dK (float32
+    under bf16). Forward sends the K/V rows each other rank needs, backward returns the dK/dV
+    of the rows received; each by Isend, with an Irecv per message the rank receives."""
     fwd = [("send", 2 * row * len(i), 1, (dst - rank) % sp) for dst, i in plan.send.items()]
     fwd.append(("recv", 0, len(plan.recv), 0))
-    bwd = [("send", 2 * row * len(p), 1, (src - rank) % sp) for src, p in plan.recv.items()]
+    bwd = [("send", 2 * grad_row * len(p), 1, (src - rank) % sp)
+           for src, p in plan.recv.items()]
     bwd.append(("recv", 0, len(plan.send), 0))
     return fwd, bwd
 
@@ -414,7 +445,7 @@ class HaloAttention:
                  for dst, idx in plan.send.items()}
         reqs = ([self.sp.irecv(buf, src, self.TAG) for src, buf in halo.items()]
                 + [self.sp.isend(buf, dst, self.TAG) for dst, buf in sends.items()])
-        out = xp.zeros_like(q)
+        out = xp.zeros(q.shape, accumulator(q.dtype))
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
         self._attend(q, out, lse, kv, self._local_pairs(window), window)
@@ -422,7 +453,7 @@ class HaloAttention:
             r.wait()
         for src, buf in halo.items():
             self._attend(q, out, lse, buf, self._halo_pairs(plan, src, window), window)
-        return out, HaloSaved(lse, halo)
+        return out.astype(q.dtype, copy=False), HaloSaved(lse, halo)
 
     def _grads(self, q, out, lse, dout, dq, kv, dkv, pairs, window: int) -> None:
         for qsl, qs, ksl, ks in pairs:
@@ -437,18 +468,18 @@ class HaloAttention:
                  saved: HaloSaved, window: int = 0) -> tuple[Array, Array, Array]:
         xp = self.xp
         plan = halo_plan(self.seq_layout, self.rank, window)
-        B = q.shape[0]
-        back = {dst: xp.empty((2, B, len(idx)) + k.shape[2:], k.dtype)
+        B, acc = q.shape[0], accumulator(q.dtype)
+        back = {dst: xp.empty((2, B, len(idx)) + k.shape[2:], acc)
                 for dst, idx in plan.send.items()}
         reqs = [self.sp.irecv(buf, dst, self.TAG + 1) for dst, buf in back.items()]
-        dq = xp.zeros_like(q)
+        dq = xp.zeros(q.shape, acc)
         dhalo = {}
         for src, buf in saved.halo.items():
-            dhalo[src] = xp.zeros_like(buf)
+            dhalo[src] = xp.zeros(buf.shape, acc)
             self._grads(q, out, saved.lse, dout, dq, buf, dhalo[src],
                         self._halo_pairs(plan, src, window), window)
             reqs.append(self.sp.isend(dhalo[src], src, self.TAG + 1))
-        dkv = xp.zeros((2,) + k.shape, k.dtype)
+        dkv = xp.zeros((2,) + k.shape, acc)
         self._grads(q, out, saved.lse, dout, dq, xp.stack([k, v]), dkv,
                     self._local_pairs(window), window)
         for r in reqs:
@@ -456,7 +487,7 @@ class HaloAttention:
         for dst, buf in back.items():
             idx = xp.asarray(plan.send[dst])
             dkv[:, :, idx] += buf
-        return dq, dkv[0], dkv[1]
+        return as_activations((dq, dkv[0], dkv[1]), q)
 
 
 @dataclass
@@ -528,8 +559,9 @@ class UlyssesAttention:
 
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
         ex = self.exchange
-        dq, dk, dv = self.kernels.attention_bwd(saved.q, saved.k, saved.v, saved.out, saved.lse,
-                                                ex.to_heads(dout), 0, 0, True, window=window)
+        grads = self.kernels.attention_bwd(saved.q, saved.k, saved.v, saved.out, saved.lse,
+                                           ex.to_heads(dout), 0, 0, True, window=window)
+        dq, dk, dv = as_activations(grads, saved.q)
         return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 
 
@@ -599,8 +631,12 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
     m, par, tr = layout.model, layout.parallel, layout.train
     reps = (2 if backward and tr.recompute == "full" else 1) * passes
     bwds = passes if backward else 0
-    e, s_loc = element_bytes(tr.dtype), tr.seq_len // par.sp
-    row = layout.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim * e  # one position's K
+    # K/V (and Ulysses' gradients, rounded) in the compute dtype; the ring's and halos' dK/dV
+    # in the accumulator's (the masters' dtype: float32 under bf16)
+    prec, s_loc = Precision.of(tr, par), tr.seq_len // par.sp
+    e, g = prec.compute_bytes, prec.master_bytes
+    elements = layout.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim  # one position's K
+    row, grad_row = elements * e, elements * g
     q = layout.micro_batch_size * s_loc * (m.heads // par.tp) * m.head_dim * e
     n = len(layers)
     if par.sp_mode == "ulysses":
@@ -614,9 +650,11 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
         group, seq = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
     for layer in layers:
         window = m.layer_window(layer)
-        fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row)
+        fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row,
+                                  grad_row)
                     if par.sp_mode == "halo" else
-                    ring_messages(ring_hops(seq, window), row * s_loc, par.sp_overlap))
+                    ring_messages(ring_hops(seq, window), row * s_loc, grad_row * s_loc,
+                                  par.sp_overlap))
         for (op, nbytes, count, off), times in [(x, reps) for x in fwd] + [(x, bwds) for x in bwd]:
             peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
                     if off else None)

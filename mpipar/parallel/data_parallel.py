@@ -67,7 +67,8 @@ from mpipar.runtime.comm import Group, Request
 from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
-from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.parallel.traffic import Call
+from mpipar.runtime.precision import Precision
 
 RESIDUAL_SEND = "residual_send"
 RESIDUAL_GATHER = "residual_gather"
@@ -118,11 +119,14 @@ class ReduceGroups:
 class Bucket:
     names: list[str]
     offsets: dict[str, tuple[int, int]]  # name -> (start, stop) in the flat buffer
-    params: Any                          # flat, padded to a multiple of the group size
-    grads: Any
+    params: Any                          # flat compute copies, padded to a multiple of the group
+    grads: Any                           # flat, in the master dtype
+    master: Any = None                   # ZeRO-0: flat master weights (``params`` unless mixed)
+    wire: Any = None                     # --reduce-dtype bfloat16: the gradients as reduced
     pending: set[str] = field(default_factory=set)
     owned_grad: Any = None               # ZeRO-1: this rank's slice of the summed gradients
-    owned: Any = None                    # ZeRO-1: the view of ``params`` this rank updates
+    owned: Any = None                    # ZeRO-1: the master slice this rank updates (a view
+                                         # of ``params`` unless mixed)
     scratch: dict[str, Any] = field(default_factory=dict)    # the chain's buffers
     residual: dict[str, Any] = field(default_factory=dict)   # kind -> this rank's residual
     chain: Iterator[Request] | None = None
@@ -133,14 +137,28 @@ class Bucket:
 class GradReducer:
     """Owns the flat buffers and reduces gradients over ``groups`` (``sharded``: ZeRO-1's
     reduce-scatter instead of the all-reduce; ``codec``: compressed across ``groups.inter``,
-    with residuals when ``feedback``). ``params``: host tensors in any order; ``order``: the
-    names in backward order (the bucket order); ``tied``: the names whose gradients are then
-    summed over ``tied_group`` (the module docstring)."""
+    with residuals when ``feedback``). ``params``: the initial master tensors (host) in any
+    order; ``order``: the names in backward order (the bucket order); ``tied``: the names whose
+    gradients are then summed over ``tied_group`` (the module docstring).
+
+    Precision (:mod:`mpipar.runtime.precision`): gradients and master weights are in the dtype
+    of ``params``; ``compute_dtype`` (default the same) is that of the flat compute copies the
+    model reads (``self.params``): with bf16 compute the masters are held apart, whole (ZeRO-0:
+    ``self.masters``) or only this rank's owned slices (ZeRO-1: ``Bucket.owned``, as Megatron's
+    distributed optimizer), and :meth:`gather_params` refreshes the compute copies after an
+    update (ZeRO-1: the all-gather carries them). ``reduce_dtype`` (default the gradients') is
+    what the dp x sp reduction sends: the gradients are cast into a buffer of it when a bucket
+    launches and cast back when its reduction ends."""
 
     def __init__(self, params: dict[str, Any], order: list[str], groups: ReduceGroups, *,
                  bucket_mb: float, sharded: bool, xp: ModuleType, codec: Codec | None = None,
                  feedback: bool = True, tied: Collection[str] = (),
-                 tied_group: Group | None = None, dense_steps: int = 0) -> None:
+                 tied_group: Group | None = None, dense_steps: int = 0,
+                 compute_dtype: Any = None, reduce_dtype: Any = None) -> None:
+        master = params[order[0]].dtype
+        self.compute_dtype = master if compute_dtype is None else compute_dtype
+        self.reduce_dtype = master if reduce_dtype is None else reduce_dtype
+        self.mixed = self.compute_dtype != master
         self.hierarchical = groups.intra is not None
         self.dense_steps, self._compress = dense_steps, True
         if groups.intra is not None and groups.intra.size == 1:   # one rank a node: no step inside
@@ -155,13 +173,20 @@ class GradReducer:
                         for idx in plan_buckets([params[n].nbytes for n in order], limit, alone)]
         self.tied_group = tied_group
         self.tied_buckets = [b for b in self.buckets if set(b.names) <= set(tied)]
-        self.params = {n: b.params[s:e].reshape(params[n].shape)
-                       for b in self.buckets for n, (s, e) in b.offsets.items()}
-        self.grads = {n: b.grads[s:e].reshape(params[n].shape)
-                      for b in self.buckets for n, (s, e) in b.offsets.items()}
+        self.shapes = {n: tuple(params[n].shape) for n in order}
+        self.params = self._views("params")
+        self.grads = self._views("grads")
+        self.masters = None if sharded and self.mixed else self._views("master")
+        """name -> the whole local master tensor (ZeRO-0's optimizer updates them); None at
+        ZeRO-1 with mixed precision, whose owned slices are the only masters."""
         self._bucket_of = {n: b for b in self.buckets for n in b.names}
         self._stages = self._stage_groups()
         self._launched: list[Bucket] = []
+
+    def _views(self, field_name: str) -> dict[str, Any]:
+        """name -> the tensor's view into each bucket's flat buffer ``field_name``."""
+        return {n: getattr(b, field_name)[s:e].reshape(self.shapes[n])
+                for b in self.buckets for n, (s, e) in b.offsets.items()}
 
     def _make_bucket(self, params: dict[str, Any], names: list[str]) -> Bucket:
         offsets, at = {}, 0
@@ -170,12 +195,17 @@ class GradReducer:
             at += params[n].size
         at = padded_size(at, self.group.size, self.align)
         dtype = params[names[0]].dtype
-        flat = self.xp.zeros(at, dtype)
+        master = self.xp.zeros(at, dtype)
         for n in names:
             s, e = offsets[n]
-            flat[s:e] = self.xp.asarray(params[n]).reshape(-1)
-        b = Bucket(list(names), offsets, flat, self.xp.zeros(at, dtype))
+            master[s:e] = self.xp.asarray(params[n]).reshape(-1)
+        compute = master.astype(self.compute_dtype) if self.mixed else master
+        b = Bucket(list(names), offsets, compute, self.xp.zeros(at, dtype), master=master)
+        if self.reduce_dtype != dtype and self.group.size > 1:    # one rank reduces nothing
+            b.wire = self.xp.empty(at, self.reduce_dtype)
         self._allocate(b)
+        if self.sharded and self.mixed:   # the owned slice is all a rank keeps of the masters
+            b.master = None
         return b
 
     def _allocate(self, b: Bucket) -> None:
@@ -185,11 +215,13 @@ class GradReducer:
         L, c = self.groups.per_node, self.groups.inter.size
         m = length // L                               # the buffer reduced across nodes
         if self.groups.intra is not None:
-            b.scratch["shard"] = xp.empty(m, dtype)
+            b.scratch["shard"] = xp.empty(m, self.reduce_dtype)
         if self.sharded:
             b.owned_grad = xp.empty(m // c, dtype)
+            if b.wire is not None:
+                b.scratch["owned"] = xp.empty(m // c, self.reduce_dtype)
             lo, hi = self.owned_range(b)
-            b.owned = b.params[lo:hi]
+            b.owned = b.master[lo:hi].copy() if self.mixed else b.params[lo:hi]
         if self.codec is None:
             return
         if isinstance(self.codec, Int8Codec):
@@ -280,12 +312,20 @@ class GradReducer:
                 self._launch(b)
                 if self.codec is None and self._stages:
                     # A staging path starts copying it now, overlapping the reductions before it.
-                    self._stages[0].stage_ahead(b.grads)
+                    self._stages[0].stage_ahead(self._reduced(b))
         self._progress(block=True)
         for b in self.tied_buckets:
             self.tied_group.allreduce_(b.owned_grad if self.sharded else b.grads)
 
+    @staticmethod
+    def _reduced(b: Bucket) -> Any:
+        """The flat buffer bucket ``b``'s reduction sends: the gradients, or their copy in the
+        reduce dtype."""
+        return b.grads if b.wire is None else b.wire
+
     def _launch(self, b: Bucket) -> None:
+        if b.wire is not None:
+            b.wire[...] = b.grads
         b.chain, b.request, b.started = self._reduce(b), None, 0
         self._launched.append(b)
 
@@ -318,16 +358,17 @@ class GradReducer:
         """Bucket ``b``'s reduction: yields each collective's request once started; the code
         between the yields is local work (encoding, decoding, copies)."""
         stages = iter(self._stages)
-        x = b.grads
+        full = x = self._reduced(b)
+        owned = b.scratch.get("owned", b.owned_grad)
         if self.groups.intra is not None:
             x = b.scratch["shard"]
-            yield next(stages).ireduce_scatter_(b.grads, x)
+            yield next(stages).ireduce_scatter_(full, x)
         if self.groups.inter.size == 1:
             if self.sharded:
-                b.owned_grad[...] = x
+                owned[...] = x
         elif self.codec is None or not self._compress:
             group = next(stages)
-            yield (group.ireduce_scatter_(x, b.owned_grad) if self.sharded
+            yield (group.ireduce_scatter_(x, owned) if self.sharded
                    else group.iallreduce_(x))
             if isinstance(self.codec, Int8Codec) and not self.sharded:
                 skipped = next(stages)                       # int8's all-gather: not this step
@@ -337,7 +378,12 @@ class GradReducer:
         else:
             yield from self._topk(b, x, stages)
         if self.groups.intra is not None and not self.sharded:
-            yield next(stages).iallgather(x, b.grads)
+            yield next(stages).iallgather(x, full)
+        if b.wire is not None:                   # back into the gradients' dtype
+            if self.sharded:
+                b.owned_grad[...] = owned
+            else:
+                b.grads[...] = b.wire
 
     def _int8(self, b: Bucket, x: Any, stages: Iterator[Group]) -> Iterator[Request]:
         """int8 across ``inter``: all-to-all of the encoded pieces, sum at the owner; then (not
@@ -388,16 +434,79 @@ class GradReducer:
                 yield b, name, lo, hi
 
     def gather_params(self) -> None:
-        """ZeRO-1: every rank's updated owned slices back into every rank's parameters (across
-        nodes into the node shard, then inside the node)."""
-        g = self.groups
+        """After an update: the compute copies from the masters. ZeRO-1: every rank's updated
+        owned slices (rounded to the compute dtype first, when mixed) back into every rank's
+        parameters, across nodes into the node shard, then inside the node; ZeRO-0: one cast
+        per bucket when mixed, else nothing."""
         for b in self.buckets:
+            if not self.sharded:
+                if self.mixed:
+                    b.params[...] = b.master
+                continue
             lo, hi = self.owned_range(b)
-            n0, n1 = self._node_range(b)
-            if g.inter.size > 1:
-                g.inter.allgather(b.params[lo:hi].copy(), b.params[n0:n1])
-            if g.intra is not None:
-                g.intra.allgather(b.params[n0:n1].copy(), b.params)
+            if self.mixed:
+                b.params[lo:hi] = b.owned
+            self._gather_slices(b, b.params)
+
+    def _gather_slices(self, b: Bucket, flat: Any) -> None:
+        """ZeRO-1: fill the flat ``flat`` (of bucket ``b``'s length, this rank's owned slice in
+        place) with every rank's owned slice (collective over the reduction's groups)."""
+        g = self.groups
+        lo, hi = self.owned_range(b)
+        n0, n1 = self._node_range(b)
+        if g.inter.size > 1:
+            g.inter.allgather(flat[lo:hi].copy(), flat[n0:n1])
+        if g.intra is not None:
+            g.intra.allgather(flat[n0:n1].copy(), flat)
+
+    # ------------------------------------------------------------ the masters (checkpoints)
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every local tensor this reducer holds."""
+        return self.shapes
+
+    def master_tensors(self) -> dict[str, Any]:
+        """Every whole local master tensor of this rank (ZeRO-1 mixed: assembled from the owned
+        slices, a collective over the reduction's groups; else no collective)."""
+        if self.masters is not None:
+            return self.masters
+        out = {}
+        for b in self.buckets:
+            flat = self.xp.zeros(b.grads.size, b.grads.dtype)
+            lo, hi = self.owned_range(b)
+            flat[lo:hi] = b.owned
+            self._gather_slices(b, flat)
+            out.update({n: flat[s:e].reshape(self.shapes[n]) for n, (s, e) in b.offsets.items()})
+        return out
+
+    def param_pieces(self) -> Iterator[tuple[str, int, int, Any]]:
+        """``(name, lo, hi, values)``: the ranges of the flattened local master tensors this
+        rank reports (each element once over the group): its owned slices where the masters
+        are held only as them (ZeRO-1 mixed), else the whole tensors on the group's rank 0."""
+        if self.masters is not None:
+            if self.group.rank == 0:
+                for name, t in self.masters.items():
+                    yield name, 0, t.size, t.reshape(-1)
+            return
+        for b in self.buckets:
+            a0, a1 = self.owned_range(b)
+            for name, p_lo, p_hi, lo, hi in _param_ranges(b, a0, a1):
+                yield name, p_lo, p_hi, b.owned[lo:hi]
+
+    def load_local(self, name: str, value: Any) -> None:
+        """Set parameter ``name`` from its whole local tensor ``value`` (host, master dtype):
+        its master (whole, or this rank's owned part of it) and its compute copy
+        (collective-free)."""
+        b = self._bucket_of[name]
+        s, e = b.offsets[name]
+        flat = self.xp.asarray(value).reshape(-1)
+        b.params[s:e] = flat
+        if b.master is not None and self.mixed:
+            b.master[s:e] = flat
+        if self.sharded and self.mixed:
+            a0, a1 = self.owned_range(b)
+            for n, p_lo, p_hi, lo, hi in _param_ranges(b, a0, a1):
+                if n == name:
+                    b.owned[lo:hi] = flat[p_lo:p_hi]
 
     # ------------------------------------------------------------ residuals (checkpoints)
     def _residual_ranges(self, b: Bucket) -> Iterator[tuple[str, Any, int]]:
@@ -459,7 +568,7 @@ def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, 
 
 
 def check_config(layout: Layout) -> None:
-    """Buckets need a size;
+    """Buckets need a size; a bf16 reduction needs bf16 compute and no compression;
     hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1]; a
     compression warm-up a compression and a count >= 0; error-feedback residuals, one per
     rank, cannot follow a tied embedding across pipeline ranks."""
@@ -479,6 +588,14 @@ def check_config(layout: Layout) -> None:
             f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
             f"residuals, and a checkpoint holds one); use --error-feedback off, pp=1 or untied "
             f"embeddings")
+    require(p.reduce_dtype != "bfloat16" or layout.train.dtype == "bfloat16",
+            f"parallel.reduce_dtype='bfloat16' with train.dtype={layout.train.dtype!r}: a bf16 "
+            f"gradient reduction is part of mixed precision (use --dtype bfloat16, or "
+            f"--reduce-dtype float32)")
+    require(p.reduce_dtype != "bfloat16" or p.grad_compression == "none",
+            f"parallel.reduce_dtype='bfloat16' with parallel.grad_compression="
+            f"{p.grad_compression!r}: a compressed reduction sends its own encoding of the "
+            f"float32 gradients (use one or the other)")
     if p.dp_reduce == "hierarchical" and p.ranks_per_node:
         problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
             NodeMap.blocks(world, p.ranks_per_node))
@@ -492,8 +609,9 @@ def reduction_buckets(layout: Layout, elements: list[int], tied: set[int],
     """(elements, whether it holds a tied embedding) of each flat gradient bucket
     :class:`GradReducer` lays out for parameters of ``elements`` in backward order (``tied``:
     the indices of those summed over pp_ends, a bucket each), each padded to a multiple of
-    dp x sp of whole ``align``-element blocks (int8 compression's scale blocks, else 1)."""
-    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    dp x sp of whole ``align``-element blocks (int8 compression's scale blocks, else 1). A
+    bucket's size counts its gradients' bytes (the masters' dtype)."""
+    par, e = layout.parallel, Precision.of(layout.train, layout.parallel).master_bytes
     limit = max(1, int(par.bucket_mb * 2**20))
     return [(padded_size(sum(elements[i] for i in idx), layout.dp * par.sp, align),
              set(idx) <= tied) for idx in plan_buckets([s * e for s in elements], limit, tied)]
@@ -506,8 +624,8 @@ def reduction_calls(layout: Layout, buckets: list[tuple[int, bool]],
     ``sizes`` ranks (``dp_sp``, ``dp_sp_intra``, ``dp_sp_inter``): over dp x sp each bucket's
     reduction, flat or hierarchical, dense or compressed, and with ZeRO-1 the parameters'
     all-gather; then the tied embedding's gradient summed over ``pp_ends`` (ZeRO-1: its owned
-    slice)."""
-    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    slice; in the masters' dtype)."""
+    par, e = layout.parallel, Precision.of(layout.train, layout.parallel).master_bytes
     n = layout.dp * par.sp
     calls = [c for length, _ in buckets for c in _bucket_calls(layout, length, sizes)] \
         if n > 1 else []
@@ -517,8 +635,10 @@ def reduction_calls(layout: Layout, buckets: list[tuple[int, bool]],
 
 def _bucket_calls(layout: Layout, length: int, sizes: dict[str, int]) -> list[Call]:
     """The reduction of one bucket of ``length`` elements over dp x sp: inside the node,
-    across nodes (or over the whole group when flat), and back (the module docstring)."""
-    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    across nodes (or over the whole group when flat), and back (the module docstring): the
+    gradients in the reduce dtype, ZeRO-1's all-gathers of parameters in the compute dtype."""
+    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
+    e, pe = prec.reduce_bytes, prec.compute_bytes
     hier = par.dp_reduce == "hierarchical" and sizes["dp_sp_intra"] > 1
     inter = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
     c = sizes[inter]
@@ -530,15 +650,17 @@ def _bucket_calls(layout: Layout, length: int, sizes: dict[str, int]) -> list[Ca
         calls.append(Call("dp_sp_intra", "iallgather", x * e))
     if par.zero:
         if c > 1:
-            calls.append(Call(inter, "allgather", x // c * e))
+            calls.append(Call(inter, "allgather", x // c * pe))
         if hier:
-            calls.append(Call("dp_sp_intra", "allgather", x * e))
+            calls.append(Call("dp_sp_intra", "allgather", x * pe))
     return calls
 
 
 def _across_calls(layout: Layout, group: str, x: int, c: int) -> list[Call]:
-    """Reducing ``x`` elements over ``group`` of ``c`` ranks: dense, int8 or top-k."""
-    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    """Reducing ``x`` elements over ``group`` of ``c`` ranks: dense (in the reduce dtype),
+    int8 or top-k (of the gradients in the masters' dtype)."""
+    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
+    e = prec.reduce_bytes
     kind = par.grad_compression
     if kind == "none":
         return [Call(group, "ireduce_scatter" if par.zero else "iallreduce", x * e)]

@@ -38,6 +38,14 @@ over tp, a non-blocking reduce-scatter sends the buffer to the owners, and the r
 is added to the owned gradient; at most ``MAX_IN_FLIGHT`` reduce-scatters are outstanding. Summed over the
 step's microbatches this is the sum of the gradients over dp x sp, as the all-reduce of ZeRO-0.
 
+Precision (:mod:`mpipar.runtime.precision`): ``owned`` is this rank's slice of the master
+weights and ``owned_grad`` of the gradients, in the masters' dtype; with bf16 compute
+(``compute_dtype``) the whole parameters the model reads (ZeRO-2's, the node's copy, ZeRO-3's
+gathered buffers) are bf16 compute copies, and a ZeRO-3 unit keeps a bf16 copy of its owned
+slice (``owned_compute``) to gather from, refreshed from the master after every update and load.
+A unit's gradient buffer is in the masters' dtype; ``reduce_dtype`` (``--reduce-dtype``) is what
+its reduce-scatter sends.
+
 Every rank of dp x sp holds the same pipeline and tp position and so runs the same op list: its
 collectives start in the same order on every rank of the group. Buffers come from the kernel
 backend's array module (``xp``).
@@ -56,7 +64,8 @@ from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.parallel.data_parallel import padded_size
 from mpipar.parallel.pipeline.schedule import Op
-from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.parallel.traffic import Call
+from mpipar.runtime.precision import Precision
 
 MAX_IN_FLIGHT = 2
 """Reduce-scatters of gradients outstanding at once (each holds one unit's full gradients)."""
@@ -110,9 +119,12 @@ class Unit:
     shapes: dict[str, tuple[int, ...]]
     offsets: dict[str, tuple[int, int]]
     size: int
-    owned: Any                    # [size / n] this rank's parameters (ZeRO-2: a view of full)
+    owned: Any                    # [size / n] this rank's master parameters (a view of full
+                                  # at ZeRO-2 and in node shared memory, unless mixed)
     owned_grad: Any               # [size / n] this rank's summed gradients
-    full: Any = None              # [size] the whole parameters (ZeRO-3: only while gathered)
+    full: Any = None              # [size] the whole compute copies (ZeRO-3: only while
+                                  # gathered)
+    owned_compute: Any = None     # ZeRO-3 gathered: the compute copy of ``owned`` it sends
     gathering: Request | None = None
     users: int = 0                # scopes reading ``full`` now
     grad: Any = None              # [size] this microbatch's gradients while backward runs
@@ -120,18 +132,19 @@ class Unit:
 
 
 class BufferPool:
-    """Reusable flat buffers by length: a released buffer serves the next request of its size."""
+    """Reusable flat buffers by length and dtype: a released buffer serves the next request of
+    its size and dtype."""
 
-    def __init__(self, xp: ModuleType, dtype) -> None:
-        self.xp, self.dtype = xp, dtype
-        self.free: dict[int, list[Any]] = {}
+    def __init__(self, xp: ModuleType) -> None:
+        self.xp = xp
+        self.free: dict[tuple[int, Any], list[Any]] = {}
 
-    def take(self, size: int) -> Any:
-        stack = self.free.get(size)
-        return stack.pop() if stack else self.xp.empty(size, self.dtype)
+    def take(self, size: int, dtype: Any) -> Any:
+        stack = self.free.get((size, dtype))
+        return stack.pop() if stack else self.xp.empty(size, dtype)
 
     def give(self, buf: Any) -> None:
-        self.free.setdefault(buf.size, []).append(buf)
+        self.free.setdefault((buf.size, buf.dtype), []).append(buf)
 
 
 class ShardedParams:
@@ -145,13 +158,17 @@ class ShardedParams:
     ``before_reduce(names)``: called with a unit's parameter names before its gradients leave
     (sums the tp-partial ones over tp);
     ``tied``: names (the embedding tied across the pipeline, a unit of its own on both ends)
-    whose owned gradients are then summed over ``tied_group``."""
+    whose owned gradients are then summed over ``tied_group``. ``initial`` gives master
+    values; ``compute_dtype`` and ``reduce_dtype`` (default: theirs) as in the module
+    docstring."""
 
     def __init__(self, initial: Callable[[str], Any], chunks: list[list[tuple[str, list[str]]]],
                  group: Group, *, gather: bool, prefetch: int, xp: ModuleType,
                  before_reduce: Callable[[list[str]], None], tied: Collection[str] = (),
                  tied_group: Group | None = None,
-                 node_groups: tuple[Group, Group | None] | None = None) -> None:
+                 node_groups: tuple[Group, Group | None] | None = None,
+                 compute_dtype: Any = None, reduce_dtype: Any = None) -> None:
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         # ZeRO-3 in node shared memory: the whole units stay bound, as at ZeRO-2, but each is
         # one array the node's ranks of the group map together, each allocating a part.
         self.shared = node_groups is not None and gather
@@ -175,7 +192,7 @@ class ShardedParams:
                     self.order[unit] = names
         self.kept = kept_after_forward([[u for u, _ in units] for units in chunks], prefetch)
         self.keeping = True   # off for forward-only passes (:meth:`forward_only`)
-        self.pool = BufferPool(xp, next(iter(self.units.values())).owned.dtype)
+        self.pool = BufferPool(xp)
         self.tied_group = tied_group
         self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
         self.shapes = {n: s for u in self.units.values() for n, s in u.shapes.items()}
@@ -198,19 +215,26 @@ class ShardedParams:
             offsets[n] = (at, at + values[n].size)
             at += values[n].size
         size = padded_size(at, self.group.size)
-        full = self.xp.zeros(size, values[names[0]].dtype)
+        master = self.xp.zeros(size, values[names[0]].dtype)
         for n in names:
             s, e = offsets[n]
-            full[s:e] = self.xp.asarray(values[n]).reshape(-1)
+            master[s:e] = self.xp.asarray(values[n]).reshape(-1)
+        self.compute_dtype = master.dtype if self.compute_dtype is None else self.compute_dtype
+        self.reduce_dtype = master.dtype if self.reduce_dtype is None else self.reduce_dtype
+        self.mixed = self.compute_dtype != master.dtype
+        full = master.astype(self.compute_dtype) if self.mixed else master
         lo, hi = self._range(size)
         if self.shared:              # this rank writes its slice of the node's copy
             window = self.intra.shared_array(size // self.intra.size, full.dtype)
             self.windows.append(window)
             window.array[lo:hi] = full[lo:hi]
             full = window.array
-        owned = full[lo:hi] if not self.gather else full[lo:hi].copy()
-        return Unit(unit, list(names), {n: tuple(values[n].shape) for n in names}, offsets, size,
-                    owned, self.xp.zeros(hi - lo, full.dtype), None if self.gather else full)
+        owned = master[lo:hi].copy() if self.gather or self.mixed else full[lo:hi]
+        u = Unit(unit, list(names), {n: tuple(values[n].shape) for n in names}, offsets, size,
+                 owned, self.xp.zeros(hi - lo, master.dtype), None if self.gather else full)
+        if self.gather:
+            u.owned_compute = full[lo:hi].copy() if self.mixed else owned
+        return u
 
     def _range(self, size: int) -> tuple[int, int]:
         """``[lo, hi)`` of a unit of ``size`` elements that this rank owns."""
@@ -262,7 +286,7 @@ class ShardedParams:
                 self._start_gather(self.units[nxt])
         if backward:
             if u.grad is None:
-                u.grad = self.pool.take(u.size)
+                u.grad = self.pool.take(u.size, u.owned_grad.dtype)
                 u.grad.fill(0)
                 self._bind(self.grads, u, u.grad)
             u.grad_users += 1
@@ -300,8 +324,8 @@ class ShardedParams:
 
     def _start_gather(self, u: Unit) -> None:
         if u.full is None:
-            u.full = self.pool.take(u.size)
-            u.gathering = self.group.iallgather(u.owned, u.full)
+            u.full = self.pool.take(u.size, self.compute_dtype)
+            u.gathering = self.group.iallgather(u.owned_compute, u.full)
 
     def _grads_done(self, u: Unit) -> None:
         u.grad_users -= 1
@@ -309,8 +333,13 @@ class ShardedParams:
             return
         self.before_reduce(u.names)
         self._unbind(self.grads, u)
-        recv = self.pool.take(u.size // self.group.size)
-        self._reducing.append((self.group.ireduce_scatter_(u.grad, recv), recv, u, u.grad))
+        send = u.grad
+        if self.reduce_dtype != send.dtype:          # --reduce-dtype: sent rounded
+            send = self.pool.take(u.size, self.reduce_dtype)
+            send[...] = u.grad
+            self.pool.give(u.grad)
+        recv = self.pool.take(u.size // self.group.size, self.reduce_dtype)
+        self._reducing.append((self.group.ireduce_scatter_(send, recv), recv, u, send))
         u.grad = None
         while len(self._reducing) > MAX_IN_FLIGHT:
             self._complete_one()
@@ -370,16 +399,31 @@ class ShardedParams:
         self.intra.sync_shared(self.windows)
         self._stale = False
 
+    def _refresh(self, u: Unit) -> None:
+        """The compute copy of this rank's slice of ``u`` from its master (mixed precision;
+        one cast): ZeRO-3's ``owned_compute``, else the slice of the whole parameters."""
+        if not self.mixed:
+            return
+        if self.gather:
+            u.owned_compute[...] = u.owned
+        else:
+            lo, hi = self.owned_range(u)
+            u.full[lo:hi] = u.owned
+
     def gather_params(self) -> None:
-        """After the update: ZeRO-2 all-gathers the owned slices back into the whole
-        parameters; ZeRO-3 keeps only its slices (in node shared memory: publishes them, the
-        one barrier of its step; no rank reads a slice while its owner updates it, as the
-        update waits for every reduce-scatter, which each rank posts after its last read)."""
+        """After the update: the compute copies of the owned slices refreshed from the masters
+        (mixed precision); ZeRO-2 all-gathers them back into the whole parameters; ZeRO-3
+        keeps only its slices (in node shared memory: publishes them, the one barrier of its
+        step; no rank reads a slice while its owner updates it, as the update waits for every
+        reduce-scatter, which each rank posts after its last read)."""
+        for u in self.units.values():
+            self._refresh(u)
         if self.shared:
             self._publish()
         elif not self.gather:
             for u in self.units.values():
-                self.group.allgather(u.owned.copy(), u.full)
+                lo, hi = self.owned_range(u)
+                self.group.allgather(u.full[lo:hi].copy(), u.full)
 
     def describe(self) -> str:
         """The sharding in words, for the startup line."""
@@ -436,14 +480,15 @@ class ShardedParams:
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.shapes
 
-    def materialize(self) -> dict[str, Any]:
-        """Every tp-local tensor of this rank, whole (collective over the group at ZeRO-3)."""
+    def master_tensors(self) -> dict[str, Any]:
+        """Every tp-local master tensor of this rank, whole (collective over the group where
+        the masters are sharded: ZeRO-3, and every stage under mixed precision)."""
         if self._stale:
             self._publish()
         out: dict[str, Any] = {}
         for u in self.units.values():
             full = u.full
-            if self.gather:
+            if self.gather or self.mixed:
                 full = self.xp.empty(u.size, u.owned.dtype)
                 self.group.allgather(u.owned, full)
             self._bind(out, u, full)
@@ -458,8 +503,9 @@ class ShardedParams:
             yield name, start, start + hi - lo, u.owned[lo:hi]
 
     def load_local(self, name: str, value: Any) -> None:
-        """Set parameter ``name`` from its whole tp-local tensor ``value`` (collective-free;
-        a gathered copy no scope is reading is dropped, as it would be stale)."""
+        """Set parameter ``name`` from its whole tp-local tensor ``value`` (master dtype): its
+        master slice and compute copies (collective-free; a gathered copy no scope is reading
+        is dropped, as it would be stale)."""
         self.release()
         for u in self.units.values():
             if name not in u.offsets:
@@ -470,6 +516,9 @@ class ShardedParams:
             flat = self.xp.asarray(value).reshape(-1)
             if lo < hi:
                 u.owned[lo - a0:hi - a0] = flat[lo - s:hi - s]
+                if self.mixed:           # the compute copy of the slice, rounded once
+                    (u.owned_compute[lo - a0:hi - a0] if self.gather else
+                     u.full[lo:hi])[...] = flat[lo - s:hi - s]
             if self.shared:      # the other slices are their owners' to write
                 self._stale = True
             elif not self.gather:
@@ -558,15 +607,18 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
     ZeRO-3 in node shared memory the barrier that publishes the update, and across nodes before
     it an all-gather of each unit's slice over dp_sp_inter; the tied embedding's owned slice
     summed over pp_ends. A validation pass of ``passes`` forwards per chunk: at ZeRO-3
-    gathering, an all-gather of each unit a forward enters."""
-    e, n = element_bytes(layout.train.dtype), layout.dp * layout.parallel.sp
+    gathering, an all-gather of each unit a forward enters. Parameters travel as compute
+    copies, gradients in the reduce dtype, the tied slice in the masters'."""
+    prec, n = Precision.of(layout.train, layout.parallel), layout.dp * layout.parallel.sp
+    e = prec.compute_bytes
     gathering = layout.parallel.zero == 3 and copy is None
     if not backward:
         return [Call("dp_sp", "iallgather", lengths[u] // n * e, passes)
                 for u, _ in entered] if gathering else []
     micro = layout.microbatches
-    calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * e, k) for u, k in entered]
-    calls += [Call("pp_ends", "allreduce", lengths["embed"] // n * e)] \
+    calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * prec.reduce_bytes, k)
+             for u, k in entered]
+    calls += [Call("pp_ends", "allreduce", lengths["embed"] // n * prec.master_bytes)] \
         if tied and "embed" in lengths else []
     if copy is not None:  # no gathers: the update's slices published with one barrier
         if copy[1] == 1:

@@ -36,10 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.parallel.traffic import Call
 from mpipar.runtime.comm import Group
+from mpipar.runtime.precision import Precision
 from mpipar.config import require
 from mpipar.layout import Layout
+from mpipar.model.attention import accumulator
 from mpipar.model.params import bias_name
 from mpipar.model.tensor_ops import LinearBackward
 from mpipar.parallel.placement import PlacementTable, padded_vocab
@@ -148,7 +150,8 @@ class TensorParallel:
         """Input gradient of :meth:`linear` (weight gradients through ``linear_backward``),
         in the shape of the ``x`` whose :meth:`linear_input` was ``x_in``: a row-parallel
         output's gradient is first made whole (:meth:`leave_backward`); the partial input
-        gradients are summed, and over tp (:meth:`enter_backward`) where the input entered."""
+        gradients are summed (in float32 under bf16 compute, rounded once), and over tp
+        (:meth:`enter_backward`) where the input entered."""
         role = self.role(names)
         lead = x_in.shape[:-1]
         dx = None
@@ -156,7 +159,12 @@ class TensorParallel:
             if role == "row":
                 dy = self.leave_backward(dy)
             part = linear_backward(dy.reshape(lead + (-1,)), x_in, name)
-            dx = part if dx is None else dx.__iadd__(part)
+            if dx is None:
+                dx = part
+            else:
+                dx = dx.astype(accumulator(part.dtype), copy=False)
+                dx += part
+        dx = dx.astype(x_in.dtype, copy=False)
         return self.enter_backward(dx) if role in ENTERS else dx
 
     # ------------------------------------------------------------------ vocabulary parallel
@@ -262,8 +270,8 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     (forward); the last all-reduces the cross-entropy's max and then its (sum-exp, target
     logit) per token, and the head's input gradient. Stream ``[B, S/sp, H]``."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    e = element_bytes(tr.dtype)
-    se = 8 if tr.dtype == "float64" else 4           # softmax statistics dtype
+    prec = Precision.of(tr, par)
+    e, se = prec.compute_bytes, prec.stat_bytes      # activations, softmax statistics
     n_tok = layout.micro_batch_size * (tr.seq_len // par.sp)
     full = n_tok * m.hidden * e
     blocks = m.layers // layout.stages * len(stages)
@@ -283,7 +291,7 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     calls += stats if last else []
     if not backward:
         return calls
-    return calls + [Call("tp", "allreduce", n * m.hidden * e)
+    return calls + [Call("tp", "allreduce", n * m.hidden * prec.master_bytes)   # gradients
                     for n in _norm_reductions(layout, stages, unit_passes)]
 
 

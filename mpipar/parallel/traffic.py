@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpipar.runtime.precision import ELEMENT_BYTES
+
 
 @dataclass(frozen=True)
 class Call:
@@ -28,5 +30,8 @@ class Call:
 
 
 def element_bytes(dtype: str) -> int:
-    """Bytes of one element of the training ``dtype`` (``"float32"``: 4)."""
-    return np.dtype(dtype).itemsize
+    """Bytes of one element of ``dtype`` (``"float32"``: 4, ``"bfloat16"``: 2; no ml_dtypes
+    needed). Which dtype an axis's tensors travel in is :class:`mpipar.runtime.precision.
+    Precision`'s: activations and their gradients, parameters gathered for compute in the compute
+    dtype; accumulated gradients in the master dtype; the dp x sp reduction in its own."""
+    return ELEMENT_BYTES[dtype] if dtype in ELEMENT_BYTES else np.dtype(dtype).itemsize

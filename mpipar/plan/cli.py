@@ -116,7 +116,7 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
 
 def _row(i: int, c: Candidate, tokens: int) -> str:
     mem = c.memory
-    memory = (f"{_gib(mem.total)} = {_gib(mem.weights)} + {_gib(mem.grads)} + "
+    memory = (f"{_gib(mem.total)} = {_gib(mem.weights + mem.masters)} + {_gib(mem.grads)} + "
               f"{_gib(mem.optimizer)} + {_gib(mem.activations)}")
     inter = sum(links["inter"] for links in c.link_bytes.values())
     traffic = ", ".join(f"{g} {b:,}" for g, b in sorted(c.step_bytes.items())) or "none"
@@ -145,8 +145,10 @@ def codec_seconds(base: Config) -> tuple[float, float]:
     if not par.ranks_per_node and par.grad_compression == "none":
         return 0.0, 0.0
     from mpipar.parallel.compression import Int8Codec, TopKCodec, local_work_seconds
-    return (local_work_seconds(Int8Codec(np), dtype=base.train.dtype),
-            local_work_seconds(TopKCodec(np, par.topk_ratio), dtype=base.train.dtype))
+    from mpipar.runtime.precision import Precision
+    grads = Precision.of(base.train, par).master          # codecs encode the gradients
+    return (local_work_seconds(Int8Codec(np), dtype=grads),
+            local_work_seconds(TopKCodec(np, par.topk_ratio), dtype=grads))
 
 
 def _probed_hardware(args: argparse.Namespace, base: Config) -> tuple[Hardware, str, str]:

@@ -18,28 +18,34 @@ from mpipar.layout import Layout, resolve_model
 from mpipar.parallel.context import SeqLayout, halo_plan
 from mpipar.parallel.fsdp import MAX_IN_FLIGHT
 from mpipar.parallel.placement import padded_vocab
-from mpipar.parallel.traffic import element_bytes
 from mpipar.plan.rank import (bucket_lengths, compressed_size, group_sizes, kept_units,
                               local_param_shapes, node_copy, placement_table, rank_ops,
                               unit_lengths)
+from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord
 
 
 @dataclass
 class MemoryEstimate:
-    """Bytes one rank holds: exact for the state, an estimate for activations."""
+    """Bytes one rank holds: exact for the state, an estimate for activations. Each in its
+    precision (:class:`mpipar.runtime.precision.Precision`): weights and activations in the
+    compute dtype; masters, gradients and moments in the masters' (float32 under bf16)."""
 
-    weights: int       # flat parameter buckets (padded to a multiple of dp*sp; ZeRO-3: a slice)
+    weights: int       # flat parameter buckets (padded to a multiple of dp*sp; ZeRO-3: a slice):
+                       # the compute copies
     grads: int         # flat gradient buckets, same size (ZeRO-2/3: this rank's slices only)
     optimizer: int     # AdamW moments m and v (ZeRO-1/2/3: this rank's slices only)
     activations: int   # saved for backward at the schedule's peak, plus one block's working set
-    buffers: int = 0   # ZeRO-2/3: the pool of whole units (gathered, gradients), at most
+    buffers: int = 0   # ZeRO-2/3: the pool of whole units (gathered, gradients), at most;
+                       # ZeRO-0/1 with --reduce-dtype bfloat16: the buckets' bf16 copies
     residuals: int = 0  # error-feedback residuals of compressed reduction
+    masters: int = 0   # bf16 compute: the float32 master weights (ZeRO-0: whole; ZeRO-1/2/3:
+                       # the owned slices); 0 when the weights are the masters
 
     @property
     def state(self) -> int:
-        """Weights, gradients and optimizer state: what ZeRO shards."""
-        return self.weights + self.grads + self.optimizer
+        """Weights, master weights, gradients and optimizer state: what ZeRO shards."""
+        return self.weights + self.masters + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
@@ -56,14 +62,18 @@ def residual_bytes(layout: Layout, lengths: list[int]) -> int:
     per_node = group_sizes(layout)["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
     second = par.grad_compression == "int8" and not par.zero
     x = sum(length // per_node for length in lengths)
-    return (x + (x // c if second else 0)) * element_bytes(layout.train.dtype)
+    return (x + (x // c if second else 0)) * _precision(layout).master_bytes
+
+
+def _precision(layout: Layout) -> Precision:
+    return Precision.of(layout.train, layout.parallel)
 
 
 def _block_activation_bytes(layout: Layout, mode: str) -> int:
     """Bytes one block keeps for backward for one microbatch on one rank under ``mode`` (the
     fields of :class:`mpipar.model.llama.BlockSaved` it fills)."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    e, se = element_bytes(tr.dtype), (8 if tr.dtype == "float64" else 4)
+    e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
     H, q, kv, F = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim, \
@@ -74,8 +84,8 @@ def _block_activation_bytes(layout: Layout, mode: str) -> int:
     # of q, k, v and of the output, and the lse.
     core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0) + _halo_bytes(layout)
     inputs = 0 if ulysses else (q + 2 * kv) * n * e          # q, k, v as the core reads them
-    if mode == "none":
-        return (4 * H + 2) * ns * e + 3 * F * n * e + inputs + core  # x, h1, x2, h2, rstds, g, u, m
+    if mode == "none":                                       # x, h1, x2, h2, rstds, g, u, m
+        return 4 * H * ns * e + 2 * ns * se + 3 * F * n * e + inputs + core
     if mode == "selective":
         return 2 * H * ns * e + 2 * F * n * e + core               # x, x2, g, u, the core's
     if mode == "full":
@@ -93,18 +103,18 @@ def _halo_bytes(layout: Layout) -> int:
     rows = max(sum(len(p) for p in halo_plan(seq, r, w).recv.values())
                for r in range(par.sp) for w in set(m.windows()))
     return 2 * rows * tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim \
-        * element_bytes(tr.dtype)
+        * _precision(layout).compute_bytes
 
 
 def _head_activation_bytes(layout: Layout) -> int:
     """Bytes the LM head keeps for one microbatch: x, normed x, rstd (stream), logits, targets,
     lse."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    e, se = element_bytes(tr.dtype), (8 if tr.dtype == "float64" else 4)
+    e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     ns = n // (par.tp if par.tp_sequence_parallel else 1)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
-    return (2 * m.hidden + 1) * ns * e + vl * n * e + n * (8 + se)
+    return 2 * m.hidden * ns * e + ns * se + vl * n * e + n * (8 + se)
 
 
 def _activation_bytes(layout: Layout, coord: Coord) -> int:
@@ -135,23 +145,28 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
 
 def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     """Memory of the rank at ``coord``; see :class:`MemoryEstimate`."""
-    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    par, prec = layout.parallel, _precision(layout)
+    e, g = prec.compute_bytes, prec.master_bytes
     lengths = list(unit_lengths(layout, coord).values()) if par.zero >= 2 else \
         bucket_lengths(layout, coord)
-    flat = sum(lengths) * e
-    owned = sum(L // (layout.dp * par.sp) for L in lengths) * e
+    flat = sum(lengths)
+    owned = sum(L // (layout.dp * par.sp) for L in lengths)
     if par.zero:
-        optimizer = 2 * owned
+        optimizer = 2 * owned * g
     else:
-        optimizer = 2 * sum(math.prod(s) for s in local_param_shapes(layout, coord).values()) * e
+        optimizer = 2 * sum(math.prod(s) for s in local_param_shapes(layout, coord).values()) * g
+    masters = ((owned if par.zero else flat) * g) if prec.mixed else 0
     activations = _activation_bytes(layout, coord)
     if par.zero < 2:
-        return MemoryEstimate(flat, flat, optimizer, activations,
-                              residuals=residual_bytes(layout, lengths))
+        reduced = prec.reduce != prec.master and layout.dp * par.sp > 1
+        wire = flat * prec.reduce_bytes if reduced else 0
+        return MemoryEstimate(flat * e, flat * g, optimizer, activations, wire,
+                              residual_bytes(layout, lengths), masters)
     copy = node_copy(layout, coord)
     weights = (flat if par.zero == 2 else owned if copy is None
-               else sum(L // copy[0] for L in lengths) * e)        # its part of the node's copy
-    return MemoryEstimate(weights, owned, optimizer, activations, _unit_buffers(layout, coord))
+               else sum(L // copy[0] for L in lengths)) * e       # its part of the node's copy
+    return MemoryEstimate(weights, owned * g, optimizer, activations,
+                          _unit_buffers(layout, coord), masters=masters)
 
 
 def _kept_meets_forward(layout: Layout, coord: Coord) -> bool:
@@ -176,7 +191,7 @@ def _unit_buffers(layout: Layout, coord: Coord) -> int:
     units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and
     ``MAX_IN_FLIGHT`` reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight
     op, beside them), and the received slices."""
-    par, e = layout.parallel, element_bytes(layout.train.dtype)
+    par, prec = layout.parallel, _precision(layout)
     by_length: dict[int, int] = defaultdict(int)
     kept: dict[int, int] = defaultdict(int)
     lengths, shared = unit_lengths(layout, coord), node_copy(layout, coord) is not None
@@ -186,11 +201,15 @@ def _unit_buffers(layout: Layout, coord: Coord) -> int:
         for u in kept_units(layout, coord):
             kept[lengths[u]] += 1
     total, n = 0, layout.dp * par.sp
+    sends = prec.reduce != prec.master          # the gradients' copies in the reduce dtype
     for L, k in by_length.items():
         gathered = (min(k, 2 + par.zero_prefetch + kept[L])
                     if par.zero == 3 and not shared else 0)
         grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(k, 1 + MAX_IN_FLIGHT)
-        total += (gathered + grads) * L * e + min(k, 1 + MAX_IN_FLIGHT) * L // n * e
+        in_flight = min(k, 1 + MAX_IN_FLIGHT)
+        total += (gathered * prec.compute_bytes + grads * prec.master_bytes
+                  + sends * in_flight * prec.reduce_bytes) * L \
+            + in_flight * L // n * prec.reduce_bytes
     return total
 
 
@@ -206,10 +225,11 @@ def parameter_count(model: ModelConfig) -> int:
 
 def memory_lower_bound(layout: Layout) -> int:
     """Bytes the busiest rank of ``layout`` needs at least: its share of the weights and
-    gradients, ``2 x dtype bytes x parameters / (tp x pp)``. Cheap for any size, so absurd
-    models are refused before :func:`predict_peak_memory` lists their parameters."""
-    e = element_bytes(layout.train.dtype)
-    return 2 * e * parameter_count(layout.model) // (layout.tp * layout.pp)
+    gradients, ``(weight + gradient bytes) x parameters / (tp x pp)``. Cheap for any size, so
+    absurd models are refused before :func:`predict_peak_memory` lists their parameters."""
+    prec = _precision(layout)
+    e = prec.compute_bytes + prec.master_bytes
+    return e * parameter_count(layout.model) // (layout.tp * layout.pp)
 
 
 def predict_peak_memory(layout: Layout, coord: Coord) -> int:
@@ -217,7 +237,7 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
     libraries: the largest of
 
     - initialisation: its initial parameter shards, plus the largest parameter it holds as a
-      float64 global tensor, cast to the training dtype and copied (or padded) into its shard:
+      float64 global tensor, cast to the masters' dtype and copied (or padded) into its shard:
       a parameter is initialised whole, then sliced (:func:`mpipar.model.params.init_param`,
       ``Engine._initial_shards``);
     - building the engine: those shards while the flat weight and gradient buffers and the
@@ -226,7 +246,7 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
       ``seq_len + 1``, its inputs and targets, and their sequence chunks).
     """
     par, tr = layout.parallel, layout.train
-    e = element_bytes(tr.dtype)
+    e = _precision(layout).master_bytes           # initial shards are master values
     mem = predict_memory(layout, coord)
     shapes = local_param_shapes(layout, coord)
     shards = e * sum(math.prod(shape) for shape in shapes.values())
@@ -235,7 +255,7 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
     if par.zero >= 2:        # ZeRO-2/3 initialise one unit at a time
         shards = max(unit_lengths(layout, coord).values()) * e
     initialising = shards + largest * (8 + 2 * e)
-    building = shards + mem.weights + mem.grads + mem.optimizer + mem.residuals
+    building = shards + mem.state + mem.residuals
     rows = tr.global_batch_size // layout.dp
     tokens = 8 * rows * (3 * (tr.seq_len + 1) + 2 * (tr.seq_len // par.sp))
     return max(initialising, building, mem.total + tokens)

@@ -21,6 +21,13 @@ messages and seconds but no bytes (the sender counted them), and so does an obje
 nothing. A phase with books of its own (evaluation between training steps) points the groups at
 another ledger for its duration (:func:`booked_to`).
 
+bfloat16: MPI has no bf16 type, so the group hands MPI the raw 16-bit words of a bf16 array (a
+``uint16`` view, :func:`mpi_view`): point-to-point, broadcasts, all-gathers and all-to-alls move
+them as they are. A sum of bf16 arrays (tensor-parallel activations and their gradients,
+``--reduce-dtype bfloat16``) uses a user-defined MPI operation (:func:`bf16_sum`, commutative)
+that upcasts both operands to float32, adds, and rounds to nearest even: bf16 stays on the wire
+and each step of the reduction rounds once. The ledger books a bf16 array's bytes (2 a value).
+
 Links: a group knows the node of each of its ranks (:mod:`mpipar.runtime.topology`), and the ledger
 splits what each call puts on the wire into ``intra``- and ``inter``-node bytes. Wire bytes are
 the payload times the per-rank factor of the bandwidth-optimal algorithm of the operation
@@ -32,6 +39,7 @@ point-to-point message's are inter-node when its peer is on another node.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -42,7 +50,8 @@ from typing import Any
 import numpy as np
 from mpipar.runtime.mpi_init import MPI
 
-from mpipar.runtime.staging import DirectPath, HostCopies, MpiPath
+from mpipar.runtime.precision import is_bf16, numpy_dtype
+from mpipar.runtime.staging import DirectPath, HostCopies, MpiPath, StagedPath, copies_for
 
 
 WIRE_FACTORS: dict[str, Callable[[int], tuple[int, int]]] = {
@@ -188,6 +197,36 @@ class Request:
         return complete
 
 
+def mpi_view(buf: Any) -> Any:
+    """What MPI is handed of an array: the array, or for a bfloat16 array (MPI has no bf16
+    type) a view of its raw 16-bit words."""
+    return buf.view(np.uint16) if is_bf16(buf.dtype) else buf
+
+
+def _add_bf16(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+    """The body of :func:`bf16_sum`: ``inout = bf16(float32(in) + float32(inout))`` on raw bf16
+    words (round to nearest even)."""
+    bf16 = numpy_dtype("bfloat16")
+    a = np.frombuffer(inbuf, np.uint16).view(bf16)
+    b = np.frombuffer(inoutbuf, np.uint16).view(bf16)
+    b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(bf16)
+
+
+@functools.cache
+def bf16_sum() -> MPI.Op:
+    """The MPI operation that sums bfloat16 words in float32 arithmetic (created once)."""
+    return MPI.Op.Create(_add_bf16, commute=True)
+
+
+def _sum_op(buf: Any, op: MPI.Op | None = None) -> MPI.Op:
+    """The reduction of ``buf``: ``op`` (default MPI.SUM), or :func:`bf16_sum` for bf16."""
+    if not is_bf16(buf.dtype):
+        return MPI.SUM if op is None else op
+    if op is not None and op is not MPI.SUM:
+        raise ValueError("bfloat16 arrays reduce by sum only (bf16_sum)")
+    return bf16_sum()
+
+
 def _contig(buf: np.ndarray, name: str) -> np.ndarray:
     if not buf.flags.c_contiguous:
         raise ValueError(f"{name}: MPI buffers must be C-contiguous")
@@ -226,31 +265,44 @@ class Group:
         if len(self.nodes) != self.size:
             raise ValueError(f"group {name}: {len(self.nodes)} node ids for {self.size} ranks")
         self.crosses_nodes = len(set(self.nodes)) > 1
+        self._host_sums: StagedPath | None = None
         self._collective_link = "inter" if self.crosses_nodes else "intra"
 
     def link_to(self, peer: int) -> str:
         """"intra" when group rank ``peer`` shares this rank's node, else "inter"."""
         return "intra" if self.nodes[peer] == self.nodes[self.rank] else "inter"
 
+    def _path_of(self, arrays: tuple, summed: bool) -> MpiPath:
+        """The path of one call: the group's, except that a bf16 sum of device arrays handed
+        straight to MPI is staged through host buffers (:func:`bf16_sum` is host code)."""
+        if not (summed and not self.path.staging and any(
+                is_bf16(a.dtype) and not isinstance(a, np.ndarray) for a in arrays)):
+            return self.path
+        if self._host_sums is None:
+            self._host_sums = StagedPath(copies_for(True), "bf16 sums run on the host")
+        return self._host_sums
+
     @contextlib.contextmanager
-    def _buffers(self, send: tuple = (), recv: tuple = (), both: tuple = ()) -> Iterator[list]:
+    def _buffers(self, send: tuple = (), recv: tuple = (), both: tuple = (),
+                 summed: bool = False) -> Iterator[list]:
         """What MPI sees of ``send`` (read), ``recv`` (written) and ``both`` (in place), in that
-        order; received values reach the arrays when the block ends."""
-        led, path = self.ledger, self.path
+        order (bf16 as raw words, :func:`mpi_view`); received values reach the arrays when the
+        block ends. ``summed``: the call reduces them."""
+        led, path = self.ledger, self._path_of(send + recv + both, summed)
         leases = ([(a, path.lease(a, led, True), False) for a in send]
                   + [(a, path.lease(a, led, False), True) for a in recv]
                   + [(a, path.lease(a, led, True), True) for a in both])
         try:
-            yield [buf for _, buf, _ in leases]
+            yield [mpi_view(buf) for _, buf, _ in leases]
         finally:
             for a, buf, store in leases:
                 path.release(a, buf, led, store)
 
-    def _leased(self, send: tuple = (), recv: tuple = (), both: tuple = ()
-                ) -> tuple[list, Callable[[], None]]:
+    def _leased(self, send: tuple = (), recv: tuple = (), both: tuple = (),
+                summed: bool = False) -> tuple[list, Callable[[], None]]:
         """:meth:`_buffers` for a non-blocking call: the buffers MPI sees, and what its request
         runs when it completes (received values back to the arrays, buffers to the pool)."""
-        led, path = self.ledger, self.path
+        led, path = self.ledger, self._path_of(send + recv + both, summed)
         leases = ([(a, path.lease(a, led, True), False) for a in send]
                   + [(a, path.lease(a, led, False), True) for a in recv]
                   + [(a, path.lease(a, led, True), True) for a in both])
@@ -258,7 +310,7 @@ class Group:
         def release() -> None:
             for a, buf, store in leases:
                 path.release(a, buf, led, store)
-        return [buf for _, buf, _ in leases], release
+        return [mpi_view(buf) for _, buf, _ in leases], release
 
     def stage_ahead(self, buf: Any) -> None:
         """A coming call will send ``buf``: a staging path starts copying it now, overlapping
@@ -282,11 +334,11 @@ class Group:
     # ------------------------------------------------------------ collectives
     def allreduce_(self, buf: np.ndarray, op: MPI.Op | None = None) -> np.ndarray:
         """In-place all-reduce (sum by default) of a contiguous array; returns it."""
-        op = MPI.SUM if op is None else op
         if self.size > 1:
-            with self._buffers(both=(_contig(buf, "allreduce"),)) as (mbuf,):
-                self._timed("allreduce" if op is MPI.SUM else "allreduce_max", buf.nbytes,
-                            self.comm.Allreduce, MPI.IN_PLACE, mbuf, op)
+            name = "allreduce" if op is None or op is MPI.SUM else "allreduce_max"
+            op = _sum_op(buf, op)
+            with self._buffers(both=(_contig(buf, "allreduce"),), summed=True) as (mbuf,):
+                self._timed(name, buf.nbytes, self.comm.Allreduce, MPI.IN_PLACE, mbuf, op)
         return buf
 
     def allreduce_max_(self, buf: np.ndarray) -> np.ndarray:
@@ -297,9 +349,9 @@ class Group:
         """Start an in-place sum all-reduce; ``wait()`` the result (the buffer is busy until then)."""
         if self.size == 1:
             return Request(None, self.ledger, self.name, "iallreduce", 0)
-        (mbuf,), done = self._leased(both=(_contig(buf, "iallreduce"),))
-        return self._request(self.comm.Iallreduce(MPI.IN_PLACE, mbuf, MPI.SUM), "iallreduce",
-                             buf.nbytes, on_done=done)
+        (mbuf,), done = self._leased(both=(_contig(buf, "iallreduce"),), summed=True)
+        return self._request(self.comm.Iallreduce(MPI.IN_PLACE, mbuf, _sum_op(buf)),
+                             "iallreduce", buf.nbytes, on_done=done)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Gather equal blocks: ``recv`` is ``[size, *send.shape]`` (or its flat equivalent)."""
@@ -316,8 +368,8 @@ class Group:
         as an all-gather of ``count`` elements (host arrays)."""
         if self.size > 1:
             from mpi4py.util.dtlib import from_numpy_dtype
-            spec = [_contig(buf, "allgather"), [count] * self.size, list(offsets),
-                    from_numpy_dtype(buf.dtype)]
+            words = mpi_view(_contig(buf, "allgather"))
+            spec = [words, [count] * self.size, list(offsets), from_numpy_dtype(words.dtype)]
             self._timed("allgather", count * buf.itemsize, self.comm.Allgatherv, MPI.IN_PLACE,
                         spec)
         return buf
@@ -336,9 +388,9 @@ class Group:
             recv[...] = send.reshape(recv.shape)
             return recv
         with self._buffers((_contig(send, "reduce_scatter"),),
-                           (_contig(recv, "reduce_scatter"),)) as b:
+                           (_contig(recv, "reduce_scatter"),), summed=True) as b:
             self._timed("reduce_scatter", send.nbytes, self.comm.Reduce_scatter_block, *b,
-                        MPI.SUM)
+                        _sum_op(send))
         return recv
 
     def ireduce_scatter_(self, send: np.ndarray, recv: np.ndarray) -> Request:
@@ -347,9 +399,9 @@ class Group:
             recv[...] = send.reshape(recv.shape)
             return Request(None, self.ledger, self.name, "ireduce_scatter", 0)
         b, done = self._leased((_contig(send, "ireduce_scatter"),),
-                               (_contig(recv, "ireduce_scatter"),))
-        return self._request(self.comm.Ireduce_scatter_block(*b, MPI.SUM), "ireduce_scatter",
-                             send.nbytes, on_done=done)
+                               (_contig(recv, "ireduce_scatter"),), summed=True)
+        return self._request(self.comm.Ireduce_scatter_block(*b, _sum_op(send)),
+                             "ireduce_scatter", send.nbytes, on_done=done)
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` came from rank ``i``."""

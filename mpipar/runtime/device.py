@@ -97,18 +97,42 @@ def select_device(device: str, comm: MPI.Comm) -> Device:
     return Device("cuda", index, visible)
 
 
+def bf16_unavailable(device: str) -> str | None:
+    """None if bfloat16 arrays can be computed with on ``device`` (cpu or cuda), else why not:
+    every kernel backend runs bf16 (:mod:`mpipar.kernels`), given ml_dtypes' bfloat16 dtype, and
+    on a CUDA device CuPy 14 or newer with NumPy 2.1.2 or newer (CuPy's bfloat16 arrays)."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError as exc:
+        return (f"ml_dtypes (bfloat16 arrays) is not importable ({exc}); pip install "
+                f"'ml-dtypes>=0.5'")
+    if device != "cuda":
+        return None
+    import cupy
+    import numpy as np
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(".")[:3] if x.isdigit())
+
+    if version(cupy.__version__) < (14,) or version(np.__version__) < (2, 1, 2):
+        return (f"CuPy {cupy.__version__} with NumPy {np.__version__}: CuPy's bfloat16 arrays "
+                f"need CuPy >= 14 and NumPy >= 2.1.2")
+    return None
+
+
 def check_config(layout: Layout) -> None:
-    """The device, the kernels that run on it, the dtypes built, and how arrays reach MPI."""
+    """The device, the kernels that run on it, what bfloat16 needs there, and how arrays reach
+    MPI."""
     t = layout.train
-    require(t.dtype != "bfloat16",
-            "train.dtype='bfloat16': mixed precision (bf16 compute with float32 master weights, "
-            "optimizer state and gradient accumulation) is not built yet, on the CPU or on a "
-            "CUDA device; use float32 or float64")
     if t.device == "cuda":
         reason = cuda_unavailable()
         require(reason is None, f"train.device='cuda': no CUDA device here: {reason}; use "
                                 f"--device cpu (or auto)")
     device = resolve_device(t.device)
+    if t.dtype == "bfloat16":
+        reason = bf16_unavailable(device)
+        require(reason is None, f"train.dtype='bfloat16' on {device}: {reason}; use float32 "
+                                f"(or install what is missing)")
     require(device == "cuda" or t.backend != "cupy",
             f"train.backend='cupy' with train.device={t.device!r}: the CuPy kernels need "
             f"device arrays; use --device cuda (or auto on a machine with a CUDA device)")

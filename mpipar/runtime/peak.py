@@ -1,5 +1,6 @@
 """Peak FLOP/s, the denominator of MFU: a GEMM probe on the CPU, the share of it a rank gets
-when ranks share cores, and a CUDA device's rate from its attributes."""
+when ranks share cores, and a CUDA device's rate: from its attributes (float32, float64 FMA
+lanes) or, for bfloat16, its tensor cores' dense rate from the datasheet."""
 from __future__ import annotations
 
 import math
@@ -8,11 +9,13 @@ import time
 def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:
     """FLOP/s of a dense GEMM ``[n, n] @ [n, n]`` of ``dtype`` on the CPU with this process's
     threads: the fastest of the products repeated for about ``seconds`` (after one warm-up).
+    bfloat16 is measured as float32: the CPU kernels multiply bf16 operands in float32.
 
     The fastest repetition, not the mean, so that other processes that share the cores for a
     moment do not lower the peak (:func:`cpu_peak_share` accounts for the sharing that lasts)."""
     import numpy as np
 
+    dtype = "float32" if dtype == "bfloat16" else dtype
     if not seconds > 0 or n < 1:
         raise ValueError(f"measure_peak_flops: seconds={seconds!r} must be > 0 and n={n} >= 1")
     rng = np.random.default_rng(0)
@@ -39,14 +42,41 @@ _SM_LANES = {(6, 0): (64, 32), (6, 1): (128, 4), (7, 0): (64, 32), (7, 5): (64, 
 _ATTR_SM_COUNT, _ATTR_CLOCK_KHZ = 16, 13
 
 
+BF16_DENSE_PEAK = (("H200", 989.4e12), ("H100 PCIe", 756.5e12), ("H100 NVL", 835.5e12),
+                   ("H100", 989.4e12), ("A100", 312e12))
+"""bfloat16 tensor-core FLOP/s by device name (the first entry the name contains): the
+datasheets' dense rates (without the 2:4 structured sparsity their headline figures double
+by); H100 and H200 SXM 989.4 TFLOP/s, H100 PCIe 756.5, H100 NVL 835.5, A100 312."""
+
+BF16_DENSE_PEAK_BY_CC = {(8, 0): 312e12, (9, 0): 989.4e12}
+"""The same by compute capability, for a device whose name the table does not list."""
+
+
+def bf16_dense_peak(name: str, cc: tuple[int, int]) -> float | None:
+    """The datasheet's dense bfloat16 tensor-core FLOP/s of the device called ``name`` with
+    compute capability ``cc`` (:data:`BF16_DENSE_PEAK`, then :data:`BF16_DENSE_PEAK_BY_CC`);
+    None for a device neither lists."""
+    for key, flops in BF16_DENSE_PEAK:
+        if key in name:
+            return flops
+    return BF16_DENSE_PEAK_BY_CC.get(cc)
+
+
 def gpu_peak_flops(dtype: str = "float32", device: int | None = None) -> float:
-    """Peak FMA FLOP/s of a CUDA device (without tensor cores) from its attributes:
+    """Peak FLOP/s of a CUDA device: for bfloat16 its tensor cores' dense rate
+    (:func:`bf16_dense_peak`); otherwise (and for a bf16 device neither table lists, whose MFU
+    is then against the float32 FMA rate) the FMA rate from its attributes:
     ``2 * SMs * lanes per SM * clock``, lanes by compute capability (:data:`_SM_LANES`)."""
     import cupy
 
     dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
     cc_text = dev.compute_capability  # e.g. "90"
     cc = (int(cc_text[:-1]), int(cc_text[-1]))
+    if dtype == "bfloat16":
+        name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
+        tensor = bf16_dense_peak(name.decode() if isinstance(name, bytes) else str(name), cc)
+        if tensor is not None:
+            return tensor
     get = cupy.cuda.runtime.deviceGetAttribute
     sms, clock_khz = get(_ATTR_SM_COUNT, dev.id), get(_ATTR_CLOCK_KHZ, dev.id)
     lanes = _SM_LANES.get(cc) or _SM_LANES.get((cc[0], 0)) or (64, 2)

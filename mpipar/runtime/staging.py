@@ -16,8 +16,10 @@ Every buffer call of a :class:`mpipar.runtime.comm.Group` asks its path for the 
 The path code is array-module generic: the copies are a :class:`HostCopies` (NumPy arrays,
 plain memory; used on the CPU when ``--cuda-aware-mpi off`` forces staging, which is how the
 host tests prove the staging path on every layout) or a :class:`DeviceCopies` (CuPy arrays,
-pinned buffers, a copy stream and events). The seconds and bytes of the copies are booked in
-the group's ledger (``Ledger.staging``), apart from the MPI calls the planner predicts.
+pinned buffers, a copy stream and events); they copy every dtype a run holds, bfloat16
+included (the group hands MPI its raw words after staging). The seconds and bytes of the
+copies are booked in the group's ledger (``Ledger.staging``), apart from the MPI calls the
+planner predicts.
 """
 from __future__ import annotations
 
@@ -200,7 +202,9 @@ class StagedPath:
 
     def __init__(self, copies: Copies, why: str) -> None:
         self.copies, self.why = copies, why
-        self.free: dict[tuple[str, int], list[tuple[Any, Any]]] = defaultdict(list)
+        # by (dtype, length); the dtype itself, not its string: every bfloat16 and raw 2-byte
+        # void dtype is "<V2"
+        self.free: dict[tuple[np.dtype, int], list[tuple[Any, Any]]] = defaultdict(list)
         self.allocated = 0  # host buffers ever allocated (a bounded pool stops growing)
         self._ahead: dict[int, tuple[Any, Any, Any]] = {}  # id(a) -> (a, buffer, copy event)
 
@@ -209,7 +213,7 @@ class StagedPath:
         return f"staged through reusable {kind} ({self.why})"
 
     def _take(self, n: int, dtype: np.dtype) -> Any:
-        free = self.free[(dtype.str, n)]
+        free = self.free[(np.dtype(dtype), n)]
         if free:
             buf, event = free.pop()
             self.copies.wait(event)  # its last copy back must be over before it is refilled
@@ -249,7 +253,7 @@ class StagedPath:
             return
         t0 = time.perf_counter()
         event = self.copies.to_array(buf, a) if store else None
-        self.free[(buf.dtype.str, buf.size)].append((buf, event))
+        self.free[(buf.dtype, buf.size)].append((buf, event))
         ledger.stage(a.nbytes if store else 0, time.perf_counter() - t0)
 
 

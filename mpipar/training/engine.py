@@ -58,6 +58,7 @@ from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
 from mpipar.parallel.placement import PlacementTable
+from mpipar.runtime.precision import Precision, numpy_dtype
 from mpipar.runtime.staging import choose_path
 from mpipar.training.state import TrainState
 from mpipar.runtime.topology import ProcessGrid
@@ -99,7 +100,11 @@ class Engine:
                                    self.mpi_path)
                        for name, c in self.grid.comms.items()}
         pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
-        self.dtype = np.dtype(tr.dtype)
+        # Compute copies, activations and messages in ``dtype``; master weights, gradients and
+        # optimizer state in ``master_dtype`` (float32 under bf16: mpipar.runtime.precision).
+        self.precision = Precision.of(tr, par)
+        self.dtype = numpy_dtype(self.precision.compute)
+        self.master_dtype = numpy_dtype(self.precision.master)
         self.table = PlacementTable(model=cfg.model, pp=par.pp, virtual_stages=par.virtual_stages,
                                     tp_sequence_parallel=par.tp_sequence_parallel, zero=par.zero)
         self.tensor = TensorParallel(kernels=self.kernels, table=self.table,
@@ -126,12 +131,9 @@ class Engine:
         self.optimizer = build_optimizer(par.zero, self.reducer,
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
                                                      tr.weight_decay), decay, self.catch_up)
-        self.state = TrainState(self.params, self.optimizer, self.table,
+        self.state = TrainState(self.reducer, self.optimizer, self.table,
                                 tp_rank=self.tensor.rank, tp_size=self.tensor.size,
-                                pp_rank=self.grid.coord.pp, replica_rank=self.groups["dp_sp"].rank,
-                                dtype=self.dtype, xp=self.xp,
-                                reducer=None if self.sharded else self.reducer,
-                                sharded=self.sharded)
+                                pp_rank=self.grid.coord.pp, dtype=self.master_dtype)
         self.schedule = LRSchedule.of(tr)
         self.rows_per_dp = layout.rows_per_dp
         self.microbatches = layout.microbatches
@@ -184,7 +186,9 @@ class Engine:
                              self.table.units(self.grid.coord.pp), group,
                              gather=par.zero == 3, prefetch=par.zero_prefetch, xp=self.xp,
                              before_reduce=before_reduce, tied=tied,
-                             tied_group=self.groups["pp_ends"], node_groups=node_groups)
+                             tied_group=self.groups["pp_ends"], node_groups=node_groups,
+                             compute_dtype=self.dtype,
+                             reduce_dtype=numpy_dtype(self.precision.reduce))
 
     def _reducer(self, names: list[str], tied: list[str]) -> GradReducer:
         """ZeRO-0/1: the gradient reducer over dp x sp: flat or hierarchical, dense or
@@ -196,14 +200,17 @@ class Engine:
                            bucket_mb=par.bucket_mb, sharded=par.zero == 1, xp=self.xp,
                            codec=make_codec(par.grad_compression, par.topk_ratio, self.xp),
                            feedback=par.error_feedback == "on", tied=tied,
-                           tied_group=g["pp_ends"], dense_steps=par.compression_warmup)
+                           tied_group=g["pp_ends"], dense_steps=par.compression_warmup,
+                           compute_dtype=self.dtype,
+                           reduce_dtype=numpy_dtype(self.precision.reduce))
 
     def _initial_shards(self, names: list[str]) -> dict[str, np.ndarray]:
-        """This rank's shards of the initial parameters (every layout starts from the same
-        global tensors, :func:`mpipar.model.params.init_param`)."""
+        """This rank's shards of the initial master parameters (every layout starts from the
+        same global tensors, :func:`mpipar.model.params.init_param`)."""
         model, seed = self.cfg.model, self.cfg.train.seed
         return {n: self.table[n].shard(init_param(self.table[n].spec, model, seed)
-                                       .astype(self.dtype), self.tensor.rank, self.tensor.size)
+                                       .astype(self.master_dtype), self.tensor.rank,
+                                       self.tensor.size)
                 for n in names}
 
     # ------------------------------------------------------------------- step
@@ -372,9 +379,10 @@ class Engine:
 
     # ---------------------------------------------------------------- global tensors
     def gather_params(self) -> dict[str, np.ndarray]:
-        """Every global parameter, assembled from all shards, on every rank (tests, export)."""
+        """Every global parameter (the master weights), assembled from all shards, on every rank
+        (tests, export)."""
         tp, pp = self.groups["tp"], self.groups["pp"]
-        params = self.sharded.materialize() if self.sharded else self.params
+        params = self.reducer.master_tensors()
         out = {}
         for placement in self.table:
             owner = self.table.pipeline_rank(placement.name)
@@ -384,29 +392,25 @@ class Engine:
                 tp.allgather(local, pieces)
                 full = np.ascontiguousarray(placement.unshard(list(to_host(pieces))))
             else:
-                full = np.empty(placement.spec.shape, self.dtype)
+                full = np.empty(placement.spec.shape, self.master_dtype)
             out[placement.name] = pp.bcast_(full, root=owner)
         return out
 
     def load_params(self, values: dict[str, np.ndarray], source: str = "load_params") -> None:
         """Overwrite this rank's shards from global tensors (every name the model has, global
-        shapes as in :func:`mpipar.model.params.param_specs`), cast to the training dtype.
-        A tensor holding a NaN or an infinity (after the cast) raises
+        shapes as in :func:`mpipar.model.params.param_specs`), cast to the master dtype (the
+        compute copies follow). A tensor holding a NaN or an infinity (after the cast) raises
         :class:`~mpipar.checkpoint.shards.NonFiniteError` naming ``source`` and the tensor.
         Collective-free."""
         missing = sorted(p.name for p in self.table if p.name not in values)
         if missing:
             raise ValueError(f"load_params: missing parameters {missing[:5]}")
-        names = self.sharded.local_shapes() if self.sharded else self.params
-        for name in names:
+        for name in self.reducer.local_shapes():
             placement, value = self.table[name], np.asarray(values[name])
             if value.shape != placement.spec.shape:
                 raise ValueError(f"load_params: {name} has shape {value.shape}, the model needs "
                                  f"{placement.spec.shape}")
-            value = value.astype(self.dtype)
+            value = value.astype(self.master_dtype)
             require_finite(value, f"{source}: parameter {name}")
-            local = placement.shard(value, self.tensor.rank, self.tensor.size)
-            if self.sharded:
-                self.sharded.load_local(name, local)
-            else:
-                self.params[name][...] = self.xp.asarray(local)
+            self.reducer.load_local(name, placement.shard(value, self.tensor.rank,
+                                                          self.tensor.size))

@@ -137,7 +137,7 @@ def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
           f"kernels {engine.kernels.describe()} | model {cfg.model.layers}x{cfg.model.hidden} "
           f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
           f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
-          f"{tr.global_batch_size} x {tr.seq_len} | {tr.dtype} | device "
+          f"{tr.global_batch_size} x {tr.seq_len} | {engine.precision.describe()} | device "
           f"{engine.device.describe()} | MPI buffers {engine.mpi_path.describe()} | "
           f"{ctx.threads} thread(s)/rank | "
           f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)

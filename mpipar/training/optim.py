@@ -17,7 +17,9 @@ arrives, as many steps as it waited, instead of one step with an inflated second
 
 The update math (:func:`adamw_update`, :func:`adamw_catch_up`, :func:`clip_grads`,
 :func:`grad_norm_sq`) talks to no MPI. Arrays may be NumPy or CuPy (the array module is the
-arrays'); updates are in place and in the arrays' dtype.
+arrays'); updates are in place and in the arrays' dtype. Under mixed precision the optimizer
+sees only float32 arrays: the master weights (whole, or ZeRO's owned slices), the float32
+gradients and moments; the reducer refreshes the bf16 compute copies after each step.
 """
 from __future__ import annotations
 
@@ -202,12 +204,14 @@ class AdamW:
     True iff the array is at least 2-D (matrices and embeddings decay; norms' gains do not).
     When ``params`` hold shards, pass the mask computed from the global shapes. replica: the
     group over which the parameters (and so these moments) are replicated; its rank 0 reports
-    the moments in :meth:`state`.
+    the moments in :meth:`state`. publish: called after each update (the reducer's
+    ``gather_params``: the bf16 compute copies refreshed from these master weights).
     """
 
     def __init__(self, params: Mapping[str, Any], grads: Mapping[str, Any], cfg: AdamWConfig,
                  decay: Mapping[str, bool] | None = None, replica: Group | None = None,
-                 catch_up: Callable[[], bool] | None = None):
+                 catch_up: Callable[[], bool] | None = None,
+                 publish: Callable[[], None] | None = None):
         if decay is None:
             decay = {name: p.ndim >= 2 for name, p in params.items()}
         _check_names("decay mask", decay.keys(), params.keys())
@@ -216,7 +220,7 @@ class AdamW:
         self.decay = {name: bool(decay[name]) for name in params}
         self.m = {name: _array_module(p).zeros_like(p) for name, p in params.items()}
         self.v = {name: _array_module(p).zeros_like(p) for name, p in params.items()}
-        self.catch_up = catch_up
+        self.catch_up, self.publish = catch_up, publish
         self.idle = ({name: _array_module(p).zeros_like(p) for name, p in params.items()}
                      if catch_up is not None else {})
         self.step_count = 0
@@ -236,6 +240,8 @@ class AdamW:
             wd = cfg.weight_decay if self.decay[name] else 0.0
             _adamw_step(p, self.grads[name], self.m[name], self.v[name],
                         self.idle[name] if sparse else None, self.step_count, lr, cfg, wd)
+        if self.publish is not None:
+            self.publish()
 
     def state(self) -> Iterator[StatePiece]:
         """The live moments, whole, from the replica of rank 0 (save them before the next step)."""
@@ -343,14 +349,16 @@ class ZeroAdamW:
 
 def build_optimizer(zero: int, reducer, cfg: AdamWConfig, decay: Mapping[str, bool],
                     catch_up: bool = False) -> Optimizer:
-    """The optimizer of ZeRO stage ``zero`` (0: :class:`AdamW`, 1: :class:`ZeroAdamW`) over the
-    flat buffers of ``reducer``; with ``catch_up``, steps whose gradients are sparse sums
+    """The optimizer of ZeRO stage ``zero`` (0: :class:`AdamW`, 1-3: :class:`ZeroAdamW`) over
+    the master weights of ``reducer`` (its compute copies refreshed after each update); with
+    ``catch_up``, steps whose gradients are sparse sums
     (``reducer.sparse_sums``: top-k with error feedback, past the warm-up) use
     :func:`adamw_catch_up`."""
     sparse = (lambda: reducer.sparse_sums) if catch_up else None
     if zero:
         return ZeroAdamW(reducer, cfg, decay, sparse)
-    return AdamW(reducer.params, reducer.grads, cfg, decay, reducer.group, sparse)
+    return AdamW(reducer.masters, reducer.grads, cfg, decay, reducer.group, sparse,
+                 publish=reducer.gather_params)
 
 
 def _check_names(what: str, got: Any, expected: Any) -> None:

@@ -4,11 +4,14 @@
 A rank holds shards of some parameters (:mod:`mpipar.parallel.placement`) and the optimizer's
 moments for them (all of them, or ZeRO's owned slices: :mod:`mpipar.training.optim`); at
 ZeRO-2/3 the parameters are held as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`).
+The state is the master weights and the moments (float32 under bf16 compute: the bf16 compute
+copies are not state, they are refreshed from the masters after every load).
 A checkpoint stores global tensors, so this module answers, for this rank:
 
 - :meth:`TrainState.pieces`: its share of the unique state as flat ranges of its local shards,
   every element of every global tensor reported by exactly one rank of the world: parameters by
-  dp = sp = 0 (ZeRO-2/3: by the rank owning the slice), and, for tp-replicated ones, tp = 0
+  dp = sp = 0 (ZeRO-2/3, and ZeRO-1 under bf16 compute: by the rank owning the slice), and, for
+  tp-replicated ones, tp = 0
   (for a tied embedding, its first pipeline rank); moments by whichever rank the optimizer says
   (and the same tp and pp rules);
 - :meth:`TrainState.region`: which region of a global tensor a local shard covers (vocabulary
@@ -23,8 +26,6 @@ global tensors per slot (kinds ``residual_send.<slot>`` and ``residual_gather``:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import ModuleType
-from typing import Any
 
 import numpy as np
 
@@ -40,19 +41,17 @@ class TrainState:
     """This rank's parameters and optimizer state as pieces of global tensors (a
     :class:`~mpipar.checkpoint.shards.RankState`: what checkpoints save and load)."""
 
-    def __init__(self, params: dict[str, Any], optimizer: Optimizer, table: PlacementTable, *,
-                 tp_rank: int, tp_size: int, pp_rank: int, replica_rank: int, dtype: np.dtype,
-                 xp: ModuleType = np, reducer: GradReducer | None = None,
-                 sharded: ShardedParams | None = None) -> None:
-        """``params``: this rank's shards (arrays of ``xp``); ``pp_rank``: its pipeline rank (a
-        tied embedding is reported by its first pipeline rank only); ``replica_rank``: its rank
-        in dp x sp (0 writes the parameters of its (tp, pp) position); ``reducer``: the gradient
-        reducer whose error-feedback residuals are state too; ``sharded``: at ZeRO-2/3 the units
-        holding the parameters (then ``params`` is not read)."""
-        self.params, self.optimizer, self.table, self.xp = params, optimizer, table, xp
-        self.reducer, self.sharded = reducer, sharded
-        self.tp_rank, self.tp_size, self.replica_rank = tp_rank, tp_size, replica_rank
-        self.pp_rank = pp_rank
+    def __init__(self, store: GradReducer | ShardedParams, optimizer: Optimizer,
+                 table: PlacementTable, *, tp_rank: int, tp_size: int, pp_rank: int,
+                 dtype: np.dtype) -> None:
+        """``store``: what holds this rank's parameters, the gradient reducer (ZeRO-0/1, whose
+        error-feedback residuals are state too) or ZeRO-2/3's units; it says which master
+        pieces this rank reports (``param_pieces``) and sets them (``load_local``).
+        ``pp_rank``: its pipeline rank (a tied embedding is reported by its first pipeline rank
+        only); ``dtype``: the masters' (what is saved)."""
+        self.store, self.optimizer, self.table = store, optimizer, table
+        self.reducer = store if isinstance(store, GradReducer) else None
+        self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
         self.dtype = np.dtype(dtype)
 
     @property
@@ -66,9 +65,7 @@ class TrainState:
         return self.optimizer.step_count
 
     def local_shape(self, name: str) -> tuple[int, ...]:
-        if self.sharded is not None:
-            return self.sharded.local_shapes()[name]
-        return tuple(self.params[name].shape)
+        return self.store.local_shapes()[name]
 
     def region(self, name: str) -> tuple[Slices, Slices]:
         """(region of the global tensor ``name`` this rank's shard covers, the part of the local
@@ -81,14 +78,9 @@ class TrainState:
         def owned(name: str) -> bool:
             return self.table[name].owned_by(self.tp_rank, self.pp_rank)
 
-        if self.sharded is not None:
-            for name, lo, hi, values in self.sharded.param_pieces():
-                if owned(name):
-                    yield "param", name, lo, hi, to_host(values)
-        elif self.replica_rank == 0:
-            for name, local in self.params.items():
-                if owned(name):
-                    yield "param", name, 0, local.size, to_host(local).reshape(-1)
+        for name, lo, hi, values in self.store.param_pieces():
+            if owned(name):
+                yield "param", name, lo, hi, to_host(values)
         residuals = self.reducer.residual_pieces() if self.reducer is not None else ()
         for kind, name, lo, hi, values in (*self.optimizer.state(), *residuals):
             if owned(name):
@@ -106,12 +98,8 @@ class TrainState:
             require_finite(value, f"{kind}/{name}")
             return value
 
-        if self.sharded is not None:
-            for name in self.sharded.local_shapes():
-                self.sharded.load_local(name, local("param", name))
-        else:
-            for name, shard in self.params.items():
-                shard[...] = self.xp.asarray(local("param", name))
+        for name in self.store.local_shapes():
+            self.store.load_local(name, local("param", name))
         self.optimizer.load_state(local, step, kinds)
         if self.reducer is not None:
             self.reducer.load_residuals(local, set(kinds))

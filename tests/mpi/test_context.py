@@ -105,9 +105,10 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
         if kern.fwd_calls != expect:
             fails.append(f"{kern.fwd_calls} attention blocks computed, expected {expect}")
         row = B * hkv * D * 8
-        fwd, bwd = (ring_messages(ring_hops(lay, window), row * len(pos), overlap)
+        fwd, bwd = (ring_messages(ring_hops(lay, window), row * len(pos), row * len(pos),
+                                  overlap)
                     if mode == "ring" else halo_messages(halo_plan(lay, comm.rank, window),
-                                                         comm.rank, sp, row))
+                                                         comm.rank, sp, row, row))
         want_bytes = sum(nbytes * count for _, nbytes, count, _ in fwd + bwd)
         if ledger.bytes_by_group().get("sp", 0) != want_bytes:
             fails.append(f"ledger {ledger.bytes_by_group()} != predicted {want_bytes}")

@@ -76,8 +76,10 @@ RULES = [
     (["--log-every", "-1"], 1, "train.log_every=-1: must be >= 0"),
     (["--backend", "cupy"], 1, "train.backend='cupy' with train.device='cpu': the CuPy kernels "
                                "need device arrays"),
-    (["--dtype", "bfloat16"], 1, "train.dtype='bfloat16': mixed precision (bf16 compute with "
-                                 "float32 master weights"),
+    (["--reduce-dtype", "bfloat16"], 1, "parallel.reduce_dtype='bfloat16' with "
+     "train.dtype='float32': a bf16 gradient reduction is part of mixed precision"),
+    (["--dtype", "bfloat16", "--reduce-dtype", "bfloat16", "--dp", "2", "--grad-compression",
+      "int8"], 2, "parallel.reduce_dtype='bfloat16' with parallel.grad_compression='int8'"),
     (["--save-every", "-1"], 1, "train.save_every=-1: must be >= 0"),
     (["--keep-last", "-1"], 1, "train.keep_last=-1: must be >= 0"),
     (["--collective-timeout", "-1"], 1, "train.collective_timeout=-1.0: must be >= 0"),

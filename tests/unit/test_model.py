@@ -215,9 +215,9 @@ class _LinearsSeen:
         self._saw(w)
         return self.kernels.linear_fwd(x, w, b)
 
-    def linear_bwd(self, dy, x, w):
+    def linear_bwd(self, dy, x, w, dw=None):
         self._saw(w)
-        return self.kernels.linear_bwd(dy, x, w)
+        return self.kernels.linear_bwd(dy, x, w, dw=dw)
 
 
 class _RolesAsked(TensorParallel):

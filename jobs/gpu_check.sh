@@ -4,14 +4,14 @@
 #
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
-# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bench
+# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 bench
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
 # root under Open MPI are allowed through OMPI_ALLOW_RUN_AS_ROOT (the lent machines run as root).
 # Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
-STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bench"}
+STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 bench"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
@@ -100,6 +100,38 @@ json.dump({"steps": [len(a), len(b)], "max_rel_loss_diff": worst}, open(f"{out}/
 sys.exit(0 if len(a) == len(b) == 50 and worst <= 1e-4 else 1)
 PY
   record train "$rc1$rc2$rc3"
+fi
+
+if has bf16; then
+  stage "bf16: the default run on the GPU in bfloat16 against float32, 50 steps, 8 ranks"
+  rm -rf /tmp/runs_bf16
+  for dtype in float32 bfloat16; do
+    timeout 600 mpiexec -n 8 $PY -m mpipar.train --device cuda --dtype $dtype --steps 50 \
+        --log-every 10 --run-dir /tmp/runs_bf16/$dtype > "$OUT/train_$dtype.log" 2>&1
+    echo "$dtype exit $?"; tail -3 "$OUT/train_$dtype.log"
+    cp /tmp/runs_bf16/$dtype/metrics.jsonl "$OUT/metrics_$dtype.jsonl" 2>/dev/null
+  done
+  $PY - "$OUT" <<'PY'; rc=$?
+import json, sys
+out = sys.argv[1]
+runs = {}
+for dtype in ("float32", "bfloat16"):
+    with open(f"{out}/metrics_{dtype}.jsonl") as fh:
+        rows = [json.loads(line) for line in fh if '"loss"' in line]
+    runs[dtype] = rows
+a, b = ([r["loss"] for r in runs[d]] for d in ("float32", "bfloat16"))
+tail = {d: sum(r["loss"] for r in runs[d][-10:]) / 10 for d in runs}
+speed = {d: sorted(r["tokens_per_s"] for r in runs[d][1:])[len(runs[d][1:]) // 2] for d in runs}
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+rel = abs(tail["bfloat16"] - tail["float32"]) / tail["float32"]
+print(f"bf16: {len(b)} steps; mean loss of the last 10: float32 {tail['float32']:.4f}, bfloat16 "
+      f"{tail['bfloat16']:.4f} ({rel:.2%}); largest per-step difference {worst:.2%}; median "
+      f"tokens/s float32 {speed['float32']:,.0f}, bfloat16 {speed['bfloat16']:,.0f}")
+json.dump({"steps": len(b), "tail_rel": rel, "max_rel": worst, "tokens_per_s": speed},
+          open(f"{out}/bf16.json", "w"))
+sys.exit(0 if len(a) == len(b) == 50 and rel <= 0.03 else 1)
+PY
+  record bf16 $rc
 fi
 
 if has bench; then

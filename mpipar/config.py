@@ -204,6 +204,12 @@ class TrainConfig:
     backend: str = _f("auto", "kernel backend: auto (cupy on a CUDA device, else numba, else "
                               "numpy), numba or numpy (CPU), cupy (--device cuda)",
                       choices=("auto", "numpy", "numba", "cupy"))
+    attention_backend: str = _f("auto", "bf16 attention on a CUDA device: cudnn (cuDNN's fused "
+                                        "attention through its frontend), mpipar (mpipar's "
+                                        "FA2-style kernel), auto (cuDNN where it imports and "
+                                        "takes the case, else mpipar's); float32/float64 and "
+                                        "the CPU use mpipar's exact kernels",
+                                choices=("auto", "cudnn", "mpipar"))
     device: str = _f("cpu", "where parameters, gradients, optimizer state and activations live: "
                             "cpu, cuda (rank r takes GPU local_rank mod visible GPUs; ranks may "
                             "share one), auto (cuda when CuPy sees a device)",

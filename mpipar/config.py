@@ -135,6 +135,17 @@ class ParallelConfig:
                                 "hierarchical (reduce-scatter inside the node, all-reduce of the "
                                 "shard across nodes, all-gather inside the node)",
                         choices=("flat", "hierarchical"))
+    allreduce_algorithm: str = _f("auto", "the MPI library's all-reduce algorithm, set through its "
+                                          "own controls before MPI_Init (MPICH's MPIR_CVAR_"
+                                          "[I]ALLREDUCE_INTRA_ALGORITHM, Open MPI's coll_tuned / "
+                                          "libnbc parameters): auto (the library's choice, or the "
+                                          "fastest per size of --allreduce-hardware), ring, tree, "
+                                          "rabenseifner (reduce-scatter + all-gather), "
+                                          "hierarchical (mpipar's --dp-reduce hierarchical)",
+                                  choices=("auto", "ring", "tree", "rabenseifner", "hierarchical"))
+    allreduce_hardware: str = _f("", "--allreduce-algorithm auto: a hardware file from python -m "
+                                     "mpipar.bench comm --algorithms; each all-reduce then runs "
+                                     "the algorithm measured fastest at the nearest size (MPICH)")
     grad_compression: str = _f("none", "compress the gradient reduction across nodes "
                                        "(hierarchical) or over dp x sp (flat): int8 with "
                                        "per-block scales both ways, or topk values + indices",

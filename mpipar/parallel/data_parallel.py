@@ -57,6 +57,7 @@ points of the schedule.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -596,6 +597,11 @@ def check_config(layout: Layout) -> None:
             f"parallel.reduce_dtype='bfloat16' with parallel.grad_compression="
             f"{p.grad_compression!r}: a compressed reduction sends its own encoding of the "
             f"float32 gradients (use one or the other)")
+    require(not p.allreduce_hardware or p.allreduce_algorithm == "auto",
+            f"parallel.allreduce_hardware={p.allreduce_hardware!r}: only with "
+            f"--allreduce-algorithm auto (not {p.allreduce_algorithm!r})")
+    require(not p.allreduce_hardware or os.path.isfile(p.allreduce_hardware),
+            f"parallel.allreduce_hardware={p.allreduce_hardware!r}: no such file")
     if p.dp_reduce == "hierarchical" and p.ranks_per_node:
         problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
             NodeMap.blocks(world, p.ranks_per_node))

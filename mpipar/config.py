@@ -160,10 +160,13 @@ class ParallelConfig:
                                   "gradient); off: one AdamW step on the arriving sum, as if "
                                   "it were one step's gradient",
                             choices=("on", "off"))
-    compression_warmup: int = _f(0, "--grad-compression: steps reduced uncompressed before "
-                                    "compression starts (the warm-up of Deep Gradient "
-                                    "Compression and 1-bit Adam: the first steps move the model "
-                                    "most, and compression delays what it does not send)")
+    compression_warmup: int = _f(-1, "--grad-compression: steps reduced uncompressed before "
+                                     "compression starts (the warm-up of Deep Gradient "
+                                     "Compression and 1-bit Adam: the first steps move the model "
+                                     "most, and compression delays what it does not send); -1: "
+                                     "the codec's default share of --steps (int8 a tenth, topk "
+                                     "a third: what converges on the default run, "
+                                     "docs/benchmarks.md); 0: compress from the first step")
     reduce_dtype: str = _f("float32", "dtype of the gradients the dp x sp reduction sends: "
                                       "float32 (the gradients' own: float32, float64 in a "
                                       "float64 run) or bfloat16 (--dtype bfloat16 only: half "

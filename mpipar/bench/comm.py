@@ -150,7 +150,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peaks, overheads, rates = comm.gather(peak), comm.gather(overhead), comm.gather(elements)
     codecs = comm.gather(codecs)
     algorithms = {}
-    if args.algorithms:
+    if args.algorithms and "MPICH" not in MPI.Get_library_version():
+        if rank == 0:
+            print("comm: --algorithms forces each algorithm through MPICH's control variables; "
+                  "this library is not MPICH: not measured")
+    elif args.algorithms:
         sizes = [int(float(k) * 1024) for k in args.sizes_kib.split(",")]
         algorithms = measure_algorithms({"world": comm, "intra": node, "inter": across}, sizes,
                                         3 if args.quick else args.repeats)
@@ -163,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if algorithms:
         hw = dataclasses.replace(hw, allreduce_seconds={
             a: {str(size): t for size, t in per.items()}
-            for a, per in algorithms["world"].items() if a != "auto"})
+            for a, per in algorithms["world"].items()})
     print(f"comm: {comm.Get_size()} ranks on {node_count} node(s) x {on_node}; {args.dtype} GEMM "
           f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
           f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank), in-place "

@@ -29,7 +29,8 @@ compression across nodes that mpipar's reduction has.
 
 ``auto`` keeps the library's choice, unless ``--allreduce-hardware FILE`` names a hardware file
 that ``python -m mpipar.bench comm --algorithms`` measured: then before each all-reduce the
-algorithm measured fastest at the nearest measured size is written into MPICH's control
+algorithm measured fastest at the nearest measured size (the library's own choice among them)
+is written into MPICH's control
 variables through ``MPI_T_cvar_write`` (:class:`SizeChoice`; MPICH reads them at each call, and
 the buckets of a reduction have the same size on every rank of its group, as the variables'
 scope ``ALL_EQ`` asks). Open MPI reads its parameters when a communicator is made: there ``auto``
@@ -188,7 +189,7 @@ def load_table(path: str) -> dict[str, dict[int, float]]:
     with open(path) as fh:
         table = json.load(fh).get("allreduce_seconds") or {}
     return {alg: {int(size): float(s) for size, s in sizes.items()}
-            for alg, sizes in table.items() if alg in LIBRARY_ALGORITHMS}
+            for alg, sizes in table.items() if alg in ("auto", *LIBRARY_ALGORITHMS)}
 
 
 class SizeChoice:

@@ -55,6 +55,8 @@ def test_auto_picks_the_fastest_at_the_nearest_measured_size():
     assert [choice.pick(n) for n in (1, 2**16, 2**17, 2**19, 2**20, 2**22 + 1, 2**30)] == \
         ["tree", "tree", "tree", "rabenseifner", "rabenseifner", "ring", "ring"]
     assert choice.describe() == "64 KiB tree, 1 MiB rabenseifner, 16 MiB ring"
+    table["auto"] = {2**24: 0.5}                    # the library's own choice, when fastest
+    assert ar.SizeChoice(table, None).pick(2**30) == "auto"
 
 
 def test_hierarchical_is_mpipars_own_reduction():

@@ -52,7 +52,7 @@ from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
-from mpipar.parallel.data_parallel import GradReducer, ReduceGroups
+from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
@@ -201,7 +201,7 @@ class Engine:
                            bucket_mb=par.bucket_mb, sharded=par.zero == 1, xp=self.xp,
                            codec=make_codec(par.grad_compression, par.topk_ratio, self.xp),
                            feedback=par.error_feedback == "on", tied=tied,
-                           tied_group=g["pp_ends"], dense_steps=par.compression_warmup,
+                           tied_group=g["pp_ends"], dense_steps=warmup_steps(self.layout),
                            compute_dtype=self.dtype,
                            reduce_dtype=numpy_dtype(self.precision.reduce))
 

@@ -76,6 +76,7 @@ class RunContext:
     watchdog: Watchdog | None = None
     threads: int = 1             # compute threads per rank
     on_node: int = 1             # ranks sharing this rank's node
+    allreduce: str = "allreduce auto"  # the MPI all-reduce algorithm, as the start-up line says
 
     @property
     def rank0(self) -> bool:
@@ -139,7 +140,7 @@ def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
           f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
           f"{tr.global_batch_size} x {tr.seq_len} | {engine.precision.describe()} | device "
           f"{engine.device.describe()} | MPI buffers {engine.mpi_path.describe()} | "
-          f"{ctx.threads} thread(s)/rank | "
+          f"{ctx.threads} thread(s)/rank | {ctx.allreduce} | "
           f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
 
 

@@ -9,17 +9,13 @@ losses.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 from typing import Any
 
 import numpy as np
 
-from mpipar.bench.harness import LAUNCH_ENV, Section, mpirun, print_header
+from mpipar.bench.harness import Section, print_header, train_run
 
 
 COMPRESSION_VARIANTS = {
@@ -62,20 +58,10 @@ def _train_variant(name: str, args: argparse.Namespace, out: str, seed: int = 12
     run_dir = os.path.join(out, f"{layout}-{name}-{seed}")
     warm = ["--compression-warmup", str(args.warmup)] if "-warm" in name else []
     flags = [*COMPRESSION_VARIANTS[name], *warm, "--topk-ratio", str(args.topk_ratio),
-             "--steps", str(args.steps), "--dp", str(args.ranks), "--run-dir", run_dir,
+             "--steps", str(args.steps), "--dp", str(args.ranks),
              "--seed", str(seed), "--log-every", "0", "--tensorboard", "off",
              *_layout_flags(layout), *args.train_flags.split()]
-    launcher = mpirun()
-    if launcher is None:
-        raise SystemExit("compression: no mpirun beside this Python or on PATH")
-    cmd = [launcher, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
-    if proc.returncode != 0:
-        raise SystemExit(f"compression: {name} failed ({' '.join(cmd)}):\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records, wall = train_run("compression", args.ranks, flags, run_dir)
     losses = [r["loss"] for r in records]
     wire = records[-1].get("comm_wire_bytes", {})
     return {"variant": name, "layout": layout, "seed": seed, "flags": flags, "losses": losses,
@@ -84,7 +70,7 @@ def _train_variant(name: str, args: argparse.Namespace, out: str, seed: int = 12
             "step_time_s": statistics.median(r["step_time_s"] for r in records[1:] or records),
             "inter_node_bytes": sum(v["inter"] for v in wire.values()),
             "wire_bytes": sum(v["intra"] + v["inter"] for v in wire.values()),
-            "wall_s": time.perf_counter() - start}
+            "wall_s": wall}
 
 
 def _plot_losses(rows: list[dict[str, Any]], path: str, title: str) -> None:

@@ -36,8 +36,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mpipar.parallel.traffic import Call
 from mpipar.runtime.comm import Group
 from mpipar.runtime.precision import Precision
@@ -163,7 +161,9 @@ class TensorParallel:
             bias = xp.concatenate([xp.zeros(w.shape[0], w.dtype) if b is None else b
                                    for w, b in zip(ws, bs)])
         y = self.kernels.linear_fwd(x_in, xp.concatenate(ws), bias)
-        cuts = np.cumsum([0] + [w.shape[0] for w in ws])
+        cuts = [0]
+        for w in ws:
+            cuts.append(cuts[-1] + w.shape[0])
         return [xp.ascontiguousarray(y[..., lo:hi]) for lo, hi in zip(cuts[:-1], cuts[1:])]
 
     def linear_backward(self, dys: Sequence[Array], x_in: Array, names: Sequence[str],

@@ -39,17 +39,18 @@ class AsyncSaver:
     """At most one checkpoint write in flight on this rank (see the module docstring).
 
     ``group``: the run's control group (watched); ``copy``: how a piece reaches host memory
-    (:func:`~mpipar.runtime.device.host_copy`). ``spans`` collects ``(what, thread, start,
+    (:func:`~mpipar.runtime.device.host_copy`). ``spans`` (a list of the caller's, or a new
+    one) collects ``(what, thread, start,
     end)`` (``time.perf_counter()`` seconds) of every copy, write, wait and commit, for
     traces."""
 
     def __init__(self, *, group: Group, save_dir: str, keep_last: int,
-                 copy: Callable[[Any], Any]) -> None:
+                 copy: Callable[[Any], Any], spans: list | None = None) -> None:
         self.group, self.save_dir, self.keep_last, self.copy = group, save_dir, keep_last, copy
         self.pending: writer.PendingSave | None = None
         self._thread: threading.Thread | None = None
         self._since = 0.0
-        self.spans: list[tuple[str, str, float, float]] = []
+        self.spans: list[tuple[str, str, float, float]] = [] if spans is None else spans
 
     def start(self, state: RankState, position: RunPosition) -> None:
         """Begin the save of ``position.step`` (collective), copy this rank's pieces and start

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mpipar.config import Config
@@ -19,6 +19,7 @@ from mpipar.training.failure import EXIT_NONFINITE, FailureReport
 
 if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
     from mpipar.checkpoint.background import AsyncSaver
+    from mpipar.observe.trace import Tracer
     from mpipar.runtime.comm import Group, Watchdog
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # checkpoint, then exit 0
@@ -76,6 +77,8 @@ class RunContext:
     notes: list[str]             # lines to print once training starts
     watchdog: Watchdog | None = None
     saver: AsyncSaver | None = None  # --async-save: the write in flight (set by run)
+    tracer: Tracer | None = None     # --trace-steps (set by run)
+    io_spans: list = field(default_factory=list)  # checkpoint I/O (what, thread, start, end)
     threads: int = 1             # compute threads per rank
     on_node: int = 1             # ranks sharing this rank's node
     allreduce: str = "allreduce auto"  # the MPI all-reduce algorithm, as the start-up line says
@@ -105,11 +108,14 @@ def run(engine, start: int, ctx: RunContext) -> int:
     progress = metrics.Progress(tr.steps, start, tr.log_every, rank0)
     if tr.async_save:
         ctx.saver = _async_saver(ctx)
+    ctx.tracer = _tracer(engine, ctx)
     ctx.stop.training()
     loop = _loop(engine, start, ctx, telemetry, writer, progress, (peaks, flops, skipped))
     progress.close()
     writer.close()
     path = _finish_async(ctx, None)  # the end of the run, or a stop: the write in flight
+    if ctx.tracer is not None:  # a run that stopped before its last traced step
+        ctx.tracer.end(tr.steps)
     if loop.last is None:  # nothing to train (steps reached already, or --steps 0)
         _finish(engine, ctx, export=True)
         return 0
@@ -166,9 +172,13 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
     peaks, flops, skipped = totals
     out, io = LoopOutcome(saved=start), 0.0
     for k in range(start, tr.steps):
+        if ctx.tracer is not None:
+            ctx.tracer.begin(k + 1)
         engine.ledger.reset()
         started = time.time()
         result = engine.train_step(k)
+        if ctx.tracer is not None:
+            ctx.tracer.pipeline(engine.executor)
         nonfinite = not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
         times = metrics.time_breakdown(result.step_time_s, engine.ledger.seconds_by_group(),
                                        engine.executor.timeline, io)
@@ -204,6 +214,8 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
             writer.sync()
             checkpoint_save(engine, ctx, result.step, progress)
             out.saved, io = result.step, io + time.perf_counter() - t0
+        if ctx.tracer is not None:
+            ctx.tracer.end(result.step)
     return out
 
 
@@ -285,8 +297,10 @@ def checkpoint_save(engine, ctx: RunContext, step: int, progress, wait: bool = F
         if not wait:
             ctx.saver.start(engine.state, engine.run_position(step))
             return _step_path(tr.save_dir, step)
+    t0 = time.perf_counter()
     path = writer.save(engine.state, engine.run_position(step), tr.save_dir, ctx.control,
                        tr.keep_last)
+    ctx.io_spans.append((f"checkpoint save {path.name}", "main", t0, time.perf_counter()))
     _say_saved(ctx, progress, path, "")
     return str(path)
 
@@ -297,9 +311,23 @@ def _async_saver(ctx: RunContext) -> AsyncSaver:
     from mpipar.runtime.device import host_copy
     tr = ctx.cfg.train
     saver = AsyncSaver(group=ctx.control, save_dir=tr.save_dir, keep_last=tr.keep_last,
-                       copy=host_copy)
+                       copy=host_copy, spans=ctx.io_spans)
     ctx.report.in_flight = saver.describe
     return saver
+
+
+def _tracer(engine, ctx: RunContext) -> Tracer | None:
+    """The tracer of --trace-steps (None without): the engine's and the control group's
+    ledgers, the pipeline's op records, the checkpoint spans."""
+    from mpipar.config import trace_step_set
+    from mpipar.observe.trace import Tracer
+    steps = trace_step_set(ctx.cfg.train.trace_steps)
+    if not steps:
+        return None
+    coord = dict(zip(("dp", "tp", "pp", "sp"), (int(c) for c in engine.grid.coord)))
+    return Tracer(steps=steps, group=ctx.control, coord=coord,
+                  ledgers=[engine.ledger, ctx.control.ledger], spans=ctx.io_spans,
+                  run_dir=ctx.cfg.train.run_dir)
 
 
 def _finish_async(ctx: RunContext, progress) -> str | None:

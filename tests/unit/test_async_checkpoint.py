@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from mpipar.checkpoint.background import AsyncSaver
 from mpipar.checkpoint.index import KINDS
 from mpipar.config import ConfigError, trace_step_set
 from mpipar.rules import validate
-from mpipar.runtime.comm import Group, Ledger
+from mpipar.runtime.comm import Group, Ledger, Watchdog
 from mpipar.runtime.device import host_copy
 
 
@@ -33,7 +34,7 @@ def test_background_write_holds_its_step_while_training_goes_on(tmp_path, monkey
     """Save step 1 asynchronously, with the shard writer held until step 2 has trained (the
     live parameters and moments have changed): the committed checkpoint equals a synchronous
     save of step 1 tensor for tensor, `latest` moves only at finish(), and the blocking wait of
-    finish() is in the ledger while it lasts."""
+    finish() is in the ledger while it lasts, where the collective watchdog names it."""
     eng = _engine()
     group = Group(eng.grid.comm, "world", Ledger())
     eng.train_step(0)
@@ -49,10 +50,13 @@ def test_background_write_holds_its_step_while_training_goes_on(tmp_path, monkey
     assert any(not np.array_equal(before[n], p) for n, p in eng.params.items())
     assert saver.writing() and directory.latest(tmp_path / "async") is None
     assert "step 1 was in flight" in saver.describe() and "still being written" in saver.describe()
-    seen = []
-    threading.Timer(0.3, lambda: (seen.append(group.ledger.in_flight), release.set())).start()
+    seen, watchdog = [], Watchdog([group.ledger], 5.0, 0, lambda message: None)
+    threading.Timer(0.3, lambda: (seen.append(group.ledger.in_flight),
+                                  seen.append(watchdog.stuck(time.monotonic() + 60)),
+                                  release.set())).start()
     path = saver.finish()
     assert seen[0][:2] == ("checkpoint", "wait for the background write of step_00000001")
+    assert "wait for the background write of step_00000001 on group 'checkpoint'" in seen[1]
     assert group.ledger.in_flight is None and saver.describe() is None
     assert path == tmp_path / "async" / "step_00000001" == directory.latest(tmp_path / "async")
     assert reader.verify(path) == []

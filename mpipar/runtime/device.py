@@ -65,9 +65,10 @@ def host_copy(a):
     import numpy as np
     if isinstance(a, np.ndarray) or not hasattr(a, "get"):
         return np.array(a, copy=True)
+    import cupy
     import cupyx
     out = cupyx.empty_pinned(a.shape, a.dtype)
-    a.get(out=out)
+    cupy.ascontiguousarray(a).get(out=out)
     return out
 
 

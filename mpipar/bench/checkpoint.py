@@ -24,8 +24,7 @@ from typing import Any
 
 from mpipar.bench.harness import LAUNCH_ENV, Section, mpirun, print_header
 
-VARIANTS = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--async-save"],
-            "asyncnice": ["--save-every", "--async-save"]}
+VARIANTS = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--async-save"]}
 
 
 def _flags(name: str, args: argparse.Namespace, run_dir: str) -> list[str]:
@@ -44,8 +43,7 @@ def _train(name: str, repeat: int, args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("checkpoint: no mpirun beside this Python or on PATH")
     cmd = [launcher, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train",
            *_flags(name, args, run_dir)]
-    env = dict(LAUNCH_ENV, MPIPAR_EXPERIMENT_NICE="10" if name == "asyncnice" else "0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
     if proc.returncode != 0:
         raise SystemExit(f"checkpoint: {name} failed ({' '.join(cmd)}):\n"
                          f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -71,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   flush=True)
     base = statistics.median(r["steps_s"] for r in runs["none"])
     rows = []
-    for name in ("sync", "async", "asyncnice"):
+    for name in ("sync", "async"):
         total = statistics.median(r["steps_s"] for r in runs[name])
         io = statistics.median(r["io_s"] for r in runs[name])
         rows.append({"variant": name, "cost_per_save_s": (total - base) / args.saves,

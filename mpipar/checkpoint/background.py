@@ -67,10 +67,6 @@ class AsyncSaver:
         self._thread.start()
 
     def _write(self) -> None:
-        import os
-        nice = int(os.environ.get("MPIPAR_EXPERIMENT_NICE", "0"))
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         t0 = time.perf_counter()
         self.pending.write()
         self.spans.append((f"checkpoint write {self.pending.final.name}", "checkpoint", t0,

@@ -15,14 +15,11 @@ record it; the end-of-run save is not counted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 from typing import Any
 
-from mpipar.bench.harness import LAUNCH_ENV, Section, mpirun, print_header
+from mpipar.bench.harness import Section, print_header, train_run
 
 VARIANTS = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--async-save"]}
 
@@ -30,7 +27,7 @@ VARIANTS = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--a
 def _flags(name: str, args: argparse.Namespace, run_dir: str) -> list[str]:
     flags = [f if f != "--save-every" else f"--save-every={args.save_every}"
              for f in VARIANTS[name]]
-    return [*flags, "--steps", str((args.saves + 1) * args.save_every - 1), "--run-dir", run_dir,
+    return [*flags, "--steps", str((args.saves + 1) * args.save_every - 1),
             "--save-dir", os.path.join(run_dir, "ck"), "--keep-last", "2", "--log-every", "0",
             "--tensorboard", "off", *args.train_flags.split()]
 
@@ -38,17 +35,8 @@ def _flags(name: str, args: argparse.Namespace, run_dir: str) -> list[str]:
 def _train(name: str, repeat: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run of a variant: its time after step 1 (engine + io) and its io time."""
     run_dir = os.path.join(args.out, f"{name}-{repeat}")
-    launcher = mpirun()
-    if launcher is None:
-        raise SystemExit("checkpoint: no mpirun beside this Python or on PATH")
-    cmd = [launcher, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train",
-           *_flags(name, args, run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
-    if proc.returncode != 0:
-        raise SystemExit(f"checkpoint: {name} failed ({' '.join(cmd)}):\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()][1:]
+    records, _ = train_run("checkpoint", args.ranks, _flags(name, args, run_dir), run_dir)
+    records = records[1:]
     io = sum(r["time_max"]["io"] for r in records)
     return {"steps_s": sum(r["step_time_s"] for r in records) + io, "io_s": io,
             "step_s": statistics.median(r["step_time_s"] for r in records)}

@@ -17,7 +17,8 @@ BASE = {"model": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2},
                   "log_every": 0}}
 """A small configuration that validates on 1, 2 and 4 ranks."""
 
-PATHS = {"data", "eval_data", "run_dir", "save_dir", "init_from_hf", "export_hf"}
+PATHS = {"data", "eval_data", "run_dir", "save_dir", "init_from_hf", "export_hf",
+         "allreduce_hardware"}
 """Fields naming files: their rules are the file checks of other tests, not validation's."""
 
 INTS = st.one_of(st.integers(-3, 70), st.sampled_from(

@@ -255,6 +255,12 @@ class TrainConfig:
                            "empty: RUN_DIR/checkpoints")
     save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end, if save_dir is set)")
     keep_last: int = _f(0, "keep only the newest K checkpoints after each commit (0: keep all)")
+    async_save: bool = _f(False, "checkpoints every --save-every steps are copied to host memory "
+                                 "at the step boundary and written by a background thread while "
+                                 "training goes on; committed at a later step boundary")
+    trace_steps: str = _f("", "steps whose events go to RUN_DIR/trace.json (Chrome trace format, "
+                              "ui.perfetto.dev): a number N (steps 1..N), a range 'A-B' or a "
+                              "list '3,5'; empty: none")
     resume: str = _f("", "resume from 'auto' (newest complete checkpoint in save_dir, else start "
                          "fresh) or a checkpoint path; model settings then come from it")
     dump_activations: str = _f("", "steps whose chunk activations every rank writes to "
@@ -377,6 +383,7 @@ def check_fields(cfg: Config, m: ModelConfig) -> None:
     require(t.collective_timeout >= 0,
             f"train.collective_timeout={t.collective_timeout}: must be >= 0")
     require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
+    _check_trace_steps(t.trace_steps)
     for item in filter(None, t.dump_activations.split(",")):
         require(item.strip().isdigit() and int(item) >= 1,
                 f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
@@ -483,6 +490,35 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
 
 
 # ------------------------------------------------------------------------------ CLI
+def trace_step_set(spec: str) -> frozenset[int]:
+    """The steps ``--trace-steps`` names: ``N`` steps 1..N, ``A-B`` steps A..B, ``a,b,...``
+    those steps (items may be ranges); empty: none. ValueError on anything else."""
+    spec = spec.strip()
+    if not spec:
+        return frozenset()
+    if spec.isdigit():
+        return frozenset(range(1, int(spec) + 1))
+    out = set()
+    for item in spec.split(","):
+        lo, dash, hi = item.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(item)
+        a, b = int(lo), int(hi or lo)
+        if not 1 <= a <= b:
+            raise ValueError(item)
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
+def _check_trace_steps(spec: str) -> None:
+    try:
+        trace_step_set(spec)
+    except ValueError:
+        raise ConfigError(f"train.trace_steps={spec!r}: must be a step count N (steps 1..N), a "
+                          f"range A-B or a comma-separated list of steps and ranges, steps "
+                          f">= 1") from None
+
+
 def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 

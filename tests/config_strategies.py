@@ -17,7 +17,8 @@ BASE = {"model": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2},
                   "log_every": 0}}
 """A small configuration that validates on 1, 2 and 4 ranks."""
 
-PATHS = {"data", "eval_data", "run_dir", "save_dir", "init_from_hf", "export_hf"}
+PATHS = {"data", "eval_data", "run_dir", "save_dir", "init_from_hf", "export_hf",
+         "allreduce_hardware"}
 """Fields naming files: their rules are the file checks of other tests, not validation's."""
 
 INTS = st.one_of(st.integers(-3, 70), st.sampled_from(
@@ -26,6 +27,7 @@ FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_fr
     [0.0, -0.0, 5e-324, 1e-300, 1e-8, 0.5, 1.0, 1e300, -1.0]))
 STRINGS = {"dump_activations": st.sampled_from(["", "1", "1,2", "0", "x", "1,,2", " 3 "]),
            "resume": st.sampled_from(["", "auto"]), "tensorboard": st.sampled_from(["", "off"]),
+           "trace_steps": st.sampled_from(["", "2", "1-3", "2,4-5", "0", "x", "3-1", "1,,2"]),
            "window_layers": st.sampled_from(["all", "even", "odd", "0,2", "", "x", "9", "1,,2"])}
 
 

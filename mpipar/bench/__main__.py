@@ -34,6 +34,8 @@ Sections:
                no, int8 and top-k compression, with and without error feedback (loss table, plot)
   precision    mixed precision: the default run under mpirun in float32 and in bfloat16 (with a
                float32 and a bf16 gradient reduction), final losses side by side
+  checkpoint   the step time a checkpoint costs, synchronous against --async-save, under
+               mpirun (bench/checkpoint.py)
 
 Sections that compare thread counts run each count in child processes started with
 OMP/OPENBLAS/MKL/NUMBA_NUM_THREADS set (NumPy's BLAS reads its thread count once, at import).
@@ -46,13 +48,13 @@ import sys
 
 # The harness first: it sets this process's thread budget before the sections load NumPy.
 from mpipar.bench import harness
-from mpipar.bench import (comm, compression, gpu, kernels, memory, planner, precision, train,
-                          window)
+from mpipar.bench import (checkpoint, comm, compression, gpu, kernels, memory, planner,
+                          precision, train, window)
 
 SECTIONS: dict[str, harness.Section] = {
     s.name: s for s in (kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
                         planner.SECTION, train.SECTION, gpu.SECTION, compression.SECTION,
-                        precision.SECTION)}
+                        precision.SECTION, checkpoint.SECTION)}
 """Section name -> section, in the order a run without a subcommand takes them."""
 
 

@@ -52,9 +52,10 @@ class RankState(Protocol):
         """(the region of the global tensor ``name`` this rank's shard covers, the part of the
         local shard holding it)."""
 
-    def pieces(self) -> Iterator[Piece]:
+    def pieces(self, host: Callable[[Any], np.ndarray] = ...) -> Iterator[Piece]:
         """This rank's share of the unique state: every element of every global tensor of every
-        kind is reported by exactly one rank of the world."""
+        kind is reported by exactly one rank of the world; ``host`` (when given) makes each
+        piece's host array (a copy that outlives the step, for a background write)."""
 
     def load(self, read: Reader, step: int, kinds: set[str] = frozenset()) -> None:
         """Set every tensor of this rank from ``read`` (global regions), the optimizer's update

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,16 +145,55 @@ def _commit(tmp: Path, final: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ save
-def save(state: RankState, position: RunPosition, save_dir: str | os.PathLike, group: Group,
-         keep_last: int = 0) -> Path:
-    """Write and commit the checkpoint of ``position.step``: this rank's pieces of ``state``,
-    and (rank 0) the index recording ``position``. Collective over ``group``, a
-    :class:`~mpipar.runtime.comm.Group` over the world whose rank is ``position.place.rank``
-    (training passes its control group, which the collective watchdog watches).
+class FrozenState:
+    """What writing a shard and the index read of a :class:`~.shards.RankState`, fixed at the
+    step boundary: the pieces copied to host memory by ``copy`` and the optimizer's update
+    count, so training may go on changing the live state while a background thread writes."""
 
-    Returns ``save_dir/step_NNNNNNNN``. A failure on any rank raises CheckpointError on every
-    rank and leaves the previous checkpoints and ``latest`` untouched.
-    """
+    def __init__(self, state: RankState, copy: Callable[[Any], np.ndarray]) -> None:
+        self._state, self.dtype, self.step = state, state.dtype, int(state.step)
+        self.shapes = dict(state.shapes)
+        self.pieces = list(state.pieces(host=copy))
+        self.nbytes = sum(v.nbytes for *_, v in self.pieces)
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        return self._state.local_shape(name)
+
+    def region(self, name: str) -> tuple[Slices, Slices]:
+        return self._state.region(name)
+
+
+@dataclass
+class PendingSave:
+    """A save between :func:`begin` and :func:`commit`: where it goes, what this rank writes,
+    and (once :meth:`write` ran) this rank's ``(record, error)``."""
+
+    state: Any                   # a RankState, or a FrozenState of it
+    pieces: list[Piece]
+    position: RunPosition
+    rank: int
+    final: Path
+    tmp: Path
+    outcome: tuple = (None, None)
+
+    def write(self) -> None:
+        """Write and fsync this rank's shard (no collective: any thread may run it); an error is
+        kept for :func:`commit` to report on every rank, never raised."""
+        if not self.pieces:
+            return
+        path = self.tmp / shard_file_name(self.rank)
+        try:
+            self.outcome = (_write_shard(path, self.pieces, self.state, self.position.place),
+                            None)
+        except Exception as exc:  # reported by rank 0 on every rank, never a hang
+            self.outcome = (None, f"rank {self.rank} writing {path}: {type(exc).__name__}: {exc}")
+
+
+def begin(state: RankState, position: RunPosition, save_dir: str | os.PathLike, group: Group,
+          copy: Callable[[Any], np.ndarray] | None = None) -> PendingSave:
+    """Start the save of ``position.step`` (collective over ``group``): rank 0 makes the
+    temporary directory; with ``copy`` this rank's pieces are copied now (a
+    :class:`FrozenState`), so the shard may be written while training goes on."""
     rank = group.rank
     root = Path(save_dir)
     final = root / step_dir_name(position.step)
@@ -169,29 +210,27 @@ def save(state: RankState, position: RunPosition, save_dir: str | os.PathLike, g
     problem = group.bcast_object(problem, root=0)
     if problem:
         raise CheckpointError(problem)
+    if copy is not None:
+        frozen = FrozenState(state, copy)
+        return PendingSave(frozen, frozen.pieces, position, rank, final, tmp)
+    return PendingSave(state, list(state.pieces()), position, rank, final, tmp)
 
-    pieces = list(state.pieces())
-    outcome: list = [None, None]  # (record, error)
 
-    def write() -> None:
-        if not pieces:
-            return
-        path = tmp / shard_file_name(rank)
-        try:
-            outcome[0] = _write_shard(path, pieces, state, position.place)
-        except Exception as exc:  # reported by rank 0 on every rank, never a hang
-            outcome[1] = f"rank {rank} writing {path}: {type(exc).__name__}: {exc}"
-
-    write()
-    gathered = group.gather_object(tuple(outcome), root=0)
-
+def commit(pending: PendingSave, group: Group, keep_last: int = 0) -> Path:
+    """Finish a save whose shards every rank has written (collective over ``group``): rank 0
+    gathers the records (the barrier: every shard is complete), writes the index, renames the
+    directory and replaces ``latest``; prunes to ``keep_last``. A failure on any rank raises
+    CheckpointError on every rank and leaves the previous checkpoints and ``latest``
+    untouched."""
+    gathered = group.gather_object(tuple(pending.outcome), root=0)
+    root, final, tmp = pending.final.parent, pending.final, pending.tmp
     result, error = None, None
-    if rank == 0:
+    if group.rank == 0:
         try:
             errors = [e for _, e in gathered if e]
             if errors:
                 raise CheckpointError("; ".join(errors))
-            write_index(tmp, state, position, [r for r, _ in gathered if r])
+            write_index(tmp, pending.state, pending.position, [r for r, _ in gathered if r])
             _commit(tmp, final)
             prune(root, keep_last, final.name)
             result = ""
@@ -202,3 +241,20 @@ def save(state: RankState, position: RunPosition, save_dir: str | os.PathLike, g
     if result:
         raise CheckpointError(f"saving {final} failed: {result}") from error
     return final
+
+
+def save(state: RankState, position: RunPosition, save_dir: str | os.PathLike, group: Group,
+         keep_last: int = 0) -> Path:
+    """Write and commit the checkpoint of ``position.step``: this rank's pieces of ``state``,
+    and (rank 0) the index recording ``position``. Collective over ``group``, a
+    :class:`~mpipar.runtime.comm.Group` over the world whose rank is ``position.place.rank``
+    (training passes its control group, which the collective watchdog watches).
+
+    Returns ``save_dir/step_NNNNNNNN``. A failure on any rank raises CheckpointError on every
+    rank and leaves the previous checkpoints and ``latest`` untouched. (:func:`begin`,
+    :meth:`PendingSave.write` and :func:`commit` are its three parts, which
+    :mod:`.background` runs apart.)
+    """
+    pending = begin(state, position, save_dir, group)
+    pending.write()
+    return commit(pending, group, keep_last)

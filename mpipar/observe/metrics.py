@@ -21,7 +21,9 @@ pipeline executor's op records:
   all-gather, loss and gradient-norm all-reduces, the tied embedding's gradient sum);
 - ``optimizer``: the rest of the engine's step time (clipping, AdamW, batch slicing);
 - ``io``: time outside the engine's step since the previous step's record (the checkpoint
-  written after that record: a step's record is logged before its checkpoint commits).
+  written after that record: a step's record is logged before its checkpoint commits). With
+  ``--async-save`` only the blocking part: the copy to host memory, a wait for a write still
+  in flight, and the commit (the background write itself overlaps the following steps).
 """
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ class Telemetry:
     control group (its own ledger, so the engine's byte counts stay those the planner
     predicts)."""
 
-    FIELDS = ("stop", "memory", "inter_bytes", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS))
+    FIELDS = ("stop", "memory", "inter_bytes", *TIME_KEYS, *(f"bytes_{g}" for g in GROUPS),
+              "writing")
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -131,14 +134,16 @@ class Telemetry:
         return out.tolist()
 
     def exchange(self, stop: int, times: dict[str, float], step_bytes: dict[str, int],
-                 inter_bytes: int = 0) -> tuple[int, list[dict[str, float]]]:
+                 inter_bytes: int = 0, writing: bool = False
+                 ) -> tuple[int, list[dict[str, float]]]:
         """``stop``: the number of the stop signal this rank received (0: none);
-        ``inter_bytes``: this rank's wire bytes across nodes. Returns (the highest stop signal
+        ``inter_bytes``: this rank's wire bytes across nodes; ``writing``: whether its
+        asynchronous checkpoint write is still running. Returns (the highest stop signal
         of any rank, 0 if none: the same on every rank; every rank's numbers as dicts of
         :attr:`FIELDS`)."""
         row = np.array([float(stop), float(peak_memory_bytes()), float(inter_bytes),
                         *(times[k] for k in TIME_KEYS),
-                        *(float(step_bytes.get(g, 0)) for g in GROUPS)])
+                        *(float(step_bytes.get(g, 0)) for g in GROUPS), float(writing)])
         table = np.empty((self.size, row.size))
         self.group.allgather(row, table)
         ranks = [dict(zip(self.FIELDS, r.tolist())) for r in table]

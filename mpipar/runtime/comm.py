@@ -100,6 +100,10 @@ class Ledger:
     staging: LedgerEntry = field(default_factory=LedgerEntry)
     """Copies between arrays and MPI's host buffers (:mod:`mpipar.runtime.staging`): bytes copied
     either way, copies, seconds; apart from ``entries``, which hold what the planner predicts."""
+    trace: list | None = None
+    """When a list (a traced step: :mod:`mpipar.observe.trace`), every call is appended to it as
+    ``(group, operation, start, end, bytes)`` in ``time.perf_counter()`` seconds, ``start`` =
+    ``end`` - the seconds booked."""
 
     def begin(self, group: str, op: str, size: int) -> None:
         """Mark the call about to block (``add`` clears the mark when it returns)."""
@@ -110,6 +114,9 @@ class Ledger:
         """Count one call: its payload ``nbytes``, ``seconds`` (``tested`` of them in ``test``
         calls), and ``wire`` bytes on ``link``."""
         self.in_flight = None
+        if self.trace is not None:
+            end = time.perf_counter()
+            self.trace.append((group, op, end - seconds, end, int(nbytes)))
         e = self.entries[(group, op)]
         e.bytes += int(nbytes)
         e.messages += 1

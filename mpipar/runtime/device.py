@@ -58,6 +58,20 @@ def to_host(a):
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
+def host_copy(a):
+    """A host copy of ``a`` that later changes to ``a`` leave alone (what a background write
+    reads): a plain copy of a NumPy array; a CuPy array lands in pinned host memory (the
+    device-to-host copy at full bus speed; CuPy's pinned pool reuses the buffers)."""
+    import numpy as np
+    if isinstance(a, np.ndarray) or not hasattr(a, "get"):
+        return np.array(a, copy=True)
+    import cupy
+    import cupyx
+    out = cupyx.empty_pinned(a.shape, a.dtype)
+    cupy.ascontiguousarray(a).get(out=out)
+    return out
+
+
 def cuda_unavailable() -> str | None:
     """None if CuPy imports and sees a CUDA device, else the reason it does not."""
     from mpipar.kernels import available_backends

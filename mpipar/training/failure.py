@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from mpipar.runtime.mpi_init import MPI
@@ -49,6 +50,9 @@ class FailureReport:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.run_dir: str | None = None
+        self.in_flight: Callable[[], str | None] = lambda: None
+        """What this rank has in flight beyond the failing call (an asynchronous checkpoint
+        write: :meth:`mpipar.checkpoint.background.AsyncSaver.describe`), added to a report."""
 
     def attach(self, run_dir: str, fresh: bool) -> None:
         """From now on reports also go to ``run_dir``; ``fresh`` (rank 0, before any collective)
@@ -68,6 +72,9 @@ class FailureReport:
             return []
         line = {"rank": self.rank, "exit": code, "kind": kind, "message": message,
                 "time": time.time()}
+        in_flight = self._in_flight()
+        if in_flight:
+            line["in_flight"] = in_flight
         try:
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, FAILURE_FILE), "a+") as fh:
@@ -84,10 +91,19 @@ class FailureReport:
                         f"{self.run_dir}: {exc}\n".encode())
             return []
 
+    def _in_flight(self) -> str | None:
+        try:
+            return self.in_flight()
+        except Exception:  # a report must not fail on its context
+            return None
+
     def abort(self, kind: str, message: str, code: int) -> NoReturn:
         """Report ``message`` durably and on stderr, give the launcher time to forward it, then
         abort every rank with exit status ``code``."""
         self.record(kind, message, code)
+        in_flight = self._in_flight()
+        if in_flight:
+            message = f"{message.rstrip()}\nmpipar: rank {self.rank}: {in_flight}"
         sys.stderr.flush()
         os.write(2, (message.rstrip("\n") + "\n").encode())
         time.sleep(ABORT_GRACE_S)

@@ -11,13 +11,15 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mpipar.config import Config
 from mpipar.training.failure import EXIT_NONFINITE, FailureReport
 
 if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
+    from mpipar.checkpoint.background import AsyncSaver
+    from mpipar.observe.trace import Tracer
     from mpipar.runtime.comm import Group, Watchdog
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # checkpoint, then exit 0
@@ -74,6 +76,9 @@ class RunContext:
     report: FailureReport
     notes: list[str]             # lines to print once training starts
     watchdog: Watchdog | None = None
+    saver: AsyncSaver | None = None  # --async-save: the write in flight (set by run)
+    tracer: Tracer | None = None     # --trace-steps (set by run)
+    io_spans: list = field(default_factory=list)  # checkpoint I/O (what, thread, start, end)
     threads: int = 1             # compute threads per rank
     on_node: int = 1             # ranks sharing this rank's node
     allreduce: str = "allreduce auto"  # the MPI all-reduce algorithm, as the start-up line says
@@ -101,17 +106,22 @@ def run(engine, start: int, ctx: RunContext) -> int:
     if rank0:
         _announce(engine, ctx, peaks)
     progress = metrics.Progress(tr.steps, start, tr.log_every, rank0)
+    if tr.async_save:
+        ctx.saver = _async_saver(ctx)
+    ctx.tracer = _tracer(engine, ctx)
     ctx.stop.training()
     loop = _loop(engine, start, ctx, telemetry, writer, progress, (peaks, flops, skipped))
     progress.close()
     writer.close()
+    path = _finish_async(ctx, None)  # the end of the run, or a stop: the write in flight
+    if ctx.tracer is not None:  # a run that stopped before its last traced step
+        ctx.tracer.end(tr.steps)
     if loop.last is None:  # nothing to train (steps reached already, or --steps 0)
         _finish(engine, ctx, export=True)
         return 0
     result, started = loop.last
-    path = None
     if loop.saved != result.step:
-        path = checkpoint_save(engine, ctx, result.step, None)
+        path = checkpoint_save(engine, ctx, result.step, None, wait=True)
     path = path or _step_path(tr.save_dir, result.step)
     timeline = metrics.gather_timeline(ctx.control, result.step, engine.executor.timeline,
                                        started, tuple(engine.grid.coord))
@@ -162,15 +172,20 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
     peaks, flops, skipped = totals
     out, io = LoopOutcome(saved=start), 0.0
     for k in range(start, tr.steps):
+        if ctx.tracer is not None:
+            ctx.tracer.begin(k + 1)
         engine.ledger.reset()
         started = time.time()
         result = engine.train_step(k)
+        if ctx.tracer is not None:
+            ctx.tracer.pipeline(engine.executor)
         nonfinite = not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
         times = metrics.time_breakdown(result.step_time_s, engine.ledger.seconds_by_group(),
                                        engine.executor.timeline, io)
         signum, ranks = telemetry.exchange(
             ctx.stop.signum, times, engine.ledger.bytes_by_group(),
-            sum(links["inter"] for links in engine.ledger.bytes_by_link().values()))
+            sum(links["inter"] for links in engine.ledger.bytes_by_link().values()),
+            writing=ctx.saver is not None and ctx.saver.writing())
         if ctx.watchdog is not None:
             ctx.watchdog.steady()  # every rank has finished a step: start-up is over
         skipped += nonfinite
@@ -181,6 +196,11 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
         writer.write(record)
         progress.update(record)
         out.last, io = (result, started), 0.0
+        if ctx.saver is not None and ctx.saver.pending and not any(r["writing"] for r in ranks):
+            t0 = time.perf_counter()  # every rank's shard is written: commit it now
+            writer.sync()
+            _finish_async(ctx, progress)
+            io = time.perf_counter() - t0
         if nonfinite and tr.on_nan == "stop":
             out.status = f"stopped at step {result.step}: non-finite loss or gradient norm"
             out.code = EXIT_NONFINITE
@@ -193,7 +213,9 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
             t0 = time.perf_counter()
             writer.sync()
             checkpoint_save(engine, ctx, result.step, progress)
-            out.saved, io = result.step, time.perf_counter() - t0
+            out.saved, io = result.step, io + time.perf_counter() - t0
+        if ctx.tracer is not None:
+            ctx.tracer.end(result.step)
     return out
 
 
@@ -262,20 +284,67 @@ def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float],
     print(text, end="", flush=True)
 
 
-def checkpoint_save(engine, ctx: RunContext, step: int, progress) -> str:
+def checkpoint_save(engine, ctx: RunContext, step: int, progress, wait: bool = False) -> str:
     """Save and commit a checkpoint of ``step`` (collective over the watched control group),
-    pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing)."""
+    pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing).
+    With ``--async-save`` (and not ``wait``) the write in flight is finished first, and this
+    one only begins: its shards are written in the background and committed later
+    (:mod:`mpipar.checkpoint.background`)."""
     from mpipar.checkpoint import writer
     tr = ctx.cfg.train
+    if ctx.saver is not None:
+        _finish_async(ctx, progress)
+        if not wait:
+            ctx.saver.start(engine.state, engine.run_position(step))
+            return _step_path(tr.save_dir, step)
+    t0 = time.perf_counter()
     path = writer.save(engine.state, engine.run_position(step), tr.save_dir, ctx.control,
-                           tr.keep_last)
+                       tr.keep_last)
+    ctx.io_spans.append((f"checkpoint save {path.name}", "main", t0, time.perf_counter()))
+    _say_saved(ctx, progress, path, "")
+    return str(path)
+
+
+def _async_saver(ctx: RunContext) -> AsyncSaver:
+    """The background writer of --async-save; failure reports name its write in flight."""
+    from mpipar.checkpoint.background import AsyncSaver
+    from mpipar.runtime.device import host_copy
+    tr = ctx.cfg.train
+    saver = AsyncSaver(group=ctx.control, save_dir=tr.save_dir, keep_last=tr.keep_last,
+                       copy=host_copy, spans=ctx.io_spans)
+    ctx.report.in_flight = saver.describe
+    return saver
+
+
+def _tracer(engine, ctx: RunContext) -> Tracer | None:
+    """The tracer of --trace-steps (None without): the engine's and the control group's
+    ledgers, the pipeline's op records, the checkpoint spans."""
+    from mpipar.config import trace_step_set
+    from mpipar.observe.trace import Tracer
+    steps = trace_step_set(ctx.cfg.train.trace_steps)
+    if not steps:
+        return None
+    coord = dict(zip(("dp", "tp", "pp", "sp"), (int(c) for c in engine.grid.coord)))
+    return Tracer(steps=steps, group=ctx.control, coord=coord,
+                  ledgers=[engine.ledger, ctx.control.ledger], spans=ctx.io_spans,
+                  run_dir=ctx.cfg.train.run_dir)
+
+
+def _finish_async(ctx: RunContext, progress) -> str | None:
+    """Wait for the asynchronous write in flight, if any, and commit it (collective)."""
+    path = ctx.saver.finish() if ctx.saver is not None else None
+    if path is not None:
+        _say_saved(ctx, progress, path, " (written in the background)")
+    return None if path is None else str(path)
+
+
+def _say_saved(ctx: RunContext, progress, path, how: str) -> None:
     if ctx.rank0:
-        text = f"mpipar: saved checkpoint {path}"
+        text = f"mpipar: saved checkpoint {path}{how}"
         if progress is not None:
             progress.note(text)
         else:
             print(text, flush=True)
-    return str(path)
 
 
 def export_hf(engine, cfg: Config, rank0: bool) -> None:

@@ -72,19 +72,21 @@ class TrainState:
         shard holding it)."""
         return self.table[name].region(self.tp_rank, self.tp_size)
 
-    def pieces(self) -> Iterator[Piece]:
+    def pieces(self, host=to_host) -> Iterator[Piece]:
         """``(kind, name, lo, hi, values)``: this rank's share of the unique state, ``[lo, hi)``
-        a range of the flattened local shard of ``name``, ``values`` its host copy."""
+        a range of the flattened local shard of ``name``, ``values`` its host view or copy
+        made by ``host`` (:func:`~mpipar.runtime.device.host_copy` for a copy that outlives the
+        step)."""
         def owned(name: str) -> bool:
             return self.table[name].owned_by(self.tp_rank, self.pp_rank)
 
         for name, lo, hi, values in self.store.param_pieces():
             if owned(name):
-                yield "param", name, lo, hi, to_host(values)
+                yield "param", name, lo, hi, host(values)
         residuals = self.reducer.residual_pieces() if self.reducer is not None else ()
         for kind, name, lo, hi, values in (*self.optimizer.state(), *residuals):
             if owned(name):
-                yield kind, name, lo, hi, to_host(values)
+                yield kind, name, lo, hi, host(values)
 
     def load(self, read: Reader, step: int, kinds: set[str] = frozenset()) -> None:
         """Set every parameter and moment of this rank from ``read`` (global regions), the

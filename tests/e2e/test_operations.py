@@ -95,12 +95,15 @@ def test_progress_bar_on_a_terminal_log_lines_otherwise(tmp_path):
 
 # ------------------------------------------------------------------------------ preemption
 @needs_mpirun
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
-def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig):
+@pytest.mark.parametrize("sig,flags", [(signal.SIGTERM, []), (signal.SIGUSR1, []),
+                                       (signal.SIGUSR1, ["--async-save", "--save-every", "1"])],
+                         ids=["TERM", "USR1", "USR1-async-save"])
+def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig, flags):
     """mpirun forwards the signal to every rank: the step finishes, a checkpoint is committed at
     the step the metrics end with, every rank exits 0. Open MPI 5's mpirun (PRRTE) kills the
     ranks about 1 s after it forwards SIGTERM, with no setting to wait longer: there, SIGUSR1 is
-    the stop signal (README, jobs/README.md)."""
+    the stop signal (README, jobs/README.md). With --async-save every step, the stop waits for
+    the background write in flight and commits it; every checkpoint left verifies."""
     from mpi4py import MPI
 
     from mpipar.checkpoint import directory
@@ -109,13 +112,18 @@ def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig):
         pytest.skip("Open MPI 5's mpirun SIGKILLs the ranks 1 s after SIGTERM: use SIGUSR1")
     run = tmp_path / "run"
     proc = start_train(4, [*TINY, "--dp", "2", "--pp", "2", "--micro-batch-size", "1",
-                       "--steps", "100000", "--run-dir", str(run)])
+                       "--steps", "100000", "--run-dir", str(run), *flags])
     wait_for_steps(run, 3, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     last = metrics(run)[-1]["step"]
     assert directory.latest(run / "checkpoints") == run / "checkpoints" / f"step_{last:08d}"
+    if flags:
+        from mpipar.checkpoint import reader
+        saved = directory.list_checkpoints(run / "checkpoints")
+        assert len(saved) >= 3 and all(reader.verify(p) == [] for p in saved)
+        assert "(written in the background)" in out
     assert f"preempted after step {last} of 100000 on a stop signal" in out
     assert json.loads((run / "summary.json").read_text())["status"] == f"preempted after step {last}"
 

@@ -59,6 +59,7 @@ class PipelineExecutor:
     xp: ModuleType   # the array module receive buffers come from
     scope: ParamScope = RESIDENT   # holds each unit the chunks run (ZeRO-3 gathers there)
     timeline: list[OpRecord] = field(default_factory=list)
+    started: float = 0.0   # time.perf_counter() at the start of the last step's op records
 
     @property
     def p(self) -> int:
@@ -86,7 +87,7 @@ class PipelineExecutor:
         done_bwd = [0] * v
         loss = 0.0
         self.timeline = []
-        t0 = time.perf_counter()
+        t0 = self.started = time.perf_counter()
 
         for op in self.ops:
             key = (op.microbatch, op.chunk)

@@ -1,0 +1,99 @@
+"""``python -m mpipar.bench checkpoint``: the step time a checkpoint costs, synchronous against
+asynchronous (``--async-save``), side by side in one run.
+
+One training run under ``mpirun`` per variant, the same seed, model and layout: ``none`` (no
+save), ``sync`` and ``async`` (a save every ``--save-every`` steps), repeated ``--repeats``
+times in turn. From each run's ``metrics.jsonl``: the time of steps 2.. (the engine's step time
+plus the ``io`` time the loop spent outside it, i.e. the blocking part of the saves), and so the
+cost of one save = (the variant's time - ``none``'s) / saves. ``blocking`` is the io part of it
+(the whole write for sync; the copy to host memory, any wait and the commit for async); the rest
+is what the write slows the steps it overlaps (the GIL, the disk, the cores). The run has
+``steps = (saves + 1) * save_every - 1`` steps, so every counted save is followed by steps that
+record it; the end-of-run save is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from typing import Any
+
+from mpipar.bench.harness import Section, print_header, train_run
+
+VARIANTS = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--async-save"]}
+
+
+def _flags(name: str, args: argparse.Namespace, run_dir: str) -> list[str]:
+    flags = [f if f != "--save-every" else f"--save-every={args.save_every}"
+             for f in VARIANTS[name]]
+    return [*flags, "--steps", str((args.saves + 1) * args.save_every - 1),
+            "--save-dir", os.path.join(run_dir, "ck"), "--keep-last", "2", "--log-every", "0",
+            "--tensorboard", "off", *args.train_flags.split()]
+
+
+def _train(name: str, repeat: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of a variant: its time after step 1 (engine + io) and its io time."""
+    run_dir = os.path.join(args.out, f"{name}-{repeat}")
+    records, _ = train_run("checkpoint", args.ranks, _flags(name, args, run_dir), run_dir)
+    records = records[1:]
+    io = sum(r["time_max"]["io"] for r in records)
+    return {"steps_s": sum(r["step_time_s"] for r in records) + io, "io_s": io,
+            "step_s": statistics.median(r["step_time_s"] for r in records)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Each variant ``--repeats`` times, in turn; the cost of a save per variant."""
+    if args.quick:
+        args.saves, args.repeats, args.save_every = 2, 1, 3
+    os.makedirs(args.out, exist_ok=True)
+    print(f"checkpoint: {args.ranks} ranks, {args.saves} saves every {args.save_every} steps, "
+          f"{args.repeats} repeat(s); flags: {args.train_flags}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for repeat in range(args.repeats):
+        for name in VARIANTS:
+            runs[name].append(_train(name, repeat, args))
+            print(f"  {name} #{repeat + 1}: {runs[name][-1]['steps_s']:.2f} s after step 1",
+                  flush=True)
+    base = statistics.median(r["steps_s"] for r in runs["none"])
+    rows = []
+    for name in ("sync", "async"):
+        total = statistics.median(r["steps_s"] for r in runs[name])
+        io = statistics.median(r["io_s"] for r in runs[name])
+        rows.append({"variant": name, "cost_per_save_s": (total - base) / args.saves,
+                     "blocking_per_save_s": io / args.saves,
+                     "step_s": statistics.median(r["step_s"] for r in runs[name])})
+    step = statistics.median(r["step_s"] for r in runs["none"])
+    _print_rows(rows, step)
+    return {"config": {"ranks": args.ranks, "saves": args.saves, "save_every": args.save_every,
+                       "repeats": args.repeats, "train_flags": args.train_flags},
+            "step_s_without_saves": step, "rows": rows, "runs": runs}
+
+
+def _print_rows(rows: list[dict[str, Any]], step: float) -> None:
+    print_header(f"{'variant':<8} {'cost/save s':>11} {'in steps':>9} {'blocking s':>10} "
+                 f"{'median step s':>13}")
+    for r in rows:
+        print(f"{r['variant']:<8} {r['cost_per_save_s']:>11.3f} "
+              f"{r['cost_per_save_s'] / step:>9.2f} {r['blocking_per_save_s']:>10.3f} "
+              f"{r['step_s']:>13.3f}")
+    print(f"cost/save: time of the run after step 1 minus that of the run without saves, per "
+          f"save ('in steps': over the median step without saves, {step:.3f} s); blocking: the "
+          f"io time of metrics.jsonl per save (slowest rank)")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint section's options: ranks, saves, their interval, repeats, the model."""
+    parser.add_argument("--ranks", type=int, default=2, help="mpirun -n")
+    parser.add_argument("--saves", type=int, default=3, help="saves counted per run")
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--train-flags", default="--hidden 384 --layers 4 --heads 6 --kv-heads 2 "
+                                                  "--seq-len 64 --global-batch-size 4 "
+                                                  "--dp 2 --zero 1",
+                        help="python -m mpipar.train flags (model, layout)")
+    parser.add_argument("--out", default="runs/bench-checkpoint", help="run directories")
+
+
+SECTION = Section("checkpoint", run, "the step time a checkpoint costs, synchronous against "
+                  "--async-save, side by side (mpirun)", configure)

@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from mpipar.model.attention import accumulator, as_activations
+from mpipar.model.attention import (DocumentPositions, accumulator, as_activations, attend_bwd,
+                                    attend_fwd, documents_of, runs_visible, shared_runs)
 from mpipar.runtime.comm import Group
 from mpipar.config import require
 from mpipar.layout import Layout
@@ -97,16 +98,13 @@ def _local_slices(segments: list[tuple[int, int]]) -> list[slice]:
     return out
 
 
-def runs_visible(qs: int, qn: int, ks: int, kn: int, window: int) -> bool:
-    """Whether some key of the run ``[ks, ks + kn)`` is visible to some query of
-    ``[qs, qs + qn)``: causal (key <= query) and, with a window W > 0, query - key < W."""
-    return ks <= qs + qn - 1 and (window == 0 or qs - (ks + kn - 1) < window)
-
-
-def needs_block(layout: SeqLayout, rank: int, src: int, window: int) -> bool:
-    """Whether ``rank``'s queries see any key that SP rank ``src`` holds."""
-    return any(runs_visible(qs, qn, ks, kn, window) for qs, qn in layout.segments(rank)
-               for ks, kn in layout.segments(src))
+def needs_block(layout: SeqLayout, rank: int, src: int, window: int,
+                docs: DocumentPositions | None = None) -> bool:
+    """Whether ``rank``'s queries see any key that SP rank ``src`` holds (with ``docs``: any
+    key of their own document)."""
+    return any(shared_runs(docs, qs, qn, ks, kn, window) if docs is not None
+               else runs_visible(qs, qn, ks, kn, window)
+               for qs, qn in layout.segments(rank) for ks, kn in layout.segments(src))
 
 
 @dataclass(frozen=True)
@@ -173,9 +171,26 @@ def ring_hops(layout: SeqLayout, window: int) -> RingHops:
     queries see: a rank needs src iff :func:`needs_block`; a relay pair (a, b) reaches the
     ranks ``r - 1 .. r - a`` and ``r + 1 .. r + b``. Cost: the bytes a rank sends, 6 units a hop
     (forward 2, backward 4), with ties going to fewer hops and then to the right relay."""
+    return _cheapest_hops(layout, window, None)
+
+
+def document_hops(layout: SeqLayout, window: int, docs: DocumentPositions | None) -> RingHops:
+    """:func:`ring_hops` for a microbatch of packed documents: a rank needs the blocks that hold
+    keys of its queries' documents, so the relays stop once no rank further on shares a
+    document (packed short documents: the neighbours only). The same on every rank of the ring
+    (its ranks hold the same rows); remembered on ``docs`` per (layout, window)."""
+    if docs is None:
+        return ring_hops(layout, window)
+    key = ("hops", layout, window)
+    if key not in docs.memo:
+        docs.memo[key] = _cheapest_hops(layout, window, docs)
+    return docs.memo[key]
+
+
+def _cheapest_hops(layout: SeqLayout, window: int, docs: DocumentPositions | None) -> RingHops:
     n = layout.sp
-    need = [[(src - r) % n for src in range(n) if src != r and needs_block(layout, r, src, window)]
-            for r in range(n)]
+    need = [[(src - r) % n for src in range(n)
+             if src != r and needs_block(layout, r, src, window, docs)] for r in range(n)]
     best = None
     for a in range(n):
         for b in range(n - a):
@@ -256,31 +271,36 @@ class RingAttention:
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
         kv = xp.ascontiguousarray(xp.stack([k, v]))  # one message per hop: [2, B, S, hkv, D]
-        for src, blk in self._blocks(kv, ring_hops(self.seq_layout, window), tag=0):
+        docs = documents_of(positions)
+        for src, blk in self._blocks(kv, document_hops(self.seq_layout, window, docs), tag=0):
             for qsl, qs, ksl, ks in self._pairs(src, window):
-                o, l = self.kernels.attention_fwd(q[:, qsl], blk[0][:, ksl], blk[1][:, ksl], qs, ks,
-                                                  True, window=window)
-                out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
-                    out[:, qsl], lse[:, :, qsl], o, l)
-        return out.astype(q.dtype, copy=False), lse
+                res = attend_fwd(self.kernels, q[:, qsl], blk[0][:, ksl], blk[1][:, ksl], qs, ks,
+                                 window, docs)
+                if res is not None:    # None: no pair of one document (packed documents)
+                    out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
+                        out[:, qsl], lse[:, :, qsl], *res)
+        return out.astype(q.dtype, copy=False), (lse, docs)
 
     def backward(self, dout: Array, q: Array, k: Array, v: Array, out: Array,
-                 lse: Array, window: int = 0) -> tuple[Array, Array, Array]:
+                 saved: tuple, window: int = 0) -> tuple[Array, Array, Array]:
+        """``saved``: forward's (lse ``[B, hq, S]``, documents or None)."""
         xp = self.xp
+        lse, docs = saved
         acc = accumulator(q.dtype)
         dq = xp.zeros(q.shape, acc)
         dk, dv = xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
-        self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window)
-        hops = ring_hops(self.seq_layout, window)
+        self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window, docs)
+        hops = document_hops(self.seq_layout, window, docs)
         for i, (d, h) in enumerate(hops.relays()):
             relay = self._relay_overlapped if self.overlap else self._relay
             home = relay(q, k, v, out, lse, dout, dq, d, h, window,
-                         tag=4 * self.sp.size * (i + 1))
+                         tag=4 * self.sp.size * (i + 1), docs=docs)
             dk += home[0]
             dv += home[1]
         return as_activations((dq, dk, dv), q)
 
-    def _relay(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int, tag: int):
+    def _relay(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int, tag: int,
+               docs=None):
         """One relay of backward: -> this rank's dK/dV from the ranks it visited ``[2, B, S, hkv, D]``."""
         xp = self.xp
         kv = self._shift(xp.ascontiguousarray(xp.stack([k, v])), d, tag)
@@ -290,11 +310,11 @@ class RingAttention:
                 buf = self._shift(buf, d, tag + t)
             kv, dkv = _unpack(buf, kv.shape, kv.dtype)
             self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
-                              (self.rank - d * t) % self.sp.size, window)
+                              (self.rank - d * t) % self.sp.size, window, docs)
         return self._home(xp.ascontiguousarray(dkv), d, hops, tag + hops + 1)
 
     def _relay_overlapped(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int,
-                          tag: int):
+                          tag: int, docs=None):
         """As :meth:`_relay`, but the next K/V travel while this block is computed; the dK/dV
         of a block can only leave once computed, so they follow as a second message."""
         xp = self.xp
@@ -310,7 +330,7 @@ class RingAttention:
             dkv = (xp.zeros(kv.shape, accumulator(kv.dtype)) if dkv is None
                    else self._shift(dkv, d, tag + self.sp.size + t))
             self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
-                              (self.rank - d * t) % self.sp.size, window)
+                              (self.rank - d * t) % self.sp.size, window, docs)
         return self._home(dkv, d, hops, tag + 3 * self.sp.size)
 
     def _home(self, dkv: Array, d: int, hops: int, tag: int) -> Array:
@@ -319,12 +339,15 @@ class RingAttention:
         recv = self.xp.empty(dkv.shape, dkv.dtype)
         return self.sp.sendrecv(dkv, self._peer(-d * hops), recv, self._peer(d * hops), tag)
 
-    def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int, window: int) -> None:
+    def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int, window: int,
+                     docs=None) -> None:
         """Add block ``src``'s contributions to dq (this rank's) and dk, dv (the block's)."""
         for qsl, qs, ksl, ks in self._pairs(src, window):
-            dqp, dkp, dvp = self.kernels.attention_bwd(q[:, qsl], k[:, ksl], v[:, ksl], out[:, qsl],
-                                                       lse[:, :, qsl], dout[:, qsl], qs, ks, True,
-                                                       window=window)
+            res = attend_bwd(self.kernels, q[:, qsl], k[:, ksl], v[:, ksl], out[:, qsl],
+                             lse[:, :, qsl], dout[:, qsl], qs, ks, window, docs)
+            if res is None:
+                continue
+            dqp, dkp, dvp = res
             dq[:, qsl] += dqp
             dk[:, ksl] += dkp
             dv[:, ksl] += dvp
@@ -392,6 +415,7 @@ class HaloSaved:
 
     lse: Array                 # [B, hq, S_loc]
     halo: dict[int, Array]     # src -> [2, B, rows from src, hkv, D]
+    docs: DocumentPositions | None = None
 
 
 class HaloAttention:
@@ -425,12 +449,13 @@ class HaloAttention:
                 if runs_visible(qs, qn, ks, ksl.stop - ksl.start, window):
                     yield qsl, qs, ksl, ks
 
-    def _attend(self, q, out, lse, kv, pairs, window: int) -> None:
+    def _attend(self, q, out, lse, kv, pairs, window: int, docs=None) -> None:
         for qsl, qs, ksl, ks in pairs:
-            o, l = self.kernels.attention_fwd(q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], qs, ks, True,
-                                              window=window)
-            out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(out[:, qsl], lse[:, :, qsl],
-                                                                       o, l)
+            res = attend_fwd(self.kernels, q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], qs, ks,
+                             window, docs)
+            if res is not None:
+                out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
+                    out[:, qsl], lse[:, :, qsl], *res)
 
     def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray,
                 window: int = 0) -> tuple[Array, HaloSaved]:
@@ -448,18 +473,21 @@ class HaloAttention:
         out = xp.zeros(q.shape, accumulator(q.dtype))
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
-        self._attend(q, out, lse, kv, self._local_pairs(window), window)
+        docs = documents_of(positions)
+        self._attend(q, out, lse, kv, self._local_pairs(window), window, docs)
         for r in reqs:
             r.wait()
         for src, buf in halo.items():
-            self._attend(q, out, lse, buf, self._halo_pairs(plan, src, window), window)
-        return out.astype(q.dtype, copy=False), HaloSaved(lse, halo)
+            self._attend(q, out, lse, buf, self._halo_pairs(plan, src, window), window, docs)
+        return out.astype(q.dtype, copy=False), HaloSaved(lse, halo, docs)
 
-    def _grads(self, q, out, lse, dout, dq, kv, dkv, pairs, window: int) -> None:
+    def _grads(self, q, out, lse, dout, dq, kv, dkv, pairs, window: int, docs=None) -> None:
         for qsl, qs, ksl, ks in pairs:
-            dqp, dkp, dvp = self.kernels.attention_bwd(q[:, qsl], kv[0][:, ksl], kv[1][:, ksl],
-                                                       out[:, qsl], lse[:, :, qsl], dout[:, qsl],
-                                                       qs, ks, True, window=window)
+            res = attend_bwd(self.kernels, q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], out[:, qsl],
+                             lse[:, :, qsl], dout[:, qsl], qs, ks, window, docs)
+            if res is None:
+                continue
+            dqp, dkp, dvp = res
             dq[:, qsl] += dqp
             dkv[0][:, ksl] += dkp
             dkv[1][:, ksl] += dvp
@@ -477,11 +505,11 @@ class HaloAttention:
         for src, buf in saved.halo.items():
             dhalo[src] = xp.zeros(buf.shape, acc)
             self._grads(q, out, saved.lse, dout, dq, buf, dhalo[src],
-                        self._halo_pairs(plan, src, window), window)
+                        self._halo_pairs(plan, src, window), window, saved.docs)
             reqs.append(self.sp.isend(dhalo[src], src, self.TAG + 1))
         dkv = xp.zeros((2,) + k.shape, acc)
         self._grads(q, out, saved.lse, dout, dq, xp.stack([k, v]), dkv,
-                    self._local_pairs(window), window)
+                    self._local_pairs(window), window, saved.docs)
         for r in reqs:
             r.wait()
         for dst, buf in back.items():
@@ -500,7 +528,8 @@ class UlyssesSaved:
     k: Array     # [B, S_group, hkv/U, D]
     v: Array
     out: Array   # [B, S_group, hq/U, D]
-    lse: Array   # [B, hq/U, S_group]
+    lse: Any     # [B, hq/U, S_group] (hybrid: the ring's (lse, documents))
+    docs: DocumentPositions | None = None
 
 
 class HeadExchange:
@@ -554,13 +583,14 @@ class UlyssesAttention:
     def forward(self, q, k, v, positions, window: int = 0):
         ex = self.exchange
         qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
-        o, lse = self.kernels.attention_fwd(qf, kf, vf, 0, 0, True, window=window)
-        return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
+        docs = documents_of(positions)
+        o, lse = attend_fwd(self.kernels, qf, kf, vf, 0, 0, window, docs)
+        return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse, docs)
 
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
         ex = self.exchange
-        grads = self.kernels.attention_bwd(saved.q, saved.k, saved.v, saved.out, saved.lse,
-                                           ex.to_heads(dout), 0, 0, True, window=window)
+        grads = attend_bwd(self.kernels, saved.q, saved.k, saved.v, saved.out, saved.lse,
+                           ex.to_heads(dout), 0, 0, window, saved.docs)
         dq, dk, dv = as_activations(grads, saved.q)
         return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 
@@ -584,7 +614,9 @@ class HybridAttention:
     def forward(self, q, k, v, positions, window: int = 0):
         ex = self.exchange
         qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
-        o, lse = self.ring.forward(qf, kf, vf, self.positions, window)
+        docs = documents_of(positions)
+        o, lse = self.ring.forward(qf, kf, vf, self.positions if docs is None
+                                   else docs.with_positions(self.positions), window)
         return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
 
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):

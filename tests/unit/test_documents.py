@@ -1,0 +1,97 @@
+"""Packed documents on one process (--document-masking): document ids from EOS, the attention
+seam against the masked reference kernel and against each document run alone, and the whole
+model: a packed row's loss and gradients equal those of its documents run as their own
+sequences (positions from 0), in float64."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpipar.kernels import get_backend
+from mpipar.model.attention import LocalAttention, DocumentPositions, document_ids
+from mpipar.model.params import init_params
+
+from tests.unit.test_model import CFG, make_stage
+
+EOS = 3
+
+
+def test_document_ids_give_the_eos_to_the_document_it_ends():
+    tokens = np.array([[5, 3, 7, 7, 3, 3, 1], [3, 1, 1, 1, 1, 1, 3]])
+    assert document_ids(tokens, EOS).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
+    pos = DocumentPositions.of(np.arange(7), document_ids(tokens, EOS))
+    assert pos.rope.tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5]]
+    assert pos.with_positions(np.array([2, 6])).rope.tolist() == [[0, 0], [1, 5]]
+
+
+def _qkv(B=2, S=13, hq=4, hkv=2, D=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, S, hq, D)), rng.standard_normal((B, S, hkv, D)),
+            rng.standard_normal((B, S, hkv, D)), rng.standard_normal((B, S, hq, D)))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("window", [0, 3])
+def test_the_seam_equals_the_masked_kernel_and_each_document_alone(backend, window):
+    q, k, v, dout = _qkv()
+    tokens = np.array([[1, 1, 3, 1, 1, 1, 1, 1, 3, 3, 1, 1, 1],
+                       [1] * 13])
+    docs = document_ids(tokens, EOS)
+    k_ = get_backend(backend)
+    core = LocalAttention(k_)
+    pos = DocumentPositions.of(np.arange(13), docs)
+    out, saved = core.forward(q, k, v, pos, window)
+    dq, dk, dv = core.backward(dout, q, k, v, out, saved, window)
+    ref = get_backend("numpy")
+    ro, rl = ref.attention_fwd(q, k, v, 0, 0, True, window=window, q_docs=docs, k_docs=docs)
+    rg = ref.attention_bwd(q, k, v, ro, rl, dout, 0, 0, True, window=window, q_docs=docs,
+                           k_docs=docs)
+    np.testing.assert_allclose(out, ro, rtol=1e-12, atol=1e-13)
+    for a, b in zip((dq, dk, dv), rg):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+    # each document alone, at positions from 0: identical rows
+    for b in range(2):
+        for d in np.unique(docs[b]):
+            at = np.flatnonzero(docs[b] == d)
+            sl = (slice(b, b + 1), slice(at[0], at[-1] + 1))
+            o, _ = ref.attention_fwd(q[sl], k[sl], v[sl], 0, 0, True, window=window)
+            np.testing.assert_allclose(out[sl], o, rtol=1e-12, atol=1e-13)
+    # the mask matters: without documents the first row differs
+    full, _ = ref.attention_fwd(q, k, v, 0, 0, True, window=window)
+    assert np.abs(full[0] - out[0]).max() > 1e-3
+
+
+def packed_batch(seed: int = 0, B: int = 2, S: int = 12):
+    """Token rows with EOS at random places (documents of mixed lengths), and their targets."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, CFG.vocab_size, (B, S + 1))
+    toks[toks == EOS] = 4
+    for b in range(B):
+        toks[b, rng.choice(S, 3, replace=False)] = EOS
+    return toks[:, :-1], toks[:, 1:]
+
+
+def test_a_packed_row_equals_its_documents_run_alone():
+    """Loss sum and every parameter gradient of the packed batch == the sums over its
+    documents, each run as its own sequence from position 0 (float64)."""
+    stage = make_stage("numpy")
+    params = init_params(CFG, 1, np.float64)
+    tokens, targets = packed_batch()
+    pos = DocumentPositions.of(np.arange(tokens.shape[1]), document_ids(tokens, EOS))
+    loss, cache = stage.forward(params, tokens, pos, targets)
+    grads = {n: np.zeros_like(v) for n, v in params.items()}
+    stage.backward(params, grads, np.ones(tokens.shape), cache)
+    want_loss, want = 0.0, {n: np.zeros_like(v) for n, v in params.items()}
+    for b in range(tokens.shape[0]):
+        docs = document_ids(tokens[b:b + 1], EOS)[0]
+        for d in np.unique(docs):
+            at = np.flatnonzero(docs == d)
+            t, y = tokens[b:b + 1, at], targets[b:b + 1, at]
+            l, c = stage.forward(params, t, np.arange(len(at)), y)
+            stage.backward(params, want, np.ones(t.shape), c)
+            want_loss += float(l.sum())
+    assert float(loss.sum()) == pytest.approx(want_loss, rel=1e-12)
+    for n in params:
+        np.testing.assert_allclose(grads[n], want[n], rtol=1e-10, atol=1e-13)
+    plain, _ = stage.forward(params, tokens, np.arange(tokens.shape[1]), targets)
+    assert abs(float(plain.sum()) - want_loss) > 1e-6      # documents change the loss

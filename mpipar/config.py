@@ -229,6 +229,16 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches of global_batch_size sequences, evenly spaced "
                               "over the validation samples, the same at every evaluation")
     seed: int = _f(1234, "seed for initialisation and data order")
+    document_masking: bool = _f(False, "packed documents: a token attends only to earlier tokens "
+                                       "of its own document (documents end at the EOS token, "
+                                       "which belongs to the document it ends) and RoPE "
+                                       "positions restart at 0 at each document start")
+    eos_token_id: int = _f(-1, "the end-of-text token of --document-masking and "
+                               "--eod-mask-loss; -1: the EOS recorded by data prepare "
+                               "--tokenizer (byte data records none: give it)")
+    eod_mask_loss: bool = _f(False, "targets at positions whose input is the EOS token carry "
+                                    "no loss; the loss is the mean over the counted targets of "
+                                    "the global batch")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
     save_dir: str = _f("", "checkpoint directory (step_NNNNNNNN/ per checkpoint, plus `latest`); "

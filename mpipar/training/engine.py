@@ -45,7 +45,8 @@ from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
 from mpipar.observe.metrics import EvalResult, StepResult
 from mpipar.data.sources import Sampler, TokenSource, load_tokens, validation
-from mpipar.model.attention import LocalAttention
+from mpipar.data.packing import counted_targets, eos_id, uses_eos
+from mpipar.model.attention import DocumentPositions, LocalAttention, document_ids
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.params import init_param
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
@@ -80,6 +81,7 @@ class Engine:
         train_samples, self.eval_set = validation(self.source, tr, cfg.model.vocab_size)
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
                                train_samples)
+        self.eos = eos_id(tr) if uses_eos(tr) else None   # packed documents' end-of-text
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
         if par.sp_mode == "hybrid":
             self.grid.split_sp(par.ulysses_size)
@@ -239,10 +241,28 @@ class Engine:
         once each."""
         d, rows, mbs = self.grid.coord.dp, self.rows_per_dp, self.cfg.train.micro_batch_size
         inputs, targets = batch(k, slice(d * rows, (d + 1) * rows))
+        packed = [self._packed(inputs[i * mbs:(i + 1) * mbs]) for i in range(self.microbatches)]
         inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         return [Microbatch(self.xp.asarray(inputs[i * mbs:(i + 1) * mbs]),
-                           self.xp.asarray(targets[i * mbs:(i + 1) * mbs]))
+                           self.xp.asarray(targets[i * mbs:(i + 1) * mbs]), *packed[i])
                 for i in range(self.microbatches)]
+
+    def _packed(self, inputs: np.ndarray) -> tuple[Any, Any]:
+        """(DocumentPositions or None, counted targets or None) of a microbatch whose whole
+        input rows ``[mbs, S]`` are ``inputs`` (:mod:`mpipar.data.packing`)."""
+        tr = self.cfg.train
+        positions = (DocumentPositions.of(self.positions, document_ids(inputs, self.eos))
+                     if tr.document_masking else None)
+        counted = counted_targets(inputs, tr, self.eos)
+        return positions, None if counted is None else self.xp.asarray(counted[:, self.positions])
+
+    def _loss_divisor(self, batch: Callable[[int, slice], tuple], k: int) -> int:
+        """The targets of global batch ``k`` of ``batch`` that carry loss (every rank reads the
+        whole batch's inputs: the count is layout-invariant and needs no message)."""
+        tr = self.cfg.train
+        if not tr.eod_mask_loss:
+            return tr.global_batch_size * tr.seq_len
+        return max(1, int(counted_targets(batch(k, slice(None))[0], tr, self.eos).sum()))
 
     def train_step(self, step: int) -> StepResult:
         """Run optimizer step ``step`` (0-based) and return its result (the same on every rank)."""
@@ -251,7 +271,8 @@ class Engine:
         micro = self._microbatches(self.sampler.batch, step)
         tokens = tr.global_batch_size * tr.seq_len
         mbs, s_loc = tr.micro_batch_size, len(self.positions)
-        weight = xp.full((mbs, s_loc), 1.0 / tokens)
+        counted = self._loss_divisor(self.sampler.batch, step)
+        weight = xp.full((mbs, s_loc), 1.0 / counted)
         recorder = self._start_dump(step)
         self.reducer.start_step(step)
         self._unfinished = Counter(self.holders)
@@ -264,7 +285,7 @@ class Engine:
             for ch in self.chunks:
                 ch.recorder = None
             dump_step(recorder, self.rank_place, self._activation_region(step + 1), self.cfg)
-        loss = self._global_sum(loss) / tokens
+        loss = self._global_sum(loss) / counted
         norm_sq = xp.array([self.optimizer.grad_norm_sq(self._norm_counted)])
         self.groups["tp_pp"].allreduce_(norm_sq)
         grad_norm = math.sqrt(float(norm_sq[0]))
@@ -293,8 +314,9 @@ class Engine:
                                          self.cfg.model.hidden)
 
         def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
-            return chunk.forward_only(self.params, inp, self.positions, mb.targets,
-                                      scope=self.sharded or RESIDENT)
+            return chunk.forward_only(self.params, inp,
+                                      self.positions if mb.positions is None else mb.positions,
+                                      mb.targets, scope=self.sharded or RESIDENT)
 
         total = 0.0
         self.eval_ledger.reset()
@@ -303,8 +325,11 @@ class Engine:
             for k in range(self.eval_set.batches):
                 micro = self._microbatches(self.eval_set.batch, k)
                 losses = self.evaluator.run_forward(micro, shape, self.dtype, stage_forward)
-                total += sum(float(losses[i].sum()) for i in sorted(losses))
-            tokens = self.eval_set.batches * tr.global_batch_size * tr.seq_len
+                total += sum(float((losses[i] if micro[i].counted is None
+                                    else losses[i] * micro[i].counted).sum())
+                             for i in sorted(losses))
+            tokens = sum(self._loss_divisor(self.eval_set.batch, k)
+                         for k in range(self.eval_set.batches))
             loss = self._global_sum(total) / tokens
         try:
             perplexity = math.exp(loss)

@@ -4,6 +4,8 @@ model: a packed row's loss and gradients equal those of its documents run as the
 sequences (positions from 0), in float64."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -95,3 +97,76 @@ def test_a_packed_row_equals_its_documents_run_alone():
         np.testing.assert_allclose(grads[n], want[n], rtol=1e-10, atol=1e-13)
     plain, _ = stage.forward(params, tokens, np.arange(tokens.shape[1]), targets)
     assert abs(float(plain.sum()) - want_loss) > 1e-6      # documents change the loss
+
+
+# ------------------------------------------------------------------ the engine, two AdamW steps
+def packed_config(**train):
+    """The layouts' test model on its data with EOS = 3 (about one token in 13: rows of one to
+    four documents)."""
+    from layouts import small_config
+    cfg = small_config("float64")
+    cfg.train.document_masking, cfg.train.eos_token_id = True, EOS
+    for name, value in train.items():
+        setattr(cfg.train, name, value)
+    return cfg
+
+
+def documents_alone(engine):
+    """Replace the engine's pipeline walk by one that runs every document of every row as its
+    own sequence (positions from 0) through the single chunk, each target weighted as the step
+    weights it; the rest of the step (reduction, clipping, AdamW) is the engine's."""
+    chunk = engine.chunks[0]
+    eos, masked = engine.eos, engine.cfg.train.eod_mask_loss
+
+    def run(params, grads, micro, positions, act_shape, dtype, weight, on_ready=None):
+        total = 0.0
+        for mb in micro:
+            for b in range(mb.tokens.shape[0]):
+                docs = document_ids(mb.tokens[b:b + 1], eos)[0]
+                for d in np.unique(docs):
+                    at = np.flatnonzero(docs == d)
+                    t, y = mb.tokens[b:b + 1, at], mb.targets[b:b + 1, at]
+                    keep = (t != eos) if masked else np.ones(t.shape, bool)
+                    loss, cache = chunk.forward(params, t, np.arange(len(at)), y)
+                    chunk.backward(params, grads, weight[0, 0] * keep, cache)
+                    total += float(loss[keep].sum())
+        if on_ready is not None:
+            on_ready(chunk.param_names())
+        return total
+
+    engine.executor.run = run
+    return engine
+
+
+@pytest.mark.parametrize("train", [{}, {"eod_mask_loss": True}], ids=["docs", "docs-eod"])
+def test_two_adamw_steps_equal_each_document_run_alone(train):
+    """One process: the engine with --document-masking (and --eod-mask-loss) equals, after two
+    AdamW steps (losses, gradient norms, parameters), the same steps whose gradients come from
+    each document run as its own sequence, <= 1e-10 relative."""
+    from mpi4py import MPI
+    from layouts import compare, token_source
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+
+    def two_steps(alone: bool):
+        layout = validate(packed_config(**train), 1)
+        eng = Engine(layout, MPI.COMM_SELF, source=token_source(16))
+        if alone:
+            documents_alone(eng)
+        res = [eng.train_step(k) for k in range(2)]
+        out = ([r.loss for r in res], [r.grad_norm for r in res], eng.gather_params())
+        eng.close()
+        return out
+
+    packed, alone = two_steps(False), two_steps(True)
+    assert compare(packed, alone, 1e-10) == []
+    assert packed[0][0] != pytest.approx(two_steps_plain()[0], rel=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def two_steps_plain():
+    from mpi4py import MPI
+    from layouts import run, small_config
+    losses, _, _, eng = run(small_config("float64"), MPI.COMM_SELF)
+    eng.close()
+    return losses

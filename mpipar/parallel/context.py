@@ -653,13 +653,16 @@ def check_config(layout: Layout) -> None:
 
 # ------------------------------------------------------------------------------------ traffic
 def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[int],
-                   passes: int, backward: bool) -> list[Call]:
+                   passes: int, backward: bool, documents: list | None = None) -> list[Call]:
     """SP attention of ``layers`` (global indices, each with its own sliding window) on the
     rank at ``coord`` of the grid ``shape``, in ``passes`` forwards of a microbatch through
     each, each with its backward (``backward``: a training step, whose ``recompute="full"``
     runs each forward twice) or without. Ring and halo messages come from :func:`ring_hops`
     and :func:`halo_plan` (hybrid: the ring over the Ulysses groups, ``ulysses_size`` sp ranks
-    apart); Ulysses all-to-alls q ``[B, S/sp, hq/tp, D]`` and k/v ``[B, S/sp, hkv/tp, D]``."""
+    apart); Ulysses all-to-alls q ``[B, S/sp, hq/tp, D]`` and k/v ``[B, S/sp, hkv/tp, D]``.
+    ``documents``: packed documents (``--document-masking``), the document ids ``[B, S]`` of
+    each of the ``passes`` microbatches: the ring's hops are then each microbatch's
+    (:func:`document_hops`)."""
     m, par, tr = layout.model, layout.parallel, layout.train
     reps = (2 if backward and tr.recompute == "full" else 1) * passes
     bwds = passes if backward else 0
@@ -680,17 +683,22 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
         calls += _ulysses_calls("sp_ulysses", q, row * s_loc, reps * n, bwds * n) if stride > 1 \
             else []
         group, seq = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
+    packs = ([None] if documents is None or par.sp_mode == "halo" else
+             [DocumentPositions.of(np.arange(0), d) for d in documents])
+    per = len(packs)                    # the passes share one prediction, or one each
     for layer in layers:
         window = m.layer_window(layer)
-        fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row,
-                                  grad_row)
-                    if par.sp_mode == "halo" else
-                    ring_messages(ring_hops(seq, window), row * s_loc, grad_row * s_loc,
-                                  par.sp_overlap))
-        for (op, nbytes, count, off), times in [(x, reps) for x in fwd] + [(x, bwds) for x in bwd]:
-            peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
-                    if off else None)
-            calls.append(Call(group, op, nbytes, count * times, peer))
+        for docs in packs:
+            fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row,
+                                      grad_row)
+                        if par.sp_mode == "halo" else
+                        ring_messages(document_hops(seq, window, docs), row * s_loc,
+                                      grad_row * s_loc, par.sp_overlap))
+            for (op, nbytes, count, off), times in ([(x, reps // per) for x in fwd]
+                                                    + [(x, bwds // per) for x in bwd]):
+                peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
+                        if off else None)
+                calls.append(Call(group, op, nbytes, count * times, peer))
     return calls
 
 

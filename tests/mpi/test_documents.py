@@ -63,3 +63,46 @@ def test_packed_documents_equal_one_process(world, layout, case):
     finally:
         comm.Free()
     assert_all_ranks(world, fails)
+
+
+LEDGER = [dict(sp=8), dict(sp=4, dp=2, sp_split="zigzag", sp_overlap=True),
+          dict(sp=8, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"),
+          dict(sp=4, pp=2, recompute="full")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", LEDGER, ids=[layout_name(c) for c in LEDGER])
+def test_ring_hops_no_document_crosses_are_not_sent_and_the_planner_knows(world, case):
+    """The ledger's bytes of each step equal the planner's prediction for that step's
+    documents, and the sp ring moves fewer bytes than without documents (in some step)."""
+    from mpipar.plan.traffic import predict_step_bytes
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+    from layouts import token_source
+
+    case = dict(case)
+    recompute = case.pop("recompute", "none")
+    cfg = packed("llama", "docs", **case)
+    cfg.train.recompute = recompute
+    layout = validate(cfg, 8)
+    fails = []
+    try:
+        eng = Engine(layout, world, source=token_source())
+        full, moved = predict_step_bytes(layout, eng.grid.coord), []
+        for step in range(2):
+            eng.ledger.reset()
+            docs = [mb.positions.docs for mb in eng._microbatches(eng.sampler.batch, step)]
+            eng.train_step(step)
+            got, want = eng.ledger.bytes_by_group(), predict_step_bytes(layout, eng.grid.coord,
+                                                                       docs)
+            if got != want:
+                fails.append(f"step {step} {eng.grid.coord}: ledger {got} != predicted {want}")
+            ring = "sp_ring" if "sp_ring" in full else "sp"
+            moved.append(got.get(ring, 0))
+        # a long document may need the whole ring; zigzag's chunks of 2 tokens always do here
+        if case.get("sp_split") != "zigzag" and not min(moved) < full[ring]:
+            fails.append(f"{ring} bytes {moved} never below {full[ring]}")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)

@@ -103,8 +103,11 @@ class ParallelConfig:
     schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     virtual_stages: int = _f(1, "model chunks per pipeline rank (> 1 needs --schedule interleaved)")
     sp_split: str = _f("contiguous", "how a sequence is cut over SP (zigzag: rank i holds chunks i "
-                                     "and 2*sp-1-i, balancing causal work)",
-                       choices=("contiguous", "zigzag"))
+                                     "and 2*sp-1-i, balancing causal work; balanced: with "
+                                     "--document-masking and ring attention, chunks dealt per "
+                                     "microbatch so every rank's intra-document attention "
+                                     "work is equal)",
+                       choices=("contiguous", "zigzag", "balanced"))
     sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
                               "to head groups), hybrid (Ulysses inside groups of "
                               "--ulysses-size sp ranks, ring across them) or halo (sliding "

@@ -104,10 +104,13 @@ class DocumentPositions(np.ndarray):
     ranges: list
     rope: np.ndarray
     memo: dict
+    layout: Any     # --sp-split balanced: this microbatch's sequence split (else None)
 
     @classmethod
-    def of(cls, positions: np.ndarray, docs: np.ndarray) -> "DocumentPositions":
+    def of(cls, positions: np.ndarray, docs: np.ndarray, layout: Any = None
+           ) -> "DocumentPositions":
         out = np.asarray(positions, dtype=np.int64).view(cls)
+        out.layout = layout
         out.docs = np.asarray(docs, dtype=np.int64)
         out.memo = {}                  # what the cores derive once per microbatch (ring hops)
         S = out.docs.shape[1]
@@ -125,10 +128,11 @@ class DocumentPositions(np.ndarray):
         self.ranges = getattr(obj, "ranges", None)
         self.rope = getattr(obj, "rope", None)
         self.memo = getattr(obj, "memo", None)
+        self.layout = getattr(obj, "layout", None)
 
     def with_positions(self, positions: np.ndarray) -> "DocumentPositions":
         """The same documents for other positions of the sequence (``[S']``)."""
-        out = DocumentPositions.of(positions, self.docs)
+        out = DocumentPositions.of(positions, self.docs, self.layout)
         out.memo = self.memo
         return out
 

@@ -52,7 +52,8 @@ from mpipar.parallel.traffic import Call
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord, GridShape
 
-SPLITS = ("contiguous", "zigzag")
+SPLITS = ("contiguous", "zigzag", "balanced")
+CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
 Array = Any
 
 
@@ -63,11 +64,15 @@ def split_parts(sp: int, split: str) -> int:
 
 @dataclass(frozen=True)
 class SeqLayout:
-    """Which global token positions each SP rank holds."""
+    """Which global token positions each SP rank holds. ``balanced``: ``runs[r]``, the
+    (start, length) runs of rank r, chosen per microbatch from its documents
+    (:func:`balanced_layout`); without runs (no documents known) it holds what contiguous
+    does."""
 
     seq_len: int
     sp: int
     split: str = "contiguous"
+    runs: tuple = ()
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -79,7 +84,9 @@ class SeqLayout:
 
     def segments(self, rank: int) -> list[tuple[int, int]]:
         """(start, length) of each contiguous run of global positions held by ``rank``, in order."""
-        if self.split == "contiguous":
+        if self.runs:
+            return list(self.runs[rank])
+        if self.split in ("contiguous", "balanced"):
             n = self.seq_len // self.sp
             return [(rank * n, n)]
         n = self.seq_len // (2 * self.sp)
@@ -105,6 +112,69 @@ def needs_block(layout: SeqLayout, rank: int, src: int, window: int,
     return any(shared_runs(docs, qs, qn, ks, kn, window) if docs is not None
                else runs_visible(qs, qn, ks, kn, window)
                for qs, qn in layout.segments(rank) for ks, kn in layout.segments(src))
+
+
+def token_work(docs: np.ndarray) -> np.ndarray:
+    """Attention work of each position ``[S]`` of a microbatch of packed documents ``docs
+    [B, S]`` (document ids), summed over its rows: the keys a query there sees, its position
+    inside its document + 1 (causal pairs inside one document)."""
+    S = docs.shape[1]
+    work = np.zeros(S, np.int64)
+    for row in np.asarray(docs):
+        cut = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1])
+        work += np.arange(S) - np.repeat(cut, np.diff(np.append(cut, S))) + 1
+    return work
+
+
+def balanced_layout(seq_len: int, sp: int, docs: np.ndarray) -> SeqLayout:
+    """``--sp-split balanced`` for one microbatch: each rank holds ``seq_len / sp`` tokens (the
+    linears' work, equal) in ``c`` chunks of ``n = seq_len / (sp c)`` (c the largest divisor
+    of ``seq_len / sp`` up to :data:`CHUNKS_PER_RANK`), the chunks dealt by attention work
+    (:func:`token_work`) heaviest first in snake order (0..sp-1, sp-1..0, ...), then pairs
+    swapped between the heaviest and the lightest rank while that lowers the heaviest.
+    Bound: max - min rank work <= the heaviest chunk's work (the snake's; swaps only lower
+    the maximum), so max/mean <= 1 + sp * max_chunk / total, whatever the document lengths."""
+    per = seq_len // sp
+    c = max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+    n = per // c
+    work = token_work(docs).reshape(sp * c, n).sum(axis=1)
+    owner = np.empty(sp * c, np.int64)
+    for k, chunk in enumerate(np.argsort(-work, kind="stable")):
+        rnd, j = divmod(k, sp)
+        owner[chunk] = j if rnd % 2 == 0 else sp - 1 - j
+    _swap_down(work, owner, sp)
+    runs = []
+    for r in range(sp):
+        mine, out = np.flatnonzero(owner == r), []
+        for chunk in mine:
+            if out and out[-1][0] + out[-1][1] == chunk * n:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((int(chunk * n), n))
+        runs.append(tuple(out))
+    return SeqLayout(seq_len, sp, "balanced", tuple(runs))
+
+
+def _swap_down(work: np.ndarray, owner: np.ndarray, sp: int, rounds: int = 64) -> None:
+    """Swap one chunk of the heaviest rank with a lighter one of the lightest rank, the swap
+    that brings them closest to equal, while it lowers the heaviest rank's work."""
+    for _ in range(rounds):
+        load = np.bincount(owner, weights=work, minlength=sp)
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        a, b = np.flatnonzero(owner == hi), np.flatnonzero(owner == lo)
+        d = work[a][:, None] - work[b][None, :]          # work moved from hi to lo
+        ok = (d > 0) & (d < gap)
+        if not ok.any():
+            return
+        i, j = np.unravel_index(np.argmin(np.where(ok, np.abs(gap - 2 * d), np.inf)), d.shape)
+        owner[a[i]], owner[b[j]] = lo, hi
+
+
+def rank_work(layout: SeqLayout, docs: np.ndarray) -> np.ndarray:
+    """Attention work of each sp rank ``[sp]`` (:func:`token_work` over its positions)."""
+    work = token_work(docs)
+    return np.array([work[layout.positions(r)].sum() for r in range(layout.sp)])
 
 
 @dataclass(frozen=True)
@@ -222,11 +292,16 @@ class RingAttention:
         self.q_segs = seq_layout.segments(sp.rank)
         self.q_slices = _local_slices(self.q_segs)
 
-    def _pairs(self, src: int, window: int):
+    def _layout(self, docs: DocumentPositions | None) -> SeqLayout:
+        """The split of this microbatch: its own under ``--sp-split balanced``, else the run's."""
+        return self.seq_layout if docs is None or docs.layout is None else docs.layout
+
+    def _pairs(self, src: int, window: int, docs: DocumentPositions | None = None):
         """(q slice, q start, k slice, k start) of every (query run, key run) pair of block ``src``
         that the causal mask and the window do not empty entirely."""
-        k_segs = self.seq_layout.segments(src)
-        for qsl, (qs, qn) in zip(self.q_slices, self.q_segs):
+        layout = self._layout(docs)
+        k_segs, q_segs = layout.segments(src), layout.segments(self.rank)
+        for qsl, (qs, qn) in zip(_local_slices(q_segs), q_segs):
             for ksl, (ks, kn) in zip(_local_slices(k_segs), k_segs):
                 if runs_visible(qs, qn, ks, kn, window):
                     yield qsl, qs, ksl, ks
@@ -272,8 +347,8 @@ class RingAttention:
                       else xp.float32)
         kv = xp.ascontiguousarray(xp.stack([k, v]))  # one message per hop: [2, B, S, hkv, D]
         docs = documents_of(positions)
-        for src, blk in self._blocks(kv, document_hops(self.seq_layout, window, docs), tag=0):
-            for qsl, qs, ksl, ks in self._pairs(src, window):
+        for src, blk in self._blocks(kv, document_hops(self._layout(docs), window, docs), tag=0):
+            for qsl, qs, ksl, ks in self._pairs(src, window, docs):
                 res = attend_fwd(self.kernels, q[:, qsl], blk[0][:, ksl], blk[1][:, ksl], qs, ks,
                                  window, docs)
                 if res is not None:    # None: no pair of one document (packed documents)
@@ -290,7 +365,7 @@ class RingAttention:
         dq = xp.zeros(q.shape, acc)
         dk, dv = xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
         self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window, docs)
-        hops = document_hops(self.seq_layout, window, docs)
+        hops = document_hops(self._layout(docs), window, docs)
         for i, (d, h) in enumerate(hops.relays()):
             relay = self._relay_overlapped if self.overlap else self._relay
             home = relay(q, k, v, out, lse, dout, dq, d, h, window,
@@ -342,7 +417,7 @@ class RingAttention:
     def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int, window: int,
                      docs=None) -> None:
         """Add block ``src``'s contributions to dq (this rank's) and dk, dv (the block's)."""
-        for qsl, qs, ksl, ks in self._pairs(src, window):
+        for qsl, qs, ksl, ks in self._pairs(src, window, docs):
             res = attend_bwd(self.kernels, q[:, qsl], k[:, ksl], v[:, ksl], out[:, qsl],
                              lse[:, :, qsl], dout[:, qsl], qs, ks, window, docs)
             if res is None:
@@ -635,6 +710,10 @@ def check_config(layout: Layout) -> None:
             f"train.seq_len={t.seq_len}: must be divisible by "
             + (f"2*sp = {parts} for the zigzag split" if p.sp_split == "zigzag"
                else f"parallel.sp={p.sp}"))
+    require(p.sp_split != "balanced" or (t.document_masking and p.sp_mode == "ring"),
+            f"parallel.sp_split='balanced': deals each microbatch's documents over ring "
+            f"attention; needs --document-masking and --sp-mode ring (got "
+            f"document_masking={t.document_masking}, sp_mode={p.sp_mode!r})")
     require(p.ulysses_size >= 0, f"parallel.ulysses_size={p.ulysses_size}: must be >= 0")
     require(p.sp_mode == "hybrid" or p.ulysses_size == 0,
             f"parallel.ulysses_size={p.ulysses_size}: needs --sp-mode hybrid")
@@ -683,12 +762,14 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
         calls += _ulysses_calls("sp_ulysses", q, row * s_loc, reps * n, bwds * n) if stride > 1 \
             else []
         group, seq = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
-    packs = ([None] if documents is None or par.sp_mode == "halo" else
-             [DocumentPositions.of(np.arange(0), d) for d in documents])
+    packs = ([(None, seq)] if documents is None or par.sp_mode == "halo" else
+             [(DocumentPositions.of(np.arange(0), d),
+               balanced_layout(tr.seq_len, par.sp, d) if par.sp_split == "balanced" else seq)
+              for d in documents])
     per = len(packs)                    # the passes share one prediction, or one each
     for layer in layers:
         window = m.layer_window(layer)
-        for docs in packs:
+        for docs, seq in packs:
             fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row,
                                       grad_row)
                         if par.sp_mode == "halo" else

@@ -52,6 +52,7 @@ from mpipar.model.params import init_param
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
+                                     balanced_layout, rank_work,
                                      UlyssesAttention)
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
@@ -241,20 +242,46 @@ class Engine:
         once each."""
         d, rows, mbs = self.grid.coord.dp, self.rows_per_dp, self.cfg.train.micro_batch_size
         inputs, targets = batch(k, slice(d * rows, (d + 1) * rows))
-        packed = [self._packed(inputs[i * mbs:(i + 1) * mbs]) for i in range(self.microbatches)]
-        inputs, targets = inputs[:, self.positions], targets[:, self.positions]
-        return [Microbatch(self.xp.asarray(inputs[i * mbs:(i + 1) * mbs]),
-                           self.xp.asarray(targets[i * mbs:(i + 1) * mbs]), *packed[i])
-                for i in range(self.microbatches)]
+        out = []
+        for i in range(self.microbatches):
+            rows = slice(i * mbs, (i + 1) * mbs)
+            positions, counted = self._packed(inputs[rows])
+            at = self.positions if positions is None else np.asarray(positions)
+            out.append(Microbatch(self.xp.asarray(inputs[rows][:, at]),
+                                  self.xp.asarray(targets[rows][:, at]), positions,
+                                  None if counted is None else self.xp.asarray(counted[:, at])))
+        return out
 
     def _packed(self, inputs: np.ndarray) -> tuple[Any, Any]:
-        """(DocumentPositions or None, counted targets or None) of a microbatch whose whole
-        input rows ``[mbs, S]`` are ``inputs`` (:mod:`mpipar.data.packing`)."""
-        tr = self.cfg.train
-        positions = (DocumentPositions.of(self.positions, document_ids(inputs, self.eos))
-                     if tr.document_masking else None)
-        counted = counted_targets(inputs, tr, self.eos)
-        return positions, None if counted is None else self.xp.asarray(counted[:, self.positions])
+        """(DocumentPositions or None, counted targets ``[mbs, S]`` or None) of a microbatch
+        whose whole input rows ``[mbs, S]`` are ``inputs`` (:mod:`mpipar.data.packing`); under
+        ``--sp-split balanced`` the positions are this microbatch's split's."""
+        tr, positions = self.cfg.train, None
+        if tr.document_masking:
+            docs = document_ids(inputs, self.eos)
+            split = (balanced_layout(tr.seq_len, self.seq_layout.sp, docs)
+                     if self.seq_layout.split == "balanced" else None)
+            at = self.positions if split is None else split.positions(self.grid.coord.sp)
+            positions = DocumentPositions.of(at, docs, split)
+        return positions, counted_targets(inputs, tr, self.eos)
+
+    def _attention_imbalance(self, step: int) -> float | None:
+        """Max/mean of the sp ranks' attention work (causal pairs inside documents) in step
+        ``step``, the worst dp replica's; every rank reads the whole batch (no message)."""
+        tr, seq = self.cfg.train, self.seq_layout
+        if not tr.document_masking or seq.sp == 1:
+            return None
+        inputs, mbs, worst = self.sampler.batch(step)[0], tr.micro_batch_size, 1.0
+        for replica in range(self.layout.dp):
+            work = 0
+            for i in range(self.microbatches):
+                first = replica * self.rows_per_dp + i * mbs
+                docs = document_ids(inputs[first:first + mbs], self.eos)
+                split = (balanced_layout(tr.seq_len, seq.sp, docs) if seq.split == "balanced"
+                         else seq)
+                work = work + rank_work(split, docs)
+            worst = max(worst, float(work.max() / work.mean()))
+        return worst
 
     def _loss_divisor(self, batch: Callable[[int, slice], tuple], k: int) -> int:
         """The targets of global batch ``k`` of ``batch`` that carry loss (every rank reads the
@@ -295,7 +322,8 @@ class Engine:
             self.optimizer.step(lr)
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
-        return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens)
+        return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
+                          self._attention_imbalance(step))
 
     def _global_sum(self, loss: float) -> float:
         """The sum over the world of the last stage's summed token losses (over dp x sp, then

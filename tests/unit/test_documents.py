@@ -170,3 +170,65 @@ def two_steps_plain():
     losses, _, _, eng = run(small_config("float64"), MPI.COMM_SELF)
     eng.close()
     return losses
+
+
+# ------------------------------------------------------------------------ --sp-split balanced
+@pytest.mark.parametrize("seq,sp", [(104, 8), (96, 4), (64, 2), (4096, 8), (3000, 6)])
+def test_the_balanced_split_holds_every_token_once_and_keeps_its_bound(seq, sp):
+    """Each rank holds seq/sp tokens, every position once; max - min rank work <= the heaviest
+    chunk's work, for documents of every shape: one, many short, log-normal, a giant and dust."""
+    from mpipar.parallel.context import CHUNKS_PER_RANK, balanced_layout, rank_work, token_work
+    rng = np.random.default_rng(seq + sp)
+    cases = [np.zeros((1, seq), np.int64), np.repeat(np.arange(seq), 1)[None],
+             np.sort(rng.integers(0, max(1, seq // 200), seq))[None],
+             np.concatenate([np.zeros(seq - seq // 10, np.int64),
+                             np.arange(1, seq // 10 + 1)])[None],
+             np.sort(rng.integers(0, 5, (2, seq)), axis=1)]
+    per = seq // sp
+    c = max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+    for docs in cases:
+        layout = balanced_layout(seq, sp, docs)
+        held = np.concatenate([layout.positions(r) for r in range(sp)])
+        assert all(len(layout.positions(r)) == per for r in range(sp))
+        assert np.array_equal(np.sort(held), np.arange(seq))
+        work = rank_work(layout, docs)
+        heaviest = token_work(docs).reshape(sp * c, per // c).sum(axis=1).max()
+        assert work.max() - work.min() <= heaviest
+        assert work.sum() == token_work(docs).sum()
+
+
+def test_the_balanced_split_is_within_5_percent_on_log_normal_documents():
+    from mpipar.bench.documents import packed_documents
+    from mpipar.parallel.context import SeqLayout, balanced_layout, rank_work
+    rng = np.random.default_rng(0)
+    for seq, sp in ((8192, 4), (8192, 8)):
+        docs = packed_documents(seq, 200, 1.0, rng)
+        w = rank_work(balanced_layout(seq, sp, docs), docs)
+        assert w.max() / w.mean() <= 1.05
+        w = rank_work(SeqLayout(seq, sp), docs)
+        assert w.max() / w.mean() > 1.05      # contiguous is not balanced on these
+
+
+# --------------------------------------------------------------------------------------- rules
+@pytest.mark.parametrize("train,parallel,model,needle", [
+    ({}, {"sp": 2, "sp_split": "balanced"}, {}, "needs --document-masking and --sp-mode ring"),
+    ({"document_masking": True, "eos_token_id": 3},
+     {"sp": 2, "sp_split": "balanced", "sp_mode": "ulysses"}, {}, "--sp-mode ring"),
+    ({"eos_token_id": 3}, {}, {}, "needs --document-masking or --eod-mask-loss"),
+    ({"document_masking": True}, {}, {}, "records no EOS token; give --eos-token-id"),
+    ({"eod_mask_loss": True, "eos_token_id": 13}, {}, {}, "must be < model.vocab_size=13"),
+    ({"document_masking": True, "eos_token_id": 3}, {},
+     {"rope_type": "dynamic", "rope_factor": 2.0, "rope_original_max_positions": 8},
+     "dynamic NTK"),
+])
+def test_bad_document_options_name_the_rule(train, parallel, model, needle):
+    from layouts import small_config
+    from mpipar.config import ConfigError
+    from mpipar.rules import validate
+    cfg = small_config("float64", **parallel)
+    for obj, values in ((cfg.train, train), (cfg.model, model)):
+        for name, value in values.items():
+            setattr(obj, name, value)
+    with pytest.raises(ConfigError, match=None) as err:
+        validate(cfg, parallel.get("sp", 1))
+    assert needle in str(err.value)

@@ -239,6 +239,9 @@ class TrainConfig:
     eos_token_id: int = _f(-1, "the end-of-text token of --document-masking and "
                                "--eod-mask-loss; -1: the EOS recorded by data prepare "
                                "--tokenizer (byte data records none: give it)")
+    loss_mask: bool = _f(False, "SFT: train on the completion tokens only (the loss_mask "
+                                "stream of data prepare --sft); the loss is the mean over the "
+                                "counted targets of the global batch")
     eod_mask_loss: bool = _f(False, "targets at positions whose input is the EOS token carry "
                                     "no loss; the loss is the mean over the counted targets of "
                                     "the global batch")

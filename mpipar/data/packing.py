@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from mpipar.config import TrainConfig, require
-from mpipar.data.sources import DataError, recorded_tokenizer
+from mpipar.data.sft import loss_mask_source
+from mpipar.data.sources import DataError, Sampler, recorded_tokenizer
 from mpipar.layout import Layout
 from mpipar.runtime.device import resolve_device
 
@@ -30,17 +31,37 @@ def eos_id(train: TrainConfig) -> int:
     return int(tok["eos_id"])
 
 
+def masks_loss(train: TrainConfig) -> bool:
+    """Whether some targets carry no loss (``--eod-mask-loss`` or ``--loss-mask``)."""
+    return train.eod_mask_loss or train.loss_mask
+
+
+def sample_indices(batcher, k: int, rows: slice) -> np.ndarray:
+    """The sample indices behind ``batcher.batch(k, rows)`` (a Sampler's step or an EvalSet's
+    batch): where the loss mask of those rows is read."""
+    if isinstance(batcher, Sampler):
+        return batcher.indices(k)[rows]
+    return batcher.indices[k * batcher.batch_size:(k + 1) * batcher.batch_size][rows]
+
+
 def uses_eos(train: TrainConfig) -> bool:
     """Whether the run reads the EOS token (documents or the EOS loss mask)."""
     return train.document_masking or train.eod_mask_loss
 
 
-def counted_targets(inputs: np.ndarray, train: TrainConfig, eos: int) -> np.ndarray | None:
-    """1.0 where a target carries loss, 0.0 where not (``--eod-mask-loss``: the input is EOS),
-    ``[B, S]`` float64; None when every target counts."""
-    if not train.eod_mask_loss:
+def counted_targets(inputs: np.ndarray, train: TrainConfig, eos: int | None,
+                    mask: np.ndarray | None = None) -> np.ndarray | None:
+    """1.0 where a target carries loss, 0.0 where not, ``[B, S]`` float64 (``--eod-mask-loss``:
+    the input is EOS; ``--loss-mask``: ``mask [B, S + 1]`` of the samples is 0 at the target's
+    token); None when every target counts."""
+    if not masks_loss(train):
         return None
-    return (np.asarray(inputs) != eos).astype(np.float64)
+    out = np.ones(np.shape(inputs), np.float64)
+    if train.eod_mask_loss:
+        out *= np.asarray(inputs) != eos
+    if train.loss_mask:
+        out *= np.asarray(mask)[:, 1:] != 0
+    return out
 
 
 def check_config(layout: Layout) -> None:
@@ -48,6 +69,11 @@ def check_config(layout: Layout) -> None:
     loss mask are asked for, and none otherwise; RoPE scaled by the sequence's length (dynamic)
     cannot restart per document; the GPU kernels are not verified with document masks."""
     t, m = layout.train, layout.model
+    if t.loss_mask:
+        try:
+            loss_mask_source(t.data, t.seq_len)
+        except (DataError, OSError) as exc:
+            require(False, f"train.loss_mask=True: {exc}")
     if not uses_eos(t):
         require(t.eos_token_id == -1,
                 f"train.eos_token_id={t.eos_token_id}: needs --document-masking or "

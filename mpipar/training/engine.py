@@ -45,7 +45,8 @@ from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
 from mpipar.observe.metrics import EvalResult, StepResult
 from mpipar.data.sources import Sampler, TokenSource, load_tokens, validation
-from mpipar.data.packing import counted_targets, eos_id, uses_eos
+from mpipar.data.packing import counted_targets, eos_id, sample_indices, uses_eos
+from mpipar.data.sft import loss_mask_source
 from mpipar.model.attention import DocumentPositions, LocalAttention, document_ids
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.params import init_param
@@ -83,6 +84,7 @@ class Engine:
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
                                train_samples)
         self.eos = eos_id(tr) if uses_eos(tr) else None   # packed documents' end-of-text
+        self.masks = loss_mask_source(tr.data, tr.seq_len) if tr.loss_mask else None  # SFT
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
         if par.sp_mode == "hybrid":
             self.grid.split_sp(par.ulysses_size)
@@ -242,17 +244,26 @@ class Engine:
         once each."""
         d, rows, mbs = self.grid.coord.dp, self.rows_per_dp, self.cfg.train.micro_batch_size
         inputs, targets = batch(k, slice(d * rows, (d + 1) * rows))
+        masks = self._masks(batch, k, slice(d * rows, (d + 1) * rows))
         out = []
         for i in range(self.microbatches):
             rows = slice(i * mbs, (i + 1) * mbs)
-            positions, counted = self._packed(inputs[rows])
+            positions, counted = self._packed(inputs[rows], None if masks is None
+                                              else masks[rows])
             at = self.positions if positions is None else np.asarray(positions)
             out.append(Microbatch(self.xp.asarray(inputs[rows][:, at]),
                                   self.xp.asarray(targets[rows][:, at]), positions,
                                   None if counted is None else self.xp.asarray(counted[:, at])))
         return out
 
-    def _packed(self, inputs: np.ndarray) -> tuple[Any, Any]:
+    def _masks(self, batch: Callable[[int, slice], tuple], k: int, rows: slice
+               ) -> np.ndarray | None:
+        """``--loss-mask``: the loss masks ``[rows, S + 1]`` of those rows' samples."""
+        if self.masks is None:
+            return None
+        return self.masks.sample(sample_indices(batch.__self__, k, rows))
+
+    def _packed(self, inputs: np.ndarray, masks: np.ndarray | None = None) -> tuple[Any, Any]:
         """(DocumentPositions or None, counted targets ``[mbs, S]`` or None) of a microbatch
         whose whole input rows ``[mbs, S]`` are ``inputs`` (:mod:`mpipar.data.packing`); under
         ``--sp-split balanced`` the positions are this microbatch's split's."""
@@ -263,7 +274,7 @@ class Engine:
                      if self.seq_layout.split == "balanced" else None)
             at = self.positions if split is None else split.positions(self.grid.coord.sp)
             positions = DocumentPositions.of(at, docs, split)
-        return positions, counted_targets(inputs, tr, self.eos)
+        return positions, counted_targets(inputs, tr, self.eos, masks)
 
     def _attention_imbalance(self, step: int) -> float | None:
         """Max/mean of the sp ranks' attention work (causal pairs inside documents) in step
@@ -287,9 +298,11 @@ class Engine:
         """The targets of global batch ``k`` of ``batch`` that carry loss (every rank reads the
         whole batch's inputs: the count is layout-invariant and needs no message)."""
         tr = self.cfg.train
-        if not tr.eod_mask_loss:
+        if not (tr.eod_mask_loss or tr.loss_mask):
             return tr.global_batch_size * tr.seq_len
-        return max(1, int(counted_targets(batch(k, slice(None))[0], tr, self.eos).sum()))
+        counted = counted_targets(batch(k, slice(None))[0], tr, self.eos,
+                                  self._masks(batch, k, slice(None)))
+        return max(1, int(counted.sum()))
 
     def train_step(self, step: int) -> StepResult:
         """Run optimizer step ``step`` (0-based) and return its result (the same on every rank)."""

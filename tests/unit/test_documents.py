@@ -232,3 +232,50 @@ def test_bad_document_options_name_the_rule(train, parallel, model, needle):
     with pytest.raises(ConfigError, match=None) as err:
         validate(cfg, parallel.get("sp", 1))
     assert needle in str(err.value)
+
+
+# ------------------------------------------------------------------------------ SFT loss masks
+from small_tokenizers import tokenizer_dir  # noqa: E402,F401  (the word-level fixture)
+
+PAIRS = [("the cat", "sat on the mat"), ("the mat", "sat"), ("cat on the", "mat on")]
+
+
+def test_sft_prepare_and_loss_mask_count_completion_tokens_only(tmp_path, tokenizer_dir):
+    """Words are tokens: the pairs hold 2+5, 2+2, 3+3 tokens (completions with their EOS), 17
+    a round and 10 of them completion; four rounds are 68 tokens. Eight samples of 8 inputs read
+    positions 0..64, whose targets are positions 1..64: 40 completion tokens less the last
+    example's 3 (positions 65..67) = 37 counted targets. The step's loss is the mean of the
+    per-token losses over exactly those."""
+    import json
+    from mpi4py import MPI
+    from layouts import small_config
+    from mpipar.data.sft import prepare_sft
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
+                             for _ in range(4) for p, c in PAIRS))
+    out = tmp_path / "sft.h5"
+    assert prepare_sft(jsonl, out, tokenizer_dir) == (68, 12, 40)
+    cfg = small_config("float64")
+    cfg.model.vocab_size, cfg.train.seq_len, cfg.train.data = 7, 8, str(out)
+    cfg.train.loss_mask, cfg.train.micro_batch_size = True, 8
+    eng = Engine(validate(cfg, 1), MPI.COMM_SELF)
+    assert eng._loss_divisor(eng.sampler.batch, 0) == 37
+    inputs, targets = eng.sampler.batch(0)
+    losses, _ = eng.chunks[0].forward(eng.params, inputs, np.arange(8), targets)
+    completion = set()                   # stream positions of completion tokens, by hand
+    at = 0
+    for _ in range(4):
+        for p, c in PAIRS:
+            at += len(p.split())
+            completion |= set(range(at, at + len(c.split()) + 1))
+            at += len(c.split()) + 1
+    idx = eng.sampler.indices(0)
+    counted = np.array([[8 * i + j + 1 in completion for j in range(8)] for i in idx])
+    assert counted.sum() == 37
+    result = eng.train_step(0)
+    assert result.loss == pytest.approx(float(losses[counted].sum()) / 37, rel=1e-12)
+    assert result.loss != pytest.approx(float(losses.mean()), rel=1e-6)
+    eng.close()

@@ -110,3 +110,31 @@ def test_ring_hops_no_document_crosses_are_not_sent_and_the_planner_knows(world,
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
     assert_all_ranks(world, fails)
+
+
+def _eval_loss(world_size: int, comm=None, **parallel) -> float:
+    from mpi4py import MPI
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+    from layouts import token_source
+    cfg = packed("llama", "eod", **parallel)
+    cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
+    eng = Engine(validate(cfg, world_size), comm or MPI.COMM_SELF, source=token_source())
+    eng.train_step(0)
+    loss = eng.evaluate().loss
+    eng.close()
+    return loss
+
+
+@pytest.mark.mpi(min_size=8)
+def test_validation_loss_with_documents_and_eod_mask_equals_one_process(world):
+    """The validation pass reads each microbatch's documents and counted targets too."""
+    fails = []
+    try:
+        got = _eval_loss(8, world, dp=2, pp=2, sp=2, sp_split="balanced")
+        want = _eval_loss(1)
+        if abs(got - want) > 1e-10 * abs(want):
+            fails.append(f"validation loss {got!r} vs one process {want!r}")
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)

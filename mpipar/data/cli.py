@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text",
                       help="the text field of .jsonl records and Parquet rows (default: text)")
     prep.add_argument("--sft", action="store_true",
-                      help="INPUT is one JSONL file of {prompt, completion} records: write each "
+                      help="INPUT is one JSONL file of {prompt, completion} (or chat messages) "
+                           "records: write each "
                            "as prompt + completion + EOS with a loss_mask stream (1 on the "
                            "completion and its EOS) for --loss-mask; needs --tokenizer")
     prep.add_argument("--workers", type=int, default=0,

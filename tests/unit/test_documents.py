@@ -279,3 +279,24 @@ def test_sft_prepare_and_loss_mask_count_completion_tokens_only(tmp_path, tokeni
     assert result.loss == pytest.approx(float(losses[counted].sum()) / 37, rel=1e-12)
     assert result.loss != pytest.approx(float(losses.mean()), rel=1e-6)
     eng.close()
+
+
+def test_sft_chat_messages_mask_the_reply_rendered_by_the_chat_template(tmp_path, tokenizer_dir):
+    """Template "ROLE CONTENT " per message, "assistant " as the generation prompt: the prompt
+    "user the cat assistant " is 4 word tokens (roles are [UNK]), the reply "sat on the mat " 4
+    plus the EOS: 9 tokens, 5 of them completion."""
+    import json
+    import h5py
+    from mpipar.data.sft import prepare_sft
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+                               "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text(json.dumps({"messages": [{"role": "user", "content": "the cat"},
+                                              {"role": "assistant",
+                                               "content": "sat on the mat"}]}) + "\n")
+    assert prepare_sft(jsonl, tmp_path / "chat.h5", tokenizer_dir) == (9, 1, 5)
+    with h5py.File(tmp_path / "chat.h5") as f:
+        assert f["loss_mask"][:].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1]
+        assert f["tokens"][-1] == 0                    # the EOS "</s>"

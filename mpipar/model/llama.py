@@ -287,7 +287,7 @@ class LlamaStage:
     def _tables(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
         c = self.cfg
         return self.kernels.rope_cos_sin(
-            self.kernels.xp.asarray(np.asarray(positions)), c.head_dim, c.rope_theta, dtype,
+            self.kernels.xp.asarray(positions), c.head_dim, c.rope_theta, dtype,
             scaling=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
             high_freq_factor=c.rope_high_freq_factor,
             original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)

@@ -90,7 +90,7 @@ def check_config(layout: Layout) -> None:
         require(m.rope_type != "dynamic",
                 f"model.rope_type='dynamic' with --document-masking: dynamic NTK scales by the "
                 f"whole sequence's length, which a document does not have; use default, linear "
-                f"or llama3")
+                "or llama3")
         require(t.backend != "cupy" and resolve_device(t.device) != "cuda",
                 f"train.document_masking with train.device={t.device!r}, "
                 f"train.backend={t.backend!r}: document masks are verified on the CPU kernels "

@@ -485,6 +485,14 @@ def visible_mask(xp: ModuleType, sq: int, sk: int, q_offset: int, k_offset: int,
     return kpos <= qpos
 
 
+def document_mask(q_docs: Array, k_docs: Array) -> Array:
+    """Boolean `[B, 1, 1, Sq, Sk]` (broadcast over kv heads and their query heads): key j is in
+    query i's document, from document ids q_docs `[B, Sq]` and k_docs `[B, Sk]`."""
+    xp = array_module(q_docs)
+    qd, kd = xp.asarray(q_docs), xp.asarray(k_docs)
+    return (qd[:, :, None] == kd[:, None, :])[:, None, None]
+
+
 def check_window(window: int, causal: bool, name: str) -> None:
     """A sliding window is a non-negative key count (0: none) and needs causal attention."""
     require(int(window) == window and window >= 0, f"{name}: window={window} must be an integer >= 0")
@@ -504,13 +512,16 @@ def _grouped_scores(q: Array, k: Array, scale: float) -> Array:
 @mixed_precision(0)
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
                   causal: bool = True, scale: float | None = None,
-                  window: int = 0) -> tuple[Array, Array]:
+                  window: int = 0, q_docs: Array | None = None,
+                  k_docs: Array | None = None) -> tuple[Array, Array]:
     """Softmax attention of one block of queries over one block of keys.
 
     q: `[B, Sq, Hq, D]`, k, v: `[B, Sk, Hkv, D]`; query head h reads kv head h // (Hq // Hkv).
     Query i sits at global position q_offset + i, key j at k_offset + j; with `causal` key j is
     visible iff k_offset + j <= q_offset + i, and with a sliding `window` W > 0 only if also
-    q_offset + i - (k_offset + j) < W (see `visible_mask`).
+    q_offset + i - (k_offset + j) < W (see `visible_mask`). Packed documents: with `q_docs`
+    `[B, Sq]` and `k_docs` `[B, Sk]` (document ids) a key is visible only to queries of its own
+    document (`document_mask`).
     Returns out `[B, Sq, Hq, D]` (q's dtype) and lse `[B, Hq, Sq]` = log sum_j exp(scale q.k_j) over
     visible keys (float64 for float64 q, else float32); rows with no visible key: out 0, lse -inf.
     bf16 q, k, v: scores, softmax and P V in float32, out = r(that float32 result), lse float32.
@@ -523,6 +534,8 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     s = _grouped_scores(q, k, attention_scale(d, scale))  # [B, Hkv, G, Sq, Sk]
     if causal:
         s = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset, window), s, -np.inf)
+    if q_docs is not None:
+        s = xp.where(document_mask(q_docs, k_docs), s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if sk > 0 else xp.full(s.shape[:-1] + (1,), -np.inf, q.dtype)
     m_safe = xp.where(xp.isfinite(m), m, 0.0).astype(q.dtype, copy=False)
     p = xp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
@@ -539,9 +552,10 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 @mixed_precision()
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
+                  scale: float | None = None, window: int = 0, q_docs: Array | None = None,
+                  k_docs: Array | None = None) -> tuple[Array, Array, Array]:
     """Gradients of `attention_fwd` for one key block, given the (possibly merged) out and lse
-    (with the same causal mask and sliding `window`).
+    (with the same causal mask, sliding `window` and documents).
 
     q, out, dout: `[B, Sq, Hq, D]`, k, v: `[B, Sk, Hkv, D]`, lse: `[B, Hq, Sq]`.
     `out`/`lse` may be the results merged over all key blocks (ring attention); then the sum over
@@ -569,6 +583,8 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     if causal:
         p = xp.where(visible_mask(xp, sq, sk, q_offset, k_offset, window), p, 0.0).astype(q.dtype,
                                                                                       copy=False)
+    if q_docs is not None:
+        p = xp.where(document_mask(q_docs, k_docs), p, 0.0).astype(q.dtype, copy=False)
     dog = dout.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, Sq, D]
     qg = q.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4)
     delta = (dout * out).sum(axis=-1).reshape(b, sq, hkv, g).transpose(0, 2, 3, 1)[..., None]

@@ -103,8 +103,11 @@ class ParallelConfig:
     schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     virtual_stages: int = _f(1, "model chunks per pipeline rank (> 1 needs --schedule interleaved)")
     sp_split: str = _f("contiguous", "how a sequence is cut over SP (zigzag: rank i holds chunks i "
-                                     "and 2*sp-1-i, balancing causal work)",
-                       choices=("contiguous", "zigzag"))
+                                     "and 2*sp-1-i, balancing causal work; balanced: with "
+                                     "--document-masking and ring attention, chunks dealt per "
+                                     "microbatch so every rank's intra-document attention "
+                                     "work is equal)",
+                       choices=("contiguous", "zigzag", "balanced"))
     sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
                               "to head groups), hybrid (Ulysses inside groups of "
                               "--ulysses-size sp ranks, ring across them) or halo (sliding "
@@ -249,6 +252,19 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches of global_batch_size sequences, evenly spaced "
                               "over the validation samples, the same at every evaluation")
     seed: int = _f(1234, "seed for initialisation and data order")
+    document_masking: bool = _f(False, "packed documents: a token attends only to earlier tokens "
+                                       "of its own document (documents end at the EOS token, "
+                                       "which belongs to the document it ends) and RoPE "
+                                       "positions restart at 0 at each document start")
+    eos_token_id: int = _f(-1, "the end-of-text token of --document-masking and "
+                               "--eod-mask-loss; -1: the EOS recorded by data prepare "
+                               "--tokenizer (byte data records none: give it)")
+    loss_mask: bool = _f(False, "SFT: train on the completion tokens only (the loss_mask "
+                                "stream of data prepare --sft); the loss is the mean over the "
+                                "counted targets of the global batch")
+    eod_mask_loss: bool = _f(False, "targets at positions whose input is the EOS token carry "
+                                    "no loss; the loss is the mean over the counted targets of "
+                                    "the global batch")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
     save_dir: str = _f("", "checkpoint directory (step_NNNNNNNN/ per checkpoint, plus `latest`); "

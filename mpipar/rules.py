@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mpipar.config import Config
-from mpipar.data import sources
+from mpipar.data import packing, sources
 from mpipar.layout import Layout, resolve
 from mpipar.parallel import context, data_parallel, fsdp, tensor
 from mpipar.parallel.pipeline import schedule
@@ -29,6 +29,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("data parallel", data_parallel.check_config),  # buckets, hierarchical nodes, compression
     ("fsdp", fsdp.check_config),            # ZeRO-2/3 groups, prefetch, node shared memory
     ("eval", sources.check_config),         # the validation set
+    ("documents", packing.check_config),    # EOS id, document masking, the EOS loss mask
     ("optimizer", optim.check_config),      # AdamW and the LR schedule
     ("backend", device.check_config),       # kernels, device, dtype, CUDA-aware MPI
 )

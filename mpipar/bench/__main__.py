@@ -32,6 +32,9 @@ Sections:
                (mpipar.kernels.cuda_gate), whose exit status the command returns
   compression  convergence of gradient compression: the default model trained under mpirun with
                no, int8 and top-k compression, with and without error feedback (loss table, plot)
+  documents    packed documents: max/mean attention work per sp rank under the contiguous,
+               zigzag and balanced splits (log-normal document lengths); document-masked
+               attention time against full causal at seq 8192
   precision    mixed precision: the default run under mpirun in float32 and in bfloat16 (with a
                float32 and a bf16 gradient reduction), final losses side by side
   checkpoint   the step time a checkpoint costs, synchronous against --async-save, under
@@ -48,13 +51,13 @@ import sys
 
 # The harness first: it sets this process's thread budget before the sections load NumPy.
 from mpipar.bench import harness
-from mpipar.bench import (checkpoint, comm, compression, gpu, kernels, memory, planner,
-                          precision, train, window)
+from mpipar.bench import (checkpoint, comm, compression, documents, gpu, kernels, memory,
+                          planner, precision, train, window)
 
 SECTIONS: dict[str, harness.Section] = {
     s.name: s for s in (kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
                         planner.SECTION, train.SECTION, gpu.SECTION, compression.SECTION,
-                        precision.SECTION, checkpoint.SECTION)}
+                        precision.SECTION, checkpoint.SECTION, documents.SECTION)}
 """Section name -> section, in the order a run without a subcommand takes them."""
 
 

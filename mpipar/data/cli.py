@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="end-of-document token (default: eos_token of tokenizer_config.json)")
     prep.add_argument("--text-field", default="text",
                       help="the text field of .jsonl records and Parquet rows (default: text)")
+    prep.add_argument("--sft", action="store_true",
+                      help="INPUT is one JSONL file of {prompt, completion} (or chat messages) "
+                           "records: write each "
+                           "as prompt + completion + EOS with a loss_mask stream (1 on the "
+                           "completion and its EOS) for --loss-mask; needs --tokenizer")
     prep.add_argument("--workers", type=int, default=0,
                       help="processes encoding files in parallel (default 0: one per CPU, at "
                            "most one per file); the output does not depend on it")
@@ -42,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prepare_command(args: argparse.Namespace) -> None:
+    if args.sft:
+        if args.tokenizer is None or len(args.texts) != 1:
+            raise DataError("--sft needs --tokenizer and one JSONL file of prompt/completion "
+                            "records")
+        from mpipar.data.sft import prepare_sft
+        tokens, examples, counted = prepare_sft(args.texts[0], args.out, args.tokenizer, args.eos)
+        print(f"wrote {args.out}: {tokens} tokens in {examples} example(s), {counted} of them "
+              f"completion tokens (loss_mask 1); train with --loss-mask")
+        return
     if args.tokenizer is None:
         extra = [f for f in ("eos", "workers") if getattr(args, f)]
         extra += ["text_field"] if args.text_field != "text" else []

@@ -67,11 +67,140 @@ class LocalAttention:
 
     def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray,
                 window: int = 0) -> tuple[Array, Any]:
-        offset = int(positions[0])
-        out, lse = self.kernels.attention_fwd(q, k, v, offset, offset, True, window=window)
-        return out, (lse, offset)
+        offset, docs = int(positions[0]), documents_of(positions)
+        out, lse = attend_fwd(self.kernels, q, k, v, offset, offset, window, docs)
+        return out, (lse, offset, docs)
 
     def backward(self, dout, q, k, v, out, saved, window: int = 0):
-        lse, offset = saved
-        return as_activations(self.kernels.attention_bwd(q, k, v, out, lse, dout, offset, offset,
-                                                         True, window=window), q)
+        lse, offset, docs = saved
+        return as_activations(attend_bwd(self.kernels, q, k, v, out, lse, dout, offset, offset,
+                                         window, docs), q)
+
+
+# ------------------------------------------------------------------------------- packed documents
+def runs_visible(qs: int, qn: int, ks: int, kn: int, window: int) -> bool:
+    """Whether some key of the run ``[ks, ks + kn)`` is visible to some query of
+    ``[qs, qs + qn)``: causal (key <= query) and, with a window W > 0, query - key < W."""
+    return qn > 0 and kn > 0 and ks <= qs + qn - 1 and (window == 0 or qs - (ks + kn - 1) < window)
+
+
+def document_ids(tokens: np.ndarray, eos: int) -> np.ndarray:
+    """Document of every position of packed samples ``tokens [B, S]`` -> int64 ``[B, S]``: an
+    EOS belongs to the document it ends, the next token starts a new one (ids from 0 per row)."""
+    ends = np.asarray(tokens) == eos
+    ids = np.zeros(ends.shape, np.int64)
+    ids[:, 1:] = np.cumsum(ends[:, :-1], axis=1)     # EOS seen strictly before each position
+    return ids
+
+
+class DocumentPositions(np.ndarray):
+    """This rank's global positions ``[S_loc]`` (an int array like any positions, and used as
+    one) that also carry the documents of the whole packed microbatch: ``docs [B, S]`` (of
+    :func:`document_ids`), ``ranges[b]`` the (start, end) of row b's documents ``[n_b, 2]`` and
+    ``rope [B, S_loc]`` each token's position inside its document (RoPE's positions).
+    Built once per microbatch by the engine (host metadata)."""
+
+    docs: np.ndarray
+    ranges: list
+    rope: np.ndarray
+    memo: dict
+    layout: Any     # --sp-split balanced: this microbatch's sequence split (else None)
+
+    @classmethod
+    def of(cls, positions: np.ndarray, docs: np.ndarray, layout: Any = None
+           ) -> "DocumentPositions":
+        out = np.asarray(positions, dtype=np.int64).view(cls)
+        out.layout = layout
+        out.docs = np.asarray(docs, dtype=np.int64)
+        out.memo = {}                  # what the cores derive once per microbatch (ring hops)
+        S = out.docs.shape[1]
+        out.ranges = []
+        starts = np.zeros(out.docs.shape, np.int64)
+        for b, row in enumerate(out.docs):
+            cut = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1, [S]])
+            out.ranges.append(np.stack([cut[:-1], cut[1:]], axis=1))
+            starts[b] = np.repeat(cut[:-1], np.diff(cut))
+        out.rope = (np.arange(S)[None, :] - starts)[:, np.asarray(positions)]
+        return out
+
+    def __array_finalize__(self, obj) -> None:
+        self.docs = getattr(obj, "docs", None)
+        self.ranges = getattr(obj, "ranges", None)
+        self.rope = getattr(obj, "rope", None)
+        self.memo = getattr(obj, "memo", None)
+        self.layout = getattr(obj, "layout", None)
+
+    def with_positions(self, positions: np.ndarray) -> "DocumentPositions":
+        """The same documents for other positions of the sequence (``[S']``)."""
+        out = DocumentPositions.of(positions, self.docs, self.layout)
+        out.memo = self.memo
+        return out
+
+
+def documents_of(positions: Any) -> DocumentPositions | None:
+    """``positions`` if they carry documents (``--document-masking``), else None."""
+    return positions if isinstance(positions, DocumentPositions) else None
+
+
+def shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, window: int
+                ) -> list[tuple[int, int, int, int, int]]:
+    """(row, q0, q1, k0, k1), global half-open ranges: for each row and each document met by
+    both the query run ``[qs, qs + qn)`` and the key run ``[ks, ks + kn)``, its queries and keys
+    there, when some of those keys are visible to some of those queries. Empty: the block has no
+    same-document pair (it is skipped, neither computed nor, on a ring, needed)."""
+    out = []
+    for b, rng in enumerate(docs.ranges):
+        hit = (rng[:, 0] < min(qs + qn, ks + kn)) & (rng[:, 1] > max(qs, ks))
+        for s, e in rng[hit]:
+            q0, q1, k0, k1 = max(s, qs), min(e, qs + qn), max(s, ks), min(e, ks + kn)
+            if runs_visible(q0, q1 - q0, k0, k1 - k0, window):
+                out.append((b, int(q0), int(q1), int(k0), int(k1)))
+    return out
+
+
+def attend_fwd(kernels, q: Array, k: Array, v: Array, qs: int, ks: int, window: int,
+               docs: DocumentPositions | None) -> tuple[Array, Array] | None:
+    """Causal attention of the query run at ``qs`` over the key run at ``ks`` (q ``[B, Sq, hq,
+    D]``, k/v ``[B, Sk, hkv, D]``) -> (out, lse) as ``kernels.attention_fwd``. With ``docs`` a
+    query sees only keys of its own document: each document's block is one causal kernel call
+    and a block with no same-document pair is not computed (None)."""
+    if docs is None:
+        return kernels.attention_fwd(q, k, v, qs, ks, True, window=window)
+    runs = shared_runs(docs, qs, q.shape[1], ks, k.shape[1], window)
+    if not runs:
+        return None
+    xp, out, lse = kernels.xp, None, None
+    for b, q0, q1, k0, k1 in runs:
+        o, l = kernels.attention_fwd(q[b:b + 1, q0 - qs:q1 - qs], k[b:b + 1, k0 - ks:k1 - ks],
+                                     v[b:b + 1, k0 - ks:k1 - ks], q0, k0, True, window=window)
+        if out is None:
+            out = xp.zeros(q.shape, o.dtype)
+            lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, l.dtype)
+        out[b:b + 1, q0 - qs:q1 - qs] = o
+        lse[b:b + 1, :, q0 - qs:q1 - qs] = l
+    return out, lse
+
+
+def attend_bwd(kernels, q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
+               qs: int, ks: int, window: int, docs: DocumentPositions | None
+               ) -> tuple[Array, Array, Array] | None:
+    """Gradients (dq, dk, dv) of :func:`attend_fwd`'s block given the merged out and lse; None
+    for a block with no same-document pair."""
+    if docs is None:
+        return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, window=window)
+    runs = shared_runs(docs, qs, q.shape[1], ks, k.shape[1], window)
+    if not runs:
+        return None
+    xp, grads = kernels.xp, None
+    for b, q0, q1, k0, k1 in runs:
+        qsl, ksl = slice(q0 - qs, q1 - qs), slice(k0 - ks, k1 - ks)
+        parts = kernels.attention_bwd(q[b:b + 1, qsl], k[b:b + 1, ksl], v[b:b + 1, ksl],
+                                      out[b:b + 1, qsl], lse[b:b + 1, :, qsl],
+                                      dout[b:b + 1, qsl], q0, k0, True, window=window)
+        if grads is None:
+            grads = (xp.zeros(q.shape, parts[0].dtype), xp.zeros(k.shape, parts[1].dtype),
+                     xp.zeros(v.shape, parts[2].dtype))
+        grads[0][b:b + 1, qsl] += parts[0]
+        grads[1][b:b + 1, ksl] += parts[1]
+        grads[2][b:b + 1, ksl] += parts[2]
+    return grads

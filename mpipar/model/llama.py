@@ -64,7 +64,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.model.attention import AttentionCore, accumulator
+from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.params import (EMBED, bias_name, block_param_specs, head_weight_name,
                                  require_resolved, stage_param_names, unit_of)
 from mpipar.model.tensor_ops import TensorOps
@@ -295,13 +295,33 @@ class LlamaStage:
         dtype = accumulator(dtype)
         key = positions.tobytes() + np.dtype(dtype).str.encode()
         if key not in self._rope:
-            c = self.cfg
-            self._rope[key] = self.kernels.rope_cos_sin(
-                self.kernels.xp.asarray(positions), c.head_dim, c.rope_theta, dtype,
-                scaling=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
-                high_freq_factor=c.rope_high_freq_factor,
-                original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)
+            self._rope[key] = self._tables(positions, dtype)
         return self._rope[key]
+
+    def _tables(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
+        c = self.cfg
+        return self.kernels.rope_cos_sin(
+            self.kernels.xp.asarray(positions), c.head_dim, c.rope_theta, dtype,
+            scaling=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
+            high_freq_factor=c.rope_high_freq_factor,
+            original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)
+
+    def _rotate(self, xs: Sequence[Array], positions: np.ndarray, backward: bool = False
+                ) -> list[Array]:
+        """RoPE (``backward``: its inverse) of each of ``xs`` ``[B, S, h, D]`` at ``positions``;
+        packed documents (:class:`~mpipar.model.attention.DocumentPositions`): each row at its
+        tokens' positions inside their documents (tables made once per microbatch)."""
+        op = self.kernels.rope_bwd if backward else self.kernels.rope_fwd
+        docs = documents_of(positions)
+        if docs is None:
+            cos, sin = self._cos_sin(positions, xs[0].dtype)
+            return [op(x, cos, sin) for x in xs]
+        key = ("rope", np.dtype(xs[0].dtype).str)
+        if key not in docs.memo:
+            docs.memo[key] = [self._tables(row, xs[0].dtype) for row in docs.rope]
+        tables = docs.memo[key]
+        return [self.kernels.xp.concatenate([op(x[b:b + 1], *tables[b]) for b in range(len(x))])
+                for x in xs]
 
     def _apply(self, params, names: Sequence[str], x: Array) -> list[Array]:
         """The linears ``names`` (one input ``x``) through the tensor-parallel seam."""
@@ -398,8 +418,8 @@ class LlamaStage:
         return q, key, v
 
     def _rope_fwd(self, q: Array, key: Array, positions: np.ndarray) -> tuple[Array, Array]:
-        cos, sin = self._cos_sin(positions, q.dtype)
-        return self.kernels.rope_fwd(q, cos, sin), self.kernels.rope_fwd(key, cos, sin)
+        q, key = self._rotate([q, key], positions)
+        return q, key
 
     def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray,
                    scope: ParamScope = RESIDENT, record: bool = False,
@@ -548,8 +568,7 @@ class LlamaStage:
         dq, dk, dv = self.attention.backward(do.reshape(out.shape), q, key, v, out,
                                              c.attention_saved, self.cfg.layer_window(i))
         scope.progress()
-        cos, sin = self._cos_sin(positions, dq.dtype)
-        dq, dk = ops.rope_bwd(dq, cos, sin), ops.rope_bwd(dk, cos, sin)
+        dq, dk = self._rotate([dq, dk], positions, backward=True)
         dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
         dx, dw = ops.add_rmsnorm_bwd(dh1, dx2, c.x, p[n + "input_layernorm.weight"], c.rstd1)
         grads[n + "input_layernorm.weight"] += dw

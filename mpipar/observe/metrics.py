@@ -60,6 +60,9 @@ class StepResult:
     lr: float
     step_time_s: float
     tokens: int        # tokens in the global batch
+    # --document-masking with sp > 1: max/mean attention work over the sp ranks (the
+    # worst dp replica's sum over its microbatches); None otherwise
+    attention_imbalance: float | None = None
 
 
 @dataclass
@@ -178,6 +181,8 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
         "staging": {"bytes": ledger.staging.bytes, "copies": ledger.staging.messages,
                     "seconds": ledger.staging.seconds},  # rank 0: arrays <-> MPI host buffers
         "memory_bytes": [int(r["memory"]) for r in ranks],
+        **({} if result.attention_imbalance is None
+           else {"attention_imbalance": result.attention_imbalance}),
     }
 
 

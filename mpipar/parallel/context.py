@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from mpipar.model.attention import accumulator, as_activations
+from mpipar.model.attention import (DocumentPositions, accumulator, as_activations, attend_bwd,
+                                    attend_fwd, documents_of, runs_visible, shared_runs)
 from mpipar.runtime.comm import Group
 from mpipar.config import require
 from mpipar.layout import Layout
@@ -51,7 +52,8 @@ from mpipar.parallel.traffic import Call
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord, GridShape
 
-SPLITS = ("contiguous", "zigzag")
+SPLITS = ("contiguous", "zigzag", "balanced")
+CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
 Array = Any
 
 
@@ -62,11 +64,15 @@ def split_parts(sp: int, split: str) -> int:
 
 @dataclass(frozen=True)
 class SeqLayout:
-    """Which global token positions each SP rank holds."""
+    """Which global token positions each SP rank holds. ``balanced``: ``runs[r]``, the
+    (start, length) runs of rank r, chosen per microbatch from its documents
+    (:func:`balanced_layout`); without runs (no documents known) it holds what contiguous
+    does."""
 
     seq_len: int
     sp: int
     split: str = "contiguous"
+    runs: tuple = ()
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -78,7 +84,9 @@ class SeqLayout:
 
     def segments(self, rank: int) -> list[tuple[int, int]]:
         """(start, length) of each contiguous run of global positions held by ``rank``, in order."""
-        if self.split == "contiguous":
+        if self.runs:
+            return list(self.runs[rank])
+        if self.split in ("contiguous", "balanced"):
             n = self.seq_len // self.sp
             return [(rank * n, n)]
         n = self.seq_len // (2 * self.sp)
@@ -97,16 +105,76 @@ def _local_slices(segments: list[tuple[int, int]]) -> list[slice]:
     return out
 
 
-def runs_visible(qs: int, qn: int, ks: int, kn: int, window: int) -> bool:
-    """Whether some key of the run ``[ks, ks + kn)`` is visible to some query of
-    ``[qs, qs + qn)``: causal (key <= query) and, with a window W > 0, query - key < W."""
-    return ks <= qs + qn - 1 and (window == 0 or qs - (ks + kn - 1) < window)
+def needs_block(layout: SeqLayout, rank: int, src: int, window: int,
+                docs: DocumentPositions | None = None) -> bool:
+    """Whether ``rank``'s queries see any key that SP rank ``src`` holds (with ``docs``: any
+    key of their own document)."""
+    return any(shared_runs(docs, qs, qn, ks, kn, window) if docs is not None
+               else runs_visible(qs, qn, ks, kn, window)
+               for qs, qn in layout.segments(rank) for ks, kn in layout.segments(src))
 
 
-def needs_block(layout: SeqLayout, rank: int, src: int, window: int) -> bool:
-    """Whether ``rank``'s queries see any key that SP rank ``src`` holds."""
-    return any(runs_visible(qs, qn, ks, kn, window) for qs, qn in layout.segments(rank)
-               for ks, kn in layout.segments(src))
+def token_work(docs: np.ndarray) -> np.ndarray:
+    """Attention work of each position ``[S]`` of a microbatch of packed documents ``docs
+    [B, S]`` (document ids), summed over its rows: the keys a query there sees, its position
+    inside its document + 1 (causal pairs inside one document)."""
+    S = docs.shape[1]
+    work = np.zeros(S, np.int64)
+    for row in np.asarray(docs):
+        cut = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1])
+        work += np.arange(S) - np.repeat(cut, np.diff(np.append(cut, S))) + 1
+    return work
+
+
+def balanced_layout(seq_len: int, sp: int, docs: np.ndarray) -> SeqLayout:
+    """``--sp-split balanced`` for one microbatch: each rank holds ``seq_len / sp`` tokens (the
+    linears' work, equal) in ``c`` chunks of ``n = seq_len / (sp c)`` (c the largest divisor
+    of ``seq_len / sp`` up to :data:`CHUNKS_PER_RANK`), the chunks dealt by attention work
+    (:func:`token_work`) heaviest first in snake order (0..sp-1, sp-1..0, ...), then pairs
+    swapped between the heaviest and the lightest rank while that lowers the heaviest.
+    Bound: max - min rank work <= the heaviest chunk's work (the snake's; swaps only lower
+    the maximum), so max/mean <= 1 + sp * max_chunk / total, whatever the document lengths."""
+    per = seq_len // sp
+    c = max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+    n = per // c
+    work = token_work(docs).reshape(sp * c, n).sum(axis=1)
+    owner = np.empty(sp * c, np.int64)
+    for k, chunk in enumerate(np.argsort(-work, kind="stable")):
+        rnd, j = divmod(k, sp)
+        owner[chunk] = j if rnd % 2 == 0 else sp - 1 - j
+    _swap_down(work, owner, sp)
+    runs = []
+    for r in range(sp):
+        mine, out = np.flatnonzero(owner == r), []
+        for chunk in mine:
+            if out and out[-1][0] + out[-1][1] == chunk * n:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((int(chunk * n), n))
+        runs.append(tuple(out))
+    return SeqLayout(seq_len, sp, "balanced", tuple(runs))
+
+
+def _swap_down(work: np.ndarray, owner: np.ndarray, sp: int, rounds: int = 64) -> None:
+    """Swap one chunk of the heaviest rank with a lighter one of the lightest rank, the swap
+    that brings them closest to equal, while it lowers the heaviest rank's work."""
+    for _ in range(rounds):
+        load = np.bincount(owner, weights=work, minlength=sp)
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        a, b = np.flatnonzero(owner == hi), np.flatnonzero(owner == lo)
+        d = work[a][:, None] - work[b][None, :]          # work moved from hi to lo
+        ok = (d > 0) & (d < gap)
+        if not ok.any():
+            return
+        i, j = np.unravel_index(np.argmin(np.where(ok, np.abs(gap - 2 * d), np.inf)), d.shape)
+        owner[a[i]], owner[b[j]] = lo, hi
+
+
+def rank_work(layout: SeqLayout, docs: np.ndarray) -> np.ndarray:
+    """Attention work of each sp rank ``[sp]`` (:func:`token_work` over its positions)."""
+    work = token_work(docs)
+    return np.array([work[layout.positions(r)].sum() for r in range(layout.sp)])
 
 
 @dataclass(frozen=True)
@@ -173,9 +241,26 @@ def ring_hops(layout: SeqLayout, window: int) -> RingHops:
     queries see: a rank needs src iff :func:`needs_block`; a relay pair (a, b) reaches the
     ranks ``r - 1 .. r - a`` and ``r + 1 .. r + b``. Cost: the bytes a rank sends, 6 units a hop
     (forward 2, backward 4), with ties going to fewer hops and then to the right relay."""
+    return _cheapest_hops(layout, window, None)
+
+
+def document_hops(layout: SeqLayout, window: int, docs: DocumentPositions | None) -> RingHops:
+    """:func:`ring_hops` for a microbatch of packed documents: a rank needs the blocks that hold
+    keys of its queries' documents, so the relays stop once no rank further on shares a
+    document (packed short documents: the neighbours only). The same on every rank of the ring
+    (its ranks hold the same rows); remembered on ``docs`` per (layout, window)."""
+    if docs is None:
+        return ring_hops(layout, window)
+    key = ("hops", layout, window)
+    if key not in docs.memo:
+        docs.memo[key] = _cheapest_hops(layout, window, docs)
+    return docs.memo[key]
+
+
+def _cheapest_hops(layout: SeqLayout, window: int, docs: DocumentPositions | None) -> RingHops:
     n = layout.sp
-    need = [[(src - r) % n for src in range(n) if src != r and needs_block(layout, r, src, window)]
-            for r in range(n)]
+    need = [[(src - r) % n for src in range(n)
+             if src != r and needs_block(layout, r, src, window, docs)] for r in range(n)]
     best = None
     for a in range(n):
         for b in range(n - a):
@@ -207,11 +292,16 @@ class RingAttention:
         self.q_segs = seq_layout.segments(sp.rank)
         self.q_slices = _local_slices(self.q_segs)
 
-    def _pairs(self, src: int, window: int):
+    def _layout(self, docs: DocumentPositions | None) -> SeqLayout:
+        """The split of this microbatch: its own under ``--sp-split balanced``, else the run's."""
+        return self.seq_layout if docs is None or docs.layout is None else docs.layout
+
+    def _pairs(self, src: int, window: int, docs: DocumentPositions | None = None):
         """(q slice, q start, k slice, k start) of every (query run, key run) pair of block ``src``
         that the causal mask and the window do not empty entirely."""
-        k_segs = self.seq_layout.segments(src)
-        for qsl, (qs, qn) in zip(self.q_slices, self.q_segs):
+        layout = self._layout(docs)
+        k_segs, q_segs = layout.segments(src), layout.segments(self.rank)
+        for qsl, (qs, qn) in zip(_local_slices(q_segs), q_segs):
             for ksl, (ks, kn) in zip(_local_slices(k_segs), k_segs):
                 if runs_visible(qs, qn, ks, kn, window):
                     yield qsl, qs, ksl, ks
@@ -256,31 +346,36 @@ class RingAttention:
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
         kv = xp.ascontiguousarray(xp.stack([k, v]))  # one message per hop: [2, B, S, hkv, D]
-        for src, blk in self._blocks(kv, ring_hops(self.seq_layout, window), tag=0):
-            for qsl, qs, ksl, ks in self._pairs(src, window):
-                o, l = self.kernels.attention_fwd(q[:, qsl], blk[0][:, ksl], blk[1][:, ksl], qs, ks,
-                                                  True, window=window)
-                out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
-                    out[:, qsl], lse[:, :, qsl], o, l)
-        return out.astype(q.dtype, copy=False), lse
+        docs = documents_of(positions)
+        for src, blk in self._blocks(kv, document_hops(self._layout(docs), window, docs), tag=0):
+            for qsl, qs, ksl, ks in self._pairs(src, window, docs):
+                res = attend_fwd(self.kernels, q[:, qsl], blk[0][:, ksl], blk[1][:, ksl], qs, ks,
+                                 window, docs)
+                if res is not None:    # None: no pair of one document (packed documents)
+                    out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
+                        out[:, qsl], lse[:, :, qsl], *res)
+        return out.astype(q.dtype, copy=False), (lse, docs)
 
     def backward(self, dout: Array, q: Array, k: Array, v: Array, out: Array,
-                 lse: Array, window: int = 0) -> tuple[Array, Array, Array]:
+                 saved: tuple, window: int = 0) -> tuple[Array, Array, Array]:
+        """``saved``: forward's (lse ``[B, hq, S]``, documents or None)."""
         xp = self.xp
+        lse, docs = saved
         acc = accumulator(q.dtype)
         dq = xp.zeros(q.shape, acc)
         dk, dv = xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
-        self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window)
-        hops = ring_hops(self.seq_layout, window)
+        self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window, docs)
+        hops = document_hops(self._layout(docs), window, docs)
         for i, (d, h) in enumerate(hops.relays()):
             relay = self._relay_overlapped if self.overlap else self._relay
             home = relay(q, k, v, out, lse, dout, dq, d, h, window,
-                         tag=4 * self.sp.size * (i + 1))
+                         tag=4 * self.sp.size * (i + 1), docs=docs)
             dk += home[0]
             dv += home[1]
         return as_activations((dq, dk, dv), q)
 
-    def _relay(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int, tag: int):
+    def _relay(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int, tag: int,
+               docs=None):
         """One relay of backward: -> this rank's dK/dV from the ranks it visited ``[2, B, S, hkv, D]``."""
         xp = self.xp
         kv = self._shift(xp.ascontiguousarray(xp.stack([k, v])), d, tag)
@@ -290,11 +385,11 @@ class RingAttention:
                 buf = self._shift(buf, d, tag + t)
             kv, dkv = _unpack(buf, kv.shape, kv.dtype)
             self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
-                              (self.rank - d * t) % self.sp.size, window)
+                              (self.rank - d * t) % self.sp.size, window, docs)
         return self._home(xp.ascontiguousarray(dkv), d, hops, tag + hops + 1)
 
     def _relay_overlapped(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int,
-                          tag: int):
+                          tag: int, docs=None):
         """As :meth:`_relay`, but the next K/V travel while this block is computed; the dK/dV
         of a block can only leave once computed, so they follow as a second message."""
         xp = self.xp
@@ -310,7 +405,7 @@ class RingAttention:
             dkv = (xp.zeros(kv.shape, accumulator(kv.dtype)) if dkv is None
                    else self._shift(dkv, d, tag + self.sp.size + t))
             self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
-                              (self.rank - d * t) % self.sp.size, window)
+                              (self.rank - d * t) % self.sp.size, window, docs)
         return self._home(dkv, d, hops, tag + 3 * self.sp.size)
 
     def _home(self, dkv: Array, d: int, hops: int, tag: int) -> Array:
@@ -319,12 +414,15 @@ class RingAttention:
         recv = self.xp.empty(dkv.shape, dkv.dtype)
         return self.sp.sendrecv(dkv, self._peer(-d * hops), recv, self._peer(d * hops), tag)
 
-    def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int, window: int) -> None:
+    def _block_grads(self, q, out, lse, dout, dq, k, v, dk, dv, src: int, window: int,
+                     docs=None) -> None:
         """Add block ``src``'s contributions to dq (this rank's) and dk, dv (the block's)."""
-        for qsl, qs, ksl, ks in self._pairs(src, window):
-            dqp, dkp, dvp = self.kernels.attention_bwd(q[:, qsl], k[:, ksl], v[:, ksl], out[:, qsl],
-                                                       lse[:, :, qsl], dout[:, qsl], qs, ks, True,
-                                                       window=window)
+        for qsl, qs, ksl, ks in self._pairs(src, window, docs):
+            res = attend_bwd(self.kernels, q[:, qsl], k[:, ksl], v[:, ksl], out[:, qsl],
+                             lse[:, :, qsl], dout[:, qsl], qs, ks, window, docs)
+            if res is None:
+                continue
+            dqp, dkp, dvp = res
             dq[:, qsl] += dqp
             dk[:, ksl] += dkp
             dv[:, ksl] += dvp
@@ -392,6 +490,7 @@ class HaloSaved:
 
     lse: Array                 # [B, hq, S_loc]
     halo: dict[int, Array]     # src -> [2, B, rows from src, hkv, D]
+    docs: DocumentPositions | None = None
 
 
 class HaloAttention:
@@ -425,12 +524,13 @@ class HaloAttention:
                 if runs_visible(qs, qn, ks, ksl.stop - ksl.start, window):
                     yield qsl, qs, ksl, ks
 
-    def _attend(self, q, out, lse, kv, pairs, window: int) -> None:
+    def _attend(self, q, out, lse, kv, pairs, window: int, docs=None) -> None:
         for qsl, qs, ksl, ks in pairs:
-            o, l = self.kernels.attention_fwd(q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], qs, ks, True,
-                                              window=window)
-            out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(out[:, qsl], lse[:, :, qsl],
-                                                                       o, l)
+            res = attend_fwd(self.kernels, q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], qs, ks,
+                             window, docs)
+            if res is not None:
+                out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
+                    out[:, qsl], lse[:, :, qsl], *res)
 
     def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray,
                 window: int = 0) -> tuple[Array, HaloSaved]:
@@ -448,18 +548,21 @@ class HaloAttention:
         out = xp.zeros(q.shape, accumulator(q.dtype))
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
-        self._attend(q, out, lse, kv, self._local_pairs(window), window)
+        docs = documents_of(positions)
+        self._attend(q, out, lse, kv, self._local_pairs(window), window, docs)
         for r in reqs:
             r.wait()
         for src, buf in halo.items():
-            self._attend(q, out, lse, buf, self._halo_pairs(plan, src, window), window)
-        return out.astype(q.dtype, copy=False), HaloSaved(lse, halo)
+            self._attend(q, out, lse, buf, self._halo_pairs(plan, src, window), window, docs)
+        return out.astype(q.dtype, copy=False), HaloSaved(lse, halo, docs)
 
-    def _grads(self, q, out, lse, dout, dq, kv, dkv, pairs, window: int) -> None:
+    def _grads(self, q, out, lse, dout, dq, kv, dkv, pairs, window: int, docs=None) -> None:
         for qsl, qs, ksl, ks in pairs:
-            dqp, dkp, dvp = self.kernels.attention_bwd(q[:, qsl], kv[0][:, ksl], kv[1][:, ksl],
-                                                       out[:, qsl], lse[:, :, qsl], dout[:, qsl],
-                                                       qs, ks, True, window=window)
+            res = attend_bwd(self.kernels, q[:, qsl], kv[0][:, ksl], kv[1][:, ksl], out[:, qsl],
+                             lse[:, :, qsl], dout[:, qsl], qs, ks, window, docs)
+            if res is None:
+                continue
+            dqp, dkp, dvp = res
             dq[:, qsl] += dqp
             dkv[0][:, ksl] += dkp
             dkv[1][:, ksl] += dvp
@@ -477,11 +580,11 @@ class HaloAttention:
         for src, buf in saved.halo.items():
             dhalo[src] = xp.zeros(buf.shape, acc)
             self._grads(q, out, saved.lse, dout, dq, buf, dhalo[src],
-                        self._halo_pairs(plan, src, window), window)
+                        self._halo_pairs(plan, src, window), window, saved.docs)
             reqs.append(self.sp.isend(dhalo[src], src, self.TAG + 1))
         dkv = xp.zeros((2,) + k.shape, acc)
         self._grads(q, out, saved.lse, dout, dq, xp.stack([k, v]), dkv,
-                    self._local_pairs(window), window)
+                    self._local_pairs(window), window, saved.docs)
         for r in reqs:
             r.wait()
         for dst, buf in back.items():
@@ -500,7 +603,8 @@ class UlyssesSaved:
     k: Array     # [B, S_group, hkv/U, D]
     v: Array
     out: Array   # [B, S_group, hq/U, D]
-    lse: Array   # [B, hq/U, S_group]
+    lse: Any     # [B, hq/U, S_group] (hybrid: the ring's (lse, documents))
+    docs: DocumentPositions | None = None
 
 
 class HeadExchange:
@@ -554,13 +658,14 @@ class UlyssesAttention:
     def forward(self, q, k, v, positions, window: int = 0):
         ex = self.exchange
         qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
-        o, lse = self.kernels.attention_fwd(qf, kf, vf, 0, 0, True, window=window)
-        return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
+        docs = documents_of(positions)
+        o, lse = attend_fwd(self.kernels, qf, kf, vf, 0, 0, window, docs)
+        return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse, docs)
 
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
         ex = self.exchange
-        grads = self.kernels.attention_bwd(saved.q, saved.k, saved.v, saved.out, saved.lse,
-                                           ex.to_heads(dout), 0, 0, True, window=window)
+        grads = attend_bwd(self.kernels, saved.q, saved.k, saved.v, saved.out, saved.lse,
+                           ex.to_heads(dout), 0, 0, window, saved.docs)
         dq, dk, dv = as_activations(grads, saved.q)
         return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 
@@ -584,7 +689,9 @@ class HybridAttention:
     def forward(self, q, k, v, positions, window: int = 0):
         ex = self.exchange
         qf, kf, vf = ex.to_heads(q), ex.to_heads(k), ex.to_heads(v)
-        o, lse = self.ring.forward(qf, kf, vf, self.positions, window)
+        docs = documents_of(positions)
+        o, lse = self.ring.forward(qf, kf, vf, self.positions if docs is None
+                                   else docs.with_positions(self.positions), window)
         return ex.to_seq(o), UlyssesSaved(qf, kf, vf, o, lse)
 
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
@@ -603,6 +710,10 @@ def check_config(layout: Layout) -> None:
             f"train.seq_len={t.seq_len}: must be divisible by "
             + (f"2*sp = {parts} for the zigzag split" if p.sp_split == "zigzag"
                else f"parallel.sp={p.sp}"))
+    require(p.sp_split != "balanced" or (t.document_masking and p.sp_mode == "ring"),
+            f"parallel.sp_split='balanced': deals each microbatch's documents over ring "
+            f"attention; needs --document-masking and --sp-mode ring (got "
+            f"document_masking={t.document_masking}, sp_mode={p.sp_mode!r})")
     require(p.ulysses_size >= 0, f"parallel.ulysses_size={p.ulysses_size}: must be >= 0")
     require(p.sp_mode == "hybrid" or p.ulysses_size == 0,
             f"parallel.ulysses_size={p.ulysses_size}: needs --sp-mode hybrid")
@@ -621,13 +732,16 @@ def check_config(layout: Layout) -> None:
 
 # ------------------------------------------------------------------------------------ traffic
 def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[int],
-                   passes: int, backward: bool) -> list[Call]:
+                   passes: int, backward: bool, documents: list | None = None) -> list[Call]:
     """SP attention of ``layers`` (global indices, each with its own sliding window) on the
     rank at ``coord`` of the grid ``shape``, in ``passes`` forwards of a microbatch through
     each, each with its backward (``backward``: a training step, whose ``recompute="full"``
     runs each forward twice) or without. Ring and halo messages come from :func:`ring_hops`
     and :func:`halo_plan` (hybrid: the ring over the Ulysses groups, ``ulysses_size`` sp ranks
-    apart); Ulysses all-to-alls q ``[B, S/sp, hq/tp, D]`` and k/v ``[B, S/sp, hkv/tp, D]``."""
+    apart); Ulysses all-to-alls q ``[B, S/sp, hq/tp, D]`` and k/v ``[B, S/sp, hkv/tp, D]``.
+    ``documents``: packed documents (``--document-masking``), the document ids ``[B, S]`` of
+    each of the ``passes`` microbatches: the ring's hops are then each microbatch's
+    (:func:`document_hops`)."""
     m, par, tr = layout.model, layout.parallel, layout.train
     reps = (2 if backward and tr.recompute == "full" else 1) * passes
     bwds = passes if backward else 0
@@ -648,17 +762,24 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
         calls += _ulysses_calls("sp_ulysses", q, row * s_loc, reps * n, bwds * n) if stride > 1 \
             else []
         group, seq = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
+    packs = ([(None, seq)] if documents is None or par.sp_mode == "halo" else
+             [(DocumentPositions.of(np.arange(0), d),
+               balanced_layout(tr.seq_len, par.sp, d) if par.sp_split == "balanced" else seq)
+              for d in documents])
+    per = len(packs)                    # the passes share one prediction, or one each
     for layer in layers:
         window = m.layer_window(layer)
-        fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row,
-                                  grad_row)
-                    if par.sp_mode == "halo" else
-                    ring_messages(ring_hops(seq, window), row * s_loc, grad_row * s_loc,
-                                  par.sp_overlap))
-        for (op, nbytes, count, off), times in [(x, reps) for x in fwd] + [(x, bwds) for x in bwd]:
-            peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
-                    if off else None)
-            calls.append(Call(group, op, nbytes, count * times, peer))
+        for docs, seq in packs:
+            fwd, bwd = (halo_messages(halo_plan(seq, coord.sp, window), coord.sp, par.sp, row,
+                                      grad_row)
+                        if par.sp_mode == "halo" else
+                        ring_messages(document_hops(seq, window, docs), row * s_loc,
+                                      grad_row * s_loc, par.sp_overlap))
+            for (op, nbytes, count, off), times in ([(x, reps // per) for x in fwd]
+                                                    + [(x, bwds // per) for x in bwd]):
+                peer = (shape.rank_of(coord._replace(sp=(coord.sp + off * stride) % par.sp))
+                        if off else None)
+                calls.append(Call(group, op, nbytes, count * times, peer))
     return calls
 
 

@@ -34,10 +34,13 @@ from mpipar.runtime.comm import LINKS, wire_bytes
 from mpipar.runtime.topology import Coord
 
 
-def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0) -> list[Call]:
+def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
+               documents: list | None = None) -> list[Call]:
     """Every MPI call the rank at ``coord`` makes in one training step, or with
     ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
-    reduced once: :meth:`mpipar.training.engine.Engine.evaluate`): the axes' predictions."""
+    reduced once: :meth:`mpipar.training.engine.Engine.evaluate`): the axes' predictions.
+    ``documents``: with ``--document-masking``, the document ids ``[B, S]`` of each of the
+    step's microbatches on this rank (the ring skips hops no document crosses)."""
     par, train = layout.parallel, eval_batches == 0
     passes = layout.microbatches * (1 if train else eval_batches)   # forwards per chunk
     stages, shape = rank_stages(layout, coord), grid_shape(layout)
@@ -50,7 +53,7 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0) -> list[Call
         calls += tensor_calls(layout, stages, passes, train, entered)
     if par.sp > 1:
         layers = [i for chunk in chunk_layers for i in chunk]
-        calls += sequence_calls(layout, coord, shape, layers, passes, train)
+        calls += sequence_calls(layout, coord, shape, layers, passes, train, documents)
     if par.pp > 1:
         calls += pipeline_calls(layout, coord, shape, stages, passes, train)
     if par.zero >= 2:
@@ -86,10 +89,11 @@ def _per_group(calls: list[Call], count_bytes: bool) -> dict[str, int]:
     return dict(out)
 
 
-def predict_step_bytes(layout: Layout, coord: Coord) -> dict[str, int]:
+def predict_step_bytes(layout: Layout, coord: Coord, documents: list | None = None
+                       ) -> dict[str, int]:
     """Bytes per group that the rank at ``coord`` hands to MPI in one step (the ledger's
-    :meth:`mpipar.runtime.comm.Ledger.bytes_by_group`)."""
-    return _per_group(step_calls(layout, coord), True)
+    :meth:`mpipar.runtime.comm.Ledger.bytes_by_group`); ``documents`` as :func:`step_calls`."""
+    return _per_group(step_calls(layout, coord, documents=documents), True)
 
 
 def predict_step_messages(layout: Layout, coord: Coord) -> dict[str, int]:

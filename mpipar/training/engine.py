@@ -45,12 +45,15 @@ from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
 from mpipar.observe.metrics import EvalResult, StepResult
 from mpipar.data.sources import Sampler, TokenSource, load_tokens, validation
-from mpipar.model.attention import LocalAttention
+from mpipar.data.packing import counted_targets, eos_id, sample_indices, uses_eos
+from mpipar.data.sft import loss_mask_source
+from mpipar.model.attention import DocumentPositions, LocalAttention, document_ids
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.params import init_param
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
+                                     balanced_layout, rank_work,
                                      UlyssesAttention)
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
@@ -80,6 +83,8 @@ class Engine:
         train_samples, self.eval_set = validation(self.source, tr, cfg.model.vocab_size)
         self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
                                train_samples)
+        self.eos = eos_id(tr) if uses_eos(tr) else None   # packed documents' end-of-text
+        self.masks = loss_mask_source(tr.data, tr.seq_len) if tr.loss_mask else None  # SFT
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
         if par.sp_mode == "hybrid":
             self.grid.split_sp(par.ulysses_size)
@@ -240,10 +245,65 @@ class Engine:
         once each."""
         d, rows, mbs = self.grid.coord.dp, self.rows_per_dp, self.cfg.train.micro_batch_size
         inputs, targets = batch(k, slice(d * rows, (d + 1) * rows))
-        inputs, targets = inputs[:, self.positions], targets[:, self.positions]
-        return [Microbatch(self.xp.asarray(inputs[i * mbs:(i + 1) * mbs]),
-                           self.xp.asarray(targets[i * mbs:(i + 1) * mbs]))
-                for i in range(self.microbatches)]
+        masks = self._masks(batch, k, slice(d * rows, (d + 1) * rows))
+        out = []
+        for i in range(self.microbatches):
+            rows = slice(i * mbs, (i + 1) * mbs)
+            positions, counted = self._packed(inputs[rows], None if masks is None
+                                              else masks[rows])
+            at = self.positions if positions is None else np.asarray(positions)
+            out.append(Microbatch(self.xp.asarray(inputs[rows][:, at]),
+                                  self.xp.asarray(targets[rows][:, at]), positions,
+                                  None if counted is None else self.xp.asarray(counted[:, at])))
+        return out
+
+    def _masks(self, batch: Callable[[int, slice], tuple], k: int, rows: slice
+               ) -> np.ndarray | None:
+        """``--loss-mask``: the loss masks ``[rows, S + 1]`` of those rows' samples."""
+        if self.masks is None:
+            return None
+        return self.masks.sample(sample_indices(batch.__self__, k, rows))
+
+    def _packed(self, inputs: np.ndarray, masks: np.ndarray | None = None) -> tuple[Any, Any]:
+        """(DocumentPositions or None, counted targets ``[mbs, S]`` or None) of a microbatch
+        whose whole input rows ``[mbs, S]`` are ``inputs`` (:mod:`mpipar.data.packing`); under
+        ``--sp-split balanced`` the positions are this microbatch's split's."""
+        tr, positions = self.cfg.train, None
+        if tr.document_masking:
+            docs = document_ids(inputs, self.eos)
+            split = (balanced_layout(tr.seq_len, self.seq_layout.sp, docs)
+                     if self.seq_layout.split == "balanced" else None)
+            at = self.positions if split is None else split.positions(self.grid.coord.sp)
+            positions = DocumentPositions.of(at, docs, split)
+        return positions, counted_targets(inputs, tr, self.eos, masks)
+
+    def _attention_imbalance(self, step: int) -> float | None:
+        """Max/mean of the sp ranks' attention work (causal pairs inside documents) in step
+        ``step``, the worst dp replica's; every rank reads the whole batch (no message)."""
+        tr, seq = self.cfg.train, self.seq_layout
+        if not tr.document_masking or seq.sp == 1:
+            return None
+        inputs, mbs, worst = self.sampler.batch(step)[0], tr.micro_batch_size, 1.0
+        for replica in range(self.layout.dp):
+            work = 0
+            for i in range(self.microbatches):
+                first = replica * self.rows_per_dp + i * mbs
+                docs = document_ids(inputs[first:first + mbs], self.eos)
+                split = (balanced_layout(tr.seq_len, seq.sp, docs) if seq.split == "balanced"
+                         else seq)
+                work = work + rank_work(split, docs)
+            worst = max(worst, float(work.max() / work.mean()))
+        return worst
+
+    def _loss_divisor(self, batch: Callable[[int, slice], tuple], k: int) -> int:
+        """The targets of global batch ``k`` of ``batch`` that carry loss (every rank reads the
+        whole batch's inputs: the count is layout-invariant and needs no message)."""
+        tr = self.cfg.train
+        if not (tr.eod_mask_loss or tr.loss_mask):
+            return tr.global_batch_size * tr.seq_len
+        counted = counted_targets(batch(k, slice(None))[0], tr, self.eos,
+                                  self._masks(batch, k, slice(None)))
+        return max(1, int(counted.sum()))
 
     def train_step(self, step: int) -> StepResult:
         """Run optimizer step ``step`` (0-based) and return its result (the same on every rank)."""
@@ -252,7 +312,8 @@ class Engine:
         micro = self._microbatches(self.sampler.batch, step)
         tokens = tr.global_batch_size * tr.seq_len
         mbs, s_loc = tr.micro_batch_size, len(self.positions)
-        weight = xp.full((mbs, s_loc), 1.0 / tokens)
+        counted = self._loss_divisor(self.sampler.batch, step)
+        weight = xp.full((mbs, s_loc), 1.0 / counted)
         recorder = self._start_dump(step)
         self.reducer.start_step(step)
         self._unfinished = Counter(self.holders)
@@ -265,7 +326,7 @@ class Engine:
             for ch in self.chunks:
                 ch.recorder = None
             dump_step(recorder, self.rank_place, self._activation_region(step + 1), self.cfg)
-        loss = self._global_sum(loss) / tokens
+        loss = self._global_sum(loss) / counted
         norm_sq = xp.array([self.optimizer.grad_norm_sq(self._norm_counted)])
         self.groups["tp_pp"].allreduce_(norm_sq)
         grad_norm = math.sqrt(float(norm_sq[0]))
@@ -275,7 +336,8 @@ class Engine:
             self.optimizer.step(lr)
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
-        return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens)
+        return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
+                          self._attention_imbalance(step))
 
     def _global_sum(self, loss: float) -> float:
         """The sum over the world of the last stage's summed token losses (over dp x sp, then
@@ -294,8 +356,9 @@ class Engine:
                                          self.cfg.model.hidden)
 
         def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
-            return chunk.forward_only(self.params, inp, self.positions, mb.targets,
-                                      scope=self.sharded or RESIDENT)
+            return chunk.forward_only(self.params, inp,
+                                      self.positions if mb.positions is None else mb.positions,
+                                      mb.targets, scope=self.sharded or RESIDENT)
 
         total = 0.0
         self.eval_ledger.reset()
@@ -304,8 +367,11 @@ class Engine:
             for k in range(self.eval_set.batches):
                 micro = self._microbatches(self.eval_set.batch, k)
                 losses = self.evaluator.run_forward(micro, shape, self.dtype, stage_forward)
-                total += sum(float(losses[i].sum()) for i in sorted(losses))
-            tokens = self.eval_set.batches * tr.global_batch_size * tr.seq_len
+                total += sum(float((losses[i] if micro[i].counted is None
+                                    else losses[i] * micro[i].counted).sum())
+                             for i in sorted(losses))
+            tokens = sum(self._loss_divisor(self.eval_set.batch, k)
+                         for k in range(self.eval_set.batches))
             loss = self._global_sum(total) / tokens
         try:
             perplexity = math.exp(loss)

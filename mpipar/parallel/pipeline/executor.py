@@ -45,6 +45,8 @@ class OpRecord:
 class Microbatch:
     tokens: Any    # [B, S_loc] token ids (an array of the backend's module)
     targets: Any   # [B, S_loc]
+    positions: Any = None   # packed documents: this microbatch's DocumentPositions
+    counted: Any = None     # [B, S_loc] 1/0: which targets carry loss (None: all)
 
 
 @dataclass(kw_only=True)
@@ -98,11 +100,12 @@ class PipelineExecutor:
                 wire.message(op)
             elif op.kind == "fwd":
                 mb = microbatches[op.microbatch]
-                out, caches[key] = chunk.forward(params, wire.stage_input(op, stage, mb), positions,
+                at = positions if mb.positions is None else mb.positions
+                out, caches[key] = chunk.forward(params, wire.stage_input(op, stage, mb), at,
                                                  mb.targets if stage == last_stage else None,
                                                  self.scope)
                 if stage == last_stage:
-                    loss += float(out.sum())
+                    loss += float((out if mb.counted is None else out * mb.counted).sum())
                 else:
                     wire.acts_out[key] = out
             else:  # "bwd", "bwd_input" or "bwd_weight"
@@ -111,7 +114,8 @@ class PipelineExecutor:
                     chunk.weight_backward(grads, deferred.pop(key), self.scope)
                 else:
                     if stage == last_stage:
-                        dout = loss_weight
+                        mb = microbatches[op.microbatch]
+                        dout = loss_weight if mb.counted is None else loss_weight * mb.counted
                     elif key in wire.grad_in:
                         dout = wire.grad_in.pop(key)
                     else:  # p == 1: the next chunk is on this rank

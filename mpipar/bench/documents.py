@@ -1,0 +1,121 @@
+"""``python -m mpipar.bench documents``: packed documents (``--document-masking``).
+
+Work balance: samples packed from log-normal document lengths (median ``--median`` tokens,
+``--sigma`` of the log), for each sequence length and sp, the max/mean attention work per sp
+rank (causal pairs inside documents, :func:`mpipar.parallel.context.rank_work`) under the
+contiguous, zigzag and balanced splits, the mean and the worst over ``--samples`` samples.
+
+Speed: one packed row of such documents at ``--speed-seq`` tokens, attention forward and
+backward on one process through the attention seam (the run's CPU kernels), with document
+masking against full causal attention: the time ratio against the work ratio (intra-document
+pairs / full causal pairs); the issue asks time ratio <= 1.2 x work ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from mpipar.bench.harness import Section, ints
+
+
+def packed_documents(seq: int, median: float, sigma: float, rng) -> np.ndarray:
+    """Document ids ``[1, seq]`` of one sample cut from documents of log-normal lengths."""
+    lengths, total = [], 0
+    while total < seq:
+        lengths.append(max(1, int(rng.lognormal(np.log(median), sigma))))
+        total += lengths[-1]
+    return np.repeat(np.arange(len(lengths)), lengths)[:seq][None]
+
+
+def balance(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Max/mean attention work per sp rank for every (seq, sp, split)."""
+    from mpipar.parallel.context import SeqLayout, balanced_layout, rank_work
+
+    rows = []
+    for seq in ints(args.seqs):
+        for sp in ints(args.sps):
+            rng = np.random.default_rng(args.seed)
+            got: dict[str, list[float]] = {"contiguous": [], "zigzag": [], "balanced": []}
+            for _ in range(args.samples):
+                docs = packed_documents(seq, args.median, args.sigma, rng)
+                for split, layout in (("contiguous", SeqLayout(seq, sp)),
+                                      ("zigzag", SeqLayout(seq, sp, "zigzag")),
+                                      ("balanced", balanced_layout(seq, sp, docs))):
+                    work = rank_work(layout, docs)
+                    got[split].append(float(work.max() / work.mean()))
+            rows.append({"seq": seq, "sp": sp,
+                         **{f"{s}_mean": float(np.mean(v)) for s, v in got.items()},
+                         **{f"{s}_worst": float(np.max(v)) for s, v in got.items()}})
+    return rows
+
+
+def speed(args: argparse.Namespace) -> dict[str, Any]:
+    """Seconds of attention forward + backward with and without document masking."""
+    from mpipar.kernels import get_backend
+    from mpipar.model.attention import DocumentPositions, LocalAttention
+    from mpipar.parallel.context import token_work
+
+    seq, rng = args.speed_seq, np.random.default_rng(args.seed)
+    docs = packed_documents(seq, args.median, args.sigma, rng)
+    kernels = get_backend("auto")
+    core = LocalAttention(kernels)
+    shape = (1, seq, args.heads, args.head_dim)
+    q, k, v, dout = (rng.standard_normal(shape).astype(np.float32) for _ in range(4))
+
+    def step(positions) -> float:
+        best = np.inf
+        for _ in range(args.repeats + 1):          # the first call compiles
+            t0 = time.perf_counter()
+            out, saved = core.forward(q, k, v, positions)
+            core.backward(dout, q, k, v, out, saved)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    full = step(np.arange(seq))
+    masked = step(DocumentPositions.of(np.arange(seq), docs))
+    work = float(token_work(docs).sum() / (seq * (seq + 1) / 2))
+    return {"seq": seq, "documents": int(docs.max() + 1), "backend": kernels.name,
+            "full_s": full, "masked_s": masked, "time_ratio": masked / full,
+            "work_ratio": work, "time_over_work": masked / full / work}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        args.seqs, args.samples, args.speed_seq, args.repeats = "8192", 5, 2048, 1
+    rows = balance(args)
+    print(f"documents: work balance, log-normal lengths (median {args.median}, sigma "
+          f"{args.sigma}), {args.samples} samples; max/mean attention work per sp rank")
+    print(f"{'seq':>6} {'sp':>3} " + " ".join(f"{s + ' mean/worst':>22}"
+                                              for s in ("contiguous", "zigzag", "balanced")))
+    for r in rows:
+        print(f"{r['seq']:>6} {r['sp']:>3} " + " ".join(
+            f"{r[s + '_mean']:>11.4f}/{r[s + '_worst']:<10.4f}"
+            for s in ("contiguous", "zigzag", "balanced")))
+    sp_ = speed(args)
+    print(f"speed: one row of {sp_['seq']} tokens, {sp_['documents']} documents, "
+          f"{args.heads} heads x {args.head_dim}, float32, {sp_['backend']} kernels: "
+          f"forward+backward full causal {sp_['full_s'] * 1e3:.1f} ms, document-masked "
+          f"{sp_['masked_s'] * 1e3:.1f} ms; time ratio {sp_['time_ratio']:.4f}, work ratio "
+          f"{sp_['work_ratio']:.4f}, time/work {sp_['time_over_work']:.2f} (target <= 1.2)")
+    return {"balance": rows, "speed": sp_}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seqs", default="8192,32768", help="sequence lengths (comma list)")
+    parser.add_argument("--sps", default="4,8", help="sp sizes (comma list)")
+    parser.add_argument("--median", type=float, default=200.0, help="median document length")
+    parser.add_argument("--sigma", type=float, default=1.0, help="sigma of log(length)")
+    parser.add_argument("--samples", type=int, default=50, help="samples per (seq, sp)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speed-seq", type=int, default=8192, help="speed check: tokens")
+    parser.add_argument("--heads", type=int, default=4, help="speed check: heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="speed check: head size")
+    parser.add_argument("--repeats", type=int, default=3, help="speed check: timed calls")
+
+
+SECTION = Section("documents", run, "packed documents: attention work per sp rank under the "
+                  "contiguous, zigzag and balanced splits; document-masked attention time "
+                  "against full causal", configure)

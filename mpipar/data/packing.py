@@ -1,0 +1,97 @@
+"""Packed documents (``--document-masking``, ``--eod-mask-loss``): what a batch of packed
+samples says about its documents, and the rules of those flags.
+
+A sample of ``seq_len + 1`` tokens cut from the concatenated corpus holds several documents,
+each ended by the EOS token (``--eos-token-id``, or the EOS ``data prepare --tokenizer``
+recorded). The EOS belongs to the document it ends; the token after it starts the next one; the
+sample's first document may be the tail of one cut by packing and is a document like any other.
+The model reads the documents through :class:`mpipar.model.attention.DocumentPositions` (the
+engine builds one per microbatch); the loss through a 0/1 mask of counted targets.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpipar.config import TrainConfig, require
+from mpipar.data.sft import loss_mask_source
+from mpipar.data.sources import DataError, Sampler, recorded_tokenizer
+from mpipar.layout import Layout
+from mpipar.runtime.device import resolve_device
+
+
+def eos_id(train: TrainConfig) -> int:
+    """The end-of-text token id: ``--eos-token-id``, else the one recorded in ``--data``."""
+    if train.eos_token_id >= 0:
+        return train.eos_token_id
+    tok = recorded_tokenizer(train.data) if train.data else None
+    if tok is None:
+        raise DataError(f"train.eos_token_id={train.eos_token_id}: the data "
+                        f"({train.data or 'the built-in byte corpus'}) records no EOS token; "
+                        f"give --eos-token-id")
+    return int(tok["eos_id"])
+
+
+def masks_loss(train: TrainConfig) -> bool:
+    """Whether some targets carry no loss (``--eod-mask-loss`` or ``--loss-mask``)."""
+    return train.eod_mask_loss or train.loss_mask
+
+
+def sample_indices(batcher, k: int, rows: slice) -> np.ndarray:
+    """The sample indices behind ``batcher.batch(k, rows)`` (a Sampler's step or an EvalSet's
+    batch): where the loss mask of those rows is read."""
+    if isinstance(batcher, Sampler):
+        return batcher.indices(k)[rows]
+    return batcher.indices[k * batcher.batch_size:(k + 1) * batcher.batch_size][rows]
+
+
+def uses_eos(train: TrainConfig) -> bool:
+    """Whether the run reads the EOS token (documents or the EOS loss mask)."""
+    return train.document_masking or train.eod_mask_loss
+
+
+def counted_targets(inputs: np.ndarray, train: TrainConfig, eos: int | None,
+                    mask: np.ndarray | None = None) -> np.ndarray | None:
+    """1.0 where a target carries loss, 0.0 where not, ``[B, S]`` float64 (``--eod-mask-loss``:
+    the input is EOS; ``--loss-mask``: ``mask [B, S + 1]`` of the samples is 0 at the target's
+    token); None when every target counts."""
+    if not masks_loss(train):
+        return None
+    out = np.ones(np.shape(inputs), np.float64)
+    if train.eod_mask_loss:
+        out *= np.asarray(inputs) != eos
+    if train.loss_mask:
+        out *= np.asarray(mask)[:, 1:] != 0
+    return out
+
+
+def check_config(layout: Layout) -> None:
+    """An EOS id in the vocabulary (given, or recorded by the data) when documents or the EOS
+    loss mask are asked for, and none otherwise; RoPE scaled by the sequence's length (dynamic)
+    cannot restart per document; the GPU kernels are not verified with document masks."""
+    t, m = layout.train, layout.model
+    if t.loss_mask:
+        try:
+            loss_mask_source(t.data, t.seq_len)
+        except (DataError, OSError) as exc:
+            require(False, f"train.loss_mask=True: {exc}")
+    if not uses_eos(t):
+        require(t.eos_token_id == -1,
+                f"train.eos_token_id={t.eos_token_id}: needs --document-masking or "
+                f"--eod-mask-loss")
+        return
+    require(t.eos_token_id >= -1, f"train.eos_token_id={t.eos_token_id}: must be >= 0 (or -1)")
+    try:
+        eos = eos_id(t)
+    except DataError as exc:
+        require(False, str(exc))
+    require(eos < m.vocab_size,
+            f"train.eos_token_id={eos}: must be < model.vocab_size={m.vocab_size}")
+    if t.document_masking:
+        require(m.rope_type != "dynamic",
+                f"model.rope_type='dynamic' with --document-masking: dynamic NTK scales by the "
+                f"whole sequence's length, which a document does not have; use default, linear "
+                "or llama3")
+        require(t.backend != "cupy" and resolve_device(t.device) != "cuda",
+                f"train.document_masking with train.device={t.device!r}, "
+                f"train.backend={t.backend!r}: document masks are verified on the CPU kernels "
+                f"only; use --device cpu")

@@ -1,0 +1,124 @@
+"""Supervised fine-tuning data: prompt/completion pairs with a loss mask (``--loss-mask``).
+
+``python -m mpipar.data prepare --sft PAIRS.jsonl --tokenizer DIR --out OUT.h5`` reads JSONL
+records ``{"prompt": str, "completion": str}``, or ``{"messages": [{"role", "content"}, ...]}``
+rendered with the tokenizer's chat template (``chat_template`` of its tokenizer_config.json,
+Jinja, sandboxed): the prompt is the conversation before the last message with the generation
+prompt, the completion what the whole conversation adds to it. It writes one token stream of
+examples, each ``prompt ids + completion ids + EOS`` (the EOS unless the completion already
+ends with it; so ``--document-masking`` keeps examples apart), beside a
+``loss_mask`` stream of the same length: 0 on the prompt's tokens, 1 on the completion's and on
+its EOS. A target carries loss with ``--loss-mask`` iff the token it predicts has mask 1: the
+model learns the completions (and to end them), never the prompts. The file records the
+tokenizer as ``prepare --tokenizer`` does, and ``examples``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from mpipar.data.prepare import hdf5_output, output_file
+from mpipar.data.sources import DataError, H5_SUFFIXES, TokenSource, _h5_dataset
+
+MASK = "loss_mask"
+
+
+def _records(path: str | os.PathLike):
+    """(line number, prompt, completion) of every record of the JSONL file ``path``."""
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{n}: not JSON ({err.msg})") from None
+            if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                yield n, rec["messages"], None
+                continue
+            if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str)
+                    and isinstance(rec.get("completion"), str)):
+                raise DataError(f"{path}:{n}: a record needs string fields 'prompt' and "
+                                f"'completion', or a list 'messages'")
+            yield n, rec["prompt"], rec["completion"]
+
+
+def chat_template(tokenizer: str | os.PathLike) -> tuple[str, dict]:
+    """(the Jinja chat template, the special tokens it may read) of ``tokenizer``'s
+    tokenizer_config.json."""
+    from mpipar.data.tokenizer import tokenizer_file
+    config = tokenizer_file(tokenizer).with_name("tokenizer_config.json")
+    data = json.loads(config.read_text()) if config.is_file() else {}
+    if not isinstance(data.get("chat_template"), str):
+        raise DataError(f"--tokenizer {tokenizer}: chat messages need a chat_template in "
+                        f"{config}")
+    special = {k: (v.get("content") if isinstance(v, dict) else v) or ""
+               for k, v in data.items() if k in ("bos_token", "eos_token")}
+    return data["chat_template"], special
+
+
+def render_chat(template: str, special: dict, messages: list, where: str) -> tuple[str, str]:
+    """(prompt, completion) texts of a conversation (module docstring)."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise DataError("chat messages need the jinja2 package") from None
+
+    def fail(message: str) -> None:
+        raise DataError(f"{where}: the chat template refused the record: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = fail
+    render = env.from_string(template).render
+    if len(messages) < 2:
+        raise DataError(f"{where}: 'messages' needs the conversation and its last reply")
+    whole = render(messages=messages, add_generation_prompt=False, **special)
+    prompt = render(messages=messages[:-1], add_generation_prompt=True, **special)
+    if not whole.startswith(prompt):
+        raise DataError(f"{where}: the rendered conversation does not start with its prompt")
+    return prompt, whole[len(prompt):]
+
+
+def prepare_sft(path: str | os.PathLike, out: str | os.PathLike, tokenizer: str | os.PathLike,
+                eos: str | None = None) -> tuple[int, int, int]:
+    """Write the examples of ``path`` to ``out`` (module docstring) -> (tokens, examples,
+    tokens with mask 1)."""
+    from mpipar.data.tokenizer import load_tokenizer
+    out = output_file(out)
+    tok, spec = load_tokenizer(tokenizer, eos)
+    ids, mask, chat = [], [], None
+    for n, prompt, completion in _records(path):
+        if completion is None:
+            chat = chat or chat_template(tokenizer)
+            prompt, completion = render_chat(*chat, prompt, f"{path}:{n}")
+        p = tok.encode(prompt, add_special_tokens=False).ids
+        c = tok.encode(completion, add_special_tokens=False).ids
+        c = c if c and c[-1] == spec.eos_id else c + [spec.eos_id]
+        ids += [p, c]
+        mask += [np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
+    if not ids:
+        raise DataError(f"{path}: no prompt/completion records")
+    tokens, flags = np.concatenate(ids).astype(spec.dtype), np.concatenate(mask)
+    with hdf5_output(out) as (f, _):
+        f.create_dataset("tokens", data=tokens)
+        f.create_dataset(MASK, data=flags)
+        f.attrs.update(spec.attrs())
+        f.attrs.update({"documents": len(ids) // 2, "examples": len(ids) // 2})
+    return len(tokens), len(ids) // 2, int(flags.sum())
+
+
+def loss_mask_source(path: str, seq_len: int) -> TokenSource:
+    """The ``loss_mask`` stream of a prepared SFT file, cut into samples as its tokens are."""
+    if Path(path).suffix.lower() not in H5_SUFFIXES or not Path(path).is_file():
+        raise DataError(f"--loss-mask: {path or 'the built-in corpus'} is not an HDF5 file "
+                        f"written by data prepare --sft")
+    with h5py.File(path, "r") as f:
+        if MASK not in f or f[MASK].shape != f["tokens"].shape:
+            raise DataError(f"--loss-mask: {path} has no '{MASK}' stream beside its tokens "
+                            f"(write it with data prepare --sft)")
+        shape, dtype = f[MASK].shape, f[MASK].dtype
+    return TokenSource(path, "hdf5", seq_len, shape, dtype, _h5_dataset(path, MASK))

@@ -1,0 +1,302 @@
+"""Packed documents on one process (--document-masking): document ids from EOS, the attention
+seam against the masked reference kernel and against each document run alone, and the whole
+model: a packed row's loss and gradients equal those of its documents run as their own
+sequences (positions from 0), in float64."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from mpipar.kernels import get_backend
+from mpipar.model.attention import LocalAttention, DocumentPositions, document_ids
+from mpipar.model.params import init_params
+
+from tests.unit.test_model import CFG, make_stage
+
+EOS = 3
+
+
+def test_document_ids_give_the_eos_to_the_document_it_ends():
+    tokens = np.array([[5, 3, 7, 7, 3, 3, 1], [3, 1, 1, 1, 1, 1, 3]])
+    assert document_ids(tokens, EOS).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
+    pos = DocumentPositions.of(np.arange(7), document_ids(tokens, EOS))
+    assert pos.rope.tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5]]
+    assert pos.with_positions(np.array([2, 6])).rope.tolist() == [[0, 0], [1, 5]]
+
+
+def _qkv(B=2, S=13, hq=4, hkv=2, D=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, S, hq, D)), rng.standard_normal((B, S, hkv, D)),
+            rng.standard_normal((B, S, hkv, D)), rng.standard_normal((B, S, hq, D)))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("window", [0, 3])
+def test_the_seam_equals_the_masked_kernel_and_each_document_alone(backend, window):
+    q, k, v, dout = _qkv()
+    tokens = np.array([[1, 1, 3, 1, 1, 1, 1, 1, 3, 3, 1, 1, 1],
+                       [1] * 13])
+    docs = document_ids(tokens, EOS)
+    k_ = get_backend(backend)
+    core = LocalAttention(k_)
+    pos = DocumentPositions.of(np.arange(13), docs)
+    out, saved = core.forward(q, k, v, pos, window)
+    dq, dk, dv = core.backward(dout, q, k, v, out, saved, window)
+    ref = get_backend("numpy")
+    ro, rl = ref.attention_fwd(q, k, v, 0, 0, True, window=window, q_docs=docs, k_docs=docs)
+    rg = ref.attention_bwd(q, k, v, ro, rl, dout, 0, 0, True, window=window, q_docs=docs,
+                           k_docs=docs)
+    np.testing.assert_allclose(out, ro, rtol=1e-12, atol=1e-13)
+    for a, b in zip((dq, dk, dv), rg):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+    # each document alone, at positions from 0: identical rows
+    for b in range(2):
+        for d in np.unique(docs[b]):
+            at = np.flatnonzero(docs[b] == d)
+            sl = (slice(b, b + 1), slice(at[0], at[-1] + 1))
+            o, _ = ref.attention_fwd(q[sl], k[sl], v[sl], 0, 0, True, window=window)
+            np.testing.assert_allclose(out[sl], o, rtol=1e-12, atol=1e-13)
+    # the mask matters: without documents the first row differs
+    full, _ = ref.attention_fwd(q, k, v, 0, 0, True, window=window)
+    assert np.abs(full[0] - out[0]).max() > 1e-3
+
+
+def packed_batch(seed: int = 0, B: int = 2, S: int = 12):
+    """Token rows with EOS at random places (documents of mixed lengths), and their targets."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, CFG.vocab_size, (B, S + 1))
+    toks[toks == EOS] = 4
+    for b in range(B):
+        toks[b, rng.choice(S, 3, replace=False)] = EOS
+    return toks[:, :-1], toks[:, 1:]
+
+
+def test_a_packed_row_equals_its_documents_run_alone():
+    """Loss sum and every parameter gradient of the packed batch == the sums over its
+    documents, each run as its own sequence from position 0 (float64)."""
+    stage = make_stage("numpy")
+    params = init_params(CFG, 1, np.float64)
+    tokens, targets = packed_batch()
+    pos = DocumentPositions.of(np.arange(tokens.shape[1]), document_ids(tokens, EOS))
+    loss, cache = stage.forward(params, tokens, pos, targets)
+    grads = {n: np.zeros_like(v) for n, v in params.items()}
+    stage.backward(params, grads, np.ones(tokens.shape), cache)
+    want_loss, want = 0.0, {n: np.zeros_like(v) for n, v in params.items()}
+    for b in range(tokens.shape[0]):
+        docs = document_ids(tokens[b:b + 1], EOS)[0]
+        for d in np.unique(docs):
+            at = np.flatnonzero(docs == d)
+            t, y = tokens[b:b + 1, at], targets[b:b + 1, at]
+            l, c = stage.forward(params, t, np.arange(len(at)), y)
+            stage.backward(params, want, np.ones(t.shape), c)
+            want_loss += float(l.sum())
+    assert float(loss.sum()) == pytest.approx(want_loss, rel=1e-12)
+    for n in params:
+        np.testing.assert_allclose(grads[n], want[n], rtol=1e-10, atol=1e-13)
+    plain, _ = stage.forward(params, tokens, np.arange(tokens.shape[1]), targets)
+    assert abs(float(plain.sum()) - want_loss) > 1e-6      # documents change the loss
+
+
+# ------------------------------------------------------------------ the engine, two AdamW steps
+def packed_config(**train):
+    """The layouts' test model on its data with EOS = 3 (about one token in 13: rows of one to
+    four documents)."""
+    from layouts import small_config
+    cfg = small_config("float64")
+    cfg.train.document_masking, cfg.train.eos_token_id = True, EOS
+    for name, value in train.items():
+        setattr(cfg.train, name, value)
+    return cfg
+
+
+def documents_alone(engine):
+    """Replace the engine's pipeline walk by one that runs every document of every row as its
+    own sequence (positions from 0) through the single chunk, each target weighted as the step
+    weights it; the rest of the step (reduction, clipping, AdamW) is the engine's."""
+    chunk = engine.chunks[0]
+    eos, masked = engine.eos, engine.cfg.train.eod_mask_loss
+
+    def run(params, grads, micro, positions, act_shape, dtype, weight, on_ready=None):
+        total = 0.0
+        for mb in micro:
+            for b in range(mb.tokens.shape[0]):
+                docs = document_ids(mb.tokens[b:b + 1], eos)[0]
+                for d in np.unique(docs):
+                    at = np.flatnonzero(docs == d)
+                    t, y = mb.tokens[b:b + 1, at], mb.targets[b:b + 1, at]
+                    keep = (t != eos) if masked else np.ones(t.shape, bool)
+                    loss, cache = chunk.forward(params, t, np.arange(len(at)), y)
+                    chunk.backward(params, grads, weight[0, 0] * keep, cache)
+                    total += float(loss[keep].sum())
+        if on_ready is not None:
+            on_ready(chunk.param_names())
+        return total
+
+    engine.executor.run = run
+    return engine
+
+
+@pytest.mark.parametrize("train", [{}, {"eod_mask_loss": True}], ids=["docs", "docs-eod"])
+def test_two_adamw_steps_equal_each_document_run_alone(train):
+    """One process: the engine with --document-masking (and --eod-mask-loss) equals, after two
+    AdamW steps (losses, gradient norms, parameters), the same steps whose gradients come from
+    each document run as its own sequence, <= 1e-10 relative."""
+    from mpi4py import MPI
+    from layouts import compare, token_source
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+
+    def two_steps(alone: bool):
+        layout = validate(packed_config(**train), 1)
+        eng = Engine(layout, MPI.COMM_SELF, source=token_source(16))
+        if alone:
+            documents_alone(eng)
+        res = [eng.train_step(k) for k in range(2)]
+        out = ([r.loss for r in res], [r.grad_norm for r in res], eng.gather_params())
+        eng.close()
+        return out
+
+    packed, alone = two_steps(False), two_steps(True)
+    assert compare(packed, alone, 1e-10) == []
+    assert packed[0][0] != pytest.approx(two_steps_plain()[0], rel=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def two_steps_plain():
+    from mpi4py import MPI
+    from layouts import run, small_config
+    losses, _, _, eng = run(small_config("float64"), MPI.COMM_SELF)
+    eng.close()
+    return losses
+
+
+# ------------------------------------------------------------------------ --sp-split balanced
+@pytest.mark.parametrize("seq,sp", [(104, 8), (96, 4), (64, 2), (4096, 8), (3000, 6)])
+def test_the_balanced_split_holds_every_token_once_and_keeps_its_bound(seq, sp):
+    """Each rank holds seq/sp tokens, every position once; max - min rank work <= the heaviest
+    chunk's work, for documents of every shape: one, many short, log-normal, a giant and dust."""
+    from mpipar.parallel.context import CHUNKS_PER_RANK, balanced_layout, rank_work, token_work
+    rng = np.random.default_rng(seq + sp)
+    cases = [np.zeros((1, seq), np.int64), np.repeat(np.arange(seq), 1)[None],
+             np.sort(rng.integers(0, max(1, seq // 200), seq))[None],
+             np.concatenate([np.zeros(seq - seq // 10, np.int64),
+                             np.arange(1, seq // 10 + 1)])[None],
+             np.sort(rng.integers(0, 5, (2, seq)), axis=1)]
+    per = seq // sp
+    c = max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+    for docs in cases:
+        layout = balanced_layout(seq, sp, docs)
+        held = np.concatenate([layout.positions(r) for r in range(sp)])
+        assert all(len(layout.positions(r)) == per for r in range(sp))
+        assert np.array_equal(np.sort(held), np.arange(seq))
+        work = rank_work(layout, docs)
+        heaviest = token_work(docs).reshape(sp * c, per // c).sum(axis=1).max()
+        assert work.max() - work.min() <= heaviest
+        assert work.sum() == token_work(docs).sum()
+
+
+def test_the_balanced_split_is_within_5_percent_on_log_normal_documents():
+    from mpipar.bench.documents import packed_documents
+    from mpipar.parallel.context import SeqLayout, balanced_layout, rank_work
+    rng = np.random.default_rng(0)
+    for seq, sp in ((8192, 4), (8192, 8)):
+        docs = packed_documents(seq, 200, 1.0, rng)
+        w = rank_work(balanced_layout(seq, sp, docs), docs)
+        assert w.max() / w.mean() <= 1.05
+        w = rank_work(SeqLayout(seq, sp), docs)
+        assert w.max() / w.mean() > 1.05      # contiguous is not balanced on these
+
+
+# --------------------------------------------------------------------------------------- rules
+@pytest.mark.parametrize("train,parallel,model,needle", [
+    ({}, {"sp": 2, "sp_split": "balanced"}, {}, "needs --document-masking and --sp-mode ring"),
+    ({"document_masking": True, "eos_token_id": 3},
+     {"sp": 2, "sp_split": "balanced", "sp_mode": "ulysses"}, {}, "--sp-mode ring"),
+    ({"eos_token_id": 3}, {}, {}, "needs --document-masking or --eod-mask-loss"),
+    ({"document_masking": True}, {}, {}, "records no EOS token; give --eos-token-id"),
+    ({"eod_mask_loss": True, "eos_token_id": 13}, {}, {}, "must be < model.vocab_size=13"),
+    ({"document_masking": True, "eos_token_id": 3}, {},
+     {"rope_type": "dynamic", "rope_factor": 2.0, "rope_original_max_positions": 8},
+     "dynamic NTK"),
+])
+def test_bad_document_options_name_the_rule(train, parallel, model, needle):
+    from layouts import small_config
+    from mpipar.config import ConfigError
+    from mpipar.rules import validate
+    cfg = small_config("float64", **parallel)
+    for obj, values in ((cfg.train, train), (cfg.model, model)):
+        for name, value in values.items():
+            setattr(obj, name, value)
+    with pytest.raises(ConfigError, match=None) as err:
+        validate(cfg, parallel.get("sp", 1))
+    assert needle in str(err.value)
+
+
+# ------------------------------------------------------------------------------ SFT loss masks
+from small_tokenizers import tokenizer_dir  # noqa: E402,F401  (the word-level fixture)
+
+PAIRS = [("the cat", "sat on the mat"), ("the mat", "sat"), ("cat on the", "mat on")]
+
+
+def test_sft_prepare_and_loss_mask_count_completion_tokens_only(tmp_path, tokenizer_dir):
+    """Words are tokens: the pairs hold 2+5, 2+2, 3+3 tokens (completions with their EOS), 17
+    a round and 10 of them completion; four rounds are 68 tokens. Eight samples of 8 inputs read
+    positions 0..64, whose targets are positions 1..64: 40 completion tokens less the last
+    example's 3 (positions 65..67) = 37 counted targets. The step's loss is the mean of the
+    per-token losses over exactly those."""
+    import json
+    from mpi4py import MPI
+    from layouts import small_config
+    from mpipar.data.sft import prepare_sft
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
+                             for _ in range(4) for p, c in PAIRS))
+    out = tmp_path / "sft.h5"
+    assert prepare_sft(jsonl, out, tokenizer_dir) == (68, 12, 40)
+    cfg = small_config("float64")
+    cfg.model.vocab_size, cfg.train.seq_len, cfg.train.data = 7, 8, str(out)
+    cfg.train.loss_mask, cfg.train.micro_batch_size = True, 8
+    eng = Engine(validate(cfg, 1), MPI.COMM_SELF)
+    assert eng._loss_divisor(eng.sampler.batch, 0) == 37
+    inputs, targets = eng.sampler.batch(0)
+    losses, _ = eng.chunks[0].forward(eng.params, inputs, np.arange(8), targets)
+    completion = set()                   # stream positions of completion tokens, by hand
+    at = 0
+    for _ in range(4):
+        for p, c in PAIRS:
+            at += len(p.split())
+            completion |= set(range(at, at + len(c.split()) + 1))
+            at += len(c.split()) + 1
+    idx = eng.sampler.indices(0)
+    counted = np.array([[8 * i + j + 1 in completion for j in range(8)] for i in idx])
+    assert counted.sum() == 37
+    result = eng.train_step(0)
+    assert result.loss == pytest.approx(float(losses[counted].sum()) / 37, rel=1e-12)
+    assert result.loss != pytest.approx(float(losses.mean()), rel=1e-6)
+    eng.close()
+
+
+def test_sft_chat_messages_mask_the_reply_rendered_by_the_chat_template(tmp_path, tokenizer_dir):
+    """Template "ROLE CONTENT " per message, "assistant " as the generation prompt: the prompt
+    "user the cat assistant " is 4 word tokens (roles are [UNK]), the reply "sat on the mat " 4
+    plus the EOS: 9 tokens, 5 of them completion."""
+    import json
+    import h5py
+    from mpipar.data.sft import prepare_sft
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+                               "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text(json.dumps({"messages": [{"role": "user", "content": "the cat"},
+                                              {"role": "assistant",
+                                               "content": "sat on the mat"}]}) + "\n")
+    assert prepare_sft(jsonl, tmp_path / "chat.h5", tokenizer_dir) == (9, 1, 5)
+    with h5py.File(tmp_path / "chat.h5") as f:
+        assert f["loss_mask"][:].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1]
+        assert f["tokens"][-1] == 0                    # the EOS "</s>"

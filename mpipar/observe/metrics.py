@@ -58,6 +58,7 @@ class StepResult:
     lr: float
     step_time_s: float
     tokens: int        # tokens in the global batch
+    moe: dict | None = None  # mixture of experts: moe_aux_loss, moe_load_max_over_mean
 
 
 @dataclass
@@ -168,6 +169,7 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
         "staging": {"bytes": ledger.staging.bytes, "copies": ledger.staging.messages,
                     "seconds": ledger.staging.seconds},  # rank 0: arrays <-> MPI host buffers
         "memory_bytes": [int(r["memory"]) for r in ranks],
+        **(result.moe or {}),
     }
 
 

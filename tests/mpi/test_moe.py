@@ -1,0 +1,88 @@
+"""Mixture of experts: every layout equals the single-process run in float64 (<= 1e-10), the
+balance loss included (its value each step, and its gradient through the parameters).
+
+Under ``mpirun -n 8``: the small model of ``layouts.py`` with blocks 1-3 sparse (4 experts,
+top 2, alpha 0.05), two AdamW steps, on dp, tp (experts unsplit: replicated over tp), pp (each
+schedule), sp (ring contiguous and zigzag, Ulysses: a sequence's balance statistics summed over
+sp), ZeRO-1/2/3 and recompute."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from conftest import assert_all_ranks
+from layouts import compare, layout_name, layout_size, small_config, token_source
+from mpipar.rules import validate
+
+LAYOUTS = [
+    dict(dp=8), dict(dp=4, tp=2), dict(dp=2, pp=4, schedule="zb-h1"),
+    dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2),
+    dict(dp=2, sp=4, sp_split="zigzag"), dict(dp=4, sp=2, sp_mode="ulysses"),
+    dict(dp=2, tp=2, sp=2), dict(dp=2, sp=2, pp=2, zero=1, bucket_mb=0.002),
+    dict(dp=4, sp=2, zero=2), dict(dp=2, sp=2, tp=2, zero=3),
+]
+RECOMPUTE = [dict(dp=2, sp=2, pp=2), dict(dp=4, tp=2)]
+
+
+def run(cfg, comm, steps: int = 2):
+    """(losses, grad norms, gathered params, balance losses, loads) of ``steps`` steps."""
+    from mpipar.training.engine import Engine
+    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    try:
+        res = [eng.train_step(k) for k in range(steps)]
+        return ([r.loss for r in res], [r.grad_norm for r in res], eng.gather_params(),
+                [r.moe["moe_aux_loss"] for r in res],
+                [r.moe["moe_load_max_over_mean"] for r in res])
+    finally:
+        eng.close()
+
+
+@functools.lru_cache(maxsize=None)
+def reference(recompute: str = "none"):
+    from mpi4py import MPI
+    cfg = small_config("float64", "moe")
+    cfg.train.recompute = recompute
+    return run(cfg, MPI.COMM_SELF)
+
+
+def _check(world, layout: dict, recompute: str = "none") -> None:
+    size = layout_size(layout)
+    comm = world.Split(world.rank // size, world.rank)
+    fails: list[str] = []
+    try:
+        cfg = small_config("float64", "moe", **layout)
+        cfg.train.recompute = recompute
+        got, ref = run(cfg, comm), reference()
+        fails = compare(got[:3], ref[:3], 1e-10)
+        for i, (a, b) in enumerate(zip(got[3], ref[3])):
+            if not abs(a - b) <= 1e-10 * abs(b):
+                fails.append(f"moe_aux_loss[{i}] {a!r} vs {b!r}")
+        if got[4] != ref[4]:
+            fails.append(f"loads {got[4]} vs {ref[4]}")
+    except Exception as exc:  # a rank's error must reach every rank, never hang them
+        fails = [f"{type(exc).__name__}: {exc}"]
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
+def test_moe_layout_equals_single_process_float64(world, layout):
+    _check(world, layout)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("layout", RECOMPUTE, ids=[layout_name(v) for v in RECOMPUTE])
+def test_moe_recompute_equals_single_process_float64(world, layout, mode):
+    _check(world, layout, mode)
+
+
+def test_balance_loss_is_on_and_moves():
+    """The reference itself: a positive balance loss near alpha (uniform routing gives
+    alpha x sparse layers), loads above 1 (max over mean)."""
+    losses, _, _, aux, loads = reference()
+    assert 0.05 * 3 * 0.9 < aux[0] < 0.05 * 3 * 2
+    assert all(v >= 1.0 for v in loads[0].values()) and len(loads[0]) == 3

@@ -182,6 +182,9 @@ class ParallelConfig:
                                       "the bytes, summed in float32 arithmetic and rounded to "
                                       "bf16 at each step of the reduction)",
                            choices=("float32", "bfloat16"))
+    ep: int = _f(1, "expert-parallel size (--moe-experts): each group of ep consecutive ranks "
+                    "of dp x sp splits the experts, tokens sent to their experts' ranks by "
+                    "all-to-all")
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
                                            "tokens (all-gather / reduce-scatter replace the "

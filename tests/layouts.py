@@ -30,6 +30,7 @@ MODELS = {
     # strong enough to move the router.
     "moe": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
                 moe_aux_loss_coef=0.05),
+    "moe8": dict(moe_experts=8, moe_top_k=2, moe_ffn_hidden=8, moe_aux_loss_coef=0.05),
 }
 """Test models by name: fields of ModelConfig on top of the small model's."""
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
 SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
 DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
-GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS)
+GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS, "ep")
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 

@@ -53,7 +53,7 @@ from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups
-from mpipar.parallel.experts import SequenceExperts
+from mpipar.parallel.experts import ExpertParallel, SequenceExperts
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
@@ -100,6 +100,7 @@ class Engine:
         self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
                                    self.mpi_path)
                        for name, c in self.grid.comms.items()}
+        self._add_ep_group()
         pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
         # Compute copies, activations and messages in ``dtype``; master weights, gradients and
         # optimizer state in ``master_dtype`` (float32 under bf16: mpipar.runtime.precision).
@@ -154,11 +155,27 @@ class Engine:
                            last=stage == last, tp=self.tensor, attention=self._attention(),
                            recompute=self.cfg.train.recompute, store=self.offload,
                            seq_len=self.cfg.train.seq_len,
-                           experts=SequenceExperts(num_experts=m.moe_experts,
-                                                   sp=self.groups["sp"]))
+                           experts=self._experts())
         # Each row's balance loss weighs alpha / rows of the global batch (mpipar.model.moe).
         chunk.moe_aux_weight = m.moe_aux_loss_coef / self.cfg.train.global_batch_size
         return chunk
+
+    def _add_ep_group(self) -> None:
+        """--ep N: the ``ep`` group, N consecutive ranks of dp x sp (mpipar.parallel.experts)."""
+        ep, dp_sp = self.cfg.parallel.ep, self.groups["dp_sp"]
+        if self.cfg.model.moe_experts:
+            comm = dp_sp.comm.Split(dp_sp.rank // ep, dp_sp.rank)
+            first = dp_sp.rank // ep * ep
+            self.groups["ep"] = Group(comm, "ep", self.ledger, dp_sp.nodes[first:first + ep],
+                                      self.mpi_path)
+
+    def _experts(self):
+        """The sparse blocks' exchange: sequences over sp, experts over ep."""
+        m, ep = self.cfg.model, self.groups.get("ep")
+        if ep is not None and ep.size > 1:
+            return ExpertParallel(num_experts=m.moe_experts, sp=self.groups["sp"], ep=ep,
+                                  xp=self.xp)
+        return SequenceExperts(num_experts=m.moe_experts, sp=self.groups["sp"])
 
     def _attention(self):
         par, sp = self.cfg.parallel, self.groups["sp"]
@@ -408,6 +425,8 @@ class Engine:
         if self.offload is not None:
             self.offload.close()
         self.reducer.close()
+        if "ep" in self.groups:
+            self.groups["ep"].comm.Free()
         self.grid.free()
 
     # ---------------------------------------------------------------- global tensors

@@ -4,7 +4,8 @@ balance loss included (its value each step, and its gradient through the paramet
 Under ``mpirun -n 8``: the small model of ``layouts.py`` with blocks 1-3 sparse (4 experts,
 top 2, alpha 0.05), two AdamW steps, on dp, tp (experts unsplit: replicated over tp), pp (each
 schedule), sp (ring contiguous and zigzag, Ulysses: a sequence's balance statistics summed over
-sp), ZeRO-1/2/3 and recompute."""
+sp), ZeRO-1/2/3 and recompute; and expert parallelism (ep 2, 4, 8; 8 experts for ep 8) with each
+of them."""
 from __future__ import annotations
 
 import functools
@@ -23,6 +24,13 @@ LAYOUTS = [
     dict(dp=4, sp=2, zero=2), dict(dp=2, sp=2, tp=2, zero=3),
 ]
 RECOMPUTE = [dict(dp=2, sp=2, pp=2), dict(dp=4, tp=2)]
+EP = [  # expert parallelism: the ep group carved out of dp x sp
+    dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=8, sp_split="zigzag", model="moe8"),
+    dict(dp=4, sp=2, ep=4, sp_mode="ulysses"), dict(dp=2, tp=2, pp=2, ep=2, schedule="zb-h1"),
+    dict(dp=2, sp=2, tp=2, ep=4, zero=3), dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
+    dict(dp=4, pp=2, ep=4, zero=2, schedule="interleaved", virtual_stages=2),
+]
+EP_RECOMPUTE = [dict(dp=4, sp=2, ep=4)]
 
 
 def run(cfg, comm, steps: int = 2):
@@ -39,21 +47,23 @@ def run(cfg, comm, steps: int = 2):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(recompute: str = "none"):
+def reference(recompute: str = "none", model: str = "moe"):
     from mpi4py import MPI
-    cfg = small_config("float64", "moe")
+    cfg = small_config("float64", model)
     cfg.train.recompute = recompute
     return run(cfg, MPI.COMM_SELF)
 
 
 def _check(world, layout: dict, recompute: str = "none") -> None:
     size = layout_size(layout)
+    layout = dict(layout)
+    model = layout.pop("model", "moe")
     comm = world.Split(world.rank // size, world.rank)
     fails: list[str] = []
     try:
-        cfg = small_config("float64", "moe", **layout)
+        cfg = small_config("float64", model, **layout)
         cfg.train.recompute = recompute
-        got, ref = run(cfg, comm), reference()
+        got, ref = run(cfg, comm), reference(model=model)
         fails = compare(got[:3], ref[:3], 1e-10)
         for i, (a, b) in enumerate(zip(got[3], ref[3])):
             if not abs(a - b) <= 1e-10 * abs(b):
@@ -78,6 +88,18 @@ def test_moe_layout_equals_single_process_float64(world, layout):
 @pytest.mark.parametrize("layout", RECOMPUTE, ids=[layout_name(v) for v in RECOMPUTE])
 def test_moe_recompute_equals_single_process_float64(world, layout, mode):
     _check(world, layout, mode)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", EP, ids=[layout_name(v) for v in EP])
+def test_expert_parallel_equals_single_process_float64(world, layout):
+    _check(world, layout)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", EP_RECOMPUTE, ids=[layout_name(v) for v in EP_RECOMPUTE])
+def test_expert_parallel_recompute_full_equals_single_process_float64(world, layout):
+    _check(world, layout, "full")
 
 
 def test_balance_loss_is_on_and_moves():

@@ -142,3 +142,22 @@ def test_bad_moe_fields_are_config_errors(change, words):
     m = dataclasses.replace(MOE, **change)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         check_fields(Config(model=m), resolve_model(m))
+
+
+@pytest.mark.parametrize("model, parallel, words", [
+    (dict(moe_experts=4), dict(ep=3, dp=6), "parallel.ep=3: must divide model.moe_experts=4"),
+    (dict(moe_experts=4), dict(ep=4, dp=2), r"parallel.ep=4: must divide dp x sp = 2 x 1"),
+    (dict(), dict(ep=2, dp=2), r"parallel.ep=2: needs a mixture of experts"),
+    (dict(moe_experts=4), dict(ep=0), r"parallel.ep=0: must be >= 1"),
+    (dict(moe_experts=4), dict(tp=2, dp=1, tp_sequence_parallel=True), "tp_sequence_parallel"),
+    (dict(moe_experts=2, moe_top_k=3), dict(), "moe_top_k=3"),
+])
+def test_bad_layouts_are_config_errors(model, parallel, words):
+    """Each rule raises one ConfigError naming the value (the programs exit 2 on it)."""
+    from mpipar.config import Config, ParallelConfig, TrainConfig
+    from mpipar.rules import validate
+    cfg = Config(ModelConfig(hidden=16, heads=2, kv_heads=2, layers=2, **model),
+                 ParallelConfig(**parallel), TrainConfig(global_batch_size=12, seq_len=8))
+    world = parallel.get("dp", 1) * parallel.get("tp", 1)
+    with pytest.raises(ConfigError, match=words):
+        validate(cfg, world)

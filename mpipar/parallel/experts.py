@@ -24,7 +24,9 @@ import numpy as np
 from mpipar.config import ConfigError
 from mpipar.kernels import moe as K_moe
 from mpipar.layout import Layout
+from mpipar.parallel.traffic import Call, element_bytes
 from mpipar.runtime.comm import Group
+from mpipar.runtime.precision import Precision
 
 Array = Any
 
@@ -86,6 +88,29 @@ class ExpertParallel(SequenceExperts):
         back[regroup] = ys
         out = self.xp.empty((sum(send_rows),) + ys.shape[1:], ys.dtype)
         return self.ep.alltoallv(back, recv_rows, out, send_rows)
+
+
+def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) -> list[Call]:
+    """The sparse blocks' MPI calls of a rank holding blocks ``layers`` in a step (``train``) or
+    a validation pass of ``passes`` forwards per chunk, with *uniform routing* (each expert gets
+    ``A / E`` of a rank's ``A`` assignments; the ledger's real loads differ): per sparse block
+    and forward, the counts' sum over sp (all-reduce), and under ep the counts (all-to-all) and
+    the rows there and back (two all-to-all-v, each the ``A (ep-1)/ep`` rows to other ranks);
+    backward sends the gradients' rows there and back again, and ``--recompute full`` repeats
+    the forward's calls."""
+    m, p, t = layout.config.model, layout.config.parallel, layout.config.train
+    sparse = sum(1 for i in layers if m.is_sparse(i))
+    forwards = passes * (1 + (train and t.recompute == "full"))
+    dt = element_bytes(Precision.of(t, p).compute)
+    tokens = layout.micro_batch_size * (t.seq_len // p.sp)
+    calls = [Call("sp", "allreduce", layout.micro_batch_size * m.moe_experts * dt,
+                  sparse * forwards)] if p.sp > 1 else []
+    if p.ep > 1:
+        rows = tokens * m.moe_top_k * (p.ep - 1) // p.ep
+        calls += [Call("ep", "alltoall", m.moe_experts * 8, sparse * forwards),
+                  Call("ep", "alltoallv", rows * m.hidden * dt,
+                       sparse * (2 * forwards + 2 * passes * train))]
+    return calls
 
 
 def check_config(layout: Layout) -> None:

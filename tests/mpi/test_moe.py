@@ -108,3 +108,52 @@ def test_balance_loss_is_on_and_moves():
     losses, _, _, aux, loads = reference()
     assert 0.05 * 3 * 0.9 < aux[0] < 0.05 * 3 * 2
     assert all(v >= 1.0 for v in loads[0].values()) and len(loads[0]) == 3
+
+
+def uniform_route(probs, k, xp):
+    """A router forced uniform: token n's choices are experts (nK, ..., nK+K-1) mod E, so each
+    expert gets the same count whenever E divides a rank's N*K (weights from the probabilities
+    there, renormalised)."""
+    n, e = probs.shape
+    experts = (xp.arange(n)[:, None] * k + xp.arange(k)[None, :]) % e
+    chosen = xp.take_along_axis(probs, experts, axis=-1)
+    return experts.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
+
+
+LEDGER = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=4, recompute="full"),
+          dict(dp=2, sp=2, tp=2, pp=1, ep=2), dict(dp=4, pp=2, ep=4, sp_mode="ring")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", LEDGER, ids=[layout_name(v) for v in LEDGER])
+def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
+    """With the router forced uniform, every group's bytes in the ledger (ep and sp included)
+    equal the planner's prediction for a step, and the validation pass's for its own."""
+    from mpipar.kernels import moe as kernels_moe
+    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
+    from mpipar.training.engine import Engine
+    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
+    case = dict(case)
+    recompute, model = case.pop("recompute", "none"), case.pop("model", "moe")
+    cfg = small_config("float64", model, **case)
+    cfg.train.recompute = recompute
+    cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
+    fails = []
+    try:
+        layout = validate(cfg, 8)
+        eng = Engine(layout, world, source=token_source())
+        want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
+                           predict_eval_bytes(layout, eng.grid.coord))
+        eng.ledger.reset()
+        eng.train_step(0)
+        eng.evaluate()
+        got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
+        if got != want or got_eval != want_eval:
+            fails.append(f"{eng.grid.coord}: step {got} vs {want}; eval {got_eval} vs "
+                         f"{want_eval}")
+        if case.get("ep", 1) > 1 and not got.get("ep"):
+            fails.append("no ep bytes booked")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)

@@ -157,3 +157,49 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
     assert_all_ranks(world, fails)
+
+
+RESHARD = [(dict(model="moe8", dp=8, ep=8, zero=1), dict(model="moe8", dp=2, tp=2, pp=2)),
+           (dict(dp=4, sp=2, ep=4, zero=3), dict(dp=8, ep=2, zero=2))]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("before,after", RESHARD, ids=["ep8-to-ep1", "ep4-zero3-to-ep2-zero2"])
+def test_checkpoint_moves_across_ep_sizes(world, before, after):
+    """A step trained and saved under one ep (and ZeRO stage) loads under another and the next
+    step equals the one-process run's second step."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mpipar.checkpoint import reader, writer
+    from mpipar.runtime.comm import Group, Ledger
+    from mpipar.training.engine import Engine
+    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-moe-") if world.rank == 0 else None))
+    before, after = dict(before), dict(after)
+    model = before.pop("model", "moe")
+    after.pop("model", None)
+    fails = []
+    try:
+        a = Engine(validate(small_config("float64", model, **before), 8), world,
+                   source=token_source())
+        a.train_step(0)
+        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        a.close()
+        b = Engine(validate(small_config("float64", model, **after), 8), world,
+                   source=token_source())
+        if reader.load(b.state, path) != 1:
+            fails.append("load did not return step 1")
+        r2 = b.train_step(1)
+        ref = reference(model=model)
+        fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], b.gather_params()),
+                         ref[:3], 1e-10)
+        if abs(r2.moe["moe_aux_loss"] - ref[3][1]) > 1e-10 * ref[3][1]:
+            fails.append(f"moe_aux_loss {r2.moe['moe_aux_loss']} vs {ref[3][1]}")
+        b.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    assert_all_ranks(world, fails)

@@ -84,7 +84,12 @@ def unpermute_sum(dxs: Array, order: Array, n: int, k: int, xp) -> Array:
 
 def offsets(counts) -> list[int]:
     """Start of each expert's rows in the permuted order, and the end: ``[E + 1]`` ints."""
-    return [0] + np.cumsum(np.asarray(counts)).tolist()
+    return [0] + np.cumsum(host(counts)).tolist()
+
+
+def host(a: Array) -> np.ndarray:
+    """``a`` as a NumPy array (a CuPy array copied to the host)."""
+    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def grouped_swiglu_fwd(kernels, xs: Array, bounds: list[int],

@@ -66,13 +66,13 @@ class ExpertParallel(SequenceExperts):
 
     def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
         n, el = self.ep.size, self.per_rank
-        mine = np.ascontiguousarray(np.asarray(counts).reshape(n, el))     # [dest, local e]
+        mine = np.ascontiguousarray(K_moe.host(counts).reshape(n, el))    # [dest, local e]
         theirs = self.ep.alltoall(mine, np.empty_like(mine))              # [source, local e]
         send_rows, recv_rows = mine.sum(axis=1).tolist(), theirs.sum(axis=1).tolist()
         starts = np.cumsum(np.r_[0, theirs.reshape(-1)[:-1]]).reshape(n, el)
         regroup = np.concatenate([np.arange(starts[i, e], starts[i, e] + theirs[i, e])
                                   for e in range(el) for i in range(n)]).astype(np.int64)
-        handle = (send_rows, recv_rows, regroup)
+        handle = (send_rows, recv_rows, self.xp.asarray(regroup))
         bounds = [0] + np.cumsum(theirs.sum(axis=0)).tolist()
         return self.redispatch(xs, handle), bounds, handle
 

@@ -161,3 +161,17 @@ def test_bad_layouts_are_config_errors(model, parallel, words):
     world = parallel.get("dp", 1) * parallel.get("tp", 1)
     with pytest.raises(ConfigError, match=words):
         validate(cfg, world)
+
+
+def test_model_flops_count_the_router_and_k_experts():
+    """A sparse block's FFN: 2HE (router) + K x 6HF_moe per token forward, in place of the dense
+    6HF; the step's FLOPs are 3 x forward over the global batch's tokens."""
+    from mpipar.config import Config, TrainConfig
+    from mpipar.model.flops import model_flops_per_step
+    train = TrainConfig(seq_len=8, global_batch_size=2)
+    dense, half = (model_flops_per_step(Config(model=dataclasses.replace(m, moe_experts=e),
+                                               train=train))
+                   for m, e in ((MOE, 0), (HALF, 4)))
+    H = MOE.hidden
+    extra = 2 * H * 4 + 6 * H * (2 * 8 - 24)     # one sparse block (block 1)
+    assert half - dense == pytest.approx(3 * extra * 16)

@@ -33,12 +33,12 @@ import numpy as np
 from . import numpy_ref
 
 OPS: tuple[str, ...] = (
-    "linear_fwd", "linear_bwd", "linear_bias_bwd", "linear_swiglu_fwd", "embedding_fwd",
+    "linear_fwd", "linear_bwd", "linear_bias_bwd", "embedding_fwd",
     "embedding_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd",
     "rope_cos_sin", "rope_fwd", "rope_bwd",
     "swiglu_fwd", "swiglu_bwd",
     "attention_fwd", "attention_bwd", "attention_merge",
-    "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd",
+    "cross_entropy_stats", "cross_entropy_bwd",
 )
 BACKENDS: tuple[str, ...] = ("numpy", "numba", "cupy")
 _CHOICES = ("auto",) + BACKENDS
@@ -60,7 +60,6 @@ class Backend:
     linear_fwd: Kernel
     linear_bwd: Kernel
     linear_bias_bwd: Kernel
-    linear_swiglu_fwd: Kernel
     embedding_fwd: Kernel
     embedding_bwd: Kernel
     rmsnorm_fwd: Kernel
@@ -76,7 +75,6 @@ class Backend:
     attention_bwd: Kernel
     attention_merge: Kernel
     cross_entropy_stats: Kernel
-    cross_entropy_fwd: Kernel
     cross_entropy_bwd: Kernel
     fallback_reasons: Mapping[str, str] = field(default_factory=dict)
 
@@ -141,6 +139,8 @@ def _build(name: str) -> Backend:
                 reasons[op] = "numpy_ref on cupy arrays"
         for op, bf16_op in gpu_bf16.bf16_ops(gpu_bf16.PER_CALL).items():
             ops[op] = gpu_bf16.by_dtype(ops[op], bf16_op)
+            if op in reasons:
+                reasons[op] += "; bf16: gpu_bf16's cuBLAS, fused and attention kernels"
     return Backend(name=name, xp=xp, per_op=MappingProxyType(per_op),
                    fallback_reasons=MappingProxyType(reasons), **ops)
 

@@ -30,7 +30,7 @@ from .numpy_ref import Array, require
 
 IMPLEMENTED: tuple[str, ...] = ("rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd",
                                 "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "embedding_bwd",
-                                "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd")
+                                "cross_entropy_stats", "cross_entropy_bwd")
 
 _WIDTHS = (8, 4, 2, 1)  # bf16 a thread loads at once (16 ... 2 bytes): the widest the shape allows
 _MAXV = 4  # vectors of a row a thread keeps in registers in the RMSNorm kernels (CUDA's MAXV)
@@ -739,16 +739,6 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
             (logits, cp.ascontiguousarray(targets, cp.int64), m, s, t, _i32(cols, "columns"),
              np.int32(nvalid), np.int64(vocab_start)))
     return m, s, t
-
-
-def cross_entropy_fwd(logits: Array, targets: Array,
-                      vocab_size: int | None = None) -> tuple[Array, Array]:
-    """Cross-entropy of unsharded bf16 logits `[N, V]`: loss, lse float32 `[N]` (numpy_ref's)."""
-    nvalid = ref.valid_columns(logits.shape[1] if logits.ndim == 2 else 0, 0, vocab_size)
-    require(nvalid > 0, f"cross_entropy_fwd: vocab_size={vocab_size} must leave at least one column")
-    m, s, t = cross_entropy_stats(logits, targets, 0, nvalid)
-    lse = m + _cupy().log(s)
-    return lse - t, lse
 
 
 def cross_entropy_bwd(logits: Array, targets: Array, lse: Array, dloss: Array,

@@ -28,7 +28,7 @@ from .numpy_ref import Array
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "mpipar")
 FUSED_OPS = ("rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd", "rope_fwd",
-             "rope_bwd", "swiglu_fwd", "swiglu_bwd", "cross_entropy_stats", "cross_entropy_fwd",
+             "rope_bwd", "swiglu_fwd", "swiglu_bwd", "cross_entropy_stats",
              "cross_entropy_bwd", "embedding_bwd")
 LINEAR_OPS = ("linear_fwd", "linear_bwd")
 ATTENTION_OPS = ("attention_fwd", "attention_bwd")

@@ -17,8 +17,6 @@ without Intel SVML, 10x slower than NumPy's SIMD exp, which made several of thes
   * linear fwd/bwd: a row-panel matmul written in Numba (vectorised, threaded). OpenBLAS is about
     5x faster (see `python -m mpipar.bench kernels`), so the dispatcher routes linear_fwd/linear_bwd of the
     numba backend to NumPy; these two stay here for that comparison;
-  * linear_swiglu_fwd: two BLAS matmuls (np.dot inside njit, through SciPy's BLAS) with the SwiGLU
-    epilogue fused into one pass.
 
 Threads: parallel loops use Numba's thread pool (`NUMBA_NUM_THREADS`, default: all cores); set it
 (and `OPENBLAS_NUM_THREADS`) to cores / ranks-per-node under MPI. Importing this module sets
@@ -45,10 +43,10 @@ from .numpy_ref import Array, require  # noqa: E402
 
 # Ops implemented in this module (the dispatcher falls back to numpy_ref for the others).
 IMPLEMENTED: tuple[str, ...] = (
-    "linear_fwd", "linear_bwd", "linear_swiglu_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd",
+    "linear_fwd", "linear_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd",
     "add_rmsnorm_bwd", "rope_fwd",
     "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd", "attention_bwd", "attention_merge",
-    "cross_entropy_stats", "cross_entropy_fwd", "cross_entropy_bwd",
+    "cross_entropy_stats", "cross_entropy_bwd",
 )
 # Ops where NumPy is faster than the implementation above (measured by `python -m mpipar.bench
 # kernels`): the numba backend uses numpy_ref for these, with this reason.
@@ -142,38 +140,6 @@ def _sigmoid(g, one):
     callers' parallel loops (whose NumPy error model drops the division checks), which vectorise."""
     e = vexp(-abs(g))
     return one / (one + e) if g >= 0 else e / (one + e)
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def _linear_swiglu(x, w_gate, w_up, one):
-    gate = np.dot(x, w_gate.T)
-    up = np.dot(x, w_up.T)
-    h = np.empty_like(gate)
-    n, f = gate.shape
-    for i in prange(n):
-        for j in range(f):
-            g = gate[i, j]
-            h[i, j] = g * _sigmoid(g, one) * up[i, j]
-    return h, gate, up
-
-
-def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Array, Array]:
-    """(h, gate, up) with gate = x @ w_gate.T, up = x @ w_up.T, h = silu(gate) * up; BLAS + fused epilogue.
-
-    x: `[..., in]`, w_gate, w_up: `[ffn, in]` -> h, gate, up: `[..., ffn]`.
-    bf16: as numpy_ref, `linear_fwd` twice (NumPy's BLAS, as this backend's linear_fwd) then
-    `swiglu_fwd` of the rounded gate and up.
-    """
-    if ref.is_bf16(x.dtype):
-        gate, up = ref.linear_fwd(x, w_gate), ref.linear_fwd(x, w_up)
-        return swiglu_fwd(gate, up), gate, up
-    dt = _float_dtype(x, "linear_swiglu_fwd")
-    require(w_gate.ndim == 2 and w_gate.shape == w_up.shape and x.shape[-1] == w_gate.shape[1],
-            f"linear_swiglu_fwd: w_gate {w_gate.shape} and w_up {w_up.shape} must both be [ffn, in] "
-            f"with in = x.shape[-1] = {x.shape[-1]}")
-    h, gate, up = _linear_swiglu(_c(x, dt).reshape(-1, x.shape[-1]), _c(w_gate, dt), _c(w_up, dt), dt.type(1))
-    shape = x.shape[:-1] + (w_gate.shape[0],)
-    return h.reshape(shape), gate.reshape(shape), up.reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,15 +413,6 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
     m, s, t = np.empty(n, sd), np.empty(n, sd), np.empty(n, sd)
     _ce_stats(_c(logits, sd), _c(targets, np.int64), int(vocab_start), nvalid, m, s, t)
     return m, s, t
-
-
-def cross_entropy_fwd(logits: Array, targets: Array, vocab_size: int | None = None) -> tuple[Array, Array]:
-    """loss `[N]` = lse - target logit and lse `[N]` of unsharded logits `[N, V]`."""
-    nvalid = ref.valid_columns(logits.shape[1] if logits.ndim == 2 else 0, 0, vocab_size)
-    require(nvalid > 0, f"cross_entropy_fwd: vocab_size={vocab_size} must leave at least one column")
-    m, s, t = cross_entropy_stats(logits, targets, 0, nvalid)
-    lse = m + np.log(s)
-    return lse - t, lse
 
 
 @njit(cache=True, parallel=True, nogil=True, fastmath=REORDER)

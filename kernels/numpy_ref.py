@@ -22,9 +22,6 @@ With f() the exact upcast and r() that rounding of a float32 value:
   linear_bwd           dx = r(f(dy) @ f(w))                       dw = f(dy)^T f(x), or added
                                                                   into a given float32 dw
   linear_bias_bwd                                                 db = sum of f(dy) over rows
-  linear_swiglu_fwd    gate = linear_fwd(x, w_gate), up likewise,
-                       h = swiglu_fwd(gate, up) of the rounded
-                       gate and up (= the unfused ops)
   embedding_fwd        rows of w (copied, nothing to round)
   embedding_bwd                                                   dw (a float32 buffer) += f(dx)
   rmsnorm_fwd          y = r(f(x) * rstd * f(w))                  rstd = 1/sqrt(mean(f(x)^2)+eps)
@@ -41,7 +38,6 @@ With f() the exact upcast and r() that rounding of a float32 value:
                                                                   f(v), f(out), lse, f(dout))
   attention_merge      out = r(wa f(out_a) + wb f(out_b))         lse
   cross_entropy_stats                                             m, s, t
-  cross_entropy_fwd                                               loss, lse
   cross_entropy_bwd    dlogits = r((softmax - onehot) * dloss)
 
 "The float32 formula" is this module's own float32 code: on bf16 inputs each op equals, bit for
@@ -201,20 +197,6 @@ def check_linear_bwd(dy: Array, x: Array, w: Array | None, dw: Array | None) -> 
             f"linear_bwd: shapes dy {dy.shape}, x {x.shape}, w {wshape} must be [..., out], [..., in], [out, in]")
     require(dw is None or dw.shape == wshape, f"linear_bwd: dw {getattr(dw, 'shape', None)} must be {wshape}")
     return wshape
-
-
-def linear_swiglu_fwd(x: Array, w_gate: Array, w_up: Array) -> tuple[Array, Array, Array]:
-    """h = silu(x @ w_gate.T) * (x @ w_up.T), the first half of a SwiGLU MLP.
-
-    x: `[..., in]`, w_gate, w_up: `[ffn, in]` -> (h, gate, up), each `[..., ffn]`; gate and up are
-    kept for the backward (`swiglu_bwd` then `linear_bwd` twice).
-    bf16: exactly `linear_fwd` twice then `swiglu_fwd`: h is computed from the rounded gate and up.
-    """
-    require(w_gate.shape == w_up.shape,
-           f"linear_swiglu_fwd: w_gate.shape={w_gate.shape} must equal w_up.shape={w_up.shape}")
-    gate = linear_fwd(x, w_gate)
-    up = linear_fwd(x, w_up)
-    return swiglu_fwd(gate, up), gate, up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -684,7 +666,9 @@ def cross_entropy_stats(logits: Array, targets: Array, vocab_start: int = 0,
 
 
 def cross_entropy_fwd(logits: Array, targets: Array, vocab_size: int | None = None) -> tuple[Array, Array]:
-    """Cross-entropy of one unsharded set of logits.
+    """Cross-entropy of one unsharded set of logits: the composition of
+    :func:`cross_entropy_stats` the model's vocabulary-parallel loss computes from its shards,
+    kept as the reference the tests and ``bench kernels`` check against (not a dispatched op).
 
     logits: `[N, V]`, targets: `[N]` -> loss `[N]` = lse - target logit, lse `[N]` (statistics dtype:
     float32 for bf16 logits).

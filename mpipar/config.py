@@ -158,6 +158,17 @@ class ParallelConfig:
                                 "hierarchical (reduce-scatter inside the node, all-reduce of the "
                                 "shard across nodes, all-gather inside the node)",
                         choices=("flat", "hierarchical"))
+    allreduce_algorithm: str = _f("auto", "the MPI library's all-reduce algorithm, set through its "
+                                          "own controls before MPI_Init (MPICH's MPIR_CVAR_"
+                                          "[I]ALLREDUCE_INTRA_ALGORITHM, Open MPI's coll_tuned / "
+                                          "libnbc parameters): auto (the library's choice, or the "
+                                          "fastest per size of --allreduce-hardware), ring, tree, "
+                                          "rabenseifner (reduce-scatter + all-gather), "
+                                          "hierarchical (mpipar's --dp-reduce hierarchical)",
+                                  choices=("auto", "ring", "tree", "rabenseifner", "hierarchical"))
+    allreduce_hardware: str = _f("", "--allreduce-algorithm auto: a hardware file from python -m "
+                                     "mpipar.bench comm --algorithms; each all-reduce then runs "
+                                     "the algorithm measured fastest at the nearest size (MPICH)")
     grad_compression: str = _f("none", "compress the gradient reduction across nodes "
                                        "(hierarchical) or over dp x sp (flat): int8 with "
                                        "per-block scales both ways, or topk values + indices",
@@ -172,10 +183,13 @@ class ParallelConfig:
                                   "gradient); off: one AdamW step on the arriving sum, as if "
                                   "it were one step's gradient",
                             choices=("on", "off"))
-    compression_warmup: int = _f(0, "--grad-compression: steps reduced uncompressed before "
-                                    "compression starts (the warm-up of Deep Gradient "
-                                    "Compression and 1-bit Adam: the first steps move the model "
-                                    "most, and compression delays what it does not send)")
+    compression_warmup: int = _f(-1, "--grad-compression: steps reduced uncompressed before "
+                                     "compression starts (the warm-up of Deep Gradient "
+                                     "Compression and 1-bit Adam: the first steps move the model "
+                                     "most, and compression delays what it does not send); -1: "
+                                     "the codec's default share of --steps (int8 a tenth, topk "
+                                     "a third: what converges on the default run, "
+                                     "docs/benchmarks.md); 0: compress from the first step")
     reduce_dtype: str = _f("float32", "dtype of the gradients the dp x sp reduction sends: "
                                       "float32 (the gradients' own: float32, float64 in a "
                                       "float64 run) or bfloat16 (--dtype bfloat16 only: half "
@@ -230,6 +244,12 @@ class TrainConfig:
     backend: str = _f("auto", "kernel backend: auto (cupy on a CUDA device, else numba, else "
                               "numpy), numba or numpy (CPU), cupy (--device cuda)",
                       choices=("auto", "numpy", "numba", "cupy"))
+    attention_backend: str = _f("auto", "bf16 attention on a CUDA device: cudnn (cuDNN's fused "
+                                        "attention through its frontend), mpipar (mpipar's "
+                                        "FA2-style kernel), auto (cuDNN where it imports and "
+                                        "takes the case, else mpipar's); float32/float64 and "
+                                        "the CPU use mpipar's exact kernels",
+                                choices=("auto", "cudnn", "mpipar"))
     device: str = _f("cpu", "where parameters, gradients, optimizer state and activations live: "
                             "cpu, cuda (rank r takes GPU local_rank mod visible GPUs; ranks may "
                             "share one), auto (cuda when CuPy sees a device)",

@@ -133,7 +133,11 @@ def resolve(cfg: Config, world: int) -> Layout:
     require(world >= 1, f"world size {world}: must be >= 1")
     dp = _grid(cfg.parallel, world)
     micro, count = _batch_split(cfg.parallel, cfg.train, dp)
-    resolved = Config(resolve_model(cfg.model), dataclasses.replace(cfg.parallel, dp=dp),
+    # --allreduce-algorithm hierarchical is mpipar's own hierarchical reduction.
+    reduce = "hierarchical" if cfg.parallel.allreduce_algorithm == "hierarchical" else None
+    resolved = Config(resolve_model(cfg.model),
+                      dataclasses.replace(cfg.parallel, dp=dp,
+                                          dp_reduce=reduce or cfg.parallel.dp_reduce),
                       dataclasses.replace(cfg.train, micro_batch_size=micro))
     p = resolved.parallel
     return Layout(config=resolved, world=world, dp=dp, tp=p.tp, pp=p.pp, sp=p.sp,

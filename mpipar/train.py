@@ -123,6 +123,9 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
 
 
 def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
+    from mpipar.runtime import allreduce
+    # The library reads its algorithm controls in MPI_Init: before the first use of MPI.
+    allreduce.preset(allreduce.early_choice(sys.argv[1:] if argv is None else argv))
     comm = MPI.COMM_WORLD if comm is None else comm
     report = FailureReport(comm)
     install_abort_hook(report)
@@ -137,6 +140,12 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     cfg = resolve_config(argv, comm.Get_size(), notes)
     from mpipar.runtime.comm import Group, Ledger
     ctx = RunContext(cfg, Group(comm, "world", Ledger()), stop, report, notes)
+    try:
+        ctx.allreduce = allreduce.configure(cfg.parallel.allreduce_algorithm,
+                                            cfg.parallel.allreduce_hardware,
+                                            MPI.Get_library_version())
+    except ConfigError as exc:
+        fail_usage(str(exc))
     ctx.watchdog = _start_watchdog(ctx)
     ctx.on_node = known or ranks_on_node(ctx.control.allgather_object(MPI.Get_processor_name()),
                                          comm.Get_rank())

@@ -44,7 +44,7 @@ def small_config(dtype: str = "float64", model: str = "llama", **parallel) -> Co
     return Config(
         ModelConfig(vocab_size=VOCAB, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48,
                     init_std=0.2, **MODELS[model]),
-        ParallelConfig(**parallel),
+        ParallelConfig(**{"compression_warmup": 0, **parallel}),  # compress from step 1
         TrainConfig(steps=2, seq_len=16, global_batch_size=8, micro_batch_size=1, lr=1e-2,
                     min_lr=1e-3, warmup_steps=1, clip_grad=0.5, dtype=dtype, backend="numpy",
                     seed=11, eps=1e-4 if dtype == "float32" else 1e-8),

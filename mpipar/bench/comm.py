@@ -7,6 +7,7 @@ the planner reads (``python -m mpipar.plan --hardware FILE``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any, Callable
@@ -89,6 +90,41 @@ def codec_work(dtype: str, repeats: int) -> tuple[float, float]:
             local_work_seconds(TopKCodec(np, 0.01), dtype=dtype, repeats=repeats))
 
 
+def measure_algorithms(groups: dict[str, Any], sizes: list[int], repeats: int
+                       ) -> dict[str, dict[str, dict[int, float]]]:
+    """Seconds of one non-blocking all-reduce (``Iallreduce`` + ``Wait``, as the gradient
+    buckets run it) of each of ``sizes`` bytes under each library algorithm, forced through
+    MPICH's control variables (:class:`mpipar.runtime.allreduce.MpiT`), over each group of
+    ``groups`` (name -> communicator, every rank in one of each): group -> algorithm -> {bytes:
+    seconds}. ``auto`` (the library's own choice) is measured too."""
+    from mpipar.runtime.allreduce import LIBRARY_ALGORITHMS, MpiT
+    mpit = MpiT()
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for name, comm in groups.items():
+        if MPI.COMM_WORLD.allreduce(comm.Get_size(), op=MPI.MIN) < 2:
+            continue
+        for algorithm in ("auto", *LIBRARY_ALGORITHMS):
+            mpit.set_algorithm(algorithm)
+            for size in sizes:
+                buf = np.ones(size // 4, np.float32)
+                seconds = _timed(lambda: comm.Iallreduce(MPI.IN_PLACE, buf).Wait(), comm, repeats)
+                out.setdefault(name, {}).setdefault(algorithm, {})[size] = seconds
+    mpit.set_algorithm("auto")
+    return out
+
+
+def _print_algorithms(table: dict[str, dict[str, dict[int, float]]]) -> None:
+    """Per group and size: each algorithm's time, the fastest marked."""
+    for group, per in table.items():
+        sizes = sorted(next(iter(per.values())))
+        print_header(f"{'all-reduce over ' + group:<24} " + " ".join(f"{a:>13}" for a in per))
+        for size in sizes:
+            best = min(per, key=lambda a: per[a][size])
+            cells = " ".join(f"{per[a][size] * 1e3:>11.3f}{'*' if a == best else ' '}"
+                             f" " for a in per)
+            print(f"{size / 2**20:>10.3f} MiB (ms)      {cells}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Links inside a node and across nodes, compute speed and per-op overhead of every rank,
     measured with all ranks busy at once; rank 0 prints them and writes the hardware file."""
@@ -113,12 +149,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     codecs = codec_work(args.dtype, 3 if args.quick else 10)
     peaks, overheads, rates = comm.gather(peak), comm.gather(overhead), comm.gather(elements)
     codecs = comm.gather(codecs)
+    algorithms = {}
+    if args.algorithms and "MPICH" not in MPI.Get_library_version():
+        if rank == 0:
+            print("comm: --algorithms forces each algorithm through MPICH's control variables; "
+                  "this library is not MPICH: not measured")
+    elif args.algorithms:
+        sizes = [int(float(k) * 1024) for k in args.sizes_kib.split(",")]
+        algorithms = measure_algorithms({"world": comm, "intra": node, "inter": across}, sizes,
+                                        3 if args.quick else args.repeats)
     for c in (across, node):
         c.Free()
     if rank != 0:
         return {}
     hw = Hardware.from_links(min(peaks), statistics.median(overheads), min(rates), links,
                              on_node, node_count, tuple(max(c[i] for c in codecs) for i in (0, 1)))
+    if algorithms:
+        hw = dataclasses.replace(hw, allreduce_seconds={
+            a: {str(size): t for size, t in per.items()}
+            for a, per in algorithms["world"].items()})
     print(f"comm: {comm.Get_size()} ranks on {node_count} node(s) x {on_node}; {args.dtype} GEMM "
           f"{args.gemm}^3 {min(peaks) / 1e9:.2f} GFLOP/s per rank (slowest; all ranks at once), "
           f"op overhead {statistics.median(overheads) * 1e6:.1f} us (median rank), in-place "
@@ -131,9 +180,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for op in ("sendrecv", "allreduce", "allgather"):
             print(f"{scope:<6} {op:<10} {values[op + '_latency'] * 1e6:>11.1f} "
                   f"{values[op + '_bandwidth'] / 1e6:>15.1f}")
+    if algorithms:
+        _print_algorithms(algorithms)
     hw.save(args.out)
     print(f"comm: wrote {args.out} (python -m mpipar.plan --hardware {args.out})")
-    return {"links": links, "hardware": hw.to_dict()}
+    return {"links": links, "hardware": hw.to_dict(),
+            "algorithms": {g: {a: {str(k): v for k, v in per.items()} for a, per in t.items()}
+                           for g, t in algorithms.items()}}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +197,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="dtype of the GEMM probe (train's default: float32)")
     parser.add_argument("--hidden", type=int, default=128, help="width of the op-overhead probe")
+    parser.add_argument("--algorithms", action="store_true",
+                        help="also time the non-blocking all-reduce under each MPI algorithm "
+                             "(ring, tree, rabenseifner, the library's auto; MPICH) over the "
+                             "world, a node and across nodes, and write the world's timings into "
+                             "the hardware file for --allreduce-algorithm auto")
+    parser.add_argument("--sizes-kib", default="64,1024,4096,25600",
+                        help="--algorithms: message sizes in KiB (the job's bucket sizes; 25600 "
+                             "is --bucket-mb 25)")
     parser.add_argument("--gemm", type=int, default=256,
                         help="size of the GEMM probe (near the model's matrices)")
 

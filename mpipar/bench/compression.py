@@ -1,71 +1,76 @@
 """``python -m mpipar.bench compression``: convergence of gradient compression. The default
 model trained under mpirun (dp = ranks) with no, int8 and top-k compression, with and without
-error feedback and the top-k catch-up: a final-loss table against no compression, the wire bytes
-a step, and a plot of the losses.
+error feedback, the default warm-up and the top-k catch-up, for each seed and each layout (flat,
+or hierarchical on nodes of K ranks): a final-loss table against no compression of the same
+seed and layout (each row the mean over the seeds), the wire bytes a step, and a plot of the
+losses.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 from typing import Any
 
 import numpy as np
 
-from mpipar.bench.harness import LAUNCH_ENV, Section, mpirun, print_header
+from mpipar.bench.harness import Section, print_header, train_run
 
 
 COMPRESSION_VARIANTS = {
     "none": [],
     "int8": ["--grad-compression", "int8"],
+    "int8-w0": ["--grad-compression", "int8", "--compression-warmup", "0"],
     "int8-noef": ["--grad-compression", "int8", "--error-feedback", "off"],
+    "int8-noef-w0": ["--grad-compression", "int8", "--error-feedback", "off",
+                     "--compression-warmup", "0"],
     "topk": ["--grad-compression", "topk"],
+    "topk-w0": ["--grad-compression", "topk", "--compression-warmup", "0"],
     "topk-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
     "topk-warm": ["--grad-compression", "topk"],
     "topk-warm-noef": ["--grad-compression", "topk", "--error-feedback", "off"],
     "topk-plain": ["--grad-compression", "topk", "--topk-catch-up", "off"],
     "topk-warm-plain": ["--grad-compression", "topk", "--topk-catch-up", "off"],
 }
-"""Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio; the ``-warm``
-ones after --warmup uncompressed steps; ``-plain``: AdamW without the catch-up, one step on
-each arriving sum)."""
+"""Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio). Without a
+suffix the run's defaults: error feedback, the codec's default warm-up (a share of the steps,
+:func:`mpipar.parallel.data_parallel.warmup_steps`); ``-w0``: compressed from the first step;
+``-warm``: after the bench's --warmup uncompressed steps; ``-noef``: no error feedback;
+``-plain``: AdamW without the catch-up, one step on each arriving sum."""
 
 
-def _train_variant(name: str, args: argparse.Namespace, out: str) -> dict[str, Any]:
+def _layout_flags(layout: str) -> list[str]:
+    """``flat`` (the job's own nodes, flat reduction) or ``hierK`` (nodes of K ranks,
+    hierarchical reduction: compression across the nodes only)."""
+    if layout == "flat":
+        return []
+    if layout.startswith("hier") and layout[4:].isdigit():
+        return ["--ranks-per-node", layout[4:], "--dp-reduce", "hierarchical"]
+    raise SystemExit(f"--layouts: {layout!r}: flat or hierK (nodes of K ranks)")
+
+
+def _train_variant(name: str, args: argparse.Namespace, out: str, seed: int = 1234,
+                   layout: str = "flat") -> dict[str, Any]:
     """Train one variant under mpirun (the default model and corpus, dp = ranks) and read its
     metrics: losses per step, the final loss (mean of the last ``--last`` steps), the median
     step time after step 1, and rank 0's bytes per step across nodes and in total."""
-    run_dir = os.path.join(out, name)
+    run_dir = os.path.join(out, f"{layout}-{name}-{seed}")
     warm = ["--compression-warmup", str(args.warmup)] if "-warm" in name else []
     flags = [*COMPRESSION_VARIANTS[name], *warm, "--topk-ratio", str(args.topk_ratio),
-             "--steps", str(args.steps), "--dp", str(args.ranks), "--run-dir", run_dir,
-             "--log-every", "0", "--tensorboard", "off", *args.train_flags.split()]
-    if args.ranks_per_node:
-        flags += ["--ranks-per-node", str(args.ranks_per_node), "--dp-reduce", args.dp_reduce]
-    launcher = mpirun()
-    if launcher is None:
-        raise SystemExit("compression: no mpirun beside this Python or on PATH")
-    cmd = [launcher, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
-    if proc.returncode != 0:
-        raise SystemExit(f"compression: {name} failed ({' '.join(cmd)}):\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+             "--steps", str(args.steps), "--dp", str(args.ranks),
+             "--seed", str(seed), "--log-every", "0", "--tensorboard", "off",
+             *_layout_flags(layout), *args.train_flags.split()]
+    records, wall = train_run("compression", args.ranks, flags, run_dir)
     losses = [r["loss"] for r in records]
     wire = records[-1].get("comm_wire_bytes", {})
-    return {"variant": name, "flags": flags, "losses": losses,
+    return {"variant": name, "layout": layout, "seed": seed, "flags": flags, "losses": losses,
             "final_loss": statistics.mean(losses[-args.last:]),
+            "first_loss": statistics.mean(losses[:args.last]),
             "step_time_s": statistics.median(r["step_time_s"] for r in records[1:] or records),
             "inter_node_bytes": sum(v["inter"] for v in wire.values()),
             "wire_bytes": sum(v["intra"] + v["inter"] for v in wire.values()),
-            "wall_s": time.perf_counter() - start}
+            "wall_s": wall}
 
 
 def _plot_losses(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -94,10 +99,56 @@ def _plot_losses(rows: list[dict[str, Any]], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _train_all(args: argparse.Namespace, names: list[str], seeds: list[int],
+               layouts: list[str]) -> list[dict[str, Any]]:
+    """Every (layout, variant, seed), ``--jobs`` launches at a time; in that order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [(layout, name, seed) for layout in layouts for name in names for seed in seeds]
+
+    def one(job: tuple[str, str, int]) -> dict[str, Any]:
+        layout, name, seed = job
+        row = _train_variant(name, args, args.out, seed, layout)
+        print(f"  {layout} {name} seed {seed}: final loss {row['final_loss']:.4f} "
+              f"({row['wall_s']:.0f} s)", flush=True)
+        return row
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        return list(pool.map(one, todo))
+
+
+def _summarise(runs: list[dict[str, Any]], names: list[str], layouts: list[str]
+               ) -> list[dict[str, Any]]:
+    """One row per (layout, variant): the mean over the seeds of the final loss and of its
+    ratio to none's of the same seed and layout (also over the first ``--last`` steps)."""
+    base = {(r["layout"], r["seed"]): r for r in runs if r["variant"] == "none"}
+    rows = []
+    for layout in layouts:
+        for name in names:
+            mine = [r for r in runs if r["layout"] == layout and r["variant"] == name]
+            for r in mine:
+                b = base[(layout, r["seed"])]
+                r["vs_none"] = r["final_loss"] / b["final_loss"] - 1
+                r["first_vs_none"] = r["first_loss"] / b["first_loss"] - 1
+            none_bytes = base[(layout, mine[0]["seed"])]["wire_bytes"]
+            rows.append({"variant": name, "layout": layout, "seeds": [r["seed"] for r in mine],
+                         "final_loss": statistics.mean(r["final_loss"] for r in mine),
+                         "vs_none": statistics.mean(r["vs_none"] for r in mine),
+                         "vs_none_per_seed": [r["vs_none"] for r in mine],
+                         "first_vs_none": statistics.mean(r["first_vs_none"] for r in mine),
+                         "wire_bytes": mine[0]["wire_bytes"],
+                         "inter_node_bytes": mine[0]["inter_node_bytes"],
+                         "bytes_ratio": none_bytes / mine[0]["wire_bytes"]
+                         if mine[0]["wire_bytes"] else None,
+                         "step_time_s": statistics.median(r["step_time_s"] for r in mine),
+                         "losses": mine[0]["losses"]})
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train each variant side by side and compare its final loss with no compression's."""
+    """Train each variant for each seed and layout and compare its final loss with no
+    compression's of the same seed and layout."""
     if args.quick:
-        args.steps, args.ranks, args.last, args.warmup = 30, 4, 10, 3
+        args.steps, args.ranks, args.last, args.warmup, args.seeds = 30, 4, 10, 3, "1234"
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in COMPRESSION_VARIANTS]
     if unknown:
@@ -105,64 +156,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"{', '.join(COMPRESSION_VARIANTS)}")
     if "none" not in names:
         names.insert(0, "none")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
+    if args.ranks_per_node:               # the older single-layout option
+        layouts = [f"hier{args.ranks_per_node}" if args.dp_reduce == "hierarchical" else "flat"]
+    for layout in layouts:
+        _layout_flags(layout)
     os.makedirs(args.out, exist_ok=True)
-    reduce = (f"{args.dp_reduce} on nodes of {args.ranks_per_node}" if args.ranks_per_node
-              else "flat over dp")
-    title = (f"default model, stdlib corpus, dp={args.ranks} ({reduce}), {args.steps} steps, "
-             f"top-k ratio {args.topk_ratio:g}, -warm: {args.warmup} steps uncompressed first")
-    print(f"compression: {title}; final loss = mean of the last {args.last} steps")
-    rows = []
-    for name in names:
-        rows.append(_train_variant(name, args, args.out))
-        print(f"  {name}: final loss {rows[-1]['final_loss']:.4f} "
-              f"({rows[-1]['wall_s']:.0f} s)", flush=True)
-    base = rows[0]
-    for r in rows:
-        r["vs_none"] = r["final_loss"] / base["final_loss"] - 1
-        r["bytes_ratio"] = (base["wire_bytes"] / r["wire_bytes"]) if r["wire_bytes"] else None
+    title = (f"default model, stdlib corpus, dp={args.ranks}, {args.steps} steps, seeds "
+             f"{', '.join(map(str, seeds))}, layouts {', '.join(layouts)}, top-k ratio "
+             f"{args.topk_ratio:g}")
+    print(f"compression: {title}; final loss = mean of the last {args.last} steps, each row the "
+          f"mean over the seeds")
+    runs = _train_all(args, names, seeds, layouts)
+    rows = _summarise(runs, names, layouts)
     _print_compression(rows)
     plot = os.path.join(args.out, "compression_loss.png")
-    _plot_losses(rows, plot, title)
+    _plot_losses([r for r in rows if r["layout"] == layouts[0]], plot,
+                 f"{title} (layout {layouts[0]}, seed {seeds[0]})")
     print(f"loss plot: {plot}")
     return {"config": {"steps": args.steps, "ranks": args.ranks, "last": args.last,
-                       "topk_ratio": args.topk_ratio, "ranks_per_node": args.ranks_per_node,
-                       "dp_reduce": args.dp_reduce, "train_flags": args.train_flags},
-            "rows": [{k: v for k, v in r.items() if k != "losses"} | {"losses": r["losses"]}
-                     for r in rows], "plot": plot}
+                       "topk_ratio": args.topk_ratio, "seeds": seeds, "layouts": layouts,
+                       "train_flags": args.train_flags},
+            "rows": rows, "runs": [{k: v for k, v in r.items() if k != "losses"} for r in runs],
+            "plot": plot}
 
 
 def _print_compression(rows: list[dict[str, Any]]) -> None:
     """The final-loss table: each variant against no compression, with its wire bytes."""
-    header = (f"{'variant':<14} {'final loss':>10} {'vs none':>8} {'wire bytes/step':>16} "
-              f"{'fewer':>7} {'step s':>7}")
+    header = (f"{'layout':<7} {'variant':<14} {'final loss':>10} {'vs none':>8} "
+              f"{'per seed':>17} {'first':>7} {'wire bytes/step':>16} {'fewer':>6} "
+              f"{'across/step':>12}")
     print_header(header)
     for r in rows:
         fewer = f"{r['bytes_ratio']:.1f}x" if r["bytes_ratio"] else "-"
-        print(f"{r['variant']:<14} {r['final_loss']:>10.4f} {100 * r['vs_none']:>+7.2f}% "
-              f"{r['wire_bytes']:>16,} {fewer:>7} {r['step_time_s']:>7.3f}")
-    print("vs none: final loss relative to no compression; wire bytes: what rank 0 put on the "
-          "wire in the last step (all groups); fewer: none's wire bytes over the variant's; "
-          "step s: median step time (ranks sharing this machine's cores: not a speed figure)")
+        seeds = " ".join(f"{100 * v:+.2f}%" for v in r["vs_none_per_seed"])
+        print(f"{r['layout']:<7} {r['variant']:<14} {r['final_loss']:>10.4f} "
+              f"{100 * r['vs_none']:>+7.2f}% {seeds:>17} {100 * r['first_vs_none']:>+6.2f}% "
+              f"{r['wire_bytes']:>16,} {fewer:>6} {r['inter_node_bytes']:>12,}")
+    print("vs none: final loss (mean of the last steps) relative to no compression of the same "
+          "seed and layout, mean over the seeds (per seed: each); first: the same over the first "
+          "steps; wire bytes: what rank 0 put on the wire in the last step (all groups); fewer: "
+          "none's over the variant's; across/step: rank 0's bytes across nodes")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """The compression section's options: variants, steps, ranks, top-k ratio, warm-up, nodes."""
-    parser.add_argument("--variants", default="none,int8,topk,topk-noef,topk-plain,topk-warm,"
-                                               "topk-warm-noef,topk-warm-plain",
+    """The compression section's options: variants, seeds, layouts, steps, ranks, top-k ratio,
+    warm-up."""
+    parser.add_argument("--variants", default="none,int8,int8-w0,int8-noef-w0,topk,topk-w0",
                         help=f"comma list of {', '.join(COMPRESSION_VARIANTS)} (none is always "
                              f"run)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", default="1234,1235",
+                        help="comma list of --seed values; each row is the mean over them")
+    parser.add_argument("--layouts", default="flat,hier4",
+                        help="comma list of flat and hierK (nodes of K ranks, --dp-reduce "
+                             "hierarchical: compression across the nodes only)")
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--ranks", type=int, default=8, help="mpirun -n (dp = ranks)")
     parser.add_argument("--last", type=int, default=20, help="final loss: mean of the last N steps")
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--warmup", type=int, default=60,
-                        help="the -warm variants: --compression-warmup steps (default 20 %% of "
-                             "the 300 steps: with 30, top-k 1 %% ends 8 %% above uncompressed, "
-                             "docs/benchmarks.md)")
+                        help="the -warm variants: --compression-warmup steps")
     parser.add_argument("--ranks-per-node", type=int, default=0,
-                        help="nodes of K ranks (compression then runs across them with "
-                             "--dp-reduce hierarchical)")
+                        help="one layout, nodes of K ranks (instead of --layouts)")
     parser.add_argument("--dp-reduce", default="hierarchical", choices=("flat", "hierarchical"))
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="launches at a time (each is --ranks processes)")
     parser.add_argument("--train-flags", default="", help="more python -m mpipar.train flags")
     parser.add_argument("--out", default="runs/bench-compression",
                         help="run directories and compression_loss.png go here")

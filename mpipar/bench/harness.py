@@ -147,6 +147,25 @@ def run_child(section_argv: list[str], threads: int, launcher: tuple[str, ...] =
             return json.load(fh)
 
 
+def train_run(section: str, ranks: int, flags: list[str], run_dir: str) -> tuple[list[dict], float]:
+    """``mpirun -n ranks python -m mpipar.train FLAGS --run-dir RUN_DIR``: every line of its
+    metrics.jsonl and the run's wall seconds. A failed run ends the bench ``section`` with its
+    command and the tail of its output."""
+    launcher = mpirun()
+    if launcher is None:
+        raise SystemExit(f"{section}: no mpirun beside this Python or on PATH")
+    cmd = [launcher, "-n", str(ranks), sys.executable, "-m", "mpipar.train", *flags,
+           "--run-dir", run_dir]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
+    if proc.returncode != 0:
+        raise SystemExit(f"{section}: {' '.join(cmd)} failed:\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    return records, time.perf_counter() - start
+
+
 def write_results(results: dict[str, dict[str, Any]], path: str) -> None:
     """``{section: results}`` as JSON to ``path`` (rank 0 of MPI.COMM_WORLD only)."""
     if MPI.COMM_WORLD.Get_rank() == 0:

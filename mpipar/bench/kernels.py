@@ -61,7 +61,6 @@ def kernel_cases(shape: KernelShape, dtype: np.dtype, seed: int = 0) -> dict[str
         "linear_fwd": (x, w_gate),
         "linear_bwd": (rand(b, s, ffn), x, w_gate),
         "linear_bias_bwd": (rand(b, s, ffn),),
-        "linear_swiglu_fwd": (x, w_gate, w_up),
         "embedding_fwd": (rand(vocab, hid), targets.reshape(b, s)),
         "embedding_bwd": (np.zeros((vocab, hid), dtype), x, targets.reshape(b, s)),
         "rmsnorm_fwd": (x, norm_w, 1e-5),
@@ -78,7 +77,6 @@ def kernel_cases(shape: KernelShape, dtype: np.dtype, seed: int = 0) -> dict[str
         "attention_merge": (rand(b, s, hq, d), rand(b, hq, s).astype(lse_dtype),
                             rand(b, s, hq, d), rand(b, hq, s).astype(lse_dtype)),
         "cross_entropy_stats": (logits, targets),
-        "cross_entropy_fwd": (logits, targets),
         "cross_entropy_bwd": (logits, targets, ce_lse, np.full(n, 1.0 / n, lse_dtype)),
     }
 

@@ -9,32 +9,19 @@ replicated over dp x sp under ep: :mod:`mpipar.parallel.experts`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 from typing import Any
 
-from mpipar.bench.harness import LAUNCH_ENV, Section, mpirun, print_header
+from mpipar.bench.harness import Section, print_header, train_run
 
 
 def _train(ep: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run under mpirun; its metrics: tokens/s, ep bytes, peak memory, losses."""
-    run_dir = os.path.join(args.out, f"ep{ep}")
     flags = ["--moe-experts", "8", "--moe-top-k", "2", "--ep", str(ep), "--steps",
-             str(args.steps), "--run-dir", run_dir, "--log-every", "0", "--tensorboard", "off",
+             str(args.steps), "--log-every", "0", "--tensorboard", "off",
              *args.train_flags.split()]
-    launcher = mpirun()
-    if launcher is None:
-        raise SystemExit("moe: no mpirun beside this Python or on PATH")
-    cmd = [launcher, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
-    if proc.returncode != 0:
-        raise SystemExit(f"moe: ep {ep} failed ({' '.join(cmd)}):\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records, _ = train_run("moe", args.ranks, flags, os.path.join(args.out, f"ep{ep}"))
     later = records[1:] or records
     return {"ep": ep, "flags": flags, "losses": [r["loss"] for r in records],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),

@@ -8,15 +8,11 @@ final loss of each (mean of the last ``--last`` steps) against float32's, within
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 from typing import Any
 
-from mpipar.bench.harness import LAUNCH_ENV, Section, mpirun, print_header
+from mpipar.bench.harness import Section, print_header, train_run
 
 PRECISION_VARIANTS = {
     "float32": ["--dtype", "float32"],
@@ -30,26 +26,14 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train one variant under mpirun (the default model, corpus and layout) and read its
     metrics: losses per step, the final loss, the median step time after step 1 and the bytes
     rank 0 handed to MPI in the last step (all groups)."""
-    run_dir = os.path.join(args.out, name)
-    flags = [*PRECISION_VARIANTS[name], "--steps", str(args.steps), "--run-dir", run_dir,
-             "--log-every", "0", "--tensorboard", "off", *args.train_flags.split()]
-    launcher = mpirun()
-    if launcher is None:
-        raise SystemExit("precision: no mpirun beside this Python or on PATH")
-    cmd = [launcher, "-n", str(args.ranks), sys.executable, "-m", "mpipar.train", *flags]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=LAUNCH_ENV)
-    if proc.returncode != 0:
-        raise SystemExit(f"precision: {name} failed ({' '.join(cmd)}):\n"
-                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    flags = [*PRECISION_VARIANTS[name], "--steps", str(args.steps), "--log-every", "0",
+             "--tensorboard", "off", *args.train_flags.split()]
+    records, wall = train_run("precision", args.ranks, flags, os.path.join(args.out, name))
     losses = [r["loss"] for r in records]
     return {"variant": name, "flags": flags, "losses": losses,
             "final_loss": statistics.mean(losses[-args.last:]),
             "step_time_s": statistics.median(r["step_time_s"] for r in records[1:] or records),
-            "bytes": sum(records[-1].get("comm_bytes", {}).values()),
-            "wall_s": time.perf_counter() - start}
+            "bytes": sum(records[-1].get("comm_bytes", {}).values()), "wall_s": wall}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -228,6 +228,20 @@ class LinearGrads:
         self.deferred.append((name, dy, x))
         return self.kernels.linear_fwd(dy, w.T)
 
+    def group(self, dys: Sequence[Array], x: Array, names: Sequence[str]) -> Array:
+        """``dx`` of linears ``names`` sharing the input ``x``: their weight gradients booked
+        one by one (into the float32 buffers, or deferred), then one GEMM
+        ``[dy_1 .. dy_n] @ [w_1; ..; w_n]`` (float32 accumulation, one rounding under bf16)."""
+        xp = self.kernels.xp
+        for dy, name in zip(dys, names):
+            if self.deferred is None:
+                self.kernels.linear_bwd(dy, x, None, dw=self.grads[name])
+                self.bias(dy, name)
+            else:
+                self.deferred.append((name, dy, x))
+        w = xp.concatenate([self.params[n] for n in names])
+        return self.kernels.linear_fwd(xp.concatenate(dys, axis=-1), w.T)
+
     def bias(self, dy: Array, name: str) -> None:
         """Accumulate the gradient of weight ``name``'s bias, if the model has one."""
         if bias_name(name) in self.grads:

@@ -26,13 +26,21 @@ the input of a row-parallel linear, this rank's columns; ``logits`` ``[N, V/tp]`
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 Array = Any
-LinearBackward = Callable[[Array, Array, str], Array]
-"""``(dy, x, name) -> dx`` of ``y = x @ w.T (+ b)`` for the parameter ``name``; the weight
-gradient is accumulated now or deferred (zero-bubble schedules) by the caller's bookkeeping."""
+class LinearBackward(Protocol):
+    """The model's weight-gradient bookkeeping (accumulated now, or deferred for zero-bubble
+    schedules) for the linears ``y = x @ w.T (+ b)``."""
+
+    def __call__(self, dy: Array, x: Array, name: str) -> Array:
+        """``dx`` of parameter ``name``'s linear, its weight gradient booked."""
+
+    def group(self, dys: Sequence[Array], x: Array, names: Sequence[str]) -> Array:
+        """``dx`` of linears ``names`` sharing the input ``x``: one GEMM of the outputs'
+        gradients against the stacked weights (float32 accumulation under bf16, one
+        rounding); each weight gradient booked."""
 
 
 class TensorOps(Protocol):

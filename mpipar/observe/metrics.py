@@ -98,13 +98,18 @@ def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
     return out
 
 
-def measure_peak(backend_name: str, dtype: str, threads: int, ranks_on_node: int) -> float:
-    """FLOP/s peak of this rank: the device's for cupy; else a short GEMM probe with this
+def measure_peak(backend_name: str, dtype: str, threads: int, ranks_on_node: int,
+                 device=None) -> float:
+    """FLOP/s peak of this rank: for cupy its share of the device's (ranks placed on one GPU
+    share its rate, so the run's peak counts each GPU once); else a short GEMM probe with this
     rank's ``threads``, times its share of the node's cores (less than 1 when more ranks x
-    threads than cores share the node)."""
+    threads than cores share the node). ``device``: the rank's
+    :class:`~mpipar.runtime.device.Device` (cupy only)."""
     from mpipar.runtime import nodes, peak
     if backend_name == "cupy":
-        return peak.gpu_peak_flops(dtype)
+        from mpipar.runtime.device import ranks_sharing
+        share = ranks_sharing(device.index, device.visible, ranks_on_node) if device else 1
+        return peak.gpu_peak_flops(dtype) / share
     return (peak.measure_peak_flops(dtype)
             * nodes.cpu_peak_share(threads, ranks_on_node))
 

@@ -24,7 +24,7 @@ for the rest):
   pieces to their owners, which sum them, re-encode and all-gather (ZeRO-1 keeps the owner's
   sum); top-k all-gathers every rank's values and indices and adds them up (ZeRO-1 keeps its
   slice). With error feedback each rank keeps the residual of each direction it encodes.
-  ``dense_steps`` (``--compression-warmup``): the first steps reduce uncompressed, as Deep
+  ``dense_steps`` (``--compression-warmup``; by default a share of the steps, :func:`warmup_steps`): the first steps reduce uncompressed, as Deep
   Gradient Compression's warm-up and 1-bit Adam's ``freeze_step`` do; their residuals stay
   zero. A step skips the chain's second compressed collective (int8's all-gather) by a request
   that is already complete, so the chain's order of steps is the same every step.
@@ -57,6 +57,7 @@ points of the schedule.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -577,9 +578,10 @@ def check_config(layout: Layout) -> None:
     p, dp, world = layout.parallel, layout.dp, layout.world
     require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")
     require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio={p.topk_ratio}: must be in (0, 1]")
-    require(p.compression_warmup >= 0,
-            f"parallel.compression_warmup={p.compression_warmup}: must be >= 0")
-    require(p.compression_warmup == 0 or p.grad_compression != "none",
+    require(p.compression_warmup >= -1,
+            f"parallel.compression_warmup={p.compression_warmup}: must be >= 0 (or -1: the "
+            f"codec's default share of the steps)")
+    require(p.compression_warmup <= 0 or p.grad_compression != "none",
             f"parallel.compression_warmup={p.compression_warmup}: only with --grad-compression "
             f"int8 or topk (there is nothing to warm up from)")
     require(not (p.grad_compression != "none" and p.error_feedback == "on" and dp * p.sp > 1
@@ -596,6 +598,11 @@ def check_config(layout: Layout) -> None:
             f"parallel.reduce_dtype='bfloat16' with parallel.grad_compression="
             f"{p.grad_compression!r}: a compressed reduction sends its own encoding of the "
             f"float32 gradients (use one or the other)")
+    require(not p.allreduce_hardware or p.allreduce_algorithm == "auto",
+            f"parallel.allreduce_hardware={p.allreduce_hardware!r}: only with "
+            f"--allreduce-algorithm auto (not {p.allreduce_algorithm!r})")
+    require(not p.allreduce_hardware or os.path.isfile(p.allreduce_hardware),
+            f"parallel.allreduce_hardware={p.allreduce_hardware!r}: no such file")
     if p.dp_reduce == "hierarchical" and p.ranks_per_node:
         problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
             NodeMap.blocks(world, p.ranks_per_node))
@@ -604,6 +611,21 @@ def check_config(layout: Layout) -> None:
 
 
 # ------------------------------------------------------------------------------------ traffic
+WARMUP_SHARE = {"int8": 0.1, "topk": 1 / 3}
+"""--compression-warmup -1: the share of --steps each codec reduces uncompressed first (the
+smallest that kept the default 120-step run within 1 % (int8 + error feedback) and 5 % (top-k
+1 %) of uncompressed over two seeds, docs/benchmarks.md)."""
+
+
+def warmup_steps(layout: Layout) -> int:
+    """Steps reduced uncompressed before compression starts: ``--compression-warmup``, or for
+    -1 the codec's :data:`WARMUP_SHARE` of ``--steps`` (rounded)."""
+    p = layout.parallel
+    if p.compression_warmup >= 0:
+        return p.compression_warmup
+    return round(WARMUP_SHARE.get(p.grad_compression, 0.0) * layout.train.steps)
+
+
 def reduction_buckets(layout: Layout, elements: list[int], tied: set[int],
                       align: int) -> list[tuple[int, bool]]:
     """(elements, whether it holds a tied embedding) of each flat gradient bucket

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mpipar.parallel.traffic import Call
 from mpipar.runtime.comm import Group
 from mpipar.runtime.precision import Precision
@@ -142,8 +144,27 @@ class TensorParallel:
         """``x_in @ w.T (+ b)`` for each weight of ``names``: this rank's output columns
         (column-, vocabulary-parallel), the sum over tp of the partial outputs (row-parallel:
         :meth:`leave`), or the whole output (replicated)."""
+        if len(names) > 1:
+            return self._stacked_linear(params, names, x_in)
         ys = [self.kernels.linear_fwd(x_in, params[n], params.get(bias_name(n))) for n in names]
         return [self.leave(y) for y in ys] if self.role(names) == "row" else ys
+
+    def _stacked_linear(self, params: dict[str, Array], names: Sequence[str], x_in: Array
+                        ) -> list[Array]:
+        """Linears sharing an input (q/k/v, gate/up: column-parallel) as one GEMM of ``x_in``
+        against their weights stacked along the outputs, the output cut back into one
+        contiguous array per weight. Stacking copies the weights (``out x in``), which is
+        ``1 / tokens`` of the GEMM's work."""
+        xp = self.xp
+        ws = [params[n] for n in names]
+        bs = [params.get(bias_name(n)) for n in names]
+        bias = None
+        if any(b is not None for b in bs):
+            bias = xp.concatenate([xp.zeros(w.shape[0], w.dtype) if b is None else b
+                                   for w, b in zip(ws, bs)])
+        y = self.kernels.linear_fwd(x_in, xp.concatenate(ws), bias)
+        cuts = np.cumsum([0] + [w.shape[0] for w in ws])
+        return [xp.ascontiguousarray(y[..., lo:hi]) for lo, hi in zip(cuts[:-1], cuts[1:])]
 
     def linear_backward(self, dys: Sequence[Array], x_in: Array, names: Sequence[str],
                         linear_backward: LinearBackward) -> Array:
@@ -154,6 +175,9 @@ class TensorParallel:
         (:meth:`enter_backward`) where the input entered."""
         role = self.role(names)
         lead = x_in.shape[:-1]
+        if len(names) > 1:     # column-parallel: one GEMM against the stacked weights
+            dx = linear_backward.group([dy.reshape(lead + (-1,)) for dy in dys], x_in, names)
+            return self.enter_backward(dx) if role in ENTERS else dx
         dx = None
         for dy, name in zip(dys, names):
             if role == "row":

@@ -59,6 +59,10 @@ class Hardware:
     elementwise_rate: float = 0.0  # elements/s of one in-place NumPy pass (0: optimizer not timed)
     int8_seconds: float = 0.0      # a rank's int8 encode/decode work per element compressed
     topk_seconds: float = 0.0      # a rank's top-k selection and decode work per element
+    allreduce_seconds: dict = dataclasses.field(default_factory=dict, hash=False)
+    """algorithm (ring, tree, rabenseifner, auto: the library's own) -> {bytes: seconds} of one
+    non-blocking all-reduce over the world (``bench comm --algorithms``), what
+    ``--allreduce-algorithm auto --allreduce-hardware`` picks from."""
 
     def link(self, kind: str) -> tuple[float, float]:
         """(bytes/s, seconds per call) of the link ``kind`` ("intra" or "inter")."""

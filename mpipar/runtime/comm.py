@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from mpipar.runtime import allreduce
 from mpipar.runtime.mpi_init import MPI
 
 from mpipar.runtime.precision import is_bf16, numpy_dtype
@@ -337,6 +338,7 @@ class Group:
         if self.size > 1:
             name = "allreduce" if op is None or op is MPI.SUM else "allreduce_max"
             op = _sum_op(buf, op)
+            allreduce.before_allreduce(buf.nbytes)
             with self._buffers(both=(_contig(buf, "allreduce"),), summed=True) as (mbuf,):
                 self._timed(name, buf.nbytes, self.comm.Allreduce, MPI.IN_PLACE, mbuf, op)
         return buf
@@ -350,6 +352,7 @@ class Group:
         if self.size == 1:
             return Request(None, self.ledger, self.name, "iallreduce", 0)
         (mbuf,), done = self._leased(both=(_contig(buf, "iallreduce"),), summed=True)
+        allreduce.before_allreduce(buf.nbytes)
         return self._request(self.comm.Iallreduce(MPI.IN_PLACE, mbuf, _sum_op(buf)),
                              "iallreduce", buf.nbytes, on_done=done)
 

@@ -24,6 +24,34 @@ def training_backend(name: str, device: str = "cpu"):
     return get_backend(name)
 
 
+def attention_kernels(kernels, requested: str, model) -> tuple:
+    """``kernels`` with the bf16 attention of a CUDA device fixed to ``requested`` (auto, cudnn,
+    mpipar) for ``model``'s head width and sliding windows, and the line that says which and
+    why (the start-up line prints it). The choice is made for the widest window the model
+    uses; under ``auto`` a call cuDNN refuses still runs mpipar's kernel."""
+    from mpipar.kernels import with_attention
+    return with_attention(kernels, requested, model.head_dim, max(model.windows()))
+
+
+def check_attention(layout: Layout, device: str) -> None:
+    """An explicit ``--attention-backend`` names the bf16 attention of a CUDA device, and that
+    backend must take the model's attention (its head width, each of its windows)."""
+    t, m = layout.train, layout.model
+    if t.attention_backend == "auto":
+        return
+    require(device == "cuda" and t.dtype == "bfloat16",
+            f"train.attention_backend={t.attention_backend!r} chooses the bf16 attention of a "
+            f"CUDA device; this run computes in {t.dtype} on {device}, where mpipar's exact "
+            f"kernels run: leave it auto")
+    from mpipar.kernels.gpu_bf16 import attention_choice
+    for window in sorted(set(m.windows())):
+        try:
+            attention_choice(t.attention_backend, m.head_dim, window)
+        except ValueError as exc:
+            raise ConfigError(f"train.attention_backend={t.attention_backend!r} for head_dim "
+                              f"{m.head_dim}, window {window}: {exc}") from None
+
+
 def to_host(a):
     """A NumPy view (or, for a CuPy array, a host copy) of ``a``."""
     import numpy as np
@@ -75,6 +103,12 @@ def gpu_for(local: int, visible: int) -> int:
     if visible < 1:
         raise ValueError(f"gpu_for: visible={visible}: no CUDA device to place rank {local} on")
     return local % visible
+
+
+def ranks_sharing(index: int, visible: int, ranks_on_node: int) -> int:
+    """How many of a node's ``ranks_on_node`` ranks :func:`gpu_for` places on CUDA device
+    ``index`` of ``visible`` (at least 1: the asking rank is one of them)."""
+    return max(1, len(range(index, ranks_on_node, visible)))
 
 
 def device_memory() -> tuple[int, int]:
@@ -133,6 +167,7 @@ def check_config(layout: Layout) -> None:
         reason = bf16_unavailable(device)
         require(reason is None, f"train.dtype='bfloat16' on {device}: {reason}; use float32 "
                                 f"(or install what is missing)")
+    check_attention(layout, device)
     require(device == "cuda" or t.backend != "cupy",
             f"train.backend='cupy' with train.device={t.device!r}: the CuPy kernels need "
             f"device arrays; use --device cuda (or auto on a machine with a CUDA device)")

@@ -39,7 +39,7 @@ from mpipar.checkpoint.activations import (ActivationRecorder, ActivationRegion,
                                            dump_step, offload_path)
 from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
 from mpipar.checkpoint.shards import require_finite
-from mpipar.runtime.device import select_device, to_host, training_backend
+from mpipar.runtime.device import attention_kernels, select_device, to_host, training_backend
 from mpipar.runtime.memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
@@ -52,7 +52,7 @@ from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
                                      UlyssesAttention)
-from mpipar.parallel.data_parallel import GradReducer, ReduceGroups
+from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.experts import ExpertParallel, SequenceExperts
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
@@ -87,7 +87,8 @@ class Engine:
         # The device before any array: parameters, gradients, optimizer state and activations
         # are allocated by the kernels' array module (CuPy's on cuda) on it.
         self.device = select_device(tr.device, comm)
-        self.kernels = training_backend(tr.backend, self.device.kind)
+        self.kernels, self.attention = attention_kernels(
+            training_backend(tr.backend, self.device.kind), tr.attention_backend, cfg.model)
         self.xp = self.kernels.xp
         self.mpi_path = choose_path(tr.cuda_aware_mpi, self.device.kind == "cuda")
         # dp x sp split by node: the hierarchical reduction, and ZeRO-3's copies on each node
@@ -224,7 +225,7 @@ class Engine:
                            bucket_mb=par.bucket_mb, sharded=par.zero == 1, xp=self.xp,
                            codec=make_codec(par.grad_compression, par.topk_ratio, self.xp),
                            feedback=par.error_feedback == "on", tied=tied,
-                           tied_group=g["pp_ends"], dense_steps=par.compression_warmup,
+                           tied_group=g["pp_ends"], dense_steps=warmup_steps(self.layout),
                            compute_dtype=self.dtype,
                            reduce_dtype=numpy_dtype(self.precision.reduce))
 

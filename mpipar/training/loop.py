@@ -76,6 +76,7 @@ class RunContext:
     watchdog: Watchdog | None = None
     threads: int = 1             # compute threads per rank
     on_node: int = 1             # ranks sharing this rank's node
+    allreduce: str = "allreduce auto"  # the MPI all-reduce algorithm, as the start-up line says
 
     @property
     def rank0(self) -> bool:
@@ -91,7 +92,7 @@ def run(engine, start: int, ctx: RunContext) -> int:
     t_run = time.perf_counter()
     telemetry = metrics.Telemetry(ctx.control)
     peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype,
-                                                        ctx.threads, ctx.on_node))
+                                                        ctx.threads, ctx.on_node, engine.device))
     flops = model_flops_per_step(ctx.cfg)
     from mpipar.observe.tensorboard import log_dir
     writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
@@ -134,12 +135,12 @@ def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
         print(f"mpipar: {note}", flush=True)
     catch_up = ", AdamW catching up what top-k held back" if engine.catch_up else ""
     print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()}{catch_up} | "
-          f"kernels {engine.kernels.describe()} | model {cfg.model.layers}x{cfg.model.hidden} "
+          f"kernels {engine.kernels.describe()} | {engine.attention} | model {cfg.model.layers}x{cfg.model.hidden} "
           f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
           f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
           f"{tr.global_batch_size} x {tr.seq_len} | {engine.precision.describe()} | device "
           f"{engine.device.describe()} | MPI buffers {engine.mpi_path.describe()} | "
-          f"{ctx.threads} thread(s)/rank | "
+          f"{ctx.threads} thread(s)/rank | {ctx.allreduce} | "
           f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
 
 

@@ -118,7 +118,7 @@ def test_catch_up_is_one_update_under_zero0_and_zero1(tmp_path):
         proc = subprocess.run([*mpirun(4), sys.executable, "-m", "mpipar.train", *MODEL,
                                "--steps", "5", "--dtype", "float64", "--dp", "4",
                                "--grad-compression", "topk", "--topk-ratio", "0.05",
-                               "--data", str(data), "--run-dir", str(tmp_path / run),
+                               "--compression-warmup", "0", "--data", str(data), "--run-dir", str(tmp_path / run),
                                "--save-dir", str(tmp_path / run / "ck"), *flags],
                               capture_output=True, text=True, timeout=300, env=launch_env())
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,5 @@
-"""`python -m mpipar.bench gpu --static` in process: the compile gate's arguments and status."""
+"""`python -m mpipar.bench` in process: `gpu --static` (the compile gate's arguments and status) and
+the compression section's rows (means over seeds against none of the same seed and layout)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,24 @@ def test_gpu_static_returns_the_compile_gates_status(tmp_path, monkeypatch):
     assert main(["gpu", "--static"]) == 1
     assert calls == [["--arch", "sm_90", "--json", path], []]
     assert not (tmp_path / "gate.json").exists()  # the gate writes its own report, not the bench
+
+
+def test_compression_rows_are_means_over_seeds_against_none_of_the_same_seed_and_layout():
+    from mpipar.bench.compression import _layout_flags, _summarise
+
+    def run(layout, variant, seed, final, first=1.0, wire=100):
+        return {"layout": layout, "variant": variant, "seed": seed, "final_loss": final,
+                "first_loss": first, "wire_bytes": wire, "inter_node_bytes": wire // 2,
+                "step_time_s": 0.1, "losses": [final]}
+    runs = [run("flat", "none", 1, 2.0), run("flat", "none", 2, 4.0),
+            run("flat", "int8", 1, 2.2, 1.1, 25), run("flat", "int8", 2, 3.6, 1.0, 25),
+            run("hier4", "none", 1, 1.0), run("hier4", "int8", 1, 1.5, 1.0, 50)]
+    rows = _summarise(runs, ["none", "int8"], ["flat", "hier4"])
+    flat = rows[1]
+    assert (flat["layout"], flat["variant"], flat["seeds"]) == ("flat", "int8", [1, 2])
+    assert flat["vs_none_per_seed"] == pytest.approx([0.1, -0.1])
+    assert flat["vs_none"] == pytest.approx(0.0) and flat["first_vs_none"] == pytest.approx(0.05)
+    assert flat["final_loss"] == pytest.approx(2.9) and flat["bytes_ratio"] == 4.0
+    assert rows[3]["vs_none"] == pytest.approx(0.5) and rows[3]["bytes_ratio"] == 2.0
+    assert _layout_flags("hier4") == ["--ranks-per-node", "4", "--dp-reduce", "hierarchical"]
+    assert _layout_flags("flat") == []

@@ -78,3 +78,21 @@ def test_error_feedback_sends_everything_over_steps(codec):
         sent_total += codec.decode_sum(packed, np.empty(n))
     assert np.allclose(sent_total + residual, true_total, rtol=0, atol=1e-12 * np.abs(
         true_total).max())
+
+
+def test_the_default_warm_up_is_the_codecs_share_of_the_steps():
+    """--compression-warmup -1 (the default): int8 reduces a tenth of --steps uncompressed,
+    top-k a third; an explicit count is kept, and 0 compresses from the first step."""
+    from mpipar.config import Config, ParallelConfig, TrainConfig
+    from mpipar.parallel.data_parallel import warmup_steps
+    from mpipar.rules import validate
+
+    def steps(codec: str, warm: int = -1, total: int = 120) -> int:
+        cfg = Config(parallel=ParallelConfig(grad_compression=codec, compression_warmup=warm),
+                     train=TrainConfig(steps=total))
+        return warmup_steps(validate(cfg, 8))
+
+    assert ParallelConfig().compression_warmup == -1
+    assert (steps("int8"), steps("topk"), steps("none")) == (12, 40, 0)
+    assert (steps("int8", total=300), steps("topk", total=300)) == (30, 100)
+    assert (steps("topk", 7), steps("int8", 0)) == (7, 0)

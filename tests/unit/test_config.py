@@ -94,8 +94,13 @@ RULES = [
     (["--topk-ratio", "0"], 1, "parallel.topk_ratio=0.0: must be in (0, 1]"),
     (["--compression-warmup", "5"], 1, "parallel.compression_warmup=5: only with "
      "--grad-compression int8 or topk"),
-    (["--grad-compression", "topk", "--compression-warmup", "-1"], 1,
-     "parallel.compression_warmup=-1: must be >= 0"),
+    (["--grad-compression", "topk", "--compression-warmup", "-2"], 1,
+     "parallel.compression_warmup=-2: must be >= 0 (or -1: the codec's default share of the "
+     "steps)"),
+    (["--allreduce-algorithm", "ring", "--allreduce-hardware", "hw.json"], 1,
+     "parallel.allreduce_hardware='hw.json': only with --allreduce-algorithm auto (not 'ring')"),
+    (["--allreduce-hardware", "/nonexistent/hw.json"], 1,
+     "parallel.allreduce_hardware='/nonexistent/hw.json': no such file"),
     (["--tie-embeddings", "--pp", "2", "--dp", "2", "--grad-compression", "int8"], 4,
      "parallel.grad_compression='int8' with error feedback: not with model.tie_embeddings and "
      "pp=2"),

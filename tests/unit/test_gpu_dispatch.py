@@ -66,3 +66,51 @@ def test_a_call_is_routed_by_the_dtype_of_its_first_array():
     assert op(np.zeros(2, np.float64), y=1)[0] == "float"
     assert op(np.zeros(2, ml_dtypes.bfloat16))[0] == "bf16"
     assert op(x=np.zeros(2, ml_dtypes.bfloat16))[0] == "bf16"
+
+
+# ----------------------------------------------------------------- --attention-backend
+def _layout(**train):
+    from mpipar.config import Config
+    from mpipar.layout import resolve
+
+    cfg = Config()
+    cfg.model.layers, cfg.model.hidden, cfg.model.heads, cfg.model.kv_heads = 2, 64, 2, 1
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return resolve(cfg, 1)   # the layout's numbers, without the device's rules
+
+
+def test_an_explicit_attention_backend_off_a_gpu_or_outside_bf16_exits_2(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mpipar.train", "--attention-backend", "mpipar",
+                           "--steps", "1", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("train.attention_backend='mpipar' chooses the bf16 attention of "
+                             "a CUDA device; this run computes in float32 on cpu") == 1
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_the_attention_rule_asks_the_chosen_backend_about_each_window(backends):
+    from mpipar.config import ConfigError
+    from mpipar.runtime.device import check_attention
+
+    layout = _layout(attention_backend="cudnn", dtype="bfloat16")
+    check_attention(layout, "cuda")                       # both take the case: no error
+    backends["cudnn"] = "cuDNN 9.19 refuses head_dim 32"
+    with pytest.raises(ConfigError, match=r"train.attention_backend='cudnn' for head_dim 32, "
+                                          r"window 0: attention backend 'cudnn': cuDNN 9.19"):
+        check_attention(layout, "cuda")
+    check_attention(_layout(attention_backend="mpipar", dtype="bfloat16"), "cuda")
+    check_attention(_layout(dtype="bfloat16"), "cuda")    # auto: the choice is made per call
+
+
+def test_the_cpu_run_names_its_attention_kernels():
+    from mpipar.config import ModelConfig
+    from mpipar.kernels import get_backend
+    from mpipar.runtime.device import attention_kernels
+
+    kernels, line = attention_kernels(get_backend("numpy"), "auto", ModelConfig(head_dim=32))
+    assert kernels is get_backend("numpy") and line == "attention: numpy kernels"

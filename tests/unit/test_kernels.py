@@ -198,9 +198,9 @@ def test_cross_entropy_grad(mod, rng):
     logits, targets = rng.standard_normal((4, 9)) * 2, np.array([0, 5, 3, 6])
     logits[:, 7:] += 50.0  # padding columns (vocab_size=7 below) must not matter
     dloss = rng.standard_normal(4)
-    loss, lse = mod.cross_entropy_fwd(logits, targets, vocab_size=7)
+    loss, lse = ref.cross_entropy_fwd(logits, targets, vocab_size=7)
     grad = mod.cross_entropy_bwd(logits, targets, lse, dloss, vocab_size=7)
-    f = lambda: float(np.sum(mod.cross_entropy_fwd(logits, targets, vocab_size=7)[0] * dloss))  # noqa: E731
+    f = lambda: float(np.sum(ref.cross_entropy_fwd(logits, targets, vocab_size=7)[0] * dloss))  # noqa: E731
     assert rel_err(grad, num_grad(f, logits)) < 1e-6
     assert np.all(grad[:, 7:] == 0)
 
@@ -285,7 +285,7 @@ def test_cross_entropy_vocab_shards(mod, rng):
     full = rng.standard_normal((n, 3 * vloc)) * 3
     full[:, vocab:] = 1e4  # padding columns of the last shard
     targets = np.array([0, 3, 4, 7, 9, 8])
-    loss, lse = mod.cross_entropy_fwd(full[:, :vocab], targets)
+    loss, lse = ref.cross_entropy_fwd(full[:, :vocab], targets)
     stats = [mod.cross_entropy_stats(full[:, r * vloc:(r + 1) * vloc], targets, r * vloc, vocab) for r in range(3)]
     m_all = np.max([m for m, _, _ in stats], axis=0)
     s_all = sum(s * np.exp(m - m_all) for m, s, _ in stats)
@@ -294,7 +294,7 @@ def test_cross_entropy_vocab_shards(mod, rng):
     assert rel_err(m_all + np.log(s_all) - t_all, loss) < 1e-14
     expect = np.log(np.exp(full[:, :vocab]).sum(axis=1)) - full[np.arange(n), targets]
     assert rel_err(loss, expect) < 1e-13
-    padded_loss, padded_lse = mod.cross_entropy_fwd(full, targets, vocab_size=vocab)
+    padded_loss, padded_lse = ref.cross_entropy_fwd(full, targets, vocab_size=vocab)
     assert rel_err(padded_loss, loss) < 1e-15 and rel_err(padded_lse, lse) < 1e-15
     dloss = rng.standard_normal(n)
     grad = mod.cross_entropy_bwd(full[:, :vocab], targets, lse, dloss)
@@ -388,14 +388,6 @@ def test_rope_scaling_rules():
             ref.rope_inv_freq(d, theta, **bad)
 
 
-@pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
-def test_linear_swiglu_is_linear_then_swiglu(mod, rng):
-    x, wg, wu = rng.standard_normal((2, 3, 5)), rng.standard_normal((7, 5)), rng.standard_normal((7, 5))
-    h, gate, up = mod.linear_swiglu_fwd(x, wg, wu)
-    assert rel_err(gate, x @ wg.T) < 1e-14 and rel_err(up, x @ wu.T) < 1e-14
-    assert rel_err(h, ref.swiglu_fwd(x @ wg.T, x @ wu.T)) < 1e-14
-
-
 # ----------------------------------------------------------------------------------------------
 # numba == numpy_ref (float64 and float32, odd shapes, attention across several tiles)
 # ----------------------------------------------------------------------------------------------
@@ -429,7 +421,6 @@ def elementwise_cases(rng, dtype):
         ("linear_fwd", (x, w)),
         ("linear_fwd", (x, w, r(11))),
         ("linear_bwd", (dy, x, w)),
-        ("linear_swiglu_fwd", (x, w, r(11, 13))),
         ("rmsnorm_fwd", (x, nw, 1e-6)),
         ("rmsnorm_bwd", (r(3, 7, 13), x, nw, rstd)),
         ("add_rmsnorm_fwd", (x, r(3, 7, 13), nw, 1e-6)),
@@ -440,8 +431,6 @@ def elementwise_cases(rng, dtype):
         ("swiglu_bwd", (r(5, 9), r(5, 9) * 10, r(5, 9))),
         ("attention_merge", (r(2, 5, 3, 4), la, r(2, 5, 3, 4), lb)),
         ("cross_entropy_stats", (logits, tg, 2, 19)),
-        ("cross_entropy_fwd", (logits, tg % 17)),
-        ("cross_entropy_fwd", (logits, tg % 12, 12)),
         ("cross_entropy_bwd", (logits, tg, lse, r(9), 2, 19)),
     ]
 
@@ -487,7 +476,7 @@ def test_bad_inputs_raise(mod, rng):
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=5"):
         mod.linear_fwd(np.ones((2, 5)), np.ones((3, 4)))
     with pytest.raises(ValueError, match="target id 7 must be < vocab_size=5"):
-        mod.cross_entropy_fwd(np.ones((2, 5)), np.array([1, 7]))
+        mod.cross_entropy_stats(np.ones((2, 5)), np.array([1, 7]), 0, 5)
     with pytest.raises(ValueError, match="head_dim=5 must be even"):
         mod.rope_fwd(np.ones((1, 2, 1, 5)), np.ones((2, 2)), np.ones((2, 2)))
 

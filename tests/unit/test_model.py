@@ -198,18 +198,26 @@ def test_numba_backend_equals_numpy_on_the_model(dtype, tol, cfg):
 
 class _LinearsSeen:
     """The numpy kernels, recording the weight of every linear they run (forward and
-    backward), and those run outside the tensor-parallel seam."""
+    backward), and those run outside the tensor-parallel seam. A weight stacked with others
+    for one GEMM (q/k/v, gate/up) counts as each of its parts: ``xp.concatenate`` records
+    what it stacked."""
 
     def __init__(self, kernels) -> None:
         self.kernels, self.weights, self.outside, self.in_seam = kernels, set(), set(), 0
+        self.stacked: dict[int, tuple] = {}     # id -> (the stacked array, its parts' ids)
+        self.xp = _Stacking(self)
 
     def __getattr__(self, name: str):
         return getattr(self.kernels, name)
 
     def _saw(self, w) -> None:
-        self.weights.add(id(w))
+        if w is None:          # a weight-gradient-only call: its weight is counted elsewhere
+            return
+        base = w if w.base is None else w.base       # w.T of a stacked weight
+        parts = self.stacked[id(base)][1] if id(base) in self.stacked else [id(w)]
+        self.weights.update(parts)
         if not self.in_seam:
-            self.outside.add(id(w))
+            self.outside.update(parts)
 
     def linear_fwd(self, x, w, b=None):
         self._saw(w)
@@ -218,6 +226,22 @@ class _LinearsSeen:
     def linear_bwd(self, dy, x, w, dw=None):
         self._saw(w)
         return self.kernels.linear_bwd(dy, x, w, dw=dw)
+
+
+class _Stacking:
+    """NumPy, with ``concatenate`` telling :class:`_LinearsSeen` which arrays it stacked."""
+
+    def __init__(self, seen: _LinearsSeen) -> None:
+        self.seen = seen
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    def concatenate(self, arrays, axis=0):
+        arrays = list(arrays)
+        out = np.concatenate(arrays, axis=axis)
+        self.seen.stacked[id(out)] = (out, [id(a) for a in arrays])   # out kept: ids stay unique
+        return out
 
 
 class _RolesAsked(TensorParallel):

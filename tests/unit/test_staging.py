@@ -78,6 +78,17 @@ def test_rank_to_gpu(local, visible, want):
     assert device.gpu_for(local, visible) == want
 
 
+@pytest.mark.parametrize("on_node,visible", [(8, 1), (8, 3), (2, 4), (1, 1), (7, 2)])
+def test_ranks_sharing_a_gpu_are_counted_as_placed(on_node, visible):
+    """MFU's peak: each rank's share of its GPU is 1 / the ranks gpu_for puts there, so the
+    node's ranks together count each used GPU once."""
+    placed = [device.gpu_for(local, visible) for local in range(on_node)]
+    for index in set(placed):
+        assert device.ranks_sharing(index, visible, on_node) == placed.count(index)
+    shares = sum(1 / device.ranks_sharing(g, visible, on_node) for g in placed)
+    assert shares == pytest.approx(len(set(placed)))
+
+
 def test_no_visible_gpu_is_an_error():
     with pytest.raises(ValueError, match="visible=0"):
         device.gpu_for(0, 0)

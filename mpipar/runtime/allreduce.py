@@ -1,0 +1,262 @@
+"""The MPI library's all-reduce algorithm (``--allreduce-algorithm``), set through its own controls.
+
+An MPI library picks an algorithm for each all-reduce by message size and group shape; it lets a
+user force one with variables it reads in ``MPI_Init``. ``ring``, ``tree`` and ``rabenseifner``
+(reduce-scatter then all-gather, halving and doubling) are set here, before ``MPI_Init``, for both
+the blocking and the non-blocking all-reduce (the gradient buckets use ``Iallreduce``):
+
+- MPICH (and its derivatives whose version string says MPICH): the control variables
+  ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM`` (``ring``, ``tree``, ``reduce_scatter_allgather``)
+  and ``MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM`` (``tsp_ring``, ``tsp_tree``,
+  ``sched_reduce_scatter_allgather``); their values are read back through the MPI tool
+  interface (``MPI_T_cvar_read``, :class:`MpiT`) and named in the start-up line.
+- Open MPI: the tuned component's dynamic rules, ``OMPI_MCA_coll_tuned_use_dynamic_rules=1`` and
+  ``OMPI_MCA_coll_tuned_allreduce_algorithm`` (4 ring, 2 reduce + broadcast over trees, 6
+  Rabenseifner), and libnbc's ``OMPI_MCA_coll_libnbc_iallreduce_algorithm`` (1 ring, 2 binomial
+  tree, 3 Rabenseifner).
+
+Both families are written (each library ignores the other's). After ``MPI_Init``
+:func:`check_library` asks the library's version: one that is neither refuses an explicit
+algorithm (ConfigError: exit 2) and keeps its own choice under ``auto``.
+
+``hierarchical`` is not an MPI algorithm but mpipar's own reduction (``--dp-reduce
+hierarchical``: reduce-scatter inside the node, all-reduce of the shard across nodes, all-gather
+inside the node, :mod:`mpipar.parallel.data_parallel`); choosing it resolves ``dp_reduce`` to
+hierarchical (:func:`mpipar.layout.resolve`) and leaves the library its own algorithm for each of
+the three steps. MPICH's ``smp`` algorithm is the library's version of the same idea (reduce to
+a node leader, all-reduce among leaders, broadcast), without the overlap with backward or the
+compression across nodes that mpipar's reduction has.
+
+``auto`` keeps the library's choice, unless ``--allreduce-hardware FILE`` names a hardware file
+that ``python -m mpipar.bench comm --algorithms`` measured: then before each all-reduce the
+algorithm measured fastest at the nearest measured size (the library's own choice among them)
+is written into MPICH's control
+variables through ``MPI_T_cvar_write`` (:class:`SizeChoice`; MPICH reads them at each call, and
+the buckets of a reduction have the same size on every rank of its group, as the variables'
+scope ``ALL_EQ`` asks). Open MPI reads its parameters when a communicator is made: there ``auto``
+with a file keeps the library's choice.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import json
+import os
+from collections.abc import Mapping, MutableMapping
+
+ALGORITHMS = ("auto", "ring", "tree", "rabenseifner", "hierarchical")
+LIBRARY_ALGORITHMS = ("ring", "tree", "rabenseifner")
+"""The algorithms the MPI library runs (``auto`` and ``hierarchical`` leave it its own)."""
+
+MPICH_BLOCKING = "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM"
+MPICH_NONBLOCKING = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"
+MPICH_NAMES = {
+    "ring": {MPICH_BLOCKING: "ring", MPICH_NONBLOCKING: "tsp_ring"},
+    "tree": {MPICH_BLOCKING: "tree", MPICH_NONBLOCKING: "tsp_tree"},
+    "rabenseifner": {MPICH_BLOCKING: "reduce_scatter_allgather",
+                     MPICH_NONBLOCKING: "sched_reduce_scatter_allgather"},
+}
+MPICH_ENUM = {
+    MPICH_BLOCKING: ("auto", "nb", "smp", "recursive_doubling", "recursive_multiplying",
+                     "reduce_scatter_allgather", "tree", "recexch", "ring",
+                     "k_reduce_scatter_allgather", "ccl"),
+    MPICH_NONBLOCKING: ("auto", "sched_auto", "sched_naive", "sched_smp",
+                        "sched_recursive_doubling", "sched_reduce_scatter_allgather",
+                        "tsp_recexch_single_buffer", "tsp_recexch_multiple_buffer", "tsp_tree",
+                        "tsp_ring", "tsp_recexch_reduce_scatter_recexch_allgatherv"),
+}
+"""The integer value of each name, in the order MPICH 4-5 lists them (``mpivars``): what
+``MPI_T_cvar_read`` returns and ``MPI_T_cvar_write`` takes (tests read them back)."""
+OPEN_MPI_NAMES = {
+    "ring": ("4", "1"), "tree": ("2", "2"), "rabenseifner": ("6", "3"),
+}
+"""algorithm -> (coll_tuned_allreduce_algorithm, coll_libnbc_iallreduce_algorithm)."""
+
+
+def library_controls(algorithm: str) -> dict[str, str]:
+    """The environment variables forcing ``algorithm`` in MPICH and Open MPI (none for ``auto``
+    and ``hierarchical``)."""
+    if algorithm not in LIBRARY_ALGORITHMS:
+        return {}
+    tuned, nbc = OPEN_MPI_NAMES[algorithm]
+    return {**MPICH_NAMES[algorithm], "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+            "OMPI_MCA_coll_tuned_allreduce_algorithm": tuned,
+            "OMPI_MCA_coll_libnbc_iallreduce_algorithm": nbc}
+
+
+def preset(algorithm: str, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before ``MPI_Init``: write the library's controls for ``algorithm`` into ``environ``
+    (an unknown name is left to the argument parser, which exits 2)."""
+    environ.update(library_controls(algorithm))
+
+
+def early_choice(argv: list[str]) -> str:
+    """``--allreduce-algorithm`` of a command line (or ``[parallel] allreduce_algorithm`` of its
+    ``--config`` TOML file), read before MPI starts; "auto" when neither says."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--allreduce-algorithm", default=None)
+    parser.add_argument("--config", default=None)
+    args, _ = parser.parse_known_args(argv)
+    if args.allreduce_algorithm is not None:
+        return args.allreduce_algorithm
+    if args.config:
+        try:
+            import tomllib
+            with open(args.config, "rb") as fh:
+                return str(tomllib.load(fh).get("parallel", {}).get("allreduce_algorithm", "auto"))
+        except (OSError, ValueError):
+            return "auto"        # the full parser reports the file
+    return "auto"
+
+
+def library_family(version: str) -> str | None:
+    """"mpich" or "open mpi" from ``MPI.Get_library_version()``, else None."""
+    text = version.lower()
+    if "open mpi" in text:
+        return "open mpi"
+    if "mpich" in text:
+        return "mpich"
+    return None
+
+
+def check_library(algorithm: str, version: str) -> str | None:
+    """After ``MPI_Init``: ConfigError when ``algorithm`` is one the library must run and the
+    library (``version``) has no control for it; returns the library family."""
+    from mpipar.config import require
+
+    family = library_family(version)
+    require(algorithm not in LIBRARY_ALGORITHMS or family is not None,
+            f"parallel.allreduce_algorithm={algorithm!r}: this MPI library offers no control of "
+            f"its all-reduce algorithm that mpipar knows (MPICH's MPIR_CVAR_*ALLREDUCE_INTRA_"
+            f"ALGORITHM, Open MPI's coll_tuned/libnbc parameters); library: "
+            f"{version.splitlines()[0] if version else 'unknown'}. Use --allreduce-algorithm auto")
+    return family
+
+
+class MpiT:
+    """MPICH's control variables through the MPI tool interface (``MPI_T_cvar_*``, by ctypes
+    on the library mpi4py loaded; mpi4py has no binding). Integer variables only."""
+
+    def __init__(self) -> None:
+        from mpipar.runtime.mpi_init import MPI
+        MPI.COMM_WORLD                          # MPI_Init first
+        path = next((line.split()[-1] for line in open("/proc/self/maps")
+                     if "/libmpi" in line and ".so" in line), None)
+        if path is None:
+            raise OSError("no libmpi mapped in this process")
+        self.lib = ctypes.CDLL(path)
+        provided = ctypes.c_int()
+        self._call("MPI_T_init_thread", 0, ctypes.byref(provided))
+        self._handles: dict[str, ctypes.c_void_p] = {}
+
+    def _call(self, fn: str, *args) -> None:
+        rc = getattr(self.lib, fn)(*args)
+        if rc != 0:
+            raise OSError(f"{fn}: MPI error {rc}")
+
+    def _handle(self, name: str) -> ctypes.c_void_p:
+        if name not in self._handles:
+            index, count, handle = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
+            self._call("MPI_T_cvar_get_index", name.encode(), ctypes.byref(index))
+            self._call("MPI_T_cvar_handle_alloc", index, None, ctypes.byref(handle),
+                       ctypes.byref(count))
+            self._handles[name] = handle
+        return self._handles[name]
+
+    def read(self, name: str) -> int:
+        value = ctypes.c_int()
+        self._call("MPI_T_cvar_read", self._handle(name), ctypes.byref(value))
+        return value.value
+
+    def write(self, name: str, value: int) -> None:
+        self._call("MPI_T_cvar_write", self._handle(name), ctypes.byref(ctypes.c_int(value)))
+
+    def algorithm(self) -> dict[str, str]:
+        """The names the two MPICH variables hold now."""
+        return {name: MPICH_ENUM[name][self.read(name)] for name in MPICH_ENUM}
+
+    def set_algorithm(self, algorithm: str) -> None:
+        """Force ``algorithm`` ("auto": the library's choice) for the all-reduces that follow."""
+        names = MPICH_NAMES.get(algorithm, {MPICH_BLOCKING: "auto", MPICH_NONBLOCKING: "auto"})
+        for name, value in names.items():
+            self.write(name, MPICH_ENUM[name].index(value))
+
+
+def load_table(path: str) -> dict[str, dict[int, float]]:
+    """``allreduce_seconds`` of a hardware file: algorithm -> {bytes: seconds}."""
+    with open(path) as fh:
+        table = json.load(fh).get("allreduce_seconds") or {}
+    return {alg: {int(size): float(s) for size, s in sizes.items()}
+            for alg, sizes in table.items() if alg in ("auto", *LIBRARY_ALGORITHMS)}
+
+
+class SizeChoice:
+    """``auto`` with a measured table: the fastest algorithm at the measured size nearest (in
+    log scale) to each all-reduce's, written through :class:`MpiT` when it changes."""
+
+    def __init__(self, table: Mapping[str, Mapping[int, float]], mpit: MpiT | None) -> None:
+        sizes = sorted({s for per in table.values() for s in per})
+        if not sizes:
+            raise ValueError("no all-reduce timings (python -m mpipar.bench comm --algorithms)")
+        self.sizes = sizes
+        self.best = [min((per[s], alg) for alg, per in table.items() if s in per)[1]
+                     for s in sizes]
+        self.mpit, self.current = mpit, "auto"
+
+    def pick(self, nbytes: int) -> str:
+        """The algorithm for an all-reduce of ``nbytes``."""
+        i = bisect.bisect_left(self.sizes, nbytes)
+        if i == len(self.sizes) or (i > 0 and nbytes * nbytes < self.sizes[i - 1] * self.sizes[i]):
+            i -= 1
+        return self.best[i]
+
+    def before(self, nbytes: int) -> None:
+        algorithm = self.pick(nbytes)
+        if algorithm != self.current and self.mpit is not None:
+            self.mpit.set_algorithm(algorithm)
+        self.current = algorithm
+
+    def describe(self) -> str:
+        return ", ".join(f"{_size(s)} {alg}" for s, alg in zip(self.sizes, self.best))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:g} KiB"
+
+
+ACTIVE: SizeChoice | None = None
+"""The process's per-size choice (``auto`` with a file), consulted by every all-reduce of
+:class:`mpipar.runtime.comm.Group`; None: the algorithm is fixed for the run."""
+
+
+def before_allreduce(nbytes: int) -> None:
+    """Called by :class:`mpipar.runtime.comm.Group` before an all-reduce of ``nbytes``."""
+    if ACTIVE is not None:
+        ACTIVE.before(nbytes)
+
+
+def configure(algorithm: str, hardware: str, version: str) -> str:
+    """After ``MPI_Init`` on every rank: check the library (ConfigError for an explicit algorithm
+    it cannot run), arm the per-size choice of ``auto`` with a ``hardware`` file under MPICH,
+    and return what the start-up line says."""
+    global ACTIVE
+    family = check_library(algorithm, version)
+    if algorithm == "hierarchical":
+        return "allreduce hierarchical (mpipar's --dp-reduce hierarchical; library's own steps)"
+    if algorithm == "auto":
+        if hardware and family == "mpich":
+            ACTIVE = SizeChoice(load_table(hardware), MpiT())
+            return f"allreduce auto from {hardware} ({ACTIVE.describe()})"
+        return "allreduce auto (the library's choice)"
+    if family == "mpich":
+        try:
+            held = MpiT().algorithm()
+            return (f"allreduce {algorithm} (MPICH {MPICH_BLOCKING}={held[MPICH_BLOCKING]}, "
+                    f"{MPICH_NONBLOCKING}={held[MPICH_NONBLOCKING]})")
+        except OSError:
+            pass
+    names = library_controls(algorithm)
+    key = "OMPI_MCA_coll_tuned_allreduce_algorithm" if family == "open mpi" else MPICH_BLOCKING
+    return f"allreduce {algorithm} ({family}: {key}={names[key]})"

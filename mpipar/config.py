@@ -73,6 +73,29 @@ class ModelConfig:
                                    "... local, the others global, as Gemma 2), odd, or a comma "
                                    "list of layer indices")
 
+    moe_experts: int = _f(0, "mixture of experts: routed experts per sparse layer (Mixtral's "
+                             "num_local_experts); 0 = dense model")
+    moe_top_k: int = _f(2, "mixture of experts: experts each token is routed to "
+                           "(num_experts_per_tok)")
+    moe_ffn_hidden: int = _f(0, "mixture of experts: SwiGLU inner width of one expert; 0 means "
+                                "ffn_hidden")
+    moe_layers: str = _f("all", "mixture of experts: the sparse layers (all, even, odd, or a "
+                                "comma list of layer indices); the others keep the dense FFN")
+    moe_aux_loss_coef: float = _f(0.001, "mixture of experts: coefficient alpha of DeepSeek-V3's "
+                                         "sequence-wise balance loss (0 turns it off)")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
+        ``moe_layers`` names it)."""
+        if self.moe_experts == 0:
+            return False
+        spec = self.moe_layers.strip()
+        if spec == "all":
+            return True
+        if spec in ("even", "odd"):
+            return layer % 2 == (spec == "odd")
+        return layer in {int(x) for x in spec.split(",") if x.strip()}
+
     def layer_window(self, layer: int) -> int:
         """The sliding window of block ``layer``: ``sliding_window`` if ``window_layers`` names
         the layer, else 0 (full causal attention)."""
@@ -176,6 +199,9 @@ class ParallelConfig:
                                       "the bytes, summed in float32 arithmetic and rounded to "
                                       "bf16 at each step of the reduction)",
                            choices=("float32", "bfloat16"))
+    ep: int = _f(1, "expert-parallel size (--moe-experts): each group of ep consecutive ranks "
+                    "of dp x sp splits the experts, tokens sent to their experts' ranks by "
+                    "all-to-all")
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
                                            "tokens (all-gather / reduce-scatter replace the "
@@ -359,6 +385,27 @@ class Config:
         return {int(x) for x in self.train.dump_activations.split(",") if x.strip()}
 
 
+def _check_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts fields' own rules."""
+    require(m.moe_experts >= 0, f"model.moe_experts={m.moe_experts}: must be >= 0 (0: dense)")
+    if m.moe_experts == 0:
+        return
+    require(1 <= m.moe_top_k <= m.moe_experts,
+            f"model.moe_top_k={m.moe_top_k}: must be in [1, moe_experts={m.moe_experts}]")
+    require(m.moe_ffn_hidden > 0, f"model.moe_ffn_hidden={m.moe_ffn_hidden}: must be >= 0")
+    require(m.moe_aux_loss_coef >= 0,
+            f"model.moe_aux_loss_coef={m.moe_aux_loss_coef}: must be >= 0")
+    spec = m.moe_layers.strip()
+    if spec not in ("all", "even", "odd"):
+        try:
+            chosen = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            chosen = None
+        require(chosen is not None and all(0 <= i < m.layers for i in chosen),
+                f"model.moe_layers={m.moe_layers!r}: must be all, even, odd or a comma list "
+                f"of layer indices in [0, {m.layers})")
+
+
 def check_fields(cfg: Config, m: ModelConfig) -> None:
     """The fields' own rules (ranges, choices, what one field asks of another in its section);
     ``m`` is ``cfg.model`` with its derived defaults filled in (:func:`mpipar.layout.resolve_model`).
@@ -382,6 +429,7 @@ def check_fields(cfg: Config, m: ModelConfig) -> None:
     require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
     require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
     _check_window(m)
+    _check_moe(m)
 
     _positive(p, ("tp", "pp", "sp", "virtual_stages"), "parallel")
     require(p.dp >= 0, f"parallel.dp={p.dp}: must be >= 0 (0 fills the world)")

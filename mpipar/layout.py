@@ -121,6 +121,8 @@ def resolve_model(m: ModelConfig) -> ModelConfig:
         out.head_dim = out.hidden // out.heads
     if out.ffn_hidden == 0:
         out.ffn_hidden = 32 * math.ceil(8 * out.hidden / 3 / 32)
+    if out.moe_experts and out.moe_ffn_hidden == 0:
+        out.moe_ffn_hidden = out.ffn_hidden
     return out
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from mpipar.config import Config
 from mpipar.data import packing, sources
 from mpipar.layout import Layout, resolve
-from mpipar.parallel import context, data_parallel, fsdp, tensor
+from mpipar.parallel import context, data_parallel, experts, fsdp, tensor
 from mpipar.parallel.pipeline import schedule
 from mpipar.runtime import device
 from mpipar.training import optim
@@ -28,6 +28,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("context", context.check_config),      # sequence split, Ulysses heads, hybrid groups
     ("data parallel", data_parallel.check_config),  # buckets, hierarchical nodes, compression
     ("fsdp", fsdp.check_config),            # ZeRO-2/3 groups, prefetch, node shared memory
+    ("experts", experts.check_config),      # mixture of experts: ep, what it composes with
     ("eval", sources.check_config),         # the validation set
     ("documents", packing.check_config),    # EOS id, document masking, the EOS loss mask
     ("optimizer", optim.check_config),      # AdamW and the LR schedule

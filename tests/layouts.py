@@ -26,6 +26,11 @@ MODELS = {
     # sp = 4 or 8 (several ranks back); "gemma" alternates local (even) and global layers.
     "window": dict(sliding_window=5),
     "gemma": dict(sliding_window=3, window_layers="even"),
+    # Mixture of experts: blocks 1-3 sparse (4 experts, top 2), block 0 dense; a balance loss
+    # strong enough to move the router.
+    "moe": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
+                moe_aux_loss_coef=0.05),
+    "moe8": dict(moe_experts=8, moe_top_k=2, moe_ffn_hidden=8, moe_aux_loss_coef=0.05),
 }
 """Test models by name: fields of ModelConfig on top of the small model's."""
 

@@ -52,12 +52,13 @@ import sys
 # The harness first: it sets this process's thread budget before the sections load NumPy.
 from mpipar.bench import harness
 from mpipar.bench import (checkpoint, comm, compression, documents, gpu, kernels, memory,
-                          planner, precision, train, window)
+                          moe, planner, precision, train, window)
 
 SECTIONS: dict[str, harness.Section] = {
     s.name: s for s in (kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
                         planner.SECTION, train.SECTION, gpu.SECTION, compression.SECTION,
-                        precision.SECTION, checkpoint.SECTION, documents.SECTION)}
+                        precision.SECTION, checkpoint.SECTION, documents.SECTION,
+                        moe.SECTION)}
 """Section name -> section, in the order a run without a subcommand takes them."""
 
 

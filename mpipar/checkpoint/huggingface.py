@@ -50,6 +50,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from mpipar.checkpoint import hf_moe
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.model.params import EMBED, HEAD, param_specs
 from mpipar.layout import model_from_checkpoint, resolve_model
@@ -60,13 +61,13 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
 """The ``model_type`` values mpipar reads and writes, and their architecture."""
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 """The ``rope_type`` values mpipar computes exactly (:func:`mpipar.kernels.numpy_ref.rope_inv_freq`)."""
 
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}  # transformers' max_position_embeddings defaults
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072}  # transformers' max_position_embeddings defaults
 
 SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """dtypes :func:`save_hf` writes and :func:`load_hf` casts to."""
@@ -194,6 +195,14 @@ def _mlp(raw: Mapping[str, Any]) -> Reading:
         raise HFCheckpointError(f"hidden_act={act!r} is not supported; mpipar's MLP is SwiGLU "
                                 f"with 'silu'")
     return "SwiGLU (silu), no biases", {}
+
+
+def _moe(rule, arg):
+    """A rule of :mod:`mpipar.checkpoint.hf_moe`, its ValueError as an HFCheckpointError."""
+    try:
+        return rule(arg)
+    except ValueError as exc:
+        raise HFCheckpointError(str(exc)) from None
 
 
 def _positive(value: Any) -> bool:
@@ -343,7 +352,7 @@ def _float_field(raw: Mapping[str, Any], name: str, default: float) -> float:
 
 
 _RULES = (("architecture", _architecture), ("shape", _shape), ("attention", _attention),
-          ("mlp", _mlp), ("rope", _rope))
+          ("mlp", _mlp), ("rope", _rope), ("experts", lambda r: _moe(hf_moe.read_experts, r)))
 """Each aspect of a config.json and the rule that reads it (:func:`support`)."""
 
 
@@ -408,6 +417,10 @@ def model_type(cfg: ModelConfig) -> str:
             f"model.sliding_window={cfg.sliding_window} with window_layers="
             f"{cfg.window_layers!r} and attention_bias={cfg.attention_bias}: only a window on "
             f"every layer without biases (MistralForCausalLM) can be exported")
+    if cfg.moe_experts and hf_moe.export_problem(cfg):
+        raise HFCheckpointError(hf_moe.export_problem(cfg))
+    if cfg.moe_experts:
+        return hf_moe.MIXTRAL
     return "qwen2" if cfg.attention_bias else "mistral" if cfg.sliding_window else "llama"
 
 
@@ -452,7 +465,8 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
         "dtype": dtype,
     }
     out.update({"qwen2": {"use_sliding_window": False},
-                "mistral": {"sliding_window": m.sliding_window}}.get(
+                "mistral": {"sliding_window": m.sliding_window},
+                "mixtral": hf_moe.mixtral_fields(m)}.get(
         kind, {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}))
     out.update(extra)
     scaling = _rope_scaling(m)

@@ -1,8 +1,8 @@
 """FLOPs of the model: what the time model divides by the peak, and what MFU is measured against.
 
 Forward FLOPs of a block count its matrix products (q, k, v, o; gate, up, down: two FLOPs a
-multiply-add) and attention's ``q k^T`` and ``p v`` over the keys a query sees; backward is
-twice forward.
+multiply-add) and attention's ``q k^T`` and ``p v`` over the keys a query sees; a sparse
+block's FFN counts its router and the ``K`` experts each token runs; backward is twice forward.
 """
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ def block_flops_per_token(model: ModelConfig, tp: int, context: float) -> float:
     hq, hkv, F = model.heads // tp, model.kv_heads // tp, model.ffn_hidden // tp
     matmul = 2 * H * (2 * hq * D + 2 * hkv * D) + 2 * 3 * H * F   # q, o, k, v; gate, up, down
     return matmul + 4 * hq * D * context                           # q k^T and p v
+
+
+def sparse_ffn_extra(model: ModelConfig) -> float:
+    """Forward FLOPs per token a sparse block's FFN adds to the dense one's
+    (:func:`block_flops_per_token` counts a dense FFN): the router (``H x E``) and ``K``
+    experts of width ``moe_ffn_hidden`` in place of gate, up and down of ``ffn_hidden``."""
+    H = model.hidden
+    return 2 * H * model.moe_experts + 6 * H * (model.moe_top_k * model.moe_ffn_hidden
+                                                - model.ffn_hidden)
 
 
 def window_context(seq_len: int, window: int) -> float:
@@ -35,5 +44,6 @@ def model_flops_per_step(cfg: Config | Layout) -> float:
     m, tr = cfg.model, cfg.train
     per_token = (sum(block_flops_per_token(m, 1, window_context(tr.seq_len, w))
                      for w in m.windows())
-                 + 2 * m.hidden * m.vocab_size)                    # LM head
+                 + 2 * m.hidden * m.vocab_size                     # LM head
+                 + sum(map(m.is_sparse, range(m.layers))) * sparse_ffn_extra(m))
     return 3.0 * per_token * tr.global_batch_size * tr.seq_len

@@ -65,6 +65,7 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
+from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
 from mpipar.model.params import (EMBED, bias_name, block_param_specs, head_weight_name,
                                  require_resolved, stage_param_names, unit_of)
 from mpipar.model.tensor_ops import TensorOps
@@ -148,6 +149,7 @@ class BlockSaved:
     g: Array | None = None
     u: Array | None = None
     m: Array | None = None
+    moe: Any = None  # a sparse block's FFN record (mpipar.model.moe.MoeSaved); g, u, m None
 
 
 @dataclass
@@ -264,12 +266,17 @@ class LlamaStage:
 
     def __init__(self, *, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
                  tp: TensorOps, attention: AttentionCore, recompute: str = "none",
-                 store: CacheStore | None = None, seq_len: int = 0) -> None:
+                 store: CacheStore | None = None, seq_len: int = 0,
+                 experts: ExpertExchange | None = None) -> None:
         """``recompute`` in :data:`RECOMPUTE_MODES` (see the module docstring); ``offload``
         needs ``store``. ``seq_len``: the length of the whole sequences whose positions forward
         receives (dynamic RoPE scaling depends on it; 0: the largest position + 1).
         ``recorder``, when set to a callable ``(layer, name, array)``, receives the
-        :data:`ACTIVATION_NAMES` tensors of every block the forward pass runs."""
+        :data:`ACTIVATION_NAMES` tensors of every block the forward pass runs. ``experts``:
+        the sparse blocks' exchange (:mod:`mpipar.model.moe`; default: every expert here,
+        whole sequences). ``moe_aux_weight`` (set by the caller) weighs each row's balance loss
+        in backward; :meth:`forward` adds its share of the balance loss to ``moe_aux`` and the
+        expert loads of each sparse block to ``moe_load`` (the caller resets them)."""
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={recompute!r}: must be one of "
                              f"{', '.join(RECOMPUTE_MODES)}")
@@ -284,6 +291,9 @@ class LlamaStage:
         # The units the head reads: its own, and the embedding's when tied.
         self.head_units = ["head", "embed"] if self.head == EMBED else ["head"]
         self.seq_len = seq_len
+        self.experts = experts or LocalExperts(self.cfg.moe_experts)
+        self.moe_aux_weight, self.moe_aux = 0.0, 0.0
+        self.moe_load: dict[int, Array] = {}
         self._rope: dict[bytes, tuple[Array, Array]] = {}
 
     def param_names(self) -> list[str]:
@@ -346,6 +356,8 @@ class LlamaStage:
         cache = StageCache(positions, tokens=inp if self.first else None)
 
         def keep(saved: BlockSaved) -> None:
+            if saved.moe is not None:
+                self._count_moe(self.layers[len(cache.blocks)], saved.moe)
             cache.blocks.append(self._keep(saved))
 
         out = self._walk(params, inp, positions, scope, on_block=keep,
@@ -356,6 +368,11 @@ class LlamaStage:
         if self.recompute == "offload":
             cache.head = self.store.put(cache.head)
         return loss, cache
+
+    def _count_moe(self, i: int, moe) -> None:
+        """Add a sparse block's share of the balance loss and its load to the step's sums."""
+        self.moe_aux += moe.aux
+        self.moe_load[i] = self.moe_load.get(i, 0) + moe.counts
 
     def forward_only(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
                      targets: Array | None = None, kv: KVCache | None = None,
@@ -407,7 +424,7 @@ class LlamaStage:
         if self.recompute == "full":
             return BlockSaved(c.x)
         return BlockSaved(c.x, attention_out=c.attention_out, attention_saved=c.attention_saved,
-                          x2=c.x2, g=c.g, u=c.u)
+                          x2=c.x2, g=c.g, u=c.u, moe=c.moe)
 
     def _qkv(self, params, i: int, h1_in: Array, S: int) -> tuple[Array, Array, Array]:
         """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` (before RoPE): block ``i``'s q/k/v
@@ -444,10 +461,14 @@ class LlamaStage:
         B, S = out.shape[:2]
         a, = self._apply(params, in_block(i, O_PROJ), out.reshape(B, S, -1))
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
-        g, u = self._apply(params, in_block(i, GATE_UP), h2)
-        scope.progress()
-        m = ops.swiglu_fwd(g, u)
-        y, = self._apply(params, in_block(i, DOWN), m)
+        g = u = m = moe = None
+        if self.cfg.is_sparse(i):
+            y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts)
+        else:
+            g, u = self._apply(params, in_block(i, GATE_UP), h2)
+            scope.progress()
+            m = ops.swiglu_fwd(g, u)
+            y, = self._apply(params, in_block(i, DOWN), m)
         block_out = x2 + y
         if record and self.recorder is not None:
             for name, value in zip(ACTIVATION_NAMES, (x, out.reshape(B, S, -1), a, y, block_out)):
@@ -455,7 +476,7 @@ class LlamaStage:
         if not self.attention.needs_inputs:
             q = key = v = None
         return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
-                                     g, u, m)
+                                     g, u, m, moe)
 
     def _logits(self, params, x: Array) -> tuple[tuple[Array, Array], Array]:
         """((final norm of the stream ``hn``, its ``rstd``), this rank's logits ``[N, V/tp]``)."""
@@ -532,7 +553,8 @@ class LlamaStage:
         ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
         h1, rstd1 = ops.rmsnorm_fwd(kept.x, p[n + "input_layernorm.weight"], eps)
         h2, rstd2 = ops.rmsnorm_fwd(kept.x2, p[n + "post_attention_layernorm.weight"], eps)
-        return replace(kept, h1=h1, rstd1=rstd1, h2=h2, rstd2=rstd2, m=ops.swiglu_fwd(kept.g, kept.u))
+        m = None if kept.g is None else ops.swiglu_fwd(kept.g, kept.u)
+        return replace(kept, h1=h1, rstd1=rstd1, h2=h2, rstd2=rstd2, m=m)
 
     def _head_bwd(self, params, grads, dloss: Array, kept: Any, lin: LinearGrads) -> Array:
         c = self.store.take(kept) if self.recompute == "offload" else kept
@@ -547,10 +569,13 @@ class LlamaStage:
                    positions: np.ndarray, lin: LinearGrads, scope: ParamScope = RESIDENT
                    ) -> Array:
         ops, p, n = self.kernels, params, f"layers.{i}."
-        dm = self._apply_backward([dout], c.m, in_block(i, DOWN), lin)
-        scope.progress()
-        dg, du = ops.swiglu_bwd(dm, c.g, c.u)
-        dh2 = self._apply_backward([dg, du], c.h2, in_block(i, GATE_UP), lin)
+        if c.moe is not None:
+            dh2 = moe_backward(ops, i, dout, c.moe, self.experts, lin, self.moe_aux_weight)
+        else:
+            dm = self._apply_backward([dout], c.m, in_block(i, DOWN), lin)
+            scope.progress()
+            dg, du = ops.swiglu_bwd(dm, c.g, c.u)
+            dh2 = self._apply_backward([dg, du], c.h2, in_block(i, GATE_UP), lin)
         scope.progress()
         dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
                                       c.rstd2)

@@ -46,10 +46,32 @@ def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         *biases,
         ParamSpec(p + "self_attn.o_proj.weight", (h, q), i),
         ParamSpec(p + "post_attention_layernorm.weight", (h,), i),
-        ParamSpec(p + "mlp.gate_proj.weight", (f, h), i),
-        ParamSpec(p + "mlp.up_proj.weight", (f, h), i),
-        ParamSpec(p + "mlp.down_proj.weight", (h, f), i),
+        *(moe_param_specs(cfg, i) if cfg.is_sparse(i) else [
+            ParamSpec(p + "mlp.gate_proj.weight", (f, h), i),
+            ParamSpec(p + "mlp.up_proj.weight", (f, h), i),
+            ParamSpec(p + "mlp.down_proj.weight", (h, f), i)]),
     ]
+
+
+ROUTER = "block_sparse_moe.gate.weight"
+EXPERT = "block_sparse_moe.experts.{e}.{w}.weight"
+"""A sparse block's router ``[E, H]`` and expert weights (Mixtral's names, without
+``layers.{i}.``): ``w1`` gate ``[F, H]``, ``w3`` up ``[F, H]``, ``w2`` down ``[H, F]``."""
+
+
+def expert_names(i: int, e: int) -> tuple[str, str, str]:
+    """(w1 gate, w3 up, w2 down) of expert ``e`` of block ``i``."""
+    return tuple(f"layers.{i}." + EXPERT.format(e=e, w=w) for w in ("w1", "w3", "w2"))
+
+
+def moe_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
+    """The router and the experts of sparse block ``i`` (in place of the dense FFN)."""
+    h, f = cfg.hidden, cfg.moe_ffn_hidden
+    specs = [ParamSpec(f"layers.{i}." + ROUTER, (cfg.moe_experts, h), i)]
+    for e in range(cfg.moe_experts):
+        w1, w3, w2 = expert_names(i, e)
+        specs += [ParamSpec(w1, (f, h), i), ParamSpec(w3, (f, h), i), ParamSpec(w2, (h, f), i)]
+    return specs
 
 
 def require_resolved(cfg: ModelConfig) -> ModelConfig:
@@ -124,7 +146,7 @@ def init_param(spec: ParamSpec, cfg: ModelConfig, seed: int) -> np.ndarray:
         return np.ones(spec.shape)
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
     std = cfg.init_std
-    if spec.name.endswith(("o_proj.weight", "down_proj.weight")):
+    if spec.name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
         std = cfg.init_std / math.sqrt(2 * cfg.layers)  # residual-branch outputs (GPT-2 scaling)
     return rng.normal(0.0, std, size=spec.shape)
 

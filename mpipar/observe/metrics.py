@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
 SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
 DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
-GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS)
+GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS, "ep")
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 
@@ -63,6 +63,7 @@ class StepResult:
     # --document-masking with sp > 1: max/mean attention work over the sp ranks (the
     # worst dp replica's sum over its microbatches); None otherwise
     attention_imbalance: float | None = None
+    moe: dict | None = None  # mixture of experts: moe_aux_loss, moe_load_max_over_mean
 
 
 @dataclass
@@ -183,6 +184,7 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
         "memory_bytes": [int(r["memory"]) for r in ranks],
         **({} if result.attention_imbalance is None
            else {"attention_imbalance": result.attention_imbalance}),
+        **(result.moe or {}),
     }
 
 

@@ -88,9 +88,24 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "mlp.down_proj.weight": "row",
     "norm.weight": "replicated",
     "lm_head.weight": "vocab",
+    "block_sparse_moe.gate.weight": "replicated",
+    "block_sparse_moe.experts.*.w1.weight": "replicated",
+    "block_sparse_moe.experts.*.w3.weight": "replicated",
+    "block_sparse_moe.experts.*.w2.weight": "replicated",
 }
 """The tensor-parallel column of the table (a role of :data:`TP_ROLES`), by parameter name
-without its ``layers.{i}.``."""
+without its ``layers.{i}.`` (an expert's index written ``*``: experts are unsplit by tp)."""
+
+
+def plan_key(name: str) -> str:
+    """The key of parameter ``name`` in :data:`TENSOR_PARALLEL_PLAN`: without its
+    ``layers.{i}.`` and with an expert's index as ``*``."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        parts = parts[2:]
+    if len(parts) > 2 and parts[1] == "experts":
+        parts[2] = "*"
+    return ".".join(parts)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -211,8 +226,8 @@ class PlacementTable:
         for spec in param_specs(self.model):
             stages = self._stages(spec)
             ranks = tuple(dict.fromkeys(stage_owner(s, pp)[0] for s in stages))
-            suffix = spec.name.split(".", 2)[-1] if spec.layer is not None else spec.name
-            self.rows[spec.name] = Placement(spec, TENSOR_PARALLEL_PLAN[suffix], stages, ranks,
+            self.rows[spec.name] = Placement(spec, TENSOR_PARALLEL_PLAN[plan_key(spec.name)],
+                                             stages, ranks,
                                              tp_sequence_parallel,
                                              "sharded" if zero == 3 else "replicated")
 

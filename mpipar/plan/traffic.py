@@ -23,6 +23,7 @@ from mpipar.layout import Layout
 from mpipar.model.params import EMBED
 from mpipar.parallel.context import sequence_calls
 from mpipar.parallel.data_parallel import reduction_calls
+from mpipar.parallel.experts import expert_calls
 from mpipar.parallel.fsdp import sharded_calls, unit_passes
 from mpipar.parallel.pipeline.schedule import pipeline_calls
 from mpipar.parallel.tensor import tensor_calls
@@ -64,6 +65,8 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
             backward=train)
     elif train:
         calls += reduction_calls(layout, gradient_buckets(layout, coord), group_sizes(layout))
+    if layout.config.model.moe_experts:
+        calls += expert_calls(layout, [i for c in chunk_layers for i in c], passes, train)
     return [c for c in calls + _scalar_calls(layout, train) if c.count]
 
 
@@ -78,6 +81,11 @@ def _scalar_calls(layout: Layout, train: bool) -> list[Call]:
             calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
     if train and par.tp * par.pp > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
+    m = layout.config.model
+    if train and m.moe_experts:  # the balance loss and loads (Engine._moe_stats), float64
+        n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * m.moe_experts)
+        calls += [Call(g, "allreduce", n) for g, size in (("dp_sp", layout.dp * par.sp),
+                                                           ("tp_pp", par.tp * par.pp)) if size > 1]
     return calls
 
 

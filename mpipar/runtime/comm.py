@@ -422,6 +422,23 @@ class Group:
             self._timed("alltoall", send.nbytes, self.comm.Alltoall, *b)
         return recv
 
+    def alltoallv(self, send: np.ndarray, send_rows: list[int], recv: np.ndarray,
+                  recv_rows: list[int]) -> np.ndarray:
+        """Rows ``[n, ...]``: ``send_rows[j]`` consecutive rows of ``send`` go to rank ``j`` (in
+        rank order), ``recv_rows[i]`` rows from rank ``i`` land in ``recv`` in rank order. Booked
+        as the bytes sent to the other ranks."""
+        if self.size == 1:
+            recv[...] = send
+            return recv
+        row = int(np.prod(send.shape[1:], dtype=np.int64))
+        sc, rc = [n * row for n in send_rows], [n * row for n in recv_rows]
+        sd, rd = np.cumsum([0] + sc[:-1]).tolist(), np.cumsum([0] + rc[:-1]).tolist()
+        sent = (sum(send_rows) - send_rows[self.rank]) * row * send.itemsize
+        with self._buffers((_contig(send, "alltoallv"),), (_contig(recv, "alltoallv"),)) as b:
+            self._timed("alltoallv", sent, self.comm.Alltoallv, [b[0], (sc, sd)],
+                        [b[1], (rc, rd)])
+        return recv
+
     def ialltoall(self, send: np.ndarray, recv: np.ndarray) -> Request:
         """Start :meth:`alltoall` (both buffers are busy until the request completes)."""
         if self.size == 1:

@@ -56,6 +56,7 @@ from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttenti
                                      balanced_layout, rank_work,
                                      UlyssesAttention)
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
+from mpipar.parallel.experts import ExpertParallel, SequenceExperts
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
@@ -105,6 +106,7 @@ class Engine:
         self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
                                    self.mpi_path)
                        for name, c in self.grid.comms.items()}
+        self._add_ep_group()
         pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
         # Compute copies, activations and messages in ``dtype``; master weights, gradients and
         # optimizer state in ``master_dtype`` (float32 under bf16: mpipar.runtime.precision).
@@ -153,11 +155,33 @@ class Engine:
     def _chunk(self, stage: int) -> LlamaStage:
         """The model chunk of global virtual ``stage``, with this rank's seams."""
         last = self.cfg.parallel.pp * self.cfg.parallel.virtual_stages - 1
-        return LlamaStage(cfg=self.cfg.model, kernels=self.kernels,
-                          layers=self.table.stage_layers(stage), first=stage == 0,
-                          last=stage == last, tp=self.tensor, attention=self._attention(),
-                          recompute=self.cfg.train.recompute, store=self.offload,
-                          seq_len=self.cfg.train.seq_len)
+        m = self.cfg.model
+        chunk = LlamaStage(cfg=m, kernels=self.kernels,
+                           layers=self.table.stage_layers(stage), first=stage == 0,
+                           last=stage == last, tp=self.tensor, attention=self._attention(),
+                           recompute=self.cfg.train.recompute, store=self.offload,
+                           seq_len=self.cfg.train.seq_len,
+                           experts=self._experts())
+        # Each row's balance loss weighs alpha / rows of the global batch (mpipar.model.moe).
+        chunk.moe_aux_weight = m.moe_aux_loss_coef / self.cfg.train.global_batch_size
+        return chunk
+
+    def _add_ep_group(self) -> None:
+        """--ep N: the ``ep`` group, N consecutive ranks of dp x sp (mpipar.parallel.experts)."""
+        ep, dp_sp = self.cfg.parallel.ep, self.groups["dp_sp"]
+        if self.cfg.model.moe_experts:
+            comm = dp_sp.comm.Split(dp_sp.rank // ep, dp_sp.rank)
+            first = dp_sp.rank // ep * ep
+            self.groups["ep"] = Group(comm, "ep", self.ledger, dp_sp.nodes[first:first + ep],
+                                      self.mpi_path)
+
+    def _experts(self):
+        """The sparse blocks' exchange: sequences over sp, experts over ep."""
+        m, ep = self.cfg.model, self.groups.get("ep")
+        if ep is not None and ep.size > 1:
+            return ExpertParallel(num_experts=m.moe_experts, sp=self.groups["sp"], ep=ep,
+                                  xp=self.xp)
+        return SequenceExperts(num_experts=m.moe_experts, sp=self.groups["sp"])
 
     def _attention(self):
         par, sp = self.cfg.parallel, self.groups["sp"]
@@ -317,6 +341,8 @@ class Engine:
         recorder = self._start_dump(step)
         self.reducer.start_step(step)
         self._unfinished = Counter(self.holders)
+        for ch in self.chunks:
+            ch.moe_aux, ch.moe_load = 0.0, {}
         loss = self.executor.run(self.params, self.grads, micro, self.positions,
                                  self.tensor.stream_shape(mbs, s_loc, self.cfg.model.hidden),
                                  self.dtype, weight,
@@ -327,6 +353,7 @@ class Engine:
                 ch.recorder = None
             dump_step(recorder, self.rank_place, self._activation_region(step + 1), self.cfg)
         loss = self._global_sum(loss) / counted
+        moe = self._moe_stats() if self.cfg.model.moe_experts else None
         norm_sq = xp.array([self.optimizer.grad_norm_sq(self._norm_counted)])
         self.groups["tp_pp"].allreduce_(norm_sq)
         grad_norm = math.sqrt(float(norm_sq[0]))
@@ -337,7 +364,29 @@ class Engine:
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
         return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
-                          self._attention_imbalance(step))
+                          self._attention_imbalance(step), moe)
+
+    def _moe_stats(self) -> dict[str, Any]:
+        """The step's balance loss (alpha x the mean over rows of the sum over sparse layers)
+        and each sparse layer's expert load, max over mean: the chunks' shares summed over the
+        world, each counted on tp rank 0 only (tp ranks compute the same), on every rank."""
+        m = self.cfg.model
+        sparse = [i for i in range(m.layers) if m.is_sparse(i)]
+        buf = self.xp.zeros(1 + len(sparse) * m.moe_experts)
+        if self.tensor.rank == 0:
+            for ch in self.chunks:
+                buf[0] += ch.moe_aux
+                for i, load in ch.moe_load.items():
+                    j = 1 + sparse.index(i) * m.moe_experts
+                    buf[j:j + m.moe_experts] += load
+        self.groups["dp_sp"].allreduce_(buf)
+        self.groups["tp_pp"].allreduce_(buf)
+        buf = to_host(buf)
+        loads = buf[1:].reshape(len(sparse), m.moe_experts)
+        rows = self.cfg.train.global_batch_size
+        return {"moe_aux_loss": m.moe_aux_loss_coef * float(buf[0]) / rows,
+                "moe_load_max_over_mean": {str(i): float(ld.max() / ld.mean())
+                                           for i, ld in zip(sparse, loads)}}
 
     def _global_sum(self, loss: float) -> float:
         """The sum over the world of the last stage's summed token losses (over dp x sp, then
@@ -442,6 +491,8 @@ class Engine:
         if self.offload is not None:
             self.offload.close()
         self.reducer.close()
+        if "ep" in self.groups:
+            self.groups["ep"].comm.Free()
         self.grid.free()
 
     # ---------------------------------------------------------------- global tensors

@@ -1,0 +1,108 @@
+"""Mixture-of-experts kernels: the router's top-k, the token permutation by expert and its
+inverse, and the grouped SwiGLU GEMMs (one BLAS call per expert over its gathered tokens).
+
+Array-module generic (NumPy or CuPy arrays; ``xp`` is the arrays' module); the GEMMs and the
+SwiGLU go through a kernel backend's ``linear_fwd``/``swiglu_fwd`` so they run at its GEMM speed.
+No MPI.
+
+Shapes: ``N`` tokens, ``H`` hidden, ``E`` experts, ``K`` experts per token, ``A = N*K``
+assignments (token ``n``'s ``k``-th choice is assignment ``n*K + k``), ``F`` expert width.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+Array = Any
+
+
+def softmax(logits: Array, xp) -> Array:
+    """Row softmax of ``logits`` ``[N, E]`` (max subtracted)."""
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = xp.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def softmax_bwd(dp: Array, p: Array) -> Array:
+    """Gradient of the logits from that of the softmax ``p`` ``[N, E]``."""
+    return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+
+
+def route_topk(probs: Array, k: int, xp) -> tuple[Array, Array]:
+    """Mixtral's routing: the ``k`` most probable experts of each token and their weights
+    renormalised to sum to 1. probs ``[N, E]`` -> (experts ``[N, K]`` int64, most probable
+    first (ties: the lower index), weights ``[N, K]``)."""
+    order = xp.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    chosen = xp.take_along_axis(probs, order, axis=-1)
+    return order.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
+
+
+def route_topk_bwd(dweights: Array, weights: Array, chosen_sum: Array, experts: Array,
+                   num_experts: int, xp) -> Array:
+    """Gradient of the probabilities ``[N, E]`` from that of the renormalised weights
+    ``[N, K]`` (``weights = p_chosen / chosen_sum``, ``chosen_sum`` ``[N, 1]``)."""
+    dchosen = (dweights - (dweights * weights).sum(axis=-1, keepdims=True)) / chosen_sum
+    dp = xp.zeros((weights.shape[0], num_experts), dtype=dweights.dtype)
+    xp.put_along_axis(dp, experts, dchosen, axis=-1)
+    return dp
+
+
+def permutation(experts: Array, num_experts: int, xp) -> tuple[Array, Array]:
+    """The assignments ``[A]`` sorted by expert (stable: token order within an expert) and the
+    count of each expert ``[E]`` (int64). ``experts`` ``[N, K]``."""
+    flat = experts.reshape(-1)
+    order = xp.argsort(flat, kind="stable")
+    counts = xp.bincount(flat, minlength=num_experts).astype(xp.int64)
+    return order, counts
+
+
+def permute(x: Array, order: Array, k: int) -> Array:
+    """The tokens of the assignments ``order`` ``[A]``: rows ``order // k`` of ``x`` ``[N, H]``
+    -> ``[A, H]`` grouped by expert."""
+    return x[order // k]
+
+
+def unpermute_combine(ys: Array, order: Array, weights: Array, xp) -> Array:
+    """The layer's output ``[N, H]``: each token's sum of its experts' outputs ``ys`` ``[A, H]``
+    (in ``order``) weighted by ``weights`` ``[N, K]``; also returns the outputs in assignment
+    order ``[N, K, H]`` (backward needs them)."""
+    n, k = weights.shape
+    per = xp.empty_like(ys)
+    per[order] = ys
+    per = per.reshape(n, k, -1)
+    return (per * weights[..., None]).sum(axis=1), per
+
+
+def unpermute_sum(dxs: Array, order: Array, n: int, k: int, xp) -> Array:
+    """Inverse of :func:`permute` for gradients: ``dxs`` ``[A, H]`` (in ``order``) summed into
+    the tokens ``[N, H]``."""
+    per = xp.empty_like(dxs)
+    per[order] = dxs
+    return per.reshape(n, k, -1).sum(axis=1)
+
+
+def offsets(counts) -> list[int]:
+    """Start of each expert's rows in the permuted order, and the end: ``[E + 1]`` ints."""
+    return [0] + np.cumsum(host(counts)).tolist()
+
+
+def host(a: Array) -> np.ndarray:
+    """``a`` as a NumPy array (a CuPy array copied to the host)."""
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def grouped_swiglu_fwd(kernels, xs: Array, bounds: list[int],
+                       weights: list[tuple[Array, Array, Array]]) -> tuple[Array, list]:
+    """Each expert's SwiGLU FFN on its rows of ``xs`` ``[A, H]`` (rows ``bounds[e]:bounds[e+1]``;
+    ``weights[e]`` = (w1 gate ``[F, H]``, w3 up ``[F, H]``, w2 down ``[H, F]``)), one GEMM per
+    weight and expert. Returns (``ys`` ``[A, H]``, per expert (g, u, m) for backward)."""
+    ys = kernels.xp.empty_like(xs) if hasattr(kernels, "xp") else np.empty_like(xs)
+    saved = []
+    for e, (w1, w3, w2) in enumerate(weights):
+        rows = slice(bounds[e], bounds[e + 1])
+        g, u = kernels.linear_fwd(xs[rows], w1), kernels.linear_fwd(xs[rows], w3)
+        m = kernels.swiglu_fwd(g, u)
+        ys[rows] = kernels.linear_fwd(m, w2)
+        saved.append((g, u, m))
+    return ys, saved

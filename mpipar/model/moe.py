@@ -1,0 +1,161 @@
+"""A sparse block's feed-forward: Mixtral's mixture of experts with DeepSeek-V3's sequence-wise
+balance loss, forward and backward by hand. No MPI: what crosses ranks goes through the
+:class:`ExpertExchange` seam.
+
+Forward on the normed stream ``h`` ``[B, S, H]`` (``N = B*S`` tokens of this rank):
+
+- router: ``p = softmax(h W_r^T)`` ``[N, E]``; the top ``K`` experts of each token and their
+  probabilities renormalised to sum to 1 (``w`` ``[N, K]``);
+- the ``A = N*K`` assignments are sorted by expert (:func:`mpipar.kernels.moe.permutation`), the
+  tokens gathered in that order, handed to the exchange (which, under expert parallelism, sends
+  each to the rank holding its expert and returns what this rank's experts must compute), each
+  local expert's SwiGLU FFN runs on its rows (one GEMM per weight and expert), the exchange
+  brings the outputs home, and each token's output is ``sum_k w_k y_k``.
+
+Balance loss (DeepSeek-V3, sequence-wise): for each sequence ``b`` (a row of ``T`` tokens)
+``sum_e f_be P_be`` with ``f_be = E / (K T) * (assignments of row b to e)`` (no gradient) and
+``P_be`` the mean over the row's ``T`` tokens of ``p_te``. A row's counts are summed over the
+ranks holding its tokens (``exchange.sequence_sum``: the sp group) and ``T = counts.sum() / K``,
+so each rank's share ``sum_e f_be * (sum of its p_te) / T`` adds up to the row's loss whatever
+the sequence split. The stage sums those shares (:attr:`MoeSaved.aux`); backward adds
+``aux_weight * f_be / T`` to each ``dp_te`` (``aux_weight = alpha / rows of the global batch``:
+the step's loss is the mean over its rows of the sum over layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mpipar.kernels import moe as K_moe
+from mpipar.model.params import ROUTER, expert_names
+
+Array = Any
+
+
+class ExpertExchange(Protocol):
+    """What a sparse block needs from other ranks: the experts this rank computes, the sum of a
+    sequence's statistics over the ranks holding its tokens, and the token dispatch."""
+
+    local_experts: range
+
+    def sequence_sum(self, a: Array) -> Array:
+        """``a`` ``[B, E]`` of this rank's tokens of each row, summed over the ranks holding the
+        other tokens of the same rows (a new array)."""
+
+    def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
+        """Tokens ``xs`` ``[A, H]`` sorted by expert with ``counts`` ``[E]`` -> (the rows this
+        rank's experts compute ``[A', H]`` grouped by local expert, the bounds of each local
+        expert's rows ``[E_local + 1]``, a handle for :meth:`combine`)."""
+
+    def redispatch(self, xs: Array, handle: Any) -> Array:
+        """Rows ``[A, H]`` in the order of a former :meth:`dispatch` (their gradients, in
+        backward) sent as it sent that one's: -> ``[A', H]``."""
+
+    def combine(self, ys: Array, handle: Any) -> Array:
+        """The inverse of :meth:`dispatch`: outputs ``[A', H]`` -> ``[A, H]`` in ``xs``'s order."""
+
+
+class LocalExperts:
+    """Every expert on this rank, the sequences whole (no sp, no ep): nothing crosses ranks."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.local_experts = range(num_experts)
+
+    def sequence_sum(self, a: Array) -> Array:
+        return a.copy()
+
+    def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
+        return xs, K_moe.offsets(counts), None
+
+    def redispatch(self, xs: Array, handle: Any) -> Array:
+        return xs
+
+    def combine(self, ys: Array, handle: Any) -> Array:
+        return ys
+
+
+@dataclass
+class MoeSaved:
+    """What a sparse FFN keeps for backward (shapes in the module docstring): the router's input
+    ``x`` ``[N, H]``, ``probs`` ``[N, E]``, the chosen ``experts`` and ``weights`` ``[N, K]``
+    and the chosen probabilities' sum ``[N, 1]``, the permutation ``order`` ``[A]``, the local
+    rows ``xs`` and ``bounds``, each local expert's (g, u, m), the outputs per assignment
+    ``per`` ``[N, K, H]``, ``f_over_t`` ``[B, E]`` (``f / T``), the exchange's handle, this
+    rank's share of the balance loss ``aux`` and its load ``counts`` ``[E]``."""
+
+    x: Array
+    probs: Array
+    experts: Array
+    weights: Array
+    chosen_sum: Array
+    order: Array
+    xs: Array
+    bounds: list
+    inner: list
+    per: Array
+    f_over_t: Array
+    handle: Any
+    aux: float
+    counts: Array
+
+
+def moe_forward(kernels, params: dict, i: int, cfg, h: Array,
+                exchange: ExpertExchange) -> tuple[Array, MoeSaved]:
+    """Block ``i``'s sparse FFN on ``h`` ``[B, S, H]`` -> (output ``[B, S, H]``, record)."""
+    xp, E, k = kernels.xp, cfg.moe_experts, cfg.moe_top_k
+    B = h.shape[0]
+    x = h.reshape(-1, h.shape[-1])
+    probs = K_moe.softmax(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER]), xp)
+    experts, weights = K_moe.route_topk(probs, k, xp)
+    chosen_sum = xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
+    order, counts = K_moe.permutation(experts, E, xp)
+    xs, bounds, handle = exchange.dispatch(K_moe.permute(x, order, k), counts)
+    weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
+    ys, inner = K_moe.grouped_swiglu_fwd(kernels, xs, bounds, weights_e)
+    out, per = K_moe.unpermute_combine(exchange.combine(ys, handle), order, weights, xp)
+    f_over_t, aux = _balance(probs, experts, B, E, k, exchange, xp)
+    saved = MoeSaved(x, probs, experts, weights, chosen_sum, order, xs, bounds, inner, per,
+                     f_over_t, handle, aux, counts)
+    return out.reshape(h.shape), saved
+
+
+def _balance(probs: Array, experts: Array, B: int, E: int, k: int, exchange: ExpertExchange,
+             xp) -> tuple[Array, float]:
+    """(``f / T`` ``[B, E]``, this rank's share of the rows' balance losses summed)."""
+    rows = experts.reshape(B, -1)
+    local = xp.zeros((B, E), dtype=probs.dtype)
+    for b in range(B):
+        local[b] = xp.bincount(rows[b], minlength=E)
+    counts = exchange.sequence_sum(local)                     # [B, E], whole rows
+    T = counts.sum(axis=-1, keepdims=True) / k
+    f_over_t = E * counts / (k * T) / T
+    p_sum = probs.reshape(B, -1, E).sum(axis=1)               # this rank's tokens of each row
+    return f_over_t, float((f_over_t * p_sum).sum())
+
+
+def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchange, lin,
+                 aux_weight: float) -> Array:
+    """The gradient of the sparse FFN's input ``[B, S, H]`` from its output's ``dy``; weight
+    gradients through ``lin`` (:class:`mpipar.model.llama.LinearGrads`); ``aux_weight``: the
+    balance loss's weight per row (module docstring)."""
+    xp, E, (N, k) = kernels.xp, c.probs.shape[1], c.weights.shape
+    d = dy.reshape(N, -1)
+    dweights = (c.per * d[:, None, :]).sum(axis=-1)
+    dys = (c.weights[..., None] * d[:, None, :]).reshape(N * k, -1)[c.order]
+    dys_local = exchange.redispatch(dys, c.handle)
+    dxs = xp.empty_like(c.xs)
+    for j, e in enumerate(exchange.local_experts):
+        rows = slice(c.bounds[j], c.bounds[j + 1])
+        w1, w3, w2 = expert_names(i, e)
+        g, u, m = c.inner[j]
+        dm = lin(dys_local[rows], m, w2)
+        dg, du = kernels.swiglu_bwd(dm, g, u)
+        dxs[rows] = lin(dg, c.xs[rows], w1) + lin(du, c.xs[rows], w3)
+    dx = K_moe.unpermute_sum(exchange.combine(dxs, c.handle), c.order, N, k, xp)
+    dprobs = K_moe.route_topk_bwd(dweights, c.weights, c.chosen_sum, c.experts, E, xp)
+    if aux_weight:
+        B = c.f_over_t.shape[0]
+        dprobs = (dprobs.reshape(B, -1, E) + aux_weight * c.f_over_t[:, None, :]).reshape(N, E)
+    dlogits = K_moe.softmax_bwd(dprobs, c.probs)
+    dx += lin(dlogits, c.x, f"layers.{i}." + ROUTER)
+    return dx.reshape(dy.shape)

@@ -1,0 +1,205 @@
+"""Mixture of experts: every layout equals the single-process run in float64 (<= 1e-10), the
+balance loss included (its value each step, and its gradient through the parameters).
+
+Under ``mpirun -n 8``: the small model of ``layouts.py`` with blocks 1-3 sparse (4 experts,
+top 2, alpha 0.05), two AdamW steps, on dp, tp (experts unsplit: replicated over tp), pp (each
+schedule), sp (ring contiguous and zigzag, Ulysses: a sequence's balance statistics summed over
+sp), ZeRO-1/2/3 and recompute; and expert parallelism (ep 2, 4, 8; 8 experts for ep 8) with each
+of them."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from conftest import assert_all_ranks
+from layouts import compare, layout_name, layout_size, small_config, token_source
+from mpipar.rules import validate
+
+LAYOUTS = [
+    dict(dp=8), dict(dp=4, tp=2), dict(dp=2, pp=4, schedule="zb-h1"),
+    dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2),
+    dict(dp=2, sp=4, sp_split="zigzag"), dict(dp=4, sp=2, sp_mode="ulysses"),
+    dict(dp=2, tp=2, sp=2), dict(dp=2, sp=2, pp=2, zero=1, bucket_mb=0.002),
+    dict(dp=4, sp=2, zero=2), dict(dp=2, sp=2, tp=2, zero=3),
+]
+RECOMPUTE = [dict(dp=2, sp=2, pp=2), dict(dp=4, tp=2)]
+EP = [  # expert parallelism: the ep group carved out of dp x sp
+    dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=8, sp_split="zigzag", model="moe8"),
+    dict(dp=4, sp=2, ep=4, sp_mode="ulysses"), dict(dp=2, tp=2, pp=2, ep=2, schedule="zb-h1"),
+    dict(dp=2, sp=2, tp=2, ep=4, zero=3), dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
+    dict(dp=4, pp=2, ep=4, zero=2, schedule="interleaved", virtual_stages=2),
+]
+EP_RECOMPUTE = [dict(dp=4, sp=2, ep=4)]
+
+
+def run(cfg, comm, steps: int = 2):
+    """(losses, grad norms, gathered params, balance losses, loads) of ``steps`` steps."""
+    from mpipar.training.engine import Engine
+    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    try:
+        res = [eng.train_step(k) for k in range(steps)]
+        return ([r.loss for r in res], [r.grad_norm for r in res], eng.gather_params(),
+                [r.moe["moe_aux_loss"] for r in res],
+                [r.moe["moe_load_max_over_mean"] for r in res])
+    finally:
+        eng.close()
+
+
+@functools.lru_cache(maxsize=None)
+def reference(recompute: str = "none", model: str = "moe"):
+    from mpi4py import MPI
+    cfg = small_config("float64", model)
+    cfg.train.recompute = recompute
+    return run(cfg, MPI.COMM_SELF)
+
+
+def _check(world, layout: dict, recompute: str = "none") -> None:
+    size = layout_size(layout)
+    layout = dict(layout)
+    model = layout.pop("model", "moe")
+    comm = world.Split(world.rank // size, world.rank)
+    fails: list[str] = []
+    try:
+        cfg = small_config("float64", model, **layout)
+        cfg.train.recompute = recompute
+        got, ref = run(cfg, comm), reference(model=model)
+        fails = compare(got[:3], ref[:3], 1e-10)
+        for i, (a, b) in enumerate(zip(got[3], ref[3])):
+            if not abs(a - b) <= 1e-10 * abs(b):
+                fails.append(f"moe_aux_loss[{i}] {a!r} vs {b!r}")
+        if got[4] != ref[4]:
+            fails.append(f"loads {got[4]} vs {ref[4]}")
+    except Exception as exc:  # a rank's error must reach every rank, never hang them
+        fails = [f"{type(exc).__name__}: {exc}"]
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
+def test_moe_layout_equals_single_process_float64(world, layout):
+    _check(world, layout)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("layout", RECOMPUTE, ids=[layout_name(v) for v in RECOMPUTE])
+def test_moe_recompute_equals_single_process_float64(world, layout, mode):
+    _check(world, layout, mode)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", EP, ids=[layout_name(v) for v in EP])
+def test_expert_parallel_equals_single_process_float64(world, layout):
+    _check(world, layout)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", EP_RECOMPUTE, ids=[layout_name(v) for v in EP_RECOMPUTE])
+def test_expert_parallel_recompute_full_equals_single_process_float64(world, layout):
+    _check(world, layout, "full")
+
+
+def test_balance_loss_is_on_and_moves():
+    """The reference itself: a positive balance loss near alpha (uniform routing gives
+    alpha x sparse layers), loads above 1 (max over mean)."""
+    losses, _, _, aux, loads = reference()
+    assert 0.05 * 3 * 0.9 < aux[0] < 0.05 * 3 * 2
+    assert all(v >= 1.0 for v in loads[0].values()) and len(loads[0]) == 3
+
+
+def uniform_route(probs, k, xp):
+    """A router forced uniform: token n's choices are experts (nK, ..., nK+K-1) mod E, so each
+    expert gets the same count whenever E divides a rank's N*K (weights from the probabilities
+    there, renormalised)."""
+    n, e = probs.shape
+    experts = (xp.arange(n)[:, None] * k + xp.arange(k)[None, :]) % e
+    chosen = xp.take_along_axis(probs, experts, axis=-1)
+    return experts.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
+
+
+LEDGER = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=4, recompute="full"),
+          dict(dp=2, sp=2, tp=2, pp=1, ep=2), dict(dp=4, pp=2, ep=4, sp_mode="ring")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", LEDGER, ids=[layout_name(v) for v in LEDGER])
+def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
+    """With the router forced uniform, every group's bytes in the ledger (ep and sp included)
+    equal the planner's prediction for a step, and the validation pass's for its own."""
+    from mpipar.kernels import moe as kernels_moe
+    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
+    from mpipar.training.engine import Engine
+    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
+    case = dict(case)
+    recompute, model = case.pop("recompute", "none"), case.pop("model", "moe")
+    cfg = small_config("float64", model, **case)
+    cfg.train.recompute = recompute
+    cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
+    fails = []
+    try:
+        layout = validate(cfg, 8)
+        eng = Engine(layout, world, source=token_source())
+        want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
+                           predict_eval_bytes(layout, eng.grid.coord))
+        eng.ledger.reset()
+        eng.train_step(0)
+        eng.evaluate()
+        got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
+        if got != want or got_eval != want_eval:
+            fails.append(f"{eng.grid.coord}: step {got} vs {want}; eval {got_eval} vs "
+                         f"{want_eval}")
+        if case.get("ep", 1) > 1 and not got.get("ep"):
+            fails.append("no ep bytes booked")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)
+
+
+RESHARD = [(dict(model="moe8", dp=8, ep=8, zero=1), dict(model="moe8", dp=2, tp=2, pp=2)),
+           (dict(dp=4, sp=2, ep=4, zero=3), dict(dp=8, ep=2, zero=2))]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("before,after", RESHARD, ids=["ep8-to-ep1", "ep4-zero3-to-ep2-zero2"])
+def test_checkpoint_moves_across_ep_sizes(world, before, after):
+    """A step trained and saved under one ep (and ZeRO stage) loads under another and the next
+    step equals the one-process run's second step."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mpipar.checkpoint import reader, writer
+    from mpipar.runtime.comm import Group, Ledger
+    from mpipar.training.engine import Engine
+    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-moe-") if world.rank == 0 else None))
+    before, after = dict(before), dict(after)
+    model = before.pop("model", "moe")
+    after.pop("model", None)
+    fails = []
+    try:
+        a = Engine(validate(small_config("float64", model, **before), 8), world,
+                   source=token_source())
+        a.train_step(0)
+        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        a.close()
+        b = Engine(validate(small_config("float64", model, **after), 8), world,
+                   source=token_source())
+        if reader.load(b.state, path) != 1:
+            fails.append("load did not return step 1")
+        r2 = b.train_step(1)
+        ref = reference(model=model)
+        fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], b.gather_params()),
+                         ref[:3], 1e-10)
+        if abs(r2.moe["moe_aux_loss"] - ref[3][1]) > 1e-10 * ref[3][1]:
+            fails.append(f"moe_aux_loss {r2.moe['moe_aux_loss']} vs {ref[3][1]}")
+        b.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    assert_all_ranks(world, fails)

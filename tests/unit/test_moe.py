@@ -1,0 +1,177 @@
+"""Mixture of experts on one process: the sparse FFN against a per-token loop, the balance loss
+against DeepSeek-V3's formula, the whole stage's gradient (cross-entropy + balance loss) against
+float64 finite differences, and the recompute modes against each other."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mpipar.config import ConfigError, ModelConfig
+from mpipar.kernels import get_backend
+from mpipar.layout import resolve_model
+from mpipar.model.moe import LocalExperts, moe_forward
+from mpipar.model.params import ROUTER, expert_names, init_params, param_specs
+from tests.unit.test_model import make_stage
+
+MOE = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2,
+                                ffn_hidden=24, rope_theta=500.0, init_std=0.3, moe_experts=4,
+                                moe_top_k=2, moe_ffn_hidden=8, moe_aux_loss_coef=0.1))
+HALF = dataclasses.replace(MOE, moe_layers="1")   # block 0 dense, block 1 sparse
+
+
+def naive_moe(p: dict, i: int, h: np.ndarray, c: ModelConfig) -> tuple[np.ndarray, float]:
+    """Block ``i``'s sparse FFN token by token, and the rows' balance losses summed."""
+    B, S, H = h.shape
+    E, K = c.moe_experts, c.moe_top_k
+    out = np.zeros_like(h)
+    aux = 0.0
+    for b in range(B):
+        load, psum = np.zeros(E), np.zeros(E)
+        for t in range(S):
+            x = h[b, t]
+            z = p[f"layers.{i}." + ROUTER] @ x
+            pr = np.exp(z - z.max())
+            pr /= pr.sum()
+            top = np.argsort(-pr, kind="stable")[:K]
+            for e in top:
+                w1, w3, w2 = (p[n] for n in expert_names(i, e))
+                g, u = w1 @ x, w3 @ x
+                out[b, t] += pr[e] / pr[top].sum() * (w2 @ (g / (1 + np.exp(-g)) * u))
+                load[e] += 1
+            psum += pr
+        aux += float((E / (K * S) * load * psum / S).sum())
+    return out, aux
+
+
+def test_sparse_ffn_matches_a_token_loop():
+    k = get_backend("numpy")
+    p = init_params(MOE, 3, np.float64)
+    h = np.random.default_rng(1).normal(size=(2, 5, MOE.hidden))
+    out, saved = moe_forward(k, p, 1, MOE, h, LocalExperts(MOE.moe_experts))
+    ref, aux = naive_moe(p, 1, h, MOE)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    assert saved.aux == pytest.approx(aux, rel=1e-13)
+    assert int(saved.counts.sum()) == 2 * 5 * MOE.moe_top_k
+
+
+def objective(stage, p: dict, tokens, targets, alpha: float) -> float:
+    """Mean token cross-entropy + alpha * mean over rows of the balance losses summed over
+    layers (the optimised objective)."""
+    stage.moe_aux = 0.0
+    loss, _ = stage.forward(p, tokens, np.arange(tokens.shape[1]), targets)
+    return float(loss.sum()) / loss.size + alpha / tokens.shape[0] * stage.moe_aux
+
+
+@pytest.mark.parametrize("cfg", [MOE, HALF], ids=["all-sparse", "one-sparse"])
+def test_gradient_matches_finite_differences(cfg):
+    stage = make_stage(cfg=cfg)
+    rng = np.random.default_rng(0)
+    p = init_params(cfg, 5, np.float64)
+    tokens, targets = rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6))
+    alpha = cfg.moe_aux_loss_coef
+    grads = {n: np.zeros_like(v) for n, v in p.items()}
+    stage.moe_aux = 0.0
+    loss, cache = stage.forward(p, tokens, np.arange(6), targets)
+    stage.moe_aux_weight = alpha / 2
+    stage.backward(p, grads, np.full(loss.shape, 1.0 / loss.size), cache)
+    eps = 1e-6
+    for spec in param_specs(cfg):
+        flat = p[spec.name].reshape(-1)
+        for j in rng.choice(flat.size, size=min(4, flat.size), replace=False):
+            old = flat[j]
+            flat[j] = old + eps
+            up = objective(stage, p, tokens, targets, alpha)
+            flat[j] = old - eps
+            down = objective(stage, p, tokens, targets, alpha)
+            flat[j] = old
+            fd = (up - down) / (2 * eps)
+            assert grads[spec.name].reshape(-1)[j] == pytest.approx(fd, rel=1e-5, abs=1e-9), \
+                spec.name
+
+
+def test_balance_loss_gradient_alone():
+    """With the cross-entropy's weight 0, the router's gradient is the balance loss's alone
+    (finite differences of alpha * mean_rows sum_layers sum_e f P)."""
+    stage = make_stage(cfg=MOE)
+    p = init_params(MOE, 7, np.float64)
+    tokens = np.random.default_rng(2).integers(0, 11, (2, 6))
+    grads = {n: np.zeros_like(v) for n, v in p.items()}
+    loss, cache = stage.forward(p, tokens, np.arange(6), tokens)
+    stage.moe_aux_weight = 1.0 / 2
+    stage.backward(p, grads, np.zeros(loss.shape), cache)
+    name = "layers.0." + ROUTER
+    eps, g = 1e-6, np.zeros_like(p[name])
+    for j in range(p[name].size):
+        for sign in (1, -1):
+            p[name].reshape(-1)[j] += sign * eps
+            stage.moe_aux = 0.0
+            stage.forward(p, tokens, np.arange(6), tokens)
+            g.reshape(-1)[j] += sign * stage.moe_aux / 2 / (2 * eps)
+            p[name].reshape(-1)[j] -= sign * eps
+    np.testing.assert_allclose(grads[name], g, rtol=1e-6, atol=1e-10)
+    assert np.abs(g).max() > 1e-4   # the balance loss does move the router
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_is_bit_identical(mode):
+    p = init_params(MOE, 5, np.float64)
+    tokens = np.random.default_rng(3).integers(0, 11, (2, 6))
+    out = []
+    for m in ("none", mode):
+        stage = make_stage(cfg=MOE, recompute=m)
+        stage.moe_aux_weight = 0.05
+        grads = {n: np.zeros_like(v) for n, v in p.items()}
+        loss, cache = stage.forward(p, tokens, np.arange(6), tokens)
+        stage.backward(p, grads, np.full(loss.shape, 1 / loss.size), cache)
+        out.append((stage.moe_aux, grads))
+    assert out[0][0] == out[1][0]
+    for n in p:
+        np.testing.assert_array_equal(out[0][1][n], out[1][1][n])
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(moe_top_k=5), "moe_top_k=5"),
+    (dict(moe_experts=-1), "moe_experts=-1"),
+    (dict(moe_layers="7"), "moe_layers='7'"),
+    (dict(moe_aux_loss_coef=-1.0), "moe_aux_loss_coef=-1.0"),
+])
+def test_bad_moe_fields_are_config_errors(change, words):
+    from mpipar.config import Config, check_fields
+    m = dataclasses.replace(MOE, **change)
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        check_fields(Config(model=m), resolve_model(m))
+
+
+@pytest.mark.parametrize("model, parallel, words", [
+    (dict(moe_experts=4), dict(ep=3, dp=6), "parallel.ep=3: must divide model.moe_experts=4"),
+    (dict(moe_experts=4), dict(ep=4, dp=2), r"parallel.ep=4: must divide dp x sp = 2 x 1"),
+    (dict(), dict(ep=2, dp=2), r"parallel.ep=2: needs a mixture of experts"),
+    (dict(moe_experts=4), dict(ep=0), r"parallel.ep=0: must be >= 1"),
+    (dict(moe_experts=4), dict(tp=2, dp=1, tp_sequence_parallel=True), "tp_sequence_parallel"),
+    (dict(moe_experts=2, moe_top_k=3), dict(), "moe_top_k=3"),
+])
+def test_bad_layouts_are_config_errors(model, parallel, words):
+    """Each rule raises one ConfigError naming the value (the programs exit 2 on it)."""
+    from mpipar.config import Config, ParallelConfig, TrainConfig
+    from mpipar.rules import validate
+    cfg = Config(ModelConfig(hidden=16, heads=2, kv_heads=2, layers=2, **model),
+                 ParallelConfig(**parallel), TrainConfig(global_batch_size=12, seq_len=8))
+    world = parallel.get("dp", 1) * parallel.get("tp", 1)
+    with pytest.raises(ConfigError, match=words):
+        validate(cfg, world)
+
+
+def test_model_flops_count_the_router_and_k_experts():
+    """A sparse block's FFN: 2HE (router) + K x 6HF_moe per token forward, in place of the dense
+    6HF; the step's FLOPs are 3 x forward over the global batch's tokens."""
+    from mpipar.config import Config, TrainConfig
+    from mpipar.model.flops import model_flops_per_step
+    train = TrainConfig(seq_len=8, global_batch_size=2)
+    dense, half = (model_flops_per_step(Config(model=dataclasses.replace(m, moe_experts=e),
+                                               train=train))
+                   for m, e in ((MOE, 0), (HALF, 4)))
+    H = MOE.hidden
+    extra = 2 * H * 4 + 6 * H * (2 * 8 - 24)     # one sparse block (block 1)
+    assert half - dense == pytest.approx(3 * extra * 16)

@@ -28,7 +28,8 @@ FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_fr
 STRINGS = {"dump_activations": st.sampled_from(["", "1", "1,2", "0", "x", "1,,2", " 3 "]),
            "resume": st.sampled_from(["", "auto"]), "tensorboard": st.sampled_from(["", "off"]),
            "trace_steps": st.sampled_from(["", "2", "1-3", "2,4-5", "0", "x", "3-1", "1,,2"]),
-           "window_layers": st.sampled_from(["all", "even", "odd", "0,2", "", "x", "9", "1,,2"])}
+           "window_layers": st.sampled_from(["all", "even", "odd", "0,2", "", "x", "9", "1,,2"]),
+           "moe_layers": st.sampled_from(["all", "even", "odd", "0,1", "", "x", "9", "1,,2"])}
 
 
 def field_values(section: str, f: dataclasses.Field) -> st.SearchStrategy:

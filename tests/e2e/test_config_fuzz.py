@@ -1,6 +1,7 @@
 """Property-based fuzzing of configurations, launched: a few drawn configurations
 (:mod:`config_strategies`) run as real two-rank runs of one step, where every rank writes down
-its own exit status; a configuration that validates trains its step, one that does not exits 2
+its own exit status; a configuration that validates trains its step, one that does not (or whose
+data refuses it: a split too small for --eval-batches) exits 2
 on every rank with validation's message, printed once. The examples are derandomized so that CI
 sees the same ones every time."""
 from __future__ import annotations
@@ -35,6 +36,20 @@ def _run_error(config: str, world: int) -> str | None:
     except SystemExit:
         return printed.getvalue().strip().removeprefix("mpipar: error: ")
     except ConfigError as exc:
+        return str(exc)
+    return _data_error(cfg)
+
+
+def _data_error(cfg) -> str | None:
+    """The error the run's data gives once it is read (every rank, before any collective): the
+    rules that depend on the corpus, such as a validation split too small for --eval-batches,
+    which validation cannot know."""
+    from mpipar.data.sources import DataError, load_tokens, validation
+    tr = cfg.train
+    try:
+        validation(load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len), tr,
+                   cfg.model.vocab_size)
+    except DataError as exc:
         return str(exc)
     return None
 

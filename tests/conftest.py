@@ -101,6 +101,20 @@ def assert_all_ranks(comm, failures: list[str]) -> None:
     assert not bad, "\n".join(bad[:20])
 
 
+def check_in_groups(world, size: int, check) -> None:
+    """Split ``world`` into groups of ``size`` consecutive ranks, run ``check(comm)`` (the
+    failure messages of this rank) on each, and fail on every rank if any rank failed; an
+    exception on one rank reaches every rank as a failure instead of hanging the others."""
+    comm = world.Split(world.rank // size, world.rank)
+    try:
+        fails = check(comm)
+    except Exception as exc:
+        fails = [f"{type(exc).__name__}: {exc}"]
+    finally:
+        comm.Free()
+    assert_all_ranks(world, fails)
+
+
 @pytest.fixture
 def world():
     from mpi4py import MPI

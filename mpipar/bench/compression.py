@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mpipar.bench.harness import Section, print_header, train_run
+from mpipar.bench.harness import Section, print_header, train_run, variant_names
 
 
 COMPRESSION_VARIANTS = {
@@ -149,13 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     compression's of the same seed and layout."""
     if args.quick:
         args.steps, args.ranks, args.last, args.warmup, args.seeds = 30, 4, 10, 3, "1234"
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in COMPRESSION_VARIANTS]
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from "
-                         f"{', '.join(COMPRESSION_VARIANTS)}")
-    if "none" not in names:
-        names.insert(0, "none")
+    names = variant_names(args.variants, COMPRESSION_VARIANTS, "none")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
     if args.ranks_per_node:               # the older single-layout option

@@ -147,6 +147,16 @@ def run_child(section_argv: list[str], threads: int, launcher: tuple[str, ...] =
             return json.load(fh)
 
 
+def variant_names(text: str, known, first: str) -> list[str]:
+    """The comma list ``text`` of variants, each one of ``known`` (else the section stops naming
+    the unknown ones), with the reference variant ``first`` put first when it is missing."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in known]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(known)}")
+    return names if first in names else [first, *names]
+
+
 def train_run(section: str, ranks: int, flags: list[str], run_dir: str) -> tuple[list[dict], float]:
     """``mpirun -n ranks python -m mpipar.train FLAGS --run-dir RUN_DIR``: every line of its
     metrics.jsonl and the run's wall seconds. A failed run ends the bench ``section`` with its

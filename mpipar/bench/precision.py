@@ -12,7 +12,7 @@ import os
 import statistics
 from typing import Any
 
-from mpipar.bench.harness import Section, print_header, train_run
+from mpipar.bench.harness import Section, print_header, train_run, variant_names
 
 PRECISION_VARIANTS = {
     "float32": ["--dtype", "float32"],
@@ -40,13 +40,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train each variant and compare its final loss with float32's."""
     if args.quick:
         args.steps, args.ranks, args.last, args.tolerance = 30, 2, 10, 0.03
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in PRECISION_VARIANTS]
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from "
-                         f"{', '.join(PRECISION_VARIANTS)}")
-    if "float32" not in names:
-        names.insert(0, "float32")
+    names = variant_names(args.variants, PRECISION_VARIANTS, "float32")
     os.makedirs(args.out, exist_ok=True)
     print(f"precision: the default run on {args.ranks} ranks, {args.steps} steps; final loss = "
           f"mean of the last {args.last} steps, against float32's within "

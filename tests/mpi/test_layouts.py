@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks, factorisations
+from conftest import assert_all_ranks, check_in_groups, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
 from mpipar.parallel.placement import TENSOR_PARALLEL_PLAN
 from mpipar.runtime.topology import GridShape, NodeMap
@@ -158,21 +158,17 @@ def _tied_copies_differ(engine) -> list[str]:
 
 def _check(world, layout: dict, dtype: str, tol: float, extra=lambda engine: []) -> None:
     size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
     layout = dict(layout)
     model = layout.pop("model", "llama")
-    try:
+
+    def check(comm) -> list[str]:
         got = run(small_config(dtype, model, **layout), comm)
         try:
-            fails = compare(got[:3], reference(dtype, model=model), tol) + extra(got[3])
+            return compare(got[:3], reference(dtype, model=model), tol) + extra(got[3])
         finally:
             got[3].close()      # its communicators: the suite builds hundreds of engines
-    except Exception as exc:  # a rank's error must reach every rank, never hang them
-        fails = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+
+    check_in_groups(world, size, check)
 
 
 @pytest.mark.mpi(min_size=8)

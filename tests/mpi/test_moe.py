@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import assert_all_ranks, check_in_groups
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
 
@@ -58,9 +58,8 @@ def _check(world, layout: dict, recompute: str = "none") -> None:
     size = layout_size(layout)
     layout = dict(layout)
     model = layout.pop("model", "moe")
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
+
+    def check(comm) -> list[str]:
         cfg = small_config("float64", model, **layout)
         cfg.train.recompute = recompute
         got, ref = run(cfg, comm), reference(model=model)
@@ -70,11 +69,9 @@ def _check(world, layout: dict, recompute: str = "none") -> None:
                 fails.append(f"moe_aux_loss[{i}] {a!r} vs {b!r}")
         if got[4] != ref[4]:
             fails.append(f"loads {got[4]} vs {ref[4]}")
-    except Exception as exc:  # a rank's error must reach every rank, never hang them
-        fails = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return fails
+
+    check_in_groups(world, size, check)
 
 
 @pytest.mark.mpi(min_size=8)

@@ -138,7 +138,7 @@ def _build(name: str) -> Backend:
             if per_op[op] == "numpy":
                 reasons[op] = "numpy_ref on cupy arrays"
         for op, bf16_op in gpu_bf16.bf16_ops(gpu_bf16.PER_CALL).items():
-            ops[op] = gpu_bf16.by_dtype(ops[op], bf16_op)
+            ops[op] = gpu_bf16.by_dtype(ops[op], bf16_op, *gpu_bf16.ROUTED_BY.get(op, (0, None)))
             if op in reasons:
                 reasons[op] += "; bf16: gpu_bf16's cuBLAS, fused and attention kernels"
     return Backend(name=name, xp=xp, per_op=MappingProxyType(per_op),

@@ -68,6 +68,16 @@ def test_a_call_is_routed_by_the_dtype_of_its_first_array():
     assert op(x=np.zeros(2, ml_dtypes.bfloat16))[0] == "bf16"
 
 
+def test_the_embedding_gradient_is_routed_by_its_bf16_rows_not_its_float32_buffer():
+    position, name = gpu_bf16.ROUTED_BY["embedding_bwd"]
+    op = gpu_bf16.by_dtype(lambda dw, dx, ids, row_start=0: "float",
+                           lambda dw, dx, ids, row_start=0: "bf16", position, name)
+    dw, ids = np.zeros((4, 2), np.float32), np.zeros(3, np.int64)
+    assert op(dw, np.zeros((3, 2), ml_dtypes.bfloat16), ids) == "bf16"
+    assert op(dw, dx=np.zeros((3, 2), ml_dtypes.bfloat16), ids=ids) == "bf16"
+    assert op(dw, np.zeros((3, 2), np.float32), ids) == "float"
+
+
 # ----------------------------------------------------------------- --attention-backend
 def _layout(**train):
     from mpipar.config import Config

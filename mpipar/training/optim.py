@@ -24,7 +24,7 @@ gradients and moments; the reducer refreshes the bf16 compute copies after each 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -91,6 +91,10 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count including this update), got {step}")
     xp = _array_module(p)
+    if xp is not np and p.dtype == g.dtype == m.dtype == v.dtype:
+        _fused_adamw()(g, 1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
+                       math.sqrt(1.0 - beta2 ** step), eps, lr / (1.0 - beta1 ** step), p, m, v)
+        return
     if weight_decay != 0:
         p *= 1.0 - lr * weight_decay
     scratch = xp.empty_like(m)
@@ -107,6 +111,35 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
     xp.divide(m, scratch, out=scratch)
     scratch *= lr / (1.0 - beta1 ** step)
     p -= scratch
+
+
+_FUSED_ADAMW = """
+p = p * decay;
+T s = g * one_b1;  m = m * b1;  m = m + s;
+s = g * g;  s = s * one_b2;  v = v * b2;  v = v + s;
+s = sqrt(v);  s = s / c2;  s = s + eps;  s = m / s;  s = s * step_size;
+p = p - s;
+"""
+"""The CuPy path of :func:`adamw_update`: the same operations in the same order, one pass over
+p, g, m, v instead of fourteen (on a 1.1B model about 30 GB of memory traffic a step instead of
+150). Compiled with ``--fmad=false`` so that no multiply-add is contracted: each operation rounds
+as the unfused sequence's does (CuPy flushes float32 subnormals in both), so the result is the
+same bits (tests/gpu/test_cuda_fused.py). ``p * decay`` with decay = 1 is exact, as skipping it
+is."""
+
+
+def _fused_adamw() -> Any:
+    """The fused AdamW ElementwiseKernel (built once, compiled per dtype on first use)."""
+    global _FUSED_ADAMW_KERNEL
+    if _FUSED_ADAMW_KERNEL is None:
+        import cupy
+        _FUSED_ADAMW_KERNEL = cupy.ElementwiseKernel(
+            "T g, T decay, T b1, T one_b1, T b2, T one_b2, T c2, T eps, T step_size",
+            "T p, T m, T v", _FUSED_ADAMW, "mpipar_adamw", options=("--fmad=false",))
+    return _FUSED_ADAMW_KERNEL
+
+
+_FUSED_ADAMW_KERNEL: Any = None
 
 
 def adamw_catch_up(p: Any, g: Any, m: Any, v: Any, idle: Any, step: int, lr: float,
@@ -298,11 +331,8 @@ class ZeroAdamW:
     def grad_norm_sq(self, counted: Callable[[str], bool]) -> float:
         """Sum of squares of the owned gradient slices ``counted`` accepts, over the shard group
         (one all-reduce)."""
-        total = 0.0
-        for b, name, lo, hi in self.reducer.owned_pieces():
-            if counted(name):
-                g = b.owned_grad[lo:hi].astype(np.float64)
-                total += float(g @ g)
+        total = sum_squares(b.owned_grad[lo:hi] for b, name, lo, hi in
+                            self.reducer.owned_pieces() if counted(name))
         xp = self.reducer.xp
         return float(self.reducer.group.allreduce_(xp.array([total]))[0])
 
@@ -371,16 +401,41 @@ def _check_names(what: str, got: Any, expected: Any) -> None:
 def grad_norm_sq(grads: Mapping[str, Any], include: Callable[[str], bool] | None = None) -> float:
     """Sum of squares of this rank's gradients whose name passes `include` (default all),
     accumulated in float64. The global norm is sqrt of the sum over ranks."""
-    total = 0.0
-    for name in sorted(grads):
-        if include is not None and not include(name):
-            continue
-        g = grads[name]
+    return sum_squares(grads[name] for name in sorted(grads)
+                       if include is None or include(name))
+
+
+def sum_squares(arrays: Iterable[Any]) -> float:
+    """Sum over ``arrays`` of the sum of squares of each, accumulated in float64 (a float32
+    element's square is exact there). NumPy: a dot product per array. CuPy: one reduction
+    kernel per array into a device scalar and one synchronisation at the end (a dot per array
+    cast to float64 cost a full-size copy and a synchronisation each: 32 ms of a 311 ms step of a
+    1.1B model on an H200, now about 2)."""
+    total, on_device = 0.0, None
+    for g in arrays:
         flat = g.reshape(-1)
-        if flat.dtype != np.float64:
-            flat = flat.astype(np.float64)
-        total += float(_array_module(flat).dot(flat, flat))
-    return total
+        if _array_module(flat) is np:
+            if flat.dtype != np.float64:
+                flat = flat.astype(np.float64)
+            total += float(np.dot(flat, flat))
+            continue
+        part = _sum_squares_kernel()(flat)
+        on_device = part if on_device is None else on_device + part
+    return total + (float(on_device) if on_device is not None else 0.0)
+
+
+def _sum_squares_kernel() -> Any:
+    """The CuPy reduction of :func:`sum_squares` (built once)."""
+    global _SUM_SQUARES
+    if _SUM_SQUARES is None:
+        import cupy
+        _SUM_SQUARES = cupy.ReductionKernel(
+            "T x", "float64 y", "static_cast<double>(x) * static_cast<double>(x)", "a + b",
+            "y = a", "0", "mpipar_sum_squares")
+    return _SUM_SQUARES
+
+
+_SUM_SQUARES: Any = None
 
 
 def clip_grads(grads: Mapping[str, Any], max_norm: float, total_norm: float) -> float:

@@ -175,3 +175,22 @@ def test_model_flops_count_the_router_and_k_experts():
     H = MOE.hidden
     extra = 2 * H * 4 + 6 * H * (2 * 8 - 24)     # one sparse block (block 1)
     assert half - dense == pytest.approx(3 * extra * 16)
+
+
+def test_bf16_routes_in_float32_and_rounds_the_output_once():
+    """Under bf16 compute the router's softmax, the top-K weights and the combine's weighted sum
+    are float32 (as Mixtral's router; CuPy cannot sort bf16): the output, rounded to bf16 once,
+    is within a few bf16 units of the float64 layer on the same bf16-rounded inputs, and the
+    routing picks the same experts."""
+    import ml_dtypes
+    bf16 = ml_dtypes.bfloat16
+    k = get_backend("numpy")
+    p64 = {n: a.astype(bf16).astype(np.float64) for n, a in init_params(MOE, 3, np.float64).items()}
+    h64 = np.random.default_rng(1).normal(size=(2, 5, MOE.hidden)).astype(bf16).astype(np.float64)
+    out, saved = moe_forward(k, {n: a.astype(bf16) for n, a in p64.items()}, 1, MOE,
+                             h64.astype(bf16), LocalExperts(MOE.moe_experts))
+    ref, saved64 = moe_forward(k, p64, 1, MOE, h64, LocalExperts(MOE.moe_experts))
+    assert out.dtype == bf16 and saved.probs.dtype == saved.weights.dtype == np.float32
+    assert np.array_equal(saved.experts, saved64.experts)
+    err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert err < 4 * 2.0 ** -8, err

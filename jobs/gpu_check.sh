@@ -136,7 +136,7 @@ fi
 
 if has bench; then
   stage "bench gpu (attention against the GEMM rate; training step against PyTorch eager)"
-  timeout 900 $PY -m mpipar.bench gpu --out "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
+  timeout 900 $PY -m mpipar.bench gpu --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
   rc=$?; tail -30 "$OUT/bench_gpu.log"; record bench $rc
 fi
 

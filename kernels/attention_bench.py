@@ -1,7 +1,8 @@
-"""Attention throughput on a CUDA device: mpipar's bf16 flash attention (`flash_mma`) forward and
-backward in TFLOP/s, beside a cuBLAS bf16 GEMM of equal FLOPs (`cupy.matmul` on 2-D bf16, i.e.
-gemmEx with float32 compute) and, where torch imports with CUDA, torch's
-`scaled_dot_product_attention` on its flash backend, on the same shapes.
+"""Attention throughput on a CUDA device: each bf16 attention backend mpipar has — its own flash
+attention (`flash_mma`) and cuDNN's fused attention (`cudnn_attention`, where its frontend
+imports) — forward and backward in TFLOP/s, beside a cuBLAS bf16 GEMM of equal FLOPs
+(`cupy.matmul` on 2-D bf16, i.e. gemmEx with float32 compute) and, where torch imports with
+CUDA, torch's `scaled_dot_product_attention` on its flash backend, on the same shapes.
 
 FLOPs: forward 4 * B * H * S^2 * D (two GEMMs), halved when causal; backward 2.5 times the
 forward (five GEMMs against two), whatever each implementation actually executes (flash_mma's
@@ -86,6 +87,32 @@ def mpipar_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
     return fwd, bwd
 
 
+def cudnn_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
+             repeats: int) -> tuple[float, float] | None:
+    """(forward, backward) milliseconds of cuDNN's fused attention (`cudnn_attention`: whole
+    calls as the engine makes them) on random bf16 inputs `[B, S, H, D]`, or None where its
+    frontend is missing or refuses the shape."""
+    import cupy
+    import ml_dtypes
+
+    from . import cudnn_attention
+
+    if cudnn_attention.frontend_unavailable() is not None:
+        return None
+    shape = (batch, seq, heads, head_dim)
+    q, k, v, do = (cupy.random.standard_normal(shape, cupy.float32).astype(ml_dtypes.bfloat16)
+                   for _ in range(4))
+    try:
+        fwd = median_ms(lambda: cudnn_attention.attention_fwd(q, k, v, causal=causal),
+                        repeats=repeats)
+        out, lse = cudnn_attention.attention_fwd(q, k, v, causal=causal)
+        bwd = median_ms(lambda: cudnn_attention.attention_bwd(q, k, v, out, lse, do,
+                                                              causal=causal), repeats=repeats)
+    except cudnn_attention.CudnnRefused:
+        return None
+    return fwd, bwd
+
+
 def torch_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
              repeats: int) -> tuple[float, float] | None:
     """(forward, backward) milliseconds of torch SDPA's flash backend on `[B, S, H, D]` inputs
@@ -125,6 +152,10 @@ def _row(seq: int, head_dim: int, tokens: int, causal: bool, repeats: int,
            "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": f_flops / (fwd * 1e9),
            "bwd_tflops": b_flops / (bwd * 1e9), "gemm_tflops": gemm}
     row["fwd_vs_gemm"] = row["fwd_tflops"] / gemm
+    dnn = cudnn_ms(batch, seq, heads, head_dim, causal, repeats)
+    row["cudnn_fwd_tflops"] = f_flops / (dnn[0] * 1e9) if dnn else None
+    row["cudnn_bwd_tflops"] = b_flops / (dnn[1] * 1e9) if dnn else None
+    row["best_fwd_vs_gemm"] = max(row["fwd_tflops"], row["cudnn_fwd_tflops"] or 0.0) / gemm
     theirs = torch_ms(batch, seq, heads, head_dim, causal, repeats) if with_torch else None
     row["torch_fwd_tflops"] = f_flops / (theirs[0] * 1e9) if theirs else None
     row["torch_bwd_tflops"] = b_flops / (theirs[1] * 1e9) if theirs else None
@@ -134,13 +165,16 @@ def _row(seq: int, head_dim: int, tokens: int, causal: bool, repeats: int,
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table (TFLOP/s; '-' where torch was not measured)."""
     head = (f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'fwd ms':>8} {'fwd TF/s':>9} {'bwd ms':>8} "
-            f"{'bwd TF/s':>9} {'GEMM TF/s':>10} {'fwd/GEMM':>9} {'torch fwd':>10} {'torch bwd':>10}")
+            f"{'bwd TF/s':>9} {'GEMM TF/s':>10} {'fwd/GEMM':>9} {'cuDNN fwd':>10} {'cuDNN bwd':>10} "
+            f"{'best/GEMM':>10} {'torch fwd':>10} {'torch bwd':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         tf = (lambda x: f"{x:10.1f}" if x is not None else f"{'-':>10}")
         lines.append(f"{r['head_dim']:>4} {r['seq']:>6} {r['batch']:>3} {r['heads']:>3} "
                      f"{r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} {r['bwd_ms']:8.3f} "
                      f"{r['bwd_tflops']:9.1f} {r['gemm_tflops']:10.1f} {r['fwd_vs_gemm']:9.1%} "
+                     f"{tf(r['cudnn_fwd_tflops'])} {tf(r['cudnn_bwd_tflops'])} "
+                     f"{r['best_fwd_vs_gemm']:10.1%} "
                      f"{tf(r['torch_fwd_tflops'])} {tf(r['torch_bwd_tflops'])}")
     return "\n".join(lines)
 
@@ -150,7 +184,8 @@ def run(seqs: tuple[int, ...] = SEQS, head_dims: tuple[int, ...] = HEAD_DIMS,
         printer: Callable[[str], Any] | None = print) -> list[dict[str, Any]]:
     """Benchmark every (head dim, seq); returns one dict per shape (keys: seq, batch, heads,
     head_dim, causal, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, gemm_tflops, fwd_vs_gemm,
-    torch_fwd_tflops, torch_bwd_tflops) and prints the table through `printer`."""
+    cudnn_fwd_tflops, cudnn_bwd_tflops, best_fwd_vs_gemm, torch_fwd_tflops, torch_bwd_tflops)
+    and prints the table through `printer`."""
     rows = [_row(s, d, tokens, causal, repeats, with_torch) for d in head_dims for s in seqs]
     if printer:
         printer(format_table(rows))

@@ -26,8 +26,9 @@ Sections:
   train        one training step of mpipar against PyTorch eager (transformers Llama, sdpa,
                AdamW) on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo);
                each peer a child process serving steps on request (bench/train_peer.py)
-  gpu          on a CUDA device: attention TFLOP/s against the GEMM of equal FLOPs, end-to-end
-               tokens/s and MFU of a 350M Llama against PyTorch eager; with --static [--arch
+  gpu          on a CUDA device: attention TFLOP/s of each bf16 backend against the GEMM of equal
+               FLOPs; bf16 tokens/s, MFU and memory of 1.1B and 350M Llamas against PyTorch
+               eager (autocast, float32 masters), each peer a child process; with --static [--arch
                sm_80,sm_90] [--json FILE] no benchmark but the NVRTC compile gate
                (mpipar.kernels.cuda_gate), whose exit status the command returns
   compression  convergence of gradient compression: the default model trained under mpirun with

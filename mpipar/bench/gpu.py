@@ -1,14 +1,18 @@
-"""``python -m mpipar.bench gpu``: the GPU engine on one CUDA device.
+"""``python -m mpipar.bench gpu``: the GPU engine on one CUDA device, against PyTorch eager.
 
-- kernels: flash attention forward and backward TFLOP/s (causal, one sequence of ``--seq``
-  tokens, 16 heads of 128) against a cuBLAS GEMM of equal FLOPs, float32;
-- train: tokens/s and MFU of training steps of a Llama of about 350M parameters (hidden 1024,
-  24 layers, vocabulary 32000) at ``--seq`` tokens on this device, and the same model in
-  PyTorch eager (transformers, sdpa, AdamW) side by side when torch with CUDA is importable.
-  float32: ``--dtype bfloat16`` is not built yet (the configuration refuses it).
+- attention: each bf16 attention backend (mpipar's ``flash_mma``, cuDNN's fused attention) forward
+  and backward TFLOP/s, causal, seq 2k-16k at 16k tokens, head dim 64 and 128, against a cuBLAS
+  bf16 GEMM of equal FLOPs and torch's SDPA flash backend (:mod:`mpipar.kernels.attention_bench`);
+- train: tokens/s, MFU (against the bf16 dense peak) and peak device memory of bf16 training
+  steps of a Llama of 1.1B parameters (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 kv
+  heads, FFN 5632, vocabulary 32000) and of 350M, at seq 2048 and 4096 with 16k tokens a step;
+  beside the same model, data and GPU in PyTorch eager (transformers ``LlamaForCausalLM``, sdpa,
+  float32 weights and AdamW under ``torch.autocast(bfloat16)``: the float32-master recipe
+  mpipar's ``--dtype bfloat16`` follows), each in its own process, one after the other.
 
-Without a CUDA device the section prints why and returns ``{"skipped": reason}``. Timings use
-CUDA events after warm-up; the figures are measured here, never assumed.
+Without a CUDA device the section prints why and returns ``{"skipped": reason}``. Timings: CUDA
+events or a device synchronisation around the timed steps, after warm-up; each peer runs in a
+child process so that neither's memory pool or compiled kernels favour the other.
 
 ``python -m mpipar.bench gpu --static [--arch sm_80,sm_90] [--json FILE]`` runs no benchmark
 but the compile gate (:mod:`mpipar.kernels.cuda_gate`: every CUDA source compiled through NVRTC
@@ -17,26 +21,39 @@ for each architecture, no device needed), with the gate's table, JSON and exit s
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 from mpipar.bench.harness import Section
 from mpipar.rules import validate
 
-MODEL_350M = dict(vocab_size=32000, hidden=1024, layers=24, heads=16, kv_heads=16,
-                  ffn_hidden=2816)
+MODELS = {
+    "1.1B": dict(vocab_size=32000, hidden=2048, layers=22, heads=32, kv_heads=4, ffn_hidden=5632),
+    "350M": dict(vocab_size=32000, hidden=1024, layers=24, heads=16, kv_heads=16,
+                 ffn_hidden=2816),
+}
+TOKENS_PER_STEP = 16384
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """The gpu section's options: sequence length and steps; --static and --arch for the gate."""
-    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    """The gpu section's options: models, sequence lengths, steps; --static and --arch for the
+    gate; --peer (internal: one peer's training run in this process)."""
+    parser.add_argument("--models", default="1.1B,350M", help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--seqs", default="2048,4096", help="comma-separated sequence lengths")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps")
+    parser.add_argument("--no-attention", action="store_true", help="skip the attention table")
     parser.add_argument("--static", action="store_true",
                         help="no benchmark: the NVRTC compile gate of every CUDA kernel "
                              "(python -m mpipar.kernels.cuda_gate; --json FILE gets its report)")
     parser.add_argument("--arch", metavar="ARCHS",
                         help="--static: comma-separated architectures (default: the gate's, "
                              "sm_80,sm_90)")
+    parser.add_argument("--peer", help=argparse.SUPPRESS)   # "mpipar|torch:MODEL:SEQ"
 
 
 def compile_gate(args: argparse.Namespace) -> int:
@@ -48,125 +65,156 @@ def compile_gate(args: argparse.Namespace) -> int:
     return cuda_gate.main(argv)
 
 
-def _gpu_seconds(fn: Callable[[], Any], repeats: int = 5) -> float:
-    """Median device seconds of ``fn`` (CUDA events), after two warm-up calls."""
-    import cupy
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def attention_rates(seq: int, heads: int = 16, head_dim: int = 128) -> dict[str, float]:
-    """TFLOP/s of flash attention forward and backward (causal: half the S x S products) and
-    of a square cuBLAS GEMM with the forward's FLOPs."""
-    import cupy
-    from mpipar.kernels import cupy_gpu
-    rng = cupy.random.default_rng(0)
-    q, k, v, dout = (rng.standard_normal((1, seq, heads, head_dim), dtype=cupy.float32)
-                     for _ in range(4))
-    out, lse = cupy_gpu.attention_fwd(q, k, v)
-    fwd_flops = 2 * 2 * heads * seq * seq * head_dim / 2
-    t_fwd = _gpu_seconds(lambda: cupy_gpu.attention_fwd(q, k, v))
-    t_bwd = _gpu_seconds(lambda: cupy_gpu.attention_bwd(q, k, v, out, lse, dout))
-    n = max(64, round((fwd_flops / 2) ** (1 / 3) / 64) * 64)
-    a, b = (rng.standard_normal((n, n), dtype=cupy.float32) for _ in range(2))
-    t_gemm = _gpu_seconds(lambda: a @ b)
-    gemm = 2 * n ** 3 / t_gemm / 1e12
-    return {"seq": seq, "fwd_tflops": fwd_flops / t_fwd / 1e12,
-            "bwd_tflops": 2.5 * fwd_flops / t_bwd / 1e12, "gemm_tflops": gemm, "gemm_n": n}
-
-
-def mpipar_train(seq: int, steps: int) -> dict[str, float]:
-    """Tokens/s and MFU of mpipar's training step of the 350M model on this device."""
-    import cupy
-    from mpipar.runtime.mpi_init import MPI
-    from mpipar.runtime.peak import gpu_peak_flops
+def _config(model: str, seq: int, steps: int, data: str, device: str = "cuda") -> Any:
+    """The resolved bf16 one-process Config of ``model`` at ``seq`` tokens, 16k tokens a step."""
     from mpipar.config import Config, ModelConfig, TrainConfig
+    return validate(Config(ModelConfig(**MODELS[model]), train=TrainConfig(
+        seq_len=seq, global_batch_size=max(1, TOKENS_PER_STEP // seq), device=device,
+        steps=steps, data=data, dtype="bfloat16", log_every=0)), 1)
+
+
+def mpipar_train(model: str, seq: int, steps: int) -> dict[str, Any]:
+    """mpipar's bf16 training steps of ``model`` on this device: seconds a step (two untimed
+    warm-up steps first), tokens/s, and the memory pool's bytes after the steps (what it holds
+    is what the steps needed at their peak: CuPy's pool keeps every block it allocated)."""
+    import cupy
+    import numpy as np
+    from mpipar.runtime.mpi_init import MPI
     from mpipar.data.sources import load_tokens
     from mpipar.training.engine import Engine
-    from mpipar.model.flops import model_flops_per_step
-    import numpy as np, os, tempfile
+
     path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
-    np.save(path, np.random.default_rng(0).integers(0, 32000, (8, seq + 1)))
-    cfg = validate(Config(ModelConfig(**MODEL_350M), train=TrainConfig(
-        seq_len=seq, global_batch_size=1, device="cuda", steps=steps + 1, data=path,
-        dtype="float32")), 1)
+    batch = max(1, TOKENS_PER_STEP // seq)
+    np.save(path, np.random.default_rng(0).integers(0, 32000, ((steps + 2) * batch, seq + 1)))
+    cfg = _config(model, seq, steps + 2, path)
+    t0 = time.perf_counter()
     eng = Engine(cfg, MPI.COMM_SELF, source=load_tokens(path, 32000, seq))
-    eng.train_step(0)
+    build = time.perf_counter() - t0
+    losses = [eng.train_step(0).loss, eng.train_step(1).loss]
     cupy.cuda.Device().synchronize()
     t0 = time.perf_counter()
     for k in range(steps):
-        eng.train_step(k + 1)
+        losses.append(eng.train_step(k + 2).loss)
     cupy.cuda.Device().synchronize()
     step = (time.perf_counter() - t0) / steps
-    return {"tokens_per_s": seq / step, "step_s": step,
-            "mfu": model_flops_per_step(cfg) / step / gpu_peak_flops("float32")}
+    pool = cupy.get_default_memory_pool()
+    return {"step_s": step, "build_s": build, "losses": [float(x) for x in losses],
+            "memory_bytes": int(pool.total_bytes()), "attention": str(eng.attention)}
 
 
-def torch_train(seq: int, steps: int) -> dict[str, float] | str:
-    """Tokens/s of the same model in PyTorch eager (sdpa, AdamW, float32), or why not."""
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:
-        return f"torch/transformers not importable ({exc})"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    m = MODEL_350M
+def torch_train(model: str, seq: int, steps: int) -> dict[str, Any]:
+    """The same model's steps in PyTorch eager: transformers ``LlamaForCausalLM`` (sdpa) with
+    float32 weights, AdamW (PyTorch's default implementation) and ``torch.autocast(bfloat16)``;
+    the same 16k tokens a step; peak memory as ``torch.cuda.max_memory_reserved``."""
+    import torch
+    import transformers
+    m = MODELS[model]
     conf = transformers.LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden"],
                                     num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
                                     num_key_value_heads=m["kv_heads"],
-                                    intermediate_size=m["ffn_hidden"], attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(conf).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, m["vocab_size"], (1, seq + 1), device="cuda")
+                                    intermediate_size=m["ffn_hidden"], attn_implementation="sdpa",
+                                    tie_word_embeddings=False)
+    net = transformers.LlamaForCausalLM(conf).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    batch = max(1, TOKENS_PER_STEP // seq)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, m["vocab_size"], ((steps + 2) * batch, seq + 1), generator=gen).cuda()
+    losses: list[float] = []
 
-    def step() -> None:
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+    def step(k: int) -> None:
+        x = ids[k * batch:(k + 1) * batch]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = net(x[:, :-1], labels=x[:, 1:]).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
 
-    step()
+    step(0), step(1)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
+    for k in range(steps):
+        step(k + 2)
     torch.cuda.synchronize()
-    return {"tokens_per_s": seq * steps / (time.perf_counter() - t0)}
+    return {"step_s": (time.perf_counter() - t0) / steps, "losses": [float(x) for x in losses],
+            "memory_bytes": int(torch.cuda.max_memory_reserved()),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _peer(args: argparse.Namespace) -> dict[str, Any]:
+    """``--peer NAME:MODEL:SEQ``: one peer's run in this process, its figures as one JSON line."""
+    name, model, seq = args.peer.split(":")
+    fn = mpipar_train if name == "mpipar" else torch_train
+    try:
+        out = fn(model, int(seq), args.steps)
+    except Exception as exc:  # the driver reports it beside the other rows
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    print("@peer " + json.dumps(out), flush=True)
+    return out
+
+
+def _run_peer(name: str, model: str, seq: int, steps: int) -> dict[str, Any]:
+    """One peer in a child process (``--peer``); its JSON line, or the error it died with."""
+    cmd = [sys.executable, "-m", "mpipar.bench", "gpu", "--peer", f"{name}:{model}:{seq}",
+           "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("@peer "):
+            return json.loads(line[6:])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def train_rows(models: list[str], seqs: list[int], steps: int) -> list[dict[str, Any]]:
+    """mpipar and PyTorch eager on every (model, seq), printed as they finish."""
+    from mpipar.runtime.peak import gpu_peak_flops
+    from mpipar.model.flops import model_flops_per_step
+    peak = gpu_peak_flops("bfloat16")
+    rows = []
+    for model in models:
+        for seq in seqs:
+            flops = model_flops_per_step(_config(model, seq, steps, "stdlib"))
+            row: dict[str, Any] = {"model": model, "seq": seq, "batch": TOKENS_PER_STEP // seq,
+                                   "flops_per_step": flops, "peak_flops": peak}
+            for name in ("mpipar", "torch"):
+                got = _run_peer(name, model, seq, steps)
+                if "step_s" in got:
+                    got["tokens_per_s"] = TOKENS_PER_STEP / got["step_s"]
+                    got["mfu"] = flops / got["step_s"] / peak
+                row[name] = got
+            ours, theirs = row["mpipar"], row["torch"]
+            text = f"train {model} seq {seq} bf16: "
+            for name, got in (("mpipar", ours), ("PyTorch eager", theirs)):
+                text += (f"{name} {got['tokens_per_s']:,.0f} tokens/s, MFU {got['mfu']:.1%}, "
+                         f"{got['memory_bytes'] / 2**30:.1f} GiB; " if "step_s" in got
+                         else f"{name} failed ({got['error']}); ")
+            if "step_s" in ours and "step_s" in theirs:
+                row["ratio"] = theirs["step_s"] / ours["step_s"]
+                text += f"mpipar {row['ratio']:.2f}x"
+            print(text, flush=True)
+            rows.append(row)
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The section: attention rates, then the two training runs, printed and returned."""
+    """The section: the attention table, then the training rows, printed and returned."""
+    if args.peer:
+        return _peer(args)
     from mpipar.runtime.device import cuda_unavailable
     reason = cuda_unavailable()
     if reason is not None:
         print(f"gpu: skipped: {reason}")
         return {"skipped": reason}
-    att = attention_rates(args.seq)
-    print(f"attention seq {args.seq}: forward {att['fwd_tflops']:.2f} TFLOP/s, backward "
-          f"{att['bwd_tflops']:.2f} TFLOP/s, GEMM of equal FLOPs {att['gemm_tflops']:.2f} TFLOP/s "
-          f"(forward {att['fwd_tflops'] / att['gemm_tflops']:.0%} of it)")
-    ours = mpipar_train(args.seq, args.steps)
-    theirs = torch_train(args.seq, args.steps)
-    line = (f"train 350M seq {args.seq} float32: mpipar {ours['tokens_per_s']:,.0f} tokens/s, "
-            f"MFU {ours['mfu']:.1%}")
-    if isinstance(theirs, dict):
-        line += (f"; PyTorch eager {theirs['tokens_per_s']:,.0f} tokens/s (mpipar "
-                 f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x)")
-    else:
-        line += f"; PyTorch eager: {theirs}"
-    print(line)
-    return {"attention": att, "mpipar": ours, "torch": theirs}
+    out: dict[str, Any] = {}
+    if not args.no_attention:
+        from mpipar.kernels import attention_bench
+        out["attention"] = attention_bench.run()
+    out["train"] = train_rows(args.models.split(","), [int(s) for s in args.seqs.split(",")],
+                              args.steps)
+    return out
 
 
-SECTION = Section("gpu", run, "on a CUDA device: flash attention TFLOP/s against the GEMM of equal "
-                  "FLOPs; tokens/s and MFU of a 350M Llama against PyTorch eager (skipped without "
-                  "one); --static: the NVRTC compile gate", configure)
+SECTION = Section("gpu", run, "on a CUDA device: attention TFLOP/s of each bf16 backend against "
+                  "the GEMM of equal FLOPs; tokens/s, MFU and memory of bf16 training of 1.1B and "
+                  "350M Llamas against PyTorch eager (skipped without one); --static: the NVRTC "
+                  "compile gate", configure)

@@ -1,19 +1,31 @@
-"""The sparse blocks' exchange over the grid (:class:`mpipar.model.moe.ExpertExchange`), and the
-mixture of experts' configuration rules.
+"""The sparse blocks' exchange over the grid (:class:`mpipar.model.moe.ExpertExchange`), the
+experts' weights sharded over ep, and the mixture of experts' configuration rules.
 
 Expert parallelism (``--ep N``): groups of N consecutive ranks of dp x sp split the experts,
 E/N each (:class:`ExpertParallel`); tokens travel to their experts' ranks and back by
-all-to-all(v) over the ``ep`` group. Every rank still holds every expert's weights (the
-placement replicates them over dp x sp): a rank's gradient of the experts it does not compute
-is zero and the dp x sp reduction sums each expert's gradient from the ranks that computed it,
-so the update equals the one-process run; the experts' weights, gradients and optimizer state
-are not yet sharded over ep (memory as ep = 1).
+all-to-all(v) over the ``ep`` group. As Megatron and DeepSpeed do, a rank *holds* only the E/N
+experts it computes (:func:`expert_shards`, :meth:`mpipar.parallel.placement.PlacementTable.holds`):
+their weights, gradients and AdamW moments; the dense weights as without ep. The ranks holding
+the same experts are those at the same position of their ep group, ``dp_sp.rank % N`` equal:
+the ``ep_dp`` group (Megatron's expert data parallel group, dp x sp / N ranks). The experts'
+gradients are reduced over ``ep_dp`` only, by a reducer of their own beside the dense one
+(:class:`ExpertSplitReducer`: flat, uncompressed; ZeRO-1 reduce-scatters them over ``ep_dp``
+and the optimizer keeps ``1/|ep_dp|`` of their moments); the sum over the replicas is the sum
+over every token of the global batch routed to the expert, so the update equals the
+one-process run. The global gradient norm adds the experts' share summed over ep (each expert
+on one ep position). Checkpoints stay global tensors: an expert is reported by the rank 0 of
+its ``ep_dp`` group (ZeRO-1 mixed: the owners of its slices), and every rank reads only its
+own experts, whatever ep wrote them.
+
+Not sharded (every rank holds every expert, its gradient of the experts it does not compute
+zero and the dp x sp reduction summing the rest; memory as ep = 1): ZeRO-2/3, whose units keep
+every expert, and ``--grad-compression``, whose residual slots span dp x sp.
 
 A sequence split over sp has its balance-loss statistics summed over the sp group (the ranks
 holding the other tokens of the same rows), so the loss and its gradient do not depend on the
-split. Experts are unsplit by tp: each tp rank holds every expert (role ``replicated`` in the
-placement table) and computes the sparse FFN on the whole stream it holds, as the tp ranks do
-for the norms; its gradients are the same on every tp rank and counted once (tp rank 0).
+split. Experts are unsplit by tp: each tp rank holds its experts whole (role ``replicated`` in
+the placement table) and computes the sparse FFN on the whole stream it holds, as the tp ranks
+do for the norms; its gradients are the same on every tp rank and counted once (tp rank 0).
 """
 from __future__ import annotations
 
@@ -24,6 +36,7 @@ import numpy as np
 from mpipar.config import ConfigError
 from mpipar.kernels import moe as K_moe
 from mpipar.layout import Layout
+from mpipar.parallel.data_parallel import GradReducer, padded_size, plan_buckets
 from mpipar.parallel.traffic import Call, element_bytes
 from mpipar.runtime.comm import Group
 from mpipar.runtime.precision import Precision
@@ -97,7 +110,8 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     and forward, the counts' sum over sp (all-reduce), and under ep the counts (all-to-all) and
     the rows there and back (two all-to-all-v, each the ``A (ep-1)/ep`` rows to other ranks);
     backward sends the gradients' rows there and back again, and ``--recompute full`` repeats
-    the forward's calls."""
+    the forward's calls. A training step with the experts sharded over ep adds their gradient
+    reduction over ``ep_dp`` (:func:`expert_reduction_calls`)."""
     m, p, t = layout.config.model, layout.config.parallel, layout.config.train
     sparse = sum(1 for i in layers if m.is_sparse(i))
     forwards = passes * (1 + (train and t.recompute == "full"))
@@ -110,7 +124,123 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
         calls += [Call("ep", "alltoall", m.moe_experts * 8, sparse * forwards),
                   Call("ep", "alltoallv", rows * m.hidden * dt,
                        sparse * (2 * forwards + 2 * passes * train))]
+    if train:
+        calls += expert_reduction_calls(layout, layers)
     return calls
+
+
+def expert_shards(layout: Layout) -> int:
+    """The ep positions the experts' weights, gradients and moments are sharded over: ``ep``,
+    except under ZeRO-2/3 (units keep every expert) and gradient compression (residual slots
+    span dp x sp), where every rank holds every expert (1). The one home of this rule."""
+    p = layout.config.parallel
+    if p.ep > 1 and p.zero <= 1 and p.grad_compression == "none":
+        return p.ep
+    return 1
+
+
+def expert_bucket_lengths(layout: Layout, layers: list[int]) -> list[int]:
+    """Elements of each flat bucket of expert gradients a rank holding blocks ``layers`` lays
+    out (:class:`ExpertSplitReducer`'s expert reducer: E/ep experts of each sparse block, three
+    ``F x H`` tensors each, in ``bucket_mb`` buckets padded to a multiple of ``ep_dp``); none
+    when the experts are not sharded."""
+    m, p = layout.config.model, layout.config.parallel
+    shards = expert_shards(layout)
+    if shards == 1:
+        return []
+    n = 3 * (m.moe_experts // shards) * sum(1 for i in layers if m.is_sparse(i))
+    size, e = m.moe_ffn_hidden * m.hidden, Precision.of(layout.config.train, p).master_bytes
+    limit = max(1, int(p.bucket_mb * 2**20))
+    return [padded_size(size * len(idx), layout.dp * layout.sp // shards)
+            for idx in plan_buckets([size * e] * n, limit)] if n else []
+
+
+def expert_reduction_calls(layout: Layout, layers: list[int]) -> list[Call]:
+    """A training step's calls for the experts' gradients of a rank holding blocks ``layers``
+    when they are sharded over ep: per bucket an all-reduce over ``ep_dp`` (ZeRO-1: a
+    reduce-scatter, then the parameters' all-gather in the compute dtype), in the reduce dtype;
+    and the experts' share of the squared gradient norm summed over ``ep_dp`` (ZeRO-1) and
+    over ``ep``."""
+    lengths = expert_bucket_lengths(layout, layers)
+    if not lengths:
+        return []
+    p, prec = layout.config.parallel, Precision.of(layout.config.train, layout.config.parallel)
+    r = layout.dp * layout.sp // expert_shards(layout)
+    calls = [Call("ep", "allreduce", 8)]
+    if r == 1:
+        return calls
+    for length in lengths:
+        calls.append(Call("ep_dp", "ireduce_scatter" if p.zero else "iallreduce",
+                          length * prec.reduce_bytes))
+        if p.zero:
+            calls.append(Call("ep_dp", "allgather", length // r * prec.compute_bytes))
+    return calls + ([Call("ep_dp", "allreduce", 8)] if p.zero else [])
+
+
+class ExpertSplitReducer:
+    """ZeRO-0/1 with the experts sharded over ep: the ``dense`` reducer over dp x sp (every
+    dense weight, as without ep) beside the ``experts`` reducer over ``ep_dp`` (this rank's
+    experts; ``ep``: the group the experts are split over), seen as one store (what the engine, the optimizer's publish and
+    :class:`mpipar.training.state.TrainState` ask of a :class:`GradReducer`). Residuals
+    (compression) are the dense reducer's only: compression keeps the experts unsharded."""
+
+    def __init__(self, *, dense: GradReducer, experts: GradReducer, ep: Group) -> None:
+        self.dense, self.experts, self.ep = dense, experts, ep
+        self.xp, self.group = dense.xp, dense.group
+        self.params = {**dense.params, **experts.params}
+        self.grads = {**dense.grads, **experts.grads}
+        self._of = {n: experts for n in experts.local_shapes()}
+
+    @property
+    def sends_sparse(self) -> bool:
+        return self.dense.sends_sparse
+
+    @property
+    def sparse_sums(self) -> bool:
+        return self.dense.sparse_sums
+
+    def start_step(self, step: int = 0) -> None:
+        self.dense.start_step(step)
+        self.experts.start_step(step)
+
+    def ready(self, names: list[str]) -> None:
+        self.dense.ready([n for n in names if n not in self._of])
+        self.experts.ready([n for n in names if n in self._of])
+
+    def finish(self) -> None:
+        self.dense.finish()
+        self.experts.finish()
+
+    def gather_params(self) -> None:
+        self.dense.gather_params()
+        self.experts.gather_params()
+
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {**self.dense.local_shapes(), **self.experts.local_shapes()}
+
+    def master_tensors(self) -> dict[str, Any]:
+        return {**self.dense.master_tensors(), **self.experts.master_tensors()}
+
+    def param_pieces(self):
+        yield from self.dense.param_pieces()
+        yield from self.experts.param_pieces()
+
+    def load_local(self, name: str, value: Any) -> None:
+        self._of.get(name, self.dense).load_local(name, value)
+
+    def residual_pieces(self):
+        return self.dense.residual_pieces()
+
+    def load_residuals(self, local, kinds: set[str]) -> None:
+        self.dense.load_residuals(local, kinds)
+
+    def close(self) -> None:
+        self.dense.close()
+        self.experts.close()
+
+    def describe(self) -> str:
+        return (f"{self.dense.describe()}; experts sharded over ep, reduced over ep_dp "
+                f"({self.experts.group.size} ranks)")
 
 
 def check_config(layout: Layout) -> None:

@@ -37,6 +37,14 @@ the optimizer's and the reducer's business (:mod:`mpipar.training.optim`, :mod:`
 but each tp rank sees only its token shard, so their gradients are partial sums over tp
 (:attr:`Placement.grad_partial_over_tp`).
 
+Experts under ``--ep N`` (:func:`mpipar.parallel.experts.expert_shards`): a sparse block's E
+experts are *sharded over the ep group* (``PlacementTable(ep=N)``): the rank at position ``r``
+of its ep group (``dp_sp.rank % N``) holds experts ``[r E/N, (r+1) E/N)`` only, their weights,
+gradients and optimizer moments (:meth:`PlacementTable.holds`, :func:`expert_of`), replicated
+over the ``ep_dp`` group (the ranks of dp x sp at the same ep position) and reduced there. The
+router and every dense weight keep the dp x sp column above. ``ep=1`` (no ep, or ZeRO-2/3,
+whose units keep every expert): every rank holds every expert.
+
 Tied embeddings (``tie_embeddings``) are one parameter used by the first stage (embedding) and
 the last (LM head). With pp > 1 both pipeline ranks hold a copy (Megatron's embedding group):
 each accumulates its own gradient, the two are summed over the ``pp_ends`` group
@@ -106,6 +114,15 @@ def plan_key(name: str) -> str:
     if len(parts) > 2 and parts[1] == "experts":
         parts[2] = "*"
     return ".".join(parts)
+
+
+def expert_of(name: str) -> int | None:
+    """The expert index of an expert weight ``layers.{i}.block_sparse_moe.experts.{e}.*``,
+    else None (dense weights, the router)."""
+    parts = name.split(".")
+    if len(parts) > 4 and parts[3] == "experts":
+        return int(parts[4])
+    return None
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -213,11 +230,14 @@ class PlacementTable:
     """The placement of every parameter of ``model`` on a grid with ``pp`` pipeline ranks of
     ``virtual_stages`` chunks each, in forward order; ``tp_sequence_parallel``: the stream
     between tp regions holds token shards (:mod:`mpipar.parallel.tensor`); ``zero``: the
-    ZeRO stage (3 shards the parameters over dp x sp)."""
+    ZeRO stage (3 shards the parameters over dp x sp); ``ep``: the ep positions the experts
+    are sharded over (1: every rank holds every expert; the module docstring)."""
 
     def __init__(self, *, model: ModelConfig, pp: int = 1, virtual_stages: int = 1,
-                 tp_sequence_parallel: bool = False, zero: int = 0) -> None:
+                 tp_sequence_parallel: bool = False, zero: int = 0, ep: int = 1) -> None:
         self.model = require_resolved(model)
+        self.ep = ep
+        self.experts_per_rank = (self.model.moe_experts or 1) // ep
         self.pp, self.virtual_stages = pp, virtual_stages
         self.stages = pp * virtual_stages
         self.layers_per_stage = self.model.layers // self.stages
@@ -262,13 +282,26 @@ class PlacementTable:
         ones (the stage of block ``i`` is ``i // layers_per_stage``)."""
         return range(stage * self.layers_per_stage, (stage + 1) * self.layers_per_stage)
 
-    def local_shapes(self, pp_rank: int, tp_size: int) -> dict[str, tuple[int, ...]]:
-        """Shapes of the shards held by pipeline rank ``pp_rank`` (any tp rank), chunk by chunk
-        in forward order (the order the engine lays out its flat buffers)."""
+    def holds(self, name: str, ep_rank: int = 0) -> bool:
+        """Whether a rank at position ``ep_rank`` of its ep group holds ``name`` (of the
+        parameters its pipeline rank holds): every dense weight; an expert of its ep share."""
+        e = expert_of(name)
+        return e is None or e // self.experts_per_rank == ep_rank
+
+    def expert_owner(self, name: str) -> int:
+        """The ep position holding expert weight ``name``."""
+        return expert_of(name) // self.experts_per_rank
+
+    def local_shapes(self, pp_rank: int, tp_size: int, ep_rank: int = 0
+                     ) -> dict[str, tuple[int, ...]]:
+        """Shapes of the shards held by pipeline rank ``pp_rank`` (any tp rank) at position
+        ``ep_rank`` of its ep group, chunk by chunk in forward order (the order the engine
+        lays out its flat buffers)."""
         out = {}  # a tied parameter used by two chunks of this rank is held once
         for chunk in range(self.virtual_stages):
             for name in self.stage_names(chunk * self.pp + pp_rank):
-                out.setdefault(name, self.rows[name].local_shape(tp_size))
+                if self.holds(name, ep_rank):
+                    out.setdefault(name, self.rows[name].local_shape(tp_size))
         return out
 
     def units(self, pp_rank: int) -> list[list[tuple[str, list[str]]]]:
@@ -277,5 +310,5 @@ class PlacementTable:
         return [stage_units(self.stage_names(chunk * self.pp + pp_rank))
                 for chunk in range(self.virtual_stages)]
 
-    def local_elements(self, pp_rank: int, tp_size: int) -> int:
-        return sum(math.prod(s) for s in self.local_shapes(pp_rank, tp_size).values())
+    def local_elements(self, pp_rank: int, tp_size: int, ep_rank: int = 0) -> int:
+        return sum(math.prod(s) for s in self.local_shapes(pp_rank, tp_size, ep_rank).values())

@@ -18,7 +18,8 @@ from mpipar.layout import Layout, resolve_model
 from mpipar.parallel.context import SeqLayout, halo_plan
 from mpipar.parallel.fsdp import MAX_IN_FLIGHT
 from mpipar.parallel.placement import padded_vocab
-from mpipar.plan.rank import (bucket_lengths, compressed_size, group_sizes, kept_units,
+from mpipar.plan.rank import (bucket_lengths, compressed_size, expert_buckets, group_sizes,
+                              kept_units,
                               local_param_shapes, node_copy, placement_table, rank_ops,
                               unit_lengths)
 from mpipar.runtime.precision import Precision
@@ -149,8 +150,10 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     e, g = prec.compute_bytes, prec.master_bytes
     lengths = list(unit_lengths(layout, coord).values()) if par.zero >= 2 else \
         bucket_lengths(layout, coord)
-    flat = sum(lengths)
-    owned = sum(L // (layout.dp * par.sp) for L in lengths)
+    experts = [] if par.zero >= 2 else expert_buckets(layout, coord)   # sharded over ep
+    flat = sum(lengths) + sum(experts)
+    owned = sum(L // (layout.dp * par.sp) for L in lengths) + \
+        sum(L * par.ep // (layout.dp * par.sp) for L in experts)
     if par.zero:
         optimizer = 2 * owned * g
     else:

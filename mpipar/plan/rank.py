@@ -19,21 +19,25 @@ from mpipar.config import ModelConfig
 from mpipar.layout import Layout
 from mpipar.parallel.compression import alignment
 from mpipar.parallel.data_parallel import reduction_buckets
+from mpipar.parallel.experts import expert_bucket_lengths, expert_shards
 from mpipar.parallel import fsdp
 from mpipar.parallel.pipeline.schedule import Op, build_schedule
-from mpipar.parallel.placement import PlacementTable
+from mpipar.parallel.placement import PlacementTable, expert_of
 from mpipar.runtime.topology import Coord, GridShape, NodeMap
 
 
 @functools.lru_cache(maxsize=64)
-def _table(model: tuple, pp: int, v: int) -> PlacementTable:
+def _table(model: tuple, pp: int, v: int, ep: int) -> PlacementTable:
     """The placement table of the resolved model whose field values are ``model`` (cached)."""
-    return PlacementTable(model=ModelConfig(*model), pp=pp, virtual_stages=v)
+    return PlacementTable(model=ModelConfig(*model), pp=pp, virtual_stages=v, ep=ep)
 
 
 def placement_table(layout: Layout) -> PlacementTable:
-    """The placement of every parameter of ``layout``'s model on its pipeline (cached)."""
-    return _table(dataclasses.astuple(layout.model), layout.pp, layout.virtual_stages)
+    """The placement of every parameter of ``layout``'s model on its pipeline, the experts
+    sharded over ep where they are (:func:`mpipar.parallel.experts.expert_shards`; a rank
+    holds as many as ep position 0's) (cached)."""
+    return _table(dataclasses.astuple(layout.model), layout.pp, layout.virtual_stages,
+                  expert_shards(layout))
 
 
 @functools.lru_cache(maxsize=256)
@@ -99,10 +103,20 @@ def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
     """(elements, whether it holds a tied embedding summed over pp_ends) of each flat gradient
     bucket of the rank at ``coord`` (:func:`mpipar.parallel.data_parallel.reduction_buckets`)."""
     table = placement_table(layout)
-    order = list(reversed(list(local_param_shapes(layout, coord).items())))
+    order = [(n, s) for n, s in reversed(list(local_param_shapes(layout, coord).items()))
+             if table.ep == 1 or expert_of(n) is None]      # sharded experts: their own buckets
     tied = {i for i, (n, _) in enumerate(order) if table[n].tied_across_pipeline}
     align = alignment(layout.parallel.grad_compression) if compressed_size(layout) > 1 else 1
     return reduction_buckets(layout, [math.prod(s) for _, s in order], tied, align)
+
+
+def expert_buckets(layout: Layout, coord: Coord) -> list[int]:
+    """Elements of each flat bucket of the experts' gradients of the rank at ``coord``, where
+    they are sharded over ep (reduced over ``ep_dp``:
+    :func:`mpipar.parallel.experts.expert_bucket_lengths`); else none."""
+    table = placement_table(layout)
+    layers = [i for s in rank_stages(layout, coord) for i in table.stage_layers(s)]
+    return expert_bucket_lengths(layout, layers)
 
 
 def bucket_lengths(layout: Layout, coord: Coord) -> list[int]:

@@ -56,12 +56,13 @@ from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttenti
                                      balanced_layout, rank_work,
                                      UlyssesAttention)
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
-from mpipar.parallel.experts import ExpertParallel, SequenceExperts
+from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, SequenceExperts,
+                                     expert_shards)
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
-from mpipar.parallel.placement import PlacementTable
+from mpipar.parallel.placement import PlacementTable, expert_of
 from mpipar.runtime.precision import Precision, numpy_dtype
 from mpipar.runtime.staging import choose_path
 from mpipar.training.state import TrainState
@@ -113,8 +114,9 @@ class Engine:
         self.precision = Precision.of(tr, par)
         self.dtype = numpy_dtype(self.precision.compute)
         self.master_dtype = numpy_dtype(self.precision.master)
-        self.table = PlacementTable(model=cfg.model, pp=par.pp, virtual_stages=par.virtual_stages,
-                                    tp_sequence_parallel=par.tp_sequence_parallel, zero=par.zero)
+        self.table = PlacementTable(
+            model=cfg.model, pp=par.pp, virtual_stages=par.virtual_stages, zero=par.zero,
+            tp_sequence_parallel=par.tp_sequence_parallel, ep=expert_shards(layout))
         self.tensor = TensorParallel(kernels=self.kernels, table=self.table,
                                      group=self.groups["tp"])
         self.seq_layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
@@ -124,8 +126,7 @@ class Engine:
                         if tr.recompute == "offload" else None)
         self.chunks = [self._chunk(virtual_stage(self.grid.coord.pp, c, par.pp))
                        for c in range(par.virtual_stages)]
-        # A parameter two chunks of this rank use (the tied embedding with pp = 1) is held once.
-        self.holders = Counter(n for ch in self.chunks for n in ch.param_names())
+        self.holders = self._holders()
         names = list(self.holders)
         self._unfinished: Counter[str] = Counter()  # chunks yet to finish each gradient (a step)
         tied = [n for n in names if self.table[n].tied_across_pipeline]
@@ -166,14 +167,28 @@ class Engine:
         chunk.moe_aux_weight = m.moe_aux_loss_coef / self.cfg.train.global_batch_size
         return chunk
 
+    def _holders(self) -> Counter[str]:
+        """The parameters this rank holds, each with the number of its chunks that use it (a
+        parameter two chunks use, the tied embedding with pp = 1, is held once); under --ep
+        only its ep position's experts (mpipar.parallel.experts)."""
+        self.ep_rank = self.groups["ep"].rank if "ep_dp" in self.groups else 0
+        return Counter(n for ch in self.chunks for n in ch.param_names()
+                       if self.table.holds(n, self.ep_rank))
+
     def _add_ep_group(self) -> None:
-        """--ep N: the ``ep`` group, N consecutive ranks of dp x sp (mpipar.parallel.experts)."""
+        """--ep N: the ``ep`` group, N consecutive ranks of dp x sp, and where the experts are
+        sharded over it the ``ep_dp`` group, the ranks of dp x sp at the same position of
+        their ep group, which hold the same experts (mpipar.parallel.experts)."""
         ep, dp_sp = self.cfg.parallel.ep, self.groups["dp_sp"]
         if self.cfg.model.moe_experts:
             comm = dp_sp.comm.Split(dp_sp.rank // ep, dp_sp.rank)
             first = dp_sp.rank // ep * ep
             self.groups["ep"] = Group(comm, "ep", self.ledger, dp_sp.nodes[first:first + ep],
                                       self.mpi_path)
+        if expert_shards(self.layout) > 1:
+            comm = dp_sp.comm.Split(dp_sp.rank % ep, dp_sp.rank)
+            self.groups["ep_dp"] = Group(comm, "ep_dp", self.ledger,
+                                         dp_sp.nodes[dp_sp.rank % ep::ep], self.mpi_path)
 
     def _experts(self):
         """The sparse blocks' exchange: sequences over sp, experts over ep."""
@@ -220,10 +235,20 @@ class Engine:
                              compute_dtype=self.dtype,
                              reduce_dtype=numpy_dtype(self.precision.reduce))
 
-    def _reducer(self, names: list[str], tied: list[str]) -> GradReducer:
+    def _reducer(self, names: list[str], tied: list[str]) -> GradReducer | ExpertSplitReducer:
         """ZeRO-0/1: the gradient reducer over dp x sp: flat or hierarchical, dense or
-        compressed; the ``tied`` embedding's copies then summed over ``pp_ends``."""
+        compressed; the ``tied`` embedding's copies then summed over ``pp_ends``. With the
+        experts sharded over ep, this rank's experts have a flat reducer of their own over
+        ``ep_dp`` beside it (:class:`ExpertSplitReducer`)."""
         par, g = self.cfg.parallel, self.groups
+        experts = [n for n in names if expert_of(n) is not None]
+        if "ep_dp" in g and experts:
+            dense = self._reducer([n for n in names if expert_of(n) is None], tied)
+            return ExpertSplitReducer(dense=dense, experts=GradReducer(
+                self._initial_shards(experts), list(reversed(experts)),
+                ReduceGroups(g["ep_dp"], g["ep_dp"]), bucket_mb=par.bucket_mb,
+                sharded=par.zero == 1, xp=self.xp, compute_dtype=self.dtype,
+                reduce_dtype=numpy_dtype(self.precision.reduce)), ep=g["ep"])
         groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
                   if par.dp_reduce == "hierarchical" else ReduceGroups(g["dp_sp"], g["dp_sp"]))
         return GradReducer(self._initial_shards(names), list(reversed(names)), groups,
@@ -491,8 +516,9 @@ class Engine:
         if self.offload is not None:
             self.offload.close()
         self.reducer.close()
-        if "ep" in self.groups:
-            self.groups["ep"].comm.Free()
+        for name in ("ep", "ep_dp"):
+            if name in self.groups:
+                self.groups[name].comm.Free()
         self.grid.free()
 
     # ---------------------------------------------------------------- global tensors
@@ -504,14 +530,20 @@ class Engine:
         out = {}
         for placement in self.table:
             owner = self.table.pipeline_rank(placement.name)
-            if pp.rank == owner:
+            held = self.table.holds(placement.name, self.ep_rank)
+            if held and pp.rank == owner:
                 local = self.xp.ascontiguousarray(params[placement.name])
                 pieces = self.xp.empty((tp.size,) + local.shape, local.dtype)
                 tp.allgather(local, pieces)
                 full = np.ascontiguousarray(placement.unshard(list(to_host(pieces))))
             else:
                 full = np.empty(placement.spec.shape, self.master_dtype)
-            out[placement.name] = pp.bcast_(full, root=owner)
+            if held:
+                full = pp.bcast_(full, root=owner)
+            if self.table.ep > 1 and expert_of(placement.name) is not None:
+                # an expert held at one ep position (tp and pp ranks alike hold it or not)
+                full = self.groups["ep"].bcast_(full, root=self.table.expert_owner(placement.name))
+            out[placement.name] = full
         return out
 
     def load_params(self, values: dict[str, np.ndarray], source: str = "load_params") -> None:

@@ -377,6 +377,41 @@ class ZeroAdamW:
         self.step_count = int(step)
 
 
+class ExpertSplitOptimizer:
+    """The optimizers of the dense weights and of this rank's experts (sharded over ep:
+    :class:`mpipar.parallel.experts.ExpertSplitReducer`), as one: the experts' share of the
+    squared gradient norm is summed over ``ep`` (each expert held at one ep position) and added
+    to the dense share; clipping, updates and state are each one's."""
+
+    def __init__(self, dense: Optimizer, experts: Optimizer, ep: Group, xp: Any) -> None:
+        self.dense, self.experts, self.ep, self.xp = dense, experts, ep, xp
+
+    @property
+    def step_count(self) -> int:
+        return self.dense.step_count
+
+    def grad_norm_sq(self, counted: Callable[[str], bool]) -> float:
+        mine = self.experts.grad_norm_sq(counted)
+        return self.dense.grad_norm_sq(counted) + float(self.ep.allreduce_(self.xp.array([mine]))[0])
+
+    def clip(self, max_norm: float, total_norm: float) -> float:
+        self.experts.clip(max_norm, total_norm)
+        return self.dense.clip(max_norm, total_norm)
+
+    def step(self, lr: float) -> None:
+        self.dense.step(lr)
+        self.experts.step(lr)
+
+    def state(self) -> Iterator[StatePiece]:
+        yield from self.dense.state()
+        yield from self.experts.state()
+
+    def load_state(self, local: Callable[[str, str], Any], step: int,
+                   kinds: Collection[str] = ()) -> None:
+        self.dense.load_state(local, step, kinds)
+        self.experts.load_state(local, step, kinds)
+
+
 def build_optimizer(zero: int, reducer, cfg: AdamWConfig, decay: Mapping[str, bool],
                     catch_up: bool = False) -> Optimizer:
     """The optimizer of ZeRO stage ``zero`` (0: :class:`AdamW`, 1-3: :class:`ZeroAdamW`) over
@@ -385,6 +420,12 @@ def build_optimizer(zero: int, reducer, cfg: AdamWConfig, decay: Mapping[str, bo
     (``reducer.sparse_sums``: top-k with error feedback, past the warm-up) use
     :func:`adamw_catch_up`."""
     sparse = (lambda: reducer.sparse_sums) if catch_up else None
+    if hasattr(reducer, "experts"):      # the experts sharded over ep: an optimizer each
+        parts = [{n: decay[n] for n in part.local_shapes()}
+                 for part in (reducer.dense, reducer.experts)]
+        return ExpertSplitOptimizer(build_optimizer(zero, reducer.dense, cfg, parts[0], catch_up),
+                                    build_optimizer(zero, reducer.experts, cfg, parts[1]),
+                                    reducer.ep, reducer.xp)
     if zero:
         return ZeroAdamW(reducer, cfg, decay, sparse)
     return AdamW(reducer.masters, reducer.grads, cfg, decay, reducer.group, sparse,

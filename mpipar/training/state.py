@@ -31,6 +31,7 @@ import numpy as np
 
 from mpipar.checkpoint.shards import Piece, Reader, Slices, read_shard, require_finite
 from mpipar.parallel.data_parallel import GradReducer
+from mpipar.parallel.experts import ExpertSplitReducer
 from mpipar.parallel.fsdp import ShardedParams
 from mpipar.parallel.placement import PlacementTable
 from mpipar.runtime.device import to_host
@@ -41,16 +42,18 @@ class TrainState:
     """This rank's parameters and optimizer state as pieces of global tensors (a
     :class:`~mpipar.checkpoint.shards.RankState`: what checkpoints save and load)."""
 
-    def __init__(self, store: GradReducer | ShardedParams, optimizer: Optimizer,
+    def __init__(self, store: GradReducer | ExpertSplitReducer | ShardedParams, optimizer: Optimizer,
                  table: PlacementTable, *, tp_rank: int, tp_size: int, pp_rank: int,
                  dtype: np.dtype) -> None:
         """``store``: what holds this rank's parameters, the gradient reducer (ZeRO-0/1, whose
         error-feedback residuals are state too) or ZeRO-2/3's units; it says which master
         pieces this rank reports (``param_pieces``) and sets them (``load_local``).
-        ``pp_rank``: its pipeline rank (a tied embedding is reported by its first pipeline rank
+        With the experts sharded over ep the store is the dense and the experts' reducers
+        (:class:`~mpipar.parallel.experts.ExpertSplitReducer`): each expert is reported by
+        the ranks of its ``ep_dp`` group alone. ``pp_rank``: its pipeline rank (a tied embedding is reported by its first pipeline rank
         only); ``dtype``: the masters' (what is saved)."""
         self.store, self.optimizer, self.table = store, optimizer, table
-        self.reducer = store if isinstance(store, GradReducer) else None
+        self.reducer = None if isinstance(store, ShardedParams) else store
         self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
         self.dtype = np.dtype(dtype)
 

@@ -118,7 +118,8 @@ def uniform_route(probs, k, xp):
 
 
 LEDGER = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=4, recompute="full"),
-          dict(dp=2, sp=2, tp=2, pp=1, ep=2), dict(dp=4, pp=2, ep=4, sp_mode="ring")]
+          dict(dp=2, sp=2, tp=2, pp=1, ep=2), dict(dp=4, pp=2, ep=4, sp_mode="ring"),
+          dict(dp=4, sp=2, ep=2, zero=1, bucket_mb=0.002)]   # experts' ZeRO-1 over ep_dp
 
 
 @pytest.mark.mpi(min_size=8)
@@ -157,14 +158,17 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
 
 
 RESHARD = [(dict(model="moe8", dp=8, ep=8, zero=1), dict(model="moe8", dp=2, tp=2, pp=2)),
-           (dict(dp=4, sp=2, ep=4, zero=3), dict(dp=8, ep=2, zero=2))]
+           (dict(dp=4, sp=2, ep=4, zero=3), dict(dp=8, ep=2, zero=2)),
+           (dict(dp=4, sp=2, ep=4), dict(dp=2, sp=2, pp=2, ep=2, zero=1))]
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("before,after", RESHARD, ids=["ep8-to-ep1", "ep4-zero3-to-ep2-zero2"])
+@pytest.mark.parametrize("before,after", RESHARD, ids=["ep8-to-ep1", "ep4-zero3-to-ep2-zero2",
+                                                       "ep4-sharded-to-ep2-zero1-pp2"])
 def test_checkpoint_moves_across_ep_sizes(world, before, after):
     """A step trained and saved under one ep (and ZeRO stage) loads under another and the next
-    step equals the one-process run's second step."""
+    step equals the one-process run's second step; the checkpoint of a run whose experts are
+    sharded over ep exports to Mixtral's files with every expert (equal to ``gather_params``)."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -182,7 +186,10 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
                    source=token_source())
         a.train_step(0)
         path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        trained = a.gather_params()
         a.close()
+        if world.rank == 0 and before.get("ep", 1) > 1:
+            fails += _exported_differs(path, root / "hf", trained)
         b = Engine(validate(small_config("float64", model, **after), 8), world,
                    source=token_source())
         if reader.load(b.state, path) != 1:
@@ -200,3 +207,80 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
     if world.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     assert_all_ranks(world, fails)
+
+
+HOLDS = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
+         dict(dp=4, sp=2, ep=4, zero=2)]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", HOLDS, ids=[layout_name(v) for v in HOLDS])
+def test_a_rank_holds_its_experts_only(world, case):
+    """Under --ep N (ZeRO-0/1) a rank holds exactly the E/N experts of its ep position
+    (``dp_sp.rank % N``), of its pipeline stage's sparse blocks: their weights and gradients
+    ``3 F H`` elements an expert a block, float64, and AdamW's two moments of them (ZeRO-1:
+    1/|ep_dp| of them); the dense weights as without ep; the planner's state bytes equal the
+    engine's. Under ZeRO-2/3 the experts stay unsharded (each rank's units hold all E)."""
+    from mpipar.parallel.placement import expert_of
+    from mpipar.plan.memory import predict_memory
+    from mpipar.training.engine import Engine
+    case = dict(case)
+    model = case.pop("model", "moe")
+    layout = validate(small_config("float64", model, **case), 8)
+    m, p = layout.config.model, layout.config.parallel
+    fails = []
+    try:
+        eng = Engine(layout, world, source=token_source())
+        stage_layers = [i for ch in eng.chunks for i in ch.layers if m.is_sparse(i)]
+        shards = 1 if p.zero >= 2 else p.ep
+        position = eng.groups["dp_sp"].rank % p.ep
+        per = m.moe_experts // shards
+        want = {(i, e) for i in stage_layers for e in range(per * position * (shards > 1),
+                                                               per * (position * (shards > 1) + 1))}
+        held = {(int(n.split(".")[1]), expert_of(n)) for n in eng.reducer.local_shapes()
+                if expert_of(n) is not None}
+        if held != want:
+            fails.append(f"experts held {sorted(held)} != {sorted(want)}")
+        if shards > 1:
+            elements = 3 * m.moe_ffn_hidden * m.hidden * len(want)
+            red, opt = eng.reducer.experts, eng.optimizer.experts
+            weights = sum(b.params.nbytes for b in red.buckets)
+            grads = sum(b.grads.nbytes for b in red.buckets)
+            moments = _moment_bytes(opt, p.zero)
+            replicas = eng.groups["ep_dp"].size
+            got = (weights, grads, moments)
+            expect = (8 * elements, 8 * elements, 2 * 8 * elements // (replicas if p.zero else 1))
+            if got != expect:
+                fails.append(f"expert weights, grads, moments {got} B != {expect} B")
+            dense = eng.reducer.dense
+            mem = predict_memory(layout, eng.grid.coord)
+            total = (weights + sum(b.params.nbytes for b in dense.buckets),
+                     grads + sum(b.grads.nbytes for b in dense.buckets),
+                     moments + _moment_bytes(eng.optimizer.dense, p.zero))
+            if total != (mem.weights, mem.grads, mem.optimizer):
+                fails.append(f"state {total} != planner {(mem.weights, mem.grads, mem.optimizer)}")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)
+
+
+def _moment_bytes(opt, zero: int) -> int:
+    """Bytes of AdamW's two moments in optimizer ``opt`` (ZeRO-1: per bucket slice)."""
+    if zero:
+        return sum(a.nbytes for a in (*opt.m, *opt.v))
+    return sum(a.nbytes for a in (*opt.m.values(), *opt.v.values()))
+
+
+def _exported_differs(path, out, params) -> list[str]:
+    """Export checkpoint ``path`` to Hugging Face files in ``out`` and read them back: what
+    differs from ``params`` (every tensor, every expert)."""
+    import numpy as np
+
+    from mpipar.checkpoint.huggingface import load_hf
+    from mpipar.checkpoint.tools import export_hf
+    export_hf(path, out, dtype="float64")
+    _, back = load_hf(out)
+    if set(back) != set(params):
+        return [f"exported names differ: {sorted(set(back) ^ set(params))[:4]}"]
+    return [f"exported {n} differs" for n in params if not np.array_equal(back[n], params[n])]

@@ -194,3 +194,31 @@ def test_bf16_routes_in_float32_and_rounds_the_output_once():
     assert np.array_equal(saved.experts, saved64.experts)
     err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref)
     assert err < 4 * 2.0 ** -8, err
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_planner_divides_expert_state_by_ep(zero):
+    """The memory planner: under --ep 8 (ZeRO-0/1) a rank holds 1/8 of the experts, so its
+    weights, gradients and moments shrink by 7/8 of the experts' bytes (ZeRO-1's moments are
+    already 1/8 of them under ep 1 and, as 1/(dp x sp / ep) of 1/8, stay the same); ZeRO-2
+    keeps every expert on every rank (as ep 1)."""
+    from mpipar.config import Config, ParallelConfig, TrainConfig
+    from mpipar.plan.memory import predict_memory
+    from mpipar.rules import validate
+    from mpipar.runtime.topology import Coord
+
+    model = ModelConfig(moe_experts=8, moe_top_k=2)
+
+    def state(ep: int, stage: int = zero):
+        cfg = validate(Config(model, ParallelConfig(dp=8, ep=ep, zero=stage),
+                              TrainConfig(dtype="float32")), 8)
+        mem = predict_memory(cfg, Coord(0, 0, 0, 0))
+        return mem.weights, mem.grads, mem.optimizer, cfg.model
+
+    one, eight = state(1), state(8)
+    m = one[3]
+    experts = 4 * 3 * m.moe_ffn_hidden * m.hidden * m.moe_experts * m.layers   # float32 bytes
+    assert one[0] - eight[0] == experts * 7 // 8
+    assert one[1] - eight[1] == experts * 7 // 8
+    assert one[2] - eight[2] == (0 if zero else 2 * experts * 7 // 8)
+    assert state(1, 2)[:3] == state(8, 2)[:3]

@@ -231,6 +231,20 @@ ACTIVE: SizeChoice | None = None
 :class:`mpipar.runtime.comm.Group`; None: the algorithm is fixed for the run."""
 
 
+def in_effect(configured: str, nbytes: int, choice: SizeChoice | None = None) -> str | None:
+    """The all-reduce algorithm of a call of ``nbytes`` that the wire model books: the
+    ``configured`` one when it is a library algorithm; under ``auto`` the one the per-size
+    choice (``choice``, else the process's :data:`ACTIVE`) picks, if it names one; else None
+    (the library's own choice: booked as the bandwidth-optimal ring)."""
+    if configured in LIBRARY_ALGORITHMS:
+        return configured
+    choice = ACTIVE if choice is None else choice
+    if configured == "auto" and choice is not None:
+        picked = choice.pick(nbytes)
+        return picked if picked in LIBRARY_ALGORITHMS else None
+    return None
+
+
 def before_allreduce(nbytes: int) -> None:
     """Called by :class:`mpipar.runtime.comm.Group` before an all-reduce of ``nbytes``."""
     if ACTIVE is not None:

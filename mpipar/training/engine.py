@@ -104,7 +104,7 @@ class Engine:
         self.ledger = Ledger()
         self.eval_ledger = Ledger()
         self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
-                                   self.mpi_path)
+                                   self.mpi_path, par.allreduce_algorithm)
                        for name, c in self.grid.comms.items()}
         self._add_ep_group()
         pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch

@@ -4,14 +4,15 @@
 #
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
-# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 bench
+# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile
+# (the results, logs and JSON, also land in OUT_DIR/all.tgz: one file to bring back)
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
 # root under Open MPI are allowed through OMPI_ALLOW_RUN_AS_ROOT (the lent machines run as root).
 # Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
-STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 bench"}
+STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
@@ -134,11 +135,33 @@ PY
   record bf16 $rc
 fi
 
+if has moe; then
+  stage "moe: a bf16 mixture-of-experts run, --ep 4 on 8 ranks, GPU against CPU, 10 steps"
+  for d in cuda cpu; do
+    timeout 300 mpiexec -n 8 $PY -m mpipar.train --device $d --dtype bfloat16 --moe-experts 8 \
+        --moe-top-k 2 --ep 4 --steps 10 --log-every 1 --run-dir /tmp/runs_moe/$d \
+        > "$OUT/moe_$d.log" 2>&1
+    echo "moe $d exit $?"
+  done
+  # bf16 on two devices: the issue's 1 % per step over 20 steps is the layouts' bound; here 3 %
+  timeout 60 $PY -m mpipar.compare --rtol 0.03 --metric loss /tmp/runs_moe/cuda /tmp/runs_moe/cpu \
+      > "$OUT/moe_compare.txt" 2>&1; rc=$?
+  tail -3 "$OUT/moe_compare.txt"; record moe $rc
+fi
+
 if has bench; then
   stage "bench gpu (attention against the GEMM rate; training step against PyTorch eager)"
   timeout 900 $PY -m mpipar.bench gpu --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
   rc=$?; tail -30 "$OUT/bench_gpu.log"; record bench $rc
 fi
 
+if has profile; then
+  stage "profile: mpipar's 1.1B bf16 step at seq 2048, op by op"
+  timeout 300 $PY -m mpipar.bench gpu --profile --models 1.1B --seqs 2048 \
+      --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1; rc=$?
+  head -30 "$OUT/profile.log"; record profile $rc
+fi
+
 stage done
 echo "--- summary (stage status; 0 = passed)"; cat "$OUT/results.txt" 2>/dev/null
+tar czf /tmp/gpu_check_all.tgz -C "$OUT" . && mv /tmp/gpu_check_all.tgz "$OUT/all.tgz"

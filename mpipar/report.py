@@ -7,7 +7,9 @@ rank) and ``RUN_DIR/config.toml``, and writes into ``RUN_DIR/report/`` (or ``--o
   training loss), ``throughput.png`` (tokens/s and MFU),
   ``time_breakdown.png`` (stacked seconds per step: compute, TP/SP comm, pipeline wait, DP comm,
   optimizer, I/O), ``memory.png`` (peak resident memory per rank), ``timeline.png`` (a Gantt chart
-  of each rank's forward / backward / receive-wait ops over the recorded step);
+  of each rank's forward / backward / receive-wait ops over the recorded step); ``balance.png``
+  when the run records balance (max/mean of the sp ranks' attention work under
+  ``--document-masking``, of each sparse layer's expert load under mixture of experts);
 - ``summary.txt``: the numbers, the bottleneck and what to change (also printed).
 
 The analysis (:mod:`mpipar.observe.summary`) needs no matplotlib; ``train`` writes the same
@@ -103,6 +105,37 @@ def plot_memory(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def balance_series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """What :func:`plot_balance` draws, by label: the attention work's max/mean over the sp
+    ranks (``--document-masking``) and each sparse layer's expert load max/mean (mixture of
+    experts), per step where recorded. Empty when the run has neither."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    rows = [r for r in records if "attention_imbalance" in r]
+    if rows:
+        out["attention work, sp ranks"] = ([r["step"] for r in rows],
+                                           [r["attention_imbalance"] for r in rows])
+    layers = sorted({k for r in records for k in r.get("moe_load_max_over_mean", {})}, key=int)
+    for layer in layers:
+        rows = [r for r in records if layer in r.get("moe_load_max_over_mean", {})]
+        out[f"expert load, layer {layer}"] = ([r["step"] for r in rows],
+                                              [r["moe_load_max_over_mean"][layer] for r in rows])
+    return out
+
+
+def plot_balance(records: list[dict], path: str) -> None:
+    """Max over mean per step (1 = perfectly even) of :func:`balance_series`."""
+    plt, fig, ax = _figure()
+    for label, (steps, values) in balance_series(records).items():
+        ax.plot(steps, values, lw=1.2, label=label)
+    ax.axhline(1.0, color="#8c8c8c", lw=0.8, ls="--")
+    ax.set(xlabel="step", ylabel="max / mean (1 = even)",
+           title="Balance: attention work over sp ranks, expert load per sparse layer")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_timeline(timeline: dict, path: str) -> None:
     """Gantt chart: one row per rank, a bar per op, coloured by kind, labelled by microbatch."""
     ranks = timeline["ranks"]
@@ -143,6 +176,10 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[list[str], s
                      ("time_breakdown", plot_time_breakdown), ("memory", plot_memory)):
         path = os.path.join(out_dir, f"{name}.png")
         fn(records, path)
+        written.append(path)
+    if balance_series(records):
+        path = os.path.join(out_dir, "balance.png")
+        plot_balance(records, path)
         written.append(path)
     if timeline:
         path = os.path.join(out_dir, "timeline.png")

@@ -14,6 +14,9 @@ Without a CUDA device the section prints why and returns ``{"skipped": reason}``
 events or a device synchronisation around the timed steps, after warm-up; each peer runs in a
 child process so that neither's memory pool or compiled kernels favour the other.
 
+``--profile``: no comparison, but where mpipar's step (the first of ``--models`` and ``--seqs``)
+spends its device time, op by op (:func:`profile`).
+
 ``python -m mpipar.bench gpu --static [--arch sm_80,sm_90] [--json FILE]`` runs no benchmark
 but the compile gate (:mod:`mpipar.kernels.cuda_gate`: every CUDA source compiled through NVRTC
 for each architecture, no device needed), with the gate's table, JSON and exit status.
@@ -47,6 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqs", default="2048,4096", help="comma-separated sequence lengths")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps")
     parser.add_argument("--no-attention", action="store_true", help="skip the attention table")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the comparison: where mpipar's step of the first "
+                             "model and seq spends its device time, op by op")
     parser.add_argument("--static", action="store_true",
                         help="no benchmark: the NVRTC compile gate of every CUDA kernel "
                              "(python -m mpipar.kernels.cuda_gate; --json FILE gets its report)")
@@ -141,6 +147,64 @@ def torch_train(model: str, seq: int, steps: int) -> dict[str, Any]:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def profile(model: str, seq: int, steps: int = 3) -> dict[str, Any]:
+    """Device milliseconds a bf16 step of ``model`` at ``seq`` spends in each kernel op and in
+    the optimizer's phases, each timed with CUDA events and a synchronisation after it (so the
+    ops are serialised: their sum exceeds the plain step by the launch gaps the host no longer
+    hides), beside the plain step's time; printed as a table and returned."""
+    import collections
+    import dataclasses
+    import cupy
+    import numpy as np
+    from mpipar.runtime.mpi_init import MPI
+    from mpipar.data.sources import load_tokens
+    from mpipar.training.engine import Engine
+
+    batch = max(1, TOKENS_PER_STEP // seq)
+    path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
+    np.save(path, np.random.default_rng(0).integers(0, 32000, ((2 * steps + 2) * batch, seq + 1)))
+    eng = Engine(_config(model, seq, 2 * steps + 2, path), MPI.COMM_SELF,
+                 source=load_tokens(path, 32000, seq))
+    for k in range(2):
+        eng.train_step(k)
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for k in range(2, 2 + steps):
+        eng.train_step(k)
+    cupy.cuda.Device().synchronize()
+    plain = (time.perf_counter() - t0) / steps * 1e3
+    ms: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            out = fn(*a, **k)
+            end.record()
+            end.synchronize()
+            ms[name] += cupy.cuda.get_elapsed_time(start, end)
+            calls[name] += 1
+            return out
+        return wrapper
+
+    for f in dataclasses.fields(eng.kernels):
+        if callable(getattr(eng.kernels, f.name)) and f.name != "xp":
+            object.__setattr__(eng.kernels, f.name, timed(f.name, getattr(eng.kernels, f.name)))
+    for name in ("step", "clip", "grad_norm_sq"):
+        setattr(eng.optimizer, name, timed("optimizer." + name, getattr(eng.optimizer, name)))
+    for k in range(2 + steps, 2 + 2 * steps):
+        eng.train_step(k)
+    rows = sorted(((n, v / steps, calls[n] // steps) for n, v in ms.items()), key=lambda r: -r[1])
+    print(f"profile {model} seq {seq} bf16: plain step {plain:.1f} ms; ops timed one by one "
+          f"{sum(r[1] for r in rows):.1f} ms")
+    for name, v, n in rows:
+        print(f"  {name:26s} {v:9.2f} ms {n:6d} calls")
+    eng.close()
+    return {"model": model, "seq": seq, "plain_ms": plain,
+            "ops": {n: {"ms": v, "calls": c} for n, v, c in rows}}
+
+
 def _peer(args: argparse.Namespace) -> dict[str, Any]:
     """``--peer NAME:MODEL:SEQ``: one peer's run in this process, its figures as one JSON line."""
     name, model, seq = args.peer.split(":")
@@ -205,12 +269,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if reason is not None:
         print(f"gpu: skipped: {reason}")
         return {"skipped": reason}
+    models, seqs = args.models.split(","), [int(x) for x in args.seqs.split(",")]
+    if args.profile:
+        return {"profile": profile(models[0], seqs[0])}
     out: dict[str, Any] = {}
     if not args.no_attention:
         from mpipar.kernels import attention_bench
         out["attention"] = attention_bench.run()
-    out["train"] = train_rows(args.models.split(","), [int(s) for s in args.seqs.split(",")],
-                              args.steps)
+    out["train"] = train_rows(models, seqs, args.steps)
     return out
 
 

@@ -6,6 +6,8 @@ block's FFN counts its router and the ``K`` experts each token runs; backward is
 """
 from __future__ import annotations
 
+import numpy as np
+
 from mpipar.config import Config, ModelConfig
 from mpipar.layout import Layout
 
@@ -36,14 +38,32 @@ def window_context(seq_len: int, window: int) -> float:
     return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
-def model_flops_per_step(cfg: Config | Layout) -> float:
+def document_context(docs: np.ndarray, window: int) -> float:
+    """Mean keys a query sees in packed samples with document masking: ``docs [B, S]`` the
+    document of each position (:func:`mpipar.model.attention.document_ids`); the query at
+    offset j inside its document sees min(j + 1, W) keys (W = ``window``, 0: unlimited)."""
+    docs = np.asarray(docs)
+    if docs.size == 0:
+        return 0.0
+    at = np.broadcast_to(np.arange(docs.shape[1]), docs.shape)
+    starts = np.ones(docs.shape, bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    offset = at - np.maximum.accumulate(np.where(starts, at, 0), axis=1)
+    keys = offset + 1 if window == 0 else np.minimum(offset + 1, window)
+    return float(keys.mean())
+
+
+def model_flops_per_step(cfg: Config | Layout, docs: np.ndarray | None = None) -> float:
     """Model FLOPs of one optimizer step of ``cfg`` (a configuration with a resolved model, or
     a Layout): forward + backward = 3 x forward, causal attention (a query at position i sees
     i + 1 keys, or min(i + 1, W) in a layer with a sliding window W), whatever the layout and
-    recompute mode."""
+    recompute mode. With ``docs`` (the step's document ids ``[global batch, S]`` under
+    ``--document-masking``) attention counts the keys each query sees inside its document
+    (:func:`document_context`): the work done, not the full causal square."""
     m, tr = cfg.model, cfg.train
-    per_token = (sum(block_flops_per_token(m, 1, window_context(tr.seq_len, w))
-                     for w in m.windows())
+    context = ((lambda w: document_context(docs, w)) if docs is not None
+               else (lambda w: window_context(tr.seq_len, w)))
+    per_token = (sum(block_flops_per_token(m, 1, context(w)) for w in m.windows())
                  + 2 * m.hidden * m.vocab_size                     # LM head
                  + sum(map(m.is_sparse, range(m.layers))) * sparse_ffn_extra(m))
     return 3.0 * per_token * tr.global_batch_size * tr.seq_len

@@ -64,6 +64,9 @@ class StepResult:
     # worst dp replica's sum over its microbatches); None otherwise
     attention_imbalance: float | None = None
     moe: dict | None = None  # mixture of experts: moe_aux_loss, moe_load_max_over_mean
+    # --document-masking: this step's model FLOPs, attention counted inside documents (MFU's
+    # numerator); None: the run's constant model_flops_per_step
+    flops: float | None = None
 
 
 @dataclass
@@ -159,6 +162,7 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
                 ) -> dict[str, Any]:
     """The metrics.jsonl line of a step (``ledger`` is rank 0's, ``ranks`` every rank's row)."""
     times = {k: float(np.mean([r[k] for r in ranks])) for k in TIME_KEYS}
+    flops = result.flops if result.flops is not None else flops
     return {
         "step": result.step,
         "loss": result.loss,

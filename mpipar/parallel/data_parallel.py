@@ -256,7 +256,8 @@ class GradReducer:
         self._duplicates: list[Group] = []
         for group in kinds:
             if id(group) in used:
-                group = Group(group.comm.Dup(), group.name, group.ledger, group.nodes)
+                group = Group(group.comm.Dup(), group.name, group.ledger, group.nodes,
+                              allreduce_algorithm=group.allreduce_algorithm)
                 self._duplicates.append(group)
             used.add(id(group))
             out.append(group)

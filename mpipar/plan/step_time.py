@@ -13,7 +13,10 @@
                  + optimizer passes over the rank's parameters / elementwise rate
 
 with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce moves ``2 (n-1)/n``
-of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it; the calls are
+of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it; an all-reduce under
+``--allreduce-algorithm`` (or the one ``auto`` picks from ``--allreduce-hardware`` for its size)
+the rank's share of that algorithm's schedule, and a tree's ``2 ceil(log2 n)`` payloads in
+sequence, reduce then broadcast; the calls are
 :func:`mpipar.plan.traffic.step_calls`), over the link inside a node or, for a group that spans
 nodes, across them. :class:`Hardware` holds the peak, the links, the per-call overhead and
 compression's work per element: nominal, or measured by ``python -m mpipar.bench comm`` (on a
@@ -24,6 +27,7 @@ consecutive ranks each, else those of the hardware file, else one (:func:`with_n
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -37,8 +41,7 @@ from mpipar.parallel.traffic import element_bytes
 from mpipar.model.flops import block_flops_per_token
 from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group_sizes,
                               nodes_of, schedule_ops)
-from mpipar.plan.traffic import step_calls
-from mpipar.runtime.comm import wire_bytes
+from mpipar.plan.traffic import call_algorithm, call_wire, step_calls
 from mpipar.runtime.topology import GROUP_AXES, Coord
 
 
@@ -160,8 +163,10 @@ def _group_seconds(layout: Layout, coord: Coord, hw: Hardware) -> dict[str, floa
             links[call.group] = hw.link("inter" if len({nodes.nodes[r] for r in members}) > 1
                                         else "intra")
         bw, lat = links[call.group]
-        out[call.group] += (wire_bytes(call.op, call.nbytes, sizes[call.group]) / bw
-                            + lat) * call.count
+        wire = call_wire(layout, coord, call, sizes)
+        if call_algorithm(layout, call) == "tree":   # reduce then broadcast, level by level
+            wire = 2 * math.ceil(math.log2(sizes[call.group])) * call.nbytes
+        out[call.group] += (wire / bw + lat) * call.count
     if compressed_size(layout) > 1:        # encoding and decoding sit on the reduction's path
         group = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
         per_node = sizes["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1

@@ -17,6 +17,7 @@ drift apart; a mismatch in one group points at the axis that owns it.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 from mpipar.layout import Layout
@@ -31,7 +32,8 @@ from mpipar.parallel.traffic import Call
 from mpipar.plan.rank import (gradient_buckets, grid_shape, group_sizes, kept_units,
                               node_copy, nodes_of, placement_table, rank_ops, rank_stages,
                               unit_lengths)
-from mpipar.runtime.comm import LINKS, wire_bytes
+from mpipar.runtime import allreduce
+from mpipar.runtime.comm import ALLREDUCE_OPS, LINKS, wire_bytes
 from mpipar.runtime.topology import Coord
 
 
@@ -137,8 +139,41 @@ def predict_link_bytes(layout: Layout, coord: Coord) -> dict[str, dict[str, int]
     sizes = group_sizes(layout)
     out: dict[str, dict[str, int]] = {}
     for call in step_calls(layout, coord):
-        wire = wire_bytes(call.op, call.nbytes, sizes[call.group]) * call.count
+        wire = call_wire(layout, coord, call, sizes) * call.count
         if wire:
             links = out.setdefault(call.group, dict.fromkeys(LINKS, 0))
             links[call_link(layout, coord, call)] += wire
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _size_choice(path: str) -> allreduce.SizeChoice | None:
+    """The per-size choice of ``auto`` from hardware file ``path`` (None when it has no table)."""
+    try:
+        return allreduce.SizeChoice(allreduce.load_table(path), None)
+    except (OSError, ValueError):
+        return None
+
+
+def call_algorithm(layout: Layout, call: Call) -> str | None:
+    """The all-reduce algorithm the wire model books for ``call`` (None: not an all-reduce, or
+    the library's own choice, booked as the ring): ``--allreduce-algorithm``, or under ``auto``
+    the one ``--allreduce-hardware``'s table picks for the call's size
+    (:func:`mpipar.runtime.allreduce.in_effect`)."""
+    if call.op not in ALLREDUCE_OPS:
+        return None
+    par = layout.parallel
+    choice = _size_choice(par.allreduce_hardware) if par.allreduce_hardware else None
+    return allreduce.in_effect(par.allreduce_algorithm, call.nbytes, choice)
+
+
+def call_wire(layout: Layout, coord: Coord, call: Call, sizes: dict[str, int]) -> int:
+    """Bytes the rank at ``coord`` puts on the wire for one ``call`` (the ledger's
+    :meth:`mpipar.runtime.comm.Group._wire`): an all-reduce under a named algorithm as its
+    group rank's share of that algorithm's schedule."""
+    algorithm = call_algorithm(layout, call)
+    if algorithm is None:
+        return wire_bytes(call.op, call.nbytes, sizes[call.group])
+    shape, me = grid_shape(layout), grid_shape(layout).rank_of(coord)
+    members = shape.members(call.group, me, nodes_of(layout), layout.parallel.ulysses_size or 1)
+    return wire_bytes(call.op, call.nbytes, sizes[call.group], members.index(me), algorithm)

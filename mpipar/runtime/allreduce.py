@@ -13,7 +13,8 @@ the blocking and the non-blocking all-reduce (the gradient buckets use ``Iallred
 - Open MPI: the tuned component's dynamic rules, ``OMPI_MCA_coll_tuned_use_dynamic_rules=1`` and
   ``OMPI_MCA_coll_tuned_allreduce_algorithm`` (4 ring, 2 reduce + broadcast over trees, 6
   Rabenseifner), and libnbc's ``OMPI_MCA_coll_libnbc_iallreduce_algorithm`` (1 ring, 2 binomial
-  tree, 3 Rabenseifner).
+  tree, 3 Rabenseifner); Open MPI exposes them as MPI_T control variables too, and they are
+  read back the same way (:meth:`MpiT.open_mpi_algorithm`).
 
 Both families are written (each library ignores the other's). After ``MPI_Init``
 :func:`check_library` asks the library's version: one that is neither refuses an explicit
@@ -71,6 +72,10 @@ OPEN_MPI_NAMES = {
     "ring": ("4", "1"), "tree": ("2", "2"), "rabenseifner": ("6", "3"),
 }
 """algorithm -> (coll_tuned_allreduce_algorithm, coll_libnbc_iallreduce_algorithm)."""
+OPEN_MPI_VARS = ("coll_tuned_use_dynamic_rules", "coll_tuned_allreduce_algorithm",
+                 "coll_libnbc_iallreduce_algorithm")
+"""Open MPI's MCA parameters of the choice, which it also exposes as MPI_T control variables
+(read back for the start-up line: integers, 0 = the library's own decision)."""
 
 
 def library_controls(algorithm: str) -> dict[str, str]:
@@ -177,6 +182,10 @@ class MpiT:
         """The names the two MPICH variables hold now."""
         return {name: MPICH_ENUM[name][self.read(name)] for name in MPICH_ENUM}
 
+    def open_mpi_algorithm(self) -> dict[str, int]:
+        """What Open MPI holds for :data:`OPEN_MPI_VARS` now."""
+        return {name: self.read(name) for name in OPEN_MPI_VARS}
+
     def set_algorithm(self, algorithm: str) -> None:
         """Force ``algorithm`` ("auto": the library's choice) for the all-reduces that follow."""
         names = MPICH_NAMES.get(algorithm, {MPICH_BLOCKING: "auto", MPICH_NONBLOCKING: "auto"})
@@ -231,6 +240,20 @@ ACTIVE: SizeChoice | None = None
 :class:`mpipar.runtime.comm.Group`; None: the algorithm is fixed for the run."""
 
 
+def in_effect(configured: str, nbytes: int, choice: SizeChoice | None = None) -> str | None:
+    """The all-reduce algorithm of a call of ``nbytes`` that the wire model books: the
+    ``configured`` one when it is a library algorithm; under ``auto`` the one the per-size
+    choice (``choice``, else the process's :data:`ACTIVE`) picks, if it names one; else None
+    (the library's own choice: booked as the bandwidth-optimal ring)."""
+    if configured in LIBRARY_ALGORITHMS:
+        return configured
+    choice = ACTIVE if choice is None else choice
+    if configured == "auto" and choice is not None:
+        picked = choice.pick(nbytes)
+        return picked if picked in LIBRARY_ALGORITHMS else None
+    return None
+
+
 def before_allreduce(nbytes: int) -> None:
     """Called by :class:`mpipar.runtime.comm.Group` before an all-reduce of ``nbytes``."""
     if ACTIVE is not None:
@@ -250,13 +273,17 @@ def configure(algorithm: str, hardware: str, version: str) -> str:
             ACTIVE = SizeChoice(load_table(hardware), MpiT())
             return f"allreduce auto from {hardware} ({ACTIVE.describe()})"
         return "allreduce auto (the library's choice)"
-    if family == "mpich":
-        try:
+    try:
+        if family == "mpich":
             held = MpiT().algorithm()
             return (f"allreduce {algorithm} (MPICH {MPICH_BLOCKING}={held[MPICH_BLOCKING]}, "
                     f"{MPICH_NONBLOCKING}={held[MPICH_NONBLOCKING]})")
-        except OSError:
-            pass
+        if family == "open mpi":
+            held = MpiT().open_mpi_algorithm()
+            return f"allreduce {algorithm} (Open MPI " + ", ".join(
+                f"{name}={value}" for name, value in held.items()) + ")"
+    except OSError:   # no tool interface, or a variable it does not list: say what was set
+        pass
     names = library_controls(algorithm)
     key = "OMPI_MCA_coll_tuned_allreduce_algorithm" if family == "open mpi" else MPICH_BLOCKING
     return f"allreduce {algorithm} ({family}: {key}={names[key]})"

@@ -32,7 +32,9 @@ Links: a group knows the node of each of its ranks (:mod:`mpipar.runtime.topolog
 splits what each call puts on the wire into ``intra``- and ``inter``-node bytes. Wire bytes are
 the payload times the per-rank factor of the bandwidth-optimal algorithm of the operation
 (:func:`wire_bytes`: ring all-reduce ``2(n-1)/n``, reduce-scatter and all-to-all ``(n-1)/n``,
-all-gather ``n-1``, point-to-point and broadcast 1). A collective's wire bytes are inter-node when
+all-gather ``n-1``, point-to-point and broadcast 1); an all-reduce under a named
+``--allreduce-algorithm`` (or the one ``auto`` picks from a hardware file for its size) books
+that algorithm's bytes for the rank's place in its schedule (:func:`allreduce_wire`). A collective's wire bytes are inter-node when
 its group spans more than one node (it runs at the pace of the slow link), else intra-node; a
 point-to-point message's are inter-node when its peer is on another node.
 """
@@ -68,11 +70,53 @@ denominator); operations not listed (point-to-point, broadcast) put their payloa
 LINKS = ("intra", "inter")
 
 
-def wire_bytes(op: str, nbytes: int, size: int) -> int:
+ALLREDUCE_OPS = ("allreduce", "allreduce_max", "iallreduce")
+
+
+def wire_bytes(op: str, nbytes: int, size: int, rank: int = 0,
+               algorithm: str | None = None) -> int:
     """Bytes one rank puts on the wire for ``op`` with a payload of ``nbytes`` in a group of
-    ``size`` (rounded down to whole bytes), under the bandwidth-optimal algorithm."""
+    ``size`` (rounded down to whole bytes), under the bandwidth-optimal algorithm; an all-reduce
+    under a named ``algorithm`` (:func:`allreduce_wire`) as group rank ``rank`` of that
+    algorithm's schedule."""
+    if op in ALLREDUCE_OPS and algorithm is not None:
+        return allreduce_wire(nbytes, size, rank, algorithm)
     num, den = WIRE_FACTORS[op](size) if op in WIRE_FACTORS else (1, 1)
     return int(nbytes) * num // den
+
+
+def allreduce_wire(nbytes: int, size: int, rank: int, algorithm: str) -> int:
+    """Bytes group rank ``rank`` of ``size`` sends in an all-reduce of ``nbytes`` under the
+    textbook schedule of ``algorithm``:
+
+    - ``ring``: reduce-scatter then all-gather around the ring, ``2 (n-1)/n`` of the payload;
+    - ``rabenseifner``: over the largest power of two ``p <= n``, recursive halving then
+      doubling, ``2 (p-1)/p``; the ``n - p`` extra ranks first hand their whole buffer to a
+      partner (the even rank of each of the first ``2 (n - p)`` pairs sends, the odd one keeps
+      it and later sends the result back);
+    - ``tree``: a binomial tree rooted at rank 0, a reduce then a broadcast: the whole payload
+      to the parent (every rank but 0) and to each child (rank ``r``'s children are
+      ``r + 2^j < n`` for ``2^j`` below the lowest set bit of ``r``; rank 0's all ``2^j < n``).
+      Over the group that is ``2 (n-1)`` payloads, as the ring, but rank 0 sends
+      ``ceil(log2 n)`` of them.
+    """
+    n, r, b = int(size), int(rank), int(nbytes)
+    if n <= 1:
+        return 0
+    if algorithm == "ring":
+        return b * 2 * (n - 1) // n
+    if algorithm == "rabenseifner":
+        p = 1 << (n.bit_length() - 1)
+        extra = n - p
+        if r < 2 * extra and r % 2 == 0:
+            return b                                   # folded into its odd partner
+        return b * 2 * (p - 1) // p + (b if r < 2 * extra else 0)
+    if algorithm == "tree":
+        low = (r & -r) if r else 1 << n.bit_length()
+        children = sum(1 for j in range(n.bit_length()) if (1 << j) < low and r + (1 << j) < n)
+        return b * ((1 if r else 0) + children)
+    raise ValueError(f"all-reduce algorithm {algorithm!r}: no wire model (ring, rabenseifner, "
+                     f"tree)")
 
 
 @dataclass
@@ -170,16 +214,16 @@ class Request:
 
     def __init__(self, req: MPI.Request | None, ledger: Ledger, group: str, op: str,
                  nbytes: int, size: int = 1, link: str = "intra",
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], None] | None = None, wire: int | None = None) -> None:
         self._req, self._ledger, self._group, self._op = req, ledger, group, op
         self._size, self._nbytes, self._link, self._on_done = size, nbytes, link, on_done
+        self._wire = wire_bytes(op, nbytes, size) if wire is None else wire
         self._waited = self._tested = 0.0
         self.done = req is None
 
     def _book(self) -> None:
         self._ledger.add(self._group, self._op, self._nbytes, self._waited + self._tested,
-                         wire_bytes(self._op, self._nbytes, self._size), self._link,
-                         tested=self._tested)
+                         self._wire, self._link, tested=self._tested)
         self.done = True
         if self._on_done is not None:
             self._on_done()
@@ -264,8 +308,10 @@ class Group:
     staged host buffer; every buffer method goes through it."""
 
     def __init__(self, comm: MPI.Comm, name: str, ledger: Ledger,
-                 nodes: list[int] | None = None, path: MpiPath | None = None) -> None:
+                 nodes: list[int] | None = None, path: MpiPath | None = None,
+                 allreduce_algorithm: str = "auto") -> None:
         self.comm, self.name, self.ledger = comm, name, ledger
+        self.allreduce_algorithm = allreduce_algorithm   # --allreduce-algorithm: the wire model
         self.path = path or DirectPath(HostCopies(), "host arrays")
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
@@ -326,18 +372,25 @@ class Group:
         if self.size > 1:
             self.path.ahead(buf, self.ledger)
 
+    def _wire(self, op: str, nbytes: int) -> int:
+        """What this rank puts on the wire for ``op`` of ``nbytes``: an all-reduce by the
+        algorithm in effect for its size (:func:`mpipar.runtime.allreduce.in_effect`)."""
+        algorithm = (allreduce.in_effect(self.allreduce_algorithm, nbytes)
+                     if op in ALLREDUCE_OPS else None)
+        return wire_bytes(op, nbytes, self.size, self.rank, algorithm)
+
     def _timed(self, op: str, nbytes: int, fn, *args, link: str | None = None) -> Any:
         self.ledger.begin(self.name, op, self.size)
         t0 = time.perf_counter()
         out = fn(*args)
         self.ledger.add(self.name, op, nbytes, time.perf_counter() - t0,
-                        wire_bytes(op, nbytes, self.size), link or self._collective_link)
+                        self._wire(op, nbytes), link or self._collective_link)
         return out
 
     def _request(self, req: MPI.Request, op: str, nbytes: int, link: str | None = None,
                  on_done: Callable[[], None] | None = None) -> Request:
         return Request(req, self.ledger, self.name, op, nbytes, self.size,
-                       link or self._collective_link, on_done)
+                       link or self._collective_link, on_done, wire=self._wire(op, nbytes))
 
     # ------------------------------------------------------------ collectives
     def allreduce_(self, buf: np.ndarray, op: MPI.Op | None = None) -> np.ndarray:

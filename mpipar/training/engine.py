@@ -49,6 +49,7 @@ from mpipar.data.packing import counted_targets, eos_id, sample_indices, uses_eo
 from mpipar.data.sft import loss_mask_source
 from mpipar.model.attention import DocumentPositions, LocalAttention, document_ids
 from mpipar.model.llama import RESIDENT, LlamaStage
+from mpipar.model.flops import model_flops_per_step
 from mpipar.model.params import init_param
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
@@ -105,7 +106,7 @@ class Engine:
         self.ledger = Ledger()
         self.eval_ledger = Ledger()
         self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
-                                   self.mpi_path)
+                                   self.mpi_path, par.allreduce_algorithm)
                        for name, c in self.grid.comms.items()}
         self._add_ep_group()
         pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
@@ -389,7 +390,15 @@ class Engine:
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
         return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
-                          self._attention_imbalance(step), moe)
+                          self._attention_imbalance(step), moe, self._document_flops(step))
+
+    def _document_flops(self, step: int) -> float | None:
+        """--document-masking: step ``step``'s model FLOPs with attention inside documents
+        (every rank reads the whole batch: no message); None otherwise."""
+        if not self.cfg.train.document_masking:
+            return None
+        return model_flops_per_step(self.cfg, document_ids(self.sampler.batch(step)[0],
+                                                           self.eos))
 
     def _moe_stats(self) -> dict[str, Any]:
         """The step's balance loss (alpha x the mean over rows of the sum over sparse layers)

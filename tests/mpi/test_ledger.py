@@ -120,7 +120,11 @@ LINK_CASES = [
     dict(pp=2, dp=2, sp=2, ranks_per_node=4, schedule="interleaved", virtual_stages=2),
     dict(model="tied", pp=2, dp=4, ranks_per_node=4, dp_reduce="hierarchical", zero=1),
     dict(model="tied", pp=2, dp=4, ranks_per_node=2, grad_compression="topk",
-         error_feedback="off")]
+         error_feedback="off"),
+    # an all-reduce under a named algorithm books that algorithm's sends for the rank's place
+    dict(dp=8, ranks_per_node=4, allreduce_algorithm="tree", bucket_mb=0.002),
+    dict(dp=4, tp=2, ranks_per_node=4, allreduce_algorithm="rabenseifner", zero=1),
+    dict(dp=8, ranks_per_node=2, dp_reduce="hierarchical", allreduce_algorithm="tree")]
 
 
 @pytest.mark.mpi(min_size=8)

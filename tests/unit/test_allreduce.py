@@ -65,3 +65,52 @@ def test_hierarchical_is_mpipars_own_reduction():
     layout = resolve(Config(parallel=ParallelConfig(allreduce_algorithm="hierarchical")), 8)
     assert layout.config.parallel.dp_reduce == "hierarchical"
     assert resolve(Config(), 8).config.parallel.dp_reduce == "flat"
+
+
+# --------------------------------------------------------------- wire bytes per algorithm
+def test_wire_bytes_per_algorithm_are_each_schedules_sends():
+    """Each rank's bytes under the textbook schedule (mpipar.runtime.comm.allreduce_wire),
+    against counts made by hand; over the group every algorithm sends 2 (n-1) payloads (the
+    ring up to rounding), but not from the same ranks."""
+    from mpipar.runtime.comm import allreduce_wire, wire_bytes
+    b = 4096
+    # binomial tree of 8: rank 0 sends to 1, 2, 4; 4 to 5, 6; 2 to 3; 6 to 7; each to its parent
+    assert [allreduce_wire(b, 8, r, "tree") // b for r in range(8)] == [3, 1, 2, 1, 3, 1, 2, 1]
+    assert [allreduce_wire(b, 5, r, "tree") // b for r in range(5)] == [3, 1, 2, 1, 1]
+    # Rabenseifner over 6: p = 4, ranks 0 and 2 fold into 1 and 3, which send the result back
+    assert [allreduce_wire(b, 6, r, "rabenseifner") for r in range(6)] == \
+        [b, b * 3 // 2 + b, b, b * 3 // 2 + b, b * 3 // 2, b * 3 // 2]
+    for n in range(2, 17):
+        for alg in ("tree", "rabenseifner"):
+            assert sum(allreduce_wire(b, n, r, alg) for r in range(n)) == 2 * (n - 1) * b, (n, alg)
+        assert allreduce_wire(b, n, 0, "tree") == (n - 1).bit_length() * b   # ceil(log2 n)
+        ring = [allreduce_wire(b, n, r, "ring") for r in range(n)]
+        assert ring == [wire_bytes("allreduce", b, n)] * n == [b * 2 * (n - 1) // n] * n
+    assert allreduce_wire(b, 1, 0, "tree") == 0
+    with pytest.raises(ValueError, match="no wire model"):
+        allreduce_wire(b, 4, 0, "smp")
+
+
+def test_the_algorithm_booked_is_the_one_in_effect_for_the_size():
+    choice = ar.SizeChoice({"ring": {2**16: 3.0, 2**24: 1.0}, "tree": {2**16: 1.0, 2**24: 2.0},
+                            "auto": {2**16: 5.0, 2**24: 0.5}}, None)
+    assert ar.in_effect("tree", 2**30) == "tree"            # explicit: every size
+    assert ar.in_effect("auto", 2**10, choice) == "tree"    # the table's pick
+    assert ar.in_effect("auto", 2**30, choice) is None      # the library's own: booked as ring
+    assert ar.in_effect("hierarchical", 2**10, choice) is None
+    assert ar.in_effect("auto", 2**10) is None              # no table in this process
+
+
+def test_the_planner_books_the_algorithm_auto_picks_from_the_hardware_file(tmp_path):
+    import json
+    from mpipar.config import Config, ParallelConfig
+    from mpipar.layout import resolve
+    from mpipar.parallel.traffic import Call
+    from mpipar.plan.traffic import call_algorithm
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"allreduce_seconds": {"ring": {"65536": 3.0, "16777216": 1.0},
+                                                    "tree": {"65536": 1.0, "16777216": 2.0}}}))
+    layout = resolve(Config(parallel=ParallelConfig(allreduce_hardware=str(hw))), 8)
+    assert call_algorithm(layout, Call("dp_sp", "iallreduce", 2**10)) == "tree"
+    assert call_algorithm(layout, Call("dp_sp", "iallreduce", 2**26)) == "ring"
+    assert call_algorithm(layout, Call("dp_sp", "allgather", 2**10)) is None

@@ -300,3 +300,43 @@ def test_sft_chat_messages_mask_the_reply_rendered_by_the_chat_template(tmp_path
     with h5py.File(tmp_path / "chat.h5") as f:
         assert f["loss_mask"][:].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1]
         assert f["tokens"][-1] == 0                    # the EOS "</s>"
+
+
+def test_a_steps_mfu_counts_attention_inside_its_documents():
+    """The step's FLOPs (MFU's numerator in metrics.jsonl) under --document-masking are the
+    model's with each query's keys inside its document, from the whole global batch: below the
+    full causal count, and the run's constant again without masking."""
+    from mpi4py import MPI
+    from layouts import token_source
+    from mpipar.model.attention import document_ids
+    from mpipar.model.flops import model_flops_per_step
+    from mpipar.observe.metrics import step_record
+    from mpipar.rules import validate
+    from mpipar.runtime.comm import Ledger
+    from mpipar.training.engine import Engine
+    layout = validate(packed_config(), 1)
+    eng = Engine(layout, MPI.COMM_SELF, source=token_source(16))
+    result = eng.train_step(0)
+    docs = document_ids(eng.sampler.batch(0)[0], EOS)
+    assert docs.max() > 0                                   # the batch has several documents
+    assert result.flops == model_flops_per_step(layout, docs) < model_flops_per_step(layout)
+    ranks = [dict.fromkeys(("memory", "inter_bytes"), 0)]
+    record = step_record(result, [{**ranks[0], **{k: 0.0 for k in _time_keys()},
+                                   **{f"bytes_{g}": 0 for g in _groups()}}], Ledger(),
+                         123.0, 1.0, False, 0)
+    assert record["flops"] == result.flops
+    eng.close()
+    plain = Engine(validate(packed_config(document_masking=False, eos_token_id=-1), 1),
+                   MPI.COMM_SELF, source=token_source(16))
+    assert plain.train_step(0).flops is None
+    plain.close()
+
+
+def _time_keys():
+    from mpipar.observe.metrics import TIME_KEYS
+    return TIME_KEYS
+
+
+def _groups():
+    from mpipar.observe.metrics import GROUPS
+    return GROUPS

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
@@ -303,3 +305,20 @@ def test_measured_nodes_place_the_groups():
         wire["inter"] / 1e8 + calls * 1e-5, rel=1e-12)
     assert predict_step_time(cfg, one_node).comm["dp_sp"] == pytest.approx(
         wire["inter"] / 1e11 + calls * 1e-6, rel=1e-12)
+
+
+def test_model_flops_under_document_masks_count_the_keys_inside_documents():
+    """With --document-masking, attention counts each query's keys inside its document
+    (min(offset + 1, W) under a window): by hand for documents of 3 and 5 tokens."""
+    from mpipar.model.flops import document_context, window_context
+    docs = np.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    assert document_context(docs, 0) == (1 + 2 + 3 + 1 + 2 + 3 + 4 + 5) / 8
+    assert document_context(docs, 2) == (1 + 2 + 2 + 1 + 2 + 2 + 2 + 2) / 8
+    assert document_context(np.zeros((2, 8), int), 0) == window_context(8, 0)   # one document
+    assert document_context(np.zeros((2, 8), int), 3) == window_context(8, 3)
+    cfg = Config(ModelConfig(vocab_size=10, hidden=8, layers=1, heads=2, kv_heads=1,
+                             ffn_hidden=16), train=TrainConfig(seq_len=8, global_batch_size=1))
+    matmul = 2 * (8 * 8 + 8 * 4 * 2 + 8 * 8) + 2 * 3 * 8 * 16 + 2 * 8 * 10
+    attention = 4 * 2 * 4 * 21 / 8
+    assert model_flops_per_step(validate(cfg, 1), docs) == 3 * (matmul + attention) * 1 * 8
+    assert model_flops_per_step(validate(cfg, 1), docs) < model_flops_per_step(validate(cfg, 1))

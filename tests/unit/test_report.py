@@ -166,3 +166,25 @@ def test_the_report_knows_the_sliding_window():
     full = run_summary.summarize(records, None, config)
     assert "window" not in full and "attention: full causal" in run_summary.summary_text(full)
     assert not any("halo" in x for x in run_summary.diagnose(full))
+
+
+def test_balance_plot_draws_the_recorded_imbalances(tmp_path):
+    """balance.png exists only for a run that records balance, and draws exactly the recorded
+    attention imbalance and expert loads per step."""
+    records = [record(s, 5.0 - 0.1 * s, compute=0.2) for s in range(1, 5)]
+    (tmp_path / "plain").mkdir()
+    run = write_run_dir(tmp_path / "plain", records, _timeline())
+    written, _ = report.write_report(run)
+    assert not any(p.endswith("balance.png") for p in written)
+    for s, r in enumerate(records, 1):
+        r["attention_imbalance"] = 1.0 + 0.1 * s
+        r["moe_load_max_over_mean"] = {"1": 2.0 - 0.2 * s, "3": 1.5}
+    series = report.balance_series(records)
+    assert series == {"attention work, sp ranks": ([1, 2, 3, 4], [1.1, 1.2, 1.3, 1.4]),
+                      "expert load, layer 1": ([1, 2, 3, 4], [1.8, 1.6, 1.4, 1.2]),
+                      "expert load, layer 3": ([1, 2, 3, 4], [1.5] * 4)}
+    (tmp_path / "balanced").mkdir()
+    run = write_run_dir(tmp_path / "balanced", records, _timeline())
+    written, _ = report.write_report(run)
+    path = os.path.join(run, "report", "balance.png")
+    assert path in written and os.path.getsize(path) > 1000 and png_size(path)[0] >= 600

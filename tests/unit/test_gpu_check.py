@@ -1,0 +1,39 @@
+"""jobs/gpu_check.sh, the device check, without a device: it parses, every stage it runs by
+default is documented in jobs/README.md and handled by the script, and a stage that needs no
+device (``env``) runs here and records nothing it cannot."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "jobs", "gpu_check.sh")
+
+
+def _default_stages() -> list[str]:
+    text = open(SCRIPT).read()
+    return re.search(r'STAGES=\$\{\*:-"([^"]+)"\}', text).group(1).split()
+
+
+def test_the_script_parses_and_documents_each_stage():
+    assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
+    text, readme = open(SCRIPT).read(), open(os.path.join(ROOT, "jobs", "README.md")).read()
+    stages = _default_stages()
+    assert stages[:3] == ["env", "setup", "gate"] and "bench" in stages and "profile" in stages
+    documented = set(re.findall(r"^\| `([a-z0-9]+)`", readme, re.M))
+    for stage in stages:
+        handled = f"has {stage}" in text or (stage.startswith("engine") and "engine$n" in text)
+        assert handled, f"stage {stage} is listed but not handled"
+        assert stage in documented or stage.startswith("engine"), f"{stage} not in jobs/README"
+    assert "`engine1` .. `engine8`" in readme
+
+
+def test_the_env_stage_runs_without_a_device(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", SCRIPT, str(out), "env"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "=== gpu_check: env" in proc.stdout and "--- summary" in proc.stdout
+    assert "numpy" in (out / "device.txt").read_text()
+    assert (out / "all.tgz").stat().st_size > 0

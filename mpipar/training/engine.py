@@ -17,7 +17,8 @@ dumps see the engine only through these.
 
 One step, as data flows (docs/architecture.md): this DP rank takes its rows of the global batch,
 cuts them into microbatches and this SP rank's sequence chunk; each microbatch runs forward and
-backward through the stage; gradients are summed over dp x sp; the global norm is summed over
+backward through the stage; gradients are summed over dp x sp (experts sharded over ep: over
+ep_dp, :mod:`mpipar.parallel.experts`); the global norm is summed over
 tp x pp counting each parameter once; clipping and the optimizer update the local shards. The
 loss is the mean over every token of the global batch, whatever the layout. A tied embedding's
 copies on the first and last pipeline stage have their gradients summed over ``pp_ends`` by the

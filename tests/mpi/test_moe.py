@@ -168,7 +168,8 @@ RESHARD = [(dict(model="moe8", dp=8, ep=8, zero=1), dict(model="moe8", dp=2, tp=
 def test_checkpoint_moves_across_ep_sizes(world, before, after):
     """A step trained and saved under one ep (and ZeRO stage) loads under another and the next
     step equals the one-process run's second step; the checkpoint of a run whose experts are
-    sharded over ep exports to Mixtral's files with every expert (equal to ``gather_params``)."""
+    sharded over ep (ep 8, ZeRO-1) exports to Mixtral's files with every expert (equal to
+    ``gather_params``)."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -188,7 +189,7 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
         path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
         trained = a.gather_params()
         a.close()
-        if world.rank == 0 and before.get("ep", 1) > 1:
+        if world.rank == 0 and model == "moe8":   # Mixtral's layout: every block sparse
             fails += _exported_differs(path, root / "hf", trained)
         b = Engine(validate(small_config("float64", model, **after), 8), world,
                    source=token_source())
@@ -279,8 +280,11 @@ def _exported_differs(path, out, params) -> list[str]:
 
     from mpipar.checkpoint.huggingface import load_hf
     from mpipar.checkpoint.tools import export_hf
-    export_hf(path, out, dtype="float64")
-    _, back = load_hf(out)
+    try:
+        export_hf(path, out, dtype="float64")
+        _, back = load_hf(out)
+    except Exception as exc:       # reported, not raised: the other ranks go on collectively
+        return [f"export: {type(exc).__name__}: {exc}"]
     if set(back) != set(params):
         return [f"exported names differ: {sorted(set(back) ^ set(params))[:4]}"]
     return [f"exported {n} differs" for n in params if not np.array_equal(back[n], params[n])]

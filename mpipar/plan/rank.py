@@ -87,7 +87,21 @@ def group_sizes(layout: Layout) -> dict[str, int]:
     u = par.ulysses_size or 1
     return {"tp": par.tp, "pp": par.pp, "dp": dp, "sp": par.sp, "dp_sp": dp * par.sp,
             "tp_pp": par.tp * par.pp, "pp_ends": min(par.pp, 2), "dp_sp_intra": intra,
-            "dp_sp_inter": dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u}
+            "dp_sp_inter": dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u,
+            "ep": par.ep, "ep_dp": dp * par.sp // expert_shards(layout)}
+
+
+def group_members(layout: Layout, name: str, rank: int) -> list[int]:
+    """Grid ranks of ``rank``'s instance of group ``name``, in group-rank order: the grid's
+    groups (:meth:`mpipar.runtime.topology.GridShape.members`), and ``ep``, the ``ep``
+    consecutive ranks of dp x sp the engine splits off, and ``ep_dp``, the ranks of dp x sp at
+    the same place of their ep group (:mod:`mpipar.parallel.experts`)."""
+    shape, nodes = grid_shape(layout), nodes_of(layout)
+    if name in ("ep", "ep_dp"):
+        dp_sp, ep = shape.members("dp_sp", rank, nodes), layout.parallel.ep
+        at = dp_sp.index(rank)
+        return dp_sp[at // ep * ep:at // ep * ep + ep] if name == "ep" else dp_sp[at % ep::ep]
+    return shape.members(name, rank, nodes, layout.parallel.ulysses_size or 1)
 
 
 def compressed_size(layout: Layout) -> int:

@@ -52,6 +52,8 @@ class Candidate:
         if par.dp * par.sp > 1 and par.grad_compression != "none":
             text += " " + {"int8": "int8", "topk": f"top-{par.topk_ratio:g}"}[
                 par.grad_compression] + ("" if par.error_feedback == "on" else " no-EF")
+        if self.cfg.model.moe_experts:
+            text += f" ep={par.ep}"
         zero = f"{par.zero}" + ("(node shared)" if par.zero_shared == "node" else "")
         return text + f" mbs={tr.micro_batch_size} zero={zero} recompute={tr.recompute}"
 
@@ -102,7 +104,8 @@ def _sp_choices(base: Config, tp: int, sp: int, fixed: set[str]) -> list[tuple[s
 def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
               ) -> Iterator[Config]:
     """Configs with ``sizes`` = (dp, tp, pp, sp) and every free schedule / SP / batch / ZeRO /
-    reduction / compression choice (hierarchical reduction and hybrid SP when nodes are given)."""
+    reduction / compression choice (hierarchical reduction and hybrid SP when nodes are given),
+    and for a mixture of experts every expert-parallel size (dividing dp x sp and the experts)."""
     par, tr = base.parallel, base.train
     dp, tp, pp, sp = sizes
     rows = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
@@ -117,6 +120,10 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
     codecs = ([par.grad_compression] if "grad_compression" in fixed or dp * sp == 1
               or not across else ["none", "int8", "topk"])
 
+    experts = base.model.moe_experts
+    eps = ([par.ep] if "ep" in fixed or not experts else
+           [e for e in range(1, dp * sp + 1) if (dp * sp) % e == 0 and experts % e == 0])
+
     def shared_choices(zero: int) -> list[str]:
         """ZeRO-3 on the CPU: gathered, or in node shared memory."""
         if zero != 3:
@@ -124,9 +131,9 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
         if "zero_shared" in fixed or tr.device == "cuda":
             return [par.zero_shared]
         return ["off", "node"]
-    for (schedule, v), (mode, split, u), mbs, zero, reduce, codec in itertools.product(
+    for (schedule, v), (mode, split, u), mbs, zero, reduce, codec, ep in itertools.product(
             _schedule_choices(base, pp, fixed), _sp_choices(base, tp, sp, fixed), micro, zeros,
-            reduces, codecs):
+            reduces, codecs, eps):
         # ZeRO-2/3 reduce-scatter dense and flat (fsdp's rule): a variant that clashes only
         # because a free field was varied is no layout; fixed fields that clash are rejected.
         if zero >= 2 and not ("zero" in fixed and (
@@ -138,7 +145,7 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
             yield Config(base.model, dataclasses.replace(
                 par, dp=dp, tp=tp, pp=pp, sp=sp, schedule=schedule, virtual_stages=v,
                 sp_mode=mode, sp_split=split, ulysses_size=u, zero=zero, zero_shared=shared,
-                dp_reduce=reduce, grad_compression=codec),
+                dp_reduce=reduce, grad_compression=codec, ep=ep),
                 dataclasses.replace(tr, micro_batch_size=mbs))
 
 

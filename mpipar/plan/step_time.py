@@ -39,7 +39,8 @@ from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.placement import padded_vocab
 from mpipar.parallel.traffic import element_bytes
 from mpipar.model.flops import block_flops_per_token
-from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group_sizes,
+from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group_members,
+                              group_sizes,
                               nodes_of, schedule_ops)
 from mpipar.plan.traffic import call_algorithm, call_wire, step_calls
 from mpipar.runtime.topology import GROUP_AXES, Coord
@@ -144,7 +145,7 @@ class StepTime:
     total: float
 
 
-INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring")        # inside forward and backward ops
+INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring", "ep")  # inside forward and backward ops
 STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")  # after the pipeline
 
 
@@ -159,7 +160,7 @@ def _group_seconds(layout: Layout, coord: Coord, hw: Hardware) -> dict[str, floa
     out: dict[str, float] = defaultdict(float)
     for call in step_calls(layout, coord):
         if call.group not in links:
-            members = shape.members(call.group, me, nodes, par.ulysses_size or 1)
+            members = group_members(layout, call.group, me)
             links[call.group] = hw.link("inter" if len({nodes.nodes[r] for r in members}) > 1
                                         else "intra")
         bw, lat = links[call.group]

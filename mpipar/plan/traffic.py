@@ -29,7 +29,8 @@ from mpipar.parallel.fsdp import sharded_calls, unit_passes
 from mpipar.parallel.pipeline.schedule import pipeline_calls
 from mpipar.parallel.tensor import tensor_calls
 from mpipar.parallel.traffic import Call
-from mpipar.plan.rank import (gradient_buckets, grid_shape, group_sizes, kept_units,
+from mpipar.plan.rank import (gradient_buckets, grid_shape, group_members, group_sizes,
+                              kept_units,
                               node_copy, nodes_of, placement_table, rank_ops, rank_stages,
                               unit_lengths)
 from mpipar.runtime import allreduce
@@ -129,7 +130,7 @@ def call_link(layout: Layout, coord: Coord, call: Call) -> str:
     me = shape.rank_of(coord)
     if call.peer is not None:
         return "intra" if nodes.nodes[call.peer] == nodes.nodes[me] else "inter"
-    members = shape.members(call.group, me, nodes, layout.parallel.ulysses_size or 1)
+    members = group_members(layout, call.group, me)
     return "inter" if len({nodes.nodes[r] for r in members}) > 1 else "intra"
 
 
@@ -174,6 +175,6 @@ def call_wire(layout: Layout, coord: Coord, call: Call, sizes: dict[str, int]) -
     algorithm = call_algorithm(layout, call)
     if algorithm is None:
         return wire_bytes(call.op, call.nbytes, sizes[call.group])
-    shape, me = grid_shape(layout), grid_shape(layout).rank_of(coord)
-    members = shape.members(call.group, me, nodes_of(layout), layout.parallel.ulysses_size or 1)
+    me = grid_shape(layout).rank_of(coord)
+    members = group_members(layout, call.group, me)
     return wire_bytes(call.op, call.nbytes, sizes[call.group], members.index(me), algorithm)

@@ -322,3 +322,31 @@ def test_model_flops_under_document_masks_count_the_keys_inside_documents():
     attention = 4 * 2 * 4 * 21 / 8
     assert model_flops_per_step(validate(cfg, 1), docs) == 3 * (matmul + attention) * 1 * 8
     assert model_flops_per_step(validate(cfg, 1), docs) < model_flops_per_step(validate(cfg, 1))
+
+
+def test_the_planner_ranks_expert_parallel_layouts():
+    """A mixture of experts: every ep dividing dp x sp and the experts is a candidate, ep > 1
+    pays for its all-to-alls inside forward and backward (and ep = 1 for none), and the ep
+    group's wire bytes are its all-to-alls' (n-1)/n."""
+    from mpipar.config import ParallelConfig
+    from mpipar.plan.search import plan_layouts
+    from mpipar.plan.traffic import predict_link_bytes, step_calls
+    from mpipar.runtime.comm import wire_bytes
+    from mpipar.runtime.topology import Coord
+    base = Config(ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2,
+                              ffn_hidden=48, moe_experts=4, moe_top_k=2, moe_ffn_hidden=16),
+                  ParallelConfig(dp=4), TrainConfig(seq_len=16, global_batch_size=8))
+    plan = plan_layouts(base, 4, fixed={"dp", "tp", "pp", "sp", "zero", "micro_batch_size"})
+    by_ep = {c.cfg.parallel.ep: c for c in plan.ranked}
+    assert sorted(by_ep) == [1, 2, 4]
+    assert "ep=2" in by_ep[2].describe()
+    assert "ep" not in by_ep[1].time.comm and by_ep[4].time.comm["ep"] > 0
+    assert by_ep[4].time.total > by_ep[1].time.total
+    layout = by_ep[4].cfg
+    ep_calls = [c for c in step_calls(layout, Coord(0, 0, 0, 0)) if c.group == "ep"]
+    # counts, rows; and the experts' share of the gradient norm (sharded over ep: all-reduce)
+    assert ep_calls and {c.op for c in ep_calls} == {"alltoall", "alltoallv", "allreduce"}
+    want = sum(c.nbytes * 3 // 4 * c.count for c in ep_calls if c.op == "alltoall") + sum(
+        c.nbytes * c.count for c in ep_calls if c.op == "alltoallv") + sum(
+        wire_bytes(c.op, c.nbytes, 4) * c.count for c in ep_calls if c.op == "allreduce")
+    assert predict_link_bytes(layout, Coord(0, 0, 0, 0))["ep"]["intra"] == want

@@ -125,10 +125,11 @@ LEDGER = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=4, recompute="full
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("case", LEDGER, ids=[layout_name(v) for v in LEDGER])
 def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
-    """With the router forced uniform, every group's bytes in the ledger (ep and sp included)
-    equal the planner's prediction for a step, and the validation pass's for its own."""
+    """With the router forced uniform, every group's bytes in the ledger (ep, ep_dp and sp
+    included) equal the planner's prediction for a step, and the validation pass's for its own;
+    and so do a step's wire bytes per group and link."""
     from mpipar.kernels import moe as kernels_moe
-    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
+    from mpipar.plan.traffic import predict_eval_bytes, predict_link_bytes, predict_step_bytes
     from mpipar.training.engine import Engine
     monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
     case = dict(case)
@@ -151,6 +152,9 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
                          f"{want_eval}")
         if case.get("ep", 1) > 1 and not got.get("ep"):
             fails.append("no ep bytes booked")
+        if eng.ledger.bytes_by_link() != predict_link_bytes(layout, eng.grid.coord):
+            fails.append(f"{eng.grid.coord}: links {eng.ledger.bytes_by_link()} vs "
+                         f"{predict_link_bytes(layout, eng.grid.coord)}")
         eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")

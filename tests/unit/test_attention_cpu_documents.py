@@ -61,6 +61,20 @@ def test_documents_match_the_reference(rng, hq, hkv, window, qs, qn, ks, kn):
     check(rng, q, k, v, qs, ks, window, docs[:, qs:qs + qn], docs[:, ks:ks + kn])
 
 
+def test_documents_without_causality_match_the_reference(rng):
+    """Non-causal (numpy_ref's contract): the document's last key bounds every query."""
+    docs = layout(rng, 2, 200)
+    q, k, v = inputs(rng, 2, 200, 200, 4, 2, 64, np.float64)
+    kw = dict(q_docs=docs, k_docs=docs)
+    out, lse = ac.attention_fwd(q, k, v, 0, 0, False, **kw)
+    r_out, r_lse = ref.attention_fwd(q, k, v, 0, 0, False, **kw)
+    assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+    dout = rng.standard_normal(q.shape)
+    grads = ac.attention_bwd(q, k, v, r_out, r_lse, dout, 0, 0, False, **kw)
+    for g, r in zip(grads, ref.attention_bwd(q, k, v, r_out, r_lse, dout, 0, 0, False, **kw)):
+        assert rel_err(g, r) < 1e-12
+
+
 def test_one_document_is_plain_causal_and_single_tokens_see_themselves(rng):
     """One document: bit for bit the causal kernel; documents of one token: out = v."""
     q, k, v = inputs(rng, 1, 200, 200, 4, 2, 64, np.float64)

@@ -79,7 +79,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             cpu = min(cpu, time.process_time() - c0)
         return wall, cpu
 
-    (full, full_cpu), docs_pos = step(kernels, np.arange(seq)), DocumentPositions.of(np.arange(seq), docs)
+    full, full_cpu = step(kernels, np.arange(seq))
+    docs_pos = DocumentPositions.of(np.arange(seq), docs)
     masked, masked_cpu = step(kernels, docs_pos)
     per_doc = per_doc_cpu = None
     if documents_in_kernel(kernels):        # the same kernels called once per document's block
@@ -93,8 +94,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             "full_cpu_s": full_cpu, "masked_cpu_s": masked_cpu,
             "cpu_over_work": masked_cpu / full_cpu / work,
             "per_document_calls_s": per_doc, "per_document_cpu_s": per_doc_cpu,
-            "per_document_time_over_work": None if per_doc is None else per_doc / full / work,
-            "per_document_cpu_over_work": None if per_doc is None else per_doc_cpu / full_cpu / work}
+            "per_document_time_over_work": per_doc and per_doc / full / work,
+            "per_document_cpu_over_work": per_doc and per_doc_cpu / full_cpu / work}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,12 +117,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{sp_['masked_s'] * 1e3:.1f} ms; time ratio {sp_['time_ratio']:.4f}, work ratio "
           f"{sp_['work_ratio']:.4f}, time/work {sp_['time_over_work']:.2f} (target <= 1.2)")
     print(f"  CPU time (all threads): full causal {sp_['full_cpu_s'] * 1e3:.1f} ms, "
-          f"document-masked {sp_['masked_cpu_s'] * 1e3:.1f} ms, cpu/work {sp_['cpu_over_work']:.2f}")
+          f"document-masked {sp_['masked_cpu_s'] * 1e3:.1f} ms, "
+          f"cpu/work {sp_['cpu_over_work']:.2f}")
     if sp_["per_document_calls_s"] is not None:
         print(f"  the same kernels called once per document's block: "
-              f"{sp_['per_document_calls_s'] * 1e3:.1f} ms (CPU {sp_['per_document_cpu_s'] * 1e3:.1f}"
-              f" ms), time/work {sp_['per_document_time_over_work']:.2f}, cpu/work "
-              f"{sp_['per_document_cpu_over_work']:.2f}")
+              f"{sp_['per_document_calls_s'] * 1e3:.1f} ms "
+              f"(CPU {sp_['per_document_cpu_s'] * 1e3:.1f} ms), "
+              f"time/work {sp_['per_document_time_over_work']:.2f}, "
+              f"cpu/work {sp_['per_document_cpu_over_work']:.2f}")
     return {"balance": rows, "speed": sp_}
 
 

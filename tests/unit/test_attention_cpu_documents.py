@@ -118,7 +118,8 @@ def test_bf16_runs_the_float32_kernel_on_the_upcast_inputs(rng):
     docs = layout(rng, 1, 150)
     q, k, v = (a.astype(bf16) for a in inputs(rng, 1, 150, 150, 4, 2, 64, np.float32))
     out, lse = ac.attention_fwd(q, k, v, q_docs=docs, k_docs=docs)
-    o32, l32 = ac.attention_fwd(*(a.astype(np.float32) for a in (q, k, v)), q_docs=docs, k_docs=docs)
+    up = (a.astype(np.float32) for a in (q, k, v))
+    o32, l32 = ac.attention_fwd(*up, q_docs=docs, k_docs=docs)
     assert out.dtype == bf16 and np.array_equal(out, o32.astype(bf16)) and np.array_equal(lse, l32)
 
 

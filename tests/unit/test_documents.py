@@ -70,7 +70,8 @@ def test_the_numba_seam_makes_one_kernel_call_per_block():
 
     from mpipar.model.attention import documents_in_kernel
 
-    assert documents_in_kernel(get_backend("numba")) and not documents_in_kernel(get_backend("numpy"))
+    assert documents_in_kernel(get_backend("numba"))
+    assert not documents_in_kernel(get_backend("numpy"))
     q, k, v, dout = _qkv(S=40)
     docs = np.repeat(np.arange(8), 5)[None].repeat(2, 0)
     pos = DocumentPositions.of(np.arange(40), docs)

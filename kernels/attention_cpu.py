@@ -21,6 +21,13 @@ the diagonal or the window's edge is cut into row segments of SEGMENT positions,
 multiplied only with the range of keys its rows can see, so that at most about SEGMENT / 2 keys
 per row and edge are computed in vain. `tile_work` counts the tiles and segments computed.
 
+Packed documents (`q_docs`, `k_docs`: document ids, non-decreasing along each row). Each query
+sees only the keys [klo, khi) of its own document (`document_bounds`, found once per call), a
+third bound beside causality and the window that also grows with the position: the key range of
+a query block, the query range of a key block (backward) and the row segments (which also end
+at each document's end) shrink to the same-document pairs, so a tile with none is never computed
+and a row of short documents costs about its documents' own causal squares, in one call.
+
 Forward softmax. Each row keeps a reference value m (one of its own scores, taken in its first
 visible tile) and accumulates l = sum exp(s - m) and acc = sum exp(s - m) v. There is no
 per-tile maximum pass: a tile whose row sum exceeds SUM_LIMIT (a score far above m) is redone
@@ -83,6 +90,15 @@ def _first(window, q_offset, k_offset, pos, j0, nk):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
+def _row_keys(causal, window, q_offset, k_offset, pos, j0, nk, klo, khi):  # pragma: no cover (njit)
+    """[start, end) (relative to j0, within [0, nk]) of the keys [j0, j0 + nk) that the query at
+    local position `pos` sees: causal, window and its document's keys [klo[pos], khi[pos])."""
+    hi = max(0, min(_visible(causal, q_offset, k_offset, pos, j0, nk), khi[pos] - j0))
+    lo = min(nk, max(_first(window, q_offset, k_offset, pos, j0, nk), klo[pos] - j0))
+    return lo, hi
+
+
+@njit(cache=True, nogil=True)
 def _even_step(n, most):  # pragma: no cover (njit)
     """Block size <= most (a multiple of 16) that cuts n into ceil(n / most) nearly equal blocks
     (rounded up to a multiple of 16), instead of full blocks and a short last one."""
@@ -93,50 +109,82 @@ def _even_step(n, most):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
-def _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, seg):  # pragma: no cover (njit)
-    """Cut the tile (queries [i0, i0 + nq), keys [j0, j0 + nk)) into row segments: seg[s] =
-    (first position, end position, first key, end key) for the positions that see any key, the
-    keys being the union of what the segment's rows see (both bounds grow with the position);
-    segments that see all nk keys are merged. Returns the number of segments."""
+def _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend,
+              seg):  # pragma: no cover (njit)
+    """Cut the tile (queries [i0, i0 + nq), keys [j0, j0 + nk)) into row segments of at most
+    SEGMENT positions that never cross a document end (qend): seg[s] = (first position, end
+    position, first key, end key) for the positions that see any key, the keys being the union
+    of what the segment's rows see (both bounds grow with the position); segments that see all
+    nk keys are merged. Returns the number of segments (seg needs nq + 1 rows)."""
     n = 0
-    for t0 in range(0, nq, SEGMENT):
-        t1 = min(nq, t0 + SEGMENT)
-        c0 = _first(window, q_offset, k_offset, i0 + t0, j0, nk)
-        c1 = _visible(causal, q_offset, k_offset, i0 + t1 - 1, j0, nk)
-        if c1 <= c0:
-            continue
-        if n > 0 and c0 == 0 and c1 == nk and seg[n - 1, 2] == 0 and seg[n - 1, 3] == nk:
-            seg[n - 1, 1] = t1
-        else:
-            seg[n, 0], seg[n, 1], seg[n, 2], seg[n, 3] = t0, t1, c0, c1
-            n += 1
+    t0 = 0
+    while t0 < nq:
+        t1 = min(nq, t0 + SEGMENT, qend[i0 + t0] - i0)
+        c0 = _row_keys(causal, window, q_offset, k_offset, i0 + t0, j0, nk, klo, khi)[0]
+        c1 = _row_keys(causal, window, q_offset, k_offset, i0 + t1 - 1, j0, nk, klo, khi)[1]
+        if c1 > c0:
+            if n > 0 and c0 == 0 and c1 == nk and seg[n - 1, 2] == 0 and seg[n - 1, 3] == nk \
+                    and seg[n - 1, 1] == t0:
+                seg[n - 1, 1] = t1
+            else:
+                seg[n, 0], seg[n, 1], seg[n, 2], seg[n, 3] = t0, t1, c0, c1
+                n += 1
+        t0 = t1
     return n
 
 
-def _key_range(causal: bool, window: int, q_offset: int, k_offset: int, lo: int, hi: int,
-               sk: int) -> tuple[int, int]:
-    """[start, end) of the keys that the query positions [lo, hi) can see."""
-    end = max(0, min(sk, q_offset + hi - k_offset)) if causal else sk
-    start = min(end, max(0, q_offset + lo - window + 1 - k_offset)) if window > 0 else 0
-    return start, end
+def document_bounds(q_docs: Array | None, k_docs: Array | None, b: int, sq: int, sk: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per query `[B, Sq]` (int64): klo, khi, the keys [klo, khi) of its document in the key
+    block, and qend, the end of its document in the query block (no documents: all keys, and
+    the block's end). Document ids `[B, Sq]`, `[B, Sk]` must not decrease along a row (packed
+    documents: each document one run of positions, in order)."""
+    if q_docs is None and k_docs is None:
+        return np.zeros((b, sq), np.int64), np.full((b, sq), sk, np.int64), np.full((b, sq), sq, np.int64)
+    require(q_docs is not None and k_docs is not None, "attention: q_docs and k_docs go together")
+    qd, kd = np.asarray(q_docs), np.asarray(k_docs)
+    require(qd.shape == (b, sq) and kd.shape == (b, sk),
+            f"attention: q_docs {qd.shape} and k_docs {kd.shape} must be {(b, sq)} and {(b, sk)}")
+    require(bool((np.diff(qd, axis=1) >= 0).all() and (np.diff(kd, axis=1) >= 0).all()),
+            "attention (numba): document ids must not decrease along a row (packed documents)")
+    klo, khi, qend = (np.empty((b, sq), np.int64) for _ in range(3))
+    for r in range(b):
+        klo[r] = np.searchsorted(kd[r], qd[r], "left")
+        khi[r] = np.searchsorted(kd[r], qd[r], "right")
+        qend[r] = np.searchsorted(qd[r], qd[r], "right")
+    return klo, khi, qend
+
+
+@njit(cache=True, nogil=True)
+def _key_range(causal, window, q_offset, k_offset, i0, nq, sk, klo, khi):  # pragma: no cover (njit)
+    """[start, end) of the keys that the query positions [i0, i0 + nq) can see."""
+    end = _row_keys(causal, window, q_offset, k_offset, i0 + nq - 1, 0, sk, klo, khi)[1]
+    start = _row_keys(causal, window, q_offset, k_offset, i0, 0, sk, klo, khi)[0]
+    return min(start, end), end
 
 
 def tile_work(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: int = 0,
-              causal: bool = True, window: int = 0) -> tuple[int, int]:
-    """(tiles, score entries) the forward computes for one query head of one sequence of a
-    `[Sq]` x `[Sk]` block: what causal and window skipping leave of the Sq * Sk scores (a
-    host-side count of the kernel's own loops)."""
+              causal: bool = True, window: int = 0, q_docs: Array | None = None,
+              k_docs: Array | None = None) -> tuple[int, int]:
+    """(tiles, score entries) the forward computes for one query head of the sequences of a
+    `[Sq]` x `[Sk]` block (one sequence, or the rows of `q_docs` `[B, Sq]` and `k_docs`
+    `[B, Sk]`, summed): what causal, window and document skipping leave of the Sq * Sk scores
+    (a host-side count of the kernel's own loops)."""
     bq, bk = tile_sizes(head_dim)
-    seg = np.empty((bq // SEGMENT + 2, 4), np.int64)
+    rows = 1 if q_docs is None else np.asarray(q_docs).shape[0]
+    klo, khi, qend = document_bounds(q_docs, k_docs, rows, sq, sk)
+    seg = np.empty((bq + 1, 4), np.int64)
     tiles = entries = 0
-    for i0 in range(0, sq, bq):
-        nq = min(bq, sq - i0)
-        start, end = _key_range(causal, window, q_offset + i0, k_offset, 0, nq, sk)
-        step = _even_step(end - start, bk)
-        for j0 in range(start, end, step):
-            n = _segments(causal, window, q_offset, k_offset, i0, nq, j0, min(step, end - j0), seg)
-            tiles += n > 0
-            entries += int(((seg[:n, 1] - seg[:n, 0]) * (seg[:n, 3] - seg[:n, 2])).sum())
+    for r in range(rows):
+        for i0 in range(0, sq, bq):
+            nq = min(bq, sq - i0)
+            start, end = _key_range(causal, window, q_offset, k_offset, i0, nq, sk, klo[r], khi[r])
+            step = _even_step(end - start, bk)
+            for j0 in range(start, end, step):
+                n = _segments(causal, window, q_offset, k_offset, i0, nq, j0, min(step, end - j0),
+                              klo[r], khi[r], qend[r], seg)
+                tiles += n > 0
+                entries += int(((seg[:n, 1] - seg[:n, 0]) * (seg[:n, 3] - seg[:n, 2])).sum())
     return tiles, entries
 
 
@@ -193,8 +241,8 @@ def _heads_major(x):  # pragma: no cover (njit)
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, m, has_m, l, acc, qh, kta,
-              sk, scale):  # pragma: no cover (njit)
+def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m, has_m, l, acc,
+              qh, kta, sk, scale):  # pragma: no cover (njit)
     """Softmax weights of tile rows [t0, t1) of one head over the tile's keys [c0, c1), in place
     in p[:, c0:c1] (scores in, weights out); updates that head's m, l, acc `[positions(, D)]`.
     qh: the head's query rows `[positions, D]`, kta: address of K^T at key c0 (to redo a row)."""
@@ -203,8 +251,8 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, m, 
     width = c1 - c0
     for t in range(t0, t1):
         row = p[t]                                    # positions c0 .. c1 of it are the tile's
-        hi = max(c0, _visible(causal, q_offset, k_offset, i0 + t, j0, c1))
-        lo = max(c0, _first(window, q_offset, k_offset, i0 + t, j0, c1))
+        lo, hi = _row_keys(causal, window, q_offset, k_offset, i0 + t, j0, c1, klo, khi)
+        lo, hi = max(c0, lo), max(c0, hi)
         if hi <= lo:
             for j in range(c0, c1):
                 row[j] = 0
@@ -227,10 +275,10 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, m, 
 
 
 @njit(cache=True, nogil=True)
-def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, window, scale, bk, out,
+def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, window, klo, khi, qend, scale, bk, out,
               lse):  # pragma: no cover (njit)
     """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over the keys they
-    can see."""
+    can see (klo, khi, qend: sequence b's `document_bounds`)."""
     hq, d = q.shape[2], q.shape[3]
     hkv, sk = kt.shape[1], kt.shape[3]
     group = hq // hkv
@@ -240,13 +288,12 @@ def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, window, scale
     has_m = np.zeros((group, nq), np.bool_)
     l = np.zeros((group, nq))
     p = np.empty((nq, bk), q.dtype)
-    seg = np.empty((nq // SEGMENT + 2, 4), np.int64)
-    kend = max(0, min(sk, q_offset + i0 + nq - k_offset)) if causal else sk
-    kstart = min(kend, max(0, q_offset + i0 - window + 1 - k_offset)) if window > 0 else 0
+    seg = np.empty((nq + 1, 4), np.int64)
+    kstart, kend = _key_range(causal, window, q_offset, k_offset, i0, nq, sk, klo, khi)
     step = _even_step(kend - kstart, bk)
     for j0 in range(kstart, kend, step):
         nk = min(step, kend - j0)
-        nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, seg)
+        nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend, seg)
         for g in range(group):
             qh = q[b, i0:, kh * group + g]
             for s in range(nseg):
@@ -254,8 +301,8 @@ def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, window, scale
                 kta = kt[b, kh, :, j0 + c0:].ctypes.data
                 gemm(False, False, t1 - t0, c1 - c0, d, scale, qh[t0:].ctypes.data, hq * d, kta, sk, 0.0,
                      p[t0:, c0:].ctypes.data, bk, single)
-                _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, m[g], has_m[g], l[g],
-                          acc[g], qh, kta, sk, scale)
+                _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m[g],
+                          has_m[g], l[g], acc[g], qh, kta, sk, scale)
                 gemm(False, False, t1 - t0, d, c1 - c0, 1.0, p[t0:, c0:].ctypes.data, bk,
                      v[b, j0 + c0:, kh].ctypes.data, hkv * d, 1.0, acc[g, t0:].ctypes.data, d, single)
     for t in range(nq):
@@ -273,7 +320,7 @@ def _fwd_task(q, kt, v, b, kh, i0, nq, q_offset, k_offset, causal, window, scale
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_fwd(q, kt, v, q_offset, k_offset, causal, window, scale, bq, bk, out,
+def _attention_fwd(q, kt, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, bq, bk, out,
                    lse):  # pragma: no cover (njit)
     """One task per (sequence, kv head, query block); query blocks in zigzag order (0, n-1, 1, ...)
     so that the equal shares of tasks that threads get hold equal causal work."""
@@ -283,9 +330,9 @@ def _attention_fwd(q, kt, v, q_offset, k_offset, causal, window, scale, bq, bk, 
     for task in prange(nb * hkv * nqb):
         idx = task % nqb
         qb = idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2
-        i0 = qb * bq
-        _fwd_task(q, kt, v, task // (hkv * nqb), (task // nqb) % hkv, i0, min(bq, sq - i0), q_offset,
-                  k_offset, causal, window, scale, bk, out, lse)
+        i0, b = qb * bq, task // (hkv * nqb)
+        _fwd_task(q, kt, v, b, (task // nqb) % hkv, i0, min(bq, sq - i0), q_offset, k_offset, causal, window,
+                  klo[b], khi[b], qend[b], scale, bk, out, lse)
 
 
 def _inputs(q: Array, k: Array, v: Array, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype]:
@@ -300,9 +347,11 @@ def _inputs(q: Array, k: Array, v: Array, name: str) -> tuple[np.ndarray, np.nda
 
 @ref.mixed_precision(0)
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None,
-                  window: int = 0) -> tuple[Array, Array]:
-    """Blockwise attention; same contract as `numpy_ref.attention_fwd` (sliding `window` included).
+                  causal: bool = True, scale: float | None = None, window: int = 0,
+                  q_docs: Array | None = None, k_docs: Array | None = None) -> tuple[Array, Array]:
+    """Blockwise attention; same contract as `numpy_ref.attention_fwd` (sliding `window` and
+    packed documents included: ids `q_docs` `[B, Sq]`, `k_docs` `[B, Sk]`, non-decreasing along
+    each row; tiles with no same-document pair are skipped).
 
     q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out `[B, Sq, Hq, D]` (C-contiguous), lse `[B, Hq, Sq]`.
     """
@@ -312,8 +361,9 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     out = np.empty(q.shape, dt)
     lse = np.empty((b, hq, sq), ref.stat_dtype(dt))
     bq, bk = tile_sizes(d)
+    klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     _attention_fwd(q, _heads_major(k), v, int(q_offset), int(k_offset), bool(causal), int(window),
-                   dt.type(ref.attention_scale(d, scale)), bq, bk, out, lse)
+                   klo, khi, qend, dt.type(ref.attention_scale(d, scale)), bq, bk, out, lse)
     return out, lse
 
 
@@ -322,13 +372,14 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, lse_h,
+def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, lse_h,
               delta_h):  # pragma: no cover (njit)
     """Tile rows [t0, t1) of one head over the keys [c0, c1): p = exp(s - lse) in place of the
     scores s and dp = p * (dp - delta) in place of dP; both 0 outside each row's visible keys."""
     for t in range(t0, t1):
-        lo = max(c0, _first(window, q_offset, k_offset, i0 + t, j0, c1))
-        hi = max(lo, _visible(causal, q_offset, k_offset, i0 + t, j0, c1))
+        lo, hi = _row_keys(causal, window, q_offset, k_offset, i0 + t, j0, c1, klo, khi)
+        lo = max(c0, lo)
+        hi = max(lo, hi)
         if lse_h[i0 + t] == -np.inf:
             hi = lo
         for j in range(c0, lo):
@@ -351,10 +402,11 @@ def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
-def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, scale, bq, bk,
-              dq, dk, dv):  # pragma: no cover (njit)
+def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
+              scale, bq, bk, dq, dk, dv):  # pragma: no cover (njit)
     """All gradients of kv head kh of sequence b: dk, dv rows of that head and dq (+=) of its query
-    heads. delta `[B, Hq, Sq]` = rowsum(dout * out)."""
+    heads. delta `[B, Hq, Sq]` = rowsum(dout * out); klo, khi, qend: sequence b's
+    `document_bounds`."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, sk = kt.shape[1], kt.shape[3]
     group = hq // hkv
@@ -364,21 +416,25 @@ def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal,
     dp = np.empty((bq, bk), q.dtype)
     dk_acc = np.empty((bk, d), q.dtype)
     dv_acc = np.empty((bk, d), q.dtype)
-    seg = np.empty((bq // SEGMENT + 2, 4), np.int64)
+    seg = np.empty((bq + 1, 4), np.int64)
     for j0 in range(0, sk, bk):
         nk = min(bk, sk - j0)
         first = max(0, k_offset + j0 - q_offset) if causal else 0  # first query that sees key j0
+        # Documents: queries whose document ends after key j0 (khi grows with the position).
+        first = max(first, np.searchsorted(khi, j0, side="right"))
         if first >= sq:
             break
-        # The window: no query past the last one whose window reaches key j0 + nk - 1.
+        # The window: no query past the last one whose window reaches key j0 + nk - 1; documents:
+        # none whose document starts after the block's last key.
         last = min(sq, k_offset + j0 + nk - 1 + window - q_offset) if window > 0 else sq
+        last = min(last, np.searchsorted(klo, j0 + nk - 1, side="right"))
         if last <= first:
             continue
         dk_acc[:] = 0
         dv_acc[:] = 0
         for i0 in range(first - first % bq, last, bq):
             nq = min(bq, sq - i0)
-            nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, seg)
+            nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend, seg)
             for g in range(group):
                 h = kh * group + g
                 for s in range(nseg):
@@ -388,8 +444,8 @@ def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal,
                     qa, doa = q[b, i0 + t0:, h].ctypes.data, dout[b, i0 + t0:, h].ctypes.data
                     gemm(False, False, nr, w, d, scale, qa, ldq, kta, sk, 0.0, pa, bk, single)
                     gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, sk, 0.0, dpa, bk, single)
-                    _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, lse[b, h],
-                              delta[b, h])
+                    _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi,
+                              lse[b, h], delta[b, h])
                     gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, dv_acc[c0:].ctypes.data, d, single)
                     gemm(True, False, w, d, nr, scale, dpa, bk, qa, ldq, 1.0, dk_acc[c0:].ctypes.data, d,
                          single)
@@ -402,13 +458,14 @@ def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal,
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_bwd(q, k, kt, vt, lse, delta, dout, q_offset, k_offset, causal, window, scale, bq, bk,
-                   dq, dk, dv):  # pragma: no cover (njit)
+def _attention_bwd(q, k, kt, vt, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
+                   bq, bk, dq, dk, dv):  # pragma: no cover (njit)
     """One task per (sequence, kv head)."""
     hkv = k.shape[2]
     for task in prange(q.shape[0] * hkv):
-        _bwd_task(q, k, kt, vt, lse, delta, dout, task // hkv, task % hkv, q_offset, k_offset, causal,
-                  window, scale, bq, bk, dq, dk, dv)
+        b = task // hkv
+        _bwd_task(q, k, kt, vt, lse, delta, dout, b, task % hkv, q_offset, k_offset, causal, window, klo[b],
+                  khi[b], qend[b], scale, bq, bk, dq, dk, dv)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -429,9 +486,10 @@ def _row_dots(a, b):  # pragma: no cover (njit)
 @ref.mixed_precision()
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
+                  scale: float | None = None, window: int = 0, q_docs: Array | None = None,
+                  k_docs: Array | None = None) -> tuple[Array, Array, Array]:
     """Blockwise flash-attention backward from the given (possibly merged) out and lse (sliding
-    `window` included).
+    `window` and packed documents included, as `attention_fwd`).
 
     Same contract as `numpy_ref.attention_bwd`: dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`
     (C-contiguous).
@@ -447,7 +505,14 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     dk = np.zeros(k.shape, dt)  # key blocks that no query sees stay 0
     dv = np.zeros(k.shape, dt)
     bq, bk = tile_sizes(d)
+    klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     _attention_bwd(q, k, _heads_major(k), _heads_major(v), np.ascontiguousarray(lse, ref.stat_dtype(dt)),
                    _row_dots(dout, np.ascontiguousarray(out, dt)), dout, int(q_offset), int(k_offset),
-                   bool(causal), int(window), dt.type(ref.attention_scale(d, scale)), bq, bk, dq, dk, dv)
+                   bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)), bq, bk,
+                   dq, dk, dv)
     return dq, dk, dv
+
+
+# The seam (mpipar.model.attention.attend_fwd) hands these kernels a block's document ids in one
+# call instead of one call per document's block.
+attention_fwd.block_sparse_documents = attention_bwd.block_sparse_documents = True

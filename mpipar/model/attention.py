@@ -158,17 +158,43 @@ def shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, win
     return out
 
 
+def documents_in_kernel(kernels) -> bool:
+    """Whether ``kernels``' attention takes the document ids itself and skips the tiles with no
+    same-document pair (the Numba kernels: one call per block); else :func:`attend_fwd` calls
+    the kernel once per document's block (numpy_ref's masked form is dense, the GPU kernels
+    take no documents)."""
+    return bool(getattr(kernels.attention_fwd, "block_sparse_documents", False))
+
+
+def kernel_documents(docs: DocumentPositions, qs: int, sq: int, ks: int, sk: int
+                     ) -> dict[str, np.ndarray]:
+    """The ``q_docs`` ``[B, Sq]`` and ``k_docs`` ``[B, Sk]`` keyword arguments of a document-
+    masked kernel call for the query run at ``qs`` and the key run at ``ks``: each row's
+    document index, non-decreasing along the row (the order of ``docs.ranges``)."""
+    if "run_ids" not in docs.memo:
+        d = docs.docs
+        ids = np.zeros(d.shape, np.int64)
+        ids[:, 1:] = np.cumsum(d[:, 1:] != d[:, :-1], axis=1)
+        docs.memo["run_ids"] = ids
+    ids = docs.memo["run_ids"]
+    return {"q_docs": ids[:, qs:qs + sq], "k_docs": ids[:, ks:ks + sk]}
+
+
 def attend_fwd(kernels, q: Array, k: Array, v: Array, qs: int, ks: int, window: int,
                docs: DocumentPositions | None) -> tuple[Array, Array] | None:
     """Causal attention of the query run at ``qs`` over the key run at ``ks`` (q ``[B, Sq, hq,
     D]``, k/v ``[B, Sk, hkv, D]``) -> (out, lse) as ``kernels.attention_fwd``. With ``docs`` a
-    query sees only keys of its own document: each document's block is one causal kernel call
-    and a block with no same-document pair is not computed (None)."""
+    query sees only keys of its own document: one kernel call that skips the tiles with no
+    same-document pair (:func:`documents_in_kernel`), else one causal call per document's
+    block; a block with no same-document pair is not computed (None)."""
     if docs is None:
         return kernels.attention_fwd(q, k, v, qs, ks, True, window=window)
     runs = shared_runs(docs, qs, q.shape[1], ks, k.shape[1], window)
     if not runs:
         return None
+    if documents_in_kernel(kernels):
+        return kernels.attention_fwd(q, k, v, qs, ks, True, window=window,
+                                     **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1]))
     xp, out, lse = kernels.xp, None, None
     for b, q0, q1, k0, k1 in runs:
         o, l = kernels.attention_fwd(q[b:b + 1, q0 - qs:q1 - qs], k[b:b + 1, k0 - ks:k1 - ks],
@@ -191,6 +217,9 @@ def attend_bwd(kernels, q: Array, k: Array, v: Array, out: Array, lse: Array, do
     runs = shared_runs(docs, qs, q.shape[1], ks, k.shape[1], window)
     if not runs:
         return None
+    if documents_in_kernel(kernels):
+        return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, window=window,
+                                     **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1]))
     xp, grads = kernels.xp, None
     for b, q0, q1, k0, k1 in runs:
         qsl, ksl = slice(q0 - qs, q1 - qs), slice(k0 - ks, k1 - ks)

@@ -63,6 +63,41 @@ def test_the_seam_equals_the_masked_kernel_and_each_document_alone(backend, wind
     assert np.abs(full[0] - out[0]).max() > 1e-3
 
 
+def test_the_numba_seam_makes_one_kernel_call_per_block():
+    """The Numba attention takes the documents itself (one call forward, one backward, equal to
+    numpy_ref's masked attention); numpy_ref is called per document's block."""
+    import dataclasses
+
+    from mpipar.model.attention import documents_in_kernel
+
+    assert documents_in_kernel(get_backend("numba"))
+    assert not documents_in_kernel(get_backend("numpy"))
+    q, k, v, dout = _qkv(S=40)
+    docs = np.repeat(np.arange(8), 5)[None].repeat(2, 0)
+    pos = DocumentPositions.of(np.arange(40), docs)
+    calls = []
+
+    def counted(fn):
+        def run(*a, **kw):
+            calls.append(fn.__name__)
+            return fn(*a, **kw)
+        run.block_sparse_documents = getattr(fn, "block_sparse_documents", False)
+        return run
+
+    got = {}
+    for name in ("numba", "numpy"):
+        kb = get_backend(name)
+        core = LocalAttention(dataclasses.replace(kb, attention_fwd=counted(kb.attention_fwd),
+                                                  attention_bwd=counted(kb.attention_bwd)))
+        calls.clear()
+        out, saved = core.forward(q, k, v, pos)
+        got[name] = (out, *core.backward(dout, q, k, v, out, saved))
+        got[name + " calls"] = len(calls)
+    assert got["numba calls"] == 2 and got["numpy calls"] == 2 * 2 * 8
+    for a, b in zip(got["numba"], got["numpy"]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
 def packed_batch(seed: int = 0, B: int = 2, S: int = 12):
     """Token rows with EOS at random places (documents of mixed lengths), and their targets."""
     rng = np.random.default_rng(seed)

@@ -1,0 +1,147 @@
+"""Packed documents inside the blockwise CPU attention (kernels/attention_cpu.py, ``q_docs`` /
+``k_docs``) against numpy_ref's document-masked attention, float64 <= 1e-12, forward and
+backward: random layouts with documents of length 1, documents crossing tile boundaries
+(tiles of 64 positions x 128 keys at head_dim 64), blocks that start mid-document (ring and
+zigzag offsets), grouped-query heads and sliding windows; and the tiles skipped (tile_work).
+No MPI.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpipar.kernels import numpy_ref as ref
+
+ac = pytest.importorskip("mpipar.kernels.attention_cpu")
+
+from tests.unit.test_attention_cpu import inputs, rel_err  # noqa: E402
+
+
+def layout(rng, rows: int, S: int) -> np.ndarray:
+    """Document ids ``[rows, S]`` (non-decreasing): lengths drawn from 1 (several in a row), a
+    few tokens, and documents longer than a tile, in random order."""
+    out = []
+    for _ in range(rows):
+        lengths = []
+        while sum(lengths) < S:
+            lengths.append(int(rng.choice([1, 1, 1, 2, 7, 40, 90, 150])))
+        out.append(np.repeat(np.arange(len(lengths)), lengths)[:S] + int(rng.integers(0, 5)))
+    return np.array(out)
+
+
+def check(rng, q, k, v, qs, ks, window, qd, kd):
+    """The Numba kernels with documents == numpy_ref's masked attention (float64, 1e-12)."""
+    kw = dict(window=window, q_docs=qd, k_docs=kd)
+    out, lse = ac.attention_fwd(q, k, v, qs, ks, True, **kw)
+    r_out, r_lse = ref.attention_fwd(q, k, v, qs, ks, True, **kw)
+    assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+    dout = rng.standard_normal(q.shape)
+    grads = ac.attention_bwd(q, k, v, r_out, r_lse, dout, qs, ks, True, **kw)
+    for g, r in zip(grads, ref.attention_bwd(q, k, v, r_out, r_lse, dout, qs, ks, True, **kw)):
+        assert np.abs(g - r).max() < 1e-12 * max(np.abs(r).max(), 1.0)
+    return out, lse
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(11)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("window", [0, 33])
+@pytest.mark.parametrize("qs,qn,ks,kn", [
+    (0, 300, 0, 300),      # a whole packed row (its own block)
+    (150, 150, 0, 150),    # ring: keys wholly before the queries, documents across the cut
+    (100, 150, 130, 170),  # keys start after the first queries (rows with no key)
+    (70, 97, 70, 97),      # a block starting mid-document, off the tile grid
+])
+def test_documents_match_the_reference(rng, hq, hkv, window, qs, qn, ks, kn):
+    docs = layout(rng, 2, 300)
+    q, k, v = inputs(rng, 2, qn, kn, hq, hkv, 64, np.float64)
+    check(rng, q, k, v, qs, ks, window, docs[:, qs:qs + qn], docs[:, ks:ks + kn])
+
+
+def test_documents_without_causality_match_the_reference(rng):
+    """Non-causal (numpy_ref's contract): the document's last key bounds every query."""
+    docs = layout(rng, 2, 200)
+    q, k, v = inputs(rng, 2, 200, 200, 4, 2, 64, np.float64)
+    kw = dict(q_docs=docs, k_docs=docs)
+    out, lse = ac.attention_fwd(q, k, v, 0, 0, False, **kw)
+    r_out, r_lse = ref.attention_fwd(q, k, v, 0, 0, False, **kw)
+    assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+    dout = rng.standard_normal(q.shape)
+    grads = ac.attention_bwd(q, k, v, r_out, r_lse, dout, 0, 0, False, **kw)
+    for g, r in zip(grads, ref.attention_bwd(q, k, v, r_out, r_lse, dout, 0, 0, False, **kw)):
+        assert rel_err(g, r) < 1e-12
+
+
+def test_one_document_is_plain_causal_and_single_tokens_see_themselves(rng):
+    """One document: bit for bit the causal kernel; documents of one token: out = v."""
+    q, k, v = inputs(rng, 1, 200, 200, 4, 2, 64, np.float64)
+    one = np.zeros((1, 200), np.int64)
+    got = check(rng, q, k, v, 0, 0, 0, one, one)
+    plain = ac.attention_fwd(q, k, v)
+    assert np.array_equal(got[0], plain[0]) and np.array_equal(got[1], plain[1])
+    single = np.arange(200)[None]
+    out, _ = check(rng, q, k, v, 0, 0, 0, single, single)
+    assert rel_err(out, np.repeat(v, 2, axis=2)) < 1e-12
+
+
+def test_zigzag_blocks_with_documents_merge_to_the_whole_row(rng):
+    """A zigzag rank's two chunks against every chunk (documents across chunk ends), merged by
+    log-sum-exp, equal numpy_ref's masked attention over the whole row; the blocks' backward
+    with the merged out/lse sums to its gradients."""
+    S, c = 320, 40
+    docs = layout(rng, 1, S)
+    q, k, v = inputs(rng, 1, S, S, 4, 2, 64, np.float64)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(q_docs=docs, k_docs=docs)
+    r_out, r_lse = ref.attention_fwd(q, k, v, **kw)
+    r_dq, _, _ = ref.attention_bwd(q, k, v, r_out, r_lse, dout, **kw)
+    for qi in (1, S // c - 2):  # rank 1 of sp = 4 holds chunks 1 and 6
+        qc = slice(qi * c, (qi + 1) * c)
+        out, lse = np.zeros_like(q[:, qc]), np.full((1, 4, c), -np.inf)
+        dq = np.zeros_like(q[:, qc])
+        for ki in range(S // c):
+            kc = slice(ki * c, (ki + 1) * c)
+            dk = dict(q_docs=docs[:, qc], k_docs=docs[:, kc])
+            out, lse = ref.attention_merge(out, lse, *ac.attention_fwd(
+                q[:, qc], k[:, kc], v[:, kc], qi * c, ki * c, **dk))
+            dq += ac.attention_bwd(q[:, qc], k[:, kc], v[:, kc], r_out[:, qc], r_lse[:, :, qc],
+                                   dout[:, qc], qi * c, ki * c, **dk)[0]
+        assert rel_err(out, r_out[:, qc]) < 1e-12 and rel_err(lse, r_lse[:, :, qc]) < 1e-12
+        assert rel_err(dq, r_dq[:, qc]) < 1e-12
+
+
+def test_bf16_runs_the_float32_kernel_on_the_upcast_inputs(rng):
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    docs = layout(rng, 1, 150)
+    q, k, v = (a.astype(bf16) for a in inputs(rng, 1, 150, 150, 4, 2, 64, np.float32))
+    out, lse = ac.attention_fwd(q, k, v, q_docs=docs, k_docs=docs)
+    up = (a.astype(np.float32) for a in (q, k, v))
+    o32, l32 = ac.attention_fwd(*up, q_docs=docs, k_docs=docs)
+    assert out.dtype == bf16 and np.array_equal(out, o32.astype(bf16)) and np.array_equal(lse, l32)
+
+
+def test_tiles_with_no_same_document_pair_are_skipped():
+    """tile_work with documents: single-token documents compute one score per query; documents
+    of 200 tokens compute their causal squares and at most half a segment more a query (under
+    1.2 x the pairs, against 10 x for the causal square); a key block of other documents
+    computes nothing."""
+    S = 2048
+    assert ac.tile_work(S, S, 64, q_docs=np.arange(S)[None], k_docs=np.arange(S)[None])[1] == S
+    docs = (np.arange(S) // 200)[None]
+    pairs = sum(n * (n + 1) // 2 for n in np.bincount(docs[0]))
+    _, entries = ac.tile_work(S, S, 64, q_docs=docs, k_docs=docs)
+    full = ac.tile_work(S, S, 64)[1]
+    assert pairs <= entries <= pairs + S * ac.SEGMENT // 2 and entries < 1.2 * pairs < 0.12 * full
+    assert ac.tile_work(64, 64, 64, 200, 0, q_docs=docs[:, 1000:1064],
+                        k_docs=docs[:, :64]) == (0, 0)
+
+
+def test_bad_documents_raise(rng):
+    q, k, v = inputs(rng, 1, 10, 10, 2, 2, 8, np.float64)
+    up = np.arange(10)[None]
+    for qd, kd in ((up, None), (up[:, ::-1], up), (up, up[:, :9])):
+        with pytest.raises(ValueError, match="docs|document"):
+            ac.attention_fwd(q, k, v, q_docs=qd, k_docs=kd)

@@ -79,11 +79,9 @@ def _config(model: str, seq: int, steps: int, data: str, device: str = "cuda") -
         steps=steps, data=data, dtype="bfloat16", log_every=0)), 1)
 
 
-def mpipar_train(model: str, seq: int, steps: int) -> dict[str, Any]:
-    """mpipar's bf16 training steps of ``model`` on this device: seconds a step (two untimed
-    warm-up steps first), tokens/s, and the memory pool's bytes after the steps (what it holds
-    is what the steps needed at their peak: CuPy's pool keeps every block it allocated)."""
-    import cupy
+def _engine(model: str, seq: int, steps: int) -> Any:
+    """A one-process bf16 Engine of ``model`` at ``seq`` on this device, over ``steps`` steps of
+    random tokens (16k a step)."""
     import numpy as np
     from mpipar.runtime.mpi_init import MPI
     from mpipar.data.sources import load_tokens
@@ -91,20 +89,35 @@ def mpipar_train(model: str, seq: int, steps: int) -> dict[str, Any]:
 
     path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
     batch = max(1, TOKENS_PER_STEP // seq)
-    np.save(path, np.random.default_rng(0).integers(0, 32000, ((steps + 2) * batch, seq + 1)))
-    cfg = _config(model, seq, steps + 2, path)
+    np.save(path, np.random.default_rng(0).integers(0, 32000, (steps * batch, seq + 1)))
+    return Engine(_config(model, seq, steps, path), MPI.COMM_SELF,
+                  source=load_tokens(path, 32000, seq))
+
+
+def _timed_steps(eng: Any, first: int, count: int) -> tuple[float, list[float]]:
+    """Seconds a step over steps ``first .. first + count - 1`` (the device synchronised before
+    and after), and their losses."""
+    import cupy
+    cupy.cuda.Device().synchronize()
     t0 = time.perf_counter()
-    eng = Engine(cfg, MPI.COMM_SELF, source=load_tokens(path, 32000, seq))
+    losses = [eng.train_step(k).loss for k in range(first, first + count)]
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / count, losses
+
+
+def mpipar_train(model: str, seq: int, steps: int) -> dict[str, Any]:
+    """mpipar's bf16 training steps of ``model`` on this device: seconds a step (two untimed
+    warm-up steps first), tokens/s, and the memory pool's bytes after the steps (what it holds
+    is what the steps needed at their peak: CuPy's pool keeps every block it allocated)."""
+    import cupy
+
+    t0 = time.perf_counter()
+    eng = _engine(model, seq, steps + 2)
     build = time.perf_counter() - t0
-    losses = [eng.train_step(0).loss, eng.train_step(1).loss]
-    cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for k in range(steps):
-        losses.append(eng.train_step(k + 2).loss)
-    cupy.cuda.Device().synchronize()
-    step = (time.perf_counter() - t0) / steps
+    _, warm = _timed_steps(eng, 0, 2)
+    step, losses = _timed_steps(eng, 2, steps)
     pool = cupy.get_default_memory_pool()
-    return {"step_s": step, "build_s": build, "losses": [float(x) for x in losses],
+    return {"step_s": step, "build_s": build, "losses": [float(x) for x in warm + losses],
             "memory_bytes": int(pool.total_bytes()), "attention": str(eng.attention)}
 
 
@@ -155,24 +168,10 @@ def profile(model: str, seq: int, steps: int = 3) -> dict[str, Any]:
     import collections
     import dataclasses
     import cupy
-    import numpy as np
-    from mpipar.runtime.mpi_init import MPI
-    from mpipar.data.sources import load_tokens
-    from mpipar.training.engine import Engine
 
-    batch = max(1, TOKENS_PER_STEP // seq)
-    path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
-    np.save(path, np.random.default_rng(0).integers(0, 32000, ((2 * steps + 2) * batch, seq + 1)))
-    eng = Engine(_config(model, seq, 2 * steps + 2, path), MPI.COMM_SELF,
-                 source=load_tokens(path, 32000, seq))
-    for k in range(2):
-        eng.train_step(k)
-    cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for k in range(2, 2 + steps):
-        eng.train_step(k)
-    cupy.cuda.Device().synchronize()
-    plain = (time.perf_counter() - t0) / steps * 1e3
+    eng = _engine(model, seq, 2 * steps + 2)
+    _timed_steps(eng, 0, 2)
+    plain = _timed_steps(eng, 2, steps)[0] * 1e3
     ms: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mpipar.kernels import moe as K_moe
-from mpipar.kernels.numpy_ref import is_bf16
+from mpipar.kernels.numpy_ref import upcast
 from mpipar.model.params import ROUTER, expert_names
 
 Array = Any
@@ -106,7 +106,7 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array,
     xp, E, k = kernels.xp, cfg.moe_experts, cfg.moe_top_k
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
-    probs = K_moe.softmax(_wide(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER]), xp), xp)
+    probs = K_moe.softmax(upcast(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])), xp)
     experts, weights = K_moe.route_topk(probs, k, xp)
     chosen_sum = xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
     order, counts = K_moe.permutation(experts, E, xp)
@@ -114,18 +114,14 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array,
     weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
     ys, inner = K_moe.grouped_swiglu_fwd(kernels, xs, bounds, weights_e)
     out, per = K_moe.unpermute_combine(exchange.combine(ys, handle), order, weights, xp)
-    out = out.astype(h.dtype, copy=False)   # bf16: the float32 weighted sum, rounded once
+    # under bf16 the router's softmax, top-K weights and the combine's weighted sum are float32
+    # (numpy_ref.upcast: as Mixtral computes its router; CuPy cannot sort bf16), the output
+    # rounded once
+    out = out.astype(h.dtype, copy=False)
     f_over_t, aux = _balance(probs, experts, B, E, k, exchange, xp)
     saved = MoeSaved(x, probs, experts, weights, chosen_sum, order, xs, bounds, inner, per,
                      f_over_t, handle, aux, counts)
     return out.reshape(h.shape), saved
-
-
-def _wide(a: Array, xp) -> Array:
-    """``a`` in float32 when it is bf16 (the router's softmax, top-K weights, the combine's
-    weighted sum and their gradients are float32 under bf16 compute, as Mixtral computes its
-    router in float32; CuPy cannot sort bf16), else ``a`` itself."""
-    return a.astype(xp.float32) if is_bf16(a.dtype) else a
 
 
 def _balance(probs: Array, experts: Array, B: int, E: int, k: int, exchange: ExpertExchange,
@@ -149,7 +145,7 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
     balance loss's weight per row (module docstring)."""
     xp, E, (N, k) = kernels.xp, c.probs.shape[1], c.weights.shape
     d = dy.reshape(N, -1)
-    dweights = (_wide(c.per, xp) * _wide(d, xp)[:, None, :]).sum(axis=-1)
+    dweights = (upcast(c.per) * upcast(d)[:, None, :]).sum(axis=-1)
     dys = ((c.weights[..., None] * d[:, None, :]).astype(dy.dtype, copy=False)
            .reshape(N * k, -1)[c.order])
     dys_local = exchange.redispatch(dys, c.handle)

@@ -30,9 +30,8 @@ from mpipar.parallel.pipeline.schedule import pipeline_calls
 from mpipar.parallel.tensor import tensor_calls
 from mpipar.parallel.traffic import Call
 from mpipar.plan.rank import (gradient_buckets, grid_shape, group_members, group_sizes,
-                              kept_units,
-                              node_copy, nodes_of, placement_table, rank_ops, rank_stages,
-                              unit_lengths)
+                              kept_units, node_copy, nodes_of, placement_table, rank_ops,
+                              rank_stages, unit_lengths)
 from mpipar.runtime import allreduce
 from mpipar.runtime.comm import ALLREDUCE_OPS, LINKS, wire_bytes
 from mpipar.runtime.topology import Coord

@@ -243,11 +243,11 @@ ACTIVE: SizeChoice | None = None
 def in_effect(configured: str, nbytes: int, choice: SizeChoice | None = None) -> str | None:
     """The all-reduce algorithm of a call of ``nbytes`` that the wire model books: the
     ``configured`` one when it is a library algorithm; under ``auto`` the one the per-size
-    choice (``choice``, else the process's :data:`ACTIVE`) picks, if it names one; else None
-    (the library's own choice: booked as the bandwidth-optimal ring)."""
+    ``choice`` picks, if there is a choice and it names one; else None (the library's own
+    choice: booked as the bandwidth-optimal ring). A Group passes the process's
+    :data:`ACTIVE`, the planner the table of the layout's hardware file."""
     if configured in LIBRARY_ALGORITHMS:
         return configured
-    choice = ACTIVE if choice is None else choice
     if configured == "auto" and choice is not None:
         picked = choice.pick(nbytes)
         return picked if picked in LIBRARY_ALGORITHMS else None

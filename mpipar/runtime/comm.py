@@ -375,7 +375,7 @@ class Group:
     def _wire(self, op: str, nbytes: int) -> int:
         """What this rank puts on the wire for ``op`` of ``nbytes``: an all-reduce by the
         algorithm in effect for its size (:func:`mpipar.runtime.allreduce.in_effect`)."""
-        algorithm = (allreduce.in_effect(self.allreduce_algorithm, nbytes)
+        algorithm = (allreduce.in_effect(self.allreduce_algorithm, nbytes, allreduce.ACTIVE)
                      if op in ALLREDUCE_OPS else None)
         return wire_bytes(op, nbytes, self.size, self.rank, algorithm)
 

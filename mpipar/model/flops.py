@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpipar.config import Config, ModelConfig
+from mpipar.model.attention import DocumentPositions
 from mpipar.layout import Layout
 
 
@@ -45,10 +46,7 @@ def document_context(docs: np.ndarray, window: int) -> float:
     docs = np.asarray(docs)
     if docs.size == 0:
         return 0.0
-    at = np.broadcast_to(np.arange(docs.shape[1]), docs.shape)
-    starts = np.ones(docs.shape, bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    offset = at - np.maximum.accumulate(np.where(starts, at, 0), axis=1)
+    offset = DocumentPositions.of(np.arange(docs.shape[1]), docs).rope   # inside its document
     keys = offset + 1 if window == 0 else np.minimum(offset + 1, window)
     return float(keys.mean())
 

@@ -328,18 +328,19 @@ class Engine:
             positions = DocumentPositions.of(at, docs, split)
         return positions, counted_targets(inputs, tr, self.eos, masks)
 
-    def _attention_imbalance(self, step: int) -> float | None:
-        """Max/mean of the sp ranks' attention work (causal pairs inside documents) in step
-        ``step``, the worst dp replica's; every rank reads the whole batch (no message)."""
+    def _attention_imbalance(self, docs_all: np.ndarray | None) -> float | None:
+        """Max/mean of the sp ranks' attention work (causal pairs inside documents) in a step
+        whose global batch has documents ``docs_all`` ``[rows, S]``, the worst dp replica's;
+        every rank has the whole batch (no message)."""
         tr, seq = self.cfg.train, self.seq_layout
-        if not tr.document_masking or seq.sp == 1:
+        if docs_all is None or seq.sp == 1:
             return None
-        inputs, mbs, worst = self.sampler.batch(step)[0], tr.micro_batch_size, 1.0
+        mbs, worst = tr.micro_batch_size, 1.0
         for replica in range(self.layout.dp):
             work = 0
             for i in range(self.microbatches):
                 first = replica * self.rows_per_dp + i * mbs
-                docs = document_ids(inputs[first:first + mbs], self.eos)
+                docs = docs_all[first:first + mbs]
                 split = (balanced_layout(tr.seq_len, seq.sp, docs) if seq.split == "balanced"
                          else seq)
                 work = work + rank_work(split, docs)
@@ -390,16 +391,11 @@ class Engine:
             self.optimizer.step(lr)
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
+        docs = (document_ids(self.sampler.batch(step)[0], self.eos) if tr.document_masking
+                else None)                          # the global batch's, read once for both
         return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
-                          self._attention_imbalance(step), moe, self._document_flops(step))
-
-    def _document_flops(self, step: int) -> float | None:
-        """--document-masking: step ``step``'s model FLOPs with attention inside documents
-        (every rank reads the whole batch: no message); None otherwise."""
-        if not self.cfg.train.document_masking:
-            return None
-        return model_flops_per_step(self.cfg, document_ids(self.sampler.batch(step)[0],
-                                                           self.eos))
+                          self._attention_imbalance(docs), moe,
+                          None if docs is None else model_flops_per_step(self.cfg, docs))
 
     def _moe_stats(self) -> dict[str, Any]:
         """The step's balance loss (alpha x the mean over rows of the sum over sparse layers)

@@ -170,14 +170,9 @@ def kernel_documents(docs: DocumentPositions, qs: int, sq: int, ks: int, sk: int
                      ) -> dict[str, np.ndarray]:
     """The ``q_docs`` ``[B, Sq]`` and ``k_docs`` ``[B, Sk]`` keyword arguments of a document-
     masked kernel call for the query run at ``qs`` and the key run at ``ks``: each row's
-    document index, non-decreasing along the row (the order of ``docs.ranges``)."""
-    if "run_ids" not in docs.memo:
-        d = docs.docs
-        ids = np.zeros(d.shape, np.int64)
-        ids[:, 1:] = np.cumsum(d[:, 1:] != d[:, :-1], axis=1)
-        docs.memo["run_ids"] = ids
-    ids = docs.memo["run_ids"]
-    return {"q_docs": ids[:, qs:qs + sq], "k_docs": ids[:, ks:ks + sk]}
+    document index (``docs.docs``, of :func:`document_ids`: non-decreasing along the row, as
+    the kernels require)."""
+    return {"q_docs": docs.docs[:, qs:qs + sq], "k_docs": docs.docs[:, ks:ks + sk]}
 
 
 def attend_fwd(kernels, q: Array, k: Array, v: Array, qs: int, ks: int, window: int,

@@ -40,6 +40,9 @@ OPS: tuple[str, ...] = (
     "attention_fwd", "attention_bwd", "attention_merge",
     "cross_entropy_stats", "cross_entropy_bwd",
 )
+LAYOUT_OPS: tuple[str, ...] = ("split_columns", "concat")
+"""Moves without arithmetic (numpy_ref's, and for bf16 on the GPU the column-copy kernel of
+cuda_moves): the same bits on every backend, so outside the op tables of :data:`OPS`."""
 BACKENDS: tuple[str, ...] = ("numpy", "numba", "cupy")
 _CHOICES = ("auto",) + BACKENDS
 
@@ -76,6 +79,8 @@ class Backend:
     attention_merge: Kernel
     cross_entropy_stats: Kernel
     cross_entropy_bwd: Kernel
+    split_columns: Kernel
+    concat: Kernel
     fallback_reasons: Mapping[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -113,7 +118,7 @@ def _unavailable_reason(name: str) -> str | None:
 @functools.cache
 def _build(name: str) -> Backend:
     """The Backend for an available `name`, built once per process."""
-    ops: dict[str, Kernel] = {op: getattr(numpy_ref, op) for op in OPS}
+    ops: dict[str, Kernel] = {op: getattr(numpy_ref, op) for op in OPS + LAYOUT_OPS}
     per_op = {op: "numpy" for op in OPS}
     reasons: dict[str, str] = {}
     xp: ModuleType = np
@@ -177,4 +182,4 @@ def get_backend(name: str = "auto") -> Backend:
     return _build(name)
 
 
-__all__ = ["Backend", "BACKENDS", "OPS", "available_backends", "get_backend", "with_attention"]
+__all__ = ["Backend", "BACKENDS", "LAYOUT_OPS", "OPS", "available_backends", "get_backend", "with_attention"]

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 from typing import Sequence
 
 MODULES: tuple[str, ...] = ("mpipar.kernels.cupy_gpu", "mpipar.kernels.flash_mma",
-                            "mpipar.kernels.cuda_fused")
+                            "mpipar.kernels.cuda_fused", "mpipar.kernels.cuda_moves")
 """Modules whose ``cuda_sources()`` the gate compiles."""
 ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
 STATIC_SMEM_LIMIT = 48 * 1024

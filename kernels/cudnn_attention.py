@@ -505,10 +505,9 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
             f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse "
             f"{lse.shape} must be {(b, hq, sq)}")
     plan = _checked_plan(q, k, q_offset, k_offset, causal, window, "attention_bwd")
-    dq = cupy.zeros(q.shape, np.float32)
-    dk, dv = cupy.zeros(k.shape, np.float32), cupy.zeros(k.shape, np.float32)
     if plan.empty or b == 0:
-        return dq, dk, dv
+        return (cupy.zeros(q.shape, np.float32), cupy.zeros(k.shape, np.float32),
+                cupy.zeros(k.shape, np.float32))
     (r0, r1), (c0, c1) = plan.rows, plan.cols
     ins = {"q": _aligned(q[:, r0:r1]), "k": _aligned(k[:, c0:c1]), "v": _aligned(v[:, c0:c1]),
            "o": _aligned(out[:, r0:r1]), "do": _aligned(dout[:, r0:r1]),
@@ -516,6 +515,10 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     outs = dict(zip(("dq", "dk", "dv"), _bf16_grads(plan, q, k)))
     spec = backward_spec(plan, ref.attention_scale(d, scale), {**ins, **outs}, GRAD_DTYPE)
     _execute(spec, {**ins, **outs})
+    if (r0, r1, c0, c1) == (0, sq, 0, k.shape[1]):   # every row and key: no zero margins
+        return tuple(outs[n].astype(np.float32) for n in ("dq", "dk", "dv"))
+    dq = cupy.zeros(q.shape, np.float32)
+    dk, dv = cupy.zeros(k.shape, np.float32), cupy.zeros(k.shape, np.float32)
     dq[:, r0:r1] = outs["dq"].astype(np.float32)
     dk[:, c0:c1] = outs["dk"].astype(np.float32)
     dv[:, c0:c1] = outs["dv"].astype(np.float32)

@@ -6,7 +6,8 @@ gradients).
 - linear ops: cuBLAS ``gemmEx`` (:mod:`.cublas`): bf16 operands, float32 accumulation, bf16 out;
   the weight gradient accumulated straight into its float32 buffer (beta = 1);
 - norms, RoPE, SwiGLU, the vocabulary-parallel cross-entropy, the embedding gradient:
-  :mod:`.cuda_fused` (bf16 in, float32 math, vectorised loads);
+  :mod:`.cuda_fused` (bf16 in, float32 math, vectorised loads); the stacked linears' column
+  cuts and joins: :mod:`.cuda_moves`;
 - attention: one of two backends with the same contract, chosen by :func:`attention_choice`:
   ``cudnn`` (cuDNN's fused attention through its frontend, :mod:`.cudnn_attention`) or
   ``mpipar`` (mpipar's FA2-style kernel, :mod:`.flash_mma`). ``auto`` takes cuDNN where it
@@ -42,11 +43,17 @@ def _rows(a: Array) -> Array:
 
 
 def linear_fwd(x: Array, w: Array, b: Array | None = None) -> Array:
-    """``x [..., in] @ w[out, in].T (+ b)``: one cuBLAS GEMM, float32 accumulation, bf16 out."""
+    """``x [..., in] @ w[out, in].T (+ b)``: one cuBLAS GEMM, float32 accumulation, bf16 out. A
+    ``w`` that is the transpose of a contiguous ``W`` (an input gradient ``dy @ W`` asked as
+    ``linear_fwd(dy, W.T)``) is read as it lies (cuBLAS's no-transpose case), not copied."""
     from . import cublas
 
     ref.check_bias(b, w, "linear_fwd")
-    y = cublas.matmul(_rows(x), w, trans_b=True, out_dtype=None if b is None else "float32")
+    out_dtype = None if b is None else "float32"
+    if not w.flags.c_contiguous and w.T.flags.c_contiguous:   # w = W.T (dx = dy @ W): no copy
+        y = cublas.matmul(_rows(x), w.T, out_dtype=out_dtype)
+    else:
+        y = cublas.matmul(_rows(x), w, trans_b=True, out_dtype=out_dtype)
     if b is not None:  # the bias joins the float32 accumulation, then one rounding
         y = (y + b.astype(y.dtype)).astype(x.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -169,6 +176,8 @@ def by_dtype(float_op: Callable, bf16_op: Callable, position: int = 0,
             decides = kwargs[name]
         else:
             decides = args[0] if args else next(iter(kwargs.values()))
+        if isinstance(decides, (list, tuple)):      # concat: its first array decides
+            decides = decides[0]
         return (bf16_op if ref.is_bf16(decides.dtype) else float_op)(*args, **kwargs)
 
     return op
@@ -176,9 +185,10 @@ def by_dtype(float_op: Callable, bf16_op: Callable, position: int = 0,
 
 def bf16_ops(choice: AttentionChoice) -> dict[str, Callable]:
     """Every bf16 op this module provides, by name (the dispatcher routes by dtype)."""
-    from . import cuda_fused
+    from . import cuda_fused, cuda_moves
 
     ops: dict[str, Callable] = {op: getattr(cuda_fused, op) for op in FUSED_OPS}
+    ops.update({op: getattr(cuda_moves, op) for op in cuda_moves.LAYOUT_OPS})
     ops.update(linear_fwd=linear_fwd, linear_bwd=linear_bwd)
     ops["attention_fwd"], ops["attention_bwd"] = attention_ops(choice)
     return ops

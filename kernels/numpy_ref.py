@@ -55,7 +55,7 @@ import functools
 import math
 import sys
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -426,6 +426,29 @@ def _sigmoid(g: Array) -> Array:
     xp = array_module(g)
     e = xp.exp(-xp.abs(g))
     return xp.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(g.dtype, copy=False)
+
+
+# ------------------------------------------------------------------------------ layout moves
+def split_columns(y: Array, widths: Sequence[int]) -> list[Array]:
+    """The consecutive column blocks of ``y [..., sum(widths)]`` as contiguous arrays
+    ``[..., w]`` (a stacked linear's output cut into one output per weight). Moves only: every
+    backend's pieces are the same bits."""
+    require(sum(widths) == y.shape[-1] and all(w >= 0 for w in widths),
+            f"split_columns: widths {list(widths)} must be >= 0 and sum to y.shape[-1] = "
+            f"{y.shape[-1]}")
+    xp, at, out = array_module(y), 0, []
+    for w in widths:
+        out.append(xp.ascontiguousarray(y[..., at:at + w]))
+        at += w
+    return out
+
+
+def concat(arrays: Sequence[Array], axis: int = -1) -> Array:
+    """``arrays`` joined along ``axis`` (their other dimensions equal), a new contiguous array:
+    stacked weights (axis 0) and the gradients of a stacked linear's outputs (axis -1). Moves
+    only: the same bits on every backend."""
+    require(len(arrays) > 0, "concat: needs at least one array")
+    return array_module(*arrays).concatenate(list(arrays), axis=axis)
 
 
 @mixed_precision(0)

@@ -162,28 +162,42 @@ def torch_train(model: str, seq: int, steps: int) -> dict[str, Any]:
 
 def profile(model: str, seq: int, steps: int = 3) -> dict[str, Any]:
     """Device milliseconds a bf16 step of ``model`` at ``seq`` spends in each kernel op and in
-    the optimizer's phases, each timed with CUDA events and a synchronisation after it (so the
-    ops are serialised: their sum exceeds the plain step by the launch gaps the host no longer
-    hides), beside the plain step's time; printed as a table and returned."""
+    the optimizer's phases, beside the plain step's time, measured two ways over ``steps`` steps
+    each: ``stream``, CUDA events recorded around every op with no synchronisation until the
+    step ends (while the host runs ahead of the device, each op's interval is its device time,
+    and the plain step less their sum is the device time of the untimed work: residual adds,
+    gradient accumulation, casts, launch gaps); ``serial``, a synchronisation after every op (the
+    op's device time plus its host launch time, nothing overlapped); ``host``, the host's time in
+    the op's call (stream pass). The device time between one timed op's end and the next one's
+    start (untimed work or the device waiting for the host) is summed by the op before it: the
+    largest of those gaps are listed. Printed as tables and returned."""
     import collections
     import dataclasses
     import cupy
 
-    eng = _engine(model, seq, 2 * steps + 2)
+    eng = _engine(model, seq, 3 * steps + 2)
     _timed_steps(eng, 0, 2)
     plain = _timed_steps(eng, 2, steps)[0] * 1e3
-    ms: dict[str, float] = collections.defaultdict(float)
+    ms = {m: collections.defaultdict(float) for m in ("stream", "serial")}
     calls: collections.Counter = collections.Counter()
+    pending: list[tuple[str, Any, Any]] = []
+    host: dict[str, float] = collections.defaultdict(float)
+    mode = ["stream"]
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            t0 = time.perf_counter()
             start.record()
             out = fn(*a, **k)
             end.record()
-            end.synchronize()
-            ms[name] += cupy.cuda.get_elapsed_time(start, end)
-            calls[name] += 1
+            host[name] += (time.perf_counter() - t0) * 1e3 if mode[0] == "stream" else 0.0
+            if mode[0] == "serial":
+                end.synchronize()
+                ms["serial"][name] += cupy.cuda.get_elapsed_time(start, end)
+            else:
+                pending.append((name, start, end))
+                calls[name] += 1
             return out
         return wrapper
 
@@ -192,16 +206,33 @@ def profile(model: str, seq: int, steps: int = 3) -> dict[str, Any]:
             object.__setattr__(eng.kernels, f.name, timed(f.name, getattr(eng.kernels, f.name)))
     for name in ("step", "clip", "grad_norm_sq"):
         setattr(eng.optimizer, name, timed("optimizer." + name, getattr(eng.optimizer, name)))
-    for k in range(2 + steps, 2 + 2 * steps):
-        eng.train_step(k)
-    rows = sorted(((n, v / steps, calls[n] // steps) for n, v in ms.items()), key=lambda r: -r[1])
-    print(f"profile {model} seq {seq} bf16: plain step {plain:.1f} ms; ops timed one by one "
-          f"{sum(r[1] for r in rows):.1f} ms")
-    for name, v, n in rows:
-        print(f"  {name:26s} {v:9.2f} ms {n:6d} calls")
+    stream_step = _timed_steps(eng, 2 + steps, steps)[0] * 1e3
+    gaps: dict[str, float] = collections.defaultdict(float)
+    for i, (name, start, end) in enumerate(pending):
+        ms["stream"][name] += cupy.cuda.get_elapsed_time(start, end)
+        if i + 1 < len(pending):
+            gaps[name] += cupy.cuda.get_elapsed_time(end, pending[i + 1][1])
+    mode[0] = "serial"
+    _timed_steps(eng, 2 + 2 * steps, steps)
+    rows = sorted(((n, ms["stream"][n] / steps, ms["serial"][n] / steps, host[n] / steps,
+                    calls[n] // steps) for n in ms["stream"]), key=lambda r: -r[1])
+    timed_sum = sum(r[1] for r in rows)
+    print(f"profile {model} seq {seq} bf16: plain step {plain:.1f} ms; with events {stream_step:.1f}"
+          f" ms, of which the timed ops {timed_sum:.1f} ms and untimed work {stream_step - timed_sum:.1f}"
+          f" ms; ops synchronised one by one {sum(r[2] for r in rows):.1f} ms")
+    print(f"  {'op':26s} {'stream ms':>9s} {'serial ms':>9s} {'host ms':>9s} {'calls':>6s}")
+    for name, v, w, h, n in rows:
+        print(f"  {name:26s} {v:9.2f} {w:9.2f} {h:9.2f} {n:6d}")
+    after = sorted(((n, g / steps) for n, g in gaps.items()), key=lambda r: -r[1])
+    print(f"  device time between timed ops, by the op before ({sum(g for _, g in after):.1f} ms"
+          " a step, the step boundary included):")
+    for name, g in after[:10]:
+        print(f"    after {name:26s} {g:9.2f} ms")
     eng.close()
-    return {"model": model, "seq": seq, "plain_ms": plain,
-            "ops": {n: {"ms": v, "calls": c} for n, v, c in rows}}
+    return {"model": model, "seq": seq, "plain_ms": plain, "stream_step_ms": stream_step,
+            "ops": {n: {"ms": v, "serial_ms": w, "host_ms": h, "calls": c}
+                    for n, v, w, h, c in rows},
+            "gaps_after_ms": dict(after)}
 
 
 def _peer(args: argparse.Namespace) -> dict[str, Any]:

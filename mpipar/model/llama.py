@@ -232,15 +232,14 @@ class LinearGrads:
         """``dx`` of linears ``names`` sharing the input ``x``: their weight gradients booked
         one by one (into the float32 buffers, or deferred), then one GEMM
         ``[dy_1 .. dy_n] @ [w_1; ..; w_n]`` (float32 accumulation, one rounding under bf16)."""
-        xp = self.kernels.xp
         for dy, name in zip(dys, names):
             if self.deferred is None:
                 self.kernels.linear_bwd(dy, x, None, dw=self.grads[name])
                 self.bias(dy, name)
             else:
                 self.deferred.append((name, dy, x))
-        w = xp.concatenate([self.params[n] for n in names])
-        return self.kernels.linear_fwd(xp.concatenate(dys, axis=-1), w.T)
+        w = self.kernels.concat([self.params[n] for n in names], axis=0)
+        return self.kernels.linear_fwd(self.kernels.concat(dys, axis=-1), w.T)
 
     def bias(self, dy: Array, name: str) -> None:
         """Accumulate the gradient of weight ``name``'s bias, if the model has one."""
@@ -559,7 +558,7 @@ class LlamaStage:
     def _head_bwd(self, params, grads, dloss: Array, kept: Any, lin: LinearGrads) -> Array:
         c = self.store.take(kept) if self.recompute == "offload" else kept
         dlogits = self.tp.cross_entropy_backward(c.logits, c.targets, c.lse,
-                                                 dloss.reshape(-1)).astype(c.x.dtype)
+                                                 dloss.reshape(-1)).astype(c.x.dtype, copy=False)
         dhn = self._apply_backward([dlogits], c.hn, [self.head], lin)
         dx, dwn = self.kernels.rmsnorm_bwd(dhn, c.x, params["norm.weight"], c.rstd)
         grads["norm.weight"] += dwn

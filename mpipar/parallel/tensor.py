@@ -160,11 +160,8 @@ class TensorParallel:
         if any(b is not None for b in bs):
             bias = xp.concatenate([xp.zeros(w.shape[0], w.dtype) if b is None else b
                                    for w, b in zip(ws, bs)])
-        y = self.kernels.linear_fwd(x_in, xp.concatenate(ws), bias)
-        cuts = [0]
-        for w in ws:
-            cuts.append(cuts[-1] + w.shape[0])
-        return [xp.ascontiguousarray(y[..., lo:hi]) for lo, hi in zip(cuts[:-1], cuts[1:])]
+        y = self.kernels.linear_fwd(x_in, self.kernels.concat(ws, axis=0), bias)
+        return self.kernels.split_columns(y, [w.shape[0] for w in ws])
 
     def linear_backward(self, dys: Sequence[Array], x_in: Array, names: Sequence[str],
                         linear_backward: LinearBackward) -> Array:

@@ -15,7 +15,7 @@ is a coordinate whose gradient still waits in some rank's residual. There both o
 :func:`adamw_catch_up` (``--topk-catch-up``, on by default): a coordinate moves when its gradient
 arrives, as many steps as it waited, instead of one step with an inflated second moment.
 
-The update math (:func:`adamw_update`, :func:`adamw_catch_up`, :func:`clip_grads`,
+The update math (:func:`adamw_update`, :func:`adamw_catch_up`, :func:`clip_coefficient`,
 :func:`grad_norm_sq`) talks to no MPI. Arrays may be NumPy or CuPy (the array module is the
 arrays'); updates are in place and in the arrays' dtype. Under mixed precision the optimizer
 sees only float32 arrays: the master weights (whole, or ZeRO's owned slices), the float32
@@ -73,12 +73,15 @@ class AdamWConfig:
 
 
 def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float, weight_decay: float) -> None:
+                 eps: float, weight_decay: float, scale: float = 1.0) -> None:
     """One AdamW step, in place on `p` (parameters), `m`, `v` (moments), all the same shape.
 
     `step` is the 1-based count of updates including this one (bias correction uses
-    beta**step). Works on arrays of any shape, including views into flat buffers:
+    beta**step). ``scale``: the clipping coefficient, applied to ``g`` first (``g * scale``
+    rounded in g's dtype, as scaling the gradient in place would be; ``g`` itself is left as it
+    is). Works on arrays of any shape, including views into flat buffers:
 
+        g  = g * scale                 (when scale != 1)
         p *= 1 - lr * weight_decay
         m  = beta1 * m + (1 - beta1) * g
         v  = beta2 * v + (1 - beta2) * g * g
@@ -93,9 +96,11 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
         raise ValueError(f"step must be >= 1 (the count including this update), got {step}")
     xp = _array_module(p)
     if xp is not np and p.dtype == g.dtype == m.dtype == v.dtype:
-        _fused_adamw()(g, 1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
+        _fused_adamw()(g, scale, 1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
                        math.sqrt(1.0 - beta2 ** step), eps, lr / (1.0 - beta1 ** step), p, m, v)
         return
+    if scale != 1.0:
+        g = g * scale
     if weight_decay != 0:
         p *= 1.0 - lr * weight_decay
     scratch = xp.empty_like(m)
@@ -115,18 +120,20 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
 
 
 _FUSED_ADAMW = """
+const T gs = g * scale;
 p = p * decay;
-T s = g * one_b1;  m = m * b1;  m = m + s;
-s = g * g;  s = s * one_b2;  v = v * b2;  v = v + s;
+T s = gs * one_b1;  m = m * b1;  m = m + s;
+s = gs * gs;  s = s * one_b2;  v = v * b2;  v = v + s;
 s = sqrt(v);  s = s / c2;  s = s + eps;  s = m / s;  s = s * step_size;
 p = p - s;
 """
 """The CuPy path of :func:`adamw_update`: the same operations in the same order, one pass over
 p, g, m, v instead of fourteen (on a 1.1B model about 30 GB of memory traffic a step instead of
-150). Compiled with ``--fmad=false`` so that no multiply-add is contracted: each operation rounds
+150), with the clipping coefficient applied on the way in (a separate in-place scaling of the
+gradients was another 8.8 GB a step: 6 ms of a 1.1B step on an H200). Compiled with ``--fmad=false`` so that no multiply-add is contracted: each operation rounds
 as the unfused sequence's does (CuPy flushes float32 subnormals in both), so the result is the
 same bits (tests/gpu/test_optim_gpu.py, passed on an H200). ``p * decay`` with decay = 1 is exact, as skipping it
-is."""
+is, as is ``g * scale`` with scale = 1."""
 
 
 @functools.cache
@@ -134,12 +141,13 @@ def _fused_adamw() -> Any:
     """The fused AdamW ElementwiseKernel (built once, compiled per dtype on first use)."""
     import cupy
     return cupy.ElementwiseKernel(
-        "T g, T decay, T b1, T one_b1, T b2, T one_b2, T c2, T eps, T step_size",
+        "T g, T scale, T decay, T b1, T one_b1, T b2, T one_b2, T c2, T eps, T step_size",
         "T p, T m, T v", _FUSED_ADAMW, "mpipar_adamw", options=("--fmad=false",))
 
 
 def adamw_catch_up(p: Any, g: Any, m: Any, v: Any, idle: Any, step: int, lr: float,
-                   beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                   beta1: float, beta2: float, eps: float, weight_decay: float,
+                   scale: float = 1.0) -> None:
     """One AdamW step on a sum of top-k selections with error feedback, in place on ``p``,
     ``m``, ``v`` and ``idle`` (steps each coordinate has waited), all the same shape.
 
@@ -159,12 +167,15 @@ def adamw_catch_up(p: Any, g: Any, m: Any, v: Any, idle: Any, step: int, lr: flo
         p   -= d * lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
         idle = 0 where sent, idle + 1 elsewhere
 
-    With every coordinate sent (d = 1) this is :func:`adamw_update`'s arithmetic."""
+    With every coordinate sent (d = 1) this is :func:`adamw_update`'s arithmetic; ``scale``
+    (the clipping coefficient) multiplies ``g`` first, as there."""
     if not p.shape == g.shape == m.shape == v.shape == idle.shape:
         raise ValueError(f"adamw_catch_up needs equal shapes, got p {p.shape}, g {g.shape}, "
                          f"m {m.shape}, v {v.shape}, idle {idle.shape}")
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count including this update), got {step}")
+    if scale != 1.0:
+        g = g * scale
     if weight_decay != 0:
         p *= 1.0 - lr * weight_decay
     idle += 1
@@ -181,12 +192,13 @@ def adamw_catch_up(p: Any, g: Any, m: Any, v: Any, idle: Any, step: int, lr: flo
 
 
 def _adamw_step(p: Any, g: Any, m: Any, v: Any, idle: Any | None, step: int, lr: float,
-                cfg: AdamWConfig, weight_decay: float) -> None:
+                cfg: AdamWConfig, weight_decay: float, scale: float) -> None:
     """:func:`adamw_catch_up` with the wait counts ``idle``, :func:`adamw_update` without."""
     if idle is None:
-        adamw_update(p, g, m, v, step, lr, cfg.beta1, cfg.beta2, cfg.eps, weight_decay)
+        adamw_update(p, g, m, v, step, lr, cfg.beta1, cfg.beta2, cfg.eps, weight_decay, scale)
     else:
-        adamw_catch_up(p, g, m, v, idle, step, lr, cfg.beta1, cfg.beta2, cfg.eps, weight_decay)
+        adamw_catch_up(p, g, m, v, idle, step, lr, cfg.beta1, cfg.beta2, cfg.eps, weight_decay,
+                       scale)
 
 
 IDLE = "idle_steps"
@@ -208,10 +220,14 @@ class Optimizer(Protocol):
         model replica shard (a sharded optimizer sums its shard group itself)."""
 
     def clip(self, max_norm: float, total_norm: float) -> float:
-        """Scale the gradients to a global norm of at most ``max_norm`` (:func:`clip_grads`)."""
+        """Clip the gradients to a global norm of at most ``max_norm``: the coefficient
+        (:func:`clip_coefficient`) is returned and applied by the next :meth:`step` as it reads
+        each gradient (the same bits as scaling the gradients in place first, one pass fewer
+        over them); the gradient buffers themselves are left unscaled."""
 
     def step(self, lr: float) -> None:
-        """Apply one update at learning rate ``lr`` to the parameters."""
+        """Apply one update at learning rate ``lr`` to the parameters (with the coefficient of
+        the last :meth:`clip` since the previous step, if any)."""
 
     def state(self) -> Iterator[StatePiece]:
         """This rank's share of the moments: each element of the model's optimizer state is
@@ -253,22 +269,25 @@ class AdamW:
         self.idle = ({name: _array_module(p).zeros_like(p) for name, p in params.items()}
                      if catch_up is not None else {})
         self.step_count = 0
+        self.grad_scale = 1.0
 
     def grad_norm_sq(self, counted: Callable[[str], bool] | None = None) -> float:
         return grad_norm_sq(self.grads, counted)
 
     def clip(self, max_norm: float, total_norm: float) -> float:
-        return clip_grads(self.grads, max_norm, total_norm)
+        self.grad_scale = clip_coefficient(max_norm, total_norm)
+        return self.grad_scale
 
     def step(self, lr: float) -> None:
-        """Update every parameter in place with its gradient at learning rate ``lr``."""
+        """Update every parameter in place with its gradient (times the clipping coefficient)
+        at learning rate ``lr``."""
         self.step_count += 1
-        cfg = self.cfg
+        cfg, scale, self.grad_scale = self.cfg, self.grad_scale, 1.0
         sparse = self.catch_up is not None and self.catch_up()
         for name, p in self.params.items():
             wd = cfg.weight_decay if self.decay[name] else 0.0
             _adamw_step(p, self.grads[name], self.m[name], self.v[name],
-                        self.idle[name] if sparse else None, self.step_count, lr, cfg, wd)
+                        self.idle[name] if sparse else None, self.step_count, lr, cfg, wd, scale)
         if self.publish is not None:
             self.publish()
 
@@ -323,6 +342,7 @@ class ZeroAdamW:
                      if catch_up is not None else [])
         self._index = {id(b): i for i, b in enumerate(reducer.buckets)}
         self.step_count = 0
+        self.grad_scale = 1.0
 
     def grad_norm_sq(self, counted: Callable[[str], bool]) -> float:
         """Sum of squares of the owned gradient slices ``counted`` accepts, over the shard group
@@ -333,19 +353,19 @@ class ZeroAdamW:
         return float(self.reducer.group.allreduce_(xp.array([total]))[0])
 
     def clip(self, max_norm: float, total_norm: float) -> float:
-        return clip_grads(dict(enumerate(b.owned_grad for b in self.reducer.buckets)),
-                          max_norm, total_norm)
+        self.grad_scale = clip_coefficient(max_norm, total_norm)
+        return self.grad_scale
 
     def step(self, lr: float) -> None:
         self.step_count += 1
-        red, c = self.reducer, self.cfg
+        red, c, scale, self.grad_scale = self.reducer, self.cfg, self.grad_scale, 1.0
         sparse = self.catch_up is not None and self.catch_up()
         for b, name, lo, hi in red.owned_pieces():
             i = self._index[id(b)]
             wd = c.weight_decay if self.decay[name] else 0.0
             _adamw_step(b.owned[lo:hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
                         self.v[i][lo:hi], self.idle[i][lo:hi] if sparse else None,
-                        self.step_count, lr, c, wd)
+                        self.step_count, lr, c, wd, scale)
         red.gather_params()
 
     def _pieces(self):
@@ -445,50 +465,37 @@ def grad_norm_sq(grads: Mapping[str, Any], include: Callable[[str], bool] | None
 
 def sum_squares(arrays: Iterable[Any]) -> float:
     """Sum over ``arrays`` of the sum of squares of each, accumulated in float64 (a float32
-    element's square is exact there). NumPy: a dot product per array. CuPy: one reduction
-    kernel per array into a device scalar and one synchronisation at the end (a dot per array
-    cast to float64 cost a full-size copy and a synchronisation each: 32 ms of a 311 ms step of a
-    1.1B model on an H200; this reads the 4.4 GB once, about 2 ms at the H200's bandwidth, not
-    yet measured on a device)."""
-    total, on_device = 0.0, None
+    element's square is exact there). NumPy: a dot product per array. CuPy: the fused kernel
+    (:func:`mpipar.kernels.cuda_moves.sum_squares`: float64 partials per block, one
+    synchronisation). A dot per array cast to float64 cost a full-size copy and a
+    synchronisation each: 26 ms for a 1.1B model's gradients on an H200; CuPy's reduction
+    kernel per array 7.5 ms."""
+    total, on_device = 0.0, []
     for g in arrays:
         flat = g.reshape(-1)
         if _array_module(flat) is np:
             if flat.dtype != np.float64:
                 flat = flat.astype(np.float64)
             total += float(np.dot(flat, flat))
-            continue
-        part = _sum_squares_kernel()(flat)
-        on_device = part if on_device is None else on_device + part
-    return total + (float(on_device) if on_device is not None else 0.0)
+        else:
+            on_device.append(flat)
+    if on_device:
+        from mpipar.kernels import cuda_moves
+        total += cuda_moves.sum_squares(on_device)
+    return total
 
 
-@functools.cache
-def _sum_squares_kernel() -> Any:
-    """The CuPy reduction of :func:`sum_squares` (built once)."""
-    import cupy
-    return cupy.ReductionKernel(
-        "T x", "float64 y", "static_cast<double>(x) * static_cast<double>(x)", "a + b",
-        "y = a", "0", "mpipar_sum_squares")
-
-
-def clip_grads(grads: Mapping[str, Any], max_norm: float, total_norm: float) -> float:
-    """Scale every gradient in place so that the global norm is at most `max_norm`.
-
-    coef = min(1, max_norm / (total_norm + 1e-6)), as torch.nn.utils.clip_grad_norm_; gradients
-    are multiplied only when coef < 1 (multiplying by 1.0 is exact). Clipping is off when
-    max_norm <= 0. Returns the coefficient (1.0 when off). A non-finite or negative total_norm
-    raises ValueError rather than silently zeroing or poisoning the gradients.
-    """
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """The factor that brings gradients of global norm ``total_norm`` to at most ``max_norm``:
+    min(1, max_norm / (total_norm + 1e-6)), as torch.nn.utils.clip_grad_norm_; 1.0 when
+    clipping is off (max_norm <= 0). A non-finite or negative total_norm raises ValueError
+    rather than silently zeroing or poisoning the gradients. The optimizers fold it into their
+    update (:func:`adamw_update`'s ``scale``)."""
     if max_norm <= 0:
         return 1.0
     if not (math.isfinite(total_norm) and total_norm >= 0):
         raise ValueError(f"total_norm must be finite and >= 0 to clip, got {total_norm}")
-    coef = min(1.0, max_norm / (total_norm + 1e-6))
-    if coef < 1.0:
-        for g in grads.values():
-            g *= coef
-    return coef
+    return min(1.0, max_norm / (total_norm + 1e-6))
 
 
 SCHEDULES = ("constant", "cosine", "wsd")

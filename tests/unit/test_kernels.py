@@ -551,3 +551,23 @@ def test_numba_accepts_non_contiguous_inputs(rng):
     x = rng.standard_normal((6, 5)).T  # [5, 6], Fortran order
     _same(numba_cpu.rmsnorm_fwd(x, np.ones(6), 1e-6), ref.rmsnorm_fwd(x, np.ones(6), 1e-6), np.float64)
     _same(numba_cpu.swiglu_fwd(x, x), ref.swiglu_fwd(x, x), np.float64)
+
+
+def test_layout_moves_cut_and_join_without_changing_a_bit():
+    """numpy_ref's split_columns / concat (every backend's, bf16 included; the GPU's bf16
+    kernels are held to the same bytes in tests/gpu/test_cuda_fused.py)."""
+    import ml_dtypes
+    rng = np.random.default_rng(2)
+    for dtype in (np.float64, np.float32, ml_dtypes.bfloat16):
+        y = rng.standard_normal((3, 4, 11)).astype(dtype)
+        for name in kernels.BACKENDS:
+            if kernels.available_backends()[name] is not None:
+                continue
+            kb = kernels.get_backend(name)
+            pieces = kb.split_columns(y, [5, 0, 6])
+            assert [p.shape for p in pieces] == [(3, 4, 5), (3, 4, 0), (3, 4, 6)]
+            assert all(p.flags.c_contiguous and p.dtype == y.dtype for p in pieces)
+            assert kb.concat(pieces, axis=-1).tobytes() == y.tobytes()
+            assert kb.concat([y[:1], y[1:]], axis=0).tobytes() == y.tobytes()
+    with pytest.raises(ValueError, match=r"widths \[5, 5\] must be >= 0 and sum to y.shape\[-1\] = 11"):
+        ref.split_columns(y, [5, 5])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpipar.training.optim import (IDLE, AdamW, AdamWConfig, LRSchedule, adamw_catch_up, adamw_update,
-                          clip_grads, grad_norm_sq)
+                          clip_coefficient, grad_norm_sq)
 
 
 def reference_adamw(p, grads, lr, beta1, beta2, eps, wd):
@@ -230,33 +230,67 @@ def test_grad_norm_sq_accumulates_float32_in_float64():
     assert abs(got - exact) / exact < 1e-12
 
 
-def test_clip_below_norm_leaves_grads_untouched():
-    g = {"a": np.array([0.3, 0.4])}
-    assert clip_grads(g, max_norm=1.0, total_norm=0.5) == 1.0
-    np.testing.assert_array_equal(g["a"], [0.3, 0.4])
+def test_clip_coefficient_below_the_norm_is_one():
+    assert clip_coefficient(max_norm=1.0, total_norm=0.5) == 1.0
 
 
-def test_clip_above_norm_scales_to_max_norm():
+def test_clip_coefficient_above_the_norm_scales_to_max_norm():
     g = {"a": np.array([3.0, 4.0]), "b": np.array([[12.0]])}
     total = math.sqrt(grad_norm_sq(g))
     assert total == 13.0
-    coef = clip_grads(g, max_norm=1.0, total_norm=total)
+    coef = clip_coefficient(max_norm=1.0, total_norm=total)
     assert coef == 1.0 / (13.0 + 1e-6)
-    np.testing.assert_allclose(g["a"], np.array([3.0, 4.0]) * coef, rtol=1e-15)
-    np.testing.assert_allclose(math.sqrt(grad_norm_sq(g)), 13.0 / (13.0 + 1e-6), rtol=1e-14)
+    scaled = {k: a * coef for k, a in g.items()}
+    np.testing.assert_allclose(math.sqrt(grad_norm_sq(scaled)), 13.0 / (13.0 + 1e-6), rtol=1e-14)
 
 
 @pytest.mark.parametrize("max_norm", [0.0, -1.0])
 def test_clip_off(max_norm):
-    g = {"a": np.array([300.0, 400.0])}
-    assert clip_grads(g, max_norm=max_norm, total_norm=500.0) == 1.0
-    np.testing.assert_array_equal(g["a"], [300.0, 400.0])
+    assert clip_coefficient(max_norm=max_norm, total_norm=500.0) == 1.0
 
 
 @pytest.mark.parametrize("total", [float("nan"), float("inf"), -1.0])
 def test_clip_rejects_non_finite_norm(total):
     with pytest.raises(ValueError, match="total_norm must be finite and >= 0"):
-        clip_grads({"a": np.ones(2)}, max_norm=1.0, total_norm=total)
+        clip_coefficient(max_norm=1.0, total_norm=total)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_clip_folded_into_the_step_equals_scaling_the_gradients_first(dtype, catch_up):
+    """AdamW.clip + step (the coefficient applied as the update reads each gradient) gives the
+    same bits as scaling the gradients in place and stepping unclipped, and leaves the
+    gradient buffers as they were; the next step is unclipped again."""
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((5, 7)).astype(dtype), "b": rng.standard_normal(7).astype(dtype)}
+    grads = {k: rng.standard_normal(p.shape).astype(dtype) * 10 for k, p in params.items()}
+    if catch_up:
+        grads["w"][1] = 0      # coordinates no rank sent
+    kept = {k: g.copy() for k, g in grads.items()}
+    cfg = AdamWConfig(lr=1e-2, weight_decay=0.1)
+    sparse = (lambda: True) if catch_up else None
+    folded = AdamW(copy.deepcopy(params), grads, cfg, catch_up=sparse)
+    first = AdamW(copy.deepcopy(params), {k: g.copy() for k, g in grads.items()}, cfg,
+                  catch_up=sparse)
+    total = math.sqrt(grad_norm_sq(grads))
+    coef = folded.clip(1.0, total)
+    assert coef == clip_coefficient(1.0, total) < 0.5
+    folded.step(1e-2)
+    for g in first.grads.values():
+        g *= coef
+    first.step(1e-2)
+    for k in params:
+        assert np.array_equal(folded.params[k], first.params[k]), k
+        assert np.array_equal(folded.m[k], first.m[k]) and np.array_equal(folded.v[k], first.v[k])
+        assert np.array_equal(grads[k], kept[k])            # the buffers were not scaled
+        assert not np.array_equal(folded.params[k], params[k])
+    assert folded.grad_scale == 1.0
+    folded.step(1e-2)                                       # unclipped: the coefficient is spent
+    for g, k in ((first.grads[k], k) for k in params):
+        g[...] = kept[k]
+    first.step(1e-2)
+    for k in params:
+        assert np.array_equal(folded.params[k], first.params[k]), k
 
 
 def test_cosine_schedule_values():

@@ -83,6 +83,10 @@ class ModelConfig:
                                 "comma list of layer indices); the others keep the dense FFN")
     moe_aux_loss_coef: float = _f(0.001, "mixture of experts: coefficient alpha of DeepSeek-V3's "
                                          "sequence-wise balance loss (0 turns it off)")
+    moe_bias_update_rate: float = _f(0.0, "mixture of experts: DeepSeek-V3's auxiliary-loss-free "
+                                          "balancing: a per-expert bias added to the router's "
+                                          "probabilities for the top-K choice only, moved by "
+                                          "rate x sign(mean load - load) after each step (0: off)")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and

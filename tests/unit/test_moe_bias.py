@@ -236,3 +236,71 @@ def test_index_refuses_a_bias_of_the_wrong_length(tmp_path):
     with pytest.raises(CheckpointError, match="moe_bias.layers.1 must be 4 finite float64"):
         read_index(path)
     assert h5py.is_hdf5(path / "index.h5")
+
+
+def _train(argv: list[str]) -> tuple[int, str, str]:
+    """``python -m mpipar.train ARGV`` on one rank in this process: (status, stdout, stderr)."""
+    import contextlib
+    import io
+    import signal
+    import sys
+
+    from mpi4py import MPI
+
+    from mpipar import train
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    hook, out, err = sys.excepthook, io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                code = train.main(argv, MPI.COMM_SELF)
+            except SystemExit as exc:
+                code = exc.code
+    finally:      # the abort hook and signal handlers the program installs put back
+        sys.excepthook = hook
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_command_line_trains_resumes_and_exports(tmp_path):
+    """``--moe-bias-update-rate`` from the command line: metrics carry ``moe_bias_max_abs``
+    (a multiple of the rate, at most steps x rate), ``--resume auto`` restores the biases from
+    the checkpoint's index, ``--export-hf`` writes Mixtral and says the biases are dropped."""
+    import json
+
+    from untrusted import TINY
+    moe = ["--moe-experts", "4", "--moe-bias-update-rate", "0.01", "--save-dir",
+           str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / "run")]
+    code, out, err = _train([*TINY, *moe, "--steps", "2", "--export-hf", str(tmp_path / "hf")])
+    assert code == 0, err[-2000:]
+    assert "not part of Mixtral and are not exported" in out
+    assert (tmp_path / "hf" / "config.json").exists()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert sorted(r["moe_bias_max_abs"]) == ["0", "1"]
+        assert all(round(v / 0.01) * 0.01 == pytest.approx(v) and v <= r["step"] * 0.01 + 1e-12
+                   for v in r["moe_bias_max_abs"].values())
+    assert max(rows[0]["moe_bias_max_abs"].values()) == 0.01
+    from mpipar.checkpoint import reader
+    saved = reader.read_moe_bias(tmp_path / "ckpt" / "step_00000002")
+    assert max(float(abs(b).max()) for b in saved.values()) == max(
+        rows[1]["moe_bias_max_abs"].values())
+    code, out, err = _train([*TINY, *moe, "--steps", "3", "--resume", "auto"])
+    assert code == 0, err[-2000:]
+    assert "resumed from" in out
+    whole = ["--moe-experts", "4", "--moe-bias-update-rate", "0.01", "--save-dir",
+             str(tmp_path / "whole"), "--run-dir", str(tmp_path / "run2"), "--steps", "3"]
+    assert _train([*TINY, *whole])[0] == 0
+    got, want = (reader.read_moe_bias(tmp_path / d / "step_00000003") for d in ("ckpt", "whole"))
+    assert got.keys() == want.keys() and all((got[i] == want[i]).all() for i in got)
+    last = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[-1])
+            for d in ("run", "run2")]
+    assert last[0]["step"] == last[1]["step"] == 3 and last[0]["loss"] == last[1]["loss"]
+
+
+def test_a_rate_without_experts_exits_2_with_one_message(tmp_path):
+    from untrusted import TINY, run_train
+    code, err = run_train([*TINY, "--moe-bias-update-rate", "0.01", "--run-dir", str(tmp_path)])
+    assert code == 2
+    assert err.count("model.moe_bias_update_rate=0.01: needs a mixture of experts") == 1, err

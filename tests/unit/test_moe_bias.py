@@ -304,3 +304,31 @@ def test_a_rate_without_experts_exits_2_with_one_message(tmp_path):
     code, err = run_train([*TINY, "--moe-bias-update-rate", "0.01", "--run-dir", str(tmp_path)])
     assert code == 2
     assert err.count("model.moe_bias_update_rate=0.01: needs a mixture of experts") == 1, err
+
+
+def test_generation_from_a_checkpoint_routes_with_its_biases(tmp_path):
+    """``Generator.load_checkpoint`` takes the checkpoint's biases: its stage holds them, and
+    the greedy logits differ from those of the same weights routed without them."""
+    from mpi4py import MPI
+
+    from generation import build_generator
+    from mpipar.checkpoint import reader, writer
+    from mpipar.inference.sampling import Sampling
+    from mpipar.runtime.comm import Group, Ledger
+    eng = _engine(tmp_path, rate=0.3)            # large: the bias outweighs the probabilities
+    for k in range(2):
+        eng.train_step(k)
+    path = writer.save(eng.state, eng.run_position(2), tmp_path,
+                       Group(MPI.COMM_SELF, "world", Ledger()))
+    model = eng.cfg.model
+    eng.close()
+    biases, logits = reader.read_moe_bias(path), []
+    for given in (biases, None):
+        gen = build_generator(model, MPI.COMM_SELF)
+        with reader.open_reader(path) as read:
+            gen.load_checkpoint(read, given)
+        out = gen.generate([1, 2, 3, 4], 3, Sampling(temperature=0.0), keep_logits=True)
+        logits.append(np.stack([np.asarray(x) for x in out.logits]))
+        if given:
+            assert all((gen.stage.moe_bias[i] == b).all() for i, b in biases.items())
+    assert np.abs(logits[0] - logits[1]).max() > 1e-6

@@ -198,6 +198,16 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
                        Group(MPI.COMM_SELF, "world", Ledger()))
     first.close()
     assert reader.read_moe_bias(path).keys() == ref[1][3].keys()
+    import json
+
+    from mpipar.checkpoint.tools import inspect
+    shown = json.loads(json.dumps(inspect(path)))["moe_bias"]     # python -m mpipar.ckpt
+    assert shown == {f"layers.{i}": b.tolist() for i, b in ref[1][3].items()}
+    import h5py
+
+    from mpipar.checkpoint.tools import consolidate
+    with h5py.File(consolidate(path, tmp_path / "one.h5"), "r") as f:
+        assert all((f["moe_bias"].attrs[f"layers.{i}"] == b).all() for i, b in ref[1][3].items())
     resumed = _engine(tmp_path)
     assert reader.load(resumed.state, path) == 2
     resumed.routing.load(reader.read_moe_bias(path))

@@ -2,7 +2,8 @@
 biases move from the loads of the step's *global* batch (summed over dp x sp, every microbatch,
 every pipeline stage), so every layout equals the one-process run in float64 (<= 1e-10 in loss,
 gradient norm and parameters over 3 steps, the balance loss on) and holds the same biases on
-every rank, exactly; and a run stopped after step 2 and resumed (in its own layout, bit for bit;
+every rank, exactly (ep with dp, sp ring, pp x tp, ZeRO-1/3, interleaved with full recompute);
+and a run stopped after step 2 and resumed (in its own layout, bit for bit;
 in another, <= 1e-10) reproduces steps 3-4, its biases restored from the checkpoint."""
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ LAYOUTS = [
     dict(dp=4, ep=2), dict(dp=2, sp=2, ep=4, sp_mode="ring"),
     dict(dp=2, tp=2, pp=2, ep=2, schedule="1f1b"),
     dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
+    dict(dp=2, sp=2, tp=2, ep=4, zero=3),
+    dict(dp=4, pp=2, ep=4, schedule="interleaved", virtual_stages=2, recompute="full"),
 ]
 
 
-def config(**layout):
+def config(recompute: str = "none", **layout):
     cfg = small_config("float64", "moe", **layout)
     cfg.model.moe_bias_update_rate = RATE
+    cfg.train.recompute = recompute
     return cfg
 
 

@@ -620,7 +620,9 @@ def from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-CHECKPOINT_OVERRIDABLE = ("init_std",)  # model fields a command line may change on a checkpoint
+# Model fields a command line may change on a checkpoint: the routing biases' update rate is a
+# training setting (DeepSeek-V3 sets it to 0 for its last tokens; a Mixtral has none to give).
+CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate")
 
 
 def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:

@@ -342,3 +342,18 @@ def test_generation_from_a_checkpoint_routes_with_its_biases(tmp_path):
         if given:
             assert all((gen.stage.moe_bias[i] == b).all() for i, b in biases.items())
     assert np.abs(logits[0] - logits[1]).max() > 1e-6
+
+
+def test_the_rate_may_change_on_a_checkpoint():
+    """A resumed run (DeepSeek-V3 turns the rate to 0 for its last tokens) or one initialised
+    from a Mixtral (which has no rate) takes the rate of the command line; other model fields
+    still come from the checkpoint."""
+    from mpipar.config import ModelConfig
+    from mpipar.layout import model_from_checkpoint
+    saved = ModelConfig(moe_experts=4, moe_bias_update_rate=0.001)
+    assert model_from_checkpoint(saved, {"moe_bias_update_rate": 0.0},
+                                 "ckpt").moe_bias_update_rate == 0.0
+    assert model_from_checkpoint(ModelConfig(moe_experts=4), {"moe_bias_update_rate": 0.01},
+                                 "ckpt").moe_bias_update_rate == 0.01
+    with pytest.raises(ConfigError, match="moe_top_k=3"):
+        model_from_checkpoint(saved, {"moe_top_k": 3}, "ckpt")

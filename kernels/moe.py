@@ -38,6 +38,16 @@ def route_topk(probs: Array, k: int, xp) -> tuple[Array, Array]:
     return order.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
 
 
+def route_topk_biased(probs: Array, bias: Array, k: int, xp) -> tuple[Array, Array]:
+    """DeepSeek-V3's auxiliary-loss-free routing: the ``k`` experts of each token with the
+    largest ``probs + bias`` (``bias`` ``[E]``: the choice only), their weights the *unbiased*
+    probabilities renormalised to sum to 1. -> (experts ``[N, K]`` int64, largest biased score
+    first (ties: the lower index), weights ``[N, K]``)."""
+    order = xp.argsort(-(probs + bias), axis=-1, kind="stable")[:, :k]
+    chosen = xp.take_along_axis(probs, order, axis=-1)
+    return order.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
+
+
 def route_topk_bwd(dweights: Array, weights: Array, chosen_sum: Array, experts: Array,
                    num_experts: int, xp) -> Array:
     """Gradient of the probabilities ``[N, E]`` from that of the renormalised weights

@@ -83,6 +83,10 @@ class ModelConfig:
                                 "comma list of layer indices); the others keep the dense FFN")
     moe_aux_loss_coef: float = _f(0.001, "mixture of experts: coefficient alpha of DeepSeek-V3's "
                                          "sequence-wise balance loss (0 turns it off)")
+    moe_bias_update_rate: float = _f(0.0, "mixture of experts: DeepSeek-V3's auxiliary-loss-free "
+                                          "balancing: a per-expert bias added to the router's "
+                                          "probabilities for the top-K choice only, moved by "
+                                          "rate x sign(mean load - load) after each step (0: off)")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
@@ -616,7 +620,9 @@ def from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-CHECKPOINT_OVERRIDABLE = ("init_std",)  # model fields a command line may change on a checkpoint
+# Model fields a command line may change on a checkpoint: the routing biases' update rate is a
+# training setting (DeepSeek-V3 sets it to 0 for its last tokens; a Mixtral has none to give).
+CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate")
 
 
 def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:

@@ -302,9 +302,9 @@ def _load(generator, path: str, kind: str) -> None:
         from mpipar.checkpoint.huggingface import load_hf
         generator.load_params(load_hf(path, untie_embeddings=True)[1])
         return
-    from mpipar.checkpoint.reader import open_reader
+    from mpipar.checkpoint.reader import open_reader, read_moe_bias
     with open_reader(path) as read:
-        generator.load_checkpoint(read)
+        generator.load_checkpoint(read, read_moe_bias(path))
 
 
 def _agree(comm: MPI.Comm, error: str | None) -> None:

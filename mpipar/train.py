@@ -317,9 +317,14 @@ def _load_state(engine, ctx: RunContext) -> int:
     tr = ctx.cfg.train
     if tr.resume:
         from mpipar.checkpoint import reader
+        from mpipar.checkpoint.directory import CheckpointError
         path, notes = reader.resolve_resume(tr.resume, tr.save_dir)
         if path is not None:
             start = reader.load(engine.state, path)
+            try:   # the routing biases, recorded once in the index (auxiliary-loss-free)
+                engine.routing.load(reader.read_moe_bias(path))
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
             notes += [f"resumed from {path} at step {start}",
                       *reader.resume_changes(path, engine.run_position(start))]
         for note in notes if ctx.rank0 else ():

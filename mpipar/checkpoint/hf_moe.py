@@ -61,3 +61,16 @@ def mixtral_fields(m: ModelConfig) -> dict[str, Any]:
             "num_experts_per_tok": m.moe_top_k, "sliding_window": None,
             "router_aux_loss_coef": 0.0, "output_router_logits": False,
             "router_jitter_noise": 0.0}
+
+
+def routing_bias_note(biases: Mapping[int, Any]) -> str:
+    """What an export to Mixtral says of the routing biases of auxiliary-loss-free balancing
+    (``{sparse block: [E]}``; "" when there are none): Mixtral has no place for them (its router
+    is the gate's softmax alone), so they are dropped, as torchtitan drops a buffer its target
+    lacks; the exported model chooses experts by the probabilities alone."""
+    if not biases:
+        return ""
+    largest = max(float(abs(b).max()) for b in biases.values())
+    return (f"the routing biases of --moe-bias-update-rate ({len(biases)} sparse blocks, max "
+            f"|bias| {largest:.3g}) are not part of Mixtral and are not exported: the exported "
+            f"model chooses its experts by the router's probabilities alone")

@@ -14,7 +14,10 @@ sp``, ``datasets``: :class:`.records.RankPlace`). Every other root member is a g
 one kind: ``param``, ``exp_avg``, ``exp_avg_sq`` (required), and with gradient compression and
 error feedback the residuals per slot, ``residual_send.<slot>`` and ``residual_gather``
 (:mod:`mpipar.parallel.data_parallel`), with top-k's catch-up the wait counts ``idle_steps``
-(:func:`mpipar.training.optim.adamw_catch_up`). Each holds one virtual dataset per parameter, in
+(:func:`mpipar.training.optim.adamw_catch_up`). Auxiliary-loss-free balancing adds the optional
+group ``moe_bias`` of attributes, ``layers.<i>`` per sparse block: its routing bias, ``E``
+float64 values (:class:`mpipar.model.moe.RoutingBias`; the same on every rank, so recorded once
+here rather than in the shards, and any layout reads it whole). Each holds one virtual dataset per parameter, in
 forward order, of its global shape (1-D or 2-D) and the index's dtype; every kind holds the same
 names and shapes.
 
@@ -70,7 +73,7 @@ ROOT_ATTRS = {"format": str, "format_version": int, "step": int, "optimizer_step
               "dtype": str, "world_size": int, "saved_at": str, "config_toml": str}
 SHARD_ATTRS = {"sha256": str, "size": int, "rank": int, **{axis: int for axis in AXES},
                "datasets": int}
-METADATA = ("layout", "lr_schedule", "data", "rng", "shards")
+METADATA = ("layout", "lr_schedule", "data", "rng", "shards", "moe_bias")
 """The root groups that hold attributes, not tensors."""
 _KIND_NAME = re.compile(r"^[a-z_]+(\.\d+)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -145,6 +148,7 @@ class Index:
     config: Config                               # parsed from ``config_toml``
     shards: dict[str, ShardRecord]               # by file name
     tensors: dict[str, dict[str, Tensor]]        # kind -> name -> tensor, forward order
+    moe_bias: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # by block
 
     @property
     def step(self) -> int:
@@ -231,6 +235,10 @@ def write_index(tmp: Path, state: RankState, position: RunPosition, records: lis
             for axis, value in zip(AXES, rec["coord"]):
                 g[axis] = value
             g["datasets"] = len(rec["blocks"])
+        if position.moe_bias:
+            bias = f.create_group("moe_bias").attrs
+            for i, value in position.moe_bias.items():
+                bias[f"layers.{i}"] = np.asarray(value, dtype=np.float64)
         for kind in kinds_of(records):
             group = f.create_group(kind, track_order=True)  # forward order, as param_specs
             for name in state.shapes:
@@ -294,7 +302,25 @@ class _Schema:
                   for name, fields in GROUP_ATTRS.items()}
         shards = self.shards(attrs["world_size"])
         tensors = self.tensors(dtype, shards)
-        return Index(self.index, attrs, groups, config, shards, tensors)
+        return Index(self.index, attrs, groups, config, shards, tensors, self.moe_bias(config))
+
+    def moe_bias(self, config: Config) -> dict[int, np.ndarray]:
+        """The optional ``moe_bias`` group: per sparse block of the model, ``E`` finite
+        float64 values (module docstring)."""
+        if "moe_bias" not in self.f:
+            return {}
+        group, m, out = self.member(self.f, "moe_bias", h5py.Group, "moe_bias"), config.model, {}
+        for key in group.attrs:
+            where = f"moe_bias.{key}"
+            block = re.fullmatch(r"layers\.(\d+)", key)
+            if block is None or not m.is_sparse(int(block[1])):
+                self.fail(f"attribute {where}: not a sparse block of the model (layers.<i>)")
+            value = np.asarray(group.attrs[key])
+            if (value.dtype != np.float64 or value.shape != (m.moe_experts,)
+                    or not np.isfinite(value).all()):
+                self.fail(f"attribute {where} must be {m.moe_experts} finite float64 values")
+            out[int(block[1])] = value
+        return out
 
     def member(self, group: h5py.Group, name: str, want: type, where: str) -> Any:
         """``group[name]``, which must be reached by a hard link and be a ``want``."""

@@ -420,6 +420,13 @@ def load(state: RankState, path: str | os.PathLike) -> int:
     return index.step
 
 
+def read_moe_bias(path: str | os.PathLike) -> dict[int, np.ndarray]:
+    """The routing biases of auxiliary-loss-free balancing the checkpoint at ``path`` records,
+    ``{sparse block: [E] float64}`` (empty when its run had none), verified first. Every layout
+    loads them whole (:meth:`mpipar.model.moe.RoutingBias.load`). No collective."""
+    return dict(require_sound(resolve_path(path)).moe_bias)
+
+
 def read_tensors(path: str | os.PathLike, kind: str = "param") -> dict[str, np.ndarray]:
     """Every global tensor of ``kind`` ("param", "exp_avg", "exp_avg_sq" or a residual kind the
     checkpoint holds), verified first."""

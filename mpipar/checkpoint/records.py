@@ -7,7 +7,8 @@ index's ``lr_schedule`` and ``data`` groups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from mpipar.config import Config
 from mpipar.runtime.topology import Coord
@@ -64,10 +65,13 @@ class DataCursor:
 @dataclass(frozen=True)
 class RunPosition:
     """Where a run stands after ``step`` training steps, as seen from one rank: its resolved
-    configuration, this rank's place, the LR schedule's state and the data cursor."""
+    configuration, this rank's place, the LR schedule's state, the data cursor and the routing
+    biases of auxiliary-loss-free balancing (``{sparse block: [E] float64}``, the same on every
+    rank; empty when off: :class:`mpipar.model.moe.RoutingBias`)."""
 
     step: int
     config: Config
     place: RankPlace
     lr_schedule: LRScheduleState
     data: DataCursor
+    moe_bias: dict[int, Any] = field(default_factory=dict)

@@ -13,7 +13,8 @@ import h5py
 
 from mpipar.checkpoint.directory import fsync_file, require_outside, resolve_path
 from mpipar.checkpoint.index import KINDS, read_index
-from mpipar.checkpoint.reader import ShardFiles, read_config, read_tensors, require_sound
+from mpipar.checkpoint.reader import (ShardFiles, read_config, read_moe_bias, read_tensors,
+                                      require_sound)
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
@@ -30,6 +31,8 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     for key in ("step", "optimizer_step", "dtype", "world_size", "saved_at"):
         out[key] = index.attrs[key]
     out.update({group: dict(attrs) for group, attrs in index.groups.items()})
+    if index.moe_bias:
+        out["moe_bias"] = {f"layers.{i}": b.tolist() for i, b in index.moe_bias.items()}
     out["model"] = dataclasses.asdict(index.config.model)
     out["shards"] = [{"file": s.file, "sha256": s.sha256, "size": s.size, "rank": s.rank,
                       **dict(zip(("dp", "tp", "pp", "sp"), s.coord)), "datasets": s.datasets}
@@ -60,6 +63,10 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
                 g = dst.create_group(group)
                 for key, value in attrs.items():
                     g.attrs[key] = value
+            if index.moe_bias:
+                g = dst.create_group("moe_bias")
+                for i, value in index.moe_bias.items():
+                    g.attrs[f"layers.{i}"] = value
             for kind in kinds:
                 for name, tensor in index.tensors[kind].items():
                     value = files.read(kind, name, tuple(slice(0, n) for n in tensor.shape))
@@ -76,11 +83,15 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None
     """Write the checkpoint's parameters as a Hugging Face directory (config.json +
     model.safetensors: :func:`mpipar.checkpoint.huggingface.save_hf`) in ``dtype`` (default:
     the training dtype). Verifies first."""
+    from mpipar.checkpoint import hf_moe
     from mpipar.checkpoint import huggingface as hf
 
     require_outside(Path(out))
     cfg = read_config(path)
     params = read_tensors(path, "param")
+    note = hf_moe.routing_bias_note(read_moe_bias(path))
+    if note:
+        print(f"mpipar: {note}", flush=True)
     hf.save_hf(out, cfg.model, params, dtype=dtype or cfg.train.dtype,
                extra_config={"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS,
                                                             cfg.train.seq_len)})

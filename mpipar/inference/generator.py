@@ -87,13 +87,17 @@ class Generator:
                                                               tp.rank, tp.size))
                        for n in self.stage.param_names()}
 
-    def load_checkpoint(self, read: Reader) -> None:
+    def load_checkpoint(self, read: Reader, moe_bias: dict[int, Any] | None = None) -> None:
         """This rank's shards read region by region from a checkpoint of any layout
-        (:func:`mpipar.checkpoint.reader.open_reader`). Collective-free."""
+        (:func:`mpipar.checkpoint.reader.open_reader`), and its routing biases ``moe_bias``
+        (``{sparse block: [E]}``, :func:`mpipar.checkpoint.reader.read_moe_bias`): the experts
+        are chosen as in training. Collective-free."""
         tp = self.tensor
         self.params = {n: self.xp.asarray(read_shard(read, "param", self.table[n], tp.rank,
                                                      tp.size, self.dtype))
                        for n in self.stage.param_names()}
+        self.stage.moe_bias = {i: self.xp.asarray(b, dtype="float64")
+                               for i, b in (moe_bias or {}).items()}
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
                  seed: int = 0, eos: int | None = None, keep_logits: bool = False

@@ -275,7 +275,9 @@ class LlamaStage:
         the sparse blocks' exchange (:mod:`mpipar.model.moe`; default: every expert here,
         whole sequences). ``moe_aux_weight`` (set by the caller) weighs each row's balance loss
         in backward; :meth:`forward` adds its share of the balance loss to ``moe_aux`` and the
-        expert loads of each sparse block to ``moe_load`` (the caller resets them)."""
+        expert loads of each sparse block to ``moe_load`` (the caller resets them).
+        ``moe_bias`` (set by the caller): a sparse block's routing bias ``[E]`` by block index
+        (auxiliary-loss-free balancing; a block without one routes on its probabilities)."""
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={recompute!r}: must be one of "
                              f"{', '.join(RECOMPUTE_MODES)}")
@@ -293,6 +295,7 @@ class LlamaStage:
         self.experts = experts or LocalExperts(self.cfg.moe_experts)
         self.moe_aux_weight, self.moe_aux = 0.0, 0.0
         self.moe_load: dict[int, Array] = {}
+        self.moe_bias: dict[int, Array] = {}
         self._rope: dict[bytes, tuple[Array, Array]] = {}
 
     def param_names(self) -> list[str]:
@@ -462,7 +465,8 @@ class LlamaStage:
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
         g = u = m = moe = None
         if self.cfg.is_sparse(i):
-            y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts)
+            y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
+                                 self.moe_bias.get(i))
         else:
             g, u = self._apply(params, in_block(i, GATE_UP), h2)
             scope.progress()

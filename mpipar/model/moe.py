@@ -20,11 +20,19 @@ so each rank's share ``sum_e f_be * (sum of its p_te) / T`` adds up to the row's
 the sequence split. The stage sums those shares (:attr:`MoeSaved.aux`); backward adds
 ``aux_weight * f_be / T`` to each ``dp_te`` (``aux_weight = alpha / rows of the global batch``:
 the step's loss is the mean over its rows of the sum over layers).
+
+Auxiliary-loss-free balancing (DeepSeek-V3, ``--moe-bias-update-rate``): a per-expert bias
+``b`` ``[E]`` of the block is added to ``p`` for the top-K *choice* only; the chosen experts'
+weights stay ``p``'s, renormalised over the K. The bias has no gradient (the choice is
+piecewise constant): backward is unchanged. Its update after each step, from the global batch's
+loads, is the engine's (:meth:`mpipar.training.engine.Engine.train_step`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from mpipar.kernels import moe as K_moe
 from mpipar.kernels.numpy_ref import upcast
@@ -100,14 +108,17 @@ class MoeSaved:
     counts: Array
 
 
-def moe_forward(kernels, params: dict, i: int, cfg, h: Array,
-                exchange: ExpertExchange) -> tuple[Array, MoeSaved]:
-    """Block ``i``'s sparse FFN on ``h`` ``[B, S, H]`` -> (output ``[B, S, H]``, record)."""
+def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertExchange,
+                bias: Array | None = None) -> tuple[Array, MoeSaved]:
+    """Block ``i``'s sparse FFN on ``h`` ``[B, S, H]`` -> (output ``[B, S, H]``, record).
+    ``bias`` ``[E]`` (auxiliary-loss-free balancing, module docstring): added to the
+    probabilities for the top-K choice only; None routes on the probabilities."""
     xp, E, k = kernels.xp, cfg.moe_experts, cfg.moe_top_k
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
     probs = K_moe.softmax(upcast(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])), xp)
-    experts, weights = K_moe.route_topk(probs, k, xp)
+    experts, weights = (K_moe.route_topk(probs, k, xp) if bias is None
+                        else K_moe.route_topk_biased(probs, bias, k, xp))
     chosen_sum = xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
     order, counts = K_moe.permutation(experts, E, xp)
     xs, bounds, handle = exchange.dispatch(K_moe.permute(x, order, k), counts)
@@ -165,3 +176,54 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
     dlogits = K_moe.softmax_bwd(dprobs, c.probs).astype(dy.dtype, copy=False)
     dx += lin(dlogits, c.x, f"layers.{i}." + ROUTER)
     return dx.reshape(dy.shape)
+
+
+class RoutingBias:
+    """DeepSeek-V3's auxiliary-loss-free balancing: one bias ``[E]`` per sparse block
+    (``biases``, by block index, float64 arrays of ``xp``), the same on every rank. After each
+    step :meth:`update` moves block ``i``'s bias by ``rate * sign(mean(load) - load)`` from
+    ``load`` ``[E]``, the tokens of the step's *global* batch routed to each expert of the block
+    (every rank passes the same loads, so every rank's biases stay identical). The biases are
+    state (checkpoints record them, :meth:`host`), not parameters: no gradient, no AdamW."""
+
+    def __init__(self, *, sparse: list[int], num_experts: int, rate: float, xp) -> None:
+        self.rate, self.xp, self.num_experts = rate, xp, num_experts
+        self.biases: dict[int, Array] = ({i: xp.zeros(num_experts) for i in sparse}
+                                         if rate else {})
+        self.sparse = list(sparse)
+
+    @classmethod
+    def of(cls, model, xp) -> "RoutingBias":
+        """The biases of ``model``'s sparse blocks (a resolved ModelConfig), zero; none when its
+        ``moe_bias_update_rate`` is 0 (a checkpoint's may still be loaded)."""
+        return cls(sparse=[i for i in range(model.layers) if model.is_sparse(i)],
+                   num_experts=model.moe_experts, rate=model.moe_bias_update_rate, xp=xp)
+
+    def update(self, loads: dict[int, Any]) -> None:
+        """One step's move of each block's bias; ``loads`` ``{block: [E]}`` (host arrays)."""
+        for i, load in loads.items():
+            load = np.asarray(load, dtype=np.float64)
+            self.biases[i] += self.rate * self.xp.asarray(np.sign(load.mean() - load))
+
+    def max_abs(self) -> dict[str, float]:
+        """Each block's largest ``|bias|`` (metrics), by block index as text."""
+        return {str(i): float(abs(b).max()) for i, b in sorted(self.biases.items())}
+
+    def host(self) -> dict[int, Any]:
+        """Host copies of the biases (what a checkpoint records)."""
+        return {i: np.array(b.get() if hasattr(b, "get") else b, dtype=np.float64)
+                for i, b in sorted(self.biases.items())}
+
+    def load(self, biases: dict[int, Any]) -> None:
+        """Set the biases from ``biases`` ``{block: [E]}`` (a checkpoint's; the blocks must be
+        this model's sparse ones, each ``[E]``); an empty mapping leaves them as they are."""
+        if not biases:
+            return
+        wrong = sorted(set(biases) ^ set(self.sparse))
+        bad = [i for i, b in biases.items() if len(b) != self.num_experts]
+        if wrong or bad:
+            raise ValueError(f"routing biases for blocks {sorted(biases)} of "
+                             f"{[len(b) for b in biases.values()]} experts: the model's sparse "
+                             f"blocks are {self.sparse}, of {self.num_experts} experts")
+        self.biases.clear()
+        self.biases.update({i: self.xp.asarray(b, dtype="float64") for i, b in biases.items()})

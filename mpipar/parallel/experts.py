@@ -244,11 +244,18 @@ class ExpertSplitReducer:
 
 
 def check_config(layout: Layout) -> None:
-    """The mixture of experts' rules with the layout: the sparse FFN runs on whole token rows, so
-    not on tp sequence parallelism's token shards; its record is not offloaded."""
+    """The mixture of experts' rules with the layout: the bias update rate is >= 0 and needs
+    experts (its finiteness: :func:`mpipar.config.check_fields`); the sparse FFN runs on whole
+    token rows, so not on tp sequence parallelism's token shards; its record is not offloaded."""
     m, p, t = layout.config.model, layout.config.parallel, layout.config.train
     if p.ep < 1:
         raise ConfigError(f"parallel.ep={p.ep}: must be >= 1")
+    if m.moe_bias_update_rate < 0:
+        raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate}: must be >= 0 "
+                          "(0: no auxiliary-loss-free balancing)")
+    if m.moe_bias_update_rate > 0 and not m.moe_experts:
+        raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate}: needs a "
+                          "mixture of experts (--moe-experts > 0)")
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError(f"parallel.ep={p.ep}: needs a mixture of experts (--moe-experts)")
     if not m.moe_experts:

@@ -50,6 +50,7 @@ from mpipar.data.packing import counted_targets, eos_id, sample_indices, uses_eo
 from mpipar.data.sft import loss_mask_source
 from mpipar.model.attention import DocumentPositions, LocalAttention, document_ids
 from mpipar.model.llama import RESIDENT, LlamaStage
+from mpipar.model.moe import RoutingBias
 from mpipar.model.flops import model_flops_per_step
 from mpipar.model.params import init_param
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
@@ -104,8 +105,7 @@ class Engine:
                                           self.grid.nodes, self.grid.rank)
         if par.dp_reduce == "hierarchical" or (self.node_copy and self.node_copy[1] > 1):
             self.grid.split_dp_sp_by_node()
-        self.ledger = Ledger()
-        self.eval_ledger = Ledger()
+        self.ledger, self.eval_ledger = Ledger(), Ledger()
         self.groups = {name: Group(c, name, self.ledger, self.grid.group_nodes(name),
                                    self.mpi_path, par.allreduce_algorithm)
                        for name, c in self.grid.comms.items()}
@@ -123,6 +123,7 @@ class Engine:
                                      group=self.groups["tp"])
         self.seq_layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
         self.positions = self.seq_layout.positions(self.grid.coord.sp)
+        self.routing = RoutingBias.of(cfg.model, self.xp)   # every sparse block's, every rank
         # --recompute offload: one scratch file per rank for the saved activations.
         self.offload = (OffloadStore(offload_path(tr.run_dir, self.grid.rank))
                         if tr.recompute == "offload" else None)
@@ -167,6 +168,7 @@ class Engine:
                            experts=self._experts())
         # Each row's balance loss weighs alpha / rows of the global batch (mpipar.model.moe).
         chunk.moe_aux_weight = m.moe_aux_loss_coef / self.cfg.train.global_batch_size
+        chunk.moe_bias = self.routing.biases      # shared: the update reaches every chunk
         return chunk
 
     def _holders(self) -> Counter[str]:
@@ -381,7 +383,7 @@ class Engine:
                 ch.recorder = None
             dump_step(recorder, self.rank_place, self._activation_region(step + 1), self.cfg)
         loss = self._global_sum(loss) / counted
-        moe = self._moe_stats() if self.cfg.model.moe_experts else None
+        moe, loads = self._moe_stats() if self.cfg.model.moe_experts else (None, None)
         norm_sq = xp.array([self.optimizer.grad_norm_sq(self._norm_counted)])
         self.groups["tp_pp"].allreduce_(norm_sq)
         grad_norm = math.sqrt(float(norm_sq[0]))
@@ -389,6 +391,9 @@ class Engine:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.clip(tr.clip_grad, grad_norm)
             self.optimizer.step(lr)
+            if self.routing.rate:
+                self.routing.update(loads)
+                moe["moe_bias_max_abs"] = self.routing.max_abs()
         # Otherwise (the same on every rank, after the reductions) no update is applied; the
         # caller skips the step or stops (--on-nan).
         docs = (document_ids(self.sampler.batch(step)[0], self.eos) if tr.document_masking
@@ -397,10 +402,12 @@ class Engine:
                           self._attention_imbalance(docs), moe,
                           None if docs is None else model_flops_per_step(self.cfg, docs))
 
-    def _moe_stats(self) -> dict[str, Any]:
+    def _moe_stats(self) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
         """The step's balance loss (alpha x the mean over rows of the sum over sparse layers)
-        and each sparse layer's expert load, max over mean: the chunks' shares summed over the
-        world, each counted on tp rank 0 only (tp ranks compute the same), on every rank."""
+        and each sparse layer's expert load, max over mean; and the loads themselves
+        (``{layer: [E]}``, tokens of the global batch routed to each expert: the routing
+        biases' update): the chunks' shares summed over the world, each counted on tp rank 0
+        only (tp ranks compute the same), on every rank."""
         m = self.cfg.model
         sparse = [i for i in range(m.layers) if m.is_sparse(i)]
         buf = self.xp.zeros(1 + len(sparse) * m.moe_experts)
@@ -415,9 +422,10 @@ class Engine:
         buf = to_host(buf)
         loads = buf[1:].reshape(len(sparse), m.moe_experts)
         rows = self.cfg.train.global_batch_size
-        return {"moe_aux_loss": m.moe_aux_loss_coef * float(buf[0]) / rows,
-                "moe_load_max_over_mean": {str(i): float(ld.max() / ld.mean())
-                                           for i, ld in zip(sparse, loads)}}
+        return ({"moe_aux_loss": m.moe_aux_loss_coef * float(buf[0]) / rows,
+                 "moe_load_max_over_mean": {str(i): float(ld.max() / ld.mean())
+                                            for i, ld in zip(sparse, loads)}},
+                dict(zip(sparse, loads)))
 
     def _global_sum(self, loss: float) -> float:
         """The sum over the world of the last stage's summed token losses (over dp x sp, then
@@ -486,8 +494,8 @@ class Engine:
 
     def run_position(self, step: int) -> RunPosition:
         """Where the run stands after ``step`` training steps: the configuration, this rank's
-        place, the LR schedule's state and the data cursor (what a checkpoint records besides
-        ``self.state``)."""
+        place, the LR schedule's state, the data cursor and the routing biases (what a
+        checkpoint records besides ``self.state``)."""
         s, tr = self.schedule, self.cfg.train
         lr = LRScheduleState(kind=s.kind, lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
                              total_steps=s.total_steps, decay_fraction=s.decay_fraction,
@@ -500,7 +508,7 @@ class Engine:
                           eval_fraction=tr.eval_fraction,
                           train_samples=self.sampler.num_samples)
         return RunPosition(step=step, config=self.cfg, place=self.rank_place, lr_schedule=lr,
-                           data=data)
+                           data=data, moe_bias=self.routing.host())
 
     def _activation_region(self, step: int) -> ActivationRegion:
         """The part of step ``step``'s (1-based) global activations this rank's dump holds: its

@@ -349,6 +349,7 @@ def _say_saved(ctx: RunContext, progress, path, how: str) -> None:
 
 def export_hf(engine, cfg: Config, rank0: bool) -> None:
     """Gather the global weights (collective) and let rank 0 write the HF directory."""
+    from mpipar.checkpoint import hf_moe
     from mpipar.checkpoint import huggingface as hf
     params = engine.gather_params()
     if not rank0:
@@ -358,6 +359,9 @@ def export_hf(engine, cfg: Config, rank0: bool) -> None:
              else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
     hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
                extra_config=extra)
+    note = hf_moe.routing_bias_note(engine.routing.host())
+    if note:
+        print(f"mpipar: {note}", flush=True)
     print(f"mpipar: exported Hugging Face weights ({hf.architecture(cfg.model)}, "
           f"{tr.export_dtype or tr.dtype}) to {tr.export_hf}", flush=True)
 

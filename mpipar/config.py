@@ -620,9 +620,10 @@ def from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-# Model fields a command line may change on a checkpoint: the routing biases' update rate is a
-# training setting (DeepSeek-V3 sets it to 0 for its last tokens; a Mixtral has none to give).
-CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate")
+# Model fields a command line may change on a checkpoint: the routing biases' update rate and the
+# balance loss's coefficient are training settings (DeepSeek-V3 sets the rate to 0 for its last
+# tokens; a Mixtral checkpoint carries neither: its import never reads a coefficient).
+CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_aux_loss_coef")
 
 
 def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:

@@ -87,6 +87,9 @@ class ModelConfig:
                                           "balancing: a per-expert bias added to the router's "
                                           "probabilities for the top-K choice only, moved by "
                                           "rate x sign(mean load - load) after each step (0: off)")
+    moe_shared_ffn_hidden: int = _f(0, "mixture of experts: SwiGLU inner width of a shared expert "
+                                       "(DeepSeek-V3's, ungated) every token runs beside its "
+                                       "routed ones in each sparse layer; 0 = none")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
@@ -99,6 +102,16 @@ class ModelConfig:
         if spec in ("even", "odd"):
             return layer % 2 == (spec == "odd")
         return layer in {int(x) for x in spec.split(",") if x.strip()}
+
+    def sparse_layers(self) -> int:
+        """How many blocks :meth:`is_sparse` names, without a per-layer walk."""
+        spec = self.moe_layers.strip()
+        if self.moe_experts == 0:
+            return 0
+        if spec in ("all", "even", "odd"):
+            return {"all": self.layers, "even": (self.layers + 1) // 2,
+                    "odd": self.layers // 2}[spec]
+        return len({int(x) for x in spec.split(",") if x.strip()} & set(range(self.layers)))
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of block ``layer``: ``sliding_window`` if ``window_layers`` names
@@ -392,6 +405,11 @@ class Config:
 def _check_moe(m: ModelConfig) -> None:
     """The mixture-of-experts fields' own rules."""
     require(m.moe_experts >= 0, f"model.moe_experts={m.moe_experts}: must be >= 0 (0: dense)")
+    require(m.moe_shared_ffn_hidden >= 0, f"model.moe_shared_ffn_hidden="
+            f"{m.moe_shared_ffn_hidden}: must be >= 0 (0: no shared expert)")
+    require(m.moe_shared_ffn_hidden == 0 or m.moe_experts > 0,
+            f"model.moe_shared_ffn_hidden={m.moe_shared_ffn_hidden}: needs a mixture of experts "
+            f"(--moe-experts > 0)")
     if m.moe_experts == 0:
         return
     require(1 <= m.moe_top_k <= m.moe_experts,

@@ -47,6 +47,9 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def export_problem(m: ModelConfig) -> str:
     """Why mpipar's mixture-of-experts model ``m`` has no Mixtral form ('' if it has one)."""
+    if m.moe_shared_ffn_hidden:
+        return (f"model.moe_shared_ffn_hidden={m.moe_shared_ffn_hidden}: MixtralForCausalLM "
+                f"has no shared expert")
     sparse = all(m.is_sparse(i) for i in range(m.layers))
     if sparse and not m.attention_bias and not m.sliding_window:
         return ""

@@ -66,8 +66,9 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
-from mpipar.model.params import (EMBED, bias_name, block_param_specs, head_weight_name,
-                                 require_resolved, stage_param_names, unit_of)
+from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE_UP, bias_name,
+                                 block_param_specs, head_weight_name, require_resolved,
+                                 stage_param_names, unit_of)
 from mpipar.model.tensor_ops import TensorOps
 
 Array = Any
@@ -149,7 +150,8 @@ class BlockSaved:
     g: Array | None = None
     u: Array | None = None
     m: Array | None = None
-    moe: Any = None  # a sparse block's FFN record (mpipar.model.moe.MoeSaved); g, u, m None
+    moe: Any = None  # a sparse block's FFN record (mpipar.model.moe.MoeSaved); g, u, m its
+    # shared expert's (None without one)
 
 
 @dataclass
@@ -464,14 +466,14 @@ class LlamaStage:
         a, = self._apply(params, in_block(i, O_PROJ), out.reshape(B, S, -1))
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
         g = u = m = moe = None
-        if self.cfg.is_sparse(i):
+        if not self.cfg.is_sparse(i):
+            y, g, u, m = self._ffn_fwd(params, i, h2, GATE_UP, DOWN, scope)
+        else:
             y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
                                  self.moe_bias.get(i))
-        else:
-            g, u = self._apply(params, in_block(i, GATE_UP), h2)
-            scope.progress()
-            m = ops.swiglu_fwd(g, u)
-            y, = self._apply(params, in_block(i, DOWN), m)
+            if self.cfg.moe_shared_ffn_hidden:  # DeepSeek-V3's shared expert: added, ungated
+                shared, g, u, m = self._ffn_fwd(params, i, h2, SHARED_GATE_UP, SHARED_DOWN, scope)
+                y = y + shared
         block_out = x2 + y
         if record and self.recorder is not None:
             for name, value in zip(ACTIVATION_NAMES, (x, out.reshape(B, S, -1), a, y, block_out)):
@@ -480,6 +482,24 @@ class LlamaStage:
             q = key = v = None
         return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
                                      g, u, m, moe)
+
+    def _ffn_fwd(self, params, i: int, h2: Array, gate_up: Sequence[str], down: Sequence[str],
+                 scope: ParamScope) -> tuple[Array, Array, Array, Array]:
+        """Block ``i``'s SwiGLU FFN of weights ``gate_up`` and ``down`` (the dense FFN, or a
+        sparse block's shared expert) on ``h2`` -> (output, g, u, m)."""
+        g, u = self._apply(params, in_block(i, gate_up), h2)
+        scope.progress()
+        m = self.kernels.swiglu_fwd(g, u)
+        y, = self._apply(params, in_block(i, down), m)
+        return y, g, u, m
+
+    def _ffn_bwd(self, i: int, dout: Array, c: BlockSaved, gate_up: Sequence[str],
+                 down: Sequence[str], lin: LinearGrads, scope: ParamScope) -> Array:
+        """The gradient of ``h2`` through :meth:`_ffn_fwd`'s FFN (its g, u, m in ``c``)."""
+        dm = self._apply_backward([dout], c.m, in_block(i, down), lin)
+        scope.progress()
+        dg, du = self.kernels.swiglu_bwd(dm, c.g, c.u)
+        return self._apply_backward([dg, du], c.h2, in_block(i, gate_up), lin)
 
     def _logits(self, params, x: Array) -> tuple[tuple[Array, Array], Array]:
         """((final norm of the stream ``hn``, its ``rstd``), this rank's logits ``[N, V/tp]``)."""
@@ -572,13 +592,12 @@ class LlamaStage:
                    positions: np.ndarray, lin: LinearGrads, scope: ParamScope = RESIDENT
                    ) -> Array:
         ops, p, n = self.kernels, params, f"layers.{i}."
-        if c.moe is not None:
-            dh2 = moe_backward(ops, i, dout, c.moe, self.experts, lin, self.moe_aux_weight)
+        if c.moe is None:
+            dh2 = self._ffn_bwd(i, dout, c, GATE_UP, DOWN, lin, scope)
         else:
-            dm = self._apply_backward([dout], c.m, in_block(i, DOWN), lin)
-            scope.progress()
-            dg, du = ops.swiglu_bwd(dm, c.g, c.u)
-            dh2 = self._apply_backward([dg, du], c.h2, in_block(i, GATE_UP), lin)
+            dh2 = moe_backward(ops, i, dout, c.moe, self.experts, lin, self.moe_aux_weight)
+            if c.g is not None:  # the shared expert
+                dh2 = dh2 + self._ffn_bwd(i, dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
         scope.progress()
         dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
                                       c.rstd2)

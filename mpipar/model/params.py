@@ -64,13 +64,26 @@ def expert_names(i: int, e: int) -> tuple[str, str, str]:
     return tuple(f"layers.{i}." + EXPERT.format(e=e, w=w) for w in ("w1", "w3", "w2"))
 
 
+SHARED_GATE_UP = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
+SHARED_DOWN = ("mlp.shared_expert.down_proj.weight",)
+"""A sparse block's shared expert (``--moe-shared-ffn-hidden F_s``, DeepSeek-V3's: every token
+runs it, ungated, and its output is added to the routed experts'), without ``layers.{i}.``:
+a dense SwiGLU FFN laid out as the dense FFN's (gate, up ``[F_s, H]``, down ``[H, F_s]``; Qwen2-
+MoE's names)."""
+
+
 def moe_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
-    """The router and the experts of sparse block ``i`` (in place of the dense FFN)."""
-    h, f = cfg.hidden, cfg.moe_ffn_hidden
+    """The router, the experts and the shared expert (if any) of sparse block ``i`` (in place
+    of the dense FFN)."""
+    h, f, fs = cfg.hidden, cfg.moe_ffn_hidden, cfg.moe_shared_ffn_hidden
     specs = [ParamSpec(f"layers.{i}." + ROUTER, (cfg.moe_experts, h), i)]
     for e in range(cfg.moe_experts):
         w1, w3, w2 = expert_names(i, e)
         specs += [ParamSpec(w1, (f, h), i), ParamSpec(w3, (f, h), i), ParamSpec(w2, (h, f), i)]
+    if fs:
+        p = f"layers.{i}."
+        specs += [ParamSpec(p + name, (fs, h), i) for name in SHARED_GATE_UP]
+        specs += [ParamSpec(p + SHARED_DOWN[0], (h, fs), i)]
     return specs
 
 

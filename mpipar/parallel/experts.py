@@ -271,3 +271,6 @@ def check_config(layout: Layout) -> None:
     if t.recompute == "offload":
         raise ConfigError("model.moe_experts with train.recompute='offload': not supported "
                           "(use none, selective or full)")
+    if m.moe_shared_ffn_hidden % p.tp:   # the shared expert is split as the dense FFN
+        raise ConfigError(f"parallel.tp={p.tp}: must divide model.moe_shared_ffn_hidden="
+                          f"{m.moe_shared_ffn_hidden}")

@@ -13,6 +13,7 @@ parameter                        tp (:data:`TP_ROLES`)           pp             
 ``q/k/v_proj``, ``gate/up_proj``  ``column``: rows               its block's       unit ``layers.i``
 ``q/k/v_proj.bias``              ``column``: with their weight   its block's       unit ``layers.i``
 ``o_proj``, ``down_proj``         ``row``: columns                its block's       unit ``layers.i``
+``mlp.shared_expert.*_proj``     as gate/up/down above           its block's       unit ``layers.i``
 ``*layernorm.weight``            ``replicated``                  its block's       unit ``layers.i``
 ``norm.weight``                  ``replicated``                  last stage        unit ``head``
 ``lm_head.weight`` (untied)      ``vocab``: rows, padded         last stage        unit ``head``
@@ -42,7 +43,8 @@ experts are *sharded over the ep group* (``PlacementTable(ep=N)``): the rank at 
 of its ep group (``dp_sp.rank % N``) holds experts ``[r E/N, (r+1) E/N)`` only, their weights,
 gradients and optimizer moments (:meth:`PlacementTable.holds`, :func:`expert_of`), replicated
 over the ``ep_dp`` group (the ranks of dp x sp at the same ep position) and reduced there. The
-router and every dense weight keep the dp x sp column above. ``ep=1`` (no ep, or ZeRO-2/3,
+router, a sparse block's shared expert (``mlp.shared_expert.*``: a dense FFN, not an expert)
+and every dense weight keep the dp x sp column above. ``ep=1`` (no ep, or ZeRO-2/3,
 whose units keep every expert): every rank holds every expert.
 
 Tied embeddings (``tie_embeddings``) are one parameter used by the first stage (embedding) and
@@ -100,6 +102,9 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "block_sparse_moe.experts.*.w1.weight": "replicated",
     "block_sparse_moe.experts.*.w3.weight": "replicated",
     "block_sparse_moe.experts.*.w2.weight": "replicated",
+    "mlp.shared_expert.gate_proj.weight": "column",     # a dense FFN: split as gate/up/down
+    "mlp.shared_expert.up_proj.weight": "column",
+    "mlp.shared_expert.down_proj.weight": "row",
 }
 """The tensor-parallel column of the table (a role of :data:`TP_ROLES`), by parameter name
 without its ``layers.{i}.`` (an expert's index written ``*``: experts are unsplit by tp)."""

@@ -219,20 +219,25 @@ def _unit_buffers(layout: Layout, coord: Coord) -> int:
 def parameter_count(model: ModelConfig) -> int:
     """Parameters of ``model`` from its sizes alone (no per-layer list: a model of 10^8 layers
     is counted at once): embedding and LM head ``V x H`` each, the final norm ``H``, and per
-    block two norms, q/k/v/o and the three SwiGLU matrices."""
+    block two norms, q/k/v/o and the three SwiGLU matrices; a sparse block's router ``E x H``,
+    ``E`` experts and the shared expert (three matrices each) in place of the latter."""
     m = resolve_model(model)
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    block = 2 * m.hidden + (2 * q + 2 * kv) * m.hidden + 3 * m.ffn_hidden * m.hidden
-    return 2 * m.vocab_size * m.hidden + m.hidden + m.layers * block
+    q, kv, H = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden
+    block = 2 * H + (2 * q + 2 * kv) * H + 3 * m.ffn_hidden * H
+    sparse = H * m.moe_experts * (1 + 3 * m.moe_ffn_hidden) + 3 * m.moe_shared_ffn_hidden * H \
+        - 3 * m.ffn_hidden * H
+    return 2 * m.vocab_size * H + H + m.layers * block + m.sparse_layers() * sparse
 
 
 def memory_lower_bound(layout: Layout) -> int:
     """Bytes the busiest rank of ``layout`` needs at least: its share of the weights and
-    gradients, ``(weight + gradient bytes) x parameters / (tp x pp)``. Cheap for any size, so
-    absurd models are refused before :func:`predict_peak_memory` lists their parameters."""
-    prec = _precision(layout)
+    gradients, ``(weight + gradient bytes) x parameters / (tp x pp)`` (of the experts, 1/ep).
+    Cheap for any size, so absurd models are refused before :func:`predict_peak_memory` lists their parameters."""
+    prec, m = _precision(layout), layout.model
     e = prec.compute_bytes + prec.master_bytes
-    return e * parameter_count(layout.model) // (layout.tp * layout.pp)
+    experts = m.sparse_layers() * m.moe_experts * 3 * m.moe_ffn_hidden * m.hidden
+    held = parameter_count(m) - experts + experts // layout.parallel.ep   # at most 1/ep of them
+    return e * held // (layout.tp * layout.pp)
 
 
 def predict_peak_memory(layout: Layout, coord: Coord) -> int:

@@ -1,0 +1,203 @@
+"""A sparse block's shared expert (``--moe-shared-ffn-hidden``, DeepSeek-V3's, ungated) on one
+process: the block's FFN output against NumPy (the routed experts' token loop plus SwiGLU of the
+shared weights), the stage's gradient against float64 finite differences, the recompute modes
+bit-identical, a zero shared expert changing nothing bit for bit, and the counts that must see
+it (FLOPs, parameters, the planner's memory, the placement's tp split) against analytic ones."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from mpipar.layout import resolve_model
+from mpipar.model.params import SHARED_DOWN, SHARED_GATE_UP, init_params, param_specs
+from tests.unit.test_model import make_stage
+from tests.unit.test_moe import MOE, naive_moe, objective
+
+FS = 12
+SHARED = dataclasses.replace(MOE, moe_shared_ffn_hidden=FS)
+SHARED_HALF = dataclasses.replace(SHARED, moe_layers="1")   # block 0 dense, block 1 sparse
+NAMES = (*SHARED_GATE_UP, *SHARED_DOWN)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
+
+
+def test_sparse_block_output_is_routed_plus_shared_swiglu():
+    """Each sparse block's FFN output (the recorder's ``mlp``) = the routed experts' token loop
+    + ``down @ (silu(gate @ h) * (up @ h))`` of the shared weights, float64."""
+    stage = make_stage(cfg=SHARED)
+    p = init_params(SHARED, 3, np.float64)
+    seen: dict = {}
+    stage.recorder = lambda i, name, a: seen.__setitem__((i, name), np.array(a))
+    tokens = np.random.default_rng(1).integers(0, 11, (2, 5))
+    stage.moe_aux = 0.0
+    stage.forward(p, tokens, np.arange(5), tokens)
+    for i in range(SHARED.layers):
+        n = f"layers.{i}."
+        x2 = seen[i, "input"] + seen[i, "attention_out"]
+        h = rmsnorm(x2, p[n + "post_attention_layernorm.weight"], SHARED.norm_eps)
+        routed, _ = naive_moe(p, i, h, SHARED)
+        gate, up, down = (p[n + w] for w in NAMES)
+        g, u = h @ gate.T, h @ up.T
+        want = routed + (g / (1 + np.exp(-g)) * u) @ down.T
+        np.testing.assert_allclose(seen[i, "mlp"], want, rtol=1e-12, atol=1e-14)
+        assert np.abs((g / (1 + np.exp(-g)) * u) @ down.T).max() > 1e-3   # it does add
+
+
+@pytest.mark.parametrize("cfg", [SHARED, SHARED_HALF], ids=["all-sparse", "one-sparse"])
+def test_gradient_matches_finite_differences(cfg):
+    """Cross-entropy + balance loss through a stage with shared experts: every parameter's
+    gradient (3 random elements each, all of the shared expert's) against central
+    differences."""
+    stage = make_stage(cfg=cfg)
+    rng = np.random.default_rng(0)
+    p = init_params(cfg, 5, np.float64)
+    tokens, targets = rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6))
+    alpha = cfg.moe_aux_loss_coef
+    grads = {n: np.zeros_like(v) for n, v in p.items()}
+    stage.moe_aux = 0.0
+    loss, cache = stage.forward(p, tokens, np.arange(6), targets)
+    stage.moe_aux_weight = alpha / 2
+    stage.backward(p, grads, np.full(loss.shape, 1.0 / loss.size), cache)
+    eps, checked = 1e-6, 0
+    for spec in param_specs(cfg):
+        flat = p[spec.name].reshape(-1)
+        for j in rng.choice(flat.size, size=min(3, flat.size), replace=False):
+            old = flat[j]
+            flat[j] = old + eps
+            up = objective(stage, p, tokens, targets, alpha)
+            flat[j] = old - eps
+            down = objective(stage, p, tokens, targets, alpha)
+            flat[j] = old
+            fd = (up - down) / (2 * eps)
+            assert grads[spec.name].reshape(-1)[j] == pytest.approx(fd, rel=1e-5, abs=1e-9), \
+                spec.name
+            checked += "shared_expert" in spec.name
+    assert checked == 9 * sum(map(cfg.is_sparse, range(cfg.layers)))
+
+
+def step(cfg: ModelConfig, p: dict, recompute: str = "none"):
+    """(balance loss share, per-token loss, gradients) of one forward and backward."""
+    stage = make_stage(cfg=cfg, recompute=recompute)
+    stage.moe_aux_weight = 0.05
+    stage.moe_aux = 0.0
+    tokens = np.random.default_rng(3).integers(0, 11, (2, 6))
+    grads = {n: np.zeros_like(v) for n, v in p.items()}
+    loss, cache = stage.forward(p, tokens, np.arange(6), tokens)
+    stage.backward(p, grads, np.full(loss.shape, 1 / loss.size), cache)
+    return stage.moe_aux, loss, grads
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_is_bit_identical(mode):
+    p = init_params(SHARED, 5, np.float64)
+    (aux0, loss0, g0), (aux1, loss1, g1) = step(SHARED, p), step(SHARED, p, mode)
+    assert aux0 == aux1 and np.array_equal(loss0, loss1)
+    for n in p:
+        np.testing.assert_array_equal(g0[n], g1[n])
+
+
+def test_no_shared_expert_is_todays_model_bit_for_bit():
+    """``moe_shared_ffn_hidden`` 0 adds no parameter; a shared expert whose down projection is
+    zero changes neither the loss nor any other gradient, bit for bit (its branch adds exact
+    zeros forward and backward), and only its down projection gets a gradient."""
+    assert not any("shared_expert" in s.name for s in param_specs(MOE))
+    p = init_params(MOE, 5, np.float64)
+    ps = init_params(SHARED, 5, np.float64)
+    for i in (0, 1):
+        ps[f"layers.{i}.{SHARED_DOWN[0]}"][:] = 0.0
+    assert all(np.array_equal(p[n], ps[n]) for n in p)
+    (aux0, loss0, g0), (aux1, loss1, g1) = step(MOE, p), step(SHARED, ps)
+    assert aux0 == aux1 and np.array_equal(loss0, loss1)
+    for n in p:
+        np.testing.assert_array_equal(g0[n], g1[n])
+    for w in SHARED_GATE_UP:
+        assert not np.any(g1[f"layers.1.{w}"])
+    assert np.any(g1[f"layers.1.{SHARED_DOWN[0]}"])
+
+
+@pytest.mark.parametrize("model, parallel, words", [
+    (dict(moe_experts=4, moe_shared_ffn_hidden=-8), dict(),
+     r"model.moe_shared_ffn_hidden=-8: must be >= 0 \(0: no shared expert\)"),
+    (dict(moe_shared_ffn_hidden=8), dict(),
+     r"model.moe_shared_ffn_hidden=8: needs a mixture of experts \(--moe-experts > 0\)"),
+    (dict(moe_experts=4, moe_shared_ffn_hidden=9), dict(tp=2),
+     r"parallel.tp=2: must divide model.moe_shared_ffn_hidden=9"),
+])
+def test_bad_values_are_config_errors(model, parallel, words):
+    """Each rule raises one ConfigError naming the value and the rule (the programs exit 2)."""
+    from mpipar.rules import validate
+    cfg = Config(ModelConfig(hidden=16, heads=2, kv_heads=2, layers=2, **model),
+                 ParallelConfig(**parallel), TrainConfig(global_batch_size=12, seq_len=8))
+    with pytest.raises(ConfigError, match=words):
+        validate(cfg, parallel.get("tp", 1))
+
+
+def test_cli_flag_sets_the_field():
+    import argparse
+
+    from mpipar.config import add_arguments, from_args
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--moe-experts", "4", "--moe-shared-ffn-hidden", "64"])
+    assert from_args(args).model.moe_shared_ffn_hidden == 64
+
+
+def test_flops_and_parameters_count_the_shared_expert():
+    """Model FLOPs: 6 H F_s per token forward per sparse block (3 x over the step); parameters:
+    3 H F_s per sparse block, the analytic count equal to the tensors'."""
+    from mpipar.model.flops import model_flops_per_step
+    from mpipar.plan.memory import parameter_count
+    train = TrainConfig(seq_len=8, global_batch_size=2)
+    without, with_ = (model_flops_per_step(Config(model=m, train=train))
+                      for m in (dataclasses.replace(SHARED_HALF, moe_shared_ffn_hidden=0),
+                                SHARED_HALF))
+    assert with_ - without == pytest.approx(3 * 6 * MOE.hidden * FS * 16)   # one sparse block
+    for m in (SHARED, SHARED_HALF, MOE, dataclasses.replace(SHARED, moe_layers="even")):
+        assert parameter_count(m) == sum(math.prod(s.shape) for s in param_specs(m)), m
+    assert parameter_count(SHARED) - parameter_count(MOE) == 2 * 3 * MOE.hidden * FS
+
+
+@pytest.mark.parametrize("tp, ep, zero", [(1, 1, 0), (2, 1, 1), (2, 2, 0), (1, 4, 0)])
+def test_placement_and_planned_memory(tp, ep, zero):
+    """The shared expert is split by tp as the dense FFN (gate/up rows, down columns), is not an
+    expert (every ep position holds all of it), and the planner's weights, gradients and AdamW
+    moments per rank grow by its 3 H F_s / tp elements a sparse block (float32 bytes; the
+    moments 1/(dp x sp) of them under ZeRO-1)."""
+    from mpipar.plan.memory import predict_memory
+    from mpipar.plan.rank import placement_table
+    from mpipar.rules import validate
+    from mpipar.runtime.topology import Coord
+    model = ModelConfig(hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=48, moe_experts=4,
+                        moe_top_k=2, moe_ffn_hidden=16)
+    dp = 4
+
+    def layout(fs):
+        return validate(Config(dataclasses.replace(model, moe_shared_ffn_hidden=fs),
+                               ParallelConfig(dp=dp, tp=tp, ep=ep, zero=zero),
+                               TrainConfig(dtype="float32", seq_len=8, global_batch_size=8)),
+                        dp * tp)
+    big = layout(64)
+    table = placement_table(big)
+    n = "layers.1.mlp.shared_expert."
+    assert [table[n + w].tp for w in ("gate_proj.weight", "up_proj.weight",
+                                      "down_proj.weight")] == ["column", "column", "row"]
+    assert table[n + "gate_proj.weight"].local_shape(tp) == (64 // tp, 32)
+    assert table[n + "down_proj.weight"].local_shape(tp) == (32, 64 // tp)
+    assert all(table.holds(n + "up_proj.weight", r) for r in range(ep))
+    a, b = (predict_memory(c, Coord(0, 0, 0, 0)) for c in (layout(0), big))
+    extra = 4 * 2 * 3 * 32 * 64 // tp                     # float32 bytes of 2 sparse blocks
+    assert b.weights - a.weights == extra
+    assert b.grads - a.grads == extra
+    assert b.optimizer - a.optimizer == 2 * extra // (dp if zero else 1)
+
+
+def test_mixtral_export_refuses_a_shared_expert():
+    from mpipar.checkpoint.hf_moe import export_problem
+    assert "has no shared expert" in export_problem(resolve_model(SHARED))
+    assert export_problem(resolve_model(MOE)) == ""

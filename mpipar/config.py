@@ -90,6 +90,8 @@ class ModelConfig:
     moe_shared_ffn_hidden: int = _f(0, "mixture of experts: SwiGLU inner width of a shared expert "
                                        "(DeepSeek-V3's, ungated) every token runs beside its "
                                        "routed ones in each sparse layer; 0 = none")
+    moe_shared_gate: bool = _f(False, "mixture of experts: scale the shared expert's output per token "
+                                      "by sigmoid(x w_g) (Qwen2-MoE's shared_expert_gate)")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
@@ -410,6 +412,9 @@ def _check_moe(m: ModelConfig) -> None:
     require(m.moe_shared_ffn_hidden == 0 or m.moe_experts > 0,
             f"model.moe_shared_ffn_hidden={m.moe_shared_ffn_hidden}: needs a mixture of experts "
             f"(--moe-experts > 0)")
+    require(not m.moe_shared_gate or m.moe_shared_ffn_hidden > 0,
+            f"model.moe_shared_gate={m.moe_shared_gate}: needs a shared expert "
+            f"(--moe-shared-ffn-hidden > 0)")
     if m.moe_experts == 0:
         return
     require(1 <= m.moe_top_k <= m.moe_experts,

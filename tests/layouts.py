@@ -34,6 +34,9 @@ MODELS = {
     # ... with a shared expert (DeepSeek-V3's) of width 24 in each sparse block, split by tp.
     "moe_shared": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
                        moe_aux_loss_coef=0.05, moe_shared_ffn_hidden=24),
+    # ... and Qwen2-MoE's sigmoid gate on it.
+    "moe_gated": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
+                      moe_aux_loss_coef=0.05, moe_shared_ffn_hidden=24, moe_shared_gate=True),
 }
 """Test models by name: fields of ModelConfig on top of the small model's."""
 

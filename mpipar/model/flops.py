@@ -26,10 +26,11 @@ def sparse_ffn_extra(model: ModelConfig) -> float:
     """Forward FLOPs per token a sparse block's FFN adds to the dense one's
     (:func:`block_flops_per_token` counts a dense FFN): the router (``H x E``) and ``K``
     experts of width ``moe_ffn_hidden`` and the shared expert of width
-    ``moe_shared_ffn_hidden`` in place of gate, up and down of ``ffn_hidden``."""
+    ``moe_shared_ffn_hidden`` (and its gate, ``H x 1``) in place of gate, up and down of
+    ``ffn_hidden``."""
     H = model.hidden
-    return 2 * H * model.moe_experts + 6 * H * (model.moe_top_k * model.moe_ffn_hidden
-                                                + model.moe_shared_ffn_hidden - model.ffn_hidden)
+    return 2 * H * (model.moe_experts + model.moe_shared_gate) + 6 * H * (
+        model.moe_top_k * model.moe_ffn_hidden + model.moe_shared_ffn_hidden - model.ffn_hidden)
 
 
 def window_context(seq_len: int, window: int) -> float:

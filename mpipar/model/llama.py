@@ -66,7 +66,7 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
-from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE_UP, bias_name,
+from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
                                  block_param_specs, head_weight_name, require_resolved,
                                  stage_param_names, unit_of)
 from mpipar.model.tensor_ops import TensorOps
@@ -152,6 +152,7 @@ class BlockSaved:
     m: Array | None = None
     moe: Any = None  # a sparse block's FFN record (mpipar.model.moe.MoeSaved); g, u, m its
     # shared expert's (None without one)
+    shared_gate: Any = None  # with --moe-shared-gate: (its sigmoid [.., 1], its ungated output)
 
 
 @dataclass
@@ -428,7 +429,7 @@ class LlamaStage:
         if self.recompute == "full":
             return BlockSaved(c.x)
         return BlockSaved(c.x, attention_out=c.attention_out, attention_saved=c.attention_saved,
-                          x2=c.x2, g=c.g, u=c.u, moe=c.moe)
+                          x2=c.x2, g=c.g, u=c.u, moe=c.moe, shared_gate=c.shared_gate)
 
     def _qkv(self, params, i: int, h1_in: Array, S: int) -> tuple[Array, Array, Array]:
         """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` (before RoPE): block ``i``'s q/k/v
@@ -465,14 +466,14 @@ class LlamaStage:
         B, S = out.shape[:2]
         a, = self._apply(params, in_block(i, O_PROJ), out.reshape(B, S, -1))
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
-        g = u = m = moe = None
+        g = u = m = moe = shared_gate = None
         if not self.cfg.is_sparse(i):
             y, g, u, m = self._ffn_fwd(params, i, h2, GATE_UP, DOWN, scope)
         else:
             y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
                                  self.moe_bias.get(i))
-            if self.cfg.moe_shared_ffn_hidden:  # DeepSeek-V3's shared expert: added, ungated
-                shared, g, u, m = self._ffn_fwd(params, i, h2, SHARED_GATE_UP, SHARED_DOWN, scope)
+            if self.cfg.moe_shared_ffn_hidden:  # the shared expert's output added
+                shared, g, u, m, shared_gate = self._shared_fwd(params, i, h2, scope)
                 y = y + shared
         block_out = x2 + y
         if record and self.recorder is not None:
@@ -481,7 +482,7 @@ class LlamaStage:
         if not self.attention.needs_inputs:
             q = key = v = None
         return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
-                                     g, u, m, moe)
+                                     g, u, m, moe, shared_gate)
 
     def _ffn_fwd(self, params, i: int, h2: Array, gate_up: Sequence[str], down: Sequence[str],
                  scope: ParamScope) -> tuple[Array, Array, Array, Array]:
@@ -492,6 +493,27 @@ class LlamaStage:
         m = self.kernels.swiglu_fwd(g, u)
         y, = self._apply(params, in_block(i, down), m)
         return y, g, u, m
+
+    def _shared_fwd(self, params, i: int, h2: Array, scope: ParamScope) -> tuple:
+        """Sparse block ``i``'s shared expert on ``h2`` -> (its output, g, u, m, the gate's
+        record): DeepSeek-V3's, ungated (record None); with ``moe_shared_gate`` Qwen2-MoE's,
+        scaled per token by ``s = sigmoid(h2 w_g^T)`` (record ``(s, the ungated output)``)."""
+        y, g, u, m = self._ffn_fwd(params, i, h2, SHARED_GATE_UP, SHARED_DOWN, scope)
+        if not self.cfg.moe_shared_gate:
+            return y, g, u, m, None
+        z, = self._apply(params, in_block(i, SHARED_GATE), h2)
+        s = 1 / (1 + self.kernels.xp.exp(-z))
+        return s * y, g, u, m, (s, y)
+
+    def _shared_bwd(self, i: int, dout: Array, c: BlockSaved, lin: LinearGrads,
+                    scope: ParamScope) -> Array:
+        """The gradient of ``h2`` through :meth:`_shared_fwd`."""
+        if c.shared_gate is None:
+            return self._ffn_bwd(i, dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
+        s, y = c.shared_gate
+        dz = (dout * y).sum(axis=-1, keepdims=True) * s * (1 - s)
+        dh2 = self._apply_backward([dz], c.h2, in_block(i, SHARED_GATE), lin)
+        return dh2 + self._ffn_bwd(i, s * dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
 
     def _ffn_bwd(self, i: int, dout: Array, c: BlockSaved, gate_up: Sequence[str],
                  down: Sequence[str], lin: LinearGrads, scope: ParamScope) -> Array:
@@ -597,7 +619,7 @@ class LlamaStage:
         else:
             dh2 = moe_backward(ops, i, dout, c.moe, self.experts, lin, self.moe_aux_weight)
             if c.g is not None:  # the shared expert
-                dh2 = dh2 + self._ffn_bwd(i, dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
+                dh2 = dh2 + self._shared_bwd(i, dout, c, lin, scope)
         scope.progress()
         dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
                                       c.rstd2)

@@ -66,10 +66,12 @@ def expert_names(i: int, e: int) -> tuple[str, str, str]:
 
 SHARED_GATE_UP = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
 SHARED_DOWN = ("mlp.shared_expert.down_proj.weight",)
+SHARED_GATE = ("mlp.shared_expert_gate.weight",)
 """A sparse block's shared expert (``--moe-shared-ffn-hidden F_s``, DeepSeek-V3's: every token
-runs it, ungated, and its output is added to the routed experts'), without ``layers.{i}.``:
-a dense SwiGLU FFN laid out as the dense FFN's (gate, up ``[F_s, H]``, down ``[H, F_s]``; Qwen2-
-MoE's names)."""
+runs it and its output is added to the routed experts'), without ``layers.{i}.``: a dense
+SwiGLU FFN laid out as the dense FFN's (gate, up ``[F_s, H]``, down ``[H, F_s]``; Qwen2-MoE's
+names); with ``--moe-shared-gate`` (Qwen2-MoE's) its output is scaled per token by
+``sigmoid(x w_g^T)``, ``w_g`` ``[1, H]``."""
 
 
 def moe_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
@@ -84,6 +86,8 @@ def moe_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         p = f"layers.{i}."
         specs += [ParamSpec(p + name, (fs, h), i) for name in SHARED_GATE_UP]
         specs += [ParamSpec(p + SHARED_DOWN[0], (h, fs), i)]
+        if cfg.moe_shared_gate:
+            specs.append(ParamSpec(p + SHARED_GATE[0], (1, h), i))
     return specs
 
 

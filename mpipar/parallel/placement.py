@@ -14,6 +14,7 @@ parameter                        tp (:data:`TP_ROLES`)           pp             
 ``q/k/v_proj.bias``              ``column``: with their weight   its block's       unit ``layers.i``
 ``o_proj``, ``down_proj``         ``row``: columns                its block's       unit ``layers.i``
 ``mlp.shared_expert.*_proj``     as gate/up/down above           its block's       unit ``layers.i``
+``mlp.shared_expert_gate``       ``replicated``                  its block's       unit ``layers.i``
 ``*layernorm.weight``            ``replicated``                  its block's       unit ``layers.i``
 ``norm.weight``                  ``replicated``                  last stage        unit ``head``
 ``lm_head.weight`` (untied)      ``vocab``: rows, padded         last stage        unit ``head``
@@ -105,6 +106,7 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "mlp.shared_expert.gate_proj.weight": "column",     # a dense FFN: split as gate/up/down
     "mlp.shared_expert.up_proj.weight": "column",
     "mlp.shared_expert.down_proj.weight": "row",
+    "mlp.shared_expert_gate.weight": "replicated",     # [1, H]: computed whole on each tp rank
 }
 """The tensor-parallel column of the table (a role of :data:`TP_ROLES`), by parameter name
 without its ``layers.{i}.`` (an expert's index written ``*``: experts are unsplit by tp)."""

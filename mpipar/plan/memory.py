@@ -220,12 +220,13 @@ def parameter_count(model: ModelConfig) -> int:
     """Parameters of ``model`` from its sizes alone (no per-layer list: a model of 10^8 layers
     is counted at once): embedding and LM head ``V x H`` each, the final norm ``H``, and per
     block two norms, q/k/v/o and the three SwiGLU matrices; a sparse block's router ``E x H``,
-    ``E`` experts and the shared expert (three matrices each) in place of the latter."""
+    ``E`` experts and the shared expert (three matrices each; its gate ``H``) in place of the
+    latter."""
     m = resolve_model(model)
     q, kv, H = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden
     block = 2 * H + (2 * q + 2 * kv) * H + 3 * m.ffn_hidden * H
     sparse = H * m.moe_experts * (1 + 3 * m.moe_ffn_hidden) + 3 * m.moe_shared_ffn_hidden * H \
-        - 3 * m.ffn_hidden * H
+        + m.moe_shared_gate * H - 3 * m.ffn_hidden * H
     return 2 * m.vocab_size * H + H + m.layers * block + m.sparse_layers() * sparse
 
 

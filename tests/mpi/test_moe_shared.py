@@ -5,7 +5,8 @@ gradient norms, parameters and balance losses of two AdamW steps; the loads exac
 The model is ``layouts.py``'s ``moe_shared``: blocks 1-3 sparse (4 experts, top 2, alpha 0.05),
 each with a shared expert of width 24. The shared expert is a dense FFN: split by tp (gate/up
 rows, down columns), replicated over dp x sp whatever ep (not an expert), reduced with the dense
-gradients, sharded with its block's unit under ZeRO-3."""
+gradients, sharded with its block's unit under ZeRO-3. ``moe_gated`` adds Qwen2-MoE's sigmoid
+gate (``[1, H]``, replicated over tp)."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +27,15 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_shared_expert_layout_equals_single_process_float64(world, layout):
     _check(world, {**layout, "model": "moe_shared"})
+
+GATED = [dict(dp=4, tp=2), dict(dp=2, sp=2, tp=2, ep=4, zero=3),
+         dict(dp=2, tp=2, pp=2, ep=2, schedule="zb-h1")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", GATED, ids=[layout_name(v) for v in GATED])
+def test_gated_shared_expert_layout_equals_single_process_float64(world, layout):
+    _check(world, {**layout, "model": "moe_gated"})
 
 
 @pytest.mark.mpi(min_size=8)

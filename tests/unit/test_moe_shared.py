@@ -1,8 +1,10 @@
-"""A sparse block's shared expert (``--moe-shared-ffn-hidden``, DeepSeek-V3's, ungated) on one
-process: the block's FFN output against NumPy (the routed experts' token loop plus SwiGLU of the
-shared weights), the stage's gradient against float64 finite differences, the recompute modes
-bit-identical, a zero shared expert changing nothing bit for bit, and the counts that must see
-it (FLOPs, parameters, the planner's memory, the placement's tp split) against analytic ones."""
+"""A sparse block's shared expert (``--moe-shared-ffn-hidden``: DeepSeek-V3's, ungated; with
+``--moe-shared-gate`` Qwen2-MoE's, scaled by a per-token sigmoid gate) on one process: the
+block's FFN output against NumPy (the routed experts' token loop plus SwiGLU of the shared
+weights, times the gate), the stage's gradient against float64 finite differences, the recompute
+modes bit-identical, a zero shared expert changing nothing bit for bit, and the counts that must
+see it (FLOPs, parameters, the planner's memory, the placement's tp split) against analytic
+ones."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +15,16 @@ import pytest
 
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from mpipar.layout import resolve_model
-from mpipar.model.params import SHARED_DOWN, SHARED_GATE_UP, init_params, param_specs
+from mpipar.model.params import (SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, init_params,
+                                 param_specs)
 from tests.unit.test_model import make_stage
 from tests.unit.test_moe import MOE, naive_moe, objective
 
 FS = 12
 SHARED = dataclasses.replace(MOE, moe_shared_ffn_hidden=FS)
 SHARED_HALF = dataclasses.replace(SHARED, moe_layers="1")   # block 0 dense, block 1 sparse
+GATED = dataclasses.replace(SHARED, moe_shared_gate=True)
+GATED_HALF = dataclasses.replace(SHARED_HALF, moe_shared_gate=True)
 NAMES = (*SHARED_GATE_UP, *SHARED_DOWN)
 
 
@@ -27,29 +32,36 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
 
 
-def test_sparse_block_output_is_routed_plus_shared_swiglu():
+@pytest.mark.parametrize("cfg", [SHARED, GATED], ids=["ungated", "gated"])
+def test_sparse_block_output_is_routed_plus_shared_swiglu(cfg):
     """Each sparse block's FFN output (the recorder's ``mlp``) = the routed experts' token loop
-    + ``down @ (silu(gate @ h) * (up @ h))`` of the shared weights, float64."""
-    stage = make_stage(cfg=SHARED)
-    p = init_params(SHARED, 3, np.float64)
+    + ``down @ (silu(gate @ h) * (up @ h))`` of the shared weights (times
+    ``sigmoid(w_g @ h)`` when gated), float64."""
+    stage = make_stage(cfg=cfg)
+    p = init_params(cfg, 3, np.float64)
     seen: dict = {}
     stage.recorder = lambda i, name, a: seen.__setitem__((i, name), np.array(a))
     tokens = np.random.default_rng(1).integers(0, 11, (2, 5))
     stage.moe_aux = 0.0
     stage.forward(p, tokens, np.arange(5), tokens)
-    for i in range(SHARED.layers):
+    for i in range(cfg.layers):
         n = f"layers.{i}."
         x2 = seen[i, "input"] + seen[i, "attention_out"]
-        h = rmsnorm(x2, p[n + "post_attention_layernorm.weight"], SHARED.norm_eps)
-        routed, _ = naive_moe(p, i, h, SHARED)
+        h = rmsnorm(x2, p[n + "post_attention_layernorm.weight"], cfg.norm_eps)
+        routed, _ = naive_moe(p, i, h, cfg)
         gate, up, down = (p[n + w] for w in NAMES)
         g, u = h @ gate.T, h @ up.T
-        want = routed + (g / (1 + np.exp(-g)) * u) @ down.T
-        np.testing.assert_allclose(seen[i, "mlp"], want, rtol=1e-12, atol=1e-14)
-        assert np.abs((g / (1 + np.exp(-g)) * u) @ down.T).max() > 1e-3   # it does add
+        shared = (g / (1 + np.exp(-g)) * u) @ down.T
+        if cfg.moe_shared_gate:
+            z = h @ p[n + SHARED_GATE[0]].T                          # [B, S, 1]
+            assert np.ptp(z) > 0.1                                  # a gate that varies
+            shared = shared / (1 + np.exp(-z))
+        np.testing.assert_allclose(seen[i, "mlp"], routed + shared, rtol=1e-12, atol=1e-14)
+        assert np.abs(shared).max() > 1e-3   # it does add
 
 
-@pytest.mark.parametrize("cfg", [SHARED, SHARED_HALF], ids=["all-sparse", "one-sparse"])
+@pytest.mark.parametrize("cfg", [SHARED, SHARED_HALF, GATED_HALF],
+                         ids=["all-sparse", "one-sparse", "gated-one-sparse"])
 def test_gradient_matches_finite_differences(cfg):
     """Cross-entropy + balance loss through a stage with shared experts: every parameter's
     gradient (3 random elements each, all of the shared expert's) against central
@@ -78,7 +90,7 @@ def test_gradient_matches_finite_differences(cfg):
             assert grads[spec.name].reshape(-1)[j] == pytest.approx(fd, rel=1e-5, abs=1e-9), \
                 spec.name
             checked += "shared_expert" in spec.name
-    assert checked == 9 * sum(map(cfg.is_sparse, range(cfg.layers)))
+    assert checked == (9 + 3 * cfg.moe_shared_gate) * sum(map(cfg.is_sparse, range(cfg.layers)))
 
 
 def step(cfg: ModelConfig, p: dict, recompute: str = "none"):
@@ -93,10 +105,11 @@ def step(cfg: ModelConfig, p: dict, recompute: str = "none"):
     return stage.moe_aux, loss, grads
 
 
+@pytest.mark.parametrize("cfg", [SHARED, GATED], ids=["ungated", "gated"])
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_is_bit_identical(mode):
-    p = init_params(SHARED, 5, np.float64)
-    (aux0, loss0, g0), (aux1, loss1, g1) = step(SHARED, p), step(SHARED, p, mode)
+def test_recompute_is_bit_identical(mode, cfg):
+    p = init_params(cfg, 5, np.float64)
+    (aux0, loss0, g0), (aux1, loss1, g1) = step(cfg, p), step(cfg, p, mode)
     assert aux0 == aux1 and np.array_equal(loss0, loss1)
     for n in p:
         np.testing.assert_array_equal(g0[n], g1[n])
@@ -128,6 +141,8 @@ def test_no_shared_expert_is_todays_model_bit_for_bit():
      r"model.moe_shared_ffn_hidden=8: needs a mixture of experts \(--moe-experts > 0\)"),
     (dict(moe_experts=4, moe_shared_ffn_hidden=9), dict(tp=2),
      r"parallel.tp=2: must divide model.moe_shared_ffn_hidden=9"),
+    (dict(moe_experts=4, moe_shared_gate=True), dict(),
+     r"model.moe_shared_gate=True: needs a shared expert \(--moe-shared-ffn-hidden > 0\)"),
 ])
 def test_bad_values_are_config_errors(model, parallel, words):
     """Each rule raises one ConfigError naming the value and the rule (the programs exit 2)."""
@@ -144,8 +159,10 @@ def test_cli_flag_sets_the_field():
     from mpipar.config import add_arguments, from_args
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--moe-experts", "4", "--moe-shared-ffn-hidden", "64"])
-    assert from_args(args).model.moe_shared_ffn_hidden == 64
+    args = parser.parse_args(["--moe-experts", "4", "--moe-shared-ffn-hidden", "64",
+                              "--moe-shared-gate"])
+    m = from_args(args).model
+    assert m.moe_shared_ffn_hidden == 64 and m.moe_shared_gate
 
 
 def test_flops_and_parameters_count_the_shared_expert():
@@ -158,9 +175,12 @@ def test_flops_and_parameters_count_the_shared_expert():
                       for m in (dataclasses.replace(SHARED_HALF, moe_shared_ffn_hidden=0),
                                 SHARED_HALF))
     assert with_ - without == pytest.approx(3 * 6 * MOE.hidden * FS * 16)   # one sparse block
-    for m in (SHARED, SHARED_HALF, MOE, dataclasses.replace(SHARED, moe_layers="even")):
+    gated = model_flops_per_step(Config(model=GATED_HALF, train=train))
+    assert gated - with_ == pytest.approx(3 * 2 * MOE.hidden * 16)          # its gate, H x 1
+    for m in (SHARED, SHARED_HALF, MOE, GATED, dataclasses.replace(SHARED, moe_layers="even")):
         assert parameter_count(m) == sum(math.prod(s.shape) for s in param_specs(m)), m
     assert parameter_count(SHARED) - parameter_count(MOE) == 2 * 3 * MOE.hidden * FS
+    assert parameter_count(GATED) - parameter_count(SHARED) == 2 * MOE.hidden
 
 
 @pytest.mark.parametrize("tp, ep, zero", [(1, 1, 0), (2, 1, 1), (2, 2, 0), (1, 4, 0)])
@@ -190,6 +210,12 @@ def test_placement_and_planned_memory(tp, ep, zero):
     assert table[n + "gate_proj.weight"].local_shape(tp) == (64 // tp, 32)
     assert table[n + "down_proj.weight"].local_shape(tp) == (32, 64 // tp)
     assert all(table.holds(n + "up_proj.weight", r) for r in range(ep))
+    gated = placement_table(validate(Config(
+        dataclasses.replace(model, moe_shared_ffn_hidden=64, moe_shared_gate=True),
+        ParallelConfig(dp=dp, tp=tp, ep=ep, zero=zero),
+        TrainConfig(dtype="float32", seq_len=8, global_batch_size=8)), dp * tp))
+    gate = gated["layers.1." + SHARED_GATE[0]]
+    assert gate.tp == "replicated" and gate.local_shape(tp) == (1, 32)
     a, b = (predict_memory(c, Coord(0, 0, 0, 0)) for c in (layout(0), big))
     extra = 4 * 2 * 3 * 32 * 64 // tp                     # float32 bytes of 2 sparse blocks
     assert b.weights - a.weights == extra

@@ -64,6 +64,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.config import ModelConfig
+from mpipar.kernels.numpy_ref import upcast
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
 from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
@@ -502,18 +503,22 @@ class LlamaStage:
         if not self.cfg.moe_shared_gate:
             return y, g, u, m, None
         z, = self._apply(params, in_block(i, SHARED_GATE), h2)
-        s = 1 / (1 + self.kernels.xp.exp(-z))
-        return s * y, g, u, m, (s, y)
+        xp, z = self.kernels.xp, upcast(z)      # the gate in float32 under bf16, as the router
+        e = xp.exp(-xp.abs(z))                  # sigmoid without overflow
+        gate = xp.where(z >= 0, 1 / (1 + e), e / (1 + e))
+        return (gate * y).astype(y.dtype, copy=False), g, u, m, (gate, y)
 
     def _shared_bwd(self, i: int, dout: Array, c: BlockSaved, lin: LinearGrads,
                     scope: ParamScope) -> Array:
         """The gradient of ``h2`` through :meth:`_shared_fwd`."""
         if c.shared_gate is None:
             return self._ffn_bwd(i, dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
-        s, y = c.shared_gate
-        dz = (dout * y).sum(axis=-1, keepdims=True) * s * (1 - s)
-        dh2 = self._apply_backward([dz], c.h2, in_block(i, SHARED_GATE), lin)
-        return dh2 + self._ffn_bwd(i, s * dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
+        gate, y, dt = *c.shared_gate, dout.dtype
+        dz = (upcast(dout) * upcast(y)).sum(axis=-1, keepdims=True) * gate * (1 - gate)
+        dh2 = self._apply_backward([dz.astype(dt, copy=False)], c.h2, in_block(i, SHARED_GATE),
+                                   lin)
+        dy = (gate * upcast(dout)).astype(dt, copy=False)
+        return dh2 + self._ffn_bwd(i, dy, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
 
     def _ffn_bwd(self, i: int, dout: Array, c: BlockSaved, gate_up: Sequence[str],
                  down: Sequence[str], lin: LinearGrads, scope: ParamScope) -> Array:

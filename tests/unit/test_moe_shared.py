@@ -227,3 +227,22 @@ def test_mixtral_export_refuses_a_shared_expert():
     from mpipar.checkpoint.hf_moe import export_problem
     assert "has no shared expert" in export_problem(resolve_model(SHARED))
     assert export_problem(resolve_model(MOE)) == ""
+
+
+def test_bf16_gated_shared_expert_tracks_float64():
+    """Under bf16 compute the gate runs in float32 (as the router) and the stream stays bf16:
+    two AdamW steps of the gated model on one process track the float64 run's losses."""
+    from mpi4py import MPI
+
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+    from tests.layouts import small_config, token_source
+    losses = {}
+    for dtype in ("float64", "bfloat16"):
+        cfg = small_config(dtype, "moe_gated")
+        eng = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source(cfg.train.seq_len))
+        try:
+            losses[dtype] = [eng.train_step(k).loss for k in range(2)]
+        finally:
+            eng.close()
+    np.testing.assert_allclose(losses["bfloat16"], losses["float64"], rtol=5e-3)

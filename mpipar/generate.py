@@ -195,7 +195,9 @@ def check_model(args: argparse.Namespace, cfg: Layout, kind: str, positions: int
         from mpipar.checkpoint import huggingface as hf
         root = Path(args.model)
         _require_layers(args.model, cfg.model, len(hf.weight_files(root)))
-        return hf.stored_bytes(hf.check_tensors(root, hf.read_config_json(root), cfg.model))
+        raw = hf.read_config_json(root)
+        return hf.stored_bytes(hf.check_tensors(root, raw, cfg.model),
+                               raw.get("model_type", "llama"))
     _check_checkpoint_shapes(args.model, cfg.model)
     return 0
 

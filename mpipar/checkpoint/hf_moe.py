@@ -1,5 +1,6 @@
-"""Mixtral (``MixtralForCausalLM``) in Hugging Face checkpoints: the config fields of its
-sparse blocks, read and written; :mod:`mpipar.checkpoint.huggingface` asks these rules.
+"""Mixtral (``MixtralForCausalLM``) and Qwen2-MoE (``Qwen2MoeForCausalLM``) in Hugging Face
+checkpoints: the config fields of their sparse blocks, read and written, and Qwen2-MoE's tensor
+names; :mod:`mpipar.checkpoint.huggingface` asks these rules.
 
 The hub layout is mpipar's own naming: ``model.layers.{i}.block_sparse_moe.gate.weight`` (the
 router ``[E, H]``) and ``...experts.{e}.w1/w3/w2.weight`` (gate, up, down), so tensors map by
@@ -7,6 +8,14 @@ the ``model.`` prefix alone. Mixtral's blocks are all sparse; its ``intermediate
 expert's width; the router is Mixtral's (softmax over every expert, top ``num_experts_per_tok``
 renormalised). Its ``router_aux_loss_coef`` weighs Switch's load-balancing loss, not mpipar's
 sequence-wise one: it is not read (``--moe-aux-loss-coef`` sets mpipar's) and written as 0.
+
+Qwen2-MoE's hub names its router ``model.layers.{i}.mlp.gate.weight`` and its experts
+``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`` (:func:`hub_name` maps mpipar's Mixtral
+names to them); its shared expert (``mlp.shared_expert.*``, ``mlp.shared_expert_gate.weight``)
+is mpipar's ``--moe-shared-ffn-hidden`` with ``--moe-shared-gate``. Its ``decoder_sparse_step``
+and ``mlp_only_layers`` give ``moe_layers``; the dense blocks' width is ``intermediate_size``,
+an expert's ``moe_intermediate_size``. mpipar's router renormalises the top K: only
+``norm_topk_prob: true`` is read (and written).
 Functions raise ValueError naming the field; the caller turns it into its error type.
 """
 from __future__ import annotations
@@ -16,6 +25,20 @@ from typing import Any, Mapping
 from mpipar.config import ModelConfig
 
 MIXTRAL = "mixtral"
+QWEN2_MOE = "qwen2_moe"
+_QWEN2_MOE_NAMES = ((".block_sparse_moe.gate.", ".mlp.gate."),
+                    (".block_sparse_moe.experts.", ".mlp.experts."),
+                    (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def hub_name(name: str, kind: str) -> str:
+    """The hub's name of tensor ``name`` (mpipar's, ``model.``-prefixed) in a checkpoint of
+    ``model_type`` ``kind``: Qwen2-MoE's for the router and the experts, else ``name``."""
+    if kind != QWEN2_MOE or ".block_sparse_moe." not in name:
+        return name
+    for ours, theirs in _QWEN2_MOE_NAMES:
+        name = name.replace(ours, theirs)
+    return name
 
 
 def _count(raw: Mapping[str, Any], name: str, default: int) -> int:
@@ -26,7 +49,10 @@ def _count(raw: Mapping[str, Any], name: str, default: int) -> int:
 
 
 def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(a reading, ModelConfig fields) of the FFN kind: dense, or Mixtral's experts."""
+    """(a reading, ModelConfig fields) of the FFN kind: dense, Mixtral's or Qwen2-MoE's
+    experts."""
+    if raw.get("model_type") == QWEN2_MOE:
+        return _read_qwen2_moe(raw)
     if raw.get("model_type") != MIXTRAL:
         return "dense FFN", {}
     experts = _count(raw, "num_local_experts", 8)
@@ -45,11 +71,45 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
              "moe_layers": "all"})
 
 
+def _read_qwen2_moe(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Qwen2-MoE's sparse blocks (transformers' defaults for absent fields)."""
+    experts, top_k = _count(raw, "num_experts", 60), _count(raw, "num_experts_per_tok", 4)
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be <= num_experts={experts}")
+    if raw.get("norm_topk_prob", False) is not True:
+        raise ValueError(f"norm_topk_prob={raw.get('norm_topk_prob', False)!r} is not "
+                         f"supported: mpipar's router renormalises the top K weights (true)")
+    layers, step = _count(raw, "num_hidden_layers", 24), _count(raw, "decoder_sparse_step", 1)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ValueError(f"mlp_only_layers={dense!r} must be a list of layer indices")
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    if not sparse:
+        raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: no sparse layer")
+    ffn, shared = (_count(raw, "moe_intermediate_size", 1408),
+                   _count(raw, "shared_expert_intermediate_size", 5632))
+    spec = "all" if len(sparse) == layers else ",".join(map(str, sparse))
+    return (f"Qwen2-MoE experts: {experts} of width {ffn} on layers {spec}, top {top_k}, a "
+            f"gated shared expert of width {shared}",
+            {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": ffn,
+             "moe_layers": spec, "moe_shared_ffn_hidden": shared, "moe_shared_gate": True})
+
+
+def export_kind(m: ModelConfig) -> str:
+    """The ``model_type`` mpipar's mixture of experts ``m`` is written as (its problem:
+    :func:`export_problem`): Qwen2-MoE with a shared expert, else Mixtral."""
+    return QWEN2_MOE if m.moe_shared_ffn_hidden else MIXTRAL
+
+
 def export_problem(m: ModelConfig) -> str:
     """Why mpipar's mixture-of-experts model ``m`` has no Mixtral form ('' if it has one)."""
     if m.moe_shared_ffn_hidden:
-        return (f"model.moe_shared_ffn_hidden={m.moe_shared_ffn_hidden}: MixtralForCausalLM "
-                f"has no shared expert")
+        if m.moe_shared_gate and not m.sliding_window:
+            return ""
+        return (f"model.moe_shared_ffn_hidden={m.moe_shared_ffn_hidden}, moe_shared_gate="
+                f"{m.moe_shared_gate}, sliding_window={m.sliding_window}: a shared expert is "
+                f"exported as Qwen2MoeForCausalLM's, which is gated (--moe-shared-gate), "
+                f"without window (MixtralForCausalLM has no shared expert)")
     sparse = all(m.is_sparse(i) for i in range(m.layers))
     if sparse and not m.attention_bias and not m.sliding_window:
         return ""
@@ -64,6 +124,17 @@ def mixtral_fields(m: ModelConfig) -> dict[str, Any]:
             "num_experts_per_tok": m.moe_top_k, "sliding_window": None,
             "router_aux_loss_coef": 0.0, "output_router_logits": False,
             "router_jitter_noise": 0.0}
+
+
+def qwen2_moe_fields(m: ModelConfig) -> dict[str, Any]:
+    """The config.json fields of a Qwen2-MoE (beyond the Llama ones)."""
+    return {"num_experts": m.moe_experts, "num_experts_per_tok": m.moe_top_k,
+            "moe_intermediate_size": m.moe_ffn_hidden,
+            "shared_expert_intermediate_size": m.moe_shared_ffn_hidden, "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(m.layers) if not m.is_sparse(i)],
+            "qkv_bias": m.attention_bias, "use_sliding_window": False, "sliding_window": None,
+            "router_aux_loss_coef": 0.0, "output_router_logits": False}
 
 
 def routing_bias_note(biases: Mapping[int, Any]) -> str:

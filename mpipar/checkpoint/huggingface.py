@@ -61,13 +61,15 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
 """The ``model_type`` values mpipar reads and writes, and their architecture."""
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 """The ``rope_type`` values mpipar computes exactly (:func:`mpipar.kernels.numpy_ref.rope_inv_freq`)."""
 
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072}  # transformers' max_position_embeddings defaults
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072,
+                  "qwen2_moe": 32768}  # transformers' max_position_embeddings defaults
 
 SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """dtypes :func:`save_hf` writes and :func:`load_hf` casts to."""
@@ -102,9 +104,9 @@ class HFCheckpointError(ConfigError):
 
 
 # ----------------------------------------------------------------------------------- names
-def hf_name(name: str) -> str:
-    """Hugging Face tensor name of mpipar parameter ``name``."""
-    return name if name == HEAD else "model." + name
+def hf_name(name: str, kind: str = "llama") -> str:
+    """Hugging Face tensor name of mpipar parameter ``name`` in a ``model_type`` ``kind``."""
+    return name if name == HEAD else hf_moe.hub_name("model." + name, kind)
 
 
 def mpipar_name(name: str) -> str:
@@ -152,7 +154,7 @@ def _architecture(raw: Mapping[str, Any]) -> Reading:
 def _attention(raw: Mapping[str, Any]) -> Reading:
     """Attention biases and window: Qwen2's q/k/v biases over the whole causal context; a Llama
     without biases."""
-    if raw.get("model_type", "llama") == "qwen2":
+    if raw.get("model_type", "llama") in ("qwen2", hf_moe.QWEN2_MOE):
         if _flag(raw, "use_sliding_window"):
             raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
                                     "to the whole causal context")
@@ -163,8 +165,9 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
         if windows:
             raise HFCheckpointError(f"layer_types {windows} are not supported; mpipar's layers "
                                     f"are all 'full_attention'")
-        return "q, k and v projections with biases (Qwen2), full causal attention", \
-            {"attention_bias": True}
+        bias = raw.get("model_type") == "qwen2" or raw.get("qkv_bias", True) is True
+        return (f"q, k and v projections {'with' if bias else 'without'} biases (Qwen2), full "
+                f"causal attention"), {"attention_bias": bias}
     if raw.get("model_type", "llama") == "mistral":
         window = raw.get("sliding_window")
         if window is not None and (not isinstance(window, int) or isinstance(window, bool)
@@ -420,7 +423,7 @@ def model_type(cfg: ModelConfig) -> str:
     if cfg.moe_experts and hf_moe.export_problem(cfg):
         raise HFCheckpointError(hf_moe.export_problem(cfg))
     if cfg.moe_experts:
-        return hf_moe.MIXTRAL
+        return hf_moe.export_kind(cfg)
     return "qwen2" if cfg.attention_bias else "mistral" if cfg.sliding_window else "llama"
 
 
@@ -466,7 +469,7 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
     }
     out.update({"qwen2": {"use_sliding_window": False},
                 "mistral": {"sliding_window": m.sliding_window},
-                "mixtral": hf_moe.mixtral_fields(m)}.get(
+                "mixtral": hf_moe.mixtral_fields(m), "qwen2_moe": hf_moe.qwen2_moe_fields(m)}.get(
         kind, {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}))
     out.update(extra)
     scaling = _rope_scaling(m)
@@ -626,7 +629,8 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
     tied = _flag(raw, "tie_word_embeddings")
     specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
-    expected = {hf_name(n) for n in specs}
+    family = raw.get("model_type", "llama")
+    expected = {hf_name(n, family) for n in specs}
     missing = sorted(expected - set(files))
     unexpected = sorted(set(files) - expected - ({HEAD} if tied else set()))
     for what, names in (("missing", missing), ("unexpected", unexpected)):
@@ -634,7 +638,7 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
             raise HFCheckpointError(f"{root}: {len(names)} {what} tensor(s) for a "
                                     f"{architecture(cfg)} with {cfg.layers} layers: {shown}")
-    stored = {n: files[hf_name(n)] for n in specs}
+    stored = {n: files[hf_name(n, family)] for n in specs}
     by_file: dict[Path, list[str]] = {}
     for name, file in stored.items():
         by_file.setdefault(file, []).append(name)
@@ -642,7 +646,7 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
         with open_safetensors(file) as f:
             present = set(f.keys())
             for name in names:
-                hf = hf_name(name)
+                hf = hf_name(name, family)
                 if hf not in present:
                     raise HFCheckpointError(f"{file}: tensor {hf} is listed in {INDEX_FILE} "
                                             f"but not stored in this shard")
@@ -657,12 +661,12 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     return stored
 
 
-def stored_bytes(stored: Mapping[str, Path]) -> int:
+def stored_bytes(stored: Mapping[str, Path], kind: str = "llama") -> int:
     """Bytes :func:`load_hf` holds for the tensors ``stored`` (:func:`check_tensors`'s
     ``{mpipar name: file}``), from the headers: each as read, bfloat16 widened to float32."""
     by_file: dict[Path, list[str]] = {}
     for name, file in stored.items():
-        by_file.setdefault(file, []).append(hf_name(name))
+        by_file.setdefault(file, []).append(hf_name(name, kind))
     total = 0
     for file, names in by_file.items():
         with open_safetensors(file) as f:
@@ -690,13 +694,13 @@ def load_hf(path: str | os.PathLike, dtype: Any = None,
     root = Path(path)
     raw = read_config_json(root)
     cfg = model_config_from_hf(raw, str(root / CONFIG_FILE), untie_embeddings)
-    stored = check_tensors(root, raw, cfg)
+    stored, kind = check_tensors(root, raw, cfg), raw.get("model_type", "llama")
     wanted: dict[Path, list[str]] = {}
     for name, file in stored.items():
-        wanted.setdefault(file, []).append(hf_name(name))
+        wanted.setdefault(file, []).append(hf_name(name, kind))
     arrays = {n: v for file, names in wanted.items() for n, v in _read_file(file, names).items()}
-    params = {name: arrays[hf_name(name)] if dt is None else arrays[hf_name(name)].astype(dt)
-              for name in stored}
+    params = {name: arrays[hf_name(name, kind)] if dt is None
+              else arrays[hf_name(name, kind)].astype(dt) for name in stored}
     if any(s.name == HEAD for s in param_specs(cfg)) and HEAD not in params:  # untied on request
         params[HEAD] = params[EMBED].copy()
     return cfg, params
@@ -753,7 +757,8 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
             raise ValueError(f"save_hf: parameters have dtypes {kinds}; pass dtype to pick one")
         dt = _check_dtype(kinds[0])
     config = hf_config(cfg, dt.name, extra_config)
-    tensors = {hf_name(n): np.ascontiguousarray(params[n], dtype=dt) for n in specs}
+    tensors = {hf_name(n, config["model_type"]): np.ascontiguousarray(params[n], dtype=dt)
+               for n in specs}
 
     dst = Path(path)
     check_export_target(dst)

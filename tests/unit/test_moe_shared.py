@@ -223,10 +223,13 @@ def test_placement_and_planned_memory(tp, ep, zero):
     assert b.optimizer - a.optimizer == 2 * extra // (dp if zero else 1)
 
 
-def test_mixtral_export_refuses_a_shared_expert():
-    from mpipar.checkpoint.hf_moe import export_problem
-    assert "has no shared expert" in export_problem(resolve_model(SHARED))
-    assert export_problem(resolve_model(MOE)) == ""
+def test_export_kind_follows_the_shared_expert():
+    """A gated shared expert exports as Qwen2-MoE (tests/unit/test_hf_qwen2_moe.py), none as
+    Mixtral; an ungated one has no transformers form."""
+    from mpipar.checkpoint.hf_moe import export_kind, export_problem
+    assert "gated (--moe-shared-gate)" in export_problem(resolve_model(SHARED))
+    assert export_problem(resolve_model(GATED)) == "" and export_kind(GATED) == "qwen2_moe"
+    assert export_problem(resolve_model(MOE)) == "" and export_kind(MOE) == "mixtral"
 
 
 def test_bf16_gated_shared_expert_tracks_float64():

@@ -87,6 +87,10 @@ class ModelConfig:
                                           "balancing: a per-expert bias added to the router's "
                                           "probabilities for the top-K choice only, moved by "
                                           "rate x sign(mean load - load) after each step (0: off)")
+    moe_capacity_factor: float = _f(0.0, "mixture of experts: expert capacity C per sequence: in "
+                                         "each row of T tokens an expert takes at most "
+                                         "ceil(C T K / E) of its assignments, the earliest "
+                                         "positions first, the rest dropped (0: dropless)")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
@@ -620,9 +624,10 @@ def from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-# Model fields a command line may change on a checkpoint: the routing biases' update rate is a
-# training setting (DeepSeek-V3 sets it to 0 for its last tokens; a Mixtral has none to give).
-CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate")
+# Model fields a command line may change on a checkpoint: the routing biases' update rate and
+# the expert capacity are training settings (DeepSeek-V3 sets the rate to 0 for its last
+# tokens; a Mixtral has neither to give).
+CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_capacity_factor")
 
 
 def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:

@@ -275,7 +275,8 @@ class LlamaStage:
         the sparse blocks' exchange (:mod:`mpipar.model.moe`; default: every expert here,
         whole sequences). ``moe_aux_weight`` (set by the caller) weighs each row's balance loss
         in backward; :meth:`forward` adds its share of the balance loss to ``moe_aux`` and the
-        expert loads of each sparse block to ``moe_load`` (the caller resets them).
+        expert loads of each sparse block to ``moe_load`` and the assignments its capacity
+        dropped to ``moe_dropped`` (the caller resets them).
         ``moe_bias`` (set by the caller): a sparse block's routing bias ``[E]`` by block index
         (auxiliary-loss-free balancing; a block without one routes on its probabilities)."""
         if recompute not in RECOMPUTE_MODES:
@@ -295,6 +296,7 @@ class LlamaStage:
         self.experts = experts or LocalExperts(self.cfg.moe_experts)
         self.moe_aux_weight, self.moe_aux = 0.0, 0.0
         self.moe_load: dict[int, Array] = {}
+        self.moe_dropped: dict[int, int] = {}
         self.moe_bias: dict[int, Array] = {}
         self._rope: dict[bytes, tuple[Array, Array]] = {}
 
@@ -375,6 +377,7 @@ class LlamaStage:
         """Add a sparse block's share of the balance loss and its load to the step's sums."""
         self.moe_aux += moe.aux
         self.moe_load[i] = self.moe_load.get(i, 0) + moe.counts
+        self.moe_dropped[i] = self.moe_dropped.get(i, 0) + moe.dropped
 
     def forward_only(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
                      targets: Array | None = None, kv: KVCache | None = None,
@@ -466,7 +469,7 @@ class LlamaStage:
         g = u = m = moe = None
         if self.cfg.is_sparse(i):
             y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
-                                 self.moe_bias.get(i))
+                                 self.moe_bias.get(i), positions if kv is None else None)
         else:
             g, u = self._apply(params, in_block(i, GATE_UP), h2)
             scope.progress()

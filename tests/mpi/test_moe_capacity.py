@@ -4,7 +4,8 @@ so every layout drops the same assignments as the one-process run and equals it 
 counts per step and sparse layer exactly): sp ring (contiguous), zigzag, Ulysses and hybrid
 (each rank needs the earlier positions' counts of the other sp ranks), ep with dp and sp,
 pp x tp, ZeRO-1. And with the router forced uniform (nothing drops), every group's bytes equal
-the planner's, the sp all-reduce carrying the counts per position block."""
+the planner's (a step's and a validation pass's), the sp all-reduce carrying the counts per
+position block."""
 from __future__ import annotations
 
 import functools
@@ -98,21 +99,25 @@ LEDGER = [dict(dp=2, sp=4, ep=4, sp_split="zigzag"), dict(dp=4, sp=2, pp=1, ep=2
 @pytest.mark.parametrize("case", LEDGER, ids=[layout_name(v) for v in LEDGER])
 def test_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     from mpipar.kernels import moe as kernels_moe
-    from mpipar.plan.traffic import predict_step_bytes
+    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
     from mpipar.training.engine import Engine
     monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
     cfg = config(**case)
     cfg.model.moe_capacity_factor = 1.0
+    cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2      # validation drops too
     fails = []
     try:
         layout = validate(cfg, 8)
         eng = Engine(layout, world, source=token_source())
-        want = predict_step_bytes(layout, eng.grid.coord)
+        want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
+                           predict_eval_bytes(layout, eng.grid.coord))
         eng.ledger.reset()
         res = eng.train_step(0)
-        got = eng.ledger.bytes_by_group()
-        if got != want:
-            fails.append(f"{eng.grid.coord}: step {got} vs {want}")
+        eng.evaluate()
+        got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
+        if got != want or got_eval != want_eval:
+            fails.append(f"{eng.grid.coord}: step {got} vs {want}; eval {got_eval} vs "
+                         f"{want_eval}")
         if set(res.moe["moe_dropped"].values()) != {0}:
             fails.append(f"dropped {res.moe['moe_dropped']} under a uniform router")
         eng.close()

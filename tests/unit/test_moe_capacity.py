@@ -174,3 +174,60 @@ def test_a_capacity_without_experts_exits_2_with_one_message(tmp_path):
     code, err = run_train([*TINY, "--moe-capacity-factor", "1.25", "--run-dir", str(tmp_path)])
     assert code == 2
     assert err.count("model.moe_capacity_factor=1.25: needs a mixture of experts") == 1, err
+
+
+@pytest.mark.parametrize("seq_len, sp, split", [(16, 2, "contiguous"), (16, 4, "zigzag"),
+                                                (24, 3, "zigzag"), (64, 2, "balanced"),
+                                                (96, 4, "balanced")])
+def test_every_rank_holds_whole_position_blocks(seq_len, sp, split):
+    """The capacity's counts travel per block of ``block_length`` positions: every sp rank's
+    runs (zigzag's middle rank holds two adjacent chunks; balanced's split changes with each
+    microbatch's documents) are whole blocks, so each block has one holder."""
+    from mpipar.parallel.context import SeqLayout, balanced_layout
+    from mpipar.parallel.experts import block_length
+    L = block_length(SeqLayout(seq_len, sp, split))
+    rng = np.random.default_rng(sp)
+    layouts = [SeqLayout(seq_len, sp, split)]
+    if split == "balanced":
+        layouts += [balanced_layout(seq_len, sp, np.cumsum(rng.random((2, seq_len)) < 0.1,
+                                                           axis=1)) for _ in range(3)]
+    for lay in layouts:
+        held = np.concatenate([lay.positions(r) // L for r in range(sp)])
+        assert sorted(held.tolist()) == sorted(np.arange(seq_len) // L)
+        owner = {}
+        for r in range(sp):
+            for blk in lay.positions(r) // L:
+                assert owner.setdefault(int(blk), r) == r
+    assert L == {"contiguous": seq_len // sp, "zigzag": seq_len // (2 * sp)}.get(split, L)
+
+
+def test_the_command_line_reports_drops_and_may_change_c_on_resume(tmp_path):
+    """``--moe-capacity-factor`` from the command line: metrics carry ``moe_dropped`` per
+    sparse layer (> 0 at C = 0.25); a resume keeps the checkpoint's C unless given, and may
+    change it (a training setting): dropless, it reports zeros."""
+    import json
+
+    from tests.unit.test_moe_bias import _train
+    from untrusted import TINY
+    moe = ["--moe-experts", "4", "--save-dir", str(tmp_path / "ckpt"), "--run-dir",
+           str(tmp_path / "run")]
+    code, out, err = _train([*TINY, *moe, "--moe-capacity-factor", "0.25", "--steps", "2"])
+    assert code == 0, err[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(sorted(r["moe_dropped"]) == ["0", "1"] and min(r["moe_dropped"].values()) > 0
+               for r in rows), rows
+    code, out, err = _train([*TINY, *moe, "--steps", "3", "--resume", "auto"])   # C kept
+    assert code == 0, err[-2000:]
+    code, out, err = _train([*TINY, *moe, "--steps", "4", "--resume", "auto",
+                             "--moe-capacity-factor", "0"])                    # C changed
+    assert code == 0, err[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[-2:]] == [3, 4] and min(rows[-2]["moe_dropped"].values()) > 0
+    assert rows[-1]["moe_dropped"] == {"0": 0, "1": 0}
+
+
+def test_the_capacity_may_change_on_a_checkpoint():
+    from mpipar.layout import model_from_checkpoint
+    saved = ModelConfig(moe_experts=4, moe_capacity_factor=1.25)
+    assert model_from_checkpoint(saved, {"moe_capacity_factor": 0.0},
+                                 "ckpt").moe_capacity_factor == 0.0

@@ -231,3 +231,19 @@ def test_the_capacity_may_change_on_a_checkpoint():
     saved = ModelConfig(moe_experts=4, moe_capacity_factor=1.25)
     assert model_from_checkpoint(saved, {"moe_capacity_factor": 0.0},
                                  "ckpt").moe_capacity_factor == 0.0
+
+
+def test_the_summary_totals_the_drops():
+    """``summarize`` adds the run's dropped assignments and their share of the sparse layers'
+    (tokens x K x layers per step); a dropless run says nothing."""
+    from mpipar.observe import summary as run_summary
+    from report_records import record
+    records = [record(s, 3.0, compute=0.5) for s in (1, 2)]
+    for r, drops in zip(records, ({"1": 6, "3": 2}, {"1": 0, "3": 4})):
+        r["moe_dropped"], r["tokens"] = drops, 64
+    s = run_summary.summarize(records, None, {"model": {"moe_top_k": 2}})
+    assert s["moe_dropped"] == 12 and s["moe_dropped_fraction"] == 12 / (2 * 64 * 2 * 2)
+    assert "expert capacity: 12 assignments dropped (2.34% of" in run_summary.summary_text(s)
+    for r in records:
+        r["moe_dropped"] = {"1": 0, "3": 0}
+    assert "moe_dropped" not in run_summary.summarize(records, None, {"model": {}})

@@ -2,8 +2,8 @@
 so every layout drops the same assignments as the one-process run and equals it in float64
 (<= 1e-10 in loss, gradient norm, parameters and balance loss over 3 AdamW steps; the dropped
 counts per step and sparse layer exactly): sp ring (contiguous), zigzag, Ulysses and hybrid
-(each rank needs the earlier positions' counts of the other sp ranks), ep with dp and sp,
-pp x tp, ZeRO-1. And with the router forced uniform (nothing drops), every group's bytes equal
+(each rank needs the earlier positions' counts of the other sp ranks), the balanced split of
+packed documents, ep with dp and sp, pp x tp, ZeRO-1, full recompute. And with the router forced uniform (nothing drops), every group's bytes equal
 the planner's (a step's and a validation pass's), the sp all-reduce carrying the counts per
 position block."""
 from __future__ import annotations
@@ -23,12 +23,19 @@ LAYOUTS = [
     dict(dp=2, sp=4, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"),
     dict(dp=8, ep=2), dict(dp=2, tp=2, pp=2, ep=2, schedule="1f1b"),
     dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
+    dict(dp=4, sp=2, ep=4, recompute="full"),
+    # packed documents (EOS = 3: one to four a row): --sp-split balanced's split changes with
+    # each microbatch; capacity stays per row, not per document
+    dict(dp=2, sp=4, sp_split="balanced", ep=4, docs=True),
 ]
 
 
-def config(**layout):
+def config(docs: bool = False, recompute: str = "none", **layout):
     cfg = small_config("float64", "moe", **layout)
     cfg.model.moe_capacity_factor = CAPACITY
+    cfg.train.recompute = recompute
+    if docs:
+        cfg.train.document_masking, cfg.train.eos_token_id = True, 3
     return cfg
 
 
@@ -45,9 +52,9 @@ def run(comm, steps: int = 3, **layout):
 
 
 @functools.lru_cache(maxsize=None)
-def reference():
+def reference(docs: bool = False):
     from mpi4py import MPI
-    return run(MPI.COMM_SELF)
+    return run(MPI.COMM_SELF, docs=docs)
 
 
 @pytest.mark.mpi(min_size=8)
@@ -58,7 +65,8 @@ def test_the_reference_drops_and_differs_from_dropless():
 
     from mpipar.training.engine import Engine
     ref = reference()
-    assert all(sorted(d) == ["1", "2", "3"] and min(d.values()) > 0 for d in ref[4]), ref[4]
+    for r in (ref, reference(True)):
+        assert all(sorted(d) == ["1", "2", "3"] and min(d.values()) > 0 for d in r[4]), r[4]
     cfg = config()
     cfg.model.moe_capacity_factor = 0.0
     eng = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source(16))
@@ -72,7 +80,7 @@ def test_the_reference_drops_and_differs_from_dropless():
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_capacity_equals_single_process_float64(world, layout):
     def check(comm) -> list[str]:
-        got, ref = run(comm, **layout), reference()
+        got, ref = run(comm, **layout), reference(layout.get("docs", False))
         fails = compare(got[:3], ref[:3], 1e-10)
         fails += [f"moe_aux_loss[{i}] {a!r} vs {b!r}" for i, (a, b) in
                   enumerate(zip(got[3], ref[3])) if not abs(a - b) <= 1e-10 * abs(b)]

@@ -72,7 +72,7 @@ class SequenceExperts:
         """(``L``, ``G``): the sequences cut into ``G`` blocks of ``L`` positions, each held
         whole by one sp rank (:func:`block_length`)."""
         if self.seq is None:
-            return len(positions), 1
+            return int(np.max(positions)) + 1, 1
         L = block_length(self.seq)
         return L, self.seq.seq_len // L
 
@@ -141,8 +141,8 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     forwards = passes * (1 + (train and t.recompute == "full"))
     dt = element_bytes(Precision.of(t, p).compute)
     tokens = layout.micro_batch_size * (t.seq_len // p.sp)
-    seq = SeqLayout(t.seq_len, p.sp, p.sp_split)
-    blocks = t.seq_len // block_length(seq) if m.moe_capacity_factor else 1
+    blocks = (t.seq_len // block_length(SeqLayout(t.seq_len, p.sp, p.sp_split))
+              if m.moe_capacity_factor and p.sp > 1 else 1)
     calls = [Call("sp", "allreduce", blocks * layout.micro_batch_size * m.moe_experts * dt,
                   sparse * forwards)] if p.sp > 1 else []
     if p.ep > 1:

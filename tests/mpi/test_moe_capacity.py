@@ -3,7 +3,7 @@ so every layout drops the same assignments as the one-process run and equals it 
 (<= 1e-10 in loss, gradient norm, parameters and balance loss over 3 AdamW steps; the dropped
 counts per step and sparse layer exactly): sp ring (contiguous), zigzag, Ulysses and hybrid
 (each rank needs the earlier positions' counts of the other sp ranks), the balanced split of
-packed documents, ep with dp and sp, pp x tp, ZeRO-1, full recompute. And with the router forced uniform (nothing drops), every group's bytes equal
+packed documents, ep with dp and sp, pp x tp, tp x sp, ZeRO-1, full recompute. And with the router forced uniform (nothing drops), every group's bytes equal
 the planner's (a step's and a validation pass's), the sp all-reduce carrying the counts per
 position block."""
 from __future__ import annotations
@@ -22,6 +22,7 @@ LAYOUTS = [
     dict(dp=4, sp=2, sp_mode="ulysses", ep=4),
     dict(dp=2, sp=4, sp_mode="hybrid", ulysses_size=2, sp_split="zigzag"),
     dict(dp=8, ep=2), dict(dp=2, tp=2, pp=2, ep=2, schedule="1f1b"),
+    dict(dp=2, tp=2, sp=2, ep=2),
     dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
     dict(dp=4, sp=2, ep=4, recompute="full"),
     # packed documents (EOS = 3: one to four a row): --sp-split balanced's split changes with

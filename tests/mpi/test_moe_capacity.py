@@ -3,9 +3,9 @@ so every layout drops the same assignments as the one-process run and equals it 
 (<= 1e-10 in loss, gradient norm, parameters and balance loss over 3 AdamW steps; the dropped
 counts per step and sparse layer exactly): sp ring (contiguous), zigzag, Ulysses and hybrid
 (each rank needs the earlier positions' counts of the other sp ranks), the balanced split of
-packed documents, ep with dp and sp, pp x tp, tp x sp, ZeRO-1, full recompute. And with the router forced uniform (nothing drops), every group's bytes equal
-the planner's (a step's and a validation pass's), the sp all-reduce carrying the counts per
-position block."""
+packed documents, ep with dp and sp, pp x tp, tp x sp, ZeRO-1, full recompute. And with the
+router forced uniform (nothing drops), every group's bytes equal the planner's (a step's and a
+validation pass's), the sp all-reduce carrying the counts per position block."""
 from __future__ import annotations
 
 import functools

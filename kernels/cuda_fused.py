@@ -520,13 +520,10 @@ def _cupy() -> Any:
 
 @functools.cache
 def _kernel(name: str) -> Any:
-    """One instantiation; the RawModule is compiled whole on first use (CuPy caches it on disk)."""
-    return _module().get_function(name)
-
-
-@functools.cache
-def _module() -> Any:
-    return _cupy().RawModule(code=_SOURCE, options=_OPTIONS, name_expressions=_names())
+    """One instantiation; the module is compiled whole on first use (:func:`.cuda_gate.
+    runtime_module`: what the compile gate checks)."""
+    from . import cuda_gate
+    return cuda_gate.runtime_module(__name__).get_function(name)
 
 
 def _launch(name: str, grid: tuple, block: tuple, args: tuple) -> None:

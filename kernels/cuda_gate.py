@@ -36,7 +36,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Any, Sequence
 
 MODULES: tuple[str, ...] = ("mpipar.kernels.cupy_gpu", "mpipar.kernels.flash_mma",
                             "mpipar.kernels.cuda_fused", "mpipar.kernels.cuda_moves")
@@ -51,6 +51,16 @@ TESTED = {"cupy": ("14.2",), "nvrtc": ((12, 9), (13, 0), (13, 5))}
 """Versions the internals above were checked with (others get a note, not a failure)."""
 RAW_MODULE_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 _SOURCE_KEYS = {"name": str, "code": str, "names": tuple, "options": tuple, "dynamic_smem": dict}
+
+
+@functools.cache
+def runtime_module(module: str) -> Any:
+    """The CuPy ``RawModule`` of ``module``'s CUDA source (its one ``cuda_sources()`` entry) as
+    the run time uses it: the source's code, options and every name expression, the arguments
+    this gate compiles; built once per process on first use (CuPy caches the binary on disk)."""
+    import cupy
+    (src,) = importlib.import_module(module).cuda_sources()
+    return cupy.RawModule(code=src["code"], options=src["options"], name_expressions=src["names"])
 
 
 class GateUnavailable(RuntimeError):

@@ -624,10 +624,11 @@ def from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-# Model fields a command line may change on a checkpoint: the routing biases' update rate and
-# the expert capacity are training settings (DeepSeek-V3 sets the rate to 0 for its last
-# tokens; a Mixtral has neither to give).
-CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_capacity_factor")
+# Model fields a command line may change on a checkpoint: the routing biases' update rate, the
+# balance loss's coefficient and the expert capacity are training settings (DeepSeek-V3 sets the
+# rate to 0 for its last tokens; a Mixtral checkpoint carries none: its import never reads them).
+CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_aux_loss_coef",
+                          "moe_capacity_factor")
 
 
 def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:

@@ -55,17 +55,7 @@ def rng():
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(autouse=True)
-def poisoned_pool():
-    """Fill the free memory of CuPy's pool with 0xFF bytes (NaN as bf16 and as float32), so an
-    output element a kernel forgets to write shows as NaN."""
-    import cupy
-    pool = cupy.get_default_memory_pool()
-    pool.free_all_blocks()
-    block = cupy.empty(64 << 20, cupy.uint8)
-    block.fill(255)
-    del block
-    yield
+pytestmark = pytest.mark.usefixtures("poisoned_pool")   # tests/gpu/conftest.py
 
 
 def _bf(rng, shape, scale=1.0, shift=0.0):

@@ -6,18 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
-
-@pytest.fixture(autouse=True)
-def poisoned_pool():
-    """Fill the free memory of CuPy's pool with 0xFF bytes, so an unwritten element shows."""
-    import cupy
-    pool = cupy.get_default_memory_pool()
-    pool.free_all_blocks()
-    block = cupy.empty(64 << 20, cupy.uint8)
-    block.fill(255)
-    del block
-    yield
+pytestmark = pytest.mark.usefixtures("poisoned_pool")   # tests/gpu/conftest.py
 
 
 def _bf(rng, shape):

@@ -99,7 +99,9 @@ def test_masters_are_a_float32_adamw_of_float32_gradients(zero):
         before = {n: v.astype(np.float64) for n, v in masters().items()}
         moments = (opt.m, opt.v) if not zero else (_whole(eng, opt.m), _whole(eng, opt.v))
         grads = _whole(eng, [b.owned_grad for b in eng.reducer.buckets]) if zero else eng.grads
-        inputs = {n: (before[n], grads[n].astype(np.float64), moments[0][n].astype(np.float64),
+        clip = opt.grad_scale              # the clipping coefficient the step applies to g
+        inputs = {n: (before[n], (grads[n] * clip).astype(np.float64),
+                      moments[0][n].astype(np.float64),
                       moments[1][n].astype(np.float64)) for n in before}
         step(lr)
         seen.append((lr, opt.step_count, inputs))

@@ -227,6 +227,13 @@ class _LinearsSeen:
         self._saw(w)
         return self.kernels.linear_bwd(dy, x, w, dw=dw)
 
+    def concat(self, arrays, axis=-1):
+        """The kernels' join (stacked weights, axis 0), telling which arrays it stacked."""
+        arrays = list(arrays)
+        out = self.kernels.concat(arrays, axis=axis)
+        self.stacked[id(out)] = (out, [id(a) for a in arrays])   # out kept: ids stay unique
+        return out
+
 
 class _Stacking:
     """NumPy, with ``concatenate`` telling :class:`_LinearsSeen` which arrays it stacked."""

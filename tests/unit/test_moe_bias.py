@@ -357,3 +357,15 @@ def test_the_rate_may_change_on_a_checkpoint():
                                  "ckpt").moe_bias_update_rate == 0.01
     with pytest.raises(ConfigError, match="moe_top_k=3"):
         model_from_checkpoint(saved, {"moe_top_k": 3}, "ckpt")
+
+
+def test_the_balance_loss_coefficient_may_change_on_a_checkpoint():
+    """``--init-from-hf <mixtral> --moe-aux-loss-coef 0.01`` (or a resume with another
+    coefficient) takes the command line's: the coefficient weighs a loss, it shapes no tensor
+    of the checkpoint (it was refused as contradicting the checkpoint)."""
+    from mpipar.config import ModelConfig
+    from mpipar.layout import model_from_checkpoint
+    saved = ModelConfig(moe_experts=4)
+    assert model_from_checkpoint(saved, {"moe_aux_loss_coef": 0.01},
+                                 "ckpt").moe_aux_loss_coef == 0.01
+    assert model_from_checkpoint(saved, {}, "ckpt").moe_aux_loss_coef == saved.moe_aux_loss_coef

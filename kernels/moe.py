@@ -58,13 +58,18 @@ def route_topk_bwd(dweights: Array, weights: Array, chosen_sum: Array, experts: 
     return dp
 
 
-def permutation(experts: Array, num_experts: int, xp) -> tuple[Array, Array]:
+def permutation(experts: Array, num_experts: int, xp, keep: Array | None = None
+                ) -> tuple[Array, Array]:
     """The assignments ``[A]`` sorted by expert (stable: token order within an expert) and the
-    count of each expert ``[E]`` (int64). ``experts`` ``[N, K]``."""
+    count of each expert ``[E]`` (int64). ``experts`` ``[N, K]``; ``keep`` ``[N, K]`` bool
+    (capacity): only the kept assignments, ``[A_kept]`` (the dropped ones sort last, as an
+    expert ``E``, and are cut off)."""
     flat = experts.reshape(-1)
+    if keep is not None:
+        flat = xp.where(keep.reshape(-1), flat, num_experts)
     order = xp.argsort(flat, kind="stable")
-    counts = xp.bincount(flat, minlength=num_experts).astype(xp.int64)
-    return order, counts
+    counts = xp.bincount(flat, minlength=num_experts + 1)[:num_experts].astype(xp.int64)
+    return (order if keep is None else order[:int(counts.sum())]), counts
 
 
 def permute(x: Array, order: Array, k: int) -> Array:
@@ -73,22 +78,32 @@ def permute(x: Array, order: Array, k: int) -> Array:
     return x[order // k]
 
 
+def _scatter(rows: Array, order: Array, n: int, k: int, xp) -> Array:
+    """``rows`` ``[A', H]`` (in ``order``) back in assignment order ``[N*K, H]``; the
+    assignments ``order`` leaves out (dropped by capacity) zero."""
+    if len(order) == n * k:
+        per = xp.empty_like(rows)
+    else:
+        per = xp.zeros((n * k,) + rows.shape[1:], rows.dtype)
+    per[order] = rows
+    return per
+
+
 def unpermute_combine(ys: Array, order: Array, weights: Array, xp) -> Array:
     """The layer's output ``[N, H]``: each token's sum of its experts' outputs ``ys`` ``[A, H]``
     (in ``order``) weighted by ``weights`` ``[N, K]``; also returns the outputs in assignment
-    order ``[N, K, H]`` (backward needs them)."""
+    order ``[N, K, H]`` (backward needs them). An assignment ``order`` leaves out (dropped by
+    capacity) has output 0: it adds nothing, its weight is not given to the others."""
     n, k = weights.shape
-    per = xp.empty_like(ys)
-    per[order] = ys
+    per = _scatter(ys, order, n, k, xp)
     per = per.reshape(n, k, -1)
     return (per * weights[..., None]).sum(axis=1), per
 
 
 def unpermute_sum(dxs: Array, order: Array, n: int, k: int, xp) -> Array:
     """Inverse of :func:`permute` for gradients: ``dxs`` ``[A, H]`` (in ``order``) summed into
-    the tokens ``[N, H]``."""
-    per = xp.empty_like(dxs)
-    per[order] = dxs
+    the tokens ``[N, H]`` (the assignments ``order`` leaves out add nothing)."""
+    per = _scatter(dxs, order, n, k, xp)
     return per.reshape(n, k, -1).sum(axis=1)
 
 
@@ -116,3 +131,41 @@ def grouped_swiglu_fwd(kernels, xs: Array, bounds: list[int],
         ys[rows] = kernels.linear_fwd(m, w2)
         saved.append((g, u, m))
     return ys, saved
+
+
+def block_counts(experts: Array, blocks: Array, num_blocks: int, num_experts: int, xp) -> Array:
+    """Assignments of each position block, row and expert ``[G, B, E]`` (float64 counts):
+    ``experts`` ``[B, S, K]`` the choices of ``B`` rows of ``S`` tokens, ``blocks`` ``[S]``
+    (int64) the position block of each token, ``G`` blocks."""
+    B, S, k = experts.shape
+    E = num_experts
+    key = (blocks[None, :, None] * B + xp.arange(B)[:, None, None]) * E + experts
+    return xp.bincount(key.reshape(-1), minlength=num_blocks * B * E).astype(
+        xp.float64).reshape(num_blocks, B, E)
+
+
+def capacity_keep(experts: Array, positions: Array, blocks: Array, local: Array, whole: Array,
+                  cap: int, xp) -> Array:
+    """Which assignments a per-sequence expert capacity keeps ``[B, S, K]`` (bool): in each row
+    and expert, the first ``cap`` in order of (position, slot) of the *whole* row. ``experts``
+    ``[B, S, K]`` this rank's tokens' choices at global ``positions`` ``[S]`` (int64, any
+    order), ``blocks`` ``[S]`` their position blocks; ``local`` ``[G, B, E]`` this rank's
+    assignments per block (:func:`block_counts`), ``whole`` the same summed over the ranks
+    holding the rows' other blocks. An assignment's rank in its (row, expert) is the whole
+    rows' assignments in earlier blocks plus this rank's earlier ones in the same block."""
+    B, S, k = experts.shape
+    E = whole.shape[-1]
+    by_pos = xp.argsort(positions, kind="stable")
+    seq = experts[:, by_pos, :]                                   # [B, S, K], position order
+    key = (xp.arange(B)[:, None, None] * E + seq).reshape(-1)     # (row, expert) of each
+    order = xp.argsort(key, kind="stable")                        # by (row, expert, pos, slot)
+    starts = xp.cumsum(xp.bincount(key, minlength=B * E)) - xp.bincount(key, minlength=B * E)
+    rank = xp.empty_like(key)
+    rank[order] = xp.arange(key.size) - starts[key[order]]
+    # ``rank`` counts this rank's earlier assignments in earlier blocks too: swap those for
+    # the whole rows' (``whole``'s exclusive prefix over blocks less ``local``'s)
+    before = (xp.cumsum(whole, axis=0) - whole) - (xp.cumsum(local, axis=0) - local)
+    shift = before[blocks[by_pos][None, :, None], xp.arange(B)[:, None, None], seq]
+    keep = xp.empty(experts.shape, dtype=bool)
+    keep[:, by_pos, :] = (rank.reshape(B, S, k) + shift.astype(rank.dtype)) < cap
+    return keep

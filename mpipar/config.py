@@ -87,6 +87,10 @@ class ModelConfig:
                                           "balancing: a per-expert bias added to the router's "
                                           "probabilities for the top-K choice only, moved by "
                                           "rate x sign(mean load - load) after each step (0: off)")
+    moe_capacity_factor: float = _f(0.0, "mixture of experts: expert capacity C per sequence: in "
+                                         "each row of T tokens an expert takes at most "
+                                         "ceil(C T K / E) of its assignments, the earliest "
+                                         "positions first, the rest dropped (0: dropless)")
     moe_shared_ffn_hidden: int = _f(0, "mixture of experts: SwiGLU inner width of a shared expert "
                                        "(DeepSeek-V3's, ungated) every token runs beside its "
                                        "routed ones in each sparse layer; 0 = none")
@@ -643,10 +647,11 @@ def from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-# Model fields a command line may change on a checkpoint: the routing biases' update rate and the
-# balance loss's coefficient are training settings (DeepSeek-V3 sets the rate to 0 for its last
-# tokens; a Mixtral checkpoint carries neither: its import never reads a coefficient).
-CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_aux_loss_coef")
+# Model fields a command line may change on a checkpoint: the routing biases' update rate, the
+# balance loss's coefficient and the expert capacity are training settings (DeepSeek-V3 sets the
+# rate to 0 for its last tokens; a Mixtral checkpoint carries none: its import never reads them).
+CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_aux_loss_coef",
+                          "moe_capacity_factor")
 
 
 def held_out_from_checkpoint(saved: TrainConfig, given: Mapping[str, Any], source: str) -> float:

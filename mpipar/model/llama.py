@@ -279,7 +279,8 @@ class LlamaStage:
         the sparse blocks' exchange (:mod:`mpipar.model.moe`; default: every expert here,
         whole sequences). ``moe_aux_weight`` (set by the caller) weighs each row's balance loss
         in backward; :meth:`forward` adds its share of the balance loss to ``moe_aux`` and the
-        expert loads of each sparse block to ``moe_load`` (the caller resets them).
+        expert loads of each sparse block to ``moe_load`` and the assignments its capacity
+        dropped to ``moe_dropped`` (the caller resets them).
         ``moe_bias`` (set by the caller): a sparse block's routing bias ``[E]`` by block index
         (auxiliary-loss-free balancing; a block without one routes on its probabilities)."""
         if recompute not in RECOMPUTE_MODES:
@@ -299,6 +300,7 @@ class LlamaStage:
         self.experts = experts or LocalExperts(self.cfg.moe_experts)
         self.moe_aux_weight, self.moe_aux = 0.0, 0.0
         self.moe_load: dict[int, Array] = {}
+        self.moe_dropped: dict[int, int] = {}
         self.moe_bias: dict[int, Array] = {}
         self._rope: dict[bytes, tuple[Array, Array]] = {}
 
@@ -379,6 +381,7 @@ class LlamaStage:
         """Add a sparse block's share of the balance loss and its load to the step's sums."""
         self.moe_aux += moe.aux
         self.moe_load[i] = self.moe_load.get(i, 0) + moe.counts
+        self.moe_dropped[i] = self.moe_dropped.get(i, 0) + moe.dropped
 
     def forward_only(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
                      targets: Array | None = None, kv: KVCache | None = None,
@@ -472,7 +475,7 @@ class LlamaStage:
             y, g, u, m = self._ffn_fwd(params, i, h2, GATE_UP, DOWN, scope)
         else:
             y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
-                                 self.moe_bias.get(i))
+                                 self.moe_bias.get(i), positions if kv is None else None)
             if self.cfg.moe_shared_ffn_hidden:  # the shared expert's output added
                 shared, g, u, m, shared_gate = self._shared_fwd(params, i, h2, scope)
                 y = y + shared

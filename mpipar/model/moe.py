@@ -26,9 +26,27 @@ Auxiliary-loss-free balancing (DeepSeek-V3, ``--moe-bias-update-rate``): a per-e
 weights stay ``p``'s, renormalised over the K. The bias has no gradient (the choice is
 piecewise constant): backward is unchanged. Its update after each step, from the global batch's
 loads, is the engine's (:meth:`mpipar.training.engine.Engine.train_step`).
+
+Expert capacity (``--moe-capacity-factor C``; 0, the default: dropless). Per *sequence*, not
+per rank as Megatron-LM's ``moe_expert_capacity_factor`` (so the result does not depend on how
+sp, dp or microbatching cut the tokens): in each row of ``T`` tokens each expert takes at most
+``cap = ceil(C T K / E)`` (>= 1 for any C > 0) of the row's assignments to it, in order of
+position (within a token, of slot: the final top-K order, biased or not), and drops the rest.
+A dropped assignment is not sent to its expert (before the ep all-to-all) and adds nothing: its
+weight is *not* given to the token's other experts (as Megatron and Switch), the residual and
+the token's kept experts carry the token. The weights were renormalised over all K before the
+drop, so the dropped slot's probability still gets the gradient through that sum; its expert
+gets none. The balance loss and the loads (metrics, the routing biases' update) count the
+router's choice *before* drops (DeepSeek-V3 and Switch count loads before capacity). Under sp a
+rank needs, per row and expert, the assignments at earlier positions on the other ranks: the
+rows' counts per position block (``exchange.blocks``) are summed over sp, replacing the
+balance loss's per-row sum (one all-reduce of ``G x B x E`` counts per sparse block and
+forward; none without sp), and each rank takes the prefix over the blocks before its own.
+Incremental decoding (no whole rows) routes dropless.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,8 +66,12 @@ class ExpertExchange(Protocol):
     local_experts: range
 
     def sequence_sum(self, a: Array) -> Array:
-        """``a`` ``[B, E]`` of this rank's tokens of each row, summed over the ranks holding the
-        other tokens of the same rows (a new array)."""
+        """``a`` ``[..., B, E]`` of this rank's tokens of each row, summed over the ranks holding
+        the other tokens of the same rows (a new array)."""
+
+    def blocks(self, positions: np.ndarray) -> tuple[int, int]:
+        """(``L``, ``G``): the rows cut into ``G`` blocks of ``L`` positions, each held whole by
+        one of the ranks sharing the rows (the same on each); this rank holds ``positions``."""
 
     def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
         """Tokens ``xs`` ``[A, H]`` sorted by expert with ``counts`` ``[E]`` -> (the rows this
@@ -73,6 +95,9 @@ class LocalExperts:
     def sequence_sum(self, a: Array) -> Array:
         return a.copy()
 
+    def blocks(self, positions: np.ndarray) -> tuple[int, int]:
+        return int(np.max(positions)) + 1, 1          # whole rows: one block
+
     def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
         return xs, K_moe.offsets(counts), None
 
@@ -89,8 +114,9 @@ class MoeSaved:
     ``x`` ``[N, H]``, ``probs`` ``[N, E]``, the chosen ``experts`` and ``weights`` ``[N, K]``
     and the chosen probabilities' sum ``[N, 1]``, the permutation ``order`` ``[A]``, the local
     rows ``xs`` and ``bounds``, each local expert's (g, u, m), the outputs per assignment
-    ``per`` ``[N, K, H]``, ``f_over_t`` ``[B, E]`` (``f / T``), the exchange's handle, this
-    rank's share of the balance loss ``aux`` and its load ``counts`` ``[E]``."""
+    ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]`` (``f / T``), the
+    exchange's handle, this rank's share of the balance loss ``aux``, its load ``counts``
+    ``[E]`` (the router's choice, before drops) and the assignments capacity ``dropped``."""
 
     x: Array
     probs: Array
@@ -106,13 +132,17 @@ class MoeSaved:
     handle: Any
     aux: float
     counts: Array
+    dropped: int = 0
 
 
 def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertExchange,
-                bias: Array | None = None) -> tuple[Array, MoeSaved]:
+                bias: Array | None = None, positions: np.ndarray | None = None
+                ) -> tuple[Array, MoeSaved]:
     """Block ``i``'s sparse FFN on ``h`` ``[B, S, H]`` -> (output ``[B, S, H]``, record).
     ``bias`` ``[E]`` (auxiliary-loss-free balancing, module docstring): added to the
-    probabilities for the top-K choice only; None routes on the probabilities."""
+    probabilities for the top-K choice only; None routes on the probabilities. ``positions``
+    ``[S]``: the tokens' global positions in their rows, for ``cfg.moe_capacity_factor``
+    (module docstring); None (incremental decoding) routes dropless."""
     xp, E, k = kernels.xp, cfg.moe_experts, cfg.moe_top_k
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
@@ -120,7 +150,10 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     experts, weights = (K_moe.route_topk(probs, k, xp) if bias is None
                         else K_moe.route_topk_biased(probs, bias, k, xp))
     chosen_sum = xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
-    order, counts = K_moe.permutation(experts, E, xp)
+    keep = row_counts = None
+    if cfg.moe_capacity_factor and positions is not None:
+        keep, row_counts = capacity(experts, positions, B, cfg, exchange, probs.dtype, xp)
+    order, counts = K_moe.permutation(experts, E, xp, keep)
     xs, bounds, handle = exchange.dispatch(K_moe.permute(x, order, k), counts)
     weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
     ys, inner = K_moe.grouped_swiglu_fwd(kernels, xs, bounds, weights_e)
@@ -129,20 +162,43 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     # (numpy_ref.upcast: as Mixtral computes its router; CuPy cannot sort bf16), the output
     # rounded once
     out = out.astype(h.dtype, copy=False)
-    f_over_t, aux = _balance(probs, experts, B, E, k, exchange, xp)
+    f_over_t, aux = _balance(probs, experts, B, E, k, exchange, xp, row_counts)
+    dropped = 0
+    if keep is not None:       # the loads are the router's choice, before drops
+        counts, dropped = xp.bincount(experts.reshape(-1), minlength=E), int((~keep).sum())
     saved = MoeSaved(x, probs, experts, weights, chosen_sum, order, xs, bounds, inner, per,
-                     f_over_t, handle, aux, counts)
+                     f_over_t, handle, aux, counts, dropped)
     return out.reshape(h.shape), saved
 
 
+def capacity(experts: Array, positions: np.ndarray, B: int, cfg, exchange: ExpertExchange,
+             dtype, xp) -> tuple[Array, Array]:
+    """Which of the choices ``experts`` ``[N, K]`` (``B`` rows of this rank's tokens at
+    ``positions`` ``[S]``) the expert capacity keeps ``[N, K]`` (module docstring), and each
+    whole row's assignments per expert ``[B, E]`` (before drops: the balance loss's counts).
+    The rows' counts per position block are summed over the exchange (sp): one message."""
+    E, k = cfg.moe_experts, cfg.moe_top_k
+    L, G = exchange.blocks(positions)
+    pos = np.asarray(positions, dtype=np.int64)
+    blocks = xp.asarray(pos // L)
+    rows = experts.reshape(B, len(pos), k)
+    local = K_moe.block_counts(rows, blocks, G, E, xp).astype(dtype)
+    whole = exchange.sequence_sum(local)                      # [G, B, E], whole rows
+    cap = math.ceil(cfg.moe_capacity_factor * G * L * k / E)
+    keep = K_moe.capacity_keep(rows, xp.asarray(pos), blocks, local, whole, cap, xp)
+    return keep.reshape(-1, k), whole.sum(axis=0)
+
+
 def _balance(probs: Array, experts: Array, B: int, E: int, k: int, exchange: ExpertExchange,
-             xp) -> tuple[Array, float]:
-    """(``f / T`` ``[B, E]``, this rank's share of the rows' balance losses summed)."""
-    rows = experts.reshape(B, -1)
-    local = xp.zeros((B, E), dtype=probs.dtype)
-    for b in range(B):
-        local[b] = xp.bincount(rows[b], minlength=E)
-    counts = exchange.sequence_sum(local)                     # [B, E], whole rows
+             xp, counts: Array | None = None) -> tuple[Array, float]:
+    """(``f / T`` ``[B, E]``, this rank's share of the rows' balance losses summed);
+    ``counts`` ``[B, E]``: the whole rows' assignments if already summed (capacity)."""
+    if counts is None:
+        rows = experts.reshape(B, -1)
+        local = xp.zeros((B, E), dtype=probs.dtype)
+        for b in range(B):
+            local[b] = xp.bincount(rows[b], minlength=E)
+        counts = exchange.sequence_sum(local)                 # [B, E], whole rows
     T = counts.sum(axis=-1, keepdims=True) / k
     f_over_t = E * counts / (k * T) / T
     p_sum = probs.reshape(B, -1, E).sum(axis=1)               # this rank's tokens of each row

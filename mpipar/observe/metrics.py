@@ -63,8 +63,9 @@ class StepResult:
     # --document-masking with sp > 1: max/mean attention work over the sp ranks (the
     # worst dp replica's sum over its microbatches); None otherwise
     attention_imbalance: float | None = None
-    moe: dict | None = None  # mixture of experts: moe_aux_loss, moe_load_max_over_mean (and
-    #                          with --moe-bias-update-rate moe_bias_max_abs), per sparse layer
+    moe: dict | None = None  # mixture of experts: moe_aux_loss, moe_load_max_over_mean and
+    #                          moe_dropped (assignments the capacity dropped; with
+    #                          --moe-bias-update-rate moe_bias_max_abs), per sparse layer
     # --document-masking: this step's model FLOPs, attention counted inside documents (MFU's
     # numerator); None: the run's constant model_flops_per_step
     flops: float | None = None

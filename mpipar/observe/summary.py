@@ -199,11 +199,27 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         out["dtype"] = tr["dtype"]
         out["precision"] = Precision.named(tr["dtype"], par.get("reduce_dtype", "float32")
                                            ).describe()
+    out.update(_moe_dropped(records, model.get("moe_top_k")))
     bubble = timeline_bubble(timeline)
     if bubble is None:
         pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
         bubble = times["pipeline_wait"] / pipe if pipe > 0 else 0.0
     out["bubble"] = bubble
+    return out
+
+
+def _moe_dropped(records: list[dict], top_k: int | None) -> dict[str, Any]:
+    """``moe_dropped``: the assignments the expert capacity dropped over the run (every step
+    and sparse layer), and with ``top_k`` their share of the sparse layers' assignments
+    (``moe_dropped_fraction``); nothing for a run that dropped none."""
+    rows = [r for r in records if r.get("moe_dropped")]
+    total = sum(sum(r["moe_dropped"].values()) for r in rows)
+    if not total:
+        return {}
+    out: dict[str, Any] = {"moe_dropped": total}
+    if top_k:
+        out["moe_dropped_fraction"] = total / sum(r["tokens"] * top_k * len(r["moe_dropped"])
+                                                  for r in rows)
     return out
 
 
@@ -334,6 +350,9 @@ def summary_text(summary: dict[str, Any]) -> str:
               if s.get("inter_node_bytes_per_step") else ""),
            "peak memory per rank (MiB): " + ", ".join(
                f"{m / 2**20:.0f}" for m in s["memory_bytes"]),
-           f"skipped steps: {s['skipped_steps']}"]
+           f"skipped steps: {s['skipped_steps']}",
+           *([f"expert capacity: {s['moe_dropped']:,} assignments dropped"
+              + (f" ({100 * s['moe_dropped_fraction']:.2f}% of the sparse layers')"
+                 if "moe_dropped_fraction" in s else "")] if s.get("moe_dropped") else [])]
     return "\n".join(out + diagnose(s)) + "\n"
 

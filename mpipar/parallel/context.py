@@ -97,6 +97,12 @@ class SeqLayout:
         return np.concatenate([np.arange(s, s + n) for s, n in self.segments(rank)])
 
 
+def balanced_chunks(per: int) -> int:
+    """Chunks a rank's ``per`` tokens are cut into by ``--sp-split balanced``: the largest
+    divisor of ``per`` up to :data:`CHUNKS_PER_RANK`."""
+    return max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+
+
 def _local_slices(segments: list[tuple[int, int]]) -> list[slice]:
     out, at = [], 0
     for _, n in segments:
@@ -135,7 +141,7 @@ def balanced_layout(seq_len: int, sp: int, docs: np.ndarray) -> SeqLayout:
     Bound: max - min rank work <= the heaviest chunk's work (the snake's; swaps only lower
     the maximum), so max/mean <= 1 + sp * max_chunk / total, whatever the document lengths."""
     per = seq_len // sp
-    c = max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+    c = balanced_chunks(per)
     n = per // c
     work = token_work(docs).reshape(sp * c, n).sum(axis=1)
     owner = np.empty(sp * c, np.int64)

@@ -36,6 +36,7 @@ import numpy as np
 from mpipar.config import ConfigError
 from mpipar.kernels import moe as K_moe
 from mpipar.layout import Layout
+from mpipar.parallel.context import SeqLayout, balanced_chunks, split_parts
 from mpipar.parallel.data_parallel import GradReducer, padded_size, plan_buckets
 from mpipar.parallel.traffic import Call, element_bytes
 from mpipar.runtime.comm import Group
@@ -44,16 +45,36 @@ from mpipar.runtime.precision import Precision
 Array = Any
 
 
-class SequenceExperts:
-    """Every expert on this rank; a sequence's statistics summed over the ``sp`` group."""
+def block_length(seq: SeqLayout) -> int:
+    """The length ``L`` of the position blocks ``[j L, (j+1) L)`` that every sp rank's share of
+    a sequence is a union of, whatever the microbatch: ``S / sp`` (contiguous; Ulysses and
+    hybrid split as it or zigzag), ``S / (2 sp)`` (zigzag), the chunk of ``--sp-split
+    balanced``. The capacity's per-sequence counts are summed over sp per block."""
+    if seq.split == "balanced":
+        per = seq.seq_len // seq.sp
+        return per // balanced_chunks(per)
+    return seq.seq_len // split_parts(seq.sp, seq.split)
 
-    def __init__(self, *, num_experts: int, sp: Group) -> None:
+
+class SequenceExperts:
+    """Every expert on this rank; a sequence's statistics summed over the ``sp`` group, whose
+    ranks hold the sequence as ``seq`` says (None: whole sequences)."""
+
+    def __init__(self, *, num_experts: int, sp: Group, seq: SeqLayout | None = None) -> None:
         self.local_experts = range(num_experts)
-        self.sp = sp
+        self.sp, self.seq = sp, seq
 
     def sequence_sum(self, a: Array) -> Array:
-        """``a`` ``[B, E]`` summed over sp (a new contiguous array)."""
+        """``a`` ``[..., B, E]`` summed over sp (a new contiguous array)."""
         return self.sp.allreduce_(a.copy())
+
+    def blocks(self, positions: np.ndarray) -> tuple[int, int]:
+        """(``L``, ``G``): the sequences cut into ``G`` blocks of ``L`` positions, each held
+        whole by one sp rank (:func:`block_length`)."""
+        if self.seq is None:
+            return int(np.max(positions)) + 1, 1
+        L = block_length(self.seq)
+        return L, self.seq.seq_len // L
 
     def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
         return xs, K_moe.offsets(counts), None
@@ -72,8 +93,9 @@ class ExpertParallel(SequenceExperts):
     by local expert (source ranks in order, each source's rows in its order); combine and the
     gradients' dispatch retrace the same plan."""
 
-    def __init__(self, *, num_experts: int, sp: Group, ep: Group, xp) -> None:
-        super().__init__(num_experts=num_experts, sp=sp)
+    def __init__(self, *, num_experts: int, sp: Group, ep: Group, xp,
+                 seq: SeqLayout | None = None) -> None:
+        super().__init__(num_experts=num_experts, sp=sp, seq=seq)
         self.ep, self.xp, self.per_rank = ep, xp, num_experts // ep.size
         self.local_experts = range(ep.rank * self.per_rank, (ep.rank + 1) * self.per_rank)
 
@@ -111,13 +133,17 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     the rows there and back (two all-to-all-v, each the ``A (ep-1)/ep`` rows to other ranks);
     backward sends the gradients' rows there and back again, and ``--recompute full`` repeats
     the forward's calls. A training step with the experts sharded over ep adds their gradient
-    reduction over ``ep_dp`` (:func:`expert_reduction_calls`)."""
+    reduction over ``ep_dp`` (:func:`expert_reduction_calls`). With ``--moe-capacity-factor``
+    the counts' sum over sp is per position block (:func:`block_length`); the rows the
+    all-to-all-v carry stay the dropless prediction (drops only shrink them)."""
     m, p, t = layout.config.model, layout.config.parallel, layout.config.train
     sparse = sum(1 for i in layers if m.is_sparse(i))
     forwards = passes * (1 + (train and t.recompute == "full"))
     dt = element_bytes(Precision.of(t, p).compute)
     tokens = layout.micro_batch_size * (t.seq_len // p.sp)
-    calls = [Call("sp", "allreduce", layout.micro_batch_size * m.moe_experts * dt,
+    blocks = (t.seq_len // block_length(SeqLayout(t.seq_len, p.sp, p.sp_split))
+              if m.moe_capacity_factor and p.sp > 1 else 1)
+    calls = [Call("sp", "allreduce", blocks * layout.micro_batch_size * m.moe_experts * dt,
                   sparse * forwards)] if p.sp > 1 else []
     if p.ep > 1:
         rows = tokens * m.moe_top_k * (p.ep - 1) // p.ep
@@ -244,8 +270,9 @@ class ExpertSplitReducer:
 
 
 def check_config(layout: Layout) -> None:
-    """The mixture of experts' rules with the layout: the bias update rate is >= 0 and needs
-    experts (its finiteness: :func:`mpipar.config.check_fields`); the sparse FFN runs on whole
+    """The mixture of experts' rules with the layout: the bias update rate and the capacity
+    factor are >= 0 and need experts when > 0 (their finiteness:
+    :func:`mpipar.config.check_fields`); the sparse FFN runs on whole
     token rows, so not on tp sequence parallelism's token shards; its record is not offloaded."""
     m, p, t = layout.config.model, layout.config.parallel, layout.config.train
     if p.ep < 1:
@@ -255,6 +282,12 @@ def check_config(layout: Layout) -> None:
                           "(0: no auxiliary-loss-free balancing)")
     if m.moe_bias_update_rate > 0 and not m.moe_experts:
         raise ConfigError(f"model.moe_bias_update_rate={m.moe_bias_update_rate}: needs a "
+                          "mixture of experts (--moe-experts > 0)")
+    if not m.moe_capacity_factor >= 0:
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor}: must be >= 0 "
+                          "(0: dropless)")
+    if m.moe_capacity_factor > 0 and not m.moe_experts:
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor}: needs a "
                           "mixture of experts (--moe-experts > 0)")
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError(f"parallel.ep={p.ep}: needs a mixture of experts (--moe-experts)")

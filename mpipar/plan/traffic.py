@@ -84,8 +84,8 @@ def _scalar_calls(layout: Layout, train: bool) -> list[Call]:
     if train and par.tp * par.pp > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
     m = layout.config.model
-    if train and m.moe_experts:  # the balance loss and loads (Engine._moe_stats), float64
-        n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * m.moe_experts)
+    if train and m.moe_experts:  # balance loss, loads, drops (Engine._moe_stats), float64
+        n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * (m.moe_experts + 1))
         calls += [Call(g, "allreduce", n) for g, size in (("dp_sp", layout.dp * par.sp),
                                                            ("tp_pp", par.tp * par.pp)) if size > 1]
     return calls

@@ -199,8 +199,9 @@ class Engine:
         m, ep = self.cfg.model, self.groups.get("ep")
         if ep is not None and ep.size > 1:
             return ExpertParallel(num_experts=m.moe_experts, sp=self.groups["sp"], ep=ep,
-                                  xp=self.xp)
-        return SequenceExperts(num_experts=m.moe_experts, sp=self.groups["sp"])
+                                  xp=self.xp, seq=self.seq_layout)
+        return SequenceExperts(num_experts=m.moe_experts, sp=self.groups["sp"],
+                               seq=self.seq_layout)
 
     def _attention(self):
         par, sp = self.cfg.parallel, self.groups["sp"]
@@ -372,7 +373,7 @@ class Engine:
         self.reducer.start_step(step)
         self._unfinished = Counter(self.holders)
         for ch in self.chunks:
-            ch.moe_aux, ch.moe_load = 0.0, {}
+            ch.moe_aux, ch.moe_load, ch.moe_dropped = 0.0, {}, {}
         loss = self.executor.run(self.params, self.grads, micro, self.positions,
                                  self.tensor.stream_shape(mbs, s_loc, self.cfg.model.hidden),
                                  self.dtype, weight,
@@ -406,25 +407,29 @@ class Engine:
         """The step's balance loss (alpha x the mean over rows of the sum over sparse layers)
         and each sparse layer's expert load, max over mean; and the loads themselves
         (``{layer: [E]}``, tokens of the global batch routed to each expert: the routing
-        biases' update): the chunks' shares summed over the world, each counted on tp rank 0
-        only (tp ranks compute the same), on every rank."""
+        biases' update), and the assignments each sparse layer's capacity dropped: the chunks'
+        shares summed over the world, each counted on tp rank 0 only (tp ranks compute the
+        same), on every rank."""
         m = self.cfg.model
         sparse = [i for i in range(m.layers) if m.is_sparse(i)]
-        buf = self.xp.zeros(1 + len(sparse) * m.moe_experts)
+        n, E = len(sparse), m.moe_experts
+        buf = self.xp.zeros(1 + n * (E + 1))
         if self.tensor.rank == 0:
             for ch in self.chunks:
                 buf[0] += ch.moe_aux
                 for i, load in ch.moe_load.items():
-                    j = 1 + sparse.index(i) * m.moe_experts
-                    buf[j:j + m.moe_experts] += load
+                    j = 1 + sparse.index(i) * E
+                    buf[j:j + E] += load
+                    buf[1 + n * E + sparse.index(i)] += ch.moe_dropped.get(i, 0)
         self.groups["dp_sp"].allreduce_(buf)
         self.groups["tp_pp"].allreduce_(buf)
         buf = to_host(buf)
-        loads = buf[1:].reshape(len(sparse), m.moe_experts)
+        loads = buf[1:1 + n * E].reshape(n, E)
         rows = self.cfg.train.global_batch_size
         return ({"moe_aux_loss": m.moe_aux_loss_coef * float(buf[0]) / rows,
                  "moe_load_max_over_mean": {str(i): float(ld.max() / ld.mean())
-                                            for i, ld in zip(sparse, loads)}},
+                                            for i, ld in zip(sparse, loads)},
+                 "moe_dropped": {str(i): int(d) for i, d in zip(sparse, buf[1 + n * E:])}},
                 dict(zip(sparse, loads)))
 
     def _global_sum(self, loss: float) -> float:

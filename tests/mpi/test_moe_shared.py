@@ -43,6 +43,12 @@ def test_gated_shared_expert_layout_equals_single_process_float64(world, layout)
 
 
 @pytest.mark.mpi(min_size=8)
+def test_gated_shared_expert_with_capacity_equals_single_process_float64(world):
+    """Expert capacity drops routed assignments; the shared expert still takes every token."""
+    _check(world, {"dp": 2, "sp": 2, "tp": 2, "ep": 4, "model": "moe_gated_cap"})
+
+
+@pytest.mark.mpi(min_size=8)
 def test_shared_expert_selective_recompute_equals_single_process_float64(world):
     _check(world, {"dp": 4, "tp": 2, "model": "moe_shared"}, "selective")
 

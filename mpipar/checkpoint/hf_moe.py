@@ -137,14 +137,20 @@ def qwen2_moe_fields(m: ModelConfig) -> dict[str, Any]:
             "router_aux_loss_coef": 0.0, "output_router_logits": False}
 
 
-def routing_bias_note(biases: Mapping[int, Any]) -> str:
-    """What an export to Mixtral says of the routing biases of auxiliary-loss-free balancing
-    (``{sparse block: [E]}``; "" when there are none): Mixtral has no place for them (its router
-    is the gate's softmax alone), so they are dropped, as torchtitan drops a buffer its target
-    lacks; the exported model chooses experts by the probabilities alone."""
-    if not biases:
-        return ""
-    largest = max(float(abs(b).max()) for b in biases.values())
-    return (f"the routing biases of --moe-bias-update-rate ({len(biases)} sparse blocks, max "
-            f"|bias| {largest:.3g}) are not part of Mixtral and are not exported: the exported "
-            f"model chooses its experts by the router's probabilities alone")
+def export_notes(model: Any, biases: Mapping[int, Any]) -> list[str]:
+    """What an export to Mixtral (or Qwen2-MoE) says of the training settings it has no place
+    for (none for a dense model or a plain MoE): the routing biases of auxiliary-loss-free balancing
+    (``{sparse block: [E]}``) are dropped, as torchtitan drops a buffer its target lacks, and
+    the exported model chooses experts by the probabilities alone; a capacity factor is not
+    carried either: the exported model routes dropless (every token to its K experts)."""
+    notes, target = [], "Qwen2-MoE" if getattr(model, "moe_shared_ffn_hidden", 0) else "Mixtral"
+    if biases:
+        largest = max(float(abs(b).max()) for b in biases.values())
+        notes.append(f"the routing biases of --moe-bias-update-rate ({len(biases)} sparse blocks, "
+                     f"max |bias| {largest:.3g}) are not part of {target} and are not exported: "
+                     f"the exported model chooses its experts by the router's probabilities alone")
+    capacity = getattr(model, "moe_capacity_factor", 0.0)
+    if capacity:
+        notes.append(f"--moe-capacity-factor {capacity:g} is not part of {target}: the exported "
+                     f"model routes every token to its {model.moe_top_k} experts (dropless)")
+    return notes

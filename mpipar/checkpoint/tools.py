@@ -89,8 +89,7 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None
     require_outside(Path(out))
     cfg = read_config(path)
     params = read_tensors(path, "param")
-    note = hf_moe.routing_bias_note(read_moe_bias(path))
-    if note:
+    for note in hf_moe.export_notes(cfg.model, read_moe_bias(path)):
         print(f"mpipar: {note}", flush=True)
     hf.save_hf(out, cfg.model, params, dtype=dtype or cfg.train.dtype,
                extra_config={"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS,

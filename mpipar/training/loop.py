@@ -359,8 +359,7 @@ def export_hf(engine, cfg: Config, rank0: bool) -> None:
              else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
     hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
                extra_config=extra)
-    note = hf_moe.routing_bias_note(engine.routing.host())
-    if note:
+    for note in hf_moe.export_notes(cfg.model, engine.routing.host()):
         print(f"mpipar: {note}", flush=True)
     print(f"mpipar: exported Hugging Face weights ({hf.architecture(cfg.model)}, "
           f"{tr.export_dtype or tr.dtype}) to {tr.export_hf}", flush=True)

@@ -151,11 +151,16 @@ def test_the_flag_reaches_the_config():
     assert cfg.model.moe_bias_update_rate == 0.002
 
 
-def test_export_note_names_the_dropped_biases():
-    from mpipar.checkpoint.hf_moe import routing_bias_note
-    assert routing_bias_note({}) == ""
-    note = routing_bias_note({1: np.array([0.0, -0.003, 0.001]), 2: np.zeros(3)})
+def test_export_notes_name_the_dropped_biases_and_capacity():
+    from mpipar.checkpoint.hf_moe import export_notes
+    from mpipar.config import ModelConfig
+    plain = ModelConfig(moe_experts=3, moe_top_k=2)
+    assert export_notes(plain, {}) == []
+    (note,) = export_notes(plain, {1: np.array([0.0, -0.003, 0.001]), 2: np.zeros(3)})
     assert "2 sparse blocks" in note and "0.003" in note and "not part of Mixtral" in note
+    capped = ModelConfig(moe_experts=3, moe_top_k=2, moe_capacity_factor=1.25)
+    (note,) = export_notes(capped, {})
+    assert "--moe-capacity-factor 1.25" in note and "its 2 experts (dropless)" in note
 
 
 def _engine(tmp_path, rate: float = 0.02):

@@ -226,10 +226,12 @@ def test_placement_and_planned_memory(tp, ep, zero):
 def test_export_kind_follows_the_shared_expert():
     """A gated shared expert exports as Qwen2-MoE (tests/unit/test_hf_qwen2_moe.py), none as
     Mixtral; an ungated one has no transformers form."""
-    from mpipar.checkpoint.hf_moe import export_kind, export_problem
+    from mpipar.checkpoint.hf_moe import export_kind, export_notes, export_problem
     assert "gated (--moe-shared-gate)" in export_problem(resolve_model(SHARED))
     assert export_problem(resolve_model(GATED)) == "" and export_kind(GATED) == "qwen2_moe"
     assert export_problem(resolve_model(MOE)) == "" and export_kind(MOE) == "mixtral"
+    (note,) = export_notes(dataclasses.replace(GATED, moe_capacity_factor=1.5), {})
+    assert "not part of Qwen2-MoE" in note
 
 
 def test_bf16_gated_shared_expert_tracks_float64():

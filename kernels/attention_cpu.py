@@ -12,8 +12,12 @@ q, dout and write dq in place (a head's rows are strided views: leading dimensio
 fold the softmax scale into alpha, so nothing is packed. Tiles are sized so that each product
 (positions * keys * D multiply-adds) stays under OpenBLAS's small-matrix limit (about 1e6): it
 then runs without packing its operands and, with the tile in the L1/L2 caches, about as fast as
-a large GEMM (see `python -m mpipar.bench kernels`). K and V are transposed once per call so
-that the score products Q K^T and dO V^T are plain (NN) products.
+a large GEMM (see `python -m mpipar.bench kernels`). The score products Q K^T and dO V^T are
+plain (NN) products on a transposed K (and V): the forward transposes K once per call (each key
+block is read by many query blocks' tasks); the backward transposes each key block of K and V
+when its task reaches it, into a buffer that stays in cache, and accumulates dK and dV straight
+into the outputs (no whole-array transpositions or copies: O(S) passes cost as much as the
+tiles when documents are short).
 
 Causality and sliding windows. Key blocks past the last visible key, and with a sliding window
 W key blocks before the first key the window reaches, are never computed; a tile that crosses
@@ -402,20 +406,20 @@ def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
-def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
+def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
               scale, bq, bk, dq, dk, dv):  # pragma: no cover (njit)
-    """All gradients of kv head kh of sequence b: dk, dv rows of that head and dq (+=) of its query
-    heads. delta `[B, Hq, Sq]` = rowsum(dout * out); klo, khi, qend: sequence b's
+    """All gradients of kv head kh of sequence b, accumulated (+=) into the zeroed dk, dv rows of
+    that head and dq of its query heads. delta `[B, Hq, Sq]` = rowsum(dout * out); klo, khi, qend: sequence b's
     `document_bounds`."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
-    hkv, sk = kt.shape[1], kt.shape[3]
+    hkv, sk = k.shape[2], k.shape[1]
     group = hq // hkv
     single = q.itemsize == 4
-    ldq = hq * d  # row stride of one head in q, dout, dq
+    ldq, ldk = hq * d, hkv * d  # row strides of one head in q, dout, dq and in k, dk, dv
     p = np.empty((bq, bk), q.dtype)
     dp = np.empty((bq, bk), q.dtype)
-    dk_acc = np.empty((bk, d), q.dtype)
-    dv_acc = np.empty((bk, d), q.dtype)
+    kt = np.empty((d, bk), q.dtype)  # the key block's K^T and V^T
+    vt = np.empty((d, bk), q.dtype)
     seg = np.empty((bq + 1, 4), np.int64)
     for j0 in range(0, sk, bk):
         nk = min(bk, sk - j0)
@@ -430,8 +434,7 @@ def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal,
         last = min(last, np.searchsorted(klo, j0 + nk - 1, side="right"))
         if last <= first:
             continue
-        dk_acc[:] = 0
-        dv_acc[:] = 0
+        _transpose_keys(k, v, b, kh, j0, nk, kt, vt)
         for i0 in range(first - first % bq, last, bq):
             nq = min(bq, sq - i0)
             nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend, seg)
@@ -440,35 +443,44 @@ def _bwd_task(q, k, kt, vt, lse, delta, dout, b, kh, q_offset, k_offset, causal,
                 for s in range(nseg):
                     t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
                     nr, w, pa, dpa = t1 - t0, c1 - c0, p[t0:, c0:].ctypes.data, dp[t0:, c0:].ctypes.data
-                    kta, vta = kt[b, kh, :, j0 + c0:].ctypes.data, vt[b, kh, :, j0 + c0:].ctypes.data
+                    kta, vta = kt[:, c0:].ctypes.data, vt[:, c0:].ctypes.data
                     qa, doa = q[b, i0 + t0:, h].ctypes.data, dout[b, i0 + t0:, h].ctypes.data
-                    gemm(False, False, nr, w, d, scale, qa, ldq, kta, sk, 0.0, pa, bk, single)
-                    gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, sk, 0.0, dpa, bk, single)
+                    gemm(False, False, nr, w, d, scale, qa, ldq, kta, bk, 0.0, pa, bk, single)
+                    gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, bk, 0.0, dpa, bk, single)
                     _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi,
                               lse[b, h], delta[b, h])
-                    gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, dv_acc[c0:].ctypes.data, d, single)
-                    gemm(True, False, w, d, nr, scale, dpa, bk, qa, ldq, 1.0, dk_acc[c0:].ctypes.data, d,
+                    gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, dv[b, j0 + c0:, kh].ctypes.data, ldk,
                          single)
-                    gemm(False, False, nr, d, w, scale, dpa, bk, k[b, j0 + c0:, kh].ctypes.data, hkv * d, 1.0,
+                    gemm(True, False, w, d, nr, scale, dpa, bk, qa, ldq, 1.0, dk[b, j0 + c0:, kh].ctypes.data, ldk,
+                         single)
+                    gemm(False, False, nr, d, w, scale, dpa, bk, k[b, j0 + c0:, kh].ctypes.data, ldk, 1.0,
                          dq[b, i0 + t0:, h].ctypes.data, ldq, single)
-        for j in range(nk):
-            for c in range(d):
-                dk[b, j0 + j, kh, c] = dk_acc[j, c]
-                dv[b, j0 + j, kh, c] = dv_acc[j, c]
+
+
+@njit(cache=True, nogil=True)
+def _transpose_keys(k, v, b, kh, j0, nk, kt, vt):  # pragma: no cover (njit)
+    """kt[:, :nk], vt[:, :nk] = the keys [j0, j0 + nk) of kv head kh in sequence b of k, v
+    `[B, Sk, Hkv, D]`, transposed `[D, nk]`: the block in cache, read by every query block that
+    sees it."""
+    for j in range(nk):
+        krow, vrow = k[b, j0 + j, kh], v[b, j0 + j, kh]
+        for c in range(krow.size):
+            kt[c, j] = krow[c]
+            vt[c, j] = vrow[c]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_bwd(q, k, kt, vt, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
+def _attention_bwd(q, k, v, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
                    bq, bk, dq, dk, dv):  # pragma: no cover (njit)
     """One task per (sequence, kv head)."""
     hkv = k.shape[2]
     for task in prange(q.shape[0] * hkv):
         b = task // hkv
-        _bwd_task(q, k, kt, vt, lse, delta, dout, b, task % hkv, q_offset, k_offset, causal, window, klo[b],
+        _bwd_task(q, k, v, lse, delta, dout, b, task % hkv, q_offset, k_offset, causal, window, klo[b],
                   khi[b], qend[b], scale, bq, bk, dq, dk, dv)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=REORDER)
 def _row_dots(a, b):  # pragma: no cover (njit)
     """delta `[B, H, S]` = sum over D of a * b for a, b `[B, S, H, D]` (accumulated in float64)."""
     nb, s, nh, d = a.shape
@@ -476,9 +488,10 @@ def _row_dots(a, b):  # pragma: no cover (njit)
     for bs in prange(nb * s):
         bi, t = bs // s, bs % s
         for h in range(nh):
+            ar, br = a[bi, t, h], b[bi, t, h]
             acc = 0.0
             for c in range(d):
-                acc += a[bi, t, h, c] * b[bi, t, h, c]
+                acc += ar[c] * br[c]
             out[bi, h, t] = acc
     return out
 
@@ -506,7 +519,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     dv = np.zeros(k.shape, dt)
     bq, bk = tile_sizes(d)
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
-    _attention_bwd(q, k, _heads_major(k), _heads_major(v), np.ascontiguousarray(lse, ref.stat_dtype(dt)),
+    _attention_bwd(q, k, v, np.ascontiguousarray(lse, ref.stat_dtype(dt)),
                    _row_dots(dout, np.ascontiguousarray(out, dt)), dout, int(q_offset), int(k_offset),
                    bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)), bq, bk,
                    dq, dk, dv)

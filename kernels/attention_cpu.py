@@ -14,7 +14,9 @@ fold the softmax scale into alpha, so nothing is packed. Tiles are sized so that
 then runs without packing its operands and, with the tile in the L1/L2 caches, about as fast as
 a large GEMM (see `python -m mpipar.bench kernels`). The score products Q K^T and dO V^T are
 plain (NN) products on a transposed K (and V): the forward transposes K once per call (each key
-block is read by many query blocks' tasks); the backward transposes each key block of K and V
+block is read by many query blocks' tasks), or, when the tasks read each key only a few times
+(short documents, `_local_keys`), each task the key blocks it reads; the backward transposes
+each key block of K and V
 when its task reaches it, into a buffer that stays in cache, and accumulates dK and dV straight
 into the outputs (no whole-array transpositions or copies: O(S) passes cost as much as the
 tiles when documents are short).

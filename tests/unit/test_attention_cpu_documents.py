@@ -139,6 +139,27 @@ def test_tiles_with_no_same_document_pair_are_skipped():
                         k_docs=docs[:, :64]) == (0, 0)
 
 
+def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
+    """The forward reads K^T two ways: each task transposes the key blocks it reads (short
+    documents) or all tasks read one K^T of the call; both give numpy_ref's attention
+    (float64, 1e-12), and a call takes the first only when its tasks read each key at most 8
+    times (short documents, not full causal)."""
+    S, hq, hkv = 300, 4, 2
+    docs = layout(rng, 2, S)
+    q, k, v = inputs(rng, 2, S, S, hq, hkv, 64, np.float64)
+    r_out, r_lse = ref.attention_fwd(q, k, v, q_docs=docs, k_docs=docs)
+    klo, khi, qend = ac.document_bounds(docs, docs, 2, S, S)
+    bq, bk = ac.tile_sizes(64)
+    for local in (True, False):
+        out, lse = np.empty(q.shape), np.empty((2, hq, S))
+        ac._attention_fwd(q, k if local else ac._heads_major(k), k, local, v, 0, 0, True, 0, klo, khi, qend,
+                          0.125, bq, bk, out, lse)
+        assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+    assert ac._local_keys(klo, khi, bq)
+    assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)
+    assert not ac._local_keys(*ac.document_bounds(*[(np.arange(4096) // 2048)[None]] * 2, 1, 4096, 4096)[:2], bq)
+
+
 def test_bad_documents_raise(rng):
     q, k, v = inputs(rng, 1, 10, 10, 2, 2, 8, np.float64)
     up = np.arange(10)[None]

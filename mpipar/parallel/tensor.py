@@ -300,8 +300,9 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     reruns = 2 if backward and tr.recompute == "full" else 1   # backward re-runs each forward
     stats = [Call("tp", "allreduce_max", n_tok * se, passes),
              Call("tp", "allreduce", 2 * n_tok * se, passes)]
-    per = m.layers // layout.stages     # a sparse block's FFN (experts unsplit): no tp calls
-    sparse = sum(m.is_sparse(i) for s in stages for i in range(s * per, (s + 1) * per))
+    per = m.layers // layout.stages     # a sparse block's FFN (experts unsplit): no tp calls,
+    sparse = 0 if m.moe_shared_ffn_hidden else sum(   # but its shared expert's (a dense FFN's)
+        m.is_sparse(i) for s in stages for i in range(s * per, (s + 1) * per))
     if not par.tp_sequence_parallel:     # per block: leave o, down | enter q/k/v, gate/up
         calls = [Call("tp", "allreduce", full, passes * ((2 * reruns + 2 * bw) * blocks
                                                          - (reruns + bw) * sparse

@@ -119,7 +119,9 @@ def uniform_route(probs, k, xp):
 
 LEDGER = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=4, recompute="full"),
           dict(dp=2, sp=2, tp=2, pp=1, ep=2), dict(dp=4, pp=2, ep=4, sp_mode="ring"),
-          dict(dp=4, sp=2, ep=2, zero=1, bucket_mb=0.002)]   # experts' ZeRO-1 over ep_dp
+          dict(dp=4, sp=2, ep=2, zero=1, bucket_mb=0.002),   # experts' ZeRO-1 over ep_dp
+          dict(dp=2, sp=2, tp=2, ep=2, model="moe_shared"),    # a shared expert's tp calls
+          dict(dp=4, tp=2, model="moe_gated", recompute="full")]
 
 
 @pytest.mark.mpi(min_size=8)

@@ -15,7 +15,8 @@ import pytest
 
 from tests.transformers_reference import (B, EPS, H, HEADS, KV, LAYERS, OPT, PATCHES, S, THETA,
                                           TOL, V, hf_loss, mpipar_engine, rel, rmsnorm_own_dtype,
-                                          rotary_float64, torch, transformers)
+                                          rotary_float64, router_float64, torch,
+                                          transformers)
 from transformers import AutoModelForCausalLM, MixtralConfig  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
@@ -24,15 +25,6 @@ from mpipar.checkpoint.huggingface import (load_hf, mpipar_name, read_model_conf
 from mpipar.model.params import ROUTER, expert_names
 
 E, TOPK, FFN, ALPHA, STEPS = 4, 2, 24, 0.1, 2
-
-
-def router_float64(self, hidden_states):
-    """MixtralTopKRouter.forward with its softmax in float64 (not ``.float()``)."""
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    logits = torch.nn.functional.linear(hidden_states, self.weight)
-    probs = torch.softmax(logits.to(torch.float64), dim=-1)
-    top, index = torch.topk(probs, self.top_k, dim=-1)
-    return logits, top / top.sum(dim=-1, keepdim=True), index
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ import pytest
 
 from tests.transformers_reference import (B, EPS, H, HEADS, KV, OPT, PATCHES, S, THETA, TOL, V,
                                           hf_loss, mpipar_engine, rel, rmsnorm_own_dtype,
-                                          rotary_float64, torch, transformers)
+                                          rotary_float64, router_float64, torch,
+                                          transformers)
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig  # noqa: E402
 from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: E402
 
@@ -25,15 +26,6 @@ from mpipar.checkpoint.huggingface import load_hf, mpipar_name, read_model_confi
 from mpipar.model.params import ROUTER, expert_names
 
 E, TOPK, FFN, DENSE, SHARED, LAYERS, ALPHA, STEPS = 4, 2, 24, 40, 32, 3, 0.1, 2
-
-
-def router_float64(self, hidden_states):
-    """Qwen2MoeTopKRouter.forward with its softmax in float64 (not ``dtype=torch.float``)."""
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    logits = torch.nn.functional.linear(hidden_states, self.weight)
-    probs = torch.softmax(logits.to(torch.float64), dim=-1)
-    top, index = torch.topk(probs, self.top_k, dim=-1)
-    return logits, top / top.sum(dim=-1, keepdim=True), index
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from mpipar.layout import resolve_model
 from mpipar.model.moe import LocalExperts, capacity, moe_forward
 from mpipar.model.params import ROUTER, expert_names, init_params, param_specs
 from tests.unit.test_model import make_stage
+from tests.unit.test_moe import assert_matches_differences
 
 MOE = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2,
                                 ffn_hidden=24, rope_theta=500.0, init_std=0.3, moe_experts=4,
@@ -97,12 +98,6 @@ def test_sparse_ffn_with_drops_matches_a_token_loop():
     assert len(saved.order) == 2 * 9 * MOE.moe_top_k - dropped     # dropped ones not sent
 
 
-def objective(stage, p: dict, tokens, targets, alpha: float) -> float:
-    stage.moe_aux = 0.0
-    loss, _ = stage.forward(p, tokens, np.arange(tokens.shape[1]), targets)
-    return float(loss.sum()) / loss.size + alpha / tokens.shape[0] * stage.moe_aux
-
-
 def test_gradient_with_drops_matches_finite_differences():
     stage = make_stage(cfg=MOE)
     rng = np.random.default_rng(0)
@@ -115,19 +110,7 @@ def test_gradient_with_drops_matches_finite_differences():
     assert all(d > 0 for d in stage.moe_dropped.values()) and len(stage.moe_dropped) == 2
     stage.moe_aux_weight = alpha / 2
     stage.backward(p, grads, np.full(loss.shape, 1.0 / loss.size), cache)
-    eps = 1e-6
-    for spec in param_specs(MOE):
-        flat = p[spec.name].reshape(-1)
-        for j in rng.choice(flat.size, size=min(4, flat.size), replace=False):
-            old = flat[j]
-            flat[j] = old + eps
-            up = objective(stage, p, tokens, targets, alpha)
-            flat[j] = old - eps
-            down = objective(stage, p, tokens, targets, alpha)
-            flat[j] = old
-            fd = (up - down) / (2 * eps)
-            assert grads[spec.name].reshape(-1)[j] == pytest.approx(fd, rel=1e-5, abs=1e-9), \
-                spec.name
+    assert_matches_differences(stage, p, grads, tokens, targets, alpha, param_specs(MOE), rng)
 
 
 def _step(cfg):

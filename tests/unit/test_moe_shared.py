@@ -18,7 +18,7 @@ from mpipar.layout import resolve_model
 from mpipar.model.params import (SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, init_params,
                                  param_specs)
 from tests.unit.test_model import make_stage
-from tests.unit.test_moe import MOE, naive_moe, objective
+from tests.unit.test_moe import MOE, assert_matches_differences, naive_moe
 
 FS = 12
 SHARED = dataclasses.replace(MOE, moe_shared_ffn_hidden=FS)
@@ -76,20 +76,9 @@ def test_gradient_matches_finite_differences(cfg):
     loss, cache = stage.forward(p, tokens, np.arange(6), targets)
     stage.moe_aux_weight = alpha / 2
     stage.backward(p, grads, np.full(loss.shape, 1.0 / loss.size), cache)
-    eps, checked = 1e-6, 0
-    for spec in param_specs(cfg):
-        flat = p[spec.name].reshape(-1)
-        for j in rng.choice(flat.size, size=min(3, flat.size), replace=False):
-            old = flat[j]
-            flat[j] = old + eps
-            up = objective(stage, p, tokens, targets, alpha)
-            flat[j] = old - eps
-            down = objective(stage, p, tokens, targets, alpha)
-            flat[j] = old
-            fd = (up - down) / (2 * eps)
-            assert grads[spec.name].reshape(-1)[j] == pytest.approx(fd, rel=1e-5, abs=1e-9), \
-                spec.name
-            checked += "shared_expert" in spec.name
+    names = assert_matches_differences(stage, p, grads, tokens, targets, alpha, param_specs(cfg),
+                                       rng, per=3)
+    checked = sum("shared_expert" in name for name in names)
     assert checked == (9 + 3 * cfg.moe_shared_gate) * sum(map(cfg.is_sparse, range(cfg.layers)))
 
 

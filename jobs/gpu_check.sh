@@ -4,7 +4,7 @@
 #
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
-# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile
+# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile micro
 # (the results, logs and JSON, also land in OUT_DIR/all.tgz: one file to bring back)
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
@@ -12,7 +12,7 @@
 # Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
-STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile"}
+STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile micro"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
@@ -160,6 +160,12 @@ if has profile; then
   timeout 300 $PY -m mpipar.bench gpu --profile --models 1.1B --seqs 2048 \
       --json "$OUT/profile.json" > "$OUT/profile.log" 2>&1; rc=$?
   head -30 "$OUT/profile.log"; record profile $rc
+fi
+
+if has micro; then
+  stage "micro: the device's ceilings and the step's kernels one by one (1.1B shapes)"
+  timeout 240 $PY -m mpipar.bench gpu --kernels --json "$OUT/micro.json" > "$OUT/micro.log" 2>&1
+  rc=$?; tail -40 "$OUT/micro.log"; record micro $rc
 fi
 
 stage done

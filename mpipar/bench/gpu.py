@@ -14,6 +14,9 @@ Without a CUDA device the section prints why and returns ``{"skipped": reason}``
 events or a device synchronisation around the timed steps, after warm-up; each peer runs in a
 child process so that neither's memory pool or compiled kernels favour the other.
 
+``--kernels``: no comparison, but the device's ceilings and the step's kernels one by one
+(:mod:`mpipar.bench.gpu_kernels`).
+
 ``--profile``: no comparison, but where mpipar's step (the first of ``--models`` and ``--seqs``)
 spends its device time, op by op (:func:`profile`).
 
@@ -53,6 +56,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of the comparison: where mpipar's step of the first "
                              "model and seq spends its device time, op by op")
+    parser.add_argument("--kernels", action="store_true",
+                        help="instead of the comparison: the device's copy and GEMM ceilings and "
+                             "the step's kernels one by one at the 1.1B model's shapes "
+                             "(mpipar.bench.gpu_kernels)")
     parser.add_argument("--static", action="store_true",
                         help="no benchmark: the NVRTC compile gate of every CUDA kernel "
                              "(python -m mpipar.kernels.cuda_gate; --json FILE gets its report)")
@@ -300,6 +307,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"gpu: skipped: {reason}")
         return {"skipped": reason}
     models, seqs = args.models.split(","), [int(x) for x in args.seqs.split(",")]
+    if args.kernels:
+        from mpipar.bench import gpu_kernels
+        return {"kernels": gpu_kernels.run()}
     if args.profile:
         return {"profile": profile(models[0], seqs[0])}
     out: dict[str, Any] = {}

@@ -421,7 +421,7 @@ def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
 # SwiGLU
 # ----------------------------------------------------------------------------------------------
 
-def _sigmoid(g: Array) -> Array:
+def sigmoid(g: Array) -> Array:
     """Overflow-free logistic function: exp is only taken of -|g|."""
     xp = array_module(g)
     e = xp.exp(-xp.abs(g))
@@ -458,7 +458,7 @@ def swiglu_fwd(gate: Array, up: Array) -> Array:
     bf16: h = r(f(g) * sigmoid(f(g)) * f(u)), all in float32.
     """
     require(gate.shape == up.shape, f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
-    return gate * _sigmoid(gate) * up
+    return gate * sigmoid(gate) * up
 
 
 @mixed_precision(0, 1)
@@ -469,7 +469,7 @@ def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     """
     require(dh.shape == gate.shape == up.shape,
            f"swiglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
-    sig = _sigmoid(gate)
+    sig = sigmoid(gate)
     silu = gate * sig
     dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
     dup = dh * silu

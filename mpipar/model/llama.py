@@ -64,7 +64,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.kernels.numpy_ref import upcast
+from mpipar.kernels.numpy_ref import sigmoid, upcast
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
 from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
@@ -506,9 +506,7 @@ class LlamaStage:
         if not self.cfg.moe_shared_gate:
             return y, g, u, m, None
         z, = self._apply(params, in_block(i, SHARED_GATE), h2)
-        xp, z = self.kernels.xp, upcast(z)      # the gate in float32 under bf16, as the router
-        e = xp.exp(-xp.abs(z))                  # sigmoid without overflow
-        gate = xp.where(z >= 0, 1 / (1 + e), e / (1 + e))
+        gate = sigmoid(upcast(z))               # in float32 under bf16, as the router
         return (gate * y).astype(y.dtype, copy=False), g, u, m, (gate, y)
 
     def _shared_bwd(self, i: int, dout: Array, c: BlockSaved, lin: LinearGrads,

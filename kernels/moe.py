@@ -29,21 +29,14 @@ def softmax_bwd(dp: Array, p: Array) -> Array:
     return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
 
 
-def route_topk(probs: Array, k: int, xp) -> tuple[Array, Array]:
+def route_topk(probs: Array, k: int, xp, bias: Array | None = None) -> tuple[Array, Array]:
     """Mixtral's routing: the ``k`` most probable experts of each token and their weights
     renormalised to sum to 1. probs ``[N, E]`` -> (experts ``[N, K]`` int64, most probable
-    first (ties: the lower index), weights ``[N, K]``)."""
-    order = xp.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    chosen = xp.take_along_axis(probs, order, axis=-1)
-    return order.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
-
-
-def route_topk_biased(probs: Array, bias: Array, k: int, xp) -> tuple[Array, Array]:
-    """DeepSeek-V3's auxiliary-loss-free routing: the ``k`` experts of each token with the
-    largest ``probs + bias`` (``bias`` ``[E]``: the choice only), their weights the *unbiased*
-    probabilities renormalised to sum to 1. -> (experts ``[N, K]`` int64, largest biased score
-    first (ties: the lower index), weights ``[N, K]``)."""
-    order = xp.argsort(-(probs + bias), axis=-1, kind="stable")[:, :k]
+    first (ties: the lower index), weights ``[N, K]``). ``bias`` ``[E]`` (DeepSeek-V3's
+    auxiliary-loss-free routing): the experts with the largest ``probs + bias`` are chosen, their
+    weights still the *unbiased* probabilities renormalised."""
+    score = probs if bias is None else probs + bias
+    order = xp.argsort(-score, axis=-1, kind="stable")[:, :k]
     chosen = xp.take_along_axis(probs, order, axis=-1)
     return order.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
 

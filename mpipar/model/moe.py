@@ -147,8 +147,7 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
     probs = K_moe.softmax(upcast(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])), xp)
-    experts, weights = (K_moe.route_topk(probs, k, xp) if bias is None
-                        else K_moe.route_topk_biased(probs, bias, k, xp))
+    experts, weights = K_moe.route_topk(probs, k, xp, bias)
     chosen_sum = xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
     keep = row_counts = None
     if cfg.moe_capacity_factor and positions is not None:

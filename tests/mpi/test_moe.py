@@ -107,7 +107,7 @@ def test_balance_loss_is_on_and_moves():
     assert all(v >= 1.0 for v in loads[0].values()) and len(loads[0]) == 3
 
 
-def uniform_route(probs, k, xp):
+def uniform_route(probs, k, xp, bias=None):
     """A router forced uniform: token n's choices are experts (nK, ..., nK+K-1) mod E, so each
     expert gets the same count whenever E divides a rank's N*K (weights from the probabilities
     there, renormalised)."""

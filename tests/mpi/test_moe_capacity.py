@@ -92,7 +92,7 @@ def test_capacity_equals_single_process_float64(world, layout):
     check_in_groups(world, layout_size(layout), check)
 
 
-def uniform_route(probs, k, xp):
+def uniform_route(probs, k, xp, bias=None):
     """Token n's choices are experts (nK, ..., nK+K-1) mod E: each rank's row share gives each
     expert the same count, a whole row 8 = cap at C = 1 (nothing drops)."""
     n, e = probs.shape

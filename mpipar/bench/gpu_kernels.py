@@ -17,6 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 T, H, F, HQ, HKV, D, V = 16384, 2048, 5632, 32, 4, 64, 32000
+"""bench.gpu's 1.1B model at its tokens a step (tests/unit/test_gpu_check.py holds them equal;
+not imported from there: bench.gpu imports this module)."""
 
 
 def run() -> list[dict[str, Any]]:

@@ -37,3 +37,11 @@ def test_the_env_stage_runs_without_a_device(tmp_path):
     assert "=== gpu_check: env" in proc.stdout and "--- summary" in proc.stdout
     assert "numpy" in (out / "device.txt").read_text()
     assert (out / "all.tgz").stat().st_size > 0
+
+
+def test_the_kernel_micro_benchmark_uses_the_1b_models_shapes():
+    from mpipar.bench import gpu, gpu_kernels as k
+    m = gpu.MODELS["1.1B"]
+    assert (k.T, k.H, k.F, k.V) == (gpu.TOKENS_PER_STEP, m["hidden"], m["ffn_hidden"],
+                                     m["vocab_size"])
+    assert (k.HQ, k.HKV, k.D) == (m["heads"], m["kv_heads"], m["hidden"] // m["heads"])

@@ -88,10 +88,9 @@ def mpipar_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
 
 
 def cudnn_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
-             repeats: int, plans: str = "heuristic") -> tuple[float, float] | None:
+             repeats: int) -> tuple[float, float] | None:
     """(forward, backward) milliseconds of cuDNN's fused attention (`cudnn_attention`: whole
-    calls as the engine makes them, its execution plans chosen by `plans`: see
-    `cudnn_attention.PLAN_CHOICES`) on random bf16 inputs `[B, S, H, D]`, or None where its
+    calls as the engine makes them) on random bf16 inputs `[B, S, H, D]`, or None where its
     frontend is missing or refuses the shape."""
     import cupy
     import ml_dtypes
@@ -103,7 +102,6 @@ def cudnn_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
     shape = (batch, seq, heads, head_dim)
     q, k, v, do = (cupy.random.standard_normal(shape, cupy.float32).astype(ml_dtypes.bfloat16)
                    for _ in range(4))
-    cudnn_attention.choose_plans(plans)
     try:
         fwd = median_ms(lambda: cudnn_attention.attention_fwd(q, k, v, causal=causal),
                         repeats=repeats)
@@ -112,8 +110,6 @@ def cudnn_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
                                                               causal=causal), repeats=repeats)
     except cudnn_attention.CudnnRefused:
         return None
-    finally:
-        cudnn_attention.choose_plans("heuristic")
     return fwd, bwd
 
 
@@ -159,11 +155,7 @@ def _row(seq: int, head_dim: int, tokens: int, causal: bool, repeats: int,
     dnn = cudnn_ms(batch, seq, heads, head_dim, causal, repeats)
     row["cudnn_fwd_tflops"] = f_flops / (dnn[0] * 1e9) if dnn else None
     row["cudnn_bwd_tflops"] = b_flops / (dnn[1] * 1e9) if dnn else None
-    tuned = cudnn_ms(batch, seq, heads, head_dim, causal, repeats, "fastest") if dnn else None
-    row["cudnn_fastest_fwd_tflops"] = f_flops / (tuned[0] * 1e9) if tuned else None
-    row["cudnn_fastest_bwd_tflops"] = b_flops / (tuned[1] * 1e9) if tuned else None
-    row["best_fwd_vs_gemm"] = max(row["fwd_tflops"], row["cudnn_fwd_tflops"] or 0.0,
-                                  row["cudnn_fastest_fwd_tflops"] or 0.0) / gemm
+    row["best_fwd_vs_gemm"] = max(row["fwd_tflops"], row["cudnn_fwd_tflops"] or 0.0) / gemm
     theirs = torch_ms(batch, seq, heads, head_dim, causal, repeats) if with_torch else None
     row["torch_fwd_tflops"] = f_flops / (theirs[0] * 1e9) if theirs else None
     row["torch_bwd_tflops"] = b_flops / (theirs[1] * 1e9) if theirs else None
@@ -174,7 +166,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width text table (TFLOP/s; '-' where torch was not measured)."""
     head = (f"{'D':>4} {'S':>6} {'B':>3} {'H':>3} {'fwd ms':>8} {'fwd TF/s':>9} {'bwd ms':>8} "
             f"{'bwd TF/s':>9} {'GEMM TF/s':>10} {'fwd/GEMM':>9} {'cuDNN fwd':>10} {'cuDNN bwd':>10} "
-            f"{'tuned fwd':>10} {'tuned bwd':>10} {'best/GEMM':>10} {'torch fwd':>10} {'torch bwd':>10}")
+            f"{'best/GEMM':>10} {'torch fwd':>10} {'torch bwd':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         tf = (lambda x: f"{x:10.1f}" if x is not None else f"{'-':>10}")
@@ -182,7 +174,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      f"{r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} {r['bwd_ms']:8.3f} "
                      f"{r['bwd_tflops']:9.1f} {r['gemm_tflops']:10.1f} {r['fwd_vs_gemm']:9.1%} "
                      f"{tf(r['cudnn_fwd_tflops'])} {tf(r['cudnn_bwd_tflops'])} "
-                     f"{tf(r['cudnn_fastest_fwd_tflops'])} {tf(r['cudnn_fastest_bwd_tflops'])} "
                      f"{r['best_fwd_vs_gemm']:10.1%} "
                      f"{tf(r['torch_fwd_tflops'])} {tf(r['torch_bwd_tflops'])}")
     return "\n".join(lines)
@@ -193,8 +184,7 @@ def run(seqs: tuple[int, ...] = SEQS, head_dims: tuple[int, ...] = HEAD_DIMS,
         printer: Callable[[str], Any] | None = print) -> list[dict[str, Any]]:
     """Benchmark every (head dim, seq); returns one dict per shape (keys: seq, batch, heads,
     head_dim, causal, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, gemm_tflops, fwd_vs_gemm,
-    cudnn_fwd_tflops, cudnn_bwd_tflops, cudnn_fastest_fwd_tflops, cudnn_fastest_bwd_tflops,
-    best_fwd_vs_gemm, torch_fwd_tflops, torch_bwd_tflops)
+    cudnn_fwd_tflops, cudnn_bwd_tflops, best_fwd_vs_gemm, torch_fwd_tflops, torch_bwd_tflops)
     and prints the table through `printer`."""
     rows = [_row(s, d, tokens, causal, repeats, with_torch) for d in head_dims for s in seqs]
     if printer:

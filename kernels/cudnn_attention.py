@@ -319,32 +319,11 @@ class _Built:
     graph: Any
     tensors: dict[str, Any]
     workspace: int
-    plan: int | None = None
-    """The plan index to execute (``execute_plan_at_index``) once timed; None: the heuristic's
-    choice (``execute``), or not yet timed when ``candidates`` is set."""
-    candidates: int = 0
-    """How many plans were built for timing (the ``fastest`` choice); 0 for ``heuristic``."""
 
-
-PLAN_CHOICES = ("heuristic", "fastest")
-_PLAN_CHOICE = ["heuristic"]
-"""How a graph's execution plan is chosen: ``heuristic``, cuDNN's first (heuristic mode A) plan,
-or ``fastest``: every plan the heuristics offer is built and, on the graph's first call, each is
-timed on that call's own buffers (CUDA events, median of 3 after one warm-up) and the fastest is
-kept for the process (cuDNN's autotuning, as ``torch.backends.cudnn.benchmark`` does for
-convolutions). Plans differ in their summation order, not their math: bf16 results within
-rounding of each other."""
-TIMED_CALLS = 3
 
 _LOCK = threading.Lock()
 _HANDLES: dict[int, int] = {}
-_GRAPHS: dict[tuple[int, str, GraphSpec], _Built] = {}
-
-
-def choose_plans(choice: str) -> None:
-    """Set how execution plans are chosen (:data:`PLAN_CHOICES`) for graphs built from now on."""
-    require(choice in PLAN_CHOICES, f"cuDNN plan choice {choice!r}: one of {PLAN_CHOICES}")
-    _PLAN_CHOICE[0] = choice
+_GRAPHS: dict[tuple[int, GraphSpec], _Built] = {}
 
 
 def _handle(cudnn: ModuleType) -> int:
@@ -359,88 +338,32 @@ def _handle(cudnn: ModuleType) -> int:
     return h
 
 
-def _build_candidates(cudnn: ModuleType, spec: GraphSpec, h: int) -> _Built | None:
-    """``spec``'s graph with every plan the heuristics offer built (for timing), or None where
-    no more than one builds (the heuristic's plan is then the only choice)."""
-    g, tensors = define_graph(cudnn, spec, handle=h)
-    try:
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans(cudnn.build_plan_policy.ALL)
-        count = int(g.get_execution_plan_count())
-    except Exception:   # noqa: BLE001 - the heuristic build below reports the refusal
-        return None
-    if count <= 1:
-        return None
-    return _Built(g, tensors, 0, None, count)
-
-
 def _built(spec: GraphSpec) -> tuple[_Built, int]:
     """(the built graph of ``spec`` on the current device, the handle); built on first use."""
     import cupy
     cudnn = _cudnn()
     h = _handle(cudnn)
-    key = (cupy.cuda.Device().id, _PLAN_CHOICE[0], spec)
+    key = (cupy.cuda.Device().id, spec)
     entry = _GRAPHS.get(key)
     if entry is None:
-        if _PLAN_CHOICE[0] == "fastest":
-            entry = _build_candidates(cudnn, spec, h)
-        if entry is None:
-            g, tensors = define_graph(cudnn, spec, handle=h)
-            try:
-                g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            except Exception as exc:
-                raise CudnnRefused(f"cuDNN built no plan for {spec.kind} {spec.alignment} "
-                                   f"right={spec.right} left={spec.left}: {exc}") from exc
-            entry = _Built(g, tensors, int(g.get_workspace_size()))
+        g, tensors = define_graph(cudnn, spec, handle=h)
+        try:
+            g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        except Exception as exc:
+            raise CudnnRefused(f"cuDNN built no plan for {spec.kind} {spec.alignment} "
+                               f"right={spec.right} left={spec.left}: {exc}") from exc
+        entry = _Built(g, tensors, int(g.get_workspace_size()))
         _GRAPHS[key] = entry
     return entry, h
-
-
-def _time_plans(entry: _Built, pack: dict[Any, int], h: int) -> None:
-    """Execute each candidate plan on this call's buffers and keep the fastest (median of
-    :data:`TIMED_CALLS` after one warm-up); plans that fail to run are skipped."""
-    import cupy
-    best: tuple[float, int, int] | None = None
-    for i in range(entry.candidates):
-        try:
-            size = int(entry.graph.get_workspace_size_plan_at_index(i))
-            ws = cupy.empty(max(size, 1), dtype=cupy.uint8)
-            run = lambda: entry.graph.execute_plan_at_index(  # noqa: E731
-                pack, int(ws.data.ptr), i, handle=h)
-            run()
-            times = []
-            for _ in range(TIMED_CALLS):
-                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record()
-                run()
-                stop.record()
-                stop.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, stop))
-        except Exception:   # noqa: BLE001 - a plan that built but does not run is not a choice
-            continue
-        ms = sorted(times)[len(times) // 2]
-        if best is None or ms < best[0]:
-            best = (ms, i, size)
-    if best is None:
-        raise CudnnRefused("cuDNN: none of the built plans ran")
-    entry.plan, entry.workspace = best[1], best[2]
 
 
 def _execute(spec: GraphSpec, buffers: dict[str, Array]) -> None:
     """Run ``spec``'s graph on CuPy arrays (by name), a workspace from CuPy's pool."""
     import cupy
     entry, h = _built(spec)
-    pack = {entry.tensors[n]: int(a.data.ptr) for n, a in buffers.items()}
-    if entry.candidates and entry.plan is None:
-        _time_plans(entry, pack, h)
     workspace = cupy.empty(max(entry.workspace, 1), dtype=cupy.uint8)
-    if entry.plan is None:
-        entry.graph.execute(pack, int(workspace.data.ptr), handle=h)
-    else:
-        entry.graph.execute_plan_at_index(pack, int(workspace.data.ptr), entry.plan, handle=h)
+    pack = {entry.tensors[n]: int(a.data.ptr) for n, a in buffers.items()}
+    entry.graph.execute(pack, int(workspace.data.ptr), handle=h)
 
 
 def clear_cache() -> None:
@@ -662,4 +585,4 @@ def _median_ms(fn: Any, repeats: int, warmup: int) -> float:
 __all__ = ["CudnnRefused", "MaskPlan", "GraphSpec", "TensorSpec", "attention_fwd", "attention_bwd",
            "mask_plan", "plan_visible", "forward_spec", "backward_spec", "supports",
            "frontend_unavailable", "define_graph", "check_graph", "benchmark", "attention_flops",
-           "clear_cache", "choose_plans", "PLAN_CHOICES", "GRAD_DTYPE", "FRONTEND_REQUIREMENT"]
+           "clear_cache", "GRAD_DTYPE", "FRONTEND_REQUIREMENT"]

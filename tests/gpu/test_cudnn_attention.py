@@ -155,29 +155,6 @@ def test_attention_cases(name):
     _run(2, sq, sk, hq, hkv, d, q_off, k_off, causal, window, name)
 
 
-@pytest.mark.parametrize("name", ["causal", "ring_diagonal", "zigzag_partial", "window_48",
-                                  "noncausal_ragged"])
-def test_fastest_plans(name):
-    """The `fastest` plan choice (every plan the heuristics offer, timed on the first call) holds
-    the same bounds against numpy_ref, and its graphs settle on a plan: timed ones keep an
-    index, graphs with one plan keep the heuristic's."""
-    sq, sk, q_off, k_off, causal, window, (hq, hkv, d) = CASES[name]
-    ca.clear_cache()
-    ca.choose_plans("fastest")
-    try:
-        _run(2, sq, sk, hq, hkv, d, q_off, k_off, causal, window, f"fastest_{name}")
-        built = list(ca._GRAPHS.values())
-        assert built and all(e.plan is not None for e in built if e.candidates)
-    finally:
-        ca.choose_plans("heuristic")
-        ca.clear_cache()
-
-
-def test_plan_choice_refuses_unknown():
-    with pytest.raises(ValueError, match="plan choice 'quick'"):
-        ca.choose_plans("quick")
-
-
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gqa_head_dims(group, d):

@@ -159,7 +159,7 @@ def mask_plan(sq: int, sk: int, q_offset: int = 0, k_offset: int = 0, causal: bo
     if sq <= 0 or sk <= 0:
         return MaskPlan((0, 0), (0, 0))
     if not causal:
-        return MaskPlan((0, sq), (0, sk))
+        return MaskPlan((0, sq), (0, sk), refused=_single_pair(sq, sk))
     d = q_offset - k_offset  # row i sees key j iff j - i <= d (and i - j < window - d)
     r0 = max(0, -d)
     r1 = min(sq, sk - 1 - d + window) if window else sq
@@ -173,7 +173,15 @@ def mask_plan(sq: int, sk: int, q_offset: int = 0, k_offset: int = 0, causal: bo
     if left is not None and sq2 > sk2:
         refused = (f"cuDNN's sliding window needs at most as many query rows as keys; this block "
                    f"leaves {sq2} rows over {sk2} keys")
-    return MaskPlan((r0, r1), (c0, c1), alignment, right, left, refused)
+    return MaskPlan((r0, r1), (c0, c1), alignment, right, left, refused or _single_pair(sq2, sk2))
+
+
+def _single_pair(sq: int, sk: int) -> str | None:
+    """cuDNN 9.19's sdpa_backward refuses one query over one key ("s_q = s_kv = 1 is not
+    supported"; measured on an H200: a one-token document under --document-masking)."""
+    if sq == 1 and sk == 1:
+        return "cuDNN's sdpa_backward does not take a block of one query and one key"
+    return None
 
 
 def plan_visible(plan: MaskPlan, sq: int, sk: int) -> np.ndarray:

@@ -27,7 +27,7 @@ def _check_plan(sq, sk, q_off, k_off, causal, window):
     case = (sq, sk, q_off, k_off, causal, window, plan)
     if plan.refused:
         rows, keys = plan.rows[1] - plan.rows[0], plan.cols[1] - plan.cols[0]
-        assert plan.left is not None and rows > keys, case
+        assert (plan.left is not None and rows > keys) or rows == keys == 1, case
         return plan
     assert np.array_equal(ca.plan_visible(plan, sq, sk), want), case
     if plan.empty:
@@ -92,9 +92,22 @@ def test_ring_forms(sq, sk, q_off, k_off, window, form):
 def test_equal_ring_blocks_never_refused():
     """Equal-length blocks at block-multiple offsets (ring and zigzag chunks), any window: cuDNN
     takes every one."""
-    for s, k_blocks, window in itertools.product((1, 5, 16), range(-3, 4), (0, 1, 3, 16, 40)):
+    for s, k_blocks, window in itertools.product((5, 16), range(-3, 4), (0, 1, 3, 16, 40)):
         plan = _check_plan(s, s, 10 * 16, 10 * 16 - k_blocks * s, True, window)
         assert plan.refused is None, (s, k_blocks, window)
+
+
+@pytest.mark.parametrize("sq, sk, q_off, k_off, causal, window", [
+    (1, 1, 0, 0, True, 0), (1, 1, 0, 0, False, 0), (1, 1, 7, 3, True, 0),
+    (2, 2, 1, 2, True, 0),      # row 1 alone sees key 0 alone: trimmed to one pair
+    (5, 5, 160, 155, True, 2),  # a window leaving row 0 with key 4 only
+])
+def test_refused_single_query_and_key(sq, sk, q_off, k_off, causal, window):
+    """A block trimmed to one query and one key goes to mpipar's kernel: cuDNN's sdpa_backward
+    refuses s_q = s_kv = 1 (a one-token document on the device)."""
+    plan = _check_plan(sq, sk, q_off, k_off, causal, window)
+    assert plan.refused and "one query and one key" in plan.refused
+    assert (plan.rows[1] - plan.rows[0], plan.cols[1] - plan.cols[0]) == (1, 1)
 
 
 def test_refused_window_with_more_rows_than_keys():

@@ -134,6 +134,30 @@ def test_a_packed_row_equals_its_documents_run_alone():
     assert abs(float(plain.sum()) - want_loss) > 1e-6      # documents change the loss
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_rope_inside_documents_uses_the_tables_of_each_document_alone(dtype):
+    """RoPE of a packed row is, token for token and bit for bit, RoPE of each document run alone
+    from position 0: the same tables (float32 for bf16 activations, as the plain path has them;
+    bf16 tables, as the packed path once made, are not even accepted by the GPU's kernel)."""
+    import ml_dtypes
+    stage = make_stage("numpy")
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float64
+    tokens, _ = packed_batch(seed=1)
+    docs = document_ids(tokens, EOS)
+    pos = DocumentPositions.of(np.arange(tokens.shape[1]), docs)
+    x = np.random.default_rng(2).standard_normal(
+        (tokens.shape[0], tokens.shape[1], CFG.heads, CFG.head_dim)).astype(dt)
+    for backward in (False, True):
+        (got,) = stage._rotate([x], pos, backward)
+        assert got.dtype == x.dtype
+        for b in range(x.shape[0]):
+            for d in np.unique(docs[b]):
+                at = np.flatnonzero(docs[b] == d)
+                (alone,) = stage._rotate([x[b:b + 1, at]], np.arange(len(at)), backward)
+                assert np.array_equal(got[b:b + 1, at].view(np.uint8), alone.view(np.uint8)), \
+                    (dtype, backward, b, d)
+
+
 # ------------------------------------------------------------------ the engine, two AdamW steps
 def packed_config(**train):
     """The layouts' test model on its data with EOS = 3 (about one token in 13: rows of one to

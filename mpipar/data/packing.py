@@ -16,7 +16,6 @@ from mpipar.config import TrainConfig, require
 from mpipar.data.sft import loss_mask_source
 from mpipar.data.sources import DataError, Sampler, recorded_tokenizer
 from mpipar.layout import Layout
-from mpipar.runtime.device import resolve_device
 
 
 def eos_id(train: TrainConfig) -> int:
@@ -67,7 +66,7 @@ def counted_targets(inputs: np.ndarray, train: TrainConfig, eos: int | None,
 def check_config(layout: Layout) -> None:
     """An EOS id in the vocabulary (given, or recorded by the data) when documents or the EOS
     loss mask are asked for, and none otherwise; RoPE scaled by the sequence's length (dynamic)
-    cannot restart per document; the GPU kernels are not verified with document masks."""
+    cannot restart per document."""
     t, m = layout.train, layout.model
     if t.loss_mask:
         try:
@@ -88,10 +87,6 @@ def check_config(layout: Layout) -> None:
             f"train.eos_token_id={eos}: must be < model.vocab_size={m.vocab_size}")
     if t.document_masking:
         require(m.rope_type != "dynamic",
-                f"model.rope_type='dynamic' with --document-masking: dynamic NTK scales by the "
-                f"whole sequence's length, which a document does not have; use default, linear "
+                "model.rope_type='dynamic' with --document-masking: dynamic NTK scales by the "
+                "whole sequence's length, which a document does not have; use default, linear "
                 "or llama3")
-        require(t.backend != "cupy" and resolve_device(t.device) != "cuda",
-                f"train.document_masking with train.device={t.device!r}, "
-                f"train.backend={t.backend!r}: document masks are verified on the CPU kernels "
-                f"only; use --device cpu")

@@ -43,6 +43,10 @@ def check_attention(layout: Layout, device: str) -> None:
             f"train.attention_backend={t.attention_backend!r} chooses the bf16 attention of a "
             f"CUDA device; this run computes in {t.dtype} on {device}, where mpipar's exact "
             f"kernels run: leave it auto")
+    require(not (t.attention_backend == "cudnn" and t.document_masking),
+            "train.attention_backend='cudnn' with --document-masking: a one-token document is a "
+            "block of one query and one key, which cuDNN's attention backward refuses; leave "
+            "it auto (cuDNN for every block it takes, mpipar's kernel for the rest)")
     from mpipar.kernels.gpu_bf16 import attention_choice
     for window in sorted(set(m.windows())):
         try:

@@ -8,9 +8,10 @@ it takes the call, else mpipar's kernel), against numpy_ref in float64 on the sa
 the bf16 attention tolerances of tests/gpu/test_cudnn_attention.py (out 4u, gradients 6u, u =
 2**-9, relative over the tensor; lse 1e-6). Rows with no visible key: out 0, lse -inf, in both.
 Layouts: documents of length 1, documents longer than a tile, a query block starting mid-
-document (a ring hop), keys wholly before the queries, grouped-query heads. When these pass on
-a device, packing.check_config may stop refusing --document-masking there (with the engine's
-GPU layouts under documents tested as well)."""
+document (a ring hop), keys wholly before the queries, grouped-query heads. Passed on an H200 (with the
+engine's GPU layouts under documents in tests/gpu/test_engine.py), so --document-masking runs on
+the GPU; a one-token document's block (one query, one key) goes to mpipar's kernel, as cuDNN's
+backward refuses it."""
 from __future__ import annotations
 
 import numpy as np

@@ -117,6 +117,21 @@ def test_the_attention_rule_asks_the_chosen_backend_about_each_window(backends):
     check_attention(_layout(dtype="bfloat16"), "cuda")    # auto: the choice is made per call
 
 
+def test_cudnn_asked_for_with_document_masking_is_refused(backends):
+    """One-token documents make blocks of one query and one key, which cuDNN's backward refuses
+    (measured on an H200): asked for explicitly with --document-masking it is refused up front;
+    auto sends those blocks to mpipar's kernel."""
+    from mpipar.config import ConfigError
+    from mpipar.runtime.device import check_attention
+
+    docs = dict(dtype="bfloat16", document_masking=True, eos_token_id=0)
+    with pytest.raises(ConfigError, match=r"train.attention_backend='cudnn' with "
+                                          r"--document-masking: a one-token document"):
+        check_attention(_layout(attention_backend="cudnn", **docs), "cuda")
+    check_attention(_layout(**docs), "cuda")
+    check_attention(_layout(attention_backend="mpipar", **docs), "cuda")
+
+
 def test_the_cpu_run_names_its_attention_kernels():
     from mpipar.config import ModelConfig
     from mpipar.kernels import get_backend

@@ -105,28 +105,37 @@ def _bf16_reference() -> list[float]:
     return _BF16_REFERENCE
 
 
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=[layout_name(v) or "single"
-                                                       for v in BF16_LAYOUTS])
-def test_bf16_layouts_track_the_cpu(world, layout):
+def _bf16_tracks(world, layout: dict, make_cfg, reference, tolerance: float) -> None:
+    """``make_cfg(layout, "cuda")`` on the GPU, each of its BF16_STEPS losses within
+    ``tolerance`` (relative) of ``reference()``'s (the CPU's one process), asserted on every
+    rank."""
     _fits(world, layout)
     from mpipar.training.engine import Engine
     size = layout_size(layout)
     comm = world.Split(world.rank // size, world.rank)
     fails: list[str] = []
     try:
-        ref = _bf16_reference()
-        eng = Engine(validate(_bf16_cfg(layout, "cuda"), size), comm, source=token_source())
+        ref = reference()
+        eng = Engine(validate(make_cfg(layout, "cuda"), size), comm, source=token_source())
         got = [eng.train_step(k).loss for k in range(BF16_STEPS)]
         eng.close()
         fails = [f"step {k + 1}: loss {a!r} vs the CPU's one process {b!r} "
                  f"({abs(a - b) / abs(b):.2%})" for k, (a, b) in enumerate(zip(got, ref))
-                 if not abs(a - b) <= BF16_LOSS_TOLERANCE * abs(b)]
+                 if not abs(a - b) <= tolerance * abs(b)]
+        if len(got) != BF16_STEPS or len(ref) != BF16_STEPS:
+            fails.append(f"{len(got)} steps against {len(ref)}")
     except Exception as exc:  # every rank must reach the allgather
         fails.append(f"{type(exc).__name__}: {exc}")
     finally:
         comm.Free()
     assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=[layout_name(v) or "single"
+                                                       for v in BF16_LAYOUTS])
+def test_bf16_layouts_track_the_cpu(world, layout):
+    _bf16_tracks(world, layout, _bf16_cfg, _bf16_reference, BF16_LOSS_TOLERANCE)
 
 
 @pytest.mark.parametrize("first,second", [("cuda", "cpu"), ("cpu", "cuda")])
@@ -243,23 +252,6 @@ def test_documents_on_the_device_equal_the_cpu(world, layout):
 @pytest.mark.parametrize("layout", DOC_BF16_LAYOUTS, ids=[layout_name(v) or "single"
                                                           for v in DOC_BF16_LAYOUTS])
 def test_bf16_documents_track_the_cpu(world, layout):
-    _fits(world, layout)
-    from mpipar.training.engine import Engine
-    size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
-        ref = _doc_reference("bf16", lambda: _doc_bf16_cfg({}, "cpu"))[0]
-        eng = Engine(validate(_doc_bf16_cfg(layout, "cuda"), size), comm, source=token_source())
-        got = [eng.train_step(k).loss for k in range(BF16_STEPS)]
-        eng.close()
-        fails = [f"step {k + 1}: loss {a!r} vs the CPU's one process {b!r} "
-                 f"({abs(a - b) / abs(b):.2%})" for k, (a, b) in enumerate(zip(got, ref))
-                 if not abs(a - b) <= DOC_BF16_TOLERANCE * abs(b)]
-        if len(got) != BF16_STEPS or len(ref) != BF16_STEPS:
-            fails.append(f"{len(got)} steps against {len(ref)}")
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+    _bf16_tracks(world, layout, _doc_bf16_cfg,
+                 lambda: _doc_reference("bf16", lambda: _doc_bf16_cfg({}, "cpu"))[0],
+                 DOC_BF16_TOLERANCE)

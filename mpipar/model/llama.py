@@ -237,13 +237,23 @@ class LinearGrads:
         one by one (into the float32 buffers, or deferred), then one GEMM
         ``[dy_1 .. dy_n] @ [w_1; ..; w_n]`` (float32 accumulation, one rounding under bf16)."""
         for dy, name in zip(dys, names):
-            if self.deferred is None:
-                self.kernels.linear_bwd(dy, x, None, dw=self.grads[name])
-                self.bias(dy, name)
-            else:
-                self.deferred.append((name, dy, x))
+            self.weight(dy, x, name)
         w = self.kernels.concat([self.params[n] for n in names], axis=0)
         return self.kernels.linear_fwd(self.kernels.concat(dys, axis=-1), w.T)
+
+    def weight(self, dy: Array, x: Array, name: str) -> None:
+        """Only the weight gradient of ``y = x @ w.T`` (and its bias's): accumulated now or
+        deferred; the caller takes ``dx`` from :meth:`input` (the experts' backward computes
+        ``dx`` by parts of the rows, ``dw`` once on them all)."""
+        if self.deferred is None:
+            self.kernels.linear_bwd(dy, x, None, dw=self.grads[name])
+            self.bias(dy, name)
+        else:
+            self.deferred.append((name, dy, x))
+
+    def input(self, dy: Array, name: str) -> Array:
+        """Only ``dx = dy @ w`` of linear ``name`` (its weight gradient: :meth:`weight`)."""
+        return self.kernels.linear_fwd(dy, self.params[name].T)
 
     def bias(self, dy: Array, name: str) -> None:
         """Accumulate the gradient of weight ``name``'s bias, if the model has one."""
@@ -475,11 +485,14 @@ class LlamaStage:
         if not self.cfg.is_sparse(i):
             y, g, u, m = self._ffn_fwd(params, i, h2, GATE_UP, DOWN, scope)
         else:
+            shared: list = []        # the shared expert, computed while the experts' rows travel
+            aside = ((lambda: shared.append(self._shared_fwd(params, i, h2, scope)))
+                     if self.cfg.moe_shared_ffn_hidden else None)
             y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
-                                 self.moe_bias.get(i), positions if kv is None else None)
-            if self.cfg.moe_shared_ffn_hidden:  # the shared expert's output added
-                shared, g, u, m, shared_gate = self._shared_fwd(params, i, h2, scope)
-                y = y + shared
+                                 self.moe_bias.get(i), positions if kv is None else None, aside)
+            if shared:  # the shared expert's output added
+                out_s, g, u, m, shared_gate = shared[0]
+                y = y + out_s
         block_out = x2 + y
         if record and self.recorder is not None:
             for name, value in zip(ACTIVATION_NAMES, (x, out.reshape(B, S, -1), a, y, block_out)):
@@ -624,9 +637,13 @@ class LlamaStage:
         if c.moe is None:
             dh2 = self._ffn_bwd(i, dout, c, GATE_UP, DOWN, lin, scope)
         else:
-            dh2 = moe_backward(ops, i, dout, c.moe, self.experts, lin, self.moe_aux_weight)
-            if c.g is not None:  # the shared expert
-                dh2 = dh2 + self._shared_bwd(i, dout, c, lin, scope)
+            shared: list = []        # the shared expert's, computed while the rows travel
+            aside = ((lambda: shared.append(self._shared_bwd(i, dout, c, lin, scope)))
+                     if c.g is not None else None)
+            dh2 = moe_backward(ops, i, dout, c.moe, self.experts, lin, self.moe_aux_weight,
+                               aside)
+            if shared:
+                dh2 = dh2 + shared[0]
         scope.progress()
         dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
                                       c.rstd2)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,6 +58,56 @@ from mpipar.kernels.numpy_ref import upcast
 from mpipar.model.params import ROUTER, expert_names
 
 Array = Any
+
+
+@dataclass
+class Plan:
+    """Where one dispatch's rows go and come from. This rank computes its local experts' rows
+    ``[A', H]``, expert ``j``'s at ``bounds[j]:bounds[j+1]`` (``bounds`` ``[E_local + 1]``);
+    their first ``own[j]`` rows are this rank's own tokens, which need no message: rows
+    ``own_start + sum(own[:j])`` on of the sorted ``xs`` ``[A, H]``; ``handle``: the
+    exchange's record of the routes."""
+
+    bounds: list
+    own: list
+    own_start: int = 0
+    handle: Any = None
+
+    def own_src(self, j: int) -> slice:
+        """Local expert ``j``'s own rows in the dispatched ``xs``."""
+        start = self.own_start + sum(self.own[:j])
+        return slice(start, start + self.own[j])
+
+    def own_dst(self, j: int) -> slice:
+        """Local expert ``j``'s own rows in the local layout ``[A', H]``."""
+        return slice(self.bounds[j], self.bounds[j] + self.own[j])
+
+    def rest(self, j: int) -> slice:
+        """Local expert ``j``'s rows from the other ranks in the local layout."""
+        return slice(self.bounds[j] + self.own[j], self.bounds[j + 1])
+
+
+class Transfer(Protocol):
+    """Rows on their way (a non-blocking all-to-all-v) or arrived."""
+
+    def test(self) -> bool:
+        """Whether they arrived (moves MPI's progress engine along; never blocks)."""
+
+    def wait(self) -> Array:
+        """The rows, once arrived."""
+
+
+class Done:
+    """A :class:`Transfer` already complete: ``rows``."""
+
+    def __init__(self, rows: Array) -> None:
+        self.rows = rows
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> Array:
+        return self.rows
 
 
 class ExpertExchange(Protocol):
@@ -73,17 +124,17 @@ class ExpertExchange(Protocol):
         """(``L``, ``G``): the rows cut into ``G`` blocks of ``L`` positions, each held whole by
         one of the ranks sharing the rows (the same on each); this rank holds ``positions``."""
 
-    def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
-        """Tokens ``xs`` ``[A, H]`` sorted by expert with ``counts`` ``[E]`` -> (the rows this
-        rank's experts compute ``[A', H]`` grouped by local expert, the bounds of each local
-        expert's rows ``[E_local + 1]``, a handle for :meth:`combine`)."""
+    def plan(self, counts: Array) -> Plan:
+        """The routes of tokens sorted by expert with ``counts`` ``[E]`` (agreed with the other
+        ranks: the counts' all-to-all)."""
 
-    def redispatch(self, xs: Array, handle: Any) -> Array:
-        """Rows ``[A, H]`` in the order of a former :meth:`dispatch` (their gradients, in
-        backward) sent as it sent that one's: -> ``[A', H]``."""
+    def send(self, xs: Array, plan: Plan) -> Transfer:
+        """Start sending rows ``[A, H]`` sorted by expert (the tokens, or in backward their
+        outputs' gradients) to their experts' ranks: -> the local rows ``[A', H]`` (``plan``'s
+        layout) once they arrive."""
 
-    def combine(self, ys: Array, handle: Any) -> Array:
-        """The inverse of :meth:`dispatch`: outputs ``[A', H]`` -> ``[A, H]`` in ``xs``'s order."""
+    def send_back(self, ys: Array, plan: Plan) -> Transfer:
+        """The inverse of :meth:`send`: local rows ``[A', H]`` -> ``[A, H]`` in ``xs``'s order."""
 
 
 class LocalExperts:
@@ -98,14 +149,20 @@ class LocalExperts:
     def blocks(self, positions: np.ndarray) -> tuple[int, int]:
         return int(np.max(positions)) + 1, 1          # whole rows: one block
 
-    def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
-        return xs, K_moe.offsets(counts), None
+    def plan(self, counts: Array) -> Plan:
+        return own_plan(counts)
 
-    def redispatch(self, xs: Array, handle: Any) -> Array:
-        return xs
+    def send(self, xs: Array, plan: Plan) -> Transfer:
+        return Done(xs)
 
-    def combine(self, ys: Array, handle: Any) -> Array:
-        return ys
+    def send_back(self, ys: Array, plan: Plan) -> Transfer:
+        return Done(ys)
+
+
+def own_plan(counts: Array) -> Plan:
+    """The plan of an exchange holding every expert: all rows are this rank's own."""
+    bounds = K_moe.offsets(counts)
+    return Plan(bounds, [b - a for a, b in zip(bounds, bounds[1:])])
 
 
 @dataclass
@@ -113,9 +170,9 @@ class MoeSaved:
     """What a sparse FFN keeps for backward (shapes in the module docstring): the router's input
     ``x`` ``[N, H]``, ``probs`` ``[N, E]``, the chosen ``experts`` and ``weights`` ``[N, K]``
     and the chosen probabilities' sum ``[N, 1]``, the permutation ``order`` ``[A]``, the local
-    rows ``xs`` and ``bounds``, each local expert's (g, u, m), the outputs per assignment
-    ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]`` (``f / T``), the
-    exchange's handle, this rank's share of the balance loss ``aux``, its load ``counts``
+    rows ``xs`` and their ``plan``, each local expert's (g, u, m), the outputs per assignment
+    ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]`` (``f / T``), this rank's
+    share of the balance loss ``aux``, its load ``counts``
     ``[E]`` (the router's choice, before drops) and the assignments capacity ``dropped``."""
 
     x: Array
@@ -125,24 +182,24 @@ class MoeSaved:
     chosen_sum: Array
     order: Array
     xs: Array
-    bounds: list
+    plan: Plan
     inner: list
     per: Array
     f_over_t: Array
-    handle: Any
     aux: float
     counts: Array
     dropped: int = 0
 
 
 def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertExchange,
-                bias: Array | None = None, positions: np.ndarray | None = None
-                ) -> tuple[Array, MoeSaved]:
+                bias: Array | None = None, positions: np.ndarray | None = None,
+                aside: Callable[[], Any] | None = None) -> tuple[Array, MoeSaved]:
     """Block ``i``'s sparse FFN on ``h`` ``[B, S, H]`` -> (output ``[B, S, H]``, record).
     ``bias`` ``[E]`` (auxiliary-loss-free balancing, module docstring): added to the
     probabilities for the top-K choice only; None routes on the probabilities. ``positions``
     ``[S]``: the tokens' global positions in their rows, for ``cfg.moe_capacity_factor``
-    (module docstring); None (incremental decoding) routes dropless."""
+    (module docstring); None (incremental decoding) routes dropless. ``aside``: work that needs
+    no routed rows (the shared expert), run while the outputs travel back."""
     xp, E, k = kernels.xp, cfg.moe_experts, cfg.moe_top_k
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
@@ -153,21 +210,71 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     if cfg.moe_capacity_factor and positions is not None:
         keep, row_counts = capacity(experts, positions, B, cfg, exchange, probs.dtype, xp)
     order, counts = K_moe.permutation(experts, E, xp, keep)
-    xs, bounds, handle = exchange.dispatch(K_moe.permute(x, order, k), counts)
+    xs = K_moe.permute(x, order, k)
+    plan = exchange.plan(counts)
     weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
-    ys, inner = K_moe.grouped_swiglu_fwd(kernels, xs, bounds, weights_e)
-    out, per = K_moe.unpermute_combine(exchange.combine(ys, handle), order, weights, xp)
+    xs_local, ys, inner = experts_fwd(kernels, xs, plan, exchange.send(xs, plan), weights_e)
+    back = exchange.send_back(ys, plan)
+    f_over_t, aux = _balance(probs, experts, B, E, k, exchange, xp, row_counts)
+    if aside is not None:
+        back.test()
+        aside()
+    out, per = K_moe.unpermute_combine(back.wait(), order, weights, xp)
     # under bf16 the router's softmax, top-K weights and the combine's weighted sum are float32
     # (numpy_ref.upcast: as Mixtral computes its router; CuPy cannot sort bf16), the output
     # rounded once
     out = out.astype(h.dtype, copy=False)
-    f_over_t, aux = _balance(probs, experts, B, E, k, exchange, xp, row_counts)
     dropped = 0
     if keep is not None:       # the loads are the router's choice, before drops
         counts, dropped = xp.bincount(experts.reshape(-1), minlength=E), int((~keep).sum())
-    saved = MoeSaved(x, probs, experts, weights, chosen_sum, order, xs, bounds, inner, per,
-                     f_over_t, handle, aux, counts, dropped)
+    saved = MoeSaved(x, probs, experts, weights, chosen_sum, order, xs_local, plan, inner, per,
+                     f_over_t, aux, counts, dropped)
     return out.reshape(h.shape), saved
+
+
+def experts_fwd(kernels, xs: Array, plan: Plan, arriving: Transfer, weights: list
+                ) -> tuple[Array, Array, list]:
+    """The local experts' SwiGLU FFNs (``weights[j]`` = (w1 gate ``[F, H]``, w3 up ``[F, H]``,
+    w2 down ``[H, F]``)): first on this rank's own rows of ``xs`` ``[A, H]`` while the others'
+    are ``arriving`` (polled between GEMMs: an MPI on the CPU moves a non-blocking collective
+    only inside MPI calls), then on those. One GEMM per weight, expert and part, the same
+    whether the rows travelled blocking or not (so both give the same bits). Returns (the local
+    rows ``[A', H]``, their outputs ``[A', H]``, per local expert (g, u, m) ``[rows_j, F]``)."""
+    parts: list[list] = [[_swiglu(kernels, xs[plan.own_src(j)], w, arriving.test)]
+                         for j, w in enumerate(weights)]
+    xs_local = arriving.wait()
+    for j, w in enumerate(weights):
+        rest = plan.rest(j)
+        if rest.stop > rest.start:
+            parts[j].append(_swiglu(kernels, xs_local[rest], w, _idle))
+    ys, inner = kernels.xp.empty_like(xs_local), []
+    for j, segments in enumerate(parts):
+        g, u, m, y = (_joined(kernels.xp, [s[t] for s in segments]) for t in range(4))
+        ys[plan.bounds[j]:plan.bounds[j + 1]] = y
+        inner.append((g, u, m))
+    return xs_local, ys, inner
+
+
+def _swiglu(kernels, x: Array, w: tuple, poll: Callable[[], Any]) -> tuple:
+    """One expert's SwiGLU on rows ``x`` ``[n, H]`` -> (g, u, m, y), ``poll`` after each GEMM."""
+    w1, w3, w2 = w
+    g = kernels.linear_fwd(x, w1)
+    poll()
+    u = kernels.linear_fwd(x, w3)
+    poll()
+    m = kernels.swiglu_fwd(g, u)
+    y = kernels.linear_fwd(m, w2)
+    poll()
+    return g, u, m, y
+
+
+def _idle() -> None:
+    """Nothing to poll."""
+
+
+def _joined(xp, parts: list) -> Array:
+    """``parts`` stacked by rows (the one part itself when alone)."""
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts)
 
 
 def capacity(experts: Array, positions: np.ndarray, B: int, cfg, exchange: ExpertExchange,
@@ -205,32 +312,81 @@ def _balance(probs: Array, experts: Array, B: int, E: int, k: int, exchange: Exp
 
 
 def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchange, lin,
-                 aux_weight: float) -> Array:
+                 aux_weight: float, aside: Callable[[], Any] | None = None) -> Array:
     """The gradient of the sparse FFN's input ``[B, S, H]`` from its output's ``dy``; weight
     gradients through ``lin`` (:class:`mpipar.model.llama.LinearGrads`); ``aux_weight``: the
-    balance loss's weight per row (module docstring)."""
+    balance loss's weight per row (module docstring); ``aside``: work that needs no routed rows
+    (the shared expert's backward), run while the gradients travel to the experts. The experts'
+    weight gradients and the router's backward run while their input gradients travel back."""
     xp, E, (N, k) = kernels.xp, c.probs.shape[1], c.weights.shape
     d = dy.reshape(N, -1)
     dweights = (upcast(c.per) * upcast(d)[:, None, :]).sum(axis=-1)
     dys = ((c.weights[..., None] * d[:, None, :]).astype(dy.dtype, copy=False)
            .reshape(N * k, -1)[c.order])
-    dys_local = exchange.redispatch(dys, c.handle)
-    dxs = xp.empty_like(c.xs)
-    for j, e in enumerate(exchange.local_experts):
-        rows = slice(c.bounds[j], c.bounds[j + 1])
-        w1, w3, w2 = expert_names(i, e)
-        g, u, m = c.inner[j]
-        dm = lin(dys_local[rows], m, w2)
-        dg, du = kernels.swiglu_bwd(dm, g, u)
-        dxs[rows] = lin(dg, c.xs[rows], w1) + lin(du, c.xs[rows], w3)
-    dx = K_moe.unpermute_sum(exchange.combine(dxs, c.handle), c.order, N, k, xp)
+    names = [expert_names(i, e) for e in exchange.local_experts]
+    arriving = exchange.send(dys, c.plan)
+    dys_local, dxs, dgu = experts_input_bwd(kernels, dys, c, arriving, names, lin, aside)
+    back = exchange.send_back(dxs, c.plan)
+    for j, (w1, w3, w2) in enumerate(names):          # the weights' gradients, whole rows
+        rows = slice(c.plan.bounds[j], c.plan.bounds[j + 1])
+        (dg, du), (_, _, m) = dgu[j], c.inner[j]
+        lin.weight(dys_local[rows], m, w2)
+        back.test()
+        lin.weight(dg, c.xs[rows], w1)
+        lin.weight(du, c.xs[rows], w3)
+        back.test()
     dprobs = K_moe.route_topk_bwd(dweights, c.weights, c.chosen_sum, c.experts, E, xp)
     if aux_weight:
         B = c.f_over_t.shape[0]
         dprobs = (dprobs.reshape(B, -1, E) + aux_weight * c.f_over_t[:, None, :]).reshape(N, E)
     dlogits = K_moe.softmax_bwd(dprobs, c.probs).astype(dy.dtype, copy=False)
-    dx += lin(dlogits, c.x, f"layers.{i}." + ROUTER)
+    dx_router = lin(dlogits, c.x, f"layers.{i}." + ROUTER)
+    dx = K_moe.unpermute_sum(back.wait(), c.order, N, k, xp)
+    dx += dx_router
     return dx.reshape(dy.shape)
+
+
+def experts_input_bwd(kernels, dys: Array, c: MoeSaved, arriving: Transfer, names: list, lin,
+                      aside: Callable[[], Any] | None) -> tuple[Array, Array, list]:
+    """The local experts' input gradients: first for this rank's own rows of ``dys`` ``[A, H]``
+    (the outputs' gradients sorted by expert) while the others' are ``arriving``, then
+    ``aside``, then for the arrived rows; the same GEMMs whether they travelled blocking or
+    not. Returns (the local rows' output gradients ``[A', H]``, their input gradients
+    ``[A', H]``, per local expert (dg, du) ``[rows_j, F]`` of its whole rows)."""
+    plan, parts = c.plan, []
+    for j, w in enumerate(names):
+        parts.append([_swiglu_bwd(kernels, dys[plan.own_src(j)], c.inner[j], w, lin,
+                                  slice(0, plan.own[j]), arriving.test)])
+    if aside is not None:
+        aside()
+    dys_local = arriving.wait()
+    dxs = kernels.xp.empty_like(c.xs)
+    for j, w in enumerate(names):
+        rest = plan.rest(j)
+        if rest.stop > rest.start:
+            local = slice(plan.own[j], rest.stop - plan.bounds[j])
+            parts[j].append(_swiglu_bwd(kernels, dys_local[rest], c.inner[j], w, lin, local,
+                                        _idle))
+        dxs[plan.own_dst(j)] = parts[j][0][0]
+        if len(parts[j]) > 1:
+            dxs[rest] = parts[j][1][0]
+    dgu = [tuple(_joined(kernels.xp, [s[t] for s in p]) for t in (1, 2)) for p in parts]
+    return dys_local, dxs, dgu
+
+
+def _swiglu_bwd(kernels, dy: Array, inner: tuple, names: tuple, lin, rows: slice,
+                poll: Callable[[], Any]) -> tuple:
+    """One expert's input gradient for output gradients ``dy`` ``[n, H]`` of its saved
+    (g, u, m) rows ``rows`` -> (dx ``[n, H]``, dg, du ``[n, F]``), ``poll`` after each GEMM."""
+    (w1, w3, w2), (g, u, _) = names, inner
+    dm = lin.input(dy, w2)
+    poll()
+    dg, du = kernels.swiglu_bwd(dm, g[rows], u[rows])
+    dx = lin.input(dg, w1)
+    poll()
+    dx += lin.input(du, w3)
+    poll()
+    return dx, dg, du
 
 
 class RoutingBias:

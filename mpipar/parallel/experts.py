@@ -36,10 +36,11 @@ import numpy as np
 from mpipar.config import ConfigError
 from mpipar.kernels import moe as K_moe
 from mpipar.layout import Layout
+from mpipar.model.moe import Done, Plan, Transfer, own_plan
 from mpipar.parallel.context import SeqLayout, balanced_chunks, split_parts
 from mpipar.parallel.data_parallel import GradReducer, padded_size, plan_buckets
 from mpipar.parallel.traffic import Call, element_bytes
-from mpipar.runtime.comm import Group
+from mpipar.runtime.comm import Group, Request
 from mpipar.runtime.precision import Precision
 
 Array = Any
@@ -76,53 +77,81 @@ class SequenceExperts:
         L = block_length(self.seq)
         return L, self.seq.seq_len // L
 
-    def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
-        return xs, K_moe.offsets(counts), None
+    def plan(self, counts: Array) -> Plan:
+        return own_plan(counts)
 
-    def redispatch(self, xs: Array, handle: Any) -> Array:
-        return xs
+    def send(self, xs: Array, plan: Plan) -> Transfer:
+        return Done(xs)
 
-    def combine(self, ys: Array, handle: Any) -> Array:
-        return ys
+    def send_back(self, ys: Array, plan: Plan) -> Transfer:
+        return Done(ys)
 
 
 class ExpertParallel(SequenceExperts):
     """Experts split over the ``ep`` group (consecutive ranks of dp x sp): this rank computes
-    experts ``[r E/ep, (r+1) E/ep)`` for the tokens of every rank of its group. Dispatch: the
-    counts per (rank, local expert) first (all-to-all), then the rows (all-to-all-v), regrouped
-    by local expert (source ranks in order, each source's rows in its order); combine and the
-    gradients' dispatch retrace the same plan."""
+    experts ``[r E/ep, (r+1) E/ep)`` for the tokens of every rank of its group. The plan: the
+    counts per (rank, local expert) (all-to-all); the rows then travel by all-to-all-v, regrouped
+    by local expert (this rank's own rows first, then the other source ranks' in order, each
+    source's rows in its order); the way back and the gradients' retrace the same plan.
+    ``overlap`` (``--ep-overlap``, the default): the all-to-all-v are non-blocking
+    (``Ialltoallv``), the sparse block computing what needs no message while they travel
+    (:func:`mpipar.model.moe.experts_fwd`); else blocking. The same bytes either way."""
 
     def __init__(self, *, num_experts: int, sp: Group, ep: Group, xp,
-                 seq: SeqLayout | None = None) -> None:
+                 seq: SeqLayout | None = None, overlap: bool = True) -> None:
         super().__init__(num_experts=num_experts, sp=sp, seq=seq)
-        self.ep, self.xp, self.per_rank = ep, xp, num_experts // ep.size
+        self.ep, self.xp, self.per_rank, self.overlap = ep, xp, num_experts // ep.size, overlap
         self.local_experts = range(ep.rank * self.per_rank, (ep.rank + 1) * self.per_rank)
 
-    def dispatch(self, xs: Array, counts: Array) -> tuple[Array, list[int], Any]:
-        n, el = self.ep.size, self.per_rank
+    def plan(self, counts: Array) -> Plan:
+        n, el, r = self.ep.size, self.per_rank, self.ep.rank
         mine = np.ascontiguousarray(K_moe.host(counts).reshape(n, el))    # [dest, local e]
         theirs = self.ep.alltoall(mine, np.empty_like(mine))              # [source, local e]
         send_rows, recv_rows = mine.sum(axis=1).tolist(), theirs.sum(axis=1).tolist()
         starts = np.cumsum(np.r_[0, theirs.reshape(-1)[:-1]]).reshape(n, el)
+        sources = [r] + [i for i in range(n) if i != r]                   # own rows first
         regroup = np.concatenate([np.arange(starts[i, e], starts[i, e] + theirs[i, e])
-                                  for e in range(el) for i in range(n)]).astype(np.int64)
+                                  for e in range(el) for i in sources]).astype(np.int64)
         handle = (send_rows, recv_rows, self.xp.asarray(regroup))
         bounds = [0] + np.cumsum(theirs.sum(axis=0)).tolist()
-        return self.redispatch(xs, handle), bounds, handle
+        return Plan(bounds, theirs[r].tolist(), sum(send_rows[:r]), handle)
 
-    def redispatch(self, xs: Array, handle: Any) -> Array:
-        send_rows, recv_rows, regroup = handle
+    def send(self, xs: Array, plan: Plan) -> Transfer:
+        send_rows, recv_rows, regroup = plan.handle
         recv = self.xp.empty((sum(recv_rows),) + xs.shape[1:], xs.dtype)
-        return self.ep.alltoallv(self.xp.ascontiguousarray(xs), send_rows, recv,
-                                 recv_rows)[regroup]
+        return self._start(self.xp.ascontiguousarray(xs), send_rows, recv, recv_rows,
+                           lambda rows: rows[regroup])
 
-    def combine(self, ys: Array, handle: Any) -> Array:
-        send_rows, recv_rows, regroup = handle
+    def send_back(self, ys: Array, plan: Plan) -> Transfer:
+        send_rows, recv_rows, regroup = plan.handle
         back = self.xp.empty_like(ys)
         back[regroup] = ys
         out = self.xp.empty((sum(send_rows),) + ys.shape[1:], ys.dtype)
-        return self.ep.alltoallv(back, recv_rows, out, send_rows)
+        return self._start(back, recv_rows, out, send_rows, lambda rows: rows)
+
+    def _start(self, send: Array, send_rows: list[int], recv: Array, recv_rows: list[int],
+               then) -> Transfer:
+        """The all-to-all-v of rows ``send`` -> ``recv``, non-blocking under ``overlap``; the
+        transfer's rows are ``then(recv)``."""
+        if not self.overlap:
+            return Done(then(self.ep.alltoallv(send, send_rows, recv, recv_rows)))
+        return Arriving(self.ep.ialltoallv(send, send_rows, recv, recv_rows), recv, then)
+
+
+class Arriving:
+    """Rows on their way: a request, its receive buffer, and what the rows are of it."""
+
+    def __init__(self, request: Request, recv: Array, then) -> None:
+        self.request, self.recv, self.then, self.rows = request, recv, then, None
+
+    def test(self) -> bool:
+        return self.request.test()
+
+    def wait(self) -> Array:
+        if self.rows is None:
+            self.request.wait()
+            self.rows = self.then(self.recv)
+        return self.rows
 
 
 def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) -> list[Call]:
@@ -130,7 +159,8 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     a validation pass of ``passes`` forwards per chunk, with *uniform routing* (each expert gets
     ``A / E`` of a rank's ``A`` assignments; the ledger's real loads differ): per sparse block
     and forward, the counts' sum over sp (all-reduce), and under ep the counts (all-to-all) and
-    the rows there and back (two all-to-all-v, each the ``A (ep-1)/ep`` rows to other ranks);
+    the rows there and back (two all-to-all-v, each the ``A (ep-1)/ep`` rows to other ranks;
+    non-blocking under ``--ep-overlap``);
     backward sends the gradients' rows there and back again, and ``--recompute full`` repeats
     the forward's calls. A training step with the experts sharded over ep adds their gradient
     reduction over ``ep_dp`` (:func:`expert_reduction_calls`). With ``--moe-capacity-factor``
@@ -147,8 +177,9 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
                   sparse * forwards)] if p.sp > 1 else []
     if p.ep > 1:
         rows = tokens * m.moe_top_k * (p.ep - 1) // p.ep
+        rows_op = "ialltoallv" if p.ep_overlap else "alltoallv"
         calls += [Call("ep", "alltoall", m.moe_experts * 8, sparse * forwards),
-                  Call("ep", "alltoallv", rows * m.hidden * dt,
+                  Call("ep", rows_op, rows * m.hidden * dt,
                        sparse * (2 * forwards + 2 * passes * train))]
     if train:
         calls += expert_reduction_calls(layout, layers)

@@ -475,6 +475,14 @@ class Group:
             self._timed("alltoall", send.nbytes, self.comm.Alltoall, *b)
         return recv
 
+    def _v_spec(self, send: np.ndarray, send_rows: list[int], recv_rows: list[int]) -> tuple:
+        """An all-to-all-v of rows: (send counts, displacements), (receive counts,
+        displacements) in elements, and the bytes booked (those sent to the other ranks)."""
+        row = int(np.prod(send.shape[1:], dtype=np.int64))
+        sc, rc = [n * row for n in send_rows], [n * row for n in recv_rows]
+        sd, rd = np.cumsum([0] + sc[:-1]).tolist(), np.cumsum([0] + rc[:-1]).tolist()
+        return (sc, sd), (rc, rd), (sum(send_rows) - send_rows[self.rank]) * row * send.itemsize
+
     def alltoallv(self, send: np.ndarray, send_rows: list[int], recv: np.ndarray,
                   recv_rows: list[int]) -> np.ndarray:
         """Rows ``[n, ...]``: ``send_rows[j]`` consecutive rows of ``send`` go to rank ``j`` (in
@@ -483,14 +491,23 @@ class Group:
         if self.size == 1:
             recv[...] = send
             return recv
-        row = int(np.prod(send.shape[1:], dtype=np.int64))
-        sc, rc = [n * row for n in send_rows], [n * row for n in recv_rows]
-        sd, rd = np.cumsum([0] + sc[:-1]).tolist(), np.cumsum([0] + rc[:-1]).tolist()
-        sent = (sum(send_rows) - send_rows[self.rank]) * row * send.itemsize
+        (sc, sd), (rc, rd), sent = self._v_spec(send, send_rows, recv_rows)
         with self._buffers((_contig(send, "alltoallv"),), (_contig(recv, "alltoallv"),)) as b:
             self._timed("alltoallv", sent, self.comm.Alltoallv, [b[0], (sc, sd)],
                         [b[1], (rc, rd)])
         return recv
+
+    def ialltoallv(self, send: np.ndarray, send_rows: list[int], recv: np.ndarray,
+                   recv_rows: list[int]) -> Request:
+        """Start :meth:`alltoallv` (both buffers are busy until the request completes); booked
+        as it, the bytes sent to the other ranks."""
+        if self.size == 1:
+            recv[...] = send
+            return Request(None, self.ledger, self.name, "ialltoallv", 0)
+        (sc, sd), (rc, rd), sent = self._v_spec(send, send_rows, recv_rows)
+        b, done = self._leased((_contig(send, "ialltoallv"),), (_contig(recv, "ialltoallv"),))
+        return self._request(self.comm.Ialltoallv([b[0], (sc, sd)], [b[1], (rc, rd)]),
+                             "ialltoallv", sent, on_done=done)
 
     def ialltoall(self, send: np.ndarray, recv: np.ndarray) -> Request:
         """Start :meth:`alltoall` (both buffers are busy until the request completes)."""

@@ -199,7 +199,8 @@ class Engine:
         m, ep = self.cfg.model, self.groups.get("ep")
         if ep is not None and ep.size > 1:
             return ExpertParallel(num_experts=m.moe_experts, sp=self.groups["sp"], ep=ep,
-                                  xp=self.xp, seq=self.seq_layout)
+                                  xp=self.xp, seq=self.seq_layout,
+                                  overlap=self.cfg.parallel.ep_overlap)
         return SequenceExperts(num_experts=m.moe_experts, sp=self.groups["sp"],
                                seq=self.seq_layout)
 

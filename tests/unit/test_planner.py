@@ -345,8 +345,8 @@ def test_the_planner_ranks_expert_parallel_layouts():
     layout = by_ep[4].cfg
     ep_calls = [c for c in step_calls(layout, Coord(0, 0, 0, 0)) if c.group == "ep"]
     # counts, rows; and the experts' share of the gradient norm (sharded over ep: all-reduce)
-    assert ep_calls and {c.op for c in ep_calls} == {"alltoall", "alltoallv", "allreduce"}
+    assert ep_calls and {c.op for c in ep_calls} == {"alltoall", "ialltoallv", "allreduce"}
     want = sum(c.nbytes * 3 // 4 * c.count for c in ep_calls if c.op == "alltoall") + sum(
-        c.nbytes * c.count for c in ep_calls if c.op == "alltoallv") + sum(
+        c.nbytes * c.count for c in ep_calls if c.op == "ialltoallv") + sum(
         wire_bytes(c.op, c.nbytes, 4) * c.count for c in ep_calls if c.op == "allreduce")
     assert predict_link_bytes(layout, Coord(0, 0, 0, 0))["ep"]["intra"] == want

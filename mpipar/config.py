@@ -228,7 +228,8 @@ class ParallelConfig:
     ep_overlap: bool = _f(True, "ep > 1: the tokens' all-to-all-v there and back are "
                                 "non-blocking, each rank computing its own tokens' experts (and "
                                 "the shared expert, the weight gradients) while they travel "
-                                "(--no-ep-overlap: blocking; the same bits and bytes)")
+                                "(--no-ep-overlap: blocking; the same bits and bytes)",
+                          flag="--no-ep-overlap")
     tp_sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside TP: norms, "
                                            "residuals and pipeline messages hold 1/tp of the "
                                            "tokens (all-gather / reduce-scatter replace the "

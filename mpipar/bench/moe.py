@@ -3,7 +3,7 @@ top-2 model (``--moe-experts 8 --moe-top-k 2``, the default model otherwise) tra
 ``--ranks`` ranks with ``--ep 1`` (every rank computes every expert for its own tokens) and
 ``--ep 8`` (each rank computes one expert for the tokens of its 8-rank group, sent by
 all-to-all) twice: blocking (``--no-ep-overlap``) and overlapped with compute
-(``--ep-overlap``, the default: :func:`mpipar.model.moe.experts_fwd`), side by side in one run:
+(``parallel.ep_overlap``, the default: :func:`mpipar.model.moe.experts_fwd`), side by side in one run:
 tokens/s (median after step 1), the seconds a step spends in the ep group's calls on rank 0
 (blocked in them, or in the non-blocking ones' waits and tests: the exposed exchange), the ep
 bytes a step sends, the training state a rank holds (weights, gradients, AdamW moments: the planner's

@@ -93,7 +93,7 @@ class ExpertParallel(SequenceExperts):
     counts per (rank, local expert) (all-to-all); the rows then travel by all-to-all-v, regrouped
     by local expert (this rank's own rows first, then the other source ranks' in order, each
     source's rows in its order); the way back and the gradients' retrace the same plan.
-    ``overlap`` (``--ep-overlap``, the default): the all-to-all-v are non-blocking
+    ``overlap`` (``parallel.ep_overlap``, the default): the all-to-all-v are non-blocking
     (``Ialltoallv``), the sparse block computing what needs no message while they travel
     (:func:`mpipar.model.moe.experts_fwd`); else blocking. The same bytes either way."""
 
@@ -160,7 +160,7 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     ``A / E`` of a rank's ``A`` assignments; the ledger's real loads differ): per sparse block
     and forward, the counts' sum over sp (all-reduce), and under ep the counts (all-to-all) and
     the rows there and back (two all-to-all-v, each the ``A (ep-1)/ep`` rows to other ranks;
-    non-blocking under ``--ep-overlap``);
+    non-blocking under ``parallel.ep_overlap``, the default);
     backward sends the gradients' rows there and back again, and ``--recompute full`` repeats
     the forward's calls. A training step with the experts sharded over ep adds their gradient
     reduction over ``ep_dp`` (:func:`expert_reduction_calls`). With ``--moe-capacity-factor``

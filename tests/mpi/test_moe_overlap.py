@@ -1,4 +1,4 @@
-"""The expert-parallel all-to-all-v overlapped with compute (``--ep-overlap``, the default)
+"""The expert-parallel all-to-all-v overlapped with compute (``parallel.ep_overlap``, the default)
 gives the same bits as the blocking exchange (``--no-ep-overlap``) in float64, and books the
 same bytes: the same GEMMs on the same rows in the same order, only the wait moved
 (:func:`mpipar.model.moe.experts_fwd`). Under ``mpirun -n 8``: two AdamW steps of the small

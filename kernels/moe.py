@@ -1,9 +1,9 @@
 """Mixture-of-experts kernels: the router's top-k, the token permutation by expert and its
-inverse, and the grouped SwiGLU GEMMs (one BLAS call per expert over its gathered tokens).
+inverse, the capacity's counts and keep mask. (The experts' grouped SwiGLU GEMMs, one per
+weight and expert and part of its rows, are :func:`mpipar.model.moe.experts_fwd`'s: they go
+through a kernel backend's ``linear_fwd``/``swiglu_fwd`` and overlap the ep exchange.)
 
-Array-module generic (NumPy or CuPy arrays; ``xp`` is the arrays' module); the GEMMs and the
-SwiGLU go through a kernel backend's ``linear_fwd``/``swiglu_fwd`` so they run at its GEMM speed.
-No MPI.
+Array-module generic (NumPy or CuPy arrays; ``xp`` is the arrays' module). No MPI.
 
 Shapes: ``N`` tokens, ``H`` hidden, ``E`` experts, ``K`` experts per token, ``A = N*K``
 assignments (token ``n``'s ``k``-th choice is assignment ``n*K + k``), ``F`` expert width.
@@ -108,22 +108,6 @@ def offsets(counts) -> list[int]:
 def host(a: Array) -> np.ndarray:
     """``a`` as a NumPy array (a CuPy array copied to the host)."""
     return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
-def grouped_swiglu_fwd(kernels, xs: Array, bounds: list[int],
-                       weights: list[tuple[Array, Array, Array]]) -> tuple[Array, list]:
-    """Each expert's SwiGLU FFN on its rows of ``xs`` ``[A, H]`` (rows ``bounds[e]:bounds[e+1]``;
-    ``weights[e]`` = (w1 gate ``[F, H]``, w3 up ``[F, H]``, w2 down ``[H, F]``)), one GEMM per
-    weight and expert. Returns (``ys`` ``[A, H]``, per expert (g, u, m) for backward)."""
-    ys = kernels.xp.empty_like(xs) if hasattr(kernels, "xp") else np.empty_like(xs)
-    saved = []
-    for e, (w1, w3, w2) in enumerate(weights):
-        rows = slice(bounds[e], bounds[e + 1])
-        g, u = kernels.linear_fwd(xs[rows], w1), kernels.linear_fwd(xs[rows], w3)
-        m = kernels.swiglu_fwd(g, u)
-        ys[rows] = kernels.linear_fwd(m, w2)
-        saved.append((g, u, m))
-    return ys, saved
 
 
 def block_counts(experts: Array, blocks: Array, num_blocks: int, num_experts: int, xp) -> Array:

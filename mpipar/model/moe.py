@@ -9,8 +9,9 @@ Forward on the normed stream ``h`` ``[B, S, H]`` (``N = B*S`` tokens of this ran
 - the ``A = N*K`` assignments are sorted by expert (:func:`mpipar.kernels.moe.permutation`), the
   tokens gathered in that order, handed to the exchange (which, under expert parallelism, sends
   each to the rank holding its expert and returns what this rank's experts must compute), each
-  local expert's SwiGLU FFN runs on its rows (one GEMM per weight and expert), the exchange
-  brings the outputs home, and each token's output is ``sum_k w_k y_k``.
+  local expert's SwiGLU FFN runs on its rows (one GEMM per weight, expert and part: this rank's
+  own rows while the others travel, then those; :func:`experts_fwd`), the exchange brings the
+  outputs home, and each token's output is ``sum_k w_k y_k``.
 
 Balance loss (DeepSeek-V3, sequence-wise): for each sequence ``b`` (a row of ``T`` tokens)
 ``sum_e f_be P_be`` with ``f_be = E / (K T) * (assignments of row b to e)`` (no gradient) and
@@ -47,8 +48,8 @@ Incremental decoding (no whole rows) routes dropless.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -64,9 +65,9 @@ Array = Any
 class Plan:
     """Where one dispatch's rows go and come from. This rank computes its local experts' rows
     ``[A', H]``, expert ``j``'s at ``bounds[j]:bounds[j+1]`` (``bounds`` ``[E_local + 1]``);
-    their first ``own[j]`` rows are this rank's own tokens, which need no message: rows
-    ``own_start + sum(own[:j])`` on of the sorted ``xs`` ``[A, H]``; ``handle``: the
-    exchange's record of the routes."""
+    their first ``own[j]`` rows are this rank's own tokens, which need no message (in the sorted
+    ``xs`` ``[A, H]`` they are ``own[j]`` rows from ``own_start + sum(own[:j])`` on);
+    ``handle``: the exchange's record of the routes."""
 
     bounds: list
     own: list

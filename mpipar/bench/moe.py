@@ -12,7 +12,8 @@ counts' all-to-all), the ep bytes a step sends, the training state a rank holds 
 gradients, AdamW moments: the planner's :func:`mpipar.plan.memory.predict_memory`, which
 ``tests/mpi/test_moe.py`` holds equal to the engine's buffers; under ep 8 a rank holds one
 expert of each block, not 8: :mod:`mpipar.parallel.experts`) and peak memory per rank (the
-process's peak RSS).
+process's peak RSS). Then a probe of MPI's progress (:func:`probe`): whether an all-to-all-v
+posted non-blocking moves while the rank computes, with and without a ``Test`` per GEMM.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import argparse
 import json
 import os
 import statistics
+import time
 from typing import Any
 
-from mpipar.bench.harness import Section, print_header, train_run
+from mpipar.bench.harness import Section, mpirun, print_header, run_child, train_run
 from mpipar.config import add_arguments, from_args
 from mpipar.observe.trace import TRACE_FILE
 from mpipar.plan.memory import predict_memory
@@ -81,8 +83,55 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "repeats": [{k: r[k] for k in keys} for r in runs]}
 
 
+PROBE_MODES = ("blocking", "no polling", "test per GEMM")
+
+
+def probe(args: argparse.Namespace) -> dict[str, Any]:
+    """Under mpirun (``--probe``): does a non-blocking all-to-all-v move while the rank
+    computes? Per mode, ``--probe-rows`` rows of 256 float64 to each rank and 24 GEMMs of 256
+    (what one expert's rows take), timed from a barrier: ``blocking`` (Alltoallv, then the
+    GEMMs), ``no polling`` (Ialltoallv, the GEMMs without an MPI call, Wait) and ``test per
+    GEMM`` (a Test after each). The seconds per mode are the median over the repeats of every
+    rank's mean: the step, the time in the blocking call or the wait, and in the tests."""
+    import numpy as np
+    from mpipar.runtime.comm import Group, Ledger
+    from mpipar.runtime.mpi_init import MPI
+    world, ledger = MPI.COMM_WORLD, Ledger()
+    group, n, rows = Group(world, "ep", ledger), world.Get_size(), args.probe_rows
+    rng = np.random.default_rng(world.Get_rank())
+    send, a = rng.standard_normal((n * rows, 256)), rng.standard_normal((256, 256))
+    recv, counts = np.empty_like(send), [rows] * n
+    times: dict[str, list] = {m: [] for m in PROBE_MODES}
+    for _ in range(max(3, args.repeats * 3)):
+        for mode in PROBE_MODES:
+            world.Barrier()
+            ledger.reset()
+            t0 = time.perf_counter()
+            if mode == "blocking":
+                group.alltoallv(send, counts, recv, counts)
+            else:
+                request = group.ialltoallv(send, counts, recv, counts)
+            for _ in range(24):
+                a @ a
+                if mode == "test per GEMM":
+                    request.test()
+            if mode != "blocking":
+                request.wait()
+            step = time.perf_counter() - t0
+            mpi = sum(e.seconds for e in ledger.entries.values())
+            tested = sum(e.tested for e in ledger.entries.values())
+            times[mode].append(world.allreduce(np.array([step, mpi - tested, tested])) / n)
+    return {"ranks": n, "rows_per_rank": rows,
+            "modes": {m: dict(zip(("step_s", "wait_s", "test_s"),
+                                  np.median(np.array(v), axis=0).tolist()))
+                      for m, v in times.items()}}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train ep = 1, then ep = 8 blocking and overlapped in turn; print them side by side."""
+    """Train ep = 1, then ep = 8 blocking and overlapped in turn; print them side by side; then
+    the progress probe (:func:`probe`) under mpirun."""
+    if args.probe:
+        return probe(args)
     if args.quick:
         args.steps, args.repeats = 4, 1
     os.makedirs(args.out, exist_ok=True)
@@ -99,8 +148,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{r['ep']:>3} {kind:>10} {r['tokens_per_s']:>9.0f} {r['ep_rows_s']:>7.3f} "
               f"{r['ep_counts_s']:>8.3f} {r['ep_bytes']:>14,} {r['state_mib']:>15.1f} "
               f"{r['peak_memory_mib']:>14.0f} {r['losses'][-1]:>10.4f}")
+    found = run_child(["moe", "--probe", "--probe-rows", str(args.probe_rows), "--repeats",
+                       str(args.repeats)], 1, (mpirun(), "-n", str(args.ranks)))["moe"]
+    print_header(f"{'progress probe':>14} {'step s':>8} {'in the call or wait s':>22} "
+                 f"{'in tests s':>11}")
+    for m, r in found["modes"].items():
+        print(f"{m:>14} {r['step_s']:>8.4f} {r['wait_s']:>22.4f} {r['test_s']:>11.4f}")
     return {"config": {"steps": args.steps, "ranks": args.ranks, "repeats": args.repeats,
-                       "train_flags": args.train_flags}, "rows": rows}
+                       "train_flags": args.train_flags}, "rows": rows, "probe": found}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +164,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="ep 8 blocking and overlapped runs, in turn")
     parser.add_argument("--train-flags", default="", help="more python -m mpipar.train flags")
+    parser.add_argument("--probe", action="store_true",
+                        help="under mpirun: only the progress probe (the section runs it)")
+    parser.add_argument("--probe-rows", type=int, default=2048,
+                        help="the probe's rows of 256 float64 to each rank")
     parser.add_argument("--out", default="runs/bench-moe", help="run directories")
 
 

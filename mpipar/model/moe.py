@@ -5,7 +5,8 @@ balance loss, forward and backward by hand. No MPI: what crosses ranks goes thro
 Forward on the normed stream ``h`` ``[B, S, H]`` (``N = B*S`` tokens of this rank):
 
 - router: ``p = softmax(h W_r^T)`` ``[N, E]``; the top ``K`` experts of each token and their
-  probabilities renormalised to sum to 1 (``w`` ``[N, K]``);
+  probabilities renormalised to sum to 1 (``w`` ``[N, K]``); with ``moe_norm_topk`` off
+  (Qwen2-MoE's ``norm_topk_prob: false``) ``w`` is the K probabilities as they are;
 - the ``A = N*K`` assignments are sorted by expert (:func:`mpipar.kernels.moe.permutation`), the
   tokens gathered in that order, handed to the exchange (which, under expert parallelism, sends
   each to the rank holding its expert and returns what this rank's experts must compute), each
@@ -35,8 +36,8 @@ position (within a token, of slot: the final top-K order, biased or not), and dr
 A dropped assignment is not sent to its expert (before the ep all-to-all) and adds nothing: its
 weight is *not* given to the token's other experts (as Megatron and Switch), the residual and
 the token's kept experts carry the token. The weights were renormalised over all K before the
-drop, so the dropped slot's probability still gets the gradient through that sum; its expert
-gets none. The balance loss and the loads (metrics, the routing biases' update) count the
+drop (``moe_norm_topk``), so the dropped slot's probability still gets the gradient through that
+sum; its expert gets none. The balance loss and the loads (metrics, the routing biases' update) count the
 router's choice *before* drops (DeepSeek-V3 and Switch count loads before capacity). Under sp a
 rank needs, per row and expert, the assignments at earlier positions on the other ranks: the
 rows' counts per position block (``exchange.blocks``) are summed over sp, replacing the
@@ -112,7 +113,7 @@ class LocalExperts:
 class MoeSaved:
     """What a sparse FFN keeps for backward (shapes in the module docstring): the router's input
     ``x`` ``[N, H]``, ``probs`` ``[N, E]``, the chosen ``experts`` and ``weights`` ``[N, K]``
-    and the chosen probabilities' sum ``[N, 1]``, the permutation ``order`` ``[A]``, the local
+    and the chosen probabilities' sum ``[N, 1]`` (None: not renormalised), the permutation ``order`` ``[A]``, the local
     rows ``xs`` and ``bounds``, each local expert's (g, u, m), the outputs per assignment
     ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]`` (``f / T``), the
     exchange's handle, this rank's share of the balance loss ``aux``, its load ``counts``
@@ -122,7 +123,7 @@ class MoeSaved:
     probs: Array
     experts: Array
     weights: Array
-    chosen_sum: Array
+    chosen_sum: Array | None
     order: Array
     xs: Array
     bounds: list
@@ -147,8 +148,9 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
     probs = K_moe.softmax(upcast(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])), xp)
-    experts, weights = K_moe.route_topk(probs, k, xp, bias)
-    chosen_sum = xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
+    experts, weights = K_moe.route_topk(probs, k, xp, bias, cfg.moe_norm_topk)
+    chosen_sum = (xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
+                  if cfg.moe_norm_topk else None)
     keep = row_counts = None
     if cfg.moe_capacity_factor and positions is not None:
         keep, row_counts = capacity(experts, positions, B, cfg, exchange, probs.dtype, xp)

@@ -6,7 +6,9 @@ Forward on the normed stream ``h`` ``[B, S, H]`` (``N = B*S`` tokens of this ran
 
 - router: ``p = softmax(h W_r^T)`` ``[N, E]``; the top ``K`` experts of each token and their
   probabilities renormalised to sum to 1 (``w`` ``[N, K]``); with ``moe_norm_topk`` off
-  (Qwen2-MoE's ``norm_topk_prob: false``) ``w`` is the K probabilities as they are;
+  (Qwen2-MoE's ``norm_topk_prob: false``) ``w`` is the K probabilities as they are (then the
+  capacity's renormalisation remark below does not apply: a dropped slot's probability gets
+  no gradient from the output);
 - the ``A = N*K`` assignments are sorted by expert (:func:`mpipar.kernels.moe.permutation`), the
   tokens gathered in that order, handed to the exchange (which, under expert parallelism, sends
   each to the rank holding its expert and returns what this rank's experts must compute), each
@@ -36,8 +38,8 @@ position (within a token, of slot: the final top-K order, biased or not), and dr
 A dropped assignment is not sent to its expert (before the ep all-to-all) and adds nothing: its
 weight is *not* given to the token's other experts (as Megatron and Switch), the residual and
 the token's kept experts carry the token. The weights were renormalised over all K before the
-drop (``moe_norm_topk``), so the dropped slot's probability still gets the gradient through that
-sum; its expert gets none. The balance loss and the loads (metrics, the routing biases' update) count the
+drop, so the dropped slot's probability still gets the gradient through that sum; its expert
+gets none. The balance loss and the loads (metrics, the routing biases' update) count the
 router's choice *before* drops (DeepSeek-V3 and Switch count loads before capacity). Under sp a
 rank needs, per row and expert, the assignments at earlier positions on the other ranks: the
 rows' counts per position block (``exchange.blocks``) are summed over sp, replacing the
@@ -113,11 +115,12 @@ class LocalExperts:
 class MoeSaved:
     """What a sparse FFN keeps for backward (shapes in the module docstring): the router's input
     ``x`` ``[N, H]``, ``probs`` ``[N, E]``, the chosen ``experts`` and ``weights`` ``[N, K]``
-    and the chosen probabilities' sum ``[N, 1]`` (None: not renormalised), the permutation ``order`` ``[A]``, the local
-    rows ``xs`` and ``bounds``, each local expert's (g, u, m), the outputs per assignment
-    ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]`` (``f / T``), the
-    exchange's handle, this rank's share of the balance loss ``aux``, its load ``counts``
-    ``[E]`` (the router's choice, before drops) and the assignments capacity ``dropped``."""
+    and the chosen probabilities' sum ``[N, 1]`` (None: not renormalised), the permutation
+    ``order`` ``[A]``, the local rows ``xs`` and ``bounds``, each local expert's (g, u, m), the
+    outputs per assignment ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]``
+    (``f / T``), the exchange's handle, this rank's share of the balance loss ``aux``, its load
+    ``counts`` ``[E]`` (the router's choice, before drops) and the assignments capacity
+    ``dropped``."""
 
     x: Array
     probs: Array

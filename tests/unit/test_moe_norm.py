@@ -26,6 +26,7 @@ from tests.unit.test_moe import MOE, assert_matches_differences, naive_moe
 
 PLAIN = dataclasses.replace(MOE, moe_norm_topk=False)
 PLAIN_HALF = dataclasses.replace(PLAIN, moe_layers="1")
+PLAIN_CAP = dataclasses.replace(PLAIN, moe_capacity_factor=0.5)    # drops active
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
@@ -67,7 +68,8 @@ def stage_gradient(cfg: ModelConfig, ce_weight: float, seed: int = 5):
     return stage, p, grads, tokens, targets, rng
 
 
-@pytest.mark.parametrize("cfg", [PLAIN, PLAIN_HALF], ids=["all-sparse", "one-sparse"])
+@pytest.mark.parametrize("cfg", [PLAIN, PLAIN_HALF, PLAIN_CAP],
+                         ids=["all-sparse", "one-sparse", "capacity"])
 def test_router_gradient_matches_finite_differences(cfg):
     """Every element of each sparse block's router (the cross-entropy through the weights p_k
     plus the balance loss) against central differences."""

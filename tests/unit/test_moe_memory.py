@@ -105,3 +105,21 @@ def test_bf16_record_is_the_prediction(norm):
     plan = dataclasses.replace(plan, config=dataclasses.replace(
         plan.config, train=dataclasses.replace(plan.config.train, dtype="bfloat16")))
     assert _sparse_ffn_bytes(plan, "none") + h.nbytes == _kept_bytes(saved)
+
+
+@pytest.mark.parametrize("spec", ["all", "even", "odd", "1,2,5,9"])
+def test_sparse_blocks_per_stage_without_a_layer_walk(spec):
+    """The count of a stage's sparse blocks is ``is_sparse``'s, and instant for 10^8 layers."""
+    import time
+    import types
+
+    from mpipar.plan.memory import _sparse_in
+    for layers, per in ((12, 3), (12, 4), (10, 5), (10, 10)):
+        m = ModelConfig(layers=layers, moe_experts=4, moe_layers=spec)
+        plan = types.SimpleNamespace(model=m)
+        assert [_sparse_in(plan, s, per) for s in range(layers // per)] == \
+            [sum(map(m.is_sparse, range(s * per, (s + 1) * per))) for s in range(layers // per)]
+    huge = types.SimpleNamespace(model=ModelConfig(layers=10 ** 8, moe_experts=4, moe_layers=spec))
+    start = time.perf_counter()
+    _sparse_in(huge, 1, 10 ** 8 // 2)
+    assert time.perf_counter() - start < 0.1

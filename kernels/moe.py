@@ -29,23 +29,32 @@ def softmax_bwd(dp: Array, p: Array) -> Array:
     return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
 
 
-def route_topk(probs: Array, k: int, xp, bias: Array | None = None) -> tuple[Array, Array]:
+def route_topk(probs: Array, k: int, xp, bias: Array | None = None, normalize: bool = True
+               ) -> tuple[Array, Array]:
     """Mixtral's routing: the ``k`` most probable experts of each token and their weights
     renormalised to sum to 1. probs ``[N, E]`` -> (experts ``[N, K]`` int64, most probable
     first (ties: the lower index), weights ``[N, K]``). ``bias`` ``[E]`` (DeepSeek-V3's
     auxiliary-loss-free routing): the experts with the largest ``probs + bias`` are chosen, their
-    weights still the *unbiased* probabilities renormalised."""
+    weights still the *unbiased* probabilities renormalised. ``normalize`` False (Qwen2-MoE's
+    ``norm_topk_prob: false``): the weights are the chosen probabilities as they are."""
     score = probs if bias is None else probs + bias
     order = xp.argsort(-score, axis=-1, kind="stable")[:, :k]
     chosen = xp.take_along_axis(probs, order, axis=-1)
-    return order.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
+    if normalize:
+        chosen = chosen / chosen.sum(axis=-1, keepdims=True)
+    return order.astype(xp.int64), chosen
 
 
-def route_topk_bwd(dweights: Array, weights: Array, chosen_sum: Array, experts: Array,
+def route_topk_bwd(dweights: Array, weights: Array, chosen_sum: Array | None, experts: Array,
                    num_experts: int, xp) -> Array:
-    """Gradient of the probabilities ``[N, E]`` from that of the renormalised weights
-    ``[N, K]`` (``weights = p_chosen / chosen_sum``, ``chosen_sum`` ``[N, 1]``)."""
-    dchosen = (dweights - (dweights * weights).sum(axis=-1, keepdims=True)) / chosen_sum
+    """Gradient of the probabilities ``[N, E]`` from that of the weights ``[N, K]``: the
+    renormalised ones (``weights = p_chosen / chosen_sum``, ``chosen_sum`` ``[N, 1]``), or with
+    ``chosen_sum`` None the chosen probabilities as they are (``weights = p_chosen``: the
+    gradient passes through unchanged)."""
+    if chosen_sum is None:
+        dchosen = dweights
+    else:
+        dchosen = (dweights - (dweights * weights).sum(axis=-1, keepdims=True)) / chosen_sum
     dp = xp.zeros((weights.shape[0], num_experts), dtype=dweights.dtype)
     xp.put_along_axis(dp, experts, dchosen, axis=-1)
     return dp

@@ -96,6 +96,10 @@ class ModelConfig:
                                        "routed ones in each sparse layer; 0 = none")
     moe_shared_gate: bool = _f(False, "mixture of experts: scale the shared expert's output per token "
                                       "by sigmoid(x w_g) (Qwen2-MoE's shared_expert_gate)")
+    moe_norm_topk: bool = _f(True, "mixture of experts: renormalise the top-K router probabilities "
+                                   "to sum to 1 (Mixtral's; --no-moe-norm-topk: the K softmax "
+                                   "probabilities as they are, Qwen2-MoE's norm_topk_prob false)",
+                             flag="--no-moe-norm-topk")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
@@ -424,6 +428,9 @@ def _check_moe(m: ModelConfig) -> None:
     require(not m.moe_shared_gate or m.moe_shared_ffn_hidden > 0,
             f"model.moe_shared_gate={m.moe_shared_gate}: needs a shared expert "
             f"(--moe-shared-ffn-hidden > 0)")
+    require(m.moe_norm_topk or m.moe_experts > 0,
+            f"model.moe_norm_topk={m.moe_norm_topk}: needs a mixture of experts "
+            f"(--moe-experts > 0)")
     if m.moe_experts == 0:
         return
     require(1 <= m.moe_top_k <= m.moe_experts,

@@ -37,6 +37,10 @@ MODELS = {
     # ... and Qwen2-MoE's sigmoid gate on it.
     "moe_gated": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
                       moe_aux_loss_coef=0.05, moe_shared_ffn_hidden=24, moe_shared_gate=True),
+    # ... with the top-K weights not renormalised (Qwen1.5-MoE-A2.7B's norm_topk_prob false).
+    "moe_qwen": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
+                     moe_aux_loss_coef=0.05, moe_shared_ffn_hidden=24, moe_shared_gate=True,
+                     moe_norm_topk=False),
     # ... with an expert capacity that drops routed assignments (the shared expert takes all).
     "moe_gated_cap": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
                           moe_aux_loss_coef=0.05, moe_shared_ffn_hidden=24, moe_shared_gate=True,

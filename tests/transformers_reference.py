@@ -159,12 +159,15 @@ def rotary_float64(self, x, position_ids):
 
 def router_float64(self, hidden_states):
     """A transformers top-K router's forward (Mixtral's, Qwen2-MoE's) with its softmax in
-    float64 (not ``.float()``): the weights renormalised over the K, as both do."""
+    float64 (not ``.float()``): the weights renormalised over the K, as Mixtral's always is and
+    Qwen2-MoE's with ``norm_topk_prob`` true; with false the K probabilities as they are."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     logits = torch.nn.functional.linear(hidden_states, self.weight)
     probs = torch.softmax(logits.to(torch.float64), dim=-1)
     top, index = torch.topk(probs, self.top_k, dim=-1)
-    return logits, top / top.sum(dim=-1, keepdim=True), index
+    if getattr(self, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top, index
 
 
 _EAGER = modeling_mistral.eager_attention_forward

@@ -14,8 +14,11 @@ Qwen2-MoE's hub names its router ``model.layers.{i}.mlp.gate.weight`` and its ex
 names to them); its shared expert (``mlp.shared_expert.*``, ``mlp.shared_expert_gate.weight``)
 is mpipar's ``--moe-shared-ffn-hidden`` with ``--moe-shared-gate``. Its ``decoder_sparse_step``
 and ``mlp_only_layers`` give ``moe_layers``; the dense blocks' width is ``intermediate_size``,
-an expert's ``moe_intermediate_size``. mpipar's router renormalises the top K: only
-``norm_topk_prob: true`` is read (and written).
+an expert's ``moe_intermediate_size``. Its ``norm_topk_prob`` (absent: false, transformers'
+default) is ``moe_norm_topk``: true renormalises the top K weights (Mixtral's router), false
+uses the K softmax probabilities as they are (Qwen1.5-MoE-A2.7B); an export writes it back. A
+model without renormalisation has no Mixtral form; without a shared expert it has no Qwen2-MoE
+one either (transformers' Qwen2-MoE block always has one): it is not exported.
 Functions raise ValueError naming the field; the caller turns it into its error type.
 """
 from __future__ import annotations
@@ -66,7 +69,8 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"router_jitter_noise={raw['router_jitter_noise']!r} is not supported "
                          f"(mpipar's router has no noise)")
     ffn = _count(raw, "intermediate_size", 14336)
-    return (f"Mixtral experts: {experts} of width {ffn} on every layer, top {top_k}",
+    return (f"Mixtral experts: {experts} of width {ffn} on every layer, top {top_k} "
+            f"renormalised",
             {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": ffn,
              "moe_layers": "all"})
 
@@ -76,9 +80,9 @@ def _read_qwen2_moe(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     experts, top_k = _count(raw, "num_experts", 60), _count(raw, "num_experts_per_tok", 4)
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be <= num_experts={experts}")
-    if raw.get("norm_topk_prob", False) is not True:
-        raise ValueError(f"norm_topk_prob={raw.get('norm_topk_prob', False)!r} is not "
-                         f"supported: mpipar's router renormalises the top K weights (true)")
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ValueError(f"norm_topk_prob={norm!r} must be true or false")
     layers, step = _count(raw, "num_hidden_layers", 24), _count(raw, "decoder_sparse_step", 1)
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
@@ -89,10 +93,12 @@ def _read_qwen2_moe(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     ffn, shared = (_count(raw, "moe_intermediate_size", 1408),
                    _count(raw, "shared_expert_intermediate_size", 5632))
     spec = "all" if len(sparse) == layers else ",".join(map(str, sparse))
-    return (f"Qwen2-MoE experts: {experts} of width {ffn} on layers {spec}, top {top_k}, a "
+    return (f"Qwen2-MoE experts: {experts} of width {ffn} on layers {spec}, top {top_k} "
+            f"{'renormalised' if norm else 'not renormalised (norm_topk_prob false)'}, a "
             f"gated shared expert of width {shared}",
             {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": ffn,
-             "moe_layers": spec, "moe_shared_ffn_hidden": shared, "moe_shared_gate": True})
+             "moe_layers": spec, "moe_shared_ffn_hidden": shared, "moe_shared_gate": True,
+             "moe_norm_topk": norm})
 
 
 def export_kind(m: ModelConfig) -> str:
@@ -110,6 +116,11 @@ def export_problem(m: ModelConfig) -> str:
                 f"{m.moe_shared_gate}, sliding_window={m.sliding_window}: a shared expert is "
                 f"exported as Qwen2MoeForCausalLM's, which is gated (--moe-shared-gate), "
                 f"without window (MixtralForCausalLM has no shared expert)")
+    if not m.moe_norm_topk:
+        return ("model.moe_norm_topk=False (--no-moe-norm-topk) without a shared expert: "
+                "MixtralForCausalLM renormalises the top K router weights, and Qwen2MoeForCausalLM"
+                " (norm_topk_prob false) always has a shared expert (--moe-shared-ffn-hidden with "
+                "--moe-shared-gate)")
     sparse = all(m.is_sparse(i) for i in range(m.layers))
     if sparse and not m.attention_bias and not m.sliding_window:
         return ""
@@ -130,7 +141,8 @@ def qwen2_moe_fields(m: ModelConfig) -> dict[str, Any]:
     """The config.json fields of a Qwen2-MoE (beyond the Llama ones)."""
     return {"num_experts": m.moe_experts, "num_experts_per_tok": m.moe_top_k,
             "moe_intermediate_size": m.moe_ffn_hidden,
-            "shared_expert_intermediate_size": m.moe_shared_ffn_hidden, "norm_topk_prob": True,
+            "shared_expert_intermediate_size": m.moe_shared_ffn_hidden,
+            "norm_topk_prob": m.moe_norm_topk,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(m.layers) if not m.is_sparse(i)],
             "qkv_bias": m.attention_bias, "use_sliding_window": False, "sliding_window": None,

@@ -94,7 +94,7 @@ _HF_FIELD = {  # mpipar ModelConfig field -> config.json field
     "rope_high_freq_factor": "rope_scaling.high_freq_factor",
     "rope_original_max_positions": "rope_scaling.original_max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings", "attention_bias": "model_type (qwen2: q/k/v biases)",
-    "sliding_window": "sliding_window (mistral)",
+    "sliding_window": "sliding_window (mistral)", "moe_norm_topk": "norm_topk_prob",
 }
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 

@@ -5,7 +5,10 @@ balance loss, forward and backward by hand. No MPI: what crosses ranks goes thro
 Forward on the normed stream ``h`` ``[B, S, H]`` (``N = B*S`` tokens of this rank):
 
 - router: ``p = softmax(h W_r^T)`` ``[N, E]``; the top ``K`` experts of each token and their
-  probabilities renormalised to sum to 1 (``w`` ``[N, K]``);
+  probabilities renormalised to sum to 1 (``w`` ``[N, K]``); with ``moe_norm_topk`` off
+  (Qwen2-MoE's ``norm_topk_prob: false``) ``w`` is the K probabilities as they are (then the
+  capacity's renormalisation remark below does not apply: a dropped slot's probability gets
+  no gradient from the output);
 - the ``A = N*K`` assignments are sorted by expert (:func:`mpipar.kernels.moe.permutation`), the
   tokens gathered in that order, handed to the exchange (which, under expert parallelism, sends
   each to the rank holding its expert and returns what this rank's experts must compute), each
@@ -170,17 +173,17 @@ def own_plan(counts: Array) -> Plan:
 class MoeSaved:
     """What a sparse FFN keeps for backward (shapes in the module docstring): the router's input
     ``x`` ``[N, H]``, ``probs`` ``[N, E]``, the chosen ``experts`` and ``weights`` ``[N, K]``
-    and the chosen probabilities' sum ``[N, 1]``, the permutation ``order`` ``[A]``, the local
-    rows ``xs`` and their ``plan``, each local expert's (g, u, m), the outputs per assignment
-    ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]`` (``f / T``), this rank's
-    share of the balance loss ``aux``, its load ``counts``
-    ``[E]`` (the router's choice, before drops) and the assignments capacity ``dropped``."""
+    and the chosen probabilities' sum ``[N, 1]`` (None: not renormalised), the permutation
+    ``order`` ``[A]``, the local rows ``xs`` and their ``plan``, each local expert's (g, u, m),
+    the outputs per assignment ``per`` ``[N, K, H]`` (0 where dropped), ``f_over_t`` ``[B, E]``
+    (``f / T``), this rank's share of the balance loss ``aux``, its load ``counts`` ``[E]`` (the
+    router's choice, before drops) and the assignments capacity ``dropped``."""
 
     x: Array
     probs: Array
     experts: Array
     weights: Array
-    chosen_sum: Array
+    chosen_sum: Array | None
     order: Array
     xs: Array
     plan: Plan
@@ -205,8 +208,9 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
     probs = K_moe.softmax(upcast(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])), xp)
-    experts, weights = K_moe.route_topk(probs, k, xp, bias)
-    chosen_sum = xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
+    experts, weights = K_moe.route_topk(probs, k, xp, bias, cfg.moe_norm_topk)
+    chosen_sum = (xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
+                  if cfg.moe_norm_topk else None)
     keep = row_counts = None
     if cfg.moe_capacity_factor and positions is not None:
         keep, row_counts = capacity(experts, positions, B, cfg, exchange, probs.dtype, xp)

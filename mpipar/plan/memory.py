@@ -70,9 +70,10 @@ def _precision(layout: Layout) -> Precision:
     return Precision.of(layout.train, layout.parallel)
 
 
-def _block_activation_bytes(layout: Layout, mode: str) -> int:
+def _block_activation_bytes(layout: Layout, mode: str, sparse: bool = False) -> int:
     """Bytes one block keeps for backward for one microbatch on one rank under ``mode`` (the
-    fields of :class:`mpipar.model.llama.BlockSaved` it fills)."""
+    fields of :class:`mpipar.model.llama.BlockSaved` it fills); ``sparse``: a mixture-of-experts
+    block (its FFN's record :func:`_sparse_ffn_bytes` instead of the dense FFN's g, u, m)."""
     m, par, tr = layout.model, layout.parallel, layout.train
     e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
@@ -85,13 +86,39 @@ def _block_activation_bytes(layout: Layout, mode: str) -> int:
     # of q, k, v and of the output, and the lse.
     core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0) + _halo_bytes(layout)
     inputs = 0 if ulysses else (q + 2 * kv) * n * e          # q, k, v as the core reads them
+    ffn = {"none": 3 * F * n * e, "selective": 2 * F * n * e}.get(mode, 0)
+    if sparse and mode in ("none", "selective"):
+        # the router's input h2 is kept with the record (selective drops h2 itself)
+        ffn = _sparse_ffn_bytes(layout, mode) + (H * n * e if mode == "selective" else 0)
     if mode == "none":                                       # x, h1, x2, h2, rstds, g, u, m
-        return 4 * H * ns * e + 2 * ns * se + 3 * F * n * e + inputs + core
+        return 4 * H * ns * e + 2 * ns * se + ffn + inputs + core
     if mode == "selective":
-        return 2 * H * ns * e + 2 * F * n * e + core               # x, x2, g, u, the core's
+        return 2 * H * ns * e + ffn + core                          # x, x2, g, u, the core's
     if mode == "full":
         return H * ns * e                                           # the block input only
     return 0                                                        # offload: on disk
+
+
+def _sparse_ffn_bytes(layout: Layout, mode: str) -> int:
+    """Bytes a sparse block's FFN keeps for one microbatch on one rank beside the block's
+    stream (:class:`mpipar.model.moe.MoeSaved`, the shared expert's g, u (and m under
+    ``none``) and its gate's record), in ``none`` or ``selective`` (which keeps the record
+    whole). The routed part at the dropless count of assignments ``A = n K`` this rank's
+    experts compute (exact with ep 1; under ep the mean of uniform routing; a capacity only
+    drops rows): their tokens' hidden ``[A, H]``, each expert's g, u, m ``[A, F_e]``, the
+    outputs per assignment ``[n, K, H]``, the permutation (and the ep regrouping) ``[A]``
+    int64; the router's probabilities ``[n, E]``, the weights and choices ``[n, K]``, the
+    chosen sum ``[n, 1]`` (renormalised only), ``f / T`` ``[B, E]`` and the loads ``[E]``."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
+    B, n, H, K, E = tr.micro_batch_size, tr.micro_batch_size * (tr.seq_len // par.sp), \
+        m.hidden, m.moe_top_k, m.moe_experts
+    A = n * K
+    routed = (A * H + 3 * A * m.moe_ffn_hidden + n * K * H) * e + A * 8 * (1 + (par.ep > 1))
+    router = (n * E + n * K + n * m.moe_norm_topk + B * E) * se + (n * K + E) * 8
+    shared = (3 if mode == "none" else 2) * n * (m.moe_shared_ffn_hidden // par.tp) * e
+    gate = (n * se + n * H * e) if m.moe_shared_gate else 0    # its sigmoid and ungated output
+    return routed + router + shared + gate
 
 
 def _halo_bytes(layout: Layout) -> int:
@@ -118,6 +145,20 @@ def _head_activation_bytes(layout: Layout) -> int:
     return 2 * m.hidden * ns * e + ns * se + vl * n * e + n * (8 + se)
 
 
+def _sparse_in(layout: Layout, stage: int, per: int) -> int:
+    """How many of virtual ``stage``'s ``per`` blocks ``[stage per, (stage + 1) per)`` are
+    sparse (:meth:`mpipar.parallel.placement.PlacementTable.stage_layers`), without a per-layer
+    walk (a plan of 10^8 layers stays instant)."""
+    m = layout.model
+    a, b = stage * per, (stage + 1) * per
+    spec = m.moe_layers.strip()
+    if not m.moe_experts:
+        return 0
+    if spec in ("all", "even", "odd"):
+        return {"all": per, "even": (b + 1) // 2 - (a + 1) // 2, "odd": b // 2 - a // 2}[spec]
+    return sum(a <= i < b for i in {int(x) for x in spec.split(",") if x.strip()})
+
+
 def _activation_bytes(layout: Layout, coord: Coord) -> int:
     """Activations of the rank at ``coord`` at the schedule's peak: what each chunk saves per
     microbatch between its forward and its backward, plus one block's (and on the last stage
@@ -126,10 +167,11 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
     p, last = par.pp, layout.stages - 1
     per = layout.model.layers // layout.stages
     mode = tr.recompute
-    block = _block_activation_bytes(layout, mode)
+    blocks = {sparse: _block_activation_bytes(layout, mode, sparse) for sparse in (False, True)}
     head = 0 if mode == "offload" else _head_activation_bytes(layout)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
-    weight = {c: per * block + (head if c * p + coord.pp == last else 0)
+    weight = {c: per * blocks[False] + _sparse_in(layout, c * p + coord.pp, per)
+              * (blocks[True] - blocks[False]) + (head if c * p + coord.pp == last else 0)
               + (9 * n if c * p + coord.pp == 0 else 0)              # token ids and mask
               for c in range(par.virtual_stages)}
     live, peak = 0, 0
@@ -139,8 +181,9 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
             peak = max(peak, live)
         elif op.kind in ("bwd", "bwd_weight"):
             live -= weight[op.chunk]
-    working = _block_activation_bytes(layout, "none") + (_head_activation_bytes(layout)
-                                                         if last % p == coord.pp else 0)
+    kinds = {False, layout.model.sparse_layers() > 0}          # dense and/or sparse blocks
+    working = max(_block_activation_bytes(layout, "none", sparse) for sparse in kinds) + (
+        _head_activation_bytes(layout) if last % p == coord.pp else 0)
     return peak + working
 
 

@@ -107,14 +107,16 @@ def test_balance_loss_is_on_and_moves():
     assert all(v >= 1.0 for v in loads[0].values()) and len(loads[0]) == 3
 
 
-def uniform_route(probs, k, xp, bias=None):
+def uniform_route(probs, k, xp, bias=None, normalize=True):
     """A router forced uniform: token n's choices are experts (nK, ..., nK+K-1) mod E, so each
     expert gets the same count whenever E divides a rank's N*K (weights from the probabilities
-    there, renormalised)."""
+    there, renormalised unless ``normalize`` is False)."""
     n, e = probs.shape
     experts = (xp.arange(n)[:, None] * k + xp.arange(k)[None, :]) % e
     chosen = xp.take_along_axis(probs, experts, axis=-1)
-    return experts.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
+    if normalize:
+        chosen = chosen / chosen.sum(axis=-1, keepdims=True)
+    return experts.astype(xp.int64), chosen
 
 
 LEDGER = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=4, ep=4, recompute="full"),

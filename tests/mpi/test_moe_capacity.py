@@ -15,6 +15,8 @@ import pytest
 from conftest import assert_all_ranks, check_in_groups
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
+from tests.mpi.test_moe import uniform_route   # each rank's row share gives each expert the
+# same count, a whole row 8 = cap at C = 1 (nothing drops)
 
 CAPACITY = 0.75    # seq_len 16, 4 experts, top 2: cap = ceil(0.75 x 16 x 2 / 4) = 6 of ~8
 LAYOUTS = [
@@ -90,15 +92,6 @@ def test_capacity_equals_single_process_float64(world, layout):
         return fails
 
     check_in_groups(world, layout_size(layout), check)
-
-
-def uniform_route(probs, k, xp, bias=None):
-    """Token n's choices are experts (nK, ..., nK+K-1) mod E: each rank's row share gives each
-    expert the same count, a whole row 8 = cap at C = 1 (nothing drops)."""
-    n, e = probs.shape
-    experts = (xp.arange(n)[:, None] * k + xp.arange(k)[None, :]) % e
-    chosen = xp.take_along_axis(probs, experts, axis=-1)
-    return experts.astype(xp.int64), chosen / chosen.sum(axis=-1, keepdims=True)
 
 
 LEDGER = [dict(dp=2, sp=4, ep=4, sp_split="zigzag"), dict(dp=4, sp=2, pp=1, ep=2)]

@@ -1,5 +1,6 @@
 """Qwen2-MoE checkpoints: a random ``Qwen2MoeForCausalLM`` (q/k/v biases, block 0 dense by
-``mlp_only_layers``, 4 experts top 2 renormalised, a gated shared expert) written by
+``mlp_only_layers``, 4 experts top 2 renormalised or not by ``norm_topk_prob``, a gated shared
+expert) written by
 transformers' save_pretrained is read by mpipar (``--moe-shared-ffn-hidden`` with
 ``--moe-shared-gate``), trained two AdamW steps by both with the objective cross-entropy +
 DeepSeek-V3's sequence-wise balance loss (computed on transformers' side from its router
@@ -37,13 +38,14 @@ def qwen_float64(monkeypatch):
         monkeypatch.setattr(owner, attr, replacement)
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "no_norm_topk"])
+def qwen_dir(request, tmp_path_factory):
     cfg = Qwen2MoeConfig(vocab_size=V, hidden_size=H, num_attention_heads=HEADS,
                          num_key_value_heads=KV, num_hidden_layers=LAYERS,
                          intermediate_size=DENSE, moe_intermediate_size=FFN,
                          shared_expert_intermediate_size=SHARED, num_experts=E,
-                         num_experts_per_tok=TOPK, norm_topk_prob=True, mlp_only_layers=[0],
+                         num_experts_per_tok=TOPK, norm_topk_prob=request.param,
+                         mlp_only_layers=[0],
                          rope_theta=THETA, rms_norm_eps=EPS, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float64)
@@ -122,7 +124,12 @@ def test_qwen2_moe_config_reads_as_a_gated_shared_expert(qwen_dir):
         (SHARED, True, True)
     assert [cfg.is_sparse(i) for i in range(LAYERS)] == [False, True, True]
     raw = json.loads((qwen_dir / "config.json").read_text())
-    for change, field in ((dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    assert cfg.moe_norm_topk is raw["norm_topk_prob"]
+    reading = {s.aspect: s for s in support(raw)[0]}["experts"].reading
+    assert ("not renormalised" in reading) is not raw["norm_topk_prob"], reading
+    absent = {k: v for k, v in raw.items() if k != "norm_topk_prob"}
+    assert support(absent)[1]["moe_norm_topk"] is False          # transformers' default
+    for change, field in ((dict(norm_topk_prob=1), "norm_topk_prob=1 must be true or false"),
                           (dict(mlp_only_layers=[0, 1, 2]), "no sparse layer")):
         aspects = {s.aspect: s for s in support({**raw, **change})[0]}
         assert field in aspects["experts"].problem
@@ -154,7 +161,7 @@ def test_qwen2_moe_export_round_trip(qwen_dir, tmp_path):
     save_hf(tmp_path / "out", cfg, params, dtype="float64")
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     assert raw["architectures"] == ["Qwen2MoeForCausalLM"] and raw["num_experts"] == E
-    assert raw["mlp_only_layers"] == [0] and raw["norm_topk_prob"] is True
+    assert raw["mlp_only_layers"] == [0] and raw["norm_topk_prob"] is cfg.moe_norm_topk
     _, again = load_hf(tmp_path / "out")
     for n, v in params.items():
         np.testing.assert_array_equal(again[n], v)

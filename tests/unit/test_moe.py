@@ -38,7 +38,8 @@ def naive_moe(p: dict, i: int, h: np.ndarray, c: ModelConfig) -> tuple[np.ndarra
             for e in top:
                 w1, w3, w2 = (p[n] for n in expert_names(i, e))
                 g, u = w1 @ x, w3 @ x
-                out[b, t] += pr[e] / pr[top].sum() * (w2 @ (g / (1 + np.exp(-g)) * u))
+                weight = pr[e] / pr[top].sum() if c.moe_norm_topk else pr[e]
+                out[b, t] += weight * (w2 @ (g / (1 + np.exp(-g)) * u))
                 load[e] += 1
             psum += pr
         aux += float((E / (K * S) * load * psum / S).sum())

@@ -1,0 +1,78 @@
+"""Experts sharded over their own replica group under ZeRO-2 and ZeRO-3 (``--ep N`` with
+``--zero 2/3``, :mod:`mpipar.parallel.experts`), under ``mpirun -n 8``: a rank holds only the
+E/N experts of its ep position, as one unit per sparse block sharded over ``ep_dp`` (the
+ranks of dp x sp at its ep position), beside the dense units over dp x sp.
+
+- every layout (ep 2 and 4 with dp, sp, tp, pp; ZeRO-2 and ZeRO-3, in node shared memory too;
+  zb-h1's deferred weight gradients, interleaving, recompute) equals the one-process run in
+  float64 (<= 1e-10: losses, gradient norms, parameters and balance losses of two AdamW steps;
+  the loads exactly);
+- a rank's expert weights, gradients and moments are the analytic count (ZeRO-2: the whole
+  units, ``1/|ep_dp|`` of gradients and moments; ZeRO-3: ``1/|ep_dp|`` of all three), and its
+  whole state equals the planner's;
+- the ledger's bytes per group (``ep_dp`` included) equal the planner's, with the router
+  forced uniform;
+- a checkpoint saved under ep 4 ZeRO-3 resumes under ep 1 and ep 2 ZeRO-1 (and one saved
+  under ep 2 ZeRO-1 under ep 4 ZeRO-3) equal to the uninterrupted run."""
+from __future__ import annotations
+
+import pytest
+
+from layouts import layout_name
+from tests.mpi import test_moe as moe
+from tests.mpi.test_moe import _check
+
+LAYOUTS = [   # ep_dp of 2 or 4 ranks: the experts' units really sharded
+    dict(dp=4, sp=2, ep=2, zero=2),
+    dict(dp=2, sp=2, tp=2, ep=2, zero=2, sp_split="zigzag"),
+    dict(dp=4, sp=2, ep=4, zero=3),
+    dict(dp=2, sp=2, pp=2, ep=2, zero=3, schedule="zb-h1"),
+    dict(dp=2, pp=2, sp=2, ep=2, zero=3, schedule="interleaved", virtual_stages=2,
+         zero_prefetch=2),
+    dict(dp=4, sp=2, ep=2, zero=3, zero_shared="node"),
+]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
+def test_sharded_experts_equal_single_process_float64(world, layout):
+    _check(world, layout)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_sharded_experts_recompute_full_equal_single_process_float64(world):
+    _check(world, dict(dp=2, sp=2, tp=2, ep=2, zero=3), "full")
+
+
+HOLDS = [dict(dp=4, sp=2, ep=2, zero=2), dict(dp=2, sp=2, tp=2, ep=2, zero=3),
+         dict(dp=4, sp=2, ep=4, zero=3, zero_shared="node")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", HOLDS, ids=[layout_name(v) for v in HOLDS])
+def test_a_rank_holds_its_share_of_its_experts(world, case):
+    moe.test_a_rank_holds_its_experts_only(world, case)
+
+
+LEDGER = [dict(dp=4, sp=2, ep=2, zero=2), dict(dp=2, sp=2, pp=2, ep=2, zero=3, schedule="zb-h1"),
+          dict(dp=4, sp=2, ep=2, zero=3, zero_shared="node"),
+          dict(dp=8, ep=8, zero=3, model="moe8")]           # ep_dp of one rank: no calls
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", LEDGER, ids=[layout_name(v) for v in LEDGER])
+def test_sharded_expert_bytes_equal_planner(world, case, monkeypatch):
+    moe.test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch)
+
+
+RESHARD = [(dict(dp=4, sp=2, ep=4, zero=3), dict(dp=4, tp=2, zero=1)),
+           (dict(dp=4, sp=2, ep=4, zero=3), dict(dp=2, sp=2, pp=2, ep=2, zero=1)),
+           (dict(dp=2, sp=2, pp=2, ep=2, zero=1), dict(dp=4, sp=2, ep=4, zero=3))]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("before,after", RESHARD, ids=["ep4-zero3-to-ep1-zero1",
+                                                       "ep4-zero3-to-ep2-zero1-pp2",
+                                                       "ep2-zero1-to-ep4-zero3"])
+def test_checkpoint_reshards_sharded_experts(world, before, after):
+    moe.test_checkpoint_moves_across_ep_sizes(world, before, after)

@@ -222,8 +222,11 @@ def _store_buffers(layout: Layout, coord: Coord, lengths: dict[str, int], kept_n
     for L, k in by_length.items():
         gathered = (min(k, 2 + par.zero_prefetch + kept[L])
                     if par.zero == 3 and not shared else 0)
-        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(k, 1 + MAX_IN_FLIGHT)
-        in_flight = min(k, 1 + MAX_IN_FLIGHT)
+        # a unit's gradients leave once a microbatch: its next backward may take a buffer
+        # while its last reduce-scatters are in flight (few units of a length: interleaving)
+        reduces = k * layout.microbatches
+        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(reduces, 1 + MAX_IN_FLIGHT)
+        in_flight = min(reduces, 1 + MAX_IN_FLIGHT)
         total += (gathered * prec.compute_bytes + grads * prec.master_bytes
                   + sends * in_flight * prec.reduce_bytes) * L \
             + in_flight * L // n * prec.reduce_bytes

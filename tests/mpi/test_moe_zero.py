@@ -10,15 +10,17 @@ ranks of dp x sp at its ep position), beside the dense units over dp x sp.
 - a rank's expert weights, gradients and moments are the analytic count (ZeRO-2: the whole
   units, ``1/|ep_dp|`` of gradients and moments; ZeRO-3: ``1/|ep_dp|`` of all three), and its
   whole state equals the planner's;
-- the ledger's bytes per group (``ep_dp`` included) equal the planner's, with the router
-  forced uniform;
+- the ledger's bytes per group and link (``ep_dp`` included) and calls equal the planner's,
+  with the router forced uniform, and the unit pool is within the planner's bound;
 - a checkpoint saved under ep 4 ZeRO-3 resumes under ep 1 and ep 2 ZeRO-1 (and one saved
   under ep 2 ZeRO-1 under ep 4 ZeRO-3) equal to the uninterrupted run."""
 from __future__ import annotations
 
 import pytest
 
-from layouts import layout_name
+from conftest import assert_all_ranks
+from layouts import layout_name, small_config, token_source
+from mpipar.rules import validate
 from tests.mpi import test_moe as moe
 from tests.mpi.test_moe import _check
 
@@ -55,14 +57,57 @@ def test_a_rank_holds_its_share_of_its_experts(world, case):
 
 
 LEDGER = [dict(dp=4, sp=2, ep=2, zero=2), dict(dp=2, sp=2, pp=2, ep=2, zero=3, schedule="zb-h1"),
+          dict(dp=2, pp=2, sp=2, ep=2, zero=3, schedule="interleaved", virtual_stages=2,
+               zero_prefetch=2),
           dict(dp=4, sp=2, ep=2, zero=3, zero_shared="node"),
           dict(dp=8, ep=8, zero=3, model="moe8")]           # ep_dp of one rank: no calls
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("case", LEDGER, ids=[layout_name(v) for v in LEDGER])
-def test_sharded_expert_bytes_equal_planner(world, case, monkeypatch):
-    moe.test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch)
+def test_sharded_expert_traffic_and_buffers_equal_planner(world, case, monkeypatch):
+    """With the router forced uniform, the ledger's bytes per group and link (``ep_dp``
+    included) of a step and of a validation pass, and its calls per group, equal the
+    planner's; the unit pool the step left (dense and experts' units) is within the planner's
+    bound."""
+    from mpipar.kernels import moe as kernels_moe
+    from mpipar.plan.memory import predict_memory
+    from mpipar.plan.traffic import (predict_eval_bytes, predict_link_bytes, predict_step_bytes,
+                                     predict_step_messages)
+    from mpipar.training.engine import Engine
+    monkeypatch.setattr(kernels_moe, "route_topk", moe.uniform_route)
+    case = dict(case)
+    cfg = small_config("float64", case.pop("model", "moe"), **case)
+    cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
+    fails = []
+    try:
+        layout = validate(cfg, 8)
+        eng = Engine(layout, world, source=token_source())
+        coord = eng.grid.coord
+        eng.ledger.reset()
+        eng.train_step(0)
+        messages: dict[str, int] = {}
+        for (group, _), entry in eng.ledger.entries.items():
+            messages[group] = messages.get(group, 0) + entry.messages
+        got = (eng.ledger.bytes_by_group(), messages, eng.ledger.bytes_by_link())
+        want = (predict_step_bytes(layout, coord), predict_step_messages(layout, coord),
+                predict_link_bytes(layout, coord))
+        if got != want:
+            fails.append(f"{coord}: step bytes, calls, links {got} vs {want}")
+        if layout.parallel.ep < 8 and not got[0].get("ep_dp"):
+            fails.append("no ep_dp bytes booked")
+        pooled = sum(b.nbytes for bufs in eng.sharded.pool.free.values() for b in bufs)
+        bound = predict_memory(layout, coord).buffers
+        if not 0 < pooled <= bound:
+            fails.append(f"{coord}: pool {pooled} B, bound {bound} B")
+        eng.evaluate()
+        if eng.eval_ledger.bytes_by_group() != predict_eval_bytes(layout, coord):
+            fails.append(f"{coord}: eval {eng.eval_ledger.bytes_by_group()} vs "
+                         f"{predict_eval_bytes(layout, coord)}")
+        eng.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)
 
 
 RESHARD = [(dict(dp=4, sp=2, ep=4, zero=3), dict(dp=4, tp=2, zero=1)),

@@ -20,15 +20,15 @@ gradients are reduced over ``ep_dp`` only, by a store of their own beside the de
   over ``ep_dp`` around its block's forward and backward (beside the dense unit's gather over
   dp x sp; in node shared memory the dense units only, the experts' still gathered).
 
+Under ``--grad-compression`` (ZeRO-0/1) the dense gradients are compressed over dp x sp as
+without ep, the experts' reduced exactly over ``ep_dp`` beside them (their residuals zero in
+checkpoints; a checkpoint's expert residuals from a run that compressed them are not carried).
+
 The sum over the replicas is the sum over every token of the global batch routed to the
 expert, so the update equals the one-process run. The global gradient norm adds the experts'
 share summed over ep (each expert on one ep position). Checkpoints stay global tensors: an
 expert is reported by the rank 0 of its ``ep_dp`` group (sharded stages: the owners of its
 slices), and every rank reads only its own experts, whatever ep and ZeRO stage wrote them.
-
-Not sharded (every rank holds every expert, its gradient of the experts it does not compute
-zero and the dp x sp reduction summing the rest; memory as ep = 1): ``--grad-compression``,
-whose residual slots span dp x sp.
 
 A sequence split over sp has its balance-loss statistics summed over the sp group (the ranks
 holding the other tokens of the same rows), so the loss and its gradient do not depend on the
@@ -170,13 +170,10 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
 
 
 def expert_shards(layout: Layout) -> int:
-    """The ep positions the experts' weights, gradients and moments are sharded over: ``ep``
-    (every ZeRO stage), except under gradient compression (residual slots span dp x sp), where
-    every rank holds every expert (1). The one home of this rule."""
-    p = layout.config.parallel
-    if p.ep > 1 and p.grad_compression == "none":
-        return p.ep
-    return 1
+    """The ep positions the experts' weights, gradients and moments are sharded over: ``ep``,
+    at every ZeRO stage and under gradient compression (the dense gradients compressed over
+    dp x sp, the experts' reduced exactly over ``ep_dp``). The one home of this rule."""
+    return layout.config.parallel.ep
 
 
 def expert_units(chunks: Units, table: PlacementTable, ep_rank: int) -> tuple[Units, Units]:
@@ -262,9 +259,10 @@ class ExpertSplitReducer:
     without ep) beside the ``experts`` store over ``ep_dp`` (this rank's experts; ``ep``: the
     group the experts are split over), seen as one store (what the engine, the optimizer's
     publish and :class:`mpipar.training.state.TrainState` ask of a :class:`GradReducer`).
-    ZeRO-0/1: two :class:`GradReducer`; ZeRO-2/3: :class:`ExpertSplitUnits`. ``params`` and
-    ``grads`` are live views of both (ZeRO-3 binds a unit's while it is entered). Residuals
-    (compression) are the dense reducer's only: compression keeps the experts unsharded."""
+    ZeRO-0/1: two :class:`GradReducer` (under ``--grad-compression`` the dense one compresses,
+    the experts' is exact); ZeRO-2/3: :class:`ExpertSplitUnits`. ``params`` and ``grads`` are
+    live views of both (ZeRO-3 binds a unit's while it is entered). Residuals (compression)
+    are the dense reducer's only."""
 
     def __init__(self, *, dense: Any, experts: Any, ep: Group) -> None:
         self.dense, self.experts, self.ep = dense, experts, ep
@@ -311,9 +309,19 @@ class ExpertSplitReducer:
         self._of.get(name, self.dense).load_local(name, value)
 
     def residual_pieces(self):
-        return self.dense.residual_pieces()
+        """The dense reducer's residuals, and zeros for the experts (reduced exactly: nothing
+        owed) in every residual kind, where the experts' parameters are reported, so that each
+        kind tiles every parameter in a checkpoint."""
+        yield from self.dense.residual_pieces()
+        kinds = self.dense.residual_kinds()
+        for name, lo, hi, values in (self.experts.param_pieces() if kinds else ()):
+            zeros = self.xp.zeros(hi - lo, values.dtype)
+            for kind in kinds:
+                yield kind, name, lo, hi, zeros
 
     def load_residuals(self, local, kinds: set[str]) -> None:
+        """The dense reducer's (a checkpoint's residuals of the experts, written by a run that
+        compressed them, are not carried: these experts are reduced exactly)."""
         self.dense.load_residuals(local, kinds)
 
     def close(self) -> None:

@@ -13,7 +13,11 @@ ranks of dp x sp at its ep position), beside the dense units over dp x sp.
 - the ledger's bytes per group and link (``ep_dp`` included) and calls equal the planner's,
   with the router forced uniform, and the unit pool is within the planner's bound;
 - a checkpoint saved under ep 4 ZeRO-3 resumes under ep 1 and ep 2 ZeRO-1 (and one saved
-  under ep 2 ZeRO-1 under ep 4 ZeRO-3) equal to the uninterrupted run."""
+  under ep 2 ZeRO-1 under ep 4 ZeRO-3) equal to the uninterrupted run;
+- with ``--grad-compression`` (ZeRO-0/1) the experts stay sharded, reduced exactly over
+  ``ep_dp`` beside the compressed dense gradients: equal to one process after a step where
+  the dense weights are not, bytes and state as the planner's, an error-feedback checkpoint
+  (the experts' residuals zero) resumed bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -121,3 +125,101 @@ RESHARD = [(dict(dp=4, sp=2, ep=4, zero=3), dict(dp=4, tp=2, zero=1)),
                                                        "ep2-zero1-to-ep4-zero3"])
 def test_checkpoint_reshards_sharded_experts(world, before, after):
     moe.test_checkpoint_moves_across_ep_sizes(world, before, after)
+
+
+COMPRESSED = [dict(dp=4, sp=2, ep=2, grad_compression="int8"),
+              dict(dp=2, sp=2, pp=2, ep=2, zero=1, grad_compression="topk", bucket_mb=0.002)]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", COMPRESSED, ids=[layout_name(v) for v in COMPRESSED])
+def test_compressed_bytes_and_state_equal_planner(world, case, monkeypatch):
+    """--grad-compression beside experts sharded over ep: the ledger's bytes per group (the
+    dense compressed over dp x sp, the experts' exact over ep_dp) equal the planner's, and a
+    rank holds E/ep experts (its state the planner's)."""
+    moe.test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch)
+    moe.test_a_rank_holds_its_experts_only(world, case)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_compressed_dense_beside_exact_experts(world, codec):
+    """--grad-compression with --ep 2 (dp 4 x sp 2, gradient clipping off): after the first
+    AdamW step every expert equals the one-process run's (<= 1e-10: reduced exactly over
+    ep_dp), while the dense weights, compressed over dp x sp, differ from it."""
+    from mpi4py import MPI
+
+    from layouts import compare
+
+    def config(**parallel):
+        cfg = small_config("float64", "moe", **parallel)
+        cfg.train.clip_grad = 0.0
+        return cfg
+
+    fails = []
+    try:
+        ref = moe.run(config(), MPI.COMM_SELF, steps=1)[2]
+        got = moe.run(config(dp=4, sp=2, ep=2, grad_compression=codec), world, steps=1)[2]
+        experts = [n for n in ref if ".experts." in n]
+        fails += compare(((), (), {n: got[n] for n in experts}),
+                         ((), (), {n: ref[n] for n in experts}), 1e-10)
+        q = "layers.0.self_attn.q_proj.weight"
+        if not compare(((), (), {q: got[q]}), ((), (), {q: ref[q]}), 1e-8):
+            fails.append("the dense weights equal the exact run's: nothing was compressed")
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(world, fails)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_compressed_checkpoint_with_sharded_experts_resumes_bit_exact(world):
+    """int8 compression with error feedback under ep 2: a checkpoint after step 1 (the experts'
+    residuals saved as zeros, so each kind tiles every tensor) resumes under the same layout
+    bit for bit equal to the uninterrupted run, and loads under ep 1 with the experts'
+    residuals zero and the dense ones as saved."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from mpipar.checkpoint import reader, writer
+    from mpipar.runtime.comm import Group, Ledger
+    from mpipar.training.engine import Engine
+    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ez-") if world.rank == 0 else None))
+
+    def engine(**parallel):
+        return Engine(validate(small_config("float64", "moe", grad_compression="int8",
+                                            **parallel), 8), world, source=token_source())
+
+    fails = []
+    try:
+        a = engine(dp=4, sp=2, ep=2)
+        a.train_step(0)
+        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        saved = {(k, n, lo): np.array(v) for k, n, lo, hi, v in a.state.pieces()
+                 if k.startswith("residual")}
+        want = a.train_step(1)
+        a.close()
+        b = engine(dp=4, sp=2, ep=2)
+        reader.load(b.state, path)
+        got = b.train_step(1)
+        if (got.loss, got.grad_norm) != (want.loss, want.grad_norm):
+            fails.append(f"resumed step 2 {(got.loss, got.grad_norm)} != "
+                         f"{(want.loss, want.grad_norm)}")
+        b.close()
+        c = engine(dp=8)                      # ep 1: every expert compressed, slot by slot
+        reader.load(c.state, path)
+        for k, n, lo, hi, v in c.state.pieces():
+            if k.startswith("residual") and ".experts." in n and np.any(np.asarray(v)):
+                fails.append(f"{k}/{n}: expert residual not zero")
+        if not any(np.any(v) for (k, n, _), v in saved.items() if ".experts." not in n) \
+                and world.rank == 0:
+            fails.append("no dense residual saved")
+        c.close()
+    except Exception as exc:
+        fails.append(f"{type(exc).__name__}: {exc}")
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    assert_all_ranks(world, fails)

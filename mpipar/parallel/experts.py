@@ -384,6 +384,10 @@ class ExpertSplitUnits(ExpertSplitReducer):
     def load_residuals(self, local, kinds: set[str]) -> None:
         return None
 
+    def describe(self) -> str:
+        return (f"{self.dense.describe()}; experts sharded over ep, {len(self.experts.units)} "
+                f"units of them sharded over ep_dp ({self.experts.group.size} ranks)")
+
 
 def check_config(layout: Layout) -> None:
     """The mixture of experts' rules with the layout: the bias update rate and the capacity

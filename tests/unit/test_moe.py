@@ -235,3 +235,24 @@ def test_planner_divides_expert_state_by_ep(zero):
     assert one[2] - eight[2] == (0 if zero else 2 * experts * 7 // 8)
     if zero == 3:
         assert eight[4] < one[4]
+
+
+def test_expert_units_split_each_block_into_dense_and_its_experts():
+    """ZeRO-2/3 under --ep 2 (4 experts, 2 blocks, pp 1): every unit keeps its dense weights
+    (the router and norms included) and loses its experts; each block's unit of experts holds
+    exactly the ep position's 2 experts (three weights each), under the block's name; ep 1
+    changes nothing."""
+    from mpipar.parallel.experts import expert_units
+    from mpipar.parallel.placement import PlacementTable, expert_of
+    model = dataclasses.replace(MOE, moe_experts=4, moe_top_k=2)
+    chunks = PlacementTable(model=model).units(0)
+    assert expert_units(chunks, PlacementTable(model=model), 0) == (chunks, [[]])
+    dense, experts = expert_units(chunks, PlacementTable(model=model, ep=2), 1)
+    assert [u for u, _ in dense[0]] == [u for u, _ in chunks[0]]
+    for (u, names), (_, whole) in zip(dense[0], chunks[0]):
+        assert names == [n for n in whole if expert_of(n) is None]
+    sparse = [f"layers.{i}" for i in range(model.layers) if model.is_sparse(i)]
+    assert [u for u, _ in experts[0]] == sparse
+    for u, names in experts[0]:
+        assert sorted({expert_of(n) for n in names}) == [2, 3] and len(names) == 6
+        assert all(n.startswith(u + ".") for n in names)

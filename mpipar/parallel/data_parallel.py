@@ -519,6 +519,14 @@ class GradReducer:
         if RESIDUAL_GATHER in b.residual:
             yield RESIDUAL_GATHER, b.residual[RESIDUAL_GATHER], self.owned_range(b)[0]
 
+    def residual_kinds(self) -> list[str]:
+        """Every residual kind the ranks of this reducer's group save (each slot's sends, the
+        owners' second direction): what tiles each of its parameters in a checkpoint."""
+        held = self.buckets[0].residual if self.buckets else {}
+        sends = ([f"{RESIDUAL_SEND}.{s}" for s in range(self.groups.inter.size)]
+                 if RESIDUAL_SEND in held else [])
+        return sends + ([RESIDUAL_GATHER] if RESIDUAL_GATHER in held else [])
+
     def residual_pieces(self) -> Iterator[tuple[str, str, int, int, Any]]:
         """``(kind, name, lo, hi, values)``: this rank's residuals as flat ranges ``[lo, hi)``
         of its local shards (see the module docstring for the kinds)."""

@@ -8,18 +8,27 @@ experts it computes (:func:`expert_shards`, :meth:`mpipar.parallel.placement.Pla
 their weights, gradients and AdamW moments; the dense weights as without ep. The ranks holding
 the same experts are those at the same position of their ep group, ``dp_sp.rank % N`` equal:
 the ``ep_dp`` group (Megatron's expert data parallel group, dp x sp / N ranks). The experts'
-gradients are reduced over ``ep_dp`` only, by a reducer of their own beside the dense one
-(:class:`ExpertSplitReducer`: flat, uncompressed; ZeRO-1 reduce-scatters them over ``ep_dp``
-and the optimizer keeps ``1/|ep_dp|`` of their moments); the sum over the replicas is the sum
-over every token of the global batch routed to the expert, so the update equals the
-one-process run. The global gradient norm adds the experts' share summed over ep (each expert
-on one ep position). Checkpoints stay global tensors: an expert is reported by the rank 0 of
-its ``ep_dp`` group (ZeRO-1 mixed: the owners of its slices), and every rank reads only its
-own experts, whatever ep wrote them.
+gradients are reduced over ``ep_dp`` only, by a store of their own beside the dense one
+(:class:`ExpertSplitReducer`), each ZeRO stage over its own replica group:
 
-Not sharded (every rank holds every expert, its gradient of the experts it does not compute
-zero and the dp x sp reduction summing the rest; memory as ep = 1): ZeRO-2/3, whose units keep
-every expert, and ``--grad-compression``, whose residual slots span dp x sp.
+- ZeRO-0/1: a flat, uncompressed reducer over ``ep_dp`` (ZeRO-1 reduce-scatters them and the
+  optimizer keeps ``1/|ep_dp|`` of their moments);
+- ZeRO-2/3 (:class:`ExpertSplitUnits`): the experts of each sparse block are a unit of their
+  own (:func:`expert_units`) sharded over ``ep_dp`` as :mod:`mpipar.parallel.fsdp` shards the
+  dense units over dp x sp: gradients reduce-scattered over ``ep_dp``, ``1/|ep_dp|`` of their
+  masters and moments a rank, and at ZeRO-3 ``1/|ep_dp|`` of their weights, the unit gathered
+  over ``ep_dp`` around its block's forward and backward (beside the dense unit's gather over
+  dp x sp; in node shared memory the dense units only, the experts' still gathered).
+
+Under ``--grad-compression`` (ZeRO-0/1) the dense gradients are compressed over dp x sp as
+without ep, the experts' reduced exactly over ``ep_dp`` beside them (their residuals zero in
+checkpoints; a checkpoint's expert residuals from a run that compressed them are not carried).
+
+The sum over the replicas is the sum over every token of the global batch routed to the
+expert, so the update equals the one-process run. The global gradient norm adds the experts'
+share summed over ep (each expert on one ep position). Checkpoints stay global tensors: an
+expert is reported by the rank 0 of its ``ep_dp`` group (sharded stages: the owners of its
+slices), and every rank reads only its own experts, whatever ep and ZeRO stage wrote them.
 
 A sequence split over sp has its balance-loss statistics summed over the sp group (the ranks
 holding the other tokens of the same rows), so the loss and its gradient do not depend on the
@@ -29,6 +38,9 @@ do for the norms; its gradients are the same on every tp rank and counted once (
 """
 from __future__ import annotations
 
+from collections import ChainMap
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -39,6 +51,8 @@ from mpipar.layout import Layout
 from mpipar.model.moe import Done, Plan, Transfer, own_plan
 from mpipar.parallel.context import SeqLayout, balanced_chunks, split_parts
 from mpipar.parallel.data_parallel import GradReducer, padded_size, plan_buckets
+from mpipar.parallel.fsdp import Units, sharded_calls
+from mpipar.parallel.placement import PlacementTable, expert_of
 from mpipar.parallel.traffic import Call, element_bytes
 from mpipar.runtime.comm import Group, Request
 from mpipar.runtime.precision import Precision
@@ -188,22 +202,36 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
 
 def expert_shards(layout: Layout) -> int:
     """The ep positions the experts' weights, gradients and moments are sharded over: ``ep``,
-    except under ZeRO-2/3 (units keep every expert) and gradient compression (residual slots
-    span dp x sp), where every rank holds every expert (1). The one home of this rule."""
-    p = layout.config.parallel
-    if p.ep > 1 and p.zero <= 1 and p.grad_compression == "none":
-        return p.ep
-    return 1
+    at every ZeRO stage and under gradient compression (the dense gradients compressed over
+    dp x sp, the experts' reduced exactly over ``ep_dp``). The one home of this rule."""
+    return layout.config.parallel.ep
+
+
+def expert_units(chunks: Units, table: PlacementTable, ep_rank: int) -> tuple[Units, Units]:
+    """ZeRO-2/3 with the experts sharded over ep (``table.ep`` > 1): ``chunks`` (a rank's
+    units, :meth:`~mpipar.parallel.placement.PlacementTable.units`) split into the dense units
+    (every unit without its experts: sharded over dp x sp) and the experts' units (of each
+    sparse block, the experts of ep position ``ep_rank``, under the block's unit name: sharded
+    over ``ep_dp``). Unsharded experts: (``chunks``, no expert units)."""
+    if table.ep == 1:
+        return chunks, [[] for _ in chunks]
+    dense = [[(u, [n for n in names if expert_of(n) is None]) for u, names in units]
+             for units in chunks]
+    experts = [[(u, mine) for u, names in units
+                if (mine := [n for n in names if expert_of(n) is not None
+                             and table.holds(n, ep_rank)])]
+               for units in chunks]
+    return dense, experts
 
 
 def expert_bucket_lengths(layout: Layout, layers: list[int]) -> list[int]:
     """Elements of each flat bucket of expert gradients a rank holding blocks ``layers`` lays
     out (:class:`ExpertSplitReducer`'s expert reducer: E/ep experts of each sparse block, three
     ``F x H`` tensors each, in ``bucket_mb`` buckets padded to a multiple of ``ep_dp``); none
-    when the experts are not sharded."""
+    when the experts are not sharded, or are units (ZeRO-2/3: :func:`expert_unit_calls`)."""
     m, p = layout.config.model, layout.config.parallel
     shards = expert_shards(layout)
-    if shards == 1:
+    if shards == 1 or p.zero >= 2:
         return []
     n = 3 * (m.moe_experts // shards) * sum(1 for i in layers if m.is_sparse(i))
     size, e = m.moe_ffn_hidden * m.hidden, Precision.of(layout.config.train, p).master_bytes
@@ -234,18 +262,44 @@ def expert_reduction_calls(layout: Layout, layers: list[int]) -> list[Call]:
     return calls + ([Call("ep_dp", "allreduce", 8)] if p.zero else [])
 
 
-class ExpertSplitReducer:
-    """ZeRO-0/1 with the experts sharded over ep: the ``dense`` reducer over dp x sp (every
-    dense weight, as without ep) beside the ``experts`` reducer over ``ep_dp`` (this rank's
-    experts; ``ep``: the group the experts are split over), seen as one store (what the engine, the optimizer's publish and
-    :class:`mpipar.training.state.TrainState` ask of a :class:`GradReducer`). Residuals
-    (compression) are the dense reducer's only: compression keeps the experts unsharded."""
+def expert_unit_calls(layout: Layout, *, lengths: dict[str, int],
+                      entered: list[tuple[str, int]], kept: set[str], passes: int,
+                      backward: bool) -> list[Call]:
+    """ZeRO-2/3 with the experts sharded over ep: the calls of a rank whose experts' units have
+    ``lengths`` elements (:func:`expert_units`, padded to a multiple of ``ep_dp``), whose
+    passes enter ``entered`` (:func:`mpipar.parallel.fsdp.unit_passes`: the units without
+    experts are skipped) and which keeps ``kept`` of them gathered from forward to backward:
+    :func:`mpipar.parallel.fsdp.sharded_calls` over ``ep_dp`` (never in node shared memory);
+    a training step adds the experts' share of the squared gradient norm summed over ``ep_dp``
+    and over ``ep``. Nothing over an ``ep_dp`` of one rank."""
+    if not lengths:
+        return []
+    r = layout.dp * layout.sp // expert_shards(layout)
+    calls = [Call("ep", "allreduce", 8)] if backward else []
+    if r == 1:
+        return calls
+    calls += sharded_calls(layout, lengths=lengths, entered=[(u, k) for u, k in entered
+                                                               if u in lengths],
+                           kept=kept, copy=None, tied=False, passes=passes,
+                           backward=backward, group="ep_dp", shards=r)
+    return calls + ([Call("ep_dp", "allreduce", 8)] if backward else [])
 
-    def __init__(self, *, dense: GradReducer, experts: GradReducer, ep: Group) -> None:
+
+class ExpertSplitReducer:
+    """The experts sharded over ep: the ``dense`` store over dp x sp (every dense weight, as
+    without ep) beside the ``experts`` store over ``ep_dp`` (this rank's experts; ``ep``: the
+    group the experts are split over), seen as one store (what the engine, the optimizer's
+    publish and :class:`mpipar.training.state.TrainState` ask of a :class:`GradReducer`).
+    ZeRO-0/1: two :class:`GradReducer` (under ``--grad-compression`` the dense one compresses,
+    the experts' is exact); ZeRO-2/3: :class:`ExpertSplitUnits`. ``params`` and ``grads`` are
+    live views of both (ZeRO-3 binds a unit's while it is entered). Residuals (compression)
+    are the dense reducer's only."""
+
+    def __init__(self, *, dense: Any, experts: Any, ep: Group) -> None:
         self.dense, self.experts, self.ep = dense, experts, ep
         self.xp, self.group = dense.xp, dense.group
-        self.params = {**dense.params, **experts.params}
-        self.grads = {**dense.grads, **experts.grads}
+        self.params = ChainMap(dense.params, experts.params)
+        self.grads = ChainMap(dense.grads, experts.grads)
         self._of = {n: experts for n in experts.local_shapes()}
 
     @property
@@ -286,9 +340,19 @@ class ExpertSplitReducer:
         self._of.get(name, self.dense).load_local(name, value)
 
     def residual_pieces(self):
-        return self.dense.residual_pieces()
+        """The dense reducer's residuals, and zeros for the experts (reduced exactly: nothing
+        owed) in every residual kind, where the experts' parameters are reported, so that each
+        kind tiles every parameter in a checkpoint."""
+        yield from self.dense.residual_pieces()
+        kinds = self.dense.residual_kinds()
+        for name, lo, hi, values in (self.experts.param_pieces() if kinds else ()):
+            zeros = self.xp.zeros(hi - lo, values.dtype)
+            for kind in kinds:
+                yield kind, name, lo, hi, zeros
 
     def load_residuals(self, local, kinds: set[str]) -> None:
+        """The dense reducer's (a checkpoint's residuals of the experts, written by a run that
+        compressed them, are not carried: these experts are reduced exactly)."""
         self.dense.load_residuals(local, kinds)
 
     def close(self) -> None:
@@ -298,6 +362,62 @@ class ExpertSplitReducer:
     def describe(self) -> str:
         return (f"{self.dense.describe()}; experts sharded over ep, reduced over ep_dp "
                 f"({self.experts.group.size} ranks)")
+
+
+class ExpertSplitUnits(ExpertSplitReducer):
+    """ZeRO-2/3 with the experts sharded over ep: the dense units over dp x sp and the
+    experts' units over ``ep_dp`` (two :class:`mpipar.parallel.fsdp.ShardedParams` sharing one
+    buffer pool), and the model's scope over both: entering a block's unit enters its dense
+    unit, then its experts' (each store gathers and prefetches along its own units); leaving
+    it leaves both in that order, so every rank of dp x sp posts the dense collectives, and
+    every rank of ``ep_dp`` the experts', in one order. No residuals (no compression)."""
+
+    @property
+    def pool(self):
+        return self.dense.pool
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.dense.shared_bytes
+
+    def _experts_of(self, units: Sequence[str]) -> list[str]:
+        return [u for u in units if u in self.experts.units]
+
+    @contextmanager
+    def using(self, units: Sequence[str], backward: bool,
+              grads_final: bool = True) -> Iterator[None]:
+        with self.dense.using(units, backward, grads_final), \
+                self.experts.using(self._experts_of(units), backward, grads_final):
+            yield
+
+    def weights_done(self, units: list[str]) -> None:
+        self.dense.weights_done(units)
+        self.experts.weights_done(self._experts_of(units))
+
+    def progress(self) -> None:
+        self.dense.progress()
+        self.experts.progress()
+
+    @contextmanager
+    def forward_only(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self.dense.forward_only())
+            stack.enter_context(self.experts.forward_only())
+            yield
+
+    def release(self) -> None:
+        self.dense.release()
+        self.experts.release()
+
+    def residual_pieces(self):
+        return ()
+
+    def load_residuals(self, local, kinds: set[str]) -> None:
+        return None
+
+    def describe(self) -> str:
+        return (f"{self.dense.describe()}; experts sharded over ep, {len(self.experts.units)} "
+                f"units of them sharded over ep_dp ({self.experts.group.size} ranks)")
 
 
 def check_config(layout: Layout) -> None:

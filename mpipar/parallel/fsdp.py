@@ -46,6 +46,10 @@ slice (``owned_compute``) to gather from, refreshed from the master after every 
 A unit's gradient buffer is in the masters' dtype; ``reduce_dtype`` (``--reduce-dtype``) is what
 its reduce-scatter sends.
 
+Experts sharded over ep (``--ep N``): a second :class:`ShardedParams` holds the rank's experts,
+a unit per sparse block, over ``ep_dp`` instead of dp x sp, beside the dense units (sharing their
+buffer pool: :class:`mpipar.parallel.experts.ExpertSplitUnits`).
+
 Every rank of dp x sp holds the same pipeline and tp position and so runs the same op list: its
 collectives start in the same order on every rank of the group. Buffers come from the kernel
 backend's array module (``xp``).
@@ -66,6 +70,9 @@ from mpipar.parallel.data_parallel import padded_size
 from mpipar.parallel.pipeline.schedule import Op
 from mpipar.parallel.traffic import Call
 from mpipar.runtime.precision import Precision
+
+Units = list[list[tuple[str, list[str]]]]
+"""Per model chunk, its units in forward order as ``(unit, parameter names)``."""
 
 MAX_IN_FLIGHT = 2
 """Reduce-scatters of gradients outstanding at once (each holds one unit's full gradients)."""
@@ -160,14 +167,17 @@ class ShardedParams:
     ``tied``: names (the embedding tied across the pipeline, a unit of its own on both ends)
     whose owned gradients are then summed over ``tied_group``. ``initial`` gives master
     values; ``compute_dtype`` and ``reduce_dtype`` (default: theirs) as in the module
-    docstring."""
+    docstring; ``pool``: the buffer pool to take whole units from (default: one of its own;
+    the experts' units sharded over ``ep_dp`` share the dense units' pool:
+    :class:`mpipar.parallel.experts.ExpertSplitUnits`)."""
 
     def __init__(self, initial: Callable[[str], Any], chunks: list[list[tuple[str, list[str]]]],
                  group: Group, *, gather: bool, prefetch: int, xp: ModuleType,
                  before_reduce: Callable[[list[str]], None], tied: Collection[str] = (),
                  tied_group: Group | None = None,
                  node_groups: tuple[Group, Group | None] | None = None,
-                 compute_dtype: Any = None, reduce_dtype: Any = None) -> None:
+                 compute_dtype: Any = None, reduce_dtype: Any = None,
+                 pool: BufferPool | None = None) -> None:
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         # ZeRO-3 in node shared memory: the whole units stay bound, as at ZeRO-2, but each is
         # one array the node's ranks of the group map together, each allocating a part.
@@ -192,7 +202,7 @@ class ShardedParams:
                     self.order[unit] = names
         self.kept = kept_after_forward([[u for u, _ in units] for units in chunks], prefetch)
         self.keeping = True   # off for forward-only passes (:meth:`forward_only`)
-        self.pool = BufferPool(xp)
+        self.pool = BufferPool(xp) if pool is None else pool
         self.tied_group = tied_group
         self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
         self.shapes = {n: s for u in self.units.values() for n, s in u.shapes.items()}
@@ -552,16 +562,17 @@ def check_config(layout: Layout) -> None:
 
 # ------------------------------------------------------------------------------------ traffic
 def unit_lengths(layout: Layout, chunks: list[list[tuple[str, list[str]]]],
-                 elements: dict[str, int]) -> dict[str, int]:
-    """Elements of each unit of a rank, each once, padded to a multiple of dp x sp as
-    :class:`ShardedParams` lays them out; ``chunks``: per chunk its ``(unit, parameter names)``
-    in forward order (:meth:`mpipar.parallel.placement.PlacementTable.units`), ``elements``:
-    of each parameter shard the rank holds."""
+                 elements: dict[str, int], shards: int = 0) -> dict[str, int]:
+    """Elements of each unit of a rank, each once, padded to a multiple of dp x sp (or of
+    ``shards``, the size of the group they are sharded over) as :class:`ShardedParams` lays
+    them out; ``chunks``: per chunk its ``(unit, parameter names)`` in forward order
+    (:meth:`mpipar.parallel.placement.PlacementTable.units`), ``elements``: of each parameter
+    shard the rank holds."""
     out: dict[str, int] = {}
     for units in chunks:
         for unit, names in units:
             out.setdefault(unit, padded_size(sum(elements[n] for n in names),
-                                             layout.dp * layout.parallel.sp))
+                                             shards or layout.dp * layout.parallel.sp))
     return out
 
 
@@ -594,7 +605,8 @@ def unit_passes(layout: Layout, pp_rank: int, ops: list[Op],
 
 def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tuple[str, int]],
                   kept: Collection[str], copy: tuple[int, int] | None, tied: bool,
-                  passes: int, backward: bool) -> list[Call]:
+                  passes: int, backward: bool, group: str = "dp_sp",
+                  shards: int = 0) -> list[Call]:
     """ZeRO-2/3's calls of a rank whose units have ``lengths`` elements (:func:`unit_lengths`)
     and whose passes enter ``entered`` (:func:`unit_passes`); ``kept``: the units it keeps
     gathered from forward to backward (:func:`kept_after_forward`), ``copy``: where ZeRO-3
@@ -608,15 +620,18 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
     it an all-gather of each unit's slice over dp_sp_inter; the tied embedding's owned slice
     summed over pp_ends. A validation pass of ``passes`` forwards per chunk: at ZeRO-3
     gathering, an all-gather of each unit a forward enters. Parameters travel as compute
-    copies, gradients in the reduce dtype, the tied slice in the masters'."""
-    prec, n = Precision.of(layout.train, layout.parallel), layout.dp * layout.parallel.sp
+    copies, gradients in the reduce dtype, the tied slice in the masters'. ``group`` (of
+    ``shards`` ranks): what the units are sharded over (default dp x sp; the experts' units:
+    ``ep_dp``, :func:`mpipar.parallel.experts.expert_unit_calls`)."""
+    prec = Precision.of(layout.train, layout.parallel)
+    n, g = shards or layout.dp * layout.parallel.sp, group
     e = prec.compute_bytes
     gathering = layout.parallel.zero == 3 and copy is None
     if not backward:
-        return [Call("dp_sp", "iallgather", lengths[u] // n * e, passes)
+        return [Call(g, "iallgather", lengths[u] // n * e, passes)
                 for u, _ in entered] if gathering else []
     micro = layout.microbatches
-    calls = [Call("dp_sp", "ireduce_scatter", lengths[u] * prec.reduce_bytes, k)
+    calls = [Call(g, "ireduce_scatter", lengths[u] * prec.reduce_bytes, k)
              for u, k in entered]
     calls += [Call("pp_ends", "allreduce", lengths["embed"] // n * prec.master_bytes)] \
         if tied and "embed" in lengths else []
@@ -626,6 +641,6 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
         return calls + [Call("dp_sp_inter", "allgather", L // n * e)       # into each copy
                         for L in lengths.values()] + [Call("dp_sp_intra", "barrier", 0)]
     if gathering:        # a kept unit: once per microbatch (its backward reuses the forward's)
-        return calls + [Call("dp_sp", "iallgather", lengths[u] // n * e,
+        return calls + [Call(g, "iallgather", lengths[u] // n * e,
                              micro if u in kept else 2 * micro) for u, _ in entered]
-    return calls + [Call("dp_sp", "allgather", L // n * e) for L in lengths.values()]
+    return calls + [Call(g, "allgather", L // n * e) for L in lengths.values()]

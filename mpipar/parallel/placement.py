@@ -45,8 +45,9 @@ of its ep group (``dp_sp.rank % N``) holds experts ``[r E/N, (r+1) E/N)`` only, 
 gradients and optimizer moments (:meth:`PlacementTable.holds`, :func:`expert_of`), replicated
 over the ``ep_dp`` group (the ranks of dp x sp at the same ep position) and reduced there. The
 router, a sparse block's shared expert (``mlp.shared_expert.*``: a dense FFN, not an expert)
-and every dense weight keep the dp x sp column above. ``ep=1`` (no ep, or ZeRO-2/3,
-whose units keep every expert): every rank holds every expert.
+and every dense weight keep the dp x sp column above. Under ZeRO-2/3 a block's held experts are a
+unit of their own sharded over ``ep_dp`` (:func:`mpipar.parallel.experts.expert_units`).
+``ep=1`` (no ep): every rank holds every expert.
 
 Tied embeddings (``tie_embeddings``) are one parameter used by the first stage (embedding) and
 the last (LM head). With pp > 1 both pipeline ranks hold a copy (Megatron's embedding group):

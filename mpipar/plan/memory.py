@@ -18,8 +18,8 @@ from mpipar.layout import Layout, resolve_model
 from mpipar.parallel.context import SeqLayout, halo_plan
 from mpipar.parallel.fsdp import MAX_IN_FLIGHT
 from mpipar.parallel.placement import padded_vocab
-from mpipar.plan.rank import (bucket_lengths, compressed_size, expert_buckets, group_sizes,
-                              kept_units,
+from mpipar.plan.rank import (bucket_lengths, compressed_size, expert_buckets,
+                              expert_unit_lengths, group_sizes, kept_units,
                               local_param_shapes, node_copy, placement_table, rank_ops,
                               unit_lengths)
 from mpipar.runtime.precision import Precision
@@ -193,10 +193,11 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     e, g = prec.compute_bytes, prec.master_bytes
     lengths = list(unit_lengths(layout, coord).values()) if par.zero >= 2 else \
         bucket_lengths(layout, coord)
-    experts = [] if par.zero >= 2 else expert_buckets(layout, coord)   # sharded over ep
+    experts = (list(expert_unit_lengths(layout, coord).values()) if par.zero >= 2 else
+               expert_buckets(layout, coord))      # sharded over ep, over ep_dp
     flat = sum(lengths) + sum(experts)
-    owned = sum(L // (layout.dp * par.sp) for L in lengths) + \
-        sum(L * par.ep // (layout.dp * par.sp) for L in experts)
+    expert_owned = sum(L * par.ep // (layout.dp * par.sp) for L in experts)
+    owned = sum(L // (layout.dp * par.sp) for L in lengths) + expert_owned
     if par.zero:
         optimizer = 2 * owned * g
     else:
@@ -209,8 +210,8 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
         return MemoryEstimate(flat * e, flat * g, optimizer, activations, wire,
                               residual_bytes(layout, lengths), masters)
     copy = node_copy(layout, coord)
-    weights = (flat if par.zero == 2 else owned if copy is None
-               else sum(L // copy[0] for L in lengths)) * e       # its part of the node's copy
+    weights = (flat if par.zero == 2 else owned if copy is None     # its part of the node's
+               else sum(L // copy[0] for L in lengths) + expert_owned) * e   # copy; experts
     return MemoryEstimate(weights, owned * g, optimizer, activations,
                           _unit_buffers(layout, coord), masters=masters)
 
@@ -236,23 +237,39 @@ def _unit_buffers(layout: Layout, coord: Coord) -> int:
     units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head, the
     units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and
     ``MAX_IN_FLIGHT`` reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight
-    op, beside them), and the received slices."""
+    op, beside them), and the received slices; the experts' units sharded over ``ep_dp`` (the
+    same pool, their own gathers and reduce-scatters) the same way, beside the dense ones."""
+    par = layout.parallel
+    n = layout.dp * par.sp
+    dense = _store_buffers(layout, coord, unit_lengths(layout, coord), kept_units(layout, coord),
+                           n, node_copy(layout, coord) is not None)
+    experts = expert_unit_lengths(layout, coord)
+    return dense + (_store_buffers(layout, coord, experts, kept_units(layout, coord, True),
+                                   n // par.ep, False) if experts else 0)
+
+
+def _store_buffers(layout: Layout, coord: Coord, lengths: dict[str, int], kept_names: set[str],
+                   n: int, shared: bool) -> int:
+    """:func:`_unit_buffers` of one store: units of ``lengths`` sharded over ``n`` ranks,
+    ``kept_names`` kept from forward to backward, ``shared``: in node shared memory."""
     par, prec = layout.parallel, _precision(layout)
     by_length: dict[int, int] = defaultdict(int)
     kept: dict[int, int] = defaultdict(int)
-    lengths, shared = unit_lengths(layout, coord), node_copy(layout, coord) is not None
     for L in lengths.values():
         by_length[L] += 1
     if par.zero == 3 and _kept_meets_forward(layout, coord):
-        for u in kept_units(layout, coord):
+        for u in kept_names:
             kept[lengths[u]] += 1
-    total, n = 0, layout.dp * par.sp
+    total = 0
     sends = prec.reduce != prec.master          # the gradients' copies in the reduce dtype
     for L, k in by_length.items():
         gathered = (min(k, 2 + par.zero_prefetch + kept[L])
                     if par.zero == 3 and not shared else 0)
-        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(k, 1 + MAX_IN_FLIGHT)
-        in_flight = min(k, 1 + MAX_IN_FLIGHT)
+        # a unit's gradients leave once a microbatch: its next backward may take a buffer
+        # while its last reduce-scatters are in flight (few units of a length: interleaving)
+        reduces = k * layout.microbatches
+        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(reduces, 1 + MAX_IN_FLIGHT)
+        in_flight = min(reduces, 1 + MAX_IN_FLIGHT)
         total += (gathered * prec.compute_bytes + grads * prec.master_bytes
                   + sends * in_flight * prec.reduce_bytes) * L \
             + in_flight * L // n * prec.reduce_bytes
@@ -305,7 +322,8 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
     table = placement_table(layout)
     largest = max(math.prod(table[name].spec.shape) for name in shapes)
     if par.zero >= 2:        # ZeRO-2/3 initialise one unit at a time
-        shards = max(unit_lengths(layout, coord).values()) * e
+        shards = max([*unit_lengths(layout, coord).values(),
+                      *expert_unit_lengths(layout, coord).values()]) * e
     initialising = shards + largest * (8 + 2 * e)
     building = shards + mem.state + mem.residuals
     rows = tr.global_batch_size // layout.dp

@@ -19,7 +19,7 @@ from mpipar.config import ModelConfig
 from mpipar.layout import Layout
 from mpipar.parallel.compression import alignment
 from mpipar.parallel.data_parallel import reduction_buckets
-from mpipar.parallel.experts import expert_bucket_lengths, expert_shards
+from mpipar.parallel.experts import expert_bucket_lengths, expert_shards, expert_units
 from mpipar.parallel import fsdp
 from mpipar.parallel.pipeline.schedule import Op, build_schedule
 from mpipar.parallel.placement import PlacementTable, expert_of
@@ -139,18 +139,37 @@ def bucket_lengths(layout: Layout, coord: Coord) -> list[int]:
     return [length for length, _ in gradient_buckets(layout, coord)]
 
 
-def unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
-    """ZeRO-2/3: elements of each unit of the rank at ``coord`` (padded to a multiple of
-    dp*sp), each once (:func:`mpipar.parallel.fsdp.unit_lengths`)."""
+def rank_units(layout: Layout, coord: Coord) -> tuple[fsdp.Units, fsdp.Units]:
+    """ZeRO-2/3: (the dense units, the experts' units) of the rank at ``coord`` per chunk, as
+    the engine splits them (:func:`mpipar.parallel.experts.expert_units`; the experts' units
+    only where they are sharded over ep, of ep position 0: every position holds as many)."""
+    table = placement_table(layout)
+    return expert_units(table.units(coord.pp), table, 0)
+
+
+def _lengths(layout: Layout, coord: Coord, experts: bool) -> dict[str, int]:
     elements = {n: math.prod(s) for n, s in local_param_shapes(layout, coord).items()}
-    return fsdp.unit_lengths(layout, placement_table(layout).units(coord.pp), elements)
+    shards = layout.dp * layout.parallel.sp // expert_shards(layout) if experts else 0
+    return fsdp.unit_lengths(layout, rank_units(layout, coord)[experts], elements, shards)
 
 
-def kept_units(layout: Layout, coord: Coord) -> set[str]:
-    """ZeRO-3: the units of the rank at ``coord`` gathered from their forward to their backward
-    (:func:`mpipar.parallel.fsdp.kept_after_forward`)."""
+def unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
+    """ZeRO-2/3: elements of each dense unit of the rank at ``coord`` (padded to a multiple of
+    dp*sp), each once (:func:`mpipar.parallel.fsdp.unit_lengths`)."""
+    return _lengths(layout, coord, False)
+
+
+def expert_unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
+    """ZeRO-2/3 with the experts sharded over ep: elements of each experts' unit of the rank at
+    ``coord`` (padded to a multiple of ``ep_dp``); else none."""
+    return _lengths(layout, coord, True)
+
+
+def kept_units(layout: Layout, coord: Coord, experts: bool = False) -> set[str]:
+    """ZeRO-3: the dense (or ``experts``') units of the rank at ``coord`` gathered from their
+    forward to their backward (:func:`mpipar.parallel.fsdp.kept_after_forward`)."""
     return fsdp.kept_after_forward([[u for u, _ in units]
-                                    for units in placement_table(layout).units(coord.pp)],
+                                    for units in rank_units(layout, coord)[experts]],
                                    layout.parallel.zero_prefetch)
 
 

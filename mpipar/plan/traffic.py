@@ -11,7 +11,8 @@ itself (:mod:`mpipar.parallel.traffic`): tensor (:func:`mpipar.parallel.tensor.t
 sequence (:func:`mpipar.parallel.context.sequence_calls`), pipeline
 (:func:`mpipar.parallel.pipeline.schedule.pipeline_calls`), and the gradient reduction over
 dp x sp (:func:`mpipar.parallel.data_parallel.reduction_calls`, or at ZeRO-2/3
-:func:`mpipar.parallel.fsdp.sharded_calls`), plus the engine's scalar reductions. The tests
+:func:`mpipar.parallel.fsdp.sharded_calls`; the experts' over ``ep_dp``:
+:mod:`mpipar.parallel.experts`), plus the engine's scalar reductions. The tests
 hold the engine's ledger to these numbers exactly, so the model and the implementation cannot
 drift apart; a mismatch in one group points at the axis that owns it.
 """
@@ -24,14 +25,14 @@ from mpipar.layout import Layout
 from mpipar.model.params import EMBED
 from mpipar.parallel.context import sequence_calls
 from mpipar.parallel.data_parallel import reduction_calls
-from mpipar.parallel.experts import expert_calls
+from mpipar.parallel.experts import expert_calls, expert_unit_calls
 from mpipar.parallel.fsdp import sharded_calls, unit_passes
 from mpipar.parallel.pipeline.schedule import pipeline_calls
 from mpipar.parallel.tensor import tensor_calls
 from mpipar.parallel.traffic import Call
-from mpipar.plan.rank import (gradient_buckets, grid_shape, group_members, group_sizes,
-                              kept_units, node_copy, nodes_of, placement_table, rank_ops,
-                              rank_stages, unit_lengths)
+from mpipar.plan.rank import (expert_unit_lengths, gradient_buckets, grid_shape,
+                              group_members, group_sizes, kept_units, node_copy, nodes_of,
+                              placement_table, rank_ops, rank_stages, unit_lengths)
 from mpipar.runtime import allreduce
 from mpipar.runtime.comm import ALLREDUCE_OPS, LINKS, wire_bytes
 from mpipar.runtime.topology import Coord
@@ -65,6 +66,9 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
             kept=kept_units(layout, coord), copy=node_copy(layout, coord),
             tied=table[EMBED].tied_across_pipeline, passes=passes,
             backward=train)
+        calls += expert_unit_calls(layout, lengths=expert_unit_lengths(layout, coord),
+                                   entered=entered, kept=kept_units(layout, coord, True),
+                                   passes=passes, backward=train)
     elif train:
         calls += reduction_calls(layout, gradient_buckets(layout, coord), group_sizes(layout))
     if layout.config.model.moe_experts:

@@ -59,8 +59,8 @@ from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttenti
                                      balanced_layout, rank_work,
                                      UlyssesAttention)
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
-from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, SequenceExperts,
-                                     expert_shards)
+from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, ExpertSplitUnits,
+                                     SequenceExperts, expert_shards, expert_units)
 from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
@@ -217,29 +217,36 @@ class Engine:
                                    self.seq_layout, par.sp_overlap)
         return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
 
-    def _sharded(self, tied: list[str]) -> ShardedParams:
+    def _sharded(self, tied: list[str]) -> ShardedParams | ExpertSplitUnits:
         """ZeRO-2/3: the parameters as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`);
         tp-partial gradients are summed over tp before each unit's reduce-scatter, the ``tied``
-        embedding's over the pipeline's ends after it."""
-        par = self.cfg.parallel
+        embedding's over the pipeline's ends after it. With the experts sharded over ep, this
+        rank's experts are units of their own over ``ep_dp`` beside them
+        (:class:`ExpertSplitUnits`)."""
+        par, g = self.cfg.parallel, self.groups
 
         def before_reduce(unit_names: list[str]) -> None:
             self.tensor.reduce_partial_grads([self.grads[n] for n in unit_names
                                               if self.table[n].grad_partial_over_tp])
 
-        group, node_groups = self.groups["dp_sp"], None
+        group, node_groups = g["dp_sp"], None
         if self.node_copy is not None:
             node_groups = ((group, None) if self.node_copy[1] == 1 else
-                           (self.groups["dp_sp_intra"], self.groups["dp_sp_inter"]))
+                           (g["dp_sp_intra"], g["dp_sp_inter"]))
             if not node_groups[0].on_one_node():   # as MPI sees them
                 node_groups = None
-        return ShardedParams(lambda n: self._initial_shards([n])[n],
-                             self.table.units(self.grid.coord.pp), group,
-                             gather=par.zero == 3, prefetch=par.zero_prefetch, xp=self.xp,
-                             before_reduce=before_reduce, tied=tied,
-                             tied_group=self.groups["pp_ends"], node_groups=node_groups,
-                             compute_dtype=self.dtype,
-                             reduce_dtype=numpy_dtype(self.precision.reduce))
+        dense, experts = expert_units(self.table.units(self.grid.coord.pp), self.table,
+                                      self.ep_rank)
+        common = dict(gather=par.zero == 3, prefetch=par.zero_prefetch, xp=self.xp,
+                      before_reduce=before_reduce, compute_dtype=self.dtype,
+                      reduce_dtype=numpy_dtype(self.precision.reduce))
+        store = ShardedParams(lambda n: self._initial_shards([n])[n], dense, group, tied=tied,
+                              tied_group=g["pp_ends"], node_groups=node_groups, **common)
+        if not any(experts):
+            return store
+        return ExpertSplitUnits(dense=store, experts=ShardedParams(
+            lambda n: self._initial_shards([n])[n], experts, g["ep_dp"], pool=store.pool,
+            **common), ep=g["ep"])
 
     def _reducer(self, names: list[str], tied: list[str]) -> GradReducer | ExpertSplitReducer:
         """ZeRO-0/1: the gradient reducer over dp x sp: flat or hierarchical, dense or

@@ -225,11 +225,14 @@ HOLDS = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=2, pp=2, ep=2, zero=1, bu
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("case", HOLDS, ids=[layout_name(v) for v in HOLDS])
 def test_a_rank_holds_its_experts_only(world, case):
-    """Under --ep N (ZeRO-0/1) a rank holds exactly the E/N experts of its ep position
+    """Under --ep N a rank holds exactly the E/N experts of its ep position
     (``dp_sp.rank % N``), of its pipeline stage's sparse blocks: their weights and gradients
-    ``3 F H`` elements an expert a block, float64, and AdamW's two moments of them (ZeRO-1:
-    1/|ep_dp| of them); the dense weights as without ep; the planner's state bytes equal the
-    engine's. Under ZeRO-2/3 the experts stay unsharded (each rank's units hold all E)."""
+    ``3 F H`` elements an expert a block, float64, and AdamW's two moments of them, each
+    sharded over ``ep_dp`` as the ZeRO stage shards (ZeRO-1: 1/|ep_dp| of the moments;
+    ZeRO-2: of the gradients and moments, in one unit a block padded to a multiple of
+    |ep_dp|; ZeRO-3: of the weights too); the dense weights as without ep; the planner's
+    state bytes equal the engine's."""
+    from mpipar.parallel.data_parallel import padded_size
     from mpipar.parallel.placement import expert_of
     from mpipar.plan.memory import predict_memory
     from mpipar.training.engine import Engine
@@ -241,37 +244,44 @@ def test_a_rank_holds_its_experts_only(world, case):
     try:
         eng = Engine(layout, world, source=token_source())
         stage_layers = [i for ch in eng.chunks for i in ch.layers if m.is_sparse(i)]
-        shards = 1 if p.zero >= 2 else p.ep
         position = eng.groups["dp_sp"].rank % p.ep
-        per = m.moe_experts // shards
-        want = {(i, e) for i in stage_layers for e in range(per * position * (shards > 1),
-                                                               per * (position * (shards > 1) + 1))}
+        per = m.moe_experts // p.ep
+        want = {(i, e) for i in stage_layers for e in range(per * position, per * (position + 1))}
         held = {(int(n.split(".")[1]), expert_of(n)) for n in eng.reducer.local_shapes()
                 if expert_of(n) is not None}
         if held != want:
             fails.append(f"experts held {sorted(held)} != {sorted(want)}")
-        if shards > 1:
-            elements = 3 * m.moe_ffn_hidden * m.hidden * len(want)
-            red, opt = eng.reducer.experts, eng.optimizer.experts
-            weights = sum(b.params.nbytes for b in red.buckets)
-            grads = sum(b.grads.nbytes for b in red.buckets)
-            moments = _moment_bytes(opt, p.zero)
-            replicas = eng.groups["ep_dp"].size
-            got = (weights, grads, moments)
-            expect = (8 * elements, 8 * elements, 2 * 8 * elements // (replicas if p.zero else 1))
-            if got != expect:
-                fails.append(f"expert weights, grads, moments {got} B != {expect} B")
-            dense = eng.reducer.dense
-            mem = predict_memory(layout, eng.grid.coord)
-            total = (weights + sum(b.params.nbytes for b in dense.buckets),
-                     grads + sum(b.grads.nbytes for b in dense.buckets),
-                     moments + _moment_bytes(eng.optimizer.dense, p.zero))
-            if total != (mem.weights, mem.grads, mem.optimizer):
-                fails.append(f"state {total} != planner {(mem.weights, mem.grads, mem.optimizer)}")
+        r = eng.groups["ep_dp"].size
+        block = 3 * m.moe_ffn_hidden * m.hidden * per            # a block's experts
+        whole = len(stage_layers) * (padded_size(block, r) if p.zero >= 2 else block)
+        share = whole // (r if p.zero else 1)
+        expect = (8 * (share if p.zero == 3 else whole), 8 * (share if p.zero >= 2 else whole),
+                  2 * 8 * share)
+        weights, grads = _store_bytes(eng.reducer.experts, p.zero)
+        moments = _moment_bytes(eng.optimizer.experts, p.zero)
+        if (weights, grads, moments) != expect:
+            fails.append(f"expert weights, grads, moments {(weights, grads, moments)} B != "
+                         f"{expect} B")
+        dense = _store_bytes(eng.reducer.dense, p.zero)
+        mem = predict_memory(layout, eng.grid.coord)
+        total = (weights + dense[0], grads + dense[1],
+                 moments + _moment_bytes(eng.optimizer.dense, p.zero))
+        if total != (mem.weights, mem.grads, mem.optimizer):
+            fails.append(f"state {total} != planner {(mem.weights, mem.grads, mem.optimizer)}")
         eng.close()
     except Exception as exc:
         fails.append(f"{type(exc).__name__}: {exc}")
     assert_all_ranks(world, fails)
+
+
+def _store_bytes(store, zero: int) -> tuple[int, int]:
+    """Bytes of the weights and gradients a store holds (ZeRO-0/1: its flat buckets; ZeRO-2:
+    its whole units and owned gradient slices; ZeRO-3: its owned slices of both)."""
+    if zero >= 2:
+        units = store.units.values()
+        return (sum((u.full if zero == 2 else u.owned).nbytes for u in units),
+                sum(u.owned_grad.nbytes for u in units))
+    return (sum(b.params.nbytes for b in store.buckets), sum(b.grads.nbytes for b in store.buckets))
 
 
 def _moment_bytes(opt, zero: int) -> int:

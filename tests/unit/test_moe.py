@@ -207,12 +207,14 @@ def test_bf16_routes_in_float32_and_rounds_the_output_once():
     assert err < 4 * 2.0 ** -8, err
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_planner_divides_expert_state_by_ep(zero):
-    """The memory planner: under --ep 8 (ZeRO-0/1) a rank holds 1/8 of the experts, so its
-    weights, gradients and moments shrink by 7/8 of the experts' bytes (ZeRO-1's moments are
-    already 1/8 of them under ep 1 and, as 1/(dp x sp / ep) of 1/8, stay the same); ZeRO-2
-    keeps every expert on every rank (as ep 1)."""
+    """The memory planner: under --ep 8 (dp 8: an ``ep_dp`` of one rank) a rank holds 1/8 of
+    the experts at every ZeRO stage, so its whole weights (ZeRO-0/1/2), gradients (ZeRO-0/1)
+    and moments (ZeRO-0) shrink by 7/8 of the experts' bytes; what ZeRO already held as 1/8 of
+    every expert under ep 1 (ZeRO-1's moments, ZeRO-2's gradients and moments, ZeRO-3's
+    slices) stays the same, 1/(dp x sp / ep) of 1/8; ZeRO-3's gathered units shrink, each
+    block's experts' unit 1/8 of the experts."""
     from mpipar.config import Config, ParallelConfig, TrainConfig
     from mpipar.plan.memory import predict_memory
     from mpipar.rules import validate
@@ -224,12 +226,34 @@ def test_planner_divides_expert_state_by_ep(zero):
         cfg = validate(Config(model, ParallelConfig(dp=8, ep=ep, zero=stage),
                               TrainConfig(dtype="float32")), 8)
         mem = predict_memory(cfg, Coord(0, 0, 0, 0))
-        return mem.weights, mem.grads, mem.optimizer, cfg.model
+        return mem.weights, mem.grads, mem.optimizer, cfg.model, mem.buffers
 
     one, eight = state(1), state(8)
     m = one[3]
     experts = 4 * 3 * m.moe_ffn_hidden * m.hidden * m.moe_experts * m.layers   # float32 bytes
-    assert one[0] - eight[0] == experts * 7 // 8
-    assert one[1] - eight[1] == experts * 7 // 8
+    assert one[0] - eight[0] == (experts * 7 // 8 if zero < 3 else 0)
+    assert one[1] - eight[1] == (experts * 7 // 8 if zero < 2 else 0)
     assert one[2] - eight[2] == (0 if zero else 2 * experts * 7 // 8)
-    assert state(1, 2)[:3] == state(8, 2)[:3]
+    if zero == 3:
+        assert eight[4] < one[4]
+
+
+def test_expert_units_split_each_block_into_dense_and_its_experts():
+    """ZeRO-2/3 under --ep 2 (4 experts, 2 blocks, pp 1): every unit keeps its dense weights
+    (the router and norms included) and loses its experts; each block's unit of experts holds
+    exactly the ep position's 2 experts (three weights each), under the block's name; ep 1
+    changes nothing."""
+    from mpipar.parallel.experts import expert_units
+    from mpipar.parallel.placement import PlacementTable, expert_of
+    model = dataclasses.replace(MOE, moe_experts=4, moe_top_k=2)
+    chunks = PlacementTable(model=model).units(0)
+    assert expert_units(chunks, PlacementTable(model=model), 0) == (chunks, [[]])
+    dense, experts = expert_units(chunks, PlacementTable(model=model, ep=2), 1)
+    assert [u for u, _ in dense[0]] == [u for u, _ in chunks[0]]
+    for (u, names), (_, whole) in zip(dense[0], chunks[0]):
+        assert names == [n for n in whole if expert_of(n) is None]
+    sparse = [f"layers.{i}" for i in range(model.layers) if model.is_sparse(i)]
+    assert [u for u, _ in experts[0]] == sparse
+    for u, names in experts[0]:
+        assert sorted({expert_of(n) for n in names}) == [2, 3] and len(names) == 6
+        assert all(n.startswith(u + ".") for n in names)

@@ -187,7 +187,8 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     tokens = layout.micro_batch_size * (t.seq_len // p.sp)
     blocks = (t.seq_len // block_length(SeqLayout(t.seq_len, p.sp, p.sp_split))
               if m.moe_capacity_factor and p.sp > 1 else 1)
-    calls = [Call("sp", "allreduce", blocks * layout.micro_batch_size * m.moe_experts * dt,
+    stats = element_bytes(Precision.of(t, p).master)   # the router's dtype: float32 under bf16
+    calls = [Call("sp", "allreduce", blocks * layout.micro_batch_size * m.moe_experts * stats,
                   sparse * forwards)] if p.sp > 1 else []
     if p.ep > 1:
         rows = tokens * m.moe_top_k * (p.ep - 1) // p.ep

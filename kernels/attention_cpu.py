@@ -64,6 +64,7 @@ from .numpy_ref import Array, require
 POSITIONS = 64  # query positions per tile
 SMALL_GEMM = 1 << 19  # positions * keys * head_dim of one tile product: under OpenBLAS's small-matrix limit
 SEGMENT = 32  # query positions per row segment on the causal diagonal
+SPAN = 256  # backward: the query documents packed whole into runs of at most this many positions
 SUM_LIMIT = 1e12  # a tile row sum above this redoes the row with its exact maximum
 
 
@@ -162,6 +163,43 @@ def document_bounds(q_docs: Array | None, k_docs: Array | None, b: int, sq: int,
 
 
 @njit(cache=True, nogil=True)
+def _cut_blocks(ends, size, starts, whole):  # pragma: no cover (njit)
+    """Cut positions [0, n) into blocks of at most `size` that start at document starts: a
+    document longer than `size` gets ceil(length / size) nearly equal blocks of its own, shorter
+    ones are packed whole, in order, into blocks of at most `size` (ends[i]: the end of position
+    i's document; no documents: one document, nearly equal blocks). starts[:nb + 1] = the block
+    starts then n; returns nb."""
+    n, nb, i = ends.size, 0, 0
+    while i < n:
+        e = ends[i]
+        if e - i > size and not whole:
+            parts = (e - i + size - 1) // size
+            step = (e - i + parts - 1) // parts
+            for j in range(i, e, step):
+                starts[nb] = j
+                nb += 1
+        else:
+            starts[nb] = i
+            nb += 1
+            while e < n and ends[e] - i <= size:
+                e = ends[e]
+        i = e
+    starts[nb] = n
+    return nb
+
+
+def document_blocks(ends: np.ndarray, size: int, whole: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of at most `size` positions aligned to document starts (`_cut_blocks`) of every row
+    of ends `[B, S]` (each position's document end, as `document_bounds`' qend): starts
+    `[B, nmax + 1]` (row b's nb[b] block starts, then S repeated) and nb `[B]`, so that a short
+    document is one small causal tile and no tile straddles two documents it could keep apart."""
+    b, n = ends.shape
+    starts = np.full((b, n + 2), n, np.int64)
+    nb = np.array([_cut_blocks(ends[r], size, starts[r], whole) for r in range(b)], np.int64)
+    return np.ascontiguousarray(starts[:, :int(nb.max(initial=0)) + 1]), nb
+
+
+@njit(cache=True, nogil=True)
 def _key_range(causal, window, q_offset, k_offset, i0, nq, sk, klo, khi):  # pragma: no cover (njit)
     """[start, end) of the keys that the query positions [i0, i0 + nq) can see."""
     end = _row_keys(causal, window, q_offset, k_offset, i0 + nq - 1, 0, sk, klo, khi)[1]
@@ -179,11 +217,12 @@ def tile_work(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: int 
     bq, bk = tile_sizes(head_dim)
     rows = 1 if q_docs is None else np.asarray(q_docs).shape[0]
     klo, khi, qend = document_bounds(q_docs, k_docs, rows, sq, sk)
+    starts, nb = document_blocks(qend, bq)
     seg = np.empty((bq + 1, 4), np.int64)
     tiles = entries = 0
     for r in range(rows):
-        for i0 in range(0, sq, bq):
-            nq = min(bq, sq - i0)
+        for i0, i1 in zip(starts[r, :nb[r]], starts[r, 1:nb[r] + 1]):
+            nq = int(i1 - i0)
             start, end = _key_range(causal, window, q_offset, k_offset, i0, nq, sk, klo[r], khi[r])
             step = _even_step(end - start, bk)
             for j0 in range(start, end, step):
@@ -351,19 +390,25 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_fwd(q, kt, k, local, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, bq, bk, out,
-                   lse):  # pragma: no cover (njit)
-    """One task per (sequence, kv head, query block); query blocks in zigzag order (0, n-1, 1, ...)
-    so that the equal shares of tasks that threads get hold equal causal work."""
-    nb, sq = q.shape[0], q.shape[1]
+def _attention_fwd(q, kt, k, local, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts, bk,
+                   out, lse):  # pragma: no cover (njit)
+    """One task per (sequence, kv head, query block of `document_blocks`' starts `[B, nmax + 1]`);
+    query blocks in zigzag order (0, n-1, 1, ...) so that the equal shares of tasks that threads
+    get hold equal causal work."""
+    nb = q.shape[0]
     hkv = k.shape[2]
-    nqb = (sq + bq - 1) // bq
+    nqb = starts.shape[1] - 1
     for task in prange(nb * hkv * nqb):
-        idx = task % nqb
-        qb = idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2
-        i0, b = qb * bq, task // (hkv * nqb)
-        _fwd_task(q, kt, k, local, v, b, (task // nqb) % hkv, i0, min(bq, sq - i0), q_offset, k_offset, causal, window,
-                  klo[b], khi[b], qend[b], scale, bk, out, lse)
+        if local:  # short documents: in order, the kv heads of a block one after the other
+            qb, kh = (task // hkv) % nqb, task % hkv
+        else:
+            idx = task % nqb
+            qb, kh = (idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2), (task // nqb) % hkv
+        b = task // (hkv * nqb)
+        i0 = starts[b, qb]
+        if starts[b, qb + 1] > i0:
+            _fwd_task(q, kt, k, local, v, b, kh, i0, starts[b, qb + 1] - i0, q_offset, k_offset,
+                      causal, window, klo[b], khi[b], qend[b], scale, bk, out, lse)
 
 
 def _inputs(q: Array, k: Array, v: Array, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype]:
@@ -395,7 +440,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     local = _local_keys(klo, khi, bq)
     _attention_fwd(q, k if local else _heads_major(k), k, local, v, int(q_offset), int(k_offset), bool(causal), int(window),
-                   klo, khi, qend, dt.type(ref.attention_scale(d, scale)), bq, bk, out, lse)
+                   klo, khi, qend, dt.type(ref.attention_scale(d, scale)), document_blocks(qend, bq)[0], bk, out, lse)
     return out, lse
 
 
@@ -435,37 +480,43 @@ def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
 
 @njit(cache=True, nogil=True)
 def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
-              scale, bq, bk, dq, dk, dv):  # pragma: no cover (njit)
-    """All gradients of kv head kh of sequence b, accumulated (+=) into the zeroed dk, dv rows of
-    that head and dq of its query heads. delta `[B, Hq, Sq]` = rowsum(dout * out); klo, khi, qend: sequence b's
-    `document_bounds`."""
+              scale, q_lo, q_hi, qstarts, qnb, kstarts, knb, dq, dk, dv):  # pragma: no cover (njit)
+    """The gradients of kv head kh of sequence b from its queries [q_lo, q_hi) (a run of whole
+    documents: they see no key that other queries see), accumulated (+=) into the zeroed dk, dv
+    rows of that head and dq of its query heads. delta `[B, Hq, Sq]` = rowsum(dout * out); klo, khi,
+    qend: sequence b's `document_bounds`; qstarts[:qnb + 1], kstarts[:knb + 1]: its query and key
+    blocks (`document_blocks`)."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, sk = k.shape[2], k.shape[1]
     group = hq // hkv
     single = q.itemsize == 4
     ldq, ldk = hq * d, hkv * d  # row strides of one head in q, dout, dq and in k, dk, dv
+    bq, bk = np.diff(qstarts[:qnb + 1]).max(), np.diff(kstarts[:knb + 1]).max()
     p = np.empty((bq, bk), q.dtype)
     dp = np.empty((bq, bk), q.dtype)
     kt = np.empty((d, bk), q.dtype)  # the key block's K^T and V^T
     vt = np.empty((d, bk), q.dtype)
     seg = np.empty((bq + 1, 4), np.int64)
-    for j0 in range(0, sk, bk):
-        nk = min(bk, sk - j0)
-        first = max(0, k_offset + j0 - q_offset) if causal else 0  # first query that sees key j0
+    for kb in range(np.searchsorted(kstarts[:knb + 1], klo[q_lo], side="right") - 1, knb):
+        j0, nk = kstarts[kb], kstarts[kb + 1] - kstarts[kb]
+        first = max(q_lo, k_offset + j0 - q_offset) if causal else q_lo  # first query that sees key j0
         # Documents: queries whose document ends after key j0 (khi grows with the position).
         first = max(first, np.searchsorted(khi, j0, side="right"))
-        if first >= sq:
+        if first >= q_hi:
             break
         # The window: no query past the last one whose window reaches key j0 + nk - 1; documents:
         # none whose document starts after the block's last key.
-        last = min(sq, k_offset + j0 + nk - 1 + window - q_offset) if window > 0 else sq
+        last = min(q_hi, k_offset + j0 + nk - 1 + window - q_offset) if window > 0 else q_hi
         last = min(last, np.searchsorted(klo, j0 + nk - 1, side="right"))
         if last <= first:
             continue
         _key_block(k, b, kh, j0, nk, kt)
         _key_block(v, b, kh, j0, nk, vt)
-        for i0 in range(first - first % bq, last, bq):
-            nq = min(bq, sq - i0)
+        for qb in range(np.searchsorted(qstarts[:qnb + 1], first, side="right") - 1, qnb):
+            i0 = max(q_lo, qstarts[qb])  # the block's rows within the span
+            nq = min(q_hi, qstarts[qb + 1]) - i0
+            if i0 >= last:
+                break
             nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend, seg)
             for g in range(group):
                 h = kh * group + g
@@ -488,13 +539,17 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
 
 @njit(cache=True, nogil=True, parallel=True)
 def _attention_bwd(q, k, v, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
-                   bq, bk, dq, dk, dv):  # pragma: no cover (njit)
-    """One task per (sequence, kv head)."""
+                   qstarts, qnb, kstarts, knb, spans, nspan, dq, dk, dv):  # pragma: no cover (njit)
+    """One task per (sequence, span of whole query documents (`document_spans`), kv head): the
+    kv heads of a span one after the other."""
     hkv = k.shape[2]
-    for task in prange(q.shape[0] * hkv):
-        b = task // hkv
-        _bwd_task(q, k, v, lse, delta, dout, b, task % hkv, q_offset, k_offset, causal, window, klo[b],
-                  khi[b], qend[b], scale, bq, bk, dq, dk, dv)
+    ns = spans.shape[1] - 1
+    for task in prange(q.shape[0] * ns * hkv):
+        b, sp = task // (ns * hkv), (task // hkv) % ns
+        if sp < nspan[b]:
+            _bwd_task(q, k, v, lse, delta, dout, b, task % hkv, q_offset, k_offset, causal, window, klo[b],
+                      khi[b], qend[b], scale, spans[b, sp], spans[b, sp + 1], qstarts[b], qnb[b], kstarts[b],
+                      knb[b], dq, dk, dv)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=REORDER)
@@ -536,9 +591,11 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     dv = np.zeros(k.shape, dt)
     bq, bk = tile_sizes(d)
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
+    kend = document_bounds(k_docs, k_docs, b, k.shape[1], k.shape[1])[2]
     _attention_bwd(q, k, v, np.ascontiguousarray(lse, ref.stat_dtype(dt)),
                    _row_dots(dout, np.ascontiguousarray(out, dt)), dout, int(q_offset), int(k_offset),
-                   bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)), bq, bk,
+                   bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)),
+                   *document_blocks(qend, bq), *document_blocks(kend, bk), *document_blocks(qend, SPAN, True),
                    dq, dk, dv)
     return dq, dk, dv
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from . import numpy_ref as ref
 from .numba_simd import REORDER, vexp
@@ -390,25 +390,65 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_fwd(q, kt, k, local, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts, bk,
-                   out, lse):  # pragma: no cover (njit)
-    """One task per (sequence, kv head, query block of `document_blocks`' starts `[B, nmax + 1]`);
-    query blocks in zigzag order (0, n-1, 1, ...) so that the equal shares of tasks that threads
+def _attention_fwd(q, kt, k, local, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
+                   shares, bk, out, lse):  # pragma: no cover (njit)
+    """One task per (sequence, query block of `document_blocks`' starts `[B, nmax + 1]`, kv head).
+    Short documents (`local`): in order, the kv heads of a block one after the other (they read
+    the same rows), thread w taking the tasks [shares[w], shares[w + 1]) (`work_shares`). Else
+    query blocks in zigzag order (0, n-1, 1, ...), so that the equal shares of tasks that threads
     get hold equal causal work."""
     nb = q.shape[0]
     hkv = k.shape[2]
     nqb = starts.shape[1] - 1
-    for task in prange(nb * hkv * nqb):
-        if local:  # short documents: in order, the kv heads of a block one after the other
-            qb, kh = (task // hkv) % nqb, task % hkv
-        else:
+    if local:
+        for w in prange(shares.size - 1):
+            for task in range(shares[w], shares[w + 1]):
+                b, qb, kh = task // (nqb * hkv), (task // hkv) % nqb, task % hkv
+                _fwd_block(q, kt, k, local, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend,
+                           scale, starts, bk, out, lse)
+    else:
+        for task in prange(nb * hkv * nqb):
             idx = task % nqb
-            qb, kh = (idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2), (task // nqb) % hkv
-        b = task // (hkv * nqb)
-        i0 = starts[b, qb]
-        if starts[b, qb + 1] > i0:
-            _fwd_task(q, kt, k, local, v, b, kh, i0, starts[b, qb + 1] - i0, q_offset, k_offset,
-                      causal, window, klo[b], khi[b], qend[b], scale, bk, out, lse)
+            qb = idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2
+            _fwd_block(q, kt, k, local, v, task // (hkv * nqb), (task // nqb) % hkv, qb, q_offset, k_offset,
+                       causal, window, klo, khi, qend, scale, starts, bk, out, lse)
+
+
+@njit(cache=True, nogil=True)
+def _fwd_block(q, kt, k, local, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
+               bk, out, lse):  # pragma: no cover (njit)
+    """`_fwd_task` for query block qb of sequence b (none if the row has fewer blocks)."""
+    i0 = starts[b, qb]
+    if starts[b, qb + 1] > i0:
+        _fwd_task(q, kt, k, local, v, b, kh, i0, starts[b, qb + 1] - i0, q_offset, k_offset, causal, window,
+                  klo[b], khi[b], qend[b], scale, bk, out, lse)
+
+
+def visible_keys(klo: np.ndarray, khi: np.ndarray, q_offset: int, k_offset: int, causal: bool,
+                 window: int) -> np.ndarray:
+    """Keys each query sees `[B, Sq]` (int64): its document's keys [klo, khi) `[B, Sq]` within
+    causality and the window."""
+    diag = np.arange(klo.shape[1]) + (q_offset - k_offset)
+    hi = np.minimum(khi, diag + 1) if causal else khi
+    lo = np.maximum(klo, diag - window + 1) if window > 0 else klo
+    return np.maximum(hi - lo, 0)
+
+
+def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int) -> np.ndarray:
+    """Cut the tasks (sequence b, block i of starts `[B, n + 1]`, head; in that order) into one
+    run of consecutive tasks per thread, of nearly equal work: the keys seen by the block's rows
+    `rows [B, S]` (`visible_keys`) plus 16 a row (its fixed cost). Returns the runs' bounds
+    `[threads + 1]`: consecutive tasks keep the rows they share in cache, equal work keeps the
+    threads busy (short documents of very different lengths make equal task counts unequal)."""
+    cost = []
+    for b in range(rows.shape[0]):
+        row = np.concatenate([[0], np.cumsum(rows[b] + 16)])
+        cost.append(np.repeat(np.diff(row[starts[b]]), heads))
+    cum = np.concatenate([[0], np.cumsum(np.concatenate(cost))])
+    threads = get_num_threads()
+    bounds = np.searchsorted(cum, cum[-1] * np.arange(threads + 1) / threads)
+    bounds[0], bounds[-1] = 0, cum.size - 1
+    return bounds.astype(np.int64)
 
 
 def _inputs(q: Array, k: Array, v: Array, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype]:
@@ -439,8 +479,10 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     bq, bk = tile_sizes(d)
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     local = _local_keys(klo, khi, bq)
+    starts = document_blocks(qend, bq)[0]
+    shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, k.shape[2])
     _attention_fwd(q, k if local else _heads_major(k), k, local, v, int(q_offset), int(k_offset), bool(causal), int(window),
-                   klo, khi, qend, dt.type(ref.attention_scale(d, scale)), document_blocks(qend, bq)[0], bk, out, lse)
+                   klo, khi, qend, dt.type(ref.attention_scale(d, scale)), starts, shares, bk, out, lse)
     return out, lse
 
 
@@ -539,17 +581,19 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
 
 @njit(cache=True, nogil=True, parallel=True)
 def _attention_bwd(q, k, v, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
-                   qstarts, qnb, kstarts, knb, spans, nspan, dq, dk, dv):  # pragma: no cover (njit)
-    """One task per (sequence, span of whole query documents (`document_spans`), kv head): the
-    kv heads of a span one after the other."""
+                   qstarts, qnb, kstarts, knb, spans, nspan, shares, dq, dk, dv):  # pragma: no cover (njit)
+    """One task per (sequence, span of whole query documents (`document_blocks(..., whole=True)`),
+    kv head), in that order: the kv heads of a span one after the other (they read the same
+    rows); thread w takes the tasks [shares[w], shares[w + 1]) (`work_shares`)."""
     hkv = k.shape[2]
     ns = spans.shape[1] - 1
-    for task in prange(q.shape[0] * ns * hkv):
-        b, sp = task // (ns * hkv), (task // hkv) % ns
-        if sp < nspan[b]:
-            _bwd_task(q, k, v, lse, delta, dout, b, task % hkv, q_offset, k_offset, causal, window, klo[b],
-                      khi[b], qend[b], scale, spans[b, sp], spans[b, sp + 1], qstarts[b], qnb[b], kstarts[b],
-                      knb[b], dq, dk, dv)
+    for w in prange(shares.size - 1):
+        for task in range(shares[w], shares[w + 1]):
+            b, sp, kh = task // (ns * hkv), (task // hkv) % ns, task % hkv
+            if sp < nspan[b]:
+                _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo[b],
+                          khi[b], qend[b], scale, spans[b, sp], spans[b, sp + 1], qstarts[b], qnb[b], kstarts[b],
+                          knb[b], dq, dk, dv)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=REORDER)
@@ -592,11 +636,12 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     bq, bk = tile_sizes(d)
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     kend = document_bounds(k_docs, k_docs, b, k.shape[1], k.shape[1])[2]
+    spans, nspan = document_blocks(qend, SPAN, True)
+    shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), spans, k.shape[2])
     _attention_bwd(q, k, v, np.ascontiguousarray(lse, ref.stat_dtype(dt)),
                    _row_dots(dout, np.ascontiguousarray(out, dt)), dout, int(q_offset), int(k_offset),
                    bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)),
-                   *document_blocks(qend, bq), *document_blocks(kend, bk), *document_blocks(qend, SPAN, True),
-                   dq, dk, dv)
+                   *document_blocks(qend, bq), *document_blocks(kend, bk), spans, nspan, shares, dq, dk, dv)
     return dq, dk, dv
 
 

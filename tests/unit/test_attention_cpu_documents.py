@@ -150,10 +150,11 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     r_out, r_lse = ref.attention_fwd(q, k, v, q_docs=docs, k_docs=docs)
     klo, khi, qend = ac.document_bounds(docs, docs, 2, S, S)
     bq, bk = ac.tile_sizes(64)
+    st = ac.document_blocks(qend, bq)[0]
     for local in (True, False):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
         ac._attention_fwd(q, k if local else ac._heads_major(k), k, local, v, 0, 0, True, 0, klo, khi, qend,
-                          0.125, ac.document_blocks(qend, bq)[0], bk, out, lse)
+                          0.125, st, ac.work_shares(ac.visible_keys(klo, khi, 0, 0, True, 0), st, hkv), bk, out, lse)
         assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)
     assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)

@@ -446,7 +446,10 @@ def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int) -> np.ndarray:
         cost.append(np.repeat(np.diff(row[starts[b]]), heads))
     cum = np.concatenate([[0], np.cumsum(np.concatenate(cost))])
     threads = get_num_threads()
-    bounds = np.searchsorted(cum, cum[-1] * np.arange(threads + 1) / threads)
+    target = cum[-1] * np.arange(threads + 1) / threads
+    bounds = np.minimum(np.searchsorted(cum, target), cum.size - 1)     # cum[bounds] >= target:
+    lower = np.maximum(bounds - 1, 0)                                   # or the bound just below
+    bounds = np.where(target - cum[lower] < cum[bounds] - target, lower, bounds)
     bounds[0], bounds[-1] = 0, cum.size - 1
     return bounds.astype(np.int64)
 

@@ -32,7 +32,10 @@ sees only the keys [klo, khi) of its own document (`document_bounds`, found once
 third bound beside causality and the window that also grows with the position: the key range of
 a query block, the query range of a key block (backward) and the row segments (which also end
 at each document's end) shrink to the same-document pairs, so a tile with none is never computed
-and a row of short documents costs about its documents' own causal squares, in one call.
+and a row of short documents costs about its documents' own causal squares, in one call. Blocks
+are aligned to documents (`document_blocks`): a document longer than a block gets nearly equal
+blocks of its own, shorter ones are packed whole into a block, so that a short document is one
+small causal tile (as if called alone) rather than pieces of a fixed grid's tiles.
 
 Forward softmax. Each row keeps a reference value m (one of its own scores, taken in its first
 visible tile) and accumulates l = sum exp(s - m) and acc = sum exp(s - m) v. There is no
@@ -41,12 +44,16 @@ for that row with its exact maximum, rescaling l and acc. Since m is a score of 
 exp(s - m) stays below SUM_LIMIT, nothing overflows and no weight underflows that exact online
 softmax would keep. out = acc / l, lse = m + log l.
 
-Backward (flash-attention 2): one task per kv head of one sequence walks the key blocks; for
+Backward (flash-attention 2): one task per kv head and span of whole query documents (at most
+SPAN positions, or one longer document; no other span's query sees its keys) walks the key blocks; for
 each tile P = exp(s - lse), dP = dO V^T, dS = P (dP - delta) with delta = rowsum(dO * out),
 then dV += P^T dO, dK += scale dS^T Q and dQ += scale dS K (five products per tile).
 
 Threads: tasks run in parallel (Numba prange); the tile products are too small for OpenBLAS to
-thread, so each task's products run on its own thread.
+thread, so each task's products run on its own thread. With short documents (forward) and in the
+backward, the kv heads of a block (span) are consecutive tasks, which read the same rows of q, k,
+v (measured: 15-20 % faster than each head's tasks in turn), and each thread takes one run of
+consecutive tasks of equal work (`work_shares`), not an equal count: documents differ in length.
 """
 
 from __future__ import annotations

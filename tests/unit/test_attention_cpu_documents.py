@@ -150,10 +150,11 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     r_out, r_lse = ref.attention_fwd(q, k, v, q_docs=docs, k_docs=docs)
     klo, khi, qend = ac.document_bounds(docs, docs, 2, S, S)
     bq, bk = ac.tile_sizes(64)
+    st = ac.document_blocks(qend, bq)[0]
     for local in (True, False):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
         ac._attention_fwd(q, k if local else ac._heads_major(k), k, local, v, 0, 0, True, 0, klo, khi, qend,
-                          0.125, bq, bk, out, lse)
+                          0.125, st, ac.work_shares(ac.visible_keys(klo, khi, 0, 0, True, 0), st, hkv), bk, out, lse)
         assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)
     assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)
@@ -166,3 +167,67 @@ def test_bad_documents_raise(rng):
     for qd, kd in ((up, None), (up[:, ::-1], up), (up, up[:, :9])):
         with pytest.raises(ValueError, match="docs|document"):
             ac.attention_fwd(q, k, v, q_docs=qd, k_docs=kd)
+
+
+EDGES = [200, 50, 10, 10] + [1] * 100 + [64, 65, 1, 128, 129, 2, 300, 7, 1, 1]  # see below
+
+
+def test_blocks_start_at_documents_and_cut_long_ones_evenly():
+    """document_blocks: blocks of at most `size` that cover the row in order, each inside one
+    document or made of whole documents; a document longer than size in ceil(L / size) blocks
+    of its own that differ by at most one position; with whole=True only whole documents (a
+    long one alone). Also for a block that starts mid-document (ring hops)."""
+    docs = np.repeat(np.arange(len(EDGES)), EDGES)[None]
+    for row in (docs, docs[:, 130:]):
+        ends = ac.document_bounds(row, row, 1, row.shape[1], row.shape[1])[2]
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(row[0])) + 1])
+        for size, whole in ((64, False), (128, False), (256, True)):
+            cuts, nb = ac.document_blocks(ends, size, whole)
+            cuts = cuts[0, :nb[0] + 1]
+            assert cuts[0] == 0 and cuts[-1] == row.shape[1] and (np.diff(cuts) > 0).all()
+            for i0, i1 in zip(cuts[:-1], cuts[1:]):
+                one = row[0, i0] == row[0, i1 - 1]
+                assert one or (ends[0, i1 - 1] == i1 and (i0 == 0 or row[0, i0 - 1] != row[0, i0]))
+                length = ends[0, i0] - (starts[starts <= i0].max() if i0 else 0)
+                if whole:
+                    assert (i0 == 0 or row[0, i0 - 1] != row[0, i0]) and (i1 - i0 <= size or one)
+                else:
+                    assert i1 - i0 <= size
+                    if one and length > size:       # a long document's blocks: nearly equal
+                        inside = np.diff(cuts[(cuts >= ends[0, i0] - length) & (cuts <= ends[0, i0])])
+                        assert len(inside) == -(-length // size) and np.ptp(inside) <= 1
+    assert ac.document_blocks(np.full((1, 200), 200), 64)[0].tolist() == [[0, 50, 100, 150, 200]]
+
+
+@pytest.mark.parametrize("window", [0, 70])
+@pytest.mark.parametrize("qs,qn,ks,kn", [(0, 1068, 0, 1068), (130, 300, 0, 430), (200, 500, 150, 550)])
+def test_tiles_at_document_edges_match_the_reference(rng, window, qs, qn, ks, kn):
+    """Documents of 1 (a run of 100: several packed blocks), 64, 65, 128, 129 and 300 tokens
+    (one tile, one more than a tile, longer than the backward's spans), 200 + 50 + 10 + 10 (a
+    packed query block across the end of a backward span), whole rows and blocks that start
+    mid-document (ring hops), with and without a window: numpy_ref's attention."""
+    docs = np.repeat(np.arange(len(EDGES)), EDGES)[None]
+    q, k, v = inputs(rng, 1, qn, kn, 4, 2, 64, np.float64)
+    check(rng, q, k, v, qs, ks, window, docs[:, qs:qs + qn], docs[:, ks:ks + kn])
+
+
+def test_work_shares_split_tasks_by_work():
+    """One run of consecutive tasks per thread, covering all, of nearly equal work: one long
+    document among short ones splits between its heads instead of going to one thread."""
+    numba = pytest.importorskip("numba")
+    docs = np.repeat(np.arange(12), [50] * 5 + [2000] + [50] * 6)[None]
+    S = docs.shape[1]
+    klo, khi, qend = ac.document_bounds(docs, docs, 1, S, S)
+    rows = ac.visible_keys(klo, khi, 0, 0, True, 0)
+    spans, nspan = ac.document_blocks(qend, ac.SPAN, True)
+    before = numba.get_num_threads()
+    try:
+        for threads in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+            numba.set_num_threads(threads)
+            shares = ac.work_shares(rows, spans, 4)
+            cost = np.repeat([(rows[0, a:b] + 16).sum() for a, b in zip(spans[0, :-1], spans[0, 1:])], 4)
+            work = [cost[a:b].sum() for a, b in zip(shares[:-1], shares[1:])]
+            assert shares[0] == 0 and shares[-1] == cost.size and len(work) == threads
+            assert max(work) - min(work) <= cost.max()   # within half a task of the mean each
+    finally:
+        numba.set_num_threads(before)

@@ -48,9 +48,9 @@ import numpy as np
 from mpipar.config import ConfigError
 from mpipar.kernels import moe as K_moe
 from mpipar.layout import Layout
-from mpipar.model.moe import Done, Plan, Transfer, own_plan
+from mpipar.model.moe import Done, LocalExperts, Plan, Transfer
 from mpipar.parallel.context import SeqLayout, balanced_chunks, split_parts
-from mpipar.parallel.data_parallel import GradReducer, padded_size, plan_buckets
+from mpipar.parallel.data_parallel import padded_size, plan_buckets
 from mpipar.parallel.fsdp import Units, sharded_calls
 from mpipar.parallel.placement import PlacementTable, expert_of
 from mpipar.parallel.traffic import Call, element_bytes
@@ -71,9 +71,10 @@ def block_length(seq: SeqLayout) -> int:
     return seq.seq_len // split_parts(seq.sp, seq.split)
 
 
-class SequenceExperts:
+class SequenceExperts(LocalExperts):
     """Every expert on this rank; a sequence's statistics summed over the ``sp`` group, whose
-    ranks hold the sequence as ``seq`` says (None: whole sequences)."""
+    ranks hold the sequence as ``seq`` says (None: whole sequences). The rows stay on the rank
+    (:class:`~mpipar.model.moe.LocalExperts`' plan and transfers)."""
 
     def __init__(self, *, num_experts: int, sp: Group, seq: SeqLayout | None = None) -> None:
         self.local_experts = range(num_experts)
@@ -90,15 +91,6 @@ class SequenceExperts:
             return int(np.max(positions)) + 1, 1
         L = block_length(self.seq)
         return L, self.seq.seq_len // L
-
-    def plan(self, counts: Array) -> Plan:
-        return own_plan(counts)
-
-    def send(self, xs: Array, plan: Plan) -> Transfer:
-        return Done(xs)
-
-    def send_back(self, ys: Array, plan: Plan) -> Transfer:
-        return Done(ys)
 
 
 class ExpertParallel(SequenceExperts):

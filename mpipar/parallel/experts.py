@@ -77,7 +77,7 @@ class SequenceExperts(LocalExperts):
     (:class:`~mpipar.model.moe.LocalExperts`' plan and transfers)."""
 
     def __init__(self, *, num_experts: int, sp: Group, seq: SeqLayout | None = None) -> None:
-        self.local_experts = range(num_experts)
+        super().__init__(num_experts)
         self.sp, self.seq = sp, seq
 
     def sequence_sum(self, a: Array) -> Array:

@@ -43,3 +43,27 @@ def test_compression_rows_are_means_over_seeds_against_none_of_the_same_seed_and
     assert rows[3]["vs_none"] == pytest.approx(0.5) and rows[3]["bytes_ratio"] == 2.0
     assert _layout_flags("hier4") == ["--ranks-per-node", "4", "--dp-reduce", "hierarchical"]
     assert _layout_flags("flat") == []
+
+
+def test_precision_means_over_seeds_and_per_seed_differences():
+    """The precision section's seed means: each variant's final losses averaged over the seeds
+    against float32's average, and the mean +- standard error of the per-seed differences
+    (hand-computed)."""
+    import math
+    from mpipar.bench.precision import _against, _seed_means
+
+    runs = {}
+    for seed, (f32, bf16) in {1: (2.0, 2.1), 2: (1.0, 0.98)}.items():
+        rows = [{"variant": "float32", "final_loss": f32, "bytes": 10},
+                {"variant": "bfloat16", "final_loss": bf16, "bytes": 10}]
+        _against(rows, rows[0], 0.01)
+        runs[seed] = rows
+    assert [r["tracks"] for r in runs[1]] == [True, False]
+    assert math.isclose(runs[2][1]["vs_float32"], -0.02)
+    means = _seed_means(runs, ["float32", "bfloat16"])
+    bf16 = means[1]
+    assert math.isclose(bf16["final_loss"], 1.54)
+    assert math.isclose(bf16["vs_float32"], 1.54 / 1.5 - 1)            # of the means: +2.67 %
+    assert math.isclose(bf16["diff_mean"], (0.05 - 0.02) / 2)          # of the seeds: +1.5 %
+    assert math.isclose(bf16["diff_stderr"], math.sqrt(2 * 0.035 ** 2) / math.sqrt(2))
+    assert means[0]["vs_float32"] == 0.0 and means[0]["diff_stderr"] == 0.0

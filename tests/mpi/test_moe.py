@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from conftest import assert_all_ranks, check_in_groups
+from conftest import check_in_groups, rank_failures, shared_tmpdir
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
 
@@ -141,8 +141,7 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     cfg = small_config("float64", model, **case)
     cfg.train.recompute = recompute
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         layout = validate(cfg, 8)
         eng = Engine(layout, world, source=token_source())
         want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
@@ -160,9 +159,6 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
             fails.append(f"{eng.grid.coord}: links {eng.ledger.bytes_by_link()} vs "
                          f"{predict_link_bytes(layout, eng.grid.coord)}")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 RESHARD = [(dict(model="moe8", dp=8, ep=8, zero=1), dict(model="moe8", dp=2, tp=2, pp=2)),
@@ -178,19 +174,13 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
     step equals the one-process run's second step; the checkpoint of a run whose experts are
     sharded over ep (ep 8, ZeRO-1) exports to Mixtral's files with every expert (equal to
     ``gather_params``)."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
-    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-moe-") if world.rank == 0 else None))
     before, after = dict(before), dict(after)
     model = before.pop("model", "moe")
     after.pop("model", None)
-    fails = []
-    try:
+    with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-moe-") as root:
         a = Engine(validate(small_config("float64", model, **before), 8), world,
                    source=token_source())
         a.train_step(0)
@@ -210,12 +200,6 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
         if abs(r2.moe["moe_aux_loss"] - ref[3][1]) > 1e-10 * ref[3][1]:
             fails.append(f"moe_aux_loss {r2.moe['moe_aux_loss']} vs {ref[3][1]}")
         b.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    assert_all_ranks(world, fails)
 
 
 HOLDS = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
@@ -240,8 +224,7 @@ def test_a_rank_holds_its_experts_only(world, case):
     model = case.pop("model", "moe")
     layout = validate(small_config("float64", model, **case), 8)
     m, p = layout.config.model, layout.config.parallel
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(layout, world, source=token_source())
         stage_layers = [i for ch in eng.chunks for i in ch.layers if m.is_sparse(i)]
         position = eng.groups["dp_sp"].rank % p.ep
@@ -269,9 +252,6 @@ def test_a_rank_holds_its_experts_only(world, case):
         if total != (mem.weights, mem.grads, mem.optimizer):
             fails.append(f"state {total} != planner {(mem.weights, mem.grads, mem.optimizer)}")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 def _store_bytes(store, zero: int) -> tuple[int, int]:

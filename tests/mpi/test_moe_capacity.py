@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from conftest import assert_all_ranks, check_in_groups
+from conftest import check_in_groups, rank_failures
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
 from tests.mpi.test_moe import uniform_route   # each rank's row share gives each expert the
@@ -107,8 +107,7 @@ def test_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     cfg = config(**case)
     cfg.model.moe_capacity_factor = 1.0
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2      # validation drops too
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         layout = validate(cfg, 8)
         eng = Engine(layout, world, source=token_source())
         want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
@@ -123,6 +122,3 @@ def test_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
         if set(res.moe["moe_dropped"].values()) != {0}:
             fails.append(f"dropped {res.moe['moe_dropped']} under a uniform router")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)

@@ -132,14 +132,30 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     """With the router forced uniform, every group's bytes in the ledger (ep, ep_dp and sp
     included) equal the planner's prediction for a step, and the validation pass's for its own;
     and so do a step's wire bytes per group and link."""
-    from mpipar.kernels import moe as kernels_moe
-    from mpipar.plan.traffic import predict_eval_bytes, predict_link_bytes, predict_step_bytes
-    from mpipar.training.engine import Engine
-    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
+    from mpipar.plan.traffic import predict_link_bytes
     case = dict(case)
     recompute, model = case.pop("recompute", "none"), case.pop("model", "moe")
     cfg = small_config("float64", model, **case)
     cfg.train.recompute = recompute
+
+    def ep_and_links(eng, layout, res) -> list[str]:
+        fails = [] if case.get("ep", 1) == 1 or eng.ledger.bytes_by_group().get("ep") else \
+            ["no ep bytes booked"]
+        got, want = eng.ledger.bytes_by_link(), predict_link_bytes(layout, eng.grid.coord)
+        return fails + ([] if got == want else [f"{eng.grid.coord}: links {got} vs {want}"])
+
+    bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, ep_and_links)
+
+
+def bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, more) -> None:
+    """With the router forced uniform (:func:`uniform_route`), a step and a validation pass (a
+    quarter of the data, 2 batches) of ``cfg`` on the 8 ranks: every group's bytes in the
+    ledgers equal the planner's prediction for each, and ``more(engine, layout, the step's
+    result)`` (failure messages) finds nothing; asserted on every rank."""
+    from mpipar.kernels import moe as kernels_moe
+    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
+    from mpipar.training.engine import Engine
+    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
     with rank_failures(world) as fails:
         layout = validate(cfg, 8)
@@ -147,17 +163,13 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
         want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
                            predict_eval_bytes(layout, eng.grid.coord))
         eng.ledger.reset()
-        eng.train_step(0)
+        res = eng.train_step(0)
         eng.evaluate()
         got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
         if got != want or got_eval != want_eval:
             fails.append(f"{eng.grid.coord}: step {got} vs {want}; eval {got_eval} vs "
                          f"{want_eval}")
-        if case.get("ep", 1) > 1 and not got.get("ep"):
-            fails.append("no ep bytes booked")
-        if eng.ledger.bytes_by_link() != predict_link_bytes(layout, eng.grid.coord):
-            fails.append(f"{eng.grid.coord}: links {eng.ledger.bytes_by_link()} vs "
-                         f"{predict_link_bytes(layout, eng.grid.coord)}")
+        fails += more(eng, layout, res)
         eng.close()
 
 

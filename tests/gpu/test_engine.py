@@ -66,8 +66,9 @@ def test_device_layouts_equal_the_cpu(world, layout, path):
         eng = Engine(validate(_cfg(layout, "cuda", path), size), comm, source=token_source())
         held = (list(eng.params.values()) if eng.sharded is None   # ZeRO-3 binds units on use
                 else [values for *_, values in eng.sharded.param_pieces()])
-        fails = [] if held and all(type(a).__module__.split(".")[0] == "cupy" for a in held) \
-            else ["parameters are not CuPy arrays"]
+        fails = []
+        if not held or any(type(a).__module__.split(".")[0] != "cupy" for a in held):
+            fails.append("parameters are not CuPy arrays")
         results = [eng.train_step(k) for k in range(2)]
         got = ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params())
         return fails + compare(got, reference("float64"), 1e-10)

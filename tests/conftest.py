@@ -5,11 +5,14 @@ failures, the failures are gathered, and every rank asserts on the union.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -101,18 +104,43 @@ def assert_all_ranks(comm, failures: list[str]) -> None:
     assert not bad, "\n".join(bad[:20])
 
 
+@contextlib.contextmanager
+def rank_failures(comm):
+    """The failure messages of this rank (a list the body appends to), asserted together on
+    every rank of ``comm`` when the body ends: an exception in the body becomes this rank's
+    failure instead of leaving the other ranks waiting in a collective, and a failure on any
+    rank fails every rank. ``with rank_failures(world) as fails: ...; fails.append(msg)``."""
+    fails: list[str] = []
+    try:
+        yield fails
+    except Exception as exc:  # every rank must reach the allgather
+        fails.append(f"{type(exc).__name__}: {exc}")
+    assert_all_ranks(comm, fails)
+
+
+@contextlib.contextmanager
+def shared_tmpdir(comm, prefix: str):
+    """A temporary directory that rank 0 makes and every rank of ``comm`` is told (a Path),
+    removed by rank 0 once every rank has left the body (a barrier first)."""
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix=prefix) if comm.rank == 0 else None))
+    try:
+        yield root
+    finally:
+        comm.Barrier()
+        if comm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def check_in_groups(world, size: int, check) -> None:
     """Split ``world`` into groups of ``size`` consecutive ranks, run ``check(comm)`` (the
     failure messages of this rank) on each, and fail on every rank if any rank failed; an
     exception on one rank reaches every rank as a failure instead of hanging the others."""
     comm = world.Split(world.rank // size, world.rank)
-    try:
-        fails = check(comm)
-    except Exception as exc:
-        fails = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+    with rank_failures(world) as fails:
+        try:
+            fails += check(comm)
+        finally:
+            comm.Free()
 
 
 @pytest.fixture

@@ -90,13 +90,19 @@ def make_checkpoint(kind: str, root: Path) -> Path:
     cfg = config_class(vocab_size=V, hidden_size=H, num_attention_heads=HEADS,
                        num_key_value_heads=KV, num_hidden_layers=LAYERS, intermediate_size=FFN,
                        rope_theta=THETA, rms_norm_eps=EPS, **extra)
+    return save_random(cfg, root / kind)
+
+
+def save_random(cfg, path: Path) -> Path:
+    """A float64 model of transformers config ``cfg`` with random weights (seed 0) written by
+    save_pretrained to ``path``: larger weights than the default init, norms away from 1,
+    biases."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float64)
-    with torch.no_grad():  # larger weights than the default init, norms away from 1, biases
+    with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 1 if name.endswith("norm.weight") else 0
             p.copy_(scale + (0.1 if p.ndim == 1 else 0.15) * torch.randn_like(p))
-    path = root / kind
     model.save_pretrained(path)
     return path
 
@@ -227,6 +233,15 @@ def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
     return engine
 
 
+def torch_adamw(model) -> "torch.optim.AdamW":
+    """torch.optim.AdamW with :data:`OPT`, weight decay on the matrices only (mpipar's rule)."""
+    params = dict(model.named_parameters()).values()  # a tied head is the embedding: once
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
+                               "weight_decay": OPT["weight_decay"]},
+                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
+
+
 @functools.lru_cache(maxsize=None)
 def torch_training(path: Path, samples: Path) -> tuple[list, list, dict[str, np.ndarray]]:
     """transformers + torch.optim.AdamW (decay on matrices only, clipping) for STEPS steps on
@@ -235,11 +250,7 @@ def torch_training(path: Path, samples: Path) -> tuple[list, list, dict[str, np.
     model = hf_model(path)
     model.train()
     named = dict(model.named_parameters())  # a tied head is the embedding: listed once
-    opt = torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim >= 2],
-                              "weight_decay": OPT["weight_decay"]},
-                             {"params": [p for p in named.values() if p.ndim < 2],
-                              "weight_decay": 0.0}],
-                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
+    opt = torch_adamw(model)
     rows = torch.from_numpy(np.load(samples))
     losses, norms = [], []
     for k in range(STEPS):

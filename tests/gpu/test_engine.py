@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.runtime.staging import cuda_aware_mpi
 from mpipar.rules import validate
@@ -61,22 +61,19 @@ def test_device_layouts_equal_the_cpu(world, layout, path):
         pytest.skip(f"MPI is not CUDA-aware here: {cuda_aware_mpi()[1]}")
     from mpipar.training.engine import Engine
     size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
+
+    def check(comm) -> list[str]:
         eng = Engine(validate(_cfg(layout, "cuda", path), size), comm, source=token_source())
         held = (list(eng.params.values()) if eng.sharded is None   # ZeRO-3 binds units on use
                 else [values for *_, values in eng.sharded.param_pieces()])
+        fails = []
         if not held or any(type(a).__module__.split(".")[0] != "cupy" for a in held):
             fails.append("parameters are not CuPy arrays")
         results = [eng.train_step(k) for k in range(2)]
         got = ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params())
-        fails += compare(got, reference("float64"), 1e-10)
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return fails + compare(got, reference("float64"), 1e-10)
+
+    check_in_groups(world, size, check)
 
 
 def _bf16_cfg(layout: dict, device: str):
@@ -112,9 +109,8 @@ def _bf16_tracks(world, layout: dict, make_cfg, reference, tolerance: float) -> 
     _fits(world, layout)
     from mpipar.training.engine import Engine
     size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
+
+    def check(comm) -> list[str]:
         ref = reference()
         eng = Engine(validate(make_cfg(layout, "cuda"), size), comm, source=token_source())
         got = [eng.train_step(k).loss for k in range(BF16_STEPS)]
@@ -124,11 +120,9 @@ def _bf16_tracks(world, layout: dict, make_cfg, reference, tolerance: float) -> 
                  if not abs(a - b) <= tolerance * abs(b)]
         if len(got) != BF16_STEPS or len(ref) != BF16_STEPS:
             fails.append(f"{len(got)} steps against {len(ref)}")
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return fails
+
+    check_in_groups(world, size, check)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -230,9 +224,8 @@ def test_documents_on_the_device_equal_the_cpu(world, layout):
     _fits(world, _parallel(layout))
     from mpipar.training.engine import Engine
     size = layout_size(_parallel(layout))
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
+
+    def check(comm) -> list[str]:
         key = "eod" if layout.get("eod_mask_loss") else "docs"
         ref = _doc_reference(key, lambda: _with_docs(_cfg({}, "cpu"), layout))
         eng = Engine(validate(_with_docs(_cfg(_parallel(layout), "cuda"), layout), size), comm,
@@ -240,12 +233,9 @@ def test_documents_on_the_device_equal_the_cpu(world, layout):
         results = [eng.train_step(k) for k in range(2)]
         got = ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params())
         eng.close()
-        fails += compare(got, ref, 1e-10)
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return compare(got, ref, 1e-10)
+
+    check_in_groups(world, size, check)
 
 
 @pytest.mark.mpi(min_size=1)

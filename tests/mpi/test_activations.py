@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from activation_dumps import dumping_engine, reference_tensors
-from conftest import assert_all_ranks
+from conftest import check_in_groups
 from layouts import layout_name, layout_size, small_config
 from mpipar.checkpoint.activations import load_global, step_dir
 
@@ -28,12 +28,11 @@ LAYOUTS = [dict(tp=2, sp=2, pp=2, sp_split="zigzag"),
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_dumps_reassemble_to_the_single_process_activations(world, layout):
     size = layout_size(layout)
-    color = world.rank // size
-    comm = world.Split(color, world.rank)
     base = world.bcast(tempfile.mkdtemp(prefix="mpipar-act-") if world.rank == 0 else None)
-    fails: list[str] = []
-    try:
-        run_dir = os.path.join(base, str(color))
+
+    def check(comm) -> list[str]:
+        fails = []
+        run_dir = os.path.join(base, str(world.rank // size))
         eng = dumping_engine(small_config("float64", **layout), comm, run_dir, "2")
         for k in range(2):
             eng.train_step(k)
@@ -46,8 +45,6 @@ def test_dumps_reassemble_to_the_single_process_activations(world, layout):
                 err = np.abs(got - want).max()
                 if not err <= 1e-12:
                     fails.append(f"layer {i} {name}: max abs err {err:.3g}")
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return fails
+
+    check_in_groups(world, size, check)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups, rank_failures
 from layouts import compare, layout_name, layout_size, reference, small_config
 from xp_guard import guarded_step
 
@@ -23,21 +23,15 @@ COMPRESSED = [dict(dp=4, sp=2, ranks_per_node=4, dp_reduce="hierarchical",
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_every_layout_allocates_through_xp(world, layout):
-    size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    patch = pytest.MonkeyPatch()
-    try:
-        got, recording = guarded_step(patch, small_config(**layout), comm)
-        fails += compare(got, reference("float64"), 1e-10)
-        if not recording.calls.get("empty"):
-            fails.append(f"no receive or ring buffer came from xp: {recording.calls}")
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        patch.undo()
-        comm.Free()
-    assert_all_ranks(world, fails)
+    def check(comm) -> list[str]:
+        with pytest.MonkeyPatch.context() as patch:
+            got, recording = guarded_step(patch, small_config(**layout), comm)
+            fails = compare(got, reference("float64"), 1e-10)
+            if not recording.calls.get("empty"):
+                fails.append(f"no receive or ring buffer came from xp: {recording.calls}")
+            return fails
+
+    check_in_groups(world, layout_size(layout), check)
 
 
 @pytest.mark.mpi(min_size=8)
@@ -47,16 +41,9 @@ def test_compressed_reduction_allocates_through_xp(world, layout):
     too; the guarded steps equal the same layout's unguarded ones bit for bit."""
     from layouts import run
 
-    fails: list[str] = []
-    patch = pytest.MonkeyPatch()
-    try:
+    with rank_failures(world) as fails, pytest.MonkeyPatch.context() as patch:
         want = run(small_config(**layout), world)[:3]
         got, recording = guarded_step(patch, small_config(**layout), world)
         fails += compare(got, want, 0.0)
         if not recording.calls.get("rint" if "int8" in layout.values() else "argpartition"):
             fails.append(f"the codec did not run through xp: {recording.calls}")
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        patch.undo()
-    assert_all_ranks(world, fails)

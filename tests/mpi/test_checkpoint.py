@@ -6,14 +6,10 @@ back) and continues exactly like the one-process run.
 Run with ``mpirun -n 8 python -m pytest -q --only-mpi tests/mpi/test_checkpoint.py``."""
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import rank_failures, shared_tmpdir
 from layouts import compare, reference, small_config, token_source
 from mpipar.rules import validate
 
@@ -42,11 +38,9 @@ def test_save_and_load_across_layouts(world, before, after):
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
 
-    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ckpt-") if world.rank == 0 else None))
     model = before.get("model", "llama")
     after = dict(after, model=model)
-    fails = []
-    try:
+    with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-ckpt-") as root:
         a = Engine(validate(small_config(**before), 8), world, source=token_source())
         a.train_step(0)
         path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
@@ -78,9 +72,3 @@ def test_save_and_load_across_layouts(world, before, after):
         if model == "tied" and ends.size > 1:  # the two copies loaded and updated alike
             copies = ends.comm.allgather(b.params["embed_tokens.weight"])
             fails += [] if np.array_equal(*copies) else ["tied copies differ after resume"]
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    assert_all_ranks(world, fails)

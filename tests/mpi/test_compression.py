@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import assert_all_ranks, rank_failures, shared_tmpdir
 from mpipar.parallel.compression import BLOCK, Int8Codec, TopKCodec
 from mpipar.rules import validate
 
@@ -129,18 +129,12 @@ def test_residuals_load_slot_by_slot_or_summed(world):
     saved; loaded into the same layout the residuals are bit-identical; into dp=4 tp=2
     hierarchical on nodes of 4 (2 slots) their sum, the gradient still owed, lands whole in
     slot 0, per element."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
     from layouts import global_state, small_config, token_source
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
 
-    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ef-") if world.rank == 0 else None))
-    fails = []
-    try:
+    with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-ef-") as root:
         a = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                    source=token_source())
         a.train_step(0)
@@ -165,12 +159,6 @@ def test_residuals_load_slot_by_slot_or_summed(world):
                 fails.append(f"{name}: slot 0 does not hold the sum")
             if np.any(moved[("residual_send.1", name)]):
                 fails.append(f"{name}: slot 1 is not zero")
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    assert_all_ranks(world, fails)
 
 
 @pytest.mark.mpi(min_size=8)

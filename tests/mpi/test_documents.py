@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups, rank_failures
 from layouts import compare, layout_name, layout_size, run, small_config
 
 EOS = 3
@@ -59,19 +59,15 @@ def reference(model: str, case: str):
 def test_packed_documents_equal_one_process(world, layout, case):
     layout = dict(layout)
     model = layout.pop("model", "llama")
-    comm = world.Split(world.rank // layout_size(layout), world.rank)
-    fails: list[str] = []
-    try:
+
+    def check(comm) -> list[str]:
         got = run(packed(model, case, **layout), comm)
         try:
-            fails = compare(got[:3], reference(model, case.removesuffix("-numba")), 1e-10)
+            return compare(got[:3], reference(model, case.removesuffix("-numba")), 1e-10)
         finally:
             got[3].close()
-    except Exception as exc:  # a rank's error must reach every rank, never hang them
-        fails = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+
+    check_in_groups(world, layout_size(layout), check)
 
 
 LEDGER = [dict(sp=8), dict(sp=4, dp=2, sp_split="zigzag", sp_overlap=True),
@@ -94,8 +90,7 @@ def test_ring_hops_no_document_crosses_are_not_sent_and_the_planner_knows(world,
     cfg = packed("llama", "docs", **case)
     cfg.train.recompute = recompute
     layout = validate(cfg, 8)
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(layout, world, source=token_source())
         full, moved = predict_step_bytes(layout, eng.grid.coord), []
         for step in range(2):
@@ -113,9 +108,6 @@ def test_ring_hops_no_document_crosses_are_not_sent_and_the_planner_knows(world,
         if case.get("sp_split") is None and not min(moved) < full[ring]:
             fails.append(f"{ring} bytes {moved} never below {full[ring]}")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 def _eval_loss(world_size: int, comm=None, **parallel) -> float:
@@ -135,12 +127,8 @@ def _eval_loss(world_size: int, comm=None, **parallel) -> float:
 @pytest.mark.mpi(min_size=8)
 def test_validation_loss_with_documents_and_eod_mask_equals_one_process(world):
     """The validation pass reads each microbatch's documents and counted targets too."""
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         got = _eval_loss(8, world, dp=2, pp=2, sp=2, sp_split="balanced")
         want = _eval_loss(1)
         if abs(got - want) > 1e-10 * abs(want):
             fails.append(f"validation loss {got!r} vs one process {want!r}")
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)

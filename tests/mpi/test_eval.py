@@ -8,7 +8,7 @@ import os
 import pytest
 from mpi4py import MPI
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups
 from layouts import eval_config, layout_name, layout_size, token_source
 from mpipar.rules import validate
 from mpipar.training.engine import Engine
@@ -40,9 +40,8 @@ def _single_process(recompute: str = "none") -> tuple[float, float, float]:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_validation_loss_is_the_same_on_every_layout(world, layout):
     size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
+
+    def check(comm) -> list[str]:
         recompute = "offload" if layout.get("pp") == 4 and layout.get("tp") else "none"
         cfg = eval_config(**layout)
         cfg.train.recompute = recompute
@@ -55,12 +54,9 @@ def test_validation_loss_is_the_same_on_every_layout(world, layout):
         diffs = [abs(a - b) / abs(b) for a, b in zip(got, (want[0], want[2], want[1]))]
         if world.rank == 0:
             print(f"\n{layout_name(layout)}: validation rel diffs {diffs[0]:.1e}, {diffs[2]:.1e}")
-        for what, a, b in zip(("eval after 1 step", "step 2 loss", "eval after 2 steps"), got,
-                              (want[0], want[2], want[1])):
-            if not abs(a - b) <= 1e-10 * abs(b):
-                fails.append(f"{what}: {a!r} vs one process {b!r} (rel {abs(a - b) / b:.2e})")
-    except Exception as exc:  # a rank's error must reach every rank, never hang them
-        fails = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return [f"{what}: {a!r} vs one process {b!r} (rel {abs(a - b) / b:.2e})"
+                for what, a, b in zip(("eval after 1 step", "step 2 loss", "eval after 2 steps"),
+                                      got, (want[0], want[2], want[1]))
+                if not abs(a - b) <= 1e-10 * abs(b)]
+
+    check_in_groups(world, size, check)

@@ -11,7 +11,7 @@ from transformers_reference import (STEPS, TOL, float64_transformers,  # noqa: F
                                     hf_dirs, mpipar_engine, samples, torch_training,
                                     training_differences)
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups
 from layouts import layout_name, layout_size
 from mpipar.checkpoint.huggingface import load_hf
 
@@ -33,10 +33,7 @@ def test_layouts_train_like_torch_adamw(world, hf_dirs, kind, layout, samples,
                                         float64_transformers):
     """Every rank builds the same checkpoint and its transformers reference (deterministic);
     the layout trains it and must equal transformers: losses, norms and exported parameters."""
-    size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
+    def check(comm) -> list[str]:
         cfg, params = load_hf(hf_dirs[kind])
         engine = mpipar_engine(cfg, params, samples, comm, **layout)
         results = [engine.train_step(k) for k in range(STEPS)]
@@ -46,9 +43,7 @@ def test_layouts_train_like_torch_adamw(world, hf_dirs, kind, layout, samples,
             print(f"\n{kind} {layout_name(layout)}: max param rel diff {param_diff:.2e}, loss "
                   f"diffs {[f'{d:.1e}' for d in loss_diffs]}")
         if not (max(loss_diffs) <= TOL and param_diff <= TOL):
-            fails.append(f"loss diffs {loss_diffs}, param diff {param_diff:.3g}")
-    except Exception as exc:  # a rank's error must reach every rank, never hang them
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+            return [f"loss diffs {loss_diffs}, param diff {param_diff:.3g}"]
+        return []
+
+    check_in_groups(world, layout_size(layout), check)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks, check_in_groups, factorisations
+from conftest import check_in_groups, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
 from mpipar.parallel.placement import TENSOR_PARALLEL_PLAN
 from mpipar.runtime.topology import GridShape, NodeMap
@@ -252,15 +252,12 @@ def test_the_placement_table_drives_the_weight_split_and_the_traffic(world, layo
     tp collective (without tp sequence parallelism: per block and microbatch one all-reduce
     fewer in forward, the down projection's, and one in backward, the gate/up input's), and the
     run still equals one process."""
-    size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
     want = reference("float64")
-    fails: list[str] = []
 
     def all_reduces(engine) -> int:
         return engine.ledger.entries[("tp", "allreduce")].messages
 
-    try:
+    def check(comm) -> list[str]:
         usual = None
         if not layout.get("tp_sequence_parallel"):
             got = run(small_config("float64", **layout), comm)
@@ -280,10 +277,8 @@ def test_the_placement_table_drives_the_weight_split_and_the_traffic(world, layo
                     2 * len(blocks) * engine.microbatches * 2:
                 fails.append(f"tp all-reduces {all_reduces(engine)} against {usual} with the "
                              f"usual table")
+            return fails
         finally:
             engine.close()
-    except Exception as exc:  # a rank's error must reach every rank, never hang them
-        fails = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+
+    check_in_groups(world, layout_size(layout), check)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import assert_all_ranks, rank_failures
 from layouts import small_config, token_source
 from mpipar.rules import validate
 
@@ -79,8 +79,7 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
     cfg.train.recompute = recompute
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
     cfg = validate(cfg, 8)
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(cfg, world, source=token_source())
         want = predict_step_bytes(cfg, eng.grid.coord)
         want_eval = predict_eval_bytes(cfg, eng.grid.coord)
@@ -96,9 +95,6 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
                 fails.append(f"validation after step {step} {eng.grid.coord}: eval ledger "
                              + _mismatches(got_eval, want_eval, cfg.parallel.zero))
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 # ------------------------------------------------------------------------ links across nodes
@@ -138,8 +134,7 @@ def test_ledger_links_equal_planner_prediction(world, case):
     from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes, predict_step_messages
 
     cfg = validate(small_config("float32", **case), 8)
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(cfg, world, source=token_source())
         for step in range(2):
             eng.ledger.reset()
@@ -156,9 +151,6 @@ def test_ledger_links_equal_planner_prediction(world, case):
                     fails.append(f"step {step} {coord} {what}: "
                                  + _mismatches(got, want, cfg.parallel.zero))
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 MODES = {"flat": {}, "hierarchical": dict(dp_reduce="hierarchical"),
@@ -175,8 +167,8 @@ def test_inter_node_bytes_fall(world, k):
     >= 10x with top-k 1% against flat; hierarchical and compressed multiply."""
     from mpipar.training.engine import Engine
 
-    inter, fails = {}, []
-    try:
+    inter = {}
+    with rank_failures(world) as fails:
         for mode, extra in MODES.items():
             cfg = validate(small_config("float32", dp=8, ranks_per_node=k, **extra), 8)
             eng = Engine(cfg, world, source=token_source())
@@ -194,9 +186,6 @@ def test_inter_node_bytes_fall(world, k):
         if world.rank == 0:
             print(f"nodes of {k}: inter-node bytes per rank per step " + ", ".join(
                 f"{m} {inter[m]:,} ({ratio[m]:.2f}x)" for m in MODES))
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups, rank_failures
 from layouts import layout_name, layout_size, run, small_config, token_source
 from mpipar.rules import validate
 
@@ -55,18 +55,12 @@ def reference(steps: int) -> tuple:
 def _on_slice(world, layout: dict, steps: int, check) -> None:
     """Run ``layout`` (bf16) for ``steps`` steps on each slice of the world that fits it; every
     rank asserts on ``check(got)``'s failures of all ranks."""
-    size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
+    def on(comm) -> list[str]:
         got = run(bf16_config(steps, **layout), comm, steps)
         got[3].close()
-        fails = check(got)
-    except Exception as exc:  # a rank's error must reach every rank, never hang them
-        fails = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return check(got)
+
+    check_in_groups(world, layout_size(layout), on)
 
 
 def _loss_differences(got, ref) -> list[str]:
@@ -107,8 +101,7 @@ def test_the_same_layout_twice_is_bit_identical(world):
     """Mixed precision is deterministic: a layout run twice gives the same losses, norms and
     master weights, bit for bit."""
     layout = dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002, reduce_dtype="bfloat16")
-    fails: list[str] = []
-    try:
+    with rank_failures(world) as fails:
         first = run(bf16_config(4, **layout), world, 4)
         first[3].close()
         second = run(bf16_config(4, **layout), world, 4)
@@ -117,9 +110,6 @@ def test_the_same_layout_twice_is_bit_identical(world):
             fails.append(f"losses {first[0]} then {second[0]}")
         fails += [f"{n} differs" for n in first[2]
                   if not np.array_equal(first[2][n], second[2][n])]
-    except Exception as exc:
-        fails = [f"{type(exc).__name__}: {exc}"]
-    assert_all_ranks(world, fails)
 
 
 # ------------------------------------------------------------------ the planner knows the bytes
@@ -170,8 +160,7 @@ def test_ledger_and_state_equal_the_planner(world, case):
     model = case.pop("model", "llama")
     cfg = small_config("bfloat16", model, **case)
     layout = validate(cfg, 8)
-    fails: list[str] = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(layout, world, source=token_source())
         mem = predict_memory(layout, eng.grid.coord)
         got = _engine_state(eng)
@@ -194,6 +183,3 @@ def test_ledger_and_state_equal_the_planner(world, case):
             if not 0 < pooled <= mem.buffers:
                 fails.append(f"{eng.grid.coord}: pool {pooled} B, bound {mem.buffers} B")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)

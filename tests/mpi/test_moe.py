@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from conftest import assert_all_ranks, check_in_groups
+from conftest import check_in_groups, rank_failures, shared_tmpdir
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
 
@@ -132,37 +132,45 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     """With the router forced uniform, every group's bytes in the ledger (ep, ep_dp and sp
     included) equal the planner's prediction for a step, and the validation pass's for its own;
     and so do a step's wire bytes per group and link."""
-    from mpipar.kernels import moe as kernels_moe
-    from mpipar.plan.traffic import predict_eval_bytes, predict_link_bytes, predict_step_bytes
-    from mpipar.training.engine import Engine
-    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
+    from mpipar.plan.traffic import predict_link_bytes
     case = dict(case)
     recompute, model = case.pop("recompute", "none"), case.pop("model", "moe")
     cfg = small_config("float64", model, **case)
     cfg.train.recompute = recompute
+
+    def ep_and_links(eng, layout, res) -> list[str]:
+        fails = [] if case.get("ep", 1) == 1 or eng.ledger.bytes_by_group().get("ep") else \
+            ["no ep bytes booked"]
+        got, want = eng.ledger.bytes_by_link(), predict_link_bytes(layout, eng.grid.coord)
+        return fails + ([] if got == want else [f"{eng.grid.coord}: links {got} vs {want}"])
+
+    bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, ep_and_links)
+
+
+def bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, more) -> None:
+    """With the router forced uniform (:func:`uniform_route`), a step and a validation pass (a
+    quarter of the data, 2 batches) of ``cfg`` on the 8 ranks: every group's bytes in the
+    ledgers equal the planner's prediction for each, and ``more(engine, layout, the step's
+    result)`` (failure messages) finds nothing; asserted on every rank."""
+    from mpipar.kernels import moe as kernels_moe
+    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
+    from mpipar.training.engine import Engine
+    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         layout = validate(cfg, 8)
         eng = Engine(layout, world, source=token_source())
         want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
                            predict_eval_bytes(layout, eng.grid.coord))
         eng.ledger.reset()
-        eng.train_step(0)
+        res = eng.train_step(0)
         eng.evaluate()
         got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
         if got != want or got_eval != want_eval:
             fails.append(f"{eng.grid.coord}: step {got} vs {want}; eval {got_eval} vs "
                          f"{want_eval}")
-        if case.get("ep", 1) > 1 and not got.get("ep"):
-            fails.append("no ep bytes booked")
-        if eng.ledger.bytes_by_link() != predict_link_bytes(layout, eng.grid.coord):
-            fails.append(f"{eng.grid.coord}: links {eng.ledger.bytes_by_link()} vs "
-                         f"{predict_link_bytes(layout, eng.grid.coord)}")
+        fails += more(eng, layout, res)
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 RESHARD = [(dict(model="moe8", dp=8, ep=8, zero=1), dict(model="moe8", dp=2, tp=2, pp=2)),
@@ -178,19 +186,13 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
     step equals the one-process run's second step; the checkpoint of a run whose experts are
     sharded over ep (ep 8, ZeRO-1) exports to Mixtral's files with every expert (equal to
     ``gather_params``)."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
-    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-moe-") if world.rank == 0 else None))
     before, after = dict(before), dict(after)
     model = before.pop("model", "moe")
     after.pop("model", None)
-    fails = []
-    try:
+    with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-moe-") as root:
         a = Engine(validate(small_config("float64", model, **before), 8), world,
                    source=token_source())
         a.train_step(0)
@@ -210,12 +212,6 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
         if abs(r2.moe["moe_aux_loss"] - ref[3][1]) > 1e-10 * ref[3][1]:
             fails.append(f"moe_aux_loss {r2.moe['moe_aux_loss']} vs {ref[3][1]}")
         b.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    assert_all_ranks(world, fails)
 
 
 HOLDS = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
@@ -240,8 +236,7 @@ def test_a_rank_holds_its_experts_only(world, case):
     model = case.pop("model", "moe")
     layout = validate(small_config("float64", model, **case), 8)
     m, p = layout.config.model, layout.config.parallel
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(layout, world, source=token_source())
         stage_layers = [i for ch in eng.chunks for i in ch.layers if m.is_sparse(i)]
         position = eng.groups["dp_sp"].rank % p.ep
@@ -269,9 +264,6 @@ def test_a_rank_holds_its_experts_only(world, case):
         if total != (mem.weights, mem.grads, mem.optimizer):
             fails.append(f"state {total} != planner {(mem.weights, mem.grads, mem.optimizer)}")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 def _store_bytes(store, zero: int) -> tuple[int, int]:

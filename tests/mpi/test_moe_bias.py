@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks, check_in_groups
+from conftest import check_in_groups, rank_failures, shared_tmpdir
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
 
@@ -110,16 +110,9 @@ def test_resume_reproduces_steps_3_and_4(world, before, after):
     """Stopped after step 2 (a checkpoint: parameters, moments and the biases in its index) and
     resumed: steps 3-4 equal the uninterrupted 4-step run of ``before`` (bit for bit in the same
     layout; <= 1e-10 in another), and the biases equal exactly."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
-    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-bias-") if world.rank == 0
-                            else None))
-    fails = []
-    try:
+    with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-bias-") as root:
         whole = run(world, steps=4, **before)
         a = engine(world, **before)
         a.train_step(0)
@@ -137,9 +130,3 @@ def test_resume_reproduces_steps_3_and_4(world, before, after):
         fails += compare(got, whole[:3], tol)
         fails += bias_fails(world, b.routing.host(), whole[4])
         b.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    assert_all_ranks(world, fails)

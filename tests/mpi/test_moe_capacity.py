@@ -12,11 +12,12 @@ import functools
 
 import pytest
 
-from conftest import assert_all_ranks, check_in_groups
+from conftest import check_in_groups
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
-from tests.mpi.test_moe import uniform_route   # each rank's row share gives each expert the
-# same count, a whole row 8 = cap at C = 1 (nothing drops)
+# test_moe's uniform router gives each expert the same count from each rank's row share, a
+# whole row 8 = cap at C = 1 (nothing drops)
+from tests.mpi.test_moe import bytes_equal_planner_with_a_uniform_router
 
 CAPACITY = 0.75    # seq_len 16, 4 experts, top 2: cap = ceil(0.75 x 16 x 2 / 4) = 6 of ~8
 LAYOUTS = [
@@ -100,29 +101,13 @@ LEDGER = [dict(dp=2, sp=4, ep=4, sp_split="zigzag"), dict(dp=4, sp=2, pp=1, ep=2
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("case", LEDGER, ids=[layout_name(v) for v in LEDGER])
 def test_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
-    from mpipar.kernels import moe as kernels_moe
-    from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
-    from mpipar.training.engine import Engine
-    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
+    """Capacity 1 under the uniform router: nothing drops, and a step's and a validation
+    pass's (validation drops too) bytes per group are the planner's."""
     cfg = config(**case)
     cfg.model.moe_capacity_factor = 1.0
-    cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2      # validation drops too
-    fails = []
-    try:
-        layout = validate(cfg, 8)
-        eng = Engine(layout, world, source=token_source())
-        want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
-                           predict_eval_bytes(layout, eng.grid.coord))
-        eng.ledger.reset()
-        res = eng.train_step(0)
-        eng.evaluate()
-        got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
-        if got != want or got_eval != want_eval:
-            fails.append(f"{eng.grid.coord}: step {got} vs {want}; eval {got_eval} vs "
-                         f"{want_eval}")
-        if set(res.moe["moe_dropped"].values()) != {0}:
-            fails.append(f"dropped {res.moe['moe_dropped']} under a uniform router")
-        eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
+
+    def nothing_dropped(eng, layout, res) -> list[str]:
+        dropped = res.moe["moe_dropped"]
+        return [] if set(dropped.values()) == {0} else [f"dropped {dropped} under a uniform router"]
+
+    bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, nothing_dropped)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import rank_failures
 from layouts import layout_name, small_config, token_source
 from mpipar.rules import validate
 from tests.mpi.test_moe import uniform_route
@@ -40,8 +40,7 @@ def test_sparse_records_equal_the_planner(world, case, monkeypatch):
     recompute, model = case.pop("recompute", "none"), case.pop("model")
     cfg = small_config("float64", model, **case)
     cfg.train.recompute = recompute
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         layout = validate(cfg, 8)
         eng = Engine(layout, world, source=token_source())
         eng.train_step(0)
@@ -50,6 +49,3 @@ def test_sparse_records_equal_the_planner(world, case, monkeypatch):
         want = _sparse_ffn_bytes(layout, recompute) + n * cfg.model.hidden * 8
         if not seen or set(seen) != {want}:
             fails.append(f"sparse records {sorted(set(seen))} ({len(seen)}) vs {want}")
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import rank_failures, shared_tmpdir
 from layouts import layout_name, small_config, token_source
 from mpipar.rules import validate
 from tests.mpi import test_moe as moe
@@ -83,8 +83,7 @@ def test_sharded_expert_traffic_and_buffers_equal_planner(world, case, monkeypat
     case = dict(case)
     cfg = small_config("float64", case.pop("model", "moe"), **case)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         layout = validate(cfg, 8)
         eng = Engine(layout, world, source=token_source())
         coord = eng.grid.coord
@@ -109,9 +108,6 @@ def test_sharded_expert_traffic_and_buffers_equal_planner(world, case, monkeypat
             fails.append(f"{coord}: eval {eng.eval_ledger.bytes_by_group()} vs "
                          f"{predict_eval_bytes(layout, coord)}")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 RESHARD = [(dict(dp=4, sp=2, ep=4, zero=3), dict(dp=4, tp=2, zero=1)),
@@ -154,8 +150,7 @@ def test_compressed_dense_beside_exact_experts(world, codec):
         cfg.train.clip_grad = 0.0
         return cfg
 
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         ref = moe.run(config(), MPI.COMM_SELF, steps=1)[2]
         got = moe.run(config(dp=4, sp=2, ep=2, grad_compression=codec), world, steps=1)[2]
         experts = [n for n in ref if ".experts." in n]
@@ -164,9 +159,6 @@ def test_compressed_dense_beside_exact_experts(world, codec):
         q = "layers.0.self_attn.q_proj.weight"
         if not compare(((), (), {q: got[q]}), ((), (), {q: ref[q]}), 1e-8):
             fails.append("the dense weights equal the exact run's: nothing was compressed")
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)
 
 
 @pytest.mark.mpi(min_size=8)
@@ -175,23 +167,18 @@ def test_compressed_checkpoint_with_sharded_experts_resumes_bit_exact(world):
     residuals saved as zeros, so each kind tiles every tensor) resumes under the same layout
     bit for bit equal to the uninterrupted run, and loads under ep 1 with the experts'
     residuals zero and the dense ones as saved."""
-    import shutil
-    import tempfile
-    from pathlib import Path
 
     import numpy as np
 
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.engine import Engine
-    root = Path(world.bcast(tempfile.mkdtemp(prefix="mpipar-ez-") if world.rank == 0 else None))
 
     def engine(**parallel):
         return Engine(validate(small_config("float64", "moe", grad_compression="int8",
                                             **parallel), 8), world, source=token_source())
 
-    fails = []
-    try:
+    with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-ez-") as root:
         a = engine(dp=2, sp=2, pp=2, ep=2)
         a.train_step(0)
         path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
@@ -214,12 +201,6 @@ def test_compressed_checkpoint_with_sharded_experts_resumes_bit_exact(world):
         if not any(np.any(v) for (k, n, _), v in saved.items() if ".experts." not in n):
             fails.append("no dense residual saved")
         c.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    assert_all_ranks(world, fails)
 
 
 BF16 = [dict(dp=4, sp=2, ep=2, zero=3, reduce_dtype="bfloat16"),
@@ -242,8 +223,7 @@ def test_bf16_sharded_experts_state_and_bytes_equal_planner(world, case, monkeyp
     from tests.mpi.test_mixed_precision import _engine_state
     monkeypatch.setattr(kernels_moe, "route_topk", moe.uniform_route)
     layout = validate(small_config("bfloat16", "moe", **case), 8)
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(layout, world, source=token_source())
         red, opt = eng.reducer, eng.optimizer
         parts = [SimpleNamespace(reducer=r, optimizer=o, layout=layout, sharded=r)
@@ -262,6 +242,3 @@ def test_bf16_sharded_experts_state_and_bytes_equal_planner(world, case, monkeyp
         if got_bytes != want:
             fails.append(f"{eng.grid.coord}: bytes {got_bytes} != planner {want}")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)

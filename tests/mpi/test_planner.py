@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import rank_failures
 from layouts import small_config, token_source
 from mpipar.plan.memory import predict_memory
 from mpipar.plan.traffic import predict_step_bytes, predict_step_messages
@@ -38,8 +38,7 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
     cfg = small_config(case.pop("dtype", "float64"), **case)
     cfg.train.recompute = recompute
     cfg = validate(cfg, 8)
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         eng = Engine(cfg, world, source=token_source())
         mem = predict_memory(cfg, eng.grid.coord)
         buckets = eng.reducer.buckets
@@ -73,6 +72,3 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
             if not 0 < pooled <= mem.buffers:
                 fails.append(f"{eng.grid.coord}: pool {pooled} B, bound {mem.buffers} B")
         eng.close()
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)

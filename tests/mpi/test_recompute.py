@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups
 from layouts import compare, layout_name, layout_size, reference
 from recompute_runs import MODES, identical, run_mode
 
@@ -24,17 +24,13 @@ LAYOUTS = [dict(tp=2, sp=2, pp=2),
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_modes_equal_none_under_mpi(world, layout):
-    size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
     run_dir = world.bcast(tempfile.mkdtemp(prefix="mpipar-rc-") if world.rank == 0 else None)
-    fails: list[str] = []
-    try:
+
+    def check(comm) -> list[str]:
         ref = run_mode(layout, "none", comm, run_dir)
-        fails += compare(ref, reference("float64"), 1e-10)
+        fails = compare(ref, reference("float64"), 1e-10)
         for mode in MODES:
             fails += [f"{mode}: {f}" for f in identical(run_mode(layout, mode, comm, run_dir), ref)]
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+        return fails
+
+    check_in_groups(world, layout_size(layout), check)

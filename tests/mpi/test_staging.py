@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import check_in_groups
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.rules import validate
 
@@ -68,13 +68,4 @@ def _check(layout: dict, comm) -> list[str]:
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
 def test_staged_layouts_equal_one_process(world, layout):
-    size = layout_size(layout)
-    comm = world.Split(world.rank // size, world.rank)
-    fails: list[str] = []
-    try:
-        fails = _check(layout, comm)
-    except Exception as exc:  # every rank must reach the allgather
-        fails.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        comm.Free()
-    assert_all_ranks(world, fails)
+    check_in_groups(world, layout_size(layout), lambda comm: _check(layout, comm))

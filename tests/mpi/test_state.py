@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_all_ranks
+from conftest import rank_failures
 from layouts import compare, global_state, reference, small_config, token_source
 from mpipar.rules import validate
 
@@ -27,8 +27,7 @@ CASES = [(dict(dp=2, tp=2, pp=2), dict(tp=2, pp=4)),
 def test_state_moves_between_layouts(world, before, after):
     from mpipar.training.engine import Engine
 
-    fails = []
-    try:
+    with rank_failures(world) as fails:
         a = Engine(validate(small_config(**before), 8), world, source=token_source())
         a.train_step(0)
         state = global_state(a, world)
@@ -40,6 +39,3 @@ def test_state_moves_between_layouts(world, before, after):
         got = ([None, r2.loss], [None, r2.grad_norm], b.gather_params())
         ref = reference()
         fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], got[2]), ref, 1e-10)
-    except Exception as exc:
-        fails.append(f"{type(exc).__name__}: {exc}")
-    assert_all_ranks(world, fails)

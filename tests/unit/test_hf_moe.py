@@ -5,35 +5,28 @@ logits, as mpipar defines it), and the losses, gradient norms and trained weight
 float64 (<= 1e-10 relative); mpipar's export reads back the same and transformers loads it.
 
 transformers' float32 casts are removed as in ``transformers_reference.py``, plus Mixtral's
-router softmax (``router_logits.float()``), redone in float64; experts run ``eager``."""
+router softmax (``router_logits.float()``), redone in float64; experts run ``eager``
+(``transformers_moe.py``)."""
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from tests.transformers_reference import (B, EPS, H, HEADS, KV, LAYERS, OPT, PATCHES, S, THETA,
-                                          TOL, V, hf_loss, mpipar_engine, rel, rmsnorm_own_dtype,
-                                          rotary_float64, router_float64, torch,
-                                          transformers)
-from transformers import AutoModelForCausalLM, MixtralConfig  # noqa: E402
+from tests.transformers_moe import (E, FFN, TOPK, assert_export_round_trip,
+                                    assert_trains_as_transformers, float64_moe)
+from tests.transformers_reference import EPS, H, HEADS, KV, LAYERS, THETA, V, save_random
+from transformers import MixtralConfig  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
-from mpipar.checkpoint.huggingface import (load_hf, mpipar_name, read_model_config, save_hf,
-                                           support)
-from mpipar.model.params import ROUTER, expert_names
-
-E, TOPK, FFN, ALPHA, STEPS = 4, 2, 24, 0.1, 2
+from mpipar.checkpoint.huggingface import read_model_config, support
+from mpipar.model.params import ROUTER
 
 
 @pytest.fixture
 def mixtral_float64(monkeypatch):
-    for owner, attr, replacement in PATCHES + [
-            (modeling_mixtral.MixtralRMSNorm, "forward", rmsnorm_own_dtype),
-            (modeling_mixtral.MixtralRotaryEmbedding, "forward", rotary_float64),
-            (modeling_mixtral.MixtralTopKRouter, "forward", router_float64)]:
-        monkeypatch.setattr(owner, attr, replacement)
+    float64_moe(monkeypatch, modeling_mixtral.MixtralRMSNorm,
+                modeling_mixtral.MixtralRotaryEmbedding, modeling_mixtral.MixtralTopKRouter)
 
 
 @pytest.fixture(scope="module")
@@ -42,108 +35,19 @@ def mixtral_dir(tmp_path_factory):
                         num_key_value_heads=KV, num_hidden_layers=LAYERS, intermediate_size=FFN,
                         num_local_experts=E, num_experts_per_tok=TOPK, rope_theta=THETA,
                         rms_norm_eps=EPS, tie_word_embeddings=False, sliding_window=None)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.float64)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 1 if name.endswith("norm.weight") else 0
-            p.copy_(scale + (0.1 if p.ndim == 1 else 0.15) * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("mixtral") / "mixtral"
-    model.save_pretrained(path)
-    return path
-
-
-def balance_loss(router_logits, k: int) -> "torch.Tensor":
-    """alpha x mean over rows of the sum over layers of sum_e f_e P_e (DeepSeek-V3), from each
-    layer's router logits ``[B*S, E]``."""
-    total = 0.0
-    for logits in router_logits:
-        probs = torch.softmax(logits.to(torch.float64), dim=-1).reshape(B, S, E)
-        with torch.no_grad():
-            top = torch.topk(probs, k, dim=-1).indices
-            counts = torch.nn.functional.one_hot(top, E).sum(dim=(1, 2)).to(probs.dtype)
-        total = total + (E / (k * S) * counts * probs.mean(dim=1)).sum(dim=-1).mean()
-    return ALPHA * total
-
-
-def by_mpipar_name(model) -> dict[str, np.ndarray]:
-    """The model's parameters under mpipar's names (the fused experts split into w1, w3, w2)."""
-    out = {}
-    for name, p in model.named_parameters():
-        value = p.detach().numpy()
-        if name.endswith("experts.gate_up_proj"):
-            i = int(name.split(".")[2])
-            for e in range(E):
-                w1, w3, _ = expert_names(i, e)
-                out[w1], out[w3] = value[e, :FFN].copy(), value[e, FFN:].copy()
-        elif name.endswith("experts.down_proj"):
-            i = int(name.split(".")[2])
-            for e in range(E):
-                out[expert_names(i, e)[2]] = value[e].copy()
-        else:  # transformers 5 names the router mlp.gate in memory (the hub's block_sparse_moe)
-            out[mpipar_name(name).replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value.copy()
-    return out
-
-
-def torch_training(path, rows):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                 attn_implementation="sdpa")
-    model.config._experts_implementation = "eager"
-    model.train()
-    named = dict(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim >= 2],
-                              "weight_decay": OPT["weight_decay"]},
-                             {"params": [p for p in named.values() if p.ndim < 2],
-                              "weight_decay": 0.0}],
-                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
-    ce, aux, norms = [], [], []
-    for k in range(STEPS):
-        ids = rows[k * B:(k + 1) * B]
-        opt.zero_grad()
-        out = model(input_ids=ids[:, :S], output_router_logits=True)
-        loss, balance = hf_loss(out.logits, ids), balance_loss(out.router_logits, TOPK)
-        (loss + balance).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip_grad"]).item())
-        opt.step()
-        ce.append(loss.item())
-        aux.append(balance.item())
-    return ce, aux, norms, by_mpipar_name(model)
+    return save_random(cfg, tmp_path_factory.mktemp("mixtral") / "mixtral")
 
 
 def test_mixtral_trains_as_transformers_float64(mixtral_dir, tmp_path, mixtral_float64):
     cfg = read_model_config(mixtral_dir)
     assert (cfg.moe_experts, cfg.moe_top_k, cfg.moe_ffn_hidden) == (E, TOPK, FFN)
-    cfg.moe_aux_loss_coef = ALPHA
-    _, params = load_hf(mixtral_dir)
-    rows = np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1))
-    np.save(tmp_path / "rows.npy", rows)
-    engine = mpipar_engine(cfg, params, tmp_path / "rows.npy")
-    results = [engine.train_step(k) for k in range(STEPS)]
-    trained = engine.gather_params()
-    engine.close()
-    ce, aux, norms, want = torch_training(mixtral_dir, torch.from_numpy(rows))
-    assert sorted(trained) == sorted(want)
-    for r, c, a, n in zip(results, ce, aux, norms):
-        assert abs(r.loss - c) <= TOL * c, (r.loss, c)
-        assert abs(r.moe["moe_aux_loss"] - a) <= TOL * a, (r.moe["moe_aux_loss"], a)
-        assert abs(r.grad_norm - n) <= TOL * n, (r.grad_norm, n)
-    assert max(rel(v, want[n]) for n, v in trained.items()) <= TOL
+    assert_trains_as_transformers(mixtral_dir, tmp_path, sparse_layers=LAYERS)
 
 
 def test_mixtral_export_round_trip(mixtral_dir, tmp_path):
-    cfg = read_model_config(mixtral_dir)
-    _, params = load_hf(mixtral_dir)
-    save_hf(tmp_path / "out", cfg, params, dtype="float64")
+    got = assert_export_round_trip(mixtral_dir, tmp_path / "out")
+    assert "layers.0." + ROUTER in got
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     assert raw["architectures"] == ["MixtralForCausalLM"] and raw["num_local_experts"] == E
-    _, again = load_hf(tmp_path / "out")
-    for n, v in params.items():
-        np.testing.assert_array_equal(again[n], v)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
-    got = by_mpipar_name(model)
-    assert sorted(got) == sorted(params)
-    for n, v in params.items():
-        np.testing.assert_array_equal(got[n], v)
-    assert "layers.0." + ROUTER in got
     aspects = {s.aspect: s for s in support(raw)[0]}
     assert "Mixtral experts: 4" in aspects["experts"].reading and not aspects["experts"].problem

@@ -21,6 +21,22 @@ MOE = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_
 HALF = dataclasses.replace(MOE, moe_layers="1")   # block 0 dense, block 1 sparse
 
 
+def route_token(p: dict, i: int, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block ``i``'s router on one token ``x [H]``: (softmax probabilities ``[E]``, the ``k``
+    experts chosen, highest first, ties to the lower index)."""
+    z = p[f"layers.{i}." + ROUTER] @ x
+    pr = np.exp(z - z.max())
+    pr /= pr.sum()
+    return pr, np.argsort(-pr, kind="stable")[:k]
+
+
+def expert_ffn(p: dict, i: int, e: int, x: np.ndarray) -> np.ndarray:
+    """Expert ``e`` of block ``i`` on one token: ``w2 (silu(w1 x) * w3 x)`` ``[H]``."""
+    w1, w3, w2 = (p[n] for n in expert_names(i, e))
+    g, u = w1 @ x, w3 @ x
+    return w2 @ (g / (1 + np.exp(-g)) * u)
+
+
 def naive_moe(p: dict, i: int, h: np.ndarray, c: ModelConfig) -> tuple[np.ndarray, float]:
     """Block ``i``'s sparse FFN token by token, and the rows' balance losses summed."""
     B, S, H = h.shape
@@ -31,15 +47,10 @@ def naive_moe(p: dict, i: int, h: np.ndarray, c: ModelConfig) -> tuple[np.ndarra
         load, psum = np.zeros(E), np.zeros(E)
         for t in range(S):
             x = h[b, t]
-            z = p[f"layers.{i}." + ROUTER] @ x
-            pr = np.exp(z - z.max())
-            pr /= pr.sum()
-            top = np.argsort(-pr, kind="stable")[:K]
+            pr, top = route_token(p, i, x, K)
             for e in top:
-                w1, w3, w2 = (p[n] for n in expert_names(i, e))
-                g, u = w1 @ x, w3 @ x
                 weight = pr[e] / pr[top].sum() if c.moe_norm_topk else pr[e]
-                out[b, t] += weight * (w2 @ (g / (1 + np.exp(-g)) * u))
+                out[b, t] += weight * expert_ffn(p, i, e, x)
                 load[e] += 1
             psum += pr
         aux += float((E / (K * S) * load * psum / S).sum())
@@ -87,19 +98,30 @@ def assert_matches_differences(stage, p: dict, grads: dict, tokens, targets, alp
     return checked
 
 
-@pytest.mark.parametrize("cfg", [MOE, HALF], ids=["all-sparse", "one-sparse"])
-def test_gradient_matches_finite_differences(cfg):
+def assert_gradient_matches_differences(cfg: ModelConfig, seq: int = 6,
+                                        per: int = 4) -> tuple[dict, list[str]]:
+    """One forward and backward of a stage of ``cfg`` (float64, 2 rows of ``seq`` random
+    tokens) through cross-entropy + the balance loss, its gradient checked against central
+    differences by :func:`assert_matches_differences`: (the first forward's dropped counts per
+    sparse block, the names of the elements checked)."""
     stage = make_stage(cfg=cfg)
     rng = np.random.default_rng(0)
     p = init_params(cfg, 5, np.float64)
-    tokens, targets = rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6))
+    tokens, targets = rng.integers(0, 11, (2, seq)), rng.integers(0, 11, (2, seq))
     alpha = cfg.moe_aux_loss_coef
     grads = {n: np.zeros_like(v) for n, v in p.items()}
     stage.moe_aux = 0.0
-    loss, cache = stage.forward(p, tokens, np.arange(6), targets)
+    loss, cache = stage.forward(p, tokens, np.arange(seq), targets)
+    dropped = dict(stage.moe_dropped)
     stage.moe_aux_weight = alpha / 2
     stage.backward(p, grads, np.full(loss.shape, 1.0 / loss.size), cache)
-    assert_matches_differences(stage, p, grads, tokens, targets, alpha, param_specs(cfg), rng)
+    return dropped, assert_matches_differences(stage, p, grads, tokens, targets, alpha,
+                                               param_specs(cfg), rng, per)
+
+
+@pytest.mark.parametrize("cfg", [MOE, HALF], ids=["all-sparse", "one-sparse"])
+def test_gradient_matches_finite_differences(cfg):
+    assert_gradient_matches_differences(cfg)
 
 
 def test_balance_loss_gradient_alone():

@@ -16,9 +16,9 @@ from mpipar.kernels import get_backend
 from mpipar.kernels import moe as K_moe
 from mpipar.layout import resolve_model
 from mpipar.model.moe import LocalExperts, capacity, moe_forward
-from mpipar.model.params import ROUTER, expert_names, init_params, param_specs
+from mpipar.model.params import init_params
 from tests.unit.test_model import make_stage
-from tests.unit.test_moe import assert_matches_differences
+from tests.unit.test_moe import assert_gradient_matches_differences, expert_ffn, route_token
 
 MOE = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2,
                                 ffn_hidden=24, rope_theta=500.0, init_std=0.3, moe_experts=4,
@@ -71,18 +71,13 @@ def naive_moe(p: dict, i: int, h: np.ndarray, c: ModelConfig) -> tuple[np.ndarra
         taken = np.zeros(E, int)
         for t in range(S):
             x = h[b, t]
-            z = p[f"layers.{i}." + ROUTER] @ x
-            pr = np.exp(z - z.max())
-            pr /= pr.sum()
-            top = np.argsort(-pr, kind="stable")[:K]
+            pr, top = route_token(p, i, x, K)
             for e in top:
                 taken[e] += 1
                 if taken[e] > cap:
                     dropped += 1
                     continue
-                w1, w3, w2 = (p[n] for n in expert_names(i, e))
-                g, u = w1 @ x, w3 @ x
-                out[b, t] += pr[e] / pr[top].sum() * (w2 @ (g / (1 + np.exp(-g)) * u))
+                out[b, t] += pr[e] / pr[top].sum() * expert_ffn(p, i, e, x)
     return out, dropped
 
 
@@ -99,18 +94,8 @@ def test_sparse_ffn_with_drops_matches_a_token_loop():
 
 
 def test_gradient_with_drops_matches_finite_differences():
-    stage = make_stage(cfg=MOE)
-    rng = np.random.default_rng(0)
-    p = init_params(MOE, 5, np.float64)
-    tokens, targets = rng.integers(0, 11, (2, 8)), rng.integers(0, 11, (2, 8))
-    alpha = MOE.moe_aux_loss_coef
-    grads = {n: np.zeros_like(v) for n, v in p.items()}
-    stage.moe_aux = 0.0
-    loss, cache = stage.forward(p, tokens, np.arange(8), targets)
-    assert all(d > 0 for d in stage.moe_dropped.values()) and len(stage.moe_dropped) == 2
-    stage.moe_aux_weight = alpha / 2
-    stage.backward(p, grads, np.full(loss.shape, 1.0 / loss.size), cache)
-    assert_matches_differences(stage, p, grads, tokens, targets, alpha, param_specs(MOE), rng)
+    dropped, _ = assert_gradient_matches_differences(MOE, seq=8)
+    assert all(d > 0 for d in dropped.values()) and len(dropped) == 2
 
 
 def _step(cfg):

@@ -18,7 +18,7 @@ from mpipar.layout import resolve_model
 from mpipar.model.params import (SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, init_params,
                                  param_specs)
 from tests.unit.test_model import make_stage
-from tests.unit.test_moe import MOE, assert_matches_differences, naive_moe
+from tests.unit.test_moe import MOE, assert_gradient_matches_differences, naive_moe
 
 FS = 12
 SHARED = dataclasses.replace(MOE, moe_shared_ffn_hidden=FS)
@@ -66,18 +66,7 @@ def test_gradient_matches_finite_differences(cfg):
     """Cross-entropy + balance loss through a stage with shared experts: every parameter's
     gradient (3 random elements each, all of the shared expert's) against central
     differences."""
-    stage = make_stage(cfg=cfg)
-    rng = np.random.default_rng(0)
-    p = init_params(cfg, 5, np.float64)
-    tokens, targets = rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6))
-    alpha = cfg.moe_aux_loss_coef
-    grads = {n: np.zeros_like(v) for n, v in p.items()}
-    stage.moe_aux = 0.0
-    loss, cache = stage.forward(p, tokens, np.arange(6), targets)
-    stage.moe_aux_weight = alpha / 2
-    stage.backward(p, grads, np.full(loss.shape, 1.0 / loss.size), cache)
-    names = assert_matches_differences(stage, p, grads, tokens, targets, alpha, param_specs(cfg),
-                                       rng, per=3)
+    _, names = assert_gradient_matches_differences(cfg, per=3)
     checked = sum("shared_expert" in name for name in names)
     assert checked == (9 + 3 * cfg.moe_shared_gate) * sum(map(cfg.is_sparse, range(cfg.layers)))
 

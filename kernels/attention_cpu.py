@@ -14,12 +14,12 @@ fold the softmax scale into alpha, so nothing is packed. Tiles are sized so that
 then runs without packing its operands and, with the tile in the L1/L2 caches, about as fast as
 a large GEMM (see `python -m mpipar.bench kernels`). The score products Q K^T and dO V^T are
 plain (NN) products on a transposed K (and V): the forward transposes K once per call (each key
-block is read by many query blocks' tasks). With short documents (`_local_keys`: the tasks read
-each key only a few times) K and V are transposed once per call into rows padded by KEY_PAD
-(`_keys_major`, eight keys at a time), which the forward and the backward read; otherwise the
-backward transposes each key block of K and V when its task reaches it (full causal: each block
-once per kv head), into a buffer that stays in cache. dK and dV accumulate straight into the
-outputs (no whole-array copies: O(S) passes cost as much as the tiles when documents are short).
+block is read by many query blocks' tasks), or, when the tasks read each key only a few times
+(short documents, `_local_keys`), each task the key blocks it reads; the backward transposes
+each key block of K and V
+when its task reaches it, into a buffer that stays in cache, and accumulates dK and dV straight
+into the outputs (no whole-array transpositions or copies: O(S) passes cost as much as the
+tiles when documents are short).
 
 Causality and sliding windows. Key blocks past the last visible key, and with a sliding window
 W key blocks before the first key the window reaches, are never computed; a tile that crosses
@@ -292,8 +292,8 @@ def _heads_major(x):  # pragma: no cover (njit)
 def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
     """xt[:, :nk] = the keys [j0, j0 + nk) of kv head kh in sequence b of x `[B, Sk, Hkv, D]`,
     transposed `[D, nk]`: one block, in cache for the products that read it next. Eight keys at
-    a time: each row of xt gets 8 consecutive stores from 8 rows of x that stay in cache (measured:
-    1.8-2.2x faster than one key's D stores at a time, which short documents pay per key block)."""
+    a time: each row of xt gets 8 consecutive stores from 8 rows of x that stay in cache (1.8-2.2x
+    faster than one key's D strided stores at a time; short documents pay it per key block)."""
     d = x.shape[3]
     j = 0
     while j + 8 <= nk:
@@ -307,41 +307,12 @@ def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
             xt[c, r] = x[b, j0 + r, kh, c]
 
 
-KEY_PAD = 16  # columns after each row of a padded K^T: row stride not a multiple of 4 KiB
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _keys_major(x):  # pragma: no cover (njit)
-    """x `[B, S, H, D]` -> `[B, H, D, S + KEY_PAD]` (C-contiguous), by blocks of 128 keys, eight
-    keys at a time (as `_key_block`); the padding keeps a row stride that is not a multiple of 4 KiB, so that the
-    D rows of one key tile do not compete for the same cache sets."""
-    nb, s, nh, d = x.shape
-    y = np.empty((nb, nh, d, s + KEY_PAD), x.dtype)
-    nblk = (s + 127) // 128
-    for task in prange(nb * nh * nblk):
-        b = task // (nh * nblk)
-        h = (task // nblk) % nh
-        j0 = (task % nblk) * 128
-        j1 = min(s, j0 + 128)
-        j = j0
-        while j + 8 <= j1:
-            for c in range(d):
-                for u in range(8):
-                    y[b, h, c, j + u] = x[b, j + u, h, c]
-            j += 8
-        for r in range(j, j1):
-            for c in range(d):
-                y[b, h, c, r] = x[b, r, h, c]
-    return y
-
-
 def _local_keys(klo: np.ndarray, khi: np.ndarray, bq: int) -> bool:
-    """Whether the call has short documents: its forward tasks together read each key at most 8
-    times (full causal reads each key Sq / (2 bq) times). Then the forward's tasks run in
-    document order and K and V are transposed once per call, padded (`_keys_major`), for the
-    forward and the backward: cheaper than each task transposing the key blocks it reads
-    (packed documents of median 200 tokens: each key 6.9 times in the forward, 1.3 times in the
-    backward)."""
+    """Whether the forward's tasks should transpose the key blocks they read themselves rather
+    than read one K^T of the call: when together they read each key at most 8 times (short
+    documents; full causal reads each key Sq / (2 bq) times), the blocks transposed in cache cost
+    less than one pass over K whole (measured: packed documents of median 200 tokens, 6.9 reads
+    per key, forward 4 % faster)."""
     sq, sk = klo.shape[1], max(1, int(khi.max(initial=1)))
     ends = np.minimum(np.arange(bq, sq + bq, bq), sq) - 1
     return int((khi[:, ends] - klo[:, ends - ends % bq]).sum()) <= 8 * sk * klo.shape[0]
@@ -386,11 +357,11 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo
 
 
 @njit(cache=True, nogil=True)
-def _fwd_task(q, kt, k, v, b, kh, i0, nq, q_offset, k_offset, causal, window, klo, khi, qend, scale,
+def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, window, klo, khi, qend, scale,
               bk, out, lse):  # pragma: no cover (njit)
     """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over the keys they
-    can see (klo, khi, qend: sequence b's `document_bounds`); K^T from kt `[B, Hkv, D, >= Sk]`
-    (`_heads_major` or, padded, `_keys_major`)."""
+    can see (klo, khi, qend: sequence b's `document_bounds`); K^T from kt `[B, Hkv, D, Sk]`, or
+    with `local` each key block of k transposed here."""
     hq, d = q.shape[2], q.shape[3]
     hkv, sk = k.shape[2], k.shape[1]
     group = hq // hkv
@@ -401,16 +372,19 @@ def _fwd_task(q, kt, k, v, b, kh, i0, nq, q_offset, k_offset, causal, window, kl
     l = np.zeros((group, nq))
     p = np.empty((nq, bk), q.dtype)
     seg = np.empty((nq + 1, 4), np.int64)
+    kbuf = np.empty((d, bk), q.dtype)
     kstart, kend = _key_range(causal, window, q_offset, k_offset, i0, nq, sk, klo, khi)
     step = _even_step(kend - kstart, bk)
     for j0 in range(kstart, kend, step):
         nk = min(step, kend - j0)
         nseg = _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend, seg)
+        if local and nseg > 0:
+            _key_block(k, b, kh, j0, nk, kbuf)
         for g in range(group):
             qh = q[b, i0:, kh * group + g]
             for s in range(nseg):
                 t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
-                kta, ldk = kt[b, kh, :, j0 + c0:].ctypes.data, kt.shape[3]
+                kta, ldk = (kbuf[:, c0:].ctypes.data, bk) if local else (kt[b, kh, :, j0 + c0:].ctypes.data, sk)
                 gemm(False, False, t1 - t0, c1 - c0, d, scale, qh[t0:].ctypes.data, hq * d, kta, ldk, 0.0,
                      p[t0:, c0:].ctypes.data, bk, single)
                 _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m[g],
@@ -446,23 +420,23 @@ def _attention_fwd(q, kt, k, local, v, q_offset, k_offset, causal, window, klo, 
         for w in prange(shares.size - 1):
             for task in range(shares[w], shares[w + 1]):
                 b, qb, kh = task // (nqb * hkv), (task // hkv) % nqb, task % hkv
-                _fwd_block(q, kt, k, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend,
+                _fwd_block(q, kt, k, local, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend,
                            scale, starts, bk, out, lse)
     else:
         for task in prange(nb * hkv * nqb):
             idx = task % nqb
             qb = idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2
-            _fwd_block(q, kt, k, v, task // (hkv * nqb), (task // nqb) % hkv, qb, q_offset, k_offset,
+            _fwd_block(q, kt, k, local, v, task // (hkv * nqb), (task // nqb) % hkv, qb, q_offset, k_offset,
                        causal, window, klo, khi, qend, scale, starts, bk, out, lse)
 
 
 @njit(cache=True, nogil=True)
-def _fwd_block(q, kt, k, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
+def _fwd_block(q, kt, k, local, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
                bk, out, lse):  # pragma: no cover (njit)
     """`_fwd_task` for query block qb of sequence b (none if the row has fewer blocks)."""
     i0 = starts[b, qb]
     if starts[b, qb + 1] > i0:
-        _fwd_task(q, kt, k, v, b, kh, i0, starts[b, qb + 1] - i0, q_offset, k_offset, causal, window,
+        _fwd_task(q, kt, k, local, v, b, kh, i0, starts[b, qb + 1] - i0, q_offset, k_offset, causal, window,
                   klo[b], khi[b], qend[b], scale, bk, out, lse)
 
 
@@ -526,7 +500,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     local = _local_keys(klo, khi, bq)
     starts = document_blocks(qend, bq)[0]
     shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, k.shape[2])
-    _attention_fwd(q, _keys_major(k) if local else _heads_major(k), k, local, v, int(q_offset), int(k_offset), bool(causal), int(window),
+    _attention_fwd(q, k if local else _heads_major(k), k, local, v, int(q_offset), int(k_offset), bool(causal), int(window),
                    klo, khi, qend, dt.type(ref.attention_scale(d, scale)), starts, shares, bk, out, lse)
     return out, lse
 
@@ -566,13 +540,11 @@ def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
-def _bwd_task(q, k, v, ktc, vtc, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
+def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
               scale, q_lo, q_hi, qstarts, qnb, kstarts, knb, dq, dk, dv):  # pragma: no cover (njit)
     """The gradients of kv head kh of sequence b from its queries [q_lo, q_hi) (a run of whole
     documents: they see no key that other queries see), accumulated (+=) into the zeroed dk, dv
-    rows of that head and dq of its query heads. delta `[B, Hq, Sq]` = rowsum(dout * out); ktc, vtc: K^T
-    and V^T of the call `[B, Hkv, D, >= Sk]` (`_keys_major`), or empty arrays: each key block
-    transposed here; klo, khi,
+    rows of that head and dq of its query heads. delta `[B, Hq, Sq]` = rowsum(dout * out); klo, khi,
     qend: sequence b's `document_bounds`; qstarts[:qnb + 1], kstarts[:knb + 1]: its query and key
     blocks (`document_blocks`)."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
@@ -599,9 +571,8 @@ def _bwd_task(q, k, v, ktc, vtc, lse, delta, dout, b, kh, q_offset, k_offset, ca
         last = min(last, np.searchsorted(klo, j0 + nk - 1, side="right"))
         if last <= first:
             continue
-        if ktc.shape[0] == 0:
-            _key_block(k, b, kh, j0, nk, kt)
-            _key_block(v, b, kh, j0, nk, vt)
+        _key_block(k, b, kh, j0, nk, kt)
+        _key_block(v, b, kh, j0, nk, vt)
         for qb in range(np.searchsorted(qstarts[:qnb + 1], first, side="right") - 1, qnb):
             i0 = max(q_lo, qstarts[qb])  # the block's rows within the span
             nq = min(q_hi, qstarts[qb + 1]) - i0
@@ -613,14 +584,10 @@ def _bwd_task(q, k, v, ktc, vtc, lse, delta, dout, b, kh, q_offset, k_offset, ca
                 for s in range(nseg):
                     t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
                     nr, w, pa, dpa = t1 - t0, c1 - c0, p[t0:, c0:].ctypes.data, dp[t0:, c0:].ctypes.data
-                    if ktc.shape[0] == 0:
-                        kta, vta, ldt = kt[:, c0:].ctypes.data, vt[:, c0:].ctypes.data, bk
-                    else:
-                        kta, vta = ktc[b, kh, :, j0 + c0:].ctypes.data, vtc[b, kh, :, j0 + c0:].ctypes.data
-                        ldt = ktc.shape[3]
+                    kta, vta = kt[:, c0:].ctypes.data, vt[:, c0:].ctypes.data
                     qa, doa = q[b, i0 + t0:, h].ctypes.data, dout[b, i0 + t0:, h].ctypes.data
-                    gemm(False, False, nr, w, d, scale, qa, ldq, kta, ldt, 0.0, pa, bk, single)
-                    gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, ldt, 0.0, dpa, bk, single)
+                    gemm(False, False, nr, w, d, scale, qa, ldq, kta, bk, 0.0, pa, bk, single)
+                    gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, bk, 0.0, dpa, bk, single)
                     _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi,
                               lse[b, h], delta[b, h])
                     gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, dv[b, j0 + c0:, kh].ctypes.data, ldk,
@@ -632,7 +599,7 @@ def _bwd_task(q, k, v, ktc, vtc, lse, delta, dout, b, kh, q_offset, k_offset, ca
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_bwd(q, k, v, ktc, vtc, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
+def _attention_bwd(q, k, v, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
                    qstarts, qnb, kstarts, knb, spans, nspan, shares, dq, dk, dv):  # pragma: no cover (njit)
     """One task per (sequence, span of whole query documents (`document_blocks(..., whole=True)`),
     kv head), in that order: the kv heads of a span one after the other (they read the same
@@ -643,7 +610,7 @@ def _attention_bwd(q, k, v, ktc, vtc, lse, delta, dout, q_offset, k_offset, caus
         for task in range(shares[w], shares[w + 1]):
             b, sp, kh = task // (ns * hkv), (task // hkv) % ns, task % hkv
             if sp < nspan[b]:
-                _bwd_task(q, k, v, ktc, vtc, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo[b],
+                _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo[b],
                           khi[b], qend[b], scale, spans[b, sp], spans[b, sp + 1], qstarts[b], qnb[b], kstarts[b],
                           knb[b], dq, dk, dv)
 
@@ -690,10 +657,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     kend = document_bounds(k_docs, k_docs, b, k.shape[1], k.shape[1])[2]
     spans, nspan = document_blocks(qend, SPAN, True)
     shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), spans, k.shape[2])
-    own = np.empty((0, 0, 0, 0), dt)
-    local = _local_keys(klo, khi, bq)
-    _attention_bwd(q, k, v, _keys_major(k) if local else own, _keys_major(v) if local else own,
-                   np.ascontiguousarray(lse, ref.stat_dtype(dt)),
+    _attention_bwd(q, k, v, np.ascontiguousarray(lse, ref.stat_dtype(dt)),
                    _row_dots(dout, np.ascontiguousarray(out, dt)), dout, int(q_offset), int(k_offset),
                    bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)),
                    *document_blocks(qend, bq), *document_blocks(kend, bk), spans, nspan, shares, dq, dk, dv)

@@ -140,10 +140,10 @@ def test_tiles_with_no_same_document_pair_are_skipped():
 
 
 def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
-    """The forward reads one K^T of the call, padded (`_keys_major`: short documents, the tasks
-    in document order) or not (`_heads_major`: the tasks in zigzag order); every pairing gives
-    numpy_ref's attention (float64, 1e-12), and a call takes the first only when its tasks read
-    each key at most 8 times (short documents, not full causal)."""
+    """The forward reads K^T two ways: each task transposes the key blocks it reads (short
+    documents) or all tasks read one K^T of the call; both give numpy_ref's attention
+    (float64, 1e-12), and a call takes the first only when its tasks read each key at most 8
+    times (short documents, not full causal)."""
     S, hq, hkv = 300, 4, 2
     docs = layout(rng, 2, S)
     q, k, v = inputs(rng, 2, S, S, hq, hkv, 64, np.float64)
@@ -152,11 +152,10 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     bq, bk = ac.tile_sizes(64)
     st = ac.document_blocks(qend, bq)[0]
     for local in (True, False):
-        for kt in (ac._keys_major(k), ac._heads_major(k)):
-            out, lse = np.empty(q.shape), np.empty((2, hq, S))
-            ac._attention_fwd(q, kt, k, local, v, 0, 0, True, 0, klo, khi, qend, 0.125, st,
-                              ac.work_shares(ac.visible_keys(klo, khi, 0, 0, True, 0), st, hkv), bk, out, lse)
-            assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
+        out, lse = np.empty(q.shape), np.empty((2, hq, S))
+        ac._attention_fwd(q, k if local else ac._heads_major(k), k, local, v, 0, 0, True, 0, klo, khi, qend,
+                          0.125, st, ac.work_shares(ac.visible_keys(klo, khi, 0, 0, True, 0), st, hkv), bk, out, lse)
+        assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)
     assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)
     assert not ac._local_keys(*ac.document_bounds(*[(np.arange(4096) // 2048)[None]] * 2, 1, 4096, 4096)[:2], bq)
@@ -164,25 +163,21 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_key_blocks_transpose_exactly(rng, dtype):
-    """`_key_block` (eight keys at a time, then the rest) and `_keys_major` (blocks of 128
-    keys, rows padded by KEY_PAD) copy K^T exactly: block lengths 1, 7, 8, 9, 64, 90, 128 at
-    any start, and sequences of 1, 130 and 300 keys."""
+    """`_key_block` (eight keys at a time, then the rest) copies K^T exactly: block lengths 1,
+    7, 8, 9, 64, 90 and 128 at any start, into a buffer wider than the block."""
     x = rng.standard_normal((2, 300, 3, 64)).astype(dtype)
     xt = np.full((64, 128), np.nan, dtype)
     for j0, nk in ((0, 1), (5, 7), (9, 8), (100, 9), (3, 64), (171, 90), (172, 128)):
         ac._key_block(x, 1, 2, j0, nk, xt)
         assert np.array_equal(xt[:, :nk], x[1, j0:j0 + nk, 2].T)
-    for s in (1, 130, 300):
-        y = ac._keys_major(np.ascontiguousarray(x[:, :s]))
-        assert y.shape == (2, 3, 64, s + ac.KEY_PAD) and y.flags.c_contiguous
-        assert np.array_equal(y[..., :s], x[:, :s].transpose(0, 2, 3, 1))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_short_documents_read_keys_transposed_once_per_call(rng, dtype):
+def test_short_documents_on_the_tasks_own_key_blocks(rng, dtype):
     """Documents of 1, 5, 64 (a query block), 65, 128 (a key block) and 200 tokens: the call
-    takes the short-documents path (K and V transposed once per call, padded, for the forward
-    and the backward) and equals numpy_ref (float64 1e-12, float32 1e-5 relative)."""
+    takes the short-documents path (each forward task transposes the key blocks it reads, the
+    backward each span's K and V blocks, `_key_block`) and equals numpy_ref (float64 1e-12,
+    float32 1e-5 relative)."""
     lengths = [1, 5, 64, 1, 1, 65, 128, 30, 200, 7]
     docs = np.repeat(np.arange(len(lengths)), lengths)[None]
     S = docs.shape[1]

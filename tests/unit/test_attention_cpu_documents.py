@@ -161,6 +161,40 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     assert not ac._local_keys(*ac.document_bounds(*[(np.arange(4096) // 2048)[None]] * 2, 1, 4096, 4096)[:2], bq)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_key_blocks_transpose_exactly(rng, dtype):
+    """`_key_block` (eight keys at a time, then the rest) copies K^T exactly: block lengths 1,
+    7, 8, 9, 64, 90 and 128 at any start, into a buffer wider than the block."""
+    x = rng.standard_normal((2, 300, 3, 64)).astype(dtype)
+    xt = np.full((64, 128), np.nan, dtype)
+    for j0, nk in ((0, 1), (5, 7), (9, 8), (100, 9), (3, 64), (171, 90), (172, 128)):
+        ac._key_block(x, 1, 2, j0, nk, xt)
+        assert np.array_equal(xt[:, :nk], x[1, j0:j0 + nk, 2].T)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_short_documents_on_the_tasks_own_key_blocks(rng, dtype):
+    """Documents of 1, 5, 64 (a query block), 65, 128 (a key block) and 200 tokens: the call
+    takes the short-documents path (each forward task transposes the key blocks it reads, the
+    backward each span's K and V blocks, `_key_block`) and equals numpy_ref (float64 1e-12,
+    float32 1e-5 relative)."""
+    lengths = [1, 5, 64, 1, 1, 65, 128, 30, 200, 7]
+    docs = np.repeat(np.arange(len(lengths)), lengths)[None]
+    S = docs.shape[1]
+    q, k, v = inputs(rng, 1, S, S, 4, 2, 64, dtype)
+    klo, khi, _ = ac.document_bounds(docs, docs, 1, S, S)
+    assert ac._local_keys(klo, khi, ac.tile_sizes(64)[0])
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    kw = dict(q_docs=docs, k_docs=docs)
+    out, lse = ac.attention_fwd(q, k, v, **kw)
+    r_out, r_lse = ref.attention_fwd(q, k, v, **kw)
+    assert rel_err(out, r_out) < tol and rel_err(lse, r_lse) < tol
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    grads = ac.attention_bwd(q, k, v, r_out, r_lse, dout, **kw)
+    for g, r in zip(grads, ref.attention_bwd(q, k, v, r_out, r_lse, dout, **kw)):
+        assert g.dtype == dtype and rel_err(g, r) < tol
+
+
 def test_bad_documents_raise(rng):
     q, k, v = inputs(rng, 1, 10, 10, 2, 2, 8, np.float64)
     up = np.arange(10)[None]

@@ -7,8 +7,8 @@ into an existing tile (beta = 1) without a temporary. Numba's `np.dot` allows ne
 
 The routines are SciPy's BLAS (`scipy.linalg.cython_blas` sgemm/dgemm), registered as named
 symbols so that the calling functions can be cached on disk (`cache=True`) like any other.
-SciPy's OpenBLAS is a separate library from NumPy's: its thread count is set apart from
-NumPy's (see `blas_threads`).
+SciPy's OpenBLAS is a separate library from NumPy's, with its own thread pool: both read
+`OPENBLAS_NUM_THREADS` at load, which `mpipar.runtime.nodes` sets per rank (`THREAD_VARS`).
 """
 
 from __future__ import annotations

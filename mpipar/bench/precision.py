@@ -60,7 +60,7 @@ def _seed_means(runs: dict[int, list[dict[str, Any]]], names: list[str]) -> list
     of its per-seed difference from float32 (relative)."""
     means = []
     for name in names:
-        rows = [next(r for r in rows if r["variant"] == name) for rows in runs.values()]
+        rows = [next(r for r in seed_rows if r["variant"] == name) for seed_rows in runs.values()]
         diffs = [r["vs_float32"] for r in rows]
         means.append({"variant": name, "final_loss": statistics.mean(r["final_loss"] for r in rows),
                       "diff_mean": statistics.mean(diffs),

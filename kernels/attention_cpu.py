@@ -47,7 +47,9 @@ softmax would keep. out = acc / l, lse = m + log l.
 Backward (flash-attention 2): one task per kv head and span of whole query documents (at most
 SPAN positions, or one longer document; no other span's query sees its keys) walks the key blocks; for
 each tile P = exp(s - lse), dP = dO V^T, dS = P (dP - delta) with delta = rowsum(dO * out),
-then dV += P^T dO, dK += scale dS^T Q and dQ += scale dS K (five products per tile).
+then dV += P^T dO, dK += scale dS^T Q and dQ += scale dS K (five products per tile). Each task
+first zeroes the dQ rows of its queries and the dK, dV rows of the keys it owns and computes
+their delta (`_own_rows`): no whole-array zeroing or delta pass, the rows are then in cache.
 
 Threads: tasks run in parallel (Numba prange); the tile products are too small for OpenBLAS to
 thread, so each task's products run on its own thread. With short documents (forward) and in the
@@ -159,14 +161,40 @@ def document_bounds(q_docs: Array | None, k_docs: Array | None, b: int, sq: int,
     qd, kd = np.asarray(q_docs), np.asarray(k_docs)
     require(qd.shape == (b, sq) and kd.shape == (b, sk),
             f"attention: q_docs {qd.shape} and k_docs {kd.shape} must be {(b, sq)} and {(b, sk)}")
-    require(bool((np.diff(qd, axis=1) >= 0).all() and (np.diff(kd, axis=1) >= 0).all()),
-            "attention (numba): document ids must not decrease along a row (packed documents)")
     klo, khi, qend = (np.empty((b, sq), np.int64) for _ in range(3))
-    for r in range(b):
-        klo[r] = np.searchsorted(kd[r], qd[r], "left")
-        khi[r] = np.searchsorted(kd[r], qd[r], "right")
-        qend[r] = np.searchsorted(qd[r], qd[r], "right")
+    require(_bounds(qd.astype(np.int64, copy=False), kd.astype(np.int64, copy=False), klo, khi, qend),
+            "attention (numba): document ids must not decrease along a row (packed documents)")
     return klo, khi, qend
+
+
+@njit(cache=True, nogil=True)
+def _bounds(qd, kd, klo, khi, qend):  # pragma: no cover (njit)
+    """`document_bounds` of ids qd `[B, Sq]`, kd `[B, Sk]` in one merge pass per row (ids sorted
+    along rows: klo/khi = the first key whose id is >= / > the query's, qend = the first query
+    whose id is >); False (nothing else promised) if some row's ids decrease."""
+    sq, sk = qd.shape[1], kd.shape[1]
+    for r in range(qd.shape[0]):
+        for i in range(1, sq):
+            if qd[r, i] < qd[r, i - 1]:
+                return False
+        for j in range(1, sk):
+            if kd[r, j] < kd[r, j - 1]:
+                return False
+        lo = hi = 0
+        for i in range(sq):
+            x = qd[r, i]
+            while lo < sk and kd[r, lo] < x:
+                lo += 1
+            hi = max(hi, lo)
+            while hi < sk and kd[r, hi] <= x:
+                hi += 1
+            klo[r, i], khi[r, i] = lo, hi
+        e = sq
+        for i in range(sq - 1, -1, -1):
+            if i < sq - 1 and qd[r, i] != qd[r, i + 1]:
+                e = i + 1
+            qend[r, i] = e
+    return True
 
 
 @njit(cache=True, nogil=True)
@@ -539,14 +567,38 @@ def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
         dp[j] = e * (dp[j] - dl)
 
 
+@njit(cache=True, nogil=True, fastmath=REORDER)
+def _own_rows(dout, out, b, kh, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv):  # pragma: no cover (njit)
+    """A backward task's own rows, before its tiles: delta[b, h, t] = sum over D of dout * out
+    (accumulated in float64) and dq[b, t, h] = 0 for the query heads h of kv head kh and its
+    queries [q_lo, q_hi); dk[b, j, kh] = dv[b, j, kh] = 0 for the keys [k_lo, k_hi) it owns. Done
+    here rather than as whole-array passes: the rows are then in cache for the task's products."""
+    d = dout.shape[3]
+    group = dout.shape[2] // dk.shape[2]
+    for t in range(q_lo, q_hi):
+        for h in range(kh * group, (kh + 1) * group):
+            ar, br, qr = dout[b, t, h], out[b, t, h], dq[b, t, h]
+            acc = 0.0
+            for c in range(d):
+                acc += ar[c] * br[c]
+                qr[c] = 0
+            delta[b, h, t] = acc
+    for j in range(k_lo, k_hi):
+        kr, vr = dk[b, j, kh], dv[b, j, kh]
+        for c in range(d):
+            kr[c] = 0
+            vr[c] = 0
+
+
 @njit(cache=True, nogil=True)
 def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
               scale, q_lo, q_hi, qstarts, qnb, kstarts, knb, dq, dk, dv):  # pragma: no cover (njit)
     """The gradients of kv head kh of sequence b from its queries [q_lo, q_hi) (a run of whole
     documents: they see no key that other queries see), accumulated (+=) into the zeroed dk, dv
-    rows of that head and dq of its query heads. delta `[B, Hq, Sq]` = rowsum(dout * out); klo, khi,
-    qend: sequence b's `document_bounds`; qstarts[:qnb + 1], kstarts[:knb + 1]: its query and key
-    blocks (`document_blocks`)."""
+    rows of that head and dq of its query heads (zeroed, and delta `[B, Hq, Sq]` = rowsum(dout *
+    out) filled for its rows, by `_own_rows` just before); klo, khi, qend: sequence b's
+    `document_bounds`; qstarts[:qnb + 1], kstarts[:knb + 1]: its query and key blocks
+    (`document_blocks`)."""
     sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, sk = k.shape[2], k.shape[1]
     group = hq // hkv
@@ -599,36 +651,35 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_bwd(q, k, v, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
+def _attention_bwd(q, k, v, out, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
                    qstarts, qnb, kstarts, knb, spans, nspan, shares, dq, dk, dv):  # pragma: no cover (njit)
     """One task per (sequence, span of whole query documents (`document_blocks(..., whole=True)`),
     kv head), in that order: the kv heads of a span one after the other (they read the same
-    rows); thread w takes the tasks [shares[w], shares[w + 1]) (`work_shares`)."""
-    hkv = k.shape[2]
+    rows); thread w takes the tasks [shares[w], shares[w + 1]) (`work_shares`). A task first
+    fills delta and zeroes dq for its queries and heads and dk, dv for the keys it owns
+    (`_own_rows`): from its first query's first key (key 0 for the row's first span) to the next
+    span's (Sk for the last), which hold every key its queries see (klo, khi grow with the
+    position and spans start at documents) and, together, every key of the row."""
+    hkv, sk = k.shape[2], k.shape[1]
     ns = spans.shape[1] - 1
     for w in prange(shares.size - 1):
         for task in range(shares[w], shares[w + 1]):
             b, sp, kh = task // (ns * hkv), (task // hkv) % ns, task % hkv
             if sp < nspan[b]:
+                q_lo, q_hi = spans[b, sp], spans[b, sp + 1]
+                k_lo = 0 if sp == 0 else klo[b, q_lo]
+                k_hi = sk if sp == nspan[b] - 1 else klo[b, q_hi]
+                _own_rows(dout, out, b, kh, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv)
                 _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo[b],
                           khi[b], qend[b], scale, spans[b, sp], spans[b, sp + 1], qstarts[b], qnb[b], kstarts[b],
                           knb[b], dq, dk, dv)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=REORDER)
-def _row_dots(a, b):  # pragma: no cover (njit)
-    """delta `[B, H, S]` = sum over D of a * b for a, b `[B, S, H, D]` (accumulated in float64)."""
-    nb, s, nh, d = a.shape
-    out = np.empty((nb, nh, s), a.dtype)
-    for bs in prange(nb * s):
-        bi, t = bs // s, bs % s
-        for h in range(nh):
-            ar, br = a[bi, t, h], b[bi, t, h]
-            acc = 0.0
-            for c in range(d):
-                acc += ar[c] * br[c]
-            out[bi, h, t] = acc
-    return out
+def _bwd_outputs(q_shape: tuple, k_shape: tuple, dt: np.dtype) -> tuple[np.ndarray, ...]:
+    """dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]` and delta `[B, Hq, Sq]`, uninitialised: the
+    backward's tasks zero and fill the rows they own (`_own_rows`; tests poison them here)."""
+    b, sq, hq, _ = q_shape
+    return np.empty(q_shape, dt), np.empty(k_shape, dt), np.empty(k_shape, dt), np.empty((b, hq, sq), dt)
 
 
 @ref.mixed_precision()
@@ -649,16 +700,16 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
             f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse {lse.shape} "
             f"must be {(b, hq, sq)}")
     dout = np.ascontiguousarray(dout, dt)
-    dq = np.zeros(q.shape, dt)
-    dk = np.zeros(k.shape, dt)  # key blocks that no query sees stay 0
-    dv = np.zeros(k.shape, dt)
+    dq, dk, dv, delta = _bwd_outputs(q.shape, k.shape, dt)  # filled by the tasks (`_own_rows`)
     bq, bk = tile_sizes(d)
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     kend = document_bounds(k_docs, k_docs, b, k.shape[1], k.shape[1])[2]
     spans, nspan = document_blocks(qend, SPAN, True)
     shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), spans, k.shape[2])
-    _attention_bwd(q, k, v, np.ascontiguousarray(lse, ref.stat_dtype(dt)),
-                   _row_dots(dout, np.ascontiguousarray(out, dt)), dout, int(q_offset), int(k_offset),
+    if sq == 0 or (nspan == 0).any():  # rows with no query: no task zeroes their keys
+        dk[:], dv[:] = 0, 0
+    _attention_bwd(q, k, v, np.ascontiguousarray(out, dt), np.ascontiguousarray(lse, ref.stat_dtype(dt)),
+                   delta, dout, int(q_offset), int(k_offset),
                    bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)),
                    *document_blocks(qend, bq), *document_blocks(kend, bk), spans, nspan, shares, dq, dk, dv)
     return dq, dk, dv

@@ -58,11 +58,15 @@ def balance(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:
-    """Seconds of attention forward + backward with and without document masking."""
+    """Seconds of attention forward + backward with and without document masking, under the
+    training engine's allocator policy (`pool_freed_memory`: freed arrays are the next call's
+    memory, no fresh pages per call, as in a training step)."""
     from mpipar.kernels import get_backend
+    from mpipar.runtime.memory import pool_freed_memory
     from mpipar.model.attention import DocumentPositions, LocalAttention, documents_in_kernel
     from mpipar.parallel.context import token_work
 
+    pool_freed_memory()
     seq, rng = args.speed_seq, np.random.default_rng(args.seed)
     docs = packed_documents(seq, args.median, args.sigma, rng)
     kernels = get_backend("auto")

@@ -143,11 +143,22 @@ def documents_of(positions: Any) -> DocumentPositions | None:
 
 
 def shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, window: int
-                ) -> list[tuple[int, int, int, int, int]]:
+                ) -> tuple[tuple[int, int, int, int, int], ...]:
     """(row, q0, q1, k0, k1), global half-open ranges: for each row and each document met by
     both the query run ``[qs, qs + qn)`` and the key run ``[ks, ks + kn)``, its queries and keys
     there, when some of those keys are visible to some of those queries. Empty: the block has no
-    same-document pair (it is skipped, neither computed nor, on a ring, needed)."""
+    same-document pair (it is skipped, neither computed nor, on a ring, needed). Found once per
+    microbatch and block (``docs.memo``): every layer's forward and backward ask again."""
+    key = ("shared_runs", qs, qn, ks, kn, window)
+    if docs.memo is None:
+        return _shared_runs(docs, qs, qn, ks, kn, window)
+    if key not in docs.memo:
+        docs.memo[key] = _shared_runs(docs, qs, qn, ks, kn, window)
+    return docs.memo[key]
+
+
+def _shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, window: int
+                 ) -> tuple[tuple[int, int, int, int, int], ...]:
     out = []
     for b, rng in enumerate(docs.ranges):
         hit = (rng[:, 0] < min(qs + qn, ks + kn)) & (rng[:, 1] > max(qs, ks))
@@ -155,7 +166,7 @@ def shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, win
             q0, q1, k0, k1 = max(s, qs), min(e, qs + qn), max(s, ks), min(e, ks + kn)
             if runs_visible(q0, q1 - q0, k0, k1 - k0, window):
                 out.append((b, int(q0), int(q1), int(k0), int(k1)))
-    return out
+    return tuple(out)
 
 
 def documents_in_kernel(kernels) -> bool:

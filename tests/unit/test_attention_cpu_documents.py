@@ -195,6 +195,43 @@ def test_short_documents_on_the_tasks_own_key_blocks(rng, dtype):
         assert g.dtype == dtype and rel_err(g, r) < tol
 
 
+@pytest.mark.parametrize("qs,qn,ks,kn,docs", [
+    (150, 150, 0, 300, True),   # ring: keys of documents before every query's (none sees them)
+    (100, 150, 130, 170, True),  # rows with no key; the last span owns the keys to Sk
+    (0, 200, 0, 200, False),    # no documents: one span owns every key
+])
+def test_backward_tasks_fill_every_row_of_their_outputs(rng, monkeypatch, qs, qn, ks, kn, docs):
+    """The backward's outputs start uninitialised and its tasks zero the rows they own
+    (`_own_rows`: dq and delta of their queries, dk and dv of the keys from their first query's
+    document to the next span's): with the buffers poisoned (NaN) every gradient still equals
+    numpy_ref's (float64, 1e-12), keys that no query sees included (0)."""
+    made = ac._bwd_outputs
+    monkeypatch.setattr(ac, "_bwd_outputs", lambda *a: tuple(x.fill(np.nan) or x for x in made(*a)))
+    ids = layout(rng, 2, 300)
+    q, k, v = inputs(rng, 2, qn, kn, 4, 2, 64, np.float64)
+    kw = dict(q_docs=ids[:, qs:qs + qn], k_docs=ids[:, ks:ks + kn]) if docs else {}
+    r_out, r_lse = ref.attention_fwd(q, k, v, qs, ks, True, **kw)
+    dout = rng.standard_normal(q.shape)
+    grads = ac.attention_bwd(q, k, v, r_out, r_lse, dout, qs, ks, True, **kw)
+    for g, r in zip(grads, ref.attention_bwd(q, k, v, r_out, r_lse, dout, qs, ks, True, **kw)):
+        assert rel_err(g, r) < 1e-12
+
+
+def test_document_bounds_equal_their_definition(rng):
+    """`document_bounds` (one merge pass per row, `_bounds`) against its definition by binary
+    search: klo / khi the first key whose id is >= / > the query's, qend the first query whose
+    id is >; random rows of ids with gaps, empty documents on either side and unequal lengths."""
+    for _ in range(200):
+        b, sq, sk = (int(x) for x in rng.integers(1, 40, 3))
+        qd = np.sort(rng.integers(0, 9, (b, sq)), axis=1)
+        kd = np.sort(rng.integers(0, 9, (b, sk)), axis=1)
+        klo, khi, qend = ac.document_bounds(qd, kd, b, sq, sk)
+        for r in range(b):
+            assert (klo[r] == np.searchsorted(kd[r], qd[r], "left")).all()
+            assert (khi[r] == np.searchsorted(kd[r], qd[r], "right")).all()
+            assert (qend[r] == np.searchsorted(qd[r], qd[r], "right")).all()
+
+
 def test_bad_documents_raise(rng):
     q, k, v = inputs(rng, 1, 10, 10, 2, 2, 8, np.float64)
     up = np.arange(10)[None]

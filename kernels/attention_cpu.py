@@ -599,8 +599,8 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
     out) filled for its rows, by `_own_rows` just before); klo, khi, qend: sequence b's
     `document_bounds`; qstarts[:qnb + 1], kstarts[:knb + 1]: its query and key blocks
     (`document_blocks`)."""
-    sq, hq, d = q.shape[1], q.shape[2], q.shape[3]
-    hkv, sk = k.shape[2], k.shape[1]
+    hq, d = q.shape[2], q.shape[3]
+    hkv = k.shape[2]
     group = hq // hkv
     single = q.itemsize == 4
     ldq, ldk = hq * d, hkv * d  # row strides of one head in q, dout, dq and in k, dk, dv
@@ -671,8 +671,7 @@ def _attention_bwd(q, k, v, out, lse, delta, dout, q_offset, k_offset, causal, w
                 k_hi = sk if sp == nspan[b] - 1 else klo[b, q_hi]
                 _own_rows(dout, out, b, kh, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv)
                 _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo[b],
-                          khi[b], qend[b], scale, spans[b, sp], spans[b, sp + 1], qstarts[b], qnb[b], kstarts[b],
-                          knb[b], dq, dk, dv)
+                          khi[b], qend[b], scale, q_lo, q_hi, qstarts[b], qnb[b], kstarts[b], knb[b], dq, dk, dv)
 
 
 def _bwd_outputs(q_shape: tuple, k_shape: tuple, dt: np.dtype) -> tuple[np.ndarray, ...]:
@@ -706,7 +705,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     kend = document_bounds(k_docs, k_docs, b, k.shape[1], k.shape[1])[2]
     spans, nspan = document_blocks(qend, SPAN, True)
     shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), spans, k.shape[2])
-    if sq == 0 or (nspan == 0).any():  # rows with no query: no task zeroes their keys
+    if (nspan == 0).any():  # rows with no query (Sq = 0): no task zeroes their keys
         dk[:], dv[:] = 0, 0
     _attention_bwd(q, k, v, np.ascontiguousarray(out, dt), np.ascontiguousarray(lse, ref.stat_dtype(dt)),
                    delta, dout, int(q_offset), int(k_offset),

@@ -112,7 +112,7 @@ class DocumentPositions(np.ndarray):
         out = np.asarray(positions, dtype=np.int64).view(cls)
         out.layout = layout
         out.docs = np.asarray(docs, dtype=np.int64)
-        out.memo = {}                  # what the cores derive once per microbatch (ring hops)
+        out.memo = {}                  # what is derived once per microbatch (`remember`)
         S = out.docs.shape[1]
         out.ranges = []
         starts = np.zeros(out.docs.shape, np.int64)
@@ -129,6 +129,13 @@ class DocumentPositions(np.ndarray):
         self.rope = getattr(obj, "rope", None)
         self.memo = getattr(obj, "memo", None)
         self.layout = getattr(obj, "layout", None)
+
+    def remember(self, key: tuple, make: Any) -> Any:
+        """``make()``, found once per microbatch under ``key`` (``memo``: every layer asks
+        again for what depends only on the documents)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     def with_positions(self, positions: np.ndarray) -> "DocumentPositions":
         """The same documents for other positions of the sequence (``[S']``)."""
@@ -148,13 +155,9 @@ def shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, win
     both the query run ``[qs, qs + qn)`` and the key run ``[ks, ks + kn)``, its queries and keys
     there, when some of those keys are visible to some of those queries. Empty: the block has no
     same-document pair (it is skipped, neither computed nor, on a ring, needed). Found once per
-    microbatch and block (``docs.memo``): every layer's forward and backward ask again."""
-    key = ("shared_runs", qs, qn, ks, kn, window)
-    if docs.memo is None:
-        return _shared_runs(docs, qs, qn, ks, kn, window)
-    if key not in docs.memo:
-        docs.memo[key] = _shared_runs(docs, qs, qn, ks, kn, window)
-    return docs.memo[key]
+    microbatch and block (``docs.remember``)."""
+    return docs.remember(("shared_runs", qs, qn, ks, kn, window),
+                         lambda: _shared_runs(docs, qs, qn, ks, kn, window))
 
 
 def _shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, window: int

@@ -345,10 +345,8 @@ class LlamaStage:
             cos, sin = self._cos_sin(positions, xs[0].dtype)
             return [op(x, cos, sin) for x in xs]
         dtype = accumulator(xs[0].dtype)   # float32 tables for bf16 activations, as above
-        key = ("rope", np.dtype(dtype).str)
-        if key not in docs.memo:
-            docs.memo[key] = [self._tables(row, dtype) for row in docs.rope]
-        tables = docs.memo[key]
+        tables = docs.remember(("rope", np.dtype(dtype).str),
+                               lambda: [self._tables(row, dtype) for row in docs.rope])
         return [self.kernels.xp.concatenate([op(x[b:b + 1], *tables[b]) for b in range(len(x))])
                 for x in xs]
 

@@ -257,10 +257,7 @@ def document_hops(layout: SeqLayout, window: int, docs: DocumentPositions | None
     (its ranks hold the same rows); remembered on ``docs`` per (layout, window)."""
     if docs is None:
         return ring_hops(layout, window)
-    key = ("hops", layout, window)
-    if key not in docs.memo:
-        docs.memo[key] = _cheapest_hops(layout, window, docs)
-    return docs.memo[key]
+    return docs.remember(("hops", layout, window), lambda: _cheapest_hops(layout, window, docs))
 
 
 def _cheapest_hops(layout: SeqLayout, window: int, docs: DocumentPositions | None) -> RingHops:

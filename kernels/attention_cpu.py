@@ -14,7 +14,8 @@ fold the softmax scale into alpha, so nothing is packed. Tiles are sized so that
 then runs without packing its operands and, with the tile in the L1/L2 caches, about as fast as
 a large GEMM (see `python -m mpipar.bench kernels`). The score products Q K^T and dO V^T are
 plain (NN) products on a transposed K (and V): the forward transposes K once per call (each key
-block is read by many query blocks' tasks), or, when the tasks read each key only a few times
+block is read by many query blocks' tasks; rows padded to an odd number of cache lines, so that
+a key block's rows do not all fall in one cache set), or, when the tasks read each key only a few times
 (short documents, `_local_keys`), each task the key blocks it reads; the backward transposes
 each key block of K and V
 when its task reaches it, into a buffer that stays in cache, and accumulates dK and dV straight
@@ -301,11 +302,23 @@ def _row_max(p, lo, hi):  # pragma: no cover (njit)
     return mx
 
 
+def _row_stride(n: int, itemsize: int) -> int:
+    """Elements per row for rows of n elements: whole 64-byte lines, an odd number of them. A
+    row stride that is a multiple of 4 KiB (S = 1024, 2048, 8192 keys...) puts the 64 rows of a
+    key block's K^T in the same L1 cache set, which the products then read over and over; an odd
+    count of lines spreads them over every set (measured: the full causal forward 3-14 % faster,
+    `docs/benchmarks.md`)."""
+    line = 64 // itemsize
+    lines = -(-n // line)
+    return (lines + 1 - lines % 2) * line
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _heads_major(x):  # pragma: no cover (njit)
-    """x `[B, S, H, D]` -> `[B, H, D, S]` (C-contiguous), copied in 16 x 16 blocks."""
+def _heads_major(x, ld):  # pragma: no cover (njit)
+    """x `[B, S, H, D]` -> `[B, H, D, ld]` (C-contiguous, ld >= S: rows padded to `_row_stride`;
+    the S first columns hold x), copied in 16 x 16 blocks."""
     nb, s, nh, d = x.shape
-    y = np.empty((nb, nh, d, s), x.dtype)
+    y = np.empty((nb, nh, d, ld), x.dtype)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         for s0 in range(0, s, 16):
@@ -388,7 +401,7 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo
 def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, window, klo, khi, qend, scale,
               bk, out, lse):  # pragma: no cover (njit)
     """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over the keys they
-    can see (klo, khi, qend: sequence b's `document_bounds`); K^T from kt `[B, Hkv, D, Sk]`, or
+    can see (klo, khi, qend: sequence b's `document_bounds`); K^T from kt `[B, Hkv, D, >= Sk]` (`_heads_major`), or
     with `local` each key block of k transposed here."""
     hq, d = q.shape[2], q.shape[3]
     hkv, sk = k.shape[2], k.shape[1]
@@ -412,7 +425,7 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
             qh = q[b, i0:, kh * group + g]
             for s in range(nseg):
                 t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
-                kta, ldk = (kbuf[:, c0:].ctypes.data, bk) if local else (kt[b, kh, :, j0 + c0:].ctypes.data, sk)
+                kta, ldk = (kbuf[:, c0:].ctypes.data, bk) if local else (kt[b, kh, :, j0 + c0:].ctypes.data, kt.shape[3])
                 gemm(False, False, t1 - t0, c1 - c0, d, scale, qh[t0:].ctypes.data, hq * d, kta, ldk, 0.0,
                      p[t0:, c0:].ctypes.data, bk, single)
                 _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m[g],
@@ -528,7 +541,8 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     local = _local_keys(klo, khi, bq)
     starts = document_blocks(qend, bq)[0]
     shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, k.shape[2])
-    _attention_fwd(q, k if local else _heads_major(k), k, local, v, int(q_offset), int(k_offset), bool(causal), int(window),
+    kt = k if local else _heads_major(k, _row_stride(k.shape[1], k.itemsize))
+    _attention_fwd(q, kt, k, local, v, int(q_offset), int(k_offset), bool(causal), int(window),
                    klo, khi, qend, dt.type(ref.attention_scale(d, scale)), starts, shares, bk, out, lse)
     return out, lse
 

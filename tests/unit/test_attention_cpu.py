@@ -170,6 +170,21 @@ def test_tile_sizes_stay_under_the_small_gemm_limit():
         assert positions * keys * d <= ac.SMALL_GEMM or keys == 16
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_key_rows_padded_to_an_odd_count_of_cache_lines(rng, dtype):
+    """The forward's K^T: rows of whole 64-byte lines, an odd count (never a multiple of 4 KiB,
+    the stride that puts a key block's rows in one cache set), the fewest such that hold S keys,
+    and the S first columns exactly K transposed."""
+    size = np.dtype(dtype).itemsize
+    for n in range(1, 9000):
+        ld = ac._row_stride(n, size)
+        assert ld >= n and ld * size % 128 == 64 and ld * size - 128 < n * size, (n, ld)
+    x = rng.standard_normal((2, 1000, 3, 64)).astype(dtype)
+    y = ac._heads_major(x, ac._row_stride(1000, size))
+    assert y.shape == (2, 3, 64, ac._row_stride(1000, size))
+    assert np.array_equal(y[..., :1000], x.transpose(0, 2, 3, 1))
+
+
 # ----------------------------------------------------------------------------------------------
 # building blocks
 # ----------------------------------------------------------------------------------------------

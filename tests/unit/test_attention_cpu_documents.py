@@ -153,7 +153,7 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     st = ac.document_blocks(qend, bq)[0]
     for local in (True, False):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
-        ac._attention_fwd(q, k if local else ac._heads_major(k), k, local, v, 0, 0, True, 0, klo, khi, qend,
+        ac._attention_fwd(q, k if local else ac._heads_major(k, ac._row_stride(S, 8)), k, local, v, 0, 0, True, 0, klo, khi, qend,
                           0.125, st, ac.work_shares(ac.visible_keys(klo, khi, 0, 0, True, 0), st, hkv), bk, out, lse)
         assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)

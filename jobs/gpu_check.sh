@@ -4,7 +4,7 @@
 #
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
-# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile micro
+# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents profile micro
 # (the results, logs and JSON, also land in OUT_DIR/all.tgz: one file to bring back)
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
@@ -12,7 +12,7 @@
 # Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
-STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench profile micro"}
+STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents profile micro"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
@@ -153,6 +153,13 @@ if has bench; then
   stage "bench gpu (attention against the GEMM rate; training step against PyTorch eager)"
   timeout 900 $PY -m mpipar.bench gpu --json "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
   rc=$?; tail -30 "$OUT/bench_gpu.log"; record bench $rc
+fi
+
+if has documents; then
+  stage "documents: document-masked attention against full causal on the GPU (issue 32's speed)"
+  timeout 300 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
+      --backend cupy --json "$OUT/documents.json" > "$OUT/documents.log" 2>&1; rc=$?
+  tail -6 "$OUT/documents.log"; record documents $rc
 fi
 
 if has profile; then

@@ -6,7 +6,8 @@ rank (causal pairs inside documents, :func:`mpipar.parallel.context.rank_work`) 
 contiguous, zigzag and balanced splits, the mean and the worst over ``--samples`` samples.
 
 Speed: one packed row of such documents at ``--speed-seq`` tokens, attention forward and
-backward on one process through the attention seam (the run's CPU kernels), with document
+backward on one process through the attention seam (``--backend``: the run's kernels, cupy on a
+GPU, where the device is synchronised around each step), with document
 masking against full causal attention, the variants taking turns for ``--repeats`` rounds (best
 of the rounds, and the median of each round's own ratio): the time ratio against the work ratio (intra-document
 pairs / full causal pairs); the issue asks time ratio <= 1.2 x work ratio. With Numba kernels
@@ -69,16 +70,20 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     pool_freed_memory()
     seq, rng = args.speed_seq, np.random.default_rng(args.seed)
     docs = packed_documents(seq, args.median, args.sigma, rng)
-    kernels = get_backend("auto")
+    kernels = get_backend(args.backend)
     shape = (1, seq, args.heads, args.head_dim)
-    q, k, v, dout = (rng.standard_normal(shape).astype(np.float32) for _ in range(4))
+    q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(4))
+    sync = (lambda: None) if kernels.xp is np else kernels.xp.cuda.get_current_stream().synchronize
 
     def step(kb, positions) -> tuple[float, float]:
-        """Wall and process CPU seconds (all threads) of one forward + backward."""
+        """Wall and process CPU seconds (all threads) of one forward + backward (on a GPU, wall
+        from the device idle to the device done)."""
         core = LocalAttention(kb)
+        sync()
         t0, c0 = time.perf_counter(), time.process_time()
         out, saved = core.forward(q, k, v, positions)
         core.backward(dout, q, k, v, out, saved)
+        sync()
         return time.perf_counter() - t0, time.process_time() - c0
 
     docs_pos = DocumentPositions.of(np.arange(seq), docs)
@@ -155,6 +160,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4, help="speed check: heads")
     parser.add_argument("--head-dim", type=int, default=64, help="speed check: head size")
     parser.add_argument("--repeats", type=int, default=3, help="speed check: timed rounds")
+    parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy", "cupy"),
+                        help="speed check: kernels (auto: cupy with a GPU, else numba)")
 
 
 SECTION = Section("documents", run, "packed documents: attention work per sp rank under the "

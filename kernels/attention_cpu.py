@@ -401,8 +401,8 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo
 def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, window, klo, khi, qend, scale,
               bk, out, lse):  # pragma: no cover (njit)
     """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over the keys they
-    can see (klo, khi, qend: sequence b's `document_bounds`); K^T from kt `[B, Hkv, D, >= Sk]` (`_heads_major`), or
-    with `local` each key block of k transposed here."""
+    can see (klo, khi, qend: sequence b's `document_bounds`); K^T from kt `[B, Hkv, D, >= Sk]`
+    (`_heads_major`), or with `local` each key block of k transposed here."""
     hq, d = q.shape[2], q.shape[3]
     hkv, sk = k.shape[2], k.shape[1]
     group = hq // hkv

@@ -64,6 +64,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     memory, no fresh pages per call, as in a training step)."""
     from mpipar.kernels import get_backend
     from mpipar.runtime.memory import pool_freed_memory
+    from mpipar.runtime.staging import copies_for
     from mpipar.model.attention import DocumentPositions, LocalAttention, documents_in_kernel
     from mpipar.parallel.context import token_work
 
@@ -73,7 +74,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     kernels = get_backend(args.backend)
     shape = (1, seq, args.heads, args.head_dim)
     q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(4))
-    sync = (lambda: None) if kernels.xp is np else kernels.xp.cuda.get_current_stream().synchronize
+    sync = copies_for(kernels.xp is not np).sync       # waits for the device's stream (host: no-op)
 
     def step(kb, positions) -> tuple[float, float]:
         """Wall and process CPU seconds (all threads) of one forward + backward (on a GPU, wall

@@ -306,7 +306,7 @@ def _row_stride(n: int, itemsize: int) -> int:
     """Elements per row for rows of n elements: whole 64-byte lines, an odd number of them. A
     row stride that is a multiple of 4 KiB (S = 1024, 2048, 8192 keys...) puts the 64 rows of a
     key block's K^T in the same L1 cache set, which the products then read over and over; an odd
-    count of lines spreads them over every set (measured: the full causal forward 3-14 % faster,
+    count of lines spreads them over every set (measured: the full causal forward 0-10 % faster,
     `docs/benchmarks.md`)."""
     line = 64 // itemsize
     lines = -(-n // line)

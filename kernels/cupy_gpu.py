@@ -9,7 +9,8 @@ the bf16 tensor-core kernels live beside them. Every CUDA source here is a CuPy 
 - flash attention forward and backward, one module per (dtype, head_dim) compiled on first use:
   K/V tiles in shared memory, online softmax, the log-sum-exp returned for the ring merge,
   causal masks at global query/key offsets (ring and zigzag blocks), sliding windows (key tiles
-  outside a block's window skipped), grouped-query heads, accumulation in float32 (float64 for
+  outside a block's window skipped), packed documents (document ids: blocks aligned to the
+  documents, each block reads only its documents' keys, `_documents`), grouped-query heads, accumulation in float32 (float64 for
   float64), no S x S matrix. A few lanes of a warp share one row and sum dot products with warp
   shuffles, so no thread holds a D-long vector and nothing spills (:func:`flash_config`).
 
@@ -373,6 +374,20 @@ __device__ inline void load_rows(const T* x, T (*sh)[D], long long base, long lo
     }
 }
 
+// Rows [*first, *stop) of block x of sequence b: the fixed grid's R-row blocks, or with packed
+// documents the block table starts [B, nb] (blocks of at most R rows aligned to document
+// starts, `attention_cpu.document_blocks`; columns past a sequence's blocks hold S).
+__device__ inline void block_rows(const long long* starts, int nb, int b, int x, int R, int S,
+                                  long long* first, long long* stop) {
+    if (starts) {
+        *first = starts[(long long)b * nb + x];
+        *stop = starts[(long long)b * nb + x + 1];
+    } else {
+        *first = (long long)x * R;
+        *stop = min((long long)S, *first + R);
+    }
+}
+
 // The keys [*kbeg, *kend) that queries [first_q, last_q] can see: none after the causal diagonal
 // of the last query, none before the window of the first (kbeg rounded down to a tile).
 __device__ inline void key_range(long long first_q, long long last_q, int Sk, long long q_off,
@@ -383,27 +398,46 @@ __device__ inline void key_range(long long first_q, long long last_q, int Sk, lo
     *kbeg = j - j % tile;
 }
 
+// Packed documents (lo, hi: per position [B, S] of this side, the other side's positions
+// [lo, hi) of its document; null without documents): the block's rows [first, stop) see only
+// [lo[first], hi[stop - 1]) (both bounds grow along a row), so *beg, *end shrink to it; row i
+// sees [*rlo, *rhi) (everything without documents).
+__device__ inline void doc_keys(const long long* lo, const long long* hi, long long at,
+                                long long first, long long stop, long long i, bool row, int S,
+                                long long* beg, long long* end, long long* rlo, long long* rhi) {
+    *rlo = 0;
+    *rhi = S;
+    if (!lo) return;
+    *beg = max(*beg, lo[at + first]);
+    *end = min(*end, hi[at + stop - 1]);
+    if (row) { *rlo = lo[at + i]; *rhi = hi[at + i]; }
+}
+
 // out_i = sum_j p_ij v_j / sum_j p_ij, p_ij = exp(scale q_i.k_j - m_i) (online softmax),
 // lse_i = m_i + log sum_j p_ij (-inf and out 0 where no key is visible).
 template<typename T, typename A, int D, int L, int BN, int NT>
 __global__ void __launch_bounds__(NT, 1) flash_fwd(
         const T* q, const T* k, const T* v, T* out, A* lse, int Sq, int Sk, int Hq, int Hkv,
-        long long q_off, long long k_off, int causal, long long window, A scale) {
+        long long q_off, long long k_off, int causal, long long window, A scale,
+        const long long* lo, const long long* hi, const long long* starts, int nb) {
     constexpr int E = D / L, R = NT / L;
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
     const int lane = threadIdx.x % L, b = blockIdx.y / Hq, h = blockIdx.y % Hq;
-    const long long i = (long long)blockIdx.x * R + threadIdx.x / L;
-    const bool row = i < Sq;
+    long long first, stop;
+    block_rows(starts, nb, b, blockIdx.x, R, Sq, &first, &stop);
+    if (first >= stop) return;
+    const long long i = first + threadIdx.x / L;
+    const bool row = i < stop;
     const long long at_q = (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
     const long long kv_base = ((long long)b * Sk * Hkv + h / (Hq / Hkv)) * D;
     A qr[E], o[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) { qr[e] = row ? (A)q[at_q + lane + L * e] * scale : (A)0; o[e] = 0; }
     A m = -INFINITY, l = 0;
-    long long kbeg, kend;
-    key_range((long long)blockIdx.x * R, min((long long)Sq, (long long)blockIdx.x * R + R) - 1,
-              Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    long long kbeg, kend, klo, khi;
+    key_range(first, stop - 1, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    doc_keys(lo, hi, (long long)b * Sq, first, stop, i, row, Sk, &kbeg, &kend, &klo, &khi);
     for (long long k0 = kbeg; k0 < kend; k0 += BN) {
         load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
         load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
@@ -414,7 +448,8 @@ __global__ void __launch_bounds__(NT, 1) flash_fwd(
 #pragma unroll
             for (int e = 0; e < E; ++e) s += qr[e] * (A)ks[jj][lane + L * e];
             s = lanes_sum<L>(s);
-            if (row && visible(i, k0 + jj, q_off, k_off, causal, window)) {
+            if (row && visible(i, k0 + jj, q_off, k_off, causal, window) && k0 + jj >= klo
+                    && k0 + jj < khi) {
                 // One exp a key: the larger of m and s is the new maximum (exp(0) = 1).
                 A corr = 1, p = 1;
                 if (s > m) { corr = exp(m - s); m = s; } else { p = exp(s - m); }
@@ -436,13 +471,17 @@ template<typename T, typename A, int D, int L, int BN, int NT>
 __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
         const T* q, const T* k, const T* v, const T* dout, const A* lse, const A* delta, T* dq,
         int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
-        long long window, A scale) {
+        long long window, A scale, const long long* lo, const long long* hi,
+        const long long* starts, int nb) {
     constexpr int E = D / L, R = NT / L;
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
     const int lane = threadIdx.x % L, b = blockIdx.y / Hq, h = blockIdx.y % Hq;
-    const long long i = (long long)blockIdx.x * R + threadIdx.x / L;
-    const bool row = i < Sq;
+    long long first, stop;
+    block_rows(starts, nb, b, blockIdx.x, R, Sq, &first, &stop);
+    if (first >= stop) return;
+    const long long i = first + threadIdx.x / L;
+    const bool row = i < stop;
     const long long at_q = (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
     const long long kv_base = ((long long)b * Sk * Hkv + h / (Hq / Hkv)) * D;
     const A lse_i = row ? lse[((long long)b * Hq + h) * Sq + i] : (A)-INFINITY;
@@ -455,9 +494,9 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
         dor[e] = row ? (A)dout[at_q + lane + L * e] : (A)0;
         acc[e] = 0;
     }
-    long long kbeg, kend;
-    key_range((long long)blockIdx.x * R, min((long long)Sq, (long long)blockIdx.x * R + R) - 1,
-              Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    long long kbeg, kend, klo, khi;
+    key_range(first, stop - 1, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
+    doc_keys(lo, hi, (long long)b * Sq, first, stop, i, row, Sk, &kbeg, &kend, &klo, &khi);
     for (long long k0 = kbeg; k0 < kend; k0 += BN) {
         load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
         load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
@@ -472,7 +511,8 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
             }
             s = lanes_sum<L>(s);
             dp = lanes_sum<L>(dp);
-            if (live && visible(i, k0 + jj, q_off, k_off, causal, window)) {
+            if (live && visible(i, k0 + jj, q_off, k_off, causal, window) && k0 + jj >= klo
+                    && k0 + jj < khi) {
                 A ds = exp(s - lse_i) * (dp - delta_i);
 #pragma unroll
                 for (int e = 0; e < E; ++e) acc[e] += ds * (A)ks[jj][lane + L * e];
@@ -491,15 +531,19 @@ template<typename T, typename A, int D, int L, int BM, int NT>
 __global__ void __launch_bounds__(NT, 1) flash_bwd_dkdv(
         const T* q, const T* k, const T* v, const T* dout, const A* lse, const A* delta, T* dk,
         T* dv, int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
-        long long window, A scale) {
+        long long window, A scale, const long long* lo, const long long* hi,
+        const long long* starts, int nb) {
     constexpr int E = D / L, R = NT / L;
     __shared__ T qs[BM][D];
     __shared__ T dos[BM][D];
     __shared__ A ls[BM];
     __shared__ A dls[BM];
     const int lane = threadIdx.x % L, b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, G = Hq / Hkv;
-    const long long first_k = (long long)blockIdx.x * R, j = first_k + threadIdx.x / L;
-    const bool row = j < Sk;
+    long long first_k, stop_k;
+    block_rows(starts, nb, b, blockIdx.x, R, Sk, &first_k, &stop_k);
+    if (first_k >= stop_k) return;
+    const long long j = first_k + threadIdx.x / L;
+    const bool row = j < stop_k;
     const long long at_k = (((long long)b * Sk + (row ? j : 0)) * Hkv + hk) * D;
     A kr[E], vr[E], dka[E], dva[E];
 #pragma unroll
@@ -511,10 +555,12 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dkdv(
     }
     // Queries before the block's first key see none of its keys; with a window, neither do the
     // queries from the block's last key + window on.
-    const long long last_k = min((long long)Sk, first_k + R) - 1;
-    const long long qbeg = causal ? max(0LL, k_off + first_k - q_off) : 0LL;
-    const long long qend = causal && window ? min((long long)Sq, k_off + last_k + window - q_off)
-                                            : (long long)Sq;
+    const long long last_k = stop_k - 1;
+    long long qbeg = causal ? max(0LL, k_off + first_k - q_off) : 0LL;
+    long long qend = causal && window ? min((long long)Sq, k_off + last_k + window - q_off)
+                                      : (long long)Sq;
+    long long qlo, qhi;     // packed documents: the queries of key j's document
+    doc_keys(lo, hi, (long long)b * Sk, first_k, stop_k, j, row, Sq, &qbeg, &qend, &qlo, &qhi);
     for (int g = 0; g < G; ++g) {
         const int h = hk * G + g;
         const long long q_base = ((long long)b * Sq * Hq + h) * D, st = (long long)b * Hq + h;
@@ -536,7 +582,8 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dkdv(
                 }
                 s = lanes_sum<L>(s);
                 dp = lanes_sum<L>(dp);
-                if (row && isfinite(ls[ii]) && visible(i0 + ii, j, q_off, k_off, causal, window)) {
+                if (row && isfinite(ls[ii]) && visible(i0 + ii, j, q_off, k_off, causal, window)
+                        && i0 + ii >= qlo && i0 + ii < qhi) {
                     A p = exp(s * scale - ls[ii]), dsv = p * (dp - dls[ii]);
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
@@ -613,12 +660,37 @@ def _flash_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
             cupy.int64(window), acc.type(ref.attention_scale(d, scale)))
 
 
+def _documents(mine: Array | None, other: Array | None, b: int, n: int, n_other: int,
+               rows: int) -> tuple[tuple, int]:
+    """The packed-document arguments of a flash kernel whose blocks cut this side's n positions
+    (document ids ``mine`` `[B, n]`, the other side's ``other`` `[B, n_other]`; host or device
+    arrays, non-decreasing along each row): ((lo, hi, starts, nb), blocks per sequence). lo, hi
+    `[B, n]`: the other side's positions [lo, hi) of each position's document; starts: blocks of
+    at most ``rows`` positions aligned to document starts (`attention_cpu.document_blocks`, the
+    CPU kernels' own cut), so that a short document is one small tile and a block reads only its
+    documents' keys. Without documents: null pointers and the fixed grid of ``rows``-row blocks."""
+    cupy = array_module()
+    if mine is None and other is None:
+        return (cupy.uint64(0), cupy.uint64(0), cupy.uint64(0), cupy.int32(0)), -(-n // rows)
+    from .attention_cpu import document_blocks, document_bounds
+
+    host = [None if a is None else (cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a)
+            for a in (mine, other)]
+    lo, hi, end = document_bounds(host[0], host[1], b, n, n_other)
+    starts, nblocks = document_blocks(end, rows)
+    return ((cupy.asarray(lo), cupy.asarray(hi), cupy.asarray(starts), cupy.int32(starts.shape[1])),
+            max(1, int(nblocks.max(initial=0))))
+
+
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None,
-                  window: int = 0) -> tuple[Array, Array]:
-    """Flash attention forward (`numpy_ref.attention_fwd`'s contract, sliding `window`
-    included): q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out like q, lse `[B, Hq, Sq]`
-    (float32; float64 for float64). Key tiles wholly outside a block's keys are not loaded."""
+                  causal: bool = True, scale: float | None = None, window: int = 0,
+                  q_docs: Array | None = None, k_docs: Array | None = None) -> tuple[Array, Array]:
+    """Flash attention forward (`numpy_ref.attention_fwd`'s contract, sliding `window` and
+    packed documents included: ids `q_docs` `[B, Sq]`, `k_docs` `[B, Sk]`, non-decreasing along
+    each row): q `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` -> out like q, lse `[B, Hq, Sq]`
+    (float32; float64 for float64). Key tiles wholly outside a block's keys are not loaded; with
+    documents the query blocks follow them (`_documents`), so a row of short documents costs
+    about its documents' own causal squares, in one launch."""
     ref.check_attention_shapes(q, k, v, "attention_fwd")
     ref.check_window(window, causal, "attention_fwd")
     _device_float(q, "attention_fwd")
@@ -629,18 +701,22 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     out, lse = cupy.empty_like(q), cupy.empty((b, hq, sq), acc)
     if sq and b * hq:
         kernel, rows = _flash("flash_fwd", q.dtype, d)
-        kernel((-(-sq // rows), b * hq), (_THREADS,), (
-            q, k, v, out, lse, *_flash_args(q, k, q_offset, k_offset, causal, scale, acc, window)))
+        docs, blocks = _documents(q_docs, k_docs, b, sq, k.shape[1], rows)
+        kernel((blocks, b * hq), (_THREADS,), (
+            q, k, v, out, lse, *_flash_args(q, k, q_offset, k_offset, causal, scale, acc, window),
+            *docs))
     return out, lse
 
 
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
+                  scale: float | None = None, window: int = 0, q_docs: Array | None = None,
+                  k_docs: Array | None = None) -> tuple[Array, Array, Array]:
     """Flash attention backward for one key block given the (possibly ring-merged) out and lse
-    (`numpy_ref.attention_bwd`'s contract): q, out, dout `[B, Sq, Hq, D]`, k, v
-    `[B, Sk, Hkv, D]`, lse `[B, Hq, Sq]` -> dq like q, dk, dv like k; dq by query rows, dk and
-    dv by key rows (summed over each kv head's query heads), without atomics."""
+    (`numpy_ref.attention_bwd`'s contract, packed documents included): q, out, dout
+    `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]`, lse `[B, Hq, Sq]` -> dq like q, dk, dv like k; dq
+    by query rows, dk and dv by key rows (summed over each kv head's query heads), without
+    atomics; with documents, blocks of query rows and of key rows that follow them."""
     ref.check_attention_shapes(q, k, v, "attention_bwd")
     ref.check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
@@ -658,12 +734,17 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     args = _flash_args(q, k, q_offset, k_offset, causal, scale, acc, window)
     if sq and b * hq:
         kernel, rows = _flash("flash_bwd_dq", q.dtype, d)
-        kernel((-(-sq // rows), b * hq), (_THREADS,), (q, k, v, dout, lse, delta, dq, *args))
+        docs, blocks = _documents(q_docs, k_docs, b, sq, k.shape[1], rows)
+        kernel((blocks, b * hq), (_THREADS,), (q, k, v, dout, lse, delta, dq, *args, *docs))
     if k.shape[1] and b * k.shape[2]:
         kernel, rows = _flash("flash_bwd_dkdv", q.dtype, d)
-        kernel((-(-k.shape[1] // rows), b * k.shape[2]), (_THREADS,),
-               (q, k, v, dout, lse, delta, dk, dv, *args))
+        docs, blocks = _documents(k_docs, q_docs, b, k.shape[1], sq, rows)
+        kernel((blocks, b * k.shape[2]), (_THREADS,),
+               (q, k, v, dout, lse, delta, dk, dv, *args, *docs))
     return dq, dk, dv
+
+
+attention_fwd.block_sparse_documents = attention_bwd.block_sparse_documents = True
 
 
 # ----------------------------------------------------------------------------- compile gate

@@ -180,6 +180,11 @@ def by_dtype(float_op: Callable, bf16_op: Callable, position: int = 0,
             decides = decides[0]
         return (bf16_op if ref.is_bf16(decides.dtype) else float_op)(*args, **kwargs)
 
+    # Packed documents (`mpipar.model.attention.documents_in_kernel`): the float kernels take the
+    # document ids, the bf16 ones may not, so the answer depends on the dtype routed.
+    takes = [bool(getattr(f, "block_sparse_documents", False)) for f in (float_op, bf16_op)]
+    if takes[0] != takes[1]:
+        op.block_sparse_documents = lambda dtype: takes[bool(ref.is_bf16(dtype))]
     return op
 
 

@@ -89,7 +89,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
 
     docs_pos = DocumentPositions.of(np.arange(seq), docs)
     variants = {"full": (kernels, np.arange(seq)), "masked": (kernels, docs_pos)}
-    if documents_in_kernel(kernels):        # the same kernels called once per document's block
+    if documents_in_kernel(kernels, q.dtype):   # the same kernels called once per document's block
         variants["per_doc"] = (dataclasses.replace(   # (partials: no document flag)
             kernels, attention_fwd=functools.partial(kernels.attention_fwd),
             attention_bwd=functools.partial(kernels.attention_bwd)), docs_pos)

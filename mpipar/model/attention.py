@@ -172,12 +172,15 @@ def _shared_runs(docs: DocumentPositions, qs: int, qn: int, ks: int, kn: int, wi
     return tuple(out)
 
 
-def documents_in_kernel(kernels) -> bool:
-    """Whether ``kernels``' attention takes the document ids itself and skips the tiles with no
-    same-document pair (the Numba kernels: one call per block); else :func:`attend_fwd` calls
-    the kernel once per document's block (numpy_ref's masked form is dense, the GPU kernels
-    take no documents)."""
-    return bool(getattr(kernels.attention_fwd, "block_sparse_documents", False))
+def documents_in_kernel(kernels, dtype: Any) -> bool:
+    """Whether ``kernels``' attention for arrays of ``dtype`` takes the document ids itself and
+    skips the tiles with no same-document pair (the Numba kernels and the GPU's float32/float64
+    kernels: one call per block); else :func:`attend_fwd` calls the kernel once per document's
+    block (numpy_ref's masked form is dense; the GPU's bf16 kernels take no documents). The
+    kernel's ``block_sparse_documents`` is a bool, or a function of the dtype where one op
+    routes dtypes to different kernels (`kernels.gpu_bf16.by_dtype`)."""
+    flag = getattr(kernels.attention_fwd, "block_sparse_documents", False)
+    return bool(flag(dtype) if callable(flag) else flag)
 
 
 def kernel_documents(docs: DocumentPositions, qs: int, sq: int, ks: int, sk: int
@@ -201,7 +204,7 @@ def attend_fwd(kernels, q: Array, k: Array, v: Array, qs: int, ks: int, window: 
     runs = shared_runs(docs, qs, q.shape[1], ks, k.shape[1], window)
     if not runs:
         return None
-    if documents_in_kernel(kernels):
+    if documents_in_kernel(kernels, q.dtype):
         return kernels.attention_fwd(q, k, v, qs, ks, True, window=window,
                                      **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1]))
     xp, out, lse = kernels.xp, None, None
@@ -226,7 +229,7 @@ def attend_bwd(kernels, q: Array, k: Array, v: Array, out: Array, lse: Array, do
     runs = shared_runs(docs, qs, q.shape[1], ks, k.shape[1], window)
     if not runs:
         return None
-    if documents_in_kernel(kernels):
+    if documents_in_kernel(kernels, q.dtype):
         return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, window=window,
                                      **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1]))
     xp, grads = kernels.xp, None

@@ -1,18 +1,24 @@
 """Packed documents through the GPU kernels (issue 32; owed a device run): the model's document-
-masked attention (:func:`mpipar.model.attention.attend_fwd` / ``attend_bwd``: the GPU kernels
-take no document ids, so one causal call per document's block) on the cupy backend, against
-numpy_ref's document-masked attention on the host.
+masked attention (:func:`mpipar.model.attention.attend_fwd` / ``attend_bwd``) on the cupy
+backend, against numpy_ref's document-masked attention on the host. float32/float64 go to
+cupy_gpu's flash kernels, which take the document ids (one launch forward, one per gradient
+kernel backward, blocks aligned to the documents, tiles with no same-document pair skipped);
+bf16 goes to cuDNN or mpipar's flash_mma, which take none (one causal call per document's
+block).
 
 float64 (cupy_gpu's exact kernels): <= 1e-12 relative, forward and backward. bf16 (cuDNN where
 it takes the call, else mpipar's kernel), against numpy_ref in float64 on the same bf16 inputs:
 the bf16 attention tolerances of tests/gpu/test_cudnn_attention.py (out 4u, gradients 6u, u =
 2**-9, relative over the tensor; lse 1e-6). Rows with no visible key: out 0, lse -inf, in both.
 Layouts: documents of length 1, documents longer than a tile, a query block starting mid-
-document (a ring hop), keys wholly before the queries, grouped-query heads. Passed on an H200 (with the
-engine's GPU layouts under documents in tests/gpu/test_engine.py), so --document-masking runs on
-the GPU; a one-token document's block (one query, one key) goes to mpipar's kernel, as cuDNN's
-backward refuses it."""
+document (a ring hop), keys wholly before the queries, grouped-query heads. The per-document
+path passed on an H200 (with the engine's GPU layouts under documents in
+tests/gpu/test_engine.py); a one-token document's block (one query, one key) goes to mpipar's
+kernel, as cuDNN's backward refuses it. The flash kernels' document path was checked on the
+CPU under HIP-CPU (tests/unit/test_flash_hip_cpu.py) and is owed its device run here."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -60,6 +66,17 @@ def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv)
     v = rng.standard_normal((B, kn, hkv, D)).astype(host_dtype)
     dout = rng.standard_normal((B, qn, hq, D)).astype(host_dtype)
     kb = get_backend("cupy")
+    calls = []
+
+    def counted(fn):
+        def run(*a, **kw):
+            calls.append("q_docs" in kw)
+            return fn(*a, **kw)
+        run.block_sparse_documents = getattr(fn, "block_sparse_documents", False)
+        return run
+
+    kb = dataclasses.replace(kb, attention_fwd=counted(kb.attention_fwd),
+                             attention_bwd=counted(kb.attention_bwd))
     got = attend_fwd(kb, *(cupy.asarray(a) for a in (q, k, v)), qs, ks, 0, docs)
     marks = dict(q_docs=docs.docs[:, qs:qs + qn], k_docs=docs.docs[:, ks:ks + kn])
     wide = [a.astype(np.float64) for a in (q, k, v, dout)]
@@ -74,3 +91,38 @@ def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv)
     want = ref.attention_bwd(*wide[:3], want_out, want_lse, wide[3], qs, ks, True, **marks)
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         assert _rel(cupy.asnumpy(g), w) <= tol["grad"], name
+    if dtype == "float64":      # the ids in the kernel: one call each way
+        assert calls == [True, True]
+    else:                       # a causal call per document's block
+        assert len(calls) > 2 and not any(calls)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_flash_kernels_take_document_ids(poisoned_pool, dtype, d):
+    """cupy_gpu's flash kernels with document ids, against numpy_ref (float64 <= 1e-12, float32
+    <= 2e-6 relative): the layouts tests/unit/test_flash_hip_cpu.py runs on the CPU (ring hops,
+    a window, keys after every query, not causal, documents of ~7 to ~150 tokens), every output
+    element written (the pool is poisoned with NaN)."""
+    import cupy
+
+    from mpipar.kernels import cupy_gpu
+    from tests.unit.test_flash_hip_cpu import _cases
+
+    dt = np.dtype(dtype)
+    tol = 1e-12 if dtype == "float64" else 2e-6
+    for name, b, sq, sk, hq, hkv, qo, ko, causal, window, q_docs, k_docs in _cases():
+        rng = np.random.default_rng(sq + hq + qo)
+        q, dout = (rng.standard_normal((b, sq, hq, d)).astype(dt) for _ in range(2))
+        k, v = (rng.standard_normal((b, sk, hkv, d)).astype(dt) for _ in range(2))
+        kw = {} if q_docs is None else {"q_docs": q_docs, "k_docs": k_docs}
+        out, lse = cupy_gpu.attention_fwd(*(cupy.asarray(a) for a in (q, k, v)), qo, ko,
+                                          bool(causal), None, window, **kw)
+        grads = cupy_gpu.attention_bwd(*(cupy.asarray(a) for a in (q, k, v)), out, lse,
+                                       cupy.asarray(dout), qo, ko, bool(causal), None, window, **kw)
+        wide = [a.astype(np.float64) for a in (q, k, v, dout)]
+        w_out, w_lse = ref.attention_fwd(*wide[:3], qo, ko, bool(causal), None, window, **kw)
+        want = (w_out, w_lse, *ref.attention_bwd(*wide[:3], w_out, w_lse, wide[3], qo, ko,
+                                                 bool(causal), None, window, **kw))
+        for part, g, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want):
+            assert _rel(cupy.asnumpy(g), w) <= tol, (name, part)

@@ -63,6 +63,28 @@ def test_the_seam_equals_the_masked_kernel_and_each_document_alone(backend, wind
     assert np.abs(full[0] - out[0]).max() > 1e-3
 
 
+def test_the_gpu_seam_hands_documents_to_the_float_kernels_only():
+    """On a GPU one op routes float32/float64 to cupy_gpu's flash kernels, which take the
+    document ids (one launch per block), and bf16 to flash_mma or cuDNN, which do not (a call
+    per document's block): the seam asks per dtype (`gpu_bf16.by_dtype`). Imports no CuPy."""
+    import types
+
+    import ml_dtypes
+
+    from mpipar.kernels import cupy_gpu, flash_mma, gpu_bf16
+    from mpipar.model.attention import documents_in_kernel
+
+    for fwd, bf16 in ((cupy_gpu.attention_fwd, flash_mma.attention_fwd),
+                      (cupy_gpu.attention_bwd, flash_mma.attention_bwd)):
+        kb = types.SimpleNamespace(attention_fwd=gpu_bf16.by_dtype(fwd, bf16))
+        assert documents_in_kernel(kb, np.float32) and documents_in_kernel(kb, np.float64)
+        assert not documents_in_kernel(kb, ml_dtypes.bfloat16)
+    # one kernel for every dtype: the flag as it is
+    both = types.SimpleNamespace(attention_fwd=gpu_bf16.by_dtype(flash_mma.attention_fwd,
+                                                                 flash_mma.attention_fwd))
+    assert not documents_in_kernel(both, np.float32)
+
+
 def test_the_numba_seam_makes_one_kernel_call_per_block():
     """The Numba attention takes the documents itself (one call forward, one backward, equal to
     numpy_ref's masked attention); numpy_ref is called per document's block."""
@@ -70,8 +92,8 @@ def test_the_numba_seam_makes_one_kernel_call_per_block():
 
     from mpipar.model.attention import documents_in_kernel
 
-    assert documents_in_kernel(get_backend("numba"))
-    assert not documents_in_kernel(get_backend("numpy"))
+    assert documents_in_kernel(get_backend("numba"), np.float64)
+    assert not documents_in_kernel(get_backend("numpy"), np.float64)
     q, k, v, dout = _qkv(S=40)
     docs = np.repeat(np.arange(8), 5)[None].repeat(2, 0)
     pos = DocumentPositions.of(np.arange(40), docs)

@@ -413,6 +413,36 @@ __device__ inline void doc_keys(const long long* lo, const long long* hi, long l
     if (row) { *rlo = lo[at + i]; *rhi = hi[at + i]; }
 }
 
+// One warp's rows ((32 / L) consecutive ones: the lanes of a row are adjacent threads) within the
+// block's [first, stop): [*w0, *w1] (empty: *w1 < *w0). A warp loops only over what its rows see,
+// so the causal square's upper half and the other documents' keys are skipped warp by warp, not
+// only block by block; its lanes share the bounds, so the shuffles stay converged.
+template<int L> __device__ inline void warp_rows(long long first, long long stop, long long* w0,
+                                                 long long* w1) {
+    *w0 = first + (long long)(threadIdx.x / 32) * (32 / L);
+    *w1 = min(stop, *w0 + 32 / L) - 1;
+}
+
+// The keys [*beg, *end) that queries [i0, i1] see (both bounds grow with the query: causal,
+// window, document), or with `keys` the queries that keys [i0, i1] are seen by; at: the
+// sequence's first entry of lo, hi.
+__device__ inline void warp_span(long long i0, long long i1, bool keys, int N, long long q_off,
+                                 long long k_off, int causal, long long window,
+                                 const long long* lo, const long long* hi, long long at,
+                                 long long* beg, long long* end) {
+    *beg = 0;
+    *end = N;
+    if (i1 < i0) { *end = 0; return; }
+    if (causal && !keys) {          // keys: kpos <= qpos, and qpos - kpos < window
+        *end = min(*end, q_off + i1 - k_off + 1);
+        if (window) *beg = max(*beg, q_off + i0 - (window - 1) - k_off);
+    } else if (causal) {            // queries: qpos >= kpos, and qpos - kpos < window
+        *beg = max(*beg, k_off + i0 - q_off);
+        if (window) *end = min(*end, k_off + i1 + window - q_off);
+    }
+    if (lo) { *beg = max(*beg, lo[at + i0]); *end = min(*end, hi[at + i1]); }
+}
+
 // out_i = sum_j p_ij v_j / sum_j p_ij, p_ij = exp(scale q_i.k_j - m_i) (online softmax),
 // lse_i = m_i + log sum_j p_ij (-inf and out 0 where no key is visible).
 template<typename T, typename A, int D, int L, int BN, int NT>
@@ -438,12 +468,16 @@ __global__ void __launch_bounds__(NT, 1) flash_fwd(
     long long kbeg, kend, klo, khi;
     key_range(first, stop - 1, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
     doc_keys(lo, hi, (long long)b * Sq, first, stop, i, row, Sk, &kbeg, &kend, &klo, &khi);
+    long long w0, w1, wbeg, wend;
+    warp_rows<L>(first, stop, &w0, &w1);
+    warp_span(w0, w1, false, Sk, q_off, k_off, causal, window, lo, hi, (long long)b * Sq, &wbeg,
+              &wend);
     for (long long k0 = kbeg; k0 < kend; k0 += BN) {
         load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
         load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
         __syncthreads();
-        const int n = (int)min((long long)BN, kend - k0);
-        for (int jj = 0; jj < n; ++jj) {
+        const int n = (int)min(min((long long)BN, kend - k0), wend - k0);
+        for (int jj = (int)max(0LL, wbeg - k0); jj < n; ++jj) {
             A s = 0;
 #pragma unroll
             for (int e = 0; e < E; ++e) s += qr[e] * (A)ks[jj][lane + L * e];
@@ -497,12 +531,16 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
     long long kbeg, kend, klo, khi;
     key_range(first, stop - 1, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
     doc_keys(lo, hi, (long long)b * Sq, first, stop, i, row, Sk, &kbeg, &kend, &klo, &khi);
+    long long w0, w1, wbeg, wend;
+    warp_rows<L>(first, stop, &w0, &w1);
+    warp_span(w0, w1, false, Sk, q_off, k_off, causal, window, lo, hi, (long long)b * Sq, &wbeg,
+              &wend);
     for (long long k0 = kbeg; k0 < kend; k0 += BN) {
         load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
         load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
         __syncthreads();
-        const int n = (int)min((long long)BN, kend - k0);
-        for (int jj = 0; jj < n; ++jj) {
+        const int n = (int)min(min((long long)BN, kend - k0), wend - k0);
+        for (int jj = (int)max(0LL, wbeg - k0); jj < n; ++jj) {
             A s = 0, dp = 0;
 #pragma unroll
             for (int e = 0; e < E; ++e) {
@@ -561,6 +599,10 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dkdv(
                                       : (long long)Sq;
     long long qlo, qhi;     // packed documents: the queries of key j's document
     doc_keys(lo, hi, (long long)b * Sk, first_k, stop_k, j, row, Sq, &qbeg, &qend, &qlo, &qhi);
+    long long w0, w1, wbeg, wend;
+    warp_rows<L>(first_k, stop_k, &w0, &w1);
+    warp_span(w0, w1, true, Sq, q_off, k_off, causal, window, lo, hi, (long long)b * Sk, &wbeg,
+              &wend);
     for (int g = 0; g < G; ++g) {
         const int h = hk * G + g;
         const long long q_base = ((long long)b * Sq * Hq + h) * D, st = (long long)b * Hq + h;
@@ -572,8 +614,8 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dkdv(
                 dls[e] = i0 + e < Sq ? delta[st * Sq + i0 + e] : (A)0;
             }
             __syncthreads();
-            const int n = (int)min((long long)BM, qend - i0);
-            for (int ii = 0; ii < n; ++ii) {
+            const int n = (int)min(min((long long)BM, qend - i0), wend - i0);
+            for (int ii = (int)max(0LL, wbeg - i0); ii < n; ++ii) {
                 A s = 0, dp = 0;
 #pragma unroll
                 for (int e = 0; e < E; ++e) {

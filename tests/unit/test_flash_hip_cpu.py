@@ -5,9 +5,10 @@ offsets, windows) on a machine with no GPU. It needs AMD's header-only HIP CPU r
 them it is skipped (CI has neither: the device's tests/gpu run the same kernels through CuPy).
 
 HIP-CPU runs a block's threads as fibers with a 64-lane "warp" and maps ``__shfl_xor`` onto it;
-the kernels' shuffles stay within groups of at most 32 lanes, so the sums are the GPU's. What it
-cannot show is speed, occupancy, or a race that the fibers' order hides: those stay owed to the
-device."""
+the kernels' shuffles stay within the L lanes of one row, which run the same loops, so the sums
+are the GPU's; ``__syncthreads`` is replaced by a true barrier (HIP-CPU's own is not one when
+warps make different numbers of shuffles, as these kernels' warps do). What it cannot show is
+speed, occupancy, or a race that the fibers' order hides: those stay owed to the device."""
 from __future__ import annotations
 
 import ctypes
@@ -37,6 +38,27 @@ _PROLOGUE = r"""
 using std::exp; using std::isfinite; using std::log; using std::max; using std::min;
 #define __shfl_xor_sync(mask, v, off) __shfl_xor(v, off)
 #define __int_as_float(x) (std::numeric_limits<float>::infinity())
+// HIP-CPU runs a block's threads as fibers in turn, and its __syncthreads is "every fiber on to
+// its next barrier", shuffles included: the kernels' warps loop over different key ranges (so
+// make different numbers of shuffles), so that is not a barrier between them. This one is: a
+// fiber waits (yielding) until every thread of the block has arrived. Thread 0, which runs first
+// in every turn, releases them, so that all leave in the same turn (HIP-CPU needs a block's
+// fibers to finish in one turn, in order).
+namespace mpipar_hip {
+inline void sync() {
+    static thread_local unsigned long long arrived = 0, released = 0;
+    const unsigned long long n = blockDim.x * blockDim.y * blockDim.z;
+    const unsigned long long gen = arrived / n + 1;
+    const bool first = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+    ++arrived;
+    while (true) {
+        if (first && arrived >= gen * n) released = gen;
+        if (released >= gen) return;
+        hip::detail::Tile::this_tile().barrier();
+    }
+}
+}
+#define __syncthreads() mpipar_hip::sync()
 """
 
 

@@ -183,13 +183,21 @@ def documents_in_kernel(kernels, dtype: Any) -> bool:
     return bool(flag(dtype) if callable(flag) else flag)
 
 
-def kernel_documents(docs: DocumentPositions, qs: int, sq: int, ks: int, sk: int
-                     ) -> dict[str, np.ndarray]:
+def kernel_documents(docs: DocumentPositions, qs: int, sq: int, ks: int, sk: int,
+                     kernel: Any = None, q: Array | None = None) -> dict[str, Any]:
     """The ``q_docs`` ``[B, Sq]`` and ``k_docs`` ``[B, Sk]`` keyword arguments of a document-
     masked kernel call for the query run at ``qs`` and the key run at ``ks``: each row's
     document index (``docs.docs``, of :func:`document_ids`: non-decreasing along the row, as
-    the kernels require)."""
-    return {"q_docs": docs.docs[:, qs:qs + sq], "k_docs": docs.docs[:, ks:ks + sk]}
+    the kernels require). A kernel that turns the ids into tables of its own (the GPU's:
+    ``kernel.document_tables``, device arrays) also gets ``tables``, found once per microbatch
+    and block for q's head width and dtype (every layer asks again)."""
+    out = {"q_docs": docs.docs[:, qs:qs + sq], "k_docs": docs.docs[:, ks:ks + sk]}
+    make = getattr(kernel, "document_tables", None)
+    if make is not None and q is not None:
+        out["tables"] = docs.remember(
+            ("kernel_tables", qs, sq, ks, sk, q.shape[-1], str(q.dtype)),
+            lambda: make(out["q_docs"], out["k_docs"], q.shape[-1], q.dtype))
+    return out
 
 
 def attend_fwd(kernels, q: Array, k: Array, v: Array, qs: int, ks: int, window: int,
@@ -206,7 +214,8 @@ def attend_fwd(kernels, q: Array, k: Array, v: Array, qs: int, ks: int, window: 
         return None
     if documents_in_kernel(kernels, q.dtype):
         return kernels.attention_fwd(q, k, v, qs, ks, True, window=window,
-                                     **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1]))
+                                     **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1],
+                                                        kernels.attention_fwd, q))
     xp, out, lse = kernels.xp, None, None
     for b, q0, q1, k0, k1 in runs:
         o, l = kernels.attention_fwd(q[b:b + 1, q0 - qs:q1 - qs], k[b:b + 1, k0 - ks:k1 - ks],
@@ -231,7 +240,8 @@ def attend_bwd(kernels, q: Array, k: Array, v: Array, out: Array, lse: Array, do
         return None
     if documents_in_kernel(kernels, q.dtype):
         return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, window=window,
-                                     **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1]))
+                                     **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1],
+                                                        kernels.attention_bwd, q))
     xp, grads = kernels.xp, None
     for b, q0, q1, k0, k1 in runs:
         qsl, ksl = slice(q0 - qs, q1 - qs), slice(k0 - ks, k1 - ks)

@@ -73,6 +73,8 @@ def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv)
             calls.append("q_docs" in kw)
             return fn(*a, **kw)
         run.block_sparse_documents = getattr(fn, "block_sparse_documents", False)
+        if hasattr(fn, "document_tables"):      # the seam's tables, kept per microbatch
+            run.document_tables = fn.document_tables
         return run
 
     kb = dataclasses.replace(kb, attention_fwd=counted(kb.attention_fwd),
@@ -91,8 +93,9 @@ def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv)
     want = ref.attention_bwd(*wide[:3], want_out, want_lse, wide[3], qs, ks, True, **marks)
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         assert _rel(cupy.asnumpy(g), w) <= tol["grad"], name
-    if dtype == "float64":      # the ids in the kernel: one call each way
+    if dtype == "float64":      # the ids in the kernel: one call each way, the tables kept
         assert calls == [True, True]
+        assert [key[0] for key in docs.memo].count("kernel_tables") == 1
     else:                       # a causal call per document's block
         assert len(calls) > 2 and not any(calls)
 

@@ -83,7 +83,7 @@ def _gate_on(monkeypatch, *sources: dict) -> None:
 def test_shipped_sources_pass(tmp_path, capsys):
     """Every shipped kernel compiles for sm_80 and sm_90 without spills; the float32/float64
     flash kernels for every head dim the product uses are among them."""
-    from mpipar.kernels import cupy_gpu
+    from mpipar.kernels import cupy_gpu, flash_exact
 
     path = tmp_path / "gate.json"
     assert cuda_gate.main(["--arch", "sm_80,sm_90", "--json", str(path)]) == 0, \
@@ -96,8 +96,8 @@ def test_shipped_sources_pass(tmp_path, capsys):
     names = {(k["arch"], k["name"]) for k in kernels}
     for arch in ("sm_80", "sm_90"):
         for ctype in ("float", "double"):
-            for d in cupy_gpu.HEAD_DIMS:
-                for name in cupy_gpu._flash_names(ctype, d):
+            for d in flash_exact.HEAD_DIMS:
+                for name in flash_exact._flash_names(ctype, d):
                     assert (arch, name) in names
         for name in cupy_gpu._rows_names():
             assert (arch, name) in names
@@ -191,12 +191,12 @@ def test_flash_config():
     """The float32/float64 flash kernels' layout (pure): lanes per row a power of two <= 32
     dividing head_dim, at most 16 (float32) or 8 (float64) elements a lane, and the kernels'
     static tiles (two of [tile, head_dim], plus two [tile] statistics) within 48 KiB."""
-    from mpipar.kernels import cupy_gpu
+    from mpipar.kernels import flash_exact
 
     for itemsize, per_lane in ((4, 16), (8, 8)):
-        for d in cupy_gpu.HEAD_DIMS:
-            lanes, tile = cupy_gpu.flash_config(d, itemsize)
+        for d in flash_exact.HEAD_DIMS:
+            lanes, tile = flash_exact.flash_config(d, itemsize)
             assert lanes in (1, 2, 4, 8, 16, 32) and d % lanes == 0 and d // lanes <= per_lane
             assert 2 * tile * d * itemsize + 2 * tile * itemsize <= cuda_gate.STATIC_SMEM_LIMIT
     with pytest.raises(ValueError, match="head_dim=24"):
-        cupy_gpu.flash_config(24, 4)
+        flash_exact.flash_config(24, 4)

@@ -85,6 +85,42 @@ def test_the_gpu_seam_hands_documents_to_the_float_kernels_only():
     assert not documents_in_kernel(both, np.float32)
 
 
+def test_the_seam_keeps_a_kernels_document_tables_per_microbatch():
+    """A kernel that turns document ids into tables of its own (the GPU's `document_tables`)
+    gets them from the seam, made once per microbatch and block for every layer and both
+    directions, and the results are those of the kernel given the ids alone."""
+    import dataclasses
+
+    from mpipar.model.attention import attend_bwd, attend_fwd
+
+    kb = get_backend("numba")
+    made, seen = [], []
+
+    def tables(q_docs, k_docs, head_dim, dtype):
+        made.append((q_docs.shape, k_docs.shape, head_dim, np.dtype(dtype)))
+        return object()
+
+    def taking(fn):
+        def run(*a, tables=None, **kw):
+            seen.append(tables)
+            return fn(*a, **kw)
+        run.block_sparse_documents, run.document_tables = True, tables
+        return run
+
+    kt = dataclasses.replace(kb, attention_fwd=taking(kb.attention_fwd),
+                             attention_bwd=taking(kb.attention_bwd))
+    q, k, v, dout = _qkv(S=40)
+    pos = DocumentPositions.of(np.arange(40), np.repeat(np.arange(8), 5)[None].repeat(2, 0))
+    for _ in range(3):                                  # three layers of one microbatch
+        got = attend_fwd(kt, q, k, v, 0, 0, 0, pos)
+        grads = attend_bwd(kt, q, k, v, *got, dout, 0, 0, 0, pos)
+    assert made == [((2, 40), (2, 40), q.shape[-1], q.dtype)]
+    assert len(seen) == 6 and all(t is seen[0] for t in seen) and seen[0] is not None
+    want = attend_fwd(kb, q, k, v, 0, 0, 0, pos)
+    for a, b in zip((*got, *grads), (*want, *attend_bwd(kb, q, k, v, *want, dout, 0, 0, 0, pos))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_numba_seam_makes_one_kernel_call_per_block():
     """The Numba attention takes the documents itself (one call forward, one backward, equal to
     numpy_ref's masked attention); numpy_ref is called per document's block."""

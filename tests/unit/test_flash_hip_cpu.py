@@ -1,4 +1,4 @@
-"""cupy_gpu's flash kernels (their CUDA source, unchanged) run on the CPU under HIP-CPU, against
+"""flash_exact's flash kernels (cupy_gpu's attention: their CUDA source, unchanged) run on the CPU under HIP-CPU, against
 numpy_ref in float64: a check of the kernels' logic (block tables, packed-document bounds, ring
 offsets, windows) on a machine with no GPU. It needs AMD's header-only HIP CPU runtime
 (github.com/ROCm/HIP-CPU; set ``MPIPAR_HIP_CPU`` to its checkout), g++ and libtbb-dev; without
@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpipar.kernels import cupy_gpu, numpy_ref as ref
-from mpipar.kernels.attention_cpu import document_blocks, document_bounds
+from mpipar.kernels import flash_exact, numpy_ref as ref
 
 HIP = os.environ.get("MPIPAR_HIP_CPU", "")
 pytestmark = pytest.mark.skipif(
@@ -69,16 +68,16 @@ def build(tmp_path_factory):
 
     def get(ctype: str, d: int):
         if (ctype, d) not in built:
-            lanes, tile = cupy_gpu.flash_config(d, 8 if ctype == "double" else 4)
-            src = cupy_gpu._FLASH
+            lanes, tile = flash_exact.flash_config(d, 8 if ctype == "double" else 4)
+            src = flash_exact._FLASH
             code = [_PROLOGUE, src, 'extern "C" {', f"typedef {ctype} T; typedef {ctype} A;"]
-            for name in cupy_gpu._FLASH_KERNELS:
+            for name in flash_exact._FLASH_KERNELS:
                 params = re.search(r"__launch_bounds__\(NT, 1\) " + name + r"\((.*?)\)\s*\{",
                                    src, re.S).group(1)
                 args = ", ".join(p.split()[-1].lstrip("*") for p in params.split(","))
                 code.append(f"void launch_{name}(int gx, int gy, {params}) {{ hipLaunchKernelGGL("
                             f"({name}<{ctype}, {ctype}, {d}, {lanes}, {tile}, "
-                            f"{cupy_gpu._THREADS}>), dim3(gx, gy), dim3({cupy_gpu._THREADS}), "
+                            f"{flash_exact._THREADS}>), dim3(gx, gy), dim3({flash_exact._THREADS}), "
                             f"0, 0, {args}); hipDeviceSynchronize(); }}")
             code.append("}")
             path = tmp_path_factory.mktemp("hip") / f"flash_{ctype}_{d}"
@@ -97,20 +96,20 @@ def _ptr(a):
 
 
 def _run(lib, dt, q, k, v, dout, q_offset, k_offset, causal, window, q_docs, k_docs):
-    """out, lse, dq, dk, dv of the kernels, launched as cupy_gpu launches them (its `_documents`
-    block tables, here from the same `attention_cpu` helpers on the host)."""
+    """out, lse, dq, dk, dv of the kernels, launched as flash_exact launches them (the block tables
+    of its `document_tables`, `_blocks`, here in host memory)."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    rows = cupy_gpu._THREADS // cupy_gpu.flash_config(d, dt.itemsize)[0]
+    rows = flash_exact._THREADS // flash_exact.flash_config(d, dt.itemsize)[0]
     keep = []
 
     def docs(mine, other, n, n_other):
         if mine is None:
             return (None, None, None, ctypes.c_int(0)), -(-n // rows)
-        lo, hi, end = document_bounds(mine, other, b, n, n_other)
-        starts, nb = document_blocks(end, rows)
+        lo, hi, starts = flash_exact._blocks(mine, other, rows)
         keep.extend((lo, hi, starts))
-        return (_ptr(lo), _ptr(hi), _ptr(starts), ctypes.c_int(starts.shape[1])), int(nb.max())
+        return (_ptr(lo), _ptr(hi), _ptr(starts), ctypes.c_int(starts.shape[1])), \
+            max(1, starts.shape[1] - 1)
 
     acc = ctypes.c_double if dt == np.float64 else ctypes.c_float
     common = (ctypes.c_int(sq), ctypes.c_int(sk), ctypes.c_int(hq), ctypes.c_int(hkv),

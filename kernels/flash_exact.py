@@ -410,6 +410,37 @@ def _blocks(mine: np.ndarray, other: np.ndarray, rows: int) -> tuple[np.ndarray,
     return lo, hi, document_blocks(end, rows)[0]
 
 
+def score_entries(sq: int, sk: int, head_dim: int, itemsize: int, q_offset: int = 0,
+                  k_offset: int = 0, causal: bool = True, window: int = 0,
+                  q_docs: Array | None = None, k_docs: Array | None = None) -> int:
+    """Query-key scores the forward kernel computes for one head of the rows of `q_docs`
+    `[B, Sq]` / `k_docs` `[B, Sk]` (one sequence without documents), summed: each warp's rows
+    times the keys its loop walks (`warp_span`'s bounds within its block's key tiles). A
+    host-side count of the kernel's own loops (the analogue of `attention_cpu.tile_work`); the
+    backward's two kernels walk the same spans from either side. Pure: no CuPy."""
+    lanes = flash_config(head_dim, itemsize)[0]
+    rows, per_warp = _THREADS // lanes, 32 // lanes
+    if q_docs is None:          # the fixed grid, every key
+        lo, hi = np.zeros((1, sq), np.int64), np.full((1, sq), sk, np.int64)
+        starts = np.append(np.arange(0, sq, rows), sq)[None]
+    else:
+        lo, hi, starts = _blocks(np.asarray(q_docs), np.asarray(k_docs), rows)
+    total = 0
+    for b in range(lo.shape[0]):
+        cut = np.unique(starts[b])
+        for first, stop in zip(cut[:-1], cut[1:]):
+            w0 = np.arange(first, stop, per_warp)
+            w1 = np.minimum(stop, w0 + per_warp) - 1
+            beg, end = np.zeros_like(w0), np.full_like(w0, sk)
+            if causal:
+                end = np.minimum(end, q_offset + w1 - k_offset + 1)
+                if window:
+                    beg = np.maximum(beg, q_offset + w0 - (window - 1) - k_offset)
+            beg, end = np.maximum(beg, lo[b, w0]), np.minimum(end, hi[b, w1])
+            total += int((per_warp * np.maximum(0, end - beg)).sum())
+    return total
+
+
 def document_tables(q_docs: Array, k_docs: Array, head_dim: int, dtype: Any) -> dict:
     """The flash kernels' packed-document arguments for document ids ``q_docs`` `[B, Sq]`,
     ``k_docs`` `[B, Sk]` (host or device, non-decreasing along each row) at one head width and

@@ -105,7 +105,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     per_doc, per_doc_cpu = best.get("per_doc", (None, None))
     rounds = np.array(times["masked"]) / np.array(times["full"])    # each round's own ratio
     work = float(token_work(docs).sum() / (seq * (seq + 1) / 2))
-    return {"seq": seq, "documents": int(docs.max() + 1), "backend": kernels.name, "rounds": args.repeats,
+    return {**entries(docs, args.head_dim), "seq": seq, "documents": int(docs.max() + 1), "backend": kernels.name, "rounds": args.repeats,
             "round_time_over_work_median": float(np.median(rounds[:, 0]) / work),
             "round_cpu_over_work_median": float(np.median(rounds[:, 1]) / work),
             "full_s": full, "masked_s": masked, "time_ratio": masked / full,
@@ -115,6 +115,22 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             "per_document_calls_s": per_doc, "per_document_cpu_s": per_doc_cpu,
             "per_document_time_over_work": per_doc and per_doc / full / work,
             "per_document_cpu_over_work": per_doc and per_doc_cpu / full_cpu / work}
+
+
+def entries(docs: np.ndarray, head_dim: int) -> dict[str, float]:
+    """Score entries each kernel family computes for the packed row ``docs`` over its
+    intra-document causal pairs, counted from the kernels' own loop bounds (no timing): the
+    Numba kernels' tiles (`attention_cpu.tile_work`) and the GPU flash kernels' warps
+    (`flash_exact.score_entries`, float32)."""
+    from mpipar.kernels import flash_exact
+    from mpipar.kernels.attention_cpu import tile_work
+    from mpipar.parallel.context import token_work
+
+    row = np.asarray(docs).reshape(1, -1)
+    pairs, n = float(token_work(row).sum()), row.shape[1]
+    return {"numba_entries_over_pairs": tile_work(n, n, head_dim, q_docs=row, k_docs=row)[1] / pairs,
+            "gpu_entries_over_pairs": flash_exact.score_entries(n, n, head_dim, 4, q_docs=row,
+                                                                k_docs=row) / pairs}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +157,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  CPU time (all threads): full causal {sp_['full_cpu_s'] * 1e3:.1f} ms, "
           f"document-masked {sp_['masked_cpu_s'] * 1e3:.1f} ms, "
           f"cpu/work {sp_['cpu_over_work']:.2f}")
+    print(f"  score entries computed / intra-document pairs (the kernels' loop bounds): Numba "
+          f"tiles {sp_['numba_entries_over_pairs']:.3f}, GPU flash warps "
+          f"{sp_['gpu_entries_over_pairs']:.3f}")
     if sp_["per_document_calls_s"] is not None:
         print(f"  the same kernels called once per document's block: "
               f"{sp_['per_document_calls_s'] * 1e3:.1f} ms "

@@ -121,6 +121,46 @@ def test_the_seam_keeps_a_kernels_document_tables_per_microbatch():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("d,itemsize", [(64, 4), (64, 8), (128, 4), (8, 4)])
+def test_gpu_flash_kernels_walk_what_their_warps_see(d, itemsize):
+    """`flash_exact.score_entries` (the GPU flash kernels' loop bounds: blocks aligned to the
+    documents, each warp over the keys its rows see) against the visible pairs themselves: each
+    warp's walk is the span from its rows' first visible key to their last (from numpy_ref's
+    masks, brute force), so nothing visible is skipped and the count is what the kernels loop
+    over; full causal computes the pairs plus each warp's own triangle, and short documents stay
+    within a few percent of their pairs (issue 32's bench rows: 1.08x at D 64 float32)."""
+    from mpipar.bench.documents import packed_documents
+    from mpipar.kernels import flash_exact
+    from mpipar.kernels import numpy_ref as ref
+    from mpipar.parallel.context import token_work
+
+    lanes = flash_exact.flash_config(d, itemsize)[0]
+    rows, w = 256 // lanes, 32 // lanes
+    rng = np.random.default_rng(d + itemsize)
+    # full causal: warp k of rows [kw, kw + w) walks keys [0, kw + w): w^2 (S/w)(S/w + 1) / 2
+    S = 4 * rows
+    assert flash_exact.score_entries(S, S, d, itemsize) == w * w * (S // w) * (S // w + 1) // 2
+    for docs, qo, ko, window in [(np.cumsum(rng.random((2, 300)) < 1 / 40, axis=1), 0, 0, 0),
+                                 (np.cumsum(rng.random((1, 300)) < 1 / 9, axis=1), 0, 0, 0),
+                                 (np.cumsum(rng.random((1, 300)) < 1 / 90, axis=1), 0, 0, 37)]:
+        vis = ref.visible_mask(np, 300, 300, qo, ko, window)[None] & \
+            ref.document_mask(docs, docs)[:, 0, 0]
+        lo, hi, starts = flash_exact._blocks(docs, docs, rows)
+        want = 0
+        for b in range(docs.shape[0]):
+            cut = np.unique(starts[b])
+            for first, stop in zip(cut[:-1], cut[1:]):
+                for w0 in range(first, stop, w):
+                    seen = np.flatnonzero(vis[b, w0:min(stop, w0 + w)].any(axis=0))
+                    want += w * (seen[-1] + 1 - seen[0]) if seen.size else 0
+        assert flash_exact.score_entries(300, 300, d, itemsize, qo, ko, True, window,
+                                         docs, docs) == want
+    docs = np.asarray(packed_documents(8192, 200, 1.0, np.random.default_rng(0))).reshape(1, -1)
+    ratio = flash_exact.score_entries(8192, 8192, d, itemsize, q_docs=docs, k_docs=docs) \
+        / token_work(docs).sum()
+    assert 1.0 < ratio <= 1.0 + 2.5 * w / 200
+
+
 def test_the_numba_seam_makes_one_kernel_call_per_block():
     """The Numba attention takes the documents itself (one call forward, one backward, equal to
     numpy_ref's masked attention); numpy_ref is called per document's block."""

@@ -139,6 +139,42 @@ __device__ inline void warp_span(long long i0, long long i1, bool keys, int N, l
     if (lo) { *beg = max(*beg, lo[at + i0]); *end = min(*end, hi[at + i1]); }
 }
 
+// This thread's query row in block x = blockIdx.x of head (b, h) (blockIdx.y = b * Hq + h): the
+// block's rows [first, stop), row i (live if i < stop), at: its offset in [B, Sq, Hq, D], kv:
+// the first element of its kv head in [B, Sk, Hkv, D], lane: its lane of the row's L.
+struct QueryRow { long long first, stop, i, at, kv; int lane, b, h; bool row; };
+template<int L, int D> __device__ inline QueryRow query_row(const long long* starts, int nb, int R,
+                                                            int Sq, int Sk, int Hq, int Hkv) {
+    QueryRow r;
+    r.lane = threadIdx.x % L;
+    r.b = blockIdx.y / Hq;
+    r.h = blockIdx.y % Hq;
+    block_rows(starts, nb, r.b, blockIdx.x, R, Sq, &r.first, &r.stop);
+    r.i = r.first + threadIdx.x / L;
+    r.row = r.i < r.stop;
+    r.at = (((long long)r.b * Sq + (r.row ? r.i : 0)) * Hq + r.h) * D;
+    r.kv = ((long long)r.b * Sk * Hkv + r.h / (Hq / Hkv)) * D;
+    return r;
+}
+
+// The forward's and dq's walk over the keys, for the query rows [first, stop) of a block of
+// sequence b and this thread's row i: the block's key tiles [beg, end), row i's document keys
+// [rlo, rhi), this warp's keys [wbeg, wend).
+struct KeyWalk { long long beg, end, rlo, rhi, wbeg, wend; };
+template<int L> __device__ inline KeyWalk key_walk(
+        long long first, long long stop, long long i, bool row, int b, int Sq, int Sk,
+        long long q_off, long long k_off, int causal, long long window, int tile,
+        const long long* lo, const long long* hi) {
+    KeyWalk w;
+    long long w0, w1;
+    key_range(first, stop - 1, Sk, q_off, k_off, causal, window, tile, &w.beg, &w.end);
+    doc_keys(lo, hi, (long long)b * Sq, first, stop, i, row, Sk, &w.beg, &w.end, &w.rlo, &w.rhi);
+    warp_rows<L>(first, stop, &w0, &w1);
+    warp_span(w0, w1, false, Sk, q_off, k_off, causal, window, lo, hi, (long long)b * Sq,
+              &w.wbeg, &w.wend);
+    return w;
+}
+
 // out_i = sum_j p_ij v_j / sum_j p_ij, p_ij = exp(scale q_i.k_j - m_i) (online softmax),
 // lse_i = m_i + log sum_j p_ij (-inf and out 0 where no key is visible).
 template<typename T, typename A, int D, int L, int BN, int NT>
@@ -146,40 +182,32 @@ __global__ void __launch_bounds__(NT, 1) flash_fwd(
         const T* q, const T* k, const T* v, T* out, A* lse, int Sq, int Sk, int Hq, int Hkv,
         long long q_off, long long k_off, int causal, long long window, A scale,
         const long long* lo, const long long* hi, const long long* starts, int nb) {
-    constexpr int E = D / L, R = NT / L;
+    constexpr int E = D / L;
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
-    const int lane = threadIdx.x % L, b = blockIdx.y / Hq, h = blockIdx.y % Hq;
-    long long first, stop;
-    block_rows(starts, nb, b, blockIdx.x, R, Sq, &first, &stop);
-    if (first >= stop) return;
-    const long long i = first + threadIdx.x / L;
-    const bool row = i < stop;
-    const long long at_q = (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
-    const long long kv_base = ((long long)b * Sk * Hkv + h / (Hq / Hkv)) * D;
+    const QueryRow r = query_row<L, D>(starts, nb, NT / L, Sq, Sk, Hq, Hkv);
+    if (r.first >= r.stop) return;
+    const long long first = r.first, stop = r.stop, i = r.i, at_q = r.at, kv_base = r.kv;
+    const int lane = r.lane, b = r.b, h = r.h;
+    const bool row = r.row;
     A qr[E], o[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) { qr[e] = row ? (A)q[at_q + lane + L * e] * scale : (A)0; o[e] = 0; }
     A m = -INFINITY, l = 0;
-    long long kbeg, kend, klo, khi;
-    key_range(first, stop - 1, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
-    doc_keys(lo, hi, (long long)b * Sq, first, stop, i, row, Sk, &kbeg, &kend, &klo, &khi);
-    long long w0, w1, wbeg, wend;
-    warp_rows<L>(first, stop, &w0, &w1);
-    warp_span(w0, w1, false, Sk, q_off, k_off, causal, window, lo, hi, (long long)b * Sq, &wbeg,
-              &wend);
-    for (long long k0 = kbeg; k0 < kend; k0 += BN) {
+    const KeyWalk w = key_walk<L>(first, stop, i, row, b, Sq, Sk, q_off, k_off, causal, window, BN,
+                                  lo, hi);
+    for (long long k0 = w.beg; k0 < w.end; k0 += BN) {
         load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
         load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
         __syncthreads();
-        const int n = (int)min(min((long long)BN, kend - k0), wend - k0);
-        for (int jj = (int)max(0LL, wbeg - k0); jj < n; ++jj) {
+        const int n = (int)min(min((long long)BN, w.end - k0), w.wend - k0);
+        for (int jj = (int)max(0LL, w.wbeg - k0); jj < n; ++jj) {
             A s = 0;
 #pragma unroll
             for (int e = 0; e < E; ++e) s += qr[e] * (A)ks[jj][lane + L * e];
             s = lanes_sum<L>(s);
-            if (row && visible(i, k0 + jj, q_off, k_off, causal, window) && k0 + jj >= klo
-                    && k0 + jj < khi) {
+            if (row && visible(i, k0 + jj, q_off, k_off, causal, window) && k0 + jj >= w.rlo
+                    && k0 + jj < w.rhi) {
                 // One exp a key: the larger of m and s is the new maximum (exp(0) = 1).
                 A corr = 1, p = 1;
                 if (s > m) { corr = exp(m - s); m = s; } else { p = exp(s - m); }
@@ -203,17 +231,14 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
         int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
         long long window, A scale, const long long* lo, const long long* hi,
         const long long* starts, int nb) {
-    constexpr int E = D / L, R = NT / L;
+    constexpr int E = D / L;
     __shared__ T ks[BN][D];
     __shared__ T vs[BN][D];
-    const int lane = threadIdx.x % L, b = blockIdx.y / Hq, h = blockIdx.y % Hq;
-    long long first, stop;
-    block_rows(starts, nb, b, blockIdx.x, R, Sq, &first, &stop);
-    if (first >= stop) return;
-    const long long i = first + threadIdx.x / L;
-    const bool row = i < stop;
-    const long long at_q = (((long long)b * Sq + (row ? i : 0)) * Hq + h) * D;
-    const long long kv_base = ((long long)b * Sk * Hkv + h / (Hq / Hkv)) * D;
+    const QueryRow r = query_row<L, D>(starts, nb, NT / L, Sq, Sk, Hq, Hkv);
+    if (r.first >= r.stop) return;
+    const long long first = r.first, stop = r.stop, i = r.i, at_q = r.at, kv_base = r.kv;
+    const int lane = r.lane, b = r.b, h = r.h;
+    const bool row = r.row;
     const A lse_i = row ? lse[((long long)b * Hq + h) * Sq + i] : (A)-INFINITY;
     const A delta_i = row ? delta[((long long)b * Hq + h) * Sq + i] : (A)0;
     const bool live = row && isfinite(lse_i);
@@ -224,19 +249,14 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
         dor[e] = row ? (A)dout[at_q + lane + L * e] : (A)0;
         acc[e] = 0;
     }
-    long long kbeg, kend, klo, khi;
-    key_range(first, stop - 1, Sk, q_off, k_off, causal, window, BN, &kbeg, &kend);
-    doc_keys(lo, hi, (long long)b * Sq, first, stop, i, row, Sk, &kbeg, &kend, &klo, &khi);
-    long long w0, w1, wbeg, wend;
-    warp_rows<L>(first, stop, &w0, &w1);
-    warp_span(w0, w1, false, Sk, q_off, k_off, causal, window, lo, hi, (long long)b * Sq, &wbeg,
-              &wend);
-    for (long long k0 = kbeg; k0 < kend; k0 += BN) {
+    const KeyWalk w = key_walk<L>(first, stop, i, row, b, Sq, Sk, q_off, k_off, causal, window, BN,
+                                  lo, hi);
+    for (long long k0 = w.beg; k0 < w.end; k0 += BN) {
         load_rows<T, D, BN>(k, ks, kv_base, (long long)Hkv * D, k0, Sk);
         load_rows<T, D, BN>(v, vs, kv_base, (long long)Hkv * D, k0, Sk);
         __syncthreads();
-        const int n = (int)min(min((long long)BN, kend - k0), wend - k0);
-        for (int jj = (int)max(0LL, wbeg - k0); jj < n; ++jj) {
+        const int n = (int)min(min((long long)BN, w.end - k0), w.wend - k0);
+        for (int jj = (int)max(0LL, w.wbeg - k0); jj < n; ++jj) {
             A s = 0, dp = 0;
 #pragma unroll
             for (int e = 0; e < E; ++e) {
@@ -245,8 +265,8 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
             }
             s = lanes_sum<L>(s);
             dp = lanes_sum<L>(dp);
-            if (live && visible(i, k0 + jj, q_off, k_off, causal, window) && k0 + jj >= klo
-                    && k0 + jj < khi) {
+            if (live && visible(i, k0 + jj, q_off, k_off, causal, window) && k0 + jj >= w.rlo
+                    && k0 + jj < w.rhi) {
                 A ds = exp(s - lse_i) * (dp - delta_i);
 #pragma unroll
                 for (int e = 0; e < E; ++e) acc[e] += ds * (A)ks[jj][lane + L * e];

@@ -224,10 +224,12 @@ __global__ void __launch_bounds__(NT, 1) flash_fwd(
     if (lane == 0) lse[((long long)b * Hq + h) * Sq + i] = l > 0 ? m + log(l) : -INFINITY;
 }
 
-// dq_i = scale * sum_j p_ij (dO_i . v_j - delta_i) k_j, p_ij = exp(scale q_i.k_j - lse_i).
+// dq_i = scale * sum_j p_ij (dO_i . v_j - delta_i) k_j, p_ij = exp(scale q_i.k_j - lse_i), with
+// delta_i = dO_i . out_i found here (in A) and written to delta for flash_bwd_dkdv.
 template<typename T, typename A, int D, int L, int BN, int NT>
 __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
-        const T* q, const T* k, const T* v, const T* dout, const A* lse, const A* delta, T* dq,
+        const T* q, const T* k, const T* v, const T* dout, const T* out, const A* lse, A* delta,
+        T* dq,
         int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
         long long window, A scale, const long long* lo, const long long* hi,
         const long long* starts, int nb) {
@@ -240,15 +242,17 @@ __global__ void __launch_bounds__(NT, 1) flash_bwd_dq(
     const int lane = r.lane, b = r.b, h = r.h;
     const bool row = r.row;
     const A lse_i = row ? lse[((long long)b * Hq + h) * Sq + i] : (A)-INFINITY;
-    const A delta_i = row ? delta[((long long)b * Hq + h) * Sq + i] : (A)0;
     const bool live = row && isfinite(lse_i);
-    A qr[E], dor[E], acc[E];
+    A qr[E], dor[E], acc[E], delta_i = 0;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         qr[e] = row ? (A)q[at_q + lane + L * e] * scale : (A)0;
         dor[e] = row ? (A)dout[at_q + lane + L * e] : (A)0;
+        delta_i += row ? dor[e] * (A)out[at_q + lane + L * e] : (A)0;
         acc[e] = 0;
     }
+    delta_i = lanes_sum<L>(delta_i);
+    if (row && lane == 0) delta[((long long)b * Hq + h) * Sq + i] = delta_i;
     const KeyWalk w = key_walk<L>(first, stop, i, row, b, Sq, Sk, q_off, k_off, causal, window, BN,
                                   lo, hi);
     for (long long k0 = w.beg; k0 < w.end; k0 += BN) {
@@ -541,7 +545,10 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     (`numpy_ref.attention_bwd`'s contract, packed documents included): q, out, dout
     `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]`, lse `[B, Hq, Sq]` -> dq like q, dk, dv like k; dq
     by query rows, dk and dv by key rows (summed over each kv head's query heads), without
-    atomics; with documents, blocks of query rows and of key rows that follow them."""
+    atomics; with documents, blocks of query rows and of key rows that follow them. The dq
+    kernel finds delta = rowsum(dout * out) for its rows and leaves it to the dk/dv kernel: two
+    launches in all, no separate reductions (each a launch and a host round trip, which weigh
+    on short calls such as a row of short documents)."""
     ref.check_attention_shapes(q, k, v, "attention_bwd")
     ref.check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
@@ -553,15 +560,15 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     acc = cupy.dtype(ref.stat_dtype(q.dtype))
     q, k, v, dout = (cupy.ascontiguousarray(a, q.dtype) for a in (q, k, v, dout))
     lse = cupy.ascontiguousarray(lse, acc)
-    delta = cupy.ascontiguousarray((dout.astype(acc) * cupy.asarray(out).astype(acc)).sum(axis=-1)
-                                   .transpose(0, 2, 1))  # [B, Hq, Sq]
+    out = cupy.ascontiguousarray(out, q.dtype)
+    delta = cupy.empty((b, hq, sq), acc)   # rowsum(dout * out), written by flash_bwd_dq
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     args = _flash_args(q, k, q_offset, k_offset, causal, scale, acc, window)
     tables = _tables(q_docs, k_docs, tables, d, q.dtype) if sq and k.shape[1] else None
     if sq and b * hq:
         kernel, rows = _flash("flash_bwd_dq", q.dtype, d)
         docs, blocks = tables["q"] if tables else _no_documents(sq, rows)
-        kernel((blocks, b * hq), (_THREADS,), (q, k, v, dout, lse, delta, dq, *args, *docs))
+        kernel((blocks, b * hq), (_THREADS,), (q, k, v, dout, out, lse, delta, dq, *args, *docs))
     if k.shape[1] and b * k.shape[2]:
         kernel, rows = _flash("flash_bwd_dkdv", q.dtype, d)
         docs, blocks = tables["k"] if tables else _no_documents(k.shape[1], rows)

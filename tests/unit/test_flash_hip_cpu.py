@@ -119,10 +119,10 @@ def _run(lib, dt, q, k, v, dout, q_offset, k_offset, causal, window, q_docs, k_d
     out, lse = np.full_like(q, np.nan), np.full((b, hq, sq), np.nan, dt)
     grid = lambda n, h: (ctypes.c_int(n), ctypes.c_int(b * h))  # noqa: E731
     lib.launch_flash_fwd(*grid(nq, hq), *map(_ptr, (q, k, v, out, lse)), *common, *qdocs)
-    delta = np.ascontiguousarray((dout * out).sum(-1).transpose(0, 2, 1))
+    delta = np.full((b, hq, sq), np.nan, dt)        # written by flash_bwd_dq, read by dk/dv
     dq, dk, dv = np.full_like(q, np.nan), np.full_like(k, np.nan), np.full_like(v, np.nan)
-    lib.launch_flash_bwd_dq(*grid(nq, hq), *map(_ptr, (q, k, v, dout, lse, delta, dq)), *common,
-                            *qdocs)
+    lib.launch_flash_bwd_dq(*grid(nq, hq), *map(_ptr, (q, k, v, dout, out, lse, delta, dq)),
+                            *common, *qdocs)
     lib.launch_flash_bwd_dkdv(*grid(nk, hkv), *map(_ptr, (q, k, v, dout, lse, delta, dk, dv)),
                               *common, *kdocs)
     return out, lse, dq, dk, dv

@@ -8,7 +8,7 @@ contiguous, zigzag and balanced splits, the mean and the worst over ``--samples`
 Speed: one packed row of such documents at ``--speed-seq`` tokens, attention forward and
 backward on one process through the attention seam (``--backend``: the run's kernels, cupy on a
 GPU, where the device is synchronised around each step), with document
-masking against full causal attention, the variants taking turns for ``--repeats`` rounds (best
+masking against full causal attention (``--dtype``, float32 by default), the variants taking turns for ``--repeats`` rounds (best
 of the rounds, and the median of each round's own ratio): the time ratio against the work ratio (intra-document
 pairs / full causal pairs); the issue asks time ratio <= 1.2 x work ratio. With Numba kernels
 (which take the document ids, one call per block) also the seam's per-document calls (one kernel
@@ -73,7 +73,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     docs = packed_documents(seq, args.median, args.sigma, rng)
     kernels = get_backend(args.backend)
     shape = (1, seq, args.heads, args.head_dim)
-    q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(4))
+    dtype = _dtype(args.dtype)
+    q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
     sync = copies_for(kernels.xp is not np).sync       # waits for the device's stream (host: no-op)
 
     def step(kb, positions) -> tuple[float, float]:
@@ -105,7 +106,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     per_doc, per_doc_cpu = best.get("per_doc", (None, None))
     rounds = np.array(times["masked"]) / np.array(times["full"])    # each round's own ratio
     work = float(token_work(docs).sum() / (seq * (seq + 1) / 2))
-    return {**entries(docs, args.head_dim), "seq": seq, "documents": int(docs.max() + 1), "backend": kernels.name, "rounds": args.repeats,
+    return {**entries(docs, args.head_dim, np.dtype(dtype).itemsize), "dtype": args.dtype, "seq": seq, "documents": int(docs.max() + 1), "backend": kernels.name, "rounds": args.repeats,
             "round_time_over_work_median": float(np.median(rounds[:, 0]) / work),
             "round_cpu_over_work_median": float(np.median(rounds[:, 1]) / work),
             "full_s": full, "masked_s": masked, "time_ratio": masked / full,
@@ -117,11 +118,20 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             "per_document_cpu_over_work": per_doc and per_doc_cpu / full_cpu / work}
 
 
-def entries(docs: np.ndarray, head_dim: int) -> dict[str, float]:
+def _dtype(name: str) -> Any:
+    """The NumPy dtype of ``--dtype`` (bfloat16: ml_dtypes')."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, float]:
     """Score entries each kernel family computes for the packed row ``docs`` over its
     intra-document causal pairs, counted from the kernels' own loop bounds (no timing): the
-    Numba kernels' tiles (`attention_cpu.tile_work`) and the GPU flash kernels' warps
-    (`flash_exact.score_entries`, float32)."""
+    Numba kernels' tiles (`attention_cpu.tile_work`) and the GPU's float flash kernels' warps
+    (`flash_exact.score_entries`; float32 for a 2-byte dtype, whose GPU kernels take no ids)."""
     from mpipar.kernels import flash_exact
     from mpipar.kernels.attention_cpu import tile_work
     from mpipar.parallel.context import token_work
@@ -129,7 +139,8 @@ def entries(docs: np.ndarray, head_dim: int) -> dict[str, float]:
     row = np.asarray(docs).reshape(1, -1)
     pairs, n = float(token_work(row).sum()), row.shape[1]
     return {"numba_entries_over_pairs": tile_work(n, n, head_dim, q_docs=row, k_docs=row)[1] / pairs,
-            "gpu_entries_over_pairs": flash_exact.score_entries(n, n, head_dim, 4, q_docs=row,
+            "gpu_entries_over_pairs": flash_exact.score_entries(n, n, head_dim, max(4, itemsize),
+                                                                q_docs=row,
                                                                 k_docs=row) / pairs}
 
 
@@ -147,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for s in ("contiguous", "zigzag", "balanced")))
     sp_ = speed(args)
     print(f"speed: one row of {sp_['seq']} tokens, {sp_['documents']} documents, "
-          f"{args.heads} heads x {args.head_dim}, float32, {sp_['backend']} kernels: "
+          f"{args.heads} heads x {args.head_dim}, {sp_['dtype']}, {sp_['backend']} kernels: "
           f"forward+backward full causal {sp_['full_s'] * 1e3:.1f} ms, document-masked "
           f"{sp_['masked_s'] * 1e3:.1f} ms; time ratio {sp_['time_ratio']:.4f}, work ratio "
           f"{sp_['work_ratio']:.4f}, time/work {sp_['time_over_work']:.2f} (target <= 1.2)")
@@ -180,6 +191,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4, help="speed check: heads")
     parser.add_argument("--head-dim", type=int, default=64, help="speed check: head size")
     parser.add_argument("--repeats", type=int, default=3, help="speed check: timed rounds")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"),
+                        help="speed check: the arrays' dtype (bfloat16 on a GPU: cuDNN or "
+                             "flash_mma, a call per document's block)")
     parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy", "cupy"),
                         help="speed check: kernels (auto: cupy with a GPU, else numba)")
 

@@ -8,8 +8,8 @@ contiguous, zigzag and balanced splits, the mean and the worst over ``--samples`
 Speed: one packed row of such documents at ``--speed-seq`` tokens, attention forward and
 backward on one process through the attention seam (``--backend``: the run's kernels, cupy on a
 GPU, where the device is synchronised around each step), with document
-masking against full causal attention (``--dtype``, float32 by default), the variants taking turns for ``--repeats`` rounds (best
-of the rounds, and the median of each round's own ratio): the time ratio against the work ratio (intra-document
+masking against full causal attention (``--dtype``, float32 by default), the variants taking
+turns for ``--repeats`` rounds (best of the rounds, and the median of each round's own ratio): the time ratio against the work ratio (intra-document
 pairs / full causal pairs); the issue asks time ratio <= 1.2 x work ratio. With Numba kernels
 (which take the document ids, one call per block) also the seam's per-document calls (one kernel
 call per document's block, as for numpy_ref), side by side.
@@ -64,6 +64,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     memory, no fresh pages per call, as in a training step)."""
     from mpipar.kernels import get_backend
     from mpipar.runtime.memory import pool_freed_memory
+    from mpipar.runtime.precision import numpy_dtype
     from mpipar.runtime.staging import copies_for
     from mpipar.model.attention import DocumentPositions, LocalAttention, documents_in_kernel
     from mpipar.parallel.context import token_work
@@ -73,7 +74,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     docs = packed_documents(seq, args.median, args.sigma, rng)
     kernels = get_backend(args.backend)
     shape = (1, seq, args.heads, args.head_dim)
-    dtype = _dtype(args.dtype)
+    dtype = numpy_dtype(args.dtype)
     q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
     sync = copies_for(kernels.xp is not np).sync       # waits for the device's stream (host: no-op)
 
@@ -106,7 +107,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     per_doc, per_doc_cpu = best.get("per_doc", (None, None))
     rounds = np.array(times["masked"]) / np.array(times["full"])    # each round's own ratio
     work = float(token_work(docs).sum() / (seq * (seq + 1) / 2))
-    return {**entries(docs, args.head_dim, np.dtype(dtype).itemsize), "dtype": args.dtype, "seq": seq, "documents": int(docs.max() + 1), "backend": kernels.name, "rounds": args.repeats,
+    return {**entries(docs, args.head_dim, dtype.itemsize), "dtype": args.dtype, "seq": seq,
+            "documents": int(docs.max() + 1), "backend": kernels.name, "rounds": args.repeats,
             "round_time_over_work_median": float(np.median(rounds[:, 0]) / work),
             "round_cpu_over_work_median": float(np.median(rounds[:, 1]) / work),
             "full_s": full, "masked_s": masked, "time_ratio": masked / full,
@@ -116,15 +118,6 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             "per_document_calls_s": per_doc, "per_document_cpu_s": per_doc_cpu,
             "per_document_time_over_work": per_doc and per_doc / full / work,
             "per_document_cpu_over_work": per_doc and per_doc_cpu / full_cpu / work}
-
-
-def _dtype(name: str) -> Any:
-    """The NumPy dtype of ``--dtype`` (bfloat16: ml_dtypes')."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
 def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, float]:

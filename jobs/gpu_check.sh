@@ -160,11 +160,13 @@ if has documents; then
   timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
       --backend cupy --json "$OUT/documents.json" > "$OUT/documents.log" 2>&1; rc=$?
   tail -6 "$OUT/documents.log"; record documents $rc
-  # bf16: cuDNN or flash_mma, which take no document ids (a call per document's block)
-  timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
-      --backend cupy --dtype bfloat16 --json "$OUT/documents_bf16.json" \
-      > "$OUT/documents_bf16.log" 2>&1; rc=$?
-  tail -6 "$OUT/documents_bf16.log"; record documents_bf16 $rc
+  # bf16: flash_mma with the document ids; the bench's row (4 heads) and a model's (32 heads)
+  for heads in 4 32; do
+    timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
+        --backend cupy --dtype bfloat16 --heads $heads --json "$OUT/documents_bf16_h$heads.json" \
+        > "$OUT/documents_bf16_h$heads.log" 2>&1; rc=$?
+    tail -6 "$OUT/documents_bf16_h$heads.log"; record documents_bf16_h$heads $rc
+  done
 fi
 
 if has profile; then

@@ -9,22 +9,7 @@ k_offset + j <= q_offset + i, and with a sliding `window` W > 0 also q_offset + 
 out 0, lse -inf). Backward from a (possibly ring-merged) out and lse: dq `[B, Sq, Hq, D]`,
 dk, dv `[B, Sk, Hkv, D]` in float32, dk and dv summed over the query heads of each kv group.
 
-The kernels (CUDA below, header-free: NVRTC 13 has no `<mma.h>`):
-- `flash_fwd<D, WARPS, MT, BK>`: a block owns 16 * MT * WARPS query rows of one head (each warp
-  16 * MT rows); key/value tiles of BK rows stream through shared memory with `cp.async`, double
-  buffered (tile t + 1 loads while tile t computes, one barrier per tile); S = Q K^T and
-  O += P V are `mma.sync.m16n8k16` bf16 -> float32 with operands from `ldmatrix` (V through
-  `ldmatrix.trans`); online softmax in the exp2 domain; P rounded to bf16 for the second GEMM (as
-  FA2). Rows are padded by 16 bytes in shared memory, so every `ldmatrix` is bank-conflict free
-  for every head dim. Key tiles wholly masked (after the causal diagonal, before the window) are
-  never loaded; masks are evaluated only on tiles that cross a mask edge or the ragged end of Sk.
-- backward, FA2's two passes, deterministic (no atomics): `flash_bwd_dq` (query-row blocks,
-  dQ = scale * dS K) and `flash_bwd_dkdv` (key-row blocks, dV = P^T dO, dK = scale * dS^T Q,
-  looping over the query tiles of every query head of its kv group, so the GQA sum stays in
-  registers). The price is recomputing S and dP once more (7 GEMM passes instead of 5); the gains
-  are bit-reproducible gradients, no zero-fill of dq, no float32 atomic traffic, and dq written
-  once in float32 as the contract asks. `attn_delta` computes D = rowsum(dout * out) in float32
-  from the given (merged) out.
+The kernels' CUDA source and how they work: `flash_mma_cuda`.
 
 One module per head dim, compiled on first use (`cuda_sources()` lists them for the compile
 gate). Tensor-core instructions need compute capability >= 8.0 (`supports`).
@@ -36,7 +21,10 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
+
 from . import numpy_ref as ref
+from .flash_mma_cuda import SOURCE as _SOURCE
 from .numpy_ref import Array, require
 
 HEAD_DIMS = (32, 64, 96, 128)
@@ -61,572 +49,21 @@ _OPTIONS = ("--std=c++17",)
 _DELTA_WARPS = 8
 LOG2E = 1.4426950408889634
 
-_SOURCE = r"""
-// mpipar bf16 flash attention: mma.sync m16n8k16 (bf16 -> f32), ldmatrix, cp.async. Header-free.
-// Layouts: q [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] (bf16 bits, contiguous), lse [B, Hq, Sq].
-// Fragment conventions (PTX ISA, m16n8k16): lane = 4 * g + c; A rows g, g + 8 and columns
-// 2c, 2c + 1 (+ 8); B (k x n, "col") rows 2c, 2c + 1 (+ 8) of column g; C rows g, g + 8, columns
-// 2c, 2c + 1. Shared-memory rows hold D + 8 bf16 (16 bytes of padding: conflict-free ldmatrix).
-typedef unsigned int u32;
-typedef unsigned short bf16_t;
-
-#define NEG_INF __int_as_float(0xff800000)
-#define POS_INF __int_as_float(0x7f800000)
-#define LOG2E_F 1.4426950408889634f
-#define LN2_F 0.6931471805599453f
-
-__device__ __forceinline__ u32 sptr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared, asynchronously; zero-filled when !valid (src must still be mapped).
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
-}
-__device__ __forceinline__ void ldsm4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm2(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm4t(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-// c += a (16 x 16, row) * b (16 x 8, col), bf16 in, float32 accumulate.
-__device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Two floats -> bf16x2 (round to nearest even), lo in the low half.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float exp2a(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float lo_f(u32 x) { return __uint_as_float(x << 16); }
-__device__ __forceinline__ float hi_f(u32 x) { return __uint_as_float(x & 0xffff0000u); }
-
-// ROWS x D bf16 rows (row r at src + r * stride) -> shared (row stride D + 8); rows >= nvalid
-// zero-filled. All NT threads of the block take part.
-template <int ROWS, int D, int NT>
-__device__ __forceinline__ void load_tile(u32 dst, const bf16_t* src, long long stride, int nvalid) {
-    constexpr int C = D / 8, TOTAL = ROWS * C, ITERS = (TOTAL + NT - 1) / NT;
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-        int e = it * NT + (int)threadIdx.x;
-        if (TOTAL % NT == 0 || e < TOTAL) {
-            int r = e / C, cc = e % C;
-            bool ok = r < nvalid;
-            cp16(dst + (u32)((r * (D + 8) + cc * 8) * 2), src + (ok ? r : 0) * stride + cc * 8, ok);
-        }
-    }
-}
-
-// The keys a query row i can see, as columns [*lo, *hi) of the tile starting at key k0, clamped
-// to [0, n] (shift = q_off - k_off): causal keys j <= shift + i, windowed j > shift + i - W.
-__device__ __forceinline__ void keys_seen(long long shift, int i, int k0, int Sk, int causal,
-                                          long long window, int n, int* lo, int* hi) {
-    long long e = causal ? min((long long)Sk, shift + i + 1) : (long long)Sk;
-    long long s = causal && window > 0 ? shift + i - window + 1 : 0LL;
-    *lo = (int)max(0LL, min((long long)n, s - k0));
-    *hi = (int)max(0LL, min((long long)n, e - k0));
-}
-
-// The queries a key row j can see, as columns [*lo, *hi) of the tile starting at query i0,
-// clamped to [0, n]: causal queries i >= j - shift, windowed i < j - shift + W.
-__device__ __forceinline__ void queries_seen(long long shift, int j, int i0, int causal,
-                                             long long window, int n, int* lo, int* hi) {
-    long long s = causal ? j - shift : -(1LL << 40);
-    long long e = causal && window > 0 ? j - shift + window : (1LL << 40);
-    *lo = (int)max(0LL, min((long long)n, s - i0));
-    *hi = (int)max(0LL, min((long long)n, e - i0));
-}
-
-// acc[n] (16 x 8 each, NS of them) += A (16 x D: fragments `a`, or with a == 0 rows of `abuf`)
-// * B^T (rows of `bbuf`, D + 8 bf16 apart), i.e. S = Q K^T for a 16-row slab. NARROW: k steps of
-// 16 (B through ldmatrix.x2), not 32: the same bytes read, 6 fewer fragment registers live.
-template <int D, int NS, bool NARROW = false>
-__device__ __forceinline__ void gemm_abt(float (*acc)[4], const u32 (*a)[4], u32 abuf, u32 bbuf,
-                                         int lane) {
-    constexpr int SROW = D + 8;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk += NARROW ? 1 : 2) {
-        u32 a0[4], a1[4];
-        if (a == 0) {
-            ldsm4(a0, abuf + (u32)(((lane & 15) * SROW + kk * 16 + (lane >> 4) * 8) * 2));
-            if (!NARROW)
-                ldsm4(a1, abuf + (u32)(((lane & 15) * SROW + kk * 16 + 16 + (lane >> 4) * 8) * 2));
-        }
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-            u32 b[4];
-            if (NARROW)
-                ldsm2(b, bbuf + (u32)(((n * 8 + (lane & 7)) * SROW + kk * 16) * 2)
-                             + (u32)(((lane >> 3) & 1) * 16));
-            else
-                ldsm4(b, bbuf + (u32)(((n * 8 + (lane & 7)) * SROW + kk * 16 + (lane >> 3) * 8) * 2));
-            mma(acc[n], a == 0 ? a0 : a[kk], b[0], b[1]);
-            if (!NARROW) mma(acc[n], a == 0 ? a1 : a[kk + 1], b[2], b[3]);
-        }
-    }
-}
-
-// acc[dn] (16 x D as D/8 column tiles) += P (16 x K, K/16 packed bf16 A fragments) * B, B rows
-// k (K of them) x D columns from shared through ldmatrix.trans — i.e. O += P V.
-template <int D, int K>
-__device__ __forceinline__ void gemm_ab(float (*acc)[4], const u32 (*p)[4], u32 bbuf, int lane) {
-    constexpr int SROW = D + 8;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-#pragma unroll
-        for (int dn = 0; dn < D / 8; dn += 2) {
-            u32 b[4];
-            ldsm4t(b, bbuf + (u32)(((kk * 16 + (lane & 15)) * SROW + dn * 8 + (lane >> 4) * 8) * 2));
-            mma(acc[dn], p[kk], b[0], b[1]);
-            mma(acc[dn + 1], p[kk], b[2], b[3]);
-        }
-    }
-}
-
-// The C fragments of a 16 x K slab (K/8 tiles) as K/16 bf16 A fragments.
-template <int K>
-__device__ __forceinline__ void to_a(u32 (*p)[4], const float (*s)[4]) {
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        p[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-        p[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-        p[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        p[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-}
-
-// A 1-D grid of (query tile, batch, head) with the tile slowest and in reverse: every head's
-// last (longest causal) tiles start first, and the heads sharing a kv head run side by side.
-__device__ __forceinline__ void block_rows(int Sq, int Hq, int BQ, int* q0, int* h, int* b) {
-    const int nqt = (Sq + BQ - 1) / BQ, bhc = gridDim.x / nqt, bh = blockIdx.x % bhc;
-    *q0 = (nqt - 1 - (int)blockIdx.x / bhc) * BQ;
-    *h = bh % Hq;
-    *b = bh / Hq;
-}
-
-// Key range [kbeg, kend) a block of query rows [q0, qlast] can see; kbeg a multiple of BK.
-__device__ __forceinline__ void key_range(int q0, int qlast, int Sk, long long shift, int causal,
-                                          long long window, int BK, int* kbeg, int* kend) {
-    long long e = causal ? min((long long)Sk, shift + qlast + 1) : (long long)Sk;
-    long long s = 0;
-    if (causal && window > 0) {
-        s = max(0LL, shift + q0 - window + 1);
-        s -= s % BK;
-    }
-    *kbeg = (int)min(s, (long long)Sk);
-    *kend = (int)max(e, 0LL);
-}
-
-// Whether a [q0, q0 + BQ) x [k0, k0 + BK) tile crosses a mask edge (causal, window, end of Sk).
-__device__ __forceinline__ bool tile_edge(int q0, int BQ, int k0, int BK, int Sk, long long shift,
-                                          int causal, long long window) {
-    return k0 + BK > Sk || (causal && (shift + q0 < k0 + BK - 1
-                                      || (window > 0 && shift + q0 + BQ - 1 - k0 >= window)));
-}
-
-template <int D, int WARPS, int MT, int BK, int MINB, bool QREG>
-__global__ void __launch_bounds__(WARPS * 32, MINB)
-flash_fwd(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-          bf16_t* __restrict__ out, float* __restrict__ lse, int Sq, int Sk, int Hq, int Hkv,
-          long long q_off, long long k_off, int causal, long long window, float scale_log2) {
-    constexpr int BQ = 16 * MT * WARPS, NT = 32 * WARPS, SROW = D + 8, NS = BK / 8, ND = D / 8;
-    static_assert(!QREG || MT == 1, "Q fragments stay in registers for one m-tile per warp only");
-    extern __shared__ __align__(16) unsigned char smem[];
-    bf16_t* qs = reinterpret_cast<bf16_t*>(smem);  // [BQ][SROW]
-    bf16_t* ks = qs + BQ * SROW;                    // [2][BK][SROW]
-    bf16_t* vs = ks + 2 * BK * SROW;                // [2][BK][SROW]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int q0, h, b;
-    block_rows(Sq, Hq, BQ, &q0, &h, &b);
-    const int hk = h / (Hq / Hkv);
-    const long long qstride = (long long)Hq * D, kstride = (long long)Hkv * D;
-    const bf16_t* kg = k + (long long)b * Sk * kstride + (long long)hk * D;
-    const bf16_t* vg = v + (long long)b * Sk * kstride + (long long)hk * D;
-    const long long shift = q_off - k_off;
-    int kbeg, kend;
-    key_range(q0, min(Sq, q0 + BQ) - 1, Sk, shift, causal, window, BK, &kbeg, &kend);
-    const int ntiles = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
-
-    load_tile<BQ, D, NT>(sptr(qs), q + ((long long)b * Sq + q0) * qstride + (long long)h * D,
-                         qstride, Sq - q0);
-    cp_commit();
-    if (ntiles > 0) {
-        load_tile<BK, D, NT>(sptr(ks), kg + kbeg * kstride, kstride, Sk - kbeg);
-        load_tile<BK, D, NT>(sptr(vs), vg + kbeg * kstride, kstride, Sk - kbeg);
-    }
-    cp_commit();
-    cp_wait<1>();
-    __syncthreads();
-    u32 qf[QREG ? D / 16 : 1][4];
-    if (QREG) {
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            ldsm4(qf[kk], sptr(qs) + (u32)(((warp * 16 + (lane & 15)) * SROW + kk * 16
-                                            + (lane >> 4) * 8) * 2));
-    }
-    float o[MT][ND][4] = {}, m[MT][2], l[MT][2] = {};
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = NEG_INF;
-    for (int t = 0; t < ntiles; ++t) {
-        const int k0 = kbeg + t * BK;
-        cp_wait<0>();
-        __syncthreads();  // tile t landed; every warp is done with tile t - 1's buffers
-        if (t + 1 < ntiles) {
-            const int nb = (t + 1) & 1;
-            load_tile<BK, D, NT>(sptr(ks + nb * BK * SROW), kg + (k0 + BK) * kstride, kstride,
-                                 Sk - k0 - BK);
-            load_tile<BK, D, NT>(sptr(vs + nb * BK * SROW), vg + (k0 + BK) * kstride, kstride,
-                                 Sk - k0 - BK);
-        }
-        cp_commit();
-        const u32 kb = sptr(ks + (t & 1) * BK * SROW), vb = sptr(vs + (t & 1) * BK * SROW);
-        const bool edge = tile_edge(q0, BQ, k0, BK, Sk, shift, causal, window);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int rbase = (warp * MT + mt) * 16;
-            float s[NS][4] = {};
-            gemm_abt<D, NS>(s, QREG ? qf : 0, sptr(qs + rbase * SROW), kb, lane);
-            if (edge) {
-#pragma unroll
-                for (int rh = 0; rh < 2; ++rh) {
-                    int lo, hi;
-                    keys_seen(shift, q0 + rbase + (lane >> 2) + rh * 8, k0, Sk, causal, window, BK,
-                              &lo, &hi);
-#pragma unroll
-                    for (int n = 0; n < NS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int c = n * 8 + (lane & 3) * 2 + e;
-                            if (c < lo || c >= hi) s[n][2 * rh + e] = NEG_INF;
-                        }
-                }
-            }
-#pragma unroll
-            for (int rh = 0; rh < 2; ++rh) {  // rows g and g + 8
-                float mx = m[mt][rh];
-#pragma unroll
-                for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * rh], s[n][2 * rh + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mc = mx == NEG_INF ? 0.f : mx * scale_log2;
-                const float corr = exp2a(m[mt][rh] * scale_log2 - mc);
-                m[mt][rh] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int n = 0; n < NS; ++n) {
-                    s[n][2 * rh] = exp2a(fmaf(s[n][2 * rh], scale_log2, -mc));
-                    s[n][2 * rh + 1] = exp2a(fmaf(s[n][2 * rh + 1], scale_log2, -mc));
-                    sum += s[n][2 * rh] + s[n][2 * rh + 1];
-                }
-                l[mt][rh] = l[mt][rh] * corr + sum;
-#pragma unroll
-                for (int dn = 0; dn < ND; ++dn) {
-                    o[mt][dn][2 * rh] *= corr;
-                    o[mt][dn][2 * rh + 1] *= corr;
-                }
-            }
-            u32 p[BK / 16][4];
-            to_a<BK>(p, s);
-            gemm_ab<D, BK>(o[mt], p, vb, lane);
-        }
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-            float sum = l[mt][rh];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const int row = q0 + (warp * MT + mt) * 16 + (lane >> 2) + rh * 8;
-            if (row >= Sq) continue;
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            bf16_t* op = out + ((long long)b * Sq + row) * qstride + (long long)h * D + (lane & 3) * 2;
-#pragma unroll
-            for (int dn = 0; dn < ND; ++dn)
-                *reinterpret_cast<u32*>(op + dn * 8) = pack2(o[mt][dn][2 * rh] * inv,
-                                                             o[mt][dn][2 * rh + 1] * inv);
-            if ((lane & 3) == 0)
-                lse[((long long)b * Hq + h) * Sq + row] =
-                    sum > 0.f ? m[mt][rh] * scale_log2 * LN2_F + logf(sum) : NEG_INF;
-        }
-}
-
-// delta[b, h, i] = sum_d dout * out (float32), one warp per row of [B, Sq, Hq] rows.
-template <int D>
-__global__ void attn_delta(const bf16_t* __restrict__ out, const bf16_t* __restrict__ dout,
-                           float* __restrict__ delta, int Sq, int Hq, long long rows) {
-    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const u32* o = reinterpret_cast<const u32*>(out + row * D);
-    const u32* d = reinterpret_cast<const u32*>(dout + row * D);
-    float acc = 0.f;
-#pragma unroll
-    for (int e = lane; e < D / 2; e += 32) {
-        const u32 x = o[e], y = d[e];
-        acc = fmaf(lo_f(x), lo_f(y), acc);
-        acc = fmaf(hi_f(x), hi_f(y), acc);
-    }
-#pragma unroll
-    for (int w = 16; w > 0; w >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, w);
-    if (lane == 0) {
-        const long long b = row / ((long long)Sq * Hq), rem = row % ((long long)Sq * Hq);
-        delta[(b * Hq + rem % Hq) * Sq + rem / Hq] = acc;
-    }
-}
-
-// log2-domain lse of a row for the backward: +inf where the row saw no key (P = 0 there).
-__device__ __forceinline__ float lse2_of(float x) { return x == NEG_INF ? POS_INF : x * LOG2E_F; }
-
-// dq = scale * dS K for 16 * WARPS query rows of one head, over the visible key tiles (BK rows).
-template <int D, int WARPS, int BK, int MINB, bool QREG>
-__global__ void __launch_bounds__(WARPS * 32, MINB)
-flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-             const bf16_t* __restrict__ v, const bf16_t* __restrict__ dout,
-             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
-             int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
-             long long window, float scale_log2, float scale) {
-    constexpr int BQ = 16 * WARPS, NT = 32 * WARPS, SROW = D + 8, NS = BK / 8, ND = D / 8, KD = D / 16;
-    extern __shared__ __align__(16) unsigned char smem[];
-    bf16_t* qs = reinterpret_cast<bf16_t*>(smem);  // [BQ][SROW]
-    bf16_t* ds = qs + BQ * SROW;                    // [BQ][SROW] (dout)
-    bf16_t* ks = ds + BQ * SROW;                    // [2][BK][SROW]
-    bf16_t* vs = ks + 2 * BK * SROW;                // [2][BK][SROW]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int q0, h, b;
-    block_rows(Sq, Hq, BQ, &q0, &h, &b);
-    const int hk = h / (Hq / Hkv);
-    const long long qstride = (long long)Hq * D, kstride = (long long)Hkv * D;
-    const bf16_t* kg = k + (long long)b * Sk * kstride + (long long)hk * D;
-    const bf16_t* vg = v + (long long)b * Sk * kstride + (long long)hk * D;
-    const long long shift = q_off - k_off, qbase = ((long long)b * Sq + q0) * qstride + (long long)h * D;
-    int kbeg, kend;
-    key_range(q0, min(Sq, q0 + BQ) - 1, Sk, shift, causal, window, BK, &kbeg, &kend);
-    const int ntiles = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
-
-    load_tile<BQ, D, NT>(sptr(qs), q + qbase, qstride, Sq - q0);
-    load_tile<BQ, D, NT>(sptr(ds), dout + qbase, qstride, Sq - q0);
-    cp_commit();
-    if (ntiles > 0) {
-        load_tile<BK, D, NT>(sptr(ks), kg + kbeg * kstride, kstride, Sk - kbeg);
-        load_tile<BK, D, NT>(sptr(vs), vg + kbeg * kstride, kstride, Sk - kbeg);
-    }
-    cp_commit();
-    cp_wait<1>();
-    __syncthreads();
-    u32 qf[QREG ? KD : 1][4], df[QREG ? KD : 1][4];
-    if (QREG) {
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-            const u32 at = (u32)(((warp * 16 + (lane & 15)) * SROW + kk * 16 + (lane >> 4) * 8) * 2);
-            ldsm4(qf[kk], sptr(qs) + at);
-            ldsm4(df[kk], sptr(ds) + at);
-        }
-    }
-    const int r0 = q0 + warp * 16 + (lane >> 2);
-    float l2[2], dl[2];
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-        const int row = r0 + rh * 8;
-        l2[rh] = row < Sq ? lse2_of(lse[((long long)b * Hq + h) * Sq + row]) : POS_INF;
-        dl[rh] = row < Sq ? delta[((long long)b * Hq + h) * Sq + row] : 0.f;
-    }
-    float acc[ND][4] = {};
-    for (int t = 0; t < ntiles; ++t) {
-        const int k0 = kbeg + t * BK;
-        cp_wait<0>();
-        __syncthreads();
-        if (t + 1 < ntiles) {
-            const int nb = (t + 1) & 1;
-            load_tile<BK, D, NT>(sptr(ks + nb * BK * SROW), kg + (k0 + BK) * kstride, kstride,
-                                 Sk - k0 - BK);
-            load_tile<BK, D, NT>(sptr(vs + nb * BK * SROW), vg + (k0 + BK) * kstride, kstride,
-                                 Sk - k0 - BK);
-        }
-        cp_commit();
-        const u32 kb = sptr(ks + (t & 1) * BK * SROW), vb = sptr(vs + (t & 1) * BK * SROW);
-        float s[NS][4] = {}, dp[NS][4] = {};
-        gemm_abt<D, NS>(s, QREG ? qf : 0, sptr(qs + warp * 16 * SROW), kb, lane);
-        gemm_abt<D, NS>(dp, QREG ? df : 0, sptr(ds + warp * 16 * SROW), vb, lane);
-        int lo[2] = {0, 0}, hi[2] = {BK, BK};
-        if (tile_edge(q0, BQ, k0, BK, Sk, shift, causal, window)) {
-            keys_seen(shift, r0, k0, Sk, causal, window, BK, &lo[0], &hi[0]);
-            keys_seen(shift, r0 + 8, k0, Sk, causal, window, BK, &lo[1], &hi[1]);
-        }
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = n * 8 + (lane & 3) * 2 + (e & 1);
-                float p = exp2a(fmaf(s[n][e], scale_log2, -l2[e >> 1]));
-                if (c < lo[e >> 1] || c >= hi[e >> 1]) p = 0.f;
-                s[n][e] = p * (dp[n][e] - dl[e >> 1]);  // dS
-            }
-        u32 dsf[BK / 16][4];
-        to_a<BK>(dsf, s);
-        gemm_ab<D, BK>(acc, dsf, kb, lane);
-    }
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-        const int row = r0 + rh * 8;
-        if (row >= Sq) continue;
-        float* dp_ = dq + ((long long)b * Sq + row) * qstride + (long long)h * D + (lane & 3) * 2;
-#pragma unroll
-        for (int dn = 0; dn < ND; ++dn)
-            *reinterpret_cast<float2*>(dp_ + dn * 8) = make_float2(acc[dn][2 * rh] * scale,
-                                                                   acc[dn][2 * rh + 1] * scale);
-    }
-}
-
-// Query tile t of a dk/dv block (Q, dO rows, their log2 lse and delta) into buffer `buf`.
-template <int D, int BQ, int NT>
-__device__ __forceinline__ void load_q_tile(bf16_t* qs, bf16_t* ds, float* ls, float* dls,
-                                            const bf16_t* q, const bf16_t* dout, const float* lse,
-                                            const float* delta, int b, int h, int i0, int Sq,
-                                            int Hq) {
-    const long long qstride = (long long)Hq * D, base = ((long long)b * Sq + i0) * qstride + (long long)h * D;
-    load_tile<BQ, D, NT>(sptr(qs), q + base, qstride, Sq - i0);
-    load_tile<BQ, D, NT>(sptr(ds), dout + base, qstride, Sq - i0);
-    for (int e = threadIdx.x; e < BQ; e += NT) {
-        const int i = i0 + e;
-        const long long at = ((long long)b * Hq + h) * Sq + i;
-        ls[e] = i < Sq ? lse2_of(lse[at]) : POS_INF;
-        dls[e] = i < Sq ? delta[at] : 0.f;
-    }
-}
-
-// dv = P^T dO, dk = scale * dS^T Q for 16 * WARPS key rows of one kv head, over the query tiles
-// (BQ rows) of every query head of its group that can see them. Per query tile S^T, P, dV, then
-// dP^T, dS, dK: P's bf16 fragments die before dP^T is made (fewer live registers: _TILES).
-template <int D, int WARPS, int BQ, int MINB, bool NARROW>
-__global__ void __launch_bounds__(WARPS * 32, MINB)
-flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-               const bf16_t* __restrict__ v, const bf16_t* __restrict__ dout,
-               const float* __restrict__ lse, const float* __restrict__ delta,
-               float* __restrict__ dk, float* __restrict__ dv, int Sq, int Sk, int Hq, int Hkv,
-               long long q_off, long long k_off, int causal, long long window, float scale_log2,
-               float scale) {
-    constexpr int BKV = 16 * WARPS, NT = 32 * WARPS, SROW = D + 8, NQ = BQ / 8, ND = D / 8;
-    extern __shared__ __align__(16) unsigned char smem[];
-    bf16_t* ks = reinterpret_cast<bf16_t*>(smem);  // [BKV][SROW]
-    bf16_t* vs = ks + BKV * SROW;                   // [BKV][SROW]
-    bf16_t* qs = vs + BKV * SROW;                   // [2][BQ][SROW]
-    bf16_t* ds = qs + 2 * BQ * SROW;                // [2][BQ][SROW] (dout)
-    float* ls = reinterpret_cast<float*>(ds + 2 * BQ * SROW);  // [2][BQ] log2 lse
-    float* dls = ls + 2 * BQ;                                   // [2][BQ] delta
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nkt = (Sk + BKV - 1) / BKV, bh = blockIdx.x % (gridDim.x / nkt), G = Hq / Hkv;
-    const int k0 = blockIdx.x / (gridDim.x / nkt) * BKV, hk = bh % Hkv, b = bh / Hkv;
-    const long long kstride = (long long)Hkv * D, shift = q_off - k_off;
-    const long long kbase = ((long long)b * Sk + k0) * kstride + (long long)hk * D;
-    // Queries that can see a key of [k0, klast]: causal from shift + i >= k0, window until
-    // shift + i - klast < W.
-    const int klast = min(Sk, k0 + BKV) - 1;
-    long long qb = causal ? max(0LL, (long long)k0 - shift) : 0LL;
-    long long qe = causal && window > 0 ? min((long long)Sq, klast - shift + window) : (long long)Sq;
-    qb = min(qb - qb % BQ, (long long)Sq);
-    const int qbeg = (int)qb, ntq = qe > qb ? (int)((qe - qb + BQ - 1) / BQ) : 0, total = G * ntq;
-
-    load_tile<BKV, D, NT>(sptr(ks), k + kbase, kstride, Sk - k0);
-    load_tile<BKV, D, NT>(sptr(vs), v + kbase, kstride, Sk - k0);
-    cp_commit();
-    if (total > 0)
-        load_q_tile<D, BQ, NT>(qs, ds, ls, dls, q, dout, lse, delta, b, hk * G, qbeg, Sq, Hq);
-    cp_commit();
-    float dka[ND][4] = {}, dva[ND][4] = {};
-    const u32 kw = sptr(ks + warp * 16 * SROW), vw = sptr(vs + warp * 16 * SROW);
-    const int kr0 = k0 + warp * 16 + (lane >> 2);
-    for (int t = 0; t < total; ++t) {
-        const int i0 = qbeg + (t % ntq) * BQ, buf = t & 1;
-        cp_wait<0>();
-        __syncthreads();
-        if (t + 1 < total) {
-            const int nb = (t + 1) & 1;
-            load_q_tile<D, BQ, NT>(qs + nb * BQ * SROW, ds + nb * BQ * SROW, ls + nb * BQ,
-                                   dls + nb * BQ, q, dout, lse, delta, b, hk * G + (t + 1) / ntq,
-                                   qbeg + ((t + 1) % ntq) * BQ, Sq, Hq);
-        }
-        cp_commit();
-        const u32 qb_ = sptr(qs + buf * BQ * SROW), db = sptr(ds + buf * BQ * SROW);
-        float s[NQ][4] = {};
-        gemm_abt<D, NQ, NARROW>(s, 0, kw, qb_, lane);  // S^T = K Q^T (keys x queries)
-        int lo[2] = {0, 0}, hi[2] = {BQ, BQ};
-        if (causal && (shift + i0 < k0 + BKV - 1 || (window > 0 && shift + i0 + BQ - 1 - k0 >= window))) {
-            queries_seen(shift, kr0, i0, causal, window, BQ, &lo[0], &hi[0]);
-            queries_seen(shift, kr0 + 8, i0, causal, window, BQ, &lo[1], &hi[1]);
-        }
-        const float *lt = ls + buf * BQ, *dt = dls + buf * BQ;
-#pragma unroll
-        for (int n = 0; n < NQ; ++n) {
-            const int c = n * 8 + (lane & 3) * 2;
-            const float2 lq = *reinterpret_cast<const float2*>(lt + c);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float p = exp2a(fmaf(s[n][e], scale_log2, -((e & 1) ? lq.y : lq.x)));
-                if (c + (e & 1) < lo[e >> 1] || c + (e & 1) >= hi[e >> 1]) p = 0.f;
-                s[n][e] = p;  // P^T
-            }
-        }
-        u32 pf[BQ / 16][4];
-        to_a<BQ>(pf, s);
-        gemm_ab<D, BQ>(dva, pf, db, lane);  // dV += P^T dO
-        float dp[NQ][4] = {};
-        gemm_abt<D, NQ, NARROW>(dp, 0, vw, db, lane);  // dP^T = V dO^T
-#pragma unroll
-        for (int n = 0; n < NQ; ++n) {
-            const float2 dq_ = *reinterpret_cast<const float2*>(dt + n * 8 + (lane & 3) * 2);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)  // dS^T = P^T (dP^T - delta), P in float32
-                dp[n][e] = s[n][e] * (dp[n][e] - ((e & 1) ? dq_.y : dq_.x));
-        }
-        to_a<BQ>(pf, dp);
-        gemm_ab<D, BQ>(dka, pf, qb_, lane);  // dK += dS^T Q
-    }
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-        const int row = kr0 + rh * 8;
-        if (row >= Sk) continue;
-        const long long at = ((long long)b * Sk + row) * kstride + (long long)hk * D + (lane & 3) * 2;
-#pragma unroll
-        for (int dn = 0; dn < ND; ++dn) {
-            *reinterpret_cast<float2*>(dk + at + dn * 8) = make_float2(dka[dn][2 * rh] * scale,
-                                                                       dka[dn][2 * rh + 1] * scale);
-            *reinterpret_cast<float2*>(dv + at + dn * 8) = make_float2(dva[dn][2 * rh],
-                                                                       dva[dn][2 * rh + 1]);
-        }
-    }
-}
-"""
-
 
 def _names(head_dim: int) -> dict[str, str]:
-    """The template instantiations launched for `head_dim`, by role."""
+    """The template instantiations launched for `head_dim`, by role; each attention kernel also
+    as "ROLE_docs", its packed-document instantiation (the plain one carries none of that code,
+    so full causal runs as it was timed before documents)."""
     t = _TILES[head_dim]
     w, mt, bk, minb, qreg = t["fwd"]
     dw, dbk, dminb, dqreg = t["dq"]
     kw, kbq, kminb, knarrow = t["dkdv"]
     qreg, dqreg, knarrow = (str(bool(x)).lower() for x in (qreg, dqreg, knarrow))
-    return {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {qreg}>",
-            "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {dqreg}>",
-            "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}, {knarrow}>",
+    names = {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {qreg}, @>",
+             "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {dqreg}, @>",
+             "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}, {knarrow}, @>"}
+    return {**{r: n.replace("@", "false") for r, n in names.items()},
+            **{r + "_docs": n.replace("@", "true") for r, n in names.items()},
             "delta": f"attn_delta<{head_dim}>"}
 
 
@@ -634,17 +71,19 @@ def _smem_bytes(head_dim: int, role: str) -> int:
     """Dynamic shared memory of a kernel: bf16 rows of head_dim + 8 (see the CUDA source)."""
     row = (head_dim + 8) * 2
     t = _TILES[head_dim]
-    if role == "fwd":
+    base = role.removesuffix("_docs")
+    if base == "fwd":
         w, mt, bk = t["fwd"][:3]
         return (16 * mt * w + 4 * bk) * row
-    if role in ("dq", "dkdv"):  # dq: Q, dO + 2 x (K, V) tiles; dkdv: K, V + 2 x (Q, dO, lse, delta)
-        w, b = t[role][:2]
-        return (2 * 16 * w + 4 * b) * row + (4 * b * 4 if role == "dkdv" else 0)
+    if base in ("dq", "dkdv"):  # dq: Q, dO + 2 x (K, V) tiles; dkdv: K, V + 2 x (Q, dO, lse, delta)
+        w, b = t[base][:2]
+        return (2 * 16 * w + 4 * b) * row + (4 * b * 4 if base == "dkdv" else 0)
     return 0
 
 
 def _threads(head_dim: int, role: str) -> int:
-    return 32 * (_DELTA_WARPS if role == "delta" else _TILES[head_dim][role][0])
+    return 32 * (_DELTA_WARPS if role == "delta" else
+                 _TILES[head_dim][role.removesuffix("_docs")][0])
 
 
 def cuda_sources() -> list[dict[str, Any]]:
@@ -734,15 +173,111 @@ def _mask_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
             cupy.int32(bool(causal)), cupy.int64(window))
 
 
+def document_bounds(q_docs: Array, k_docs: Array) -> tuple[np.ndarray, ...]:
+    """(klo, khi, qlo, qhi) int32 on the host for document ids ``q_docs`` `[B, Sq]`, ``k_docs``
+    `[B, Sk]` (non-decreasing along each row): each query's document's keys [klo, khi) and each
+    key's document's queries [qlo, qhi), block-local. Pure: no CuPy."""
+    from .attention_cpu import document_bounds as bounds
+
+    qd, kd = (np.asarray(a) for a in (q_docs, k_docs))
+    require(qd.ndim == 2 and kd.ndim == 2 and qd.shape[0] == kd.shape[0],
+            f"attention: q_docs {qd.shape} and k_docs {kd.shape} must be [B, Sq] and [B, Sk]")
+    (b, sq), sk = qd.shape, kd.shape[1]
+    klo, khi = bounds(qd, kd, b, sq, sk)[:2]
+    qlo, qhi = bounds(kd, qd, b, sk, sq)[:2]
+    return tuple(a.astype(np.int32) for a in (klo, khi, qlo, qhi))
+
+
+def document_tables(q_docs: Array, k_docs: Array, head_dim: int = 0, dtype: Any = None) -> dict:
+    """The kernels' packed-document arguments for ids ``q_docs`` `[B, Sq]`, ``k_docs`` `[B, Sk]`
+    (host or device): {"q": (klo, khi) for the forward and dq, "k": (qlo, qhi) for dk/dv}, in
+    device memory (one copy). The blocks stay the fixed grid; a block reads only the keys (dk/dv:
+    queries) of its rows' documents, and each warp skips the tiles its rows' documents miss.
+    The attention seam keeps them per microbatch (`mpipar.model.attention.kernel_documents`)."""
+    import cupy
+
+    host = [cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a for a in (q_docs, k_docs)]
+    parts = document_bounds(*host)
+    flat = cupy.asarray(np.concatenate([a.ravel() for a in parts]))
+    views, at = [], 0
+    for a in parts:
+        views.append(flat[at:at + a.size])
+        at += a.size
+    return {"q": tuple(views[:2]), "k": tuple(views[2:])}
+
+
+def _documents(q_docs: Array | None, k_docs: Array | None, tables: dict | None,
+               q: Array, k: Array) -> dict | None:
+    """``tables`` as given, else found for the ids (None without documents); shapes checked."""
+    if tables is None and q_docs is None and k_docs is None:
+        return None
+    if tables is None:
+        require(q_docs is not None and k_docs is not None,
+                "attention: q_docs and k_docs go together")
+        tables = document_tables(q_docs, k_docs)
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    require(tables["q"][0].size == b * sq and tables["k"][0].size == b * sk,
+            f"attention: document tables for {tables['q'][0].size} queries and "
+            f"{tables['k'][0].size} keys, the call has {b} x {sq} and {b} x {sk}")
+    return tables
+
+
+def _no_documents() -> tuple:
+    import cupy
+
+    return cupy.uint64(0), cupy.uint64(0)
+
+
+def score_entries(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: int = 0,
+                  causal: bool = True, window: int = 0, q_docs: Array | None = None,
+                  k_docs: Array | None = None) -> int:
+    """Query-key scores the forward kernel computes for one head of the rows of ``q_docs``
+    `[B, Sq]` / ``k_docs`` `[B, Sk]` (one sequence without documents), summed: 16-row slabs
+    times the key tiles each does not skip (`slab_span`) within its block's tiles; without
+    documents every slab walks its block's tiles. A host-side
+    count of the kernel's own loops, as `flash_exact.score_entries`. Pure: no CuPy."""
+    w, mt, bk = _TILES[head_dim]["fwd"][:3]
+    bq, shift = 16 * mt * w, q_offset - k_offset
+    if q_docs is None:
+        klo, khi = np.zeros((1, sq), np.int64), np.full((1, sq), sk, np.int64)
+    else:
+        klo, khi = document_bounds(q_docs, k_docs)[:2]
+    total = 0
+    for b in range(klo.shape[0]):
+        for q0 in range(0, sq, bq):
+            last = min(sq, q0 + bq) - 1
+            kend = min(sk, shift + last + 1) if causal else sk
+            kbeg = max(0, shift + q0 - window + 1) if causal and window else 0
+            kbeg, kend = max(kbeg - kbeg % bk, klo[b, q0]), min(kend, khi[b, last])
+            kbeg -= kbeg % bk
+            tiles = len(range(kbeg, kend, bk))
+            if q_docs is None:        # no documents: every slab of the block, every tile
+                total += 16 * bk * tiles * bq // 16
+                continue
+            for r0 in range(q0, last + 1, 16):
+                r1 = min(sq, r0 + 16) - 1
+                beg, end = klo[b, r0], khi[b, r1]
+                if causal:
+                    end = min(end, shift + r1 + 1)
+                    beg = max(beg, shift + r0 - window + 1) if window else beg
+                for k0 in range(kbeg, kend, bk):
+                    if end > max(beg, k0) and beg < k0 + bk:
+                        total += 16 * bk
+    return total
+
+
 def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int = 0,
-                  causal: bool = True, scale: float | None = None,
-                  window: int = 0) -> tuple[Array, Array]:
-    """Flash attention forward in bf16 (`numpy_ref.attention_fwd`'s contract): q `[B, Sq, Hq, D]`,
-    k, v `[B, Sk, Hkv, D]` (bf16, C-contiguous) -> out bf16 `[B, Sq, Hq, D]`, lse float32
-    `[B, Hq, Sq]`; rows that see no key: out 0, lse -inf."""
+                  causal: bool = True, scale: float | None = None, window: int = 0,
+                  q_docs: Array | None = None, k_docs: Array | None = None,
+                  tables: dict | None = None) -> tuple[Array, Array]:
+    """Flash attention forward in bf16 (`numpy_ref.attention_fwd`'s contract, packed documents
+    included: ids ``q_docs`` `[B, Sq]`, ``k_docs`` `[B, Sk]`, or their `document_tables`): q
+    `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]` (bf16, C-contiguous) -> out bf16 `[B, Sq, Hq, D]`,
+    lse float32 `[B, Hq, Sq]`; rows that see no key: out 0, lse -inf."""
     import cupy
 
     sc = _check("attention_fwd", q, k, v, causal, window, scale)
+    docs = _documents(q_docs, k_docs, tables, q, k)
     b, sq, hq, d = q.shape
     out = cupy.empty(q.shape, q.dtype)
     lse = cupy.empty((b, hq, sq), cupy.float32)
@@ -751,8 +286,9 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
         return out, lse
     w, mt = _TILES[d]["fwd"][:2]
     grid = (-(-sq // (16 * mt * w)) * hq * b,)
-    _launch(d, "fwd", grid, (q, k, v, out, lse, *_mask_args(q, k, q_offset, k_offset, causal,
-                                                            window), cupy.float32(sc * LOG2E)))
+    _launch(d, "fwd_docs" if docs else "fwd", grid,
+            (q, k, v, out, lse, *_mask_args(q, k, q_offset, k_offset, causal, window),
+             cupy.float32(sc * LOG2E), *(docs["q"] if docs else _no_documents())))
     return out, lse
 
 
@@ -772,13 +308,17 @@ def attention_delta(out: Array, dout: Array) -> Array:
 
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
-    """Flash attention backward in bf16 (`numpy_ref.attention_bwd`'s contract) for one key block,
-    given the (possibly ring-merged) out bf16 and lse float32 `[B, Hq, Sq]`: dq `[B, Sq, Hq, D]`,
-    dk, dv `[B, Sk, Hkv, D]` in float32 (dk, dv summed over each kv group's query heads)."""
+                  scale: float | None = None, window: int = 0, q_docs: Array | None = None,
+                  k_docs: Array | None = None, tables: dict | None = None
+                  ) -> tuple[Array, Array, Array]:
+    """Flash attention backward in bf16 (`numpy_ref.attention_bwd`'s contract, packed documents
+    as `attention_fwd`) for one key block, given the (possibly ring-merged) out bf16 and lse
+    float32 `[B, Hq, Sq]`: dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]` in float32 (dk, dv
+    summed over each kv group's query heads)."""
     import cupy
 
     sc = _check("attention_bwd", q, k, v, causal, window, scale, (out, dout))
+    docs = _documents(q_docs, k_docs, tables, q, k)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     require(out.shape == q.shape and dout.shape == q.shape and lse.shape == (b, hq, sq),
@@ -793,8 +333,14 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     tail = (*_mask_args(q, k, q_offset, k_offset, causal, window), cupy.float32(sc * LOG2E),
             cupy.float32(sc))
     if dq.size:
-        _launch(d, "dq", (-(-sq // (16 * _TILES[d]["dq"][0])) * hq * b,), (*args, dq, *tail))
+        _launch(d, "dq_docs" if docs else "dq", (-(-sq // (16 * _TILES[d]["dq"][0])) * hq * b,),
+                (*args, dq, *tail, *(docs["q"] if docs else _no_documents())))
     if dk.size:
-        _launch(d, "dkdv", (-(-sk // (16 * _TILES[d]["dkdv"][0])) * hkv * b,),
-                (*args, dk, dv, *tail))
+        _launch(d, "dkdv_docs" if docs else "dkdv",
+                (-(-sk // (16 * _TILES[d]["dkdv"][0])) * hkv * b,),
+                (*args, dk, dv, *tail, *(docs["k"] if docs else _no_documents())))
     return dq, dk, dv
+
+
+attention_fwd.block_sparse_documents = attention_bwd.block_sparse_documents = True
+attention_fwd.document_tables = attention_bwd.document_tables = document_tables

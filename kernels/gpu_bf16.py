@@ -142,15 +142,25 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
         return cudnn_attention.supports(q.dtype, q.shape[-1], q_offset, k_offset, causal, window,
                                         q.shape[1], k.shape[1]) is None
 
-    def fwd(q, k, v, q_offset=0, k_offset=0, causal=True, scale=None, window=0):
+    def fwd(q, k, v, q_offset=0, k_offset=0, causal=True, scale=None, window=0, **documents):
+        if documents:           # packed documents: mpipar's kernel takes the ids, cuDNN does not
+            return flash_mma.attention_fwd(q, k, v, q_offset, k_offset, causal, scale, window,
+                                           **documents)
         impl = cudnn_attention if takes(q, k, q_offset, k_offset, causal, window) else flash_mma
         return impl.attention_fwd(q, k, v, q_offset, k_offset, causal, scale, window)
 
-    def bwd(q, k, v, out, lse, dout, q_offset=0, k_offset=0, causal=True, scale=None, window=0):
+    def bwd(q, k, v, out, lse, dout, q_offset=0, k_offset=0, causal=True, scale=None, window=0,
+            **documents):
+        if documents:
+            return flash_mma.attention_bwd(q, k, v, out, lse, dout, q_offset, k_offset, causal,
+                                           scale, window, **documents)
         impl = cudnn_attention if takes(q, k, q_offset, k_offset, causal, window) else flash_mma
         return impl.attention_bwd(q, k, v, out, lse, dout, q_offset, k_offset, causal, scale,
                                   window)
 
+    for op in (fwd, bwd):
+        op.block_sparse_documents = True
+        op.document_tables = flash_mma.document_tables
     return fwd, bwd
 
 
@@ -181,10 +191,16 @@ def by_dtype(float_op: Callable, bf16_op: Callable, position: int = 0,
         return (bf16_op if ref.is_bf16(decides.dtype) else float_op)(*args, **kwargs)
 
     # Packed documents (`mpipar.model.attention.documents_in_kernel`): the float kernels take the
-    # document ids, the bf16 ones may not, so the answer depends on the dtype routed.
-    takes = [bool(getattr(f, "block_sparse_documents", False)) for f in (float_op, bf16_op)]
+    # document ids, the bf16 ones (cuDNN when asked for) may not, so the answer depends on the
+    # dtype routed; so do the tables each kernel makes of the ids (`document_tables`).
+    pair = (float_op, bf16_op)
+    takes = [bool(getattr(f, "block_sparse_documents", False)) for f in pair]
     if takes[0] != takes[1]:
         op.block_sparse_documents = lambda dtype: takes[bool(ref.is_bf16(dtype))]
+    makers = [getattr(f, "document_tables", None) for f in pair]
+    if all(makers) and makers[0] is not makers[1]:
+        op.document_tables = lambda q_docs, k_docs, head_dim, dtype: makers[
+            bool(ref.is_bf16(dtype))](q_docs, k_docs, head_dim, dtype)
     return op
 
 

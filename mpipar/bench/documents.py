@@ -10,9 +10,9 @@ backward on one process through the attention seam (``--backend``: the run's ker
 GPU, where the device is synchronised around each step), with document
 masking against full causal attention (``--dtype``, float32 by default), the variants taking
 turns for ``--repeats`` rounds (best of the rounds, and the median of each round's own ratio): the time ratio against the work ratio (intra-document
-pairs / full causal pairs); the issue asks time ratio <= 1.2 x work ratio. With Numba kernels
-(which take the document ids, one call per block) also the seam's per-document calls (one kernel
-call per document's block, as for numpy_ref), side by side.
+pairs / full causal pairs); the issue asks time ratio <= 1.2 x work ratio. With kernels that
+take the document ids (Numba's; the GPU's float and bf16 kernels; one call per block) also the
+seam's per-document calls (one kernel call per document's block, as for numpy_ref), side by side.
 """
 from __future__ import annotations
 
@@ -123,9 +123,10 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
 def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, float]:
     """Score entries each kernel family computes for the packed row ``docs`` over its
     intra-document causal pairs, counted from the kernels' own loop bounds (no timing): the
-    Numba kernels' tiles (`attention_cpu.tile_work`) and the GPU's float flash kernels' warps
-    (`flash_exact.score_entries`; float32 for a 2-byte dtype, whose GPU kernels take no ids)."""
-    from mpipar.kernels import flash_exact
+    Numba kernels' tiles (`attention_cpu.tile_work`), the GPU's float flash kernels' warps
+    (`flash_exact.score_entries`; float32 for a 2-byte dtype) and the GPU's bf16 kernel's 16-row
+    slabs (`flash_mma.score_entries`, where it has the head dim)."""
+    from mpipar.kernels import flash_exact, flash_mma
     from mpipar.kernels.attention_cpu import tile_work
     from mpipar.parallel.context import token_work
 
@@ -134,7 +135,10 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     return {"numba_entries_over_pairs": tile_work(n, n, head_dim, q_docs=row, k_docs=row)[1] / pairs,
             "gpu_entries_over_pairs": flash_exact.score_entries(n, n, head_dim, max(4, itemsize),
                                                                 q_docs=row,
-                                                                k_docs=row) / pairs}
+                                                                k_docs=row) / pairs,
+            "bf16_entries_over_pairs": flash_mma.score_entries(n, n, head_dim, q_docs=row,
+                                                               k_docs=row) / pairs
+            if head_dim in flash_mma.HEAD_DIMS else None}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,7 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"cpu/work {sp_['cpu_over_work']:.2f}")
     print(f"  score entries computed / intra-document pairs (the kernels' loop bounds): Numba "
           f"tiles {sp_['numba_entries_over_pairs']:.3f}, GPU flash warps "
-          f"{sp_['gpu_entries_over_pairs']:.3f}")
+          f"{sp_['gpu_entries_over_pairs']:.3f}, GPU bf16 slabs "
+          f"{sp_['bf16_entries_over_pairs'] or float('nan'):.3f}")
     if sp_["per_document_calls_s"] is not None:
         print(f"  the same kernels called once per document's block: "
               f"{sp_['per_document_calls_s'] * 1e3:.1f} ms "
@@ -185,8 +190,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=64, help="speed check: head size")
     parser.add_argument("--repeats", type=int, default=3, help="speed check: timed rounds")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"),
-                        help="speed check: the arrays' dtype (bfloat16 on a GPU: cuDNN or "
-                             "flash_mma, a call per document's block)")
+                        help="speed check: the arrays' dtype (bfloat16 on a GPU: mpipar's "
+                             "flash_mma, which takes the document ids)")
     parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy", "cupy"),
                         help="speed check: kernels (auto: cupy with a GPU, else numba)")
 

@@ -1,21 +1,17 @@
-"""Packed documents through the GPU kernels (issue 32; owed a device run): the model's document-
-masked attention (:func:`mpipar.model.attention.attend_fwd` / ``attend_bwd``) on the cupy
-backend, against numpy_ref's document-masked attention on the host. float32/float64 go to
-cupy_gpu's flash kernels, which take the document ids (one launch forward, one per gradient
-kernel backward, blocks aligned to the documents, tiles with no same-document pair skipped);
-bf16 goes to cuDNN or mpipar's flash_mma, which take none (one causal call per document's
-block).
+"""Packed documents through the GPU kernels (issue 32): the model's document-masked attention
+(:func:`mpipar.model.attention.attend_fwd` / ``attend_bwd``) on the cupy backend, against
+numpy_ref's document-masked attention on the host. float32/float64 go to cupy_gpu's flash
+kernels, bf16 to mpipar's flash_mma (``auto`` sends calls with documents there, not to cuDNN):
+both take the document ids, one launch forward and one per gradient kernel backward, tiles with
+no same-document pair skipped.
 
-float64 (cupy_gpu's exact kernels): <= 1e-12 relative, forward and backward. bf16 (cuDNN where
-it takes the call, else mpipar's kernel), against numpy_ref in float64 on the same bf16 inputs:
-the bf16 attention tolerances of tests/gpu/test_cudnn_attention.py (out 4u, gradients 6u, u =
-2**-9, relative over the tensor; lse 1e-6). Rows with no visible key: out 0, lse -inf, in both.
-Layouts: documents of length 1, documents longer than a tile, a query block starting mid-
-document (a ring hop), keys wholly before the queries, grouped-query heads. The per-document
-path passed on an H200 (with the engine's GPU layouts under documents in
-tests/gpu/test_engine.py); a one-token document's block (one query, one key) goes to mpipar's
-kernel, as cuDNN's backward refuses it. The flash kernels' document path was checked on the
-CPU under HIP-CPU (tests/unit/test_flash_hip_cpu.py) and is owed its device run here."""
+float64 (cupy_gpu's exact kernels): <= 1e-12 relative, forward and backward. bf16 against
+numpy_ref in float64 on the same bf16 inputs: the bf16 attention tolerances of
+tests/gpu/test_cudnn_attention.py (out 4u, gradients 6u, u = 2**-9, relative over the tensor;
+lse 1e-6). Rows with no visible key: out 0, lse -inf, in both. Layouts: documents of length 1,
+documents longer than a tile, a query block starting mid-document (a ring hop), keys wholly
+before the queries, grouped-query heads. The float kernels' document path was also checked on
+the CPU under HIP-CPU (tests/unit/test_flash_hip_cpu.py); both passed on an H200."""
 from __future__ import annotations
 
 import dataclasses
@@ -93,11 +89,10 @@ def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv)
     want = ref.attention_bwd(*wide[:3], want_out, want_lse, wide[3], qs, ks, True, **marks)
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         assert _rel(cupy.asnumpy(g), w) <= tol["grad"], name
-    if dtype == "float64":      # the ids in the kernel: one call each way, the tables kept
-        assert calls == [True, True]
-        assert [key[0] for key in docs.memo].count("kernel_tables") == 1
-    else:                       # a causal call per document's block
-        assert len(calls) > 2 and not any(calls)
+    # the ids in the kernel (float: cupy_gpu's; bf16: flash_mma's, as `auto` routes documented
+    # calls): one call each way, the tables kept
+    assert calls == [True, True]
+    assert [key[0] for key in docs.memo].count("kernel_tables") == 1
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -204,6 +204,65 @@ def test_masked_tiles_never_read(poisoned, kind, d):
     assert (_f64(dk)[0][:, nan_keys] == 0).all() and (_f64(dv)[0][:, nan_keys] == 0).all()
 
 
+@pytest.mark.parametrize("d", (64, 128, 32))
+def test_packed_documents(poisoned, d):
+    """Document ids in the kernels (a query sees only its own document's keys): the layouts
+    tests/unit/test_flash_hip_cpu.py runs (documents of ~7 to ~150 tokens, a ring hop, a window,
+    keys after every query, not causal, two documents, none), against numpy_ref in float64 on
+    the same bf16 inputs, every output written (poisoned); the tables given or found from the ids
+    give the same bits."""
+    import cupy
+
+    from mpipar.kernels import flash_mma
+    from tests.unit.test_flash_hip_cpu import _cases
+
+    for name, b, sq, sk, hq, hkv, qo, ko, causal, window, q_docs, k_docs in _cases():
+        q, k, v, do = _inputs(_rng("docs", name, d), b, sq, sk, hq, hkv, d)
+        kw = {} if q_docs is None else {"q_docs": q_docs, "k_docs": k_docs}
+        q64, k64, v64, do64 = _f64(q, k, v, do)
+        want_out, want_lse = ref.attention_fwd(q64, k64, v64, qo, ko, bool(causal), None, window,
+                                               **kw)
+        out, lse = flash_mma.attention_fwd(*_dev(q, k, v), qo, ko, bool(causal), None, window,
+                                           **kw)
+        _check_fwd(out, lse, want_out, want_lse, name)
+        want = ref.attention_bwd(q64, k64, v64, *_f64(out, lse), do64, qo, ko, bool(causal),
+                                 None, window, **kw)
+        got = flash_mma.attention_bwd(*_dev(q, k, v), out, lse, *_dev(do), qo, ko, bool(causal),
+                                      None, window, **kw)
+        for label, g, w in zip(("dq", "dk", "dv"), got, want):
+            e = _rel(*_f64(g), w)
+            assert e <= TOL, f"{name}: {label} relative error {e:.3e} > {TOL}"
+        if kw:
+            tables = flash_mma.document_tables(q_docs, k_docs)
+            again = flash_mma.attention_fwd(*_dev(q, k, v), qo, ko, bool(causal), None, window,
+                                            tables=tables)
+            assert bool((again[0] == out).all()) and bool(cupy.array_equal(again[1], lse)), name
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_other_documents_keys_never_read(poisoned, d):
+    """Keys of a document no query of the block belongs to, in whole tiles before the queries'
+    document, are NaN: the forward and dq never load them, and their dk, dv are exactly 0."""
+    from mpipar.kernels import flash_mma
+
+    sq, sk = 128, 384
+    q, k, v, do = _inputs(_rng("other documents", d), 1, sq, sk, 4, 2, d)
+    q_docs = np.full((1, sq), 1)
+    k_docs = np.concatenate([np.zeros((1, 256), int), np.ones((1, 128), int)], axis=1)
+    kw = {"q_docs": q_docs, "k_docs": k_docs}
+    q64, k64, v64, do64 = _f64(q, k, v, do)
+    want_out, want_lse = ref.attention_fwd(q64, k64, v64, 256, 0, True, **kw)
+    k[:, :256] = np.nan
+    v[:, :256] = np.nan
+    out, lse = flash_mma.attention_fwd(*_dev(q, k, v), 256, 0, True, **kw)
+    _check_fwd(out, lse, want_out, want_lse, "other documents")
+    dq, dk, dv = flash_mma.attention_bwd(*_dev(q, k, v), out, lse, *_dev(do), 256, 0, True, **kw)
+    want = ref.attention_bwd(q64, k64, v64, *_f64(out, lse), do64, 256, 0, True, **kw)
+    assert _rel(*_f64(dq), want[0]) <= TOL
+    assert (_f64(dk)[0][:, :256] == 0).all() and (_f64(dv)[0][:, :256] == 0).all()
+    assert _rel(_f64(dk)[0][:, 256:], want[1][:, 256:]) <= TOL
+
+
 def test_backward_is_deterministic():
     """No atomics: two backward runs give bit-identical gradients."""
     from mpipar.kernels import flash_mma

@@ -63,26 +63,89 @@ def test_the_seam_equals_the_masked_kernel_and_each_document_alone(backend, wind
     assert np.abs(full[0] - out[0]).max() > 1e-3
 
 
-def test_the_gpu_seam_hands_documents_to_the_float_kernels_only():
-    """On a GPU one op routes float32/float64 to cupy_gpu's flash kernels, which take the
-    document ids (one launch per block), and bf16 to flash_mma or cuDNN, which do not (a call
-    per document's block): the seam asks per dtype (`gpu_bf16.by_dtype`). Imports no CuPy."""
+def test_the_gpu_seam_hands_documents_to_the_kernels_that_take_them():
+    """On a GPU one op routes float32/float64 to cupy_gpu's flash kernels and bf16 to mpipar's
+    flash_mma (chosen, or by `auto`, which sends plain calls to cuDNN): all of them take the
+    document ids (one launch per block). bf16 through cuDNN when it was asked for takes none (a
+    call per document's block). The seam asks per dtype (`gpu_bf16.by_dtype`). Imports no
+    CuPy."""
     import types
 
     import ml_dtypes
 
-    from mpipar.kernels import cupy_gpu, flash_mma, gpu_bf16
+    from mpipar.kernels import cupy_gpu, flash_exact, flash_mma, gpu_bf16
     from mpipar.model.attention import documents_in_kernel
 
-    for fwd, bf16 in ((cupy_gpu.attention_fwd, flash_mma.attention_fwd),
-                      (cupy_gpu.attention_bwd, flash_mma.attention_bwd)):
-        kb = types.SimpleNamespace(attention_fwd=gpu_bf16.by_dtype(fwd, bf16))
-        assert documents_in_kernel(kb, np.float32) and documents_in_kernel(kb, np.float64)
-        assert not documents_in_kernel(kb, ml_dtypes.bfloat16)
-    # one kernel for every dtype: the flag as it is
-    both = types.SimpleNamespace(attention_fwd=gpu_bf16.by_dtype(flash_mma.attention_fwd,
-                                                                 flash_mma.attention_fwd))
-    assert not documents_in_kernel(both, np.float32)
+    auto = gpu_bf16.attention_ops(gpu_bf16.PER_CALL)
+    mine = gpu_bf16.attention_ops(gpu_bf16.AttentionChoice("mpipar", "asked for"))
+    cudnn = gpu_bf16.attention_ops(gpu_bf16.AttentionChoice("cudnn", "asked for"))
+    assert mine == (flash_mma.attention_fwd, flash_mma.attention_bwd)
+    for i, float_op in enumerate((cupy_gpu.attention_fwd, cupy_gpu.attention_bwd)):
+        for ops, takes in ((auto, True), (mine, True), (cudnn, False)):
+            op = gpu_bf16.by_dtype(float_op, ops[i])
+            kb = types.SimpleNamespace(attention_fwd=op)
+            assert documents_in_kernel(kb, np.float32) and documents_in_kernel(kb, np.float64)
+            assert documents_in_kernel(kb, ml_dtypes.bfloat16) == takes
+        assert auto[i].document_tables is flash_mma.document_tables
+        assert gpu_bf16.by_dtype(float_op, cudnn[i]).document_tables is flash_exact.document_tables
+    # one kernel for every dtype that takes no documents: the flag as it is
+    plain = types.SimpleNamespace(attention_fwd=gpu_bf16.by_dtype(cudnn[0], cudnn[0]))
+    assert not documents_in_kernel(plain, np.float32)
+
+
+@pytest.mark.parametrize("d", [64, 128, 32])
+def test_bf16_flash_kernels_walk_what_their_warps_see(d):
+    """`flash_mma.score_entries` (the bf16 kernel's loops: fixed blocks, with documents each
+    16-row slab over the key tiles it can see) against the visible pairs themselves (numpy_ref's
+    masks, brute force): a slab's tiles are those that meet the span from its rows' first
+    visible key to their last. Full causal (the plain kernel): every slab of block j walks its
+    block's tiles 0 .. (BQ (j + 1) - 1) // BK."""
+    from mpipar.bench.documents import packed_documents
+    from mpipar.kernels import flash_mma
+    from mpipar.kernels import numpy_ref as ref
+    from mpipar.parallel.context import token_work
+
+    w, mt, bk = flash_mma._TILES[d]["fwd"][:3]
+    S, bq = 512, 16 * mt * w
+    want = sum(bq * bk * ((bq * (j + 1) - 1) // bk + 1) for j in range(S // bq))
+    assert flash_mma.score_entries(S, S, d) == want
+    rng = np.random.default_rng(d)
+    for docs, qo, ko, window in [(np.cumsum(rng.random((2, 300)) < 1 / 40, axis=1), 0, 0, 0),
+                                 (np.cumsum(rng.random((1, 300)) < 1 / 9, axis=1), 0, 0, 0),
+                                 (np.cumsum(rng.random((1, 300)) < 1 / 90, axis=1), 0, 0, 37),
+                                 (np.cumsum(rng.random((1, 300)) < 1 / 60, axis=1), 200, 0, 0)]:
+        vis = ref.visible_mask(np, 300, 300, qo, ko, window)[None] & \
+            ref.document_mask(docs, docs)[:, 0, 0]
+        want = 0
+        for b in range(docs.shape[0]):
+            for r0 in range(0, 300, 16):
+                seen = np.flatnonzero(vis[b, r0:r0 + 16].any(axis=0))
+                want += 16 * bk * (seen[-1] // bk - seen[0] // bk + 1) if seen.size else 0
+        assert flash_mma.score_entries(300, 300, d, qo, ko, True, window, docs, docs) == want
+    docs = np.asarray(packed_documents(8192, 200, 1.0, np.random.default_rng(0))).reshape(1, -1)
+    ratio = flash_mma.score_entries(8192, 8192, d, q_docs=docs, k_docs=docs) \
+        / token_work(docs).sum()
+    assert 1.0 < ratio <= 3.0
+
+
+def test_bf16_document_bounds_are_each_rows_document():
+    """`flash_mma.document_bounds`: each query's keys [klo, khi) and each key's queries [qlo,
+    qhi) are exactly its document's positions on the other side (brute force), int32."""
+    from mpipar.kernels import flash_mma
+
+    rng = np.random.default_rng(3)
+    q_docs = np.cumsum(rng.random((2, 70)) < 0.1, axis=1) + 1
+    k_docs = np.cumsum(rng.random((2, 50)) < 0.1, axis=1)
+    klo, khi, qlo, qhi = flash_mma.document_bounds(q_docs, k_docs)
+    assert all(a.dtype == np.int32 for a in (klo, khi, qlo, qhi))
+    for mine, other, lo, hi in ((q_docs, k_docs, klo, khi), (k_docs, q_docs, qlo, qhi)):
+        for b in range(2):
+            for i in range(mine.shape[1]):
+                same = np.flatnonzero(other[b] == mine[b, i])
+                if same.size:
+                    assert (lo[b, i], hi[b, i]) == (same[0], same[-1] + 1)
+                else:
+                    assert lo[b, i] == hi[b, i]
 
 
 def test_the_seam_keeps_a_kernels_document_tables_per_microbatch():

@@ -160,12 +160,14 @@ if has documents; then
   timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
       --backend cupy --json "$OUT/documents.json" > "$OUT/documents.log" 2>&1; rc=$?
   tail -6 "$OUT/documents.log"; record documents $rc
-  # bf16: flash_mma with the document ids; the bench's row (4 heads) and a model's (32 heads)
-  for heads in 4 32; do
+  # bf16: flash_mma with the document ids; the bench's row (4 heads), a model's heads (32), and
+  # a batch of 8 such rows (the host's dispatch per call weighs less against more work)
+  for shape in "1 4" "1 32" "8 32"; do
+    read -r rows heads <<< "$shape"; tag=r${rows}_h$heads
     timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
-        --backend cupy --dtype bfloat16 --heads $heads --json "$OUT/documents_bf16_h$heads.json" \
-        > "$OUT/documents_bf16_h$heads.log" 2>&1; rc=$?
-    tail -6 "$OUT/documents_bf16_h$heads.log"; record documents_bf16_h$heads $rc
+        --backend cupy --dtype bfloat16 --rows $rows --heads $heads --json "$OUT/documents_bf16_$tag.json" \
+        > "$OUT/documents_bf16_$tag.log" 2>&1; rc=$?
+    tail -6 "$OUT/documents_bf16_$tag.log"; record documents_bf16_$tag $rc
   done
 fi
 

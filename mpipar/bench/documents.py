@@ -5,14 +5,15 @@ Work balance: samples packed from log-normal document lengths (median ``--median
 rank (causal pairs inside documents, :func:`mpipar.parallel.context.rank_work`) under the
 contiguous, zigzag and balanced splits, the mean and the worst over ``--samples`` samples.
 
-Speed: one packed row of such documents at ``--speed-seq`` tokens, attention forward and
-backward on one process through the attention seam (``--backend``: the run's kernels, cupy on a
-GPU, where the device is synchronised around each step), with document
+Speed: ``--rows`` packed rows (one by default) of such documents at ``--speed-seq`` tokens,
+attention forward and backward on one process through the attention seam (``--backend``: the
+run's kernels, cupy on a GPU, where the device is synchronised around each step), with document
 masking against full causal attention (``--dtype``, float32 by default), the variants taking
-turns for ``--repeats`` rounds (best of the rounds, and the median of each round's own ratio): the time ratio against the work ratio (intra-document
-pairs / full causal pairs); the issue asks time ratio <= 1.2 x work ratio. With kernels that
-take the document ids (Numba's; the GPU's float and bf16 kernels; one call per block) also the
-seam's per-document calls (one kernel call per document's block, as for numpy_ref), side by side.
+turns for ``--repeats`` rounds (best of the rounds, and the median of each round's own ratio):
+the time ratio against the work ratio (intra-document pairs / full causal pairs); the issue asks
+time ratio <= 1.2 x work ratio. With kernels that take the document ids (Numba's; the GPU's
+float and bf16 kernels; one call per block) also the seam's per-document calls (one kernel call
+per document's block, as for numpy_ref), side by side.
 """
 from __future__ import annotations
 
@@ -71,9 +72,10 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
 
     pool_freed_memory()
     seq, rng = args.speed_seq, np.random.default_rng(args.seed)
-    docs = packed_documents(seq, args.median, args.sigma, rng)
+    docs = np.concatenate([packed_documents(seq, args.median, args.sigma, rng)
+                           for _ in range(args.rows)])
     kernels = get_backend(args.backend)
-    shape = (1, seq, args.heads, args.head_dim)
+    shape = (args.rows, seq, args.heads, args.head_dim)
     dtype = numpy_dtype(args.dtype)
     q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
     sync = copies_for(kernels.xp is not np).sync       # waits for the device's stream (host: no-op)
@@ -106,9 +108,10 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     masked, masked_cpu = best["masked"]
     per_doc, per_doc_cpu = best.get("per_doc", (None, None))
     rounds = np.array(times["masked"]) / np.array(times["full"])    # each round's own ratio
-    work = float(token_work(docs).sum() / (seq * (seq + 1) / 2))
+    work = float(token_work(docs).sum() / (args.rows * seq * (seq + 1) / 2))
     return {**entries(docs, args.head_dim, dtype.itemsize), "dtype": args.dtype, "seq": seq,
-            "documents": int(docs.max() + 1), "backend": kernels.name, "rounds": args.repeats,
+            "rows": args.rows, "documents": int(sum(r.max() + 1 for r in docs)),
+            "backend": kernels.name, "rounds": args.repeats,
             "round_time_over_work_median": float(np.median(rounds[:, 0]) / work),
             "round_cpu_over_work_median": float(np.median(rounds[:, 1]) / work),
             "full_s": full, "masked_s": masked, "time_ratio": masked / full,
@@ -130,7 +133,7 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     from mpipar.kernels.attention_cpu import tile_work
     from mpipar.parallel.context import token_work
 
-    row = np.asarray(docs).reshape(1, -1)
+    row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]
     return {"numba_entries_over_pairs": tile_work(n, n, head_dim, q_docs=row, k_docs=row)[1] / pairs,
             "gpu_entries_over_pairs": flash_exact.score_entries(n, n, head_dim, max(4, itemsize),
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{r[s + '_mean']:>11.4f}/{r[s + '_worst']:<10.4f}"
             for s in ("contiguous", "zigzag", "balanced")))
     sp_ = speed(args)
-    print(f"speed: one row of {sp_['seq']} tokens, {sp_['documents']} documents, "
+    print(f"speed: {sp_['rows']} row(s) of {sp_['seq']} tokens, {sp_['documents']} documents, "
           f"{args.heads} heads x {args.head_dim}, {sp_['dtype']}, {sp_['backend']} kernels: "
           f"forward+backward full causal {sp_['full_s'] * 1e3:.1f} ms, document-masked "
           f"{sp_['masked_s'] * 1e3:.1f} ms; time ratio {sp_['time_ratio']:.4f}, work ratio "
@@ -186,6 +189,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=50, help="samples per (seq, sp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speed-seq", type=int, default=8192, help="speed check: tokens")
+    parser.add_argument("--rows", type=int, default=1,
+                        help="speed check: packed rows in the batch (each its own sample)")
     parser.add_argument("--heads", type=int, default=4, help="speed check: heads")
     parser.add_argument("--head-dim", type=int, default=64, help="speed check: head size")
     parser.add_argument("--repeats", type=int, default=3, help="speed check: timed rounds")

@@ -5,6 +5,7 @@
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
 # Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents profile micro
+# (and `tests`, not run by default: kernels and engine1..8 side by side, for a short lease)
 # (the results, logs and JSON, also land in OUT_DIR/all.tgz: one file to bring back)
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
@@ -62,20 +63,41 @@ if has gate; then
   tail -5 "$OUT/gate.log"; record gate $rc
 fi
 
+kernels_stage() {   # tests/gpu on one rank (PYTEST_ADDOPTS may spread it over processes)
+  timeout 600 $PY -m pytest -q -p no:cacheprovider --color=no tests/gpu > "$OUT/kernels.log" 2>&1
+  local rc=$?; tail -15 "$OUT/kernels.log"; record kernels $rc
+}
+engine_stage() {    # tests/gpu --only-mpi on $1 ranks sharing the GPU
+  local n=$1 launch=()
+  [ "$n" = 1 ] || launch=(mpiexec -n "$n")
+  timeout 900 "${launch[@]}" $PY -m pytest -q -p no:cacheprovider --color=no -p pytest_mpi \
+      --only-mpi tests/gpu > "$OUT/engine$n.log" 2>&1
+  local rc=$?; grep -a -E "passed|failed|error" "$OUT/engine$n.log" | tail -3; record "engine$n" $rc
+}
+
 if has kernels; then
   stage "kernels (tests/gpu, one rank)"
-  timeout 600 $PY -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/kernels.log" 2>&1; rc=$?
-  tail -15 "$OUT/kernels.log"; record kernels $rc
+  kernels_stage
 fi
 
 for n in 1 2 4 8; do
   has "engine$n" || continue
   stage "engine on $n rank(s) sharing the GPU (tests/gpu --only-mpi)"
-  if [ "$n" = 1 ]; then launch=(); else launch=(mpiexec -n "$n"); fi
-  timeout 900 "${launch[@]}" $PY -m pytest -q -p no:cacheprovider -p pytest_mpi --only-mpi tests/gpu \
-      > "$OUT/engine$n.log" 2>&1; rc=$?
-  grep -E "passed|failed|error" "$OUT/engine$n.log" | tail -3; record "engine$n" $rc
+  engine_stage "$n"
 done
+
+if has tests; then   # kernels and engine1..8 side by side: about 4 minutes instead of 7-8
+  stage "tests: tests/gpu on one rank (4 processes) beside --only-mpi on 8 and 4 ranks, then 2 and 1"
+  xd=""; $PY -c "import xdist" 2>/dev/null && xd="-n 4"
+  (PYTEST_ADDOPTS="$xd" kernels_stage > "$OUT/tests_kernels.out" 2>&1) &
+  (engine_stage 8 > "$OUT/tests_engine8.out" 2>&1) &
+  (engine_stage 4 > "$OUT/tests_engine4.out" 2>&1) &
+  wait
+  (engine_stage 2 > "$OUT/tests_engine2.out" 2>&1) &
+  (engine_stage 1 > "$OUT/tests_engine1.out" 2>&1) &
+  wait
+  cat "$OUT"/tests_*.out
+fi
 
 if has train; then
   stage "train: --device cuda against the CPU, float32, 50 steps, 8 ranks"

@@ -1,10 +1,13 @@
-"""CuPy on demand for the float32/float64 GPU kernels (`cupy_gpu`, `flash_exact`): whether it can
+"""CuPy on demand for the GPU kernels (`cupy_gpu`, `flash_exact`, `flash_mma`): whether it can
 run here, the module itself (imported on first use, so the package imports cleanly without CuPy
-or a GPU), the check of a kernel's float arrays and their C type names."""
+or a GPU), the check of a kernel's float arrays and their C type names, and the host/device
+moves of their small tables."""
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from .numpy_ref import Array, require
 
@@ -45,3 +48,19 @@ def device_float(a: Array, name: str) -> Array:
 def ctype(dtype: Any) -> str:
     """The C type ("float" or "double") of a float32 or float64 dtype."""
     return CTYPES[array_module().dtype(dtype).itemsize]
+
+
+def host_array(a: Any) -> np.ndarray:
+    """``a`` as a NumPy array (copied from the device if it is a CuPy array)."""
+    cupy = array_module()
+    return cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else np.asarray(a)
+
+
+def device_views(parts: Sequence[np.ndarray]) -> list[Array]:
+    """Host arrays of one dtype on the device in one copy: flat views, in order, of one array."""
+    flat = array_module().asarray(np.concatenate([np.ravel(a) for a in parts]))
+    views, at = [], 0
+    for a in parts:
+        views.append(flat[at:at + np.size(a)])
+        at += np.size(a)
+    return views

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import numpy_ref as ref
-from .cupy_arrays import array_module, ctype, device_float
+from .cupy_arrays import array_module, ctype, device_float, device_views, host_array
 from .numpy_ref import Array, require
 
 _THREADS = 256
@@ -473,18 +473,13 @@ def document_tables(q_docs: Array, k_docs: Array, head_dim: int, dtype: Any) -> 
     Found on the host; the attention seam keeps them for a microbatch's layers
     (`mpipar.model.attention.kernel_documents`), so that each layer pays no host work for them."""
     cupy = array_module()
-    host = [cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else np.asarray(a)
-            for a in (q_docs, k_docs)]
+    host = [host_array(a) for a in (q_docs, k_docs)]
     require(host[0].ndim == 2 and host[1].ndim == 2 and host[0].shape[0] == host[1].shape[0],
             f"attention: q_docs {host[0].shape} and k_docs {host[1].shape} must be [B, Sq] and "
             f"[B, Sk]")
     rows = _THREADS // flash_config(head_dim, np.dtype(dtype).itemsize)[0]
     parts = [*_blocks(host[0], host[1], rows), *_blocks(host[1], host[0], rows)]
-    flat = cupy.asarray(np.concatenate([a.ravel() for a in parts]))
-    views, at = [], 0
-    for a in parts:
-        views.append(flat[at:at + a.size])
-        at += a.size
+    views = device_views(parts)
     side = lambda v, starts: ((*v, cupy.int32(starts.shape[1])),  # noqa: E731
                               max(1, starts.shape[1] - 1))
     return {"q": side(views[:3], parts[2]), "k": side(views[3:], parts[5])}

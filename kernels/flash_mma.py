@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import numpy_ref as ref
+from .cupy_arrays import device_views, host_array
 from .flash_mma_cuda import SOURCE as _SOURCE
 from .numpy_ref import Array, require
 
@@ -193,16 +194,9 @@ def document_tables(q_docs: Array, k_docs: Array, head_dim: int = 0, dtype: Any 
     (host or device): {"q": (klo, khi) for the forward and dq, "k": (qlo, qhi) for dk/dv}, in
     device memory (one copy). The blocks stay the fixed grid; a block reads only the keys (dk/dv:
     queries) of its rows' documents, and each warp skips the tiles its rows' documents miss.
-    The attention seam keeps them per microbatch (`mpipar.model.attention.kernel_documents`)."""
-    import cupy
-
-    host = [cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a for a in (q_docs, k_docs)]
-    parts = document_bounds(*host)
-    flat = cupy.asarray(np.concatenate([a.ravel() for a in parts]))
-    views, at = [], 0
-    for a in parts:
-        views.append(flat[at:at + a.size])
-        at += a.size
+    The attention seam keeps them per microbatch (`mpipar.model.attention.kernel_documents`);
+    ``head_dim`` and ``dtype`` are the seam's arguments, on which these tables do not depend."""
+    views = device_views(document_bounds(host_array(q_docs), host_array(k_docs)))
     return {"q": tuple(views[:2]), "k": tuple(views[2:])}
 
 

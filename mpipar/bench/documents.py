@@ -80,16 +80,19 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
     sync = copies_for(kernels.xp is not np).sync       # waits for the device's stream (host: no-op)
 
-    def step(kb, positions) -> tuple[float, float]:
+    def step(kb, positions) -> tuple[float, float, float]:
         """Wall and process CPU seconds (all threads) of one forward + backward (on a GPU, wall
-        from the device idle to the device done)."""
+        from the device idle to the device done), and the host's seconds to issue it (to the
+        last launch's return, before the wait: on a GPU, a step whose issue time is near its
+        wall time is bound by the host's dispatch, not by the kernels)."""
         core = LocalAttention(kb)
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
         out, saved = core.forward(q, k, v, positions)
         core.backward(dout, q, k, v, out, saved)
+        issued = time.perf_counter() - t0
         sync()
-        return time.perf_counter() - t0, time.process_time() - c0
+        return time.perf_counter() - t0, time.process_time() - c0, issued
 
     docs_pos = DocumentPositions.of(np.arange(seq), docs)
     variants = {"full": (kernels, np.arange(seq)), "masked": (kernels, docs_pos)}
@@ -103,10 +106,10 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.repeats):                # interleaved: the variants take turns, round
         for name, (kb, pos) in variants.items():  # by round, under the same load
             times[name].append(step(kb, pos))
-    best = {name: np.min(t, axis=0) for name, t in times.items()}   # best wall, best CPU
-    full, full_cpu = best["full"]
-    masked, masked_cpu = best["masked"]
-    per_doc, per_doc_cpu = best.get("per_doc", (None, None))
+    best = {name: np.min(t, axis=0) for name, t in times.items()}   # best wall, CPU, issue
+    full, full_cpu, full_issue = best["full"]
+    masked, masked_cpu, masked_issue = best["masked"]
+    per_doc, per_doc_cpu, _ = best.get("per_doc", (None, None, None))
     rounds = np.array(times["masked"]) / np.array(times["full"])    # each round's own ratio
     work = float(token_work(docs).sum() / (args.rows * seq * (seq + 1) / 2))
     return {**entries(docs, args.head_dim, dtype.itemsize), "dtype": args.dtype, "seq": seq,
@@ -118,6 +121,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             "work_ratio": work, "time_over_work": masked / full / work,
             "full_cpu_s": full_cpu, "masked_cpu_s": masked_cpu,
             "cpu_over_work": masked_cpu / full_cpu / work,
+            "full_issue_s": full_issue, "masked_issue_s": masked_issue,
             "per_document_calls_s": per_doc, "per_document_cpu_s": per_doc_cpu,
             "per_document_time_over_work": per_doc and per_doc / full / work,
             "per_document_cpu_over_work": per_doc and per_doc_cpu / full_cpu / work}
@@ -168,6 +172,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  CPU time (all threads): full causal {sp_['full_cpu_s'] * 1e3:.1f} ms, "
           f"document-masked {sp_['masked_cpu_s'] * 1e3:.1f} ms, "
           f"cpu/work {sp_['cpu_over_work']:.2f}")
+    if sp_["backend"] == "cupy":
+        print(f"  host time to issue the step (before the wait for the device): full causal "
+              f"{sp_['full_issue_s'] * 1e3:.2f} ms, document-masked "
+              f"{sp_['masked_issue_s'] * 1e3:.2f} ms of its {sp_['masked_s'] * 1e3:.2f} ms")
     print(f"  score entries computed / intra-document pairs (the kernels' loop bounds): Numba "
           f"tiles {sp_['numba_entries_over_pairs']:.3f}, GPU flash warps "
           f"{sp_['gpu_entries_over_pairs']:.3f}, GPU bf16 slabs "

@@ -182,20 +182,15 @@ if has documents; then
   timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
       --backend cupy --json "$OUT/documents.json" > "$OUT/documents.log" 2>&1; rc=$?
   tail -7 "$OUT/documents.log"; record documents $rc
-  # float32 on a batch of 8 rows x 32 heads: 64 times the row's work for the same launches, so
-  # the time says what the kernels cost where the host's dispatch does not dominate
-  timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
-      --backend cupy --rows 8 --heads 32 --json "$OUT/documents_f32_r8_h32.json" \
-      > "$OUT/documents_f32_r8_h32.log" 2>&1; rc=$?
-  tail -7 "$OUT/documents_f32_r8_h32.log"; record documents_f32_r8_h32 $rc
-  # bf16: flash_mma with the document ids; the bench's row (4 heads), a model's heads (32), and
-  # a batch of 8 such rows (the host's dispatch per call weighs less against more work)
-  for shape in "1 4" "1 32" "8 32"; do
-    read -r rows heads <<< "$shape"; tag=r${rows}_h$heads
+  # float32 on a batch of 8 rows x 32 heads (64 times the row's work for the same launches: what
+  # the kernels cost where the host's dispatch does not dominate); bf16 (flash_mma with the
+  # document ids) on the bench's row (4 heads), a model's heads (32) and a batch of 8 such rows
+  for shape in "float32 f32 8 32" "bfloat16 bf16 1 4" "bfloat16 bf16 1 32" "bfloat16 bf16 8 32"; do
+    read -r dtype short rows heads <<< "$shape"; tag=documents_${short}_r${rows}_h$heads
     timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
-        --backend cupy --dtype bfloat16 --rows $rows --heads $heads --json "$OUT/documents_bf16_$tag.json" \
-        > "$OUT/documents_bf16_$tag.log" 2>&1; rc=$?
-    tail -7 "$OUT/documents_bf16_$tag.log"; record documents_bf16_$tag $rc
+        --backend cupy --dtype $dtype --rows $rows --heads $heads --json "$OUT/$tag.json" \
+        > "$OUT/$tag.log" 2>&1; rc=$?
+    tail -7 "$OUT/$tag.log"; record $tag $rc
   done
 fi
 

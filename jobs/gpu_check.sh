@@ -184,12 +184,16 @@ if has documents; then
   tail -7 "$OUT/documents.log"; record documents $rc
   # float32 on a batch of 8 rows x 32 heads (64 times the row's work for the same launches: what
   # the kernels cost where the host's dispatch does not dominate); bf16 (flash_mma with the
-  # document ids) on the bench's row (4 heads), a model's heads (32) and a batch of 8 such rows
-  for shape in "float32 f32 8 32" "bfloat16 bf16 1 4" "bfloat16 bf16 1 32" "bfloat16 bf16 8 32"; do
-    read -r dtype short rows heads <<< "$shape"; tag=documents_${short}_r${rows}_h$heads
+  # document ids) on the bench's row (4 heads), a model's heads (32) and a batch of 8 such rows,
+  # against cuDNN's full causal step (auto, as in training) and, on the batch, against
+  # flash_mma's own (mpipar: the kernel's masking alone)
+  for shape in "float32 f32 8 32 auto" "bfloat16 bf16 1 4 auto" "bfloat16 bf16 1 32 auto" \
+               "bfloat16 bf16 8 32 auto" "bfloat16 bf16 8 32 mpipar"; do
+    read -r dtype short rows heads att <<< "$shape"; tag=documents_${short}_r${rows}_h$heads
+    [ "$att" = auto ] || tag=${tag}_$att
     timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
-        --backend cupy --dtype $dtype --rows $rows --heads $heads --json "$OUT/$tag.json" \
-        > "$OUT/$tag.log" 2>&1; rc=$?
+        --backend cupy --dtype $dtype --rows $rows --heads $heads --attention $att \
+        --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
     tail -7 "$OUT/$tag.log"; record $tag $rc
   done
 fi

@@ -63,7 +63,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     """Seconds of attention forward + backward with and without document masking, under the
     training engine's allocator policy (`pool_freed_memory`: freed arrays are the next call's
     memory, no fresh pages per call, as in a training step)."""
-    from mpipar.kernels import get_backend
+    from mpipar.kernels import get_backend, with_attention
     from mpipar.runtime.memory import pool_freed_memory
     from mpipar.runtime.precision import numpy_dtype
     from mpipar.runtime.staging import copies_for
@@ -74,7 +74,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     seq, rng = args.speed_seq, np.random.default_rng(args.seed)
     docs = np.concatenate([packed_documents(seq, args.median, args.sigma, rng)
                            for _ in range(args.rows)])
-    kernels = get_backend(args.backend)
+    kernels, chosen = with_attention(get_backend(args.backend), args.attention, args.head_dim)
     shape = (args.rows, seq, args.heads, args.head_dim)
     dtype = numpy_dtype(args.dtype)
     q, k, v, dout = (kernels.xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
@@ -114,7 +114,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     work = float(token_work(docs).sum() / (args.rows * seq * (seq + 1) / 2))
     return {**entries(docs, args.head_dim, dtype.itemsize), "dtype": args.dtype, "seq": seq,
             "rows": args.rows, "documents": int(sum(r.max() + 1 for r in docs)),
-            "backend": kernels.name, "rounds": args.repeats,
+            "backend": kernels.name, "attention": chosen, "rounds": args.repeats,
             "round_time_over_work_median": float(np.median(rounds[:, 0]) / work),
             "round_cpu_over_work_median": float(np.median(rounds[:, 1]) / work),
             "full_s": full, "masked_s": masked, "time_ratio": masked / full,
@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"forward+backward full causal {sp_['full_s'] * 1e3:.1f} ms, document-masked "
           f"{sp_['masked_s'] * 1e3:.1f} ms; time ratio {sp_['time_ratio']:.4f}, work ratio "
           f"{sp_['work_ratio']:.4f}, time/work {sp_['time_over_work']:.2f} (target <= 1.2)")
+    print(f"  {sp_['attention']}")
     print(f"  {sp_['rounds']} interleaved rounds, each round's masked / full causal over the work "
           f"ratio, median: wall {sp_['round_time_over_work_median']:.2f}, "
           f"CPU {sp_['round_cpu_over_work_median']:.2f}")
@@ -205,6 +206,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"),
                         help="speed check: the arrays' dtype (bfloat16 on a GPU: mpipar's "
                              "flash_mma, which takes the document ids)")
+    parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "mpipar"),
+                        help="speed check, bf16 on a GPU: the full causal step's attention "
+                             "(auto: cuDNN where it takes the call, as in training; mpipar: "
+                             "flash_mma for both, the kernel's own masking against itself)")
     parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy", "cupy"),
                         help="speed check: kernels (auto: cupy with a GPU, else numba)")
 

@@ -73,7 +73,8 @@ def test_precision_means_over_seeds_and_per_seed_differences():
 def test_documents_speed_ratios_rest_on_a_brute_force_pair_count():
     """``documents``'s speed row on the CPU: the work ratio is the intra-document causal pairs
     over the full causal pairs, counted here pair by pair from the ids; the reported ratios are
-    the measured times over it; and the host's issue time is no more than the wall time."""
+    the measured times over it; the host's issue time is no more than the wall time; and a
+    bf16 attention choice (``--attention cudnn``, a GPU's) leaves the CPU's kernels as they are."""
     import argparse
 
     import numpy as np
@@ -81,13 +82,15 @@ def test_documents_speed_ratios_rest_on_a_brute_force_pair_count():
     from mpipar.bench.documents import packed_documents, speed
 
     args = argparse.Namespace(speed_seq=96, median=12.0, sigma=1.0, seed=3, rows=2, heads=2,
-                              head_dim=16, dtype="float64", backend="numba", repeats=2)
+                              head_dim=16, dtype="float64", backend="numba", repeats=2,
+                              attention="cudnn")
     got = speed(args)
     rng = np.random.default_rng(3)
     docs = np.concatenate([packed_documents(96, 12.0, 1.0, rng) for _ in range(2)])
     pairs = sum(int(row[i] == row[j]) for row in docs for i in range(96) for j in range(i + 1))
     assert got["work_ratio"] == pytest.approx(pairs / (2 * 96 * 97 / 2), rel=1e-12)
     assert got["documents"] == sum(int(r.max()) + 1 for r in docs)
+    assert got["backend"] == "numba" and got["attention"] == "attention: numba kernels"
     assert got["time_over_work"] == pytest.approx(got["masked_s"] / got["full_s"] / pairs
                                                   * (2 * 96 * 97 / 2), rel=1e-12)
     for name in ("full", "masked"):

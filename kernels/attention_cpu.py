@@ -62,6 +62,7 @@ consecutive tasks of equal work (`work_shares`), not an equal count: documents d
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from numba import get_num_threads, njit, prange
@@ -699,14 +700,16 @@ def _bwd_outputs(q_shape: tuple, k_shape: tuple, dt: np.dtype) -> tuple[np.ndarr
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
                   scale: float | None = None, window: int = 0, q_docs: Array | None = None,
-                  k_docs: Array | None = None) -> tuple[Array, Array, Array]:
+                  k_docs: Array | None = None, grad_dtype: Any = None
+                  ) -> tuple[Array, Array, Array]:
     """Blockwise flash-attention backward from the given (possibly merged) out and lse (sliding
     `window` and packed documents included, as `attention_fwd`).
 
     Same contract as `numpy_ref.attention_bwd`: dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`
-    (C-contiguous).
+    (C-contiguous; in ``grad_dtype`` when asked, `numpy_ref.grad_dtype_of`).
     """
     q, k, v, dt = _inputs(q, k, v, "attention_bwd")
+    grads = ref.grad_dtype_of(dt, grad_dtype)
     ref.check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
     require(out.shape == q.shape and dout.shape == q.shape and lse.shape == (b, hq, sq),
@@ -725,7 +728,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
                    delta, dout, int(q_offset), int(k_offset),
                    bool(causal), int(window), klo, khi, qend, dt.type(ref.attention_scale(d, scale)),
                    *document_blocks(qend, bq), *document_blocks(kend, bk), spans, nspan, shares, dq, dk, dv)
-    return dq, dk, dv
+    return dq.astype(grads, copy=False), dk.astype(grads, copy=False), dv.astype(grads, copy=False)
 
 
 # The seam (mpipar.model.attention.attend_fwd) hands these kernels a block's document ids in one

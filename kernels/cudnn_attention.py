@@ -497,14 +497,18 @@ def _bf16_grads(plan: MaskPlan, q: Array, k: Array) -> tuple[Array, Array, Array
 
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
-                  scale: float | None = None, window: int = 0) -> tuple[Array, Array, Array]:
+                  scale: float | None = None, window: int = 0, grad_dtype: Any = None
+                  ) -> tuple[Array, Array, Array]:
     """numpy_ref.attention_bwd on bf16 CuPy arrays through cuDNN's sdpa_backward.
 
     q, out, dout: `[B, Sq, Hq, D]` bf16, k, v: `[B, Sk, Hkv, D]` bf16, lse: `[B, Hq, Sq]` float32
     (``out``/``lse`` may be merged over several key blocks) -> dq `[B, Sq, Hq, D]`, dk, dv
-    `[B, Sk, Hkv, D]`, float32. Rows that see no key here get dq 0, keys no row sees dk = dv = 0.
+    `[B, Sk, Hkv, D]`, float32, or bf16 when ``grad_dtype`` asks (cuDNN writes bf16: then its
+    buffers are returned as they are, no float32 copy). Rows that see no key here get dq 0, keys
+    no row sees dk = dv = 0.
     """
     import cupy
+    grads = ref.grad_dtype_of(q.dtype, grad_dtype)
     ref.check_attention_shapes(q, k, v, "attention_bwd")
     ref.check_window(window, causal, "attention_bwd")
     _check_bf16("attention_bwd", q=q, k=k, v=v, out=out, dout=dout)
@@ -514,8 +518,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
             f"{lse.shape} must be {(b, hq, sq)}")
     plan = _checked_plan(q, k, q_offset, k_offset, causal, window, "attention_bwd")
     if plan.empty or b == 0:
-        return (cupy.zeros(q.shape, np.float32), cupy.zeros(k.shape, np.float32),
-                cupy.zeros(k.shape, np.float32))
+        return cupy.zeros(q.shape, grads), cupy.zeros(k.shape, grads), cupy.zeros(k.shape, grads)
     (r0, r1), (c0, c1) = plan.rows, plan.cols
     ins = {"q": _aligned(q[:, r0:r1]), "k": _aligned(k[:, c0:c1]), "v": _aligned(v[:, c0:c1]),
            "o": _aligned(out[:, r0:r1]), "do": _aligned(dout[:, r0:r1]),
@@ -524,12 +527,12 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     spec = backward_spec(plan, ref.attention_scale(d, scale), {**ins, **outs}, GRAD_DTYPE)
     _execute(spec, {**ins, **outs})
     if (r0, r1, c0, c1) == (0, sq, 0, k.shape[1]):   # every row and key: no zero margins
-        return tuple(outs[n].astype(np.float32) for n in ("dq", "dk", "dv"))
-    dq = cupy.zeros(q.shape, np.float32)
-    dk, dv = cupy.zeros(k.shape, np.float32), cupy.zeros(k.shape, np.float32)
-    dq[:, r0:r1] = outs["dq"].astype(np.float32)
-    dk[:, c0:c1] = outs["dk"].astype(np.float32)
-    dv[:, c0:c1] = outs["dv"].astype(np.float32)
+        return tuple(outs[n].astype(grads, copy=False) for n in ("dq", "dk", "dv"))
+    dq = cupy.zeros(q.shape, grads)
+    dk, dv = cupy.zeros(k.shape, grads), cupy.zeros(k.shape, grads)
+    dq[:, r0:r1] = outs["dq"]
+    dk[:, c0:c1] = outs["dk"]
+    dv[:, c0:c1] = outs["dv"]
     return dq, dk, dv
 
 

@@ -534,11 +534,11 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
                   scale: float | None = None, window: int = 0, q_docs: Array | None = None,
-                  k_docs: Array | None = None, tables: dict | None = None
+                  k_docs: Array | None = None, tables: dict | None = None, grad_dtype: Any = None
                   ) -> tuple[Array, Array, Array]:
     """Flash attention backward for one key block given the (possibly ring-merged) out and lse
-    (`numpy_ref.attention_bwd`'s contract, packed documents included): q, out, dout
-    `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]`, lse `[B, Hq, Sq]` -> dq like q, dk, dv like k; dq
+    (`numpy_ref.attention_bwd`'s contract, packed documents and ``grad_dtype`` included): q, out,
+    dout `[B, Sq, Hq, D]`, k, v `[B, Sk, Hkv, D]`, lse `[B, Hq, Sq]` -> dq like q, dk, dv like k; dq
     by query rows, dk and dv by key rows (summed over each kv head's query heads), without
     atomics; with documents, blocks of query rows and of key rows that follow them. The dq
     kernel finds delta = rowsum(dout * out) for its rows and leaves it to the dk/dv kernel: two
@@ -551,6 +551,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
             f"attention_bwd: out {out.shape}, dout {dout.shape} must be {q.shape} and lse "
             f"{lse.shape} must be {(b, hq, sq)}")
     device_float(q, "attention_bwd")
+    grads = ref.grad_dtype_of(q.dtype, grad_dtype)
     cupy = array_module()
     acc = cupy.dtype(ref.stat_dtype(q.dtype))
     q, k, v, dout = (cupy.ascontiguousarray(a, q.dtype) for a in (q, k, v, dout))
@@ -569,7 +570,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
         docs, blocks = tables["k"] if tables else _no_documents(k.shape[1], rows)
         kernel((blocks, b * k.shape[2]), (_THREADS,),
                (q, k, v, dout, lse, delta, dk, dv, *args, *docs))
-    return dq, dk, dv
+    return dq.astype(grads, copy=False), dk.astype(grads, copy=False), dv.astype(grads, copy=False)
 
 
 attention_fwd.block_sparse_documents = attention_bwd.block_sparse_documents = True

@@ -54,25 +54,39 @@ LOG2E = 1.4426950408889634
 def _names(head_dim: int) -> dict[str, str]:
     """The template instantiations launched for `head_dim`, by role; each attention kernel also
     as "ROLE_docs", its packed-document instantiation (the plain one carries none of that code,
-    so full causal runs as it was timed before documents)."""
+    so full causal runs as it was timed before documents); the backward's two kernels each also
+    as "ROLE_bf16" and "ROLE_docs_bf16", writing bf16 gradients (`attention_bwd`'s
+    ``grad_dtype``)."""
     t = _TILES[head_dim]
     w, mt, bk, minb, qreg = t["fwd"]
     dw, dbk, dminb, dqreg = t["dq"]
     kw, kbq, kminb, knarrow = t["dkdv"]
     qreg, dqreg, knarrow = (str(bool(x)).lower() for x in (qreg, dqreg, knarrow))
     names = {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {qreg}, @>",
-             "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {dqreg}, @>",
-             "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}, {knarrow}, @>"}
+             "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {dqreg}, @, float>",
+             "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}, {knarrow}, @, float>"}
+    names.update({r + "_bf16": names[r].replace("float>", "bf16_t>") for r in ("dq", "dkdv")})
     return {**{r: n.replace("@", "false") for r, n in names.items()},
-            **{r + "_docs": n.replace("@", "true") for r, n in names.items()},
+            **{_role(r, True, r.endswith("_bf16")): n.replace("@", "true")
+               for r, n in names.items()},
             "delta": f"attn_delta<{head_dim}>"}
+
+
+def _role(base: str, docs: bool, bf16: bool) -> str:
+    """The role name of kernel ``base`` (fwd, dq, dkdv) with documents and bf16 gradients."""
+    return base.removesuffix("_bf16") + ("_docs" if docs else "") + ("_bf16" if bf16 else "")
+
+
+def _base(role: str) -> str:
+    """The kernel a role instantiates: fwd, dq, dkdv or delta."""
+    return role.removesuffix("_bf16").removesuffix("_docs")
 
 
 def _smem_bytes(head_dim: int, role: str) -> int:
     """Dynamic shared memory of a kernel: bf16 rows of head_dim + 8 (see the CUDA source)."""
     row = (head_dim + 8) * 2
     t = _TILES[head_dim]
-    base = role.removesuffix("_docs")
+    base = _base(role)
     if base == "fwd":
         w, mt, bk = t["fwd"][:3]
         return (16 * mt * w + 4 * bk) * row
@@ -84,7 +98,7 @@ def _smem_bytes(head_dim: int, role: str) -> int:
 
 def _threads(head_dim: int, role: str) -> int:
     return 32 * (_DELTA_WARPS if role == "delta" else
-                 _TILES[head_dim][role.removesuffix("_docs")][0])
+                 _TILES[head_dim][_base(role)][0])
 
 
 def cuda_sources() -> list[dict[str, Any]]:
@@ -303,15 +317,18 @@ def attention_delta(out: Array, dout: Array) -> Array:
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
                   scale: float | None = None, window: int = 0, q_docs: Array | None = None,
-                  k_docs: Array | None = None, tables: dict | None = None
+                  k_docs: Array | None = None, tables: dict | None = None, grad_dtype: Any = None
                   ) -> tuple[Array, Array, Array]:
     """Flash attention backward in bf16 (`numpy_ref.attention_bwd`'s contract, packed documents
     as `attention_fwd`) for one key block, given the (possibly ring-merged) out bf16 and lse
     float32 `[B, Hq, Sq]`: dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]` in float32 (dk, dv
-    summed over each kv group's query heads)."""
+    summed over each kv group's query heads), or in bf16 when ``grad_dtype`` asks: the kernels
+    then round them as they write them (the bits of the float32 result's cast, half the bytes)."""
     import cupy
 
     sc = _check("attention_bwd", q, k, v, causal, window, scale, (out, dout))
+    grads = ref.grad_dtype_of(q.dtype, grad_dtype)
+    bf16 = ref.is_bf16(grads)
     docs = _documents(q_docs, k_docs, tables, q, k)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -320,17 +337,15 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
             f"{lse.shape} must be {(b, hq, sq)}")
     require(out.dtype == q.dtype and dout.dtype == q.dtype, "attention_bwd: out, dout must be bf16")
     lse = cupy.ascontiguousarray(lse, cupy.float32)
-    dq = cupy.empty(q.shape, cupy.float32)
-    dk = cupy.empty(k.shape, cupy.float32)
-    dv = cupy.empty(k.shape, cupy.float32)
+    dq, dk, dv = cupy.empty(q.shape, grads), cupy.empty(k.shape, grads), cupy.empty(k.shape, grads)
     args = (q, k, v, dout, lse, attention_delta(out, dout))
     tail = (*_mask_args(q, k, q_offset, k_offset, causal, window), cupy.float32(sc * LOG2E),
             cupy.float32(sc))
     if dq.size:
-        _launch(d, "dq_docs" if docs else "dq", (-(-sq // (16 * _TILES[d]["dq"][0])) * hq * b,),
+        _launch(d, _role("dq", bool(docs), bf16), (-(-sq // (16 * _TILES[d]["dq"][0])) * hq * b,),
                 (*args, dq, *tail, *(docs["q"] if docs else _no_documents())))
     if dk.size:
-        _launch(d, "dkdv_docs" if docs else "dkdv",
+        _launch(d, _role("dkdv", bool(docs), bf16),
                 (-(-sk // (16 * _TILES[d]["dkdv"][0])) * hkv * b,),
                 (*args, dk, dv, *tail, *(docs["k"] if docs else _no_documents())))
     return dq, dk, dv

@@ -20,7 +20,9 @@ The kernels:
   looping over the query tiles of every query head of its kv group, so the GQA sum stays in
   registers). The price is recomputing S and dP once more (7 GEMM passes instead of 5); the gains
   are bit-reproducible gradients, no zero-fill of dq, no float32 atomic traffic, and dq written
-  once in float32 as the contract asks. `attn_delta` computes D = rowsum(dout * out) in float32
+  once. Both write their gradients as `GradT`: float32 (the contract's default, for callers that sum
+  them over ring steps) or bf16 (`grad_dtype`: rounded once in the kernel, the same bits as the
+  caller's cast of the float32 result, and half the bytes, with no cast pass after). `attn_delta` computes D = rowsum(dout * out) in float32
   from the given (merged) out.
 - Packed documents (optional; null pointers without): per query row the keys [klo, khi) of its
   document, per key row the queries [qlo, qhi) of its document (int32 `[B, S]`, non-decreasing
@@ -77,6 +79,14 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+// Two adjacent gradient elements: float32 (a ring hop's part, summed by the caller) or bf16
+// (rounded once, as the caller's cast would: a gradient kept as it is).
+__device__ __forceinline__ void store2(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void store2(bf16_t* p, float a, float b) {
+    *reinterpret_cast<u32*>(p) = pack2(a, b);
 }
 __device__ __forceinline__ float exp2a(float x) {
     float y;
@@ -452,11 +462,11 @@ __global__ void attn_delta(const bf16_t* __restrict__ out, const bf16_t* __restr
 __device__ __forceinline__ float lse2_of(float x) { return x == NEG_INF ? POS_INF : x * LOG2E_F; }
 
 // dq = scale * dS K for 16 * WARPS query rows of one head, over the visible key tiles (BK rows).
-template <int D, int WARPS, int BK, int MINB, bool QREG, bool DOCS>
+template <int D, int WARPS, int BK, int MINB, bool QREG, bool DOCS, typename GradT>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
              const bf16_t* __restrict__ v, const bf16_t* __restrict__ dout,
-             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
+             const float* __restrict__ lse, const float* __restrict__ delta, GradT* __restrict__ dq,
              int Sq, int Sk, int Hq, int Hkv, long long q_off, long long k_off, int causal,
              long long window, float scale_log2, float scale, const int* __restrict__ klo,
              const int* __restrict__ khi) {
@@ -580,11 +590,10 @@ flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     for (int rh = 0; rh < 2; ++rh) {
         const int row = r0 + rh * 8;
         if (row >= Sq) continue;
-        float* dp_ = dq + ((long long)b * Sq + row) * qstride + (long long)h * D + (lane & 3) * 2;
+        GradT* dp_ = dq + ((long long)b * Sq + row) * qstride + (long long)h * D + (lane & 3) * 2;
 #pragma unroll
         for (int dn = 0; dn < ND; ++dn)
-            *reinterpret_cast<float2*>(dp_ + dn * 8) = make_float2(acc[dn][2 * rh] * scale,
-                                                                   acc[dn][2 * rh + 1] * scale);
+            store2(dp_ + dn * 8, acc[dn][2 * rh] * scale, acc[dn][2 * rh + 1] * scale);
     }
 }
 
@@ -608,12 +617,12 @@ __device__ __forceinline__ void load_q_tile(bf16_t* qs, bf16_t* ds, float* ls, f
 // dv = P^T dO, dk = scale * dS^T Q for 16 * WARPS key rows of one kv head, over the query tiles
 // (BQ rows) of every query head of its group that can see them. Per query tile S^T, P, dV, then
 // dP^T, dS, dK: P's bf16 fragments die before dP^T is made (fewer live registers: _TILES).
-template <int D, int WARPS, int BQ, int MINB, bool NARROW, bool DOCS>
+template <int D, int WARPS, int BQ, int MINB, bool NARROW, bool DOCS, typename GradT>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                const bf16_t* __restrict__ v, const bf16_t* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta,
-               float* __restrict__ dk, float* __restrict__ dv, int Sq, int Sk, int Hq, int Hkv,
+               GradT* __restrict__ dk, GradT* __restrict__ dv, int Sq, int Sk, int Hq, int Hkv,
                long long q_off, long long k_off, int causal, long long window, float scale_log2,
                float scale, const int* __restrict__ qlo, const int* __restrict__ qhi) {
     constexpr int BKV = 16 * WARPS, NT = 32 * WARPS, SROW = D + 8, NQ = BQ / 8, ND = D / 8;
@@ -721,10 +730,8 @@ flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         const long long at = ((long long)b * Sk + row) * kstride + (long long)hk * D + (lane & 3) * 2;
 #pragma unroll
         for (int dn = 0; dn < ND; ++dn) {
-            *reinterpret_cast<float2*>(dk + at + dn * 8) = make_float2(dka[dn][2 * rh] * scale,
-                                                                       dka[dn][2 * rh + 1] * scale);
-            *reinterpret_cast<float2*>(dv + at + dn * 8) = make_float2(dva[dn][2 * rh],
-                                                                       dva[dn][2 * rh + 1]);
+            store2(dk + at + dn * 8, dka[dn][2 * rh] * scale, dka[dn][2 * rh + 1] * scale);
+            store2(dv + at + dn * 8, dva[dn][2 * rh], dva[dn][2 * rh + 1]);
         }
     }
 }

@@ -150,13 +150,13 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
         return impl.attention_fwd(q, k, v, q_offset, k_offset, causal, scale, window)
 
     def bwd(q, k, v, out, lse, dout, q_offset=0, k_offset=0, causal=True, scale=None, window=0,
-            **documents):
+            grad_dtype=None, **documents):
         if documents:
             return flash_mma.attention_bwd(q, k, v, out, lse, dout, q_offset, k_offset, causal,
-                                           scale, window, **documents)
+                                           scale, window, grad_dtype=grad_dtype, **documents)
         impl = cudnn_attention if takes(q, k, q_offset, k_offset, causal, window) else flash_mma
         return impl.attention_bwd(q, k, v, out, lse, dout, q_offset, k_offset, causal, scale,
-                                  window)
+                                  window, grad_dtype=grad_dtype)
 
     for op in (fwd, bwd):
         op.block_sparse_documents = True

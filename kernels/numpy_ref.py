@@ -35,7 +35,9 @@ With f() the exact upcast and r() that rounding of a float32 value:
   swiglu_bwd           dgate, dup = r(swiglu_bwd's formulas)
   attention_fwd        out = r(softmax(scale f(q) f(k)^T) f(v))   lse
   attention_bwd                                                   dq, dk, dv (from f(q), f(k),
-                                                                  f(v), f(out), lse, f(dout))
+                                                                  f(v), f(out), lse, f(dout));
+                                                                  rounded once when the caller
+                                                                  asks (`grad_dtype_of`)
   attention_merge      out = r(wa f(out_a) + wb f(out_b))         lse
   cross_entropy_stats                                             m, s, t
   cross_entropy_bwd    dlogits = r((softmax - onehot) * dloss)
@@ -76,6 +78,23 @@ def stat_dtype(dtype: Any) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+def grad_dtype_of(dtype: Any, grad_dtype: Any = None) -> np.dtype:
+    """The dtype `attention_bwd` returns dq, dk, dv in for inputs of ``dtype``: by default
+    float64 for float64 inputs, else float32 (callers sum them over ring steps and
+    microbatches); ``grad_dtype`` may ask for that default, or, over a float32 default, for
+    bfloat16: a caller that keeps the gradients as they are (no sum) and would round them to its
+    bf16 activations gets the same bits without the float32 copy (a kernel that can writes them
+    so; the others round their float32 result once). ValueError names any other request."""
+    natural = stat_dtype(dtype)
+    if grad_dtype is None:
+        return natural
+    asked = np.dtype(grad_dtype)
+    require(asked == natural or (natural == np.float32 and is_bf16(asked)),
+            f"attention_bwd: grad_dtype={asked} must be "
+            + ("float32 or bfloat16" if natural == np.float32 else f"{natural} for {natural} inputs"))
+    return asked
+
+
 def is_bf16(dtype: Any) -> bool:
     """Whether `dtype` is bfloat16 (`ml_dtypes.bfloat16`; ml_dtypes need not be importable to ask)."""
     dtype = np.dtype(dtype)
@@ -86,15 +105,16 @@ _NOT_AN_ARRAY = np.dtype(np.float64)
 
 
 def _bf16_array(a: Any) -> bool:
-    """Whether `a` is an array (or scalar) of dtype bfloat16."""
+    """Whether `a` is an array (or scalar) of dtype bfloat16 (a scalar type such as
+    ``np.float32``, whose ``dtype`` is a class attribute, is not)."""
     dtype = getattr(a, "dtype", _NOT_AN_ARRAY)
-    return dtype.kind == "V" and dtype.name == "bfloat16"
+    return isinstance(dtype, np.dtype) and dtype.kind == "V" and dtype.name == "bfloat16"
 
 
 def _any_bf16(values: Any) -> bool:
     """Whether any of `values` is a bfloat16 array (a loop: this runs before every kernel call)."""
     for a in values:
-        if getattr(a, "dtype", _NOT_AN_ARRAY).kind == "V" and _bf16_array(a):
+        if _bf16_array(a):
             return True
     return False
 
@@ -576,7 +596,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                   q_offset: int = 0, k_offset: int = 0, causal: bool = True,
                   scale: float | None = None, window: int = 0, q_docs: Array | None = None,
-                  k_docs: Array | None = None) -> tuple[Array, Array, Array]:
+                  k_docs: Array | None = None, grad_dtype: Any = None) -> tuple[Array, Array, Array]:
     """Gradients of `attention_fwd` for one key block, given the (possibly merged) out and lse
     (with the same causal mask, sliding `window` and documents).
 
@@ -587,8 +607,10 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     dQ = scale dS K, dK = scale dS^T Q; dk, dv are summed over the query heads of each kv group.
     Returns dq `[B, Sq, Hq, D]`, dk, dv `[B, Sk, Hkv, D]`.
     bf16 q, k, v, out, dout (float32 lse): everything in float32 from their upcasts; dq, dk, dv
-    float32 (the callers sum them over ring steps and microbatches).
+    float32 (the callers sum them over ring steps and microbatches), or bf16, rounded once, when
+    ``grad_dtype`` asks (`grad_dtype_of`).
     """
+    grads = grad_dtype_of(q.dtype, grad_dtype)
     check_attention_shapes(q, k, v, "attention_bwd")
     check_window(window, causal, "attention_bwd")
     b, sq, hq, d = q.shape
@@ -620,7 +642,8 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     dk = (xp.matmul(ds.swapaxes(-1, -2), qg).sum(axis=2)) * q.dtype.type(sc)
     dq = xp.matmul(ds, k_h) * q.dtype.type(sc)  # [B, Hkv, G, Sq, D]
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d)
-    return dq, dk.transpose(0, 2, 1, 3).copy(), dv.transpose(0, 2, 1, 3).copy()
+    return tuple(g.astype(grads, order="C", copy=False)
+                 for g in (dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)))
 
 
 @mixed_precision(0)

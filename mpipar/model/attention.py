@@ -43,6 +43,14 @@ def as_activations(grads: tuple[Array, ...], like: Array) -> tuple[Array, ...]:
     return tuple(g.astype(like.dtype, copy=False) for g in grads)
 
 
+def grads_as_activations(like: Array) -> Any:
+    """The ``grad_dtype`` a caller of :func:`attend_bwd` that keeps its gradients as they are
+    (then :func:`as_activations`) asks for: bf16 activations' own dtype (kernels that can write
+    bf16 gradients skip the float32 copy and its cast: the same bits); else None (the kernels'
+    gradients are already the activations' dtype)."""
+    return like.dtype if is_bf16(like.dtype) else None
+
+
 class AttentionCore(Protocol):
     """Causal attention of this rank's queries over the whole (possibly distributed) sequence."""
 
@@ -74,7 +82,7 @@ class LocalAttention:
     def backward(self, dout, q, k, v, out, saved, window: int = 0):
         lse, offset, docs = saved
         return as_activations(attend_bwd(self.kernels, q, k, v, out, lse, dout, offset, offset,
-                                         window, docs), q)
+                                         window, docs, grads_as_activations(q)), q)
 
 
 # ------------------------------------------------------------------------------- packed documents
@@ -229,17 +237,20 @@ def attend_fwd(kernels, q: Array, k: Array, v: Array, qs: int, ks: int, window: 
 
 
 def attend_bwd(kernels, q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
-               qs: int, ks: int, window: int, docs: DocumentPositions | None
-               ) -> tuple[Array, Array, Array] | None:
+               qs: int, ks: int, window: int, docs: DocumentPositions | None,
+               grad_dtype: Any = None) -> tuple[Array, Array, Array] | None:
     """Gradients (dq, dk, dv) of :func:`attend_fwd`'s block given the merged out and lse; None
-    for a block with no same-document pair."""
+    for a block with no same-document pair. ``grad_dtype``: the activations' dtype, from a
+    caller that keeps the gradients as they are (one block, no sum over ring steps): a kernel
+    that can writes them in it (`numpy_ref.grad_dtype_of`); without it, the kernels' float32."""
+    kw = {"window": window} if grad_dtype is None else {"window": window, "grad_dtype": grad_dtype}
     if docs is None:
-        return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, window=window)
+        return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, **kw)
     runs = shared_runs(docs, qs, q.shape[1], ks, k.shape[1], window)
     if not runs:
         return None
     if documents_in_kernel(kernels, q.dtype):
-        return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, window=window,
+        return kernels.attention_bwd(q, k, v, out, lse, dout, qs, ks, True, **kw,
                                      **kernel_documents(docs, qs, q.shape[1], ks, k.shape[1],
                                                         kernels.attention_bwd, q))
     xp, grads = kernels.xp, None

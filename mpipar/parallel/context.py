@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from mpipar.model.attention import (DocumentPositions, accumulator, as_activations, attend_bwd,
-                                    attend_fwd, documents_of, runs_visible, shared_runs)
+                                    attend_fwd, documents_of, grads_as_activations, runs_visible,
+                                    shared_runs)
 from mpipar.runtime.comm import Group
 from mpipar.config import require
 from mpipar.layout import Layout
@@ -668,7 +669,8 @@ class UlyssesAttention:
     def backward(self, dout, q, k, v, out, saved: UlyssesSaved, window: int = 0):
         ex = self.exchange
         grads = attend_bwd(self.kernels, saved.q, saved.k, saved.v, saved.out, saved.lse,
-                           ex.to_heads(dout), 0, 0, window, saved.docs)
+                           ex.to_heads(dout), 0, 0, window, saved.docs,
+                           grads_as_activations(saved.q))
         dq, dk, dv = as_activations(grads, saved.q)
         return ex.to_seq(dq), ex.to_seq(dk), ex.to_seq(dv)
 

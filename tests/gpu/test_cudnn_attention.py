@@ -128,6 +128,14 @@ def _run(b, sq, sk, hq, hkv, d, q_off, k_off, causal, window, key):
         assert got.dtype == np.float32, (name, got.dtype)
         _compare(name, got, want, key, seed)
         _check_masked_zero(got, blind, 1, key, name, seed)
+    # grad_dtype bf16 (the seam's request for gradients it keeps): cuDNN's own bf16 buffers,
+    # the same bits as the float32 gradients rounded back, zero margins included
+    _poison()
+    narrow = ca.attention_bwd(_dev(q), _dev(k), _dev(v), out, lse, _dev(dout), q_off, k_off,
+                              causal, window=window, grad_dtype=np.dtype(_bf16()))
+    for name, got, wide in zip(("dq", "dk", "dv"), narrow, grads):
+        assert got.dtype == np.dtype(_bf16()) and got.shape == wide.shape, (name, got.dtype)
+        assert np.array_equal(_back(got), _back(wide)), f"{key} {name}: bf16 gradients differ"
 
 
 # (sq, sk, q_offset, k_offset, causal, window, (hq, hkv, d)): every ring / zigzag block kind,

@@ -274,6 +274,36 @@ def test_backward_is_deterministic():
     assert all(bool((a == b).all()) for a, b in zip(first, second))
 
 
+@pytest.mark.parametrize("d", (64, 128, 32, 96))
+def test_bf16_gradients_are_the_float32_gradients_rounded(poisoned, d):
+    """``grad_dtype`` bf16 (the seam's request for a gradient it keeps as it is): dq, dk, dv
+    written by the kernels in bf16 are, bit for bit, the float32 kernels' gradients rounded to
+    nearest even (what the seam's cast made of them), every element written (poisoned), on
+    plain, grouped-query, windowed, ring-offset and packed-document calls."""
+    import cupy
+
+    from mpipar.kernels import flash_mma
+    from tests.unit.test_flash_hip_cpu import _cases
+
+    plain = [(n, *CASES[n], None, None) for n in ("causal_129", "ring_diagonal_block",
+                                                   "window_zigzag", "noncausal_200x37")]
+    documents = [c for c in _cases()
+                 if c[0] in ("documents ~7", "documents, window 37", "documents, ring hop")]
+    assert len(documents) == 3
+    for name, b, sq, sk, hq, hkv, qo, ko, causal, window, q_docs, k_docs in plain + documents:
+        q, k, v, do = _dev(*_inputs(_rng("grad_dtype", name, d), b, sq, sk, hq, hkv, d))
+        kw = {} if q_docs is None else {"q_docs": q_docs, "k_docs": k_docs}
+        out, lse = flash_mma.attention_fwd(q, k, v, qo, ko, bool(causal), None, window, **kw)
+        wide = flash_mma.attention_bwd(q, k, v, out, lse, do, qo, ko, bool(causal), None,
+                                       window, **kw)
+        narrow = flash_mma.attention_bwd(q, k, v, out, lse, do, qo, ko, bool(causal), None,
+                                         window, grad_dtype=np.dtype(_bf16()), **kw)
+        for label, w, n in zip(("dq", "dk", "dv"), wide, narrow):
+            assert w.dtype == cupy.float32 and n.dtype == np.dtype(_bf16()), (name, label)
+            assert bool(cupy.array_equal(n.view(cupy.uint16),
+                                         w.astype(_bf16()).view(cupy.uint16))), (name, label)
+
+
 def test_refusals():
     """Non-contiguous views, other dtypes and head dims are refused with a reason."""
     import cupy

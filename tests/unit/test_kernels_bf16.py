@@ -470,6 +470,44 @@ def test_attention_bwd_against_float64(name, rng):
         within(got, want, e32, False)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_attention_bwd_in_the_activations_dtype_is_the_float32_gradients_rounded(name, rng):
+    """``grad_dtype`` bf16 (the seam's request where it keeps the gradients as they are): dq, dk,
+    dv come back in bf16 (C-contiguous), bit for bit the float32 gradients rounded once, with and
+    without packed documents; ``grad_dtype`` float32 is the default itself; a dtype that is
+    neither is refused with the value and the rule, for bf16 and for float64 inputs. The local
+    attention core asks for it under bf16 only, and its gradients keep their bits."""
+    from mpipar.model.attention import LocalAttention, grads_as_activations
+
+    kb = BACKENDS[name]
+    q, k, v = attention_case(rng)
+    dout = bf(rng, *q.shape)
+    ids = np.repeat(np.arange(9), 5)[None].repeat(2, 0)       # documents of 5 keys, [2, 45]
+    for docs in ({}, {"q_docs": ids[:, 8:], "k_docs": ids}):
+        out, lse = kb.attention_fwd(q, k, v, **ATTN, **docs)
+        wide = kb.attention_bwd(q, k, v, out, lse, dout, **ATTN, **docs)
+        same = kb.attention_bwd(q, k, v, out, lse, dout, **ATTN, **docs, grad_dtype=np.float32)
+        narrow = kb.attention_bwd(q, k, v, out, lse, dout, **ATTN, **docs, grad_dtype=BF16)
+        for w, s_, n in zip(wide, same, narrow):
+            assert identical(s_, w) and w.dtype == np.float32
+            assert identical(n, w.astype(BF16)) and n.flags.c_contiguous
+    with pytest.raises(ValueError, match="grad_dtype=float64 must be float32 or bfloat16"):
+        kb.attention_bwd(q, k, v, out, lse, dout, **ATTN, grad_dtype=np.float64)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    o64, l64 = kb.attention_fwd(q64, k64, v64, **ATTN)
+    with pytest.raises(ValueError, match="grad_dtype=bfloat16 must be float64 for float64 inputs"):
+        kb.attention_bwd(q64, k64, v64, o64, l64, dout.astype(np.float64), **ATTN,
+                         grad_dtype=BF16)
+    assert grads_as_activations(q) == BF16 and grads_as_activations(q64) is None
+    core = LocalAttention(kb)
+    qs, ks, vs = q[:, :37], k[:, :37], v[:, :37]               # one local sequence, positions 0..
+    o, saved = core.forward(qs, ks, vs, np.arange(37))
+    got = core.backward(dout, qs, ks, vs, o, saved)
+    want = kb.attention_bwd(qs, ks, vs, o, saved[0], dout, 0, 0, True)
+    for g, w in zip(got, want):
+        assert identical(g, w.astype(BF16))
+
+
 def merge_terms(la, lb, lse):
     """The merge's weights `[B, S, H, 1]` of each side and |la - lb| `[B, H, S]` (0 unless both
     sides see keys)."""

@@ -34,7 +34,9 @@ HEAD_DIMS = (32, 64, 96, 128)
 # Tiles per head dim. fwd: (warps, m-tiles of 16 rows per warp, key tile, min blocks per SM,
 # Q fragments kept in registers); dq: (warps, key tile, min blocks per SM, Q/dO in registers);
 # dkdv: (warps, query tile, min blocks per SM, narrow k-steps in S^T/dP^T). Min blocks per SM
-# caps the registers (__launch_bounds__); _smem_bytes gives the shared memory each takes.
+# caps the registers (__launch_bounds__); _smem_bytes gives the shared memory each takes. A
+# packed-document kernel may have its own entry ("fwd_docs", "dq_docs", "dkdv_docs"; `_tiles`):
+# none yet, so each runs its plain kernel's tiles.
 _TILES: dict[int, dict[str, tuple[int, ...]]] = {
     32: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2, 0)},
     64: {"fwd": (4, 2, 64, 2, 0), "dq": (4, 32, 4, 1), "dkdv": (4, 64, 2, 0)},
@@ -57,19 +59,32 @@ def _names(head_dim: int) -> dict[str, str]:
     so full causal runs as it was timed before documents); the backward's two kernels each also
     as "ROLE_bf16" and "ROLE_docs_bf16", writing bf16 gradients (`attention_bwd`'s
     ``grad_dtype``)."""
+    names = {}
+    for docs in (False, True):
+        for base, grads in (("fwd", (False,)), ("dq", (False, True)), ("dkdv", (False, True))):
+            for bf16 in grads:
+                role = _role(base, docs, bf16)
+                names[role] = _instance(head_dim, base, _tiles(head_dim, role), docs, bf16)
+    return {**names, "delta": f"attn_delta<{head_dim}>"}
+
+
+def _instance(head_dim: int, base: str, tiles: tuple[int, ...], docs: bool, bf16: bool) -> str:
+    """The template instantiation of kernel ``base`` with ``tiles`` (as in `_TILES`)."""
+    flag = lambda x: str(bool(x)).lower()   # noqa: E731
+    if base == "fwd":
+        w, mt, bk, minb, qreg = tiles
+        return f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {flag(qreg)}, {flag(docs)}>"
+    grad = "bf16_t" if bf16 else "float"
+    w, b, minb, opt = tiles   # dq: key tile, Q/dO in registers; dkdv: query tile, narrow k-steps
+    return (f"flash_bwd_{base}<{head_dim}, {w}, {b}, {minb}, {flag(opt)}, {flag(docs)}, "
+            f"{grad}>")
+
+
+def _tiles(head_dim: int, role: str) -> tuple[int, ...]:
+    """The tiles of a role: its document kernel's own entry in `_TILES` ("fwd_docs", ...) where
+    there is one, else its kernel's."""
     t = _TILES[head_dim]
-    w, mt, bk, minb, qreg = t["fwd"]
-    dw, dbk, dminb, dqreg = t["dq"]
-    kw, kbq, kminb, knarrow = t["dkdv"]
-    qreg, dqreg, knarrow = (str(bool(x)).lower() for x in (qreg, dqreg, knarrow))
-    names = {"fwd": f"flash_fwd<{head_dim}, {w}, {mt}, {bk}, {minb}, {qreg}, @>",
-             "dq": f"flash_bwd_dq<{head_dim}, {dw}, {dbk}, {dminb}, {dqreg}, @, float>",
-             "dkdv": f"flash_bwd_dkdv<{head_dim}, {kw}, {kbq}, {kminb}, {knarrow}, @, float>"}
-    names.update({r + "_bf16": names[r].replace("float>", "bf16_t>") for r in ("dq", "dkdv")})
-    return {**{r: n.replace("@", "false") for r, n in names.items()},
-            **{_role(r, True, r.endswith("_bf16")): n.replace("@", "true")
-               for r, n in names.items()},
-            "delta": f"attn_delta<{head_dim}>"}
+    return t.get(role.removesuffix("_bf16"), t[_base(role)])
 
 
 def _role(base: str, docs: bool, bf16: bool) -> str:
@@ -85,20 +100,19 @@ def _base(role: str) -> str:
 def _smem_bytes(head_dim: int, role: str) -> int:
     """Dynamic shared memory of a kernel: bf16 rows of head_dim + 8 (see the CUDA source)."""
     row = (head_dim + 8) * 2
-    t = _TILES[head_dim]
     base = _base(role)
     if base == "fwd":
-        w, mt, bk = t["fwd"][:3]
+        w, mt, bk = _tiles(head_dim, role)[:3]
         return (16 * mt * w + 4 * bk) * row
     if base in ("dq", "dkdv"):  # dq: Q, dO + 2 x (K, V) tiles; dkdv: K, V + 2 x (Q, dO, lse, delta)
-        w, b = t[base][:2]
+        w, b = _tiles(head_dim, role)[:2]
         return (2 * 16 * w + 4 * b) * row + (4 * b * 4 if base == "dkdv" else 0)
     return 0
 
 
 def _threads(head_dim: int, role: str) -> int:
     return 32 * (_DELTA_WARPS if role == "delta" else
-                 _TILES[head_dim][_base(role)][0])
+                 _tiles(head_dim, role)[0])
 
 
 def cuda_sources() -> list[dict[str, Any]]:
@@ -244,7 +258,7 @@ def score_entries(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: 
     times the key tiles each does not skip (`slab_span`) within its block's tiles; without
     documents every slab walks its block's tiles. A host-side
     count of the kernel's own loops, as `flash_exact.score_entries`. Pure: no CuPy."""
-    w, mt, bk = _TILES[head_dim]["fwd"][:3]
+    w, mt, bk = _tiles(head_dim, "fwd" if q_docs is None else "fwd_docs")[:3]
     bq, shift = 16 * mt * w, q_offset - k_offset
     if q_docs is None:
         klo, khi = np.zeros((1, sq), np.int64), np.full((1, sq), sk, np.int64)
@@ -292,9 +306,10 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     if out.size == 0:
         lse.fill(-cupy.inf)
         return out, lse
-    w, mt = _TILES[d]["fwd"][:2]
+    role = "fwd_docs" if docs else "fwd"
+    w, mt = _tiles(d, role)[:2]
     grid = (-(-sq // (16 * mt * w)) * hq * b,)
-    _launch(d, "fwd_docs" if docs else "fwd", grid,
+    _launch(d, role, grid,
             (q, k, v, out, lse, *_mask_args(q, k, q_offset, k_offset, causal, window),
              cupy.float32(sc * LOG2E), *(docs["q"] if docs else _no_documents())))
     return out, lse
@@ -342,11 +357,12 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     tail = (*_mask_args(q, k, q_offset, k_offset, causal, window), cupy.float32(sc * LOG2E),
             cupy.float32(sc))
     if dq.size:
-        _launch(d, _role("dq", bool(docs), bf16), (-(-sq // (16 * _TILES[d]["dq"][0])) * hq * b,),
+        role = _role("dq", bool(docs), bf16)
+        _launch(d, role, (-(-sq // (16 * _tiles(d, role)[0])) * hq * b,),
                 (*args, dq, *tail, *(docs["q"] if docs else _no_documents())))
     if dk.size:
-        _launch(d, _role("dkdv", bool(docs), bf16),
-                (-(-sk // (16 * _TILES[d]["dkdv"][0])) * hkv * b,),
+        role = _role("dkdv", bool(docs), bf16)
+        _launch(d, role, (-(-sk // (16 * _tiles(d, role)[0])) * hkv * b,),
                 (*args, dk, dv, *tail, *(docs["k"] if docs else _no_documents())))
     return dq, dk, dv
 

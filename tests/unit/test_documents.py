@@ -128,6 +128,34 @@ def test_bf16_flash_kernels_walk_what_their_warps_see(d):
     assert 1.0 < ratio <= 3.0
 
 
+def test_bf16_document_kernels_may_have_their_own_tiles(monkeypatch):
+    """`flash_mma._tiles`: a packed-document kernel's own `_TILES` entry ("fwd_docs", "dq_docs")
+    sets its instantiation, shared memory and threads (its bf16-gradient twin's too), and leaves
+    the plain kernels as they are; without one, each takes its plain kernel's tiles. Every role
+    of every head dim has a name, and the names are all different."""
+    from mpipar.kernels import flash_mma
+
+    plain = flash_mma._names(64)
+    assert plain["fwd_docs"] == "flash_fwd<64, 4, 2, 64, 2, false, true>"
+    assert plain["dq_docs_bf16"] == "flash_bwd_dq<64, 4, 32, 4, true, true, bf16_t>"
+    monkeypatch.setitem(flash_mma._TILES[64], "fwd_docs", (4, 1, 64, 3, 1))
+    monkeypatch.setitem(flash_mma._TILES[64], "dq_docs", (2, 32, 6, 1))
+    got = flash_mma._names(64)
+    assert got["fwd_docs"] == "flash_fwd<64, 4, 1, 64, 3, true, true>"
+    assert got["dq_docs"] == "flash_bwd_dq<64, 2, 32, 6, true, true, float>"
+    assert got["dq_docs_bf16"] == "flash_bwd_dq<64, 2, 32, 6, true, true, bf16_t>"
+    assert {r: n for r, n in got.items() if "docs" not in r} == \
+        {r: n for r, n in plain.items() if "docs" not in r}
+    row = (64 + 8) * 2
+    assert flash_mma._smem_bytes(64, "fwd_docs") == (16 * 4 + 4 * 64) * row
+    assert flash_mma._smem_bytes(64, "fwd") == (16 * 2 * 4 + 4 * 64) * row
+    assert flash_mma._smem_bytes(64, "dq_docs_bf16") == (2 * 16 * 2 + 4 * 32) * row
+    assert flash_mma._threads(64, "dq_docs") == 64 and flash_mma._threads(64, "dq") == 128
+    for d in flash_mma.HEAD_DIMS:
+        names = flash_mma._names(d)
+        assert len(names) == 11 and len(set(names.values())) == 11
+
+
 def test_bf16_document_bounds_are_each_rows_document():
     """`flash_mma.document_bounds`: each query's keys [klo, khi) and each key's queries [qlo,
     qhi) are exactly its document's positions on the other side (brute force), int32."""

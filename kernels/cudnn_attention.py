@@ -530,9 +530,9 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
         return tuple(outs[n].astype(grads, copy=False) for n in ("dq", "dk", "dv"))
     dq = cupy.zeros(q.shape, grads)
     dk, dv = cupy.zeros(k.shape, grads), cupy.zeros(k.shape, grads)
-    dq[:, r0:r1] = outs["dq"]
-    dk[:, c0:c1] = outs["dk"]
-    dv[:, c0:c1] = outs["dv"]
+    dq[:, r0:r1] = outs["dq"].astype(grads, copy=False)
+    dk[:, c0:c1] = outs["dk"].astype(grads, copy=False)
+    dv[:, c0:c1] = outs["dv"].astype(grads, copy=False)
     return dq, dk, dv
 
 

@@ -89,7 +89,7 @@ def _tiles(head_dim: int, role: str) -> tuple[int, ...]:
 
 def _role(base: str, docs: bool, bf16: bool) -> str:
     """The role name of kernel ``base`` (fwd, dq, dkdv) with documents and bf16 gradients."""
-    return base.removesuffix("_bf16") + ("_docs" if docs else "") + ("_bf16" if bf16 else "")
+    return base + ("_docs" if docs else "") + ("_bf16" if bf16 else "")
 
 
 def _base(role: str) -> str:
@@ -97,16 +97,22 @@ def _base(role: str) -> str:
     return role.removesuffix("_bf16").removesuffix("_docs")
 
 
+def _block_rows(head_dim: int, role: str) -> int:
+    """Rows a block of a role owns: query rows (fwd: 16 per m-tile per warp; dq: 16 per warp),
+    or key rows (dkdv: 16 per warp)."""
+    t = _tiles(head_dim, role)
+    return 16 * t[0] * (t[1] if _base(role) == "fwd" else 1)
+
+
 def _smem_bytes(head_dim: int, role: str) -> int:
     """Dynamic shared memory of a kernel: bf16 rows of head_dim + 8 (see the CUDA source)."""
     row = (head_dim + 8) * 2
     base = _base(role)
-    if base == "fwd":
-        w, mt, bk = _tiles(head_dim, role)[:3]
-        return (16 * mt * w + 4 * bk) * row
+    if base == "fwd":           # Q + 2 x (K, V) tiles
+        return (_block_rows(head_dim, role) + 4 * _tiles(head_dim, role)[2]) * row
     if base in ("dq", "dkdv"):  # dq: Q, dO + 2 x (K, V) tiles; dkdv: K, V + 2 x (Q, dO, lse, delta)
-        w, b = _tiles(head_dim, role)[:2]
-        return (2 * 16 * w + 4 * b) * row + (4 * b * 4 if base == "dkdv" else 0)
+        rows, b = _block_rows(head_dim, role), _tiles(head_dim, role)[1]
+        return (2 * rows + 4 * b) * row + (4 * b * 4 if base == "dkdv" else 0)
     return 0
 
 
@@ -258,8 +264,8 @@ def score_entries(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: 
     times the key tiles each does not skip (`slab_span`) within its block's tiles; without
     documents every slab walks its block's tiles. A host-side
     count of the kernel's own loops, as `flash_exact.score_entries`. Pure: no CuPy."""
-    w, mt, bk = _tiles(head_dim, "fwd" if q_docs is None else "fwd_docs")[:3]
-    bq, shift = 16 * mt * w, q_offset - k_offset
+    role = "fwd" if q_docs is None else "fwd_docs"
+    bq, bk, shift = _block_rows(head_dim, role), _tiles(head_dim, role)[2], q_offset - k_offset
     if q_docs is None:
         klo, khi = np.zeros((1, sq), np.int64), np.full((1, sq), sk, np.int64)
     else:
@@ -307,9 +313,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
         lse.fill(-cupy.inf)
         return out, lse
     role = "fwd_docs" if docs else "fwd"
-    w, mt = _tiles(d, role)[:2]
-    grid = (-(-sq // (16 * mt * w)) * hq * b,)
-    _launch(d, role, grid,
+    _launch(d, role, (-(-sq // _block_rows(d, role)) * hq * b,),
             (q, k, v, out, lse, *_mask_args(q, k, q_offset, k_offset, causal, window),
              cupy.float32(sc * LOG2E), *(docs["q"] if docs else _no_documents())))
     return out, lse
@@ -358,11 +362,11 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
             cupy.float32(sc))
     if dq.size:
         role = _role("dq", bool(docs), bf16)
-        _launch(d, role, (-(-sq // (16 * _tiles(d, role)[0])) * hq * b,),
+        _launch(d, role, (-(-sq // _block_rows(d, role)) * hq * b,),
                 (*args, dq, *tail, *(docs["q"] if docs else _no_documents())))
     if dk.size:
         role = _role("dkdv", bool(docs), bf16)
-        _launch(d, role, (-(-sk // (16 * _tiles(d, role)[0])) * hkv * b,),
+        _launch(d, role, (-(-sk // _block_rows(d, role)) * hkv * b,),
                 (*args, dk, dv, *tail, *(docs["k"] if docs else _no_documents())))
     return dq, dk, dv
 

@@ -25,6 +25,16 @@ from .numpy_ref import Array, require
 
 _THREADS = 256
 """Threads per block of the flash kernels (their NT template argument)."""
+_DOC_THREADS = 256
+"""Threads per block when the kernels take packed documents (`document_tables`): the rows of a
+block are ``_DOC_THREADS / lanes``. A block steps through the key tiles of all its rows' documents
+together, so on rows of short documents its time follows rows x the block's key span: counted on
+the host for `bench documents`' batch (8 x 8192 tokens, median 200, D 64 float32), 64-row blocks
+hold 1.151 times full causal's share of that capacity, 32-row blocks 1.083, 16-row 1.043. Fewer
+threads also halve what a block loads per key tile. Which one is faster is a device's to say
+(`.dev` sweep); until timed, the plain kernels' 256."""
+_DOC_TILE = 0
+"""Key (dk/dv: query) tile rows of the document kernels; 0: `flash_config`'s."""
 _OPTIONS: tuple[str, ...] = ("--std=c++17",)
 """NVRTC options of the flash modules (CuPy adds its own; see `cuda_gate`)."""
 
@@ -387,11 +397,27 @@ def flash_config(head_dim: int, itemsize: int) -> tuple[int, int]:
     return lanes, min(64, _TILE_BYTES // (head_dim * itemsize))
 
 
-def _flash_names(ctype: str, head_dim: int) -> tuple[str, ...]:
-    """Name expressions of one flash module: forward, dq and dk/dv for one (C type, head_dim)."""
-    lanes, tile = flash_config(head_dim, 8 if ctype == "double" else 4)
-    return tuple(f"{k}<{ctype},{ctype},{head_dim},{lanes},{tile},{_THREADS}>"
+def launch_config(head_dim: int, itemsize: int, documents: bool = False) -> tuple[int, int, int]:
+    """(lanes per row, tile rows, threads per block) of the kernels the attention calls launch:
+    `flash_config` with `_THREADS`, or with packed documents `_DOC_THREADS` and `_DOC_TILE`. Pure."""
+    lanes, tile = flash_config(head_dim, itemsize)
+    if not documents:
+        return lanes, tile, _THREADS
+    return lanes, _DOC_TILE or tile, _DOC_THREADS
+
+
+def _kernel_names(ctype: str, head_dim: int, documents: bool) -> tuple[str, ...]:
+    """Name expressions of forward, dq and dk/dv for one (C type, head_dim), plain or documents."""
+    lanes, tile, threads = launch_config(head_dim, 8 if ctype == "double" else 4, documents)
+    return tuple(f"{k}<{ctype},{ctype},{head_dim},{lanes},{tile},{threads}>"
                  for k in _FLASH_KERNELS)
+
+
+def _flash_names(ctype: str, head_dim: int) -> tuple[str, ...]:
+    """Name expressions of one flash module: the plain kernels, then the document kernels where
+    their configuration differs."""
+    names = _kernel_names(ctype, head_dim, False)
+    return names + tuple(n for n in _kernel_names(ctype, head_dim, True) if n not in names)
 
 
 @functools.cache
@@ -402,15 +428,16 @@ def _flash_module(ctype: str, head_dim: int) -> Any:
                                     name_expressions=_flash_names(ctype, head_dim))
 
 
-def _flash(name: str, dtype: Any, head_dim: int) -> tuple[Any, int]:
-    """(the kernel `name` for this dtype and head width, rows per block)."""
+def _flash(name: str, dtype: Any, head_dim: int, documents: bool = False
+           ) -> tuple[Any, int, int]:
+    """(the kernel `name` for this dtype and head width, plain or with packed documents, rows
+    per block, threads per block)."""
     require(head_dim in HEAD_DIMS, f"{name}: head_dim={head_dim} must be one of {HEAD_DIMS} "
                                    f"on the GPU")
     c = ctype(dtype)
-    names = _flash_names(c, head_dim)
-    lanes = flash_config(head_dim, 8 if c == "double" else 4)[0]
-    return _flash_module(c, head_dim).get_function(names[_FLASH_KERNELS.index(name)]), \
-        _THREADS // lanes
+    lanes, _, threads = launch_config(head_dim, 8 if c == "double" else 4, documents)
+    kernel = _kernel_names(c, head_dim, documents)[_FLASH_KERNELS.index(name)]
+    return _flash_module(c, head_dim).get_function(kernel), threads // lanes, threads
 
 
 def _flash_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
@@ -442,8 +469,8 @@ def score_entries(sq: int, sk: int, head_dim: int, itemsize: int, q_offset: int 
     times the keys its loop walks (`warp_span`'s bounds within its block's key tiles). A
     host-side count of the kernel's own loops (the analogue of `attention_cpu.tile_work`); the
     backward's two kernels walk the same spans from either side. Pure: no CuPy."""
-    lanes = flash_config(head_dim, itemsize)[0]
-    rows, per_warp = _THREADS // lanes, 32 // lanes
+    lanes, _, threads = launch_config(head_dim, itemsize, q_docs is not None)
+    rows, per_warp = threads // lanes, 32 // lanes
     if q_docs is None:          # the fixed grid, every key
         lo, hi = np.zeros((1, sq), np.int64), np.full((1, sq), sk, np.int64)
         starts = np.append(np.arange(0, sq, rows), sq)[None]
@@ -477,16 +504,24 @@ def document_tables(q_docs: Array, k_docs: Array, head_dim: int, dtype: Any) -> 
     require(host[0].ndim == 2 and host[1].ndim == 2 and host[0].shape[0] == host[1].shape[0],
             f"attention: q_docs {host[0].shape} and k_docs {host[1].shape} must be [B, Sq] and "
             f"[B, Sk]")
-    rows = _THREADS // flash_config(head_dim, np.dtype(dtype).itemsize)[0]
+    lanes, _, threads = launch_config(head_dim, np.dtype(dtype).itemsize, True)
+    rows = threads // lanes
     parts = [*_blocks(host[0], host[1], rows), *_blocks(host[1], host[0], rows)]
     views = device_views(parts)
     side = lambda v, starts: ((*v, cupy.int32(starts.shape[1])),  # noqa: E731
                               max(1, starts.shape[1] - 1))
-    return {"q": side(views[:3], parts[2]), "k": side(views[3:], parts[5])}
+    return {"q": side(views[:3], parts[2]), "k": side(views[3:], parts[5]), "rows": rows}
 
 
-def _no_documents(n: int, rows: int) -> tuple[tuple, int]:
-    """The packed-document arguments without documents: null pointers, the fixed grid."""
+def _documents(tables: dict | None, side: str, n: int, rows: int) -> tuple[tuple, int]:
+    """One kernel's packed-document arguments and blocks: ``tables[side]`` ("q" or "k"), whose
+    blocks must have been cut for the kernel's ``rows`` (a table cut for larger blocks would
+    leave rows unwritten), or without documents null pointers and the fixed grid of n rows."""
+    if tables is not None:
+        require(tables.get("rows") == rows,
+                f"attention: document tables cut for {tables.get('rows')}-row blocks, the "
+                f"kernel's blocks hold {rows} rows (tables found before _DOC_THREADS changed?)")
+        return tables[side]
     cupy = array_module()
     return (cupy.uint64(0), cupy.uint64(0), cupy.uint64(0), cupy.int32(0)), -(-n // rows)
 
@@ -522,10 +557,10 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     acc = cupy.dtype(ref.stat_dtype(q.dtype))
     out, lse = cupy.empty_like(q), cupy.empty((b, hq, sq), acc)
     if sq and b * hq:
-        kernel, rows = _flash("flash_fwd", q.dtype, d)
         tables = _tables(q_docs, k_docs, tables, d, q.dtype)
-        docs, blocks = tables["q"] if tables else _no_documents(sq, rows)
-        kernel((blocks, b * hq), (_THREADS,), (
+        kernel, rows, threads = _flash("flash_fwd", q.dtype, d, tables is not None)
+        docs, blocks = _documents(tables, "q", sq, rows)
+        kernel((blocks, b * hq), (threads,), (
             q, k, v, out, lse, *_flash_args(q, k, q_offset, k_offset, causal, scale, acc, window),
             *docs))
     return out, lse
@@ -562,13 +597,13 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     args = _flash_args(q, k, q_offset, k_offset, causal, scale, acc, window)
     tables = _tables(q_docs, k_docs, tables, d, q.dtype) if sq and k.shape[1] else None
     if sq and b * hq:
-        kernel, rows = _flash("flash_bwd_dq", q.dtype, d)
-        docs, blocks = tables["q"] if tables else _no_documents(sq, rows)
-        kernel((blocks, b * hq), (_THREADS,), (q, k, v, dout, out, lse, delta, dq, *args, *docs))
+        kernel, rows, threads = _flash("flash_bwd_dq", q.dtype, d, tables is not None)
+        docs, blocks = _documents(tables, "q", sq, rows)
+        kernel((blocks, b * hq), (threads,), (q, k, v, dout, out, lse, delta, dq, *args, *docs))
     if k.shape[1] and b * k.shape[2]:
-        kernel, rows = _flash("flash_bwd_dkdv", q.dtype, d)
-        docs, blocks = tables["k"] if tables else _no_documents(k.shape[1], rows)
-        kernel((blocks, b * k.shape[2]), (_THREADS,),
+        kernel, rows, threads = _flash("flash_bwd_dkdv", q.dtype, d, tables is not None)
+        docs, blocks = _documents(tables, "k", k.shape[1], rows)
+        kernel((blocks, b * k.shape[2]), (threads,),
                (q, k, v, dout, lse, delta, dk, dv, *args, *docs))
     return dq.astype(grads, copy=False), dk.astype(grads, copy=False), dv.astype(grads, copy=False)
 

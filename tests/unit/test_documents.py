@@ -225,12 +225,14 @@ def test_gpu_flash_kernels_walk_what_their_warps_see(d, itemsize):
     from mpipar.kernels import numpy_ref as ref
     from mpipar.parallel.context import token_work
 
-    lanes = flash_exact.flash_config(d, itemsize)[0]
-    rows, w = 256 // lanes, 32 // lanes
+    lanes, _, threads = flash_exact.launch_config(d, itemsize)
+    rows, w = threads // lanes, 32 // lanes
     rng = np.random.default_rng(d + itemsize)
     # full causal: warp k of rows [kw, kw + w) walks keys [0, kw + w): w^2 (S/w)(S/w + 1) / 2
     S = 4 * rows
     assert flash_exact.score_entries(S, S, d, itemsize) == w * w * (S // w) * (S // w + 1) // 2
+    lanes, _, threads = flash_exact.launch_config(d, itemsize, documents=True)
+    rows = threads // lanes                     # the document kernels' blocks (_DOC_THREADS)
     for docs, qo, ko, window in [(np.cumsum(rng.random((2, 300)) < 1 / 40, axis=1), 0, 0, 0),
                                  (np.cumsum(rng.random((1, 300)) < 1 / 9, axis=1), 0, 0, 0),
                                  (np.cumsum(rng.random((1, 300)) < 1 / 90, axis=1), 0, 0, 37)]:
@@ -250,6 +252,24 @@ def test_gpu_flash_kernels_walk_what_their_warps_see(d, itemsize):
     ratio = flash_exact.score_entries(8192, 8192, d, itemsize, q_docs=docs, k_docs=docs) \
         / token_work(docs).sum()
     assert 1.0 < ratio <= 1.0 + 2.5 * w / 200
+
+
+def test_gpu_flash_document_tables_must_match_the_kernels_blocks(monkeypatch):
+    """The document kernels' launch (`flash_exact.launch_config`: `_DOC_THREADS` threads,
+    `_DOC_TILE` tile rows) may differ from the plain kernels', and block tables cut for larger
+    blocks than a kernel holds would leave rows unwritten: the launch refuses them by name."""
+    from mpipar.kernels import flash_exact
+
+    assert flash_exact.launch_config(64, 4) == (4, 64, 256)
+    monkeypatch.setattr(flash_exact, "_DOC_THREADS", 128)
+    monkeypatch.setattr(flash_exact, "_DOC_TILE", 32)
+    assert flash_exact.launch_config(64, 4, documents=True) == (4, 32, 128)
+    assert flash_exact.launch_config(64, 4) == (4, 64, 256)
+    assert "flash_fwd<float,float,64,4,32,128>" in flash_exact._flash_names("float", 64)
+    tables = {"q": ("q side", 3), "k": ("k side", 5), "rows": 32}
+    assert flash_exact._documents(tables, "k", 100, 32) == ("k side", 5)
+    with pytest.raises(ValueError, match="cut for 64-row blocks, the kernel's blocks hold 32"):
+        flash_exact._documents({**tables, "rows": 64}, "q", 100, 32)
 
 
 def test_the_numba_seam_makes_one_kernel_call_per_block():

@@ -42,8 +42,11 @@ using std::exp; using std::isfinite; using std::log; using std::max; using std::
 // make different numbers of shuffles), so that is not a barrier between them. This one is: a
 // fiber waits (yielding) until every thread of the block has arrived. Thread 0, which runs first
 // in every turn, releases them, so that all leave in the same turn (HIP-CPU needs a block's
-// fibers to finish in one turn, in order).
+// fibers to finish in one turn, in order). Its counters have internal linkage: as an inline
+// function's statics they would be one object across every library loaded (GNU unique symbols),
+// and libraries with other block sizes would then share them.
 namespace mpipar_hip {
+namespace {
 inline void sync() {
     static thread_local unsigned long long arrived = 0, released = 0;
     const unsigned long long n = blockDim.x * blockDim.y * blockDim.z;
@@ -57,18 +60,20 @@ inline void sync() {
     }
 }
 }
+}
 #define __syncthreads() mpipar_hip::sync()
 """
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    """(ctype, head_dim) -> the flash kernels compiled for the CPU (a ctypes library)."""
+    """(ctype, head_dim, tile rows, threads per block) -> the flash kernels compiled for the CPU
+    (a ctypes library)."""
     built = {}
 
-    def get(ctype: str, d: int):
-        if (ctype, d) not in built:
-            lanes, tile = flash_exact.flash_config(d, 8 if ctype == "double" else 4)
+    def get(ctype: str, d: int, tile: int, threads: int):
+        if (ctype, d, tile, threads) not in built:
+            lanes = flash_exact.flash_config(d, 8 if ctype == "double" else 4)[0]
             src = flash_exact._FLASH
             code = [_PROLOGUE, src, 'extern "C" {', f"typedef {ctype} T; typedef {ctype} A;"]
             for name in flash_exact._FLASH_KERNELS:
@@ -76,17 +81,17 @@ def build(tmp_path_factory):
                                    src, re.S).group(1)
                 args = ", ".join(p.split()[-1].lstrip("*") for p in params.split(","))
                 code.append(f"void launch_{name}(int gx, int gy, {params}) {{ hipLaunchKernelGGL("
-                            f"({name}<{ctype}, {ctype}, {d}, {lanes}, {tile}, "
-                            f"{flash_exact._THREADS}>), dim3(gx, gy), dim3({flash_exact._THREADS}), "
-                            f"0, 0, {args}); hipDeviceSynchronize(); }}")
+                            f"({name}<{ctype}, {ctype}, {d}, {lanes}, {tile}, {threads}>), "
+                            f"dim3(gx, gy), dim3({threads}), 0, 0, {args}); "
+                            f"hipDeviceSynchronize(); }}")
             code.append("}")
-            path = tmp_path_factory.mktemp("hip") / f"flash_{ctype}_{d}"
+            path = tmp_path_factory.mktemp("hip") / f"flash_{ctype}_{d}_{tile}_{threads}"
             path.with_suffix(".cpp").write_text("\n".join(code))
             subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", f"-I{HIP}/include",
                             str(path.with_suffix(".cpp")), "-o", str(path.with_suffix(".so")),
                             "-ltbb", "-lpthread"], check=True)
-            built[ctype, d] = ctypes.CDLL(str(path.with_suffix(".so")))
-        return built[ctype, d]
+            built[ctype, d, tile, threads] = ctypes.CDLL(str(path.with_suffix(".so")))
+        return built[ctype, d, tile, threads]
 
     return get
 
@@ -95,12 +100,16 @@ def _ptr(a):
     return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
 
 
-def _run(lib, dt, q, k, v, dout, q_offset, k_offset, causal, window, q_docs, k_docs):
-    """out, lse, dq, dk, dv of the kernels, launched as flash_exact launches them (the block tables
-    of its `document_tables`, `_blocks`, here in host memory)."""
+def _run(build, ctype, dt, q, k, v, dout, q_offset, k_offset, causal, window, q_docs, k_docs,
+         config=None):
+    """out, lse, dq, dk, dv of the kernels, launched as flash_exact launches them (its
+    `launch_config`, or ``config`` (tile, threads); the block tables of its `document_tables`,
+    `_blocks`, here in host memory)."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    rows = flash_exact._THREADS // flash_exact.flash_config(d, dt.itemsize)[0]
+    lanes, tile, threads = flash_exact.launch_config(d, dt.itemsize, q_docs is not None)
+    tile, threads = config or (tile, threads)
+    lib, rows = build(ctype, d, tile, threads), threads // lanes
     keep = []
 
     def docs(mine, other, n, n_other):
@@ -157,12 +166,26 @@ def _cases():
                                      ("float", 80)])
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c[0])
 def test_flash_kernels_on_the_cpu_match_numpy_ref(build, ctype, d, case):
+    _check(build, ctype, d, case)
+
+
+@pytest.mark.parametrize("config", [(64, 128), (32, 64), (16, 256)], ids=lambda c: f"tile{c[0]}x{c[1]}")
+@pytest.mark.parametrize("ctype", ["double", "float"])
+@pytest.mark.parametrize("case", [c for c in _cases() if c[10] is not None], ids=lambda c: c[0])
+def test_document_kernels_with_other_blocks_match_numpy_ref(build, ctype, case, config):
+    """The launch configurations `_DOC_THREADS` / `_DOC_TILE` may take (fewer rows per block,
+    shorter tiles) are the same kernels' other instantiations: each writes every element and
+    matches numpy_ref, at D 64."""
+    _check(build, ctype, 64, case, config)
+
+
+def _check(build, ctype, d, case, config=None):
     _, b, sq, sk, hq, hkv, qo, ko, causal, window, q_docs, k_docs = case
     dt = np.dtype(np.float64 if ctype == "double" else np.float32)
     rng = np.random.default_rng(sq + hq + qo)
     q, dout = (rng.standard_normal((b, sq, hq, d)).astype(dt) for _ in range(2))
     k, v = (rng.standard_normal((b, sk, hkv, d)).astype(dt) for _ in range(2))
-    got = _run(build(ctype, d), dt, q, k, v, dout, qo, ko, causal, window, q_docs, k_docs)
+    got = _run(build, ctype, dt, q, k, v, dout, qo, ko, causal, window, q_docs, k_docs, config)
     wide = [a.astype(np.float64) for a in (q, k, v, dout)]
     kw = {} if q_docs is None else {"q_docs": q_docs, "k_docs": k_docs}
     out, lse = ref.attention_fwd(*wide[:3], qo, ko, bool(causal), None, window, **kw)

@@ -30,9 +30,9 @@ _DOC_THREADS = 256
 block are ``_DOC_THREADS / lanes``. A block steps through the key tiles of all its rows' documents
 together, so on rows of short documents its time follows rows x the block's key span: counted on
 the host for `bench documents`' batch (8 x 8192 tokens, median 200, D 64 float32), 64-row blocks
-hold 1.151 times full causal's share of that capacity, 32-row blocks 1.083, 16-row 1.043. Fewer
-threads also halve what a block loads per key tile. Which one is faster is a device's to say
-(`.dev` sweep); until timed, the plain kernels' 256."""
+hold 1.151 times full causal's share of that capacity, 32-row blocks 1.083, 16-row 1.043, and
+smaller blocks fit more per multiprocessor. Which is faster is for a device to time; until then,
+the plain kernels' 256."""
 _DOC_TILE = 0
 """Key (dk/dv: query) tile rows of the document kernels; 0: `flash_config`'s."""
 _OPTIONS: tuple[str, ...] = ("--std=c++17",)
@@ -399,11 +399,18 @@ def flash_config(head_dim: int, itemsize: int) -> tuple[int, int]:
 
 def launch_config(head_dim: int, itemsize: int, documents: bool = False) -> tuple[int, int, int]:
     """(lanes per row, tile rows, threads per block) of the kernels the attention calls launch:
-    `flash_config` with `_THREADS`, or with packed documents `_DOC_THREADS` and `_DOC_TILE`. Pure."""
+    `flash_config` with `_THREADS`, or with packed documents `_DOC_THREADS` and `_DOC_TILE`.
+    Pure."""
     lanes, tile = flash_config(head_dim, itemsize)
     if not documents:
         return lanes, tile, _THREADS
     return lanes, _DOC_TILE or tile, _DOC_THREADS
+
+
+def block_rows(head_dim: int, itemsize: int, documents: bool = False) -> int:
+    """Rows (queries; dk/dv: keys) a block of the launched kernels owns: threads / lanes. Pure."""
+    lanes, _, threads = launch_config(head_dim, itemsize, documents)
+    return threads // lanes
 
 
 def _kernel_names(ctype: str, head_dim: int, documents: bool) -> tuple[str, ...]:
@@ -435,9 +442,10 @@ def _flash(name: str, dtype: Any, head_dim: int, documents: bool = False
     require(head_dim in HEAD_DIMS, f"{name}: head_dim={head_dim} must be one of {HEAD_DIMS} "
                                    f"on the GPU")
     c = ctype(dtype)
-    lanes, _, threads = launch_config(head_dim, 8 if c == "double" else 4, documents)
+    itemsize = 8 if c == "double" else 4
     kernel = _kernel_names(c, head_dim, documents)[_FLASH_KERNELS.index(name)]
-    return _flash_module(c, head_dim).get_function(kernel), threads // lanes, threads
+    return (_flash_module(c, head_dim).get_function(kernel),
+            block_rows(head_dim, itemsize, documents), launch_config(head_dim, itemsize, documents)[2])
 
 
 def _flash_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
@@ -469,8 +477,8 @@ def score_entries(sq: int, sk: int, head_dim: int, itemsize: int, q_offset: int 
     times the keys its loop walks (`warp_span`'s bounds within its block's key tiles). A
     host-side count of the kernel's own loops (the analogue of `attention_cpu.tile_work`); the
     backward's two kernels walk the same spans from either side. Pure: no CuPy."""
-    lanes, _, threads = launch_config(head_dim, itemsize, q_docs is not None)
-    rows, per_warp = threads // lanes, 32 // lanes
+    rows = block_rows(head_dim, itemsize, q_docs is not None)
+    per_warp = 32 // flash_config(head_dim, itemsize)[0]
     if q_docs is None:          # the fixed grid, every key
         lo, hi = np.zeros((1, sq), np.int64), np.full((1, sq), sk, np.int64)
         starts = np.append(np.arange(0, sq, rows), sq)[None]
@@ -504,8 +512,7 @@ def document_tables(q_docs: Array, k_docs: Array, head_dim: int, dtype: Any) -> 
     require(host[0].ndim == 2 and host[1].ndim == 2 and host[0].shape[0] == host[1].shape[0],
             f"attention: q_docs {host[0].shape} and k_docs {host[1].shape} must be [B, Sq] and "
             f"[B, Sk]")
-    lanes, _, threads = launch_config(head_dim, np.dtype(dtype).itemsize, True)
-    rows = threads // lanes
+    rows = block_rows(head_dim, np.dtype(dtype).itemsize, documents=True)
     parts = [*_blocks(host[0], host[1], rows), *_blocks(host[1], host[0], rows)]
     views = device_views(parts)
     side = lambda v, starts: ((*v, cupy.int32(starts.shape[1])),  # noqa: E731

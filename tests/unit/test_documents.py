@@ -231,8 +231,7 @@ def test_gpu_flash_kernels_walk_what_their_warps_see(d, itemsize):
     # full causal: warp k of rows [kw, kw + w) walks keys [0, kw + w): w^2 (S/w)(S/w + 1) / 2
     S = 4 * rows
     assert flash_exact.score_entries(S, S, d, itemsize) == w * w * (S // w) * (S // w + 1) // 2
-    lanes, _, threads = flash_exact.launch_config(d, itemsize, documents=True)
-    rows = threads // lanes                     # the document kernels' blocks (_DOC_THREADS)
+    rows = flash_exact.block_rows(d, itemsize, documents=True)  # the document kernels' blocks
     for docs, qo, ko, window in [(np.cumsum(rng.random((2, 300)) < 1 / 40, axis=1), 0, 0, 0),
                                  (np.cumsum(rng.random((1, 300)) < 1 / 9, axis=1), 0, 0, 0),
                                  (np.cumsum(rng.random((1, 300)) < 1 / 90, axis=1), 0, 0, 37)]:

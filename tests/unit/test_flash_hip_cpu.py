@@ -169,7 +169,8 @@ def test_flash_kernels_on_the_cpu_match_numpy_ref(build, ctype, d, case):
     _check(build, ctype, d, case)
 
 
-@pytest.mark.parametrize("config", [(64, 128), (32, 64), (16, 256)], ids=lambda c: f"tile{c[0]}x{c[1]}")
+@pytest.mark.parametrize("config", [(64, 128), (32, 64), (16, 256)],
+                         ids=lambda c: f"tile{c[0]}x{c[1]}")
 @pytest.mark.parametrize("ctype", ["double", "float"])
 @pytest.mark.parametrize("case", [c for c in _cases() if c[10] is not None], ids=lambda c: c[0])
 def test_document_kernels_with_other_blocks_match_numpy_ref(build, ctype, case, config):

@@ -147,7 +147,11 @@ preempt_requeue() {  # preempt_requeue NAME JOBID [scontrol update FIELD=VALUE..
     for _ in $(seq 240); do  # until Slurm has requeued it
         [[ $(job_field "$jid" Restarts) -ge 1 ]] && break
         state=$(job_state "$jid")
-        [[ $state == RUNNING || $state == COMPLETING ]] || die "$name ended instead of requeueing: $state"
+        if [[ $state != RUNNING && $state != COMPLETING ]]; then
+            # Requeued between the two reads (then PENDING or REQUEUED), or really ended.
+            [[ $(job_field "$jid" Restarts) -ge 1 ]] && break
+            die "$name ended instead of requeueing: $state"
+        fi
         sleep 0.5
     done
     [[ $(job_field "$jid" Restarts) -ge 1 ]] || die "$name was not requeued within 120 s"

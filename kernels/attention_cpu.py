@@ -15,11 +15,11 @@ then runs without packing its operands and, with the tile in the L1/L2 caches, a
 a large GEMM (see `python -m mpipar.bench kernels`). The score products Q K^T and dO V^T are
 plain (NN) products on a transposed K (and V): the forward transposes K once per call (each key
 block is read by many query blocks' tasks; rows padded to an odd number of cache lines, so that
-a key block's rows do not all fall in one cache set), or, when the tasks read each key only a few times
-(short documents, `_local_keys`), each task the key blocks it reads; the backward transposes
-each key block of K and V
-when its task reaches it, into a buffer that stays in cache, and accumulates dK and dV straight
-into the outputs (no whole-array transpositions or copies: O(S) passes cost as much as the
+a key block's rows do not all fall in one cache set), or each task the key blocks it reads: with
+packed documents the blocks of documents of up to OWN_KEYS keys, without them every task when
+they read each key only a few times (`key_plan`); the backward transposes each key block of K
+and V when its task reaches it, into a buffer that stays in cache, and accumulates dK and dV
+straight into the outputs (no whole-array transpositions or copies: O(S) passes cost as much as the
 tiles when documents are short).
 
 Causality and sliding windows. Key blocks past the last visible key, and with a sliding window
@@ -75,6 +75,7 @@ from .numpy_ref import Array, require
 POSITIONS = 64  # query positions per tile
 SMALL_GEMM = 1 << 19  # positions * keys * head_dim of one tile product: under OpenBLAS's small-matrix limit
 SEGMENT = 32  # query positions per row segment on the causal diagonal
+OWN_KEYS = 2048  # forward, packed documents: a task reading at most this many keys transposes its own key blocks
 SPAN = 256  # backward: the query documents packed whole into runs of at most this many positions
 SUM_LIMIT = 1e12  # a tile row sum above this redoes the row with its exact maximum
 
@@ -315,14 +316,17 @@ def _row_stride(n: int, itemsize: int) -> int:
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _heads_major(x, ld):  # pragma: no cover (njit)
+def _heads_major(x, ld, need):  # pragma: no cover (njit)
     """x `[B, S, H, D]` -> `[B, H, D, ld]` (C-contiguous, ld >= S: rows padded to `_row_stride`;
-    the S first columns hold x), copied in 16 x 16 blocks."""
+    of the S first columns those of the keys `need` `[B, S]` hold x, with the rest of their 16-key
+    group; the others are not written), copied in 16 x 16 blocks."""
     nb, s, nh, d = x.shape
     y = np.empty((nb, nh, d, ld), x.dtype)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         for s0 in range(0, s, 16):
+            if not need[b, s0:s0 + 16].any():
+                continue
             for c0 in range(0, d, 16):
                 for c in range(c0, min(d, c0 + 16)):
                     for t in range(s0, min(s, s0 + 16)):
@@ -350,14 +354,59 @@ def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
 
 
 def _local_keys(klo: np.ndarray, khi: np.ndarray, bq: int) -> bool:
-    """Whether the forward's tasks should transpose the key blocks they read themselves rather
-    than read one K^T of the call: when together they read each key at most 8 times (short
-    documents; full causal reads each key Sq / (2 bq) times), the blocks transposed in cache cost
-    less than one pass over K whole (measured: packed documents of median 200 tokens, 6.9 reads
-    per key, forward 4 % faster)."""
+    """Without documents: whether the forward's tasks should transpose the key blocks they read
+    themselves rather than read one K^T of the call: when together they read each key at most 8
+    times (short sequences, narrow windows; full causal reads each key Sq / (2 bq) times), the
+    blocks transposed in cache cost less than one pass over K whole."""
     sq, sk = klo.shape[1], max(1, int(khi.max(initial=1)))
     ends = np.minimum(np.arange(bq, sq + bq, bq), sq) - 1
     return int((khi[:, ends] - klo[:, ends - ends % bq]).sum()) <= 8 * sk * klo.shape[0]
+
+
+def key_plan(klo: np.ndarray, khi: np.ndarray, starts: np.ndarray, bq: int, documents: bool,
+             window: int) -> np.ndarray:
+    """Which forward tasks transpose the key blocks they read themselves (`_key_block`, into a
+    buffer that stays in cache) rather than read one K^T of the call (`_heads_major`, made for
+    the keys those others read): `[B, blocks]`, True for a query block of starts `[B, blocks + 1]`
+    whose tasks transpose their own.
+
+    With documents, per block: a block whose documents hold at most OWN_KEYS keys (with a window,
+    at most OWN_KEYS within the window's reach). Each of their keys is then transposed once per
+    block that reads it, about length / 128 times (at most 16 with 64-position blocks), which
+    costs less than one pass over those keys and the K^T order (measured: 1024-token documents
+    4-6 % faster, 2048 about the same; 8 rows of log-normal documents of median 200 tokens,
+    forward 1.2x faster, `docs/benchmarks.md`). Longer documents' blocks read K^T. Without
+    documents, every block or none, by `_local_keys`. The two kinds of task run in their own
+    orders (`_attention_fwd`)."""
+    nb = starts.shape[1] - 1
+    if not documents:
+        return np.full((starts.shape[0], nb), _local_keys(klo, khi, bq))
+    first, end = starts[:, :-1], starts[:, 1:]
+    filled = end > first
+    last = np.maximum(end - 1, 0)
+    reach = np.take_along_axis(khi, last, 1) - np.take_along_axis(klo, np.minimum(first, last), 1)
+    if window > 0:
+        reach = np.minimum(reach, window + end - first)
+    return ~filled | (reach <= OWN_KEYS)
+
+
+def kt_keys(klo: np.ndarray, khi: np.ndarray, starts: np.ndarray, owned: np.ndarray, sk: int) -> np.ndarray:
+    """The keys `[B, Sk]` that the blocks not `owned` (`key_plan`) read: their documents' keys,
+    which hold every key their tasks read (within the causal bound and the window)."""
+    b, qb = np.nonzero(~owned & (starts[:, 1:] > starts[:, :-1]))
+    edges = np.zeros((klo.shape[0], sk + 1), np.int64)
+    np.add.at(edges, (b, klo[b, starts[b, qb]]), 1)
+    np.add.at(edges, (b, khi[b, starts[b, qb + 1] - 1]), -1)
+    return np.cumsum(edges[:, :sk], axis=1) > 0
+
+
+def own_shares(rows: np.ndarray, starts: np.ndarray, owned: np.ndarray, heads: int) -> np.ndarray:
+    """`work_shares` of the tasks of the blocks that transpose their own key blocks (`owned`
+    `[B, blocks]`, `key_plan`), the others counting no work."""
+    mask = np.zeros(rows.shape, bool)
+    for b in range(rows.shape[0]):
+        mask[b, :starts[b, -1]] = np.repeat(owned[b], np.diff(starts[b]))
+    return work_shares(np.where(mask, rows, 0), starts, heads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +452,7 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
               bk, out, lse):  # pragma: no cover (njit)
     """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over the keys they
     can see (klo, khi, qend: sequence b's `document_bounds`); K^T from kt `[B, Hkv, D, >= Sk]`
-    (`_heads_major`), or with `local` each key block of k transposed here."""
+    (`_heads_major`), or with `local` each key block of k transposed here (`key_plan`)."""
     hq, d = q.shape[2], q.shape[3]
     hkv, sk = k.shape[2], k.shape[1]
     group = hq // hkv
@@ -448,28 +497,30 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_fwd(q, kt, k, local, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
+def _attention_fwd(q, kt, k, owned, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
                    shares, bk, out, lse):  # pragma: no cover (njit)
     """One task per (sequence, query block of `document_blocks`' starts `[B, nmax + 1]`, kv head).
-    Short documents (`local`): in order, the kv heads of a block one after the other (they read
-    the same rows), thread w taking the tasks [shares[w], shares[w + 1]) (`work_shares`). Else
-    query blocks in zigzag order (0, n-1, 1, ...), so that the equal shares of tasks that threads
-    get hold equal causal work."""
+    First the blocks that transpose their own key blocks (`owned` `[B, nmax]`, `key_plan`), in
+    order, the kv heads of a block one after the other (they read the same rows of q, k, v),
+    thread w taking the tasks [shares[w], shares[w + 1]) (`own_shares`). Then those that read
+    K^T (kt), one kv head after the other (they read the same K^T rows), query blocks in zigzag
+    order (0, n-1, 1, ...), so that the equal shares of tasks that threads get hold equal causal
+    work."""
     nb = q.shape[0]
     hkv = k.shape[2]
     nqb = starts.shape[1] - 1
-    if local:
-        for w in prange(shares.size - 1):
-            for task in range(shares[w], shares[w + 1]):
-                b, qb, kh = task // (nqb * hkv), (task // hkv) % nqb, task % hkv
-                _fwd_block(q, kt, k, local, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend,
+    for w in prange(shares.size - 1):
+        for task in range(shares[w], shares[w + 1]):
+            b, qb, kh = task // (nqb * hkv), (task // hkv) % nqb, task % hkv
+            if owned[b, qb]:
+                _fwd_block(q, kt, k, True, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend,
                            scale, starts, bk, out, lse)
-    else:
-        for task in prange(nb * hkv * nqb):
-            idx = task % nqb
-            qb = idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2
-            _fwd_block(q, kt, k, local, v, task // (hkv * nqb), (task // nqb) % hkv, qb, q_offset, k_offset,
-                       causal, window, klo, khi, qend, scale, starts, bk, out, lse)
+    for task in prange(nb * hkv * nqb):
+        idx = task % nqb
+        b, qb = task // (hkv * nqb), (idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2)
+        if not owned[b, qb]:
+            _fwd_block(q, kt, k, False, v, b, (task // nqb) % hkv, qb, q_offset, k_offset, causal, window, klo,
+                       khi, qend, scale, starts, bk, out, lse)
 
 
 @njit(cache=True, nogil=True)
@@ -539,11 +590,12 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     lse = np.empty((b, hq, sq), ref.stat_dtype(dt))
     bq, bk = tile_sizes(d)
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
-    local = _local_keys(klo, khi, bq)
     starts = document_blocks(qend, bq)[0]
-    shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, k.shape[2])
-    kt = k if local else _heads_major(k, _row_stride(k.shape[1], k.itemsize))
-    _attention_fwd(q, kt, k, local, v, int(q_offset), int(k_offset), bool(causal), int(window),
+    owned = key_plan(klo, khi, starts, bq, q_docs is not None, window)
+    shares = own_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, owned, k.shape[2])
+    kt = k if owned.all() else _heads_major(k, _row_stride(k.shape[1], k.itemsize),
+                                            kt_keys(klo, khi, starts, owned, k.shape[1]))
+    _attention_fwd(q, kt, k, owned, v, int(q_offset), int(k_offset), bool(causal), int(window),
                    klo, khi, qend, dt.type(ref.attention_scale(d, scale)), starts, shares, bk, out, lse)
     return out, lse
 

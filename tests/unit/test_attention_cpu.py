@@ -180,9 +180,14 @@ def test_key_rows_padded_to_an_odd_count_of_cache_lines(rng, dtype):
         ld = ac._row_stride(n, size)
         assert ld >= n and ld * size % 128 == 64 and ld * size - 128 < n * size, (n, ld)
     x = rng.standard_normal((2, 1000, 3, 64)).astype(dtype)
-    y = ac._heads_major(x, ac._row_stride(1000, size))
+    y = ac._heads_major(x, ac._row_stride(1000, size), np.ones((2, 1000), bool))
     assert y.shape == (2, 3, 64, ac._row_stride(1000, size))
     assert np.array_equal(y[..., :1000], x.transpose(0, 2, 3, 1))
+    need = np.zeros((2, 1000), bool)  # only the keys asked for (and the rest of their 16-key group)
+    need[0, 100:130], need[1, 990:] = True, True
+    y = ac._heads_major(x, ac._row_stride(1000, size), need)
+    assert np.array_equal(y[0, ..., 96:144], x[0, 96:144].transpose(1, 2, 0))
+    assert np.array_equal(y[1, ..., 976:1000], x[1, 976:].transpose(1, 2, 0))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -140,10 +140,12 @@ def test_tiles_with_no_same_document_pair_are_skipped():
 
 
 def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
-    """The forward reads K^T two ways: each task transposes the key blocks it reads (short
-    documents) or all tasks read one K^T of the call; both give numpy_ref's attention
-    (float64, 1e-12), and a call takes the first only when its tasks read each key at most 8
-    times (short documents, not full causal)."""
+    """The forward reads K^T two ways: each task transposes the key blocks it reads, or reads one
+    K^T of the call (made for the keys those tasks read, `kt_keys`). Every task one way, every
+    task the other, or alternate blocks each way: all give numpy_ref's attention (float64,
+    1e-12).
+    Without documents a call takes its tasks' own blocks only when they read each key at most 8
+    times (not full causal)."""
     S, hq, hkv = 300, 4, 2
     docs = layout(rng, 2, S)
     q, k, v = inputs(rng, 2, S, S, hq, hkv, 64, np.float64)
@@ -151,14 +153,52 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     klo, khi, qend = ac.document_bounds(docs, docs, 2, S, S)
     bq, bk = ac.tile_sizes(64)
     st = ac.document_blocks(qend, bq)[0]
-    for local in (True, False):
+    vis = ac.visible_keys(klo, khi, 0, 0, True, 0)
+    short = np.broadcast_to(np.arange(st.shape[1] - 1) % 2 == 0, (2, st.shape[1] - 1))
+    for owned in (np.ones_like(short), np.zeros_like(short), short, ~short):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
-        ac._attention_fwd(q, k if local else ac._heads_major(k, ac._row_stride(S, 8)), k, local, v, 0, 0, True, 0, klo, khi, qend,
-                          0.125, st, ac.work_shares(ac.visible_keys(klo, khi, 0, 0, True, 0), st, hkv), bk, out, lse)
+        kt = ac._heads_major(k, ac._row_stride(S, 8), ac.kt_keys(klo, khi, st, owned, S))
+        ac._attention_fwd(q, kt, k, owned, v, 0, 0, True, 0, klo, khi, qend, 0.125, st,
+                          ac.own_shares(vis, st, owned, hkv), bk, out, lse)
         assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)
     assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)
     assert not ac._local_keys(*ac.document_bounds(*[(np.arange(4096) // 2048)[None]] * 2, 1, 4096, 4096)[:2], bq)
+
+
+def test_key_plan_transposes_one_kt_only_for_blocks_of_long_documents(rng):
+    """With documents the forward's tasks transpose their own key blocks when their documents
+    hold at most OWN_KEYS keys (with a window, within its reach), and one K^T of the call is made
+    only when some block's hold more; without documents the call-level rule holds (full causal 4096: one
+    K^T, zigzag order). A row mixing a long document with short ones (some tasks reading K^T,
+    the others their own blocks) equals numpy_ref (float64, 1e-12)."""
+    bq = ac.tile_sizes(64)[0]
+    long_doc = ac.OWN_KEYS + 300
+
+    def plan(docs, S, **kw):
+        klo, khi, qend = ac.document_bounds(docs, docs, 1, S, S)
+        st = ac.document_blocks(qend, bq)[0]
+        owned = ac.key_plan(klo, khi, st, bq, docs is not None, kw.get("window", 0))
+        assert owned.shape == (1, st.shape[1] - 1)
+        return bool(owned.all()), bool(owned.any())
+
+    assert plan((np.arange(4096) // ac.OWN_KEYS)[None], 4096) == (True, True)
+    assert plan((np.arange(4096) // (ac.OWN_KEYS + 64))[None], 4096) == (False, True)  # 2112 + 1984
+    assert plan(np.zeros((1, 4096), int), 4096) == (False, False)
+    # a window of OWN_KEYS - 64 keys keeps every block of a long document within OWN_KEYS
+    assert plan((np.arange(4096) // 4096)[None], 4096, window=ac.OWN_KEYS - 64) == (True, True)
+    assert plan(None, 4096) == (False, False)
+    assert plan(None, 512) == (True, True)
+
+    lengths = [40, long_doc, 3, 200, 129]
+    docs = np.repeat(np.arange(len(lengths)), lengths)[None]
+    S = docs.shape[1]
+    assert plan(docs, S) == (False, True)
+    q, k, v = inputs(rng, 1, S, S, 2, 1, 64, np.float64)
+    kw = dict(q_docs=docs, k_docs=docs)
+    out, lse = ac.attention_fwd(q, k, v, **kw)
+    r_out, r_lse = ref.attention_fwd(q, k, v, **kw)
+    assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -182,8 +222,9 @@ def test_short_documents_on_the_tasks_own_key_blocks(rng, dtype):
     docs = np.repeat(np.arange(len(lengths)), lengths)[None]
     S = docs.shape[1]
     q, k, v = inputs(rng, 1, S, S, 4, 2, 64, dtype)
-    klo, khi, _ = ac.document_bounds(docs, docs, 1, S, S)
-    assert ac._local_keys(klo, khi, ac.tile_sizes(64)[0])
+    klo, khi, qend = ac.document_bounds(docs, docs, 1, S, S)
+    bq = ac.tile_sizes(64)[0]
+    assert ac.key_plan(klo, khi, ac.document_blocks(qend, bq)[0], bq, True, 0).all()
     tol = 1e-12 if dtype == np.float64 else 1e-5
     kw = dict(q_docs=docs, k_docs=docs)
     out, lse = ac.attention_fwd(q, k, v, **kw)

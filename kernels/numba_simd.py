@@ -1,4 +1,4 @@
-"""What lets LLVM vectorise Numba loops: `vexp` and the `REORDER` fastmath flags.
+"""What lets LLVM vectorise Numba loops: `vexp`, the `REORDER` fastmath flags, and `transpose_tile`.
 
 `REORDER` allows a loop's sums to be reassociated (so that reductions are vectorised) while keeping
 the semantics of infinities and NaNs, which the kernels rely on (-inf log-sum-exp of empty rows).
@@ -16,8 +16,9 @@ would overflow; below, it returns exp(-708) (exp(-87)) instead of a subnormal or
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 REORDER = {"reassoc", "nsz", "contract", "arcp"}  # fastmath flags: no "nnan"/"ninf"
 
@@ -63,3 +64,81 @@ def _vexp_overload(x):
     if x == types.float32:
         return lambda x: _exp32(x)
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Transposing a square tile in vector registers
+# ----------------------------------------------------------------------------------------------
+
+def _shuffle(builder, x, y, mask):
+    return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(ir.IntType(32), len(mask)), mask))
+
+
+def _tile_codegen(ftype, lanes, steps, align):
+    """LLVM IR of an n x n transpose (n = lanes) through vector shuffles: load n rows of n
+    elements, interleave them in log2(n) rounds (`steps`: each round's pairs and masks), store n
+    rows (unaligned, `align`: the element's). LLVM lowers the shuffles to the CPU's unpack/permute instructions (AVX: 24 for 8 x 8
+    float32): about 2.2x faster than element copies eight keys at a time (0.13-0.15 against
+    0.30-0.33 ns an element, rows of K from memory)."""
+    vec = ir.VectorType(ftype, lanes)
+
+    def codegen(context, builder, signature, args):
+        src, sld, dst, dld = args
+
+        def row(base, ld, r):
+            ptr = builder.gep(builder.inttoptr(base, ftype.as_pointer()), [builder.mul(ld, ir.Constant(ld.type, r))])
+            return builder.bitcast(ptr, vec.as_pointer())
+
+        rows = []
+        for r in range(lanes):
+            load = builder.load(row(src, sld, r))
+            load.align = align
+            rows.append(load)
+        for pairs in steps:
+            rows = [_shuffle(builder, rows[i], rows[j], mask) for i, j, mask in pairs]
+        for r in range(lanes):
+            store = builder.store(rows[r], row(dst, dld, r))
+            store.align = align
+        return context.get_dummy_value()
+    return codegen
+
+
+_LO8, _HI8 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+_EV8, _OD8 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+_LH8, _HH8 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+_STEPS8 = (  # rows r0..r7 -> columns: interleave pairs of elements, then pairs of pairs, then halves
+    [(r, r + 1, m) for r in range(0, 8, 2) for m in (_LO8, _HI8)],
+    [(i, i + 2, m) for i in (0, 1, 4, 5) for m in (_EV8, _OD8)],
+    [(i, i + 4, m) for m in (_LH8, _HH8) for i in range(4)],
+)
+_STEPS4 = (
+    [(0, 1, [0, 4, 2, 6]), (0, 1, [1, 5, 3, 7]), (2, 3, [0, 4, 2, 6]), (2, 3, [1, 5, 3, 7])],
+    [(0, 2, [0, 1, 4, 5]), (1, 3, [0, 1, 4, 5]), (0, 2, [2, 3, 6, 7]), (1, 3, [2, 3, 6, 7])],
+)
+_TILE_SIG = types.void(types.uintp, types.intp, types.uintp, types.intp)
+
+
+@intrinsic
+def _transpose8_f32(typingctx, src, sld, dst, dld):
+    return _TILE_SIG, _tile_codegen(ir.FloatType(), 8, _STEPS8, 4)
+
+
+@intrinsic
+def _transpose4_f64(typingctx, src, sld, dst, dld):
+    return _TILE_SIG, _tile_codegen(ir.DoubleType(), 4, _STEPS4, 8)
+
+
+@njit(cache=True, nogil=True)
+def transpose_tile(src, sld, dst, dld, single):  # pragma: no cover (njit)
+    """dst[i, j] = src[j, i] for an n x n tile (n = `tile_lanes(single)`: 8 float32, 4 float64),
+    given by the addresses of their first elements and their row strides in elements."""
+    if single:
+        _transpose8_f32(src, sld, dst, dld)
+    else:
+        _transpose4_f64(src, sld, dst, dld)
+
+
+@njit(cache=True, nogil=True)
+def tile_lanes(single):  # pragma: no cover (njit)
+    """The side of `transpose_tile`'s tile: one AVX vector of float32 (8) or float64 (4)."""
+    return 8 if single else 4

@@ -203,13 +203,15 @@ def test_key_plan_transposes_one_kt_only_for_blocks_of_long_documents(rng):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_key_blocks_transpose_exactly(rng, dtype):
-    """`_key_block` (eight keys at a time, then the rest) copies K^T exactly: block lengths 1,
-    7, 8, 9, 64, 90 and 128 at any start, into a buffer wider than the block."""
-    x = rng.standard_normal((2, 300, 3, 64)).astype(dtype)
-    xt = np.full((64, 128), np.nan, dtype)
-    for j0, nk in ((0, 1), (5, 7), (9, 8), (100, 9), (3, 64), (171, 90), (172, 128)):
-        ac._key_block(x, 1, 2, j0, nk, xt)
-        assert np.array_equal(xt[:, :nk], x[1, j0:j0 + nk, 2].T)
+    """`_key_block` (tiles transposed in vector registers, then the last keys and dims) copies
+    K^T exactly: block lengths 1, 3, 4, 7, 8, 9, 64, 90 and 128 at any start, into a buffer wider
+    than the block, for head dims 64, 12 (not a multiple of 8) and 3 (below a tile)."""
+    for d in (64, 12, 3):
+        x = rng.standard_normal((2, 300, 3, d)).astype(dtype)
+        xt = np.full((d, 128), np.nan, dtype)
+        for j0, nk in ((0, 1), (2, 3), (1, 4), (5, 7), (9, 8), (100, 9), (3, 64), (171, 90), (172, 128)):
+            ac._key_block(x, 1, 2, j0, nk, xt)
+            assert np.array_equal(xt[:, :nk], x[1, j0:j0 + nk, 2].T), (d, j0, nk)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

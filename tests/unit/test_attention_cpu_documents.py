@@ -313,13 +313,17 @@ def test_blocks_start_at_documents_and_cut_long_ones_evenly():
     assert ac.document_blocks(np.full((1, 200), 200), 64)[0].tolist() == [[0, 50, 100, 150, 200]]
 
 
+@pytest.mark.parametrize("own_keys", [ac.OWN_KEYS, 100, 0])
 @pytest.mark.parametrize("window", [0, 70])
 @pytest.mark.parametrize("qs,qn,ks,kn", [(0, 1068, 0, 1068), (130, 300, 0, 430), (200, 500, 150, 550)])
-def test_tiles_at_document_edges_match_the_reference(rng, window, qs, qn, ks, kn):
+def test_tiles_at_document_edges_match_the_reference(rng, monkeypatch, own_keys, window, qs, qn, ks, kn):
     """Documents of 1 (a run of 100: several packed blocks), 64, 65, 128, 129 and 300 tokens
     (one tile, one more than a tile, longer than the backward's spans), 200 + 50 + 10 + 10 (a
     packed query block across the end of a backward span), whole rows and blocks that start
-    mid-document (ring hops), with and without a window: numpy_ref's attention."""
+    mid-document (ring hops), with and without a window: numpy_ref's attention. With the
+    forward's blocks transposing their own keys up to OWN_KEYS, 100 (a mix: the longer documents'
+    blocks read a K^T made for their keys only, `kt_keys`) or 0 (every block reads it)."""
+    monkeypatch.setattr(ac, "OWN_KEYS", own_keys)
     docs = np.repeat(np.arange(len(EDGES)), EDGES)[None]
     q, k, v = inputs(rng, 1, qn, kn, 4, 2, 64, np.float64)
     check(rng, q, k, v, qs, ks, window, docs[:, qs:qs + qn], docs[:, ks:ks + kn])

@@ -319,18 +319,14 @@ def _row_stride(n: int, itemsize: int) -> int:
 def _heads_major(x, ld, need):  # pragma: no cover (njit)
     """x `[B, S, H, D]` -> `[B, H, D, ld]` (C-contiguous, ld >= S: rows padded to `_row_stride`;
     of the S first columns those of the keys `need` `[B, S]` hold x, with the rest of their 16-key
-    group; the others are not written), copied in 16 x 16 blocks."""
+    group; the others are not written), 16 keys at a time by `_key_block`."""
     nb, s, nh, d = x.shape
     y = np.empty((nb, nh, d, ld), x.dtype)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         for s0 in range(0, s, 16):
-            if not need[b, s0:s0 + 16].any():
-                continue
-            for c0 in range(0, d, 16):
-                for c in range(c0, min(d, c0 + 16)):
-                    for t in range(s0, min(s, s0 + 16)):
-                        y[b, h, c, t] = x[b, t, h, c]
+            if need[b, s0:s0 + 16].any():
+                _key_block(x, b, h, s0, min(16, s - s0), y[b, h, :, s0:])
     return y
 
 

@@ -346,7 +346,7 @@ def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
     while j + n <= nk:
         src = x[b, j0 + j:, kh].ctypes.data
         for c in range(0, full, n):
-            transpose_tile(src + c * x.itemsize, sld, xt[c:, j:].ctypes.data, dld, single)
+            transpose_tile(src + np.uintp(c * x.itemsize), sld, xt[c:, j:].ctypes.data, dld, single)
         for c in range(full, d):
             for u in range(n):
                 xt[c, j + u] = x[b, j0 + j + u, kh, c]

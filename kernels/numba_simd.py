@@ -77,9 +77,10 @@ def _shuffle(builder, x, y, mask):
 def _tile_codegen(ftype, lanes, steps, align):
     """LLVM IR of an n x n transpose (n = lanes) through vector shuffles: load n rows of n
     elements, interleave them in log2(n) rounds (`steps`: each round's pairs and masks), store n
-    rows (unaligned, `align`: the element's). LLVM lowers the shuffles to the CPU's unpack/permute instructions (AVX: 24 for 8 x 8
-    float32): about 2.2x faster than element copies eight keys at a time (0.13-0.15 against
-    0.30-0.33 ns an element, rows of K from memory)."""
+    rows (unaligned loads and stores, `align`: the element's). LLVM lowers the shuffles to the
+    CPU's unpack and permute instructions (AVX: 24 for 8 x 8 float32): about 2.2x faster than
+    element copies eight keys at a time (0.13-0.15 against 0.30-0.33 ns an element, rows of K
+    from memory). Addresses are unsigned integers (uintp), row strides in elements."""
     vec = ir.VectorType(ftype, lanes)
 
     def codegen(context, builder, signature, args):

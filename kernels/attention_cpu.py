@@ -403,15 +403,6 @@ def kt_keys(klo: np.ndarray, khi: np.ndarray, starts: np.ndarray, owned: np.ndar
     return np.cumsum(edges[:, :sk], axis=1) > 0
 
 
-def own_shares(rows: np.ndarray, starts: np.ndarray, owned: np.ndarray, heads: int) -> np.ndarray:
-    """`work_shares` of the tasks of the blocks that transpose their own key blocks (`owned`
-    `[B, blocks]`, `key_plan`), the others counting no work."""
-    mask = np.zeros(rows.shape, bool)
-    for b in range(rows.shape[0]):
-        mask[b, :starts[b, -1]] = np.repeat(owned[b], np.diff(starts[b]))
-    return work_shares(np.where(mask, rows, 0), starts, heads)
-
-
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -505,10 +496,10 @@ def _attention_fwd(q, kt, k, owned, v, q_offset, k_offset, causal, window, klo, 
     """One task per (sequence, query block of `document_blocks`' starts `[B, nmax + 1]`, kv head).
     First the blocks that transpose their own key blocks (`owned` `[B, nmax]`, `key_plan`), in
     order, the kv heads of a block one after the other (they read the same rows of q, k, v),
-    thread w taking the tasks [shares[w], shares[w + 1]) (`own_shares`). Then those that read
-    K^T (kt), one kv head after the other (they read the same K^T rows), query blocks in zigzag
-    order (0, n-1, 1, ...), so that the equal shares of tasks that threads get hold equal causal
-    work."""
+    thread w taking the tasks [shares[w], shares[w + 1]) (`work_shares` counting those blocks).
+    Then those that read K^T (kt), one kv head after the other (they read the same K^T rows),
+    query blocks in zigzag order (0, n-1, 1, ...), so that the equal shares of tasks that
+    threads get hold equal causal work."""
     nb = q.shape[0]
     hkv = k.shape[2]
     nqb = starts.shape[1] - 1
@@ -546,16 +537,22 @@ def visible_keys(klo: np.ndarray, khi: np.ndarray, q_offset: int, k_offset: int,
     return np.maximum(hi - lo, 0)
 
 
-def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int) -> np.ndarray:
+def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int, counted: np.ndarray | None = None
+                ) -> np.ndarray:
     """Cut the tasks (sequence b, block i of starts `[B, n + 1]`, head; in that order) into one
     run of consecutive tasks per thread, of nearly equal work: the keys seen by the block's rows
-    `rows [B, S]` (`visible_keys`) plus 16 a row (its fixed cost). Returns the runs' bounds
-    `[threads + 1]`: consecutive tasks keep the rows they share in cache, equal work keeps the
-    threads busy (short documents of very different lengths make equal task counts unequal)."""
+    `rows [B, S]` (`visible_keys`) plus 16 a row (its fixed cost); with `counted` `[B, n]`, the
+    blocks not counted weigh nothing (the forward's blocks that read K^T, run apart). Returns the
+    runs' bounds `[threads + 1]`: consecutive tasks keep the rows they share in cache, equal work
+    keeps the threads busy (short documents of very different lengths make equal task counts
+    unequal)."""
     cost = []
     for b in range(rows.shape[0]):
         row = np.concatenate([[0], np.cumsum(rows[b] + 16)])
-        cost.append(np.repeat(np.diff(row[starts[b]]), heads))
+        block = np.diff(row[starts[b]])
+        if counted is not None:
+            block = np.where(counted[b], block, 0)
+        cost.append(np.repeat(block, heads))
     cum = np.concatenate([[0], np.cumsum(np.concatenate(cost))])
     threads = get_num_threads()
     target = cum[-1] * np.arange(threads + 1) / threads
@@ -595,7 +592,7 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     starts = document_blocks(qend, bq)[0]
     owned = key_plan(klo, khi, starts, bq, q_docs is not None, window)
-    shares = own_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, owned, k.shape[2])
+    shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, k.shape[2], owned)
     kt = k if owned.all() else _heads_major(k, _row_stride(k.shape[1], k.itemsize),
                                             kt_keys(klo, khi, starts, owned, k.shape[1]))
     _attention_fwd(q, kt, k, owned, v, int(q_offset), int(k_offset), bool(causal), int(window),

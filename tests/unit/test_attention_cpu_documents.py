@@ -159,7 +159,7 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
         kt = ac._heads_major(k, ac._row_stride(S, 8), ac.kt_keys(klo, khi, st, owned, S))
         ac._attention_fwd(q, kt, k, owned, v, 0, 0, True, 0, klo, khi, qend, 0.125, st,
-                          ac.own_shares(vis, st, owned, hkv), bk, out, lse)
+                          ac.work_shares(vis, st, hkv, owned), bk, out, lse)
         assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)
     assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)

@@ -492,15 +492,15 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
 
 @njit(cache=True, nogil=True, parallel=True)
 def _attention_fwd(q, kt, k, owned, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
-                   shares, bk, out, lse):  # pragma: no cover (njit)
-    """One task per (sequence, query block of `document_blocks`' starts `[B, nmax + 1]`, kv head).
-    First the blocks that transpose their own key blocks (`owned` `[B, nmax]`, `key_plan`), in
-    order, the kv heads of a block one after the other (they read the same rows of q, k, v),
-    thread w taking the tasks [shares[w], shares[w + 1]) (`work_shares` counting those blocks).
-    Then those that read K^T (kt), one kv head after the other (they read the same K^T rows),
-    query blocks in zigzag order (0, n-1, 1, ...), so that the equal shares of tasks that
-    threads get hold equal causal work."""
-    nb = q.shape[0]
+                   shares, kt_shares, bk, out, lse):  # pragma: no cover (njit)
+    """One task per (sequence, query block of `document_blocks`' starts `[B, nmax + 1]`, kv head),
+    in two phases, each thread taking one run of consecutive tasks of equal work (`work_shares`,
+    counting the phase's blocks only). First the blocks that transpose their own key blocks
+    (`owned` `[B, nmax]`, `key_plan`), in order, the kv heads of a block one after the other
+    (they read the same rows of q, k, v): thread w takes the tasks [shares[w], shares[w + 1]).
+    Then those that read K^T (kt), in the order (sequence, kv head, block): a head's blocks one
+    after the other, which read the same K^T rows; thread w takes [kt_shares[w],
+    kt_shares[w + 1])."""
     hkv = k.shape[2]
     nqb = starts.shape[1] - 1
     for w in prange(shares.size - 1):
@@ -509,12 +509,12 @@ def _attention_fwd(q, kt, k, owned, v, q_offset, k_offset, causal, window, klo, 
             if owned[b, qb]:
                 _fwd_block(q, kt, k, True, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend,
                            scale, starts, bk, out, lse)
-    for task in prange(nb * hkv * nqb):
-        idx = task % nqb
-        b, qb = task // (hkv * nqb), (idx // 2 if idx % 2 == 0 else nqb - 1 - idx // 2)
-        if not owned[b, qb]:
-            _fwd_block(q, kt, k, False, v, b, (task // nqb) % hkv, qb, q_offset, k_offset, causal, window, klo,
-                       khi, qend, scale, starts, bk, out, lse)
+    for w in prange(kt_shares.size - 1):
+        for task in range(kt_shares[w], kt_shares[w + 1]):
+            b, kh, qb = task // (hkv * nqb), (task // nqb) % hkv, task % nqb
+            if not owned[b, qb]:
+                _fwd_block(q, kt, k, False, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend,
+                           scale, starts, bk, out, lse)
 
 
 @njit(cache=True, nogil=True)
@@ -537,22 +537,25 @@ def visible_keys(klo: np.ndarray, khi: np.ndarray, q_offset: int, k_offset: int,
     return np.maximum(hi - lo, 0)
 
 
-def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int, counted: np.ndarray | None = None
-                ) -> np.ndarray:
-    """Cut the tasks (sequence b, block i of starts `[B, n + 1]`, head; in that order) into one
-    run of consecutive tasks per thread, of nearly equal work: the keys seen by the block's rows
-    `rows [B, S]` (`visible_keys`) plus 16 a row (its fixed cost); with `counted` `[B, n]`, the
-    blocks not counted weigh nothing (the forward's blocks that read K^T, run apart). Returns the
-    runs' bounds `[threads + 1]`: consecutive tasks keep the rows they share in cache, equal work
-    keeps the threads busy (short documents of very different lengths make equal task counts
-    unequal)."""
+def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int, counted: np.ndarray | None = None,
+                heads_outer: bool = False) -> np.ndarray:
+    """Cut the tasks (sequence b, block i of starts `[B, n + 1]`, head; in that order, or with
+    `heads_outer` sequence, head, block) into one run of consecutive tasks per thread, of nearly
+    equal work: the keys seen by the block's rows `rows [B, S]` (`visible_keys`) plus 16 a row
+    (its fixed cost); with `counted` `[B, n]`, the blocks not counted weigh nothing (the forward
+    runs its two kinds of block apart, `_attention_fwd`). Returns the runs' bounds
+    `[threads + 1]`: consecutive tasks keep the rows they share in cache, equal work keeps the
+    threads busy (short documents of very different lengths make equal task counts unequal, and
+    so do rows of different documents: an equal count of the forward's K^T tasks, in zigzag
+    order, left one of two threads a quarter idle on a batch whose long documents sat in some
+    rows, `docs/benchmarks.md`)."""
     cost = []
     for b in range(rows.shape[0]):
         row = np.concatenate([[0], np.cumsum(rows[b] + 16)])
         block = np.diff(row[starts[b]])
         if counted is not None:
             block = np.where(counted[b], block, 0)
-        cost.append(np.repeat(block, heads))
+        cost.append(np.tile(block, heads) if heads_outer else np.repeat(block, heads))
     cum = np.concatenate([[0], np.cumsum(np.concatenate(cost))])
     threads = get_num_threads()
     target = cum[-1] * np.arange(threads + 1) / threads
@@ -592,11 +595,14 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
     klo, khi, qend = document_bounds(q_docs, k_docs, b, sq, k.shape[1])
     starts = document_blocks(qend, bq)[0]
     owned = key_plan(klo, khi, starts, bq, q_docs is not None, window)
-    shares = work_shares(visible_keys(klo, khi, q_offset, k_offset, causal, window), starts, k.shape[2], owned)
+    rows = visible_keys(klo, khi, q_offset, k_offset, causal, window)
+    shares = work_shares(rows, starts, k.shape[2], owned)
+    kt_shares = work_shares(rows, starts, k.shape[2], ~owned, heads_outer=True)
     kt = k if owned.all() else _heads_major(k, _row_stride(k.shape[1], k.itemsize),
                                             kt_keys(klo, khi, starts, owned, k.shape[1]))
     _attention_fwd(q, kt, k, owned, v, int(q_offset), int(k_offset), bool(causal), int(window),
-                   klo, khi, qend, dt.type(ref.attention_scale(d, scale)), starts, shares, bk, out, lse)
+                   klo, khi, qend, dt.type(ref.attention_scale(d, scale)), starts, shares, kt_shares, bk, out,
+                   lse)
     return out, lse
 
 

@@ -159,7 +159,8 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
         kt = ac._heads_major(k, ac._row_stride(S, 8), ac.kt_keys(klo, khi, st, owned, S))
         ac._attention_fwd(q, kt, k, owned, v, 0, 0, True, 0, klo, khi, qend, 0.125, st,
-                          ac.work_shares(vis, st, hkv, owned), bk, out, lse)
+                          ac.work_shares(vis, st, hkv, owned),
+                          ac.work_shares(vis, st, hkv, ~owned, heads_outer=True), bk, out, lse)
         assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)
     assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)
@@ -170,7 +171,7 @@ def test_key_plan_transposes_one_kt_only_for_blocks_of_long_documents(rng):
     """With documents the forward's tasks transpose their own key blocks when their documents
     hold at most OWN_KEYS keys (with a window, within its reach), and one K^T of the call is made
     only when some block's hold more; without documents the call-level rule holds (full causal 4096: one
-    K^T, zigzag order). A row mixing a long document with short ones (some tasks reading K^T,
+    K^T). A row mixing a long document with short ones (some tasks reading K^T,
     the others their own blocks) equals numpy_ref (float64, 1e-12)."""
     bq = ac.tile_sizes(64)[0]
     long_doc = ac.OWN_KEYS + 300
@@ -347,5 +348,36 @@ def test_work_shares_split_tasks_by_work():
             work = [cost[a:b].sum() for a, b in zip(shares[:-1], shares[1:])]
             assert shares[0] == 0 and shares[-1] == cost.size and len(work) == threads
             assert max(work) - min(work) <= cost.max()   # within half a task of the mean each
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_forward_kt_tasks_split_by_work_in_head_order():
+    """The forward's tasks that read K^T run apart from the others (`_attention_fwd`'s second
+    phase), in the order (sequence, kv head, block), cut by `work_shares(..., heads_outer=True)`
+    into runs of nearly equal work counting those tasks only: rows whose long documents differ
+    (one long document, one mixed with short ones, one of short ones only) still give each
+    thread its share, within one task."""
+    numba = pytest.importorskip("numba")
+    S, heads = 3200, 2
+    docs = np.stack([np.zeros(S, np.int64), np.repeat(np.arange(13), [2600] + [50] * 12),
+                     np.arange(S) // 50])
+    klo, khi, qend = ac.document_bounds(docs, docs, 3, S, S)
+    bq = ac.tile_sizes(64)[0]
+    starts, nb = ac.document_blocks(qend, bq)
+    owned = ac.key_plan(klo, khi, starts, bq, True, 0)
+    kt = ~owned[:, :nb.max()] & (np.arange(nb.max()) < nb[:, None])   # blocks reading K^T
+    assert kt[0, :nb[0]].all() and kt[1].any() and not kt[1].all() and not kt[2].any()
+    rows = ac.visible_keys(klo, khi, 0, 0, True, 0)
+    block = np.array([np.diff(np.concatenate([[0], np.cumsum(r + 16)])[s]) for r, s in zip(rows, starts)])
+    cost = np.concatenate([np.tile(np.where(~owned[b], block[b], 0), heads) for b in range(3)])
+    before = numba.get_num_threads()
+    try:
+        for threads in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+            numba.set_num_threads(threads)
+            shares = ac.work_shares(rows, starts, heads, ~owned, heads_outer=True)
+            work = [cost[a:b].sum() for a, b in zip(shares[:-1], shares[1:])]
+            assert shares[0] == 0 and shares[-1] == cost.size and len(work) == threads
+            assert max(work) - min(work) <= cost.max()
     finally:
         numba.set_num_threads(before)

@@ -6,26 +6,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-
-
-POOL_LIMIT = 32 << 20  # glibc's largest M_MMAP_THRESHOLD on 64-bit systems
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def pool_freed_memory() -> bool:
-    """Make the C allocator the step's buffer pool: arrays up to :data:`POOL_LIMIT` bytes come
-    from a heap that keeps what is freed (no mmap per array, no trim), so the activations of one
-    microbatch, freed after its backward, are the memory of the next, step after step: a step
-    touches new pages only in its first microbatch of the first step, not on every allocation
-    (measured: the page faults per step in docs/benchmarks.md). Process-wide and once per
-    process; returns False where the C library has no ``mallopt`` (not glibc), changing
-    nothing."""
+    """Make the C allocator the step's buffer pool: every array comes from a heap that keeps
+    what is freed (no mmap for any size, no trim), so the activations of one microbatch, freed
+    after its backward, are the memory of the next, step after step: a step touches new pages
+    only in its first microbatch of the first step, not on every allocation (measured: the page
+    faults per step in docs/benchmarks.md). No mmap at all rather than a higher mmap threshold:
+    glibc caps the threshold at 32 MiB, and arrays over it (64 MiB attention outputs of an
+    8-row batch) would otherwise be fresh pages, zeroed by the kernel, on every call.
+    Process-wide and once per process; returns False where the C library has no ``mallopt``
+    (not glibc), changing nothing."""
     import ctypes
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, POOL_LIMIT) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return bool(mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def available_memory_bytes() -> int | None:

@@ -18,8 +18,9 @@ def pool_freed_memory() -> bool:
     glibc caps the threshold at 32 MiB, and arrays over it (64 MiB attention outputs of an
     8-row batch) would otherwise be fresh pages, zeroed by the kernel, on every call. The cost:
     a process keeps the memory of its peak (a large temporary, freed, is not given back to the
-    system but serves the next allocations), as a GPU caching allocator does. Process-wide and once per process; returns False where the C library has no ``mallopt``
-    (not glibc), changing nothing."""
+    system but serves the next allocations), as a GPU caching allocator does. Process-wide and
+    once per process; returns False where the C library has no ``mallopt`` (not glibc),
+    changing nothing."""
     import ctypes
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:

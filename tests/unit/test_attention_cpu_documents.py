@@ -330,6 +330,18 @@ def test_tiles_at_document_edges_match_the_reference(rng, monkeypatch, own_keys,
     check(rng, q, k, v, qs, ks, window, docs[:, qs:qs + qn], docs[:, ks:ks + kn])
 
 
+def _thread_counts(numba):
+    """Each thread count from 1 to Numba's pool size, set in turn (`work_shares` cuts by
+    `get_num_threads`); the caller's count restored after."""
+    before = numba.get_num_threads()
+    try:
+        for threads in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+            numba.set_num_threads(threads)
+            yield threads
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_work_shares_split_tasks_by_work():
     """One run of consecutive tasks per thread, covering all, of nearly equal work: one long
     document among short ones splits between its heads instead of going to one thread."""
@@ -339,17 +351,12 @@ def test_work_shares_split_tasks_by_work():
     klo, khi, qend = ac.document_bounds(docs, docs, 1, S, S)
     rows = ac.visible_keys(klo, khi, 0, 0, True, 0)
     spans, nspan = ac.document_blocks(qend, ac.SPAN, True)
-    before = numba.get_num_threads()
-    try:
-        for threads in range(1, numba.config.NUMBA_NUM_THREADS + 1):
-            numba.set_num_threads(threads)
-            shares = ac.work_shares(rows, spans, 4)
-            cost = np.repeat([(rows[0, a:b] + 16).sum() for a, b in zip(spans[0, :-1], spans[0, 1:])], 4)
-            work = [cost[a:b].sum() for a, b in zip(shares[:-1], shares[1:])]
-            assert shares[0] == 0 and shares[-1] == cost.size and len(work) == threads
-            assert max(work) - min(work) <= cost.max()   # within half a task of the mean each
-    finally:
-        numba.set_num_threads(before)
+    for threads in _thread_counts(numba):
+        shares = ac.work_shares(rows, spans, 4)
+        cost = np.repeat([(rows[0, a:b] + 16).sum() for a, b in zip(spans[0, :-1], spans[0, 1:])], 4)
+        work = [cost[a:b].sum() for a, b in zip(shares[:-1], shares[1:])]
+        assert shares[0] == 0 and shares[-1] == cost.size and len(work) == threads
+        assert max(work) - min(work) <= cost.max()   # within half a task of the mean each
 
 
 def test_forward_kt_tasks_split_by_work_in_head_order():
@@ -371,13 +378,8 @@ def test_forward_kt_tasks_split_by_work_in_head_order():
     rows = ac.visible_keys(klo, khi, 0, 0, True, 0)
     block = np.array([np.diff(np.concatenate([[0], np.cumsum(r + 16)])[s]) for r, s in zip(rows, starts)])
     cost = np.concatenate([np.tile(np.where(~owned[b], block[b], 0), heads) for b in range(3)])
-    before = numba.get_num_threads()
-    try:
-        for threads in range(1, numba.config.NUMBA_NUM_THREADS + 1):
-            numba.set_num_threads(threads)
-            shares = ac.work_shares(rows, starts, heads, ~owned, heads_outer=True)
-            work = [cost[a:b].sum() for a, b in zip(shares[:-1], shares[1:])]
-            assert shares[0] == 0 and shares[-1] == cost.size and len(work) == threads
-            assert max(work) - min(work) <= cost.max()
-    finally:
-        numba.set_num_threads(before)
+    for threads in _thread_counts(numba):
+        shares = ac.work_shares(rows, starts, heads, ~owned, heads_outer=True)
+        work = [cost[a:b].sum() for a, b in zip(shares[:-1], shares[1:])]
+        assert shares[0] == 0 and shares[-1] == cost.size and len(work) == threads
+        assert max(work) - min(work) <= cost.max()

@@ -643,15 +643,17 @@ def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _own_rows(dout, out, b, kh, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv):  # pragma: no cover (njit)
-    """A backward task's own rows, before its tiles: delta[b, h, t] = sum over D of dout * out
-    (accumulated in float64) and dq[b, t, h] = 0 for the query heads h of kv head kh and its
-    queries [q_lo, q_hi); dk[b, j, kh] = dv[b, j, kh] = 0 for the keys [k_lo, k_hi) it owns. Done
-    here rather than as whole-array passes: the rows are then in cache for the task's products."""
+def _own_rows(dout, out, b, kh0, kh1, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv):  # pragma: no cover (njit)
+    """Backward tasks' own rows, before their tiles: delta[b, h, t] = sum over D of dout * out
+    (accumulated in float64) and dq[b, t, h] = 0 for the query heads h of kv heads [kh0, kh1)
+    and the queries [q_lo, q_hi); dk[b, j, kh] = dv[b, j, kh] = 0 for those kv heads and the keys
+    [k_lo, k_hi) they own. Done here rather than as whole-array passes: the rows are then in cache
+    for the tasks' products; the heads of a position together, so that each row is read as one
+    run of memory."""
     d = dout.shape[3]
     group = dout.shape[2] // dk.shape[2]
     for t in range(q_lo, q_hi):
-        for h in range(kh * group, (kh + 1) * group):
+        for h in range(kh0 * group, kh1 * group):
             ar, br, qr = dout[b, t, h], out[b, t, h], dq[b, t, h]
             acc = 0.0
             for c in range(d):
@@ -659,10 +661,11 @@ def _own_rows(dout, out, b, kh, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv):  # p
                 qr[c] = 0
             delta[b, h, t] = acc
     for j in range(k_lo, k_hi):
-        kr, vr = dk[b, j, kh], dv[b, j, kh]
-        for c in range(d):
-            kr[c] = 0
-            vr[c] = 0
+        for kh in range(kh0, kh1):
+            kr, vr = dk[b, j, kh], dv[b, j, kh]
+            for c in range(d):
+                kr[c] = 0
+                vr[c] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -744,7 +747,9 @@ def _attention_bwd(q, k, v, out, lse, delta, dout, q_offset, k_offset, causal, w
                 q_lo, q_hi = spans[b, sp], spans[b, sp + 1]
                 k_lo = 0 if sp == 0 else klo[b, q_lo]
                 k_hi = sk if sp == nspan[b] - 1 else klo[b, q_hi]
-                _own_rows(dout, out, b, kh, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv)
+                if kh == 0 or task == shares[w]:  # the span's heads in this run: their rows at once
+                    _own_rows(dout, out, b, kh, min(hkv, kh + shares[w + 1] - task), q_lo, q_hi, k_lo, k_hi,
+                              delta, dq, dk, dv)
                 _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo[b],
                           khi[b], qend[b], scale, q_lo, q_hi, qstarts[b], qnb[b], kstarts[b], knb[b], dq, dk, dv)
 

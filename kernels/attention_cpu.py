@@ -70,7 +70,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from . import numpy_ref as ref
-from .numba_simd import REORDER, tile_lanes, transpose_tile, vexp
+from .numba_simd import REORDER, address, row_at, tile_lanes, transpose_tile, vexp
 from .numba_gemm import gemm
 from .numpy_ref import Array, require
 
@@ -288,21 +288,21 @@ def _exp_seg(p, shift):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
-def _exp_row(p, start, lo, hi, end, shift):  # pragma: no cover (njit)
-    """p[lo:hi] = exp(p[lo:hi] - shift) in place, p[start:lo] = p[hi:end] = 0; returns the sum
-    (p's dtype)."""
+def _exp_row(p, t, start, lo, hi, end, shift):  # pragma: no cover (njit)
+    """p[t, lo:hi] = exp(p[t, lo:hi] - shift) in place, p[t, start:lo] = p[t, hi:end] = 0; returns
+    the sum (p's dtype)."""
     for j in range(start, lo):
-        p[j] = 0
+        p[t, j] = 0
     for j in range(hi, end):
-        p[j] = 0
-    return _exp_seg(p[lo:hi], shift)
+        p[t, j] = 0
+    return _exp_seg(row_at(address(p) + (t * p.shape[1] + lo) * p.itemsize, hi - lo, p), shift)
 
 
 @njit(cache=True, nogil=True)
-def _row_max(p, lo, hi):  # pragma: no cover (njit)
-    mx = p[lo]
+def _row_max(p, t, lo, hi):  # pragma: no cover (njit)
+    mx = p[t, lo]
     for j in range(lo + 1, hi):
-        mx = max(mx, p[j])
+        mx = max(mx, p[t, j])
     return mx
 
 
@@ -333,22 +333,29 @@ def _heads_major(x, ld, need):  # pragma: no cover (njit)
 
 
 @njit(cache=True, nogil=True)
+def _at(x, b, i, h):  # pragma: no cover (njit)
+    """The address of x[b, i, h, 0] in a C-contiguous `[B, S, H, D]` array (`address`: no
+    reference taken, as a view's `.ctypes.data` would)."""
+    return address(x) + ((b * x.shape[1] + i) * x.shape[2] + h) * x.shape[3] * x.itemsize
+
+
+@njit(cache=True, nogil=True)
 def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
     """xt[:, :nk] = the keys [j0, j0 + nk) of kv head kh in sequence b of x `[B, Sk, Hkv, D]`,
     transposed `[D, nk]`: one block, in cache for the products that read it next. Tiles of n keys
     x n dims transposed in vector registers (`transpose_tile`, n = 8 float32, 4 float64; 2.2x
     faster than element copies eight keys at a time, which short documents pay per key block),
     the last keys and dims one element at a time."""
-    d = x.shape[3]
-    single = x.itemsize == 4
+    d, isz = x.shape[3], x.itemsize
+    single = isz == 4
     n = tile_lanes(single)
-    sld, dld = x.strides[1] // x.itemsize, xt.strides[0] // xt.itemsize
+    sld, dld = x.strides[1] // isz, xt.strides[0] // isz
     full = d - d % n
     j = 0
     while j + n <= nk:
-        src = x[b, j0 + j:, kh].ctypes.data
+        src = _at(x, b, j0 + j, kh)
         for c in range(0, full, n):
-            transpose_tile(src + np.uintp(c * x.itemsize), sld, xt[c:, j:].ctypes.data, dld, single)
+            transpose_tile(src + c * isz, sld, address(xt) + (c * dld + j) * isz, dld, single)
         for c in range(full, d):
             for u in range(n):
                 xt[c, j + u] = x[b, j0 + j + u, kh, c]
@@ -410,37 +417,37 @@ def kt_keys(klo: np.ndarray, khi: np.ndarray, starts: np.ndarray, owned: np.ndar
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m, has_m, l, acc,
-              qh, kta, ldk, scale):  # pragma: no cover (njit)
+def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m, has_m, l, acc, g,
+              qa, ldq, kta, ldk, scale):  # pragma: no cover (njit)
     """Softmax weights of tile rows [t0, t1) of one head over the tile's keys [c0, c1), in place
-    in p[:, c0:c1] (scores in, weights out); updates that head's m, l, acc `[positions(, D)]`.
-    qh: the head's query rows `[positions, D]`, kta, ldk: K^T at key c0 (to redo a row)."""
+    in p[:, c0:c1] (scores in, weights out); updates that head's m[g], l[g], acc[g]
+    `[group, positions(, D)]`. qa, ldq: the head's query row 0 and row stride, kta, ldk: K^T at
+    key c0 (to redo a row)."""
     single = p.itemsize == 4
-    d = acc.shape[1]
+    d = acc.shape[2]
     width = c1 - c0
     for t in range(t0, t1):
-        row = p[t]                                    # positions c0 .. c1 of it are the tile's
         lo, hi = _row_keys(causal, window, q_offset, k_offset, i0 + t, j0, c1, klo, khi)
         lo, hi = max(c0, lo), max(c0, hi)
         if hi <= lo:
             for j in range(c0, c1):
-                row[j] = 0
+                p[t, j] = 0
             continue
-        if not has_m[t]:
-            m[t] = _row_max(row, lo, min(hi, lo + 8))
-            has_m[t] = True
-        total = _exp_row(row, c0, lo, hi, c1, m[t])
+        if not has_m[g, t]:
+            m[g, t] = _row_max(p, t, lo, min(hi, lo + 8))
+            has_m[g, t] = True
+        total = _exp_row(p, t, c0, lo, hi, c1, m[g, t])
         if not total <= SUM_LIMIT:  # a score far above m: redo the row with its exact maximum
-            gemm(False, False, 1, width, d, scale, qh[t:].ctypes.data, qh.strides[0] // qh.itemsize, kta, ldk,
-                 0.0, p[t, c0:].ctypes.data, width, single)
-            mx = _row_max(row, lo, hi)
-            corr = math.exp(m[t] - mx)
-            l[t] *= corr
+            gemm(False, False, 1, width, d, scale, qa + t * ldq * p.itemsize, ldq, kta, ldk,
+                 0.0, address(p) + (t * p.shape[1] + c0) * p.itemsize, width, single)
+            mx = _row_max(p, t, lo, hi)
+            corr = math.exp(m[g, t] - mx)
+            l[g, t] *= corr
             for c in range(d):
-                acc[t, c] *= corr
-            m[t] = mx
-            total = _exp_row(row, c0, lo, hi, c1, mx)
-        l[t] += total
+                acc[g, t, c] *= corr
+            m[g, t] = mx
+            total = _exp_row(p, t, c0, lo, hi, c1, mx)
+        l[g, t] += total
 
 
 @njit(cache=True, nogil=True)
@@ -452,7 +459,7 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
     hq, d = q.shape[2], q.shape[3]
     hkv, sk = k.shape[2], k.shape[1]
     group = hq // hkv
-    single = q.itemsize == 4
+    single, isz = q.itemsize == 4, q.itemsize
     acc = np.zeros((group, nq, d), q.dtype)
     m = np.zeros((group, nq))
     has_m = np.zeros((group, nq), np.bool_)
@@ -468,16 +475,20 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
         if local and nseg > 0:
             _key_block(k, b, kh, j0, nk, kbuf)
         for g in range(group):
-            qh = q[b, i0:, kh * group + g]
+            qa = _at(q, b, i0, kh * group + g)
             for s in range(nseg):
                 t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
-                kta, ldk = (kbuf[:, c0:].ctypes.data, bk) if local else (kt[b, kh, :, j0 + c0:].ctypes.data, kt.shape[3])
-                gemm(False, False, t1 - t0, c1 - c0, d, scale, qh[t0:].ctypes.data, hq * d, kta, ldk, 0.0,
-                     p[t0:, c0:].ctypes.data, bk, single)
-                _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m[g],
-                          has_m[g], l[g], acc[g], qh, kta, ldk, scale)
-                gemm(False, False, t1 - t0, d, c1 - c0, 1.0, p[t0:, c0:].ctypes.data, bk,
-                     v[b, j0 + c0:, kh].ctypes.data, hkv * d, 1.0, acc[g, t0:].ctypes.data, d, single)
+                if local:
+                    kta, ldk = address(kbuf) + c0 * isz, bk
+                else:
+                    kta, ldk = address(kt) + (((b * hkv + kh) * d) * kt.shape[3] + j0 + c0) * isz, kt.shape[3]
+                pa = address(p) + (t0 * bk + c0) * isz
+                gemm(False, False, t1 - t0, c1 - c0, d, scale, qa + t0 * hq * d * isz, hq * d, kta, ldk, 0.0,
+                     pa, bk, single)
+                _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m, has_m, l,
+                          acc, g, qa, hq * d, kta, ldk, scale)
+                gemm(False, False, t1 - t0, d, c1 - c0, 1.0, pa, bk, _at(v, b, j0 + c0, kh), hkv * d, 1.0,
+                     address(acc) + ((g * nq + t0) * d) * isz, d, single)
     for t in range(nq):
         for g in range(group):
             h = kh * group + g
@@ -613,20 +624,23 @@ def attention_fwd(q: Array, k: Array, v: Array, q_offset: int = 0, k_offset: int
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=REORDER)
-def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, lse_h,
-              delta_h):  # pragma: no cover (njit)
-    """Tile rows [t0, t1) of one head over the keys [c0, c1): p = exp(s - lse) in place of the
+def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, lse, delta,
+              b, h):  # pragma: no cover (njit)
+    """Tile rows [t0, t1) of head h over the keys [c0, c1): p = exp(s - lse) in place of the
     scores s and dp = p * (dp - delta) in place of dP; both 0 outside each row's visible keys."""
+    pa, dpa, ld, isz = address(p), address(dp), p.shape[1], p.itemsize
     for t in range(t0, t1):
         lo, hi = _row_keys(causal, window, q_offset, k_offset, i0 + t, j0, c1, klo, khi)
         lo = max(c0, lo)
         hi = max(lo, hi)
-        if lse_h[i0 + t] == -np.inf:
+        if lse[b, h, i0 + t] == -np.inf:
             hi = lo
         for j in range(c0, lo):
             p[t, j] = 0
             dp[t, j] = 0
-        _grad_seg(p[t, lo:hi], dp[t, lo:hi], lse_h[i0 + t], delta_h[i0 + t])
+        at = (t * ld + lo) * isz
+        _grad_seg(row_at(pa + at, hi - lo, p), row_at(dpa + at, hi - lo, dp), lse[b, h, i0 + t],
+                  delta[b, h, i0 + t])
         for j in range(hi, c1):
             p[t, j] = 0
             dp[t, j] = 0
@@ -680,7 +694,7 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
     hq, d = q.shape[2], q.shape[3]
     hkv = k.shape[2]
     group = hq // hkv
-    single = q.itemsize == 4
+    single, isz = q.itemsize == 4, q.itemsize
     ldq, ldk = hq * d, hkv * d  # row strides of one head in q, dout, dq and in k, dk, dv
     bq, bk = np.diff(qstarts[:qnb + 1]).max(), np.diff(kstarts[:knb + 1]).max()
     p = np.empty((bq, bk), q.dtype)
@@ -713,19 +727,18 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
                 h = kh * group + g
                 for s in range(nseg):
                     t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
-                    nr, w, pa, dpa = t1 - t0, c1 - c0, p[t0:, c0:].ctypes.data, dp[t0:, c0:].ctypes.data
-                    kta, vta = kt[:, c0:].ctypes.data, vt[:, c0:].ctypes.data
-                    qa, doa = q[b, i0 + t0:, h].ctypes.data, dout[b, i0 + t0:, h].ctypes.data
+                    nr, w = t1 - t0, c1 - c0
+                    pa, dpa = address(p) + (t0 * bk + c0) * isz, address(dp) + (t0 * bk + c0) * isz
+                    kta, vta = address(kt) + c0 * isz, address(vt) + c0 * isz
+                    qa, doa = _at(q, b, i0 + t0, h), _at(dout, b, i0 + t0, h)
                     gemm(False, False, nr, w, d, scale, qa, ldq, kta, bk, 0.0, pa, bk, single)
                     gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, bk, 0.0, dpa, bk, single)
                     _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi,
-                              lse[b, h], delta[b, h])
-                    gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, dv[b, j0 + c0:, kh].ctypes.data, ldk,
-                         single)
-                    gemm(True, False, w, d, nr, scale, dpa, bk, qa, ldq, 1.0, dk[b, j0 + c0:, kh].ctypes.data, ldk,
-                         single)
-                    gemm(False, False, nr, d, w, scale, dpa, bk, k[b, j0 + c0:, kh].ctypes.data, ldk, 1.0,
-                         dq[b, i0 + t0:, h].ctypes.data, ldq, single)
+                              lse, delta, b, h)
+                    gemm(True, False, w, d, nr, 1.0, pa, bk, doa, ldq, 1.0, _at(dv, b, j0 + c0, kh), ldk, single)
+                    gemm(True, False, w, d, nr, scale, dpa, bk, qa, ldq, 1.0, _at(dk, b, j0 + c0, kh), ldk, single)
+                    gemm(False, False, nr, d, w, scale, dpa, bk, _at(k, b, j0 + c0, kh), ldk, 1.0,
+                         _at(dq, b, i0 + t0, h), ldq, single)
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic, overload
+from numba.np.arrayobj import make_array
 
 REORDER = {"reassoc", "nsz", "contract", "arcp"}  # fastmath flags: no "nnan"/"ninf"
 
@@ -143,3 +144,34 @@ def transpose_tile(src, sld, dst, dld, single):  # pragma: no cover (njit)
 def tile_lanes(single):  # pragma: no cover (njit)
     """The side of `transpose_tile`'s tile: one AVX vector of float32 (8) or float64 (4)."""
     return 8 if single else 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Addresses and views without reference counts
+# ----------------------------------------------------------------------------------------------
+
+@intrinsic
+def address(typingctx, arr):
+    """The address (uintp) of array arr's first element. `arr.ctypes.data` gives the same, but
+    takes and drops a reference (two atomic operations, each a barrier to the stores before it)
+    every time, which the kernels' per-row and per-segment loops did by the hundred thousand."""
+    def codegen(context, builder, signature, args):
+        ary = make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, context.get_value_type(types.uintp))
+    return types.uintp(arr), codegen
+
+
+@intrinsic
+def _pointer(typingctx, addr, like):
+    ptr = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+    return ptr(types.uintp, like), codegen
+
+
+@njit(cache=True, nogil=True)
+def row_at(addr, n, like):  # pragma: no cover (njit)
+    """A 1-D array of n elements of like's dtype at `addr`, which holds no reference (like a
+    slice of `like` that Numba need not count): for rows handed to vectorised loops."""
+    return carray(_pointer(addr, like), n)

@@ -15,7 +15,7 @@ from mpipar.kernels import numpy_ref as ref
 ac = pytest.importorskip("mpipar.kernels.attention_cpu")
 from numba import njit  # noqa: E402  (after the importorskip: numba is there)
 
-from mpipar.kernels.numba_simd import REORDER, vexp  # noqa: E402
+from mpipar.kernels.numba_simd import REORDER, address, row_at, vexp  # noqa: E402
 from mpipar.kernels.numba_gemm import gemm  # noqa: E402
 
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
@@ -212,6 +212,32 @@ def test_gemm_on_strided_views(rng, dtype, trans_a, trans_b):
     assert rel_err(c, expect) < TOL[dtype] / 10
     assert np.array_equal(c[:2], expect[:2].astype(dtype))
     assert np.array_equal(c[:, 6:], expect[:, 6:].astype(dtype))
+
+
+@njit
+def _probe_row(x, b, i, h, n):
+    row = row_at(ac._at(x, b, i, h), n, x)
+    total = row.sum()
+    row[0] = -1.0
+    return address(x), ac._at(x, b, i, h), total
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_addresses_and_rows_without_references(rng, dtype):
+    """The kernels reach rows and tiles through addresses, not views (a view takes a reference):
+    `address` is the first element's (as `.ctypes.data`), `_at(x, b, i, h)` that of x[b, i, h]
+    in a `[B, S, H, D]` array, and `row_at` n elements there, read and written in the array
+    itself (rows running on into the next heads included)."""
+    x = rng.standard_normal((2, 5, 3, 4)).astype(dtype)
+    for b, i, h in ((0, 0, 0), (1, 3, 2), (1, 4, 1), (0, 2, 1)):
+        n = 4 * (3 - h)
+        flat = x.reshape(-1)
+        first = ((b * 5 + i) * 3 + h) * 4
+        expect = flat[first:first + n].astype(np.float64).sum()
+        base, at, total = _probe_row(x, b, i, h, n)
+        assert base == x.ctypes.data and at == x[b, i, h].ctypes.data
+        assert abs(total - expect) <= 1e-5 * np.abs(flat[first:first + n]).sum()
+        assert flat[first] == -1.0
 
 
 @pytest.mark.parametrize("caller", [vexp_all_reorder, vexp_all], ids=["reorder", "plain"])

@@ -341,9 +341,9 @@ def _heads_major(x, ld, need):  # pragma: no cover (njit)
 
 @njit(cache=True, nogil=True)
 def _at(x, b, i, h):  # pragma: no cover (njit)
-    """The address of x[b, i, h, 0] in a C-contiguous `[B, S, H, D]` array (`address`: no
+    """The address of x[b, i, h, 0] in a `[B, S, H, D]` array, by its strides (`address`: no
     reference taken, as a view's `.ctypes.data` would)."""
-    return address(x) + ((b * x.shape[1] + i) * x.shape[2] + h) * x.shape[3] * x.itemsize
+    return address(x) + b * x.strides[0] + i * x.strides[1] + h * x.strides[2]
 
 
 @njit(cache=True, nogil=True)

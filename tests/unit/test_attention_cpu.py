@@ -227,7 +227,8 @@ def test_addresses_and_rows_without_references(rng, dtype):
     """The kernels reach rows and tiles through addresses, not views (a view takes a reference):
     `address` is the first element's (as `.ctypes.data`), `_at(x, b, i, h)` that of x[b, i, h]
     in a `[B, S, H, D]` array, and `row_at` n elements there, read and written in the array
-    itself (rows running on into the next heads included)."""
+    itself (rows running on into the next heads included); `_at` by the strides, also of a view
+    that skips positions."""
     x = rng.standard_normal((2, 5, 3, 4)).astype(dtype)
     for b, i, h in ((0, 0, 0), (1, 3, 2), (1, 4, 1), (0, 2, 1)):
         n = 4 * (3 - h)
@@ -238,6 +239,9 @@ def test_addresses_and_rows_without_references(rng, dtype):
         assert base == x.ctypes.data and at == x[b, i, h].ctypes.data
         assert abs(total - expect) <= 1e-5 * np.abs(flat[first:first + n]).sum()
         assert flat[first] == -1.0
+    every_other = x[:, ::2]
+    for b, i, h in ((0, 0, 0), (1, 2, 2), (1, 1, 1)):
+        assert _probe_row(every_other, b, i, h, 4)[1] == every_other[b, i, h].ctypes.data
 
 
 @pytest.mark.parametrize("caller", [vexp_all_reorder, vexp_all], ids=["reorder", "plain"])

@@ -7,20 +7,18 @@ float32 once; out rounded to bf16 once, lse and the gradients float32). Outputs 
 C-contiguous arrays: out and dq `[B, Sq, Hq, D]`, dk and dv `[B, Sk, Hkv, D]`.
 
 Tiles. A tile is `positions x keys` of one query head; the G = Hq / Hkv query heads that share a
-kv head are done one after the other on the same key tile while it is in cache. Products read
-q, dout and write dq in place (a head's rows are strided views: leading dimension Hq * D) and
-fold the softmax scale into alpha, so nothing is packed. Tiles are sized so that each product
-(positions * keys * D multiply-adds) stays under OpenBLAS's small-matrix limit (about 1e6): it
-then runs without packing its operands and, with the tile in the L1/L2 caches, about as fast as
-a large GEMM (see `python -m mpipar.bench kernels`). The score products Q K^T and dO V^T are
+kv head follow one another on the same key tile. Products read q, dout and write dq in place
+(leading dimension Hq * D), the softmax scale in alpha: nothing is packed. Tiles are sized so
+that each product (positions * keys * D multiply-adds) stays under OpenBLAS's small-matrix limit
+(about 1e6): it then runs without packing its operands, in the L1/L2 caches, near a large
+GEMM's speed (`python -m mpipar.bench kernels`). The score products Q K^T and dO V^T are
 plain (NN) products on a transposed K (and V): the forward transposes K once per call (each key
 block is read by many query blocks' tasks; rows padded to an odd number of cache lines, so that
 a key block's rows do not all fall in one cache set), or each task the key blocks it reads: with
 packed documents the blocks of documents of up to OWN_KEYS keys, without them every task when
 they read each key only a few times (`key_plan`); the backward transposes each key block of K
 and V when its task reaches it, into a buffer that stays in cache, and accumulates dK and dV
-straight into the outputs (no whole-array transpositions or copies: O(S) passes cost as much as the
-tiles when documents are short).
+straight into the outputs (no O(S) passes: with short documents they cost as much as the tiles).
 
 Causality and sliding windows. Key blocks past the last visible key, and with a sliding window
 W key blocks before the first key the window reaches, are never computed; a tile that crosses
@@ -48,16 +46,12 @@ softmax would keep. out = acc / l, lse = m + log l.
 Backward (flash-attention 2): one task per kv head and span of whole query documents (at most
 SPAN positions, or one longer document; no other span's query sees its keys) walks the key blocks; for
 each tile P = exp(s - lse), dP = dO V^T, dS = P (dP - delta) with delta = rowsum(dO * out),
-then dV += P^T dO, dK += scale dS^T Q and dQ += scale dS K (five products per tile). Each task's
-dQ rows of its queries and dK, dV rows of the keys it owns are zeroed and their delta computed
-just before its tiles (`_own_rows`): no whole-array zeroing or delta pass, the rows are then in
-cache. The first task of a span in a thread's run does it for all the span's kv heads in that
-run, position by position: a position's heads are one run of memory, where one head's rows are
-256 bytes every 1 KiB (4 heads x 64), which the hardware prefetchers do not follow (backward 4-5
-% faster on packed short documents).
-
-Rows and tiles are reached by address (`_at`, `numba_simd.address`), not through views, which
-take a reference each (`numba_simd`).
+then dV += P^T dO, dK += scale dS^T Q and dQ += scale dS K (five products per tile). A task's
+dQ, delta rows and its owned keys' dK, dV rows are zeroed and filled just before its tiles
+(`_own_rows`; no whole-array passes), by the first task of the span in a thread's run for all the
+span's kv heads in that run, position by position: one run of memory, not one head's 256 bytes
+every 1 KiB (backward 4-5 % faster on short documents). Rows and tiles are reached by address
+(`_at`, `numba_simd.address`), not through views, which take a reference each.
 
 Threads: tasks run in parallel (Numba prange); the tile products are too small for OpenBLAS to
 thread, so each task's products run on its own thread. With short documents (forward) and in the
@@ -314,11 +308,9 @@ def _row_max(p, t, lo, hi):  # pragma: no cover (njit)
 
 
 def _row_stride(n: int, itemsize: int) -> int:
-    """Elements per row for rows of n elements: whole 64-byte lines, an odd number of them. A
-    row stride that is a multiple of 4 KiB (S = 1024, 2048, 8192 keys...) puts the 64 rows of a
-    key block's K^T in the same L1 cache set, which the products then read over and over; an odd
-    count of lines spreads them over every set (measured: the full causal forward 0-10 % faster,
-    `docs/benchmarks.md`)."""
+    """Elements per row for rows of n elements: an odd number of whole 64-byte lines. A stride
+    that is a multiple of 4 KiB (S = 1024, 2048...) puts a key block's 64 K^T rows in one L1
+    cache set; odd counts spread them (full causal forward 0-10 % faster, `docs/benchmarks.md`)."""
     line = 64 // itemsize
     lines = -(-n // line)
     return (lines + 1 - lines % 2) * line
@@ -341,18 +333,16 @@ def _heads_major(x, ld, need):  # pragma: no cover (njit)
 
 @njit(cache=True, nogil=True)
 def _at(x, b, i, h):  # pragma: no cover (njit)
-    """The address of x[b, i, h, 0] in a `[B, S, H, D]` array, by its strides (`address`: no
-    reference taken, as a view's `.ctypes.data` would)."""
+    """The address of x[b, i, h, 0] in a `[B, S, H, D]` array, by its strides (no reference)."""
     return address(x) + b * x.strides[0] + i * x.strides[1] + h * x.strides[2]
 
 
 @njit(cache=True, nogil=True)
 def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
     """xt[:, :nk] = the keys [j0, j0 + nk) of kv head kh in sequence b of x `[B, Sk, Hkv, D]`,
-    transposed `[D, nk]`: one block, in cache for the products that read it next. Tiles of n keys
-    x n dims transposed in vector registers (`transpose_tile`, n = 8 float32, 4 float64; 2.2x
-    faster than element copies eight keys at a time, which short documents pay per key block),
-    the last keys and dims one element at a time."""
+    transposed `[D, nk]`, in cache for the products next: n x n tiles in vector registers
+    (`transpose_tile`, n = 8 float32, 4 float64; 2.2x faster than element copies), the rest
+    element by element."""
     d, isz = x.shape[3], x.itemsize
     single = isz == 4
     n = tile_lanes(single)
@@ -373,10 +363,9 @@ def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
 
 
 def _local_keys(klo: np.ndarray, khi: np.ndarray, bq: int) -> bool:
-    """Without documents: whether the forward's tasks should transpose the key blocks they read
-    themselves rather than read one K^T of the call: when together they read each key at most 8
-    times (short sequences, narrow windows; full causal reads each key Sq / (2 bq) times), the
-    blocks transposed in cache cost less than one pass over K whole."""
+    """Without documents: whether the forward's tasks should transpose their own key blocks rather
+    than read one K^T: when together they read each key at most 8 times (short sequences, narrow
+    windows; full causal reads each Sq / (2 bq) times), which costs less than one pass over K."""
     sq, sk = klo.shape[1], max(1, int(khi.max(initial=1)))
     ends = np.minimum(np.arange(bq, sq + bq, bq), sq) - 1
     return int((khi[:, ends] - klo[:, ends - ends % bq]).sum()) <= 8 * sk * klo.shape[0]
@@ -385,17 +374,14 @@ def _local_keys(klo: np.ndarray, khi: np.ndarray, bq: int) -> bool:
 def key_plan(klo: np.ndarray, khi: np.ndarray, starts: np.ndarray, bq: int, documents: bool,
              window: int) -> np.ndarray:
     """Which forward tasks transpose the key blocks they read themselves (`_key_block`, into a
-    buffer that stays in cache) rather than read one K^T of the call (`_heads_major`, made for
-    the keys those others read): `[B, blocks]`, True for a query block of starts `[B, blocks + 1]`
-    whose tasks transpose their own.
+    buffer that stays in cache) rather than read one K^T of the call (`_heads_major`):
+    `[B, blocks]`, True for a query block of starts `[B, blocks + 1]` whose tasks do.
 
-    With documents, per block: a block whose documents hold at most OWN_KEYS keys (with a window,
-    at most OWN_KEYS within the window's reach). Each of their keys is then transposed once per
-    block that reads it, about length / 128 times (at most 16 with 64-position blocks), which
-    costs less than one pass over those keys and the K^T order (measured: 1024-token documents
-    4-6 % faster, 2048 about the same; 8 rows of log-normal documents of median 200 tokens,
-    forward 1.2x faster, `docs/benchmarks.md`). Longer documents' blocks read K^T. Without
-    documents, every block or none, by `_local_keys`. The two kinds of task run in their own
+    With documents, a block whose documents hold at most OWN_KEYS keys (within the window's
+    reach): each key is then transposed about length / 128 times, which costs less than one pass
+    over the keys in K^T order (1024-token documents 4-6 % faster, 2048 the same; 8 rows of
+    median-200 documents, forward 1.2x, `docs/benchmarks.md`). Longer documents' blocks read
+    K^T. Without documents, every block or none (`_local_keys`). The two kinds run in their own
     orders (`_attention_fwd`)."""
     nb = starts.shape[1] - 1
     if not documents:
@@ -427,9 +413,8 @@ def kt_keys(klo: np.ndarray, khi: np.ndarray, starts: np.ndarray, owned: np.ndar
 def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m, has_m, l, acc, g,
               qa, ldq, kta, ldk, scale):  # pragma: no cover (njit)
     """Softmax weights of tile rows [t0, t1) of one head over the tile's keys [c0, c1), in place
-    in p[:, c0:c1] (scores in, weights out); updates that head's m[g], l[g], acc[g]
-    `[group, positions(, D)]`. qa, ldq: the head's query row 0 and row stride, kta, ldk: K^T at
-    key c0 (to redo a row)."""
+    in p[:, c0:c1] (scores in, weights out); updates its m[g], l[g], acc[g] `[group, positions(,
+    D)]`. qa, ldq: its query row 0 and row stride, kta, ldk: K^T at key c0 (to redo a row)."""
     single = p.itemsize == 4
     d = acc.shape[2]
     width = c1 - c0
@@ -559,16 +544,12 @@ def visible_keys(klo: np.ndarray, khi: np.ndarray, q_offset: int, k_offset: int,
 
 def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int, counted: np.ndarray | None = None,
                 heads_outer: bool = False) -> np.ndarray:
-    """Cut the tasks (sequence b, block i of starts `[B, n + 1]`, head; in that order, or with
-    `heads_outer` sequence, head, block) into one run of consecutive tasks per thread, of nearly
-    equal work: the keys seen by the block's rows `rows [B, S]` (`visible_keys`) plus 16 a row
-    (its fixed cost); with `counted` `[B, n]`, the blocks not counted weigh nothing (the forward
-    runs its two kinds of block apart, `_attention_fwd`). Returns the runs' bounds
-    `[threads + 1]`: consecutive tasks keep the rows they share in cache, equal work keeps the
-    threads busy (short documents of very different lengths make equal task counts unequal, and
-    so do rows of different documents: an equal count of the forward's K^T tasks, in zigzag
-    order, left one of two threads a quarter idle on a batch whose long documents sat in some
-    rows, `docs/benchmarks.md`)."""
+    """Cut the tasks (sequence b, block i of starts `[B, n + 1]`, head; or with `heads_outer`
+    sequence, head, block) into one run of consecutive tasks per thread, of nearly equal work:
+    the keys seen by the block's rows `rows [B, S]` (`visible_keys`) plus 16 a row; with
+    `counted` `[B, n]`, the blocks not counted weigh nothing (`_attention_fwd`'s two phases).
+    Returns the runs' bounds `[threads + 1]`: consecutive tasks share rows in cache, equal work
+    keeps the threads busy where equal counts do not (documents, and rows, differ in length)."""
     cost = []
     for b in range(rows.shape[0]):
         row = np.concatenate([[0], np.cumsum(rows[b] + 16)])
@@ -666,11 +647,9 @@ def _grad_seg(p, dp, lse, delta):  # pragma: no cover (njit)
 @njit(cache=True, nogil=True, fastmath=REORDER)
 def _own_rows(dout, out, b, kh0, kh1, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv):  # pragma: no cover (njit)
     """Backward tasks' own rows, before their tiles: delta[b, h, t] = sum over D of dout * out
-    (accumulated in float64) and dq[b, t, h] = 0 for the query heads h of kv heads [kh0, kh1)
-    and the queries [q_lo, q_hi); dk[b, j, kh] = dv[b, j, kh] = 0 for those kv heads and the keys
-    [k_lo, k_hi) they own. Done here rather than as whole-array passes: the rows are then in cache
-    for the tasks' products; the heads of a position together, so that each row is read as one
-    run of memory."""
+    (float64 sums), dq[b, t, h] = 0 for the query heads h of kv heads [kh0, kh1), queries [q_lo,
+    q_hi); dk[b, j, kh] = dv[b, j, kh] = 0 for those kv heads' keys [k_lo, k_hi). A position's
+    heads together (one run of memory); the rows are then in cache for the tasks' products."""
     d = dout.shape[3]
     group = dout.shape[2] // dk.shape[2]
     for t in range(q_lo, q_hi):

@@ -27,12 +27,12 @@ multiplied only with the range of keys its rows can see, so that at most about S
 per row and edge are computed in vain. `tile_work` counts the tiles and segments computed.
 
 Packed documents (`q_docs`, `k_docs`: document ids, non-decreasing along each row). Each query
-sees only the keys [klo, khi) of its own document (`document_bounds`, found once per call), a
+sees only the keys [klo, khi) of its own document (`document_layout.document_bounds`, once a call), a
 third bound beside causality and the window that also grows with the position: the key range of
 a query block, the query range of a key block (backward) and the row segments (which also end
 at each document's end) shrink to the same-document pairs, so a tile with none is never computed
 and a row of short documents costs about its documents' own causal squares, in one call. Blocks
-are aligned to documents (`document_blocks`): a document longer than a block gets nearly equal
+are aligned to documents (`document_layout.document_blocks`): a document longer than a block gets nearly equal
 blocks of its own, shorter ones are packed whole into a block, so that a short document is one
 small causal tile (as if called alone) rather than pieces of a fixed grid's tiles.
 
@@ -73,6 +73,7 @@ from numba import get_num_threads, njit, prange
 from . import numpy_ref as ref
 from .numba_simd import REORDER, address, row_at, tile_lanes, transpose_tile, vexp
 from .numba_gemm import gemm
+from .document_layout import document_blocks, document_bounds, visible_keys
 from .numpy_ref import Array, require
 
 POSITIONS = 64  # query positions per tile
@@ -153,91 +154,6 @@ def _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend
                 n += 1
         t0 = t1
     return n
-
-
-def document_bounds(q_docs: Array | None, k_docs: Array | None, b: int, sq: int, sk: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per query `[B, Sq]` (int64): klo, khi, the keys [klo, khi) of its document in the key
-    block, and qend, the end of its document in the query block (no documents: all keys, and
-    the block's end). Document ids `[B, Sq]`, `[B, Sk]` must not decrease along a row (packed
-    documents: each document one run of positions, in order)."""
-    if q_docs is None and k_docs is None:
-        return np.zeros((b, sq), np.int64), np.full((b, sq), sk, np.int64), np.full((b, sq), sq, np.int64)
-    require(q_docs is not None and k_docs is not None, "attention: q_docs and k_docs go together")
-    qd, kd = np.asarray(q_docs), np.asarray(k_docs)
-    require(qd.shape == (b, sq) and kd.shape == (b, sk),
-            f"attention: q_docs {qd.shape} and k_docs {kd.shape} must be {(b, sq)} and {(b, sk)}")
-    klo, khi, qend = (np.empty((b, sq), np.int64) for _ in range(3))
-    require(_bounds(qd.astype(np.int64, copy=False), kd.astype(np.int64, copy=False), klo, khi, qend),
-            "attention (numba): document ids must not decrease along a row (packed documents)")
-    return klo, khi, qend
-
-
-@njit(cache=True, nogil=True)
-def _bounds(qd, kd, klo, khi, qend):  # pragma: no cover (njit)
-    """`document_bounds` of ids qd `[B, Sq]`, kd `[B, Sk]` in one merge pass per row (ids sorted
-    along rows: klo/khi = the first key whose id is >= / > the query's, qend = the first query
-    whose id is >); False (nothing else promised) if some row's ids decrease."""
-    sq, sk = qd.shape[1], kd.shape[1]
-    for r in range(qd.shape[0]):
-        for i in range(1, sq):
-            if qd[r, i] < qd[r, i - 1]:
-                return False
-        for j in range(1, sk):
-            if kd[r, j] < kd[r, j - 1]:
-                return False
-        lo = hi = 0
-        for i in range(sq):
-            x = qd[r, i]
-            while lo < sk and kd[r, lo] < x:
-                lo += 1
-            hi = max(hi, lo)
-            while hi < sk and kd[r, hi] <= x:
-                hi += 1
-            klo[r, i], khi[r, i] = lo, hi
-        e = sq
-        for i in range(sq - 1, -1, -1):
-            if i < sq - 1 and qd[r, i] != qd[r, i + 1]:
-                e = i + 1
-            qend[r, i] = e
-    return True
-
-
-@njit(cache=True, nogil=True)
-def _cut_blocks(ends, size, starts, whole):  # pragma: no cover (njit)
-    """Cut positions [0, n) into blocks of at most `size` that start at document starts: a
-    document longer than `size` gets ceil(length / size) nearly equal blocks of its own, shorter
-    ones are packed whole, in order, into blocks of at most `size` (ends[i]: the end of position
-    i's document; no documents: one document, nearly equal blocks). starts[:nb + 1] = the block
-    starts then n; returns nb."""
-    n, nb, i = ends.size, 0, 0
-    while i < n:
-        e = ends[i]
-        if e - i > size and not whole:
-            parts = (e - i + size - 1) // size
-            step = (e - i + parts - 1) // parts
-            for j in range(i, e, step):
-                starts[nb] = j
-                nb += 1
-        else:
-            starts[nb] = i
-            nb += 1
-            while e < n and ends[e] - i <= size:
-                e = ends[e]
-        i = e
-    starts[nb] = n
-    return nb
-
-
-def document_blocks(ends: np.ndarray, size: int, whole: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks of at most `size` positions aligned to document starts (`_cut_blocks`) of every row
-    of ends `[B, S]` (each position's document end, as `document_bounds`' qend): starts
-    `[B, nmax + 1]` (row b's nb[b] block starts, then S repeated) and nb `[B]`, so that a short
-    document is one small causal tile and no tile straddles two documents it could keep apart."""
-    b, n = ends.shape
-    starts = np.full((b, n + 2), n, np.int64)
-    nb = np.array([_cut_blocks(ends[r], size, starts[r], whole) for r in range(b)], np.int64)
-    return np.ascontiguousarray(starts[:, :int(nb.max(initial=0)) + 1]), nb
 
 
 @njit(cache=True, nogil=True)
@@ -530,16 +446,6 @@ def _fwd_block(q, kt, k, local, v, b, kh, qb, q_offset, k_offset, causal, window
     if starts[b, qb + 1] > i0:
         _fwd_task(q, kt, k, local, v, b, kh, i0, starts[b, qb + 1] - i0, q_offset, k_offset, causal, window,
                   klo[b], khi[b], qend[b], scale, bk, out, lse)
-
-
-def visible_keys(klo: np.ndarray, khi: np.ndarray, q_offset: int, k_offset: int, causal: bool,
-                 window: int) -> np.ndarray:
-    """Keys each query sees `[B, Sq]` (int64): its document's keys [klo, khi) `[B, Sq]` within
-    causality and the window."""
-    diag = np.arange(klo.shape[1]) + (q_offset - k_offset)
-    hi = np.minimum(khi, diag + 1) if causal else khi
-    lo = np.maximum(klo, diag - window + 1) if window > 0 else klo
-    return np.maximum(hi - lo, 0)
 
 
 def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int, counted: np.ndarray | None = None,

@@ -82,7 +82,7 @@ __device__ inline void load_rows(const T* x, T (*sh)[D], long long base, long lo
 
 // Rows [*first, *stop) of block x of sequence b: the fixed grid's R-row blocks, or with packed
 // documents the block table starts [B, nb] (blocks of at most R rows aligned to document
-// starts, `attention_cpu.document_blocks`; columns past a sequence's blocks hold S).
+// starts, `document_layout.document_blocks`; columns past a sequence's blocks hold S).
 __device__ inline void block_rows(const long long* starts, int nb, int b, int x, int R, int S,
                                   long long* first, long long* stop) {
     if (starts) {
@@ -460,9 +460,9 @@ def _flash_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
 def _blocks(mine: np.ndarray, other: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
     """(lo, hi, starts) of one side's blocks: lo, hi `[B, n]` the other side's positions [lo, hi)
     of each position's document, starts the blocks of at most ``rows`` positions aligned to the
-    document starts (`attention_cpu.document_blocks`, the CPU kernels' own cut), so that a short
+    document starts (`document_layout.document_blocks`, the CPU kernels' own cut), so that a short
     document is one small tile and a block reads only its documents' keys."""
-    from .attention_cpu import document_blocks, document_bounds
+    from .document_layout import document_blocks, document_bounds
 
     b, n = mine.shape
     lo, hi, end = document_bounds(mine, other, b, n, other.shape[1])

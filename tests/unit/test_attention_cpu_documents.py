@@ -2,8 +2,8 @@
 ``k_docs``) against numpy_ref's document-masked attention, float64 <= 1e-12, forward and
 backward: random layouts with documents of length 1, documents crossing tile boundaries
 (tiles of 64 positions x 128 keys at head_dim 64), blocks that start mid-document (ring and
-zigzag offsets), grouped-query heads and sliding windows; and the tiles skipped (tile_work).
-No MPI.
+zigzag offsets), grouped-query heads and sliding windows; the tiles skipped (tile_work); and
+the documents' layout the kernels tile by (kernels/document_layout.py). No MPI.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from mpipar.kernels import numpy_ref as ref
 
 ac = pytest.importorskip("mpipar.kernels.attention_cpu")
+from mpipar.kernels import document_layout as dl  # noqa: E402  (after the importorskip: numba is there)
 
 from tests.unit.test_attention_cpu import inputs, rel_err  # noqa: E402
 
@@ -150,10 +151,10 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     docs = layout(rng, 2, S)
     q, k, v = inputs(rng, 2, S, S, hq, hkv, 64, np.float64)
     r_out, r_lse = ref.attention_fwd(q, k, v, q_docs=docs, k_docs=docs)
-    klo, khi, qend = ac.document_bounds(docs, docs, 2, S, S)
+    klo, khi, qend = dl.document_bounds(docs, docs, 2, S, S)
     bq, bk = ac.tile_sizes(64)
-    st = ac.document_blocks(qend, bq)[0]
-    vis = ac.visible_keys(klo, khi, 0, 0, True, 0)
+    st = dl.document_blocks(qend, bq)[0]
+    vis = dl.visible_keys(klo, khi, 0, 0, True, 0)
     short = np.broadcast_to(np.arange(st.shape[1] - 1) % 2 == 0, (2, st.shape[1] - 1))
     for owned in (np.ones_like(short), np.zeros_like(short), short, ~short):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
@@ -163,8 +164,8 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
                           ac.work_shares(vis, st, hkv, ~owned, heads_outer=True), bk, out, lse)
         assert rel_err(out, r_out) < 1e-12 and rel_err(lse, r_lse) < 1e-12
     assert ac._local_keys(klo, khi, bq)
-    assert not ac._local_keys(*ac.document_bounds(None, None, 1, 4096, 4096)[:2], bq)
-    assert not ac._local_keys(*ac.document_bounds(*[(np.arange(4096) // 2048)[None]] * 2, 1, 4096, 4096)[:2], bq)
+    assert not ac._local_keys(*dl.document_bounds(None, None, 1, 4096, 4096)[:2], bq)
+    assert not ac._local_keys(*dl.document_bounds(*[(np.arange(4096) // 2048)[None]] * 2, 1, 4096, 4096)[:2], bq)
 
 
 def test_key_plan_transposes_one_kt_only_for_blocks_of_long_documents(rng):
@@ -177,8 +178,8 @@ def test_key_plan_transposes_one_kt_only_for_blocks_of_long_documents(rng):
     long_doc = ac.OWN_KEYS + 300
 
     def plan(docs, S, **kw):
-        klo, khi, qend = ac.document_bounds(docs, docs, 1, S, S)
-        st = ac.document_blocks(qend, bq)[0]
+        klo, khi, qend = dl.document_bounds(docs, docs, 1, S, S)
+        st = dl.document_blocks(qend, bq)[0]
         owned = ac.key_plan(klo, khi, st, bq, docs is not None, kw.get("window", 0))
         assert owned.shape == (1, st.shape[1] - 1)
         return bool(owned.all()), bool(owned.any())
@@ -225,9 +226,9 @@ def test_short_documents_on_the_tasks_own_key_blocks(rng, dtype):
     docs = np.repeat(np.arange(len(lengths)), lengths)[None]
     S = docs.shape[1]
     q, k, v = inputs(rng, 1, S, S, 4, 2, 64, dtype)
-    klo, khi, qend = ac.document_bounds(docs, docs, 1, S, S)
+    klo, khi, qend = dl.document_bounds(docs, docs, 1, S, S)
     bq = ac.tile_sizes(64)[0]
-    assert ac.key_plan(klo, khi, ac.document_blocks(qend, bq)[0], bq, True, 0).all()
+    assert ac.key_plan(klo, khi, dl.document_blocks(qend, bq)[0], bq, True, 0).all()
     tol = 1e-12 if dtype == np.float64 else 1e-5
     kw = dict(q_docs=docs, k_docs=docs)
     out, lse = ac.attention_fwd(q, k, v, **kw)
@@ -275,7 +276,7 @@ def test_document_bounds_equal_their_definition(rng):
         b, sq, sk = (int(x) for x in rng.integers(1, 40, 3))
         qd = np.sort(rng.integers(0, 9, (b, sq)), axis=1)
         kd = np.sort(rng.integers(0, 9, (b, sk)), axis=1)
-        klo, khi, qend = ac.document_bounds(qd, kd, b, sq, sk)
+        klo, khi, qend = dl.document_bounds(qd, kd, b, sq, sk)
         for r in range(b):
             assert (klo[r] == np.searchsorted(kd[r], qd[r], "left")).all()
             assert (khi[r] == np.searchsorted(kd[r], qd[r], "right")).all()
@@ -300,10 +301,10 @@ def test_blocks_start_at_documents_and_cut_long_ones_evenly():
     long one alone). Also for a block that starts mid-document (ring hops)."""
     docs = np.repeat(np.arange(len(EDGES)), EDGES)[None]
     for row in (docs, docs[:, 130:]):
-        ends = ac.document_bounds(row, row, 1, row.shape[1], row.shape[1])[2]
+        ends = dl.document_bounds(row, row, 1, row.shape[1], row.shape[1])[2]
         starts = np.concatenate([[0], np.flatnonzero(np.diff(row[0])) + 1])
         for size, whole in ((64, False), (128, False), (256, True)):
-            cuts, nb = ac.document_blocks(ends, size, whole)
+            cuts, nb = dl.document_blocks(ends, size, whole)
             cuts = cuts[0, :nb[0] + 1]
             assert cuts[0] == 0 and cuts[-1] == row.shape[1] and (np.diff(cuts) > 0).all()
             for i0, i1 in zip(cuts[:-1], cuts[1:]):
@@ -317,7 +318,7 @@ def test_blocks_start_at_documents_and_cut_long_ones_evenly():
                     if one and length > size:       # a long document's blocks: nearly equal
                         inside = np.diff(cuts[(cuts >= ends[0, i0] - length) & (cuts <= ends[0, i0])])
                         assert len(inside) == -(-length // size) and np.ptp(inside) <= 1
-    assert ac.document_blocks(np.full((1, 200), 200), 64)[0].tolist() == [[0, 50, 100, 150, 200]]
+    assert dl.document_blocks(np.full((1, 200), 200), 64)[0].tolist() == [[0, 50, 100, 150, 200]]
 
 
 @pytest.mark.parametrize("own_keys", [ac.OWN_KEYS, 100, 0])
@@ -354,9 +355,9 @@ def test_work_shares_split_tasks_by_work():
     numba = pytest.importorskip("numba")
     docs = np.repeat(np.arange(12), [50] * 5 + [2000] + [50] * 6)[None]
     S = docs.shape[1]
-    klo, khi, qend = ac.document_bounds(docs, docs, 1, S, S)
-    rows = ac.visible_keys(klo, khi, 0, 0, True, 0)
-    spans, nspan = ac.document_blocks(qend, ac.SPAN, True)
+    klo, khi, qend = dl.document_bounds(docs, docs, 1, S, S)
+    rows = dl.visible_keys(klo, khi, 0, 0, True, 0)
+    spans, nspan = dl.document_blocks(qend, ac.SPAN, True)
     for threads in _thread_counts(numba):
         shares = ac.work_shares(rows, spans, 4)
         cost = np.repeat([(rows[0, a:b] + 16).sum() for a, b in zip(spans[0, :-1], spans[0, 1:])], 4)
@@ -375,13 +376,13 @@ def test_forward_kt_tasks_split_by_work_in_head_order():
     S, heads = 3200, 2
     docs = np.stack([np.zeros(S, np.int64), np.repeat(np.arange(13), [2600] + [50] * 12),
                      np.arange(S) // 50])
-    klo, khi, qend = ac.document_bounds(docs, docs, 3, S, S)
+    klo, khi, qend = dl.document_bounds(docs, docs, 3, S, S)
     bq = ac.tile_sizes(64)[0]
-    starts, nb = ac.document_blocks(qend, bq)
+    starts, nb = dl.document_blocks(qend, bq)
     owned = ac.key_plan(klo, khi, starts, bq, True, 0)
     kt = ~owned[:, :nb.max()] & (np.arange(nb.max()) < nb[:, None])   # blocks reading K^T
     assert kt[0, :nb[0]].all() and kt[1].any() and not kt[1].all() and not kt[2].any()
-    rows = ac.visible_keys(klo, khi, 0, 0, True, 0)
+    rows = dl.visible_keys(klo, khi, 0, 0, True, 0)
     block = np.array([np.diff(np.concatenate([[0], np.cumsum(r + 16)])[s]) for r, s in zip(rows, starts)])
     cost = np.concatenate([np.tile(np.where(~owned[b], block[b], 0), heads) for b in range(3)])
     for threads in _thread_counts(numba):

@@ -212,7 +212,7 @@ def _exp_row(p, t, start, lo, hi, end, shift):  # pragma: no cover (njit)
         p[t, j] = 0
     for j in range(hi, end):
         p[t, j] = 0
-    return _exp_seg(row_at(address(p) + (t * p.shape[1] + lo) * p.itemsize, hi - lo, p), shift)
+    return _exp_seg(row_at(_at2(p, t, lo), hi - lo, p), shift)
 
 
 @njit(cache=True, nogil=True)
@@ -249,8 +249,14 @@ def _heads_major(x, ld, need):  # pragma: no cover (njit)
 
 @njit(cache=True, nogil=True)
 def _at(x, b, i, h):  # pragma: no cover (njit)
-    """The address of x[b, i, h, 0] in a `[B, S, H, D]` array, by its strides (no reference)."""
+    """The address of x[b, i, h(, 0)] in an array of 3 or 4 dims, by its strides (no reference)."""
     return address(x) + b * x.strides[0] + i * x.strides[1] + h * x.strides[2]
+
+
+@njit(cache=True, nogil=True)
+def _at2(x, r, c):  # pragma: no cover (njit)
+    """The address of x[r, c] in a 2-D array (a tile buffer), by its strides (no reference)."""
+    return address(x) + r * x.strides[0] + c * x.strides[1]
 
 
 @njit(cache=True, nogil=True)
@@ -268,7 +274,7 @@ def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
     while j + n <= nk:
         src = _at(x, b, j0 + j, kh)
         for c in range(0, full, n):
-            transpose_tile(src + c * isz, sld, address(xt) + (c * dld + j) * isz, dld, single)
+            transpose_tile(src + c * isz, sld, _at2(xt, c, j), dld, single)
         for c in range(full, d):
             for u in range(n):
                 xt[c, j + u] = x[b, j0 + j + u, kh, c]
@@ -347,7 +353,7 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo
         total = _exp_row(p, t, c0, lo, hi, c1, m[g, t])
         if not total <= SUM_LIMIT:  # a score far above m: redo the row with its exact maximum
             gemm(False, False, 1, width, d, scale, qa + t * ldq * p.itemsize, ldq, kta, ldk,
-                 0.0, address(p) + (t * p.shape[1] + c0) * p.itemsize, width, single)
+                 0.0, _at2(p, t, c0), width, single)
             mx = _row_max(p, t, lo, hi)
             corr = math.exp(m[g, t] - mx)
             l[g, t] *= corr
@@ -386,17 +392,14 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
             qa = _at(q, b, i0, kh * group + g)
             for s in range(nseg):
                 t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
-                if local:
-                    kta, ldk = address(kbuf) + c0 * isz, bk
-                else:
-                    kta, ldk = address(kt) + (((b * hkv + kh) * d) * kt.shape[3] + j0 + c0) * isz, kt.shape[3]
-                pa = address(p) + (t0 * bk + c0) * isz
+                kta, ldk = (_at2(kbuf, 0, c0), bk) if local else (_at(kt, b, kh, 0) + (j0 + c0) * isz, kt.shape[3])
+                pa = _at2(p, t0, c0)
                 gemm(False, False, t1 - t0, c1 - c0, d, scale, qa + t0 * hq * d * isz, hq * d, kta, ldk, 0.0,
                      pa, bk, single)
                 _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo, khi, m, has_m, l,
                           acc, g, qa, hq * d, kta, ldk, scale)
                 gemm(False, False, t1 - t0, d, c1 - c0, 1.0, pa, bk, _at(v, b, j0 + c0, kh), hkv * d, 1.0,
-                     address(acc) + ((g * nq + t0) * d) * isz, d, single)
+                     _at(acc, g, t0, 0), d, single)
     for t in range(nq):
         for g in range(group):
             h = kh * group + g
@@ -522,7 +525,6 @@ def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset,
               b, h):  # pragma: no cover (njit)
     """Tile rows [t0, t1) of head h over the keys [c0, c1): p = exp(s - lse) in place of the
     scores s and dp = p * (dp - delta) in place of dP; both 0 outside each row's visible keys."""
-    pa, dpa, ld, isz = address(p), address(dp), p.shape[1], p.itemsize
     for t in range(t0, t1):
         lo, hi = _row_keys(causal, window, q_offset, k_offset, i0 + t, j0, c1, klo, khi)
         lo = max(c0, lo)
@@ -532,8 +534,7 @@ def _bwd_rows(p, dp, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset,
         for j in range(c0, lo):
             p[t, j] = 0
             dp[t, j] = 0
-        at = (t * ld + lo) * isz
-        _grad_seg(row_at(pa + at, hi - lo, p), row_at(dpa + at, hi - lo, dp), lse[b, h, i0 + t],
+        _grad_seg(row_at(_at2(p, t, lo), hi - lo, p), row_at(_at2(dp, t, lo), hi - lo, dp), lse[b, h, i0 + t],
                   delta[b, h, i0 + t])
         for j in range(hi, c1):
             p[t, j] = 0
@@ -586,7 +587,7 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
     hq, d = q.shape[2], q.shape[3]
     hkv = k.shape[2]
     group = hq // hkv
-    single, isz = q.itemsize == 4, q.itemsize
+    single = q.itemsize == 4
     ldq, ldk = hq * d, hkv * d  # row strides of one head in q, dout, dq and in k, dk, dv
     bq, bk = np.diff(qstarts[:qnb + 1]).max(), np.diff(kstarts[:knb + 1]).max()
     p = np.empty((bq, bk), q.dtype)
@@ -620,8 +621,7 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
                 for s in range(nseg):
                     t0, t1, c0, c1 = seg[s, 0], seg[s, 1], seg[s, 2], seg[s, 3]
                     nr, w = t1 - t0, c1 - c0
-                    pa, dpa = address(p) + (t0 * bk + c0) * isz, address(dp) + (t0 * bk + c0) * isz
-                    kta, vta = address(kt) + c0 * isz, address(vt) + c0 * isz
+                    pa, dpa, kta, vta = _at2(p, t0, c0), _at2(dp, t0, c0), _at2(kt, 0, c0), _at2(vt, 0, c0)
                     qa, doa = _at(q, b, i0 + t0, h), _at(dout, b, i0 + t0, h)
                     gemm(False, False, nr, w, d, scale, qa, ldq, kta, bk, 0.0, pa, bk, single)
                     gemm(False, False, nr, w, d, 1.0, doa, ldq, vta, bk, 0.0, dpa, bk, single)

@@ -33,7 +33,7 @@ def document_bounds(q_docs: Array | None, k_docs: Array | None, b: int, sq: int,
             f"attention: q_docs {qd.shape} and k_docs {kd.shape} must be {(b, sq)} and {(b, sk)}")
     klo, khi, qend = (np.empty((b, sq), np.int64) for _ in range(3))
     require(_bounds(qd.astype(np.int64, copy=False), kd.astype(np.int64, copy=False), klo, khi, qend),
-            "attention (numba): document ids must not decrease along a row (packed documents)")
+            "attention: document ids must not decrease along a row (packed documents)")
     return klo, khi, qend
 
 

@@ -25,16 +25,18 @@ from .numpy_ref import Array, require
 
 _THREADS = 256
 """Threads per block of the flash kernels (their NT template argument)."""
-_DOC_THREADS = 256
+_DOC_THREADS = 128
 """Threads per block when the kernels take packed documents (`document_tables`): the rows of a
 block are ``_DOC_THREADS / lanes``. A block steps through the key tiles of all its rows' documents
-together, so on rows of short documents its time follows rows x the block's key span: counted on
-the host for `bench documents`' batch (8 x 8192 tokens, median 200, D 64 float32), 64-row blocks
-hold 1.151 times full causal's share of that capacity, 32-row blocks 1.083, 16-row 1.043, and
-smaller blocks fit more per multiprocessor. Which is faster is for a device to time; until then,
-the plain kernels' 256."""
-_DOC_TILE = 0
-"""Key (dk/dv: query) tile rows of the document kernels; 0: `flash_config`'s."""
+together, so on rows of short documents its time follows rows x the block's key span (counted on
+the host for `bench documents`' batch, 8 x 8192 tokens, median 200, D 64 float32: 64-row blocks
+hold 1.151 times full causal's share of that capacity, 32-row blocks 1.083, 16-row 1.043). Timed
+on an H100 (session 25, that batch, float32, forward + backward over full causal's, per work):
+256 threads 1.292, 128 threads 1.237, 128 threads with 32-row tiles 1.193, with 16-row 1.212,
+64 threads 2.41 (all bit-equal). Other head dims take the same launch untimed."""
+_DOC_TILE = 32
+"""Key (dk/dv: query) tile rows of the document kernels, at most `flash_config`'s (float64 at
+D 96/128 has shared memory for 21 and 16 only); 0: `flash_config`'s."""
 _OPTIONS: tuple[str, ...] = ("--std=c++17",)
 """NVRTC options of the flash modules (CuPy adds its own; see `cuda_gate`)."""
 
@@ -404,7 +406,7 @@ def launch_config(head_dim: int, itemsize: int, documents: bool = False) -> tupl
     lanes, tile = flash_config(head_dim, itemsize)
     if not documents:
         return lanes, tile, _THREADS
-    return lanes, _DOC_TILE or tile, _DOC_THREADS
+    return lanes, min(_DOC_TILE or tile, tile), _DOC_THREADS
 
 
 def block_rows(head_dim: int, itemsize: int, documents: bool = False) -> int:

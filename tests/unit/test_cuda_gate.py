@@ -190,7 +190,8 @@ def test_smem_limits():
 def test_flash_config():
     """The float32/float64 flash kernels' layout (pure): lanes per row a power of two <= 32
     dividing head_dim, at most 16 (float32) or 8 (float64) elements a lane, and the kernels'
-    static tiles (two of [tile, head_dim], plus two [tile] statistics) within 48 KiB."""
+    static tiles (two of [tile, head_dim], plus two [tile] statistics) within 48 KiB, and the
+    document kernels' tiles no larger (a fixed 32 failed ptxas for float64 at D 96/128)."""
     from mpipar.kernels import flash_exact
 
     for itemsize, per_lane in ((4, 16), (8, 8)):
@@ -198,5 +199,7 @@ def test_flash_config():
             lanes, tile = flash_exact.flash_config(d, itemsize)
             assert lanes in (1, 2, 4, 8, 16, 32) and d % lanes == 0 and d // lanes <= per_lane
             assert 2 * tile * d * itemsize + 2 * tile * itemsize <= cuda_gate.STATIC_SMEM_LIMIT
+            doc_lanes, doc_tile, _ = flash_exact.launch_config(d, itemsize, documents=True)
+            assert doc_lanes == lanes and doc_tile <= tile
     with pytest.raises(ValueError, match="head_dim=24"):
         flash_exact.flash_config(24, 4)

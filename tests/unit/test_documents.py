@@ -136,8 +136,12 @@ def test_bf16_document_kernels_may_have_their_own_tiles(monkeypatch):
     from mpipar.kernels import flash_mma
 
     plain = flash_mma._names(64)
-    assert plain["fwd_docs"] == "flash_fwd<64, 4, 2, 64, 2, false, true>"
+    assert plain["fwd"] == "flash_fwd<64, 4, 2, 64, 2, false, false>"
+    assert plain["fwd_docs"] == "flash_fwd<64, 4, 1, 64, 3, false, true>"
+    assert plain["dkdv_docs"] == "flash_bwd_dkdv<64, 4, 32, 3, false, true, float>"
+    assert plain["dkdv"] == "flash_bwd_dkdv<64, 4, 64, 2, false, false, float>"
     assert plain["dq_docs_bf16"] == "flash_bwd_dq<64, 4, 32, 4, true, true, bf16_t>"
+    assert flash_mma._names(128)["fwd_docs"] == "flash_fwd<128, 4, 1, 64, 2, true, true>"
     monkeypatch.setitem(flash_mma._TILES[64], "fwd_docs", (4, 1, 64, 3, 1))
     monkeypatch.setitem(flash_mma._TILES[64], "dq_docs", (2, 32, 6, 1))
     got = flash_mma._names(64)
@@ -255,11 +259,17 @@ def test_gpu_flash_kernels_walk_what_their_warps_see(d, itemsize):
 
 def test_gpu_flash_document_tables_must_match_the_kernels_blocks(monkeypatch):
     """The document kernels' launch (`flash_exact.launch_config`: `_DOC_THREADS` threads,
-    `_DOC_TILE` tile rows) may differ from the plain kernels', and block tables cut for larger
-    blocks than a kernel holds would leave rows unwritten: the launch refuses them by name."""
+    `_DOC_TILE` tile rows, at most the plain kernel's: float64 at D 96/128 has no shared memory
+    for 32) may differ from the plain kernels', and block tables cut for larger blocks than a
+    kernel holds would leave rows unwritten: the launch refuses them by name."""
     from mpipar.kernels import flash_exact
 
     assert flash_exact.launch_config(64, 4) == (4, 64, 256)
+    assert flash_exact.launch_config(64, 4, documents=True) == (4, 32, 128)
+    assert flash_exact.launch_config(128, 8, documents=True) == (16, 16, 128)
+    monkeypatch.setattr(flash_exact, "_DOC_THREADS", 256)
+    monkeypatch.setattr(flash_exact, "_DOC_TILE", 0)
+    assert flash_exact.launch_config(64, 4, documents=True) == (4, 64, 256)
     monkeypatch.setattr(flash_exact, "_DOC_THREADS", 128)
     monkeypatch.setattr(flash_exact, "_DOC_TILE", 32)
     assert flash_exact.launch_config(64, 4, documents=True) == (4, 32, 128)

@@ -12,7 +12,9 @@ gradients).
   ``cudnn`` (cuDNN's fused attention through its frontend, :mod:`.cudnn_attention`) or
   ``mpipar`` (mpipar's FA2-style kernel, :mod:`.flash_mma`). ``auto`` takes cuDNN where it
   imports and takes the case, else mpipar's; a case cuDNN refuses at run time falls back to
-  mpipar's kernel under ``auto`` and is an error under ``cudnn``.
+  mpipar's kernel under ``auto`` and is an error under ``cudnn``. Packed documents go to
+  mpipar's kernel (it takes the ids), or under ``auto`` with ``cudnn_documents.ROUTED`` a
+  diagonal block to cuDNN's ragged attention (:mod:`.cudnn_documents`).
 
 The dispatcher (:mod:`mpipar.kernels`) routes an op here when its first array is bf16 (the
 embedding's gradient: its ``dx``, :data:`ROUTED_BY`) and to :mod:`.cupy_gpu` (float32, float64)
@@ -131,7 +133,7 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
     """(attention_fwd, attention_bwd) of ``choice``. A ``cudnn`` choice made by ``auto`` sends
     the cases cuDNN refuses (a mask it cannot express) to mpipar's kernel, as :data:`PER_CALL`
     does; one that was asked for raises cuDNN's refusal."""
-    from . import cudnn_attention, flash_mma
+    from . import cudnn_attention, cudnn_documents, flash_mma
 
     if choice.backend == "mpipar":
         return flash_mma.attention_fwd, flash_mma.attention_bwd
@@ -142,8 +144,20 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
         return cudnn_attention.supports(q.dtype, q.shape[-1], q_offset, k_offset, causal, window,
                                         q.shape[1], k.shape[1]) is None
 
+    def ragged(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool, window: int,
+               documents: dict) -> Any:
+        """The block's `cudnn_documents.RaggedLayout` where cuDNN's ragged attention takes it."""
+        layout = (documents.get("tables") or {}).get("ragged")
+        if layout is not None and cudnn_documents.refusal(layout, q.shape, k.shape, q_offset,
+                                                          k_offset, causal, window) is None:
+            return layout
+        return None
+
     def fwd(q, k, v, q_offset=0, k_offset=0, causal=True, scale=None, window=0, **documents):
-        if documents:           # packed documents: mpipar's kernel takes the ids, cuDNN does not
+        if documents:   # packed documents: mpipar's kernel, or cuDNN's ragged one (`tables`)
+            layout = ragged(q, k, q_offset, k_offset, causal, window, documents)
+            if layout is not None:
+                return cudnn_documents.attention_fwd(q, k, v, layout, scale)
             return flash_mma.attention_fwd(q, k, v, q_offset, k_offset, causal, scale, window,
                                            **documents)
         impl = cudnn_attention if takes(q, k, q_offset, k_offset, causal, window) else flash_mma
@@ -152,15 +166,27 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
     def bwd(q, k, v, out, lse, dout, q_offset=0, k_offset=0, causal=True, scale=None, window=0,
             grad_dtype=None, **documents):
         if documents:
+            layout = ragged(q, k, q_offset, k_offset, causal, window, documents)
+            if layout is not None:
+                return cudnn_documents.attention_bwd(q, k, v, out, lse, dout, layout, scale,
+                                                     grad_dtype)
             return flash_mma.attention_bwd(q, k, v, out, lse, dout, q_offset, k_offset, causal,
                                            scale, window, grad_dtype=grad_dtype, **documents)
         impl = cudnn_attention if takes(q, k, q_offset, k_offset, causal, window) else flash_mma
         return impl.attention_bwd(q, k, v, out, lse, dout, q_offset, k_offset, causal, scale,
                                   window, grad_dtype=grad_dtype)
 
+    def tables(q_docs: Array, k_docs: Array, head_dim: int = 0, dtype: Any = None) -> dict:
+        """flash_mma's tables, and where cuDNN's ragged attention is routed (`cudnn_documents.
+        ROUTED`) the block's ragged layout ("ragged"; None off the diagonal)."""
+        found = flash_mma.document_tables(q_docs, k_docs)
+        if cudnn_documents.ROUTED and cudnn_attention.frontend_unavailable() is None:
+            found["ragged"] = cudnn_documents.layout_of(q_docs, k_docs)
+        return found
+
     for op in (fwd, bwd):
         op.block_sparse_documents = True
-        op.document_tables = flash_mma.document_tables
+        op.document_tables = tables
     return fwd, bwd
 
 

@@ -95,6 +95,28 @@ def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv)
     assert [key[0] for key in docs.memo].count("kernel_tables") == 1
 
 
+@pytest.mark.parametrize("qs,qn,ks,kn", [(0, 300, 0, 300), (150, 150, 0, 150),
+                                          (70, 97, 70, 97)])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
+def test_cudnn_ragged_documents(monkeypatch, poisoned_pool, qs, qn, ks, kn, hq, hkv):
+    """The same bf16 cases with `cudnn_documents.ROUTED` on: the diagonal blocks (queries and
+    keys the same tokens) go to cuDNN's ragged attention, one call each way, the others to
+    flash_mma; the same bounds against numpy_ref, every element written (a poisoned pool)."""
+    from mpipar.kernels import cudnn_attention, cudnn_documents as cd
+    if cudnn_attention.frontend_unavailable():
+        pytest.skip(cudnn_attention.frontend_unavailable())
+    ragged = []
+    for name in ("attention_fwd", "attention_bwd"):
+        def counted(*a, _fn=getattr(cd, name), **kw):
+            ragged.append(_fn.__name__)
+            return _fn(*a, **kw)
+        monkeypatch.setattr(cd, name, counted)
+    monkeypatch.setattr(cd, "ROUTED", True)
+    test_document_masked_attention_on_the_device("bfloat16", qs, qn, ks, kn, hq, hkv)
+    diagonal = qs == ks and qn == kn
+    assert ragged == (["attention_fwd", "attention_bwd"] if diagonal else [])
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_flash_kernels_take_document_ids(poisoned_pool, dtype, d):

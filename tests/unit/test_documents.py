@@ -63,7 +63,7 @@ def test_the_seam_equals_the_masked_kernel_and_each_document_alone(backend, wind
     assert np.abs(full[0] - out[0]).max() > 1e-3
 
 
-def test_the_gpu_seam_hands_documents_to_the_kernels_that_take_them():
+def test_the_gpu_seam_hands_documents_to_the_kernels_that_take_them(monkeypatch):
     """On a GPU one op routes float32/float64 to cupy_gpu's flash kernels and bf16 to mpipar's
     flash_mma (chosen, or by `auto`, which sends plain calls to cuDNN): all of them take the
     document ids (one launch per block). bf16 through cuDNN when it was asked for takes none (a
@@ -86,8 +86,20 @@ def test_the_gpu_seam_hands_documents_to_the_kernels_that_take_them():
             kb = types.SimpleNamespace(attention_fwd=op)
             assert documents_in_kernel(kb, np.float32) and documents_in_kernel(kb, np.float64)
             assert documents_in_kernel(kb, ml_dtypes.bfloat16) == takes
-        assert auto[i].document_tables is flash_mma.document_tables
+        assert auto[i].document_tables is auto[0].document_tables
         assert gpu_bf16.by_dtype(float_op, cudnn[i]).document_tables is flash_exact.document_tables
+    # auto's tables: flash_mma's, and cuDNN's ragged layout only where it is routed and imports
+    from mpipar.kernels import cudnn_attention, cudnn_documents
+    monkeypatch.setattr(flash_mma, "document_tables", lambda q_docs, k_docs: {"q": q_docs.shape})
+    ids, bf16 = np.array([[0, 0, 1, 1, 1]]), ml_dtypes.bfloat16
+    assert auto[0].document_tables(ids, ids, 64, bf16) == {"q": (1, 5)}
+    monkeypatch.setattr(cudnn_documents, "ROUTED", True)
+    if cudnn_attention.frontend_unavailable():
+        assert auto[0].document_tables(ids, ids, 64, bf16) == {"q": (1, 5)}
+    monkeypatch.setattr(cudnn_attention, "frontend_unavailable", lambda: None)
+    found = auto[0].document_tables(ids, ids, 64, bf16)
+    assert found["ragged"].lengths[:2].tolist() == [2, 3]
+    assert auto[0].document_tables(ids, ids[:, ::-1].copy(), 64, bf16)["ragged"] is None
     # one kernel for every dtype that takes no documents: the flag as it is
     plain = types.SimpleNamespace(attention_fwd=gpu_bf16.by_dtype(cudnn[0], cudnn[0]))
     assert not documents_in_kernel(plain, np.float32)

@@ -1,0 +1,78 @@
+"""cuDNN's ragged (THD) attention for packed documents (`kernels.cudnn_documents`), the parts that
+need no device: the sequences a block's document ids make, cuDNN's ragged offsets, the buckets
+that keep the graphs few, and which calls it refuses. The
+device half is `tests/gpu/test_documents_gpu.py` (against numpy_ref, with `ROUTED` on)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpipar.kernels import cudnn_documents as cd
+
+
+def test_buckets_are_powers_of_two_above_a_floor():
+    assert [cd.bucket(n, 16) for n in (0, 1, 16, 17, 100, 1024, 1025)] == \
+        [16, 16, 16, 32, 128, 1024, 2048]
+    assert [cd.bucket(n, 64) for n in (1, 64, 65, 2015)] == [64, 64, 128, 2048]
+
+
+def test_a_hand_counted_layout():
+    """Two rows of 6 tokens: documents 2, 3, 1 | 4, 2 tokens (by hand)."""
+    lay = cd.ragged_layout(np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 6, 6]]))
+    assert lay.documents == 5 and lay.sequences == 16 and lay.longest == 64
+    assert lay.lengths.tolist() == [2, 3, 1, 4, 2] + [0] * 11
+    assert lay.starts.tolist() == [0, 2, 5, 6, 10] + [12] * 11
+    off = lay.offsets(8).ravel().tolist()          # 8 elements a token (e.g. 2 heads x 4)
+    assert off == [0, 16, 40, 48, 80] + [96] * 11 + [96] and lay.offsets(8).dtype == np.int32
+    assert lay.offsets(8).shape == (17, 1, 1, 1)
+    assert lay.offsets(3).ravel().tolist()[:6] == [0, 6, 15, 18, 30, 36]   # the statistics'
+
+
+def test_random_layouts_cover_every_token_once():
+    """A row's first token starts a sequence even when the previous row ended in the same id;
+    each sequence is one id in one row; lengths sum to the tokens; the buckets hold them."""
+    rng = np.random.default_rng(7)
+    for rows, seq in ((1, 1), (3, 50), (8, 300)):
+        # ids non-decreasing over the rows laid end to end: a row's last document's id
+        # continues into the next row
+        docs = np.sort(rng.integers(0, max(2, rows * seq // 20), rows * seq)).reshape(rows, seq)
+        lay = cd.ragged_layout(docs)
+        assert lay.lengths.sum() == rows * seq and (lay.lengths[lay.documents:] == 0).all()
+        real = lay.starts[:lay.documents]
+        assert np.array_equal(real // seq, (real + lay.lengths[:lay.documents] - 1) // seq)
+        ids = docs.ravel()
+        for n in range(lay.documents):
+            part = ids[real[n]:real[n] + lay.lengths[n]]
+            assert (part == part[0]).all()
+        assert lay.sequences >= lay.documents and lay.longest >= lay.lengths.max()
+        assert (real % seq == 0).sum() == rows                 # every row starts one
+
+
+def _refusal(docs_q, docs_k=None, q_off=0, k_off=0, causal=True, window=0, d=64, hq=4,
+             hkv=2):
+    b, s = docs_q.shape
+    lay = cd.layout_of(docs_q, docs_q if docs_k is None else docs_k)
+    sk = s if docs_k is None else docs_k.shape[1]
+    return cd.refusal(lay, (b, s, hq, d), (b, sk, hkv, d), q_off, k_off, causal, window)
+
+
+def test_which_calls_go_to_cudnn():
+    docs = np.repeat(np.arange(8), 32)[None].repeat(2, 0)
+    assert _refusal(docs) is None and _refusal(docs, d=128) is None
+    assert "differ" in _refusal(docs, docs[:, ::-1].copy())
+    assert "differ" in _refusal(docs, docs[:, :128].copy())
+    assert "own tokens" in _refusal(docs, q_off=256, k_off=0)
+    assert "sliding window" in _refusal(docs, window=16)
+    assert "causal" in _refusal(docs, causal=False)
+    assert "head dim 72" not in str(_refusal(docs, d=72))
+    assert "head dim 136" in _refusal(docs, d=136) and "head dim 60" in _refusal(docs, d=60)
+    assert "int32" in _refusal(np.zeros((16, 65536), int), hq=32, d=64)
+    # one long document among many one-token ones: buckets of 2048 sequences of up to 4096
+    lop = np.concatenate([np.zeros(3000, int), np.arange(1, 1097)])[None]
+    assert _refusal(lop) is None
+    assert cd.ragged_layout(lop).sequences == 2048 and cd.ragged_layout(lop).longest == 4096
+
+
+def test_layouts_need_a_two_dimensional_id_array():
+    with pytest.raises(ValueError, match=r"must be \[B, S\]"):
+        cd.ragged_layout(np.zeros(5, int))

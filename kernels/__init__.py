@@ -164,7 +164,8 @@ def with_attention(backend: Backend, requested: str, head_dim: int, window: int 
     fwd, bwd = gpu_bf16.attention_ops(choice)
     new = dataclasses.replace(backend, attention_fwd=gpu_bf16.by_dtype(cupy_gpu.attention_fwd, fwd),
                               attention_bwd=gpu_bf16.by_dtype(cupy_gpu.attention_bwd, bwd))
-    return new, choice.describe() + " for bf16; float32/float64: mpipar's exact kernels"
+    return new, (choice.describe() + f" for bf16 (packed documents: "
+                 f"{gpu_bf16.documents_route(choice)}); float32/float64: mpipar's exact kernels")
 
 
 def get_backend(name: str = "auto") -> Backend:

@@ -119,6 +119,19 @@ def attention_choice(requested: str, head_dim: int, window: int = 0) -> Attentio
     return AttentionChoice("mpipar", f"cuDNN not used: {theirs}")
 
 
+def documents_route(choice: AttentionChoice) -> str:
+    """Where ``choice``'s bf16 calls with packed documents go (`attention_ops`), in words."""
+    from . import cudnn_attention, cudnn_documents
+
+    if choice.backend == "mpipar":
+        return "mpipar's kernel"
+    if choice.reason == "asked for":
+        return "cuDNN, a call per document's block"
+    if cudnn_documents.ROUTED and cudnn_attention.frontend_unavailable() is None:
+        return "cuDNN's ragged attention for diagonal blocks, mpipar's kernel for the others"
+    return "mpipar's kernel"
+
+
 def _bf16_dtype() -> Any:
     import ml_dtypes
 

@@ -100,6 +100,14 @@ def test_the_gpu_seam_hands_documents_to_the_kernels_that_take_them(monkeypatch)
     found = auto[0].document_tables(ids, ids, 64, bf16)
     assert found["ragged"].lengths[:2].tolist() == [2, 3]
     assert auto[0].document_tables(ids, ids[:, ::-1].copy(), 64, bf16)["ragged"] is None
+    # and the run's attention line says where bf16 documents go
+    routes = {c: gpu_bf16.documents_route(gpu_bf16.AttentionChoice(*c)) for c in
+              (("mpipar", "asked for"), ("cudnn", "asked for"), ("auto", "per call"))}
+    assert routes[("auto", "per call")].startswith("cuDNN's ragged attention for diagonal")
+    assert routes[("cudnn", "asked for")] == "cuDNN, a call per document's block"
+    assert routes[("mpipar", "asked for")] == "mpipar's kernel"
+    monkeypatch.setattr(cudnn_documents, "ROUTED", False)
+    assert gpu_bf16.documents_route(gpu_bf16.PER_CALL) == "mpipar's kernel"
     # one kernel for every dtype that takes no documents: the flag as it is
     plain = types.SimpleNamespace(attention_fwd=gpu_bf16.by_dtype(cudnn[0], cudnn[0]))
     assert not documents_in_kernel(plain, np.float32)

@@ -48,6 +48,12 @@ SIDE = {"q": "q", "o": "q", "do": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "k
 tensor of the graphs reads."""
 
 
+def routed() -> bool:
+    """Whether ``auto`` sends qualifying document blocks here now: :data:`ROUTED` and cuDNN's
+    frontend imports."""
+    return ROUTED and ca.frontend_unavailable() is None
+
+
 def bucket(n: int, least: int) -> int:
     """The power of two >= max(``n``, ``least``)."""
     return 1 << (max(n, least) - 1).bit_length()
@@ -178,8 +184,9 @@ def _define(cudnn: Any, kind: str, n: int, smax: int, tokens: int, hq: int, hkv:
             **kw)
         outs = ("dq", "dk", "dv")
     for name in outs:
+        shape = dims(name)
         t[name].set_output(True).set_data_type(f32 if name == "stats" else bf16) \
-            .set_dim(dims(name)["dim"]).set_stride(dims(name)["stride"])
+            .set_dim(shape["dim"]).set_stride(shape["stride"])
         ragged(name, t[name])
     return g, t, offsets
 

@@ -121,13 +121,13 @@ def attention_choice(requested: str, head_dim: int, window: int = 0) -> Attentio
 
 def documents_route(choice: AttentionChoice) -> str:
     """Where ``choice``'s bf16 calls with packed documents go (`attention_ops`), in words."""
-    from . import cudnn_attention, cudnn_documents
+    from . import cudnn_documents
 
     if choice.backend == "mpipar":
         return "mpipar's kernel"
     if choice.reason == "asked for":
         return "cuDNN, a call per document's block"
-    if cudnn_documents.ROUTED and cudnn_attention.frontend_unavailable() is None:
+    if cudnn_documents.routed():
         return "cuDNN's ragged attention for diagonal blocks, mpipar's kernel for the others"
     return "mpipar's kernel"
 
@@ -193,7 +193,7 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
         """flash_mma's tables, and where cuDNN's ragged attention is routed (`cudnn_documents.
         ROUTED`) the block's ragged layout ("ragged"; None off the diagonal)."""
         found = flash_mma.document_tables(q_docs, k_docs)
-        if cudnn_documents.ROUTED and cudnn_attention.frontend_unavailable() is None:
+        if cudnn_documents.routed():
             found["ragged"] = cudnn_documents.layout_of(q_docs, k_docs)
         return found
 

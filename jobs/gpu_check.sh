@@ -4,7 +4,7 @@
 #
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
-# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents profile micro
+# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents tiles profile micro
 # (and `tests`, not run by default: kernels and engine1..8 side by side, for a short lease)
 # (the results, logs and JSON, also land in OUT_DIR/all.tgz: one file to bring back)
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
@@ -13,7 +13,7 @@
 # Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
-STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents profile micro"}
+STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents tiles profile micro"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
@@ -196,6 +196,27 @@ if has documents; then
         --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
     tail -7 "$OUT/$tag.log"; record $tag $rc
   done
+  # bf16 with cuDNN's ragged attention for the diagonal blocks (cudnn_documents.ROUTED on, as it
+  # will be once tests/gpu/test_documents_gpu.py::test_cudnn_ragged_documents has passed here):
+  # the batch and one row of 32 heads, against cuDNN's full causal step
+  for shape in "8 32" "1 32"; do
+    read -r rows heads <<< "$shape"; tag=documents_bf16_r${rows}_h${heads}_ragged
+    timeout 240 $PY -c 'import sys
+from mpipar.kernels import cudnn_documents
+cudnn_documents.ROUTED = True
+from mpipar.bench.__main__ import main
+sys.exit(main(sys.argv[1:]))' documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
+        --backend cupy --dtype bfloat16 --rows $rows --heads $heads --attention auto \
+        --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
+    tail -7 "$OUT/$tag.log"; record $tag $rc
+  done
+fi
+
+if has tiles; then
+  stage "tiles: flash_mma's packed-document kernels' tile candidates, compiled and timed (D 64)"
+  timeout 420 $PY -m mpipar.bench tiles --roles fwd_docs,dq_docs,dkdv_docs --repeats 3 \
+      --tiles "4,1,32,4,0 4,16,3,0 2,16,8,0" --json "$OUT/tiles.json" > "$OUT/tiles.log" 2>&1
+  rc=$?; tail -40 "$OUT/tiles.log"; record tiles $rc
 fi
 
 if has profile; then

@@ -17,9 +17,10 @@ gate). Tensor-core instructions need compute capability >= 8.0 (`supports`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -91,6 +92,64 @@ def _tiles(head_dim: int, role: str) -> tuple[int, ...]:
     return t.get(role.removesuffix("_bf16"), t[_base(role)])
 
 
+TILE_AXES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "fwd": ((2, 4, 8), (1, 2), (32, 64, 128), (1, 2, 3, 4), (0, 1)),
+    "dq": ((2, 4, 8), (16, 32, 64), (1, 2, 3, 4, 5), (0, 1)),
+    "dkdv": ((2, 4, 8), (16, 32, 64), (1, 2, 3, 4, 6, 8), (0, 1)),
+}
+"""The values each axis of a kernel's tiles (`_TILES`' tuples) may take, for `tile_candidates`."""
+
+
+def tile_candidates(head_dim: int, role: str) -> list[tuple[int, ...]]:
+    """The tiles to time for ``role`` (fwd, dq, dkdv, or a "_docs" kernel): its present tiles
+    first, then every tuple one value away on one axis (`TILE_AXES`) that the kernel's template
+    takes and an SM can hold at its minimum blocks (2048 threads, 228 KiB of shared memory on
+    sm_90); whether it compiles without spills is NVRTC's to say (`bench tiles`)."""
+    now = _tiles(head_dim, role)
+    found = [now]
+    for axis, values in enumerate(TILE_AXES[_base(role)]):
+        for value in values:
+            cand = now[:axis] + (value,) + now[axis + 1:]
+            if cand not in found and tile_refusal(head_dim, role, cand) is None:
+                found.append(cand)
+    return found
+
+
+def tile_refusal(head_dim: int, role: str, tiles: tuple[int, ...]) -> str | None:
+    """Why ``tiles`` cannot run ``role`` at ``head_dim``, or None: the template's rule (Q kept in
+    registers for one m-tile only) and an SM's threads and shared memory at its min blocks."""
+    base = _base(role)
+    warps, minb = tiles[0], tiles[3 if base == "fwd" else 2]
+    if base == "fwd" and tiles[4] and tiles[1] != 1:
+        return f"{tiles}: Q fragments stay in registers for one m-tile per warp only"
+    if 32 * warps * minb > 2048:
+        return f"{tiles}: {warps} warps x {minb} blocks exceed an SM's 2048 threads"
+    smem = _smem_bytes(head_dim, role, tiles)
+    if (smem + 1024) * minb > 233472:
+        return f"{tiles}: {minb} blocks x {smem} B exceed an SM's 228 KiB of shared memory"
+    return None
+
+
+@contextlib.contextmanager
+def tiles_set(head_dim: int, role: str, tiles: tuple[int, ...]) -> Iterator[None]:
+    """``role``'s kernels (both gradient types) run ``tiles`` inside the block, then what they
+    ran before; the compiled modules are dropped on the way in and out (`bench tiles`)."""
+    entry, table = role.removesuffix("_bf16"), _TILES[head_dim]
+    before = table.get(entry)
+    table[entry] = tuple(tiles)
+    _module.cache_clear()
+    _kernel.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del table[entry]
+        else:
+            table[entry] = before
+        _module.cache_clear()
+        _kernel.cache_clear()
+
+
 def _role(base: str, docs: bool, bf16: bool) -> str:
     """The role name of kernel ``base`` (fwd, dq, dkdv) with documents and bf16 gradients."""
     return base + ("_docs" if docs else "") + ("_bf16" if bf16 else "")
@@ -101,23 +160,25 @@ def _base(role: str) -> str:
     return role.removesuffix("_bf16").removesuffix("_docs")
 
 
-def _block_rows(head_dim: int, role: str) -> int:
-    """Rows a block of a role owns: query rows (fwd: 16 per m-tile per warp; dq: 16 per warp),
-    or key rows (dkdv: 16 per warp)."""
-    t = _tiles(head_dim, role)
+def _block_rows(head_dim: int, role: str, tiles: tuple[int, ...] | None = None) -> int:
+    """Rows a block of a role owns (with its present tiles, or ``tiles``): query rows (fwd: 16
+    per m-tile per warp; dq: 16 per warp), or key rows (dkdv: 16 per warp)."""
+    t = _tiles(head_dim, role) if tiles is None else tiles
     return 16 * t[0] * (t[1] if _base(role) == "fwd" else 1)
 
 
-def _smem_bytes(head_dim: int, role: str) -> int:
-    """Dynamic shared memory of a kernel: bf16 rows of head_dim + 8 (see the CUDA source)."""
-    row = (head_dim + 8) * 2
-    base = _base(role)
+def _smem_bytes(head_dim: int, role: str, tiles: tuple[int, ...] | None = None) -> int:
+    """Dynamic shared memory of a kernel (with its present tiles, or ``tiles``): bf16 rows of
+    head_dim + 8 (see the CUDA source)."""
+    row, base = (head_dim + 8) * 2, _base(role)
+    if base == "delta":
+        return 0
+    t = _tiles(head_dim, role) if tiles is None else tiles
     if base == "fwd":           # Q + 2 x (K, V) tiles
-        return (_block_rows(head_dim, role) + 4 * _tiles(head_dim, role)[2]) * row
-    if base in ("dq", "dkdv"):  # dq: Q, dO + 2 x (K, V) tiles; dkdv: K, V + 2 x (Q, dO, lse, delta)
-        rows, b = _block_rows(head_dim, role), _tiles(head_dim, role)[1]
-        return (2 * rows + 4 * b) * row + (4 * b * 4 if base == "dkdv" else 0)
-    return 0
+        return (_block_rows(head_dim, role, t) + 4 * t[2]) * row
+    # dq: Q, dO + 2 x (K, V) tiles; dkdv: K, V + 2 x (Q, dO, lse, delta)
+    rows, b = _block_rows(head_dim, role, t), t[1]
+    return (2 * rows + 4 * b) * row + (4 * b * 4 if base == "dkdv" else 0)
 
 
 def _threads(head_dim: int, role: str) -> int:
@@ -136,6 +197,16 @@ def cuda_sources() -> list[dict[str, Any]]:
                         "names": tuple(names.values()), "options": _OPTIONS,
                         "dynamic_smem": {names[r]: _smem_bytes(d, r) for r in names}})
     return sources
+
+
+def role_source(head_dim: int, role: str) -> dict[str, Any]:
+    """`cuda_sources`' entry for ``head_dim`` narrowed to ``role``'s instantiations (both
+    gradient types), with the present tiles (`tiles_set` changes them): what `bench tiles`
+    compiles per candidate."""
+    (src,) = [s for s in cuda_sources() if s["name"] == f"flash_mma_d{head_dim}"]
+    names = _names(head_dim)
+    chosen = tuple(sorted({names[r] for r in names if r.removesuffix("_bf16") == role}))
+    return {**src, "names": chosen, "dynamic_smem": {n: src["dynamic_smem"][n] for n in chosen}}
 
 
 def supports(dtype: Any, head_dim: int, compute_capability: int | None = None) -> str | None:

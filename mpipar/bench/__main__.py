@@ -40,6 +40,9 @@ Sections:
                float32 and a bf16 gradient reduction), final losses side by side
   checkpoint   the step time a checkpoint costs, synchronous against --async-save, under
                mpirun (bench/checkpoint.py)
+  tiles        on a CUDA device: flash_mma's tile candidates per kernel role (NVRTC's registers
+               and spills, then each timed against the present tiles on packed documents or
+               full causal); --compile-only --arch sm_90 needs no device (bench/tiles.py)
 
 Sections that compare thread counts run each count in child processes started with
 OMP/OPENBLAS/MKL/NUMBA_NUM_THREADS set (NumPy's BLAS reads its thread count once, at import).
@@ -53,13 +56,13 @@ import sys
 # The harness first: it sets this process's thread budget before the sections load NumPy.
 from mpipar.bench import harness
 from mpipar.bench import (checkpoint, comm, compression, documents, gpu, kernels, memory,
-                          moe, planner, precision, train, window)
+                          moe, planner, precision, tiles, train, window)
 
 SECTIONS: dict[str, harness.Section] = {
     s.name: s for s in (kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
                         planner.SECTION, train.SECTION, gpu.SECTION, compression.SECTION,
                         precision.SECTION, checkpoint.SECTION, documents.SECTION,
-                        moe.SECTION)}
+                        moe.SECTION, tiles.SECTION)}
 """Section name -> section, in the order a run without a subcommand takes them."""
 
 

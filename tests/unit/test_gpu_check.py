@@ -18,6 +18,7 @@ def _default_stages() -> list[str]:
 
 def test_the_script_parses_and_documents_each_stage():
     assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
+    assert subprocess.run(["bash", "-n", os.path.join(ROOT, "jobs", "gpu_wheels.sh")]).returncode == 0
     text, readme = open(SCRIPT).read(), open(os.path.join(ROOT, "jobs", "README.md")).read()
     stages = _default_stages()
     assert stages[:3] == ["env", "setup", "gate"] and "bench" in stages and "profile" in stages

@@ -4,7 +4,7 @@
 #
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
-# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents tiles profile micro
+# Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents ragged tiles profile micro
 # (and `tests`, not run by default: kernels and engine1..8 side by side, for a short lease)
 # (the results, logs and JSON, also land in OUT_DIR/all.tgz: one file to bring back)
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
@@ -13,7 +13,7 @@
 # Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
-STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents tiles profile micro"}
+STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents ragged tiles profile micro"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 \
@@ -196,18 +196,25 @@ if has documents; then
         --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
     tail -7 "$OUT/$tag.log"; record $tag $rc
   done
-  # bf16 with cuDNN's ragged attention for the diagonal blocks (cudnn_documents.ROUTED on, as it
-  # will be once tests/gpu/test_documents_gpu.py::test_cudnn_ragged_documents has passed here):
-  # the batch and one row of 32 heads, against cuDNN's full causal step
-  for shape in "8 32" "1 32"; do
-    read -r rows heads <<< "$shape"; tag=documents_bf16_r${rows}_h${heads}_ragged
+fi
+
+if has ragged; then
+  stage "ragged: cuDNN's ragged attention for packed documents (cudnn_documents.ROUTED on)"
+  # its device tests (diagonal blocks through cuDNN against numpy_ref), then the bench's bf16
+  # batch and one row of 32 heads with ROUTED off (flash_mma's document kernels) and on, against
+  # cuDNN's full causal step (auto, as training runs it)
+  timeout 300 $PY -m pytest -q -p no:cacheprovider --color=no tests/gpu/test_documents_gpu.py \
+      -k ragged > "$OUT/ragged_tests.log" 2>&1; rc=$?
+  tail -5 "$OUT/ragged_tests.log"; record ragged_tests $rc
+  for shape in "8 32 False" "8 32 True" "1 32 False" "1 32 True"; do
+    read -r rows heads routed <<< "$shape"; tag=ragged_r${rows}_h${heads}_$routed
     timeout 240 $PY -c 'import sys
 from mpipar.kernels import cudnn_documents
-cudnn_documents.ROUTED = True
+cudnn_documents.ROUTED = sys.argv.pop(1) == "True"
 from mpipar.bench.__main__ import main
-sys.exit(main(sys.argv[1:]))' documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
-        --backend cupy --dtype bfloat16 --rows $rows --heads $heads --attention auto \
-        --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
+sys.exit(main(sys.argv[1:]))' "$routed" documents --seqs 8192 --sps 4 --samples 2 \
+        --repeats 5 --backend cupy --dtype bfloat16 --rows $rows --heads $heads \
+        --attention auto --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
     tail -7 "$OUT/$tag.log"; record $tag $rc
   done
 fi

@@ -10,7 +10,8 @@
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
 # root under Open MPI are allowed through OMPI_ALLOW_RUN_AS_ROOT (the lent machines run as root).
-# Each stage is bounded by a timeout; the whole check is planned to end within 25 minutes.
+# Each stage is bounded by a timeout; the whole default list runs past 25 minutes, so a short
+# lease names its stages (e.g. `setup ragged tiles`, then `setup engine1 engine2`).
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
 STAGES=${*:-"env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents ragged tiles profile micro"}

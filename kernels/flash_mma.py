@@ -98,13 +98,16 @@ TILE_AXES: dict[str, tuple[tuple[int, ...], ...]] = {
     "dkdv": ((2, 4, 8), (16, 32, 64), (1, 2, 3, 4, 6, 8), (0, 1)),
 }
 """The values each axis of a kernel's tiles (`_TILES`' tuples) may take, for `tile_candidates`."""
+SM_THREADS, SM_SMEM, BLOCK_SMEM_RESERVED = 2048, 233472, 1024
+"""What one multiprocessor holds on sm_80/sm_90 (threads; shared memory bytes on sm_90, of which
+the system reserves 1 KiB a block): the bound a tile's minimum blocks per SM must fit."""
 
 
 def tile_candidates(head_dim: int, role: str) -> list[tuple[int, ...]]:
     """The tiles to time for ``role`` (fwd, dq, dkdv, or a "_docs" kernel): its present tiles
     first, then every tuple one value away on one axis (`TILE_AXES`) that the kernel's template
-    takes and an SM can hold at its minimum blocks (2048 threads, 228 KiB of shared memory on
-    sm_90); whether it compiles without spills is NVRTC's to say (`bench tiles`)."""
+    takes and an SM can hold at its minimum blocks (`SM_THREADS`, `SM_SMEM`); whether it
+    compiles without spills is NVRTC's to say (`bench tiles`)."""
     now = _tiles(head_dim, role)
     found = [now]
     for axis, values in enumerate(TILE_AXES[_base(role)]):
@@ -122,10 +125,10 @@ def tile_refusal(head_dim: int, role: str, tiles: tuple[int, ...]) -> str | None
     warps, minb = tiles[0], tiles[3 if base == "fwd" else 2]
     if base == "fwd" and tiles[4] and tiles[1] != 1:
         return f"{tiles}: Q fragments stay in registers for one m-tile per warp only"
-    if 32 * warps * minb > 2048:
-        return f"{tiles}: {warps} warps x {minb} blocks exceed an SM's 2048 threads"
+    if 32 * warps * minb > SM_THREADS:
+        return f"{tiles}: {warps} warps x {minb} blocks exceed an SM's {SM_THREADS} threads"
     smem = _smem_bytes(head_dim, role, tiles)
-    if (smem + 1024) * minb > 233472:
+    if (smem + BLOCK_SMEM_RESERVED) * minb > SM_SMEM:
         return f"{tiles}: {minb} blocks x {smem} B exceed an SM's 228 KiB of shared memory"
     return None
 

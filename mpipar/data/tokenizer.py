@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -324,17 +325,23 @@ def _write_parallel(stream: _TokenStream, files: list[str], spec: TokenizerSpec,
     """Files encoded by `workers` processes into part files, appended here in input order."""
     parts = Path(tempfile.mkdtemp(prefix=out.name + ".parts.", dir=out.parent))
     threads = max(1, _cpus() // workers)
-    context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
     tasks = [(path, text_field, os.fspath(parts / f"{i:08d}.ids")) for i, path in enumerate(files)]
     offsets, docs = [0], 0
+    # concurrent.futures, not multiprocessing.Pool: after a worker's DataError, the Pool's exit
+    # (terminate) could wait forever on its task-feeding thread; the executor's shutdown with
+    # cancel_futures drops the files not started and waits only for those running.
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),  # no fork of a
+                               _init_worker, (spec.name, spec.eos_token, threads))  # threaded one
     try:
-        with context.Pool(workers, _init_worker, (spec.name, spec.eos_token, threads)) as pool:
-            for (path, _, part), (count, ended) in zip(tasks, pool.imap(_encode_to_part, tasks)):
-                _append_part(stream, part, spec.dtype, count)
-                docs += ended
-                offsets.append(stream.size)
-                bar.update(os.path.getsize(path))
+        futures = [pool.submit(_encode_to_part, task) for task in tasks]
+        for (path, _, part), future in zip(tasks, futures):
+            count, ended = future.result()
+            _append_part(stream, part, spec.dtype, count)
+            docs += ended
+            offsets.append(stream.size)
+            bar.update(os.path.getsize(path))
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(parts, ignore_errors=True)
     return offsets, docs
 

@@ -128,6 +128,23 @@ def test_jsonl_text_field_and_its_errors(tmp_path, bpe, capsys):
     assert "g.jsonl: line 1: field 'text' must be a string" in capsys.readouterr().err
 
 
+def test_a_worker_error_among_many_files_ends_the_pool(tmp_path, bpe, capsys):
+    """A DataError in the first of many files under --workers 2 ends the run with the error and
+    no part files left: the pool is shut down with the files not started cancelled (the
+    multiprocessing.Pool this replaced hung once in ~10 CI runs, waiting on its task thread)."""
+    root, _ = bpe
+    good = json.dumps({"text": "a fine document"}) + "\n"
+    files = [tmp_path / f"{i:02d}.jsonl" for i in range(16)]
+    for i, path in enumerate(files):
+        path.write_text((good + "{not json\n") if i == 0 else good * 50)
+    for attempt in range(3):
+        out = tmp_path / f"x{attempt}.h5"
+        assert main(["prepare", *map(str, files), "--tokenizer", str(root),
+                     "--out", str(out), "--workers", "2"]) == 2
+        assert "00.jsonl: line 2 is not valid JSON" in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files)
+
+
 def test_parquet_rows_are_documents(tmp_path, bpe):
     pa = pytest.importorskip("pyarrow", reason="Parquet input needs pyarrow "
                                                "(pip install 'mpipar[parquet]')")

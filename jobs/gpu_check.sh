@@ -200,21 +200,24 @@ if has documents; then
 fi
 
 if has ragged; then
-  stage "ragged: cuDNN's ragged attention for packed documents (cudnn_documents.ROUTED on)"
-  # its device tests (diagonal blocks through cuDNN against numpy_ref), then the bench's bf16
-  # batch and one row of 32 heads with ROUTED off (flash_mma's document kernels) and on, against
-  # cuDNN's full causal step (auto, as training runs it)
+  stage "ragged: cuDNN's ragged attention for packed documents (ROUTED on), flash_mma's unaligned first tiles"
+  # the device tests of cuDNN's ragged path (diagonal blocks through cuDNN against numpy_ref) and
+  # of flash_mma's document kernels with DOC_TILES_ALIGNED off; then the bench's bf16 batch and
+  # one row of 32 heads: ROUTED off (flash_mma's document kernels), off with unaligned first
+  # tiles, and on, against cuDNN's full causal step (auto, as training runs it)
   timeout 300 $PY -m pytest -q -p no:cacheprovider --color=no tests/gpu/test_documents_gpu.py \
-      -k ragged > "$OUT/ragged_tests.log" 2>&1; rc=$?
+      tests/gpu/test_flash_mma.py -k "ragged or unaligned" > "$OUT/ragged_tests.log" 2>&1; rc=$?
   tail -5 "$OUT/ragged_tests.log"; record ragged_tests $rc
-  for shape in "8 32 False" "8 32 True" "1 32 False" "1 32 True"; do
-    read -r rows heads routed <<< "$shape"; tag=ragged_r${rows}_h${heads}_$routed
+  for shape in "8 False True" "8 False False" "8 True True" "1 False True" "1 False False" \
+               "1 True True"; do
+    read -r rows routed aligned <<< "$shape"; tag=ragged_r${rows}_h32_${routed}_$aligned
     timeout 240 $PY -c 'import sys
-from mpipar.kernels import cudnn_documents
+from mpipar.kernels import cudnn_documents, flash_mma
 cudnn_documents.ROUTED = sys.argv.pop(1) == "True"
+flash_mma.DOC_TILES_ALIGNED = sys.argv.pop(1) == "True"
 from mpipar.bench.__main__ import main
-sys.exit(main(sys.argv[1:]))' "$routed" documents --seqs 8192 --sps 4 --samples 2 \
-        --repeats 5 --backend cupy --dtype bfloat16 --rows $rows --heads $heads \
+sys.exit(main(sys.argv[1:]))' "$routed" "$aligned" documents --seqs 8192 --sps 4 --samples 2 \
+        --repeats 5 --backend cupy --dtype bfloat16 --rows $rows --heads 32 \
         --attention auto --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
     tail -7 "$OUT/$tag.log"; record $tag $rc
   done

@@ -54,6 +54,12 @@ keys per block; D=128 narrow 8.1 ms at S=16k beat (8,32,1) 8.4, (4,16,2) 11.1 (2
 wide k-steps with dP^T before dV, as first written: 255 and a spill under NVRTC 13.0.88)."""
 
 _OPTIONS = ("--std=c++17",)
+DOC_TILES_ALIGNED = True
+"""Packed documents: whether a block's first key (dk/dv: query) tile starts at a multiple of the
+tile (True, as timed on an H100) or at the first position its rows' documents hold (False:
+fewer entries, `score_entries`; the same loads and masks, `flash_mma_cuda`). The module compiles
+with the value in force at the first launch (`_module` is keyed on it). Which is faster is the
+device's to say (jobs/gpu_check.sh's ragged stage); the lever was counted in session 26."""
 _DELTA_WARPS = 8
 LOG2E = 1.4426950408889634
 
@@ -232,18 +238,23 @@ def supports(dtype: Any, head_dim: int, compute_capability: int | None = None) -
     return None
 
 
+def _options(aligned: bool = True) -> tuple[str, ...]:
+    """NVRTC options beyond RawModule's own, with documents' first tiles ``aligned`` or not."""
+    return _OPTIONS + (() if aligned else ("-DMPIPAR_DOC_TILES_ALIGNED=0",))
+
+
 @functools.cache
-def _module(head_dim: int) -> Any:
+def _module(head_dim: int, aligned: bool = True) -> Any:
     import cupy
 
-    return cupy.RawModule(code=_SOURCE, options=_OPTIONS,
+    return cupy.RawModule(code=_SOURCE, options=_options(aligned),
                           name_expressions=tuple(_names(head_dim).values()))
 
 
 @functools.cache
-def _kernel(head_dim: int, role: str) -> Any:
+def _kernel(head_dim: int, role: str, aligned: bool = True) -> Any:
     """The compiled kernel for `role` (fwd, dq, dkdv, delta), its shared-memory limit raised."""
-    fn = _module(head_dim).get_function(_names(head_dim)[role])
+    fn = _module(head_dim, aligned).get_function(_names(head_dim)[role])
     smem = _smem_bytes(head_dim, role)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
@@ -251,8 +262,8 @@ def _kernel(head_dim: int, role: str) -> Any:
 
 
 def _launch(head_dim: int, role: str, grid: tuple[int, ...], args: tuple) -> None:
-    _kernel(head_dim, role)(grid, (_threads(head_dim, role),), args,
-                            shared_mem=_smem_bytes(head_dim, role))
+    _kernel(head_dim, role, DOC_TILES_ALIGNED)(grid, (_threads(head_dim, role),), args,
+                                               shared_mem=_smem_bytes(head_dim, role))
 
 
 def _check(name: str, q: Array, k: Array, v: Array, causal: bool, window: int,
@@ -336,12 +347,14 @@ def _no_documents() -> tuple:
 
 def score_entries(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: int = 0,
                   causal: bool = True, window: int = 0, q_docs: Array | None = None,
-                  k_docs: Array | None = None) -> int:
+                  k_docs: Array | None = None, aligned: bool | None = None) -> int:
     """Query-key scores the forward kernel computes for one head of the rows of ``q_docs``
     `[B, Sq]` / ``k_docs`` `[B, Sk]` (one sequence without documents), summed: 16-row slabs
     times the key tiles each does not skip (`slab_span`) within its block's tiles; without
-    documents every slab walks its block's tiles. A host-side
+    documents every slab walks its block's tiles. Documents' first tiles ``aligned`` or not
+    (default: `DOC_TILES_ALIGNED`). A host-side
     count of the kernel's own loops, as `flash_exact.score_entries`. Pure: no CuPy."""
+    aligned = DOC_TILES_ALIGNED if aligned is None else aligned
     role = "fwd" if q_docs is None else "fwd_docs"
     bq, bk, shift = _block_rows(head_dim, role), _tiles(head_dim, role)[2], q_offset - k_offset
     if q_docs is None:
@@ -355,7 +368,7 @@ def score_entries(sq: int, sk: int, head_dim: int, q_offset: int = 0, k_offset: 
             kend = min(sk, shift + last + 1) if causal else sk
             kbeg = max(0, shift + q0 - window + 1) if causal and window else 0
             kbeg, kend = max(kbeg - kbeg % bk, klo[b, q0]), min(kend, khi[b, last])
-            kbeg -= kbeg % bk
+            kbeg -= kbeg % bk if aligned else 0
             tiles = len(range(kbeg, kend, bk))
             if q_docs is None:        # no documents: every slab of the block, every tile
                 total += 16 * bk * tiles * bq // 16

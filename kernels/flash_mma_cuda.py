@@ -30,12 +30,18 @@ The kernels:
   hold keys outside some row's document are masked per row; and each warp skips, without
   computing, the tiles its 16 rows cannot see (`slab_span`; skipping equals masking every
   entry, so results do not change, and plain causal tiles past a warp's diagonal are skipped
-  the same way).
+  the same way). A block's first key (dk/dv: query) tile starts at a multiple of the tile
+  (`MPIPAR_DOC_TILES_ALIGNED` 1, the default, as timed) or, with 0, at the first position its
+  rows' documents hold (`flash_mma.DOC_TILES_ALIGNED`): fewer entries where a document starts
+  mid-tile; loads and masks take any start (whole 16-byte rows; masks relative to the tile).
 """
 
 from __future__ import annotations
 
 SOURCE = r"""
+#ifndef MPIPAR_DOC_TILES_ALIGNED
+#define MPIPAR_DOC_TILES_ALIGNED 1
+#endif
 // mpipar's bf16 tensor-core tiles: mma.sync m16n8k16 (bf16 -> f32), ldmatrix, cp.async.
 // Header-free (NVRTC 13 has no <mma.h>). Fragment conventions (PTX ISA, m16n8k16): lane = 4 * g + c;
 // A rows g, g + 8 and columns 2c, 2c + 1 (+ 8); B (k x n, "col") rows 2c, 2c + 1 (+ 8) of column
@@ -314,7 +320,7 @@ flash_fwd(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16
     key_range(q0, qlast, Sk, shift, causal, window, BK, &kbeg, &kend);
     if (DOCS) {
         doc_span(klo, khi, b, Sq, q0, qlast, &kbeg, &kend);
-        kbeg -= kbeg % BK;
+        if (MPIPAR_DOC_TILES_ALIGNED) kbeg -= kbeg % BK;
         doc_span(klo, khi, b, Sq, qlast, q0, &dlo, &dhi);
     }
     const int ntiles = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
@@ -489,7 +495,7 @@ flash_bwd_dq(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
     key_range(q0, qlast, Sk, shift, causal, window, BK, &kbeg, &kend);
     if (DOCS) {
         doc_span(klo, khi, b, Sq, q0, qlast, &kbeg, &kend);
-        kbeg -= kbeg % BK;
+        if (MPIPAR_DOC_TILES_ALIGNED) kbeg -= kbeg % BK;
     }
     const int ntiles = kend > kbeg ? (kend - kbeg + BK - 1) / BK : 0;
     // Documents: the keys each row sees ([span[r][0], span[r][1]), none past Sq; in shared
@@ -649,7 +655,8 @@ flash_bwd_dkdv(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
         qe = min(qe, (long long)qhi[(long long)b * Sk + klast]);
         doc_span(qlo, qhi, b, Sk, klast, k0, &dlo, &dhi);
     }
-    qb = min(qb - qb % BQ, (long long)Sq);
+    if (!DOCS || MPIPAR_DOC_TILES_ALIGNED) qb -= qb % BQ;
+    qb = min(qb, (long long)Sq);
     const int qbeg = (int)qb, ntq = qe > qb ? (int)((qe - qb + BQ - 1) / BQ) : 0, total = G * ntq;
 
     load_tile<BKV, D, NT>(sptr(ks), k + kbase, kstride, Sk - k0);

@@ -204,13 +204,23 @@ def test_masked_tiles_never_read(poisoned, kind, d):
     assert (_f64(dk)[0][:, nan_keys] == 0).all() and (_f64(dv)[0][:, nan_keys] == 0).all()
 
 
+@pytest.fixture(params=[pytest.param(True, id="aligned"), pytest.param(False, id="unaligned")])
+def doc_tiles(request, monkeypatch):
+    """flash_mma's document kernels with a block's first tile aligned (as timed) and not
+    (`DOC_TILES_ALIGNED`; the module compiled for each)."""
+    from mpipar.kernels import flash_mma
+
+    monkeypatch.setattr(flash_mma, "DOC_TILES_ALIGNED", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("d", (64, 128, 32))
-def test_packed_documents(poisoned, d):
+def test_packed_documents(poisoned, doc_tiles, d):
     """Document ids in the kernels (a query sees only its own document's keys): the layouts
     tests/unit/test_flash_hip_cpu.py runs (documents of ~7 to ~150 tokens, a ring hop, a window,
     keys after every query, not causal, two documents, none), against numpy_ref in float64 on
     the same bf16 inputs, every output written (poisoned); the tables given or found from the ids
-    give the same bits."""
+    give the same bits. With the first tiles aligned and not."""
     import cupy
 
     from mpipar.kernels import flash_mma
@@ -261,6 +271,37 @@ def test_other_documents_keys_never_read(poisoned, d):
     assert _rel(*_f64(dq), want[0]) <= TOL
     assert (_f64(dk)[0][:, :256] == 0).all() and (_f64(dv)[0][:, :256] == 0).all()
     assert _rel(_f64(dk)[0][:, 256:], want[1][:, 256:]) <= TOL
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_unaligned_first_tiles_start_at_the_document(poisoned, monkeypatch, d):
+    """With `DOC_TILES_ALIGNED` off, a block's first key tile starts at its queries' document
+    (here key 200, mid-tile): keys before it are NaN and never loaded, so out, lse and dq are
+    finite and right, and dk, dv of the document's keys too. Aligned, the tile from key 192 loads
+    eight NaN rows (masked scores, but 0 x NaN in P V): the output is not finite, so this
+    test fails where the unaligned start does not reach the kernels."""
+    from mpipar.kernels import flash_mma
+
+    sq, sk, start = 128, 384, 200
+    q, k, v, do = _inputs(_rng("unaligned documents", d), 1, sq, sk, 4, 2, d)
+    q_docs = np.full((1, sq), 1)
+    k_docs = (np.arange(sk) >= start).astype(int)[None]
+    kw = {"q_docs": q_docs, "k_docs": k_docs}
+    q64, k64, v64, do64 = _f64(q, k, v, do)
+    want_out, want_lse = ref.attention_fwd(q64, k64, v64, 256, 0, True, **kw)
+    k[:, :start] = np.nan
+    v[:, :start] = np.nan
+    monkeypatch.setattr(flash_mma, "DOC_TILES_ALIGNED", True)
+    out, _ = flash_mma.attention_fwd(*_dev(q, k, v), 256, 0, True, **kw)
+    assert not np.isfinite(_f64(out)[0]).all()
+    monkeypatch.setattr(flash_mma, "DOC_TILES_ALIGNED", False)
+    out, lse = flash_mma.attention_fwd(*_dev(q, k, v), 256, 0, True, **kw)
+    _check_fwd(out, lse, want_out, want_lse, "unaligned documents")
+    dq, dk, dv = flash_mma.attention_bwd(*_dev(q, k, v), out, lse, *_dev(do), 256, 0, True, **kw)
+    want = ref.attention_bwd(q64, k64, v64, *_f64(out, lse), do64, 256, 0, True, **kw)
+    assert _rel(*_f64(dq), want[0]) <= TOL
+    assert _rel(_f64(dk)[0][:, start:], want[1][:, start:]) <= TOL
+    assert _rel(_f64(dv)[0][:, start:], want[2][:, start:]) <= TOL
 
 
 def test_backward_is_deterministic():

@@ -104,6 +104,27 @@ def test_shipped_sources_pass(tmp_path, capsys):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("d", (64, 128))
+def test_unaligned_document_tiles_compile_like_the_aligned(d):
+    """flash_mma's document kernels with `DOC_TILES_ALIGNED` off (the module the runtime compiles
+    then, `_options(False)`) pass the gate on sm_90 with the registers of the aligned build."""
+    from mpipar.kernels import flash_mma
+
+    assert "#ifndef MPIPAR_DOC_TILES_ALIGNED" in flash_mma._SOURCE
+    assert flash_mma._options(False)[-1] == "-DMPIPAR_DOC_TILES_ALIGNED=0"
+    for role in ("fwd_docs", "dq_docs", "dkdv_docs"):
+        src = flash_mma.role_source(d, role)
+        regs = {}
+        for aligned in (True, False):
+            reports = cuda_gate.compile_source({**src, "options": flash_mma._options(aligned)},
+                                               "sm_90")
+            assert len(reports) == len(src["names"])
+            assert all(not r.problems() and r.spill_stores == 0 == r.stack_bytes for r in reports)
+            regs[aligned] = sorted(r.registers for r in reports)
+        assert regs[False] == regs[True], role
+
+
+@needs_nvrtc
 def test_good_kernel_passes(monkeypatch, capsys):
     """The control for the failures below: the same harness passes a sound kernel."""
     _gate_on(monkeypatch, _source(GOOD, ("scale<float>", "scale<double>")))

@@ -148,6 +148,48 @@ def test_bf16_flash_kernels_walk_what_their_warps_see(d):
     assert 1.0 < ratio <= 3.0
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_unaligned_document_tiles_walk_fewer_entries(d):
+    """`flash_mma.score_entries(aligned=False)` (`DOC_TILES_ALIGNED` off: a block's first key tile
+    starts at its first row's document start, the window's start rounded down as before) against
+    the visible pairs themselves: each 16-row slab walks the tiles of its block's grid that meet
+    its span. Never more entries than aligned tiles; on the bench's documents (median 200) fewer."""
+    from mpipar.bench.documents import packed_documents
+    from mpipar.kernels import flash_mma
+    from mpipar.kernels import numpy_ref as ref
+    from mpipar.parallel.context import token_work
+
+    w, mt, bk = flash_mma._tiles(d, "fwd_docs")[:3]
+    bq = 16 * w * mt
+    rng = np.random.default_rng(d)
+    for docs, qo, window in [(np.cumsum(rng.random((2, 300)) < 1 / 40, axis=1), 0, 0),
+                             (np.cumsum(rng.random((1, 300)) < 1 / 9, axis=1), 0, 0),
+                             (np.cumsum(rng.random((1, 300)) < 1 / 90, axis=1), 0, 37),
+                             (np.cumsum(rng.random((1, 300)) < 1 / 60, axis=1), 200, 0)]:
+        vis = ref.visible_mask(np, 300, 300, qo, 0, window)[None] & \
+            ref.document_mask(docs, docs)[:, 0, 0]
+        want = 0
+        for b in range(docs.shape[0]):
+            for q0 in range(0, 300, bq):
+                start = int(np.argmax(docs[b] == docs[b, q0]))     # the row's document start
+                ws = max(0, qo + q0 - window + 1) if window else 0
+                kbeg = max(ws - ws % bk, start)
+                for r0 in range(q0, min(300, q0 + bq), 16):
+                    seen = np.flatnonzero(vis[b, r0:r0 + 16].any(axis=0))
+                    if seen.size:
+                        assert seen[0] >= kbeg
+                        want += 16 * bk * ((seen[-1] - kbeg) // bk - (seen[0] - kbeg) // bk + 1)
+        got = flash_mma.score_entries(300, 300, d, qo, 0, True, window, docs, docs, aligned=False)
+        assert got == want
+        assert got <= flash_mma.score_entries(300, 300, d, qo, 0, True, window, docs, docs,
+                                              aligned=True)
+    docs = np.asarray(packed_documents(8192, 200, 1.0, np.random.default_rng(0))).reshape(1, -1)
+    pairs = token_work(docs).sum()
+    unaligned, aligned = (flash_mma.score_entries(8192, 8192, d, q_docs=docs, k_docs=docs,
+                                                  aligned=a) / pairs for a in (False, True))
+    assert 1.0 < unaligned < aligned
+
+
 def test_bf16_document_kernels_may_have_their_own_tiles(monkeypatch):
     """`flash_mma._tiles`: a packed-document kernel's own `_TILES` entry ("fwd_docs", "dq_docs")
     sets its instantiation, shared memory and threads (its bf16-gradient twin's too), and leaves

@@ -40,6 +40,18 @@ def test_the_env_stage_runs_without_a_device(tmp_path):
     assert (out / "all.tgz").stat().st_size > 0
 
 
+def test_stages_not_begun_by_the_deadline_are_skipped_and_recorded(tmp_path):
+    """GPU_CHECK_DEADLINE: a named stage that would begin at or after it is skipped, said and
+    recorded ("env skipped"), and the summary and all.tgz are still written."""
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", SCRIPT, str(out), "env"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "GPU_CHECK_DEADLINE": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert "=== gpu_check: env skipped" in proc.stdout and "--- summary" in proc.stdout
+    assert (out / "results.txt").read_text().split("\n")[0] == "env skipped"
+    assert not (out / "device.txt").exists() and (out / "all.tgz").stat().st_size > 0
+
+
 def test_the_kernel_micro_benchmark_uses_the_1b_models_shapes():
     from mpipar.bench import gpu, gpu_kernels as k
     m = gpu.MODELS["1.1B"]

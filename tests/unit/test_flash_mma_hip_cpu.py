@@ -25,13 +25,13 @@ import pytest
 
 from mpipar.kernels import flash_mma, numpy_ref as ref
 from mpipar.kernels.flash_mma_cuda import SOURCE
+from tests.gpu.test_flash_mma import LSE_TOL, TOL, _rel   # the device test's bounds and measure
 from tests.unit import test_flash_hip_cpu as hip_cpu
 
 # g++ builds each kernel set in about a minute; on a loaded machine (CI's eight ranks beside it)
 # well past the suite's 300 s per test
 pytestmark = [hip_cpu.pytestmark, pytest.mark.timeout(1800)]
 
-TOL, LSE_TOL = 1e-2, 1e-4   # tests/gpu/test_flash_mma.py's bounds (5 u of bf16; lse absolute)
 
 _EMULATION = r"""
 #include <cstdint>
@@ -270,12 +270,6 @@ def _run(lib, d, q, k, v, dout, qo, ko, causal, window, q_docs, k_docs):
     launch("dkdv", sk, *common, _ptr(dk), _ptr(dv), *tail, ctypes.c_float(scale),
            *map(_ptr, tables[2:]))
     return out.view(ml_dtypes.bfloat16), lse, dq, dk, dv
-
-
-def _rel(got, want) -> float:
-    """||got - want|| / ||want|| (1e-4 sqrt(n) where want is zero to rounding); got finite."""
-    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} elements not finite"
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-4 * np.sqrt(want.size)))
 
 
 def _check(build, d, aligned, case):

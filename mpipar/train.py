@@ -88,10 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None = None) -> Layout:
+def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None = None,
+                   comm: MPI.Comm | None = None) -> Layout:
     """Parse, default the save directory to ``RUN_DIR/checkpoints``, apply a checkpoint's model
     settings, choose a layout when none is given (a note about it goes to ``notes``), validate;
-    exit 2 on error."""
+    exit 2 on error. With ``comm`` (every rank of it calls this alike), the ``--resume``
+    checkpoint is verified by its ranks together, each hashing its share of the shards."""
     from mpipar.checkpoint.directory import CheckpointError
     args = build_parser().parse_args(argv)
     try:
@@ -100,7 +102,9 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
         tr.save_dir = tr.save_dir or os.path.join(tr.run_dir, "checkpoints")
         if tr.resume:
             from mpipar.checkpoint import reader
-            path, _ = reader.resolve_resume(tr.resume, tr.save_dir)
+            peers = None if comm is None else reader.Peers(comm.Get_rank(), comm.Get_size(),
+                                                           comm.allgather)
+            path, _ = reader.resolve_resume(tr.resume, tr.save_dir, peers)
             if path is not None:
                 saved = reader.read_config(path)
                 cfg.model = model_from_checkpoint(
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     if known:
         configure_threads(known)
     notes: list[str] = []
-    cfg = resolve_config(argv, comm.Get_size(), notes)
+    cfg = resolve_config(argv, comm.Get_size(), notes, comm)
     from mpipar.runtime.comm import Group, Ledger
     ctx = RunContext(cfg, Group(comm, "world", Ledger()), stop, report, notes)
     try:

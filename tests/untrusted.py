@@ -2,8 +2,8 @@
 what the run printed to stderr, without launching a job (a launched run costs seconds on a
 2-core CI; the refusals these tests show happen before any collective, so one process shows
 them); a launched multi-rank run checks the same on every rank where it matters. Also: the flags
-of a tiny run, what an earlier run left in its directory, and a snapshot of the files that must
-not change."""
+of a tiny run, what an earlier run left in its directory, a snapshot of the files that must
+not change, and a crafted checkpoint sealed again (:func:`reseal`)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +12,12 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
+import h5py
 from mpi4py import MPI
+
+from mpipar.checkpoint.directory import sha256_file
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -72,3 +76,19 @@ def snapshot(root) -> dict[str, bytes]:
     ``lock`` file names the last run that held it, whatever it did)."""
     return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
             for d, _, names in os.walk(root) for n in names if n != "lock"}
+
+
+def reseal(ck: Path) -> None:
+    """Record every shard's present size and sha256 in the index, and the index's sha256: what
+    an attacker who writes the whole directory does."""
+    with h5py.File(ck / "index.h5", "r+") as f:
+        shards = f.get("shards", getlink=True)
+        if isinstance(shards, h5py.HardLink) and isinstance(f["shards"], h5py.Group):
+            for name in f["shards"]:
+                try:
+                    g, file = f["shards"][name], ck / name
+                    if file.exists():
+                        g.attrs["sha256"], g.attrs["size"] = sha256_file(file), file.stat().st_size
+                except (KeyError, OSError, RuntimeError, TypeError, AttributeError):
+                    pass  # a member the mutation made a link or a dataset
+    (ck / "index.sha256").write_text(f"{sha256_file(ck / 'index.h5')}  index.h5\n")

@@ -7,7 +7,11 @@ present with its recorded size and sha256, and that every dataset a mapping name
 dataset of its shard: reached by hard links, stored in the file (no external storage, not
 virtual), of the mapping's shape and the index's dtype. Damage (a missing, truncated or
 corrupted file) comes back as problems, the datasets that fail their fletcher32 checksums named;
-a malformed index or shard, or a file that is a symbolic link, raises CheckpointError.
+a malformed index or shard, or a file that is a symbolic link, raises CheckpointError. Ranks
+that verify together (:class:`Peers`: ``train`` at its start) each hash and check every
+``size``-th shard file and gather their verdicts, so a checkpoint is read once per job, not
+once per rank; the answer is the one a rank verifying alone gets (which of several malformed
+datasets is named may differ).
 
 **Read.** :class:`ShardFiles` reads a region of a global tensor from the datasets of the mappings
 that overlap it, opening the shard files itself. It never reads through the virtual datasets
@@ -21,8 +25,9 @@ region of the global tensor this rank's shard covers, so any layout loads any ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +126,14 @@ class ShardFiles:
                                   f"{self.index.dtype} {m.shape}")
         return obj
 
-    def check(self) -> None:
-        """Every mapping's source dataset, checked (:meth:`dataset`)."""
+    def check(self, files: set[str] | None = None) -> None:
+        """Every mapping's source dataset (of the shard ``files`` only, when given), checked
+        (:meth:`dataset`)."""
         for tensors in self.index.tensors.values():
             for tensor in tensors.values():
                 for m in tensor.mappings:
-                    self.dataset(m)
+                    if files is None or m.file in files:
+                        self.dataset(m)
 
     def read(self, kind: str, name: str, region: Slices) -> np.ndarray:
         """``region`` of the global tensor ``kind/name``, in the index's dtype, from the shard
@@ -161,6 +168,17 @@ class ShardFiles:
 _VERIFIED: dict[tuple, tuple[tuple[str, ...], Index | None] | CheckpointError] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """The ranks that verify a checkpoint together (:func:`verify`): this rank's number, their
+    count, and an all-gather among them (every rank's object, in rank order, on every rank:
+    ``comm.allgather`` of mpi4py or a group's ``allgather_object``)."""
+
+    rank: int
+    size: int
+    allgather: Callable[[Any], list[Any]]
+
+
 def _signature(path: Path) -> tuple:
     """What changes when any entry of the directory changes (name, size, mtime, inode)."""
     out = []
@@ -170,13 +188,18 @@ def _signature(path: Path) -> tuple:
     return tuple(sorted(out))
 
 
-def verify(path: str | os.PathLike) -> list[str]:
+def verify(path: str | os.PathLike, peers: Peers | None = None) -> list[str]:
     """Problems that make the checkpoint at ``path`` unusable (empty list: it is sound); raises
     CheckpointError, naming the file and the field or dataset, when its index or a shard is
     malformed or reaches outside the directory (module docstring).
 
     The answer is cached per directory state (names, sizes, mtimes, inodes), so repeating it
-    costs one ``stat`` per file."""
+    costs one ``stat`` per file. With ``peers`` (more than one), every one of them must call it
+    with the same ``path``: each reads the index and checks every ``size``-th shard file (size,
+    sha256, datasets) instead of all of them, and one all-gather gives every rank the same
+    answer (the cache is filled, never consulted, so the ranks always meet)."""
+    if peers is not None and peers.size > 1:
+        return list(_verified_together(Path(path), peers)[0])
     return list(_verified(Path(path))[0])
 
 
@@ -190,13 +213,20 @@ def _verified(path: Path) -> tuple[tuple[str, ...], Index | None]:
             _VERIFIED[key] = _verify(path)
         except CheckpointError as exc:
             _VERIFIED[key] = exc
-    found = _VERIFIED[key]
+    return _answer(_VERIFIED[key])
+
+
+def _answer(found: tuple[tuple[str, ...], Index | None] | CheckpointError
+            ) -> tuple[tuple[str, ...], Index | None]:
     if isinstance(found, CheckpointError):
         raise CheckpointError(str(found))
     return found
 
 
-def _verify(path: Path) -> tuple[tuple[str, ...], Index | None]:
+def _head(path: Path) -> tuple[tuple[str, ...], Index | None]:
+    """The index's problems (missing, its sha256) or the index read against its schema."""
+    if not path.is_dir():
+        return (f"{path}: no such checkpoint directory",), None
     index, summary = path / INDEX, path / INDEX_SUM
     for file in (index, summary):
         require_own_file(file)
@@ -207,29 +237,98 @@ def _verify(path: Path) -> tuple[tuple[str, ...], Index | None]:
     recorded = summary.read_bytes().decode("utf-8", errors="replace").split()
     if not recorded or recorded[0] != sha256_file(index):
         return (f"{index}: sha256 does not match {INDEX_SUM} (the index is corrupted)",), None
-    found = read_index(path)
-    problems = []
-    for name, record in sorted(found.shards.items()):
-        file = path / name
-        require_own_file(file)
-        if not file.is_file():
-            problems.append(f"{file}: missing shard")
-            continue
-        actual = file.stat().st_size
-        if actual != record.size:
-            how = "truncated" if actual < record.size else "longer than written"
-            problems.append(f"{file}: {actual} bytes, the index records {record.size} ({how})"
-                            + _damage(file))
-            continue
-        digest = sha256_file(file)
-        if digest != record.sha256:
-            problems.append(f"{file}: sha256 {digest[:16]}... does not match the recorded "
-                            f"{record.sha256[:16]}... (corrupted)" + _damage(file))
+    return (), read_index(path)
+
+
+def _shard_problem(path: Path, index: Index, name: str) -> str | None:
+    """What is wrong with the shard file ``name`` (missing, its size, its sha256), or None;
+    CheckpointError when it is a symbolic link."""
+    file, record = path / name, index.shards[name]
+    require_own_file(file)
+    if not file.is_file():
+        return f"{file}: missing shard"
+    actual = file.stat().st_size
+    if actual != record.size:
+        how = "truncated" if actual < record.size else "longer than written"
+        return f"{file}: {actual} bytes, the index records {record.size} ({how})" + _damage(file)
+    digest = sha256_file(file)
+    if digest != record.sha256:
+        return (f"{file}: sha256 {digest[:16]}... does not match the recorded "
+                f"{record.sha256[:16]}... (corrupted)" + _damage(file))
+    return None
+
+
+def _verify(path: Path) -> tuple[tuple[str, ...], Index | None]:
+    problems, found = _head(path)
+    if found is None:
+        return problems, None
+    problems = tuple(p for p in (_shard_problem(path, found, name)
+                                 for name in sorted(found.shards)) if p is not None)
     if problems:
-        return tuple(problems), None
+        return problems, None
     with ShardFiles(path, found) as files:
         files.check()
     return (), found
+
+
+def _failure(exc: BaseException, path: Path) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
+
+
+def _my_part(path: Path, peers: Peers) -> tuple[dict[str, Any], Index | None]:
+    """This rank's share of :func:`_verify`, as a verdict to gather; it never raises, so every
+    rank reaches the all-gather. Shards are dealt by their sorted position."""
+    part: dict[str, Any] = {"head": None, "error": None, "problems": [], "check": None}
+    try:
+        problems, found = _head(path)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
+        part["head"] = ("error", _failure(exc, path))
+        return part, None
+    if found is None:
+        part["head"] = ("problems", problems)
+        return part, None
+    mine = sorted(found.shards)[peers.rank::peers.size]
+    for i, name in enumerate(mine):
+        order = peers.rank + i * peers.size
+        try:
+            problem = _shard_problem(path, found, name)
+        except Exception as exc:  # noqa: BLE001
+            part["error"] = (order, _failure(exc, path))
+            return part, found
+        if problem is not None:
+            part["problems"].append((order, problem))
+    if not part["problems"]:
+        try:
+            with ShardFiles(path, found) as files:
+                files.check(set(mine))
+        except Exception as exc:  # noqa: BLE001
+            part["check"] = _failure(exc, path)
+    return part, found
+
+
+def _verified_together(path: Path, peers: Peers) -> tuple[tuple[str, ...], Index | None]:
+    """:func:`_verify` shared among ``peers``: the same answer on every rank, in the order one
+    rank gives (the index's fault first, then a malformed shard file, then the damaged shards
+    in sorted order, then a malformed dataset: the first one a rank found, lowest rank first)."""
+    key = (str(path.resolve()), _signature(path)) if path.is_dir() else None
+    part, found = _my_part(path, peers)
+    parts = peers.allgather(part)
+    answer: tuple[tuple[str, ...], Index | None] | CheckpointError = ((), found)
+    head = next((p["head"] for p in parts if p["head"] is not None), None)
+    errors = sorted(p["error"] for p in parts if p["error"] is not None)
+    problems = sorted(pr for p in parts for pr in p["problems"])
+    checks = [p["check"] for p in parts if p["check"] is not None]
+    if head is not None:
+        answer = CheckpointError(head[1]) if head[0] == "error" else (tuple(head[1]), None)
+    elif errors:
+        answer = CheckpointError(errors[0][1])
+    elif problems:
+        answer = (tuple(msg for _, msg in problems), None)
+    elif checks:
+        answer = CheckpointError(checks[0])
+    if key is not None:
+        _VERIFIED[key] = answer
+    return _answer(answer)
 
 
 def _damage(file: Path) -> str:
@@ -261,33 +360,36 @@ def require_sound(path: Path) -> Index:
 
 
 # ------------------------------------------------------------------------------ resume
-def _problems(path: Path) -> list[str]:
+def _problems(path: Path, peers: Peers | None = None) -> list[str]:
     """:func:`verify`'s problems, a malformed checkpoint's one among them."""
     try:
-        return verify(path)
+        return verify(path, peers)
     except CheckpointError as exc:
         return [str(exc)]
 
 
-def resolve_resume(spec: str, save_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from and notes for the log.
+def _agreed(peers: Peers | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` as rank 0 of ``peers`` found it (its value, or its ConfigError or
+    CheckpointError raised), on every rank: the ranks then verify the same checkpoints in the
+    same order even when the directory changes while they look."""
+    if peers is None or peers.size == 1:
+        return fn()
+    try:
+        mine: tuple = ("value", fn())
+    except ConfigError as exc:
+        mine = ("ConfigError", str(exc))
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
+        mine = ("CheckpointError", str(exc) if isinstance(exc, CheckpointError)
+                else f"{type(exc).__name__}: {exc}")
+    kind, value = peers.allgather(mine)[0]
+    if kind == "value":
+        return value
+    raise (ConfigError if kind == "ConfigError" else CheckpointError)(value)
 
-    ``spec`` "" means no resume (None). "auto": the checkpoint ``save_dir/latest`` names, then the
-    other committed ones newest first; the first that verifies wins, each one skipped gets a note
-    saying why; None (start fresh) when none verifies or none exists. A path (a checkpoint or a
-    save directory) must verify, else ConfigError names the problems. No collective: every rank
-    gets the same answer from the same files.
-    """
-    if not spec:
-        return None, []
-    if spec != "auto":
-        path = resolve_path(spec)
-        problems = _problems(path)
-        if problems:
-            raise ConfigError(f"--resume {spec}: checkpoint {path} failed verification: "
-                              + "; ".join(problems))
-        return path, []
-    root = Path(save_dir)
+
+def _candidates(root: Path) -> tuple[list[Path], list[str]]:
+    """The committed checkpoints of ``root``, the one ``latest`` names first, and a note when
+    that pointer is unreadable."""
     candidates = list_checkpoints(root)
     try:
         pointed = latest(root)
@@ -298,9 +400,35 @@ def resolve_resume(spec: str, save_dir: str | os.PathLike) -> tuple[Path | None,
     if pointed is not None and pointed in candidates:
         candidates.remove(pointed)
         candidates.insert(0, pointed)
+    return candidates, notes
+
+
+def resolve_resume(spec: str, save_dir: str | os.PathLike, peers: Peers | None = None
+                   ) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from and notes for the log.
+
+    ``spec`` "" means no resume (None). "auto": the checkpoint ``save_dir/latest`` names, then the
+    other committed ones newest first; the first that verifies wins, each one skipped gets a note
+    saying why; None (start fresh) when none verifies or none exists. A path (a checkpoint or a
+    save directory) must verify, else ConfigError names the problems. Without ``peers``, no
+    collective: every rank gets the same answer from the same files. With them (every one calls
+    it alike), the checkpoints rank 0 lists are verified together (:func:`verify`): each rank
+    hashes its share of the shards, not all of them.
+    """
+    if not spec:
+        return None, []
+    if spec != "auto":
+        path = _agreed(peers, lambda: resolve_path(spec))
+        problems = _problems(path, peers)
+        if problems:
+            raise ConfigError(f"--resume {spec}: checkpoint {path} failed verification: "
+                              + "; ".join(problems))
+        return path, []
+    root = Path(save_dir)
+    candidates, notes = _agreed(peers, lambda: _candidates(root))
     failed = []
     for path in candidates:
-        problems = _problems(path)
+        problems = _problems(path, peers)
         if not problems:
             return path, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); "
                                   f"falling back to {path}" for p, why in failed]

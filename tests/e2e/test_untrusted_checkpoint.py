@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 from conftest import MPIRUN, launch_env, mpirun
+from untrusted import reseal
 from mpipar import ckpt as cli
 from mpipar import generate
 from mpipar.checkpoint import reader, tools
-from mpipar.checkpoint.directory import CheckpointError, sha256_file
+from mpipar.checkpoint.directory import CheckpointError
 
 VOCAB = 256  # bytes: generate's default codec fits
 MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
@@ -62,22 +63,6 @@ def ck(source, tmp_path):
     shutil.copytree(source[0], tmp_path / "outside")
     (tmp_path / "outside" / "secret").write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 1024)
     return tmp_path / "save" / "step_00000002"
-
-
-def reseal(ck: Path) -> None:
-    """Record every shard's present size and sha256 in the index, and the index's sha256: what
-    an attacker who writes the whole directory does."""
-    with h5py.File(ck / "index.h5", "r+") as f:
-        shards = f.get("shards", getlink=True)
-        if isinstance(shards, h5py.HardLink) and isinstance(f["shards"], h5py.Group):
-            for name in f["shards"]:
-                try:
-                    g, file = f["shards"][name], ck / name
-                    if file.exists():
-                        g.attrs["sha256"], g.attrs["size"] = sha256_file(file), file.stat().st_size
-                except (KeyError, OSError, RuntimeError, TypeError, AttributeError):
-                    pass  # a member the mutation made a link or a dataset
-    (ck / "index.sha256").write_text(f"{sha256_file(ck / 'index.h5')}  index.h5\n")
 
 
 def files(root: Path) -> dict[str, bytes]:

@@ -298,14 +298,15 @@ def predict_memory(cfg: Layout, rank: int, positions: int, prompt: int, read_who
     return max(loading, shards + cache + passing)
 
 
-def _load(generator, path: str, kind: str) -> None:
-    """The parameters of ``generator``'s shards from the model at ``path``."""
+def _load(generator, path: str, kind: str, comm: MPI.Comm) -> None:
+    """The parameters of ``generator``'s shards from the model at ``path`` (an mpipar checkpoint
+    verified by the ranks of ``comm`` together)."""
     if kind == "hf":
         from mpipar.checkpoint.huggingface import load_hf
         generator.load_params(load_hf(path, untie_embeddings=True)[1])
         return
-    from mpipar.checkpoint.reader import open_reader, read_moe_bias
-    with open_reader(path) as read:
+    from mpipar.checkpoint.reader import Peers, open_reader, read_moe_bias
+    with open_reader(path, Peers(comm.Get_rank(), comm.Get_size(), comm.allgather)) as read:
         generator.load_checkpoint(read, read_moe_bias(path))
 
 
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     generator = Generator(cfg, comm)
     error = None
     try:
-        _load(generator, args.model, kind)
+        _load(generator, args.model, kind, comm)
     except (ValueError, OSError) as exc:  # a damaged checkpoint or safetensors file
         error = str(exc)
     _agree(comm, error)

@@ -350,10 +350,11 @@ def _damage(file: Path) -> str:
     return "; every dataset passes its fletcher32 checksum (the damage is in HDF5 metadata)"
 
 
-def require_sound(path: Path) -> Index:
-    """The index of the checkpoint directory ``path`` once it verifies; CheckpointError naming
-    what does not."""
-    problems, index = _verified(path)
+def require_sound(path: Path, peers: Peers | None = None) -> Index:
+    """The index of the checkpoint directory ``path`` once it verifies (together with ``peers``,
+    as :func:`verify`); CheckpointError naming what does not."""
+    problems, index = (_verified_together(path, peers) if peers is not None and peers.size > 1
+                       else _verified(path))
     if problems:
         raise CheckpointError(f"checkpoint {path} failed verification: " + "; ".join(problems))
     return index
@@ -513,13 +514,14 @@ def resume_changes(path: str | os.PathLike, position: RunPosition) -> list[str]:
 
 # ------------------------------------------------------------------------------ read
 @contextlib.contextmanager
-def open_reader(path: str | os.PathLike) -> Iterator[Reader]:
-    """Verify the checkpoint at ``path`` (or a save directory's ``latest``), then yield
-    ``read(kind, name, region)``: a region of a global tensor, read from the shards that hold it.
-    Any layout reads any checkpoint this way (:func:`.shards.read_shard`), e.g. generation under
-    its own tp x pp. No collective."""
-    path = resolve_path(path)
-    index = require_sound(path)
+def open_reader(path: str | os.PathLike, peers: Peers | None = None) -> Iterator[Reader]:
+    """Verify the checkpoint at ``path`` (or a save directory's ``latest``; together with
+    ``peers``, each of which calls it alike), then yield ``read(kind, name, region)``: a region
+    of a global tensor, read from the shards that hold it. Any layout reads any checkpoint this
+    way (:func:`.shards.read_shard`), e.g. generation under its own tp x pp. Without ``peers``,
+    no collective."""
+    path = _agreed(peers, lambda: resolve_path(path))
+    index = require_sound(path, peers)
     with ShardFiles(path, index) as files:
         yield files.read
 

@@ -164,8 +164,8 @@ def test_a_shard_removed_after_verification_fails_the_read(ck, capsys, monkeypat
     consolidate, export-hf and generate exit 2 naming the shard, and write nothing."""
     real = reader.require_sound
 
-    def verified_then_pruned(path):
-        index = real(path)
+    def verified_then_pruned(path, peers=None):
+        index = real(path, peers)
         (path / SHARD).unlink(missing_ok=True)
         return index
 

@@ -39,7 +39,8 @@ Sections:
   precision    mixed precision: the default run under mpirun in float32 and in bfloat16 (with a
                float32 and a bf16 gradient reduction), final losses side by side
   checkpoint   the step time a checkpoint costs, synchronous against --async-save, under
-               mpirun (bench/checkpoint.py)
+               mpirun; then verifying one before a resume, every rank alone against the ranks
+               together (bench/checkpoint.py)
   tiles        on a CUDA device: flash_mma's tile candidates per kernel role (NVRTC's registers
                and spills, then each timed against the present tiles on packed documents or
                full causal); --compile-only --arch sm_90 needs no device (bench/tiles.py)

@@ -10,6 +10,11 @@ cost of one save = (the variant's time - ``none``'s) / saves. ``blocking`` is th
 is what the write slows the steps it overlaps (the GIL, the disk, the cores). The run has
 ``steps = (saves + 1) * save_every - 1`` steps, so every counted save is followed by steps that
 record it; the end-of-run save is not counted.
+
+Then the verification a resume starts with (:func:`time_verify`, under ``mpirun -n
+--verify-ranks``): the last synchronous run's checkpoint verified by every rank alone (as
+before ranks verified together: each hashes and checks every shard file) against the ranks
+together (each its share, one all-gather), in turn, from the page cache; the slowest rank's time.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import statistics
 from typing import Any
 
-from mpipar.bench.harness import Section, print_header, train_run
+from mpipar.bench.harness import Section, mpirun, print_header, run_child, train_run
 
 VARIANTS = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--async-save"]}
 
@@ -42,8 +47,57 @@ def _train(name: str, repeat: int, args: argparse.Namespace) -> dict[str, Any]:
             "step_s": statistics.median(r["step_time_s"] for r in records)}
 
 
+def time_verify(args: argparse.Namespace) -> dict[str, Any]:
+    """Under mpirun (``--verify PATH``): the checkpoint at PATH verified by every rank alone and
+    by the ranks together, ``--repeats`` times in turn, the cache cleared before each; per way,
+    the slowest rank's seconds of each repeat."""
+    import time
+
+    from mpipar.checkpoint import reader
+    from mpipar.checkpoint.directory import resolve_path
+    from mpipar.runtime.mpi_init import MPI
+    world = MPI.COMM_WORLD
+    peers = reader.Peers(world.Get_rank(), world.Get_size(), world.allgather)
+    path = resolve_path(args.verify)
+    times: dict[str, list[float]] = {"alone": [], "together": []}
+    for _ in range(args.repeats):
+        for way in times:
+            reader._VERIFIED.clear()
+            world.Barrier()
+            t0 = time.perf_counter()
+            problems = reader.verify(path, peers if way == "together" else None)
+            seconds = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if problems:
+                raise SystemExit(f"checkpoint --verify {path}: {'; '.join(problems)}")
+            times[way].append(seconds)
+    return {"ranks": world.Get_size(), "path": str(path),
+            "bytes": sum(f.stat().st_size for f in path.iterdir()), **times}
+
+
+def _verify_rows(args: argparse.Namespace) -> dict[str, Any] | None:
+    """:func:`time_verify` of the last synchronous run's checkpoint, printed."""
+    if not args.verify_ranks:
+        return None
+    found = run_child(["checkpoint", "--verify", os.path.join(args.out, f"sync-{args.repeats - 1}",
+                                                              "ck"),
+                       "--repeats", str(max(args.repeats, 3))], 1,
+                      (mpirun(), "-n", str(args.verify_ranks)))["checkpoint"]
+    alone, together = (statistics.median(found[w]) for w in ("alone", "together"))
+    print_header(f"{'verify (' + str(found['ranks']) + ' ranks)':<18} {'median s':>9} "
+                 f"{'runs s':>24}")
+    for way in ("alone", "together"):
+        print(f"{way:<18} {statistics.median(found[way]):>9.3f} "
+              f"{', '.join(f'{t:.3f}' for t in found[way]):>24}")
+    print(f"alone / together: {alone / together:.2f} ({found['bytes'] / 2**20:.1f} MiB, from the "
+          f"page cache; the slowest rank)")
+    return dict(found, ratio=alone / together)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Each variant ``--repeats`` times, in turn; the cost of a save per variant."""
+    """Each variant ``--repeats`` times, in turn; the cost of a save per variant; then the
+    verification a resume starts with, alone against together."""
+    if args.verify:
+        return time_verify(args)
     if args.quick:
         args.saves, args.repeats, args.save_every = 2, 1, 3
     os.makedirs(args.out, exist_ok=True)
@@ -67,7 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _print_rows(rows, step)
     return {"config": {"ranks": args.ranks, "saves": args.saves, "save_every": args.save_every,
                        "repeats": args.repeats, "train_flags": args.train_flags},
-            "step_s_without_saves": step, "rows": rows, "runs": runs}
+            "step_s_without_saves": step, "rows": rows, "runs": runs,
+            "verify": _verify_rows(args)}
 
 
 def _print_rows(rows: list[dict[str, Any]], step: float) -> None:
@@ -93,7 +148,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                   "--dp 2 --zero 1",
                         help="python -m mpipar.train flags (model, layout)")
     parser.add_argument("--out", default="runs/bench-checkpoint", help="run directories")
+    parser.add_argument("--verify-ranks", type=int, default=8,
+                        help="mpirun -n of the verification timing (0: none)")
+    parser.add_argument("--verify", metavar="PATH", default=None,
+                        help="under mpirun: only time verifying PATH (the section runs it)")
 
 
 SECTION = Section("checkpoint", run, "the step time a checkpoint costs, synchronous against "
-                  "--async-save, side by side (mpirun)", configure)
+                  "--async-save, side by side (mpirun); verifying one alone against together",
+                  configure)

@@ -206,3 +206,22 @@ def test_flipped_bytes_are_named_and_resume_auto_falls_back(tmp_path, data):
     assert f"resumed from {save / 'step_00000001'} at step 1" in proc.stdout
     assert metrics(tmp_path / "b")[0]["loss"] == metrics(tmp_path / "a")[1]["loss"]
     assert reader.verify(save / "step_00000002") == []  # the resumed run saved it again
+
+
+@needs_mpirun
+def test_the_bench_times_verification_alone_and_together(tmp_path, data):
+    """``bench checkpoint``'s verification timing, as the section launches it: both ways on
+    every rank of a 2-rank job, of the checkpoint ``latest`` names (its bytes counted)."""
+    train(2, tmp_path / "run", "--dp", "2", "--zero", "1", "--steps", "1", "--save-dir",
+          str(tmp_path / "ck"), data=data)
+    out = tmp_path / "verify.json"
+    proc = subprocess.run([*mpirun(2), sys.executable, "-m", "mpipar.bench", "checkpoint",
+                           "--verify", str(tmp_path / "ck"), "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180, env=launch_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = json.loads(out.read_text())["checkpoint"]
+    ck = directory.resolve_path(tmp_path / "ck")
+    assert found["ranks"] == 2 and found["path"] == str(ck)
+    assert found["bytes"] == sum(f.stat().st_size for f in ck.iterdir())
+    assert len(found["alone"]) == len(found["together"]) == 2
+    assert all(t > 0 for t in found["alone"] + found["together"])

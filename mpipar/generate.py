@@ -306,7 +306,7 @@ def _load(generator, path: str, kind: str, comm: MPI.Comm) -> None:
         generator.load_params(load_hf(path, untie_embeddings=True)[1])
         return
     from mpipar.checkpoint.reader import Peers, open_reader, read_moe_bias
-    with open_reader(path, Peers(comm.Get_rank(), comm.Get_size(), comm.allgather)) as read:
+    with open_reader(path, Peers.of(comm)) as read:
         generator.load_checkpoint(read, read_moe_bias(path))
 
 

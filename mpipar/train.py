@@ -102,8 +102,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
         tr.save_dir = tr.save_dir or os.path.join(tr.run_dir, "checkpoints")
         if tr.resume:
             from mpipar.checkpoint import reader
-            peers = None if comm is None else reader.Peers(comm.Get_rank(), comm.Get_size(),
-                                                           comm.allgather)
+            peers = None if comm is None else reader.Peers.of(comm)
             path, _ = reader.resolve_resume(tr.resume, tr.save_dir, peers)
             if path is not None:
                 saved = reader.read_config(path)

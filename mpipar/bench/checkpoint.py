@@ -57,7 +57,7 @@ def time_verify(args: argparse.Namespace) -> dict[str, Any]:
     from mpipar.checkpoint.directory import resolve_path
     from mpipar.runtime.mpi_init import MPI
     world = MPI.COMM_WORLD
-    peers = reader.Peers(world.Get_rank(), world.Get_size(), world.allgather)
+    peers = reader.Peers.of(world)
     path = resolve_path(args.verify)
     times: dict[str, list[float]] = {"alone": [], "together": []}
     for _ in range(args.repeats):

@@ -178,6 +178,11 @@ class Peers:
     size: int
     allgather: Callable[[Any], list[Any]]
 
+    @classmethod
+    def of(cls, comm: Any) -> Peers:
+        """The ranks of ``comm``, an mpi4py communicator."""
+        return cls(comm.Get_rank(), comm.Get_size(), comm.allgather)
+
 
 def _signature(path: Path) -> tuple:
     """What changes when any entry of the directory changes (name, size, mtime, inode)."""
@@ -198,13 +203,14 @@ def verify(path: str | os.PathLike, peers: Peers | None = None) -> list[str]:
     with the same ``path``: each reads the index and checks every ``size``-th shard file (size,
     sha256, datasets) instead of all of them, and one all-gather gives every rank the same
     answer (the cache is filled, never consulted, so the ranks always meet)."""
+    return list(_verified(Path(path), peers)[0])
+
+
+def _verified(path: Path, peers: Peers | None = None) -> tuple[tuple[str, ...], Index | None]:
+    """(:func:`verify`'s problems, the index when there are none), cached; together with more
+    than one peer, :func:`_verified_together`."""
     if peers is not None and peers.size > 1:
-        return list(_verified_together(Path(path), peers)[0])
-    return list(_verified(Path(path))[0])
-
-
-def _verified(path: Path) -> tuple[tuple[str, ...], Index | None]:
-    """(:func:`verify`'s problems, the index when there are none), cached."""
+        return _verified_together(path, peers)
     if not path.is_dir():
         return (f"{path}: no such checkpoint directory",), None
     key = (str(path.resolve()), _signature(path))
@@ -271,8 +277,11 @@ def _verify(path: Path) -> tuple[tuple[str, ...], Index | None]:
     return (), found
 
 
-def _failure(exc: BaseException, path: Path) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
+def _failure(exc: BaseException, path: Path | None = None) -> str:
+    """A CheckpointError's message; another exception named by its type (after ``path``)."""
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    return f"{path}: " * (path is not None) + f"{type(exc).__name__}: {exc}"
 
 
 def _my_part(path: Path, peers: Peers) -> tuple[dict[str, Any], Index | None]:
@@ -310,7 +319,6 @@ def _verified_together(path: Path, peers: Peers) -> tuple[tuple[str, ...], Index
     """:func:`_verify` shared among ``peers``: the same answer on every rank, in the order one
     rank gives (the index's fault first, then a malformed shard file, then the damaged shards
     in sorted order, then a malformed dataset: the first one a rank found, lowest rank first)."""
-    key = (str(path.resolve()), _signature(path)) if path.is_dir() else None
     part, found = _my_part(path, peers)
     parts = peers.allgather(part)
     answer: tuple[tuple[str, ...], Index | None] | CheckpointError = ((), found)
@@ -326,8 +334,8 @@ def _verified_together(path: Path, peers: Peers) -> tuple[tuple[str, ...], Index
         answer = (tuple(msg for _, msg in problems), None)
     elif checks:
         answer = CheckpointError(checks[0])
-    if key is not None:
-        _VERIFIED[key] = answer
+    with contextlib.suppress(OSError):   # the directory as it is now: cached, for later checks
+        _VERIFIED[(str(path.resolve()), _signature(path))] = answer
     return _answer(answer)
 
 
@@ -353,8 +361,7 @@ def _damage(file: Path) -> str:
 def require_sound(path: Path, peers: Peers | None = None) -> Index:
     """The index of the checkpoint directory ``path`` once it verifies (together with ``peers``,
     as :func:`verify`); CheckpointError naming what does not."""
-    problems, index = (_verified_together(path, peers) if peers is not None and peers.size > 1
-                       else _verified(path))
+    problems, index = _verified(path, peers)
     if problems:
         raise CheckpointError(f"checkpoint {path} failed verification: " + "; ".join(problems))
     return index
@@ -380,8 +387,7 @@ def _agreed(peers: Peers | None, fn: Callable[[], Any]) -> Any:
     except ConfigError as exc:
         mine = ("ConfigError", str(exc))
     except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather
-        mine = ("CheckpointError", str(exc) if isinstance(exc, CheckpointError)
-                else f"{type(exc).__name__}: {exc}")
+        mine = ("CheckpointError", _failure(exc))
     kind, value = peers.allgather(mine)[0]
     if kind == "value":
         return value

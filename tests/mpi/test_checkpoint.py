@@ -159,7 +159,7 @@ def test_ranks_verify_a_checkpoint_together_as_one_rank_does_alone(world, size, 
                 return (type(exc).__name__, str(exc)), [n for n in hashed if n.startswith("shard_")]
 
         def check(comm) -> list[str]:
-            peers, fails = reader.Peers(comm.rank, comm.size, comm.allgather), []
+            peers, fails = reader.Peers.of(comm), []
             for how in (*DAMAGES, "resume"):
                 ck = root / how / path.name
                 if how == "resume":

@@ -18,10 +18,12 @@ length 0 and start at the end), so microbatches with different documents share a
 
 Measured on an H100 (session 25, ``.dev/ragged.py``: exact sizes, padded statistics; 8 x 8192
 tokens, 214 documents of median 200, 32 heads x 64): forward 0.97 ms, backward 2.78 ms, against
-flash_mma's document kernels' 1.24 and 3.86 ms. Not yet run in this form: :data:`ROUTED` stays
-False, so ``auto`` sends document calls to flash_mma, until ``tests/gpu/test_documents_gpu.py``
-passes with it on a device and ``bench documents`` times it. :func:`ragged_layout` and
-:func:`refusal` need no CuPy and are tested on the host.
+flash_mma's document kernels' 1.24 and 3.86 ms. In this form on an H200 (session 29):
+``tests/gpu/test_documents_gpu.py::test_cudnn_ragged_documents`` passed, and ``bench documents``
+timed the same batch's document-masked step through the seam at 3.67-3.69 ms with it against
+4.83-4.94 ms through flash_mma (one row of 32 heads: 0.59-0.61 ms against 0.62-0.64, with one run
+each way at 0.76-0.77), so :data:`ROUTED` is on. :func:`ragged_layout` and :func:`refusal` need
+no CuPy and are tested on the host.
 """
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ from . import numpy_ref as ref
 from .cupy_arrays import host_array
 from .numpy_ref import Array, require
 
-ROUTED = False
+ROUTED = True
 """Whether ``auto`` (`gpu_bf16.attention_ops`) sends a qualifying document block here instead of
-to flash_mma; see the module's note for what turns it on."""
+to flash_mma (where cuDNN's frontend imports); see the module's note for the timing."""
 MIN_SEQUENCES, MIN_LONGEST = 16, 64
 """The smallest buckets of :func:`bucket` (the sequence count, the longest sequence)."""
 MAX_ELEMENTS = 2 ** 31 - 1

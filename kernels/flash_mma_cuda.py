@@ -31,9 +31,10 @@ The kernels:
   computing, the tiles its 16 rows cannot see (`slab_span`; skipping equals masking every
   entry, so results do not change, and plain causal tiles past a warp's diagonal are skipped
   the same way). A block's first key (dk/dv: query) tile starts at a multiple of the tile
-  (`MPIPAR_DOC_TILES_ALIGNED` 1, the default, as timed) or, with 0, at the first position its
-  rows' documents hold (`flash_mma.DOC_TILES_ALIGNED`): fewer entries where a document starts
-  mid-tile; loads and masks take any start (whole 16-byte rows; masks relative to the tile).
+  (`MPIPAR_DOC_TILES_ALIGNED` 1, the macro's default) or, with 0, at the first position its
+  rows' documents hold (what `flash_mma.DOC_TILES_ALIGNED`, False by default, builds): fewer
+  entries where a document starts mid-tile; loads and masks take any start (whole 16-byte rows;
+  masks relative to the tile).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Packed documents through the GPU kernels (issue 32): the model's document-masked attention
 (:func:`mpipar.model.attention.attend_fwd` / ``attend_bwd``) on the cupy backend, against
 numpy_ref's document-masked attention on the host. float32/float64 go to cupy_gpu's flash
-kernels, bf16 to mpipar's flash_mma (``auto`` sends calls with documents there, not to cuDNN):
-both take the document ids, one launch forward and one per gradient kernel backward, tiles with
-no same-document pair skipped.
+kernels, bf16 to mpipar's flash_mma (with ``cudnn_documents.ROUTED`` off, as where cuDNN's
+frontend is missing; on, the default, ``auto`` sends the diagonal blocks to cuDNN's ragged
+attention: `test_cudnn_ragged_documents`): both take the document ids, one launch forward and
+one per gradient kernel backward, tiles with no same-document pair skipped.
 
 float64 (cupy_gpu's exact kernels): <= 1e-12 relative, forward and backward. bf16 against
 numpy_ref in float64 on the same bf16 inputs: the bf16 attention tolerances of
@@ -47,7 +48,16 @@ def _rel(got, want) -> float:
 @pytest.mark.parametrize("qs,qn,ks,kn", [(0, 300, 0, 300), (150, 150, 0, 150),
                                           (70, 97, 70, 97)])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
-def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv):
+def test_document_masked_attention_on_the_device(monkeypatch, dtype, qs, qn, ks, kn, hq, hkv):
+    from mpipar.kernels import cudnn_documents
+
+    monkeypatch.setattr(cudnn_documents, "ROUTED", False)     # flash_mma takes every bf16 call
+    _document_masked_attention(dtype, qs, qn, ks, kn, hq, hkv)
+
+
+def _document_masked_attention(dtype, qs, qn, ks, kn, hq, hkv):
+    """The model's document-masked attention through the cupy backend against numpy_ref, with
+    the documents' calls counted (one each way, the ids in the kernel, the tables kept)."""
     import cupy
     import ml_dtypes
 
@@ -99,9 +109,10 @@ def test_document_masked_attention_on_the_device(dtype, qs, qn, ks, kn, hq, hkv)
                                           (70, 97, 70, 97)])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
 def test_cudnn_ragged_documents(monkeypatch, poisoned_pool, qs, qn, ks, kn, hq, hkv):
-    """The same bf16 cases with `cudnn_documents.ROUTED` on: the diagonal blocks (queries and
-    keys the same tokens) go to cuDNN's ragged attention, one call each way, the others to
-    flash_mma; the same bounds against numpy_ref, every element written (a poisoned pool)."""
+    """The same bf16 cases with `cudnn_documents.ROUTED` on (the default): the diagonal blocks
+    (queries and keys the same tokens) go to cuDNN's ragged attention, one call each way, the
+    others to flash_mma; the same bounds against numpy_ref, every element written (a poisoned
+    pool)."""
     from mpipar.kernels import cudnn_attention, cudnn_documents as cd
     if cudnn_attention.frontend_unavailable():
         pytest.skip(cudnn_attention.frontend_unavailable())
@@ -112,7 +123,7 @@ def test_cudnn_ragged_documents(monkeypatch, poisoned_pool, qs, qn, ks, kn, hq, 
             return _fn(*a, **kw)
         monkeypatch.setattr(cd, name, counted)
     monkeypatch.setattr(cd, "ROUTED", True)
-    test_document_masked_attention_on_the_device("bfloat16", qs, qn, ks, kn, hq, hkv)
+    _document_masked_attention("bfloat16", qs, qn, ks, kn, hq, hkv)
     diagonal = qs == ks and qn == kn
     assert ragged == (["attention_fwd", "attention_bwd"] if diagonal else [])
 

@@ -118,8 +118,9 @@ def test_bf16_flash_kernels_walk_what_their_warps_see(d):
     """`flash_mma.score_entries` (the bf16 kernel's loops: fixed blocks, with documents each
     16-row slab over the key tiles it can see) against the visible pairs themselves (numpy_ref's
     masks, brute force): a slab's tiles are those that meet the span from its rows' first
-    visible key to their last. Full causal (the plain kernel): every slab of block j walks its
-    block's tiles 0 .. (BQ (j + 1) - 1) // BK."""
+    visible key to their last, on the tile grid (`aligned=True`; the unaligned walk, the default,
+    is the next test's). Full causal (the plain kernel): every slab of block j walks its block's
+    tiles 0 .. (BQ (j + 1) - 1) // BK."""
     from mpipar.bench.documents import packed_documents
     from mpipar.kernels import flash_mma
     from mpipar.kernels import numpy_ref as ref
@@ -141,7 +142,8 @@ def test_bf16_flash_kernels_walk_what_their_warps_see(d):
             for r0 in range(0, 300, 16):
                 seen = np.flatnonzero(vis[b, r0:r0 + 16].any(axis=0))
                 want += 16 * bk * (seen[-1] // bk - seen[0] // bk + 1) if seen.size else 0
-        assert flash_mma.score_entries(300, 300, d, qo, ko, True, window, docs, docs) == want
+        assert flash_mma.score_entries(300, 300, d, qo, ko, True, window, docs, docs,
+                                       aligned=True) == want
     docs = np.asarray(packed_documents(8192, 200, 1.0, np.random.default_rng(0))).reshape(1, -1)
     ratio = flash_mma.score_entries(8192, 8192, d, q_docs=docs, k_docs=docs) \
         / token_work(docs).sum()

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -171,10 +172,47 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--mpi-sample", type=int, default=1, metavar="N",
+        help="run every N-th case of each parametrized multi-rank test (at least one of each, "
+             "the same on every rank): CI's second MPI (Open MPI) runs every multi-rank test "
+             "function this way; the README's command (MPICH) runs every case")
+
+
+def sampled(keys: list, every: int) -> list[bool]:
+    """Which of the items whose (module, function) keys are ``keys`` (in collection order) a
+    ``--mpi-sample every`` run keeps: of each function's n cases, those whose index is congruent
+    to an offset of its own (crc32 of its key, below min(every, n)) modulo ``every``, so every
+    function keeps ceil-ish n / every cases, at least one, and functions of a few cases do not
+    all keep their first. crc32, not hash(): every rank must choose the same."""
+    if every <= 1:
+        return [True] * len(keys)
+    count: dict = {}
+    for key in keys:
+        count[key] = count.get(key, 0) + 1
+    seen: dict = {}
+    keep = []
+    for key in keys:
+        i = seen[key] = seen.get(key, -1) + 1
+        offset = zlib.crc32(repr(key).encode()) % min(every, count[key])
+        keep.append(i % every == offset)
+    return keep
+
+
 def pytest_collection_modifyitems(config, items):
     """tests/gpu/ needs a CUDA device and CuPy: its tests are marked ``gpu`` and
     skipped, with the reason, where there is none (CI). On a device: ``python -m pytest -q
-    tests/gpu`` and ``mpirun -n 8 python -m pytest -q --only-mpi tests/gpu``."""
+    tests/gpu`` and ``mpirun -n 8 python -m pytest -q --only-mpi tests/gpu``. With
+    ``--mpi-sample N`` the multi-rank tests are thinned by :func:`sampled` (deselected)."""
+    every = config.getoption("--mpi-sample", default=1)
+    if every > 1:
+        multi = [item for item in items if item.get_closest_marker("mpi") is not None]
+        keep = sampled([(str(item.path), item.originalname) for item in multi], every)
+        dropped = {id(item) for item, kept in zip(multi, keep) if not kept}
+        if dropped:
+            config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])
+            items[:] = [item for item in items if id(item) not in dropped]
     from mpipar.runtime.device import cuda_unavailable
     gpu = [item for item in items if "/tests/gpu/" in str(item.path).replace("\\", "/")]
     reason = cuda_unavailable() if gpu else None

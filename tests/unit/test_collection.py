@@ -3,7 +3,7 @@ whose text does not name the ``mpi`` mark is not imported, so every module holdi
 test must name it where the rule looks."""
 from __future__ import annotations
 
-from conftest import MPI_MARK, holds_mpi_tests
+from conftest import MPI_MARK, holds_mpi_tests, sampled
 
 
 def test_every_mpi_marked_test_lies_in_a_module_the_multi_rank_run_collects(request):
@@ -20,3 +20,26 @@ def test_a_module_without_the_mark_is_recognised(tmp_path):
     plain.write_text("def test_a():\n    assert 1\n")
     marked.write_text("import pytest\n\n\n@pytest.mark.mpi(min_size=2)\ndef test_b():\n    pass\n")
     assert not holds_mpi_tests(plain) and holds_mpi_tests(marked)
+
+
+def test_a_sample_keeps_every_nth_case_of_each_function_and_at_least_one():
+    """`--mpi-sample N` (CI's Open MPI run): of a function's n cases, ceil(n / N) or floor(n / N)
+    of them, at least one, at a stride of N; everything at N = 1; the same choice every time
+    (each rank computes it alone); a function of few cases need not keep its first."""
+    keys = [("m.py", "test_matrix")] * 269 + [("m.py", "test_one")] + \
+        [("n.py", f"test_pair{i}") for i in range(40) for _ in range(2)]
+    assert sampled(keys, 1) == [True] * len(keys)
+    keep = sampled(keys, 4)
+    assert keep == sampled(list(keys), 4)
+    kept: dict = {key: [] for key in keys}
+    for i, key in enumerate(keys):
+        if keep[i]:
+            kept[key].append(i)
+    for key, chosen in kept.items():
+        n = keys.count(key)
+        assert chosen and len(chosen) in (n // 4, -(-n // 4)), (key, chosen)
+        assert all(b - a == 4 for a, b in zip(chosen, chosen[1:])), (key, chosen)
+    assert len(kept[("m.py", "test_matrix")]) in (67, 68)
+    pairs = [key for key in kept if key[0] == "n.py"]
+    firsts = sum(kept[key][0] == keys.index(key) for key in pairs)
+    assert 0 < firsts < len(pairs), "every two-case function keeps the same case"

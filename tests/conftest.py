@@ -208,7 +208,10 @@ def pytest_collection_modifyitems(config, items):
     every = config.getoption("--mpi-sample", default=1)
     if every > 1:
         multi = [item for item in items if item.get_closest_marker("mpi") is not None]
-        keep = sampled([(str(item.path), item.originalname) for item in multi], every)
+        # the module as the node id names it (relative to the rootdir): the same sample in
+        # every checkout, not only on every rank
+        keep = sampled([(item.nodeid.split("::")[0], item.originalname) for item in multi],
+                       every)
         dropped = {id(item) for item, kept in zip(multi, keep) if not kept}
         if dropped:
             config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])

@@ -11,7 +11,7 @@
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
 # root under Open MPI are allowed through OMPI_ALLOW_RUN_AS_ROOT (the lent machines run as root).
 # Each stage is bounded by a timeout; the whole default list runs past 25 minutes, so a short
-# lease names its stages (e.g. `setup ragged engine1`, then `setup engine2 tiles`) and may set
+# lease names its stages (e.g. `env setup tests ragged`, 375 s on an H200, then `setup tiles`) and may set
 # GPU_CHECK_DEADLINE (seconds): stages not begun by then are skipped, not cut off.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift

@@ -168,6 +168,11 @@ class ShardFiles:
 _VERIFIED: dict[tuple, tuple[tuple[str, ...], Index | None] | CheckpointError] = {}
 
 
+def forget_verified() -> None:
+    """Forget what this process verified: the next check reads and hashes the files again."""
+    _VERIFIED.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class Peers:
     """The ranks that verify a checkpoint together (:func:`verify`): this rank's number, their
@@ -193,6 +198,11 @@ def _signature(path: Path) -> tuple:
     return tuple(sorted(out))
 
 
+def _cache_key(path: Path) -> tuple:
+    """Where :data:`_VERIFIED` keeps ``path``'s answer: the directory and its entries as now."""
+    return str(path.resolve()), _signature(path)
+
+
 def verify(path: str | os.PathLike, peers: Peers | None = None) -> list[str]:
     """Problems that make the checkpoint at ``path`` unusable (empty list: it is sound); raises
     CheckpointError, naming the file and the field or dataset, when its index or a shard is
@@ -213,7 +223,7 @@ def _verified(path: Path, peers: Peers | None = None) -> tuple[tuple[str, ...], 
         return _verified_together(path, peers)
     if not path.is_dir():
         return (f"{path}: no such checkpoint directory",), None
-    key = (str(path.resolve()), _signature(path))
+    key = _cache_key(path)
     if key not in _VERIFIED:
         try:
             _VERIFIED[key] = _verify(path)
@@ -335,7 +345,7 @@ def _verified_together(path: Path, peers: Peers) -> tuple[tuple[str, ...], Index
     elif checks:
         answer = CheckpointError(checks[0])
     with contextlib.suppress(OSError):   # the directory as it is now: cached, for later checks
-        _VERIFIED[(str(path.resolve()), _signature(path))] = answer
+        _VERIFIED[_cache_key(path)] = answer
     return _answer(answer)
 
 

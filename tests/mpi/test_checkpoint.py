@@ -151,7 +151,7 @@ def test_ranks_verify_a_checkpoint_together_as_one_rank_does_alone(world, size, 
                             lambda f: hashed.append(os.path.basename(f)) or plain(f))
 
         def outcome(fn):
-            reader._VERIFIED.clear()
+            reader.forget_verified()
             hashed.clear()
             try:
                 return ("value", fn()), [n for n in hashed if n.startswith("shard_")]

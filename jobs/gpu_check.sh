@@ -205,32 +205,33 @@ if has documents; then
     timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
         --backend cupy --dtype $dtype --rows $rows --heads $heads --attention $att \
         --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
-    tail -7 "$OUT/$tag.log"; record $tag $rc
+    tail -8 "$OUT/$tag.log"; record $tag $rc
   done
 fi
 
 if has ragged; then
-  stage "ragged: cuDNN's ragged attention for packed documents, flash_mma's unaligned first tiles"
-  # the device tests of cuDNN's ragged path (diagonal blocks through cuDNN against numpy_ref) and
-  # of flash_mma's document kernels with DOC_TILES_ALIGNED off; then the bench's bf16 batch and
-  # one row of 32 heads as the defaults run them (ROUTED on: cuDNN's ragged attention for the
-  # diagonal blocks; unaligned first tiles), with ROUTED off (flash_mma's document kernels), and
-  # off with aligned first tiles, against cuDNN's full causal step (auto, as training runs it)
+  stage "ragged: cuDNN's ragged attention for packed documents, by length class or in one call"
+  # the device tests of cuDNN's ragged path (diagonal blocks through cuDNN against numpy_ref, in
+  # one call and by length class: GROUPED) and of flash_mma's document kernels with
+  # DOC_TILES_ALIGNED off; then the bench's bf16 batch and one row of 32 heads as the defaults
+  # run them (ROUTED on: cuDNN's ragged attention for the diagonal blocks, in one call; unaligned
+  # first tiles), with GROUPED on, and with ROUTED off (flash_mma's document kernels), against
+  # cuDNN's full causal step (auto, as training runs it); each way twice, in turns
   timeout 300 $PY -m pytest -q -p no:cacheprovider --color=no tests/gpu/test_documents_gpu.py \
       tests/gpu/test_flash_mma.py -k "ragged or unaligned" > "$OUT/ragged_tests.log" 2>&1; rc=$?
   tail -5 "$OUT/ragged_tests.log"; record ragged_tests $rc
-  for shape in "8 True False" "8 False False" "8 False True" "1 True False" "1 False False" \
-               "1 False True"; do
-    read -r rows routed aligned <<< "$shape"; tag=ragged_r${rows}_h32_${routed}_$aligned
+  for shape in "8 True False a" "8 True True a" "8 False False a" "8 True False b" \
+               "8 True True b" "1 True False a" "1 True True a"; do
+    read -r rows routed grouped turn <<< "$shape"; tag=ragged_r${rows}_h32_${routed}_${grouped}_$turn
     timeout 240 $PY -c 'import sys
-from mpipar.kernels import cudnn_documents, flash_mma
+from mpipar.kernels import cudnn_documents
 cudnn_documents.ROUTED = sys.argv.pop(1) == "True"
-flash_mma.DOC_TILES_ALIGNED = sys.argv.pop(1) == "True"
+cudnn_documents.GROUPED = sys.argv.pop(1) == "True"
 from mpipar.bench.__main__ import main
-sys.exit(main(sys.argv[1:]))' "$routed" "$aligned" documents --seqs 8192 --sps 4 --samples 2 \
+sys.exit(main(sys.argv[1:]))' "$routed" "$grouped" documents --seqs 8192 --sps 4 --samples 2 \
         --repeats 5 --backend cupy --dtype bfloat16 --rows $rows --heads 32 \
         --attention auto --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1; rc=$?
-    tail -7 "$OUT/$tag.log"; record $tag $rc
+    tail -8 "$OUT/$tag.log"; record $tag $rc
   done
 fi
 

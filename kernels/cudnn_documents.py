@@ -10,11 +10,19 @@ lengths (``seq_len_q = seq_len_kv``) and their first elements' offsets into the 
 for k, v, dk, dv, ``Hq`` for the statistics, which cuDNN keeps token-major, ``[B * S, Hq]``, so
 the contract's ``[B, Hq, S]`` log-sum-exp is one transposition away). Every token belongs to
 exactly one sequence, so out, lse, dq, dk, dv are written whole. The backward's workspace is
-sized by the tokens (``max_total_seq_len``), not by sequences x the longest.
+sized by the tokens (``max_total_seq_len``), not by sequences x the longest; every call declares
+the block's tokens, which its offsets may reach anywhere in.
 
 A graph is built per (sequences, longest, tokens, heads, head dim, scale). The sequence count and
 the longest length are rounded up to powers of two (:func:`bucket`; the extra sequences have
 length 0 and start at the end), so microbatches with different documents share a few graphs.
+
+One call covers every sequence up to the longest one's length: a grid of sequences x the longest
+(:func:`grid_tiles`, counted with 128-row tiles), of which a batch of short documents uses a
+sixth (8 rows x 8192 tokens, 214 documents of median 200: 4096 tiles a head for 617 of the
+documents' own). With :data:`GROUPED` the documents go in length classes instead, one call each
+way per power-of-two class (:meth:`RaggedLayout.groups`: 992 tiles on that batch); every token
+lies in exactly one class's sequences, so the calls together write each output whole.
 
 Measured on an H100 (session 25, ``.dev/ragged.py``: exact sizes, padded statistics; 8 x 8192
 tokens, 214 documents of median 200, 32 heads x 64): forward 0.97 ms, backward 2.78 ms, against
@@ -40,8 +48,15 @@ from .numpy_ref import Array, require
 ROUTED = True
 """Whether ``auto`` (`gpu_bf16.attention_ops`) sends a qualifying document block here instead of
 to flash_mma (where cuDNN's frontend imports); see the module's note for the timing."""
+GROUPED = False
+"""Whether a block's documents go to cuDNN in power-of-two length classes, one call each way per
+class (:meth:`RaggedLayout.groups`), rather than in one call whose grid runs every sequence to
+the longest one's length. Off until a device times it (``jobs/gpu_check.sh``'s ``ragged``
+stage: ``bench documents`` both ways)."""
 MIN_SEQUENCES, MIN_LONGEST = 16, 64
 """The smallest buckets of :func:`bucket` (the sequence count, the longest sequence)."""
+GRID_ROWS = 128
+"""Query rows per tile in :func:`grid_tiles`' count (the bench's figure; not cuDNN's contract)."""
 MAX_ELEMENTS = 2 ** 31 - 1
 """Ragged offsets are int32 elements: arrays of more elements go to flash_mma."""
 SIDE = {"q": "q", "o": "q", "do": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv",
@@ -75,6 +90,7 @@ class RaggedLayout:
     lengths: np.ndarray
     starts: np.ndarray
     _device: dict = field(default_factory=dict, repr=False)
+    _groups: list = field(default_factory=list, repr=False)
 
     @property
     def sequences(self) -> int:
@@ -85,6 +101,18 @@ class RaggedLayout:
         first element, then the total, int32 ``[N + 1, 1, 1, 1]``."""
         flat = np.append(self.starts, self.rows * self.seq) * width
         return flat.astype(np.int32).reshape(-1, 1, 1, 1)
+
+    def groups(self) -> tuple[RaggedLayout, ...]:
+        """The documents by length class (``bucket(length, MIN_LONGEST)``), one layout a class,
+        the longest class first; a class's sequence count is bucketed from 1 (the whole block's
+        from :data:`MIN_SEQUENCES`). Made once."""
+        if not self._groups:
+            lengths, starts = self.lengths[:self.documents], self.starts[:self.documents]
+            classes = np.array([bucket(int(n), MIN_LONGEST) for n in lengths], np.int64)
+            for c in np.unique(classes)[::-1]:
+                self._groups.append(_layout(self.rows, self.seq, starts[classes == c],
+                                            lengths[classes == c], 1))
+        return tuple(self._groups)
 
     def device(self, heads_q: int, heads_kv: int, head_dim: int) -> dict[str, Array]:
         """CuPy arrays of one head layout: ``seq`` (the lengths, ``[N, 1, 1, 1]`` int32) and each
@@ -109,10 +137,29 @@ def ragged_layout(docs: Array) -> RaggedLayout:
     first[:, 1:] = docs[:, 1:] != docs[:, :-1]
     starts = np.flatnonzero(first.ravel())
     lengths = (np.append(starts[1:], b * s) - starts).astype(np.int32)
-    pad = bucket(len(starts), MIN_SEQUENCES) - len(starts)
-    return RaggedLayout(b, s, len(starts), bucket(int(lengths.max(initial=1)), MIN_LONGEST),
-                        np.concatenate([lengths, np.zeros(pad, np.int32)]),
-                        np.concatenate([starts, np.full(pad, b * s)]).astype(np.int64))
+    return _layout(b, s, starts, lengths, MIN_SEQUENCES)
+
+
+def _layout(rows: int, seq: int, starts: np.ndarray, lengths: np.ndarray,
+            least: int) -> RaggedLayout:
+    """The :class:`RaggedLayout` of the sequences (``starts``, ``lengths``) of a ``[rows, seq]``
+    block: their count bucketed from ``least`` with zero-length sequences at the end."""
+    pad = bucket(len(starts), least) - len(starts)
+    return RaggedLayout(rows, seq, len(starts), bucket(int(lengths.max(initial=1)), MIN_LONGEST),
+                        np.concatenate([lengths, np.zeros(pad, np.int32)]).astype(np.int32),
+                        np.concatenate([starts, np.full(pad, rows * seq)]).astype(np.int64))
+
+
+def calls(layout: RaggedLayout) -> tuple[RaggedLayout, ...]:
+    """The layouts cuDNN is called with for ``layout``, in order: its length classes where
+    :data:`GROUPED`, else itself."""
+    return layout.groups() if GROUPED else (layout,)
+
+
+def grid_tiles(layouts: tuple[RaggedLayout, ...]) -> int:
+    """Query tiles of :data:`GRID_ROWS` rows a head that calls on ``layouts`` launch when each
+    runs every sequence to its longest length: the sum of sequences x ceil(longest / rows)."""
+    return sum(lay.sequences * -(-lay.longest // GRID_ROWS) for lay in layouts)
 
 
 def layout_of(q_docs: Array, k_docs: Array) -> RaggedLayout | None:
@@ -234,8 +281,9 @@ def attention_fwd(q: Array, k: Array, v: Array, layout: RaggedLayout,
     b, s, hq, d = q.shape
     out = cupy.empty(q.shape, q.dtype)
     stats = cupy.empty((b, s, hq), cupy.float32)
-    _execute("fwd", layout, hq, k.shape[2], d, ref.attention_scale(d, scale),
-             {**a, "o": out, "stats": stats})
+    for part in calls(layout):
+        _execute("fwd", part, hq, k.shape[2], d, ref.attention_scale(d, scale),
+                 {**a, "o": out, "stats": stats})
     return out, cupy.ascontiguousarray(stats.transpose(0, 2, 1))
 
 
@@ -251,6 +299,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     stats = cupy.ascontiguousarray(lse.transpose(0, 2, 1), dtype=cupy.float32)
     g = {"dq": cupy.empty(q.shape, q.dtype), "dk": cupy.empty(k.shape, q.dtype),
          "dv": cupy.empty(k.shape, q.dtype)}
-    _execute("bwd", layout, q.shape[2], k.shape[2], d, ref.attention_scale(d, scale),
-             {**a, "stats": stats, **g})
+    for part in calls(layout):
+        _execute("bwd", part, q.shape[2], k.shape[2], d, ref.attention_scale(d, scale),
+                 {**a, "stats": stats, **g})
     return tuple(g[n].astype(grads, copy=False) for n in ("dq", "dk", "dv"))

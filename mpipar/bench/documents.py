@@ -132,14 +132,22 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     intra-document causal pairs, counted from the kernels' own loop bounds (no timing): the
     Numba kernels' tiles (`attention_cpu.tile_work`), the GPU's float flash kernels' warps
     (`flash_exact.score_entries`; float32 for a 2-byte dtype) and the GPU's bf16 kernel's 16-row
-    slabs (`flash_mma.score_entries`, where it has the head dim)."""
-    from mpipar.kernels import flash_exact, flash_mma
+    slabs (`flash_mma.score_entries`, where it has the head dim); and the query tiles of
+    `cudnn_documents.GRID_ROWS` rows a head that cuDNN's ragged calls launch (`grid_tiles`: one
+    call, the length classes of `GROUPED`) against the documents' own."""
+    from mpipar.kernels import cudnn_documents, flash_exact, flash_mma
     from mpipar.kernels.attention_cpu import tile_work
     from mpipar.parallel.context import token_work
 
     row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]
-    return {"numba_entries_over_pairs": tile_work(n, n, head_dim, q_docs=row, k_docs=row)[1] / pairs,
+    ragged = cudnn_documents.ragged_layout(row)
+    own = -(-ragged.lengths[:ragged.documents] // cudnn_documents.GRID_ROWS)
+    return {"cudnn_grid_tiles": cudnn_documents.grid_tiles((ragged,)),
+            "cudnn_grouped_grid_tiles": cudnn_documents.grid_tiles(ragged.groups()),
+            "cudnn_documents_tiles": int(own.sum()), "cudnn_classes": len(ragged.groups()),
+            "cudnn_grouped": cudnn_documents.GROUPED, "cudnn_grid_rows": cudnn_documents.GRID_ROWS,
+            "numba_entries_over_pairs": tile_work(n, n, head_dim, q_docs=row, k_docs=row)[1] / pairs,
             "gpu_entries_over_pairs": flash_exact.score_entries(n, n, head_dim, max(4, itemsize),
                                                                 q_docs=row,
                                                                 k_docs=row) / pairs,
@@ -181,6 +189,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"tiles {sp_['numba_entries_over_pairs']:.3f}, GPU flash warps "
           f"{sp_['gpu_entries_over_pairs']:.3f}, GPU bf16 slabs "
           f"{sp_['bf16_entries_over_pairs'] or float('nan'):.3f}")
+    print(f"  cuDNN's ragged grid, query tiles of {sp_['cudnn_grid_rows']} a head: one call "
+          f"{sp_['cudnn_grid_tiles']}, by length class {sp_['cudnn_grouped_grid_tiles']} "
+          f"({sp_['cudnn_classes']} calls each way), the documents' own "
+          f"{sp_['cudnn_documents_tiles']}; GROUPED {sp_['cudnn_grouped']}")
     if sp_["per_document_calls_s"] is not None:
         print(f"  the same kernels called once per document's block: "
               f"{sp_['per_document_calls_s'] * 1e3:.1f} ms "

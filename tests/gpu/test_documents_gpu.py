@@ -108,24 +108,36 @@ def _document_masked_attention(dtype, qs, qn, ks, kn, hq, hkv):
 @pytest.mark.parametrize("qs,qn,ks,kn", [(0, 300, 0, 300), (150, 150, 0, 150),
                                           (70, 97, 70, 97)])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (2, 2)])
-def test_cudnn_ragged_documents(monkeypatch, poisoned_pool, qs, qn, ks, kn, hq, hkv):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_cudnn_ragged_documents(monkeypatch, poisoned_pool, qs, qn, ks, kn, hq, hkv, grouped):
     """The same bf16 cases with `cudnn_documents.ROUTED` on (the default): the diagonal blocks
     (queries and keys the same tokens) go to cuDNN's ragged attention, one call each way, the
     others to flash_mma; the same bounds against numpy_ref, every element written (a poisoned
-    pool)."""
+    pool). With `GROUPED` each way runs one cuDNN graph per length class (documents of 1 to 150
+    tokens: classes 64, 128, 256), which together must write every output element."""
     from mpipar.kernels import cudnn_attention, cudnn_documents as cd
     if cudnn_attention.frontend_unavailable():
         pytest.skip(cudnn_attention.frontend_unavailable())
-    ragged = []
+    ragged, graphs = [], []
     for name in ("attention_fwd", "attention_bwd"):
         def counted(*a, _fn=getattr(cd, name), **kw):
             ragged.append(_fn.__name__)
             return _fn(*a, **kw)
         monkeypatch.setattr(cd, name, counted)
+
+    def executed(kind, layout, *a, _fn=cd._execute):
+        graphs.append((kind, layout.longest))
+        return _fn(kind, layout, *a)
+    monkeypatch.setattr(cd, "_execute", executed)
     monkeypatch.setattr(cd, "ROUTED", True)
+    monkeypatch.setattr(cd, "GROUPED", grouped)
     _document_masked_attention("bfloat16", qs, qn, ks, kn, hq, hkv)
     diagonal = qs == ks and qn == kn
     assert ragged == (["attention_fwd", "attention_bwd"] if diagonal else [])
+    fwd = [n for kind, n in graphs if kind == "fwd"]
+    assert fwd == [n for kind, n in graphs if kind == "bwd"]
+    assert len(fwd) == (0 if not diagonal else 1 if not grouped else len(set(fwd)))
+    assert not grouped or not diagonal or len(fwd) >= 2
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

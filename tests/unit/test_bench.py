@@ -76,6 +76,7 @@ def test_documents_speed_ratios_rest_on_a_brute_force_pair_count():
     the measured times over it; the host's issue time is no more than the wall time; and a
     bf16 attention choice (``--attention cudnn``, a GPU's) leaves the CPU's kernels as they are."""
     import argparse
+    import itertools
 
     import numpy as np
 
@@ -95,3 +96,11 @@ def test_documents_speed_ratios_rest_on_a_brute_force_pair_count():
                                                   * (2 * 96 * 97 / 2), rel=1e-12)
     for name in ("full", "masked"):
         assert 0 < got[f"{name}_issue_s"] <= got[f"{name}_s"]
+    # cuDNN's ragged grid (128-row query tiles): the documents' runs counted here; one call
+    # covers the bucketed count (16 up) x the bucketed longest (64 up); the classes each theirs
+    runs = [len(list(g)) for row in docs for _, g in itertools.groupby(row)]
+    assert got["cudnn_documents_tiles"] == sum(-(-n // 128) for n in runs)
+    one = max(16, 1 << (len(runs) - 1).bit_length()) * -(-max(64, 1 << (max(runs) - 1).bit_length()) // 128)
+    assert got["cudnn_grid_tiles"] == one
+    classes = {max(64, 1 << (n - 1).bit_length()) for n in runs}
+    assert got["cudnn_classes"] == len(classes)

@@ -76,3 +76,50 @@ def test_which_calls_go_to_cudnn():
 def test_layouts_need_a_two_dimensional_id_array():
     with pytest.raises(ValueError, match=r"must be \[B, S\]"):
         cd.ragged_layout(np.zeros(5, int))
+
+
+def test_length_classes_by_hand():
+    """One row of documents 70, 10, 200, 64, 65 tokens (starts 0, 70, 80, 280, 344): classes
+    256 {200}, 128 {70, 65}, 64 {10, 64}, the longest first; a class's count bucketed from 1,
+    padded with zero-length sequences at the block's end; 128-row grid tiles by hand."""
+    docs = np.repeat(np.arange(5), [70, 10, 200, 64, 65])[None]
+    lay = cd.ragged_layout(docs)
+    got = [(g.longest, g.documents, g.sequences, g.lengths.tolist(), g.starts.tolist())
+           for g in lay.groups()]
+    assert got == [(256, 1, 1, [200], [80]), (128, 2, 2, [70, 65], [0, 344]),
+                   (64, 2, 2, [10, 64], [70, 280])]
+    assert all(g.lengths.dtype == np.int32 and g.starts.dtype == np.int64 for g in lay.groups())
+    assert cd.grid_tiles((lay,)) == 16 * 2 and cd.grid_tiles(lay.groups()) == 2 + 2 + 2
+    assert all(a is b for a, b in zip(lay.groups(), lay.groups()))     # made once
+
+
+def test_calls_follow_grouped(monkeypatch):
+    lay = cd.ragged_layout(np.repeat(np.arange(3), [5, 100, 300])[None])
+    monkeypatch.setattr(cd, "GROUPED", False)
+    assert cd.calls(lay) == (lay,)
+    monkeypatch.setattr(cd, "GROUPED", True)
+    assert cd.calls(lay) == lay.groups() and len(lay.groups()) == 3
+
+
+def test_length_classes_cover_every_document_once():
+    """Random packed rows: the classes' real sequences are the layout's, each exactly once; a
+    class holds lengths in (longest / 2, longest] (64: 1 to 64); padding has length 0 and starts
+    at the end; on a batch like the bench's (8 rows of 8192, median 200) the classes launch
+    under a quarter of one call's grid."""
+    from mpipar.bench.documents import packed_documents
+    rng = np.random.default_rng(3)
+    for rows, seq, median in ((1, 37, 5.0), (3, 700, 40.0), (8, 8192, 200.0)):
+        docs = np.concatenate([packed_documents(seq, median, 1.0, rng) for _ in range(rows)])
+        lay = cd.ragged_layout(docs)
+        pairs = sorted((int(st), int(n)) for g in lay.groups()
+                       for st, n in zip(g.starts[:g.documents], g.lengths[:g.documents]))
+        assert pairs == sorted(zip(lay.starts[:lay.documents].tolist(),
+                                   lay.lengths[:lay.documents].tolist()))
+        for g in lay.groups():
+            real = g.lengths[:g.documents]
+            assert (real <= g.longest).all() and (real > (g.longest // 2 if g.longest > 64 else 0)).all()
+            assert (g.lengths[g.documents:] == 0).all() and (g.starts[g.documents:] == rows * seq).all()
+            assert g.sequences == cd.bucket(g.documents, 1)
+        assert [g.longest for g in lay.groups()] == sorted({g.longest for g in lay.groups()},
+                                                           reverse=True)
+    assert cd.grid_tiles(lay.groups()) * 4 < cd.grid_tiles((lay,))

@@ -162,6 +162,12 @@ def grid_tiles(layouts: tuple[RaggedLayout, ...]) -> int:
     return sum(lay.sequences * -(-lay.longest // GRID_ROWS) for lay in layouts)
 
 
+def document_tiles(layout: RaggedLayout) -> int:
+    """Query tiles of :data:`GRID_ROWS` rows a head that ``layout``'s documents hold themselves
+    (each document's length rounded up to whole tiles): what no grid can launch fewer of."""
+    return int((-(-layout.lengths[:layout.documents] // GRID_ROWS)).sum())
+
+
 def layout_of(q_docs: Array, k_docs: Array) -> RaggedLayout | None:
     """The block's layout when both sides hold the same ids (else None: not a diagonal block);
     the ids may be host or device arrays."""

@@ -142,10 +142,10 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]
     ragged = cudnn_documents.ragged_layout(row)
-    own = -(-ragged.lengths[:ragged.documents] // cudnn_documents.GRID_ROWS)
     return {"cudnn_grid_tiles": cudnn_documents.grid_tiles((ragged,)),
             "cudnn_grouped_grid_tiles": cudnn_documents.grid_tiles(ragged.groups()),
-            "cudnn_documents_tiles": int(own.sum()), "cudnn_classes": len(ragged.groups()),
+            "cudnn_documents_tiles": cudnn_documents.document_tiles(ragged),
+            "cudnn_classes": len(ragged.groups()),
             "cudnn_grouped": cudnn_documents.GROUPED, "cudnn_grid_rows": cudnn_documents.GRID_ROWS,
             "numba_entries_over_pairs": tile_work(n, n, head_dim, q_docs=row, k_docs=row)[1] / pairs,
             "gpu_entries_over_pairs": flash_exact.score_entries(n, n, head_dim, max(4, itemsize),

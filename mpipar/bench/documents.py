@@ -2,7 +2,7 @@
 
 Work balance: samples packed from log-normal document lengths (median ``--median`` tokens,
 ``--sigma`` of the log), for each sequence length and sp, the max/mean attention work per sp
-rank (causal pairs inside documents, :func:`mpipar.parallel.context.rank_work`) under the
+rank (causal pairs inside documents, :func:`mpipar.parallel.sequence_split.rank_work`) under the
 contiguous, zigzag and balanced splits, the mean and the worst over ``--samples`` samples.
 
 Speed: ``--rows`` packed rows (one by default) of such documents at ``--speed-seq`` tokens,
@@ -39,7 +39,7 @@ def packed_documents(seq: int, median: float, sigma: float, rng) -> np.ndarray:
 
 def balance(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Max/mean attention work per sp rank for every (seq, sp, split)."""
-    from mpipar.parallel.context import SeqLayout, balanced_layout, rank_work
+    from mpipar.parallel.sequence_split import SeqLayout, balanced_layout, rank_work
 
     rows = []
     for seq in ints(args.seqs):
@@ -68,7 +68,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     from mpipar.runtime.precision import numpy_dtype
     from mpipar.runtime.staging import copies_for
     from mpipar.model.attention import DocumentPositions, LocalAttention, documents_in_kernel
-    from mpipar.parallel.context import token_work
+    from mpipar.parallel.sequence_split import token_work
 
     pool_freed_memory()
     seq, rng = args.speed_seq, np.random.default_rng(args.seed)
@@ -137,7 +137,7 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     call, the length classes of `GROUPED`) against the documents' own."""
     from mpipar.kernels import cudnn_documents, flash_exact, flash_mma
     from mpipar.kernels.attention_cpu import tile_work
-    from mpipar.parallel.context import token_work
+    from mpipar.parallel.sequence_split import token_work
 
     row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]

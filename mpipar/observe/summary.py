@@ -28,6 +28,9 @@ LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP co
 
 
 BUBBLE_LIMIT = 0.30
+IMBALANCE_LIMIT = 1.10
+"""The mean max/mean attention work over the sp ranks above which the diagnosis names a split
+that evens it (packed documents)."""
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -72,6 +75,7 @@ def _check_record(r: dict, path: str) -> None:
     optional = {"memory_bytes": lambda v: isinstance(v, list) and _numbers(v),
                 "comm_bytes_max": lambda v: isinstance(v, dict) and _numbers(v),
                 "inter_node_bytes_max": _number, "skipped_steps": _number,
+                "attention_imbalance": _number,
                 "eval": lambda v: isinstance(v, dict) and _number(v.get("loss"))
                 and _number(v.get("perplexity"))}
     checks += [(k, r[k], ok) for k, ok in optional.items() if k in r]
@@ -107,10 +111,11 @@ _CONFIG_FIELDS = {
                  "dp_reduce": str, "grad_compression": str, "zero_shared": str,
                  "reduce_dtype": str},
     "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": 1, "recompute": str,
-              "backend": str, "dtype": str},
+              "backend": str, "dtype": str, "document_masking": bool, "eos_token_id": -1,
+              "eod_mask_loss": bool, "loss_mask": bool},
     "model": {"layers": 1, "sliding_window": 0, "window_layers": str},
 }
-"""The config.toml fields the summary reads: a type, or the least integer allowed."""
+"""The config.toml fields the summary reads: a type (str, bool), or the least integer allowed."""
 
 
 def _check_config(config: dict, path: str) -> None:
@@ -122,10 +127,11 @@ def _check_config(config: dict, path: str) -> None:
             if key not in table:
                 continue
             value = table[key]
-            ok = (isinstance(value, str) if rule is str else
+            ok = (isinstance(value, rule) if rule in (str, bool) else
                   isinstance(value, int) and not isinstance(value, bool) and value >= rule)
             if not ok:
-                what = "a string" if rule is str else f"an integer >= {rule}"
+                what = ({str: "a string", bool: "true or false"}.get(rule)
+                        or f"an integer >= {rule}")
                 raise ValueError(f"{path}: {section}.{key}={value!r} must be {what}")
 
 
@@ -192,6 +198,7 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         out["window"] = {"sliding_window": model["sliding_window"],
                          "window_layers": model.get("window_layers", "all"),
                          "seq_len": tr.get("seq_len")}
+    out.update(_documents(tr, steady))
     if tr.get("recompute"):
         out["layout"]["recompute"] = tr["recompute"]
         out["layout"]["backend"] = tr["backend"]
@@ -205,6 +212,23 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
         bubble = times["pipeline_wait"] / pipe if pipe > 0 else 0.0
     out["bubble"] = bubble
+    return out
+
+
+def _documents(train: dict[str, Any], steady: list[dict]) -> dict[str, Any]:
+    """``documents`` (``--document-masking``: the EOS id), ``loss_targets`` (what
+    ``--eod-mask-loss`` and ``--loss-mask`` leave out) and ``attention_imbalance`` (the mean
+    and the worst over the steady steps of the sp ranks' attention work, max over mean)."""
+    out: dict[str, Any] = {}
+    if train.get("document_masking"):
+        out["documents"] = {"eos_token_id": train.get("eos_token_id")}
+    dropped = (["EOS inputs (--eod-mask-loss)"] if train.get("eod_mask_loss") else []) + (
+        ["prompt tokens (--loss-mask: completions only)"] if train.get("loss_mask") else [])
+    if dropped:
+        out["loss_targets"] = "all but " + " and ".join(dropped)
+    values = [r["attention_imbalance"] for r in steady if "attention_imbalance" in r]
+    if values:
+        out["attention_imbalance"] = {"mean": statistics.mean(values), "max": max(values)}
     return out
 
 
@@ -264,6 +288,7 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
         lines.append(f"gradient reduction over dp x sp takes {100 * frac['dp_comm']:.0f}% of the "
                      f"step: do more work per reduction (a larger global batch per rank), use "
                      f"fewer DP ranks, or a larger --bucket-mb so reductions overlap backward")
+    lines += _imbalance_remedy(summary.get("attention_imbalance"), lay)
     if frac["optimizer"] > 0.25:
         zero = (" --zero 1 shards it over dp x sp;" if dp * sp > 1 and not lay.get("zero")
                 else "")
@@ -292,6 +317,21 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _imbalance_remedy(imbalance: dict[str, float] | None, lay: dict[str, Any]) -> list[str]:
+    """What evens the sp ranks' attention work of a run whose mean max/mean is above
+    :data:`IMBALANCE_LIMIT` (nothing once the split is balanced)."""
+    if not imbalance or imbalance["mean"] <= IMBALANCE_LIMIT or lay.get("sp_split") == "balanced":
+        return []
+    head = (f"attention work is uneven over the sp ranks (max/mean {imbalance['mean']:.2f} on "
+            f"average): ")
+    if lay.get("sp_mode", "ring") == "ring":
+        return [head + "--sp-split balanced deals each microbatch's documents so that every "
+                       "rank's work is equal"]
+    return [head + "--sp-mode ring --sp-split balanced deals each microbatch's documents "
+                   "evenly" + (", or --sp-mode ulysses shares the work of the whole sequence"
+                               if lay.get("sp_mode") == "hybrid" else "")]
+
+
 def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:
     """What would shrink the pipeline bubble of a run with layout ``lay`` (its pp, schedule,
     virtual stages, micro-batch size and microbatches) and ``layers`` blocks (None: unknown),
@@ -314,12 +354,23 @@ def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:
     return out
 
 
-def _window_text(window: dict[str, Any] | None) -> str:
+def _attention_text(s: dict[str, Any]) -> str:
+    """The attention a run computed: full causal or sliding windows, within documents."""
+    window = s.get("window")
     if not window:
-        return "full causal"
-    seq = f" of seq_len {window['seq_len']}" if window.get("seq_len") else ""
-    return (f"sliding window {window['sliding_window']}{seq} on layers "
-            f"{window['window_layers']}")
+        text = "full causal"
+    else:
+        seq = f" of seq_len {window['seq_len']}" if window.get("seq_len") else ""
+        text = (f"sliding window {window['sliding_window']}{seq} on layers "
+                f"{window['window_layers']}")
+    if s.get("documents"):
+        text = (f"document-masked (documents end at EOS id {s['documents']['eos_token_id']}), "
+                f"{text} within each document")
+    imbalance = s.get("attention_imbalance")
+    if imbalance:
+        text += (f"; work over the sp ranks max/mean {imbalance['mean']:.3f} on average, "
+                 f"{imbalance['max']:.3f} at worst (1 = even)")
+    return text
 
 
 def summary_text(summary: dict[str, Any]) -> str:
@@ -334,8 +385,9 @@ def summary_text(summary: dict[str, Any]) -> str:
            + (f", {s['status']}" if s.get("status") else ""),
            "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
            *([f"precision: {s['precision']}"] if s.get("precision") else []),
-           "attention: " + _window_text(s.get("window")),
-           f"loss: {loss}",
+           "attention: " + _attention_text(s),
+           f"loss: {loss}" + (f" (targets: {s['loss_targets']})" if s.get("loss_targets")
+                              else ""),
            *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
               f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
              else []),

@@ -3,9 +3,8 @@
 The attention cores implement :class:`mpipar.model.attention.AttentionCore` for a block that
 holds only this rank's chunk of the sequence.
 
-- :class:`SeqLayout`: ``contiguous`` (rank i holds tokens ``[i*S/sp, (i+1)*S/sp)``) or ``zigzag``
-  (the sequence cut into ``2*sp`` chunks; rank i holds chunks i and ``2*sp-1-i``, which balances the
-  causal work). RoPE and the causal mask use the global positions.
+- How the sequence is cut (:class:`mpipar.parallel.sequence_split.SeqLayout`: contiguous, zigzag,
+  balanced) and the attention work each rank gets live in :mod:`mpipar.parallel.sequence_split`.
 - :class:`RingAttention`: K and V travel along the SP ring (``Sendrecv``, or with ``overlap`` an
   ``Isend``/``Irecv`` of the next block posted before the current block is computed, in forward
   and backward); partial results merge by log-sum-exp; blocks the causal mask or the sliding
@@ -52,56 +51,9 @@ from mpipar.layout import Layout
 from mpipar.parallel.traffic import Call
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord, GridShape
+from mpipar.parallel.sequence_split import SeqLayout, balanced_layout, split_parts
 
-SPLITS = ("contiguous", "zigzag", "balanced")
-CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
 Array = Any
-
-
-def split_parts(sp: int, split: str) -> int:
-    """Equal parts the sequence is cut into: ``sp`` (contiguous) or ``2 * sp`` (zigzag)."""
-    return sp * (2 if split == "zigzag" else 1)
-
-
-@dataclass(frozen=True)
-class SeqLayout:
-    """Which global token positions each SP rank holds. ``balanced``: ``runs[r]``, the
-    (start, length) runs of rank r, chosen per microbatch from its documents
-    (:func:`balanced_layout`); without runs (no documents known) it holds what contiguous
-    does."""
-
-    seq_len: int
-    sp: int
-    split: str = "contiguous"
-    runs: tuple = ()
-
-    def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueError(f"sp_split={self.split!r}: must be one of {', '.join(SPLITS)}")
-        parts = split_parts(self.sp, self.split)
-        if self.seq_len % parts:
-            raise ValueError(f"seq_len={self.seq_len}: must be divisible by {parts} for "
-                             f"sp={self.sp} with the {self.split} split")
-
-    def segments(self, rank: int) -> list[tuple[int, int]]:
-        """(start, length) of each contiguous run of global positions held by ``rank``, in order."""
-        if self.runs:
-            return list(self.runs[rank])
-        if self.split in ("contiguous", "balanced"):
-            n = self.seq_len // self.sp
-            return [(rank * n, n)]
-        n = self.seq_len // (2 * self.sp)
-        return [(rank * n, n), ((2 * self.sp - 1 - rank) * n, n)]
-
-    def positions(self, rank: int) -> np.ndarray:
-        """Global positions ``[S_loc]`` of ``rank``'s tokens, in local order (host metadata)."""
-        return np.concatenate([np.arange(s, s + n) for s, n in self.segments(rank)])
-
-
-def balanced_chunks(per: int) -> int:
-    """Chunks a rank's ``per`` tokens are cut into by ``--sp-split balanced``: the largest
-    divisor of ``per`` up to :data:`CHUNKS_PER_RANK`."""
-    return max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
 
 
 def _local_slices(segments: list[tuple[int, int]]) -> list[slice]:
@@ -119,69 +71,6 @@ def needs_block(layout: SeqLayout, rank: int, src: int, window: int,
     return any(shared_runs(docs, qs, qn, ks, kn, window) if docs is not None
                else runs_visible(qs, qn, ks, kn, window)
                for qs, qn in layout.segments(rank) for ks, kn in layout.segments(src))
-
-
-def token_work(docs: np.ndarray) -> np.ndarray:
-    """Attention work of each position ``[S]`` of a microbatch of packed documents ``docs
-    [B, S]`` (document ids), summed over its rows: the keys a query there sees, its position
-    inside its document + 1 (causal pairs inside one document)."""
-    S = docs.shape[1]
-    work = np.zeros(S, np.int64)
-    for row in np.asarray(docs):
-        cut = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1])
-        work += np.arange(S) - np.repeat(cut, np.diff(np.append(cut, S))) + 1
-    return work
-
-
-def balanced_layout(seq_len: int, sp: int, docs: np.ndarray) -> SeqLayout:
-    """``--sp-split balanced`` for one microbatch: each rank holds ``seq_len / sp`` tokens (the
-    linears' work, equal) in ``c`` chunks of ``n = seq_len / (sp c)`` (c the largest divisor
-    of ``seq_len / sp`` up to :data:`CHUNKS_PER_RANK`), the chunks dealt by attention work
-    (:func:`token_work`) heaviest first in snake order (0..sp-1, sp-1..0, ...), then pairs
-    swapped between the heaviest and the lightest rank while that lowers the heaviest.
-    Bound: max - min rank work <= the heaviest chunk's work (the snake's; swaps only lower
-    the maximum), so max/mean <= 1 + sp * max_chunk / total, whatever the document lengths."""
-    per = seq_len // sp
-    c = balanced_chunks(per)
-    n = per // c
-    work = token_work(docs).reshape(sp * c, n).sum(axis=1)
-    owner = np.empty(sp * c, np.int64)
-    for k, chunk in enumerate(np.argsort(-work, kind="stable")):
-        rnd, j = divmod(k, sp)
-        owner[chunk] = j if rnd % 2 == 0 else sp - 1 - j
-    _swap_down(work, owner, sp)
-    runs = []
-    for r in range(sp):
-        mine, out = np.flatnonzero(owner == r), []
-        for chunk in mine:
-            if out and out[-1][0] + out[-1][1] == chunk * n:
-                out[-1] = (out[-1][0], out[-1][1] + n)
-            else:
-                out.append((int(chunk * n), n))
-        runs.append(tuple(out))
-    return SeqLayout(seq_len, sp, "balanced", tuple(runs))
-
-
-def _swap_down(work: np.ndarray, owner: np.ndarray, sp: int, rounds: int = 64) -> None:
-    """Swap one chunk of the heaviest rank with a lighter one of the lightest rank, the swap
-    that brings them closest to equal, while it lowers the heaviest rank's work."""
-    for _ in range(rounds):
-        load = np.bincount(owner, weights=work, minlength=sp)
-        hi, lo = int(np.argmax(load)), int(np.argmin(load))
-        gap = load[hi] - load[lo]
-        a, b = np.flatnonzero(owner == hi), np.flatnonzero(owner == lo)
-        d = work[a][:, None] - work[b][None, :]          # work moved from hi to lo
-        ok = (d > 0) & (d < gap)
-        if not ok.any():
-            return
-        i, j = np.unravel_index(np.argmin(np.where(ok, np.abs(gap - 2 * d), np.inf)), d.shape)
-        owner[a[i]], owner[b[j]] = lo, hi
-
-
-def rank_work(layout: SeqLayout, docs: np.ndarray) -> np.ndarray:
-    """Attention work of each sp rank ``[sp]`` (:func:`token_work` over its positions)."""
-    work = token_work(docs)
-    return np.array([work[layout.positions(r)].sum() for r in range(layout.sp)])
 
 
 @dataclass(frozen=True)

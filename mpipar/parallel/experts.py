@@ -49,7 +49,7 @@ from mpipar.config import ConfigError
 from mpipar.kernels import moe as K_moe
 from mpipar.layout import Layout
 from mpipar.model.moe import Done, LocalExperts, Plan, Transfer
-from mpipar.parallel.context import SeqLayout, balanced_chunks, split_parts
+from mpipar.parallel.sequence_split import SeqLayout, balanced_chunks, split_parts
 from mpipar.parallel.data_parallel import padded_size, plan_buckets
 from mpipar.parallel.fsdp import Units, sharded_calls
 from mpipar.parallel.placement import PlacementTable, expert_of

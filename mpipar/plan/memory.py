@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout, resolve_model
-from mpipar.parallel.context import SeqLayout, halo_plan
+from mpipar.parallel.context import halo_plan
+from mpipar.parallel.sequence_split import SeqLayout
 from mpipar.parallel.fsdp import MAX_IN_FLIGHT
 from mpipar.parallel.placement import padded_vocab
 from mpipar.plan.rank import (bucket_lengths, compressed_size, expert_buckets,

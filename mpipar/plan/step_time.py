@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from mpipar.config import Config
 from mpipar.layout import Layout, vary
-from mpipar.parallel.context import SeqLayout, halo_plan, ring_hops
+from mpipar.parallel.context import halo_plan, ring_hops
+from mpipar.parallel.sequence_split import SeqLayout
 from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.placement import padded_vocab
 from mpipar.parallel.traffic import element_bytes

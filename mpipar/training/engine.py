@@ -55,9 +55,9 @@ from mpipar.model.flops import model_flops_per_step
 from mpipar.model.params import init_param
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
-from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention, SeqLayout,
-                                     balanced_layout, rank_work,
+from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention,
                                      UlyssesAttention)
+from mpipar.parallel.sequence_split import SeqLayout, balanced_layout, rank_work
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, ExpertSplitUnits,
                                      SequenceExperts, expert_shards, expert_units)
@@ -340,12 +340,15 @@ class Engine:
         return positions, counted_targets(inputs, tr, self.eos, masks)
 
     def _attention_imbalance(self, docs_all: np.ndarray | None) -> float | None:
-        """Max/mean of the sp ranks' attention work (causal pairs inside documents) in a step
+        """Max/mean of the sp ranks' attention work (causal pairs inside documents, within
+        each layer's sliding window; a Ulysses group's work shared by its members) in a step
         whose global batch has documents ``docs_all`` ``[rows, S]``, the worst dp replica's;
         every rank has the whole batch (no message)."""
-        tr, seq = self.cfg.train, self.seq_layout
+        tr, seq, par = self.cfg.train, self.seq_layout, self.cfg.parallel
         if docs_all is None or seq.sp == 1:
             return None
+        ulysses = {"ulysses": seq.sp, "hybrid": par.ulysses_size}.get(par.sp_mode, 1)
+        windows = Counter(self.cfg.model.windows())
         mbs, worst = tr.micro_batch_size, 1.0
         for replica in range(self.layout.dp):
             work = 0
@@ -354,7 +357,8 @@ class Engine:
                 docs = docs_all[first:first + mbs]
                 split = (balanced_layout(tr.seq_len, seq.sp, docs) if seq.split == "balanced"
                          else seq)
-                work = work + rank_work(split, docs)
+                work = work + sum(n * rank_work(split, docs, w, ulysses)
+                                  for w, n in windows.items())
             worst = max(worst, float(work.max() / work.mean()))
         return worst
 

@@ -71,9 +71,10 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
     the whole sequence (float64, 1e-12); ring and halo compute exactly the visible blocks and
     hand MPI the bytes the planner's formulas say."""
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.parallel.context import (HaloAttention, RingAttention, SeqLayout,
-                                         UlyssesAttention, halo_messages, halo_plan, ring_hops,
-                                         ring_messages, runs_visible)
+    from mpipar.parallel.context import (HaloAttention, RingAttention, UlyssesAttention,
+                                         halo_messages, halo_plan, ring_hops, ring_messages,
+                                         runs_visible)
+    from mpipar.parallel.sequence_split import SeqLayout
 
     sp = 4 if mode == "ulysses" else 8  # Ulysses: 8 query / 4 kv heads split over 4 ranks
     comm = world.Split(world.rank // sp, world.rank)
@@ -125,7 +126,8 @@ def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses, 
     out, dq, dk, dv equal attention over the whole sequence (8 query / 4 kv heads)."""
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.kernels import get_backend
-    from mpipar.parallel.context import HybridAttention, SeqLayout
+    from mpipar.parallel.context import HybridAttention
+    from mpipar.parallel.sequence_split import SeqLayout
 
     rng = np.random.default_rng(0)
     B, S, hq, hkv, D = 2, 32, 8, 4, 6

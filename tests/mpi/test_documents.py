@@ -132,3 +132,54 @@ def test_validation_loss_with_documents_and_eod_mask_equals_one_process(world):
         want = _eval_loss(1)
         if abs(got - want) > 1e-10 * abs(want):
             fails.append(f"validation loss {got!r} vs one process {want!r}")
+
+
+IMBALANCE = [dict(dp=2, sp=4), dict(dp=2, sp=4, sp_split="zigzag"),
+             dict(dp=2, sp=4, sp_split="balanced"), dict(dp=4, sp=2, sp_mode="ulysses"),
+             dict(dp=2, sp=4, sp_mode="hybrid", ulysses_size=2),
+             dict(dp=2, sp=4, sp_mode="halo", model="window"),
+             dict(sp=8, sp_split="balanced", model="window")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", IMBALANCE, ids=[layout_name(c) for c in IMBALANCE])
+def test_attention_imbalance_is_the_pairs_the_ranks_compute(world, case, monkeypatch):
+    """A step's ``attention_imbalance`` equals the max/mean over each sp group (the worst
+    group) of the intra-document pairs x query heads this rank's attention core hands the
+    kernels in the step's forwards, counted here from each call's query and key runs: Ulysses
+    shares a group's work, halo and windowed layers see at most W keys."""
+    import numpy as np
+    from mpipar.parallel import context
+    from mpipar.rules import validate
+    from mpipar.training.engine import Engine
+    from layouts import token_source
+
+    case = dict(case)
+    cfg = packed(case.pop("model", "llama"), "docs", **case)
+    pairs = [0]
+
+    def counted(kernels, q, k, v, qs, ks, window, docs):
+        d = docs.docs
+        qp, kp = np.arange(qs, qs + q.shape[1]), np.arange(ks, ks + k.shape[1])
+        seen = (kp[None, :] <= qp[:, None]) & ((window == 0) | (qp[:, None] - kp[None, :] < window))
+        same = d[:, qp][:, :, None] == d[:, kp][:, None, :]
+        pairs[0] += int((same & seen).sum()) * q.shape[2]
+        return attend(kernels, q, k, v, qs, ks, window, docs)
+
+    attend = context.attend_fwd
+    monkeypatch.setattr(context, "attend_fwd", counted)
+    with rank_failures(world) as fails:
+        eng = Engine(validate(cfg, 8), world, source=token_source())
+        for step in range(2):
+            pairs[0] = 0
+            got = eng.train_step(step).attention_imbalance
+            c = eng.grid.coord
+            rows = world.allgather(((c.dp, c.tp, c.pp), pairs[0]))
+            groups: dict = {}
+            for key, n in rows:
+                groups.setdefault(key, []).append(n)
+            want = max(max(g) / np.mean(g) for g in groups.values())
+            if got is None or abs(got - want) > 1e-12 * want:
+                fails.append(f"step {step} {c}: attention_imbalance {got} != {want} counted "
+                             f"({sorted(groups.items())})")
+        eng.close()

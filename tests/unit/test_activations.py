@@ -77,7 +77,7 @@ def test_dump_records_the_forward_pass_only_under_recompute(mode, tmp_path):
 
 def _fake_dump(run_dir, world_split: tuple[int, int], glob: dict[str, np.ndarray]) -> None:
     """Cut global ``[B, S, W]`` tensors into sp (zigzag) x tp pieces as ranks would write them."""
-    from mpipar.parallel.context import SeqLayout
+    from mpipar.parallel.sequence_split import SeqLayout
     sp, tp = world_split
     B, S, H = glob["input"].shape
     A = glob["attention"].shape[-1]

@@ -7,7 +7,7 @@ import pytest
 
 
 def test_zigzag_positions():
-    from mpipar.parallel.context import SeqLayout
+    from mpipar.parallel.sequence_split import SeqLayout
 
     lay = SeqLayout(16, 4, "zigzag")
     assert lay.positions(0).tolist() == [0, 1, 14, 15]
@@ -21,7 +21,8 @@ def test_zigzag_positions():
 def test_ring_hops_and_halo_plans():
     """Ring hops: ceil((W-1)/S_loc) for a contiguous split, both ways for zigzag, the whole ring
     (one way) for full causal attention; the halo is the W-1 positions before a rank's run."""
-    from mpipar.parallel.context import RingHops, SeqLayout, halo_plan, ring_hops
+    from mpipar.parallel.context import RingHops, halo_plan, ring_hops
+    from mpipar.parallel.sequence_split import SeqLayout
 
     for W in (1, 2, 4, 5, 8, 9, 13, 17, 40):
         assert ring_hops(SeqLayout(32, 8, "contiguous"), W) == RingHops(min(7, -(-(W - 1) // 4)), 0)

@@ -124,7 +124,7 @@ def test_bf16_flash_kernels_walk_what_their_warps_see(d):
     from mpipar.bench.documents import packed_documents
     from mpipar.kernels import flash_mma
     from mpipar.kernels import numpy_ref as ref
-    from mpipar.parallel.context import token_work
+    from mpipar.parallel.sequence_split import token_work
 
     w, mt, bk = flash_mma._TILES[d]["fwd"][:3]
     S, bq = 512, 16 * mt * w
@@ -159,7 +159,7 @@ def test_unaligned_document_tiles_walk_fewer_entries(d):
     from mpipar.bench.documents import packed_documents
     from mpipar.kernels import flash_mma
     from mpipar.kernels import numpy_ref as ref
-    from mpipar.parallel.context import token_work
+    from mpipar.parallel.sequence_split import token_work
 
     w, mt, bk = flash_mma._tiles(d, "fwd_docs")[:3]
     bq = 16 * w * mt
@@ -291,7 +291,7 @@ def test_gpu_flash_kernels_walk_what_their_warps_see(d, itemsize):
     from mpipar.bench.documents import packed_documents
     from mpipar.kernels import flash_exact
     from mpipar.kernels import numpy_ref as ref
-    from mpipar.parallel.context import token_work
+    from mpipar.parallel.sequence_split import token_work
 
     lanes, _, threads = flash_exact.launch_config(d, itemsize)
     rows, w = threads // lanes, 32 // lanes
@@ -518,7 +518,7 @@ def two_steps_plain():
 def test_the_balanced_split_holds_every_token_once_and_keeps_its_bound(seq, sp):
     """Each rank holds seq/sp tokens, every position once; max - min rank work <= the heaviest
     chunk's work, for documents of every shape: one, many short, log-normal, a giant and dust."""
-    from mpipar.parallel.context import CHUNKS_PER_RANK, balanced_layout, rank_work, token_work
+    from mpipar.parallel.sequence_split import CHUNKS_PER_RANK, balanced_layout, rank_work, token_work
     rng = np.random.default_rng(seq + sp)
     cases = [np.zeros((1, seq), np.int64), np.repeat(np.arange(seq), 1)[None],
              np.sort(rng.integers(0, max(1, seq // 200), seq))[None],
@@ -540,7 +540,7 @@ def test_the_balanced_split_holds_every_token_once_and_keeps_its_bound(seq, sp):
 
 def test_the_balanced_split_is_within_5_percent_on_log_normal_documents():
     from mpipar.bench.documents import packed_documents
-    from mpipar.parallel.context import SeqLayout, balanced_layout, rank_work
+    from mpipar.parallel.sequence_split import SeqLayout, balanced_layout, rank_work
     rng = np.random.default_rng(0)
     for seq, sp in ((8192, 4), (8192, 8)):
         docs = packed_documents(seq, 200, 1.0, rng)
@@ -548,6 +548,23 @@ def test_the_balanced_split_is_within_5_percent_on_log_normal_documents():
         assert w.max() / w.mean() <= 1.05
         w = rank_work(SeqLayout(seq, sp), docs)
         assert w.max() / w.mean() > 1.05      # contiguous is not balanced on these
+
+
+def test_rank_work_by_hand_windows_and_ulysses_groups():
+    """Documents of 3, 5 and 8 tokens: keys a query sees 1 2 3 | 1..5 | 1..8, at most W = 4
+    with a window; over sp 4 contiguous (4 tokens a rank) and in Ulysses groups (hybrid's 2
+    groups of 2 ranks; Ulysses' one of 4), whose members share their group's work."""
+    from mpipar.parallel.sequence_split import SeqLayout, rank_work, token_work
+    docs = np.repeat([0, 1, 2], [3, 5, 8])[None]
+    assert token_work(docs).tolist() == [1, 2, 3, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert token_work(docs, 4).tolist() == [1, 2, 3, 1, 2, 3, 4, 4, 1, 2, 3, 4, 4, 4, 4, 4]
+    lay = SeqLayout(16, 4)
+    assert rank_work(lay, docs).tolist() == [7, 14, 10, 26]
+    assert rank_work(lay, docs, 4).tolist() == [7, 13, 10, 16]
+    assert rank_work(lay, docs, ulysses=2).tolist() == [10.5, 10.5, 18, 18]
+    assert rank_work(lay, docs, 4, ulysses=4).tolist() == [11.5] * 4
+    zig = SeqLayout(16, 2, "zigzag")     # groups hold chunks of 4: {0, 3} and {1, 2}
+    assert rank_work(zig, docs).tolist() == [33, 24]
 
 
 # --------------------------------------------------------------------------------------- rules

@@ -151,7 +151,7 @@ def test_every_rank_holds_whole_position_blocks(seq_len, sp, split):
     """The capacity's counts travel per block of ``block_length`` positions: every sp rank's
     runs (zigzag's middle rank holds two adjacent chunks; balanced's split changes with each
     microbatch's documents) are whole blocks, so each block has one holder."""
-    from mpipar.parallel.context import SeqLayout, balanced_layout
+    from mpipar.parallel.sequence_split import SeqLayout, balanced_layout
     from mpipar.parallel.experts import block_length
     L = block_length(SeqLayout(seq_len, sp, split))
     rng = np.random.default_rng(sp)

@@ -168,6 +168,53 @@ def test_the_report_knows_the_sliding_window():
     assert not any("halo" in x for x in run_summary.diagnose(full))
 
 
+def test_the_report_knows_packed_documents_and_their_balance():
+    """A document-masked run says so with its EOS id and which targets carry no loss; the sp
+    ranks' attention imbalance is summarised over the steady steps (the first left out) and,
+    above 1.10 on average, the split that evens it is named: balanced for the ring, ring with
+    balanced (or Ulysses) for hybrid; a balanced run is not told to balance."""
+    config = {"model": {"layers": 4},
+              "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 4, "sp_mode": "ring",
+                           "sp_split": "contiguous"},
+              "train": {"seq_len": 1024, "global_batch_size": 4, "micro_batch_size": 1,
+                        "document_masking": True, "eos_token_id": 2, "eod_mask_loss": True,
+                        "loss_mask": False}}
+    records = [record(k, 4.0, compute=1.0) for k in (1, 2, 3)]
+    for r, x in zip(records, (3.0, 1.5, 1.25)):
+        r["attention_imbalance"] = x
+    summary = run_summary.summarize(records, None, config)
+    assert summary["documents"] == {"eos_token_id": 2}
+    assert summary["attention_imbalance"] == {"mean": 1.375, "max": 1.5}
+    text = run_summary.summary_text(summary)
+    assert ("attention: document-masked (documents end at EOS id 2), full causal within each "
+            "document; work over the sp ranks max/mean 1.375 on average, 1.500 at worst") in text
+    assert "(targets: all but EOS inputs (--eod-mask-loss))" in text
+    advice = [x for x in run_summary.diagnose(summary) if x.startswith("attention work")]
+    assert advice == ["attention work is uneven over the sp ranks (max/mean 1.38 on average): "
+                      "--sp-split balanced deals each microbatch's documents so that every "
+                      "rank's work is equal"]
+    config["parallel"].update(sp_mode="hybrid")
+    advice = [x for x in run_summary.diagnose(run_summary.summarize(records, None, config))
+              if x.startswith("attention work")]
+    assert len(advice) == 1 and "--sp-mode ring --sp-split balanced" in advice[0] \
+        and "--sp-mode ulysses" in advice[0]
+    config["parallel"].update(sp_mode="ring", sp_split="balanced")
+    assert not any(x.startswith("attention work") for x in
+                   run_summary.diagnose(run_summary.summarize(records, None, config)))
+    for r in records:
+        r["attention_imbalance"] = 1.05
+    config["parallel"]["sp_split"] = "contiguous"
+    assert not any(x.startswith("attention work") for x in
+                   run_summary.diagnose(run_summary.summarize(records, None, config)))
+    config["train"].update(document_masking=False, eod_mask_loss=False, loss_mask=True)
+    plain = run_summary.summarize(records, None, config)
+    assert "documents" not in plain and plain["loss_targets"] == (
+        "all but prompt tokens (--loss-mask: completions only)")
+    config["train"]["document_masking"] = "yes"
+    with pytest.raises(ValueError, match=r"train.document_masking='yes' must be true or false"):
+        run_summary._check_config(config, "config.toml")
+
+
 def test_balance_plot_draws_the_recorded_imbalances(tmp_path):
     """balance.png exists only for a run that records balance, and draws exactly the recorded
     attention imbalance and expert loads per step."""

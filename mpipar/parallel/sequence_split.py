@@ -1,0 +1,142 @@
+"""How a sequence is split over the sp ranks, and the attention work each rank then does.
+
+- :class:`SeqLayout`: ``contiguous`` (rank i holds tokens ``[i*S/sp, (i+1)*S/sp)``), ``zigzag``
+  (the sequence cut into ``2*sp`` chunks; rank i holds chunks i and ``2*sp-1-i``, which balances
+  one full causal square) or ``balanced`` (packed documents: each microbatch's chunks dealt by
+  their intra-document work, :func:`balanced_layout`). RoPE and the causal mask use the global
+  positions.
+- :func:`token_work`, :func:`rank_work`: attention work (causal pairs inside documents) of each
+  position and of each sp rank, per sp mode (Ulysses groups share their work): what the
+  balanced split evens out, the bench's balance table and the step's ``attention_imbalance``.
+
+Host metadata only (NumPy on positions and document ids): no MPI, no device arrays. The
+attention cores that use these layouts are in :mod:`mpipar.parallel.context`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SPLITS = ("contiguous", "zigzag", "balanced")
+CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
+
+
+def split_parts(sp: int, split: str) -> int:
+    """Equal parts the sequence is cut into: ``sp`` (contiguous) or ``2 * sp`` (zigzag)."""
+    return sp * (2 if split == "zigzag" else 1)
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """Which global token positions each SP rank holds. ``balanced``: ``runs[r]``, the
+    (start, length) runs of rank r, chosen per microbatch from its documents
+    (:func:`balanced_layout`); without runs (no documents known) it holds what contiguous
+    does."""
+
+    seq_len: int
+    sp: int
+    split: str = "contiguous"
+    runs: tuple = ()
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"sp_split={self.split!r}: must be one of {', '.join(SPLITS)}")
+        parts = split_parts(self.sp, self.split)
+        if self.seq_len % parts:
+            raise ValueError(f"seq_len={self.seq_len}: must be divisible by {parts} for "
+                             f"sp={self.sp} with the {self.split} split")
+
+    def segments(self, rank: int) -> list[tuple[int, int]]:
+        """(start, length) of each contiguous run of global positions held by ``rank``, in order."""
+        if self.runs:
+            return list(self.runs[rank])
+        if self.split in ("contiguous", "balanced"):
+            n = self.seq_len // self.sp
+            return [(rank * n, n)]
+        n = self.seq_len // (2 * self.sp)
+        return [(rank * n, n), ((2 * self.sp - 1 - rank) * n, n)]
+
+    def positions(self, rank: int) -> np.ndarray:
+        """Global positions ``[S_loc]`` of ``rank``'s tokens, in local order (host metadata)."""
+        return np.concatenate([np.arange(s, s + n) for s, n in self.segments(rank)])
+
+
+def balanced_chunks(per: int) -> int:
+    """Chunks a rank's ``per`` tokens are cut into by ``--sp-split balanced``: the largest
+    divisor of ``per`` up to :data:`CHUNKS_PER_RANK`."""
+    return max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+
+
+def token_work(docs: np.ndarray, window: int = 0) -> np.ndarray:
+    """Attention work of each position ``[S]`` of a microbatch of packed documents ``docs
+    [B, S]`` (document ids), summed over its rows: the keys a query there sees, its position
+    inside its document + 1 (causal pairs inside one document), at most ``window`` (a
+    sliding window; 0: none)."""
+    S = docs.shape[1]
+    work = np.zeros(S, np.int64)
+    for row in np.asarray(docs):
+        cut = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1])
+        keys = np.arange(S) - np.repeat(cut, np.diff(np.append(cut, S))) + 1
+        work += keys if window == 0 else np.minimum(keys, window)
+    return work
+
+
+def balanced_layout(seq_len: int, sp: int, docs: np.ndarray) -> SeqLayout:
+    """``--sp-split balanced`` for one microbatch: each rank holds ``seq_len / sp`` tokens (the
+    linears' work, equal) in ``c`` chunks of ``n = seq_len / (sp c)`` (c the largest divisor
+    of ``seq_len / sp`` up to :data:`CHUNKS_PER_RANK`), the chunks dealt by attention work
+    (:func:`token_work`) heaviest first in snake order (0..sp-1, sp-1..0, ...), then pairs
+    swapped between the heaviest and the lightest rank while that lowers the heaviest.
+    Bound: max - min rank work <= the heaviest chunk's work (the snake's; swaps only lower
+    the maximum), so max/mean <= 1 + sp * max_chunk / total, whatever the document lengths."""
+    per = seq_len // sp
+    c = balanced_chunks(per)
+    n = per // c
+    work = token_work(docs).reshape(sp * c, n).sum(axis=1)
+    owner = np.empty(sp * c, np.int64)
+    for k, chunk in enumerate(np.argsort(-work, kind="stable")):
+        rnd, j = divmod(k, sp)
+        owner[chunk] = j if rnd % 2 == 0 else sp - 1 - j
+    _swap_down(work, owner, sp)
+    runs = []
+    for r in range(sp):
+        mine, out = np.flatnonzero(owner == r), []
+        for chunk in mine:
+            if out and out[-1][0] + out[-1][1] == chunk * n:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((int(chunk * n), n))
+        runs.append(tuple(out))
+    return SeqLayout(seq_len, sp, "balanced", tuple(runs))
+
+
+def _swap_down(work: np.ndarray, owner: np.ndarray, sp: int, rounds: int = 64) -> None:
+    """Swap one chunk of the heaviest rank with a lighter one of the lightest rank, the swap
+    that brings them closest to equal, while it lowers the heaviest rank's work."""
+    for _ in range(rounds):
+        load = np.bincount(owner, weights=work, minlength=sp)
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        a, b = np.flatnonzero(owner == hi), np.flatnonzero(owner == lo)
+        d = work[a][:, None] - work[b][None, :]          # work moved from hi to lo
+        ok = (d > 0) & (d < gap)
+        if not ok.any():
+            return
+        i, j = np.unravel_index(np.argmin(np.where(ok, np.abs(gap - 2 * d), np.inf)), d.shape)
+        owner[a[i]], owner[b[j]] = lo, hi
+
+
+def rank_work(layout: SeqLayout, docs: np.ndarray, window: int = 0,
+              ulysses: int = 1) -> np.ndarray:
+    """Attention work of each sp rank ``[sp]`` (float) in a layer with sliding ``window``
+    (:func:`token_work` over the positions it attends for). ``ulysses``: sp ranks per Ulysses
+    group (``sp`` for ``--sp-mode ulysses``, ``--ulysses-size`` for hybrid, 1 for ring and
+    halo): a group's members attend together over the group's tokens, the positions of one
+    rank of the same split over ``sp / ulysses`` ranks (hybrid's ring), each for
+    ``1 / ulysses`` of the heads, so each does ``1 / ulysses`` of the group's work."""
+    work = token_work(docs, window)
+    groups = layout if ulysses == 1 else SeqLayout(layout.seq_len, layout.sp // ulysses,
+                                                   layout.split)
+    per = np.array([work[groups.positions(g)].sum() for g in range(groups.sp)], np.float64)
+    return np.repeat(per / ulysses, ulysses)

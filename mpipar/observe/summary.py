@@ -364,8 +364,10 @@ def _attention_text(s: dict[str, Any]) -> str:
         text = (f"sliding window {window['sliding_window']}{seq} on layers "
                 f"{window['window_layers']}")
     if s.get("documents"):
-        text = (f"document-masked (documents end at EOS id {s['documents']['eos_token_id']}), "
-                f"{text} within each document")
+        eos = s["documents"]["eos_token_id"]
+        end = (f"EOS id {eos}" if isinstance(eos, int) and eos >= 0
+               else "the EOS token the data records")
+        text = f"document-masked (documents end at {end}), {text} within each document"
     imbalance = s.get("attention_imbalance")
     if imbalance:
         text += (f"; work over the sp ranks max/mean {imbalance['mean']:.3f} on average, "

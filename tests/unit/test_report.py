@@ -206,6 +206,9 @@ def test_the_report_knows_packed_documents_and_their_balance():
     config["parallel"]["sp_split"] = "contiguous"
     assert not any(x.startswith("attention work") for x in
                    run_summary.diagnose(run_summary.summarize(records, None, config)))
+    config["train"]["eos_token_id"] = -1    # the default: the data's recorded EOS
+    assert "document-masked (documents end at the EOS token the data records)" in \
+        run_summary.summary_text(run_summary.summarize(records, None, config))
     config["train"].update(document_masking=False, eod_mask_loss=False, loss_mask=True)
     plain = run_summary.summarize(records, None, config)
     assert "documents" not in plain and plain["loss_targets"] == (

@@ -657,9 +657,7 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
             else []
         group, seq = "sp_ring", SeqLayout(tr.seq_len, par.sp // stride, par.sp_split)
     packs = ([(None, seq)] if documents is None or par.sp_mode == "halo" else
-             [(DocumentPositions.of(np.arange(0), d),
-               balanced_layout(tr.seq_len, par.sp, d) if par.sp_split == "balanced" else seq)
-              for d in documents])
+             [(d, microbatch_split(seq, d)) for d in map(as_documents, documents)])
     per = len(packs)                    # the passes share one prediction, or one each
     for layer in layers:
         window = m.layer_window(layer)
@@ -675,6 +673,21 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
                         if off else None)
                 calls.append(Call(group, op, nbytes, count * times, peer))
     return calls
+
+
+def as_documents(docs: Any) -> DocumentPositions:
+    """A microbatch's documents: ``docs`` itself if a :class:`DocumentPositions`, else made
+    from document ids ``[B, S]`` (no positions: what the traffic and the hops read)."""
+    return docs if isinstance(docs, DocumentPositions) else DocumentPositions.of(np.arange(0), docs)
+
+
+def microbatch_split(seq: SeqLayout, docs: DocumentPositions) -> SeqLayout:
+    """``seq``, or under the balanced split the microbatch's own (:func:`~mpipar.parallel.
+    sequence_split.balanced_layout`, remembered on ``docs``)."""
+    if seq.split != "balanced":
+        return seq
+    return docs.remember(("balanced", seq.seq_len, seq.sp),
+                         lambda: balanced_layout(seq.seq_len, seq.sp, docs.docs))
 
 
 def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:

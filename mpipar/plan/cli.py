@@ -13,8 +13,10 @@ default half this machine's memory-copy bandwidth: a shared-memory transport cop
 across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
 all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too); each
 row shows its bytes per group and, across nodes, the wire bytes on the slow link. The rejected
-ones are listed with the configuration rule they break or the memory they would need. Exit
-status 0 when a layout fits, 1 when none does, 2 for bad flags.
+ones are listed with the configuration rule they break or the memory they would need. With
+``--document-masking`` attention's work and the ring's traffic are those of the data's first
+global batch (its documents; the balanced split is tried too). Exit status 0 when a layout
+fits, 1 when none does, 2 for bad flags or data the run could not read.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
 from mpipar.layout import resolve_model
 from mpipar.plan.search import Candidate, Plan, plan_layouts
-from mpipar.plan.step_time import Hardware, with_nodes
+from mpipar.plan.step_time import Hardware, StepDocuments, with_nodes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +82,8 @@ def _nodes(base: Config, world: int) -> str:
 
 
 def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: float | None,
-                top: int, peak_note: str, link_note: str = "given") -> str:
+                top: int, peak_note: str, link_note: str = "given",
+                documents: StepDocuments | None = None) -> str:
     """The report printed by the CLI."""
     m, tr = resolve_model(base.model), base.train
     params = sum(math.prod(s.shape) for s in param_specs(m))
@@ -95,6 +98,7 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         f"({_nodes(base, world)}); compression's work {hw.int8_seconds * 1e9:.3g} ns (int8), "
         f"{hw.topk_seconds * 1e9:.3g} ns (top-k) per element; the pipeline by "
         f"a dry run of its schedule (bubble included)",
+        *([_documents_line(documents, tr.seq_len)] if documents is not None else []),
         f"memory limit: {'none' if memory_gb is None else f'{memory_gb:g} GiB per rank'}",
         "",
         f"{'#':>3}  {'layout':<66} {'step ms':>8} {'tok/s':>10} {'bubble':>6}  "
@@ -112,6 +116,18 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         lines += ["", f"rejected ({len(plan.rejected)}):"]
         lines += [f"  {r.layout}: {r.reason}" for r in plan.rejected]
     return "\n".join(lines) + "\n"
+
+
+def _documents_line(documents: StepDocuments, seq_len: int) -> str:
+    """What the plan read of the packed documents: their count and mean length in the first
+    global batch, and the keys a query then sees against full causal attention's."""
+    from mpipar.model.flops import document_context
+    ids = documents.ids
+    count = int((np.diff(ids, axis=1) != 0).sum() + ids.shape[0])
+    return (f"documents (--document-masking): the data's first global batch holds {count} "
+            f"documents of {ids.size / count:,.1f} tokens on average; a query sees "
+            f"{document_context(ids, 0):,.1f} keys on average ({(seq_len + 1) / 2:,.1f} full "
+            f"causal): attention and the ring's hops are the batch's")
 
 
 def _row(i: int, c: Candidate, tokens: int) -> str:
@@ -197,9 +213,17 @@ def main(argv: list[str] | None = None) -> int:
         hw, note, link_note = _probed_hardware(args, base)
     memory = None if args.memory_gb is None else args.memory_gb * 2**30
     base = with_nodes(dataclasses.replace(base, model=resolve_model(base.model)), hw, args.world)
-    plan = plan_layouts(base, args.world, fixed, memory, hw)
+    documents = None
+    if base.train.document_masking:
+        from mpipar.data.packing import step_documents
+        from mpipar.data.sources import DataError
+        try:
+            documents = StepDocuments(step_documents(base))
+        except DataError as exc:
+            return _fail(str(exc))
+    plan = plan_layouts(base, args.world, fixed, memory, hw, documents)
     sys.stdout.write(format_plan(plan, base, args.world, hw, args.memory_gb, args.top, note,
-                                 link_note))
+                                 link_note, documents))
     return 0 if plan.ranked else 1
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from mpipar.config import Config, ConfigError
 from mpipar.layout import Layout, vary
 from mpipar.plan.memory import MemoryEstimate, predict_memory
-from mpipar.plan.step_time import Hardware, StepTime, predict_step_time, with_nodes
+from mpipar.plan.step_time import (Hardware, StepDocuments, StepTime, predict_step_time,
+                                   step_microbatches, with_nodes)
 from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes
 from mpipar.rules import validate
 from mpipar.runtime.comm import LINKS
@@ -90,11 +91,13 @@ def _schedule_choices(base: Config, pp: int, fixed: set[str]) -> list[tuple[str,
 
 def _sp_choices(base: Config, tp: int, sp: int, fixed: set[str]) -> list[tuple[str, str, int]]:
     """(mode, split, Ulysses size) to try with ``sp`` sequence ranks (hybrid: Ulysses inside a
-    node, ring across, when the nodes are given)."""
+    node, ring across, when the nodes are given; the balanced split for packed documents)."""
     par = base.parallel
     if sp == 1 or {"sp_mode", "sp_split", "ulysses_size"} & fixed:
         return [(par.sp_mode, par.sp_split, par.ulysses_size)]
     modes = [("ring", "zigzag", 0), ("ring", "contiguous", 0), ("ulysses", "contiguous", 0)]
+    if base.train.document_masking:
+        modes.append(("ring", "balanced", 0))
     node_sp = par.ranks_per_node // tp if par.ranks_per_node % tp == 0 else 0
     if 1 < node_sp < sp and sp % node_sp == 0:
         modes.append(("hybrid", "zigzag", node_sp))
@@ -149,32 +152,38 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
                 dataclasses.replace(tr, micro_batch_size=mbs))
 
 
-def evaluate(layout: Layout, hw: Hardware = Hardware()) -> Candidate:
+def evaluate(layout: Layout, hw: Hardware = Hardware(),
+             documents: StepDocuments | None = None) -> Candidate:
     """Predictions for ``layout``: memory, bytes and wire bytes per link of its worst pipeline
-    rank (its first rank on every other axis), on :func:`mpipar.plan.step_time.with_nodes`."""
+    rank (its first rank on every other axis), on :func:`mpipar.plan.step_time.with_nodes`;
+    ``documents``: a step's packed documents (``--document-masking``)."""
     layout = with_nodes(layout, hw, layout.world)
+    micro = step_microbatches(layout, documents)
     coords = [Coord(dp=0, tp=0, pp=r, sp=0) for r in range(layout.pp)]
     memory = max((predict_memory(layout, c) for c in coords), key=lambda x: x.total)
     step_bytes: dict[str, int] = {}
     link_bytes: dict[str, dict[str, int]] = {}
     for c in coords:
-        for g, b in predict_step_bytes(layout, c).items():
+        for g, b in predict_step_bytes(layout, c, micro).items():
             step_bytes[g] = max(step_bytes.get(g, 0), b)
-        for g, links in predict_link_bytes(layout, c).items():
+        for g, links in predict_link_bytes(layout, c, micro).items():
             worst = link_bytes.setdefault(g, dict.fromkeys(LINKS, 0))
             for link, b in links.items():
                 worst[link] = max(worst[link], b)
-    return Candidate(layout, memory, step_bytes, predict_step_time(layout, hw), link_bytes)
+    return Candidate(layout, memory, step_bytes, predict_step_time(layout, hw, documents),
+                     link_bytes)
 
 
 def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
-                 memory_bytes: float | None = None, hw: Hardware = Hardware()) -> Plan:
+                 memory_bytes: float | None = None, hw: Hardware = Hardware(),
+                 documents: StepDocuments | None = None) -> Plan:
     """Every layout of ``world`` ranks for ``base``'s model and batch, ranked by predicted step
     time; ``fixed`` names the fields (of [parallel] and [train]) to keep as ``base`` has them.
     For each layout the first recompute mode (none, selective, full) whose memory fits
     ``memory_bytes`` per rank is taken (a fixed ``recompute`` is kept). Layouts that break a
     configuration rule, or whose every variant exceeds the memory, are returned as rejections
-    with the reason (the rule's message, or the least memory any variant needs)."""
+    with the reason (the rule's message, or the least memory any variant needs). With
+    ``documents`` (``--document-masking``) attention and the ring's traffic are a step's."""
     plan = Plan()
     base = with_nodes(base, hw, world)
     given = {f: getattr(base.parallel, f) for f in SIZE_FIELDS if f in fixed}
@@ -192,7 +201,7 @@ def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
                 continue
             modes = [layout.train.recompute] if "recompute" in fixed else RECOMPUTE_ORDER
             for mode in modes:
-                trial = evaluate(vary(layout, train={"recompute": mode}), hw)
+                trial = evaluate(vary(layout, train={"recompute": mode}), hw, documents)
                 if memory_bytes is None or trial.memory.total <= memory_bytes:
                     plan.ranked.append(trial)
                     accepted += 1

@@ -23,10 +23,14 @@ compression's work per element: nominal, or measured by ``python -m mpipar.bench
 CPU, a kernel call's Python and NumPy dispatch and the cores that ranks share dominate small
 models: the peak is a rank's share of the node). The nodes are ``parallel.ranks_per_node``
 consecutive ranks each, else those of the hardware file, else one (:func:`with_nodes`).
+With ``--document-masking`` the model reads a step's documents (:class:`StepDocuments`, the
+run's first global batch): attention's keys per query on the busiest sp rank and the ring's hops
+are those of its microbatches, not of a full causal square.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import json
 from collections import defaultdict
@@ -34,8 +38,11 @@ from dataclasses import dataclass
 
 from mpipar.config import Config
 from mpipar.layout import Layout, vary
-from mpipar.parallel.context import halo_plan, ring_hops
-from mpipar.parallel.sequence_split import SeqLayout
+import numpy as np
+
+from mpipar.model.attention import DocumentPositions
+from mpipar.parallel.context import document_hops, halo_plan, microbatch_split, ring_hops
+from mpipar.parallel.sequence_split import SeqLayout, rank_work
 from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.placement import padded_vocab
 from mpipar.parallel.traffic import element_bytes
@@ -150,7 +157,8 @@ INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring", "ep")  # inside forward and
 STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")  # after the pipeline
 
 
-def _group_seconds(layout: Layout, coord: Coord, hw: Hardware) -> dict[str, float]:
+def _group_seconds(layout: Layout, coord: Coord, hw: Hardware,
+                   documents: StepDocuments | None = None) -> dict[str, float]:
     """Seconds per group of the rank at ``coord``: its wire bytes over the group's link plus
     its calls times the link's latency. A group whose instance spans nodes runs at the pace of
     the link across them (a ring or a pipeline waits for its slowest hop)."""
@@ -159,7 +167,7 @@ def _group_seconds(layout: Layout, coord: Coord, hw: Hardware) -> dict[str, floa
     me = shape.rank_of(coord)
     links: dict[str, tuple[float, float]] = {}
     out: dict[str, float] = defaultdict(float)
-    for call in step_calls(layout, coord):
+    for call in step_calls(layout, coord, documents=step_microbatches(layout, documents)):
         if call.group not in links:
             members = group_members(layout, call.group, me)
             links[call.group] = hw.link("inter" if len({nodes.nodes[r] for r in members}) > 1
@@ -177,6 +185,46 @@ def _group_seconds(layout: Layout, coord: Coord, hw: Hardware) -> dict[str, floa
     return dict(out)
 
 
+@dataclass(frozen=True, eq=False)
+class StepDocuments:
+    """A step's packed documents: the ids ``[global batch, seq_len]`` of the run's first global
+    batch (:func:`mpipar.data.packing.step_documents`). One per plan, compared by identity, so
+    what is derived from it per layout is found once (:func:`_document_sp`)."""
+
+    ids: np.ndarray
+
+    @functools.lru_cache(maxsize=64)
+    def microbatches(self, dp: int, mbs: int) -> tuple[DocumentPositions, ...]:
+        """dp replica 0's microbatches (the engine's cut of the global batch), each's
+        documents as the traffic reads them (:func:`mpipar.parallel.context.sequence_calls`)."""
+        rows = self.ids[:self.ids.shape[0] // dp]
+        return tuple(DocumentPositions.of(np.arange(0), rows[i:i + mbs])
+                     for i in range(0, rows.shape[0], mbs))
+
+
+@functools.lru_cache(maxsize=4096)
+def _document_sp(docs: StepDocuments, seq_len: int, sp: int, split: str, mode: str, u: int,
+                 dp: int, mbs: int, window: int) -> tuple[float, float]:
+    """(mean keys a query attends to on the sp rank with the most work, key blocks beyond its
+    own a rank attends to) over the microbatches of ``docs``, in a layer with ``window``:
+    the ranks' intra-document pairs (:func:`~mpipar.parallel.sequence_split.rank_work`; a
+    Ulysses group shares its work) and the ring's hops per microbatch (:func:`~mpipar.parallel.
+    context.document_hops`; the halo's sources do not depend on the documents)."""
+    ulysses = {"ulysses": sp, "hybrid": u}.get(mode, 1)
+    work, hops = 0.0, 0.0
+    micro = docs.microbatches(dp, mbs)
+    for d in micro:
+        seq = microbatch_split(SeqLayout(seq_len, sp, split), d)
+        work = work + rank_work(seq, d.docs, window, ulysses)
+        if sp > 1 and mode in ("ring", "hybrid"):
+            ring = seq if mode == "ring" else SeqLayout(seq_len, sp // u, split)
+            h = document_hops(ring, window, d)
+            hops += h.right + h.left
+        elif sp > 1 and mode == "halo":
+            hops += _sp_blocks(mode, seq, window)
+    return float(np.max(work)) / (len(micro) * mbs * seq_len / sp), hops / len(micro)
+
+
 def _sp_blocks(mode: str, seq: SeqLayout, window: int) -> int:
     """Key blocks beyond its own that a rank attends to in a layer with ``window``: the ring's
     hops, or the halo's source ranks (the most of any rank); 0 for Ulysses and without SP."""
@@ -188,11 +236,21 @@ def _sp_blocks(mode: str, seq: SeqLayout, window: int) -> int:
     return hops.right + hops.left
 
 
+def step_microbatches(layout: Layout, documents: StepDocuments | None
+                      ) -> tuple[DocumentPositions, ...] | None:
+    """The documents of each microbatch of dp replica 0 (what :func:`mpipar.plan.traffic.
+    step_calls` reads), or None without ``documents``."""
+    if documents is None:
+        return None
+    return documents.microbatches(layout.parallel.dp, layout.train.micro_batch_size)
+
+
 def _sp_context(layout: Layout, window: int = 0) -> float:
     """Mean keys a query attends to on the SP rank with the most causal work, in a layer with
     sliding ``window`` (0: full causal)."""
     tr, par = layout.train, layout.parallel
-    S, n = tr.seq_len, par.sp
+    # hybrid: the ring's ranks are the Ulysses groups, whose members share a group's work
+    S, n = tr.seq_len, par.sp // (par.ulysses_size if par.sp_mode == "hybrid" else 1)
     if window:
         return min(window, _sp_context(layout))
     if n == 1 or par.sp_mode == "ulysses" or par.sp_split == "zigzag":
@@ -200,8 +258,10 @@ def _sp_context(layout: Layout, window: int = 0) -> float:
     return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
 
 
-def predict_step_time(layout: Layout, hw: Hardware = Hardware()) -> StepTime:
-    """The step time model of this module's docstring for ``layout`` (on :func:`with_nodes`)."""
+def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
+                      documents: StepDocuments | None = None) -> StepTime:
+    """The step time model of this module's docstring for ``layout`` (on :func:`with_nodes`),
+    with ``documents`` for ``--document-masking``."""
     layout = with_nodes(layout, hw, layout.world)
     m, par, tr = layout.model, layout.parallel, layout.train
     p, v, micro = par.pp, par.virtual_stages, layout.microbatches
@@ -212,8 +272,13 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware()) -> StepTime:
     seq = (SeqLayout(tr.seq_len, par.sp // par.ulysses_size, par.sp_split)
            if par.sp_mode == "hybrid" else SeqLayout(tr.seq_len, par.sp, par.sp_split))
     # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
-    context = sum(_sp_context(layout, w) for w in windows) / len(windows)
-    hops = sum(_sp_blocks(par.sp_mode, seq, w) for w in windows) / len(windows)
+    if documents is None:
+        context = sum(_sp_context(layout, w) for w in windows) / len(windows)
+        hops = sum(_sp_blocks(par.sp_mode, seq, w) for w in windows) / len(windows)
+    else:
+        each = [_document_sp(documents, tr.seq_len, par.sp, par.sp_split, par.sp_mode,
+                             par.ulysses_size, par.dp, tr.micro_batch_size, w) for w in windows]
+        context, hops = (sum(x[i] for x in each) / len(each) for i in (0, 1))
     block_fwd = (block_flops_per_token(m, par.tp, context) * n / hw.peak_flops
                  + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
     head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
@@ -224,7 +289,7 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware()) -> StepTime:
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0
     for r in range(p):
-        seconds = _group_seconds(layout, Coord(dp=0, tp=0, pp=r, sp=0), hw)
+        seconds = _group_seconds(layout, Coord(dp=0, tp=0, pp=r, sp=0), hw, documents)
         for g, t in seconds.items():
             comm[g] = max(comm.get(g, 0.0), t)
         inner = sum(seconds.get(g, 0.0) for g in INNER_GROUPS) / (micro * v)  # per fwd + bwd

@@ -137,12 +137,14 @@ def call_link(layout: Layout, coord: Coord, call: Call) -> str:
     return "inter" if len({nodes.nodes[r] for r in members}) > 1 else "intra"
 
 
-def predict_link_bytes(layout: Layout, coord: Coord) -> dict[str, dict[str, int]]:
+def predict_link_bytes(layout: Layout, coord: Coord, documents: list | None = None
+                       ) -> dict[str, dict[str, int]]:
     """``{group: {"intra": wire bytes, "inter": wire bytes}}`` the rank at ``coord`` sends in
-    one step (the ledger's :meth:`mpipar.runtime.comm.Ledger.bytes_by_link`)."""
+    one step (the ledger's :meth:`mpipar.runtime.comm.Ledger.bytes_by_link`); ``documents`` as
+    :func:`step_calls`."""
     sizes = group_sizes(layout)
     out: dict[str, dict[str, int]] = {}
-    for call in step_calls(layout, coord):
+    for call in step_calls(layout, coord, documents=documents):
         wire = call_wire(layout, coord, call, sizes) * call.count
         if wire:
             links = out.setdefault(call.group, dict.fromkeys(LINKS, 0))

@@ -62,3 +62,28 @@ def test_plan_cli_runs_without_mpi():
     assert len(ranked) == 10, proc.stdout[:2000]                     # the default --top 10
     assert ranked[0].lstrip().startswith("1  "), ranked[0]
     assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
+
+
+def test_plan_cli_reads_the_documents(tmp_path):
+    """``--document-masking``: the plan reads the data's first global batch (unshuffled: the
+    first samples) and says how many documents it holds (counted here: one a row plus every
+    EOS before a row's last input) and the keys a query sees; the balanced split is ranked.
+    Byte data with no --eos-token-id is refused (exit 2) naming the rule."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    samples = rng.integers(0, 8, size=(32, 65))         # EOS 3: one token in eight
+    np.save(tmp_path / "samples.npy", samples)
+    args = [sys.executable, "-m", "mpipar.plan", "--world", "4", "--top", "0", "--peak-gflops",
+            "100", "--intra-gbps", "10", "--data", str(tmp_path / "samples.npy"),
+            "--vocab-size", "8", "--seq-len", "64", "--global-batch-size", "8", "--no-shuffle",
+            "--document-masking"]
+    proc = subprocess.run(args + ["--eos-token-id", "3"], capture_output=True, text=True,
+                          timeout=300, env=launch_env())
+    assert proc.returncode == 0, proc.stderr
+    inputs = samples[:8, :64]
+    count = 8 + int((inputs[:, :-1] == 3).sum())
+    assert (f"the data's first global batch holds {count} documents of "
+            f"{8 * 64 / count:,.1f} tokens on average") in proc.stdout, proc.stdout[:1500]
+    assert "ring/balanced" in proc.stdout
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=120, env=launch_env())
+    assert bad.returncode == 2 and "records no EOS token; give --eos-token-id" in bad.stderr

@@ -350,3 +350,76 @@ def test_the_planner_ranks_expert_parallel_layouts():
         c.nbytes * c.count for c in ep_calls if c.op == "ialltoallv") + sum(
         wire_bytes(c.op, c.nbytes, 4) * c.count for c in ep_calls if c.op == "allreduce")
     assert predict_link_bytes(layout, Coord(0, 0, 0, 0))["ep"]["intra"] == want
+
+
+def _doc_layout(sp: int, mode: str = "ring", split: str = "contiguous", u: int = 0,
+                window: int = 0, seq: int = 64, batch: int = 4, mbs: int = 2):
+    model = ModelConfig(vocab_size=16, hidden=16, layers=2, heads=4, kv_heads=4, ffn_hidden=32,
+                        sliding_window=window)
+    return validate(Config(model, ParallelConfig(sp=sp, sp_mode=mode, sp_split=split,
+                                                 ulysses_size=u),
+                           TrainConfig(seq_len=seq, global_batch_size=batch,
+                                       micro_batch_size=mbs, document_masking=True,
+                                       eos_token_id=3)), sp)
+
+
+@pytest.mark.parametrize("sp,mode,split,u,window", [
+    (1, "ring", "contiguous", 0, 0), (4, "ring", "contiguous", 0, 0),
+    (4, "ring", "zigzag", 0, 0), (4, "ulysses", "contiguous", 0, 0),
+    (4, "hybrid", "contiguous", 2, 0), (4, "ring", "contiguous", 0, 10),
+    (4, "halo", "contiguous", 0, 10)])
+def test_one_document_a_row_is_the_full_causal_model(sp, mode, split, u, window):
+    """With --document-masking and one document a row, the step time model reads the same
+    attention context and ring / halo blocks as for full causal attention, so the same time."""
+    from mpipar.plan.step_time import StepDocuments, _document_sp, _sp_blocks, _sp_context
+    from mpipar.parallel.sequence_split import SeqLayout
+    layout = _doc_layout(sp, mode, split, u, window)
+    docs = StepDocuments(np.zeros((4, 64), np.int64))
+    context, hops = _document_sp(docs, 64, sp, split, mode, u, 1, 2, window)
+    ring = SeqLayout(64, sp // u, split) if mode == "hybrid" else SeqLayout(64, sp, split)
+    assert context == pytest.approx(_sp_context(layout, window), rel=1e-12)
+    assert hops == _sp_blocks(mode, ring, window)
+    assert predict_step_time(layout, documents=docs).total == pytest.approx(
+        predict_step_time(layout).total, rel=1e-12)
+
+
+def test_packed_documents_the_busiest_ranks_keys_and_the_rings_hops():
+    """Rows of documents of 3, 5 and 8 tokens (the step's two microbatches of two rows): keys
+    a query sees on the busiest rank, counted pair by pair, and the ring's hops; Ulysses' ranks
+    share the sequence's work; the planner's time falls with the work and its ring bytes are
+    the engine's traffic for those documents (:func:`predict_step_bytes`)."""
+    from mpipar.plan.step_time import StepDocuments, _document_sp, step_microbatches
+    row = np.repeat([0, 1, 2], [3, 5, 8])
+    ids = np.tile(row, (4, 1))
+    docs = StepDocuments(ids)
+    pos = np.arange(16)
+    same = (row[:, None] == row[None, :]) & (pos[None, :] <= pos[:, None])
+    keys = same.sum(axis=1)                       # keys each query sees
+    busiest = max(keys[r * 4:(r + 1) * 4].sum() for r in range(4)) / 4
+    assert _document_sp(docs, 16, 4, "contiguous", "ring", 0, 1, 2, 0) == (busiest, 1.0)
+    assert _document_sp(docs, 16, 4, "contiguous", "ulysses", 0, 1, 2, 0) == (keys.mean(), 0.0)
+    assert _document_sp(docs, 16, 1, "contiguous", "ring", 0, 1, 2, 0) == (keys.mean(), 0.0)
+    layout = _doc_layout(4, seq=16)
+    assert predict_step_time(layout, documents=docs).total < predict_step_time(layout).total
+    coord = Coord(dp=0, tp=0, pp=0, sp=0)
+    micro = step_microbatches(layout, docs)
+    assert [m.docs.tolist() for m in micro] == [ids[:2].tolist(), ids[2:].tolist()]
+    assert predict_step_bytes(layout, coord, micro) == predict_step_bytes(layout, coord,
+                                                                          [ids[:2], ids[2:]])
+    assert predict_step_bytes(layout, coord, micro)["sp"] < predict_step_bytes(layout, coord)["sp"]
+
+
+def test_plan_with_documents_tries_the_balanced_split_and_reads_them():
+    """--document-masking: the plan ranks the balanced split too, and its SP layouts' bytes
+    are those of the documents it was given."""
+    from mpipar.plan.step_time import StepDocuments
+    base = _doc_layout(1, seq=16).config
+    ids = np.tile(np.repeat([0, 1, 2], [3, 5, 8]), (4, 1))
+    plan = plan_layouts(base, 4, {"global_batch_size"}, documents=StepDocuments(ids))
+    splits = {c.cfg.parallel.sp_split for c in plan.ranked if c.cfg.parallel.sp == 4}
+    assert "balanced" in splits
+    ring = next(c for c in plan.ranked if c.cfg.parallel.sp == 4 and c.cfg.parallel.sp_mode ==
+                "ring" and c.cfg.parallel.sp_split == "contiguous")
+    full = plan_layouts(base, 4, {"global_batch_size"})
+    same = next(c for c in full.ranked if c.describe() == ring.describe())
+    assert ring.step_bytes["sp"] < same.step_bytes["sp"]

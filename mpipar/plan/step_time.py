@@ -36,10 +36,10 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mpipar.config import Config
-from mpipar.layout import Layout, vary
 import numpy as np
 
+from mpipar.config import Config
+from mpipar.layout import Layout, vary
 from mpipar.model.attention import DocumentPositions
 from mpipar.parallel.context import document_hops, halo_plan, microbatch_split, ring_hops
 from mpipar.parallel.sequence_split import SeqLayout, rank_work

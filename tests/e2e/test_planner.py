@@ -37,7 +37,12 @@ def test_plan_cli(tmp_path):
                            capture_output=True, text=True, timeout=300, env=launch_env())
     assert nodes.returncode == 0, nodes.stderr
     rows = [line for line in nodes.stdout.splitlines() if "dp=8 tp=1" in line]
-    assert "hierarchical" in rows[0] and "across nodes 803,982" in rows[0]
+    # hierarchical first; uncompressed or top-k (whose encode/decode work is probed here and
+    # brings it level with uncompressed, within 0.02 %: either may lead on a busy machine)
+    assert "hierarchical" in rows[0]
+    plain = next(r for r in rows if "hierarchical mbs=" in r)
+    flat = next(i for i, r in enumerate(rows) if "hierarchical" not in r)
+    assert "across nodes 803,982" in plain and rows.index(plain) < flat
     assert any(" int8 " in r for r in rows) and any(" top-0.01 " in r for r in rows)
     assert any("hierarchical" not in r and "across nodes 5,627,790" in r for r in rows)
 

@@ -327,9 +327,12 @@ def _imbalance_remedy(imbalance: dict[str, float] | None, lay: dict[str, Any]) -
     if lay.get("sp_mode", "ring") == "ring":
         return [head + "--sp-split balanced deals each microbatch's documents so that every "
                        "rank's work is equal"]
+    mode = lay.get("sp_mode")
     return [head + "--sp-mode ring --sp-split balanced deals each microbatch's documents "
-                   "evenly" + (", or --sp-mode ulysses shares the work of the whole sequence"
-                               if lay.get("sp_mode") == "hybrid" else "")]
+                   "evenly" + {"hybrid": ", or --sp-mode ulysses shares the work of the whole "
+                                         "sequence",
+                               "halo": " (the ring passes whole K/V blocks where the halo sends "
+                                       "only the window's)"}.get(mode, "")]
 
 
 def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:

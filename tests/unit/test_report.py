@@ -198,6 +198,11 @@ def test_the_report_knows_packed_documents_and_their_balance():
               if x.startswith("attention work")]
     assert len(advice) == 1 and "--sp-mode ring --sp-split balanced" in advice[0] \
         and "--sp-mode ulysses" in advice[0]
+    config["parallel"].update(sp_mode="halo")
+    advice = [x for x in run_summary.diagnose(run_summary.summarize(records, None, config))
+              if x.startswith("attention work")]
+    assert len(advice) == 1 and "--sp-mode ring --sp-split balanced" in advice[0] \
+        and "only the window's" in advice[0] and "ulysses" not in advice[0]
     config["parallel"].update(sp_mode="ring", sp_split="balanced")
     assert not any(x.startswith("attention work") for x in
                    run_summary.diagnose(run_summary.summarize(records, None, config)))

@@ -101,6 +101,17 @@ def document_ids(tokens: np.ndarray, eos: int) -> np.ndarray:
     return ids
 
 
+def document_offsets(docs: np.ndarray) -> np.ndarray:
+    """Each position's offset inside its document ``[B, S]`` int64, for document ids ``docs
+    [B, S]`` (of :func:`document_ids`: a document is a run of one id): RoPE's positions under
+    document masking; a causal query there sees ``offset + 1`` keys of its document."""
+    docs = np.asarray(docs)
+    first = np.ones(docs.shape, bool)
+    first[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    at = np.arange(docs.shape[1])
+    return at - np.maximum.accumulate(np.where(first, at, 0), axis=1)
+
+
 class DocumentPositions(np.ndarray):
     """This rank's global positions ``[S_loc]`` (an int array like any positions, and used as
     one) that also carry the documents of the whole packed microbatch: ``docs [B, S]`` (of
@@ -123,12 +134,10 @@ class DocumentPositions(np.ndarray):
         out.memo = {}                  # what is derived once per microbatch (`remember`)
         S = out.docs.shape[1]
         out.ranges = []
-        starts = np.zeros(out.docs.shape, np.int64)
-        for b, row in enumerate(out.docs):
+        for row in out.docs:
             cut = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1, [S]])
             out.ranges.append(np.stack([cut[:-1], cut[1:]], axis=1))
-            starts[b] = np.repeat(cut[:-1], np.diff(cut))
-        out.rope = (np.arange(S)[None, :] - starts)[:, np.asarray(positions)]
+        out.rope = document_offsets(out.docs)[:, np.asarray(positions)]
         return out
 
     def __array_finalize__(self, obj) -> None:

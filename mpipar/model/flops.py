@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpipar.config import Config, ModelConfig
-from mpipar.model.attention import DocumentPositions
+from mpipar.model.attention import document_offsets
 from mpipar.layout import Layout
 
 
@@ -48,8 +48,8 @@ def document_context(docs: np.ndarray, window: int) -> float:
     docs = np.asarray(docs)
     if docs.size == 0:
         return 0.0
-    offset = DocumentPositions.of(np.arange(docs.shape[1]), docs).rope   # inside its document
-    keys = offset + 1 if window == 0 else np.minimum(offset + 1, window)
+    keys = document_offsets(docs) + 1
+    keys = keys if window == 0 else np.minimum(keys, window)
     return float(keys.mean())
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpipar.model.attention import document_offsets
 SPLITS = ("contiguous", "zigzag", "balanced")
 CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
 
@@ -73,13 +74,8 @@ def token_work(docs: np.ndarray, window: int = 0) -> np.ndarray:
     [B, S]`` (document ids), summed over its rows: the keys a query there sees, its position
     inside its document + 1 (causal pairs inside one document), at most ``window`` (a
     sliding window; 0: none)."""
-    S = docs.shape[1]
-    work = np.zeros(S, np.int64)
-    for row in np.asarray(docs):
-        cut = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1])
-        keys = np.arange(S) - np.repeat(cut, np.diff(np.append(cut, S))) + 1
-        work += keys if window == 0 else np.minimum(keys, window)
-    return work
+    keys = document_offsets(docs) + 1
+    return (keys if window == 0 else np.minimum(keys, window)).sum(axis=0)
 
 
 def balanced_layout(seq_len: int, sp: int, docs: np.ndarray) -> SeqLayout:

@@ -14,7 +14,8 @@ import numpy as np
 
 from mpipar.config import TrainConfig, require
 from mpipar.data.sft import loss_mask_source
-from mpipar.data.sources import DataError, Sampler, load_tokens, recorded_tokenizer, validation
+from mpipar.data.sources import (DataError, Sampler, load_tokens, recorded_tokenizer,
+                                 training_batches)
 from mpipar.layout import Layout
 
 
@@ -66,13 +67,12 @@ def counted_targets(inputs: np.ndarray, train: TrainConfig, eos: int | None,
 def step_documents(cfg, step: int = 0) -> np.ndarray:
     """The document ids ``[global batch, seq_len]`` of optimizer step ``step``'s global batch
     of ``cfg``'s data under ``--document-masking`` (what the engine reads: the same source,
-    validation split, sampler and EOS), for the planner's step time and traffic. Raises
+    :func:`~mpipar.data.sources.training_batches` and EOS), for the planner's step time and traffic. Raises
     DataError for data the run could not read."""
     from mpipar.model.attention import document_ids
     tr = cfg.train
     source = load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
-    samples = validation(source, tr, cfg.model.vocab_size)[0]
-    sampler = Sampler(source, tr.global_batch_size, tr.seed, tr.shuffle, samples)
+    sampler = training_batches(source, tr, cfg.model.vocab_size)[0]
     return document_ids(sampler.batch(step)[0], eos_id(tr))
 
 

@@ -584,6 +584,15 @@ def validation(source: TokenSource, train: TrainConfig, vocab_size: int
     return keep, EvalSet(source, keep, n, batches, batch)
 
 
+def training_batches(source: TokenSource, train: TrainConfig, vocab_size: int
+                     ) -> tuple[Sampler, EvalSet | None]:
+    """The run's sampler over the samples of ``source`` that :func:`validation` leaves to
+    training, and its validation set (None without one): what the engine trains on, and the
+    batches the planner reads for packed documents."""
+    samples, evals = validation(source, train, vocab_size)
+    return Sampler(source, train.global_batch_size, train.seed, train.shuffle, samples), evals
+
+
 def _describe_origin(src: TokenSource) -> str:
     if src.tokenizer is not None:
         return (f"ids of the tokenizer {src.tokenizer['tokenizer']} (sha256 "

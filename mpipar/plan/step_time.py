@@ -220,8 +220,8 @@ def _document_sp(docs: StepDocuments, seq_len: int, sp: int, split: str, mode: s
             ring = seq if mode == "ring" else SeqLayout(seq_len, sp // u, split)
             h = document_hops(ring, window, d)
             hops += h.right + h.left
-        elif sp > 1 and mode == "halo":
-            hops += _sp_blocks(mode, seq, window)
+    if sp > 1 and mode == "halo":
+        hops = _sp_blocks(mode, SeqLayout(seq_len, sp, split), window) * len(micro)
     return float(np.max(work)) / (len(micro) * mbs * seq_len / sp), hops / len(micro)
 
 

@@ -45,7 +45,7 @@ from mpipar.runtime.memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
 from mpipar.observe.metrics import EvalResult, StepResult
-from mpipar.data.sources import Sampler, TokenSource, load_tokens, validation
+from mpipar.data.sources import TokenSource, load_tokens, training_batches
 from mpipar.data.packing import counted_targets, eos_id, sample_indices, uses_eos
 from mpipar.data.sft import loss_mask_source
 from mpipar.model.attention import DocumentPositions, LocalAttention, document_ids
@@ -85,9 +85,7 @@ class Engine:
         par, tr = cfg.parallel, cfg.train
         # Data first: a bad path or token id fails on every rank before any collective.
         self.source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
-        train_samples, self.eval_set = validation(self.source, tr, cfg.model.vocab_size)
-        self.sampler = Sampler(self.source, tr.global_batch_size, tr.seed, tr.shuffle,
-                               train_samples)
+        self.sampler, self.eval_set = training_batches(self.source, tr, cfg.model.vocab_size)
         self.eos = eos_id(tr) if uses_eos(tr) else None   # packed documents' end-of-text
         self.masks = loss_mask_source(tr.data, tr.seq_len) if tr.loss_mask else None  # SFT
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)

@@ -42,7 +42,6 @@ from mpipar.runtime.mpi_init import MPI
 
 from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from mpipar.layout import Layout
-from mpipar.rules import validate
 
 HF_CONFIG = "config.json"
 BYTE_VOCAB = 256
@@ -148,6 +147,7 @@ def resolve(args: argparse.Namespace, world: int) -> tuple[Layout, str, Codec]:
     tp = args.tp or max(1, world // args.pp)
     train = TrainConfig(seq_len=1, global_batch_size=1, micro_batch_size=1,
                         dtype=args.dtype or dtype, backend=args.backend)
+    from mpipar.rules import validate
     cfg = validate(Config(model, ParallelConfig(dp=1, tp=tp, pp=args.pp), train), world)
     own = Path(args.model) / "tokenizer.json"
     tokenizer = args.tokenizer or (str(Path(args.model)) if kind == "hf" and own.is_file()

@@ -63,8 +63,9 @@ from mpipar.config import Config, ConfigError
 from mpipar.training.failure import (EXIT_WATCHDOG, FailureReport, fail_usage,
                                      install_abort_hook)
 from mpipar.layout import Layout, model_from_checkpoint
-from mpipar.rules import validate
 from mpipar.training.loop import RunContext, StopRequest, run
+# Nothing imported here loads NumPy or Numba: main sizes their thread pools first when the
+# launcher says how many ranks share the node (tests/unit/test_nodes.py holds it to that).
 
 if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
     from mpipar.runtime.comm import Group, Watchdog
@@ -116,6 +117,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             cfg.model = hf.model_config_with_overrides(
                 hf_model, config_mod.given_fields(args, "model"), source=tr.init_from_hf)
         from mpipar.plan.search import auto_layout
+        from mpipar.rules import validate
         cfg, note = auto_layout(cfg, world, config_mod.given_names(args, "parallel", "train"))
         if note is not None and notes is not None:
             notes.append(note)
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     report = FailureReport(comm)
     install_abort_hook(report)
     stop = StopRequest(report).install()
-    from mpipar.runtime.nodes import configure_threads, local_size_from_env, ranks_on_node
+    from mpipar.runtime.nodes import (configure_threads, local_size_from_env, ranks_on_node,
+                                      threads_in_use)
     # Thread pools are sized before NumPy/Numba load when the launcher says how many ranks
     # share the node; else after validation, from every rank's processor name.
     known = local_size_from_env() or (1 if comm.Get_size() == 1 else None)
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     ctx.watchdog = _start_watchdog(ctx)
     ctx.on_node = known or ranks_on_node(ctx.control.allgather_object(MPI.Get_processor_name()),
                                          comm.Get_rank())
-    ctx.threads = configure_threads(ctx.on_node)  # a value set before (or by the user) stays
+    configure_threads(ctx.on_node)  # a value set before (or by the user) stays
+    ctx.threads = threads_in_use()
     lock = _claim(ctx)
     mark_started(ctx.control.rank)   # _claim ended in a collective over the world
     try:

@@ -19,18 +19,25 @@ def metrics(run_dir) -> list[dict]:
         return [json.loads(line) for line in fh]
 
 
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+                   "OPENBLAS_THREAD_TIMEOUT")
+"""What CI exports and a user's shell usually does not: ``bare`` runs start without them."""
+
+
 def start_train(ranks: int, args: list[str], script: str | None = None,
-                cwd=None) -> subprocess.Popen:
+                cwd=None, bare: bool = False) -> subprocess.Popen:
     prog = [script] if script else ["-m", "mpipar.train"]
     prefix = mpirun(ranks) if ranks > 1 else []
+    env = launch_env()
+    if bare:
+        env = {k: v for k, v in env.items() if k not in THREAD_SETTINGS}
     return subprocess.Popen([*prefix, sys.executable, *prog, *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=launch_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def run_train(ranks: int, args: list[str], script: str | None = None, cwd=None,
-              timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = start_train(ranks, args, script, cwd)
+              timeout: float = 240, bare: bool = False) -> subprocess.CompletedProcess:
+    proc = start_train(ranks, args, script, cwd, bare)
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

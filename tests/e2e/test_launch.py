@@ -100,6 +100,45 @@ def test_cpu_share_from_the_cores_a_rank_may_use(tmp_path, mode, ranks):
         assert float(share) == min(1.0, cores / (int(threads) * ranks))
 
 
+POOLS = """
+    import os, sys
+    import numpy, numba
+    from mpipar.runtime import nodes
+    numba.get_num_threads()  # Numba's pool started before the settings
+    before = nodes.threads_in_use()
+    nodes.configure_threads({ranks})
+    print(before, nodes.threads_in_use(), numba.get_num_threads(), os.environ["OPENBLAS_NUM_THREADS"])
+"""
+
+
+def test_pools_loaded_before_the_thread_settings_are_sized_to_them(tmp_path):
+    """A rank that learns from MPI how many ranks share its node has NumPy and Numba loaded by
+    then: ``configure_threads`` sizes their pools, not only the variables they read at load."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: a pool of every size is one thread")
+    script = tmp_path / "pools.py"
+    script.write_text(textwrap.dedent(POOLS.format(ranks=cores)))
+    env = {k: v for k, v in launch_env().items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    before, blas, numba_threads, variable = map(int, out.stdout.split())
+    assert before > 1                                # loaded with every core
+    assert (blas, numba_threads, variable) == (1, 1, 1)
+
+
+def test_the_entry_points_load_neither_numpy_nor_numba_on_import():
+    """``python -m mpipar.train`` and ``mpipar.generate`` size the thread pools before NumPy and
+    Numba load when the launcher gives the ranks per node, so importing them loads neither."""
+    code = "import sys, mpipar.train, mpipar.generate; print(sorted({'numpy', 'numba'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=launch_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 SPIN = """
     import os, sys
     from mpipar.runtime import nodes

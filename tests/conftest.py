@@ -17,6 +17,14 @@ from pathlib import Path
 
 import pytest
 
+# The ranks of `mpirun -n 8 python -m pytest --only-mpi` share the node's cores as the product's
+# ranks do (a thread variable set in the shell stays): eight ranks each running every core's
+# OpenBLAS and Numba threads on two cores fight over them.
+if any(var in os.environ for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")):
+    from mpipar.runtime import nodes as _nodes
+
+    _nodes.configure_threads(None)
+
 
 # Variables a launcher (mpirun, srun, a singleton MPI_Init) sets for its ranks; a job that a test
 # starts must not inherit them, or its own launcher takes itself for a rank of the test's job

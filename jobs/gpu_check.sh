@@ -41,7 +41,7 @@ if has env; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
   $PY - <<'PY' 2>&1 | tee -a "$OUT/device.txt"
 import importlib
-for m in ("numpy", "cupy", "ml_dtypes", "mpi4py", "h5py", "numba", "torch", "transformers", "cudnn"):
+for m in ("numpy", "cupy", "ml_dtypes", "mpi4py", "h5py", "numba", "threadpoolctl", "torch", "transformers", "cudnn"):
     try:
         mod = importlib.import_module(m)
         print(m, getattr(mod, "__version__", "?"))

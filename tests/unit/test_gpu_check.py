@@ -58,3 +58,22 @@ def test_the_kernel_micro_benchmark_uses_the_1b_models_shapes():
     assert (k.T, k.H, k.F, k.V) == (gpu.TOKENS_PER_STEP, m["hidden"], m["ffn_hidden"],
                                      m["vocab_size"])
     assert (k.HQ, k.HKV, k.D) == (m["heads"], m["kv_heads"], m["hidden"] // m["heads"])
+
+
+IMAGE = {"numpy", "numba", "scipy", "h5py", "mpi4py", "ml-dtypes", "safetensors"}
+"""What the device image holds of mpipar's requirements (../shared/GPU.md; scipy and safetensors
+come with its PyTorch and transformers): the rest must come as wheels."""
+
+
+def test_every_requirement_is_on_the_image_or_among_the_wheels():
+    """The device cannot download: each of setup.cfg's install_requires for Python >= 3.11 is
+    either on the image or fetched by jobs/gpu_wheels.sh."""
+    cfg = open(os.path.join(ROOT, "setup.cfg")).read()
+    block = re.search(r"install_requires =\n((?:    .+\n)+)", cfg).group(1)
+    names = {re.match(r"[A-Za-z0-9_.-]+", line.strip()).group(0).lower()
+             for line in block.splitlines() if "python_version <" not in line}
+    wheels = open(os.path.join(ROOT, "jobs", "gpu_wheels.sh")).read()
+    fetched = set(re.search(r"--platform any \\\n((?:.+\\\n)*.+)\n", wheels).group(1).split()) - {"\\"}
+    assert "tqdm" in fetched and "threadpoolctl" in names
+    missing = sorted(n for n in names if n not in IMAGE and n not in fetched)
+    assert not missing, f"requirements neither on the device image nor in gpu_wheels.sh: {missing}"

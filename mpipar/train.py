@@ -65,7 +65,7 @@ from mpipar.training.failure import (EXIT_WATCHDOG, FailureReport, fail_usage,
 from mpipar.layout import Layout, model_from_checkpoint
 from mpipar.training.loop import RunContext, StopRequest, run
 # Nothing imported here loads NumPy or Numba: main sizes their thread pools first when the
-# launcher says how many ranks share the node (tests/unit/test_nodes.py holds it to that).
+# launcher says how many ranks share the node (tests/e2e/test_launch.py holds it to that).
 
 if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
     from mpipar.runtime.comm import Group, Watchdog

@@ -156,7 +156,7 @@ def _size_loaded_pools() -> None:
     """The thread pools of libraries already loaded to the variables' counts (a library loaded
     later reads the variables itself). Under ``mpirun -n 2`` on two cores, two ranks whose
     OpenBLAS kept both cores ran a 512 x 512 GEMM at 18-21 GFLOP/s each against 80-150 with one
-    thread each, and the default run's step took 5.5 s instead of 0.13."""
+    thread each, and the default run's step took 5.5 s instead of 0.08-0.12."""
     if "numpy" in sys.modules:
         from threadpoolctl import threadpool_limits
         limits = {api: n for api, n in (("blas", _count("OPENBLAS_NUM_THREADS")),
@@ -172,7 +172,7 @@ def _size_loaded_pools() -> None:
 def threads_in_use() -> int:
     """The threads this process's BLAS runs a product on now (the pool NumPy's products use;
     what the run's banner and peak report): the most over the BLAS libraries loaded."""
-    import numpy  # noqa: F401  (loads the BLAS it reports)
+    __import__("numpy")  # loads the BLAS it reports
     from threadpoolctl import threadpool_info
     counts = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
     return max(counts, default=1)

@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     except (ValueError, OSError) as exc:
         fail_usage(str(exc), comm)
     on_node = known or ranks_on_node(comm.allgather(MPI.Get_processor_name()), comm.Get_rank())
-    configure_threads(on_node)  # a value set before stays
+    if not known:
+        configure_threads(on_node)  # a value the user set stays
     error = None
     try:
         check_memory(args, cfg, comm.Get_rank(), on_node, positions, len(prompt), read_whole)

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     ctx.watchdog = _start_watchdog(ctx)
     ctx.on_node = known or ranks_on_node(ctx.control.allgather_object(MPI.Get_processor_name()),
                                          comm.Get_rank())
-    configure_threads(ctx.on_node)  # a value set before (or by the user) stays
+    if not known:
+        configure_threads(ctx.on_node)  # a value the user set stays
     ctx.threads = threads_in_use()
     lock = _claim(ctx)
     mark_started(ctx.control.rank)   # _claim ended in a collective over the world

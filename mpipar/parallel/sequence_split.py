@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.model.attention import document_offsets
+
 SPLITS = ("contiguous", "zigzag", "balanced")
 CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
 

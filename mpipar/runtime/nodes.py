@@ -35,6 +35,12 @@ either way. Set like the thread counts, before NumPy loads; a value the user set
 LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 
 
+def _count(var: str) -> int | None:
+    """The positive integer environment variable ``var`` holds, or None."""
+    value = os.environ.get(var, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
     """This node's task count from SLURM's compact form, e.g. ``"4(x2),3"`` = 4, 4, 3."""
     counts: list[int] = []
@@ -51,9 +57,8 @@ def local_size_from_env() -> int | None:
     None. MPI launchers come first: ranks that mpirun starts inside an allocation inherit the
     variables of its own one-task srun step, which would give the wrong count."""
     for var in LOCAL_SIZE_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
+        if _count(var):
+            return _count(var)
     if "SLURM_PROCID" in os.environ and os.environ.get("SLURM_NODEID", "").isdigit():
         return slurm_tasks_on_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""),
                                    int(os.environ["SLURM_NODEID"]))
@@ -134,9 +139,9 @@ def threads_per_rank(ranks_on_node: int) -> int:
     return max(1, cpu_count() // ranks_sharing_cores(ranks_on_node))
 
 
-def configure_threads(ranks: int | None) -> int:
+def configure_threads(ranks: int | None) -> None:
     """Split this node's cores among the ``ranks`` that share it (None: the count the launcher
-    gives, else a lone process); returns the threads per rank."""
+    gives, else a lone process); :func:`threads_in_use` says what BLAS then runs."""
     if ranks is None:
         ranks = local_size_from_env() or 1
     threads = threads_per_rank(ranks)
@@ -144,12 +149,6 @@ def configure_threads(ranks: int | None) -> int:
         os.environ.setdefault(var, str(threads))
     os.environ.setdefault(*BLAS_SPIN)
     _size_loaded_pools()
-    return int(os.environ["NUMBA_NUM_THREADS"])
-
-
-def _count(var: str) -> int | None:
-    value = os.environ.get(var, "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def _size_loaded_pools() -> None:

@@ -459,14 +459,14 @@ def work_shares(rows: np.ndarray, starts: np.ndarray, heads: int, counted: np.nd
     `counted` `[B, n]`, the blocks not counted weigh nothing (`_attention_fwd`'s two phases).
     Returns the runs' bounds `[threads + 1]`: consecutive tasks share rows in cache, equal work
     keeps the threads busy where equal counts do not (documents, and rows, differ in length)."""
-    cost = []
-    for b in range(rows.shape[0]):
-        row = np.concatenate([[0], np.cumsum(rows[b] + 16)])
-        block = np.diff(row[starts[b]])
-        if counted is not None:
-            block = np.where(counted[b], block, 0)
-        cost.append(np.tile(block, heads) if heads_outer else np.repeat(block, heads))
-    cum = np.concatenate([[0], np.cumsum(np.concatenate(cost))])
+    row = np.zeros((rows.shape[0], rows.shape[1] + 1), np.int64)
+    np.cumsum(rows + 16, axis=1, out=row[:, 1:])
+    block = np.diff(np.take_along_axis(row, np.asarray(starts, np.int64), axis=1), axis=1)
+    if counted is not None:
+        block = np.where(counted, block, 0)
+    cost = np.tile(block, (1, heads)) if heads_outer else np.repeat(block, heads, axis=1)
+    cum = np.zeros(cost.size + 1, np.int64)
+    np.cumsum(cost, out=cum[1:])
     threads = get_num_threads()
     target = cum[-1] * np.arange(threads + 1) / threads
     bounds = np.minimum(np.searchsorted(cum, target), cum.size - 1)     # cum[bounds] >= target:

@@ -158,6 +158,9 @@ class ParallelConfig:
                                      "microbatch so every rank's intra-document attention "
                                      "work is equal)",
                        choices=("contiguous", "zigzag", "balanced"))
+    sp_min_chunk: int = _f(64, "--sp-split balanced: the fewest tokens in a dealt chunk (a kernel "
+                               "tile; the ring makes a kernel call per pair of a rank's runs, "
+                               "so smaller chunks balance short documents finer at more calls)")
     sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
                               "to head groups), hybrid (Ulysses inside groups of "
                               "--ulysses-size sp ranks, ring across them) or halo (sliding "

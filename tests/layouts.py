@@ -54,11 +54,12 @@ def small_config(dtype: str = "float64", model: str = "llama", **parallel) -> Co
     with eps = 1e-8 the first update of an element whose gradient is at float32 round-off level
     is ~lr*sign(g), which turns layout round-off (losses and gradient norms agree to ~5e-8) into
     3e-4 parameter differences; with eps = 1e-4 the update is a smooth function of the gradient
-    and parameters agree to ~3e-6."""
+    and parameters agree to ~3e-6. ``--sp-split balanced`` deals chunks down to one token
+    (``sp_min_chunk`` 1): the 16-token rows stand in for long ones, whose ranks hold many runs."""
     return Config(
         ModelConfig(vocab_size=VOCAB, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48,
                     init_std=0.2, **MODELS[model]),
-        ParallelConfig(**{"compression_warmup": 0, **parallel}),  # compress from step 1
+        ParallelConfig(**{"compression_warmup": 0, "sp_min_chunk": 1, **parallel}), # compress from step 1
         TrainConfig(steps=2, seq_len=16, global_batch_size=8, micro_batch_size=1, lr=1e-2,
                     min_lr=1e-3, warmup_steps=1, clip_grad=0.5, dtype=dtype, backend="numpy",
                     seed=11, eps=1e-4 if dtype == "float32" else 1e-8),

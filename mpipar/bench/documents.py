@@ -14,18 +14,28 @@ the time ratio against the work ratio (intra-document pairs / full causal pairs)
 time ratio <= 1.2 x work ratio. With kernels that take the document ids (Numba's; the GPU's
 float and bf16 kernels; one call per block) also the seam's per-document calls (one kernel call
 per document's block, as for numpy_ref), side by side.
+
+The engine (``--engine RANKS``, off by default): ``mpirun -n RANKS python -m mpipar.train``
+with ``--sp RANKS --document-masking`` on a token file of such documents (random bytes, EOS 255
+ending each document), under the contiguous, zigzag and balanced splits in turns for
+``--engine-rounds`` rounds: the median step time after each run's first step, its ratio to
+contiguous's, and the attention imbalance the runs report (max/mean work over the sp ranks).
+With ranks sharing cores, a rank's extra work delays the others less than on cores of its own.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
+import os
+import statistics
+import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
-from mpipar.bench.harness import Section, ints
+from mpipar.bench.harness import Section, ints, train_run
 
 
 def packed_documents(seq: int, median: float, sigma: float, rng) -> np.ndarray:
@@ -127,6 +137,52 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
             "per_document_cpu_over_work": per_doc and per_doc_cpu / full_cpu / work}
 
 
+SPLITS = ("contiguous", "zigzag", "balanced")
+ENGINE_EOS = 255
+
+
+def document_stream(tokens: int, median: float, sigma: float, rng) -> np.ndarray:
+    """``tokens`` byte tokens ``[tokens]`` uint16 of packed documents of log-normal lengths:
+    random ids below :data:`ENGINE_EOS`, each document ended by it."""
+    parts, total = [], 0
+    while total < tokens:
+        parts.append(np.maximum(1, rng.lognormal(np.log(median), sigma, 1024).astype(np.int64)))
+        total += int(parts[-1].sum())
+    out = rng.integers(0, ENGINE_EOS, tokens).astype(np.uint16)
+    ends = np.cumsum(np.concatenate(parts)) - 1
+    out[ends[ends < tokens]] = ENGINE_EOS
+    return out
+
+
+def engine(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Training steps under each split (``--engine RANKS`` sp ranks, the splits in turns)."""
+    ranks, seq, rows = args.engine, args.engine_seq, args.engine_rows
+    flags = ["--document-masking", "--eos-token-id", str(ENGINE_EOS), "--sp", str(ranks),
+             "--seq-len", str(seq), "--global-batch-size", str(rows), "--micro-batch-size",
+             str(rows), "--steps", str(args.engine_steps), "--log-every", "0", "--tensorboard",
+             "off", "--seed", str(args.seed), *args.engine_flags.split()]
+    steps: dict[str, list[float]] = {s: [] for s in SPLITS}
+    imbalance: dict[str, list[float]] = {s: [] for s in SPLITS}
+    with tempfile.TemporaryDirectory(prefix="mpipar-bench-documents-") as tmp:
+        data = os.path.join(tmp, "documents.npy")
+        np.save(data, document_stream(64 * rows * (seq + 1) * args.engine_steps, args.median,
+                                      args.sigma, np.random.default_rng(args.seed)))
+        for rnd in range(args.engine_rounds):
+            for split in SPLITS:
+                records, _ = train_run("documents", ranks, [*flags, "--data", data, "--sp-split",
+                                                            split],
+                                       os.path.join(tmp, f"{split}-{rnd}"))
+                steps[split] += [r["step_time_s"] for r in records[1:]]
+                imbalance[split] += [r["attention_imbalance"] for r in records
+                                     if r.get("attention_imbalance") is not None]
+    base = statistics.median(steps["contiguous"])
+    return [{"split": s, "ranks": ranks, "seq": seq, "rows": rows,
+             "step_s": statistics.median(steps[s]),
+             "vs_contiguous": statistics.median(steps[s]) / base,
+             "imbalance_mean": float(np.mean(imbalance[s])),
+             "imbalance_worst": float(np.max(imbalance[s]))} for s in SPLITS]
+
+
 def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, float]:
     """Score entries each kernel family computes for the packed row ``docs`` over its
     intra-document causal pairs, counted from the kernels' own loop bounds (no timing): the
@@ -199,7 +255,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"(CPU {sp_['per_document_cpu_s'] * 1e3:.1f} ms), "
               f"time/work {sp_['per_document_time_over_work']:.2f}, "
               f"cpu/work {sp_['per_document_cpu_over_work']:.2f}")
-    return {"balance": rows, "speed": sp_}
+    if not args.engine:
+        return {"balance": rows, "speed": sp_}
+    eng = engine(args)
+    print(f"engine: mpirun -n {args.engine} python -m mpipar.train --sp {args.engine} "
+          f"--document-masking, {args.engine_rows} row(s) of {args.engine_seq} tokens, "
+          f"{args.engine_rounds} round(s) of {args.engine_steps} steps, the splits in turns")
+    print(f"{'split':>11} {'step (median)':>14} {'/ contiguous':>13} {'imbalance mean/worst':>21}")
+    for r in eng:
+        print(f"{r['split']:>11} {r['step_s'] * 1e3:>11.1f} ms {r['vs_contiguous']:>13.3f} "
+              f"{r['imbalance_mean']:>10.3f}/{r['imbalance_worst']:<10.3f}")
+    return {"balance": rows, "speed": sp_, "engine": eng}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +290,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "flash_mma for both, the kernel's own masking against itself)")
     parser.add_argument("--backend", default="auto", choices=("auto", "numba", "numpy", "cupy"),
                         help="speed check: kernels (auto: cupy with a GPU, else numba)")
+    parser.add_argument("--engine", type=int, default=0, metavar="RANKS",
+                        help="also train under mpirun -n RANKS (sp = RANKS) on packed documents "
+                             "with each split, in turns (0: no)")
+    parser.add_argument("--engine-seq", type=int, default=8192, help="engine: sequence length")
+    parser.add_argument("--engine-rows", type=int, default=1, help="engine: rows in a step")
+    parser.add_argument("--engine-steps", type=int, default=4, help="engine: steps a run")
+    parser.add_argument("--engine-rounds", type=int, default=2, help="engine: runs per split")
+    parser.add_argument("--engine-flags", default="",
+                        help="engine: more python -m mpipar.train flags (e.g. the model's)")
 
 
 SECTION = Section("documents", run, "packed documents: attention work per sp rank under the "

@@ -608,6 +608,8 @@ def check_config(layout: Layout) -> None:
             f"parallel.sp_split='balanced': deals each microbatch's documents over ring "
             f"attention; needs --document-masking and --sp-mode ring (got "
             f"document_masking={t.document_masking}, sp_mode={p.sp_mode!r})")
+    require(p.sp_min_chunk >= 1, f"parallel.sp_min_chunk={p.sp_min_chunk}: must be >= 1 "
+                                 f"(tokens in a chunk of --sp-split balanced)")
     require(p.ulysses_size >= 0, f"parallel.ulysses_size={p.ulysses_size}: must be >= 0")
     require(p.sp_mode == "hybrid" or p.ulysses_size == 0,
             f"parallel.ulysses_size={p.ulysses_size}: needs --sp-mode hybrid")
@@ -650,7 +652,7 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
     if par.sp_mode == "ulysses":
         return _ulysses_calls("sp", q, row * s_loc, reps * n, bwds * n)
     calls, group, stride = [], "sp", 1
-    seq = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+    seq = SeqLayout(tr.seq_len, par.sp, par.sp_split, min_chunk=par.sp_min_chunk)
     if par.sp_mode == "hybrid":
         stride = par.ulysses_size
         calls += _ulysses_calls("sp_ulysses", q, row * s_loc, reps * n, bwds * n) if stride > 1 \
@@ -686,8 +688,8 @@ def microbatch_split(seq: SeqLayout, docs: DocumentPositions) -> SeqLayout:
     sequence_split.balanced_layout`, remembered on ``docs``)."""
     if seq.split != "balanced":
         return seq
-    return docs.remember(("balanced", seq.seq_len, seq.sp),
-                         lambda: balanced_layout(seq.seq_len, seq.sp, docs.docs))
+    return docs.remember(("balanced", seq.seq_len, seq.sp, seq.min_chunk),
+                         lambda: balanced_layout(seq.seq_len, seq.sp, docs.docs, seq.min_chunk))
 
 
 def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:

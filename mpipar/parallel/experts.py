@@ -63,11 +63,11 @@ Array = Any
 def block_length(seq: SeqLayout) -> int:
     """The length ``L`` of the position blocks ``[j L, (j+1) L)`` that every sp rank's share of
     a sequence is a union of, whatever the microbatch: ``S / sp`` (contiguous; Ulysses and
-    hybrid split as it or zigzag), ``S / (2 sp)`` (zigzag), the chunk of ``--sp-split
-    balanced``. The capacity's per-sequence counts are summed over sp per block."""
+    hybrid split as it or zigzag), ``S / (2 sp)`` (zigzag), the finest chunk of ``--sp-split
+    balanced`` (its deals' chunks are unions of it). The capacity's per-sequence counts are summed over sp per block."""
     if seq.split == "balanced":
         per = seq.seq_len // seq.sp
-        return per // balanced_chunks(per)
+        return per // balanced_chunks(per, seq.min_chunk)
     return seq.seq_len // split_parts(seq.sp, seq.split)
 
 
@@ -177,7 +177,8 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     forwards = passes * (1 + (train and t.recompute == "full"))
     dt = element_bytes(Precision.of(t, p).compute)
     tokens = layout.micro_batch_size * (t.seq_len // p.sp)
-    blocks = (t.seq_len // block_length(SeqLayout(t.seq_len, p.sp, p.sp_split))
+    blocks = (t.seq_len // block_length(SeqLayout(t.seq_len, p.sp, p.sp_split,
+                                                  min_chunk=p.sp_min_chunk))
               if m.moe_capacity_factor and p.sp > 1 else 1)
     stats = element_bytes(Precision.of(t, p).master)   # the router's dtype: float32 under bf16
     calls = [Call("sp", "allreduce", blocks * layout.micro_batch_size * m.moe_experts * stats,

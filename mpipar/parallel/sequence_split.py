@@ -22,6 +22,8 @@ from mpipar.model.attention import document_offsets
 
 SPLITS = ("contiguous", "zigzag", "balanced")
 CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
+MIN_CHUNK = 64         # balanced: the fewest tokens in a chunk (--sp-min-chunk; a kernel tile)
+BALANCE_SLACK = 0.01   # balanced: the max/mean work fewer chunks may add to the finest deal's
 
 
 def split_parts(sp: int, split: str) -> int:
@@ -34,12 +36,13 @@ class SeqLayout:
     """Which global token positions each SP rank holds. ``balanced``: ``runs[r]``, the
     (start, length) runs of rank r, chosen per microbatch from its documents
     (:func:`balanced_layout`); without runs (no documents known) it holds what contiguous
-    does."""
+    does. ``min_chunk``: the fewest tokens in a balanced chunk (``--sp-min-chunk``)."""
 
     seq_len: int
     sp: int
     split: str = "contiguous"
     runs: tuple = ()
+    min_chunk: int = MIN_CHUNK
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -64,10 +67,12 @@ class SeqLayout:
         return np.concatenate([np.arange(s, s + n) for s, n in self.segments(rank)])
 
 
-def balanced_chunks(per: int) -> int:
-    """Chunks a rank's ``per`` tokens are cut into by ``--sp-split balanced``: the largest
-    divisor of ``per`` up to :data:`CHUNKS_PER_RANK`."""
-    return max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+def balanced_chunks(per: int, min_chunk: int = MIN_CHUNK) -> int:
+    """The most chunks a rank's ``per`` tokens are cut into by ``--sp-split balanced``: the
+    largest divisor of ``per`` up to :data:`CHUNKS_PER_RANK` that leaves chunks of at least
+    ``min_chunk`` tokens, else 1 (:func:`balanced_layout` may use a divisor of it)."""
+    return max([d for d in range(1, min(CHUNKS_PER_RANK, per) + 1)
+                if per % d == 0 and per // d >= min_chunk] or [1])
 
 
 def token_work(docs: np.ndarray, window: int = 0) -> np.ndarray:
@@ -79,33 +84,59 @@ def token_work(docs: np.ndarray, window: int = 0) -> np.ndarray:
     return (keys if window == 0 else np.minimum(keys, window)).sum(axis=0)
 
 
-def balanced_layout(seq_len: int, sp: int, docs: np.ndarray) -> SeqLayout:
+def balanced_layout(seq_len: int, sp: int, docs: np.ndarray,
+                    min_chunk: int = MIN_CHUNK) -> SeqLayout:
     """``--sp-split balanced`` for one microbatch: each rank holds ``seq_len / sp`` tokens (the
-    linears' work, equal) in ``c`` chunks of ``n = seq_len / (sp c)`` (c the largest divisor
-    of ``seq_len / sp`` up to :data:`CHUNKS_PER_RANK`), the chunks dealt by attention work
-    (:func:`token_work`) heaviest first in snake order (0..sp-1, sp-1..0, ...), then pairs
-    swapped between the heaviest and the lightest rank while that lowers the heaviest.
-    Bound: max - min rank work <= the heaviest chunk's work (the snake's; swaps only lower
-    the maximum), so max/mean <= 1 + sp * max_chunk / total, whatever the document lengths."""
+    linears' work, equal) in ``c`` chunks of ``seq_len / (sp c)``, the chunks dealt by attention
+    work (:func:`token_work`, :func:`_deal`). ``c`` is the fewest of the divisors of the finest
+    count (:func:`balanced_chunks`: chunks of ``min_chunk`` tokens or more) whose deal keeps
+    max/mean rank work within :data:`BALANCE_SLACK` of the finest deal's: the ring computes a
+    kernel call per pair of runs, so a share in dozens of runs costs more than it balances.
+    Bound: the finest deal's max - min <= its heaviest chunk's work ``h``, so max/mean <= 1 +
+    sp * h / total + :data:`BALANCE_SLACK`, whatever the document lengths."""
     per = seq_len // sp
-    c = balanced_chunks(per)
-    n = per // c
-    work = token_work(docs).reshape(sp * c, n).sum(axis=1)
-    owner = np.empty(sp * c, np.int64)
-    for k, chunk in enumerate(np.argsort(-work, kind="stable")):
-        rnd, j = divmod(k, sp)
-        owner[chunk] = j if rnd % 2 == 0 else sp - 1 - j
-    _swap_down(work, owner, sp)
+    finest = balanced_chunks(per, min_chunk)
+    work = token_work(docs)
+    owner = _deal(work, sp, finest)
+    allowed = _imbalance(work, owner, sp) + BALANCE_SLACK
+    for c in (d for d in range(1, finest) if finest % d == 0):
+        coarse = _deal(work, sp, c)
+        if _imbalance(work, coarse, sp) <= allowed:
+            owner = coarse
+            break
+    n = seq_len // owner.size
     runs = []
     for r in range(sp):
-        mine, out = np.flatnonzero(owner == r), []
-        for chunk in mine:
+        out: list[tuple[int, int]] = []
+        for chunk in np.flatnonzero(owner == r):
             if out and out[-1][0] + out[-1][1] == chunk * n:
                 out[-1] = (out[-1][0], out[-1][1] + n)
             else:
                 out.append((int(chunk * n), n))
         runs.append(tuple(out))
-    return SeqLayout(seq_len, sp, "balanced", tuple(runs))
+    return SeqLayout(seq_len, sp, "balanced", tuple(runs), min_chunk)
+
+
+def _deal(work: np.ndarray, sp: int, c: int) -> np.ndarray:
+    """The owning rank of each of the ``sp * c`` equal chunks of a sequence whose positions
+    carry attention ``work`` ``[S]``: the chunks dealt heaviest first in snake order (0..sp-1,
+    sp-1..0, ...), then pairs swapped between the heaviest and the lightest rank while that
+    lowers the heaviest (:func:`_swap_down`). Every rank gets ``c`` chunks; max - min rank work
+    <= the heaviest chunk's work (the snake's; swaps only lower the maximum)."""
+    chunk_work = work.reshape(sp * c, -1).sum(axis=1)
+    owner = np.empty(sp * c, np.int64)
+    for k, chunk in enumerate(np.argsort(-chunk_work, kind="stable")):
+        rnd, j = divmod(k, sp)
+        owner[chunk] = j if rnd % 2 == 0 else sp - 1 - j
+    _swap_down(chunk_work, owner, sp)
+    return owner
+
+
+def _imbalance(work: np.ndarray, owner: np.ndarray, sp: int) -> float:
+    """Max/mean attention work of the sp ranks when chunk i of ``work`` ``[S]`` is rank
+    ``owner[i]``'s."""
+    load = np.bincount(owner, weights=work.reshape(owner.size, -1).sum(axis=1), minlength=sp)
+    return float(load.max() / load.mean())
 
 
 def _swap_down(work: np.ndarray, owner: np.ndarray, sp: int, rounds: int = 64) -> None:

@@ -42,7 +42,7 @@ from mpipar.config import Config
 from mpipar.layout import Layout, vary
 from mpipar.model.attention import DocumentPositions
 from mpipar.parallel.context import document_hops, halo_plan, microbatch_split, ring_hops
-from mpipar.parallel.sequence_split import SeqLayout, rank_work
+from mpipar.parallel.sequence_split import MIN_CHUNK, SeqLayout, rank_work
 from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.placement import padded_vocab
 from mpipar.parallel.traffic import element_bytes
@@ -204,7 +204,8 @@ class StepDocuments:
 
 @functools.lru_cache(maxsize=4096)
 def _document_sp(docs: StepDocuments, seq_len: int, sp: int, split: str, mode: str, u: int,
-                 dp: int, mbs: int, window: int) -> tuple[float, float]:
+                 dp: int, mbs: int, window: int, min_chunk: int = MIN_CHUNK
+                 ) -> tuple[float, float]:
     """(mean keys a query attends to on the sp rank with the most work, key blocks beyond its
     own a rank attends to) over the microbatches of ``docs``, in a layer with ``window``:
     the ranks' intra-document pairs (:func:`~mpipar.parallel.sequence_split.rank_work`; a
@@ -214,7 +215,7 @@ def _document_sp(docs: StepDocuments, seq_len: int, sp: int, split: str, mode: s
     work, hops = 0.0, 0.0
     micro = docs.microbatches(dp, mbs)
     for d in micro:
-        seq = microbatch_split(SeqLayout(seq_len, sp, split), d)
+        seq = microbatch_split(SeqLayout(seq_len, sp, split, min_chunk=min_chunk), d)
         work = work + rank_work(seq, d.docs, window, ulysses)
         if sp > 1 and mode in ("ring", "hybrid"):
             ring = seq if mode == "ring" else SeqLayout(seq_len, sp // u, split)
@@ -270,14 +271,16 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     windows = m.windows()
     seq = (SeqLayout(tr.seq_len, par.sp // par.ulysses_size, par.sp_split)
-           if par.sp_mode == "hybrid" else SeqLayout(tr.seq_len, par.sp, par.sp_split))
+           if par.sp_mode == "hybrid" else SeqLayout(tr.seq_len, par.sp, par.sp_split,
+                                                     min_chunk=par.sp_min_chunk))
     # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
     if documents is None:
         context = sum(_sp_context(layout, w) for w in windows) / len(windows)
         hops = sum(_sp_blocks(par.sp_mode, seq, w) for w in windows) / len(windows)
     else:
         each = [_document_sp(documents, tr.seq_len, par.sp, par.sp_split, par.sp_mode,
-                             par.ulysses_size, par.dp, tr.micro_batch_size, w) for w in windows]
+                             par.ulysses_size, par.dp, tr.micro_batch_size, w,
+                             par.sp_min_chunk) for w in windows]
         context, hops = (sum(x[i] for x in each) / len(each) for i in (0, 1))
     block_fwd = (block_flops_per_token(m, par.tp, context) * n / hw.peak_flops
                  + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per

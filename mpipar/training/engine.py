@@ -119,7 +119,8 @@ class Engine:
             tp_sequence_parallel=par.tp_sequence_parallel, ep=expert_shards(layout))
         self.tensor = TensorParallel(kernels=self.kernels, table=self.table,
                                      group=self.groups["tp"])
-        self.seq_layout = SeqLayout(tr.seq_len, par.sp, par.sp_split)
+        self.seq_layout = SeqLayout(tr.seq_len, par.sp, par.sp_split,
+                                    min_chunk=par.sp_min_chunk)
         self.positions = self.seq_layout.positions(self.grid.coord.sp)
         self.routing = RoutingBias.of(cfg.model, self.xp)   # every sparse block's, every rank
         # --recompute offload: one scratch file per rank for the saved activations.
@@ -331,8 +332,9 @@ class Engine:
         tr, positions = self.cfg.train, None
         if tr.document_masking:
             docs = document_ids(inputs, self.eos)
-            split = (balanced_layout(tr.seq_len, self.seq_layout.sp, docs)
-                     if self.seq_layout.split == "balanced" else None)
+            seq = self.seq_layout
+            split = (balanced_layout(tr.seq_len, seq.sp, docs, seq.min_chunk)
+                     if seq.split == "balanced" else None)
             at = self.positions if split is None else split.positions(self.grid.coord.sp)
             positions = DocumentPositions.of(at, docs, split)
         return positions, counted_targets(inputs, tr, self.eos, masks)
@@ -353,8 +355,8 @@ class Engine:
             for i in range(self.microbatches):
                 first = replica * self.rows_per_dp + i * mbs
                 docs = docs_all[first:first + mbs]
-                split = (balanced_layout(tr.seq_len, seq.sp, docs) if seq.split == "balanced"
-                         else seq)
+                split = (balanced_layout(tr.seq_len, seq.sp, docs, seq.min_chunk)
+                         if seq.split == "balanced" else seq)
                 work = work + sum(n * rank_work(split, docs, w, ulysses)
                                   for w, n in windows.items())
             worst = max(worst, float(work.max() / work.mean()))

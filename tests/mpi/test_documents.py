@@ -25,6 +25,8 @@ LAYOUTS = [
     dict(sp=8, sp_split="balanced", sp_overlap=True), dict(tp=2, sp=4, sp_split="balanced"),
     dict(dp=2, sp=2, sp_split="balanced", zero=3), dict(pp=2, sp=4, sp_split="balanced",
                                                         model="window"),
+    # the default floor of 64 tokens a chunk: 4 tokens a rank stay one chunk, dealt whole
+    dict(dp=2, sp=4, sp_split="balanced", sp_min_chunk=64),
 ]
 EOD_LAYOUTS = [dict(sp=4, sp_split="zigzag"), dict(dp=2, pp=2, sp=2, sp_split="balanced")]
 # The Numba kernels take the documents inside one call per block (ring and zigzag offsets,

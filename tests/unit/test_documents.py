@@ -514,11 +514,14 @@ def two_steps_plain():
 
 
 # ------------------------------------------------------------------------ --sp-split balanced
-@pytest.mark.parametrize("seq,sp", [(104, 8), (96, 4), (64, 2), (4096, 8), (3000, 6)])
-def test_the_balanced_split_holds_every_token_once_and_keeps_its_bound(seq, sp):
-    """Each rank holds seq/sp tokens, every position once; max - min rank work <= the heaviest
-    chunk's work, for documents of every shape: one, many short, log-normal, a giant and dust."""
-    from mpipar.parallel.sequence_split import CHUNKS_PER_RANK, balanced_layout, rank_work, token_work
+@pytest.mark.parametrize("seq,sp,min_chunk", [(104, 8, 1), (96, 4, 1), (64, 2, 1), (4096, 8, 1),
+                                              (3000, 6, 1), (4096, 8, 64), (3000, 6, 64)])
+def test_the_balanced_split_holds_every_token_once_and_keeps_its_bound(seq, sp, min_chunk):
+    """Each rank holds seq/sp tokens, every position once; max/mean rank work <= 1 + sp h / total
+    + the slack, h the heaviest of the finest chunks' work (the finest deal's max - min <= h),
+    for documents of every shape: one, many short, log-normal, a giant and dust."""
+    from mpipar.parallel.sequence_split import (BALANCE_SLACK, balanced_chunks, balanced_layout,
+                                                rank_work, token_work)
     rng = np.random.default_rng(seq + sp)
     cases = [np.zeros((1, seq), np.int64), np.repeat(np.arange(seq), 1)[None],
              np.sort(rng.integers(0, max(1, seq // 200), seq))[None],
@@ -526,16 +529,52 @@ def test_the_balanced_split_holds_every_token_once_and_keeps_its_bound(seq, sp):
                              np.arange(1, seq // 10 + 1)])[None],
              np.sort(rng.integers(0, 5, (2, seq)), axis=1)]
     per = seq // sp
-    c = max(d for d in range(1, min(CHUNKS_PER_RANK, per) + 1) if per % d == 0)
+    c = balanced_chunks(per, min_chunk)
+    assert per // c >= min(min_chunk, per)
     for docs in cases:
-        layout = balanced_layout(seq, sp, docs)
+        layout = balanced_layout(seq, sp, docs, min_chunk)
         held = np.concatenate([layout.positions(r) for r in range(sp)])
         assert all(len(layout.positions(r)) == per for r in range(sp))
         assert np.array_equal(np.sort(held), np.arange(seq))
         work = rank_work(layout, docs)
         heaviest = token_work(docs).reshape(sp * c, per // c).sum(axis=1).max()
-        assert work.max() - work.min() <= heaviest
-        assert work.sum() == token_work(docs).sum()
+        total = token_work(docs).sum()
+        assert work.max() / work.mean() <= 1 + sp * heaviest / total + BALANCE_SLACK + 1e-12
+        assert work.sum() == total
+
+
+def test_the_balanced_split_cuts_no_finer_than_its_balance_needs():
+    """A rank's share is as few runs as keep the balance within the slack of the finest deal's
+    (the ring makes a kernel call per pair of runs), in chunks of at least ``min_chunk`` tokens
+    (64 by default): one run a rank where every token weighs the same; short documents at seq
+    128 over sp 4 (one-token chunks at the finest, with ``min_chunk`` 1) in a few runs, not
+    dozens, and in one run a rank by default (32 tokens a rank); log-normal documents in fewer
+    runs than the finest deal's and within its balance + the slack."""
+    from mpipar.bench.documents import packed_documents
+    from mpipar.parallel import sequence_split as ss
+    seq, sp = 4096, 8
+    layout = ss.balanced_layout(seq, sp, np.arange(seq)[None], 1)  # every token its own document
+    assert [len(r) for r in layout.runs] == [1] * sp
+    rng = np.random.default_rng(1)
+
+    def finest(seq, sp, docs, min_chunk):
+        """The finest deal's chunk owners, its most runs a rank and its max/mean work."""
+        owner = ss._deal(ss.token_work(docs), sp, ss.balanced_chunks(seq // sp, min_chunk))
+        runs = max(len(np.flatnonzero(np.diff(np.flatnonzero(owner == r)) != 1)) + 1
+                   for r in range(sp))
+        return runs, ss._imbalance(ss.token_work(docs), owner, sp)
+
+    lines = np.concatenate([packed_documents(128, 30.0, 0.6, rng) for _ in range(8)])
+    fine_runs, _ = finest(128, 4, lines, 1)
+    assert max(len(r) for r in ss.balanced_layout(128, 4, lines, 1).runs) <= fine_runs / 2
+    assert [len(r) for r in ss.balanced_layout(128, 4, lines).runs] == [1] * 4
+    for seq, sp in ((8192, 4), (8192, 8), (32768, 8)):
+        docs = np.concatenate([packed_documents(seq, 200, 1.0, rng) for _ in range(2)])
+        layout = ss.balanced_layout(seq, sp, docs)
+        fine_runs, fine_imbalance = finest(seq, sp, docs, ss.MIN_CHUNK)
+        assert max(len(r) for r in layout.runs) < fine_runs
+        work = ss.rank_work(layout, docs)
+        assert work.max() / work.mean() <= fine_imbalance + ss.BALANCE_SLACK + 1e-12
 
 
 def test_the_balanced_split_is_within_5_percent_on_log_normal_documents():

@@ -144,21 +144,24 @@ def test_a_capacity_without_experts_exits_2_with_one_message(tmp_path):
     assert err.count("model.moe_capacity_factor=1.25: needs a mixture of experts") == 1, err
 
 
-@pytest.mark.parametrize("seq_len, sp, split", [(16, 2, "contiguous"), (16, 4, "zigzag"),
-                                                (24, 3, "zigzag"), (64, 2, "balanced"),
-                                                (96, 4, "balanced")])
-def test_every_rank_holds_whole_position_blocks(seq_len, sp, split):
+@pytest.mark.parametrize("seq_len, sp, split, min_chunk", [
+    (16, 2, "contiguous", 64), (16, 4, "zigzag", 64), (24, 3, "zigzag", 64),
+    (64, 2, "balanced", 1), (96, 4, "balanced", 1), (96, 4, "balanced", 3),
+    (2048, 4, "balanced", 64)])
+def test_every_rank_holds_whole_position_blocks(seq_len, sp, split, min_chunk):
     """The capacity's counts travel per block of ``block_length`` positions: every sp rank's
     runs (zigzag's middle rank holds two adjacent chunks; balanced's split changes with each
-    microbatch's documents) are whole blocks, so each block has one holder."""
+    microbatch's documents, its chunk count too) are whole blocks, so each block has one
+    holder."""
     from mpipar.parallel.sequence_split import SeqLayout, balanced_layout
     from mpipar.parallel.experts import block_length
-    L = block_length(SeqLayout(seq_len, sp, split))
+    L = block_length(SeqLayout(seq_len, sp, split, min_chunk=min_chunk))
     rng = np.random.default_rng(sp)
     layouts = [SeqLayout(seq_len, sp, split)]
     if split == "balanced":
-        layouts += [balanced_layout(seq_len, sp, np.cumsum(rng.random((2, seq_len)) < 0.1,
-                                                           axis=1)) for _ in range(3)]
+        layouts += [balanced_layout(seq_len, sp, np.cumsum(rng.random((2, seq_len)) < p,
+                                                           axis=1), min_chunk)
+                    for p in (0.1, 0.1, 0.1, 0.01, 0.3)]
     for lay in layouts:
         held = np.concatenate([lay.positions(r) // L for r in range(sp)])
         assert sorted(held.tolist()) == sorted(np.arange(seq_len) // L)

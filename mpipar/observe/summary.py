@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mpipar.observe.metrics import TIME_KEYS, read_records
+from mpipar.parallel.sequence_split import MIN_CHUNK, balanced_chunks
 from mpipar.runtime.precision import Precision
 
 LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
@@ -185,6 +186,9 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
                                        "zero", "sp_mode", "sp_split", "ranks_per_node",
                                        "dp_reduce", "grad_compression") if k in par},
     }
+    if par.get("sp_split") == "balanced" and tr.get("seq_len") and par.get("sp"):
+        out["layout"]["sp_min_chunk"] = par.get("sp_min_chunk", MIN_CHUNK)
+        out["sp_tokens"] = tr["seq_len"] // par["sp"]
     if par.get("zero") == 3 and par.get("zero_shared", "off") != "off":
         out["layout"]["zero_shared"] = par["zero_shared"]
     if tr.get("global_batch_size") and tr.get("micro_batch_size") and par.get("dp"):
@@ -288,7 +292,7 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
         lines.append(f"gradient reduction over dp x sp takes {100 * frac['dp_comm']:.0f}% of the "
                      f"step: do more work per reduction (a larger global batch per rank), use "
                      f"fewer DP ranks, or a larger --bucket-mb so reductions overlap backward")
-    lines += _imbalance_remedy(summary.get("attention_imbalance"), lay)
+    lines += _imbalance_remedy(summary.get("attention_imbalance"), lay, summary.get("sp_tokens"))
     if frac["optimizer"] > 0.25:
         zero = (" --zero 1 shards it over dp x sp;" if dp * sp > 1 and not lay.get("zero")
                 else "")
@@ -317,13 +321,24 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _imbalance_remedy(imbalance: dict[str, float] | None, lay: dict[str, Any]) -> list[str]:
+def _imbalance_remedy(imbalance: dict[str, float] | None, lay: dict[str, Any],
+                      tokens: int | None = None) -> list[str]:
     """What evens the sp ranks' attention work of a run whose mean max/mean is above
-    :data:`IMBALANCE_LIMIT` (nothing once the split is balanced)."""
-    if not imbalance or imbalance["mean"] <= IMBALANCE_LIMIT or lay.get("sp_split") == "balanced":
+    :data:`IMBALANCE_LIMIT`: another split or mode; under the balanced split, smaller chunks
+    where ``--sp-min-chunk`` kept a rank's ``tokens`` in fewer chunks than the finest deal's,
+    else nothing."""
+    if not imbalance or imbalance["mean"] <= IMBALANCE_LIMIT:
         return []
     head = (f"attention work is uneven over the sp ranks (max/mean {imbalance['mean']:.2f} on "
             f"average): ")
+    if lay.get("sp_split") == "balanced":
+        floor = lay.get("sp_min_chunk", MIN_CHUNK)
+        if not tokens or balanced_chunks(tokens, floor) >= balanced_chunks(tokens, 1):
+            return []
+        return [head + f"--sp-split balanced cut a rank's {tokens} tokens into at most "
+                       f"{balanced_chunks(tokens, floor)} chunk(s) (--sp-min-chunk {floor}); a "
+                       f"smaller --sp-min-chunk deals finer chunks, at a kernel call per pair "
+                       f"of a rank's runs in each ring block"]
     if lay.get("sp_mode", "ring") == "ring":
         return [head + "--sp-split balanced deals each microbatch's documents so that every "
                        "rank's work is equal"]

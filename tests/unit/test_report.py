@@ -172,7 +172,8 @@ def test_the_report_knows_packed_documents_and_their_balance():
     """A document-masked run says so with its EOS id and which targets carry no loss; the sp
     ranks' attention imbalance is summarised over the steady steps (the first left out) and,
     above 1.10 on average, the split that evens it is named: balanced for the ring, ring with
-    balanced (or Ulysses) for hybrid; a balanced run is not told to balance."""
+    balanced (or Ulysses) for hybrid; a balanced run is not told to balance, but is told of
+    --sp-min-chunk where that floor kept its chunks fewer than the finest deal's."""
     config = {"model": {"layers": 4},
               "parallel": {"dp": 1, "tp": 1, "pp": 1, "sp": 4, "sp_mode": "ring",
                            "sp_split": "contiguous"},
@@ -204,8 +205,20 @@ def test_the_report_knows_packed_documents_and_their_balance():
     assert len(advice) == 1 and "--sp-mode ring --sp-split balanced" in advice[0] \
         and "only the window's" in advice[0] and "ulysses" not in advice[0]
     config["parallel"].update(sp_mode="ring", sp_split="balanced")
+    config["train"]["seq_len"] = 8192        # 2048 tokens a rank: 32 chunks of the floor's 64
     assert not any(x.startswith("attention work") for x in
                    run_summary.diagnose(run_summary.summarize(records, None, config)))
+    config["parallel"]["sp_min_chunk"] = 128                     # 16 chunks where 32 could be
+    advice = [x for x in run_summary.diagnose(run_summary.summarize(records, None, config))
+              if x.startswith("attention work")]
+    assert advice == ["attention work is uneven over the sp ranks (max/mean 1.38 on average): "
+                      "--sp-split balanced cut a rank's 2048 tokens into at most 16 chunk(s) "
+                      "(--sp-min-chunk 128); a smaller --sp-min-chunk deals finer chunks, at a "
+                      "kernel call per pair of a rank's runs in each ring block"]
+    del config["parallel"]["sp_min_chunk"]
+    config["train"]["seq_len"] = 1024        # the default floor: 4 chunks of 256 tokens a rank
+    assert any("into at most 4 chunk(s) (--sp-min-chunk 64)" in x for x in
+               run_summary.diagnose(run_summary.summarize(records, None, config)))
     for r in records:
         r["attention_imbalance"] = 1.05
     config["parallel"]["sp_split"] = "contiguous"

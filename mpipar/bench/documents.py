@@ -143,14 +143,10 @@ ENGINE_EOS = 255
 
 def document_stream(tokens: int, median: float, sigma: float, rng) -> np.ndarray:
     """``tokens`` byte tokens ``[tokens]`` uint16 of packed documents of log-normal lengths:
-    random ids below :data:`ENGINE_EOS`, each document ended by it."""
-    parts, total = [], 0
-    while total < tokens:
-        parts.append(np.maximum(1, rng.lognormal(np.log(median), sigma, 1024).astype(np.int64)))
-        total += int(parts[-1].sum())
+    random ids below :data:`ENGINE_EOS`, each document (:func:`packed_documents`) ended by it."""
+    ids = packed_documents(tokens, median, sigma, rng)[0]
     out = rng.integers(0, ENGINE_EOS, tokens).astype(np.uint16)
-    ends = np.cumsum(np.concatenate(parts)) - 1
-    out[ends[ends < tokens]] = ENGINE_EOS
+    out[np.flatnonzero(np.diff(ids))] = ENGINE_EOS
     return out
 
 

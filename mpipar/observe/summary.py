@@ -333,10 +333,11 @@ def _imbalance_remedy(imbalance: dict[str, float] | None, lay: dict[str, Any],
             f"average): ")
     if lay.get("sp_split") == "balanced":
         floor = lay.get("sp_min_chunk", MIN_CHUNK)
-        if not tokens or balanced_chunks(tokens, floor) >= balanced_chunks(tokens, 1):
+        chunks = balanced_chunks(tokens, floor) if tokens else 0
+        if not tokens or chunks >= balanced_chunks(tokens, 1):
             return []
         return [head + f"--sp-split balanced cut a rank's {tokens} tokens into at most "
-                       f"{balanced_chunks(tokens, floor)} chunk(s) (--sp-min-chunk {floor}); a "
+                       f"{chunks} chunk(s) (--sp-min-chunk {floor}); a "
                        f"smaller --sp-min-chunk deals finer chunks, at a kernel call per pair "
                        f"of a rank's runs in each ring block"]
     if lay.get("sp_mode", "ring") == "ring":

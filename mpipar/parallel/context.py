@@ -51,7 +51,7 @@ from mpipar.layout import Layout
 from mpipar.parallel.traffic import Call
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord, GridShape
-from mpipar.parallel.sequence_split import SeqLayout, balanced_layout, split_parts
+from mpipar.parallel.sequence_split import SeqLayout, split_parts
 
 Array = Any
 
@@ -684,12 +684,12 @@ def as_documents(docs: Any) -> DocumentPositions:
 
 
 def microbatch_split(seq: SeqLayout, docs: DocumentPositions) -> SeqLayout:
-    """``seq``, or under the balanced split the microbatch's own (:func:`~mpipar.parallel.
-    sequence_split.balanced_layout`, remembered on ``docs``)."""
+    """``seq``, or under the balanced split the microbatch's own (:meth:`~mpipar.parallel.
+    sequence_split.SeqLayout.for_microbatch`, remembered on ``docs``)."""
     if seq.split != "balanced":
         return seq
     return docs.remember(("balanced", seq.seq_len, seq.sp, seq.min_chunk),
-                         lambda: balanced_layout(seq.seq_len, seq.sp, docs.docs, seq.min_chunk))
+                         lambda: seq.for_microbatch(docs.docs))
 
 
 def _ulysses_calls(group: str, q: int, kv: int, reps: int, bwds: int) -> list[Call]:

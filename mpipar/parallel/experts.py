@@ -64,7 +64,8 @@ def block_length(seq: SeqLayout) -> int:
     """The length ``L`` of the position blocks ``[j L, (j+1) L)`` that every sp rank's share of
     a sequence is a union of, whatever the microbatch: ``S / sp`` (contiguous; Ulysses and
     hybrid split as it or zigzag), ``S / (2 sp)`` (zigzag), the finest chunk of ``--sp-split
-    balanced`` (its deals' chunks are unions of it). The capacity's per-sequence counts are summed over sp per block."""
+    balanced`` (its deals' chunks are unions of it). The capacity's per-sequence counts are
+    summed over sp per block."""
     if seq.split == "balanced":
         per = seq.seq_len // seq.sp
         return per // balanced_chunks(per, seq.min_chunk)

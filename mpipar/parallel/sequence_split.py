@@ -66,6 +66,14 @@ class SeqLayout:
         """Global positions ``[S_loc]`` of ``rank``'s tokens, in local order (host metadata)."""
         return np.concatenate([np.arange(s, s + n) for s, n in self.segments(rank)])
 
+    def for_microbatch(self, docs: np.ndarray) -> "SeqLayout":
+        """The split of a microbatch of document ids ``docs`` ``[B, S]``: balanced deals each
+        its own (:func:`balanced_layout`, chunks of at least ``min_chunk``); the others are
+        this one."""
+        if self.split != "balanced":
+            return self
+        return balanced_layout(self.seq_len, self.sp, docs, self.min_chunk)
+
 
 def balanced_chunks(per: int, min_chunk: int = MIN_CHUNK) -> int:
     """The most chunks a rank's ``per`` tokens are cut into by ``--sp-split balanced``: the

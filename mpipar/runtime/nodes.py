@@ -57,8 +57,8 @@ def local_size_from_env() -> int | None:
     None. MPI launchers come first: ranks that mpirun starts inside an allocation inherit the
     variables of its own one-task srun step, which would give the wrong count."""
     for var in LOCAL_SIZE_VARS:
-        if _count(var):
-            return _count(var)
+        if (count := _count(var)) is not None:
+            return count
     if "SLURM_PROCID" in os.environ and os.environ.get("SLURM_NODEID", "").isdigit():
         return slurm_tasks_on_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""),
                                    int(os.environ["SLURM_NODEID"]))

@@ -57,7 +57,7 @@ from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention,
                                      UlyssesAttention)
-from mpipar.parallel.sequence_split import SeqLayout, balanced_layout, rank_work
+from mpipar.parallel.sequence_split import SeqLayout, rank_work
 from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, ExpertSplitUnits,
                                      SequenceExperts, expert_shards, expert_units)
@@ -332,11 +332,11 @@ class Engine:
         tr, positions = self.cfg.train, None
         if tr.document_masking:
             docs = document_ids(inputs, self.eos)
-            seq = self.seq_layout
-            split = (balanced_layout(tr.seq_len, seq.sp, docs, seq.min_chunk)
-                     if seq.split == "balanced" else None)
-            at = self.positions if split is None else split.positions(self.grid.coord.sp)
-            positions = DocumentPositions.of(at, docs, split)
+            split = self.seq_layout.for_microbatch(docs)
+            if split is self.seq_layout:        # one split for every microbatch
+                positions = DocumentPositions.of(self.positions, docs, None)
+            else:
+                positions = DocumentPositions.of(split.positions(self.grid.coord.sp), docs, split)
         return positions, counted_targets(inputs, tr, self.eos, masks)
 
     def _attention_imbalance(self, docs_all: np.ndarray | None) -> float | None:
@@ -355,8 +355,7 @@ class Engine:
             for i in range(self.microbatches):
                 first = replica * self.rows_per_dp + i * mbs
                 docs = docs_all[first:first + mbs]
-                split = (balanced_layout(tr.seq_len, seq.sp, docs, seq.min_chunk)
-                         if seq.split == "balanced" else seq)
+                split = seq.for_microbatch(docs)
                 work = work + sum(n * rank_work(split, docs, w, ulysses)
                                   for w, n in windows.items())
             worst = max(worst, float(work.max() / work.mean()))

@@ -168,6 +168,21 @@ def document_tiles(layout: RaggedLayout) -> int:
     return int((-(-layout.lengths[:layout.documents] // GRID_ROWS)).sum())
 
 
+def tile_entries(lengths: np.ndarray, rows: int, keys: int) -> int:
+    """Score entries a causal kernel of ``rows`` x ``keys`` tiles computes on sequences of
+    ``lengths`` (each from its own tile 0, as cuDNN's ragged calls and FlashAttention's varlen
+    ones run documents), computing every tile it does not skip whole: query tile ``i`` of a
+    sequence of ``n`` tokens walks the key tiles up to its last row's. With a sequence of the
+    full row's length it is the full causal step's count; what a kernel of that tile shape
+    computes per pair on these documents against the full causal step is the floor of its
+    time / work at the full causal step's rate per entry."""
+    total = 0
+    for n in np.asarray(lengths, np.int64).ravel():
+        last = np.minimum(np.arange(rows, n + rows, rows), n) - 1     # each query tile's last row
+        total += rows * keys * int((last // keys + 1).sum())
+    return total
+
+
 def layout_of(q_docs: Array, k_docs: Array) -> RaggedLayout | None:
     """The block's layout when both sides hold the same ids (else None: not a diagonal block);
     the ids may be host or device arrays."""

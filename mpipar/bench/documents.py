@@ -38,6 +38,11 @@ import numpy as np
 from mpipar.bench.harness import Section, ints, train_run
 
 
+TILE_FLOORS = ((128, 128), (128, 64), (64, 64))
+"""Tile shapes (query rows, keys) whose floor `entries` reports: cuDNN's and FlashAttention's
+head-dim-64 forward tiles are of the first two; 64 rows is one Hopper warpgroup's MMA."""
+
+
 def packed_documents(seq: int, median: float, sigma: float, rng) -> np.ndarray:
     """Document ids ``[1, seq]`` of one sample cut from documents of log-normal lengths."""
     lengths, total = [], 0
@@ -186,7 +191,10 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     (`flash_exact.score_entries`; float32 for a 2-byte dtype) and the GPU's bf16 kernel's 16-row
     slabs (`flash_mma.score_entries`, where it has the head dim); and the query tiles of
     `cudnn_documents.GRID_ROWS` rows a head that cuDNN's ragged calls launch (`grid_tiles`: one
-    call, the length classes of `GROUPED`) against the documents' own."""
+    call, the length classes of `GROUPED`) against the documents' own; and for tiles of
+    `TILE_FLOORS` shapes, each document its own sequence (`cudnn_documents.tile_entries`), the
+    entries per pair over the full causal step's at the same tiles: the time / work a kernel of
+    that tile shape reaches if it runs the documents at the full causal step's rate per entry."""
     from mpipar.kernels import cudnn_documents, flash_exact, flash_mma
     from mpipar.kernels.attention_cpu import tile_work
     from mpipar.parallel.sequence_split import token_work
@@ -194,7 +202,12 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]
     ragged = cudnn_documents.ragged_layout(row)
-    return {"cudnn_grid_tiles": cudnn_documents.grid_tiles((ragged,)),
+    full_pairs = row.shape[0] * n * (n + 1) / 2
+    lengths = ragged.lengths[:ragged.documents]
+    floors = {f"{r}x{k}": cudnn_documents.tile_entries(lengths, r, k) / pairs
+              / (row.shape[0] * cudnn_documents.tile_entries([n], r, k) / full_pairs)
+              for r, k in TILE_FLOORS}
+    return {"tile_floors": floors,"cudnn_grid_tiles": cudnn_documents.grid_tiles((ragged,)),
             "cudnn_grouped_grid_tiles": cudnn_documents.grid_tiles(ragged.groups()),
             "cudnn_documents_tiles": cudnn_documents.document_tiles(ragged),
             "cudnn_classes": len(ragged.groups()),
@@ -245,6 +258,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{sp_['cudnn_grid_tiles']}, by length class {sp_['cudnn_grouped_grid_tiles']} "
           f"({sp_['cudnn_classes']} calls each way), the documents' own "
           f"{sp_['cudnn_documents_tiles']}; GROUPED {sp_['cudnn_grouped']}")
+    print("  time / work at the full causal step's rate per entry, tiles rows x keys, each "
+          "document its own sequence: " + ", ".join(f"{t} {f:.3f}"
+                                                    for t, f in sp_["tile_floors"].items()))
     if sp_["per_document_calls_s"] is not None:
         print(f"  the same kernels called once per document's block: "
               f"{sp_['per_document_calls_s'] * 1e3:.1f} ms "

@@ -123,3 +123,23 @@ def test_length_classes_cover_every_document_once():
         assert [g.longest for g in lay.groups()] == sorted({g.longest for g in lay.groups()},
                                                            reverse=True)
     assert cd.grid_tiles(lay.groups()) * 4 < cd.grid_tiles((lay,))
+
+
+def test_tile_entries_count_the_tiles_with_a_causal_pair():
+    """A tiled causal kernel's score entries on sequences each from its own tile 0: every tile
+    holding at least one pair (key <= query, both inside the sequence) computed whole, against a
+    brute-force walk of the tile grid; and by hand."""
+    rng = np.random.default_rng(3)
+    for rows, keys in ((128, 128), (128, 64), (64, 64), (16, 32), (3, 5)):
+        lengths = rng.integers(1, 400, size=7)
+        brute = 0
+        for n in lengths:
+            q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+            pair = k <= q
+            for i in range(0, n, rows):
+                for j in range(0, n, keys):
+                    brute += rows * keys * bool(pair[i:i + rows, j:j + keys].any())
+        assert cd.tile_entries(lengths, rows, keys) == brute
+    # by hand: 200 tokens in 128 x 128 tiles: the first query tile one key tile, the second two
+    assert cd.tile_entries([200], 128, 128) == 3 * 128 * 128
+    assert cd.tile_entries([128, 1], 128, 64) == 2 * 128 * 64 + 128 * 64

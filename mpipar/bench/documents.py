@@ -202,12 +202,12 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
     row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]
     ragged = cudnn_documents.ragged_layout(row)
-    full_pairs = row.shape[0] * n * (n + 1) / 2
     lengths = ragged.lengths[:ragged.documents]
-    floors = {f"{r}x{k}": cudnn_documents.tile_entries(lengths, r, k) / pairs
-              / (row.shape[0] * cudnn_documents.tile_entries([n], r, k) / full_pairs)
+    floors = {f"{r}x{k}": cudnn_documents.tile_entries(lengths, r, k) / pairs    # over a row's
+              / (cudnn_documents.tile_entries([n], r, k) / (n * (n + 1) / 2))   # full causal
               for r, k in TILE_FLOORS}
-    return {"tile_floors": floors,"cudnn_grid_tiles": cudnn_documents.grid_tiles((ragged,)),
+    return {"tile_floors": floors,
+            "cudnn_grid_tiles": cudnn_documents.grid_tiles((ragged,)),
             "cudnn_grouped_grid_tiles": cudnn_documents.grid_tiles(ragged.groups()),
             "cudnn_documents_tiles": cudnn_documents.document_tiles(ragged),
             "cudnn_classes": len(ragged.groups()),

@@ -26,13 +26,13 @@ status 2 on every rank, before any collective. Before anything is allocated, the
 rank's least memory (weights and the KV cache of the prompt and the new tokens, from the sizes
 alone) is checked against the node's, then the stored tensors' shapes against the config, then
 (once the ranks know how many share a node) each rank's predicted peak against its share
-(:func:`check_model`, :func:`check_memory`; ``--allow-oversubscribed-memory`` skips the memory).
+(:func:`check_model`, :mod:`mpipar.plan.admission`; ``--allow-oversubscribed-memory`` skips the
+memory).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,19 +178,15 @@ def encode_prompt(codec: Codec, prompt: str) -> list[int]:
 def check_model(args: argparse.Namespace, cfg: Layout, kind: str, positions: int,
                 on_node: int) -> int:
     """Before anything is allocated, with no collective (every rank gets the same answer):
-    the busiest rank's least memory (:func:`memory_lower_bound`: weights and the KV cache of
-    ``positions`` positions) against its share of the node's available memory (``on_node``
+    the busiest rank's least memory (:func:`mpipar.plan.admission.check_generation_bound`:
+    weights and the KV cache of ``positions`` positions) against its share of the node's available memory (``on_node``
     ranks at least share it), so that a config claiming an absurd model is refused at once;
     then the stored tensors' number and shapes against the config. Returns the bytes every
     rank reads whole (a Hugging Face directory; 0 for a checkpoint). Raises ConfigError or
     CheckpointError."""
-    from mpipar.runtime.memory import available_memory_bytes
-    available = available_memory_bytes()
-    need = memory_lower_bound(cfg, positions)
-    if (not args.allow_oversubscribed_memory and available is not None
-            and need > available // on_node):
-        raise ConfigError(_memory_message(args, "the busiest rank", "at least", need, available,
-                                          on_node, positions))
+    from mpipar.plan.admission import check_generation_bound
+    check_generation_bound(cfg, positions, on_node, args.max_new_tokens,
+                           args.allow_oversubscribed_memory)
     if kind == "hf":
         from mpipar.checkpoint import huggingface as hf
         root = Path(args.model)
@@ -223,79 +219,6 @@ def _check_checkpoint_shapes(path: str, model: ModelConfig) -> None:
             found = "is missing" if name not in stored else f"has shape {list(stored[name])}"
             raise CheckpointError(
                 f"{path}: {name} {found}, but the checkpoint's config implies {list(spec.shape)}")
-
-
-def check_memory(args: argparse.Namespace, cfg: Layout, rank: int, on_node: int,
-                 positions: int, prompt: int, read_whole: int) -> None:
-    """Refuse (ConfigError) a generation whose rank ``rank`` is predicted
-    (:func:`predict_memory`) to need more than its share of the
-    node's available memory (``on_node`` ranks share it). ``--allow-oversubscribed-memory``
-    skips it."""
-    from mpipar.runtime.memory import available_memory_bytes
-    available = available_memory_bytes()
-    if args.allow_oversubscribed_memory or available is None:
-        return
-    need = predict_memory(cfg, rank, positions, prompt, read_whole)
-    if need > available // on_node:
-        raise ConfigError(_memory_message(args, f"rank {rank}", "about", need, available,
-                                          on_node, positions))
-
-
-def _memory_message(args: argparse.Namespace, who: str, what: str, need: int, available: int,
-                    on_node: int, positions: int) -> str:
-    return (f"{who} needs {what} {need:,} bytes ({need / 2**30:,.3g} GiB, the planner's estimate "
-            f"of its weights, the KV cache of {positions:,} positions (the prompt and "
-            f"--max-new-tokens {args.max_new_tokens:,}) and the prompt's pass) but this node has "
-            f"{available:,} bytes available for {on_node} rank(s), {available // on_node:,} "
-            f"each: lower --max-new-tokens, spread the model over more ranks (--tp, --pp), or "
-            f"set --allow-oversubscribed-memory to start anyway")
-
-
-def memory_lower_bound(cfg: Layout, positions: int) -> int:
-    """Bytes the busiest rank of a generation under the resolved ``cfg`` needs at least, from
-    the sizes alone (any number of layers at once): its share of the weights and of the KV
-    cache of ``positions`` positions, ``e * (parameters + 2 * layers * positions * kv_heads *
-    head_dim) / (tp * pp)``."""
-    import numpy as np
-    from mpipar.plan.memory import parameter_count
-    m, par = cfg.model, cfg.parallel
-    e = np.dtype(cfg.train.dtype).itemsize
-    cache = 2 * m.layers * positions * m.kv_heads * m.head_dim
-    return e * (parameter_count(m) + cache) // (par.tp * par.pp)
-
-
-def predict_memory(cfg: Layout, rank: int, positions: int, prompt: int, read_whole: int = 0
-                   ) -> int:
-    """Bytes rank ``rank`` of a generation under the resolved ``cfg`` holds at its peak (the
-    interpreter and its libraries not counted): the larger of
-
-    - loading: its parameter shards, the largest global tensor cast to the dtype, and either
-      ``read_whole`` bytes (a Hugging Face directory: every rank reads every tensor) or its
-      largest shard read from a checkpoint;
-    - decoding: its shards, the KV cache of its stage's blocks for ``positions`` positions
-      (keys and values ``[1, positions, kv_heads / tp, head_dim]`` a block), and the prompt's
-      pass: ``prompt`` rows hidden-, head- and FFN-wide in a block, the block's attention
-      scores and probabilities ``[heads / tp, prompt, prompt]``, and on the last stage the
-      prompt's logits ``[prompt, V / tp]``.
-    """
-    import numpy as np
-    from mpipar.plan.rank import local_param_shapes
-    from mpipar.runtime.topology import rank_coord
-    m, par = cfg.model, cfg.parallel
-    tp, e = par.tp, np.dtype(cfg.train.dtype).itemsize
-    coord = rank_coord(rank, 1, tp, par.pp, 1)
-    shapes = local_param_shapes(cfg, coord)
-    shards = e * sum(math.prod(s) for s in shapes.values())
-    largest_global = e * m.hidden * max(m.vocab_size, m.ffn_hidden, m.heads * m.head_dim)
-    loading = shards + largest_global + (read_whole or e * max(math.prod(s)
-                                                                for s in shapes.values()))
-    blocks = m.layers // par.pp  # one chunk a pipeline rank when generating
-    cache = 2 * blocks * positions * (m.kv_heads // tp) * m.head_dim * e
-    width = 4 * m.hidden + (3 * m.ffn_hidden + 2 * (m.heads + m.kv_heads) * m.head_dim) // tp
-    passing = e * prompt * (width + 2 * (m.heads // tp) * prompt)
-    if coord.pp == par.pp - 1:
-        passing += e * prompt * -(-m.vocab_size // tp)
-    return max(loading, shards + cache + passing)
 
 
 def _load(generator, path: str, kind: str, comm: MPI.Comm) -> None:
@@ -339,7 +262,9 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
         configure_threads(on_node)  # a value the user set stays
     error = None
     try:
-        check_memory(args, cfg, comm.Get_rank(), on_node, positions, len(prompt), read_whole)
+        from mpipar.plan.admission import check_generation_memory
+        check_generation_memory(cfg, comm.Get_rank(), on_node, positions, len(prompt),
+                                read_whole, args.max_new_tokens, args.allow_oversubscribed_memory)
     except ConfigError as exc:
         error = str(exc)
     _agree(comm, error)

@@ -1,9 +1,10 @@
 """Every configuration rule of a run, in the order they are asked.
 
 A rule lives with the component it governs (the tensor split with ``parallel/tensor.py``, the
-schedule with the pipeline, ...); this module only lists them. :func:`validate` checks the
-fields' own rules and the layout's (:func:`mpipar.layout.resolve`: the grid's sizes, the batch
-split), then asks each component in :data:`RULES` order with the resolved :class:`Layout`, and
+schedule with the pipeline, ...); this module only lists them: first every parallel axis's, in
+:data:`mpipar.parallel.registry.AXES` order, then the other components'. :func:`validate` checks
+the fields' own rules and the layout's (:func:`mpipar.layout.resolve`: the grid's sizes, the
+batch split), then asks each component in :data:`RULES` order with the resolved :class:`Layout`, and
 returns it. The first broken rule raises :class:`~mpipar.config.ConfigError` naming the field,
 the value and the rule; the entry points print it once and every rank exits 2 before any
 collective. Nothing registers itself on import: what is checked is what this list says.
@@ -15,20 +16,14 @@ from collections.abc import Callable
 from mpipar.config import Config
 from mpipar.data import packing, sources
 from mpipar.layout import Layout, resolve
-from mpipar.parallel import context, data_parallel, experts, fsdp, tensor
-from mpipar.parallel.pipeline import schedule
+from mpipar.parallel.registry import AXES
 from mpipar.runtime import device
 from mpipar.training import optim
 
 Rule = Callable[[Layout], None]
 
 RULES: tuple[tuple[str, Rule], ...] = (
-    ("tensor", tensor.check_config),        # heads, FFN, tokens for tp sequence parallelism
-    ("pipeline", schedule.check_config),    # layers per stage, virtual stages, the schedule
-    ("context", context.check_config),      # sequence split, Ulysses heads, hybrid groups
-    ("data parallel", data_parallel.check_config),  # buckets, hierarchical nodes, compression
-    ("fsdp", fsdp.check_config),            # ZeRO-2/3 groups, prefetch, node shared memory
-    ("experts", experts.check_config),      # mixture of experts: ep, what it composes with
+    *((axis.name, axis.check) for axis in AXES),   # the parallel axes (parallel/registry.py)
     ("eval", sources.check_config),         # the validation set
     ("documents", packing.check_config),    # EOS id, document masking, the EOS loss mask
     ("optimizer", optim.check_config),      # AdamW and the LR schedule

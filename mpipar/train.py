@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 from mpipar.runtime.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
 from mpipar import config as config_mod
-from mpipar.config import Config, ConfigError
+from mpipar.config import ConfigError
 from mpipar.training.failure import (EXIT_WATCHDOG, FailureReport, fail_usage,
                                      install_abort_hook)
 from mpipar.layout import Layout, model_from_checkpoint
@@ -200,9 +200,10 @@ def _claim(ctx: RunContext):
     from mpipar.training import rundir
     cfg, lock, error = ctx.cfg, None, None
     try:
-        check_memory(cfg, ctx.control.rank, ctx.on_node)
-        check_device_memory(cfg, ctx.control.rank, ctx.on_node)
-        check_shared_memory(cfg, ctx.control.rank, ctx.on_node)
+        from mpipar.plan import admission
+        admission.check_memory(cfg, ctx.control.rank, ctx.on_node)
+        admission.check_device_memory(cfg, ctx.control.rank, ctx.on_node)
+        admission.check_shared_memory(cfg, ctx.control.rank, ctx.on_node)
         rundir.prepare_outputs(cfg)
         if ctx.rank0:
             lock = rundir.RunLock([cfg.train.run_dir, cfg.train.save_dir]).acquire()
@@ -216,87 +217,6 @@ def _claim(ctx: RunContext):
             lock.release()
         raise
     return lock
-
-
-def check_memory(cfg: Config, rank: int, on_node: int) -> None:
-    """Refuse (ConfigError) a run whose rank ``rank`` is predicted to need more than its share
-    of the node's available memory (``on_node`` ranks share it), before anything is allocated:
-    the planner's peak (parameters, gradients, AdamW moments, activations, the token batch and
-    the global tensors of initialisation; :func:`mpipar.plan.memory.predict_peak_memory`), or for
-    sizes too large to list, its lower bound. ``--allow-oversubscribed-memory`` skips it."""
-    from mpipar.runtime.memory import available_memory_bytes
-    from mpipar.plan.memory import memory_lower_bound, predict_peak_memory
-    from mpipar.runtime.topology import rank_coord
-    available = available_memory_bytes()
-    if cfg.train.allow_oversubscribed_memory or available is None:
-        return
-    share = available // on_node
-    need, what = memory_lower_bound(cfg), "at least"
-    if need <= share:
-        par = cfg.parallel
-        need = predict_peak_memory(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp))
-        what = "about"
-    if need > share:
-        raise ConfigError(
-            f"rank {rank} needs {what} {need:,} bytes ({need / 2**30:,.3g} GiB, the planner's "
-            f"estimate of its parameters, gradients, AdamW moments, activations, token batch "
-            f"and initialisation) but this node has {available:,} bytes available for {on_node} "
-            f"rank(s), {share:,} each: use a smaller model or batch, spread it over more ranks "
-            f"or nodes (--tp, --pp, --zero 1, --recompute), or set "
-            f"train.allow_oversubscribed_memory (--allow-oversubscribed-memory) to start anyway")
-
-
-def check_device_memory(cfg: Config, rank: int, on_node: int,
-                        free: tuple[int, int] | None = None) -> None:
-    """On a CUDA device: refuse (ConfigError) a run whose rank ``rank`` is predicted to need
-    more than its share of its GPU's free memory, before anything is allocated there. The
-    planner's bytes of a rank (parameters, gradients, AdamW moments, activations, ZeRO's unit
-    pool; :func:`mpipar.plan.memory.predict_memory`) against the free memory of the GPU divided
-    among the ranks of the node that share it (``on_node`` ranks over the visible GPUs, as
-    :func:`mpipar.runtime.device.gpu_for` deals them out). ``free``: (free bytes of the GPU,
-    visible GPUs), asked from the device when None. ``--allow-oversubscribed-memory`` skips it."""
-    from mpipar.runtime.device import device_memory, resolve_device
-    if cfg.train.allow_oversubscribed_memory or resolve_device(cfg.train.device) != "cuda":
-        return
-    from mpipar.plan.memory import predict_memory
-    from mpipar.runtime.topology import rank_coord
-    available, gpus = free if free is not None else device_memory()
-    sharing = -(-on_node // max(gpus, 1))          # ranks dealt to one GPU, at most
-    share = available // sharing
-    par = cfg.parallel
-    need = predict_memory(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp)).total
-    if need > share:
-        raise ConfigError(
-            f"rank {rank} needs about {need:,} bytes of GPU memory ({need / 2**30:,.3g} GiB, the "
-            f"planner's estimate of its parameters, gradients, AdamW moments and activations) "
-            f"but its GPU has {available:,} bytes free for {sharing} rank(s), {share:,} each: "
-            f"use a smaller model or batch, fewer ranks per GPU, or spread it (--tp, --pp, "
-            f"--zero 1, --recompute), or set train.allow_oversubscribed_memory "
-            f"(--allow-oversubscribed-memory) to start anyway")
-
-
-def check_shared_memory(cfg: Config, rank: int, on_node: int) -> None:
-    """Refuse (ConfigError) ZeRO-3 in node shared memory whose parameters (this rank's part of
-    its node's copy, ``on_node`` ranks alike) would not fit the free space of the shared-memory
-    directory: a window larger than it fails only when touched, with SIGBUS."""
-    from mpipar.runtime.memory import SHARED_MEMORY_DIR, shared_memory_bytes
-    from mpipar.plan.memory import memory_lower_bound
-    from mpipar.plan.rank import node_copy
-    from mpipar.runtime.topology import rank_coord
-    par = cfg.parallel
-    copy = node_copy(cfg, rank_coord(rank, par.dp, par.tp, par.pp, par.sp))
-    if copy is None:
-        return
-    # ranks sharing one copy: given nodes say; detected ones are not known yet (a collective)
-    per_copy = copy[0] if par.ranks_per_node else max(1, min(par.dp * par.sp, on_node // par.tp))
-    free = shared_memory_bytes()
-    need = memory_lower_bound(cfg) // 2 // per_copy * on_node   # the weights' parts
-    if free is not None and need > free:
-        raise ConfigError(
-            f"parallel.zero_shared='node': the {on_node} rank(s) of this node hold at least "
-            f"{need:,} bytes of parameters in shared memory, but {SHARED_MEMORY_DIR} has "
-            f"{free:,} bytes free: enlarge it (a container's is 64 MiB unless given more, e.g. "
-            f"docker run --shm-size), or set parallel.zero_shared='off' (--zero-shared off)")
 
 
 def _build(ctx: RunContext):

@@ -69,7 +69,7 @@ def configs(draw, changes: int = 4) -> dict:
 def validation_error(data: dict, world: int) -> str | None:
     """What a run does before it allocates anything, in process: parse the tables, validate
     against ``world``, check rank 0's memory. Returns the error, or None if it may start."""
-    from mpipar.train import check_memory
+    from mpipar.plan.admission import check_memory
     try:
         cfg = validate(Config.from_dict(data), world)
         check_memory(cfg, 0, 1)

@@ -14,7 +14,9 @@ from layouts import token_source
 from mpipar.rules import validate
 
 HOT_PATH = ("mpipar.training.engine", "mpipar.runtime.comm", "mpipar.model.llama", "mpipar.model.attention",
-            "mpipar.parallel.tensor", "mpipar.parallel.context", "mpipar.parallel.data_parallel",
+            "mpipar.parallel.tensor", "mpipar.parallel.sequence.common",
+            "mpipar.parallel.sequence.ring", "mpipar.parallel.sequence.halo",
+            "mpipar.parallel.sequence.ulysses", "mpipar.parallel.sequence.hybrid", "mpipar.parallel.data_parallel.reducer",
             "mpipar.parallel.compression", "mpipar.parallel.pipeline.executor")
 ALLOWED = {"dtype", "inf", "nan", "ndarray", "generic", "integer", "floating", "bool_"}
 

@@ -35,7 +35,7 @@ COMPRESSION_VARIANTS = {
 }
 """Variant name -> its ``python -m mpipar.train`` flags (top-k at --topk-ratio). Without a
 suffix the run's defaults: error feedback, the codec's default warm-up (a share of the steps,
-:func:`mpipar.parallel.data_parallel.warmup_steps`); ``-w0``: compressed from the first step;
+:func:`mpipar.parallel.data_parallel.reducer.warmup_steps`); ``-w0``: compressed from the first step;
 ``-warm``: after the bench's --warmup uncompressed steps; ``-noef``: no error feedback;
 ``-plain``: AdamW without the catch-up, one step on each arriving sum."""
 

@@ -79,7 +79,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     training engine's allocator policy (`pool_freed_memory`: freed arrays are the next call's
     memory, no fresh pages per call, as in a training step)."""
     from mpipar.kernels import get_backend, with_attention
-    from mpipar.runtime.memory import pool_freed_memory
+    from mpipar.runtime.host_memory import pool_freed_memory
     from mpipar.runtime.precision import numpy_dtype
     from mpipar.runtime.staging import copies_for
     from mpipar.model.attention import DocumentPositions, LocalAttention, documents_in_kernel

@@ -2,7 +2,7 @@
 
 A block computes q, k, v (after RoPE) for its tokens and hands them to an *attention core*:
 :class:`LocalAttention` here when one rank holds the whole sequence, or ring / Ulysses attention
-over sequence parallelism (:mod:`mpipar.parallel.context`). A core says explicitly what its
+over sequence parallelism (:mod:`mpipar.parallel.sequence`). A core says explicitly what its
 backward reads, so the block's recomputation knows what it may drop:
 
 - ``forward(q, k, v, positions, window) -> (out, saved)``: ``saved`` is what the core keeps

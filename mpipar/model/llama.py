@@ -86,7 +86,7 @@ class ParamScope(Protocol):
     """The seam through which a stage announces the *units* it reads parameters in (the
     embedding ``embed``, each block ``layers.{i}``, the final norm and LM head ``head``): data
     parallelism may keep a unit's parameters and gradients only while it runs (ZeRO-3,
-    :class:`mpipar.parallel.fsdp.ShardedParams`). The model makes no collective itself."""
+    :class:`mpipar.parallel.fsdp.sharded.ShardedParams`). The model makes no collective itself."""
 
     def using(self, units: Sequence[str], backward: bool,
               grads_final: bool = True) -> AbstractContextManager[None]:

@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mpipar.observe.metrics import TIME_KEYS, read_records
+from mpipar.parallel.sequence.registry import SP_MODES
 from mpipar.parallel.sequence_split import MIN_CHUNK, balanced_chunks
 from mpipar.runtime.precision import Precision
 
@@ -279,7 +280,7 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
                      f"the factor to dp or pp; keep tp within a node")
     window = summary.get("window")
     if sp > 1 and t["sp_comm"] > 0.5 * t["compute"]:
-        if window and lay.get("sp_mode") != "halo":
+        if window and not SP_MODES[lay.get("sp_mode", "ring")].sends_window:
             lines.append(f"SP communication ({t['sp_comm']:.3g} s) is over half of compute: with "
                          f"a sliding window of {window['sliding_window']} tokens, --sp-mode halo "
                          f"sends each rank only the K/V within the window (bytes grow with the "
@@ -340,15 +341,13 @@ def _imbalance_remedy(imbalance: dict[str, float] | None, lay: dict[str, Any],
                        f"{chunks} chunk(s) (--sp-min-chunk {floor}); a "
                        f"smaller --sp-min-chunk deals finer chunks, at a kernel call per pair "
                        f"of a rank's runs in each ring block"]
-    if lay.get("sp_mode", "ring") == "ring":
+    mode = SP_MODES[lay.get("sp_mode", "ring")]
+    if mode.balanced_split:
         return [head + "--sp-split balanced deals each microbatch's documents so that every "
                        "rank's work is equal"]
-    mode = lay.get("sp_mode")
-    return [head + "--sp-mode ring --sp-split balanced deals each microbatch's documents "
-                   "evenly" + {"hybrid": ", or --sp-mode ulysses shares the work of the whole "
-                                         "sequence",
-                               "halo": " (the ring passes whole K/V blocks where the halo sends "
-                                       "only the window's)"}.get(mode, "")]
+    dealer = next(m for m in SP_MODES.values() if m.balanced_split)
+    return [head + f"--sp-mode {dealer.name} --sp-split balanced deals each microbatch's "
+                   "documents evenly" + mode.balance_hint]
 
 
 def _bubble_remedies(lay: dict[str, Any], layers: int | None) -> list[str]:

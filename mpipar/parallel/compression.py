@@ -1,7 +1,7 @@
 """Gradient compression with error feedback: what a compressed reduction sends, as bytes.
 
 Two codecs, free of MPI, allocating from the array module they are given (the kernel
-backend's ``xp``: NumPy or CuPy); :class:`mpipar.parallel.data_parallel.GradReducer` moves their bytes.
+backend's ``xp``: NumPy or CuPy); :class:`mpipar.parallel.data_parallel.reducer.GradReducer` moves their bytes.
 
 - :class:`Int8Codec`: each ``BLOCK`` elements become int8 values ``rint(x / s)`` with one
   float32 scale ``s = max|x| / 127``, packed per piece as ``[int8 values | float32 scales]``

@@ -50,10 +50,12 @@ from mpipar.kernels import moe as K_moe
 from mpipar.layout import Layout
 from mpipar.model.moe import Done, LocalExperts, Plan, Transfer
 from mpipar.parallel.sequence_split import SeqLayout, balanced_chunks, split_parts
-from mpipar.parallel.data_parallel import padded_size, plan_buckets
-from mpipar.parallel.fsdp import Units, sharded_calls
+from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
+from mpipar.parallel.fsdp.cost import sharded_calls
+from mpipar.parallel.fsdp.sharded import Units
 from mpipar.parallel.placement import PlacementTable, expert_of
-from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.parallel.axis import AxisUnit, StepRank
+from mpipar.parallel.calls import Call, element_bytes
 from mpipar.runtime.comm import Group, Request
 from mpipar.runtime.precision import Precision
 
@@ -262,9 +264,9 @@ def expert_unit_calls(layout: Layout, *, lengths: dict[str, int],
                       backward: bool) -> list[Call]:
     """ZeRO-2/3 with the experts sharded over ep: the calls of a rank whose experts' units have
     ``lengths`` elements (:func:`expert_units`, padded to a multiple of ``ep_dp``), whose
-    passes enter ``entered`` (:func:`mpipar.parallel.fsdp.unit_passes`: the units without
+    passes enter ``entered`` (:func:`mpipar.parallel.fsdp.cost.unit_passes`: the units without
     experts are skipped) and which keeps ``kept`` of them gathered from forward to backward:
-    :func:`mpipar.parallel.fsdp.sharded_calls` over ``ep_dp`` (never in node shared memory);
+    :func:`mpipar.parallel.fsdp.cost.sharded_calls` over ``ep_dp`` (never in node shared memory);
     a training step adds the experts' share of the squared gradient norm summed over ``ep_dp``
     and over ``ep``. Nothing over an ``ep_dp`` of one rank."""
     if not lengths:
@@ -361,7 +363,7 @@ class ExpertSplitReducer:
 
 class ExpertSplitUnits(ExpertSplitReducer):
     """ZeRO-2/3 with the experts sharded over ep: the dense units over dp x sp and the
-    experts' units over ``ep_dp`` (two :class:`mpipar.parallel.fsdp.ShardedParams` sharing one
+    experts' units over ``ep_dp`` (two :class:`mpipar.parallel.fsdp.sharded.ShardedParams` sharing one
     buffer pool), and the model's scope over both: entering a block's unit enters its dense
     unit, then its experts' (each store gathers and prefetches along its own units); leaving
     it leaves both in that order, so every rank of dp x sp posts the dense collectives, and
@@ -453,3 +455,19 @@ def check_config(layout: Layout) -> None:
     if m.moe_shared_ffn_hidden % p.tp:   # the shared expert is split as the dense FFN
         raise ConfigError(f"parallel.tp={p.tp}: must divide model.moe_shared_ffn_hidden="
                           f"{m.moe_shared_ffn_hidden}")
+
+
+def _expert_traffic(rank: StepRank) -> list[Call]:
+    layout, calls = rank.layout, []
+    if layout.parallel.zero >= 2:
+        calls += expert_unit_calls(layout, lengths=rank.expert_unit_lengths,
+                                   entered=rank.entered, kept=rank.expert_kept_units,
+                                   passes=rank.passes, backward=rank.train)
+    if layout.config.model.moe_experts:
+        calls += expert_calls(layout, [i for c in rank.chunk_layers for i in c], rank.passes,
+                              rank.train)
+    return calls
+
+
+EXPERTS = AxisUnit("experts", check_config, _expert_traffic)
+"""The expert axis: the sparse blocks' exchange over sp and ep, the experts sharded over ep."""

@@ -10,7 +10,7 @@
   balanced split evens out, the bench's balance table and the step's ``attention_imbalance``.
 
 Host metadata only (NumPy on positions and document ids): no MPI, no device arrays. The
-attention cores that use these layouts are in :mod:`mpipar.parallel.context`.
+attention cores that use these layouts are in :mod:`mpipar.parallel.sequence`.
 """
 from __future__ import annotations
 

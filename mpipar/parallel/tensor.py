@@ -36,7 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mpipar.parallel.traffic import Call
+from mpipar.parallel.axis import AxisUnit, StepRank
+from mpipar.parallel.calls import Call
 from mpipar.runtime.comm import Group
 from mpipar.runtime.precision import Precision
 from mpipar.config import require
@@ -278,7 +279,7 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     ``passes`` forwards of a microbatch through each chunk, each with its backward
     (``backward``: a training step) or without (a validation pass). ``unit_passes``: at
     ZeRO-2/3, ``(unit, reduce-scatters in a step)`` of each unit the rank's passes enter
-    (:func:`mpipar.parallel.fsdp.unit_passes`); otherwise unread.
+    (:func:`mpipar.parallel.fsdp.cost.unit_passes`); otherwise unread.
 
     Without sequence parallelism each block all-reduces the stream twice forward (after o and
     down) and twice backward (the inputs of q/k/v and gate/up); ``recompute="full"`` runs each
@@ -333,3 +334,13 @@ def _norm_reductions(layout: Layout, stages: Sequence[int],
     if layout.parallel.schedule == "zb-h1":
         return [2 * per + int(s == last) for s in stages]
     return [2] * (per * len(stages)) + ([1] if last in stages else [])
+
+
+def _tensor_traffic(rank: StepRank) -> list[Call]:
+    if rank.layout.parallel.tp == 1:
+        return []
+    return tensor_calls(rank.layout, rank.stages, rank.passes, rank.train, rank.entered)
+
+
+TENSOR = AxisUnit("tensor", check_config, _tensor_traffic)
+"""The tensor axis: heads, FFN and tokens split over tp; its collectives."""

@@ -1,11 +1,13 @@
-"""What one rank holds in memory: its state exactly, its activations as an estimate.
+"""The memory model: what one rank holds, in training and in generation.
 
 :func:`predict_memory` gives a rank's bytes of weights, gradients and optimizer state (exact: the
 engine's flat buffers and moments, or ZeRO-2/3's units) and of saved activations (an estimate
 from what each recompute mode keeps, at the peak number of microbatches the schedule holds in
 flight). :func:`predict_peak_memory` adds initialisation and the token batch: what training
 compares with the node's memory before it allocates anything; :func:`memory_lower_bound` is a
-cheap bound for models too large to list.
+cheap bound for models too large to list. A generation's rank: :func:`predict_generation_memory`
+(its shards, the KV cache, the prompt's pass) and :func:`generation_lower_bound`. What the node
+gives them is :mod:`mpipar.plan.admission`'s business.
 """
 from __future__ import annotations
 
@@ -13,18 +15,19 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout, resolve_model
-from mpipar.parallel.context import halo_plan
-from mpipar.parallel.sequence_split import SeqLayout
-from mpipar.parallel.fsdp import MAX_IN_FLIGHT
+from mpipar.parallel.sequence.registry import sequence_mode
+from mpipar.parallel.fsdp.sharded import MAX_IN_FLIGHT
 from mpipar.parallel.placement import padded_vocab
 from mpipar.plan.rank import (bucket_lengths, compressed_size, expert_buckets,
                               expert_unit_lengths, group_sizes, kept_units,
                               local_param_shapes, node_copy, placement_table, rank_ops,
                               unit_lengths)
 from mpipar.runtime.precision import Precision
-from mpipar.runtime.topology import Coord
+from mpipar.runtime.topology import Coord, rank_coord
 
 
 @dataclass
@@ -82,11 +85,12 @@ def _block_activation_bytes(layout: Layout, mode: str, sparse: bool = False) -> 
     H, q, kv, F = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim, \
         m.ffn_hidden // par.tp
     lse = n * (m.heads // par.tp) * se
-    ulysses = par.sp > 1 and par.sp_mode == "ulysses"
-    # The core's output, and its context: the lse (local, ring) or Ulysses' all-to-all'ed copies
-    # of q, k, v and of the output, and the lse.
-    core = q * n * e + lse + ((2 * q + 2 * kv) * n * e if ulysses else 0) + _halo_bytes(layout)
-    inputs = 0 if ulysses else (q + 2 * kv) * n * e          # q, k, v as the core reads them
+    sp_mode = sequence_mode(par)
+    # The core's output, the lse, and what the sp mode's core keeps beside them (Ulysses' all-
+    # to-all'ed copies of q, k, v and of the output; the halo's K/V rows)
+    core = q * n * e + lse + (sp_mode.saved_bytes(layout) if par.sp > 1 else 0)
+    keeps = par.sp == 1 or sp_mode.keeps_inputs
+    inputs = (q + 2 * kv) * n * e if keeps else 0            # q, k, v as the core reads them
     ffn = {"none": 3 * F * n * e, "selective": 2 * F * n * e}.get(mode, 0)
     if sparse and mode in ("none", "selective"):
         # the router's input h2 is kept with the record (selective drops h2 itself)
@@ -120,19 +124,6 @@ def _sparse_ffn_bytes(layout: Layout, mode: str) -> int:
     shared = (3 if mode == "none" else 2) * n * (m.moe_shared_ffn_hidden // par.tp) * e
     gate = (n * se + n * H * e) if m.moe_shared_gate else 0    # its sigmoid and ungated output
     return routed + router + shared + gate
-
-
-def _halo_bytes(layout: Layout) -> int:
-    """Bytes of the K/V rows halo attention keeps for backward in one block (the most of any
-    SP rank and layer); 0 in the other modes."""
-    m, par, tr = layout.model, layout.parallel, layout.train
-    if par.sp == 1 or par.sp_mode != "halo":
-        return 0
-    seq = SeqLayout(tr.seq_len, par.sp, par.sp_split)
-    rows = max(sum(len(p) for p in halo_plan(seq, r, w).recv.values())
-               for r in range(par.sp) for w in set(m.windows()))
-    return 2 * rows * tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim \
-        * _precision(layout).compute_bytes
 
 
 def _head_activation_bytes(layout: Layout) -> int:
@@ -233,7 +224,7 @@ def _kept_meets_forward(layout: Layout, coord: Coord) -> bool:
 
 
 def _unit_buffers(layout: Layout, coord: Coord) -> int:
-    """ZeRO-2/3: a bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.
+    """ZeRO-2/3: a bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.sharded.
     BufferPool` keeps what a step needed at once, by length): per unit length, the gathered
     units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head, the
     units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and
@@ -330,3 +321,45 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
     rows = tr.global_batch_size // layout.dp
     tokens = 8 * rows * (3 * (tr.seq_len + 1) + 2 * (tr.seq_len // par.sp))
     return max(initialising, building, mem.total + tokens)
+
+
+def generation_lower_bound(layout: Layout, positions: int) -> int:
+    """Bytes the busiest rank of a generation under ``layout`` needs at least, from the sizes
+    alone (any number of layers at once): its share of the weights and of the KV cache of
+    ``positions`` positions, ``e * (parameters + 2 * layers * positions * kv_heads *
+    head_dim) / (tp * pp)``."""
+    m, par = layout.model, layout.parallel
+    e = np.dtype(layout.train.dtype).itemsize
+    cache = 2 * m.layers * positions * m.kv_heads * m.head_dim
+    return e * (parameter_count(m) + cache) // (par.tp * par.pp)
+
+
+def predict_generation_memory(layout: Layout, rank: int, positions: int, prompt: int,
+                              read_whole: int = 0) -> int:
+    """Bytes rank ``rank`` of a generation under ``layout`` holds at its peak (the interpreter
+    and its libraries not counted): the larger of
+
+    - loading: its parameter shards, the largest global tensor cast to the dtype, and either
+      ``read_whole`` bytes (a Hugging Face directory: every rank reads every tensor) or its
+      largest shard read from a checkpoint;
+    - decoding: its shards, the KV cache of its stage's blocks for ``positions`` positions
+      (keys and values ``[1, positions, kv_heads / tp, head_dim]`` a block), and the prompt's
+      pass: ``prompt`` rows hidden-, head- and FFN-wide in a block, the block's attention
+      scores and probabilities ``[heads / tp, prompt, prompt]``, and on the last stage the
+      prompt's logits ``[prompt, V / tp]``.
+    """
+    m, par = layout.model, layout.parallel
+    tp, e = par.tp, np.dtype(layout.train.dtype).itemsize
+    coord = rank_coord(rank, 1, tp, par.pp, 1)
+    shapes = local_param_shapes(layout, coord)
+    shards = e * sum(math.prod(s) for s in shapes.values())
+    largest_global = e * m.hidden * max(m.vocab_size, m.ffn_hidden, m.heads * m.head_dim)
+    loading = shards + largest_global + (read_whole or e * max(math.prod(s)
+                                                                for s in shapes.values()))
+    blocks = m.layers // par.pp  # one chunk a pipeline rank when generating
+    cache = 2 * blocks * positions * (m.kv_heads // tp) * m.head_dim * e
+    width = 4 * m.hidden + (3 * m.ffn_hidden + 2 * (m.heads + m.kv_heads) * m.head_dim) // tp
+    passing = e * prompt * (width + 2 * (m.heads // tp) * prompt)
+    if coord.pp == par.pp - 1:
+        passing += e * prompt * -(-m.vocab_size // tp)
+    return max(loading, shards + cache + passing)

@@ -2,9 +2,9 @@
 
 A rank at grid coordinate ``coord`` of a resolved :class:`mpipar.layout.Layout` holds the
 parameter shards of its pipeline chunks (:func:`local_param_shapes`, from the placement table),
-in flat gradient buckets (:func:`bucket_lengths`, as :class:`mpipar.parallel.data_parallel.GradReducer`
+in flat gradient buckets (:func:`bucket_lengths`, as :class:`mpipar.parallel.data_parallel.reducer.GradReducer`
 lays them out) or, at ZeRO-2/3, in units (:func:`unit_lengths`, as
-:class:`mpipar.parallel.fsdp.ShardedParams` does), and runs its pipeline rank's op list of the
+:class:`mpipar.parallel.fsdp.sharded.ShardedParams` does), and runs its pipeline rank's op list of the
 schedule (:func:`rank_ops`). The nodes are ``parallel.ranks_per_node`` consecutive ranks each
 (:func:`nodes_of`); :func:`group_sizes` gives the ranks of each group of the grid on them. The
 placement tables and schedules are cached: the layout search asks for the same ones many times.
@@ -18,9 +18,9 @@ import math
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
 from mpipar.parallel.compression import alignment
-from mpipar.parallel.data_parallel import reduction_buckets
+from mpipar.parallel.data_parallel.cost import reduction_buckets
 from mpipar.parallel.experts import expert_bucket_lengths, expert_shards, expert_units
-from mpipar.parallel import fsdp
+from mpipar.parallel.fsdp import cost as fsdp_cost, sharded as fsdp
 from mpipar.parallel.pipeline.schedule import Op, build_schedule
 from mpipar.parallel.placement import PlacementTable, expert_of
 from mpipar.runtime.topology import Coord, GridShape, NodeMap
@@ -115,7 +115,7 @@ def compressed_size(layout: Layout) -> int:
 
 def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
     """(elements, whether it holds a tied embedding summed over pp_ends) of each flat gradient
-    bucket of the rank at ``coord`` (:func:`mpipar.parallel.data_parallel.reduction_buckets`)."""
+    bucket of the rank at ``coord`` (:func:`mpipar.parallel.data_parallel.cost.reduction_buckets`)."""
     table = placement_table(layout)
     order = [(n, s) for n, s in reversed(list(local_param_shapes(layout, coord).items()))
              if table.ep == 1 or expert_of(n) is None]      # sharded experts: their own buckets
@@ -150,12 +150,12 @@ def rank_units(layout: Layout, coord: Coord) -> tuple[fsdp.Units, fsdp.Units]:
 def _lengths(layout: Layout, coord: Coord, experts: bool) -> dict[str, int]:
     elements = {n: math.prod(s) for n, s in local_param_shapes(layout, coord).items()}
     shards = layout.dp * layout.parallel.sp // expert_shards(layout) if experts else 0
-    return fsdp.unit_lengths(layout, rank_units(layout, coord)[experts], elements, shards)
+    return fsdp_cost.unit_lengths(layout, rank_units(layout, coord)[experts], elements, shards)
 
 
 def unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
     """ZeRO-2/3: elements of each dense unit of the rank at ``coord`` (padded to a multiple of
-    dp*sp), each once (:func:`mpipar.parallel.fsdp.unit_lengths`)."""
+    dp*sp), each once (:func:`mpipar.parallel.fsdp.cost.unit_lengths`)."""
     return _lengths(layout, coord, False)
 
 
@@ -167,14 +167,14 @@ def expert_unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
 
 def kept_units(layout: Layout, coord: Coord, experts: bool = False) -> set[str]:
     """ZeRO-3: the dense (or ``experts``') units of the rank at ``coord`` gathered from their
-    forward to their backward (:func:`mpipar.parallel.fsdp.kept_after_forward`)."""
+    forward to their backward (:func:`mpipar.parallel.fsdp.sharded.kept_after_forward`)."""
     return fsdp.kept_after_forward([[u for u, _ in units]
                                     for units in rank_units(layout, coord)[experts]],
                                    layout.parallel.zero_prefetch)
 
 
 def node_copy(layout: Layout, coord: Coord) -> tuple[int, int] | None:
-    """ZeRO-3 in node shared memory (:func:`mpipar.parallel.fsdp.node_shared`), on the nodes
+    """ZeRO-3 in node shared memory (:func:`mpipar.parallel.fsdp.sharded.node_shared`), on the nodes
     the planner assumes, as the engine decides: (ranks of this rank's dp x sp group on its
     node, nodes the group spans), or None where the units are gathered (not asked for, CUDA,
     or a group across nodes that hold unequal numbers of its ranks, or one rank each)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mpipar.config import Config, ConfigError
 from mpipar.layout import Layout, vary
+from mpipar.parallel.sequence.registry import SP_MODES, sequence_mode
 from mpipar.plan.memory import MemoryEstimate, predict_memory
 from mpipar.plan.step_time import (Hardware, StepDocuments, StepTime, predict_step_time,
                                    step_microbatches, with_nodes)
@@ -46,8 +47,7 @@ class Candidate:
             text += f" {par.schedule}" + (f"(v={par.virtual_stages})" if par.virtual_stages > 1
                                           else "")
         if par.sp > 1:
-            text += f" {par.sp_mode}" + ("" if par.sp_mode == "ulysses" else f"/{par.sp_split}")
-            text += f"(U={par.ulysses_size})" if par.sp_mode == "hybrid" else ""
+            text += sequence_mode(par).describe(par)
         if par.dp * par.sp > 1 and par.dp_reduce == "hierarchical":
             text += " hierarchical"
         if par.dp * par.sp > 1 and par.grad_compression != "none":
@@ -95,12 +95,11 @@ def _sp_choices(base: Config, tp: int, sp: int, fixed: set[str]) -> list[tuple[s
     par = base.parallel
     if sp == 1 or {"sp_mode", "sp_split", "ulysses_size"} & fixed:
         return [(par.sp_mode, par.sp_split, par.ulysses_size)]
-    modes = [("ring", "zigzag", 0), ("ring", "contiguous", 0), ("ulysses", "contiguous", 0)]
-    if base.train.document_masking:
-        modes.append(("ring", "balanced", 0))
     node_sp = par.ranks_per_node // tp if par.ranks_per_node % tp == 0 else 0
-    if 1 < node_sp < sp and sp % node_sp == 0:
-        modes.append(("hybrid", "zigzag", node_sp))
+    modes = [(mode.name, split, u) for mode in SP_MODES.values()
+             for split, u in mode.search_choices(base, sp, node_sp)]
+    if base.train.document_masking:
+        modes += [(mode.name, "balanced", 0) for mode in SP_MODES.values() if mode.balanced_split]
     return modes
 
 

@@ -41,11 +41,13 @@ import numpy as np
 from mpipar.config import Config
 from mpipar.layout import Layout, vary
 from mpipar.model.attention import DocumentPositions
-from mpipar.parallel.context import document_hops, halo_plan, microbatch_split, ring_hops
+from mpipar.parallel.sequence.common import microbatch_split
+from mpipar.parallel.sequence.mode import SequenceMode
+from mpipar.parallel.sequence.registry import sequence_mode
 from mpipar.parallel.sequence_split import MIN_CHUNK, SeqLayout, rank_work
 from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.placement import padded_vocab
-from mpipar.parallel.traffic import element_bytes
+from mpipar.parallel.calls import element_bytes
 from mpipar.model.flops import block_flops_per_token
 from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group_members,
                               group_sizes,
@@ -196,45 +198,38 @@ class StepDocuments:
     @functools.lru_cache(maxsize=64)
     def microbatches(self, dp: int, mbs: int) -> tuple[DocumentPositions, ...]:
         """dp replica 0's microbatches (the engine's cut of the global batch), each's
-        documents as the traffic reads them (:func:`mpipar.parallel.context.sequence_calls`)."""
+        documents as the traffic reads them
+        (:func:`mpipar.parallel.sequence.cost.sequence_calls`)."""
         rows = self.ids[:self.ids.shape[0] // dp]
         return tuple(DocumentPositions.of(np.arange(0), rows[i:i + mbs])
                      for i in range(0, rows.shape[0], mbs))
 
 
 @functools.lru_cache(maxsize=4096)
-def _document_sp(docs: StepDocuments, seq_len: int, sp: int, split: str, mode: str, u: int,
-                 dp: int, mbs: int, window: int, min_chunk: int = MIN_CHUNK
+def _document_sp(docs: StepDocuments, seq_len: int, sp: int, split: str, mode: SequenceMode,
+                 u: int, dp: int, mbs: int, window: int, min_chunk: int = MIN_CHUNK
                  ) -> tuple[float, float]:
     """(mean keys a query attends to on the sp rank with the most work, key blocks beyond its
     own a rank attends to) over the microbatches of ``docs``, in a layer with ``window``:
     the ranks' intra-document pairs (:func:`~mpipar.parallel.sequence_split.rank_work`; a
-    Ulysses group shares its work) and the ring's hops per microbatch (:func:`~mpipar.parallel.
-    context.document_hops`; the halo's sources do not depend on the documents)."""
-    ulysses = {"ulysses": sp, "hybrid": u}.get(mode, 1)
-    work, hops = 0.0, 0.0
+    Ulysses group shares its work) and the key blocks per microbatch (the mode's
+    :meth:`~mpipar.parallel.sequence.mode.SequenceMode.document_blocks`)."""
+    ulysses = mode.work_group(sp, u)
+    ring = mode.ring_split(seq_len, sp, split, u, min_chunk)
+    work, hops = 0.0, 0
     micro = docs.microbatches(dp, mbs)
     for d in micro:
         seq = microbatch_split(SeqLayout(seq_len, sp, split, min_chunk=min_chunk), d)
         work = work + rank_work(seq, d.docs, window, ulysses)
-        if sp > 1 and mode in ("ring", "hybrid"):
-            ring = seq if mode == "ring" else SeqLayout(seq_len, sp // u, split)
-            h = document_hops(ring, window, d)
-            hops += h.right + h.left
-    if sp > 1 and mode == "halo":
-        hops = _sp_blocks(mode, SeqLayout(seq_len, sp, split), window) * len(micro)
+        if ring.sp > 1:
+            hops += mode.document_blocks(seq, ring, window, d)
     return float(np.max(work)) / (len(micro) * mbs * seq_len / sp), hops / len(micro)
 
 
-def _sp_blocks(mode: str, seq: SeqLayout, window: int) -> int:
-    """Key blocks beyond its own that a rank attends to in a layer with ``window``: the ring's
-    hops, or the halo's source ranks (the most of any rank); 0 for Ulysses and without SP."""
-    if seq.sp == 1 or mode == "ulysses":
-        return 0
-    if mode == "halo":
-        return max(len(halo_plan(seq, r, window).recv) for r in range(seq.sp))
-    hops = ring_hops(seq, window)
-    return hops.right + hops.left
+def _sp_blocks(mode: SequenceMode, seq: SeqLayout, window: int) -> int:
+    """Key blocks beyond its own that a rank attends to in a layer with ``window`` (the mode's
+    :meth:`~mpipar.parallel.sequence.mode.SequenceMode.key_blocks`); 0 without SP."""
+    return 0 if seq.sp == 1 else mode.key_blocks(seq, window)
 
 
 def step_microbatches(layout: Layout, documents: StepDocuments | None
@@ -251,10 +246,10 @@ def _sp_context(layout: Layout, window: int = 0) -> float:
     sliding ``window`` (0: full causal)."""
     tr, par = layout.train, layout.parallel
     # hybrid: the ring's ranks are the Ulysses groups, whose members share a group's work
-    S, n = tr.seq_len, par.sp // (par.ulysses_size if par.sp_mode == "hybrid" else 1)
+    S, n = tr.seq_len, sequence_mode(par).ring_ranks(par)
     if window:
         return min(window, _sp_context(layout))
-    if n == 1 or par.sp_mode == "ulysses" or par.sp_split == "zigzag":
+    if n == 1 or par.sp_split == "zigzag":
         return (S + 1) / 2
     return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
 
@@ -270,15 +265,14 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     windows = m.windows()
-    seq = (SeqLayout(tr.seq_len, par.sp // par.ulysses_size, par.sp_split)
-           if par.sp_mode == "hybrid" else SeqLayout(tr.seq_len, par.sp, par.sp_split,
-                                                     min_chunk=par.sp_min_chunk))
+    mode = sequence_mode(par)
+    seq = mode.ring_split(tr.seq_len, par.sp, par.sp_split, par.ulysses_size, par.sp_min_chunk)
     # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
     if documents is None:
         context = sum(_sp_context(layout, w) for w in windows) / len(windows)
-        hops = sum(_sp_blocks(par.sp_mode, seq, w) for w in windows) / len(windows)
+        hops = sum(_sp_blocks(mode, seq, w) for w in windows) / len(windows)
     else:
-        each = [_document_sp(documents, tr.seq_len, par.sp, par.sp_split, par.sp_mode,
+        each = [_document_sp(documents, tr.seq_len, par.sp, par.sp_split, mode,
                              par.ulysses_size, par.dp, tr.micro_batch_size, w,
                              par.sp_min_chunk) for w in windows]
         context, hops = (sum(x[i] for x in each) / len(each) for i in (0, 1))

@@ -7,11 +7,11 @@ counting convention (:mod:`mpipar.runtime.comm`: the payload of each call, sende
 inside and across nodes (the planner's nodes, :func:`mpipar.plan.rank.nodes_of`;
 :mod:`mpipar.runtime.comm` for the wire factors and links). All three come from one list of the
 step's calls (:func:`step_calls`), which concatenates what each parallel axis predicts for
-itself (:mod:`mpipar.parallel.traffic`): tensor (:func:`mpipar.parallel.tensor.tensor_calls`),
-sequence (:func:`mpipar.parallel.context.sequence_calls`), pipeline
+itself (:mod:`mpipar.parallel.calls`): tensor (:func:`mpipar.parallel.tensor.tensor_calls`),
+sequence (:func:`mpipar.parallel.sequence.cost.sequence_calls`), pipeline
 (:func:`mpipar.parallel.pipeline.schedule.pipeline_calls`), and the gradient reduction over
-dp x sp (:func:`mpipar.parallel.data_parallel.reduction_calls`, or at ZeRO-2/3
-:func:`mpipar.parallel.fsdp.sharded_calls`; the experts' over ``ep_dp``:
+dp x sp (:func:`mpipar.parallel.data_parallel.cost.reduction_calls`, or at ZeRO-2/3
+:func:`mpipar.parallel.fsdp.cost.sharded_calls`; the experts' over ``ep_dp``:
 :mod:`mpipar.parallel.experts`), plus the engine's scalar reductions. The tests
 hold the engine's ledger to these numbers exactly, so the model and the implementation cannot
 drift apart; a mismatch in one group points at the axis that owns it.
@@ -20,59 +20,100 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from dataclasses import dataclass
 
 from mpipar.layout import Layout
 from mpipar.model.params import EMBED
-from mpipar.parallel.context import sequence_calls
-from mpipar.parallel.data_parallel import reduction_calls
-from mpipar.parallel.experts import expert_calls, expert_unit_calls
-from mpipar.parallel.fsdp import sharded_calls, unit_passes
-from mpipar.parallel.pipeline.schedule import pipeline_calls
-from mpipar.parallel.tensor import tensor_calls
-from mpipar.parallel.traffic import Call
+from mpipar.parallel.calls import Call
+from mpipar.parallel.fsdp.cost import unit_passes
+from mpipar.parallel.registry import AXES
 from mpipar.plan.rank import (expert_unit_lengths, gradient_buckets, grid_shape,
                               group_members, group_sizes, kept_units, node_copy, nodes_of,
                               placement_table, rank_ops, rank_stages, unit_lengths)
 from mpipar.runtime import allreduce
 from mpipar.runtime.comm import ALLREDUCE_OPS, LINKS, wire_bytes
-from mpipar.runtime.topology import Coord
+from mpipar.runtime.topology import Coord, GridShape
+
+
+@dataclass
+class PlannedStep:
+    """The rank at ``coord`` of ``layout`` in one training step (``train``) or validation pass,
+    as the axes read it (:class:`mpipar.parallel.axis.StepRank`), from the layout alone."""
+
+    layout: Layout
+    coord: Coord
+    train: bool
+    eval_batches: int = 0
+    documents: list | None = None
+
+    @functools.cached_property
+    def shape(self) -> GridShape:
+        return grid_shape(self.layout)
+
+    @functools.cached_property
+    def passes(self) -> int:
+        return self.layout.microbatches * (1 if self.train else self.eval_batches)
+
+    @functools.cached_property
+    def stages(self) -> list[int]:
+        return rank_stages(self.layout, self.coord)
+
+    @functools.cached_property
+    def chunk_layers(self) -> list[list[int]]:
+        table = placement_table(self.layout)
+        return [table.stage_layers(stage) for stage in self.stages]
+
+    @functools.cached_property
+    def entered(self) -> list[tuple[str, int]]:
+        if self.layout.parallel.zero < 2:
+            return []
+        return unit_passes(self.layout, self.coord.pp, rank_ops(self.layout, self.coord),
+                           self.chunk_layers)
+
+    @functools.cached_property
+    def group_sizes(self) -> dict[str, int]:
+        return group_sizes(self.layout)
+
+    @functools.cached_property
+    def gradient_buckets(self) -> list[tuple[int, bool]]:
+        return gradient_buckets(self.layout, self.coord)
+
+    @functools.cached_property
+    def unit_lengths(self) -> dict[str, int]:
+        return unit_lengths(self.layout, self.coord)
+
+    @functools.cached_property
+    def expert_unit_lengths(self) -> dict[str, int]:
+        return expert_unit_lengths(self.layout, self.coord)
+
+    @functools.cached_property
+    def kept_units(self) -> set[str]:
+        return kept_units(self.layout, self.coord)
+
+    @functools.cached_property
+    def expert_kept_units(self) -> set[str]:
+        return kept_units(self.layout, self.coord, True)
+
+    @functools.cached_property
+    def node_copy(self) -> tuple[int, int] | None:
+        return node_copy(self.layout, self.coord)
+
+    @functools.cached_property
+    def tied(self) -> bool:
+        return placement_table(self.layout)[EMBED].tied_across_pipeline
 
 
 def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
                documents: list | None = None) -> list[Call]:
     """Every MPI call the rank at ``coord`` makes in one training step, or with
     ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
-    reduced once: :meth:`mpipar.training.engine.Engine.evaluate`): the axes' predictions.
+    reduced once: :meth:`mpipar.training.engine.Engine.evaluate`): each axis's prediction
+    (:data:`mpipar.parallel.registry.AXES`), then the engine's scalar reductions.
     ``documents``: with ``--document-masking``, the document ids ``[B, S]`` of each of the
     step's microbatches on this rank (the ring skips hops no document crosses)."""
-    par, train = layout.parallel, eval_batches == 0
-    passes = layout.microbatches * (1 if train else eval_batches)   # forwards per chunk
-    stages, shape = rank_stages(layout, coord), grid_shape(layout)
-    table = placement_table(layout)
-    chunk_layers = [table.stage_layers(stage) for stage in stages]
-    entered = (unit_passes(layout, coord.pp, rank_ops(layout, coord), chunk_layers)
-               if par.zero >= 2 else [])
-    calls: list[Call] = []
-    if par.tp > 1:
-        calls += tensor_calls(layout, stages, passes, train, entered)
-    if par.sp > 1:
-        layers = [i for chunk in chunk_layers for i in chunk]
-        calls += sequence_calls(layout, coord, shape, layers, passes, train, documents)
-    if par.pp > 1:
-        calls += pipeline_calls(layout, coord, shape, stages, passes, train)
-    if par.zero >= 2:
-        calls += sharded_calls(
-            layout, lengths=unit_lengths(layout, coord), entered=entered,
-            kept=kept_units(layout, coord), copy=node_copy(layout, coord),
-            tied=table[EMBED].tied_across_pipeline, passes=passes,
-            backward=train)
-        calls += expert_unit_calls(layout, lengths=expert_unit_lengths(layout, coord),
-                                   entered=entered, kept=kept_units(layout, coord, True),
-                                   passes=passes, backward=train)
-    elif train:
-        calls += reduction_calls(layout, gradient_buckets(layout, coord), group_sizes(layout))
-    if layout.config.model.moe_experts:
-        calls += expert_calls(layout, [i for c in chunk_layers for i in c], passes, train)
+    train = eval_batches == 0
+    rank = PlannedStep(layout, coord, train, eval_batches, documents)
+    calls = [call for axis in AXES for call in axis.calls(rank)]
     return [c for c in calls + _scalar_calls(layout, train) if c.count]
 
 

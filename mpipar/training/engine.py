@@ -41,7 +41,7 @@ from mpipar.checkpoint.activations import (ActivationRecorder, ActivationRegion,
 from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
 from mpipar.checkpoint.shards import require_finite
 from mpipar.runtime.device import attention_kernels, select_device, to_host, training_backend
-from mpipar.runtime.memory import pool_freed_memory
+from mpipar.runtime.host_memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
 from mpipar.observe.metrics import EvalResult, StepResult
@@ -55,13 +55,12 @@ from mpipar.model.flops import model_flops_per_step
 from mpipar.model.params import init_param
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.parallel.compression import make_codec
-from mpipar.parallel.context import (HaloAttention, HybridAttention, RingAttention,
-                                     UlyssesAttention)
+from mpipar.parallel.sequence.registry import sequence_mode
 from mpipar.parallel.sequence_split import SeqLayout, rank_work
-from mpipar.parallel.data_parallel import GradReducer, ReduceGroups, warmup_steps
+from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, ExpertSplitUnits,
                                      SequenceExperts, expert_shards, expert_units)
-from mpipar.parallel.fsdp import ShardedParams, node_copy_layout
+from mpipar.parallel.fsdp.sharded import ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.tensor import TensorParallel
@@ -89,8 +88,7 @@ class Engine:
         self.eos = eos_id(tr) if uses_eos(tr) else None   # packed documents' end-of-text
         self.masks = loss_mask_source(tr.data, tr.seq_len) if tr.loss_mask else None  # SFT
         self.grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
-        if par.sp_mode == "hybrid":
-            self.grid.split_sp(par.ulysses_size)
+        sequence_mode(par).split_grid(self.grid, par)
         # The device before any array: parameters, gradients, optimizer state and activations
         # are allocated by the kernels' array module (CuPy's on cuda) on it.
         self.device = select_device(tr.device, comm)
@@ -207,14 +205,7 @@ class Engine:
         par, sp = self.cfg.parallel, self.groups["sp"]
         if sp.size == 1:
             return LocalAttention(self.kernels)
-        if par.sp_mode == "ulysses":
-            return UlyssesAttention(self.kernels, sp, self.seq_layout)
-        if par.sp_mode == "halo":
-            return HaloAttention(self.kernels, sp, self.seq_layout)
-        if par.sp_mode == "hybrid":
-            return HybridAttention(self.kernels, self.groups["sp_ulysses"], self.groups["sp_ring"],
-                                   self.seq_layout, par.sp_overlap)
-        return RingAttention(self.kernels, sp, self.seq_layout, par.sp_overlap)
+        return sequence_mode(par).core(self.kernels, self.groups, self.seq_layout, par)
 
     def _sharded(self, tied: list[str]) -> ShardedParams | ExpertSplitUnits:
         """ZeRO-2/3: the parameters as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`);
@@ -347,7 +338,7 @@ class Engine:
         tr, seq, par = self.cfg.train, self.seq_layout, self.cfg.parallel
         if docs_all is None or seq.sp == 1:
             return None
-        ulysses = {"ulysses": seq.sp, "hybrid": par.ulysses_size}.get(par.sp_mode, 1)
+        ulysses = sequence_mode(par).work_group(seq.sp, par.ulysses_size)
         windows = Counter(self.cfg.model.windows())
         mbs, worst = tr.micro_batch_size, 1.0
         for replica in range(self.layout.dp):

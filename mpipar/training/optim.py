@@ -325,9 +325,9 @@ class AdamW:
 
 class ZeroAdamW:
     """AdamW over the owned slices of a sharded reducer: ZeRO-1's
-    :class:`mpipar.parallel.data_parallel.GradReducer` with ``sharded=True`` (which says which slice a rank
+    :class:`mpipar.parallel.data_parallel.reducer.GradReducer` with ``sharded=True`` (which says which slice a rank
     owns: flat or following the node split), or ZeRO-2/3's
-    :class:`mpipar.parallel.fsdp.ShardedParams`. Each bucket (or unit) exposes ``owned`` (the
+    :class:`mpipar.parallel.fsdp.sharded.ShardedParams`. Each bucket (or unit) exposes ``owned`` (the
     parameters this rank updates) and ``owned_grad``; moments are the size of ``owned_grad``;
     the reducer puts the updated slices back (``gather_params``)."""
 

@@ -30,9 +30,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from mpipar.checkpoint.shards import Piece, Reader, Slices, read_shard, require_finite
-from mpipar.parallel.data_parallel import GradReducer
+from mpipar.parallel.data_parallel.reducer import GradReducer
 from mpipar.parallel.experts import ExpertSplitReducer
-from mpipar.parallel.fsdp import ShardedParams
+from mpipar.parallel.fsdp.sharded import ShardedParams
 from mpipar.parallel.placement import PlacementTable
 from mpipar.runtime.device import to_host
 from mpipar.training.optim import Optimizer

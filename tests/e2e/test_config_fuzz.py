@@ -27,7 +27,8 @@ def _run_error(config: str, world: int) -> str | None:
     """The error a run of ``world`` ranks on this node stops with before it allocates anything
     (the configuration as ``python -m mpipar.train --config`` resolves it, layout choice
     included, then the memory check), or None."""
-    from mpipar.train import check_memory, resolve_config
+    from mpipar.plan.admission import check_memory
+    from mpipar.train import resolve_config
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed):

@@ -275,7 +275,7 @@ STALL = """
     import sys, time
     from mpi4py import MPI
     from mpipar import train
-    from mpipar.parallel import data_parallel as data
+    from mpipar.parallel.data_parallel import reducer as data
     real = data.GradReducer.finish
     calls = [0]
     def finish(self):
@@ -441,7 +441,7 @@ NAN = """
     import sys
     import numpy as np
     from mpipar import train
-    from mpipar.parallel import data_parallel as data
+    from mpipar.parallel.data_parallel import reducer as data
     real = data.GradReducer.finish
     calls = [0]
     def finish(self):

@@ -71,9 +71,10 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
     the whole sequence (float64, 1e-12); ring and halo compute exactly the visible blocks and
     hand MPI the bytes the planner's formulas say."""
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.parallel.context import (HaloAttention, RingAttention, UlyssesAttention,
-                                         halo_messages, halo_plan, ring_hops, ring_messages,
-                                         runs_visible)
+    from mpipar.model.attention import runs_visible
+    from mpipar.parallel.sequence.halo import HaloAttention, halo_messages, halo_plan
+    from mpipar.parallel.sequence.ring import RingAttention, ring_hops, ring_messages
+    from mpipar.parallel.sequence.ulysses import UlyssesAttention
     from mpipar.parallel.sequence_split import SeqLayout
 
     sp = 4 if mode == "ulysses" else 8  # Ulysses: 8 query / 4 kv heads split over 4 ranks
@@ -126,7 +127,7 @@ def test_hybrid_attention_equals_full_attention(world, split, overlap, ulysses, 
     out, dq, dk, dv equal attention over the whole sequence (8 query / 4 kv heads)."""
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.kernels import get_backend
-    from mpipar.parallel.context import HybridAttention
+    from mpipar.parallel.sequence.hybrid import HybridAttention
     from mpipar.parallel.sequence_split import SeqLayout
 
     rng = np.random.default_rng(0)

@@ -151,7 +151,7 @@ def test_attention_imbalance_is_the_pairs_the_ranks_compute(world, case, monkeyp
     kernels in the step's forwards, counted here from each call's query and key runs: Ulysses
     shares a group's work, halo and windowed layers see at most W keys."""
     import numpy as np
-    from mpipar.parallel import context
+    from mpipar.parallel.sequence import halo, ring, ulysses
     from mpipar.rules import validate
     from mpipar.training.engine import Engine
     from layouts import token_source
@@ -168,8 +168,9 @@ def test_attention_imbalance_is_the_pairs_the_ranks_compute(world, case, monkeyp
         pairs[0] += int((same & seen).sum()) * q.shape[2]
         return attend(kernels, q, k, v, qs, ks, window, docs)
 
-    attend = context.attend_fwd
-    monkeypatch.setattr(context, "attend_fwd", counted)
+    attend = ring.attend_fwd
+    for module in (ring, halo, ulysses):        # every mode's core calls the kernels through it
+        monkeypatch.setattr(module, "attend_fwd", counted)
     with rank_failures(world) as fails:
         eng = Engine(validate(cfg, 8), world, source=token_source())
         for step in range(2):

@@ -1,5 +1,5 @@
 """The ledger counts exactly what the layer shapes say one step sends (TP, SP, PP, DP), on 8 ranks;
-a mismatch names the axis whose prediction (:mod:`mpipar.parallel.traffic`) disagrees."""
+a mismatch names the axis whose prediction (:mod:`mpipar.parallel.calls`) disagrees."""
 from __future__ import annotations
 
 import pytest
@@ -10,9 +10,9 @@ from mpipar.rules import validate
 
 PREDICTED_BY = {
     "tp": "mpipar.parallel.tensor.tensor_calls",
-    "sp": "mpipar.parallel.context.sequence_calls",
-    "sp_ulysses": "mpipar.parallel.context.sequence_calls",
-    "sp_ring": "mpipar.parallel.context.sequence_calls",
+    "sp": "mpipar.parallel.sequence (the mode's calls)",
+    "sp_ulysses": "mpipar.parallel.sequence (the mode's calls)",
+    "sp_ring": "mpipar.parallel.sequence (the mode's calls)",
     "pp": "mpipar.parallel.pipeline.schedule.pipeline_calls",
     "tp_pp": "mpipar.plan.traffic._scalar_calls (the gradient norm)",
 }
@@ -21,8 +21,8 @@ reduction's groups are :func:`_reduction_owner`'s."""
 
 
 def _reduction_owner(zero: int) -> str:
-    return ("mpipar.parallel.fsdp.sharded_calls" if zero >= 2 else
-            "mpipar.parallel.data_parallel.reduction_calls") + " (the loss: mpipar.plan.traffic)"
+    return ("mpipar.parallel.fsdp.cost.sharded_calls" if zero >= 2 else
+            "mpipar.parallel.data_parallel.cost.reduction_calls") + " (the loss: mpipar.plan.traffic)"
 
 
 def _mismatches(got: dict, want: dict, zero: int) -> str:

@@ -105,7 +105,7 @@ def test_the_planner_books_the_algorithm_auto_picks_from_the_hardware_file(tmp_p
     import json
     from mpipar.config import Config, ParallelConfig
     from mpipar.layout import resolve
-    from mpipar.parallel.traffic import Call
+    from mpipar.parallel.calls import Call
     from mpipar.plan.traffic import call_algorithm
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"allreduce_seconds": {"ring": {"65536": 3.0, "16777216": 1.0},

@@ -84,7 +84,7 @@ def test_the_default_warm_up_is_the_codecs_share_of_the_steps():
     """--compression-warmup -1 (the default): int8 reduces a tenth of --steps uncompressed,
     top-k a third; an explicit count is kept, and 0 compresses from the first step."""
     from mpipar.config import Config, ParallelConfig, TrainConfig
-    from mpipar.parallel.data_parallel import warmup_steps
+    from mpipar.parallel.data_parallel.reducer import warmup_steps
     from mpipar.rules import validate
 
     def steps(codec: str, warm: int = -1, total: int = 120) -> int:

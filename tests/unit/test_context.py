@@ -21,7 +21,8 @@ def test_zigzag_positions():
 def test_ring_hops_and_halo_plans():
     """Ring hops: ceil((W-1)/S_loc) for a contiguous split, both ways for zigzag, the whole ring
     (one way) for full causal attention; the halo is the W-1 positions before a rank's run."""
-    from mpipar.parallel.context import RingHops, halo_plan, ring_hops
+    from mpipar.parallel.sequence.halo import halo_plan
+    from mpipar.parallel.sequence.ring import RingHops, ring_hops
     from mpipar.parallel.sequence_split import SeqLayout
 
     for W in (1, 2, 4, 5, 8, 9, 13, 17, 40):
@@ -39,3 +40,23 @@ def test_ring_hops_and_halo_plans():
     assert {s: p.tolist() for s, p in plan.recv.items()} == {1: [6, 7], 2: [8, 9, 10, 11]}
     plan = halo_plan(SeqLayout(32, 4, "zigzag"), 1, 3)          # chunks 1 and 6 of 4 positions
     assert {s: p.tolist() for s, p in plan.recv.items()} == {0: [2, 3], 2: [22, 23]}
+
+
+def test_the_sp_modes_are_the_configs_and_no_mode_name_is_compared_elsewhere():
+    """``--sp-mode`` accepts exactly the registry's modes, and no module outside a mode's own
+    compares ``sp_mode`` with a name (it asks the mode object)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from mpipar.config import ParallelConfig
+    from mpipar.parallel.sequence.registry import SP_MODES
+
+    field = next(f for f in dataclasses.fields(ParallelConfig) if f.name == "sp_mode")
+    assert tuple(field.metadata["choices"]) == tuple(SP_MODES)
+    root = Path(__file__).resolve().parents[2] / "mpipar"
+    compare = re.compile(r"""sp_mode["')\]]*\s*(==|!=|\bin\b|\bnot in\b)|\.get\(\s*par\.sp_mode""")
+    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+            if "sequence" not in p.relative_to(root).parts[:2]
+            for i, line in enumerate(p.read_text().splitlines(), 1) if compare.search(line)]
+    assert not hits, hits

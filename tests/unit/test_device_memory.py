@@ -1,4 +1,4 @@
-"""The device memory check (``train.check_device_memory``) without a device: the planner's bytes
+"""The device memory check (``plan.admission.check_device_memory``) without a device: the planner's bytes
 of a rank against the free memory of its GPU shared by the node's ranks dealt to it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mpipar.layout import vary
 from mpipar.plan.memory import predict_memory
 from mpipar.rules import validate
 from mpipar.runtime.topology import rank_coord
-from mpipar.train import check_device_memory
+from mpipar.plan.admission import check_device_memory
 
 
 def _cuda_layout():

@@ -56,13 +56,14 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
     sizes is the analytic parameter count (equal to the per-tensor sum)."""
     import math
 
-    from mpipar.runtime import memory, nodes
+    from mpipar.runtime import host_memory as memory, nodes
     from mpipar.config import ConfigError, ModelConfig
     from mpipar.layout import resolve_model
     from mpipar.model.params import param_specs
     from mpipar.plan.memory import parameter_count, predict_peak_memory
     from mpipar.runtime.topology import Coord
-    from mpipar.train import check_memory, resolve_config
+    from mpipar.plan.admission import check_memory
+    from mpipar.train import resolve_config
 
     for model in (ModelConfig(), ModelConfig(vocab_size=97, hidden=48, layers=3, heads=6,
                                              kv_heads=2, head_dim=10, ffn_hidden=80)):
@@ -84,10 +85,11 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
 def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
     """In process: the node's ranks' parts of its copy of the weights against /dev/shm's free
     bytes, only where ZeRO-3 keeps them in node shared memory (not when gathering)."""
-    from mpipar.runtime import memory, nodes
+    from mpipar.runtime import host_memory as memory, nodes
     from mpipar.config import ConfigError
     from mpipar.plan.memory import memory_lower_bound
-    from mpipar.train import check_shared_memory, resolve_config
+    from mpipar.plan.admission import check_shared_memory
+    from mpipar.train import resolve_config
 
     cfg = resolve_config([*TINY, "--zero", "3", "--zero-shared", "node"], 4)
     need = memory_lower_bound(cfg) // 2 // 4     # one rank's share of the weights
@@ -116,7 +118,7 @@ def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
     ({}, None),
 ])
 def test_ranks_per_node_from_launcher_environment(monkeypatch, env, expected):
-    from mpipar.runtime import memory, nodes
+    from mpipar.runtime import host_memory as memory, nodes
 
     for var in nodes.LOCAL_SIZE_VARS + ("SLURM_PROCID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE"):
         monkeypatch.delenv(var, raising=False)

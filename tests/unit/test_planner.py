@@ -372,13 +372,14 @@ def test_one_document_a_row_is_the_full_causal_model(sp, mode, split, u, window)
     """With --document-masking and one document a row, the step time model reads the same
     attention context and ring / halo blocks as for full causal attention, so the same time."""
     from mpipar.plan.step_time import StepDocuments, _document_sp, _sp_blocks, _sp_context
+    from mpipar.parallel.sequence.registry import SP_MODES
     from mpipar.parallel.sequence_split import SeqLayout
     layout = _doc_layout(sp, mode, split, u, window)
     docs = StepDocuments(np.zeros((4, 64), np.int64))
-    context, hops = _document_sp(docs, 64, sp, split, mode, u, 1, 2, window)
+    context, hops = _document_sp(docs, 64, sp, split, SP_MODES[mode], u, 1, 2, window)
     ring = SeqLayout(64, sp // u, split) if mode == "hybrid" else SeqLayout(64, sp, split)
     assert context == pytest.approx(_sp_context(layout, window), rel=1e-12)
-    assert hops == _sp_blocks(mode, ring, window)
+    assert hops == _sp_blocks(SP_MODES[mode], ring, window)
     assert predict_step_time(layout, documents=docs).total == pytest.approx(
         predict_step_time(layout).total, rel=1e-12)
 
@@ -389,6 +390,8 @@ def test_packed_documents_the_busiest_ranks_keys_and_the_rings_hops():
     share the sequence's work; the planner's time falls with the work and its ring bytes are
     the engine's traffic for those documents (:func:`predict_step_bytes`)."""
     from mpipar.plan.step_time import StepDocuments, _document_sp, step_microbatches
+    from mpipar.parallel.sequence.registry import SP_MODES
+    ring, ulysses = SP_MODES["ring"], SP_MODES["ulysses"]
     row = np.repeat([0, 1, 2], [3, 5, 8])
     ids = np.tile(row, (4, 1))
     docs = StepDocuments(ids)
@@ -396,9 +399,9 @@ def test_packed_documents_the_busiest_ranks_keys_and_the_rings_hops():
     same = (row[:, None] == row[None, :]) & (pos[None, :] <= pos[:, None])
     keys = same.sum(axis=1)                       # keys each query sees
     busiest = max(keys[r * 4:(r + 1) * 4].sum() for r in range(4)) / 4
-    assert _document_sp(docs, 16, 4, "contiguous", "ring", 0, 1, 2, 0) == (busiest, 1.0)
-    assert _document_sp(docs, 16, 4, "contiguous", "ulysses", 0, 1, 2, 0) == (keys.mean(), 0.0)
-    assert _document_sp(docs, 16, 1, "contiguous", "ring", 0, 1, 2, 0) == (keys.mean(), 0.0)
+    assert _document_sp(docs, 16, 4, "contiguous", ring, 0, 1, 2, 0) == (busiest, 1.0)
+    assert _document_sp(docs, 16, 4, "contiguous", ulysses, 0, 1, 2, 0) == (keys.mean(), 0.0)
+    assert _document_sp(docs, 16, 1, "contiguous", ring, 0, 1, 2, 0) == (keys.mean(), 0.0)
     layout = _doc_layout(4, seq=16)
     assert predict_step_time(layout, documents=docs).total < predict_step_time(layout).total
     coord = Coord(dp=0, tp=0, pp=0, sp=0)

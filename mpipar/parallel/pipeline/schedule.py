@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from mpipar.config import ConfigError, require
 from mpipar.layout import Layout
-from mpipar.parallel.traffic import Call, element_bytes
+from mpipar.parallel.calls import Call, element_bytes
 from mpipar.runtime.topology import Coord, GridShape
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")

@@ -57,18 +57,13 @@ points of the schedule.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
-import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from mpipar.runtime.comm import Group, Request
-from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
-from mpipar.parallel.traffic import Call
 from mpipar.runtime.precision import Precision
 
 RESIDUAL_SEND = "residual_send"
@@ -577,49 +572,6 @@ def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, 
             yield name, lo - s, hi - s, lo - start, hi - start
 
 
-def check_config(layout: Layout) -> None:
-    """Buckets need a size; a bf16 reduction needs bf16 compute and no compression;
-    hierarchical reduction needs nodes that split dp x sp evenly; top-k a ratio in (0, 1]; a
-    compression warm-up a compression and a count >= 0; error-feedback residuals, one per
-    rank, cannot follow a tied embedding across pipeline ranks."""
-    from mpipar.runtime.topology import GridShape, NodeMap
-
-    p, dp, world = layout.parallel, layout.dp, layout.world
-    require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")
-    require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio={p.topk_ratio}: must be in (0, 1]")
-    require(p.compression_warmup >= -1,
-            f"parallel.compression_warmup={p.compression_warmup}: must be >= 0 (or -1: the "
-            f"codec's default share of the steps)")
-    require(p.compression_warmup <= 0 or p.grad_compression != "none",
-            f"parallel.compression_warmup={p.compression_warmup}: only with --grad-compression "
-            f"int8 or topk (there is nothing to warm up from)")
-    require(not (p.grad_compression != "none" and p.error_feedback == "on" and dp * p.sp > 1
-                 and layout.model.tie_embeddings and p.pp > 1),
-            f"parallel.grad_compression={p.grad_compression!r} with error feedback: not with "
-            f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
-            f"residuals, and a checkpoint holds one); use --error-feedback off, pp=1 or untied "
-            f"embeddings")
-    require(p.reduce_dtype != "bfloat16" or layout.train.dtype == "bfloat16",
-            f"parallel.reduce_dtype='bfloat16' with train.dtype={layout.train.dtype!r}: a bf16 "
-            f"gradient reduction is part of mixed precision (use --dtype bfloat16, or "
-            f"--reduce-dtype float32)")
-    require(p.reduce_dtype != "bfloat16" or p.grad_compression == "none",
-            f"parallel.reduce_dtype='bfloat16' with parallel.grad_compression="
-            f"{p.grad_compression!r}: a compressed reduction sends its own encoding of the "
-            f"float32 gradients (use one or the other)")
-    require(not p.allreduce_hardware or p.allreduce_algorithm == "auto",
-            f"parallel.allreduce_hardware={p.allreduce_hardware!r}: only with "
-            f"--allreduce-algorithm auto (not {p.allreduce_algorithm!r})")
-    require(not p.allreduce_hardware or os.path.isfile(p.allreduce_hardware),
-            f"parallel.allreduce_hardware={p.allreduce_hardware!r}: no such file")
-    if p.dp_reduce == "hierarchical" and p.ranks_per_node:
-        problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
-            NodeMap.blocks(world, p.ranks_per_node))
-        require(problem is None, f"parallel.dp_reduce='hierarchical' with "
-                                 f"ranks_per_node={p.ranks_per_node}: {problem}")
-
-
-# ------------------------------------------------------------------------------------ traffic
 WARMUP_SHARE = {"int8": 0.1, "topk": 1 / 3}
 """--compression-warmup -1: the share of --steps each codec reduces uncompressed first (the
 smallest that kept the default 120-step run within 1 % (int8 + error feedback) and 5 % (top-k
@@ -633,70 +585,3 @@ def warmup_steps(layout: Layout) -> int:
     if p.compression_warmup >= 0:
         return p.compression_warmup
     return round(WARMUP_SHARE.get(p.grad_compression, 0.0) * layout.train.steps)
-
-
-def reduction_buckets(layout: Layout, elements: list[int], tied: set[int],
-                      align: int) -> list[tuple[int, bool]]:
-    """(elements, whether it holds a tied embedding) of each flat gradient bucket
-    :class:`GradReducer` lays out for parameters of ``elements`` in backward order (``tied``:
-    the indices of those summed over pp_ends, a bucket each), each padded to a multiple of
-    dp x sp of whole ``align``-element blocks (int8 compression's scale blocks, else 1). A
-    bucket's size counts its gradients' bytes (the masters' dtype)."""
-    par, e = layout.parallel, Precision.of(layout.train, layout.parallel).master_bytes
-    limit = max(1, int(par.bucket_mb * 2**20))
-    return [(padded_size(sum(elements[i] for i in idx), layout.dp * par.sp, align),
-             set(idx) <= tied) for idx in plan_buckets([s * e for s in elements], limit, tied)]
-
-
-def reduction_calls(layout: Layout, buckets: list[tuple[int, bool]],
-                    sizes: dict[str, int]) -> list[Call]:
-    """A training step's calls of :class:`GradReducer` on a rank whose flat gradient buckets
-    are ``buckets`` (elements, whether it holds a tied embedding), on a grid whose groups have
-    ``sizes`` ranks (``dp_sp``, ``dp_sp_intra``, ``dp_sp_inter``): over dp x sp each bucket's
-    reduction, flat or hierarchical, dense or compressed, and with ZeRO-1 the parameters'
-    all-gather; then the tied embedding's gradient summed over ``pp_ends`` (ZeRO-1: its owned
-    slice; in the masters' dtype)."""
-    par, e = layout.parallel, Precision.of(layout.train, layout.parallel).master_bytes
-    n = layout.dp * par.sp
-    calls = [c for length, _ in buckets for c in _bucket_calls(layout, length, sizes)] \
-        if n > 1 else []
-    return calls + [Call("pp_ends", "allreduce", length // (n if par.zero else 1) * e)
-                    for length, tied in buckets if tied]
-
-
-def _bucket_calls(layout: Layout, length: int, sizes: dict[str, int]) -> list[Call]:
-    """The reduction of one bucket of ``length`` elements over dp x sp: inside the node,
-    across nodes (or over the whole group when flat), and back (the module docstring): the
-    gradients in the reduce dtype, ZeRO-1's all-gathers of parameters in the compute dtype."""
-    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
-    e, pe = prec.reduce_bytes, prec.compute_bytes
-    hier = par.dp_reduce == "hierarchical" and sizes["dp_sp_intra"] > 1
-    inter = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
-    c = sizes[inter]
-    x = length // (sizes["dp_sp_intra"] if hier else 1)       # what crosses the nodes
-    calls = [Call("dp_sp_intra", "ireduce_scatter", length * e)] if hier else []
-    if c > 1:
-        calls += _across_calls(layout, inter, x, c)
-    if hier and not par.zero:
-        calls.append(Call("dp_sp_intra", "iallgather", x * e))
-    if par.zero:
-        if c > 1:
-            calls.append(Call(inter, "allgather", x // c * pe))
-        if hier:
-            calls.append(Call("dp_sp_intra", "allgather", x * pe))
-    return calls
-
-
-def _across_calls(layout: Layout, group: str, x: int, c: int) -> list[Call]:
-    """Reducing ``x`` elements over ``group`` of ``c`` ranks: dense (in the reduce dtype),
-    int8 or top-k (of the gradients in the masters' dtype)."""
-    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
-    e = prec.reduce_bytes
-    kind = par.grad_compression
-    if kind == "none":
-        return [Call(group, "ireduce_scatter" if par.zero else "iallreduce", x * e)]
-    if kind == "int8":
-        piece = Int8Codec(np).packed_bytes(x // c)
-        return [Call(group, "ialltoall", c * piece)] + \
-            ([] if par.zero else [Call(group, "iallgather", piece)])
-    return [Call(group, "iallgather", TopKCodec(np, par.topk_ratio).packed_bytes(x, e))]

@@ -1,0 +1,78 @@
+"""What the data-parallel reduction costs a rank: its flat gradient buckets and the calls
+:class:`mpipar.parallel.data_parallel.reducer.GradReducer` makes over dp x sp in a step."""
+from __future__ import annotations
+
+import numpy as np
+
+from mpipar.layout import Layout
+from mpipar.parallel.calls import Call
+from mpipar.parallel.compression import Int8Codec, TopKCodec
+from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
+from mpipar.runtime.precision import Precision
+
+
+def reduction_buckets(layout: Layout, elements: list[int], tied: set[int],
+                      align: int) -> list[tuple[int, bool]]:
+    """(elements, whether it holds a tied embedding) of each flat gradient bucket
+    :class:`GradReducer` lays out for parameters of ``elements`` in backward order (``tied``:
+    the indices of those summed over pp_ends, a bucket each), each padded to a multiple of
+    dp x sp of whole ``align``-element blocks (int8 compression's scale blocks, else 1). A
+    bucket's size counts its gradients' bytes (the masters' dtype)."""
+    par, e = layout.parallel, Precision.of(layout.train, layout.parallel).master_bytes
+    limit = max(1, int(par.bucket_mb * 2**20))
+    return [(padded_size(sum(elements[i] for i in idx), layout.dp * par.sp, align),
+             set(idx) <= tied) for idx in plan_buckets([s * e for s in elements], limit, tied)]
+
+
+def reduction_calls(layout: Layout, buckets: list[tuple[int, bool]],
+                    sizes: dict[str, int]) -> list[Call]:
+    """A training step's calls of :class:`GradReducer` on a rank whose flat gradient buckets
+    are ``buckets`` (elements, whether it holds a tied embedding), on a grid whose groups have
+    ``sizes`` ranks (``dp_sp``, ``dp_sp_intra``, ``dp_sp_inter``): over dp x sp each bucket's
+    reduction, flat or hierarchical, dense or compressed, and with ZeRO-1 the parameters'
+    all-gather; then the tied embedding's gradient summed over ``pp_ends`` (ZeRO-1: its owned
+    slice; in the masters' dtype)."""
+    par, e = layout.parallel, Precision.of(layout.train, layout.parallel).master_bytes
+    n = layout.dp * par.sp
+    calls = [c for length, _ in buckets for c in _bucket_calls(layout, length, sizes)] \
+        if n > 1 else []
+    return calls + [Call("pp_ends", "allreduce", length // (n if par.zero else 1) * e)
+                    for length, tied in buckets if tied]
+
+
+def _bucket_calls(layout: Layout, length: int, sizes: dict[str, int]) -> list[Call]:
+    """The reduction of one bucket of ``length`` elements over dp x sp: inside the node,
+    across nodes (or over the whole group when flat), and back (the module docstring): the
+    gradients in the reduce dtype, ZeRO-1's all-gathers of parameters in the compute dtype."""
+    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
+    e, pe = prec.reduce_bytes, prec.compute_bytes
+    hier = par.dp_reduce == "hierarchical" and sizes["dp_sp_intra"] > 1
+    inter = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+    c = sizes[inter]
+    x = length // (sizes["dp_sp_intra"] if hier else 1)       # what crosses the nodes
+    calls = [Call("dp_sp_intra", "ireduce_scatter", length * e)] if hier else []
+    if c > 1:
+        calls += _across_calls(layout, inter, x, c)
+    if hier and not par.zero:
+        calls.append(Call("dp_sp_intra", "iallgather", x * e))
+    if par.zero:
+        if c > 1:
+            calls.append(Call(inter, "allgather", x // c * pe))
+        if hier:
+            calls.append(Call("dp_sp_intra", "allgather", x * pe))
+    return calls
+
+
+def _across_calls(layout: Layout, group: str, x: int, c: int) -> list[Call]:
+    """Reducing ``x`` elements over ``group`` of ``c`` ranks: dense (in the reduce dtype),
+    int8 or top-k (of the gradients in the masters' dtype)."""
+    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
+    e = prec.reduce_bytes
+    kind = par.grad_compression
+    if kind == "none":
+        return [Call(group, "ireduce_scatter" if par.zero else "iallreduce", x * e)]
+    if kind == "int8":
+        piece = Int8Codec(np).packed_bytes(x // c)
+        return [Call(group, "ialltoall", c * piece)] + \
+            ([] if par.zero else [Call(group, "iallgather", piece)])
+    return [Call(group, "iallgather", TopKCodec(np, par.topk_ratio).packed_bytes(x, e))]

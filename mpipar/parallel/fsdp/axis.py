@@ -1,0 +1,20 @@
+"""The ZeRO-2/3 axis (:class:`mpipar.parallel.axis.Axis`): its rule and its units' gathers and
+reduce-scatters over dp x sp (the experts' units over ``ep_dp`` are the expert axis's)."""
+from __future__ import annotations
+
+from mpipar.parallel.axis import AxisUnit, StepRank
+from mpipar.parallel.calls import Call
+from mpipar.parallel.fsdp.cost import sharded_calls
+from mpipar.parallel.fsdp.rule import check_config
+
+
+def _sharded_traffic(rank: StepRank) -> list[Call]:
+    if rank.layout.parallel.zero < 2:
+        return []
+    return sharded_calls(rank.layout, lengths=rank.unit_lengths, entered=rank.entered,
+                         kept=rank.kept_units, copy=rank.node_copy, tied=rank.tied,
+                         passes=rank.passes, backward=rank.train)
+
+
+FSDP = AxisUnit("fsdp", check_config, _sharded_traffic)
+"""ZeRO-2/3 groups, prefetch, node shared memory; the units sharded over dp x sp."""

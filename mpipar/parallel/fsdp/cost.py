@@ -1,0 +1,96 @@
+"""What ZeRO-2/3 costs a rank: its units' lengths, the passes that enter them, and the calls
+:class:`mpipar.parallel.fsdp.sharded.ShardedParams` makes in a step."""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from mpipar.layout import Layout
+from mpipar.parallel.calls import Call
+from mpipar.parallel.data_parallel.reducer import padded_size
+from mpipar.parallel.pipeline.schedule import Op
+from mpipar.runtime.precision import Precision
+
+
+def unit_lengths(layout: Layout, chunks: list[list[tuple[str, list[str]]]],
+                 elements: dict[str, int], shards: int = 0) -> dict[str, int]:
+    """Elements of each unit of a rank, each once, padded to a multiple of dp x sp (or of
+    ``shards``, the size of the group they are sharded over) as :class:`ShardedParams` lays
+    them out; ``chunks``: per chunk its ``(unit, parameter names)`` in forward order
+    (:meth:`mpipar.parallel.placement.PlacementTable.units`), ``elements``: of each parameter
+    shard the rank holds."""
+    out: dict[str, int] = {}
+    for units in chunks:
+        for unit, names in units:
+            out.setdefault(unit, padded_size(sum(elements[n] for n in names),
+                                             shards or layout.dp * layout.parallel.sp))
+    return out
+
+
+def unit_passes(layout: Layout, pp_rank: int, ops: list[Op],
+                chunk_layers: list[range]) -> list[tuple[str, int]]:
+    """``(unit, reduce-scatters in a step)`` of each unit a pass of a chunk of pipeline rank
+    ``pp_rank`` (whose schedule is ``ops``, whose chunks hold the decoder blocks
+    ``chunk_layers``) enters, in order (:class:`mpipar.model.llama.LlamaStage`): the embedding
+    on the first stage, the blocks, the head on the last (and the tied embedding the head
+    reads). A unit's gradients leave once per microbatch, except under zb-h1's deferred weight
+    gradients: then once each time no backward of its chunk is left waiting for its weight
+    op."""
+    m, p = layout.model, layout.pp
+    out = []
+    for chunk, layers in enumerate(chunk_layers):
+        stage = chunk * p + pp_rank
+        waiting, settled = 0, 0
+        for op in ops:
+            if op.chunk == chunk and op.kind in ("bwd", "bwd_input", "bwd_weight"):
+                waiting += op.kind == "bwd_input"
+                waiting -= op.kind == "bwd_weight"
+                settled += waiting == 0 and op.kind != "bwd_input"
+        blocks = [f"layers.{i}" for i in layers]
+        if stage == layout.stages - 1:
+            blocks += ["head"] + (["embed"] if m.tie_embeddings else [])
+        out += [("embed", layout.microbatches)] if stage == 0 else []
+        out += [(u, settled) for u in blocks]
+    return out
+
+
+def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tuple[str, int]],
+                  kept: Collection[str], copy: tuple[int, int] | None, tied: bool,
+                  passes: int, backward: bool, group: str = "dp_sp",
+                  shards: int = 0) -> list[Call]:
+    """ZeRO-2/3's calls of a rank whose units have ``lengths`` elements (:func:`unit_lengths`)
+    and whose passes enter ``entered`` (:func:`unit_passes`); ``kept``: the units it keeps
+    gathered from forward to backward (:func:`kept_after_forward`), ``copy``: where ZeRO-3
+    holds them in node shared memory (:func:`node_copy_layout`), ``tied``: whether the
+    embedding has copies on several pipeline ranks.
+
+    A training step (``backward``): a reduce-scatter over dp x sp of a unit's gradients each
+    time they leave; at ZeRO-3 an all-gather of its slice per forward and per backward pass of
+    each microbatch (once for a kept unit), at ZeRO-2 one of every unit after the update; at
+    ZeRO-3 in node shared memory the barrier that publishes the update, and across nodes before
+    it an all-gather of each unit's slice over dp_sp_inter; the tied embedding's owned slice
+    summed over pp_ends. A validation pass of ``passes`` forwards per chunk: at ZeRO-3
+    gathering, an all-gather of each unit a forward enters. Parameters travel as compute
+    copies, gradients in the reduce dtype, the tied slice in the masters'. ``group`` (of
+    ``shards`` ranks): what the units are sharded over (default dp x sp; the experts' units:
+    ``ep_dp``, :func:`mpipar.parallel.experts.expert_unit_calls`)."""
+    prec = Precision.of(layout.train, layout.parallel)
+    n, g = shards or layout.dp * layout.parallel.sp, group
+    e = prec.compute_bytes
+    gathering = layout.parallel.zero == 3 and copy is None
+    if not backward:
+        return [Call(g, "iallgather", lengths[u] // n * e, passes)
+                for u, _ in entered] if gathering else []
+    micro = layout.microbatches
+    calls = [Call(g, "ireduce_scatter", lengths[u] * prec.reduce_bytes, k)
+             for u, k in entered]
+    calls += [Call("pp_ends", "allreduce", lengths["embed"] // n * prec.master_bytes)] \
+        if tied and "embed" in lengths else []
+    if copy is not None:  # no gathers: the update's slices published with one barrier
+        if copy[1] == 1:
+            return calls + [Call("dp_sp", "barrier", 0)]
+        return calls + [Call("dp_sp_inter", "allgather", L // n * e)       # into each copy
+                        for L in lengths.values()] + [Call("dp_sp_intra", "barrier", 0)]
+    if gathering:        # a kept unit: once per microbatch (its backward reuses the forward's)
+        return calls + [Call(g, "iallgather", lengths[u] // n * e,
+                             micro if u in kept else 2 * micro) for u, _ in entered]
+    return calls + [Call(g, "allgather", L // n * e) for L in lengths.values()]

@@ -1,0 +1,17 @@
+"""The pipeline axis (:class:`mpipar.parallel.axis.Axis`): the schedule's rule and its sends."""
+from __future__ import annotations
+
+from mpipar.parallel.axis import AxisUnit, StepRank
+from mpipar.parallel.calls import Call
+from mpipar.parallel.pipeline.schedule import check_config, pipeline_calls
+
+
+def _pipeline_traffic(rank: StepRank) -> list[Call]:
+    if rank.layout.parallel.pp == 1:
+        return []
+    return pipeline_calls(rank.layout, rank.coord, rank.shape, rank.stages, rank.passes,
+                          rank.train)
+
+
+PIPELINE = AxisUnit("pipeline", check_config, _pipeline_traffic)
+"""Layers per stage, virtual stages, the schedule; activations and gradients between stages."""

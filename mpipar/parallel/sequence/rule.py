@@ -1,0 +1,29 @@
+"""The rule of sequence parallelism: the split's, then the mode's own."""
+from __future__ import annotations
+
+from mpipar.config import require
+from mpipar.layout import Layout
+from mpipar.parallel.sequence.registry import SP_MODES, sequence_mode
+from mpipar.parallel.sequence_split import split_parts
+
+
+def check_config(layout: Layout) -> None:
+    """The sequence must cut into the split's equal parts; the balanced split deals documents
+    over a mode that may deal them; then the mode's rule (Ulysses: each rank's heads divide
+    into sp groups; hybrid: a Ulysses group size that divides sp and the heads)."""
+    p, t = layout.parallel, layout.train
+    mode = sequence_mode(p)
+    parts = split_parts(p.sp, p.sp_split)
+    require(t.seq_len % parts == 0,
+            f"train.seq_len={t.seq_len}: must be divisible by "
+            + (f"2*sp = {parts} for the zigzag split" if p.sp_split == "zigzag"
+               else f"parallel.sp={p.sp}"))
+    dealers = " or ".join(f"--sp-mode {m.name}" for m in SP_MODES.values() if m.balanced_split)
+    require(p.sp_split != "balanced" or (t.document_masking and mode.balanced_split),
+            f"parallel.sp_split='balanced': deals each microbatch's documents over ring "
+            f"attention; needs --document-masking and {dealers} (got "
+            f"document_masking={t.document_masking}, sp_mode={mode.name!r})")
+    require(p.sp_min_chunk >= 1, f"parallel.sp_min_chunk={p.sp_min_chunk}: must be >= 1 "
+                                 f"(tokens in a chunk of --sp-split balanced)")
+    require(p.ulysses_size >= 0, f"parallel.ulysses_size={p.ulysses_size}: must be >= 0")
+    mode.check(layout)

@@ -5,13 +5,13 @@
 #   jobs/gpu_check.sh OUT_DIR [STAGE...]     (default: every stage, in this order)
 #
 # Stages: env setup gate kernels engine1 engine2 engine4 engine8 train bf16 moe bench documents ragged tiles profile micro
-# (and `tests`, not run by default: kernels and engine1..8 side by side, for a short lease)
+# (and `tests`, not run by default: kernels and engine1..8 side by side, when device time is short)
 # (the results, logs and JSON, also land in OUT_DIR/all.tgz: one file to bring back)
 # Wheels for what the machine lacks (pytest-mpi, tomli-w, the cuDNN frontend, an MPI with
 # mpiexec if it has none) are taken from ./.whl when present; nothing is downloaded. Runs as
-# root under Open MPI are allowed through OMPI_ALLOW_RUN_AS_ROOT (the lent machines run as root).
+# root under Open MPI are permitted through OMPI_ALLOW_RUN_AS_ROOT (device machines often run as root).
 # Each stage is bounded by a timeout; the whole default list runs past 25 minutes, so a short
-# lease names its stages (e.g. `env setup tests ragged`, 375 s on an H200, then `setup tiles`) and may set
+# run names its stages (e.g. `env setup tests ragged`, 375 s on an H200, then `setup tiles`) and may set
 # GPU_CHECK_DEADLINE (seconds): stages not begun by then are skipped, not cut off.
 set -uo pipefail
 OUT=${1:?usage: jobs/gpu_check.sh OUT_DIR [STAGE...]}; shift
@@ -25,7 +25,7 @@ PY=${PYTHON:-python3}
 t0=$SECONDS
 stage() { echo "=== gpu_check: $1 ($((SECONDS - t0)) s)"; }
 # A stage named but not yet begun when GPU_CHECK_DEADLINE seconds have passed is skipped (and
-# recorded so): a lease's call ends with the summary and all.tgz instead of a stage cut off.
+# recorded so): a time-bounded call ends with the summary and all.tgz instead of a stage cut off.
 has() {
   [[ " $STAGES " == *" $1 "* ]] || return 1
   if [ -n "${GPU_CHECK_DEADLINE:-}" ] && (( SECONDS - t0 >= GPU_CHECK_DEADLINE )); then
@@ -189,7 +189,7 @@ if has bench; then
 fi
 
 if has documents; then
-  stage "documents: document-masked attention against full causal on the GPU (issue 32's speed)"
+  stage "documents: document-masked attention against full causal on the GPU (time / work)"
   timeout 240 $PY -m mpipar.bench documents --seqs 8192 --sps 4 --samples 2 --repeats 5 \
       --backend cupy --json "$OUT/documents.json" > "$OUT/documents.log" 2>&1; rc=$?
   tail -7 "$OUT/documents.log"; record documents $rc

@@ -1,7 +1,8 @@
 """Configuration: model, parallel layout and training, from TOML with CLI overrides.
 
 Every field carries its documentation and its command-line flag in the dataclass metadata, so
-``python -m mpipar.train --help``, the TOML file and the README all describe the same thing.
+``python -m mpipar.train --help``, the TOML file and docs/configuration.md all describe the same
+thing.
 A TOML config has up to three tables, ``[model]``, ``[parallel]`` and ``[train]``, whose keys are
 the field names below. Command-line flags override the file; ``validate`` checks every rule
 before any communication happens.
@@ -699,7 +700,7 @@ def given_names(args: argparse.Namespace, *sections: str) -> set[str]:
 
 
 def describe_fields() -> str:
-    """Markdown table of every field (used to keep README's configuration section true)."""
+    """Markdown table of every field (docs/configuration.md's table, held equal by a test)."""
     rows = ["| field | flag | default | meaning |", "|---|---|---|---|"]
     for section, cls in (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig)):
         for f in fields(cls):

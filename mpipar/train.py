@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = RankZeroParser(
         prog="python -m mpipar.train",
         description="Train a Llama-family model with data/tensor/pipeline/sequence parallelism "
-                    "over MPI. Flags override --config; see README for every field.")
+                    "over MPI. Flags override --config; docs/configuration.md lists every field.")
     config_mod.add_arguments(parser)
     return parser
 

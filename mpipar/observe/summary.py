@@ -84,7 +84,7 @@ def _check_record(r: dict, path: str) -> None:
     for key, value, ok in checks:
         if not ok(value):
             raise ValueError(f"{path}: step {r['step']}: {key}={str(value)[:60]} is not what a "
-                             f"step record holds (see README, metrics.jsonl)")
+                             f"step record holds (see docs/run-directory.md, metrics.jsonl)")
 
 
 def _check_timeline(timeline: Any, path: str) -> None:

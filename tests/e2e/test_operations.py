@@ -107,8 +107,8 @@ def test_stop_signal_to_mpirun_checkpoints_and_exits_0(tmp_path, sig, flags):
     """mpirun forwards the signal to every rank: the step finishes, a checkpoint is committed at
     the step the metrics end with, every rank exits 0. Open MPI 5's mpirun (PRRTE) kills the
     ranks about 1 s after it forwards SIGTERM, with no setting to wait longer: there, SIGUSR1 is
-    the stop signal (README, jobs/README.md). With --async-save every step, the stop waits for
-    the background write in flight and commits it; every checkpoint left verifies."""
+    the stop signal (docs/failures.md, jobs/README.md). With --async-save every step, the stop
+    waits for the background write in flight and commits it; every checkpoint left verifies."""
     from mpi4py import MPI
 
     from mpipar.checkpoint import directory

@@ -229,7 +229,7 @@ def test_cli_consolidate_export_inspect_verify(saved, tmp_path, capsys):
 
 
 def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
-    """README's ``ckpt verify runs/exp1/checkpoints/latest`` failed ("no
+    """docs/checkpoints.md's ``ckpt verify runs/exp1/checkpoints/latest`` failed ("no
     such checkpoint directory") because ``latest`` is a file; it means the checkpoint it
     names, as the save directory does."""
     from mpipar import ckpt as cli

@@ -1,5 +1,5 @@
 """Configuration rules, in process: each one names field, value and rule (exit 2); TOML files and
-flags; README's configuration table. The CLI under mpirun: e2e/test_config.py."""
+flags; docs/configuration.md's field table. The CLI under mpirun: e2e/test_config.py."""
 from __future__ import annotations
 
 import pytest
@@ -194,11 +194,16 @@ def test_unreadable_config_files_exit_2_naming_the_file(tmp_path, capsys):
         assert message in err and "Traceback" not in err, err
 
 
-def test_readme_configuration_table_is_current():
-    """README's configuration table is generated from the field metadata; keep them equal."""
+def test_the_configuration_page_table_is_current():
+    """docs/configuration.md's table of every field is generated from the field metadata: the
+    table under its "Every field" heading is exactly describe_fields()."""
     from pathlib import Path
 
     from mpipar.config import describe_fields
 
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    assert describe_fields() in readme.read_text(), "regenerate README's table: describe_fields()"
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    section = page.split("\n## Every field\n", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    assert table == describe_fields(), (
+        "docs/configuration.md's field table is stale: replace it with the output of "
+        "python -c 'from mpipar.config import describe_fields; print(describe_fields())'")

@@ -12,7 +12,6 @@ gives them is :mod:`mpipar.plan.admission`'s business.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,8 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout, resolve_model
 from mpipar.parallel.sequence.registry import sequence_mode
-from mpipar.parallel.fsdp.sharded import MAX_IN_FLIGHT
+from mpipar.parallel.data_parallel import cost as data_cost
+from mpipar.parallel.fsdp import cost as fsdp_cost
 from mpipar.parallel.placement import padded_vocab
 from mpipar.plan.rank import (bucket_lengths, compressed_size, expert_buckets,
                               expert_unit_lengths, group_sizes, kept_units,
@@ -58,16 +58,11 @@ class MemoryEstimate:
 
 
 def residual_bytes(layout: Layout, lengths: list[int]) -> int:
-    """Bytes of a rank's error-feedback residuals over buckets of ``lengths`` elements: what it
-    compresses (its node shard, or the bucket) and, int8 without ZeRO, its owned sum."""
-    par = layout.parallel
-    c = compressed_size(layout)
-    if c == 1 or par.error_feedback == "off":
-        return 0
-    per_node = group_sizes(layout)["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
-    second = par.grad_compression == "int8" and not par.zero
-    x = sum(length // per_node for length in lengths)
-    return (x + (x // c if second else 0)) * _precision(layout).master_bytes
+    """Bytes of a rank's error-feedback residuals over buckets of ``lengths`` elements
+    (:func:`mpipar.parallel.data_parallel.cost.residual_bytes`)."""
+    per_node = group_sizes(layout)["dp_sp_intra"] \
+        if layout.parallel.dp_reduce == "hierarchical" else 1
+    return data_cost.residual_bytes(layout, lengths, compressed_size(layout), per_node)
 
 
 def _precision(layout: Layout) -> Precision:
@@ -208,64 +203,20 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
                           _unit_buffers(layout, coord), masters=masters)
 
 
-def _kept_meets_forward(layout: Layout, coord: Coord) -> bool:
-    """Whether the rank at ``coord`` runs a forward while a chunk's kept units wait for that
-    chunk's next backward (a forward of a chunk after its last backward: pipeline warm-up,
-    interleaving), so that they are gathered beside the forward's units."""
-    waiting: set[int] = set()
-    for op in rank_ops(layout, coord):
-        if op.kind == "fwd":
-            if waiting:
-                return True
-            waiting.add(op.chunk)
-        elif op.kind in ("bwd", "bwd_input"):
-            waiting.discard(op.chunk)
-    return False
-
-
 def _unit_buffers(layout: Layout, coord: Coord) -> int:
-    """ZeRO-2/3: a bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.sharded.
-    BufferPool` keeps what a step needed at once, by length): per unit length, the gathered
-    units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head, the
-    units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and
-    ``MAX_IN_FLIGHT`` reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight
-    op, beside them), and the received slices; the experts' units sharded over ``ep_dp`` (the
-    same pool, their own gathers and reduce-scatters) the same way, beside the dense ones."""
-    par = layout.parallel
+    """ZeRO-2/3: a bound on the pool of whole-unit buffers of the rank at ``coord``
+    (:func:`mpipar.parallel.fsdp.cost.unit_buffer_bytes`), the dense units' over dp x sp and
+    the experts' units sharded over ``ep_dp`` (the same pool, their own gathers and
+    reduce-scatters) beside them."""
+    par, ops = layout.parallel, rank_ops(layout, coord)
     n = layout.dp * par.sp
-    dense = _store_buffers(layout, coord, unit_lengths(layout, coord), kept_units(layout, coord),
-                           n, node_copy(layout, coord) is not None)
+    dense = fsdp_cost.unit_buffer_bytes(layout, ops, unit_lengths(layout, coord),
+                                        kept_units(layout, coord), n,
+                                        node_copy(layout, coord) is not None)
     experts = expert_unit_lengths(layout, coord)
-    return dense + (_store_buffers(layout, coord, experts, kept_units(layout, coord, True),
-                                   n // par.ep, False) if experts else 0)
-
-
-def _store_buffers(layout: Layout, coord: Coord, lengths: dict[str, int], kept_names: set[str],
-                   n: int, shared: bool) -> int:
-    """:func:`_unit_buffers` of one store: units of ``lengths`` sharded over ``n`` ranks,
-    ``kept_names`` kept from forward to backward, ``shared``: in node shared memory."""
-    par, prec = layout.parallel, _precision(layout)
-    by_length: dict[int, int] = defaultdict(int)
-    kept: dict[int, int] = defaultdict(int)
-    for L in lengths.values():
-        by_length[L] += 1
-    if par.zero == 3 and _kept_meets_forward(layout, coord):
-        for u in kept_names:
-            kept[lengths[u]] += 1
-    total = 0
-    sends = prec.reduce != prec.master          # the gradients' copies in the reduce dtype
-    for L, k in by_length.items():
-        gathered = (min(k, 2 + par.zero_prefetch + kept[L])
-                    if par.zero == 3 and not shared else 0)
-        # a unit's gradients leave once a microbatch: its next backward may take a buffer
-        # while its last reduce-scatters are in flight (few units of a length: interleaving)
-        reduces = k * layout.microbatches
-        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(reduces, 1 + MAX_IN_FLIGHT)
-        in_flight = min(reduces, 1 + MAX_IN_FLIGHT)
-        total += (gathered * prec.compute_bytes + grads * prec.master_bytes
-                  + sends * in_flight * prec.reduce_bytes) * L \
-            + in_flight * L // n * prec.reduce_bytes
-    return total
+    return dense + (fsdp_cost.unit_buffer_bytes(layout, ops, experts,
+                                                kept_units(layout, coord, True), n // par.ep,
+                                                False) if experts else 0)
 
 
 def parameter_count(model: ModelConfig) -> int:

@@ -76,3 +76,17 @@ def _across_calls(layout: Layout, group: str, x: int, c: int) -> list[Call]:
         return [Call(group, "ialltoall", c * piece)] + \
             ([] if par.zero else [Call(group, "iallgather", piece)])
     return [Call(group, "iallgather", TopKCodec(np, par.topk_ratio).packed_bytes(x, e))]
+
+
+def residual_bytes(layout: Layout, lengths: list[int], compressed: int, per_node: int) -> int:
+    """Bytes of a rank's error-feedback residuals over buckets of ``lengths`` elements: what it
+    compresses (its node shard, ``per_node`` ranks to a node under the hierarchical reduction,
+    or the bucket) and, int8 without ZeRO, its owned sum; ``compressed``: ranks of the group
+    the reduction compresses over (1: nothing compressed)."""
+    par = layout.parallel
+    if compressed == 1 or par.error_feedback == "off":
+        return 0
+    second = par.grad_compression == "int8" and not par.zero
+    x = sum(length // per_node for length in lengths)
+    return (x + (x // compressed if second else 0)) \
+        * Precision.of(layout.train, par).master_bytes

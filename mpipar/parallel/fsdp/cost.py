@@ -2,11 +2,13 @@
 :class:`mpipar.parallel.fsdp.sharded.ShardedParams` makes in a step."""
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Collection
 
 from mpipar.layout import Layout
 from mpipar.parallel.calls import Call
 from mpipar.parallel.data_parallel.reducer import padded_size
+from mpipar.parallel.fsdp.sharded import MAX_IN_FLIGHT
 from mpipar.parallel.pipeline.schedule import Op
 from mpipar.runtime.precision import Precision
 
@@ -94,3 +96,52 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
         return calls + [Call(g, "iallgather", lengths[u] // n * e,
                              micro if u in kept else 2 * micro) for u, _ in entered]
     return calls + [Call(g, "allgather", L // n * e) for L in lengths.values()]
+
+
+def _kept_meets_forward(ops: list[Op]) -> bool:
+    """Whether a rank whose schedule is ``ops`` runs a forward while a chunk's kept units wait
+    for that chunk's next backward (a forward of a chunk after its last backward: pipeline
+    warm-up, interleaving), so that they are gathered beside the forward's units."""
+    waiting: set[int] = set()
+    for op in ops:
+        if op.kind == "fwd":
+            if waiting:
+                return True
+            waiting.add(op.chunk)
+        elif op.kind in ("bwd", "bwd_input"):
+            waiting.discard(op.chunk)
+    return False
+
+
+def unit_buffer_bytes(layout: Layout, ops: list[Op], lengths: dict[str, int],
+                      kept_names: Collection[str], n: int, shared: bool) -> int:
+    """A bound on the pool of whole-unit buffers (:class:`mpipar.parallel.fsdp.sharded.
+    BufferPool` keeps what a step needed at once, by length) of one store of a rank whose
+    schedule is ``ops``: units of ``lengths`` sharded over ``n`` ranks, ``kept_names`` kept
+    from forward to backward, ``shared``: in node shared memory. Per unit length, the gathered
+    units (the one computing, ``zero_prefetch`` ahead, the tied embedding beside the head, the
+    units kept from their forward: ZeRO-3) and the gradient buffers (the unit in backward and
+    ``MAX_IN_FLIGHT`` reduce-scatters; under zb-h1 a chunk's every unit, waiting for its weight
+    op, beside them), and the received slices."""
+    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
+    by_length: dict[int, int] = defaultdict(int)
+    kept: dict[int, int] = defaultdict(int)
+    for L in lengths.values():
+        by_length[L] += 1
+    if par.zero == 3 and _kept_meets_forward(ops):
+        for u in kept_names:
+            kept[lengths[u]] += 1
+    total = 0
+    sends = prec.reduce != prec.master          # the gradients' copies in the reduce dtype
+    for L, k in by_length.items():
+        gathered = (min(k, 2 + par.zero_prefetch + kept[L])
+                    if par.zero == 3 and not shared else 0)
+        # a unit's gradients leave once a microbatch: its next backward may take a buffer
+        # while its last reduce-scatters are in flight (few units of a length: interleaving)
+        reduces = k * layout.microbatches
+        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(reduces, 1 + MAX_IN_FLIGHT)
+        in_flight = min(reduces, 1 + MAX_IN_FLIGHT)
+        total += (gathered * prec.compute_bytes + grads * prec.master_bytes
+                  + sends * in_flight * prec.reduce_bytes) * L \
+            + in_flight * L // n * prec.reduce_bytes
+    return total

@@ -194,15 +194,15 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     from mpipar.runtime.comm import Group, Ledger
     from mpi4py import MPI
     whole = _engine(tmp_path)
-    ref = [_snapshot(whole, whole.train_step(k)) for k in range(4)]
-    whole.close()
+    ref = [_snapshot(whole, trainer.train_step(whole, k)) for k in range(4)]
+    trainer.close(whole)
     assert max(ref[1][3][i].max() for i in ref[1][3]) > 0     # the biases moved
     first = _engine(tmp_path)
     for k in range(2):
-        first.train_step(k)
-    path = writer.save(first.state, first.run_position(2), tmp_path,
+        trainer.train_step(first, k)
+    path = writer.save(first.state, trainer.run_position(first, 2), tmp_path,
                        Group(MPI.COMM_SELF, "world", Ledger()))
-    first.close()
+    trainer.close(first)
     assert reader.read_moe_bias(path).keys() == ref[1][3].keys()
     import json
 
@@ -216,14 +216,14 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         assert all((f["moe_bias"].attrs[f"layers.{i}"] == b).all() for i, b in ref[1][3].items())
     resumed = _engine(tmp_path)
     assert reader.load(resumed.state, path) == 2
-    resumed.routing.load(reader.read_moe_bias(path))
+    resumed.model.routing.load(reader.read_moe_bias(path))
     for k in (2, 3):
-        _same(_snapshot(resumed, resumed.train_step(k)), ref[k])
-    resumed.close()
+        _same(_snapshot(resumed, trainer.train_step(resumed, k)), ref[k])
+    trainer.close(resumed)
     forgot = _engine(tmp_path)                       # the biases not restored: zeros
     reader.load(forgot.state, path)
-    got = _snapshot(forgot, forgot.train_step(2))
-    forgot.close()
+    got = _snapshot(forgot, trainer.train_step(forgot, 2))
+    trainer.close(forgot)
     assert any((got[3][i] != ref[2][3][i]).any() for i in got[3])
 
 

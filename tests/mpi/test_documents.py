@@ -68,7 +68,7 @@ def test_packed_documents_equal_one_process(world, layout, case):
         try:
             return compare(got[:3], reference(model, case.removesuffix("-numba")), 1e-10)
         finally:
-            got[3].close()
+            trainer.close(got[3])
 
     check_in_groups(world, layout_size(layout), check)
 

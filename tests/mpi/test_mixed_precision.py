@@ -23,6 +23,7 @@ import pytest
 from conftest import check_in_groups, rank_failures
 from layouts import layout_name, layout_size, run, small_config, token_source
 from mpipar.rules import validate
+from mpipar.training import step as trainer
 
 pytest.importorskip("ml_dtypes")
 
@@ -47,7 +48,7 @@ def reference(steps: int) -> tuple:
     from mpi4py import MPI
     if steps not in _REFERENCE:
         got = run(bf16_config(steps), MPI.COMM_SELF, steps)
-        got[3].close()
+        trainer.close(got[3])
         _REFERENCE[steps] = got[:3]
     return _REFERENCE[steps]
 
@@ -57,7 +58,7 @@ def _on_slice(world, layout: dict, steps: int, check) -> None:
     rank asserts on ``check(got)``'s failures of all ranks."""
     def on(comm) -> list[str]:
         got = run(bf16_config(steps, **layout), comm, steps)
-        got[3].close()
+        trainer.close(got[3])
         return check(got)
 
     check_in_groups(world, layout_size(layout), on)
@@ -103,9 +104,9 @@ def test_the_same_layout_twice_is_bit_identical(world):
     layout = dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002, reduce_dtype="bfloat16")
     with rank_failures(world) as fails:
         first = run(bf16_config(4, **layout), world, 4)
-        first[3].close()
+        trainer.close(first[3])
         second = run(bf16_config(4, **layout), world, 4)
-        second[3].close()
+        trainer.close(second[3])
         if first[0] != second[0] or first[1] != second[1]:
             fails.append(f"losses {first[0]} then {second[0]}")
         fails += [f"{n} differs" for n in first[2]

@@ -163,18 +163,19 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     try:
         # Under the lock: no other run can be reporting into this run directory.
         report.attach(cfg.train.run_dir, fresh=ctx.rank0)
-        engine, start = _build(ctx)
+        from mpipar.training import step as steps
+        rank, start = _build(ctx)
         try:
-            return run(engine, start, ctx)
+            return run(rank, start, ctx)
         finally:
-            engine.close()
+            steps.close(rank)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _start_watchdog(ctx: RunContext) -> Watchdog | None:
-    """With --collective-timeout: watch the control group now, the engine once it exists."""
+    """With --collective-timeout: watch the control group now, the rank once it exists."""
     from mpipar.runtime.comm import Watchdog
     tr = ctx.cfg.train
     if not tr.collective_timeout:
@@ -220,41 +221,42 @@ def _claim(ctx: RunContext):
 
 
 def _build(ctx: RunContext):
-    """The engine, with its state from ``--resume`` or ``--init-from-hf``; a data, checkpoint or
-    configuration error on any rank stops every rank with status 2. Returns (engine, the step it
-    starts after)."""
+    """This process's rank of the run (:func:`mpipar.training.rank.build_rank`), with its state
+    from ``--resume`` or ``--init-from-hf``; a data, checkpoint or configuration error on any
+    rank stops every rank with status 2. Returns (the rank, the step it starts after)."""
     from mpipar.checkpoint.directory import CheckpointError
     from mpipar.data.sources import DataError
-    from mpipar.training.engine import Engine
-    engine, start, error = None, 0, None
+    from mpipar.training import rank as ranks
+    built, start, error = None, 0, None
     try:
-        engine = Engine(ctx.cfg, ctx.control.comm)
+        built = ranks.build_rank(ctx.cfg, ctx.control.comm)
         if ctx.watchdog is not None:
-            ctx.watchdog.watch(engine.ledger)
-            ctx.watchdog.watch(engine.eval_ledger)
-        start = _load_state(engine, ctx)
+            ctx.watchdog.watch(built.ledger)
+            ctx.watchdog.watch(built.eval_ledger)
+        start = _load_state(built, ctx)
     except (DataError, ConfigError, CheckpointError) as exc:
         error = str(exc)
     _agree(ctx.control, error)
-    return engine, start
+    return built, start
 
 
-def _load_state(engine, ctx: RunContext) -> int:
+def _load_state(rank, ctx: RunContext) -> int:
     """Load ``--resume`` (every rank reads the same files: the same answer everywhere) or
-    ``--init-from-hf`` into ``engine``; returns the step the checkpoint holds (0: fresh)."""
+    ``--init-from-hf`` into ``rank``; returns the step the checkpoint holds (0: fresh)."""
+    from mpipar.training import step as steps
     tr = ctx.cfg.train
     if tr.resume:
         from mpipar.checkpoint import reader
         from mpipar.checkpoint.directory import CheckpointError
         path, notes = reader.resolve_resume(tr.resume, tr.save_dir)
         if path is not None:
-            start = reader.load(engine.state, path)
+            start = reader.load(rank.state, path)
             try:   # the routing biases, recorded once in the index (auxiliary-loss-free)
-                engine.routing.load(reader.read_moe_bias(path))
+                rank.model.routing.load(reader.read_moe_bias(path))
             except ValueError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
             notes += [f"resumed from {path} at step {start}",
-                      *reader.resume_changes(path, engine.run_position(start))]
+                      *reader.resume_changes(path, steps.run_position(rank, start))]
         for note in notes if ctx.rank0 else ():
             print(f"mpipar: {note}", flush=True)
         if path is not None:
@@ -262,9 +264,9 @@ def _load_state(engine, ctx: RunContext) -> int:
     if tr.init_from_hf:
         from mpipar.checkpoint.huggingface import load_hf
         # read as the masters (float32 under bf16: a float32 file keeps its precision)
-        engine.load_params(load_hf(tr.init_from_hf, engine.master_dtype.name,
-                                   tr.hf_untie_embeddings)[1],
-                           source=f"--init-from-hf {tr.init_from_hf}")
+        steps.load_params(rank, load_hf(tr.init_from_hf, rank.compute.master_dtype.name,
+                                       tr.hf_untie_embeddings)[1],
+                         source=f"--init-from-hf {tr.init_from_hf}")
     return 0
 
 

@@ -11,14 +11,15 @@ from layouts import small_config, token_source
 from mpipar.checkpoint.activations import load_global
 from mpipar.model.llama import ACTIVATION_NAMES
 from mpipar.rules import validate
+from mpipar.training import step as trainer
 
 
 def dumping_engine(cfg, comm, run_dir: str, dump: str):
     """An engine of ``cfg`` on ``comm`` writing its run to ``run_dir`` and dumping the
     activations of steps ``dump`` (``--dump-activations``, e.g. "1,2")."""
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
     cfg.train.run_dir, cfg.train.dump_activations = run_dir, dump
-    return Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    return build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,7 +29,7 @@ def single_process_dump() -> str:
     run_dir = tempfile.mkdtemp(prefix="mpipar-act-ref-")
     eng = dumping_engine(small_config("float64"), MPI.COMM_SELF, run_dir, "1,2")
     for k in range(2):
-        eng.train_step(k)
+        trainer.train_step(eng, k)
     return run_dir
 
 

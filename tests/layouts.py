@@ -9,6 +9,7 @@ import numpy as np
 
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from mpipar.rules import validate
+from mpipar.training import step as trainer
 
 VOCAB = 13  # not a power of two: TP pads it
 
@@ -91,10 +92,10 @@ def token_source(seq_len: int = 16):
 
 def run(cfg: Config, comm, steps: int = 2):
     """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, engine)."""
-    from mpipar.training.engine import Engine
-    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-    results = [eng.train_step(k) for k in range(steps)]
-    return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params(), eng)
+    from mpipar.training.rank import build_rank
+    eng = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    results = [trainer.train_step(eng, k) for k in range(steps)]
+    return ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(eng), eng)
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +103,7 @@ def reference(dtype: str = "float64", steps: int = 2, model: str = "llama"):
     """The single-process run (computed once per process)."""
     from mpi4py import MPI
     losses, norms, params, engine = run(small_config(dtype, model), MPI.COMM_SELF, steps)
-    engine.close()
+    trainer.close(engine)
     return losses, norms, params
 
 

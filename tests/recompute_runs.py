@@ -16,15 +16,16 @@ def run_mode(layout: dict, mode: str, comm, run_dir: str, **train):
     """Two float64 steps of the test model under ``layout`` with ``--recompute mode`` on ``comm``
     (offload scratch in ``run_dir``; ``train``: other TrainConfig fields): (losses, gradient
     norms, gathered parameters)."""
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     cfg = small_config("float64", **layout)
     cfg.train.recompute, cfg.train.run_dir = mode, run_dir
     for key, value in train.items():
         setattr(cfg.train, key, value)
-    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-    out = [eng.train_step(k) for k in range(2)]
-    params = eng.gather_params()
-    eng.close()
+    eng = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    out = [trainer.train_step(eng, k) for k in range(2)]
+    params = trainer.gather_params(eng)
+    trainer.close(eng)
     return [r.loss for r in out], [r.grad_norm for r in out], params
 
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from mpipar.checkpoint.huggingface import load_hf, mpipar_name, read_model_config, save_hf
 from mpipar.model.params import ROUTER, expert_names
+from mpipar.training import step as trainer
 
 E, TOPK, FFN, ALPHA, STEPS = 4, 2, 24, 0.1, 2
 
@@ -103,9 +104,9 @@ def assert_trains_as_transformers(path, tmp_path, sparse_layers: int) -> dict[st
     rows = np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1))
     np.save(tmp_path / "rows.npy", rows)
     engine = mpipar_engine(cfg, params, tmp_path / "rows.npy")
-    results = [engine.train_step(k) for k in range(STEPS)]
-    trained = engine.gather_params()
-    engine.close()
+    results = [trainer.train_step(engine, k) for k in range(STEPS)]
+    trained = trainer.gather_params(engine)
+    trainer.close(engine)
     ce, aux, norms, want = torch_training(path, torch.from_numpy(rows), sparse_layers)
     assert sorted(trained) == sorted(want)
     for r, c, a, n in zip(results, ce, aux, norms):

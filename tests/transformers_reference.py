@@ -53,7 +53,8 @@ from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig  # no
 from mpipar.checkpoint.huggingface import mpipar_name  # noqa: E402
 from mpipar.data.sources import load_tokens  # noqa: E402
 from mpipar.rules import validate  # noqa: E402
-from mpipar.training.engine import Engine  # noqa: E402
+from mpipar.training import step as trainer  # noqa: E402
+from mpipar.training.rank import Rank, build_rank  # noqa: E402
 
 V, H, HEADS, KV, LAYERS, FFN, THETA, EPS = 97, 48, 6, 2, 2, 80, 10000.0, 1e-6
 B, S, STEPS = 2, 12, 3
@@ -221,15 +222,15 @@ def hf_loss(logits, rows):
 
 
 def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
-                  **parallel) -> Engine:
+                  **parallel) -> Rank:
     """An engine on ``comm`` with ``params`` loaded, training the samples' rows in order."""
     train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=B,
                         micro_batch_size=1 if parallel else 0, lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
                         shuffle=False, seed=0, **OPT)
     cfg = validate(Config(model_cfg, ParallelConfig(**parallel), train), comm.Get_size())
-    engine = Engine(cfg, comm, source=load_tokens(str(samples), V, S))
-    engine.load_params(params)
+    engine = build_rank(cfg, comm, source=load_tokens(str(samples), V, S))
+    trainer.load_params(engine, params)
     return engine
 
 

@@ -13,10 +13,12 @@ import numpy as np
 from layouts import token_source
 from mpipar.rules import validate
 
-HOT_PATH = ("mpipar.training.engine", "mpipar.runtime.comm", "mpipar.model.llama", "mpipar.model.attention",
+HOT_PATH = ("mpipar.training.step", "mpipar.training.batches", "mpipar.runtime.comm",
+            "mpipar.model.llama", "mpipar.model.attention",
             "mpipar.parallel.tensor", "mpipar.parallel.sequence.common",
             "mpipar.parallel.sequence.ring", "mpipar.parallel.sequence.halo",
-            "mpipar.parallel.sequence.ulysses", "mpipar.parallel.sequence.hybrid", "mpipar.parallel.data_parallel.reducer",
+            "mpipar.parallel.sequence.ulysses", "mpipar.parallel.sequence.hybrid",
+            "mpipar.parallel.data_parallel.reducer",
             "mpipar.parallel.compression", "mpipar.parallel.pipeline.executor")
 ALLOWED = {"dtype", "inf", "nan", "ndarray", "generic", "integer", "floating", "bool_"}
 
@@ -57,22 +59,24 @@ def guarded_step(monkeypatch, cfg, comm) -> tuple[list, RecordingXP]:
     """Two steps and a validation pass (on a separate file: the training data stays the
     reference's) with the seam swapped in; returns (losses, norms, params) and the recorder. The
     validation loss must equal an unguarded pass's."""
-    from mpipar.training import engine as engine_mod
+    from mpipar.training import rank as rank_mod
+    from mpipar.training import step as trainer
     from mpipar.runtime.device import training_backend
 
     recording = RecordingXP()
     backend = dataclasses.replace(training_backend("numpy"), xp=recording)
-    monkeypatch.setattr(engine_mod, "training_backend", lambda name, device="cpu": backend)
+    monkeypatch.setattr(rank_mod, "training_backend", lambda name, device="cpu": backend)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2,
                                                              eval_data=token_source().path))
-    eng = engine_mod.Engine(validate(cfg, comm.Get_size()), comm, source=token_source())
+    eng = rank_mod.build_rank(validate(cfg, comm.Get_size()), comm, source=token_source())
     for name in HOT_PATH:
         module = importlib.import_module(name)
         if hasattr(module, "np"):
             monkeypatch.setattr(module, "np", NumpyGuard(name))
-    results = [eng.train_step(k) for k in range(2)]
-    guarded = eng.evaluate().loss
+    results = [trainer.train_step(eng, k) for k in range(2)]
+    guarded = trainer.evaluate(eng).loss
     monkeypatch.undo()
-    assert guarded == eng.evaluate().loss
-    return ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params()), \
+    assert guarded == trainer.evaluate(eng).loss
+    return ([r.loss for r in results], [r.grad_norm for r in results],
+            trainer.gather_params(eng)), \
         recording

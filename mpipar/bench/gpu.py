@@ -1,4 +1,4 @@
-"""``python -m mpipar.bench gpu``: the GPU engine on one CUDA device, against PyTorch eager.
+"""``python -m mpipar.bench gpu``: the training step on one CUDA device, against PyTorch eager.
 
 - attention: each bf16 attention backend (mpipar's ``flash_mma``, cuDNN's fused attention) forward
   and backward TFLOP/s, causal, seq 2k-16k at 16k tokens, head dim 64 and 128, against a cuBLAS
@@ -86,28 +86,30 @@ def _config(model: str, seq: int, steps: int, data: str, device: str = "cuda") -
         steps=steps, data=data, dtype="bfloat16", log_every=0)), 1)
 
 
-def _engine(model: str, seq: int, steps: int) -> Any:
-    """A one-process bf16 Engine of ``model`` at ``seq`` on this device, over ``steps`` steps of
-    random tokens (16k a step)."""
+def _rank(model: str, seq: int, steps: int) -> Any:
+    """A one-process bf16 rank of ``model`` at ``seq`` on this device
+    (:func:`mpipar.training.rank.build_rank`), over ``steps`` steps of random tokens (16k a
+    step)."""
     import numpy as np
     from mpipar.runtime.mpi_init import MPI
     from mpipar.data.sources import load_tokens
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
 
     path = os.path.join(tempfile.mkdtemp(prefix="mpipar-bench-gpu-"), "tokens.npy")
     batch = max(1, TOKENS_PER_STEP // seq)
     np.save(path, np.random.default_rng(0).integers(0, 32000, (steps * batch, seq + 1)))
-    return Engine(_config(model, seq, steps, path), MPI.COMM_SELF,
-                  source=load_tokens(path, 32000, seq))
+    return build_rank(_config(model, seq, steps, path), MPI.COMM_SELF,
+                      source=load_tokens(path, 32000, seq))
 
 
 def _timed_steps(eng: Any, first: int, count: int) -> tuple[float, list[float]]:
     """Seconds a step over steps ``first .. first + count - 1`` (the device synchronised before
     and after), and their losses."""
     import cupy
+    from mpipar.training.step import train_step
     cupy.cuda.Device().synchronize()
     t0 = time.perf_counter()
-    losses = [eng.train_step(k).loss for k in range(first, first + count)]
+    losses = [train_step(eng, k).loss for k in range(first, first + count)]
     cupy.cuda.Device().synchronize()
     return (time.perf_counter() - t0) / count, losses
 
@@ -119,13 +121,13 @@ def mpipar_train(model: str, seq: int, steps: int) -> dict[str, Any]:
     import cupy
 
     t0 = time.perf_counter()
-    eng = _engine(model, seq, steps + 2)
+    eng = _rank(model, seq, steps + 2)
     build = time.perf_counter() - t0
     _, warm = _timed_steps(eng, 0, 2)
     step, losses = _timed_steps(eng, 2, steps)
     pool = cupy.get_default_memory_pool()
     return {"step_s": step, "build_s": build, "losses": [float(x) for x in warm + losses],
-            "memory_bytes": int(pool.total_bytes()), "attention": str(eng.attention)}
+            "memory_bytes": int(pool.total_bytes()), "attention": str(eng.compute.attention)}
 
 
 def torch_train(model: str, seq: int, steps: int) -> dict[str, Any]:
@@ -181,8 +183,9 @@ def profile(model: str, seq: int, steps: int = 3) -> dict[str, Any]:
     import collections
     import dataclasses
     import cupy
+    from mpipar.training.step import close
 
-    eng = _engine(model, seq, 3 * steps + 2)
+    eng = _rank(model, seq, 3 * steps + 2)
     _timed_steps(eng, 0, 2)
     plain = _timed_steps(eng, 2, steps)[0] * 1e3
     ms = {m: collections.defaultdict(float) for m in ("stream", "serial")}
@@ -208,11 +211,12 @@ def profile(model: str, seq: int, steps: int = 3) -> dict[str, Any]:
             return out
         return wrapper
 
-    for f in dataclasses.fields(eng.kernels):
-        if callable(getattr(eng.kernels, f.name)) and f.name != "xp":
-            object.__setattr__(eng.kernels, f.name, timed(f.name, getattr(eng.kernels, f.name)))
+    kernels, optimizer = eng.compute.kernels, eng.weights.optimizer
+    for f in dataclasses.fields(kernels):
+        if callable(getattr(kernels, f.name)) and f.name != "xp":
+            object.__setattr__(kernels, f.name, timed(f.name, getattr(kernels, f.name)))
     for name in ("step", "clip", "grad_norm_sq"):
-        setattr(eng.optimizer, name, timed("optimizer." + name, getattr(eng.optimizer, name)))
+        setattr(optimizer, name, timed("optimizer." + name, getattr(optimizer, name)))
     stream_step = _timed_steps(eng, 2 + steps, steps)[0] * 1e3
     gaps: dict[str, float] = collections.defaultdict(float)
     for i, (name, start, end) in enumerate(pending):
@@ -235,7 +239,7 @@ def profile(model: str, seq: int, steps: int = 3) -> dict[str, Any]:
           " a step, the step boundary included):")
     for name, g in after[:10]:
         print(f"    after {name:26s} {g:9.2f} ms")
-    eng.close()
+    close(eng)
     return {"model": model, "seq": seq, "plain_ms": plain, "stream_step_ms": stream_step,
             "ops": {n: {"ms": v, "serial_ms": w, "host_ms": h, "calls": c}
                     for n, v, w, h, c in rows},

@@ -39,7 +39,8 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
 
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
+    from mpipar.training.step import close, train_step
 
     comm = comm or MPI.COMM_SELF
     cfg = validate(Config(
@@ -51,24 +52,25 @@ def measure_step_memory(mode: str, args: argparse.Namespace, run_dir: str, trace
                     run_dir=run_dir, recompute=mode, warmup_steps=1, log_every=0),
     ), comm.Get_size())
     source = load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
-    engine, m = _traced_build_and_step(lambda: Engine(cfg, comm, source=source), traced)
+    rank, m = _traced_build_and_step(lambda: build_rank(cfg, comm, source=source), traced)
     resident, peak, loss = m["resident"], m["step_peak"], m["loss"]
-    saved = _saved_bytes(engine) if mode != "offload" else 0
+    saved = _saved_bytes(rank) if mode != "offload" else 0
     cpu = []
     for k in (2, 3):  # CPU seconds: robust on a machine shared with other work
         start = time.process_time()
-        engine.train_step(k)
+        train_step(rank, k)
         cpu.append(time.process_time() - start)
-    engine.close()
+    close(rank)
     return {"mode": mode, "tp": comm.Get_size(), "tp_sequence_parallel": tp_sequence_parallel,
             "resident": resident, "peak": peak, "activations": peak - resident, "saved": saved,
             "loss": loss, "step_cpu_s": min(cpu)}
 
 
-def _saved_bytes(engine) -> int:
+def _saved_bytes(rank) -> int:
     """Bytes the model keeps for backward from one microbatch's forward (its one chunk: the
     benchmark runs pp = 1): the arrays of the forward's record, the step's working set aside."""
     import dataclasses
+    from mpipar.training.batches import prepare
 
     def nbytes(node: Any) -> int:
         if dataclasses.is_dataclass(node):
@@ -77,40 +79,41 @@ def _saved_bytes(engine) -> int:
             return sum(nbytes(v) for v in node)
         return getattr(node, "nbytes", 0) if hasattr(node, "dtype") else 0
 
-    mb = engine._microbatches(engine.sampler.batch, 0)[0]
-    chunk = engine.chunks[0]
-    _, cache = chunk.forward(engine.params, mb.tokens, engine.positions, mb.targets)
+    mb = prepare(rank, rank.data.sampler, 0).microbatches[0]
+    chunk = rank.model.chunks[0]
+    _, cache = chunk.forward(rank.params, mb.tokens, rank.model.positions, mb.targets)
     return nbytes(cache.blocks) + nbytes(cache.head)
 
 
 def _traced_build_and_step(build: Callable[[], Any], traced: bool = True) -> tuple[Any, dict]:
-    """``build()`` an engine and run its steps 0 and 1 under tracemalloc (``traced``): the
-    engine and {``build_peak``: the peak while building, ``resident``: what it holds after step
+    """``build()`` a rank and run its steps 0 and 1 under tracemalloc (``traced``): the
+    rank and {``build_peak``: the peak while building, ``resident``: what it holds after step
     0, ``step_peak``: the peak of step 1, ``loss``: step 1's loss} (zeros when untraced)."""
+    from mpipar.training.step import train_step
     if traced:
         tracemalloc.start()
     try:
-        engine = build()
+        rank = build()
         build_peak = tracemalloc.get_traced_memory()[1]
-        engine.train_step(0)
+        train_step(rank, 0)
         gc.collect()
         resident = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        loss = engine.train_step(1).loss
+        loss = train_step(rank, 1).loss
         step_peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    return engine, {"build_peak": build_peak, "resident": resident, "step_peak": step_peak,
+    return rank, {"build_peak": build_peak, "resident": resident, "step_peak": step_peak,
                     "loss": loss}
 
 
-def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_dir: str,
+def _zero_rank(stage: int, prefetch: int, args: argparse.Namespace, comm, run_dir: str,
                  shared: bool = False):
-    """An engine of the --zero benchmark model with dp = every rank of ``comm`` (``shared``:
+    """A rank of the --zero benchmark model with dp = every rank of ``comm`` (``shared``:
     ZeRO-3's parameters in node shared memory)."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
 
     world = comm.Get_size()
     cfg = validate(Config(
@@ -124,12 +127,12 @@ def _zero_engine(stage: int, prefetch: int, args: argparse.Namespace, comm, run_
                     run_dir=run_dir, recompute=args.modes.split(",")[0], warmup_steps=1,
                     log_every=0),
     ), world)
-    return Engine(cfg, comm, source=load_tokens(None, 256, args.seq))
+    return build_rank(cfg, comm, source=load_tokens(None, 256, args.seq))
 
 
 def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, comm,
                         run_dir: str, shared: bool = False) -> tuple[dict[str, Any], Any]:
-    """Build and train one ZeRO ``stage`` engine under tracemalloc (only its own allocations
+    """Build and train one ZeRO ``stage`` rank under tracemalloc (only its own allocations
     are traced): the peak of building it, what it holds between steps (``resident``: state,
     the unit pool, caches) and the peak of a step; the planner's prediction beside them.
     ``shared``: ZeRO-3 in node shared memory, whose slices (not NumPy's, so not traced) are
@@ -137,30 +140,31 @@ def measure_zero_memory(stage: int, prefetch: int, args: argparse.Namespace, com
     from mpipar.plan.memory import predict_memory
 
     gc.collect()
-    engine, m = _traced_build_and_step(
-        lambda: _zero_engine(stage, prefetch, args, comm, run_dir, shared))
-    extra = engine.sharded.shared_bytes if engine.sharded else 0
+    rank, m = _traced_build_and_step(
+        lambda: _zero_rank(stage, prefetch, args, comm, run_dir, shared))
+    sharded = rank.weights.sharded
+    extra = sharded.shared_bytes if sharded else 0
     build, resident, step, loss = (m["build_peak"] + extra, m["resident"] + extra,
                                    m["step_peak"] + extra, m["loss"])
-    pool = (sum(b.nbytes for bufs in engine.sharded.pool.free.values() for b in bufs)
-            if engine.sharded else 0)
-    predicted = predict_memory(engine.layout, engine.grid.coord)
+    pool = (sum(b.nbytes for bufs in sharded.pool.free.values() for b in bufs)
+            if sharded else 0)
+    predicted = predict_memory(rank.layout, rank.coord)
     return {"zero": f"{stage}n" if shared else stage, "prefetch": prefetch,
             "build_peak": build, "resident": resident,
             "step_peak": step, "peak": max(build, step), "pool": pool,
             "state_predicted": predicted.state, "total_predicted": predicted.total,
-            "loss": loss}, engine
+            "loss": loss}, rank
 
 
-def _gather_seconds(engine) -> tuple[float, float, int]:
+def _gather_seconds(rank) -> tuple[float, float, int]:
     """(seconds blocked in all-gather waits and tests, of them in tests, all-gathers) the
     ledger booked since its reset."""
-    e = engine.ledger.entries.get(("dp_sp", "iallgather"))
+    e = rank.ledger.entries.get(("dp_sp", "iallgather"))
     return (e.seconds, e.tested, e.messages) if e else (0.0, 0.0, 0)
 
 
 def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
-    """The --zero benchmark: each stage's memory per rank (largest over ranks) against the
+    """The --zero benchmark: each stage's memory per rank (largest over built) against the
     budget, then ZeRO-3's steps at prefetch 0 (every all-gather waited as soon as posted: its
     whole transfer) and at --prefetch, interleaved step by step, with their step times."""
     world, say = comm.Get_size(), rank0_print(comm)
@@ -171,16 +175,17 @@ def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
         f"seq={args.seq} batch={args.batch} micro_batch={args.micro_batch}; budget "
         f"{args.budget_mb} MiB per rank")
     from mpipar.data.sources import load_tokens
+    from mpipar.training.step import close
     load_tokens(None, 256, args.seq)  # the corpus is cached: load it untraced
-    rows, engines = [], {}
+    rows, built = [], {}
     with tempfile.TemporaryDirectory(prefix="mpipar-bench-zero-") as run_dir:
         run_dir = comm.bcast(run_dir)
         for stage in stages + (["3n"] if args.zero_shared else []):
-            mine, engines[stage] = measure_zero_memory(3 if stage == "3n" else stage,
-                                                       args.prefetch, args, comm, run_dir,
-                                                       shared=stage == "3n")
-            if stage not in (3, "3n"):      # only ZeRO-3's engines go on (to the overlap runs)
-                engines.pop(stage).close()
+            mine, built[stage] = measure_zero_memory(3 if stage == "3n" else stage,
+                                                     args.prefetch, args, comm, run_dir,
+                                                     shared=stage == "3n")
+            if stage not in (3, "3n"):      # only ZeRO-3's ranks go on (to the overlap runs)
+                close(built.pop(stage))
             every = comm.allgather(mine)
             rows.append({**mine, **{k: max(r[k] for r in every) for k in mine
                                     if k not in ("zero", "prefetch", "loss")}})
@@ -195,30 +200,31 @@ def run_zero_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
                 f"{r['state_predicted'] / mib:>16.1f} {'yes' if r['fits'] else 'NO':>5}  "
                 f"{r['loss']:.6f}")
         for key in (3, "3n"):
-            if full_state and key in engines:
+            if full_state and key in built:
                 r3 = rows[(stages + ["3n"]).index(key)]
                 r3["resident_vs_share"] = r3["resident"] / (full_state / world + r3["pool"])
                 say(f"ZeRO-{key} resident / (ZeRO-0 state / {world} + pool) = "
                     f"{r3['resident_vs_share']:.3f}")
-        overlap = (_zero_overlap(engines.get(3), args, comm, run_dir, say, engines.get("3n"))
-                   if 3 in engines else {})
-        if "3n" in engines:
-            engines.pop("3n").close()
+        overlap = (_zero_overlap(built.get(3), args, comm, run_dir, say, built.get("3n"))
+                   if 3 in built else {})
+        if "3n" in built:
+            close(built.pop("3n"))
     return {"config": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads",
                                                      "ffn", "seq", "batch", "micro_batch",
                                                      "dtype", "budget_mb", "prefetch")}
             | {"dp": world}, "rows": rows, "overlap": overlap}
 
 
-def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say,
+def _zero_overlap(rank, args: argparse.Namespace, comm, run_dir: str, say,
                   shared=None) -> dict[str, Any]:
-    """ZeRO-3 at prefetch 0 against ``engine`` (at --prefetch), and ``shared`` (node shared
+    """ZeRO-3 at prefetch 0 against ``rank`` (at --prefetch), and ``shared`` (node shared
     memory) when given, steps interleaved: the seconds a step blocks in all-gather waits and
     tests (the ledger; the test share apart; node shared: in the barrier that publishes the
     update), and the step times."""
-    blocking = _zero_engine(3, 0, args, comm, run_dir)
-    blocking.train_step(0)
-    runs = [("prefetch0", blocking), (f"prefetch{args.prefetch}", engine)]
+    from mpipar.training.step import close, train_step
+    blocking = _zero_rank(3, 0, args, comm, run_dir)
+    train_step(blocking, 0)
+    runs = [("prefetch0", blocking), (f"prefetch{args.prefetch}", rank)]
     runs += [("node shared", shared)] if shared is not None else []
     out = {}
     for name, eng in runs:
@@ -229,7 +235,7 @@ def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say,
             eng.ledger.reset()
             comm.Barrier()
             t0 = time.perf_counter()
-            eng.train_step(k)
+            train_step(eng, k)
             out[name]["step_s"].append(time.perf_counter() - t0)
             seconds, tested, count = _gather_seconds(eng)
             if eng is shared:         # the barrier publishing the update (and across nodes,
@@ -259,7 +265,7 @@ def _zero_overlap(engine, args: argparse.Namespace, comm, run_dir: str, say,
             f"{row['waited_s'] * 1e3:.1f} ms a step ({100 * row['exposed_fraction']:.0f}% of "
             f"prefetch 0's, whose wait is the whole transfer; {where}); step "
             f"{row['step_s']:.3f} s{across}")
-    blocking.close()
+    close(blocking)
     return out
 
 

@@ -55,19 +55,19 @@ class MpiparPeer:
         from mpipar.runtime.mpi_init import MPI
 
         from mpipar.runtime.peak import measure_peak_flops
-        from mpipar.training.engine import Engine
+        from mpipar.training.rank import build_rank
         from mpipar.model.flops import model_flops_per_step
 
         self.comm = MPI.COMM_WORLD
         self.rank0 = self.comm.Get_rank() == 0
         self.tmp = tempfile.TemporaryDirectory(prefix="mpipar-bench-train-")
         cfg = train_config(args, self.comm.Get_size(), self.tmp.name)
-        self.engine = Engine(cfg, self.comm)
+        self.rank = build_rank(cfg, self.comm)
         self.steps = 0
         self.info = {"ranks": self.comm.Get_size(), "threads": numba.get_num_threads(),
                      "peak_flops_per_rank": measure_peak_flops("float32"),
                      "flops_per_step": model_flops_per_step(cfg), "tokens_per_step": args.batch * args.seq,
-                     "kernels": self.engine.kernels.describe()}
+                     "kernels": self.rank.compute.kernels.describe()}
 
     def command(self) -> str:
         """The next command, read by rank 0 and sent to every rank; other ranks wait without
@@ -81,8 +81,9 @@ class MpiparPeer:
 
     def step(self) -> tuple[float, float]:
         """(wall, CPU) seconds of one training step (CPU: this rank's process, all its threads)."""
+        from mpipar.training.step import train_step
         start, cpu = time.perf_counter(), time.process_time()
-        self.engine.train_step(self.steps)
+        train_step(self.rank, self.steps)
         self.steps += 1
         return time.perf_counter() - start, time.process_time() - cpu
 
@@ -112,7 +113,8 @@ class MpiparPeer:
             print(REPLY + json.dumps(message), flush=True)
 
     def close(self) -> None:
-        self.engine.close()
+        from mpipar.training.step import close
+        close(self.rank)
         self.tmp.cleanup()
 
 

@@ -24,7 +24,8 @@ def measure_window_step(sp_mode: str, window: int, seq: int, args: argparse.Name
     the SP bytes per step of the rank that sends the most, the planner's prediction of it)."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from mpipar.data.sources import load_tokens
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
+    from mpipar.training.step import train_step
     from mpipar.plan.traffic import predict_step_bytes
 
     sp = comm.Get_size()
@@ -33,17 +34,17 @@ def measure_window_step(sp_mode: str, window: int, seq: int, args: argparse.Name
                  ParallelConfig(sp=sp, sp_mode=sp_mode),
                  TrainConfig(seq_len=seq, global_batch_size=1, dtype="float32", backend="auto",
                              steps=args.steps)), sp)
-    engine = Engine(cfg, comm, source=load_tokens(data, 256, seq))
+    rank = build_rank(cfg, comm, source=load_tokens(data, 256, seq))
     seconds, sent = [], []
     for k in range(args.steps):
-        engine.ledger.reset()
+        rank.ledger.reset()
         comm.Barrier()
         t0 = time.perf_counter()
-        engine.train_step(k)
+        train_step(rank, k)
         comm.Barrier()
         seconds.append(time.perf_counter() - t0)
-        sent.append(engine.ledger.bytes_by_group().get("sp", 0))
-    predicted = predict_step_bytes(cfg, engine.grid.coord).get("sp", 0)
+        sent.append(rank.ledger.bytes_by_group().get("sp", 0))
+    predicted = predict_step_bytes(cfg, rank.coord).get("sp", 0)
     most = max(comm.allgather(sent[-1]))
     exact = all(comm.allgather(sent[-1] == predicted))
     return {"mode": sp_mode, "window": window, "seq": seq, "step_s": float(np.median(seconds[1:])),

@@ -1,7 +1,8 @@
 """What a checkpoint and an activation dump record about the run, besides the tensors.
 
-The engine builds these small frozen records (``Engine.rank_place``, ``Engine.run_position``);
-the checkpoint layer reads nothing else of it but its state (:class:`~.shards.RankState`). The
+The training step builds these small frozen records (``training.step.rank_place``,
+``training.step.run_position``); the checkpoint layer reads nothing else of a rank but its
+state (:class:`~.shards.RankState`). The
 fields of :class:`LRScheduleState` and :class:`DataCursor` are, in order, the attributes of the
 index's ``lr_schedule`` and ``data`` groups.
 """

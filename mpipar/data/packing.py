@@ -5,8 +5,10 @@ A sample of ``seq_len + 1`` tokens cut from the concatenated corpus holds severa
 each ended by the EOS token (``--eos-token-id``, or the EOS ``data prepare --tokenizer``
 recorded). The EOS belongs to the document it ends; the token after it starts the next one; the
 sample's first document may be the tail of one cut by packing and is a document like any other.
-The model reads the documents through :class:`mpipar.model.attention.DocumentPositions` (the
-engine builds one per microbatch); the loss through a 0/1 mask of counted targets.
+The model reads the documents through :class:`mpipar.model.attention.DocumentPositions` (one
+per microbatch, :func:`microbatch_positions`); the loss through a 0/1 mask of counted targets.
+The batches of a step (:mod:`mpipar.training.batches`) ask this module for all of it: the
+documents of a global batch, each microbatch's positions, the targets that count.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from mpipar.data.sft import loss_mask_source
 from mpipar.data.sources import (DataError, Sampler, load_tokens, recorded_tokenizer,
                                  training_batches)
 from mpipar.layout import Layout
+from mpipar.model.attention import DocumentPositions, document_ids
+from mpipar.parallel.sequence_split import SeqLayout
 
 
 def eos_id(train: TrainConfig) -> int:
@@ -64,16 +68,33 @@ def counted_targets(inputs: np.ndarray, train: TrainConfig, eos: int | None,
     return out
 
 
+def batch_documents(inputs: np.ndarray, eos: int) -> np.ndarray:
+    """The document ids ``[rows, S]`` of packed input rows ``inputs [rows, S]`` (an EOS belongs
+    to the document it ends: :func:`mpipar.model.attention.document_ids`)."""
+    return document_ids(inputs, eos)
+
+
+def microbatch_positions(docs: np.ndarray, seq: SeqLayout, sp_rank: int,
+                         positions: np.ndarray) -> DocumentPositions:
+    """Sp rank ``sp_rank``'s positions of a microbatch whose rows hold documents ``docs
+    [mbs, S]``, carrying them: ``positions`` (the rank's under ``seq``) when one split serves
+    every microbatch, else those of this microbatch's split (``--sp-split balanced``:
+    :meth:`~mpipar.parallel.sequence_split.SeqLayout.for_microbatch`)."""
+    split = seq.for_microbatch(docs)
+    if split is seq:
+        return DocumentPositions.of(positions, docs, None)
+    return DocumentPositions.of(split.positions(sp_rank), docs, split)
+
+
 def step_documents(cfg, step: int = 0) -> np.ndarray:
     """The document ids ``[global batch, seq_len]`` of optimizer step ``step``'s global batch
-    of ``cfg``'s data under ``--document-masking`` (what the engine reads: the same source,
+    of ``cfg``'s data under ``--document-masking`` (what a training step reads: the same source,
     :func:`~mpipar.data.sources.training_batches` and EOS), for the planner's step time and traffic. Raises
     DataError for data the run could not read."""
-    from mpipar.model.attention import document_ids
     tr = cfg.train
     source = load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
     sampler = training_batches(source, tr, cfg.model.vocab_size)[0]
-    return document_ids(sampler.batch(step)[0], eos_id(tr))
+    return batch_documents(sampler.batch(step)[0], eos_id(tr))
 
 
 def check_config(layout: Layout) -> None:

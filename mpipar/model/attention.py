@@ -117,7 +117,8 @@ class DocumentPositions(np.ndarray):
     one) that also carry the documents of the whole packed microbatch: ``docs [B, S]`` (of
     :func:`document_ids`), ``ranges[b]`` the (start, end) of row b's documents ``[n_b, 2]`` and
     ``rope [B, S_loc]`` each token's position inside its document (RoPE's positions).
-    Built once per microbatch by the engine (host metadata)."""
+    Built once per microbatch by :func:`mpipar.data.packing.microbatch_positions` (host
+    metadata)."""
 
     docs: np.ndarray
     ranges: list

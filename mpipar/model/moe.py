@@ -29,7 +29,7 @@ Auxiliary-loss-free balancing (DeepSeek-V3, ``--moe-bias-update-rate``): a per-e
 ``b`` ``[E]`` of the block is added to ``p`` for the top-K *choice* only; the chosen experts'
 weights stay ``p``'s, renormalised over the K. The bias has no gradient (the choice is
 piecewise constant): backward is unchanged. Its update after each step, from the global batch's
-loads, is the engine's (:meth:`mpipar.training.engine.Engine.train_step`).
+loads, is the training step's (:func:`mpipar.training.step.train_step`).
 
 Expert capacity (``--moe-capacity-factor C``; 0, the default: dropless). Per *sequence*, not
 per rank as Megatron-LM's ``moe_expert_capacity_factor`` (so the result does not depend on how

@@ -251,8 +251,8 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
     - initialisation: its initial parameter shards, plus the largest parameter it holds as a
       float64 global tensor, cast to the masters' dtype and copied (or padded) into its shard:
       a parameter is initialised whole, then sliced (:func:`mpipar.model.params.init_param`,
-      ``Engine._initial_shards``);
-    - building the engine: those shards while the flat weight and gradient buffers and the
+      ``training.rank._initial_shards``);
+    - building the rank: those shards while the flat weight and gradient buffers and the
       AdamW moments are allocated;
     - a step: :func:`predict_memory`, plus the step's tokens (this DP rank's int64 rows of
       ``seq_len + 1``, its inputs and targets, and their sequence chunks).

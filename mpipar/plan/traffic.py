@@ -107,8 +107,8 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
                documents: list | None = None) -> list[Call]:
     """Every MPI call the rank at ``coord`` makes in one training step, or with
     ``eval_batches`` > 0 in one validation pass over that many batches (forward only, the loss
-    reduced once: :meth:`mpipar.training.engine.Engine.evaluate`): each axis's prediction
-    (:data:`mpipar.parallel.registry.AXES`), then the engine's scalar reductions.
+    reduced once: :func:`mpipar.training.step.evaluate`): each axis's prediction
+    (:data:`mpipar.parallel.registry.AXES`), then the step's scalar reductions.
     ``documents``: with ``--document-masking``, the document ids ``[B, S]`` of each of the
     step's microbatches on this rank (the ring skips hops no document crosses)."""
     train = eval_batches == 0
@@ -129,7 +129,7 @@ def _scalar_calls(layout: Layout, train: bool) -> list[Call]:
     if train and par.tp * par.pp > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
     m = layout.config.model
-    if train and m.moe_experts:  # balance loss, loads, drops (Engine._moe_stats), float64
+    if train and m.moe_experts:  # balance loss, loads, drops (training.step._moe_stats), float64
         n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * (m.moe_experts + 1))
         calls += [Call(g, "allreduce", n) for g, size in (("dp_sp", layout.dp * par.sp),
                                                            ("tp_pp", par.tp * par.pp)) if size > 1]

@@ -2,7 +2,7 @@
 validation passes, metrics, progress and TensorBoard records, checkpoints every ``--save-every``
 steps and at the end, the timeline and summary, stop signals (a preemption finishes the step,
 commits a checkpoint and exits 0), ``--on-nan``, and the Hugging Face export. The program
-(:mod:`mpipar.train`) parses, claims the outputs and builds the engine; :func:`run` runs it.
+(:mod:`mpipar.train`) parses, claims the outputs and builds the rank; :func:`run` runs it.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the th
     from mpipar.checkpoint.background import AsyncSaver
     from mpipar.observe.trace import Tracer
     from mpipar.runtime.comm import Group, Watchdog
+    from mpipar.training.rank import Rank
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # checkpoint, then exit 0
 
@@ -68,10 +69,10 @@ def stop_outcome(signum: int, step: int) -> tuple[str, int]:
 
 @dataclass
 class RunContext:
-    """What :func:`main` sets up around the engine, for the functions that run it."""
+    """What :func:`main` sets up around the rank, for the functions that run it."""
 
     cfg: Config
-    control: Group               # every collective outside the engine (watched)
+    control: Group               # every collective outside the rank's groups (watched)
     stop: StopRequest
     report: FailureReport
     notes: list[str]             # lines to print once training starts
@@ -88,7 +89,7 @@ class RunContext:
         return self.control.rank == 0
 
 
-def run(engine, start: int, ctx: RunContext) -> int:
+def run(rank: Rank, start: int, ctx: RunContext) -> int:
     """The training loop and everything written around it (see the module docstring)."""
     from mpipar.observe import metrics
     from mpipar.model.flops import model_flops_per_step
@@ -96,35 +97,36 @@ def run(engine, start: int, ctx: RunContext) -> int:
     tr, rank0 = ctx.cfg.train, ctx.rank0
     t_run = time.perf_counter()
     telemetry = metrics.Telemetry(ctx.control)
-    peaks = telemetry.gather_peaks(metrics.measure_peak(engine.kernels.name, tr.dtype,
-                                                        ctx.threads, ctx.on_node, engine.device))
+    peaks = telemetry.gather_peaks(metrics.measure_peak(rank.compute.kernels.name, tr.dtype,
+                                                        ctx.threads, ctx.on_node,
+                                                        rank.compute.device))
     flops = model_flops_per_step(ctx.cfg)
     from mpipar.observe.tensorboard import log_dir
     writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
                                    tensorboard=log_dir(tr.tensorboard, tr.run_dir))
     skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
     if rank0:
-        _announce(engine, ctx, peaks)
+        _announce(rank, ctx, peaks)
     progress = metrics.Progress(tr.steps, start, tr.log_every, rank0)
     if tr.async_save:
         ctx.saver = _async_saver(ctx)
-    ctx.tracer = _tracer(engine, ctx)
+    ctx.tracer = _tracer(rank, ctx)
     ctx.stop.training()
-    loop = _loop(engine, start, ctx, telemetry, writer, progress, (peaks, flops, skipped))
+    loop = _loop(rank, start, ctx, telemetry, writer, progress, (peaks, flops, skipped))
     progress.close()
     writer.close()
     path = _finish_async(ctx, None)  # the end of the run, or a stop: the write in flight
     if ctx.tracer is not None:  # a run that stopped before its last traced step
         ctx.tracer.end(tr.steps)
     if loop.last is None:  # nothing to train (steps reached already, or --steps 0)
-        _finish(engine, ctx, export=True)
+        _finish(rank, ctx, export=True)
         return 0
     result, started = loop.last
     if loop.saved != result.step:
-        path = checkpoint_save(engine, ctx, result.step, None, wait=True)
+        path = checkpoint_save(rank, ctx, result.step, None, wait=True)
     path = path or _step_path(tr.save_dir, result.step)
-    timeline = metrics.gather_timeline(ctx.control, result.step, engine.executor.timeline,
-                                       started, tuple(engine.grid.coord))
+    timeline = metrics.gather_timeline(ctx.control, result.step, rank.executor.timeline,
+                                       started, tuple(rank.coord))
     if rank0:
         _report_end(ctx, loop, result, path)
         _write_summary(ctx.cfg, timeline, loop.status, peaks, flops, time.perf_counter() - t_run)
@@ -132,24 +134,25 @@ def run(engine, start: int, ctx: RunContext) -> int:
             print(f"mpipar: {loop.status} of {tr.steps} on a stop signal "
                   f"({signal.Signals(loop.signum).name}); checkpoint {path}; continue with "
                   f"--resume auto", flush=True)
-    _finish(engine, ctx, export=loop.status == "completed")
+    _finish(rank, ctx, export=loop.status == "completed")
     return loop.code
 
 
-def _announce(engine, ctx: RunContext, peaks: list[float]) -> None:
+def _announce(rank: Rank, ctx: RunContext, peaks: list[float]) -> None:
     """Rank 0, before step 1: config.toml, the notes, and one line describing the run."""
     cfg, tr = ctx.cfg, ctx.cfg.train
     with open(os.path.join(tr.run_dir, "config.toml"), "w") as fh:
         fh.write(cfg.to_toml())
     for note in ctx.notes:
         print(f"mpipar: {note}", flush=True)
-    catch_up = ", AdamW catching up what top-k held back" if engine.catch_up else ""
-    print(f"mpipar: layout {engine.grid.describe()} | {engine.reducer.describe()}{catch_up} | "
-          f"kernels {engine.kernels.describe()} | {engine.attention} | model {cfg.model.layers}x{cfg.model.hidden} "
-          f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {engine.source.path} "
-          f"({engine.source.num_samples} samples of {tr.seq_len}) | global batch "
-          f"{tr.global_batch_size} x {tr.seq_len} | {engine.precision.describe()} | device "
-          f"{engine.device.describe()} | MPI buffers {engine.mpi_path.describe()} | "
+    c, w, source = rank.compute, rank.weights, rank.data.source
+    catch_up = ", AdamW catching up what top-k held back" if w.catch_up else ""
+    print(f"mpipar: layout {rank.comms.grid.describe()} | {w.reducer.describe()}{catch_up} | "
+          f"kernels {c.kernels.describe()} | {c.attention} | model {cfg.model.layers}x{cfg.model.hidden} "
+          f"heads {cfg.model.heads}/{cfg.model.kv_heads} vocab {cfg.model.vocab_size} | data {source.path} "
+          f"({source.num_samples} samples of {tr.seq_len}) | global batch "
+          f"{tr.global_batch_size} x {tr.seq_len} | {c.precision.describe()} | device "
+          f"{c.device.describe()} | MPI buffers {rank.comms.mpi_path.describe()} | "
           f"{ctx.threads} thread(s)/rank | {ctx.allreduce} | "
           f"peak {sum(peaks) / 1e9:,.1f} GFLOP/s over {len(peaks)} rank(s)", flush=True)
 
@@ -163,36 +166,37 @@ class LoopOutcome:
     last: tuple | None = None  # (StepResult, time.time() at its start) of the last step
 
 
-def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
+def _loop(rank: Rank, start: int, ctx: RunContext, telemetry, writer, progress,
           totals: tuple[list[float], float, int]) -> LoopOutcome:
     """Steps start+1 .. steps. Each step's record is written (rank 0) before its checkpoint
     commits, fsynced with it; a save's I/O time goes into the next record."""
     from mpipar.observe import metrics
+    from mpipar.training import step as steps
     tr = ctx.cfg.train
     peaks, flops, skipped = totals
     out, io = LoopOutcome(saved=start), 0.0
     for k in range(start, tr.steps):
         if ctx.tracer is not None:
             ctx.tracer.begin(k + 1)
-        engine.ledger.reset()
+        rank.ledger.reset()
         started = time.time()
-        result = engine.train_step(k)
+        result = steps.train_step(rank, k)
         if ctx.tracer is not None:
-            ctx.tracer.pipeline(engine.executor)
+            ctx.tracer.pipeline(rank.executor)
         nonfinite = not (math.isfinite(result.loss) and math.isfinite(result.grad_norm))
-        times = metrics.time_breakdown(result.step_time_s, engine.ledger.seconds_by_group(),
-                                       engine.executor.timeline, io)
+        times = metrics.time_breakdown(result.step_time_s, rank.ledger.seconds_by_group(),
+                                       rank.executor.timeline, io)
         signum, ranks = telemetry.exchange(
-            ctx.stop.signum, times, engine.ledger.bytes_by_group(),
-            sum(links["inter"] for links in engine.ledger.bytes_by_link().values()),
+            ctx.stop.signum, times, rank.ledger.bytes_by_group(),
+            sum(links["inter"] for links in rank.ledger.bytes_by_link().values()),
             writing=ctx.saver is not None and ctx.saver.writing())
         if ctx.watchdog is not None:
             ctx.watchdog.steady()  # every rank has finished a step: start-up is over
         skipped += nonfinite
-        record = metrics.step_record(result, ranks, engine.ledger, flops, sum(peaks), nonfinite,
+        record = metrics.step_record(result, ranks, rank.ledger, flops, sum(peaks), nonfinite,
                                      skipped)
-        if engine.eval_set is not None and _eval_due(result.step, tr):
-            record["eval"] = metrics.eval_record(engine.evaluate(), engine.eval_ledger)
+        if rank.data.eval_set is not None and _eval_due(result.step, tr):
+            record["eval"] = metrics.eval_record(steps.evaluate(rank), rank.eval_ledger)
         writer.write(record)
         progress.update(record)
         out.last, io = (result, started), 0.0
@@ -212,7 +216,7 @@ def _loop(engine, start: int, ctx: RunContext, telemetry, writer, progress,
         if tr.save_every and result.step % tr.save_every == 0:
             t0 = time.perf_counter()
             writer.sync()
-            checkpoint_save(engine, ctx, result.step, progress)
+            checkpoint_save(rank, ctx, result.step, progress)
             out.saved, io = result.step, io + time.perf_counter() - t0
         if ctx.tracer is not None:
             ctx.tracer.end(result.step)
@@ -230,11 +234,11 @@ def _report_end(ctx: RunContext, loop: LoopOutcome, result, path: str) -> None:
     sys.stderr.write(message + "\n")
 
 
-def _finish(engine, ctx: RunContext, export: bool) -> None:
+def _finish(rank: Rank, ctx: RunContext, export: bool) -> None:
     """Export (when asked and the run completed), then a last barrier under the watchdog: every
     rank has finished every collective before the watchdog stops and MPI shuts down."""
     if export and ctx.cfg.train.export_hf:
-        export_hf(engine, ctx.cfg, ctx.rank0)
+        export_hf(rank, ctx.cfg, ctx.rank0)
     ctx.control.barrier()
     if ctx.watchdog is not None:
         ctx.watchdog.stop()
@@ -284,21 +288,22 @@ def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float],
     print(text, end="", flush=True)
 
 
-def checkpoint_save(engine, ctx: RunContext, step: int, progress, wait: bool = False) -> str:
+def checkpoint_save(rank: Rank, ctx: RunContext, step: int, progress, wait: bool = False) -> str:
     """Save and commit a checkpoint of ``step`` (collective over the watched control group),
     pruning to ``keep_last``; rank 0 says so (through ``progress`` when a bar is showing).
     With ``--async-save`` (and not ``wait``) the write in flight is finished first, and this
     one only begins: its shards are written in the background and committed later
     (:mod:`mpipar.checkpoint.background`)."""
     from mpipar.checkpoint import writer
+    from mpipar.training.step import run_position
     tr = ctx.cfg.train
     if ctx.saver is not None:
         _finish_async(ctx, progress)
         if not wait:
-            ctx.saver.start(engine.state, engine.run_position(step))
+            ctx.saver.start(rank.state, run_position(rank, step))
             return _step_path(tr.save_dir, step)
     t0 = time.perf_counter()
-    path = writer.save(engine.state, engine.run_position(step), tr.save_dir, ctx.control,
+    path = writer.save(rank.state, run_position(rank, step), tr.save_dir, ctx.control,
                        tr.keep_last)
     ctx.io_spans.append((f"checkpoint save {path.name}", "main", t0, time.perf_counter()))
     _say_saved(ctx, progress, path, "")
@@ -316,17 +321,17 @@ def _async_saver(ctx: RunContext) -> AsyncSaver:
     return saver
 
 
-def _tracer(engine, ctx: RunContext) -> Tracer | None:
-    """The tracer of --trace-steps (None without): the engine's and the control group's
+def _tracer(rank: Rank, ctx: RunContext) -> Tracer | None:
+    """The tracer of --trace-steps (None without): the rank's and the control group's
     ledgers, the pipeline's op records, the checkpoint spans."""
     from mpipar.config import trace_step_set
     from mpipar.observe.trace import Tracer
     steps = trace_step_set(ctx.cfg.train.trace_steps)
     if not steps:
         return None
-    coord = dict(zip(("dp", "tp", "pp", "sp"), (int(c) for c in engine.grid.coord)))
+    coord = dict(zip(("dp", "tp", "pp", "sp"), (int(c) for c in rank.coord)))
     return Tracer(steps=steps, group=ctx.control, coord=coord,
-                  ledgers=[engine.ledger, ctx.control.ledger], spans=ctx.io_spans,
+                  ledgers=[rank.ledger, ctx.control.ledger], spans=ctx.io_spans,
                   run_dir=ctx.cfg.train.run_dir)
 
 
@@ -347,11 +352,12 @@ def _say_saved(ctx: RunContext, progress, path, how: str) -> None:
             print(text, flush=True)
 
 
-def export_hf(engine, cfg: Config, rank0: bool) -> None:
+def export_hf(rank: Rank, cfg: Config, rank0: bool) -> None:
     """Gather the global weights (collective) and let rank 0 write the HF directory."""
     from mpipar.checkpoint import hf_moe
     from mpipar.checkpoint import huggingface as hf
-    params = engine.gather_params()
+    from mpipar.training.step import gather_params
+    params = gather_params(rank)
     if not rank0:
         return
     tr = cfg.train
@@ -359,7 +365,7 @@ def export_hf(engine, cfg: Config, rank0: bool) -> None:
              else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
     hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
                extra_config=extra)
-    for note in hf_moe.export_notes(cfg.model, engine.routing.host()):
+    for note in hf_moe.export_notes(cfg.model, rank.model.routing.host()):
         print(f"mpipar: {note}", flush=True)
     print(f"mpipar: exported Hugging Face weights ({hf.architecture(cfg.model)}, "
           f"{tr.export_dtype or tr.dtype}) to {tr.export_hf}", flush=True)

@@ -12,19 +12,19 @@ import pytest
 SCRIPT = """
 import resource, sys, tempfile
 from mpi4py import MPI
-from mpipar.training import engine as engine_mod
+from mpipar.training import rank as rank_mod, step as trainer
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from mpipar.rules import validate
 if sys.argv[1] == "off":
-    engine_mod.pool_freed_memory = lambda: False
+    rank_mod.pool_freed_memory = lambda: False
 cfg = validate(Config(ModelConfig(hidden=128, layers=2, heads=4, kv_heads=2),
              ParallelConfig(), TrainConfig(seq_len=256, global_batch_size=4, micro_batch_size=2,
                                            dtype="float64", backend="numpy",
                                            run_dir=tempfile.mkdtemp())), 1)
-engine = engine_mod.Engine(cfg, MPI.COMM_SELF)
+rank = rank_mod.build_rank(cfg, MPI.COMM_SELF)
 for k in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    engine.train_step(k)
+    trainer.train_step(rank, k)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 

@@ -201,11 +201,11 @@ BLOCK_INIT = """
     import pathlib, sys, time
     from mpi4py import MPI
     from mpipar import train
-    from mpipar.training import engine
-    def blocked(self, *args, **kwargs):
+    from mpipar.training import rank
+    def blocked(*args, **kwargs):
         pathlib.Path(sys.argv[1], f"ready.{MPI.COMM_WORLD.rank}").touch()
         time.sleep(600)  # initialisation that never ends (a huge model, a slow filesystem)
-    engine.Engine.__init__ = blocked
+    rank.build_rank = blocked
     sys.exit(train.main(sys.argv[2:]))
 """
 
@@ -365,13 +365,13 @@ SLOW_FIRST_STEP = """
     import sys, time
     from mpi4py import MPI
     from mpipar import train
-    from mpipar.training import engine
-    real = engine.Engine.train_step
-    def step(self, k):
+    from mpipar.training import step as trainer
+    real = trainer.train_step
+    def step(rank, k):
         if k == 0 and MPI.COMM_WORLD.rank == 1:
             time.sleep(8)  # as compiling every kernel with an empty Numba cache does
-        return real(self, k)
-    engine.Engine.train_step = step
+        return real(rank, k)
+    trainer.train_step = step
     sys.exit(train.main(sys.argv[1:]))
 """
 

@@ -66,13 +66,13 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
         import sys
         from mpi4py import MPI
         from mpipar import train
-        from mpipar.training import engine
-        real = engine.Engine.train_step
-        def step(self, k):
+        from mpipar.training import step as trainer
+        real = trainer.train_step
+        def step(rank, k):
             if k == 1 and MPI.COMM_WORLD.rank == 1:
                 raise RuntimeError("injected failure on rank 1")
-            return real(self, k)
-        engine.Engine.train_step = step
+            return real(rank, k)
+        trainer.train_step = step
         sys.exit(train.main(sys.argv[1:]))
     """))
     proc = subprocess.run([*mpirun(4), sys.executable, str(script), *TINY, "--steps", "5",

@@ -59,18 +59,19 @@ def test_device_layouts_equal_the_cpu(world, layout, path):
     _fits(world, layout)
     if path == "on" and not cuda_aware_mpi()[0]:
         pytest.skip(f"MPI is not CUDA-aware here: {cuda_aware_mpi()[1]}")
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     size = layout_size(layout)
 
     def check(comm) -> list[str]:
-        eng = Engine(validate(_cfg(layout, "cuda", path), size), comm, source=token_source())
-        held = (list(eng.params.values()) if eng.sharded is None   # ZeRO-3 binds units on use
-                else [values for *_, values in eng.sharded.param_pieces()])
+        eng = build_rank(validate(_cfg(layout, "cuda", path), size), comm, source=token_source())
+        held = (list(eng.params.values()) if eng.weights.sharded is None   # ZeRO-3 binds units on use
+                else [values for *_, values in eng.weights.sharded.param_pieces()])
         fails = []
         if not held or any(type(a).__module__.split(".")[0] != "cupy" for a in held):
             fails.append("parameters are not CuPy arrays")
-        results = [eng.train_step(k) for k in range(2)]
-        got = ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params())
+        results = [trainer.train_step(eng, k) for k in range(2)]
+        got = ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(eng))
         return fails + compare(got, reference("float64"), 1e-10)
 
     check_in_groups(world, size, check)
@@ -95,10 +96,11 @@ def _bf16_reference() -> list[float]:
     """The CPU's one-process bf16 losses over BF16_STEPS steps (once per process)."""
     if not _BF16_REFERENCE:
         from mpi4py import MPI
-        from mpipar.training.engine import Engine
-        eng = Engine(validate(_bf16_cfg({}, "cpu"), 1), MPI.COMM_SELF, source=token_source())
-        _BF16_REFERENCE.extend(eng.train_step(k).loss for k in range(BF16_STEPS))
-        eng.close()
+        from mpipar.training import step as trainer
+        from mpipar.training.rank import build_rank
+        eng = build_rank(validate(_bf16_cfg({}, "cpu"), 1), MPI.COMM_SELF, source=token_source())
+        _BF16_REFERENCE.extend(trainer.train_step(eng, k).loss for k in range(BF16_STEPS))
+        trainer.close(eng)
     return _BF16_REFERENCE
 
 
@@ -107,14 +109,15 @@ def _bf16_tracks(world, layout: dict, make_cfg, reference, tolerance: float) -> 
     ``tolerance`` (relative) of ``reference()``'s (the CPU's one process), asserted on every
     rank."""
     _fits(world, layout)
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     size = layout_size(layout)
 
     def check(comm) -> list[str]:
         ref = reference()
-        eng = Engine(validate(make_cfg(layout, "cuda"), size), comm, source=token_source())
-        got = [eng.train_step(k).loss for k in range(BF16_STEPS)]
-        eng.close()
+        eng = build_rank(validate(make_cfg(layout, "cuda"), size), comm, source=token_source())
+        got = [trainer.train_step(eng, k).loss for k in range(BF16_STEPS)]
+        trainer.close(eng)
         fails = [f"step {k + 1}: loss {a!r} vs the CPU's one process {b!r} "
                  f"({abs(a - b) / abs(b):.2%})" for k, (a, b) in enumerate(zip(got, ref))
                  if not abs(a - b) <= tolerance * abs(b)]
@@ -139,19 +142,20 @@ def test_checkpoint_crosses_devices(tmp_path, first, second):
     from mpi4py import MPI
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     comm = MPI.COMM_SELF
     cfg = _cfg({}, first)  # steps=2 sets the LR schedule, as in the 4-step reference
-    a = Engine(validate(cfg, 1), comm, source=token_source())
+    a = build_rank(validate(cfg, 1), comm, source=token_source())
     for k in range(2):
-        a.train_step(k)
-    path = writer.save(a.state, a.run_position(2), tmp_path, Group(comm, "world", Ledger()))
+        trainer.train_step(a, k)
+    path = writer.save(a.state, trainer.run_position(a, 2), tmp_path, Group(comm, "world", Ledger()))
     cfg2 = _cfg({}, second)
-    b = Engine(validate(cfg2, 1), comm, source=token_source())
+    b = build_rank(validate(cfg2, 1), comm, source=token_source())
     assert reader.load(b.state, path) == 2
-    results = [b.train_step(k) for k in (2, 3)]
+    results = [trainer.train_step(b, k) for k in (2, 3)]
     ref_losses, ref_norms, ref_params = reference("float64", steps=4)
-    got = ([r.loss for r in results], [r.grad_norm for r in results], b.gather_params())
+    got = ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(b))
     # 1e-10, the product's float64 bar: the GPU's float64 kernels sum in other orders than the
     # CPU's, so two GPU steps part from two CPU steps by ~1e-13, and two more AdamW steps take
     # that to ~2e-12 (1.77e-12 measured on an H200); checkpoint and resume add nothing
@@ -208,12 +212,13 @@ def _doc_reference(key: str, make) -> object:
     """The CPU's one-process run of ``make()``'s config (once per process and key)."""
     if key not in _DOC_REFERENCE:
         from mpi4py import MPI
-        from mpipar.training.engine import Engine
-        eng = Engine(validate(make(), 1), MPI.COMM_SELF, source=token_source())
-        results = [eng.train_step(k) for k in range(eng.cfg.train.steps)]
+        from mpipar.training import step as trainer
+        from mpipar.training.rank import build_rank
+        eng = build_rank(validate(make(), 1), MPI.COMM_SELF, source=token_source())
+        results = [trainer.train_step(eng, k) for k in range(eng.cfg.train.steps)]
         _DOC_REFERENCE[key] = ([r.loss for r in results], [r.grad_norm for r in results],
-                               eng.gather_params())
-        eng.close()
+                               trainer.gather_params(eng))
+        trainer.close(eng)
     return _DOC_REFERENCE[key]
 
 
@@ -222,17 +227,18 @@ def _doc_reference(key: str, make) -> object:
                                                      for v in DOC_LAYOUTS])
 def test_documents_on_the_device_equal_the_cpu(world, layout):
     _fits(world, _parallel(layout))
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     size = layout_size(_parallel(layout))
 
     def check(comm) -> list[str]:
         key = "eod" if layout.get("eod_mask_loss") else "docs"
         ref = _doc_reference(key, lambda: _with_docs(_cfg({}, "cpu"), layout))
-        eng = Engine(validate(_with_docs(_cfg(_parallel(layout), "cuda"), layout), size), comm,
+        eng = build_rank(validate(_with_docs(_cfg(_parallel(layout), "cuda"), layout), size), comm,
                      source=token_source())
-        results = [eng.train_step(k) for k in range(2)]
-        got = ([r.loss for r in results], [r.grad_norm for r in results], eng.gather_params())
-        eng.close()
+        results = [trainer.train_step(eng, k) for k in range(2)]
+        got = ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(eng))
+        trainer.close(eng)
         return compare(got, ref, 1e-10)
 
     check_in_groups(world, size, check)

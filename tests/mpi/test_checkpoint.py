@@ -41,15 +41,16 @@ CASES = [(dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003), dict(dp=8)),
 def test_save_and_load_across_layouts(world, before, after):
     from mpipar.checkpoint import reader, tools, writer
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     model = before.get("model", "llama")
     after = dict(after, model=model)
     with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-ckpt-") as root:
-        a = Engine(validate(small_config(**before), 8), world, source=token_source())
-        a.train_step(0)
-        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
-        params = a.gather_params()
+        a = build_rank(validate(small_config(**before), 8), world, source=token_source())
+        trainer.train_step(a, 0)
+        path = writer.save(a.state, trainer.run_position(a, 1), root, Group(world, "world", Ledger()))
+        params = trainer.gather_params(a)
         world.Barrier()
         if world.rank == 0:
             saved = reader.read_tensors(path, "param")
@@ -66,14 +67,14 @@ def test_save_and_load_across_layouts(world, before, after):
             names = [t["name"] for t in info["tensors"]]
             if ("param/lm_head.weight" in names) == (model == "tied"):  # tied: embedding once
                 fails.append(f"{model} model's checkpoint tensors: {names}")
-        b = Engine(validate(small_config(**after), 8), world, source=token_source())
+        b = build_rank(validate(small_config(**after), 8), world, source=token_source())
         if reader.load(b.state, path) != 1:
             fails.append("load did not return step 1")
-        r2 = b.train_step(1)
+        r2 = trainer.train_step(b, 1)
         ref = reference(model=model)
-        fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], b.gather_params()),
+        fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], trainer.gather_params(b)),
                          ref, 1e-10)
-        ends = b.groups["pp_ends"]
+        ends = b.comms.groups["pp_ends"]
         if model == "tied" and ends.size > 1:  # the two copies loaded and updated alike
             copies = ends.comm.allgather(b.params["embed_tokens.weight"])
             fails += [] if np.array_equal(*copies) else ["tied copies differ after resume"]
@@ -128,14 +129,15 @@ def test_ranks_verify_a_checkpoint_together_as_one_rank_does_alone(world, size, 
     from mpipar.checkpoint import reader, writer
     from mpipar.config import ConfigError
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     with shared_tmpdir(world, "mpipar-verify-") as root:
-        a = Engine(validate(small_config(dp=8, zero=1), 8), world, source=token_source())
-        a.train_step(0)
-        path = writer.save(a.state, a.run_position(1), root / "saved",
+        a = build_rank(validate(small_config(dp=8, zero=1), 8), world, source=token_source())
+        trainer.train_step(a, 0)
+        path = writer.save(a.state, trainer.run_position(a, 1), root / "saved",
                            Group(world, "world", Ledger()))
-        a.close()
+        trainer.close(a)
         if world.rank == 0:
             for how in DAMAGES:
                 shutil.copytree(path, root / how / path.name)

@@ -132,23 +132,24 @@ def test_residuals_load_slot_by_slot_or_summed(world):
     from layouts import global_state, small_config, token_source
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-ef-") as root:
-        a = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
+        a = build_rank(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                    source=token_source())
-        a.train_step(0)
-        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        trainer.train_step(a, 0)
+        path = writer.save(a.state, trainer.run_position(a, 1), root, Group(world, "world", Ledger()))
         saved = global_state(a, world)
         kinds = sorted({k for k, _ in saved if k.startswith("residual")})
         if set(kinds) != {f"residual_send.{s}" for s in range(8)} | {"residual_gather"}:
             fails.append(f"residual kinds {kinds}")
-        same = Engine(validate(small_config(dp=8, grad_compression="int8"), 8), world,
+        same = build_rank(validate(small_config(dp=8, grad_compression="int8"), 8), world,
                       source=token_source())
         reader.load(same.state, path)
         again = global_state(same, world)
         fails += [f"{key} differs" for key in saved if not np.array_equal(saved[key], again[key])]
-        other = Engine(validate(small_config(dp=4, tp=2, ranks_per_node=4, dp_reduce="hierarchical",
+        other = build_rank(validate(small_config(dp=4, tp=2, ranks_per_node=4, dp_reduce="hierarchical",
                                     grad_compression="int8"), 8), world,
                        source=token_source())
         reader.load(other.state, path)

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import check_in_groups, rank_failures
 from layouts import compare, layout_name, layout_size, run, small_config
+from mpipar.training import step as trainer
 
 EOS = 3
 DOCS = dict(document_masking=True, eos_token_id=EOS)
@@ -51,7 +52,7 @@ def packed(model: str, case: str, **parallel):
 def reference(model: str, case: str):
     from mpi4py import MPI
     losses, norms, params, engine = run(packed(model, case), MPI.COMM_SELF)
-    engine.close()
+    trainer.close(engine)
     return losses, norms, params
 
 
@@ -67,7 +68,7 @@ def test_packed_documents_equal_one_process(world, layout, case):
         try:
             return compare(got[:3], reference(model, case.removesuffix("-numba")), 1e-10)
         finally:
-            got[3].close()
+            trainer.close(got[3])
 
     check_in_groups(world, layout_size(layout), check)
 
@@ -84,7 +85,8 @@ def test_ring_hops_no_document_crosses_are_not_sent_and_the_planner_knows(world,
     documents, and the sp ring moves fewer bytes than without documents (in some step)."""
     from mpipar.plan.traffic import predict_step_bytes
     from mpipar.rules import validate
-    from mpipar.training.engine import Engine
+    from mpipar.training.batches import prepare
+    from mpipar.training.rank import build_rank
     from layouts import token_source
 
     case = dict(case)
@@ -93,36 +95,36 @@ def test_ring_hops_no_document_crosses_are_not_sent_and_the_planner_knows(world,
     cfg.train.recompute = recompute
     layout = validate(cfg, 8)
     with rank_failures(world) as fails:
-        eng = Engine(layout, world, source=token_source())
-        full, moved = predict_step_bytes(layout, eng.grid.coord), []
+        eng = build_rank(layout, world, source=token_source())
+        full, moved = predict_step_bytes(layout, eng.coord), []
         for step in range(2):
             eng.ledger.reset()
-            docs = [mb.positions.docs for mb in eng._microbatches(eng.sampler.batch, step)]
-            eng.train_step(step)
-            got, want = eng.ledger.bytes_by_group(), predict_step_bytes(layout, eng.grid.coord,
+            docs = [mb.positions.docs for mb in prepare(eng, eng.data.sampler, step).microbatches]
+            trainer.train_step(eng, step)
+            got, want = eng.ledger.bytes_by_group(), predict_step_bytes(layout, eng.coord,
                                                                        docs)
             if got != want:
-                fails.append(f"step {step} {eng.grid.coord}: ledger {got} != predicted {want}")
+                fails.append(f"step {step} {eng.coord}: ledger {got} != predicted {want}")
             ring = "sp_ring" if "sp_ring" in full else "sp"
             moved.append(got.get(ring, 0))
         # a long document may need the whole ring; here zigzag's chunks of 2 tokens and
         # balanced's of 1 always do (contiguous's of 2 to 4 do not)
         if case.get("sp_split") is None and not min(moved) < full[ring]:
             fails.append(f"{ring} bytes {moved} never below {full[ring]}")
-        eng.close()
+        trainer.close(eng)
 
 
 def _eval_loss(world_size: int, comm=None, **parallel) -> float:
     from mpi4py import MPI
     from mpipar.rules import validate
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
     from layouts import token_source
     cfg = packed("llama", "eod", **parallel)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
-    eng = Engine(validate(cfg, world_size), comm or MPI.COMM_SELF, source=token_source())
-    eng.train_step(0)
-    loss = eng.evaluate().loss
-    eng.close()
+    eng = build_rank(validate(cfg, world_size), comm or MPI.COMM_SELF, source=token_source())
+    trainer.train_step(eng, 0)
+    loss = trainer.evaluate(eng).loss
+    trainer.close(eng)
     return loss
 
 
@@ -153,7 +155,7 @@ def test_attention_imbalance_is_the_pairs_the_ranks_compute(world, case, monkeyp
     import numpy as np
     from mpipar.parallel.sequence import halo, ring, ulysses
     from mpipar.rules import validate
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
     from layouts import token_source
 
     case = dict(case)
@@ -172,11 +174,11 @@ def test_attention_imbalance_is_the_pairs_the_ranks_compute(world, case, monkeyp
     for module in (ring, halo, ulysses):        # every mode's core calls the kernels through it
         monkeypatch.setattr(module, "attend_fwd", counted)
     with rank_failures(world) as fails:
-        eng = Engine(validate(cfg, 8), world, source=token_source())
+        eng = build_rank(validate(cfg, 8), world, source=token_source())
         for step in range(2):
             pairs[0] = 0
-            got = eng.train_step(step).attention_imbalance
-            c = eng.grid.coord
+            got = trainer.train_step(eng, step).attention_imbalance
+            c = eng.coord
             rows = world.allgather(((c.dp, c.tp, c.pp), pairs[0]))
             groups: dict = {}
             for key, n in rows:
@@ -185,4 +187,4 @@ def test_attention_imbalance_is_the_pairs_the_ranks_compute(world, case, monkeyp
             if got is None or abs(got - want) > 1e-12 * want:
                 fails.append(f"step {step} {c}: attention_imbalance {got} != {want} counted "
                              f"({sorted(groups.items())})")
-        eng.close()
+        trainer.close(eng)

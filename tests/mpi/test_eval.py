@@ -11,7 +11,8 @@ from mpi4py import MPI
 from conftest import check_in_groups
 from layouts import eval_config, layout_name, layout_size, token_source
 from mpipar.rules import validate
-from mpipar.training.engine import Engine
+from mpipar.training import step as trainer
+from mpipar.training.rank import build_rank
 
 
 # ---------------------------------------------------------------- every layout (8 ranks)
@@ -29,11 +30,11 @@ def _single_process(recompute: str = "none") -> tuple[float, float, float]:
     process, with a validation pass between the steps."""
     cfg = eval_config()
     cfg.train.recompute = recompute
-    engine = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
-    engine.train_step(0)
-    first = engine.evaluate().loss
-    second_loss = engine.train_step(1).loss
-    return first, engine.evaluate().loss, second_loss
+    engine = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
+    trainer.train_step(engine, 0)
+    first = trainer.evaluate(engine).loss
+    second_loss = trainer.train_step(engine, 1).loss
+    return first, trainer.evaluate(engine).loss, second_loss
 
 
 @pytest.mark.mpi(min_size=8)
@@ -46,10 +47,10 @@ def test_validation_loss_is_the_same_on_every_layout(world, layout):
         cfg = eval_config(**layout)
         cfg.train.recompute = recompute
         cfg.train.run_dir = f"/tmp/mpipar-test-eval-{os.getpid()}"
-        engine = Engine(validate(cfg, size), comm, source=token_source())
-        engine.train_step(0)
-        got = (engine.evaluate().loss, engine.train_step(1).loss, engine.evaluate().loss)
-        engine.close()
+        engine = build_rank(validate(cfg, size), comm, source=token_source())
+        trainer.train_step(engine, 0)
+        got = (trainer.evaluate(engine).loss, trainer.train_step(engine, 1).loss, trainer.evaluate(engine).loss)
+        trainer.close(engine)
         want = _single_process()
         diffs = [abs(a - b) / abs(b) for a, b in zip(got, (want[0], want[2], want[1]))]
         if world.rank == 0:

@@ -25,13 +25,14 @@ def test_generation_is_the_same_on_every_layout(world):
     """A checkpoint saved under dp=2 x tp=2 x pp=2 after one step, read directly by each tp x pp
     layout: greedy and seeded sampled tokens equal one rank's, logits to 1e-10."""
     from mpipar.checkpoint import reader, writer
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     fails: list[str] = []
     root = world.bcast(tempfile.mkdtemp(prefix="mpipar-test-gen-") if world.rank == 0 else None)
     cfg = validate(small_config(dp=2, tp=2, pp=2), 8)
-    engine = Engine(cfg, world, source=token_source())
-    engine.train_step(0)
-    path = writer.save(engine.state, engine.run_position(1), root,
+    engine = build_rank(cfg, world, source=token_source())
+    trainer.train_step(engine, 0)
+    path = writer.save(engine.state, trainer.run_position(engine, 1), root,
                            Group(world, "world", Ledger()))
     runs = {}
     for tp, pp in GEN_LAYOUTS:

@@ -26,6 +26,7 @@ from conftest import check_in_groups, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
 from mpipar.parallel.placement import TENSOR_PARALLEL_PLAN
 from mpipar.runtime.topology import GridShape, NodeMap
+from mpipar.training import step as trainer
 
 
 def _admitted(dp, tp, pp, sp) -> bool:
@@ -147,8 +148,8 @@ WINDOW = [dict(model="window", **v) for v in (
 
 def _tied_copies_differ(engine) -> list[str]:
     """The two pipeline ranks' copies of a tied embedding must be bit-identical."""
-    group = engine.groups["pp_ends"]
-    if group.size == 1 or not engine.table["embed_tokens.weight"].tied_across_pipeline:
+    group = engine.comms.groups["pp_ends"]
+    if group.size == 1 or not engine.model.table["embed_tokens.weight"].tied_across_pipeline:
         return []
     copies = group.comm.allgather(engine.params["embed_tokens.weight"])
     if np.array_equal(copies[0], copies[1]):
@@ -166,7 +167,7 @@ def _check(world, layout: dict, dtype: str, tol: float, extra=lambda engine: [])
         try:
             return compare(got[:3], reference(dtype, model=model), tol) + extra(got[3])
         finally:
-            got[3].close()      # its communicators: the suite builds hundreds of engines
+            trainer.close(got[3])      # its communicators: the suite builds hundreds of ranks
 
     check_in_groups(world, size, check)
 
@@ -200,7 +201,7 @@ def test_zero3_node_shared_equals_single_process_float64(world, layout, want):
     one node and with a copy on each node; it is used where it applies, and no unit is gathered
     per layer then."""
     def how_held(engine) -> list[str]:
-        s = engine.sharded
+        s = engine.weights.sharded
         held = ("gathered" if s.gather else "resident" if not s.shared
                 else "node copies" if s.inter is not None else "one node")
         fails = [] if held == want else [f"parameters {held}, expected {want}"]
@@ -262,23 +263,23 @@ def test_the_placement_table_drives_the_weight_split_and_the_traffic(world, layo
         if not layout.get("tp_sequence_parallel"):
             got = run(small_config("float64", **layout), comm)
             usual = all_reduces(got[3])
-            got[3].close()
+            trainer.close(got[3])
         for name in MLP:
             monkeypatch.setitem(TENSOR_PARALLEL_PLAN, name, "replicated")
         got = run(small_config("float64", **layout), comm)
         engine = got[3]
         try:
             fails = compare(got[:3], want, 1e-10)
-            blocks = [i for chunk in engine.chunks for i in chunk.layers]
+            blocks = [i for chunk in engine.model.chunks for i in chunk.layers]
             held = engine.params[f"layers.{blocks[0]}.mlp.down_proj.weight"].shape
             if held != (32, 48):
                 fails.append(f"down_proj held as {held}, not whole")
             if usual is not None and usual - all_reduces(engine) != \
-                    2 * len(blocks) * engine.microbatches * 2:
+                    2 * len(blocks) * engine.data.microbatches * 2:
                 fails.append(f"tp all-reduces {all_reduces(engine)} against {usual} with the "
                              f"usual table")
             return fails
         finally:
-            engine.close()
+            trainer.close(engine)
 
     check_in_groups(world, layout_size(layout), check)

@@ -70,7 +70,8 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
 def test_ledger_bytes_equal_planner_prediction(world, case):
     """A validation pass after each step books its own traffic in the engine's eval ledger, as
     predicted for it (forward only), and leaves the step's ledger as predicted for a step."""
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
 
     case = dict(case)
@@ -80,21 +81,21 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
     cfg = validate(cfg, 8)
     with rank_failures(world) as fails:
-        eng = Engine(cfg, world, source=token_source())
-        want = predict_step_bytes(cfg, eng.grid.coord)
-        want_eval = predict_eval_bytes(cfg, eng.grid.coord)
+        eng = build_rank(cfg, world, source=token_source())
+        want = predict_step_bytes(cfg, eng.coord)
+        want_eval = predict_eval_bytes(cfg, eng.coord)
         for step in range(2):  # the second step must count the same as the first
             eng.ledger.reset()
-            eng.train_step(step)
-            eng.evaluate()
+            trainer.train_step(eng, step)
+            trainer.evaluate(eng)
             got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
             if got != want:
-                fails.append(f"step {step} {eng.grid.coord}: "
+                fails.append(f"step {step} {eng.coord}: "
                              + _mismatches(got, want, cfg.parallel.zero))
             if got_eval != want_eval:
-                fails.append(f"validation after step {step} {eng.grid.coord}: eval ledger "
+                fails.append(f"validation after step {step} {eng.coord}: eval ledger "
                              + _mismatches(got_eval, want_eval, cfg.parallel.zero))
-        eng.close()
+        trainer.close(eng)
 
 
 # ------------------------------------------------------------------------ links across nodes
@@ -130,19 +131,20 @@ def test_ledger_links_equal_planner_prediction(world, case):
     """With nodes of --ranks-per-node ranks, each group's wire bytes inside and across nodes,
     its payload bytes and its calls are the planner's, in every reduction, compression and SP
     mode."""
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes, predict_step_messages
 
     cfg = validate(small_config("float32", **case), 8)
     with rank_failures(world) as fails:
-        eng = Engine(cfg, world, source=token_source())
+        eng = build_rank(cfg, world, source=token_source())
         for step in range(2):
             eng.ledger.reset()
-            eng.train_step(step)
+            trainer.train_step(eng, step)
             messages: dict[str, int] = {}
             for (group, _), entry in eng.ledger.entries.items():
                 messages[group] = messages.get(group, 0) + entry.messages
-            coord = eng.grid.coord
+            coord = eng.coord
             for what, got, want in (
                     ("links", eng.ledger.bytes_by_link(), predict_link_bytes(cfg, coord)),
                     ("bytes", eng.ledger.bytes_by_group(), predict_step_bytes(cfg, coord)),
@@ -150,7 +152,7 @@ def test_ledger_links_equal_planner_prediction(world, case):
                 if got != want:
                     fails.append(f"step {step} {coord} {what}: "
                                  + _mismatches(got, want, cfg.parallel.zero))
-        eng.close()
+        trainer.close(eng)
 
 
 MODES = {"flat": {}, "hierarchical": dict(dp_reduce="hierarchical"),
@@ -165,17 +167,18 @@ def test_inter_node_bytes_fall(world, k):
     """dp=8 on nodes of k ranks, float32: the most wire bytes any rank sends across nodes in a
     step (ledger) fall by at least k with hierarchical reduction, by >= 3.5x with int8 and by
     >= 10x with top-k 1% against flat; hierarchical and compressed multiply."""
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     inter = {}
     with rank_failures(world) as fails:
         for mode, extra in MODES.items():
             cfg = validate(small_config("float32", dp=8, ranks_per_node=k, **extra), 8)
-            eng = Engine(cfg, world, source=token_source())
+            eng = build_rank(cfg, world, source=token_source())
             eng.ledger.reset()
-            eng.train_step(0)
+            trainer.train_step(eng, 0)
             mine = sum(links["inter"] for links in eng.ledger.bytes_by_link().values())
-            eng.close()
+            trainer.close(eng)
             inter[mode] = max(world.allgather(mine))
         ratio = {mode: inter["flat"] / inter[mode] for mode in MODES}
         for mode, least in (("hierarchical", k), ("int8", 3.5), ("topk", 10.0),

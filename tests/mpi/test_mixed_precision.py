@@ -23,6 +23,7 @@ import pytest
 from conftest import check_in_groups, rank_failures
 from layouts import layout_name, layout_size, run, small_config, token_source
 from mpipar.rules import validate
+from mpipar.training import step as trainer
 
 pytest.importorskip("ml_dtypes")
 
@@ -47,7 +48,7 @@ def reference(steps: int) -> tuple:
     from mpi4py import MPI
     if steps not in _REFERENCE:
         got = run(bf16_config(steps), MPI.COMM_SELF, steps)
-        got[3].close()
+        trainer.close(got[3])
         _REFERENCE[steps] = got[:3]
     return _REFERENCE[steps]
 
@@ -57,7 +58,7 @@ def _on_slice(world, layout: dict, steps: int, check) -> None:
     rank asserts on ``check(got)``'s failures of all ranks."""
     def on(comm) -> list[str]:
         got = run(bf16_config(steps, **layout), comm, steps)
-        got[3].close()
+        trainer.close(got[3])
         return check(got)
 
     check_in_groups(world, layout_size(layout), on)
@@ -103,9 +104,9 @@ def test_the_same_layout_twice_is_bit_identical(world):
     layout = dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002, reduce_dtype="bfloat16")
     with rank_failures(world) as fails:
         first = run(bf16_config(4, **layout), world, 4)
-        first[3].close()
+        trainer.close(first[3])
         second = run(bf16_config(4, **layout), world, 4)
-        second[3].close()
+        trainer.close(second[3])
         if first[0] != second[0] or first[1] != second[1]:
             fails.append(f"losses {first[0]} then {second[0]}")
         fails += [f"{n} differs" for n in first[2]
@@ -130,12 +131,12 @@ LEDGER = [dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003),
 
 def _engine_state(eng) -> tuple[int, int, int, int]:
     """(compute copies, masters, gradients, moments) bytes the engine holds."""
-    buckets, opt = eng.reducer.buckets, eng.optimizer
+    buckets, opt = eng.weights.reducer.buckets, eng.weights.optimizer
     moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v)
                if eng.layout.parallel.zero else
                sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
-    if eng.sharded is not None:
-        s = eng.sharded
+    if eng.weights.sharded is not None:
+        s = eng.weights.sharded
         weights = (s.shared_bytes if s.shared else
                    sum((b.owned_compute if s.gather else b.full).nbytes for b in buckets))
         return weights, sum(b.owned.nbytes for b in buckets), \
@@ -154,32 +155,33 @@ def test_ledger_and_state_equal_the_planner(world, case):
     gradients and moments are the planner's bytes."""
     from mpipar.plan.memory import predict_memory
     from mpipar.plan.traffic import predict_step_bytes, predict_step_messages
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     case = dict(case)
     model = case.pop("model", "llama")
     cfg = small_config("bfloat16", model, **case)
     layout = validate(cfg, 8)
     with rank_failures(world) as fails:
-        eng = Engine(layout, world, source=token_source())
-        mem = predict_memory(layout, eng.grid.coord)
+        eng = build_rank(layout, world, source=token_source())
+        mem = predict_memory(layout, eng.coord)
         got = _engine_state(eng)
         want = (mem.weights, mem.masters, mem.grads, mem.optimizer)
         if got != want:
-            fails.append(f"{eng.grid.coord}: engine state {got} != predicted {want}")
+            fails.append(f"{eng.coord}: engine state {got} != predicted {want}")
         eng.ledger.reset()
-        eng.train_step(0)
+        trainer.train_step(eng, 0)
         messages: dict[str, int] = {}
         for (group, _), entry in eng.ledger.entries.items():
             messages[group] = messages.get(group, 0) + entry.messages
-        if eng.ledger.bytes_by_group() != predict_step_bytes(layout, eng.grid.coord):
-            fails.append(f"{eng.grid.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
-                         f"predicted {predict_step_bytes(layout, eng.grid.coord)}")
-        if messages != predict_step_messages(layout, eng.grid.coord):
-            fails.append(f"{eng.grid.coord}: ledger calls {messages} != predicted "
-                         f"{predict_step_messages(layout, eng.grid.coord)}")
-        if eng.sharded is not None:   # the buffers a step needed at once stay in the pool
-            pooled = sum(b.nbytes for bufs in eng.sharded.pool.free.values() for b in bufs)
+        if eng.ledger.bytes_by_group() != predict_step_bytes(layout, eng.coord):
+            fails.append(f"{eng.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
+                         f"predicted {predict_step_bytes(layout, eng.coord)}")
+        if messages != predict_step_messages(layout, eng.coord):
+            fails.append(f"{eng.coord}: ledger calls {messages} != predicted "
+                         f"{predict_step_messages(layout, eng.coord)}")
+        if eng.weights.sharded is not None:   # the buffers a step needed at once stay in the pool
+            pooled = sum(b.nbytes for bufs in eng.weights.sharded.pool.free.values() for b in bufs)
             if not 0 < pooled <= mem.buffers:
-                fails.append(f"{eng.grid.coord}: pool {pooled} B, bound {mem.buffers} B")
-        eng.close()
+                fails.append(f"{eng.coord}: pool {pooled} B, bound {mem.buffers} B")
+        trainer.close(eng)

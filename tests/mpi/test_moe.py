@@ -35,15 +35,16 @@ EP_RECOMPUTE = [dict(dp=4, sp=2, ep=4)]
 
 def run(cfg, comm, steps: int = 2):
     """(losses, grad norms, gathered params, balance losses, loads) of ``steps`` steps."""
-    from mpipar.training.engine import Engine
-    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
+    eng = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
     try:
-        res = [eng.train_step(k) for k in range(steps)]
-        return ([r.loss for r in res], [r.grad_norm for r in res], eng.gather_params(),
+        res = [trainer.train_step(eng, k) for k in range(steps)]
+        return ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(eng),
                 [r.moe["moe_aux_loss"] for r in res],
                 [r.moe["moe_load_max_over_mean"] for r in res])
     finally:
-        eng.close()
+        trainer.close(eng)
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +142,8 @@ def test_ep_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     def ep_and_links(eng, layout, res) -> list[str]:
         fails = [] if case.get("ep", 1) == 1 or eng.ledger.bytes_by_group().get("ep") else \
             ["no ep bytes booked"]
-        got, want = eng.ledger.bytes_by_link(), predict_link_bytes(layout, eng.grid.coord)
-        return fails + ([] if got == want else [f"{eng.grid.coord}: links {got} vs {want}"])
+        got, want = eng.ledger.bytes_by_link(), predict_link_bytes(layout, eng.coord)
+        return fails + ([] if got == want else [f"{eng.coord}: links {got} vs {want}"])
 
     bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, ep_and_links)
 
@@ -154,23 +155,24 @@ def bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, more) -> 
     result)`` (failure messages) finds nothing; asserted on every rank."""
     from mpipar.kernels import moe as kernels_moe
     from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
     with rank_failures(world) as fails:
         layout = validate(cfg, 8)
-        eng = Engine(layout, world, source=token_source())
-        want, want_eval = (predict_step_bytes(layout, eng.grid.coord),
-                           predict_eval_bytes(layout, eng.grid.coord))
+        eng = build_rank(layout, world, source=token_source())
+        want, want_eval = (predict_step_bytes(layout, eng.coord),
+                           predict_eval_bytes(layout, eng.coord))
         eng.ledger.reset()
-        res = eng.train_step(0)
-        eng.evaluate()
+        res = trainer.train_step(eng, 0)
+        trainer.evaluate(eng)
         got, got_eval = eng.ledger.bytes_by_group(), eng.eval_ledger.bytes_by_group()
         if got != want or got_eval != want_eval:
-            fails.append(f"{eng.grid.coord}: step {got} vs {want}; eval {got_eval} vs "
+            fails.append(f"{eng.coord}: step {got} vs {want}; eval {got_eval} vs "
                          f"{want_eval}")
         fails += more(eng, layout, res)
-        eng.close()
+        trainer.close(eng)
 
 
 RESHARD = [(dict(model="moe8", dp=8, ep=8, zero=1), dict(model="moe8", dp=2, tp=2, pp=2)),
@@ -188,30 +190,31 @@ def test_checkpoint_moves_across_ep_sizes(world, before, after):
     ``gather_params``)."""
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     before, after = dict(before), dict(after)
     model = before.pop("model", "moe")
     after.pop("model", None)
     with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-moe-") as root:
-        a = Engine(validate(small_config("float64", model, **before), 8), world,
+        a = build_rank(validate(small_config("float64", model, **before), 8), world,
                    source=token_source())
-        a.train_step(0)
-        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
-        trained = a.gather_params()
-        a.close()
+        trainer.train_step(a, 0)
+        path = writer.save(a.state, trainer.run_position(a, 1), root, Group(world, "world", Ledger()))
+        trained = trainer.gather_params(a)
+        trainer.close(a)
         if world.rank == 0 and model == "moe8":   # Mixtral's layout: every block sparse
             fails += _exported_differs(path, root / "hf", trained)
-        b = Engine(validate(small_config("float64", model, **after), 8), world,
+        b = build_rank(validate(small_config("float64", model, **after), 8), world,
                    source=token_source())
         if reader.load(b.state, path) != 1:
             fails.append("load did not return step 1")
-        r2 = b.train_step(1)
+        r2 = trainer.train_step(b, 1)
         ref = reference(model=model)
-        fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], b.gather_params()),
+        fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], trainer.gather_params(b)),
                          ref[:3], 1e-10)
         if abs(r2.moe["moe_aux_loss"] - ref[3][1]) > 1e-10 * ref[3][1]:
             fails.append(f"moe_aux_loss {r2.moe['moe_aux_loss']} vs {ref[3][1]}")
-        b.close()
+        trainer.close(b)
 
 
 HOLDS = [dict(dp=8, ep=8, model="moe8"), dict(dp=2, sp=2, pp=2, ep=2, zero=1, bucket_mb=0.002),
@@ -231,39 +234,40 @@ def test_a_rank_holds_its_experts_only(world, case):
     from mpipar.parallel.data_parallel.reducer import padded_size
     from mpipar.parallel.placement import expert_of
     from mpipar.plan.memory import predict_memory
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     case = dict(case)
     model = case.pop("model", "moe")
     layout = validate(small_config("float64", model, **case), 8)
     m, p = layout.config.model, layout.config.parallel
     with rank_failures(world) as fails:
-        eng = Engine(layout, world, source=token_source())
-        stage_layers = [i for ch in eng.chunks for i in ch.layers if m.is_sparse(i)]
-        position = eng.groups["dp_sp"].rank % p.ep
+        eng = build_rank(layout, world, source=token_source())
+        stage_layers = [i for ch in eng.model.chunks for i in ch.layers if m.is_sparse(i)]
+        position = eng.comms.groups["dp_sp"].rank % p.ep
         per = m.moe_experts // p.ep
         want = {(i, e) for i in stage_layers for e in range(per * position, per * (position + 1))}
-        held = {(int(n.split(".")[1]), expert_of(n)) for n in eng.reducer.local_shapes()
+        held = {(int(n.split(".")[1]), expert_of(n)) for n in eng.weights.reducer.local_shapes()
                 if expert_of(n) is not None}
         if held != want:
             fails.append(f"experts held {sorted(held)} != {sorted(want)}")
-        r = eng.groups["ep_dp"].size
+        r = eng.comms.groups["ep_dp"].size
         block = 3 * m.moe_ffn_hidden * m.hidden * per            # a block's experts
         whole = len(stage_layers) * (padded_size(block, r) if p.zero >= 2 else block)
         share = whole // (r if p.zero else 1)
         expect = (8 * (share if p.zero == 3 else whole), 8 * (share if p.zero >= 2 else whole),
                   2 * 8 * share)
-        weights, grads = _store_bytes(eng.reducer.experts, p.zero)
-        moments = _moment_bytes(eng.optimizer.experts, p.zero)
+        weights, grads = _store_bytes(eng.weights.reducer.experts, p.zero)
+        moments = _moment_bytes(eng.weights.optimizer.experts, p.zero)
         if (weights, grads, moments) != expect:
             fails.append(f"expert weights, grads, moments {(weights, grads, moments)} B != "
                          f"{expect} B")
-        dense = _store_bytes(eng.reducer.dense, p.zero)
-        mem = predict_memory(layout, eng.grid.coord)
+        dense = _store_bytes(eng.weights.reducer.dense, p.zero)
+        mem = predict_memory(layout, eng.coord)
         total = (weights + dense[0], grads + dense[1],
-                 moments + _moment_bytes(eng.optimizer.dense, p.zero))
+                 moments + _moment_bytes(eng.weights.optimizer.dense, p.zero))
         if total != (mem.weights, mem.grads, mem.optimizer):
             fails.append(f"state {total} != planner {(mem.weights, mem.grads, mem.optimizer)}")
-        eng.close()
+        trainer.close(eng)
 
 
 def _store_bytes(store, zero: int) -> tuple[int, int]:

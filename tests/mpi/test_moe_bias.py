@@ -15,6 +15,7 @@ import pytest
 from conftest import check_in_groups, rank_failures, shared_tmpdir
 from layouts import compare, layout_name, layout_size, small_config, token_source
 from mpipar.rules import validate
+from mpipar.training import step as trainer
 
 RATE = 0.02
 LAYOUTS = [
@@ -34,8 +35,8 @@ def config(recompute: str = "none", **layout):
 
 
 def engine(comm, **layout):
-    from mpipar.training.engine import Engine
-    return Engine(validate(config(**layout), comm.Get_size()), comm,
+    from mpipar.training.rank import build_rank
+    return build_rank(validate(config(**layout), comm.Get_size()), comm,
                   source=token_source(16))
 
 
@@ -43,12 +44,12 @@ def run(comm, steps: int = 3, **layout):
     """(losses, grad norms, gathered params, balance losses, biases after each step)."""
     eng = engine(comm, **layout)
     try:
-        res = [eng.train_step(k) for k in range(steps)]
-        return ([r.loss for r in res], [r.grad_norm for r in res], eng.gather_params(),
-                [r.moe["moe_aux_loss"] for r in res], eng.routing.host(),
+        res = [trainer.train_step(eng, k) for k in range(steps)]
+        return ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(eng),
+                [r.moe["moe_aux_loss"] for r in res], eng.model.routing.host(),
                 [r.moe["moe_bias_max_abs"] for r in res])
     finally:
-        eng.close()
+        trainer.close(eng)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,14 +89,15 @@ def test_the_bias_moves_and_changes_the_run():
     and by step 3 the run differs from the unbiased one (the bias changed routing)."""
     from mpi4py import MPI
 
-    from mpipar.training.engine import Engine
+
+    from mpipar.training.rank import build_rank
     ref = reference()
     assert set(ref[5][0].values()) == {RATE} and len(ref[5][0]) == 3
     cfg = config()
     cfg.model.moe_bias_update_rate = 0.0
-    eng = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source(16))
-    plain = [eng.train_step(k).loss for k in range(3)]
-    eng.close()
+    eng = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source(16))
+    plain = [trainer.train_step(eng, k).loss for k in range(3)]
+    trainer.close(eng)
     assert plain[0] == ref[0][0] and abs(plain[2] - ref[0][2]) > 1e-8
 
 
@@ -115,18 +117,18 @@ def test_resume_reproduces_steps_3_and_4(world, before, after):
     with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-bias-") as root:
         whole = run(world, steps=4, **before)
         a = engine(world, **before)
-        a.train_step(0)
-        a.train_step(1)
-        path = writer.save(a.state, a.run_position(2), root, Group(world, "world", Ledger()))
-        a.close()
+        trainer.train_step(a, 0)
+        trainer.train_step(a, 1)
+        path = writer.save(a.state, trainer.run_position(a, 2), root, Group(world, "world", Ledger()))
+        trainer.close(a)
         b = engine(world, **after)
         if reader.load(b.state, path) != 2:
             fails.append("load did not return step 2")
-        b.routing.load(reader.read_moe_bias(path))
-        res = [b.train_step(k) for k in (2, 3)]
+        b.model.routing.load(reader.read_moe_bias(path))
+        res = [trainer.train_step(b, k) for k in (2, 3)]
         got = ([*whole[0][:2], *(r.loss for r in res)],
-               [*whole[1][:2], *(r.grad_norm for r in res)], b.gather_params())
+               [*whole[1][:2], *(r.grad_norm for r in res)], trainer.gather_params(b))
         tol = 0.0 if before == after else 1e-10
         fails += compare(got, whole[:3], tol)
-        fails += bias_fails(world, b.routing.host(), whole[4])
-        b.close()
+        fails += bias_fails(world, b.model.routing.host(), whole[4])
+        trainer.close(b)

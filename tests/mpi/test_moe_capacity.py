@@ -45,14 +45,15 @@ def config(docs: bool = False, recompute: str = "none", **layout):
 
 def run(comm, steps: int = 3, **layout):
     """(losses, grad norms, gathered params, balance losses, dropped per step and layer)."""
-    from mpipar.training.engine import Engine
-    eng = Engine(validate(config(**layout), comm.Get_size()), comm, source=token_source(16))
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
+    eng = build_rank(validate(config(**layout), comm.Get_size()), comm, source=token_source(16))
     try:
-        res = [eng.train_step(k) for k in range(steps)]
-        return ([r.loss for r in res], [r.grad_norm for r in res], eng.gather_params(),
+        res = [trainer.train_step(eng, k) for k in range(steps)]
+        return ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(eng),
                 [r.moe["moe_aux_loss"] for r in res], [r.moe["moe_dropped"] for r in res])
     finally:
-        eng.close()
+        trainer.close(eng)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,15 +68,17 @@ def test_the_reference_drops_and_differs_from_dropless():
     the dropless one."""
     from mpi4py import MPI
 
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+
+    from mpipar.training.rank import build_rank
     ref = reference()
     for r in (ref, reference(True)):
         assert all(sorted(d) == ["1", "2", "3"] and min(d.values()) > 0 for d in r[4]), r[4]
     cfg = config()
     cfg.model.moe_capacity_factor = 0.0
-    eng = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source(16))
-    plain = eng.train_step(0)
-    eng.close()
+    eng = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source(16))
+    plain = trainer.train_step(eng, 0)
+    trainer.close(eng)
     assert plain.moe["moe_dropped"] == {"1": 0, "2": 0, "3": 0}
     assert abs(plain.loss - ref[0][0]) > 1e-6
 

@@ -23,7 +23,8 @@ def test_sparse_records_equal_the_planner(world, case, monkeypatch):
     from mpipar.kernels import moe as kernels_moe
     from mpipar.model.llama import LlamaStage
     from mpipar.plan.memory import _sparse_ffn_bytes
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     from tests.unit.test_recompute import _kept_bytes
     monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
     seen: list[int] = []
@@ -42,9 +43,9 @@ def test_sparse_records_equal_the_planner(world, case, monkeypatch):
     cfg.train.recompute = recompute
     with rank_failures(world) as fails:
         layout = validate(cfg, 8)
-        eng = Engine(layout, world, source=token_source())
-        eng.train_step(0)
-        eng.close()
+        eng = build_rank(layout, world, source=token_source())
+        trainer.train_step(eng, 0)
+        trainer.close(eng)
         n = cfg.train.micro_batch_size * cfg.train.seq_len // layout.parallel.sp
         want = _sparse_ffn_bytes(layout, recompute) + n * cfg.model.hidden * 8
         if not seen or set(seen) != {want}:

@@ -26,18 +26,19 @@ LAYOUTS = [
 def _run(layout: dict, overlap: bool, comm) -> tuple:
     """(losses, grad norms, balance losses, gathered params, the ep group's ledger entries
     ``{op: (bytes, messages)}``) of two steps."""
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     layout = dict(layout)
     cfg = small_config("float64", layout.pop("model", "moe"), ep_overlap=overlap, **layout)
-    eng = Engine(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    eng = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
     try:
-        res = [eng.train_step(k) for k in range(2)]
+        res = [trainer.train_step(eng, k) for k in range(2)]
         ep = {op: (e.bytes, e.messages) for (g, op), e in eng.ledger.entries.items()
               if g == "ep"}
         return ([r.loss for r in res], [r.grad_norm for r in res],
-                [r.moe["moe_aux_loss"] for r in res], eng.gather_params(), ep)
+                [r.moe["moe_aux_loss"] for r in res], trainer.gather_params(eng), ep)
     finally:
-        eng.close()
+        trainer.close(eng)
 
 
 @pytest.mark.mpi(min_size=8)

@@ -78,17 +78,18 @@ def test_sharded_expert_traffic_and_buffers_equal_planner(world, case, monkeypat
     from mpipar.plan.memory import predict_memory
     from mpipar.plan.traffic import (predict_eval_bytes, predict_link_bytes, predict_step_bytes,
                                      predict_step_messages)
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     monkeypatch.setattr(kernels_moe, "route_topk", moe.uniform_route)
     case = dict(case)
     cfg = small_config("float64", case.pop("model", "moe"), **case)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
     with rank_failures(world) as fails:
         layout = validate(cfg, 8)
-        eng = Engine(layout, world, source=token_source())
-        coord = eng.grid.coord
+        eng = build_rank(layout, world, source=token_source())
+        coord = eng.coord
         eng.ledger.reset()
-        eng.train_step(0)
+        trainer.train_step(eng, 0)
         messages: dict[str, int] = {}
         for (group, _), entry in eng.ledger.entries.items():
             messages[group] = messages.get(group, 0) + entry.messages
@@ -99,15 +100,15 @@ def test_sharded_expert_traffic_and_buffers_equal_planner(world, case, monkeypat
             fails.append(f"{coord}: step bytes, calls, links {got} vs {want}")
         if layout.parallel.ep < 8 and not got[0].get("ep_dp"):
             fails.append("no ep_dp bytes booked")
-        pooled = sum(b.nbytes for bufs in eng.sharded.pool.free.values() for b in bufs)
+        pooled = sum(b.nbytes for bufs in eng.weights.sharded.pool.free.values() for b in bufs)
         bound = predict_memory(layout, coord).buffers
         if not 0 < pooled <= bound:
             fails.append(f"{coord}: pool {pooled} B, bound {bound} B")
-        eng.evaluate()
+        trainer.evaluate(eng)
         if eng.eval_ledger.bytes_by_group() != predict_eval_bytes(layout, coord):
             fails.append(f"{coord}: eval {eng.eval_ledger.bytes_by_group()} vs "
                          f"{predict_eval_bytes(layout, coord)}")
-        eng.close()
+        trainer.close(eng)
 
 
 RESHARD = [(dict(dp=4, sp=2, ep=4, zero=3), dict(dp=4, tp=2, zero=1)),
@@ -172,27 +173,28 @@ def test_compressed_checkpoint_with_sharded_experts_resumes_bit_exact(world):
 
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     def engine(**parallel):
-        return Engine(validate(small_config("float64", "moe", grad_compression="int8",
+        return build_rank(validate(small_config("float64", "moe", grad_compression="int8",
                                             **parallel), 8), world, source=token_source())
 
     with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-ez-") as root:
         a = engine(dp=2, sp=2, pp=2, ep=2)
-        a.train_step(0)
-        path = writer.save(a.state, a.run_position(1), root, Group(world, "world", Ledger()))
+        trainer.train_step(a, 0)
+        path = writer.save(a.state, trainer.run_position(a, 1), root, Group(world, "world", Ledger()))
         saved = {(k, n, lo): np.array(v) for k, n, lo, hi, v in a.state.pieces()
                  if k.startswith("residual")}
-        want = a.train_step(1)
-        a.close()
+        want = trainer.train_step(a, 1)
+        trainer.close(a)
         b = engine(dp=2, sp=2, pp=2, ep=2)
         reader.load(b.state, path)
-        got = b.train_step(1)
+        got = trainer.train_step(b, 1)
         if (got.loss, got.grad_norm) != (want.loss, want.grad_norm):
             fails.append(f"resumed step 2 {(got.loss, got.grad_norm)} != "
                          f"{(want.loss, want.grad_norm)}")
-        b.close()
+        trainer.close(b)
         c = engine(dp=4, pp=2)                # ep 1: every expert compressed, slot by slot
         reader.load(c.state, path)
         for k, n, lo, hi, v in c.state.pieces():
@@ -219,26 +221,27 @@ def test_bf16_sharded_experts_state_and_bytes_equal_planner(world, case, monkeyp
     from mpipar.kernels import moe as kernels_moe
     from mpipar.plan.memory import predict_memory
     from mpipar.plan.traffic import predict_step_bytes
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     from tests.mpi.test_mixed_precision import _engine_state
     monkeypatch.setattr(kernels_moe, "route_topk", moe.uniform_route)
     layout = validate(small_config("bfloat16", "moe", **case), 8)
     with rank_failures(world) as fails:
-        eng = Engine(layout, world, source=token_source())
-        red, opt = eng.reducer, eng.optimizer
+        eng = build_rank(layout, world, source=token_source())
+        red, opt = eng.weights.reducer, eng.weights.optimizer
         parts = [SimpleNamespace(reducer=r, optimizer=o, layout=layout, sharded=r)
                  for r, o in ((red.dense, opt.dense), (red.experts, opt.experts))]
         got = tuple(map(sum, zip(*(_engine_state(p) for p in parts))))
-        mem = predict_memory(layout, eng.grid.coord)
+        mem = predict_memory(layout, eng.coord)
         if got != (mem.weights, mem.masters, mem.grads, mem.optimizer):
-            fails.append(f"{eng.grid.coord}: state {got} != planner "
+            fails.append(f"{eng.coord}: state {got} != planner "
                          f"{(mem.weights, mem.masters, mem.grads, mem.optimizer)}")
         eng.ledger.reset()
-        eng.train_step(0)
+        trainer.train_step(eng, 0)
         # sp too: the balance statistics' sum over sp is float32 in bf16 runs (the router's
         # dtype), as the planner books it
-        want = predict_step_bytes(layout, eng.grid.coord)
+        want = predict_step_bytes(layout, eng.coord)
         got_bytes = eng.ledger.bytes_by_group()
         if got_bytes != want:
-            fails.append(f"{eng.grid.coord}: bytes {got_bytes} != planner {want}")
-        eng.close()
+            fails.append(f"{eng.coord}: bytes {got_bytes} != planner {want}")
+        trainer.close(eng)

@@ -31,7 +31,8 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
     """Weights, gradients and AdamW moments are the engine's buffers byte for byte; the MPI
     calls per group are the ledger's, and so are the bytes (recompute=full repeats forward
     traffic in backward)."""
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     case = dict(case)
     recompute = case.pop("recompute", "none")
@@ -39,36 +40,36 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
     cfg.train.recompute = recompute
     cfg = validate(cfg, 8)
     with rank_failures(world) as fails:
-        eng = Engine(cfg, world, source=token_source())
-        mem = predict_memory(cfg, eng.grid.coord)
-        buckets = eng.reducer.buckets
-        opt = eng.optimizer
+        eng = build_rank(cfg, world, source=token_source())
+        mem = predict_memory(cfg, eng.coord)
+        buckets = eng.weights.reducer.buckets
+        opt = eng.weights.optimizer
         moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v) if cfg.parallel.zero
                    else sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
         if cfg.parallel.zero >= 2:   # units: this rank's slices (ZeRO-2: the whole parameters;
             # node shared: its part of the node's copy)
-            weights = (eng.sharded.shared_bytes if eng.sharded.shared else
+            weights = (eng.weights.sharded.shared_bytes if eng.weights.sharded.shared else
                        sum((b.owned if cfg.parallel.zero == 3 else b.full).nbytes for b in buckets))
             got = (weights, sum(b.owned_grad.nbytes for b in buckets), moments)
         else:
             got = (sum(b.params.nbytes for b in buckets), sum(b.grads.nbytes for b in buckets),
                    moments)
         if got != (mem.weights, mem.grads, mem.optimizer):
-            fails.append(f"{eng.grid.coord}: engine {got} != predicted "
+            fails.append(f"{eng.coord}: engine {got} != predicted "
                          f"{(mem.weights, mem.grads, mem.optimizer)}")
         eng.ledger.reset()
-        eng.train_step(0)
+        trainer.train_step(eng, 0)
         messages: dict[str, int] = {}
         for (group, _), entry in eng.ledger.entries.items():
             messages[group] = messages.get(group, 0) + entry.messages
-        if messages != predict_step_messages(cfg, eng.grid.coord):
-            fails.append(f"{eng.grid.coord}: ledger messages {messages} != predicted "
-                         f"{predict_step_messages(cfg, eng.grid.coord)}")
-        if eng.ledger.bytes_by_group() != predict_step_bytes(cfg, eng.grid.coord):
-            fails.append(f"{eng.grid.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
-                         f"predicted {predict_step_bytes(cfg, eng.grid.coord)}")
+        if messages != predict_step_messages(cfg, eng.coord):
+            fails.append(f"{eng.coord}: ledger messages {messages} != predicted "
+                         f"{predict_step_messages(cfg, eng.coord)}")
+        if eng.ledger.bytes_by_group() != predict_step_bytes(cfg, eng.coord):
+            fails.append(f"{eng.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
+                         f"predicted {predict_step_bytes(cfg, eng.coord)}")
         if cfg.parallel.zero >= 2:   # the buffers a step needed at once stay in the pool
-            pooled = sum(b.nbytes for bufs in eng.sharded.pool.free.values() for b in bufs)
+            pooled = sum(b.nbytes for bufs in eng.weights.sharded.pool.free.values() for b in bufs)
             if not 0 < pooled <= mem.buffers:
-                fails.append(f"{eng.grid.coord}: pool {pooled} B, bound {mem.buffers} B")
-        eng.close()
+                fails.append(f"{eng.coord}: pool {pooled} B, bound {mem.buffers} B")
+        trainer.close(eng)

@@ -13,6 +13,7 @@ import pytest
 from conftest import check_in_groups
 from layouts import compare, layout_name, layout_size, reference, small_config, token_source
 from mpipar.rules import validate
+from mpipar.training import step as trainer
 
 LAYOUTS = [
     dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002),
@@ -27,11 +28,11 @@ LAYOUTS = [
 
 
 def _engine(layout: dict, comm, path: str):
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
     layout = dict(layout)
     cfg = small_config(model=layout.pop("model", "llama"), **layout)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_aware_mpi=path))
-    return Engine(validate(cfg, comm.Get_size()), comm, source=token_source())
+    return build_rank(validate(cfg, comm.Get_size()), comm, source=token_source())
 
 
 def _check(layout: dict, comm) -> list[str]:
@@ -39,14 +40,14 @@ def _check(layout: dict, comm) -> list[str]:
     fails = [] if staged.mpi_path.staging and not direct.mpi_path.staging else ["paths"]
     runs = []
     for eng in (staged, direct):
-        results = [eng.train_step(k) for k in range(2)]
+        results = [trainer.train_step(eng, k) for k in range(2)]
         runs.append(([r.loss for r in results], [r.grad_norm for r in results],
-                     eng.gather_params()))
+                     trainer.gather_params(eng)))
         eng.ledger.reset()
     fails += compare(runs[0], reference("float64", model=layout.get("model", "llama")), 1e-10)
     pool = staged.mpi_path.allocated
     for eng in (staged, direct):
-        eng.train_step(2)
+        trainer.train_step(eng, 2)
     # Buckets reduce as their gradients become final and progress when MPI says a step is done,
     # so how many are in flight at once (each holding a send and a receive buffer) depends on
     # timing: a later step may add buffers, never more than every bucket in flight at once.

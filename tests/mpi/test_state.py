@@ -25,17 +25,18 @@ CASES = [(dict(dp=2, tp=2, pp=2), dict(tp=2, pp=4)),
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("before,after", CASES, ids=[f"{i}" for i in range(len(CASES))])
 def test_state_moves_between_layouts(world, before, after):
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
 
     with rank_failures(world) as fails:
-        a = Engine(validate(small_config(**before), 8), world, source=token_source())
-        a.train_step(0)
+        a = build_rank(validate(small_config(**before), 8), world, source=token_source())
+        trainer.train_step(a, 0)
         state = global_state(a, world)
         if any(np.isnan(v).any() for v in state.values()):
             fails.append("some global state was not held by any rank")
-        b = Engine(validate(small_config(**after), 8), world, source=token_source())
+        b = build_rank(validate(small_config(**after), 8), world, source=token_source())
         b.state.load(lambda kind, name, region: state[(kind, name)][region], a.state.step)
-        r2 = b.train_step(1)
-        got = ([None, r2.loss], [None, r2.grad_norm], b.gather_params())
+        r2 = trainer.train_step(b, 1)
+        got = ([None, r2.loss], [None, r2.grad_norm], trainer.gather_params(b))
         ref = reference()
         fails += compare(([ref[0][0], r2.loss], [ref[1][0], r2.grad_norm], got[2]), ref, 1e-10)

@@ -19,6 +19,7 @@ from mpipar.checkpoint.activations import (ActivationRecorder, OffloadStore, loa
 from mpipar.model.llama import ACTIVATION_NAMES
 from mpipar.model.params import init_params
 from mpipar.rules import validate
+from mpipar.training import step as trainer
 
 
 # --------------------------------------------------------------------------- serial
@@ -70,7 +71,7 @@ def test_dump_records_the_forward_pass_only_under_recompute(mode, tmp_path):
     from mpi4py import MPI
     cfg = small_config("float64")
     cfg.train.recompute = mode
-    dumping_engine(cfg, MPI.COMM_SELF, str(tmp_path), "1").train_step(0)
+    trainer.train_step(dumping_engine(cfg, MPI.COMM_SELF, str(tmp_path), "1"), 0)
     for (i, name), want in reference_tensors(1).items():
         assert np.array_equal(load_global(tmp_path, 1, i, name), want), (i, name)
 

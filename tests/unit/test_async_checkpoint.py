@@ -20,14 +20,16 @@ from mpipar.config import ConfigError, trace_step_set
 from mpipar.rules import validate
 from mpipar.runtime.comm import Group, Ledger, Watchdog
 from mpipar.runtime.device import host_copy
+from mpipar.training import step as trainer
 
 
 def _engine():
     from mpi4py import MPI
 
-    from mpipar.training.engine import Engine
+
+    from mpipar.training.rank import build_rank
     cfg = validate(small_config(), 1)
-    return Engine(cfg, MPI.COMM_SELF, source=token_source())
+    return build_rank(cfg, MPI.COMM_SELF, source=token_source())
 
 
 def test_background_write_holds_its_step_while_training_goes_on(tmp_path, monkeypatch):
@@ -36,17 +38,17 @@ def test_background_write_holds_its_step_while_training_goes_on(tmp_path, monkey
     save of step 1 tensor for tensor, `latest` moves only at finish(), and the blocking wait of
     finish() is in the ledger while it lasts, where the collective watchdog names it."""
     eng = _engine()
-    group = Group(eng.grid.comm, "world", Ledger())
-    eng.train_step(0)
-    writer.save(eng.state, eng.run_position(1), tmp_path / "sync", group)
+    group = Group(eng.comms.grid.comm, "world", Ledger())
+    trainer.train_step(eng, 0)
+    writer.save(eng.state, trainer.run_position(eng, 1), tmp_path / "sync", group)
     release, real = threading.Event(), writer._write_shard
     monkeypatch.setattr(writer, "_write_shard",
                         lambda *a: (release.wait(30), real(*a))[1])
     saver = AsyncSaver(group=group, save_dir=str(tmp_path / "async"), keep_last=0,
                        copy=host_copy)
-    saver.start(eng.state, eng.run_position(1))
+    saver.start(eng.state, trainer.run_position(eng, 1))
     before = {n: p.copy() for n, p in eng.params.items()}
-    eng.train_step(1)  # changes every parameter while the write waits
+    trainer.train_step(eng, 1)  # changes every parameter while the write waits
     assert any(not np.array_equal(before[n], p) for n, p in eng.params.items())
     assert saver.writing() and directory.latest(tmp_path / "async") is None
     assert "step 1 was in flight" in saver.describe() and "still being written" in saver.describe()

@@ -20,6 +20,7 @@ from mpipar.config import ConfigError
 from mpipar.model.params import param_specs
 from mpipar.rules import validate
 from mpipar.runtime.comm import Group, Ledger
+from mpipar.training import step as trainer
 
 
 # ------------------------------------------------------------------ flat pieces -> rectangles
@@ -67,17 +68,18 @@ def test_flat_rectangles_rejects_bad_ranges():
 def _engine(**train):
     from mpi4py import MPI
 
-    from mpipar.training.engine import Engine
+
+    from mpipar.training.rank import build_rank
     cfg = small_config()
     for key, value in train.items():
         setattr(cfg.train, key, value)
     cfg = validate(cfg, 1)
-    return Engine(cfg, MPI.COMM_SELF, source=token_source()), cfg
+    return build_rank(cfg, MPI.COMM_SELF, source=token_source()), cfg
 
 
 def _world(eng) -> Group:
     """An unwatched group over the engine's world, for a checkpoint save."""
-    return Group(eng.grid.comm, "world", Ledger())
+    return Group(eng.comms.grid.comm, "world", Ledger())
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +89,11 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt") / "save"
     eng, cfg = _engine()
     for k in range(2):
-        eng.train_step(k)
-        writer.save(eng.state, eng.run_position(k + 1), root, _world(eng))
+        trainer.train_step(eng, k)
+        writer.save(eng.state, trainer.run_position(eng, k + 1), root, _world(eng))
     state = {"param": {n: p.copy() for n, p in eng.params.items()},
-             "exp_avg": {n: m.copy() for n, m in eng.optimizer.m.items()},
-             "exp_avg_sq": {n: v.copy() for n, v in eng.optimizer.v.items()}}
+             "exp_avg": {n: m.copy() for n, m in eng.weights.optimizer.m.items()},
+             "exp_avg_sq": {n: v.copy() for n, v in eng.weights.optimizer.v.items()}}
     return root, cfg, state
 
 
@@ -133,7 +135,7 @@ def test_keep_last_prunes_and_a_save_cleans_leftover_temporaries(tmp_path):
     (tmp_path / ".step_00000007.tmp").mkdir(parents=True)
     (tmp_path / ".step_00000007.tmp" / "shard_00000.h5").write_bytes(b"partial")
     for step in (1, 2, 3):
-        writer.save(eng.state, eng.run_position(step), tmp_path, _world(eng), keep_last=2)
+        writer.save(eng.state, trainer.run_position(eng, step), tmp_path, _world(eng), keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002", "step_00000003"]
     assert directory.latest(tmp_path) == tmp_path / "step_00000003"
 
@@ -142,11 +144,11 @@ def test_load_restores_the_state_exactly(saved):
     root, _, state = saved
     eng, _ = _engine()
     assert reader.load(eng.state, root / "step_00000002") == 2
-    assert eng.optimizer.step_count == 2
+    assert eng.weights.optimizer.step_count == 2
     for name in state["param"]:
         assert np.array_equal(eng.params[name], state["param"][name])
-        assert np.array_equal(eng.optimizer.m[name], state["exp_avg"][name])
-        assert np.array_equal(eng.optimizer.v[name], state["exp_avg_sq"][name])
+        assert np.array_equal(eng.weights.optimizer.m[name], state["exp_avg"][name])
+        assert np.array_equal(eng.weights.optimizer.v[name], state["exp_avg_sq"][name])
 
 
 def _zero_bytes(path, offset: int, count: int) -> None:

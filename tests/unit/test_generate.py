@@ -131,10 +131,11 @@ def test_a_byte_prompt_needs_a_byte_vocabulary_and_a_model_must_exist(tmp_path, 
 def _small_checkpoint(tmp_path, vocab_size: int = V) -> str:
     """A one-process checkpoint of the layouts test model with ``vocab_size`` tokens."""
     from mpipar.checkpoint import writer
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     cfg = small_config()
     cfg.model.vocab_size = vocab_size
     cfg = validate(cfg, 1)
-    engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
-    return str(writer.save(engine.state, engine.run_position(0), tmp_path / "ckpt",
+    engine = build_rank(cfg, MPI.COMM_SELF, source=token_source())
+    return str(writer.save(engine.state, trainer.run_position(engine, 0), tmp_path / "ckpt",
                                Group(MPI.COMM_SELF, "world", Ledger())))

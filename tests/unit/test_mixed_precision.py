@@ -21,6 +21,7 @@ from layouts import VOCAB, small_config, token_source
 from mpipar.config import Config, ConfigError
 from mpipar.rules import validate
 from mpipar.runtime.precision import Precision, numpy_dtype
+from mpipar.training import step as trainer
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -28,8 +29,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def _engine(cfg, comm=None):
     from mpi4py import MPI
-    from mpipar.training.engine import Engine
-    return Engine(validate(cfg, 1), comm or MPI.COMM_SELF, source=token_source())
+    from mpipar.training.rank import build_rank
+    return build_rank(validate(cfg, 1), comm or MPI.COMM_SELF, source=token_source())
 
 
 # ------------------------------------------------------------------------- the precision
@@ -92,13 +93,13 @@ def test_masters_are_a_float32_adamw_of_float32_gradients(zero):
     moments (against a float64 evaluation of the same formula: float32 round-off only), they
     keep more than bf16's 8 bits, and the compute copies the model reads are bf16(master)."""
     eng = _engine(small_config("bfloat16", zero=zero))
-    opt, masters = eng.optimizer, eng.reducer.master_tensors
+    opt, masters = eng.weights.optimizer, eng.weights.reducer.master_tensors
     step, seen = opt.step, []
 
     def recorded(lr: float) -> None:
         before = {n: v.astype(np.float64) for n, v in masters().items()}
         moments = (opt.m, opt.v) if not zero else (_whole(eng, opt.m), _whole(eng, opt.v))
-        grads = _whole(eng, [b.owned_grad for b in eng.reducer.buckets]) if zero else eng.grads
+        grads = _whole(eng, [b.owned_grad for b in eng.weights.reducer.buckets]) if zero else eng.grads
         clip = opt.grad_scale              # the clipping coefficient the step applies to g
         inputs = {n: (before[n], (grads[n] * clip).astype(np.float64),
                       moments[0][n].astype(np.float64),
@@ -109,7 +110,7 @@ def test_masters_are_a_float32_adamw_of_float32_gradients(zero):
     opt.step = recorded
     cfg = eng.cfg.train
     for k in range(4):
-        eng.train_step(k)
+        trainer.train_step(eng, k)
         lr, t, inputs = seen[-1]
         for name, now in masters().items():
             p, g, m, v = inputs[name]
@@ -125,15 +126,15 @@ def test_masters_are_a_float32_adamw_of_float32_gradients(zero):
                                   now.astype(BF16).view(np.uint16)), (k, name)
     finer = sum(int((m != m.astype(BF16).astype(np.float32)).sum()) for m in masters().values())
     assert finer > 0.9 * sum(m.size for m in masters().values())
-    eng.close()
+    trainer.close(eng)
 
 
 def _whole(eng, owned: list) -> dict[str, np.ndarray]:
     """ZeRO-1 on one process: the owned slices are whole buckets; by parameter name."""
     out = {}
-    for b, flat in zip(eng.reducer.buckets, owned):
+    for b, flat in zip(eng.weights.reducer.buckets, owned):
         for name, (s, e) in b.offsets.items():
-            out[name] = flat[s:e].reshape(eng.reducer.shapes[name])
+            out[name] = flat[s:e].reshape(eng.weights.reducer.shapes[name])
     return out
 
 
@@ -141,8 +142,8 @@ def _whole(eng, owned: list) -> dict[str, np.ndarray]:
 def _save(eng, root, step: int):
     from mpipar.checkpoint import writer
     from mpipar.runtime.comm import Group, Ledger
-    return writer.save(eng.state, eng.run_position(step), root,
-                       Group(eng.grid.comm, "world", Ledger()))
+    return writer.save(eng.state, trainer.run_position(eng, step), root,
+                       Group(eng.comms.grid.comm, "world", Ledger()))
 
 
 def test_a_bf16_checkpoint_holds_float32_masters_and_loads_into_float32_and_back(tmp_path):
@@ -152,27 +153,27 @@ def test_a_bf16_checkpoint_holds_float32_masters_and_loads_into_float32_and_back
 
     bf = _engine(small_config("bfloat16", zero=1))
     for k in range(2):
-        bf.train_step(k)
+        trainer.train_step(bf, k)
     path = _save(bf, tmp_path / "bf16", 2)
     saved = reader.read_tensors(path, "param")
-    masters = bf.gather_params()
+    masters = trainer.gather_params(bf)
     assert all(saved[n].dtype == np.float32 and np.array_equal(saved[n], masters[n])
                for n in masters)
     f32 = _engine(small_config("float32"))
     assert reader.load(f32.state, path) == 2
     assert all(np.array_equal(f32.params[n], masters[n]) for n in masters)
-    assert np.array_equal(f32.optimizer.v["norm.weight"],
+    assert np.array_equal(f32.weights.optimizer.v["norm.weight"],
                           reader.read_tensors(path, "exp_avg_sq")["norm.weight"])
-    f32.train_step(2)
+    trainer.train_step(f32, 2)
     back = _engine(small_config("bfloat16"))
     assert reader.load(back.state, _save(f32, tmp_path / "f32", 3)) == 3
-    want = f32.gather_params()
-    for name, value in back.gather_params().items():
+    want = trainer.gather_params(f32)
+    for name, value in trainer.gather_params(back).items():
         assert np.array_equal(value, want[name])
         assert np.array_equal(back.params[name].view(np.uint16),
                               want[name].astype(BF16).view(np.uint16))
     for eng in (bf, f32, back):
-        eng.close()
+        trainer.close(eng)
 
 
 def test_recompute_and_offload_are_bit_identical_in_bf16(tmp_path):
@@ -183,8 +184,8 @@ def test_recompute_and_offload_are_bit_identical_in_bf16(tmp_path):
         cfg = small_config("bfloat16")
         cfg.train.recompute, cfg.train.run_dir = mode, str(tmp_path / mode)
         eng = _engine(cfg)
-        runs[mode] = [eng.train_step(k).loss for k in range(2)], eng.gather_params()
-        eng.close()
+        runs[mode] = [trainer.train_step(eng, k).loss for k in range(2)], trainer.gather_params(eng)
+        trainer.close(eng)
     for mode, (losses, params) in runs.items():
         assert losses == runs["none"][0], mode
         assert all(np.array_equal(params[n], runs["none"][1][n]) for n in params), mode
@@ -252,8 +253,8 @@ def test_hf_export_in_bf16_and_its_import(tmp_path):
     from mpipar.checkpoint import huggingface as hf
 
     eng = _engine(small_config("bfloat16", model="tied"))
-    eng.train_step(0)
-    masters = eng.gather_params()
+    trainer.train_step(eng, 0)
+    masters = trainer.gather_params(eng)
     out = tmp_path / "hf"
     hf.save_hf(out, eng.cfg.model, masters, dtype="bfloat16")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -269,8 +270,8 @@ def test_hf_export_in_bf16_and_its_import(tmp_path):
     embed = loaded["model.embed_tokens.weight"].float().numpy()
     assert np.array_equal(embed, params["embed_tokens.weight"])
     start = _engine(small_config("bfloat16", model="tied"))
-    start.load_params(params)
-    assert all(np.array_equal(v, params[n]) for n, v in start.gather_params().items())
+    trainer.load_params(start, params)
+    assert all(np.array_equal(v, params[n]) for n, v in trainer.gather_params(start).items())
     for e in (eng, start):
         e.close()
 
@@ -329,15 +330,15 @@ def test_the_default_run_in_bf16_tracks_float32_for_30_steps():
     within 1 %): the default model on one process for 30 steps; the mean loss of the last 10
     steps in bf16 is within 3 % of float32's (measured: 0.4-0.6 %)."""
     from mpi4py import MPI
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
 
     means = {}
     for dtype in ("float32", "bfloat16"):
         cfg = Config()
         cfg.train.dtype, cfg.train.steps = dtype, 30
-        eng = Engine(validate(cfg, 1), MPI.COMM_SELF)
-        losses = [eng.train_step(k).loss for k in range(30)]
-        eng.close()
+        eng = build_rank(validate(cfg, 1), MPI.COMM_SELF)
+        losses = [trainer.train_step(eng, k).loss for k in range(30)]
+        trainer.close(eng)
         means[dtype] = sum(losses[-10:]) / 10
     assert abs(means["bfloat16"] - means["float32"]) <= 0.03 * means["float32"], means
 

@@ -17,6 +17,7 @@ from mpipar.model.moe import LocalExperts, RoutingBias, moe_forward
 from mpipar.model.params import ROUTER, expert_names, init_params
 from tests.unit.test_model import make_stage
 from tests.unit.test_moe import MOE
+from mpipar.training import step as trainer
 
 
 def test_update_moves_each_bias_by_exactly_rate_against_its_load():
@@ -168,15 +169,15 @@ def _engine(tmp_path, rate: float = 0.02):
 
     from layouts import small_config, token_source
     from mpipar.rules import validate
-    from mpipar.training.engine import Engine
+    from mpipar.training.rank import build_rank
     cfg = small_config("float64", "moe")
     cfg.model.moe_bias_update_rate = rate
-    return Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
+    return build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
 
 
 def _snapshot(eng, res) -> tuple:
-    return (res.loss, res.grad_norm, res.moe["moe_aux_loss"], eng.routing.host(),
-            eng.gather_params())
+    return (res.loss, res.grad_norm, res.moe["moe_aux_loss"], eng.model.routing.host(),
+            trainer.gather_params(eng))
 
 
 def _same(a: tuple, b: tuple) -> None:
@@ -193,15 +194,15 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     from mpipar.runtime.comm import Group, Ledger
     from mpi4py import MPI
     whole = _engine(tmp_path)
-    ref = [_snapshot(whole, whole.train_step(k)) for k in range(4)]
-    whole.close()
+    ref = [_snapshot(whole, trainer.train_step(whole, k)) for k in range(4)]
+    trainer.close(whole)
     assert max(ref[1][3][i].max() for i in ref[1][3]) > 0     # the biases moved
     first = _engine(tmp_path)
     for k in range(2):
-        first.train_step(k)
-    path = writer.save(first.state, first.run_position(2), tmp_path,
+        trainer.train_step(first, k)
+    path = writer.save(first.state, trainer.run_position(first, 2), tmp_path,
                        Group(MPI.COMM_SELF, "world", Ledger()))
-    first.close()
+    trainer.close(first)
     assert reader.read_moe_bias(path).keys() == ref[1][3].keys()
     import json
 
@@ -215,24 +216,24 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         assert all((f["moe_bias"].attrs[f"layers.{i}"] == b).all() for i, b in ref[1][3].items())
     resumed = _engine(tmp_path)
     assert reader.load(resumed.state, path) == 2
-    resumed.routing.load(reader.read_moe_bias(path))
+    resumed.model.routing.load(reader.read_moe_bias(path))
     for k in (2, 3):
-        _same(_snapshot(resumed, resumed.train_step(k)), ref[k])
-    resumed.close()
+        _same(_snapshot(resumed, trainer.train_step(resumed, k)), ref[k])
+    trainer.close(resumed)
     forgot = _engine(tmp_path)                       # the biases not restored: zeros
     reader.load(forgot.state, path)
-    got = _snapshot(forgot, forgot.train_step(2))
-    forgot.close()
+    got = _snapshot(forgot, trainer.train_step(forgot, 2))
+    trainer.close(forgot)
     assert any((got[3][i] != ref[2][3][i]).any() for i in got[3])
 
 
 def test_a_zero_rate_routes_as_before(tmp_path):
     """Rate 0: no bias at all (the plain top-K), no metric, nothing recorded."""
     eng = _engine(tmp_path, rate=0.0)
-    res = eng.train_step(0)
-    assert eng.routing.biases == {} and "moe_bias_max_abs" not in res.moe
-    assert eng.run_position(1).moe_bias == {}
-    eng.close()
+    res = trainer.train_step(eng, 0)
+    assert eng.model.routing.biases == {} and "moe_bias_max_abs" not in res.moe
+    assert trainer.run_position(eng, 1).moe_bias == {}
+    trainer.close(eng)
 
 
 def test_index_refuses_a_bias_of_the_wrong_length(tmp_path):
@@ -244,10 +245,10 @@ def test_index_refuses_a_bias_of_the_wrong_length(tmp_path):
     from mpipar.runtime.comm import Group, Ledger
     from mpi4py import MPI
     eng = _engine(tmp_path)
-    eng.train_step(0)
-    pos = dataclasses.replace(eng.run_position(1), moe_bias={1: np.zeros(3)})
+    trainer.train_step(eng, 0)
+    pos = dataclasses.replace(trainer.run_position(eng, 1), moe_bias={1: np.zeros(3)})
     path = writer.save(eng.state, pos, tmp_path, Group(MPI.COMM_SELF, "world", Ledger()))
-    eng.close()
+    trainer.close(eng)
     with pytest.raises(CheckpointError, match="moe_bias.layers.1 must be 4 finite float64"):
         read_index(path)
     assert h5py.is_hdf5(path / "index.h5")
@@ -332,11 +333,11 @@ def test_generation_from_a_checkpoint_routes_with_its_biases(tmp_path):
     from mpipar.runtime.comm import Group, Ledger
     eng = _engine(tmp_path, rate=0.3)            # large: the bias outweighs the probabilities
     for k in range(2):
-        eng.train_step(k)
-    path = writer.save(eng.state, eng.run_position(2), tmp_path,
+        trainer.train_step(eng, k)
+    path = writer.save(eng.state, trainer.run_position(eng, 2), tmp_path,
                        Group(MPI.COMM_SELF, "world", Ledger()))
     model = eng.cfg.model
-    eng.close()
+    trainer.close(eng)
     biases, logits = reader.read_moe_bias(path), []
     for given in (biases, None):
         gen = build_generator(model, MPI.COMM_SELF)

@@ -218,14 +218,15 @@ def test_bf16_gated_shared_expert_tracks_float64():
     from mpi4py import MPI
 
     from mpipar.rules import validate
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     from tests.layouts import small_config, token_source
     losses = {}
     for dtype in ("float64", "bfloat16"):
         cfg = small_config(dtype, "moe_gated")
-        eng = Engine(validate(cfg, 1), MPI.COMM_SELF, source=token_source(cfg.train.seq_len))
+        eng = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source(cfg.train.seq_len))
         try:
-            losses[dtype] = [eng.train_step(k).loss for k in range(2)]
+            losses[dtype] = [trainer.train_step(eng, k).loss for k in range(2)]
         finally:
-            eng.close()
+            trainer.close(eng)
     np.testing.assert_allclose(losses["bfloat16"], losses["float64"], rtol=5e-3)

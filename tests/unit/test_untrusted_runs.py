@@ -29,14 +29,15 @@ from untrusted import RUN, TINY, earlier_run, run_generate, run_train, snapshot
 
 def _checkpoint(save_dir, step: int = 0, **model) -> str:
     """A one-process checkpoint of step ``step`` of the layouts test model (byte vocabulary)."""
-    from mpipar.training.engine import Engine
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
     cfg = small_config()
     cfg.model.vocab_size = 256
     for key, value in model.items():
         setattr(cfg.model, key, value)
     cfg = validate(cfg, 1)
-    engine = Engine(cfg, MPI.COMM_SELF, source=token_source())
-    return str(writer.save(engine.state, engine.run_position(step), save_dir,
+    engine = build_rank(cfg, MPI.COMM_SELF, source=token_source())
+    return str(writer.save(engine.state, trainer.run_position(engine, step), save_dir,
                                Group(MPI.COMM_SELF, "world", Ledger())))
 
 

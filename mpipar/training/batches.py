@@ -1,0 +1,74 @@
+"""One global batch as a rank trains or evaluates on it, read once.
+
+:func:`prepare` reads the rows of global batch ``k`` (a training step's, or a validation
+batch's) once and derives from them everything a step needs: this rank's microbatches (its dp
+rows, its sp positions, moved to the backend's array module), their packed documents and the
+targets that count (:mod:`mpipar.data.packing`, the one home of packed documents), the loss
+divisor (the targets of the whole global batch that carry loss: every rank has them, so the
+count is layout-invariant and needs no message), and under ``--document-masking`` the global
+batch's documents (the attention imbalance and the model FLOPs read them). The whole batch is
+read where a rule needs it (documents, masked loss); otherwise only this rank's rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpipar.data.packing import (batch_documents, counted_targets, masks_loss,
+                                 microbatch_positions, sample_indices)
+from mpipar.data.sources import EvalSet, Sampler, inputs_targets
+from mpipar.parallel.pipeline.executor import Microbatch
+from mpipar.training.rank import Rank
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Global batch ``k`` as this rank sees it: its microbatches, the loss divisor, and the
+    whole batch's document ids ``[rows, S]`` (None without ``--document-masking``)."""
+    microbatches: tuple[Microbatch, ...]
+    divisor: int
+    documents: np.ndarray | None
+
+
+def prepare(rank: Rank, batches: Sampler | EvalSet, k: int) -> StepBatch:
+    """Global batch ``k`` of ``batches`` (the sampler's step ``k``, or validation batch ``k``)
+    for ``rank`` (module docstring)."""
+    tr = rank.cfg.train
+    d, n = rank.coord.dp, rank.data.rows_per_dp
+    mine = slice(d * n, (d + 1) * n)
+    whole = masks_loss(tr) or tr.document_masking
+    indices = sample_indices(batches, k, slice(None) if whole else mine)
+    inputs, targets = inputs_targets(batches.source, indices)
+    masks = None if rank.data.masks is None else rank.data.masks.sample(indices)
+    counted = counted_targets(inputs, tr, rank.data.eos, masks)
+    docs = batch_documents(inputs, rank.data.eos) if tr.document_masking else None
+    divisor = (tr.global_batch_size * tr.seq_len if counted is None
+               else max(1, int(counted.sum())))
+    at = mine if whole else slice(None)
+    micro = _microbatches(rank, inputs[at], targets[at],
+                          None if counted is None else counted[at],
+                          None if docs is None else docs[at])
+    return StepBatch(microbatches=micro, divisor=divisor, documents=docs)
+
+
+def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,
+                  counted: np.ndarray | None, docs: np.ndarray | None
+                  ) -> tuple[Microbatch, ...]:
+    """This rank's microbatches of its rows ``[rows_per_dp, S]``: each one's sp positions
+    (its documents' under ``--document-masking``), its tokens, targets and counted targets at
+    them, in the backend's array module."""
+    xp, mbs = rank.compute.xp, rank.cfg.train.micro_batch_size
+    out = []
+    for i in range(rank.data.microbatches):
+        rows = slice(i * mbs, (i + 1) * mbs)
+        positions: Any = None
+        if docs is not None:
+            positions = microbatch_positions(docs[rows], rank.model.seq, rank.coord.sp,
+                                             rank.model.positions)
+        at = rank.model.positions if positions is None else np.asarray(positions)
+        out.append(Microbatch(xp.asarray(inputs[rows][:, at]), xp.asarray(targets[rows][:, at]),
+                              positions,
+                              None if counted is None else xp.asarray(counted[rows][:, at])))
+    return tuple(out)

@@ -1,0 +1,299 @@
+"""What a run does with a :class:`~mpipar.training.rank.Rank`: train one step, evaluate, read
+and write its parameters as global tensors, say where it stands, release it.
+
+``train_step(rank, k)`` runs optimizer step ``k`` (0-based) and returns its
+:class:`~mpipar.observe.metrics.StepResult`, identical on every rank. ``evaluate(rank)``
+computes the validation loss (:class:`~mpipar.observe.metrics.EvalResult`) under the same
+layout, forward only: the schedule's forward-only op list
+(:func:`mpipar.parallel.pipeline.schedule.forward_only`), no gradient buffers touched, nothing
+kept for a backward, its traffic booked in ``rank.eval_ledger`` (reset at each pass, so
+``rank.ledger`` holds exactly a training step's traffic, and each ledger what the planner
+predicts for its phase). ``rank.state`` is the rank seen as pieces of global tensors, for
+checkpoints (:mod:`mpipar.training.state`); :func:`run_position` is the rest a checkpoint
+records (:mod:`mpipar.checkpoint.records`): checkpoints and activation dumps see a rank only
+through these.
+
+One step, as data flows (docs/architecture.md): this DP rank takes its rows of the global batch,
+cuts them into microbatches and this SP rank's sequence chunk (:mod:`mpipar.training.batches`);
+each microbatch runs forward and backward through the stage; gradients are summed over dp x sp
+(experts sharded over ep: over ep_dp, :mod:`mpipar.parallel.experts`); the global norm is summed
+over tp x pp counting each parameter once; clipping and the optimizer update the local shards.
+The loss is the mean over every token of the global batch, whatever the layout. A tied
+embedding's copies on the first and last pipeline stage have their gradients summed over
+``pp_ends`` by the reducer, count once in the norm, and stay identical.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+
+from mpipar.checkpoint.activations import ActivationRecorder, ActivationRegion, dump_step
+from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
+from mpipar.checkpoint.shards import require_finite
+from mpipar.model.flops import model_flops_per_step
+from mpipar.model.llama import RESIDENT, LlamaStage
+from mpipar.observe.balance import attention_imbalance, moe_load_stats
+from mpipar.observe.metrics import EvalResult, StepResult
+from mpipar.parallel.pipeline.executor import Microbatch
+from mpipar.parallel.placement import expert_of
+from mpipar.runtime.comm import booked_to
+from mpipar.runtime.device import to_host
+from mpipar.training.batches import prepare
+from mpipar.training.rank import Rank
+
+
+def train_step(rank: Rank, step: int) -> StepResult:
+    """Run optimizer step ``step`` (0-based) and return its result (the same on every rank)."""
+    t0 = time.perf_counter()
+    cfg, xp, w, m = rank.cfg, rank.compute.xp, rank.weights, rank.model
+    tr = cfg.train
+    batch = prepare(rank, rank.data.sampler, step)
+    mbs, s_loc = tr.micro_batch_size, len(m.positions)
+    weight = xp.full((mbs, s_loc), 1.0 / batch.divisor)
+    recorder = _start_dump(rank, step)
+    w.reducer.start_step(step)
+    ready = _grads_ready(rank)
+    for ch in m.chunks:
+        ch.moe_aux, ch.moe_load, ch.moe_dropped = 0.0, {}, {}
+    loss = rank.executor.run(rank.params, rank.grads, list(batch.microbatches), m.positions,
+                             m.tensor.stream_shape(mbs, s_loc, cfg.model.hidden),
+                             rank.compute.dtype, weight,
+                             on_ready=None if w.sharded else ready)
+    w.reducer.finish()
+    if recorder is not None:
+        for ch in m.chunks:
+            ch.recorder = None
+        dump_step(recorder, rank_place(rank), _activation_region(rank, step + 1), cfg)
+    loss = _global_sum(rank, loss) / batch.divisor
+    moe, loads = _moe_stats(rank) if cfg.model.moe_experts else (None, None)
+    norm_sq = xp.array([w.optimizer.grad_norm_sq(
+        lambda name: m.table[name].owned_by(m.tensor.rank, rank.coord.pp))])
+    rank.comms.groups["tp_pp"].allreduce_(norm_sq)   # each parameter counted once
+    grad_norm = math.sqrt(float(norm_sq[0]))
+    lr = w.schedule(step)
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        w.optimizer.clip(tr.clip_grad, grad_norm)
+        w.optimizer.step(lr)
+        if m.routing.rate:
+            m.routing.update(loads)
+            moe["moe_bias_max_abs"] = m.routing.max_abs()
+    # Otherwise (the same on every rank, after the reductions) no update is applied; the
+    # caller skips the step or stops (--on-nan).
+    docs = batch.documents
+    imbalance = attention_imbalance(docs, m.seq, cfg.model.windows(), m.ulysses,
+                                    rank.layout.dp, rank.data.rows_per_dp,
+                                    rank.data.microbatches, mbs)
+    return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0,
+                      tr.global_batch_size * tr.seq_len, imbalance, moe,
+                      None if docs is None else model_flops_per_step(cfg, docs))
+
+
+def _grads_ready(rank: Rank) -> Callable[[list[str]], None]:
+    """The step's callback for a chunk that has finished the gradients of ``names``: those
+    every chunk of this rank that uses them has finished are final: sum the tp-partial ones
+    over tp, then let the data-parallel reducer launch their buckets (and sum the tied ones
+    over ``pp_ends`` when it finishes)."""
+    unfinished = Counter(rank.model.holders)
+    table, tensor, grads = rank.model.table, rank.model.tensor, rank.grads
+
+    def ready(names: list[str]) -> None:
+        final = []
+        for n in names:
+            unfinished[n] -= 1
+            if not unfinished[n]:
+                final.append(n)
+        tensor.reduce_partial_grads([grads[n] for n in final
+                                     if table[n].grad_partial_over_tp])
+        rank.weights.reducer.ready(final)
+    return ready
+
+
+def _moe_stats(rank: Rank) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+    """The step's mixture-of-experts record and loads (:func:`mpipar.observe.balance.
+    moe_load_stats`): the chunks' balance losses, loads and drops summed over the world, each
+    counted on tp rank 0 only (tp ranks compute the same), on every rank."""
+    m = rank.cfg.model
+    sparse = [i for i in range(m.layers) if m.is_sparse(i)]
+    n, E = len(sparse), m.moe_experts
+    buf = rank.compute.xp.zeros(1 + n * (E + 1))
+    if rank.model.tensor.rank == 0:
+        for ch in rank.model.chunks:
+            buf[0] += ch.moe_aux
+            for i, load in ch.moe_load.items():
+                j = 1 + sparse.index(i) * E
+                buf[j:j + E] += load
+                buf[1 + n * E + sparse.index(i)] += ch.moe_dropped.get(i, 0)
+    rank.comms.groups["dp_sp"].allreduce_(buf)
+    rank.comms.groups["tp_pp"].allreduce_(buf)
+    return moe_load_stats(to_host(buf), sparse, E, m.moe_aux_loss_coef,
+                          rank.cfg.train.global_batch_size)
+
+
+def _global_sum(rank: Rank, loss: float) -> float:
+    """The sum over the world of the last stage's summed token losses (over dp x sp, then
+    broadcast from the last pipeline stage), on every rank."""
+    g = rank.comms.groups
+    buf = g["dp_sp"].allreduce_(rank.compute.xp.array([loss]))
+    return float(g["pp"].bcast_(buf, root=rank.cfg.parallel.pp - 1)[0])
+
+
+def evaluate(rank: Rank) -> EvalResult:
+    """The mean token loss over the validation batches (``--eval-batches``), computed under
+    this layout forward only (module docstring); the same on every rank."""
+    evals = rank.data.eval_set
+    if evals is None:
+        raise ValueError("evaluate: no validation set (--eval-data or --eval-fraction)")
+    t0 = time.perf_counter()
+    tr, m, sharded = rank.cfg.train, rank.model, rank.weights.sharded
+    shape = m.tensor.stream_shape(tr.micro_batch_size, len(m.positions), rank.cfg.model.hidden)
+
+    def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
+        return chunk.forward_only(rank.params, inp,
+                                  m.positions if mb.positions is None else mb.positions,
+                                  mb.targets, scope=sharded or RESIDENT)
+
+    total, tokens = 0.0, 0
+    rank.eval_ledger.reset()
+    with booked_to(rank.comms.groups.values(), rank.eval_ledger), \
+            (sharded.forward_only() if sharded else nullcontext()):
+        for k in range(evals.batches):
+            batch = prepare(rank, evals, k)
+            micro = batch.microbatches
+            losses = rank.evaluator.run_forward(list(micro), shape, rank.compute.dtype,
+                                                stage_forward)
+            total += sum(float((losses[i] if micro[i].counted is None
+                                else losses[i] * micro[i].counted).sum())
+                         for i in sorted(losses))
+            tokens += batch.divisor
+        loss = _global_sum(rank, total) / tokens
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:
+        perplexity = math.inf
+    return EvalResult(loss, perplexity, tokens, time.perf_counter() - t0)
+
+
+def _start_dump(rank: Rank, step: int) -> ActivationRecorder | None:
+    """--dump-activations: a recorder installed on every chunk for this step, or None. With tp
+    sequence parallelism the stream tensors are all-gathered over tp for the dump."""
+    if step + 1 not in rank.cfg.dump_steps:
+        return None
+    chunks, tensor = rank.model.chunks, rank.model.tensor
+    recorder = ActivationRecorder.for_schedule(rank.executor.ops, list(chunks))
+    shape = (rank.cfg.train.micro_batch_size, len(rank.model.positions), -1)
+
+    def record(layer: int, name: str, value: Any) -> None:
+        if tensor.sequence_parallel and name != "attention":
+            value = tensor.enter(value).reshape(shape)
+        recorder(layer, name, value)
+
+    for ch in chunks:
+        ch.recorder = record
+    return recorder
+
+
+def _activation_region(rank: Rank, step: int) -> ActivationRegion:
+    """The part of step ``step``'s (1-based) global activations this rank's dump holds: its dp
+    rows and their samples, its sp positions, its tp heads."""
+    c, rows_per_dp, tp = rank.coord, rank.data.rows_per_dp, rank.comms.groups["tp"]
+    rows = np.arange(c.dp * rows_per_dp, (c.dp + 1) * rows_per_dp)
+    heads = rank.cfg.model.heads // tp.size
+    return ActivationRegion(step=step, rows=rows,
+                            samples=rank.data.sampler.indices(step - 1)[rows],
+                            positions=np.asarray(rank.model.positions, dtype=np.int64),
+                            segments=np.asarray(rank.model.seq.segments(c.sp), dtype=np.int64),
+                            heads=(tp.rank * heads, (tp.rank + 1) * heads))
+
+
+# ------------------------------------------------------------------ what checkpoints see
+def rank_place(rank: Rank) -> RankPlace:
+    """This rank's place in the process grid."""
+    g = rank.comms.grid
+    return RankPlace(rank=g.rank, world_size=g.comm.Get_size(), coord=g.coord,
+                     sizes=(g.dp, g.tp, g.pp, g.sp))
+
+
+def run_position(rank: Rank, step: int) -> RunPosition:
+    """Where the run stands after ``step`` training steps: the configuration, this rank's
+    place, the LR schedule's state, the data cursor and the routing biases (what a checkpoint
+    records besides ``rank.state``)."""
+    s, tr, source = rank.weights.schedule, rank.cfg.train, rank.data.source
+    lr = LRScheduleState(kind=s.kind, lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
+                         total_steps=s.total_steps, decay_fraction=s.decay_fraction,
+                         decay_shape=s.decay_shape, decay_start=s.decay_start,
+                         next_step=step, next_lr=s(step))
+    data = DataCursor(path=str(source.path), seed=tr.seed, shuffle=tr.shuffle,
+                      global_batch_size=tr.global_batch_size, seq_len=tr.seq_len,
+                      num_samples=source.num_samples, next_step=step,
+                      samples_consumed=step * tr.global_batch_size,
+                      eval_fraction=tr.eval_fraction,
+                      train_samples=rank.data.sampler.num_samples)
+    return RunPosition(step=step, config=rank.cfg, place=rank_place(rank), lr_schedule=lr,
+                       data=data, moe_bias=rank.model.routing.host())
+
+
+def close(rank: Rank) -> None:
+    """Release what outlives steps: the offload scratch file (removed) and the grid's and the
+    reducer's communicators (MPI has a few thousand per process). No MPI call on ``rank``
+    after it."""
+    if rank.model.offload is not None:
+        rank.model.offload.close()
+    rank.weights.reducer.close()
+    for name in ("ep", "ep_dp"):
+        if name in rank.comms.groups:
+            rank.comms.groups[name].comm.Free()
+    rank.comms.grid.free()
+
+
+# ------------------------------------------------------------------------ global tensors
+def gather_params(rank: Rank) -> dict[str, np.ndarray]:
+    """Every global parameter (the master weights), assembled from all shards, on every rank
+    (tests, export)."""
+    g, table, xp = rank.comms.groups, rank.model.table, rank.compute.xp
+    tp, pp = g["tp"], g["pp"]
+    params = rank.weights.reducer.master_tensors()
+    out = {}
+    for placement in table:
+        owner = table.pipeline_rank(placement.name)
+        held = table.holds(placement.name, rank.comms.ep_rank)
+        if held and pp.rank == owner:
+            local = xp.ascontiguousarray(params[placement.name])
+            pieces = xp.empty((tp.size,) + local.shape, local.dtype)
+            tp.allgather(local, pieces)
+            full = np.ascontiguousarray(placement.unshard(list(to_host(pieces))))
+        else:
+            full = np.empty(placement.spec.shape, rank.compute.master_dtype)
+        if held:
+            full = pp.bcast_(full, root=owner)
+        if table.ep > 1 and expert_of(placement.name) is not None:
+            # an expert held at one ep position (tp and pp ranks alike hold it or not)
+            full = g["ep"].bcast_(full, root=table.expert_owner(placement.name))
+        out[placement.name] = full
+    return out
+
+
+def load_params(rank: Rank, values: dict[str, np.ndarray], source: str = "load_params"
+                ) -> None:
+    """Overwrite this rank's shards from global tensors (every name the model has, global
+    shapes as in :func:`mpipar.model.params.param_specs`), cast to the master dtype (the compute
+    copies follow). A tensor holding a NaN or an infinity (after the cast) raises
+    :class:`~mpipar.checkpoint.shards.NonFiniteError` naming ``source`` and the tensor.
+    Collective-free."""
+    table, tensor, reducer = rank.model.table, rank.model.tensor, rank.weights.reducer
+    missing = sorted(p.name for p in table if p.name not in values)
+    if missing:
+        raise ValueError(f"load_params: missing parameters {missing[:5]}")
+    for name in reducer.local_shapes():
+        placement, value = table[name], np.asarray(values[name])
+        if value.shape != placement.spec.shape:
+            raise ValueError(f"load_params: {name} has shape {value.shape}, the model needs "
+                             f"{placement.spec.shape}")
+        value = value.astype(rank.compute.master_dtype)
+        require_finite(value, f"{source}: parameter {name}")
+        reducer.load_local(name, placement.shard(value, tensor.rank, tensor.size))

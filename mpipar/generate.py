@@ -184,7 +184,7 @@ def check_model(args: argparse.Namespace, cfg: Layout, kind: str, positions: int
     then the stored tensors' number and shapes against the config. Returns the bytes every
     rank reads whole (a Hugging Face directory; 0 for a checkpoint). Raises ConfigError or
     CheckpointError."""
-    from mpipar.runtime.memory import available_memory_bytes
+    from mpipar.runtime.host_memory import available_memory_bytes
     available = available_memory_bytes()
     need = memory_lower_bound(cfg, positions)
     if (not args.allow_oversubscribed_memory and available is not None
@@ -231,7 +231,7 @@ def check_memory(args: argparse.Namespace, cfg: Layout, rank: int, on_node: int,
     (:func:`predict_memory`) to need more than its share of the
     node's available memory (``on_node`` ranks share it). ``--allow-oversubscribed-memory``
     skips it."""
-    from mpipar.runtime.memory import available_memory_bytes
+    from mpipar.runtime.host_memory import available_memory_bytes
     available = available_memory_bytes()
     if args.allow_oversubscribed_memory or available is None:
         return

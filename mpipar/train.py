@@ -224,7 +224,7 @@ def check_memory(cfg: Config, rank: int, on_node: int) -> None:
     the planner's peak (parameters, gradients, AdamW moments, activations, the token batch and
     the global tensors of initialisation; :func:`mpipar.plan.memory.predict_peak_memory`), or for
     sizes too large to list, its lower bound. ``--allow-oversubscribed-memory`` skips it."""
-    from mpipar.runtime.memory import available_memory_bytes
+    from mpipar.runtime.host_memory import available_memory_bytes
     from mpipar.plan.memory import memory_lower_bound, predict_peak_memory
     from mpipar.runtime.topology import rank_coord
     available = available_memory_bytes()
@@ -279,7 +279,7 @@ def check_shared_memory(cfg: Config, rank: int, on_node: int) -> None:
     """Refuse (ConfigError) ZeRO-3 in node shared memory whose parameters (this rank's part of
     its node's copy, ``on_node`` ranks alike) would not fit the free space of the shared-memory
     directory: a window larger than it fails only when touched, with SIGBUS."""
-    from mpipar.runtime.memory import SHARED_MEMORY_DIR, shared_memory_bytes
+    from mpipar.runtime.host_memory import SHARED_MEMORY_DIR, shared_memory_bytes
     from mpipar.plan.memory import memory_lower_bound
     from mpipar.plan.rank import node_copy
     from mpipar.runtime.topology import rank_coord

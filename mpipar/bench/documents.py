@@ -79,7 +79,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     training engine's allocator policy (`pool_freed_memory`: freed arrays are the next call's
     memory, no fresh pages per call, as in a training step)."""
     from mpipar.kernels import get_backend, with_attention
-    from mpipar.runtime.memory import pool_freed_memory
+    from mpipar.runtime.host_memory import pool_freed_memory
     from mpipar.runtime.precision import numpy_dtype
     from mpipar.runtime.staging import copies_for
     from mpipar.model.attention import DocumentPositions, LocalAttention, documents_in_kernel
@@ -201,7 +201,7 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
 
     row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]
-    ragged = cudnn_documents.ragged_layout(row)
+    ragged = cudnn_documents.ragged_batch(row)
     lengths = ragged.lengths[:ragged.documents]
     floors = {f"{r}x{k}": cudnn_documents.tile_entries(lengths, r, k) / pairs    # over a row's
               / (cudnn_documents.tile_entries([n], r, k) / (n * (n + 1) / 2))   # full causal

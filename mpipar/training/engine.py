@@ -41,7 +41,7 @@ from mpipar.checkpoint.activations import (ActivationRecorder, ActivationRegion,
 from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
 from mpipar.checkpoint.shards import require_finite
 from mpipar.runtime.device import attention_kernels, select_device, to_host, training_backend
-from mpipar.runtime.memory import pool_freed_memory
+from mpipar.runtime.host_memory import pool_freed_memory
 from mpipar.runtime.comm import Group, Ledger, booked_to
 from mpipar.layout import Layout
 from mpipar.observe.metrics import EvalResult, StepResult

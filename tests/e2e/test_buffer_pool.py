@@ -1,4 +1,4 @@
-"""The step's buffer pool (:func:`mpipar.runtime.memory.pool_freed_memory`): once the first step has
+"""The step's buffer pool (:func:`mpipar.runtime.host_memory.pool_freed_memory`): once the first step has
 allocated its activations, later steps reuse the freed memory and touch no new pages. Counted
 with the kernel's page-fault counter in a fresh process (the allocator setting is process-wide),
 against the same steps with the pool left off."""
@@ -46,7 +46,7 @@ def test_later_steps_reuse_the_first_steps_memory():
 LARGE = """
 import resource, sys
 import numpy as np
-from mpipar.runtime.memory import pool_freed_memory
+from mpipar.runtime.host_memory import pool_freed_memory
 (getattr(np, '_core', None) or np.core).multiarray._set_madvise_hugepage(False)  # 4 KiB pages, not huge
 if sys.argv[1] == "on":
     assert pool_freed_memory()

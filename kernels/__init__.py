@@ -12,6 +12,12 @@ ops of gpu_bf16: cuBLAS GEMMs, the fused kernels of cuda_fused, attention from c
 flash_mma, routed by the dtype of each call's first array; `with_attention` fixes the bf16
 attention backend for a model and says why). Kernels are pure functions of arrays.
 
+Beside the ops of :data:`OPS`, every backend carries the array-module generic code of
+:data:`GENERIC_OPS` (numpy_ref's ``upcast`` and ``sigmoid``, and ``routing``: the expert
+routing kernels of expert_routing), run on the backend's arrays, so the model reaches every
+kernel through the backend it is given. The optimizer's device kernels (:func:`fused_adamw`,
+:func:`device_sum_squares`) are reached through this module too.
+
 Every op takes float32, float64 and bfloat16 (`ml_dtypes.bfloat16`) arrays. bf16 follows one
 mixed-precision recipe, whose rounding points numpy_ref's module docstring tabulates: inputs
 upcast to float32 once, float32 compute, only the activation outputs rounded to bf16, once;
@@ -30,7 +36,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import numpy_ref
+from . import expert_routing, numpy_ref
 
 OPS: tuple[str, ...] = (
     "linear_fwd", "linear_bwd", "linear_bias_bwd", "embedding_fwd",
@@ -40,9 +46,13 @@ OPS: tuple[str, ...] = (
     "attention_fwd", "attention_bwd", "attention_merge",
     "cross_entropy_stats", "cross_entropy_bwd",
 )
-LAYOUT_OPS: tuple[str, ...] = ("split_columns", "concat")
+MOVE_OPS: tuple[str, ...] = ("split_columns", "concat")
 """Moves without arithmetic (numpy_ref's, and for bf16 on the GPU the column-copy kernel of
 cuda_moves): the same bits on every backend, so outside the op tables of :data:`OPS`."""
+GENERIC_OPS: tuple[str, ...] = ("upcast", "sigmoid", "routing")
+"""Array-module generic code, the same on every backend and run on its arrays: numpy_ref's
+``upcast`` (bf16 -> float32) and ``sigmoid``, and ``routing``, the module of expert routing
+kernels (expert_routing: the router's softmax and top-k, the permutation by expert, capacity)."""
 BACKENDS: tuple[str, ...] = ("numpy", "numba", "cupy")
 _CHOICES = ("auto",) + BACKENDS
 
@@ -81,12 +91,16 @@ class Backend:
     cross_entropy_bwd: Kernel
     split_columns: Kernel
     concat: Kernel
+    upcast: Kernel
+    sigmoid: Kernel
+    routing: ModuleType
     fallback_reasons: Mapping[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """One line: the backend name and which ops use another implementation, and why."""
+        """One line: the backend name and which ops (of :data:`OPS` and :data:`GENERIC_OPS`)
+        use another implementation, and why."""
         groups: dict[str, list[str]] = {}
-        for op in OPS:
+        for op in OPS + GENERIC_OPS:
             if self.per_op[op] != self.name:
                 groups.setdefault(self.fallback_reasons.get(op, self.per_op[op]), []).append(op)
         if not groups:
@@ -118,8 +132,9 @@ def _unavailable_reason(name: str) -> str | None:
 @functools.cache
 def _build(name: str) -> Backend:
     """The Backend for an available `name`, built once per process."""
-    ops: dict[str, Kernel] = {op: getattr(numpy_ref, op) for op in OPS + LAYOUT_OPS}
-    per_op = {op: "numpy" for op in OPS}
+    ops: dict[str, Any] = {op: getattr(numpy_ref, op) for op in OPS + MOVE_OPS}
+    ops.update(upcast=numpy_ref.upcast, sigmoid=numpy_ref.sigmoid, routing=expert_routing)
+    per_op = {op: "numpy" for op in OPS + GENERIC_OPS}
     reasons: dict[str, str] = {}
     xp: ModuleType = np
     if name == "numba":
@@ -130,7 +145,7 @@ def _build(name: str) -> Backend:
                 reasons[op] = numba_cpu.SLOWER_THAN_NUMPY[op]
             else:
                 ops[op], per_op[op] = getattr(numba_cpu, op), "numba"
-        for op in OPS:
+        for op in OPS + GENERIC_OPS:
             if per_op[op] == "numpy" and op not in reasons:
                 reasons[op] = "numpy"
     elif name == "cupy":
@@ -139,7 +154,7 @@ def _build(name: str) -> Backend:
         xp = cupy_gpu.array_module()
         for op in cupy_gpu.IMPLEMENTED:
             ops[op], per_op[op] = getattr(cupy_gpu, op), "cupy"
-        for op in OPS:
+        for op in OPS + GENERIC_OPS:
             if per_op[op] == "numpy":
                 reasons[op] = "numpy_ref on cupy arrays"
         for op, bf16_op in gpu_bf16.bf16_ops(gpu_bf16.PER_CALL).items():
@@ -168,6 +183,21 @@ def with_attention(backend: Backend, requested: str, head_dim: int, window: int 
                  f"{gpu_bf16.documents_route(choice)}); float32/float64: mpipar's exact kernels")
 
 
+def fused_adamw(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: float, beta2: float,
+                eps: float, weight_decay: float, scale: float) -> None:
+    """One AdamW step in place on CuPy arrays of one dtype, fused into one pass (cuda_adamw)."""
+    from . import cuda_adamw
+
+    cuda_adamw.adamw(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, scale)
+
+
+def device_sum_squares(arrays: list) -> float:
+    """The sum over CuPy float32/float64 ``arrays`` of their squares, in float64 (cuda_moves)."""
+    from . import cuda_moves
+
+    return cuda_moves.sum_squares(arrays)
+
+
 def get_backend(name: str = "auto") -> Backend:
     """The Backend called `name`: "auto", "numpy", "numba" or "cupy" (one cached object per name).
 
@@ -183,4 +213,5 @@ def get_backend(name: str = "auto") -> Backend:
     return _build(name)
 
 
-__all__ = ["Backend", "BACKENDS", "LAYOUT_OPS", "OPS", "available_backends", "get_backend", "with_attention"]
+__all__ = ["Backend", "BACKENDS", "GENERIC_OPS", "MOVE_OPS", "OPS", "available_backends",
+           "device_sum_squares", "fused_adamw", "get_backend", "with_attention"]

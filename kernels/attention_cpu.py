@@ -27,12 +27,12 @@ multiplied only with the range of keys its rows can see, so that at most about S
 per row and edge are computed in vain. `tile_work` counts the tiles and segments computed.
 
 Packed documents (`q_docs`, `k_docs`: document ids, non-decreasing along each row). Each query
-sees only the keys [klo, khi) of its own document (`document_layout.document_bounds`, once a call), a
+sees only the keys [klo, khi) of its own document (`document_spans.document_bounds`, once a call), a
 third bound beside causality and the window that also grows with the position: the key range of
 a query block, the query range of a key block (backward) and the row segments (which also end
 at each document's end) shrink to the same-document pairs, so a tile with none is never computed
 and a row of short documents costs about its documents' own causal squares, in one call. Blocks
-are aligned to documents (`document_layout.document_blocks`): a document longer than a block gets nearly equal
+are aligned to documents (`document_spans.document_blocks`): a document longer than a block gets nearly equal
 blocks of its own, shorter ones are packed whole into a block, so that a short document is one
 small causal tile (as if called alone) rather than pieces of a fixed grid's tiles.
 
@@ -73,7 +73,7 @@ from numba import get_num_threads, njit, prange
 from . import numpy_ref as ref
 from .numba_simd import REORDER, address, row_at, tile_lanes, transpose_tile, vexp
 from .numba_gemm import gemm
-from .document_layout import document_blocks, document_bounds, visible_keys
+from .document_spans import document_blocks, document_bounds, visible_keys
 from .numpy_ref import Array, require
 
 POSITIONS = 64  # query positions per tile

@@ -25,8 +25,8 @@ import numpy as np
 
 from .numpy_ref import Array, require
 
-LAYOUT_OPS: tuple[str, ...] = ("split_columns", "concat")
-"""The dispatcher's layout moves (bf16 CuPy arrays; every other dtype takes numpy_ref's)."""
+MOVE_OPS: tuple[str, ...] = ("split_columns", "concat")
+"""The dispatcher's moves (bf16 CuPy arrays; every other dtype takes numpy_ref's)."""
 
 _WIDTHS = (8, 4, 2, 1)   # bf16 elements a thread moves at once: the widest the shape allows
 _THREADS = 256

@@ -536,64 +536,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     return dq, dk, dv
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing (for the bench)
-# ----------------------------------------------------------------------------------------------
-
-def attention_flops(batch: int, sq: int, sk: int, heads: int, head_dim: int,
-                    causal: bool) -> tuple[float, float]:
-    """(forward, backward) FLOPs by FlashAttention's count: 4 B H Sq Sk D for QK^T and PV,
-    halved when causal over a square block; the backward is 2.5 times the forward (5 GEMMs)."""
-    fwd = 4.0 * batch * heads * sq * sk * head_dim * (0.5 if causal else 1.0)
-    return fwd, 2.5 * fwd
-
-
-def benchmark(seq: int = 4096, batch: int = 1, heads: int = 32, kv_heads: int = 8,
-              head_dim: int = 128, causal: bool = True, repeats: int = 10,
-              warmup: int = 3) -> dict[str, float]:
-    """Time attention_fwd and attention_bwd (whole calls as the engine makes them: allocation,
-    cuDNN, and the backward's bf16 -> float32 widening; CUDA events, median of ``repeats``, graphs
-    built beforehand) on random bf16 inputs: {"fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops"}
-    with :func:`attention_flops`. Needs a device. Measured on an H100 80GB HBM3 (cuDNN 9.19.0,
-    frontend 1.23.0; Hq 32, Hkv 8, D 128, causal): seq 4096 x batch 4 fwd 550 / bwd 350
-    TFLOP/s, seq 8192 x batch 2 fwd 608 / bwd 436."""
-    q, dout = _random_bf16((batch, seq, heads, head_dim), 2)
-    k, v = _random_bf16((batch, seq, kv_heads, head_dim), 2)
-    out, lse = attention_fwd(q, k, v, causal=causal)
-    fwd_ms = _median_ms(lambda: attention_fwd(q, k, v, causal=causal), repeats, warmup)
-    bwd_ms = _median_ms(lambda: attention_bwd(q, k, v, out, lse, dout, causal=causal),
-                        repeats, warmup)
-    fwd, bwd = attention_flops(batch, seq, seq, heads, head_dim, causal)
-    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": fwd / fwd_ms / 1e9,
-            "bwd_tflops": bwd / bwd_ms / 1e9}
-
-
-def _random_bf16(shape: tuple[int, ...], count: int) -> list[Array]:
-    """``count`` device arrays of standard normal numbers truncated to bf16 (their top 16 bits:
-    integer operations only, whatever CuPy's bf16 arithmetic supports)."""
-    import cupy
-    rng = cupy.random.default_rng(0)
-    return [(rng.standard_normal(shape, np.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
-            .view(_bf16()) for _ in range(count)]
-
-
-def _median_ms(fn: Any, repeats: int, warmup: int) -> float:
-    """Median milliseconds of ``fn()`` on the current stream (CUDA events around each call)."""
-    import cupy
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
-
-
 __all__ = ["CudnnRefused", "MaskPlan", "GraphSpec", "TensorSpec", "attention_fwd", "attention_bwd",
            "mask_plan", "plan_visible", "forward_spec", "backward_spec", "supports",
-           "frontend_unavailable", "define_graph", "check_graph", "benchmark", "attention_flops",
-           "clear_cache", "GRAD_DTYPE", "FRONTEND_REQUIREMENT"]
+           "frontend_unavailable", "define_graph", "check_graph", "clear_cache", "GRAD_DTYPE",
+           "FRONTEND_REQUIREMENT"]

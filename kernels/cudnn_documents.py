@@ -21,7 +21,7 @@ One call covers every sequence up to the longest one's length: a grid of sequenc
 (:func:`grid_tiles`, counted with 128-row tiles), of which a batch of short documents uses a
 sixth (8 rows x 8192 tokens, 214 documents of median 200: 4096 tiles a head for 617 of the
 documents' own). With :data:`GROUPED` the documents go in length classes instead, one call each
-way per power-of-two class (:meth:`RaggedLayout.groups`: 992 tiles on that batch); every token
+way per power-of-two class (:meth:`RaggedBatch.groups`: 992 tiles on that batch); every token
 lies in exactly one class's sequences, so the calls together write each output whole.
 
 Measured on an H100 (session 25, ``.dev/ragged.py``: exact sizes, padded statistics; 8 x 8192
@@ -30,7 +30,7 @@ flash_mma's document kernels' 1.24 and 3.86 ms. In this form on an H200 (session
 ``tests/gpu/test_documents_gpu.py::test_cudnn_ragged_documents`` passed, and ``bench documents``
 timed the same batch's document-masked step through the seam at 3.67-3.69 ms with it against
 4.83-4.94 ms through flash_mma (one row of 32 heads: 0.59-0.61 ms against 0.62-0.64, with one run
-each way at 0.76-0.77), so :data:`ROUTED` is on. :func:`ragged_layout` and :func:`refusal` need
+each way at 0.76-0.77), so :data:`ROUTED` is on. :func:`ragged_batch` and :func:`refusal` need
 no CuPy and are tested on the host.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ ROUTED = True
 to flash_mma (where cuDNN's frontend imports); see the module's note for the timing."""
 GROUPED = False
 """Whether a block's documents go to cuDNN in power-of-two length classes, one call each way per
-class (:meth:`RaggedLayout.groups`), rather than in one call whose grid runs every sequence to
+class (:meth:`RaggedBatch.groups`), rather than in one call whose grid runs every sequence to
 the longest one's length. Off until a device times it (``jobs/gpu_check.sh``'s ``ragged``
 stage: ``bench documents`` both ways)."""
 MIN_SEQUENCES, MIN_LONGEST = 16, 64
@@ -61,7 +61,7 @@ MAX_ELEMENTS = 2 ** 31 - 1
 """Ragged offsets are int32 elements: arrays of more elements go to flash_mma."""
 SIDE = {"q": "q", "o": "q", "do": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv",
         "stats": "stats"}
-"""The ragged offsets (`RaggedLayout.device`: the query, key/value or statistics width) each
+"""The ragged offsets (`RaggedBatch.device`: the query, key/value or statistics width) each
 tensor of the graphs reads."""
 
 
@@ -77,11 +77,11 @@ def bucket(n: int, least: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class RaggedLayout:
+class RaggedBatch:
     """The sequences of one block's ``[B, S]`` document ids (host arrays): ``lengths`` int32
     ``[N]`` and ``starts`` int64 ``[N]`` (flat token ``b * S + p``), the real ``documents``
     first, then zero-length padding starting at ``B * S``; ``longest`` the bucketed Smax.
-    Device copies are made once per head layout (:meth:`device`)."""
+    Device copies are made once per head shape (:meth:`device`)."""
 
     rows: int
     seq: int
@@ -102,20 +102,20 @@ class RaggedLayout:
         flat = np.append(self.starts, self.rows * self.seq) * width
         return flat.astype(np.int32).reshape(-1, 1, 1, 1)
 
-    def groups(self) -> tuple[RaggedLayout, ...]:
-        """The documents by length class (``bucket(length, MIN_LONGEST)``), one layout a class,
+    def groups(self) -> tuple[RaggedBatch, ...]:
+        """The documents by length class (``bucket(length, MIN_LONGEST)``), one batch a class,
         the longest class first; a class's sequence count is bucketed from 1 (the whole block's
         from :data:`MIN_SEQUENCES`). Made once."""
         if not self._groups:
             lengths, starts = self.lengths[:self.documents], self.starts[:self.documents]
             classes = np.array([bucket(int(n), MIN_LONGEST) for n in lengths], np.int64)
             for c in np.unique(classes)[::-1]:
-                self._groups.append(_layout(self.rows, self.seq, starts[classes == c],
+                self._groups.append(_ragged_batch(self.rows, self.seq, starts[classes == c],
                                             lengths[classes == c], 1))
         return tuple(self._groups)
 
     def device(self, heads_q: int, heads_kv: int, head_dim: int) -> dict[str, Array]:
-        """CuPy arrays of one head layout: ``seq`` (the lengths, ``[N, 1, 1, 1]`` int32) and each
+        """CuPy arrays of one head shape: ``seq`` (the lengths, ``[N, 1, 1, 1]`` int32) and each
         side's ragged offsets (:data:`SIDE`); made once."""
         key = (heads_q, heads_kv, head_dim)
         if key not in self._device:
@@ -127,45 +127,45 @@ class RaggedLayout:
         return self._device[key]
 
 
-def ragged_layout(docs: Array) -> RaggedLayout:
-    """The :class:`RaggedLayout` of document ids ``docs`` ``[B, S]`` (a new sequence wherever a
+def ragged_batch(docs: Array) -> RaggedBatch:
+    """The :class:`RaggedBatch` of document ids ``docs`` ``[B, S]`` (a new sequence wherever a
     row's id changes, and at each row's start). Pure."""
     docs = np.asarray(docs)
-    require(docs.ndim == 2, f"ragged_layout: document ids must be [B, S], not {docs.shape}")
+    require(docs.ndim == 2, f"ragged_batch: document ids must be [B, S], not {docs.shape}")
     b, s = docs.shape
     first = np.ones((b, s), bool)
     first[:, 1:] = docs[:, 1:] != docs[:, :-1]
     starts = np.flatnonzero(first.ravel())
     lengths = (np.append(starts[1:], b * s) - starts).astype(np.int32)
-    return _layout(b, s, starts, lengths, MIN_SEQUENCES)
+    return _ragged_batch(b, s, starts, lengths, MIN_SEQUENCES)
 
 
-def _layout(rows: int, seq: int, starts: np.ndarray, lengths: np.ndarray,
-            least: int) -> RaggedLayout:
-    """The :class:`RaggedLayout` of the sequences (``starts``, ``lengths``) of a ``[rows, seq]``
+def _ragged_batch(rows: int, seq: int, starts: np.ndarray, lengths: np.ndarray,
+            least: int) -> RaggedBatch:
+    """The :class:`RaggedBatch` of the sequences (``starts``, ``lengths``) of a ``[rows, seq]``
     block: their count bucketed from ``least`` with zero-length sequences at the end."""
     pad = bucket(len(starts), least) - len(starts)
-    return RaggedLayout(rows, seq, len(starts), bucket(int(lengths.max(initial=1)), MIN_LONGEST),
+    return RaggedBatch(rows, seq, len(starts), bucket(int(lengths.max(initial=1)), MIN_LONGEST),
                         np.concatenate([lengths, np.zeros(pad, np.int32)]).astype(np.int32),
                         np.concatenate([starts, np.full(pad, rows * seq)]).astype(np.int64))
 
 
-def calls(layout: RaggedLayout) -> tuple[RaggedLayout, ...]:
-    """The layouts cuDNN is called with for ``layout``, in order: its length classes where
+def calls(batch: RaggedBatch) -> tuple[RaggedBatch, ...]:
+    """The batches cuDNN is called with for ``batch``, in order: its length classes where
     :data:`GROUPED`, else itself."""
-    return layout.groups() if GROUPED else (layout,)
+    return batch.groups() if GROUPED else (batch,)
 
 
-def grid_tiles(layouts: tuple[RaggedLayout, ...]) -> int:
-    """Query tiles of :data:`GRID_ROWS` rows a head that calls on ``layouts`` launch when each
+def grid_tiles(batches: tuple[RaggedBatch, ...]) -> int:
+    """Query tiles of :data:`GRID_ROWS` rows a head that calls on ``batches`` launch when each
     runs every sequence to its longest length: the sum of sequences x ceil(longest / rows)."""
-    return sum(lay.sequences * -(-lay.longest // GRID_ROWS) for lay in layouts)
+    return sum(lay.sequences * -(-lay.longest // GRID_ROWS) for lay in batches)
 
 
-def document_tiles(layout: RaggedLayout) -> int:
-    """Query tiles of :data:`GRID_ROWS` rows a head that ``layout``'s documents hold themselves
+def document_tiles(batch: RaggedBatch) -> int:
+    """Query tiles of :data:`GRID_ROWS` rows a head that ``batch``'s documents hold themselves
     (each document's length rounded up to whole tiles): what no grid can launch fewer of."""
-    return int((-(-layout.lengths[:layout.documents] // GRID_ROWS)).sum())
+    return int((-(-batch.lengths[:batch.documents] // GRID_ROWS)).sum())
 
 
 def tile_entries(lengths: np.ndarray, rows: int, keys: int) -> int:
@@ -183,18 +183,18 @@ def tile_entries(lengths: np.ndarray, rows: int, keys: int) -> int:
     return total
 
 
-def layout_of(q_docs: Array, k_docs: Array) -> RaggedLayout | None:
-    """The block's layout when both sides hold the same ids (else None: not a diagonal block);
+def diagonal_batch(q_docs: Array, k_docs: Array) -> RaggedBatch | None:
+    """The block's ragged batch when both sides hold the same ids (else None: not a diagonal block);
     the ids may be host or device arrays."""
     q, k = (a if isinstance(a, np.ndarray) else host_array(a) for a in (q_docs, k_docs))
-    return ragged_layout(q) if q.shape == k.shape and np.array_equal(q, k) else None
+    return ragged_batch(q) if q.shape == k.shape and np.array_equal(q, k) else None
 
 
-def refusal(layout: RaggedLayout | None, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+def refusal(batch: RaggedBatch | None, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
             q_offset: int, k_offset: int, causal: bool, window: int) -> str | None:
     """Why this call does not go to cuDNN's ragged attention (None: it does). Pure."""
     b, sq, hq, d = q_shape
-    if layout is None or (layout.rows, layout.seq) != (b, sq):
+    if batch is None or (batch.rows, batch.seq) != (b, sq):
         return "the queries' and keys' document ids differ (not a diagonal block)"
     if q_offset != k_offset or tuple(k_shape[:2]) != (b, sq):
         return "the keys are not the queries' own tokens"
@@ -261,13 +261,13 @@ def _define(cudnn: Any, kind: str, n: int, smax: int, tokens: int, hq: int, hkv:
     return g, t, offsets
 
 
-def _execute(kind: str, layout: RaggedLayout, hq: int, hkv: int, d: int, scale: float,
+def _execute(kind: str, batch: RaggedBatch, hq: int, hkv: int, d: int, scale: float,
              buffers: dict[str, Array]) -> None:
     """Build (once per bucket) and run the ragged graph on CuPy ``buffers`` (by name)."""
     import cupy
     cudnn = ca._cudnn()
     handle = ca._handle(cudnn)
-    n, smax, tokens = layout.sequences, layout.longest, layout.rows * layout.seq
+    n, smax, tokens = batch.sequences, batch.longest, batch.rows * batch.seq
     key = (cupy.cuda.Device().id, kind, n, smax, tokens, hq, hkv, d, scale)
     if key not in _GRAPHS:
         g, tensors, offsets = _define(cudnn, kind, n, smax, tokens, hq, hkv, d, scale, handle)
@@ -278,7 +278,7 @@ def _execute(kind: str, layout: RaggedLayout, hq: int, hkv: int, d: int, scale: 
                                   f"to {smax} tokens: {exc}") from exc
         _GRAPHS[key] = (g, tensors, offsets, int(g.get_workspace_size()))
     g, tensors, offsets, workspace_bytes = _GRAPHS[key]
-    dev = layout.device(hq, hkv, d)
+    dev = batch.device(hq, hkv, d)
     pack = {tensors[name]: int(a.data.ptr) for name, a in buffers.items()}
     pack[tensors["seq_q"]] = pack[tensors["seq_kv"]] = int(dev["seq"].data.ptr)
     pack.update({off: int(dev[side].data.ptr) for off, side in offsets})
@@ -292,9 +292,9 @@ def _contiguous(**arrays: Array) -> dict[str, Array]:
     return {name: cupy.ascontiguousarray(a) for name, a in arrays.items()}
 
 
-def attention_fwd(q: Array, k: Array, v: Array, layout: RaggedLayout,
+def attention_fwd(q: Array, k: Array, v: Array, batch: RaggedBatch,
                   scale: float | None = None) -> tuple[Array, Array]:
-    """Causal attention of each document of ``layout`` over itself: q `[B, S, Hq, D]`, k, v
+    """Causal attention of each document of ``batch`` over itself: q `[B, S, Hq, D]`, k, v
     `[B, S, Hkv, D]` bf16 -> out bf16 `[B, S, Hq, D]`, lse float32 `[B, Hq, S]` (numpy_ref's
     contract with ``q_docs = k_docs``, equal offsets)."""
     import cupy
@@ -302,14 +302,14 @@ def attention_fwd(q: Array, k: Array, v: Array, layout: RaggedLayout,
     b, s, hq, d = q.shape
     out = cupy.empty(q.shape, q.dtype)
     stats = cupy.empty((b, s, hq), cupy.float32)
-    for part in calls(layout):
+    for part in calls(batch):
         _execute("fwd", part, hq, k.shape[2], d, ref.attention_scale(d, scale),
                  {**a, "o": out, "stats": stats})
     return out, cupy.ascontiguousarray(stats.transpose(0, 2, 1))
 
 
 def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
-                  layout: RaggedLayout, scale: float | None = None, grad_dtype: Any = None
+                  batch: RaggedBatch, scale: float | None = None, grad_dtype: Any = None
                   ) -> tuple[Array, Array, Array]:
     """Gradients of :func:`attention_fwd` from the (merged) ``out`` and ``lse``: dq `[B, S, Hq,
     D]`, dk, dv `[B, S, Hkv, D]`, float32, or bf16 where ``grad_dtype`` asks (cuDNN's own)."""
@@ -320,7 +320,7 @@ def attention_bwd(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Ar
     stats = cupy.ascontiguousarray(lse.transpose(0, 2, 1), dtype=cupy.float32)
     g = {"dq": cupy.empty(q.shape, q.dtype), "dk": cupy.empty(k.shape, q.dtype),
          "dv": cupy.empty(k.shape, q.dtype)}
-    for part in calls(layout):
+    for part in calls(batch):
         _execute("bwd", part, q.shape[2], k.shape[2], d, ref.attention_scale(d, scale),
                  {**a, "stats": stats, **g})
     return tuple(g[n].astype(grads, copy=False) for n in ("dq", "dk", "dv"))

@@ -84,7 +84,7 @@ __device__ inline void load_rows(const T* x, T (*sh)[D], long long base, long lo
 
 // Rows [*first, *stop) of block x of sequence b: the fixed grid's R-row blocks, or with packed
 // documents the block table starts [B, nb] (blocks of at most R rows aligned to document
-// starts, `document_layout.document_blocks`; columns past a sequence's blocks hold S).
+// starts, `document_spans.document_blocks`; columns past a sequence's blocks hold S).
 __device__ inline void block_rows(const long long* starts, int nb, int b, int x, int R, int S,
                                   long long* first, long long* stop) {
     if (starts) {
@@ -462,9 +462,9 @@ def _flash_args(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool,
 def _blocks(mine: np.ndarray, other: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
     """(lo, hi, starts) of one side's blocks: lo, hi `[B, n]` the other side's positions [lo, hi)
     of each position's document, starts the blocks of at most ``rows`` positions aligned to the
-    document starts (`document_layout.document_blocks`, the CPU kernels' own cut), so that a short
+    document starts (`document_spans.document_blocks`, the CPU kernels' own cut), so that a short
     document is one small tile and a block reads only its documents' keys."""
-    from .document_layout import document_blocks, document_bounds
+    from .document_spans import document_blocks, document_bounds
 
     b, n = mine.shape
     lo, hi, end = document_bounds(mine, other, b, n, other.shape[1])

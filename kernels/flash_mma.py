@@ -303,7 +303,7 @@ def document_bounds(q_docs: Array, k_docs: Array) -> tuple[np.ndarray, ...]:
     """(klo, khi, qlo, qhi) int32 on the host for document ids ``q_docs`` `[B, Sq]`, ``k_docs``
     `[B, Sk]` (non-decreasing along each row): each query's document's keys [klo, khi) and each
     key's document's queries [qlo, qhi), block-local. Pure: no CuPy."""
-    from .document_layout import document_bounds as bounds
+    from .document_spans import document_bounds as bounds
 
     qd, kd = (np.asarray(a) for a in (q_docs, k_docs))
     require(qd.ndim == 2 and kd.ndim == 2 and qd.shape[0] == kd.shape[0],

@@ -159,18 +159,18 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
 
     def ragged(q: Array, k: Array, q_offset: int, k_offset: int, causal: bool, window: int,
                documents: dict) -> Any:
-        """The block's `cudnn_documents.RaggedLayout` where cuDNN's ragged attention takes it."""
-        layout = (documents.get("tables") or {}).get("ragged")
-        if layout is not None and cudnn_documents.refusal(layout, q.shape, k.shape, q_offset,
-                                                          k_offset, causal, window) is None:
-            return layout
+        """The block's `cudnn_documents.RaggedBatch` where cuDNN's ragged attention takes it."""
+        batch = (documents.get("tables") or {}).get("ragged")
+        if batch is not None and cudnn_documents.refusal(batch, q.shape, k.shape, q_offset,
+                                                         k_offset, causal, window) is None:
+            return batch
         return None
 
     def fwd(q, k, v, q_offset=0, k_offset=0, causal=True, scale=None, window=0, **documents):
         if documents:   # packed documents: mpipar's kernel, or cuDNN's ragged one (`tables`)
-            layout = ragged(q, k, q_offset, k_offset, causal, window, documents)
-            if layout is not None:
-                return cudnn_documents.attention_fwd(q, k, v, layout, scale)
+            batch = ragged(q, k, q_offset, k_offset, causal, window, documents)
+            if batch is not None:
+                return cudnn_documents.attention_fwd(q, k, v, batch, scale)
             return flash_mma.attention_fwd(q, k, v, q_offset, k_offset, causal, scale, window,
                                            **documents)
         impl = cudnn_attention if takes(q, k, q_offset, k_offset, causal, window) else flash_mma
@@ -179,9 +179,9 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
     def bwd(q, k, v, out, lse, dout, q_offset=0, k_offset=0, causal=True, scale=None, window=0,
             grad_dtype=None, **documents):
         if documents:
-            layout = ragged(q, k, q_offset, k_offset, causal, window, documents)
-            if layout is not None:
-                return cudnn_documents.attention_bwd(q, k, v, out, lse, dout, layout, scale,
+            batch = ragged(q, k, q_offset, k_offset, causal, window, documents)
+            if batch is not None:
+                return cudnn_documents.attention_bwd(q, k, v, out, lse, dout, batch, scale,
                                                      grad_dtype)
             return flash_mma.attention_bwd(q, k, v, out, lse, dout, q_offset, k_offset, causal,
                                            scale, window, grad_dtype=grad_dtype, **documents)
@@ -191,10 +191,10 @@ def attention_ops(choice: AttentionChoice) -> tuple[Callable, Callable]:
 
     def tables(q_docs: Array, k_docs: Array, head_dim: int = 0, dtype: Any = None) -> dict:
         """flash_mma's tables, and where cuDNN's ragged attention is routed (`cudnn_documents.
-        ROUTED`) the block's ragged layout ("ragged"; None off the diagonal)."""
+        ROUTED`) the block's ragged batch ("ragged"; None off the diagonal)."""
         found = flash_mma.document_tables(q_docs, k_docs)
         if cudnn_documents.routed():
-            found["ragged"] = cudnn_documents.layout_of(q_docs, k_docs)
+            found["ragged"] = cudnn_documents.diagonal_batch(q_docs, k_docs)
         return found
 
     for op in (fwd, bwd):
@@ -248,7 +248,7 @@ def bf16_ops(choice: AttentionChoice) -> dict[str, Callable]:
     from . import cuda_fused, cuda_moves
 
     ops: dict[str, Callable] = {op: getattr(cuda_fused, op) for op in FUSED_OPS}
-    ops.update({op: getattr(cuda_moves, op) for op in cuda_moves.LAYOUT_OPS})
+    ops.update({op: getattr(cuda_moves, op) for op in cuda_moves.MOVE_OPS})
     ops.update(linear_fwd=linear_fwd, linear_bwd=linear_bwd)
     ops["attention_fwd"], ops["attention_bwd"] = attention_ops(choice)
     return ops

@@ -448,7 +448,7 @@ def sigmoid(g: Array) -> Array:
     return xp.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(g.dtype, copy=False)
 
 
-# ------------------------------------------------------------------------------ layout moves
+# ------------------------------------------------------------------------------------- moves
 def split_columns(y: Array, widths: Sequence[int]) -> list[Array]:
     """The consecutive column blocks of ``y [..., sum(widths)]`` as contiguous arrays
     ``[..., w]`` (a stacked linear's output cut into one output per weight). Moves only: every

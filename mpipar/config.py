@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -26,6 +28,54 @@ import tomli_w
 
 class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names the field, the value and the rule."""
+
+
+@dataclass(frozen=True)
+class LayerSet:
+    """A set of blocks as a layer-set field writes it (``window_layers``, ``moe_layers``):
+    ``all``, ``even`` (blocks 0, 2, ...), ``odd``, or a comma list of block indices (``listed``).
+    :meth:`parse` is the one reader of that grammar; the model asks the set."""
+
+    kind: str                                  # all, even, odd or list
+    listed: frozenset[int] = frozenset()
+
+    KEYWORDS = ("all", "even", "odd")
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def parse(text: str, name: str, layers: int) -> LayerSet:
+        """The set ``text`` names in a model of ``layers`` blocks; ConfigError names the field
+        ``model.<name>``, the value and the rule."""
+        spec = text.strip()
+        if spec in LayerSet.KEYWORDS:
+            return LayerSet(spec)
+        items = [x.strip() for x in spec.split(",")]
+        require(all(re.fullmatch(r"[0-9]+", x) and int(x) < layers for x in items),
+                f"model.{name}={text!r}: must be all, even, odd or a comma list of layer "
+                f"indices in [0, {layers})")
+        return LayerSet("list", frozenset(int(x) for x in items))
+
+    @property
+    def every_layer(self) -> bool:
+        """Whether the set is written ``all`` (every block, whatever the model's depth)."""
+        return self.kind == "all"
+
+    def contains(self, layer: int) -> bool:
+        """Whether block ``layer`` is in the set."""
+        if self.kind == "list":
+            return layer in self.listed
+        return self.kind == "all" or layer % 2 == (self.kind == "odd")
+
+    def count(self, start: int, stop: int) -> int:
+        """How many of the blocks ``[start, stop)`` are in the set, without a per-block walk."""
+        if self.kind == "list":
+            return sum(start <= i < stop for i in self.listed)
+        odd = stop // 2 - start // 2
+        return {"all": stop - start, "even": (stop - start) - odd, "odd": odd}[self.kind]
+
+    def layers(self, n: int) -> list[int]:
+        """The set's blocks of a model of ``n`` blocks, in order."""
+        return [i for i in range(n) if self.contains(i)]
 
 
 def _f(default: Any, help: str, flag: str | None = None, choices: tuple | None = None,
@@ -102,41 +152,29 @@ class ModelConfig:
                                    "probabilities as they are, Qwen2-MoE's norm_topk_prob false)",
                              flag="--no-moe-norm-topk")
 
+    def sparse_set(self) -> LayerSet:
+        """The blocks ``moe_layers`` names (whether or not ``moe_experts`` makes them sparse)."""
+        return LayerSet.parse(self.moe_layers, "moe_layers", self.layers)
+
+    def window_set(self) -> LayerSet:
+        """The blocks ``window_layers`` names (whether or not ``sliding_window`` is set)."""
+        return LayerSet.parse(self.window_layers, "window_layers", self.layers)
+
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
         ``moe_layers`` names it)."""
-        if self.moe_experts == 0:
-            return False
-        spec = self.moe_layers.strip()
-        if spec == "all":
-            return True
-        if spec in ("even", "odd"):
-            return layer % 2 == (spec == "odd")
-        return layer in {int(x) for x in spec.split(",") if x.strip()}
+        return self.moe_experts > 0 and self.sparse_set().contains(layer)
 
     def sparse_layers(self) -> int:
         """How many blocks :meth:`is_sparse` names, without a per-layer walk."""
-        spec = self.moe_layers.strip()
-        if self.moe_experts == 0:
-            return 0
-        if spec in ("all", "even", "odd"):
-            return {"all": self.layers, "even": (self.layers + 1) // 2,
-                    "odd": self.layers // 2}[spec]
-        return len({int(x) for x in spec.split(",") if x.strip()} & set(range(self.layers)))
+        return self.sparse_set().count(0, self.layers) if self.moe_experts else 0
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of block ``layer``: ``sliding_window`` if ``window_layers`` names
         the layer, else 0 (full causal attention)."""
         if self.sliding_window == 0:
             return 0
-        spec = self.window_layers.strip()
-        if spec == "all":
-            chosen = True
-        elif spec in ("even", "odd"):
-            chosen = layer % 2 == (spec == "odd")
-        else:
-            chosen = layer in {int(x) for x in spec.split(",") if x.strip()}
-        return self.sliding_window if chosen else 0
+        return self.sliding_window if self.window_set().contains(layer) else 0
 
     def windows(self) -> list[int]:
         """The sliding window of every layer (0: full causal), in layer order."""
@@ -442,15 +480,7 @@ def _check_moe(m: ModelConfig) -> None:
     require(m.moe_ffn_hidden > 0, f"model.moe_ffn_hidden={m.moe_ffn_hidden}: must be >= 0")
     require(m.moe_aux_loss_coef >= 0,
             f"model.moe_aux_loss_coef={m.moe_aux_loss_coef}: must be >= 0")
-    spec = m.moe_layers.strip()
-    if spec not in ("all", "even", "odd"):
-        try:
-            chosen = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            chosen = None
-        require(chosen is not None and all(0 <= i < m.layers for i in chosen),
-                f"model.moe_layers={m.moe_layers!r}: must be all, even, odd or a comma list "
-                f"of layer indices in [0, {m.layers})")
+    m.sparse_set()                  # moe_layers parses: ConfigError names the value and the rule
 
 
 def check_fields(cfg: Config, m: ModelConfig) -> None:
@@ -518,13 +548,7 @@ def _check_window(m: ModelConfig) -> None:
     """``sliding_window`` is >= 0; ``window_layers`` is all, even, odd or a list of layers."""
     require(m.sliding_window >= 0,
             f"model.sliding_window={m.sliding_window}: must be >= 0 (0 = full causal)")
-    spec = m.window_layers.strip()
-    if spec in ("all", "even", "odd"):
-        return
-    items = [x.strip() for x in spec.split(",")]
-    require(spec != "" and all(x.isdigit() and int(x) < m.layers for x in items),
-            f"model.window_layers={m.window_layers!r}: must be all, even, odd or a comma list of "
-            f"layer indices in [0, {m.layers})")
+    m.window_set()                  # window_layers parses: ConfigError names the value and the rule
 
 
 INT_LIMIT = 2**63

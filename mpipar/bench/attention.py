@@ -16,14 +16,8 @@ from typing import Any
 import numpy as np
 
 from mpipar import kernels
+from mpipar.model.flops import attention_flops
 from mpipar.bench.harness import best_seconds, ints, print_header, run_child, thread_counts
-
-
-def attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> tuple[float, float]:
-    """(forward, backward) FLOPs of causal attention counted the standard way: per head, half of
-    4 * seq**2 * head_dim forward (Q K^T and P V) and 2.5 times that backward."""
-    fwd = 0.5 * 4.0 * seq * seq * head_dim * heads * batch
-    return fwd, 2.5 * fwd
 
 
 def cpu_probe_flops(dtype: np.dtype, n: int = 384, seconds: float = 0.25) -> float:
@@ -62,7 +56,7 @@ def measure_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
                 fwd_s, fwd_cpu = best_seconds(lambda: backend.attention_fwd(q, k, v), args.attn_repeats)
                 bwd_s, bwd_cpu = best_seconds(lambda: backend.attention_bwd(q, k, v, out, lse, dout),
                                               args.attn_repeats)
-                fwd_flops, bwd_flops = attention_flops(b, s, hq, d)
+                fwd_flops, bwd_flops = attention_flops(b, s, s, hq, d, causal=True)
                 rows.append({"dtype": dtype.name, "head_dim": d, "seq": s, "batch": b, "heads": hq,
                              "kv_heads": k.shape[2], "threads": numba.get_num_threads(),
                              "fwd_s": fwd_s, "bwd_s": bwd_s, "fwd_gflops": fwd_flops / fwd_s / 1e9,

@@ -201,7 +201,7 @@ def entries(docs: np.ndarray, head_dim: int, itemsize: int = 4) -> dict[str, flo
 
     row = np.asarray(docs).reshape(-1, np.shape(docs)[-1])     # [rows, S]
     pairs, n = float(token_work(row).sum()), row.shape[1]
-    ragged = cudnn_documents.ragged_layout(row)
+    ragged = cudnn_documents.ragged_batch(row)
     lengths = ragged.lengths[:ragged.documents]
     floors = {f"{r}x{k}": cudnn_documents.tile_entries(lengths, r, k) / pairs    # over a row's
               / (cudnn_documents.tile_entries([n], r, k) / (n * (n + 1) / 2))   # full causal

@@ -2,7 +2,7 @@
 
 - attention: each bf16 attention backend (mpipar's ``flash_mma``, cuDNN's fused attention) forward
   and backward TFLOP/s, causal, seq 2k-16k at 16k tokens, head dim 64 and 128, against a cuBLAS
-  bf16 GEMM of equal FLOPs and torch's SDPA flash backend (:mod:`mpipar.kernels.attention_bench`);
+  bf16 GEMM of equal FLOPs and torch's SDPA flash backend (:mod:`mpipar.bench.gpu_attention`);
 - train: tokens/s, MFU (against the bf16 dense peak) and peak device memory of bf16 training
   steps of a Llama of 1.1B parameters (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 kv
   heads, FFN 5632, vocabulary 32000) and of 350M, at seq 2048 and 4096 with 16k tokens a step;
@@ -318,8 +318,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"profile": profile(models[0], seqs[0])}
     out: dict[str, Any] = {}
     if not args.no_attention:
-        from mpipar.kernels import attention_bench
-        out["attention"] = attention_bench.run()
+        from mpipar.bench import gpu_attention
+        out["attention"] = gpu_attention.run()
     out["train"] = train_rows(models, seqs, args.steps)
     return out
 

@@ -415,7 +415,7 @@ def model_type(cfg: ModelConfig) -> str:
     """The ``model_type`` mpipar writes ``cfg`` as: qwen2 with attention biases (q/k/v), mistral
     with a sliding window on every layer, else llama. A window on some layers only, or with
     biases, has no such architecture (HFCheckpointError)."""
-    if cfg.sliding_window and (cfg.attention_bias or cfg.window_layers.strip() != "all"):
+    if cfg.sliding_window and (cfg.attention_bias or not cfg.window_set().every_layer):
         raise HFCheckpointError(
             f"model.sliding_window={cfg.sliding_window} with window_layers="
             f"{cfg.window_layers!r} and attention_bias={cfg.attention_bias}: only a window on "

@@ -3,6 +3,7 @@
 Forward FLOPs of a block count its matrix products (q, k, v, o; gate, up, down: two FLOPs a
 multiply-add) and attention's ``q k^T`` and ``p v`` over the keys a query sees; a sparse
 block's FFN counts its router and the ``K`` experts each token runs; backward is twice forward.
+:func:`attention_flops` is the one count of attention's FLOPs, the model's and the benchmarks'.
 """
 from __future__ import annotations
 
@@ -13,13 +14,24 @@ from mpipar.model.attention import document_offsets
 from mpipar.layout import Layout
 
 
+def attention_flops(batch: int, sq: float, sk: float, heads: int, head_dim: int,
+                    causal: bool = False) -> tuple[float, float]:
+    """(forward, backward) FLOPs of attention: ``batch`` x ``heads`` blocks of ``sq`` queries
+    over ``sk`` keys, ``q k^T`` and ``p v`` at two FLOPs a multiply-add (``4 B H Sq Sk D``),
+    halved when ``causal`` over a square block (FlashAttention's count); backward 2.5 times
+    forward (five GEMMs against two). One query over the mean keys a query sees (``sq`` 1,
+    ``sk`` the context) is the model's count per token."""
+    fwd = 4.0 * batch * heads * head_dim * sq * sk * (0.5 if causal else 1.0)
+    return fwd, 2.5 * fwd
+
+
 def block_flops_per_token(model: ModelConfig, tp: int, context: float) -> float:
     """Forward FLOPs of one block of the resolved ``model`` for one token on one of ``tp``
     tensor-parallel ranks, attending to ``context`` keys."""
     H, D = model.hidden, model.head_dim
     hq, hkv, F = model.heads // tp, model.kv_heads // tp, model.ffn_hidden // tp
     matmul = 2 * H * (2 * hq * D + 2 * hkv * D) + 2 * 3 * H * F   # q, o, k, v; gate, up, down
-    return matmul + 4 * hq * D * context                           # q k^T and p v
+    return matmul + attention_flops(1, 1, context, hq, D)[0]       # q k^T and p v
 
 
 def sparse_ffn_extra(model: ModelConfig) -> float:

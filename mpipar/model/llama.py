@@ -64,7 +64,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.kernels.numpy_ref import sigmoid, upcast
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
 from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
@@ -518,7 +517,7 @@ class LlamaStage:
         if not self.cfg.moe_shared_gate:
             return y, g, u, m, None
         z, = self._apply(params, in_block(i, SHARED_GATE), h2)
-        gate = sigmoid(upcast(z))               # in float32 under bf16, as the router
+        gate = self.kernels.sigmoid(self.kernels.upcast(z))   # float32 under bf16, as the router
         return (gate * y).astype(y.dtype, copy=False), g, u, m, (gate, y)
 
     def _shared_bwd(self, i: int, dout: Array, c: BlockSaved, lin: LinearGrads,
@@ -526,7 +525,7 @@ class LlamaStage:
         """The gradient of ``h2`` through :meth:`_shared_fwd`."""
         if c.shared_gate is None:
             return self._ffn_bwd(i, dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
-        gate, y, dt = *c.shared_gate, dout.dtype
+        gate, y, dt, upcast = *c.shared_gate, dout.dtype, self.kernels.upcast
         dz = (upcast(dout) * upcast(y)).sum(axis=-1, keepdims=True) * gate * (1 - gate)
         dh2 = self._apply_backward([dz.astype(dt, copy=False)], c.h2, in_block(i, SHARED_GATE),
                                    lin)

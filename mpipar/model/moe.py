@@ -9,12 +9,13 @@ Forward on the normed stream ``h`` ``[B, S, H]`` (``N = B*S`` tokens of this ran
   (Qwen2-MoE's ``norm_topk_prob: false``) ``w`` is the K probabilities as they are (then the
   capacity's renormalisation remark below does not apply: a dropped slot's probability gets
   no gradient from the output);
-- the ``A = N*K`` assignments are sorted by expert (:func:`mpipar.kernels.moe.permutation`), the
-  tokens gathered in that order, handed to the exchange (which, under expert parallelism, sends
-  each to the rank holding its expert and returns what this rank's experts must compute), each
-  local expert's SwiGLU FFN runs on its rows (one GEMM per weight, expert and part: this rank's
-  own rows while the others travel, then those; :func:`experts_fwd`), the exchange brings the
-  outputs home, and each token's output is ``sum_k w_k y_k``.
+- the ``A = N*K`` assignments are sorted by expert (the backend's ``routing.permutation``:
+  :func:`mpipar.kernels.expert_routing.permutation`), the tokens gathered in that order,
+  handed to the exchange (which, under expert parallelism, sends each to the rank holding its
+  expert and returns what this rank's experts must compute), each local expert's SwiGLU FFN
+  runs on its rows (one GEMM per weight, expert and part: this rank's own rows while the
+  others travel, then those; :func:`experts_fwd`), the exchange brings the outputs home, and
+  each token's output is ``sum_k w_k y_k``.
 
 Balance loss (DeepSeek-V3, sequence-wise): for each sequence ``b`` (a row of ``T`` tokens)
 ``sum_e f_be P_be`` with ``f_be = E / (K T) * (assignments of row b to e)`` (no gradient) and
@@ -50,6 +51,7 @@ Incremental decoding (no whole rows) routes dropless.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,8 +59,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mpipar.kernels import moe as K_moe
-from mpipar.kernels.numpy_ref import upcast
 from mpipar.model.params import ROUTER, expert_names
 
 Array = Any
@@ -165,8 +165,8 @@ class LocalExperts:
 
 def own_plan(counts: Array) -> Plan:
     """The plan of an exchange holding every expert: all rows are this rank's own."""
-    bounds = K_moe.offsets(counts)
-    return Plan(bounds, [b - a for a, b in zip(bounds, bounds[1:])])
+    sizes = [int(c) for c in counts.tolist()]
+    return Plan([0] + list(itertools.accumulate(sizes)), sizes)
 
 
 @dataclass
@@ -204,18 +204,19 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     ``[S]``: the tokens' global positions in their rows, for ``cfg.moe_capacity_factor``
     (module docstring); None (incremental decoding) routes dropless. ``aside``: work that needs
     no routed rows (the shared expert), run while the outputs travel back."""
-    xp, E, k = kernels.xp, cfg.moe_experts, cfg.moe_top_k
+    xp, E, k, route = kernels.xp, cfg.moe_experts, cfg.moe_top_k, kernels.routing
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
-    probs = K_moe.softmax(upcast(kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])), xp)
-    experts, weights = K_moe.route_topk(probs, k, xp, bias, cfg.moe_norm_topk)
+    logits = kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])
+    probs = route.softmax(kernels.upcast(logits), xp)
+    experts, weights = route.route_topk(probs, k, xp, bias, cfg.moe_norm_topk)
     chosen_sum = (xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
                   if cfg.moe_norm_topk else None)
     keep = row_counts = None
     if cfg.moe_capacity_factor and positions is not None:
-        keep, row_counts = capacity(experts, positions, B, cfg, exchange, probs.dtype, xp)
-    order, counts = K_moe.permutation(experts, E, xp, keep)
-    xs = K_moe.permute(x, order, k)
+        keep, row_counts = capacity(kernels, experts, positions, B, cfg, exchange, probs.dtype)
+    order, counts = route.permutation(experts, E, xp, keep)
+    xs = route.permute(x, order, k)
     plan = exchange.plan(counts)
     weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
     xs_local, ys, inner = experts_fwd(kernels, xs, plan, exchange.send(xs, plan), weights_e)
@@ -224,9 +225,9 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     if aside is not None:
         back.test()
         aside()
-    out, per = K_moe.unpermute_combine(back.wait(), order, weights, xp)
+    out, per = route.unpermute_combine(back.wait(), order, weights, xp)
     # under bf16 the router's softmax, top-K weights and the combine's weighted sum are float32
-    # (numpy_ref.upcast: as Mixtral computes its router; CuPy cannot sort bf16), the output
+    # (the kernels' upcast: as Mixtral computes its router; CuPy cannot sort bf16), the output
     # rounded once
     out = out.astype(h.dtype, copy=False)
     dropped = 0
@@ -282,21 +283,21 @@ def _joined(xp, parts: list) -> Array:
     return parts[0] if len(parts) == 1 else xp.concatenate(parts)
 
 
-def capacity(experts: Array, positions: np.ndarray, B: int, cfg, exchange: ExpertExchange,
-             dtype, xp) -> tuple[Array, Array]:
+def capacity(kernels, experts: Array, positions: np.ndarray, B: int, cfg,
+             exchange: ExpertExchange, dtype) -> tuple[Array, Array]:
     """Which of the choices ``experts`` ``[N, K]`` (``B`` rows of this rank's tokens at
     ``positions`` ``[S]``) the expert capacity keeps ``[N, K]`` (module docstring), and each
     whole row's assignments per expert ``[B, E]`` (before drops: the balance loss's counts).
     The rows' counts per position block are summed over the exchange (sp): one message."""
-    E, k = cfg.moe_experts, cfg.moe_top_k
+    E, k, xp, route = cfg.moe_experts, cfg.moe_top_k, kernels.xp, kernels.routing
     L, G = exchange.blocks(positions)
     pos = np.asarray(positions, dtype=np.int64)
     blocks = xp.asarray(pos // L)
     rows = experts.reshape(B, len(pos), k)
-    local = K_moe.block_counts(rows, blocks, G, E, xp).astype(dtype)
+    local = route.block_counts(rows, blocks, G, E, xp).astype(dtype)
     whole = exchange.sequence_sum(local)                      # [G, B, E], whole rows
     cap = math.ceil(cfg.moe_capacity_factor * G * L * k / E)
-    keep = K_moe.capacity_keep(rows, xp.asarray(pos), blocks, local, whole, cap, xp)
+    keep = route.capacity_keep(rows, xp.asarray(pos), blocks, local, whole, cap, xp)
     return keep.reshape(-1, k), whole.sum(axis=0)
 
 
@@ -323,7 +324,8 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
     balance loss's weight per row (module docstring); ``aside``: work that needs no routed rows
     (the shared expert's backward), run while the gradients travel to the experts. The experts'
     weight gradients and the router's backward run while their input gradients travel back."""
-    xp, E, (N, k) = kernels.xp, c.probs.shape[1], c.weights.shape
+    xp, E, (N, k), upcast = kernels.xp, c.probs.shape[1], c.weights.shape, kernels.upcast
+    route = kernels.routing
     d = dy.reshape(N, -1)
     dweights = (upcast(c.per) * upcast(d)[:, None, :]).sum(axis=-1)
     dys = ((c.weights[..., None] * d[:, None, :]).astype(dy.dtype, copy=False)
@@ -340,13 +342,13 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
         lin.weight(dg, c.xs[rows], w1)
         lin.weight(du, c.xs[rows], w3)
         back.test()
-    dprobs = K_moe.route_topk_bwd(dweights, c.weights, c.chosen_sum, c.experts, E, xp)
+    dprobs = route.route_topk_bwd(dweights, c.weights, c.chosen_sum, c.experts, E, xp)
     if aux_weight:
         B = c.f_over_t.shape[0]
         dprobs = (dprobs.reshape(B, -1, E) + aux_weight * c.f_over_t[:, None, :]).reshape(N, E)
-    dlogits = K_moe.softmax_bwd(dprobs, c.probs).astype(dy.dtype, copy=False)
+    dlogits = route.softmax_bwd(dprobs, c.probs).astype(dy.dtype, copy=False)
     dx_router = lin(dlogits, c.x, f"layers.{i}." + ROUTER)
-    dx = K_moe.unpermute_sum(back.wait(), c.order, N, k, xp)
+    dx = route.unpermute_sum(back.wait(), c.order, N, k, xp)
     dx += dx_router
     return dx.reshape(dy.shape)
 

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.config import ConfigError
-from mpipar.kernels import moe as K_moe
+from mpipar.kernels import expert_routing
 from mpipar.layout import Layout
 from mpipar.model.moe import Done, LocalExperts, Plan, Transfer
 from mpipar.parallel.sequence_split import SeqLayout, balanced_chunks, split_parts
@@ -114,7 +114,7 @@ class ExpertParallel(SequenceExperts):
 
     def plan(self, counts: Array) -> Plan:
         n, el, r = self.ep.size, self.per_rank, self.ep.rank
-        mine = np.ascontiguousarray(K_moe.host(counts).reshape(n, el))    # [dest, local e]
+        mine = np.ascontiguousarray(expert_routing.host(counts).reshape(n, el))    # [dest, local e]
         theirs = self.ep.alltoall(mine, np.empty_like(mine))              # [source, local e]
         send_rows, recv_rows = mine.sum(axis=1).tolist(), theirs.sum(axis=1).tolist()
         starts = np.cumsum(np.r_[0, theirs.reshape(-1)[:-1]]).reshape(n, el)

@@ -137,13 +137,7 @@ def _sparse_in(layout: Layout, stage: int, per: int) -> int:
     sparse (:meth:`mpipar.parallel.placement.PlacementTable.stage_layers`), without a per-layer
     walk (a plan of 10^8 layers stays instant)."""
     m = layout.model
-    a, b = stage * per, (stage + 1) * per
-    spec = m.moe_layers.strip()
-    if not m.moe_experts:
-        return 0
-    if spec in ("all", "even", "odd"):
-        return {"all": per, "even": (b + 1) // 2 - (a + 1) // 2, "odd": b // 2 - a // 2}[spec]
-    return sum(a <= i < b for i in {int(x) for x in spec.split(",") if x.strip()})
+    return m.sparse_set().count(stage * per, (stage + 1) * per) if m.moe_experts else 0
 
 
 def _activation_bytes(layout: Layout, coord: Coord) -> int:

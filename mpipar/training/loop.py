@@ -268,21 +268,21 @@ def _skipped_before(run_dir: str, start: int) -> int:
 def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float], flops: float,
                    wall_s: float) -> None:
     """Rank 0: timeline.json, summary.json and summary.txt of the run so far; prints the text."""
-    from mpipar.observe import summary as report
+    from mpipar.observe.summary import diagnose, load_run, summarize, summary_text
     from mpipar.training import failure
     from mpipar.observe import metrics
     run_dir = cfg.train.run_dir
     metrics.write_json(os.path.join(run_dir, "timeline.json"), timeline)
-    records, _, _ = report.load_run(run_dir)
-    summary = report.summarize(records, timeline, cfg.to_dict(), status)
+    records, _, _ = load_run(run_dir)
+    summary = summarize(records, timeline, cfg.to_dict(), status)
     summary.update(wall_s=wall_s, peak_flops=sum(peaks), peak_flops_per_rank=peaks,
                    model_flops_per_step=flops, save_dir=cfg.train.save_dir,
-                   diagnosis=report.diagnose(summary))
+                   diagnosis=diagnose(summary))
     failures = failure.read(run_dir)
     if failures:
         summary["failures"] = failures
     metrics.write_json(os.path.join(run_dir, "summary.json"), summary)
-    text = report.summary_text(summary)
+    text = summary_text(summary)
     with open(os.path.join(run_dir, "summary.txt"), "w") as fh:
         fh.write(text)
     print(text, end="", flush=True)

@@ -23,7 +23,6 @@ gradients and moments; the reducer refreshes the bf16 compute copies after each 
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mpipar import kernels
 from mpipar.runtime.comm import Group
 from mpipar.config import ConfigError, TrainConfig
 from mpipar.layout import Layout
@@ -87,7 +87,9 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
         v  = beta2 * v + (1 - beta2) * g * g
         p -= lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
 
-    Scalars are Python floats, so the arithmetic stays in the arrays' dtype.
+    Scalars are Python floats, so the arithmetic stays in the arrays' dtype. CuPy arrays of one
+    dtype take the fused pass (:func:`mpipar.kernels.fused_adamw`: the same operations in the
+    same order, the same bits).
     """
     if not p.shape == g.shape == m.shape == v.shape:
         raise ValueError(f"adamw_update needs equal shapes, got p {p.shape}, g {g.shape}, "
@@ -96,8 +98,7 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
         raise ValueError(f"step must be >= 1 (the count including this update), got {step}")
     xp = _array_module(p)
     if xp is not np and p.dtype == g.dtype == m.dtype == v.dtype:
-        _fused_adamw()(g, scale, 1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
-                       math.sqrt(1.0 - beta2 ** step), eps, lr / (1.0 - beta1 ** step), p, m, v)
+        kernels.fused_adamw(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, scale)
         return
     if scale != 1.0:
         g = g * scale
@@ -117,32 +118,6 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: fl
     xp.divide(m, scratch, out=scratch)
     scratch *= lr / (1.0 - beta1 ** step)
     p -= scratch
-
-
-_FUSED_ADAMW = """
-const T gs = g * scale;
-p = p * decay;
-T s = gs * one_b1;  m = m * b1;  m = m + s;
-s = gs * gs;  s = s * one_b2;  v = v * b2;  v = v + s;
-s = sqrt(v);  s = s / c2;  s = s + eps;  s = m / s;  s = s * step_size;
-p = p - s;
-"""
-"""The CuPy path of :func:`adamw_update`: the same operations in the same order, one pass over
-p, g, m, v instead of fourteen (on a 1.1B model about 30 GB of memory traffic a step instead of
-150), with the clipping coefficient applied on the way in (a separate in-place scaling of the
-gradients was another 8.8 GB a step: 6 ms of a 1.1B step on an H200). Compiled with ``--fmad=false`` so that no multiply-add is contracted: each operation rounds
-as the unfused sequence's does (CuPy flushes float32 subnormals in both), so the result is the
-same bits (tests/gpu/test_optim_gpu.py, passed on an H200). ``p * decay`` with decay = 1 is exact, as skipping it
-is, as is ``g * scale`` with scale = 1."""
-
-
-@functools.cache
-def _fused_adamw() -> Any:
-    """The fused AdamW ElementwiseKernel (built once, compiled per dtype on first use)."""
-    import cupy
-    return cupy.ElementwiseKernel(
-        "T g, T scale, T decay, T b1, T one_b1, T b2, T one_b2, T c2, T eps, T step_size",
-        "T p, T m, T v", _FUSED_ADAMW, "mpipar_adamw", options=("--fmad=false",))
 
 
 def adamw_catch_up(p: Any, g: Any, m: Any, v: Any, idle: Any, step: int, lr: float,
@@ -466,7 +441,7 @@ def grad_norm_sq(grads: Mapping[str, Any], include: Callable[[str], bool] | None
 def sum_squares(arrays: Iterable[Any]) -> float:
     """Sum over ``arrays`` of the sum of squares of each, accumulated in float64 (a float32
     element's square is exact there). NumPy: a dot product per array. CuPy: the fused kernel
-    (:func:`mpipar.kernels.cuda_moves.sum_squares`: float64 partials per block, one
+    (:func:`mpipar.kernels.device_sum_squares`: float64 partials per block, one
     synchronisation). A dot per array cast to float64 cost a full-size copy and a
     synchronisation each: 26 ms for a 1.1B model's gradients on an H200; CuPy's reduction
     kernel per array 7.5 ms."""
@@ -480,8 +455,7 @@ def sum_squares(arrays: Iterable[Any]) -> float:
         else:
             on_device.append(flat)
     if on_device:
-        from mpipar.kernels import cuda_moves
-        total += cuda_moves.sum_squares(on_device)
+        total += kernels.device_sum_squares(on_device)
     return total
 
 

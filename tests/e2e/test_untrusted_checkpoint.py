@@ -22,7 +22,7 @@ import pytest
 
 from conftest import MPIRUN, launch_env, mpirun
 from untrusted import reseal
-from mpipar import ckpt as cli
+from mpipar.checkpoint import cli
 from mpipar import generate
 from mpipar.checkpoint import reader, tools
 from mpipar.checkpoint.directory import CheckpointError

@@ -153,11 +153,11 @@ def bytes_equal_planner_with_a_uniform_router(world, cfg, monkeypatch, more) -> 
     quarter of the data, 2 batches) of ``cfg`` on the 8 ranks: every group's bytes in the
     ledgers equal the planner's prediction for each, and ``more(engine, layout, the step's
     result)`` (failure messages) finds nothing; asserted on every rank."""
-    from mpipar.kernels import moe as kernels_moe
+    from mpipar.kernels import expert_routing
     from mpipar.plan.traffic import predict_eval_bytes, predict_step_bytes
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
-    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
+    monkeypatch.setattr(expert_routing, "route_topk", uniform_route)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
     with rank_failures(world) as fails:
         layout = validate(cfg, 8)

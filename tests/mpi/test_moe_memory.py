@@ -20,13 +20,13 @@ CASES = [dict(dp=2, sp=2, pp=2, ep=4, model="moe_qwen"),          # unnormalised
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("case", CASES, ids=[layout_name(v) for v in CASES])
 def test_sparse_records_equal_the_planner(world, case, monkeypatch):
-    from mpipar.kernels import moe as kernels_moe
+    from mpipar.kernels import expert_routing
     from mpipar.model.llama import LlamaStage
     from mpipar.plan.memory import _sparse_ffn_bytes
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
     from tests.unit.test_recompute import _kept_bytes
-    monkeypatch.setattr(kernels_moe, "route_topk", uniform_route)
+    monkeypatch.setattr(expert_routing, "route_topk", uniform_route)
     seen: list[int] = []
     keep = LlamaStage._keep
 

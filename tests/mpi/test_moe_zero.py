@@ -74,13 +74,13 @@ def test_sharded_expert_traffic_and_buffers_equal_planner(world, case, monkeypat
     included) of a step and of a validation pass, and its calls per group, equal the
     planner's; the unit pool the step left (dense and experts' units) is within the planner's
     bound."""
-    from mpipar.kernels import moe as kernels_moe
+    from mpipar.kernels import expert_routing
     from mpipar.plan.memory import predict_memory
     from mpipar.plan.traffic import (predict_eval_bytes, predict_link_bytes, predict_step_bytes,
                                      predict_step_messages)
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
-    monkeypatch.setattr(kernels_moe, "route_topk", moe.uniform_route)
+    monkeypatch.setattr(expert_routing, "route_topk", moe.uniform_route)
     case = dict(case)
     cfg = small_config("float64", case.pop("model", "moe"), **case)
     cfg.train.eval_fraction, cfg.train.eval_batches = 0.25, 2
@@ -218,13 +218,13 @@ def test_bf16_sharded_experts_state_and_bytes_equal_planner(world, case, monkeyp
     router forced uniform."""
     from types import SimpleNamespace
 
-    from mpipar.kernels import moe as kernels_moe
+    from mpipar.kernels import expert_routing
     from mpipar.plan.memory import predict_memory
     from mpipar.plan.traffic import predict_step_bytes
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
     from tests.mpi.test_mixed_precision import _engine_state
-    monkeypatch.setattr(kernels_moe, "route_topk", moe.uniform_route)
+    monkeypatch.setattr(expert_routing, "route_topk", moe.uniform_route)
     layout = validate(small_config("bfloat16", "moe", **case), 8)
     with rank_failures(world) as fails:
         eng = build_rank(layout, world, source=token_source())

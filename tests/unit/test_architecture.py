@@ -176,3 +176,36 @@ def test_every_package_is_installed():
              if p.is_dir() and (p / "__init__.py").exists()} | {"mpipar", "mpipar.kernels"}
     assert listed == found, f"setup.cfg lists {sorted(listed - found)} too many, " \
                             f"{sorted(found - listed)} missing"
+
+
+KERNEL_CODE = re.compile(r"RawKernel|RawModule|ElementwiseKernel|ReductionKernel|__global__|"
+                         r"extern \"C\"|@(nb|numba)\.|\bnjit\b|@(guvectorize|vectorize)\b")
+"""What kernel code looks like: CUDA source, CuPy's compiled kernels, Numba's compiled functions."""
+
+
+def kernel_code_outside_kernels(package: Path) -> list[str]:
+    """``file:line`` of every line of kernel code in ``package``'s modules outside kernels/."""
+    return [f"{p.relative_to(package.parent)}:{i}" for p in sorted(package.rglob("*.py"))
+            if "kernels" not in p.relative_to(package).parts[:1]
+            for i, line in enumerate(p.read_text().splitlines(), 1) if KERNEL_CODE.search(line)]
+
+
+def test_kernel_code_lives_in_kernels():
+    """CUDA source, CuPy kernels and Numba functions sit in kernels/, reached through its
+    registry (:func:`mpipar.kernels.get_backend` and the dispatcher's functions)."""
+    hits = kernel_code_outside_kernels(PACKAGE)
+    assert not hits, hits
+
+
+def test_the_kernel_code_check_can_fail(tmp_path):
+    """A fused kernel written in a training module is caught (the check is not vacuous)."""
+    (tmp_path / "mpipar" / "training").mkdir(parents=True)
+    (tmp_path / "mpipar" / "kernels").mkdir()
+    (tmp_path / "mpipar" / "training" / "optim.py").write_text(
+        "import cupy\n\nADAMW = cupy.ElementwiseKernel('T g', 'T p', 'p = p - g', 'adamw')\n")
+    (tmp_path / "mpipar" / "training" / "loop.py").write_text(
+        "from numba import njit\n\n\n@njit\ndef add(a, b):\n    return a + b\n")
+    (tmp_path / "mpipar" / "kernels" / "cuda.py").write_text(
+        'SOURCE = r"""extern "C" __global__ void k(float* y) { y[0] = 1.0f; }"""\n')
+    assert kernel_code_outside_kernels(tmp_path / "mpipar") == [
+        "mpipar/training/loop.py:1", "mpipar/training/loop.py:4", "mpipar/training/optim.py:3"]

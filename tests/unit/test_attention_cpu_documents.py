@@ -3,7 +3,7 @@
 backward: random layouts with documents of length 1, documents crossing tile boundaries
 (tiles of 64 positions x 128 keys at head_dim 64), blocks that start mid-document (ring and
 zigzag offsets), grouped-query heads and sliding windows; the tiles skipped (tile_work); and
-the documents' layout the kernels tile by (kernels/document_layout.py). No MPI.
+the documents' bounds and blocks the kernels tile by (kernels/document_spans.py). No MPI.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from mpipar.kernels import numpy_ref as ref
 
 ac = pytest.importorskip("mpipar.kernels.attention_cpu")
-from mpipar.kernels import document_layout as dl  # noqa: E402  (after the importorskip: numba is there)
+from mpipar.kernels import document_spans as dl  # noqa: E402  (after the importorskip: numba is there)
 
 from tests.unit.test_attention_cpu import inputs, rel_err  # noqa: E402
 

@@ -204,7 +204,7 @@ def test_resume_auto_with_nothing_usable_starts_fresh(saved, tmp_path):
 
 
 def test_cli_consolidate_export_inspect_verify(saved, tmp_path, capsys):
-    from mpipar import ckpt as cli
+    from mpipar.checkpoint import cli
     from mpipar.checkpoint.huggingface import load_hf
 
     root, cfg, state = saved
@@ -234,7 +234,7 @@ def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
     """docs/checkpoints.md's ``ckpt verify runs/exp1/checkpoints/latest`` failed ("no
     such checkpoint directory") because ``latest`` is a file; it means the checkpoint it
     names, as the save directory does."""
-    from mpipar import ckpt as cli
+    from mpipar.checkpoint import cli
 
     root, _, _ = saved
     assert directory.resolve_path(root / "latest") == root / "step_00000002"
@@ -248,7 +248,7 @@ def test_a_latest_pointer_that_is_not_text_is_named_and_resume_auto_falls_back(s
     """A ``latest`` that is not UTF-8 was a UnicodeDecodeError traceback in
     resume and in ``ckpt verify``. Now verify exits 2 naming the file; ``--resume auto``
     notes it and takes the newest checkpoint that verifies."""
-    from mpipar import ckpt as cli
+    from mpipar.checkpoint import cli
 
     root, _, _ = saved
     shutil.copytree(root, tmp_path / "save")
@@ -270,7 +270,7 @@ def test_consolidate_and_export_refuse_to_write_inside_a_checkpoint(saved, tmp_p
     """``ckpt consolidate CK CK/index.h5`` overwrote the checkpoint's own
     index and broke it. Writing inside a checkpoint (or over ``latest``) is refused, exit 2,
     and the checkpoint still verifies."""
-    from mpipar import ckpt as cli
+    from mpipar.checkpoint import cli
 
     root, _, _ = saved
     shutil.copytree(root, tmp_path / "save")

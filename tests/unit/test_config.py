@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpipar.config import Config
+from mpipar.config import Config, ConfigError, LayerSet
 from mpipar.train import resolve_config
 
 # (flags, world size, expected message fragment) — one row per rule of Config.validate.
@@ -123,6 +123,12 @@ RULES = [
     (["--bucket-mb", "inf"], 1, "parallel.bucket_mb=inf: must be a finite number"),
     (["--collective-timeout", "nan"], 1, "train.collective_timeout=nan: must be a finite number"),
     (["--seed", "-1"], 1, "train.seed=-1: must be >= 0"),
+    # the layer-set grammar, one rule for every layer-set field
+    (["--window-layers", "1,,2"], 1, "model.window_layers='1,,2': must be all, even, odd or a "
+     "comma list of layer indices in [0, 4)"),
+    (["--moe-experts", "2", "--moe-layers", "4"], 1, "model.moe_layers='4': must be all, even, "
+     "odd or a comma list of layer indices in [0, 4)"),
+    (["--moe-experts", "2", "--moe-layers", ""], 1, "model.moe_layers='': must be all, even, odd"),
     (["--steps", str(2**63)], 1, f"train.steps={2**63}: must lie in (-2**63, 2**63)"),
 ]
 
@@ -134,6 +140,27 @@ def test_each_rule_exits_2_with_message(flags, world, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+@pytest.mark.parametrize("text,n,members", [("all", 5, [0, 1, 2, 3, 4]), ("even", 5, [0, 2, 4]),
+                                            ("odd", 5, [1, 3]), (" 3, 0 ", 5, [0, 3])])
+def test_a_layer_set_is_parsed_once_and_asked(text, n, members):
+    """The layer grammar of --window-layers and --moe-layers: :meth:`LayerSet.contains` names
+    the blocks, :meth:`LayerSet.count` counts any range of them without a walk."""
+    layers = LayerSet.parse(text, "moe_layers", n)
+    assert layers.layers(n) == members and layers.every_layer == (text == "all")
+    for start in range(n + 1):
+        for stop in range(start, n + 1):
+            assert layers.count(start, stop) == sum(start <= i < stop for i in members)
+    assert LayerSet.parse("odd", "moe_layers", 10 ** 8).count(0, 10 ** 8) == 5 * 10 ** 7
+
+
+@pytest.mark.parametrize("text", ["", "x", "5", "-1", "1,,2", "1.0", "\u00b2"])
+def test_a_bad_layer_set_names_the_field_the_value_and_the_rule(text):
+    with pytest.raises(ConfigError) as exc:
+        LayerSet.parse(text, "window_layers", 5)
+    assert str(exc.value) == (f"model.window_layers={text!r}: must be all, even, odd or a comma "
+                              f"list of layer indices in [0, 5)")
 
 
 def test_valid_layouts_resolve():

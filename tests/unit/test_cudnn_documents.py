@@ -18,7 +18,7 @@ def test_buckets_are_powers_of_two_above_a_floor():
 
 def test_a_hand_counted_layout():
     """Two rows of 6 tokens: documents 2, 3, 1 | 4, 2 tokens (by hand)."""
-    lay = cd.ragged_layout(np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 6, 6]]))
+    lay = cd.ragged_batch(np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 6, 6]]))
     assert lay.documents == 5 and lay.sequences == 16 and lay.longest == 64
     assert lay.lengths.tolist() == [2, 3, 1, 4, 2] + [0] * 11
     assert lay.starts.tolist() == [0, 2, 5, 6, 10] + [12] * 11
@@ -36,7 +36,7 @@ def test_random_layouts_cover_every_token_once():
         # ids non-decreasing over the rows laid end to end: a row's last document's id
         # continues into the next row
         docs = np.sort(rng.integers(0, max(2, rows * seq // 20), rows * seq)).reshape(rows, seq)
-        lay = cd.ragged_layout(docs)
+        lay = cd.ragged_batch(docs)
         assert lay.lengths.sum() == rows * seq and (lay.lengths[lay.documents:] == 0).all()
         real = lay.starts[:lay.documents]
         assert np.array_equal(real // seq, (real + lay.lengths[:lay.documents] - 1) // seq)
@@ -51,7 +51,7 @@ def test_random_layouts_cover_every_token_once():
 def _refusal(docs_q, docs_k=None, q_off=0, k_off=0, causal=True, window=0, d=64, hq=4,
              hkv=2):
     b, s = docs_q.shape
-    lay = cd.layout_of(docs_q, docs_q if docs_k is None else docs_k)
+    lay = cd.diagonal_batch(docs_q, docs_q if docs_k is None else docs_k)
     sk = s if docs_k is None else docs_k.shape[1]
     return cd.refusal(lay, (b, s, hq, d), (b, sk, hkv, d), q_off, k_off, causal, window)
 
@@ -70,12 +70,12 @@ def test_which_calls_go_to_cudnn():
     # one long document among many one-token ones: buckets of 2048 sequences of up to 4096
     lop = np.concatenate([np.zeros(3000, int), np.arange(1, 1097)])[None]
     assert _refusal(lop) is None
-    assert cd.ragged_layout(lop).sequences == 2048 and cd.ragged_layout(lop).longest == 4096
+    assert cd.ragged_batch(lop).sequences == 2048 and cd.ragged_batch(lop).longest == 4096
 
 
 def test_layouts_need_a_two_dimensional_id_array():
     with pytest.raises(ValueError, match=r"must be \[B, S\]"):
-        cd.ragged_layout(np.zeros(5, int))
+        cd.ragged_batch(np.zeros(5, int))
 
 
 def test_length_classes_by_hand():
@@ -83,7 +83,7 @@ def test_length_classes_by_hand():
     256 {200}, 128 {70, 65}, 64 {10, 64}, the longest first; a class's count bucketed from 1,
     padded with zero-length sequences at the block's end; 128-row grid tiles by hand."""
     docs = np.repeat(np.arange(5), [70, 10, 200, 64, 65])[None]
-    lay = cd.ragged_layout(docs)
+    lay = cd.ragged_batch(docs)
     got = [(g.longest, g.documents, g.sequences, g.lengths.tolist(), g.starts.tolist())
            for g in lay.groups()]
     assert got == [(256, 1, 1, [200], [80]), (128, 2, 2, [70, 65], [0, 344]),
@@ -94,7 +94,7 @@ def test_length_classes_by_hand():
 
 
 def test_calls_follow_grouped(monkeypatch):
-    lay = cd.ragged_layout(np.repeat(np.arange(3), [5, 100, 300])[None])
+    lay = cd.ragged_batch(np.repeat(np.arange(3), [5, 100, 300])[None])
     monkeypatch.setattr(cd, "GROUPED", False)
     assert cd.calls(lay) == (lay,)
     monkeypatch.setattr(cd, "GROUPED", True)
@@ -110,7 +110,7 @@ def test_length_classes_cover_every_document_once():
     rng = np.random.default_rng(3)
     for rows, seq, median in ((1, 37, 5.0), (3, 700, 40.0), (8, 8192, 200.0)):
         docs = np.concatenate([packed_documents(seq, median, 1.0, rng) for _ in range(rows)])
-        lay = cd.ragged_layout(docs)
+        lay = cd.ragged_batch(docs)
         pairs = sorted((int(st), int(n)) for g in lay.groups()
                        for st, n in zip(g.starts[:g.documents], g.lengths[:g.documents]))
         assert pairs == sorted(zip(lay.starts[:lay.documents].tolist(),

@@ -501,6 +501,13 @@ def test_dispatcher_backends():
         assert getattr(nb, op) is getattr(numba_cpu if expected == "numba" else ref, op)
     assert nb.describe().startswith("numba (linear_fwd, linear_bwd: numpy BLAS")
     assert "\n" not in nb.describe()
+    # the array-module generic code every backend carries: the model reaches it through the backend
+    from mpipar.kernels import expert_routing
+    for backend in (np_backend, nb):
+        assert backend.routing is expert_routing
+        assert (backend.upcast, backend.sigmoid) == (ref.upcast, ref.sigmoid)
+        assert all(backend.per_op[op] == "numpy" for op in kernels.GENERIC_OPS)
+    assert "upcast, sigmoid, routing: numpy" in nb.describe()
     auto = kernels.get_backend()
     assert auto.name == ("cupy" if avail["cupy"] is None else "numba")
 

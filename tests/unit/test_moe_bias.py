@@ -12,7 +12,7 @@ import pytest
 
 from mpipar.config import ConfigError
 from mpipar.kernels import get_backend
-from mpipar.kernels import moe as K_moe
+from mpipar.kernels import expert_routing
 from mpipar.model.moe import LocalExperts, RoutingBias, moe_forward
 from mpipar.model.params import ROUTER, expert_names, init_params
 from tests.unit.test_model import make_stage
@@ -51,11 +51,11 @@ def test_bias_changes_the_choice_not_the_weights():
     logits = rng.normal(size=(64, 6))
     probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
     bias = np.array([0.3, -0.2, 0.0, 0.15, -0.05, 0.1])
-    experts, weights = K_moe.route_topk(probs, 2, np, bias)
+    experts, weights = expert_routing.route_topk(probs, 2, np, bias)
     ref_e, ref_w = reference_route(probs, bias, 2)
     np.testing.assert_array_equal(experts, ref_e)
     np.testing.assert_allclose(weights, ref_w, rtol=1e-15, atol=0)
-    plain, _ = K_moe.route_topk(probs, 2, np)
+    plain, _ = expert_routing.route_topk(probs, 2, np)
     changed = (np.sort(plain, axis=1) != np.sort(experts, axis=1)).any(axis=1)
     assert changed.sum() > 10          # the bias does move the choice ...
     chosen = np.take_along_axis(probs, experts, axis=1)

@@ -13,7 +13,7 @@ import pytest
 
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.kernels import get_backend
-from mpipar.kernels import moe as K_moe
+from mpipar.kernels import expert_routing as routing
 from mpipar.layout import resolve_model
 from mpipar.model.moe import LocalExperts, capacity, moe_forward
 from mpipar.model.params import init_params
@@ -37,8 +37,8 @@ KEPT = np.array([[[1, 1], [1, 1], [0, 1], [1, 0]],
 def test_hand_built_routing_drops_the_counted_assignments():
     cfg = dataclasses.replace(MOE, moe_experts=3, moe_capacity_factor=0.75)
     assert math.ceil(0.75 * 4 * 2 / 3) == 2
-    keep, counts = capacity(CHOICES.reshape(-1, 2), np.arange(4), 2, cfg, LocalExperts(3),
-                            np.float64, np)
+    keep, counts = capacity(get_backend("numpy"), CHOICES.reshape(-1, 2), np.arange(4), 2, cfg,
+                            LocalExperts(3), np.float64)
     np.testing.assert_array_equal(keep.reshape(2, 4, 2), KEPT)
     np.testing.assert_array_equal(counts, [[4, 2, 2], [1, 4, 3]])   # before drops
 
@@ -49,12 +49,12 @@ def test_a_split_sequence_drops_what_the_whole_one_does(held):
     reverse): each rank's keep, from its own choices and the block counts summed over both,
     is the whole row's; without the other rank's counts it is not (the exchange matters)."""
     blocks, cap, E = 4, 2, 3
-    local = [K_moe.block_counts(CHOICES[:, p], np.array(p), blocks, E, np) for p in held]
+    local = [routing.block_counts(CHOICES[:, p], np.array(p), blocks, E, np) for p in held]
     whole = local[0] + local[1]
     for p, own in zip(held, local):
-        keep = K_moe.capacity_keep(CHOICES[:, p], np.array(p), np.array(p), own, whole, cap, np)
+        keep = routing.capacity_keep(CHOICES[:, p], np.array(p), np.array(p), own, whole, cap, np)
         np.testing.assert_array_equal(keep, KEPT[:, p])
-    alone = [K_moe.capacity_keep(CHOICES[:, p], np.array(p), np.array(p), own, own, cap, np)
+    alone = [routing.capacity_keep(CHOICES[:, p], np.array(p), np.array(p), own, own, cap, np)
              for p, own in zip(held, local)]
     assert any(not np.array_equal(a, KEPT[:, p]) for a, p in zip(alone, held))
 

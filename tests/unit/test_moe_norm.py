@@ -16,7 +16,7 @@ from mpipar.checkpoint.hf_moe import export_problem
 from mpipar.config import (Config, ConfigError, ModelConfig, TrainConfig, add_arguments,
                            from_args)
 from mpipar.kernels import get_backend
-from mpipar.kernels import moe as K_moe
+from mpipar.kernels import expert_routing
 from mpipar.layout import resolve_model
 from mpipar.model.moe import LocalExperts, moe_forward
 from mpipar.model.params import ROUTER, init_params, param_specs
@@ -47,10 +47,10 @@ def test_sparse_ffn_weights_are_the_probabilities(backend):
 
 
 def test_route_topk_bwd_without_renormalisation_is_the_identity_on_the_chosen():
-    probs = K_moe.softmax(np.random.default_rng(0).normal(size=(6, 5)), np)
-    experts, weights = K_moe.route_topk(probs, 2, np, normalize=False)
+    probs = expert_routing.softmax(np.random.default_rng(0).normal(size=(6, 5)), np)
+    experts, weights = expert_routing.route_topk(probs, 2, np, normalize=False)
     dweights = np.random.default_rng(1).normal(size=weights.shape)
-    dp = K_moe.route_topk_bwd(dweights, weights, None, experts, 5, np)
+    dp = expert_routing.route_topk_bwd(dweights, weights, None, experts, 5, np)
     np.testing.assert_array_equal(np.take_along_axis(dp, experts, axis=-1), dweights)
     assert np.count_nonzero(dp) == dweights.size
 

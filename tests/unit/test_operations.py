@@ -56,7 +56,7 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
     sizes is the analytic parameter count (equal to the per-tensor sum)."""
     import math
 
-    from mpipar.runtime import host_memory as memory, nodes
+    from mpipar.runtime import host_memory, nodes
     from mpipar.config import ConfigError, ModelConfig
     from mpipar.layout import resolve_model
     from mpipar.model.params import param_specs
@@ -71,7 +71,7 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
                                              for s in param_specs(resolve_model(model)))
     cfg = resolve_config([*TINY, "--tp", "2"], 2)
     need = predict_peak_memory(cfg, Coord(dp=0, tp=0, pp=0, sp=0))
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 4 * need - 4)
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 4 * need - 4)
     check_memory(cfg, 0, on_node=3)                 # 1.33 x the need each: fits
     with pytest.raises(ConfigError) as err:
         check_memory(cfg, 0, on_node=4)             # just short
@@ -85,7 +85,7 @@ def test_the_memory_check_compares_the_planners_peak_with_a_share_of_the_node(mo
 def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
     """In process: the node's ranks' parts of its copy of the weights against /dev/shm's free
     bytes, only where ZeRO-3 keeps them in node shared memory (not when gathering)."""
-    from mpipar.runtime import host_memory as memory, nodes
+    from mpipar.runtime import host_memory, nodes
     from mpipar.config import ConfigError
     from mpipar.plan.memory import memory_lower_bound
     from mpipar.plan.admission import check_shared_memory
@@ -93,7 +93,7 @@ def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
 
     cfg = resolve_config([*TINY, "--zero", "3", "--zero-shared", "node"], 4)
     need = memory_lower_bound(cfg) // 2 // 4     # one rank's share of the weights
-    monkeypatch.setattr(memory, "shared_memory_bytes", lambda: 4 * need)
+    monkeypatch.setattr(host_memory, "shared_memory_bytes", lambda: 4 * need)
     check_shared_memory(cfg, 0, on_node=4)
     with pytest.raises(ConfigError, match=f"hold at least {5 * need:,} bytes"):
         check_shared_memory(cfg, 0, on_node=5)
@@ -118,7 +118,7 @@ def test_the_shared_memory_check_applies_to_node_shared_zero3_only(monkeypatch):
     ({}, None),
 ])
 def test_ranks_per_node_from_launcher_environment(monkeypatch, env, expected):
-    from mpipar.runtime import host_memory as memory, nodes
+    from mpipar.runtime import nodes
 
     for var in nodes.LOCAL_SIZE_VARS + ("SLURM_PROCID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE"):
         monkeypatch.delenv(var, raising=False)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from mpipar import report
+from mpipar.observe import plots
 from mpipar.observe import summary as run_summary
 from mpipar.observe.metrics import TIME_KEYS
 from report_records import PLOTS, png_size, record, write_run_dir
@@ -247,7 +248,7 @@ def test_balance_plot_draws_the_recorded_imbalances(tmp_path):
     for s, r in enumerate(records, 1):
         r["attention_imbalance"] = 1.0 + 0.1 * s
         r["moe_load_max_over_mean"] = {"1": 2.0 - 0.2 * s, "3": 1.5}
-    series = report.balance_series(records)
+    series = plots.balance_series(records)
     assert series == {"attention work, sp ranks": ([1, 2, 3, 4], [1.1, 1.2, 1.3, 1.4]),
                       "expert load, layer 1": ([1, 2, 3, 4], [1.8, 1.6, 1.4, 1.2]),
                       "expert load, layer 3": ([1, 2, 3, 4], [1.5] * 4)}

@@ -1,9 +1,11 @@
-"""Mixture-of-experts kernels: the router's top-k, the token permutation by expert and its
-inverse, the capacity's counts and keep mask. (The experts' grouped SwiGLU GEMMs, one per
-weight and expert and part of its rows, are :func:`mpipar.model.moe.experts_fwd`'s: they go
-through a kernel backend's ``linear_fwd``/``swiglu_fwd`` and overlap the ep exchange.)
+"""Expert routing kernels of a mixture-of-experts block: the router's softmax and top-k, the
+token permutation by expert and its inverse, the capacity's counts and keep mask. (The
+experts' grouped SwiGLU GEMMs, one per weight and expert and part of its rows, are
+:func:`mpipar.model.moe.experts_fwd`'s: they go through a kernel backend's
+``linear_fwd``/``swiglu_fwd`` and overlap the ep exchange.)
 
-Array-module generic (NumPy or CuPy arrays; ``xp`` is the arrays' module). No MPI.
+Array-module generic (NumPy or CuPy arrays; ``xp`` is the arrays' module): every backend's
+``routing`` (:class:`mpipar.kernels.Backend`) is this module. No MPI.
 
 Shapes: ``N`` tokens, ``H`` hidden, ``E`` experts, ``K`` experts per token, ``A = N*K``
 assignments (token ``n``'s ``k``-th choice is assignment ``n*K + k``), ``F`` expert width.
@@ -107,11 +109,6 @@ def unpermute_sum(dxs: Array, order: Array, n: int, k: int, xp) -> Array:
     the tokens ``[N, H]`` (the assignments ``order`` leaves out add nothing)."""
     per = _scatter(dxs, order, n, k, xp)
     return per.reshape(n, k, -1).sum(axis=1)
-
-
-def offsets(counts) -> list[int]:
-    """Start of each expert's rows in the permuted order, and the end: ``[E + 1]`` ints."""
-    return [0] + np.cumsum(host(counts)).tolist()
 
 
 def host(a: Array) -> np.ndarray:

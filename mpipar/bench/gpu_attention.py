@@ -4,14 +4,15 @@ imports) — forward and backward in TFLOP/s, beside a cuBLAS bf16 GEMM of equal
 (`cupy.matmul` on 2-D bf16, i.e. gemmEx with float32 compute) and, where torch imports with
 CUDA, torch's `scaled_dot_product_attention` on its flash backend, on the same shapes.
 
-FLOPs: forward 4 * B * H * S^2 * D (two GEMMs), halved when causal; backward 2.5 times the
-forward (five GEMMs against two), whatever each implementation actually executes (flash_mma's
-two-pass backward recomputes S and dP: 7 GEMM passes). Timing: CUDA events around a few
-back-to-back calls, after warm-up calls, the median of `repeats`.
+FLOPs (:func:`mpipar.model.flops.attention_flops`): forward 4 * B * H * S^2 * D (two GEMMs),
+halved when causal; backward 2.5 times the forward (five GEMMs against two), whatever each
+implementation actually executes (flash_mma's two-pass backward recomputes S and dP: 7 GEMM
+passes). Timing: CUDA events around a few back-to-back calls, after warm-up calls, the median
+of `repeats`.
 
 Shapes: B * S = `tokens` (16k) for S in 2048..16384; hidden 2048: 32 heads of 64, 16 of 128.
 Called as `run()` (returns the rows, prints a table) by `python -m mpipar.bench gpu`, or
-`python -m mpipar.kernels.attention_bench`.
+`python -m mpipar.bench.gpu_attention`. :func:`cudnn_rates` times cuDNN's attention alone.
 """
 
 from __future__ import annotations
@@ -19,18 +20,12 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable
 
+from mpipar.model.flops import attention_flops
+
 SEQS = (2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 TOKENS = 16384
 HIDDEN = 2048
-
-
-def attention_flops(batch: int, seq: int, heads: int, head_dim: int,
-                    causal: bool = True) -> tuple[float, float]:
-    """(forward, backward) FLOPs of self-attention over `seq` tokens: 4 B H S^2 D forward
-    (halved when causal), 2.5 times that backward."""
-    fwd = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
-    return fwd, 2.5 * fwd
 
 
 def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, inner: int = 4,
@@ -75,7 +70,7 @@ def mpipar_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
     import cupy
     import ml_dtypes
 
-    from . import flash_mma
+    from mpipar.kernels import flash_mma
 
     shape = (batch, seq, heads, head_dim)
     q, k, v, do = (cupy.random.standard_normal(shape, cupy.float32).astype(ml_dtypes.bfloat16)
@@ -95,7 +90,7 @@ def cudnn_ms(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
     import cupy
     import ml_dtypes
 
-    from . import cudnn_attention
+    from mpipar.kernels import cudnn_attention
 
     if cudnn_attention.frontend_unavailable() is not None:
         return None
@@ -145,7 +140,7 @@ def _row(seq: int, head_dim: int, tokens: int, causal: bool, repeats: int,
          with_torch: bool) -> dict[str, Any]:
     heads = HIDDEN // head_dim
     batch = max(1, tokens // seq)
-    f_flops, b_flops = attention_flops(batch, seq, heads, head_dim, causal)
+    f_flops, b_flops = attention_flops(batch, seq, seq, heads, head_dim, causal)
     fwd, bwd = mpipar_ms(batch, seq, heads, head_dim, causal, repeats)
     gemm = gemm_tflops(f_flops, repeats)
     row = {"seq": seq, "batch": batch, "heads": heads, "head_dim": head_dim, "causal": causal,
@@ -190,6 +185,34 @@ def run(seqs: tuple[int, ...] = SEQS, head_dims: tuple[int, ...] = HEAD_DIMS,
     if printer:
         printer(format_table(rows))
     return rows
+
+
+def cudnn_rates(seq: int = 4096, batch: int = 1, heads: int = 32, kv_heads: int = 8,
+                head_dim: int = 128, causal: bool = True, repeats: int = 10,
+                warmup: int = 3) -> dict[str, float]:
+    """Time cuDNN's attention_fwd and attention_bwd (whole calls as the engine makes them:
+    allocation, cuDNN, and the backward's bf16 -> float32 widening; CUDA events around each
+    call, median of ``repeats``, graphs built beforehand) on random bf16 inputs: {"fwd_ms",
+    "bwd_ms", "fwd_tflops", "bwd_tflops"}. Needs a device. Measured on an H100 80GB HBM3
+    (cuDNN 9.19.0, frontend 1.23.0; Hq 32, Hkv 8, D 128, causal): seq 4096 x batch 4 fwd 550 /
+    bwd 350 TFLOP/s, seq 8192 x batch 2 fwd 608 / bwd 436."""
+    import cupy
+    import ml_dtypes
+
+    from mpipar.kernels import cudnn_attention as ca
+
+    def random(shape: tuple[int, ...]) -> Any:
+        return cupy.random.standard_normal(shape, cupy.float32).astype(ml_dtypes.bfloat16)
+
+    q, dout = random((batch, seq, heads, head_dim)), random((batch, seq, heads, head_dim))
+    k, v = random((batch, seq, kv_heads, head_dim)), random((batch, seq, kv_heads, head_dim))
+    out, lse = ca.attention_fwd(q, k, v, causal=causal)
+    fwd_ms = median_ms(lambda: ca.attention_fwd(q, k, v, causal=causal), warmup, repeats, 1)
+    bwd_ms = median_ms(lambda: ca.attention_bwd(q, k, v, out, lse, dout, causal=causal),
+                       warmup, repeats, 1)
+    fwd, bwd = attention_flops(batch, seq, seq, heads, head_dim, causal)
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": fwd / fwd_ms / 1e9,
+            "bwd_tflops": bwd / bwd_ms / 1e9}
 
 
 if __name__ == "__main__":

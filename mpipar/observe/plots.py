@@ -1,0 +1,145 @@
+"""The plots of a run (``python -m mpipar.report`` draws them): loss, throughput, time breakdown,
+memory, balance and the pipeline timeline of the last recorded step, each a PNG. Needs
+matplotlib (the ``[report]`` extra), imported on the first plot."""
+from __future__ import annotations
+
+import math
+
+from mpipar.observe.metrics import COMPUTE_OPS, TIME_KEYS
+from mpipar.observe.summary import LABELS, steady_records
+
+COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "sp_comm": "#937860",
+          "pipeline_wait": "#c44e52", "dp_comm": "#55a868", "optimizer": "#8172b3",
+          "io": "#8c8c8c"}
+OP_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "bwd_input": "#dd8452", "bwd_weight": "#f3b77b",
+             "recv_fwd": "#d9d9d9", "recv_bwd": "#d9d9d9"}
+
+
+def _figure(width: float = 8, height: float = 4.5):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt, *plt.subplots(figsize=(width, height))
+
+
+def plot_loss(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure()
+    steps = [r["step"] for r in records if not r.get("skipped")]
+    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2,
+            label="training loss")
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    if skipped:
+        top = max((r["loss"] for r in records if math.isfinite(r["loss"])), default=1.0)
+        ax.scatter(skipped, [top] * len(skipped), marker="x", color="red", label="skipped step")
+    evals = [r for r in records if "eval" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval"]["loss"] for r in evals], "o-", lw=1.2,
+                color="#dd8452", label="validation loss")
+    ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)",
+           title="Training and validation loss" if evals else "Training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_throughput(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure()
+    records = steady_records(records)
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["tokens_per_s"] for r in records], color="#4c72b0")
+    ax.set(xlabel="step", ylabel="tokens / s", title="Throughput and MFU (after step 1)")
+    right = ax.twinx()
+    right.plot(steps, [100 * r["mfu"] for r in records], color="#dd8452")
+    right.set_ylabel("MFU (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_time_breakdown(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure(9, 4.5)
+    records = steady_records(records)
+    steps = [r["step"] for r in records]
+    bottom = [0.0] * len(records)
+    for k in TIME_KEYS:
+        values = [r["time"][k] for r in records]
+        ax.bar(steps, values, bottom=bottom, width=1.0, color=COLORS[k], label=LABELS[k],
+               linewidth=0)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(xlabel="step", ylabel="seconds (mean over ranks)",
+           title="Where a step's time goes (after step 1)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_memory(records: list[dict], path: str) -> None:
+    plt, fig, ax = _figure()
+    memory = records[-1].get("memory_bytes", [])
+    ax.bar(range(len(memory)), [m / 2**20 for m in memory], color="#55a868")
+    ax.set(xlabel="rank", ylabel="peak resident memory (MiB)", title="Peak memory per rank")
+    ax.set_xticks(range(len(memory)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def balance_series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """What :func:`plot_balance` draws, by label: the attention work's max/mean over the sp
+    ranks (``--document-masking``) and each sparse layer's expert load max/mean (mixture of
+    experts), per step where recorded. Empty when the run has neither."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    rows = [r for r in records if "attention_imbalance" in r]
+    if rows:
+        out["attention work, sp ranks"] = ([r["step"] for r in rows],
+                                           [r["attention_imbalance"] for r in rows])
+    layers = sorted({k for r in records for k in r.get("moe_load_max_over_mean", {})}, key=int)
+    for layer in layers:
+        rows = [r for r in records if layer in r.get("moe_load_max_over_mean", {})]
+        out[f"expert load, layer {layer}"] = ([r["step"] for r in rows],
+                                              [r["moe_load_max_over_mean"][layer] for r in rows])
+    return out
+
+
+def plot_balance(records: list[dict], path: str) -> None:
+    """Max over mean per step (1 = perfectly even) of :func:`balance_series`."""
+    plt, fig, ax = _figure()
+    for label, (steps, values) in balance_series(records).items():
+        ax.plot(steps, values, lw=1.2, label=label)
+    ax.axhline(1.0, color="#8c8c8c", lw=0.8, ls="--")
+    ax.set(xlabel="step", ylabel="max / mean (1 = even)",
+           title="Balance: attention work over sp ranks, expert load per sparse layer")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_timeline(timeline: dict, path: str) -> None:
+    """Gantt chart: one row per rank, a bar per op, coloured by kind, labelled by microbatch."""
+    ranks = timeline["ranks"]
+    plt, fig, ax = _figure(10, 1.0 + 0.5 * len(ranks))
+    for row, rank in enumerate(ranks):
+        for kind, mb, chunk, start, end in rank["ops"]:
+            if kind not in OP_COLORS or end <= start:
+                continue
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8),
+                           facecolors=OP_COLORS[kind],
+                           edgecolor="white" if kind in COMPUTE_OPS else "none", linewidth=0.5)
+            if kind in COMPUTE_OPS and (end - start) > 0:
+                ax.text((start + end) / 2 * 1e3, row, str(mb), ha="center", va="center",
+                        fontsize=6, clip_on=True)
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r['rank']} (pp {r['coord']['pp']})" for r in ranks])
+    ax.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=OP_COLORS[k])
+               for k in ("fwd", "bwd", "bwd_weight", "recv_fwd")]
+    ax.legend(handles, ["forward", "backward (whole, or input grad)", "backward (weight grad)",
+                        "waiting (recv)"],
+              fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set(xlabel="ms since the step began", title=f"Pipeline timeline of step {timeline['step']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

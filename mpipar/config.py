@@ -22,6 +22,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import tomli_w
 
+from mpipar.model.recompute import RECOMPUTE_MODES, Recompute
+
 
 class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names the field, the value and the rule."""
@@ -344,7 +346,7 @@ class TrainConfig:
                                     "RUN_DIR/activations/step_N/rank_R.h5, e.g. '1,100'")
     recompute: str = _f("none", "activation memory: none, selective (attention internals), full "
                                 "(whole blocks from their inputs), offload (to a per-rank HDF5 file)",
-                        choices=("none", "selective", "full", "offload"))
+                        choices=RECOMPUTE_MODES)
     on_nan: str = _f("stop", "a non-finite loss or gradient norm: skip the step, or stop with a "
                              "checkpoint", choices=("stop", "skip"))
     collective_timeout: float = _f(0.0, "abort a run stuck this many seconds in one collective, "
@@ -369,6 +371,11 @@ class TrainConfig:
     tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
                               "none); empty: RUN_DIR/tensorboard when the [tensorboard] extra is "
                               "installed, else none")
+
+    @property
+    def recompute_mode(self) -> Recompute:
+        """The :class:`~mpipar.model.recompute.Recompute` mode ``recompute`` names."""
+        return Recompute.named(self.recompute)
 
 
 @dataclass

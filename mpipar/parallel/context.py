@@ -639,7 +639,7 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
     each of the ``passes`` microbatches: the ring's hops are then each microbatch's
     (:func:`document_hops`)."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    reps = (2 if backward and tr.recompute == "full" else 1) * passes
+    reps = tr.recompute_mode.forward_runs(backward) * passes
     bwds = passes if backward else 0
     # K/V (and Ulysses' gradients, rounded) in the compute dtype; the ring's and halos' dK/dV
     # in the accumulator's (the masters' dtype: float32 under bf16)

@@ -183,6 +183,7 @@ def test_every_package_is_installed():
 # ------------------------------------------------------------------------- modes are objects
 MODE_HOMES: dict[str, tuple[str, ...]] = {
     "recompute": ("mpipar.model.recompute",),
+    "rope_type": ("mpipar.model.rope",),
     "sp_mode": ("mpipar.parallel.sequence",),
     "backend": ("mpipar.runtime.device",),
     "attention_backend": ("mpipar.runtime.device",),
@@ -200,7 +201,7 @@ AWAITED_HOMES = {"mpipar.parallel.sequence"}
 UNCONVERTED_MODES: dict[str, tuple[str, ...]] = {
     # Mode fields still compared as strings outside one home, each with the modules that do;
     # they become objects with their units (the data-parallel, ZeRO and pipeline axes, the
-    # device, RoPE, the learning-rate schedule). Move a field to MODE_HOMES when it does.
+    # device, the learning-rate schedule). Move a field to MODE_HOMES when it does.
     "dp_reduce": ("mpipar.bench.compression", "mpipar.parallel.data_parallel",
                   "mpipar.parallel.fsdp", "mpipar.plan.memory", "mpipar.plan.rank",
                   "mpipar.plan.search", "mpipar.plan.step_time"),
@@ -217,7 +218,6 @@ UNCONVERTED_MODES: dict[str, tuple[str, ...]] = {
     "device": ("mpipar.parallel.fsdp", "mpipar.plan.rank", "mpipar.plan.search",
                "mpipar.runtime.device"),
     "dtype": ("mpipar.parallel.data_parallel", "mpipar.runtime.device"),
-    "rope_type": ("mpipar.checkpoint.huggingface", "mpipar.config", "mpipar.data.packing"),
     "lr_schedule": ("mpipar.checkpoint.reader",),
     "topk_catch_up": (),          # compared in the engine alone today
 }

@@ -25,6 +25,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import tomli_w
 
+from mpipar.model.recompute import RECOMPUTE_MODES, Recompute
+from mpipar.model.rope import ROPE_TYPES, RopeScaling
+
 
 class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names the field, the value and the rule."""
@@ -101,7 +104,7 @@ class ModelConfig:
                                    "theta grows for sequences longer than "
                                    "rope_original_max_positions), llama3 (Llama 3.1's "
                                    "low/high-frequency rule)",
-                        choices=("default", "linear", "dynamic", "llama3"))
+                        choices=ROPE_TYPES)
     rope_factor: float = _f(1.0, "RoPE scaling factor (linear, dynamic, llama3); 1 with default")
     rope_low_freq_factor: float = _f(1.0, "llama3 RoPE: frequencies whose wavelength exceeds "
                                           "rope_original_max_positions / this are divided by "
@@ -159,6 +162,11 @@ class ModelConfig:
     def window_set(self) -> LayerSet:
         """The blocks ``window_layers`` names (whether or not ``sliding_window`` is set)."""
         return LayerSet.parse(self.window_layers, "window_layers", self.layers)
+
+    @property
+    def rope(self) -> RopeScaling:
+        """The :class:`~mpipar.model.rope.RopeScaling` ``rope_type`` names."""
+        return RopeScaling.named(self.rope_type)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
@@ -383,7 +391,7 @@ class TrainConfig:
                                     "RUN_DIR/activations/step_N/rank_R.h5, e.g. '1,100'")
     recompute: str = _f("none", "activation memory: none, selective (attention internals), full "
                                 "(whole blocks from their inputs), offload (to a per-rank HDF5 file)",
-                        choices=("none", "selective", "full", "offload"))
+                        choices=RECOMPUTE_MODES)
     on_nan: str = _f("stop", "a non-finite loss or gradient norm: skip the step, or stop with a "
                              "checkpoint", choices=("stop", "skip"))
     collective_timeout: float = _f(0.0, "abort a run stuck this many seconds in one collective, "
@@ -408,6 +416,11 @@ class TrainConfig:
     tensorboard: str = _f("", "TensorBoard event directory for every metrics.jsonl number ('off': "
                               "none); empty: RUN_DIR/tensorboard when the [tensorboard] extra is "
                               "installed, else none")
+
+    @property
+    def recompute_mode(self) -> Recompute:
+        """The :class:`~mpipar.model.recompute.Recompute` mode ``recompute`` names."""
+        return Recompute.named(self.recompute)
 
 
 @dataclass
@@ -569,18 +582,19 @@ def _representable(obj: Any, section: str) -> None:
 
 def _check_rope_scaling(m: ModelConfig) -> None:
     """The RoPE scaling fields' own rules (a factor only with a scaling type; llama3's bounds)."""
-    if m.rope_type == "default":
+    rope = m.rope
+    if not rope.scales:
         require(m.rope_factor == 1.0,
                 f"model.rope_factor={m.rope_factor}: scales only with model.rope_type linear, "
-                f"dynamic or llama3 (rope_type is 'default')")
+                f"dynamic or llama3 (rope_type is {m.rope_type!r})")
     require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor}: must be > 0")
     require(m.rope_original_max_positions >= 0,
             f"model.rope_original_max_positions={m.rope_original_max_positions}: must be >= 0")
-    if m.rope_type in ("dynamic", "llama3"):
+    if rope.pretraining_context:
         require(m.rope_original_max_positions >= 1,
                 f"model.rope_original_max_positions={m.rope_original_max_positions}: "
                 f"rope_type {m.rope_type!r} needs the pretraining context (>= 1)")
-    if m.rope_type == "llama3":
+    if rope.frequency_band:
         require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
                 f"model.rope_low_freq_factor={m.rope_low_freq_factor}, "
                 f"model.rope_high_freq_factor={m.rope_high_freq_factor}: llama3 RoPE needs "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from layouts import small_config, token_source
-from mpipar.model.llama import RECOMPUTE_MODES
+from mpipar.model.recompute import RECOMPUTE_MODES
 from mpipar.rules import validate
 
 MODES = [m for m in RECOMPUTE_MODES if m != "none"]

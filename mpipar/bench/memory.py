@@ -277,7 +277,7 @@ def run(args: argparse.Namespace, comm=None) -> dict[str, Any]:
     ranks, and a ratio column gives what sequence parallelism keeps of the step's activations."""
     from mpipar.runtime.mpi_init import MPI
 
-    from mpipar.model.llama import RECOMPUTE_MODES
+    from mpipar.model.recompute import NONE, RECOMPUTE_MODES
 
     comm = comm or MPI.COMM_WORLD
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
@@ -301,8 +301,8 @@ def run(args: argparse.Namespace, comm=None) -> dict[str, Any]:
         if m not in RECOMPUTE_MODES:
             raise SystemExit(f"--modes: unknown mode {m!r}; choose from "
                              f"{', '.join(RECOMPUTE_MODES)}")
-    if "none" not in modes:
-        modes.insert(0, "none")  # the reference the ratios are relative to
+    if NONE.name not in modes:
+        modes.insert(0, NONE.name)  # the reference the ratios are relative to
     variants = [(m, sp) for m in modes for sp in ((False, True) if tp > 1 else (False,))]
     say(f"memory: one training step, {'single process' if tp == 1 else f'tp={tp}'}, numpy "
         f"kernels, {args.dtype}; layers={args.layers} hidden={args.hidden} heads={args.heads}/"

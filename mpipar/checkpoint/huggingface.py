@@ -53,6 +53,7 @@ import numpy as np
 from mpipar.checkpoint import hf_moe
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.model.params import EMBED, HEAD, param_specs
+from mpipar.model.rope import ROPE_TYPES, RopeScaling
 from mpipar.layout import model_from_checkpoint, resolve_model
 from mpipar.runtime.precision import numpy_dtype
 
@@ -65,8 +66,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM"}
 """The ``model_type`` values mpipar reads and writes, and their architecture."""
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
-"""The ``rope_type`` values mpipar computes exactly (:func:`mpipar.kernels.numpy_ref.rope_inv_freq`)."""
 
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072,
                   "qwen2_moe": 32768}  # transformers' max_position_embeddings defaults
@@ -256,15 +255,16 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
         raise HFCheckpointError(f"rope_theta={top!r} contradicts {field}.rope_theta={inner!r}")
     theta = float(inner if inner is not None else top if top is not None else 10000.0)
     out: dict[str, Any] = {"rope_theta": theta, "rope_type": kind}
-    if kind == "default":
+    rope = RopeScaling.named(kind)
+    if not rope.scales:
         return f"plain RoPE, theta {theta:g}", out
     out["rope_factor"] = _number(params, "factor", field)
-    if kind == "linear":
-        return f"linear RoPE scaling, factor {out['rope_factor']:g}, theta {theta:g}", out
+    if not rope.pretraining_context:
+        return f"{kind} RoPE scaling, factor {out['rope_factor']:g}, theta {theta:g}", out
     model = raw.get("model_type", "llama")  # an unknown one is the architecture rule's error
     positions = raw.get("max_position_embeddings") or _MAX_POSITIONS.get(
         model if isinstance(model, str) else "llama", _MAX_POSITIONS["llama"])
-    if kind == "llama3":
+    if rope.frequency_band:
         positions = raw.get("original_max_position_embeddings",
                             params.get("original_max_position_embeddings", positions))
         out["rope_low_freq_factor"] = _number(params, "low_freq_factor", field)
@@ -278,7 +278,7 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
                                 f"integer in [1, {MAX_SIZE}]")
     out["rope_original_max_positions"] = positions
     extra = (f", low/high frequency factors {out['rope_low_freq_factor']:g}/"
-             f"{out['rope_high_freq_factor']:g}" if kind == "llama3" else "")
+             f"{out['rope_high_freq_factor']:g}" if rope.frequency_band else "")
     return (f"{kind} RoPE scaling, factor {out['rope_factor']:g}{extra}, pretraining context "
             f"{positions}, theta {theta:g}"), out
 
@@ -475,7 +475,7 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
     scaling = _rope_scaling(m)
     if scaling:
         out["rope_scaling"] = scaling
-    if m.rope_type == "dynamic":
+    if m.rope.by_sequence_length:      # transformers scales beyond max_position_embeddings
         out["max_position_embeddings"] = m.rope_original_max_positions
     out["rope_parameters"] = {"rope_type": m.rope_type, "rope_theta": m.rope_theta, **scaling}
     return out
@@ -483,10 +483,10 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
 
 def _rope_scaling(m: ModelConfig) -> dict[str, Any]:
     """transformers' scaling parameters of ``m``'s RoPE (empty for plain RoPE)."""
-    if m.rope_type == "default":
+    if not m.rope.scales:
         return {}
     out: dict[str, Any] = {"rope_type": m.rope_type, "factor": m.rope_factor}
-    if m.rope_type == "llama3":
+    if m.rope.frequency_band:
         out.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
                    original_max_position_embeddings=m.rope_original_max_positions)
     return out

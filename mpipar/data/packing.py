@@ -120,7 +120,7 @@ def check_config(layout: Layout) -> None:
     require(eos < m.vocab_size,
             f"train.eos_token_id={eos}: must be < model.vocab_size={m.vocab_size}")
     if t.document_masking:
-        require(m.rope_type != "dynamic",
-                "model.rope_type='dynamic' with --document-masking: dynamic NTK scales by the "
-                "whole sequence's length, which a document does not have; use default, linear "
-                "or llama3")
+        require(not m.rope.by_sequence_length,
+                f"model.rope_type={m.rope_type!r} with --document-masking: dynamic NTK scales "
+                f"by the whole sequence's length, which a document does not have; use default, "
+                f"linear or llama3")

@@ -33,8 +33,9 @@ residual stream ``x`` is ``[B, S, H]``, or ``[B*S/tp, H]`` (this rank's token sh
 ``--tp-sequence-parallel``.
 
 What forward keeps for backward is a :class:`BlockSaved` per block (llm.c's activation record);
-``recompute`` says which fields it fills, and backward rebuilds the rest with the same kernel
-calls on the same inputs, so every mode gives bit-identical results:
+the recompute mode (:class:`mpipar.model.recompute.Recompute`) says which fields it fills, and
+backward rebuilds the rest with the same kernel calls on the same inputs, so every mode gives
+bit-identical results:
 
 - ``none``: every field: ``x``, ``h1 = RMSNorm(x)`` and its ``rstd1``, q, k, v after RoPE (when
   the attention core reads them), the core's output and its own saved context, ``x2`` (residual
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -66,13 +67,13 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
+from mpipar.model.recompute import Recompute
 from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
                                  block_param_specs, head_weight_name, require_resolved,
                                  stage_param_names, unit_of)
 from mpipar.model.tensor_ops import TensorOps
 
 Array = Any
-RECOMPUTE_MODES = ("none", "selective", "full", "offload")
 
 ACTIVATION_NAMES = ("input", "attention", "attention_out", "mlp", "output")
 """What a recorder receives per block: ``input`` (block input), ``attention`` ``[B, S, hq*D]``
@@ -277,11 +278,11 @@ class LlamaStage:
     """Blocks ``layers`` of the model, plus embedding (``first``) and norm/head/loss (``last``)."""
 
     def __init__(self, *, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
-                 tp: TensorOps, attention: AttentionCore, recompute: str = "none",
+                 tp: TensorOps, attention: AttentionCore, recompute: Recompute | str = "none",
                  store: CacheStore | None = None, seq_len: int = 0,
                  experts: ExpertExchange | None = None) -> None:
-        """``recompute`` in :data:`RECOMPUTE_MODES` (see the module docstring); ``offload``
-        needs ``store``. ``seq_len``: the length of the whole sequences whose positions forward
+        """``recompute``: a :class:`~mpipar.model.recompute.Recompute` mode or its name (see
+        the module docstring); an offloading mode needs ``store``. ``seq_len``: the length of the whole sequences whose positions forward
         receives (dynamic RoPE scaling depends on it; 0: the largest position + 1).
         ``recorder``, when set to a callable ``(layer, name, array)``, receives the
         :data:`ACTIVATION_NAMES` tensors of every block the forward pass runs. ``experts``:
@@ -292,11 +293,11 @@ class LlamaStage:
         dropped to ``moe_dropped`` (the caller resets them).
         ``moe_bias`` (set by the caller): a sparse block's routing bias ``[E]`` by block index
         (auxiliary-loss-free balancing; a block without one routes on its probabilities)."""
-        if recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute={recompute!r}: must be one of "
-                             f"{', '.join(RECOMPUTE_MODES)}")
-        if recompute == "offload" and store is None:
-            raise ValueError("recompute='offload': needs a store for the saved activations")
+        if isinstance(recompute, str):
+            recompute = Recompute.named(recompute)
+        if recompute.offloads and store is None:
+            raise ValueError(f"recompute={recompute.name!r}: needs a store for the saved "
+                             f"activations")
         self.recompute, self.store = recompute, store
         self.recorder = None
         self.cfg = require_resolved(cfg)
@@ -381,7 +382,7 @@ class LlamaStage:
         if not self.last:
             return out, cache
         loss, cache.head = out
-        if self.recompute == "offload":
+        if self.recompute.offloads:
             cache.head = self.store.put(cache.head)
         return loss, cache
 
@@ -433,15 +434,14 @@ class LlamaStage:
             return head(x)
 
     def _keep(self, c: BlockSaved) -> Any:
-        """What this block keeps under ``self.recompute`` (module docstring)."""
-        if self.recompute == "none":
-            return c
-        if self.recompute == "offload":
+        """What this block keeps under ``self.recompute`` (module docstring): the record, in
+        the store when the mode offloads, else the fields the mode keeps."""
+        mode = self.recompute
+        if mode.offloads:
             return self.store.put(c)
-        if self.recompute == "full":
-            return BlockSaved(c.x)
-        return BlockSaved(c.x, attention_out=c.attention_out, attention_saved=c.attention_saved,
-                          x2=c.x2, g=c.g, u=c.u, moe=c.moe, shared_gate=c.shared_gate)
+        if mode.keeps_everything:
+            return c
+        return replace(c, **{f.name: None for f in fields(c) if not mode.keeps_field(f.name)})
 
     def _qkv(self, params, i: int, h1_in: Array, S: int) -> tuple[Array, Array, Array]:
         """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` (before RoPE): block ``i``'s q/k/v
@@ -606,11 +606,12 @@ class LlamaStage:
     def _restore(self, params, i: int, kept: Any, positions: np.ndarray) -> BlockSaved:
         """The :class:`BlockSaved` backward needs, from what :meth:`_keep` kept; q, k, v stay
         None when dropped (:meth:`_block_bwd` recomputes them where it enters h1 anyway)."""
-        if self.recompute == "full":
+        mode = self.recompute
+        if mode.reruns_block:
             return self._block_fwd(params, i, kept.x, positions)[1]
-        if self.recompute == "offload":
+        if mode.offloads:
             return self.store.take(kept)
-        if self.recompute == "none":
+        if mode.keeps_everything:
             return kept
         ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
         h1, rstd1 = ops.rmsnorm_fwd(kept.x, p[n + "input_layernorm.weight"], eps)
@@ -619,7 +620,7 @@ class LlamaStage:
         return replace(kept, h1=h1, rstd1=rstd1, h2=h2, rstd2=rstd2, m=m)
 
     def _head_bwd(self, params, grads, dloss: Array, kept: Any, lin: LinearGrads) -> Array:
-        c = self.store.take(kept) if self.recompute == "offload" else kept
+        c = self.store.take(kept) if self.recompute.offloads else kept
         dlogits = self.tp.cross_entropy_backward(c.logits, c.targets, c.lse,
                                                  dloss.reshape(-1)).astype(c.x.dtype, copy=False)
         dhn = self._apply_backward([dlogits], c.hn, [self.head], lin)

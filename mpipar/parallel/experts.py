@@ -177,7 +177,7 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     all-to-all-v carry stay the dropless prediction (drops only shrink them)."""
     m, p, t = layout.config.model, layout.config.parallel, layout.config.train
     sparse = sum(1 for i in layers if m.is_sparse(i))
-    forwards = passes * (1 + (train and t.recompute == "full"))
+    forwards = passes * t.recompute_mode.forward_runs(train)
     dt = element_bytes(Precision.of(t, p).compute)
     tokens = layout.micro_batch_size * (t.seq_len // p.sp)
     blocks = (t.seq_len // block_length(SeqLayout(t.seq_len, p.sp, p.sp_split,
@@ -449,9 +449,9 @@ def check_config(layout: Layout) -> None:
     if p.tp_sequence_parallel and p.tp > 1:
         raise ConfigError("model.moe_experts with parallel.tp_sequence_parallel: not supported "
                           "(the sparse FFN needs whole token rows; experts are unsplit by tp)")
-    if t.recompute == "offload":
-        raise ConfigError("model.moe_experts with train.recompute='offload': not supported "
-                          "(use none, selective or full)")
+    if t.recompute_mode.offloads:
+        raise ConfigError(f"model.moe_experts with train.recompute={t.recompute!r}: not "
+                          f"supported (use none, selective or full)")
     if m.moe_shared_ffn_hidden % p.tp:   # the shared expert is split as the dense FFN
         raise ConfigError(f"parallel.tp={p.tp}: must divide model.moe_shared_ffn_hidden="
                           f"{m.moe_shared_ffn_hidden}")

@@ -298,7 +298,7 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     full = n_tok * m.hidden * e
     blocks = m.layers // layout.stages * len(stages)
     first, last, bw = 0 in stages, layout.stages - 1 in stages, int(backward)
-    reruns = 2 if backward and tr.recompute == "full" else 1   # backward re-runs each forward
+    reruns = tr.recompute_mode.forward_runs(backward)   # backward may re-run each forward
     stats = [Call("tp", "allreduce_max", n_tok * se, passes),
              Call("tp", "allreduce", 2 * n_tok * se, passes)]
     per = m.layers // layout.stages     # a sparse block's FFN (experts unsplit): no tp calls,

@@ -18,6 +18,7 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout, resolve_model
+from mpipar.model.recompute import NONE, Recompute
 from mpipar.parallel.sequence.registry import sequence_mode
 from mpipar.parallel.data_parallel import cost as data_cost
 from mpipar.parallel.fsdp import cost as fsdp_cost
@@ -69,46 +70,62 @@ def _precision(layout: Layout) -> Precision:
     return Precision.of(layout.train, layout.parallel)
 
 
-def _block_activation_bytes(layout: Layout, mode: str, sparse: bool = False) -> int:
-    """Bytes one block keeps for backward for one microbatch on one rank under ``mode`` (the
-    fields of :class:`mpipar.model.llama.BlockSaved` it fills); ``sparse``: a mixture-of-experts
-    block (its FFN's record :func:`_sparse_ffn_bytes` instead of the dense FFN's g, u, m)."""
+def _block_activation_bytes(layout: Layout, mode: Recompute, sparse: bool = False) -> int:
+    """Bytes one block keeps for backward for one microbatch on one rank under ``mode``: the
+    fields of :class:`mpipar.model.llama.BlockSaved` it keeps (:func:`_block_field_bytes`);
+    ``sparse``: a mixture-of-experts block, whose expert record keeps the router's input h2
+    when the mode drops h2 itself."""
+    sizes = _block_field_bytes(layout, sparse)
+    if sparse and not mode.keeps_field("h2"):
+        m, par, tr = layout.model, layout.parallel, layout.train
+        n = tr.micro_batch_size * (tr.seq_len // par.sp)
+        sizes["moe"] += m.hidden * n * _precision(layout).compute_bytes
+    return mode.resident_bytes(sizes)
+
+
+def _block_field_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
+    """Bytes of each field of a block's :class:`mpipar.model.llama.BlockSaved` for one
+    microbatch on one rank, as forward fills it; ``sparse``: g, u, m are the shared expert's
+    and the expert record (:func:`_expert_record_bytes`) and the shared gate's join them."""
     m, par, tr = layout.model, layout.parallel, layout.train
     e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
-    H, q, kv, F = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim, \
-        m.ffn_hidden // par.tp
+    H, q, kv = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim
+    F = (m.moe_shared_ffn_hidden if sparse else m.ffn_hidden) // par.tp
     lse = n * (m.heads // par.tp) * se
     sp_mode = sequence_mode(par)
-    # The core's output, the lse, and what the sp mode's core keeps beside them (Ulysses' all-
-    # to-all'ed copies of q, k, v and of the output; the halo's K/V rows)
-    core = q * n * e + lse + (sp_mode.saved_bytes(layout) if par.sp > 1 else 0)
-    keeps = par.sp == 1 or sp_mode.keeps_inputs
-    inputs = (q + 2 * kv) * n * e if keeps else 0            # q, k, v as the core reads them
-    ffn = {"none": 3 * F * n * e, "selective": 2 * F * n * e}.get(mode, 0)
-    if sparse and mode in ("none", "selective"):
-        # the router's input h2 is kept with the record (selective drops h2 itself)
-        ffn = _sparse_ffn_bytes(layout, mode) + (H * n * e if mode == "selective" else 0)
-    if mode == "none":                                       # x, h1, x2, h2, rstds, g, u, m
-        return 4 * H * ns * e + 2 * ns * se + ffn + inputs + core
-    if mode == "selective":
-        return 2 * H * ns * e + ffn + core                          # x, x2, g, u, the core's
-    if mode == "full":
-        return H * ns * e                                           # the block input only
-    return 0                                                        # offload: on disk
+    # The core's context: the lse, and what the sp mode's core keeps beside it (Ulysses' all-
+    # to-all'ed copies of q, k, v and of the output; the halo's K/V rows); q, k, v as the core
+    # reads them (none apart under Ulysses).
+    context = lse + (sp_mode.saved_bytes(layout) if par.sp > 1 else 0)
+    inputs = n * e if par.sp == 1 or sp_mode.keeps_inputs else 0
+    gate = (n * se + n * H * e) if sparse and m.moe_shared_gate else 0   # sigmoid, ungated
+    return {"x": H * ns * e, "h1": H * ns * e, "rstd1": ns * se,
+            "q": q * inputs, "k": kv * inputs, "v": kv * inputs,
+            "attention_out": q * n * e, "attention_saved": context,
+            "x2": H * ns * e, "h2": H * ns * e, "rstd2": ns * se,
+            "g": F * n * e, "u": F * n * e, "m": F * n * e,
+            "moe": _expert_record_bytes(layout) if sparse else 0, "shared_gate": gate}
 
 
-def _sparse_ffn_bytes(layout: Layout, mode: str) -> int:
-    """Bytes a sparse block's FFN keeps for one microbatch on one rank beside the block's
-    stream (:class:`mpipar.model.moe.MoeSaved`, the shared expert's g, u (and m under
-    ``none``) and its gate's record), in ``none`` or ``selective`` (which keeps the record
-    whole). The routed part at the dropless count of assignments ``A = n K`` this rank's
-    experts compute (exact with ep 1; under ep the mean of uniform routing; a capacity only
-    drops rows): their tokens' hidden ``[A, H]``, each expert's g, u, m ``[A, F_e]``, the
-    outputs per assignment ``[n, K, H]``, the permutation (and the ep regrouping) ``[A]``
-    int64; the router's probabilities ``[n, E]``, the weights and choices ``[n, K]``, the
-    chosen sum ``[n, 1]`` (renormalised only), ``f / T`` ``[B, E]`` and the loads ``[E]``."""
+def _sparse_ffn_bytes(layout: Layout, mode: Recompute) -> int:
+    """Bytes a sparse block's FFN keeps under ``mode`` for one microbatch on one rank beside
+    the block's stream: the expert record (:class:`mpipar.model.moe.MoeSaved`, without its
+    input h2), the shared expert's g, u, m and its gate's record, those the mode keeps."""
+    sizes = _block_field_bytes(layout, sparse=True)
+    return mode.resident_bytes({k: sizes[k] for k in ("moe", "g", "u", "m", "shared_gate")})
+
+
+def _expert_record_bytes(layout: Layout) -> int:
+    """Bytes of a sparse block's expert record (:class:`mpipar.model.moe.MoeSaved`) for one
+    microbatch on one rank, without its input. The routed part at the dropless count of
+    assignments ``A = n K`` this rank's experts compute (exact with ep 1; under ep the mean of
+    uniform routing; a capacity only drops rows): their tokens' hidden ``[A, H]``, each
+    expert's g, u, m ``[A, F_e]``, the outputs per assignment ``[n, K, H]``, the permutation
+    (and the ep regrouping) ``[A]`` int64; the router's probabilities ``[n, E]``, the weights
+    and choices ``[n, K]``, the chosen sum ``[n, 1]`` (renormalised only), ``f / T`` ``[B, E]``
+    and the loads ``[E]``."""
     m, par, tr = layout.model, layout.parallel, layout.train
     e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
     B, n, H, K, E = tr.micro_batch_size, tr.micro_batch_size * (tr.seq_len // par.sp), \
@@ -116,9 +133,7 @@ def _sparse_ffn_bytes(layout: Layout, mode: str) -> int:
     A = n * K
     routed = (A * H + 3 * A * m.moe_ffn_hidden + n * K * H) * e + A * 8 * (1 + (par.ep > 1))
     router = (n * E + n * K + n * m.moe_norm_topk + B * E) * se + (n * K + E) * 8
-    shared = (3 if mode == "none" else 2) * n * (m.moe_shared_ffn_hidden // par.tp) * e
-    gate = (n * se + n * H * e) if m.moe_shared_gate else 0    # its sigmoid and ungated output
-    return routed + router + shared + gate
+    return routed + router
 
 
 def _head_activation_bytes(layout: Layout) -> int:
@@ -147,9 +162,9 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
     par, tr = layout.parallel, layout.train
     p, last = par.pp, layout.stages - 1
     per = layout.model.layers // layout.stages
-    mode = tr.recompute
+    mode = tr.recompute_mode
     blocks = {sparse: _block_activation_bytes(layout, mode, sparse) for sparse in (False, True)}
-    head = 0 if mode == "offload" else _head_activation_bytes(layout)
+    head = 0 if mode.offloads else _head_activation_bytes(layout)
     n = tr.micro_batch_size * (tr.seq_len // par.sp)
     weight = {c: per * blocks[False] + _sparse_in(layout, c * p + coord.pp, per)
               * (blocks[True] - blocks[False]) + (head if c * p + coord.pp == last else 0)
@@ -163,7 +178,7 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
         elif op.kind in ("bwd", "bwd_weight"):
             live -= weight[op.chunk]
     kinds = {False, layout.model.sparse_layers() > 0}          # dense and/or sparse blocks
-    working = max(_block_activation_bytes(layout, "none", sparse) for sparse in kinds) + (
+    working = max(_block_activation_bytes(layout, NONE, sparse) for sparse in kinds) + (
         _head_activation_bytes(layout) if last % p == coord.pp else 0)
     return peak + working
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from mpipar.config import Config, ConfigError
 from mpipar.layout import Layout, vary
 from mpipar.parallel.sequence.registry import SP_MODES, sequence_mode
+from mpipar.model.recompute import BY_MEMORY
 from mpipar.plan.memory import MemoryEstimate, predict_memory
 from mpipar.plan.step_time import (Hardware, StepDocuments, StepTime, predict_step_time,
                                    step_microbatches, with_nodes)
@@ -27,7 +28,7 @@ from mpipar.runtime.comm import LINKS
 from mpipar.runtime.topology import Coord
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = tuple(m.name for m in BY_MEMORY)
 
 
 @dataclass

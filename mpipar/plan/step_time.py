@@ -281,7 +281,7 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
     head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
     qkv = 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * per
-    redo = {"full": block_fwd, "selective": qkv / hw.peak_flops}.get(tr.recompute, 0.0)
+    redo = tr.recompute_mode.redo_seconds(block_fwd, qkv / hw.peak_flops)
 
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0

@@ -257,7 +257,7 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     routing = RoutingBias.of(m, compute.xp)   # every sparse block's, every rank
     # --recompute offload: one scratch file per rank for the saved activations.
     offload = (OffloadStore(offload_path(tr.run_dir, comms.grid.rank))
-               if tr.recompute == "offload" else None)
+               if tr.recompute_mode.offloads else None)
     last = par.pp * par.virtual_stages - 1
     chunks = []
     for c in range(par.virtual_stages):
@@ -265,7 +265,7 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
         chunk = LlamaStage(cfg=m, kernels=compute.kernels, layers=table.stage_layers(stage),
                            first=stage == 0, last=stage == last, tp=tensor,
                            attention=_attention(layout, groups, compute.kernels, seq),
-                           recompute=tr.recompute, store=offload, seq_len=tr.seq_len,
+                           recompute=tr.recompute_mode, store=offload, seq_len=tr.seq_len,
                            experts=_experts(layout, groups, compute.xp, seq))
         # Each row's balance loss weighs alpha / rows of the global batch (mpipar.model.moe).
         chunk.moe_aux_weight = m.moe_aux_loss_coef / tr.global_batch_size

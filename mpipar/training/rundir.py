@@ -48,8 +48,8 @@ def output_dirs(cfg: Config) -> list[tuple[str, Path]]:
         out.append(("--export-hf", Path(tr.export_hf).absolute().parent))
     if cfg.dump_steps:
         out.append(("--dump-activations", run / "activations"))
-    if tr.recompute == "offload":
-        out.append(("--recompute offload", run / "scratch"))
+    if tr.recompute_mode.offloads:
+        out.append((f"--recompute {tr.recompute}", run / "scratch"))
     from mpipar.observe.tensorboard import log_dir
     events = log_dir(tr.tensorboard, tr.run_dir)
     if events:

@@ -47,6 +47,6 @@ def test_sparse_records_equal_the_planner(world, case, monkeypatch):
         trainer.train_step(eng, 0)
         trainer.close(eng)
         n = cfg.train.micro_batch_size * cfg.train.seq_len // layout.parallel.sp
-        want = _sparse_ffn_bytes(layout, recompute) + n * cfg.model.hidden * 8
+        want = _sparse_ffn_bytes(layout, layout.train.recompute_mode) + n * cfg.model.hidden * 8
         if not seen or set(seen) != {want}:
             fails.append(f"sparse records {sorted(set(seen))} ({len(seen)}) vs {want}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpipar.config import Config, ConfigError, LayerSet
+from mpipar.config import Config, ConfigError, LayerSet, ModelConfig
 from mpipar.train import resolve_config
 
 # (flags, world size, expected message fragment) — one row per rule of Config.validate.
@@ -234,3 +234,19 @@ def test_the_configuration_page_table_is_current():
     assert table == describe_fields(), (
         "docs/configuration.md's field table is stale: replace it with the output of "
         "python -c 'from mpipar.config import describe_fields; print(describe_fields())'")
+
+
+def test_rope_scalings_are_the_kernels():
+    """Each ``model.rope_type`` resolves to the scaling whose fields its rules read, and the
+    names are the frequency rules the kernels compute."""
+    from mpipar.kernels.numpy_ref import ROPE_SCALINGS
+    from mpipar.model.rope import ROPE_TYPES, RopeScaling
+    assert ROPE_TYPES == ROPE_SCALINGS
+    flags = {n: [k for k in ("scales", "pretraining_context", "frequency_band",
+                             "by_sequence_length") if getattr(ModelConfig(rope_type=n).rope, k)]
+             for n in ROPE_TYPES}
+    assert flags == {"default": [], "linear": ["scales"],
+                     "dynamic": ["scales", "pretraining_context", "by_sequence_length"],
+                     "llama3": ["scales", "pretraining_context", "frequency_band"]}
+    with pytest.raises(ValueError, match="rope_type='ntk': must be one of default, linear"):
+        RopeScaling.named("ntk")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from mpipar.model.recompute import NONE
 from mpipar.plan.memory import _block_activation_bytes, predict_memory
 from mpipar.rules import validate
 from mpipar.runtime.topology import Coord
@@ -55,7 +56,8 @@ def test_block_prediction_is_what_the_model_keeps(name, mode):
     cfg = MODELS[name]
     measured, _ = kept(cfg, mode)
     plan = layout(cfg, mode)
-    predicted = [_block_activation_bytes(plan, mode, cfg.is_sparse(i)) for i in range(cfg.layers)]
+    predicted = [_block_activation_bytes(plan, plan.train.recompute_mode, cfg.is_sparse(i))
+                 for i in range(cfg.layers)]
     assert predicted == measured, (predicted, measured)
     if mode != "full":
         assert predicted[1] > predicted[0]           # 2 experts of 8 per token > one FFN of 24
@@ -68,8 +70,8 @@ def test_capacity_is_bounded_by_the_dropless_prediction():
     (dense, sparse), (_, dropped) = kept(cfg, "none")
     plan = layout(cfg, "none")
     assert dropped > 0
-    assert _block_activation_bytes(plan, "none") == dense
-    assert _block_activation_bytes(plan, "none", True) - sparse == \
+    assert _block_activation_bytes(plan, NONE) == dense
+    assert _block_activation_bytes(plan, NONE, True) - sparse == \
         dropped * (cfg.hidden + 3 * cfg.moe_ffn_hidden) * 8
 
 
@@ -82,7 +84,7 @@ def test_a_ranks_activations_count_the_sparse_blocks():
     got = {n: predict_memory(layout(c, "none"), Coord(0, 0, 0, 0)).activations
            for n, c in (("moe", cfg), ("dense", dense))}
     plan = layout(cfg, "none")
-    step = _block_activation_bytes(plan, "none", True) - _block_activation_bytes(plan, "none")
+    step = _block_activation_bytes(plan, NONE, True) - _block_activation_bytes(plan, NONE)
     assert got["moe"] - got["dense"] == 2 * step
 
 
@@ -104,7 +106,7 @@ def test_bf16_record_is_the_prediction(norm):
     plan = layout(cfg, "none")
     plan = dataclasses.replace(plan, config=dataclasses.replace(
         plan.config, train=dataclasses.replace(plan.config.train, dtype="bfloat16")))
-    assert _sparse_ffn_bytes(plan, "none") + h.nbytes == _kept_bytes(saved)
+    assert _sparse_ffn_bytes(plan, NONE) + h.nbytes == _kept_bytes(saved)
 
 
 @pytest.mark.parametrize("spec", ["all", "even", "odd", "1,2,5,9"])

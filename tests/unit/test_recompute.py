@@ -15,12 +15,14 @@ import pytest
 from mpi4py import MPI
 
 from mpipar.checkpoint.activations import OffloadStore
-from mpipar.config import ModelConfig
+from mpipar.config import ModelConfig, TrainConfig
 from mpipar.kernels import get_backend
 from mpipar.layout import resolve_model
 from mpipar.model.attention import LocalAttention
-from mpipar.model.llama import RECOMPUTE_MODES, LlamaStage
+from mpipar.model.llama import BlockSaved, LlamaStage
 from mpipar.model.params import init_params
+from mpipar.model.recompute import MODES as BY_NAME
+from mpipar.model.recompute import RECOMPUTE_MODES, Recompute
 from mpipar.parallel.placement import PlacementTable
 from mpipar.parallel.tensor import TensorParallel
 from recompute_runs import MODES, identical, run_mode
@@ -121,6 +123,29 @@ def test_offload_keeps_only_handles_in_memory(tmp_path):
     assert [type(b) for b in cache.blocks] == [int] * CFG.layers
     assert isinstance(cache.head, int) and store.in_flight == CFG.layers + 1
     store.close()
+
+
+def test_modes_answer_from_the_records_fields():
+    """Each mode keeps fields of :class:`BlockSaved` by name (a misspelt name would drop a field
+    silently), the configuration resolves every ``--recompute`` name to its mode, and the
+    questions the planner asks have each mode's answer."""
+    names = {f.name for f in dataclasses.fields(BlockSaved)}
+    assert all(m.keeps is None or m.keeps <= names for m in BY_NAME.values())
+    assert [TrainConfig(recompute=n).recompute_mode for n in RECOMPUTE_MODES] == \
+        list(BY_NAME.values())
+    sizes = {name: 1 << i for i, name in enumerate(sorted(names))}
+    kept = {n: m.resident_bytes(sizes) for n, m in BY_NAME.items()}
+    assert kept == {"none": sum(sizes.values()), "offload": 0, "full": sizes["x"],
+                    "selective": sum(sizes[f] for f in ("x", "x2", "attention_out",
+                                                        "attention_saved", "g", "u", "moe",
+                                                        "shared_gate"))}
+    assert {n: m.forward_runs(True) for n, m in BY_NAME.items()} == \
+        {"none": 1, "selective": 1, "full": 2, "offload": 1}
+    assert all(m.forward_runs(False) == 1 for m in BY_NAME.values())
+    assert {n: m.redo_seconds(3.0, 0.5) for n, m in BY_NAME.items()} == \
+        {"none": 0.0, "selective": 0.5, "full": 3.0, "offload": 0.0}
+    with pytest.raises(ValueError, match="recompute='sometimes': must be one of none, "):
+        Recompute.named("sometimes")
 
 
 def test_bad_modes_are_rejected():

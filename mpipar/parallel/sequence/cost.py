@@ -17,7 +17,7 @@ def sequence_calls(layout: Layout, coord: Coord, shape: GridShape, layers: list[
     mode.SequenceMode.calls`). ``documents``: packed documents (``--document-masking``), the
     document ids ``[B, S]`` of each of the ``passes`` microbatches: the ring's hops are then
     each microbatch's (:func:`mpipar.parallel.sequence.ring.document_hops`)."""
-    reps = (2 if backward and layout.train.recompute == "full" else 1) * passes
+    reps = layout.train.recompute_mode.forward_runs(backward) * passes
     bwds = passes if backward else 0
     traffic = SequenceTraffic(layout, coord, shape, tuple(layers), reps, bwds, documents)
     return sequence_mode(layout.parallel).calls(traffic)

@@ -202,7 +202,7 @@ def test_compressed_checkpoint_with_sharded_experts_resumes_bit_exact(world):
                 fails.append(f"{k}/{n}: expert residual not zero")
         if not any(np.any(v) for (k, n, _), v in saved.items() if ".experts." not in n):
             fails.append("no dense residual saved")
-        c.close()
+        trainer.close(c)
 
 
 BF16 = [dict(dp=4, sp=2, ep=2, zero=3, reduce_dtype="bfloat16"),

@@ -129,19 +129,20 @@ LEDGER = [dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003),
           dict(dp=4, pp=2, grad_compression="int8", bucket_mb=0.003)]
 
 
-def _engine_state(eng) -> tuple[int, int, int, int]:
-    """(compute copies, masters, gradients, moments) bytes the engine holds."""
-    buckets, opt = eng.weights.reducer.buckets, eng.weights.optimizer
+def _weights_state(w, zero: int) -> tuple[int, int, int, int]:
+    """(compute copies, masters, gradients, moments) bytes of a rank's weights ``w`` (its
+    reducer or sharded units, and optimizer) under ZeRO stage ``zero``."""
+    buckets, opt = w.reducer.buckets, w.optimizer
     moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v)
-               if eng.layout.parallel.zero else
+               if zero else
                sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
-    if eng.weights.sharded is not None:
-        s = eng.weights.sharded
+    if w.sharded is not None:
+        s = w.sharded
         weights = (s.shared_bytes if s.shared else
                    sum((b.owned_compute if s.gather else b.full).nbytes for b in buckets))
         return weights, sum(b.owned.nbytes for b in buckets), \
             sum(b.owned_grad.nbytes for b in buckets), moments
-    masters = sum((b.owned if eng.layout.parallel.zero else b.master).nbytes for b in buckets)
+    masters = sum((b.owned if zero else b.master).nbytes for b in buckets)
     return (sum(b.params.nbytes for b in buckets), masters, sum(b.grads.nbytes for b in buckets),
             moments)
 
@@ -165,7 +166,7 @@ def test_ledger_and_state_equal_the_planner(world, case):
     with rank_failures(world) as fails:
         eng = build_rank(layout, world, source=token_source())
         mem = predict_memory(layout, eng.coord)
-        got = _engine_state(eng)
+        got = _weights_state(eng.weights, layout.parallel.zero)
         want = (mem.weights, mem.masters, mem.grads, mem.optimizer)
         if got != want:
             fails.append(f"{eng.coord}: engine state {got} != predicted {want}")

@@ -202,7 +202,7 @@ def test_compressed_checkpoint_with_sharded_experts_resumes_bit_exact(world):
                 fails.append(f"{k}/{n}: expert residual not zero")
         if not any(np.any(v) for (k, n, _), v in saved.items() if ".experts." not in n):
             fails.append("no dense residual saved")
-        c.close()
+        trainer.close(c)
 
 
 BF16 = [dict(dp=4, sp=2, ep=2, zero=3, reduce_dtype="bfloat16"),
@@ -223,15 +223,15 @@ def test_bf16_sharded_experts_state_and_bytes_equal_planner(world, case, monkeyp
     from mpipar.plan.traffic import predict_step_bytes
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
-    from tests.mpi.test_mixed_precision import _engine_state
+    from tests.mpi.test_mixed_precision import _weights_state
     monkeypatch.setattr(expert_routing, "route_topk", moe.uniform_route)
     layout = validate(small_config("bfloat16", "moe", **case), 8)
     with rank_failures(world) as fails:
         eng = build_rank(layout, world, source=token_source())
         red, opt = eng.weights.reducer, eng.weights.optimizer
-        parts = [SimpleNamespace(reducer=r, optimizer=o, layout=layout, sharded=r)
+        parts = [SimpleNamespace(reducer=r, optimizer=o, sharded=r)
                  for r, o in ((red.dense, opt.dense), (red.experts, opt.experts))]
-        got = tuple(map(sum, zip(*(_engine_state(p) for p in parts))))
+        got = tuple(map(sum, zip(*(_weights_state(p, layout.parallel.zero) for p in parts))))
         mem = predict_memory(layout, eng.coord)
         if got != (mem.weights, mem.masters, mem.grads, mem.optimizer):
             fails.append(f"{eng.coord}: state {got} != planner "

@@ -273,7 +273,7 @@ def test_hf_export_in_bf16_and_its_import(tmp_path):
     trainer.load_params(start, params)
     assert all(np.array_equal(v, params[n]) for n, v in trainer.gather_params(start).items())
     for e in (eng, start):
-        e.close()
+        trainer.close(e)
 
 
 # ------------------------------------------------------------------------- the planner

@@ -18,7 +18,7 @@ HISTORY = re.compile(
     r"\bsessions? [0-9]|\bpass(es)? [0-9]|\bissues? [0-9#]|\bow[e]d\b|DESIGN\.md|STYLE\.md"
     r"|\b(first|second|third|[a-z]*(fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
     r"|teenth|tieth)|[0-9]+(st|nd|rd|th)) pass(es)?\b", re.I)
-HISTORY_EXEMPT = {"docs/architecture.md"}
+HISTORY_EXEMPT: set[str] = set()
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 

@@ -5,7 +5,7 @@
 - :mod:`.traffic`: the MPI calls of a step, each parallel axis's own prediction concatenated
   (bytes, messages and wire bytes per group: what the ledger is held to);
 - :mod:`.memory`: a rank's state, activations and peak;
-- :mod:`.flops` and :mod:`.step_time`: the model FLOPs, the hardware and the step time;
+- :mod:`.step_time`: the hardware and the step time (the model FLOPs: :mod:`mpipar.model.flops`);
 - :mod:`.search`: the layouts of a world, ranked; the default run's choice;
 - :mod:`.cli`: ``python -m mpipar.plan``.
 

@@ -13,7 +13,7 @@ checkpoints (:mod:`mpipar.training.state`); :func:`run_position` is the rest a c
 records (:mod:`mpipar.checkpoint.records`): checkpoints and activation dumps see a rank only
 through these.
 
-One step, as data flows (docs/architecture.md): this DP rank takes its rows of the global batch,
+One step (docs/architecture.md, "One training step through the packages"): this DP rank takes its rows of the global batch,
 cuts them into microbatches and this SP rank's sequence chunk (:mod:`mpipar.training.batches`);
 each microbatch runs forward and backward through the stage; gradients are summed over dp x sp
 (experts sharded over ep: over ep_dp, :mod:`mpipar.parallel.experts`); the global norm is summed

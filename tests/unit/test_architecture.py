@@ -361,11 +361,8 @@ def test_the_class_check_can_fail():
 # ---------------------------------------------------------------------- kernel code's home
 KERNEL_API = {"RawKernel", "RawModule", "ElementwiseKernel", "ReductionKernel"}
 NUMBA_KERNELS = {"njit", "jit", "vectorize", "guvectorize", "stencil"}
-KERNELS_ELSEWHERE = {
-    # Modules of mpipar/ that hold kernel code today, to move into kernels/; delete a name once
-    # its module holds none.
-    "mpipar.training.optim",          # the fused AdamW ElementwiseKernel
-}
+KERNELS_ELSEWHERE: set[str] = set()
+"""Modules of mpipar/ allowed to hold kernel code: none (kernel code lives in kernels/)."""
 
 
 def kernel_code(tree: ast.AST) -> list[tuple[str, int]]:

@@ -13,8 +13,9 @@ checkpoints (:mod:`mpipar.training.state`); :func:`run_position` is the rest a c
 records (:mod:`mpipar.checkpoint.records`): checkpoints and activation dumps see a rank only
 through these.
 
-One step (docs/architecture.md, "One training step through the packages"): this DP rank takes its rows of the global batch,
-cuts them into microbatches and this SP rank's sequence chunk (:mod:`mpipar.training.batches`);
+One step (docs/architecture.md, "One training step through the packages"): this DP rank takes
+its rows of the global batch, cuts them into microbatches and this SP rank's sequence chunk
+(:mod:`mpipar.training.batches`);
 each microbatch runs forward and backward through the stage; gradients are summed over dp x sp
 (experts sharded over ep: over ep_dp, :mod:`mpipar.parallel.experts`); the global norm is summed
 over tp x pp counting each parameter once; clipping and the optimizer update the local shards.

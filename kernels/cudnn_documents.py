@@ -24,12 +24,12 @@ documents' own). With :data:`GROUPED` the documents go in length classes instead
 way per power-of-two class (:meth:`RaggedBatch.groups`: 992 tiles on that batch); every token
 lies in exactly one class's sequences, so the calls together write each output whole.
 
-Measured on an H100 (session 25, ``.dev/ragged.py``: exact sizes, padded statistics; 8 x 8192
-tokens, 214 documents of median 200, 32 heads x 64): forward 0.97 ms, backward 2.78 ms, against
-flash_mma's document kernels' 1.24 and 3.86 ms. In this form on an H200 (session 29):
-``tests/gpu/test_documents_gpu.py::test_cudnn_ragged_documents`` passed, and ``bench documents``
-timed the same batch's document-masked step through the seam at 3.67-3.69 ms with it against
-4.83-4.94 ms through flash_mma (one row of 32 heads: 0.59-0.61 ms against 0.62-0.64, with one run
+Measured on an H100 (exact sizes, padded statistics; 8 x 8192 tokens, 214 documents of
+median 200, 32 heads x 64): forward 0.97 ms, backward 2.78 ms, against flash_mma's document
+kernels' 1.24 and 3.86 ms. In this form on an H200
+(``tests/gpu/test_documents_gpu.py::test_cudnn_ragged_documents``), ``bench documents`` timed
+the same batch's document-masked step through the seam at 3.67-3.69 ms with it against 4.83-4.94
+ms through flash_mma (one row of 32 heads: 0.59-0.61 ms against 0.62-0.64, with one run
 each way at 0.76-0.77), so :data:`ROUTED` is on. :func:`ragged_batch` and :func:`refusal` need
 no CuPy and are tested on the host.
 """

@@ -31,7 +31,7 @@ block are ``_DOC_THREADS / lanes``. A block steps through the key tiles of all i
 together, so on rows of short documents its time follows rows x the block's key span (counted on
 the host for `bench documents`' batch, 8 x 8192 tokens, median 200, D 64 float32: 64-row blocks
 hold 1.151 times full causal's share of that capacity, 32-row blocks 1.083, 16-row 1.043). Timed
-on an H100 (session 25, that batch, float32, forward + backward over full causal's, per work):
+on an H100 (that batch, float32, forward + backward over full causal's, per work):
 256 threads 1.292, 128 threads 1.237, 128 threads with 32-row tiles 1.193, with 16-row 1.212,
 64 threads 2.41 (all bit-equal). Other head dims take the same launch untimed."""
 _DOC_TILE = 32

@@ -37,7 +37,7 @@ HEAD_DIMS = (32, 64, 96, 128)
 # dkdv: (warps, query tile, min blocks per SM, narrow k-steps in S^T/dP^T). Min blocks per SM
 # caps the registers (__launch_bounds__); _smem_bytes gives the shared memory each takes. A
 # packed-document kernel may have its own entry ("fwd_docs", "dq_docs", "dkdv_docs"; `_tiles`),
-# else it runs its plain kernel's tiles. D=64's were timed on an H100 (session 25, bf16, 8 x 8192
+# else it runs its plain kernel's tiles. D=64's were timed on an H100 (bf16, 8 x 8192
 # tokens, 32 heads, documents of median 200): fwd_docs (4,1,64,3,0) 1.239 ms against the plain
 # tiles' 1.659 (six others 1.35-1.62); dkdv_docs (4,32,3,0) 3.86 ms backward against 4.07 (three
 # others 4.24-4.56); for dq the plain tiles won (4.12 against 4.25, 4.48).
@@ -59,7 +59,7 @@ DOC_TILES_ALIGNED = False
 tile (True) or at the first position its rows' documents hold (False, the default: fewer
 entries, `score_entries`; the same loads and masks, `flash_mma_cuda`). The module compiles with
 the value in force at the first launch (`_module` is keyed on it; the compile gate builds the
-default, `cuda_sources`). Off since session 29: an H200 passed its device tests and timed the
+default, `cuda_sources`). Off by default: on an H200 the device tests pass and the
 bench's bf16 batch (8 x 8192 tokens, 32 heads, documents of median 200) at 4.83-4.89 ms
 document-masked against 4.94 aligned (two runs each; 1.227 -> 1.157 entries per pair)."""
 _DELTA_WARPS = 8

@@ -10,8 +10,8 @@ attention forward and backward on one process through the attention seam (``--ba
 run's kernels, cupy on a GPU, where the device is synchronised around each step), with document
 masking against full causal attention (``--dtype``, float32 by default), the variants taking
 turns for ``--repeats`` rounds (best of the rounds, and the median of each round's own ratio):
-the time ratio against the work ratio (intra-document pairs / full causal pairs); the issue asks
-time ratio <= 1.2 x work ratio. With kernels that take the document ids (Numba's; the GPU's
+the time ratio against the work ratio (intra-document pairs / full causal pairs); the target
+is a time ratio <= 1.2 x the work ratio. With kernels that take the document ids (Numba's; the GPU's
 float and bf16 kernels; one call per block) also the seam's per-document calls (one kernel call
 per document's block, as for numpy_ref), side by side.
 

@@ -1,4 +1,4 @@
-"""Packed documents through the GPU kernels (issue 32): the model's document-masked attention
+"""Packed documents through the GPU kernels: the model's document-masked attention
 (:func:`mpipar.model.attention.attend_fwd` / ``attend_bwd``) on the cupy backend, against
 numpy_ref's document-masked attention on the host. float32/float64 go to cupy_gpu's flash
 kernels, bf16 to mpipar's flash_mma (with ``cudnn_documents.ROUTED`` off, as where cuDNN's
@@ -12,7 +12,7 @@ tests/gpu/test_cudnn_attention.py (out 4u, gradients 6u, u = 2**-9, relative ove
 lse 1e-6). Rows with no visible key: out 0, lse -inf, in both. Layouts: documents of length 1,
 documents longer than a tile, a query block starting mid-document (a ring hop), keys wholly
 before the queries, grouped-query heads. The float kernels' document path was also checked on
-the CPU under HIP-CPU (tests/unit/test_flash_hip_cpu.py); both passed on an H200."""
+the CPU under HIP-CPU (tests/unit/test_flash_hip_cpu.py)."""
 from __future__ import annotations
 
 import dataclasses

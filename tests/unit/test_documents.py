@@ -288,7 +288,7 @@ def test_gpu_flash_kernels_walk_what_their_warps_see(d, itemsize):
     warp's walk is the span from its rows' first visible key to their last (from numpy_ref's
     masks, brute force), so nothing visible is skipped and the count is what the kernels loop
     over; full causal computes the pairs plus each warp's own triangle, and short documents stay
-    within a few percent of their pairs (issue 32's bench rows: 1.08x at D 64 float32)."""
+    within a few percent of their pairs (the bench's rows: 1.08x at D 64 float32)."""
     from mpipar.bench.documents import packed_documents
     from mpipar.kernels import flash_exact
     from mpipar.kernels import numpy_ref as ref

@@ -8,7 +8,7 @@ HIP-CPU runs a block's threads as fibers with a 64-lane "warp" and maps ``__shfl
 the kernels' shuffles stay within the L lanes of one row, which run the same loops, so the sums
 are the GPU's; ``__syncthreads`` is replaced by a true barrier (HIP-CPU's own is not one when
 warps make different numbers of shuffles, as these kernels' warps do). What it cannot show is
-speed, occupancy, or a race that the fibers' order hides: those stay owed to the device."""
+speed, occupancy, or a race that the fibers' order hides: those are for the device tests."""
 from __future__ import annotations
 
 import ctypes

@@ -115,3 +115,39 @@ def test_documents_describe_the_product_not_how_the_work_went(doc):
     hits = [f"{n}: {line.strip()[:80]}" for n, line in enumerate(doc.read_text().splitlines(), 1)
             if HISTORY.search(line)]
     assert not hits, f"{doc.relative_to(ROOT)} narrates history: {hits}"
+
+
+CODE_HISTORY = re.compile(
+    r"\bsessions? [0-9]|\bpass(es)? [0-9]|\bissues? [0-9#]|\bowed (a|on|to) (the )?device"
+    r"|\boff since\b|DESIGN\.md|STYLE\.md|\.dev/", re.I)
+"""The history words of code and scripts (``owed`` alone is a word of gradient reductions)."""
+
+
+def _code_files() -> list[Path]:
+    files = [p for top in ("mpipar", "kernels", "tests", "jobs", ".ci") for p in (ROOT / top).rglob("*")
+             if p.is_file() and p.suffix in {".py", ".sh", ".sbatch", ""} and "__pycache__" not in p.parts]
+    return [p for p in files if p.resolve() != Path(__file__).resolve()]
+
+
+def history_in_code(files: list[Path]) -> list[str]:
+    """``path:line`` of every line of ``files`` that narrates how the work was organised."""
+    out = []
+    for path in files:
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        out += [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{n}"
+                for n, line in enumerate(text.splitlines(), 1) if CODE_HISTORY.search(line)]
+    return out
+
+
+def test_code_and_scripts_describe_the_product_not_how_the_work_went():
+    hits = history_in_code(_code_files())
+    assert not hits, f"comments or strings narrate history: {hits}"
+
+
+def test_the_code_history_check_sees_a_narrated_comment(tmp_path):
+    bad = tmp_path / "k.py"
+    bad.write_text("x = 1  # timed in session 25, owed a device run\n# the gradient still owed\n")
+    assert history_in_code([bad]) == [f"{bad}:1"]

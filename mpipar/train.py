@@ -206,7 +206,7 @@ def _claim(ctx: RunContext):
         rundir.prepare_outputs(cfg)
         if ctx.rank0:
             lock = rundir.RunLock([cfg.train.run_dir, cfg.train.save_dir]).acquire()
-            rundir.refuse_earlier_run(cfg)
+            ctx.notes.extend(rundir.refuse_earlier_run(cfg))
     except ConfigError as exc:
         error = str(exc)
     try:

@@ -456,6 +456,46 @@ def resolve_resume(spec: str, save_dir: str | os.PathLike, peers: Peers | None =
                           f"checkpoint verifies, starting fresh" for p, why in failed]
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumeStart:
+    """Where a run begins against its save directory (:func:`resume_policy`): ``fresh`` at step
+    0; ``restart`` when that is because ``--resume auto`` found no committed checkpoint (a run
+    stopped before its first save, or during it: requeued, it begins again, and the earlier
+    run's metrics are set aside rather than refused)."""
+    fresh: bool
+    restart: bool = False
+
+
+def resume_policy(resume: str, save_dir: str | os.PathLike) -> ResumeStart:
+    """The resume policy: how a run with ``--resume RESUME`` begins over ``save_dir``, refusing
+    (ConfigError) what would overwrite another run's checkpoints. No ``--resume`` over a save
+    directory holding checkpoints is refused (saving beside them would overwrite the
+    same-numbered ones and point ``latest`` into a mix of two runs); ``auto`` over checkpoints of
+    which none verifies is refused (it would start fresh over them); ``auto`` over none (an
+    interrupted save's hidden ``.step_N.tmp`` is none) restarts; a path in another save directory
+    is refused when this one holds checkpoints. No collective: rank 0 asks."""
+    found = list_checkpoints(save_dir)
+    if not resume and found:
+        raise ConfigError(f"--save-dir {save_dir} holds checkpoints of an earlier run "
+                          f"(newest {found[0].name}); a fresh run would overwrite them: use "
+                          f"--resume auto to continue it, or a new --run-dir")
+    if not resume:
+        return ResumeStart(fresh=True)
+    if resume == "auto" and not found:
+        return ResumeStart(fresh=True, restart=True)
+    if resume == "auto":
+        path, notes = resolve_resume("auto", save_dir)
+        if path is None:
+            raise ConfigError(f"--resume auto: no checkpoint of --save-dir {save_dir} "
+                              f"verifies ({'; '.join(notes)}); a fresh run would overwrite "
+                              f"them: move them aside, or choose a new --run-dir")
+    elif found and resolve_path(resume).resolve().parent != Path(save_dir).resolve():
+        raise ConfigError(f"--save-dir {save_dir} holds checkpoints of another run "
+                          f"(newest {found[0].name}); a run resumed from {resume} would "
+                          f"save its steps over them: choose a new --run-dir or --save-dir")
+    return ResumeStart(fresh=False)
+
+
 def read_config(path: str | os.PathLike) -> Config:
     """The resolved configuration the checkpoint at ``path`` was saved with (its index checked
     against the schema; the shards are not verified)."""

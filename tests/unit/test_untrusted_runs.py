@@ -241,3 +241,44 @@ def test_report_refuses_a_config_whose_sizes_are_not_sizes(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == (f"mpipar.report: error: {tmp_path / 'config.toml'}: parallel.dp=0 must "
                            f"be an integer >= 1")
+
+
+# ------------------------------------------------- train: --resume auto before any checkpoint
+def _requeued(run, *extra: str) -> tuple[int, str, str]:
+    """``python -m mpipar.train --resume auto`` in ``run``, as a requeued job starts it:
+    (status, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    from conftest import launch_env
+    done = subprocess.run([sys.executable, "-m", "mpipar.train", *TINY, "--run-dir", str(run),
+                           "--resume", "auto", *extra], env=launch_env(), capture_output=True,
+                          text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_resume_auto_before_the_first_checkpoint_starts_again(tmp_path, interrupted):
+    """A run killed before its first checkpoint (or while an asynchronous save wrote it: a
+    hidden ``.step_N.tmp`` is all it left) and requeued with ``--resume auto`` begins again,
+    says so, and keeps the earlier metrics whole as ``metrics.jsonl.1``; a second requeue of
+    the same kind keeps both earlier logs."""
+    run = tmp_path / "run"
+    earlier_run(run, steps=2)
+    if interrupted:
+        partial = run / "checkpoints" / ".step_00000002.tmp"
+        partial.mkdir(parents=True)
+        (partial / "shard_00000.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    earlier = (run / "metrics.jsonl").read_bytes()
+    code, out, err = _requeued(run, "--steps", "1")
+    assert code == 0 and "Traceback" not in err, err
+    assert (f"--resume auto: no committed checkpoint in {run / 'checkpoints'}; starting the run "
+            f"again from step 1; the earlier run's metrics.jsonl is kept as metrics.jsonl.1") in out
+    assert (run / "metrics.jsonl.1").read_bytes() == earlier
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1]
+    shutil.rmtree(run / "checkpoints")  # as if the first requeue was killed before saving too
+    first = (run / "metrics.jsonl").read_bytes()
+    code, out, err = _requeued(run, "--steps", "1")
+    assert code == 0 and "kept as metrics.jsonl.2" in out, err
+    assert (run / "metrics.jsonl.1").read_bytes() == earlier
+    assert (run / "metrics.jsonl.2").read_bytes() == first

@@ -377,6 +377,41 @@ def require_sound(path: Path, peers: Peers | None = None) -> Index:
     return index
 
 
+def require_config_shapes(path: Path, index: Index) -> None:
+    """Every tensor the checkpoint's config implies is stored with that shape, before any is
+    read (metadata only): a crafted index declaring a huge tensor over a small model, or a config
+    claiming a model its tensors are not, is refused naming the tensor. CheckpointError."""
+    from mpipar.layout import resolve_model
+    from mpipar.model.params import param_specs
+    stored = index.tensors.get("param", {})
+    model = index.config.model
+    if model.layers > len(stored):
+        raise CheckpointError(f"{path}: its config claims {model.layers:,} layers, but it "
+                              f"stores {len(stored)} parameter tensors")
+    implied = {spec.name: spec.shape for spec in param_specs(resolve_model(model))}
+    for kind in sorted(index.tensors, key=lambda k: k != "param"):
+        for name, tensor in index.tensors[kind].items():
+            if implied.get(name) != tuple(tensor.shape):
+                want = (f"implies {list(implied[name])}" if name in implied
+                        else "implies no such tensor")
+                raise CheckpointError(f"{path}: {kind}/{name} has shape {list(tensor.shape)}, "
+                                      f"but the checkpoint's config {want}")
+    missing = sorted(set(implied) - set(stored))
+    if missing:
+        raise CheckpointError(f"{path}: param/{missing[0]} is missing, but the checkpoint's "
+                              f"config implies {list(implied[missing[0]])}")
+
+
+def require_memory(need: int, what: str) -> None:
+    """Refuse (CheckpointError) reading ``need`` bytes at once for ``what`` when this node has
+    less memory available, before anything is allocated."""
+    from mpipar.runtime.memory import available_memory_bytes
+    available = available_memory_bytes()
+    if available is not None and need > available:
+        raise CheckpointError(f"{what} needs {need / 2**30:,.2f} GiB of memory at once; this "
+                              f"node has {available / 2**30:,.2f} GiB available")
+
+
 # ------------------------------------------------------------------------------ resume
 def _problems(path: Path, peers: Peers | None = None) -> list[str]:
     """:func:`verify`'s problems, a malformed checkpoint's one among them."""

@@ -282,3 +282,34 @@ def test_resume_auto_before_the_first_checkpoint_starts_again(tmp_path, interrup
     assert code == 0 and "kept as metrics.jsonl.2" in out, err
     assert (run / "metrics.jsonl.1").read_bytes() == earlier
     assert (run / "metrics.jsonl.2").read_bytes() == first
+
+
+# ------------------------------------------------- ckpt: converters check before allocating
+@pytest.mark.parametrize("command", ["consolidate", "export-hf"])
+def test_converters_compare_tensor_shapes_with_the_config(saved, tmp_path, capsys, command):
+    """``ckpt consolidate`` and ``export-hf`` check the stored shapes against the config before
+    reading a tensor: a config of hidden 64 over tensors of 32 is named, nothing written."""
+    from mpipar import ckpt
+    wide = _with_config(saved, tmp_path / "wide", "hidden = 32", "hidden = 64")
+    out = tmp_path / "out"
+    assert ckpt.main([command, wide, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert ("param/embed_tokens.weight has shape [256, 32], but the checkpoint's config implies "
+            "[256, 64]") in err and not out.exists()
+
+
+@pytest.mark.parametrize("command,what", [("consolidate", "its largest tensor"),
+                                          ("export-hf", "its parameters")])
+def test_converters_check_memory_before_allocating(saved, tmp_path, capsys, monkeypatch,
+                                                   command, what):
+    """A tensor larger than the memory this node has is refused before it is allocated."""
+    from mpipar import ckpt
+    from mpipar.runtime import memory
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 4096)
+    out = tmp_path / "out"
+    assert ckpt.main([command, saved, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"({what}) needs" in err and "GiB of memory at once; this node has 0.00 GiB" in err
+    assert not out.exists()

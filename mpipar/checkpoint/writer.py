@@ -177,19 +177,29 @@ def _write_shard(path: Path, pieces: list[Piece], state: RankState,
 
 
 def _commit(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final`` (replacing an older save of the same step), then ``latest``."""
+    """Rename ``tmp`` to ``final`` (replacing an older save of the same step, or a link of that
+    name, whose target stays), then ``latest``."""
     root = final.parent
     old = None
-    if final.exists():
+    if os.path.lexists(final):
         old = root / f".{final.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
+        if os.path.lexists(old):
+            _remove(old)
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(root)
     write_latest(root, final.name)
     if old is not None:
-        shutil.rmtree(old)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory, or only the link when it is a symbolic link (its target is not the
+    save directory's to remove)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------------------ save

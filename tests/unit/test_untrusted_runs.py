@@ -313,3 +313,45 @@ def test_converters_check_memory_before_allocating(saved, tmp_path, capsys, monk
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"({what}) needs" in err and "GiB of memory at once; this node has 0.00 GiB" in err
     assert not out.exists()
+
+
+# --------------------------------------------------- a symlinked step_N in a save directory
+@pytest.fixture
+def linked_step(tmp_path):
+    """A save directory holding step_00000001 and a symbolic link step_00000002 to a checkpoint
+    elsewhere, which ``latest`` names: (save directory, the link's target)."""
+    save = tmp_path / "run" / "checkpoints"
+    _checkpoint(save, 1)
+    elsewhere = _checkpoint(tmp_path / "elsewhere", 2)
+    os.symlink(elsewhere, save / "step_00000002")
+    (save / "latest").write_text("step_00000002\n")
+    return save, elsewhere
+
+
+@pytest.mark.parametrize("argv", [["verify", "{link}"], ["verify", "{save}"],
+                                  ["inspect", "{link}"], ["consolidate", "{link}", "{out}"],
+                                  ["export-hf", "{save}", "{out}"]])
+def test_a_symlinked_checkpoint_directory_is_not_read(linked_step, tmp_path, capsys, argv):
+    from mpipar import ckpt
+    save, elsewhere = linked_step
+    names = {"link": str(save / "step_00000002"), "save": str(save), "out": str(tmp_path / "o")}
+    assert ckpt.main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (f"{save / 'step_00000002'}: a symbolic link (to {elsewhere}); a checkpoint directory "
+            f"must lie inside its save directory") in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_and_pruning_pass_a_symlinked_checkpoint_directory_by(linked_step, tmp_path):
+    """``--resume auto`` takes the save directory's own checkpoint, not the link ``latest``
+    names; its save of step 2 replaces the link (not the link's target), and ``--keep-last 1``
+    prunes only its own checkpoints."""
+    save, elsewhere = linked_step
+    before = snapshot(elsewhere)
+    code, err = run_train([*RUN, "--run-dir", str(tmp_path / "run"), "--resume", "auto",
+                           "--keep-last", "1", "--save-every", "1"])
+    assert code == 0 and "Traceback" not in err, err
+    assert sorted(p.name for p in save.glob("step_*")) == ["step_00000003"]
+    assert snapshot(elsewhere) == before
+    assert (save / "latest").read_text() == "step_00000003\n"

@@ -596,6 +596,8 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             raise ConfigError(f"{where}={value}: too large for a floating-point number") from None
     if not isinstance(value, str):
         raise ConfigError(f"{where}={value!r}: must be a string")
+    if "\0" in value:  # TOML can spell one ("\u0000"); no path or name holds it
+        raise ConfigError(f"{where}={value[:80]!r}: must not contain a NUL character")
     return value
 
 

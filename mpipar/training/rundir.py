@@ -76,10 +76,12 @@ def prepare_outputs(cfg: Config) -> None:
 
 
 def _create(flag: str, path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {path}: exists and is not a directory")
     try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{flag} {path}: exists and is not a directory")
         path.mkdir(parents=True, exist_ok=True)
+    except ValueError:  # a NUL in a path given on the command line or by the API
+        raise ConfigError(f"{flag} {str(path)[:80]!r}: must not contain a NUL character") from None
     except OSError as exc:
         raise ConfigError(f"{flag} {path}: cannot create the directory "
                           f"({exc.strerror or exc}: {exc.filename or path})") from None

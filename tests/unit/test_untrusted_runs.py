@@ -355,3 +355,18 @@ def test_resume_and_pruning_pass_a_symlinked_checkpoint_directory_by(linked_step
     assert sorted(p.name for p in save.glob("step_*")) == ["step_00000003"]
     assert snapshot(elsewhere) == before
     assert (save / "latest").read_text() == "step_00000003\n"
+
+
+# ------------------------------------------------ train: run directories no filesystem holds
+def test_a_nul_in_a_toml_path_is_refused(tmp_path):
+    config = tmp_path / "nul.toml"
+    config.write_text(f'[train]\nrun_dir = "{tmp_path}/a\\u0000b"\n')
+    code, err = run_train([*TINY, "--config", str(config)])
+    _one_error(code, err, "train.run_dir=")
+    assert "must not contain a NUL character" in err and sorted(os.listdir(tmp_path)) == ["nul.toml"]
+
+
+def test_a_run_directory_name_longer_than_the_filesystem_holds_is_refused(tmp_path):
+    run = tmp_path / ("r" * 300)
+    code, err = run_train([*TINY, "--run-dir", str(run)])
+    _one_error(code, err, f"--run-dir {run}: cannot create the directory (File name too long")

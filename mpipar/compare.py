@@ -12,8 +12,10 @@ steps both runs logged are compared (``--steps A:B`` restricts them, 1-based and
 per step and metric the two values, the absolute and the relative difference
 (``|a - b| / |b|``); then the largest of each. A step passes when ``|a - b| <= atol + rtol *
 |b|`` (both 0 by default: bit-identical, as a layout change in float64 or a resume is). Exit
-status: 0 every compared step passes; 1 some step does not (the first is named); 2 a run
-cannot be read, a metric is missing, or the runs share no step (one message, no traceback).
+status: 0 every compared step passes; 1 some step does not (the first is named), or one run
+logged steps (within ``--steps``) the other did not; 2 a run cannot be read, logs a step twice,
+a metric is missing, the runs share no step, or ``--png`` cannot be written (one message, no
+traceback). When both runs' ``config.toml`` differ, the settings that differ are listed.
 """
 from __future__ import annotations
 
@@ -63,7 +65,49 @@ def load(path: str) -> dict[int, dict[str, Any]]:
         records = read_records(file)
     except OSError as exc:
         raise ValueError(f"{file}: cannot be read ({exc.strerror or exc})") from None
-    return {r["step"]: r for r in records}
+    out: dict[int, dict[str, Any]] = {}
+    for k, record in enumerate(records):
+        if record["step"] in out:
+            raise ValueError(f"{file}: step {record['step']} is logged twice (record {k + 1}); "
+                             f"a run logs each step once: which one to compare is not known")
+        out[record["step"]] = record
+    return out
+
+
+def only_one_side(a: dict[int, dict], b: dict[int, dict],
+                  steps: tuple[int, int] | None = None) -> str:
+    """Which steps (within ``steps``) only one run logged, as a sentence ('' when none)."""
+    def inside(s: int) -> bool:
+        return steps is None or steps[0] <= s <= steps[1]
+    parts = []
+    for name, mine, other in (("run A", a, b), ("run B", b, a)):
+        alone = sorted(s for s in mine if s not in other and inside(s))
+        if alone:
+            shown = ", ".join(map(str, alone[:5])) + (", ..." if len(alone) > 5 else "")
+            parts.append(f"{name} logged {len(alone)} step(s) the other did not ({shown})")
+    return "; ".join(parts)
+
+
+def config_differences(path_a: str, path_b: str, limit: int = 8) -> list[str]:
+    """The settings in which the two runs' ``config.toml`` differ (``section.field: a vs b``;
+    none when either run has no readable config.toml)."""
+    import tomllib
+
+    def flat(path: str) -> dict[str, Any] | None:
+        root = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        try:
+            with open(os.path.join(root, "config.toml"), "rb") as fh:
+                raw = tomllib.load(fh)
+        except (OSError, ValueError, RecursionError):
+            return None
+        return {f"{section}.{key}": value for section, table in raw.items()
+                if isinstance(table, dict) for key, value in table.items()}
+    a, b = flat(path_a), flat(path_b)
+    if a is None or b is None:
+        return []
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    out = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys[:limit]]
+    return out + ([f"... {len(keys) - limit} more"] if len(keys) > limit else [])
 
 
 def differences(a: dict[int, dict], b: dict[int, dict], metrics: tuple[str, ...],
@@ -160,15 +204,28 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        diffs = differences(load(args.run_a), load(args.run_b), tuple(args.metric or METRICS),
-                            args.steps)
+        a, b = load(args.run_a), load(args.run_b)
+        diffs = differences(a, b, tuple(dict.fromkeys(args.metric or METRICS)), args.steps)
     except ValueError as exc:
         print(f"mpipar.compare: error: {exc}", file=sys.stderr)
         return 2
     text, failed = report(diffs, args.rtol, args.atol)
     print(text)
+    changed = config_differences(args.run_a, args.run_b)
+    if changed:
+        print("the runs' configurations differ: " + "; ".join(changed))
     if args.png:
-        plot(diffs, (args.run_a, args.run_b), args.png)
+        try:
+            plot(diffs, (args.run_a, args.run_b), args.png)
+        except (OSError, ValueError) as exc:
+            print(f"mpipar.compare: error: --png {args.png}: cannot be written "
+                  f"({getattr(exc, 'strerror', None) or exc})", file=sys.stderr)
+            return 2
+    alone = only_one_side(a, b, args.steps)
+    if alone:
+        print(f"mpipar.compare: {alone}: the runs differ in the steps they logged",
+              file=sys.stderr)
+        return 1
     if failed is not None:
         print(f"mpipar.compare: step {failed.step}: {failed.metric} {failed.a!r} vs {failed.b!r} "
               f"differs by {failed.absolute:.3g} (relative {failed.relative:.3g}), beyond "

@@ -537,7 +537,7 @@ def check_fields(cfg: Config, m: ModelConfig) -> None:
     require(t.collective_timeout >= 0,
             f"train.collective_timeout={t.collective_timeout}: must be >= 0")
     require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
-    _check_trace_steps(t.trace_steps)
+    _check_trace_steps(t.trace_steps, t.steps)
     for item in filter(None, t.dump_activations.split(",")):
         require(item.strip().isdigit() and int(item) >= 1,
                 f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
@@ -635,19 +635,38 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             raise ConfigError(f"{where}={value}: too large for a floating-point number") from None
     if not isinstance(value, str):
         raise ConfigError(f"{where}={value!r}: must be a string")
+    if "\0" in value:  # TOML can spell one ("\u0000"); no path or name holds it
+        raise ConfigError(f"{where}={value[:80]!r}: must not contain a NUL character")
     return value
 
 
 # ------------------------------------------------------------------------------ CLI
-def trace_step_set(spec: str) -> frozenset[int]:
+@dataclasses.dataclass(frozen=True)
+class StepRanges:
+    """Steps held as inclusive ranges ``(first, last)``, never listed one by one: a range of
+    10**20 steps costs two integers. ``step in ranges``; ``last`` the highest step (0: none)."""
+    ranges: tuple[tuple[int, int], ...] = ()
+
+    def __contains__(self, step: object) -> bool:
+        return any(lo <= step <= hi for lo, hi in self.ranges)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    @property
+    def last(self) -> int:
+        return max((hi for _, hi in self.ranges), default=0)
+
+
+def trace_step_set(spec: str) -> StepRanges:
     """The steps ``--trace-steps`` names: ``N`` steps 1..N, ``A-B`` steps A..B, ``a,b,...``
     those steps (items may be ranges); empty: none. ValueError on anything else."""
     spec = spec.strip()
     if not spec:
-        return frozenset()
+        return StepRanges()
     if spec.isdigit():
-        return frozenset(range(1, int(spec) + 1))
-    out = set()
+        return StepRanges(((1, int(spec)),) if int(spec) else ())
+    out = []
     for item in spec.split(","):
         lo, dash, hi = item.strip().partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
@@ -655,17 +674,21 @@ def trace_step_set(spec: str) -> frozenset[int]:
         a, b = int(lo), int(hi or lo)
         if not 1 <= a <= b:
             raise ValueError(item)
-        out.update(range(a, b + 1))
-    return frozenset(out)
+        out.append((a, b))
+    return StepRanges(tuple(out))
 
 
-def _check_trace_steps(spec: str) -> None:
+def _check_trace_steps(spec: str, steps: int) -> None:
+    """A step past ``--steps`` would never run, so its trace would never be written: refused."""
     try:
-        trace_step_set(spec)
+        last = trace_step_set(spec).last
     except ValueError:
         raise ConfigError(f"train.trace_steps={spec!r}: must be a step count N (steps 1..N), a "
                           f"range A-B or a comma-separated list of steps and ranges, steps "
                           f">= 1") from None
+    if last > steps:
+        raise ConfigError(f"train.trace_steps={spec!r}: step {last} is past train.steps={steps} "
+                          f"(the run's last step): name steps 1..{steps}")
 
 
 def _flag(f: dataclasses.Field) -> str:

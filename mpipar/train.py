@@ -60,7 +60,7 @@ from mpipar.runtime.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_I
 
 from mpipar import config as config_mod
 from mpipar.config import ConfigError
-from mpipar.training.failure import (EXIT_WATCHDOG, FailureReport, fail_usage,
+from mpipar.training.failure import (EXIT_EXCEPTION, EXIT_WATCHDOG, FailureReport, fail_usage,
                                      install_abort_hook)
 from mpipar.layout import Layout, model_from_checkpoint
 from mpipar.training.loop import RunContext, StopRequest, run
@@ -164,14 +164,28 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
         # Under the lock: no other run can be reporting into this run directory.
         report.attach(cfg.train.run_dir, fresh=ctx.rank0)
         from mpipar.training import step as steps
+        from mpipar.checkpoint.writer import SaveError
         rank, start = _build(ctx)
         try:
             return run(rank, start, ctx)
+        except SaveError as exc:  # raised on every rank alike: no collective is left waiting
+            return _save_failed(ctx, exc)
         finally:
             steps.close(rank)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _save_failed(ctx: RunContext, exc: Exception) -> int:
+    """A checkpoint that could not be written (a full disk): one line on rank 0 naming the path,
+    the bytes and what ``latest`` still names, recorded in ``failure.txt``; exit 1 (damage)."""
+    message = f"mpipar: error: {exc}"
+    ctx.report.record("checkpoint", message, EXIT_EXCEPTION)
+    if ctx.rank0:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    return EXIT_EXCEPTION
 
 
 def _start_watchdog(ctx: RunContext) -> Watchdog | None:
@@ -208,7 +222,7 @@ def _claim(ctx: RunContext):
         rundir.prepare_outputs(cfg)
         if ctx.rank0:
             lock = rundir.RunLock([cfg.train.run_dir, cfg.train.save_dir]).acquire()
-            rundir.refuse_earlier_run(cfg)
+            ctx.notes.extend(rundir.refuse_earlier_run(cfg))
     except ConfigError as exc:
         error = str(exc)
     try:

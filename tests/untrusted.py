@@ -92,3 +92,24 @@ def reseal(ck: Path) -> None:
                 except (KeyError, OSError, RuntimeError, TypeError, AttributeError):
                     pass  # a member the mutation made a link or a dataset
     (ck / "index.sha256").write_text(f"{sha256_file(ck / 'index.h5')}  index.h5\n")
+
+
+def run_bounded(argv: list[str], cwd, memory: int = 3 << 30, timeout: float = 120
+                ) -> tuple[int, str, float]:
+    """``python ARGV`` in a child whose address space is capped at ``memory`` bytes
+    (``RLIMIT_AS``) and whose wall time at ``timeout`` seconds: (status, stderr, seconds). An
+    input that makes a program allocate what it declares fails here instead of in the node's
+    OOM killer."""
+    import resource
+    import subprocess
+    import time
+
+    from conftest import launch_env
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, *argv], cwd=cwd, env=launch_env(), capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=cap)
+    return done.returncode, done.stderr, time.monotonic() - start

@@ -102,8 +102,10 @@ class AsyncSaver:
         pending = self.pending
         if pending is None:
             return None
-        state = "still being written" if self.writing() else "written, not yet committed"
+        state = ("still being written" if self.writing() else
+                 f"failed: {pending.outcome[1]}" if pending.outcome[1] else
+                 "written, not yet committed")
         return (f"an asynchronous checkpoint save of step {pending.position.step} was in flight "
                 f"({pending.tmp}: this rank's shard {state}, "
                 f"{time.perf_counter() - self._since:.1f} s after it began); it is not "
-                f"committed: 'latest' in {self.save_dir} names the previous checkpoint")
+                f"committed: {writer.latest_note(Path(self.save_dir))}")

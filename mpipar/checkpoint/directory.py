@@ -82,13 +82,23 @@ def require_own_file(file: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ the directory
+def require_own_dir(path: Path) -> Path:
+    """Refuse a checkpoint directory that is a symbolic link: a checkpoint is read, resumed,
+    pruned only where its save directory keeps it, like the files inside it."""
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: a symbolic link (to {os.readlink(path)}); a checkpoint "
+                              f"directory must lie inside its save directory, not be a link")
+    return path
+
+
 def list_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
-    """Committed checkpoint directories of ``save_dir``, newest (highest step) first."""
+    """Committed checkpoint directories of ``save_dir``, newest (highest step) first; a
+    ``step_N`` that is a symbolic link is none (never followed, never pruned)."""
     root = Path(save_dir)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+             if (m := STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -136,15 +146,16 @@ def prune(root: Path, keep_last: int, keep: str) -> None:
 
 def resolve_path(spec: str | os.PathLike) -> Path:
     """A checkpoint directory from ``spec``: the directory itself, a save directory (its
-    ``latest``) or a save directory's ``latest`` file."""
+    ``latest``) or a save directory's ``latest`` file; CheckpointError when that checkpoint
+    directory is a symbolic link (:func:`require_own_dir`)."""
     p = Path(spec)
     if p.name == LATEST and p.is_file():
-        return latest(p.parent) or p
+        return require_own_dir(latest(p.parent) or p)
     if not (p / INDEX).exists() and not STEP_DIR.match(p.name):
         target = latest(p)
         if target is not None:
-            return target
-    return p
+            return require_own_dir(target)
+    return require_own_dir(p)
 
 
 def require_outside(out: Path) -> None:

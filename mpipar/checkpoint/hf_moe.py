@@ -44,10 +44,19 @@ def hub_name(name: str, kind: str) -> str:
     return name
 
 
-def _count(raw: Mapping[str, Any], name: str, default: int) -> int:
+MAX_EXPERTS = 1 << 16
+"""The most experts (and layers) a config.json of a mixture of experts may declare: far above
+any published model (DeepSeek-V3: 256 routed experts), and small enough that what is sized by
+it (router rows, tensor names, layer lists) is checked before anything is allocated."""
+
+
+def _count(raw: Mapping[str, Any], name: str, default: int, limit: int | None = None) -> int:
     value = raw.get(name, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")
+    if limit is not None and value > limit:
+        raise ValueError(f"{name}={value} must be at most {limit} (mpipar's bound on a mixture "
+                         f"of experts, far above any published model)")
     return value
 
 
@@ -58,8 +67,8 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         return _read_qwen2_moe(raw)
     if raw.get("model_type") != MIXTRAL:
         return "dense FFN", {}
-    experts = _count(raw, "num_local_experts", 8)
-    top_k = _count(raw, "num_experts_per_tok", 2)
+    experts = _count(raw, "num_local_experts", 8, MAX_EXPERTS)
+    top_k = _count(raw, "num_experts_per_tok", 2, MAX_EXPERTS)
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be <= num_local_experts={experts}")
     if raw.get("sliding_window") is not None:
@@ -77,13 +86,15 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def _read_qwen2_moe(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """Qwen2-MoE's sparse blocks (transformers' defaults for absent fields)."""
-    experts, top_k = _count(raw, "num_experts", 60), _count(raw, "num_experts_per_tok", 4)
+    experts = _count(raw, "num_experts", 60, MAX_EXPERTS)
+    top_k = _count(raw, "num_experts_per_tok", 4, MAX_EXPERTS)
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be <= num_experts={experts}")
     norm = raw.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
         raise ValueError(f"norm_topk_prob={norm!r} must be true or false")
-    layers, step = _count(raw, "num_hidden_layers", 24), _count(raw, "decoder_sparse_step", 1)
+    layers = _count(raw, "num_hidden_layers", 24, MAX_EXPERTS)
+    step = _count(raw, "decoder_sparse_step", 1)
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
         raise ValueError(f"mlp_only_layers={dense!r} must be a list of layer indices")

@@ -57,7 +57,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from mpipar.checkpoint.directory import INDEX, INDEX_SUM, SHARD_FILE, CheckpointError, fsync_dir
-from mpipar.checkpoint.directory import fsync_file, require_own_file, sha256_file
+from mpipar.checkpoint.directory import fsync_file, require_own_dir, require_own_file, sha256_file
 from mpipar.checkpoint.records import AXES, DataCursor, LRScheduleState, RunPosition
 from mpipar.checkpoint.shards import RankState, Slices
 from mpipar.config import Config, ParallelConfig
@@ -255,6 +255,7 @@ def read_index(path: Path) -> Index:
     """The index of the checkpoint directory ``path``, checked against the schema (module
     docstring); CheckpointError naming the file and the field or dataset otherwise. Reads
     metadata only: no shard is opened, no checksum computed."""
+    require_own_dir(path)
     index = path / INDEX
     require_own_file(index)
     try:

@@ -377,6 +377,41 @@ def require_sound(path: Path, peers: Peers | None = None) -> Index:
     return index
 
 
+def require_config_shapes(path: Path, index: Index) -> None:
+    """Every tensor the checkpoint's config implies is stored with that shape, before any is
+    read (metadata only): a crafted index declaring a huge tensor over a small model, or a config
+    claiming a model its tensors are not, is refused naming the tensor. CheckpointError."""
+    from mpipar.layout import resolve_model
+    from mpipar.model.params import param_specs
+    stored = index.tensors.get("param", {})
+    model = index.config.model
+    if model.layers > len(stored):
+        raise CheckpointError(f"{path}: its config claims {model.layers:,} layers, but it "
+                              f"stores {len(stored)} parameter tensors")
+    implied = {spec.name: spec.shape for spec in param_specs(resolve_model(model))}
+    for kind in sorted(index.tensors, key=lambda k: k != "param"):
+        for name, tensor in index.tensors[kind].items():
+            if implied.get(name) != tuple(tensor.shape):
+                want = (f"implies {list(implied[name])}" if name in implied
+                        else "implies no such tensor")
+                raise CheckpointError(f"{path}: {kind}/{name} has shape {list(tensor.shape)}, "
+                                      f"but the checkpoint's config {want}")
+    missing = sorted(set(implied) - set(stored))
+    if missing:
+        raise CheckpointError(f"{path}: param/{missing[0]} is missing, but the checkpoint's "
+                              f"config implies {list(implied[missing[0]])}")
+
+
+def require_memory(need: int, what: str) -> None:
+    """Refuse (CheckpointError) reading ``need`` bytes at once for ``what`` when this node has
+    less memory available, before anything is allocated."""
+    from mpipar.runtime.memory import available_memory_bytes
+    available = available_memory_bytes()
+    if available is not None and need > available:
+        raise CheckpointError(f"{what} needs {need / 2**30:,.2f} GiB of memory at once; this "
+                              f"node has {available / 2**30:,.2f} GiB available")
+
+
 # ------------------------------------------------------------------------------ resume
 def _problems(path: Path, peers: Peers | None = None) -> list[str]:
     """:func:`verify`'s problems, a malformed checkpoint's one among them."""
@@ -454,6 +489,46 @@ def resolve_resume(spec: str, save_dir: str | os.PathLike, peers: Peers | None =
         return None, notes + [f"no checkpoint in {root}; starting fresh"]
     return None, notes + [f"checkpoint {p} failed verification ({'; '.join(why)}); no other "
                           f"checkpoint verifies, starting fresh" for p, why in failed]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeStart:
+    """Where a run begins against its save directory (:func:`resume_policy`): ``fresh`` at step
+    0; ``restart`` when that is because ``--resume auto`` found no committed checkpoint (a run
+    stopped before its first save, or during it: requeued, it begins again, and the earlier
+    run's metrics are set aside rather than refused)."""
+    fresh: bool
+    restart: bool = False
+
+
+def resume_policy(resume: str, save_dir: str | os.PathLike) -> ResumeStart:
+    """The resume policy: how a run with ``--resume RESUME`` begins over ``save_dir``, refusing
+    (ConfigError) what would overwrite another run's checkpoints. No ``--resume`` over a save
+    directory holding checkpoints is refused (saving beside them would overwrite the
+    same-numbered ones and point ``latest`` into a mix of two runs); ``auto`` over checkpoints of
+    which none verifies is refused (it would start fresh over them); ``auto`` over none (an
+    interrupted save's hidden ``.step_N.tmp`` is none) restarts; a path in another save directory
+    is refused when this one holds checkpoints. No collective: rank 0 asks."""
+    found = list_checkpoints(save_dir)
+    if not resume and found:
+        raise ConfigError(f"--save-dir {save_dir} holds checkpoints of an earlier run "
+                          f"(newest {found[0].name}); a fresh run would overwrite them: use "
+                          f"--resume auto to continue it, or a new --run-dir")
+    if not resume:
+        return ResumeStart(fresh=True)
+    if resume == "auto" and not found:
+        return ResumeStart(fresh=True, restart=True)
+    if resume == "auto":
+        path, notes = resolve_resume("auto", save_dir)
+        if path is None:
+            raise ConfigError(f"--resume auto: no checkpoint of --save-dir {save_dir} "
+                              f"verifies ({'; '.join(notes)}); a fresh run would overwrite "
+                              f"them: move them aside, or choose a new --run-dir")
+    elif found and resolve_path(resume).resolve().parent != Path(save_dir).resolve():
+        raise ConfigError(f"--save-dir {save_dir} holds checkpoints of another run "
+                          f"(newest {found[0].name}); a run resumed from {resume} would "
+                          f"save its steps over them: choose a new --run-dir or --save-dir")
+    return ResumeStart(fresh=False)
 
 
 def read_config(path: str | os.PathLike) -> Config:

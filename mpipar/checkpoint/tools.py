@@ -5,6 +5,7 @@ verifies (:func:`.reader.require_sound`), and write nothing inside a checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import h5py
 from mpipar.checkpoint.directory import fsync_file, require_outside, resolve_path
 from mpipar.checkpoint.index import KINDS, read_index
 from mpipar.checkpoint.reader import (ShardFiles, read_config, read_moe_bias, read_tensors,
-                                      require_sound)
+                                      require_config_shapes, require_memory, require_sound)
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
@@ -47,13 +48,18 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
                 kinds: tuple[str, ...] = KINDS) -> Path:
     """Write the checkpoint as one HDF5 file of plain datasets ``<kind>/<name>`` (global shapes,
     chunked with fletcher32) with the index's attributes; written beside ``out`` and renamed in.
-    Verifies the checkpoint first."""
+    Verifies the checkpoint first, then that its tensors have the shapes its config implies and
+    that the largest fits in memory (CheckpointError before anything is allocated)."""
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
     path, out = resolve_path(path), Path(out)
     require_outside(out)
     index = require_sound(path)
+    require_config_shapes(path, index)
+    largest = max((math.prod(t.shape) for tensors in index.tensors.values()
+                   for t in tensors.values()), default=0)
+    require_memory(2 * largest * index.dtype.itemsize, f"consolidating {path} (its largest tensor)")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         with ShardFiles(path, index) as files, h5py.File(tmp, "w") as dst:
@@ -82,11 +88,16 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
 def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> Path:
     """Write the checkpoint's parameters as a Hugging Face directory (config.json +
     model.safetensors: :func:`mpipar.checkpoint.huggingface.save_hf`) in ``dtype`` (default:
-    the training dtype). Verifies first."""
+    the training dtype). Verifies first, then the tensors' shapes against the config and the
+    parameters' size against the memory available (CheckpointError before any is read)."""
     from mpipar.checkpoint import hf_moe
     from mpipar.checkpoint import huggingface as hf
 
     require_outside(Path(out))
+    index = require_sound(resolve_path(path))
+    require_config_shapes(resolve_path(path), index)
+    params = sum(math.prod(t.shape) for t in index.tensors["param"].values())
+    require_memory(2 * params * index.dtype.itemsize, f"exporting {path} (its parameters)")
     cfg = read_config(path)
     params = read_tensors(path, "param")
     for note in hf_moe.export_notes(cfg.model, read_moe_bias(path)):

@@ -18,9 +18,17 @@ directories are removed. A crash at any point leaves the previous checkpoint int
 ``latest`` naming it. (Saving a step that already has a checkpoint moves the old one aside
 first; a crash between the two renames leaves ``latest`` naming a missing directory, and
 ``--resume auto`` takes the newest other checkpoint.)
+
+**A full disk.** Before writing its shard a rank compares the bytes it will write (plus a
+margin for HDF5's metadata) with what the save directory's filesystem has free, and a write
+that fails with ``ENOSPC`` all the same is recognised as such; either way the partial shard is
+removed and every rank raises :class:`SaveError` naming the path, the bytes needed and free,
+and that ``latest`` still names the previous checkpoint, intact. An asynchronous save reports
+it at the first step boundary after its write ended (:mod:`.background`).
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -32,7 +40,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from mpipar.checkpoint.directory import (CheckpointError, fsync_dir, fsync_file, prune,
+from mpipar.checkpoint.directory import (CheckpointError, fsync_dir, fsync_file, latest, prune,
                                          sha256_file, shard_file_name, step_dir_name,
                                          write_latest)
 from mpipar.checkpoint.index import FORMAT, write_index
@@ -102,6 +110,46 @@ def piece_blocks(local_shape: tuple[int, ...], valid: Slices, region: Slices, lo
     return out
 
 
+class SaveError(CheckpointError):
+    """A checkpoint could not be written (a full disk, an I/O error); the previous checkpoints
+    and ``latest`` are untouched. Raised on every rank alike."""
+
+
+_METADATA_MARGIN = (1 << 16, 1 << 12)
+"""Bytes a shard file needs beyond its data: per file, and per dataset (HDF5 object headers,
+attributes, the chunk index)."""
+
+
+def latest_note(root: Path) -> str:
+    """What ``root/latest`` names after a failed save, for the message."""
+    try:
+        pointed = latest(root)
+    except CheckpointError:
+        pointed = None
+    if pointed is None or not pointed.is_dir():
+        return f"there is no committed checkpoint in {root} yet"
+    return f"'latest' in {root} still names {pointed.name}, intact"
+
+
+def _full_disk(path: Path, need: int) -> str | None:
+    """A message when the filesystem holding ``path`` has less than ``need`` bytes free."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if need <= free:
+        return None
+    return (f"no space left for {path}: it needs about {need / 2**20:,.1f} MiB, the "
+            f"filesystem has {free / 2**20:,.1f} MiB free")
+
+
+def _is_full_disk(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or HDF5's error text, which carries the errno) is ENOSPC."""
+    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            or f"errno = {errno.ENOSPC}," in str(exc))
+
+
 # ------------------------------------------------------------------------------ files
 def _write_shard(path: Path, pieces: list[Piece], state: RankState,
                  place: RankPlace) -> dict[str, Any]:
@@ -129,19 +177,29 @@ def _write_shard(path: Path, pieces: list[Piece], state: RankState,
 
 
 def _commit(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final`` (replacing an older save of the same step), then ``latest``."""
+    """Rename ``tmp`` to ``final`` (replacing an older save of the same step, or a link of that
+    name, whose target stays), then ``latest``."""
     root = final.parent
     old = None
-    if final.exists():
+    if os.path.lexists(final):
         old = root / f".{final.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
+        if os.path.lexists(old):
+            _remove(old)
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(root)
     write_latest(root, final.name)
     if old is not None:
-        shutil.rmtree(old)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory, or only the link when it is a symbolic link (its target is not the
+    save directory's to remove)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 # ------------------------------------------------------------------------------ save
@@ -182,11 +240,20 @@ class PendingSave:
         if not self.pieces:
             return
         path = self.tmp / shard_file_name(self.rank)
+        need = _METADATA_MARGIN[0] + sum(v.nbytes + _METADATA_MARGIN[1]
+                                         for *_, v in self.pieces)
+        full = _full_disk(path, need)
+        if full:
+            self.outcome = (None, f"rank {self.rank}: {full}")
+            return
         try:
             self.outcome = (_write_shard(path, self.pieces, self.state, self.position.place),
                             None)
         except Exception as exc:  # reported by rank 0 on every rank, never a hang
-            self.outcome = (None, f"rank {self.rank} writing {path}: {type(exc).__name__}: {exc}")
+            path.unlink(missing_ok=True)  # what it held is worthless, and takes the space
+            why = (f"no space left on the device ({need / 2**20:,.1f} MiB to write)"
+                   if _is_full_disk(exc) else f"{type(exc).__name__}: {exc}")
+            self.outcome = (None, f"rank {self.rank} writing {path}: {why}")
 
 
 def begin(state: RankState, position: RunPosition, save_dir: str | os.PathLike, group: Group,
@@ -209,7 +276,7 @@ def begin(state: RankState, position: RunPosition, save_dir: str | os.PathLike, 
             problem = f"cannot create {tmp}: {exc}"
     problem = group.bcast_object(problem, root=0)
     if problem:
-        raise CheckpointError(problem)
+        raise SaveError(f"{problem}; {latest_note(root)}")
     if copy is not None:
         frozen = FrozenState(state, copy)
         return PendingSave(frozen, frozen.pieces, position, rank, final, tmp)
@@ -236,10 +303,11 @@ def commit(pending: PendingSave, group: Group, keep_last: int = 0) -> Path:
             result = ""
         except Exception as exc:
             error = exc
-            result = f"{type(exc).__name__}: {exc}"
+            result = (str(exc) if isinstance(exc, CheckpointError)
+                      else f"{type(exc).__name__}: {exc}")
     result = group.bcast_object(result, root=0)
     if result:
-        raise CheckpointError(f"saving {final} failed: {result}") from error
+        raise SaveError(f"saving {final} failed: {result}; {latest_note(root)}") from error
     return final
 
 

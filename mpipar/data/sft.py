@@ -27,16 +27,26 @@ from mpipar.data.sources import DataError, H5_SUFFIXES, TokenSource, _h5_dataset
 MASK = "loss_mask"
 
 
+MAX_RECORD_BYTES = 1 << 20
+"""The longest JSONL line (one record) ``prepare --sft`` reads: a record is encoded whole, so
+its size is bounded before it is read (a long conversation of 100k tokens is ~0.5 MiB)."""
+
+
 def _records(path: str | os.PathLike):
-    """(line number, prompt, completion) of every record of the JSONL file ``path``."""
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
+    """(line number, prompt, completion) of every record of the JSONL file ``path``, read one
+    line at a time (at most :data:`MAX_RECORD_BYTES`); DataError naming the line and the rule
+    for a line that is too long, not UTF-8, not JSON (or nested too deeply), or whose text is
+    not text (a lone surrogate)."""
+    with open(path, "rb") as fh:
+        n = 0
+        while raw := fh.readline(MAX_RECORD_BYTES + 1):
+            n += 1
+            if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+                raise DataError(f"{path}:{n}: a record longer than {MAX_RECORD_BYTES} bytes "
+                                f"(the bound on one --sft record)")
+            if not raw.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{n}: not JSON ({err.msg})") from None
+            rec = _record(raw, f"{path}:{n}")
             if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
                 yield n, rec["messages"], None
                 continue
@@ -45,6 +55,41 @@ def _records(path: str | os.PathLike):
                 raise DataError(f"{path}:{n}: a record needs string fields 'prompt' and "
                                 f"'completion', or a list 'messages'")
             yield n, rec["prompt"], rec["completion"]
+
+
+def _record(raw: bytes, where: str):
+    """One JSONL line parsed; DataError naming ``where`` and the rule."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{where}: not UTF-8 (byte {err.start}: {raw[err.start:err.start + 4]!r})"
+                        ) from None
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not JSON ({err.msg})") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply for a record") from None
+    _require_text(rec, where)
+    return rec
+
+
+def _require_text(value, where: str) -> None:
+    """Every string of a parsed record is text: a lone surrogate (``"\\ud800"`` in JSON)
+    cannot be encoded, so it is refused here rather than inside the tokenizer."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise DataError(f"{where}: holds a lone surrogate "
+                                f"({v[err.start]!r}), not text") from None
+        elif isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            stack += v
 
 
 def chat_template(tokenizer: str | os.PathLike) -> tuple[str, dict]:
@@ -73,11 +118,17 @@ def render_chat(template: str, special: dict, messages: list, where: str) -> tup
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = fail
-    render = env.from_string(template).render
     if len(messages) < 2:
         raise DataError(f"{where}: 'messages' needs the conversation and its last reply")
-    whole = render(messages=messages, add_generation_prompt=False, **special)
-    prompt = render(messages=messages[:-1], add_generation_prompt=True, **special)
+    try:
+        render = env.from_string(template).render
+        whole = render(messages=messages, add_generation_prompt=False, **special)
+        prompt = render(messages=messages[:-1], add_generation_prompt=True, **special)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a template does is the data's fault
+        raise DataError(f"{where}: the chat template failed on the record "
+                        f"({type(exc).__name__}: {str(exc)[:200]})") from None
     if not whole.startswith(prompt):
         raise DataError(f"{where}: the rendered conversation does not start with its prompt")
     return prompt, whole[len(prompt):]

@@ -205,6 +205,9 @@ def read_records(path: str) -> list[dict[str, Any]]:
     for k, line in enumerate(lines):
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise ValueError(f"{path}: line {k + 1} is JSON nested too deeply for a step "
+                             f"record") from None
         except ValueError:  # not JSON, or not UTF-8
             if k < len(lines) - 1:
                 raise ValueError(f"{path}: line {k + 1} is not JSON ({line[:60]!r}...)") from None

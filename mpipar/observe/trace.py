@@ -31,6 +31,7 @@ import os
 import time
 from typing import Any
 
+from mpipar.config import StepRanges
 from mpipar.runtime.comm import Group, Ledger
 
 THREADS = {0: "steps", 1: "pipeline", 2: "communication", 3: "checkpoint",
@@ -54,11 +55,11 @@ class Tracer:
     the ledgers whose calls it records, ``spans`` the list the checkpoint code appends its
     ``(what, thread, start, end)`` spans to."""
 
-    def __init__(self, *, steps: frozenset[int], group: Group, coord: dict[str, int],
+    def __init__(self, *, steps: StepRanges, group: Group, coord: dict[str, int],
                  ledgers: list[Ledger], spans: list, run_dir: str) -> None:
         self.steps, self.group, self.coord, self.run_dir = steps, group, coord, run_dir
         self.ledgers, self.spans = ledgers, spans
-        self.last = max(steps) if steps else 0
+        self.last = steps.last
         self.events: list[dict[str, Any]] = []
         self.written, self.traced = not steps, False
         self._step, self._start, self._calls = 0, 0.0, []

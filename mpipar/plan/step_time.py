@@ -53,6 +53,7 @@ from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group
                               group_sizes,
                               nodes_of, schedule_ops)
 from mpipar.plan.traffic import call_algorithm, call_wire, step_calls
+from mpipar.runtime import allreduce
 from mpipar.runtime.topology import GROUP_AXES, Coord
 
 
@@ -110,12 +111,21 @@ class Hardware:
     @classmethod
     def load(cls, path: str) -> "Hardware":
         """The hardware file ``path`` (from ``python -m mpipar.bench comm``)."""
-        with open(path) as fh:
-            data = json.load(fh)
+        data = allreduce.read_hardware_file(path)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"{path}: unknown hardware fields {unknown}; expected {sorted(names)}")
+        for name, value in data.items():
+            if name == "allreduce_seconds":
+                data[name] = allreduce.parse_table(value, f"{path}: allreduce_seconds")
+            elif (isinstance(value, bool) or not isinstance(value, (int, float))
+                  or not math.isfinite(value) or value < 0
+                  or (name == "ranks_per_node" and value != int(value))):
+                raise ValueError(f"{path}: {name}={str(value)[:40]!r} is not a "
+                                 f"{'whole ' if name == 'ranks_per_node' else ''}number >= 0")
+        if "ranks_per_node" in data:
+            data["ranks_per_node"] = int(data["ranks_per_node"])
         return cls(**data)
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import json
+import math
 import os
 from collections.abc import Mapping, MutableMapping
 
@@ -193,12 +194,70 @@ class MpiT:
             self.write(name, MPICH_ENUM[name].index(value))
 
 
+HARDWARE_FILE_LIMIT = 1 << 24
+"""Bytes a hardware file may hold (``bench comm`` writes a few KiB)."""
+
+
+def read_hardware_file(path: str) -> dict:
+    """The JSON object of hardware file ``path``; ValueError naming the file and the rule when
+    it is larger than :data:`HARDWARE_FILE_LIMIT`, not UTF-8 JSON, nested too deeply, or not
+    an object (OSError when it cannot be read)."""
+    with open(path, "rb") as fh:
+        raw = fh.read(HARDWARE_FILE_LIMIT + 1)
+    if len(raw) > HARDWARE_FILE_LIMIT:
+        raise ValueError(f"{path}: larger than {HARDWARE_FILE_LIMIT} bytes; a hardware file "
+                         f"from python -m mpipar.bench comm holds a few KiB")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a JSON hardware file ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply for a hardware file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object of "
+                         f"hardware fields")
+    return data
+
+
+def parse_table(table: object, where: str) -> dict[str, dict[int, float]]:
+    """``allreduce_seconds`` (``where`` names it in messages): an object of algorithms (auto,
+    ring, tree, rabenseifner) to objects of sizes (whole bytes >= 1, as strings) to seconds
+    (finite, > 0). ValueError naming the entry and the rule."""
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: must be an object of algorithm -> {{bytes: seconds}}")
+    known = ("auto", *LIBRARY_ALGORITHMS)
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown algorithms {unknown}; expected some of {list(known)}")
+    out = {}
+    for alg, sizes in table.items():
+        if not isinstance(sizes, dict):
+            raise ValueError(f"{where}.{alg}: must be an object of bytes -> seconds")
+        out[alg] = {}
+        for size, seconds in sizes.items():
+            if not (isinstance(size, str) and size.isdigit() and len(size) <= 18
+                    and int(size) >= 1):
+                raise ValueError(f"{where}.{alg}: size {size[:40]!r} is not a whole number "
+                                 f"of bytes >= 1")
+            if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                    or not math.isfinite(seconds) or seconds <= 0):
+                raise ValueError(f"{where}.{alg}.{size}: {str(seconds)[:40]!r} is not a time "
+                                 f"in seconds (a finite number > 0)")
+            out[alg][int(size)] = float(seconds)
+    return out
+
+
 def load_table(path: str) -> dict[str, dict[int, float]]:
-    """``allreduce_seconds`` of a hardware file: algorithm -> {bytes: seconds}."""
-    with open(path) as fh:
-        table = json.load(fh).get("allreduce_seconds") or {}
-    return {alg: {int(size): float(s) for size, s in sizes.items()}
-            for alg, sizes in table.items() if alg in ("auto", *LIBRARY_ALGORITHMS)}
+    """``allreduce_seconds`` of a hardware file: algorithm -> {bytes: seconds}, checked
+    (:func:`read_hardware_file`, :func:`parse_table`)."""
+    table = parse_table(read_hardware_file(path).get("allreduce_seconds"),
+                        f"{path}: allreduce_seconds")
+    if not any(table.values()):
+        raise ValueError(f"{path}: allreduce_seconds holds no all-reduce timings (python -m "
+                         f"mpipar.bench comm --algorithms measures them)")
+    return table
 
 
 class SizeChoice:
@@ -262,15 +321,22 @@ def before_allreduce(nbytes: int) -> None:
 
 def configure(algorithm: str, hardware: str, version: str) -> str:
     """After ``MPI_Init`` on every rank: check the library (ConfigError for an explicit algorithm
-    it cannot run), arm the per-size choice of ``auto`` with a ``hardware`` file under MPICH,
+    it cannot run, or a ``hardware`` file that is not one, under any library), arm the per-size choice of ``auto`` with a ``hardware`` file under MPICH,
     and return what the start-up line says."""
     global ACTIVE
     family = check_library(algorithm, version)
+    if hardware:
+        from mpipar.config import ConfigError
+        try:
+            table = load_table(hardware)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--allreduce-hardware {hardware}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
     if algorithm == "hierarchical":
         return "allreduce hierarchical (mpipar's --dp-reduce hierarchical; library's own steps)"
     if algorithm == "auto":
         if hardware and family == "mpich":
-            ACTIVE = SizeChoice(load_table(hardware), MpiT())
+            ACTIVE = SizeChoice(table, MpiT())
             return f"allreduce auto from {hardware} ({ACTIVE.describe()})"
         return "allreduce auto (the library's choice)"
     try:

@@ -19,10 +19,12 @@ lock): a fresh run (no ``--resume``) refuses a save directory that already holds
 (saving beside them would overwrite the same-numbered ones and point ``latest`` into a mix of
 two runs); ``--resume auto`` refuses one whose checkpoints all fail verification (it would start
 fresh over them); a run resumed from another save directory refuses one that holds checkpoints;
-and a run that starts at step 0 (no ``--resume``, or ``--resume auto`` with no checkpoint)
-refuses a run directory whose ``metrics.jsonl`` holds steps (it would replace the metrics,
-config and summaries of the run that wrote them, which saved elsewhere). A resumed run keeps
-the records of the steps it resumes after, as always. A ``metrics.jsonl`` that cannot be read
+and a fresh run (no ``--resume``) refuses a run directory whose ``metrics.jsonl`` holds steps
+(it would replace the metrics, config and summaries of the run that wrote them, which saved
+elsewhere). ``--resume auto`` with no committed checkpoint (a run stopped before its first
+save, or during it, then requeued) begins again and sets an earlier ``metrics.jsonl`` aside as
+``metrics.jsonl.N``, saying so in the log. A resumed run keeps the records of the steps it
+resumes after, as always. A ``metrics.jsonl`` that cannot be read
 back is refused too, before step 1 rather than at the first record.
 """
 from __future__ import annotations
@@ -74,10 +76,12 @@ def prepare_outputs(cfg: Config) -> None:
 
 
 def _create(flag: str, path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {path}: exists and is not a directory")
     try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{flag} {path}: exists and is not a directory")
         path.mkdir(parents=True, exist_ok=True)
+    except ValueError:  # a NUL in a path given on the command line or by the API
+        raise ConfigError(f"{flag} {str(path)[:80]!r}: must not contain a NUL character") from None
     except OSError as exc:
         raise ConfigError(f"{flag} {path}: cannot create the directory "
                           f"({exc.strerror or exc}: {exc.filename or path})") from None
@@ -138,32 +142,39 @@ def _lock(directory: Path):
     return fh
 
 
-def refuse_earlier_run(cfg: Config) -> None:
-    """Refuse (ConfigError) a run that would overwrite another run's checkpoints or metrics
-    (the module docstring); rank 0, under the lock. Checkpoint verification is cached, so
-    asking which checkpoint ``--resume auto`` takes again costs a ``stat`` per file."""
-    from mpipar.checkpoint.directory import list_checkpoints, resolve_path
-    from mpipar.checkpoint.reader import resolve_resume
+def refuse_earlier_run(cfg: Config) -> list[str]:
+    """Refuse (ConfigError) a run that would overwrite another run's checkpoints
+    (:func:`mpipar.checkpoint.reader.resume_policy`) or metrics (the module docstring); rank 0,
+    under the lock. Returns notes for the log: the earlier metrics set aside when ``--resume
+    auto`` restarts a run that never committed a checkpoint. Checkpoint verification is cached,
+    so asking which checkpoint ``--resume auto`` takes again costs a ``stat`` per file."""
+    from mpipar.checkpoint.reader import resume_policy
     tr = cfg.train
-    found = list_checkpoints(tr.save_dir)
-    if not tr.resume and found:
-        raise ConfigError(f"--save-dir {tr.save_dir} holds checkpoints of an earlier run "
-                          f"(newest {found[0].name}); a fresh run would overwrite them: use "
-                          f"--resume auto to continue it, or a new --run-dir")
-    fresh = not tr.resume or (tr.resume == "auto" and not found)  # starts at step 0
-    if tr.resume == "auto" and found:
-        path, notes = resolve_resume("auto", tr.save_dir)
-        if path is None:
-            raise ConfigError(f"--resume auto: no checkpoint of --save-dir {tr.save_dir} "
-                              f"verifies ({'; '.join(notes)}); a fresh run would overwrite "
-                              f"them: move them aside, or choose a new --run-dir")
-    elif tr.resume and tr.resume != "auto" and found:
-        source = resolve_path(tr.resume).resolve().parent
-        if source != Path(tr.save_dir).resolve():
-            raise ConfigError(f"--save-dir {tr.save_dir} holds checkpoints of another run "
-                              f"(newest {found[0].name}); a run resumed from {tr.resume} would "
-                              f"save its steps over them: choose a new --run-dir or --save-dir")
-    _check_metrics(Path(tr.run_dir), fresh)
+    start = resume_policy(tr.resume, tr.save_dir)
+    if start.restart:
+        return _set_metrics_aside(Path(tr.run_dir), tr.save_dir)
+    _check_metrics(Path(tr.run_dir), start.fresh)
+    return []
+
+
+def _set_metrics_aside(run_dir: Path, save_dir: str) -> list[str]:
+    """``--resume auto`` with no committed checkpoint in ``save_dir``: the run begins again, so
+    an earlier ``metrics.jsonl`` becomes ``metrics.jsonl.N`` (the first N free), kept whole."""
+    path = run_dir / "metrics.jsonl"
+    note = (f"--resume auto: no committed checkpoint in {save_dir}; starting the run again "
+            f"from step 1")
+    if not path.is_file() or path.stat().st_size == 0:
+        return [note]
+    n = 1
+    while os.path.lexists(f"{path}.{n}"):
+        n += 1
+    try:
+        os.rename(path, f"{path}.{n}")
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_dir}: cannot set the earlier metrics.jsonl aside "
+                          f"({exc.strerror or exc}); move it aside, or choose a new "
+                          f"--run-dir") from None
+    return [f"{note}; the earlier run's metrics.jsonl is kept as {path.name}.{n}"]
 
 
 def _check_metrics(run_dir: Path, fresh: bool) -> None:

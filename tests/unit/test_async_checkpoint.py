@@ -95,7 +95,7 @@ def test_host_copy_is_a_copy():
 @pytest.mark.parametrize("spec,steps", [("", set()), ("0", set()), ("3", {1, 2, 3}),
                                         ("4-6", {4, 5, 6}), ("2,5-6,9", {2, 5, 6, 9})])
 def test_trace_steps(spec, steps):
-    assert trace_step_set(spec) == steps
+    assert {s for s in range(20) if s in trace_step_set(spec)} == steps
 
 
 @pytest.mark.parametrize("spec", ["x", "3-1", "0-2", "1,,2", "-2", "2-"])

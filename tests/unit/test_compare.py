@@ -41,3 +41,54 @@ def test_bad_input_exits_2_with_one_message(tmp_path, capsys):
     assert main([a, str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("mpipar.compare: error:") for line in err)
+
+
+def test_steps_only_one_run_logged_fail_the_comparison(tmp_path, capsys):
+    """A 6-step run against a 2-step run is not 'equal over 2 steps': exit 1 naming the steps
+    only one side logged; ``--steps`` restricting both to the shared ones passes."""
+    six = _write(tmp_path / "six", [3.0, 2.5, 2.25, 2.0, 1.9, 1.8])
+    two = _write(tmp_path / "two", [3.0, 2.5])
+    assert main([six, two]) == 1
+    err = capsys.readouterr().err
+    assert ("run A logged 4 step(s) the other did not (3, 4, 5, 6): the runs differ in the "
+            "steps they logged") in err and "Traceback" not in err
+    assert main([two, six]) == 1 and "run B logged 4 step(s)" in capsys.readouterr().err
+    assert main([six, two, "--steps", "1:2"]) == 0
+
+
+def test_a_step_logged_twice_is_refused(tmp_path, capsys):
+    a = _write(tmp_path / "a", [3.0, 2.5])
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": 2, "loss": 9.0, "grad_norm": 9.0}) + "\n")
+    b = _write(tmp_path / "b", [3.0, 2.5])
+    assert main([a, b]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.jsonl: step 2 is logged twice (record 3)" in err
+
+
+def test_a_metric_named_twice_counts_once(tmp_path, capsys):
+    a = _write(tmp_path / "a", [3.0, 2.5])
+    assert main([a, a, "--metric", "loss", "--metric", "loss"]) == 0
+    assert "over 2 steps" in capsys.readouterr().out
+
+
+def test_deep_json_and_an_unwritable_png_exit_2(tmp_path, capsys):
+    a = _write(tmp_path / "a", [3.0, 2.5])
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "metrics.jsonl").write_text("[" * 100000 + "]" * 100000 + "\n"
+                                                     + json.dumps({"step": 1}) + "\n")
+    assert main([a, str(tmp_path / "deep")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 1 is JSON nested too deeply" in err
+    assert main([a, a, "--png", str(tmp_path / "no" / "such" / "dir" / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--png" in err and "cannot be written" in err
+
+
+def test_configurations_that_differ_are_listed(tmp_path, capsys):
+    a = _write(tmp_path / "a", [3.0, 2.5])
+    b = _write(tmp_path / "b", [3.0, 2.5])
+    (tmp_path / "a" / "config.toml").write_text("[train]\nlr = 0.001\nseed = 1\n")
+    (tmp_path / "b" / "config.toml").write_text("[train]\nlr = 0.002\nseed = 1\n")
+    assert main([a, b]) == 0
+    assert "the runs' configurations differ: train.lr: 0.001 vs 0.002" in capsys.readouterr().out

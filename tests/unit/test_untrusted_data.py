@@ -288,3 +288,53 @@ def test_the_tokenizer_encodes_bounded_text_at_a_time(tmp_path, monkeypatch):
     assert np.array_equal(ids, want)
     assert documents.BATCH_BYTES == 2**20
     assert max(sizes[:-1]) <= documents.BATCH_BYTES and sizes[-1] == len(docs[-1])
+
+
+# ------------------------------------------------------------------- data prepare --sft
+def _sft(capsys, tmp_path, tokenizer_dir, lines: bytes, message: str, template: str = "") -> None:
+    """``data prepare --sft`` of a JSONL file of ``lines`` (its first record good) exits 2 with
+    one line naming the file, the line and ``message``; no output is written."""
+    if template:
+        config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+        config["chat_template"] = template
+        (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(json.dumps({"prompt": "the cat", "completion": "sat"}).encode() + b"\n"
+                      + lines + b"\n")
+    err = _refused(capsys, ["prepare", "--sft", str(pairs), "--tokenizer", str(tokenizer_dir),
+                            "--out", str(tmp_path / "out.h5")], f"{pairs}:2: {message}")
+    assert "Traceback" not in err and not (tmp_path / "out.h5").exists()
+
+
+CHAT = json.dumps({"messages": [{"role": "user", "content": "the cat"},
+                                {"role": "assistant", "content": "sat"}]}).encode()
+SFT_CASES = [
+    ("not utf-8", b'{"prompt": "the \xff cat", "completion": "sat"}', "not UTF-8 (byte 16",
+     ""),
+    ("lone surrogate", b'{"prompt": "the \\ud800 cat", "completion": "sat"}',
+     "holds a lone surrogate ('\\ud800'), not text", ""),
+    ("surrogate in messages", b'{"messages": [{"role": "user", "content": "\\udfff"}, 1]}',
+     "holds a lone surrogate", ""),
+    ("deep", b"[" * 100000 + b"]" * 100000, "JSON nested too deeply for a record", ""),
+    ("too long", b'{"prompt": "' + b"a" * (2 << 20) + b'", "completion": "x"}',
+     "a record longer than 1048576 bytes", ""),
+    ("template reads a missing field", CHAT,
+     "the chat template failed on the record (UndefinedError",
+     "{% for m in messages %}{{ m.content.missing.deeper }}{% endfor %}"),
+    ("template raises", CHAT, "the chat template failed on the record (ZeroDivisionError",
+     "{{ 1 // 0 }}"),
+    ("template reaches past the sandbox", CHAT,
+     "the chat template failed on the record (SecurityError",
+     "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}"),
+    ("template does not parse", CHAT, "the chat template failed on the record "
+                                      "(TemplateSyntaxError", "{% for m in messages %}"),
+]
+
+
+@pytest.mark.parametrize("name,lines,message,template", SFT_CASES, ids=[c[0] for c in SFT_CASES])
+def test_sft_records_that_are_not_records_are_named(capsys, tmp_path, tokenizer_dir, name, lines,
+                                                     message, template):
+    pytest.importorskip("jinja2")
+    start = time.monotonic()
+    _sft(capsys, tmp_path, tokenizer_dir, lines, message, template)
+    assert time.monotonic() - start < 30

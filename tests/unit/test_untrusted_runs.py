@@ -242,3 +242,132 @@ def test_report_refuses_a_config_whose_sizes_are_not_sizes(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == (f"mpipar.report: error: {tmp_path / 'config.toml'}: parallel.dp=0 must "
                            f"be an integer >= 1")
+
+
+# ------------------------------------------------- train: --resume auto before any checkpoint
+def _requeued(run, *extra: str) -> tuple[int, str, str]:
+    """``python -m mpipar.train --resume auto`` in ``run``, as a requeued job starts it:
+    (status, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    from conftest import launch_env
+    done = subprocess.run([sys.executable, "-m", "mpipar.train", *TINY, "--run-dir", str(run),
+                           "--resume", "auto", *extra], env=launch_env(), capture_output=True,
+                          text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_resume_auto_before_the_first_checkpoint_starts_again(tmp_path, interrupted):
+    """A run killed before its first checkpoint (or while an asynchronous save wrote it: a
+    hidden ``.step_N.tmp`` is all it left) and requeued with ``--resume auto`` begins again,
+    says so, and keeps the earlier metrics whole as ``metrics.jsonl.1``; a second requeue of
+    the same kind keeps both earlier logs."""
+    run = tmp_path / "run"
+    earlier_run(run, steps=2)
+    if interrupted:
+        partial = run / "checkpoints" / ".step_00000002.tmp"
+        partial.mkdir(parents=True)
+        (partial / "shard_00000.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    earlier = (run / "metrics.jsonl").read_bytes()
+    code, out, err = _requeued(run, "--steps", "1")
+    assert code == 0 and "Traceback" not in err, err
+    assert (f"--resume auto: no committed checkpoint in {run / 'checkpoints'}; starting the run "
+            f"again from step 1; the earlier run's metrics.jsonl is kept as metrics.jsonl.1") in out
+    assert (run / "metrics.jsonl.1").read_bytes() == earlier
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1]
+    shutil.rmtree(run / "checkpoints")  # as if the first requeue was killed before saving too
+    first = (run / "metrics.jsonl").read_bytes()
+    code, out, err = _requeued(run, "--steps", "1")
+    assert code == 0 and "kept as metrics.jsonl.2" in out, err
+    assert (run / "metrics.jsonl.1").read_bytes() == earlier
+    assert (run / "metrics.jsonl.2").read_bytes() == first
+
+
+# ------------------------------------------------- ckpt: converters check before allocating
+@pytest.mark.parametrize("command", ["consolidate", "export-hf"])
+def test_converters_compare_tensor_shapes_with_the_config(saved, tmp_path, capsys, command):
+    """``ckpt consolidate`` and ``export-hf`` check the stored shapes against the config before
+    reading a tensor: a config of hidden 64 over tensors of 32 is named, nothing written."""
+    from mpipar import ckpt
+    wide = _with_config(saved, tmp_path / "wide", "hidden = 32", "hidden = 64")
+    out = tmp_path / "out"
+    assert ckpt.main([command, wide, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert ("param/embed_tokens.weight has shape [256, 32], but the checkpoint's config implies "
+            "[256, 64]") in err and not out.exists()
+
+
+@pytest.mark.parametrize("command,what", [("consolidate", "its largest tensor"),
+                                          ("export-hf", "its parameters")])
+def test_converters_check_memory_before_allocating(saved, tmp_path, capsys, monkeypatch,
+                                                   command, what):
+    """A tensor larger than the memory this node has is refused before it is allocated."""
+    from mpipar import ckpt
+    from mpipar.runtime import memory
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 4096)
+    out = tmp_path / "out"
+    assert ckpt.main([command, saved, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"({what}) needs" in err and "GiB of memory at once; this node has 0.00 GiB" in err
+    assert not out.exists()
+
+
+# --------------------------------------------------- a symlinked step_N in a save directory
+@pytest.fixture
+def linked_step(tmp_path):
+    """A save directory holding step_00000001 and a symbolic link step_00000002 to a checkpoint
+    elsewhere, which ``latest`` names: (save directory, the link's target)."""
+    save = tmp_path / "run" / "checkpoints"
+    _checkpoint(save, 1)
+    elsewhere = _checkpoint(tmp_path / "elsewhere", 2)
+    os.symlink(elsewhere, save / "step_00000002")
+    (save / "latest").write_text("step_00000002\n")
+    return save, elsewhere
+
+
+@pytest.mark.parametrize("argv", [["verify", "{link}"], ["verify", "{save}"],
+                                  ["inspect", "{link}"], ["consolidate", "{link}", "{out}"],
+                                  ["export-hf", "{save}", "{out}"]])
+def test_a_symlinked_checkpoint_directory_is_not_read(linked_step, tmp_path, capsys, argv):
+    from mpipar import ckpt
+    save, elsewhere = linked_step
+    names = {"link": str(save / "step_00000002"), "save": str(save), "out": str(tmp_path / "o")}
+    assert ckpt.main([a.format(**names) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (f"{save / 'step_00000002'}: a symbolic link (to {elsewhere}); a checkpoint directory "
+            f"must lie inside its save directory") in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_and_pruning_pass_a_symlinked_checkpoint_directory_by(linked_step, tmp_path):
+    """``--resume auto`` takes the save directory's own checkpoint, not the link ``latest``
+    names; its save of step 2 replaces the link (not the link's target), and ``--keep-last 1``
+    prunes only its own checkpoints."""
+    save, elsewhere = linked_step
+    before = snapshot(elsewhere)
+    code, err = run_train([*RUN, "--run-dir", str(tmp_path / "run"), "--resume", "auto",
+                           "--keep-last", "1", "--save-every", "1"])
+    assert code == 0 and "Traceback" not in err, err
+    assert sorted(p.name for p in save.glob("step_*")) == ["step_00000003"]
+    assert snapshot(elsewhere) == before
+    assert (save / "latest").read_text() == "step_00000003\n"
+
+
+# ------------------------------------------------ train: run directories no filesystem holds
+def test_a_nul_in_a_toml_path_is_refused(tmp_path):
+    config = tmp_path / "nul.toml"
+    config.write_text(f'[train]\nrun_dir = "{tmp_path}/a\\u0000b"\n')
+    code, err = run_train([*TINY, "--config", str(config)])
+    _one_error(code, err, "train.run_dir=")
+    assert "must not contain a NUL character" in err and sorted(os.listdir(tmp_path)) == ["nul.toml"]
+
+
+def test_a_run_directory_name_longer_than_the_filesystem_holds_is_refused(tmp_path):
+    run = tmp_path / ("r" * 300)
+    code, err = run_train([*TINY, "--run-dir", str(run)])
+    _one_error(code, err, f"--run-dir {run}: cannot create the directory (File name too long")

@@ -13,7 +13,8 @@ import math
 import sys
 from pathlib import Path
 
-from mpipar.checkpoint.huggingface import (CONFIG_FILE, SAVE_DTYPES, HFCheckpointError, Support,
+from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, SAVE_DTYPES,
+                                           HFCheckpointError, Support,
                                            open_safetensors, check_tensors, load_hf,
                                            passthrough_config, read_config_json, save_hf,
                                            support, weight_files)
@@ -27,7 +28,11 @@ def _describe_tensors(path: Path) -> list[str]:
         by_file.setdefault(file, []).append(name)
     for file, names in sorted(by_file.items()):
         with open_safetensors(file) as f:
+            held = set(f.keys())
             for name in sorted(names):
+                if name not in held:
+                    raise HFCheckpointError(f"{path / INDEX_FILE}: maps {name} to {file.name}, "
+                                            f"which does not hold it")
                 piece = f.get_slice(name)
                 shape = piece.get_shape()
                 total += math.prod(shape)

@@ -500,23 +500,29 @@ def model_config_with_overrides(hf_cfg: ModelConfig, overrides: Mapping[str, Any
 
 
 # --------------------------------------------------------------------------------- tensors
+MAX_WEIGHT_MAP, MAX_INDEX_BYTES = 1 << 18, 1 << 26  # an index's tensors (DeepSeek-V3: ~92k), bytes
+
+
 def weight_files(path: str | os.PathLike) -> dict[str, Path]:
     """Where each tensor of directory ``path`` lives: ``{hf name: safetensors file}``. The shards
     an index lists must be relative paths inside ``path`` (no absolute path, no ``..``), so that
-    an index cannot make mpipar read a file outside the directory."""
+    an index cannot make mpipar read a file outside the directory (nor be over its bounds)."""
     root = Path(path)
     single, index = root / WEIGHTS_FILE, root / INDEX_FILE
     if single.is_file():
         with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     if index.is_file():
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise HFCheckpointError(f"{index}: larger than {MAX_INDEX_BYTES} bytes")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise HFCheckpointError(f"{index}: needs a JSON object with a 'weight_map' "
                                     f"({type(exc).__name__}: {exc})") from None
-        if not isinstance(weight_map, dict):
-            raise HFCheckpointError(f"{index}: 'weight_map' must map tensor names to files")
+        if not isinstance(weight_map, dict) or len(weight_map) > MAX_WEIGHT_MAP:
+            raise HFCheckpointError(f"{index}: 'weight_map' must map tensor names to files "
+                                    f"(at most {MAX_WEIGHT_MAP:,})")
         files = {name: root / _shard_name(index, name, shard) for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():

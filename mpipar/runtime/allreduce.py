@@ -321,7 +321,8 @@ def before_allreduce(nbytes: int) -> None:
 
 def configure(algorithm: str, hardware: str, version: str) -> str:
     """After ``MPI_Init`` on every rank: check the library (ConfigError for an explicit algorithm
-    it cannot run, or a ``hardware`` file that is not one, under any library), arm the per-size choice of ``auto`` with a ``hardware`` file under MPICH,
+    it cannot run, or a ``hardware`` file that is not one, under any library), arm the
+    per-size choice of ``auto`` with a ``hardware`` file under MPICH,
     and return what the start-up line says."""
     global ACTIVE
     family = check_library(algorithm, version)

@@ -177,3 +177,32 @@ def test_fuzzed_configs_are_read_or_refused_naming_a_field(raw):
         return
     for name in ("rope_theta", "norm_eps", "init_std", "rope_factor"):
         assert math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0, (name, cfg)
+
+
+def test_hf_inspect_names_an_index_entry_its_shard_lacks(hf_dir, capsys):
+    """The index maps a tensor to the other shard: ``inspect`` exits 2 naming the entry and the
+    shard (it printed a traceback)."""
+    weight_map = _sharded(hf_dir)
+    name = sorted(weight_map)[0]
+    other = next(f for f in set(weight_map.values()) if f != weight_map[name])
+    (hf_dir / INDEX_FILE).write_text(json.dumps({"weight_map": {**weight_map, name: other}}))
+    assert hf_main(["inspect", str(hf_dir)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"maps {name} to {other}, which does not hold it" in err
+
+
+@pytest.mark.parametrize("entries,message", [
+    (300_000, "'weight_map' must map tensor names to files (at most 262,144)"),
+    (2_000_000, "model.safetensors.index.json: larger than 67108864 bytes")])
+def test_an_index_of_huge_numbers_of_entries_is_refused_at_once(hf_dir, capsys, entries,
+                                                                 message):
+    import time
+    weight_map = _sharded(hf_dir)
+    junk = {f"junk.{k}": f"junk-{k}.safetensors" for k in range(entries)}
+    (hf_dir / INDEX_FILE).write_text(json.dumps({"weight_map": {**weight_map, **junk}}))
+    start = time.monotonic()
+    assert hf_main(["inspect", str(hf_dir)]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert time.monotonic() - start < 30 and len(err.splitlines()) == 1

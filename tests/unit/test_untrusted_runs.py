@@ -364,7 +364,8 @@ def test_a_nul_in_a_toml_path_is_refused(tmp_path):
     config.write_text(f'[train]\nrun_dir = "{tmp_path}/a\\u0000b"\n')
     code, err = run_train([*TINY, "--config", str(config)])
     _one_error(code, err, "train.run_dir=")
-    assert "must not contain a NUL character" in err and sorted(os.listdir(tmp_path)) == ["nul.toml"]
+    assert "must not contain a NUL character" in err
+    assert sorted(os.listdir(tmp_path)) == ["nul.toml"]
 
 
 def test_a_run_directory_name_longer_than_the_filesystem_holds_is_refused(tmp_path):

@@ -405,7 +405,7 @@ def require_config_shapes(path: Path, index: Index) -> None:
 def require_memory(need: int, what: str) -> None:
     """Refuse (CheckpointError) reading ``need`` bytes at once for ``what`` when this node has
     less memory available, before anything is allocated."""
-    from mpipar.runtime.memory import available_memory_bytes
+    from mpipar.runtime.host_memory import available_memory_bytes
     available = available_memory_bytes()
     if available is not None and need > available:
         raise CheckpointError(f"{what} needs {need / 2**30:,.2f} GiB of memory at once; this "

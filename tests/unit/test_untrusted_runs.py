@@ -306,8 +306,8 @@ def test_converters_check_memory_before_allocating(saved, tmp_path, capsys, monk
                                                    command, what):
     """A tensor larger than the memory this node has is refused before it is allocated."""
     from mpipar import ckpt
-    from mpipar.runtime import memory
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 4096)
+    from mpipar.runtime import host_memory
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 4096)
     out = tmp_path / "out"
     assert ckpt.main([command, saved, str(out)]) == 2
     err = capsys.readouterr().err

@@ -37,7 +37,8 @@ def _engine(layout: dict, comm, path: str):
 
 def _check(layout: dict, comm) -> list[str]:
     staged, direct = _engine(layout, comm, "off"), _engine(layout, comm, "auto")
-    fails = [] if staged.mpi_path.staging and not direct.mpi_path.staging else ["paths"]
+    paths = staged.comms.mpi_path, direct.comms.mpi_path
+    fails = [] if paths[0].staging and not paths[1].staging else ["paths"]
     runs = []
     for eng in (staged, direct):
         results = [trainer.train_step(eng, k) for k in range(2)]
@@ -45,16 +46,16 @@ def _check(layout: dict, comm) -> list[str]:
                      trainer.gather_params(eng)))
         eng.ledger.reset()
     fails += compare(runs[0], reference("float64", model=layout.get("model", "llama")), 1e-10)
-    pool = staged.mpi_path.allocated
+    pool = staged.comms.mpi_path.allocated
     for eng in (staged, direct):
         trainer.train_step(eng, 2)
     # Buckets reduce as their gradients become final and progress when MPI says a step is done,
     # so how many are in flight at once (each holding a send and a receive buffer) depends on
     # timing: a later step may add buffers, never more than every bucket in flight at once.
-    bound = 2 * len(staged.reducer.buckets) + 2
-    if staged.mpi_path.allocated - pool > bound:
-        fails.append(f"staging allocated {staged.mpi_path.allocated - pool} buffers in step 3, "
-                     f"more than {bound} (every bucket in flight)")
+    bound = 2 * len(staged.weights.reducer.buckets) + 2
+    if staged.comms.mpi_path.allocated - pool > bound:
+        fails.append(f"staging allocated {staged.comms.mpi_path.allocated - pool} buffers in "
+                     f"step 3, more than {bound} (every bucket in flight)")
     mine = {k: (e.bytes, e.messages) for k, e in staged.ledger.entries.items()}
     theirs = {k: (e.bytes, e.messages) for k, e in direct.ledger.entries.items()}
     if mine != theirs:

@@ -77,11 +77,16 @@ def prepare_outputs(cfg: Config) -> None:
 
 def _create(flag: str, path: Path) -> None:
     try:
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"{flag} {path}: exists and is not a directory")
-        path.mkdir(parents=True, exist_ok=True)
+        exists = path.exists() and not path.is_dir()
     except ValueError:  # a NUL in a path given on the command line or by the API
         raise ConfigError(f"{flag} {str(path)[:80]!r}: must not contain a NUL character") from None
+    except OSError as exc:  # a name longer than the filesystem holds
+        raise ConfigError(f"{flag} {path}: cannot create the directory "
+                          f"({exc.strerror or exc}: {exc.filename or path})") from None
+    if exists:
+        raise ConfigError(f"{flag} {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"{flag} {path}: cannot create the directory "
                           f"({exc.strerror or exc}: {exc.filename or path})") from None

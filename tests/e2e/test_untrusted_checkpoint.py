@@ -175,7 +175,9 @@ def test_a_shard_removed_after_verification_fails_the_read(ck, capsys, monkeypat
     for args in (("consolidate", ck, tmp / "all.h5"), ("export-hf", ck, tmp / "hf")):
         shutil.copy(tmp / "outside" / SHARD, ck / SHARD)
         status, _, err = run_cli(capsys, *args)
-        refused(status, err, "mpipar.ckpt: error: ", str(ck / SHARD), "cannot be opened")
+        refused(status, err, "mpipar.ckpt: error: ", str(ck / SHARD))
+        # the converters' shape and memory checks may find the shard gone before the read does
+        assert "cannot be opened" in err or "missing shard" in err, err
     assert not (tmp / "all.h5").exists() and not (tmp / "hf").exists()
     assert not [p for p in tmp.iterdir() if p.name.startswith(".")]
     shutil.copy(tmp / "outside" / SHARD, ck / SHARD)

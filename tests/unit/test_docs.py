@@ -18,7 +18,6 @@ HISTORY = re.compile(
     r"\bsessions? [0-9]|\bpass(es)? [0-9]|\bissues? [0-9#]|\bow[e]d\b|DESIGN\.md|STYLE\.md"
     r"|\b(first|second|third|[a-z]*(fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
     r"|teenth|tieth)|[0-9]+(st|nd|rd|th)) pass(es)?\b", re.I)
-HISTORY_EXEMPT: set[str] = set()
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -110,8 +109,6 @@ def test_benchmarks_open_with_the_headline_table_and_stay_short():
 
 @pytest.mark.parametrize("doc", _documents(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_documents_describe_the_product_not_how_the_work_went(doc):
-    if str(doc.relative_to(ROOT)) in HISTORY_EXEMPT:
-        pytest.skip("exempt from this check")
     hits = [f"{n}: {line.strip()[:80]}" for n, line in enumerate(doc.read_text().splitlines(), 1)
             if HISTORY.search(line)]
     assert not hits, f"{doc.relative_to(ROOT)} narrates history: {hits}"
@@ -149,5 +146,6 @@ def test_code_and_scripts_describe_the_product_not_how_the_work_went():
 
 def test_the_code_history_check_sees_a_narrated_comment(tmp_path):
     bad = tmp_path / "k.py"
-    bad.write_text("x = 1  # timed in session 25, owed a device run\n# the gradient still owed\n")
+    narrated = "timed in " + "session 25, " + "owed a " + "device run"   # kept out of this file
+    bad.write_text(f"x = 1  # {narrated}\n# the gradient still owed\n")
     assert history_in_code([bad]) == [f"{bad}:1"]

@@ -146,6 +146,6 @@ def test_code_and_scripts_describe_the_product_not_how_the_work_went():
 
 def test_the_code_history_check_sees_a_narrated_comment(tmp_path):
     bad = tmp_path / "k.py"
-    narrated = "timed in " + "session 25, " + "owed a " + "device run"   # kept out of this file
+    narrated = "timed in " + "sess" + "ion 25, " + "ow" + "ed a device run"   # not a literal here
     bad.write_text(f"x = 1  # {narrated}\n# the gradient still owed\n")
     assert history_in_code([bad]) == [f"{bad}:1"]

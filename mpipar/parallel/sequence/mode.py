@@ -10,6 +10,8 @@ differs. :data:`mpipar.parallel.sequence.registry.SP_MODES` lists them.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +100,7 @@ class SequenceTraffic:
         return calls
 
 
-class SequenceMode:
+class SequenceMode(ABC):
     """One ``--sp-mode``: its name (what configuration files and metrics say) and everything that
     differs by mode. Subclasses override :meth:`core`, :meth:`calls` and :meth:`key_blocks`."""
 
@@ -119,6 +121,7 @@ class SequenceMode:
     def split_grid(self, grid: Any, par: Any) -> None:
         """The sp groups beyond ``sp`` this mode needs of the process grid (none)."""
 
+    @abstractmethod
     def core(self, kernels: Any, groups: dict, seq_layout: SeqLayout, par: Any) -> Any:
         """The attention core (:class:`mpipar.model.attention.AttentionCore`) of a rank with
         ``groups`` (the grid's, by name) and the run's split ``seq_layout``."""
@@ -137,6 +140,7 @@ class SequenceMode:
         """The split whose blocks the key blocks of :meth:`key_blocks` are."""
         return SeqLayout(seq_len, sp, split, min_chunk=min_chunk)
 
+    @abstractmethod
     def calls(self, t: SequenceTraffic) -> list[Call]:
         """The MPI calls of :class:`SequenceTraffic` ``t``."""
         raise NotImplementedError
@@ -146,6 +150,7 @@ class SequenceMode:
         on one rank (the most of any sp rank and layer)."""
         return 0
 
+    @abstractmethod
     def key_blocks(self, seq: SeqLayout, window: int) -> int:
         """Key blocks beyond its own a rank attends to in a layer with ``window`` (``seq``:
         :meth:`ring_split`, of more than one rank)."""

@@ -12,12 +12,14 @@ documents of a global batch, each microbatch's positions, the targets that count
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from mpipar.config import TrainConfig, require
 from mpipar.data.sft import loss_mask_source
-from mpipar.data.sources import (DataError, Sampler, load_tokens, recorded_tokenizer,
-                                 training_batches)
+from mpipar.data.sources import (DataError, Sampler, TokenSource, load_tokens,
+                                 recorded_tokenizer, training_batches)
 from mpipar.layout import Layout
 from mpipar.model.attention import DocumentPositions, document_ids
 from mpipar.parallel.sequence_split import SeqLayout
@@ -33,6 +35,70 @@ def eos_id(train: TrainConfig) -> int:
                         f"({train.data or 'the built-in byte corpus'}) records no EOS token; "
                         f"give --eos-token-id")
     return int(tok["eos_id"])
+
+
+SCAN_CHUNK = 1 << 22
+"""Tokens read at a time when :func:`packed_data` looks for the EOS id and a counted target."""
+
+
+def packed_data(train: TrainConfig, source: TokenSource, samples: int
+                ) -> tuple[int | None, TokenSource | None]:
+    """(the EOS id, or None when the run reads none; the ``--loss-mask`` stream, or None) of a
+    run training on samples ``[0, samples)`` of ``source``. DataError naming the value and the
+    rule when the EOS id never occurs in the data (documents would be the whole stream: plain
+    causal attention, and ``--eod-mask-loss`` would mask nothing), or when no training target
+    carries loss (the run would report loss 0 and learn nothing). Each scan stops at the first
+    token that answers it."""
+    eos = eos_id(train) if uses_eos(train) else None
+    masks = loss_mask_source(train.data, train.seq_len) if train.loss_mask else None
+    if eos is not None and not _holds(source, lambda x: x == eos):
+        flags = " and ".join(f for f, on in (("--document-masking", train.document_masking),
+                                              ("--eod-mask-loss", train.eod_mask_loss)) if on)
+        raise DataError(f"train.eos_token_id={eos}: the id never occurs in the "
+                        f"{source.num_tokens} tokens of the training data ({source.path}); "
+                        f"{flags} needs the id that ends its documents (without one the run "
+                        f"would be plain causal and mask nothing)")
+    if masks_loss(train) and not _counts_a_target(source, masks, train, eos, samples):
+        rule = " and ".join(r for r, on in (
+            ("loss_mask is 0 at every target (--loss-mask)", train.loss_mask),
+            (f"every input is the EOS id {eos} (--eod-mask-loss)", train.eod_mask_loss))
+            if on)
+        raise DataError(f"{source.path}: no target of its {samples} training samples carries "
+                        f"loss ({rule}); the run would report loss 0 and learn nothing")
+    return eos, masks
+
+
+def _holds(source: TokenSource, test, stop: int | None = None) -> bool:
+    """Whether some token of ``source`` (of its first ``stop`` rows or tokens) passes ``test``
+    (an array of tokens -> booleans)."""
+    stop = source.shape[0] if stop is None else stop
+    rows = max(1, SCAN_CHUNK // (source.shape[1] if source.kind == "samples" else 1))
+    with source._open() as arr:
+        return any(test(np.asarray(arr[a:min(a + rows, stop)])).any()
+                   for a in range(0, stop, rows))
+
+
+def _counts_a_target(source: TokenSource, masks: TokenSource | None, train: TrainConfig,
+                     eos: int | None, samples: int) -> bool:
+    """Whether some target of samples ``[0, samples)`` carries loss (:func:`counted_targets`):
+    its input is not the EOS under ``--eod-mask-loss``, its mask is not 0 under ``--loss-mask``.
+    A stream's targets are its tokens ``[1, samples * seq_len]``; a samples file's, the last
+    ``seq_len`` of each row."""
+    if source.kind == "samples":   # no loss mask there (loss_mask_source): only --eod-mask-loss
+        return _holds(source, lambda rows: rows[:, :-1] != eos, samples)
+    stop = samples * source.seq_len + 1
+    opened = masks._open() if masks is not None else contextlib.nullcontext()
+    with source._open() as tokens, opened as mask:
+        for a in range(1, stop, SCAN_CHUNK):
+            b = min(a + SCAN_CHUNK, stop)
+            counted = np.ones(b - a, bool)
+            if train.eod_mask_loss:
+                counted &= np.asarray(tokens[a - 1:b - 1]) != eos
+            if train.loss_mask:
+                counted &= np.asarray(mask[a:b]) != 0
+            if counted.any():
+                return True
+    return False
 
 
 def masks_loss(train: TrainConfig) -> bool:
@@ -115,8 +181,14 @@ def check_config(layout: Layout) -> None:
     require(t.eos_token_id >= -1, f"train.eos_token_id={t.eos_token_id}: must be >= 0 (or -1)")
     try:
         eos = eos_id(t)
+        recorded = recorded_tokenizer(t.data) if t.data and t.eos_token_id >= 0 else None
     except DataError as exc:
         require(False, str(exc))
+    require(recorded is None or recorded["eos_id"] == eos,
+            f"train.eos_token_id={eos}: the data ({t.data}) records eos_id="
+            f"{(recorded or {}).get('eos_id')} ({(recorded or {}).get('eos_token')!r}) as the end "
+            f"of its documents; another id would cut them where they do not end (drop "
+            f"--eos-token-id to use the recorded one)")
     require(eos < m.vocab_size,
             f"train.eos_token_id={eos}: must be < model.vocab_size={m.vocab_size}")
     if t.document_masking:

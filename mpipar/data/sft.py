@@ -168,7 +168,7 @@ def loss_mask_source(path: str, seq_len: int) -> TokenSource:
         raise DataError(f"--loss-mask: {path or 'the built-in corpus'} is not an HDF5 file "
                         f"written by data prepare --sft")
     with h5py.File(path, "r") as f:
-        if MASK not in f or f[MASK].shape != f["tokens"].shape:
+        if MASK not in f or "tokens" not in f or f[MASK].shape != f["tokens"].shape:
             raise DataError(f"--loss-mask: {path} has no '{MASK}' stream beside its tokens "
                             f"(write it with data prepare --sft)")
         shape, dtype = f[MASK].shape, f[MASK].dtype

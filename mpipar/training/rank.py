@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.checkpoint.activations import OffloadStore, offload_path
-from mpipar.data.packing import eos_id, uses_eos
-from mpipar.data.sft import loss_mask_source
+from mpipar.data.packing import packed_data
 from mpipar.data.sources import EvalSet, Sampler, TokenSource, load_tokens, training_batches
 from mpipar.layout import Layout
 from mpipar.model.attention import LocalAttention
@@ -191,9 +190,8 @@ def _data(layout: Layout, source: TokenSource | None) -> RankData:
     tr = cfg.train
     source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
     sampler, eval_set = training_batches(source, tr, cfg.model.vocab_size)
-    return RankData(source=source, sampler=sampler, eval_set=eval_set,
-                    eos=eos_id(tr) if uses_eos(tr) else None,   # packed documents' end-of-text
-                    masks=loss_mask_source(tr.data, tr.seq_len) if tr.loss_mask else None,
+    eos, masks = packed_data(tr, source, sampler.num_samples)  # end-of-text, --loss-mask
+    return RankData(source=source, sampler=sampler, eval_set=eval_set, eos=eos, masks=masks,
                     rows_per_dp=layout.rows_per_dp, microbatches=layout.microbatches)
 
 

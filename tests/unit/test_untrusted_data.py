@@ -338,3 +338,72 @@ def test_sft_records_that_are_not_records_are_named(capsys, tmp_path, tokenizer_
     start = time.monotonic()
     _sft(capsys, tmp_path, tokenizer_dir, lines, message, template)
     assert time.monotonic() - start < 30
+
+
+# ------------------------------------------------------- packed documents: EOS ids, masked loss
+def _packed(tmp_path, flags: list[str], data, message: str) -> None:
+    """A run of ``data`` (a file under ``tmp_path``) with ``flags`` exits 2 naming ``message``,
+    before anything is written to its run directory."""
+    code, err = run_train([*TINY, "--vocab-size", "300", "--data", str(data), *flags,
+                           "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and err.count(message) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "config.toml").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("kind", ["stream", "samples", "held out"])
+def test_every_target_masked_is_refused(tmp_path, kind):
+    """Issue: when no target carried loss the run reported loss 0.0 and grad norm 0.0 and
+    "trained". A run whose training samples hold no counted target is refused now: a loss mask
+    of zeros, inputs that are all the EOS, or counted targets only in the held-out samples."""
+    tokens = np.arange(64) % 7 + 1
+    if kind == "stream":
+        with h5py.File(tmp_path / "sft.h5", "w") as f:
+            f["tokens"] = tokens.astype(np.uint16)
+            f["loss_mask"] = np.zeros(64, np.uint8)
+            f.attrs.update(_record())
+        flags, want = ["--loss-mask"], "loss_mask is 0 at every target (--loss-mask)"
+        data, samples = tmp_path / "sft.h5", 7
+    elif kind == "samples":
+        np.save(tmp_path / "s.npy", np.full((6, 9), 5, np.int64))
+        flags = ["--eod-mask-loss", "--eos-token-id", "5"]
+        want, data, samples = "every input is the EOS id 5 (--eod-mask-loss)", tmp_path / "s.npy", 6
+    else:  # a stream of EOS but for the last sample's inputs, which --eval-fraction holds out
+        stream = np.full(81, 5, np.int64)
+        stream[72:80] = 1
+        np.save(tmp_path / "s.npy", stream)
+        flags = ["--eod-mask-loss", "--eos-token-id", "5", "--eval-fraction", "0.1",
+                 "--eval-batches", "1", "--global-batch-size", "1"]
+        want, data, samples = "every input is the EOS id 5 (--eod-mask-loss)", tmp_path / "s.npy", 9
+    _packed(tmp_path, flags, data, f"{data}: no target of its {samples} training samples carries "
+                                   f"loss ({want}); the run would report loss 0")
+
+
+@pytest.mark.parametrize("flag", ["--document-masking", "--eod-mask-loss"])
+@pytest.mark.parametrize("fmt", ["text", "samples"])
+def test_an_eos_id_the_data_never_holds_is_refused(tmp_path, flag, fmt):
+    """Issue: ``--document-masking --eos-token-id`` with an id the data never contains ran as
+    plain causal attention, with no note. The id must occur in the training data."""
+    if fmt == "text":
+        (tmp_path / "d.txt").write_bytes(b"the cat sat on the mat\n" * 8)
+        data, tokens = tmp_path / "d.txt", 8 * 23
+    else:
+        np.save(tmp_path / "d.npy", np.arange(54).reshape(6, 9) % 3)
+        data, tokens = tmp_path / "d.npy", 54
+    _packed(tmp_path, [flag, "--eos-token-id", "3"], data,
+            f"train.eos_token_id=3: the id never occurs in the {tokens} tokens of the training "
+            f"data ({data}); {flag} needs the id that ends its documents")
+
+
+def test_an_eos_id_against_the_recorded_one_is_refused(tmp_path):
+    """Issue: an ``--eos-token-id`` contradicting the data's recorded ``eos_id`` was used
+    silently. The recorded one ends the documents; another is refused naming both (the same id
+    given again is accepted)."""
+    _tokens_file(tmp_path / "t.h5", np.arange(64) % 7, **_record())
+    _packed(tmp_path, ["--document-masking", "--eos-token-id", "5"], tmp_path / "t.h5",
+            f"train.eos_token_id=5: the data ({tmp_path / 't.h5'}) records eos_id=0 ('</s>') as "
+            f"the end of its documents")
+    code, err = run_train([*TINY, "--vocab-size", "300", "--data", str(tmp_path / "t.h5"),
+                           "--document-masking", "--eos-token-id", "0",
+                           "--run-dir", str(tmp_path / "ok")])
+    assert code == 0, err

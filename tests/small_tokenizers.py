@@ -71,3 +71,29 @@ def tokenizer_dir(tmp_path):
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     return root
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A ChatML chat template (Qwen's markup): its special tokens mark every turn."""
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    """A byte-level BPE tokenizer with the special tokens ``</s>`` (its EOS), ``<|im_start|>``
+    and ``<|im_end|>`` and the :data:`CHATML` template: its directory and the Tokenizer."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>", "<|im_start|>",
+                                                                  "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(random_documents(400, 0), trainer)
+    root = tmp_path_factory.mktemp("chatml")
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>",
+                                                            "chat_template": CHATML}))
+    return root, tok

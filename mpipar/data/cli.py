@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                            "records: write each "
                            "as prompt + completion + EOS with a loss_mask stream (1 on the "
                            "completion and its EOS) for --loss-mask; needs --tokenizer")
+    prep.add_argument("--parse-special-tokens", action="store_true",
+                      help="text that spells a special token (</s>, <|im_end|>) becomes that "
+                           "token, for data that carries control tokens (default: it stays "
+                           "text; a chat template's own special tokens are tokens either way)")
     prep.add_argument("--workers", type=int, default=0,
                       help="processes encoding files in parallel (default 0: one per CPU, at "
                            "most one per file); the output does not depend on it")
@@ -52,12 +56,13 @@ def _prepare_command(args: argparse.Namespace) -> None:
             raise DataError("--sft needs --tokenizer and one JSONL file of prompt/completion "
                             "records")
         from mpipar.data.sft import prepare_sft
-        tokens, examples, counted = prepare_sft(args.texts[0], args.out, args.tokenizer, args.eos)
+        tokens, examples, counted = prepare_sft(args.texts[0], args.out, args.tokenizer, args.eos,
+                                               args.parse_special_tokens)
         print(f"wrote {args.out}: {tokens} tokens in {examples} example(s), {counted} of them "
               f"completion tokens (loss_mask 1); train with --loss-mask")
         return
     if args.tokenizer is None:
-        extra = [f for f in ("eos", "workers") if getattr(args, f)]
+        extra = [f for f in ("eos", "workers", "parse_special_tokens") if getattr(args, f)]
         extra += ["text_field"] if args.text_field != "text" else []
         if extra:
             raise DataError(f"--{extra[0].replace('_', '-')} needs --tokenizer (without it, "
@@ -67,7 +72,7 @@ def _prepare_command(args: argparse.Namespace) -> None:
               f"{len(args.texts)} file(s)")
         return
     done = prepare_tokenized(args.texts, args.out, args.tokenizer, args.eos, args.text_field,
-                             args.workers)
+                             args.workers, parse_special=args.parse_special_tokens)
     print(f"wrote {args.out}: {done.tokens} tokens ({done.tokenizer.dtype}) in {done.documents} "
           f"document(s) from {len(done.files)} file(s); tokenizer {done.tokenizer.name}, "
           f"vocabulary {done.tokenizer.vocab_size}, EOS {done.tokenizer.eos_token!r} = "

@@ -9,13 +9,17 @@ examples, each ``prompt ids + completion ids + EOS`` (the EOS unless the complet
 ends with it; so ``--document-masking`` keeps examples apart), beside a
 ``loss_mask`` stream of the same length: 0 on the prompt's tokens, 1 on the completion's and on
 its EOS. A target carries loss with ``--loss-mask`` iff the token it predicts has mask 1: the
-model learns the completions (and to end them), never the prompts. The file records the
+model learns the completions (and to end them), never the prompts. Text of a record that spells
+a special token (``</s>``, ``<|im_end|>``) stays text, so a record cannot end or mask itself;
+the chat template's own special tokens are those tokens (``--parse-special-tokens`` makes every
+such text the token, for data that carries control tokens). The file records the
 tokenizer as ``prepare --tokenizer`` does, and ``examples``.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import h5py
@@ -108,6 +112,17 @@ def chat_template(tokenizer: str | os.PathLike) -> tuple[str, dict]:
 
 def render_chat(template: str, special: dict, messages: list, where: str) -> tuple[str, str]:
     """(prompt, completion) texts of a conversation (module docstring)."""
+    if len(messages) < 2:
+        raise DataError(f"{where}: 'messages' needs the conversation and its last reply")
+    whole = _render(template, special, messages, False, where)
+    prompt = _render(template, special, messages[:-1], True, where)
+    if not whole.startswith(prompt):
+        raise DataError(f"{where}: the rendered conversation does not start with its prompt")
+    return prompt, whole[len(prompt):]
+
+
+def _render(template: str, special: dict, messages: list, generation: bool, where: str) -> str:
+    """``template`` rendered in Jinja's sandbox; DataError naming ``where`` if it fails."""
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
@@ -118,36 +133,130 @@ def render_chat(template: str, special: dict, messages: list, where: str) -> tup
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = fail
-    if len(messages) < 2:
-        raise DataError(f"{where}: 'messages' needs the conversation and its last reply")
     try:
-        render = env.from_string(template).render
-        whole = render(messages=messages, add_generation_prompt=False, **special)
-        prompt = render(messages=messages[:-1], add_generation_prompt=True, **special)
+        return env.from_string(template).render(messages=messages,
+                                                add_generation_prompt=generation, **special)
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever a template does is the data's fault
         raise DataError(f"{where}: the chat template failed on the record "
                         f"({type(exc).__name__}: {str(exc)[:200]})") from None
-    if not whole.startswith(prompt):
-        raise DataError(f"{where}: the rendered conversation does not start with its prompt")
-    return prompt, whole[len(prompt):]
+
+
+def chat_ids(tok, chat: tuple[str, dict], messages: list, where: str, parse_special: bool
+             ) -> tuple[list[int], list[int]]:
+    """The ids of a conversation's (prompt, completion) (module docstring): the chat template's
+    own special tokens become those tokens; text of the messages that spells one stays text
+    (unless ``parse_special``). When a message spells one, the text between the template's
+    special tokens is encoded piece by piece (byte-level BPE gives the ids of the whole)."""
+    prompt, completion = render_chat(*chat, messages, where)
+    specials = special_tokens(tok)
+    if parse_special or not specials:
+        return _ids(tok, prompt, True), _ids(tok, completion, True)
+    pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+    _refuse_special_fields(messages, pattern, where)
+    spans = None
+    if any(pattern.search(m["content"]) for m in messages if _has_text(m)):
+        spans = _content_spans(chat, messages, prompt + completion, where)
+    if not spans:      # no message spells a special token
+        return _ids(tok, prompt, True), _ids(tok, completion, True)
+    cut = len(prompt)
+    return (_markup_ids(tok, specials, pattern, prompt, spans),
+            _markup_ids(tok, specials, pattern, completion,
+                        [(a - cut, b - cut) for a, b in spans]))
+
+
+def special_tokens(tok) -> dict[str, int]:
+    """The special tokens of ``tok``: text -> id."""
+    return {t.content: i for i, t in tok.get_added_tokens_decoder().items()
+            if t.special and t.content}
+
+
+def _has_text(message) -> bool:
+    return isinstance(message, dict) and isinstance(message.get("content"), str)
+
+
+def _refuse_special_fields(messages: list, pattern: re.Pattern, where: str) -> None:
+    """Only a message's text (its string ``content``) may spell a special token: anywhere else
+    (a role, a name, content parts) the template could place it as markup."""
+    stack = [{k: v for k, v in m.items() if k != "content"} if _has_text(m) else m
+             for m in messages]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str) and (found := pattern.search(v)):
+            raise DataError(f"{where}: {v[:40]!r} spells the special token {found.group()!r} "
+                            f"outside a message's text 'content' (give --parse-special-tokens "
+                            f"if the data carries control tokens)")
+        if isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            stack += v
+
+
+_MARK = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _content_spans(chat: tuple[str, dict], messages: list, whole: str, where: str
+                   ) -> list[tuple[int, int]]:
+    """Where each message's text lies in the rendered conversation ``whole``: the template
+    rendered again with a mark in place of each text must give ``whole`` once the texts are
+    put back; DataError when the template changes the texts (their place is then unknown)."""
+    marked = [dict(m, content=f"\ue000{i}\ue001") if _has_text(m) else m
+              for i, m in enumerate(messages)]
+    mark_in_record = "\ue000" in json.dumps(messages, ensure_ascii=False)
+    pieces = _MARK.split(_render(*chat, marked, False, where))
+    text, spans = pieces[0], []
+    for i in range(1, len(pieces), 2):
+        k = int(pieces[i])
+        content = messages[k]["content"] if k < len(messages) and _has_text(messages[k]) else ""
+        spans.append((len(text), len(text) + len(content)))
+        text += content + pieces[i + 1]
+    if text != whole or mark_in_record:
+        raise DataError(f"{where}: a message spells a special token, and the chat template "
+                        f"changes the messages' text, so its markup cannot be told from the "
+                        f"text; remove the token's text, or give --parse-special-tokens to make "
+                        f"it the token")
+    return spans
+
+
+def _markup_ids(tok, specials: dict[str, int], pattern: re.Pattern, text: str,
+                spans: list[tuple[int, int]]) -> list[int]:
+    """The ids of ``text``: each special token's text outside ``spans`` (the messages' texts)
+    as that token, everything else as text."""
+    ids, at = [], 0
+    for found in pattern.finditer(text):
+        if not any(a < found.end() and found.start() < b for a, b in spans):
+            ids += _ids(tok, text[at:found.start()]) + [specials[found.group()]]
+            at = found.end()
+    return ids + _ids(tok, text[at:])
+
+
+def _ids(tok, text: str, parse_special: bool = False) -> list[int]:
+    """The ids of ``text``, special tokens' text as those tokens iff ``parse_special``."""
+    if not text:
+        return []
+    kept = tok.encode_special_tokens
+    tok.encode_special_tokens = not parse_special
+    try:
+        return tok.encode(text, add_special_tokens=False).ids
+    finally:
+        tok.encode_special_tokens = kept
 
 
 def prepare_sft(path: str | os.PathLike, out: str | os.PathLike, tokenizer: str | os.PathLike,
-                eos: str | None = None) -> tuple[int, int, int]:
+                eos: str | None = None, parse_special: bool = False) -> tuple[int, int, int]:
     """Write the examples of ``path`` to ``out`` (module docstring) -> (tokens, examples,
     tokens with mask 1)."""
     from mpipar.data.tokenizer import load_tokenizer
     out = output_file(out)
-    tok, spec = load_tokenizer(tokenizer, eos)
+    tok, spec = load_tokenizer(tokenizer, eos, parse_special)
     ids, mask, chat = [], [], None
     for n, prompt, completion in _records(path):
         if completion is None:
             chat = chat or chat_template(tokenizer)
-            prompt, completion = render_chat(*chat, prompt, f"{path}:{n}")
-        p = tok.encode(prompt, add_special_tokens=False).ids
-        c = tok.encode(completion, add_special_tokens=False).ids
+            p, c = chat_ids(tok, chat, prompt, f"{path}:{n}", parse_special)
+        else:
+            p, c = _ids(tok, prompt, parse_special), _ids(tok, completion, parse_special)
         c = c if c and c[-1] == spec.eos_id else c + [spec.eos_id]
         ids += [p, c]
         mask += [np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]

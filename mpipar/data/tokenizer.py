@@ -20,6 +20,11 @@ no PyTorch) and writes one 1-D dataset `tokens`:
 The EOS token is `--eos` when given, else `eos_token` of the `tokenizer_config.json` or
 `special_tokens_map.json` beside tokenizer.json, else the one special token among
 :data:`KNOWN_EOS` the tokenizer has.
+
+Text that spells a special token (`</s>`, `<|im_end|>`) is encoded as the text it is, never as
+that token: a document (or an SFT record) cannot end itself, or mask its own loss, by writing an
+EOS. `--parse-special-tokens` (``parse_special=True``) turns such text into the token, for data
+that really carries control tokens.
 """
 from __future__ import annotations
 
@@ -103,11 +108,14 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     return p
 
 
-def load_tokenizer(path: str | os.PathLike, eos: str | None = None):
+def load_tokenizer(path: str | os.PathLike, eos: str | None = None,
+                   parse_special: bool = False):
     """(the `tokenizers.Tokenizer` of `path`, its :class:`TokenizerSpec`). Truncation and padding
-    stored in the file are switched off: every document is encoded whole."""
+    stored in the file are switched off: every document is encoded whole; text that spells a
+    special token stays text unless ``parse_special`` (module docstring)."""
     file = tokenizer_file(path)
     tokenizer = _read_tokenizer(file)
+    tokenizer.encode_special_tokens = not parse_special
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     eos_token = eos or _configured_eos(file) or _known_eos(tokenizer, path)
     if eos_token not in vocab:
@@ -203,10 +211,10 @@ def _groups(lengths: list[int], limit: int) -> Iterator[tuple[int, int]]:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(name: str, eos: str, threads: int) -> None:
+def _init_worker(name: str, eos: str, parse_special: bool, threads: int) -> None:
     """A worker process: cap the tokenizer's thread pool, then load the tokenizer once."""
     os.environ["RAYON_NUM_THREADS"] = str(threads)
-    _worker["tokenizer"], _worker["spec"] = load_tokenizer(name, eos)
+    _worker["tokenizer"], _worker["spec"] = load_tokenizer(name, eos, parse_special)
 
 
 def _encode_to_part(task: tuple[str, str, str]) -> tuple[int, int]:
@@ -271,7 +279,7 @@ def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLik
                       tokenizer: str | os.PathLike, eos: str | None = None,
                       text_field: str = "text", workers: int = 0,
                       chunk_tokens: int = PREPARE_CHUNK_TOKENS,
-                      progress: bool | None = None) -> Prepared:
+                      progress: bool | None = None, parse_special: bool = False) -> Prepared:
     """Encode the documents of `inputs` with `tokenizer` into the HDF5 file `out` (see the
     module docstring). `workers` 0 means :func:`default_workers`; `progress` None shows a bar
     on a terminal only. The output is written to a temporary file of a unique name and renamed
@@ -285,12 +293,13 @@ def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLik
     files = documents.expand_inputs(inputs)
     for path in files:
         documents.check_readable(path, text_field)
-    tok, spec = load_tokenizer(tokenizer, eos)
+    tok, spec = load_tokenizer(tokenizer, eos, parse_special)
     workers = min(workers, len(files)) or default_workers(len(files))
     # HDF5 1.10 object headers hold attributes over 64 KiB (the names of many files)
     with hdf5_output(out, libver=("v110", "latest")) as (f, sink):
         stream = _TokenStream(f, spec.dtype, chunk_tokens, lambda: check_written(sink, out))
-        offsets, docs = _write(stream, files, tok, spec, text_field, workers, out, progress)
+        offsets, docs = _write(stream, files, tok, spec, text_field, workers, out, progress,
+                               parse_special)
         stream.flush()
         if stream.size == 0:
             raise DataError(f"the inputs {', '.join(map(os.fspath, inputs))} hold no text")
@@ -301,7 +310,8 @@ def prepare_tokenized(inputs: Sequence[str | os.PathLike], out: str | os.PathLik
 
 
 def _write(stream: _TokenStream, files: list[str], tok, spec: TokenizerSpec, text_field: str,
-           workers: int, out: Path, progress: bool | None) -> tuple[list[int], int]:
+           workers: int, out: Path, progress: bool | None, parse_special: bool
+           ) -> tuple[list[int], int]:
     """Append every file's ids to `stream` in input order; (token offsets [files + 1], docs)."""
     from tqdm import tqdm
     total = sum(os.path.getsize(p) for p in files)
@@ -317,11 +327,12 @@ def _write(stream: _TokenStream, files: list[str], tok, spec: TokenizerSpec, tex
                     bar.update(nbytes)
                 offsets.append(stream.size)
             return offsets, docs
-        return _write_parallel(stream, files, spec, text_field, workers, out, bar)
+        return _write_parallel(stream, files, spec, text_field, workers, out, bar, parse_special)
 
 
 def _write_parallel(stream: _TokenStream, files: list[str], spec: TokenizerSpec,
-                    text_field: str, workers: int, out: Path, bar) -> tuple[list[int], int]:
+                    text_field: str, workers: int, out: Path, bar, parse_special: bool
+                    ) -> tuple[list[int], int]:
     """Files encoded by `workers` processes into part files, appended here in input order."""
     parts = Path(tempfile.mkdtemp(prefix=out.name + ".parts.", dir=out.parent))
     threads = max(1, _cpus() // workers)
@@ -331,7 +342,8 @@ def _write_parallel(stream: _TokenStream, files: list[str], spec: TokenizerSpec,
     # (terminate) could wait forever on its task-feeding thread; the executor's shutdown with
     # cancel_futures drops the files not started and waits only for those running.
     pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),  # no fork of a
-                               _init_worker, (spec.name, spec.eos_token, threads))  # threaded one
+                               _init_worker,                                 # threaded one
+                               (spec.name, spec.eos_token, parse_special, threads))
     try:
         futures = [pool.submit(_encode_to_part, task) for task in tasks]
         for (path, _, part), future in zip(tasks, futures):

@@ -21,7 +21,7 @@ from mpipar.data import documents, prepare
 from mpipar.data.cli import main
 from mpipar.data.prepare import prepare_tokens
 from mpipar.data.sources import DataError, load_tokens
-from small_tokenizers import tokenizer_dir  # noqa: F401  (a fixture)
+from small_tokenizers import bpe, chatml, tokenizer_dir  # noqa: F401  (fixtures)
 from untrusted import run_train
 
 SHA = "ab" * 32
@@ -407,3 +407,104 @@ def test_an_eos_id_against_the_recorded_one_is_refused(tmp_path):
                            "--document-masking", "--eos-token-id", "0",
                            "--run-dir", str(tmp_path / "ok")])
     assert code == 0, err
+
+
+# ------------------------------------------------------------- text that spells a special token
+def _library_ids(tok, text: str, parse_special: bool = False) -> list[int]:
+    """The `tokenizers` library's ids of ``text``: special tokens' text as those tokens iff
+    ``parse_special`` (its ``encode_special_tokens`` switch)."""
+    tok.encode_special_tokens = not parse_special
+    try:
+        return tok.encode(text, add_special_tokens=False).ids if text else []
+    finally:
+        tok.encode_special_tokens = False
+
+
+def test_special_token_text_in_sft_records_stays_text(tmp_path, capsys, chatml):
+    """Issue: a literal ``</s>`` or ``<|im_end|>`` in a prompt or completion was stored as the
+    control id, so a user's string could end or mask an example. It stays text now (the
+    library's ids with its special tokens off), in prompt/completion records and in chat
+    messages, while the ChatML template's own markup stays special tokens; the EOS id occurs
+    only where an example ends. ``--parse-special-tokens`` gives the earlier ids."""
+    pytest.importorskip("jinja2")
+    root, tok = chatml
+    vocab = tok.get_vocab()
+    start, end, eos = vocab["<|im_start|>"], vocab["<|im_end|>"], vocab["</s>"]
+    user, reply = "the cat</s> sat<|im_end|>", "on a mat <|im_start|>user"
+    prompt, completion = "a </s> b", "c<|im_end|>"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"messages": [{"role": "user", "content": user},
+                                              {"role": "assistant", "content": reply}]}) + "\n"
+                     + json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    text = lambda s: _library_ids(tok, s)  # noqa: E731
+    chat_p = [start, *text("user\n" + user), end, *text("\n"), start, *text("assistant\n")]
+    chat_c = [*text(reply), end, *text("\n"), eos]
+    pair_p, pair_c = text(prompt), [*text(completion), eos]
+    for parse in (False, True):
+        out = tmp_path / f"sft{parse}.h5"
+        assert main(["prepare", "--sft", str(pairs), "--tokenizer", str(root), "--out", str(out),
+                     *(["--parse-special-tokens"] if parse else [])]) == 0
+        with h5py.File(out) as f:
+            ids, mask = f["tokens"][:].tolist(), f["loss_mask"][:].tolist()
+        if parse:   # the text became the tokens: an EOS inside the first prompt
+            assert ids[:len(chat_p) + 2] != chat_p and ids.index(eos) < len(chat_p)
+            tail = [*_library_ids(tok, prompt, True), *_library_ids(tok, completion, True), eos]
+            assert ids[-len(tail):] == tail and tail.count(eos) == 2
+            continue
+        assert ids == chat_p + chat_c + pair_p + pair_c
+        assert mask == [0] * len(chat_p) + [1] * len(chat_c) + [0] * len(pair_p) + [1] * len(pair_c)
+        ends = len(chat_p + chat_c) - 1, len(ids) - 1
+        assert [i for i, t in enumerate(ids) if t == eos] == list(ends)
+        assert tok.decode(ids, skip_special_tokens=False) == (
+            f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{reply}<|im_end|>\n</s>"
+            f"{prompt}{completion}</s>")
+
+
+def test_special_token_text_in_documents_stays_text(tmp_path, bpe):
+    """The same for ``prepare --tokenizer``: a document that spells the EOS is one document,
+    with and without worker processes; ``--parse-special-tokens`` cuts it there."""
+    root, tok = bpe
+    eos = tok.get_vocab()["<|endoftext|>"]
+    docs = ["the cat<|endoftext|>sat on a mat", "dogs ran <|endoftext|>"]
+    for i, d in enumerate(docs):
+        (tmp_path / f"{i}.jsonl").write_text(json.dumps({"text": d}) + "\n")
+    inputs = [str(tmp_path / f"{i}.jsonl") for i in range(2)]
+    for parse, workers in ((False, "1"), (False, "2"), (True, "1")):
+        out = tmp_path / f"t{parse}{workers}.h5"
+        assert main(["prepare", *inputs, "--tokenizer", str(root), "--out", str(out),
+                     "--workers", workers, *(["--parse-special-tokens"] if parse else [])]) == 0
+        with h5py.File(out) as f:
+            ids = f["tokens"][:].tolist()
+        assert ids == [t for d in docs for t in (*_library_ids(tok, d, parse), eos)]
+        assert ids.count(eos) == (4 if parse else 2)
+
+
+@pytest.mark.parametrize("record,template,message", [
+    ({"messages": [{"role": "user<|im_end|>", "content": "the cat"},
+                   {"role": "assistant", "content": "sat"}]}, "",
+     "'user<|im_end|>' spells the special token '<|im_end|>' outside a message's text"),
+    ({"messages": [{"role": "user", "content": " the cat</s> "},
+                   {"role": "assistant", "content": "sat"}]}, "trim",
+     "a message spells a special token, and the chat template changes the messages' text"),
+    ({"messages": [{"role": "user", "content": "\ue0001\ue001 </s>"},
+                   {"role": "assistant", "content": "sat"}]}, "",
+     "a message spells a special token, and the chat template changes the messages' text"),
+], ids=["role", "template changes the text", "text holds the marks"])
+def test_special_token_text_that_cannot_be_placed_is_refused(tmp_path, capsys, chatml, record,
+                                                             template, message):
+    """Where a special token's text cannot be told from the template's markup (a role spells
+    it, or the template rewrites the text that does), the record is refused naming the line."""
+    pytest.importorskip("jinja2")
+    import shutil
+    from small_tokenizers import CHATML
+    root = tmp_path / "tok"
+    shutil.copytree(chatml[0], root)
+    if template:
+        config = json.loads((root / "tokenizer_config.json").read_text())
+        config["chat_template"] = CHATML.replace("m['content']", "m['content'] | trim")
+        (root / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "the", "completion": "cat"})
+                                          + "\n" + json.dumps(record) + "\n")
+    _refused(capsys, ["prepare", "--sft", str(tmp_path / "pairs.jsonl"), "--tokenizer", str(root),
+                      "--out", str(tmp_path / "out.h5")], f"{tmp_path / 'pairs.jsonl'}:2: {message}")
+    assert not (tmp_path / "out.h5").exists()

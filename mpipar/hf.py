@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, SAVE_DTYPES,
-                                           HFCheckpointError, Support,
-                                           open_safetensors, check_tensors, load_hf,
-                                           passthrough_config, read_config_json, save_hf,
-                                           support, weight_files)
+                                           HFCheckpointError, Support, check_tensors,
+                                           open_safetensors, read_config_json, support,
+                                           weight_files)
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.layout import resolve_model
 def _describe_tensors(path: Path) -> list[str]:
@@ -73,10 +72,9 @@ def _inspect(path: str) -> int:
 
 
 def _convert(src: str, dst: str, dtype: str | None, untie: bool) -> int:
-    cfg, params = load_hf(src, dtype, untie_embeddings=untie)
-    save_hf(dst, cfg, params, extra_config=passthrough_config(src))
-    kinds = sorted({v.dtype.name for v in params.values()})
-    print(f"wrote {dst}: {len(params)} tensors, {'/'.join(kinds)}")
+    from mpipar.checkpoint.hf_convert import convert
+    pieces = convert(src, dst, dtype, untie)
+    print(f"wrote {dst}: {len(pieces)} tensors, {pieces[0].dtype.name}")
     return 0
 
 

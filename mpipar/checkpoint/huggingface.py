@@ -41,9 +41,7 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -51,6 +49,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from mpipar.checkpoint import hf_moe
+from mpipar.checkpoint.export_dir import publish
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.model.params import EMBED, HEAD, param_specs
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
@@ -768,33 +767,12 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
 
     dst = Path(path)
     check_export_target(dst)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.resolve().parent))
-    try:
+
+    def write(tmp: Path) -> None:
         if dt.name == "bfloat16":
             write_safetensors(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
         else:
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        mask = _umask()  # mkdtemp makes 0700 and safetensors 0600: give what the umask allows
-        os.chmod(tmp, 0o777 & ~mask)
-        for name in (WEIGHTS_FILE, CONFIG_FILE):
-            os.chmod(tmp / name, 0o666 & ~mask)
-            with open(tmp / name, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.rename(dst, old)
-        os.rename(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
-
-def _umask() -> int:
-    """The process's file-mode creation mask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    publish(dst, write)

@@ -91,3 +91,100 @@ def test_huge_expert_counts_are_refused_before_allocating(hf_dir, tmp_path, fiel
     code, err, seconds = run_bounded(["-m", "mpipar.hf", "inspect", str(hf_dir)], tmp_path,
                                      memory=2 << 30, timeout=60)
     assert code in (1, 2) and "Traceback" not in err and seconds < 30, err
+
+
+# -------------------------------------------------- Hugging Face tensors larger than memory
+def _sparse_giant(hf_dir, vocab: int) -> int:
+    """Rewrite ``hf_dir`` for a vocabulary of ``vocab``: its embedding and head declared
+    ``[vocab, 32]`` float32 in a sparse file whose holes were never written (what a crafted
+    file, or a model larger than the node, declares). Returns the bytes the file declares."""
+    import json
+    import os
+    import struct
+
+    from mpipar.checkpoint.huggingface import _header, read_config_json
+    file = hf_dir / "model.safetensors"
+    header, start = _header(file)
+    data = file.read_bytes()[start:]
+    big = {n for n in header if n in ("model.embed_tokens.weight", "lm_head.weight")}
+    out, at, chunks = {"__metadata__": header.get("__metadata__", {})}, 0, []
+    for name in [n for n in header if n not in big and n != "__metadata__"] + sorted(big):
+        entry = dict(header[name])
+        size = vocab * 32 * 4 if name in big else entry["data_offsets"][1] - entry["data_offsets"][0]
+        if name in big:
+            entry["shape"] = [vocab, 32]
+        else:
+            chunks.append(data[entry["data_offsets"][0]:entry["data_offsets"][1]])
+        entry["data_offsets"] = [at, at + size]
+        out[name], at = entry, at + size
+    text = json.dumps(out).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text + b"".join(chunks))
+    os.truncate(file, 8 + len(text) + at)
+    raw = read_config_json(hf_dir)
+    (hf_dir / "config.json").write_text(json.dumps(dict(raw, vocab_size=vocab)))
+    return at
+
+
+def test_a_tensor_larger_than_memory_is_refused_before_it_is_read(hf_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    """Issue: a 12 KB sparse safetensors file declaring 32 GB made ``hf convert`` raise
+    MemoryError and a Rust panic: it read every tensor at once. It streams one tensor at a
+    time now, and a tensor that does not fit in the memory this node has available is refused
+    naming it, the bytes and the rule, before any tensor is read or anything written."""
+    from mpipar.checkpoint import hf_convert
+    from mpipar.hf import main as hf_main
+    from mpipar.runtime import host_memory
+    declared = _sparse_giant(hf_dir, 1 << 25)          # two tensors of 4 GiB
+    assert declared > 8 << 30 and (hf_dir / "model.safetensors").stat().st_blocks * 512 < 1 << 20
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 2 << 30)
+    monkeypatch.setattr(hf_convert, "_read_file", lambda *a: pytest.fail("read a tensor"))
+    assert hf_main(["convert", str(hf_dir), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert ("tensor model.embed_tokens.weight [33554432, 32] needs 8,589,934,592 bytes of "
+            "memory to convert (read as F32, written as float32); this node has 2,147,483,648 bytes available: a "
+            "tensor must fit in memory") in err, err
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_an_output_larger_than_the_free_space_is_refused(hf_dir, tmp_path, capsys, monkeypatch):
+    """The output is admitted against the space free where it goes, before anything is
+    written."""
+    from mpipar.checkpoint import hf_convert
+    from mpipar.hf import main as hf_main
+    monkeypatch.setattr(hf_convert, "_free_bytes", lambda path: 1000)
+    assert hf_main(["convert", str(hf_dir), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'out'}: the converted model takes 139,904 bytes, but its filesystem has " \
+           f"1,000 bytes free" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_holds_one_tensor_at_a_time(hf_dir, tmp_path, monkeypatch):
+    """A model larger than the memory available converts when each tensor fits: every read is
+    one tensor, written before the next is read, and the output equals the source's tensors
+    (cast to the dtype asked for)."""
+    import numpy as np
+
+    from mpipar.checkpoint import hf_convert
+    from mpipar.checkpoint.huggingface import load_hf
+    from mpipar.hf import main as hf_main
+    from mpipar.runtime import host_memory
+    reads, real = [], hf_convert._read_file
+
+    def one(file, names):
+        assert len(names) == 1 and (tmp_path / "out").exists() is False
+        reads.append(names[0])
+        return real(file, names)
+
+    monkeypatch.setattr(hf_convert, "_read_file", one)
+    monkeypatch.setattr(host_memory, "available_memory_bytes", lambda: 100_000)  # < the model
+    assert hf_main(["convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "float64"]) == 0
+    cfg, want = load_hf(hf_dir)
+    _, got = load_hf(tmp_path / "out")
+    assert len(reads) == len(want) and 2 * sum(v.nbytes for v in want.values()) > 100_000
+    for name, value in want.items():
+        assert got[name].dtype == np.float64
+        np.testing.assert_array_equal(got[name], value.astype(np.float64))

@@ -71,7 +71,8 @@ def byte_codec() -> Codec:
 def tokenizer_codec(path: str, add_special_tokens: bool) -> Codec:
     """The Hugging Face tokenizer at ``path`` (:func:`mpipar.data.tokenizer.load_tokenizer`)."""
     from mpipar.data.tokenizer import load_tokenizer
-    tokenizer, spec = load_tokenizer(path)
+    # a prompt is the operator's own text: its chat markup is special tokens
+    tokenizer, spec = load_tokenizer(path, parse_special=True)
     return Codec(spec.name, spec.vocab_size, spec.eos_id,
                  lambda text: tokenizer.encode(text, add_special_tokens=add_special_tokens).ids,
                  lambda ids: tokenizer.decode(ids, skip_special_tokens=False))

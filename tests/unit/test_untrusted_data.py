@@ -505,6 +505,7 @@ def test_special_token_text_that_cannot_be_placed_is_refused(tmp_path, capsys, c
         (root / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "the", "completion": "cat"})
                                           + "\n" + json.dumps(record) + "\n")
-    _refused(capsys, ["prepare", "--sft", str(tmp_path / "pairs.jsonl"), "--tokenizer", str(root),
-                      "--out", str(tmp_path / "out.h5")], f"{tmp_path / 'pairs.jsonl'}:2: {message}")
+    pairs = tmp_path / "pairs.jsonl"
+    _refused(capsys, ["prepare", "--sft", str(pairs), "--tokenizer", str(root), "--out",
+                      str(tmp_path / "out.h5")], f"{pairs}:2: {message}")
     assert not (tmp_path / "out.h5").exists()

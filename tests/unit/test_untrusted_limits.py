@@ -110,11 +110,12 @@ def _sparse_giant(hf_dir, vocab: int) -> int:
     out, at, chunks = {"__metadata__": header.get("__metadata__", {})}, 0, []
     for name in [n for n in header if n not in big and n != "__metadata__"] + sorted(big):
         entry = dict(header[name])
-        size = vocab * 32 * 4 if name in big else entry["data_offsets"][1] - entry["data_offsets"][0]
+        begin, end = entry["data_offsets"]
+        size = vocab * 32 * 4 if name in big else end - begin
         if name in big:
             entry["shape"] = [vocab, 32]
         else:
-            chunks.append(data[entry["data_offsets"][0]:entry["data_offsets"][1]])
+            chunks.append(data[begin:end])
         entry["data_offsets"] = [at, at + size]
         out[name], at = entry, at + size
     text = json.dumps(out).encode()
@@ -144,8 +145,8 @@ def test_a_tensor_larger_than_memory_is_refused_before_it_is_read(hf_dir, tmp_pa
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert ("tensor model.embed_tokens.weight [33554432, 32] needs 8,589,934,592 bytes of "
-            "memory to convert (read as F32, written as float32); this node has 2,147,483,648 bytes available: a "
-            "tensor must fit in memory") in err, err
+            "memory to convert (read as F32, written as float32); this node has 2,147,483,648 "
+            "bytes available: a tensor must fit in memory") in err, err
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 

@@ -160,7 +160,8 @@ def step_documents(cfg, step: int = 0) -> np.ndarray:
     tr = cfg.train
     source = load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
     sampler = training_batches(source, tr, cfg.model.vocab_size)[0]
-    return batch_documents(sampler.batch(step)[0], eos_id(tr))
+    eos, _ = packed_data(tr, source, sampler.num_samples)   # the run's rules on its data
+    return batch_documents(sampler.batch(step)[0], eos)
 
 
 def check_config(layout: Layout) -> None:

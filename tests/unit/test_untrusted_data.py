@@ -395,6 +395,21 @@ def test_an_eos_id_the_data_never_holds_is_refused(tmp_path, flag, fmt):
             f"data ({data}); {flag} needs the id that ends its documents")
 
 
+def test_the_planner_refuses_an_eos_id_the_data_never_holds(tmp_path, capsys):
+    """``mpipar.plan --document-masking`` reads the same data under the same rules."""
+    from mpipar.plan.cli import main as plan_main
+    (tmp_path / "d.txt").write_bytes(b"the cat sat on the mat\n" * 64)
+    argv = ["--world", "2", "--top", "0", "--peak-gflops", "100", "--intra-gbps", "10",
+            "--data", str(tmp_path / "d.txt"), "--seq-len", "64", "--global-batch-size", "4",
+            "--document-masking", "--eos-token-id"]
+    assert plan_main([*argv, "3"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert ("train.eos_token_id=3: the id never occurs in the 1472 tokens of the training data"
+            in err), err
+    assert plan_main([*argv, "10"]) == 0          # the newline ends each line's document
+
+
 def test_an_eos_id_against_the_recorded_one_is_refused(tmp_path):
     """Issue: an ``--eos-token-id`` contradicting the data's recorded ``eos_id`` was used
     silently. The recorded one ends the documents; another is refused naming both (the same id

@@ -28,6 +28,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mpipar.config import ConfigError, TrainConfig
 from mpipar.layout import Layout
 from mpipar.parallel.placement import PlacementTable
@@ -335,3 +337,20 @@ def check_config(layout: Layout) -> None:
     problem = muon_config(layout.train).problem()
     if problem is not None:
         raise ConfigError(f"train.{problem}")
+
+
+def check_resume(saved: TrainConfig, now: TrainConfig, source: str) -> None:
+    """A run resuming from a checkpoint of ``saved``'s run keeps its optimizer, or starts the
+    optimizer state afresh when asked (``--reset-optimizer``); ConfigError otherwise."""
+    if saved.optimizer != now.optimizer and not now.reset_optimizer:
+        raise ConfigError(
+            f"train.optimizer={now.optimizer!r}: the checkpoint {source} was trained with "
+            f"{saved.optimizer!r}, whose state (moments, momentum buffers) does not carry over "
+            f"to another optimizer; keep --optimizer {saved.optimizer}, or give "
+            f"--reset-optimizer to start the optimizer state afresh")
+
+
+def reset_state(optimizer: Optimizer, local_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """The optimizer as a fresh one (``--reset-optimizer``): every moment and momentum zero, no
+    update counted."""
+    optimizer.load_state(lambda kind, name: np.zeros(local_shapes[name]), 0)

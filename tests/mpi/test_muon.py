@@ -26,11 +26,15 @@ LAYOUTS = [
     dict(sp=2, tp=2, zero=1),
     dict(dp=2, tp=2, zero=2),
     dict(dp=2, ep=2, zero=1, model="moe"),
+    dict(dp=2, tp=2, ep=2, zero=3, model="moe_shared"),
     dict(dp=2, tp=2, pp=2),
 ]
-MATRICES = {"llama": 4 * 7, "moe": 7 + 3 * (4 + 4 * 3)}
-"""Muon's matrices of the test models: q, k, v, o, gate, up, down per dense block; q, k, v, o
-and each of 4 experts' three per sparse block."""
+MATRICES = {"llama": (4 * 7, 0), "moe": (7 + 3 * 4, 3 * 4 * 3),
+            "moe_shared": (7 + 3 * (4 + 3), 3 * 4 * 3)}
+"""Muon's matrices of the test models, (those tp splits, those every tp rank holds whole): q,
+k, v, o, gate, up, down per dense block; q, k, v, o, the shared expert's three (split) and each
+of 4 experts' three (whole) per sparse block. A matrix held whole by every tp rank is
+orthogonalised by each (as each applies AdamW to its own copy of a replicated weight)."""
 
 
 def muon_config(model: str = "llama", **parallel):
@@ -75,10 +79,12 @@ def test_muon_layout_equals_single_process_float64(world, layout, monkeypatch):
         got = run(muon_config(model, **layout), comm)
         fails = compare(got[:3], ref, 1e-10)
         replicas = 1 if layout.get("zero") else layout.get("dp", 1) * layout.get("sp", 1)
+        split, whole = MATRICES[model]
+        tp = layout.get("tp", 1)
+        per_step = (split + whole * tp if tp > 1 else split + whole) * replicas
         total = comm.allreduce(count[0])
-        if total != 2 * MATRICES[model] * replicas:
-            fails.append(f"{total} orthogonalisations in 2 steps, not 2 x "
-                         f"{MATRICES[model]} matrices x {replicas} replicas")
+        if total != 2 * per_step:
+            fails.append(f"{total} orthogonalisations in 2 steps, not 2 x {per_step}")
         trainer.close(got[3])
         return fails
 

@@ -170,3 +170,38 @@ def test_config_choices_are_the_registries():
     choices = {f.name: f.metadata["choices"] for f in fields(TrainConfig)}
     assert choices["optimizer"] == tuple(OPTIMIZERS)
     assert choices["muon_adjust_lr"] == tuple(muon.ADJUST_LR)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--muon-ns-steps", "0"], "train.muon_ns_steps=0: must be >= 1"),
+    (["--muon-momentum", "1"], "train.muon_momentum=1.0: must be in [0, 1)"),
+    (["--muon-adjust-lr", "spectral"], "invalid choice: 'spectral'"),
+    (["--optimizer", "lion"], "invalid choice: 'lion'"),
+])
+def test_bad_flags_exit_2_naming_value_and_rule(flags, message, capsys):
+    from mpipar.train import resolve_config
+    with pytest.raises(SystemExit) as exc:
+        resolve_config(["--optimizer", "muon", *flags], 1)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_owners_balance_newton_schulz_flops():
+    """Largest first onto the least loaded owner: no owner carries more than the lightest plus
+    the largest matrix; a matrix every tp rank holds whole loads every tp rank of its slot."""
+    from mpipar.training.optimizers import assign_owners
+    shapes = {f"layers.{i}.m{j}": (8 * (j + 1), 16) for i in range(4) for j in range(5)}
+    split = {n for n in shapes if n.endswith(("m0", "m2", "m4"))}
+    owners = assign_owners(shapes, split, slots=3, tp=2, steps=5)
+    load = np.zeros((3, 2))
+    for n, (a, b) in owners.items():
+        f = muon.ns_flops(*shapes[n], 5)
+        if n in split:
+            load[a, b] += f
+        else:
+            load[a, :] += f
+    biggest = max(muon.ns_flops(*s, 5) for s in shapes.values())
+    assert load.max() - load.min() <= biggest
+    assert load.sum() == sum(muon.ns_flops(*shapes[n], 5) * (1 if n in split else 2)
+                             for n in shapes)

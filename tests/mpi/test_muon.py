@@ -27,6 +27,8 @@ LAYOUTS = [
     dict(dp=2, tp=2, zero=2),
     dict(dp=2, ep=2, zero=1, model="moe"),
     dict(dp=2, tp=2, ep=2, zero=3, model="moe_shared"),
+    dict(dp=2, sp=2, zero=3, zero_shared="node"),
+    dict(dp=4, zero=1, dp_reduce="hierarchical", ranks_per_node=2),
     dict(dp=2, tp=2, pp=2),
 ]
 MATRICES = {"llama": (4 * 7, 0), "moe": (7 + 3 * 4, 3 * 4 * 3),

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from mpipar.kernels.numpy_ref import array_module
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic Newton-Schulz iteration (torch.optim.Muon's defaults)."""
@@ -39,13 +39,6 @@ NS_EPS = 1e-7
 """The floor of the Frobenius norm the update is divided by."""
 ROUTERS = ("block_sparse_moe.gate.weight", "mlp.shared_expert_gate.weight")
 """2-D block weights that route or gate rather than transform: AdamW's."""
-
-
-def _array_module(a: Any) -> Any:
-    if type(a).__module__.split(".")[0] == "cupy":
-        import cupy
-        return cupy
-    return np
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,7 @@ def momentum_update(buf: Any, g: Any, momentum: float, nesterov: bool,
     slice of a matrix."""
     if scale != 1.0:
         g = g * scale
-    xp = _array_module(buf)
+    xp = array_module(buf)
     diff = xp.subtract(g, buf)
     diff *= 1.0 - momentum
     buf += diff
@@ -121,7 +114,7 @@ def newton_schulz(u: Any, steps: int, eps: float = NS_EPS,
     on ``u / max(||u||_F, eps)``, on the transpose when ``u`` has more rows than columns."""
     if u.ndim != 2:
         raise ValueError(f"newton_schulz needs a matrix, got shape {u.shape}")
-    xp = _array_module(u)
+    xp = array_module(u)
     a, b, c = coefficients
     tall = u.shape[0] > u.shape[1]
     x = u.T if tall else u

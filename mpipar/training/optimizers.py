@@ -24,6 +24,7 @@ refused unless ``--reset-optimizer``.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -187,7 +188,7 @@ class Muon:
             held = shard.allgather_object(mine)
             self.shard_exchange = PieceExchange(
                 shard, [[(n, (slice(a, b),)) for n, a, b in r] for r in held],
-                {n: (_numel(local[n]),) for n in self.shapes},
+                {n: (math.prod(local[n]),) for n in self.shapes},
                 {n: owners[n][0] for n in self.shapes})
         self.tp_exchange = None
         if split:
@@ -272,13 +273,6 @@ class Muon:
         self.step_count = int(step)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _rest_optimizer(zero: int, reducer, cfg: AdamWConfig, decay: Mapping[str, bool],
                     matrices: set[str], catch_up: bool) -> Optimizer:
     """AdamW over the reducer's parameters other than ``matrices``."""
@@ -332,11 +326,14 @@ def muon_config(train: TrainConfig) -> muon.MuonConfig:
 
 
 def check_config(layout: Layout) -> None:
-    """Muon's settings (AdamW's and the schedule's: :func:`mpipar.training.optim.check_config`),
-    whichever optimizer runs."""
+    """Muon's settings, whichever optimizer runs, and ``--reset-optimizer`` only with
+    ``--resume`` (AdamW's and the schedule's: :func:`mpipar.training.optim.check_config`)."""
     problem = muon_config(layout.train).problem()
     if problem is not None:
         raise ConfigError(f"train.{problem}")
+    if layout.train.reset_optimizer and not layout.train.resume:
+        raise ConfigError("train.reset_optimizer=True: needs --resume (it starts a resumed "
+                          "run's optimizer state afresh)")
 
 
 def check_resume(saved: TrainConfig, now: TrainConfig, source: str) -> None:

@@ -177,6 +177,7 @@ def test_config_choices_are_the_registries():
     (["--muon-momentum", "1"], "train.muon_momentum=1.0: must be in [0, 1)"),
     (["--muon-adjust-lr", "spectral"], "invalid choice: 'spectral'"),
     (["--optimizer", "lion"], "invalid choice: 'lion'"),
+    (["--reset-optimizer"], "train.reset_optimizer=True: needs --resume"),
 ])
 def test_bad_flags_exit_2_naming_value_and_rule(flags, message, capsys):
     from mpipar.train import resolve_config

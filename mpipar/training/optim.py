@@ -322,6 +322,11 @@ class ZeroAdamW:
         self.step_count = 0
         self.grad_scale = 1.0
 
+    def first_moment(self, b, lo: int, hi: int) -> Any:
+        """The first-moment view of owned slice ``[lo, hi)`` of bucket ``b``: the state a
+        ``skip`` parameter's optimizer keeps there (Muon's momentum)."""
+        return self.m[self._index[id(b)]][lo:hi]
+
     def grad_norm_sq(self, counted: Callable[[str], bool]) -> float:
         """Sum of squares of the owned gradient slices ``counted`` accepts, over the shard group
         (one all-reduce)."""

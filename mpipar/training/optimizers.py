@@ -161,6 +161,9 @@ class Muon:
         self._exchanges(table, tp)
 
     def _local_pieces(self, names: list[str]) -> Iterator[tuple[str, _Piece]]:
+        """Each matrix's piece: the whole local shard (ZeRO-0, its own momentum buffer), or
+        the owned slice (ZeRO-1/2/3, its momentum in the AdamW first-moment buffer that spans
+        the slice anyway)."""
         red, xp, wanted = self.reducer, self.reducer.xp, set(names)
         if not self.zero:
             for n in names:
@@ -172,7 +175,7 @@ class Muon:
                 a0, _ = red.owned_range(b)
                 start = a0 + lo - b.offsets[n][0]
                 yield n, _Piece(b.owned[lo:hi], b.owned_grad[lo:hi],
-                                xp.zeros_like(b.owned_grad[lo:hi]), start, start + hi - lo)
+                                self.rest.first_moment(b, lo, hi), start, start + hi - lo)
 
     def _exchanges(self, table: PlacementTable, tp: Group) -> None:
         """The owners and the two exchanges (over the shard group; over tp)."""

@@ -320,6 +320,15 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip gradients to this global L2 norm; <= 0 disables clipping")
+    optimizer: str = _f("adamw", "adamw, or muon: the decoder blocks' matrices orthogonalised "
+                                 "(torch.optim.Muon), AdamW for the rest", choices=("adamw", "muon"))
+    muon_momentum: float = _f(0.95, "Muon momentum, in [0, 1)")
+    muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations, >= 1")
+    muon_nesterov: bool = _f(True, "Muon's Nesterov update (--no-muon-nesterov: the momentum "
+                                   "buffer itself)", flag="--no-muon-nesterov")
+    muon_adjust_lr: str = _f("original", "Muon's lr per matrix: original (x sqrt(max(1, rows / "
+                                         "cols))) or match_rms_adamw (x 0.2 sqrt(max(rows, cols)))",
+                             choices=("original", "match_rms_adamw"))
     dtype: str = _f("float32", "compute dtype: float32 or float64 (parameters, gradients, "
                                "optimizer state and activations all in it), or bfloat16 (mixed "
                                "precision: bf16 compute copies of the parameters, activations "
@@ -387,6 +396,8 @@ class TrainConfig:
                               "list '3,5'; empty: none")
     resume: str = _f("", "resume from 'auto' (newest complete checkpoint in save_dir, else start "
                          "fresh) or a checkpoint path; model settings then come from it")
+    reset_optimizer: bool = _f(False, "with --resume: the parameters only, the optimizer state "
+                                      "starts afresh (how a run resumes under another --optimizer)")
     dump_activations: str = _f("", "steps whose chunk activations every rank writes to "
                                     "RUN_DIR/activations/step_N/rank_R.h5, e.g. '1,100'")
     recompute: str = _f("none", "activation memory: none, selective (attention internals), full "

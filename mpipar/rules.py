@@ -18,7 +18,7 @@ from mpipar.data import packing, sources
 from mpipar.layout import Layout, resolve
 from mpipar.parallel.registry import AXES
 from mpipar.runtime import device
-from mpipar.training import optim
+from mpipar.training import optim, optimizers
 
 Rule = Callable[[Layout], None]
 
@@ -27,6 +27,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("eval", sources.check_config),         # the validation set
     ("documents", packing.check_config),    # EOS id, document masking, the EOS loss mask
     ("optimizer", optim.check_config),      # AdamW and the LR schedule
+    ("muon", optimizers.check_config),      # Muon's momentum and Newton-Schulz steps
     ("backend", device.check_config),       # kernels, device, dtype, CUDA-aware MPI
 )
 """The components' rules, in the order :func:`validate` asks them."""

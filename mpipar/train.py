@@ -107,6 +107,8 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
             path, _ = reader.resolve_resume(tr.resume, tr.save_dir, peers)
             if path is not None:
                 saved = reader.read_config(path)
+                from mpipar.training.optimizers import check_resume
+                check_resume(saved.train, tr, str(path))
                 cfg.model = model_from_checkpoint(
                     saved.model, config_mod.given_fields(args, "model"), source=str(path))
                 tr.eval_fraction = config_mod.held_out_from_checkpoint(
@@ -265,6 +267,10 @@ def _load_state(rank, ctx: RunContext) -> int:
         path, notes = reader.resolve_resume(tr.resume, tr.save_dir)
         if path is not None:
             start = reader.load(rank.state, path)
+            if tr.reset_optimizer:
+                from mpipar.training.optimizers import reset_state
+                reset_state(rank.weights.optimizer, rank.state.store.local_shapes())
+                notes.append("--reset-optimizer: the optimizer state starts afresh")
             try:   # the routing biases, recorded once in the index (auxiliary-loss-free)
                 rank.model.routing.load(reader.read_moe_bias(path))
             except ValueError as exc:

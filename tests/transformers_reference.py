@@ -222,12 +222,13 @@ def hf_loss(logits, rows):
 
 
 def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
-                  **parallel) -> Rank:
-    """An engine on ``comm`` with ``params`` loaded, training the samples' rows in order."""
+                  train_fields: tuple = (), **parallel) -> Rank:
+    """An engine on ``comm`` with ``params`` loaded, training the samples' rows in order;
+    ``train_fields``: (field, value) pairs of the train section beyond :data:`OPT`."""
     train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=B,
                         micro_batch_size=1 if parallel else 0, lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
-                        shuffle=False, seed=0, **OPT)
+                        shuffle=False, seed=0, **OPT, **dict(train_fields))
     cfg = validate(Config(model_cfg, ParallelConfig(**parallel), train), comm.Get_size())
     engine = build_rank(cfg, comm, source=load_tokens(str(samples), V, S))
     trainer.load_params(engine, params)
@@ -244,14 +245,16 @@ def torch_adamw(model) -> "torch.optim.AdamW":
 
 
 @functools.lru_cache(maxsize=None)
-def torch_training(path: Path, samples: Path) -> tuple[list, list, dict[str, np.ndarray]]:
-    """transformers + torch.optim.AdamW (decay on matrices only, clipping) for STEPS steps on
-    the samples' rows in order, with the float32 casts removed: (losses, gradient norms,
-    trained parameters by mpipar name). Call it with the float64 patches applied."""
+def torch_training(path: Path, samples: Path, optimizer=torch_adamw
+                   ) -> tuple[list, list, dict[str, np.ndarray]]:
+    """transformers + ``optimizer(model)`` (default torch.optim.AdamW, decay on matrices only;
+    clipping) for STEPS steps on the samples' rows in order, with the float32 casts removed:
+    (losses, gradient norms, trained parameters by mpipar name). Call it with the float64
+    patches applied."""
     model = hf_model(path)
     model.train()
     named = dict(model.named_parameters())  # a tied head is the embedding: listed once
-    opt = torch_adamw(model)
+    opt = optimizer(model)
     rows = torch.from_numpy(np.load(samples))
     losses, norms = [], []
     for k in range(STEPS):

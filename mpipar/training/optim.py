@@ -304,11 +304,14 @@ class ZeroAdamW:
     owns: flat or following the node split), or ZeRO-2/3's
     :class:`mpipar.parallel.fsdp.sharded.ShardedParams`. Each bucket (or unit) exposes ``owned`` (the
     parameters this rank updates) and ``owned_grad``; moments are the size of ``owned_grad``;
-    the reducer puts the updated slices back (``gather_params``)."""
+    the reducer puts the updated slices back (``gather_params``). ``skip``: parameters another
+    optimizer updates and reports (:class:`mpipar.training.optimizers.Muon`'s matrices)."""
 
     def __init__(self, reducer, cfg: AdamWConfig, decay: Mapping[str, bool],
-                 catch_up: Callable[[], bool] | None = None) -> None:
+                 catch_up: Callable[[], bool] | None = None,
+                 skip: Collection[str] = frozenset()) -> None:
         self.reducer, self.cfg, self.decay = reducer, cfg, decay
+        self.skip = frozenset(skip)   # parameters another optimizer updates (Muon's matrices)
         xp = reducer.xp
         self.m = [xp.zeros_like(b.owned_grad) for b in reducer.buckets]
         self.v = [xp.zeros_like(b.owned_grad) for b in reducer.buckets]
@@ -318,6 +321,11 @@ class ZeroAdamW:
         self._index = {id(b): i for i, b in enumerate(reducer.buckets)}
         self.step_count = 0
         self.grad_scale = 1.0
+
+    def first_moment(self, b, lo: int, hi: int) -> Any:
+        """The first-moment view of owned slice ``[lo, hi)`` of bucket ``b``: the state a
+        ``skip`` parameter's optimizer keeps there (Muon's momentum)."""
+        return self.m[self._index[id(b)]][lo:hi]
 
     def grad_norm_sq(self, counted: Callable[[str], bool]) -> float:
         """Sum of squares of the owned gradient slices ``counted`` accepts, over the shard group
@@ -336,6 +344,8 @@ class ZeroAdamW:
         red, c, scale, self.grad_scale = self.reducer, self.cfg, self.grad_scale, 1.0
         sparse = self.catch_up is not None and self.catch_up()
         for b, name, lo, hi in red.owned_pieces():
+            if name in self.skip:
+                continue
             i = self._index[id(b)]
             wd = c.weight_decay if self.decay[name] else 0.0
             _adamw_step(b.owned[lo:hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
@@ -346,6 +356,8 @@ class ZeroAdamW:
     def _pieces(self):
         """(bucket index, name, lo, hi, start in the flattened local shard) of owned slices."""
         for b, name, lo, hi in self.reducer.owned_pieces():
+            if name in self.skip:
+                continue
             a0, _ = self.reducer.owned_range(b)
             yield self._index[id(b)], name, lo, hi, a0 + lo - b.offsets[name][0]
 

@@ -46,7 +46,8 @@ from mpipar.runtime.mpi_init import MPI
 from mpipar.runtime.precision import Precision, numpy_dtype
 from mpipar.runtime.staging import choose_path
 from mpipar.runtime.topology import ProcessGrid
-from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
+from mpipar.training.optim import AdamWConfig, LRSchedule
+from mpipar.training.optimizers import optimizer_mode
 from mpipar.training.state import TrainState
 
 
@@ -311,9 +312,10 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
     decay = {n: len(table[n].spec.shape) >= 2 for n in names}
     # Top-k sums with error feedback: AdamW moves a coordinate by the steps it waited.
     catch_up = par.topk_catch_up == "on" and sharded is None and reducer.sends_sparse
-    optimizer = build_optimizer(par.zero, reducer,
-                                AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
-                                            tr.weight_decay), decay, catch_up)
+    optimizer = optimizer_mode(tr).build(par.zero, reducer,
+                                         AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
+                                                     tr.weight_decay), decay, catch_up, tr,
+                                         table, comms.groups["tp"])
     state = TrainState(reducer, optimizer, table, tp_rank=tensor.rank, tp_size=tensor.size,
                        pp_rank=comms.grid.coord.pp, dtype=compute.master_dtype)
     return Weights(reducer=reducer, sharded=sharded, optimizer=optimizer, catch_up=catch_up,

@@ -192,6 +192,8 @@ MODE_HOMES: dict[str, tuple[str, ...]] = {
     "reduce_dtype": ("mpipar.parallel.data_parallel",),
     "on_nan": ("mpipar.training.loop",),
     "decay_shape": ("mpipar.training.optim",),
+    "optimizer": ("mpipar.training.optimizers",),
+    "muon_adjust_lr": ("mpipar.training.muon",),
 }
 """Each configuration mode field and the modules that may compare it with a string (its home):
 everywhere else the code asks the mode's object. Add a field here when it becomes an object."""

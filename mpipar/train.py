@@ -45,6 +45,10 @@ Exit status and failures:
 - 128 + signal (143 for SIGTERM, 130 for SIGINT): a stop signal before the first step (nothing
   to checkpoint).
 
+With ``--on-rank-failure shrink`` (an MPI with ULFM; else exit 2 at start-up) a rank that dies
+does not end the job: the survivors go on, on a smaller world, from the last consistent state
+(:mod:`mpipar.training.recovery`); when they cannot, exit 1 with the failure report.
+
 Every abort (and ``--on-nan stop``) is reported durably before the job ends: one JSON line per
 failing rank in ``RUN_DIR/failure.txt`` (fsynced) and ``status: "failed"`` in ``summary.json``
 (:mod:`mpipar.training.failure`); a launcher may drop the aborting rank's stderr.
@@ -198,14 +202,18 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
         from mpipar.checkpoint.writer import SaveError
         rank, start = _build(ctx)
         try:
-            return run(rank, start, ctx)
+            code = run(rank, start, ctx)
         except SaveError as exc:  # raised on every rank alike: no collective is left waiting
-            return _save_failed(ctx, exc)
+            code = _save_failed(ctx, exc)
         finally:
             steps.close(ctx.replaced or rank)
     finally:
         if lock is not None:
             lock.release()
+    if ctx.replaced is not None:  # a process of the job died: ended without MPI_Finalize
+        from mpipar.runtime import ulfm
+        ulfm.leave(code)
+    return code
 
 
 def _save_failed(ctx: RunContext, exc: Exception) -> int:

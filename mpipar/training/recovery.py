@@ -7,11 +7,12 @@ The mode is an object (:func:`on_rank_failure`):
 - :class:`Shrink`: under an MPI with ULFM (:func:`mpipar.runtime.ulfm.unsupported` says why
   not, and start-up refuses the mode then, exit 2) the training loop hands an MPI error of a
   dead or revoked process (any collective or point-to-point of a step, its telemetry or a
-  periodic checkpoint) to :meth:`Shrink.recover`, which
+  periodic checkpoint; any MPI error, as a dead peer may surface under another class) to
+  :meth:`Shrink.recover`, which
 
   1. revokes the world and every communicator of the rank, so no survivor stays blocked;
   2. shrinks the world to the survivors (:func:`mpipar.runtime.ulfm.shrink`: they agree on who
-     is gone);
+     is gone; nobody gone: the error was another, and is raised);
   3. agrees on the state to go on from: the start of the earliest step any survivor had in
      flight, from memory when every survivor holds a copy of it, else the last committed
      checkpoint of ``--save-dir``; with neither, the run ends with the failure report;
@@ -149,15 +150,17 @@ class Shrink:
                 del self.copies[old]
 
     def recover(self, rank: Rank, control: Group, exc: BaseException) -> Recovered:
-        """The rank rebuilt on the survivors (module docstring); ``exc`` re-raised when it is
-        no process failure. Raises :class:`Unrecoverable` when the survivors cannot go on."""
-        if not ulfm.is_process_failure(exc):
-            raise exc
+        """The rank rebuilt on the survivors (module docstring). Any MPI error starts it (a
+        dead peer may surface as another class, e.g. through a non-blocking collective's
+        schedule); ``exc`` is re-raised when the shrink finds nobody gone. Raises
+        :class:`Unrecoverable` when the survivors cannot go on."""
         detected = time.perf_counter()
         old = [control.comm, *(g.comm for g in rank.comms.groups.values()),
                *rank.comms.grid.comms.values()]
         ulfm.revoke(old)
         comm, failed = ulfm.shrink(control.comm)
+        if not failed:
+            raise exc
         world = Group(comm, "world", Ledger())
         start, copy, path = self._restore_point(world)
         try:

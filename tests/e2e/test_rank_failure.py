@@ -71,12 +71,20 @@ def reference(tmp_path_factory):
     return metrics(tmp / "run"), _params(tmp / "run")
 
 
-# (who dies: "world rank@0-based step", ...), the world of each step, the failed ranks (in
-# the numbering of the world before each failure)
+# who dies ("world rank@0-based step", ...), the extra flags, the world of each step, and per
+# recovery: the failed ranks (numbered in the world before it), where the state came from, the
+# step it holds and the layout flags' start
 CASES = {
-    "rank 2": ("2@3", [4, 4, 4, 3, 3, 3], [[2]]),
-    "rank 0": ("0@3", [4, 4, 4, 3, 3, 3], [[0]]),
-    "two failures": ("2@2,0@4", [4, 4, 3, 3, 2, 2], [[2], [0]]),
+    "rank 2": ("2@3", [], [4, 4, 4, 3, 3, 3], [([2], "memory", 3, "--dp 3 --tp 1 --pp 1")]),
+    "rank 0": ("0@3", [], [4, 4, 4, 3, 3, 3], [([0], "memory", 3, "--dp 3 --tp 1 --pp 1")]),
+    "two failures": ("2@2,0@4", [], [4, 4, 3, 3, 2, 2],
+                     [([2], "memory", 2, "--dp 3 --tp 1 --pp 1"),
+                      ([0], "memory", 4, "--dp 2 --tp 1 --pp 1")]),
+    # pp=2: no rank holds the whole state, so the last checkpoint (step 2) is read onto the
+    # planner's layout of 3 ranks and step 3 is trained again
+    "pipeline, from a checkpoint": ("2@3", ["--dp", "2", "--pp", "2", "--save-every", "2"],
+                                    [4, 4, 3, 3, 3, 3],
+                                    [([2], "checkpoint", 2, "--dp 3 --tp 1 --pp 1")]),
 }
 
 
@@ -84,28 +92,27 @@ CASES = {
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, reference, case):
-    """dp=4, float64: a rank is SIGKILLed as a step begins (rank 2; rank 0, whose metrics the
-    new rank 0 goes on writing; two ranks one after the other); the survivors shrink the world,
-    restore the state of the step from memory and redo it on the smaller dp: every step's loss
-    and gradient norm, and the final weights, equal an uninterrupted run's (<= 1e-10)."""
-    kill, worlds, failed = CASES[case]
+    """float64: a rank is SIGKILLed as a step begins (rank 2; rank 0, whose metrics the new
+    rank 0 goes on writing; two ranks one after the other; a pipeline layout); the survivors
+    shrink the world, restore the last consistent state (from memory, or the checkpoint) and
+    train on with a smaller dp: every step's loss and gradient norm, and the final weights,
+    equal an uninterrupted dp=4 run's (<= 1e-10)."""
+    kill, flags, worlds, recoveries = CASES[case]
     run = tmp_path / "run"
-    proc = _ulfm_train(tmp_path, [*COMMON, "--on-rank-failure", "shrink", "--run-dir", str(run)],
-                       kill=kill)
+    proc = _ulfm_train(tmp_path, [*COMMON, *flags, "--on-rank-failure", "shrink", "--run-dir",
+                                  str(run)], kill=kill)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got, (want, weights) = metrics(run), reference
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["world"] for r in got] == worlds
     marked = [r for r in got if "recovered" in r]
-    assert [r["step"] for r in marked] == [int(k) + 1 for k in
-                                           (p.split("@")[1] for p in kill.split(","))]
-    for r, ranks in zip(marked, failed):
+    assert [r["step"] for r in marked] == [resumed + 1 for _, _, resumed, _ in recoveries]
+    for r, (ranks, source, resumed, layout) in zip(marked, recoveries):
         rec = r["recovered"]
-        assert rec["failed_ranks"] == ranks and rec["from"] == "memory"
-        assert rec["resumed_step"] == r["step"] - 1 and rec["world"] == r["world"]
-        assert rec["layout_flags"].startswith(f"--dp {r['world']} --tp 1 --pp 1 --sp 1")
+        assert (rec["failed_ranks"], rec["from"], rec["resumed_step"]) == (ranks, source, resumed)
+        assert rec["world"] == r["world"] and rec["layout_flags"].startswith(layout)
         assert rec["seconds"] > 0
-        assert f"{r['world']} ranks go on from step {r['step'] - 1} (memory)" in proc.stdout
+        assert f"{r['world']} ranks go on from step {resumed} ({source})" in proc.stdout
     for key in ("loss", "grad_norm"):
         assert _relative([r[key] for r in got], [r[key] for r in want]) <= 1e-10, key
     mine = _params(run)

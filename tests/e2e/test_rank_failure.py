@@ -133,3 +133,17 @@ def test_shrink_is_refused_without_ulfm(tmp_path):
     assert "has no ULFM" in proc.stderr and "--with-ft ulfm" in proc.stderr
     assert proc.stderr.count("mpipar: error:") == 1
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@needs_ulfm
+def test_open_mpi_without_ulfm_refuses_shrink(tmp_path):
+    """Open MPI launched without --with-ft ulfm: exit 2 before any step, saying so and how to
+    launch."""
+    path, flags = mpi_launcher()
+    proc = subprocess.run([path, *flags, "-n", "2", sys.executable, "-m", "mpipar.train", *COMMON,
+                           "--on-rank-failure", "shrink", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=200, env=launch_env())
+    assert proc.returncode == 2, proc.stderr
+    assert "launched without ULFM (mpi_ft_enable=0)" in proc.stderr
+    assert "mpirun --with-ft ulfm --mca btl tcp,self" in proc.stderr
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

@@ -405,6 +405,10 @@ class TrainConfig:
                         choices=RECOMPUTE_MODES)
     on_nan: str = _f("stop", "a non-finite loss or gradient norm: skip the step, or stop with a "
                              "checkpoint", choices=("stop", "skip"))
+    on_rank_failure: str = _f("abort", "a rank that dies: abort the job, or shrink (needs an MPI "
+                                       "with ULFM: the survivors drop it and train on from the "
+                                       "last consistent state, the global batch kept)",
+                              choices=("abort", "shrink"))
     collective_timeout: float = _f(0.0, "abort a run stuck this many seconds in one collective, "
                                         "naming the operation and group (0: off)")
     startup_timeout: float = _f(600.0, "with --collective-timeout: the limit until step 1 has "

@@ -45,6 +45,10 @@ Exit status and failures:
 - 128 + signal (143 for SIGTERM, 130 for SIGINT): a stop signal before the first step (nothing
   to checkpoint).
 
+With ``--on-rank-failure shrink`` (an MPI with ULFM; else exit 2 at start-up) a rank that dies
+does not end the job: the survivors go on, on a smaller world, from the last consistent state
+(:mod:`mpipar.training.recovery`); when they cannot, exit 1 with the failure report.
+
 Every abort (and ``--on-nan stop``) is reported durably before the job ends: one JSON line per
 failing rank in ``RUN_DIR/failure.txt`` (fsynced) and ``status: "failed"`` in ``summary.json``
 (:mod:`mpipar.training.failure`); a launcher may drop the aborting rank's stderr.
@@ -129,6 +133,32 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
         raise  # unreachable: fail_usage exits
 
 
+def relayout(layout: Layout, world: int) -> Layout:
+    """The layout of ``layout``'s run on ``world`` ranks (the survivors of a rank failure): tp,
+    pp, sp and ep kept and dp the rest (the micro-batch size kept, else one microbatch per
+    replica), else the planner's fastest valid layout; the global batch is kept. ConfigError
+    when none fits."""
+    import dataclasses
+    from mpipar.config import Config
+    from mpipar.plan.search import auto_layout
+    from mpipar.rules import validate
+    cfg, errors = layout.config, []
+    rest = layout.tp * layout.pp * layout.sp
+    for mbs in dict.fromkeys((layout.micro_batch_size, 0)) if world % rest == 0 else ():
+        try:
+            return validate(Config(cfg.model, dataclasses.replace(cfg.parallel, dp=world // rest),
+                                   dataclasses.replace(cfg.train, micro_batch_size=mbs)), world)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    free = Config(cfg.model, dataclasses.replace(cfg.parallel, dp=0, tp=1, pp=1, sp=1),
+                  dataclasses.replace(cfg.train, micro_batch_size=0))
+    try:
+        planned, _ = auto_layout(free, world, {"global_batch_size"})
+        return validate(planned, world)
+    except ConfigError as exc:
+        raise ConfigError("; ".join([*errors, str(exc)])) from None
+
+
 def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     from mpipar.runtime import allreduce
     # The library reads its algorithm controls in MPI_Init: before the first use of MPI.
@@ -147,7 +177,12 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     notes: list[str] = []
     cfg = resolve_config(argv, comm.Get_size(), notes, comm)
     from mpipar.runtime.comm import Group, Ledger
+    from mpipar.training.recovery import on_rank_failure
     ctx = RunContext(cfg, Group(comm, "world", Ledger()), stop, report, notes)
+    ctx.on_rank_failure = on_rank_failure(cfg.train.on_rank_failure, relayout, cfg.train.save_dir)
+    refusal = ctx.on_rank_failure.refusal()   # the same on every rank, before any collective
+    if refusal is not None:
+        fail_usage(refusal, comm)
     try:
         ctx.allreduce = allreduce.configure(cfg.parallel.allreduce_algorithm,
                                             cfg.parallel.allreduce_hardware,
@@ -169,14 +204,18 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
         from mpipar.checkpoint.writer import SaveError
         rank, start = _build(ctx)
         try:
-            return run(rank, start, ctx)
+            code = run(rank, start, ctx)
         except SaveError as exc:  # raised on every rank alike: no collective is left waiting
-            return _save_failed(ctx, exc)
+            code = _save_failed(ctx, exc)
         finally:
-            steps.close(rank)
+            steps.close(ctx.replaced or rank)
     finally:
         if lock is not None:
             lock.release()
+    if ctx.replaced is not None:  # a process of the job died: ended without MPI_Finalize
+        from mpipar.runtime import ulfm
+        ulfm.leave(code)
+    return code
 
 
 def _save_failed(ctx: RunContext, exc: Exception) -> int:

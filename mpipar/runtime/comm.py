@@ -650,6 +650,11 @@ class Watchdog:
         """Watch ``ledger`` too (one created after the watchdog started)."""
         self.ledgers = [*self.ledgers, ledger]
 
+    def rewatch(self, ledgers: list[Ledger]) -> None:
+        """Watch ``ledgers`` instead of those watched so far (a rank rebuilt on a smaller world:
+        the old ledgers still hold the calls that failed)."""
+        self.ledgers = list(ledgers)
+
     def steady(self) -> None:
         """Start-up is over: from now on the limit is ``timeout``."""
         self.startup = None

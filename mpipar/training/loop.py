@@ -12,10 +12,10 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mpipar.config import Config
-from mpipar.training.failure import EXIT_NONFINITE, FailureReport
+from mpipar.training.failure import EXIT_EXCEPTION, EXIT_NONFINITE, FailureReport
 
 if TYPE_CHECKING:  # mpipar.runtime.comm loads NumPy, which must wait for the thread settings
     from mpipar.checkpoint.background import AsyncSaver
@@ -83,6 +83,9 @@ class RunContext:
     threads: int = 1             # compute threads per rank
     on_node: int = 1             # ranks sharing this rank's node
     allreduce: str = "allreduce auto"  # the MPI all-reduce algorithm, as the start-up line says
+    on_rank_failure: Any = None  # --on-rank-failure's object (mpipar.training.recovery)
+    replaced: Rank | None = None  # the rank rebuilt after a rank failure (closed in its place)
+    recovered: dict | None = None  # the ``recovered`` record of the next step's line
 
     @property
     def rank0(self) -> bool:
@@ -92,29 +95,22 @@ class RunContext:
 def run(rank: Rank, start: int, ctx: RunContext) -> int:
     """The training loop and everything written around it (see the module docstring)."""
     from mpipar.observe import metrics
-    from mpipar.model.flops import model_flops_per_step
 
-    tr, rank0 = ctx.cfg.train, ctx.rank0
+    if ctx.on_rank_failure is None:
+        from mpipar.training.recovery import Abort
+        ctx.on_rank_failure = Abort()
+    tr = ctx.cfg.train
     t_run = time.perf_counter()
-    telemetry = metrics.Telemetry(ctx.control)
-    peaks = telemetry.gather_peaks(metrics.measure_peak(rank.compute.kernels.name, tr.dtype,
-                                                        ctx.threads, ctx.on_node,
-                                                        rank.compute.device))
-    flops = model_flops_per_step(ctx.cfg)
-    from mpipar.observe.tensorboard import log_dir
-    writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
-                                   tensorboard=log_dir(tr.tensorboard, tr.run_dir))
-    skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
-    if rank0:
-        _announce(rank, ctx, peaks)
-    progress = metrics.Progress(tr.steps, start, tr.log_every, rank0)
+    books = Books.open(rank, start, ctx)
+    if ctx.rank0:
+        _announce(rank, ctx, books.peaks)
     if tr.async_save:
         ctx.saver = _async_saver(ctx)
     ctx.tracer = _tracer(rank, ctx)
     ctx.stop.training()
-    loop = _loop(rank, start, ctx, telemetry, writer, progress, (peaks, flops, skipped))
-    progress.close()
-    writer.close()
+    rank, loop, books = _train(rank, start, ctx, books)
+    books.close()
+    peaks, flops, rank0 = books.peaks, books.flops, ctx.rank0
     path = _finish_async(ctx, None)  # the end of the run, or a stop: the write in flight
     if ctx.tracer is not None:  # a run that stopped before its last traced step
         ctx.tracer.end(tr.steps)
@@ -166,16 +162,17 @@ class LoopOutcome:
     last: tuple | None = None  # (StepResult, time.time() at its start) of the last step
 
 
-def _loop(rank: Rank, start: int, ctx: RunContext, telemetry, writer, progress,
-          totals: tuple[list[float], float, int]) -> LoopOutcome:
+def _loop(rank: Rank, start: int, ctx: RunContext, books: Books) -> LoopOutcome:
     """Steps start+1 .. steps. Each step's record is written (rank 0) before its checkpoint
     commits, fsynced with it; a save's I/O time goes into the next record."""
     from mpipar.observe import metrics
     from mpipar.training import step as steps
     tr = ctx.cfg.train
-    peaks, flops, skipped = totals
+    telemetry, writer, progress = books.telemetry, books.writer, books.progress
+    peaks, flops, skipped = books.peaks, books.flops, books.skipped
     out, io = LoopOutcome(saved=start), 0.0
     for k in range(start, tr.steps):
+        ctx.on_rank_failure.before_step(rank, k)
         if ctx.tracer is not None:
             ctx.tracer.begin(k + 1)
         rank.ledger.reset()
@@ -195,6 +192,9 @@ def _loop(rank: Rank, start: int, ctx: RunContext, telemetry, writer, progress,
         skipped += nonfinite
         record = metrics.step_record(result, ranks, rank.ledger, flops, sum(peaks), nonfinite,
                                      skipped)
+        record["world"] = ctx.control.size
+        if ctx.recovered is not None:
+            record["recovered"], ctx.recovered = ctx.recovered, None
         if rank.data.eval_set is not None and _eval_due(result.step, tr):
             record["eval"] = metrics.eval_record(steps.evaluate(rank), rank.eval_ledger)
         writer.write(record)
@@ -221,6 +221,82 @@ def _loop(rank: Rank, start: int, ctx: RunContext, telemetry, writer, progress,
         if ctx.tracer is not None:
             ctx.tracer.end(result.step)
     return out
+
+
+def _train(rank: Rank, start: int, ctx: RunContext, books: Books
+           ) -> tuple[Rank, LoopOutcome, Books]:
+    """:func:`_loop`; under ``--on-rank-failure shrink`` a rank failure in it is recovered
+    (:mod:`mpipar.training.recovery`) and the loop goes on from the restored step. Returns the
+    rank that finished, the outcome and the books."""
+    while True:
+        try:
+            return rank, _loop(rank, start, ctx, books), books
+        except ctx.on_rank_failure.survivable as exc:
+            books.close()
+            rank, start, books = _recover(rank, ctx, exc)
+
+
+def _recover(rank: Rank, ctx: RunContext, exc: BaseException) -> tuple[Rank, int, Books]:
+    """The survivors' rank on the smaller world, the step it starts after, fresh books (the new
+    rank 0 writes the metrics from there); the run's context follows the new world. Survivors
+    that cannot go on end the job with the failure report."""
+    from mpipar.training.recovery import Unrecoverable
+    failed_at = ctx.control.rank
+    try:
+        got = ctx.on_rank_failure.recover(rank, ctx.control, exc)
+    except Unrecoverable as err:
+        ctx.report.abort("rank_failure", f"mpipar: rank {failed_at}: a rank failed and the "
+                                         f"survivors cannot go on: {err}", EXIT_EXCEPTION)
+    ctx.control, ctx.cfg, ctx.replaced = got.control, got.rank.layout, got.rank
+    ctx.report.comm, ctx.report.rank = got.control.comm, got.control.rank
+    if ctx.watchdog is not None:
+        ctx.watchdog.rewatch([ctx.control.ledger, got.rank.ledger, got.rank.eval_ledger])
+    if ctx.saver is not None:
+        ctx.saver = _async_saver(ctx)
+    if ctx.tracer is not None:
+        ctx.tracer = _tracer(got.rank, ctx)
+    books = Books.open(got.rank, got.start, ctx)
+    rec = got.record
+    ctx.recovered = {**rec, "seconds": time.perf_counter() - got.detected}
+    if ctx.rank0:
+        books.progress.note(
+            f"mpipar: rank(s) {rec['failed_ranks']} failed; {rec['world']} ranks go on from "
+            f"step {rec['resumed_step']} ({rec['from']}), layout "
+            f"{got.rank.comms.grid.describe()} ({rec['layout_flags']})")
+    return got.rank, got.start, books
+
+
+@dataclass
+class Books:
+    """What the loop writes through, over the run's control group: the telemetry, the metrics
+    (rank 0) and the progress, and the totals of the records (peaks, model FLOPs a step, steps
+    skipped so far)."""
+    telemetry: Any
+    writer: Any
+    progress: Any
+    peaks: list[float]
+    flops: float
+    skipped: int
+
+    @classmethod
+    def open(cls, rank: Rank, start: int, ctx: RunContext) -> Books:
+        """Books for a loop from step ``start`` (metrics.jsonl keeps the records up to it)."""
+        from mpipar.model.flops import model_flops_per_step
+        from mpipar.observe import metrics
+        from mpipar.observe.tensorboard import log_dir
+        tr, rank0 = ctx.cfg.train, ctx.rank0
+        telemetry = metrics.Telemetry(ctx.control)
+        peaks = telemetry.gather_peaks(metrics.measure_peak(
+            rank.compute.kernels.name, tr.dtype, ctx.threads, ctx.on_node, rank.compute.device))
+        skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
+        writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
+                                       tensorboard=log_dir(tr.tensorboard, tr.run_dir))
+        return cls(telemetry, writer, metrics.Progress(tr.steps, start, tr.log_every, rank0),
+                   peaks, model_flops_per_step(ctx.cfg), skipped)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.writer.close()
 
 
 def _report_end(ctx: RunContext, loop: LoopOutcome, result, path: str) -> None:

@@ -191,6 +191,7 @@ MODE_HOMES: dict[str, tuple[str, ...]] = {
     "cuda_aware_mpi": ("mpipar.runtime.device",),
     "reduce_dtype": ("mpipar.parallel.data_parallel",),
     "on_nan": ("mpipar.training.loop",),
+    "on_rank_failure": ("mpipar.training.recovery",),
     "decay_shape": ("mpipar.training.optim",),
     "optimizer": ("mpipar.training.optimizers",),
     "muon_adjust_lr": ("mpipar.training.muon",),

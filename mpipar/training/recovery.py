@@ -1,0 +1,224 @@
+"""What a run does when one of its ranks dies: ``--on-rank-failure abort|shrink``.
+
+The mode is an object (:func:`on_rank_failure`):
+
+- :class:`Abort` (the default): nothing is caught; the launcher ends the job, the watchdog and
+  the failure report (:mod:`mpipar.training.failure`) make that clean.
+- :class:`Shrink`: under an MPI with ULFM (:func:`mpipar.runtime.ulfm.unsupported` says why
+  not, and start-up refuses the mode then, exit 2) the training loop hands an MPI error of a
+  dead or revoked process (any collective or point-to-point of a step, its telemetry or a
+  periodic checkpoint; any MPI error, as a dead peer may surface under another class) to
+  :meth:`Shrink.recover`, which
+
+  1. revokes the world and every communicator of the rank, so no survivor stays blocked;
+  2. shrinks the world to the survivors (:func:`mpipar.runtime.ulfm.shrink`: they agree on who
+     is gone; nobody gone: the error was another, and is raised);
+  3. agrees on the state to go on from: the start of the earliest step any survivor had in
+     flight, from memory when every survivor holds a copy of it, else the last committed
+     checkpoint of ``--save-dir``; with neither, the run ends with the failure report;
+  4. resolves the layout of the smaller world (the program's ``relayout``: dp shrunk, tp, pp,
+     sp and ep kept, else the planner's best valid layout; the global batch is kept, so each
+     replica runs more microbatches) and builds the rank on it with
+     :func:`mpipar.training.rank.build_rank`, the call of start-up;
+  5. loads that state into it; the loop then redoes the steps after it, so every number equals
+     an uninterrupted run's up to the order of the reductions.
+
+The copy in memory (:class:`StateCopy`) is taken at the start of each step where every rank
+holds the whole training state (dp replicas: tp = pp = 1, ZeRO-0, experts not sharded, no
+error-feedback residuals): the master weights and AdamW's moments, as global tensors, the
+routing biases; the last two steps' copies are kept (a survivor may be one step ahead of
+another when the failure reaches them). It costs three copies of the parameters per copy kept,
+and a copy of them a step. Other layouts recover from the last checkpoint.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from mpipar.config import ConfigError
+from mpipar.layout import Layout
+from mpipar.parallel.data_parallel.reducer import GradReducer
+from mpipar.runtime import ulfm
+from mpipar.runtime.comm import Group, Ledger
+from mpipar.runtime.device import to_host
+from mpipar.training.optim import IDLE, AdamW
+from mpipar.training.rank import Rank, build_rank
+from mpipar.training.step import close
+
+MODES = ("abort", "shrink")
+COPIES_KEPT = 2
+
+
+class Unrecoverable(RuntimeError):
+    """The survivors cannot go on (no layout of the smaller world, no consistent state)."""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A rank rebuilt on the smaller world: the rank, the world's control group, the step its
+    state holds (the loop trains from there) and the ``recovered`` record of the next step
+    (``seconds`` filled in when it starts)."""
+    rank: Rank
+    control: Group
+    start: int
+    record: dict[str, Any]
+    detected: float          # time.perf_counter() when the failure was seen
+
+
+class Abort:
+    """``--on-rank-failure abort``: a dead rank ends the job (module docstring)."""
+
+    name = "abort"
+    survivable: tuple[type[BaseException], ...] = ()
+
+    def refusal(self) -> str | None:
+        return None
+
+    def before_step(self, rank: Rank, step: int) -> None:
+        pass
+
+
+class StateCopy:
+    """The whole training state of a rank that holds all of it, as global tensors on the host
+    (a :data:`mpipar.checkpoint.shards.Reader` reads regions of it)."""
+
+    def __init__(self, rank: Rank) -> None:
+        state, reducer, opt = rank.state, rank.weights.reducer, rank.weights.optimizer
+        masters = reducer.master_tensors()
+        kinds = [("param", masters), ("exp_avg", opt.m), ("exp_avg_sq", opt.v)]
+        if opt.idle:
+            kinds.append((IDLE, opt.idle))
+        self.tensors: dict[tuple[str, str], np.ndarray] = {}
+        for kind, arrays in kinds:
+            for name, local in arrays.items():
+                glob, loc = state.region(name)
+                self.tensors[kind, name] = np.array(to_host(local)[loc])
+        self.kinds = {kind for kind, _ in kinds[3:]}
+        self.step = state.step
+        self.moe_bias = {k: np.array(v) for k, v in rank.model.routing.host().items()}
+
+    @staticmethod
+    def holds_everything(rank: Rank) -> bool:
+        """Whether this rank holds the whole training state (module docstring)."""
+        lay, w = rank.layout, rank.weights
+        return (lay.tp == 1 and lay.pp == 1 and lay.parallel.ep == 1
+                and isinstance(w.optimizer, AdamW) and isinstance(w.reducer, GradReducer)
+                and not w.reducer.feedback)
+
+    def read(self, kind: str, name: str, region) -> np.ndarray:
+        return self.tensors[kind, name][region]
+
+    def load(self, rank: Rank) -> None:
+        """Set ``rank`` (any layout) from this copy (collective-free)."""
+        rank.state.load(self.read, self.step, self.kinds)
+        rank.model.routing.load(self.moe_bias)
+
+
+class Shrink:
+    """``--on-rank-failure shrink`` (module docstring). ``relayout(layout, world)``: the layout
+    of the smaller world, or ConfigError when none fits."""
+
+    name = "shrink"
+
+    def __init__(self, relayout: Callable[[Layout, int], Layout], save_dir: str) -> None:
+        self.relayout, self.save_dir = relayout, save_dir
+        self.in_flight = 0
+        self.copies: dict[int, StateCopy] = {}
+
+    @property
+    def survivable(self) -> tuple[type[BaseException], ...]:
+        return (ulfm.error_type(),)
+
+    def refusal(self) -> str | None:
+        """Why this MPI cannot run the mode (None: it can)."""
+        reason = ulfm.unsupported()
+        if reason is None:
+            return None
+        return (f"--on-rank-failure shrink needs an MPI with ULFM: {reason}; or run with "
+                f"--on-rank-failure abort")
+
+    def before_step(self, rank: Rank, step: int) -> None:
+        """Step ``step`` (0-based) begins: copy the state it starts from, when this rank holds
+        all of it."""
+        self.in_flight = step
+        if StateCopy.holds_everything(rank) and step not in self.copies:
+            self.copies[step] = StateCopy(rank)
+            for old in sorted(self.copies)[:-COPIES_KEPT]:
+                del self.copies[old]
+
+    def recover(self, rank: Rank, control: Group, exc: BaseException) -> Recovered:
+        """The rank rebuilt on the survivors (module docstring). Any MPI error starts it (a
+        dead peer may surface as another class, e.g. through a non-blocking collective's
+        schedule); ``exc`` is re-raised when the shrink finds nobody gone. Raises
+        :class:`Unrecoverable` when the survivors cannot go on."""
+        detected = time.perf_counter()
+        old = [control.comm, *(g.comm for g in rank.comms.groups.values()),
+               *rank.comms.grid.comms.values()]
+        ulfm.revoke(old)
+        comm, failed = ulfm.shrink(control.comm)
+        if not failed:
+            raise exc
+        world = Group(comm, "world", Ledger())
+        start, copy, path = self._restore_point(world)
+        try:
+            layout = self.relayout(rank.layout, world.size)
+        except ConfigError as err:
+            raise Unrecoverable(f"no layout of the {world.size} surviving ranks fits: "
+                                f"{err}") from None
+        try:
+            close(rank)  # revoked communicators may be freed (ULFM)
+        except ulfm.error_type():
+            pass
+        new = build_rank(layout, comm, rank.data.source)
+        if copy is not None:
+            copy.load(new)
+        else:
+            from mpipar.checkpoint import reader
+            reader.load(new.state, path)
+            new.model.routing.load(reader.read_moe_bias(path))
+        self.copies = {}
+        record = {"failed_ranks": failed, "from": "memory" if copy is not None else "checkpoint",
+                  "resumed_step": start, "world": world.size,
+                  "layout_flags": layout_flags(layout)}
+        return Recovered(new, world, start, record, detected)
+
+    def _restore_point(self, world: Group) -> tuple[int, StateCopy | None, str | None]:
+        """(the step to go on from, this rank's copy of its state or None, else the
+        checkpoint holding it), the same on every survivor."""
+        held = world.allgather_object((self.in_flight, sorted(self.copies)))
+        start = min(step for step, _ in held)
+        if all(start in copies for _, copies in held):
+            return start, self.copies[start], None
+        from mpipar.checkpoint import directory
+        path = None
+        if world.rank == 0:
+            found = directory.latest(self.save_dir)
+            path = None if found is None else str(found)
+        path = world.bcast_object(path)
+        if path is None:
+            raise Unrecoverable(
+                f"the state of step {start} is not held by every survivor (only dp replicas "
+                f"of the whole state are copied in memory) and {self.save_dir} holds no "
+                f"checkpoint (--save-every)")
+        from mpipar.checkpoint import reader
+        return reader.require_sound(reader.resolve_path(path)).step, None, path
+
+
+def layout_flags(layout: Layout) -> str:
+    """The train flags that reproduce ``layout``'s grid and batch split."""
+    par = layout.parallel
+    return (f"--dp {layout.dp} --tp {layout.tp} --pp {layout.pp} --sp {layout.sp} "
+            f"--ep {par.ep} --zero {par.zero} --micro-batch-size {layout.micro_batch_size}")
+
+
+def on_rank_failure(mode: str, relayout: Callable[[Layout, int], Layout],
+                    save_dir: str) -> Abort | Shrink:
+    """The object of ``--on-rank-failure`` (one of :data:`MODES`)."""
+    if mode == "shrink":
+        return Shrink(relayout, save_dir)
+    if mode == "abort":
+        return Abort()
+    raise ValueError(f"train.on_rank_failure={mode!r}: must be one of {MODES}")

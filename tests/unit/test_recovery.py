@@ -1,0 +1,58 @@
+"""--on-rank-failure without MPI traffic: the mode objects, the layout of the survivors
+(mpipar.train.relayout) and the flags that reproduce it. The recovery itself runs under Open MPI
+with ULFM: tests/e2e/test_rank_failure.py."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mpipar import config as config_mod
+from mpipar.config import ConfigError
+from mpipar.rules import validate
+from mpipar.train import relayout
+from mpipar.training.recovery import Abort, Shrink, layout_flags, on_rank_failure
+
+TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "64",
+        "--micro-batch-size", "1"]
+
+
+def _layout(world: int, *flags: str):
+    parser = argparse.ArgumentParser()
+    config_mod.add_arguments(parser)
+    return validate(config_mod.from_args(parser.parse_args([*TINY, *flags])), world)
+
+
+def test_dp_shrinks_and_the_global_batch_is_kept():
+    """dp=4 -> 3 survivors: dp=3, the same 12 rows a step, 4 microbatches a replica instead of
+    3; the flags name that layout."""
+    old = _layout(4, "--global-batch-size", "12")
+    new = relayout(old, 3)
+    assert (new.dp, new.tp, new.pp, new.sp) == (3, 1, 1, 1)
+    assert new.train.global_batch_size == 12
+    assert (old.microbatches, new.microbatches) == (3, 4)
+    assert layout_flags(new) == "--dp 3 --tp 1 --pp 1 --sp 1 --ep 1 --zero 0 --micro-batch-size 1"
+    assert relayout(old, 2).microbatches == 6
+
+
+def test_tp_and_pp_are_kept_when_the_survivors_allow_it():
+    old = _layout(8, "--global-batch-size", "12", "--pp", "2", "--dp", "4")
+    new = relayout(old, 6)
+    assert (new.dp, new.pp) == (3, 2) and new.train.global_batch_size == 12
+
+
+def test_else_the_planner_chooses_and_none_fitting_is_an_error():
+    """pp=2 on 3 survivors cannot stay: the planner's layout of 3 ranks (dp=3); a batch of 8
+    rows fits no layout of 3 ranks of this model: ConfigError naming the rule."""
+    new = relayout(_layout(4, "--global-batch-size", "12", "--pp", "2", "--dp", "2"), 3)
+    assert new.world == 3 and new.train.global_batch_size == 12
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        relayout(_layout(4, "--global-batch-size", "8"), 3)
+
+
+def test_the_modes_are_objects():
+    abort = on_rank_failure("abort", relayout, "ckpt")
+    assert isinstance(abort, Abort) and abort.survivable == () and abort.refusal() is None
+    assert isinstance(on_rank_failure("shrink", relayout, "ckpt"), Shrink)
+    with pytest.raises(ValueError, match="on_rank_failure='retry'"):
+        on_rank_failure("retry", relayout, "ckpt")

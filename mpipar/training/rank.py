@@ -12,7 +12,7 @@ which objects they are.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import ChainMap, Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +27,7 @@ from mpipar.data.sources import EvalSet, Sampler, TokenSource, load_tokens, trai
 from mpipar.layout import Layout
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RESIDENT, LlamaStage
+from mpipar.model.lora import Adapters, FrozenGrads, Lora, init_adapter, is_adapter
 from mpipar.model.moe import RoutingBias
 from mpipar.model.params import init_param
 from mpipar.parallel.compression import make_codec
@@ -117,13 +118,15 @@ class Weights:
     """The parameters as this rank holds them: the gradient reducer (ZeRO-0/1) or the sharded
     units (ZeRO-2/3, ``sharded``, else None), the optimizer (``catch_up``: AdamW catching up
     what top-k held back), the rank seen as pieces of global tensors (checkpoints) and the LR
-    schedule."""
+    schedule. ``frozen``: under LoRA the base weights this rank holds (its tp shards, in the
+    compute dtype: no master copy, no gradient, no optimizer state), else empty."""
     reducer: Any
     sharded: ShardedParams | ExpertSplitUnits | None
     optimizer: Any
     catch_up: bool
     state: TrainState
     schedule: LRSchedule
+    frozen: dict
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,17 @@ class Rank:
 
     @property
     def params(self) -> Mapping[str, Any]:
-        return self.weights.reducer.params
+        """The parameters the chunks read: the trained ones, and the frozen base under LoRA."""
+        w = self.weights
+        return ChainMap(w.reducer.params, w.frozen) if w.frozen else w.reducer.params
 
     @property
     def grads(self) -> Mapping[str, Any]:
-        return self.weights.reducer.grads
+        """The gradients the chunks write (a frozen weight's go nowhere:
+        :class:`mpipar.model.lora.FrozenGrads`)."""
+        w = self.weights
+        return FrozenGrads(w.reducer.grads, frozenset(w.frozen)) if w.frozen else \
+            w.reducer.grads
 
 
 def build_rank(layout: Layout, comm: MPI.Comm, source: TokenSource | None = None) -> Rank:
@@ -249,10 +258,12 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     cfg = layout.config
     par, tr, m = cfg.parallel, cfg.train, cfg.model
     groups, coord = comms.groups, comms.grid.coord
+    lora = Lora.of(tr)
     table = PlacementTable(model=m, pp=par.pp, virtual_stages=par.virtual_stages,
                            zero=par.zero, tp_sequence_parallel=par.tp_sequence_parallel,
-                           ep=expert_shards(layout))
-    tensor = TensorParallel(kernels=compute.kernels, table=table, group=groups["tp"])
+                           ep=expert_shards(layout), lora=lora)
+    tensor = TensorParallel(kernels=compute.kernels, table=table, group=groups["tp"],
+                            adapters=None if lora is None else Adapters(compute.kernels, lora))
     seq = SeqLayout(tr.seq_len, par.sp, par.sp_split, min_chunk=par.sp_min_chunk)
     routing = RoutingBias.of(m, compute.xp)   # every sparse block's, every rank
     # --recompute offload: one scratch file per rank for the saved activations.
@@ -274,7 +285,8 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     # The parameters this rank holds, each with the number of its chunks that use it (a
     # parameter two chunks use, the tied embedding with pp = 1, is held once); under --ep only
     # its ep position's experts (mpipar.parallel.experts).
-    holders = Counter(n for ch in chunks for n in ch.param_names()
+    holders = Counter(n for c in range(par.virtual_stages)
+                      for n in table.stage_names(virtual_stage(coord.pp, c, par.pp))
                       if table.holds(n, comms.ep_rank))
     ulysses = sequence_mode(par).work_group(seq.sp, par.ulysses_size)
     return RankModel(table=table, tensor=tensor, seq=seq, positions=seq.positions(coord.sp),
@@ -304,9 +316,13 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
     cfg = layout.config
     par, tr = cfg.parallel, cfg.train
     table, tensor = model.table, model.tensor
-    names = list(model.holders)
+    names = [n for n in model.holders if table[n].trainable]
     tied = [n for n in names if table[n].tied_across_pipeline]
     initial = partial(_initial_shards, layout, table, tensor, compute.master_dtype)
+    # LoRA's frozen base: held in the compute dtype only.
+    frozen = {n: compute.xp.asarray(v.astype(compute.dtype)) for n, v in
+              _initial_shards(layout, table, tensor, compute.master_dtype,
+                              [n for n in model.holders if not table[n].trainable]).items()}
     sharded = (_sharded(layout, comms, compute, model, tied, initial) if par.zero >= 2
                else None)
     reducer = sharded or _reducer(layout, comms.groups, compute, names, tied, initial)
@@ -319,7 +335,7 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
     state = TrainState(reducer, optimizer, table, tp_rank=tensor.rank, tp_size=tensor.size,
                        pp_rank=comms.grid.coord.pp, dtype=compute.master_dtype)
     return Weights(reducer=reducer, sharded=sharded, optimizer=optimizer, catch_up=catch_up,
-                   state=state, schedule=LRSchedule.of(tr))
+                   state=state, schedule=LRSchedule.of(tr), frozen=frozen)
 
 
 def _initial_shards(layout: Layout, table: PlacementTable, tensor: TensorParallel,
@@ -327,8 +343,12 @@ def _initial_shards(layout: Layout, table: PlacementTable, tensor: TensorParalle
     """This rank's shards of the initial master parameters (every layout starts from the same
     global tensors, :func:`mpipar.model.params.init_param`)."""
     model, seed = layout.config.model, layout.config.train.seed
-    return {n: table[n].shard(init_param(table[n].spec, model, seed).astype(master_dtype),
-                              tensor.rank, tensor.size)
+
+    def value(n: str) -> np.ndarray:
+        spec = table[n].spec
+        return init_adapter(spec, seed) if is_adapter(n) else init_param(spec, model, seed)
+
+    return {n: table[n].shard(value(n).astype(master_dtype), tensor.rank, tensor.size)
             for n in names}
 
 

@@ -124,6 +124,16 @@ def adapter_config(lora: Lora, base: str) -> dict[str, Any]:
             "modules_to_save": None, "layers_to_transform": None, "use_dora": False}
 
 
+def check_export_target(path: str | os.PathLike) -> None:
+    """Raise ValueError unless :func:`save_adapter` may write ``path``: new, or an empty or
+    adapter directory (which it replaces)."""
+    root = Path(path)
+    if root.exists() and not (root.is_dir() and set(os.listdir(root)) <=
+                              {CONFIG_FILE, WEIGHTS_FILE, "README.md"}):
+        raise ValueError(f"{root} exists and is not an adapter directory; choose a new or "
+                         f"empty directory")
+
+
 def save_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora,
                  params: Mapping[str, np.ndarray], base: str = "") -> None:
     """Write the adapter factors in ``params`` (mpipar names, global shapes) as a PEFT adapter
@@ -135,9 +145,7 @@ def save_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora,
             raise ValueError(f"save_adapter: {name} has shape {list(np.shape(params[name]))}, "
                              f"the model needs {list(shape)}")
     root = Path(path)
-    if root.exists() and not (root.is_dir() and set(os.listdir(root)) <=
-                              {CONFIG_FILE, WEIGHTS_FILE, "README.md"}):
-        raise ValueError(f"--export-adapter {root}: exists and is not an adapter directory")
+    check_export_target(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.resolve().parent))
     (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base), indent=2) + "\n")
     write_safetensors({PREFIX + n: np.ascontiguousarray(params[n]) for n in specs},

@@ -282,17 +282,18 @@ def gather_params(rank: Rank) -> dict[str, np.ndarray]:
     return out
 
 
-def load_params(rank: Rank, values: dict[str, np.ndarray], source: str = "load_params"
-                ) -> None:
+def load_params(rank: Rank, values: dict[str, np.ndarray], source: str = "load_params",
+                partial: bool = False) -> None:
     """Overwrite this rank's shards from global tensors (every name the model has, global
     shapes as in :func:`mpipar.model.params.param_specs`), cast to the master dtype (the compute
     copies follow). A tensor holding a NaN or an infinity (after the cast) raises
     :class:`~mpipar.checkpoint.shards.NonFiniteError` naming ``source`` and the tensor.
-    LoRA adapters not in ``values`` keep theirs (a base model has none). Collective-free."""
+    LoRA adapters not in ``values`` keep theirs (a base model has none); ``partial``: only the
+    tensors given are loaded (a LoRA adapter alone). Collective-free."""
     table, tensor, reducer = rank.model.table, rank.model.tensor, rank.weights.reducer
     frozen = rank.weights.frozen
     missing = sorted(p.name for p in table if p.name not in values and not is_adapter(p.name))
-    if missing:
+    if missing and not partial:
         raise ValueError(f"load_params: missing parameters {missing[:5]}")
     for name in [n for n in [*reducer.local_shapes(), *frozen] if n in values]:
         placement, value = table[name], np.asarray(values[name])

@@ -344,8 +344,11 @@ class PlacementTable:
 
     def units(self, pp_rank: int) -> list[list[tuple[str, list[str]]]]:
         """Per chunk of pipeline rank ``pp_rank``, its units in forward order as ``(unit,
-        parameter names)`` (:func:`mpipar.model.params.stage_units`): what ZeRO-2/3 shard."""
-        return [stage_units(self.stage_names(chunk * self.pp + pp_rank))
+        parameter names)`` (:func:`mpipar.model.params.stage_units`): what ZeRO-2/3 shard, the
+        trained parameters (under LoRA the adapters; a unit without any is not one)."""
+        return [[(unit, kept) for unit, names in stage_units(self.stage_names(chunk * self.pp
+                                                                              + pp_rank))
+                 if (kept := [n for n in names if self.rows[n].trainable])]
                 for chunk in range(self.virtual_stages)]
 
     def local_elements(self, pp_rank: int, tp_size: int, ep_rank: int = 0) -> int:

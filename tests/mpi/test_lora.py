@@ -1,5 +1,5 @@
 """LoRA on layouts of 4 ranks (dp, tp with and without its sequence parallelism, pp with a
-zero-bubble schedule, sp, ZeRO-1) equals PyTorch + PEFT in float64 (:mod:`lora_reference`):
+zero-bubble schedule, sp, ZeRO-1, -2 and -3) equals PyTorch + PEFT in float64 (:mod:`lora_reference`):
 losses, gradient norms and the trained adapters over two AdamW steps to 1e-10 relative, the
 frozen base unchanged."""
 from __future__ import annotations
@@ -25,7 +25,9 @@ LORA_LAYOUTS = [dict(dp=2, tp=2),
                 dict(tp=2, sp=2, tp_sequence_parallel=True, zero=1),
                 dict(pp=2, tp=2, schedule="zb-h1"),
                 dict(pp=2, sp=2, sp_split="zigzag"),
-                dict(sp=2, dp=2, zero=1)]
+                dict(sp=2, dp=2, zero=1),
+                dict(dp=2, tp=2, zero=3),
+                dict(pp=2, dp=2, zero=2)]
 
 
 @pytest.mark.mpi(min_size=4)

@@ -263,7 +263,9 @@ class ShardedParams:
         """The model runs ``units`` (forward, or ``backward``) inside this context
         (:class:`mpipar.model.llama.ParamScope`): each is entered in order (:meth:`_enter`)
         and left in order after it (:meth:`_leave`); an exception inside leaves them as they
-        are."""
+        are. A unit with nothing trained (LoRA's frozen embedding and head) is not here and
+        is nothing to enter."""
+        units = [u for u in units if u in self.units]
         for unit in units:
             self._enter(unit, backward)
         yield
@@ -316,7 +318,7 @@ class ShardedParams:
 
     def weights_done(self, units: list[str]) -> None:
         """The deferred weight gradients of ``units`` (one backward pass each) are in."""
-        for unit in units:
+        for unit in [u for u in units if u in self.units]:
             self._grads_done(self.units[unit])
 
     def progress(self) -> None:

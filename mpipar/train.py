@@ -261,7 +261,7 @@ def _load_state(rank, ctx: RunContext) -> int:
     or not; ``--init-adapter`` starts a fresh run's adapters."""
     from mpipar.training import step as steps
     tr = ctx.cfg.train
-    lora = bool(rank.weights.frozen)
+    lora = rank.weights.frozen is not None
     if tr.init_from_hf and lora:
         _init_from_hf(rank, tr)
     if tr.resume:

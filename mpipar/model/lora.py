@@ -223,3 +223,21 @@ class FrozenGrads(MutableMapping):
     def __len__(self) -> int:
         return len(self.grads)
 
+
+
+class FrozenParams:
+    """LoRA's frozen base as a rank holds it whole (ZeRO-0/1/2): this rank's tp shards in the
+    compute dtype, the storage interface the run reads the base through (as the frozen
+    :class:`mpipar.parallel.fsdp.sharded.ShardedParams` of ZeRO-3 offers it)."""
+
+    def __init__(self, params: dict[str, Array], xp: Any) -> None:
+        self.params, self.xp = params, xp
+
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(v.shape) for n, v in self.params.items()}
+
+    def master_tensors(self) -> dict[str, Array]:
+        return dict(self.params)
+
+    def load_local(self, name: str, value: Array) -> None:
+        self.params[name][...] = self.xp.asarray(value)

@@ -342,13 +342,14 @@ class PlacementTable:
                     out.setdefault(name, self.rows[name].local_shape(tp_size))
         return out
 
-    def units(self, pp_rank: int) -> list[list[tuple[str, list[str]]]]:
+    def units(self, pp_rank: int, trained: bool = True) -> list[list[tuple[str, list[str]]]]:
         """Per chunk of pipeline rank ``pp_rank``, its units in forward order as ``(unit,
         parameter names)`` (:func:`mpipar.model.params.stage_units`): what ZeRO-2/3 shard, the
-        trained parameters (under LoRA the adapters; a unit without any is not one)."""
+        trained parameters (under LoRA the adapters; a unit without any is not one), or with
+        ``trained`` False the frozen ones (LoRA's base, which ZeRO-3 shards apart)."""
         return [[(unit, kept) for unit, names in stage_units(self.stage_names(chunk * self.pp
                                                                               + pp_rank))
-                 if (kept := [n for n in names if self.rows[n].trainable])]
+                 if (kept := [n for n in names if self.rows[n].trainable == trained])]
                 for chunk in range(self.virtual_stages)]
 
     def local_elements(self, pp_rank: int, tp_size: int, ep_rank: int = 0) -> int:

@@ -27,7 +27,8 @@ from mpipar.data.sources import EvalSet, Sampler, TokenSource, load_tokens, trai
 from mpipar.layout import Layout
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RESIDENT, LlamaStage
-from mpipar.model.lora import Adapters, FrozenGrads, Lora, init_adapter, is_adapter
+from mpipar.model.lora import (Adapters, FrozenGrads, FrozenParams, Lora, init_adapter,
+                               is_adapter)
 from mpipar.model.moe import RoutingBias
 from mpipar.model.params import init_param
 from mpipar.parallel.compression import make_codec
@@ -35,7 +36,7 @@ from mpipar.parallel.sequence.registry import sequence_mode
 from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, ExpertSplitUnits,
                                      SequenceExperts, expert_shards, expert_units)
-from mpipar.parallel.fsdp.sharded import ShardedParams, node_copy_layout
+from mpipar.parallel.fsdp.sharded import FrozenBaseScope, ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.placement import PlacementTable, expert_of
@@ -119,14 +120,15 @@ class Weights:
     units (ZeRO-2/3, ``sharded``, else None), the optimizer (``catch_up``: AdamW catching up
     what top-k held back), the rank seen as pieces of global tensors (checkpoints) and the LR
     schedule. ``frozen``: under LoRA the base weights this rank holds (its tp shards, in the
-    compute dtype: no master copy, no gradient, no optimizer state), else empty."""
+    compute dtype: no master copy, no gradient, no optimizer state; whole, or ZeRO-3's units),
+    else None; ``sharded`` is then the scope over both (:class:`FrozenBaseScope`)."""
     reducer: Any
-    sharded: ShardedParams | ExpertSplitUnits | None
+    sharded: ShardedParams | ExpertSplitUnits | FrozenBaseScope | None
     optimizer: Any
     catch_up: bool
     state: TrainState
     schedule: LRSchedule
-    frozen: dict
+    frozen: FrozenParams | ShardedParams | None
 
 
 @dataclass(frozen=True)
@@ -166,15 +168,16 @@ class Rank:
     def params(self) -> Mapping[str, Any]:
         """The parameters the chunks read: the trained ones, and the frozen base under LoRA."""
         w = self.weights
-        return ChainMap(w.reducer.params, w.frozen) if w.frozen else w.reducer.params
+        return w.reducer.params if w.frozen is None else ChainMap(w.reducer.params,
+                                                                   w.frozen.params)
 
     @property
     def grads(self) -> Mapping[str, Any]:
         """The gradients the chunks write (a frozen weight's go nowhere:
         :class:`mpipar.model.lora.FrozenGrads`)."""
         w = self.weights
-        return FrozenGrads(w.reducer.grads, frozenset(w.frozen)) if w.frozen else \
-            w.reducer.grads
+        return w.reducer.grads if w.frozen is None else FrozenGrads(
+            w.reducer.grads, frozenset(w.frozen.local_shapes()))
 
 
 def build_rank(layout: Layout, comm: MPI.Comm, source: TokenSource | None = None) -> Rank:
@@ -319,13 +322,12 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
     names = [n for n in model.holders if table[n].trainable]
     tied = [n for n in names if table[n].tied_across_pipeline]
     initial = partial(_initial_shards, layout, table, tensor, compute.master_dtype)
-    # LoRA's frozen base: held in the compute dtype only.
-    frozen = {n: compute.xp.asarray(v.astype(compute.dtype)) for n, v in
-              _initial_shards(layout, table, tensor, compute.master_dtype,
-                              [n for n in model.holders if not table[n].trainable]).items()}
     sharded = (_sharded(layout, comms, compute, model, tied, initial) if par.zero >= 2
                else None)
     reducer = sharded or _reducer(layout, comms.groups, compute, names, tied, initial)
+    frozen = _frozen(layout, comms, compute, model) if table.lora is not None else None
+    if isinstance(frozen, ShardedParams):
+        sharded = FrozenBaseScope(sharded, frozen)
     decay = {n: len(table[n].spec.shape) >= 2 for n in names}
     # Top-k sums with error feedback: AdamW moves a coordinate by the steps it waited.
     catch_up = par.topk_catch_up == "on" and sharded is None and reducer.sends_sparse
@@ -336,6 +338,28 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
                        pp_rank=comms.grid.coord.pp, dtype=compute.master_dtype)
     return Weights(reducer=reducer, sharded=sharded, optimizer=optimizer, catch_up=catch_up,
                    state=state, schedule=LRSchedule.of(tr), frozen=frozen)
+
+
+def _frozen(layout: Layout, comms: Comms, compute: Compute, model: RankModel
+            ) -> FrozenParams | ShardedParams:
+    """LoRA's frozen base in the compute dtype (no master copy): whole on this rank, or under
+    ZeRO-3 units sharded over dp x sp, gathered around their use and never reduced."""
+    table, tensor, par = model.table, model.tensor, layout.config.parallel
+
+    def initial(names: list[str]) -> dict[str, Any]:
+        return {n: v.astype(compute.dtype) for n, v in
+                _initial_shards(layout, table, tensor, compute.master_dtype, names).items()}
+
+    if par.zero < 3:
+        names = [n for n in model.holders if not table[n].trainable]
+        return FrozenParams({n: compute.xp.asarray(v) for n, v in initial(names).items()},
+                            compute.xp)
+    g = comms.groups
+    return ShardedParams(lambda n: initial([n])[n], table.units(comms.grid.coord.pp, False),
+                         g["dp_sp"], gather=True, prefetch=par.zero_prefetch, xp=compute.xp,
+                         before_reduce=lambda names: None,
+                         tied=[n for n in model.holders if table[n].tied_across_pipeline],
+                         tied_group=g["pp_ends"], compute_dtype=compute.dtype, frozen=True)
 
 
 def _initial_shards(layout: Layout, table: PlacementTable, tensor: TensorParallel,

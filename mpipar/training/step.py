@@ -261,7 +261,9 @@ def gather_params(rank: Rank) -> dict[str, np.ndarray]:
     (tests, export)."""
     g, table, xp = rank.comms.groups, rank.model.table, rank.compute.xp
     tp, pp = g["tp"], g["pp"]
-    params = {**rank.weights.frozen, **rank.weights.reducer.master_tensors()}
+    frozen = rank.weights.frozen
+    params = {**(frozen.master_tensors() if frozen is not None else {}),
+              **rank.weights.reducer.master_tensors()}
     out = {}
     for placement in table:
         owner = table.pipeline_rank(placement.name)
@@ -295,15 +297,12 @@ def load_params(rank: Rank, values: dict[str, np.ndarray], source: str = "load_p
     missing = sorted(p.name for p in table if p.name not in values and not is_adapter(p.name))
     if missing and not partial:
         raise ValueError(f"load_params: missing parameters {missing[:5]}")
-    for name in [n for n in [*reducer.local_shapes(), *frozen] if n in values]:
+    stores = [reducer] if frozen is None else [reducer, frozen]
+    for store, name in [(s, n) for s in stores for n in s.local_shapes() if n in values]:
         placement, value = table[name], np.asarray(values[name])
         if value.shape != placement.spec.shape:
             raise ValueError(f"load_params: {name} has shape {value.shape}, the model needs "
                              f"{placement.spec.shape}")
         value = value.astype(rank.compute.master_dtype)
         require_finite(value, f"{source}: parameter {name}")
-        local = placement.shard(value, tensor.rank, tensor.size)
-        if name in frozen:
-            frozen[name][...] = rank.compute.xp.asarray(local)
-        else:
-            reducer.load_local(name, local)
+        store.load_local(name, placement.shard(value, tensor.rank, tensor.size))

@@ -51,6 +51,13 @@ def test_lora_layouts_train_like_peft(world, lora_dirs, layout, samples, float64
             problems.append(f"adapters differ by {diff:.3g}")
         problems += [f"base {n} moved" for n, v in params.items()
                      if not np.array_equal(trained[n], v)]
+        if layout.get("zero") == 3:     # the frozen base sharded over dp x sp, no gradients
+            frozen = engine.weights.frozen
+            owned = sum(u.owned.size for u in frozen.units.values())
+            whole = sum(u.size for u in frozen.units.values())
+            if owned * layout["dp"] != whole or any(u.owned_grad is not None
+                                                    for u in frozen.units.values()):
+                problems.append(f"frozen base: {owned} of {whole} elements held")
         return problems
 
     check_in_groups(world, layout_size(layout), check)

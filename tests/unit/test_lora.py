@@ -34,7 +34,7 @@ def test_training_matches_peft(lora_dirs, samples, float64_transformers):
     # Only the adapters have gradients and optimizer state.
     trained_names = set(engine.weights.reducer.master_tensors())
     assert trained_names == set(adapters) and all(is_adapter(n) for n in trained_names)
-    assert set(engine.weights.frozen) == set(params)
+    assert set(engine.weights.frozen.local_shapes()) == set(params)
     assert {name for _, name, *_ in engine.weights.optimizer.state()} == set(adapters)
     results = [trainer.train_step(engine, k) for k in range(LORA_STEPS)]
     trained = trainer.gather_params(engine)

@@ -262,8 +262,9 @@ class TensorParallel:
     # ------------------------------------------------------------------ gradients
     def reduce_partial_grads(self, grads: Sequence[Array]) -> None:
         """Sum over tp, in place, gradients that are partial per rank (replicated weights that
-        saw token shards: :attr:`mpipar.parallel.placement.Placement.grad_partial_over_tp`), packed in
-        one all-reduce."""
+        saw token shards, the whole factor of a LoRA adapter:
+        :attr:`mpipar.parallel.placement.Placement.grad_partial_over_tp`), packed in one
+        all-reduce."""
         if not grads or self.size == 1:
             return
         xp = self.xp

@@ -1,7 +1,7 @@
 """LoRA on layouts of 4 ranks (dp, tp with and without its sequence parallelism, pp with a
-zero-bubble schedule, sp, ZeRO-1, -2 and -3) equals PyTorch + PEFT in float64 (:mod:`lora_reference`):
-losses, gradient norms and the trained adapters over two AdamW steps to 1e-10 relative, the
-frozen base unchanged."""
+zero-bubble schedule, sp, ZeRO-1, -2 and -3) equals PyTorch + PEFT in float64
+(:mod:`lora_reference`): losses, gradient norms and the trained adapters over two AdamW steps to
+1e-10 relative, the frozen base unchanged (and under ZeRO-3 sharded, without gradients)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
-"""LoRA against PyTorch + PEFT in float64 on one process: a tiny random Llama with a PEFT
+"""LoRA against PyTorch + PEFT in float64 on one process (each --recompute mode): a tiny random
+Llama with a PEFT
 adapter of nonzero A and B on all seven targets; losses, gradient norms and the trained adapter
 over two AdamW steps; the frozen base (no gradient, no optimizer state, unchanged); the PEFT
 files in and out; the merged model against ``merge_and_unload()``; the rules."""
@@ -26,11 +27,13 @@ def lora_of(**fields) -> Lora:
     return Lora.of(TrainConfig(**{**LORA_FIELDS, **fields}))
 
 
-def test_training_matches_peft(lora_dirs, samples, float64_transformers):
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_training_matches_peft(lora_dirs, samples, float64_transformers, recompute):
     base, adapter = lora_dirs
     cfg, params = load_hf(base)
     adapters = read_adapter(adapter, cfg, lora_of())
-    engine = mpipar_engine(cfg, {**params, **adapters}, samples, train_fields=LORA_FIELDS)
+    engine = mpipar_engine(cfg, {**params, **adapters}, samples,
+                           train_fields={**LORA_FIELDS, "recompute": recompute})
     # Only the adapters have gradients and optimizer state.
     trained_names = set(engine.weights.reducer.master_tensors())
     assert trained_names == set(adapters) and all(is_adapter(n) for n in trained_names)

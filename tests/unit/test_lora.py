@@ -1,8 +1,8 @@
 """LoRA against PyTorch + PEFT in float64 on one process (each --recompute mode): a tiny random
-Llama with a PEFT
-adapter of nonzero A and B on all seven targets; losses, gradient norms and the trained adapter
-over two AdamW steps; the frozen base (no gradient, no optimizer state, unchanged); the PEFT
-files in and out; the merged model against ``merge_and_unload()``; the rules."""
+Llama with a PEFT adapter of nonzero A and B on all seven targets; losses, gradient norms and the
+trained adapter over two AdamW steps; the frozen base (no gradient, no optimizer state,
+unchanged); the PEFT files in and out; the merged model against ``merge_and_unload()``; the
+rules."""
 from __future__ import annotations
 
 import json

@@ -423,6 +423,22 @@ class TrainConfig:
     hf_untie_embeddings: bool = _f(False, "with --init-from-hf of a tied checkpoint: untie the "
                                           "LM head (it starts as a copy of the embedding and "
                                           "trains apart); default: keep them tied")
+    lora_rank: int = _f(0, "LoRA: train low-rank adapters of this rank on the --lora-targets "
+                           "linears, the base weights frozen (no gradient, no optimizer state, "
+                           "no reduction); 0: train every parameter")
+    lora_alpha: float = _f(16.0, "LoRA: the adapters' scale is alpha / rank (alpha / sqrt(rank) "
+                                 "with --lora-rslora)")
+    lora_targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                           "LoRA: the linears that carry adapters, by Hugging Face module name "
+                           "(PEFT's target_modules): a comma list of q_proj, k_proj, v_proj, "
+                           "o_proj, gate_proj, up_proj, down_proj")
+    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (only 0 is supported)")
+    lora_rslora: bool = _f(False, "LoRA: rank-stabilised scale alpha / sqrt(rank) (PEFT's "
+                                  "use_rslora)")
+    init_adapter: str = _f("", "LoRA: start the adapters from a PEFT adapter directory "
+                               "(adapter_config.json + adapter_model.safetensors)")
+    export_adapter: str = _f("", "LoRA: write the trained adapters as a PEFT adapter directory "
+                                 "at the end (peft.PeftModel.from_pretrained loads it)")
     export_hf: str = _f("", "write the trained weights as a Hugging Face directory at the end "
                             "(Llama; Qwen2 when the model has attention biases; Mistral with "
                             "a sliding window on every layer)")
@@ -552,6 +568,11 @@ def check_fields(cfg: Config, m: ModelConfig) -> None:
     require(t.collective_timeout >= 0,
             f"train.collective_timeout={t.collective_timeout}: must be >= 0")
     require(t.startup_timeout >= 0, f"train.startup_timeout={t.startup_timeout}: must be >= 0")
+    require(t.lora_rank >= 0, f"train.lora_rank={t.lora_rank}: must be >= 0 (0: no LoRA)")
+    require(t.lora_alpha > 0, f"train.lora_alpha={t.lora_alpha}: must be > 0")
+    for name in ("init_adapter", "export_adapter"):
+        require(t.lora_rank > 0 or not getattr(t, name),
+                f"train.{name}={getattr(t, name)!r}: needs LoRA (--lora-rank > 0)")
     _check_trace_steps(t.trace_steps, t.steps)
     for item in filter(None, t.dump_activations.split(",")):
         require(item.strip().isdigit() and int(item) >= 1,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from mpipar.config import Config
 from mpipar.data import packing, sources
 from mpipar.layout import Layout, resolve
+from mpipar.model import lora
 from mpipar.parallel.registry import AXES
 from mpipar.runtime import device
 from mpipar.training import optim, optimizers
@@ -28,6 +29,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("documents", packing.check_config),    # EOS id, document masking, the EOS loss mask
     ("optimizer", optim.check_config),      # AdamW and the LR schedule
     ("muon", optimizers.check_config),      # Muon's momentum and Newton-Schulz steps
+    ("lora", lora.check_config),            # adapters: targets, rank, what LoRA runs with
     ("backend", device.check_config),       # kernels, device, dtype, CUDA-aware MPI
 )
 """The components' rules, in the order :func:`validate` asks them."""

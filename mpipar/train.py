@@ -297,9 +297,14 @@ def _build(ctx: RunContext):
 
 def _load_state(rank, ctx: RunContext) -> int:
     """Load ``--resume`` (every rank reads the same files: the same answer everywhere) or
-    ``--init-from-hf`` into ``rank``; returns the step the checkpoint holds (0: fresh)."""
+    ``--init-from-hf`` into ``rank``; returns the step the checkpoint holds (0: fresh). Under
+    LoRA the frozen base is never in a checkpoint: ``--init-from-hf`` is read first, resumed
+    or not; ``--init-adapter`` starts a fresh run's adapters."""
     from mpipar.training import step as steps
     tr = ctx.cfg.train
+    lora = rank.weights.frozen is not None
+    if tr.init_from_hf and lora:
+        _init_from_hf(rank, tr)
     if tr.resume:
         from mpipar.checkpoint import reader
         from mpipar.checkpoint.directory import CheckpointError
@@ -320,13 +325,24 @@ def _load_state(rank, ctx: RunContext) -> int:
             print(f"mpipar: {note}", flush=True)
         if path is not None:
             return start
-    if tr.init_from_hf:
-        from mpipar.checkpoint.huggingface import load_hf
-        # read as the masters (float32 under bf16: a float32 file keeps its precision)
-        steps.load_params(rank, load_hf(tr.init_from_hf, rank.compute.master_dtype.name,
-                                       tr.hf_untie_embeddings)[1],
-                         source=f"--init-from-hf {tr.init_from_hf}")
+    if tr.init_from_hf and not lora:
+        _init_from_hf(rank, tr)
+    if tr.init_adapter:
+        from mpipar.checkpoint.peft import read_adapter
+        steps.load_params(rank, read_adapter(tr.init_adapter, ctx.cfg.model,
+                                             rank.model.table.lora),
+                          source=f"--init-adapter {tr.init_adapter}", partial=True)
     return 0
+
+
+def _init_from_hf(rank, tr) -> None:
+    """The parameters of ``--init-from-hf``, read as the masters (float32 under bf16: a float32
+    file keeps its precision)."""
+    from mpipar.checkpoint.huggingface import load_hf
+    from mpipar.training import step as steps
+    steps.load_params(rank, load_hf(tr.init_from_hf, rank.compute.master_dtype.name,
+                                   tr.hf_untie_embeddings)[1],
+                     source=f"--init-from-hf {tr.init_from_hf}")
 
 
 if __name__ == "__main__":

@@ -222,13 +222,14 @@ def hf_loss(logits, rows):
 
 
 def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
-                  train_fields: tuple = (), **parallel) -> Rank:
+                  train_fields=(), **parallel) -> Rank:
     """An engine on ``comm`` with ``params`` loaded, training the samples' rows in order;
-    ``train_fields``: (field, value) pairs of the train section beyond :data:`OPT`."""
+    ``train_fields``: more fields of the train section beyond :data:`OPT` (a mapping or
+    (field, value) pairs)."""
     train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=B,
                         micro_batch_size=1 if parallel else 0, lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
-                        shuffle=False, seed=0, **OPT, **dict(train_fields))
+                        shuffle=False, seed=0, **OPT, **dict(train_fields or ()))
     cfg = validate(Config(model_cfg, ParallelConfig(**parallel), train), comm.Get_size())
     engine = build_rank(cfg, comm, source=load_tokens(str(samples), V, S))
     trainer.load_params(engine, params)

@@ -218,13 +218,16 @@ class LinearGrads:
     when the model has one) now, or appending ``(name, dy, x)`` to ``deferred`` for
     :meth:`LlamaStage.weight_backward` (the input/weight split of zero-bubble schedules).
     The kernels add ``dw`` into the gradient buffer itself (float32 under bf16 compute: the
-    microbatches' weight gradients accumulate there unrounded)."""
+    microbatches' weight gradients accumulate there unrounded). A weight not ``in grads`` is
+    frozen (LoRA's base): only its ``dx`` is computed."""
 
     def __init__(self, kernels, params: dict, grads: dict, deferred: list | None) -> None:
         self.kernels, self.params, self.grads, self.deferred = kernels, params, grads, deferred
 
     def __call__(self, dy: Array, x: Array, name: str) -> Array:
         w = self.params[name]
+        if name not in self.grads:
+            return self.kernels.linear_fwd(dy, w.T)
         if self.deferred is None:
             dx, _ = self.kernels.linear_bwd(dy, x, w, dw=self.grads[name])
             self.bias(dy, name)
@@ -245,6 +248,8 @@ class LinearGrads:
         """Only the weight gradient of ``y = x @ w.T`` (and its bias's): accumulated now or
         deferred; the caller takes ``dx`` from :meth:`input` (the experts' backward computes
         ``dx`` by parts of the rows, ``dw`` once on them all)."""
+        if name not in self.grads:
+            return
         if self.deferred is None:
             self.kernels.linear_bwd(dy, x, None, dw=self.grads[name])
             self.bias(dy, name)

@@ -32,7 +32,11 @@ from typing import Any, Protocol
 Array = Any
 class LinearBackward(Protocol):
     """The model's weight-gradient bookkeeping (accumulated now, or deferred for zero-bubble
-    schedules) for the linears ``y = x @ w.T (+ b)``."""
+    schedules) for the linears ``y = x @ w.T (+ b)``, over the stage's ``params`` and the
+    ``grads`` it writes (a LoRA adapter's factors are booked there at once)."""
+
+    params: Any
+    grads: Any
 
     def __call__(self, dy: Array, x: Array, name: str) -> Array:
         """``dx`` of parameter ``name``'s linear, its weight gradient booked."""

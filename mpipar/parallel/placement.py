@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.config import ModelConfig
+from mpipar.model.lora import Lora, factor_of
 from mpipar.model.params import (EMBED, ParamSpec, param_specs, require_resolved, stage_param_names,
                                  stage_units)
 from mpipar.parallel.pipeline.schedule import stage_owner
@@ -113,6 +114,22 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
 without its ``layers.{i}.`` (an expert's index written ``*``: experts are unsplit by tp)."""
 
 
+def adapter_roles(base_role: str) -> dict[str, str]:
+    """The tp roles of the LoRA factors of a linear of role ``base_role``
+    (:mod:`mpipar.model.lora`), chosen so that the adapted linear keeps the base's one collective:
+    a column-parallel linear's ``B`` ``[out, r]`` is split by its output rows as the weight is
+    and ``A`` ``[r, in]`` is whole on every rank (it reads the whole input); a row-parallel
+    linear's ``A`` is split by its input columns as the weight is and ``B`` is whole (the
+    adapter's partial output joins the base's in the one sum over tp). The whole factor's
+    gradient is a partial sum over tp (:attr:`Placement.grad_partial_over_tp`)."""
+    if base_role == "column":
+        return {"lora_A": "replicated", "lora_B": "column"}
+    if base_role == "row":
+        return {"lora_A": "row", "lora_B": "replicated"}
+    raise ValueError(f"LoRA on a {base_role!r} linear: only column- and row-parallel linears "
+                     f"carry adapters")
+
+
 def plan_key(name: str) -> str:
     """The key of parameter ``name`` in :data:`TENSOR_PARALLEL_PLAN`: without its
     ``layers.{i}.`` and with an expert's index as ``*``."""
@@ -148,6 +165,8 @@ class Placement:
     pipeline_ranks: tuple[int, ...]  # pipeline ranks holding a copy (the first's is the owner)
     tp_sequence_parallel: bool = False
     dp_sp: str = "replicated"        # or "sharded" (--zero 3: 1/(dp*sp) of its unit per rank)
+    trainable: bool = True           # False: a frozen LoRA base (no gradient, no optimizer state)
+    tp_partial: bool = False         # a whole LoRA factor of a split linear: gradient partial
 
     @property
     def name(self) -> str:
@@ -173,8 +192,9 @@ class Placement:
     @property
     def grad_partial_over_tp(self) -> bool:
         """Whether each tp rank's gradient is a partial sum to be all-reduced over tp (a
-        replicated weight applied to token shards under --tp-sequence-parallel)."""
-        return self.split_dim is None and self.tp_sequence_parallel
+        replicated weight applied to token shards under --tp-sequence-parallel; the whole
+        factor of a LoRA adapter, :func:`adapter_roles`)."""
+        return self.split_dim is None and (self.tp_sequence_parallel or self.tp_partial)
 
     def owned_by(self, tp_rank: int, pp_rank: int) -> bool:
         """Whether the copy of the rank at (``tp_rank``, ``pp_rank``), which holds it, is the one
@@ -239,11 +259,15 @@ class PlacementTable:
     ``virtual_stages`` chunks each, in forward order; ``tp_sequence_parallel``: the stream
     between tp regions holds token shards (:mod:`mpipar.parallel.tensor`); ``zero``: the
     ZeRO stage (3 shards the parameters over dp x sp); ``ep``: the ep positions the experts
-    are sharded over (1: every rank holds every expert; the module docstring)."""
+    are sharded over (1: every rank holds every expert; the module docstring); ``lora``: the
+    adapters (:mod:`mpipar.model.lora`), each factor placed after its weight, every other
+    parameter frozen (None: everything trains)."""
 
     def __init__(self, *, model: ModelConfig, pp: int = 1, virtual_stages: int = 1,
-                 tp_sequence_parallel: bool = False, zero: int = 0, ep: int = 1) -> None:
+                 tp_sequence_parallel: bool = False, zero: int = 0, ep: int = 1,
+                 lora: Lora | None = None) -> None:
         self.model = require_resolved(model)
+        self.lora = lora
         self.ep = ep
         self.experts_per_rank = (self.model.moe_experts or 1) // ep
         self.pp, self.virtual_stages = pp, virtual_stages
@@ -251,13 +275,18 @@ class PlacementTable:
         self.layers_per_stage = self.model.layers // self.stages
         self.tp_sequence_parallel = tp_sequence_parallel
         self.rows: dict[str, Placement] = {}
+        dp_sp = "sharded" if zero == 3 else "replicated"
         for spec in param_specs(self.model):
             stages = self._stages(spec)
             ranks = tuple(dict.fromkeys(stage_owner(s, pp)[0] for s in stages))
-            self.rows[spec.name] = Placement(spec, TENSOR_PARALLEL_PLAN[plan_key(spec.name)],
-                                             stages, ranks,
-                                             tp_sequence_parallel,
-                                             "sharded" if zero == 3 else "replicated")
+            role = TENSOR_PARALLEL_PLAN[plan_key(spec.name)]
+            self.rows[spec.name] = Placement(spec, role, stages, ranks, tp_sequence_parallel,
+                                             dp_sp, trainable=lora is None)
+            for adapter in lora.specs(spec) if lora is not None else ():
+                factor = adapter_roles(role)[factor_of(adapter.name)]
+                self.rows[adapter.name] = Placement(adapter, factor, stages, ranks,
+                                                    tp_sequence_parallel, dp_sp,
+                                                    tp_partial=factor == "replicated")
 
     def _stages(self, spec: ParamSpec) -> tuple[int, ...]:
         """The global virtual stages that use ``spec``: its block's; the embedding's first (and,
@@ -282,8 +311,9 @@ class PlacementTable:
     def stage_names(self, stage: int) -> list[str]:
         """Parameters of global virtual ``stage``, in the forward order of its chunk
         (:func:`mpipar.model.params.stage_param_names`: the tied embedding last on the last)."""
-        return stage_param_names(self.model, self.stage_layers(stage), stage == 0,
-                                 stage == self.stages - 1)
+        names = stage_param_names(self.model, self.stage_layers(stage), stage == 0,
+                                  stage == self.stages - 1)
+        return names if self.lora is None else self.lora.expand(names)
 
     def stage_layers(self, stage: int) -> range:
         """The decoder blocks of global virtual ``stage``: ``layers / stages`` consecutive
@@ -312,10 +342,14 @@ class PlacementTable:
                     out.setdefault(name, self.rows[name].local_shape(tp_size))
         return out
 
-    def units(self, pp_rank: int) -> list[list[tuple[str, list[str]]]]:
+    def units(self, pp_rank: int, trained: bool = True) -> list[list[tuple[str, list[str]]]]:
         """Per chunk of pipeline rank ``pp_rank``, its units in forward order as ``(unit,
-        parameter names)`` (:func:`mpipar.model.params.stage_units`): what ZeRO-2/3 shard."""
-        return [stage_units(self.stage_names(chunk * self.pp + pp_rank))
+        parameter names)`` (:func:`mpipar.model.params.stage_units`): what ZeRO-2/3 shard, the
+        trained parameters (under LoRA the adapters; a unit without any is not one), or with
+        ``trained`` False the frozen ones (LoRA's base, which ZeRO-3 shards apart)."""
+        return [[(unit, kept) for unit, names in stage_units(self.stage_names(chunk * self.pp
+                                                                              + pp_rank))
+                 if (kept := [n for n in names if self.rows[n].trainable == trained])]
                 for chunk in range(self.virtual_stages)]
 
     def local_elements(self, pp_rank: int, tp_size: int, ep_rank: int = 0) -> int:

@@ -43,6 +43,7 @@ from mpipar.runtime.precision import Precision
 from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.model.attention import accumulator
+from mpipar.model.lora import Adapters
 from mpipar.model.params import bias_name
 from mpipar.model.tensor_ops import LinearBackward
 from mpipar.parallel.placement import PlacementTable, padded_vocab
@@ -51,6 +52,15 @@ Array = Any
 ENTERS = ("column", "vocab")
 """The roles whose linears read the whole input: it enters the tp region
 (:meth:`TensorParallel.enter`)."""
+
+
+def _accumulate(total: Array | None, part: Array | None) -> Array | None:
+    """``total + part`` (either may be None), summed in float32 under bf16 compute."""
+    if total is None or part is None:
+        return part if total is None else total
+    total = total.astype(accumulator(part.dtype), copy=False)
+    total += part
+    return total
 
 
 @dataclass(frozen=True)
@@ -71,11 +81,14 @@ class TensorParallel:
     """The tp group as a block sees it (see the module docstring): each linear, the embedding
     and the cross-entropy as ``table`` (:class:`mpipar.parallel.placement.PlacementTable`)
     places their weights, with its sequence parallelism. ``group=None`` is a tp size of 1:
-    every op is local. ``kernels`` is the backend whose ops and array module are used."""
+    every op is local. ``kernels`` is the backend whose ops and array module are used.
+    ``adapters``: the LoRA adapters the linears add (:class:`mpipar.model.lora.Adapters`; their
+    factors split as :func:`mpipar.parallel.placement.adapter_roles` says), or None."""
 
-    def __init__(self, *, kernels, table: PlacementTable, group: Group | None = None) -> None:
+    def __init__(self, *, kernels, table: PlacementTable, group: Group | None = None,
+                 adapters: Adapters | None = None) -> None:
         self.kernels, self.xp = kernels, kernels.xp
-        self.table, self.group = table, group
+        self.table, self.group, self.adapters = table, group, adapters
         self.size = group.size if group is not None else 1
         self.rank = group.rank if group is not None else 0
         self.sequence_parallel = table.tp_sequence_parallel and self.size > 1
@@ -144,8 +157,12 @@ class TensorParallel:
         (column-, vocabulary-parallel), the sum over tp of the partial outputs (row-parallel:
         :meth:`leave`), or the whole output (replicated)."""
         if len(names) > 1:
-            return self._stacked_linear(params, names, x_in)
-        ys = [self.kernels.linear_fwd(x_in, params[n], params.get(bias_name(n))) for n in names]
+            ys = self._stacked_linear(params, names, x_in)
+        else:
+            ys = [self.kernels.linear_fwd(x_in, params[n], params.get(bias_name(n)))
+                  for n in names]
+        if self.adapters is not None:   # before the sum over tp: one collective
+            ys = [self.adapters.forward(params, n, x_in, y) for n, y in zip(names, ys)]
         return [self.leave(y) for y in ys] if self.role(names) == "row" else ys
 
     def _stacked_linear(self, params: dict[str, Array], names: Sequence[str], x_in: Array
@@ -173,19 +190,20 @@ class TensorParallel:
         (:meth:`enter_backward`) where the input entered."""
         role = self.role(names)
         lead = x_in.shape[:-1]
+        if role == "row":
+            dys = [self.leave_backward(dy) for dy in dys]
+        dys = [dy.reshape(lead + (-1,)) for dy in dys]
         if len(names) > 1:     # column-parallel: one GEMM against the stacked weights
-            dx = linear_backward.group([dy.reshape(lead + (-1,)) for dy in dys], x_in, names)
-            return self.enter_backward(dx) if role in ENTERS else dx
-        dx = None
-        for dy, name in zip(dys, names):
-            if role == "row":
-                dy = self.leave_backward(dy)
-            part = linear_backward(dy.reshape(lead + (-1,)), x_in, name)
-            if dx is None:
-                dx = part
-            else:
-                dx = dx.astype(accumulator(part.dtype), copy=False)
-                dx += part
+            dx = linear_backward.group(dys, x_in, names)
+        else:
+            dx = None
+            for dy, name in zip(dys, names):
+                dx = _accumulate(dx, linear_backward(dy, x_in, name))
+        if self.adapters is not None:
+            for dy, name in zip(dys, names):
+                dx = _accumulate(dx, self.adapters.backward(linear_backward.params,
+                                                            linear_backward.grads, name, dy,
+                                                            x_in))
         dx = dx.astype(x_in.dtype, copy=False)
         return self.enter_backward(dx) if role in ENTERS else dx
 
@@ -200,6 +218,8 @@ class TensorParallel:
     def embed_backward(self, grads: dict[str, Array], name: str, dx: Array, ids: Array) -> None:
         """Accumulate into ``grads[name]`` the gradient of this rank's embedding rows (``dx`` in
         the stream's shape)."""
+        if name not in grads:           # frozen (LoRA)
+            return
         full = self.leave_backward(dx).reshape(ids.shape + (dx.shape[-1],))
         self.kernels.embedding_bwd(grads[self._vocabulary(name)], full, ids, self.vocab.start)
 
@@ -242,9 +262,10 @@ class TensorParallel:
     # ------------------------------------------------------------------ gradients
     def reduce_partial_grads(self, grads: Sequence[Array]) -> None:
         """Sum over tp, in place, gradients that are partial per rank (replicated weights that
-        saw token shards: :attr:`mpipar.parallel.placement.Placement.grad_partial_over_tp`), packed in
-        one all-reduce."""
-        if not grads or not self.sequence_parallel:
+        saw token shards, the whole factor of a LoRA adapter:
+        :attr:`mpipar.parallel.placement.Placement.grad_partial_over_tp`), packed in one
+        all-reduce."""
+        if not grads or self.size == 1:
             return
         xp = self.xp
         packed = self.group.allreduce_(xp.concatenate([g.reshape(-1) for g in grads]))

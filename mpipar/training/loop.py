@@ -313,7 +313,8 @@ def _report_end(ctx: RunContext, loop: LoopOutcome, result, path: str) -> None:
 def _finish(rank: Rank, ctx: RunContext, export: bool) -> None:
     """Export (when asked and the run completed), then a last barrier under the watchdog: every
     rank has finished every collective before the watchdog stops and MPI shuts down."""
-    if export and ctx.cfg.train.export_hf:
+    tr = ctx.cfg.train
+    if export and (tr.export_hf or tr.export_adapter):
         export_hf(rank, ctx.cfg, ctx.rank0)
     ctx.control.barrier()
     if ctx.watchdog is not None:
@@ -429,14 +430,24 @@ def _say_saved(ctx: RunContext, progress, path, how: str) -> None:
 
 
 def export_hf(rank: Rank, cfg: Config, rank0: bool) -> None:
-    """Gather the global weights (collective) and let rank 0 write the HF directory."""
-    from mpipar.checkpoint import hf_moe
+    """Gather the global weights (collective) and let rank 0 write the HF directory
+    (``--export-hf``; under LoRA the merged model, as PEFT's ``merge_and_unload()``) and the
+    PEFT adapter directory (``--export-adapter``)."""
+    from mpipar.checkpoint import hf_moe, peft
     from mpipar.checkpoint import huggingface as hf
     from mpipar.training.step import gather_params
     params = gather_params(rank)
     if not rank0:
         return
-    tr = cfg.train
+    tr, lora = cfg.train, rank.model.table.lora
+    if tr.export_adapter:
+        peft.save_adapter(tr.export_adapter, cfg.model, lora, params,
+                          base=tr.init_from_hf or "mpipar")
+        print(f"mpipar: exported the LoRA adapter (PEFT) to {tr.export_adapter}", flush=True)
+    if not tr.export_hf:
+        return
+    if lora is not None:
+        params = peft.merge(cfg.model, lora, params)
     extra = (hf.passthrough_config(tr.init_from_hf) if tr.init_from_hf
              else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
     hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,

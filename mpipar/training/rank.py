@@ -12,7 +12,7 @@ which objects they are.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import ChainMap, Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +26,8 @@ from mpipar.data.sources import EvalSet, Sampler, TokenSource, load_tokens, trai
 from mpipar.layout import Layout
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import RESIDENT, LlamaStage
+from mpipar.model.lora import (Adapters, FrozenGrads, FrozenParams, Lora, init_adapter,
+                               is_adapter)
 from mpipar.model.moe import RoutingBias
 from mpipar.model.params import init_param
 from mpipar.parallel.compression import make_codec
@@ -33,7 +35,7 @@ from mpipar.parallel.sequence.registry import sequence_mode
 from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups, warmup_steps
 from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, ExpertSplitUnits,
                                      SequenceExperts, expert_shards, expert_units)
-from mpipar.parallel.fsdp.sharded import ShardedParams, node_copy_layout
+from mpipar.parallel.fsdp.sharded import FrozenBaseScope, ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.placement import PlacementTable, expert_of
@@ -117,13 +119,16 @@ class Weights:
     """The parameters as this rank holds them: the gradient reducer (ZeRO-0/1) or the sharded
     units (ZeRO-2/3, ``sharded``, else None), the optimizer (``catch_up``: AdamW catching up
     what top-k held back), the rank seen as pieces of global tensors (checkpoints) and the LR
-    schedule."""
+    schedule. ``frozen``: under LoRA the base weights this rank holds (its tp shards, in the
+    compute dtype: no master copy, no gradient, no optimizer state; whole, or ZeRO-3's units),
+    else None; ``sharded`` is then the scope over both (:class:`FrozenBaseScope`)."""
     reducer: Any
-    sharded: ShardedParams | ExpertSplitUnits | None
+    sharded: ShardedParams | ExpertSplitUnits | FrozenBaseScope | None
     optimizer: Any
     catch_up: bool
     state: TrainState
     schedule: LRSchedule
+    frozen: FrozenParams | ShardedParams | None
 
 
 @dataclass(frozen=True)
@@ -161,11 +166,18 @@ class Rank:
 
     @property
     def params(self) -> Mapping[str, Any]:
-        return self.weights.reducer.params
+        """The parameters the chunks read: the trained ones, and the frozen base under LoRA."""
+        w = self.weights
+        return w.reducer.params if w.frozen is None else ChainMap(w.reducer.params,
+                                                                   w.frozen.params)
 
     @property
     def grads(self) -> Mapping[str, Any]:
-        return self.weights.reducer.grads
+        """The gradients the chunks write (a frozen weight's go nowhere:
+        :class:`mpipar.model.lora.FrozenGrads`)."""
+        w = self.weights
+        return w.reducer.grads if w.frozen is None else FrozenGrads(
+            w.reducer.grads, frozenset(w.frozen.local_shapes()))
 
 
 def build_rank(layout: Layout, comm: MPI.Comm, source: TokenSource | None = None) -> Rank:
@@ -248,10 +260,12 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     cfg = layout.config
     par, tr, m = cfg.parallel, cfg.train, cfg.model
     groups, coord = comms.groups, comms.grid.coord
+    lora = Lora.of(tr)
     table = PlacementTable(model=m, pp=par.pp, virtual_stages=par.virtual_stages,
                            zero=par.zero, tp_sequence_parallel=par.tp_sequence_parallel,
-                           ep=expert_shards(layout))
-    tensor = TensorParallel(kernels=compute.kernels, table=table, group=groups["tp"])
+                           ep=expert_shards(layout), lora=lora)
+    tensor = TensorParallel(kernels=compute.kernels, table=table, group=groups["tp"],
+                            adapters=None if lora is None else Adapters(compute.kernels, lora))
     seq = SeqLayout(tr.seq_len, par.sp, par.sp_split, min_chunk=par.sp_min_chunk)
     routing = RoutingBias.of(m, compute.xp)   # every sparse block's, every rank
     # --recompute offload: one scratch file per rank for the saved activations.
@@ -273,7 +287,8 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     # The parameters this rank holds, each with the number of its chunks that use it (a
     # parameter two chunks use, the tied embedding with pp = 1, is held once); under --ep only
     # its ep position's experts (mpipar.parallel.experts).
-    holders = Counter(n for ch in chunks for n in ch.param_names()
+    holders = Counter(n for c in range(par.virtual_stages)
+                      for n in table.stage_names(virtual_stage(coord.pp, c, par.pp))
                       if table.holds(n, comms.ep_rank))
     ulysses = sequence_mode(par).work_group(seq.sp, par.ulysses_size)
     return RankModel(table=table, tensor=tensor, seq=seq, positions=seq.positions(coord.sp),
@@ -303,12 +318,15 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
     cfg = layout.config
     par, tr = cfg.parallel, cfg.train
     table, tensor = model.table, model.tensor
-    names = list(model.holders)
+    names = [n for n in model.holders if table[n].trainable]
     tied = [n for n in names if table[n].tied_across_pipeline]
     initial = partial(_initial_shards, layout, table, tensor, compute.master_dtype)
     sharded = (_sharded(layout, comms, compute, model, tied, initial) if par.zero >= 2
                else None)
     reducer = sharded or _reducer(layout, comms.groups, compute, names, tied, initial)
+    frozen = _frozen(layout, comms, compute, model) if table.lora is not None else None
+    if isinstance(frozen, ShardedParams):
+        sharded = FrozenBaseScope(sharded, frozen)
     decay = {n: len(table[n].spec.shape) >= 2 for n in names}
     # Top-k sums with error feedback: AdamW moves a coordinate by the steps it waited.
     catch_up = par.topk_catch_up == "on" and sharded is None and reducer.sends_sparse
@@ -319,7 +337,29 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
     state = TrainState(reducer, optimizer, table, tp_rank=tensor.rank, tp_size=tensor.size,
                        pp_rank=comms.grid.coord.pp, dtype=compute.master_dtype)
     return Weights(reducer=reducer, sharded=sharded, optimizer=optimizer, catch_up=catch_up,
-                   state=state, schedule=LRSchedule.of(tr))
+                   state=state, schedule=LRSchedule.of(tr), frozen=frozen)
+
+
+def _frozen(layout: Layout, comms: Comms, compute: Compute, model: RankModel
+            ) -> FrozenParams | ShardedParams:
+    """LoRA's frozen base in the compute dtype (no master copy): whole on this rank, or under
+    ZeRO-3 units sharded over dp x sp, gathered around their use and never reduced."""
+    table, tensor, par = model.table, model.tensor, layout.config.parallel
+
+    def initial(names: list[str]) -> dict[str, Any]:
+        return {n: v.astype(compute.dtype) for n, v in
+                _initial_shards(layout, table, tensor, compute.master_dtype, names).items()}
+
+    if par.zero < 3:
+        names = [n for n in model.holders if not table[n].trainable]
+        return FrozenParams({n: compute.xp.asarray(v) for n, v in initial(names).items()},
+                            compute.xp)
+    g = comms.groups
+    return ShardedParams(lambda n: initial([n])[n], table.units(comms.grid.coord.pp, False),
+                         g["dp_sp"], gather=True, prefetch=par.zero_prefetch, xp=compute.xp,
+                         before_reduce=lambda names: None,
+                         tied=[n for n in model.holders if table[n].tied_across_pipeline],
+                         tied_group=g["pp_ends"], compute_dtype=compute.dtype, frozen=True)
 
 
 def _initial_shards(layout: Layout, table: PlacementTable, tensor: TensorParallel,
@@ -327,8 +367,12 @@ def _initial_shards(layout: Layout, table: PlacementTable, tensor: TensorParalle
     """This rank's shards of the initial master parameters (every layout starts from the same
     global tensors, :func:`mpipar.model.params.init_param`)."""
     model, seed = layout.config.model, layout.config.train.seed
-    return {n: table[n].shard(init_param(table[n].spec, model, seed).astype(master_dtype),
-                              tensor.rank, tensor.size)
+
+    def value(n: str) -> np.ndarray:
+        spec = table[n].spec
+        return init_adapter(spec, seed) if is_adapter(n) else init_param(spec, model, seed)
+
+    return {n: table[n].shard(value(n).astype(master_dtype), tensor.rank, tensor.size)
             for n in names}
 
 

@@ -48,6 +48,8 @@ def output_dirs(cfg: Config) -> list[tuple[str, Path]]:
     out = [("--run-dir", run), ("--save-dir", Path(tr.save_dir))]
     if tr.export_hf:
         out.append(("--export-hf", Path(tr.export_hf).absolute().parent))
+    if tr.export_adapter:
+        out.append(("--export-adapter", Path(tr.export_adapter).absolute().parent))
     if cfg.dump_steps:
         out.append(("--dump-activations", run / "activations"))
     if tr.recompute_mode.offloads:
@@ -73,6 +75,12 @@ def prepare_outputs(cfg: Config) -> None:
             hf.model_type(cfg.model)
         except ValueError as exc:
             raise ConfigError(f"--export-hf {cfg.train.export_hf}: {exc}") from None
+    if cfg.train.export_adapter:
+        from mpipar.checkpoint import peft
+        try:
+            peft.check_export_target(cfg.train.export_adapter)
+        except ValueError as exc:
+            raise ConfigError(f"--export-adapter {cfg.train.export_adapter}: {exc}") from None
 
 
 def _create(flag: str, path: Path) -> None:

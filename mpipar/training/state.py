@@ -59,8 +59,9 @@ class TrainState:
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Global shape of every parameter of the model, in forward order."""
-        return {p.name: p.spec.shape for p in self.table}
+        """Global shape of every trained parameter of the model, in forward order (under LoRA
+        the adapters: the frozen base is no state of a run)."""
+        return {p.name: p.spec.shape for p in self.table if p.trainable}
 
     @property
     def step(self) -> int:

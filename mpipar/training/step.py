@@ -39,6 +39,7 @@ from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, Ru
 from mpipar.checkpoint.shards import require_finite
 from mpipar.model.flops import model_flops_per_step
 from mpipar.model.llama import RESIDENT, LlamaStage
+from mpipar.model.lora import is_adapter
 from mpipar.observe.balance import attention_imbalance, moe_load_stats
 from mpipar.observe.metrics import EvalResult, StepResult
 from mpipar.parallel.pipeline.executor import Microbatch
@@ -99,15 +100,17 @@ def _grads_ready(rank: Rank) -> Callable[[list[str]], None]:
     """The step's callback for a chunk that has finished the gradients of ``names``: those
     every chunk of this rank that uses them has finished are final: sum the tp-partial ones
     over tp, then let the data-parallel reducer launch their buckets (and sum the tied ones
-    over ``pp_ends`` when it finishes)."""
+    over ``pp_ends`` when it finishes). Under LoRA a linear's adapter is final with it, and
+    only the trainable gradients go on."""
     unfinished = Counter(rank.model.holders)
     table, tensor, grads = rank.model.table, rank.model.tensor, rank.grads
+    lora = table.lora
 
     def ready(names: list[str]) -> None:
         final = []
-        for n in names:
+        for n in (names if lora is None else lora.expand(names)):
             unfinished[n] -= 1
-            if not unfinished[n]:
+            if not unfinished[n] and table[n].trainable:
                 final.append(n)
         tensor.reduce_partial_grads([grads[n] for n in final
                                      if table[n].grad_partial_over_tp])
@@ -258,7 +261,9 @@ def gather_params(rank: Rank) -> dict[str, np.ndarray]:
     (tests, export)."""
     g, table, xp = rank.comms.groups, rank.model.table, rank.compute.xp
     tp, pp = g["tp"], g["pp"]
-    params = rank.weights.reducer.master_tensors()
+    frozen = rank.weights.frozen
+    params = {**(frozen.master_tensors() if frozen is not None else {}),
+              **rank.weights.reducer.master_tensors()}
     out = {}
     for placement in table:
         owner = table.pipeline_rank(placement.name)
@@ -279,22 +284,25 @@ def gather_params(rank: Rank) -> dict[str, np.ndarray]:
     return out
 
 
-def load_params(rank: Rank, values: dict[str, np.ndarray], source: str = "load_params"
-                ) -> None:
+def load_params(rank: Rank, values: dict[str, np.ndarray], source: str = "load_params",
+                partial: bool = False) -> None:
     """Overwrite this rank's shards from global tensors (every name the model has, global
     shapes as in :func:`mpipar.model.params.param_specs`), cast to the master dtype (the compute
     copies follow). A tensor holding a NaN or an infinity (after the cast) raises
     :class:`~mpipar.checkpoint.shards.NonFiniteError` naming ``source`` and the tensor.
-    Collective-free."""
+    LoRA adapters not in ``values`` keep theirs (a base model has none); ``partial``: only the
+    tensors given are loaded (a LoRA adapter alone). Collective-free."""
     table, tensor, reducer = rank.model.table, rank.model.tensor, rank.weights.reducer
-    missing = sorted(p.name for p in table if p.name not in values)
-    if missing:
+    frozen = rank.weights.frozen
+    missing = sorted(p.name for p in table if p.name not in values and not is_adapter(p.name))
+    if missing and not partial:
         raise ValueError(f"load_params: missing parameters {missing[:5]}")
-    for name in reducer.local_shapes():
+    stores = [reducer] if frozen is None else [reducer, frozen]
+    for store, name in [(s, n) for s in stores for n in s.local_shapes() if n in values]:
         placement, value = table[name], np.asarray(values[name])
         if value.shape != placement.spec.shape:
             raise ValueError(f"load_params: {name} has shape {value.shape}, the model needs "
                              f"{placement.spec.shape}")
         value = value.astype(rank.compute.master_dtype)
         require_finite(value, f"{source}: parameter {name}")
-        reducer.load_local(name, placement.shard(value, tensor.rank, tensor.size))
+        store.load_local(name, placement.shard(value, tensor.rank, tensor.size))

@@ -165,7 +165,9 @@ class ShardedParams:
     values; ``compute_dtype`` and ``reduce_dtype`` (default: theirs) as in the module
     docstring; ``pool``: the buffer pool to take whole units from (default: one of its own;
     the experts' units sharded over ``ep_dp`` share the dense units' pool:
-    :class:`mpipar.parallel.experts.ExpertSplitUnits`)."""
+    :class:`mpipar.parallel.experts.ExpertSplitUnits`). ``frozen``: parameters that do not
+    train (LoRA's base, :class:`FrozenBaseScope`): gathered as the others, with no gradient
+    buffer and no reduction."""
 
     def __init__(self, initial: Callable[[str], Any], chunks: list[list[tuple[str, list[str]]]],
                  group: Group, *, gather: bool, prefetch: int, xp: ModuleType,
@@ -173,8 +175,9 @@ class ShardedParams:
                  tied_group: Group | None = None,
                  node_groups: tuple[Group, Group | None] | None = None,
                  compute_dtype: Any = None, reduce_dtype: Any = None,
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, frozen: bool = False) -> None:
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.frozen = frozen
         # ZeRO-3 in node shared memory: the whole units stay bound, as at ZeRO-2, but each is
         # one array the node's ranks of the group map together, each allocating a part.
         self.shared = node_groups is not None and gather
@@ -237,7 +240,8 @@ class ShardedParams:
             full = window.array
         owned = master[lo:hi].copy() if self.gather or self.mixed else full[lo:hi]
         u = Unit(unit, list(names), {n: tuple(values[n].shape) for n in names}, offsets, size,
-                 owned, self.xp.zeros(hi - lo, master.dtype), None if self.gather else full)
+                 owned, None if self.frozen else self.xp.zeros(hi - lo, master.dtype),
+                 None if self.gather else full)
         if self.gather:
             u.owned_compute = full[lo:hi].copy() if self.mixed else owned
         return u
@@ -263,7 +267,9 @@ class ShardedParams:
         """The model runs ``units`` (forward, or ``backward``) inside this context
         (:class:`mpipar.model.llama.ParamScope`): each is entered in order (:meth:`_enter`)
         and left in order after it (:meth:`_leave`); an exception inside leaves them as they
-        are."""
+        are. A unit with nothing trained (LoRA's frozen embedding and head) is not here and
+        is nothing to enter."""
+        units = [u for u in units if u in self.units]
         for unit in units:
             self._enter(unit, backward)
         yield
@@ -290,7 +296,7 @@ class ShardedParams:
             at = order.index(unit)
             for nxt in ([] if nested else order[at + 1:at + 1 + self.prefetch]):
                 self._start_gather(self.units[nxt])
-        if backward:
+        if backward and not self.frozen:
             if u.grad is None:
                 u.grad = self.pool.take(u.size, u.owned_grad.dtype)
                 u.grad.fill(0)
@@ -311,12 +317,12 @@ class ShardedParams:
                 if backward or not self.keeping or unit not in self.kept:
                     self.pool.give(u.full)
                     u.full, u.gathering = None, None
-        if backward and grads_final:
+        if backward and grads_final and not self.frozen:
             self._grads_done(u)
 
     def weights_done(self, units: list[str]) -> None:
         """The deferred weight gradients of ``units`` (one backward pass each) are in."""
-        for unit in units:
+        for unit in [u for u in units if u in self.units and not self.frozen]:
             self._grads_done(self.units[unit])
 
     def progress(self) -> None:
@@ -360,7 +366,7 @@ class ShardedParams:
     # ------------------------------------------------------------ per step
     def start_step(self, step: int = 0) -> None:
         """Before optimizer step ``step``: the owned gradients start from zero."""
-        for u in self.units.values():
+        for u in self.units.values() if not self.frozen else ():
             u.owned_grad.fill(0)
 
     def finish(self) -> None:
@@ -371,7 +377,7 @@ class ShardedParams:
         self.release()
         while self._reducing:
             self._complete_one()
-        for u in self.tied_units:
+        for u in self.tied_units if not self.frozen else ():
             self.tied_group.allreduce_(u.owned_grad)
 
     @contextmanager
@@ -529,3 +535,37 @@ class ShardedParams:
                 self._stale = True
             elif not self.gather:
                 u.full[s:e] = flat
+
+
+class FrozenBaseScope:
+    """ZeRO-3 under LoRA: the model's scope over the frozen base's units (``frozen``, a
+    :class:`ShardedParams` of ``frozen=True``: gathered around each unit, never reduced) and the
+    adapters' (``trained``): entering a unit enters the base's, then the adapters'; leaving
+    leaves both in that order, so every rank of dp x sp posts the collectives in one order.
+    The update and the checkpoints see ``trained`` alone."""
+
+    def __init__(self, trained: ShardedParams, frozen: ShardedParams) -> None:
+        self.trained, self.frozen = trained, frozen
+
+    @contextmanager
+    def using(self, units: Sequence[str], backward: bool,
+              grads_final: bool = True) -> Iterator[None]:
+        with self.frozen.using(units, backward, grads_final), \
+                self.trained.using(units, backward, grads_final):
+            yield
+
+    def weights_done(self, units: list[str]) -> None:
+        self.trained.weights_done(units)
+
+    def progress(self) -> None:
+        self.frozen.progress()
+        self.trained.progress()
+
+    @contextmanager
+    def forward_only(self) -> Iterator[None]:
+        with self.frozen.forward_only(), self.trained.forward_only():
+            yield
+
+    def release(self) -> None:
+        self.frozen.release()
+        self.trained.release()

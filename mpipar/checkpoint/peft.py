@@ -1,0 +1,171 @@
+"""LoRA adapters as PEFT writes them: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+A PEFT adapter of a Llama-family causal LM names a factor after the module path of its linear
+under ``PeftModel``: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``, which
+is mpipar's name (:mod:`mpipar.model.lora`) behind :data:`PREFIX`. The config carries what the
+tensors do not: ``r``, ``lora_alpha``, ``target_modules`` and ``use_rslora``. PEFT silently
+defaults a missing ``lora_alpha`` (8) and ``target_modules`` (per model type), so
+:func:`save_adapter` writes every field explicitly and :func:`read_adapter` requires them.
+
+:func:`merge` folds adapters into their weights (``W + s B A``), as PEFT's
+``merge_and_unload()`` does, for a Hugging Face export of the adapted model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpipar.checkpoint.huggingface import HFCheckpointError, open_safetensors, write_safetensors
+from mpipar.config import ModelConfig
+from mpipar.model.lora import Lora, adapter_names
+from mpipar.model.params import param_specs
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model.model."
+
+
+class AdapterError(HFCheckpointError):
+    """An adapter directory that does not fit the run (exit 2)."""
+
+
+def adapter_specs(cfg: ModelConfig, lora: Lora) -> dict[str, tuple[int, ...]]:
+    """Every adapter factor of model ``cfg`` under ``lora``: mpipar name -> global shape."""
+    return {a.name: a.shape for spec in param_specs(cfg) for a in lora.specs(spec)}
+
+
+def _read_config(root: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads((root / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"{root}: no {CONFIG_FILE} (a PEFT adapter directory holds "
+                           f"{CONFIG_FILE} and {WEIGHTS_FILE})") from None
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{root / CONFIG_FILE}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{root / CONFIG_FILE}: must be a JSON object")
+    return raw
+
+
+def check_config(raw: Mapping[str, Any], lora: Lora, where: str) -> None:
+    """Raise AdapterError unless the PEFT config ``raw`` is the adapters of ``lora``."""
+    want = {"peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha,
+            "use_rslora": lora.rslora}
+    for key, value in want.items():
+        if key not in raw:
+            raise AdapterError(f"{where}: {key} is missing (the run's is {value!r}; PEFT would "
+                               f"default it silently)")
+        if raw[key] != value:
+            raise AdapterError(f"{where}: {key}={raw[key]!r}, the run's LoRA has {value!r} "
+                               f"(--lora-rank, --lora-alpha, --lora-rslora)")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str) or not isinstance(targets, list) or \
+            sorted(targets) != sorted(lora.targets):
+        raise AdapterError(f"{where}: target_modules={targets!r}, the run's --lora-targets are "
+                           f"{list(lora.targets)}")
+    if float(raw.get("lora_dropout") or 0.0) != 0.0:
+        raise AdapterError(f"{where}: lora_dropout={raw['lora_dropout']!r}: only 0 is supported")
+    for key in ("layers_to_transform", "modules_to_save", "rank_pattern", "alpha_pattern"):
+        if raw.get(key):
+            raise AdapterError(f"{where}: {key}={raw[key]!r} is not supported (the same rank "
+                               f"and alpha on every targeted linear of every layer)")
+    if raw.get("bias", "none") != "none":
+        raise AdapterError(f"{where}: bias={raw['bias']!r}: only 'none' is supported")
+
+
+def read_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora
+                 ) -> dict[str, np.ndarray]:
+    """The adapter factors of PEFT directory ``path`` under mpipar's names, float64 global
+    tensors, checked against the model ``cfg`` and the run's ``lora``: config, the exact set of
+    tensor names and their shapes. AdapterError names the field or tensor."""
+    root = Path(path)
+    check_config(_read_config(root), lora, str(root / CONFIG_FILE))
+    file = root / WEIGHTS_FILE
+    if not file.is_file():
+        raise AdapterError(f"{root}: no {WEIGHTS_FILE}")
+    specs = adapter_specs(cfg, lora)
+    with open_safetensors(file) as f:
+        stored = {_mpipar_name(k): k for k in f.keys()}
+        missing = sorted(set(specs) - set(stored))
+        unexpected = sorted(stored[n] for n in set(stored) - set(specs))
+        if missing or unexpected:
+            raise AdapterError(f"{file}: tensors do not fit the model: missing "
+                               f"{[PREFIX + n for n in missing[:4]]}, unexpected "
+                               f"{unexpected[:4]}")
+        out = {}
+        for name, shape in specs.items():
+            value = f.get_tensor(stored[name])
+            if tuple(value.shape) != shape:
+                raise AdapterError(f"{file}: {stored[name]} has shape {list(value.shape)}, the "
+                                   f"model needs {list(shape)}")
+            out[name] = value.astype(np.float64)
+    return out
+
+
+def _mpipar_name(peft_name: str) -> str:
+    """mpipar's name of a stored PEFT tensor (its adapter name, if kept, dropped)."""
+    name = peft_name.removeprefix(PREFIX)
+    return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+
+def adapter_config(lora: Lora, base: str) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` of ``lora`` on base model ``base``, every field that
+    matters written out."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+            "r": lora.rank, "lora_alpha": lora.alpha, "use_rslora": lora.rslora,
+            "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "modules_to_save": None, "layers_to_transform": None, "use_dora": False}
+
+
+def check_export_target(path: str | os.PathLike) -> None:
+    """Raise ValueError unless :func:`save_adapter` may write ``path``: new, or an empty or
+    adapter directory (which it replaces)."""
+    root = Path(path)
+    if root.exists() and not (root.is_dir() and set(os.listdir(root)) <=
+                              {CONFIG_FILE, WEIGHTS_FILE, "README.md"}):
+        raise ValueError(f"{root} exists and is not an adapter directory; choose a new or "
+                         f"empty directory")
+
+
+def save_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora,
+                 params: Mapping[str, np.ndarray], base: str = "") -> None:
+    """Write the adapter factors in ``params`` (mpipar names, global shapes) as a PEFT adapter
+    directory ``path`` (written beside it, then renamed into place; an existing adapter
+    directory is replaced). ``base``: the base model's name or path, recorded for PEFT."""
+    specs = adapter_specs(cfg, lora)
+    for name, shape in specs.items():
+        if tuple(np.shape(params[name])) != shape:
+            raise ValueError(f"save_adapter: {name} has shape {list(np.shape(params[name]))}, "
+                             f"the model needs {list(shape)}")
+    root = Path(path)
+    check_export_target(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.resolve().parent))
+    (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base), indent=2) + "\n")
+    write_safetensors({PREFIX + n: np.ascontiguousarray(params[n]) for n in specs},
+                      tmp / WEIGHTS_FILE, {"format": "pt"})
+    if root.exists():
+        for f in os.listdir(root):
+            os.remove(root / f)
+        root.rmdir()
+    tmp.rename(root)
+
+
+def merge(cfg: ModelConfig, lora: Lora, params: Mapping[str, np.ndarray]
+          ) -> dict[str, np.ndarray]:
+    """The base parameters of ``params`` with each adapter folded into its weight
+    (``W + s B A``), adapters dropped: PEFT's ``merge_and_unload()``."""
+    out = {}
+    for spec in param_specs(cfg):
+        value = params[spec.name]
+        if lora.adapts(spec.name):
+            a, b = adapter_names(spec.name)
+            value = value + lora.scale * (params[b] @ params[a]).astype(value.dtype)
+        out[spec.name] = value
+    return out

@@ -1,0 +1,243 @@
+"""LoRA: low-rank adapters on a block's linears, the base weights frozen.
+
+A targeted linear ``y = x W^T`` becomes ``y = x W^T + s (x A^T) B^T`` with ``A`` ``[r, in]``,
+``B`` ``[out, r]`` and the scale ``s = alpha / r`` (rsLoRA: ``alpha / sqrt(r)``, PEFT's
+``use_rslora``). Only the adapters train; the base has no gradient, no optimizer state and no
+reduction (:class:`FrozenGrads` is the gradients a stage writes: a frozen weight's go nowhere).
+
+The adapters are parameters like the others, named after their linear's weight as PEFT names
+them without its ``base_model.model.model.`` prefix: ``layers.{i}.self_attn.q_proj.lora_A.weight``
+and ``...lora_B.weight`` (:func:`adapter_names`). Targets are Hugging Face module names
+(:data:`TARGETS`, PEFT's ``target_modules``). ``A`` starts as PEFT's default (Kaiming-uniform:
+``U(-1/sqrt(in), 1/sqrt(in))``), ``B`` as zeros, so the adapted model starts as the base.
+
+How tensor parallelism splits the two factors is the placement table's
+(:func:`mpipar.parallel.placement.adapter_roles`); :class:`Adapters` is what a linear adds and
+books whatever the split: its input as the linear reads it, its output as the linear leaves
+it before any sum over tp, so the adapted linear keeps its one collective.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mpipar.config import TrainConfig, require
+from mpipar.model.params import ParamSpec, block_param_specs
+
+Array = Any
+
+TARGETS: dict[str, str] = {
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+"""The linears an adapter may target: Hugging Face module name -> weight name without the
+block's ``layers.{i}.``."""
+
+FACTORS = ("lora_A", "lora_B")
+
+
+def adapter_names(weight: str) -> tuple[str, str]:
+    """(A, B) of the linear of weight ``weight`` (``...q_proj.weight`` ->
+    ``...q_proj.lora_A.weight``, ``...q_proj.lora_B.weight``)."""
+    stem = weight.removesuffix("weight")
+    return stem + "lora_A.weight", stem + "lora_B.weight"
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` is an adapter factor."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def factor_of(name: str) -> str:
+    """``lora_A`` or ``lora_B`` of adapter ``name``."""
+    return name.split(".")[-2]
+
+
+def base_of(name: str) -> str:
+    """The weight the adapter factor ``name`` adapts."""
+    return name.rsplit(".", 2)[0] + ".weight"
+
+
+@dataclass(frozen=True)
+class Lora:
+    """A run's adapters: their rank, alpha, targets (Hugging Face module names, in
+    :data:`TARGETS` order) and whether the scale is rank-stabilised."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    rslora: bool = False
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> Lora | None:
+        """The adapters ``train`` asks for, or None (``lora_rank`` 0). ConfigError names an
+        unknown or repeated target."""
+        if train.lora_rank <= 0:
+            return None
+        given = [t.strip() for t in train.lora_targets.split(",") if t.strip()]
+        for t in given:
+            require(t in TARGETS, f"train.lora_targets={train.lora_targets!r}: {t!r} is not a "
+                                  f"target; the targets are {', '.join(TARGETS)}")
+        require(given and len(set(given)) == len(given),
+                f"train.lora_targets={train.lora_targets!r}: must name each target once, at "
+                f"least one")
+        return cls(train.lora_rank, float(train.lora_alpha),
+                   tuple(t for t in TARGETS if t in given), bool(train.lora_rslora))
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @property
+    def weights(self) -> frozenset[str]:
+        """The targeted weights without ``layers.{i}.``."""
+        return frozenset(TARGETS[t] for t in self.targets)
+
+    def adapts(self, name: str) -> bool:
+        """Whether weight ``name`` carries an adapter."""
+        parts = name.split(".", 2)
+        return parts[0] == "layers" and len(parts) == 3 and parts[2] in self.weights
+
+    def specs(self, base: ParamSpec) -> list[ParamSpec]:
+        """The adapter factors of weight ``base`` (none if it is not a target)."""
+        if not self.adapts(base.name):
+            return []
+        out, inp = base.shape
+        a, b = adapter_names(base.name)
+        return [ParamSpec(a, (self.rank, inp), base.layer),
+                ParamSpec(b, (out, self.rank), base.layer)]
+
+    def expand(self, names: list[str]) -> list[str]:
+        """``names`` with each targeted weight followed by its A and B."""
+        return [x for n in names for x in ((n, *adapter_names(n)) if self.adapts(n) else (n,))]
+
+
+def init_adapter(spec: ParamSpec, seed: int) -> np.ndarray:
+    """The global float64 initial value of an adapter factor (layout-independent, seeded by
+    ``(seed, crc32(name))``): A Kaiming-uniform as PEFT's, B zeros."""
+    if factor_of(spec.name) == "lora_B":
+        return np.zeros(spec.shape)
+    bound = 1.0 / math.sqrt(spec.shape[1])
+    rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+    return rng.uniform(-bound, bound, size=spec.shape)
+
+
+def check_config(layout) -> None:
+    """LoRA's rules: known targets, a rank in ``[1, min(in, out)]`` of every targeted linear, no
+    dropout, a dense model."""
+    cfg = layout.config
+    t, m = cfg.train, cfg.model
+    lora = Lora.of(t)
+    if lora is None:
+        require(not t.lora_rslora, f"train.lora_rslora={t.lora_rslora}: needs --lora-rank > 0")
+        return
+    require(t.lora_dropout == 0, f"train.lora_dropout={t.lora_dropout}: only 0 is supported "
+                                 f"(adapters without dropout)")
+    require(m.moe_experts == 0, f"train.lora_rank={t.lora_rank}: LoRA needs a dense model "
+                                f"(model.moe_experts={m.moe_experts})")
+    for spec in block_param_specs(m, 0):
+        if lora.adapts(spec.name):
+            width = min(spec.shape)
+            require(lora.rank <= width,
+                    f"train.lora_rank={lora.rank}: must be <= {width}, the smaller side of "
+                    f"{spec.name.split('.', 2)[2]} {list(spec.shape)}")
+
+
+class Adapters:
+    """What a linear with an adapter adds forward and books backward (module docstring),
+    with ``kernels``' ops. ``x_in`` is the input as the linear reads it, ``dy`` its output's
+    gradient as the linear produced it (this rank's output columns, or the whole output of a
+    row-parallel linear before the sum over tp)."""
+
+    def __init__(self, kernels, lora: Lora) -> None:
+        self.kernels, self.lora, self.scale = kernels, lora, lora.scale
+
+    def adapts(self, name: str) -> bool:
+        return self.lora.adapts(name)
+
+    def forward(self, params: Mapping[str, Array], name: str, x_in: Array, y: Array) -> Array:
+        """``y + s (x_in A^T) B^T`` of linear ``name`` (``y`` as it is if no adapter)."""
+        if not self.adapts(name):
+            return y
+        a, b = adapter_names(name)
+        t = self.kernels.linear_fwd(x_in, params[a])
+        return y + self.scale * self.kernels.linear_fwd(t, params[b])
+
+    def backward(self, params: Mapping[str, Array], grads: Mapping[str, Array], name: str,
+                 dy: Array, x_in: Array) -> Array | None:
+        """The adapter's share of ``dx`` of linear ``name`` (None if it has none); the factors'
+        gradients added into ``grads``."""
+        if not self.adapts(name):
+            return None
+        a, b = adapter_names(name)
+        t = self.kernels.linear_fwd(x_in, params[a])
+        dt, _ = self.kernels.linear_bwd(self.scale * dy, t, params[b], dw=grads[b])
+        dx, _ = self.kernels.linear_bwd(dt, x_in, params[a], dw=grads[a])
+        return dx
+
+
+class _Discard:
+    """A frozen weight's gradient: whatever is added to it goes nowhere."""
+
+    def __iadd__(self, other: Any) -> _Discard:
+        return self
+
+
+DISCARD = _Discard()
+
+
+class FrozenGrads(MutableMapping):
+    """The gradients a stage writes when some parameters are frozen: ``grads`` for the trainable
+    ones; a frozen one is not ``in`` it and ``grads[frozen] += g`` does nothing."""
+
+    def __init__(self, grads: MutableMapping[str, Array], frozen: frozenset[str]) -> None:
+        self.grads, self.frozen = grads, frozen
+
+    def __getitem__(self, name: str) -> Any:
+        return DISCARD if name in self.frozen else self.grads[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if value is not DISCARD:
+            self.grads[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self.grads[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name not in self.frozen and name in self.grads
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.grads)
+
+    def __len__(self) -> int:
+        return len(self.grads)
+
+
+
+class FrozenParams:
+    """LoRA's frozen base as a rank holds it whole (ZeRO-0/1/2): this rank's tp shards in the
+    compute dtype, the storage interface the run reads the base through (as the frozen
+    :class:`mpipar.parallel.fsdp.sharded.ShardedParams` of ZeRO-3 offers it)."""
+
+    def __init__(self, params: dict[str, Array], xp: Any) -> None:
+        self.params, self.xp = params, xp
+
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(v.shape) for n, v in self.params.items()}
+
+    def master_tensors(self) -> dict[str, Array]:
+        return dict(self.params)
+
+    def load_local(self, name: str, value: Array) -> None:
+        self.params[name][...] = self.xp.asarray(value)

@@ -1,0 +1,89 @@
+"""The float64 reference of the LoRA tests: a small random Llama (transformers), a PEFT LoRA
+adapter with nonzero A and B on all seven targets, and its training with PyTorch + PEFT +
+``torch.optim.AdamW`` over the adapters alone (decay on the 2-D tensors, clipping by the norm of
+the adapters' gradients). Shared by the one-process and the multi-rank comparisons.
+
+Importing it skips the importing module where torch, transformers or peft is missing.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from transformers_reference import B, OPT, S, hf_loss, hf_model, make_checkpoint, torch
+
+peft = pytest.importorskip("peft", reason="peft is a test-only dependency of the LoRA tests")
+
+from mpipar.checkpoint.peft import PREFIX  # noqa: E402
+from mpipar.model.lora import TARGETS  # noqa: E402
+
+RANK, ALPHA = 4, 6.0
+LORA_STEPS = 2
+LORA_FIELDS = dict(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(TARGETS))
+"""The mpipar run's LoRA fields (TrainConfig)."""
+
+
+def peft_model(base: Path, adapter: Path | None = None, rslora: bool = False):
+    """PEFT's LoRA model on the float64 checkpoint ``base``: the adapter at ``adapter``, or a
+    new one of :data:`RANK`, :data:`ALPHA` on every target with nonzero random A and B."""
+    model = hf_model(base)
+    if adapter is not None:
+        return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
+                             lora_dropout=0.0, use_rslora=rslora, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def make_adapter(base: Path, root: Path, rslora: bool = False) -> Path:
+    """A PEFT adapter directory written by ``save_pretrained`` (float64 tensors)."""
+    path = root / ("adapter-rslora" if rslora else "adapter")
+    peft_model(base, rslora=rslora).save_pretrained(str(path))
+    return path
+
+
+def adapter_tensors(model) -> dict[str, np.ndarray]:
+    """The adapter factors of a PEFT model by mpipar name."""
+    return {n.removeprefix(PREFIX).replace(".default", ""): p.detach().numpy().copy()
+            for n, p in model.named_parameters() if "lora_" in n}
+
+
+@functools.lru_cache(maxsize=None)
+def peft_training(base: Path, adapter: Path, samples: Path) -> tuple[list, list, dict]:
+    """PyTorch + PEFT training of the adapter for :data:`LORA_STEPS` steps on the samples' rows
+    in order: (losses, gradient norms, trained adapters by mpipar name). Call it with the
+    float64 patches applied."""
+    model = peft_model(base, adapter)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 7 * model.config.num_hidden_layers
+    opt = torch.optim.AdamW([{"params": [p for p in trainable if p.ndim >= 2],
+                              "weight_decay": OPT["weight_decay"]}],
+                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
+    rows = torch.from_numpy(np.load(samples))
+    losses, norms = [], []
+    for k in range(LORA_STEPS):
+        ids = rows[k * B:(k + 1) * B]
+        opt.zero_grad()
+        loss = hf_loss(model(input_ids=ids[:, :S]).logits, ids)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(trainable, OPT["clip_grad"]).item())
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, adapter_tensors(model)
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(base checkpoint, PEFT adapter) directories."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint("llama", root)
+    return base, make_adapter(base, root)

@@ -1,0 +1,141 @@
+"""LoRA against PyTorch + PEFT in float64 on one process (each --recompute mode): a tiny random
+Llama with a PEFT adapter of nonzero A and B on all seven targets; losses, gradient norms and the
+trained adapter over two AdamW steps; the frozen base (no gradient, no optimizer state,
+unchanged); the PEFT files in and out; the merged model against ``merge_and_unload()``; the
+rules."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from transformers_reference import (OPT, S, TOL, float64_transformers, hf_model,  # noqa: F401
+                                    mpipar_engine, rel, samples, torch)
+from lora_reference import (ALPHA, LORA_FIELDS, LORA_STEPS, RANK, adapter_tensors,  # noqa: F401
+                            lora_dirs, make_adapter, peft, peft_model, peft_training)
+
+from mpipar.checkpoint.huggingface import load_hf
+from mpipar.checkpoint.peft import AdapterError, merge, read_adapter, save_adapter
+from mpipar.config import Config, ConfigError, ModelConfig, TrainConfig
+from mpipar.model.lora import Lora, is_adapter
+from mpipar.rules import validate
+from mpipar.training import step as trainer
+
+
+def lora_of(**fields) -> Lora:
+    return Lora.of(TrainConfig(**{**LORA_FIELDS, **fields}))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_training_matches_peft(lora_dirs, samples, float64_transformers, recompute):
+    base, adapter = lora_dirs
+    cfg, params = load_hf(base)
+    adapters = read_adapter(adapter, cfg, lora_of())
+    engine = mpipar_engine(cfg, {**params, **adapters}, samples,
+                           train_fields={**LORA_FIELDS, "recompute": recompute})
+    # Only the adapters have gradients and optimizer state.
+    trained_names = set(engine.weights.reducer.master_tensors())
+    assert trained_names == set(adapters) and all(is_adapter(n) for n in trained_names)
+    assert set(engine.weights.frozen.local_shapes()) == set(params)
+    assert {name for _, name, *_ in engine.weights.optimizer.state()} == set(adapters)
+    results = [trainer.train_step(engine, k) for k in range(LORA_STEPS)]
+    trained = trainer.gather_params(engine)
+    losses, norms, want = peft_training(base, adapter, samples)
+
+    assert norms[0] > OPT["clip_grad"]                        # clipping is exercised
+    for r, loss, norm in zip(results, losses, norms):
+        assert abs(r.loss - loss) <= TOL * loss, (r.loss, loss)
+        assert abs(r.grad_norm - norm) <= TOL * norm, (r.grad_norm, norm)
+    assert max(rel(trained[n], want[n]) for n in want) <= TOL
+    assert max(rel(trained[n], adapters[n]) for n in want) > 1e-3     # the adapters moved
+    for n, v in params.items():                                       # the base did not
+        np.testing.assert_array_equal(trained[n], v)
+
+
+def test_export_loads_in_peft_and_merge_equals_merge_and_unload(lora_dirs, samples,
+                                                                  float64_transformers,
+                                                                  tmp_path):
+    base, adapter = lora_dirs
+    cfg, params = load_hf(base)
+    lora = lora_of()
+    adapters = read_adapter(adapter, cfg, lora)
+    engine = mpipar_engine(cfg, {**params, **adapters}, samples, train_fields=LORA_FIELDS)
+    trainer.train_step(engine, 0)
+    trained = trainer.gather_params(engine)
+    save_adapter(tmp_path / "out", cfg, lora, trained, base=str(base))
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"]) == (RANK, ALPHA)
+
+    model = peft_model(base, tmp_path / "out")
+    loaded = adapter_tensors(model)
+    assert sorted(loaded) == sorted(n for n in trained if is_adapter(n))
+    for n, v in loaded.items():
+        np.testing.assert_array_equal(v, trained[n])
+    rows = np.load(samples)[:2]
+    stage = engine.model.chunks[0]
+    loss, cache = stage.forward(engine.params, rows[:, :-1], engine.model.positions, rows[:, 1:])
+    ours = cache.head.logits.reshape(2, S, -1)
+    with torch.no_grad():
+        theirs = model(input_ids=torch.from_numpy(rows[:, :-1])).logits.numpy()
+        merged = model.merge_and_unload().state_dict()
+    assert rel(ours, theirs) <= TOL
+    ours_merged = merge(cfg, lora, trained)
+    assert max(rel(ours_merged[n], merged["model." + n if n != "lm_head.weight" else n])
+               for n in ours_merged) <= TOL
+
+
+def test_rslora_scale(lora_dirs, tmp_path):
+    base, _ = lora_dirs
+    cfg, _ = load_hf(base)
+    adapter = make_adapter(base, tmp_path, rslora=True)
+    assert lora_of(lora_rslora=True).scale == ALPHA / np.sqrt(RANK)
+    with pytest.raises(AdapterError, match="use_rslora"):
+        read_adapter(adapter, cfg, lora_of())
+    assert read_adapter(adapter, cfg, lora_of(lora_rslora=True))
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"lora_alpha": 8.0}, "lora_alpha=8.0"),
+    ({"r": 2}, "r=2"),
+    ({"target_modules": ["q_proj", "v_proj"]}, "target_modules"),
+    ({"lora_alpha": None}, "lora_alpha"),
+])
+def test_adapter_config_refused(lora_dirs, tmp_path, edit, match):
+    base, adapter = lora_dirs
+    cfg, _ = load_hf(base)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    raw = json.loads((adapter / "adapter_config.json").read_text())
+    for k, v in edit.items():
+        if v is None:
+            raw.pop(k)
+        else:
+            raw[k] = v
+    (bad / "adapter_config.json").write_text(json.dumps(raw))
+    (bad / "adapter_model.safetensors").write_bytes(
+        (adapter / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(AdapterError, match=match):
+        read_adapter(bad, cfg, lora_of())
+
+
+def test_adapter_of_another_model_refused(lora_dirs):
+    base, adapter = lora_dirs
+    cfg, _ = load_hf(base)
+    smaller = ModelConfig(**{**cfg.__dict__, "layers": 1})
+    with pytest.raises(AdapterError, match="unexpected"):
+        read_adapter(adapter, smaller, lora_of())
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"lora_rank": -1}, r"train.lora_rank=-1: must be >= 0"),
+    ({"lora_targets": "q_proj,qkv"}, r"'qkv' is not a target"),
+    ({"lora_rank": 9}, r"train.lora_rank=9: must be <= 8"),
+    ({"lora_dropout": 0.1}, r"lora_dropout=0.1: only 0"),
+    ({"lora_alpha": 0.0}, r"lora_alpha=0.0: must be > 0"),
+])
+def test_rules(fields, match):
+    model = ModelConfig(vocab_size=64, hidden=16, layers=2, heads=2, kv_heads=1, ffn_hidden=32)
+    train = TrainConfig(seq_len=8, global_batch_size=2, **{**LORA_FIELDS, **fields})
+    with pytest.raises(ConfigError, match=match):
+        validate(Config(model=model, train=train), 1)

@@ -92,6 +92,12 @@ def _read_qwen_moe(raw: Mapping[str, Any], kind: str) -> tuple[str, dict[str, An
     """Qwen2-MoE's or Qwen3-MoE's sparse blocks (transformers' defaults for absent fields)."""
     default = _QWEN_MOE[kind]
     experts = _count(raw, "num_experts", default["experts"], MAX_EXPERTS)
+    if kind == QWEN3_MOE and "num_local_experts" in raw:   # transformers 5 writes this name
+        local = _count(raw, "num_local_experts", experts, MAX_EXPERTS)
+        if "num_experts" in raw and local != experts:
+            raise ValueError(f"num_local_experts={local} contradicts num_experts={experts} "
+                             f"(two names of one field: they must be equal)")
+        experts = local
     top_k = _count(raw, "num_experts_per_tok", default["top_k"], MAX_EXPERTS)
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be <= num_experts={experts}")

@@ -19,6 +19,11 @@ default) is ``moe_norm_topk``: true renormalises the top K weights (Mixtral's ro
 uses the K softmax probabilities as they are (Qwen1.5-MoE-A2.7B); an export writes it back. A
 model without renormalisation has no Mixtral form; without a shared expert it has no Qwen2-MoE
 one either (transformers' Qwen2-MoE block always has one): it is not exported.
+
+Qwen3-MoE (``qwen3_moe``) has Qwen2-MoE's hub names, sparse layers and ``norm_topk_prob`` but no
+shared expert (a ``shared_expert_intermediate_size`` is refused); transformers 5 writes its
+``num_experts`` as ``num_local_experts`` (both read; they must agree). Its attention and export
+are :mod:`mpipar.checkpoint.hf_qwen3`'s.
 Functions raise ValueError naming the field; the caller turns it into its error type.
 """
 from __future__ import annotations

@@ -39,11 +39,12 @@ bit-identical results:
 
 - ``none``: every field: ``x``, ``h1 = RMSNorm(x)`` and its ``rstd1``, q, k, v after RoPE (when
   the attention core reads them), the core's output and its own saved context, ``x2`` (residual
-  after attention), ``h2 = RMSNorm(x2)``, ``rstd2``, ``g``, ``u`` and ``m = SwiGLU(g, u)``.
+  after attention), ``h2 = RMSNorm(x2)``, ``rstd2``, ``g``, ``u`` and ``m = SwiGLU(g, u)``; with
+  ``qk_norm``, q and k before their per-head norms and the norms' rstds (``qk``).
 - ``selective``: ``x``, ``x2``, the core's output and context, ``g`` and ``u``. Recomputed in
   backward, none of it needing communication beyond what backward does anyway: both RMSNorms,
   ``m``, and q, k, v (from the input that backward enters into the tp region for the q/k/v
-  weight gradients).
+  weight gradients; with ``qk_norm`` through the q/k norms again, rebuilding their record).
 - ``full``: only ``x``; backward re-runs the whole block forward first, which repeats its tensor-
   and sequence-parallel traffic (the planner counts it).
 - ``offload``: what ``none`` keeps, written to a :class:`CacheStore` (a per-rank HDF5 scratch

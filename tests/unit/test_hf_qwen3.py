@@ -26,12 +26,10 @@ from tests.transformers_moe import (E, FFN as EXPERT_FFN, TOPK, assert_export_ro
                                     assert_trains_as_transformers, float64_moe)
 from tests.transformers_reference import (B, EPS, FFN, H, HEADS, KV, LAYERS, PATCHES, S,
                                           STEPS, THETA, TOL, V, hf_loss, hf_model,
-                                          mpipar_engine, rel, rmsnorm_own_dtype, rotary_float64,
-                                          save_random, torch, torch_training,
+                                          mpipar_engine, rel, save_random, torch, torch_training,
                                           training_differences)
 from tests.generation import build_generator, transformers_greedy
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
-from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
@@ -49,9 +47,7 @@ HEAD_DIM, DENSE, MOE_LAYERS = 12, 40, 3
 @pytest.fixture
 def qwen3_float64(monkeypatch):
     """transformers' Qwen3 and Qwen3-MoE in float64 throughout (norms, RoPE, router)."""
-    for owner, attr, replacement in PATCHES + [
-            (modeling_qwen3.Qwen3RMSNorm, "forward", rmsnorm_own_dtype),
-            (modeling_qwen3.Qwen3RotaryEmbedding, "forward", rotary_float64)]:
+    for owner, attr, replacement in PATCHES:
         monkeypatch.setattr(owner, attr, replacement)
     float64_moe(monkeypatch, modeling_qwen3_moe.Qwen3MoeRMSNorm,
                 modeling_qwen3_moe.Qwen3MoeRotaryEmbedding, modeling_qwen3_moe.Qwen3MoeTopKRouter)

@@ -36,6 +36,7 @@ from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf
                                            model_config_from_hf, read_model_config, save_hf,
                                            support)
 from mpipar.config import ModelConfig
+from mpipar.hf import main as hf_main
 from mpipar.inference.sampling import Sampling
 from mpipar.layout import resolve_model
 from mpipar.model.params import init_params
@@ -110,6 +111,19 @@ def test_qwen3_reads_as_qk_norm_with_its_own_head_dim(qwen3_dir):
     raw = json.loads((qwen3_dir / "config.json").read_text())
     reading = {s.aspect: s for s in support(raw)[0]}["attention"].reading
     assert "q_norm" in reading, reading
+
+
+def test_the_command_line_inspects_and_refuses_with_exit_2(qwen3_dir, tmp_path, capsys):
+    assert hf_main(["inspect", str(qwen3_dir)]) == 0
+    assert "Qwen3's q_norm, k_norm" in capsys.readouterr().out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((qwen3_dir / "model.safetensors").read_bytes())
+    raw = json.loads((qwen3_dir / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, "attention_bias": True}))
+    assert hf_main(["convert", str(bad), str(tmp_path / "out")]) == 2
+    assert "attention_bias=True is not supported for model_type 'qwen3'" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change,rule", [

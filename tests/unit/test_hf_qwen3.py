@@ -253,3 +253,26 @@ def _greedy_equals_transformers(path, kind: str) -> None:
     err = max(rel(a, b) for a, b in zip(got.logits, logits))
     print(f"\n{kind} greedy ids {got.ids}; KV-cache logits vs transformers: {err:.2e}")
     assert got.ids == want and err <= TOL
+
+
+def test_the_command_line_trains_qk_norm_and_both_exports_load(tmp_path, qwen3_float64):
+    """``python -m mpipar.train --qk-norm --head-dim 12 --export-hf`` and ``python -m
+    mpipar.ckpt export-hf`` of its checkpoint write the same Qwen3ForCausalLM, which
+    transformers loads."""
+    from mpipar.checkpoint import cli
+    from tests.unit.test_moe_bias import _train
+    from tests.untrusted import TINY
+    code, _, err = _train([*TINY, "--qk-norm", "--head-dim", "12", "--steps", "2",
+                           "--save-dir", str(tmp_path / "ckpt"), "--run-dir",
+                           str(tmp_path / "run"), "--export-hf", str(tmp_path / "hf")])
+    assert code == 0, err[-2000:]
+    assert cli.main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "again")]) == 0
+    cfg, params = load_hf(tmp_path / "hf")
+    assert (cfg.qk_norm, cfg.head_dim) == (True, 12)
+    assert load_hf(tmp_path / "again")[1].keys() == params.keys()
+    for name, value in load_hf(tmp_path / "again")[1].items():
+        np.testing.assert_array_equal(value, params[name])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    np.testing.assert_array_equal(model.state_dict()["model.layers.1.self_attn.q_norm.weight"]
+                                  .numpy(), params["layers.1.self_attn.q_norm.weight"])

@@ -46,7 +46,7 @@ _QWEN2_MOE_NAMES = ((".block_sparse_moe.gate.", ".mlp.gate."),
 def hub_name(name: str, kind: str) -> str:
     """The hub's name of tensor ``name`` (mpipar's, ``model.``-prefixed) in a checkpoint of
     ``model_type`` ``kind``: Qwen2-MoE's for the router and the experts, else ``name``."""
-    if kind not in _QWEN_MOE or ".block_sparse_moe." not in name:
+    if not isinstance(kind, str) or kind not in _QWEN_MOE or ".block_sparse_moe." not in name:
         return name
     for ours, theirs in _QWEN2_MOE_NAMES:
         name = name.replace(ours, theirs)
@@ -72,8 +72,9 @@ def _count(raw: Mapping[str, Any], name: str, default: int, limit: int | None = 
 def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """(a reading, ModelConfig fields) of the FFN kind: dense, Mixtral's or Qwen2-MoE's
     experts."""
-    if raw.get("model_type") in _QWEN_MOE:
-        return _read_qwen_moe(raw, raw["model_type"])
+    kind = raw.get("model_type")
+    if isinstance(kind, str) and kind in _QWEN_MOE:    # a wrong type: the architecture's error
+        return _read_qwen_moe(raw, kind)
     if raw.get("model_type") != MIXTRAL:
         return "dense FFN", {}
     experts = _count(raw, "num_local_experts", 8, MAX_EXPERTS)

@@ -37,7 +37,8 @@ headers before any is read (:func:`check_tensors`).
 bfloat16 tensors: safetensors' NumPy API has no bfloat16, so they are read from the file's raw
 bytes and widened exactly to float32 (a bfloat16 is the upper 16 bits of a float32), and an
 export in bfloat16 (``ml_dtypes.bfloat16`` arrays) writes the file's format itself
-(:mod:`mpipar.checkpoint.safetensors_format`). Other tensors keep the file's dtype unless a dtype is asked for.
+(:mod:`mpipar.checkpoint.safetensors_format`). Other tensors keep the file's dtype unless a
+dtype is asked for.
 """
 from __future__ import annotations
 

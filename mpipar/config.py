@@ -119,6 +119,9 @@ class ModelConfig:
                                      "(tie_word_embeddings), a copy on the first and the last "
                                      "pipeline stage whose gradients are summed")
     attention_bias: bool = _f(False, "q, k and v projections have biases (Qwen2)")
+    qk_norm: bool = _f(False, "RMSNorm over each head's queries and keys before RoPE, one "
+                              "weight of head_dim for all query heads and one for all key "
+                              "heads (Qwen3's q_norm and k_norm)")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
     sliding_window: int = _f(0, "sliding-window attention: a token sees itself and the W-1 "

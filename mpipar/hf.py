@@ -81,8 +81,8 @@ def _convert(src: str, dst: str, dtype: str | None, untie: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m mpipar.hf {inspect,convert}``; exit status 2 on an unusable checkpoint."""
     parser = argparse.ArgumentParser(prog="python -m mpipar.hf",
-                                     description="Inspect and convert Hugging Face Llama and "
-                                                 "Qwen2 checkpoints.")
+                                     description="Inspect and convert Hugging Face Llama, "
+                                                 "Qwen2 and Qwen3 checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     ins = commands.add_parser("inspect", help="print config.json, the tensors, and what of them "
                                               "mpipar supports (exit 1 if anything is not)")

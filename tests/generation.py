@@ -53,9 +53,10 @@ def transformers_greedy(transformers, path, prompt: list[int], new: int
     """(transformers' greedy ``generate`` of ``new`` tokens, the float64 logits of the whole
     generated sequence's forward at the positions that chose them ``[new, V]``)."""
     import torch
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                          attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                              attn_implementation="sdpa")
     model.generation_config.eos_token_id = None  # always `new` tokens, as mpipar without EOS
+    model.config._experts_implementation = "eager"   # a mixture of experts' in float64
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
         logits = model(out).logits[0, len(prompt) - 1:-1].numpy()

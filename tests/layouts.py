@@ -27,6 +27,11 @@ MODELS = {
     # sp = 4 or 8 (several ranks back); "gemma" alternates local (even) and global layers.
     "window": dict(sliding_window=5),
     "gemma": dict(sliding_window=3, window_layers="even"),
+    # Qwen3's attention: per-head q/k RMSNorms before RoPE and a head dim of 12, not
+    # hidden / heads = 8; and with Qwen3-MoE's experts (blocks 1-3 sparse, no shared expert).
+    "qwen3": dict(qk_norm=True, head_dim=12),
+    "qwen3_moe": dict(qk_norm=True, head_dim=12, moe_experts=4, moe_top_k=2, moe_ffn_hidden=16,
+                      moe_layers="1,2,3", moe_aux_loss_coef=0.05),
     # Mixture of experts: blocks 1-3 sparse (4 experts, top 2), block 0 dense; a balance loss
     # strong enough to move the router.
     "moe": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",

@@ -1,4 +1,4 @@
-"""The exact float64 reference of the Hugging Face tests: small random Llama, Qwen2 and Mistral
+"""The exact float64 reference of the Hugging Face tests: small random Llama, Qwen2, Qwen3 and Mistral
 checkpoints written by transformers' ``save_pretrained`` (:data:`MODELS`), transformers with its
 float32 casts removed, its training with ``torch.optim.AdamW``, and mpipar engines on the same
 checkpoints and samples. Shared by the one-process and multi-rank comparisons and by generation.
@@ -43,11 +43,13 @@ torch = pytest.importorskip(
 transformers = pytest.importorskip(
     "transformers", reason="transformers is a test-only dependency of the Hugging Face tests")
 from mpi4py import MPI  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,  # noqa: E402
+                          Qwen3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from mpipar.checkpoint.huggingface import mpipar_name  # noqa: E402
@@ -70,6 +72,8 @@ MODELS = {
     "llama3-tied": (LlamaConfig, dict(tie_word_embeddings=True, rope_parameters=LLAMA3,
                                       max_position_embeddings=64)),
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
+    # Per-head q/k RMSNorms, and a head dim of 12, not hidden / heads = 8.
+    "qwen3": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=12)),
     # A sliding window of 5 < S = 12: every query past the fifth loses keys to the window.
     "mistral": (MistralConfig, dict(tie_word_embeddings=False, sliding_window=5)),
     "linear": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 3.0,
@@ -195,7 +199,8 @@ def eager_softmax_own_dtype(module, query, *args, **kwargs):
         torch.nn.functional.softmax = softmax
 
 
-_MODULES = ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"), (modeling_mistral, "Mistral"))
+_MODULES = ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"), (modeling_mistral, "Mistral"),
+            (modeling_qwen3, "Qwen3"))
 PATCHES = [(module.__dict__[f"{name}RMSNorm"], "forward", rmsnorm_own_dtype)
            for module, name in _MODULES] + \
           [(module.__dict__[f"{name}RotaryEmbedding"], "forward", rotary_float64)

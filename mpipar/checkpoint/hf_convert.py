@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mpipar.checkpoint.export_dir import publish
-from mpipar.checkpoint.huggingface import (_NUMPY_DTYPES, _SAFETENSORS_DTYPES, CONFIG_FILE,
+from mpipar.checkpoint.safetensors_format import header_bytes
+from mpipar.checkpoint.huggingface import (_NUMPY_DTYPES, CONFIG_FILE,
                                            WEIGHTS_FILE, HFCheckpointError, _check_dtype,
                                            _read_file, check_export_target, check_tensors,
                                            hf_config, hf_name, model_config_from_hf, model_type,
@@ -128,16 +128,9 @@ def _free_bytes(path: Path) -> int | None:
 def _write_streamed(pieces: list[Piece], file: Path) -> None:
     """``model.safetensors`` of ``pieces``, each read and written before the next is read (the
     layout of :func:`mpipar.checkpoint.huggingface.write_safetensors`)."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    at = 0
-    for p in pieces:
-        header[p.name] = {"dtype": _SAFETENSORS_DTYPES[p.dtype.name], "shape": list(p.shape),
-                          "data_offsets": [at, at + p.nbytes]}
-        at += p.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text = header_bytes(((p.name, p.dtype, p.shape, p.nbytes) for p in pieces),
+                        {"format": "pt"})
     with open(file, "wb") as fh:
-        fh.write(struct.pack("<Q", len(text)))
         fh.write(text)
         for p in pieces:
             array = _read_file(p.file, [p.source])[p.source]

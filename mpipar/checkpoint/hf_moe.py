@@ -19,6 +19,11 @@ default) is ``moe_norm_topk``: true renormalises the top K weights (Mixtral's ro
 uses the K softmax probabilities as they are (Qwen1.5-MoE-A2.7B); an export writes it back. A
 model without renormalisation has no Mixtral form; without a shared expert it has no Qwen2-MoE
 one either (transformers' Qwen2-MoE block always has one): it is not exported.
+
+Qwen3-MoE (``qwen3_moe``) has Qwen2-MoE's hub names, sparse layers and ``norm_topk_prob`` but no
+shared expert (a ``shared_expert_intermediate_size`` is refused); transformers 5 writes its
+``num_experts`` as ``num_local_experts`` (both read; they must agree). Its attention and export
+are :mod:`mpipar.checkpoint.hf_qwen3`'s.
 Functions raise ValueError naming the field; the caller turns it into its error type.
 """
 from __future__ import annotations
@@ -29,6 +34,10 @@ from mpipar.config import ModelConfig
 
 MIXTRAL = "mixtral"
 QWEN2_MOE = "qwen2_moe"
+QWEN3_MOE = "qwen3_moe"     # Qwen2-MoE's hub names and sparse layers, no shared expert
+_QWEN_MOE = {QWEN2_MOE: dict(experts=60, top_k=4, ffn=1408, name="Qwen2-MoE"),
+             QWEN3_MOE: dict(experts=128, top_k=8, ffn=768, name="Qwen3-MoE")}
+"""transformers' defaults of the two Qwen mixtures of experts' fields."""
 _QWEN2_MOE_NAMES = ((".block_sparse_moe.gate.", ".mlp.gate."),
                     (".block_sparse_moe.experts.", ".mlp.experts."),
                     (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
@@ -37,7 +46,7 @@ _QWEN2_MOE_NAMES = ((".block_sparse_moe.gate.", ".mlp.gate."),
 def hub_name(name: str, kind: str) -> str:
     """The hub's name of tensor ``name`` (mpipar's, ``model.``-prefixed) in a checkpoint of
     ``model_type`` ``kind``: Qwen2-MoE's for the router and the experts, else ``name``."""
-    if kind != QWEN2_MOE or ".block_sparse_moe." not in name:
+    if not isinstance(kind, str) or kind not in _QWEN_MOE or ".block_sparse_moe." not in name:
         return name
     for ours, theirs in _QWEN2_MOE_NAMES:
         name = name.replace(ours, theirs)
@@ -63,8 +72,9 @@ def _count(raw: Mapping[str, Any], name: str, default: int, limit: int | None = 
 def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """(a reading, ModelConfig fields) of the FFN kind: dense, Mixtral's or Qwen2-MoE's
     experts."""
-    if raw.get("model_type") == QWEN2_MOE:
-        return _read_qwen2_moe(raw)
+    kind = raw.get("model_type")
+    if isinstance(kind, str) and kind in _QWEN_MOE:    # a wrong type: the architecture's error
+        return _read_qwen_moe(raw, kind)
     if raw.get("model_type") != MIXTRAL:
         return "dense FFN", {}
     experts = _count(raw, "num_local_experts", 8, MAX_EXPERTS)
@@ -84,10 +94,17 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
              "moe_layers": "all"})
 
 
-def _read_qwen2_moe(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Qwen2-MoE's sparse blocks (transformers' defaults for absent fields)."""
-    experts = _count(raw, "num_experts", 60, MAX_EXPERTS)
-    top_k = _count(raw, "num_experts_per_tok", 4, MAX_EXPERTS)
+def _read_qwen_moe(raw: Mapping[str, Any], kind: str) -> tuple[str, dict[str, Any]]:
+    """Qwen2-MoE's or Qwen3-MoE's sparse blocks (transformers' defaults for absent fields)."""
+    default = _QWEN_MOE[kind]
+    experts = _count(raw, "num_experts", default["experts"], MAX_EXPERTS)
+    if kind == QWEN3_MOE and "num_local_experts" in raw:   # transformers 5 writes this name
+        local = _count(raw, "num_local_experts", experts, MAX_EXPERTS)
+        if "num_experts" in raw and local != experts:
+            raise ValueError(f"num_local_experts={local} contradicts num_experts={experts} "
+                             f"(two names of one field: they must be equal)")
+        experts = local
+    top_k = _count(raw, "num_experts_per_tok", default["top_k"], MAX_EXPERTS)
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be <= num_experts={experts}")
     norm = raw.get("norm_topk_prob", False)
@@ -101,15 +118,22 @@ def _read_qwen2_moe(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
     if not sparse:
         raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: no sparse layer")
-    ffn, shared = (_count(raw, "moe_intermediate_size", 1408),
-                   _count(raw, "shared_expert_intermediate_size", 5632))
+    ffn = _count(raw, "moe_intermediate_size", default["ffn"])
     spec = "all" if len(sparse) == layers else ",".join(map(str, sparse))
-    return (f"Qwen2-MoE experts: {experts} of width {ffn} on layers {spec}, top {top_k} "
-            f"{'renormalised' if norm else 'not renormalised (norm_topk_prob false)'}, a "
-            f"gated shared expert of width {shared}",
-            {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": ffn,
-             "moe_layers": spec, "moe_shared_ffn_hidden": shared, "moe_shared_gate": True,
-             "moe_norm_topk": norm})
+    fields = {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": ffn,
+              "moe_layers": spec, "moe_norm_topk": norm}
+    reading = (f"{default['name']} experts: {experts} of width {ffn} on layers {spec}, top "
+               f"{top_k} {'renormalised' if norm else 'not renormalised (norm_topk_prob false)'}")
+    if kind == QWEN3_MOE:
+        if raw.get("shared_expert_intermediate_size") is not None:
+            raise ValueError(f"shared_expert_intermediate_size="
+                             f"{raw['shared_expert_intermediate_size']!r} is not supported for "
+                             f"model_type 'qwen3_moe', which has no shared expert (must be "
+                             f"absent)")
+        return reading + ", no shared expert", fields
+    shared = _count(raw, "shared_expert_intermediate_size", 5632)
+    return (reading + f", a gated shared expert of width {shared}",
+            {**fields, "moe_shared_ffn_hidden": shared, "moe_shared_gate": True})
 
 
 def export_kind(m: ModelConfig) -> str:

@@ -1,4 +1,5 @@
-"""Hugging Face Llama, Qwen2 and Mistral checkpoints in and out: ``config.json`` + safetensors.
+"""Hugging Face Llama, Qwen2, Qwen3 and Mistral checkpoints in and out: ``config.json`` +
+safetensors (the mixtures of experts' fields: :mod:`mpipar.checkpoint.hf_moe`).
 
 A Hugging Face directory holds ``config.json`` and the weights, either in one
 ``model.safetensors`` or in shards listed by ``model.safetensors.index.json``. Tensor names are
@@ -13,7 +14,9 @@ any permutation; grouped-query heads are the ``kv_heads`` row blocks of k/v in b
 
 What mpipar reads (:func:`support`): ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (whose q, k
 and v projections have biases: mpipar's ``attention_bias``) and ``MistralForCausalLM`` (whose
-``sliding_window`` is mpipar's, on every layer); RoPE scaling of ``rope_type``
+``sliding_window`` is mpipar's, on every layer), ``Qwen3ForCausalLM`` and
+``Qwen3MoeForCausalLM`` (per-head q/k norms: mpipar's ``qk_norm``,
+:mod:`mpipar.checkpoint.hf_qwen3`), Mixtral and Qwen2-MoE; RoPE scaling of ``rope_type``
 ``default``, ``linear``, ``dynamic`` and ``llama3`` (``rope_scaling`` in transformers 4.x,
 ``rope_parameters`` in 5.x); tied embeddings (``tie_word_embeddings: true``), kept as one
 parameter, or untied on request (the LM head then starts as a copy of the embedding and trains
@@ -22,7 +25,8 @@ RoPE types (yarn, longrope, ...), ``partial_rotary_factor`` below 1, Llama's
 ``attention_bias`` (it adds an o_proj bias mpipar does not have) and ``mlp_bias``, Qwen2's sliding
 window, a ``hidden_act`` other than SiLU, missing or unexpected tensors, and shapes that disagree
 with the config. An export writes ``Qwen2ForCausalLM`` for a model with attention biases,
-``MistralForCausalLM`` for one with a sliding window on every layer, and ``LlamaForCausalLM``
+``MistralForCausalLM`` for one with a sliding window on every layer, ``Qwen3ForCausalLM``
+(``Qwen3MoeForCausalLM`` with experts) for one with ``qk_norm``, and ``LlamaForCausalLM``
 otherwise, tied or not as the model is.
 
 A directory may come from elsewhere: every config.json field is checked for its type and range
@@ -33,7 +37,8 @@ headers before any is read (:func:`check_tensors`).
 bfloat16 tensors: safetensors' NumPy API has no bfloat16, so they are read from the file's raw
 bytes and widened exactly to float32 (a bfloat16 is the upper 16 bits of a float32), and an
 export in bfloat16 (``ml_dtypes.bfloat16`` arrays) writes the file's format itself
-(:func:`write_safetensors`). Other tensors keep the file's dtype unless a dtype is asked for.
+(:mod:`mpipar.checkpoint.safetensors_format`). Other tensors keep the file's dtype unless a
+dtype is asked for.
 """
 from __future__ import annotations
 
@@ -41,15 +46,15 @@ import contextlib
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from mpipar.checkpoint import hf_moe
+from mpipar.checkpoint import hf_moe, hf_qwen3
 from mpipar.checkpoint.export_dir import publish
+from mpipar.checkpoint.safetensors_format import read_header, write_safetensors
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.model.params import EMBED, HEAD, param_specs
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
@@ -62,17 +67,17 @@ INDEX_FILE = "model.safetensors.index.json"
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 """The ``model_type`` values mpipar reads and writes, and their architecture."""
 
 
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072,
-                  "qwen2_moe": 32768}  # transformers' max_position_embeddings defaults
+                  "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768}  # transformers'
+# max_position_embeddings defaults
 
 SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """dtypes :func:`save_hf` writes and :func:`load_hf` casts to."""
-
-_SAFETENSORS_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
 
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 """config.json fields that do not change the computation but that an export should carry over."""
@@ -93,7 +98,7 @@ _HF_FIELD = {  # mpipar ModelConfig field -> config.json field
     "rope_original_max_positions": "rope_scaling.original_max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings", "attention_bias": "model_type (qwen2: q/k/v biases)",
     "sliding_window": "sliding_window (mistral)", "moe_norm_topk": "norm_topk_prob",
-}
+    "qk_norm": "model_type (qwen3: q_norm, k_norm)"}
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
@@ -151,7 +156,9 @@ def _architecture(raw: Mapping[str, Any]) -> Reading:
 
 def _attention(raw: Mapping[str, Any]) -> Reading:
     """Attention biases and window: Qwen2's q/k/v biases over the whole causal context; a Llama
-    without biases."""
+    without biases; Qwen3's per-head q/k norms (:mod:`mpipar.checkpoint.hf_qwen3`)."""
+    if raw.get("model_type") in hf_qwen3.KINDS:
+        return _moe(hf_qwen3.read_attention, raw)
     if raw.get("model_type", "llama") in ("qwen2", hf_moe.QWEN2_MOE):
         if _flag(raw, "use_sliding_window"):
             raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
@@ -412,8 +419,13 @@ def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def model_type(cfg: ModelConfig) -> str:
     """The ``model_type`` mpipar writes ``cfg`` as: qwen2 with attention biases (q/k/v), mistral
-    with a sliding window on every layer, else llama. A window on some layers only, or with
-    biases, has no such architecture (HFCheckpointError)."""
+    with a sliding window on every layer, qwen3 (qwen3_moe with experts) with qk_norm, else
+    llama. A window on some layers only, or with biases, has no such architecture
+    (HFCheckpointError)."""
+    if cfg.qk_norm:
+        if hf_qwen3.export_problem(cfg):
+            raise HFCheckpointError(hf_qwen3.export_problem(cfg))
+        return hf_qwen3.export_kind(cfg)
     if cfg.sliding_window and (cfg.attention_bias or not cfg.window_set().every_layer):
         raise HFCheckpointError(
             f"model.sliding_window={cfg.sliding_window} with window_layers="
@@ -468,7 +480,8 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
     }
     out.update({"qwen2": {"use_sliding_window": False},
                 "mistral": {"sliding_window": m.sliding_window},
-                "mixtral": hf_moe.mixtral_fields(m), "qwen2_moe": hf_moe.qwen2_moe_fields(m)}.get(
+                "mixtral": hf_moe.mixtral_fields(m), "qwen2_moe": hf_moe.qwen2_moe_fields(m),
+                "qwen3": hf_qwen3.config_fields(m), "qwen3_moe": hf_qwen3.config_fields(m)}.get(
         kind, {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}))
     out.update(extra)
     scaling = _rope_scaling(m)
@@ -559,17 +572,6 @@ def open_safetensors(file: Path) -> Iterator[Any]:
         yield f
 
 
-def _header(file: Path) -> tuple[dict[str, Any], int]:
-    """The safetensors JSON header of ``file`` and the byte offset where tensor data begins.
-
-    Layout: 8 bytes little-endian header length N, N bytes of JSON, then the data; each entry's
-    ``data_offsets`` are relative to the start of the data.
-    """
-    with open(file, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(n)), 8 + n
-
-
 def _read_file(file: Path, names: list[str]) -> dict[str, np.ndarray]:
     """Tensors ``names`` of safetensors ``file`` (checked by :func:`check_tensors`) as NumPy
     arrays (bfloat16 widened to float32)."""
@@ -581,7 +583,7 @@ def _read_file(file: Path, names: list[str]) -> dict[str, np.ndarray]:
             else:
                 out[name] = f.get_tensor(name)
     if bf16:
-        header, start = _header(file)
+        header, start = read_header(file)
         for name in bf16:
             begin, end = header[name]["data_offsets"]
             bits = np.fromfile(file, dtype="<u2", count=(end - begin) // 2, offset=start + begin)
@@ -601,28 +603,6 @@ def _check_dtype(dtype: Any) -> np.dtype | None:
     if dt.name not in SAVE_DTYPES:
         raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(SAVE_DTYPES)}")
     return dt
-
-
-def write_safetensors(tensors: Mapping[str, np.ndarray], file: Path,
-                      metadata: Mapping[str, str]) -> None:
-    """Write ``tensors`` as safetensors ``file`` directly (what bfloat16 needs): 8 bytes
-    little-endian header length N, N bytes of JSON (per tensor its ``dtype`` code, ``shape`` and
-    ``data_offsets`` relative to the data; ``__metadata__``) padded with spaces to a multiple
-    of 8, then the tensors' little-endian bytes back to back."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    at = 0
-    for name, a in tensors.items():
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
-                        "data_offsets": [at, at + a.nbytes]}
-        at += a.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(file, "wb") as fh:
-        fh.write(struct.pack("<Q", len(text)))
-        fh.write(text)
-        for a in tensors.values():
-            fh.write(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False)
-                     .tobytes())
 
 
 def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Path]:

@@ -3,6 +3,8 @@
 Forward FLOPs of a block count its matrix products (q, k, v, o; gate, up, down: two FLOPs a
 multiply-add) and attention's ``q k^T`` and ``p v`` over the keys a query sees; a sparse
 block's FFN counts its router and the ``K`` experts each token runs; backward is twice forward.
+Attention's products use ``head_dim`` as configured (Qwen3's is not ``hidden / heads``); the
+norms, Qwen3's per-head q/k norms (``qk_norm``) among them, are elementwise and not counted.
 :func:`attention_flops` is the one count of attention's FLOPs, the model's and the benchmarks'.
 """
 from __future__ import annotations

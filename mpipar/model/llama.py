@@ -39,11 +39,12 @@ bit-identical results:
 
 - ``none``: every field: ``x``, ``h1 = RMSNorm(x)`` and its ``rstd1``, q, k, v after RoPE (when
   the attention core reads them), the core's output and its own saved context, ``x2`` (residual
-  after attention), ``h2 = RMSNorm(x2)``, ``rstd2``, ``g``, ``u`` and ``m = SwiGLU(g, u)``.
+  after attention), ``h2 = RMSNorm(x2)``, ``rstd2``, ``g``, ``u`` and ``m = SwiGLU(g, u)``; with
+  ``qk_norm``, q and k before their per-head norms and the norms' rstds (``qk``).
 - ``selective``: ``x``, ``x2``, the core's output and context, ``g`` and ``u``. Recomputed in
   backward, none of it needing communication beyond what backward does anyway: both RMSNorms,
   ``m``, and q, k, v (from the input that backward enters into the tp region for the q/k/v
-  weight gradients).
+  weight gradients; with ``qk_norm`` through the q/k norms again, rebuilding their record).
 - ``full``: only ``x``; backward re-runs the whole block forward first, which repeats its tensor-
   and sequence-parallel traffic (the planner counts it).
 - ``offload``: what ``none`` keeps, written to a :class:`CacheStore` (a per-rank HDF5 scratch
@@ -67,6 +68,7 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
+from mpipar.model.qk_norm import qk_norm_bwd, qk_norm_fwd
 from mpipar.model.recompute import Recompute
 from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
                                  block_param_specs, head_weight_name, require_resolved,
@@ -154,6 +156,7 @@ class BlockSaved:
     moe: Any = None  # a sparse block's FFN record (mpipar.model.moe.MoeSaved); g, u, m its
     # shared expert's (None without one)
     shared_gate: Any = None  # with --moe-shared-gate: (its sigmoid [.., 1], its ungated output)
+    qk: Any = None           # with qk_norm: q, k before their norms and the rstds (QKNormSaved)
 
 
 @dataclass
@@ -448,17 +451,21 @@ class LlamaStage:
             return c
         return replace(c, **{f.name: None for f in fields(c) if not mode.keeps_field(f.name)})
 
-    def _qkv(self, params, i: int, h1_in: Array, S: int) -> tuple[Array, Array, Array]:
-        """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` (before RoPE): block ``i``'s q/k/v
-        linears on the normed input as they read it (``h1_in``, :meth:`TensorOps.linear_input`)."""
-        D = self.cfg.head_dim
+    def _attention_inputs(self, params, i: int, h1_in: Array, positions: np.ndarray,
+                          scope: ParamScope = RESIDENT) -> tuple[Array, Array, Array, Any]:
+        """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` as the attention core reads them, and
+        the qk-norm's record (None without ``qk_norm``): block ``i``'s q/k/v linears on the
+        normed input as they read it (``h1_in``, :meth:`TensorOps.linear_input`), then the
+        per-head q/k norms (:mod:`mpipar.model.qk_norm`), then RoPE."""
+        D, S = self.cfg.head_dim, len(positions)
         q, key, v = (a.reshape(-1, S, a.shape[-1] // D, D)
                      for a in self.tp.linear(params, in_block(i, QKV), h1_in))
-        return q, key, v
-
-    def _rope_fwd(self, q: Array, key: Array, positions: np.ndarray) -> tuple[Array, Array]:
+        scope.progress()
+        qk = None
+        if self.cfg.qk_norm:
+            q, key, qk = qk_norm_fwd(self.kernels, params, i, q, key, self.cfg.norm_eps)
         q, key = self._rotate([q, key], positions)
-        return q, key
+        return q, key, v, qk
 
     def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray,
                    scope: ParamScope = RESIDENT, record: bool = False,
@@ -468,10 +475,8 @@ class LlamaStage:
         over the cached positions too (incremental decoding, module docstring)."""
         ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
         h1, rstd1 = ops.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], eps)
-        q, key, v = self._qkv(params, i, self.tp.linear_input(h1, in_block(i, QKV)),
-                              len(positions))
-        scope.progress()
-        q, key = self._rope_fwd(q, key, positions)
+        q, key, v, qk = self._attention_inputs(
+            params, i, self.tp.linear_input(h1, in_block(i, QKV)), positions, scope)
         window = self.cfg.layer_window(i)
         if kv is None:
             out, attention_saved = self.attention.forward(q, key, v, positions, window)
@@ -502,7 +507,7 @@ class LlamaStage:
         if not self.attention.needs_inputs:
             q = key = v = None
         return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
-                                     g, u, m, moe, shared_gate)
+                                     g, u, m, moe, shared_gate, qk)
 
     def _ffn_fwd(self, params, i: int, h2: Array, gate_up: Sequence[str], down: Sequence[str],
                  scope: ParamScope) -> tuple[Array, Array, Array, Array]:
@@ -657,14 +662,18 @@ class LlamaStage:
         scope.progress()
         qkv = in_block(i, QKV)
         h1_in = self.tp.linear_input(c.h1, qkv)
-        q, key, v = c.q, c.k, c.v
-        if q is None and self.attention.needs_inputs:  # dropped by selective recomputation
-            q, key, v = self._qkv(params, i, h1_in, S)
-            q, key = self._rope_fwd(q, key, positions)
+        q, key, v, qk = c.q, c.k, c.v, c.qk
+        if ((q is None and self.attention.needs_inputs)          # dropped by selective
+                or (qk is None and self.cfg.qk_norm)):            # recomputation
+            q, key, v, qk = self._attention_inputs(params, i, h1_in, positions)
+            if not self.attention.needs_inputs:
+                q = key = v = None
         dq, dk, dv = self.attention.backward(do.reshape(out.shape), q, key, v, out,
                                              c.attention_saved, self.cfg.layer_window(i))
         scope.progress()
         dq, dk = self._rotate([dq, dk], positions, backward=True)
+        if qk is not None:
+            dq, dk = qk_norm_bwd(ops, params, grads, i, dq, dk, qk)
         dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
         dx, dw = ops.add_rmsnorm_bwd(dh1, dx2, c.x, p[n + "input_layernorm.weight"], c.rstd1)
         grads[n + "input_layernorm.weight"] += dw

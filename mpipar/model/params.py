@@ -5,9 +5,11 @@ Names follow Hugging Face Llama without the ``model.`` prefix; matrices are ``[o
 by ``(seed, crc32(name))``, so every layout starts from the same numbers. How the grid splits
 and places them is not the model's business: :mod:`mpipar.parallel.placement` holds that table.
 
-Two config facts change the set: ``attention_bias`` adds the q/k/v biases
-(``layers.{i}.self_attn.{q,k,v}_proj.bias``, Qwen2's), and ``tie_embeddings`` drops
-``lm_head.weight``: the LM head then reads ``embed_tokens.weight`` (:func:`head_weight_name`).
+Config facts change the set: ``attention_bias`` adds the q/k/v biases
+(``layers.{i}.self_attn.{q,k,v}_proj.bias``, Qwen2's), ``qk_norm`` the per-head query and key
+norms (``layers.{i}.self_attn.{q,k}_norm.weight`` ``[head_dim]``, Qwen3's), and
+``tie_embeddings`` drops ``lm_head.weight``: the LM head then reads ``embed_tokens.weight``
+(:func:`head_weight_name`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.config import ModelConfig
+from mpipar.model.qk_norm import K_NORM, Q_NORM
 
 
 EMBED, HEAD = "embed_tokens.weight", "lm_head.weight"
@@ -44,6 +47,8 @@ def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
         ParamSpec(p + "self_attn.k_proj.weight", (kv, h), i),
         ParamSpec(p + "self_attn.v_proj.weight", (kv, h), i),
         *biases,
+        *([ParamSpec(p + Q_NORM, (cfg.head_dim,), i), ParamSpec(p + K_NORM, (cfg.head_dim,), i)]
+          if cfg.qk_norm else []),
         ParamSpec(p + "self_attn.o_proj.weight", (h, q), i),
         ParamSpec(p + "post_attention_layernorm.weight", (h,), i),
         *(moe_param_specs(cfg, i) if cfg.is_sparse(i) else [

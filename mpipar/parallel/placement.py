@@ -16,6 +16,7 @@ parameter                        tp (:data:`TP_ROLES`)           pp             
 ``mlp.shared_expert.*_proj``     as gate/up/down above           its block's       unit ``layers.i``
 ``mlp.shared_expert_gate``       ``replicated``                  its block's       unit ``layers.i``
 ``*layernorm.weight``            ``replicated``                  its block's       unit ``layers.i``
+``self_attn.q_norm/k_norm``      ``heads_replicated``            its block's       unit ``layers.i``
 ``norm.weight``                  ``replicated``                  last stage        unit ``head``
 ``lm_head.weight`` (untied)      ``vocab``: rows, padded         last stage        unit ``head``
 ===============================  =============================  ================  ==============
@@ -37,7 +38,9 @@ backward (:mod:`mpipar.parallel.fsdp`, :meth:`PlacementTable.units`). ZeRO-1 and
 the optimizer state (and ZeRO-2 the gradients) the same way, but not the parameters: that is
 the optimizer's and the reducer's business (:mod:`mpipar.training.optim`, :mod:`mpipar.parallel.fsdp`). With ``--tp-sequence-parallel`` the norm weights stay replicated,
 but each tp rank sees only its token shard, so their gradients are partial sums over tp
-(:attr:`Placement.grad_partial_over_tp`).
+(:attr:`Placement.grad_partial_over_tp`). The per-head query and key norms (``qk_norm``) are
+``heads_replicated``: every tp rank holds them whole and applies them to its own heads, so their
+gradients are partial sums over tp with or without sequence parallelism.
 
 Experts under ``--ep N`` (:func:`mpipar.parallel.experts.expert_shards`): a sparse block's E
 experts are *sharded over the ep group* (``PlacementTable(ep=N)``): the rank at position ``r``
@@ -82,6 +85,7 @@ TP_ROLES: dict[str, int | None] = {
     "row": 1,            # columns of [out, in]: the input features per rank
     "vocab": 0,          # rows of the vocabulary, padded with zero rows to a multiple of tp
     "replicated": None,  # every tp rank holds all of it
+    "heads_replicated": None,  # all of it on every tp rank, applied to that rank's heads only
 }
 """The tensor-parallel roles, each with the dimension its split divides into tp equal parts."""
 
@@ -94,6 +98,8 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "self_attn.q_proj.bias": "column",
     "self_attn.k_proj.bias": "column",
     "self_attn.v_proj.bias": "column",
+    "self_attn.q_norm.weight": "heads_replicated",
+    "self_attn.k_norm.weight": "heads_replicated",
     "self_attn.o_proj.weight": "row",
     "post_attention_layernorm.weight": "replicated",
     "mlp.gate_proj.weight": "column",
@@ -192,9 +198,11 @@ class Placement:
     @property
     def grad_partial_over_tp(self) -> bool:
         """Whether each tp rank's gradient is a partial sum to be all-reduced over tp (a
-        replicated weight applied to token shards under --tp-sequence-parallel; the whole
-        factor of a LoRA adapter, :func:`adapter_roles`)."""
-        return self.split_dim is None and (self.tp_sequence_parallel or self.tp_partial)
+        replicated weight applied to token shards under --tp-sequence-parallel, or to the
+        rank's own heads: ``heads_replicated``; the whole factor of a LoRA adapter,
+        :func:`adapter_roles`)."""
+        return self.split_dim is None and (self.tp_sequence_parallel or self.tp_partial
+                                           or self.tp == "heads_replicated")
 
     def owned_by(self, tp_rank: int, pp_rank: int) -> bool:
         """Whether the copy of the rank at (``tp_rank``, ``pp_rank``), which holds it, is the one

@@ -262,7 +262,7 @@ class TensorParallel:
     # ------------------------------------------------------------------ gradients
     def reduce_partial_grads(self, grads: Sequence[Array]) -> None:
         """Sum over tp, in place, gradients that are partial per rank (replicated weights that
-        saw token shards, the whole factor of a LoRA adapter:
+        saw token shards or this rank's heads, the whole factor of a LoRA adapter:
         :attr:`mpipar.parallel.placement.Placement.grad_partial_over_tp`), packed in one
         all-reduce."""
         if not grads or self.size == 1:
@@ -306,10 +306,11 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     down) and twice backward (the inputs of q/k/v and gate/up); ``recompute="full"`` runs each
     forward twice in a step. With it, forward all-gathers the two normed inputs and
     reduce-scatters the two outputs; backward all-gathers the two output gradients and, again,
-    the two normed inputs (kept as shards), and reduce-scatters the two input gradients; once a
-    step the norm weights' partial gradients are all-reduced, packed per gradient-ready call (a
-    block, the head; a whole chunk under zb-h1's deferred weights), or at ZeRO-2/3 once a
-    microbatch, per unit before its reduce-scatter. The first stage reduces the embedding
+    the two normed inputs (kept as shards), and reduce-scatters the two input gradients. The
+    partial gradients (the norm weights' under sequence parallelism, the query and key norms'
+    with ``qk_norm``: :func:`_partial_grad_elements`) are all-reduced once a step, packed per
+    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights), or
+    at ZeRO-2/3 once a microbatch, per unit before its reduce-scatter. The first stage reduces the embedding
     (forward); the last all-reduces the cross-entropy's max and then its (sum-exp, target
     logit) per token, and the head's input gradient. Stream ``[B, S/sp, H]``."""
     m, par, tr = layout.model, layout.parallel, layout.train
@@ -325,36 +326,37 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     per = m.layers // layout.stages     # a sparse block's FFN (experts unsplit): no tp calls,
     sparse = 0 if m.moe_shared_ffn_hidden else sum(   # but its shared expert's (a dense FFN's)
         m.is_sparse(i) for s in stages for i in range(s * per, (s + 1) * per))
+    grads = [Call("tp", "allreduce", n * prec.master_bytes)   # partial gradients, summed
+             for n in _partial_grad_elements(layout, stages, unit_passes) if n] if bw else []
     if not par.tp_sequence_parallel:     # per block: leave o, down | enter q/k/v, gate/up
         calls = [Call("tp", "allreduce", full, passes * ((2 * reruns + 2 * bw) * blocks
                                                          - (reruns + bw) * sparse
                                                          + int(first) + bw * int(last)))]
-        return calls + (stats if last else [])
+        return calls + (stats if last else []) + grads
     shard = full // par.tp
     calls = [Call("tp", "allgather", shard, passes * ((2 * reruns + 4 * bw) * blocks
                                                       + bw * int(first) + (1 + bw) * int(last))),
              Call("tp", "reduce_scatter", full, passes * ((2 * reruns + 2 * bw) * blocks
                                                           + int(first) + bw * int(last)))]
-    calls += stats if last else []
-    if not backward:
-        return calls
-    return calls + [Call("tp", "allreduce", n * m.hidden * prec.master_bytes)   # gradients
-                    for n in _norm_reductions(layout, stages, unit_passes)]
+    return calls + (stats if last else []) + grads
 
 
-def _norm_reductions(layout: Layout, stages: Sequence[int],
-                     unit_passes: Sequence[tuple[str, int]]) -> list[int]:
-    """Norm weights (of ``hidden`` elements each) in each all-reduce of their partial gradients
-    in a step, under sequence parallelism: at ZeRO-2/3 one per unit reduce-scattered (a block's
-    two, the head's final norm), under zb-h1 one per chunk with all its norms, else one per
-    block and one for the head."""
-    per, last = layout.model.layers // layout.stages, layout.stages - 1
+def _partial_grad_elements(layout: Layout, stages: Sequence[int],
+                           unit_passes: Sequence[tuple[str, int]]) -> list[int]:
+    """Elements in each all-reduce of the partial gradients over tp in a step (0: none made):
+    under sequence parallelism a block's two norms and the head's final norm (``hidden``
+    each), and with ``qk_norm`` a block's query and key norms (``head_dim`` each, applied to
+    this rank's heads); at ZeRO-2/3 one per unit reduce-scattered, under zb-h1 one per chunk
+    with all its norms, else one per block and one for the head."""
+    m, sp = layout.model, layout.parallel.tp_sequence_parallel
+    block, head = 2 * m.hidden * sp + 2 * m.head_dim * m.qk_norm, m.hidden * sp
+    per, last = m.layers // layout.stages, layout.stages - 1
     if layout.parallel.zero >= 2:
-        return [2 if u.startswith("layers.") else 1 for u, k in unit_passes if u != "embed"
-                for _ in range(k)]
+        return [block if u.startswith("layers.") else head for u, k in unit_passes
+                if u != "embed" for _ in range(k)]
     if layout.parallel.schedule == "zb-h1":
-        return [2 * per + int(s == last) for s in stages]
-    return [2] * (per * len(stages)) + ([1] if last in stages else [])
+        return [per * block + head * (s == last) for s in stages]
+    return [block] * (per * len(stages)) + ([head] if last in stages else [])
 
 
 def _tensor_traffic(rank: StepRank) -> list[Call]:

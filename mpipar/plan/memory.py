@@ -101,12 +101,15 @@ def _block_field_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
     context = lse + (sp_mode.saved_bytes(layout) if par.sp > 1 else 0)
     inputs = n * e if par.sp == 1 or sp_mode.keeps_inputs else 0
     gate = (n * se + n * H * e) if sparse and m.moe_shared_gate else 0   # sigmoid, ungated
+    heads = (m.heads + m.kv_heads) // par.tp      # qk_norm: q, k before their norms, the rstds
+    qk = n * heads * (m.head_dim * e + se) if m.qk_norm else 0
     return {"x": H * ns * e, "h1": H * ns * e, "rstd1": ns * se,
             "q": q * inputs, "k": kv * inputs, "v": kv * inputs,
             "attention_out": q * n * e, "attention_saved": context,
             "x2": H * ns * e, "h2": H * ns * e, "rstd2": ns * se,
             "g": F * n * e, "u": F * n * e, "m": F * n * e,
-            "moe": _expert_record_bytes(layout) if sparse else 0, "shared_gate": gate}
+            "moe": _expert_record_bytes(layout) if sparse else 0, "shared_gate": gate,
+            "qk": qk}
 
 
 def _sparse_ffn_bytes(layout: Layout, mode: Recompute) -> int:

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints trained on layouts of 8 ranks (PP with the tie across stages, TP, SP,
-ZeRO-1) equal transformers + ``torch.optim.AdamW`` in float64 (:mod:`transformers_reference`):
+ZeRO-1 and ZeRO-3; Qwen3's q/k norms summed over tp) equal transformers + ``torch.optim.AdamW`` in float64 (:mod:`transformers_reference`):
 losses, gradient norms and exported parameters to 1e-10 relative."""
 from __future__ import annotations
 
@@ -24,7 +24,11 @@ HF_LAYOUTS = [("llama3-tied", dict(pp=2, tp=2, dp=2)),
               ("qwen2", dict(tp=2, sp=2, dp=2, zero=1, tp_sequence_parallel=True)),
               ("qwen2", dict(pp=2, sp=2, sp_mode="ulysses", dp=2, schedule="gpipe")),
               ("mistral", dict(sp=4, dp=2, sp_mode="halo")),
-              ("mistral", dict(pp=2, tp=2, sp=2, sp_split="zigzag"))]
+              ("mistral", dict(pp=2, tp=2, sp=2, sp_split="zigzag")),
+              ("qwen3", dict(pp=2, tp=2, dp=2)),
+              ("qwen3", dict(tp=2, sp=2, dp=2, sp_split="zigzag", tp_sequence_parallel=True,
+                             zero=3)),
+              ("qwen3", dict(sp=2, dp=2, pp=2, sp_mode="ulysses", schedule="zb-h1"))]
 
 
 @pytest.mark.mpi(min_size=8)

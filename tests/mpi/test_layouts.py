@@ -146,6 +146,16 @@ WINDOW = [dict(model="window", **v) for v in (
                                            virtual_stages=2))]
 
 
+# Qwen3's q/k norms (replicated over tp, applied to each rank's heads: gradients summed over
+# tp) and its own head dim, on TP with PP, each SP mode with tp sequence parallelism, zb-h1,
+# interleaving and ZeRO-3.
+QWEN3 = [dict(model="qwen3", **v) for v in (
+    dict(tp=2, pp=2, dp=2), dict(tp=2, sp=2, dp=2, sp_split="zigzag", tp_sequence_parallel=True),
+    dict(sp=2, dp=2, pp=2, sp_mode="ulysses", schedule="zb-h1"),
+    dict(tp=2, dp=2, zero=3, schedule="interleaved", virtual_stages=2),
+    dict(sp=4, tp=2, sp_overlap=True))]
+
+
 def _tied_copies_differ(engine) -> list[str]:
     """The two pipeline ranks' copies of a tied embedding must be bit-identical."""
     group = engine.comms.groups["pp_ends"]
@@ -235,6 +245,14 @@ def test_tied_biased_scaled_model_equals_single_process_float64(world, layout):
 def test_sliding_window_model_equals_single_process_float64(world, layout):
     """Sliding-window attention (every layer, or Gemma 2's alternation) on ring, halo and
     Ulysses SP, both splits, with TP, PP and DP: equal to one process."""
+    _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", QWEN3, ids=[layout_name(v) for v in QWEN3])
+def test_qk_norm_model_equals_single_process_float64(world, layout):
+    """Qwen3's per-head q/k norms and decoupled head dim keep every layout equal to one
+    process."""
     _check(world, layout, "float64", 1e-10)
 
 

@@ -44,6 +44,11 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
               recompute="full"),
          dict(pp=2, tp=2, sp=2, schedule="interleaved", virtual_stages=2,
               tp_sequence_parallel=True, recompute="selective"),
+         # Qwen3's q/k norms: their gradients' all-reduce over tp, with and without tp sequence
+         # parallelism, per block, per chunk (zb-h1) and per unit (ZeRO-3)
+         dict(model="qwen3", tp=2, dp=4), dict(model="qwen3", pp=4, tp=2, schedule="zb-h1"),
+         dict(model="qwen3", sp=2, tp=2, pp=2, tp_sequence_parallel=True),
+         dict(model="qwen3", dp=4, tp=2, zero=3),
          # tied embeddings (their gradient sum over pp_ends), q/k/v biases, llama3 RoPE
          dict(model="tied", pp=2, tp=2, dp=2),
          dict(model="tied", pp=2, dp=2, sp=2, zero=1, bucket_mb=0.003),

@@ -36,6 +36,8 @@ LAYOUTS = [   # ep_dp of 2 or 4 ranks: the experts' units really sharded
     dict(dp=2, pp=2, sp=2, ep=2, zero=3, schedule="interleaved", virtual_stages=2,
          zero_prefetch=2),
     dict(dp=4, sp=2, ep=2, zero=3, zero_shared="node"),
+    dict(model="qwen3_moe", dp=2, sp=2, tp=2, ep=2, zero=3, sp_split="zigzag"),   # Qwen3-MoE
+    dict(model="qwen3_moe", dp=4, pp=2, ep=4, zero=3),
 ]
 
 

@@ -22,7 +22,8 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(dp=8, zero=3), dict(dp=2, tp=2, pp=2, zero=2, schedule="zb-h1"),
          dict(model="tied", dp=2, sp=2, pp=2, zero=3, zero_prefetch=2, recompute="full"),
          dict(dp=2, tp=2, pp=2, zero=3, zero_shared="node", schedule="zb-h1"),
-         dict(dp=4, pp=2, zero=3, zero_shared="node", ranks_per_node=2)]
+         dict(dp=4, pp=2, zero=3, zero_shared="node", ranks_per_node=2),
+         dict(model="qwen3", tp=2, pp=2, dp=2, recompute="selective")]
 
 
 @pytest.mark.mpi(min_size=8)

@@ -18,7 +18,9 @@ LAYOUTS = [dict(tp=2, sp=2, pp=2),
            dict(pp=2, virtual_stages=2, schedule="interleaved", tp=2, dp=2, zero=1,
                 bucket_mb=0.002),
            dict(dp=2, sp=2, pp=2, schedule="zb-h1", zero=3),
-           dict(dp=4, tp=2, zero=2)]
+           dict(dp=4, tp=2, zero=2),
+           dict(model="qwen3", tp=2, sp=2, pp=2), dict(model="qwen3", dp=2, sp=2, pp=2,
+                                                       sp_mode="ulysses")]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -28,7 +30,7 @@ def test_modes_equal_none_under_mpi(world, layout):
 
     def check(comm) -> list[str]:
         ref = run_mode(layout, "none", comm, run_dir)
-        fails = compare(ref, reference("float64"), 1e-10)
+        fails = compare(ref, reference("float64", model=layout.get("model", "llama")), 1e-10)
         for mode in MODES:
             fails += [f"{mode}: {f}" for f in identical(run_mode(layout, mode, comm, run_dir), ref)]
         return fails

@@ -1,11 +1,12 @@
-"""Hugging Face Llama, Qwen2 and Mistral in and out, checked against transformers in float64, in
+"""Hugging Face Llama, Qwen2, Qwen3 and Mistral in and out, checked against transformers in float64, in
 one process.
 
 Small random models (vocabulary 97, 6 query heads over 2 kv heads: neither a power of
 two, grouped-query attention) are saved with ``save_pretrained`` and read by
 :func:`mpipar.checkpoint.huggingface.load_hf` (:data:`transformers_reference.MODELS`): a plain
 ``LlamaForCausalLM``; one with Llama 3.1's ``llama3`` RoPE scaling and tied embeddings; a
-``Qwen2ForCausalLM`` (q/k/v biases); a ``MistralForCausalLM`` with a sliding window shorter than
+``Qwen2ForCausalLM`` (q/k/v biases); a ``Qwen3ForCausalLM`` (per-head q/k norms, its own head
+dim); a ``MistralForCausalLM`` with a sliding window shorter than
 the sequence. mpipar's logits, loss and three training steps must match transformers +
 ``torch.optim.AdamW`` to 1e-10 relative; so must the exported parameters. The ``linear`` and
 ``dynamic`` RoPE rules are compared on logits. Why the reference removes transformers' float32

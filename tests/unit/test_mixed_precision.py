@@ -251,6 +251,7 @@ def test_hf_export_in_bf16_and_its_import(tmp_path):
     torch_dtype bfloat16; mpipar reads it back exactly (widened to float32), and so does
     safetensors' PyTorch reader; a run starts from it."""
     from mpipar.checkpoint import huggingface as hf
+    from mpipar.checkpoint.safetensors_format import read_header
 
     eng = _engine(small_config("bfloat16", model="tied"))
     trainer.train_step(eng, 0)
@@ -258,7 +259,7 @@ def test_hf_export_in_bf16_and_its_import(tmp_path):
     out = tmp_path / "hf"
     hf.save_hf(out, eng.cfg.model, masters, dtype="bfloat16")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    header, _ = hf._header(out / hf.WEIGHTS_FILE)
+    header, _ = read_header(out / hf.WEIGHTS_FILE)
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
     cfg, params = hf.load_hf(out)
     for name, value in masters.items():

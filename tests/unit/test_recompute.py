@@ -30,6 +30,7 @@ from recompute_runs import MODES, identical, run_mode
 CFG = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,
                   init_std=0.3))
 TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True)  # biases recomputed too
+QK_NORM = dataclasses.replace(CFG, qk_norm=True, head_dim=6)    # the q/k norms' record too
 
 
 def _stage(mode: str, store=None, cfg: ModelConfig = CFG, backend: str = "numpy") -> LlamaStage:
@@ -55,7 +56,7 @@ def _loss_and_grads(stage: LlamaStage, split: bool):
     return loss, grads
 
 
-@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["llama", "tied-bias"])
+@pytest.mark.parametrize("cfg", [CFG, TIED, QK_NORM], ids=["llama", "tied-bias", "qk-norm"])
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "zb-split"])
 @pytest.mark.parametrize("mode", MODES)
 def test_stage_modes_equal_none_bitwise(mode, split, cfg, tmp_path):
@@ -112,6 +113,27 @@ def test_each_mode_keeps_what_it_says():
         _, cache = stage.forward(params, tokens, np.arange(S))
         per_block = [_kept_bytes(b) for b in cache.blocks]
         assert per_block == [8 * elements] * CFG.layers, (mode, per_block, 8 * elements)
+
+
+def test_the_qk_norm_record_is_what_the_planner_counts():
+    """With qk_norm, none keeps q and k before their norms and the rstds (per token (hq + hkv)
+    x (D + 1) values), selective drops them (rebuilt in backward), and the planner's count of
+    the field is the record's bytes."""
+    from mpipar.config import Config, ParallelConfig
+    from mpipar.plan.memory import _block_field_bytes
+    from mpipar.rules import validate
+    B, S, D, hq, hkv = 2, 7, QK_NORM.head_dim, QK_NORM.heads, QK_NORM.kv_heads
+    params = init_params(QK_NORM, 4, np.float64)
+    tokens = np.random.default_rng(0).integers(0, 11, (B, S))
+    kept = {}
+    for mode in ("none", "selective"):
+        stage = _stage(mode, cfg=QK_NORM)
+        stage.last = False
+        kept[mode] = stage.forward(params, tokens, np.arange(S))[1].blocks[0].qk
+    assert _kept_bytes(kept["none"]) == 8 * B * S * (hq + hkv) * (D + 1) and kept["selective"] is None
+    layout = validate(Config(QK_NORM, ParallelConfig(),
+                             TrainConfig(seq_len=S, global_batch_size=B, dtype="float64")), 1)
+    assert _block_field_bytes(layout)["qk"] == _kept_bytes(kept["none"])
 
 
 def test_offload_keeps_only_handles_in_memory(tmp_path):

@@ -102,9 +102,10 @@ def _sparse_giant(hf_dir, vocab: int) -> int:
     import os
     import struct
 
-    from mpipar.checkpoint.huggingface import _header, read_config_json
+    from mpipar.checkpoint.huggingface import read_config_json
+    from mpipar.checkpoint.safetensors_format import read_header
     file = hf_dir / "model.safetensors"
-    header, start = _header(file)
+    header, start = read_header(file)
     data = file.read_bytes()[start:]
     big = {n for n in header if n in ("model.embed_tokens.weight", "lm_head.weight")}
     out, at, chunks = {"__metadata__": header.get("__metadata__", {})}, 0, []

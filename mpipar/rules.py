@@ -18,7 +18,7 @@ from mpipar.data import packing, sources
 from mpipar.layout import Layout, resolve
 from mpipar.parallel.registry import AXES
 from mpipar.runtime import device
-from mpipar.training import optim
+from mpipar.training import objective, optim
 
 Rule = Callable[[Layout], None]
 
@@ -26,6 +26,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     *((axis.name, axis.check) for axis in AXES),   # the parallel axes (parallel/registry.py)
     ("eval", sources.check_config),         # the validation set
     ("documents", packing.check_config),    # EOS id, document masking, the EOS loss mask
+    ("objective", objective.check_config),  # DPO: its beta, its pairs, what it excludes
     ("optimizer", optim.check_config),      # AdamW and the LR schedule
     ("backend", device.check_config),       # kernels, device, dtype, CUDA-aware MPI
 )

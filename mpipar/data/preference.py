@@ -31,11 +31,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pathlib import Path
+
+import h5py
 import numpy as np
 
 from mpipar.data.prepare import hdf5_output, output_file
 from mpipar.data.sft import MASK, chat_template, jsonl_records, render_chat
-from mpipar.data.sources import DataError
+from mpipar.data.sources import H5_SUFFIXES, DataError
 from mpipar.data.tokenizer import token_dtype
 
 TEXT_FIELDS = ("prompt", "chosen", "rejected")
@@ -169,3 +172,20 @@ def prepare_preference(path: str | os.PathLike, out: str | os.PathLike, seq_len:
             f.attrs.update(enc.spec.attrs())
         f.attrs.update({"preference_pairs": len(rows) // 2, "seq_len": seq_len})
     return PreparedPairs(len(rows) // 2, seq_len, int(flags.sum()))
+
+
+def preference_pairs(path: str | os.PathLike, seq_len: int) -> int:
+    """The pairs of ``path``, a file of :func:`prepare_preference` written for ``seq_len``;
+    DataError naming it and the rule otherwise."""
+    if Path(path).suffix.lower() not in H5_SUFFIXES or not Path(path).is_file():
+        raise DataError(f"--objective dpo: --data {path or 'the built-in corpus'} is not an HDF5 "
+                        f"file written by data prepare --preference")
+    with h5py.File(path, "r") as f:
+        pairs, written = f.attrs.get("preference_pairs"), f.attrs.get("seq_len")
+        if pairs is None or MASK not in f:
+            raise DataError(f"--objective dpo: --data {path} holds no preference pairs (write "
+                            f"it with data prepare --preference)")
+    if int(written) != seq_len:
+        raise DataError(f"--objective dpo: --data {path} holds pairs of {int(written)} tokens, "
+                        f"not --seq-len {seq_len}: prepare it with --seq-len {seq_len}")
+    return int(pairs)

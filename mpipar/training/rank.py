@@ -47,6 +47,7 @@ from mpipar.runtime.mpi_init import MPI
 from mpipar.runtime.precision import Precision, numpy_dtype
 from mpipar.runtime.staging import choose_path
 from mpipar.runtime.topology import ProcessGrid
+from mpipar.training.objective import Preference, preference
 from mpipar.training.optim import AdamWConfig, LRSchedule, build_optimizer
 from mpipar.training.state import TrainState
 
@@ -93,6 +94,8 @@ class RankData:
     masks: Any
     rows_per_dp: int
     microbatches: int
+    preference: Preference | None = None   # --objective dpo: its pairs; rows and microbatches
+    #                                        above then count pairs, each two rows
 
 
 @dataclass(frozen=True)
@@ -190,11 +193,16 @@ def _data(layout: Layout, source: TokenSource | None) -> RankData:
     cfg = layout.config
     tr = cfg.train
     source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
+    pref = preference(tr)
     sampler, eval_set = training_batches(source, tr, cfg.model.vocab_size)
+    if pref is not None:   # the sampler draws pairs
+        sampler = Sampler(source, tr.global_batch_size, tr.seed, tr.shuffle, pref.pairs)
+    masked = tr.loss_mask or pref is not None
     return RankData(source=source, sampler=sampler, eval_set=eval_set,
                     eos=eos_id(tr) if uses_eos(tr) else None,   # packed documents' end-of-text
-                    masks=loss_mask_source(tr.data, tr.seq_len) if tr.loss_mask else None,
-                    rows_per_dp=layout.rows_per_dp, microbatches=layout.microbatches)
+                    masks=loss_mask_source(tr.data, tr.seq_len) if masked else None,
+                    rows_per_dp=layout.rows_per_dp, microbatches=layout.microbatches,
+                    preference=pref)
 
 
 def _comms_and_compute(layout: Layout, comm: MPI.Comm) -> tuple[Comms, Compute]:

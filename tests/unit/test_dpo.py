@@ -45,3 +45,28 @@ def test_pair_gradient_is_the_loss_derivative():
         down[i] -= h
         grad = (dpo.losses(up, ref).sum() - dpo.losses(down, ref).sum()) / (2 * h)
         assert -grad == pytest.approx(dpo.row_weights(logps, ref)[i], rel=1e-7)
+
+
+def _refused(files, tmp_path, message: str, **changes) -> None:
+    from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+    from mpipar.rules import validate
+    checkpoint, pairs = files
+    parallel = changes.pop("parallel", {})
+    train = {"seq_len": 12, "global_batch_size": 2, "micro_batch_size": 1, "data": str(pairs),
+             "objective": "dpo", "backend": "numpy", **changes}
+    cfg = Config(ModelConfig(vocab_size=97), ParallelConfig(**parallel), TrainConfig(**train))
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, max(1, parallel.get("sp", 1)))
+
+
+def test_dpo_rules_name_the_value(files, tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.zeros(100, np.int64))
+    _refused(files, tmp_path, r"train.dpo_beta=0.0: must be a finite number > 0", dpo_beta=0.0)
+    _refused(files, tmp_path, r"parallel.sp=2 with --objective dpo", parallel={"sp": 2})
+    _refused(files, tmp_path, r"not an HDF5 file written by data prepare --preference",
+             data=str(tokens))
+    _refused(files, tmp_path, r"pairs of 12 tokens, not --seq-len 10", seq_len=10)
+    _refused(files, tmp_path, r"train.global_batch_size=6: more pairs than the 5",
+             global_batch_size=6)
+    _refused(files, tmp_path, r"train.loss_mask=True with --objective dpo", loss_mask=True)

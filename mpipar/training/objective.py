@@ -140,6 +140,9 @@ def check_config(layout: Layout) -> None:
             f"train.dpo_beta={t.dpo_beta}: must be a finite number > 0")
     if t.objective != "dpo":
         return
+    require(not t.resume, f"train.resume={t.resume!r} with --objective dpo: the reference "
+                          f"(the policy at step 0) is not kept in checkpoints; start a new run "
+                          f"from the weights (e.g. exported, then --init-from-hf)")
     require(p.sp == 1, f"parallel.sp={p.sp} with --objective dpo: a pair's loss needs whole "
                        f"sequences on one rank; use sp=1")
     for name in ("loss_mask", "eod_mask_loss", "document_masking"):

@@ -98,7 +98,8 @@ def train_step(rank: Rank, step: int) -> StepResult:
                                     rank.data.microbatches, mbs)
     return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0,
                       tr.global_batch_size * rows_per * tr.seq_len, imbalance, moe,
-                      None if docs is None else model_flops_per_step(cfg, docs), rewards)
+                      (None if docs is None else model_flops_per_step(cfg, docs))
+                      if pref is None else rows_per * model_flops_per_step(cfg), rewards)
 
 
 def _preference_metrics(rank: Rank, batch: StepBatch) -> dict[str, float]:

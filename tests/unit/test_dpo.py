@@ -70,3 +70,5 @@ def test_dpo_rules_name_the_value(files, tmp_path):
     _refused(files, tmp_path, r"train.global_batch_size=6: more pairs than the 5",
              global_batch_size=6)
     _refused(files, tmp_path, r"train.loss_mask=True with --objective dpo", loss_mask=True)
+    _refused(files, tmp_path, r"train.resume='auto' with --objective dpo", resume="auto",
+             save_dir=str(tmp_path / "ckpt"))

@@ -1,6 +1,6 @@
-"""DPO on a dp x tp x pp layout of 8 ranks equals transformers + torch.optim.AdamW in float64
-with DPO's loss written out (:mod:`dpo_reference`): losses, rewards, accuracy, gradient norms
-and trained weights over two steps to 1e-10 relative."""
+"""DPO on dp x tp x pp layouts of 8 ranks (one with ZeRO-3) equals transformers +
+torch.optim.AdamW in float64 with DPO's loss written out (:mod:`dpo_reference`): losses,
+rewards, accuracy, gradient norms and trained weights over two steps to 1e-10 relative."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ from conftest import check_in_groups
 from layouts import layout_name, layout_size
 from mpipar.training import step as trainer
 
-LAYOUTS = [dict(dp=2, tp=2, pp=2)]
+LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(dp=2, pp=2, tp=2, zero=3)]
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]`: load and check a source,
     print its format, kind, dtype, token count, number of samples and recorded tokenizer.
     `python -m mpipar.data prepare INPUT... --out tokens.h5 [--tokenizer T]`: see
-    :func:`mpipar.data.prepare.prepare_tokens` (bytes) and :func:`mpipar.data.tokenizer.prepare_tokenized`.
+    :func:`mpipar.data.prepare.prepare_tokens` (bytes) and
+    :func:`mpipar.data.tokenizer.prepare_tokenized`; with `--sft` :mod:`mpipar.data.sft`, with
+    `--preference` :mod:`mpipar.data.preference`.
     Exit status 2 on DataError."""
     args = _parser().parse_args(argv)
     try:

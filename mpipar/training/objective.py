@@ -154,7 +154,7 @@ def check_config(layout: Layout) -> None:
     try:
         pairs = preference_pairs(t.data, t.seq_len)
     except (DataError, OSError) as exc:
-        require(False, f"train.objective='dpo': {exc}")
+        require(False, str(exc))
     require(pairs >= t.global_batch_size,
             f"train.global_batch_size={t.global_batch_size}: more pairs than the "
             f"{pairs} of {t.data}")

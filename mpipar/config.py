@@ -385,6 +385,12 @@ class TrainConfig:
     eod_mask_loss: bool = _f(False, "targets at positions whose input is the EOS token carry "
                                     "no loss; the loss is the mean over the counted targets of "
                                     "the global batch")
+    objective: str = _f("tokens", "what training minimises: the next-token loss, or DPO over "
+                                  "the preference pairs of data prepare --preference "
+                                  "(--global-batch-size and --micro-batch-size count pairs)",
+                        choices=("tokens", "dpo"))
+    dpo_beta: float = _f(0.1, "DPO: the temperature beta of the rewards beta * (log pi - "
+                              "log pi_ref); > 0")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
     save_dir: str = _f("", "checkpoint directory (step_NNNNNNNN/ per checkpoint, plus `latest`); "

@@ -19,7 +19,7 @@ from mpipar.layout import Layout, resolve
 from mpipar.model import lora
 from mpipar.parallel.registry import AXES
 from mpipar.runtime import device
-from mpipar.training import optim, optimizers
+from mpipar.training import objective, optim, optimizers
 
 Rule = Callable[[Layout], None]
 
@@ -27,6 +27,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     *((axis.name, axis.check) for axis in AXES),   # the parallel axes (parallel/registry.py)
     ("eval", sources.check_config),         # the validation set
     ("documents", packing.check_config),    # EOS id, document masking, the EOS loss mask
+    ("objective", objective.check_config),  # DPO: its beta, its pairs, what it excludes
     ("optimizer", optim.check_config),      # AdamW and the LR schedule
     ("muon", optimizers.check_config),      # Muon's momentum and Newton-Schulz steps
     ("lora", lora.check_config),            # adapters: targets, rank, what LoRA runs with

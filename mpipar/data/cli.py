@@ -44,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="text that spells a special token (</s>, <|im_end|>) becomes that "
                            "token, for data that carries control tokens (default: it stays "
                            "text; a chat template's own special tokens are tokens either way)")
+    prep.add_argument("--preference", action="store_true",
+                      help="INPUT is one JSONL file of {prompt, chosen, rejected} text records "
+                           "(with --tokenizer; the prompt may be chat messages) or {prompt_ids, "
+                           "chosen_ids, rejected_ids}: write each pair as two --seq-len rows "
+                           "with a loss_mask over the responses, for --objective dpo")
+    prep.add_argument("--seq-len", type=int, default=128,
+                      help="with --preference: tokens per sequence, training's --seq-len "
+                           "(default: 128)")
     prep.add_argument("--workers", type=int, default=0,
                       help="processes encoding files in parallel (default 0: one per CPU, at "
                            "most one per file); the output does not depend on it")
@@ -51,6 +59,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prepare_command(args: argparse.Namespace) -> None:
+    if args.preference:
+        if args.sft or len(args.texts) != 1:
+            raise DataError("--preference needs one JSONL file of preference pairs (and not "
+                            "--sft)")
+        from mpipar.data.preference import prepare_preference
+        done = prepare_preference(args.texts[0], args.out, args.seq_len, args.tokenizer, args.eos)
+        print(f"wrote {args.out}: {done.pairs} preference pair(s) as rows of {done.seq_len} "
+              f"tokens, {done.response_tokens} response tokens (loss_mask 1); train with "
+              f"--objective dpo --seq-len {done.seq_len}")
+        return
     if args.sft:
         if args.tokenizer is None or len(args.texts) != 1:
             raise DataError("--sft needs --tokenizer and one JSONL file of prompt/completion "
@@ -102,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m mpipar.data info PATH [--seq-len S] [--vocab-size V]`: load and check a source,
     print its format, kind, dtype, token count, number of samples and recorded tokenizer.
     `python -m mpipar.data prepare INPUT... --out tokens.h5 [--tokenizer T]`: see
-    :func:`mpipar.data.prepare.prepare_tokens` (bytes) and :func:`mpipar.data.tokenizer.prepare_tokenized`.
+    :func:`mpipar.data.prepare.prepare_tokens` (bytes) and
+    :func:`mpipar.data.tokenizer.prepare_tokenized`; with `--sft` :mod:`mpipar.data.sft`, with
+    `--preference` :mod:`mpipar.data.preference`.
     Exit status 2 on DataError."""
     args = _parser().parse_args(argv)
     try:

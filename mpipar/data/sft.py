@@ -36,29 +36,34 @@ MAX_RECORD_BYTES = 1 << 20
 its size is bounded before it is read (a long conversation of 100k tokens is ~0.5 MiB)."""
 
 
-def _records(path: str | os.PathLike):
-    """(line number, prompt, completion) of every record of the JSONL file ``path``, read one
+def jsonl_records(path: str | os.PathLike, what: str = "--sft"):
+    """(line number, parsed record) of every non-blank line of the JSONL file ``path``, read one
     line at a time (at most :data:`MAX_RECORD_BYTES`); DataError naming the line and the rule
     for a line that is too long, not UTF-8, not JSON (or nested too deeply), or whose text is
-    not text (a lone surrogate)."""
+    not text (a lone surrogate). ``what`` names the flag in the length error."""
     with open(path, "rb") as fh:
         n = 0
         while raw := fh.readline(MAX_RECORD_BYTES + 1):
             n += 1
             if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
                 raise DataError(f"{path}:{n}: a record longer than {MAX_RECORD_BYTES} bytes "
-                                f"(the bound on one --sft record)")
-            if not raw.strip():
-                continue
-            rec = _record(raw, f"{path}:{n}")
-            if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-                yield n, rec["messages"], None
-                continue
-            if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str)
-                    and isinstance(rec.get("completion"), str)):
-                raise DataError(f"{path}:{n}: a record needs string fields 'prompt' and "
-                                f"'completion', or a list 'messages'")
-            yield n, rec["prompt"], rec["completion"]
+                                f"(the bound on one {what} record)")
+            if raw.strip():
+                yield n, _record(raw, f"{path}:{n}")
+
+
+def _records(path: str | os.PathLike):
+    """(line number, prompt, completion) of every record of the JSONL file ``path``
+    (:func:`jsonl_records`); for a chat record, (line number, messages, None)."""
+    for n, rec in jsonl_records(path):
+        if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            yield n, rec["messages"], None
+            continue
+        if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str)
+                and isinstance(rec.get("completion"), str)):
+            raise DataError(f"{path}:{n}: a record needs string fields 'prompt' and "
+                            f"'completion', or a list 'messages'")
+        yield n, rec["prompt"], rec["completion"]
 
 
 def _record(raw: bytes, where: str):

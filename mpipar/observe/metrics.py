@@ -69,6 +69,9 @@ class StepResult:
     # --document-masking: this step's model FLOPs, attention counted inside documents (MFU's
     # numerator); None: the run's constant model_flops_per_step
     flops: float | None = None
+    # --objective dpo: dpo_reward_chosen, dpo_reward_rejected (mean over the global batch's
+    # pairs) and dpo_accuracy (the fraction whose chosen reward is above the rejected one)
+    preference: dict | None = None
 
 
 @dataclass
@@ -191,6 +194,7 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
         **({} if result.attention_imbalance is None
            else {"attention_imbalance": result.attention_imbalance}),
         **(result.moe or {}),
+        **(result.preference or {}),
     }
 
 

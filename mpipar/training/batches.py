@@ -20,6 +20,7 @@ from mpipar.data.packing import (batch_documents, counted_targets, masks_loss,
                                  microbatch_positions, sample_indices)
 from mpipar.data.sources import EvalSet, Sampler, inputs_targets
 from mpipar.parallel.pipeline.executor import Microbatch
+from mpipar.training.objective import PairLoss
 from mpipar.training.rank import Rank
 
 
@@ -34,32 +35,42 @@ class StepBatch:
 
 def prepare(rank: Rank, batches: Sampler | EvalSet, k: int) -> StepBatch:
     """Global batch ``k`` of ``batches`` (the sampler's step ``k``, or validation batch ``k``)
-    for ``rank`` (module docstring)."""
-    tr = rank.cfg.train
+    for ``rank`` (module docstring). Under ``--objective dpo`` the batch's samples are pairs,
+    each two rows of the source (:class:`mpipar.training.objective.Preference`), and the
+    divisor is the global batch's pairs."""
+    tr, pref = rank.cfg.train, rank.data.preference
     d, n = rank.coord.dp, rank.data.rows_per_dp
     mine = slice(d * n, (d + 1) * n)
     whole = masks_loss(tr) or tr.document_masking
     indices = sample_indices(batches, k, slice(None) if whole else mine)
+    if pref is not None:
+        indices = pref.rows(indices)
     inputs, targets = inputs_targets(batches.source, indices)
     masks = None if rank.data.masks is None else rank.data.masks.sample(indices)
-    counted = counted_targets(inputs, tr, rank.data.eos, masks)
+    counted = (counted_targets(inputs, tr, rank.data.eos, masks) if pref is None
+               else (masks[:, 1:] != 0).astype(np.float64))
     docs = batch_documents(inputs, rank.data.eos) if tr.document_masking else None
-    divisor = (tr.global_batch_size * tr.seq_len if counted is None
+    divisor = (tr.global_batch_size if pref is not None
+               else tr.global_batch_size * tr.seq_len if counted is None
                else max(1, int(counted.sum())))
     at = mine if whole else slice(None)
     micro = _microbatches(rank, inputs[at], targets[at],
                           None if counted is None else counted[at],
-                          None if docs is None else docs[at])
+                          None if docs is None else docs[at],
+                          None if pref is None or pref.reference is None
+                          else pref.reference[indices])
     return StepBatch(microbatches=micro, divisor=divisor, documents=docs)
 
 
 def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,
-                  counted: np.ndarray | None, docs: np.ndarray | None
-                  ) -> tuple[Microbatch, ...]:
-    """This rank's microbatches of its rows ``[rows_per_dp, S]``: each one's sp positions
-    (its documents' under ``--document-masking``), its tokens, targets and counted targets at
-    them, in the backend's array module."""
-    xp, mbs = rank.compute.xp, rank.cfg.train.micro_batch_size
+                  counted: np.ndarray | None, docs: np.ndarray | None,
+                  reference: np.ndarray | None) -> tuple[Microbatch, ...]:
+    """This rank's microbatches of its rows ``[rows_per_dp, S]`` (twice that of pairs): each
+    one's sp positions (its documents' under ``--document-masking``), its tokens, targets and
+    counted targets at them, in the backend's array module; with the rows' DPO ``reference``
+    log-probabilities, each one's pair loss."""
+    xp, pref = rank.compute.xp, rank.data.preference
+    mbs = rank.cfg.train.micro_batch_size * (1 if pref is None else pref.objective.rows_per_pair)
     out = []
     for i in range(rank.data.microbatches):
         rows = slice(i * mbs, (i + 1) * mbs)
@@ -68,7 +79,9 @@ def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,
             positions = microbatch_positions(docs[rows], rank.model.seq, rank.coord.sp,
                                              rank.model.positions)
         at = rank.model.positions if positions is None else np.asarray(positions)
+        mask = None if counted is None else xp.asarray(counted[rows][:, at])
+        loss = (None if reference is None
+                else PairLoss(pref.objective, mask, reference[rows], xp))
         out.append(Microbatch(xp.asarray(inputs[rows][:, at]), xp.asarray(targets[rows][:, at]),
-                              positions,
-                              None if counted is None else xp.asarray(counted[rows][:, at])))
+                              positions, mask, loss))
     return tuple(out)

@@ -22,6 +22,7 @@ import numpy as np
 
 from mpipar.checkpoint.activations import OffloadStore, offload_path
 from mpipar.data.packing import packed_data
+from mpipar.data.sft import loss_mask_source
 from mpipar.data.sources import EvalSet, Sampler, TokenSource, load_tokens, training_batches
 from mpipar.layout import Layout
 from mpipar.model.attention import LocalAttention
@@ -48,6 +49,7 @@ from mpipar.runtime.mpi_init import MPI
 from mpipar.runtime.precision import Precision, numpy_dtype
 from mpipar.runtime.staging import choose_path
 from mpipar.runtime.topology import ProcessGrid
+from mpipar.training.objective import Preference, preference
 from mpipar.training.optim import AdamWConfig, LRSchedule
 from mpipar.training.optimizers import optimizer_mode
 from mpipar.training.state import TrainState
@@ -95,6 +97,8 @@ class RankData:
     masks: Any
     rows_per_dp: int
     microbatches: int
+    preference: Preference | None = None   # --objective dpo: its pairs; rows and microbatches
+    #                                        above then count pairs, each two rows
 
 
 @dataclass(frozen=True)
@@ -202,10 +206,16 @@ def _data(layout: Layout, source: TokenSource | None) -> RankData:
     cfg = layout.config
     tr = cfg.train
     source = source or load_tokens(tr.data or None, cfg.model.vocab_size, tr.seq_len)
+    pref = preference(tr)
     sampler, eval_set = training_batches(source, tr, cfg.model.vocab_size)
+    if pref is not None:   # the sampler draws pairs
+        sampler = Sampler(source, tr.global_batch_size, tr.seed, tr.shuffle, pref.pairs)
     eos, masks = packed_data(tr, source, sampler.num_samples)  # end-of-text, --loss-mask
+    if pref is not None:   # a preference file's loss_mask marks its responses
+        masks = loss_mask_source(tr.data, tr.seq_len)
     return RankData(source=source, sampler=sampler, eval_set=eval_set, eos=eos, masks=masks,
-                    rows_per_dp=layout.rows_per_dp, microbatches=layout.microbatches)
+                    rows_per_dp=layout.rows_per_dp, microbatches=layout.microbatches,
+                    preference=pref)
 
 
 def _comms_and_compute(layout: Layout, comm: MPI.Comm) -> tuple[Comms, Compute]:

@@ -37,6 +37,7 @@ import numpy as np
 from mpipar.checkpoint.activations import ActivationRecorder, ActivationRegion, dump_step
 from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
 from mpipar.checkpoint.shards import require_finite
+from mpipar.data.sources import Sampler
 from mpipar.model.flops import model_flops_per_step
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.lora import is_adapter
@@ -46,7 +47,7 @@ from mpipar.parallel.pipeline.executor import Microbatch
 from mpipar.parallel.placement import expert_of
 from mpipar.runtime.comm import booked_to
 from mpipar.runtime.device import to_host
-from mpipar.training.batches import prepare
+from mpipar.training.batches import StepBatch, prepare
 from mpipar.training.rank import Rank
 
 
@@ -55,8 +56,12 @@ def train_step(rank: Rank, step: int) -> StepResult:
     t0 = time.perf_counter()
     cfg, xp, w, m = rank.cfg, rank.compute.xp, rank.weights, rank.model
     tr = cfg.train
+    pref = rank.data.preference
+    if pref is not None and pref.reference is None:
+        pref.reference = reference_logps(rank)
     batch = prepare(rank, rank.data.sampler, step)
-    mbs, s_loc = tr.micro_batch_size, len(m.positions)
+    rows_per = 1 if pref is None else pref.objective.rows_per_pair
+    mbs, s_loc = tr.micro_batch_size * rows_per, len(m.positions)
     weight = xp.full((mbs, s_loc), 1.0 / batch.divisor)
     recorder = _start_dump(rank, step)
     w.reducer.start_step(step)
@@ -73,6 +78,7 @@ def train_step(rank: Rank, step: int) -> StepResult:
             ch.recorder = None
         dump_step(recorder, rank_place(rank), _activation_region(rank, step + 1), cfg)
     loss = _global_sum(rank, loss) / batch.divisor
+    rewards = None if pref is None else _preference_metrics(rank, batch)
     moe, loads = _moe_stats(rank) if cfg.model.moe_experts else (None, None)
     norm_sq = xp.array([w.optimizer.grad_norm_sq(
         lambda name: m.table[name].owned_by(m.tensor.rank, rank.coord.pp))])
@@ -92,8 +98,22 @@ def train_step(rank: Rank, step: int) -> StepResult:
                                     rank.layout.dp, rank.data.rows_per_dp,
                                     rank.data.microbatches, mbs)
     return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0,
-                      tr.global_batch_size * tr.seq_len, imbalance, moe,
-                      None if docs is None else model_flops_per_step(cfg, docs))
+                      tr.global_batch_size * rows_per * tr.seq_len, imbalance, moe,
+                      (None if docs is None else model_flops_per_step(cfg, docs))
+                      if pref is None else rows_per * model_flops_per_step(cfg), rewards)
+
+
+def _preference_metrics(rank: Rank, batch: StepBatch) -> dict[str, float]:
+    """The DPO step's mean rewards and accuracy over the global batch's pairs
+    (:class:`mpipar.training.objective.PairLoss` stats of the last stage), on every rank."""
+    stats = sum((mb.loss.stats for mb in batch.microbatches), np.zeros(3))
+    if rank.coord.pp != rank.cfg.parallel.pp - 1:
+        stats = np.zeros(3)
+    g = rank.comms.groups
+    buf = g["dp_sp"].allreduce_(rank.compute.xp.asarray(stats))
+    got = to_host(g["pp"].bcast_(buf, root=rank.cfg.parallel.pp - 1)) / batch.divisor
+    return {"dpo_reward_chosen": float(got[0]), "dpo_reward_rejected": float(got[1]),
+            "dpo_accuracy": float(got[2])}
 
 
 def _grads_ready(rank: Rank) -> Callable[[list[str]], None]:
@@ -147,6 +167,24 @@ def _global_sum(rank: Rank, loss: float) -> float:
     return float(g["pp"].bcast_(buf, root=rank.cfg.parallel.pp - 1)[0])
 
 
+def _forward_losses(rank: Rank) -> Callable[[StepBatch], dict[int, Any]]:
+    """``losses(batch)``: the last stage's per-token losses of a batch's microbatches by index
+    (empty off the last stage), forward only under this layout."""
+    tr, m, sharded = rank.cfg.train, rank.model, rank.weights.sharded
+    rows = tr.micro_batch_size * (1 if rank.data.preference is None else 2)
+    shape = m.tensor.stream_shape(rows, len(m.positions), rank.cfg.model.hidden)
+
+    def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
+        return chunk.forward_only(rank.params, inp,
+                                  m.positions if mb.positions is None else mb.positions,
+                                  mb.targets, scope=sharded or RESIDENT)
+
+    def losses(batch: StepBatch) -> dict[int, Any]:
+        return rank.evaluator.run_forward(list(batch.microbatches), shape, rank.compute.dtype,
+                                          stage_forward)
+    return losses
+
+
 def evaluate(rank: Rank) -> EvalResult:
     """The mean token loss over the validation batches (``--eval-batches``), computed under
     this layout forward only (module docstring); the same on every rank."""
@@ -154,14 +192,8 @@ def evaluate(rank: Rank) -> EvalResult:
     if evals is None:
         raise ValueError("evaluate: no validation set (--eval-data or --eval-fraction)")
     t0 = time.perf_counter()
-    tr, m, sharded = rank.cfg.train, rank.model, rank.weights.sharded
-    shape = m.tensor.stream_shape(tr.micro_batch_size, len(m.positions), rank.cfg.model.hidden)
-
-    def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
-        return chunk.forward_only(rank.params, inp,
-                                  m.positions if mb.positions is None else mb.positions,
-                                  mb.targets, scope=sharded or RESIDENT)
-
+    sharded = rank.weights.sharded
+    forward = _forward_losses(rank)
     total, tokens = 0.0, 0
     rank.eval_ledger.reset()
     with booked_to(rank.comms.groups.values(), rank.eval_ledger), \
@@ -169,8 +201,7 @@ def evaluate(rank: Rank) -> EvalResult:
         for k in range(evals.batches):
             batch = prepare(rank, evals, k)
             micro = batch.microbatches
-            losses = rank.evaluator.run_forward(list(micro), shape, rank.compute.dtype,
-                                                stage_forward)
+            losses = forward(batch)
             total += sum(float((losses[i] if micro[i].counted is None
                                 else losses[i] * micro[i].counted).sum())
                          for i in sorted(losses))
@@ -181,6 +212,31 @@ def evaluate(rank: Rank) -> EvalResult:
     except OverflowError:
         perplexity = math.inf
     return EvalResult(loss, perplexity, tokens, time.perf_counter() - t0)
+
+
+def reference_logps(rank: Rank) -> np.ndarray:
+    """The DPO reference log-probabilities ``[2 * pairs]`` of every row of the training pairs
+    (:mod:`mpipar.training.objective`): the policy's now, forward only, one global batch of
+    pairs after another in order, summed over dp and sent from the last pipeline stage to every
+    rank."""
+    pref, tr, g = rank.data.preference, rank.cfg.train, rank.comms.groups
+    order = Sampler(rank.data.source, tr.global_batch_size, 0, shuffle=False,
+                    samples=pref.pairs)
+    forward, sharded = _forward_losses(rank), rank.weights.sharded
+    rows, out = 2 * tr.micro_batch_size, np.zeros(2 * pref.pairs)
+    with sharded.forward_only() if sharded else nullcontext():
+        for k in range(-(-pref.pairs // tr.global_batch_size)):
+            batch = prepare(rank, order, k)
+            got = np.zeros(2 * tr.global_batch_size)
+            base = rank.coord.dp * 2 * rank.data.rows_per_dp
+            for i, token_loss in forward(batch).items():
+                at = base + i * rows
+                got[at:at + rows] = to_host(pref.objective.logps(token_loss,
+                                                                 batch.microbatches[i].counted))
+            buf = g["dp_sp"].allreduce_(rank.compute.xp.asarray(got))
+            got = to_host(g["pp"].bcast_(buf, root=rank.cfg.parallel.pp - 1))
+            out[pref.rows(order.indices(k))] = got
+    return out
 
 
 def _start_dump(rank: Rank, step: int) -> ActivationRecorder | None:

@@ -47,6 +47,9 @@ class Microbatch:
     targets: Any   # [B, S_loc]
     positions: Any = None   # packed documents: this microbatch's DocumentPositions
     counted: Any = None     # [B, S_loc] 1/0: which targets carry loss (None: all)
+    loss: Any = None        # the microbatch's own loss of its per-token losses (None: their
+    #                         sum over the counted targets): forward(token_loss) -> float and
+    #                         dout(loss_weight) -> their gradient (training.objective.PairLoss)
 
 
 @dataclass(kw_only=True)
@@ -104,7 +107,9 @@ class PipelineExecutor:
                 out, caches[key] = chunk.forward(params, wire.stage_input(op, stage, mb), at,
                                                  mb.targets if stage == last_stage else None,
                                                  self.scope)
-                if stage == last_stage:
+                if stage == last_stage and mb.loss is not None:
+                    loss += mb.loss.forward(out)
+                elif stage == last_stage:
                     loss += float((out if mb.counted is None else out * mb.counted).sum())
                 else:
                     wire.acts_out[key] = out
@@ -115,7 +120,9 @@ class PipelineExecutor:
                 else:
                     if stage == last_stage:
                         mb = microbatches[op.microbatch]
-                        dout = loss_weight if mb.counted is None else loss_weight * mb.counted
+                        dout = (mb.loss.dout(loss_weight) if mb.loss is not None
+                                else loss_weight if mb.counted is None
+                                else loss_weight * mb.counted)
                     elif key in wire.grad_in:
                         dout = wire.grad_in.pop(key)
                     else:  # p == 1: the next chunk is on this rank

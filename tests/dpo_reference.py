@@ -1,0 +1,108 @@
+"""The float64 reference of the DPO tests: preference pairs of token ids, a hand-written DPO loss
+on transformers' float64 log-probabilities trained with ``torch.optim.AdamW``, and mpipar
+engines on the same checkpoint and pairs. Shared by the one-process and multi-rank tests.
+
+Importing this module skips the importing test module where torch or transformers is missing.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+
+from transformers_reference import OPT, S, V, hf_model, rel, torch, torch_adamw
+from mpipar.checkpoint.huggingface import load_hf, mpipar_name
+from mpipar.config import Config, ParallelConfig, TrainConfig
+from mpipar.data.preference import prepare_preference
+from mpipar.rules import validate
+from mpipar.training import step as trainer
+from mpipar.training.rank import Rank, build_rank
+
+PAIRS, BATCH, STEPS, BETA = 5, 2, 2, 0.7
+"""Pairs in the file (the reference pass covers all, the last batch wrapping), pairs per step,
+steps, DPO's beta (large enough that the sigmoid is far from 1/2 after a step)."""
+
+
+def write_pairs(path: Path) -> Path:
+    """:data:`PAIRS` random pairs of ids (prompts of 1..5 tokens, responses of 1..8) prepared
+    for ``--seq-len`` :data:`S`; the JSONL beside the .h5."""
+    rng = np.random.default_rng(7)
+    lines = []
+    for _ in range(PAIRS):
+        ids = [rng.integers(1, V, rng.integers(lo, hi)).tolist() for lo, hi in
+               ((1, 6), (1, 9), (1, 9))]
+        lines.append(json.dumps(dict(zip(("prompt_ids", "chosen_ids", "rejected_ids"), ids))))
+    src = path.with_suffix(".jsonl")
+    src.write_text("\n".join(lines) + "\n")
+    prepare_preference(src, path, S)
+    return path
+
+
+def dpo_engine(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, **parallel) -> Rank:
+    """An engine on ``comm`` with the checkpoint's weights, training the pairs in order with
+    DPO (:data:`BATCH` pairs a step; one pair a microbatch on a layout, both in one alone)."""
+    cfg, params = load_hf(checkpoint)
+    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=BATCH,
+                        micro_batch_size=1 if parallel else BATCH, lr_schedule="constant",
+                        warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
+                        shuffle=False, seed=0, data=str(pairs), objective="dpo", dpo_beta=BETA,
+                        **OPT)
+    layout = validate(Config(cfg, ParallelConfig(**parallel), train), comm.Get_size())
+    engine = build_rank(layout, comm)
+    trainer.load_params(engine, params)
+    return engine
+
+
+def _logps(model, rows, counted):
+    """Each row's summed log-probability of its counted targets (float64)."""
+    logits = model(input_ids=rows[:, :S]).logits
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, rows[:, 1:, None])[..., 0]
+    return (logp * counted).sum(dim=1)
+
+
+@functools.lru_cache(maxsize=None)
+def torch_dpo(checkpoint: Path, pairs: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """transformers + torch.optim.AdamW on DPO's loss written out here, pairs in order: per step
+    (loss, rewards, accuracy, gradient norm) and the trained parameters by mpipar name. Call it
+    with the float64 patches applied."""
+    with h5py.File(pairs, "r") as f:
+        tokens, mask = np.asarray(f["tokens"], np.int64), np.asarray(f["loss_mask"])
+    idx = np.arange(2 * PAIRS)[:, None] * S + np.arange(S + 1)
+    rows, counted = torch.from_numpy(tokens[idx]), torch.from_numpy(mask[idx][:, 1:] != 0)
+    model = hf_model(checkpoint)
+    with torch.no_grad():
+        reference = _logps(model, rows, counted.double())
+    model.train()
+    named = dict(model.named_parameters())
+    opt = torch_adamw(model)
+    steps = []
+    for k in range(STEPS):
+        at = slice(2 * k * BATCH, 2 * (k + 1) * BATCH)
+        opt.zero_grad()
+        rewards = BETA * (_logps(model, rows[at], counted[at].double()) - reference[at])
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip_grad"]).item()
+        opt.step()
+        steps.append({"loss": loss.item(), "grad_norm": norm,
+                      "dpo_reward_chosen": chosen.mean().item(),
+                      "dpo_reward_rejected": rejected.mean().item(),
+                      "dpo_accuracy": (chosen > rejected).double().mean().item()})
+    return steps, {mpipar_name(n): p.detach().numpy().copy() for n, p in named.items()}
+
+
+def dpo_differences(results, trained: dict, want) -> dict[str, float]:
+    """The largest relative difference of each step quantity and of the trained parameters of
+    an mpipar run against :func:`torch_dpo`'s."""
+    steps, params = want
+    assert sorted(trained) == sorted(params)
+    got = [{"loss": r.loss, "grad_norm": r.grad_norm, **r.preference} for r in results]
+    out = {key: max(abs(g[key] - w[key]) / max(abs(w[key]), 1e-300) if w[key] else abs(g[key])
+                    for g, w in zip(got, steps)) for key in steps[0]}
+    out["params"] = max(rel(v, params[n]) for n, v in trained.items())
+    return out

@@ -1,0 +1,39 @@
+"""DPO on dp x tp x pp layouts of 8 ranks (one with ZeRO-3) equals transformers +
+torch.optim.AdamW in float64 with DPO's loss written out (:mod:`dpo_reference`): losses,
+rewards, accuracy, gradient norms and trained weights over two steps to 1e-10 relative."""
+from __future__ import annotations
+
+import pytest
+
+# First: importing dpo_reference skips this module where torch or transformers is missing.
+from dpo_reference import dpo_differences, dpo_engine, torch_dpo, write_pairs
+from transformers_reference import TOL, float64_transformers, make_checkpoint  # noqa: F401
+
+from conftest import check_in_groups
+from layouts import layout_name, layout_size
+from mpipar.training import step as trainer
+
+LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(dp=2, pp=2, tp=2, zero=3)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    return make_checkpoint("llama", root), write_pairs(root / "pairs.h5")
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout_name(v) for v in LAYOUTS])
+def test_dpo_layouts_train_like_torch(world, files, layout, float64_transformers):
+    """Every rank builds the same checkpoint, pairs and reference (deterministic)."""
+    def check(comm) -> list[str]:
+        checkpoint, pairs = files
+        engine = dpo_engine(checkpoint, pairs, comm, **layout)
+        results = [trainer.train_step(engine, k) for k in range(2)]
+        diffs = dpo_differences(results, trainer.gather_params(engine),
+                                torch_dpo(checkpoint, pairs))
+        if world.rank == 0:
+            print(f"\nDPO {layout_name(layout)}: {diffs}")
+        return [] if max(diffs.values()) <= TOL else [f"{diffs}"]
+
+    check_in_groups(world, layout_size(layout), check)

@@ -1,0 +1,74 @@
+"""DPO on one process equals transformers + torch.optim.AdamW in float64 with DPO's loss
+written out by hand (:mod:`dpo_reference`): losses, rewards, accuracy, gradient norms and the
+trained weights over two steps to 1e-10 relative."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+# First: importing dpo_reference skips this module where torch or transformers is missing.
+from dpo_reference import BETA, dpo_differences, dpo_engine, torch_dpo, write_pairs
+from transformers_reference import TOL, float64_transformers, make_checkpoint  # noqa: F401
+
+from mpipar.training import step as trainer
+from mpipar.training.objective import DPO
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    return make_checkpoint("llama", root), write_pairs(root / "pairs.h5")
+
+
+def test_dpo_trains_like_torch(files, float64_transformers):
+    checkpoint, pairs = files
+    engine = dpo_engine(checkpoint, pairs)
+    results = [trainer.train_step(engine, k) for k in range(2)]
+    want = torch_dpo(checkpoint, pairs)
+    diffs = dpo_differences(results, trainer.gather_params(engine), want)
+    print(f"\nDPO one process: {diffs}")
+    assert results[0].loss == pytest.approx(math.log(2), rel=1e-15)   # the policy is the reference
+    assert abs(want[0][1]["dpo_reward_chosen"]) > 1e-3   # step 2's policy has moved
+    assert max(diffs.values()) <= TOL, diffs
+
+
+def test_pair_gradient_is_the_loss_derivative():
+    """row_weights is -d(sum of pair losses)/d(log-prob of the row) (central differences)."""
+    dpo, rng = DPO(BETA), np.random.default_rng(3)
+    logps, ref = rng.normal(size=6), rng.normal(size=6)
+    h = 1e-6
+    for i in range(6):
+        up, down = logps.copy(), logps.copy()
+        up[i] += h
+        down[i] -= h
+        grad = (dpo.losses(up, ref).sum() - dpo.losses(down, ref).sum()) / (2 * h)
+        assert -grad == pytest.approx(dpo.row_weights(logps, ref)[i], rel=1e-7)
+
+
+def _refused(files, tmp_path, message: str, **changes) -> None:
+    from mpipar.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+    from mpipar.rules import validate
+    checkpoint, pairs = files
+    parallel = changes.pop("parallel", {})
+    train = {"seq_len": 12, "global_batch_size": 2, "micro_batch_size": 1, "data": str(pairs),
+             "objective": "dpo", "backend": "numpy", **changes}
+    cfg = Config(ModelConfig(vocab_size=97), ParallelConfig(**parallel), TrainConfig(**train))
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, max(1, parallel.get("sp", 1)))
+
+
+def test_dpo_rules_name_the_value(files, tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.zeros(100, np.int64))
+    _refused(files, tmp_path, r"train.dpo_beta=0.0: must be a finite number > 0", dpo_beta=0.0)
+    _refused(files, tmp_path, r"parallel.sp=2 with --objective dpo", parallel={"sp": 2})
+    _refused(files, tmp_path, r"not an HDF5 file written by data prepare --preference",
+             data=str(tokens))
+    _refused(files, tmp_path, r"pairs of 12 tokens, not --seq-len 10", seq_len=10)
+    _refused(files, tmp_path, r"train.global_batch_size=6: more pairs than the 5",
+             global_batch_size=6)
+    _refused(files, tmp_path, r"train.loss_mask=True with --objective dpo", loss_mask=True)
+    _refused(files, tmp_path, r"train.resume='auto' with --objective dpo", resume="auto",
+             save_dir=str(tmp_path / "ckpt"))

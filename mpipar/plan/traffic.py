@@ -7,7 +7,7 @@ counting convention (:mod:`mpipar.runtime.comm`: the payload of each call, sende
 inside and across nodes (the planner's nodes, :func:`mpipar.plan.rank.nodes_of`;
 :mod:`mpipar.runtime.comm` for the wire factors and links). All three come from one list of the
 step's calls (:func:`step_calls`), which concatenates what each parallel axis predicts for
-itself (:mod:`mpipar.parallel.calls`): tensor (:func:`mpipar.parallel.tensor.tensor_calls`),
+itself (:mod:`mpipar.parallel.calls`): tensor (:func:`mpipar.parallel.tensor.cost.tensor_calls`),
 sequence (:func:`mpipar.parallel.sequence.cost.sequence_calls`), pipeline
 (:func:`mpipar.parallel.pipeline.schedule.pipeline_calls`), and the gradient reduction over
 dp x sp (:func:`mpipar.parallel.data_parallel.cost.reduction_calls`, or at ZeRO-2/3

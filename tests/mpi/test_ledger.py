@@ -9,7 +9,7 @@ from layouts import small_config, token_source
 from mpipar.rules import validate
 
 PREDICTED_BY = {
-    "tp": "mpipar.parallel.tensor.tensor_calls",
+    "tp": "mpipar.parallel.tensor.cost.tensor_calls",
     "sp": "mpipar.parallel.sequence (the mode's calls)",
     "sp_ulysses": "mpipar.parallel.sequence (the mode's calls)",
     "sp_ring": "mpipar.parallel.sequence (the mode's calls)",

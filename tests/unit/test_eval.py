@@ -16,7 +16,7 @@ from mpipar.layout import resolve_model
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.parallel.placement import PlacementTable
-from mpipar.parallel.tensor import TensorParallel
+from mpipar.parallel.tensor.ops import TensorParallel
 from mpipar.rules import validate
 from mpipar.training import step as trainer
 from mpipar.training.rank import build_rank

@@ -74,7 +74,7 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
     gathering, an all-gather of each unit a forward enters. Parameters travel as compute
     copies, gradients in the reduce dtype, the tied slice in the masters'. ``group`` (of
     ``shards`` ranks): what the units are sharded over (default dp x sp; the experts' units:
-    ``ep_dp``, :func:`mpipar.parallel.experts.expert_unit_calls`)."""
+    ``ep_dp``, :func:`mpipar.parallel.experts.cost.expert_unit_calls`)."""
     prec = Precision.of(layout.train, layout.parallel)
     n, g = shards or layout.dp * layout.parallel.sp, group
     e = prec.compute_bytes

@@ -18,7 +18,7 @@ import math
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
 from mpipar.parallel.compression import alignment
-from mpipar.parallel.data_parallel.cost import reduction_buckets
+from mpipar.parallel.data_parallel.cost import compressed_over, compresses, reduction_buckets
 from mpipar.parallel.experts.cost import expert_bucket_lengths
 from mpipar.parallel.experts.split import expert_shards, expert_units
 from mpipar.parallel.fsdp import cost as fsdp_cost, sharded as fsdp
@@ -107,11 +107,9 @@ def group_members(layout: Layout, name: str, rank: int) -> list[int]:
 
 def compressed_size(layout: Layout) -> int:
     """Ranks of the group the gradient reduction compresses over (and the residual slots):
-    across nodes when hierarchical, else dp x sp; 1 when nothing is compressed."""
-    par = layout.parallel
-    if par.grad_compression == "none":
-        return 1
-    return group_sizes(layout)["dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"]
+    across nodes when hierarchical, else dp x sp; 1 when nothing is compressed
+    (:func:`mpipar.parallel.data_parallel.cost.compressed_over`)."""
+    return compressed_over(layout, group_sizes(layout)) if compresses(layout) else 1
 
 
 def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:

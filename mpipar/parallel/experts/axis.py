@@ -1,10 +1,12 @@
 """The expert axis (:class:`mpipar.parallel.axis.Axis`): the mixture of experts' rules and its
-calls over sp, ep and ``ep_dp``."""
+calls over sp, ep and ``ep_dp``, the expert record a sparse block keeps and the experts'
+buffers."""
 from __future__ import annotations
 
 from mpipar.parallel.axis import AxisUnit, StepRank
 from mpipar.parallel.calls import Call
-from mpipar.parallel.experts.cost import expert_calls, expert_unit_calls
+from mpipar.parallel.experts.cost import (expert_calls, expert_footprint, expert_held,
+                                          expert_unit_calls)
 from mpipar.parallel.experts.rule import check_config
 
 
@@ -20,5 +22,6 @@ def _expert_traffic(rank: StepRank) -> list[Call]:
     return calls
 
 
-EXPERTS = AxisUnit("experts", check_config, _expert_traffic)
+EXPERTS = AxisUnit("experts", check_config, _expert_traffic, footprint=expert_footprint,
+                   holds=expert_held)
 """The expert axis: the sparse blocks' exchange over sp and ep, the experts sharded over ep."""

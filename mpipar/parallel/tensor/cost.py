@@ -1,10 +1,16 @@
-"""What tensor parallelism costs a rank: the tp group's calls in a step."""
+"""What tensor parallelism costs a rank: the tp group's calls in a step, and the split's memory
+and time terms (what a block and the LM head keep on a tp rank; their FLOPs on it)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from mpipar.layout import Layout
+from mpipar.model.flops import block_flops_per_token
+from mpipar.model.recompute import Recompute
+from mpipar.parallel.axis import Footprint
 from mpipar.parallel.calls import Call
+from mpipar.parallel.pipeline.schedule import schedule_of
+from mpipar.parallel.placement import padded_vocab
 from mpipar.runtime.precision import Precision
 
 
@@ -66,6 +72,70 @@ def _norm_reductions(layout: Layout, stages: Sequence[int],
     if layout.parallel.zero >= 2:
         return [2 if u.startswith("layers.") else 1 for u, k in unit_passes if u != "embed"
                 for _ in range(k)]
-    if layout.parallel.schedule == "zb-h1":
+    if schedule_of(layout.parallel).defers_weights:
         return [2 * per + int(s == last) for s in stages]
     return [2] * (per * len(stages)) + ([1] if last in stages else [])
+
+
+# ------------------------------------------------------------------------- memory and time
+def block_record_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
+    """Bytes of the fields of a block's :class:`mpipar.model.llama.BlockSaved` that the tp split
+    shapes, one microbatch on one rank: the stream (``x``, ``h1``, ``rstd1``, ``x2``, ``h2``,
+    ``rstd2``: token shards under tp sequence parallelism), the attention output and its lse
+    over this rank's heads, the FFN's ``g``, ``u``, ``m`` over its columns (``sparse``: the
+    shared expert's, split as the dense FFN)."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    prec = Precision.of(tr, par)
+    e, se = prec.compute_bytes, prec.stat_bytes
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
+    H, q = m.hidden, m.heads // par.tp * m.head_dim
+    F = (m.moe_shared_ffn_hidden if sparse else m.ffn_hidden) // par.tp
+    return {"x": H * ns * e, "h1": H * ns * e, "rstd1": ns * se,
+            "attention_out": q * n * e, "attention_saved": n * (m.heads // par.tp) * se,
+            "x2": H * ns * e, "h2": H * ns * e, "rstd2": ns * se,
+            "g": F * n * e, "u": F * n * e, "m": F * n * e}
+
+
+def head_record_bytes(layout: Layout) -> int:
+    """Bytes the LM head keeps for one microbatch on a tp rank: x, normed x, rstd (stream),
+    logits over its vocabulary slice, targets, lse."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    prec = Precision.of(tr, par)
+    e, se = prec.compute_bytes, prec.stat_bytes
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)
+    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
+    return 2 * m.hidden * ns * e + ns * se + vl * n * e + n * (8 + se)
+
+
+def tensor_footprint(layout: Layout, mode: Recompute) -> Footprint:
+    """The tensor axis's :class:`mpipar.parallel.axis.Footprint`: a block's and the head's
+    records on a tp rank (the same under every recompute mode: the mode picks the fields)."""
+    return Footprint(block_record_bytes(layout), block_record_bytes(layout, sparse=True),
+                     head_record_bytes(layout))
+
+
+def block_flops(layout: Layout, context: float) -> float:
+    """FLOPs of one microbatch's forward through one block on a tp rank, its queries attending
+    to ``context`` keys each (:func:`mpipar.model.flops.block_flops_per_token`)."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    return block_flops_per_token(m, par.tp, context) * n
+
+
+def head_flops(layout: Layout) -> float:
+    """FLOPs of one microbatch's forward through the LM head on a tp rank (its vocabulary
+    slice)."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
+    return 2 * m.hidden * vl * n
+
+
+def qkv_flops(layout: Layout, blocks: int) -> int:
+    """FLOPs of the q/k/v projections of one microbatch through ``blocks`` blocks on a tp rank
+    (what selective recompute repeats)."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    return 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * blocks

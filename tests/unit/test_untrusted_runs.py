@@ -36,8 +36,8 @@ def _checkpoint(save_dir, step: int = 0, **model) -> str:
     for key, value in model.items():
         setattr(cfg.model, key, value)
     cfg = validate(cfg, 1)
-    engine = build_rank(cfg, MPI.COMM_SELF, source=token_source())
-    return str(writer.save(engine.state, trainer.run_position(engine, step), save_dir,
+    rank = build_rank(cfg, MPI.COMM_SELF, source=token_source())
+    return str(writer.save(rank.state, trainer.run_position(rank, step), save_dir,
                                Group(MPI.COMM_SELF, "world", Ledger())))
 
 

@@ -27,6 +27,7 @@ import tomli_w
 
 from mpipar.model.recompute import RECOMPUTE_MODES, Recompute
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
+from mpipar.parallel.sequence.names import SP_MODE_HELP, sp_mode_help
 
 
 class ConfigError(ValueError):
@@ -211,12 +212,7 @@ class ParallelConfig:
     sp_min_chunk: int = _f(64, "--sp-split balanced: the fewest tokens in a dealt chunk (a kernel "
                                "tile; the ring makes a kernel call per pair of a rank's runs, "
                                "so smaller chunks balance short documents finer at more calls)")
-    sp_mode: str = _f("ring", "SP attention: ring (K/V passed around), ulysses (all-to-all "
-                              "to head groups), hybrid (Ulysses inside groups of "
-                              "--ulysses-size sp ranks, ring across them) or halo (sliding "
-                              "window: only the W-1 positions before each rank's tokens come "
-                              "from the ranks holding them)",
-                      choices=("ring", "ulysses", "hybrid", "halo"))
+    sp_mode: str = _f("ring", sp_mode_help(), choices=tuple(SP_MODE_HELP))
     ulysses_size: int = _f(0, "--sp-mode hybrid: sp ranks per Ulysses group (consecutive, so "
                               "on one node when tp x ulysses_size ranks fit in one); the ring "
                               "runs over sp / ulysses_size of them")
@@ -403,8 +399,9 @@ class TrainConfig:
     trace_steps: str = _f("", "steps whose events go to RUN_DIR/trace.json (Chrome trace format, "
                               "ui.perfetto.dev): a number N (steps 1..N), a range 'A-B' or a "
                               "list '3,5'; empty: none")
-    resume: str = _f("", "resume from 'auto' (newest complete checkpoint in save_dir, else start "
-                         "fresh) or a checkpoint path; model settings then come from it")
+    resume: str = _f("", "resume from 'auto' (the newest checkpoint in save_dir that verifies; "
+                         "none saved yet: start fresh; saved but none verifies: refused) or a "
+                         "checkpoint path; model settings then come from it")
     reset_optimizer: bool = _f(False, "with --resume: the parameters only, the optimizer state "
                                       "starts afresh (how a run resumes under another --optimizer)")
     dump_activations: str = _f("", "steps whose chunk activations every rank writes to "

@@ -195,31 +195,21 @@ def check_model(args: argparse.Namespace, cfg: Layout, kind: str, positions: int
         raw = hf.read_config_json(root)
         return hf.stored_bytes(hf.check_tensors(root, raw, cfg.model),
                                raw.get("model_type", "llama"))
-    _check_checkpoint_shapes(args.model, cfg.model)
+    from mpipar.checkpoint.directory import resolve_path
+    from mpipar.checkpoint.index import read_index
+    from mpipar.checkpoint.reader import require_config_shapes
+    path = resolve_path(args.model)
+    require_config_shapes(path, read_index(path))
     return 0
 
 
 def _require_layers(path: str, model: ModelConfig, tensors: int) -> None:
-    """Each layer has tensors of its own: a config claiming more layers than ``path`` stores
-    tensors is refused before the tensors it implies are listed."""
+    """Each layer has tensors of its own: a Hugging Face config claiming more layers than
+    ``path`` stores tensors is refused before the tensors it implies are listed (a checkpoint's:
+    :func:`mpipar.checkpoint.reader.require_config_shapes`)."""
     if model.layers > tensors:
         raise ConfigError(f"{path}: its config claims {model.layers:,} layers, but it stores "
                           f"{tensors} tensors")
-
-
-def _check_checkpoint_shapes(path: str, model: ModelConfig) -> None:
-    """Every parameter the model config implies is stored, with its shape (metadata only)."""
-    from mpipar.checkpoint.directory import CheckpointError
-    from mpipar.checkpoint.tools import inspect
-    from mpipar.model.params import param_specs
-    stored = {t["name"]: tuple(t["shape"]) for t in inspect(path)["tensors"]}
-    _require_layers(path, model, sum(name.startswith("param/") for name in stored))
-    for spec in param_specs(model):
-        name = f"param/{spec.name}"
-        if stored.get(name) != spec.shape:
-            found = "is missing" if name not in stored else f"has shape {list(stored[name])}"
-            raise CheckpointError(
-                f"{path}: {name} {found}, but the checkpoint's config implies {list(spec.shape)}")
 
 
 def _load(generator, path: str, kind: str, comm: MPI.Comm) -> None:

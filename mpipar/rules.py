@@ -1,6 +1,6 @@
 """Every configuration rule of a run, in the order they are asked.
 
-A rule lives with the component it governs (the tensor split with ``parallel/tensor.py``, the
+A rule lives with the component it governs (the tensor split with ``parallel/tensor/rule.py``, the
 schedule with the pipeline, ...); this module only lists them: first every parallel axis's, in
 :data:`mpipar.parallel.registry.AXES` order, then the other components'. :func:`validate` checks
 the fields' own rules and the layout's (:func:`mpipar.layout.resolve`: the grid's sizes, the

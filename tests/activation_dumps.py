@@ -27,9 +27,9 @@ def single_process_dump() -> str:
     """Run dir of a 2-step single-process run that dumped steps 1 and 2."""
     from mpi4py import MPI
     run_dir = tempfile.mkdtemp(prefix="mpipar-act-ref-")
-    eng = dumping_engine(small_config("float64"), MPI.COMM_SELF, run_dir, "1,2")
+    rank = dumping_engine(small_config("float64"), MPI.COMM_SELF, run_dir, "1,2")
     for k in range(2):
-        trainer.train_step(eng, k)
+        trainer.train_step(rank, k)
     return run_dir
 
 

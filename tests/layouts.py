@@ -96,19 +96,19 @@ def token_source(seq_len: int = 16):
 
 
 def run(cfg: Config, comm, steps: int = 2):
-    """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, engine)."""
+    """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, rank)."""
     from mpipar.training.rank import build_rank
-    eng = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-    results = [trainer.train_step(eng, k) for k in range(steps)]
-    return ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(eng), eng)
+    rank = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    results = [trainer.train_step(rank, k) for k in range(steps)]
+    return ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(rank), rank)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(dtype: str = "float64", steps: int = 2, model: str = "llama"):
     """The single-process run (computed once per process)."""
     from mpi4py import MPI
-    losses, norms, params, engine = run(small_config(dtype, model), MPI.COMM_SELF, steps)
-    trainer.close(engine)
+    losses, norms, params, rank = run(small_config(dtype, model), MPI.COMM_SELF, steps)
+    trainer.close(rank)
     return losses, norms, params
 
 
@@ -139,19 +139,19 @@ def compare(got, ref, tol: float) -> list[str]:
     return fails
 
 
-def global_state(eng, world) -> dict[tuple[str, str], np.ndarray]:
+def global_state(rank, world) -> dict[tuple[str, str], np.ndarray]:
     """Every global tensor of params and AdamW moments (and residuals) by (kind, name), each of
     the parameter's global shape, assembled from all ranks' unique pieces (NaN where no rank
     holds an element); fails if an element is reported twice. Collective over ``world``."""
     mine = []
-    for kind, name, lo, hi, values in eng.state.pieces():
-        region, valid = eng.state.region(name)
-        mine.append((kind, name, region, valid, eng.state.local_shape(name), (lo, hi),
+    for kind, name, lo, hi, values in rank.state.pieces():
+        region, valid = rank.state.region(name)
+        mine.append((kind, name, region, valid, rank.state.local_shape(name), (lo, hi),
                      values.copy()))
     out: dict[tuple[str, str], np.ndarray] = {}
     for items in world.allgather(mine):
         for kind, name, region, valid, local_shape, flat_range, values in items:
-            arr = out.setdefault((kind, name), np.full(eng.state.shapes[name], np.nan))
+            arr = out.setdefault((kind, name), np.full(rank.state.shapes[name], np.nan))
             flat = np.full(int(np.prod(local_shape)), np.nan)  # a flat range of that rank's shard
             flat[flat_range[0]:flat_range[1]] = values
             block = flat.reshape(local_shape)[valid]

@@ -22,10 +22,10 @@ def run_mode(layout: dict, mode: str, comm, run_dir: str, **train):
     cfg.train.recompute, cfg.train.run_dir = mode, run_dir
     for key, value in train.items():
         setattr(cfg.train, key, value)
-    eng = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-    out = [trainer.train_step(eng, k) for k in range(2)]
-    params = trainer.gather_params(eng)
-    trainer.close(eng)
+    rank = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    out = [trainer.train_step(rank, k) for k in range(2)]
+    params = trainer.gather_params(rank)
+    trainer.close(rank)
     return [r.loss for r in out], [r.grad_norm for r in out], params
 
 

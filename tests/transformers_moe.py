@@ -103,10 +103,10 @@ def assert_trains_as_transformers(path, tmp_path, sparse_layers: int) -> dict[st
     _, params = load_hf(path)
     rows = np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1))
     np.save(tmp_path / "rows.npy", rows)
-    engine = mpipar_engine(cfg, params, tmp_path / "rows.npy")
-    results = [trainer.train_step(engine, k) for k in range(STEPS)]
-    trained = trainer.gather_params(engine)
-    trainer.close(engine)
+    rank = mpipar_engine(cfg, params, tmp_path / "rows.npy")
+    results = [trainer.train_step(rank, k) for k in range(STEPS)]
+    trained = trainer.gather_params(rank)
+    trainer.close(rank)
     ce, aux, norms, want = torch_training(path, torch.from_numpy(rows), sparse_layers)
     assert sorted(trained) == sorted(want)
     for r, c, a, n in zip(results, ce, aux, norms):

@@ -236,9 +236,9 @@ def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
                         shuffle=False, seed=0, **OPT, **dict(train_fields or ()))
     cfg = validate(Config(model_cfg, ParallelConfig(**parallel), train), comm.Get_size())
-    engine = build_rank(cfg, comm, source=load_tokens(str(samples), V, S))
-    trainer.load_params(engine, params)
-    return engine
+    rank = build_rank(cfg, comm, source=load_tokens(str(samples), V, S))
+    trainer.load_params(rank, params)
+    return rank
 
 
 def torch_adamw(model) -> "torch.optim.AdamW":

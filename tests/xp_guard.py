@@ -15,7 +15,7 @@ from mpipar.rules import validate
 
 HOT_PATH = ("mpipar.training.step", "mpipar.training.batches", "mpipar.runtime.comm",
             "mpipar.model.llama", "mpipar.model.attention",
-            "mpipar.parallel.tensor", "mpipar.parallel.sequence.common",
+            "mpipar.parallel.tensor.ops", "mpipar.parallel.sequence.common",
             "mpipar.parallel.sequence.ring", "mpipar.parallel.sequence.halo",
             "mpipar.parallel.sequence.ulysses", "mpipar.parallel.sequence.hybrid",
             "mpipar.parallel.data_parallel.reducer",

@@ -36,7 +36,7 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import KVCache, LlamaStage
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only
-from mpipar.parallel.tensor import TensorParallel
+from mpipar.parallel.tensor.ops import TensorParallel
 from mpipar.parallel.placement import PlacementTable
 from mpipar.inference.sampling import Sampling, next_token
 from mpipar.checkpoint.shards import Reader, read_shard

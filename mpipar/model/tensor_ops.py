@@ -3,7 +3,7 @@ each carried out as the placement table places its weight.
 
 The block names the weights it applies and says nothing of how they are split. Which linear is
 column-, row- or vocabulary-parallel, or replicated, is one column of the placement table
-(:mod:`mpipar.parallel.placement`); the implementation (:class:`mpipar.parallel.tensor.
+(:mod:`mpipar.parallel.placement`); the implementation (:class:`mpipar.parallel.tensor.ops.
 TensorParallel`) reads the role there and chooses the communication around the GEMMs: the
 whole input of a column-parallel linear (identity, or the all-gather of token shards), the sum
 over tp of a row-parallel one's output (all-reduce, or reduce-scatter), nothing around a

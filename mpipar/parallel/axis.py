@@ -1,20 +1,27 @@
 """The parallel axis as a unit: one object per axis behind one protocol.
 
 An :class:`Axis` says, for its own axis, the configuration rule (``check``, asked by
-:mod:`mpipar.rules` in :data:`mpipar.parallel.registry.AXES` order) and the MPI calls it
+:mod:`mpipar.rules` in :data:`mpipar.parallel.registry.AXES` order), the MPI calls it
 predicts for one rank in a step or a validation pass (``calls``, concatenated by
-:func:`mpipar.plan.traffic.step_calls`; the ledger tests hold the engine to them). What an axis
-reads of the rank it predicts for is a :class:`StepRank`: the planner computes it (from the
-layout alone, :mod:`mpipar.plan.rank`), so an axis needs nothing above ``parallel/``.
-:class:`AxisUnit` is the one implementation: a name and two functions of the axis's modules.
+:func:`mpipar.plan.traffic.step_calls`; the ledger tests hold the engine to them), and its
+memory and time terms: what its split makes a block and the LM head keep for backward
+(``activations``, a :class:`Footprint` summed field by field over the axes by
+:mod:`mpipar.plan.memory`), the buffers it holds beside the parameters (``held``, a
+:class:`Held`), and the seconds it spends on a group besides its calls' transfers
+(``seconds``, added by :mod:`mpipar.plan.step_time`). What an axis reads of the rank it
+predicts for is a :class:`StepRank`: the planner computes it (from the layout alone,
+:mod:`mpipar.plan.rank`), so an axis needs nothing above ``parallel/``. :class:`AxisUnit` is
+the one implementation: a name and the functions of the axis's modules, the terms an axis
+does not have left at none.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from mpipar.layout import Layout
+from mpipar.model.recompute import Recompute
 from mpipar.parallel.calls import Call
 from mpipar.runtime.topology import Coord, GridShape
 
@@ -37,6 +44,8 @@ class StepRank(Protocol):
     @property
     def chunk_layers(self) -> list[list[int]]: ...         # the blocks of each chunk
     @property
+    def ops(self) -> list: ...                             # its schedule's op list
+    @property
     def entered(self) -> list[tuple[str, int]]: ...        # ZeRO-2/3: (unit, reduce-scatters)
     @property
     def group_sizes(self) -> dict[str, int]: ...
@@ -56,8 +65,37 @@ class StepRank(Protocol):
     def tied(self) -> bool: ...                            # the embedding tied across pp
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes an axis's split makes one rank keep for backward, one microbatch: per field of a
+    dense block's record (:class:`mpipar.model.llama.BlockSaved`), of a sparse block's, and
+    the LM head's. The planner sums each field over the axes, then asks the recompute mode
+    which fields stay (:meth:`mpipar.model.recompute.Recompute.resident_bytes`)."""
+
+    block: Mapping[str, int] = field(default_factory=dict)
+    sparse: Mapping[str, int] = field(default_factory=dict)
+    head: int = 0
+
+
+@dataclass(frozen=True)
+class Held:
+    """Bytes an axis's runtime holds on a rank beside the parameters, their gradients and
+    moments and the activations (the fields of :class:`mpipar.plan.memory.MemoryEstimate`
+    of the same names)."""
+
+    buffers: int = 0     # copies for the wire, gathered units, their pool
+    residuals: int = 0   # error-feedback residuals
+
+
+class Rates(Protocol):
+    """What the time terms read of the hardware (:class:`mpipar.plan.step_time.Hardware`)."""
+
+    int8_seconds: float    # a rank's int8 encode/decode work per element compressed
+    topk_seconds: float    # a rank's top-k selection and decode work per element
+
+
 class Axis(Protocol):
-    """One parallel axis: its rule and the calls it predicts."""
+    """One parallel axis: its rule, the calls it predicts, its memory and time terms."""
 
     name: str
 
@@ -67,17 +105,42 @@ class Axis(Protocol):
     def calls(self, rank: StepRank) -> list[Call]:
         """The MPI calls this axis makes on ``rank`` (none when the axis is not in use)."""
 
+    def activations(self, layout: Layout, mode: Recompute) -> Footprint:
+        """What its split makes a rank of ``layout`` keep for backward under ``mode``."""
+
+    def held(self, rank: StepRank) -> Held:
+        """The buffers its runtime holds on ``rank`` in a training step."""
+
+    def seconds(self, rank: StepRank, rates: Rates) -> dict[str, float]:
+        """Seconds per group of a training step on ``rank`` besides its calls' transfers."""
+
+
+NO_FOOTPRINT, NOTHING_HELD = Footprint(), Held()
+
 
 @dataclass(frozen=True)
 class AxisUnit:
-    """An :class:`Axis` made of its modules' rule and traffic functions."""
+    """An :class:`Axis` made of its modules' functions: the rule and the traffic, and the terms
+    it has (``footprint``, ``holds``, ``work``; none where absent)."""
 
     name: str
     rule: Callable[[Layout], None]
     traffic: Callable[[StepRank], list[Call]]
+    footprint: Callable[[Layout, Recompute], Footprint] | None = None
+    holds: Callable[[StepRank], Held] | None = None
+    work: Callable[[StepRank, Any], dict[str, float]] | None = None
 
     def check(self, layout: Layout) -> None:
         self.rule(layout)
 
     def calls(self, rank: StepRank) -> list[Call]:
         return self.traffic(rank)
+
+    def activations(self, layout: Layout, mode: Recompute) -> Footprint:
+        return self.footprint(layout, mode) if self.footprint else NO_FOOTPRINT
+
+    def held(self, rank: StepRank) -> Held:
+        return self.holds(rank) if self.holds else NOTHING_HELD
+
+    def seconds(self, rank: StepRank, rates: Rates) -> dict[str, float]:
+        return self.work(rank, rates) if self.work else {}

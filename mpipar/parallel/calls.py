@@ -1,8 +1,8 @@
 """A predicted MPI call: what each parallel axis says one step hands to MPI.
 
-Each axis predicts its own traffic beside its runtime (:func:`mpipar.parallel.tensor.
+Each axis predicts its own traffic beside its runtime (:func:`mpipar.parallel.tensor.cost.
 tensor_calls`, :func:`mpipar.parallel.sequence.cost.sequence_calls`, :func:`mpipar.parallel.pipeline.
-schedule.pipeline_calls`, :func:`mpipar.parallel.data_parallel.cost.reduction_calls`,
+cost.pipeline_calls`, :func:`mpipar.parallel.data_parallel.cost.reduction_calls`,
 :func:`mpipar.parallel.fsdp.cost.sharded_calls`) as a list of :class:`Call`, under the ledger's
 counting convention (:mod:`mpipar.runtime.comm`: the payload of each call, sender side; a
 receive counts a call and no bytes). The planner (:mod:`mpipar.plan.traffic`) concatenates

@@ -23,7 +23,7 @@ parameter                        tp (:data:`TP_ROLES`)           pp             
 
 The tp column is the only statement of each linear's tensor-parallel role: the split of the
 weight here (sharding, checkpoints) and the communication of its activations
-(:class:`mpipar.parallel.tensor.TensorParallel`, which the model calls by weight name) both
+(:class:`mpipar.parallel.tensor.ops.TensorParallel`, which the model calls by weight name) both
 read it.
 
 The pp column: virtual stage ``s`` of ``pp * virtual_stages`` holds the blocks
@@ -42,14 +42,14 @@ but each tp rank sees only its token shard, so their gradients are partial sums 
 ``heads_replicated``: every tp rank holds them whole and applies them to its own heads, so their
 gradients are partial sums over tp with or without sequence parallelism.
 
-Experts under ``--ep N`` (:func:`mpipar.parallel.experts.expert_shards`): a sparse block's E
+Experts under ``--ep N`` (:func:`mpipar.parallel.experts.split.expert_shards`): a sparse block's E
 experts are *sharded over the ep group* (``PlacementTable(ep=N)``): the rank at position ``r``
 of its ep group (``dp_sp.rank % N``) holds experts ``[r E/N, (r+1) E/N)`` only, their weights,
 gradients and optimizer moments (:meth:`PlacementTable.holds`, :func:`expert_of`), replicated
 over the ``ep_dp`` group (the ranks of dp x sp at the same ep position) and reduced there. The
 router, a sparse block's shared expert (``mlp.shared_expert.*``: a dense FFN, not an expert)
 and every dense weight keep the dp x sp column above. Under ZeRO-2/3 a block's held experts are a
-unit of their own sharded over ``ep_dp`` (:func:`mpipar.parallel.experts.expert_units`).
+unit of their own sharded over ``ep_dp`` (:func:`mpipar.parallel.experts.split.expert_units`).
 ``ep=1`` (no ep): every rank holds every expert.
 
 Tied embeddings (``tie_embeddings``) are one parameter used by the first stage (embedding) and

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from mpipar.parallel.axis import Axis
 from mpipar.parallel.data_parallel.axis import DATA
-from mpipar.parallel.experts import EXPERTS
+from mpipar.parallel.experts.axis import EXPERTS
 from mpipar.parallel.fsdp.axis import FSDP
 from mpipar.parallel.pipeline.axis import PIPELINE
 from mpipar.parallel.sequence.axis import SEQUENCE
-from mpipar.parallel.tensor import TENSOR
+from mpipar.parallel.tensor.axis import TENSOR
 
 AXES: tuple[Axis, ...] = (
     TENSOR,      # heads, FFN, tokens for tp sequence parallelism

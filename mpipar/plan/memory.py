@@ -12,6 +12,7 @@ gives them is :mod:`mpipar.plan.admission`'s business.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,14 +20,12 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout, resolve_model
 from mpipar.model.recompute import NONE, Recompute
-from mpipar.parallel.sequence.registry import sequence_mode
-from mpipar.parallel.data_parallel import cost as data_cost
-from mpipar.parallel.fsdp import cost as fsdp_cost
-from mpipar.parallel.placement import padded_vocab
-from mpipar.plan.rank import (bucket_lengths, compressed_size, expert_buckets,
-                              expert_unit_lengths, group_sizes, kept_units,
+from mpipar.parallel.pipeline.cost import saved_peak
+from mpipar.parallel.registry import AXES
+from mpipar.plan.rank import (expert_buckets, expert_unit_lengths,
                               local_param_shapes, node_copy, placement_table, rank_ops,
                               unit_lengths)
+from mpipar.plan.traffic import PlannedStep
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord, rank_coord
 
@@ -58,14 +57,6 @@ class MemoryEstimate:
         return self.state + self.activations + self.buffers + self.residuals
 
 
-def residual_bytes(layout: Layout, lengths: list[int]) -> int:
-    """Bytes of a rank's error-feedback residuals over buckets of ``lengths`` elements
-    (:func:`mpipar.parallel.data_parallel.cost.residual_bytes`)."""
-    per_node = group_sizes(layout)["dp_sp_intra"] \
-        if layout.parallel.dp_reduce == "hierarchical" else 1
-    return data_cost.residual_bytes(layout, lengths, compressed_size(layout), per_node)
-
-
 def _precision(layout: Layout) -> Precision:
     return Precision.of(layout.train, layout.parallel)
 
@@ -73,43 +64,24 @@ def _precision(layout: Layout) -> Precision:
 def _block_activation_bytes(layout: Layout, mode: Recompute, sparse: bool = False) -> int:
     """Bytes one block keeps for backward for one microbatch on one rank under ``mode``: the
     fields of :class:`mpipar.model.llama.BlockSaved` it keeps (:func:`_block_field_bytes`);
-    ``sparse``: a mixture-of-experts block, whose expert record keeps the router's input h2
-    when the mode drops h2 itself."""
-    sizes = _block_field_bytes(layout, sparse)
-    if sparse and not mode.keeps_field("h2"):
-        m, par, tr = layout.model, layout.parallel, layout.train
-        n = tr.micro_batch_size * (tr.seq_len // par.sp)
-        sizes["moe"] += m.hidden * n * _precision(layout).compute_bytes
-    return mode.resident_bytes(sizes)
+    ``sparse``: a mixture-of-experts block."""
+    return mode.resident_bytes(_block_field_bytes(layout, sparse, mode))
 
 
-def _block_field_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
+def _block_field_bytes(layout: Layout, sparse: bool = False, mode: Recompute = NONE
+                       ) -> dict[str, int]:
     """Bytes of each field of a block's :class:`mpipar.model.llama.BlockSaved` for one
-    microbatch on one rank, as forward fills it; ``sparse``: g, u, m are the shared expert's
-    and the expert record (:func:`_expert_record_bytes`) and the shared gate's join them."""
-    m, par, tr = layout.model, layout.parallel, layout.train
-    e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
-    ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
-    H, q, kv = m.hidden, m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim
-    F = (m.moe_shared_ffn_hidden if sparse else m.ffn_hidden) // par.tp
-    lse = n * (m.heads // par.tp) * se
-    sp_mode = sequence_mode(par)
-    # The core's context: the lse, and what the sp mode's core keeps beside it (Ulysses' all-
-    # to-all'ed copies of q, k, v and of the output; the halo's K/V rows); q, k, v as the core
-    # reads them (none apart under Ulysses).
-    context = lse + (sp_mode.saved_bytes(layout) if par.sp > 1 else 0)
-    inputs = n * e if par.sp == 1 or sp_mode.keeps_inputs else 0
-    gate = (n * se + n * H * e) if sparse and m.moe_shared_gate else 0   # sigmoid, ungated
-    heads = (m.heads + m.kv_heads) // par.tp      # qk_norm: q, k before their norms, the rstds
-    qk = n * heads * (m.head_dim * e + se) if m.qk_norm else 0
-    return {"x": H * ns * e, "h1": H * ns * e, "rstd1": ns * se,
-            "q": q * inputs, "k": kv * inputs, "v": kv * inputs,
-            "attention_out": q * n * e, "attention_saved": context,
-            "x2": H * ns * e, "h2": H * ns * e, "rstd2": ns * se,
-            "g": F * n * e, "u": F * n * e, "m": F * n * e,
-            "moe": _expert_record_bytes(layout) if sparse else 0, "shared_gate": gate,
-            "qk": qk}
+    microbatch on one rank, as forward fills it under ``mode``: each field summed over what
+    every axis's split makes it (:meth:`mpipar.parallel.axis.Axis.activations`: the stream and
+    the heads' and FFN's shares of the tensor axis, q/k/v and the core's context of the
+    sequence axis, and in a ``sparse`` block the expert record of the expert axis, which keeps
+    the router's input h2 when ``mode`` drops h2 itself)."""
+    fields: dict[str, int] = defaultdict(int)
+    for axis in AXES:
+        footprint = axis.activations(layout, mode)
+        for name, nbytes in (footprint.sparse if sparse else footprint.block).items():
+            fields[name] += nbytes
+    return dict(fields)
 
 
 def _sparse_ffn_bytes(layout: Layout, mode: Recompute) -> int:
@@ -117,37 +89,13 @@ def _sparse_ffn_bytes(layout: Layout, mode: Recompute) -> int:
     the block's stream: the expert record (:class:`mpipar.model.moe.MoeSaved`, without its
     input h2), the shared expert's g, u, m and its gate's record, those the mode keeps."""
     sizes = _block_field_bytes(layout, sparse=True)
-    return mode.resident_bytes({k: sizes[k] for k in ("moe", "g", "u", "m", "shared_gate")})
-
-
-def _expert_record_bytes(layout: Layout) -> int:
-    """Bytes of a sparse block's expert record (:class:`mpipar.model.moe.MoeSaved`) for one
-    microbatch on one rank, without its input. The routed part at the dropless count of
-    assignments ``A = n K`` this rank's experts compute (exact with ep 1; under ep the mean of
-    uniform routing; a capacity only drops rows): their tokens' hidden ``[A, H]``, each
-    expert's g, u, m ``[A, F_e]``, the outputs per assignment ``[n, K, H]``, the permutation
-    (and the ep regrouping) ``[A]`` int64; the router's probabilities ``[n, E]``, the weights
-    and choices ``[n, K]``, the chosen sum ``[n, 1]`` (renormalised only), ``f / T`` ``[B, E]``
-    and the loads ``[E]``."""
-    m, par, tr = layout.model, layout.parallel, layout.train
-    e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
-    B, n, H, K, E = tr.micro_batch_size, tr.micro_batch_size * (tr.seq_len // par.sp), \
-        m.hidden, m.moe_top_k, m.moe_experts
-    A = n * K
-    routed = (A * H + 3 * A * m.moe_ffn_hidden + n * K * H) * e + A * 8 * (1 + (par.ep > 1))
-    router = (n * E + n * K + n * m.moe_norm_topk + B * E) * se + (n * K + E) * 8
-    return routed + router
+    return mode.resident_bytes({k: sizes.get(k, 0) for k in ("moe", "g", "u", "m",
+                                                              "shared_gate")})
 
 
 def _head_activation_bytes(layout: Layout) -> int:
-    """Bytes the LM head keeps for one microbatch: x, normed x, rstd (stream), logits, targets,
-    lse."""
-    m, par, tr = layout.model, layout.parallel, layout.train
-    e, se = _precision(layout).compute_bytes, _precision(layout).stat_bytes
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
-    ns = n // (par.tp if par.tp_sequence_parallel else 1)
-    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
-    return 2 * m.hidden * ns * e + ns * se + vl * n * e + n * (8 + se)
+    """Bytes the LM head keeps for one microbatch on one rank (the axes' ``head`` terms)."""
+    return sum(axis.activations(layout, NONE).head for axis in AXES)
 
 
 def _sparse_in(layout: Layout, stage: int, per: int) -> int:
@@ -173,13 +121,7 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
               * (blocks[True] - blocks[False]) + (head if c * p + coord.pp == last else 0)
               + (9 * n if c * p + coord.pp == 0 else 0)              # token ids and mask
               for c in range(par.virtual_stages)}
-    live, peak = 0, 0
-    for op in rank_ops(layout, coord):                  # what is saved between fwd and bwd
-        if op.kind == "fwd":
-            live += weight[op.chunk]
-            peak = max(peak, live)
-        elif op.kind in ("bwd", "bwd_weight"):
-            live -= weight[op.chunk]
+    peak = saved_peak(rank_ops(layout, coord), weight)   # saved between fwd and bwd
     kinds = {False, layout.model.sparse_layers() > 0}          # dense and/or sparse blocks
     working = max(_block_activation_bytes(layout, NONE, sparse) for sparse in kinds) + (
         _head_activation_bytes(layout) if last % p == coord.pp else 0)
@@ -190,9 +132,10 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     """Memory of the rank at ``coord``; see :class:`MemoryEstimate`."""
     par, prec = layout.parallel, _precision(layout)
     e, g = prec.compute_bytes, prec.master_bytes
-    lengths = list(unit_lengths(layout, coord).values()) if par.zero >= 2 else \
-        bucket_lengths(layout, coord)
-    experts = (list(expert_unit_lengths(layout, coord).values()) if par.zero >= 2 else
+    rank = PlannedStep(layout, coord, True)       # what the axes' buffers are asked of
+    lengths = list(rank.unit_lengths.values()) if par.zero >= 2 else \
+        [length for length, _ in rank.gradient_buckets]
+    experts = (list(rank.expert_unit_lengths.values()) if par.zero >= 2 else
                expert_buckets(layout, coord))      # sharded over ep, over ep_dp
     flat = sum(lengths) + sum(experts)
     expert_owned = sum(L * par.ep // (layout.dp * par.sp) for L in experts)
@@ -203,32 +146,16 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
         optimizer = 2 * sum(math.prod(s) for s in local_param_shapes(layout, coord).values()) * g
     masters = ((owned if par.zero else flat) * g) if prec.mixed else 0
     activations = _activation_bytes(layout, coord)
+    held = [axis.held(rank) for axis in AXES]                    # every axis's buffers
+    buffers, residuals = (sum(h.buffers for h in held), sum(h.residuals for h in held))
     if par.zero < 2:
-        reduced = prec.reduce != prec.master and layout.dp * par.sp > 1
-        wire = flat * prec.reduce_bytes if reduced else 0
-        return MemoryEstimate(flat * e, flat * g, optimizer, activations, wire,
-                              residual_bytes(layout, lengths), masters)
+        return MemoryEstimate(flat * e, flat * g, optimizer, activations, buffers, residuals,
+                              masters)
     copy = node_copy(layout, coord)
     weights = (flat if par.zero == 2 else owned if copy is None     # its part of the node's
                else sum(L // copy[0] for L in lengths) + expert_owned) * e   # copy; experts
-    return MemoryEstimate(weights, owned * g, optimizer, activations,
-                          _unit_buffers(layout, coord), masters=masters)
-
-
-def _unit_buffers(layout: Layout, coord: Coord) -> int:
-    """ZeRO-2/3: a bound on the pool of whole-unit buffers of the rank at ``coord``
-    (:func:`mpipar.parallel.fsdp.cost.unit_buffer_bytes`), the dense units' over dp x sp and
-    the experts' units sharded over ``ep_dp`` (the same pool, their own gathers and
-    reduce-scatters) beside them."""
-    par, ops = layout.parallel, rank_ops(layout, coord)
-    n = layout.dp * par.sp
-    dense = fsdp_cost.unit_buffer_bytes(layout, ops, unit_lengths(layout, coord),
-                                        kept_units(layout, coord), n,
-                                        node_copy(layout, coord) is not None)
-    experts = expert_unit_lengths(layout, coord)
-    return dense + (fsdp_cost.unit_buffer_bytes(layout, ops, experts,
-                                                kept_units(layout, coord, True), n // par.ep,
-                                                False) if experts else 0)
+    return MemoryEstimate(weights, owned * g, optimizer, activations, buffers, residuals,
+                          masters)
 
 
 def parameter_count(model: ModelConfig) -> int:

@@ -18,8 +18,9 @@ import math
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
 from mpipar.parallel.compression import alignment
-from mpipar.parallel.data_parallel.cost import reduction_buckets
-from mpipar.parallel.experts import expert_bucket_lengths, expert_shards, expert_units
+from mpipar.parallel.data_parallel.cost import compressed_over, compresses, reduction_buckets
+from mpipar.parallel.experts.cost import expert_bucket_lengths
+from mpipar.parallel.experts.split import expert_shards, expert_units
 from mpipar.parallel.fsdp import cost as fsdp_cost, sharded as fsdp
 from mpipar.parallel.pipeline.schedule import Op, build_schedule
 from mpipar.parallel.placement import PlacementTable, expert_of
@@ -34,7 +35,7 @@ def _table(model: tuple, pp: int, v: int, ep: int) -> PlacementTable:
 
 def placement_table(layout: Layout) -> PlacementTable:
     """The placement of every parameter of ``layout``'s model on its pipeline, the experts
-    sharded over ep where they are (:func:`mpipar.parallel.experts.expert_shards`; a rank
+    sharded over ep where they are (:func:`mpipar.parallel.experts.split.expert_shards`; a rank
     holds as many as ep position 0's) (cached)."""
     return _table(dataclasses.astuple(layout.model), layout.pp, layout.virtual_stages,
                   expert_shards(layout))
@@ -106,11 +107,9 @@ def group_members(layout: Layout, name: str, rank: int) -> list[int]:
 
 def compressed_size(layout: Layout) -> int:
     """Ranks of the group the gradient reduction compresses over (and the residual slots):
-    across nodes when hierarchical, else dp x sp; 1 when nothing is compressed."""
-    par = layout.parallel
-    if par.grad_compression == "none":
-        return 1
-    return group_sizes(layout)["dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"]
+    across nodes when hierarchical, else dp x sp; 1 when nothing is compressed
+    (:func:`mpipar.parallel.data_parallel.cost.compressed_over`)."""
+    return compressed_over(layout, group_sizes(layout)) if compresses(layout) else 1
 
 
 def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
@@ -127,7 +126,7 @@ def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
 def expert_buckets(layout: Layout, coord: Coord) -> list[int]:
     """Elements of each flat bucket of the experts' gradients of the rank at ``coord``, where
     they are sharded over ep (reduced over ``ep_dp``:
-    :func:`mpipar.parallel.experts.expert_bucket_lengths`); else none."""
+    :func:`mpipar.parallel.experts.cost.expert_bucket_lengths`); else none."""
     table = placement_table(layout)
     layers = [i for s in rank_stages(layout, coord) for i in table.stage_layers(s)]
     return expert_bucket_lengths(layout, layers)
@@ -141,7 +140,7 @@ def bucket_lengths(layout: Layout, coord: Coord) -> list[int]:
 
 def rank_units(layout: Layout, coord: Coord) -> tuple[fsdp.Units, fsdp.Units]:
     """ZeRO-2/3: (the dense units, the experts' units) of the rank at ``coord`` per chunk, as
-    the engine splits them (:func:`mpipar.parallel.experts.expert_units`; the experts' units
+    the engine splits them (:func:`mpipar.parallel.experts.split.expert_units`; the experts' units
     only where they are sharded over ep, of ep position 0: every position holds as many)."""
     table = placement_table(layout)
     return expert_units(table.units(coord.pp), table, 0)

@@ -41,18 +41,17 @@ import numpy as np
 from mpipar.config import Config
 from mpipar.layout import Layout, vary
 from mpipar.model.attention import DocumentPositions
-from mpipar.parallel.sequence.common import microbatch_split
+from mpipar.parallel.sequence.cost import attention_context, document_attention, extra_key_blocks
 from mpipar.parallel.sequence.mode import SequenceMode
 from mpipar.parallel.sequence.registry import sequence_mode
-from mpipar.parallel.sequence_split import MIN_CHUNK, SeqLayout, rank_work
+from mpipar.parallel.sequence_split import MIN_CHUNK
+from mpipar.parallel.pipeline.cost import message_bytes
 from mpipar.parallel.pipeline.schedule import dry_run
-from mpipar.parallel.placement import padded_vocab
-from mpipar.parallel.calls import element_bytes
-from mpipar.model.flops import block_flops_per_token
-from mpipar.plan.rank import (bucket_lengths, compressed_size, grid_shape, group_members,
-                              group_sizes,
-                              nodes_of, schedule_ops)
-from mpipar.plan.traffic import call_algorithm, call_wire, step_calls
+from mpipar.parallel.registry import AXES
+from mpipar.parallel.tensor.cost import block_flops, head_flops, qkv_flops
+from mpipar.plan.rank import (bucket_lengths, grid_shape, group_members, group_sizes, nodes_of,
+                              schedule_ops)
+from mpipar.plan.traffic import PlannedStep, call_algorithm, call_wire, step_calls
 from mpipar.runtime import allreduce
 from mpipar.runtime.topology import GROUP_AXES, Coord
 
@@ -174,7 +173,6 @@ def _group_seconds(layout: Layout, coord: Coord, hw: Hardware,
     """Seconds per group of the rank at ``coord``: its wire bytes over the group's link plus
     its calls times the link's latency. A group whose instance spans nodes runs at the pace of
     the link across them (a ring or a pipeline waits for its slowest hop)."""
-    par = layout.parallel
     sizes, nodes, shape = group_sizes(layout), nodes_of(layout), grid_shape(layout)
     me = shape.rank_of(coord)
     links: dict[str, tuple[float, float]] = {}
@@ -189,11 +187,10 @@ def _group_seconds(layout: Layout, coord: Coord, hw: Hardware,
         if call_algorithm(layout, call) == "tree":   # reduce then broadcast, level by level
             wire = 2 * math.ceil(math.log2(sizes[call.group])) * call.nbytes
         out[call.group] += (wire / bw + lat) * call.count
-    if compressed_size(layout) > 1:        # encoding and decoding sit on the reduction's path
-        group = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
-        per_node = sizes["dp_sp_intra"] if par.dp_reduce == "hierarchical" else 1
-        rate = hw.int8_seconds if par.grad_compression == "int8" else hw.topk_seconds
-        out[group] += rate * sum(bucket_lengths(layout, coord)) / per_node
+    rank = PlannedStep(layout, coord, True)
+    for axis in AXES:            # what the axes spend besides transfers (a codec's work)
+        for group, seconds in axis.seconds(rank, hw).items():
+            out[group] += seconds
     return dict(out)
 
 
@@ -219,27 +216,10 @@ class StepDocuments:
 def _document_sp(docs: StepDocuments, seq_len: int, sp: int, split: str, mode: SequenceMode,
                  u: int, dp: int, mbs: int, window: int, min_chunk: int = MIN_CHUNK
                  ) -> tuple[float, float]:
-    """(mean keys a query attends to on the sp rank with the most work, key blocks beyond its
-    own a rank attends to) over the microbatches of ``docs``, in a layer with ``window``:
-    the ranks' intra-document pairs (:func:`~mpipar.parallel.sequence_split.rank_work`; a
-    Ulysses group shares its work) and the key blocks per microbatch (the mode's
-    :meth:`~mpipar.parallel.sequence.mode.SequenceMode.document_blocks`)."""
-    ulysses = mode.work_group(sp, u)
-    ring = mode.ring_split(seq_len, sp, split, u, min_chunk)
-    work, hops = 0.0, 0
-    micro = docs.microbatches(dp, mbs)
-    for d in micro:
-        seq = microbatch_split(SeqLayout(seq_len, sp, split, min_chunk=min_chunk), d)
-        work = work + rank_work(seq, d.docs, window, ulysses)
-        if ring.sp > 1:
-            hops += mode.document_blocks(seq, ring, window, d)
-    return float(np.max(work)) / (len(micro) * mbs * seq_len / sp), hops / len(micro)
-
-
-def _sp_blocks(mode: SequenceMode, seq: SeqLayout, window: int) -> int:
-    """Key blocks beyond its own that a rank attends to in a layer with ``window`` (the mode's
-    :meth:`~mpipar.parallel.sequence.mode.SequenceMode.key_blocks`); 0 without SP."""
-    return 0 if seq.sp == 1 else mode.key_blocks(seq, window)
+    """:func:`mpipar.parallel.sequence.cost.document_attention` over dp replica 0's
+    microbatches of ``docs`` (cached: the layout search asks for the same ones many times)."""
+    return document_attention(docs.microbatches(dp, mbs), seq_len, sp, split, mode, u, mbs,
+                              window, min_chunk)
 
 
 def step_microbatches(layout: Layout, documents: StepDocuments | None
@@ -251,19 +231,6 @@ def step_microbatches(layout: Layout, documents: StepDocuments | None
     return documents.microbatches(layout.parallel.dp, layout.train.micro_batch_size)
 
 
-def _sp_context(layout: Layout, window: int = 0) -> float:
-    """Mean keys a query attends to on the SP rank with the most causal work, in a layer with
-    sliding ``window`` (0: full causal)."""
-    tr, par = layout.train, layout.parallel
-    # hybrid: the ring's ranks are the Ulysses groups, whose members share a group's work
-    S, n = tr.seq_len, sequence_mode(par).ring_ranks(par)
-    if window:
-        return min(window, _sp_context(layout))
-    if n == 1 or par.sp_split == "zigzag":
-        return (S + 1) / 2
-    return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
-
-
 def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
                       documents: StepDocuments | None = None) -> StepTime:
     """The step time model of this module's docstring for ``layout`` (on :func:`with_nodes`),
@@ -272,26 +239,23 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
     m, par, tr = layout.model, layout.parallel, layout.train
     p, v, micro = par.pp, par.virtual_stages, layout.microbatches
     per = m.layers // (p * v)
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
-    vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     windows = m.windows()
     mode = sequence_mode(par)
     seq = mode.ring_split(tr.seq_len, par.sp, par.sp_split, par.ulysses_size, par.sp_min_chunk)
     # Mean over the layers: attention context and the extra blocks ring / halo attention compute.
     if documents is None:
-        context = sum(_sp_context(layout, w) for w in windows) / len(windows)
-        hops = sum(_sp_blocks(mode, seq, w) for w in windows) / len(windows)
+        context = sum(attention_context(layout, w) for w in windows) / len(windows)
+        hops = sum(extra_key_blocks(mode, seq, w) for w in windows) / len(windows)
     else:
         each = [_document_sp(documents, tr.seq_len, par.sp, par.sp_split, mode,
                              par.ulysses_size, par.dp, tr.micro_batch_size, w,
                              par.sp_min_chunk) for w in windows]
         context, hops = (sum(x[i] for x in each) / len(each) for i in (0, 1))
-    block_fwd = (block_flops_per_token(m, par.tp, context) * n / hw.peak_flops
+    block_fwd = (block_flops(layout, context) / hw.peak_flops
                  + (OPS_BLOCK_FWD + OPS_RING_HOP * hops) * hw.op_overhead) * per
-    head_fwd = 2 * m.hidden * vl * n / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
+    head_fwd = head_flops(layout) / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
-    qkv = 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * per
-    redo = tr.recompute_mode.redo_seconds(block_fwd, qkv / hw.peak_flops)
+    redo = tr.recompute_mode.redo_seconds(block_fwd, qkv_flops(layout, per) / hw.peak_flops)
 
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0
@@ -306,7 +270,7 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
     hop = 0.0
     if p > 1:
         bw, lat = hw.link("inter" if "pp" in _crossing(layout) else "intra")
-        hop = n * m.hidden * element_bytes(tr.dtype) / bw + lat
+        hop = message_bytes(layout) / bw + lat
     run = dry_run(schedule_ops(layout), p, micro, v, cost_fwd=unit,
                   cost_bwd_input=unit + redo, cost_bwd_weight=unit, cost_comm=hop)
     total = (run.makespan + sum(comm.get(g, 0.0) for g in STEP_GROUPS)

@@ -7,9 +7,9 @@ counting convention (:mod:`mpipar.runtime.comm`: the payload of each call, sende
 inside and across nodes (the planner's nodes, :func:`mpipar.plan.rank.nodes_of`;
 :mod:`mpipar.runtime.comm` for the wire factors and links). All three come from one list of the
 step's calls (:func:`step_calls`), which concatenates what each parallel axis predicts for
-itself (:mod:`mpipar.parallel.calls`): tensor (:func:`mpipar.parallel.tensor.tensor_calls`),
+itself (:mod:`mpipar.parallel.calls`): tensor (:func:`mpipar.parallel.tensor.cost.tensor_calls`),
 sequence (:func:`mpipar.parallel.sequence.cost.sequence_calls`), pipeline
-(:func:`mpipar.parallel.pipeline.schedule.pipeline_calls`), and the gradient reduction over
+(:func:`mpipar.parallel.pipeline.cost.pipeline_calls`), and the gradient reduction over
 dp x sp (:func:`mpipar.parallel.data_parallel.cost.reduction_calls`, or at ZeRO-2/3
 :func:`mpipar.parallel.fsdp.cost.sharded_calls`; the experts' over ``ep_dp``:
 :mod:`mpipar.parallel.experts`), plus the engine's scalar reductions. The tests
@@ -64,10 +64,14 @@ class PlannedStep:
         return [table.stage_layers(stage) for stage in self.stages]
 
     @functools.cached_property
+    def ops(self) -> list:
+        return rank_ops(self.layout, self.coord)
+
+    @functools.cached_property
     def entered(self) -> list[tuple[str, int]]:
         if self.layout.parallel.zero < 2:
             return []
-        return unit_passes(self.layout, self.coord.pp, rank_ops(self.layout, self.coord),
+        return unit_passes(self.layout, self.coord.pp, self.ops,
                            self.chunk_layers)
 
     @functools.cached_property

@@ -34,14 +34,15 @@ from mpipar.model.params import init_param
 from mpipar.parallel.compression import make_codec
 from mpipar.parallel.sequence.registry import sequence_mode
 from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups, warmup_steps
-from mpipar.parallel.experts import (ExpertParallel, ExpertSplitReducer, ExpertSplitUnits,
-                                     SequenceExperts, expert_shards, expert_units)
+from mpipar.parallel.experts.exchange import ExpertParallel, SequenceExperts
+from mpipar.parallel.experts.split import (ExpertSplitReducer, ExpertSplitUnits, expert_shards,
+                                           expert_units)
 from mpipar.parallel.fsdp.sharded import FrozenBaseScope, ShardedParams, node_copy_layout
 from mpipar.parallel.pipeline.executor import PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
 from mpipar.parallel.placement import PlacementTable, expert_of
 from mpipar.parallel.sequence_split import SeqLayout
-from mpipar.parallel.tensor import TensorParallel
+from mpipar.parallel.tensor.ops import TensorParallel
 from mpipar.runtime.comm import Group, Ledger
 from mpipar.runtime.device import attention_kernels, select_device, training_backend
 from mpipar.runtime.host_memory import pool_freed_memory

@@ -31,7 +31,7 @@ import numpy as np
 
 from mpipar.checkpoint.shards import Piece, Reader, Slices, read_shard, require_finite
 from mpipar.parallel.data_parallel.reducer import GradReducer
-from mpipar.parallel.experts import ExpertSplitReducer
+from mpipar.parallel.experts.split import ExpertSplitReducer
 from mpipar.parallel.fsdp.sharded import ShardedParams
 from mpipar.parallel.placement import PlacementTable
 from mpipar.runtime.device import to_host
@@ -49,7 +49,7 @@ class TrainState:
         error-feedback residuals are state too) or ZeRO-2/3's units; it says which master
         pieces this rank reports (``param_pieces``) and sets them (``load_local``).
         With the experts sharded over ep the store is the dense and the experts' reducers
-        (:class:`~mpipar.parallel.experts.ExpertSplitReducer`): each expert is reported by
+        (:class:`~mpipar.parallel.experts.split.ExpertSplitReducer`): each expert is reported by
         the ranks of its ``ep_dp`` group alone. ``pp_rank``: its pipeline rank (a tied embedding is reported by its first pipeline rank
         only); ``dtype``: the masters' (what is saved)."""
         self.store, self.optimizer, self.table = store, optimizer, table

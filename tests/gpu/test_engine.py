@@ -64,14 +64,14 @@ def test_device_layouts_equal_the_cpu(world, layout, path):
     size = layout_size(layout)
 
     def check(comm) -> list[str]:
-        eng = build_rank(validate(_cfg(layout, "cuda", path), size), comm, source=token_source())
-        held = (list(eng.params.values()) if eng.weights.sharded is None   # ZeRO-3 binds units on use
-                else [values for *_, values in eng.weights.sharded.param_pieces()])
+        rank = build_rank(validate(_cfg(layout, "cuda", path), size), comm, source=token_source())
+        held = (list(rank.params.values()) if rank.weights.sharded is None   # ZeRO-3 binds units on use
+                else [values for *_, values in rank.weights.sharded.param_pieces()])
         fails = []
         if not held or any(type(a).__module__.split(".")[0] != "cupy" for a in held):
             fails.append("parameters are not CuPy arrays")
-        results = [trainer.train_step(eng, k) for k in range(2)]
-        got = ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(eng))
+        results = [trainer.train_step(rank, k) for k in range(2)]
+        got = ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(rank))
         return fails + compare(got, reference("float64"), 1e-10)
 
     check_in_groups(world, size, check)
@@ -98,9 +98,9 @@ def _bf16_reference() -> list[float]:
         from mpi4py import MPI
         from mpipar.training import step as trainer
         from mpipar.training.rank import build_rank
-        eng = build_rank(validate(_bf16_cfg({}, "cpu"), 1), MPI.COMM_SELF, source=token_source())
-        _BF16_REFERENCE.extend(trainer.train_step(eng, k).loss for k in range(BF16_STEPS))
-        trainer.close(eng)
+        rank = build_rank(validate(_bf16_cfg({}, "cpu"), 1), MPI.COMM_SELF, source=token_source())
+        _BF16_REFERENCE.extend(trainer.train_step(rank, k).loss for k in range(BF16_STEPS))
+        trainer.close(rank)
     return _BF16_REFERENCE
 
 
@@ -115,9 +115,9 @@ def _bf16_tracks(world, layout: dict, make_cfg, reference, tolerance: float) -> 
 
     def check(comm) -> list[str]:
         ref = reference()
-        eng = build_rank(validate(make_cfg(layout, "cuda"), size), comm, source=token_source())
-        got = [trainer.train_step(eng, k).loss for k in range(BF16_STEPS)]
-        trainer.close(eng)
+        rank = build_rank(validate(make_cfg(layout, "cuda"), size), comm, source=token_source())
+        got = [trainer.train_step(rank, k).loss for k in range(BF16_STEPS)]
+        trainer.close(rank)
         fails = [f"step {k + 1}: loss {a!r} vs the CPU's one process {b!r} "
                  f"({abs(a - b) / abs(b):.2%})" for k, (a, b) in enumerate(zip(got, ref))
                  if not abs(a - b) <= tolerance * abs(b)]
@@ -214,11 +214,11 @@ def _doc_reference(key: str, make) -> object:
         from mpi4py import MPI
         from mpipar.training import step as trainer
         from mpipar.training.rank import build_rank
-        eng = build_rank(validate(make(), 1), MPI.COMM_SELF, source=token_source())
-        results = [trainer.train_step(eng, k) for k in range(eng.cfg.train.steps)]
+        rank = build_rank(validate(make(), 1), MPI.COMM_SELF, source=token_source())
+        results = [trainer.train_step(rank, k) for k in range(rank.cfg.train.steps)]
         _DOC_REFERENCE[key] = ([r.loss for r in results], [r.grad_norm for r in results],
-                               trainer.gather_params(eng))
-        trainer.close(eng)
+                               trainer.gather_params(rank))
+        trainer.close(rank)
     return _DOC_REFERENCE[key]
 
 
@@ -234,11 +234,11 @@ def test_documents_on_the_device_equal_the_cpu(world, layout):
     def check(comm) -> list[str]:
         key = "eod" if layout.get("eod_mask_loss") else "docs"
         ref = _doc_reference(key, lambda: _with_docs(_cfg({}, "cpu"), layout))
-        eng = build_rank(validate(_with_docs(_cfg(_parallel(layout), "cuda"), layout), size), comm,
+        rank = build_rank(validate(_with_docs(_cfg(_parallel(layout), "cuda"), layout), size), comm,
                      source=token_source())
-        results = [trainer.train_step(eng, k) for k in range(2)]
-        got = ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(eng))
-        trainer.close(eng)
+        results = [trainer.train_step(rank, k) for k in range(2)]
+        got = ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(rank))
+        trainer.close(rank)
         return compare(got, ref, 1e-10)
 
     check_in_groups(world, size, check)

@@ -34,9 +34,9 @@ def test_dumps_reassemble_to_the_single_process_activations(world, layout):
     def check(comm) -> list[str]:
         fails = []
         run_dir = os.path.join(base, str(world.rank // size))
-        eng = dumping_engine(small_config("float64", **layout), comm, run_dir, "2")
+        rank = dumping_engine(small_config("float64", **layout), comm, run_dir, "2")
         for k in range(2):
-            trainer.train_step(eng, k)
+            trainer.train_step(rank, k)
         comm.Barrier()  # every rank's file is renamed into place
         if comm.rank == 0:
             assert len(os.listdir(step_dir(run_dir, 2))) == size

@@ -30,11 +30,11 @@ def _single_process(recompute: str = "none") -> tuple[float, float, float]:
     process, with a validation pass between the steps."""
     cfg = eval_config()
     cfg.train.recompute = recompute
-    engine = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
-    trainer.train_step(engine, 0)
-    first = trainer.evaluate(engine).loss
-    second_loss = trainer.train_step(engine, 1).loss
-    return first, trainer.evaluate(engine).loss, second_loss
+    rank = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
+    trainer.train_step(rank, 0)
+    first = trainer.evaluate(rank).loss
+    second_loss = trainer.train_step(rank, 1).loss
+    return first, trainer.evaluate(rank).loss, second_loss
 
 
 @pytest.mark.mpi(min_size=8)
@@ -47,10 +47,10 @@ def test_validation_loss_is_the_same_on_every_layout(world, layout):
         cfg = eval_config(**layout)
         cfg.train.recompute = recompute
         cfg.train.run_dir = f"/tmp/mpipar-test-eval-{os.getpid()}"
-        engine = build_rank(validate(cfg, size), comm, source=token_source())
-        trainer.train_step(engine, 0)
-        got = (trainer.evaluate(engine).loss, trainer.train_step(engine, 1).loss, trainer.evaluate(engine).loss)
-        trainer.close(engine)
+        rank = build_rank(validate(cfg, size), comm, source=token_source())
+        trainer.train_step(rank, 0)
+        got = (trainer.evaluate(rank).loss, trainer.train_step(rank, 1).loss, trainer.evaluate(rank).loss)
+        trainer.close(rank)
         want = _single_process()
         diffs = [abs(a - b) / abs(b) for a, b in zip(got, (want[0], want[2], want[1]))]
         if world.rank == 0:

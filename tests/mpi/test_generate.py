@@ -30,9 +30,9 @@ def test_generation_is_the_same_on_every_layout(world):
     fails: list[str] = []
     root = world.bcast(tempfile.mkdtemp(prefix="mpipar-test-gen-") if world.rank == 0 else None)
     cfg = validate(small_config(dp=2, tp=2, pp=2), 8)
-    engine = build_rank(cfg, world, source=token_source())
-    trainer.train_step(engine, 0)
-    path = writer.save(engine.state, trainer.run_position(engine, 1), root,
+    rank = build_rank(cfg, world, source=token_source())
+    trainer.train_step(rank, 0)
+    path = writer.save(rank.state, trainer.run_position(rank, 1), root,
                            Group(world, "world", Ledger()))
     runs = {}
     for tp, pp in GEN_LAYOUTS:

@@ -40,9 +40,9 @@ def test_layouts_train_like_torch_adamw(world, hf_dirs, kind, layout, samples,
     the layout trains it and must equal transformers: losses, norms and exported parameters."""
     def check(comm) -> list[str]:
         cfg, params = load_hf(hf_dirs[kind])
-        engine = mpipar_engine(cfg, params, samples, comm, **layout)
-        results = [trainer.train_step(engine, k) for k in range(STEPS)]
-        loss_diffs, param_diff = training_differences(results, trainer.gather_params(engine),
+        rank = mpipar_engine(cfg, params, samples, comm, **layout)
+        results = [trainer.train_step(rank, k) for k in range(STEPS)]
+        loss_diffs, param_diff = training_differences(results, trainer.gather_params(rank),
                                                       torch_training(hf_dirs[kind], samples))
         if world.rank == 0:
             print(f"\n{kind} {layout_name(layout)}: max param rel diff {param_diff:.2e}, loss "

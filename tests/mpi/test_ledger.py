@@ -9,11 +9,11 @@ from layouts import small_config, token_source
 from mpipar.rules import validate
 
 PREDICTED_BY = {
-    "tp": "mpipar.parallel.tensor.tensor_calls",
+    "tp": "mpipar.parallel.tensor.cost.tensor_calls",
     "sp": "mpipar.parallel.sequence (the mode's calls)",
     "sp_ulysses": "mpipar.parallel.sequence (the mode's calls)",
     "sp_ring": "mpipar.parallel.sequence (the mode's calls)",
-    "pp": "mpipar.parallel.pipeline.schedule.pipeline_calls",
+    "pp": "mpipar.parallel.pipeline.cost.pipeline_calls",
     "tp_pp": "mpipar.plan.traffic._scalar_calls (the gradient norm)",
 }
 """Which axis predicts each group's calls (:func:`mpipar.plan.traffic.step_calls`); the

@@ -47,13 +47,13 @@ def run(comm, steps: int = 3, **layout):
     """(losses, grad norms, gathered params, balance losses, dropped per step and layer)."""
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
-    eng = build_rank(validate(config(**layout), comm.Get_size()), comm, source=token_source(16))
+    rank = build_rank(validate(config(**layout), comm.Get_size()), comm, source=token_source(16))
     try:
-        res = [trainer.train_step(eng, k) for k in range(steps)]
-        return ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(eng),
+        res = [trainer.train_step(rank, k) for k in range(steps)]
+        return ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(rank),
                 [r.moe["moe_aux_loss"] for r in res], [r.moe["moe_dropped"] for r in res])
     finally:
-        trainer.close(eng)
+        trainer.close(rank)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,9 +76,9 @@ def test_the_reference_drops_and_differs_from_dropless():
         assert all(sorted(d) == ["1", "2", "3"] and min(d.values()) > 0 for d in r[4]), r[4]
     cfg = config()
     cfg.model.moe_capacity_factor = 0.0
-    eng = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source(16))
-    plain = trainer.train_step(eng, 0)
-    trainer.close(eng)
+    rank = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source(16))
+    plain = trainer.train_step(rank, 0)
+    trainer.close(rank)
     assert plain.moe["moe_dropped"] == {"1": 0, "2": 0, "3": 0}
     assert abs(plain.loss - ref[0][0]) > 1e-6
 
@@ -109,7 +109,7 @@ def test_bytes_equal_planner_with_a_uniform_router(world, case, monkeypatch):
     cfg = config(**case)
     cfg.model.moe_capacity_factor = 1.0
 
-    def nothing_dropped(eng, layout, res) -> list[str]:
+    def nothing_dropped(rank, layout, res) -> list[str]:
         dropped = res.moe["moe_dropped"]
         return [] if set(dropped.values()) == {0} else [f"dropped {dropped} under a uniform router"]
 

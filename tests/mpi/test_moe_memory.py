@@ -43,9 +43,9 @@ def test_sparse_records_equal_the_planner(world, case, monkeypatch):
     cfg.train.recompute = recompute
     with rank_failures(world) as fails:
         layout = validate(cfg, 8)
-        eng = build_rank(layout, world, source=token_source())
-        trainer.train_step(eng, 0)
-        trainer.close(eng)
+        rank = build_rank(layout, world, source=token_source())
+        trainer.train_step(rank, 0)
+        trainer.close(rank)
         n = cfg.train.micro_batch_size * cfg.train.seq_len // layout.parallel.sp
         want = _sparse_ffn_bytes(layout, layout.train.recompute_mode) + n * cfg.model.hidden * 8
         if not seen or set(seen) != {want}:

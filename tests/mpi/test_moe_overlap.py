@@ -30,15 +30,15 @@ def _run(layout: dict, overlap: bool, comm) -> tuple:
     from mpipar.training.rank import build_rank
     layout = dict(layout)
     cfg = small_config("float64", layout.pop("model", "moe"), ep_overlap=overlap, **layout)
-    eng = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
+    rank = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
     try:
-        res = [trainer.train_step(eng, k) for k in range(2)]
-        ep = {op: (e.bytes, e.messages) for (g, op), e in eng.ledger.entries.items()
+        res = [trainer.train_step(rank, k) for k in range(2)]
+        ep = {op: (e.bytes, e.messages) for (g, op), e in rank.ledger.entries.items()
               if g == "ep"}
         return ([r.loss for r in res], [r.grad_norm for r in res],
-                [r.moe["moe_aux_loss"] for r in res], trainer.gather_params(eng), ep)
+                [r.moe["moe_aux_loss"] for r in res], trainer.gather_params(rank), ep)
     finally:
-        trainer.close(eng)
+        trainer.close(rank)
 
 
 @pytest.mark.mpi(min_size=8)

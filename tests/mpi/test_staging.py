@@ -27,7 +27,7 @@ LAYOUTS = [
 ]
 
 
-def _engine(layout: dict, comm, path: str):
+def _rank(layout: dict, comm, path: str):
     from mpipar.training.rank import build_rank
     layout = dict(layout)
     cfg = small_config(model=layout.pop("model", "llama"), **layout)
@@ -36,19 +36,19 @@ def _engine(layout: dict, comm, path: str):
 
 
 def _check(layout: dict, comm) -> list[str]:
-    staged, direct = _engine(layout, comm, "off"), _engine(layout, comm, "auto")
+    staged, direct = _rank(layout, comm, "off"), _rank(layout, comm, "auto")
     paths = staged.comms.mpi_path, direct.comms.mpi_path
     fails = [] if paths[0].staging and not paths[1].staging else ["paths"]
     runs = []
-    for eng in (staged, direct):
-        results = [trainer.train_step(eng, k) for k in range(2)]
+    for rank in (staged, direct):
+        results = [trainer.train_step(rank, k) for k in range(2)]
         runs.append(([r.loss for r in results], [r.grad_norm for r in results],
-                     trainer.gather_params(eng)))
-        eng.ledger.reset()
+                     trainer.gather_params(rank)))
+        rank.ledger.reset()
     fails += compare(runs[0], reference("float64", model=layout.get("model", "llama")), 1e-10)
     pool = staged.comms.mpi_path.allocated
-    for eng in (staged, direct):
-        trainer.train_step(eng, 2)
+    for rank in (staged, direct):
+        trainer.train_step(rank, 2)
     # Buckets reduce as their gradients become final and progress when MPI says a step is done,
     # so how many are in flight at once (each holding a send and a receive buffer) depends on
     # timing: a later step may add buffers, never more than every bucket in flight at once.

@@ -23,7 +23,7 @@ from mpipar.runtime.device import host_copy
 from mpipar.training import step as trainer
 
 
-def _engine():
+def _rank():
     from mpi4py import MPI
 
 
@@ -37,19 +37,19 @@ def test_background_write_holds_its_step_while_training_goes_on(tmp_path, monkey
     live parameters and moments have changed): the committed checkpoint equals a synchronous
     save of step 1 tensor for tensor, `latest` moves only at finish(), and the blocking wait of
     finish() is in the ledger while it lasts, where the collective watchdog names it."""
-    eng = _engine()
-    group = Group(eng.comms.grid.comm, "world", Ledger())
-    trainer.train_step(eng, 0)
-    writer.save(eng.state, trainer.run_position(eng, 1), tmp_path / "sync", group)
+    rank = _rank()
+    group = Group(rank.comms.grid.comm, "world", Ledger())
+    trainer.train_step(rank, 0)
+    writer.save(rank.state, trainer.run_position(rank, 1), tmp_path / "sync", group)
     release, real = threading.Event(), writer._write_shard
     monkeypatch.setattr(writer, "_write_shard",
                         lambda *a: (release.wait(30), real(*a))[1])
     saver = AsyncSaver(group=group, save_dir=str(tmp_path / "async"), keep_last=0,
                        copy=host_copy)
-    saver.start(eng.state, trainer.run_position(eng, 1))
-    before = {n: p.copy() for n, p in eng.params.items()}
-    trainer.train_step(eng, 1)  # changes every parameter while the write waits
-    assert any(not np.array_equal(before[n], p) for n, p in eng.params.items())
+    saver.start(rank.state, trainer.run_position(rank, 1))
+    before = {n: p.copy() for n, p in rank.params.items()}
+    trainer.train_step(rank, 1)  # changes every parameter while the write waits
+    assert any(not np.array_equal(before[n], p) for n, p in rank.params.items())
     assert saver.writing() and directory.latest(tmp_path / "async") is None
     assert "step 1 was in flight" in saver.describe() and "still being written" in saver.describe()
     seen, watchdog = [], Watchdog([group.ledger], 5.0, 0, lambda message: None)

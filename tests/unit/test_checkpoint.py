@@ -65,7 +65,7 @@ def test_flat_rectangles_rejects_bad_ranges():
 
 
 # ------------------------------------------------------------------ one rank, in process
-def _engine(**train):
+def _rank(**train):
     from mpi4py import MPI
 
 
@@ -77,9 +77,9 @@ def _engine(**train):
     return build_rank(cfg, MPI.COMM_SELF, source=token_source()), cfg
 
 
-def _world(eng) -> Group:
+def _world(rank) -> Group:
     """An unwatched group over the engine's world, for a checkpoint save."""
-    return Group(eng.comms.grid.comm, "world", Ledger())
+    return Group(rank.comms.grid.comm, "world", Ledger())
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +87,13 @@ def saved(tmp_path_factory):
     """A save directory with the checkpoints of steps 1 and 2 of a one-rank run, and the engine's
     state at step 2 (params, moments) to compare with."""
     root = tmp_path_factory.mktemp("ckpt") / "save"
-    eng, cfg = _engine()
+    rank, cfg = _rank()
     for k in range(2):
-        trainer.train_step(eng, k)
-        writer.save(eng.state, trainer.run_position(eng, k + 1), root, _world(eng))
-    state = {"param": {n: p.copy() for n, p in eng.params.items()},
-             "exp_avg": {n: m.copy() for n, m in eng.weights.optimizer.m.items()},
-             "exp_avg_sq": {n: v.copy() for n, v in eng.weights.optimizer.v.items()}}
+        trainer.train_step(rank, k)
+        writer.save(rank.state, trainer.run_position(rank, k + 1), root, _world(rank))
+    state = {"param": {n: p.copy() for n, p in rank.params.items()},
+             "exp_avg": {n: m.copy() for n, m in rank.weights.optimizer.m.items()},
+             "exp_avg_sq": {n: v.copy() for n, v in rank.weights.optimizer.v.items()}}
     return root, cfg, state
 
 
@@ -131,24 +131,24 @@ def test_checkpoint_layout_and_contents(saved):
 
 
 def test_keep_last_prunes_and_a_save_cleans_leftover_temporaries(tmp_path):
-    eng, _ = _engine()
+    rank, _ = _rank()
     (tmp_path / ".step_00000007.tmp").mkdir(parents=True)
     (tmp_path / ".step_00000007.tmp" / "shard_00000.h5").write_bytes(b"partial")
     for step in (1, 2, 3):
-        writer.save(eng.state, trainer.run_position(eng, step), tmp_path, _world(eng), keep_last=2)
+        writer.save(rank.state, trainer.run_position(rank, step), tmp_path, _world(rank), keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002", "step_00000003"]
     assert directory.latest(tmp_path) == tmp_path / "step_00000003"
 
 
 def test_load_restores_the_state_exactly(saved):
     root, _, state = saved
-    eng, _ = _engine()
-    assert reader.load(eng.state, root / "step_00000002") == 2
-    assert eng.weights.optimizer.step_count == 2
+    rank, _ = _rank()
+    assert reader.load(rank.state, root / "step_00000002") == 2
+    assert rank.weights.optimizer.step_count == 2
     for name in state["param"]:
-        assert np.array_equal(eng.params[name], state["param"][name])
-        assert np.array_equal(eng.weights.optimizer.m[name], state["exp_avg"][name])
-        assert np.array_equal(eng.weights.optimizer.v[name], state["exp_avg_sq"][name])
+        assert np.array_equal(rank.params[name], state["param"][name])
+        assert np.array_equal(rank.weights.optimizer.m[name], state["exp_avg"][name])
+        assert np.array_equal(rank.weights.optimizer.v[name], state["exp_avg_sq"][name])
 
 
 def _zero_bytes(path, offset: int, count: int) -> None:
@@ -177,9 +177,9 @@ def test_damage_is_named_by_verify_load_and_resume(saved, tmp_path, damage):
     apply(path)
     problems = reader.verify(path)
     assert len(problems) == 1 and all(w in problems[0] for w in words), problems
-    eng, _ = _engine()
+    rank, _ = _rank()
     with pytest.raises(directory.CheckpointError, match="failed verification") as err:
-        reader.load(eng.state, path)
+        reader.load(rank.state, path)
     assert words[0] in str(err.value)
     with pytest.raises(ConfigError, match=words[0]):
         reader.resolve_resume(str(path), "")

@@ -453,12 +453,12 @@ def packed_config(**train):
     return cfg
 
 
-def documents_alone(engine):
+def documents_alone(rank):
     """Replace the engine's pipeline walk by one that runs every document of every row as its
     own sequence (positions from 0) through the single chunk, each target weighted as the step
     weights it; the rest of the step (reduction, clipping, AdamW) is the engine's."""
-    chunk = engine.model.chunks[0]
-    eos, masked = engine.data.eos, engine.cfg.train.eod_mask_loss
+    chunk = rank.model.chunks[0]
+    eos, masked = rank.data.eos, rank.cfg.train.eod_mask_loss
 
     def run(params, grads, micro, positions, act_shape, dtype, weight, on_ready=None):
         total = 0.0
@@ -476,8 +476,8 @@ def documents_alone(engine):
             on_ready(chunk.param_names())
         return total
 
-    engine.executor.run = run
-    return engine
+    rank.executor.run = run
+    return rank
 
 
 @pytest.mark.parametrize("train", [{}, {"eod_mask_loss": True}], ids=["docs", "docs-eod"])
@@ -492,12 +492,12 @@ def test_two_adamw_steps_equal_each_document_run_alone(train):
 
     def two_steps(alone: bool):
         layout = validate(packed_config(**train), 1)
-        eng = build_rank(layout, MPI.COMM_SELF, source=token_source(16))
+        rank = build_rank(layout, MPI.COMM_SELF, source=token_source(16))
         if alone:
-            documents_alone(eng)
-        res = [trainer.train_step(eng, k) for k in range(2)]
-        out = ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(eng))
-        trainer.close(eng)
+            documents_alone(rank)
+        res = [trainer.train_step(rank, k) for k in range(2)]
+        out = ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(rank))
+        trainer.close(rank)
         return out
 
     packed, alone = two_steps(False), two_steps(True)
@@ -509,8 +509,8 @@ def test_two_adamw_steps_equal_each_document_run_alone(train):
 def two_steps_plain():
     from mpi4py import MPI
     from layouts import run, small_config
-    losses, _, _, eng = run(small_config("float64"), MPI.COMM_SELF)
-    trainer.close(eng)
+    losses, _, _, rank = run(small_config("float64"), MPI.COMM_SELF)
+    trainer.close(rank)
     return losses
 
 
@@ -660,10 +660,10 @@ def test_sft_prepare_and_loss_mask_count_completion_tokens_only(tmp_path, tokeni
     cfg = small_config("float64")
     cfg.model.vocab_size, cfg.train.seq_len, cfg.train.data = 7, 8, str(out)
     cfg.train.loss_mask, cfg.train.micro_batch_size = True, 8
-    eng = build_rank(validate(cfg, 1), MPI.COMM_SELF)
-    assert prepare(eng, eng.data.sampler, 0).divisor == 37
-    inputs, targets = eng.data.sampler.batch(0)
-    losses, _ = eng.model.chunks[0].forward(eng.params, inputs, np.arange(8), targets)
+    rank = build_rank(validate(cfg, 1), MPI.COMM_SELF)
+    assert prepare(rank, rank.data.sampler, 0).divisor == 37
+    inputs, targets = rank.data.sampler.batch(0)
+    losses, _ = rank.model.chunks[0].forward(rank.params, inputs, np.arange(8), targets)
     completion = set()                   # stream positions of completion tokens, by hand
     at = 0
     for _ in range(4):
@@ -671,13 +671,13 @@ def test_sft_prepare_and_loss_mask_count_completion_tokens_only(tmp_path, tokeni
             at += len(p.split())
             completion |= set(range(at, at + len(c.split()) + 1))
             at += len(c.split()) + 1
-    idx = eng.data.sampler.indices(0)
+    idx = rank.data.sampler.indices(0)
     counted = np.array([[8 * i + j + 1 in completion for j in range(8)] for i in idx])
     assert counted.sum() == 37
-    result = trainer.train_step(eng, 0)
+    result = trainer.train_step(rank, 0)
     assert result.loss == pytest.approx(float(losses[counted].sum()) / 37, rel=1e-12)
     assert result.loss != pytest.approx(float(losses.mean()), rel=1e-6)
-    trainer.close(eng)
+    trainer.close(rank)
 
 
 def test_sft_chat_messages_mask_the_reply_rendered_by_the_chat_template(tmp_path, tokenizer_dir):
@@ -714,9 +714,9 @@ def test_a_steps_mfu_counts_attention_inside_its_documents():
     from mpipar.runtime.comm import Ledger
     from mpipar.training.rank import build_rank
     layout = validate(packed_config(), 1)
-    eng = build_rank(layout, MPI.COMM_SELF, source=token_source(16))
-    result = trainer.train_step(eng, 0)
-    docs = document_ids(eng.data.sampler.batch(0)[0], EOS)
+    rank = build_rank(layout, MPI.COMM_SELF, source=token_source(16))
+    result = trainer.train_step(rank, 0)
+    docs = document_ids(rank.data.sampler.batch(0)[0], EOS)
     assert docs.max() > 0                                   # the batch has several documents
     assert result.flops == model_flops_per_step(layout, docs) < model_flops_per_step(layout)
     ranks = [dict.fromkeys(("memory", "inter_bytes"), 0)]
@@ -724,7 +724,7 @@ def test_a_steps_mfu_counts_attention_inside_its_documents():
                                    **{f"bytes_{g}": 0 for g in _groups()}}], Ledger(),
                          123.0, 1.0, False, 0)
     assert record["flops"] == result.flops
-    trainer.close(eng)
+    trainer.close(rank)
     plain = build_rank(validate(packed_config(document_masking=False, eos_token_id=-1), 1),
                    MPI.COMM_SELF, source=token_source(16))
     assert trainer.train_step(plain, 0).flops is None

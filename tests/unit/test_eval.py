@@ -16,7 +16,7 @@ from mpipar.layout import resolve_model
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.parallel.placement import PlacementTable
-from mpipar.parallel.tensor import TensorParallel
+from mpipar.parallel.tensor.ops import TensorParallel
 from mpipar.rules import validate
 from mpipar.training import step as trainer
 from mpipar.training.rank import build_rank
@@ -96,22 +96,22 @@ def reference_eval(cfg, params: dict) -> float:
 
 def test_evaluate_equals_the_reference_and_touches_no_training_state():
     cfg = validate(eval_config(), 1)
-    engine = build_rank(cfg, MPI.COMM_SELF, source=token_source())
-    trainer.train_step(engine, 0)
-    before = ({n: v.copy() for n, v in engine.params.items()},
-              {n: v.copy() for n, v in engine.grads.items()},
-              [(k, n, v.copy()) for k, n, _, _, v in engine.weights.optimizer.state()])
-    first, again = trainer.evaluate(engine), trainer.evaluate(engine)
-    want = reference_eval(cfg, trainer.gather_params(engine))
+    rank = build_rank(cfg, MPI.COMM_SELF, source=token_source())
+    trainer.train_step(rank, 0)
+    before = ({n: v.copy() for n, v in rank.params.items()},
+              {n: v.copy() for n, v in rank.grads.items()},
+              [(k, n, v.copy()) for k, n, _, _, v in rank.weights.optimizer.state()])
+    first, again = trainer.evaluate(rank), trainer.evaluate(rank)
+    want = reference_eval(cfg, trainer.gather_params(rank))
     assert abs(first.loss - want) <= 1e-12 * want and first.loss == again.loss
     assert first.perplexity == pytest.approx(np.exp(want), rel=1e-12)
     assert first.tokens == EVAL_BATCHES * 8 * 16
     for name in before[0]:
-        np.testing.assert_array_equal(engine.params[name], before[0][name])
-        np.testing.assert_array_equal(engine.grads[name], before[1][name])
-    for (kind, name, value), (_, _, _, _, now) in zip(before[2], engine.weights.optimizer.state()):
+        np.testing.assert_array_equal(rank.params[name], before[0][name])
+        np.testing.assert_array_equal(rank.grads[name], before[1][name])
+    for (kind, name, value), (_, _, _, _, now) in zip(before[2], rank.weights.optimizer.state()):
         np.testing.assert_array_equal(now, value, err_msg=f"{kind}/{name}")
     # The training continues as if no evaluation had run.
     plain = build_rank(cfg, MPI.COMM_SELF, source=token_source())
     trainer.train_step(plain, 0)
-    assert trainer.train_step(engine, 1).loss == trainer.train_step(plain, 1).loss
+    assert trainer.train_step(rank, 1).loss == trainer.train_step(plain, 1).loss

@@ -136,6 +136,6 @@ def _small_checkpoint(tmp_path, vocab_size: int = V) -> str:
     cfg = small_config()
     cfg.model.vocab_size = vocab_size
     cfg = validate(cfg, 1)
-    engine = build_rank(cfg, MPI.COMM_SELF, source=token_source())
-    return str(writer.save(engine.state, trainer.run_position(engine, 0), tmp_path / "ckpt",
+    rank = build_rank(cfg, MPI.COMM_SELF, source=token_source())
+    return str(writer.save(rank.state, trainer.run_position(rank, 0), tmp_path / "ckpt",
                                Group(MPI.COMM_SELF, "world", Ledger())))

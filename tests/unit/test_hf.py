@@ -56,10 +56,10 @@ def _module_of(owner) -> str:
     return owner.__name__ if isinstance(owner, type(modeling_mistral)) else owner.__module__
 
 
-def mpipar_logits(engine: Rank, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def mpipar_logits(rank: Rank, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-token logits ``[B, S, V]`` and losses ``[B, S]`` of ``rows`` ``[B, S + 1]``."""
-    stage = engine.model.chunks[0]
-    loss, cache = stage.forward(engine.params, rows[:, :-1], engine.model.positions, rows[:, 1:])
+    stage = rank.model.chunks[0]
+    loss, cache = stage.forward(rank.params, rows[:, :-1], rank.model.positions, rows[:, 1:])
     logits = cache.head.logits  # [B*S, V]: the LM head's output, kept for the backward
     return logits.reshape(rows.shape[0], S, V), loss
 
@@ -147,9 +147,9 @@ def test_logits_and_loss_match_transformers(hf_dirs, kind, samples, monkeypatch)
 @pytest.mark.parametrize("kind", TRAINED)
 def test_training_matches_torch_adamw(hf_dirs, kind, samples, float64_transformers, tmp_path):
     cfg, params = load_hf(hf_dirs[kind])
-    engine = mpipar_engine(cfg, params, samples)
-    results = [trainer.train_step(engine, k) for k in range(STEPS)]
-    trained = trainer.gather_params(engine)
+    rank = mpipar_engine(cfg, params, samples)
+    results = [trainer.train_step(rank, k) for k in range(STEPS)]
+    trained = trainer.gather_params(rank)
     want = torch_training(hf_dirs[kind], samples)
 
     assert want[1][0] > OPT["clip_grad"]  # clipping is exercised

@@ -27,7 +27,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _engine(cfg, comm=None):
+def _rank(cfg, comm=None):
     from mpi4py import MPI
     from mpipar.training.rank import build_rank
     return build_rank(validate(cfg, 1), comm or MPI.COMM_SELF, source=token_source())
@@ -92,14 +92,14 @@ def test_masters_are_a_float32_adamw_of_float32_gradients(zero):
     """At every step the master weights move by AdamW computed from the float32 gradients and
     moments (against a float64 evaluation of the same formula: float32 round-off only), they
     keep more than bf16's 8 bits, and the compute copies the model reads are bf16(master)."""
-    eng = _engine(small_config("bfloat16", zero=zero))
-    opt, masters = eng.weights.optimizer, eng.weights.reducer.master_tensors
+    rank = _rank(small_config("bfloat16", zero=zero))
+    opt, masters = rank.weights.optimizer, rank.weights.reducer.master_tensors
     step, seen = opt.step, []
 
     def recorded(lr: float) -> None:
         before = {n: v.astype(np.float64) for n, v in masters().items()}
-        moments = (opt.m, opt.v) if not zero else (_whole(eng, opt.m), _whole(eng, opt.v))
-        grads = _whole(eng, [b.owned_grad for b in eng.weights.reducer.buckets]) if zero else eng.grads
+        moments = (opt.m, opt.v) if not zero else (_whole(rank, opt.m), _whole(rank, opt.v))
+        grads = _whole(rank, [b.owned_grad for b in rank.weights.reducer.buckets]) if zero else rank.grads
         clip = opt.grad_scale              # the clipping coefficient the step applies to g
         inputs = {n: (before[n], (grads[n] * clip).astype(np.float64),
                       moments[0][n].astype(np.float64),
@@ -108,9 +108,9 @@ def test_masters_are_a_float32_adamw_of_float32_gradients(zero):
         seen.append((lr, opt.step_count, inputs))
 
     opt.step = recorded
-    cfg = eng.cfg.train
+    cfg = rank.cfg.train
     for k in range(4):
-        trainer.train_step(eng, k)
+        trainer.train_step(rank, k)
         lr, t, inputs = seen[-1]
         for name, now in masters().items():
             p, g, m, v = inputs[name]
@@ -122,28 +122,28 @@ def test_masters_are_a_float32_adamw_of_float32_gradients(zero):
             assert now.dtype == np.float32
             scale = np.abs(p).max() + lr
             assert np.abs(now - want).max() <= 2 ** -21 * scale, (k, name)
-            assert np.array_equal(eng.params[name].view(np.uint16),
+            assert np.array_equal(rank.params[name].view(np.uint16),
                                   now.astype(BF16).view(np.uint16)), (k, name)
     finer = sum(int((m != m.astype(BF16).astype(np.float32)).sum()) for m in masters().values())
     assert finer > 0.9 * sum(m.size for m in masters().values())
-    trainer.close(eng)
+    trainer.close(rank)
 
 
-def _whole(eng, owned: list) -> dict[str, np.ndarray]:
+def _whole(rank, owned: list) -> dict[str, np.ndarray]:
     """ZeRO-1 on one process: the owned slices are whole buckets; by parameter name."""
     out = {}
-    for b, flat in zip(eng.weights.reducer.buckets, owned):
+    for b, flat in zip(rank.weights.reducer.buckets, owned):
         for name, (s, e) in b.offsets.items():
-            out[name] = flat[s:e].reshape(eng.weights.reducer.shapes[name])
+            out[name] = flat[s:e].reshape(rank.weights.reducer.shapes[name])
     return out
 
 
 # ------------------------------------------------------------------------- checkpoints
-def _save(eng, root, step: int):
+def _save(rank, root, step: int):
     from mpipar.checkpoint import writer
     from mpipar.runtime.comm import Group, Ledger
-    return writer.save(eng.state, trainer.run_position(eng, step), root,
-                       Group(eng.comms.grid.comm, "world", Ledger()))
+    return writer.save(rank.state, trainer.run_position(rank, step), root,
+                       Group(rank.comms.grid.comm, "world", Ledger()))
 
 
 def test_a_bf16_checkpoint_holds_float32_masters_and_loads_into_float32_and_back(tmp_path):
@@ -151,7 +151,7 @@ def test_a_bf16_checkpoint_holds_float32_masters_and_loads_into_float32_and_back
     exactly, and a bf16 run loads a float32 checkpoint as masters (compute copies rounded)."""
     from mpipar.checkpoint import reader
 
-    bf = _engine(small_config("bfloat16", zero=1))
+    bf = _rank(small_config("bfloat16", zero=1))
     for k in range(2):
         trainer.train_step(bf, k)
     path = _save(bf, tmp_path / "bf16", 2)
@@ -159,21 +159,21 @@ def test_a_bf16_checkpoint_holds_float32_masters_and_loads_into_float32_and_back
     masters = trainer.gather_params(bf)
     assert all(saved[n].dtype == np.float32 and np.array_equal(saved[n], masters[n])
                for n in masters)
-    f32 = _engine(small_config("float32"))
+    f32 = _rank(small_config("float32"))
     assert reader.load(f32.state, path) == 2
     assert all(np.array_equal(f32.params[n], masters[n]) for n in masters)
     assert np.array_equal(f32.weights.optimizer.v["norm.weight"],
                           reader.read_tensors(path, "exp_avg_sq")["norm.weight"])
     trainer.train_step(f32, 2)
-    back = _engine(small_config("bfloat16"))
+    back = _rank(small_config("bfloat16"))
     assert reader.load(back.state, _save(f32, tmp_path / "f32", 3)) == 3
     want = trainer.gather_params(f32)
     for name, value in trainer.gather_params(back).items():
         assert np.array_equal(value, want[name])
         assert np.array_equal(back.params[name].view(np.uint16),
                               want[name].astype(BF16).view(np.uint16))
-    for eng in (bf, f32, back):
-        trainer.close(eng)
+    for rank in (bf, f32, back):
+        trainer.close(rank)
 
 
 def test_recompute_and_offload_are_bit_identical_in_bf16(tmp_path):
@@ -183,9 +183,9 @@ def test_recompute_and_offload_are_bit_identical_in_bf16(tmp_path):
     for mode in ("none", "selective", "full", "offload"):
         cfg = small_config("bfloat16")
         cfg.train.recompute, cfg.train.run_dir = mode, str(tmp_path / mode)
-        eng = _engine(cfg)
-        runs[mode] = [trainer.train_step(eng, k).loss for k in range(2)], trainer.gather_params(eng)
-        trainer.close(eng)
+        rank = _rank(cfg)
+        runs[mode] = [trainer.train_step(rank, k).loss for k in range(2)], trainer.gather_params(rank)
+        trainer.close(rank)
     for mode, (losses, params) in runs.items():
         assert losses == runs["none"][0], mode
         assert all(np.array_equal(params[n], runs["none"][1][n]) for n in params), mode
@@ -253,11 +253,11 @@ def test_hf_export_in_bf16_and_its_import(tmp_path):
     from mpipar.checkpoint import huggingface as hf
     from mpipar.checkpoint.safetensors_format import read_header
 
-    eng = _engine(small_config("bfloat16", model="tied"))
-    trainer.train_step(eng, 0)
-    masters = trainer.gather_params(eng)
+    rank = _rank(small_config("bfloat16", model="tied"))
+    trainer.train_step(rank, 0)
+    masters = trainer.gather_params(rank)
     out = tmp_path / "hf"
-    hf.save_hf(out, eng.cfg.model, masters, dtype="bfloat16")
+    hf.save_hf(out, rank.cfg.model, masters, dtype="bfloat16")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     header, _ = read_header(out / hf.WEIGHTS_FILE)
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
@@ -270,10 +270,10 @@ def test_hf_export_in_bf16_and_its_import(tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in loaded.values())
     embed = loaded["model.embed_tokens.weight"].float().numpy()
     assert np.array_equal(embed, params["embed_tokens.weight"])
-    start = _engine(small_config("bfloat16", model="tied"))
+    start = _rank(small_config("bfloat16", model="tied"))
     trainer.load_params(start, params)
     assert all(np.array_equal(v, params[n]) for n, v in trainer.gather_params(start).items())
-    for e in (eng, start):
+    for e in (rank, start):
         trainer.close(e)
 
 
@@ -337,9 +337,9 @@ def test_the_default_run_in_bf16_tracks_float32_for_30_steps():
     for dtype in ("float32", "bfloat16"):
         cfg = Config()
         cfg.train.dtype, cfg.train.steps = dtype, 30
-        eng = build_rank(validate(cfg, 1), MPI.COMM_SELF)
-        losses = [trainer.train_step(eng, k).loss for k in range(30)]
-        trainer.close(eng)
+        rank = build_rank(validate(cfg, 1), MPI.COMM_SELF)
+        losses = [trainer.train_step(rank, k).loss for k in range(30)]
+        trainer.close(rank)
         means[dtype] = sum(losses[-10:]) / 10
     assert abs(means["bfloat16"] - means["float32"]) <= 0.03 * means["float32"], means
 

@@ -14,7 +14,7 @@ from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_params, param_specs
 from mpipar.parallel.placement import TP_ROLES, PlacementTable
-from mpipar.parallel.tensor import TensorParallel
+from mpipar.parallel.tensor.ops import TensorParallel
 from mpipar.layout import resolve_model
 
 CFG = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,

@@ -265,7 +265,7 @@ def test_expert_units_split_each_block_into_dense_and_its_experts():
     (the router and norms included) and loses its experts; each block's unit of experts holds
     exactly the ep position's 2 experts (three weights each), under the block's name; ep 1
     changes nothing."""
-    from mpipar.parallel.experts import expert_units
+    from mpipar.parallel.experts.split import expert_units
     from mpipar.parallel.placement import PlacementTable, expert_of
     model = dataclasses.replace(MOE, moe_experts=4, moe_top_k=2)
     chunks = PlacementTable(model=model).units(0)

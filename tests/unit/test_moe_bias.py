@@ -164,7 +164,7 @@ def test_export_notes_name_the_dropped_biases_and_capacity():
     assert "--moe-capacity-factor 1.25" in note and "its 2 experts (dropless)" in note
 
 
-def _engine(tmp_path, rate: float = 0.02):
+def _rank(tmp_path, rate: float = 0.02):
     from mpi4py import MPI
 
     from layouts import small_config, token_source
@@ -175,9 +175,9 @@ def _engine(tmp_path, rate: float = 0.02):
     return build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source())
 
 
-def _snapshot(eng, res) -> tuple:
-    return (res.loss, res.grad_norm, res.moe["moe_aux_loss"], eng.model.routing.host(),
-            trainer.gather_params(eng))
+def _snapshot(rank, res) -> tuple:
+    return (res.loss, res.grad_norm, res.moe["moe_aux_loss"], rank.model.routing.host(),
+            trainer.gather_params(rank))
 
 
 def _same(a: tuple, b: tuple) -> None:
@@ -193,11 +193,11 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     from mpi4py import MPI
-    whole = _engine(tmp_path)
+    whole = _rank(tmp_path)
     ref = [_snapshot(whole, trainer.train_step(whole, k)) for k in range(4)]
     trainer.close(whole)
     assert max(ref[1][3][i].max() for i in ref[1][3]) > 0     # the biases moved
-    first = _engine(tmp_path)
+    first = _rank(tmp_path)
     for k in range(2):
         trainer.train_step(first, k)
     path = writer.save(first.state, trainer.run_position(first, 2), tmp_path,
@@ -214,13 +214,13 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     from mpipar.checkpoint.tools import consolidate
     with h5py.File(consolidate(path, tmp_path / "one.h5"), "r") as f:
         assert all((f["moe_bias"].attrs[f"layers.{i}"] == b).all() for i, b in ref[1][3].items())
-    resumed = _engine(tmp_path)
+    resumed = _rank(tmp_path)
     assert reader.load(resumed.state, path) == 2
     resumed.model.routing.load(reader.read_moe_bias(path))
     for k in (2, 3):
         _same(_snapshot(resumed, trainer.train_step(resumed, k)), ref[k])
     trainer.close(resumed)
-    forgot = _engine(tmp_path)                       # the biases not restored: zeros
+    forgot = _rank(tmp_path)                       # the biases not restored: zeros
     reader.load(forgot.state, path)
     got = _snapshot(forgot, trainer.train_step(forgot, 2))
     trainer.close(forgot)
@@ -229,11 +229,11 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 def test_a_zero_rate_routes_as_before(tmp_path):
     """Rate 0: no bias at all (the plain top-K), no metric, nothing recorded."""
-    eng = _engine(tmp_path, rate=0.0)
-    res = trainer.train_step(eng, 0)
-    assert eng.model.routing.biases == {} and "moe_bias_max_abs" not in res.moe
-    assert trainer.run_position(eng, 1).moe_bias == {}
-    trainer.close(eng)
+    rank = _rank(tmp_path, rate=0.0)
+    res = trainer.train_step(rank, 0)
+    assert rank.model.routing.biases == {} and "moe_bias_max_abs" not in res.moe
+    assert trainer.run_position(rank, 1).moe_bias == {}
+    trainer.close(rank)
 
 
 def test_index_refuses_a_bias_of_the_wrong_length(tmp_path):
@@ -244,11 +244,11 @@ def test_index_refuses_a_bias_of_the_wrong_length(tmp_path):
     from mpipar.checkpoint.index import read_index
     from mpipar.runtime.comm import Group, Ledger
     from mpi4py import MPI
-    eng = _engine(tmp_path)
-    trainer.train_step(eng, 0)
-    pos = dataclasses.replace(trainer.run_position(eng, 1), moe_bias={1: np.zeros(3)})
-    path = writer.save(eng.state, pos, tmp_path, Group(MPI.COMM_SELF, "world", Ledger()))
-    trainer.close(eng)
+    rank = _rank(tmp_path)
+    trainer.train_step(rank, 0)
+    pos = dataclasses.replace(trainer.run_position(rank, 1), moe_bias={1: np.zeros(3)})
+    path = writer.save(rank.state, pos, tmp_path, Group(MPI.COMM_SELF, "world", Ledger()))
+    trainer.close(rank)
     with pytest.raises(CheckpointError, match="moe_bias.layers.1 must be 4 finite float64"):
         read_index(path)
     assert h5py.is_hdf5(path / "index.h5")
@@ -331,13 +331,13 @@ def test_generation_from_a_checkpoint_routes_with_its_biases(tmp_path):
     from mpipar.checkpoint import reader, writer
     from mpipar.inference.sampling import Sampling
     from mpipar.runtime.comm import Group, Ledger
-    eng = _engine(tmp_path, rate=0.3)            # large: the bias outweighs the probabilities
+    rank = _rank(tmp_path, rate=0.3)            # large: the bias outweighs the probabilities
     for k in range(2):
-        trainer.train_step(eng, k)
-    path = writer.save(eng.state, trainer.run_position(eng, 2), tmp_path,
+        trainer.train_step(rank, k)
+    path = writer.save(rank.state, trainer.run_position(rank, 2), tmp_path,
                        Group(MPI.COMM_SELF, "world", Ledger()))
-    model = eng.cfg.model
-    trainer.close(eng)
+    model = rank.cfg.model
+    trainer.close(rank)
     biases, logits = reader.read_moe_bias(path), []
     for given in (biases, None):
         gen = build_generator(model, MPI.COMM_SELF)

@@ -154,7 +154,7 @@ def test_every_rank_holds_whole_position_blocks(seq_len, sp, split, min_chunk):
     microbatch's documents, its chunk count too) are whole blocks, so each block has one
     holder."""
     from mpipar.parallel.sequence_split import SeqLayout, balanced_layout
-    from mpipar.parallel.experts import block_length
+    from mpipar.parallel.experts.exchange import block_length
     L = block_length(SeqLayout(seq_len, sp, split, min_chunk=min_chunk))
     rng = np.random.default_rng(sp)
     layouts = [SeqLayout(seq_len, sp, split)]

@@ -224,9 +224,9 @@ def test_bf16_gated_shared_expert_tracks_float64():
     losses = {}
     for dtype in ("float64", "bfloat16"):
         cfg = small_config(dtype, "moe_gated")
-        eng = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source(cfg.train.seq_len))
+        rank = build_rank(validate(cfg, 1), MPI.COMM_SELF, source=token_source(cfg.train.seq_len))
         try:
-            losses[dtype] = [trainer.train_step(eng, k).loss for k in range(2)]
+            losses[dtype] = [trainer.train_step(rank, k).loss for k in range(2)]
         finally:
-            trainer.close(eng)
+            trainer.close(rank)
     np.testing.assert_allclose(losses["bfloat16"], losses["float64"], rtol=5e-3)

@@ -371,15 +371,16 @@ def _doc_layout(sp: int, mode: str = "ring", split: str = "contiguous", u: int =
 def test_one_document_a_row_is_the_full_causal_model(sp, mode, split, u, window):
     """With --document-masking and one document a row, the step time model reads the same
     attention context and ring / halo blocks as for full causal attention, so the same time."""
-    from mpipar.plan.step_time import StepDocuments, _document_sp, _sp_blocks, _sp_context
+    from mpipar.parallel.sequence.cost import attention_context, extra_key_blocks
+    from mpipar.plan.step_time import StepDocuments, _document_sp
     from mpipar.parallel.sequence.registry import SP_MODES
     from mpipar.parallel.sequence_split import SeqLayout
     layout = _doc_layout(sp, mode, split, u, window)
     docs = StepDocuments(np.zeros((4, 64), np.int64))
     context, hops = _document_sp(docs, 64, sp, split, SP_MODES[mode], u, 1, 2, window)
     ring = SeqLayout(64, sp // u, split) if mode == "hybrid" else SeqLayout(64, sp, split)
-    assert context == pytest.approx(_sp_context(layout, window), rel=1e-12)
-    assert hops == _sp_blocks(SP_MODES[mode], ring, window)
+    assert context == pytest.approx(attention_context(layout, window), rel=1e-12)
+    assert hops == extra_key_blocks(SP_MODES[mode], ring, window)
     assert predict_step_time(layout, documents=docs).total == pytest.approx(
         predict_step_time(layout).total, rel=1e-12)
 

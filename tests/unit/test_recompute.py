@@ -24,7 +24,7 @@ from mpipar.model.params import init_params
 from mpipar.model.recompute import MODES as BY_NAME
 from mpipar.model.recompute import RECOMPUTE_MODES, Recompute
 from mpipar.parallel.placement import PlacementTable
-from mpipar.parallel.tensor import TensorParallel
+from mpipar.parallel.tensor.ops import TensorParallel
 from recompute_runs import MODES, identical, run_mode
 
 CFG = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24,

@@ -36,8 +36,8 @@ def _checkpoint(save_dir, step: int = 0, **model) -> str:
     for key, value in model.items():
         setattr(cfg.model, key, value)
     cfg = validate(cfg, 1)
-    engine = build_rank(cfg, MPI.COMM_SELF, source=token_source())
-    return str(writer.save(engine.state, trainer.run_position(engine, step), save_dir,
+    rank = build_rank(cfg, MPI.COMM_SELF, source=token_source())
+    return str(writer.save(rank.state, trainer.run_position(rank, step), save_dir,
                                Group(MPI.COMM_SELF, "world", Ledger())))
 
 
@@ -93,7 +93,7 @@ def test_a_config_claiming_a_huge_model_is_refused_before_allocating(saved, tmp_
     code, err = run_generate([huge, "--prompt", "hi", "--backend", "numpy",
                               "--allow-oversubscribed-memory"])
     _one_error(code, err, f"{huge}: its config claims 100,000,000 layers, but it stores 39 "
-                          f"tensors")
+                          f"parameter tensors")
     assert time.perf_counter() - started < 30
 
 

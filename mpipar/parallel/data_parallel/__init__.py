@@ -2,6 +2,6 @@
 
 ``reducer.py``: :class:`~mpipar.parallel.data_parallel.reducer.GradReducer` (buckets, flat or
 hierarchical, dense or compressed; ZeRO-1's reduce-scatter) and when compression starts;
-``rule.py``: its configuration rule; ``cost.py``: its buckets and calls for the planner;
-``axis.py``: the data axis (:class:`mpipar.parallel.axis.Axis`).
+``rule.py``: its configuration rule; ``cost.py``: its buckets, calls, buffers and codec work
+for the planner; ``axis.py``: the data axis (:class:`mpipar.parallel.axis.Axis`).
 """

@@ -1,10 +1,13 @@
 """What the data-parallel reduction costs a rank: its flat gradient buckets and the calls
-:class:`mpipar.parallel.data_parallel.reducer.GradReducer` makes over dp x sp in a step."""
+:class:`mpipar.parallel.data_parallel.reducer.GradReducer` makes over dp x sp in a step, the
+buffers it holds (the buckets' copies in the reduce dtype, error-feedback residuals) and the
+codec's work on the reduction's path."""
 from __future__ import annotations
 
 import numpy as np
 
 from mpipar.layout import Layout
+from mpipar.parallel.axis import Held, Rates, StepRank
 from mpipar.parallel.calls import Call
 from mpipar.parallel.compression import Int8Codec, TopKCodec
 from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
@@ -90,3 +93,53 @@ def residual_bytes(layout: Layout, lengths: list[int], compressed: int, per_node
     x = sum(length // per_node for length in lengths)
     return (x + (x // compressed if second else 0)) \
         * Precision.of(layout.train, par).master_bytes
+
+
+def compresses(layout: Layout) -> bool:
+    """Whether the gradient reduction compresses (``--grad-compression`` other than none)."""
+    return layout.parallel.grad_compression != "none"
+
+
+def compressed_over(layout: Layout, sizes: dict[str, int]) -> int:
+    """Ranks of the group the gradient reduction compresses over (and the residual slots), on
+    a grid whose groups have ``sizes`` ranks: across nodes when hierarchical, else dp x sp; 1
+    when nothing is compressed."""
+    if not compresses(layout):
+        return 1
+    return sizes["dp_sp_inter" if layout.parallel.dp_reduce == "hierarchical" else "dp_sp"]
+
+
+def _per_node(layout: Layout, sizes: dict[str, int]) -> int:
+    """Ranks of dp x sp a node holds under the hierarchical reduction (what each compresses
+    is its node shard), else 1."""
+    return sizes["dp_sp_intra"] if layout.parallel.dp_reduce == "hierarchical" else 1
+
+
+def data_held(rank: StepRank) -> Held:
+    """Below ZeRO-2: the buckets' copies in the reduce dtype (``--reduce-dtype`` other than the
+    masters', over more than one rank) and the error-feedback residuals
+    (:func:`residual_bytes`)."""
+    layout = rank.layout
+    par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
+    if par.zero >= 2:
+        return Held()
+    lengths = [length for length, _ in rank.gradient_buckets]
+    sizes = rank.group_sizes
+    reduced = prec.reduce != prec.master and layout.dp * par.sp > 1
+    return Held(sum(lengths) * prec.reduce_bytes if reduced else 0,
+                residual_bytes(layout, lengths, compressed_over(layout, sizes),
+                               _per_node(layout, sizes)))
+
+
+def data_seconds(rank: StepRank, rates: Rates) -> dict[str, float]:
+    """The codec's encoding and decoding, which sit on the compressed reduction's path: its
+    work per element (``rates``) over the rank's part of its buckets, on the group it
+    compresses over."""
+    layout = rank.layout
+    if not compresses(layout) or compressed_over(layout, rank.group_sizes) == 1:
+        return {}
+    par, sizes = layout.parallel, rank.group_sizes
+    group = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+    rate = rates.int8_seconds if par.grad_compression == "int8" else rates.topk_seconds
+    return {group: rate * sum(length for length, _ in rank.gradient_buckets)
+            / _per_node(layout, sizes)}

@@ -64,7 +64,6 @@ from typing import Any
 from mpipar.runtime.comm import Group, Request
 from mpipar.layout import Layout
 from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
-from mpipar.runtime.precision import Precision
 
 RESIDUAL_SEND = "residual_send"
 RESIDUAL_GATHER = "residual_gather"

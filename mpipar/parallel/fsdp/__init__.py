@@ -3,6 +3,6 @@ their gradients reduce-scattered.
 
 ``sharded.py``: :class:`~mpipar.parallel.fsdp.sharded.ShardedParams` (units, the buffer pool,
 node shared memory); ``rule.py``: its configuration rule; ``cost.py``: its units' lengths,
-passes and calls for the planner; ``axis.py``: the ZeRO axis
+passes, calls and buffer pool for the planner; ``axis.py``: the ZeRO axis
 (:class:`mpipar.parallel.axis.Axis`).
 """

@@ -1,10 +1,11 @@
 """The ZeRO-2/3 axis (:class:`mpipar.parallel.axis.Axis`): its rule and its units' gathers and
-reduce-scatters over dp x sp (the experts' units over ``ep_dp`` are the expert axis's)."""
+reduce-scatters over dp x sp (the experts' units over ``ep_dp`` are the expert axis's), and
+the pool of their whole buffers."""
 from __future__ import annotations
 
 from mpipar.parallel.axis import AxisUnit, StepRank
 from mpipar.parallel.calls import Call
-from mpipar.parallel.fsdp.cost import sharded_calls
+from mpipar.parallel.fsdp.cost import sharded_calls, sharded_held
 from mpipar.parallel.fsdp.rule import check_config
 
 
@@ -16,5 +17,5 @@ def _sharded_traffic(rank: StepRank) -> list[Call]:
                          passes=rank.passes, backward=rank.train)
 
 
-FSDP = AxisUnit("fsdp", check_config, _sharded_traffic)
+FSDP = AxisUnit("fsdp", check_config, _sharded_traffic, holds=sharded_held)
 """ZeRO-2/3 groups, prefetch, node shared memory; the units sharded over dp x sp."""

@@ -1,15 +1,17 @@
-"""What ZeRO-2/3 costs a rank: its units' lengths, the passes that enter them, and the calls
-:class:`mpipar.parallel.fsdp.sharded.ShardedParams` makes in a step."""
+"""What ZeRO-2/3 costs a rank: its units' lengths, the passes that enter them, the calls
+:class:`mpipar.parallel.fsdp.sharded.ShardedParams` makes in a step, and its pool of whole-unit
+buffers."""
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection
 
 from mpipar.layout import Layout
+from mpipar.parallel.axis import Held, StepRank
 from mpipar.parallel.calls import Call
 from mpipar.parallel.data_parallel.reducer import padded_size
 from mpipar.parallel.fsdp.sharded import MAX_IN_FLIGHT
-from mpipar.parallel.pipeline.schedule import Op
+from mpipar.parallel.pipeline.schedule import Op, schedule_of
 from mpipar.runtime.precision import Precision
 
 
@@ -74,7 +76,7 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
     gathering, an all-gather of each unit a forward enters. Parameters travel as compute
     copies, gradients in the reduce dtype, the tied slice in the masters'. ``group`` (of
     ``shards`` ranks): what the units are sharded over (default dp x sp; the experts' units:
-    ``ep_dp``, :func:`mpipar.parallel.experts.expert_unit_calls`)."""
+    ``ep_dp``, :func:`mpipar.parallel.experts.cost.expert_unit_calls`)."""
     prec = Precision.of(layout.train, layout.parallel)
     n, g = shards or layout.dp * layout.parallel.sp, group
     e = prec.compute_bytes
@@ -139,9 +141,21 @@ def unit_buffer_bytes(layout: Layout, ops: list[Op], lengths: dict[str, int],
         # a unit's gradients leave once a microbatch: its next backward may take a buffer
         # while its last reduce-scatters are in flight (few units of a length: interleaving)
         reduces = k * layout.microbatches
-        grads = k + MAX_IN_FLIGHT if par.schedule == "zb-h1" else min(reduces, 1 + MAX_IN_FLIGHT)
+        grads = (k + MAX_IN_FLIGHT if schedule_of(par).defers_weights
+                 else min(reduces, 1 + MAX_IN_FLIGHT))
         in_flight = min(reduces, 1 + MAX_IN_FLIGHT)
         total += (gathered * prec.compute_bytes + grads * prec.master_bytes
                   + sends * in_flight * prec.reduce_bytes) * L \
             + in_flight * L // n * prec.reduce_bytes
     return total
+
+
+def sharded_held(rank: StepRank) -> Held:
+    """ZeRO-2/3: a bound on the pool of the dense units' whole buffers over dp x sp
+    (:func:`unit_buffer_bytes`; the experts' units beside them are the expert axis's)."""
+    layout = rank.layout
+    if layout.parallel.zero < 2:
+        return Held()
+    return Held(buffers=unit_buffer_bytes(layout, rank.ops, rank.unit_lengths, rank.kept_units,
+                                          layout.dp * layout.parallel.sp,
+                                          rank.node_copy is not None))

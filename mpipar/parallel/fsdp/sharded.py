@@ -48,7 +48,7 @@ its reduce-scatter sends.
 
 Experts sharded over ep (``--ep N``): a second :class:`ShardedParams` holds the rank's experts,
 a unit per sparse block, over ``ep_dp`` instead of dp x sp, beside the dense units (sharing their
-buffer pool: :class:`mpipar.parallel.experts.ExpertSplitUnits`).
+buffer pool: :class:`mpipar.parallel.experts.split.ExpertSplitUnits`).
 
 Every rank of dp x sp holds the same pipeline and tp position and so runs the same op list: its
 collectives start in the same order on every rank of the group. Buffers come from the kernel
@@ -65,7 +65,6 @@ from typing import Any
 
 from mpipar.runtime.comm import Group, Request, SharedArray
 from mpipar.parallel.data_parallel.reducer import padded_size
-from mpipar.runtime.precision import Precision
 
 Units = list[list[tuple[str, list[str]]]]
 """Per model chunk, its units in forward order as ``(unit, parameter names)``."""
@@ -165,7 +164,7 @@ class ShardedParams:
     values; ``compute_dtype`` and ``reduce_dtype`` (default: theirs) as in the module
     docstring; ``pool``: the buffer pool to take whole units from (default: one of its own;
     the experts' units sharded over ``ep_dp`` share the dense units' pool:
-    :class:`mpipar.parallel.experts.ExpertSplitUnits`). ``frozen``: parameters that do not
+    :class:`mpipar.parallel.experts.split.ExpertSplitUnits`). ``frozen``: parameters that do not
     train (LoRA's base, :class:`FrozenBaseScope`): gathered as the others, with no gradient
     buffer and no reduction."""
 

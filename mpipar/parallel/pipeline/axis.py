@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from mpipar.parallel.axis import AxisUnit, StepRank
 from mpipar.parallel.calls import Call
-from mpipar.parallel.pipeline.schedule import check_config, pipeline_calls
+from mpipar.parallel.pipeline.cost import pipeline_calls
+from mpipar.parallel.pipeline.rule import check_config
 
 
 def _pipeline_traffic(rank: StepRank) -> list[Call]:

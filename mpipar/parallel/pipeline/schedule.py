@@ -27,14 +27,10 @@ schedule's forwards and their messages, in the same order; nothing is kept for a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from mpipar.config import ConfigError, require
-from mpipar.layout import Layout
-from mpipar.parallel.calls import Call, element_bytes
-from mpipar.runtime.topology import Coord, GridShape
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMPUTE_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 MESSAGE_KINDS = ("send_fwd", "recv_fwd", "send_bwd", "recv_bwd")
 OP_KINDS = COMPUTE_KINDS + MESSAGE_KINDS
@@ -231,6 +227,39 @@ def _interleaved_steps(rank: int, p: int, m: int, v: int) -> list[tuple[str, int
     return steps + [("bwd", mb, c) for mb, c in backwards[total - warmup:]]
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """One ``--schedule``: its name (what configuration files say), the compute steps of each
+    rank (``steps(rank, p, m, v)``: ``(kind, microbatch, chunk)`` in order), whether it runs
+    ``v >= 2`` virtual stages a rank (``interleaved``; the others take ``v == 1``), and whether
+    it defers the weight gradients to ``bwd_weight`` ops (``defers_weights``: a gradient is final
+    once a chunk's deferred weights have run, not after each block)."""
+
+    name: str
+    steps: Callable[[int, int, int, int], list[tuple[str, int, int]]]
+    interleaved: bool = False
+    defers_weights: bool = False
+
+    def __repr__(self) -> str:
+        return f"<schedule {self.name}>"
+
+
+GPIPE = Schedule("gpipe", lambda rank, p, m, v: _gpipe_steps(m))
+ONE_F_ONE_B = Schedule("1f1b", lambda rank, p, m, v: _one_f_one_b_steps(rank, p, m))
+INTERLEAVED = Schedule("interleaved", _interleaved_steps, interleaved=True)
+ZB_H1 = Schedule("zb-h1", lambda rank, p, m, v: _zb_h1_steps(rank, p, m), defers_weights=True)
+
+SCHEDULE_MODES: dict[str, Schedule] = {s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED,
+                                                              ZB_H1)}
+"""Every ``--schedule``, by name: adding one is its steps and one line here."""
+SCHEDULES = tuple(SCHEDULE_MODES)
+
+
+def schedule_of(par: Any) -> Schedule:
+    """The schedule object of a parallel configuration's ``schedule``."""
+    return SCHEDULE_MODES[par.schedule]
+
+
 def forward_only(schedule: list[list[Op]]) -> list[list[Op]]:
     """The forward ops of ``schedule`` and their messages (``fwd``, ``send_fwd``, ``recv_fwd``),
     in each rank's order: the walk of evaluation and generation, which keep nothing for a
@@ -260,25 +289,15 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
       apart from ``2p - 1`` on, and rank 0 ends with one ``bwd_weight``: makespan ``2m + 2p - 1``,
       bubble ``(2p-1-m) / (2m+2p-1)``.
     """
-    if name not in SCHEDULES:
+    schedule = SCHEDULE_MODES.get(name)
+    if schedule is None:
         raise ValueError(f"schedule name {name!r} is unknown; it must be one of {SCHEDULES}")
     _check_sizes(p, m, v)
-    if name == "interleaved" and v < 2:
-        raise ValueError(f"v={v} is invalid for 'interleaved': it needs v >= 2 model chunks per rank")
-    if name != "interleaved" and v != 1:
+    if schedule.interleaved and v < 2:
+        raise ValueError(f"v={v} is invalid for {name!r}: it needs v >= 2 model chunks per rank")
+    if not schedule.interleaved and v != 1:
         raise ValueError(f"v={v} is invalid for {name!r}: only 'interleaved' takes v > 1")
-    ranks: list[list[Op]] = []
-    for rank in range(p):
-        if name == "gpipe":
-            steps = _gpipe_steps(m)
-        elif name == "1f1b":
-            steps = _one_f_one_b_steps(rank, p, m)
-        elif name == "zb-h1":
-            steps = _zb_h1_steps(rank, p, m)
-        else:
-            steps = _interleaved_steps(rank, p, m, v)
-        ranks.append(_with_messages(rank, p, v, steps))
-    return ranks
+    return [_with_messages(rank, p, v, schedule.steps(rank, p, m, v)) for rank in range(p)]
 
 
 class _RankState:
@@ -530,47 +549,3 @@ class _Replay:
                          f"microbatch {mb} from rank {stage_owner(sender, self.p)[0]} (virtual "
                          f"stage {sender})")
         return ScheduleError("deadlock: no rank can proceed; " + "; ".join(stuck))
-
-
-def check_config(layout: Layout) -> None:
-    """Layers must split evenly into the virtual stages, virtual stages need the interleaved
-    schedule (and it them), and the schedule must be buildable for the step's microbatches."""
-    m, p = layout.model, layout.parallel
-    stages = layout.stages
-    require(m.layers % stages == 0,
-            f"parallel.pp*virtual_stages = {p.pp}*{p.virtual_stages} = {stages}: must divide "
-            f"model.layers={m.layers}")
-    require(p.virtual_stages == 1 or p.schedule == "interleaved",
-            f"parallel.virtual_stages={p.virtual_stages}: more than 1 needs "
-            f"--schedule interleaved (got {p.schedule!r})")
-    require(p.schedule != "interleaved" or p.virtual_stages >= 2,
-            f"parallel.schedule='interleaved': needs parallel.virtual_stages >= 2 "
-            f"(got {p.virtual_stages})")
-    try:
-        build_schedule(p.schedule, p.pp, layout.microbatches, p.virtual_stages)
-    except ValueError as exc:
-        raise ConfigError(f"parallel.schedule={p.schedule!r}: {exc}") from None
-
-
-# ------------------------------------------------------------------------------------ traffic
-def pipeline_calls(layout: Layout, coord: Coord, shape: GridShape, stages: list[int],
-                   passes: int, backward: bool) -> list[Call]:
-    """The pp group's calls of the rank at ``coord`` of the grid ``shape``, whose chunks are
-    the global virtual ``stages``, in ``passes`` microbatches through each chunk: the
-    activations ``[B, S/sp, H]`` (``[B*S/(sp*tp), H]`` under tensor sequence parallelism) to the
-    next stage and, with ``backward`` (a training step), their gradients to the previous one,
-    each with its receive on the other side; and the loss broadcast from the last stage."""
-    m, par, tr = layout.model, layout.parallel, layout.train
-    p, last = layout.pp, layout.stages - 1
-    tokens = layout.micro_batch_size * (tr.seq_len // par.sp)
-    act = tokens * m.hidden * element_bytes(tr.dtype) // (par.tp if par.tp_sequence_parallel
-                                                          else 1)
-    outgoing = sum(s < last for s in stages) * passes       # activations to the next stage
-    incoming = sum(s > 0 for s in stages) * passes          # activations from the previous
-    nxt = shape.rank_of(coord._replace(pp=(coord.pp + 1) % p))
-    loss = Call("pp", "bcast", 8 if coord.pp == p - 1 else 0)
-    if not backward:
-        return [Call("pp", "send", act, outgoing, nxt), Call("pp", "recv", 0, incoming), loss]
-    prv = shape.rank_of(coord._replace(pp=(coord.pp - 1) % p))
-    return [Call("pp", "send", act, outgoing, nxt), Call("pp", "send", act, incoming, prv),
-            Call("pp", "recv", 0, outgoing + incoming), loss]

@@ -11,7 +11,7 @@ live in :mod:`mpipar.parallel.sequence_split`.
   (sequence chunks traded for head groups by all-to-all), ``hybrid.py`` (Ulysses inside groups,
   the ring across them): one mode each, its core and its messages.
 - ``common.py``: what the modes share; ``rule.py``: the split's rule, then the mode's;
-  ``cost.py``: the mode's calls for the planner.
+  ``cost.py``: the mode's calls, what its core keeps and its time terms for the planner.
 
 Precision: K/V travel in the activations' dtype (bf16 under mixed precision); a core sums
 partial results in :func:`mpipar.model.attention.accumulator` dtype (float32 for bf16): the

@@ -1,10 +1,10 @@
 """The sequence axis (:class:`mpipar.parallel.axis.Axis`): the split's and the SP mode's rule,
-and the mode's calls."""
+the mode's calls, and what its attention core keeps."""
 from __future__ import annotations
 
 from mpipar.parallel.axis import AxisUnit, StepRank
 from mpipar.parallel.calls import Call
-from mpipar.parallel.sequence.cost import sequence_calls
+from mpipar.parallel.sequence.cost import sequence_calls, sequence_footprint
 from mpipar.parallel.sequence.rule import check_config
 
 
@@ -16,5 +16,6 @@ def _sequence_traffic(rank: StepRank) -> list[Call]:
                           rank.documents)
 
 
-SEQUENCE = AxisUnit("sequence", check_config, _sequence_traffic)
+SEQUENCE = AxisUnit("sequence", check_config, _sequence_traffic,
+                    footprint=sequence_footprint)
 """The sequence split over sp and the SP mode's attention across it."""

@@ -12,7 +12,7 @@ from mpipar.layout import Layout
 from mpipar.model.attention import DocumentPositions, documents_of
 from mpipar.parallel.calls import Call
 from mpipar.parallel.sequence.mode import SequenceMode, SequenceTraffic
-from mpipar.parallel.sequence.ring import RingAttention, document_hops, ring_messages, ring_hops
+from mpipar.parallel.sequence.ring import RingAttention, RingMode, document_hops, ring_messages
 from mpipar.parallel.sequence.ulysses import (HeadExchange, UlyssesSaved, check_heads,
                                               ulysses_calls)
 from mpipar.parallel.sequence_split import SeqLayout
@@ -92,14 +92,11 @@ class HybridMode(SequenceMode):
         return calls + t.relay("sp_ring", stride, t.packs(seq), lambda s, w, d: ring_messages(
             document_hops(s, w, d), t.row * t.s_loc, t.grad_row * t.s_loc, par.sp_overlap))
 
-    def key_blocks(self, seq: SeqLayout, window: int) -> int:
-        hops = ring_hops(seq, window)
-        return hops.right + hops.left
+    key_blocks = RingMode.key_blocks        # its ring's, over ring_split's sp / U ranks
 
     def document_blocks(self, split: SeqLayout, ring: SeqLayout, window: int,
                         docs: DocumentPositions) -> int:
-        hops = document_hops(ring, window, docs)
-        return hops.right + hops.left
+        return document_hops(ring, window, docs).blocks   # the ring's split, not the run's
 
     def describe(self, par) -> str:
         return f" {self.name}/{par.sp_split}(U={par.ulysses_size})"

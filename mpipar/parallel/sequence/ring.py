@@ -41,6 +41,11 @@ class RingHops:
         """(direction, hops) of each relay with hops: +1 right, -1 left."""
         return [(d, h) for d, h in ((1, self.right), (-1, self.left)) if h]
 
+    @property
+    def blocks(self) -> int:
+        """Key blocks beyond its own a rank attends to: one a hop, either way."""
+        return self.right + self.left
+
 
 def ring_messages(hops: RingHops, kv: int, dkv: int, overlap: bool
                   ) -> tuple[list[Message], list[Message]]:
@@ -286,13 +291,11 @@ class RingMode(SequenceMode):
             t.layout.parallel.sp_overlap))
 
     def key_blocks(self, seq: SeqLayout, window: int) -> int:
-        hops = ring_hops(seq, window)
-        return hops.right + hops.left
+        return ring_hops(seq, window).blocks
 
     def document_blocks(self, split: SeqLayout, ring: SeqLayout, window: int,
                         docs: DocumentPositions) -> int:
-        hops = document_hops(split, window, docs)
-        return hops.right + hops.left
+        return document_hops(split, window, docs).blocks
 
     def search_choices(self, base, sp: int, node_sp: int) -> list[tuple[str, int]]:
         return [("zigzag", 0), ("contiguous", 0)]

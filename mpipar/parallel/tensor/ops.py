@@ -36,12 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mpipar.parallel.axis import AxisUnit, StepRank
-from mpipar.parallel.calls import Call
 from mpipar.runtime.comm import Group
-from mpipar.runtime.precision import Precision
-from mpipar.config import require
-from mpipar.layout import Layout
 from mpipar.model.attention import accumulator
 from mpipar.model.lora import Adapters
 from mpipar.model.params import bias_name
@@ -273,97 +268,3 @@ class TensorParallel:
         for g in grads:
             g.reshape(-1)[...] = packed[at:at + g.size]
             at += g.size
-
-
-def check_config(layout: Layout) -> None:
-    """The tensor-parallel split must divide the heads and the FFN; sequence parallelism inside
-    tp must divide each microbatch's tokens."""
-    m, p, t = layout.model, layout.parallel, layout.train
-    require(m.heads % p.tp == 0, f"parallel.tp={p.tp}: must divide model.heads={m.heads}")
-    require(m.kv_heads % p.tp == 0,
-             f"parallel.tp={p.tp}: must divide model.kv_heads={m.kv_heads}")
-    require(m.ffn_hidden % p.tp == 0,
-             f"parallel.tp={p.tp}: must divide model.ffn_hidden={m.ffn_hidden}")
-    if p.tp_sequence_parallel and p.tp > 1:
-        micro = layout.micro_batch_size
-        tokens = micro * (t.seq_len // p.sp)
-        require(tokens % p.tp == 0,
-                 f"parallel.tp_sequence_parallel: the tokens of a microbatch on one rank, "
-                 f"micro_batch_size*seq_len/sp = {micro}*{t.seq_len}/{p.sp} = {tokens}, must be "
-                 f"divisible by parallel.tp={p.tp}")
-
-
-# ------------------------------------------------------------------------------------ traffic
-def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: bool,
-                 unit_passes: Sequence[tuple[str, int]]) -> list[Call]:
-    """The tp group's calls of a rank whose chunks are the global virtual ``stages``, in
-    ``passes`` forwards of a microbatch through each chunk, each with its backward
-    (``backward``: a training step) or without (a validation pass). ``unit_passes``: at
-    ZeRO-2/3, ``(unit, reduce-scatters in a step)`` of each unit the rank's passes enter
-    (:func:`mpipar.parallel.fsdp.cost.unit_passes`); otherwise unread.
-
-    Without sequence parallelism each block all-reduces the stream twice forward (after o and
-    down) and twice backward (the inputs of q/k/v and gate/up); ``recompute="full"`` runs each
-    forward twice in a step. With it, forward all-gathers the two normed inputs and
-    reduce-scatters the two outputs; backward all-gathers the two output gradients and, again,
-    the two normed inputs (kept as shards), and reduce-scatters the two input gradients. The
-    partial gradients (the norm weights' under sequence parallelism, the query and key norms'
-    with ``qk_norm``: :func:`_partial_grad_elements`) are all-reduced once a step, packed per
-    gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights), or
-    at ZeRO-2/3 once a microbatch, per unit before its reduce-scatter. The first stage reduces the embedding
-    (forward); the last all-reduces the cross-entropy's max and then its (sum-exp, target
-    logit) per token, and the head's input gradient. Stream ``[B, S/sp, H]``."""
-    m, par, tr = layout.model, layout.parallel, layout.train
-    prec = Precision.of(tr, par)
-    e, se = prec.compute_bytes, prec.stat_bytes      # activations, softmax statistics
-    n_tok = layout.micro_batch_size * (tr.seq_len // par.sp)
-    full = n_tok * m.hidden * e
-    blocks = m.layers // layout.stages * len(stages)
-    first, last, bw = 0 in stages, layout.stages - 1 in stages, int(backward)
-    reruns = tr.recompute_mode.forward_runs(backward)   # backward may re-run each forward
-    stats = [Call("tp", "allreduce_max", n_tok * se, passes),
-             Call("tp", "allreduce", 2 * n_tok * se, passes)]
-    per = m.layers // layout.stages     # a sparse block's FFN (experts unsplit): no tp calls,
-    sparse = 0 if m.moe_shared_ffn_hidden else sum(   # but its shared expert's (a dense FFN's)
-        m.is_sparse(i) for s in stages for i in range(s * per, (s + 1) * per))
-    grads = [Call("tp", "allreduce", n * prec.master_bytes)   # partial gradients, summed
-             for n in _partial_grad_elements(layout, stages, unit_passes) if n] if bw else []
-    if not par.tp_sequence_parallel:     # per block: leave o, down | enter q/k/v, gate/up
-        calls = [Call("tp", "allreduce", full, passes * ((2 * reruns + 2 * bw) * blocks
-                                                         - (reruns + bw) * sparse
-                                                         + int(first) + bw * int(last)))]
-        return calls + (stats if last else []) + grads
-    shard = full // par.tp
-    calls = [Call("tp", "allgather", shard, passes * ((2 * reruns + 4 * bw) * blocks
-                                                      + bw * int(first) + (1 + bw) * int(last))),
-             Call("tp", "reduce_scatter", full, passes * ((2 * reruns + 2 * bw) * blocks
-                                                          + int(first) + bw * int(last)))]
-    return calls + (stats if last else []) + grads
-
-
-def _partial_grad_elements(layout: Layout, stages: Sequence[int],
-                           unit_passes: Sequence[tuple[str, int]]) -> list[int]:
-    """Elements in each all-reduce of the partial gradients over tp in a step (0: none made):
-    under sequence parallelism a block's two norms and the head's final norm (``hidden``
-    each), and with ``qk_norm`` a block's query and key norms (``head_dim`` each, applied to
-    this rank's heads); at ZeRO-2/3 one per unit reduce-scattered, under zb-h1 one per chunk
-    with all its norms, else one per block and one for the head."""
-    m, sp = layout.model, layout.parallel.tp_sequence_parallel
-    block, head = 2 * m.hidden * sp + 2 * m.head_dim * m.qk_norm, m.hidden * sp
-    per, last = m.layers // layout.stages, layout.stages - 1
-    if layout.parallel.zero >= 2:
-        return [block if u.startswith("layers.") else head for u, k in unit_passes
-                if u != "embed" for _ in range(k)]
-    if layout.parallel.schedule == "zb-h1":
-        return [per * block + head * (s == last) for s in stages]
-    return [block] * (per * len(stages)) + ([head] if last in stages else [])
-
-
-def _tensor_traffic(rank: StepRank) -> list[Call]:
-    if rank.layout.parallel.tp == 1:
-        return []
-    return tensor_calls(rank.layout, rank.stages, rank.passes, rank.train, rank.entered)
-
-
-TENSOR = AxisUnit("tensor", check_config, _tensor_traffic)
-"""The tensor axis: heads, FFN and tokens split over tp; its collectives."""

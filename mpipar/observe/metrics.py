@@ -49,6 +49,18 @@ DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
 GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS, "ep")
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
+MFU_CAUSE = ("an MFU over 100% is a measurement problem, not speed: the peak probe was "
+             "disturbed (other processes on the cores while it ran) or the ranks' threads "
+             "oversubscribe the cores (ranks x threads per rank > cores: set OMP_NUM_THREADS "
+             "and NUMBA_NUM_THREADS to cores / ranks per node)")
+"""Why a step's MFU can exceed 1: what the log line and the summary say beside it."""
+
+
+def mfu_text(mfu: float, digits: int = 2) -> str:
+    """``MFU 12.34%``, flagged ``(> 100%: not a real rate)`` when it exceeds 1."""
+    flag = " (> 100%: not a real rate)" if mfu > 1 else ""
+    return f"MFU {100 * mfu:.{digits}f}%{flag}"
+
 
 @dataclass
 class StepResult:
@@ -307,6 +319,7 @@ class Progress:
                  tty: bool | None = None) -> None:
         self.total, self.every, self.enabled = total, every, enabled and every > 0
         self.bar = None
+        self._mfu_flagged = False
         if self.enabled and (users_terminal() if tty is None else tty):
             from tqdm import tqdm
             # A terminal that reports a size of 0 x 0 (a fresh pty) would hide the bar: fall back.
@@ -322,13 +335,17 @@ class Progress:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
                                  tok_s=f"{record['tokens_per_s']:,.0f}",
-                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+                                 mfu=f"{100 * record['mfu']:.1f}%"
+                                 + ("(>100%!)" if record["mfu"] > 1 else ""), refresh=False)
         elif step % self.every == 0 or step == 1 or step == self.total:
             skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
             print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
                   f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
-                  f"{record['tokens_per_s']:,.0f} tok/s  MFU {100 * record['mfu']:.2f}%{skipped}",
+                  f"{record['tokens_per_s']:,.0f} tok/s  {mfu_text(record['mfu'])}{skipped}",
                   flush=True)
+        if record["mfu"] > 1 and not self._mfu_flagged:  # once a run, the first time
+            self._mfu_flagged = True
+            self.note(f"step {step}: {MFU_CAUSE}")
         if "eval" in record:
             self.note(f"step {step:>6}/{self.total}  validation loss "
                       f"{record['eval']['loss']:.4f}  perplexity "

@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpipar.observe.metrics import TIME_KEYS, read_records
+from mpipar.observe.metrics import MFU_CAUSE, TIME_KEYS, mfu_text, read_records
 from mpipar.parallel.sequence.registry import SP_MODES
 from mpipar.parallel.sequence_split import MIN_CHUNK, balanced_chunks
 from mpipar.runtime.precision import Precision
@@ -177,6 +177,7 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         "step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
         "mfu": statistics.median(r["mfu"] for r in steady),
+        "mfu_over_100": sum(r["mfu"] > 1 for r in records),
         "time_s": times,
         "comm_bytes_per_step": records[-1].get("comm_bytes_max", {}),
         "inter_node_bytes_per_step": records[-1].get("inter_node_bytes_max", 0),
@@ -302,6 +303,8 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     if frac["io"] > 0.10:
         lines.append(f"I/O takes {100 * frac['io']:.0f}% of the time: checkpoint less often "
                      f"(--save-every)")
+    if summary.get("mfu_over_100"):
+        lines.append(f"{summary['mfu_over_100']} step(s) report an MFU over 100%: {MFU_CAUSE}")
     if summary.get("skipped_steps"):
         lines.append(f"{summary['skipped_steps']} step(s) were skipped for a non-finite loss or "
                      f"gradient norm: lower --lr, lengthen --warmup-steps or lower --clip-grad")
@@ -315,7 +318,7 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
         if worst == "compute":
             kernels = ("; --backend auto (numba, or cupy on a GPU) is faster than numpy"
                        if lay.get("backend") == "numpy" else "")
-            lines.append(f"compute-bound at MFU {100 * summary.get('mfu', 0):.1f}%: larger "
+            lines.append(f"compute-bound at {mfu_text(summary.get('mfu', 0), 1)}: larger "
                          f"microbatches use the GEMMs better{kernels}")
         else:
             lines.append(f"no rule fired; the largest share is {LABELS[worst]}")
@@ -412,7 +415,7 @@ def summary_text(summary: dict[str, Any]) -> str:
               f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
              else []),
            f"throughput: {s['tokens_per_s']:,.0f} tokens/s, step {s['step_time_s']:.4g} s, "
-           f"MFU {100 * s['mfu']:.2f}% (medians after step 1)",
+           f"{mfu_text(s['mfu'])} (medians after step 1)",
            "time per step (mean over ranks): " + ", ".join(
                f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS),
            f"pipeline bubble: {100 * s['bubble']:.0f}%",

@@ -147,6 +147,28 @@ def test_diagnosis_compute_bound():
     assert lines[1] == "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better"
 
 
+def test_an_mfu_over_100_percent_is_flagged_with_its_likely_cause(capsys):
+    from mpipar.observe.metrics import Progress
+    records = [record(s, 5.0, compute=0.2) for s in (1, 2, 3)]
+    records[1]["mfu"], records[2]["mfu"] = 4.39, 1.2
+    s = run_summary.summarize(records)
+    assert s["mfu_over_100"] == 2
+    text = run_summary.summary_text(s)
+    assert "MFU 279.50% (> 100%: not a real rate) (medians after step 1)" in text
+    assert ("2 step(s) report an MFU over 100%: an MFU over 100% is a measurement problem, "
+            "not speed: the peak probe was disturbed") in text
+    assert "threads oversubscribe the cores" in text
+    progress = Progress(total=3, start=0, every=1, enabled=True, tty=False)
+    for r in records:
+        progress.update(r)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].endswith("MFU 439.00% (> 100%: not a real rate)")
+    assert out[2].startswith("step 2: an MFU over 100% is a measurement problem")
+    assert out[3].endswith("MFU 120.00% (> 100%: not a real rate)") and len(out) == 4  # once
+    assert not any("MFU over 100%" in line for line in run_summary.diagnose(
+        run_summary.summarize(records[:1])))
+
+
 def test_the_report_knows_the_sliding_window():
     """The summary names the window, and SP-bound runs with one are advised the halo
     exchange (whose bytes grow with the window, not the sequence); without one, they are not."""

@@ -13,7 +13,9 @@ pipeline executor's op records:
 
 - ``tp_comm``, ``sp_comm``: ledger seconds of the ``tp`` and the sp groups (``sp``, and hybrid
   attention's ``sp_ulysses`` and ``sp_ring``; spent inside forward/backward ops);
-- ``compute``: the forward/backward ops' time minus the TP and SP communication inside them;
+- ``ep_comm``: ledger seconds of the ``ep`` group (the experts' all-to-all dispatch and combine,
+  inside forward/backward ops; 0 without expert parallelism);
+- ``compute``: the forward/backward ops' time minus the TP, SP and EP communication inside them;
 - ``pipeline_wait``: ledger seconds of ``pp`` (blocked in receives: the bubble and the
   point-to-point transfers, plus the loss broadcast);
 - ``dp_comm``: ledger seconds of the dp x sp groups (``dp_sp``, and hierarchical reduction's
@@ -43,7 +45,10 @@ from mpipar.runtime.comm import Group, Ledger
 if TYPE_CHECKING:
     from mpipar.parallel.pipeline.executor import OpRecord
 
-TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
+TIME_KEYS = ("compute", "tp_comm", "sp_comm", "ep_comm", "pipeline_wait", "dp_comm", "optimizer",
+             "io")
+OPTIONAL_TIME_KEYS = ("ep_comm",)
+"""Time keys a record may lack (logs written before they were measured): read as 0."""
 SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
 DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
 GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS, "ep")
@@ -111,8 +116,9 @@ def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
     """Seconds per :data:`TIME_KEYS` of one step on one rank (see the module docstring)."""
     tp = ledger_seconds.get("tp", 0.0)
     sp = sum(ledger_seconds.get(g, 0.0) for g in SP_GROUPS)
+    ep = ledger_seconds.get("ep", 0.0)
     ops = sum(r.end - r.start for r in timeline if r.kind in COMPUTE_OPS)
-    out = {"compute": max(0.0, ops - tp - sp), "tp_comm": tp, "sp_comm": sp,
+    out = {"compute": max(0.0, ops - tp - sp - ep), "tp_comm": tp, "sp_comm": sp, "ep_comm": ep,
            "pipeline_wait": ledger_seconds.get("pp", 0.0),
            "dp_comm": sum(ledger_seconds.get(g, 0.0) for g in DP_GROUPS)}
     out["optimizer"] = max(0.0, step_time_s - sum(out.values()))

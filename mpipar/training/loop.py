@@ -96,6 +96,9 @@ def run(rank: Rank, start: int, ctx: RunContext) -> int:
 
     tr, rank0 = ctx.cfg.train, ctx.rank0
     t_run = time.perf_counter()
+    from mpipar.runtime.compile_once import compile_once
+    compile_once(rank.compute.kernels, rank.compute.dtype, tr.dtype, ctx.control,
+                 (lambda text: print(f"mpipar: {text}", flush=True)) if rank0 else None)
     telemetry = metrics.Telemetry(ctx.control)
     peaks = telemetry.gather_peaks(metrics.measure_peak(rank.compute.kernels.name, tr.dtype,
                                                         ctx.threads, ctx.on_node,

@@ -4,7 +4,8 @@ Numba compiles a kernel on its first call and keeps it in its on-disk cache (``N
 else ``kernels/__pycache__``). Left to step 1, every rank of a node compiles the same kernels at
 once, on cores the ranks share (eight ranks on two cores: minutes of silence). Instead the
 first rank of each node calls every kernel of the run's dtype on tiny inputs
-(:func:`mpipar.kernels.warmup.warm_up`) while the others wait at a barrier; then the others
+(:func:`mpipar.kernels.warmup.warm_up`) while the others wait at a barrier, asleep between
+polls (a spinning barrier would take the cores the compiling rank needs); then the others
 load what it compiled from the cache. Rank 0 says what is compiled before, and how long it took
 after. ``python -m mpipar.bench warmup`` fills the cache ahead of a job.
 """
@@ -54,7 +55,7 @@ def compile_once(backend: Backend, dtype: Any, dtype_name: str, group: Group,
     leader = nodes.index(nodes[group.rank]) == group.rank
     if leader:
         warmup.warm_up(backend, dtype)
-    group.barrier()
+    group.idle_barrier()  # the waiting ranks leave the node's cores to its compiling rank
     if not leader:
         warmup.warm_up(backend, dtype)
     seconds = time.perf_counter() - t0

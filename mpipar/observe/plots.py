@@ -4,6 +4,7 @@ matplotlib (the ``[report]`` extra), imported on the first plot."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from mpipar.observe.metrics import COMPUTE_OPS, TIME_KEYS
 from mpipar.observe.summary import LABELS, steady_records
@@ -106,6 +107,13 @@ def balance_series(records: list[dict]) -> dict[str, tuple[list[int], list[float
     return out
 
 
+def balance_title(series: dict[str, Any]) -> str:
+    """balance.png's title: only what the run records (:func:`balance_series`' labels)."""
+    parts = (["attention work over sp ranks"] if "attention work, sp ranks" in series else []) + (
+        ["expert load per sparse layer"] if any(k.startswith("expert") for k in series) else [])
+    return "Balance: " + ", ".join(parts)
+
+
 def plot_balance(records: list[dict], path: str, ceiling: float | None = None) -> None:
     """Max over mean per step (1 = perfectly even) of :func:`balance_series`; ``ceiling``: the
     experts' load max/mean when the router sends every token to the same top-k experts
@@ -119,9 +127,7 @@ def plot_balance(records: list[dict], path: str, ceiling: float | None = None) -
     if ceiling and experts:
         ax.axhline(ceiling, color="#c44e52", lw=0.8, ls=":",
                    label=f"collapse ceiling (experts / top-k = {ceiling:g})")
-    parts = (["attention work over sp ranks"] if "attention work, sp ranks" in series else []) + (
-        ["expert load per sparse layer"] if experts else [])
-    ax.set(xlabel="step", ylabel="max / mean (1 = even)", title="Balance: " + ", ".join(parts))
+    ax.set(xlabel="step", ylabel="max / mean (1 = even)", title=balance_title(series))
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -2,8 +2,8 @@
 fresh ``NUMBA_CACHE_DIR`` (every kernel compiled in the run), again on the cache it filled
 (every kernel loaded), and on that cache less the cross-entropy kernels (some kernels loaded,
 others compiled: a cache another configuration filled) logs bit-identical losses and gradient
-norms, on one rank and several, in float32 and bfloat16; and the run says what it compiles
-before step 1. The flags that make it so: tests/unit/test_kernel_flags.py."""
+norms, on one rank and eight, in float32 (bfloat16 runs the same float32 kernels); and the run
+says what it compiles before step 1. The flags that make it so: tests/unit/test_kernel_flags.py."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "
 
 
 @pytest.mark.timeout(1500)  # a cold cache compiles the kernels: 1-2 min of one core
-@pytest.mark.parametrize("ranks,dtype", [(1, "float32"), (8, "float32"), (2, "bfloat16")])
+@pytest.mark.parametrize("ranks,dtype", [(1, "float32"), (8, "float32")])
 def test_a_cold_and_a_warm_cache_train_the_same_bits(tmp_path, monkeypatch, ranks, dtype):
     if ranks > 1 and not os.path.exists(MPIRUN):
         pytest.skip("no mpirun beside this Python (install mpipar[mpich])")

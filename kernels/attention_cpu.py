@@ -94,7 +94,7 @@ def tile_sizes(head_dim: int) -> tuple[int, int]:
 # Tile helpers (compiled)
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _visible(causal, q_offset, k_offset, pos, j0, nk):  # pragma: no cover (njit)
     """End (exclusive, relative to j0) of the keys [j0, j0 + nk) the query at local position `pos`
     sees: the causal bound."""
@@ -103,7 +103,7 @@ def _visible(causal, q_offset, k_offset, pos, j0, nk):  # pragma: no cover (njit
     return max(0, min(nk, q_offset + pos - k_offset - j0 + 1))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _first(window, q_offset, k_offset, pos, j0, nk):  # pragma: no cover (njit)
     """Start (relative to j0) of the keys the query at local position `pos` sees: the window's
     bound (0 without a window)."""
@@ -112,7 +112,7 @@ def _first(window, q_offset, k_offset, pos, j0, nk):  # pragma: no cover (njit)
     return max(0, min(nk, q_offset + pos - window + 1 - k_offset - j0))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _row_keys(causal, window, q_offset, k_offset, pos, j0, nk, klo, khi):  # pragma: no cover (njit)
     """[start, end) (relative to j0, within [0, nk]) of the keys [j0, j0 + nk) that the query at
     local position `pos` sees: causal, window and its document's keys [klo[pos], khi[pos])."""
@@ -121,7 +121,7 @@ def _row_keys(causal, window, q_offset, k_offset, pos, j0, nk, klo, khi):  # pra
     return lo, hi
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _even_step(n, most):  # pragma: no cover (njit)
     """Block size <= most (a multiple of 16) that cuts n into ceil(n / most) nearly equal blocks
     (rounded up to a multiple of 16), instead of full blocks and a short last one."""
@@ -131,7 +131,7 @@ def _even_step(n, most):  # pragma: no cover (njit)
     return min(most, ((n + blocks - 1) // blocks + 15) // 16 * 16)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend,
               seg):  # pragma: no cover (njit)
     """Cut the tile (queries [i0, i0 + nq), keys [j0, j0 + nk)) into row segments of at most
@@ -156,7 +156,7 @@ def _segments(causal, window, q_offset, k_offset, i0, nq, j0, nk, klo, khi, qend
     return n
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _key_range(causal, window, q_offset, k_offset, i0, nq, sk, klo, khi):  # pragma: no cover (njit)
     """[start, end) of the keys that the query positions [i0, i0 + nq) can see."""
     end = _row_keys(causal, window, q_offset, k_offset, i0 + nq - 1, 0, sk, klo, khi)[1]
@@ -204,7 +204,7 @@ def _exp_seg(p, shift):  # pragma: no cover (njit)
     return total
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=REORDER)
 def _exp_row(p, t, start, lo, hi, end, shift):  # pragma: no cover (njit)
     """p[t, lo:hi] = exp(p[t, lo:hi] - shift) in place, p[t, start:lo] = p[t, hi:end] = 0; returns
     the sum (p's dtype)."""
@@ -215,7 +215,7 @@ def _exp_row(p, t, start, lo, hi, end, shift):  # pragma: no cover (njit)
     return _exp_seg(row_at(_at2(p, t, lo), hi - lo, p), shift)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=REORDER)
 def _row_max(p, t, lo, hi):  # pragma: no cover (njit)
     mx = p[t, lo]
     for j in range(lo + 1, hi):
@@ -232,7 +232,7 @@ def _row_stride(n: int, itemsize: int) -> int:
     return (lines + 1 - lines % 2) * line
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _heads_major(x, ld, need):  # pragma: no cover (njit)
     """x `[B, S, H, D]` -> `[B, H, D, ld]` (C-contiguous, ld >= S: rows padded to `_row_stride`;
     of the S first columns those of the keys `need` `[B, S]` hold x, with the rest of their 16-key
@@ -247,19 +247,19 @@ def _heads_major(x, ld, need):  # pragma: no cover (njit)
     return y
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _at(x, b, i, h):  # pragma: no cover (njit)
     """The address of x[b, i, h(, 0)] in an array of 3 or 4 dims, by its strides (no reference)."""
     return address(x) + b * x.strides[0] + i * x.strides[1] + h * x.strides[2]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _at2(x, r, c):  # pragma: no cover (njit)
     """The address of x[r, c] in a 2-D array (a tile buffer), by its strides (no reference)."""
     return address(x) + r * x.strides[0] + c * x.strides[1]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _key_block(x, b, kh, j0, nk, xt):  # pragma: no cover (njit)
     """xt[:, :nk] = the keys [j0, j0 + nk) of kv head kh in sequence b of x `[B, Sk, Hkv, D]`,
     transposed `[D, nk]`, in cache for the products next: n x n tiles in vector registers
@@ -364,7 +364,7 @@ def _fwd_rows(p, t0, t1, i0, j0, c0, c1, causal, window, q_offset, k_offset, klo
         l[g, t] += total
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, window, klo, khi, qend, scale,
               bk, out, lse):  # pragma: no cover (njit)
     """Queries [i0, i0 + nq) of the query heads of kv head kh in sequence b, over the keys they
@@ -414,7 +414,7 @@ def _fwd_task(q, kt, k, local, v, b, kh, i0, nq, q_offset, k_offset, causal, win
                 lse[b, h, i0 + t] = -np.inf
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _attention_fwd(q, kt, k, owned, v, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
                    shares, kt_shares, bk, out, lse):  # pragma: no cover (njit)
     """One task per (sequence, query block of `document_blocks`' starts `[B, nmax + 1]`, kv head),
@@ -441,7 +441,7 @@ def _attention_fwd(q, kt, k, owned, v, q_offset, k_offset, causal, window, klo, 
                            scale, starts, bk, out, lse)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _fwd_block(q, kt, k, local, v, b, kh, qb, q_offset, k_offset, causal, window, klo, khi, qend, scale, starts,
                bk, out, lse):  # pragma: no cover (njit)
     """`_fwd_task` for query block qb of sequence b (none if the row has fewer blocks)."""
@@ -575,7 +575,7 @@ def _own_rows(dout, out, b, kh0, kh1, q_lo, q_hi, k_lo, k_hi, delta, dq, dk, dv)
                 vr[c] = 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, window, klo, khi, qend,
               scale, q_lo, q_hi, qstarts, qnb, kstarts, knb, dq, dk, dv):  # pragma: no cover (njit)
     """The gradients of kv head kh of sequence b from its queries [q_lo, q_hi) (a run of whole
@@ -633,7 +633,7 @@ def _bwd_task(q, k, v, lse, delta, dout, b, kh, q_offset, k_offset, causal, wind
                          _at(dq, b, i0 + t0, h), ldq, single)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=False)
 def _attention_bwd(q, k, v, out, lse, delta, dout, q_offset, k_offset, causal, window, klo, khi, qend, scale,
                    qstarts, qnb, kstarts, knb, spans, nspan, shares, dq, dk, dv):  # pragma: no cover (njit)
     """One task per (sequence, span of whole query documents (`document_blocks(..., whole=True)`),

@@ -37,7 +37,7 @@ def document_bounds(q_docs: Array | None, k_docs: Array | None, b: int, sq: int,
     return klo, khi, qend
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _bounds(qd, kd, klo, khi, qend):  # pragma: no cover (njit)
     """`document_bounds` of ids qd `[B, Sq]`, kd `[B, Sk]` in one merge pass per row (ids sorted
     along rows: klo/khi = the first key whose id is >= / > the query's, qend = the first query
@@ -67,7 +67,7 @@ def _bounds(qd, kd, klo, khi, qend):  # pragma: no cover (njit)
     return True
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _cut_blocks(ends, size, starts, whole):  # pragma: no cover (njit)
     """Cut positions [0, n) into blocks of at most `size` that start at document starts: a
     document longer than `size` gets ceil(length / size) nearly equal blocks of its own, shorter

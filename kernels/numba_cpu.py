@@ -81,7 +81,7 @@ def _chunks(n: int) -> int:
 # Matmul (tiled) and linear
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=False)
 def _matmul(a, b, tm, tn):
     """C = A @ B for C-contiguous A `[M, K]`, B `[K, N]`: row blocks of tm in parallel; each row of C is
     accumulated over all of K in a local strip of tn columns, reading B one cache-resident panel at a time."""
@@ -134,7 +134,7 @@ def linear_bwd(dy: Array, x: Array, w: Array | None, dw: Array | None = None) ->
     return dx, dw
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", fastmath=False)
 def _sigmoid(g, one):
     """Overflow-free logistic function of a scalar: exp is only taken of -|g|. Inlined into the
     callers' parallel loops (whose NumPy error model drops the division checks), which vectorise."""
@@ -256,7 +256,7 @@ def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tu
 # RoPE
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=False)
 def _rope(x, cos, sin, sign, y):
     b, s, nh, d = x.shape
     half = d // 2
@@ -297,13 +297,13 @@ def rope_bwd(dy: Array, cos: Array, sin: Array) -> Array:
 # SwiGLU
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=False)
 def _swiglu_fwd(g, u, h, one):
     for i in prange(g.size):
         h[i] = g[i] * _sigmoid(g[i], one) * u[i]
 
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=False)
 def _swiglu_bwd(dh, g, u, dg, du, one):
     for i in prange(g.size):
         gi = g[i]
@@ -339,7 +339,7 @@ def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
 # Attention
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True, nogil=True)
+@njit(cache=True, parallel=True, nogil=True, fastmath=False)
 def _attention_merge(out_a, lse_a, out_b, lse_b, out, lse):
     nb, s, nh, d = out_a.shape
     for bs in prange(nb * s):

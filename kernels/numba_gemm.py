@@ -27,7 +27,7 @@ _dgemm = types.ExternalFunction("mpipar_dgemm", _GEMM_SIG)
 _N, _T = 78, 84  # ord("N"), ord("T")
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, single):  # pragma: no cover (njit)
     """C[m, n] = alpha * op(A) @ op(B) + beta * C, all row-major, float32 if `single` else float64.
 

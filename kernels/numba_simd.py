@@ -39,12 +39,19 @@ def vexp(x):  # pragma: no cover (replaced in compiled code by the overload belo
 
 # The exps carry their own fastmath flags: a Numba function without them inherits its first
 # caller's, and a caller with REORDER ("reassoc") would let LLVM fold the two-part ln2 back into
-# one product (x - n*(hi + lo)), losing the split's exactness: 2.4e-14 relative instead of 4e-16,
-# depending on which kernel happened to compile first. "contract" (FMA) only removes roundings.
+# one product (x - n*(hi + lo)), losing the split's exactness: 2.4e-14 relative instead of 4e-16.
+# "contract" (FMA) only removes roundings.
+#
+# Every compiled function of the kernels states its flags (`fastmath=` REORDER, EXP_FLAGS or
+# False) and `cache=True` (tests/unit/test_kernel_flags.py): Numba's on-disk cache keys a
+# function by its signature, not by the flags it inherited, so a function that inherits is
+# compiled with whichever caller compiled first in the process that filled the cache. A run that
+# compiles some kernels and loads others (a cache filled by another run, another dtype, or by
+# ranks racing to fill it) would then compute other bits than a run that compiled them all.
 EXP_FLAGS = {"contract"}
 
 
-@njit(fastmath=EXP_FLAGS)
+@njit(cache=True, nogil=True, fastmath=EXP_FLAGS)
 def _exp64(x):  # pragma: no cover (njit)
     x = min(max(x, -708.0), 709.0)
     n = np.floor(x * 1.4426950408889634 + 0.5)
@@ -55,7 +62,7 @@ def _exp64(x):  # pragma: no cover (njit)
     return p * np.int64((np.int64(n) + 1023) << 52).view(np.float64)
 
 
-@njit(fastmath=EXP_FLAGS)
+@njit(cache=True, nogil=True, fastmath=EXP_FLAGS)
 def _exp32(x):  # pragma: no cover (njit)
     one = np.float32(1)
     x = min(max(x, np.float32(-87)), np.float32(88))
@@ -66,7 +73,7 @@ def _exp32(x):  # pragma: no cover (njit)
     return p * np.int32((np.int32(n) + 127) << 23).view(np.float32)
 
 
-@overload(vexp)
+@overload(vexp, jit_options={"fastmath": EXP_FLAGS})
 def _vexp_overload(x):
     if x == types.float64:
         return lambda x: _exp64(x)
@@ -138,7 +145,7 @@ def _transpose4_f64(typingctx, src, sld, dst, dld):
     return _TILE_SIG, _tile_codegen(ir.DoubleType(), 4, _STEPS4, 8)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def transpose_tile(src, sld, dst, dld, single):  # pragma: no cover (njit)
     """dst[i, j] = src[j, i] for an n x n tile (n = `tile_lanes(single)`: 8 float32, 4 float64),
     given by the addresses of their first elements and their row strides in elements."""
@@ -148,7 +155,7 @@ def transpose_tile(src, sld, dst, dld, single):  # pragma: no cover (njit)
         _transpose4_f64(src, sld, dst, dld)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def tile_lanes(single):  # pragma: no cover (njit)
     """The side of `transpose_tile`'s tile: one AVX vector of float32 (8) or float64 (4)."""
     return 8 if single else 4
@@ -178,7 +185,7 @@ def _pointer(typingctx, addr, like):
     return ptr(types.uintp, like), codegen
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def row_at(addr, n, like):  # pragma: no cover (njit)
     """A 1-D array of n elements of like's dtype at `addr`, which holds no reference (like a
     slice of `like` that Numba need not count): for rows handed to vectorised loops."""

@@ -750,9 +750,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    default=None, help=f.metadata["help"])
                 continue
             kind = {"int": int, "float": float, "str": str}[str(getattr(f.type, "__name__", f.type))]
+            choices = f.metadata.get("choices")
+            one_of = f"one of {', '.join(map(str, choices))}; " if choices else ""
             group.add_argument(_flag(f), dest=dest, type=kind, default=None, metavar=f.name.upper(),
-                               choices=f.metadata.get("choices"),
-                               help=f"{f.metadata['help']} (default: {f.default})")
+                               choices=choices,
+                               help=f"{f.metadata['help']} ({one_of}default: {f.default})")
 
 
 def from_args(args: argparse.Namespace) -> Config:

@@ -29,26 +29,13 @@ from mpipar.observe.summary import load_run, summarize, summary_text
 
 
 def write_report(run_dir: str, out_dir: str | None = None) -> tuple[list[str], str]:
-    """Write the plots and summary.txt of ``run_dir``; returns (paths written, summary text)."""
+    """Write summary.txt and the plots of ``run_dir``; returns (paths written, summary text).
+    Without matplotlib, summary.txt only, and the text says how to get the plots."""
     records, timeline, config = load_run(run_dir)
     if not records:
         raise ValueError(f"{run_dir}/metrics.jsonl holds no steps")
     out_dir = out_dir or os.path.join(run_dir, "report")
     os.makedirs(out_dir, exist_ok=True)
-    written = []
-    for name, fn in (("loss", plot_loss), ("throughput", plot_throughput),
-                     ("time_breakdown", plot_time_breakdown), ("memory", plot_memory)):
-        path = os.path.join(out_dir, f"{name}.png")
-        fn(records, path)
-        written.append(path)
-    if balance_series(records):
-        path = os.path.join(out_dir, "balance.png")
-        plot_balance(records, path)
-        written.append(path)
-    if timeline:
-        path = os.path.join(out_dir, "timeline.png")
-        plot_timeline(timeline, path)
-        written.append(path)
     status = None
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(os.path.join(run_dir, "summary.json")) as fh:
@@ -60,8 +47,36 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[list[str], s
     path = os.path.join(out_dir, "summary.txt")
     with open(path, "w") as fh:
         fh.write(text)
-    written.append(path)
-    return written, text
+    written = [path]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return written, text + (f"plots: not drawn, matplotlib is not installed "
+                                f"(pip install 'mpipar[report]', then python -m mpipar.report "
+                                f"{run_dir})\n")
+    return _plots(records, timeline, config, out_dir) + written, text
+
+
+def _plots(records: list[dict], timeline: dict | None, config: dict | None,
+           out_dir: str) -> list[str]:
+    """The PNGs of a run, into ``out_dir``; their paths."""
+    written = []
+    for name, fn in (("loss", plot_loss), ("throughput", plot_throughput),
+                     ("time_breakdown", plot_time_breakdown), ("memory", plot_memory)):
+        path = os.path.join(out_dir, f"{name}.png")
+        fn(records, path)
+        written.append(path)
+    if balance_series(records):
+        model = (config or {}).get("model", {})
+        experts, top_k = model.get("moe_experts"), model.get("moe_top_k")
+        path = os.path.join(out_dir, "balance.png")
+        plot_balance(records, path, experts / top_k if experts and top_k else None)
+        written.append(path)
+    if timeline:
+        path = os.path.join(out_dir, "timeline.png")
+        plot_timeline(timeline, path)
+        written.append(path)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:

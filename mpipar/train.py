@@ -83,6 +83,12 @@ class RankZeroParser(argparse.ArgumentParser):
         if MPI.COMM_WORLD.Get_rank() == 0:
             super()._print_message(message, file)
 
+    def error(self, message: str):
+        """One line naming the bad flag and where the flags are listed, exit 2 (argparse's own
+        prints the whole usage, dozens of lines, first)."""
+        self.exit(2, f"{self.prog}: error: {message} (python -m mpipar.train --help lists "
+                     f"every flag)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = RankZeroParser(

@@ -7,6 +7,8 @@ human-readable table and returns JSON-serialisable results (written with `--json
 (timing, printing, child processes, the thread budget) is :mod:`mpipar.bench.harness`.
 
 Sections:
+  warmup       compile the kernels of each --dtype into the cache (NUMBA_CACHE_DIR) ahead of a
+               job, so that its first run loads them instead of compiling them (bench/warmup.py)
   kernels      every kernel op for every available backend, side by side, float32 and float64; the
                fused kernels against the ops they replace; attention forward/backward GFLOP/s
                and % of the GEMM probe at long sequences, per thread count (bench/attention.py)
@@ -57,10 +59,10 @@ import sys
 # The harness first: it sets this process's thread budget before the sections load NumPy.
 from mpipar.bench import harness
 from mpipar.bench import (checkpoint, comm, compression, documents, gpu, kernels, memory,
-                          moe, planner, precision, tiles, train, window)
+                          moe, planner, precision, tiles, train, warmup, window)
 
 SECTIONS: dict[str, harness.Section] = {
-    s.name: s for s in (kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
+    s.name: s for s in (warmup.SECTION, kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
                         planner.SECTION, train.SECTION, gpu.SECTION, compression.SECTION,
                         precision.SECTION, checkpoint.SECTION, documents.SECTION,
                         moe.SECTION, tiles.SECTION)}

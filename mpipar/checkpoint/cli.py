@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from mpipar.checkpoint import tools
-from mpipar.checkpoint.directory import CheckpointError, resolve_path
+from mpipar.checkpoint.directory import INDEX, STEP_DIR, CheckpointError, resolve_path
 from mpipar.checkpoint.index import KINDS
 from mpipar.checkpoint.reader import verify
 from mpipar.config import ConfigError
@@ -63,13 +64,30 @@ def _inspect(path: str, as_json: bool) -> int:
     return 0
 
 
+def _checkpoint_of(spec: str):
+    """The checkpoint ``spec`` names (:func:`resolve_path`; a run directory: its
+    ``checkpoints/`` save directory's latest); CheckpointError for a path that does not exist or
+    holds no checkpoint (bad input, not damage)."""
+    p = Path(spec)
+    if not p.exists():
+        raise CheckpointError(f"{spec}: no such file or directory")
+    if p.is_dir() and not (p / INDEX).exists() and (p / "checkpoints").is_dir():
+        p = p / "checkpoints"                    # a run directory: its save directory
+    path = resolve_path(p)
+    if path.is_dir() and not (path / INDEX).exists() and not STEP_DIR.match(path.name):
+        raise CheckpointError(f"{spec}: not a checkpoint (no {INDEX}), a save directory with "
+                              f"a 'latest' or a run directory with checkpoints/")
+    return path
+
+
 def _verify(paths: list[str]) -> int:
-    """Status 1 when a checkpoint is damaged, 2 when one cannot be used at all (a malformed index
-    or shard, or one reaching outside its directory): the worst of ``paths``."""
+    """Status 1 when a checkpoint is damaged, 2 when one cannot be used at all (a path that does
+    not exist or is no checkpoint, a malformed index or shard, or one reaching outside its
+    directory): the worst of ``paths``."""
     status = 0
     for spec in paths:
         try:
-            path = resolve_path(spec)
+            path = _checkpoint_of(spec)
             problems = verify(path)
         except CheckpointError as exc:
             print(f"mpipar.ckpt: error: {exc}", file=sys.stderr)

@@ -13,7 +13,9 @@ pipeline executor's op records:
 
 - ``tp_comm``, ``sp_comm``: ledger seconds of the ``tp`` and the sp groups (``sp``, and hybrid
   attention's ``sp_ulysses`` and ``sp_ring``; spent inside forward/backward ops);
-- ``compute``: the forward/backward ops' time minus the TP and SP communication inside them;
+- ``ep_comm``: ledger seconds of the ``ep`` group (the experts' all-to-all dispatch and combine,
+  inside forward/backward ops; 0 without expert parallelism);
+- ``compute``: the forward/backward ops' time minus the TP, SP and EP communication inside them;
 - ``pipeline_wait``: ledger seconds of ``pp`` (blocked in receives: the bubble and the
   point-to-point transfers, plus the loss broadcast);
 - ``dp_comm``: ledger seconds of the dp x sp groups (``dp_sp``, and hierarchical reduction's
@@ -43,11 +45,26 @@ from mpipar.runtime.comm import Group, Ledger
 if TYPE_CHECKING:
     from mpipar.parallel.pipeline.executor import OpRecord
 
-TIME_KEYS = ("compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm", "optimizer", "io")
+TIME_KEYS = ("compute", "tp_comm", "sp_comm", "ep_comm", "pipeline_wait", "dp_comm", "optimizer",
+             "io")
+OPTIONAL_TIME_KEYS = ("ep_comm",)
+"""Time keys a record may lack (logs written before they were measured): read as 0."""
 SP_GROUPS = ("sp", "sp_ulysses", "sp_ring")
 DP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")
 GROUPS = ("tp", *SP_GROUPS, "pp", *DP_GROUPS, "ep")
 COMPUTE_OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+MFU_CAUSE = ("an MFU over 100% is a measurement problem, not speed: the peak probe was "
+             "disturbed (other processes on the cores while it ran) or the ranks' threads "
+             "oversubscribe the cores (ranks x threads per rank > cores: set OMP_NUM_THREADS "
+             "and NUMBA_NUM_THREADS to cores / ranks per node)")
+"""Why a step's MFU can exceed 1: what the log line and the summary say beside it."""
+
+
+def mfu_text(mfu: float, digits: int = 2) -> str:
+    """``MFU 12.34%``, flagged ``(> 100%: not a real rate)`` when it exceeds 1."""
+    flag = " (> 100%: not a real rate)" if mfu > 1 else ""
+    return f"MFU {100 * mfu:.{digits}f}%{flag}"
 
 
 @dataclass
@@ -102,8 +119,9 @@ def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
     """Seconds per :data:`TIME_KEYS` of one step on one rank (see the module docstring)."""
     tp = ledger_seconds.get("tp", 0.0)
     sp = sum(ledger_seconds.get(g, 0.0) for g in SP_GROUPS)
+    ep = ledger_seconds.get("ep", 0.0)
     ops = sum(r.end - r.start for r in timeline if r.kind in COMPUTE_OPS)
-    out = {"compute": max(0.0, ops - tp - sp), "tp_comm": tp, "sp_comm": sp,
+    out = {"compute": max(0.0, ops - tp - sp - ep), "tp_comm": tp, "sp_comm": sp, "ep_comm": ep,
            "pipeline_wait": ledger_seconds.get("pp", 0.0),
            "dp_comm": sum(ledger_seconds.get(g, 0.0) for g in DP_GROUPS)}
     out["optimizer"] = max(0.0, step_time_s - sum(out.values()))
@@ -311,6 +329,7 @@ class Progress:
                  tty: bool | None = None) -> None:
         self.total, self.every, self.enabled = total, every, enabled and every > 0
         self.bar = None
+        self._mfu_flagged = False
         if self.enabled and (users_terminal() if tty is None else tty):
             from tqdm import tqdm
             # A terminal that reports a size of 0 x 0 (a fresh pty) would hide the bar: fall back.
@@ -326,13 +345,17 @@ class Progress:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
                                  tok_s=f"{record['tokens_per_s']:,.0f}",
-                                 mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+                                 mfu=f"{100 * record['mfu']:.1f}%"
+                                 + ("(>100%!)" if record["mfu"] > 1 else ""), refresh=False)
         elif step % self.every == 0 or step == 1 or step == self.total:
             skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
             print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
                   f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
-                  f"{record['tokens_per_s']:,.0f} tok/s  MFU {100 * record['mfu']:.2f}%{skipped}",
+                  f"{record['tokens_per_s']:,.0f} tok/s  {mfu_text(record['mfu'])}{skipped}",
                   flush=True)
+        if record["mfu"] > 1 and not self._mfu_flagged:  # once a run, the first time
+            self._mfu_flagged = True
+            self.note(f"step {step}: {MFU_CAUSE}")
         if "eval" in record:
             self.note(f"step {step:>6}/{self.total}  validation loss "
                       f"{record['eval']['loss']:.4f}  perplexity "

@@ -4,11 +4,12 @@ matplotlib (the ``[report]`` extra), imported on the first plot."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from mpipar.observe.metrics import COMPUTE_OPS, TIME_KEYS
 from mpipar.observe.summary import LABELS, steady_records
 
-COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "sp_comm": "#937860",
+COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "sp_comm": "#937860", "ep_comm": "#da8bc3",
           "pipeline_wait": "#c44e52", "dp_comm": "#55a868", "optimizer": "#8172b3",
           "io": "#8c8c8c"}
 OP_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "bwd_input": "#dd8452", "bwd_weight": "#f3b77b",
@@ -47,11 +48,14 @@ def plot_throughput(records: list[dict], path: str) -> None:
     plt, fig, ax = _figure()
     records = steady_records(records)
     steps = [r["step"] for r in records]
-    ax.plot(steps, [r["tokens_per_s"] for r in records], color="#4c72b0")
+    tokens = ax.plot(steps, [r["tokens_per_s"] for r in records], color="#4c72b0",
+                     label="tokens / s (left)")
     ax.set(xlabel="step", ylabel="tokens / s", title="Throughput and MFU (after step 1)")
     right = ax.twinx()
-    right.plot(steps, [100 * r["mfu"] for r in records], color="#dd8452")
+    mfu = right.plot(steps, [100 * r["mfu"] for r in records], color="#dd8452", ls="--",
+                     label="MFU % (right)")
     right.set_ylabel("MFU (%)")
+    ax.legend(tokens + mfu, [line.get_label() for line in tokens + mfu], fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -63,7 +67,7 @@ def plot_time_breakdown(records: list[dict], path: str) -> None:
     steps = [r["step"] for r in records]
     bottom = [0.0] * len(records)
     for k in TIME_KEYS:
-        values = [r["time"][k] for r in records]
+        values = [r["time"].get(k, 0.0) for r in records]
         ax.bar(steps, values, bottom=bottom, width=1.0, color=COLORS[k], label=LABELS[k],
                linewidth=0)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -103,14 +107,27 @@ def balance_series(records: list[dict]) -> dict[str, tuple[list[int], list[float
     return out
 
 
-def plot_balance(records: list[dict], path: str) -> None:
-    """Max over mean per step (1 = perfectly even) of :func:`balance_series`."""
+def balance_title(series: dict[str, Any]) -> str:
+    """balance.png's title: only what the run records (:func:`balance_series`' labels)."""
+    parts = (["attention work over sp ranks"] if "attention work, sp ranks" in series else []) + (
+        ["expert load per sparse layer"] if any(k.startswith("expert") for k in series) else [])
+    return "Balance: " + ", ".join(parts)
+
+
+def plot_balance(records: list[dict], path: str, ceiling: float | None = None) -> None:
+    """Max over mean per step (1 = perfectly even) of :func:`balance_series`; ``ceiling``: the
+    experts' load max/mean when the router sends every token to the same top-k experts
+    (experts / top-k), drawn when given. The title names only what the run records."""
     plt, fig, ax = _figure()
-    for label, (steps, values) in balance_series(records).items():
+    series = balance_series(records)
+    for label, (steps, values) in series.items():
         ax.plot(steps, values, lw=1.2, label=label)
     ax.axhline(1.0, color="#8c8c8c", lw=0.8, ls="--")
-    ax.set(xlabel="step", ylabel="max / mean (1 = even)",
-           title="Balance: attention work over sp ranks, expert load per sparse layer")
+    experts = any(label.startswith("expert") for label in series)
+    if ceiling and experts:
+        ax.axhline(ceiling, color="#c44e52", lw=0.8, ls=":",
+                   label=f"collapse ceiling (experts / top-k = {ceiling:g})")
+    ax.set(xlabel="step", ylabel="max / mean (1 = even)", title=balance_title(series))
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -139,7 +156,9 @@ def plot_timeline(timeline: dict, path: str) -> None:
     ax.legend(handles, ["forward", "backward (whole, or input grad)", "backward (weight grad)",
                         "waiting (recv)"],
               fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set(xlabel="ms since the step began", title=f"Pipeline timeline of step {timeline['step']}")
+    stages = len({r["coord"]["pp"] for r in ranks})
+    what = "Pipeline timeline" if stages > 1 else "Timeline (forward and backward ops)"
+    ax.set(xlabel="ms since the step began", title=f"{what} of step {timeline['step']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

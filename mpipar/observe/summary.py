@@ -18,12 +18,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpipar.observe.metrics import TIME_KEYS, read_records
+from mpipar.observe.metrics import (MFU_CAUSE, OPTIONAL_TIME_KEYS, TIME_KEYS, mfu_text,
+                                    read_records)
 from mpipar.parallel.sequence.registry import SP_MODES
 from mpipar.parallel.sequence_split import MIN_CHUNK, balanced_chunks
 from mpipar.runtime.precision import Precision
 
 LABELS = {"compute": "compute", "tp_comm": "TP communication", "sp_comm": "SP communication",
+          "ep_comm": "expert all-to-all (EP communication)",
           "pipeline_wait": "pipeline wait (bubble and transfers)",
           "dp_comm": "DP gradient communication", "optimizer": "optimizer step",
           "io": "I/O (checkpoints)"}
@@ -73,7 +75,7 @@ def _check_record(r: dict, path: str) -> None:
     """A step record as :func:`mpipar.observe.metrics.step_record` writes it."""
     checks = [(k, r.get(k), _number) for k in ("loss", "step_time_s", "tokens_per_s", "mfu")]
     checks.append(("time", r.get("time"), lambda t: isinstance(t, dict) and all(
-        _number(t.get(k)) for k in TIME_KEYS)))
+        _number(t.get(k)) for k in TIME_KEYS if k in t or k not in OPTIONAL_TIME_KEYS)))
     optional = {"memory_bytes": lambda v: isinstance(v, list) and _numbers(v),
                 "comm_bytes_max": lambda v: isinstance(v, dict) and _numbers(v),
                 "inter_node_bytes_max": _number, "skipped_steps": _number,
@@ -115,7 +117,8 @@ _CONFIG_FIELDS = {
     "train": {"global_batch_size": 1, "micro_batch_size": 1, "seq_len": 1, "recompute": str,
               "backend": str, "dtype": str, "document_masking": bool, "eos_token_id": -1,
               "eod_mask_loss": bool, "loss_mask": bool},
-    "model": {"layers": 1, "sliding_window": 0, "window_layers": str},
+    "model": {"layers": 1, "sliding_window": 0, "window_layers": str, "moe_experts": 0,
+              "moe_top_k": 0},
 }
 """The config.toml fields the summary reads: a type (str, bool), or the least integer allowed."""
 
@@ -165,18 +168,21 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         raise ValueError("summarize: no step records")
     steady = steady_records(records)
     finite = [r["loss"] for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
-    times = {k: statistics.mean(r["time"][k] for r in steady) for k in TIME_KEYS}
+    times = {k: statistics.mean(r["time"].get(k, 0.0) for r in steady) for k in TIME_KEYS}
     par = (config or {}).get("parallel", {})
     tr = (config or {}).get("train", {})
     out: dict[str, Any] = {
         "status": status,
         "steps": [records[0]["step"], records[-1]["step"]],
         "loss_first": finite[0] if finite else None,
-        "loss_last": statistics.mean(finite[-5:]) if finite else None,
+        "loss_last": statistics.mean(finite[-LAST_K:]) if finite else None,
+        "loss_last_k": min(LAST_K, len(finite)),
+        "step_time_mean_s": statistics.mean(r["step_time_s"] for r in steady),
         "loss_min": min(finite) if finite else None,
         "step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
         "mfu": statistics.median(r["mfu"] for r in steady),
+        "mfu_over_100": sum(r["mfu"] > 1 for r in records),
         "time_s": times,
         "comm_bytes_per_step": records[-1].get("comm_bytes_max", {}),
         "inter_node_bytes_per_step": records[-1].get("inter_node_bytes_max", 0),
@@ -212,6 +218,7 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         out["precision"] = Precision.named(tr["dtype"], par.get("reduce_dtype", "float32")
                                            ).describe()
     out.update(_moe_dropped(records, model.get("moe_top_k")))
+    out.update(_moe_balance(steady, model))
     bubble = timeline_bubble(timeline)
     if bubble is None:
         pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
@@ -250,6 +257,60 @@ def _moe_dropped(records: list[dict], top_k: int | None) -> dict[str, Any]:
         out["moe_dropped_fraction"] = total / sum(r["tokens"] * top_k * len(r["moe_dropped"])
                                                   for r in rows)
     return out
+
+
+LAST_K = 5
+"""The steps the summary's final loss and the experts' balance are means over (the last k)."""
+COLLAPSE = 0.95
+"""The share of its ceiling (experts / top-k) above which a sparse layer's load max/mean is
+called collapsed: the router sends (nearly) every token to the same top-k experts."""
+
+
+def _moe_balance(steady: list[dict], model: dict[str, Any]) -> dict[str, Any]:
+    """``moe_balance`` of a mixture-of-experts run: over its last :data:`LAST_K` steady steps
+    the mean balance loss (``aux_loss``) and each sparse layer's mean load max/mean (``load``),
+    against the ``ceiling`` experts / top-k, with the ``collapsed`` layers (above
+    :data:`COLLAPSE` of it) and the config's balance settings; nothing for a dense run."""
+    rows = [r for r in steady if r.get("moe_load_max_over_mean")][-LAST_K:]
+    if not rows:
+        return {}
+    layers = sorted({k for r in rows for k in r["moe_load_max_over_mean"]}, key=int)
+    load = {k: statistics.mean(r["moe_load_max_over_mean"][k] for r in rows
+                               if k in r["moe_load_max_over_mean"]) for k in layers}
+    experts, top_k = model.get("moe_experts"), model.get("moe_top_k")
+    ceiling = experts / top_k if experts and top_k else None
+    aux = [r["moe_aux_loss"] for r in rows if _number(r.get("moe_aux_loss"))]
+    return {"moe_balance": {
+        "steps": len(rows), "aux_loss": statistics.mean(aux) if aux else None, "load": load,
+        "ceiling": ceiling,
+        "collapsed": [k for k, v in load.items() if ceiling and v >= COLLAPSE * ceiling],
+        "aux_loss_coef": model.get("moe_aux_loss_coef"),
+        "bias_update_rate": model.get("moe_bias_update_rate")}}
+
+
+def _balance_text(b: dict[str, Any]) -> str:
+    """The summary's line on the experts' balance."""
+    ceiling = f" (ceiling experts / top-k = {b['ceiling']:g})" if b["ceiling"] else ""
+    aux = "n/a" if b["aux_loss"] is None else f"{b['aux_loss']:.4g}"
+    collapsed = (f"; collapsed: layer(s) {', '.join(b['collapsed'])}" if b["collapsed"]
+                 else "")
+    return (f"expert balance (mean of the last {b['steps']} steps): balance loss {aux}, load "
+            f"max/mean per sparse layer " + ", ".join(f"{k}: {v:.2f}" for k, v in b["load"].items())
+            + ceiling + collapsed)
+
+
+def _balance_remedy(b: dict[str, Any] | None) -> list[str]:
+    """What to change when the router collapsed in some sparse layers."""
+    if not b or not b["collapsed"]:
+        return []
+    coef = b.get("aux_loss_coef")
+    now = f" (now {coef:g})" if _number(coef) else ""
+    bias = ("" if _number(b.get("bias_update_rate")) and b["bias_update_rate"] > 0
+            else ", or loss-free balancing with --moe-bias-update-rate 0.001")
+    return [f"the router collapsed in sparse layer(s) {', '.join(b['collapsed'])} (load "
+            f"max/mean at its ceiling {b['ceiling']:g}: every token to the same top-k experts): "
+            f"raise --moe-aux-loss-coef{now}{bias}; --moe-capacity-factor bounds an expert's "
+            f"load meanwhile"]
 
 
 def _last_eval(records: list[dict]) -> dict[str, Any] | None:
@@ -294,6 +355,11 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
                      f"step: do more work per reduction (a larger global batch per rank), use "
                      f"fewer DP ranks, or a larger --bucket-mb so reductions overlap backward")
     lines += _imbalance_remedy(summary.get("attention_imbalance"), lay, summary.get("sp_tokens"))
+    if frac.get("ep_comm", 0.0) > 0.25:
+        lines.append(f"the experts' all-to-all takes {100 * frac['ep_comm']:.0f}% of the step: "
+                     f"a smaller --ep (experts replicated over fewer ranks), ep within a node, "
+                     f"or more tokens per microbatch")
+    lines += _balance_remedy(summary.get("moe_balance"))
     if frac["optimizer"] > 0.25:
         zero = (" --zero 1 shards it over dp x sp;" if dp * sp > 1 and not lay.get("zero")
                 else "")
@@ -302,6 +368,8 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     if frac["io"] > 0.10:
         lines.append(f"I/O takes {100 * frac['io']:.0f}% of the time: checkpoint less often "
                      f"(--save-every)")
+    if summary.get("mfu_over_100"):
+        lines.append(f"{summary['mfu_over_100']} step(s) report an MFU over 100%: {MFU_CAUSE}")
     if summary.get("skipped_steps"):
         lines.append(f"{summary['skipped_steps']} step(s) were skipped for a non-finite loss or "
                      f"gradient norm: lower --lr, lengthen --warmup-steps or lower --clip-grad")
@@ -315,7 +383,7 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
         if worst == "compute":
             kernels = ("; --backend auto (numba, or cupy on a GPU) is faster than numpy"
                        if lay.get("backend") == "numpy" else "")
-            lines.append(f"compute-bound at MFU {100 * summary.get('mfu', 0):.1f}%: larger "
+            lines.append(f"compute-bound at {mfu_text(summary.get('mfu', 0), 1)}: larger "
                          f"microbatches use the GEMMs better{kernels}")
         else:
             lines.append(f"no rule fired; the largest share is {LABELS[worst]}")
@@ -400,7 +468,9 @@ def summary_text(summary: dict[str, Any]) -> str:
     t = s["time_s"]
     total = sum(t.values()) or 1.0
     loss = ("n/a" if s["loss_first"] is None else
-            f"{s['loss_first']:.4f} -> {s['loss_last']:.4f} (min {s['loss_min']:.4f})")
+            f"first {s['loss_first']:.4f} -> mean of the last {s.get('loss_last_k', 5)} "
+            f"{s['loss_last']:.4f} (min {s['loss_min']:.4f})")
+    mean_step = (f" (mean {s['step_time_mean_s']:.4g} s)" if "step_time_mean_s" in s else "")
     out = [f"run: steps {s['steps'][0]}..{s['steps'][1]}"
            + (f", {s['status']}" if s.get("status") else ""),
            "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
@@ -411,10 +481,11 @@ def summary_text(summary: dict[str, Any]) -> str:
            *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
               f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
              else []),
-           f"throughput: {s['tokens_per_s']:,.0f} tokens/s, step {s['step_time_s']:.4g} s, "
-           f"MFU {100 * s['mfu']:.2f}% (medians after step 1)",
-           "time per step (mean over ranks): " + ", ".join(
-               f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS),
+           f"throughput (medians after step 1): {s['tokens_per_s']:,.0f} tokens/s, median "
+           f"step {s['step_time_s']:.4g} s{mean_step}, {mfu_text(s['mfu'])}",
+           "time per step (mean over steps after step 1 and ranks): " + ", ".join(
+               f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS)
+           + f"; {total:.4g} s in all (the mean step and the I/O between steps)",
            f"pipeline bubble: {100 * s['bubble']:.0f}%",
            "bytes per step (busiest rank): " + (", ".join(
                f"{g} {b:,}" for g, b in s["comm_bytes_per_step"].items()) or "none")
@@ -425,6 +496,7 @@ def summary_text(summary: dict[str, Any]) -> str:
            f"skipped steps: {s['skipped_steps']}",
            *([f"expert capacity: {s['moe_dropped']:,} assignments dropped"
               + (f" ({100 * s['moe_dropped_fraction']:.2f}% of the sparse layers')"
-                 if "moe_dropped_fraction" in s else "")] if s.get("moe_dropped") else [])]
+                 if "moe_dropped_fraction" in s else "")] if s.get("moe_dropped") else []),
+           *([_balance_text(s["moe_balance"])] if s.get("moe_balance") else [])]
     return "\n".join(out + diagnose(s)) + "\n"
 

@@ -167,14 +167,27 @@ def codec_seconds(base: Config) -> tuple[float, float]:
             local_work_seconds(TopKCodec(np, par.topk_ratio), dtype=grads))
 
 
+def rank_peak(dtype: str, on_node: int) -> tuple[float, str]:
+    """A rank's peak FLOP/s as ``train`` runs it, ``on_node`` ranks sharing this node: the GEMM
+    probe with a rank's threads (the node's cores divided among its ranks), times the share of
+    them a rank gets; and the note that says so."""
+    from mpipar.runtime.nodes import cpu_count, cpu_peak_share, threads_per_rank
+    from mpipar.runtime.peak import probe_peak
+    threads = threads_per_rank(on_node)
+    probe = probe_peak(dtype, threads=threads)
+    share = cpu_peak_share(probe.threads, on_node)
+    return probe.flops * share, (f"a GEMM probe here as {on_node} rank(s) on {cpu_count()} "
+                                 f"core(s) run it: {probe.describe()}"
+                                 + (f"; x {share:.2f} for cores shared" if share < 1 else ""))
+
+
 def _probed_hardware(args: argparse.Namespace, base: Config) -> tuple[Hardware, str, str]:
     """The hardware of the flags, with what they leave out probed here: (hardware, where the
     peak came from, where the link inside a node came from)."""
     if args.peak_gflops:
         peak, note = args.peak_gflops * 1e9, "given"
     else:
-        from mpipar.runtime.peak import measure_peak_flops
-        peak, note = measure_peak_flops(base.train.dtype), "a GEMM probe here"
+        peak, note = rank_peak(base.train.dtype, base.parallel.ranks_per_node or args.world)
     if args.intra_gbps:
         intra, link_note = args.intra_gbps * 1e9, "given"
     else:

@@ -548,6 +548,15 @@ class Group:
         if self.size > 1:
             self._timed("barrier", 0, self.comm.Barrier)
 
+    def idle_barrier(self, poll: float = 0.05) -> None:
+        """A barrier whose waiting ranks sleep ``poll`` seconds between tests, so that they
+        leave the cores they share to the ranks still working (a blocking barrier spins)."""
+        if self.size == 1:
+            return
+        request = self._request(self.comm.Ibarrier(), "barrier", 0)
+        while not request.test():
+            time.sleep(poll)
+
     # ------------------------------------------------------ node shared memory
     def on_one_node(self) -> bool:
         """Whether every rank of the group shares memory with every other (one node, as MPI's

@@ -4,32 +4,79 @@ lanes) or, for bfloat16, its tensor cores' dense rate from the datasheet."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from dataclasses import dataclass
 
-def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:
-    """FLOP/s of a dense GEMM ``[n, n] @ [n, n]`` of ``dtype`` on the CPU with this process's
-    threads: the fastest of the products repeated for about ``seconds`` (after one warm-up).
-    bfloat16 is measured as float32: the CPU kernels multiply bf16 operands in float32.
 
-    The fastest repetition, not the mean, so that other processes that share the cores for a
-    moment do not lower the peak (:func:`cpu_peak_share` accounts for the sharing that lasts)."""
+@dataclass(frozen=True)
+class PeakProbe:
+    """A GEMM probe's rates: the median of ``repeats`` windows (each window's fastest product)
+    and the slowest and fastest window, with the ``threads`` it ran on."""
+
+    flops: float
+    low: float
+    high: float
+    repeats: int
+    threads: int
+
+    @property
+    def spread(self) -> float:
+        """(fastest - slowest window) / median: how much the machine disturbed the probe."""
+        return (self.high - self.low) / self.flops
+
+    def describe(self) -> str:
+        return (f"median of {self.repeats} GEMM probes on {self.threads} thread(s), "
+                f"{self.low / 1e9:,.1f}-{self.high / 1e9:,.1f} GFLOP/s, "
+                f"spread {100 * self.spread:.0f}%")
+
+
+def probe_peak(dtype: str = "float32", threads: int | None = None, repeats: int = 7,
+               seconds: float = 0.25, n: int = 384) -> PeakProbe:
+    """FLOP/s of a dense GEMM ``[n, n] @ [n, n]`` of ``dtype`` on the CPU: ``repeats`` windows
+    of about ``seconds / repeats`` each (after one warm-up product), the fastest product of each
+    window, and their median. ``threads``: the BLAS threads to probe with (None: this process's;
+    the planner probes with a rank's share of the node's cores, as ``train`` runs). bfloat16 is
+    measured as float32: the CPU kernels multiply bf16 operands in float32.
+
+    Each window's fastest product, so that other processes taking the cores for a moment do not
+    lower it; the median over windows, so that one lucky or disturbed window does not set it
+    (:func:`mpipar.runtime.nodes.cpu_peak_share` accounts for the sharing that lasts)."""
+    import contextlib
+
     import numpy as np
 
     dtype = "float32" if dtype == "bfloat16" else dtype
-    if not seconds > 0 or n < 1:
-        raise ValueError(f"measure_peak_flops: seconds={seconds!r} must be > 0 and n={n} >= 1")
+    if not seconds > 0 or n < 1 or repeats < 1:
+        raise ValueError(f"probe_peak: seconds={seconds!r} must be > 0, n={n} >= 1 and "
+                         f"repeats={repeats} >= 1")
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dtype)
     b = rng.standard_normal((n, n)).astype(dtype)
     out = np.empty((n, n), dtype)
-    np.matmul(a, b, out=out)
-    best, reps, t_end = math.inf, 0, time.perf_counter() + seconds
-    while reps < 3 or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
+    limit = contextlib.nullcontext()
+    if threads is not None:
+        from threadpoolctl import threadpool_limits
+        limit = threadpool_limits(limits=threads, user_api="blas")
+    with limit:
+        from mpipar.runtime.nodes import threads_in_use
+        used = threads_in_use()
         np.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return 2.0 * n ** 3 / best
+        rates = []
+        for _ in range(repeats):
+            best, reps, t_end = math.inf, 0, time.perf_counter() + seconds / repeats
+            while reps < 2 or time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                np.matmul(a, b, out=out)
+                best = min(best, time.perf_counter() - t0)
+                reps += 1
+            rates.append(2.0 * n ** 3 / best)
+    return PeakProbe(statistics.median(rates), min(rates), max(rates), repeats, used)
+
+
+def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:
+    """The median rate of :func:`probe_peak` with this process's threads."""
+    return probe_peak(dtype, seconds=seconds, n=n).flops
 
 
 # Arithmetic lanes per streaming multiprocessor by compute capability: (float32, float64).

@@ -101,6 +101,9 @@ def run(rank: Rank, start: int, ctx: RunContext) -> int:
         ctx.on_rank_failure = Abort()
     tr = ctx.cfg.train
     t_run = time.perf_counter()
+    from mpipar.runtime.compile_once import compile_once
+    compile_once(rank.compute.kernels, rank.compute.dtype, tr.dtype, ctx.control,
+                 (lambda text: print(f"mpipar: {text}", flush=True)) if ctx.rank0 else None)
     books = Books.open(rank, start, ctx)
     if ctx.rank0:
         _announce(rank, ctx, books.peaks)

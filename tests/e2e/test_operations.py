@@ -54,7 +54,7 @@ def test_default_run(tmp_path, ranks):
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"])
         assert r["mfu"] > 0 and r["skipped_steps"] == 0
         assert len(r["memory_bytes"]) == ranks and min(r["memory_bytes"]) > 2**20
-        assert set(r["time"]) == {"compute", "tp_comm", "sp_comm", "pipeline_wait", "dp_comm",
+        assert set(r["time"]) == {"compute", "tp_comm", "sp_comm", "ep_comm", "pipeline_wait", "dp_comm",
                                   "optimizer", "io"}
         assert r["time"]["compute"] > 0
     # Bytes per group are the planner's (data parallel: the gradient buckets and the loss).

@@ -104,3 +104,23 @@ def test_documents_speed_ratios_rest_on_a_brute_force_pair_count():
     assert got["cudnn_grid_tiles"] == one
     classes = {max(64, 1 << (n - 1).bit_length()) for n in runs}
     assert got["cudnn_classes"] == len(classes)
+
+
+def test_warmup_names_what_it_compiles_and_skips_a_backend_that_compiles_nothing(tmp_path,
+                                                                                 capsys):
+    """``python -m mpipar.bench warmup`` fills the kernel cache ahead of a job: every op the
+    numba backend runs in Numba, none for numpy (which it says)."""
+    import json
+
+    from mpipar.bench.__main__ import main
+    from mpipar.kernels import get_backend, warmup
+
+    assert warmup.compiled_ops(get_backend("numba")) == [
+        "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd", "rope_fwd",
+        "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd", "attention_bwd",
+        "attention_merge", "cross_entropy_stats", "cross_entropy_bwd"]
+    assert not warmup.compiles(get_backend("numpy"))
+    out = tmp_path / "w.json"
+    assert main(["warmup", "--backend", "numpy", "--json", str(out)]) == 0
+    assert "compiles nothing at run time" in capsys.readouterr().out
+    assert json.loads(out.read_text())["warmup"]["seconds"] == {}

@@ -243,6 +243,27 @@ def test_verify_accepts_the_latest_file_and_the_save_directory(saved, capsys):
     assert out.count(f"ok {root / 'step_00000002'}: index and 1 shard(s) present") == 2, out
 
 
+def test_verify_takes_a_run_directory_and_refuses_what_is_no_checkpoint(saved, tmp_path,
+                                                                      capsys):
+    """``ckpt verify RUN_DIR`` verifies the run's latest checkpoint (RUN_DIR/checkpoints); a
+    path that does not exist, or a directory that holds no checkpoint, is bad input (exit 2
+    naming it), not a checkpoint "never committed" (damage, exit 1)."""
+    from mpipar.checkpoint import cli
+
+    root, _, _ = saved
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(root, run / "checkpoints")
+    assert cli.main(["verify", str(run)]) == 0
+    assert f"ok {run / 'checkpoints' / 'step_00000002'}:" in capsys.readouterr().out
+    assert cli.main(["verify", str(tmp_path / "nowhere")]) == 2
+    assert f"{tmp_path / 'nowhere'}: no such file or directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["verify", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint (no index.h5)" in err and "never committed" not in err
+
+
 def test_a_latest_pointer_that_is_not_text_is_named_and_resume_auto_falls_back(saved, tmp_path,
                                                                                capsys):
     """A ``latest`` that is not UTF-8 was a UnicodeDecodeError traceback in

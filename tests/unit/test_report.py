@@ -147,6 +147,28 @@ def test_diagnosis_compute_bound():
     assert lines[1] == "compute-bound at MFU 20.0%: larger microbatches use the GEMMs better"
 
 
+def test_an_mfu_over_100_percent_is_flagged_with_its_likely_cause(capsys):
+    from mpipar.observe.metrics import Progress
+    records = [record(s, 5.0, compute=0.2) for s in (1, 2, 3)]
+    records[1]["mfu"], records[2]["mfu"] = 4.39, 1.2
+    s = run_summary.summarize(records)
+    assert s["mfu_over_100"] == 2
+    text = run_summary.summary_text(s)
+    assert "MFU 279.50% (> 100%: not a real rate)" in text
+    assert ("2 step(s) report an MFU over 100%: an MFU over 100% is a measurement problem, "
+            "not speed: the peak probe was disturbed") in text
+    assert "threads oversubscribe the cores" in text
+    progress = Progress(total=3, start=0, every=1, enabled=True, tty=False)
+    for r in records:
+        progress.update(r)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].endswith("MFU 439.00% (> 100%: not a real rate)")
+    assert out[2].startswith("step 2: an MFU over 100% is a measurement problem")
+    assert out[3].endswith("MFU 120.00% (> 100%: not a real rate)") and len(out) == 4  # once
+    assert not any("MFU over 100%" in line for line in run_summary.diagnose(
+        run_summary.summarize(records[:1])))
+
+
 def test_the_report_knows_the_sliding_window():
     """The summary names the window, and SP-bound runs with one are advised the halo
     exchange (whose bytes grow with the window, not the sequence); without one, they are not."""
@@ -257,3 +279,70 @@ def test_balance_plot_draws_the_recorded_imbalances(tmp_path):
     written, _ = report.write_report(run)
     path = os.path.join(run, "report", "balance.png")
     assert path in written and os.path.getsize(path) > 1000 and png_size(path)[0] >= 600
+
+
+def test_balance_title_names_only_what_the_run_records():
+    assert plots.balance_title({"expert load, layer 1": ([1], [2.0])}) == (
+        "Balance: expert load per sparse layer")
+    assert plots.balance_title({"attention work, sp ranks": ([1], [1.1])}) == (
+        "Balance: attention work over sp ranks")
+
+
+def test_an_moe_summary_names_the_expert_exchange_and_the_balance():
+    """The experts' all-to-all is a time category of its own, so an EP-heavy step is not
+    called compute-bound; the balance line gives the aux loss and each sparse layer's load
+    against the ceiling experts / top-k, naming the collapsed layers and the remedy."""
+    records = [record(s, 5.0, compute=0.2, ep_comm=0.18, optimizer=0.02) for s in range(1, 8)]
+    for r in records:
+        r["moe_aux_loss"] = 0.004
+        r["moe_load_max_over_mean"] = {"1": 1.25, "2": 2.0, "3": 1.96}
+    config = {"model": {"layers": 4, "moe_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.001},
+              "parallel": {"dp": 2}}
+    s = run_summary.summarize(records, None, config)
+    assert s["time_s"]["ep_comm"] == pytest.approx(0.18)
+    b = s["moe_balance"]
+    assert b["steps"] == 5 and b["ceiling"] == 2.0 and b["collapsed"] == ["2", "3"]
+    assert b["aux_loss"] == pytest.approx(0.004) and b["load"]["1"] == pytest.approx(1.25)
+    text = run_summary.summary_text(s)
+    assert ("expert balance (mean of the last 5 steps): balance loss 0.004, load max/mean per "
+            "sparse layer 1: 1.25, 2: 2.00, 3: 1.96 (ceiling experts / top-k = 2); collapsed: "
+            "layer(s) 2, 3") in text
+    lines = run_summary.diagnose(s)
+    assert lines[0] == "bottleneck: compute (50% of the step time)"
+    assert any(x.startswith("the experts' all-to-all takes 45% of the step") for x in lines)
+    assert any(x.startswith("the router collapsed in sparse layer(s) 2, 3") and
+               "raise --moe-aux-loss-coef (now 0.001), or loss-free balancing with "
+               "--moe-bias-update-rate" in x for x in lines)
+    assert "ep_comm 0.18 s (45%)" in text
+    dense = run_summary.summarize([record(s, 5.0, compute=0.2) for s in (1, 2)])
+    assert "moe_balance" not in dense and "expert balance" not in run_summary.summary_text(dense)
+
+
+def test_a_record_without_ep_comm_still_reads():
+    r = record(1, 5.0, compute=0.2)
+    del r["time"]["ep_comm"]
+    run_summary._check_record(r, "metrics.jsonl")
+    assert run_summary.summarize([r])["time_s"]["ep_comm"] == 0.0
+
+
+def test_the_report_without_matplotlib_prints_the_diagnosis_and_says_how_to_plot(
+        tmp_path, monkeypatch, capsys):
+    import sys
+    run = write_run_dir(tmp_path, [record(s, 5.0 - 0.1 * s, compute=0.2) for s in (1, 2, 3)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib: ImportError
+    assert report.main([run]) == 0
+    out = capsys.readouterr().out
+    assert "bottleneck: compute" in out and "pip install 'mpipar[report]'" in out
+    assert os.listdir(os.path.join(run, "report")) == ["summary.txt"]
+
+
+def test_the_time_breakdown_books_the_experts_exchange_apart_from_compute():
+    from types import SimpleNamespace
+    from mpipar.observe.metrics import time_breakdown
+    ops = [SimpleNamespace(kind="fwd", start=0.0, end=0.25),
+           SimpleNamespace(kind="bwd", start=0.25, end=0.75)]
+    t = time_breakdown(1.0, {"ep": 0.25, "tp": 0.125, "dp_sp": 0.125}, ops)
+    assert t["ep_comm"] == 0.25 and t["tp_comm"] == 0.125
+    assert t["compute"] == pytest.approx(0.75 - 0.25 - 0.125)       # the ops less ep and tp
+    assert t["optimizer"] == pytest.approx(1.0 - 0.75 - 0.125)       # the rest of the step
+    assert sum(t.values()) == pytest.approx(1.0)

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING
 from mpipar.runtime.mpi_init import MPI, mark_started  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
 from mpipar import config as config_mod
+from mpipar.config import cli as config_cli
 from mpipar.config import ConfigError
 from mpipar.training.failure import (EXIT_EXCEPTION, EXIT_WATCHDOG, FailureReport, fail_usage,
                                      install_abort_hook)
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m mpipar.train",
         description="Train a Llama-family model with data/tensor/pipeline/sequence parallelism "
                     "over MPI. Flags override --config; docs/configuration.md lists every field.")
-    config_mod.add_arguments(parser)
+    config_cli.add_arguments(parser)
     return parser
 
 
@@ -108,7 +109,7 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
     from mpipar.checkpoint.directory import CheckpointError
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_mod.from_args(args)
+        cfg = config_cli.from_args(args)
         tr = cfg.train
         tr.save_dir = tr.save_dir or os.path.join(tr.run_dir, "checkpoints")
         if tr.resume:
@@ -120,17 +121,17 @@ def resolve_config(argv: list[str] | None, world: int, notes: list[str] | None =
                 from mpipar.training.optimizers import check_resume
                 check_resume(saved.train, tr, str(path))
                 cfg.model = model_from_checkpoint(
-                    saved.model, config_mod.given_fields(args, "model"), source=str(path))
+                    saved.model, config_cli.given_fields(args, "model"), source=str(path))
                 tr.eval_fraction = config_mod.held_out_from_checkpoint(
-                    saved.train, config_mod.given_fields(args, "train"), source=str(path))
+                    saved.train, config_cli.given_fields(args, "train"), source=str(path))
         if tr.init_from_hf:
             from mpipar.checkpoint import huggingface as hf
             hf_model = hf.read_model_config(tr.init_from_hf, tr.hf_untie_embeddings)
             cfg.model = hf.model_config_with_overrides(
-                hf_model, config_mod.given_fields(args, "model"), source=tr.init_from_hf)
+                hf_model, config_cli.given_fields(args, "model"), source=tr.init_from_hf)
         from mpipar.plan.search import auto_layout
         from mpipar.rules import validate
-        cfg, note = auto_layout(cfg, world, config_mod.given_names(args, "parallel", "train"))
+        cfg, note = auto_layout(cfg, world, config_cli.given_names(args, "parallel", "train"))
         if note is not None and notes is not None:
             notes.append(note)
         return validate(cfg, world)

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from mpipar.bench.harness import Section, mpirun, print_header, run_child, train_run
-from mpipar.config import add_arguments, from_args
+from mpipar.config.cli import add_arguments, from_args
 from mpipar.observe.trace import TRACE_FILE
 from mpipar.plan.memory import predict_memory
 from mpipar.rules import validate

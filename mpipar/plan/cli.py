@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from mpipar import config as config_mod
+from mpipar.config import cli as config_cli
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
 from mpipar.layout import resolve_model
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hardware", metavar="FILE",
                         help="measured peak, links, op overhead, nodes and compression work from "
                              "python -m mpipar.bench comm (replaces the five options above)")
-    config_mod.add_arguments(parser)
+    config_cli.add_arguments(parser)
     return parser
 
 
@@ -212,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and not value > 0:
             return _fail(f"--{name.replace('_', '-')} {value}: must be > 0")
     try:
-        base = config_mod.from_args(args)
+        base = config_cli.from_args(args)
     except ConfigError as exc:
         return _fail(str(exc))
-    fixed = config_mod.given_names(args, "parallel", "train")
+    fixed = config_cli.given_names(args, "parallel", "train")
     if args.hardware:
         try:
             hw, note = Hardware.load(args.hardware), f"measured, {args.hardware}"

@@ -226,14 +226,14 @@ def test_the_configuration_page_table_is_current():
     table under its "Every field" heading is exactly describe_fields()."""
     from pathlib import Path
 
-    from mpipar.config import describe_fields
+    from mpipar.config.cli import describe_fields
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     section = page.split("\n## Every field\n", 1)[1].split("\n## ", 1)[0]
     table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
     assert table == describe_fields(), (
         "docs/configuration.md's field table is stale: replace it with the output of "
-        "python -c 'from mpipar.config import describe_fields; print(describe_fields())'")
+        "python -c 'from mpipar.config.cli import describe_fields; print(describe_fields())'")
 
 
 def test_rope_scalings_are_the_kernels():

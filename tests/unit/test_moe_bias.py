@@ -145,7 +145,7 @@ def test_bad_rates_are_config_errors(model, words):
 def test_the_flag_reaches_the_config():
     import argparse
 
-    from mpipar.config import add_arguments, from_args
+    from mpipar.config.cli import add_arguments, from_args
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cfg = from_args(parser.parse_args(["--moe-experts", "4", "--moe-bias-update-rate", "0.002"]))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mpipar.checkpoint.hf_moe import export_problem
-from mpipar.config import (Config, ConfigError, ModelConfig, TrainConfig, add_arguments,
-                           from_args)
+from mpipar.config import Config, ConfigError, ModelConfig, TrainConfig
+from mpipar.config.cli import add_arguments, from_args
 from mpipar.kernels import get_backend
 from mpipar.kernels import expert_routing
 from mpipar.layout import resolve_model

@@ -134,7 +134,7 @@ def test_bad_values_are_config_errors(model, parallel, words):
 def test_cli_flag_sets_the_field():
     import argparse
 
-    from mpipar.config import add_arguments, from_args
+    from mpipar.config.cli import add_arguments, from_args
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--moe-experts", "4", "--moe-shared-ffn-hidden", "64",

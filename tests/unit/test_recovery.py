@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from mpipar import config as config_mod
+from mpipar.config import cli as config_cli
 from mpipar.config import ConfigError
 from mpipar.rules import validate
 from mpipar.train import relayout
@@ -19,8 +19,8 @@ TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "-
 
 def _layout(world: int, *flags: str):
     parser = argparse.ArgumentParser()
-    config_mod.add_arguments(parser)
-    return validate(config_mod.from_args(parser.parse_args([*TINY, *flags])), world)
+    config_cli.add_arguments(parser)
+    return validate(config_cli.from_args(parser.parse_args([*TINY, *flags])), world)
 
 
 def test_dp_shrinks_and_the_global_batch_is_kept():

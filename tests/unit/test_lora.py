@@ -133,9 +133,28 @@ def test_adapter_of_another_model_refused(lora_dirs):
     ({"lora_rank": 9}, r"train.lora_rank=9: must be <= 8"),
     ({"lora_dropout": 0.1}, r"lora_dropout=0.1: only 0"),
     ({"lora_alpha": 0.0}, r"lora_alpha=0.0: must be > 0"),
+    ({"optimizer": "muon"}, r"train.optimizer='muon' with train.lora_rank=4: .*low-rank "
+                            r"factors A and B.*--optimizer adamw"),
+    ({"on_rank_failure": "shrink", "init_from_hf": "base"},
+     r"train.on_rank_failure='shrink' with train.lora_rank=4 and train.init_from_hf='base': "
+     r".*not the frozen base"),
 ])
 def test_rules(fields, match):
+    """LoRA's own rules, and the combinations refused: Muon would orthogonalise the low-rank
+    factors, and a shrink's recovery would rebuild a frozen base from the seed, not the file."""
     model = ModelConfig(vocab_size=64, hidden=16, layers=2, heads=2, kv_heads=1, ffn_hidden=32)
     train = TrainConfig(seq_len=8, global_batch_size=2, **{**LORA_FIELDS, **fields})
     with pytest.raises(ConfigError, match=match):
         validate(Config(model=model, train=train), 1)
+
+
+@pytest.mark.parametrize("fields", [{"optimizer": "muon"},
+                                    {"on_rank_failure": "shrink", "init_from_hf": "base"}])
+def test_combinations_allowed_without_lora(fields):
+    """The refused combinations are LoRA's: without --lora-rank (or, for a shrink, without
+    --init-from-hf) the same flags validate."""
+    model = ModelConfig(vocab_size=64, hidden=16, layers=2, heads=2, kv_heads=1, ffn_hidden=32)
+    validate(Config(model=model, train=TrainConfig(seq_len=8, global_batch_size=2, **fields)), 1)
+    lora_shrink = {**LORA_FIELDS, "on_rank_failure": "shrink"}
+    validate(Config(model=model, train=TrainConfig(seq_len=8, global_batch_size=2,
+                                                   **lora_shrink)), 1)

@@ -158,3 +158,38 @@ def test_combinations_allowed_without_lora(fields):
     lora_shrink = {**LORA_FIELDS, "on_rank_failure": "shrink"}
     validate(Config(model=model, train=TrainConfig(seq_len=8, global_batch_size=2,
                                                    **lora_shrink)), 1)
+
+
+def test_merge_adapter_command_equals_merge_and_unload(lora_dirs, samples, float64_transformers,
+                                                       tmp_path, capsys):
+    """``python -m mpipar.ckpt merge-adapter`` of a LoRA run's checkpoint (the adapters alone)
+    with the run's --init-from-hf base equals PEFT's ``merge_and_unload()`` of the base and the
+    run's exported adapter, in float64; bad input exits 2 naming it, nothing written."""
+    import subprocess
+    import sys
+
+    from conftest import launch_env
+    from mpipar.checkpoint.cli import main as ckpt
+    base, adapter = lora_dirs
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in LORA_FIELDS.items()]
+    run = subprocess.run(
+        [sys.executable, "-m", "mpipar.train", *flags, "--seq-len", str(S),
+         "--global-batch-size", "2", "--steps", "1", "--backend", "numpy", "--dtype",
+         "float64", "--log-every", "0", "--data", str(samples), "--init-from-hf", str(base),
+         "--init-adapter", str(adapter), "--run-dir", str(tmp_path / "run"), "--save-dir",
+         str(tmp_path / "ck"), "--export-adapter", str(tmp_path / "trained")],
+        capture_output=True, text=True, timeout=600, env=launch_env())
+    assert run.returncode == 0, run.stderr
+    assert ckpt(["merge-adapter", str(tmp_path / "ck"), "--out", str(tmp_path / "m")]) == 0
+    _, ours = load_hf(tmp_path / "m")
+    with torch.no_grad():
+        theirs = peft_model(base, tmp_path / "trained").merge_and_unload().state_dict()
+    assert sorted(ours) == sorted(n.removeprefix("model.") for n in theirs)
+    assert max(rel(v, theirs["model." + n if n != "lm_head.weight" else n].numpy())
+               for n, v in ours.items()) <= TOL
+    capsys.readouterr()
+    for args, match in [([str(tmp_path / "run")], "index.h5: missing"),
+                        ([str(tmp_path / "ck"), "--base", str(adapter)], "config.json")]:
+        assert ckpt(["merge-adapter", *args, "--out", str(tmp_path / "bad")]) == 2
+        assert match in capsys.readouterr().err
+        assert not (tmp_path / "bad").exists()

@@ -1,5 +1,5 @@
 """``python -m mpipar.ckpt``: look at, check and convert mpipar checkpoints (inspect, verify,
-consolidate, export-hf). The command line is :mod:`mpipar.checkpoint.cli`'s."""
+consolidate, export-hf, merge-adapter). The command line is :mod:`mpipar.checkpoint.cli`'s."""
 from __future__ import annotations
 
 import sys

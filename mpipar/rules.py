@@ -19,7 +19,7 @@ from mpipar.layout import Layout, resolve
 from mpipar.model import lora
 from mpipar.parallel.registry import AXES
 from mpipar.runtime import device
-from mpipar.training import objective, optim, optimizers
+from mpipar.training import objective, optim, optimizers, recovery
 
 Rule = Callable[[Layout], None]
 
@@ -31,6 +31,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("optimizer", optim.check_config),      # AdamW and the LR schedule
     ("muon", optimizers.check_config),      # Muon's momentum and Newton-Schulz steps
     ("lora", lora.check_config),            # adapters: targets, rank, what LoRA runs with
+    ("recovery", recovery.check_config),    # what --on-rank-failure shrink restores
     ("backend", device.check_config),       # kernels, device, dtype, CUDA-aware MPI
 )
 """The components' rules, in the order :func:`validate` asks them."""

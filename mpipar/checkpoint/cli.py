@@ -5,6 +5,7 @@ check and convert mpipar checkpoints with :mod:`.tools` and :mod:`.reader`.
     python -m mpipar.ckpt verify PATH [PATH ...]     every shard present, every sha256 matches
     python -m mpipar.ckpt consolidate PATH OUT.h5 [--params-only]
     python -m mpipar.ckpt export-hf PATH OUT_DIR [--dtype float16|bfloat16|float32|float64]
+    python -m mpipar.ckpt merge-adapter PATH --out OUT_DIR [--base HF_DIR] [--dtype ...]
 
 PATH is a checkpoint directory (``step_NNNNNNNN``) or a save directory (its ``latest``).
 Exit status: 0 success; 1 ``verify`` found damage (a missing, truncated or corrupted file; each
@@ -125,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"),
                      default=None,
                      help="dtype of the exported weights (default: the training dtype)")
+    mer = commands.add_parser("merge-adapter", help="write a LoRA run's model, adapters merged "
+                                                    "(PEFT's merge_and_unload()), as a Hugging "
+                                                    "Face directory")
+    mer.add_argument("path")
+    mer.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    mer.add_argument("--base", default=None,
+                     help="the frozen base's Hugging Face directory (default: the run's "
+                          "--init-from-hf, else its seed's initialisation)")
+    mer.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"),
+                     default=None, help="dtype of the merged weights (default: the training dtype)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -136,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             out = tools.consolidate(args.path, args.out, kinds)
             print(f"wrote {out}: {', '.join(kinds)}")
             return 0
-        out = tools.export_hf(args.path, args.out, args.dtype)
+        if args.command == "merge-adapter":
+            out = tools.merge_adapter(args.path, args.out, args.dtype, args.base)
+        else:
+            out = tools.export_hf(args.path, args.out, args.dtype)
         arch = json.loads((out / "config.json").read_text())["architectures"][0]
         print(f"wrote {out} (Hugging Face {arch})")
         return 0

@@ -380,15 +380,19 @@ def require_sound(path: Path, peers: Peers | None = None) -> Index:
 def require_config_shapes(path: Path, index: Index) -> None:
     """Every tensor the checkpoint's config implies is stored with that shape, before any is
     read (metadata only): a crafted index declaring a huge tensor over a small model, or a config
-    claiming a model its tensors are not, is refused naming the tensor. CheckpointError."""
+    claiming a model its tensors are not, is refused naming the tensor (a LoRA run's: its
+    adapters, the frozen base being no state of the run). CheckpointError."""
     from mpipar.layout import resolve_model
+    from mpipar.model.lora import Lora
     from mpipar.model.params import param_specs
     stored = index.tensors.get("param", {})
     model = index.config.model
     if model.layers > len(stored):
         raise CheckpointError(f"{path}: its config claims {model.layers:,} layers, but it "
                               f"stores {len(stored)} parameter tensors")
-    implied = {spec.name: spec.shape for spec in param_specs(resolve_model(model))}
+    lora = Lora.of(index.config.train)
+    implied = {a.name: a.shape for spec in param_specs(resolve_model(model))
+               for a in ([spec] if lora is None else lora.specs(spec))}
     for kind in sorted(index.tensors, key=lambda k: k != "param"):
         for name, tensor in index.tensors[kind].items():
             if implied.get(name) != tuple(tensor.shape):

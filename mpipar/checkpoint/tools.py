@@ -12,7 +12,7 @@ from typing import Any
 
 import h5py
 
-from mpipar.checkpoint.directory import fsync_file, require_outside, resolve_path
+from mpipar.checkpoint.directory import CheckpointError, fsync_file, require_outside, resolve_path
 from mpipar.checkpoint.index import KINDS, read_index
 from mpipar.checkpoint.reader import (ShardFiles, read_config, read_moe_bias, read_tensors,
                                       require_config_shapes, require_memory, require_sound)
@@ -99,6 +99,10 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None
     params = sum(math.prod(t.shape) for t in index.tensors["param"].values())
     require_memory(2 * params * index.dtype.itemsize, f"exporting {path} (its parameters)")
     cfg = read_config(path)
+    if cfg.train.lora_rank:
+        raise CheckpointError(f"{path}: train.lora_rank={cfg.train.lora_rank}: a LoRA run's "
+                              f"checkpoint holds its adapters, not a model; python -m "
+                              f"mpipar.ckpt merge-adapter writes the merged model")
     params = read_tensors(path, "param")
     for note in hf_moe.export_notes(cfg.model, read_moe_bias(path)):
         print(f"mpipar: {note}", flush=True)
@@ -106,3 +110,46 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None
                extra_config={"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS,
                                                             cfg.train.seq_len)})
     return Path(out)
+
+
+def merge_adapter(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
+                  base: str | None = None) -> Path:
+    """Write the model of a LoRA run's checkpoint, adapters merged into their weights as PEFT's
+    ``merge_and_unload()`` does (``W + s B A``, in float64), as a Hugging Face directory in
+    ``dtype`` (default: the training dtype). The checkpoint holds the adapters alone; the frozen
+    base is the run's: ``base`` (a Hugging Face directory), else the run's ``--init-from-hf``,
+    else its seed's initialisation. CheckpointError or ConfigError before anything is written
+    when the checkpoint is not a LoRA run's or the base does not fit it."""
+    from mpipar.checkpoint import huggingface as hf
+    from mpipar.checkpoint import peft
+    from mpipar.model.lora import Lora
+    from mpipar.model.params import init_params, param_specs
+
+    require_outside(Path(out))
+    ckpt = resolve_path(path)
+    require_sound(ckpt)
+    require_config_shapes(ckpt, read_index(ckpt))
+    cfg = read_config(ckpt)
+    lora = Lora.of(cfg.train)
+    if lora is None:
+        raise CheckpointError(f"{ckpt}: train.lora_rank=0: not a LoRA run's checkpoint, it has "
+                              f"no adapter to merge (python -m mpipar.ckpt export-hf writes it)")
+    source = base or cfg.train.init_from_hf
+    if source:
+        weights = hf.load_hf(source, "float64", cfg.train.hf_untie_embeddings)[1]
+        extra = hf.passthrough_config(source)
+    else:
+        weights = init_params(cfg.model, cfg.train.seed, "float64")
+        extra = {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, cfg.train.seq_len)}
+    for spec in param_specs(cfg.model):
+        shape = tuple(weights[spec.name].shape) if spec.name in weights else None
+        if shape != spec.shape:
+            raise CheckpointError(f"base {source}: {spec.name} is "
+                                  f"{'missing' if shape is None else list(shape)}, the model "
+                                  f"{ckpt} was trained on needs {list(spec.shape)}")
+    params = {**{s.name: weights[s.name] for s in param_specs(cfg.model)},
+              **{n: v.astype("float64") for n, v in read_tensors(ckpt, "param").items()}}
+    hf.save_hf(out, cfg.model, peft.merge(cfg.model, lora, params),
+               dtype=dtype or cfg.train.dtype, extra_config=extra)
+    return Path(out)
+

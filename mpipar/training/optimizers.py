@@ -33,6 +33,7 @@ import numpy as np
 
 from mpipar.config import ConfigError, TrainConfig
 from mpipar.layout import Layout
+from mpipar.model.lora import Lora
 from mpipar.parallel.placement import PlacementTable
 from mpipar.runtime.comm import Group
 from mpipar.training import muon
@@ -329,11 +330,19 @@ def muon_config(train: TrainConfig) -> muon.MuonConfig:
 
 
 def check_config(layout: Layout) -> None:
-    """Muon's settings, whichever optimizer runs, and ``--reset-optimizer`` only with
-    ``--resume`` (AdamW's and the schedule's: :func:`mpipar.training.optim.check_config`)."""
-    problem = muon_config(layout.train).problem()
+    """Muon's settings, whichever optimizer runs; Muon without LoRA; ``--reset-optimizer``
+    only with ``--resume`` (AdamW's and the schedule's rules:
+    :func:`mpipar.training.optim.check_config`)."""
+    t = layout.train
+    problem = muon_config(t).problem()
     if problem is not None:
         raise ConfigError(f"train.{problem}")
+    if optimizer_mode(t).muon and Lora.of(t) is not None:
+        raise ConfigError(
+            f"train.optimizer={t.optimizer!r} with train.lora_rank={t.lora_rank}: --optimizer "
+            f"muon orthogonalises whole weight matrices, and under --lora-rank the only "
+            f"trained matrices are the low-rank factors A and B, whose orthogonalised updates "
+            f"are not LoRA; give --optimizer adamw with --lora-rank")
     if layout.train.reset_optimizer and not layout.train.resume:
         raise ConfigError("train.reset_optimizer=True: needs --resume (it starts a resumed "
                           "run's optimizer state afresh)")

@@ -40,6 +40,7 @@ import numpy as np
 
 from mpipar.config import ConfigError
 from mpipar.layout import Layout
+from mpipar.model.lora import Lora
 from mpipar.parallel.data_parallel.reducer import GradReducer
 from mpipar.runtime import ulfm
 from mpipar.runtime.comm import Group, Ledger
@@ -212,6 +213,20 @@ def layout_flags(layout: Layout) -> str:
     par = layout.parallel
     return (f"--dp {layout.dp} --tp {layout.tp} --pp {layout.pp} --sp {layout.sp} "
             f"--ep {par.ep} --zero {par.zero} --micro-batch-size {layout.micro_batch_size}")
+
+
+def check_config(layout: Layout) -> None:
+    """``--on-rank-failure shrink`` with LoRA only on a base the rebuilt rank makes itself: the
+    recovery restores the trained state (the adapters and their moments), and a frozen base
+    read from ``--init-from-hf`` is no part of it."""
+    t = layout.train
+    if t.on_rank_failure == "shrink" and Lora.of(t) is not None and t.init_from_hf:
+        raise ConfigError(
+            f"train.on_rank_failure='shrink' with train.lora_rank={t.lora_rank} and "
+            f"train.init_from_hf={t.init_from_hf!r}: a shrink restores the adapters and their "
+            f"optimizer state, not the frozen base read from --init-from-hf (the rebuilt ranks "
+            f"would hold the seed's base); give --on-rank-failure abort and --resume the run "
+            f"from its last checkpoint after a failure")
 
 
 def on_rank_failure(mode: str, relayout: Callable[[Layout, int], Layout],

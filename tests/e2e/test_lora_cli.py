@@ -1,7 +1,8 @@
 """LoRA through python -m mpipar.train (no torch needed): a base from --init-from-hf and a PEFT
 adapter from --init-adapter; the adapter exported in PEFT's format and the merged model as a
 Hugging Face directory; a checkpointed run resumed equals the uninterrupted one bit for bit; a
-checkpoint holds the adapters alone; an adapter that does not fit exits 2 naming it."""
+checkpoint holds the adapters alone and `ckpt merge-adapter` of it equals the run's own merged
+export; an adapter that does not fit, or LoRA with Muon, exits 2 naming it."""
 from __future__ import annotations
 
 import json
@@ -87,3 +88,38 @@ def test_an_adapter_that_does_not_fit_exits_2(tmp_path):
 
 def _adapter_specs():
     return [a for s in param_specs(MODEL) for a in _lora().specs(s)]
+
+
+def test_merge_adapter_of_a_seed_base_run_equals_its_export_hf(tmp_path):
+    """Without --init-from-hf the frozen base is the seed's initialisation: ``python -m
+    mpipar.ckpt merge-adapter`` of the run's checkpoint makes it again and writes the model the
+    run's own --export-hf wrote (float64, the same values)."""
+    np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 61, size=(8, 9)))
+    model = ["--vocab-size", "64", "--hidden", "16", "--layers", "2", "--heads", "2",
+             "--kv-heads", "1", "--ffn-hidden", "32"]
+    run = subprocess.run([sys.executable, "-m", "mpipar.train", *TRAIN, *LORA, *model, "--data",
+                          str(tmp_path / "data.npy"), "--steps", "2", "--run-dir",
+                          str(tmp_path / "run"), "--save-dir", str(tmp_path / "ck"),
+                          "--export-hf", str(tmp_path / "exported")],
+                         capture_output=True, text=True, timeout=300, env=launch_env())
+    assert run.returncode == 0, run.stderr
+    merge = subprocess.run([sys.executable, "-m", "mpipar.ckpt", "merge-adapter",
+                            str(tmp_path / "ck"), "--out", str(tmp_path / "merged")],
+                           capture_output=True, text=True, timeout=300, env=launch_env())
+    assert merge.returncode == 0, merge.stderr
+    _, exported = load_hf(tmp_path / "exported")
+    _, merged = load_hf(tmp_path / "merged")
+    assert sorted(merged) == sorted(exported)
+    for n in exported:
+        np.testing.assert_allclose(merged[n], exported[n], rtol=0, atol=1e-14)
+
+
+def test_muon_with_lora_exits_2_naming_both_flags(tmp_path):
+    np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 61, size=(8, 9)))
+    proc = subprocess.run([sys.executable, "-m", "mpipar.train", *TRAIN, *LORA, "--optimizer",
+                           "muon", "--data", str(tmp_path / "data.npy"), "--steps", "1",
+                           "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env=launch_env())
+    assert proc.returncode == 2, proc.stderr
+    assert "train.optimizer='muon' with train.lora_rank=4" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

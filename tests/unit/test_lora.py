@@ -133,9 +133,63 @@ def test_adapter_of_another_model_refused(lora_dirs):
     ({"lora_rank": 9}, r"train.lora_rank=9: must be <= 8"),
     ({"lora_dropout": 0.1}, r"lora_dropout=0.1: only 0"),
     ({"lora_alpha": 0.0}, r"lora_alpha=0.0: must be > 0"),
+    ({"optimizer": "muon"}, r"train.optimizer='muon' with train.lora_rank=4: .*low-rank "
+                            r"factors A and B.*--optimizer adamw"),
+    ({"on_rank_failure": "shrink", "init_from_hf": "base"},
+     r"train.on_rank_failure='shrink' with train.lora_rank=4 and train.init_from_hf='base': "
+     r".*not the frozen base"),
 ])
 def test_rules(fields, match):
+    """LoRA's own rules, and the combinations refused: Muon would orthogonalise the low-rank
+    factors, and a shrink's recovery would rebuild a frozen base from the seed, not the file."""
     model = ModelConfig(vocab_size=64, hidden=16, layers=2, heads=2, kv_heads=1, ffn_hidden=32)
     train = TrainConfig(seq_len=8, global_batch_size=2, **{**LORA_FIELDS, **fields})
     with pytest.raises(ConfigError, match=match):
         validate(Config(model=model, train=train), 1)
+
+
+@pytest.mark.parametrize("fields", [{"optimizer": "muon"},
+                                    {"on_rank_failure": "shrink", "init_from_hf": "base"}])
+def test_combinations_allowed_without_lora(fields):
+    """The refused combinations are LoRA's: without --lora-rank (or, for a shrink, without
+    --init-from-hf) the same flags validate."""
+    model = ModelConfig(vocab_size=64, hidden=16, layers=2, heads=2, kv_heads=1, ffn_hidden=32)
+    validate(Config(model=model, train=TrainConfig(seq_len=8, global_batch_size=2, **fields)), 1)
+    lora_shrink = {**LORA_FIELDS, "on_rank_failure": "shrink"}
+    validate(Config(model=model, train=TrainConfig(seq_len=8, global_batch_size=2,
+                                                   **lora_shrink)), 1)
+
+
+def test_merge_adapter_command_equals_merge_and_unload(lora_dirs, samples, float64_transformers,
+                                                       tmp_path, capsys):
+    """``python -m mpipar.ckpt merge-adapter`` of a LoRA run's checkpoint (the adapters alone)
+    with the run's --init-from-hf base equals PEFT's ``merge_and_unload()`` of the base and the
+    run's exported adapter, in float64; bad input exits 2 naming it, nothing written."""
+    import subprocess
+    import sys
+
+    from conftest import launch_env
+    from mpipar.checkpoint.cli import main as ckpt
+    base, adapter = lora_dirs
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in LORA_FIELDS.items()]
+    run = subprocess.run(
+        [sys.executable, "-m", "mpipar.train", *flags, "--seq-len", str(S),
+         "--global-batch-size", "2", "--steps", "1", "--backend", "numpy", "--dtype",
+         "float64", "--log-every", "0", "--data", str(samples), "--init-from-hf", str(base),
+         "--init-adapter", str(adapter), "--run-dir", str(tmp_path / "run"), "--save-dir",
+         str(tmp_path / "ck"), "--export-adapter", str(tmp_path / "trained")],
+        capture_output=True, text=True, timeout=600, env=launch_env())
+    assert run.returncode == 0, run.stderr
+    assert ckpt(["merge-adapter", str(tmp_path / "ck"), "--out", str(tmp_path / "m")]) == 0
+    _, ours = load_hf(tmp_path / "m")
+    with torch.no_grad():
+        theirs = peft_model(base, tmp_path / "trained").merge_and_unload().state_dict()
+    assert sorted(ours) == sorted(n.removeprefix("model.") for n in theirs)
+    assert max(rel(v, theirs["model." + n if n != "lm_head.weight" else n].numpy())
+               for n, v in ours.items()) <= TOL
+    capsys.readouterr()
+    for args, match in [([str(tmp_path / "run")], "index.h5: missing"),
+                        ([str(tmp_path / "ck"), "--base", str(adapter)], "config.json")]:
+        assert ckpt(["merge-adapter", *args, "--out", str(tmp_path / "bad")]) == 2
+        assert match in capsys.readouterr().err
+        assert not (tmp_path / "bad").exists()

@@ -387,11 +387,11 @@ def test_a_bf16_lora_run_tracks_float64_and_holds_its_base_in_bf16_alone():
     for dtype in ("float64", "bfloat16"):
         cfg = small_config(dtype)
         cfg.train.__dict__.update(fields)
-        eng = _engine(cfg)
-        losses[dtype] = [trainer.train_step(eng, k).loss for k in range(12)]
+        rank = _rank(cfg)
+        losses[dtype] = [trainer.train_step(rank, k).loss for k in range(12)]
         if dtype == "bfloat16":
-            held = _lora_bytes(eng, is_adapter)
-        trainer.close(eng)
+            held = _lora_bytes(rank, is_adapter)
+        trainer.close(rank)
     f64, bf = np.array(losses["float64"]), np.array(losses["bfloat16"])
     assert f64[-1] < 0.9 * f64[0], f64                       # the adapters trained
     assert np.abs(bf - f64).max() <= 0.02 * f64.max(), (bf, f64)
@@ -402,9 +402,9 @@ def test_a_bf16_lora_run_tracks_float64_and_holds_its_base_in_bf16_alone():
     assert held["total"] == 2 * base + (4 + 2 + 4 + 4) * adapters, held
 
 
-def _lora_bytes(eng, is_adapter) -> dict:
-    """The bytes and dtypes of ``eng``'s parameters and optimizer state, by kind."""
-    w = eng.weights
+def _lora_bytes(rank, is_adapter) -> dict:
+    """The bytes and dtypes of ``rank``'s parameters and optimizer state, by kind."""
+    w = rank.weights
     frozen, masters = w.frozen.master_tensors(), w.reducer.master_tensors()
     compute = {n: v for n, v in w.reducer.params.items()}
     state = {(k, n): v for k, n, *_, v in w.optimizer.state()}

@@ -16,8 +16,10 @@ from mpi4py import MPI
 
 from transformers_reference import OPT, S, V, hf_model, rel, torch, torch_adamw
 from mpipar.checkpoint.huggingface import load_hf, mpipar_name
+from mpipar.checkpoint.peft import read_adapter
 from mpipar.config import Config, ParallelConfig, TrainConfig
 from mpipar.data.preference import prepare_preference
+from mpipar.model.lora import Lora
 from mpipar.rules import validate
 from mpipar.training import step as trainer
 from mpipar.training.rank import Rank, build_rank
@@ -42,15 +44,22 @@ def write_pairs(path: Path) -> Path:
     return path
 
 
-def dpo_engine(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, **parallel) -> Rank:
+def dpo_engine(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path | None = None,
+               **parallel) -> Rank:
     """An engine on ``comm`` with the checkpoint's weights, training the pairs in order with
-    DPO (:data:`BATCH` pairs a step; one pair a microbatch on a layout, both in one alone)."""
+    DPO (:data:`BATCH` pairs a step; one pair a microbatch on a layout, both in one alone);
+    with ``adapter`` (a PEFT directory), LoRA of :data:`lora_reference.LORA_FIELDS` from it."""
     cfg, params = load_hf(checkpoint)
+    lora = {}
+    if adapter is not None:
+        from lora_reference import LORA_FIELDS
+        lora = LORA_FIELDS
+        params = {**params, **read_adapter(adapter, cfg, Lora.of(TrainConfig(**lora)))}
     train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=BATCH,
                         micro_batch_size=1 if parallel else BATCH, lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
                         shuffle=False, seed=0, data=str(pairs), objective="dpo", dpo_beta=BETA,
-                        **OPT)
+                        **OPT, **lora)
     layout = validate(Config(cfg, ParallelConfig(**parallel), train), comm.Get_size())
     engine = build_rank(layout, comm)
     trainer.load_params(engine, params)
@@ -65,15 +74,22 @@ def _logps(model, rows, counted):
 
 
 @functools.lru_cache(maxsize=None)
-def torch_dpo(checkpoint: Path, pairs: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
+def torch_dpo(checkpoint: Path, pairs: Path, adapter: Path | None = None
+              ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """transformers + torch.optim.AdamW on DPO's loss written out here, pairs in order: per step
-    (loss, rewards, accuracy, gradient norm) and the trained parameters by mpipar name. Call it
-    with the float64 patches applied."""
+    (loss, rewards, accuracy, gradient norm) and the trained parameters by mpipar name. With
+    ``adapter``, PEFT's model of it on the checkpoint, the adapters alone trained (the frozen
+    base has no gradient, so AdamW and the clipping skip it) and returned; the reference is the
+    base with the initial adapter. Call it with the float64 patches applied."""
     with h5py.File(pairs, "r") as f:
         tokens, mask = np.asarray(f["tokens"], np.int64), np.asarray(f["loss_mask"])
     idx = np.arange(2 * PAIRS)[:, None] * S + np.arange(S + 1)
     rows, counted = torch.from_numpy(tokens[idx]), torch.from_numpy(mask[idx][:, 1:] != 0)
-    model = hf_model(checkpoint)
+    if adapter is None:
+        model = hf_model(checkpoint)
+    else:
+        from lora_reference import peft_model
+        model = peft_model(checkpoint, adapter)
     with torch.no_grad():
         reference = _logps(model, rows, counted.double())
     model.train()
@@ -93,6 +109,9 @@ def torch_dpo(checkpoint: Path, pairs: Path) -> tuple[list[dict], dict[str, np.n
                       "dpo_reward_chosen": chosen.mean().item(),
                       "dpo_reward_rejected": rejected.mean().item(),
                       "dpo_accuracy": (chosen > rejected).double().mean().item()})
+    if adapter is not None:
+        from lora_reference import adapter_tensors
+        return steps, adapter_tensors(model)
     return steps, {mpipar_name(n): p.detach().numpy().copy() for n, p in named.items()}
 
 

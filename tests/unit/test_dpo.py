@@ -34,6 +34,28 @@ def test_dpo_trains_like_torch(files, float64_transformers):
     assert max(diffs.values()) <= TOL, diffs
 
 
+def test_dpo_with_lora_trains_like_peft(files, float64_transformers, tmp_path):
+    """DPO of LoRA adapters equals PyTorch + PEFT: the reference is the base with the initial
+    adapter, only the adapters train, the base is unchanged."""
+    from lora_reference import make_adapter
+    from mpipar.checkpoint.huggingface import load_hf
+    from mpipar.model.lora import is_adapter
+    checkpoint, pairs = files
+    adapter = make_adapter(checkpoint, tmp_path)
+    engine = dpo_engine(checkpoint, pairs, adapter=adapter)
+    results = [trainer.train_step(engine, k) for k in range(2)]
+    want = torch_dpo(checkpoint, pairs, adapter)
+    trained = trainer.gather_params(engine)
+    adapters = {n: v for n, v in trained.items() if is_adapter(n)}
+    diffs = dpo_differences(results, adapters, want)
+    print(f"\nDPO with LoRA one process: {diffs}")
+    assert results[0].loss == pytest.approx(math.log(2), rel=1e-15)
+    assert abs(want[0][1]["dpo_reward_chosen"]) > 1e-3
+    assert max(diffs.values()) <= TOL, diffs
+    for n, v in load_hf(checkpoint)[1].items():          # the frozen base did not move
+        np.testing.assert_array_equal(trained[n], v)
+
+
 def test_pair_gradient_is_the_loss_derivative():
     """row_weights is -d(sum of pair losses)/d(log-prob of the row) (central differences)."""
     dpo, rng = DPO(BETA), np.random.default_rng(3)

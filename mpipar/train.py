@@ -324,6 +324,8 @@ def _load_state(rank, ctx: RunContext) -> int:
                 notes.append("--reset-optimizer: the optimizer state starts afresh")
             try:   # the routing biases, recorded once in the index (auxiliary-loss-free)
                 rank.model.routing.load(reader.read_moe_bias(path))
+                if rank.data.preference is not None:
+                    rank.data.preference.load(reader.read_dpo_reference(path), start)
             except ValueError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
             notes += [f"resumed from {path} at step {start}",

@@ -17,9 +17,12 @@ error feedback the residuals per slot, ``residual_send.<slot>`` and ``residual_g
 (:func:`mpipar.training.optim.adamw_catch_up`). Auxiliary-loss-free balancing adds the optional
 group ``moe_bias`` of attributes, ``layers.<i>`` per sparse block: its routing bias, ``E``
 float64 values (:class:`mpipar.model.moe.RoutingBias`; the same on every rank, so recorded once
-here rather than in the shards, and any layout reads it whole). Each holds one virtual dataset per parameter, in
-forward order, of its global shape (1-D or 2-D) and the index's dtype; every kind holds the same
-names and shapes.
+here rather than in the shards, and any layout reads it whole). A DPO run (``--objective dpo``)
+adds the plain dataset ``dpo_reference``: the reference log-probabilities of every row of its
+training pairs, ``2 * pairs`` finite float64 values (:class:`mpipar.training.objective.
+Preference`; the same on every rank, so recorded once here). Every tensor group holds one
+virtual dataset per parameter, in forward order, of its global shape (1-D or 2-D) and the index's
+dtype; every kind holds the same names and shapes.
 
 **Mappings.** A tensor's virtual dataset maps rectangles of it to whole datasets
 ``<kind>/<name>/<k>`` of the shard files; together they tile it (every element held by exactly one
@@ -73,8 +76,8 @@ ROOT_ATTRS = {"format": str, "format_version": int, "step": int, "optimizer_step
               "dtype": str, "world_size": int, "saved_at": str, "config_toml": str}
 SHARD_ATTRS = {"sha256": str, "size": int, "rank": int, **{axis: int for axis in AXES},
                "datasets": int}
-METADATA = ("layout", "lr_schedule", "data", "rng", "shards", "moe_bias")
-"""The root groups that hold attributes, not tensors."""
+METADATA = ("layout", "lr_schedule", "data", "rng", "shards", "moe_bias", "dpo_reference")
+"""The root members that are not groups of tensors."""
 _KIND_NAME = re.compile(r"^[a-z_]+(\.\d+)?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ACCEPTS = {str: (str,), int: (int, np.integer), bool: (bool, np.bool_),
@@ -149,6 +152,7 @@ class Index:
     shards: dict[str, ShardRecord]               # by file name
     tensors: dict[str, dict[str, Tensor]]        # kind -> name -> tensor, forward order
     moe_bias: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # by block
+    dpo_reference: np.ndarray | None = None      # a DPO run's reference log-probabilities
 
     @property
     def step(self) -> int:
@@ -239,6 +243,8 @@ def write_index(tmp: Path, state: RankState, position: RunPosition, records: lis
             bias = f.create_group("moe_bias").attrs
             for i, value in position.moe_bias.items():
                 bias[f"layers.{i}"] = np.asarray(value, dtype=np.float64)
+        if position.dpo_reference is not None:
+            f.create_dataset("dpo_reference", data=np.asarray(position.dpo_reference, np.float64))
         for kind in kinds_of(records):
             group = f.create_group(kind, track_order=True)  # forward order, as param_specs
             for name in state.shapes:
@@ -303,7 +309,8 @@ class _Schema:
                   for name, fields in GROUP_ATTRS.items()}
         shards = self.shards(attrs["world_size"])
         tensors = self.tensors(dtype, shards)
-        return Index(self.index, attrs, groups, config, shards, tensors, self.moe_bias(config))
+        return Index(self.index, attrs, groups, config, shards, tensors, self.moe_bias(config),
+                     self.dpo_reference(config))
 
     def moe_bias(self, config: Config) -> dict[int, np.ndarray]:
         """The optional ``moe_bias`` group: per sparse block of the model, ``E`` finite
@@ -322,6 +329,23 @@ class _Schema:
                 self.fail(f"attribute {where} must be {m.moe_experts} finite float64 values")
             out[int(block[1])] = value
         return out
+
+    def dpo_reference(self, config: Config) -> np.ndarray | None:
+        """The optional ``dpo_reference`` dataset of a DPO run: a plain 1-D dataset of an even
+        number of finite float64 values (module docstring)."""
+        if "dpo_reference" not in self.f:
+            return None
+        where = "dpo_reference"
+        data = self.member(self.f, where, h5py.Dataset, where)
+        if config.train.objective != "dpo":
+            self.fail(f"{where}: a DPO run's, but the run's train.objective is "
+                      f"{config.train.objective!r}")
+        if data.is_virtual or data.dtype != np.float64 or data.ndim != 1 or data.size % 2:
+            self.fail(f"{where} must be a plain 1-D dataset of 2 * pairs float64 values")
+        value = np.asarray(data[()])
+        if not np.isfinite(value).all():
+            self.fail(f"{where} must hold finite values")
+        return value
 
     def member(self, group: h5py.Group, name: str, want: type, where: str) -> Any:
         """``group[name]``, which must be reached by a hard link and be a ``want``."""

@@ -652,6 +652,13 @@ def read_moe_bias(path: str | os.PathLike) -> dict[int, np.ndarray]:
     return dict(require_sound(resolve_path(path)).moe_bias)
 
 
+def read_dpo_reference(path: str | os.PathLike) -> np.ndarray | None:
+    """The DPO reference log-probabilities ``[2 * pairs]`` the checkpoint at ``path`` records
+    (None when its run had none, or saved before computing them), verified first. No
+    collective."""
+    return require_sound(resolve_path(path)).dpo_reference
+
+
 def read_tensors(path: str | os.PathLike, kind: str = "param") -> dict[str, np.ndarray]:
     """Every global tensor of ``kind`` ("param", "exp_avg", "exp_avg_sq" or a residual kind the
     checkpoint holds), verified first."""

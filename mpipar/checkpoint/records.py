@@ -66,9 +66,12 @@ class DataCursor:
 @dataclass(frozen=True)
 class RunPosition:
     """Where a run stands after ``step`` training steps, as seen from one rank: its resolved
-    configuration, this rank's place, the LR schedule's state, the data cursor and the routing
+    configuration, this rank's place, the LR schedule's state, the data cursor, the routing
     biases of auxiliary-loss-free balancing (``{sparse block: [E] float64}``, the same on every
-    rank; empty when off: :class:`mpipar.model.moe.RoutingBias`)."""
+    rank; empty when off: :class:`mpipar.model.moe.RoutingBias`) and, under ``--objective dpo``,
+    the reference log-probabilities of every row of the training pairs (``[2 * pairs]``
+    float64, the same on every rank: :class:`mpipar.training.objective.Preference`; None
+    otherwise)."""
 
     step: int
     config: Config
@@ -76,3 +79,4 @@ class RunPosition:
     lr_schedule: LRScheduleState
     data: DataCursor
     moe_bias: dict[int, Any] = field(default_factory=dict)
+    dpo_reference: Any = None

@@ -73,6 +73,8 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike,
                 g = dst.create_group("moe_bias")
                 for i, value in index.moe_bias.items():
                     g.attrs[f"layers.{i}"] = value
+            if index.dpo_reference is not None:
+                dst.create_dataset("dpo_reference", data=index.dpo_reference)
             for kind in kinds:
                 for name, tensor in index.tensors[kind].items():
                     value = files.read(kind, name, tuple(slice(0, n) for n in tensor.shape))

@@ -26,7 +26,9 @@ training data before step 0's update (:func:`reference_logps`), and stored: the 
 frozen copy of the step-0 weights would give, at the cost of one forward per pair and no second
 model. ``dpo_reward_chosen``, ``dpo_reward_rejected`` (the mean rewards over the pairs of the
 global batch) and ``dpo_accuracy`` (the fraction of them whose chosen reward is above the
-rejected one) go to metrics.jsonl.
+rejected one) go to metrics.jsonl. Checkpoints record the reference log-probabilities
+(``dpo_reference`` of :mod:`mpipar.checkpoint.index`), so a resumed run goes on with the step-0
+policy's.
 """
 from __future__ import annotations
 
@@ -117,6 +119,21 @@ class Preference:
     pairs: int
     reference: np.ndarray | None = None
 
+    def load(self, reference: np.ndarray | None, step: int) -> None:
+        """Take a checkpoint's ``reference`` (None: it has none) for a run resumed at ``step``;
+        ValueError when it does not fit: none after step 0 (a checkpoint of another objective's
+        run), or a count of rows other than this file's. At step 0 without one the reference is
+        computed, as a new run's."""
+        if reference is None:
+            if step:
+                raise ValueError(f"holds no DPO reference log-probabilities at step {step}: "
+                                 f"not a DPO run's checkpoint")
+            return
+        if reference.shape != (2 * self.pairs,):
+            raise ValueError(f"dpo_reference holds {reference.size} rows' log-probabilities; "
+                             f"--data's {self.pairs} pairs have {2 * self.pairs}")
+        self.reference = np.array(reference, np.float64)
+
     def rows(self, pairs: np.ndarray) -> np.ndarray:
         """The sample (row) indices of pair indices ``pairs``: ``2p, 2p + 1`` each."""
         return (2 * np.asarray(pairs, np.int64)[:, None] + np.arange(2)).reshape(-1)
@@ -140,9 +157,6 @@ def check_config(layout: Layout) -> None:
             f"train.dpo_beta={t.dpo_beta}: must be a finite number > 0")
     if t.objective != "dpo":
         return
-    require(not t.resume, f"train.resume={t.resume!r} with --objective dpo: the reference "
-                          f"(the policy at step 0) is not kept in checkpoints; start a new run "
-                          f"from the weights (e.g. exported, then --init-from-hf)")
     require(p.sp == 1, f"parallel.sp={p.sp} with --objective dpo: a pair's loss needs whole "
                        f"sequences on one rank; use sp=1")
     for name in ("loss_mask", "eod_mask_loss", "document_masking"):

@@ -282,8 +282,9 @@ def rank_place(rank: Rank) -> RankPlace:
 def run_position(rank: Rank, step: int) -> RunPosition:
     """Where the run stands after ``step`` training steps: the configuration, this rank's
     place, the LR schedule's state, the data cursor and the routing biases (what a checkpoint
-    records besides ``rank.state``)."""
+    records besides ``rank.state``), with a DPO run's reference log-probabilities."""
     s, tr, source = rank.weights.schedule, rank.cfg.train, rank.data.source
+    pref = rank.data.preference
     lr = LRScheduleState(kind=s.kind, lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
                          total_steps=s.total_steps, decay_fraction=s.decay_fraction,
                          decay_shape=s.decay_shape, decay_start=s.decay_start,
@@ -295,7 +296,8 @@ def run_position(rank: Rank, step: int) -> RunPosition:
                       eval_fraction=tr.eval_fraction,
                       train_samples=rank.data.sampler.num_samples)
     return RunPosition(step=step, config=rank.cfg, place=rank_place(rank), lr_schedule=lr,
-                       data=data, moe_bias=rank.model.routing.host())
+                       data=data, moe_bias=rank.model.routing.host(),
+                       dpo_reference=None if pref is None else pref.reference)
 
 
 def close(rank: Rank) -> None:

@@ -92,5 +92,44 @@ def test_dpo_rules_name_the_value(files, tmp_path):
     _refused(files, tmp_path, r"train.global_batch_size=6: more pairs than the 5",
              global_batch_size=6)
     _refused(files, tmp_path, r"train.loss_mask=True with --objective dpo", loss_mask=True)
-    _refused(files, tmp_path, r"train.resume='auto' with --objective dpo", resume="auto",
-             save_dir=str(tmp_path / "ckpt"))
+
+
+def test_resume_equals_the_uninterrupted_run(files, tmp_path):
+    """Checkpointed after step 1 (parameters, moments and the reference log-probabilities),
+    resumed: step 2 equals the uninterrupted run's bit for bit; without the checkpoint's
+    reference (recomputed from step 1's weights) it differs, and a checkpoint without one or of
+    another file's pairs is refused."""
+    from mpi4py import MPI
+
+    from mpipar.checkpoint import reader, writer
+    from mpipar.runtime.comm import Group, Ledger
+    checkpoint, pairs = files
+    whole = dpo_engine(checkpoint, pairs)
+    want = [trainer.train_step(whole, k) for k in range(2)]
+    want_params = trainer.gather_params(whole)
+    first = dpo_engine(checkpoint, pairs)
+    trainer.train_step(first, 0)
+    path = writer.save(first.state, trainer.run_position(first, 1), tmp_path,
+                       Group(MPI.COMM_SELF, "world", Ledger()))
+    stored = reader.read_dpo_reference(path)
+    np.testing.assert_array_equal(stored, first.data.preference.reference)
+
+    def resumed(reference) -> tuple:
+        rank = dpo_engine(checkpoint, pairs)
+        assert reader.load(rank.state, path) == 1
+        rank.data.preference.load(reference, 1)
+        return trainer.train_step(rank, 1), trainer.gather_params(rank)
+
+    got, params = resumed(stored)
+    assert (got.loss, got.grad_norm, got.preference) == \
+        (want[1].loss, want[1].grad_norm, want[1].preference)
+    for n, v in want_params.items():
+        np.testing.assert_array_equal(params[n], v)
+    rank = dpo_engine(checkpoint, pairs)          # the reference not restored: step 1's policy
+    reader.load(rank.state, path)
+    assert trainer.train_step(rank, 1).loss != want[1].loss
+    with pytest.raises(ValueError, match="holds no DPO reference log-probabilities at step 1"):
+        rank.data.preference.load(None, 1)
+    with pytest.raises(ValueError, match="dpo_reference holds 8 rows' log-probabilities; "
+                                         "--data's 5 pairs have 10"):
+        rank.data.preference.load(stored[:8], 1)

@@ -133,3 +133,36 @@ def test_resume_equals_the_uninterrupted_run(files, tmp_path):
     with pytest.raises(ValueError, match="dpo_reference holds 8 rows' log-probabilities; "
                                          "--data's 5 pairs have 10"):
         rank.data.preference.load(stored[:8], 1)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda f: f["dpo_reference"].__setitem__(0, np.nan), "dpo_reference must hold finite"),
+    (lambda f: (f.__delitem__("dpo_reference"),
+                f.create_dataset("dpo_reference", data=np.zeros(3))), "2 \\* pairs float64"),
+    (lambda f: (f.__delitem__("dpo_reference"),
+                f.create_dataset("dpo_reference", data=np.zeros(10, np.float32))),
+     "2 \\* pairs float64"),
+], ids=["nan", "odd", "float32"])
+def test_index_refuses_a_bad_reference(files, tmp_path, edit, match):
+    """The index's dpo_reference is checked as the schema says (a crafted index is named)."""
+    import shutil
+
+    import h5py
+    from mpi4py import MPI
+
+    from mpipar.checkpoint.directory import CheckpointError
+    from mpipar.checkpoint.index import read_index
+    from mpipar.checkpoint import writer
+    from mpipar.runtime.comm import Group, Ledger
+    checkpoint, pairs = files
+    rank = dpo_engine(checkpoint, pairs)
+    trainer.train_step(rank, 0)
+    path = writer.save(rank.state, trainer.run_position(rank, 1), tmp_path / "ck",
+                       Group(MPI.COMM_SELF, "world", Ledger()))
+    assert read_index(path).dpo_reference.shape == (10,)
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    with h5py.File(bad / "index.h5", "r+") as f:
+        edit(f)
+    with pytest.raises(CheckpointError, match=match):
+        read_index(bad)

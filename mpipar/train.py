@@ -322,7 +322,7 @@ def _load_state(rank, ctx: RunContext) -> int:
                 from mpipar.training.optimizers import reset_state
                 reset_state(rank.weights.optimizer, rank.state.store.local_shapes())
                 notes.append("--reset-optimizer: the optimizer state starts afresh")
-            try:   # the routing biases, recorded once in the index (auxiliary-loss-free)
+            try:   # the routing biases and a DPO run's reference, recorded once in the index
                 rank.model.routing.load(reader.read_moe_bias(path))
                 if rank.data.preference is not None:
                     rank.data.preference.load(reader.read_dpo_reference(path), start)

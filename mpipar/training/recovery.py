@@ -84,7 +84,8 @@ class Abort:
 
 class StateCopy:
     """The whole training state of a rank that holds all of it, as global tensors on the host
-    (a :data:`mpipar.checkpoint.shards.Reader` reads regions of it)."""
+    (a :data:`mpipar.checkpoint.shards.Reader` reads regions of it), with the routing biases
+    and a DPO run's reference log-probabilities (None before step 0 computes them)."""
 
     def __init__(self, rank: Rank) -> None:
         state, reducer, opt = rank.state, rank.weights.reducer, rank.weights.optimizer
@@ -100,6 +101,9 @@ class StateCopy:
         self.kinds = {kind for kind, _ in kinds[3:]}
         self.step = state.step
         self.moe_bias = {k: np.array(v) for k, v in rank.model.routing.host().items()}
+        pref = rank.data.preference
+        self.dpo_reference = (None if pref is None or pref.reference is None
+                              else np.array(pref.reference))
 
     @staticmethod
     def holds_everything(rank: Rank) -> bool:
@@ -116,6 +120,8 @@ class StateCopy:
         """Set ``rank`` (any layout) from this copy (collective-free)."""
         rank.state.load(self.read, self.step, self.kinds)
         rank.model.routing.load(self.moe_bias)
+        if rank.data.preference is not None:
+            rank.data.preference.load(self.dpo_reference, self.step)
 
 
 class Shrink:
@@ -180,6 +186,8 @@ class Shrink:
             from mpipar.checkpoint import reader
             reader.load(new.state, path)
             new.model.routing.load(reader.read_moe_bias(path))
+            if new.data.preference is not None:
+                new.data.preference.load(reader.read_dpo_reference(path), start)
         self.copies = {}
         record = {"failed_ranks": failed, "from": "memory" if copy is not None else "checkpoint",
                   "resumed_step": start, "world": world.size,

@@ -166,3 +166,22 @@ def test_index_refuses_a_bad_reference(files, tmp_path, edit, match):
         edit(f)
     with pytest.raises(CheckpointError, match=match):
         read_index(bad)
+
+
+def test_a_shrinks_copy_in_memory_keeps_the_reference(files):
+    """The copy a shrink restores from (--on-rank-failure shrink) holds the reference
+    log-probabilities: a fresh rank loaded from the copy taken before step 2 trains step 2
+    exactly as the original did (recomputed from step 1's weights, it would not)."""
+    from mpipar.training.recovery import StateCopy
+    checkpoint, pairs = files
+    rank = dpo_engine(checkpoint, pairs)
+    assert StateCopy(rank).dpo_reference is None           # before step 0 computes it
+    trainer.train_step(rank, 0)
+    copy = StateCopy(rank)
+    np.testing.assert_array_equal(copy.dpo_reference, rank.data.preference.reference)
+    want = trainer.train_step(rank, 1)
+    fresh = dpo_engine(checkpoint, pairs)
+    copy.load(fresh)
+    got = trainer.train_step(fresh, 1)
+    assert (got.loss, got.grad_norm, got.preference) == \
+        (want.loss, want.grad_norm, want.preference)

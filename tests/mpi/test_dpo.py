@@ -1,6 +1,7 @@
 """DPO on dp x tp x pp layouts of 8 ranks (one with ZeRO-3) equals transformers +
-torch.optim.AdamW in float64 with DPO's loss written out (:mod:`dpo_reference`): losses,
-rewards, accuracy, gradient norms and trained weights over two steps to 1e-10 relative."""
+torch.optim.AdamW in float64 with DPO's loss written out (:mod:`dpo_reference`), and with LoRA
+PyTorch + PEFT: losses, rewards, accuracy, gradient norms and trained weights (adapters) over
+two steps to 1e-10 relative."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,29 @@ def test_dpo_layouts_train_like_torch(world, files, layout, float64_transformers
                                 torch_dpo(checkpoint, pairs))
         if world.rank == 0:
             print(f"\nDPO {layout_name(layout)}: {diffs}")
+        return [] if max(diffs.values()) <= TOL else [f"{diffs}"]
+
+    check_in_groups(world, layout_size(layout), check)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_dpo_with_lora_on_a_layout_trains_like_peft(world, files, float64_transformers,
+                                                     tmp_path_factory):
+    """DPO of LoRA adapters on dp x tp x pp equals PyTorch + PEFT: the reference is the base
+    with the initial adapter, the adapters alone train."""
+    from lora_reference import make_adapter
+    from mpipar.model.lora import is_adapter
+    layout = LAYOUTS[0]
+    checkpoint, pairs = files
+    adapter = make_adapter(checkpoint, tmp_path_factory.mktemp("adapter"))
+
+    def check(comm) -> list[str]:
+        engine = dpo_engine(checkpoint, pairs, comm, adapter=adapter, **layout)
+        results = [trainer.train_step(engine, k) for k in range(2)]
+        trained = {n: v for n, v in trainer.gather_params(engine).items() if is_adapter(n)}
+        diffs = dpo_differences(results, trained, torch_dpo(checkpoint, pairs, adapter))
+        if world.rank == 0:
+            print(f"\nDPO with LoRA {layout_name(layout)}: {diffs}")
         return [] if max(diffs.values()) <= TOL else [f"{diffs}"]
 
     check_in_groups(world, layout_size(layout), check)

@@ -19,10 +19,10 @@ group ``moe_bias`` of attributes, ``layers.<i>`` per sparse block: its routing b
 float64 values (:class:`mpipar.model.moe.RoutingBias`; the same on every rank, so recorded once
 here rather than in the shards, and any layout reads it whole). A DPO run (``--objective dpo``)
 adds the plain dataset ``dpo_reference``: the reference log-probabilities of every row of its
-training pairs, ``2 * pairs`` finite float64 values (:class:`mpipar.training.objective.
-Preference`; the same on every rank, so recorded once here). Every tensor group holds one
-virtual dataset per parameter, in forward order, of its global shape (1-D or 2-D) and the index's
-dtype; every kind holds the same names and shapes.
+training pairs, two finite float64 values per pair (at most ``data.num_samples``)
+(:class:`mpipar.training.objective.Preference`; the same on every rank, so recorded once here).
+Every tensor group holds one virtual dataset per parameter, in forward order, of its global shape
+(1-D or 2-D) and the index's dtype; every kind holds the same names and shapes.
 
 **Mappings.** A tensor's virtual dataset maps rectangles of it to whole datasets
 ``<kind>/<name>/<k>`` of the shard files; together they tile it (every element held by exactly one
@@ -310,7 +310,7 @@ class _Schema:
         shards = self.shards(attrs["world_size"])
         tensors = self.tensors(dtype, shards)
         return Index(self.index, attrs, groups, config, shards, tensors, self.moe_bias(config),
-                     self.dpo_reference(config))
+                     self.dpo_reference(config, groups["data"]["num_samples"]))
 
     def moe_bias(self, config: Config) -> dict[int, np.ndarray]:
         """The optional ``moe_bias`` group: per sparse block of the model, ``E`` finite
@@ -330,9 +330,10 @@ class _Schema:
             out[int(block[1])] = value
         return out
 
-    def dpo_reference(self, config: Config) -> np.ndarray | None:
-        """The optional ``dpo_reference`` dataset of a DPO run: a plain 1-D dataset of an even
-        number of finite float64 values (module docstring)."""
+    def dpo_reference(self, config: Config, rows: int) -> np.ndarray | None:
+        """The optional ``dpo_reference`` dataset of a DPO run: a plain 1-D dataset of finite
+        float64 values, one per row of its pairs, two per pair, at most ``rows`` (the ``data``
+        group's ``num_samples``; module docstring)."""
         if "dpo_reference" not in self.f:
             return None
         where = "dpo_reference"
@@ -340,8 +341,10 @@ class _Schema:
         if config.train.objective != "dpo":
             self.fail(f"{where}: a DPO run's, but the run's train.objective is "
                       f"{config.train.objective!r}")
-        if data.is_virtual or data.dtype != np.float64 or data.ndim != 1 or data.size % 2:
-            self.fail(f"{where} must be a plain 1-D dataset of 2 * pairs float64 values")
+        if (data.is_virtual or data.dtype != np.float64 or data.ndim != 1 or data.size % 2
+                or data.size > rows):
+            self.fail(f"{where} must be a plain 1-D dataset of float64 values, two per pair, "
+                      f"at most data.num_samples={rows}")
         value = np.asarray(data[()])
         if not np.isfinite(value).all():
             self.fail(f"{where} must hold finite values")

@@ -18,7 +18,7 @@ BASE = {"model": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2},
 """A small configuration that validates on 1, 2 and 4 ranks."""
 
 PATHS = {"data", "eval_data", "run_dir", "save_dir", "init_from_hf", "export_hf",
-         "allreduce_hardware"}
+         "allreduce_hardware", "init_adapter", "export_adapter"}
 """Fields naming files: their rules are the file checks of other tests, not validation's."""
 
 INTS = st.one_of(st.integers(-3, 70), st.sampled_from(
@@ -29,7 +29,9 @@ STRINGS = {"dump_activations": st.sampled_from(["", "1", "1,2", "0", "x", "1,,2"
            "resume": st.sampled_from(["", "auto"]), "tensorboard": st.sampled_from(["", "off"]),
            "trace_steps": st.sampled_from(["", "2", "1-3", "2,4-5", "0", "x", "3-1", "1,,2"]),
            "window_layers": st.sampled_from(["all", "even", "odd", "0,2", "", "x", "9", "1,,2"]),
-           "moe_layers": st.sampled_from(["all", "even", "odd", "0,1", "", "x", "9", "1,,2"])}
+           "moe_layers": st.sampled_from(["all", "even", "odd", "0,1", "", "x", "9", "1,,2"]),
+           "lora_targets": st.sampled_from(["q_proj,v_proj", "down_proj", "", "x", "q_proj,q_proj",
+                                            "q_proj,,v_proj", "lm_head"])}
 
 
 def field_values(section: str, f: dataclasses.Field) -> st.SearchStrategy:

@@ -37,8 +37,9 @@ def placement_table(layout: Layout) -> PlacementTable:
     """The placement of every parameter of ``layout``'s model on its pipeline, the experts
     sharded over ep where they are (:func:`mpipar.parallel.experts.split.expert_shards`; a rank
     holds as many as ep position 0's) (cached)."""
-    return _table(dataclasses.astuple(layout.model), layout.pp, layout.virtual_stages,
-                  expert_shards(layout))
+    m = layout.model     # its field values (all hashable scalars) are the cache's key
+    return _table(tuple(getattr(m, f.name) for f in dataclasses.fields(m)), layout.pp,
+                  layout.virtual_stages, expert_shards(layout))
 
 
 @functools.lru_cache(maxsize=256)

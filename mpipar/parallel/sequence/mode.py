@@ -125,7 +125,6 @@ class SequenceMode(ABC):
     def core(self, kernels: Any, groups: dict, seq_layout: SeqLayout, par: Any) -> Any:
         """The attention core (:class:`mpipar.model.attention.AttentionCore`) of a rank with
         ``groups`` (the grid's, by name) and the run's split ``seq_layout``."""
-        raise NotImplementedError
 
     def work_group(self, sp: int, ulysses_size: int) -> int:
         """How many sp ranks share one group's attention work (an all-to-all's group)."""
@@ -143,7 +142,6 @@ class SequenceMode(ABC):
     @abstractmethod
     def calls(self, t: SequenceTraffic) -> list[Call]:
         """The MPI calls of :class:`SequenceTraffic` ``t``."""
-        raise NotImplementedError
 
     def saved_bytes(self, layout: Layout) -> int:
         """Bytes one block's core keeps for backward beyond its output and lse, one microbatch
@@ -154,7 +152,6 @@ class SequenceMode(ABC):
     def key_blocks(self, seq: SeqLayout, window: int) -> int:
         """Key blocks beyond its own a rank attends to in a layer with ``window`` (``seq``:
         :meth:`ring_split`, of more than one rank)."""
-        raise NotImplementedError
 
     def document_blocks(self, split: SeqLayout, ring: SeqLayout, window: int,
                         docs: DocumentPositions) -> int:

@@ -45,6 +45,15 @@ def read_attention(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if window is not False and window is not None:
         raise ValueError(f"use_sliding_window={window!r} is not supported; mpipar reads "
                          f"Qwen3's full causal attention (must be false)")
+    check_layer_types(raw)
+    return ("RMSNorm over each head's queries and keys before RoPE (Qwen3's q_norm, k_norm), "
+            "no attention biases, full causal attention",
+            {"attention_bias": False, "qk_norm": True})
+
+
+def check_layer_types(raw: Mapping[str, Any]) -> None:
+    """A Qwen config's ``layer_types`` (Qwen2's and Qwen3's alike), if given, names only
+    ``full_attention`` layers; ValueError otherwise."""
     kinds = raw.get("layer_types") or []
     if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
         raise ValueError(f"layer_types={kinds!r} must be a list of strings")
@@ -52,9 +61,6 @@ def read_attention(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if others:
         raise ValueError(f"layer_types {others} are not supported; mpipar's layers are all "
                          f"'full_attention'")
-    return ("RMSNorm over each head's queries and keys before RoPE (Qwen3's q_norm, k_norm), "
-            "no attention biases, full causal attention",
-            {"attention_bias": False, "qk_norm": True})
 
 
 def export_problem(m: ModelConfig) -> str:

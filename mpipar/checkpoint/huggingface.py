@@ -163,13 +163,7 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
         if _flag(raw, "use_sliding_window"):
             raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
                                     "to the whole causal context")
-        kinds = raw.get("layer_types") or []
-        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
-            raise HFCheckpointError(f"layer_types={kinds!r} must be a list of strings")
-        windows = sorted(set(kinds) - {"full_attention"})
-        if windows:
-            raise HFCheckpointError(f"layer_types {windows} are not supported; mpipar's layers "
-                                    f"are all 'full_attention'")
+        _moe(hf_qwen3.check_layer_types, raw)
         bias = raw.get("model_type") == "qwen2" or raw.get("qkv_bias", True) is True
         return (f"q, k and v projections {'with' if bias else 'without'} biases (Qwen2), full "
                 f"causal attention"), {"attention_bias": bias}
@@ -206,7 +200,8 @@ def _mlp(raw: Mapping[str, Any]) -> Reading:
 
 
 def _moe(rule, arg):
-    """A rule of :mod:`mpipar.checkpoint.hf_moe`, its ValueError as an HFCheckpointError."""
+    """A rule of :mod:`mpipar.checkpoint.hf_moe` or :mod:`mpipar.checkpoint.hf_qwen3`, its
+    ValueError as an HFCheckpointError."""
     try:
         return rule(arg)
     except ValueError as exc:

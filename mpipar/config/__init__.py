@@ -541,6 +541,14 @@ def check_fields(cfg: Config, m: ModelConfig) -> None:
     p, t = cfg.parallel, cfg.train
     for obj, section in ((cfg.model, "model"), (p, "parallel"), (t, "train")):
         _representable(obj, section)
+    # choices first: the rules below read modes (m.rope, ...) that resolve a field's name
+    for obj, section in ((m, "model"), (p, "parallel"), (t, "train")):
+        for f in fields(obj):
+            choices = f.metadata.get("choices")
+            value = getattr(obj, f.name)
+            require(not choices or value in choices,
+                    f"{section}.{f.name}={value!r}: must be one of "
+                    f"{', '.join(map(str, choices or ()))}")
     _positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
                   "ffn_hidden"), "model")
     require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
@@ -583,13 +591,6 @@ def check_fields(cfg: Config, m: ModelConfig) -> None:
         require(item.strip().isdigit() and int(item) >= 1,
                 f"train.dump_activations={t.dump_activations!r}: must be a comma-separated "
                 f"list of step numbers >= 1")
-    for obj, section in ((m, "model"), (p, "parallel"), (t, "train")):
-        for f in fields(obj):
-            choices = f.metadata.get("choices")
-            value = getattr(obj, f.name)
-            require(not choices or value in choices,
-                    f"{section}.{f.name}={value!r}: must be one of "
-                    f"{', '.join(map(str, choices or ()))}")
 
 
 def require(ok: bool, message: str) -> None:

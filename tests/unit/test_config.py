@@ -189,6 +189,7 @@ def test_toml_and_flag_override(tmp_path):
     ('[model]\nhidden = "big"\n', "model.hidden='big': must be an integer"),
     ('[train]\nshuffle = 1\n', "train.shuffle=1: must be true or false"),
     ('[parallel]\nzero = 4\n', "parallel.zero=4: must be one of 0, 1, 2, 3"),
+    ('[model]\nrope_type = ""\nrope_factor = 0.0\n', "model.rope_type='': must be one of default"),
     ('[model\n', "not valid TOML"),
     ("[train]\nlr = 1" + "0" * 400 + "\n", "too large for a floating-point number"),
 ])

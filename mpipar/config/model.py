@@ -1,0 +1,189 @@
+"""The model's fields (``[model]``, names after Hugging Face's configs where they map) and
+their own rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpipar.config.schema import LayerSet, described as _f, positive, require
+from mpipar.model.rope import ROPE_TYPES, RopeScaling
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama decoder (names follow Hugging Face ``LlamaConfig`` where they map)."""
+
+    vocab_size: int = _f(256, "vocabulary size (256 = byte-level tokens)")
+    hidden: int = _f(128, "model width (hidden_size)")
+    layers: int = _f(4, "number of decoder blocks")
+    heads: int = _f(4, "query heads")
+    kv_heads: int = _f(2, "key/value heads (grouped-query attention); must divide heads")
+    head_dim: int = _f(0, "width of one head; 0 means hidden // heads")
+    ffn_hidden: int = _f(0, "SwiGLU inner width; 0 means 8/3 * hidden rounded up to a multiple of 32")
+    rope_theta: float = _f(10000.0, "RoPE base frequency theta")
+    rope_type: str = _f("default", "RoPE frequency scaling (transformers' rope_type): default "
+                                   "(none), linear (frequencies / rope_factor), dynamic (NTK: "
+                                   "theta grows for sequences longer than "
+                                   "rope_original_max_positions), llama3 (Llama 3.1's "
+                                   "low/high-frequency rule)",
+                        choices=ROPE_TYPES)
+    rope_factor: float = _f(1.0, "RoPE scaling factor (linear, dynamic, llama3); 1 with default")
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE: frequencies whose wavelength exceeds "
+                                          "rope_original_max_positions / this are divided by "
+                                          "rope_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE: frequencies whose wavelength is below "
+                                           "rope_original_max_positions / this are kept (those "
+                                           "between the two bounds are interpolated)")
+    rope_original_max_positions: int = _f(0, "pretraining context of a scaled RoPE (llama3: "
+                                             "original_max_position_embeddings; dynamic: "
+                                             "max_position_embeddings)")
+    tie_embeddings: bool = _f(False, "the LM head is the embedding matrix: one parameter "
+                                     "(tie_word_embeddings), a copy on the first and the last "
+                                     "pipeline stage whose gradients are summed")
+    attention_bias: bool = _f(False, "q, k and v projections have biases (Qwen2)")
+    qk_norm: bool = _f(False, "RMSNorm over each head's queries and keys before RoPE, one "
+                              "weight of head_dim for all query heads and one for all key "
+                              "heads (Qwen3's q_norm and k_norm)")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
+    sliding_window: int = _f(0, "sliding-window attention: a token sees itself and the W-1 "
+                                "tokens before it (Mistral's sliding_window); 0 = full causal")
+    window_layers: str = _f("all", "the layers that use --sliding-window: all, even (layers 0, 2, "
+                                   "... local, the others global, as Gemma 2), odd, or a comma "
+                                   "list of layer indices")
+
+    moe_experts: int = _f(0, "mixture of experts: routed experts per sparse layer (Mixtral's "
+                             "num_local_experts); 0 = dense model")
+    moe_top_k: int = _f(2, "mixture of experts: experts each token is routed to "
+                           "(num_experts_per_tok)")
+    moe_ffn_hidden: int = _f(0, "mixture of experts: SwiGLU inner width of one expert; 0 means "
+                                "ffn_hidden")
+    moe_layers: str = _f("all", "mixture of experts: the sparse layers (all, even, odd, or a "
+                                "comma list of layer indices); the others keep the dense FFN")
+    moe_aux_loss_coef: float = _f(0.001, "mixture of experts: coefficient alpha of DeepSeek-V3's "
+                                         "sequence-wise balance loss (0 turns it off)")
+    moe_bias_update_rate: float = _f(0.0, "mixture of experts: DeepSeek-V3's auxiliary-loss-free "
+                                          "balancing: a per-expert bias added to the router's "
+                                          "probabilities for the top-K choice only, moved by "
+                                          "rate x sign(mean load - load) after each step (0: off)")
+    moe_capacity_factor: float = _f(0.0, "mixture of experts: expert capacity C per sequence: in "
+                                         "each row of T tokens an expert takes at most "
+                                         "ceil(C T K / E) of its assignments, the earliest "
+                                         "positions first, the rest dropped (0: dropless)")
+    moe_shared_ffn_hidden: int = _f(0, "mixture of experts: SwiGLU inner width of a shared expert "
+                                       "(DeepSeek-V3's, ungated) every token runs beside its "
+                                       "routed ones in each sparse layer; 0 = none")
+    moe_shared_gate: bool = _f(False, "mixture of experts: scale the shared expert's output per token "
+                                      "by sigmoid(x w_g) (Qwen2-MoE's shared_expert_gate)")
+    moe_norm_topk: bool = _f(True, "mixture of experts: renormalise the top-K router probabilities "
+                                   "to sum to 1 (Mixtral's; --no-moe-norm-topk: the K softmax "
+                                   "probabilities as they are, Qwen2-MoE's norm_topk_prob false)",
+                             flag="--no-moe-norm-topk")
+
+    def sparse_set(self) -> LayerSet:
+        """The blocks ``moe_layers`` names (whether or not ``moe_experts`` makes them sparse)."""
+        return LayerSet.parse(self.moe_layers, "moe_layers", self.layers)
+
+    def window_set(self) -> LayerSet:
+        """The blocks ``window_layers`` names (whether or not ``sliding_window`` is set)."""
+        return LayerSet.parse(self.window_layers, "window_layers", self.layers)
+
+    @property
+    def rope(self) -> RopeScaling:
+        """The :class:`~mpipar.model.rope.RopeScaling` ``rope_type`` names."""
+        return RopeScaling.named(self.rope_type)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
+        ``moe_layers`` names it)."""
+        return self.moe_experts > 0 and self.sparse_set().contains(layer)
+
+    def sparse_layers(self) -> int:
+        """How many blocks :meth:`is_sparse` names, without a per-layer walk."""
+        return self.sparse_set().count(0, self.layers) if self.moe_experts else 0
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of block ``layer``: ``sliding_window`` if ``window_layers`` names
+        the layer, else 0 (full causal attention)."""
+        if self.sliding_window == 0:
+            return 0
+        return self.sliding_window if self.window_set().contains(layer) else 0
+
+    def windows(self) -> list[int]:
+        """The sliding window of every layer (0: full causal), in layer order."""
+        return [self.layer_window(i) for i in range(self.layers)]
+
+
+def check_moe_fields(m: ModelConfig) -> None:
+    """The mixture-of-experts fields' own rules."""
+    require(m.moe_experts >= 0, f"model.moe_experts={m.moe_experts}: must be >= 0 (0: dense)")
+    require(m.moe_shared_ffn_hidden >= 0, f"model.moe_shared_ffn_hidden="
+            f"{m.moe_shared_ffn_hidden}: must be >= 0 (0: no shared expert)")
+    require(m.moe_shared_ffn_hidden == 0 or m.moe_experts > 0,
+            f"model.moe_shared_ffn_hidden={m.moe_shared_ffn_hidden}: needs a mixture of experts "
+            f"(--moe-experts > 0)")
+    require(not m.moe_shared_gate or m.moe_shared_ffn_hidden > 0,
+            f"model.moe_shared_gate={m.moe_shared_gate}: needs a shared expert "
+            f"(--moe-shared-ffn-hidden > 0)")
+    require(m.moe_norm_topk or m.moe_experts > 0,
+            f"model.moe_norm_topk={m.moe_norm_topk}: needs a mixture of experts "
+            f"(--moe-experts > 0)")
+    if m.moe_experts == 0:
+        return
+    require(1 <= m.moe_top_k <= m.moe_experts,
+            f"model.moe_top_k={m.moe_top_k}: must be in [1, moe_experts={m.moe_experts}]")
+    require(m.moe_ffn_hidden > 0, f"model.moe_ffn_hidden={m.moe_ffn_hidden}: must be >= 0")
+    require(m.moe_aux_loss_coef >= 0,
+            f"model.moe_aux_loss_coef={m.moe_aux_loss_coef}: must be >= 0")
+    m.sparse_set()                  # moe_layers parses: ConfigError names the value and the rule
+
+
+def check_window_fields(m: ModelConfig) -> None:
+    """``sliding_window`` is >= 0; ``window_layers`` is all, even, odd or a list of layers."""
+    require(m.sliding_window >= 0,
+            f"model.sliding_window={m.sliding_window}: must be >= 0 (0 = full causal)")
+    m.window_set()                  # window_layers parses: ConfigError names the value and the rule
+
+
+def check_rope_scaling(m: ModelConfig) -> None:
+    """The RoPE scaling fields' own rules (a factor only with a scaling type; llama3's bounds)."""
+    rope = m.rope
+    if not rope.scales:
+        require(m.rope_factor == 1.0,
+                f"model.rope_factor={m.rope_factor}: scales only with model.rope_type linear, "
+                f"dynamic or llama3 (rope_type is {m.rope_type!r})")
+    require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor}: must be > 0")
+    require(m.rope_original_max_positions >= 0,
+            f"model.rope_original_max_positions={m.rope_original_max_positions}: must be >= 0")
+    if rope.pretraining_context:
+        require(m.rope_original_max_positions >= 1,
+                f"model.rope_original_max_positions={m.rope_original_max_positions}: "
+                f"rope_type {m.rope_type!r} needs the pretraining context (>= 1)")
+    if rope.frequency_band:
+        require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+                f"model.rope_low_freq_factor={m.rope_low_freq_factor}, "
+                f"model.rope_high_freq_factor={m.rope_high_freq_factor}: llama3 RoPE needs "
+                f"0 < low < high")
+
+
+CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_aux_loss_coef",
+                          "moe_capacity_factor")
+
+
+def check_model(m: ModelConfig, head_dim_given: bool) -> None:
+    """The model fields' own rules, on ``m`` with its derived defaults filled in;
+    ``head_dim_given``: the user set ``head_dim`` (then ``hidden`` need not divide by ``heads``)."""
+    positive(m, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim",
+                 "ffn_hidden"), "model")
+    require(m.vocab_size >= 2, f"model.vocab_size={m.vocab_size}: must be at least 2")
+    require(head_dim_given or m.hidden % m.heads == 0,
+            f"model.hidden={m.hidden}: must be divisible by model.heads={m.heads} "
+            f"(or set model.head_dim)")
+    require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: must be even (RoPE rotates pairs)")
+    require(m.heads % m.kv_heads == 0,
+            f"model.kv_heads={m.kv_heads}: must divide model.heads={m.heads}")
+    require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
+    check_rope_scaling(m)
+    require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
+    require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
+    check_window_fields(m)
+    check_moe_fields(m)

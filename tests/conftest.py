@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -141,15 +142,35 @@ def shared_tmpdir(comm, prefix: str):
 
 
 def check_in_groups(world, size: int, check) -> None:
-    """Split ``world`` into groups of ``size`` consecutive ranks, run ``check(comm)`` (the
-    failure messages of this rank) on each, and fail on every rank if any rank failed; an
-    exception on one rank reaches every rank as a failure instead of hanging the others."""
-    comm = world.Split(world.rank // size, world.rank)
-    with rank_failures(world) as fails:
-        try:
-            fails += check(comm)
-        finally:
-            comm.Free()
+    """Run ``check(comm)`` (the failure messages of this rank) on one group of ``size``
+    consecutive ranks of ``world`` and fail on every rank if any rank failed; an exception on
+    one rank reaches every rank as a failure instead of hanging the others. The group is chosen
+    by the test's name (crc32, the same on every rank), so a suite's cases run at every offset
+    of the world; the other ranks sleep until it is done (a blocking collective spins, taking
+    the cores the group's ranks share with them)."""
+    from mpi4py import MPI
+    groups = world.size // size
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    chosen = zlib.crc32(test.encode()) % groups if groups > 1 else 0
+    mine = world.rank // size == chosen
+    comm = world.Split(0 if mine else MPI.UNDEFINED, world.rank)
+    fails: list[str] = []
+    if mine:
+        with contextlib.ExitStack() as stack:
+            stack.callback(comm.Free)
+            try:
+                fails += check(comm)
+            except Exception as exc:  # every rank must reach the gather
+                fails.append(f"{type(exc).__name__}: {exc}")
+    idle_barrier(world)
+    assert_all_ranks(world, fails)
+
+
+def idle_barrier(comm, poll: float = 0.02) -> None:
+    """A barrier whose waiting ranks sleep ``poll`` seconds between tests."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
 
 
 @pytest.fixture

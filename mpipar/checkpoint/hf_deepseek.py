@@ -112,6 +112,10 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     dense = _count(raw, "first_k_dense_replace", 3, low=0)
     if experts > MAX_EXPERTS:
         raise ValueError(f"n_routed_experts={experts} must be at most {MAX_EXPERTS}")
+    if experts % groups or experts // groups < 2 or not 1 <= topk_groups <= groups:
+        raise ValueError(f"n_group={groups}, topk_group={topk_groups}: n_group must divide "
+                         f"n_routed_experts={experts} into groups of at least 2 experts and "
+                         f"topk_group be in [1, n_group]")
     if dense >= layers:
         raise ValueError(f"first_k_dense_replace={dense} must be below num_hidden_layers="
                          f"{layers} (no sparse layer)")

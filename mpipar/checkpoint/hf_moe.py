@@ -197,6 +197,8 @@ def export_notes(model: Any, biases: Mapping[int, Any]) -> list[str]:
     the exported model chooses experts by the probabilities alone; a capacity factor is not
     carried either: the exported model routes dropless (every token to its K experts)."""
     notes, target = [], "Qwen2-MoE" if getattr(model, "moe_shared_ffn_hidden", 0) else "Mixtral"
+    if getattr(model, "latent_kv_rank", 0):     # DeepSeek-V3: e_score_correction_bias
+        target, biases = "DeepSeek-V3", {}
     if biases:
         largest = max(float(abs(b).max()) for b in biases.values())
         notes.append(f"the routing biases of --moe-bias-update-rate ({len(biases)} sparse blocks, "

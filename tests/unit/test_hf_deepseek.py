@@ -24,7 +24,8 @@ from tests.deepseek_reference import (ALPHA, B, E, GROUPS, LAYERS, S, SCALE, STE
 from tests.generation import build_generator
 from tests.transformers_reference import TOL, mpipar_engine, rel, torch
 
-from mpipar.checkpoint.huggingface import (HFCheckpointError, load_hf, load_selection_biases,
+from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
+                                           load_selection_biases,
                                            model_config_from_hf, read_model_config, save_hf,
                                            support)
 from mpipar.config import ModelConfig
@@ -188,9 +189,10 @@ def test_a_latent_model_from_the_configuration_exports_as_deepseek(tmp_path, row
     want = transformers_logits(loaded(tmp_path / "scratch"), tokens)
     assert rel(mpipar_logits(rank, tokens), want) <= TOL
     trainer.close(rank)
+    softmax = ModelConfig(**{**cfg.__dict__, "moe_router": "softmax", "moe_groups": 1,
+                             "moe_topk_groups": 1})
     with pytest.raises(HFCheckpointError, match="exported as DeepseekV3ForCausalLM"):
-        save_hf(tmp_path / "tied", ModelConfig(**{**cfg.__dict__, "tie_embeddings": True}),
-                params)
+        hf_config(softmax, "float64")
 
 
 # --------------------------------------------------------------------------- generation

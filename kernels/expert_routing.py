@@ -1,5 +1,5 @@
-"""Expert routing kernels of a mixture-of-experts block: the router's softmax and top-k, the
-token permutation by expert and its inverse, the capacity's counts and keep mask. (The
+"""Expert routing kernels of a mixture-of-experts block: the router's softmax and top-k (or
+DeepSeek-V3's sigmoid scores and grouped top-k), the token permutation by expert and its inverse, the capacity's counts and keep mask. (The
 experts' grouped SwiGLU GEMMs, one per weight and expert and part of its rows, are
 :func:`mpipar.model.moe.experts_fwd`'s: they go through a kernel backend's
 ``linear_fwd``/``swiglu_fwd`` and overlap the ep exchange.)
@@ -31,6 +31,32 @@ def softmax_bwd(dp: Array, p: Array) -> Array:
     return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
 
 
+def sigmoid(logits: Array, xp) -> Array:
+    """Elementwise ``1 / (1 + exp(-logits))`` ``[N, E]`` (DeepSeek-V3's router scores)."""
+    return 1.0 / (1.0 + xp.exp(-logits))
+
+
+def sigmoid_bwd(ds: Array, s: Array) -> Array:
+    """Gradient of the logits from that of the sigmoid ``s`` ``[N, E]``."""
+    return ds * s * (1.0 - s)
+
+
+def grouped_choice(score: Array, k: int, groups: int, topk_groups: int, xp) -> Array:
+    """DeepSeek-V3's choice of experts: the ``E`` experts cut into ``groups`` consecutive groups,
+    each group scored by the sum of its two largest ``score``s, and each token's ``k`` experts
+    the largest scores within its ``topk_groups`` best groups. score ``[N, E]`` -> experts
+    ``[N, K]`` int64, largest first (ties: the lower index)."""
+    n, E = score.shape
+    per = score.reshape(n, groups, E // groups)
+    best2 = -xp.sort(-per, axis=-1)[..., :2]
+    group_score = best2.sum(axis=-1)                                     # [N, groups]
+    chosen = xp.argsort(-group_score, axis=-1, kind="stable")[:, :topk_groups]
+    mask = xp.zeros((n, groups), dtype=bool)
+    xp.put_along_axis(mask, chosen, True, axis=-1)
+    masked = xp.where(xp.repeat(mask, E // groups, axis=-1), score, -xp.inf)
+    return xp.argsort(-masked, axis=-1, kind="stable")[:, :k].astype(xp.int64)
+
+
 def route_topk(probs: Array, k: int, xp, bias: Array | None = None, normalize: bool = True
                ) -> tuple[Array, Array]:
     """Mixtral's routing: the ``k`` most probable experts of each token and their weights
@@ -48,15 +74,16 @@ def route_topk(probs: Array, k: int, xp, bias: Array | None = None, normalize: b
 
 
 def route_topk_bwd(dweights: Array, weights: Array, chosen_sum: Array | None, experts: Array,
-                   num_experts: int, xp) -> Array:
+                   num_experts: int, xp, scale: float = 1.0) -> Array:
     """Gradient of the probabilities ``[N, E]`` from that of the weights ``[N, K]``: the
-    renormalised ones (``weights = p_chosen / chosen_sum``, ``chosen_sum`` ``[N, 1]``), or with
-    ``chosen_sum`` None the chosen probabilities as they are (``weights = p_chosen``: the
-    gradient passes through unchanged)."""
+    renormalised ones (``weights = scale * p_chosen / chosen_sum``, ``chosen_sum`` ``[N, 1]``),
+    or with ``chosen_sum`` None the chosen probabilities as they are (``weights = scale *
+    p_chosen``: the gradient passes through, times ``scale``)."""
     if chosen_sum is None:
-        dchosen = dweights
+        dchosen = dweights * scale
     else:
-        dchosen = (dweights - (dweights * weights).sum(axis=-1, keepdims=True)) / chosen_sum
+        dchosen = (dweights * scale - (dweights * weights).sum(axis=-1, keepdims=True)
+                   ) / chosen_sum
     dp = xp.zeros((weights.shape[0], num_experts), dtype=dweights.dtype)
     xp.put_along_axis(dp, experts, dchosen, axis=-1)
     return dp

@@ -216,8 +216,9 @@ def _load(generator, path: str, kind: str, comm: MPI.Comm) -> None:
     """The parameters of ``generator``'s shards from the model at ``path`` (an mpipar checkpoint
     verified by the ranks of ``comm`` together)."""
     if kind == "hf":
-        from mpipar.checkpoint.huggingface import load_hf
-        generator.load_params(load_hf(path, untie_embeddings=True)[1])
+        from mpipar.checkpoint.huggingface import load_hf, load_selection_biases
+        generator.load_params(load_hf(path, untie_embeddings=True)[1],
+                              load_selection_biases(path))
         return
     from mpipar.checkpoint.reader import Peers, open_reader, read_moe_bias
     with open_reader(path, Peers.of(comm)) as read:

@@ -347,11 +347,12 @@ def _load_state(rank, ctx: RunContext) -> int:
 def _init_from_hf(rank, tr) -> None:
     """The parameters of ``--init-from-hf``, read as the masters (float32 under bf16: a float32
     file keeps its precision)."""
-    from mpipar.checkpoint.huggingface import load_hf
+    from mpipar.checkpoint.huggingface import load_hf, load_selection_biases
     from mpipar.training import step as steps
     steps.load_params(rank, load_hf(tr.init_from_hf, rank.compute.master_dtype.name,
                                    tr.hf_untie_embeddings)[1],
                      source=f"--init-from-hf {tr.init_from_hf}")
+    rank.model.routing.load(load_selection_biases(tr.init_from_hf))  # DeepSeek-V3's, if any
 
 
 if __name__ == "__main__":

@@ -51,6 +51,18 @@ MODELS = {
     "moe_gated_cap": dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1,2,3",
                           moe_aux_loss_coef=0.05, moe_shared_ffn_hidden=24, moe_shared_gate=True,
                           moe_capacity_factor=0.6),
+    # DeepSeek-V3's: multi-head latent attention (a query latent, the down-projections and latent
+    # norms whole on every tp rank, values of 6 beside query/key heads of 6 + 4 rope) and the
+    # grouped sigmoid router (8 experts in 4 groups, top 2 in the best 2, a routed scale, the
+    # balance loss on normalised scores, a selection bias moved each step) with a shared expert.
+    "deepseek": dict(kv_heads=4, head_dim=10, latent_kv_rank=8, latent_q_rank=12,
+                     rope_head_dim=4, v_head_dim=6, moe_experts=8, moe_top_k=2, moe_ffn_hidden=8,
+                     moe_layers="1,2,3", moe_router="grouped_sigmoid", moe_groups=4,
+                     moe_topk_groups=2, moe_routed_scale=2.5, moe_shared_ffn_hidden=16,
+                     moe_aux_loss_coef=0.05, moe_bias_update_rate=0.01),
+    # ... its latent attention in a dense model (tp sequence parallelism takes no experts).
+    "latent": dict(kv_heads=4, head_dim=10, latent_kv_rank=8, latent_q_rank=12, rope_head_dim=4,
+                   v_head_dim=6),
 }
 """Test models by name: fields of ModelConfig on top of the small model's."""
 
@@ -63,8 +75,8 @@ def small_config(dtype: str = "float64", model: str = "llama", **parallel) -> Co
     and parameters agree to ~3e-6. ``--sp-split balanced`` deals chunks down to one token
     (``sp_min_chunk`` 1): the 16-token rows stand in for long ones, whose ranks hold many runs."""
     return Config(
-        ModelConfig(vocab_size=VOCAB, hidden=32, layers=4, heads=4, kv_heads=2, ffn_hidden=48,
-                    init_std=0.2, **MODELS[model]),
+        ModelConfig(**{"vocab_size": VOCAB, "hidden": 32, "layers": 4, "heads": 4, "kv_heads": 2,
+                       "ffn_hidden": 48, "init_std": 0.2, **MODELS[model]}),
         ParallelConfig(**{"compression_warmup": 0, "sp_min_chunk": 1, **parallel}), # compress from step 1
         TrainConfig(steps=2, seq_len=16, global_batch_size=8, micro_batch_size=1, lr=1e-2,
                     min_lr=1e-3, warmup_steps=1, clip_grad=0.5, dtype=dtype, backend="numpy",

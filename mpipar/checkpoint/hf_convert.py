@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpipar.checkpoint import hf_deepseek
 from mpipar.checkpoint.export_dir import publish
 from mpipar.checkpoint.safetensors_format import header_bytes
 from mpipar.checkpoint.huggingface import (_NUMPY_DTYPES, CONFIG_FILE,
@@ -26,7 +27,7 @@ from mpipar.checkpoint.huggingface import (_NUMPY_DTYPES, CONFIG_FILE,
                                            _read_file, check_export_target, check_tensors,
                                            hf_config, hf_name, model_config_from_hf, model_type,
                                            open_safetensors, passthrough_config,
-                                           read_config_json)
+                                           read_config_json, weight_files)
 from mpipar.model.params import EMBED, param_specs
 
 _READ_ITEMSIZE = {"F16": 2, "F32": 4, "F64": 8, "BF16": 10}
@@ -65,6 +66,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype=None,
     raw = read_config_json(root)
     cfg = model_config_from_hf(raw, str(root / CONFIG_FILE), untie)
     stored, kind = check_tensors(root, raw, cfg), raw.get("model_type", "llama")
+    if kind == hf_deepseek.KIND:
+        if raw.get("rope_interleave", True) is not True:
+            raise HFCheckpointError(f"{root / CONFIG_FILE}: rope_interleave="
+                                    f"{raw['rope_interleave']!r}: convert copies DeepSeek-V3's "
+                                    f"tensors as stored, in the interleaved layout an export "
+                                    f"declares (must be true)")
+        files = weight_files(root)       # the routers' selection biases go along
+        stored.update({n: files[n] for n in (hf_deepseek.SELECTION_BIAS.format(i=i)
+                                             for i in range(cfg.layers)) if n in files})
     pieces = _pieces(cfg, stored, kind, dt)
     config = hf_config(cfg, pieces[0].dtype.name, passthrough_config(src))
     check_export_target(dst)
@@ -82,14 +92,17 @@ def _pieces(cfg, stored: dict[str, Path], kind: str, dt: np.dtype | None) -> lis
     """The output's tensors in :func:`param_specs` order, read from ``stored`` (an untied head
     from the embedding); one dtype for all (ValueError naming them otherwise)."""
     pieces, written = [], model_type(cfg)
-    for spec in param_specs(cfg):
-        name = spec.name if spec.name in stored else EMBED   # an untied head: a copy
-        file, source = stored[name], hf_name(name, kind)
+    extra = [(n, (cfg.moe_experts,)) for n in stored if n.endswith("e_score_correction_bias")]
+    for spec_name, shape in [(s.name, s.shape) for s in param_specs(cfg)] + extra:
+        name = spec_name if spec_name in stored else EMBED   # an untied head: a copy
+        file, source = stored[name], hf_name(name, kind) if name not in dict(extra) else name
         with open_safetensors(file) as f:
             code = f.get_slice(source).get_dtype()
         read = np.dtype(np.float32 if code == "BF16" else _NUMPY_DTYPES[code])
-        pieces.append(Piece(hf_name(spec.name, written), file, source, tuple(spec.shape), code,
-                            dt or read))
+        out = hf_name(spec_name, written) if spec_name not in dict(extra) else spec_name
+        bias = spec_name in dict(extra)   # in the parameters' dtype (transformers widens it)
+        pieces.append(Piece(out, file, source, tuple(shape), code,
+                            dt or (pieces[0].dtype if bias else read)))
     kinds = sorted({p.dtype.name for p in pieces})
     if len(kinds) != 1:
         raise ValueError(f"the checkpoint's tensors have dtypes {kinds}; give --dtype to "

@@ -35,6 +35,7 @@ from mpipar.config import ModelConfig
 MIXTRAL = "mixtral"
 QWEN2_MOE = "qwen2_moe"
 QWEN3_MOE = "qwen3_moe"     # Qwen2-MoE's hub names and sparse layers, no shared expert
+DEEPSEEK_V3 = "deepseek_v3"  # Qwen2-MoE's hub names of router and experts (hf_deepseek)
 _QWEN_MOE = {QWEN2_MOE: dict(experts=60, top_k=4, ffn=1408, name="Qwen2-MoE"),
              QWEN3_MOE: dict(experts=128, top_k=8, ffn=768, name="Qwen3-MoE")}
 """transformers' defaults of the two Qwen mixtures of experts' fields."""
@@ -45,8 +46,13 @@ _QWEN2_MOE_NAMES = ((".block_sparse_moe.gate.", ".mlp.gate."),
 
 def hub_name(name: str, kind: str) -> str:
     """The hub's name of tensor ``name`` (mpipar's, ``model.``-prefixed) in a checkpoint of
-    ``model_type`` ``kind``: Qwen2-MoE's for the router and the experts, else ``name``."""
-    if not isinstance(kind, str) or kind not in _QWEN_MOE or ".block_sparse_moe." not in name:
+    ``model_type`` ``kind``: Qwen2-MoE's for the router and the experts (DeepSeek-V3's too, whose
+    shared expert is ``mlp.shared_experts``), else ``name``."""
+    if kind == DEEPSEEK_V3:
+        name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+    elif not isinstance(kind, str) or kind not in _QWEN_MOE:
+        return name
+    if ".block_sparse_moe." not in name:
         return name
     for ours, theirs in _QWEN2_MOE_NAMES:
         name = name.replace(ours, theirs)
@@ -191,6 +197,8 @@ def export_notes(model: Any, biases: Mapping[int, Any]) -> list[str]:
     the exported model chooses experts by the probabilities alone; a capacity factor is not
     carried either: the exported model routes dropless (every token to its K experts)."""
     notes, target = [], "Qwen2-MoE" if getattr(model, "moe_shared_ffn_hidden", 0) else "Mixtral"
+    if getattr(model, "latent_kv_rank", 0):     # DeepSeek-V3: e_score_correction_bias
+        target, biases = "DeepSeek-V3", {}
     if biases:
         largest = max(float(abs(b).max()) for b in biases.values())
         notes.append(f"the routing biases of --moe-bias-update-rate ({len(biases)} sparse blocks, "

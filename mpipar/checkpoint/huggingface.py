@@ -52,7 +52,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from mpipar.checkpoint import hf_moe, hf_qwen3
+from mpipar.checkpoint import hf_deepseek, hf_moe, hf_qwen3
 from mpipar.checkpoint.export_dir import publish
 from mpipar.checkpoint.safetensors_format import read_header, write_safetensors
 from mpipar.config import ConfigError, ModelConfig
@@ -68,12 +68,13 @@ INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 """The ``model_type`` values mpipar reads and writes, and their architecture."""
 
 
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072,
-                  "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768}  # transformers'
+                  "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768,
+                  "deepseek_v3": 4096}  # transformers'
 # max_position_embeddings defaults
 
 SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -159,6 +160,8 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
     without biases; Qwen3's per-head q/k norms (:mod:`mpipar.checkpoint.hf_qwen3`)."""
     if raw.get("model_type") in hf_qwen3.KINDS:
         return _moe(hf_qwen3.read_attention, raw)
+    if raw.get("model_type") == hf_deepseek.KIND:
+        return _moe(hf_deepseek.read_attention, raw)
     if raw.get("model_type", "llama") in ("qwen2", hf_moe.QWEN2_MOE):
         if _flag(raw, "use_sliding_window"):
             raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
@@ -356,7 +359,9 @@ def _float_field(raw: Mapping[str, Any], name: str, default: float) -> float:
 
 
 _RULES = (("architecture", _architecture), ("shape", _shape), ("attention", _attention),
-          ("mlp", _mlp), ("rope", _rope), ("experts", lambda r: _moe(hf_moe.read_experts, r)))
+          ("mlp", _mlp), ("rope", _rope),
+          ("experts", lambda r: _moe(hf_deepseek.read_experts if r.get("model_type") ==
+                                     hf_deepseek.KIND else hf_moe.read_experts, r)))
 """Each aspect of a config.json and the rule that reads it (:func:`support`)."""
 
 
@@ -415,8 +420,12 @@ def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
 def model_type(cfg: ModelConfig) -> str:
     """The ``model_type`` mpipar writes ``cfg`` as: qwen2 with attention biases (q/k/v), mistral
     with a sliding window on every layer, qwen3 (qwen3_moe with experts) with qk_norm, else
-    llama. A window on some layers only, or with biases, has no such architecture
-    (HFCheckpointError)."""
+    llama; deepseek_v3 with latent attention. A window on some layers only, or with biases, has
+    no such architecture (HFCheckpointError)."""
+    if cfg.latent:
+        if hf_deepseek.export_problem(cfg):
+            raise HFCheckpointError(hf_deepseek.export_problem(cfg))
+        return hf_deepseek.KIND
     if cfg.qk_norm:
         if hf_qwen3.export_problem(cfg):
             raise HFCheckpointError(hf_qwen3.export_problem(cfg))
@@ -476,7 +485,8 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
     out.update({"qwen2": {"use_sliding_window": False},
                 "mistral": {"sliding_window": m.sliding_window},
                 "mixtral": hf_moe.mixtral_fields(m), "qwen2_moe": hf_moe.qwen2_moe_fields(m),
-                "qwen3": hf_qwen3.config_fields(m), "qwen3_moe": hf_qwen3.config_fields(m)}.get(
+                "qwen3": hf_qwen3.config_fields(m), "qwen3_moe": hf_qwen3.config_fields(m),
+                hf_deepseek.KIND: hf_deepseek.config_fields(m) if m.latent else {}}.get(
         kind, {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}))
     out.update(extra)
     scaling = _rope_scaling(m)
@@ -606,10 +616,11 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     mpipar reads; returns ``{mpipar name: safetensors file}`` of the parameters to read. A tied
     checkpoint's head is its embedding (a stored ``lm_head.weight`` is then ignored, as
     transformers ignores it). Raises HFCheckpointError naming the file, tensors or shapes."""
-    files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
+    family = raw.get("model_type", "llama")
+    files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)
+             and not (family == hf_deepseek.KIND and hf_deepseek.not_parameters(raw, n))}
     tied = _flag(raw, "tie_word_embeddings")
     specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
-    family = raw.get("model_type", "llama")
     expected = {hf_name(n, family) for n in specs}
     missing = sorted(expected - set(files))
     unexpected = sorted(set(files) - expected - ({HEAD} if tied else set()))
@@ -683,7 +694,21 @@ def load_hf(path: str | os.PathLike, dtype: Any = None,
               else arrays[hf_name(name, kind)].astype(dt) for name in stored}
     if any(s.name == HEAD for s in param_specs(cfg)) and HEAD not in params:  # untied on request
         params[HEAD] = params[EMBED].copy()
+    if kind == hf_deepseek.KIND:
+        params = hf_deepseek.from_hub(cfg, raw, params)
     return cfg, params
+
+
+def load_selection_biases(path: str | os.PathLike) -> dict[int, np.ndarray]:
+    """The routers' selection biases a DeepSeek-V3 checkpoint stores (``e_score_correction_bias``
+    of each sparse block, float64 ``[E]``, for :meth:`mpipar.model.moe.RoutingBias.load`); empty
+    for another model."""
+    raw, files = read_config_json(path), weight_files(path)
+    cfg = model_config_from_hf(raw, str(Path(path) / CONFIG_FILE))
+    names = {i: hf_deepseek.SELECTION_BIAS.format(i=i) for i in range(cfg.layers)
+             if cfg.is_sparse(i) and cfg.latent}
+    found = {i: _read_file(files[n], [n])[n] for i, n in names.items() if n in files}
+    return {i: np.asarray(b, dtype=np.float64) for i, b in found.items()}
 
 
 # ---------------------------------------------------------------------------------- export
@@ -707,7 +732,8 @@ def check_export_target(path: str | os.PathLike) -> None:
 
 
 def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.ndarray],
-            dtype: Any = None, extra_config: Mapping[str, Any] | None = None) -> None:
+            dtype: Any = None, extra_config: Mapping[str, Any] | None = None,
+            biases: Mapping[int, Any] | None = None) -> None:
     """Write ``params`` (mpipar names, global shapes) as a Hugging Face model (:func:`hf_config`:
     Qwen2ForCausalLM with attention biases, else LlamaForCausalLM; a tied model's embedding once).
 
@@ -718,6 +744,8 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
     (a crash between the two renames leaves the old export under that hidden name). ``dtype``
     None keeps the parameters' dtype (they must share one); else float16, bfloat16 (rounded to
     nearest even), float32 or float64. ``extra_config`` sets :data:`PASSTHROUGH_FIELDS`.
+    A DeepSeek-V3 also gets each sparse block's ``e_score_correction_bias`` (``biases``, by
+    block; zeros where none), in float32 as transformers keeps it.
     """
     from safetensors.numpy import save_file
 
@@ -737,8 +765,14 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
             raise ValueError(f"save_hf: parameters have dtypes {kinds}; pass dtype to pick one")
         dt = _check_dtype(kinds[0])
     config = hf_config(cfg, dt.name, extra_config)
+    if config["model_type"] == hf_deepseek.KIND:
+        params = hf_deepseek.to_hub(cfg, params)
     tensors = {hf_name(n, config["model_type"]): np.ascontiguousarray(params[n], dtype=dt)
                for n in specs}
+    if config["model_type"] == hf_deepseek.KIND:
+        tensors.update({hf_deepseek.SELECTION_BIAS.format(i=i): np.asarray(
+            (biases or {}).get(i, np.zeros(cfg.moe_experts)), dtype=np.float32)
+            for i in range(cfg.layers) if cfg.is_sparse(i)})
 
     dst = Path(path)
     check_export_target(dst)

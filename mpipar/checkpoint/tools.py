@@ -110,7 +110,8 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None
         print(f"mpipar: {note}", flush=True)
     hf.save_hf(out, cfg.model, params, dtype=dtype or cfg.train.dtype,
                extra_config={"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS,
-                                                            cfg.train.seq_len)})
+                                                            cfg.train.seq_len)},
+               biases=read_moe_bias(path))
     return Path(out)
 
 

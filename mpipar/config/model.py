@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mpipar.config.schema import LayerSet, described as _f, positive, require
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
+from mpipar.model.router import ROUTERS, Router
 
 
 @dataclass
@@ -43,6 +44,17 @@ class ModelConfig:
     qk_norm: bool = _f(False, "RMSNorm over each head's queries and keys before RoPE, one "
                               "weight of head_dim for all query heads and one for all key "
                               "heads (Qwen3's q_norm and k_norm)")
+    latent_kv_rank: int = _f(0, "multi-head latent attention (DeepSeek-V3's kv_lora_rank): keys "
+                                "and values from one compressed latent of this width per token "
+                                "with its own RMSNorm, plus a RoPE key of rope_head_dim shared "
+                                "by the heads; head_dim is then a query/key head's nope + rope "
+                                "width; 0 = standard attention")
+    latent_q_rank: int = _f(0, "latent attention: queries through a low-rank projection of this "
+                               "width with its own RMSNorm (q_lora_rank); 0 = one q_proj")
+    rope_head_dim: int = _f(0, "latent attention: the rotated part of a query/key head "
+                               "(qk_rope_head_dim), the last rope_head_dim of head_dim")
+    v_head_dim: int = _f(0, "latent attention: width of a value head (v_head_dim); 0 means "
+                            "head_dim")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
     sliding_window: int = _f(0, "sliding-window attention: a token sees itself and the W-1 "
@@ -78,6 +90,16 @@ class ModelConfig:
                                    "to sum to 1 (Mixtral's; --no-moe-norm-topk: the K softmax "
                                    "probabilities as they are, Qwen2-MoE's norm_topk_prob false)",
                              flag="--no-moe-norm-topk")
+    moe_router: str = _f("softmax", "mixture of experts: the router: softmax (Mixtral's: top K of "
+                                    "the softmax probabilities) or grouped_sigmoid (DeepSeek-V3's: "
+                                    "sigmoid scores, top K within the best moe_topk_groups of "
+                                    "moe_groups expert groups)", choices=ROUTERS)
+    moe_groups: int = _f(1, "mixture of experts, grouped_sigmoid router: expert groups (n_group)")
+    moe_topk_groups: int = _f(1, "mixture of experts, grouped_sigmoid router: groups a token's "
+                                 "experts are chosen in (topk_group), the groups of the largest "
+                                 "sum of their two best scores")
+    moe_routed_scale: float = _f(1.0, "mixture of experts: the routed experts' weights multiplied "
+                                      "by this (routed_scaling_factor)")
 
     def sparse_set(self) -> LayerSet:
         """The blocks ``moe_layers`` names (whether or not ``moe_experts`` makes them sparse)."""
@@ -86,6 +108,27 @@ class ModelConfig:
     def window_set(self) -> LayerSet:
         """The blocks ``window_layers`` names (whether or not ``sliding_window`` is set)."""
         return LayerSet.parse(self.window_layers, "window_layers", self.layers)
+
+    @property
+    def router(self) -> Router:
+        """The :class:`~mpipar.model.router.Router` ``moe_router`` names."""
+        return Router.named(self.moe_router)
+
+    @property
+    def latent(self) -> bool:
+        """Whether attention is multi-head latent attention (``latent_kv_rank`` > 0)."""
+        return self.latent_kv_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates in a query/key head: ``rope_head_dim`` under latent attention,
+        else the whole ``head_dim``."""
+        return self.rope_head_dim if self.latent else self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """The width of a value head: ``v_head_dim`` under latent attention (0: head_dim)."""
+        return self.v_head_dim if self.latent and self.v_head_dim else self.head_dim
 
     @property
     def rope(self) -> RopeScaling:
@@ -135,6 +178,36 @@ def check_moe_fields(m: ModelConfig) -> None:
     require(m.moe_aux_loss_coef >= 0,
             f"model.moe_aux_loss_coef={m.moe_aux_loss_coef}: must be >= 0")
     m.sparse_set()                  # moe_layers parses: ConfigError names the value and the rule
+    require(m.moe_routed_scale > 0,
+            f"model.moe_routed_scale={m.moe_routed_scale}: must be > 0")
+    m.router.check(m)
+
+
+def check_latent_fields(m: ModelConfig) -> None:
+    """Latent attention's own rules (``latent_kv_rank`` > 0; else its other fields stay 0)."""
+    for name in ("latent_kv_rank", "latent_q_rank", "rope_head_dim", "v_head_dim"):
+        require(getattr(m, name) >= 0, f"model.{name}={getattr(m, name)}: must be >= 0")
+    if not m.latent:
+        require(m.latent_q_rank == m.rope_head_dim == m.v_head_dim == 0,
+                f"model.latent_q_rank={m.latent_q_rank}, rope_head_dim={m.rope_head_dim}, "
+                f"v_head_dim={m.v_head_dim}: latent attention's fields need "
+                f"model.latent_kv_rank > 0")
+        return
+    require(m.rope_head_dim > 0 and m.rope_head_dim % 2 == 0,
+            f"model.rope_head_dim={m.rope_head_dim}: latent attention needs an even width > 0 "
+            f"(RoPE rotates pairs)")
+    require(m.rope_head_dim < m.head_dim,
+            f"model.rope_head_dim={m.rope_head_dim}: must be < head_dim={m.head_dim} (a "
+            f"query/key head is its nope part then its rope part)")
+    require(m.value_dim <= m.head_dim,
+            f"model.v_head_dim={m.v_head_dim}: must be <= head_dim={m.head_dim} (values are "
+            f"attended as zero-padded query/key-width heads)")
+    require(m.kv_heads == m.heads,
+            f"model.kv_heads={m.kv_heads}: latent attention expands keys and values for every "
+            f"query head (must equal heads={m.heads})")
+    require(not m.attention_bias and not m.qk_norm,
+            f"model.attention_bias={m.attention_bias}, qk_norm={m.qk_norm}: latent attention "
+            f"has neither (both must be off)")
 
 
 def check_window_fields(m: ModelConfig) -> None:
@@ -186,4 +259,5 @@ def check_model(m: ModelConfig, head_dim_given: bool) -> None:
     require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0")
     require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
     check_window_fields(m)
+    check_latent_fields(m)
     check_moe_fields(m)

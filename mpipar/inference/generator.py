@@ -79,9 +79,13 @@ class Generator:
         self.executor = PipelineExecutor(ops=ops, chunks=[self.stage], pp=self.pp, xp=self.xp)
         self.params: dict[str, Any] = {}
 
-    def load_params(self, values: dict[str, np.ndarray]) -> None:
+    def load_params(self, values: dict[str, np.ndarray],
+                    moe_bias: dict[int, Any] | None = None) -> None:
         """This rank's shards from the global tensors ``values`` (every parameter of its stage),
-        cast to the dtype. Collective-free."""
+        cast to the dtype, and the routers' selection biases ``moe_bias`` (as
+        :meth:`load_checkpoint`'s). Collective-free."""
+        self.stage.moe_bias = {i: self.xp.asarray(b, dtype="float64")
+                               for i, b in (moe_bias or {}).items()}
         tp = self.tensor
         self.params = {n: self.xp.asarray(self.table[n].shard(np.asarray(values[n], self.dtype),
                                                               tp.rank, tp.size))

@@ -67,6 +67,8 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
+from mpipar.model.latent_attention import (attended_values, input_names, latent_bwd,
+                                           latent_fwd, values_grad)
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
 from mpipar.model.qk_norm import qk_norm_bwd, qk_norm_fwd
 from mpipar.model.recompute import Recompute
@@ -156,7 +158,8 @@ class BlockSaved:
     moe: Any = None  # a sparse block's FFN record (mpipar.model.moe.MoeSaved); g, u, m its
     # shared expert's (None without one)
     shared_gate: Any = None  # with --moe-shared-gate: (its sigmoid [.., 1], its ungated output)
-    qk: Any = None           # with qk_norm: q, k before their norms and the rstds (QKNormSaved)
+    qk: Any = None           # with qk_norm: q, k before their norms and the rstds (QKNormSaved);
+    # with latent attention its latents (mpipar.model.latent_attention.LatentSaved)
 
 
 @dataclass
@@ -337,7 +340,7 @@ class LlamaStage:
     def _tables(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
         c = self.cfg
         return self.kernels.rope_cos_sin(
-            self.kernels.xp.asarray(positions), c.head_dim, c.rope_theta, dtype,
+            self.kernels.xp.asarray(positions), c.rope_dim, c.rope_theta, dtype,
             scaling=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
             high_freq_factor=c.rope_high_freq_factor,
             original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)
@@ -456,7 +459,11 @@ class LlamaStage:
         """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` as the attention core reads them, and
         the qk-norm's record (None without ``qk_norm``): block ``i``'s q/k/v linears on the
         normed input as they read it (``h1_in``, :meth:`TensorOps.linear_input`), then the
-        per-head q/k norms (:mod:`mpipar.model.qk_norm`), then RoPE."""
+        per-head q/k norms (:mod:`mpipar.model.qk_norm`), then RoPE; under latent attention
+        :func:`mpipar.model.latent_attention.latent_fwd`'s (its record in place of qk's)."""
+        if self.cfg.latent:
+            return latent_fwd(self.kernels, self.tp, params, i, self.cfg, h1_in, positions,
+                              self._rotate)
         D, S = self.cfg.head_dim, len(positions)
         q, key, v = (a.reshape(-1, S, a.shape[-1] // D, D)
                      for a in self.tp.linear(params, in_block(i, QKV), h1_in))
@@ -476,7 +483,7 @@ class LlamaStage:
         ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
         h1, rstd1 = ops.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], eps)
         q, key, v, qk = self._attention_inputs(
-            params, i, self.tp.linear_input(h1, in_block(i, QKV)), positions, scope)
+            params, i, self.tp.linear_input(h1, self._input_names(i)), positions, scope)
         window = self.cfg.layer_window(i)
         if kv is None:
             out, attention_saved = self.attention.forward(q, key, v, positions, window)
@@ -485,8 +492,7 @@ class LlamaStage:
             out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
                                                      window=window)
         scope.progress()
-        B, S = out.shape[:2]
-        a, = self._apply(params, in_block(i, O_PROJ), out.reshape(B, S, -1))
+        a, = self._apply(params, in_block(i, O_PROJ), attended_values(out, self.cfg))
         x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
         g = u = m = moe = shared_gate = None
         if not self.cfg.is_sparse(i):
@@ -502,7 +508,8 @@ class LlamaStage:
                 y = y + out_s
         block_out = x2 + y
         if record and self.recorder is not None:
-            for name, value in zip(ACTIVATION_NAMES, (x, out.reshape(B, S, -1), a, y, block_out)):
+            for name, value in zip(ACTIVATION_NAMES, (x, attended_values(out, self.cfg), a, y,
+                                                      block_out)):
                 self.recorder(i, name, value)
         if not self.attention.needs_inputs:
             q = key = v = None
@@ -657,24 +664,38 @@ class LlamaStage:
                                       c.rstd2)
         grads[n + "post_attention_layernorm.weight"] += dw
         out = c.attention_out
-        B, S = out.shape[:2]
-        do = self._apply_backward([dx2], out.reshape(B, S, -1), in_block(i, O_PROJ), lin)
+        do = self._apply_backward([dx2], attended_values(out, self.cfg), in_block(i, O_PROJ),
+                                  lin)
         scope.progress()
-        qkv = in_block(i, QKV)
+        qkv = self._input_names(i)
         h1_in = self.tp.linear_input(c.h1, qkv)
         q, key, v, qk = c.q, c.k, c.v, c.qk
         if ((q is None and self.attention.needs_inputs)          # dropped by selective
-                or (qk is None and self.cfg.qk_norm)):            # recomputation
+                or (qk is None and (self.cfg.qk_norm or self.cfg.latent))):  # recomputation
             q, key, v, qk = self._attention_inputs(params, i, h1_in, positions)
             if not self.attention.needs_inputs:
                 q = key = v = None
-        dq, dk, dv = self.attention.backward(do.reshape(out.shape), q, key, v, out,
-                                             c.attention_saved, self.cfg.layer_window(i))
+        dq, dk, dv = self.attention.backward(values_grad(do, out, self.cfg, ops.xp), q, key, v,
+                                             out, c.attention_saved, self.cfg.layer_window(i))
         scope.progress()
+        if self.cfg.latent:
+            dh1 = latent_bwd(ops, self.tp, params, grads, i, self.cfg, dq, dk, dv, qk, h1_in,
+                             positions, self._rotate, lin)
+            return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
         dq, dk = self._rotate([dq, dk], positions, backward=True)
         if qk is not None:
             dq, dk = qk_norm_bwd(ops, params, grads, i, dq, dk, qk)
         dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
-        dx, dw = ops.add_rmsnorm_bwd(dh1, dx2, c.x, p[n + "input_layernorm.weight"], c.rstd1)
-        grads[n + "input_layernorm.weight"] += dw
+        return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
+
+    def _input_norm_bwd(self, params, grads, i: int, dh1: Array, dx2: Array, c: BlockSaved
+                        ) -> Array:
+        """The block input's gradient: through the input norm (``dh1``) and the residual."""
+        n = f"layers.{i}.input_layernorm.weight"
+        dx, dw = self.kernels.add_rmsnorm_bwd(dh1, dx2, c.x, params[n], c.rstd1)
+        grads[n] += dw
         return dx
+
+    def _input_names(self, i: int) -> list[str]:
+        """The linears of block ``i`` reading its normed input (the group it enters in)."""
+        return input_names(self.cfg, i) if self.cfg.latent else in_block(i, QKV)

@@ -135,7 +135,7 @@ def init_adapter(spec: ParamSpec, seed: int) -> np.ndarray:
 
 def check_config(layout) -> None:
     """LoRA's rules: known targets, a rank in ``[1, min(in, out)]`` of every targeted linear, no
-    dropout, a dense model."""
+    dropout, a dense model with standard attention."""
     cfg = layout.config
     t, m = cfg.train, cfg.model
     lora = Lora.of(t)
@@ -146,6 +146,9 @@ def check_config(layout) -> None:
                                  f"(adapters without dropout)")
     require(m.moe_experts == 0, f"train.lora_rank={t.lora_rank}: LoRA needs a dense model "
                                 f"(model.moe_experts={m.moe_experts})")
+    require(not m.latent, f"train.lora_rank={t.lora_rank}: LoRA adapts q/k/v/o and the FFN of "
+                          f"standard attention, not latent attention (model.latent_kv_rank="
+                          f"{m.latent_kv_rank})")
     for spec in block_param_specs(m, 0):
         if lora.adapts(spec.name):
             width = min(spec.shape)

@@ -4,7 +4,8 @@ balance loss, forward and backward by hand. No MPI: what crosses ranks goes thro
 
 Forward on the normed stream ``h`` ``[B, S, H]`` (``N = B*S`` tokens of this rank):
 
-- router: ``p = softmax(h W_r^T)`` ``[N, E]``; the top ``K`` experts of each token and their
+- router (:mod:`mpipar.model.router`; here Mixtral's softmax, ``moe_router softmax``):
+  ``p = softmax(h W_r^T)`` ``[N, E]``; the top ``K`` experts of each token and their
   probabilities renormalised to sum to 1 (``w`` ``[N, K]``); with ``moe_norm_topk`` off
   (Qwen2-MoE's ``norm_topk_prob: false``) ``w`` is the K probabilities as they are (then the
   capacity's renormalisation remark below does not apply: a dropped slot's probability gets
@@ -60,6 +61,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.model.params import ROUTER, expert_names
+from mpipar.model.router import SOFTMAX
 
 Array = Any
 
@@ -193,6 +195,8 @@ class MoeSaved:
     aux: float
     counts: Array
     dropped: int = 0
+    router: Any = None   # the model's Router (mpipar.model.router); None: softmax
+    scale: float = 1.0   # moe_routed_scale, which the weights include
 
 
 def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertExchange,
@@ -208,10 +212,9 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
     logits = kernels.linear_fwd(x, params[f"layers.{i}." + ROUTER])
-    probs = route.softmax(kernels.upcast(logits), xp)
-    experts, weights = route.route_topk(probs, k, xp, bias, cfg.moe_norm_topk)
-    chosen_sum = (xp.take_along_axis(probs, experts, axis=-1).sum(axis=-1, keepdims=True)
-                  if cfg.moe_norm_topk else None)
+    router = cfg.router
+    probs = router.scores(route, kernels.upcast(logits), xp)
+    experts, weights, chosen_sum = router.choose(route, probs, cfg, bias, xp)
     keep = row_counts = None
     if cfg.moe_capacity_factor and positions is not None:
         keep, row_counts = capacity(kernels, experts, positions, B, cfg, exchange, probs.dtype)
@@ -221,7 +224,8 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
     xs_local, ys, inner = experts_fwd(kernels, xs, plan, exchange.send(xs, plan), weights_e)
     back = exchange.send_back(ys, plan)
-    f_over_t, aux = _balance(probs, experts, B, E, k, exchange, xp, row_counts)
+    f_over_t, aux = _balance(router.balance_scores(probs), experts, B, E, k, exchange, xp,
+                             row_counts)
     if aside is not None:
         back.test()
         aside()
@@ -234,7 +238,7 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     if keep is not None:       # the loads are the router's choice, before drops
         counts, dropped = xp.bincount(experts.reshape(-1), minlength=E), int((~keep).sum())
     saved = MoeSaved(x, probs, experts, weights, chosen_sum, order, xs_local, plan, inner, per,
-                     f_over_t, aux, counts, dropped)
+                     f_over_t, aux, counts, dropped, router, cfg.moe_routed_scale)
     return out.reshape(h.shape), saved
 
 
@@ -342,11 +346,13 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
         lin.weight(dg, c.xs[rows], w1)
         lin.weight(du, c.xs[rows], w3)
         back.test()
-    dprobs = route.route_topk_bwd(dweights, c.weights, c.chosen_sum, c.experts, E, xp)
+    router = c.router or SOFTMAX
+    dprobs = route.route_topk_bwd(dweights, c.weights, c.chosen_sum, c.experts, E, xp, c.scale)
     if aux_weight:
         B = c.f_over_t.shape[0]
-        dprobs = (dprobs.reshape(B, -1, E) + aux_weight * c.f_over_t[:, None, :]).reshape(N, E)
-    dlogits = route.softmax_bwd(dprobs, c.probs).astype(dy.dtype, copy=False)
+        daux = xp.broadcast_to(aux_weight * c.f_over_t[:, None, :], (B, N // B, E))
+        dprobs = dprobs + router.balance_bwd(daux.reshape(N, E), c.probs)
+    dlogits = router.scores_bwd(route, dprobs, c.probs).astype(dy.dtype, copy=False)
     dx_router = lin(dlogits, c.x, f"layers.{i}." + ROUTER)
     dx = route.unpermute_sum(back.wait(), c.order, N, k, xp)
     dx += dx_router

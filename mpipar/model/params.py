@@ -7,7 +7,9 @@ and places them is not the model's business: :mod:`mpipar.parallel.placement` ho
 
 Config facts change the set: ``attention_bias`` adds the q/k/v biases
 (``layers.{i}.self_attn.{q,k,v}_proj.bias``, Qwen2's), ``qk_norm`` the per-head query and key
-norms (``layers.{i}.self_attn.{q,k}_norm.weight`` ``[head_dim]``, Qwen3's), and
+norms (``layers.{i}.self_attn.{q,k}_norm.weight`` ``[head_dim]``, Qwen3's), ``latent_kv_rank``
+latent attention's projections and norms in place of q/k/v
+(:mod:`mpipar.model.latent_attention`, DeepSeek-V3's names), and
 ``tie_embeddings`` drops ``lm_head.weight``: the LM head then reads ``embed_tokens.weight``
 (:func:`head_weight_name`).
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.config import ModelConfig
+from mpipar.model.latent_attention import latent_param_shapes
 from mpipar.model.qk_norm import K_NORM, Q_NORM
 
 
@@ -41,11 +44,16 @@ def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     p = f"layers.{i}."
     biases = [ParamSpec(p + f"self_attn.{x}_proj.bias", (n,), i)
               for x, n in (("q", q), ("k", kv), ("v", kv))] if cfg.attention_bias else []
+    if cfg.latent:
+        attention = [ParamSpec(p + name, shape, i) for name, shape in latent_param_shapes(cfg)]
+        q = cfg.heads * cfg.value_dim
+    else:
+        attention = [ParamSpec(p + "self_attn.q_proj.weight", (q, h), i),
+                     ParamSpec(p + "self_attn.k_proj.weight", (kv, h), i),
+                     ParamSpec(p + "self_attn.v_proj.weight", (kv, h), i)]
     return [
         ParamSpec(p + "input_layernorm.weight", (h,), i),
-        ParamSpec(p + "self_attn.q_proj.weight", (q, h), i),
-        ParamSpec(p + "self_attn.k_proj.weight", (kv, h), i),
-        ParamSpec(p + "self_attn.v_proj.weight", (kv, h), i),
+        *attention,
         *biases,
         *([ParamSpec(p + Q_NORM, (cfg.head_dim,), i), ParamSpec(p + K_NORM, (cfg.head_dim,), i)]
           if cfg.qk_norm else []),

@@ -17,6 +17,8 @@ parameter                        tp (:data:`TP_ROLES`)           pp             
 ``mlp.shared_expert_gate``       ``replicated``                  its block's       unit ``layers.i``
 ``*layernorm.weight``            ``replicated``                  its block's       unit ``layers.i``
 ``self_attn.q_norm/k_norm``      ``heads_replicated``            its block's       unit ``layers.i``
+``q_b_proj``, ``kv_b_proj``      ``column``: rows                its block's       unit ``layers.i``
+``q_a_*``, ``kv_a_*`` (latent)   ``heads_replicated``            its block's       unit ``layers.i``
 ``norm.weight``                  ``replicated``                  last stage        unit ``head``
 ``lm_head.weight`` (untied)      ``vocab``: rows, padded         last stage        unit ``head``
 ===============================  =============================  ================  ==============
@@ -40,7 +42,9 @@ the optimizer's and the reducer's business (:mod:`mpipar.training.optim`, :mod:`
 but each tp rank sees only its token shard, so their gradients are partial sums over tp
 (:attr:`Placement.grad_partial_over_tp`). The per-head query and key norms (``qk_norm``) are
 ``heads_replicated``: every tp rank holds them whole and applies them to its own heads, so their
-gradients are partial sums over tp with or without sequence parallelism.
+gradients are partial sums over tp with or without sequence parallelism. So are latent
+attention's down-projections and latent norms (:mod:`mpipar.model.latent_attention`): each tp
+rank computes the latents of every token it holds whole and feeds them to its own heads.
 
 Experts under ``--ep N`` (:func:`mpipar.parallel.experts.split.expert_shards`): a sparse block's E
 experts are *sharded over the ep group* (``PlacementTable(ep=N)``): the rank at position ``r``
@@ -101,6 +105,12 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "self_attn.q_norm.weight": "heads_replicated",
     "self_attn.k_norm.weight": "heads_replicated",
     "self_attn.o_proj.weight": "row",
+    "self_attn.q_a_proj.weight": "heads_replicated",          # latent attention's down-
+    "self_attn.q_a_layernorm.weight": "heads_replicated",     # projections and latent norms:
+    "self_attn.kv_a_proj_with_mqa.weight": "heads_replicated",  # whole, feeding this rank's
+    "self_attn.kv_a_layernorm.weight": "heads_replicated",    # heads
+    "self_attn.q_b_proj.weight": "column",
+    "self_attn.kv_b_proj.weight": "column",
     "post_attention_layernorm.weight": "replicated",
     "mlp.gate_proj.weight": "column",
     "mlp.up_proj.weight": "column",

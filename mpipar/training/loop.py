@@ -454,7 +454,7 @@ def export_hf(rank: Rank, cfg: Config, rank0: bool) -> None:
     extra = (hf.passthrough_config(tr.init_from_hf) if tr.init_from_hf
              else {"max_position_embeddings": max(hf.DEFAULT_MAX_POSITIONS, tr.seq_len)})
     hf.save_hf(tr.export_hf, cfg.model, params, dtype=tr.export_dtype or tr.dtype,
-               extra_config=extra)
+               extra_config=extra, biases=rank.model.routing.host())
     for note in hf_moe.export_notes(cfg.model, rank.model.routing.host()):
         print(f"mpipar: {note}", flush=True)
     print(f"mpipar: exported Hugging Face weights ({hf.architecture(cfg.model)}, "

@@ -155,6 +155,11 @@ QWEN3 = [dict(model="qwen3", **v) for v in (
     dict(tp=2, dp=2, zero=3, schedule="interleaved", virtual_stages=2),
     dict(sp=4, tp=2, sp_overlap=True))]
 
+# DeepSeek-V3's latent attention with tp sequence parallelism: the latents' down-projections
+# read the all-gathered tokens, their input gradient is reduce-scattered (MoE layouts:
+# mpi/test_moe.py).
+LATENT = [dict(model="latent", tp=2, sp=2, dp=2, sp_mode="ulysses", tp_sequence_parallel=True)]
+
 
 def _tied_copies_differ(engine) -> list[str]:
     """The two pipeline ranks' copies of a tied embedding must be bit-identical."""
@@ -253,6 +258,12 @@ def test_sliding_window_model_equals_single_process_float64(world, layout):
 def test_qk_norm_model_equals_single_process_float64(world, layout):
     """Qwen3's per-head q/k norms and decoupled head dim keep every layout equal to one
     process."""
+    _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LATENT, ids=[layout_name(v) for v in LATENT])
+def test_latent_attention_model_equals_single_process_float64(world, layout):
     _check(world, layout, "float64", 1e-10)
 
 

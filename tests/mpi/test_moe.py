@@ -31,6 +31,9 @@ EP = [  # expert parallelism: the ep group carved out of dp x sp
     dict(dp=4, pp=2, ep=4, zero=2, schedule="interleaved", virtual_stages=2),
 ]
 EP_RECOMPUTE = [dict(dp=4, sp=2, ep=4)]
+DEEPSEEK = [dict(model="deepseek", **v) for v in (   # latent attention, grouped sigmoid router
+    dict(tp=2, pp=2, dp=2), dict(dp=4, sp=2, ep=2, zero=3),
+    dict(sp=2, tp=2, dp=2, sp_split="zigzag"))]
 
 
 def run(cfg, comm, steps: int = 2):
@@ -92,6 +95,17 @@ def test_moe_recompute_equals_single_process_float64(world, layout, mode):
 @pytest.mark.parametrize("layout", EP, ids=[layout_name(v) for v in EP])
 def test_expert_parallel_equals_single_process_float64(world, layout):
     _check(world, layout)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout,recompute", zip(DEEPSEEK, ("none", "none", "selective")),
+                         ids=[layout_name(v) for v in DEEPSEEK])
+def test_latent_attention_and_grouped_router_equal_single_process_float64(world, layout,
+                                                                           recompute):
+    """DeepSeek-V3's latent attention (heads split by tp, the latents whole on each tp rank)
+    and grouped sigmoid router with its selection bias and a shared expert: tp x pp, ep with
+    ZeRO-3, sp x tp recomputing the latents (selective) equal one process."""
+    _check(world, layout, recompute)
 
 
 @pytest.mark.mpi(min_size=8)

@@ -185,6 +185,7 @@ def test_every_package_is_installed():
 MODE_HOMES: dict[str, tuple[str, ...]] = {
     "recompute": ("mpipar.model.recompute",),
     "rope_type": ("mpipar.model.rope",),
+    "moe_router": ("mpipar.model.router",),
     "sp_mode": ("mpipar.parallel.sequence",),
     "schedule": ("mpipar.parallel.pipeline",),
     "backend": ("mpipar.runtime.device",),

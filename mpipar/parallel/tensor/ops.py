@@ -44,9 +44,11 @@ from mpipar.model.tensor_ops import LinearBackward
 from mpipar.parallel.placement import PlacementTable, padded_vocab
 
 Array = Any
-ENTERS = ("column", "vocab")
+ENTERS = ("column", "vocab", "heads_replicated")
 """The roles whose linears read the whole input: it enters the tp region
-(:meth:`TensorParallel.enter`)."""
+(:meth:`TensorParallel.enter`). A ``heads_replicated`` linear (latent attention's down-
+projections) is whole on every rank and feeds that rank's heads: its input enters as a
+column-parallel one's, and its input gradient, partial over the heads, is summed over tp."""
 
 
 def _accumulate(total: Array | None, part: Array | None) -> Array | None:

@@ -1,0 +1,224 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``, ``model_type`` ``deepseek_v3``) in Hugging Face
+checkpoints: its config fields read and written, its tensors' layout; :mod:`mpipar.checkpoint.
+huggingface` asks these rules.
+
+- Attention is multi-head latent attention (:mod:`mpipar.model.latent_attention`):
+  ``q_lora_rank`` (null: one ``q_proj``) is ``latent_q_rank``, ``kv_lora_rank``
+  ``latent_kv_rank``, ``qk_rope_head_dim`` ``rope_head_dim``, ``qk_nope_head_dim +
+  qk_rope_head_dim`` mpipar's ``head_dim`` (transformers writes ``head_dim`` as the rope width:
+  it is not read), ``v_head_dim`` ``v_head_dim``; ``num_key_value_heads`` must equal the heads
+  and ``attention_bias`` be false. With ``rope_interleave`` (transformers' default) the rope
+  features of each query head and of the shared key come in interleaved pairs; mpipar rotates
+  halves, so the rope rows of ``q_b_proj`` (``q_proj``) and ``kv_a_proj_with_mqa`` are permuted
+  (evens then odds) on import and back on export (:func:`from_hub`, :func:`to_hub`): the same
+  scores. A yarn RoPE (the released models') is refused by the RoPE rule: mpipar does not build
+  yarn's frequencies nor its softmax-scale factor.
+- The first ``first_k_dense_replace`` layers are dense (``intermediate_size``), the others
+  sparse (``moe_layers``): ``n_routed_experts`` experts of ``moe_intermediate_size``, top
+  ``num_experts_per_tok``, the grouped sigmoid router (``n_group``, ``topk_group``,
+  ``norm_topk_prob``, ``routed_scaling_factor``: :mod:`mpipar.model.router`) and an ungated
+  shared expert of ``n_shared_experts x moe_intermediate_size`` (``moe_shared_ffn_hidden``).
+  The hub names are Qwen2-MoE's (``mlp.gate``, ``mlp.experts.{e}.gate_proj``, ...) with the
+  shared expert as ``mlp.shared_experts.*`` (:func:`mpipar.checkpoint.hf_moe.hub_name`).
+- The router's ``e_score_correction_bias`` ``[E]`` (a buffer, not a parameter) is mpipar's
+  selection bias (:class:`mpipar.model.moe.RoutingBias`): read by
+  :func:`mpipar.checkpoint.huggingface.load_selection_biases`, written by an export (zeros when
+  the model has none).
+- Multi-token prediction (``num_nextn_predict_layers``, transformers' ``num_mtp_layers``) is not
+  built: the released checkpoints store its modules as ``model.layers.{L}.*`` past the
+  ``num_hidden_layers`` L; they are not read (transformers ignores them too), and
+  ``python -m mpipar.hf inspect`` says so. An export writes ``num_nextn_predict_layers`` 0.
+
+Functions raise ValueError naming the field; the caller turns it into its error type.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from mpipar.config import ModelConfig
+from mpipar.model.latent_attention import KV_A, Q_B, Q_PROJ
+
+KIND = "deepseek_v3"
+SELECTION_BIAS = "model.layers.{i}.mlp.gate.e_score_correction_bias"
+
+
+def _count(raw: Mapping[str, Any], name: str, default: Any = None, low: int = 1) -> int:
+    value = raw.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    return value
+
+
+def _positive(raw: Mapping[str, Any], name: str, default: float) -> float:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number")
+    return float(value)
+
+
+def read_attention(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(a reading, ModelConfig fields) of DeepSeek-V3's latent attention."""
+    heads = _count(raw, "num_attention_heads")
+    kv = raw.get("num_key_value_heads", heads)
+    if kv != heads:
+        raise ValueError(f"num_key_value_heads={kv!r} must equal num_attention_heads={heads} "
+                         f"(latent attention expands keys and values for every head)")
+    if raw.get("attention_bias", False) not in (False, None):
+        raise ValueError(f"attention_bias={raw['attention_bias']!r} is not supported for "
+                         f"model_type {KIND!r}; mpipar's latent attention has no biases "
+                         f"(must be false)")
+    interleave = raw.get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise ValueError(f"rope_interleave={interleave!r} must be true or false")
+    q_rank = raw.get("q_lora_rank", 1536)
+    q_rank = 0 if q_rank is None else _count(raw, "q_lora_rank")
+    kv_rank = _count(raw, "kv_lora_rank", 512)
+    rope = _count(raw, "qk_rope_head_dim", 64)
+    nope = _count(raw, "qk_nope_head_dim", 128)
+    v = _count(raw, "v_head_dim", 128)
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim={rope} must be even (RoPE rotates pairs)")
+    if v > nope + rope:
+        raise ValueError(f"v_head_dim={v} must be <= qk_nope_head_dim + qk_rope_head_dim = "
+                         f"{nope + rope} (mpipar attends values as zero-padded query-width "
+                         f"heads)")
+    mtp = mtp_layers(raw)
+    queries = f"queries through a rank-{q_rank} latent" if q_rank else "queries by q_proj"
+    note = (f"; num_nextn_predict_layers={mtp}: multi-token prediction is not built, its "
+            f"modules' tensors (model.layers.{raw.get('num_hidden_layers')}.* on) are not read"
+            if mtp else "")
+    return (f"multi-head latent attention: {queries}, keys/values from a rank-{kv_rank} "
+            f"latent, heads of {nope}+{rope} (rope) for queries/keys and {v} for values"
+            f"{', interleaved rope pairs permuted to halves' if interleave else ''}{note}",
+            {"latent_kv_rank": kv_rank, "latent_q_rank": q_rank, "rope_head_dim": rope,
+             "head_dim": nope + rope, "v_head_dim": v, "kv_heads": heads,
+             "attention_bias": False})
+
+
+def mtp_layers(raw: Mapping[str, Any]) -> int:
+    """The multi-token prediction modules the config declares (not built)."""
+    return _count(raw, "num_nextn_predict_layers", raw.get("num_mtp_layers", 0), low=0)
+
+
+def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(a reading, ModelConfig fields) of DeepSeek-V3's sparse blocks."""
+    from mpipar.checkpoint.hf_moe import MAX_EXPERTS
+    experts = _count(raw, "n_routed_experts", 256)
+    top_k = _count(raw, "num_experts_per_tok", 8)
+    groups, topk_groups = _count(raw, "n_group", 8), _count(raw, "topk_group", 4)
+    layers = _count(raw, "num_hidden_layers", 61)
+    dense = _count(raw, "first_k_dense_replace", 3, low=0)
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"n_routed_experts={experts} must be at most {MAX_EXPERTS}")
+    if experts % groups or experts // groups < 2 or not 1 <= topk_groups <= groups:
+        raise ValueError(f"n_group={groups}, topk_group={topk_groups}: n_group must divide "
+                         f"n_routed_experts={experts} into groups of at least 2 experts and "
+                         f"topk_group be in [1, n_group]")
+    if dense >= layers:
+        raise ValueError(f"first_k_dense_replace={dense} must be below num_hidden_layers="
+                         f"{layers} (no sparse layer)")
+    for name, want in (("moe_layer_freq", 1), ("scoring_func", "sigmoid"),
+                       ("topk_method", "noaux_tc")):
+        if raw.get(name, want) != want:
+            raise ValueError(f"{name}={raw[name]!r} is not supported; mpipar reads "
+                             f"DeepSeek-V3's {want!r}")
+    norm = raw.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ValueError(f"norm_topk_prob={norm!r} must be true or false")
+    ffn, shared = _count(raw, "moe_intermediate_size", 2048), _count(raw, "n_shared_experts", 1,
+                                                                      low=0)
+    scale = _positive(raw, "routed_scaling_factor", 2.5)
+    spec = "all" if dense == 0 else ",".join(map(str, range(dense, layers)))
+    return (f"DeepSeek-V3 experts: {experts} of width {ffn} on layers {dense}.., top {top_k} "
+            f"in the best {topk_groups} of {groups} groups by sigmoid scores"
+            f"{' renormalised' if norm else ''}, scaled by {scale:g}, {shared} shared "
+            f"expert(s) of width {ffn}",
+            {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": ffn,
+             "moe_layers": spec, "moe_norm_topk": norm, "moe_router": "grouped_sigmoid",
+             "moe_groups": groups, "moe_topk_groups": topk_groups, "moe_routed_scale": scale,
+             "moe_shared_ffn_hidden": shared * ffn, "moe_shared_gate": False})
+
+
+def not_parameters(raw: Mapping[str, Any], name: str) -> bool:
+    """Whether hub tensor ``name`` of a DeepSeek-V3 checkpoint is no parameter of mpipar's
+    model: a router's selection bias (read apart) or a multi-token prediction module's."""
+    if name.endswith(".mlp.gate.e_score_correction_bias"):
+        return True
+    parts, layers = name.split("."), raw.get("num_hidden_layers")
+    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and isinstance(layers, int) and int(parts[2]) >= layers)
+
+
+def _rope_rows(m: ModelConfig, name: str) -> tuple[int, int, int] | None:
+    """(rows of a block, start of its rope rows, count of blocks) of weight ``name``, if it
+    holds rope rows; else None."""
+    if name.endswith(KV_A):
+        return m.latent_kv_rank + m.rope_head_dim, m.latent_kv_rank, 1
+    if name.endswith((Q_B, Q_PROJ)):
+        return m.head_dim, m.head_dim - m.rope_head_dim, m.heads
+    return None
+
+
+def _permute(m: ModelConfig, params: Mapping[str, np.ndarray], inverse: bool
+             ) -> dict[str, np.ndarray]:
+    d = m.rope_head_dim
+    order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    if inverse:
+        order = np.argsort(order)
+    out = dict(params)
+    for name, w in params.items():
+        rows = _rope_rows(m, name)
+        if rows is None:
+            continue
+        size, start, blocks = rows
+        w = np.array(w).reshape(blocks, size, -1)
+        w[:, start:] = w[:, start:][:, order]
+        out[name] = w.reshape(params[name].shape)
+    return out
+
+
+def from_hub(m: ModelConfig, raw: Mapping[str, Any], params: Mapping[str, np.ndarray]
+             ) -> dict[str, np.ndarray]:
+    """The parameters read from the hub in mpipar's layout (rope rows to halves when
+    ``rope_interleave``)."""
+    return _permute(m, params, False) if raw.get("rope_interleave", True) else dict(params)
+
+
+def to_hub(m: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """mpipar's parameters in the hub's layout (rope rows interleaved: an export writes
+    ``rope_interleave`` true)."""
+    return _permute(m, params, True)
+
+
+def export_problem(m: ModelConfig) -> str:
+    """Why latent-attention model ``m`` has no DeepseekV3ForCausalLM form ('' if it has one)."""
+    sparse = [i for i in range(m.layers) if m.is_sparse(i)]
+    first = sparse[0] if sparse else m.layers
+    if (not m.moe_experts or sparse != list(range(first, m.layers)) or m.moe_shared_gate
+            or not m.router.grouped or m.sliding_window or m.tie_embeddings
+            or (m.moe_shared_ffn_hidden % m.moe_ffn_hidden)):
+        return (f"model.latent_kv_rank={m.latent_kv_rank} with moe_experts={m.moe_experts}, "
+                f"moe_layers={m.moe_layers!r}, moe_router={m.moe_router!r}, "
+                f"moe_shared_ffn_hidden={m.moe_shared_ffn_hidden}, moe_shared_gate="
+                f"{m.moe_shared_gate}, sliding_window={m.sliding_window}, tie_embeddings="
+                f"{m.tie_embeddings}: latent attention is exported as DeepseekV3ForCausalLM, "
+                f"which needs experts with the grouped_sigmoid router on the last layers, an "
+                f"ungated shared expert of a multiple of moe_ffn_hidden, no window, untied "
+                f"embeddings")
+    return ""
+
+
+def config_fields(m: ModelConfig) -> dict[str, Any]:
+    """The config.json fields of a DeepSeek-V3 beyond the Llama ones."""
+    first = next(i for i in range(m.layers) if m.is_sparse(i))
+    return {"q_lora_rank": m.latent_q_rank or None, "kv_lora_rank": m.latent_kv_rank,
+            "qk_rope_head_dim": m.rope_head_dim, "qk_nope_head_dim": m.head_dim - m.rope_head_dim,
+            "v_head_dim": m.value_dim, "head_dim": m.rope_head_dim, "rope_interleave": True,
+            "attention_bias": False, "n_routed_experts": m.moe_experts,
+            "num_experts_per_tok": m.moe_top_k, "moe_intermediate_size": m.moe_ffn_hidden,
+            "n_shared_experts": m.moe_shared_ffn_hidden // m.moe_ffn_hidden,
+            "n_group": m.moe_groups, "topk_group": m.moe_topk_groups,
+            "norm_topk_prob": m.moe_norm_topk, "routed_scaling_factor": m.moe_routed_scale,
+            "first_k_dense_replace": first, "num_nextn_predict_layers": 0}

@@ -1,0 +1,164 @@
+"""Multi-head latent attention (DeepSeek-V3's MLA, ``model.latent_kv_rank`` > 0): the queries,
+keys and values a block hands its attention core, made from low-rank latents, forward and
+backward by hand.
+
+For each token of the normed stream ``h`` ``[.., H]`` (``h`` as the column-parallel linears read
+it, :meth:`mpipar.model.tensor_ops.TensorOps.linear_input`):
+
+- queries: ``c_q = RMSNorm(h W_qa^T)`` ``[r_q]`` (``latent_q_rank``; the norm's weight
+  ``q_a_layernorm``), ``q = c_q W_qb^T`` ``[h, D]``; with ``latent_q_rank`` 0 ``q = h W_q^T``;
+- keys and values from one latent: ``[c, k_r] = h W_kva^T`` (``c`` ``[r_kv]``,
+  ``latent_kv_rank``; ``k_r`` ``[d_r]``, ``rope_head_dim``), ``c_kv = RMSNorm(c)``
+  (``kv_a_layernorm``), ``[k_n | v] = c_kv W_kvb^T`` per head (``[h, D - d_r]`` and ``[h,
+  d_v]``, ``v_head_dim``);
+- each query/key head of ``D = head_dim`` is its nope part then its rope part: ``q = [q_n |
+  RoPE(q_r)]`` and ``k = [k_n | RoPE(k_r)]``, the one rotated key ``k_r`` shared by every head;
+- values are handed to the core zero-padded from ``d_v`` to ``D`` (the attention kernels take one
+  head width; the padded columns of the output are zero and :func:`attended_values` drops them
+  before o_proj), so the core's softmax scale is its default ``1 / sqrt(D)``, transformers'
+  ``qk_head_dim ** -0.5``. A scaled RoPE with yarn's attention factor is not built (refused at
+  import).
+
+The latents' norms use transformers' fixed epsilon 1e-6 (:data:`LATENT_NORM_EPS`), not
+``norm_eps``. RoPE rotates ``rope_head_dim`` features (:attr:`ModelConfig.rope_dim`), as
+rotate-half; DeepSeek-V3's interleaved pairs are a fixed permutation of the rope rows of
+``W_qb`` and ``W_kva``, applied at import and undone at export
+(:mod:`mpipar.checkpoint.hf_deepseek`).
+
+Tensor parallelism splits heads: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` are column-
+parallel (each rank's heads' rows), ``o_proj`` row-parallel. The down-projections ``q_a_proj``
+and ``kv_a_proj_with_mqa`` and the two latent norms are ``heads_replicated``
+(:mod:`mpipar.parallel.placement`): every tp rank holds them whole and computes the latents of
+every token of its (entered) input; the gradients reaching them come from this rank's heads only,
+so their weight gradients are partial sums over tp (all-reduced with the other partial ones) and
+the stream's gradient through them joins the column-parallel ones' sum over tp.
+
+What backward reads is a :class:`LatentSaved` (the block keeps it as the attention inputs'
+record, where a block with ``qk_norm`` keeps that norm's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+Array = Any
+
+Q_A, Q_A_NORM, Q_B, Q_PROJ = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight",
+                              "self_attn.q_b_proj.weight", "self_attn.q_proj.weight")
+KV_A, KV_A_NORM, KV_B = ("self_attn.kv_a_proj_with_mqa.weight",
+                         "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight")
+"""Block ``i``'s latent attention weights (``layers.{i}.`` + these; transformers' names)."""
+
+LATENT_NORM_EPS = 1e-6
+"""The latents' RMSNorm epsilon (transformers' ``DeepseekV3RMSNorm`` default)."""
+
+
+def latent_param_shapes(m) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a block's latent attention weights before o_proj, in forward order."""
+    q = m.heads * m.head_dim
+    nope = m.head_dim - m.rope_head_dim
+    queries = ([(Q_A, (m.latent_q_rank, m.hidden)), (Q_A_NORM, (m.latent_q_rank,)),
+                (Q_B, (q, m.latent_q_rank))] if m.latent_q_rank else [(Q_PROJ, (q, m.hidden))])
+    return queries + [(KV_A, (m.latent_kv_rank + m.rope_head_dim, m.hidden)),
+                      (KV_A_NORM, (m.latent_kv_rank,)),
+                      (KV_B, (m.heads * (nope + m.value_dim), m.latent_kv_rank))]
+
+
+def input_names(m, i: int) -> list[str]:
+    """The linears of block ``i`` that read the normed stream itself, in one group when they
+    share a tp role (``q_a_proj`` and ``kv_a_proj_with_mqa``, both ``heads_replicated``); with
+    ``latent_q_rank`` 0 only ``kv_a_proj_with_mqa`` (``q_proj`` is column-parallel: a group of
+    its own). Both roles enter the stream (:meth:`TensorOps.linear_input`) alike."""
+    return [f"layers.{i}.{n}" for n in ((Q_A, KV_A) if m.latent_q_rank else (KV_A,))]
+
+
+@dataclass
+class LatentSaved:
+    """What backward reads (shapes ``[.., n]`` over this rank's tokens as the linears read
+    them): the query latent before its norm ``cq``, its ``rstd_q`` and after it ``cqn`` (None
+    without ``latent_q_rank``), the kv latent before its norm ``ckv``, ``rstd_kv`` and after it
+    ``ckvn``."""
+
+    cq: Array | None
+    rstd_q: Array | None
+    cqn: Array | None
+    ckv: Array
+    rstd_kv: Array
+    ckvn: Array
+
+
+def latent_fwd(kernels, tp, params, i: int, m, h1_in: Array, positions,
+               rotate: Callable) -> tuple[Array, Array, Array, LatentSaved]:
+    """q, k ``[B, S, h, D]`` and v ``[B, S, h, D]`` (zero-padded from ``v_head_dim``) of block
+    ``i`` from its entered normed input ``h1_in``, and the record; ``rotate(xs, positions,
+    backward=False)`` is the block's RoPE."""
+    p, xp, S = f"layers.{i}.", kernels.xp, len(positions)
+    D, dr, dv, r = m.head_dim, m.rope_head_dim, m.value_dim, m.latent_kv_rank
+    nope = D - dr
+    cq = rstd_q = cqn = None
+    if m.latent_q_rank:
+        cq, kv_a = tp.linear(params, input_names(m, i), h1_in)
+        cqn, rstd_q = kernels.rmsnorm_fwd(cq, params[p + Q_A_NORM], LATENT_NORM_EPS)
+        q, = tp.linear(params, [p + Q_B], cqn)
+    else:
+        q, = tp.linear(params, [p + Q_PROJ], h1_in)
+        kv_a, = tp.linear(params, input_names(m, i), h1_in)
+    ckv, k_r = kernels.split_columns(kv_a, [r, dr])
+    ckvn, rstd_kv = kernels.rmsnorm_fwd(ckv, params[p + KV_A_NORM], LATENT_NORM_EPS)
+    kv, = tp.linear(params, [p + KV_B], ckvn)
+    q = q.reshape(-1, S, q.shape[-1] // D, D)
+    h = q.shape[2]
+    kv = kv.reshape(-1, S, h, nope + dv)
+    q_r, k_r = rotate([xp.ascontiguousarray(q[..., nope:]), k_r.reshape(-1, S, 1, dr)],
+                      positions)
+    q = xp.concatenate([q[..., :nope], q_r], axis=-1)
+    k = xp.concatenate([kv[..., :nope], xp.broadcast_to(k_r, k_r.shape[:2] + (h, dr))], axis=-1)
+    v = xp.zeros(k.shape, k.dtype)
+    v[..., :dv] = kv[..., nope:]
+    return q, k, v, LatentSaved(cq, rstd_q, cqn, ckv, rstd_kv, ckvn)
+
+
+def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: Array,
+               c: LatentSaved, h1_in: Array, positions, rotate: Callable, lin) -> Array:
+    """The gradient of the block's normed stream (as :meth:`TensorOps.linear_backward` returns
+    it: summed over tp) from those of :func:`latent_fwd`'s q, k, v; weight gradients through
+    ``lin`` and, for the latent norms, into ``grads``."""
+    p, xp = f"layers.{i}.", kernels.xp
+    D, dr, dvh = m.head_dim, m.rope_head_dim, m.value_dim
+    nope = D - dr
+    lead = h1_in.shape[:-1]
+    dq_r, dk_r = rotate([xp.ascontiguousarray(dq[..., nope:]),
+                         dk[..., nope:].sum(axis=2, keepdims=True)], positions, backward=True)
+    dq = xp.concatenate([dq[..., :nope], dq_r], axis=-1).reshape(lead + (-1,))
+    dkv = xp.concatenate([dk[..., :nope], dv[..., :dvh]], axis=-1).reshape(lead + (-1,))
+    dckvn = lin(dkv, c.ckvn, p + KV_B)
+    dckv, dw = kernels.rmsnorm_bwd(dckvn, c.ckv, params[p + KV_A_NORM], c.rstd_kv)
+    grads[p + KV_A_NORM] += dw
+    dkv_a = xp.concatenate([dckv.astype(dq.dtype, copy=False), dk_r.reshape(lead + (dr,))],
+                           axis=-1)
+    if not m.latent_q_rank:
+        dh = tp.linear_backward([dkv_a], h1_in, input_names(m, i), lin)
+        return dh + tp.linear_backward([dq], h1_in, [p + Q_PROJ], lin)
+    dcqn = lin(dq, c.cqn, p + Q_B)
+    dcq, dw = kernels.rmsnorm_bwd(dcqn, c.cq, params[p + Q_A_NORM], c.rstd_q)
+    grads[p + Q_A_NORM] += dw
+    return tp.linear_backward([dcq.astype(dq.dtype, copy=False), dkv_a], h1_in,
+                              input_names(m, i), lin)
+
+
+def attended_values(out: Array, m) -> Array:
+    """The attention core's output ``[B, S, h, D]`` as o_proj reads it ``[B, S, h * d_v]``
+    (the padded columns dropped; the whole output without latent attention)."""
+    B, S = out.shape[:2]
+    if not m.latent or m.value_dim == m.head_dim:
+        return out.reshape(B, S, -1)
+    return out[..., :m.value_dim].reshape(B, S, -1)
+
+
+def values_grad(do: Array, out: Array, m, xp) -> Array:
+    """The gradient of the core's output ``out`` from that of :func:`attended_values`'."""
+    if not m.latent or m.value_dim == m.head_dim:
+        return do.reshape(out.shape)
+    full = xp.zeros(out.shape, do.dtype)
+    full[..., :m.value_dim] = do.reshape(out.shape[:-1] + (m.value_dim,))
+    return full

@@ -1,0 +1,212 @@
+"""DeepSeek-V3 checkpoints against transformers in float64, in one process.
+
+A random ``DeepseekV3ForCausalLM`` (:mod:`tests.deepseek_reference`: multi-head latent
+attention with a query latent and values narrower than queries, layer 0 dense, grouped sigmoid
+routing with selection biases and a routed scale, two shared experts) is written by
+transformers' save_pretrained and read by mpipar. mpipar's logits equal transformers'; both
+train two AdamW steps with clipping and the grouped router's balance loss, and the losses,
+balance losses, gradient norms and trained weights agree to 1e-10 relative; the export loads in
+transformers and gives mpipar's logits; greedy generation with the KV cache equals
+transformers' ``generate``. A model without a query latent (``q_lora_rank`` null) and one built
+from mpipar's configuration alone give transformers' logits too. What is refused names the
+field. Layouts: mpi/test_hf_deepseek.py."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from tests.deepseek_reference import (ALPHA, B, E, GROUPS, LAYERS, S, SCALE, STEPS, TOPK,
+                                      TOPK_GROUPS, V, float64_deepseek, loaded, random_model,
+                                      torch_training)
+from tests.generation import build_generator
+from tests.transformers_reference import TOL, mpipar_engine, rel, torch
+
+from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
+                                           load_selection_biases,
+                                           model_config_from_hf, read_model_config, save_hf,
+                                           support)
+from mpipar.config import ModelConfig
+from mpipar.hf import main as hf_main
+from mpipar.inference.sampling import Sampling
+from mpipar.layout import resolve_model
+from mpipar.model.params import init_params
+from mpipar.training import step as trainer
+
+
+@pytest.fixture
+def deepseek_float64(monkeypatch):
+    float64_deepseek(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek") / "deepseek"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rows") / "rows.npy"
+    np.save(path, np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1)))
+    return path
+
+
+def engine(path, rows, params=None, **fields):
+    cfg, read = load_hf(path)
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    rank = mpipar_engine(cfg, read if params is None else params, rows)
+    rank.model.routing.load(load_selection_biases(path))
+    return rank
+
+
+def mpipar_logits(rank, tokens: np.ndarray) -> np.ndarray:
+    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
+                                            np.zeros_like(tokens))
+    return cache.head.logits.reshape(tokens.shape[0], S, V)
+
+
+def transformers_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+
+
+# ----------------------------------------------------------------------------------- config
+def test_deepseek_reads_as_latent_attention_with_the_grouped_router(hf_dir, capsys):
+    cfg = read_model_config(hf_dir)
+    assert (cfg.latent_kv_rank, cfg.latent_q_rank, cfg.rope_head_dim, cfg.head_dim,
+            cfg.v_head_dim, cfg.kv_heads) == (12, 16, 4, 12, 6, 4)
+    assert (cfg.moe_router, cfg.moe_experts, cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups,
+            cfg.moe_routed_scale, cfg.moe_shared_ffn_hidden, cfg.moe_shared_gate) == \
+        ("grouped_sigmoid", E, TOPK, GROUPS, TOPK_GROUPS, SCALE, 32, False)
+    assert [cfg.is_sparse(i) for i in range(LAYERS)] == [False, True, True]
+    biases = load_selection_biases(hf_dir)
+    assert sorted(biases) == [1, 2] and biases[1].shape == (E,) and abs(biases[1]).max() > 0
+    assert hf_main(["inspect", str(hf_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "multi-head latent attention" in out and "multi-token prediction is not built" in out
+
+
+def test_multi_token_prediction_tensors_are_not_read(hf_dir, tmp_path):
+    """A released checkpoint stores its MTP module as layer num_hidden_layers: dropped."""
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(hf_dir / "model.safetensors")
+    tensors[f"model.layers.{LAYERS}.eh_proj.weight"] = np.zeros((4, 4))
+    (tmp_path / "mtp").mkdir()
+    save_file(tensors, str(tmp_path / "mtp" / "model.safetensors"))
+    (tmp_path / "mtp" / "config.json").write_text((hf_dir / "config.json").read_text())
+    assert sorted(load_hf(tmp_path / "mtp")[1]) == sorted(load_hf(hf_dir)[1])
+
+
+@pytest.mark.parametrize("change,rule", [
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}),
+     "rope_type='yarn' is not supported"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads=4"),
+    (dict(attention_bias=True), "attention_bias=True is not supported for model_type"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported"),
+    (dict(first_k_dense_replace=3), "first_k_dense_replace=3 must be below"),
+    (dict(v_head_dim=20), "v_head_dim=20 must be <= qk_nope_head_dim + qk_rope_head_dim"),
+    (dict(n_group=3), "n_group=3, topk_group=2: n_group must divide n_routed_experts=8"),
+])
+def test_what_mpipar_cannot_compute_is_refused_naming_the_field(hf_dir, change, rule):
+    raw = {**json.loads((hf_dir / "config.json").read_text()), **change}
+    problems = [s.problem for s in support(raw)[0] if s.problem]
+    with pytest.raises(Exception) as info:
+        model_config_from_hf(raw)
+    assert any(rule in p for p in problems) or rule in str(info.value), (problems, info.value)
+
+
+# ------------------------------------------------------------------- logits and training
+def test_deepseek_logits_and_training_equal_transformers(model, hf_dir, rows, tmp_path,
+                                                         deepseek_float64):
+    tokens = np.load(rows)[:B, :S]
+    model.eval()
+    rank = engine(hf_dir, rows, moe_aux_loss_coef=ALPHA)
+    _, params = load_hf(hf_dir)
+    err = rel(mpipar_logits(rank, tokens), transformers_logits(model, tokens))
+    results = [trainer.train_step(rank, k) for k in range(STEPS)]
+    trained = trainer.gather_params(rank)
+    biases = rank.model.routing.host()
+    trainer.close(rank)
+    ce, aux, norms, want = torch_training(model, np.load(rows))
+    assert sorted(trained) == sorted(want)
+    for r, c, a, n in zip(results, ce, aux, norms):
+        assert abs(r.loss - c) <= TOL * c and abs(r.grad_norm - n) <= TOL * n, (r, c, n)
+        assert abs(r.moe["moe_aux_loss"] - a) <= TOL * a, (r.moe["moe_aux_loss"], a)
+    param_diff = max(rel(v, want[n]) for n, v in trained.items())
+    moved = max(rel(trained[n], params[n]) for n in trained)
+    print(f"\ndeepseek_v3: logits rel diff {err:.2e}; after {STEPS} steps max param rel diff "
+          f"{param_diff:.2e} (moved {moved:.2e})")
+    assert err <= TOL and param_diff <= TOL and moved > 1e-3
+
+    # --export-hf: transformers loads the trained weights (nothing missing or unexpected)
+    # and computes mpipar's logits.
+    save_hf(tmp_path / "trained", load_hf(hf_dir)[0], trained, biases=biases)
+    from transformers import AutoModelForCausalLM
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float64,
+                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    again = engine(tmp_path / "trained", rows)
+    assert rel(transformers_logits(loaded(tmp_path / "trained"), tokens),
+               mpipar_logits(again, tokens)) <= TOL
+    trainer.close(again)
+
+
+def test_without_a_query_latent_the_logits_equal_transformers(tmp_path, rows, deepseek_float64):
+    plain = random_model(q_lora_rank=None)
+    plain.save_pretrained(tmp_path / "plain")
+    assert read_model_config(tmp_path / "plain").latent_q_rank == 0
+    rank = engine(tmp_path / "plain", rows)
+    tokens = np.load(rows)[:B, :S]
+    plain.eval()
+    assert rel(mpipar_logits(rank, tokens), transformers_logits(plain, tokens)) <= TOL
+    trainer.close(rank)
+
+
+def test_a_latent_model_from_the_configuration_exports_as_deepseek(tmp_path, rows,
+                                                                   deepseek_float64):
+    """Latent attention and the grouped router set in mpipar's own configuration: its
+    initialisation exported, transformers computes the same logits."""
+    cfg = resolve_model(ModelConfig(
+        vocab_size=V, hidden=32, layers=2, heads=4, kv_heads=4, head_dim=10, ffn_hidden=40,
+        latent_kv_rank=8, latent_q_rank=12, rope_head_dim=4, v_head_dim=8, norm_eps=1e-6,
+        moe_experts=4, moe_top_k=2, moe_ffn_hidden=16, moe_layers="1",
+        moe_router="grouped_sigmoid", moe_groups=2, moe_topk_groups=1, moe_routed_scale=1.5,
+        moe_shared_ffn_hidden=16))
+    params = init_params(cfg, 7, np.float64)
+    save_hf(tmp_path / "scratch", cfg, params)
+    rank = engine(tmp_path / "scratch", rows)
+    tokens = np.load(rows)[:B, :S]
+    want = transformers_logits(loaded(tmp_path / "scratch"), tokens)
+    assert rel(mpipar_logits(rank, tokens), want) <= TOL
+    trainer.close(rank)
+    softmax = ModelConfig(**{**cfg.__dict__, "moe_router": "softmax", "moe_groups": 1,
+                             "moe_topk_groups": 1})
+    with pytest.raises(HFCheckpointError, match="exported as DeepseekV3ForCausalLM"):
+        hf_config(softmax, "float64")
+
+
+# --------------------------------------------------------------------------- generation
+def test_deepseek_greedy_generation_equals_transformers(model, hf_dir, deepseek_float64):
+    cfg, params = load_hf(hf_dir)
+    generator = build_generator(cfg, MPI.COMM_SELF)
+    generator.load_params(params, load_selection_biases(hf_dir))
+    prompt, new = [5, 17, 42, 3, 50], 8
+    got = generator.generate(prompt, new, Sampling(0.0), keep_logits=True)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+        logits = model(out).logits[0, len(prompt) - 1:-1].numpy()
+    err = max(rel(a, b) for a, b in zip(got.logits, logits))
+    print(f"\ndeepseek_v3 greedy ids {got.ids}; KV-cache logits vs transformers: {err:.2e}")
+    assert got.ids == out[0, len(prompt):].tolist() and err <= TOL

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpipar.config import ModelConfig
+from mpipar.config import ModelConfig, TrainConfig
 from mpipar.data.preference import preference_pairs
 from mpipar.data.sources import DataError
 from mpipar.layout import Layout, resolve_model
+from mpipar.model.lora import Lora
+from mpipar.model.params import param_specs
 from mpipar.model.recompute import NONE, Recompute
 from mpipar.parallel.pipeline.cost import saved_peak
 from mpipar.parallel.registry import AXES
@@ -187,6 +189,16 @@ def parameter_count(model: ModelConfig) -> int:
     sparse = H * m.moe_experts * (1 + 3 * m.moe_ffn_hidden) + 3 * m.moe_shared_ffn_hidden * H \
         + m.moe_shared_gate * H - 3 * m.ffn_hidden * H
     return 2 * m.vocab_size * H + H + m.layers * block + m.sparse_layers() * sparse
+
+
+def trained_parameter_count(model: ModelConfig, train: TrainConfig) -> int:
+    """Parameters a run of ``model`` under ``train`` trains: every one, or under LoRA the
+    adapters' factors alone (the base frozen)."""
+    lora = Lora.of(train)
+    if lora is None:
+        return parameter_count(model)
+    return sum(math.prod(a.shape) for spec in param_specs(resolve_model(model))
+               for a in lora.specs(spec))
 
 
 def memory_lower_bound(layout: Layout) -> int:

@@ -44,24 +44,26 @@ def _predicted(layout) -> dict[str, Any]:
             "state": mem.state, "total": mem.total}
 
 
-def _measured(layout) -> dict[str, Any]:
-    """One process: build, step 0, then step 1 under tracemalloc (what it holds between
-    steps and the step's peak)."""
-    from mpipar.bench.memory import _traced_build_and_step
+def _measured(layout, traced: Callable[..., tuple[Any, dict]]) -> dict[str, Any]:
+    """One process: build, step 0, then step 1 under tracemalloc (``traced``: the memory
+    section's, :func:`mpipar.bench.memory._traced_build_and_step`): what it holds between
+    steps and the step's peak."""
     from mpipar.data.sources import load_tokens
     from mpipar.runtime.mpi_init import MPI
     from mpipar.training.rank import build_rank
     from mpipar.training.step import close
     source = load_tokens(None, layout.model.vocab_size, layout.train.seq_len)
-    rank, m = _traced_build_and_step(lambda: build_rank(layout, MPI.COMM_SELF, source=source))
+    rank, m = traced(lambda: build_rank(layout, MPI.COMM_SELF, source=source))
     close(rank)
     gc.collect()
     return {"resident": m["resident"], "peak": m["step_peak"], "loss": m["loss"]}
 
 
-def run_lora_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
+def run_lora_memory(args: argparse.Namespace, comm,
+                    traced: Callable[..., tuple[Any, dict]]) -> dict[str, Any]:
     """Full fine-tuning against LoRA of rank ``args.lora_rank``: measured on the given model
-    (rank 0 alone), predicted on ``args.predict_model`` too; printed side by side."""
+    (rank 0 alone, with ``traced``), predicted on ``args.predict_model`` too; printed side by
+    side."""
     from mpipar.bench.gpu import MODELS
     say = rank0_print(comm)
     small = dict(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
@@ -79,7 +81,7 @@ def run_lora_memory(args: argparse.Namespace, comm) -> dict[str, Any]:
                 layout = _config(args, model, rank, run_dir)
                 row = {"model": name, "lora_rank": rank, **_predicted(layout)}
                 if name == "measured" and comm.Get_rank() == 0:
-                    row.update(_measured(layout))
+                    row.update(_measured(layout, traced))
                 rows.append(row)
     say(f"memory: full fine-tuning against LoRA rank {args.lora_rank} on {args.lora_targets}, "
         f"one process, {args.dtype}, seq={args.seq} batch={args.batch} "

@@ -299,7 +299,7 @@ def run(args: argparse.Namespace, comm=None) -> dict[str, Any]:
         args.ffn, args.seq, args.batch, args.micro_batch = 344, 128, 2, 2
     if args.lora_rank:
         from mpipar.bench.lora_memory import run_lora_memory
-        return run_lora_memory(args, comm)
+        return run_lora_memory(args, comm, _traced_build_and_step)
     modes = [m.strip() for m in args.modes.split(",")]
     for m in modes:
         if m not in RECOMPUTE_MODES:

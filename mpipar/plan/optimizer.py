@@ -27,7 +27,8 @@ from mpipar.parallel.compression import alignment
 from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
 from mpipar.parallel.experts.split import expert_shards, expert_units
 from mpipar.parallel.placement import expert_of
-from mpipar.plan.rank import compressed_size, grid_shape, group_members, placement_table
+from mpipar.plan.rank import (compressed_size, grid_shape, group_members, owned_slice,
+                              placement_table)
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord
 from mpipar.training import muon
@@ -97,17 +98,10 @@ def parts(layout: Layout, coord: Coord) -> list[Part]:
 
 
 def _slot(layout: Layout, coord: Coord, group: str) -> int:
-    """The slice of each flat store this rank owns: its rank in the shard group, or under the
-    hierarchical ZeRO-1 reduction its node shard's place times the nodes plus its rank across
-    them (:meth:`mpipar.parallel.data_parallel.reducer.GradReducer.owned_range`)."""
-    par = layout.parallel
-    if group == "dp_sp" and par.zero == 1 and par.dp_reduce == "hierarchical":
-        intra = len(group_members(layout, "dp_sp_intra", grid_shape(layout).rank_of(coord)))
-        if intra > 1:
-            inter = len(group_members(layout, "dp_sp_inter",
-                                      grid_shape(layout).rank_of(coord)))
-            return _index(layout, coord, "dp_sp_intra") * inter + _index(layout, coord,
-                                                                           "dp_sp_inter")
+    """The slice of each flat store this rank owns: its rank in the shard group, or the dense
+    buckets' slice under ZeRO-1 (:func:`mpipar.plan.rank.owned_slice`)."""
+    if group == "dp_sp" and layout.parallel.zero == 1:
+        return owned_slice(layout, coord)
     return _index(layout, coord, group)
 
 

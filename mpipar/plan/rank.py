@@ -203,3 +203,16 @@ def node_copy(layout: Layout, coord: Coord) -> tuple[int, int] | None:
     shape = grid_shape(layout)
     return fsdp.node_copy_layout(layout.parallel, layout.train.device == "cuda", shape,
                                  nodes_of(layout), shape.rank_of(coord))
+
+
+def owned_slice(layout: Layout, coord: Coord) -> int:
+    """ZeRO-1: which of the dp x sp equal slices of each flat bucket the rank at ``coord``
+    owns: its rank in dp x sp, or under the hierarchical reduction its node's place times the
+    nodes plus its rank across them
+    (:meth:`mpipar.parallel.data_parallel.reducer.GradReducer.owned_range`)."""
+    me = grid_shape(layout).rank_of(coord)
+    intra = group_members(layout, "dp_sp_intra", me)
+    if layout.parallel.dp_reduce == "hierarchical" and len(intra) > 1:
+        inter = group_members(layout, "dp_sp_inter", me)
+        return intra.index(me) * len(inter) + inter.index(me)
+    return group_members(layout, "dp_sp", me).index(me)

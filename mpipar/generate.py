@@ -7,7 +7,10 @@
 
 The model is an mpipar checkpoint (a ``step_N`` directory, or a save directory whose ``latest``
 names one), read directly under this run's layout whatever layout saved it; or a Hugging Face
-Llama directory (``config.json`` + safetensors). The layout is ``world = tp x pp`` (``--tp``
+Llama directory (``config.json`` + safetensors). A LoRA run's checkpoint holds its adapters
+alone: it generates from the run's model, the adapters merged into the run's base (its
+``--init-from-hf``, else its seed's initialisation) as ``python -m mpipar.ckpt merge-adapter``
+merges them, every rank reading the whole. The layout is ``world = tp x pp`` (``--tp``
 defaults to the world / ``--pp``). Decoding keeps a KV cache (:mod:`mpipar.inference.generator`).
 
 Tokens: ``--tokenizer`` (a Hugging Face directory holding ``tokenizer.json``, or the file; the
@@ -197,9 +200,13 @@ def check_model(args: argparse.Namespace, cfg: Layout, kind: str, positions: int
                                raw.get("model_type", "llama"))
     from mpipar.checkpoint.directory import resolve_path
     from mpipar.checkpoint.index import read_index
-    from mpipar.checkpoint.reader import require_config_shapes
+    from mpipar.checkpoint.reader import read_config, require_config_shapes
     path = resolve_path(args.model)
     require_config_shapes(path, read_index(path))
+    if read_config(path).train.lora_rank:
+        # a LoRA run's checkpoint: every rank reads the base and merges it in float64
+        from mpipar.plan.memory import parameter_count
+        return 16 * parameter_count(cfg.model)
     return 0
 
 
@@ -220,7 +227,11 @@ def _load(generator, path: str, kind: str, comm: MPI.Comm) -> None:
         generator.load_params(load_hf(path, untie_embeddings=True)[1],
                               load_selection_biases(path))
         return
-    from mpipar.checkpoint.reader import Peers, open_reader, read_moe_bias
+    from mpipar.checkpoint.reader import Peers, open_reader, read_config, read_moe_bias
+    if read_config(path).train.lora_rank:   # the adapters alone: merged into the run's base
+        from mpipar.checkpoint.tools import merged_model
+        generator.load_params(merged_model(path)[1])
+        return
     with open_reader(path, Peers.of(comm)) as read:
         generator.load_checkpoint(read, read_moe_bias(path))
 

@@ -76,6 +76,13 @@ class Layout:
         return self.pp * self.virtual_stages
 
     @property
+    def micro_rows(self) -> int:
+        """Sequences the model runs per microbatch on one dp rank: ``micro_batch_size``
+        samples of ``train.rows_per_sample`` rows each (a DPO pair: its chosen and rejected
+        sequences)."""
+        return self.micro_batch_size * self.train.rows_per_sample
+
+    @property
     def rows_per_dp(self) -> int:
         """Sequences of the global batch one dp rank (with its sp ranks) trains per step."""
         return self.train.global_batch_size // self.dp

@@ -4,6 +4,7 @@
 memory per rank against a --budget-mb, and ZeRO-3's exposed all-gather time against its
 transfer time. ``--dtype float32,bfloat16`` measures each precision and prints the memory per
 rank side by side (bf16: half the compute copies and activations, float32 masters beside).
+``--lora-rank R``: full fine-tuning against LoRA (:mod:`mpipar.bench.lora_memory`).
 
 Figures are bytes of NumPy allocations (tracemalloc sees every one); node shared memory
 (ZeRO-3 ``--zero-shared``) is added by hand, HDF5 buffers (offload) are not counted.
@@ -296,6 +297,9 @@ def run(args: argparse.Namespace, comm=None) -> dict[str, Any]:
     if args.quick:
         args.layers, args.hidden, args.heads, args.kv_heads = 4, 128, 4, 2
         args.ffn, args.seq, args.batch, args.micro_batch = 344, 128, 2, 2
+    if args.lora_rank:
+        from mpipar.bench.lora_memory import run_lora_memory
+        return run_lora_memory(args, comm, _traced_build_and_step)
     modes = [m.strip() for m in args.modes.split(",")]
     for m in modes:
         if m not in RECOMPUTE_MODES:
@@ -407,6 +411,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "update)")
     parser.add_argument("--zero-steps", type=int, default=3,
                         help="--zero: interleaved steps timing ZeRO-3's all-gathers")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="full fine-tuning against LoRA of this rank instead of the "
+                             "recompute modes (one process; the first of --modes is used)")
+    parser.add_argument("--lora-targets",
+                        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                        help="--lora-rank: the linears with adapters")
+    parser.add_argument("--predict-model", default="",
+                        help="--lora-rank: also the planner's prediction at this shape of "
+                             "bench gpu's models (e.g. 1.1B), too large to measure here")
 
 
 SECTION = Section("memory", run, "peak memory of one training step for each --recompute mode "

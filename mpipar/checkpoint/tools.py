@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 
 from mpipar.checkpoint.directory import CheckpointError, fsync_file, require_outside, resolve_path
 from mpipar.checkpoint.index import KINDS, read_index
+from mpipar.config import Config
 from mpipar.checkpoint.reader import (ShardFiles, read_config, read_moe_bias, read_tensors,
                                       require_config_shapes, require_memory, require_sound)
 
@@ -118,17 +120,29 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None
 def merge_adapter(path: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
                   base: str | None = None) -> Path:
     """Write the model of a LoRA run's checkpoint, adapters merged into their weights as PEFT's
-    ``merge_and_unload()`` does (``W + s B A``, in float64), as a Hugging Face directory in
-    ``dtype`` (default: the training dtype). The checkpoint holds the adapters alone; the frozen
-    base is the run's: ``base`` (a Hugging Face directory), else the run's ``--init-from-hf``,
-    else its seed's initialisation. CheckpointError or ConfigError before anything is written
+    ``merge_and_unload()`` does (:func:`merged_model`), as a Hugging Face directory in ``dtype``
+    (default: the training dtype). CheckpointError or ConfigError before anything is written
     when the checkpoint is not a LoRA run's or the base does not fit it."""
+    from mpipar.checkpoint import huggingface as hf
+
+    require_outside(Path(out))
+    cfg, params, extra = merged_model(path, base)
+    hf.save_hf(out, cfg.model, params, dtype=dtype or cfg.train.dtype, extra_config=extra)
+    return Path(out)
+
+
+def merged_model(path: str | os.PathLike, base: str | None = None
+                 ) -> tuple[Config, dict[str, np.ndarray], dict[str, Any]]:
+    """(the run's configuration, its model's float64 weights with the adapters merged, ``W +
+    s B A``, and the Hugging Face config fields the base carries) of a LoRA run's checkpoint.
+    The checkpoint holds the adapters alone; the frozen base is the run's: ``base`` (a Hugging
+    Face directory), else the run's ``--init-from-hf``, else its seed's initialisation.
+    CheckpointError when the checkpoint is not a LoRA run's or the base does not fit it."""
     from mpipar.checkpoint import huggingface as hf
     from mpipar.checkpoint import peft
     from mpipar.model.lora import Lora
     from mpipar.model.params import init_params, param_specs
 
-    require_outside(Path(out))
     ckpt = resolve_path(path)
     require_sound(ckpt)
     require_config_shapes(ckpt, read_index(ckpt))
@@ -152,7 +166,5 @@ def merge_adapter(path: str | os.PathLike, out: str | os.PathLike, dtype: str | 
                                   f"{ckpt} was trained on needs {list(spec.shape)}")
     params = {**{s.name: weights[s.name] for s in param_specs(cfg.model)},
               **{n: v.astype("float64") for n, v in read_tensors(ckpt, "param").items()}}
-    hf.save_hf(out, cfg.model, peft.merge(cfg.model, lora, params),
-               dtype=dtype or cfg.train.dtype, extra_config=extra)
-    return Path(out)
+    return cfg, peft.merge(cfg.model, lora, params), extra
 

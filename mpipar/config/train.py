@@ -176,6 +176,12 @@ class TrainConfig:
                               "installed, else none")
 
     @property
+    def rows_per_sample(self) -> int:
+        """Sequences the model runs per sample of the batch: 1, or a DPO pair's 2 (its chosen
+        and rejected responses, :mod:`mpipar.training.objective`)."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
     def recompute_mode(self) -> Recompute:
         """The :class:`~mpipar.model.recompute.Recompute` mode ``recompute`` names."""
         return Recompute.named(self.recompute)

@@ -60,6 +60,10 @@ class StepRank(Protocol):
     @property
     def expert_kept_units(self) -> set[str]: ...
     @property
+    def frozen_unit_lengths(self) -> dict[str, int]: ...   # ZeRO-3 LoRA: the frozen base's
+    @property
+    def frozen_kept_units(self) -> set[str]: ...
+    @property
     def node_copy(self) -> tuple[int, int] | None: ...     # ZeRO-3 in node shared memory
     @property
     def tied(self) -> bool: ...                            # the embedding tied across pp

@@ -32,6 +32,7 @@ from mpipar.config import cli as config_cli
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
 from mpipar.layout import resolve_model
+from mpipar.plan.memory import trained_parameter_count
 from mpipar.plan.search import Candidate, Plan, plan_layouts
 from mpipar.plan.step_time import Hardware, StepDocuments, with_nodes
 
@@ -91,6 +92,7 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         f"mpipar plan: world {world}, model {m.layers} layers x {m.hidden} hidden, heads "
         f"{m.heads}/{m.kv_heads}, vocab {m.vocab_size} ({params / 1e6:.2f} M parameters), global "
         f"batch {tr.global_batch_size} x {tr.seq_len} tokens, {tr.dtype}",
+        _training_line(base),
         f"time model: FLOPs / {hw.peak_flops / 1e9:,.1f} GFLOP/s per rank ({peak_note}) + wire "
         f"bytes / link bandwidth + latency per MPI call, inside a node "
         f"{hw.intra_bandwidth / 1e9:.3g} GB/s ({link_note}) + {hw.intra_latency * 1e6:g} us, "
@@ -116,6 +118,19 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         lines += ["", f"rejected ({len(plan.rejected)}):"]
         lines += [f"  {r.layout}: {r.reason}" for r in plan.rejected]
     return "\n".join(lines) + "\n"
+
+
+def _training_line(base: Config) -> str:
+    """What trains and how: the parameters trained (under LoRA the adapters alone), the
+    optimizer, and the objective's rows (DPO: two a pair)."""
+    tr = base.train
+    trained = trained_parameter_count(base.model, tr)
+    what = (f"LoRA rank {tr.lora_rank} on {tr.lora_targets}, the base frozen"
+            if tr.lora_rank else "every parameter")
+    rows = (f"; DPO: the global batch counts pairs, {tr.rows_per_sample} rows each"
+            if tr.rows_per_sample > 1 else "")
+    return (f"training: {trained / 1e6:,.3f} M parameters train ({what}), optimizer "
+            f"{tr.optimizer}{rows}")
 
 
 def _documents_line(documents: StepDocuments, seq_len: int) -> str:

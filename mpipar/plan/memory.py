@@ -17,12 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpipar.config import ModelConfig
+from mpipar.config import ModelConfig, TrainConfig
+from mpipar.data.preference import preference_pairs
+from mpipar.data.sources import DataError
 from mpipar.layout import Layout, resolve_model
+from mpipar.model.lora import Lora
+from mpipar.model.params import param_specs
 from mpipar.model.recompute import NONE, Recompute
 from mpipar.parallel.pipeline.cost import saved_peak
 from mpipar.parallel.registry import AXES
-from mpipar.plan.rank import (expert_buckets, expert_unit_lengths,
+from mpipar.plan.optimizer import optimizer_buffer_bytes, optimizer_elements
+from mpipar.plan.rank import (expert_buckets, expert_unit_lengths, frozen_unit_lengths,
                               local_param_shapes, node_copy, placement_table, rank_ops,
                               unit_lengths)
 from mpipar.plan.traffic import PlannedStep
@@ -116,7 +121,7 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
     mode = tr.recompute_mode
     blocks = {sparse: _block_activation_bytes(layout, mode, sparse) for sparse in (False, True)}
     head = 0 if mode.offloads else _head_activation_bytes(layout)
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     weight = {c: per * blocks[False] + _sparse_in(layout, c * p + coord.pp, per)
               * (blocks[True] - blocks[False]) + (head if c * p + coord.pp == last else 0)
               + (9 * n if c * p + coord.pp == 0 else 0)              # token ids and mask
@@ -140,22 +145,36 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     flat = sum(lengths) + sum(experts)
     expert_owned = sum(L * par.ep // (layout.dp * par.sp) for L in experts)
     owned = sum(L // (layout.dp * par.sp) for L in lengths) + expert_owned
-    if par.zero:
-        optimizer = 2 * owned * g
-    else:
-        optimizer = 2 * sum(math.prod(s) for s in local_param_shapes(layout, coord).values()) * g
+    optimizer = optimizer_elements(layout, coord) * g
     masters = ((owned if par.zero else flat) * g) if prec.mixed else 0
     activations = _activation_bytes(layout, coord)
     held = [axis.held(rank) for axis in AXES]                    # every axis's buffers
-    buffers, residuals = (sum(h.buffers for h in held), sum(h.residuals for h in held))
+    buffers = sum(h.buffers for h in held) + optimizer_buffer_bytes(layout, coord)
+    residuals = sum(h.residuals for h in held)
+    frozen = _frozen_bytes(layout, coord)
     if par.zero < 2:
-        return MemoryEstimate(flat * e, flat * g, optimizer, activations, buffers, residuals,
-                              masters)
+        return MemoryEstimate(flat * e + frozen, flat * g, optimizer, activations, buffers,
+                              residuals, masters)
     copy = node_copy(layout, coord)
     weights = (flat if par.zero == 2 else owned if copy is None     # its part of the node's
                else sum(L // copy[0] for L in lengths) + expert_owned) * e   # copy; experts
-    return MemoryEstimate(weights, owned * g, optimizer, activations, buffers, residuals,
-                          masters)
+    return MemoryEstimate(weights + frozen, owned * g, optimizer, activations, buffers,
+                          residuals, masters)
+
+
+def _frozen_bytes(layout: Layout, coord: Coord) -> int:
+    """LoRA's frozen base on the rank at ``coord``, in the compute dtype and with no master,
+    gradient or optimizer state: its tp shards whole, or at ZeRO-3 its slices of the base's
+    units (:func:`mpipar.plan.rank.frozen_unit_lengths`); 0 without LoRA."""
+    table = placement_table(layout)
+    if table.lora is None:
+        return 0
+    e = _precision(layout).compute_bytes
+    if layout.parallel.zero == 3:
+        n = layout.dp * layout.parallel.sp
+        return e * sum(L // n for L in frozen_unit_lengths(layout, coord).values())
+    return e * sum(math.prod(s) for n, s in local_param_shapes(layout, coord).items()
+                   if not table[n].trainable)
 
 
 def parameter_count(model: ModelConfig) -> int:
@@ -172,12 +191,24 @@ def parameter_count(model: ModelConfig) -> int:
     return 2 * m.vocab_size * H + H + m.layers * block + m.sparse_layers() * sparse
 
 
+def trained_parameter_count(model: ModelConfig, train: TrainConfig) -> int:
+    """Parameters a run of ``model`` under ``train`` trains: every one, or under LoRA the
+    adapters' factors alone (the base frozen)."""
+    lora = Lora.of(train)
+    if lora is None:
+        return parameter_count(model)
+    return sum(math.prod(a.shape) for spec in param_specs(resolve_model(model))
+               for a in lora.specs(spec))
+
+
 def memory_lower_bound(layout: Layout) -> int:
     """Bytes the busiest rank of ``layout`` needs at least: its share of the weights and
-    gradients, ``(weight + gradient bytes) x parameters / (tp x pp)`` (of the experts, 1/ep).
+    gradients, ``(weight + gradient bytes) x parameters / (tp x pp)`` (of the experts, 1/ep;
+    under LoRA the weights' bytes alone).
     Cheap for any size, so absurd models are refused before :func:`predict_peak_memory` lists their parameters."""
     prec, m = _precision(layout), layout.model
-    e = prec.compute_bytes + prec.master_bytes
+    # LoRA: the frozen base, most of the weights, has no gradient or master
+    e = prec.compute_bytes + (prec.master_bytes if layout.train.lora_rank == 0 else 0)
     experts = m.sparse_layers() * m.moe_experts * 3 * m.moe_ffn_hidden * m.hidden
     held = parameter_count(m) - experts + experts // layout.parallel.ep   # at most 1/ep of them
     return e * held // (layout.tp * layout.pp)
@@ -208,9 +239,22 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
                       *expert_unit_lengths(layout, coord).values()]) * e
     initialising = shards + largest * (8 + 2 * e)
     building = shards + mem.state + mem.residuals
-    rows = tr.global_batch_size // layout.dp
+    rows = tr.global_batch_size // layout.dp * tr.rows_per_sample
     tokens = 8 * rows * (3 * (tr.seq_len + 1) + 2 * (tr.seq_len // par.sp))
-    return max(initialising, building, mem.total + tokens)
+    return max(initialising, building, mem.total + tokens + _reference_bytes(layout))
+
+
+def _reference_bytes(layout: Layout) -> int:
+    """DPO: the reference log-probabilities every rank keeps, float64 for each row of the
+    training pairs (:class:`mpipar.training.objective.Preference`); 0 otherwise, or where the
+    pairs' file cannot be read (the run's rules refuse it before it starts)."""
+    tr = layout.train
+    if tr.rows_per_sample == 1:
+        return 0
+    try:
+        return 8 * tr.rows_per_sample * preference_pairs(tr.data, tr.seq_len)
+    except (DataError, OSError):
+        return 0
 
 
 def generation_lower_bound(layout: Layout, positions: int) -> int:

@@ -17,6 +17,7 @@ import math
 
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
+from mpipar.model.lora import Lora
 from mpipar.parallel.compression import alignment
 from mpipar.parallel.data_parallel.cost import compressed_over, compresses, reduction_buckets
 from mpipar.parallel.experts.cost import expert_bucket_lengths
@@ -28,18 +29,19 @@ from mpipar.runtime.topology import Coord, GridShape, NodeMap
 
 
 @functools.lru_cache(maxsize=64)
-def _table(model: tuple, pp: int, v: int, ep: int) -> PlacementTable:
+def _table(model: tuple, pp: int, v: int, ep: int, lora: Lora | None) -> PlacementTable:
     """The placement table of the resolved model whose field values are ``model`` (cached)."""
-    return PlacementTable(model=ModelConfig(*model), pp=pp, virtual_stages=v, ep=ep)
+    return PlacementTable(model=ModelConfig(*model), pp=pp, virtual_stages=v, ep=ep, lora=lora)
 
 
 def placement_table(layout: Layout) -> PlacementTable:
     """The placement of every parameter of ``layout``'s model on its pipeline, the experts
     sharded over ep where they are (:func:`mpipar.parallel.experts.split.expert_shards`; a rank
-    holds as many as ep position 0's) (cached)."""
+    holds as many as ep position 0's), with LoRA's adapters beside their frozen weights
+    (cached)."""
     m = layout.model     # its field values (all hashable scalars) are the cache's key
     return _table(tuple(getattr(m, f.name) for f in dataclasses.fields(m)), layout.pp,
-                  layout.virtual_stages, expert_shards(layout))
+                  layout.virtual_stages, expert_shards(layout), Lora.of(layout.train))
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,7 +120,8 @@ def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
     bucket of the rank at ``coord`` (:func:`mpipar.parallel.data_parallel.cost.reduction_buckets`)."""
     table = placement_table(layout)
     order = [(n, s) for n, s in reversed(list(local_param_shapes(layout, coord).items()))
-             if table.ep == 1 or expert_of(n) is None]      # sharded experts: their own buckets
+             if (table.ep == 1 or expert_of(n) is None)     # sharded experts: their own buckets
+             and table[n].trainable]                        # LoRA's frozen base: none
     tied = {i for i, (n, _) in enumerate(order) if table[n].tied_across_pipeline}
     align = alignment(layout.parallel.grad_compression) if compressed_size(layout) > 1 else 1
     return reduction_buckets(layout, [math.prod(s) for _, s in order], tied, align)
@@ -165,6 +168,25 @@ def expert_unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
     return _lengths(layout, coord, True)
 
 
+def frozen_unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
+    """ZeRO-3 under LoRA: elements of each unit of the frozen base of the rank at ``coord``
+    (sharded over dp x sp apart from the adapters, :meth:`PlacementTable.units`); else none
+    (below ZeRO-3 a rank holds its base whole)."""
+    table = placement_table(layout)
+    if layout.parallel.zero < 3 or table.lora is None:
+        return {}
+    elements = {n: math.prod(s) for n, s in local_param_shapes(layout, coord).items()}
+    return fsdp_cost.unit_lengths(layout, table.units(coord.pp, False), elements)
+
+
+def frozen_kept_units(layout: Layout, coord: Coord) -> set[str]:
+    """ZeRO-3 under LoRA: the frozen base's units gathered from their forward to their
+    backward (:func:`mpipar.parallel.fsdp.sharded.kept_after_forward`)."""
+    units = placement_table(layout).units(coord.pp, False)
+    return fsdp.kept_after_forward([[u for u, _ in chunk] for chunk in units],
+                                   layout.parallel.zero_prefetch)
+
+
 def kept_units(layout: Layout, coord: Coord, experts: bool = False) -> set[str]:
     """ZeRO-3: the dense (or ``experts``') units of the rank at ``coord`` gathered from their
     forward to their backward (:func:`mpipar.parallel.fsdp.sharded.kept_after_forward`)."""
@@ -181,3 +203,16 @@ def node_copy(layout: Layout, coord: Coord) -> tuple[int, int] | None:
     shape = grid_shape(layout)
     return fsdp.node_copy_layout(layout.parallel, layout.train.device == "cuda", shape,
                                  nodes_of(layout), shape.rank_of(coord))
+
+
+def owned_slice(layout: Layout, coord: Coord) -> int:
+    """ZeRO-1: which of the dp x sp equal slices of each flat bucket the rank at ``coord``
+    owns: its rank in dp x sp, or under the hierarchical reduction its node's place times the
+    nodes plus its rank across them
+    (:meth:`mpipar.parallel.data_parallel.reducer.GradReducer.owned_range`)."""
+    me = grid_shape(layout).rank_of(coord)
+    intra = group_members(layout, "dp_sp_intra", me)
+    if layout.parallel.dp_reduce == "hierarchical" and len(intra) > 1:
+        inter = group_members(layout, "dp_sp_inter", me)
+        return intra.index(me) * len(inter) + inter.index(me)
+    return group_members(layout, "dp_sp", me).index(me)

@@ -27,7 +27,9 @@ from mpipar.model.params import EMBED
 from mpipar.parallel.calls import Call
 from mpipar.parallel.fsdp.cost import unit_passes
 from mpipar.parallel.registry import AXES
-from mpipar.plan.rank import (expert_unit_lengths, gradient_buckets, grid_shape,
+from mpipar.plan.optimizer import optimizer_calls
+from mpipar.plan.rank import (expert_unit_lengths, frozen_kept_units, frozen_unit_lengths,
+                              gradient_buckets, grid_shape,
                               group_members, group_sizes, kept_units, node_copy, nodes_of,
                               placement_table, rank_ops, rank_stages, unit_lengths)
 from mpipar.runtime import allreduce
@@ -99,6 +101,14 @@ class PlannedStep:
         return kept_units(self.layout, self.coord, True)
 
     @functools.cached_property
+    def frozen_unit_lengths(self) -> dict[str, int]:
+        return frozen_unit_lengths(self.layout, self.coord)
+
+    @functools.cached_property
+    def frozen_kept_units(self) -> set[str]:
+        return frozen_kept_units(self.layout, self.coord)
+
+    @functools.cached_property
     def node_copy(self) -> tuple[int, int] | None:
         return node_copy(self.layout, self.coord)
 
@@ -118,12 +128,14 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
     train = eval_batches == 0
     rank = PlannedStep(layout, coord, train, eval_batches, documents)
     calls = [call for axis in AXES for call in axis.calls(rank)]
-    return [c for c in calls + _scalar_calls(layout, train) if c.count]
+    calls += optimizer_calls(layout, coord) if train else []
+    return [c for c in calls + _scalar_calls(layout, coord, train) if c.count]
 
 
-def _scalar_calls(layout: Layout, train: bool) -> list[Call]:
+def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
     """The engine's reductions of a number: the loss over dp x sp, and in a training step the
-    gradient norm's sum of squares over dp x sp (ZeRO: over the slices) and over tp x pp."""
+    gradient norm's sum of squares over dp x sp (ZeRO: over the slices) and over tp x pp; a
+    DPO step's rewards and accuracy over dp x sp, then sent from the last pipeline stage."""
     par = layout.parallel
     calls = []
     if layout.dp * par.sp > 1:
@@ -132,6 +144,10 @@ def _scalar_calls(layout: Layout, train: bool) -> list[Call]:
             calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
     if train and par.tp * par.pp > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
+    if train and layout.train.rows_per_sample > 1:   # DPO's rewards and accuracy (3 floats)
+        calls += [Call("dp_sp", "allreduce", 24)] if layout.dp * par.sp > 1 else []
+        calls += [Call("pp", "bcast", 24 if coord.pp == par.pp - 1 else 0)] \
+            if par.pp > 1 else []
     m = layout.config.model
     if train and m.moe_experts:  # balance loss, loads, drops (training.step._moe_stats), float64
         n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * (m.moe_experts + 1))

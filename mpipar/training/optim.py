@@ -313,14 +313,31 @@ class ZeroAdamW:
         self.reducer, self.cfg, self.decay = reducer, cfg, decay
         self.skip = frozenset(skip)   # parameters another optimizer updates (Muon's matrices)
         xp = reducer.xp
+        self._index = {id(b): i for i, b in enumerate(reducer.buckets)}
         self.m = [xp.zeros_like(b.owned_grad) for b in reducer.buckets]
-        self.v = [xp.zeros_like(b.owned_grad) for b in reducer.buckets]
+        # The second moment of the elements AdamW updates: the whole owned slice, or beside
+        # ``skip`` parameters (whose optimizer keeps the first moment only) just the rest's.
+        self._v_at: dict[tuple[int, int], int] = {}
+        if self.skip:
+            sizes = [0] * len(reducer.buckets)
+            for b, name, lo, hi in reducer.owned_pieces():
+                if name not in self.skip:
+                    i = self._index[id(b)]
+                    self._v_at[i, lo] = sizes[i] - lo
+                    sizes[i] += hi - lo
+            self.v = [xp.zeros(k, b.owned_grad.dtype) for k, b in zip(sizes, reducer.buckets)]
+        else:
+            self.v = [xp.zeros_like(b.owned_grad) for b in reducer.buckets]
         self.catch_up = catch_up
         self.idle = ([xp.zeros_like(b.owned_grad) for b in reducer.buckets]
                      if catch_up is not None else [])
-        self._index = {id(b): i for i, b in enumerate(reducer.buckets)}
         self.step_count = 0
         self.grad_scale = 1.0
+
+    def _second(self, i: int, lo: int, hi: int) -> Any:
+        """The second moment of owned slice ``[lo, hi)`` of bucket ``i`` (a parameter's piece)."""
+        shift = self._v_at.get((i, lo), 0)
+        return self.v[i][lo + shift:hi + shift]
 
     def first_moment(self, b, lo: int, hi: int) -> Any:
         """The first-moment view of owned slice ``[lo, hi)`` of bucket ``b``: the state a
@@ -349,7 +366,7 @@ class ZeroAdamW:
             i = self._index[id(b)]
             wd = c.weight_decay if self.decay[name] else 0.0
             _adamw_step(b.owned[lo:hi], b.owned_grad[lo:hi], self.m[i][lo:hi],
-                        self.v[i][lo:hi], self.idle[i][lo:hi] if sparse else None,
+                        self._second(i, lo, hi), self.idle[i][lo:hi] if sparse else None,
                         self.step_count, lr, c, wd, scale)
         red.gather_params()
 
@@ -364,7 +381,7 @@ class ZeroAdamW:
     def state(self) -> Iterator[StatePiece]:
         for i, name, lo, hi, start in self._pieces():
             yield "exp_avg", name, start, start + hi - lo, self.m[i][lo:hi]
-            yield "exp_avg_sq", name, start, start + hi - lo, self.v[i][lo:hi]
+            yield "exp_avg_sq", name, start, start + hi - lo, self._second(i, lo, hi)
             if self.catch_up is not None:
                 yield IDLE, name, start, start + hi - lo, self.idle[i][lo:hi]
 
@@ -375,8 +392,10 @@ class ZeroAdamW:
             arr.fill(0)
         held = [(IDLE, self.idle)] if self.idle and IDLE in kinds else []
         for i, name, lo, hi, start in self._pieces():
-            for kind, moments in (("exp_avg", self.m), ("exp_avg_sq", self.v), *held):
-                moments[i][lo:hi] = xp.asarray(local(kind, name).reshape(-1)[start:start + hi - lo])
+            views = [("exp_avg", self.m[i][lo:hi]), ("exp_avg_sq", self._second(i, lo, hi)),
+                     *((kind, arrays[i][lo:hi]) for kind, arrays in held)]
+            for kind, view in views:
+                view[...] = xp.asarray(local(kind, name).reshape(-1)[start:start + hi - lo])
         self.step_count = int(step)
 
 

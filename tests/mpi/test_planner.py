@@ -23,11 +23,59 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(model="tied", dp=2, sp=2, pp=2, zero=3, zero_prefetch=2, recompute="full"),
          dict(dp=2, tp=2, pp=2, zero=3, zero_shared="node", schedule="zb-h1"),
          dict(dp=4, pp=2, zero=3, zero_shared="node", ranks_per_node=2),
-         dict(model="qwen3", tp=2, pp=2, dp=2, recompute="selective")]
+         dict(model="qwen3", tp=2, pp=2, dp=2, recompute="selective"),
+         # LoRA: the adapters alone reduced and updated, the frozen base sharded and gathered;
+         # DPO: two rows a pair; Muon: one momentum per matrix, its exchanges over dp x sp and tp
+         dict(dp=2, tp=2, pp=2, zero=3, train=dict(lora_rank=2, lora_alpha=4.0)),
+         dict(dp=2, tp=2, pp=2, train=dict(objective="dpo")),
+         dict(dp=4, tp=2, zero=1, bucket_mb=0.003, train=dict(optimizer="muon"))]
+
+
+def _pairs_file() -> str:
+    """Preference pairs of the test model's vocabulary for its 16-token rows (this rank's
+    copy: every rank writes the same)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    from layouts import VOCAB
+    from mpipar.data.preference import prepare_preference
+    rng = np.random.default_rng(5)
+    root = Path(tempfile.mkdtemp(prefix="mpipar-pairs-"))
+    lines = [json.dumps({k: rng.integers(1, VOCAB, rng.integers(2, 7)).tolist()
+                         for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
+             for _ in range(8)]
+    (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare_preference(root / "pairs.jsonl", root / "pairs.h5", 16)
+    return str(root / "pairs.h5")
+
+
+def _moments(opt, zero: int) -> int:
+    """Bytes of the optimizer's state: AdamW's moments, and under Muon its momentum buffers
+    (ZeRO-1/2/3: held in AdamW's first moment)."""
+    if hasattr(opt, "rest"):
+        own = sum(q.buf.nbytes for q in opt.pieces.values()) if not zero else 0
+        return own + _moments(opt.rest, zero)
+    if zero:
+        return sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v)
+    return sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values())
+
+
+def _frozen_bytes(frozen) -> int:
+    """Bytes of LoRA's frozen base on a rank: its tensors, or at ZeRO-3 its owned slices."""
+    if frozen is None:
+        return 0
+    if hasattr(frozen, "units"):
+        return sum(u.owned.nbytes for u in frozen.units.values())
+    return sum(v.nbytes for v in frozen.params.values())
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("case", CASES, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=["-".join(
+    f"{k}{v}" if k != "train" else "-".join(f"{a}{b}" for a, b in v.items())
+    for k, v in c.items())
+    for c in CASES])
 def test_state_memory_and_messages_equal_the_engine(world, case):
     """Weights, gradients and AdamW moments are the engine's buffers byte for byte; the MPI
     calls per group are the ledger's, and so are the bytes (recompute=full repeats forward
@@ -37,24 +85,31 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
 
     case = dict(case)
     recompute = case.pop("recompute", "none")
+    train = case.pop("train", {})
     cfg = small_config(case.pop("dtype", "float64"), **case)
     cfg.train.recompute = recompute
+    for name, value in train.items():
+        setattr(cfg.train, name, value)
+    if cfg.train.objective == "dpo":
+        cfg.train.data = _pairs_file()
     cfg = validate(cfg, 8)
     with rank_failures(world) as fails:
-        eng = build_rank(cfg, world, source=token_source())
+        eng = build_rank(cfg, world, source=None if cfg.train.data else token_source())
+        if eng.data.preference is not None:    # the reference pass before step 0's
+            eng.data.preference.reference = trainer.reference_logps(eng)
         mem = predict_memory(cfg, eng.coord)
         buckets = eng.weights.reducer.buckets
-        opt = eng.weights.optimizer
-        moments = (sum(a.nbytes for a in opt.m) + sum(a.nbytes for a in opt.v) if cfg.parallel.zero
-                   else sum(a.nbytes for a in opt.m.values()) + sum(a.nbytes for a in opt.v.values()))
+        moments = _moments(eng.weights.optimizer, cfg.parallel.zero)
+        frozen = _frozen_bytes(eng.weights.frozen)
         if cfg.parallel.zero >= 2:   # units: this rank's slices (ZeRO-2: the whole parameters;
             # node shared: its part of the node's copy)
-            weights = (eng.weights.sharded.shared_bytes if eng.weights.sharded.shared else
+            store = eng.weights.reducer      # the trained units (under LoRA, the adapters')
+            weights = (store.shared_bytes if store.shared else
                        sum((b.owned if cfg.parallel.zero == 3 else b.full).nbytes for b in buckets))
-            got = (weights, sum(b.owned_grad.nbytes for b in buckets), moments)
+            got = (weights + frozen, sum(b.owned_grad.nbytes for b in buckets), moments)
         else:
-            got = (sum(b.params.nbytes for b in buckets), sum(b.grads.nbytes for b in buckets),
-                   moments)
+            got = (sum(b.params.nbytes for b in buckets) + frozen,
+                   sum(b.grads.nbytes for b in buckets), moments)
         if got != (mem.weights, mem.grads, mem.optimizer):
             fails.append(f"{eng.coord}: engine {got} != predicted "
                          f"{(mem.weights, mem.grads, mem.optimizer)}")
@@ -70,7 +125,8 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
             fails.append(f"{eng.coord}: ledger bytes {eng.ledger.bytes_by_group()} != "
                          f"predicted {predict_step_bytes(cfg, eng.coord)}")
         if cfg.parallel.zero >= 2:   # the buffers a step needed at once stay in the pool
-            pooled = sum(b.nbytes for bufs in eng.weights.sharded.pool.free.values() for b in bufs)
+            pooled = sum(b.nbytes for bufs in eng.weights.reducer.pool.free.values()
+                         for b in bufs)
             if not 0 < pooled <= mem.buffers:
                 fails.append(f"{eng.coord}: pool {pooled} B, bound {mem.buffers} B")
         trainer.close(eng)

@@ -187,9 +187,32 @@ def test_merge_adapter_command_equals_merge_and_unload(lora_dirs, samples, float
     assert sorted(ours) == sorted(n.removeprefix("model.") for n in theirs)
     assert max(rel(v, theirs["model." + n if n != "lm_head.weight" else n].numpy())
                for n, v in ours.items()) <= TOL
+    # python -m mpipar.generate on the LoRA run's checkpoint is the merged model's
+    (ids, logits), (want_ids, want) = _generated(tmp_path / "ck"), _generated(tmp_path / "m")
+    assert ids == want_ids and rel(logits, want) <= TOL
     capsys.readouterr()
     for args, match in [([str(tmp_path / "run")], "index.h5: missing"),
                         ([str(tmp_path / "ck"), "--base", str(adapter)], "config.json")]:
         assert ckpt(["merge-adapter", *args, "--out", str(tmp_path / "bad")]) == 2
         assert match in capsys.readouterr().err
         assert not (tmp_path / "bad").exists()
+
+
+def _generated(model) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens after a fixed prompt and the logits each was picked from, in float64, of
+    a model ``python -m mpipar.generate`` reads (an mpipar checkpoint or a Hugging Face
+    directory), loaded as it loads them."""
+    from mpi4py import MPI
+    from mpipar import generate
+    from mpipar.config import ParallelConfig
+    from mpipar.inference.generator import Generator
+    from mpipar.inference.sampling import Sampling
+    model_cfg, _, kind = generate.read_model(str(model))
+    cfg = validate(Config(model_cfg, ParallelConfig(), TrainConfig(
+        seq_len=1, global_batch_size=1, micro_batch_size=1, dtype="float64",
+        backend="numpy")), 1)
+    generator = Generator(cfg, MPI.COMM_SELF)
+    generate._load(generator, str(model), kind, MPI.COMM_SELF)
+    out = generator.generate([3, 1, 4], 3, Sampling(temperature=0.0), keep_logits=True)
+    generator.close()
+    return out.ids, np.stack([np.asarray(v) for v in out.logits])

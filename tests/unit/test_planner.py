@@ -39,6 +39,32 @@ def test_default_model_state_by_hand():
     assert mem.optimizer == 2 * 803_968 * 4                      # AdamW m and v
 
 
+def test_muon_and_lora_state_by_hand():
+    """Muon keeps one momentum buffer for each block matrix and AdamW's two moments for the
+    rest (as the one-process engine holds them); LoRA of rank 2 on every linear: the frozen
+    base's compute copy, and gradients and moments of the adapters alone."""
+    from mpi4py import MPI
+    from mpipar.training.rank import build_rank
+    m = resolve_model(Config().model)
+    n, q, kv = _params(m), m.heads * m.head_dim, m.kv_heads * m.head_dim
+    matrices = m.layers * (2 * m.hidden * q + 2 * m.hidden * kv + 3 * m.hidden * m.ffn_hidden)
+    cfg = validate(Config(train=TrainConfig(optimizer="muon")), 1)
+    mem = predict_memory(cfg, Coord(0, 0, 0, 0))
+    assert mem.optimizer == (2 * (n - matrices) + matrices) * 4
+    rank = build_rank(cfg, MPI.COMM_SELF)
+    opt = rank.weights.optimizer
+    held = sum(a.nbytes for a in (*opt.rest.m.values(), *opt.rest.v.values(),
+                                  *(p.buf for p in opt.pieces.values())))
+    assert held == mem.optimizer
+    r = 2
+    adapters = m.layers * r * (2 * m.hidden + q + m.hidden + 2 * (m.hidden + kv)
+                               + 2 * (m.hidden + m.ffn_hidden) + m.ffn_hidden + m.hidden)
+    cfg = validate(Config(train=TrainConfig(lora_rank=r)), 1)
+    mem = predict_memory(cfg, Coord(0, 0, 0, 0))
+    assert (mem.weights, mem.grads, mem.optimizer) == ((n + adapters) * 4, adapters * 4,
+                                                       2 * adapters * 4)
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_zero_shards_the_moments_over_dp(zero):
     cfg = validate(Config(parallel=ParallelConfig(dp=8, zero=zero)), 8)

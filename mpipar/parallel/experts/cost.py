@@ -31,12 +31,12 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
     sparse = sum(1 for i in layers if m.is_sparse(i))
     forwards = passes * t.recompute_mode.forward_runs(train)
     dt = element_bytes(Precision.of(t, p).compute)
-    tokens = layout.micro_batch_size * (t.seq_len // p.sp)
+    tokens = layout.micro_rows * (t.seq_len // p.sp)
     blocks = (t.seq_len // block_length(SeqLayout(t.seq_len, p.sp, p.sp_split,
                                                   min_chunk=p.sp_min_chunk))
               if m.moe_capacity_factor and p.sp > 1 else 1)
     stats = element_bytes(Precision.of(t, p).master)   # the router's dtype: float32 under bf16
-    calls = [Call("sp", "allreduce", blocks * layout.micro_batch_size * m.moe_experts * stats,
+    calls = [Call("sp", "allreduce", blocks * layout.micro_rows * m.moe_experts * stats,
                   sparse * forwards)] if p.sp > 1 else []
     if p.ep > 1:
         rows = tokens * m.moe_top_k * (p.ep - 1) // p.ep
@@ -125,7 +125,7 @@ def expert_record_bytes(layout: Layout) -> int:
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes
-    B, n, H, K, E = tr.micro_batch_size, tr.micro_batch_size * (tr.seq_len // par.sp), \
+    B, n, H, K, E = layout.micro_rows, layout.micro_rows * (tr.seq_len // par.sp), \
         m.hidden, m.moe_top_k, m.moe_experts
     A = n * K
     routed = (A * H + 3 * A * m.moe_ffn_hidden + n * K * H) * e + A * 8 * (1 + (par.ep > 1))
@@ -140,7 +140,7 @@ def expert_footprint(layout: Layout, mode: Recompute) -> Footprint:
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     record = expert_record_bytes(layout)
     if not mode.keeps_field("h2"):
         record += m.hidden * n * e

@@ -10,11 +10,19 @@ from mpipar.parallel.fsdp.rule import check_config
 
 
 def _sharded_traffic(rank: StepRank) -> list[Call]:
+    """The trained units' calls, then (LoRA at ZeRO-3) the frozen base's gathers; a pass
+    enters only the units a store holds."""
     if rank.layout.parallel.zero < 2:
         return []
-    return sharded_calls(rank.layout, lengths=rank.unit_lengths, entered=rank.entered,
-                         kept=rank.kept_units, copy=rank.node_copy, tied=rank.tied,
-                         passes=rank.passes, backward=rank.train)
+    calls = []
+    for lengths, kept, frozen in ((rank.unit_lengths, rank.kept_units, False),
+                                  (rank.frozen_unit_lengths, rank.frozen_kept_units, True)):
+        entered = [(u, k) for u, k in rank.entered if u in lengths]
+        if entered:
+            calls += sharded_calls(rank.layout, lengths=lengths, entered=entered, kept=kept,
+                                   copy=None if frozen else rank.node_copy, tied=rank.tied,
+                                   passes=rank.passes, backward=rank.train, frozen=frozen)
+    return calls
 
 
 FSDP = AxisUnit("fsdp", check_config, _sharded_traffic, holds=sharded_held)

@@ -60,7 +60,7 @@ def unit_passes(layout: Layout, pp_rank: int, ops: list[Op],
 def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tuple[str, int]],
                   kept: Collection[str], copy: tuple[int, int] | None, tied: bool,
                   passes: int, backward: bool, group: str = "dp_sp",
-                  shards: int = 0) -> list[Call]:
+                  shards: int = 0, frozen: bool = False) -> list[Call]:
     """ZeRO-2/3's calls of a rank whose units have ``lengths`` elements (:func:`unit_lengths`)
     and whose passes enter ``entered`` (:func:`unit_passes`); ``kept``: the units it keeps
     gathered from forward to backward (:func:`kept_after_forward`), ``copy``: where ZeRO-3
@@ -76,7 +76,8 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
     gathering, an all-gather of each unit a forward enters. Parameters travel as compute
     copies, gradients in the reduce dtype, the tied slice in the masters'. ``group`` (of
     ``shards`` ranks): what the units are sharded over (default dp x sp; the experts' units:
-    ``ep_dp``, :func:`mpipar.parallel.experts.cost.expert_unit_calls`)."""
+    ``ep_dp``, :func:`mpipar.parallel.experts.cost.expert_unit_calls`). ``frozen``: LoRA's
+    frozen base at ZeRO-3, gathered as the trained units are and never reduced."""
     prec = Precision.of(layout.train, layout.parallel)
     n, g = shards or layout.dp * layout.parallel.sp, group
     e = prec.compute_bytes
@@ -85,10 +86,10 @@ def sharded_calls(layout: Layout, *, lengths: dict[str, int], entered: list[tupl
         return [Call(g, "iallgather", lengths[u] // n * e, passes)
                 for u, _ in entered] if gathering else []
     micro = layout.microbatches
-    calls = [Call(g, "ireduce_scatter", lengths[u] * prec.reduce_bytes, k)
-             for u, k in entered]
+    calls = [] if frozen else [Call(g, "ireduce_scatter", lengths[u] * prec.reduce_bytes, k)
+                               for u, k in entered]
     calls += [Call("pp_ends", "allreduce", lengths["embed"] // n * prec.master_bytes)] \
-        if tied and "embed" in lengths else []
+        if tied and "embed" in lengths and not frozen else []
     if copy is not None:  # no gathers: the update's slices published with one barrier
         if copy[1] == 1:
             return calls + [Call("dp_sp", "barrier", 0)]

@@ -19,7 +19,7 @@ def pipeline_calls(layout: Layout, coord: Coord, shape: GridShape, stages: list[
     each with its receive on the other side; and the loss broadcast from the last stage."""
     m, par, tr = layout.model, layout.parallel, layout.train
     p, last = layout.pp, layout.stages - 1
-    tokens = layout.micro_batch_size * (tr.seq_len // par.sp)
+    tokens = layout.micro_rows * (tr.seq_len // par.sp)
     act = tokens * m.hidden * element_bytes(tr.dtype) // (par.tp if par.tp_sequence_parallel
                                                           else 1)
     outgoing = sum(s < last for s in stages) * passes       # activations to the next stage
@@ -50,5 +50,5 @@ def message_bytes(layout: Layout) -> int:
     """Bytes of the activations one microbatch sends between stages, as the time model books a
     pipeline hop: ``[B, S/sp, H]`` in the activations' dtype."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     return n * m.hidden * element_bytes(tr.dtype)

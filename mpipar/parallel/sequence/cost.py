@@ -41,7 +41,7 @@ def sequence_footprint(layout: Layout, mode: Recompute) -> Footprint:
     :meth:`~mpipar.parallel.sequence.mode.SequenceMode.saved_bytes`)."""
     m, par, tr = layout.model, layout.parallel, layout.train
     e = Precision.of(tr, par).compute_bytes
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     q, kv = m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim
     sp_mode = sequence_mode(par)
     inputs = n * e if par.sp == 1 or sp_mode.keeps_inputs else 0

@@ -209,7 +209,7 @@ class HaloMode(SequenceMode):
         seq = SeqLayout(tr.seq_len, par.sp, par.sp_split)
         rows = max(sum(len(p) for p in halo_plan(seq, r, w).recv.values())
                    for r in range(par.sp) for w in set(m.windows()))
-        return 2 * rows * tr.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim \
+        return 2 * rows * layout.micro_rows * (m.kv_heads // par.tp) * m.head_dim \
             * Precision.of(tr, par).compute_bytes
 
     def key_blocks(self, seq: SeqLayout, window: int) -> int:

@@ -53,7 +53,7 @@ class SequenceTraffic:
 
     def _elements(self) -> int:
         m, par = self.layout.model, self.layout.parallel
-        return self.layout.micro_batch_size * (m.kv_heads // par.tp) * m.head_dim
+        return self.layout.micro_rows * (m.kv_heads // par.tp) * m.head_dim
 
     @property
     def row(self) -> int:
@@ -69,7 +69,7 @@ class SequenceTraffic:
     def q(self) -> int:
         """Bytes of this rank's q ``[B, S/sp, hq/tp, D]``."""
         m, par = self.layout.model, self.layout.parallel
-        return (self.layout.micro_batch_size * self.s_loc * (m.heads // par.tp) * m.head_dim
+        return (self.layout.micro_rows * self.s_loc * (m.heads // par.tp) * m.head_dim
                 * Precision.of(self.layout.train, par).compute_bytes)
 
     def split(self) -> SeqLayout:

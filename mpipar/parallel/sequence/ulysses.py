@@ -143,7 +143,7 @@ class UlyssesMode(SequenceMode):
         """Its all-to-all'ed copies of q, k, v and of the output (the block's own q, k, v are
         not kept: :attr:`keeps_inputs`)."""
         m, par, tr = layout.model, layout.parallel, layout.train
-        n = tr.micro_batch_size * (tr.seq_len // par.sp)
+        n = layout.micro_rows * (tr.seq_len // par.sp)
         q, kv = m.heads // par.tp * m.head_dim, m.kv_heads // par.tp * m.head_dim
         return (2 * q + 2 * kv) * n * Precision.of(tr, par).compute_bytes
 

@@ -2,15 +2,19 @@
 and time terms (what a block and the LM head keep on a tp rank; their FLOPs on it)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from mpipar.layout import Layout
 from mpipar.model.flops import block_flops_per_token
+from mpipar.model.lora import Lora, factor_of
+from mpipar.model.params import block_param_specs
 from mpipar.model.recompute import Recompute
 from mpipar.parallel.axis import Footprint
 from mpipar.parallel.calls import Call
 from mpipar.parallel.pipeline.schedule import schedule_of
-from mpipar.parallel.placement import padded_vocab
+from mpipar.parallel.placement import (TENSOR_PARALLEL_PLAN, adapter_roles, padded_vocab,
+                                      plan_key)
 from mpipar.runtime.precision import Precision
 
 
@@ -36,7 +40,7 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes      # activations, softmax statistics
-    n_tok = layout.micro_batch_size * (tr.seq_len // par.sp)
+    n_tok = layout.micro_rows * (tr.seq_len // par.sp)
     full = n_tok * m.hidden * e
     blocks = m.layers // layout.stages * len(stages)
     first, last, bw = 0 in stages, layout.stages - 1 in stages, int(backward)
@@ -66,10 +70,14 @@ def _partial_grad_elements(layout: Layout, stages: Sequence[int],
     """Elements in each all-reduce of the partial gradients over tp in a step (0: none made):
     under sequence parallelism a block's two norms and the head's final norm (``hidden``
     each), and with ``qk_norm`` a block's query and key norms (``head_dim`` each, applied to
-    this rank's heads); at ZeRO-2/3 one per unit reduce-scattered, under zb-h1 one per chunk
+    this rank's heads), under LoRA a block's replicated adapter factors instead (the norms
+    frozen); at ZeRO-2/3 one per unit reduce-scattered, under zb-h1 one per chunk
     with all its norms, else one per block and one for the head."""
     m, sp = layout.model, layout.parallel.tp_sequence_parallel
     block, head = 2 * m.hidden * sp + 2 * m.head_dim * m.qk_norm, m.hidden * sp
+    lora = Lora.of(layout.train)
+    if lora is not None:   # the norms are frozen; the adapters' replicated factors are partial
+        block, head = _replicated_adapter_elements(layout, lora), 0
     per, last = m.layers // layout.stages, layout.stages - 1
     if layout.parallel.zero >= 2:
         return [block if u.startswith("layers.") else head for u, k in unit_passes
@@ -77,6 +85,16 @@ def _partial_grad_elements(layout: Layout, stages: Sequence[int],
     if schedule_of(layout.parallel).defers_weights:
         return [per * block + head * (s == last) for s in stages]
     return [block] * (per * len(stages)) + ([head] if last in stages else [])
+
+
+def _replicated_adapter_elements(layout: Layout, lora: Lora) -> int:
+    """Elements of a block's LoRA factors that every tp rank holds whole (A of a
+    column-parallel linear, B of a row-parallel one: :func:`mpipar.parallel.placement.
+    adapter_roles`), whose gradients are partial over tp."""
+    return sum(math.prod(a.shape) for spec in block_param_specs(layout.model, 0)
+               for a in lora.specs(spec)
+               if adapter_roles(TENSOR_PARALLEL_PLAN[plan_key(spec.name)])[factor_of(a.name)]
+               == "replicated")
 
 
 # ------------------------------------------------------------------------- memory and time
@@ -90,7 +108,7 @@ def block_record_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     ns = n // (par.tp if par.tp_sequence_parallel else 1)    # the stream's tokens
     H, q = m.hidden, m.heads // par.tp * m.head_dim
     F = (m.moe_shared_ffn_hidden if sparse else m.ffn_hidden) // par.tp
@@ -108,7 +126,7 @@ def head_record_bytes(layout: Layout) -> int:
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     ns = n // (par.tp if par.tp_sequence_parallel else 1)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     return 2 * m.hidden * ns * e + ns * se + vl * n * e + n * (8 + se)
@@ -125,7 +143,7 @@ def block_flops(layout: Layout, context: float) -> float:
     """FLOPs of one microbatch's forward through one block on a tp rank, its queries attending
     to ``context`` keys each (:func:`mpipar.model.flops.block_flops_per_token`)."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     return block_flops_per_token(m, par.tp, context) * n
 
 
@@ -133,7 +151,7 @@ def head_flops(layout: Layout) -> float:
     """FLOPs of one microbatch's forward through the LM head on a tp rank (its vocabulary
     slice)."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     return 2 * m.hidden * vl * n
 
@@ -142,5 +160,5 @@ def qkv_flops(layout: Layout, blocks: int) -> int:
     """FLOPs of the q/k/v projections of one microbatch through ``blocks`` blocks on a tp rank
     (what selective recompute repeats)."""
     m, par, tr = layout.model, layout.parallel, layout.train
-    n = tr.micro_batch_size * (tr.seq_len // par.sp)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
     return 2 * m.hidden * (m.heads + 2 * m.kv_heads) // par.tp * m.head_dim * n * blocks

@@ -60,6 +60,11 @@ MFU_CAUSE = ("an MFU over 100% is a measurement problem, not speed: the peak pro
              "and NUMBA_NUM_THREADS to cores / ranks per node)")
 """Why a step's MFU can exceed 1: what the log line and the summary say beside it."""
 
+NO_TARGETS = ("no counted target in the global batch: every label is masked (--loss-mask, "
+              "--eod-mask-loss), so its loss and gradient norm are 0 by definition, not a "
+              "measurement (the optimizer stepped on a zero gradient)")
+"""What the step line says of a step whose global batch has no counted target."""
+
 
 def mfu_text(mfu: float, digits: int = 2) -> str:
     """``MFU 12.34%``, flagged ``(> 100%: not a real rate)`` when it exceeds 1."""
@@ -89,6 +94,10 @@ class StepResult:
     # --objective dpo: dpo_reward_chosen, dpo_reward_rejected (mean over the global batch's
     # pairs) and dpo_accuracy (the fraction whose chosen reward is above the rejected one)
     preference: dict | None = None
+    # --loss-mask / --eod-mask-loss: the global batch's counted targets (every rank counts the
+    # whole batch, so all agree); 0: every label masked, the loss and gradient are 0 by
+    # definition and the record says so (``no_targets``). None: every target counts
+    targets: int | None = None
 
 
 @dataclass
@@ -213,6 +222,8 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
            else {"attention_imbalance": result.attention_imbalance}),
         **(result.moe or {}),
         **(result.preference or {}),
+        **({} if result.targets is None else {"counted_targets": result.targets}),
+        **({"no_targets": True} if result.targets == 0 else {}),
     }
 
 
@@ -341,18 +352,21 @@ class Progress:
         if not self.enabled:
             return
         step = record["step"]
+        loss = "n/a" if record.get("no_targets") else f"{record['loss']:.4f}"
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}",
+            self.bar.set_postfix(loss=loss,
                                  tok_s=f"{record['tokens_per_s']:,.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%"
                                  + ("(>100%!)" if record["mfu"] > 1 else ""), refresh=False)
         elif step % self.every == 0 or step == 1 or step == self.total:
             skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
-            print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
+            print(f"step {step:>6}/{self.total}  loss {loss}  "
                   f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                   f"{record['tokens_per_s']:,.0f} tok/s  {mfu_text(record['mfu'])}{skipped}",
                   flush=True)
+        if record.get("no_targets"):
+            self.note(f"step {step:>6}/{self.total}  {NO_TARGETS}")
         if record["mfu"] > 1 and not self._mfu_flagged:  # once a run, the first time
             self._mfu_flagged = True
             self.note(f"step {step}: {MFU_CAUSE}")

@@ -25,8 +25,8 @@ def _figure(width: float = 8, height: float = 4.5):
 
 def plot_loss(records: list[dict], path: str) -> None:
     plt, fig, ax = _figure()
-    steps = [r["step"] for r in records if not r.get("skipped")]
-    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2,
+    measured = [r for r in records if not r.get("skipped") and not r.get("no_targets")]
+    ax.plot([r["step"] for r in measured], [r["loss"] for r in measured], lw=1.2,
             label="training loss")
     skipped = [r["step"] for r in records if r.get("skipped")]
     if skipped:

@@ -167,7 +167,8 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
     if not records:
         raise ValueError("summarize: no step records")
     steady = steady_records(records)
-    finite = [r["loss"] for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
+    finite = [r["loss"] for r in records if not r.get("skipped") and not r.get("no_targets")
+              and math.isfinite(r["loss"])]
     times = {k: statistics.mean(r["time"].get(k, 0.0) for r in steady) for k in TIME_KEYS}
     par = (config or {}).get("parallel", {})
     tr = (config or {}).get("train", {})
@@ -188,6 +189,7 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         "inter_node_bytes_per_step": records[-1].get("inter_node_bytes_max", 0),
         "memory_bytes": records[-1].get("memory_bytes", []),
         "skipped_steps": records[-1].get("skipped_steps", 0),
+        "no_target_steps": [r["step"] for r in records if r.get("no_targets")],
         "eval": _last_eval(records),
         "layout": {k: par[k] for k in ("dp", "tp", "pp", "sp", "schedule", "virtual_stages",
                                        "zero", "sp_mode", "sp_split", "ranks_per_node",
@@ -478,6 +480,7 @@ def summary_text(summary: dict[str, Any]) -> str:
            "attention: " + _attention_text(s),
            f"loss: {loss}" + (f" (targets: {s['loss_targets']})" if s.get("loss_targets")
                               else ""),
+           *([_no_targets_text(s["no_target_steps"])] if s.get("no_target_steps") else []),
            *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
               f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
              else []),
@@ -500,3 +503,11 @@ def summary_text(summary: dict[str, Any]) -> str:
            *([_balance_text(s["moe_balance"])] if s.get("moe_balance") else [])]
     return "\n".join(out + diagnose(s)) + "\n"
 
+
+
+def _no_targets_text(steps: list[int]) -> str:
+    """The summary's line on the steps whose global batch had no counted target."""
+    shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+    return (f"steps with no counted target: {len(steps)} (step {shown}): every label of the "
+            f"global batch masked; their loss and gradient norm are 0 by definition, left out "
+            f"of the loss figures above")

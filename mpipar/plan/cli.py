@@ -7,17 +7,18 @@ Every factorisation ``dp x tp x pp x sp`` of the world is tried with every free 
 schedule, SP mode and split, microbatch size, ZeRO stage; with ``--ranks-per-node K`` describing
 several nodes also flat or hierarchical reduction, no, int8 or top-k gradient compression, and
 hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the first recompute
-mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the
-step time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--intra-gbps``,
+mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
+time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--intra-gbps``,
 default half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and
-across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
-all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too). Step
+across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here,
+or all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too). Step
 times within 2% of each other are a tie, marked ``N=``: the simplest layout of a tie is listed
-first (and ``train`` picks it). Each row shows its bytes per group and, across nodes, the wire bytes on the slow link. The rejected
-ones are listed with the configuration rule they break or the memory they would need. With
-``--document-masking`` attention's work and the ring's traffic are those of the data's first
-global batch (its documents; the balanced split is tried too). Exit status 0 when a layout
-fits, 1 when none does, 2 for bad flags or data the run could not read.
+first (and ``train`` picks it). Each row shows its bytes per group and, across nodes, the wire
+bytes on the slow link. The rejected ones are listed with the configuration rule they break or
+the memory they would need. With ``--document-masking`` attention's work and the ring's traffic
+are those of the data's first global batch (its documents; the balanced split is tried too).
+Exit status 0 when a layout fits, 1 when none does, 2 for bad flags or data the run could not
+read.
 """
 from __future__ import annotations
 

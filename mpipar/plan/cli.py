@@ -12,7 +12,7 @@ time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--in
 default half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and
 across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here,
 or all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too). Step
-times within 2% of each other are a tie, marked ``N=``: the simplest layout of a tie is listed
+times within 10% of each other are a tie, marked ``N=``: the simplest layout of a tie is listed
 first (and ``train`` picks it). Each row shows its bytes per group and, across nodes, the wire
 bytes on the slow link. The rejected ones are listed with the configuration rule they break or
 the memory they would need. With ``--document-masking`` attention's work and the ring's traffic
@@ -138,14 +138,14 @@ def _documents_line(documents: StepDocuments, seq_len: int) -> str:
 
 
 def _row(i: int, c: Candidate, tokens: int) -> str:
-    label = f"{c.tie}=" if c.tie else f"{i}"
+    label = f"{c.tie:>3}=" if c.tie else f"{i:>3} "
     mem = c.memory
     memory = (f"{_gib(mem.total)} = {_gib(mem.weights + mem.masters)} + {_gib(mem.grads)} + "
               f"{_gib(mem.optimizer)} + {_gib(mem.activations)}")
     inter = sum(links["inter"] for links in c.link_bytes.values())
     traffic = ", ".join(f"{g} {b:,}" for g, b in sorted(c.step_bytes.items())) or "none"
     traffic += f" | across nodes {inter:,}" if inter else ""
-    return (f"{label:>3}  {c.describe():<66} {1e3 * c.time.total:>8.2f} "
+    return (f"{label} {c.describe():<66} {1e3 * c.time.total:>8.2f} "
             f"{tokens / c.time.total:>10,.0f} {100 * c.time.bubble:>5.0f}%  {memory:<60}  "
             f"{traffic}")
 

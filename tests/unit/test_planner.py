@@ -227,7 +227,7 @@ def test_rejections_name_the_rule():
 
 def test_a_tie_is_printed_as_one_and_the_simplest_layout_wins_it():
     """Issue: the 0.8M-parameter default model's first recommendation on 8 ranks was ZeRO-3 in
-    node shared memory, 0.2% faster than plain dp on paper, far inside the time model's error.
+    node shared memory, a few % faster than plain dp on paper, inside the time model's error.
     Times within TIE of a tie's fastest are a tie now: its members are marked N=, the simplest
     (no ZeRO, no shared memory) ranks first; a layout faster by more than TIE still wins."""
     from mpipar.plan.cli import format_plan
@@ -245,9 +245,13 @@ def test_a_tie_is_printed_as_one_and_the_simplest_layout_wins_it():
     assert fastest in tied and len(tied) == len(ranked)
     text = format_plan(plan, base, 8, hw, None, 0, "given")
     rows = [line for line in text.splitlines() if " dp=8 tp=1 pp=1 sp=1 " in line]
-    assert len(rows) == len(ranked) and all(r.startswith(" 1=  dp=8") for r in rows), text
-    assert rows[0].startswith(" 1=  dp=8 tp=1 pp=1 sp=1 mbs=2 zero=0 recompute=none "), rows[0]
+    assert len(rows) == len(ranked) and all(r.startswith("  1= dp=8") for r in rows), text
+    assert rows[0].startswith("  1= dp=8 tp=1 pp=1 sp=1 mbs=2 zero=0 recompute=none "), rows[0]
     assert f"N=: a tie, step times within {100 * TIE:g}% of the tie's fastest" in text
+    # the rates a loaded 2-core machine's probes measured: node shared memory 4.5% ahead
+    probed = plan_layouts(base, 8, {"tp", "pp", "sp"}, hw=Hardware(1.34e10, 1e10, 1e-5, 6.26e8,
+                                                                     1e-6)).ranked
+    assert probed[0].cfg.parallel.zero == 0 and probed[0].tie == 1
     slow = plan_layouts(base, 8, {"tp", "pp", "sp"}, hw=Hardware(5e9, 1e6, 1e-5, 1e6, 1e-6))
     # slow links: node shared memory saves the reduction, a real win, not a tie
     assert slow.ranked[0].tie == 0 and slow.ranked[0].cfg.parallel.zero_shared == "node"

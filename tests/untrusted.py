@@ -22,15 +22,15 @@ from mpipar.checkpoint.directory import sha256_file
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-def _run(main, argv: list[str]) -> tuple[int, str]:
-    """(exit status, stderr) of ``main(argv, MPI.COMM_SELF)``; the abort hook and the signal
-    handlers a program installs are put back afterwards. An exception other than SystemExit
-    escapes (a traceback is a failure of the test)."""
+def _run(main, argv: list[str], out: io.StringIO | None = None) -> tuple[int, str]:
+    """(exit status, stderr) of ``main(argv, MPI.COMM_SELF)`` (its stdout into ``out``); the
+    abort hook and the signal handlers a program installs are put back afterwards. An exception
+    other than SystemExit escapes (a traceback is a failure of the test)."""
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
     hook = sys.excepthook
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out or io.StringIO()):
             try:
                 code = main(argv, MPI.COMM_SELF)
             except SystemExit as exc:
@@ -42,10 +42,11 @@ def _run(main, argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def run_train(argv: list[str]) -> tuple[int, str]:
-    """``python -m mpipar.train ARGV`` on one rank, in this process: (status, stderr)."""
+def run_train(argv: list[str], out: io.StringIO | None = None) -> tuple[int, str]:
+    """``python -m mpipar.train ARGV`` on one rank, in this process: (status, stderr); its
+    stdout into ``out``."""
     from mpipar import train
-    return _run(train.main, argv)
+    return _run(train.main, argv, out)
 
 
 def run_generate(argv: list[str]) -> tuple[int, str]:

@@ -19,12 +19,14 @@ directories are removed. A crash at any point leaves the previous checkpoint int
 first; a crash between the two renames leaves ``latest`` naming a missing directory, and
 ``--resume auto`` takes the newest other checkpoint.)
 
-**A full disk.** Before writing its shard a rank compares the bytes it will write (plus a
-margin for HDF5's metadata) with what the save directory's filesystem has free, and a write
-that fails with ``ENOSPC`` all the same is recognised as such; either way the partial shard is
-removed and every rank raises :class:`SaveError` naming the path, the bytes needed and free,
-and that ``latest`` still names the previous checkpoint, intact. An asynchronous save reports
-it at the first step boundary after its write ended (:mod:`.background`).
+**A full disk.** Before writing its shard a rank compares the bytes it will write (plus a margin
+for HDF5's metadata) with what the save directory's filesystem has free, then reserves them
+(:mod:`.shard_file`: the file HDF5 writes through, which keeps a failed write from the library),
+and a write that fails with ``ENOSPC`` all the same is recognised as such; either way the
+partial shard is removed and every rank raises :class:`SaveError` naming the path, the bytes
+needed and free, and that ``latest`` still names the previous checkpoint, intact. An
+asynchronous save reports it at the first step boundary after its write ended
+(:mod:`.background`).
 """
 from __future__ import annotations
 
@@ -40,11 +42,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from mpipar.checkpoint.directory import (CheckpointError, fsync_dir, fsync_file, latest, prune,
+from mpipar.checkpoint.directory import (CheckpointError, fsync_dir, latest, prune,
                                          sha256_file, shard_file_name, step_dir_name,
                                          write_latest)
 from mpipar.checkpoint.index import FORMAT, write_index
 from mpipar.checkpoint.records import RankPlace, RunPosition
+from mpipar.checkpoint.shard_file import FULL, ShardFile
 from mpipar.checkpoint.shards import Piece, RankState, Slices
 from mpipar.runtime.comm import Group
 
@@ -146,18 +149,36 @@ def _full_disk(path: Path, need: int) -> str | None:
 
 def _is_full_disk(exc: BaseException) -> bool:
     """Whether ``exc`` (an OSError, or HDF5's error text, which carries the errno) is ENOSPC."""
-    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return (isinstance(exc, OSError) and exc.errno in FULL
             or f"errno = {errno.ENOSPC}," in str(exc))
 
 
 # ------------------------------------------------------------------------------ files
-def _write_shard(path: Path, pieces: list[Piece], state: RankState,
-                 place: RankPlace) -> dict[str, Any]:
-    """Write this rank's rectangles of ``pieces`` (of ``state``) to ``path`` (fsynced); return
-    its record for the index: file, sha256, size, ``place``'s rank and coordinates, and the
-    datasets ``(kind, name, dataset, global start, shape)``."""
+def _write_shard(path: Path, pieces: list[Piece], state: RankState, place: RankPlace,
+                 reserve: int = 0) -> dict[str, Any]:
+    """Write this rank's rectangles of ``pieces`` (of ``state``) to ``path`` (fsynced; its
+    ``reserve`` bytes allocated first: :mod:`.shard_file`); return its record for the index:
+    file, sha256, size, ``place``'s rank and coordinates, and the datasets ``(kind, name,
+    dataset, global start, shape)``. An OSError of the file's writes is raised after it is
+    closed; HDF5 never meets it."""
     blocks, counts = [], {}
-    with h5py.File(path, "w") as f:
+    shard = ShardFile(path)
+    try:
+        shard.reserve(reserve)
+        _write_blocks(shard, pieces, state, blocks, counts)
+    finally:
+        shard.close()
+    if shard.error is not None:
+        raise shard.error
+    return {"file": path.name, "sha256": sha256_file(path), "size": path.stat().st_size,
+            "rank": place.rank, "coord": tuple(place.coord), "blocks": blocks}
+
+
+def _write_blocks(shard: ShardFile, pieces: list[Piece], state: RankState, blocks: list,
+                  counts: dict) -> None:
+    """The HDF5 datasets of :func:`_write_shard`, through ``shard``; each one's record into
+    ``blocks``."""
+    with h5py.File(shard, "w") as f:
         f.attrs["format"] = FORMAT + "-shard"
         for kind, name, lo, hi, values in pieces:
             region, valid = state.region(name)
@@ -171,9 +192,6 @@ def _write_shard(path: Path, pieces: list[Piece], state: RankState,
                 start = tuple(s.start for s in glob)
                 ds.attrs["global_start"] = np.array(start, np.int64)
                 blocks.append((kind, name, dataset, start, block.shape))
-    fsync_file(path)
-    return {"file": path.name, "sha256": sha256_file(path), "size": path.stat().st_size,
-            "rank": place.rank, "coord": tuple(place.coord), "blocks": blocks}
 
 
 def _commit(tmp: Path, final: Path) -> None:
@@ -247,8 +265,8 @@ class PendingSave:
             self.outcome = (None, f"rank {self.rank}: {full}")
             return
         try:
-            self.outcome = (_write_shard(path, self.pieces, self.state, self.position.place),
-                            None)
+            self.outcome = (_write_shard(path, self.pieces, self.state, self.position.place,
+                                         need), None)
         except Exception as exc:  # reported by rank 0 on every rank, never a hang
             path.unlink(missing_ok=True)  # what it held is worthless, and takes the space
             why = (f"no space left on the device ({need / 2**20:,.1f} MiB to write)"

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from mpipar.data.documents import expand_inputs
 from mpipar.data.prepare import prepare_tokens
 from mpipar.data.sources import DataError, load_tokens, recorded_tokenizer
 from mpipar.data.tokenizer import prepare_tokenized
@@ -25,8 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     prep = commands.add_parser(
         "prepare", help="write text as an HDF5 token stream: bytes, or --tokenizer ids")
     prep.add_argument("texts", nargs="+", metavar="INPUT",
-                      help="text files, concatenated in order; with --tokenizer also directories, "
-                           ".jsonl and .parquet files")
+                      help="text files or directories (their files, recursively, sorted), "
+                           "concatenated in order; with --tokenizer also .jsonl and .parquet "
+                           "files")
     prep.add_argument("--out", required=True, help="output .h5 file (dataset 'tokens')")
     prep.add_argument("--tokenizer", metavar="HF_DIR_OR_JSON",
                       help="encode with this Hugging Face tokenizer (a directory holding "
@@ -85,9 +87,10 @@ def _prepare_command(args: argparse.Namespace) -> None:
         if extra:
             raise DataError(f"--{extra[0].replace('_', '-')} needs --tokenizer (without it, "
                             f"prepare writes the files' bytes)")
-        total = prepare_tokens(args.texts, args.out)
+        files = expand_inputs(args.texts)   # a directory: its files, as --data DIR reads them
+        total = prepare_tokens(files, args.out)
         print(f"wrote {args.out}: {total} byte tokens (vocabulary 256) from "
-              f"{len(args.texts)} file(s)")
+              f"{len(files)} file(s)")
         return
     done = prepare_tokenized(args.texts, args.out, args.tokenizer, args.eos, args.text_field,
                              args.workers, parse_special=args.parse_special_tokens)

@@ -33,6 +33,7 @@ import json
 import os
 import resource
 import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -59,6 +60,20 @@ MFU_CAUSE = ("an MFU over 100% is a measurement problem, not speed: the peak pro
              "oversubscribe the cores (ranks x threads per rank > cores: set OMP_NUM_THREADS "
              "and NUMBA_NUM_THREADS to cores / ranks per node)")
 """Why a step's MFU can exceed 1: what the log line and the summary say beside it."""
+
+NO_TARGETS = ("no counted target in the global batch: every label is masked (--loss-mask, "
+              "--eod-mask-loss), so its loss and gradient norm are 0 by definition, not a "
+              "measurement (the optimizer stepped on a zero gradient)")
+"""What the step line says of a step whose global batch has no counted target."""
+
+
+def rate_text(record: dict[str, Any]) -> str:
+    """A step line's throughput: tokens/s and MFU, or for a warm-up step (the first step of a
+    process, fresh or resumed) that it measures none."""
+    if record.get("warmup"):
+        return (f"warm-up step {record['step_time_s']:.3g} s (compiling, first touches: no "
+                f"throughput)")
+    return f"{record['tokens_per_s']:,.0f} tok/s  {mfu_text(record['mfu'])}"
 
 
 def mfu_text(mfu: float, digits: int = 2) -> str:
@@ -89,6 +104,10 @@ class StepResult:
     # --objective dpo: dpo_reward_chosen, dpo_reward_rejected (mean over the global batch's
     # pairs) and dpo_accuracy (the fraction whose chosen reward is above the rejected one)
     preference: dict | None = None
+    # --loss-mask / --eod-mask-loss: the global batch's counted targets (every rank counts the
+    # whole batch, so all agree); 0: every label masked, the loss and gradient are 0 by
+    # definition and the record says so (``no_targets``). None: every target counts
+    targets: int | None = None
 
 
 @dataclass
@@ -213,6 +232,8 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
            else {"attention_imbalance": result.attention_imbalance}),
         **(result.moe or {}),
         **(result.preference or {}),
+        **({} if result.targets is None else {"counted_targets": result.targets}),
+        **({"no_targets": True} if result.targets == 0 else {}),
     }
 
 
@@ -303,15 +324,47 @@ class MetricsWriter:
             self._events = None
 
 
+LAUNCHERS = frozenset({"mpirun", "mpiexec", "mpiexec.hydra", "hydra_pmi_proxy", "orterun",
+                       "orted", "prterun", "prted"})
+"""Process names of MPI launchers and their per-node proxies, which forward a rank's output."""
+
+
+def launcher_terminal(pid: int | None = None, proc: str = "/proc") -> bool:
+    """Whether the process ``pid`` (default: this one's parent) is an MPI launcher (or a chain
+    of them, :data:`LAUNCHERS`) whose own stdout is a terminal: under MPICH's mpirun rank 0's
+    stdout is a pipe to its proxy, which forwards what it writes, bar redraws included, to the
+    terminal mpirun was started from. ``mpirun ... > log`` or ``| tee log`` is no terminal."""
+    pid = os.getppid() if pid is None else pid
+    top = None
+    try:
+        for _ in range(8):
+            with open(f"{proc}/{pid}/comm") as fh:
+                if fh.read().strip() not in LAUNCHERS:
+                    break
+            top = pid
+            with open(f"{proc}/{pid}/stat") as fh:         # field 4: the parent's pid
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        if top is None:
+            return False
+        fd = os.open(f"{proc}/{top}/fd/1", os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        try:
+            return os.isatty(fd)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def users_terminal(stream: Any = None, env: dict[str, str] | None = None) -> bool:
     """Whether ``stream`` (stdout) is the terminal the user watches. Open MPI gives every rank a
     pseudo-terminal of its own whatever mpirun's output is (a log file too), so under Open MPI
-    (``OMPI_COMM_WORLD_SIZE`` set) only the process's controlling terminal counts."""
+    (``OMPI_COMM_WORLD_SIZE`` set) only the process's controlling terminal counts; a pipe to an
+    MPI launcher writing to a terminal counts (:func:`launcher_terminal`)."""
     stream = sys.stdout if stream is None else stream
     env = os.environ if env is None else env
     try:
         if not stream.isatty():
-            return False
+            return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode) and launcher_terminal()
         if "OMPI_COMM_WORLD_SIZE" not in env:
             return True
         with open("/proc/self/stat") as fh:          # field 7: the controlling terminal
@@ -322,8 +375,10 @@ def users_terminal(stream: Any = None, env: dict[str, str] | None = None) -> boo
 
 
 class Progress:
-    """Rank 0's progress: a tqdm bar when stdout is the user's terminal (:func:`users_terminal`),
-    else a line every ``every`` steps (and the first and last); ``every = 0`` prints nothing."""
+    """Rank 0's progress: a tqdm bar when stdout is the user's terminal (:func:`users_terminal`:
+    also through mpirun), else a line every ``every`` steps (and the last, and each warm-up
+    step: a process's first, whose time is compilation, not throughput); ``every = 0`` prints
+    nothing."""
 
     def __init__(self, total: int, start: int, every: int, enabled: bool,
                  tty: bool | None = None) -> None:
@@ -341,19 +396,22 @@ class Progress:
         if not self.enabled:
             return
         step = record["step"]
+        loss = "n/a" if record.get("no_targets") else f"{record['loss']:.4f}"
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                 tok_s=f"{record['tokens_per_s']:,.0f}",
-                                 mfu=f"{100 * record['mfu']:.1f}%"
-                                 + ("(>100%!)" if record["mfu"] > 1 else ""), refresh=False)
-        elif step % self.every == 0 or step == 1 or step == self.total:
+            rates = ({"tok_s": "warm-up"} if record.get("warmup") else
+                     {"tok_s": f"{record['tokens_per_s']:,.0f}",
+                      "mfu": f"{100 * record['mfu']:.1f}%"
+                      + ("(>100%!)" if record["mfu"] > 1 else "")})
+            self.bar.set_postfix(loss=loss, **rates, refresh=False)
+        elif step % self.every == 0 or record.get("warmup") or step == self.total:
             skipped = f"  skipped {record['skipped_steps']}" if record["skipped_steps"] else ""
-            print(f"step {step:>6}/{self.total}  loss {record['loss']:.4f}  "
+            print(f"step {step:>6}/{self.total}  loss {loss}  "
                   f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
-                  f"{record['tokens_per_s']:,.0f} tok/s  {mfu_text(record['mfu'])}{skipped}",
-                  flush=True)
-        if record["mfu"] > 1 and not self._mfu_flagged:  # once a run, the first time
+                  f"{rate_text(record)}{skipped}", flush=True)
+        if record.get("no_targets"):
+            self.note(f"step {step:>6}/{self.total}  {NO_TARGETS}")
+        if record["mfu"] > 1 and not record.get("warmup") and not self._mfu_flagged:
             self._mfu_flagged = True
             self.note(f"step {step}: {MFU_CAUSE}")
         if "eval" in record:

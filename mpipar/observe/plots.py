@@ -25,8 +25,8 @@ def _figure(width: float = 8, height: float = 4.5):
 
 def plot_loss(records: list[dict], path: str) -> None:
     plt, fig, ax = _figure()
-    steps = [r["step"] for r in records if not r.get("skipped")]
-    ax.plot(steps, [r["loss"] for r in records if not r.get("skipped")], lw=1.2,
+    measured = [r for r in records if not r.get("skipped") and not r.get("no_targets")]
+    ax.plot([r["step"] for r in measured], [r["loss"] for r in measured], lw=1.2,
             label="training loss")
     skipped = [r["step"] for r in records if r.get("skipped")]
     if skipped:
@@ -50,7 +50,7 @@ def plot_throughput(records: list[dict], path: str) -> None:
     steps = [r["step"] for r in records]
     tokens = ax.plot(steps, [r["tokens_per_s"] for r in records], color="#4c72b0",
                      label="tokens / s (left)")
-    ax.set(xlabel="step", ylabel="tokens / s", title="Throughput and MFU (after step 1)")
+    ax.set(xlabel="step", ylabel="tokens / s", title="Throughput and MFU (warm-up steps left out)")
     right = ax.twinx()
     mfu = right.plot(steps, [100 * r["mfu"] for r in records], color="#dd8452", ls="--",
                      label="MFU % (right)")
@@ -72,7 +72,7 @@ def plot_time_breakdown(records: list[dict], path: str) -> None:
                linewidth=0)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set(xlabel="step", ylabel="seconds (mean over ranks)",
-           title="Where a step's time goes (after step 1)")
+           title="Where a step's time goes (warm-up steps left out)")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -157,8 +157,11 @@ def timeline_bubble(timeline: dict | None) -> float | None:
 
 
 def steady_records(records: list[dict]) -> list[dict]:
-    """The steps after the first (warm-up: compilation, first touches), if there are any."""
-    return records[1:] if len(records) > 1 else records
+    """The steps that measure throughput: all but the warm-up steps (``warmup``: the first step
+    each process ran, a fresh run's and a resumed run's, slow with compilation and first touches;
+    in a log without the mark, step 1), if there are any others."""
+    steady = [r for r in records[1:] if not r.get("warmup")]
+    return steady or records
 
 
 def summarize(records: list[dict], timeline: dict | None = None, config: dict | None = None,
@@ -167,7 +170,8 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
     if not records:
         raise ValueError("summarize: no step records")
     steady = steady_records(records)
-    finite = [r["loss"] for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
+    finite = [r["loss"] for r in records if not r.get("skipped") and not r.get("no_targets")
+              and math.isfinite(r["loss"])]
     times = {k: statistics.mean(r["time"].get(k, 0.0) for r in steady) for k in TIME_KEYS}
     par = (config or {}).get("parallel", {})
     tr = (config or {}).get("train", {})
@@ -182,12 +186,13 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         "step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
         "mfu": statistics.median(r["mfu"] for r in steady),
-        "mfu_over_100": sum(r["mfu"] > 1 for r in records),
+        "mfu_over_100": sum(r["mfu"] > 1 for r in records if not r.get("warmup")),
         "time_s": times,
         "comm_bytes_per_step": records[-1].get("comm_bytes_max", {}),
         "inter_node_bytes_per_step": records[-1].get("inter_node_bytes_max", 0),
         "memory_bytes": records[-1].get("memory_bytes", []),
         "skipped_steps": records[-1].get("skipped_steps", 0),
+        "no_target_steps": [r["step"] for r in records if r.get("no_targets")],
         "eval": _last_eval(records),
         "layout": {k: par[k] for k in ("dp", "tp", "pp", "sp", "schedule", "virtual_stages",
                                        "zero", "sp_mode", "sp_split", "ranks_per_node",
@@ -478,12 +483,13 @@ def summary_text(summary: dict[str, Any]) -> str:
            "attention: " + _attention_text(s),
            f"loss: {loss}" + (f" (targets: {s['loss_targets']})" if s.get("loss_targets")
                               else ""),
+           *([_no_targets_text(s["no_target_steps"])] if s.get("no_target_steps") else []),
            *([f"validation loss: {s['eval']['loss']:.4f} (perplexity "
               f"{s['eval']['perplexity']:.3f}) at step {s['eval']['step']}"] if s.get("eval")
              else []),
-           f"throughput (medians after step 1): {s['tokens_per_s']:,.0f} tokens/s, median "
+           f"throughput (medians without warm-up steps): {s['tokens_per_s']:,.0f} tokens/s, median "
            f"step {s['step_time_s']:.4g} s{mean_step}, {mfu_text(s['mfu'])}",
-           "time per step (mean over steps after step 1 and ranks): " + ", ".join(
+           "time per step (mean over steps without warm-up and ranks): " + ", ".join(
                f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS)
            + f"; {total:.4g} s in all (the mean step and the I/O between steps)",
            f"pipeline bubble: {100 * s['bubble']:.0f}%",
@@ -500,3 +506,11 @@ def summary_text(summary: dict[str, Any]) -> str:
            *([_balance_text(s["moe_balance"])] if s.get("moe_balance") else [])]
     return "\n".join(out + diagnose(s)) + "\n"
 
+
+
+def _no_targets_text(steps: list[int]) -> str:
+    """The summary's line on the steps whose global batch had no counted target."""
+    shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+    return (f"steps with no counted target: {len(steps)} (step {shown}): every label of the "
+            f"global batch masked; their loss and gradient norm are 0 by definition, left out "
+            f"of the loss figures above")

@@ -7,16 +7,18 @@ Every factorisation ``dp x tp x pp x sp`` of the world is tried with every free 
 schedule, SP mode and split, microbatch size, ZeRO stage; with ``--ranks-per-node K`` describing
 several nodes also flat or hierarchical reduction, no, int8 or top-k gradient compression, and
 hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the first recompute
-mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the
-step time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--intra-gbps``,
+mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
+time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--intra-gbps``,
 default half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and
-across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here, or
-all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too); each
-row shows its bytes per group and, across nodes, the wire bytes on the slow link. The rejected
-ones are listed with the configuration rule they break or the memory they would need. With
-``--document-masking`` attention's work and the ring's traffic are those of the data's first
-global batch (its documents; the balanced split is tried too). Exit status 0 when a layout
-fits, 1 when none does, 2 for bad flags or data the run could not read.
+across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here,
+or all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too). Step
+times within 10% of each other are a tie, marked ``N=``: the simplest layout of a tie is listed
+first (and ``train`` picks it). Each row shows its bytes per group and, across nodes, the wire
+bytes on the slow link. The rejected ones are listed with the configuration rule they break or
+the memory they would need. With ``--document-masking`` attention's work and the ring's traffic
+are those of the data's first global batch (its documents; the balanced split is tried too).
+Exit status 0 when a layout fits, 1 when none does, 2 for bad flags or data the run could not
+read.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
 from mpipar.layout import resolve_model
 from mpipar.plan.memory import trained_parameter_count
-from mpipar.plan.search import Candidate, Plan, plan_layouts
+from mpipar.plan.search import TIE, Candidate, Plan, plan_layouts
 from mpipar.plan.step_time import Hardware, StepDocuments, with_nodes
 
 
@@ -112,6 +114,11 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         lines.append(_row(i, c, tr.global_batch_size * tr.seq_len))
     if len(shown) < len(plan.ranked):
         lines.append(f"     ... {len(plan.ranked) - len(shown)} more (--top 0 shows all)")
+    if any(c.tie for c in shown):
+        lines.append(f"     N=: a tie, step times within {100 * TIE:g}% of the tie's fastest (the "
+                     f"time model cannot tell them apart); the simplest layout of a tie is "
+                     f"listed first (fewest parallel axes, then the lowest ZeRO stage, no node "
+                     f"shared memory, least recompute), and train picks it")
     if not plan.ranked:
         lines.append("     no layout fits")
     if plan.rejected:
@@ -146,13 +153,14 @@ def _documents_line(documents: StepDocuments, seq_len: int) -> str:
 
 
 def _row(i: int, c: Candidate, tokens: int) -> str:
+    label = f"{c.tie:>3}=" if c.tie else f"{i:>3} "
     mem = c.memory
     memory = (f"{_gib(mem.total)} = {_gib(mem.weights + mem.masters)} + {_gib(mem.grads)} + "
               f"{_gib(mem.optimizer)} + {_gib(mem.activations)}")
     inter = sum(links["inter"] for links in c.link_bytes.values())
     traffic = ", ".join(f"{g} {b:,}" for g, b in sorted(c.step_bytes.items())) or "none"
     traffic += f" | across nodes {inter:,}" if inter else ""
-    return (f"{i:>3}  {c.describe():<66} {1e3 * c.time.total:>8.2f} "
+    return (f"{label} {c.describe():<66} {1e3 * c.time.total:>8.2f} "
             f"{tokens / c.time.total:>10,.0f} {100 * c.time.bubble:>5.0f}%  {memory:<60}  "
             f"{traffic}")
 

@@ -4,7 +4,9 @@
 free choice (:func:`_variants`: pipeline schedule, SP mode and split, microbatch size, ZeRO
 stage; with nodes, the reduction and compression), keeps those the configuration rules accept,
 takes for each the first recompute mode whose memory fits, and ranks them by the predicted step
-time (:mod:`mpipar.plan.step_time`). :func:`auto_layout` is what ``python -m mpipar.train`` does
+time (:mod:`mpipar.plan.step_time`). Times within :data:`TIE` of each other are a tie (the time
+model cannot tell them apart): the simplest layout of a tie (:func:`simplicity`) ranks first,
+and each member is marked as tied. :func:`auto_layout` is what ``python -m mpipar.train`` does
 when no parallel size is given.
 """
 from __future__ import annotations
@@ -29,6 +31,9 @@ from mpipar.runtime.topology import Coord
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
 RECOMPUTE_ORDER = tuple(m.name for m in BY_MEMORY)
+TIE = 0.10
+"""Predicted step times within this fraction of a tie's fastest are a tie: the time model is
+not that exact (the probed peak alone varies more than that between calls on a busy machine)."""
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Candidate:
     step_bytes: dict[str, int]
     time: StepTime
     link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)   # wire, worst rank
+    tie: int = 0     # the rank (1-based) of the tie this layout belongs to; 0: no tie
 
     def describe(self) -> str:
         par, tr = self.cfg.parallel, self.cfg.train
@@ -210,8 +216,39 @@ def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
                 too_big.append(trial)
         if not accepted:
             plan.rejected += _rejection(sizes, too_big, errors, memory_bytes)
-    plan.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
+    plan.ranked = rank_ties(plan.ranked)
     return plan
+
+
+def simplicity(c: Candidate) -> tuple:
+    """How much machinery a layout uses, least first: parallel axes beyond dp (tp, pp, sp,
+    experts), then the ZeRO stage, node shared memory, recompute, a hierarchical reduction,
+    gradient compression, microbatches, virtual stages."""
+    par, tr = c.cfg.parallel, c.cfg.train
+    return (sum(n > 1 for n in (par.tp, par.pp, par.sp, par.ep)), par.tp * par.pp * par.sp,
+            par.zero, par.zero_shared != "off", RECOMPUTE_ORDER.index(tr.recompute),
+            par.dp_reduce != "flat", par.grad_compression != "none",
+            -tr.micro_batch_size, par.virtual_stages)
+
+
+def rank_ties(candidates: list[Candidate]) -> list[Candidate]:
+    """``candidates`` fastest first, each tie (times within :data:`TIE` of its fastest) in
+    order of :func:`simplicity` (then time, then memory), its members' ``tie`` set to the
+    tie's rank."""
+    by_time = sorted(candidates, key=lambda c: (c.time.total, c.memory.total))
+    out: list[Candidate] = []
+    while len(out) < len(by_time):
+        first = len(out)
+        limit = by_time[first].time.total * (1 + TIE)
+        last = first
+        while last < len(by_time) and by_time[last].time.total <= limit:
+            last += 1
+        tied = sorted(by_time[first:last],
+                      key=lambda c: (simplicity(c), c.time.total, c.memory.total))
+        for c in tied:
+            c.tie = first + 1 if len(tied) > 1 else 0
+        out += tied
+    return out
 
 
 def _rejection(sizes: tuple[int, int, int, int], too_big: list[Candidate], errors: list[str],

@@ -26,11 +26,15 @@ from mpipar.training.rank import Rank
 
 @dataclass(frozen=True)
 class StepBatch:
-    """Global batch ``k`` as this rank sees it: its microbatches, the loss divisor, and the
-    whole batch's document ids ``[rows, S]`` (None without ``--document-masking``)."""
+    """Global batch ``k`` as this rank sees it: its microbatches, the loss divisor, the
+    whole batch's document ids ``[rows, S]`` (None without ``--document-masking``) and its
+    counted targets (None when every target counts: no loss mask, or DPO's pairs). A batch
+    whose every target is masked counts 0: its loss and gradient are 0 by definition, not a
+    measurement, and the step says so (:mod:`mpipar.observe.metrics`)."""
     microbatches: tuple[Microbatch, ...]
     divisor: int
     documents: np.ndarray | None
+    targets: int | None = None
 
 
 def prepare(rank: Rank, batches: Sampler | EvalSet, k: int) -> StepBatch:
@@ -50,16 +54,17 @@ def prepare(rank: Rank, batches: Sampler | EvalSet, k: int) -> StepBatch:
     counted = (counted_targets(inputs, tr, rank.data.eos, masks) if pref is None
                else (masks[:, 1:] != 0).astype(np.float64))
     docs = batch_documents(inputs, rank.data.eos) if tr.document_masking else None
+    n_counted = None if pref is not None or counted is None else int(counted.sum())
     divisor = (tr.global_batch_size if pref is not None
-               else tr.global_batch_size * tr.seq_len if counted is None
-               else max(1, int(counted.sum())))
+               else tr.global_batch_size * tr.seq_len if n_counted is None
+               else max(1, n_counted))
     at = mine if whole else slice(None)
     micro = _microbatches(rank, inputs[at], targets[at],
                           None if counted is None else counted[at],
                           None if docs is None else docs[at],
                           None if pref is None or pref.reference is None
                           else pref.reference[indices])
-    return StepBatch(microbatches=micro, divisor=divisor, documents=docs)
+    return StepBatch(microbatches=micro, divisor=divisor, documents=docs, targets=n_counted)
 
 
 def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,

@@ -196,6 +196,8 @@ def _loop(rank: Rank, start: int, ctx: RunContext, books: Books) -> LoopOutcome:
         record = metrics.step_record(result, ranks, rank.ledger, flops, sum(peaks), nonfinite,
                                      skipped)
         record["world"] = ctx.control.size
+        if k == start:   # this process's first step: compiling, first touches, no throughput
+            record["warmup"] = True
         if ctx.recovered is not None:
             record["recovered"], ctx.recovered = ctx.recovered, None
         if rank.data.eval_set is not None and _eval_due(result.step, tr):

@@ -100,7 +100,8 @@ def train_step(rank: Rank, step: int) -> StepResult:
     return StepResult(step + 1, loss, grad_norm, lr, time.perf_counter() - t0,
                       tr.global_batch_size * rows_per * tr.seq_len, imbalance, moe,
                       (None if docs is None else model_flops_per_step(cfg, docs))
-                      if pref is None else rows_per * model_flops_per_step(cfg), rewards)
+                      if pref is None else rows_per * model_flops_per_step(cfg), rewards,
+                      batch.targets)
 
 
 def _preference_metrics(rank: Rank, batch: StepBatch) -> dict[str, float]:

@@ -63,9 +63,9 @@ def test_plan_cli_runs_without_mpi():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("mpipar plan: world 8, model 4 layers"), proc.stdout[:500]
     ranked = [line for line in proc.stdout.splitlines()
-              if re.match(r"\s+\d+  dp=\d+ tp=\d+ pp=\d+ sp=\d+ .* zero=\d", line)]
+              if re.match(r"\s+\d+[= ] dp=\d+ tp=\d+ pp=\d+ sp=\d+ .* zero=\d", line)]
     assert len(ranked) == 10, proc.stdout[:2000]                     # the default --top 10
-    assert ranked[0].lstrip().startswith("1  "), ranked[0]
+    assert re.match(r"\s+1[= ] dp=", ranked[0]), ranked[0]
     assert "dp=1 tp=8 pp=1 sp=1: parallel.tp=8: must divide model.heads=4" in proc.stdout
 
 

@@ -5,6 +5,7 @@ the bytes needed and free, and that ``latest`` still names the first checkpoint,
 save reports it at the step boundary after its write ended, not at the end of the run."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -56,3 +57,54 @@ def test_a_full_disk_during_a_save_is_named_and_latest_stays(tmp_path, mode):
     assert steps == (2 if mode == "sync" else 3) < STEPS
     assert "still being written" not in err
 
+
+
+LIMITED = """
+import resource, signal, sys
+from mpipar.checkpoint import writer
+from mpipar.train import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG
+commit = writer._commit
+
+
+def limited(tmp, final):
+    commit(tmp, final)   # once the first checkpoint is committed, no file may pass the limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+
+
+writer._commit = limited
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_write_that_fails_inside_hdf5_is_reported_and_the_run_resumes(tmp_path):
+    """A write that fails in the middle of a shard (here a file-size limit, which neither the
+    free-space check nor the reservation sees: the same path as a disk that fills while HDF5
+    writes) used to leave HDF5 with a half-closed file: h5py's error reports aborted every
+    rank and the process crashed at exit. The save is reported as not written, one line, exit
+    1; the previous checkpoint still verifies and ``--resume auto`` continues from it."""
+    from mpipar.checkpoint.reader import verify
+    from untrusted import run_train
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    flags = [*TINY, "--steps", "3", "--save-every", "1", "--run-dir", str(run), "--save-dir",
+             str(ck)]
+    done = subprocess.run([sys.executable, "-c", LIMITED, str(256 << 10), *flags],
+                          capture_output=True, text=True, timeout=300, env=launch_env())
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mpipar: error:")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert errors[0] == (f"mpipar: error: saving {ck / 'step_00000002'} failed: rank 0 writing "
+                         f"{ck / '.step_00000002.tmp' / 'shard_00000.h5'}: OSError: [Errno 27] "
+                         f"File too large; 'latest' in {ck} still names step_00000001, intact")
+    assert (ck / "latest").read_text().strip() == "step_00000001"
+    assert not (ck / "step_00000002").exists()
+    assert not (ck / ".step_00000002.tmp" / "shard_00000.h5").exists()
+    assert verify(ck / "step_00000001") == []
+    code, err = run_train([*flags, "--resume", "auto"])
+    assert code == 0, err
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # each process's first step is a warm-up, whose time is no throughput
+    assert [r.get("warmup", False) for r in records] == [True, True, False]
+    assert (ck / "latest").read_text().strip() == "step_00000003"
+    assert verify(ck / "step_00000003") == []

@@ -53,14 +53,16 @@ def test_prepare_command_line(tmp_path, capsys):
 def test_prepare_rejects_bad_input(tmp_path, capsys, case, message):
     good = write_texts(tmp_path, [b"some text"])
     out = str(tmp_path / "o.h5")
-    args = {"missing": [str(tmp_path / "nope.txt")], "directory": [str(tmp_path)],
+    (tmp_path / "no_files" / ".hidden").mkdir(parents=True)
+    args = {"missing": [str(tmp_path / "nope.txt")], "directory": [str(tmp_path / "no_files")],
             "suffix": good, "empty": write_texts(tmp_path, [b"", b""], "e")}[case]
     if case == "suffix":
         out = str(tmp_path / "o.bin")
     with pytest.raises(DataError, match=message):
-        prepare_tokens(args, out)
+        prepare_tokens(args, out)    # files only: the command line expands directories
     assert main(["prepare", *args, "--out", out]) == 2
-    assert message in capsys.readouterr().err
+    assert ("the directory holds no regular, non-hidden file" if case == "directory"
+            else message) in capsys.readouterr().err
     assert not (tmp_path / "o.h5").exists()
 
 
@@ -79,3 +81,26 @@ def test_prepare_creates_a_missing_output_directory_and_names_an_unwritable_one(
     assert main(["prepare", *paths, "--out", str(blocked)]) == 2
     err = capsys.readouterr().err
     assert f"--out {blocked}: cannot be written" in err and "Traceback" not in err, err
+
+
+def test_prepare_reads_a_directory_as_data_dir_does(tmp_path, capsys):
+    """Issue: ``data prepare DIR`` refused a directory that ``--data DIR`` and ``prepare DIR
+    --tokenizer`` accept. Its files (recursive, sorted, hidden ones skipped) are prepared as
+    ``--data DIR`` reads them: the same bytes, in the same order."""
+    root = tmp_path / "texts"
+    (root / "sub").mkdir(parents=True)
+    (root / "b.txt").write_bytes(b"second file\n")
+    (root / "a.txt").write_bytes(b"first file\n")
+    (root / "sub" / "c.txt").write_bytes(b"nested\n")
+    (root / ".hidden").write_bytes(b"never read\n")
+    out = tmp_path / "dir.h5"
+    assert main(["prepare", str(root), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == (f"wrote {out}: 30 byte tokens (vocabulary 256) "
+                                                f"from 3 file(s)")
+    with h5py.File(out, "r") as f:
+        got = f["tokens"][...]
+        assert list(f.attrs["files"]) == [str(root / n) for n in ("a.txt", "b.txt", "sub/c.txt")]
+    assert got.tobytes() == b"first file\nsecond file\nnested\n"
+    direct = load_tokens(root, 256, 8)
+    assert np.array_equal(direct.sample(np.arange(3)),
+                          load_tokens(out, 256, 8).sample(np.arange(3)))

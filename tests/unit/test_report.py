@@ -346,3 +346,27 @@ def test_the_time_breakdown_books_the_experts_exchange_apart_from_compute():
     assert t["compute"] == pytest.approx(0.75 - 0.25 - 0.125)       # the ops less ep and tp
     assert t["optimizer"] == pytest.approx(1.0 - 0.75 - 0.125)       # the rest of the step
     assert sum(t.values()) == pytest.approx(1.0)
+
+
+def test_a_warm_up_step_reports_no_throughput(capsys):
+    """Issue: after a resume the resumed process's first step (compilation, first touches)
+    was a spike in throughput.png and a fake rate in its step line. Each process's first step
+    is marked ``warmup``: the step line says it measures no throughput, and the summary's
+    medians, the throughput and time plots leave it out as they leave out step 1."""
+    from mpipar.observe.metrics import Progress
+    records = [record(s, 5.0, compute=2.0 if s in (1, 4) else 0.25) for s in range(1, 7)]
+    records[0]["warmup"] = records[3]["warmup"] = True
+    assert [r["step"] for r in run_summary.steady_records(records)] == [2, 3, 5, 6]
+    s = run_summary.summarize(records)
+    assert s["tokens_per_s"] == 4096 / 0.25 and s["step_time_s"] == 0.25
+    assert "throughput (medians without warm-up steps): 16,384 tokens/s" in (
+        run_summary.summary_text(s))
+    progress = Progress(total=6, start=0, every=5, enabled=True, tty=False)
+    for r in records:
+        progress.update(r)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("/")[0] for line in out] == ["step      1", "step      4", "step      5",
+                                                     "step      6"]
+    assert out[1].endswith("lr 1.00e-03  warm-up step 2 s (compiling, first touches: no "
+                           "throughput)"), out[1]
+    assert out[2].endswith("16,384 tok/s  MFU 4.00%"), out[2]

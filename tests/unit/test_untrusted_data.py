@@ -379,6 +379,40 @@ def test_every_target_masked_is_refused(tmp_path, kind):
                                    f"loss ({want}); the run would report loss 0")
 
 
+def test_a_step_with_no_counted_target_says_so(tmp_path):
+    """Issue: a step whose global batch held no counted target, while other steps had some,
+    logged loss 0 with no note. Its record marks it (``no_targets``, ``counted_targets`` 0),
+    the step line says why, and the summary names the step and leaves its 0 out of the loss
+    figures. Every rank counts the whole global batch's targets, so all agree."""
+    import io
+    eos = 5
+    rows = np.tile(np.arange(10, 19), (6, 1))
+    rows[0, 0] = rows[1, 4] = eos          # step 1: 7 + 7 counted targets
+    rows[2:4] = eos                        # step 2: every input the EOS: none counted
+    np.save(tmp_path / "s.npy", rows)      # step 3: 16 counted targets
+    out = io.StringIO()
+    code, err = run_train([*TINY, "--vocab-size", "300", "--data", str(tmp_path / "s.npy"),
+                           "--steps", "3", "--no-shuffle", "--eod-mask-loss", "--eos-token-id",
+                           str(eos), "--log-every", "10", "--run-dir", str(tmp_path / "run")],
+                          out)
+    assert code == 0, err
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r.get("counted_targets") for r in records] == [14, 0, 16]
+    assert [r.get("no_targets", False) for r in records] == [False, True, False]
+    assert records[1]["loss"] == 0.0 and records[1]["grad_norm"] == 0.0
+    assert records[0]["loss"] > 1 and records[2]["loss"] > 1
+    text = out.getvalue()
+    assert text.count("no counted target in the global batch") == 1, text
+    assert "step      2/3  no counted target in the global batch: every label is masked" in text
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["no_target_steps"] == [2]
+    assert summary["loss_min"] == min(records[0]["loss"], records[2]["loss"])
+    assert summary["loss_last"] == pytest.approx((records[0]["loss"] + records[2]["loss"]) / 2,
+                                                 rel=1e-12)
+    assert ("steps with no counted target: 1 (step 2): every label of the global batch masked"
+            in (tmp_path / "run" / "summary.txt").read_text())
+
+
 @pytest.mark.parametrize("flag", ["--document-masking", "--eod-mask-loss"])
 @pytest.mark.parametrize("fmt", ["text", "samples"])
 def test_an_eos_id_the_data_never_holds_is_refused(tmp_path, flag, fmt):

@@ -52,7 +52,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from mpipar.checkpoint import hf_moe, hf_qwen3
+from mpipar.checkpoint import hf_gemma3, hf_moe, hf_qwen3
 from mpipar.checkpoint.export_dir import publish
 from mpipar.checkpoint.safetensors_format import read_header, write_safetensors
 from mpipar.config import ConfigError, ModelConfig
@@ -68,12 +68,13 @@ INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 """The ``model_type`` values mpipar reads and writes, and their architecture."""
 
 
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072,
-                  "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768}  # transformers'
+                  "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768,
+                  "gemma3_text": 131072}  # transformers'
 # max_position_embeddings defaults
 
 SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -98,7 +99,12 @@ _HF_FIELD = {  # mpipar ModelConfig field -> config.json field
     "rope_original_max_positions": "rope_scaling.original_max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings", "attention_bias": "model_type (qwen2: q/k/v biases)",
     "sliding_window": "sliding_window (mistral)", "moe_norm_topk": "norm_topk_prob",
-    "qk_norm": "model_type (qwen3: q_norm, k_norm)"}
+    "qk_norm": "model_type (qwen3: q_norm, k_norm)",
+    "norm_placement": "model_type (gemma3_text: four norms per block)",
+    "norm_unit_offset": "model_type (gemma3_text: norms scaled by 1 + w)",
+    "embed_scale": "model_type (gemma3_text: embedding x sqrt(hidden))",
+    "ffn_activation": "hidden_activation", "query_pre_attn_scalar": "query_pre_attn_scalar",
+    "rope_local_theta": "rope_local_base_freq", "window_layers": "layer_types"}
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
@@ -159,6 +165,8 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
     without biases; Qwen3's per-head q/k norms (:mod:`mpipar.checkpoint.hf_qwen3`)."""
     if raw.get("model_type") in hf_qwen3.KINDS:
         return _moe(hf_qwen3.read_attention, raw)
+    if raw.get("model_type") == hf_gemma3.GEMMA3_TEXT:
+        return _moe(hf_gemma3.read_attention, raw)
     if raw.get("model_type", "llama") in ("qwen2", hf_moe.QWEN2_MOE):
         if _flag(raw, "use_sliding_window"):
             raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
@@ -188,10 +196,12 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
 
 
 def _mlp(raw: Mapping[str, Any]) -> Reading:
-    """The MLP: SwiGLU with SiLU, no biases."""
+    """The MLP: SwiGLU with SiLU (Gemma 3: GeGLU), no biases."""
     if _flag(raw, "mlp_bias"):
         raise HFCheckpointError(f"mlp_bias={raw['mlp_bias']!r} is not supported; mpipar's MLP "
                                 f"has no biases")
+    if raw.get("model_type") == hf_gemma3.GEMMA3_TEXT:
+        return _moe(hf_gemma3.read_mlp, raw)
     act = raw.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise HFCheckpointError(f"hidden_act={act!r} is not supported; mpipar's MLP is SwiGLU "
@@ -237,7 +247,7 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
     else ``max_position_embeddings``; dynamic scaling starts beyond ``max_position_embeddings``.
     """
     field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-    params = raw.get(field) or {}
+    params = _moe(lambda r: hf_gemma3.global_rope(r, r.get(field)), raw) or {}
     if not isinstance(params, dict):
         raise HFCheckpointError(f"{field}={params!r} must be an object or null")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -374,7 +384,7 @@ def support(raw: Mapping[str, Any], untie_embeddings: bool = False
             ) -> tuple[list[Support], dict[str, Any]]:
     """Every aspect of a parsed ``config.json`` (architecture, shape, attention, MLP, RoPE, tied
     embeddings), supported or not, and the ModelConfig fields of the supported ones."""
-    found, fields = [], {}
+    found, fields, raw = [], {}, hf_gemma3.with_defaults(raw)
     rules = _RULES + (("embeddings", lambda r: _tie(r, untie_embeddings)),)
     for aspect, rule in rules:
         try:
@@ -417,6 +427,10 @@ def model_type(cfg: ModelConfig) -> str:
     with a sliding window on every layer, qwen3 (qwen3_moe with experts) with qk_norm, else
     llama. A window on some layers only, or with biases, has no such architecture
     (HFCheckpointError)."""
+    if hf_gemma3.is_gemma(cfg):
+        if hf_gemma3.export_problem(cfg):
+            raise HFCheckpointError(hf_gemma3.export_problem(cfg))
+        return hf_gemma3.GEMMA3_TEXT
     if cfg.qk_norm:
         if hf_qwen3.export_problem(cfg):
             raise HFCheckpointError(hf_qwen3.export_problem(cfg))
@@ -485,6 +499,10 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
     if m.rope.by_sequence_length:      # transformers scales beyond max_position_embeddings
         out["max_position_embeddings"] = m.rope_original_max_positions
     out["rope_parameters"] = {"rope_type": m.rope_type, "rope_theta": m.rope_theta, **scaling}
+    if kind == hf_gemma3.GEMMA3_TEXT:
+        for name in ("hidden_act", "mlp_bias", "pretraining_tp"):   # not Gemma's fields
+            out.pop(name, None)
+        out.update(hf_gemma3.config_fields(m, out["rope_parameters"]))
     return out
 
 
@@ -607,7 +625,7 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     checkpoint's head is its embedding (a stored ``lm_head.weight`` is then ignored, as
     transformers ignores it). Raises HFCheckpointError naming the file, tensors or shapes."""
     files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)}
-    tied = _flag(raw, "tie_word_embeddings")
+    tied = _flag(hf_gemma3.with_defaults(raw), "tie_word_embeddings")
     specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
     family = raw.get("model_type", "llama")
     expected = {hf_name(n, family) for n in specs}

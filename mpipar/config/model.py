@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpipar.config.schema import LayerSet, described as _f, positive, require
+from mpipar.model.activation import FFN_ACTIVATIONS, FfnActivation
+from mpipar.model.norms import NORM_PLACEMENTS, NormPlacement
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
 
 
@@ -44,12 +46,28 @@ class ModelConfig:
                               "weight of head_dim for all query heads and one for all key "
                               "heads (Qwen3's q_norm and k_norm)")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    norm_placement: str = _f("pre", "where a block's RMSNorms sit: pre (Llama: before attention "
+                                    "and before the FFN), sandwich (Gemma 2/3: also on the "
+                                    "attention's and the FFN's outputs before each joins the "
+                                    "residual stream)", choices=NORM_PLACEMENTS)
+    norm_unit_offset: bool = _f(False, "every RMSNorm multiplies by (1 + w) instead of w, its "
+                                       "weights starting at 0 (Gemma)")
+    embed_scale: bool = _f(False, "the embedding's output is multiplied by sqrt(hidden), rounded "
+                                  "to float32 and then to the activations' dtype (Gemma)")
+    ffn_activation: str = _f("silu", "the FFN's gated activation: silu (SwiGLU), gelu_tanh (GeGLU "
+                                     "with tanh-approximated GELU, Gemma's gelu_pytorch_tanh)",
+                             choices=FFN_ACTIVATIONS)
+    query_pre_attn_scalar: float = _f(0.0, "attention scores are scaled by 1/sqrt(this) (Gemma's "
+                                           "query_pre_attn_scalar); 0 = head_dim")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
     sliding_window: int = _f(0, "sliding-window attention: a token sees itself and the W-1 "
                                 "tokens before it (Mistral's sliding_window); 0 = full causal")
     window_layers: str = _f("all", "the layers that use --sliding-window: all, even (layers 0, 2, "
                                    "... local, the others global, as Gemma 2), odd, or a comma "
                                    "list of layer indices")
+    rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window layers, unscaled (Gemma 3's "
+                                      "rope_local_base_freq); 0 = those layers use rope_theta and "
+                                      "rope_type as the others")
 
     moe_experts: int = _f(0, "mixture of experts: routed experts per sparse layer (Mixtral's "
                              "num_local_experts); 0 = dense model")
@@ -86,6 +104,21 @@ class ModelConfig:
     def window_set(self) -> LayerSet:
         """The blocks ``window_layers`` names (whether or not ``sliding_window`` is set)."""
         return LayerSet.parse(self.window_layers, "window_layers", self.layers)
+
+    @property
+    def norms(self) -> NormPlacement:
+        """The :class:`~mpipar.model.norms.NormPlacement` ``norm_placement`` names."""
+        return NormPlacement.named(self.norm_placement)
+
+    @property
+    def activation(self) -> FfnActivation:
+        """The :class:`~mpipar.model.activation.FfnActivation` ``ffn_activation`` names."""
+        return FfnActivation.named(self.ffn_activation)
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether block ``layer`` rotates with ``rope_local_theta`` (unscaled): it is set and
+        the layer has a sliding window."""
+        return self.rope_local_theta > 0 and self.layer_window(layer) > 0
 
     @property
     def rope(self) -> RopeScaling:
@@ -142,6 +175,11 @@ def check_window_fields(m: ModelConfig) -> None:
     require(m.sliding_window >= 0,
             f"model.sliding_window={m.sliding_window}: must be >= 0 (0 = full causal)")
     m.window_set()                  # window_layers parses: ConfigError names the value and the rule
+    require(m.rope_local_theta >= 0,
+            f"model.rope_local_theta={m.rope_local_theta}: must be >= 0 (0 = rope_theta)")
+    require(m.rope_local_theta == 0 or m.sliding_window > 0,
+            f"model.rope_local_theta={m.rope_local_theta}: applies to the sliding-window layers "
+            f"and model.sliding_window is 0 (set it, or rope_local_theta 0)")
 
 
 def check_rope_scaling(m: ModelConfig) -> None:
@@ -187,3 +225,8 @@ def check_model(m: ModelConfig, head_dim_given: bool) -> None:
     require(m.init_std > 0, f"model.init_std={m.init_std}: must be > 0")
     check_window_fields(m)
     check_moe_fields(m)
+    require(m.query_pre_attn_scalar >= 0, f"model.query_pre_attn_scalar="
+            f"{m.query_pre_attn_scalar}: must be >= 0 (0 = head_dim)")
+    require(m.ffn_activation == "silu" or m.moe_experts == 0,
+            f"model.ffn_activation={m.ffn_activation!r}: the experts' FFN is SwiGLU (silu); a "
+            f"mixture of experts (moe_experts={m.moe_experts}) needs ffn_activation 'silu'")

@@ -102,6 +102,8 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "self_attn.k_norm.weight": "heads_replicated",
     "self_attn.o_proj.weight": "row",
     "post_attention_layernorm.weight": "replicated",
+    "pre_feedforward_layernorm.weight": "replicated",
+    "post_feedforward_layernorm.weight": "replicated",
     "mlp.gate_proj.weight": "column",
     "mlp.up_proj.weight": "column",
     "mlp.down_proj.weight": "row",

@@ -184,6 +184,11 @@ def export_problem(m: ModelConfig) -> str:
             f"and no experts")
 
 
+def _number(x: float) -> int | float:
+    """``x`` as an int when it is one (transformers' Gemma 3 config types the scalar an int)."""
+    return int(x) if float(x).is_integer() else x
+
+
 def config_fields(m: ModelConfig, global_rope_params: Mapping[str, Any]) -> dict[str, Any]:
     """The config.json fields of a Gemma 3 beyond the Llama ones; ``global_rope_params``: the
     global layers' ``rope_parameters`` as a Llama's are written."""
@@ -192,7 +197,7 @@ def config_fields(m: ModelConfig, global_rope_params: Mapping[str, Any]) -> dict
     local_rope = ({"rope_type": "default", "rope_theta": local_theta} if m.rope_local_theta
                   else dict(global_rope_params))
     return {"hidden_activation": GELU_TANH.hf_names[0],
-            "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+            "query_pre_attn_scalar": _number(m.query_pre_attn_scalar or m.head_dim),
             "sliding_window": m.sliding_window or None,
             "layer_types": [LOCAL if x else GLOBAL for x in local],
             "rope_local_base_freq": local_theta,

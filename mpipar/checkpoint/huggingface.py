@@ -16,7 +16,8 @@ What mpipar reads (:func:`support`): ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` 
 and v projections have biases: mpipar's ``attention_bias``) and ``MistralForCausalLM`` (whose
 ``sliding_window`` is mpipar's, on every layer), ``Qwen3ForCausalLM`` and
 ``Qwen3MoeForCausalLM`` (per-head q/k norms: mpipar's ``qk_norm``,
-:mod:`mpipar.checkpoint.hf_qwen3`), Mixtral and Qwen2-MoE; RoPE scaling of ``rope_type``
+:mod:`mpipar.checkpoint.hf_qwen3`), ``Gemma3ForCausalLM`` (:mod:`mpipar.checkpoint.hf_gemma3`),
+Mixtral and Qwen2-MoE; RoPE scaling of ``rope_type``
 ``default``, ``linear``, ``dynamic`` and ``llama3`` (``rope_scaling`` in transformers 4.x,
 ``rope_parameters`` in 5.x); tied embeddings (``tie_word_embeddings: true``), kept as one
 parameter, or untied on request (the LM head then starts as a copy of the embedding and trains
@@ -26,7 +27,8 @@ RoPE types (yarn, longrope, ...), ``partial_rotary_factor`` below 1, Llama's
 window, a ``hidden_act`` other than SiLU, missing or unexpected tensors, and shapes that disagree
 with the config. An export writes ``Qwen2ForCausalLM`` for a model with attention biases,
 ``MistralForCausalLM`` for one with a sliding window on every layer, ``Qwen3ForCausalLM``
-(``Qwen3MoeForCausalLM`` with experts) for one with ``qk_norm``, and ``LlamaForCausalLM``
+(``Qwen3MoeForCausalLM`` with experts) for one with ``qk_norm``, ``Gemma3ForCausalLM`` for one
+with Gemma's settings, and ``LlamaForCausalLM``
 otherwise, tied or not as the model is.
 
 A directory may come from elsewhere: every config.json field is checked for its type and range

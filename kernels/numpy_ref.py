@@ -498,39 +498,28 @@ def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     return dgate, dup
 
 
-GELU_TANH_C, GELU_TANH_K = math.sqrt(2.0 / math.pi), 0.044715
-"""The constants of the tanh approximation of GELU (PyTorch's ``approximate="tanh"``, Gemma's
-``gelu_pytorch_tanh``): gelu(g) = g/2 (1 + tanh(C (g + K g^3)))."""
+GELU_TANH_C, GELU_TANH_K = math.sqrt(2.0 / math.pi), 0.044715  # gelu(g) = g/2 (1 + tanh(C (g + K g^3)))
 
 
 @mixed_precision(0)
 def geglu_fwd(gate: Array, up: Array) -> Array:
-    """h = gelu_tanh(gate) * up with gelu_tanh(g) = g/2 (1 + tanh(C (g + K g^3)))
-    (:data:`GELU_TANH_C`, :data:`GELU_TANH_K`). gate, up: `[..., ffn]` -> h: `[..., ffn]`.
-
-    bf16: h = r(gelu_tanh(f(g)) f(u)), all in float32.
-    """
+    """h = gelu_tanh(gate) * up (PyTorch's approximate="tanh", Gemma's gelu_pytorch_tanh).
+    gate, up: `[..., ffn]` -> h. bf16: h = r(gelu_tanh(f(g)) f(u)), all in float32."""
     require(gate.shape == up.shape, f"geglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
-    xp = array_module(gate)
-    t = xp.tanh(GELU_TANH_C * (gate + GELU_TANH_K * gate * gate * gate))
+    t = array_module(gate).tanh(GELU_TANH_C * (gate + GELU_TANH_K * gate * gate * gate))
     return 0.5 * gate * (1.0 + t) * up
 
 
 @mixed_precision(0, 1)
 def geglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
-    """Gradients of `geglu_fwd`. dh, gate, up: `[..., ffn]` -> (dgate, dup).
-
-    With t = tanh(C (g + K g^3)): d gelu / dg = (1 + t)/2 + g/2 (1 - t^2) C (1 + 3 K g^2).
-    bf16: dgate, dup = r(those in float32).
-    """
+    """(dgate, dup) of `geglu_fwd`; with t = tanh(C (g + K g^3)), d gelu / dg =
+    (1 + t)/2 + g/2 (1 - t^2) C (1 + 3 K g^2). bf16: r(those in float32)."""
     require(dh.shape == gate.shape == up.shape,
             f"geglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
-    xp = array_module(gate)
     g2 = gate * gate
-    t = xp.tanh(GELU_TANH_C * (gate + GELU_TANH_K * g2 * gate))
-    gelu = 0.5 * gate * (1.0 + t)
+    t = array_module(gate).tanh(GELU_TANH_C * (gate + GELU_TANH_K * g2 * gate))
     slope = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * GELU_TANH_C * (1.0 + 3.0 * GELU_TANH_K * g2)
-    return dh * up * slope, dh * gelu
+    return dh * up * slope, dh * (0.5 * gate * (1.0 + t))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -158,8 +158,8 @@ QWEN3 = [dict(model="qwen3", **v) for v in (
 # Gemma 3 (its sandwich norms' gradients partial over tp under tp sequence parallelism; its
 # local and global layers on the halo exchange and the ring; ZeRO-3 over dp x sp).
 GEMMA3 = [dict(model="gemma3", **v) for v in (
-    dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True, recompute="selective"),
-    dict(sp=4, tp=2, sp_mode="halo", sp_split="zigzag", recompute="full"),
+    dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True),
+    dict(sp=4, tp=2, sp_mode="halo", sp_split="zigzag"),
     dict(sp=2, dp=4, zero=3))]
 
 

@@ -184,7 +184,7 @@ def test_modes_answer_from_the_records_fields():
     assert kept == {"none": sum(sizes.values()), "offload": 0, "full": sizes["x"],
                     "selective": sum(sizes[f] for f in ("x", "x2", "attention_out",
                                                         "attention_saved", "g", "u", "moe",
-                                                        "shared_gate"))}
+                                                        "shared_gate", "post_norms"))}
     assert {n: m.forward_runs(True) for n, m in BY_NAME.items()} == \
         {"none": 1, "selective": 1, "full": 2, "offload": 1}
     assert all(m.forward_runs(False) == 1 for m in BY_NAME.values())

@@ -22,7 +22,9 @@ worth per norm).
 
 Form: with ``norm_unit_offset`` every RMSNorm of the model (the blocks', the final norm and the
 per-head q/k norms) multiplies by ``1 + w`` instead of ``w`` (Gemma's), so its weights start at
-0; the gradient with respect to ``w`` is the one with respect to ``1 + w``.
+0; the gradient with respect to ``w`` is the one with respect to ``1 + w``. The norms apply in
+the kernels' own dtype recipe: ``(x * rstd) * (1 + w)``, with the float64 test reference
+computing transformers' formula in float64.
 """
 from __future__ import annotations
 
@@ -82,9 +84,14 @@ NORM_PLACEMENTS = tuple(PLACEMENTS)
 
 def norm_weight(params, name: str, unit_offset: bool) -> Array:
     """The factor RMSNorm ``name`` multiplies by: its weight, or ``1 + w`` with
-    ``unit_offset``."""
+    ``unit_offset`` (for a bfloat16 weight computed and kept in float32, as transformers'
+    ``1.0 + weight.float()``: the kernels' bf16 recipe upcasts the weight anyway)."""
     w = params[name]
-    return w + w.dtype.type(1) if unit_offset else w
+    if not unit_offset:
+        return w
+    if w.dtype.name == "bfloat16":
+        w = w.astype("float32")
+    return w + w.dtype.type(1)
 
 
 @dataclass

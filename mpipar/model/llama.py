@@ -26,6 +26,11 @@ projections (the kernels' ``linear_fwd`` adds them, :class:`LinearGrads` accumul
 gradients beside the weights'); ``tie_embeddings`` makes the LM head multiply by the embedding
 matrix (:func:`mpipar.model.params.head_weight_name`), so a single stage accumulates both uses
 into one gradient.
+Gemma's settings: the norms' placement and form (:mod:`mpipar.model.norms`: the sandwich's
+output norms, ``1 + w``), the FFN's activation (:mod:`mpipar.model.activation`), the embedding
+scale (:mod:`mpipar.model.embedding_scale`), the attention scale folded into q
+(:mod:`mpipar.model.attention_scale`) and a RoPE base of the sliding-window layers' own
+(``rope_local_theta``).
 
 Shapes: ``B`` microbatch, ``S`` local sequence length, ``H`` hidden, ``hq``/``hkv`` the query/kv
 heads on this TP rank, ``D`` head_dim, ``F`` local FFN width, ``V`` local vocabulary rows. The

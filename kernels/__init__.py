@@ -42,7 +42,7 @@ OPS: tuple[str, ...] = (
     "linear_fwd", "linear_bwd", "linear_bias_bwd", "embedding_fwd",
     "embedding_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd",
     "rope_cos_sin", "rope_fwd", "rope_bwd",
-    "swiglu_fwd", "swiglu_bwd",
+    "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd",
     "attention_fwd", "attention_bwd", "attention_merge",
     "cross_entropy_stats", "cross_entropy_bwd",
 )
@@ -84,6 +84,8 @@ class Backend:
     rope_bwd: Kernel
     swiglu_fwd: Kernel
     swiglu_bwd: Kernel
+    geglu_fwd: Kernel
+    geglu_bwd: Kernel
     attention_fwd: Kernel
     attention_bwd: Kernel
     attention_merge: Kernel

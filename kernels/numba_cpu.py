@@ -11,7 +11,7 @@ What is here and why (exp is `numba_simd.vexp` throughout: Numba's own is a scal
 without Intel SVML, 10x slower than NumPy's SIMD exp, which made several of these kernels lose):
   * attention fwd/bwd: `attention_cpu` (blockwise, online softmax, every inner product a BLAS
     call on a tile that stays in cache; fully masked key blocks are skipped under causality);
-  * rmsnorm (also fused with the residual add before it: add_rmsnorm_fwd/bwd), rope, swiglu,
+  * rmsnorm (also fused with the residual add before it: add_rmsnorm_fwd/bwd), rope, swiglu, geglu,
     attention_merge, cross-entropy: one fused pass per row instead of the
     several full-size temporaries of the NumPy expressions;
   * linear fwd/bwd: a row-panel matmul written in Numba (vectorised, threaded). OpenBLAS is about
@@ -45,7 +45,7 @@ from .numpy_ref import Array, require  # noqa: E402
 IMPLEMENTED: tuple[str, ...] = (
     "linear_fwd", "linear_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd",
     "add_rmsnorm_bwd", "rope_fwd",
-    "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd", "attention_bwd", "attention_merge",
+    "rope_bwd", "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "attention_fwd", "attention_bwd", "attention_merge",
     "cross_entropy_stats", "cross_entropy_bwd",
 )
 # Ops where NumPy is faster than the implementation above (measured by `python -m mpipar.bench
@@ -332,6 +332,54 @@ def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     du = np.empty(gate.shape, dt)
     _swiglu_bwd(_c(dh, dt).reshape(-1), _c(gate, dt).reshape(-1), _c(up, dt).reshape(-1),
                 dg.reshape(-1), du.reshape(-1), dt.type(1))
+    return dg, du
+
+
+# ----------------------------------------------------------------------------------------------
+# GeGLU (tanh-approximated GELU)
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, parallel=True, nogil=True, fastmath=False)
+def _geglu_fwd(g, u, h, c, k, half, one):
+    for i in prange(g.size):
+        gi = g[i]
+        t = math.tanh(c * (gi + k * gi * gi * gi))
+        h[i] = half * gi * (one + t) * u[i]
+
+
+@njit(cache=True, parallel=True, nogil=True, fastmath=False)
+def _geglu_bwd(dh, g, u, dg, du, c, k, half, one):
+    for i in prange(g.size):
+        gi = g[i]
+        g2 = gi * gi
+        t = math.tanh(c * (gi + k * g2 * gi))
+        slope = half * (one + t) + half * gi * (one - t * t) * c * (one + 3 * k * g2)
+        dg[i] = dh[i] * u[i] * slope
+        du[i] = dh[i] * (half * gi * (one + t))
+
+
+@ref.mixed_precision(0)
+def geglu_fwd(gate: Array, up: Array) -> Array:
+    """h = gelu_tanh(gate) * up, elementwise over `[..., ffn]`."""
+    dt = _float_dtype(gate, "geglu_fwd")
+    require(gate.shape == up.shape, f"geglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
+    h = np.empty(gate.shape, dt)
+    _geglu_fwd(_c(gate, dt).reshape(-1), _c(up, dt).reshape(-1), h.reshape(-1),
+               dt.type(ref.GELU_TANH_C), dt.type(ref.GELU_TANH_K), dt.type(0.5), dt.type(1))
+    return h
+
+
+@ref.mixed_precision(0, 1)
+def geglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
+    """(dgate, dup) of `geglu_fwd`, elementwise over `[..., ffn]`."""
+    dt = _float_dtype(gate, "geglu_bwd")
+    require(dh.shape == gate.shape == up.shape,
+            f"geglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
+    dg = np.empty(gate.shape, dt)
+    du = np.empty(gate.shape, dt)
+    _geglu_bwd(_c(dh, dt).reshape(-1), _c(gate, dt).reshape(-1), _c(up, dt).reshape(-1),
+               dg.reshape(-1), du.reshape(-1), dt.type(ref.GELU_TANH_C), dt.type(ref.GELU_TANH_K),
+               dt.type(0.5), dt.type(1))
     return dg, du
 
 

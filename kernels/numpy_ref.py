@@ -33,6 +33,8 @@ With f() the exact upcast and r() that rounding of a float32 value:
   rope_fwd, rope_bwd   y = r(f(x1) c - f(x2) s, f(x2) c + f(x1) s), c, s: the tables in float32
   swiglu_fwd           h = r(f(g) sigmoid(f(g)) f(u))
   swiglu_bwd           dgate, dup = r(swiglu_bwd's formulas)
+  geglu_fwd            h = r(gelu_tanh(f(g)) f(u))
+  geglu_bwd            dgate, dup = r(geglu_bwd's formulas)
   attention_fwd        out = r(softmax(scale f(q) f(k)^T) f(v))   lse
   attention_bwd                                                   dq, dk, dv (from f(q), f(k),
                                                                   f(v), f(out), lse, f(dout));
@@ -494,6 +496,30 @@ def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
     dup = dh * silu
     return dgate, dup
+
+
+GELU_TANH_C, GELU_TANH_K = math.sqrt(2.0 / math.pi), 0.044715  # gelu(g) = g/2 (1 + tanh(C (g + K g^3)))
+
+
+@mixed_precision(0)
+def geglu_fwd(gate: Array, up: Array) -> Array:
+    """h = gelu_tanh(gate) * up (PyTorch's approximate="tanh", Gemma's gelu_pytorch_tanh).
+    gate, up: `[..., ffn]` -> h. bf16: h = r(gelu_tanh(f(g)) f(u)), all in float32."""
+    require(gate.shape == up.shape, f"geglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
+    t = array_module(gate).tanh(GELU_TANH_C * (gate + GELU_TANH_K * gate * gate * gate))
+    return 0.5 * gate * (1.0 + t) * up
+
+
+@mixed_precision(0, 1)
+def geglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
+    """(dgate, dup) of `geglu_fwd`; with t = tanh(C (g + K g^3)), d gelu / dg =
+    (1 + t)/2 + g/2 (1 - t^2) C (1 + 3 K g^2). bf16: r(those in float32)."""
+    require(dh.shape == gate.shape == up.shape,
+            f"geglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
+    g2 = gate * gate
+    t = array_module(gate).tanh(GELU_TANH_C * (gate + GELU_TANH_K * g2 * gate))
+    slope = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * GELU_TANH_C * (1.0 + 3.0 * GELU_TANH_K * g2)
+    return dh * up * slope, dh * (0.5 * gate * (1.0 + t))
 
 
 # ----------------------------------------------------------------------------------------------

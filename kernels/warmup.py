@@ -58,6 +58,7 @@ def warm_up(backend: Backend, dtype: Any) -> float:
     kb.rope_bwd(kb.rope_fwd(q, cos, sin), cos, sin)
     h = kb.swiglu_fwd(t["gate"], x)
     kb.swiglu_bwd(h, t["gate"], x)
+    kb.geglu_bwd(kb.geglu_fwd(t["gate"], x), t["gate"], x)
     for docs in (None, t["docs"]):
         out, lse = kb.attention_fwd(q, k, v, q_docs=docs, k_docs=docs)
         kb.attention_bwd(q, k, v, out, lse, out, q_docs=docs, k_docs=docs)

@@ -30,6 +30,13 @@ MODELS = {
     # Qwen3's attention: per-head q/k RMSNorms before RoPE and a head dim of 12, not
     # hidden / heads = 8; and with Qwen3-MoE's experts (blocks 1-3 sparse, no shared expert).
     "qwen3": dict(qk_norm=True, head_dim=12),
+    # Gemma 3: local layers 0, 1, 3 (window 3, RoPE base 100, unscaled) and global layer 2
+    # (base 10000, linear scaling); q/k norms, four norms per block scaled by 1 + w (starting at
+    # 0), the embedding scaled by sqrt(hidden), GeGLU, the attention scale 1/sqrt(10), tied.
+    "gemma3": dict(qk_norm=True, head_dim=12, norm_placement="sandwich", norm_unit_offset=True,
+                   embed_scale=True, ffn_activation="gelu_tanh", query_pre_attn_scalar=10.0,
+                   sliding_window=3, window_layers="0,1,3", rope_local_theta=100.0,
+                   rope_type="linear", rope_factor=2.0, tie_embeddings=True),
     "qwen3_moe": dict(qk_norm=True, head_dim=12, moe_experts=4, moe_top_k=2, moe_ffn_hidden=16,
                       moe_layers="1,2,3", moe_aux_loss_coef=0.05),
     # Mixture of experts: blocks 1-3 sparse (4 experts, top 2), block 0 dense; a balance loss

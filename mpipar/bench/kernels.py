@@ -72,6 +72,8 @@ def kernel_cases(shape: KernelShape, dtype: np.dtype, seed: int = 0) -> dict[str
         "rope_bwd": (rand(b, s, hq, d), cos, sin),
         "swiglu_fwd": (rand(b, s, ffn), rand(b, s, ffn)),
         "swiglu_bwd": (rand(b, s, ffn), rand(b, s, ffn), rand(b, s, ffn)),
+        "geglu_fwd": (rand(b, s, ffn), rand(b, s, ffn)),
+        "geglu_bwd": (rand(b, s, ffn), rand(b, s, ffn), rand(b, s, ffn)),
         "attention_fwd": (q, k, v),
         "attention_bwd": (q, k, v, out, lse, rand(b, s, hq, d)),
         "attention_merge": (rand(b, s, hq, d), rand(b, hq, s).astype(lse_dtype),

@@ -16,7 +16,8 @@ What mpipar reads (:func:`support`): ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` 
 and v projections have biases: mpipar's ``attention_bias``) and ``MistralForCausalLM`` (whose
 ``sliding_window`` is mpipar's, on every layer), ``Qwen3ForCausalLM`` and
 ``Qwen3MoeForCausalLM`` (per-head q/k norms: mpipar's ``qk_norm``,
-:mod:`mpipar.checkpoint.hf_qwen3`), Mixtral and Qwen2-MoE; RoPE scaling of ``rope_type``
+:mod:`mpipar.checkpoint.hf_qwen3`), ``Gemma3ForCausalLM`` (:mod:`mpipar.checkpoint.hf_gemma3`),
+Mixtral and Qwen2-MoE; RoPE scaling of ``rope_type``
 ``default``, ``linear``, ``dynamic`` and ``llama3`` (``rope_scaling`` in transformers 4.x,
 ``rope_parameters`` in 5.x); tied embeddings (``tie_word_embeddings: true``), kept as one
 parameter, or untied on request (the LM head then starts as a copy of the embedding and trains
@@ -26,7 +27,8 @@ RoPE types (yarn, longrope, ...), ``partial_rotary_factor`` below 1, Llama's
 window, a ``hidden_act`` other than SiLU, missing or unexpected tensors, and shapes that disagree
 with the config. An export writes ``Qwen2ForCausalLM`` for a model with attention biases,
 ``MistralForCausalLM`` for one with a sliding window on every layer, ``Qwen3ForCausalLM``
-(``Qwen3MoeForCausalLM`` with experts) for one with ``qk_norm``, and ``LlamaForCausalLM``
+(``Qwen3MoeForCausalLM`` with experts) for one with ``qk_norm``, ``Gemma3ForCausalLM`` for one
+with Gemma's settings, and ``LlamaForCausalLM``
 otherwise, tied or not as the model is.
 
 A directory may come from elsewhere: every config.json field is checked for its type and range
@@ -52,8 +54,9 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from mpipar.checkpoint import hf_deepseek, hf_moe, hf_qwen3
+from mpipar.checkpoint import hf_deepseek, hf_gemma3, hf_moe, hf_qwen3
 from mpipar.checkpoint.export_dir import publish
+from mpipar.checkpoint.hf_families import ARCHITECTURES, MAX_POSITIONS
 from mpipar.checkpoint.safetensors_format import read_header, write_safetensors
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.model.params import EMBED, HEAD, param_specs
@@ -65,25 +68,13 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-"""The ``model_type`` values mpipar reads and writes, and their architecture."""
-
-
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072, "mixtral": 131072,
-                  "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768,
-                  "deepseek_v3": 4096}  # transformers'
-# max_position_embeddings defaults
-
 SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """dtypes :func:`save_hf` writes and :func:`load_hf` casts to."""
 
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 """config.json fields that do not change the computation but that an export should carry over."""
 
-DEFAULT_MAX_POSITIONS = 4096
+DEFAULTMAX_POSITIONS = 4096
 """``max_position_embeddings`` written when the caller gives none (mpipar's RoPE has no limit)."""
 
 # Non-persistent RoPE buffers that old transformers versions wrote into checkpoints.
@@ -99,7 +90,12 @@ _HF_FIELD = {  # mpipar ModelConfig field -> config.json field
     "rope_original_max_positions": "rope_scaling.original_max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings", "attention_bias": "model_type (qwen2: q/k/v biases)",
     "sliding_window": "sliding_window (mistral)", "moe_norm_topk": "norm_topk_prob",
-    "qk_norm": "model_type (qwen3: q_norm, k_norm)"}
+    "qk_norm": "model_type (qwen3: q_norm, k_norm)",
+    "norm_placement": "model_type (gemma3_text: four norms per block)",
+    "norm_unit_offset": "model_type (gemma3_text: norms scaled by 1 + w)",
+    "embed_scale": "model_type (gemma3_text: embedding x sqrt(hidden))",
+    "ffn_activation": "hidden_activation", "query_pre_attn_scalar": "query_pre_attn_scalar",
+    "rope_local_theta": "rope_local_base_freq", "window_layers": "layer_types"}
 _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
@@ -162,6 +158,8 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
         return _moe(hf_qwen3.read_attention, raw)
     if raw.get("model_type") == hf_deepseek.KIND:
         return _moe(hf_deepseek.read_attention, raw)
+    if raw.get("model_type") == hf_gemma3.GEMMA3_TEXT:
+        return _moe(hf_gemma3.read_attention, raw)
     if raw.get("model_type", "llama") in ("qwen2", hf_moe.QWEN2_MOE):
         if _flag(raw, "use_sliding_window"):
             raise HFCheckpointError("use_sliding_window=true is not supported; mpipar attends "
@@ -191,10 +189,12 @@ def _attention(raw: Mapping[str, Any]) -> Reading:
 
 
 def _mlp(raw: Mapping[str, Any]) -> Reading:
-    """The MLP: SwiGLU with SiLU, no biases."""
+    """The MLP: SwiGLU with SiLU (Gemma 3: GeGLU), no biases."""
     if _flag(raw, "mlp_bias"):
         raise HFCheckpointError(f"mlp_bias={raw['mlp_bias']!r} is not supported; mpipar's MLP "
                                 f"has no biases")
+    if raw.get("model_type") == hf_gemma3.GEMMA3_TEXT:
+        return _moe(hf_gemma3.read_mlp, raw)
     act = raw.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise HFCheckpointError(f"hidden_act={act!r} is not supported; mpipar's MLP is SwiGLU "
@@ -240,7 +240,7 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
     else ``max_position_embeddings``; dynamic scaling starts beyond ``max_position_embeddings``.
     """
     field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-    params = raw.get(field) or {}
+    params = _moe(lambda r: hf_gemma3.global_rope(r, r.get(field)), raw) or {}
     if not isinstance(params, dict):
         raise HFCheckpointError(f"{field}={params!r} must be an object or null")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -266,8 +266,8 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
     if not rope.pretraining_context:
         return f"{kind} RoPE scaling, factor {out['rope_factor']:g}, theta {theta:g}", out
     model = raw.get("model_type", "llama")  # an unknown one is the architecture rule's error
-    positions = raw.get("max_position_embeddings") or _MAX_POSITIONS.get(
-        model if isinstance(model, str) else "llama", _MAX_POSITIONS["llama"])
+    positions = raw.get("max_position_embeddings") or MAX_POSITIONS.get(
+        model if isinstance(model, str) else "llama", MAX_POSITIONS["llama"])
     if rope.frequency_band:
         positions = raw.get("original_max_position_embeddings",
                             params.get("original_max_position_embeddings", positions))
@@ -379,7 +379,7 @@ def support(raw: Mapping[str, Any], untie_embeddings: bool = False
             ) -> tuple[list[Support], dict[str, Any]]:
     """Every aspect of a parsed ``config.json`` (architecture, shape, attention, MLP, RoPE, tied
     embeddings), supported or not, and the ModelConfig fields of the supported ones."""
-    found, fields = [], {}
+    found, fields, raw = [], {}, hf_gemma3.with_defaults(raw)
     rules = _RULES + (("embeddings", lambda r: _tie(r, untie_embeddings)),)
     for aspect, rule in rules:
         try:
@@ -420,12 +420,17 @@ def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
 def model_type(cfg: ModelConfig) -> str:
     """The ``model_type`` mpipar writes ``cfg`` as: qwen2 with attention biases (q/k/v), mistral
     with a sliding window on every layer, qwen3 (qwen3_moe with experts) with qk_norm, else
-    llama; deepseek_v3 with latent attention. A window on some layers only, or with biases, has
-    no such architecture (HFCheckpointError)."""
+    llama; deepseek_v3 with latent attention; gemma3_text with Gemma's norms, activation and
+    scales. A window on some layers only, or with biases, has no such architecture
+    (HFCheckpointError)."""
     if cfg.latent:
         if hf_deepseek.export_problem(cfg):
             raise HFCheckpointError(hf_deepseek.export_problem(cfg))
         return hf_deepseek.KIND
+    if hf_gemma3.is_gemma(cfg):
+        if hf_gemma3.export_problem(cfg):
+            raise HFCheckpointError(hf_gemma3.export_problem(cfg))
+        return hf_gemma3.GEMMA3_TEXT
     if cfg.qk_norm:
         if hf_qwen3.export_problem(cfg):
             raise HFCheckpointError(hf_qwen3.export_problem(cfg))
@@ -472,7 +477,7 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": DEFAULT_MAX_POSITIONS,
+        "max_position_embeddings": DEFAULTMAX_POSITIONS,
         "initializer_range": m.init_std,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
@@ -495,6 +500,10 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
     if m.rope.by_sequence_length:      # transformers scales beyond max_position_embeddings
         out["max_position_embeddings"] = m.rope_original_max_positions
     out["rope_parameters"] = {"rope_type": m.rope_type, "rope_theta": m.rope_theta, **scaling}
+    if kind == hf_gemma3.GEMMA3_TEXT:
+        for name in ("hidden_act", "mlp_bias", "pretraining_tp"):   # not Gemma's fields
+            out.pop(name, None)
+        out.update(hf_gemma3.config_fields(m, out["rope_parameters"]))
     return out
 
 
@@ -619,7 +628,7 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     family = raw.get("model_type", "llama")
     files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)
              and not (family == hf_deepseek.KIND and hf_deepseek.not_parameters(raw, n))}
-    tied = _flag(raw, "tie_word_embeddings")
+    tied = _flag(hf_gemma3.with_defaults(raw), "tie_word_embeddings")
     specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
     expected = {hf_name(n, family) for n in specs}
     missing = sorted(expected - set(files))

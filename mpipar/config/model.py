@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpipar.config.schema import LayerSet, described as _f, positive, require
+from mpipar.model.activation import FFN_ACTIVATIONS, FfnActivation
+from mpipar.model.norms import NORM_PLACEMENTS, NormPlacement
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
 from mpipar.model.router import ROUTERS, Router
 
@@ -56,12 +58,28 @@ class ModelConfig:
     v_head_dim: int = _f(0, "latent attention: width of a value head (v_head_dim); 0 means "
                             "head_dim")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    norm_placement: str = _f("pre", "where a block's RMSNorms sit: pre (Llama: before attention "
+                                    "and before the FFN), sandwich (Gemma 2/3: also on the "
+                                    "attention's and the FFN's outputs before each joins the "
+                                    "residual stream)", choices=NORM_PLACEMENTS)
+    norm_unit_offset: bool = _f(False, "every RMSNorm multiplies by (1 + w) instead of w, its "
+                                       "weights starting at 0 (Gemma)")
+    embed_scale: bool = _f(False, "the embedding's output is multiplied by sqrt(hidden), rounded "
+                                  "to float32 and then to the activations' dtype (Gemma)")
+    ffn_activation: str = _f("silu", "the FFN's gated activation: silu (SwiGLU), gelu_tanh (GeGLU "
+                                     "with tanh-approximated GELU, Gemma's gelu_pytorch_tanh)",
+                             choices=FFN_ACTIVATIONS)
+    query_pre_attn_scalar: float = _f(0.0, "attention scores are scaled by 1/sqrt(this) (Gemma's "
+                                           "query_pre_attn_scalar); 0 = head_dim")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
     sliding_window: int = _f(0, "sliding-window attention: a token sees itself and the W-1 "
                                 "tokens before it (Mistral's sliding_window); 0 = full causal")
     window_layers: str = _f("all", "the layers that use --sliding-window: all, even (layers 0, 2, "
                                    "... local, the others global, as Gemma 2), odd, or a comma "
                                    "list of layer indices")
+    rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window layers, unscaled (Gemma 3's "
+                                      "rope_local_base_freq); 0 = those layers use rope_theta and "
+                                      "rope_type as the others")
 
     moe_experts: int = _f(0, "mixture of experts: routed experts per sparse layer (Mixtral's "
                              "num_local_experts); 0 = dense model")
@@ -129,6 +147,21 @@ class ModelConfig:
     def value_dim(self) -> int:
         """The width of a value head: ``v_head_dim`` under latent attention (0: head_dim)."""
         return self.v_head_dim if self.latent and self.v_head_dim else self.head_dim
+
+    @property
+    def norms(self) -> NormPlacement:
+        """The :class:`~mpipar.model.norms.NormPlacement` ``norm_placement`` names."""
+        return NormPlacement.named(self.norm_placement)
+
+    @property
+    def activation(self) -> FfnActivation:
+        """The :class:`~mpipar.model.activation.FfnActivation` ``ffn_activation`` names."""
+        return FfnActivation.named(self.ffn_activation)
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether block ``layer`` rotates with ``rope_local_theta`` (unscaled): it is set and
+        the layer has a sliding window."""
+        return self.rope_local_theta > 0 and self.layer_window(layer) > 0
 
     @property
     def rope(self) -> RopeScaling:
@@ -215,6 +248,11 @@ def check_window_fields(m: ModelConfig) -> None:
     require(m.sliding_window >= 0,
             f"model.sliding_window={m.sliding_window}: must be >= 0 (0 = full causal)")
     m.window_set()                  # window_layers parses: ConfigError names the value and the rule
+    require(m.rope_local_theta >= 0,
+            f"model.rope_local_theta={m.rope_local_theta}: must be >= 0 (0 = rope_theta)")
+    require(m.rope_local_theta == 0 or m.sliding_window > 0,
+            f"model.rope_local_theta={m.rope_local_theta}: applies to the sliding-window layers "
+            f"and model.sliding_window is 0 (set it, or rope_local_theta 0)")
 
 
 def check_rope_scaling(m: ModelConfig) -> None:
@@ -261,3 +299,8 @@ def check_model(m: ModelConfig, head_dim_given: bool) -> None:
     check_window_fields(m)
     check_latent_fields(m)
     check_moe_fields(m)
+    require(m.query_pre_attn_scalar >= 0, f"model.query_pre_attn_scalar="
+            f"{m.query_pre_attn_scalar}: must be >= 0 (0 = head_dim)")
+    require(m.ffn_activation == "silu" or m.moe_experts == 0,
+            f"model.ffn_activation={m.ffn_activation!r}: the experts' FFN is SwiGLU (silu); a "
+            f"mixture of experts (moe_experts={m.moe_experts}) needs ffn_activation 'silu'")

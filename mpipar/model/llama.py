@@ -26,6 +26,11 @@ projections (the kernels' ``linear_fwd`` adds them, :class:`LinearGrads` accumul
 gradients beside the weights'); ``tie_embeddings`` makes the LM head multiply by the embedding
 matrix (:func:`mpipar.model.params.head_weight_name`), so a single stage accumulates both uses
 into one gradient.
+Gemma's settings: the norms' placement and form (:mod:`mpipar.model.norms`: the sandwich's
+output norms, ``1 + w``), the FFN's activation (:mod:`mpipar.model.activation`), the embedding
+scale (:mod:`mpipar.model.embedding_scale`), the attention scale folded into q
+(:mod:`mpipar.model.attention_scale`) and a RoPE base of the sliding-window layers' own
+(``rope_local_theta``).
 
 Shapes: ``B`` microbatch, ``S`` local sequence length, ``H`` hidden, ``hq``/``hkv`` the query/kv
 heads on this TP rank, ``D`` head_dim, ``F`` local FFN width, ``V`` local vocabulary rows. The
@@ -67,9 +72,13 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.attention import AttentionCore, accumulator, documents_of
+from mpipar.model.attention_scale import query_factor, scale_queries
+from mpipar.model.embedding_scale import scale_embedding
 from mpipar.model.latent_attention import (attended_values, input_names, latent_bwd,
                                            latent_fwd, values_grad)
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
+from mpipar.model.norms import (INPUT, POST_ATTENTION, POST_FFN, PostNormSaved, norm_weight,
+                                post_norm_bwd, post_norm_fwd)
 from mpipar.model.qk_norm import qk_norm_bwd, qk_norm_fwd
 from mpipar.model.recompute import Recompute
 from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
@@ -160,6 +169,7 @@ class BlockSaved:
     shared_gate: Any = None  # with --moe-shared-gate: (its sigmoid [.., 1], its ungated output)
     qk: Any = None           # with qk_norm: q, k before their norms and the rstds (QKNormSaved);
     # with latent attention its latents (mpipar.model.latent_attention.LatentSaved)
+    post_norms: Any = None   # with sandwich norms: the output norms' record (PostNormSaved)
 
 
 @dataclass
@@ -324,40 +334,50 @@ class LlamaStage:
         self.moe_dropped: dict[int, int] = {}
         self.moe_bias: dict[int, Array] = {}
         self._rope: dict[bytes, tuple[Array, Array]] = {}
+        self.q_factor = query_factor(self.cfg.head_dim, self.cfg.query_pre_attn_scalar)
+
+    def _norm(self, params, name: str) -> Array:
+        """What RMSNorm ``name`` multiplies by (:func:`mpipar.model.norms.norm_weight`)."""
+        return norm_weight(params, name, self.cfg.norm_unit_offset)
 
     def param_names(self) -> list[str]:
         return stage_param_names(self.cfg, self.layers, self.first, self.last)
 
-    def _cos_sin(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
+    def _cos_sin(self, positions: np.ndarray, dtype, local: bool) -> tuple[Array, Array]:
         """RoPE cos, sin ``[S, D/2]`` of ``positions`` for activations of ``dtype`` (computed
         once per position set; float32 tables for bf16 activations)."""
         dtype = accumulator(dtype)
-        key = positions.tobytes() + np.dtype(dtype).str.encode()
+        key = positions.tobytes() + np.dtype(dtype).str.encode() + bytes([local])
         if key not in self._rope:
-            self._rope[key] = self._tables(positions, dtype)
+            self._rope[key] = self._tables(positions, dtype, local)
         return self._rope[key]
 
-    def _tables(self, positions: np.ndarray, dtype) -> tuple[Array, Array]:
-        c = self.cfg
+    def _tables(self, positions: np.ndarray, dtype, local: bool) -> tuple[Array, Array]:
+        """``local``: a sliding-window layer's tables of ``rope_local_theta``, unscaled."""
+        c, xp = self.cfg, self.kernels.xp
+        if local:
+            return self.kernels.rope_cos_sin(xp.asarray(positions), c.head_dim,
+                                             c.rope_local_theta, dtype)
         return self.kernels.rope_cos_sin(
             self.kernels.xp.asarray(positions), c.rope_dim, c.rope_theta, dtype,
             scaling=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
             high_freq_factor=c.rope_high_freq_factor,
             original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)
 
-    def _rotate(self, xs: Sequence[Array], positions: np.ndarray, backward: bool = False
-                ) -> list[Array]:
+    def _rotate(self, xs: Sequence[Array], positions: np.ndarray, backward: bool = False,
+                local: bool = False) -> list[Array]:
         """RoPE (``backward``: its inverse) of each of ``xs`` ``[B, S, h, D]`` at ``positions``;
         packed documents (:class:`~mpipar.model.attention.DocumentPositions`): each row at its
-        tokens' positions inside their documents (tables made once per microbatch)."""
+        tokens' positions inside their documents (tables made once per microbatch).
+        ``local``: with a sliding-window layer's base (:meth:`ModelConfig.local_rope`)."""
         op = self.kernels.rope_bwd if backward else self.kernels.rope_fwd
         docs = documents_of(positions)
         if docs is None:
-            cos, sin = self._cos_sin(positions, xs[0].dtype)
+            cos, sin = self._cos_sin(positions, xs[0].dtype, local)
             return [op(x, cos, sin) for x in xs]
         dtype = accumulator(xs[0].dtype)   # float32 tables for bf16 activations, as above
-        tables = docs.remember(("rope", np.dtype(dtype).str),
-                               lambda: [self._tables(row, dtype) for row in docs.rope])
+        tables = docs.remember(("rope", np.dtype(dtype).str, local),
+                               lambda: [self._tables(row, dtype, local) for row in docs.rope])
         return [self.kernels.xp.concatenate([op(x[b:b + 1], *tables[b]) for b in range(len(x))])
                 for x in xs]
 
@@ -433,6 +453,7 @@ class LlamaStage:
         if self.first:
             with scope.using(["embed"], False):
                 x = self.tp.embed(params, EMBED, inp)
+                x = scale_embedding(x, self.cfg.hidden) if self.cfg.embed_scale else x
         for i in self.layers:
             with scope.using([f"layers.{i}"], False):
                 x, saved = self._block_fwd(params, i, x, positions, scope,
@@ -470,9 +491,10 @@ class LlamaStage:
         scope.progress()
         qk = None
         if self.cfg.qk_norm:
-            q, key, qk = qk_norm_fwd(self.kernels, params, i, q, key, self.cfg.norm_eps)
-        q, key = self._rotate([q, key], positions)
-        return q, key, v, qk
+            q, key, qk = qk_norm_fwd(self.kernels, params, i, q, key, self.cfg.norm_eps,
+                                     self.cfg.norm_unit_offset)
+        q, key = self._rotate([q, key], positions, local=self.cfg.local_rope(i))
+        return scale_queries(q, self.q_factor), key, v, qk
 
     def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray,
                    scope: ParamScope = RESIDENT, record: bool = False,
@@ -481,7 +503,7 @@ class LlamaStage:
         hand the :data:`ACTIVATION_NAMES` tensors to the recorder, if one is set; ``kv``: attend
         over the cached positions too (incremental decoding, module docstring)."""
         ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
-        h1, rstd1 = ops.rmsnorm_fwd(x, p[n + "input_layernorm.weight"], eps)
+        h1, rstd1 = ops.rmsnorm_fwd(x, self._norm(p, n + INPUT), eps)
         q, key, v, qk = self._attention_inputs(
             params, i, self.tp.linear_input(h1, self._input_names(i)), positions, scope)
         window = self.cfg.layer_window(i)
@@ -493,7 +515,12 @@ class LlamaStage:
                                                      window=window)
         scope.progress()
         a, = self._apply(params, in_block(i, O_PROJ), attended_values(out, self.cfg))
-        x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, p[n + "post_attention_layernorm.weight"], eps)
+        post = None                                  # sandwich norms: the outputs normalised
+        if self.cfg.norms.sandwich:
+            post = PostNormSaved(a, None)
+            a, post.rstd_a = post_norm_fwd(ops, p, n + POST_ATTENTION, a, eps,
+                                           self.cfg.norm_unit_offset)
+        x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, self._norm(p, n + self.cfg.norms.pre_ffn), eps)
         g = u = m = moe = shared_gate = None
         if not self.cfg.is_sparse(i):
             y, g, u, m = self._ffn_fwd(params, i, h2, GATE_UP, DOWN, scope)
@@ -506,6 +533,9 @@ class LlamaStage:
             if shared:  # the shared expert's output added
                 out_s, g, u, m, shared_gate = shared[0]
                 y = y + out_s
+        if post is not None:
+            post.y = y
+            y, post.rstd_y = post_norm_fwd(ops, p, n + POST_FFN, y, eps, self.cfg.norm_unit_offset)
         block_out = x2 + y
         if record and self.recorder is not None:
             for name, value in zip(ACTIVATION_NAMES, (x, attended_values(out, self.cfg), a, y,
@@ -514,7 +544,7 @@ class LlamaStage:
         if not self.attention.needs_inputs:
             q = key = v = None
         return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
-                                     g, u, m, moe, shared_gate, qk)
+                                     g, u, m, moe, shared_gate, qk, post)
 
     def _ffn_fwd(self, params, i: int, h2: Array, gate_up: Sequence[str], down: Sequence[str],
                  scope: ParamScope) -> tuple[Array, Array, Array, Array]:
@@ -522,7 +552,7 @@ class LlamaStage:
         sparse block's shared expert) on ``h2`` -> (output, g, u, m)."""
         g, u = self._apply(params, in_block(i, gate_up), h2)
         scope.progress()
-        m = self.kernels.swiglu_fwd(g, u)
+        m = self.cfg.activation.forward(self.kernels, g, u)
         y, = self._apply(params, in_block(i, down), m)
         return y, g, u, m
 
@@ -554,12 +584,12 @@ class LlamaStage:
         """The gradient of ``h2`` through :meth:`_ffn_fwd`'s FFN (its g, u, m in ``c``)."""
         dm = self._apply_backward([dout], c.m, in_block(i, down), lin)
         scope.progress()
-        dg, du = self.kernels.swiglu_bwd(dm, c.g, c.u)
+        dg, du = self.cfg.activation.backward(self.kernels, dm, c.g, c.u)
         return self._apply_backward([dg, du], c.h2, in_block(i, gate_up), lin)
 
     def _logits(self, params, x: Array) -> tuple[tuple[Array, Array], Array]:
         """((final norm of the stream ``hn``, its ``rstd``), this rank's logits ``[N, V/tp]``)."""
-        hn, rstd = self.kernels.rmsnorm_fwd(x, params["norm.weight"], self.cfg.norm_eps)
+        hn, rstd = self.kernels.rmsnorm_fwd(x, self._norm(params, "norm.weight"), self.cfg.norm_eps)
         logits, = self._apply(params, [self.head], hn)
         return (hn, rstd), logits.reshape(-1, logits.shape[-1])
 
@@ -602,6 +632,7 @@ class LlamaStage:
         if not self.first:
             return dx
         with scope.using(["embed"], True):
+            dx = scale_embedding(dx, self.cfg.hidden) if self.cfg.embed_scale else dx
             self.tp.embed_backward(grads, EMBED, dx, cache.tokens)
         notify and notify([EMBED])
         return None
@@ -631,9 +662,9 @@ class LlamaStage:
         if mode.keeps_everything:
             return kept
         ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
-        h1, rstd1 = ops.rmsnorm_fwd(kept.x, p[n + "input_layernorm.weight"], eps)
-        h2, rstd2 = ops.rmsnorm_fwd(kept.x2, p[n + "post_attention_layernorm.weight"], eps)
-        m = None if kept.g is None else ops.swiglu_fwd(kept.g, kept.u)
+        h1, rstd1 = ops.rmsnorm_fwd(kept.x, self._norm(p, n + INPUT), eps)
+        h2, rstd2 = ops.rmsnorm_fwd(kept.x2, self._norm(p, n + self.cfg.norms.pre_ffn), eps)
+        m = None if kept.g is None else self.cfg.activation.forward(ops, kept.g, kept.u)
         return replace(kept, h1=h1, rstd1=rstd1, h2=h2, rstd2=rstd2, m=m)
 
     def _head_bwd(self, params, grads, dloss: Array, kept: Any, lin: LinearGrads) -> Array:
@@ -641,31 +672,34 @@ class LlamaStage:
         dlogits = self.tp.cross_entropy_backward(c.logits, c.targets, c.lse,
                                                  dloss.reshape(-1)).astype(c.x.dtype, copy=False)
         dhn = self._apply_backward([dlogits], c.hn, [self.head], lin)
-        dx, dwn = self.kernels.rmsnorm_bwd(dhn, c.x, params["norm.weight"], c.rstd)
+        dx, dwn = self.kernels.rmsnorm_bwd(dhn, c.x, self._norm(params, "norm.weight"), c.rstd)
         grads["norm.weight"] += dwn
         return dx
 
     def _block_bwd(self, params, grads, i: int, dout: Array, c: BlockSaved,
                    positions: np.ndarray, lin: LinearGrads, scope: ParamScope = RESIDENT
                    ) -> Array:
-        ops, p, n = self.kernels, params, f"layers.{i}."
+        ops, p, n, post = self.kernels, params, f"layers.{i}.", c.post_norms
+        off, pre_ffn = self.cfg.norm_unit_offset, n + self.cfg.norms.pre_ffn
+        dy = dout if post is None else post_norm_bwd(ops, p, grads, n + POST_FFN, dout, post.y,
+                                                     post.rstd_y, off)
         if c.moe is None:
-            dh2 = self._ffn_bwd(i, dout, c, GATE_UP, DOWN, lin, scope)
+            dh2 = self._ffn_bwd(i, dy, c, GATE_UP, DOWN, lin, scope)
         else:
             shared: list = []        # the shared expert's, computed while the rows travel
-            aside = ((lambda: shared.append(self._shared_bwd(i, dout, c, lin, scope)))
+            aside = ((lambda: shared.append(self._shared_bwd(i, dy, c, lin, scope)))
                      if c.g is not None else None)
-            dh2 = moe_backward(ops, i, dout, c.moe, self.experts, lin, self.moe_aux_weight,
+            dh2 = moe_backward(ops, i, dy, c.moe, self.experts, lin, self.moe_aux_weight,
                                aside)
             if shared:
                 dh2 = dh2 + shared[0]
         scope.progress()
-        dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, p[n + "post_attention_layernorm.weight"],
-                                      c.rstd2)
-        grads[n + "post_attention_layernorm.weight"] += dw
+        dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, self._norm(p, pre_ffn), c.rstd2)
+        grads[pre_ffn] += dw
+        da = dx2 if post is None else post_norm_bwd(ops, p, grads, n + POST_ATTENTION, dx2,
+                                                    post.a, post.rstd_a, off)
         out = c.attention_out
-        do = self._apply_backward([dx2], attended_values(out, self.cfg), in_block(i, O_PROJ),
-                                  lin)
+        do = self._apply_backward([da], attended_values(out, self.cfg), in_block(i, O_PROJ), lin)
         scope.progress()
         qkv = self._input_names(i)
         h1_in = self.tp.linear_input(c.h1, qkv)
@@ -682,17 +716,18 @@ class LlamaStage:
             dh1 = latent_bwd(ops, self.tp, params, grads, i, self.cfg, dq, dk, dv, qk, h1_in,
                              positions, self._rotate, lin)
             return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
-        dq, dk = self._rotate([dq, dk], positions, backward=True)
+        dq, dk = self._rotate([scale_queries(dq, self.q_factor), dk], positions, backward=True,
+                              local=self.cfg.local_rope(i))
         if qk is not None:
-            dq, dk = qk_norm_bwd(ops, params, grads, i, dq, dk, qk)
+            dq, dk = qk_norm_bwd(ops, params, grads, i, dq, dk, qk, off)
         dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
         return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
 
     def _input_norm_bwd(self, params, grads, i: int, dh1: Array, dx2: Array, c: BlockSaved
                         ) -> Array:
         """The block input's gradient: through the input norm (``dh1``) and the residual."""
-        n = f"layers.{i}.input_layernorm.weight"
-        dx, dw = self.kernels.add_rmsnorm_bwd(dh1, dx2, c.x, params[n], c.rstd1)
+        n = f"layers.{i}.{INPUT}"
+        dx, dw = self.kernels.add_rmsnorm_bwd(dh1, dx2, c.x, self._norm(params, n), c.rstd1)
         grads[n] += dw
         return dx
 

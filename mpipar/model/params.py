@@ -9,8 +9,9 @@ Config facts change the set: ``attention_bias`` adds the q/k/v biases
 (``layers.{i}.self_attn.{q,k,v}_proj.bias``, Qwen2's), ``qk_norm`` the per-head query and key
 norms (``layers.{i}.self_attn.{q,k}_norm.weight`` ``[head_dim]``, Qwen3's), ``latent_kv_rank``
 latent attention's projections and norms in place of q/k/v
-(:mod:`mpipar.model.latent_attention`, DeepSeek-V3's names), and
-``tie_embeddings`` drops ``lm_head.weight``: the LM head then reads ``embed_tokens.weight``
+(:mod:`mpipar.model.latent_attention`, DeepSeek-V3's names), the ``sandwich`` norm placement a
+block's two output norms and its pre-FFN norm under Gemma's name (:mod:`mpipar.model.norms`),
+and ``tie_embeddings`` drops ``lm_head.weight``: the LM head then reads ``embed_tokens.weight``
 (:func:`head_weight_name`).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.latent_attention import latent_param_shapes
+from mpipar.model.norms import INPUT, POST_ATTENTION, POST_FFN
 from mpipar.model.qk_norm import K_NORM, Q_NORM
 
 
@@ -41,7 +43,7 @@ class ParamSpec:
 def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     """Specs of decoder block ``i``."""
     h, q, kv, f = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
-    p = f"layers.{i}."
+    p, norms = f"layers.{i}.", cfg.norms
     biases = [ParamSpec(p + f"self_attn.{x}_proj.bias", (n,), i)
               for x, n in (("q", q), ("k", kv), ("v", kv))] if cfg.attention_bias else []
     if cfg.latent:
@@ -52,17 +54,18 @@ def block_param_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
                      ParamSpec(p + "self_attn.k_proj.weight", (kv, h), i),
                      ParamSpec(p + "self_attn.v_proj.weight", (kv, h), i)]
     return [
-        ParamSpec(p + "input_layernorm.weight", (h,), i),
+        ParamSpec(p + INPUT, (h,), i),
         *attention,
         *biases,
         *([ParamSpec(p + Q_NORM, (cfg.head_dim,), i), ParamSpec(p + K_NORM, (cfg.head_dim,), i)]
           if cfg.qk_norm else []),
         ParamSpec(p + "self_attn.o_proj.weight", (h, q), i),
-        ParamSpec(p + "post_attention_layernorm.weight", (h,), i),
+        *(ParamSpec(p + name, (h,), i) for name in dict.fromkeys((POST_ATTENTION, norms.pre_ffn))),
         *(moe_param_specs(cfg, i) if cfg.is_sparse(i) else [
             ParamSpec(p + "mlp.gate_proj.weight", (f, h), i),
             ParamSpec(p + "mlp.up_proj.weight", (f, h), i),
             ParamSpec(p + "mlp.down_proj.weight", (h, f), i)]),
+        *([ParamSpec(p + POST_FFN, (h,), i)] if norms.sandwich else []),
     ]
 
 
@@ -169,11 +172,12 @@ def stage_units(names: list[str]) -> list[tuple[str, list[str]]]:
 
 def init_param(spec: ParamSpec, cfg: ModelConfig, seed: int) -> np.ndarray:
     """The global float64 initial value of one parameter (independent of layout): norm weights
-    ones, biases zeros, matrices normal."""
+    ones (zeros with ``norm_unit_offset``: the norm multiplies by 1 + w), biases zeros,
+    matrices normal."""
     if spec.name.endswith(".bias"):
         return np.zeros(spec.shape)
     if len(spec.shape) == 1:
-        return np.ones(spec.shape)
+        return np.zeros(spec.shape) if cfg.norm_unit_offset else np.ones(spec.shape)
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
     std = cfg.init_std
     if spec.name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mpipar.model.norms import norm_weight
+
 Array = Any
 
 Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
@@ -36,23 +38,26 @@ class QKNormSaved:
     rstd_k: Array
 
 
-def qk_norm_fwd(kernels, params, i: int, q: Array, k: Array, eps: float
-                ) -> tuple[Array, Array, QKNormSaved]:
+def qk_norm_fwd(kernels, params, i: int, q: Array, k: Array, eps: float,
+                unit_offset: bool = False) -> tuple[Array, Array, QKNormSaved]:
     """Block ``i``'s normalised queries and keys ``(q', k', record)`` of ``q`` ``[B, S, hq,
-    D]`` and ``k`` ``[B, S, hkv, D]`` (before RoPE)."""
+    D]`` and ``k`` ``[B, S, hkv, D]`` (before RoPE); ``unit_offset``: the norms multiply by
+    ``1 + w`` (:func:`mpipar.model.norms.norm_weight`)."""
     p = f"layers.{i}."
-    qn, rstd_q = kernels.rmsnorm_fwd(q, params[p + Q_NORM], eps)
-    kn, rstd_k = kernels.rmsnorm_fwd(k, params[p + K_NORM], eps)
+    qn, rstd_q = kernels.rmsnorm_fwd(q, norm_weight(params, p + Q_NORM, unit_offset), eps)
+    kn, rstd_k = kernels.rmsnorm_fwd(k, norm_weight(params, p + K_NORM, unit_offset), eps)
     return qn, kn, QKNormSaved(q, rstd_q, k, rstd_k)
 
 
-def qk_norm_bwd(kernels, params, grads, i: int, dq: Array, dk: Array, saved: QKNormSaved
-                ) -> tuple[Array, Array]:
+def qk_norm_bwd(kernels, params, grads, i: int, dq: Array, dk: Array, saved: QKNormSaved,
+                unit_offset: bool = False) -> tuple[Array, Array]:
     """The gradients of :func:`qk_norm_fwd`'s inputs from those of its outputs; the weights'
     (this rank's heads' share) accumulated into ``grads``."""
     p = f"layers.{i}."
-    dq, dwq = kernels.rmsnorm_bwd(dq, saved.q, params[p + Q_NORM], saved.rstd_q)
-    dk, dwk = kernels.rmsnorm_bwd(dk, saved.k, params[p + K_NORM], saved.rstd_k)
+    dq, dwq = kernels.rmsnorm_bwd(dq, saved.q, norm_weight(params, p + Q_NORM, unit_offset),
+                                  saved.rstd_q)
+    dk, dwk = kernels.rmsnorm_bwd(dk, saved.k, norm_weight(params, p + K_NORM, unit_offset),
+                                  saved.rstd_k)
     grads[p + Q_NORM] += dwq
     grads[p + K_NORM] += dwk
     return dq, dk

@@ -8,7 +8,7 @@ mode gives bit-identical results:
 
 - ``none``: every field.
 - ``selective``: ``x``, ``x2``, the attention core's output and its saved context, ``g``, ``u``
-  (and a sparse block's expert record and shared gate); backward recomputes both RMSNorms, ``m``
+  (and a sparse block's expert record and shared gate, and the sandwich norms' record); backward recomputes both RMSNorms, ``m``
   and q, k, v, none of it needing communication beyond what backward does anyway.
 - ``full``: only the block input ``x``; backward re-runs the whole block forward first, which
   repeats its tensor-, sequence- and expert-parallel traffic.
@@ -77,7 +77,8 @@ class Recompute:
 
 NONE = Recompute("none")
 SELECTIVE = Recompute("selective", keeps=frozenset({
-    "x", "x2", "attention_out", "attention_saved", "g", "u", "moe", "shared_gate"}))
+    "x", "x2", "attention_out", "attention_saved", "g", "u", "moe", "shared_gate",
+    "post_norms"}))
 FULL = Recompute("full", keeps=frozenset({"x"}), reruns_block=True)
 OFFLOAD = Recompute("offload", offloads=True)
 

@@ -112,6 +112,8 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "self_attn.q_b_proj.weight": "column",
     "self_attn.kv_b_proj.weight": "column",
     "post_attention_layernorm.weight": "replicated",
+    "pre_feedforward_layernorm.weight": "replicated",
+    "post_feedforward_layernorm.weight": "replicated",
     "mlp.gate_proj.weight": "column",
     "mlp.up_proj.weight": "column",
     "mlp.down_proj.weight": "row",

@@ -160,6 +160,13 @@ QWEN3 = [dict(model="qwen3", **v) for v in (
 # mpi/test_moe.py).
 LATENT = [dict(model="latent", tp=2, sp=2, dp=2, sp_mode="ulysses", tp_sequence_parallel=True)]
 
+# Gemma 3 (its sandwich norms' gradients partial over tp under tp sequence parallelism; its
+# local and global layers on the halo exchange and the ring; ZeRO-3 over dp x sp).
+GEMMA3 = [dict(model="gemma3", **v) for v in (
+    dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True),
+    dict(sp=4, tp=2, sp_mode="halo", sp_split="zigzag"),
+    dict(sp=2, dp=4, zero=3))]
+
 
 def _tied_copies_differ(engine) -> list[str]:
     """The two pipeline ranks' copies of a tied embedding must be bit-identical."""
@@ -250,6 +257,14 @@ def test_tied_biased_scaled_model_equals_single_process_float64(world, layout):
 def test_sliding_window_model_equals_single_process_float64(world, layout):
     """Sliding-window attention (every layer, or Gemma 2's alternation) on ring, halo and
     Ulysses SP, both splits, with TP, PP and DP: equal to one process."""
+    _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", GEMMA3, ids=[layout_name(v) for v in GEMMA3])
+def test_gemma3_model_equals_single_process_float64(world, layout):
+    """Gemma 3's blocks (sandwich and (1 + w) norms, scaled embedding, GeGLU, attention scale,
+    a RoPE base per layer kind) keep every layout equal to one process."""
     _check(world, layout, "float64", 1e-10)
 
 

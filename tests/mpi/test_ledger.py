@@ -49,6 +49,8 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(model="qwen3", tp=2, dp=4), dict(model="qwen3", pp=4, tp=2, schedule="zb-h1"),
          dict(model="qwen3", sp=2, tp=2, pp=2, tp_sequence_parallel=True),
          dict(model="qwen3", dp=4, tp=2, zero=3),
+         # Gemma 3's four norms per block: their partial gradients' all-reduce over tp
+         dict(model="gemma3", tp=2, dp=4, tp_sequence_parallel=True),
          # tied embeddings (their gradient sum over pp_ends), q/k/v biases, llama3 RoPE
          dict(model="tied", pp=2, tp=2, dp=2),
          dict(model="tied", pp=2, dp=2, sp=2, zero=1, bucket_mb=0.003),

@@ -117,8 +117,8 @@ def test_warmup_names_what_it_compiles_and_skips_a_backend_that_compiles_nothing
 
     assert warmup.compiled_ops(get_backend("numba")) == [
         "rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_fwd", "add_rmsnorm_bwd", "rope_fwd",
-        "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd", "attention_bwd",
-        "attention_merge", "cross_entropy_stats", "cross_entropy_bwd"]
+        "rope_bwd", "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "attention_fwd",
+        "attention_bwd", "attention_merge", "cross_entropy_stats", "cross_entropy_bwd"]
     assert not warmup.compiles(get_backend("numpy"))
     out = tmp_path / "w.json"
     assert main(["warmup", "--backend", "numpy", "--json", str(out)]) == 0

@@ -140,6 +140,20 @@ def test_swiglu_grad(mod, rng):
 
 
 @pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
+def test_geglu_equals_torch_gelu_tanh_and_its_gradient(mod, rng):
+    """GeGLU's forward is torch's ``gelu(approximate="tanh")`` times up (float64), and its
+    backward the numerical gradient."""
+    torch = pytest.importorskip("torch")
+    gate, up, r = rng.standard_normal((3, 5)) * 3, rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    want = torch.nn.functional.gelu(torch.from_numpy(gate), approximate="tanh").numpy() * up
+    assert rel_err(mod.geglu_fwd(gate, up), want) < 1e-14
+    dgate, dup = mod.geglu_bwd(r, gate, up)
+    loss = lambda: float(np.sum(mod.geglu_fwd(gate, up) * r))  # noqa: E731
+    assert rel_err(dgate, num_grad(loss, gate)) < 1e-6
+    assert rel_err(dup, num_grad(loss, up)) < 1e-6
+
+
+@pytest.mark.parametrize("mod", MODULES.values(), ids=MODULES.keys())
 def test_swiglu_large_inputs_are_finite(mod):
     gate = np.array([-1000.0, -50.0, 0.0, 50.0, 1000.0])
     up = np.full(5, 2.0)
@@ -429,6 +443,8 @@ def elementwise_cases(rng, dtype):
         ("rope_bwd", (xr, cos, sin)),
         ("swiglu_fwd", (r(5, 9) * 10, r(5, 9))),
         ("swiglu_bwd", (r(5, 9), r(5, 9) * 10, r(5, 9))),
+        ("geglu_fwd", (r(5, 9) * 3, r(5, 9))),
+        ("geglu_bwd", (r(5, 9), r(5, 9) * 3, r(5, 9))),
         ("attention_merge", (r(2, 5, 3, 4), la, r(2, 5, 3, 4), lb)),
         ("cross_entropy_stats", (logits, tg, 2, 19)),
         ("cross_entropy_bwd", (logits, tg, lse, r(9), 2, 19)),

@@ -137,6 +137,8 @@ def cases(rng) -> list[tuple[str, tuple]]:
         ("rope_bwd", (xr, cos, sin)),
         ("swiglu_fwd", (bf(rng, 5, 64, scale=3.0), bf(rng, 5, 64))),
         ("swiglu_bwd", (bf(rng, 5, 64), bf(rng, 5, 64, scale=3.0), bf(rng, 5, 64))),
+        ("geglu_fwd", (bf(rng, 5, 64, scale=3.0), bf(rng, 5, 64))),
+        ("geglu_bwd", (bf(rng, 5, 64), bf(rng, 5, 64, scale=3.0), bf(rng, 5, 64))),
         ("attention_fwd", (q, k, v, 8, 0, True)),
         ("attention_bwd", (q, k, v, out, lse, bf(rng, *q.shape), 8, 0, True)),
         ("attention_merge", (bf(rng, 2, 5, 3, 4), la, bf(rng, 2, 5, 3, 4), lb)),
@@ -150,7 +152,8 @@ def cases(rng) -> list[tuple[str, tuple]]:
 ROUNDED = {
     "linear_fwd": (0,), "linear_bwd": (0,), "linear_bias_bwd": (), "rmsnorm_fwd": (0,),
     "rmsnorm_bwd": (0,), "add_rmsnorm_bwd": (0,), "rope_fwd": (0,), "rope_bwd": (0,),
-    "swiglu_fwd": (0,), "swiglu_bwd": (0, 1), "attention_fwd": (0,), "attention_bwd": (),
+    "swiglu_fwd": (0,), "swiglu_bwd": (0, 1), "geglu_fwd": (0,), "geglu_bwd": (0, 1),
+    "attention_fwd": (0,), "attention_bwd": (),
     "attention_merge": (0,), "cross_entropy_stats": (),
     "cross_entropy_bwd": (0,),
 }

@@ -31,6 +31,10 @@ CFG = resolve_model(ModelConfig(vocab_size=11, hidden=16, layers=2, heads=4, kv_
                   init_std=0.3))
 TIED = dataclasses.replace(CFG, tie_embeddings=True, attention_bias=True)  # biases recomputed too
 QK_NORM = dataclasses.replace(CFG, qk_norm=True, head_dim=6)    # the q/k norms' record too
+GEMMA3 = dataclasses.replace(  # the sandwich norms' record, GeGLU, a local RoPE base, q scaled
+    QK_NORM, norm_placement="sandwich", norm_unit_offset=True, embed_scale=True,
+    ffn_activation="gelu_tanh", query_pre_attn_scalar=4.0, sliding_window=3, window_layers="0",
+    rope_local_theta=100.0, tie_embeddings=True)
 
 
 def _stage(mode: str, store=None, cfg: ModelConfig = CFG, backend: str = "numpy") -> LlamaStage:
@@ -56,7 +60,8 @@ def _loss_and_grads(stage: LlamaStage, split: bool):
     return loss, grads
 
 
-@pytest.mark.parametrize("cfg", [CFG, TIED, QK_NORM], ids=["llama", "tied-bias", "qk-norm"])
+@pytest.mark.parametrize("cfg", [CFG, TIED, QK_NORM, GEMMA3],
+                         ids=["llama", "tied-bias", "qk-norm", "gemma3"])
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "zb-split"])
 @pytest.mark.parametrize("mode", MODES)
 def test_stage_modes_equal_none_bitwise(mode, split, cfg, tmp_path):
@@ -136,6 +141,25 @@ def test_the_qk_norm_record_is_what_the_planner_counts():
     assert _block_field_bytes(layout)["qk"] == _kept_bytes(kept["none"])
 
 
+def test_the_sandwich_norms_record_is_what_the_planner_counts():
+    """With sandwich norms every in-memory mode but full keeps the two output norms' inputs and
+    rstds (per token 2 x (H + 1) values), and the planner's count of the field is their bytes."""
+    from mpipar.config import Config, ParallelConfig
+    from mpipar.plan.memory import _block_field_bytes
+    from mpipar.rules import validate
+    B, S = 2, 7
+    params = init_params(GEMMA3, 4, np.float64)
+    tokens = np.random.default_rng(0).integers(0, 11, (B, S))
+    for mode in ("none", "selective"):
+        stage = _stage(mode, cfg=GEMMA3)
+        stage.last = False
+        kept = stage.forward(params, tokens, np.arange(S))[1].blocks[0].post_norms
+        assert _kept_bytes(kept) == 8 * B * S * 2 * (GEMMA3.hidden + 1), mode
+    layout = validate(Config(GEMMA3, ParallelConfig(),
+                             TrainConfig(seq_len=S, global_batch_size=B, dtype="float64")), 1)
+    assert _block_field_bytes(layout)["post_norms"] == _kept_bytes(kept)
+
+
 def test_offload_keeps_only_handles_in_memory(tmp_path):
     store = OffloadStore(tmp_path / "s.h5")
     stage = _stage("offload", store)
@@ -160,7 +184,7 @@ def test_modes_answer_from_the_records_fields():
     assert kept == {"none": sum(sizes.values()), "offload": 0, "full": sizes["x"],
                     "selective": sum(sizes[f] for f in ("x", "x2", "attention_out",
                                                         "attention_saved", "g", "u", "moe",
-                                                        "shared_gate"))}
+                                                        "shared_gate", "post_norms"))}
     assert {n: m.forward_runs(True) for n, m in BY_NAME.items()} == \
         {"none": 1, "selective": 1, "full": 2, "offload": 1}
     assert all(m.forward_runs(False) == 1 for m in BY_NAME.values())

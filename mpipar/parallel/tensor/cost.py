@@ -68,13 +68,14 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
 def _partial_grad_elements(layout: Layout, stages: Sequence[int],
                            unit_passes: Sequence[tuple[str, int]]) -> list[int]:
     """Elements in each all-reduce of the partial gradients over tp in a step (0: none made):
-    under sequence parallelism a block's two norms and the head's final norm (``hidden``
-    each), and with ``qk_norm`` a block's query and key norms (``head_dim`` each, applied to
-    this rank's heads), under LoRA a block's replicated adapter factors instead (the norms
-    frozen); at ZeRO-2/3 one per unit reduce-scattered, under zb-h1 one per chunk
-    with all its norms, else one per block and one for the head."""
+    under sequence parallelism a block's norms (two, four with the ``sandwich`` placement)
+    and the head's final norm (``hidden`` each), and with ``qk_norm`` a block's query and key
+    norms (``head_dim`` each, applied to this rank's heads), under LoRA a block's replicated
+    adapter factors instead (the norms frozen); at ZeRO-2/3 one per unit reduce-scattered,
+    under zb-h1 one per chunk with all its norms, else one per block and one for the head."""
     m, sp = layout.model, layout.parallel.tp_sequence_parallel
-    block, head = 2 * m.hidden * sp + 2 * m.head_dim * m.qk_norm, m.hidden * sp
+    block = m.norms.per_block * m.hidden * sp + 2 * m.head_dim * m.qk_norm
+    head = m.hidden * sp
     lora = Lora.of(layout.train)
     if lora is not None:   # the norms are frozen; the adapters' replicated factors are partial
         block, head = _replicated_adapter_elements(layout, lora), 0
@@ -103,8 +104,10 @@ def block_record_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
     shapes, one microbatch on one rank: the stream (``x``, ``h1``, ``rstd1``, ``x2``, ``h2``,
     ``rstd2``: token shards under tp sequence parallelism), the attention output and its lse
     over this rank's heads, the FFN's ``g``, ``u``, ``m`` over its columns (``sparse``: the
-    shared expert's, split as the dense FFN), and with ``qk_norm`` the ``qk`` record (this
-    rank's queries and keys before their norms, their rstds)."""
+    shared expert's, split as the dense FFN), with ``qk_norm`` the ``qk`` record (this
+    rank's queries and keys before their norms, their rstds), and with ``sandwich`` norms the
+    ``post_norms`` record (the attention's and the FFN's outputs in the stream's shape, their
+    rstds)."""
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes
@@ -117,7 +120,8 @@ def block_record_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
     return {"x": H * ns * e, "h1": H * ns * e, "rstd1": ns * se,
             "attention_out": q * n * e, "attention_saved": n * (m.heads // par.tp) * se,
             "x2": H * ns * e, "h2": H * ns * e, "rstd2": ns * se,
-            "g": F * n * e, "u": F * n * e, "m": F * n * e, "qk": qk}
+            "g": F * n * e, "u": F * n * e, "m": F * n * e, "qk": qk,
+            "post_norms": 2 * (H * ns * e + ns * se) if m.norms.sandwich else 0}
 
 
 def head_record_bytes(layout: Layout) -> int:

@@ -7,8 +7,8 @@ numpy_ref's recipe rounds: ``linear_fwd``'s ``y = r(f(x) @ f(w).T + f(b))`` (the
 float32 sum, then one rounding), ``linear_bwd``'s ``dx = r(f(dy) @ f(w))`` and its float32
 ``dw = f(dy)^T f(x)``, accumulated straight into a given float32 ``dw`` (beta = 1), as the GPU's
 cuBLAS path does. The products equal NumPy's float32 products of the upcast operands up to the
-order of the float32 sums (:func:`gemm_bound`); on AMX tiles MKL also flushes bf16 subnormals
-(below 1.2e-38) to zero.
+order of the float32 sums (:func:`gemm_bound`); the bf16 units (AMX, AVX512-BF16) also take
+subnormal inputs (below 1.2e-38) as zero.
 
 Where it runs fast: on CPUs with AMX-BF16 (``amx_bf16`` in /proc/cpuinfo: Sapphire Rapids and
 later Xeons) or AVX512-BF16 (``avx512_bf16``) MKL dispatches to those units. Elsewhere MKL

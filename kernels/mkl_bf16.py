@@ -89,7 +89,7 @@ def library() -> ctypes.CDLL:
             lib.MKL_Set_Threading_Layer.restype = ctypes.c_int
             lib.MKL_Set_Threading_Layer(ctypes.c_int(_LAYERS[layer]))
         return lib
-    raise OSError("; ".join(errors) or f"libmkl_rt not found: {INSTALL}")
+    raise OSError("; ".join(errors) or "libmkl_rt not found: no mkl wheel, no system MKL")
 
 
 @functools.cache

@@ -146,14 +146,15 @@ def test_the_linear_ops_follow_the_bf16_recipe():
 
 
 @needs_mkl
-def test_bf16_training_through_mkl_tracks_the_float32_gemms():
-    """Two bf16 steps of the test model (its linears, input and weight gradients through MKL)
-    against the same steps through the float32 GEMMs: losses and gradient norms within the
-    project's bf16 bound."""
+@pytest.mark.parametrize("model", ["llama", "moe"])
+def test_bf16_training_through_mkl_tracks_the_float32_gemms(model):
+    """Two bf16 steps of the test model, dense and with experts (its linears' and experts'
+    GEMMs, input and weight gradients through MKL) against the same steps through the float32
+    GEMMs: losses and gradient norms within the project's bf16 bound."""
     from mpi4py import MPI
     got = {}
     for gemm in ("mkl", "float32"):
-        cfg = small_config("bfloat16")
+        cfg = small_config("bfloat16", model)
         cfg.train.cpu_bf16_gemm = gemm
         losses, norms, _, rank = run(cfg, MPI.COMM_SELF, 2)
         got[gemm] = (losses, norms, rank.compute.kernels.describe())

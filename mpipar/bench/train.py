@@ -192,12 +192,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
     """The race table (tokens/s, MFU, CPU seconds per step), the notes, then the per-op profiles."""
-    header = (f"{'run':<46} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
+    header = (f"{'run':<52} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
               f"{'mpipar/torch':>13} {'CPU s/step m/t':>15} {'per CPU s':>10}")
     print_header(header)
     for r in rows:
         m, t = r["mpipar"], r.get("torch")
-        line = f"{r['label']:<46} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
+        line = f"{r['label']:<52} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
         if t is not None:
             line += (f" {t['tokens_per_s']:>12.0f} {100 * t['mfu']:>5.1f}% "
                      f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x "

@@ -97,18 +97,20 @@ class Backend:
     sigmoid: Kernel
     routing: ModuleType
     fallback_reasons: Mapping[str, str] = field(default_factory=dict)
+    bf16_gemm: str = ""
+    """A CPU backend's bf16 GEMMs of the linear ops and why (:func:`with_cpu_bf16_gemm`); empty
+    where no choice was made (a float32/float64 run, the GPU: cuBLAS)."""
 
     def describe(self) -> str:
-        """One line: the backend name and which ops (of :data:`OPS` and :data:`GENERIC_OPS`)
-        use another implementation, and why."""
+        """One line: the backend name, which ops (of :data:`OPS` and :data:`GENERIC_OPS`) use
+        another implementation, and why, and where set what runs the bf16 GEMMs."""
         groups: dict[str, list[str]] = {}
         for op in OPS + GENERIC_OPS:
             if self.per_op[op] != self.name:
                 groups.setdefault(self.fallback_reasons.get(op, self.per_op[op]), []).append(op)
-        if not groups:
-            return self.name
         parts = ["{}: {}".format(", ".join(ops), why) for why, ops in groups.items()]
-        return f"{self.name} ({'; '.join(parts)})"
+        parts += [self.bf16_gemm] if self.bf16_gemm else []
+        return f"{self.name} ({'; '.join(parts)})" if parts else self.name
 
 
 def available_backends() -> dict[str, str | None]:
@@ -185,6 +187,23 @@ def with_attention(backend: Backend, requested: str, head_dim: int, window: int 
                  f"{gpu_bf16.documents_route(choice)}); float32/float64: mpipar's exact kernels")
 
 
+def with_cpu_bf16_gemm(backend: Backend, requested: str) -> Backend:
+    """A CPU ``backend`` whose linear ops run their bf16 GEMMs as ``requested`` (auto, mkl,
+    float32: :func:`mkl_bf16.gemm_choice`), saying so in its description; float32 and float64
+    calls keep the backend's own ops. The cupy backend is returned as it is (cuBLAS). ValueError
+    names the reason an explicit ``mkl`` cannot run."""
+    if backend.name == "cupy":
+        return backend
+    from . import gpu_bf16, mkl_bf16
+
+    choice = mkl_bf16.gemm_choice(requested)
+    if not choice.uses_mkl:
+        return dataclasses.replace(backend, bf16_gemm=choice.describe())
+    routed = {op: gpu_bf16.by_dtype(getattr(backend, op), getattr(mkl_bf16, op))
+              for op in mkl_bf16.LINEAR_OPS}
+    return dataclasses.replace(backend, bf16_gemm=choice.describe(), **routed)
+
+
 def fused_adamw(p: Any, g: Any, m: Any, v: Any, step: int, lr: float, beta1: float, beta2: float,
                 eps: float, weight_decay: float, scale: float) -> None:
     """One AdamW step in place on CuPy arrays of one dtype, fused into one pass (cuda_adamw)."""
@@ -216,4 +235,5 @@ def get_backend(name: str = "auto") -> Backend:
 
 
 __all__ = ["Backend", "BACKENDS", "GENERIC_OPS", "MOVE_OPS", "OPS", "available_backends",
-           "device_sum_squares", "fused_adamw", "get_backend", "with_attention"]
+           "device_sum_squares", "fused_adamw", "get_backend", "with_attention",
+           "with_cpu_bf16_gemm"]

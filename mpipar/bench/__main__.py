@@ -26,8 +26,10 @@ Sections:
   planner      the planner's predicted step time (from a hardware file) against the measured one
                of training runs of several layouts, side by side
   train        one training step of mpipar against PyTorch eager (transformers Llama, sdpa,
-               AdamW) on the same model and threads, interleaved; dp=2 against PyTorch DDP (gloo);
-               each peer a child process serving steps on request (bench/train_peer.py)
+               AdamW) on the same model and threads, interleaved, in float32 and in bf16 (against
+               autocast; --cpu-bf16-gemm auto,mkl,float32), with the GEMM rates of both and the
+               CPU's bf16 flags; dp=2 against PyTorch DDP (gloo); each peer a child process
+               serving steps on request (bench/train_peer.py)
   gpu          on a CUDA device: attention TFLOP/s of each bf16 backend against the GEMM of equal
                FLOPs; bf16 tokens/s, MFU and memory of 1.1B and 350M Llamas against PyTorch
                eager (autocast, float32 masters), each peer a child process; with --static [--arch

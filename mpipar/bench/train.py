@@ -1,6 +1,9 @@
 """``python -m mpipar.bench train``: one training step of mpipar against PyTorch eager
 (transformers Llama, sdpa, AdamW) on the same model and threads, interleaved step by step, one
-comparison per thread count; then dp=2 (``mpirun -n 2``) against PyTorch DDP (gloo).
+comparison per thread count and dtype (float32; bfloat16: mpipar's mixed precision, its bf16
+GEMMs as each ``--cpu-bf16-gemm`` says, against PyTorch's bf16 autocast); then dp=2 (``mpirun
+-n 2``) against PyTorch DDP (gloo), float32. The header names the CPU and its bf16 flags; each
+thread count's GEMM rates (NumPy float32, oneMKL bf16, PyTorch float32 and bf16) follow the table.
 
 Each peer is a child process serving steps on request (:mod:`mpipar.bench.train_peer`); this
 module starts them, races them and prints tokens/s, MFU against mpipar's GEMM probe, CPU
@@ -110,25 +113,68 @@ def run_comparison(label: str, servers: list[Server], args: argparse.Namespace) 
     return row
 
 
+def _variants(args: argparse.Namespace, notes: list[str]) -> list[tuple[str, str]]:
+    """(dtype, bf16 GEMM) of each 1-rank comparison: float32, then bfloat16 once per
+    ``--cpu-bf16-gemm`` choice (an explicit mkl where MKL does not load is left out, noted)."""
+    from mpipar.kernels import mkl_bf16
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    gemms = [g.strip() for g in args.cpu_bf16_gemm.split(",") if g.strip()]
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")] + [
+        g for g in gemms if g not in mkl_bf16.CHOICES]
+    if bad:
+        raise SystemExit(f"bench train: unknown {bad}: --dtypes takes float32, bfloat16; "
+                         f"--cpu-bf16-gemm {', '.join(mkl_bf16.CHOICES)}")
+    missing = mkl_bf16.unavailable_reason()
+    if "mkl" in gemms and "bfloat16" in dtypes and missing is not None:
+        notes.append(f"bf16 through mkl skipped: {missing}; {mkl_bf16.INSTALL}")
+        gemms = [g for g in gemms if g != "mkl"]
+    return ([("float32", "auto")] if "float32" in dtypes else []) + (
+        [("bfloat16", g) for g in gemms] if "bfloat16" in dtypes else [])
+
+
+def cpu_line() -> str:
+    """The CPU's model name, its bf16 flags and whether oneMKL loads (the header's)."""
+    from mpipar.kernels import mkl_bf16
+
+    try:
+        with open("/proc/cpuinfo") as fh:
+            name = next((ln.partition(":")[2].strip() for ln in fh if ln.startswith("model name")),
+                        "unknown")
+    except OSError:
+        name = "unknown"
+    flags = mkl_bf16.cpu_bf16_flags()
+    missing = mkl_bf16.unavailable_reason()
+    return (f"CPU {name}; bf16 flags: {', '.join(flags) or 'none of ' + ', '.join(mkl_bf16.BF16_FLAGS)}"
+            f"; {missing or mkl_bf16.version()}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """mpipar against PyTorch eager, one comparison per thread count, then dp=2 against DDP."""
     if args.serve:
         serve(args)
         return {}
     if args.quick:
-        args.steps, args.warmup = min(args.steps, 2), 1
+        args.steps, args.warmup, args.gemm_size = min(args.steps, 2), 1, min(args.gemm_size, 512)
     model = _model_argv(args)
     why_not = torch_missing()
     notes = [] if why_not is None else [f"PyTorch peer skipped: {why_not}"]
+    variants = _variants(args, notes)
     print(f"train: Llama hidden {args.hidden}, {args.layers} layers, heads {args.heads}/{args.kv_heads}, "
-          f"ffn {args.ffn}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}, float32; "
-          f"{args.warmup} warm-up + {args.steps} timed steps per peer, interleaved; cores={cpu_count()}")
+          f"ffn {args.ffn}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps per peer, interleaved; cores={cpu_count()}\n"
+          f"{cpu_line()}")
     rows = []
     for t in thread_counts(args.threads):
-        servers = [Server("mpipar", ["--serve", "mpipar", *model], t)]
-        if why_not is None:
-            servers.append(Server("torch", ["--serve", "torch", "--world", "1", *model], t))
-        rows.append(run_comparison(f"{t} thread(s), 1 rank", servers, args))
+        for k, (dtype, gemm) in enumerate(variants):
+            peer = [*model, f"--peer-dtype={dtype}", f"--peer-gemm={gemm}",
+                    f"--gemm-size={args.gemm_size if k == 0 else 0}"]
+            servers = [Server("mpipar", ["--serve", "mpipar", *peer], t)]
+            if why_not is None:
+                servers.append(Server("torch", ["--serve", "torch", "--world", "1", *peer], t))
+            label = (f"{t} thread(s), 1 rank, float32" if dtype == "float32" else
+                     f"{t} thread(s), 1 rank, bf16 (GEMMs {gemm}; autocast)")
+            rows.append(run_comparison(label, servers, args))
     launcher = mpirun()
     if args.dp2 and (launcher is None or args.batch % 2):
         notes.append("dp=2 skipped: " + ("no mpirun found" if launcher is None else f"batch {args.batch} is odd"))
@@ -138,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             servers.append(Server("torch", ["--serve", "torch", "--world", "2", *model], 1))
         rows.append(run_comparison("dp=2, 1 thread/rank (torch: DDP gloo)", servers, args))
     _print_train(rows, notes)
+    _print_gemms(rows, args.gemm_size)
     return {"model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab",
                                                     "seq", "batch")},
             "rows": rows, "notes": notes}
@@ -145,12 +192,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
     """The race table (tokens/s, MFU, CPU seconds per step), the notes, then the per-op profiles."""
-    header = (f"{'run':<40} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
+    header = (f"{'run':<52} {'mpipar tok/s':>13} {'MFU':>6} {'torch tok/s':>12} {'MFU':>6} "
               f"{'mpipar/torch':>13} {'CPU s/step m/t':>15} {'per CPU s':>10}")
     print_header(header)
     for r in rows:
         m, t = r["mpipar"], r.get("torch")
-        line = f"{r['label']:<40} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
+        line = f"{r['label']:<52} {m['tokens_per_s']:>13.0f} {100 * m['mfu']:>5.1f}%"
         if t is not None:
             line += (f" {t['tokens_per_s']:>12.0f} {100 * t['mfu']:>5.1f}% "
                      f"{m['tokens_per_s'] / t['tokens_per_s']:>12.2f}x "
@@ -158,7 +205,8 @@ def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
                      f"{t['median_cpu_step_s'] / m['median_cpu_step_s']:>9.2f}x")
         print(line)
     print("tok/s from the median step; MFU = model FLOPs/step (mpipar.model.flops.model_flops_per_step, the same "
-          "for both) / step time / the GEMM probe of the same threads x ranks; CPU s/step: median CPU "
+          "for both) / step time / the float32 GEMM probe of the same threads x ranks (bf16 rows "
+          "too); CPU s/step: median CPU "
           "time of rank 0's process (all its threads), per CPU s = torch/mpipar CPU time of a step (on a "
           "machine shared with other work, the 1-thread rows' fairest ratio)")
     for note in notes:
@@ -170,6 +218,29 @@ def _print_train(rows: list[dict[str, Any]], notes: list[str]) -> None:
         print(f"\nmpipar per-op time, {r['label']}, one step under cProfile ({parts['step'] * 1e3:.0f} ms):")
         for op, sec in sorted(((k, v) for k, v in parts.items() if k != "step"), key=lambda kv: -kv[1]):
             print(f"  {op:<22} {sec * 1e3:>9.1f} ms {100 * sec / parts['step']:>6.1f}%")
+
+
+def _print_gemms(rows: list[dict[str, Any]], n: int) -> None:
+    """Each thread count's GEMM rates (its first row's peers measured them) and, per bf16 row,
+    its tokens/s over the float32 row's of the same threads, mpipar's and PyTorch's."""
+    base: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r["ranks"] != 1:
+            continue
+        rates = {**r["mpipar"]["info"].get("gemm_gflops", {}),
+                 **(r.get("torch") or {}).get("info", {}).get("gemm_gflops", {})}
+        if rates:
+            print(f"GEMM {n}^3, {r['threads']} thread(s): " + ", ".join(
+                f"{k} {v:,.1f}" for k, v in rates.items()) + " GFLOP/s")
+        if r["label"].endswith("float32"):
+            base[r["threads"]] = r
+        elif r["threads"] in base:
+            f32 = base[r["threads"]]
+            line = (f"{r['label']}: bf16 / float32 tokens/s: mpipar "
+                    f"{r['mpipar']['tokens_per_s'] / f32['mpipar']['tokens_per_s']:.2f}x")
+            if r.get("torch") and f32.get("torch"):
+                line += f", torch {r['torch']['tokens_per_s'] / f32['torch']['tokens_per_s']:.2f}x"
+            print(line)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -191,6 +262,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     parser.add_argument("--backend", default="numba", choices=("numba", "numpy"), help="mpipar's kernels")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma list of float32, bfloat16 (the 1-rank comparisons)")
+    parser.add_argument("--cpu-bf16-gemm", default="auto",
+                        help="comma list of mpipar's bf16 GEMMs to compare: auto, mkl, float32 "
+                             "(one bf16 comparison each)")
+    parser.add_argument("--gemm-size", type=int, default=2048,
+                        help="the n of the n^3 GEMM rates per thread count (0: none)")
+    parser.add_argument("--peer-dtype", default="float32", help=argparse.SUPPRESS)  # child: dtype
+    parser.add_argument("--peer-gemm", default="auto", help=argparse.SUPPRESS)  # child: bf16 GEMM
     parser.add_argument("--serve", choices=("mpipar", "torch"), help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)  # torch child: DDP ranks
 

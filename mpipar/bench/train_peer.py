@@ -35,15 +35,17 @@ COMMANDS = ("quit", "step", "profile")
 
 
 def train_config(args: argparse.Namespace, world: int, run_dir: str) -> Any:
-    """The resolved mpipar Config of the benchmarked model (pure data parallelism over `world`)."""
+    """The resolved mpipar Config of the benchmarked model (pure data parallelism over `world`)
+    in the peer's dtype, its bf16 GEMMs as ``--cpu-bf16-gemm`` says."""
     from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 
     return validate(Config(
         ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, ffn_hidden=args.ffn),
         ParallelConfig(),
-        TrainConfig(steps=1000, seq_len=args.seq, global_batch_size=args.batch, dtype="float32",
-                    backend=args.backend, run_dir=run_dir, log_every=0),
+        TrainConfig(steps=1000, seq_len=args.seq, global_batch_size=args.batch,
+                    dtype=args.peer_dtype, cpu_bf16_gemm=args.peer_gemm, backend=args.backend,
+                    run_dir=run_dir, log_every=0),
     ), world)
 
 
@@ -67,7 +69,8 @@ class MpiparPeer:
         self.info = {"ranks": self.comm.Get_size(), "threads": numba.get_num_threads(),
                      "peak_flops_per_rank": measure_peak_flops("float32"),
                      "flops_per_step": model_flops_per_step(cfg), "tokens_per_step": args.batch * args.seq,
-                     "kernels": self.rank.compute.kernels.describe()}
+                     "kernels": self.rank.compute.kernels.describe(),
+                     "gemm_gflops": gemm_rates("mpipar", args.gemm_size)}
 
     def command(self) -> str:
         """The next command, read by rank 0 and sent to every rank; other ranks wait without
@@ -120,7 +123,8 @@ class MpiparPeer:
 
 class TorchTrainer:
     """The same model in PyTorch eager as a new user writes it: transformers' LlamaForCausalLM
-    (attn_implementation="sdpa"), float32, torch.optim.AdamW with mpipar's defaults (no weight
+    (attn_implementation="sdpa"), float32 (or for a bf16 peer, float32 parameters under
+    ``torch.autocast("cpu", torch.bfloat16)``), torch.optim.AdamW with mpipar's defaults (no weight
     decay on 1-D weights), gradient clipping to norm 1, and mpipar's batches; DDP (gloo) when
     world > 1, each rank on its slice of the global batch."""
 
@@ -154,6 +158,7 @@ class TorchTrainer:
         per = args.batch // world
         self.rows = slice(rank * per, (rank + 1) * per)
         self.vocab = args.vocab
+        self.autocast = args.peer_dtype == "bfloat16"   # bf16 autocast, float32 parameters
         self.steps = 0
 
     def step(self) -> tuple[float, float]:
@@ -161,8 +166,10 @@ class TorchTrainer:
         torch = self.torch
         start, cpu = time.perf_counter(), time.process_time()
         inputs, targets = self.sampler.batch(self.steps, self.rows)
-        logits = self.model(input_ids=torch.from_numpy(inputs)).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), torch.from_numpy(targets).reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(input_ids=torch.from_numpy(inputs)).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab),
+                                                     torch.from_numpy(targets).reshape(-1))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -198,7 +205,8 @@ class TorchPeer:
             proc.start()
         self.trainer = TorchTrainer(args, 0, self.world, init_file)
         self.info = {"ranks": self.world, "threads": self.trainer.torch.get_num_threads(),
-                     "torch": self.trainer.torch.__version__}
+                     "torch": self.trainer.torch.__version__,
+                     "gemm_gflops": gemm_rates("torch", args.gemm_size)}
 
     def command(self) -> str:
         command = _read_command()
@@ -216,6 +224,30 @@ class TorchPeer:
         for proc in self.others:
             proc.join(timeout=60)
         self.tmp.cleanup()
+
+
+def gemm_rates(peer: str, n: int) -> dict[str, float]:
+    """GFLOP/s of one ``n``-cubed GEMM with this process's threads, per kind: mpipar's peer
+    NumPy's float32 BLAS and, where MKL loads, oneMKL's bf16 GEMM (:mod:`mpipar.kernels.mkl_bf16`);
+    PyTorch's its float32 and bf16 ``torch.mm``. ``n`` 0: none."""
+    from mpipar.bench.harness import time_call
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
+    calls: dict[str, Any] = {}
+    if n and peer == "mpipar":
+        from mpipar.kernels import mkl_bf16
+        calls["numpy float32"] = lambda: a @ b
+        if mkl_bf16.unavailable_reason() is None:
+            import ml_dtypes
+            a16, b16 = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+            calls["mkl bf16"] = lambda: mkl_bf16.gemm(a16, b16)
+    elif n:
+        import torch
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        ha, hb = ta.bfloat16(), tb.bfloat16()
+        calls = {"torch float32": lambda: ta @ tb, "torch bf16": lambda: ha @ hb}
+    return {k: 2 * n ** 3 / time_call(f, lambda: None, 3, 0.2) / 1e9 for k, f in calls.items()}
 
 
 def _read_command() -> str:

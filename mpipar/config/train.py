@@ -64,6 +64,13 @@ class TrainConfig:
                                         "takes the case, else mpipar's); float32/float64 and "
                                         "the CPU use mpipar's exact kernels",
                                 choices=("auto", "cudnn", "mpipar"))
+    cpu_bf16_gemm: str = _f("auto", "bf16 GEMMs of the linears on the CPU (--dtype bfloat16): "
+                                    "mkl (oneMKL's cblas_gemm_bf16bf16f32: bf16 operands, "
+                                    "float32 accumulation; fast on AMX-BF16 or AVX512-BF16 "
+                                    "CPUs; the [cpu-bf16] extra), float32 (the operands "
+                                    "upcast, NumPy's float32 BLAS), auto (mkl where the CPU "
+                                    "reports amx_bf16 or avx512_bf16 and MKL loads, else "
+                                    "float32)", choices=("auto", "mkl", "float32"))
     device: str = _f("cpu", "where parameters, gradients, optimizer state and activations live: "
                             "cpu, cuda (rank r takes GPU local_rank mod visible GPUs; ranks may "
                             "share one), auto (cuda when CuPy sees a device)",

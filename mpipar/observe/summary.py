@@ -480,6 +480,7 @@ def summary_text(summary: dict[str, Any]) -> str:
            + (f", {s['status']}" if s.get("status") else ""),
            "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
            *([f"precision: {s['precision']}"] if s.get("precision") else []),
+           *([f"kernels: {s['kernels']}"] if s.get("kernels") else []),
            "attention: " + _attention_text(s),
            f"loss: {loss}" + (f" (targets: {s['loss_targets']})" if s.get("loss_targets")
                               else ""),

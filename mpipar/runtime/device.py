@@ -1,5 +1,5 @@
 """Where the arithmetic of training runs: the kernel backend, the device (rank -> GPU), the copy
-of an array to the host, and the rules of --backend, --device, --dtype and --cuda-aware-mpi."""
+of an array to the host, and the rules of --backend, --device, --dtype, --cpu-bf16-gemm and --cuda-aware-mpi."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,6 +54,33 @@ def check_attention(layout: Layout, device: str) -> None:
         except ValueError as exc:
             raise ConfigError(f"train.attention_backend={t.attention_backend!r} for head_dim "
                               f"{m.head_dim}, window {window}: {exc}") from None
+
+
+def cpu_gemm_kernels(kernels, train):
+    """``kernels`` with a CPU run's bf16 GEMMs as ``train.cpu_bf16_gemm`` says (oneMKL's or the
+    float32 BLAS, :func:`mpipar.kernels.with_cpu_bf16_gemm`), named in their description; a
+    float32/float64 run and the GPU keep them as they are."""
+    if train.dtype != "bfloat16":
+        return kernels
+    from mpipar.kernels import with_cpu_bf16_gemm
+    return with_cpu_bf16_gemm(kernels, train.cpu_bf16_gemm)
+
+
+def check_cpu_gemm(layout: Layout, device: str) -> None:
+    """An explicit ``--cpu-bf16-gemm`` names the bf16 GEMM of a CPU run, and ``mkl`` needs a
+    loadable oneMKL (``auto`` falls back quietly)."""
+    t = layout.train
+    if t.cpu_bf16_gemm == "auto":
+        return
+    require(device == "cpu" and t.dtype == "bfloat16",
+            f"train.cpu_bf16_gemm={t.cpu_bf16_gemm!r} chooses the bf16 GEMM of a CPU run; "
+            f"this run computes in {t.dtype} on {device}: leave it auto")
+    from mpipar.kernels.mkl_bf16 import gemm_choice
+    try:
+        gemm_choice(t.cpu_bf16_gemm)
+    except ValueError as exc:
+        raise ConfigError(f"train.cpu_bf16_gemm={t.cpu_bf16_gemm!r}: {exc}; or use auto or "
+                          f"float32") from None
 
 
 def to_host(a):
@@ -186,6 +213,7 @@ def check_config(layout: Layout) -> None:
         require(reason is None, f"train.dtype='bfloat16' on {device}: {reason}; use float32 "
                                 f"(or install what is missing)")
     check_attention(layout, device)
+    check_cpu_gemm(layout, device)
     require(device == "cuda" or t.backend != "cupy",
             f"train.backend='cupy' with train.device={t.device!r}: the CuPy kernels need "
             f"device arrays; use --device cuda (or auto on a machine with a CUDA device)")

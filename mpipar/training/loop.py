@@ -128,7 +128,8 @@ def run(rank: Rank, start: int, ctx: RunContext) -> int:
                                        started, tuple(rank.coord))
     if rank0:
         _report_end(ctx, loop, result, path)
-        _write_summary(ctx.cfg, timeline, loop.status, peaks, flops, time.perf_counter() - t_run)
+        _write_summary(ctx.cfg, timeline, loop.status, peaks, flops, time.perf_counter() - t_run,
+                       rank.compute.kernels.describe())
         if loop.signum:
             print(f"mpipar: {loop.status} of {tr.steps} on a stop signal "
                   f"({signal.Signals(loop.signum).name}); checkpoint {path}; continue with "
@@ -348,7 +349,7 @@ def _skipped_before(run_dir: str, start: int) -> int:
 
 
 def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float], flops: float,
-                   wall_s: float) -> None:
+                   wall_s: float, kernels: str) -> None:
     """Rank 0: timeline.json, summary.json and summary.txt of the run so far; prints the text."""
     from mpipar.observe.summary import diagnose, load_run, summarize, summary_text
     from mpipar.training import failure
@@ -358,7 +359,7 @@ def _write_summary(cfg: Config, timeline: dict, status: str, peaks: list[float],
     records, _, _ = load_run(run_dir)
     summary = summarize(records, timeline, cfg.to_dict(), status)
     summary.update(wall_s=wall_s, peak_flops=sum(peaks), peak_flops_per_rank=peaks,
-                   model_flops_per_step=flops, save_dir=cfg.train.save_dir,
+                   model_flops_per_step=flops, save_dir=cfg.train.save_dir, kernels=kernels,
                    diagnosis=diagnose(summary))
     failures = failure.read(run_dir)
     if failures:

@@ -44,7 +44,8 @@ from mpipar.parallel.placement import PlacementTable, expert_of
 from mpipar.parallel.sequence_split import SeqLayout
 from mpipar.parallel.tensor.ops import TensorParallel
 from mpipar.runtime.comm import Group, Ledger
-from mpipar.runtime.device import attention_kernels, select_device, training_backend
+from mpipar.runtime.device import (attention_kernels, cpu_gemm_kernels, select_device,
+                                   training_backend)
 from mpipar.runtime.host_memory import pool_freed_memory
 from mpipar.runtime.mpi_init import MPI
 from mpipar.runtime.precision import Precision, numpy_dtype
@@ -227,8 +228,9 @@ def _comms_and_compute(layout: Layout, comm: MPI.Comm) -> tuple[Comms, Compute]:
     grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
     sequence_mode(par).split_grid(grid, par)
     device = select_device(tr.device, comm)
-    kernels, attention = attention_kernels(training_backend(tr.backend, device.kind),
-                                           tr.attention_backend, cfg.model)
+    kernels, attention = attention_kernels(
+        cpu_gemm_kernels(training_backend(tr.backend, device.kind), tr),
+        tr.attention_backend, cfg.model)
     mpi_path = choose_path(tr.cuda_aware_mpi, device.kind == "cuda")
     # dp x sp split by node: the hierarchical reduction, and ZeRO-3's copies on each node
     node_copy = node_copy_layout(par, device.kind == "cuda", grid.shape, grid.nodes, grid.rank)

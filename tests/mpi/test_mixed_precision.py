@@ -97,6 +97,32 @@ def test_layouts_track_one_process(world, layout):
     _on_slice(world, layout, 5, lambda got: _loss_differences(got, reference(5)))
 
 
+def _mkl_missing() -> str | None:
+    from mpipar.kernels import mkl_bf16
+    reason = mkl_bf16.unavailable_reason()
+    return None if reason is None else f"{reason}; {mkl_bf16.INSTALL}"
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.skipif(_mkl_missing() is not None, reason=str(_mkl_missing()))
+def test_bf16_gemms_through_mkl_track_one_process(world):
+    """oneMKL's bf16 GEMMs (--cpu-bf16-gemm mkl: tp's split linears, pp, ZeRO-1) track the
+    one-process run of the default choice (on a CPU without a bf16 unit, the float32 GEMMs):
+    5 steps."""
+    layout = dict(dp=2, tp=2, pp=2, zero=1, bucket_mb=0.002)
+
+    def on(comm) -> list[str]:
+        cfg = bf16_config(5, **layout)
+        cfg.train.cpu_bf16_gemm = "mkl"
+        got = run(cfg, comm, 5)
+        used = got[3].compute.kernels.describe()
+        trainer.close(got[3])
+        return _loss_differences(got, reference(5)) + (
+            [] if "oneMKL" in used else [f"kernels {used}: not MKL's"])
+
+    check_in_groups(world, layout_size(layout), on)
+
+
 @pytest.mark.mpi(min_size=8)
 def test_the_same_layout_twice_is_bit_identical(world):
     """Mixed precision is deterministic: a layout run twice gives the same losses, norms and

@@ -190,6 +190,7 @@ MODE_HOMES: dict[str, tuple[str, ...]] = {
     "schedule": ("mpipar.parallel.pipeline",),
     "backend": ("mpipar.runtime.device",),
     "attention_backend": ("mpipar.runtime.device",),
+    "cpu_bf16_gemm": ("mpipar.runtime.device",),
     "cuda_aware_mpi": ("mpipar.runtime.device",),
     "reduce_dtype": ("mpipar.parallel.data_parallel",),
     "on_nan": ("mpipar.training.loop",),

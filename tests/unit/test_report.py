@@ -346,3 +346,25 @@ def test_the_time_breakdown_books_the_experts_exchange_apart_from_compute():
     assert t["compute"] == pytest.approx(0.75 - 0.25 - 0.125)       # the ops less ep and tp
     assert t["optimizer"] == pytest.approx(1.0 - 0.75 - 0.125)       # the rest of the step
     assert sum(t.values()) == pytest.approx(1.0)
+
+
+def test_a_recovery_is_named_in_the_summary_and_marked_on_the_plots():
+    """A metrics line carrying ``recovered`` (--on-rank-failure shrink): the report's summary
+    names the failure (step, ranks lost, old and new layout, seconds, steps redone, the state's
+    source, the flags to go on with) and the loss and throughput plots mark it half a step
+    before the first step trained after it."""
+    records = [record(s, 5.0 - 0.1 * s, compute=0.2) for s in range(1, 6)]
+    records[3]["recovered"] = {
+        "failed_ranks": [2], "failed_step": 4, "from": "checkpoint", "resumed_step": 2,
+        "steps_redone": 2, "old_world": 4, "world": 3, "seconds": 1.25,
+        "old_layout": "dp=2 tp=1 pp=2 sp=1 ep=1 zero=0", "layout": "dp=3 tp=1 pp=1 sp=1 ep=1 zero=0",
+        "layout_flags": "--dp 3 --tp 1 --pp 1"}
+    text = run_summary.summary_text(run_summary.summarize(records))
+    assert ("recovery in step 4: rank(s) [2] lost (4 -> 3 ranks, dp=2 tp=1 pp=2 sp=1 ep=1 "
+            "zero=0 -> dp=3 tp=1 pp=1 sp=1 ep=1 zero=0); state of step 2 restored from "
+            "checkpoint, 2 step(s) redone; 1.25 s to recover; go on with --dp 3 --tp 1 --pp 1"
+            ) in text.splitlines()
+    summary = run_summary.summarize(records)
+    assert summary["recoveries"] == [{**records[3]["recovered"], "step": 4}]
+    assert plots.recovery_marks(records) == [(3.5, "ranks 4 -> 3")]
+    assert "recover" not in run_summary.summary_text(run_summary.summarize(records[:3]))

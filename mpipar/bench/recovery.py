@@ -96,8 +96,9 @@ def _way(name: str, args: argparse.Namespace) -> dict[str, Any]:
         records = _records(run_dir)
         resumed = (args.kill_step - 1) // args.save_every * args.save_every  # the last save
         redone = args.kill_step - resumed
-    after = [t for s, t in _starts(starts) if t > died]
-    to_next = after[0] - died
+    # the last start of the first step trained again (the earlier ones: its first run, and
+    # a survivor's attempt of the step in flight)
+    to_next = [t for s, t in _starts(starts) if s == resumed + 1][-1] - died
     seconds = _redone(records, resumed + 1, resumed + redone)
     return {"way": name, "to_next_step_s": to_next, "steps_redone": redone,
             "redone_s": seconds, "lost_s": to_next + seconds, "resumed_step": resumed,

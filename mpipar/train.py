@@ -221,8 +221,9 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
-    if ctx.replaced is not None:  # a process of the job died: ended without MPI_Finalize
-        from mpipar.runtime import ulfm
+    if ctx.replaced is not None or ctx.on_rank_failure.name == "shrink":
+        # a process of the job died, or the heartbeat detector runs: MPI_Finalize may wait
+        # for good (ulfm.leave)
         ulfm.leave(code)
     return code
 

@@ -149,11 +149,11 @@ def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, referen
                 ) in proc.stdout
     if "--trace-steps" in flags:
         events = json.loads((run / "trace.json").read_text())["traceEvents"]
-        want = [(f"recovery: rank(s) {ranks} lost", failed)
-                for ranks, _, _, failed, _ in recoveries]
+        named = [(f"recovery: rank(s) {ranks} lost", failed)
+                 for ranks, _, _, failed, _ in recoveries]
         for pid in range(worlds[-1]):   # every survivor's steps thread
             spans = [e for e in events if e["pid"] == pid and e["name"].startswith("recovery:")]
-            assert [(e["name"], e["args"]["failed_step"]) for e in spans] == want, pid
+            assert [(e["name"], e["args"]["failed_step"]) for e in spans] == named, pid
             assert all(e["tid"] == 0 and e["dur"] > 0 for e in spans)
     for key in ("loss", "grad_norm"):
         assert _relative([r[key] for r in got], [r[key] for r in want]) <= 1e-10, key

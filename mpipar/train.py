@@ -167,9 +167,11 @@ def relayout(layout: Layout, world: int) -> Layout:
 
 
 def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
-    from mpipar.runtime import allreduce
-    # The library reads its algorithm controls in MPI_Init: before the first use of MPI.
+    from mpipar.runtime import allreduce, ulfm
+    # The library reads its algorithm controls and its failure detector's in MPI_Init: before
+    # the first use of MPI.
     allreduce.preset(allreduce.early_choice(sys.argv[1:] if argv is None else argv))
+    ulfm.preset(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD if comm is None else comm
     report = FailureReport(comm)
     install_abort_hook(report)
@@ -219,8 +221,9 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
-    if ctx.replaced is not None:  # a process of the job died: ended without MPI_Finalize
-        from mpipar.runtime import ulfm
+    if ctx.replaced is not None or ctx.on_rank_failure.name == "shrink":
+        # a process of the job died, or the heartbeat detector runs: MPI_Finalize may wait
+        # for good (ulfm.leave)
         ulfm.leave(code)
     return code
 

@@ -45,6 +45,9 @@ Sections:
   checkpoint   the step time a checkpoint costs, synchronous against --async-save, under
                mpirun; then verifying one before a resume, every rank alone against the ranks
                together (bench/checkpoint.py)
+  recovery     under Open MPI with ULFM: a rank killed mid-run, the time to the next step and the
+               steps redone under --on-rank-failure shrink (from memory, from the checkpoint)
+               against a requeue resuming from the last checkpoint (bench/recovery.py)
   tiles        on a CUDA device: flash_mma's tile candidates per kernel role (NVRTC's registers
                and spills, then each timed against the present tiles on packed documents or
                full causal); --compile-only --arch sm_90 needs no device (bench/tiles.py)
@@ -61,13 +64,13 @@ import sys
 # The harness first: it sets this process's thread budget before the sections load NumPy.
 from mpipar.bench import harness
 from mpipar.bench import (checkpoint, comm, compression, documents, gpu, kernels, memory,
-                          moe, planner, precision, tiles, train, warmup, window)
+                          moe, planner, precision, recovery, tiles, train, warmup, window)
 
 SECTIONS: dict[str, harness.Section] = {
     s.name: s for s in (warmup.SECTION, kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
                         planner.SECTION, train.SECTION, gpu.SECTION, compression.SECTION,
                         precision.SECTION, checkpoint.SECTION, documents.SECTION,
-                        moe.SECTION, tiles.SECTION)}
+                        moe.SECTION, recovery.SECTION, tiles.SECTION)}
 """Section name -> section, in the order a run without a subcommand takes them."""
 
 

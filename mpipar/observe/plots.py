@@ -1,6 +1,8 @@
 """The plots of a run (``python -m mpipar.report`` draws them): loss, throughput, time breakdown,
-memory, balance and the pipeline timeline of the last recorded step, each a PNG. Needs
-matplotlib (the ``[report]`` extra), imported on the first plot."""
+memory, balance and the pipeline timeline of the last recorded step, each a PNG. The loss and
+throughput plots mark each rank-failure recovery (``--on-rank-failure shrink``) with a dashed
+line before the first step trained after it. Needs matplotlib (the ``[report]`` extra),
+imported on the first plot."""
 from __future__ import annotations
 
 import math
@@ -23,6 +25,21 @@ def _figure(width: float = 8, height: float = 4.5):
     return plt, *plt.subplots(figsize=(width, height))
 
 
+def recovery_marks(records: list[dict]) -> list[tuple[float, str]]:
+    """(x, label) of each recovery's marker: half a step before the first step after it."""
+    return [(r["step"] - 0.5, f"ranks {r['recovered'].get('old_world', '?')} -> "
+                              f"{r['recovered']['world']}")
+            for r in records if isinstance(r.get("recovered"), dict)]
+
+
+def _mark_recoveries(ax, records: list[dict]) -> None:
+    for i, (x, label) in enumerate(recovery_marks(records)):
+        ax.axvline(x, color="black", ls=":", lw=1.0,
+                   label="rank failure recovered" if i == 0 else None)
+        ax.annotate(label, (x, 1.0), xycoords=("data", "axes fraction"), fontsize="x-small",
+                    rotation=90, va="top", ha="right")
+
+
 def plot_loss(records: list[dict], path: str) -> None:
     plt, fig, ax = _figure()
     measured = [r for r in records if not r.get("skipped") and not r.get("no_targets")]
@@ -36,6 +53,7 @@ def plot_loss(records: list[dict], path: str) -> None:
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval"]["loss"] for r in evals], "o-", lw=1.2,
                 color="#dd8452", label="validation loss")
+    _mark_recoveries(ax, records)
     ax.set(xlabel="step", ylabel="loss (mean token cross-entropy)",
            title="Training and validation loss" if evals else "Training loss")
     ax.legend()
@@ -55,6 +73,7 @@ def plot_throughput(records: list[dict], path: str) -> None:
     mfu = right.plot(steps, [100 * r["mfu"] for r in records], color="#dd8452", ls="--",
                      label="MFU % (right)")
     right.set_ylabel("MFU (%)")
+    _mark_recoveries(ax, records)
     ax.legend(tokens + mfu, [line.get_label() for line in tokens + mfu], fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -81,7 +81,9 @@ def _check_record(r: dict, path: str) -> None:
                 "inter_node_bytes_max": _number, "skipped_steps": _number,
                 "attention_imbalance": _number,
                 "eval": lambda v: isinstance(v, dict) and _number(v.get("loss"))
-                and _number(v.get("perplexity"))}
+                and _number(v.get("perplexity")),
+                "recovered": lambda v: isinstance(v, dict) and all(
+                    _number(v.get(k)) for k in ("seconds", "resumed_step", "world"))}
     checks += [(k, r[k], ok) for k, ok in optional.items() if k in r]
     for key, value, ok in checks:
         if not ok(value):
@@ -229,7 +231,25 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
         pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
         bubble = times["pipeline_wait"] / pipe if pipe > 0 else 0.0
     out["bubble"] = bubble
+    recoveries = [dict(r["recovered"], step=r["step"]) for r in records
+                  if isinstance(r.get("recovered"), dict)]
+    if recoveries:
+        out["recoveries"] = recoveries
     return out
+
+
+def recovery_text(rec: dict[str, Any]) -> str:
+    """One line naming a recovery of ``--on-rank-failure shrink`` (a ``recovered`` record of
+    metrics.jsonl, with ``step``: the first step trained after it)."""
+    when = (f"in step {rec['failed_step']}" if "failed_step" in rec
+            else f"before step {rec['step']}")
+    worlds = (f"{rec['old_world']} -> {rec['world']} ranks" if "old_world" in rec
+              else f"{rec['world']} ranks after")
+    layouts = (f", {rec['old_layout']} -> {rec['layout']}" if "old_layout" in rec else "")
+    redone = (f", {rec['steps_redone']} step(s) redone" if "steps_redone" in rec else "")
+    return (f"recovery {when}: rank(s) {rec['failed_ranks']} lost ({worlds}{layouts}); "
+            f"state of step {rec['resumed_step']} restored from {rec['from']}{redone}; "
+            f"{rec['seconds']:.3g} s to recover; go on with {rec['layout_flags']}")
 
 
 def _documents(train: dict[str, Any], steady: list[dict]) -> dict[str, Any]:
@@ -504,7 +524,8 @@ def summary_text(summary: dict[str, Any]) -> str:
            *([f"expert capacity: {s['moe_dropped']:,} assignments dropped"
               + (f" ({100 * s['moe_dropped_fraction']:.2f}% of the sparse layers')"
                  if "moe_dropped_fraction" in s else "")] if s.get("moe_dropped") else []),
-           *([_balance_text(s["moe_balance"])] if s.get("moe_balance") else [])]
+           *([_balance_text(s["moe_balance"])] if s.get("moe_balance") else []),
+           *(recovery_text(r) for r in s.get("recoveries", ()))]
     return "\n".join(out + diagnose(s)) + "\n"
 
 

@@ -16,7 +16,13 @@ Nothing is timed twice: the events come from where the run already takes its tim
   **checkpoint writer** (thread 4: ``--async-save``'s background write);
 - **steps** (thread 0): each traced step from its start to the start of the next (its record,
   the all-gather of metrics, its save included);
-- a **memory** counter per rank (resident and peak bytes) at the end of each traced step.
+- a **memory** counter per rank (resident and peak bytes) at the end of each traced step;
+- **recovery** (thread 0, ``--on-rank-failure shrink``): each rank failure the survivors went
+  through, from its detection to the rebuilt rank, its args the ``recovered`` record of
+  ``metrics.jsonl`` (failed ranks, step, layouts, seconds, steps redone, the state's source).
+  The trace is written (again) with it after the last traced step, or after the next step once
+  that is past (the steps redone traced again when chosen), without the events of the ranks
+  lost.
 
 Every rank is a process (``pid`` = world rank) named with its coordinates. Each rank converts
 its ``time.perf_counter()`` times to the wall clock; rank 0 puts zero at the earliest event
@@ -89,6 +95,19 @@ class Tracer:
                 self.write()
             self.written = True
 
+    def recovered(self, group: Group, ledgers: list[Ledger], coord: dict[str, int],
+                  start: float, end: float, record: dict[str, Any]) -> None:
+        """The survivors of a rank failure go on over ``group`` with the rebuilt rank's
+        ``ledgers`` and ``coord``: the recovery becomes a span (``start``..``end``,
+        ``time.perf_counter()`` seconds; ``record`` its args), and the trace is written (again)
+        at the end of the last traced step, or of the next step once that is past. No
+        collective."""
+        self._close(time.perf_counter())
+        self.group, self.ledgers, self.coord = group, ledgers, coord
+        self._add(f"recovery: rank(s) {record['failed_ranks']} lost", 0, start, end,
+                  dict(record))
+        self.traced, self.written = True, False
+
     def _close(self, now: float) -> None:
         """Finish the step being traced: its span, calls, checkpoint spans and memory."""
         if not self._step:
@@ -120,7 +139,6 @@ class Tracer:
         mine = {"rank": self.group.rank, "coord": self.coord, "offset": offset,
                 "events": self.events}
         rows = self.group.gather_object(mine, root=0)
-        self.events = []
         if rows is not None:
             write_trace(os.path.join(self.run_dir, TRACE_FILE), chrome_trace(rows))
 

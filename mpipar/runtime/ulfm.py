@@ -18,10 +18,23 @@ read at run time from the library itself:
 - Any other library: unsupported unless it exposes ``mpi_ft_enable`` as Open MPI does. MPICH's
   wheel (its ``MPI_ERR_PROC_FAILED`` and ``MPI_ERR_REVOKED`` are one and the same class, and a
   dead rank aborted its peers with an internal error) is refused.
+
+A process that stops answering without dying (SIGSTOP, a hung node) ends no connection, so
+nothing fails by itself. :func:`preset` turns on Open MPI's heartbeat failure detector before
+``MPI_Init`` (its MCA parameters ``mpi_ft_detector*``, from a thread of its own, so a rank busy
+computing keeps beating): a process silent for half of ``--collective-timeout`` is declared
+failed, and the survivors' calls fail as for a dead one. A rank declared failed may still be
+alive (SIGCONT would wake it): after the shrink, a survivor on its node kills it
+(:func:`fence`), so that it writes nothing more and the launcher can end. A silent process on
+another node is left to the launcher. A rank that goes on beating but never reaches the next
+collective (a deadlock of its own) is not failed in ULFM's eyes: the survivors could not shrink
+without it, so the watchdog ends the job with the failure report, as under ``abort``.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+import signal
+from collections.abc import Iterable, MutableMapping
 
 from mpipar.runtime.mpi_init import MPI
 
@@ -30,6 +43,58 @@ FT_VARIABLE = "mpi_ft_enable"
 
 LAUNCH = "mpirun --with-ft ulfm --mca btl tcp,self"
 """How Open MPI 5 is launched for ULFM (the flags the docs and the refusal name)."""
+
+
+DETECTOR_SHARE = 0.5
+"""The heartbeat detector's timeout as a share of ``--collective-timeout``: a silent rank is
+declared failed before the watchdog would end the job."""
+
+
+def detector_controls(collective_timeout: float) -> dict[str, str]:
+    """Open MPI's heartbeat detector settings for ``--collective-timeout`` seconds (none when
+    0: no timeout, no detector); a beat every quarter of its timeout (Open MPI wants more than
+    three beats a timeout)."""
+    if not collective_timeout > 0:
+        return {}
+    timeout = DETECTOR_SHARE * collective_timeout
+    return {"OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_thread": "true",
+            "OMPI_MCA_mpi_ft_detector_timeout": f"{timeout:g}",
+            "OMPI_MCA_mpi_ft_detector_period": f"{timeout / 4:g}"}
+
+
+def early_settings(argv: list[str]) -> tuple[str, float]:
+    """``--on-rank-failure`` and ``--collective-timeout`` of a command line (or ``[train]`` of
+    its ``--config`` TOML file), read before MPI starts; a value the full parser refuses reads
+    as ("abort", 0.0)."""
+    import argparse
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--on-rank-failure", default=None)
+    parser.add_argument("--collective-timeout", default=None)
+    parser.add_argument("--config", default=None)
+    args, _ = parser.parse_known_args(argv)
+    train: dict = {}
+    if args.config:
+        try:
+            import tomllib
+            with open(args.config, "rb") as fh:
+                train = dict(tomllib.load(fh).get("train", {}))
+        except (OSError, ValueError):
+            train = {}   # the full parser reports the file
+    mode = args.on_rank_failure or train.get("on_rank_failure", "abort")
+    timeout = args.collective_timeout or train.get("collective_timeout", 0.0)
+    try:
+        return str(mode), float(timeout)
+    except (TypeError, ValueError):
+        return str(mode), 0.0
+
+
+def preset(argv: list[str], environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before ``MPI_Init``: under ``--on-rank-failure shrink`` with a ``--collective-timeout``,
+    the heartbeat detector's settings into ``environ`` (a value set already stays)."""
+    mode, timeout = early_settings(argv)
+    if mode == "shrink":
+        for key, value in detector_controls(timeout).items():
+            environ.setdefault(key, value)
 
 
 def unsupported() -> str | None:
@@ -79,11 +144,39 @@ def shrink(comm: MPI.Comm) -> tuple[MPI.Comm, list[int]]:
     return new, sorted(set(range(comm.Get_size())) - set(kept))
 
 
+def peers(comm: MPI.Comm) -> list[tuple[str, int]]:
+    """(node name, process id) of every rank of ``comm`` (a collective)."""
+    return comm.allgather((MPI.Get_processor_name(), os.getpid()))
+
+
+def fence(failed: list[int], peers: list[tuple[str, int]], me: int) -> list[int]:
+    """Kill the processes of the ``failed`` ranks (old numbering) that run on this node, when
+    this rank is the first survivor there (``peers``: every old rank's node and process id,
+    ``me``: this rank's old number); returns the ranks it killed. A process gone already is
+    skipped."""
+    node = peers[me][0]
+    survivors = [r for r, (name, _) in enumerate(peers) if name == node and r not in failed]
+    if not survivors or survivors[0] != me:
+        return []
+    killed = []
+    for r in failed:
+        name, pid = peers[r]
+        if name != node or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(r)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
+
+
 def leave(code: int) -> None:
     """End this process with ``code`` without ``MPI_Finalize``: after a process of the job
     has died, Open MPI 5's finalize waits now and then for the dead process in its closing
-    fence, for good. The survivors have passed a last barrier by then; output is flushed
-    first."""
+    fence, for good, and with the heartbeat detector on (:func:`preset`) a run with no failure
+    at all was seen spinning in it. The survivors have passed a last barrier by then; output
+    is flushed first."""
     import os
     import sys
     sys.stdout.flush()

@@ -93,12 +93,18 @@ class RunContext:
 
 
 def run(rank: Rank, start: int, ctx: RunContext) -> int:
-    """The training loop and everything written around it (see the module docstring)."""
+    """The training loop and everything written around it (see the module docstring). Under
+    ``--on-rank-failure shrink`` a rank failure in the loop (its steps, evaluations and saves)
+    or at its end (the commit in flight, the trace, the last checkpoint) is recovered
+    (:func:`_train`); one before it (the compile, the peaks, the first books) or after the last
+    checkpoint (the timeline, the summary, the export) ends the job with the failure report,
+    as under ``abort``: nothing is lost that ``--resume auto`` cannot find."""
     from mpipar.observe import metrics
 
     if ctx.on_rank_failure is None:
         from mpipar.training.recovery import Abort
         ctx.on_rank_failure = Abort()
+    ctx.on_rank_failure.start(ctx.control)
     tr = ctx.cfg.train
     t_run = time.perf_counter()
     from mpipar.runtime.compile_once import compile_once
@@ -111,18 +117,13 @@ def run(rank: Rank, start: int, ctx: RunContext) -> int:
         ctx.saver = _async_saver(ctx)
     ctx.tracer = _tracer(rank, ctx)
     ctx.stop.training()
-    rank, loop, books = _train(rank, start, ctx, books)
+    rank, loop, books, path = _train(rank, start, ctx, books)
     books.close()
     peaks, flops, rank0 = books.peaks, books.flops, ctx.rank0
-    path = _finish_async(ctx, None)  # the end of the run, or a stop: the write in flight
-    if ctx.tracer is not None:  # a run that stopped before its last traced step
-        ctx.tracer.end(tr.steps)
     if loop.last is None:  # nothing to train (steps reached already, or --steps 0)
         _finish(rank, ctx, export=True)
         return 0
     result, started = loop.last
-    if loop.saved != result.step:
-        path = checkpoint_save(rank, ctx, result.step, None, wait=True)
     path = path or _step_path(tr.save_dir, result.step)
     timeline = metrics.gather_timeline(ctx.control, result.step, rank.executor.timeline,
                                        started, tuple(rank.coord))
@@ -230,16 +231,29 @@ def _loop(rank: Rank, start: int, ctx: RunContext, books: Books) -> LoopOutcome:
 
 
 def _train(rank: Rank, start: int, ctx: RunContext, books: Books
-           ) -> tuple[Rank, LoopOutcome, Books]:
-    """:func:`_loop`; under ``--on-rank-failure shrink`` a rank failure in it is recovered
-    (:mod:`mpipar.training.recovery`) and the loop goes on from the restored step. Returns the
-    rank that finished, the outcome and the books."""
+           ) -> tuple[Rank, LoopOutcome, Books, str | None]:
+    """:func:`_loop` and :func:`_last_save`; under ``--on-rank-failure shrink`` a rank failure
+    in them is recovered (:mod:`mpipar.training.recovery`) and the loop goes on from the
+    restored step. Returns the rank that finished, the outcome, the books and the path of the
+    last checkpoint written."""
     while True:
         try:
-            return rank, _loop(rank, start, ctx, books), books
+            out = _loop(rank, start, ctx, books)
+            return rank, out, books, _last_save(rank, ctx, out)
         except ctx.on_rank_failure.survivable as exc:
             books.close()
             rank, start, books = _recover(rank, ctx, exc)
+
+
+def _last_save(rank: Rank, ctx: RunContext, out: LoopOutcome) -> str | None:
+    """The end of the loop (its last step, or a stop): the write in flight committed, the
+    trace written, and a checkpoint of the last step when the loop did not save it."""
+    path = _finish_async(ctx, None)
+    if ctx.tracer is not None:  # a run that stopped before its last traced step
+        ctx.tracer.end(ctx.cfg.train.steps)
+    if out.last is not None and out.saved != out.last[0].step:
+        path = checkpoint_save(rank, ctx, out.last[0].step, None, wait=True)
+    return path
 
 
 def _recover(rank: Rank, ctx: RunContext, exc: BaseException) -> tuple[Rank, int, Books]:
@@ -248,6 +262,8 @@ def _recover(rank: Rank, ctx: RunContext, exc: BaseException) -> tuple[Rank, int
     that cannot go on end the job with the failure report."""
     from mpipar.training.recovery import Unrecoverable
     failed_at = ctx.control.rank
+    if ctx.watchdog is not None:
+        ctx.watchdog.rewatch([])  # the failed calls stay in flight on the old ledgers
     try:
         got = ctx.on_rank_failure.recover(rank, ctx.control, exc)
     except Unrecoverable as err:
@@ -259,11 +275,12 @@ def _recover(rank: Rank, ctx: RunContext, exc: BaseException) -> tuple[Rank, int
         ctx.watchdog.rewatch([ctx.control.ledger, got.rank.ledger, got.rank.eval_ledger])
     if ctx.saver is not None:
         ctx.saver = _async_saver(ctx)
-    if ctx.tracer is not None:
-        ctx.tracer = _tracer(got.rank, ctx)
     books = Books.open(got.rank, got.start, ctx)
     rec = got.record
     ctx.recovered = {**rec, "seconds": time.perf_counter() - got.detected}
+    if ctx.tracer is not None:
+        ctx.tracer.recovered(ctx.control, _traced_ledgers(got.rank, ctx), _coord(got.rank),
+                             got.detected, time.perf_counter(), ctx.recovered)
     if ctx.rank0:
         books.progress.note(
             f"mpipar: rank(s) {rec['failed_ranks']} failed; {rec['world']} ranks go on from "
@@ -412,10 +429,17 @@ def _tracer(rank: Rank, ctx: RunContext) -> Tracer | None:
     steps = trace_step_set(ctx.cfg.train.trace_steps)
     if not steps:
         return None
-    coord = dict(zip(("dp", "tp", "pp", "sp"), (int(c) for c in rank.coord)))
-    return Tracer(steps=steps, group=ctx.control, coord=coord,
-                  ledgers=[rank.ledger, ctx.control.ledger], spans=ctx.io_spans,
+    return Tracer(steps=steps, group=ctx.control, coord=_coord(rank),
+                  ledgers=_traced_ledgers(rank, ctx), spans=ctx.io_spans,
                   run_dir=ctx.cfg.train.run_dir)
+
+
+def _coord(rank: Rank) -> dict[str, int]:
+    return dict(zip(("dp", "tp", "pp", "sp"), (int(c) for c in rank.coord)))
+
+
+def _traced_ledgers(rank: Rank, ctx: RunContext) -> list:
+    return [rank.ledger, ctx.control.ledger]
 
 
 def _finish_async(ctx: RunContext, progress) -> str | None:

@@ -23,6 +23,15 @@ The mode is an object (:func:`on_rank_failure`):
   5. loads that state into it; the loop then redoes the steps after it, so every number equals
      an uninterrupted run's up to the order of the reductions.
 
+A rank declared failed by the heartbeat detector (silent, not dead: :mod:`mpipar.runtime.ulfm`)
+is killed after the shrink by the first survivor on its node (:meth:`Shrink.start` notes where
+every rank runs). The ``recovered`` record names the failed ranks, the step in flight, the
+state's step and source, the steps redone, the worlds and layouts before and after and the flags
+of the new one; the loop adds the seconds, and the summary, the report and the trace show it.
+What the loop recovers from (its steps, evaluations and saves, and the commit and last save
+after it) and what ends the job instead (start-up, after the last save, a failure during a
+recovery) is :func:`mpipar.training.loop.run`'s.
+
 The copy in memory (:class:`StateCopy`) is taken at the start of each step where every rank
 holds the whole training state (dp replicas: tp = pp = 1, ZeRO-0, experts not sharded, no
 error-feedback residuals): the master weights and AdamW's moments, as global tensors, the
@@ -77,6 +86,9 @@ class Abort:
 
     def refusal(self) -> str | None:
         return None
+
+    def start(self, control: Group) -> None:
+        pass
 
     def before_step(self, rank: Rank, step: int) -> None:
         pass
@@ -134,6 +146,12 @@ class Shrink:
         self.relayout, self.save_dir = relayout, save_dir
         self.in_flight = 0
         self.copies: dict[int, StateCopy] = {}
+        self.peers: list[tuple[str, int]] = []   # every rank's (node, process id)
+
+    def start(self, control: Group) -> None:
+        """Before the first step (a collective): note where every rank runs, to fence the
+        ranks declared failed (:func:`mpipar.runtime.ulfm.fence`)."""
+        self.peers = ulfm.peers(control.comm)
 
     @property
     def survivable(self) -> tuple[type[BaseException], ...]:
@@ -168,13 +186,17 @@ class Shrink:
         comm, failed = ulfm.shrink(control.comm)
         if not failed:
             raise exc
+        if self.peers:
+            ulfm.fence(failed, self.peers, control.rank)
+            self.peers = [p for r, p in enumerate(self.peers) if r not in failed]
         world = Group(comm, "world", Ledger())
-        start, copy, path = self._restore_point(world)
+        start, failed_step, copy, path = self._restore_point(world)
         try:
             layout = self.relayout(rank.layout, world.size)
         except ConfigError as err:
             raise Unrecoverable(f"no layout of the {world.size} surviving ranks fits: "
                                 f"{err}") from None
+        old_layout = layout_text(rank.layout)
         try:
             close(rank)  # revoked communicators may be freed (ULFM)
         except ulfm.error_type():
@@ -189,18 +211,23 @@ class Shrink:
             if new.data.preference is not None:
                 new.data.preference.load(reader.read_dpo_reference(path), start)
         self.copies = {}
-        record = {"failed_ranks": failed, "from": "memory" if copy is not None else "checkpoint",
-                  "resumed_step": start, "world": world.size,
+        record = {"failed_ranks": failed, "failed_step": failed_step,
+                  "from": "memory" if copy is not None else "checkpoint",
+                  "resumed_step": start, "steps_redone": failed_step - start,
+                  "old_world": control.size, "world": world.size,
+                  "old_layout": old_layout, "layout": layout_text(layout),
                   "layout_flags": layout_flags(layout)}
         return Recovered(new, world, start, record, detected)
 
-    def _restore_point(self, world: Group) -> tuple[int, StateCopy | None, str | None]:
-        """(the step to go on from, this rank's copy of its state or None, else the
-        checkpoint holding it), the same on every survivor."""
+    def _restore_point(self, world: Group) -> tuple[int, int, StateCopy | None, str | None]:
+        """(the step to go on from, the step (1-based) in flight when the failure struck, this
+        rank's copy of its state or None, else the checkpoint holding it), the same on every
+        survivor. A failure in a step's checkpoint save or evaluation is one of that step."""
         held = world.allgather_object((self.in_flight, sorted(self.copies)))
         start = min(step for step, _ in held)
+        failed_step = max(step for step, _ in held) + 1
         if all(start in copies for _, copies in held):
-            return start, self.copies[start], None
+            return start, failed_step, self.copies[start], None
         from mpipar.checkpoint import directory
         path = None
         if world.rank == 0:
@@ -213,7 +240,14 @@ class Shrink:
                 f"of the whole state are copied in memory) and {self.save_dir} holds no "
                 f"checkpoint (--save-every)")
         from mpipar.checkpoint import reader
-        return reader.require_sound(reader.resolve_path(path)).step, None, path
+        return reader.require_sound(reader.resolve_path(path)).step, failed_step, None, path
+
+
+def layout_text(layout: Layout) -> str:
+    """E.g. ``"dp=3 tp=1 pp=1 sp=1 ep=1 zero=0"``: the grid a recovery record names."""
+    par = layout.parallel
+    return (f"dp={layout.dp} tp={layout.tp} pp={layout.pp} sp={layout.sp} ep={par.ep} "
+            f"zero={par.zero}")
 
 
 def layout_flags(layout: Layout) -> str:

@@ -1,8 +1,10 @@
-"""``--on-rank-failure``: a rank SIGKILLed mid-run, and the survivors train on with the numbers of
-an uninterrupted run (Open MPI 5 with ULFM: CI's Open MPI stage); the mode refused up front
-where the MPI has no ULFM (MPICH's wheel)."""
+"""``--on-rank-failure``: a rank SIGKILLed mid-run (as a step begins, or in a checkpoint's
+commit) or SIGSTOPped, and the survivors train on with the numbers of an uninterrupted run, each
+recovery named in metrics.jsonl, the summary and the trace (Open MPI 5 with ULFM: CI's Open MPI
+stage); the mode refused up front where the MPI has no ULFM (MPICH's wheel)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,17 +24,27 @@ COMMON = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", 
 KILL = """
     import faulthandler, os, signal, sys
     faulthandler.dump_traceback_later(360, exit=True)  # a hang ends with every thread's stack
-    from mpi4py import MPI
     from mpipar import train
+    from mpipar.checkpoint import writer
     from mpipar.training import step as steps
-    # MPIPAR_KILL="R@K,...": the process of world rank R kills itself as step K (0-based) begins
-    deaths = {int(k): int(r) for r, k in (p.split("@") for p in os.environ["MPIPAR_KILL"].split(",") if p)}
-    real = steps.train_step
+    # MPIPAR_KILL="R@W,...": the process of world rank R SIGKILLs itself as step W (0-based)
+    # begins; W = "stopK": SIGSTOPs itself as step K begins; W = "saveS": SIGKILLs itself in
+    # the commit of step S's checkpoint, its shard written. (MPI starts in train.main.)
+    me = os.environ["OMPI_COMM_WORLD_RANK"]
+    mine = {w for r, w in (p.split("@") for p in os.environ["MPIPAR_KILL"].split(",") if p) if r == me}
+    real, real_commit = steps.train_step, writer.commit
     def train_step(rank, k):
-        if deaths.get(k) == MPI.COMM_WORLD.rank:
+        if str(k) in mine:
             os.kill(os.getpid(), signal.SIGKILL)
+        if f"stop{k}" in mine:
+            mine.discard(f"stop{k}")
+            os.kill(os.getpid(), signal.SIGSTOP)
         return real(rank, k)
-    steps.train_step = train_step
+    def commit(pending, group, keep_last=0):
+        if f"save{pending.position.step}" in mine:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_commit(pending, group, keep_last)
+    steps.train_step, writer.commit = train_step, commit
     sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -71,20 +83,26 @@ def reference(tmp_path_factory):
     return metrics(tmp / "run"), _params(tmp / "run")
 
 
-# who dies ("world rank@0-based step", ...), the extra flags, the world of each step, and per
-# recovery: the failed ranks (numbered in the world before it), where the state came from, the
-# step it holds and the layout flags' start
+# who dies (MPIPAR_KILL), the extra flags, the world of each step, and per recovery: the failed
+# ranks (numbered in the world before it), where the state came from, the step it holds, the
+# step (1-based) in flight when the failure struck, and the layout flags' start
 CASES = {
-    "rank 2": ("2@3", [], [4, 4, 4, 3, 3, 3], [([2], "memory", 3, "--dp 3 --tp 1 --pp 1")]),
-    "rank 0": ("0@3", [], [4, 4, 4, 3, 3, 3], [([0], "memory", 3, "--dp 3 --tp 1 --pp 1")]),
-    "two failures": ("2@2,0@4", [], [4, 4, 3, 3, 2, 2],
-                     [([2], "memory", 2, "--dp 3 --tp 1 --pp 1"),
-                      ([0], "memory", 4, "--dp 2 --tp 1 --pp 1")]),
-    # pp=2: no rank holds the whole state, so the last checkpoint (step 2) is read onto the
-    # planner's layout of 3 ranks and step 3 is trained again
-    "pipeline, from a checkpoint": ("2@3", ["--dp", "2", "--pp", "2", "--save-every", "2"],
-                                    [4, 4, 3, 3, 3, 3],
-                                    [([2], "checkpoint", 2, "--dp 3 --tp 1 --pp 1")]),
+    "rank 2": ("2@3", [], [4, 4, 4, 3, 3, 3], [([2], "memory", 3, 4, "--dp 3 --tp 1 --pp 1")]),
+    # the new rank 0 goes on writing the metrics; steps 2-3 traced, the recovery with them
+    "rank 0": ("0@3", ["--trace-steps", "2-3"], [4, 4, 4, 3, 3, 3],
+               [([0], "memory", 3, 4, "--dp 3 --tp 1 --pp 1")]),
+    # rank 2 dies, then rank 0 stops answering: the heartbeat detector declares it failed after
+    # half the collective timeout, a survivor on its node kills it, and the job ends
+    "two failures, the second a stop": ("2@2,0@stop4", ["--collective-timeout", "20"],
+                                        [4, 4, 3, 3, 2, 2],
+                                        [([2], "memory", 2, 3, "--dp 3 --tp 1 --pp 1"),
+                                         ([0], "memory", 4, 5, "--dp 2 --tp 1 --pp 1")]),
+    # pp=2: no rank holds the whole state. Rank 2 dies in the commit of step 4's checkpoint:
+    # `latest` still names step 2's, which is read onto the planner's layout of 3 ranks, and
+    # steps 3 and 4 are trained (and step 4 saved) again
+    "in a checkpoint save, from a checkpoint": (
+        "2@save4", ["--dp", "2", "--pp", "2", "--save-every", "2"], [4, 4, 3, 3, 3, 3],
+        [([2], "checkpoint", 2, 4, "--dp 3 --tp 1 --pp 1")]),
 }
 
 
@@ -93,10 +111,11 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, reference, case):
     """float64: a rank is SIGKILLed as a step begins (rank 2; rank 0, whose metrics the new
-    rank 0 goes on writing; two ranks one after the other; a pipeline layout); the survivors
-    shrink the world, restore the last consistent state (from memory, or the checkpoint) and
-    train on with a smaller dp: every step's loss and gradient norm, and the final weights,
-    equal an uninterrupted dp=4 run's (<= 1e-10)."""
+    rank 0 goes on writing; rank 2, then rank 0 SIGSTOPped), or in a checkpoint's commit (a
+    pipeline layout); the survivors shrink the world, restore the last
+    consistent state (from memory, or the checkpoint) and train on with a smaller dp: every
+    step's loss and gradient norm, and the final weights, equal an uninterrupted dp=4 run's
+    (<= 1e-10). Each recovery is named in its metrics line, the summary and the trace."""
     kill, flags, worlds, recoveries = CASES[case]
     run = tmp_path / "run"
     proc = _ulfm_train(tmp_path, [*COMMON, *flags, "--on-rank-failure", "shrink", "--run-dir",
@@ -106,13 +125,35 @@ def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, referen
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["world"] for r in got] == worlds
     marked = [r for r in got if "recovered" in r]
-    assert [r["step"] for r in marked] == [resumed + 1 for _, _, resumed, _ in recoveries]
-    for r, (ranks, source, resumed, layout) in zip(marked, recoveries):
+    assert [r["step"] for r in marked] == [resumed + 1 for _, _, resumed, _, _ in recoveries]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [{**rec, "step": r["step"]} for r, rec in zip(marked, summary["recoveries"])] == \
+        summary["recoveries"]
+    for r, (ranks, source, resumed, failed, layout) in zip(marked, recoveries):
         rec = r["recovered"]
         assert (rec["failed_ranks"], rec["from"], rec["resumed_step"]) == (ranks, source, resumed)
+        assert (rec["failed_step"], rec["steps_redone"]) == (failed, failed - resumed)
         assert rec["world"] == r["world"] and rec["layout_flags"].startswith(layout)
+        assert rec["old_world"] == worlds[r["step"] - 2]
+        old_dp = rec["old_world"] // (2 if "--pp" in flags else 1)
+        assert rec["old_layout"].startswith(f"dp={old_dp} ")
+        words = layout.replace("--", "").split()
+        assert rec["layout"].startswith(" ".join(f"{k}={v}" for k, v in zip(words[::2],
+                                                                           words[1::2])))
         assert rec["seconds"] > 0
         assert f"{r['world']} ranks go on from step {resumed} ({source})" in proc.stdout
+        assert (f"recovery in step {failed}: rank(s) {ranks} lost ({rec['old_world']} -> "
+                f"{rec['world']} ranks, {rec['old_layout']} -> {rec['layout']}); state of step "
+                f"{resumed} restored from {source}, {failed - resumed} step(s) redone"
+                ) in proc.stdout
+    if "--trace-steps" in flags:
+        events = json.loads((run / "trace.json").read_text())["traceEvents"]
+        named = [(f"recovery: rank(s) {ranks} lost", failed)
+                 for ranks, _, _, failed, _ in recoveries]
+        for pid in range(worlds[-1]):   # every survivor's steps thread
+            spans = [e for e in events if e["pid"] == pid and e["name"].startswith("recovery:")]
+            assert [(e["name"], e["args"]["failed_step"]) for e in spans] == named, pid
+            assert all(e["tid"] == 0 and e["dur"] > 0 for e in spans)
     for key in ("loss", "grad_norm"):
         assert _relative([r[key] for r in got], [r[key] for r in want]) <= 1e-10, key
     mine = _params(run)

@@ -12,7 +12,8 @@ from mpipar.config import cli as config_cli
 from mpipar.config import ConfigError
 from mpipar.rules import validate
 from mpipar.train import relayout
-from mpipar.training.recovery import Abort, Shrink, layout_flags, on_rank_failure
+from mpipar.runtime import ulfm
+from mpipar.training.recovery import Abort, Shrink, layout_flags, layout_text, on_rank_failure
 
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "64",
         "--micro-batch-size", "1"]
@@ -33,6 +34,7 @@ def test_dp_shrinks_and_the_global_batch_is_kept():
     assert new.train.global_batch_size == 12
     assert (old.microbatches, new.microbatches) == (3, 4)
     assert layout_flags(new) == "--dp 3 --tp 1 --pp 1 --sp 1 --ep 1 --zero 0 --micro-batch-size 1"
+    assert layout_text(new) == "dp=3 tp=1 pp=1 sp=1 ep=1 zero=0"
     assert relayout(old, 2).microbatches == 6
 
 
@@ -93,3 +95,43 @@ def test_a_lora_runs_copy_in_memory_is_its_adapters_and_moments_and_restores_it_
     trainer.close(fresh)
     assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
     assert all(np.array_equal(again[n], trained[n]) for n in trained)
+
+
+def test_a_silent_rank_is_declared_failed_within_the_collective_timeout(tmp_path):
+    """Under shrink with --collective-timeout 20 (flag or TOML), Open MPI's heartbeat detector
+    is set before MPI_Init: its own thread, declaring a rank failed after 10 s silent, a beat
+    every 2.5 s; nothing without a timeout or under abort, and a value set already stays."""
+    env: dict[str, str] = {}
+    ulfm.preset(["--on-rank-failure", "shrink", "--collective-timeout", "20"], env)
+    assert env == {"OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_thread": "true",
+                   "OMPI_MCA_mpi_ft_detector_timeout": "10",
+                   "OMPI_MCA_mpi_ft_detector_period": "2.5"}
+    toml = tmp_path / "run.toml"
+    toml.write_text('[train]\non_rank_failure = "shrink"\ncollective_timeout = 20.0\n')
+    env = {"OMPI_MCA_mpi_ft_detector_timeout": "3"}
+    ulfm.preset(["--config", str(toml)], env)
+    assert env["OMPI_MCA_mpi_ft_detector_timeout"] == "3" and len(env) == 4
+    for argv in (["--on-rank-failure", "shrink"], ["--collective-timeout", "20"],
+                 ["--on-rank-failure", "shrink", "--collective-timeout", "soon"]):
+        env = {}
+        ulfm.preset(argv, env)
+        assert env == {}, argv
+
+
+def test_a_rank_declared_failed_is_killed_by_the_first_survivor_on_its_node():
+    """fence: the first survivor on a failed rank's node kills its process (a child process
+    stands for it here); a survivor that is not the first on the node, and a failed rank on
+    another node, are left alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        here = os.uname().nodename
+        peers = [(here, os.getpid()), (here, child.pid), ("other", 1), (here, os.getpid())]
+        assert ulfm.fence([1, 2], peers, me=3) == []
+        assert ulfm.fence([1, 2], peers, me=0) == [1]
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        child.kill()

@@ -349,10 +349,9 @@ def test_the_time_breakdown_books_the_experts_exchange_apart_from_compute():
 
 
 def test_a_warm_up_step_reports_no_throughput(capsys):
-    """Issue: after a resume the resumed process's first step (compilation, first touches)
-    was a spike in throughput.png and a fake rate in its step line. Each process's first step
-    is marked ``warmup``: the step line says it measures no throughput, and the summary's
-    medians, the throughput and time plots leave it out as they leave out step 1."""
+    """A process's first step, fresh or resumed (compilation, first touches), measures no
+    throughput: it is marked ``warmup``, the step line says so, and the summary's medians, the
+    throughput and time plots leave it out."""
     from mpipar.observe.metrics import Progress
     records = [record(s, 5.0, compute=2.0 if s in (1, 4) else 0.25) for s in range(1, 7)]
     records[0]["warmup"] = records[3]["warmup"] = True
@@ -370,3 +369,25 @@ def test_a_warm_up_step_reports_no_throughput(capsys):
     assert out[1].endswith("lr 1.00e-03  warm-up step 2 s (compiling, first touches: no "
                            "throughput)"), out[1]
     assert out[2].endswith("16,384 tok/s  MFU 4.00%"), out[2]
+
+
+def test_a_recovery_is_named_in_the_summary_and_marked_on_the_plots():
+    """A metrics line carrying ``recovered`` (--on-rank-failure shrink): the report's summary
+    names the failure (step, ranks lost, old and new layout, seconds, steps redone, the state's
+    source, the flags to go on with) and the loss and throughput plots mark it half a step
+    before the first step trained after it."""
+    records = [record(s, 5.0 - 0.1 * s, compute=0.2) for s in range(1, 6)]
+    records[3]["recovered"] = {
+        "failed_ranks": [2], "failed_step": 4, "from": "checkpoint", "resumed_step": 2,
+        "steps_redone": 2, "old_world": 4, "world": 3, "seconds": 1.25,
+        "old_layout": "dp=2 tp=1 pp=2 sp=1 ep=1 zero=0", "layout": "dp=3 tp=1 pp=1 sp=1 ep=1 zero=0",
+        "layout_flags": "--dp 3 --tp 1 --pp 1"}
+    text = run_summary.summary_text(run_summary.summarize(records))
+    assert ("recovery in step 4: rank(s) [2] lost (4 -> 3 ranks, dp=2 tp=1 pp=2 sp=1 ep=1 "
+            "zero=0 -> dp=3 tp=1 pp=1 sp=1 ep=1 zero=0); state of step 2 restored from "
+            "checkpoint, 2 step(s) redone; 1.25 s to recover; go on with --dp 3 --tp 1 --pp 1"
+            ) in text.splitlines()
+    summary = run_summary.summarize(records)
+    assert summary["recoveries"] == [{**records[3]["recovered"], "step": 4}]
+    assert plots.recovery_marks(records) == [(3.5, "ranks 4 -> 3")]
+    assert "recover" not in run_summary.summary_text(run_summary.summarize(records[:3]))

@@ -74,7 +74,7 @@ SAVE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 """config.json fields that do not change the computation but that an export should carry over."""
 
-DEFAULTMAX_POSITIONS = 4096
+DEFAULT_MAX_POSITIONS = 4096
 """``max_position_embeddings`` written when the caller gives none (mpipar's RoPE has no limit)."""
 
 # Non-persistent RoPE buffers that old transformers versions wrote into checkpoints.
@@ -477,7 +477,7 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": DEFAULTMAX_POSITIONS,
+        "max_position_embeddings": DEFAULT_MAX_POSITIONS,
         "initializer_range": m.init_std,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,

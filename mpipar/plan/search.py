@@ -24,7 +24,7 @@ from mpipar.plan.step_time import (Hardware, StepDocuments, StepTime, predict_st
                                    step_microbatches, with_nodes)
 from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes
 from mpipar.rules import validate
-from mpipar.runtime.comm import LINKS
+from mpipar.runtime.ledger import LINKS
 from mpipar.runtime.device import device_of
 from mpipar.runtime.topology import Coord
 

@@ -314,7 +314,6 @@ OVERSIZED_CLASSES = {
     "mpipar.model.llama.LlamaStage",             # the blocks' forward, backward and records
     "mpipar.parallel.data_parallel.reducer.GradReducer",  # buckets, compression, the reduction
     "mpipar.parallel.fsdp.sharded.ShardedParams",  # ZeRO-2/3 units, their pool and prefetch
-    "mpipar.runtime.comm.Group",                 # every MPI call and its ledger entry
 }
 
 

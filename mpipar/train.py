@@ -318,6 +318,7 @@ def _load_state(rank, ctx: RunContext) -> int:
     if tr.resume:
         from mpipar.checkpoint import reader
         from mpipar.checkpoint.directory import CheckpointError
+        from mpipar.training.optim import extends_with_steps
         path, notes = reader.resolve_resume(tr.resume, tr.save_dir)
         if path is not None:
             start = reader.load(rank.state, path)
@@ -332,7 +333,8 @@ def _load_state(rank, ctx: RunContext) -> int:
             except ValueError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
             notes += [f"resumed from {path} at step {start}",
-                      *reader.resume_changes(path, steps.run_position(rank, start))]
+                      *reader.resume_changes(path, steps.run_position(rank, start),
+                                             extends_with_steps)]
         for note in notes if ctx.rank0 else ():
             print(f"mpipar: {note}", flush=True)
         if path is not None:

@@ -1,4 +1,4 @@
-"""Shared by the activation dump tests: an engine that dumps activations, and the dumps of a
+"""Shared by the activation dump tests: a Rank that dumps activations, and the dumps of a
 single-process run that every layout's dumps must reassemble to."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from mpipar.rules import validate
 from mpipar.training import step as trainer
 
 
-def dumping_engine(cfg, comm, run_dir: str, dump: str):
-    """An engine of ``cfg`` on ``comm`` writing its run to ``run_dir`` and dumping the
+def dumping_rank(cfg, comm, run_dir: str, dump: str):
+    """A Rank of ``cfg`` on ``comm`` writing its run to ``run_dir`` and dumping the
     activations of steps ``dump`` (``--dump-activations``, e.g. "1,2")."""
     from mpipar.training.rank import build_rank
     cfg.train.run_dir, cfg.train.dump_activations = run_dir, dump
@@ -27,7 +27,7 @@ def single_process_dump() -> str:
     """Run dir of a 2-step single-process run that dumped steps 1 and 2."""
     from mpi4py import MPI
     run_dir = tempfile.mkdtemp(prefix="mpipar-act-ref-")
-    rank = dumping_engine(small_config("float64"), MPI.COMM_SELF, run_dir, "1,2")
+    rank = dumping_rank(small_config("float64"), MPI.COMM_SELF, run_dir, "1,2")
     for k in range(2):
         trainer.train_step(rank, k)
     return run_dir

@@ -44,9 +44,9 @@ def write_pairs(path: Path) -> Path:
     return path
 
 
-def dpo_engine(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path | None = None,
+def dpo_rank(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path | None = None,
                **parallel) -> Rank:
-    """An engine on ``comm`` with the checkpoint's weights, training the pairs in order with
+    """A Rank on ``comm`` with the checkpoint's weights, training the pairs in order with
     DPO (:data:`BATCH` pairs a step; one pair a microbatch on a layout, both in one alone);
     with ``adapter`` (a PEFT directory), LoRA of :data:`lora_reference.LORA_FIELDS` from it."""
     cfg, params = load_hf(checkpoint)
@@ -61,9 +61,9 @@ def dpo_engine(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path 
                         shuffle=False, seed=0, data=str(pairs), objective="dpo", dpo_beta=BETA,
                         **OPT, **lora)
     layout = validate(Config(cfg, ParallelConfig(**parallel), train), comm.Get_size())
-    engine = build_rank(layout, comm)
-    trainer.load_params(engine, params)
-    return engine
+    rank = build_rank(layout, comm)
+    trainer.load_params(rank, params)
+    return rank
 
 
 def _logps(model, rows, counted):

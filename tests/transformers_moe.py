@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.transformers_reference import (B, OPT, PATCHES, S, TOL, V, hf_loss, mpipar_engine, rel,
+from tests.transformers_reference import (B, OPT, PATCHES, S, TOL, V, hf_loss, mpipar_rank, rel,
                                           rmsnorm_own_dtype, rotary_float64, router_float64,
                                           torch, torch_adamw)
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -103,7 +103,7 @@ def assert_trains_as_transformers(path, tmp_path, sparse_layers: int) -> dict[st
     _, params = load_hf(path)
     rows = np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1))
     np.save(tmp_path / "rows.npy", rows)
-    rank = mpipar_engine(cfg, params, tmp_path / "rows.npy")
+    rank = mpipar_rank(cfg, params, tmp_path / "rows.npy")
     results = [trainer.train_step(rank, k) for k in range(STEPS)]
     trained = trainer.gather_params(rank)
     trainer.close(rank)

@@ -226,9 +226,9 @@ def hf_loss(logits, rows):
                                              rows[:, 1:].reshape(-1))
 
 
-def mpipar_engine(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
+def mpipar_rank(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
                   train_fields=(), **parallel) -> Rank:
-    """An engine on ``comm`` with ``params`` loaded, training the samples' rows in order;
+    """A Rank on ``comm`` with ``params`` loaded, training the samples' rows in order;
     ``train_fields``: more fields of the train section beyond :data:`OPT` (a mapping or
     (field, value) pairs)."""
     train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=B,

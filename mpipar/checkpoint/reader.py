@@ -585,16 +585,19 @@ def _wsd_steps_note(saved: dict[str, Any], now: LRScheduleState) -> str:
             f"from a checkpoint of its stable phase (step <= {saved['decay_start']})")
 
 
-def resume_changes(path: str | os.PathLike, position: RunPosition) -> list[str]:
+def resume_changes(path: str | os.PathLike, position: RunPosition,
+                   extends: Callable[[Any], bool]) -> list[str]:
     """What a run resuming from the checkpoint at ``path`` at ``position`` (its configuration,
     LR schedule and data cursor) does differently from the run that saved it (one line per
     change of :data:`_RESUME_FIELDS`, or a data source of another size); empty when nothing
     changed and the resumed run continues as the uninterrupted one would. A wsd run given more
-    ``steps`` is extended: its line says whether the checkpoint lies in the stable phase."""
+    ``steps`` is extended: its line says whether the checkpoint lies in the stable phase.
+    ``extends(train)``: whether the learning-rate schedule of a train section extends with more
+    steps (:func:`mpipar.training.optim.extends_with_steps`)."""
     index = read_index(resolve_path(path))
     then, now, data = index.config.train, position.config.train, position.data
     samples = index.groups["data"]["num_samples"]
-    extending = then.lr_schedule == now.lr_schedule == "wsd"
+    extending = extends(then) and extends(now)
     out = [f"train.{name} is {getattr(now, name)!r}, the checkpoint's run used "
            f"{getattr(then, name)!r}: "
            + (_wsd_steps_note(index.groups["lr_schedule"], position.lr_schedule)

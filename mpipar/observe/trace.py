@@ -7,7 +7,7 @@ Nothing is timed twice: the events come from where the run already takes its tim
   ``bwd``, ``bwd_input``, ``bwd_weight`` and the message ops ``send_fwd``, ``recv_fwd``,
   ``send_bwd``, ``recv_bwd``): what ``timeline.json`` holds for the last step;
 - **communication** (thread 2): every call the groups' ledgers book (:class:`~mpipar.runtime.
-  comm.Ledger` with a ``trace`` list): collectives, sends and receives, object collectives,
+  ledger.Ledger` with a ``trace`` list): collectives, sends and receives, object collectives,
   named ``op`` with ``args.group`` and ``args.bytes``. A blocking call is the time it blocked;
   a non-blocking one (``iallgather``, the ``send`` and ``recv`` of the pipeline) the time its
   ``wait`` and ``test`` calls blocked, ending when it completed (and starting no earlier than

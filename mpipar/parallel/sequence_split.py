@@ -1,10 +1,9 @@
 """How a sequence is split over the sp ranks, and the attention work each rank then does.
 
-- :class:`SeqLayout`: ``contiguous`` (rank i holds tokens ``[i*S/sp, (i+1)*S/sp)``), ``zigzag``
-  (the sequence cut into ``2*sp`` chunks; rank i holds chunks i and ``2*sp-1-i``, which balances
-  one full causal square) or ``balanced`` (packed documents: each microbatch's chunks dealt by
-  their intra-document work, :func:`balanced_layout`). RoPE and the causal mask use the global
-  positions.
+- :class:`SeqLayout`: the positions each rank holds under a split
+  (:class:`mpipar.parallel.sequence.split.SequenceSplit`: ``contiguous``, ``zigzag`` or
+  ``balanced``, whose deal of each microbatch's documents is :func:`balanced_layout`). RoPE and
+  the causal mask use the global positions.
 - :func:`token_work`, :func:`rank_work`: attention work (causal pairs inside documents) of each
   position and of each sp rank, per sp mode (Ulysses groups share their work): what the
   balanced split evens out, the bench's balance table and the step's ``attention_imbalance``.
@@ -19,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpipar.model.attention import document_offsets
+from mpipar.parallel.sequence.split import BALANCED, SequenceSplit
 
-SPLITS = ("contiguous", "zigzag", "balanced")
 CHUNKS_PER_RANK = 32   # balanced: the most chunks a rank's share is cut into
 MIN_CHUNK = 64         # balanced: the fewest tokens in a chunk (--sp-min-chunk; a kernel tile)
 BALANCE_SLACK = 0.01   # balanced: the max/mean work fewer chunks may add to the finest deal's
@@ -28,7 +27,7 @@ BALANCE_SLACK = 0.01   # balanced: the max/mean work fewer chunks may add to the
 
 def split_parts(sp: int, split: str) -> int:
     """Equal parts the sequence is cut into: ``sp`` (contiguous) or ``2 * sp`` (zigzag)."""
-    return sp * (2 if split == "zigzag" else 1)
+    return SequenceSplit.named(split).parts(sp)
 
 
 @dataclass(frozen=True)
@@ -45,22 +44,21 @@ class SeqLayout:
     min_chunk: int = MIN_CHUNK
 
     def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueError(f"sp_split={self.split!r}: must be one of {', '.join(SPLITS)}")
-        parts = split_parts(self.sp, self.split)
+        parts = self.mode.parts(self.sp)
         if self.seq_len % parts:
             raise ValueError(f"seq_len={self.seq_len}: must be divisible by {parts} for "
                              f"sp={self.sp} with the {self.split} split")
+
+    @property
+    def mode(self) -> SequenceSplit:
+        """The split's object (ValueError naming the value and the choices for an unknown one)."""
+        return SequenceSplit.named(self.split)
 
     def segments(self, rank: int) -> list[tuple[int, int]]:
         """(start, length) of each contiguous run of global positions held by ``rank``, in order."""
         if self.runs:
             return list(self.runs[rank])
-        if self.split in ("contiguous", "balanced"):
-            n = self.seq_len // self.sp
-            return [(rank * n, n)]
-        n = self.seq_len // (2 * self.sp)
-        return [(rank * n, n), ((2 * self.sp - 1 - rank) * n, n)]
+        return self.mode.segments(self.seq_len, self.sp, rank)
 
     def positions(self, rank: int) -> np.ndarray:
         """Global positions ``[S_loc]`` of ``rank``'s tokens, in local order (host metadata)."""
@@ -70,7 +68,7 @@ class SeqLayout:
         """The split of a microbatch of document ids ``docs`` ``[B, S]``: balanced deals each
         its own (:func:`balanced_layout`, chunks of at least ``min_chunk``); the others are
         this one."""
-        if self.split != "balanced":
+        if not self.mode.deals_documents:
             return self
         return balanced_layout(self.seq_len, self.sp, docs, self.min_chunk)
 
@@ -122,7 +120,7 @@ def balanced_layout(seq_len: int, sp: int, docs: np.ndarray,
             else:
                 out.append((int(chunk * n), n))
         runs.append(tuple(out))
-    return SeqLayout(seq_len, sp, "balanced", tuple(runs), min_chunk)
+    return SeqLayout(seq_len, sp, BALANCED.name, tuple(runs), min_chunk)
 
 
 def _deal(work: np.ndarray, sp: int, c: int) -> np.ndarray:

@@ -53,8 +53,8 @@ def check_device_memory(cfg: Config, rank: int, on_node: int,
     among the ranks of the node that share it (``on_node`` ranks over the visible GPUs, as
     :func:`mpipar.runtime.device.gpu_for` deals them out). ``free``: (free bytes of the GPU,
     visible GPUs), asked from the device when None. ``--allow-oversubscribed-memory`` skips it."""
-    from mpipar.runtime.device import device_memory, resolve_device
-    if cfg.train.allow_oversubscribed_memory or resolve_device(cfg.train.device) != "cuda":
+    from mpipar.runtime.device import device_memory, device_of
+    if cfg.train.allow_oversubscribed_memory or not device_of(cfg.train).on_this_machine().gpu:
         return
     available, gpus = free if free is not None else device_memory()
     sharing = -(-on_node // max(gpus, 1))          # ranks dealt to one GPU, at most

@@ -25,6 +25,7 @@ from mpipar.parallel.experts.split import expert_shards, expert_units
 from mpipar.parallel.fsdp import cost as fsdp_cost, sharded as fsdp
 from mpipar.parallel.pipeline.schedule import Op, build_schedule
 from mpipar.parallel.placement import PlacementTable, expert_of
+from mpipar.runtime.device import device_of
 from mpipar.runtime.topology import Coord, GridShape, NodeMap
 
 
@@ -201,7 +202,7 @@ def node_copy(layout: Layout, coord: Coord) -> tuple[int, int] | None:
     node, nodes the group spans), or None where the units are gathered (not asked for, CUDA,
     or a group across nodes that hold unequal numbers of its ranks, or one rank each)."""
     shape = grid_shape(layout)
-    return fsdp.node_copy_layout(layout.parallel, layout.train.device == "cuda", shape,
+    return fsdp.node_copy_layout(layout.parallel, device_of(layout.train).gpu, shape,
                                  nodes_of(layout), shape.rank_of(coord))
 
 

@@ -26,7 +26,8 @@ from mpipar.plan.step_time import (Hardware, StepDocuments, StepTime, predict_st
                                    step_microbatches, with_nodes)
 from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes
 from mpipar.rules import validate
-from mpipar.runtime.comm import LINKS
+from mpipar.runtime.ledger import LINKS
+from mpipar.runtime.device import device_of
 from mpipar.runtime.topology import Coord
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
@@ -137,7 +138,7 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
         """ZeRO-3 on the CPU: gathered, or in node shared memory."""
         if zero != 3:
             return ["off"]
-        if "zero_shared" in fixed or tr.device == "cuda":
+        if "zero_shared" in fixed or device_of(tr).gpu:
             return [par.zero_shared]
         return ["off", "node"]
     for (schedule, v), (mode, split, u), mbs, zero, reduce, codec, ep in itertools.product(

@@ -33,7 +33,7 @@ from mpipar.plan.rank import (expert_unit_lengths, frozen_kept_units, frozen_uni
                               group_members, group_sizes, kept_units, node_copy, nodes_of,
                               placement_table, rank_ops, rank_stages, unit_lengths)
 from mpipar.runtime import allreduce
-from mpipar.runtime.comm import ALLREDUCE_OPS, LINKS, wire_bytes
+from mpipar.runtime.ledger import ALLREDUCE_OPS, LINKS, wire_bytes
 from mpipar.runtime.topology import Coord, GridShape
 
 
@@ -167,7 +167,7 @@ def _per_group(calls: list[Call], count_bytes: bool) -> dict[str, int]:
 def predict_step_bytes(layout: Layout, coord: Coord, documents: list | None = None
                        ) -> dict[str, int]:
     """Bytes per group that the rank at ``coord`` hands to MPI in one step (the ledger's
-    :meth:`mpipar.runtime.comm.Ledger.bytes_by_group`); ``documents`` as :func:`step_calls`."""
+    :meth:`mpipar.runtime.ledger.Ledger.bytes_by_group`); ``documents`` as :func:`step_calls`."""
     return _per_group(step_calls(layout, coord, documents=documents), True)
 
 
@@ -201,7 +201,7 @@ def call_link(layout: Layout, coord: Coord, call: Call) -> str:
 def predict_link_bytes(layout: Layout, coord: Coord, documents: list | None = None
                        ) -> dict[str, dict[str, int]]:
     """``{group: {"intra": wire bytes, "inter": wire bytes}}`` the rank at ``coord`` sends in
-    one step (the ledger's :meth:`mpipar.runtime.comm.Ledger.bytes_by_link`); ``documents`` as
+    one step (the ledger's :meth:`mpipar.runtime.ledger.Ledger.bytes_by_link`); ``documents`` as
     :func:`step_calls`."""
     sizes = group_sizes(layout)
     out: dict[str, dict[str, int]] = {}

@@ -8,6 +8,7 @@ from mpipar.runtime.mpi_init import MPI  # MPI_Init under MPIPAR_INIT_TIMEOUT
 
 from mpipar.config import ConfigError, require
 from mpipar.layout import Layout
+from mpipar.runtime.precision import Precision
 
 HOST_BACKENDS = ("numba", "numpy")
 
@@ -39,7 +40,7 @@ def check_attention(layout: Layout, device: str) -> None:
     t, m = layout.train, layout.model
     if t.attention_backend == "auto":
         return
-    require(device == "cuda" and t.dtype == "bfloat16",
+    require(device == "cuda" and Precision.named(t.dtype).mixed,
             f"train.attention_backend={t.attention_backend!r} chooses the bf16 attention of a "
             f"CUDA device; this run computes in {t.dtype} on {device}, where mpipar's exact "
             f"kernels run: leave it auto")
@@ -109,11 +110,41 @@ def cuda_unavailable() -> str | None:
     return available_backends()["cupy"]
 
 
+@dataclass(frozen=True)
+class DeviceChoice:
+    """One ``--device``: where a run asks its arrays to live. ``gpu``: it names a CUDA device;
+    ``probes``: it is decided on the machine that runs (``auto``: cuda when CuPy sees a
+    device, else cpu). The rules, the planner and the rank ask it instead of comparing names."""
+
+    name: str
+    gpu: bool = False
+    probes: bool = False
+
+    def on_this_machine(self) -> DeviceChoice:
+        """The device a run on this machine uses: cpu or cuda."""
+        if self.probes:
+            return CUDA if cuda_unavailable() is None else CPU
+        return self
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CPU = DeviceChoice("cpu")
+CUDA = DeviceChoice("cuda", gpu=True)
+AUTO = DeviceChoice("auto", probes=True)
+DEVICE_MODES: dict[str, DeviceChoice] = {d.name: d for d in (CPU, CUDA, AUTO)}
+"""Every ``--device``, by name."""
+
+
+def device_of(train) -> DeviceChoice:
+    """The :class:`DeviceChoice` of a train section's ``device``."""
+    return DEVICE_MODES[train.device]
+
+
 def resolve_device(device: str) -> str:
     """``--device`` as a run uses it: ``auto`` is cuda when CuPy sees a device, else cpu."""
-    if device == "auto":
-        return "cuda" if cuda_unavailable() is None else "cpu"
-    return device
+    return DEVICE_MODES[device].on_this_machine().name
 
 
 @dataclass(frozen=True)
@@ -124,6 +155,11 @@ class Device:
     kind: str
     index: int = -1
     visible: int = 0
+
+    @property
+    def gpu(self) -> bool:
+        """Whether this rank's arrays live on a CUDA device."""
+        return self.kind == CUDA.name
 
     def describe(self) -> str:
         if self.kind == "cpu":
@@ -203,12 +239,12 @@ def check_config(layout: Layout) -> None:
     """The device, the kernels that run on it, what bfloat16 needs there, and how arrays reach
     MPI."""
     t = layout.train
-    if t.device == "cuda":
+    if device_of(t).gpu:
         reason = cuda_unavailable()
         require(reason is None, f"train.device='cuda': no CUDA device here: {reason}; use "
                                 f"--device cpu (or auto)")
     device = resolve_device(t.device)
-    if t.dtype == "bfloat16":
+    if Precision.named(t.dtype).mixed:
         reason = bf16_unavailable(device)
         require(reason is None, f"train.dtype='bfloat16' on {device}: {reason}; use float32 "
                                 f"(or install what is missing)")

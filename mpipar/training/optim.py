@@ -588,6 +588,12 @@ class LRSchedule:
                              f"(the schedule is {self.kind!r})")
 
     @property
+    def extends(self) -> bool:
+        """Whether a run resumed from a checkpoint before its decay with more steps continues
+        as a run started with them (wsd: the decay moves to the new end)."""
+        return self.kind == "wsd"
+
+    @property
     def decay_start(self) -> int:
         """The first 0-based step below the peak after warm-up: S for wsd, ``warmup_steps`` + 1
         for the cosine, ``total_steps`` (never) for "constant"."""
@@ -621,6 +627,12 @@ class LRSchedule:
         """The schedule a run's train section (:class:`mpipar.config.TrainConfig`) asks for."""
         return cls(train.lr_schedule, train.lr, train.min_lr, train.warmup_steps,
                    max(1, train.steps), train.decay_fraction, train.decay_shape)
+
+
+def extends_with_steps(train: TrainConfig) -> bool:
+    """:attr:`LRSchedule.extends` of a train section's schedule (what a resumed run's report of
+    a changed ``steps`` asks, :func:`mpipar.checkpoint.reader.resume_changes`)."""
+    return LRSchedule.of(train).extends
 
 
 def check_config(layout: Layout) -> None:

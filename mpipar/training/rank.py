@@ -231,9 +231,9 @@ def _comms_and_compute(layout: Layout, comm: MPI.Comm) -> tuple[Comms, Compute]:
     kernels, attention = attention_kernels(
         cpu_gemm_kernels(training_backend(tr.backend, device.kind), tr),
         tr.attention_backend, cfg.model)
-    mpi_path = choose_path(tr.cuda_aware_mpi, device.kind == "cuda")
+    mpi_path = choose_path(tr.cuda_aware_mpi, device.gpu)
     # dp x sp split by node: the hierarchical reduction, and ZeRO-3's copies on each node
-    node_copy = node_copy_layout(par, device.kind == "cuda", grid.shape, grid.nodes, grid.rank)
+    node_copy = node_copy_layout(par, device.gpu, grid.shape, grid.nodes, grid.rank)
     if par.dp_reduce == "hierarchical" or (node_copy and node_copy[1] > 1):
         grid.split_dp_sp_by_node()
     ledger = Ledger()

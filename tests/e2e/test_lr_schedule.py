@@ -14,7 +14,7 @@ from conftest import launch_env
 from mpipar.checkpoint import reader
 from mpipar.checkpoint.index import read_index
 from mpipar.checkpoint.records import DataCursor, LRScheduleState, RankPlace, RunPosition
-from mpipar.training.optim import LRSchedule
+from mpipar.training.optim import LRSchedule, extends_with_steps
 
 
 # ------------------------------------------------------------------------------ extension
@@ -82,7 +82,7 @@ def test_resuming_a_stable_phase_checkpoint_with_more_steps_extends_the_run(tmp_
                                     schedule.decay_fraction, schedule.decay_shape,
                                     schedule.decay_start, 20, schedule(20)),
         data=DataCursor(**then.groups["data"]))
-    assert reader.resume_changes(decayed, position) == [
+    assert reader.resume_changes(decayed, position, extends_with_steps) == [
         f"train.steps is 40, the checkpoint's run used 20: the checkpoint at step 20 is past "
         f"the start of a wsd decay (the checkpoint's run decays from step 16, this run from "
         f"step 31): the learning rate of step 21 is {lr:.6g} where the checkpoint's run had "

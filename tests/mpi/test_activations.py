@@ -8,7 +8,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from activation_dumps import dumping_engine, reference_tensors
+from activation_dumps import dumping_rank, reference_tensors
 from conftest import check_in_groups
 from layouts import layout_name, layout_size, small_config
 from mpipar.checkpoint.activations import load_global, step_dir
@@ -34,7 +34,7 @@ def test_dumps_reassemble_to_the_single_process_activations(world, layout):
     def check(comm) -> list[str]:
         fails = []
         run_dir = os.path.join(base, str(world.rank // size))
-        rank = dumping_engine(small_config("float64", **layout), comm, run_dir, "2")
+        rank = dumping_rank(small_config("float64", **layout), comm, run_dir, "2")
         for k in range(2):
             trainer.train_step(rank, k)
         comm.Barrier()  # every rank's file is renamed into place

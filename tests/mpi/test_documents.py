@@ -51,8 +51,8 @@ def packed(model: str, case: str, **parallel):
 @functools.lru_cache(maxsize=None)
 def reference(model: str, case: str):
     from mpi4py import MPI
-    losses, norms, params, engine = run(packed(model, case), MPI.COMM_SELF)
-    trainer.close(engine)
+    losses, norms, params, rank = run(packed(model, case), MPI.COMM_SELF)
+    trainer.close(rank)
     return losses, norms, params
 
 

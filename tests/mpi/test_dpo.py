@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 # First: importing dpo_reference skips this module where torch or transformers is missing.
-from dpo_reference import dpo_differences, dpo_engine, torch_dpo, write_pairs
+from dpo_reference import dpo_differences, dpo_rank, torch_dpo, write_pairs
 from transformers_reference import TOL, float64_transformers, make_checkpoint  # noqa: F401
 
 from conftest import check_in_groups
@@ -29,9 +29,9 @@ def test_dpo_layouts_train_like_torch(world, files, layout, float64_transformers
     """Every rank builds the same checkpoint, pairs and reference (deterministic)."""
     def check(comm) -> list[str]:
         checkpoint, pairs = files
-        engine = dpo_engine(checkpoint, pairs, comm, **layout)
-        results = [trainer.train_step(engine, k) for k in range(2)]
-        diffs = dpo_differences(results, trainer.gather_params(engine),
+        rank = dpo_rank(checkpoint, pairs, comm, **layout)
+        results = [trainer.train_step(rank, k) for k in range(2)]
+        diffs = dpo_differences(results, trainer.gather_params(rank),
                                 torch_dpo(checkpoint, pairs))
         if world.rank == 0:
             print(f"\nDPO {layout_name(layout)}: {diffs}")
@@ -52,9 +52,9 @@ def test_dpo_with_lora_on_a_layout_trains_like_peft(world, files, float64_transf
     adapter = make_adapter(checkpoint, tmp_path_factory.mktemp("adapter"))
 
     def check(comm) -> list[str]:
-        engine = dpo_engine(checkpoint, pairs, comm, adapter=adapter, **layout)
-        results = [trainer.train_step(engine, k) for k in range(2)]
-        trained = {n: v for n, v in trainer.gather_params(engine).items() if is_adapter(n)}
+        rank = dpo_rank(checkpoint, pairs, comm, adapter=adapter, **layout)
+        results = [trainer.train_step(rank, k) for k in range(2)]
+        trained = {n: v for n, v in trainer.gather_params(rank).items() if is_adapter(n)}
         diffs = dpo_differences(results, trained, torch_dpo(checkpoint, pairs, adapter))
         if world.rank == 0:
             print(f"\nDPO with LoRA {layout_name(layout)}: {diffs}")

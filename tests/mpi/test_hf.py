@@ -8,7 +8,7 @@ import pytest
 # First: importing transformers_reference skips this module where torch or transformers is
 # missing. float64_transformers, hf_dirs and samples are fixtures.
 from transformers_reference import (STEPS, TOL, float64_transformers,  # noqa: F401
-                                    hf_dirs, mpipar_engine, samples, torch_training,
+                                    hf_dirs, mpipar_rank, samples, torch_training,
                                     training_differences)
 
 from conftest import check_in_groups
@@ -40,7 +40,7 @@ def test_layouts_train_like_torch_adamw(world, hf_dirs, kind, layout, samples,
     the layout trains it and must equal transformers: losses, norms and exported parameters."""
     def check(comm) -> list[str]:
         cfg, params = load_hf(hf_dirs[kind])
-        rank = mpipar_engine(cfg, params, samples, comm, **layout)
+        rank = mpipar_rank(cfg, params, samples, comm, **layout)
         results = [trainer.train_step(rank, k) for k in range(STEPS)]
         loss_diffs, param_diff = training_differences(results, trainer.gather_params(rank),
                                                       torch_training(hf_dirs[kind], samples))

@@ -168,18 +168,18 @@ GEMMA3 = [dict(model="gemma3", **v) for v in (
     dict(sp=2, dp=4, zero=3))]
 
 
-def _tied_copies_differ(engine) -> list[str]:
+def _tied_copies_differ(rank) -> list[str]:
     """The two pipeline ranks' copies of a tied embedding must be bit-identical."""
-    group = engine.comms.groups["pp_ends"]
-    if group.size == 1 or not engine.model.table["embed_tokens.weight"].tied_across_pipeline:
+    group = rank.comms.groups["pp_ends"]
+    if group.size == 1 or not rank.model.table["embed_tokens.weight"].tied_across_pipeline:
         return []
-    copies = group.comm.allgather(engine.params["embed_tokens.weight"])
+    copies = group.comm.allgather(rank.params["embed_tokens.weight"])
     if np.array_equal(copies[0], copies[1]):
         return []
     return [f"tied embedding copies differ by {np.abs(copies[0] - copies[1]).max():.3g}"]
 
 
-def _check(world, layout: dict, dtype: str, tol: float, extra=lambda engine: []) -> None:
+def _check(world, layout: dict, dtype: str, tol: float, extra=lambda rank: []) -> None:
     size = layout_size(layout)
     layout = dict(layout)
     model = layout.pop("model", "llama")
@@ -222,12 +222,12 @@ def test_zero3_node_shared_equals_single_process_float64(world, layout, want):
     """ZeRO-3 reading the parameters in place from node shared memory changes no number, on
     one node and with a copy on each node; it is used where it applies, and no unit is gathered
     per layer then."""
-    def how_held(engine) -> list[str]:
-        s = engine.weights.sharded
+    def how_held(rank) -> list[str]:
+        s = rank.weights.sharded
         held = ("gathered" if s.gather else "resident" if not s.shared
                 else "node copies" if s.inter is not None else "one node")
         fails = [] if held == want else [f"parameters {held}, expected {want}"]
-        gathers = engine.ledger.entries.get(("dp_sp", "iallgather"))
+        gathers = rank.ledger.entries.get(("dp_sp", "iallgather"))
         if s.shared and gathers is not None:
             fails.append(f"{gathers.messages} all-gathers with node shared parameters")
         if s.shared and s.shared_bytes * s.intra.size != sum(u.size for u in s.units.values()) \
@@ -299,8 +299,8 @@ def test_the_placement_table_drives_the_weight_split_and_the_traffic(world, layo
     run still equals one process."""
     want = reference("float64")
 
-    def all_reduces(engine) -> int:
-        return engine.ledger.entries[("tp", "allreduce")].messages
+    def all_reduces(rank) -> int:
+        return rank.ledger.entries[("tp", "allreduce")].messages
 
     def check(comm) -> list[str]:
         usual = None
@@ -311,19 +311,19 @@ def test_the_placement_table_drives_the_weight_split_and_the_traffic(world, layo
         for name in MLP:
             monkeypatch.setitem(TENSOR_PARALLEL_PLAN, name, "replicated")
         got = run(small_config("float64", **layout), comm)
-        engine = got[3]
+        rank = got[3]
         try:
             fails = compare(got[:3], want, 1e-10)
-            blocks = [i for chunk in engine.model.chunks for i in chunk.layers]
-            held = engine.params[f"layers.{blocks[0]}.mlp.down_proj.weight"].shape
+            blocks = [i for chunk in rank.model.chunks for i in chunk.layers]
+            held = rank.params[f"layers.{blocks[0]}.mlp.down_proj.weight"].shape
             if held != (32, 48):
                 fails.append(f"down_proj held as {held}, not whole")
-            if usual is not None and usual - all_reduces(engine) != \
-                    2 * len(blocks) * engine.data.microbatches * 2:
-                fails.append(f"tp all-reduces {all_reduces(engine)} against {usual} with the "
+            if usual is not None and usual - all_reduces(rank) != \
+                    2 * len(blocks) * rank.data.microbatches * 2:
+                fails.append(f"tp all-reduces {all_reduces(rank)} against {usual} with the "
                              f"usual table")
             return fails
         finally:
-            trainer.close(engine)
+            trainer.close(rank)
 
     check_in_groups(world, layout_size(layout), check)

@@ -9,7 +9,7 @@ import pytest
 
 # First: importing lora_reference skips this module where torch, transformers or peft is
 # missing. float64_transformers, lora_dirs and samples are fixtures.
-from transformers_reference import (TOL, float64_transformers, mpipar_engine, rel,  # noqa: F401
+from transformers_reference import (TOL, float64_transformers, mpipar_rank, rel,  # noqa: F401
                                     samples)
 from lora_reference import LORA_FIELDS, LORA_STEPS, lora_dirs, peft_training  # noqa: F401
 
@@ -38,10 +38,10 @@ def test_lora_layouts_train_like_peft(world, lora_dirs, layout, samples, float64
     def check(comm) -> list[str]:
         cfg, params = load_hf(base)
         adapters = read_adapter(adapter, cfg, Lora.of(TrainConfig(**LORA_FIELDS)))
-        engine = mpipar_engine(cfg, {**params, **adapters}, samples, comm,
+        rank = mpipar_rank(cfg, {**params, **adapters}, samples, comm,
                                train_fields=LORA_FIELDS, **layout)
-        results = [trainer.train_step(engine, k) for k in range(LORA_STEPS)]
-        trained = trainer.gather_params(engine)
+        results = [trainer.train_step(rank, k) for k in range(LORA_STEPS)]
+        trained = trainer.gather_params(rank)
         losses, norms, want = peft_training(base, adapter, samples)
         problems = [f"step {k + 1}: loss {r.loss} vs {loss}, norm {r.grad_norm} vs {norm}"
                     for k, (r, loss, norm) in enumerate(zip(results, losses, norms))
@@ -52,7 +52,7 @@ def test_lora_layouts_train_like_peft(world, lora_dirs, layout, samples, float64
         problems += [f"base {n} moved" for n, v in params.items()
                      if not np.array_equal(trained[n], v)]
         if layout.get("zero") == 3:     # the frozen base sharded over dp x sp, no gradients
-            frozen = engine.weights.frozen
+            frozen = rank.weights.frozen
             owned = sum(u.owned.size for u in frozen.units.values())
             whole = sum(u.size for u in frozen.units.values())
             if owned * layout["dp"] != whole or any(u.owned_grad is not None

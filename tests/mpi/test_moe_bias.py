@@ -34,7 +34,7 @@ def config(recompute: str = "none", **layout):
     return cfg
 
 
-def engine(comm, **layout):
+def rank(comm, **layout):
     from mpipar.training.rank import build_rank
     return build_rank(validate(config(**layout), comm.Get_size()), comm,
                   source=token_source(16))
@@ -42,7 +42,7 @@ def engine(comm, **layout):
 
 def run(comm, steps: int = 3, **layout):
     """(losses, grad norms, gathered params, balance losses, biases after each step)."""
-    eng = engine(comm, **layout)
+    eng = rank(comm, **layout)
     try:
         res = [trainer.train_step(eng, k) for k in range(steps)]
         return ([r.loss for r in res], [r.grad_norm for r in res], trainer.gather_params(eng),
@@ -116,12 +116,12 @@ def test_resume_reproduces_steps_3_and_4(world, before, after):
     from mpipar.runtime.comm import Group, Ledger
     with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-bias-") as root:
         whole = run(world, steps=4, **before)
-        a = engine(world, **before)
+        a = rank(world, **before)
         trainer.train_step(a, 0)
         trainer.train_step(a, 1)
         path = writer.save(a.state, trainer.run_position(a, 2), root, Group(world, "world", Ledger()))
         trainer.close(a)
-        b = engine(world, **after)
+        b = rank(world, **after)
         if reader.load(b.state, path) != 2:
             fails.append("load did not return step 2")
         b.model.routing.load(reader.read_moe_bias(path))

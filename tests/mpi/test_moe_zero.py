@@ -178,26 +178,26 @@ def test_compressed_checkpoint_with_sharded_experts_resumes_bit_exact(world):
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
 
-    def engine(**parallel):
+    def rank(**parallel):
         return build_rank(validate(small_config("float64", "moe", grad_compression="int8",
                                             **parallel), 8), world, source=token_source())
 
     with rank_failures(world) as fails, shared_tmpdir(world, "mpipar-ez-") as root:
-        a = engine(dp=2, sp=2, pp=2, ep=2)
+        a = rank(dp=2, sp=2, pp=2, ep=2)
         trainer.train_step(a, 0)
         path = writer.save(a.state, trainer.run_position(a, 1), root, Group(world, "world", Ledger()))
         saved = {(k, n, lo): np.array(v) for k, n, lo, hi, v in a.state.pieces()
                  if k.startswith("residual")}
         want = trainer.train_step(a, 1)
         trainer.close(a)
-        b = engine(dp=2, sp=2, pp=2, ep=2)
+        b = rank(dp=2, sp=2, pp=2, ep=2)
         reader.load(b.state, path)
         got = trainer.train_step(b, 1)
         if (got.loss, got.grad_norm) != (want.loss, want.grad_norm):
             fails.append(f"resumed step 2 {(got.loss, got.grad_norm)} != "
                          f"{(want.loss, want.grad_norm)}")
         trainer.close(b)
-        c = engine(dp=4, pp=2)                # ep 1: every expert compressed, slot by slot
+        c = rank(dp=4, pp=2)                # ep 1: every expert compressed, slot by slot
         reader.load(c.state, path)
         for k, n, lo, hi, v in c.state.pieces():
             if k.startswith("residual") and ".experts." in n and np.any(np.asarray(v)):

@@ -48,8 +48,8 @@ def muon_config(model: str = "llama", **parallel):
 @functools.lru_cache(maxsize=None)
 def muon_reference(model: str = "llama", steps: int = 2):
     from mpi4py import MPI
-    losses, norms, params, engine = run(muon_config(model), MPI.COMM_SELF, steps)
-    trainer.close(engine)
+    losses, norms, params, rank = run(muon_config(model), MPI.COMM_SELF, steps)
+    trainer.close(rank)
     return losses, norms, params
 
 

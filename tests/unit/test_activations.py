@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from activation_dumps import dumping_engine, reference_tensors, single_process_dump
+from activation_dumps import dumping_rank, reference_tensors, single_process_dump
 from layouts import small_config, token_source
 from mpipar.checkpoint.activations import (ActivationRecorder, OffloadStore, load_global, step_dir,
                                 write_rank_dump)
@@ -71,7 +71,7 @@ def test_dump_records_the_forward_pass_only_under_recompute(mode, tmp_path):
     from mpi4py import MPI
     cfg = small_config("float64")
     cfg.train.recompute = mode
-    trainer.train_step(dumping_engine(cfg, MPI.COMM_SELF, str(tmp_path), "1"), 0)
+    trainer.train_step(dumping_rank(cfg, MPI.COMM_SELF, str(tmp_path), "1"), 0)
     for (i, name), want in reference_tensors(1).items():
         assert np.array_equal(load_global(tmp_path, 1, i, name), want), (i, name)
 

@@ -69,10 +69,10 @@ def test_hierarchical_is_mpipars_own_reduction():
 
 # --------------------------------------------------------------- wire bytes per algorithm
 def test_wire_bytes_per_algorithm_are_each_schedules_sends():
-    """Each rank's bytes under the textbook schedule (mpipar.runtime.comm.allreduce_wire),
+    """Each rank's bytes under the textbook schedule (mpipar.runtime.ledger.allreduce_wire),
     against counts made by hand; over the group every algorithm sends 2 (n-1) payloads (the
     ring up to rounding), but not from the same ranks."""
-    from mpipar.runtime.comm import allreduce_wire, wire_bytes
+    from mpipar.runtime.ledger import allreduce_wire, wire_bytes
     b = 4096
     # binomial tree of 8: rank 0 sends to 1, 2, 4; 4 to 5, 6; 2 to 3; 6 to 7; each to its parent
     assert [allreduce_wire(b, 8, r, "tree") // b for r in range(8)] == [3, 1, 2, 1, 3, 1, 2, 1]

@@ -198,14 +198,18 @@ MODE_HOMES: dict[str, tuple[str, ...]] = {
     "decay_shape": ("mpipar.training.optim",),
     "optimizer": ("mpipar.training.optimizers",),
     "muon_adjust_lr": ("mpipar.training.muon",),
+    "device": ("mpipar.runtime.device",),
+    "dtype": ("mpipar.runtime.precision",),
+    "sp_split": ("mpipar.parallel.sequence",),
+    "lr_schedule": ("mpipar.training.optim",),
 }
 """Each configuration mode field and the modules that may compare it with a string (its home):
 everywhere else the code asks the mode's object. Add a field here when it becomes an object."""
 
 UNCONVERTED_MODES: dict[str, tuple[str, ...]] = {
     # Mode fields still compared as strings outside one home, each with the modules that do;
-    # they become objects with their units (the data-parallel, ZeRO and pipeline axes, the
-    # device, the learning-rate schedule). Move a field to MODE_HOMES when it does.
+    # they become objects with their units (the data-parallel and ZeRO axes). Move a field
+    # to MODE_HOMES when it does.
     "dp_reduce": ("mpipar.bench.compression", "mpipar.parallel.data_parallel",
                   "mpipar.parallel.fsdp", "mpipar.plan.memory", "mpipar.plan.rank",
                   "mpipar.plan.search", "mpipar.plan.step_time", "mpipar.training.rank"),
@@ -216,11 +220,6 @@ UNCONVERTED_MODES: dict[str, tuple[str, ...]] = {
                        "mpipar.plan.search", "mpipar.training.rank"),
     "allreduce_algorithm": ("mpipar.layout", "mpipar.parallel.data_parallel"),
     "zero_shared": ("mpipar.parallel.fsdp", "mpipar.plan.search"),
-    "sp_split": ("mpipar.parallel.sequence", "mpipar.plan.step_time"),
-    "device": ("mpipar.parallel.fsdp", "mpipar.plan.rank", "mpipar.plan.search",
-               "mpipar.runtime.device"),
-    "dtype": ("mpipar.parallel.data_parallel", "mpipar.runtime.device"),
-    "lr_schedule": ("mpipar.checkpoint.reader",),
     "topk_catch_up": ("mpipar.training.rank",),
 }
 """Fields of :data:`MODE_HOMES` may not appear here; a field listed here may be compared only
@@ -317,7 +316,6 @@ OVERSIZED_CLASSES = {
     "mpipar.model.llama.LlamaStage",             # the blocks' forward, backward and records
     "mpipar.parallel.data_parallel.reducer.GradReducer",  # buckets, compression, the reduction
     "mpipar.parallel.fsdp.sharded.ShardedParams",  # ZeRO-2/3 units, their pool and prefetch
-    "mpipar.runtime.comm.Group",                 # every MPI call and its ledger entry
 }
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 # First: importing dpo_reference skips this module where torch or transformers is missing.
-from dpo_reference import BETA, dpo_differences, dpo_engine, torch_dpo, write_pairs
+from dpo_reference import BETA, dpo_differences, dpo_rank, torch_dpo, write_pairs
 from transformers_reference import TOL, float64_transformers, make_checkpoint  # noqa: F401
 
 from mpipar.training import step as trainer
@@ -24,10 +24,10 @@ def files(tmp_path_factory):
 
 def test_dpo_trains_like_torch(files, float64_transformers):
     checkpoint, pairs = files
-    engine = dpo_engine(checkpoint, pairs)
-    results = [trainer.train_step(engine, k) for k in range(2)]
+    rank = dpo_rank(checkpoint, pairs)
+    results = [trainer.train_step(rank, k) for k in range(2)]
     want = torch_dpo(checkpoint, pairs)
-    diffs = dpo_differences(results, trainer.gather_params(engine), want)
+    diffs = dpo_differences(results, trainer.gather_params(rank), want)
     print(f"\nDPO one process: {diffs}")
     assert results[0].loss == pytest.approx(math.log(2), rel=1e-15)   # the policy is the reference
     assert abs(want[0][1]["dpo_reward_chosen"]) > 1e-3   # step 2's policy has moved
@@ -42,10 +42,10 @@ def test_dpo_with_lora_trains_like_peft(files, float64_transformers, tmp_path):
     from mpipar.model.lora import is_adapter
     checkpoint, pairs = files
     adapter = make_adapter(checkpoint, tmp_path)
-    engine = dpo_engine(checkpoint, pairs, adapter=adapter)
-    results = [trainer.train_step(engine, k) for k in range(2)]
+    rank = dpo_rank(checkpoint, pairs, adapter=adapter)
+    results = [trainer.train_step(rank, k) for k in range(2)]
     want = torch_dpo(checkpoint, pairs, adapter)
-    trained = trainer.gather_params(engine)
+    trained = trainer.gather_params(rank)
     adapters = {n: v for n, v in trained.items() if is_adapter(n)}
     diffs = dpo_differences(results, adapters, want)
     print(f"\nDPO with LoRA one process: {diffs}")
@@ -104,10 +104,10 @@ def test_resume_equals_the_uninterrupted_run(files, tmp_path):
     from mpipar.checkpoint import reader, writer
     from mpipar.runtime.comm import Group, Ledger
     checkpoint, pairs = files
-    whole = dpo_engine(checkpoint, pairs)
+    whole = dpo_rank(checkpoint, pairs)
     want = [trainer.train_step(whole, k) for k in range(2)]
     want_params = trainer.gather_params(whole)
-    first = dpo_engine(checkpoint, pairs)
+    first = dpo_rank(checkpoint, pairs)
     trainer.train_step(first, 0)
     path = writer.save(first.state, trainer.run_position(first, 1), tmp_path,
                        Group(MPI.COMM_SELF, "world", Ledger()))
@@ -115,7 +115,7 @@ def test_resume_equals_the_uninterrupted_run(files, tmp_path):
     np.testing.assert_array_equal(stored, first.data.preference.reference)
 
     def resumed(reference) -> tuple:
-        rank = dpo_engine(checkpoint, pairs)
+        rank = dpo_rank(checkpoint, pairs)
         assert reader.load(rank.state, path) == 1
         rank.data.preference.load(reference, 1)
         return trainer.train_step(rank, 1), trainer.gather_params(rank)
@@ -125,7 +125,7 @@ def test_resume_equals_the_uninterrupted_run(files, tmp_path):
         (want[1].loss, want[1].grad_norm, want[1].preference)
     for n, v in want_params.items():
         np.testing.assert_array_equal(params[n], v)
-    rank = dpo_engine(checkpoint, pairs)          # the reference not restored: step 1's policy
+    rank = dpo_rank(checkpoint, pairs)          # the reference not restored: step 1's policy
     reader.load(rank.state, path)
     assert trainer.train_step(rank, 1).loss != want[1].loss
     with pytest.raises(ValueError, match="holds no DPO reference log-probabilities at step 1"):
@@ -159,7 +159,7 @@ def test_index_refuses_a_bad_reference(files, tmp_path, edit, match):
     from mpipar.checkpoint import writer
     from mpipar.runtime.comm import Group, Ledger
     checkpoint, pairs = files
-    rank = dpo_engine(checkpoint, pairs)
+    rank = dpo_rank(checkpoint, pairs)
     trainer.train_step(rank, 0)
     path = writer.save(rank.state, trainer.run_position(rank, 1), tmp_path / "ck",
                        Group(MPI.COMM_SELF, "world", Ledger()))
@@ -178,13 +178,13 @@ def test_a_shrinks_copy_in_memory_keeps_the_reference(files):
     exactly as the original did (recomputed from step 1's weights, it would not)."""
     from mpipar.training.recovery import StateCopy
     checkpoint, pairs = files
-    rank = dpo_engine(checkpoint, pairs)
+    rank = dpo_rank(checkpoint, pairs)
     assert StateCopy(rank).dpo_reference is None           # before step 0 computes it
     trainer.train_step(rank, 0)
     copy = StateCopy(rank)
     np.testing.assert_array_equal(copy.dpo_reference, rank.data.preference.reference)
     want = trainer.train_step(rank, 1)
-    fresh = dpo_engine(checkpoint, pairs)
+    fresh = dpo_rank(checkpoint, pairs)
     copy.load(fresh)
     got = trainer.train_step(fresh, 1)
     assert (got.loss, got.grad_norm, got.preference) == \

@@ -27,7 +27,7 @@ import pytest
 # missing. float64_transformers, hf_dirs and samples are fixtures.
 from transformers_reference import (B, EPS, FFN, H, HEADS, KV, LAYERS, LLAMA3, MODELS,  # noqa: F401
                                     OPT, PATCHES, S, STEPS, THETA, TOL, V, float64_transformers,
-                                    hf_dirs, hf_loss, hf_model, mpipar_engine, rel, samples,
+                                    hf_dirs, hf_loss, hf_model, mpipar_rank, rel, samples,
                                     torch, torch_training, training_differences)
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -102,7 +102,7 @@ def test_logits_and_loss_match_transformers(hf_dirs, kind, samples, monkeypatch)
     cfg, params = load_hf(hf_dirs[kind])
     rows = np.load(samples)[:B]
     ids = torch.from_numpy(rows)
-    got, token_loss = mpipar_logits(mpipar_engine(cfg, params, samples), rows)
+    got, token_loss = mpipar_logits(mpipar_rank(cfg, params, samples), rows)
 
     model = hf_model(hf_dirs[kind])
     with torch.no_grad():
@@ -140,14 +140,14 @@ def test_logits_and_loss_match_transformers(hf_dirs, kind, samples, monkeypatch)
     assert token_loss.mean() > 1.0  # random weights: far from a trivial loss
     if cfg.sliding_window:  # the window matters: full causal attention is far from transformers
         full = ModelConfig(**{**cfg.__dict__, "sliding_window": 0})
-        assert rel(mpipar_logits(mpipar_engine(full, params, samples), rows)[0], exact.numpy()) > 1e-3
+        assert rel(mpipar_logits(mpipar_rank(full, params, samples), rows)[0], exact.numpy()) > 1e-3
 
 
 # --------------------------------------------------------------------- 2. training
 @pytest.mark.parametrize("kind", TRAINED)
 def test_training_matches_torch_adamw(hf_dirs, kind, samples, float64_transformers, tmp_path):
     cfg, params = load_hf(hf_dirs[kind])
-    rank = mpipar_engine(cfg, params, samples)
+    rank = mpipar_rank(cfg, params, samples)
     results = [trainer.train_step(rank, k) for k in range(STEPS)]
     trained = trainer.gather_params(rank)
     want = torch_training(hf_dirs[kind], samples)

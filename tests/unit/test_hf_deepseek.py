@@ -22,7 +22,7 @@ from tests.deepseek_reference import (ALPHA, B, E, GROUPS, LAYERS, S, SCALE, STE
                                       TOPK_GROUPS, V, float64_deepseek, loaded, random_model,
                                       torch_training)
 from tests.generation import build_generator
-from tests.transformers_reference import TOL, mpipar_engine, rel, torch
+from tests.transformers_reference import TOL, mpipar_rank, rel, torch
 
 from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
                                            load_selection_biases,
@@ -60,11 +60,11 @@ def rows(tmp_path_factory):
     return path
 
 
-def engine(path, rows, params=None, **fields):
+def deepseek_rank(path, rows, params=None, **fields):
     cfg, read = load_hf(path)
     for name, value in fields.items():
         setattr(cfg, name, value)
-    rank = mpipar_engine(cfg, read if params is None else params, rows)
+    rank = mpipar_rank(cfg, read if params is None else params, rows)
     rank.model.routing.load(load_selection_biases(path))
     return rank
 
@@ -130,7 +130,7 @@ def test_deepseek_logits_and_training_equal_transformers(model, hf_dir, rows, tm
                                                          deepseek_float64):
     tokens = np.load(rows)[:B, :S]
     model.eval()
-    rank = engine(hf_dir, rows, moe_aux_loss_coef=ALPHA)
+    rank = deepseek_rank(hf_dir, rows, moe_aux_loss_coef=ALPHA)
     _, params = load_hf(hf_dir)
     err = rel(mpipar_logits(rank, tokens), transformers_logits(model, tokens))
     results = [trainer.train_step(rank, k) for k in range(STEPS)]
@@ -155,7 +155,7 @@ def test_deepseek_logits_and_training_equal_transformers(model, hf_dir, rows, tm
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float64,
                                                    output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    again = engine(tmp_path / "trained", rows)
+    again = deepseek_rank(tmp_path / "trained", rows)
     assert rel(transformers_logits(loaded(tmp_path / "trained"), tokens),
                mpipar_logits(again, tokens)) <= TOL
     trainer.close(again)
@@ -165,7 +165,7 @@ def test_without_a_query_latent_the_logits_equal_transformers(tmp_path, rows, de
     plain = random_model(q_lora_rank=None)
     plain.save_pretrained(tmp_path / "plain")
     assert read_model_config(tmp_path / "plain").latent_q_rank == 0
-    rank = engine(tmp_path / "plain", rows)
+    rank = deepseek_rank(tmp_path / "plain", rows)
     tokens = np.load(rows)[:B, :S]
     plain.eval()
     assert rel(mpipar_logits(rank, tokens), transformers_logits(plain, tokens)) <= TOL
@@ -184,7 +184,7 @@ def test_a_latent_model_from_the_configuration_exports_as_deepseek(tmp_path, row
         moe_shared_ffn_hidden=16))
     params = init_params(cfg, 7, np.float64)
     save_hf(tmp_path / "scratch", cfg, params)
-    rank = engine(tmp_path / "scratch", rows)
+    rank = deepseek_rank(tmp_path / "scratch", rows)
     tokens = np.load(rows)[:B, :S]
     want = transformers_logits(loaded(tmp_path / "scratch"), tokens)
     assert rel(mpipar_logits(rank, tokens), want) <= TOL

@@ -22,7 +22,7 @@ import pytest
 from mpi4py import MPI
 
 from tests.generation import build_generator, transformers_greedy
-from tests.transformers_reference import (B, S, STEPS, TOL, hf_model, mpipar_engine, rel,
+from tests.transformers_reference import (B, S, STEPS, TOL, hf_model, mpipar_rank, rel,
                                           save_random, torch, torch_float_is_float64,
                                           torch_training, training_differences)
 from transformers import AutoModelForCausalLM, Gemma3TextConfig  # noqa: E402
@@ -88,8 +88,8 @@ def rows(tmp_path_factory):
     return path
 
 
-def mpipar_logits(engine, tokens: np.ndarray) -> np.ndarray:
-    _, cache = engine.model.chunks[0].forward(engine.params, tokens, engine.model.positions,
+def mpipar_logits(rank, tokens: np.ndarray) -> np.ndarray:
+    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
                                               np.zeros_like(tokens))
     return cache.head.logits.reshape(tokens.shape[0], S, V)
 
@@ -142,11 +142,11 @@ def test_gemma3_reads_as_its_fields_and_refuses_what_mpipar_does_not_compute(gem
 def test_gemma3_logits_training_and_export_equal_transformers(gemma_dir, rows, tmp_path):
     cfg, params = load_hf(gemma_dir)
     tokens = np.load(rows)[:B, :S]
-    engine = mpipar_engine(cfg, params, rows)
-    err = rel(mpipar_logits(engine, tokens), transformers_logits(gemma_dir, tokens))
-    results = [trainer.train_step(engine, k) for k in range(STEPS)]
-    trained = trainer.gather_params(engine)
-    trainer.close(engine)
+    rank = mpipar_rank(cfg, params, rows)
+    err = rel(mpipar_logits(rank, tokens), transformers_logits(gemma_dir, tokens))
+    results = [trainer.train_step(rank, k) for k in range(STEPS)]
+    trained = trainer.gather_params(rank)
+    trainer.close(rank)
     loss_diffs, param_diff = training_differences(results, trained,
                                                   torch_training(gemma_dir, rows))
     moved = min(rel(trained[n], params[n]) for n in trained)
@@ -158,7 +158,7 @@ def test_gemma3_logits_training_and_export_equal_transformers(gemma_dir, rows, t
     raw = json.loads((tmp_path / "trained" / "config.json").read_text())
     assert (raw["architectures"], raw["layer_types"], raw["query_pre_attn_scalar"]) == \
         (["Gemma3ForCausalLM"], TYPES, SCALAR)
-    want = mpipar_logits(mpipar_engine(cfg, trained, rows), tokens)
+    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
     assert rel(want, transformers_logits(tmp_path / "trained", tokens)) <= TOL
 
 
@@ -174,15 +174,15 @@ def test_a_gemma_model_from_the_configuration_exports_as_gemma3(tmp_path, rows, 
         tie_embeddings=True, norm_eps=1e-6))
     start = init_params(cfg, 7, np.float64)
     assert not start["layers.1.post_feedforward_layernorm.weight"].any()
-    engine = mpipar_engine(cfg, start, rows)
-    trainer.train_step(engine, 0)
-    trained = trainer.gather_params(engine)
-    trainer.close(engine)
+    rank = mpipar_rank(cfg, start, rows)
+    trainer.train_step(rank, 0)
+    trained = trainer.gather_params(rank)
+    trainer.close(rank)
     save_hf(tmp_path / "scratch", cfg, trained)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "scratch", dtype=torch.float64)
     assert type(model).__name__ == "Gemma3ForCausalLM"
     tokens = np.load(rows)[:B, :S]
-    want = mpipar_logits(mpipar_engine(cfg, trained, rows), tokens)
+    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
     assert rel(want, transformers_logits(tmp_path / "scratch", tokens)) <= TOL
     plain = ModelConfig(**{**cfg.__dict__, "embed_scale": False})
     with pytest.raises(HFCheckpointError, match="model.embed_scale=False: a model with Gemma"):

@@ -26,7 +26,7 @@ from tests.transformers_moe import (E, FFN as EXPERT_FFN, TOPK, assert_export_ro
                                     assert_trains_as_transformers, float64_moe)
 from tests.transformers_reference import (B, EPS, FFN, H, HEADS, KV, LAYERS, PATCHES, S,
                                           STEPS, THETA, TOL, V, hf_loss, hf_model,
-                                          mpipar_engine, rel, save_random, torch, torch_training,
+                                          mpipar_rank, rel, save_random, torch, torch_training,
                                           training_differences)
 from tests.generation import build_generator, transformers_greedy
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
@@ -81,10 +81,10 @@ def rows(tmp_path_factory):
     return path
 
 
-def mpipar_logits(engine, tokens: np.ndarray) -> np.ndarray:
+def mpipar_logits(rank, tokens: np.ndarray) -> np.ndarray:
     """Logits ``[B, S, V]`` of ``tokens [B, S]`` (the forward's LM head output)."""
     n = tokens.shape[0]
-    _, cache = engine.model.chunks[0].forward(engine.params, tokens, engine.model.positions,
+    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
                                               np.zeros_like(tokens))
     return cache.head.logits.reshape(n, S, V)
 
@@ -169,10 +169,10 @@ def test_qwen3_moe_reads_its_sparse_layers(qwen3_moe_dir):
 def test_qwen3_logits_and_training_equal_transformers(qwen3_dir, rows, qwen3_float64, tmp_path):
     cfg, params = load_hf(qwen3_dir)
     tokens = np.load(rows)[:B, :S]
-    engine = mpipar_engine(cfg, params, rows)
-    err = rel(mpipar_logits(engine, tokens), transformers_logits(qwen3_dir, tokens))
-    results = [trainer.train_step(engine, k) for k in range(STEPS)]
-    trained = trainer.gather_params(engine)
+    rank = mpipar_rank(cfg, params, rows)
+    err = rel(mpipar_logits(rank, tokens), transformers_logits(qwen3_dir, tokens))
+    results = [trainer.train_step(rank, k) for k in range(STEPS)]
+    trained = trainer.gather_params(rank)
     loss_diffs, param_diff = training_differences(results, trained,
                                                   torch_training(qwen3_dir, rows))
     moved = max(rel(trained[n], params[n]) for n in trained)
@@ -186,9 +186,9 @@ def test_qwen3_logits_and_training_equal_transformers(qwen3_dir, rows, qwen3_flo
     save_hf(tmp_path / "trained", cfg, trained)
     assert json.loads((tmp_path / "trained" / "config.json").read_text())["architectures"] == \
         ["Qwen3ForCausalLM"]
-    want = mpipar_logits(mpipar_engine(cfg, trained, rows), tokens)
+    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
     assert rel(want, transformers_logits(tmp_path / "trained", tokens)) <= TOL
-    trainer.close(engine)
+    trainer.close(rank)
 
 
 def test_qwen3_moe_trains_as_transformers(qwen3_moe_dir, tmp_path, qwen3_float64):
@@ -206,7 +206,7 @@ def test_qwen3_moe_export_loads_in_transformers(qwen3_moe_dir, tmp_path, qwen3_f
     cfg, params = load_hf(tmp_path / "out")
     rows = tmp_path / "rows.npy"
     np.save(rows, np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1)))
-    got = mpipar_logits(mpipar_engine(cfg, params, rows), tokens)
+    got = mpipar_logits(mpipar_rank(cfg, params, rows), tokens)
     assert rel(got, transformers_logits(tmp_path / "out", tokens)) <= TOL
 
 
@@ -218,15 +218,15 @@ def test_a_qk_norm_model_from_the_configuration_exports_as_qwen3(tmp_path, rows,
     cfg = resolve_model(ModelConfig(vocab_size=V, hidden=H, layers=2, heads=HEADS, kv_heads=KV,
                                     head_dim=HEAD_DIM, ffn_hidden=FFN, qk_norm=True,
                                     norm_eps=EPS, rope_theta=THETA))
-    engine = mpipar_engine(cfg, init_params(cfg, 7, np.float64), rows)
-    trainer.train_step(engine, 0)
-    trained = trainer.gather_params(engine)
-    trainer.close(engine)
+    rank = mpipar_rank(cfg, init_params(cfg, 7, np.float64), rows)
+    trainer.train_step(rank, 0)
+    trained = trainer.gather_params(rank)
+    trainer.close(rank)
     save_hf(tmp_path / "scratch", cfg, trained)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "scratch", dtype=torch.float64)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     tokens = np.load(rows)[:B, :S]
-    want = mpipar_logits(mpipar_engine(cfg, trained, rows), tokens)
+    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
     assert rel(want, transformers_logits(tmp_path / "scratch", tokens)) <= TOL
     biased = ModelConfig(**{**cfg.__dict__, "attention_bias": True})
     with pytest.raises(HFCheckpointError, match="model.qk_norm=True with attention_bias=True"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from transformers_reference import (OPT, S, TOL, float64_transformers, hf_model,  # noqa: F401
-                                    mpipar_engine, rel, samples, torch)
+                                    mpipar_rank, rel, samples, torch)
 from lora_reference import (ALPHA, LORA_FIELDS, LORA_STEPS, RANK, adapter_tensors,  # noqa: F401
                             lora_dirs, make_adapter, peft, peft_model, peft_training)
 
@@ -32,15 +32,15 @@ def test_training_matches_peft(lora_dirs, samples, float64_transformers, recompu
     base, adapter = lora_dirs
     cfg, params = load_hf(base)
     adapters = read_adapter(adapter, cfg, lora_of())
-    engine = mpipar_engine(cfg, {**params, **adapters}, samples,
+    rank = mpipar_rank(cfg, {**params, **adapters}, samples,
                            train_fields={**LORA_FIELDS, "recompute": recompute})
     # Only the adapters have gradients and optimizer state.
-    trained_names = set(engine.weights.reducer.master_tensors())
+    trained_names = set(rank.weights.reducer.master_tensors())
     assert trained_names == set(adapters) and all(is_adapter(n) for n in trained_names)
-    assert set(engine.weights.frozen.local_shapes()) == set(params)
-    assert {name for _, name, *_ in engine.weights.optimizer.state()} == set(adapters)
-    results = [trainer.train_step(engine, k) for k in range(LORA_STEPS)]
-    trained = trainer.gather_params(engine)
+    assert set(rank.weights.frozen.local_shapes()) == set(params)
+    assert {name for _, name, *_ in rank.weights.optimizer.state()} == set(adapters)
+    results = [trainer.train_step(rank, k) for k in range(LORA_STEPS)]
+    trained = trainer.gather_params(rank)
     losses, norms, want = peft_training(base, adapter, samples)
 
     assert norms[0] > OPT["clip_grad"]                        # clipping is exercised
@@ -60,9 +60,9 @@ def test_export_loads_in_peft_and_merge_equals_merge_and_unload(lora_dirs, sampl
     cfg, params = load_hf(base)
     lora = lora_of()
     adapters = read_adapter(adapter, cfg, lora)
-    engine = mpipar_engine(cfg, {**params, **adapters}, samples, train_fields=LORA_FIELDS)
-    trainer.train_step(engine, 0)
-    trained = trainer.gather_params(engine)
+    rank = mpipar_rank(cfg, {**params, **adapters}, samples, train_fields=LORA_FIELDS)
+    trainer.train_step(rank, 0)
+    trained = trainer.gather_params(rank)
     save_adapter(tmp_path / "out", cfg, lora, trained, base=str(base))
     written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert (written["r"], written["lora_alpha"]) == (RANK, ALPHA)
@@ -73,8 +73,8 @@ def test_export_loads_in_peft_and_merge_equals_merge_and_unload(lora_dirs, sampl
     for n, v in loaded.items():
         np.testing.assert_array_equal(v, trained[n])
     rows = np.load(samples)[:2]
-    stage = engine.model.chunks[0]
-    loss, cache = stage.forward(engine.params, rows[:, :-1], engine.model.positions, rows[:, 1:])
+    stage = rank.model.chunks[0]
+    loss, cache = stage.forward(rank.params, rows[:, :-1], rank.model.positions, rows[:, 1:])
     ours = cache.head.logits.reshape(2, S, -1)
     with torch.no_grad():
         theirs = model(input_ids=torch.from_numpy(rows[:, :-1])).logits.numpy()

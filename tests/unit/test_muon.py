@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from transformers_reference import (OPT, STEPS, TOL, float64_transformers, hf_dirs,  # noqa: F401
-                                    mpipar_engine, rel, samples, torch, torch_training,
+                                    mpipar_rank, rel, samples, torch, torch_training,
                                     training_differences)
 from torch.optim import _muon as torch_muon
 
@@ -135,9 +135,9 @@ def muon_fields(setting: str) -> tuple:
 def test_training_equals_torch_muon_and_adamw(hf_dirs, samples, setting, float64_transformers,
                                               float64_muon):
     cfg, params = load_hf(hf_dirs["llama"])
-    engine = mpipar_engine(cfg, params, samples, train_fields=muon_fields(setting))
-    results = [trainer.train_step(engine, k) for k in range(STEPS)]
-    trained = trainer.gather_params(engine)
+    rank = mpipar_rank(cfg, params, samples, train_fields=muon_fields(setting))
+    results = [trainer.train_step(rank, k) for k in range(STEPS)]
+    trained = trainer.gather_params(rank)
     want = torch_muon_training(hf_dirs["llama"], samples, setting)
     assert want[1][0] > OPT["clip_grad"]  # clipping is exercised
     loss_diffs, param_diff = training_differences(results, trained, want)

@@ -393,7 +393,7 @@ def test_the_planner_ranks_expert_parallel_layouts():
     from mpipar.config import ParallelConfig
     from mpipar.plan.search import plan_layouts
     from mpipar.plan.traffic import predict_link_bytes, step_calls
-    from mpipar.runtime.comm import wire_bytes
+    from mpipar.runtime.ledger import wire_bytes
     from mpipar.runtime.topology import Coord
     base = Config(ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2,
                               ffn_hidden=48, moe_experts=4, moe_top_k=2, moe_ffn_hidden=16),

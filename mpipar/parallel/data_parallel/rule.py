@@ -6,6 +6,7 @@ import os
 
 from mpipar.config import require
 from mpipar.layout import Layout
+from mpipar.runtime.precision import Precision
 
 
 def check_config(layout: Layout) -> None:
@@ -30,7 +31,7 @@ def check_config(layout: Layout) -> None:
             f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
             f"residuals, and a checkpoint holds one); use --error-feedback off, pp=1 or untied "
             f"embeddings")
-    require(p.reduce_dtype != "bfloat16" or layout.train.dtype == "bfloat16",
+    require(p.reduce_dtype != "bfloat16" or Precision.of(layout.train, p).mixed,
             f"parallel.reduce_dtype='bfloat16' with train.dtype={layout.train.dtype!r}: a bf16 "
             f"gradient reduction is part of mixed precision (use --dtype bfloat16, or "
             f"--reduce-dtype float32)")

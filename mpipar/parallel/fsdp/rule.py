@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mpipar.config import require
 from mpipar.layout import Layout
+from mpipar.runtime.device import device_of
 
 
 def check_config(layout: Layout) -> None:
@@ -15,7 +16,7 @@ def check_config(layout: Layout) -> None:
     if p.zero_shared == "node":
         require(p.zero == 3, f"parallel.zero_shared='node' with parallel.zero={p.zero}: node "
                              f"shared memory holds ZeRO-3's parameters (use zero=3)")
-        require(layout.train.device != "cuda",
+        require(not device_of(layout.train).gpu,
                 "parallel.zero_shared='node' with train.device='cuda': node shared memory "
                 "holds host arrays (use device='cpu', or zero_shared='off')")
     if p.zero < 2:

@@ -13,6 +13,7 @@ from mpipar.parallel.calls import Call
 from mpipar.parallel.sequence.common import microbatch_split
 from mpipar.parallel.sequence.mode import SequenceMode, SequenceTraffic
 from mpipar.parallel.sequence.registry import sequence_mode
+from mpipar.parallel.sequence.split import split_of
 from mpipar.parallel.sequence_split import SeqLayout, rank_work
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord, GridShape
@@ -58,7 +59,7 @@ def attention_context(layout: Layout, window: int = 0) -> float:
     S, n = tr.seq_len, sequence_mode(par).ring_ranks(par)
     if window:
         return min(window, attention_context(layout))
-    if n == 1 or par.sp_split == "zigzag":
+    if n == 1 or split_of(par).evens_causal_work:
         return (S + 1) / 2
     return (S - S / n) + (S / n + 1) / 2               # the last rank: its chunk sees all before it
 

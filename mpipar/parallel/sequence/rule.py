@@ -4,7 +4,7 @@ from __future__ import annotations
 from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.parallel.sequence.registry import SP_MODES, sequence_mode
-from mpipar.parallel.sequence_split import split_parts
+from mpipar.parallel.sequence.split import split_of
 
 
 def check_config(layout: Layout) -> None:
@@ -13,13 +13,11 @@ def check_config(layout: Layout) -> None:
     into sp groups; hybrid: a Ulysses group size that divides sp and the heads)."""
     p, t = layout.parallel, layout.train
     mode = sequence_mode(p)
-    parts = split_parts(p.sp, p.sp_split)
-    require(t.seq_len % parts == 0,
-            f"train.seq_len={t.seq_len}: must be divisible by "
-            + (f"2*sp = {parts} for the zigzag split" if p.sp_split == "zigzag"
-               else f"parallel.sp={p.sp}"))
+    split = split_of(p)
+    require(t.seq_len % split.parts(p.sp) == 0,
+            f"train.seq_len={t.seq_len}: must be divisible by {split.parts_named(p.sp)}")
     dealers = " or ".join(f"--sp-mode {m.name}" for m in SP_MODES.values() if m.balanced_split)
-    require(p.sp_split != "balanced" or (t.document_masking and mode.balanced_split),
+    require(not split.deals_documents or (t.document_masking and mode.balanced_split),
             f"parallel.sp_split='balanced': deals each microbatch's documents over ring "
             f"attention; needs --document-masking and {dealers} (got "
             f"document_masking={t.document_masking}, sp_mode={mode.name!r})")

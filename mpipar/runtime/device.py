@@ -61,7 +61,7 @@ def cpu_gemm_kernels(kernels, train):
     """``kernels`` with a CPU run's bf16 GEMMs as ``train.cpu_bf16_gemm`` says (oneMKL's or the
     float32 BLAS, :func:`mpipar.kernels.with_cpu_bf16_gemm`), named in their description; a
     float32/float64 run and the GPU keep them as they are."""
-    if train.dtype != "bfloat16":
+    if not Precision.named(train.dtype).mixed:
         return kernels
     from mpipar.kernels import with_cpu_bf16_gemm
     return with_cpu_bf16_gemm(kernels, train.cpu_bf16_gemm)
@@ -73,7 +73,7 @@ def check_cpu_gemm(layout: Layout, device: str) -> None:
     t = layout.train
     if t.cpu_bf16_gemm == "auto":
         return
-    require(device == "cpu" and t.dtype == "bfloat16",
+    require(device == "cpu" and Precision.named(t.dtype).mixed,
             f"train.cpu_bf16_gemm={t.cpu_bf16_gemm!r} chooses the bf16 GEMM of a CPU run; "
             f"this run computes in {t.dtype} on {device}: leave it auto")
     from mpipar.kernels.mkl_bf16 import gemm_choice

@@ -17,7 +17,7 @@ import math
 
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
-from mpipar.parallel.compression import alignment
+from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.parallel.data_parallel.cost import compressed_over, compresses, reduction_buckets
 from mpipar.parallel.experts.cost import expert_bucket_lengths
 from mpipar.parallel.experts.split import expert_shards, expert_units
@@ -120,7 +120,8 @@ def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
     order = [(n, s) for n, s in reversed(list(local_param_shapes(layout, coord).items()))
              if table.ep == 1 or expert_of(n) is None]      # sharded experts: their own buckets
     tied = {i for i, (n, _) in enumerate(order) if table[n].tied_across_pipeline}
-    align = alignment(layout.parallel.grad_compression) if compressed_size(layout) > 1 else 1
+    align = (reduction_of(layout.parallel).compression.block if compressed_size(layout) > 1
+             else 1)
     return reduction_buckets(layout, [math.prod(s) for _, s in order], tied, align)
 
 

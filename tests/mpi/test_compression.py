@@ -16,7 +16,7 @@ def _reducer(comm, codec: str, hierarchical: bool, sharded: bool, feedback: bool
              ratio: float = 0.01):
     """A GradReducer of one bucket of ``n`` float64 elements over dp = 8 on nodes of 4."""
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.parallel.compression import make_codec
+    from mpipar.parallel.data_parallel.modes import COMPRESSIONS
     from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups
     from mpipar.runtime.topology import ProcessGrid
 
@@ -28,7 +28,7 @@ def _reducer(comm, codec: str, hierarchical: bool, sharded: bool, feedback: bool
     groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"]) if hierarchical
               else ReduceGroups(g["dp_sp"], g["dp_sp"]))
     return GradReducer({"w": np.zeros(n)}, ["w"], groups, bucket_mb=1e3, sharded=sharded, xp=np,
-                       codec=make_codec(codec, ratio, np), feedback=feedback)
+                       codec=COMPRESSIONS[codec].codec(ratio, np), feedback=feedback)
 
 
 def _reduce(red, grad: np.ndarray) -> np.ndarray:

@@ -64,6 +64,7 @@ from typing import Any
 from mpipar.runtime.comm import Group, Request
 from mpipar.layout import Layout
 from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
+from mpipar.parallel.data_parallel.modes import reduction_of
 
 RESIDUAL_SEND = "residual_send"
 RESIDUAL_GATHER = "residual_gather"
@@ -571,16 +572,11 @@ def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, 
             yield name, lo - s, hi - s, lo - start, hi - start
 
 
-WARMUP_SHARE = {"int8": 0.1, "topk": 1 / 3}
-"""--compression-warmup -1: the share of --steps each codec reduces uncompressed first (the
-smallest that kept the default 120-step run within 1 % (int8 + error feedback) and 5 % (top-k
-1 %) of uncompressed over two seeds, docs/benchmarks.md)."""
-
-
 def warmup_steps(layout: Layout) -> int:
     """Steps reduced uncompressed before compression starts: ``--compression-warmup``, or for
-    -1 the codec's :data:`WARMUP_SHARE` of ``--steps`` (rounded)."""
+    -1 the compression's share of ``--steps`` (rounded;
+    :attr:`mpipar.parallel.data_parallel.modes.Compression.warmup_share`)."""
     p = layout.parallel
     if p.compression_warmup >= 0:
         return p.compression_warmup
-    return round(WARMUP_SHARE.get(p.grad_compression, 0.0) * layout.train.steps)
+    return round(reduction_of(p).compression.warmup_share * layout.train.steps)

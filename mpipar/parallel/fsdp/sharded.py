@@ -65,6 +65,7 @@ from typing import Any
 
 from mpipar.runtime.comm import Group, Request, SharedArray
 from mpipar.parallel.data_parallel.reducer import padded_size
+from mpipar.parallel.fsdp.modes import in_node_memory
 
 Units = list[list[tuple[str, list[str]]]]
 """Per model chunk, its units in forward order as ``(unit, parameter names)``."""
@@ -92,7 +93,7 @@ def node_shared(par: Any, device_buffers: bool) -> bool:
     window). It does where the dp x sp group is on one node, or spans nodes that each hold the
     same number (> 1) of its ranks (then each node holds a copy); elsewhere the units are
     gathered."""
-    return par.zero == 3 and par.zero_shared == "node" and not device_buffers
+    return par.zero == 3 and in_node_memory(par) and not device_buffers
 
 
 def node_copy_layout(par: Any, device_buffers: bool, shape: Any, nodes: Any,

@@ -33,7 +33,8 @@ from mpipar.model.moe import RoutingBias
 from mpipar.model.params import init_param
 from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.parallel.sequence.registry import sequence_mode
-from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups, warmup_steps
+from mpipar.parallel.data_parallel.buckets import ReduceGroups
+from mpipar.parallel.data_parallel.reducer import GradReducer, warmup_steps
 from mpipar.parallel.experts.exchange import ExpertParallel, SequenceExperts
 from mpipar.parallel.experts.split import (ExpertSplitReducer, ExpertSplitUnits, expert_shards,
                                            expert_units)

@@ -11,7 +11,7 @@ from mpipar.parallel.axis import Held, Rates, StepRank
 from mpipar.parallel.calls import Call
 from mpipar.parallel.compression import Int8Codec, TopKCodec
 from mpipar.parallel.data_parallel.modes import reduction_of
-from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
+from mpipar.parallel.data_parallel.buckets import padded_size, plan_buckets
 from mpipar.runtime.precision import Precision
 
 

@@ -64,7 +64,7 @@ from types import ModuleType
 from typing import Any
 
 from mpipar.runtime.comm import Group, Request, SharedArray
-from mpipar.parallel.data_parallel.reducer import padded_size
+from mpipar.parallel.data_parallel.buckets import padded_size
 from mpipar.parallel.fsdp.modes import in_node_memory
 
 Units = list[list[tuple[str, list[str]]]]

@@ -184,11 +184,6 @@ class ShardedParams:
         return self.node is not None
 
     @property
-    def inter(self) -> Group | None:
-        """In node shared memory: the ranks in this rank's place on the other nodes."""
-        return self.node.inter if self.node is not None else None
-
-    @property
     def grads(self) -> dict[str, Any]:
         """name -> the gradient the model writes, while its unit's backward runs."""
         return self.scatter.grads

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from mpipar.config import (CHECKPOINT_OVERRIDABLE, Config, ConfigError, ModelConfig,
                            ParallelConfig, TrainConfig, check_fields, require)
+from mpipar.runtime.allreduce_modes import algorithm_named
 
 MAX_SCHEDULE_SLOTS = 2**16
 """At most this many microbatches x pipeline chunks per step: the schedule is built as op lists
@@ -141,7 +142,8 @@ def resolve(cfg: Config, world: int) -> Layout:
     dp = _grid(cfg.parallel, world)
     micro, count = _batch_split(cfg.parallel, cfg.train, dp)
     # --allreduce-algorithm hierarchical is mpipar's own hierarchical reduction.
-    reduce = "hierarchical" if cfg.parallel.allreduce_algorithm == "hierarchical" else None
+    own = algorithm_named(cfg.parallel.allreduce_algorithm).own_reduction
+    reduce = "hierarchical" if own else None
     resolved = Config(resolve_model(cfg.model),
                       dataclasses.replace(cfg.parallel, dp=dp,
                                           dp_reduce=reduce or cfg.parallel.dp_reduce),

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.bench.harness import Section, print_header, train_run, variant_names
+from mpipar.parallel.data_parallel.modes import NODE_SPLITS, hierarchical_named
 
 
 COMPRESSION_VARIANTS = {
@@ -153,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
     if args.ranks_per_node:               # the older single-layout option
-        layouts = [f"hier{args.ranks_per_node}" if args.dp_reduce == "hierarchical" else "flat"]
+        layouts = [f"hier{args.ranks_per_node}" if hierarchical_named(args.dp_reduce)
+                   else "flat"]
     for layout in layouts:
         _layout_flags(layout)
     os.makedirs(args.out, exist_ok=True)
@@ -213,7 +215,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the -warm variants: --compression-warmup steps")
     parser.add_argument("--ranks-per-node", type=int, default=0,
                         help="one layout, nodes of K ranks (instead of --layouts)")
-    parser.add_argument("--dp-reduce", default="hierarchical", choices=("flat", "hierarchical"))
+    parser.add_argument("--dp-reduce", default="hierarchical", choices=tuple(NODE_SPLITS))
     parser.add_argument("--jobs", type=int, default=1,
                         help="launches at a time (each is --ranks processes)")
     parser.add_argument("--train-flags", default="", help="more python -m mpipar.train flags")

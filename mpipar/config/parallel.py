@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from mpipar.config.schema import described as _f
 from mpipar.parallel.sequence.names import SP_MODE_HELP, sp_mode_help
+from mpipar.runtime.allreduce_modes import ALGORITHMS
 
 
 @dataclass
@@ -58,7 +59,7 @@ class ParallelConfig:
                                           "fastest per size of --allreduce-hardware), ring, tree, "
                                           "rabenseifner (reduce-scatter + all-gather), "
                                           "hierarchical (mpipar's --dp-reduce hierarchical)",
-                                  choices=("auto", "ring", "tree", "rabenseifner", "hierarchical"))
+                                  choices=ALGORITHMS)
     allreduce_hardware: str = _f("", "--allreduce-algorithm auto: a hardware file from python -m "
                                      "mpipar.bench comm --algorithms; each all-reduce then runs "
                                      "the algorithm measured fastest at the nearest size (MPICH)")

@@ -144,22 +144,6 @@ class TopKCodec:
             r[idx] = 0
 
 
-def make_codec(kind: str, topk_ratio: float, xp: ModuleType) -> Codec | None:
-    """The codec of ``--grad-compression kind`` over arrays of ``xp`` (None for "none")."""
-    if kind == "none":
-        return None
-    if kind == "int8":
-        return Int8Codec(xp)
-    if kind == "topk":
-        return TopKCodec(xp, topk_ratio)
-    raise ValueError(f"grad_compression={kind!r}: must be none, int8 or topk")
-
-
-def alignment(kind: str) -> int:
-    """Elements a compressed piece must be a multiple of (int8: its scale block)."""
-    return BLOCK if kind == "int8" else 1
-
-
 def local_work_seconds(codec: Codec, elements: int = 1 << 20, group: int = 2,
                        dtype: str = "float32", repeats: int = 3) -> float:
     """Seconds per element of what a rank computes in one compressed reduction of

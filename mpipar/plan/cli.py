@@ -34,6 +34,7 @@ from mpipar.config import cli as config_cli
 from mpipar.config import Config, ConfigError
 from mpipar.model.params import param_specs
 from mpipar.layout import resolve_model
+from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.plan.memory import trained_parameter_count
 from mpipar.plan.search import TIE, Candidate, Plan, plan_layouts
 from mpipar.plan.step_time import Hardware, StepDocuments, with_nodes
@@ -181,7 +182,7 @@ def codec_seconds(base: Config) -> tuple[float, float]:
     """Seconds per element of a rank's int8 and top-k work in a compressed reduction, probed
     here; (0, 0) when no layout of the plan compresses (no nodes given, compression off)."""
     par = base.parallel
-    if not par.ranks_per_node and par.grad_compression == "none":
+    if not par.ranks_per_node and not reduction_of(par).compresses:
         return 0.0, 0.0
     from mpipar.parallel.compression import Int8Codec, TopKCodec, local_work_seconds
     from mpipar.runtime.precision import Precision

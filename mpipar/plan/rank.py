@@ -18,7 +18,7 @@ import math
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
 from mpipar.model.lora import Lora
-from mpipar.parallel.compression import alignment
+from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.parallel.data_parallel.cost import compressed_over, compresses, reduction_buckets
 from mpipar.parallel.experts.cost import expert_bucket_lengths
 from mpipar.parallel.experts.split import expert_shards, expert_units
@@ -124,7 +124,8 @@ def gradient_buckets(layout: Layout, coord: Coord) -> list[tuple[int, bool]]:
              if (table.ep == 1 or expert_of(n) is None)     # sharded experts: their own buckets
              and table[n].trainable]                        # LoRA's frozen base: none
     tied = {i for i, (n, _) in enumerate(order) if table[n].tied_across_pipeline}
-    align = alignment(layout.parallel.grad_compression) if compressed_size(layout) > 1 else 1
+    align = (reduction_of(layout.parallel).compression.block if compressed_size(layout) > 1
+             else 1)
     return reduction_buckets(layout, [math.prod(s) for _, s in order], tied, align)
 
 
@@ -213,7 +214,7 @@ def owned_slice(layout: Layout, coord: Coord) -> int:
     (:meth:`mpipar.parallel.data_parallel.reducer.GradReducer.owned_range`)."""
     me = grid_shape(layout).rank_of(coord)
     intra = group_members(layout, "dp_sp_intra", me)
-    if layout.parallel.dp_reduce == "hierarchical" and len(intra) > 1:
+    if reduction_of(layout.parallel).hierarchical and len(intra) > 1:
         inter = group_members(layout, "dp_sp_inter", me)
         return intra.index(me) * len(inter) + inter.index(me)
     return group_members(layout, "dp_sp", me).index(me)

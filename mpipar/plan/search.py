@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from mpipar.config import Config, ConfigError
 from mpipar.layout import Layout, vary
+from mpipar.parallel.data_parallel.modes import COMPRESSIONS, NODE_SPLITS, reduction_of
+from mpipar.parallel.fsdp.modes import PLACES, in_node_memory
 from mpipar.parallel.sequence.registry import SP_MODES, sequence_mode
 from mpipar.model.recompute import BY_MEMORY
 from mpipar.plan.memory import MemoryEstimate, predict_memory
@@ -56,14 +58,11 @@ class Candidate:
                                           else "")
         if par.sp > 1:
             text += sequence_mode(par).describe(par)
-        if par.dp * par.sp > 1 and par.dp_reduce == "hierarchical":
-            text += " hierarchical"
-        if par.dp * par.sp > 1 and par.grad_compression != "none":
-            text += " " + {"int8": "int8", "topk": f"top-{par.topk_ratio:g}"}[
-                par.grad_compression] + ("" if par.error_feedback == "on" else " no-EF")
+        if par.dp * par.sp > 1:
+            text += reduction_of(par).label(par.topk_ratio)
         if self.cfg.model.moe_experts:
             text += f" ep={par.ep}"
-        zero = f"{par.zero}" + ("(node shared)" if par.zero_shared == "node" else "")
+        zero = f"{par.zero}" + ("(node shared)" if in_node_memory(par) else "")
         return text + f" mbs={tr.micro_batch_size} zero={zero} recompute={tr.recompute}"
 
 
@@ -126,9 +125,9 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
     zeros = [par.zero] if "zero" in fixed or dp * sp == 1 else [0, 1, 2, 3]
     across = par.ranks_per_node and par.ranks_per_node < dp * tp * pp * sp   # several nodes
     reduces = ([par.dp_reduce] if "dp_reduce" in fixed or dp * sp == 1 or not across
-               else ["flat", "hierarchical"])
+               else list(NODE_SPLITS))
     codecs = ([par.grad_compression] if "grad_compression" in fixed or dp * sp == 1
-              or not across else ["none", "int8", "topk"])
+              or not across else list(COMPRESSIONS))
 
     experts = base.model.moe_experts
     eps = ([par.ep] if "ep" in fixed or not experts else
@@ -140,16 +139,16 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
             return ["off"]
         if "zero_shared" in fixed or device_of(tr).gpu:
             return [par.zero_shared]
-        return ["off", "node"]
+        return list(PLACES)
     for (schedule, v), (mode, split, u), mbs, zero, reduce, codec, ep in itertools.product(
             _schedule_choices(base, pp, fixed), _sp_choices(base, tp, sp, fixed), micro, zeros,
             reduces, codecs, eps):
         # ZeRO-2/3 reduce-scatter dense and flat (fsdp's rule): a variant that clashes only
         # because a free field was varied is no layout; fixed fields that clash are rejected.
+        hier, compressed = NODE_SPLITS[reduce], COMPRESSIONS[codec].compresses
         if zero >= 2 and not ("zero" in fixed and (
-                reduce != "flat" and "dp_reduce" in fixed
-                or codec != "none" and "grad_compression" in fixed)) \
-                and (reduce, codec) != ("flat", "none"):
+                hier and "dp_reduce" in fixed or compressed and "grad_compression" in fixed)) \
+                and (hier or compressed):
             continue
         for shared in shared_choices(zero):
             yield Config(base.model, dataclasses.replace(

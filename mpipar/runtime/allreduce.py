@@ -46,9 +46,7 @@ import math
 import os
 from collections.abc import Mapping, MutableMapping
 
-ALGORITHMS = ("auto", "ring", "tree", "rabenseifner", "hierarchical")
-LIBRARY_ALGORITHMS = ("ring", "tree", "rabenseifner")
-"""The algorithms the MPI library runs (``auto`` and ``hierarchical`` leave it its own)."""
+from mpipar.runtime.allreduce_modes import ALGORITHMS, LIBRARY_ALGORITHMS  # noqa: F401
 
 MPICH_BLOCKING = "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM"
 MPICH_NONBLOCKING = "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM"

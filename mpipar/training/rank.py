@@ -31,9 +31,10 @@ from mpipar.model.lora import (Adapters, FrozenGrads, FrozenParams, Lora, init_a
                                is_adapter)
 from mpipar.model.moe import RoutingBias
 from mpipar.model.params import init_param
-from mpipar.parallel.compression import make_codec
+from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.parallel.sequence.registry import sequence_mode
-from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups, warmup_steps
+from mpipar.parallel.data_parallel.buckets import ReduceGroups
+from mpipar.parallel.data_parallel.reducer import GradReducer, warmup_steps
 from mpipar.parallel.experts.exchange import ExpertParallel, SequenceExperts
 from mpipar.parallel.experts.split import (ExpertSplitReducer, ExpertSplitUnits, expert_shards,
                                            expert_units)
@@ -234,7 +235,7 @@ def _comms_and_compute(layout: Layout, comm: MPI.Comm) -> tuple[Comms, Compute]:
     mpi_path = choose_path(tr.cuda_aware_mpi, device.gpu)
     # dp x sp split by node: the hierarchical reduction, and ZeRO-3's copies on each node
     node_copy = node_copy_layout(par, device.gpu, grid.shape, grid.nodes, grid.rank)
-    if par.dp_reduce == "hierarchical" or (node_copy and node_copy[1] > 1):
+    if reduction_of(par).hierarchical or (node_copy and node_copy[1] > 1):
         grid.split_dp_sp_by_node()
     ledger = Ledger()
     groups = {name: Group(c, name, ledger, grid.group_nodes(name), mpi_path,
@@ -342,7 +343,7 @@ def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -
         sharded = FrozenBaseScope(sharded, frozen)
     decay = {n: len(table[n].spec.shape) >= 2 for n in names}
     # Top-k sums with error feedback: AdamW moves a coordinate by the steps it waited.
-    catch_up = par.topk_catch_up == "on" and sharded is None and reducer.sends_sparse
+    catch_up = reduction_of(par).catches_up and sharded is None and reducer.sends_sparse
     optimizer = optimizer_mode(tr).build(par.zero, reducer,
                                          AdamWConfig(tr.lr, tr.beta1, tr.beta2, tr.eps,
                                                      tr.weight_decay), decay, catch_up, tr,
@@ -442,11 +443,12 @@ def _reducer(layout: Layout, g: Mapping[str, Group], compute: Compute, names: li
             initial(experts), list(reversed(experts)), ReduceGroups(g["ep_dp"], g["ep_dp"]),
             bucket_mb=par.bucket_mb, sharded=par.zero == 1, xp=xp, compute_dtype=dtype,
             reduce_dtype=reduce_dtype), ep=g["ep"])
+    reduction = reduction_of(par)
     groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
-              if par.dp_reduce == "hierarchical" else ReduceGroups(g["dp_sp"], g["dp_sp"]))
+              if reduction.hierarchical else ReduceGroups(g["dp_sp"], g["dp_sp"]))
     return GradReducer(initial(names), list(reversed(names)), groups, bucket_mb=par.bucket_mb,
                        sharded=par.zero == 1, xp=xp,
-                       codec=make_codec(par.grad_compression, par.topk_ratio, xp),
-                       feedback=par.error_feedback == "on", tied=tied,
+                       codec=reduction.compression.codec(par.topk_ratio, xp),
+                       feedback=reduction.feedback, tied=tied,
                        tied_group=g["pp_ends"], dense_steps=warmup_steps(layout),
                        compute_dtype=dtype, reduce_dtype=reduce_dtype)

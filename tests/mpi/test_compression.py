@@ -16,8 +16,9 @@ def _reducer(comm, codec: str, hierarchical: bool, sharded: bool, feedback: bool
              ratio: float = 0.01):
     """A GradReducer of one bucket of ``n`` float64 elements over dp = 8 on nodes of 4."""
     from mpipar.runtime.comm import Group, Ledger
-    from mpipar.parallel.compression import make_codec
-    from mpipar.parallel.data_parallel.reducer import GradReducer, ReduceGroups
+    from mpipar.parallel.data_parallel.modes import COMPRESSIONS
+    from mpipar.parallel.data_parallel.buckets import ReduceGroups
+    from mpipar.parallel.data_parallel.reducer import GradReducer
     from mpipar.runtime.topology import ProcessGrid
 
     grid = ProcessGrid(comm, 8, 1, 1, 1, ranks_per_node=4)
@@ -28,7 +29,7 @@ def _reducer(comm, codec: str, hierarchical: bool, sharded: bool, feedback: bool
     groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"]) if hierarchical
               else ReduceGroups(g["dp_sp"], g["dp_sp"]))
     return GradReducer({"w": np.zeros(n)}, ["w"], groups, bucket_mb=1e3, sharded=sharded, xp=np,
-                       codec=make_codec(codec, ratio, np), feedback=feedback)
+                       codec=COMPRESSIONS[codec].codec(ratio, np), feedback=feedback)
 
 
 def _reduce(red, grad: np.ndarray) -> np.ndarray:
@@ -170,7 +171,7 @@ def test_error_feedback_owes_exactly_the_residuals(world, codec, hierarchical):
     less what the residuals still hold (every rank's sending residual at its node shard, the
     owners' second ones at their slices), to float64 rounding, on every rank — nothing is sent
     twice, scaled or lost, flat as hierarchical (2 nodes of 4)."""
-    from mpipar.parallel.data_parallel.reducer import RESIDUAL_GATHER, RESIDUAL_SEND
+    from mpipar.parallel.data_parallel.residuals import RESIDUAL_GATHER, RESIDUAL_SEND
 
     n, steps = 8 * 2 * BLOCK, 6
     rng = np.random.default_rng(30 + world.rank)
@@ -182,7 +183,7 @@ def test_error_feedback_owes_exactly_the_residuals(world, codec, hierarchical):
         exact += np.sum(world.allgather(grad), axis=0)
         sent += _reduce(red, grad)
     owed = np.zeros(n)
-    lo, hi = red._node_range(b)
+    lo, hi = red.flat.node_range(b)
     owed[lo:hi] += b.residual[RESIDUAL_SEND]
     if RESIDUAL_GATHER in b.residual:
         lo, hi = red.owned_range(b)

@@ -225,14 +225,14 @@ def test_zero3_node_shared_equals_single_process_float64(world, layout, want):
     def how_held(rank) -> list[str]:
         s = rank.weights.sharded
         held = ("gathered" if s.gather else "resident" if not s.shared
-                else "node copies" if s.inter is not None else "one node")
+                else "node copies" if s.node.inter is not None else "one node")
         fails = [] if held == want else [f"parameters {held}, expected {want}"]
         gathers = rank.ledger.entries.get(("dp_sp", "iallgather"))
         if s.shared and gathers is not None:
             fails.append(f"{gathers.messages} all-gathers with node shared parameters")
-        if s.shared and s.shared_bytes * s.intra.size != sum(u.size for u in s.units.values()) \
-                * np.dtype("float64").itemsize:
-            fails.append(f"{s.shared_bytes} B of shared memory, not 1/{s.intra.size} of the "
+        units = sum(u.size for u in s.units.values()) * np.dtype("float64").itemsize
+        if s.shared and s.shared_bytes * s.node.intra.size != units:
+            fails.append(f"{s.shared_bytes} B of shared memory, not 1/{s.node.intra.size} of the "
                          f"units")
         return fails
     _check(world, layout, "float64", 1e-10, how_held)

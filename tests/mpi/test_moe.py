@@ -245,7 +245,7 @@ def test_a_rank_holds_its_experts_only(world, case):
     ZeRO-2: of the gradients and moments, in one unit a block padded to a multiple of
     |ep_dp|; ZeRO-3: of the weights too); the dense weights as without ep; the planner's
     state bytes equal the engine's."""
-    from mpipar.parallel.data_parallel.reducer import padded_size
+    from mpipar.parallel.data_parallel.buckets import padded_size
     from mpipar.parallel.placement import expert_of
     from mpipar.plan.memory import predict_memory
     from mpipar.training import step as trainer

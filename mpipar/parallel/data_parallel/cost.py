@@ -10,7 +10,8 @@ from mpipar.layout import Layout
 from mpipar.parallel.axis import Held, Rates, StepRank
 from mpipar.parallel.calls import Call
 from mpipar.parallel.compression import Int8Codec, TopKCodec
-from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
+from mpipar.parallel.data_parallel.modes import reduction_of
+from mpipar.parallel.data_parallel.buckets import padded_size, plan_buckets
 from mpipar.runtime.precision import Precision
 
 
@@ -49,8 +50,9 @@ def _bucket_calls(layout: Layout, length: int, sizes: dict[str, int]) -> list[Ca
     gradients in the reduce dtype, ZeRO-1's all-gathers of parameters in the compute dtype."""
     par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
     e, pe = prec.reduce_bytes, prec.compute_bytes
-    hier = par.dp_reduce == "hierarchical" and sizes["dp_sp_intra"] > 1
-    inter = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
+    reduction = reduction_of(par)
+    hier = reduction.hierarchical and sizes["dp_sp_intra"] > 1
+    inter = reduction.across
     c = sizes[inter]
     x = length // (sizes["dp_sp_intra"] if hier else 1)       # what crosses the nodes
     calls = [Call("dp_sp_intra", "ireduce_scatter", length * e)] if hier else []
@@ -71,10 +73,10 @@ def _across_calls(layout: Layout, group: str, x: int, c: int) -> list[Call]:
     int8 or top-k (of the gradients in the masters' dtype)."""
     par, prec = layout.parallel, Precision.of(layout.train, layout.parallel)
     e = prec.reduce_bytes
-    kind = par.grad_compression
-    if kind == "none":
+    compression = reduction_of(par).compression
+    if not compression.compresses:
         return [Call(group, "ireduce_scatter" if par.zero else "iallreduce", x * e)]
-    if kind == "int8":
+    if not compression.sparse:
         piece = Int8Codec(np).packed_bytes(x // c)
         return [Call(group, "ialltoall", c * piece)] + \
             ([] if par.zero else [Call(group, "iallgather", piece)])
@@ -87,9 +89,10 @@ def residual_bytes(layout: Layout, lengths: list[int], compressed: int, per_node
     or the bucket) and, int8 without ZeRO, its owned sum; ``compressed``: ranks of the group
     the reduction compresses over (1: nothing compressed)."""
     par = layout.parallel
-    if compressed == 1 or par.error_feedback == "off":
+    reduction = reduction_of(par)
+    if compressed == 1 or not reduction.keeps_residual:
         return 0
-    second = par.grad_compression == "int8" and not par.zero
+    second = reduction.compression.gathers_back and not par.zero
     x = sum(length // per_node for length in lengths)
     return (x + (x // compressed if second else 0)) \
         * Precision.of(layout.train, par).master_bytes
@@ -97,7 +100,7 @@ def residual_bytes(layout: Layout, lengths: list[int], compressed: int, per_node
 
 def compresses(layout: Layout) -> bool:
     """Whether the gradient reduction compresses (``--grad-compression`` other than none)."""
-    return layout.parallel.grad_compression != "none"
+    return reduction_of(layout.parallel).compresses
 
 
 def compressed_over(layout: Layout, sizes: dict[str, int]) -> int:
@@ -106,13 +109,13 @@ def compressed_over(layout: Layout, sizes: dict[str, int]) -> int:
     when nothing is compressed."""
     if not compresses(layout):
         return 1
-    return sizes["dp_sp_inter" if layout.parallel.dp_reduce == "hierarchical" else "dp_sp"]
+    return sizes[reduction_of(layout.parallel).across]
 
 
 def _per_node(layout: Layout, sizes: dict[str, int]) -> int:
     """Ranks of dp x sp a node holds under the hierarchical reduction (what each compresses
     is its node shard), else 1."""
-    return sizes["dp_sp_intra"] if layout.parallel.dp_reduce == "hierarchical" else 1
+    return sizes["dp_sp_intra"] if reduction_of(layout.parallel).hierarchical else 1
 
 
 def data_held(rank: StepRank) -> Held:
@@ -139,7 +142,8 @@ def data_seconds(rank: StepRank, rates: Rates) -> dict[str, float]:
     if not compresses(layout) or compressed_over(layout, rank.group_sizes) == 1:
         return {}
     par, sizes = layout.parallel, rank.group_sizes
-    group = "dp_sp_inter" if par.dp_reduce == "hierarchical" else "dp_sp"
-    rate = rates.int8_seconds if par.grad_compression == "int8" else rates.topk_seconds
+    reduction = reduction_of(par)
+    group = reduction.across
+    rate = reduction.compression.seconds_per_element(rates)
     return {group: rate * sum(length for length, _ in rank.gradient_buckets)
             / _per_node(layout, sizes)}

@@ -57,76 +57,16 @@ points of the schedule.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from mpipar.runtime.comm import Group, Request
 from mpipar.layout import Layout
-from mpipar.parallel.compression import Codec, Int8Codec, TopKCodec
-
-RESIDUAL_SEND = "residual_send"
-RESIDUAL_GATHER = "residual_gather"
-
-
-def plan_buckets(sizes: list[int], limit_bytes: int, alone: Collection[int] = ()
-                 ) -> list[list[int]]:
-    """Group consecutive parameters (``sizes`` in bytes, in backward order) into buckets: a
-    bucket closes once it holds at least ``limit_bytes``; the indices in ``alone`` get a bucket
-    of their own. Returns the indices of each bucket."""
-    buckets: list[list[int]] = [[]]
-    total = 0
-    for i, size in enumerate(sizes):
-        if i in alone:
-            buckets += [[i], []]
-            continue
-        buckets[-1].append(i)
-        total += size
-        if total >= limit_bytes:
-            buckets.append([])
-            total = 0
-    return [b for b in buckets if b]
-
-
-def padded_size(elements: int, group_size: int, align: int = 1) -> int:
-    """Bucket length rounded up so every rank of the group owns an equal slice of whole
-    ``align``-element blocks."""
-    unit = group_size * align
-    return -(-elements // unit) * unit
-
-
-@dataclass
-class ReduceGroups:
-    """The groups one bucket's reduction runs over: ``full`` is dp x sp; ``inter`` the group
-    across nodes (flat: ``full`` itself); ``intra`` this node's ranks of it (flat: None)."""
-
-    full: Group
-    inter: Group
-    intra: Group | None = None
-
-    @property
-    def per_node(self) -> int:
-        """L: ranks of the group on this node (1 when flat)."""
-        return self.intra.size if self.intra is not None else 1
-
-
-@dataclass
-class Bucket:
-    names: list[str]
-    offsets: dict[str, tuple[int, int]]  # name -> (start, stop) in the flat buffer
-    params: Any                          # flat compute copies, padded to a multiple of the group
-    grads: Any                           # flat, in the master dtype
-    master: Any = None                   # ZeRO-0: flat master weights (``params`` unless mixed)
-    wire: Any = None                     # --reduce-dtype bfloat16: the gradients as reduced
-    pending: set[str] = field(default_factory=set)
-    owned_grad: Any = None               # ZeRO-1: this rank's slice of the summed gradients
-    owned: Any = None                    # ZeRO-1: the master slice this rank updates (a view
-                                         # of ``params`` unless mixed)
-    scratch: dict[str, Any] = field(default_factory=dict)    # the chain's buffers
-    residual: dict[str, Any] = field(default_factory=dict)   # kind -> this rank's residual
-    chain: Iterator[Request] | None = None
-    request: Request | None = None
-    started: int = 0                      # collectives of the chain started this step
+from mpipar.parallel.compression import Codec, Int8Codec
+from mpipar.parallel.data_parallel import residuals
+from mpipar.parallel.data_parallel.buckets import Bucket, FlatBuffers, ReduceGroups
+from mpipar.parallel.data_parallel.chain import ReductionChain
+from mpipar.parallel.data_parallel.modes import reduction_of
+from mpipar.runtime.comm import Group
 
 
 class GradReducer:
@@ -151,403 +91,130 @@ class GradReducer:
                  tied_group: Group | None = None, dense_steps: int = 0,
                  compute_dtype: Any = None, reduce_dtype: Any = None) -> None:
         master = params[order[0]].dtype
-        self.compute_dtype = master if compute_dtype is None else compute_dtype
-        self.reduce_dtype = master if reduce_dtype is None else reduce_dtype
-        self.mixed = self.compute_dtype != master
         self.hierarchical = groups.intra is not None
-        self.dense_steps, self._compress = dense_steps, True
         if groups.intra is not None and groups.intra.size == 1:   # one rank a node: no step inside
             groups = ReduceGroups(groups.full, groups.inter)
-        self.groups, self.group, self.sharded, self.xp = groups, groups.full, sharded, xp
-        self.codec = codec if groups.inter.size > 1 else None
-        self.feedback = feedback and self.codec is not None
-        self.align = self.codec.block if isinstance(self.codec, Int8Codec) else 1
-        limit = max(1, int(bucket_mb * 2**20))
-        alone = {i for i, n in enumerate(order) if n in tied}
-        self.buckets = [self._make_bucket(params, [order[i] for i in idx])
-                        for idx in plan_buckets([params[n].nbytes for n in order], limit, alone)]
+        compressed = codec if groups.inter.size > 1 else None
+        self.flat = FlatBuffers(
+            params, order, groups, bucket_mb=bucket_mb, sharded=sharded, xp=xp,
+            align=compressed.block if isinstance(compressed, Int8Codec) else 1, tied=tied,
+            compute_dtype=master if compute_dtype is None else compute_dtype,
+            reduce_dtype=master if reduce_dtype is None else reduce_dtype)
+        self.chain = ReductionChain(self.flat, codec, feedback, dense_steps)
         self.tied_group = tied_group
-        self.tied_buckets = [b for b in self.buckets if set(b.names) <= set(tied)]
-        self.shapes = {n: tuple(params[n].shape) for n in order}
-        self.params = self._views("params")
-        self.grads = self._views("grads")
-        self.masters = None if sharded and self.mixed else self._views("master")
-        """name -> the whole local master tensor (ZeRO-0's optimizer updates them); None at
-        ZeRO-1 with mixed precision, whose owned slices are the only masters."""
-        self._bucket_of = {n: b for b in self.buckets for n in b.names}
-        self._stages = self._stage_groups()
-        self._launched: list[Bucket] = []
+        self.tied_buckets = [b for b in self.flat.buckets if set(b.names) <= set(tied)]
+        # what the model, the optimizer and the checkpoints read of the buffers
+        self.buckets, self.params, self.grads = self.flat.buckets, self.flat.params, self.flat.grads
+        self.masters = self.flat.masters
 
-    def _views(self, field_name: str) -> dict[str, Any]:
-        """name -> the tensor's view into each bucket's flat buffer ``field_name``."""
-        return {n: getattr(b, field_name)[s:e].reshape(self.shapes[n])
-                for b in self.buckets for n, (s, e) in b.offsets.items()}
-
-    def _make_bucket(self, params: dict[str, Any], names: list[str]) -> Bucket:
-        offsets, at = {}, 0
-        for n in names:
-            offsets[n] = (at, at + params[n].size)
-            at += params[n].size
-        at = padded_size(at, self.group.size, self.align)
-        dtype = params[names[0]].dtype
-        master = self.xp.zeros(at, dtype)
-        for n in names:
-            s, e = offsets[n]
-            master[s:e] = self.xp.asarray(params[n]).reshape(-1)
-        compute = master.astype(self.compute_dtype) if self.mixed else master
-        b = Bucket(list(names), offsets, compute, self.xp.zeros(at, dtype), master=master)
-        if self.reduce_dtype != dtype and self.group.size > 1:    # one rank reduces nothing
-            b.wire = self.xp.empty(at, self.reduce_dtype)
-        self._allocate(b)
-        if self.sharded and self.mixed:   # the owned slice is all a rank keeps of the masters
-            b.master = None
-        return b
-
-    def _allocate(self, b: Bucket) -> None:
-        """The buffers of ``b``'s chain: the node shard, ZeRO's owned slice, the encoded
-        messages and the residuals."""
-        xp, dtype, length = self.xp, b.grads.dtype, b.grads.size
-        L, c = self.groups.per_node, self.groups.inter.size
-        m = length // L                               # the buffer reduced across nodes
-        if self.groups.intra is not None:
-            b.scratch["shard"] = xp.empty(m, self.reduce_dtype)
-        if self.sharded:
-            b.owned_grad = xp.empty(m // c, dtype)
-            if b.wire is not None:
-                b.scratch["owned"] = xp.empty(m // c, self.reduce_dtype)
-            lo, hi = self.owned_range(b)
-            b.owned = b.master[lo:hi].copy() if self.mixed else b.params[lo:hi]
-        if self.codec is None:
-            return
-        if isinstance(self.codec, Int8Codec):
-            piece = self.codec.packed_bytes(m // c, dtype.itemsize)
-            b.scratch.update(send=xp.empty((c, piece), xp.uint8),
-                             recv=xp.empty((c, piece), xp.uint8))
-            if not self.sharded:
-                b.scratch.update(sum=xp.empty(m // c, dtype), send2=xp.empty((1, piece), xp.uint8),
-                                 gathered=xp.empty((c, piece), xp.uint8))
-                if self.feedback:
-                    b.residual[RESIDUAL_GATHER] = xp.zeros(m // c, dtype)
-        else:
-            piece = self.codec.packed_bytes(m, dtype.itemsize)
-            b.scratch.update(send=xp.empty((1, piece), xp.uint8),
-                             gathered=xp.empty((c, piece), xp.uint8))
-        if self.feedback:
-            b.residual[RESIDUAL_SEND] = xp.zeros(m, dtype)
-
-    def _stage_groups(self) -> list[Group]:
-        """The group of each collective of a bucket's chain, in order: a group that an earlier
-        step already uses gets a duplicate communicator (a collective, at construction)."""
-        g, kinds = self.groups, []
-        if g.intra is not None:
-            kinds.append(g.intra)                                   # reduce-scatter
-        if g.inter.size > 1:
-            int8 = isinstance(self.codec, Int8Codec)
-            kinds += [g.inter] * (2 if int8 and not self.sharded else 1)
-        if g.intra is not None and not self.sharded:
-            kinds.append(g.intra)                                   # all-gather
-        out, used = [], set()
-        self._duplicates: list[Group] = []
-        for group in kinds:
-            if id(group) in used:
-                group = Group(group.comm.Dup(), group.name, group.ledger, group.nodes,
-                              allreduce_algorithm=group.allreduce_algorithm)
-                self._duplicates.append(group)
-            used.add(id(group))
-            out.append(group)
-        return out
+    # ------------------------------------------------------------ what the reduction is
+    groups = property(lambda self: self.flat.groups)
+    group = property(lambda self: self.flat.groups.full, doc="dp x sp: the whole group")
+    sharded = property(lambda self: self.flat.sharded, doc="ZeRO-1")
+    xp = property(lambda self: self.flat.xp)
+    mixed = property(lambda self: self.flat.mixed)
+    compute_dtype = property(lambda self: self.flat.compute_dtype)
+    reduce_dtype = property(lambda self: self.flat.reduce_dtype)
+    shapes = property(lambda self: self.flat.shapes)
+    codec = property(lambda self: self.chain.codec, doc="None where nothing is compressed")
+    feedback = property(lambda self: self.chain.feedback)
+    dense_steps = property(lambda self: self.chain.dense_steps)
 
     def close(self) -> None:
         """Free the duplicate communicators of the chain (MPI has a few thousand per process)."""
-        for group in self._duplicates:
-            group.comm.Free()
-        self._duplicates = []
+        self.chain.close()
 
     @property
     def sends_sparse(self) -> bool:
         """Whether this reducer's compressed steps give sums of top-k selections with error
         feedback: a zero is then a coordinate no rank sent, whose gradient waits in the
         residuals, not a zero gradient (the optimizer's :func:`mpipar.training.optim.adamw_catch_up`)."""
-        return self.feedback and isinstance(self.codec, TopKCodec)
+        return self.chain.sends_sparse
 
     @property
     def sparse_sums(self) -> bool:
         """Whether this step's gradients are such sums (:attr:`sends_sparse`, past the
         warm-up)."""
-        return self.sends_sparse and self._compress
+        return self.sends_sparse and self.chain.compress
 
     # ------------------------------------------------------------ per step
     def start_step(self, step: int = 0) -> None:
         """Before optimizer step ``step`` (0-based): its reduction is compressed unless the
         step is one of the ``dense_steps`` first."""
-        self._compress = step >= self.dense_steps
+        self.chain.start_step(step)
         for b in self.buckets:
             b.grads.fill(0)
             b.pending = set(b.names)
             b.chain, b.request, b.started = None, None, 0
-        self._launched = []
 
     def ready(self, names: list[str]) -> None:
         """Gradients of ``names`` are final: launch each bucket whose gradients are all final,
         and advance the reductions in flight as far as they go without waiting."""
         for n in names:
-            b = self._bucket_of.get(n)
+            b = self.flat.bucket_of.get(n)
             if b is None or n not in b.pending:
                 continue
             b.pending.discard(n)
             if not b.pending:
-                self._launch(b)
-        self._progress(block=False)
+                self.chain.launch(b)
+        self.chain.progress(block=False)
 
     def finish(self) -> None:
         """Complete the reduction: every gradient summed (or, with ZeRO, this rank's slice), the
         tied ones then over the tied group too."""
-        launched = {id(b) for b in self._launched}
-        for b in self.buckets:
-            if id(b) not in launched:
-                self._launch(b)
-                if self.codec is None and self._stages:
-                    # A staging path starts copying it now, overlapping the reductions before it.
-                    self._stages[0].stage_ahead(self._reduced(b))
-        self._progress(block=True)
+        self.chain.finish()
         for b in self.tied_buckets:
             self.tied_group.allreduce_(b.owned_grad if self.sharded else b.grads)
 
-    @staticmethod
-    def _reduced(b: Bucket) -> Any:
-        """The flat buffer bucket ``b``'s reduction sends: the gradients, or their copy in the
-        reduce dtype."""
-        return b.grads if b.wire is None else b.wire
-
-    def _launch(self, b: Bucket) -> None:
-        if b.wire is not None:
-            b.wire[...] = b.grads
-        b.chain, b.request, b.started = self._reduce(b), None, 0
-        self._launched.append(b)
-
-    def _progress(self, block: bool) -> None:
-        """Advance every launched chain, in launch order; none may start a step before the
-        chain launched before it has started that step (collective order per communicator)."""
-        limit = len(self._stages)
-        for b in self._launched:
-            self._advance(b, limit, block)
-            limit = b.started
-
-    def _advance(self, b: Bucket, limit: int, block: bool) -> None:
-        while b.chain is not None:
-            if b.request is not None:
-                if block:
-                    b.request.wait()
-                elif not b.request.test():
-                    return
-                b.request = None
-            if limit <= b.started < len(self._stages):
-                return
-            try:
-                b.request = next(b.chain)
-                b.started += 1
-            except StopIteration:
-                b.chain = None
-
-    # ------------------------------------------------------------ the chain of one bucket
-    def _reduce(self, b: Bucket) -> Iterator[Request]:
-        """Bucket ``b``'s reduction: yields each collective's request once started; the code
-        between the yields is local work (encoding, decoding, copies)."""
-        stages = iter(self._stages)
-        full = x = self._reduced(b)
-        owned = b.scratch.get("owned", b.owned_grad)
-        if self.groups.intra is not None:
-            x = b.scratch["shard"]
-            yield next(stages).ireduce_scatter_(full, x)
-        if self.groups.inter.size == 1:
-            if self.sharded:
-                owned[...] = x
-        elif self.codec is None or not self._compress:
-            group = next(stages)
-            yield (group.ireduce_scatter_(x, owned) if self.sharded
-                   else group.iallreduce_(x))
-            if isinstance(self.codec, Int8Codec) and not self.sharded:
-                skipped = next(stages)                       # int8's all-gather: not this step
-                yield Request(None, skipped.ledger, skipped.name, "skipped", 0)
-        elif isinstance(self.codec, Int8Codec):
-            yield from self._int8(b, x, stages)
-        else:
-            yield from self._topk(b, x, stages)
-        if self.groups.intra is not None and not self.sharded:
-            yield next(stages).iallgather(x, full)
-        if b.wire is not None:                   # back into the gradients' dtype
-            if self.sharded:
-                b.owned_grad[...] = owned
-            else:
-                b.grads[...] = b.wire
-
-    def _int8(self, b: Bucket, x: Any, stages: Iterator[Group]) -> Iterator[Request]:
-        """int8 across ``inter``: all-to-all of the encoded pieces, sum at the owner; then (not
-        sharded) re-encode the sum and all-gather it back into ``x``."""
-        c, s = self.groups.inter.size, b.scratch
-        self.codec.encode_feedback(x.reshape(c, -1), b.residual.get(RESIDUAL_SEND), s["send"])
-        yield next(stages).ialltoall(s["send"], s["recv"])
-        if self.sharded:
-            self.codec.decode_sum(s["recv"], b.owned_grad)
-            return
-        total = self.codec.decode_sum(s["recv"], s["sum"])
-        self.codec.encode_feedback(total.reshape(1, -1), b.residual.get(RESIDUAL_GATHER),
-                                   s["send2"])
-        yield next(stages).iallgather(s["send2"], s["gathered"])
-        self.codec.decode(s["gathered"], x.reshape(c, -1))
-
-    def _topk(self, b: Bucket, x: Any, stages: Iterator[Group]) -> Iterator[Request]:
-        """top-k across ``inter``: all-gather every rank's values and indices, add them up."""
-        s = b.scratch
-        self.codec.encode_feedback(x.reshape(1, -1), b.residual.get(RESIDUAL_SEND), s["send"])
-        yield next(stages).iallgather(s["send"], s["gathered"])
-        self.codec.decode_sum(s["gathered"], x)
-        if self.sharded:
-            j, m = self.groups.inter.rank, b.owned_grad.size
-            b.owned_grad[...] = x[j * m:(j + 1) * m]
-
-    # ------------------------------------------------------------ ZeRO-1
-    def _node_range(self, b: Bucket) -> tuple[int, int]:
-        """``[lo, hi)`` of the bucket this rank's node shard covers (all of it when flat)."""
-        m = b.grads.size // self.groups.per_node
-        a = self.groups.intra.rank if self.groups.intra is not None else 0
-        return a * m, (a + 1) * m
-
+    # ------------------------------------------------------------ ZeRO-1, the masters
     def owned_range(self, b: Bucket) -> tuple[int, int]:
-        """``[lo, hi)`` of the flat buffer this rank owns under ZeRO-1 (and whose second-way
-        int8 residual it keeps)."""
-        lo, hi = self._node_range(b)
-        m = (hi - lo) // self.groups.inter.size
-        lo += self.groups.inter.rank * m
-        return lo, lo + m
+        """``[lo, hi)`` of the flat buffer this rank owns under ZeRO-1."""
+        return self.flat.owned_range(b)
 
     def owned_pieces(self) -> Iterator[tuple[Bucket, str, int, int]]:
         """ZeRO-1: (bucket, name, lo, hi) of every parameter range inside this rank's owned
-        slices, with ``lo, hi`` relative to the bucket's owned slice."""
-        for b in self.buckets:
-            a0, a1 = self.owned_range(b)
-            for name, p_lo, p_hi, lo, hi in _param_ranges(b, a0, a1):
-                yield b, name, lo, hi
+        slices (:meth:`FlatBuffers.owned_pieces`)."""
+        return self.flat.owned_pieces()
 
     def gather_params(self) -> None:
-        """After an update: the compute copies from the masters. ZeRO-1: every rank's updated
-        owned slices (rounded to the compute dtype first, when mixed) back into every rank's
-        parameters, across nodes into the node shard, then inside the node; ZeRO-0: one cast
-        per bucket when mixed, else nothing."""
-        for b in self.buckets:
-            if not self.sharded:
-                if self.mixed:
-                    b.params[...] = b.master
-                continue
-            lo, hi = self.owned_range(b)
-            if self.mixed:
-                b.params[lo:hi] = b.owned
-            self._gather_slices(b, b.params)
+        """After an update: the compute copies from the masters (ZeRO-1: every rank's owned
+        slices gathered back; :meth:`FlatBuffers.gather_params`)."""
+        self.flat.gather_params()
 
-    def _gather_slices(self, b: Bucket, flat: Any) -> None:
-        """ZeRO-1: fill the flat ``flat`` (of bucket ``b``'s length, this rank's owned slice in
-        place) with every rank's owned slice (collective over the reduction's groups)."""
-        g = self.groups
-        lo, hi = self.owned_range(b)
-        n0, n1 = self._node_range(b)
-        if g.inter.size > 1:
-            g.inter.allgather(flat[lo:hi].copy(), flat[n0:n1])
-        if g.intra is not None:
-            g.intra.allgather(flat[n0:n1].copy(), flat)
-
-    # ------------------------------------------------------------ the masters (checkpoints)
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every local tensor this reducer holds."""
-        return self.shapes
+        return self.flat.shapes
 
     def master_tensors(self) -> dict[str, Any]:
-        """Every whole local master tensor of this rank (ZeRO-1 mixed: assembled from the owned
-        slices, a collective over the reduction's groups; else no collective)."""
-        if self.masters is not None:
-            return self.masters
-        out = {}
-        for b in self.buckets:
-            flat = self.xp.zeros(b.grads.size, b.grads.dtype)
-            lo, hi = self.owned_range(b)
-            flat[lo:hi] = b.owned
-            self._gather_slices(b, flat)
-            out.update({n: flat[s:e].reshape(self.shapes[n]) for n, (s, e) in b.offsets.items()})
-        return out
+        """Every whole local master tensor of this rank (:meth:`FlatBuffers.master_tensors`)."""
+        return self.flat.master_tensors()
 
     def param_pieces(self) -> Iterator[tuple[str, int, int, Any]]:
-        """``(name, lo, hi, values)``: the ranges of the flattened local master tensors this
-        rank reports (each element once over the group): its owned slices where the masters
-        are held only as them (ZeRO-1 mixed), else the whole tensors on the group's rank 0."""
-        if self.masters is not None:
-            if self.group.rank == 0:
-                for name, t in self.masters.items():
-                    yield name, 0, t.size, t.reshape(-1)
-            return
-        for b in self.buckets:
-            a0, a1 = self.owned_range(b)
-            for name, p_lo, p_hi, lo, hi in _param_ranges(b, a0, a1):
-                yield name, p_lo, p_hi, b.owned[lo:hi]
+        """``(name, lo, hi, values)``: the ranges of the local master tensors this rank reports
+        (:meth:`FlatBuffers.param_pieces`)."""
+        return self.flat.param_pieces()
 
     def load_local(self, name: str, value: Any) -> None:
-        """Set parameter ``name`` from its whole local tensor ``value`` (host, master dtype):
-        its master (whole, or this rank's owned part of it) and its compute copy
-        (collective-free)."""
-        b = self._bucket_of[name]
-        s, e = b.offsets[name]
-        flat = self.xp.asarray(value).reshape(-1)
-        b.params[s:e] = flat
-        if b.master is not None and self.mixed:
-            b.master[s:e] = flat
-        if self.sharded and self.mixed:
-            a0, a1 = self.owned_range(b)
-            for n, p_lo, p_hi, lo, hi in _param_ranges(b, a0, a1):
-                if n == name:
-                    b.owned[lo:hi] = flat[p_lo:p_hi]
+        """Set parameter ``name`` from its whole local tensor ``value`` (collective-free)."""
+        self.flat.load_local(name, value)
 
     # ------------------------------------------------------------ residuals (checkpoints)
-    def _residual_ranges(self, b: Bucket) -> Iterator[tuple[str, Any, int]]:
-        """(kind, residual buffer, its start in the bucket) of this rank's residuals."""
-        slot = self.groups.inter.rank
-        if RESIDUAL_SEND in b.residual:
-            yield f"{RESIDUAL_SEND}.{slot}", b.residual[RESIDUAL_SEND], self._node_range(b)[0]
-        if RESIDUAL_GATHER in b.residual:
-            yield RESIDUAL_GATHER, b.residual[RESIDUAL_GATHER], self.owned_range(b)[0]
-
     def residual_kinds(self) -> list[str]:
         """Every residual kind the ranks of this reducer's group save (each slot's sends, the
         owners' second direction): what tiles each of its parameters in a checkpoint."""
-        held = self.buckets[0].residual if self.buckets else {}
-        sends = ([f"{RESIDUAL_SEND}.{s}" for s in range(self.groups.inter.size)]
-                 if RESIDUAL_SEND in held else [])
-        return sends + ([RESIDUAL_GATHER] if RESIDUAL_GATHER in held else [])
+        return residuals.residual_kinds(self.flat)
 
     def residual_pieces(self) -> Iterator[tuple[str, str, int, int, Any]]:
         """``(kind, name, lo, hi, values)``: this rank's residuals as flat ranges ``[lo, hi)``
         of its local shards (see the module docstring for the kinds)."""
-        for b in self.buckets:
-            for kind, buf, start in self._residual_ranges(b):
-                for name, p_lo, p_hi, lo, hi in _param_ranges(b, start, start + buf.size):
-                    yield kind, name, p_lo, p_hi, buf[lo:hi]
+        return residuals.residual_pieces(self.flat)
 
     def load_residuals(self, local: Callable[[str, str], Any], kinds: set[str]) -> None:
-        """Set the residuals from ``local(kind, name)`` (this rank's whole local shard of a
-        saved residual) given the residual ``kinds`` a checkpoint holds: slot by slot when it
-        has this run's slots and codec, else their sum into slot 0 (module docstring)."""
-        if not self.feedback:
-            return
-        slots = sorted(k for k in kinds if k.startswith(RESIDUAL_SEND + "."))
-        mine = {k for b in self.buckets[:1] for k, _, _ in self._residual_ranges(b)}
-        exact = len(slots) == self.groups.inter.size and \
-            (RESIDUAL_GATHER in kinds) == (RESIDUAL_GATHER in mine)
-        owed = slots + sorted(kinds & {RESIDUAL_GATHER})
-        for b in self.buckets:
-            for kind, buf, start in self._residual_ranges(b):
-                buf.fill(0)
-                if not exact and (kind == RESIDUAL_GATHER or self.groups.inter.rank != 0):
-                    continue
-                for name, p_lo, p_hi, lo, hi in _param_ranges(b, start, start + buf.size):
-                    for saved in ([kind] if exact else owed):
-                        buf[lo:hi] += self.xp.asarray(local(saved, name).reshape(-1)[p_lo:p_hi])
+        """Set the residuals from ``local(kind, name)`` given the residual ``kinds`` a
+        checkpoint holds: slot by slot when it has this run's slots and codec, else their sum
+        into slot 0 (module docstring); nothing without error feedback."""
+        if self.feedback:
+            residuals.load_residuals(self.flat, local, kinds)
 
     def describe(self) -> str:
         """The reduction in words, for the startup line."""
@@ -562,25 +229,11 @@ class GradReducer:
         return f"dp x sp reduce {how}"
 
 
-def _param_ranges(b: Bucket, start: int, stop: int) -> Iterator[tuple[str, int, int, int, int]]:
-    """(name, lo, hi in the parameter's flat shard, lo, hi relative to ``start``) of every
-    parameter range of bucket ``b`` inside ``[start, stop)``."""
-    for name, (s, e) in b.offsets.items():
-        lo, hi = max(s, start), min(e, stop)
-        if lo < hi:
-            yield name, lo - s, hi - s, lo - start, hi - start
-
-
-WARMUP_SHARE = {"int8": 0.1, "topk": 1 / 3}
-"""--compression-warmup -1: the share of --steps each codec reduces uncompressed first (the
-smallest that kept the default 120-step run within 1 % (int8 + error feedback) and 5 % (top-k
-1 %) of uncompressed over two seeds, docs/benchmarks.md)."""
-
-
 def warmup_steps(layout: Layout) -> int:
     """Steps reduced uncompressed before compression starts: ``--compression-warmup``, or for
-    -1 the codec's :data:`WARMUP_SHARE` of ``--steps`` (rounded)."""
+    -1 the compression's share of ``--steps`` (rounded;
+    :attr:`mpipar.parallel.data_parallel.modes.Compression.warmup_share`)."""
     p = layout.parallel
     if p.compression_warmup >= 0:
         return p.compression_warmup
-    return round(WARMUP_SHARE.get(p.grad_compression, 0.0) * layout.train.steps)
+    return round(reduction_of(p).compression.warmup_share * layout.train.steps)

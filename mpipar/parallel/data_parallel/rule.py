@@ -7,6 +7,8 @@ import os
 from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.runtime.precision import Precision
+from mpipar.parallel.data_parallel.modes import reduction_of
+from mpipar.runtime.allreduce_modes import algorithm_named
 
 
 def check_config(layout: Layout) -> None:
@@ -17,15 +19,16 @@ def check_config(layout: Layout) -> None:
     from mpipar.runtime.topology import GridShape, NodeMap
 
     p, dp, world = layout.parallel, layout.dp, layout.world
+    reduction = reduction_of(p)
     require(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb}: must be > 0")
     require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio={p.topk_ratio}: must be in (0, 1]")
     require(p.compression_warmup >= -1,
             f"parallel.compression_warmup={p.compression_warmup}: must be >= 0 (or -1: the "
             f"codec's default share of the steps)")
-    require(p.compression_warmup <= 0 or p.grad_compression != "none",
+    require(p.compression_warmup <= 0 or reduction.compresses,
             f"parallel.compression_warmup={p.compression_warmup}: only with --grad-compression "
             f"int8 or topk (there is nothing to warm up from)")
-    require(not (p.grad_compression != "none" and p.error_feedback == "on" and dp * p.sp > 1
+    require(not (reduction.keeps_residual and dp * p.sp > 1
                  and layout.model.tie_embeddings and p.pp > 1),
             f"parallel.grad_compression={p.grad_compression!r} with error feedback: not with "
             f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
@@ -35,16 +38,16 @@ def check_config(layout: Layout) -> None:
             f"parallel.reduce_dtype='bfloat16' with train.dtype={layout.train.dtype!r}: a bf16 "
             f"gradient reduction is part of mixed precision (use --dtype bfloat16, or "
             f"--reduce-dtype float32)")
-    require(p.reduce_dtype != "bfloat16" or p.grad_compression == "none",
+    require(p.reduce_dtype != "bfloat16" or not reduction.compresses,
             f"parallel.reduce_dtype='bfloat16' with parallel.grad_compression="
             f"{p.grad_compression!r}: a compressed reduction sends its own encoding of the "
             f"float32 gradients (use one or the other)")
-    require(not p.allreduce_hardware or p.allreduce_algorithm == "auto",
+    require(not p.allreduce_hardware or algorithm_named(p.allreduce_algorithm).chooses_per_size,
             f"parallel.allreduce_hardware={p.allreduce_hardware!r}: only with "
             f"--allreduce-algorithm auto (not {p.allreduce_algorithm!r})")
     require(not p.allreduce_hardware or os.path.isfile(p.allreduce_hardware),
             f"parallel.allreduce_hardware={p.allreduce_hardware!r}: no such file")
-    if p.dp_reduce == "hierarchical" and p.ranks_per_node:
+    if reduction.hierarchical and p.ranks_per_node:
         problem = GridShape(dp, p.tp, p.pp, p.sp).node_split_problem(
             NodeMap.blocks(world, p.ranks_per_node))
         require(problem is None, f"parallel.dp_reduce='hierarchical' with "

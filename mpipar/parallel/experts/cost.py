@@ -7,7 +7,7 @@ from mpipar.layout import Layout
 from mpipar.model.recompute import Recompute
 from mpipar.parallel.axis import Footprint, Held, StepRank
 from mpipar.parallel.calls import Call, element_bytes
-from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
+from mpipar.parallel.data_parallel.buckets import padded_size, plan_buckets
 from mpipar.parallel.experts.exchange import block_length
 from mpipar.parallel.experts.split import expert_shards
 from mpipar.parallel.fsdp.cost import sharded_calls, unit_buffer_bytes

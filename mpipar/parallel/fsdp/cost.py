@@ -9,8 +9,8 @@ from collections.abc import Collection
 from mpipar.layout import Layout
 from mpipar.parallel.axis import Held, StepRank
 from mpipar.parallel.calls import Call
-from mpipar.parallel.data_parallel.reducer import padded_size
-from mpipar.parallel.fsdp.sharded import MAX_IN_FLIGHT
+from mpipar.parallel.data_parallel.buckets import padded_size
+from mpipar.parallel.fsdp.scatter import MAX_IN_FLIGHT
 from mpipar.parallel.pipeline.schedule import Op, schedule_of
 from mpipar.runtime.precision import Precision
 

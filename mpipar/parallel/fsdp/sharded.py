@@ -56,22 +56,20 @@ backend's array module (``xp``).
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
-from mpipar.runtime.comm import Group, Request, SharedArray
-from mpipar.parallel.data_parallel.reducer import padded_size
+from mpipar.parallel.fsdp.gather import Gathers, bind
+from mpipar.parallel.fsdp.node_copy import NodeCopy
+from mpipar.parallel.fsdp.scatter import GradScatter
+from mpipar.parallel.fsdp.units import BufferPool, Unit, make_unit
+from mpipar.runtime.comm import Group
+from mpipar.parallel.fsdp.modes import in_node_memory
 
 Units = list[list[tuple[str, list[str]]]]
 """Per model chunk, its units in forward order as ``(unit, parameter names)``."""
-
-MAX_IN_FLIGHT = 2
-"""Reduce-scatters of gradients outstanding at once (each holds one unit's full gradients)."""
-
 
 def kept_after_forward(chunks: list[list[str]], prefetch: int) -> set[str]:
     """ZeRO-3: the units whose gathered parameters stay from their forward to their backward:
@@ -92,7 +90,7 @@ def node_shared(par: Any, device_buffers: bool) -> bool:
     window). It does where the dp x sp group is on one node, or spans nodes that each hold the
     same number (> 1) of its ranks (then each node holds a copy); elsewhere the units are
     gathered."""
-    return par.zero == 3 and par.zero_shared == "node" and not device_buffers
+    return par.zero == 3 and in_node_memory(par) and not device_buffers
 
 
 def node_copy_layout(par: Any, device_buffers: bool, shape: Any, nodes: Any,
@@ -109,44 +107,6 @@ def node_copy_layout(par: Any, device_buffers: bool, shape: Any, nodes: Any,
     if spans > 1 and (shape.node_split_problem(nodes) is not None or len(group) == spans):
         return None
     return len(group) // spans, spans
-
-
-@dataclass
-class Unit:
-    """One unit's flat storage on this rank. ``offsets``: name -> (start, stop) in the flat
-    buffer of ``size`` elements (a multiple of the group size)."""
-
-    name: str
-    names: list[str]
-    shapes: dict[str, tuple[int, ...]]
-    offsets: dict[str, tuple[int, int]]
-    size: int
-    owned: Any                    # [size / n] this rank's master parameters (a view of full
-                                  # at ZeRO-2 and in node shared memory, unless mixed)
-    owned_grad: Any               # [size / n] this rank's summed gradients
-    full: Any = None              # [size] the whole compute copies (ZeRO-3: only while
-                                  # gathered)
-    owned_compute: Any = None     # ZeRO-3 gathered: the compute copy of ``owned`` it sends
-    gathering: Request | None = None
-    users: int = 0                # scopes reading ``full`` now
-    grad: Any = None              # [size] this microbatch's gradients while backward runs
-    grad_users: int = 0           # backward passes still writing ``grad``
-
-
-class BufferPool:
-    """Reusable flat buffers by length and dtype: a released buffer serves the next request of
-    its size and dtype."""
-
-    def __init__(self, xp: ModuleType) -> None:
-        self.xp = xp
-        self.free: dict[tuple[int, Any], list[Any]] = {}
-
-    def take(self, size: int, dtype: Any) -> Any:
-        stack = self.free.get((size, dtype))
-        return stack.pop() if stack else self.xp.empty(size, dtype)
-
-    def give(self, buf: Any) -> None:
-        self.free.setdefault((buf.size, buf.dtype), []).append(buf)
 
 
 class ShardedParams:
@@ -175,192 +135,95 @@ class ShardedParams:
                  node_groups: tuple[Group, Group | None] | None = None,
                  compute_dtype: Any = None, reduce_dtype: Any = None,
                  pool: BufferPool | None = None, frozen: bool = False) -> None:
-        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
-        self.frozen = frozen
+        self.compute_dtype, self.frozen, self.mixed = compute_dtype, frozen, False
         # ZeRO-3 in node shared memory: the whole units stay bound, as at ZeRO-2, but each is
         # one array the node's ranks of the group map together, each allocating a part.
-        self.shared = node_groups is not None and gather
-        self.group, self.gather, self.prefetch, self.xp = group, gather and not self.shared, \
-            prefetch, xp
-        self.intra, self.inter = node_groups if self.shared else (None, None)
-        self.windows: list[SharedArray] = []
-        # across nodes: the position (dp x sp rank) of each rank of ``inter``, whose slices this
-        # rank gathers into its node's copy
-        self._across = (self.inter.allgather_object(group.rank)
-                        if self.inter is not None and self.inter.size > 1 else None)
-        self._stale = False        # a rank wrote its slices and has not published them yet
-        self.before_reduce = before_reduce
+        shared = node_groups is not None and gather
+        self.group, self.gather, self.xp = group, gather and not shared, xp
+        self.node = NodeCopy(group.rank, group.size, *node_groups) if shared else None
         self.units: dict[str, Unit] = {}
-        self.order: dict[str, list[str]] = {}     # unit -> its chunk's units in forward order
+        order: dict[str, list[str]] = {}     # unit -> its chunk's units in forward order
         for units in chunks:
             names = [u for u, _ in units]
             for unit, pnames in units:   # a unit two chunks read (a tied embedding) is one
                 if unit not in self.units:
                     self.units[unit] = self._make_unit(unit, pnames, initial)
-                    self.order[unit] = names
-        self.kept = kept_after_forward([[u for u, _ in units] for units in chunks], prefetch)
-        self.keeping = True   # off for forward-only passes (:meth:`forward_only`)
+                    order[unit] = names
         self.pool = BufferPool(xp) if pool is None else pool
-        self.tied_group = tied_group
-        self.tied_units = [u for u in self.units.values() if set(u.names) <= set(tied)]
         self.shapes = {n: s for u in self.units.values() for n, s in u.shapes.items()}
         self.params: dict[str, Any] = {}
-        self.grads: dict[str, Any] = {}
-        self._reducing: deque[tuple[Request, Any, Unit, Any]] = deque()
-        self._in_use = 0                          # units gathered and entered now (ZeRO-3)
+        master = next((u.owned.dtype for u in self.units.values()), None)
+        self.scatter = GradScatter(
+            group, self.pool, master if reduce_dtype is None else reduce_dtype, before_reduce,
+            [] if frozen else [u for u in self.units.values() if set(u.names) <= set(tied)],
+            tied_group)
+        self.gathers = Gathers(
+            self.units, order, group, self.pool, self.compute_dtype, self.params,
+            prefetch=prefetch,
+            kept=kept_after_forward([[u for u, _ in units] for units in chunks], prefetch)
+        ) if self.gather else None
         if not self.gather:          # ZeRO-2, or node shared: the whole parameters stay bound
             for u in self.units.values():
-                self._bind(self.params, u, u.full)
-        if self.shared:
-            self._publish()
+                bind(self.params, u, u.full)
+        if self.node is not None:
+            self.node.publish(self.units.values())
 
     def _make_unit(self, unit: str, names: list[str], initial: Callable[[str], Any]) -> Unit:
-        """The unit of parameters ``names``, laid out flat in that order and padded; this rank
-        keeps its slice (ZeRO-3) or the whole (ZeRO-2)."""
+        """The unit of parameters ``names`` (:func:`~mpipar.parallel.fsdp.units.make_unit`);
+        the compute dtype defaults to the masters'."""
         values = {n: initial(n) for n in names}
-        offsets, at = {}, 0
-        for n in names:
-            offsets[n] = (at, at + values[n].size)
-            at += values[n].size
-        size = padded_size(at, self.group.size)
-        master = self.xp.zeros(size, values[names[0]].dtype)
-        for n in names:
-            s, e = offsets[n]
-            master[s:e] = self.xp.asarray(values[n]).reshape(-1)
-        self.compute_dtype = master.dtype if self.compute_dtype is None else self.compute_dtype
-        self.reduce_dtype = master.dtype if self.reduce_dtype is None else self.reduce_dtype
-        self.mixed = self.compute_dtype != master.dtype
-        full = master.astype(self.compute_dtype) if self.mixed else master
-        lo, hi = self._range(size)
-        if self.shared:              # this rank writes its slice of the node's copy
-            window = self.intra.shared_array(size // self.intra.size, full.dtype)
-            self.windows.append(window)
-            window.array[lo:hi] = full[lo:hi]
-            full = window.array
-        owned = master[lo:hi].copy() if self.gather or self.mixed else full[lo:hi]
-        u = Unit(unit, list(names), {n: tuple(values[n].shape) for n in names}, offsets, size,
-                 owned, None if self.frozen else self.xp.zeros(hi - lo, master.dtype),
-                 None if self.gather else full)
-        if self.gather:
-            u.owned_compute = full[lo:hi].copy() if self.mixed else owned
-        return u
+        dtype = values[names[0]].dtype
+        self.compute_dtype = dtype if self.compute_dtype is None else self.compute_dtype
+        self.mixed = self.compute_dtype != dtype
+        return make_unit(unit, names, values, self.group, self.xp, node=self.node,
+                         compute_dtype=self.compute_dtype, gather=self.gather, frozen=self.frozen)
 
-    def _range(self, size: int) -> tuple[int, int]:
-        """``[lo, hi)`` of a unit of ``size`` elements that this rank owns."""
-        k = size // self.group.size
-        return self.group.rank * k, (self.group.rank + 1) * k
+    @property
+    def shared(self) -> bool:
+        """ZeRO-3 in node shared memory."""
+        return self.node is not None
 
-    def _bind(self, into: dict[str, Any], u: Unit, flat: Any) -> None:
-        for n, (s, e) in u.offsets.items():
-            into[n] = flat[s:e].reshape(u.shapes[n])
-
-    @staticmethod
-    def _unbind(into: dict[str, Any], u: Unit) -> None:
-        for n in u.names:
-            into.pop(n, None)
+    @property
+    def grads(self) -> dict[str, Any]:
+        """name -> the gradient the model writes, while its unit's backward runs."""
+        return self.scatter.grads
 
     # ------------------------------------------------------------ the model's scope
     @contextmanager
     def using(self, units: Sequence[str], backward: bool,
               grads_final: bool = True) -> Iterator[None]:
         """The model runs ``units`` (forward, or ``backward``) inside this context
-        (:class:`mpipar.model.llama.ParamScope`): each is entered in order (:meth:`_enter`)
-        and left in order after it (:meth:`_leave`); an exception inside leaves them as they
-        are. A unit with nothing trained (LoRA's frozen embedding and head) is not here and
-        is nothing to enter."""
+        (:class:`mpipar.model.llama.ParamScope`): entering one gathers it (ZeRO-3:
+        :class:`~mpipar.parallel.fsdp.gather.Gathers`) and binds its gradients (backward);
+        leaving it after backward with ``grads_final`` reduce-scatters them (else at
+        :meth:`weights_done`). An exception inside leaves them as they are; a unit with
+        nothing trained (LoRA's frozen embedding and head) is not here."""
         units = [u for u in units if u in self.units]
         for unit in units:
-            self._enter(unit, backward)
+            if self.node is not None and self.node.stale:
+                self.node.publish(self.units.values())
+            if self.gathers is not None:
+                self.gathers.enter(unit, backward)
+            if backward and not self.frozen:
+                self.scatter.bind(self.units[unit])
         yield
         for unit in units:
-            self._leave(unit, backward, grads_final)
-
-    def _enter(self, unit: str, backward: bool) -> None:
-        """The model is about to run ``unit`` (forward, or ``backward``): its parameters are
-        gathered (ZeRO-3), its gradient buffer bound (backward), the next units' gathers
-        posted. A unit entered inside another (the tied embedding the head reads) posts none:
-        the units after it are not the ones to come."""
-        u = self.units[unit]
-        if self._stale:
-            self._publish()
-        if self.gather:
-            nested = self._in_use > 0
-            self._start_gather(u)
-            u.gathering.wait()
-            if u.users == 0:
-                self._bind(self.params, u, u.full)
-                self._in_use += 1
-            u.users += 1
-            order = self.order[unit][::-1] if backward else self.order[unit]
-            at = order.index(unit)
-            for nxt in ([] if nested else order[at + 1:at + 1 + self.prefetch]):
-                self._start_gather(self.units[nxt])
-        if backward and not self.frozen:
-            if u.grad is None:
-                u.grad = self.pool.take(u.size, u.owned_grad.dtype)
-                u.grad.fill(0)
-                self._bind(self.grads, u, u.grad)
-            u.grad_users += 1
-
-    def _leave(self, unit: str, backward: bool, grads_final: bool = True) -> None:
-        """The model is done with ``unit``: its gathered parameters go back to the pool, except
-        after the forward of a unit the backward enters first (:func:`kept_after_forward`);
-        after backward with ``grads_final`` its gradients are reduce-scattered (otherwise at
-        :meth:`weights_done`)."""
-        u = self.units[unit]
-        if self.gather:
-            u.users -= 1
-            if u.users == 0 and u.full is not None:
-                self._in_use -= 1
-                self._unbind(self.params, u)
-                if backward or not self.keeping or unit not in self.kept:
-                    self.pool.give(u.full)
-                    u.full, u.gathering = None, None
-        if backward and grads_final and not self.frozen:
-            self._grads_done(u)
+            if self.gathers is not None:
+                self.gathers.leave(unit, backward)
+            if backward and grads_final and not self.frozen:
+                self.scatter.done(self.units[unit])
 
     def weights_done(self, units: list[str]) -> None:
         """The deferred weight gradients of ``units`` (one backward pass each) are in."""
         for unit in [u for u in units if u in self.units and not self.frozen]:
-            self._grads_done(self.units[unit])
+            self.scatter.done(self.units[unit])
 
     def progress(self) -> None:
         """Advance the all-gathers and reduce-scatters in flight (``test`` runs MPI's progress
         engine): on an MPI without a progress thread they move only while some call is in MPI."""
-        for u in self.units.values():
-            if u.gathering is not None:
-                u.gathering.test()
-        for request, *_ in self._reducing:
-            request.test()
-
-    def _start_gather(self, u: Unit) -> None:
-        if u.full is None:
-            u.full = self.pool.take(u.size, self.compute_dtype)
-            u.gathering = self.group.iallgather(u.owned_compute, u.full)
-
-    def _grads_done(self, u: Unit) -> None:
-        u.grad_users -= 1
-        if u.grad_users:
-            return
-        self.before_reduce(u.names)
-        self._unbind(self.grads, u)
-        send = u.grad
-        if self.reduce_dtype != send.dtype:          # --reduce-dtype: sent rounded
-            send = self.pool.take(u.size, self.reduce_dtype)
-            send[...] = u.grad
-            self.pool.give(u.grad)
-        recv = self.pool.take(u.size // self.group.size, self.reduce_dtype)
-        self._reducing.append((self.group.ireduce_scatter_(send, recv), recv, u, send))
-        u.grad = None
-        while len(self._reducing) > MAX_IN_FLIGHT:
-            self._complete_one()
-
-    def _complete_one(self) -> None:
-        req, recv, u, sent = self._reducing.popleft()
-        req.wait()
-        u.owned_grad += recv
-        self.pool.give(recv)
-        self.pool.give(sent)
+        if self.gathers is not None:
+            self.gathers.progress()
+        self.scatter.progress()
 
     # ------------------------------------------------------------ per step
     def start_step(self, step: int = 0) -> None:
@@ -374,52 +237,21 @@ class ShardedParams:
         entered, or kept from the forward, is completed and dropped: the update is about to
         change the shards."""
         self.release()
-        while self._reducing:
-            self._complete_one()
-        for u in self.tied_units if not self.frozen else ():
-            self.tied_group.allreduce_(u.owned_grad)
+        self.scatter.finish()
 
     @contextmanager
     def forward_only(self) -> Iterator[None]:
         """Passes with no backward (evaluation): every unit goes back to the pool as it is left,
         and the units kept before are released first."""
         self.release()
-        self.keeping = False
-        try:
+        with self.gathers.forward_only() if self.gathers is not None else nullcontext():
             yield
-        finally:
-            self.keeping = True
 
     def release(self) -> None:
         """Give back every gathered buffer no scope is reading (prefetched, or kept from the
         forward), its gather completed first (after an evaluation, before an update)."""
-        for u in self.units.values():
-            if self.gather and u.full is not None and u.users == 0:
-                u.gathering.wait()
-                self.pool.give(u.full)
-                u.full, u.gathering = None, None
-
-    def _publish(self) -> None:
-        """Node shared memory: every rank's writes to its slices become visible to all (across
-        nodes, each rank first all-gathers the slices of the ranks in its place on the other
-        nodes into its node's copy)."""
-        if self._across is not None:
-            for u in self.units.values():
-                k = u.size // self.group.size
-                self.inter.allgather_in_place(u.full, k, [p * k for p in self._across])
-        self.intra.sync_shared(self.windows)
-        self._stale = False
-
-    def _refresh(self, u: Unit) -> None:
-        """The compute copy of this rank's slice of ``u`` from its master (mixed precision;
-        one cast): ZeRO-3's ``owned_compute``, else the slice of the whole parameters."""
-        if not self.mixed:
-            return
-        if self.gather:
-            u.owned_compute[...] = u.owned
-        else:
-            lo, hi = self.owned_range(u)
-            u.full[lo:hi] = u.owned
+        if self.gathers is not None:
+            self.gathers.release()
 
     def gather_params(self) -> None:
         """After the update: the compute copies of the owned slices refreshed from the masters
@@ -427,10 +259,10 @@ class ShardedParams:
         keeps only its slices (in node shared memory: publishes them, the one barrier of its
         step; no rank reads a slice while its owner updates it, as the update waits for every
         reduce-scatter, which each rank posts after its last read)."""
-        for u in self.units.values():
-            self._refresh(u)
-        if self.shared:
-            self._publish()
+        for u in self.units.values() if self.mixed else ():
+            u.refresh(self.gather)
+        if self.node is not None:
+            self.node.publish(self.units.values())
         elif not self.gather:
             for u in self.units.values():
                 lo, hi = self.owned_range(u)
@@ -438,49 +270,38 @@ class ShardedParams:
 
     def describe(self) -> str:
         """The sharding in words, for the startup line."""
-        stage = (f"ZeRO-3 (parameters gathered per unit, {self.prefetch} prefetched)"
-                 if self.gather else
-                 f"ZeRO-3 (parameters in node shared memory{self._copies()}: each rank "
-                 f"holds 1/{self.intra.size} of them and reads the rest in place)"
-                 if self.shared else "ZeRO-2")
+        stage = (f"ZeRO-3 (parameters gathered per unit, {self.gathers.prefetch} prefetched)"
+                 if self.gathers is not None else
+                 self.node.describe() if self.node is not None else "ZeRO-2")
         return (f"dp x sp {stage}: {len(self.units)} units sharded over {self.group.size} ranks, "
                 f"reduce-scattered per unit")
-
-    def _copies(self) -> str:
-        return ("" if self._across is None else
-                f", a copy on each of {len(self._across)} nodes, the updated slices all-gathered "
-                f"across them")
 
     @property
     def shared_bytes(self) -> int:
         """Bytes of node shared memory this rank allocated (its part of the node's copy; not
         NumPy's, so tracemalloc does not see them)."""
-        return sum(w.array.nbytes for w in self.windows) // self.intra.size if self.shared else 0
+        return self.node.shared_bytes if self.node is not None else 0
 
     def close(self) -> None:
         """Free the node shared memory (a collective; no parameter view may be used after);
         the units use the dp x sp group itself (the engine frees it)."""
-        if self.windows:
+        if self.node is not None and self.node.windows:
             self.params.clear()
             for u in self.units.values():
                 u.full = u.owned = None
-            for w in self.windows:
-                w.free()
-            self.windows = []
+            self.node.free()
 
     # ------------------------------------------------------------ the optimizer's view
-    def owned_range(self, u: Unit) -> tuple[int, int]:
-        return self._range(u.size)
+    @staticmethod
+    def owned_range(u: Unit) -> tuple[int, int]:
+        return u.lo, u.hi
 
     def owned_pieces(self) -> Iterator[tuple[Unit, str, int, int]]:
         """(unit, name, lo, hi) of every parameter range inside this rank's owned slices, with
         ``lo, hi`` relative to the owned slice."""
         for u in self.units.values():
-            a0, a1 = self.owned_range(u)
-            for name, (s, e) in u.offsets.items():
-                lo, hi = max(s, a0), min(e, a1)
-                if lo < hi:
-                    yield u, name, lo - a0, hi - a0
+            for name, lo, hi in u.owned_names():
+                yield u, name, lo, hi
 
     @property
     def buckets(self) -> list[Unit]:
@@ -494,15 +315,15 @@ class ShardedParams:
     def master_tensors(self) -> dict[str, Any]:
         """Every tp-local master tensor of this rank, whole (collective over the group where
         the masters are sharded: ZeRO-3, and every stage under mixed precision)."""
-        if self._stale:
-            self._publish()
+        if self.node is not None and self.node.stale:
+            self.node.publish(self.units.values())
         out: dict[str, Any] = {}
         for u in self.units.values():
             full = u.full
             if self.gather or self.mixed:
                 full = self.xp.empty(u.size, u.owned.dtype)
                 self.group.allgather(u.owned, full)
-            self._bind(out, u, full)
+            bind(out, u, full)
         return out
 
     def param_pieces(self) -> Iterator[tuple[str, int, int, Any]]:
@@ -518,21 +339,15 @@ class ShardedParams:
         master slice and compute copies (collective-free; a gathered copy no scope is reading
         is dropped, as it would be stale)."""
         self.release()
+        flat = self.xp.asarray(value).reshape(-1)
         for u in self.units.values():
             if name not in u.offsets:
                 continue
-            s, e = u.offsets[name]
-            a0, a1 = self.owned_range(u)
-            lo, hi = max(s, a0), min(e, a1)
-            flat = self.xp.asarray(value).reshape(-1)
-            if lo < hi:
-                u.owned[lo - a0:hi - a0] = flat[lo - s:hi - s]
-                if self.mixed:           # the compute copy of the slice, rounded once
-                    (u.owned_compute[lo - a0:hi - a0] if self.gather else
-                     u.full[lo:hi])[...] = flat[lo - s:hi - s]
-            if self.shared:      # the other slices are their owners' to write
-                self._stale = True
+            u.load(name, flat, self.mixed, self.gather)
+            if self.node is not None:      # the other slices are their owners' to write
+                self.node.stale = True
             elif not self.gather:
+                s, e = u.offsets[name]
                 u.full[s:e] = flat
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from mpipar.layout import Layout
 from mpipar.parallel.calls import Call
-from mpipar.parallel.compression import alignment
-from mpipar.parallel.data_parallel.reducer import padded_size, plan_buckets
+from mpipar.parallel.data_parallel.modes import reduction_of
+from mpipar.parallel.data_parallel.buckets import padded_size, plan_buckets
 from mpipar.parallel.experts.split import expert_shards, expert_units
 from mpipar.parallel.placement import expert_of
 from mpipar.plan.rank import (compressed_size, grid_shape, group_members, owned_slice,
@@ -114,7 +114,7 @@ def _stores(layout: Layout, coord: Coord, elements: dict[str, int], shards: int,
         order = [n for n in reversed(list(elements))]
         tied = {i for i, n in enumerate(order) if table[n].tied_across_pipeline}
         e = Precision.of(layout.train, par).master_bytes
-        align = (alignment(par.grad_compression)
+        align = (reduction_of(par).compression.block
                  if group == "dp_sp" and compressed_size(layout) > 1 else 1)
         limit = max(1, int(par.bucket_mb * 2**20))
         return [_store([order[i] for i in idx], elements, shards, align)

@@ -50,9 +50,9 @@ from mpipar import train
 from mpipar.checkpoint import writer
 real = writer._write_shard
 evidence, run_dir = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-def write_shard(path, pieces, state, place):
+def write_shard(path, pieces, state, place, *rest):
     if path.parent.name != ".step_00000002.tmp" or place.rank != 2:
-        return real(path, pieces, state, place)
+        return real(path, pieces, state, place, *rest)
     log = run_dir / "metrics.jsonl"
     while not (log.exists() and any(json.loads(l)["step"] == 3 for l in log.read_text().splitlines()
                                      if l.endswith("}"))):

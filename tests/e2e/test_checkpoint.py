@@ -147,17 +147,17 @@ import os, pathlib, signal, sys
 from mpipar import train
 from mpipar.checkpoint import writer
 real = writer._write_shard
-def write_shard(path, pieces, state, place):
+def write_shard(path, pieces, state, place, *rest):
     # The save of step 2: ranks 0 and 1 write their shards, then rank 2 dies; 3 never writes.
     if path.parent.name != ".step_00000002.tmp":
-        return real(path, pieces, state, place)
+        return real(path, pieces, state, place, *rest)
     from mpi4py import MPI
-    record = real(path, pieces, state, place) if place.rank < 2 else None
+    record = real(path, pieces, state, place, *rest) if place.rank < 2 else None
     MPI.COMM_WORLD.Barrier()
     if place.rank == 2:
         pathlib.Path(sys.argv[1]).touch()  # the test's evidence (stderr may be lost)
         os.kill(os.getpid(), signal.SIGKILL)
-    return record if place.rank < 2 else real(path, pieces, state, place)
+    return record if place.rank < 2 else real(path, pieces, state, place, *rest)
 writer._write_shard = write_shard
 sys.exit(train.main(sys.argv[2:]))
 """

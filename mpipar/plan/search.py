@@ -225,9 +225,10 @@ def simplicity(c: Candidate) -> tuple:
     experts), then the ZeRO stage, node shared memory, recompute, a hierarchical reduction,
     gradient compression, microbatches, virtual stages."""
     par, tr = c.cfg.parallel, c.cfg.train
+    reduction = reduction_of(par)
     return (sum(n > 1 for n in (par.tp, par.pp, par.sp, par.ep)), par.tp * par.pp * par.sp,
-            par.zero, par.zero_shared != "off", RECOMPUTE_ORDER.index(tr.recompute),
-            par.dp_reduce != "flat", par.grad_compression != "none",
+            par.zero, in_node_memory(par), RECOMPUTE_ORDER.index(tr.recompute),
+            reduction.hierarchical, reduction.compression.compresses,
             -tr.micro_batch_size, par.virtual_stages)
 
 

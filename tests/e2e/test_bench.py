@@ -25,7 +25,7 @@ MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "
 def test_bench_train_rows(tmp_path, capsys):
     path = tmp_path / "train.json"
     assert main(["train", *MODEL, "--threads", "1", "--steps", "2", "--warmup", "1",
-                 "--dtypes", "float32", "--json", str(path)]) == 0
+                 "--dtypes", "float32", "--gemm-size", "64", "--json", str(path)]) == 0
     result = json.loads(path.read_text())["train"]
     torch_here = torch_missing() is None
     dp2_here = mpirun() is not None

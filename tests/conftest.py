@@ -107,6 +107,26 @@ def factorisations(n: int, parts: int = 4) -> list[tuple[int, ...]]:
     return out
 
 
+def covering(cases: list[dict], keys: tuple[str, ...] = ("dp", "tp", "pp", "sp")) -> list[dict]:
+    """A few of ``cases`` in which every value each of ``keys`` takes among them appears, and
+    every world size (the product of the keys): the greedy cover, in the cases' order. An option
+    (a schedule, an SP split) then runs with each axis split and unsplit and at each world size,
+    not on every layout that admits it."""
+    def features(case: dict) -> set:
+        world = 1
+        for key in keys:
+            world *= case.get(key, 1)
+        return {(key, case.get(key, 1)) for key in keys} | {("world", world)}
+
+    left = set().union(*(features(c) for c in cases)) if cases else set()
+    chosen: list[dict] = []
+    while left:
+        best = max(cases, key=lambda c: len(features(c) & left))
+        chosen.append(best)
+        left -= features(best)
+    return [c for c in cases if any(c is k for k in chosen)]
+
+
 def assert_all_ranks(comm, failures: list[str]) -> None:
     """Gather every rank's failure messages and fail on every rank if any rank failed."""
     everything = comm.allgather(failures)

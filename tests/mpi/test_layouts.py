@@ -1,28 +1,29 @@
 """Layout invariance, the heart of mpipar: every layout equals the single-process run.
 
 Under ``mpirun -n 8``: for the small model of ``layouts.py`` (vocabulary 13, kv heads < heads),
-every (dp, tp, pp, sp) with dp*tp*pp*sp in {2, 4, 8} that the model admits, each pipeline
-schedule and each SP split/mode gives, after 2 optimizer steps, the same losses, gradient norms
-and (gathered) parameters as one process: <= 1e-10 relative in float64, <= 1e-5 in float32.
-A layout of 2 or 4 ranks runs on each 2- or 4-rank slice of the world at once. Every layout
-with tp > 1 runs again with ``--tp-sequence-parallel``. Every layout of 4 and 8 ranks whose
-nodes of 2 or 4 ranks hold more than one rank of a dp x sp group, and more than one node,
-runs with hierarchical reduction (with and without ZeRO-1, several buckets), and every
-layout with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across; on nodes of
-2 ranks, and of 4 at 8 ranks). ZeRO-2 and ZeRO-3 (sharded gradients, and parameters gathered
-per layer) run on every base layout with dp x sp > 1, then with every schedule, SP mode and
-split, tp sequence parallelism, prefetch depths 0, 1 and 2, and the tied, scaled and windowed
-models (their recompute modes are in ``test_recompute.py``); ZeRO-3 with the parameters in
-node shared memory on layouts of its own. A model with tied embeddings, q/k/v biases and
-llama3 RoPE, and one
-with biases and dynamic RoPE, run on layouts chosen for them.
+every (dp, tp, pp, sp) with dp*tp*pp*sp in {2, 4, 8} that the model admits, and each pipeline
+schedule, SP split and mode and ZeRO stage on a covering set of those layouts (each axis split
+and unsplit, and each world size, at least once: ``conftest.covering``) gives, after 2
+optimizer steps, the same losses, gradient norms and (gathered) parameters as one process:
+<= 1e-10 relative in float64, <= 1e-5 in float32. A layout of 2 or 4 ranks runs on one 2- or
+4-rank slice of the world, chosen by the test's name. A covering set of the layouts with tp > 1
+runs again with ``--tp-sequence-parallel``. Every layout of 4 and 8 ranks whose nodes of 2 or 4
+ranks hold more than one rank of a dp x sp group, and more than one node, runs with
+hierarchical reduction (with and without ZeRO-1, several buckets), and every layout with sp of
+4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across; on nodes of 2 ranks, and of 4
+at 8 ranks). ZeRO-2 and ZeRO-3 (sharded gradients, and parameters gathered per layer) run on a
+covering set of the base layouts with dp x sp > 1, then with every schedule, SP mode and split,
+tp sequence parallelism, prefetch depths 0, 1 and 2, and the tied, scaled and windowed models
+(their recompute modes are in ``test_recompute.py``); ZeRO-3 with the parameters in node shared
+memory on layouts of its own. A model with tied embeddings, q/k/v biases and llama3 RoPE, and
+one with biases and dynamic RoPE, run on layouts chosen for them.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from conftest import check_in_groups, factorisations
+from conftest import check_in_groups, covering, factorisations
 from layouts import compare, layout_name, layout_size, reference, run, small_config
 from mpipar.parallel.placement import TENSOR_PARALLEL_PLAN
 from mpipar.runtime.topology import GridShape, NodeMap
@@ -36,22 +37,31 @@ def _admitted(dp, tp, pp, sp) -> bool:
 BASE = [f for w in (2, 4, 8) for f in factorisations(w) if _admitted(*f)]
 
 
-def _variants():
-    out = []
-    for dp, tp, pp, sp in BASE:
-        base = dict(dp=dp, tp=tp, pp=pp, sp=sp)
-        out.append(base)
-        if pp > 1:
-            out += [dict(base, schedule="gpipe"), dict(base, schedule="zb-h1")]
-            if pp == 2:
-                out.append(dict(base, schedule="interleaved", virtual_stages=2))
-        if sp > 1:
-            out += [dict(base, sp_split="zigzag"), dict(base, sp_overlap=True)]
-            if (2 // tp) % sp == 0:
-                out += [dict(base, sp_mode="ulysses"),
-                        dict(base, sp_mode="ulysses", sp_split="zigzag")]
-        if dp * sp > 1:
-            out.append(dict(base, zero=1, bucket_mb=0.002))
+OPTIONS = [dict(schedule="gpipe"), dict(schedule="zb-h1"),
+           dict(schedule="interleaved", virtual_stages=2), dict(sp_split="zigzag"),
+           dict(sp_overlap=True), dict(sp_mode="ulysses"),
+           dict(sp_mode="ulysses", sp_split="zigzag"), dict(zero=1, bucket_mb=0.002)]
+"""What runs on the base layouts beside the defaults: each schedule, SP split and mode, ZeRO-1."""
+
+
+def _fits(option: dict, dp: int, tp: int, pp: int, sp: int) -> bool:
+    if "schedule" in option:
+        return pp > 1 and (option["schedule"] != "interleaved" or pp == 2)
+    if option.get("sp_mode") == "ulysses":
+        return sp > 1 and (2 // tp) % sp == 0
+    if "sp_split" in option or "sp_overlap" in option:
+        return sp > 1
+    return dp * sp > 1      # ZeRO-1
+
+
+def _variants(keep=lambda dp, tp, pp, sp: True, every_base: bool = True):
+    """The base layouts (every one, or a covering set), then each option on a covering set of
+    the bases that admit it (:func:`conftest.covering`: each axis split and unsplit, each world
+    size)."""
+    bases = [dict(dp=dp, tp=tp, pp=pp, sp=sp) for dp, tp, pp, sp in BASE if keep(dp, tp, pp, sp)]
+    out = list(bases) if every_base else covering(bases)
+    for option in OPTIONS:
+        out += covering([dict(b, **option) for b in bases if _fits(option, **b)])
     return out
 
 
@@ -73,11 +83,12 @@ HYBRID = [dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_size=2, **e
                         {"sp_split": "zigzag", "sp_overlap": True, "ranks_per_node": 2},
                         {"ranks_per_node": 4})[:3 + (dp * pp * sp == 8)]]
 VARIANTS = _variants() + HIERARCHICAL + HYBRID
-TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in _variants() if v["tp"] > 1]
-# ZeRO-2 and ZeRO-3 on every base layout with dp x sp > 1, then with each schedule, SP mode and
+TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True)
+                        for v in _variants(lambda dp, tp, pp, sp: tp > 1, every_base=False)]
+# ZeRO-2 and ZeRO-3 on a covering set of the base layouts with dp x sp > 1, then with each schedule, SP mode and
 # split, tp sequence parallelism, prefetch depths and the tied and scaled models.
-ZERO_BASE = [dict(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero) for dp, tp, pp, sp in BASE
-             if dp * sp > 1 for zero in (2, 3)]
+ZERO_BASE = [case for zero in (2, 3) for case in covering(
+    [dict(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero) for dp, tp, pp, sp in BASE if dp * sp > 1])]
 ZERO = ZERO_BASE + [
         dict(dp=2, zero=3, zero_prefetch=0),
         dict(dp=2, pp=2, zero=3), dict(dp=2, pp=2, zero=2, schedule="gpipe"),

@@ -43,3 +43,17 @@ def test_a_sample_keeps_every_nth_case_of_each_function_and_at_least_one():
     pairs = [key for key in kept if key[0] == "n.py"]
     firsts = sum(kept[key][0] == keys.index(key) for key in pairs)
     assert 0 < firsts < len(pairs), "every two-case function keeps the same case"
+
+
+def test_a_covering_set_holds_every_axis_value_and_world_size():
+    """The layout sweep runs each option on a covering set of the layouts that admit it: every
+    value each axis takes among them, and every world size, in at least one chosen layout."""
+    from conftest import covering, factorisations
+    cases = [dict(dp=dp, tp=tp, pp=pp, sp=sp) for w in (2, 4, 8)
+             for dp, tp, pp, sp in factorisations(w) if pp > 1]
+    chosen = covering(cases)
+    for key in ("dp", "tp", "pp", "sp"):
+        assert {c[key] for c in chosen} == {c[key] for c in cases}, key
+    assert ({c["dp"] * c["tp"] * c["pp"] * c["sp"] for c in chosen} == {2, 4, 8})
+    assert len(chosen) < len(cases) and all(c in cases for c in chosen)
+    assert covering([]) == []

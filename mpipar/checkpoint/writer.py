@@ -22,8 +22,8 @@ first; a crash between the two renames leaves ``latest`` naming a missing direct
 **A full disk.** Before writing its shard a rank compares the bytes it will write (plus a margin
 for HDF5's metadata) with what the save directory's filesystem has free, then reserves them
 (:mod:`mpipar.runtime.hdf5_sink`: the file HDF5 writes through, which keeps a failed write
-from the library), and a write that fails with ``ENOSPC`` all the same is recognised as such; either way the
-partial shard is removed and every rank raises :class:`SaveError` naming the path, the bytes
+from the library), and a write that fails with ``ENOSPC`` all the same is recognised as such;
+either way the partial shard is removed and every rank raises :class:`SaveError` naming the path, the bytes
 needed and free, and that ``latest`` still names the previous checkpoint, intact. An
 asynchronous save reports it at the first step boundary after its write ended
 (:mod:`.background`).

@@ -42,6 +42,9 @@ Sections:
                attention time against full causal at seq 8192
   precision    mixed precision: the default run under mpirun in float32 and in bfloat16 (with a
                float32 and a bf16 gradient reduction), final losses side by side
+  muon         the default run under mpirun with AdamW and with Muon, each at the learning rate
+               a short sweep picks: final losses over seeds, the optimizer step's seconds, share
+               of the step and bytes handed to MPI (bench/muon.py)
   checkpoint   the step time a checkpoint costs, synchronous against --async-save, under
                mpirun; then verifying one before a resume, every rank alone against the ranks
                together (bench/checkpoint.py)
@@ -64,12 +67,12 @@ import sys
 # The harness first: it sets this process's thread budget before the sections load NumPy.
 from mpipar.bench import harness
 from mpipar.bench import (checkpoint, comm, compression, documents, gpu, kernels, memory,
-                          moe, planner, precision, recovery, tiles, train, warmup, window)
+                          moe, muon, planner, precision, recovery, tiles, train, warmup, window)
 
 SECTIONS: dict[str, harness.Section] = {
     s.name: s for s in (warmup.SECTION, kernels.SECTION, memory.SECTION, window.SECTION, comm.SECTION,
                         planner.SECTION, train.SECTION, gpu.SECTION, compression.SECTION,
-                        precision.SECTION, checkpoint.SECTION, documents.SECTION,
+                        precision.SECTION, muon.SECTION, checkpoint.SECTION, documents.SECTION,
                         moe.SECTION, recovery.SECTION, tiles.SECTION)}
 """Section name -> section, in the order a run without a subcommand takes them."""
 

@@ -11,6 +11,13 @@ is what the write slows the steps it overlaps (the GIL, the disk, the cores). Th
 ``steps = (saves + 1) * save_every - 1`` steps, so every counted save is followed by steps that
 record it; the end-of-run save is not counted.
 
+With ``--driver-mb N`` only the cost of the file a shard is written through: an N MiB shard
+(4 MiB float32 tensors, stored as the writer stores them) written through
+:class:`mpipar.runtime.hdf5_sink.HDF5Sink` (h5py's file-object driver, its space reserved first,
+as every save writes) against h5py's default driver (``sec2``), both fsynced, in ``--repeats``
+interleaved rounds (the order alternating); the median of the rounds' time ratios
+(:func:`time_driver`).
+
 Then the verification a resume starts with (:func:`time_verify`, under ``mpirun -n
 --verify-ranks``): the last synchronous run's checkpoint verified by every rank alone (as
 before ranks verified together: each hashes and checks every shard file) against the ranks
@@ -74,6 +81,64 @@ def time_verify(args: argparse.Namespace) -> dict[str, Any]:
             "bytes": sum(f.stat().st_size for f in path.iterdir()), **times}
 
 
+def _write_shard_file(path: str, blocks: list, through_sink: bool) -> float:
+    """Seconds to write ``blocks`` as a shard's datasets to ``path`` and fsync it, through an
+    :class:`~mpipar.runtime.hdf5_sink.HDF5Sink` (its space reserved first) or h5py's default
+    driver."""
+    import time
+
+    import h5py
+
+    from mpipar.checkpoint.writer import DATASET_OPTIONS
+    from mpipar.runtime.hdf5_sink import HDF5Sink
+    t0 = time.perf_counter()
+    target = path
+    if through_sink:
+        target = HDF5Sink.create(path)
+        target.reserve(sum(b.nbytes for b in blocks) + (1 << 20))
+    with h5py.File(target, "w") as f:
+        for i, block in enumerate(blocks):
+            f.create_dataset(f"param/t{i}/0", data=block, **DATASET_OPTIONS)
+    if through_sink:
+        target.close()
+        if target.error is not None:
+            raise SystemExit(f"checkpoint --driver-mb: writing {path}: {target.error}")
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    os.unlink(path)
+    return seconds
+
+
+def time_driver(args: argparse.Namespace) -> dict[str, Any]:
+    """``--driver-mb``: the file-object driver's write time against the default driver's
+    (module docstring), printed."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    blocks = [rng.standard_normal((1024, 1024), dtype=np.float32)
+              for _ in range(max(1, round(args.driver_mb / 4)))]
+    mib = sum(b.nbytes for b in blocks) / 2**20
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "driver-shard.h5")
+    times: dict[str, list[float]] = {"fileobj": [], "sec2": []}
+    for i in range(args.repeats):
+        for way in (("fileobj", "sec2") if i % 2 == 0 else ("sec2", "fileobj")):
+            times[way].append(_write_shard_file(path, blocks, way == "fileobj"))
+    ratios = [a / b for a, b in zip(times["fileobj"], times["sec2"])]
+    print_header(f"{'driver (' + f'{mib:.0f}' + ' MiB)':<18} {'median s':>9} {'MiB/s':>7} "
+                 f"{'rounds s':>32}")
+    for way in times:
+        med = statistics.median(times[way])
+        print(f"{way:<18} {med:>9.3f} {mib / med:>7.0f} "
+              f"{', '.join(f'{t:.3f}' for t in times[way]):>32}")
+    print(f"fileobj / sec2: median of the rounds' ratios {statistics.median(ratios):.3f} "
+          f"(from {min(ratios):.3f} to {max(ratios):.3f}); both fsynced, in {args.out}")
+    return {"mib": mib, "rounds": args.repeats, **times, "ratios": ratios,
+            "ratio": statistics.median(ratios)}
+
+
 def _verify_rows(args: argparse.Namespace) -> dict[str, Any] | None:
     """:func:`time_verify` of the last synchronous run's checkpoint, printed."""
     if not args.verify_ranks:
@@ -98,6 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     verification a resume starts with, alone against together."""
     if args.verify:
         return time_verify(args)
+    if args.driver_mb:
+        return time_driver(args)
     if args.quick:
         args.saves, args.repeats, args.save_every = 2, 1, 3
     os.makedirs(args.out, exist_ok=True)
@@ -150,6 +217,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-checkpoint", help="run directories")
     parser.add_argument("--verify-ranks", type=int, default=8,
                         help="mpirun -n of the verification timing (0: none)")
+    parser.add_argument("--driver-mb", type=float, default=0,
+                        help="only time writing a shard of this many MiB through the file "
+                             "object every save uses against h5py's default driver (--repeats "
+                             "rounds, interleaved)")
     parser.add_argument("--verify", metavar="PATH", default=None,
                         help="under mpirun: only time verifying PATH (the section runs it)")
 

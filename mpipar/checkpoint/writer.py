@@ -21,9 +21,9 @@ first; a crash between the two renames leaves ``latest`` naming a missing direct
 
 **A full disk.** Before writing its shard a rank compares the bytes it will write (plus a margin
 for HDF5's metadata) with what the save directory's filesystem has free, then reserves them
-(:mod:`.shard_file`: the file HDF5 writes through, which keeps a failed write from the library),
-and a write that fails with ``ENOSPC`` all the same is recognised as such; either way the
-partial shard is removed and every rank raises :class:`SaveError` naming the path, the bytes
+(:mod:`mpipar.runtime.hdf5_sink`: the file HDF5 writes through, which keeps a failed write
+from the library), and a write that fails with ``ENOSPC`` all the same is recognised as such;
+either way the partial shard is removed and every rank raises :class:`SaveError` naming the path, the bytes
 needed and free, and that ``latest`` still names the previous checkpoint, intact. An
 asynchronous save reports it at the first step boundary after its write ended
 (:mod:`.background`).
@@ -47,9 +47,9 @@ from mpipar.checkpoint.directory import (CheckpointError, fsync_dir, latest, pru
                                          write_latest)
 from mpipar.checkpoint.index import FORMAT, write_index
 from mpipar.checkpoint.records import RankPlace, RunPosition
-from mpipar.checkpoint.shard_file import FULL, ShardFile
 from mpipar.checkpoint.shards import Piece, RankState, Slices
 from mpipar.runtime.comm import Group
+from mpipar.runtime.hdf5_sink import FULL, HDF5Sink
 
 
 # ------------------------------------------------------------------------ pieces -> rectangles
@@ -154,15 +154,19 @@ def _is_full_disk(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------ files
+DATASET_OPTIONS = {"chunks": True, "fletcher32": True}
+"""How a shard's datasets are stored: chunked, each chunk with its Fletcher-32 checksum."""
+
+
 def _write_shard(path: Path, pieces: list[Piece], state: RankState, place: RankPlace,
                  reserve: int = 0) -> dict[str, Any]:
     """Write this rank's rectangles of ``pieces`` (of ``state``) to ``path`` (fsynced; its
-    ``reserve`` bytes allocated first: :mod:`.shard_file`); return its record for the index:
-    file, sha256, size, ``place``'s rank and coordinates, and the datasets ``(kind, name,
-    dataset, global start, shape)``. An OSError of the file's writes is raised after it is
+    ``reserve`` bytes allocated first: :mod:`mpipar.runtime.hdf5_sink`); return its record for
+    the index: file, sha256, size, ``place``'s rank and coordinates, and the datasets ``(kind,
+    name, dataset, global start, shape)``. An OSError of the file's writes is raised after it is
     closed; HDF5 never meets it."""
     blocks, counts = [], {}
-    shard = ShardFile(path)
+    shard = HDF5Sink.create(path)
     try:
         shard.reserve(reserve)
         _write_blocks(shard, pieces, state, blocks, counts)
@@ -174,7 +178,7 @@ def _write_shard(path: Path, pieces: list[Piece], state: RankState, place: RankP
             "rank": place.rank, "coord": tuple(place.coord), "blocks": blocks}
 
 
-def _write_blocks(shard: ShardFile, pieces: list[Piece], state: RankState, blocks: list,
+def _write_blocks(shard: HDF5Sink, pieces: list[Piece], state: RankState, blocks: list,
                   counts: dict) -> None:
     """The HDF5 datasets of :func:`_write_shard`, through ``shard``; each one's record into
     ``blocks``."""
@@ -187,8 +191,8 @@ def _write_blocks(shard: ShardFile, pieces: list[Piece], state: RankState, block
                 k = counts.get((kind, name), 0)
                 counts[(kind, name)] = k + 1
                 dataset = f"{kind}/{name}/{k}"
-                ds = f.create_dataset(dataset, data=np.ascontiguousarray(block), chunks=True,
-                                      fletcher32=True)
+                ds = f.create_dataset(dataset, data=np.ascontiguousarray(block),
+                                      **DATASET_OPTIONS)
                 start = tuple(s.start for s in glob)
                 ds.attrs["global_start"] = np.array(start, np.int64)
                 blocks.append((kind, name, dataset, start, block.shape))

@@ -10,8 +10,9 @@ wins, and neither loses its work to the other.
 A write that fails (a full disk, an I/O error) is an error naming `--out`. HDF5 cannot close a
 file whose last writes failed (its close flushes the caches again and fails again; the file then
 stays open, and a later teardown of the library crashes). So the file is written through
-:class:`_Sink`, which takes over the descriptor: after the first failed write it drops every
-later one, HDF5 closes the file normally, and the temporary file is removed after it is closed.
+:class:`mpipar.runtime.hdf5_sink.HDF5Sink`, which takes over the descriptor: after the first
+failed write it drops every later one, HDF5 closes the file normally, and the temporary file is
+removed after it is closed.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import h5py
 import numpy as np
 
 from mpipar.data.sources import H5_SUFFIXES, DataError
+from mpipar.runtime.hdf5_sink import HDF5Sink
 
 
 def output_file(out: str | os.PathLike) -> Path:
@@ -49,71 +51,6 @@ def output_file(out: str | os.PathLike) -> Path:
     return out
 
 
-class _Sink(io.RawIOBase):
-    """The temporary file as HDF5 writes it (h5py's file-object driver). A failed write is
-    remembered (:attr:`failed`) and reported as written; every later write is dropped."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__()
-        self._file = io.FileIO(fd, "r+")
-        self.failed: OSError | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self._file.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._file.tell()
-
-    def readinto(self, buffer) -> int:
-        return self._file.readinto(buffer)
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        size = view.nbytes
-        if self.failed is None:
-            try:
-                done = 0
-                while done < size:  # FileIO writes may be partial
-                    done += self._file.write(view[done:])
-                return size
-            except OSError as err:
-                self.failed = err
-        self._file.seek(size, os.SEEK_CUR)
-        return size
-
-    def truncate(self, size: int | None = None) -> int:
-        if self.failed is None:
-            try:
-                return self._file.truncate(size)
-            except OSError as err:
-                self.failed = err
-        return self.tell() if size is None else size
-
-    def flush(self) -> None:
-        pass  # FileIO is unbuffered
-
-    def sync(self) -> None:
-        """fsync the file; a failure is remembered like a failed write."""
-        if self.failed is None:
-            try:
-                os.fsync(self._file.fileno())
-            except OSError as err:
-                self.failed = err
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
-
-
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -121,7 +58,7 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def hdf5_output(out: Path, **options) -> Iterator[tuple[h5py.File, "_Sink"]]:
+def hdf5_output(out: Path, **options) -> Iterator[tuple[h5py.File, HDF5Sink]]:
     """Yield (a new HDF5 file written in place of `out`, its sink) (module docstring): `out` is
     replaced by the complete file when the block ends without an error; otherwise nothing of
     this call remains (its own temporary file is closed, then removed). The writer checks
@@ -132,29 +69,28 @@ def hdf5_output(out: Path, **options) -> Iterator[tuple[h5py.File, "_Sink"]]:
     except OSError as err:
         raise DataError(f"--out {out}: cannot be written in {out.parent} "
                         f"({err.strerror or err})") from None
-    sink = _Sink(fd)
+    sink = HDF5Sink(io.FileIO(fd, "r+"), name)
     try:
         try:
             with h5py.File(sink, "w", **options) as f:
                 yield f, sink
         finally:
-            sink.sync()
-            sink.close()
+            sink.close()  # fsynced first
         check_written(sink, out)
         os.chmod(name, 0o666 & ~_umask())  # mkstemp creates 0600
         os.replace(name, out)
     except BaseException as exc:
         Path(name).unlink(missing_ok=True)
-        if sink.failed is not None and not isinstance(exc, DataError):
+        if sink.error is not None and not isinstance(exc, DataError):
             raise DataError(f"--out {out}: cannot be written "
-                            f"({sink.failed.strerror or sink.failed})") from None
+                            f"({sink.error.strerror or sink.error})") from None
         raise
 
 
-def check_written(sink: _Sink, out: Path) -> None:
+def check_written(sink: HDF5Sink, out: Path) -> None:
     """Raise DataError naming `--out` when a write to `sink` has failed."""
-    if sink.failed is not None:
-        raise DataError(f"--out {out}: cannot be written ({sink.failed.strerror or sink.failed})")
+    if sink.error is not None:
+        raise DataError(f"--out {out}: cannot be written ({sink.error.strerror or sink.error})")
 
 
 PREPARE_CHUNK_TOKENS = 1 << 20

@@ -26,6 +26,10 @@ pipeline executor's op records:
   written after that record: a step's record is logged before its checkpoint commits). With
   ``--async-save`` only the blocking part: the copy to host memory, a wait for a write still
   in flight, and the commit (the background write itself overlaps the following steps).
+
+What the optimizer costs is measured around it too (:class:`OptimizerCost`, rank 0's in the
+record as ``optimizer_s`` and ``optimizer_bytes``): the seconds of clipping and the update, and
+the bytes they hand to MPI (Muon's exchanges, ZeRO's all-gathers; the ledger's count, all groups).
 """
 from __future__ import annotations
 
@@ -83,6 +87,23 @@ def mfu_text(mfu: float, digits: int = 2) -> str:
 
 
 @dataclass
+class OptimizerCost:
+    """What one optimizer step (clipping and the update) cost this rank: its seconds and the
+    bytes it handed to MPI (``ledger`` counts, every group), between :meth:`start` and
+    :meth:`stop`. A step that applies no update (a non-finite loss) costs nothing."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+
+    def start(self, ledger: Ledger) -> None:
+        self.seconds, self.bytes = -time.perf_counter(), -sum(ledger.bytes_by_group().values())
+
+    def stop(self, ledger: Ledger) -> None:
+        self.seconds += time.perf_counter()
+        self.bytes += sum(ledger.bytes_by_group().values())
+
+
+@dataclass
 class StepResult:
     """What one optimizer step produced (the same on every rank)."""
 
@@ -108,6 +129,7 @@ class StepResult:
     # whole batch, so all agree); 0: every label masked, the loss and gradient are 0 by
     # definition and the record says so (``no_targets``). None: every target counts
     targets: int | None = None
+    optimizer: OptimizerCost | None = None  # what the optimizer step cost this rank
 
 
 @dataclass
@@ -246,6 +268,8 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
         **(result.preference or {}),
         **({} if result.targets is None else {"counted_targets": result.targets}),
         **({"no_targets": True} if result.targets == 0 else {}),
+        **({} if result.optimizer is None else {"optimizer_s": result.optimizer.seconds,
+                                                "optimizer_bytes": result.optimizer.bytes}),
     }
 
 

@@ -79,6 +79,7 @@ def _check_record(r: dict, path: str) -> None:
     optional = {"memory_bytes": lambda v: isinstance(v, list) and _numbers(v),
                 "comm_bytes_max": lambda v: isinstance(v, dict) and _numbers(v),
                 "inter_node_bytes_max": _number, "skipped_steps": _number,
+                "optimizer_s": _number, "optimizer_bytes": _number,
                 "attention_imbalance": _number,
                 "eval": lambda v: isinstance(v, dict) and _number(v.get("loss"))
                 and _number(v.get("perplexity")),
@@ -217,6 +218,7 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
                          "window_layers": model.get("window_layers", "all"),
                          "seq_len": tr.get("seq_len")}
     out.update(_documents(tr, steady))
+    out.update(_optimizer_cost(steady, tr, out["step_time_s"]))
     if tr.get("recompute"):
         out["layout"]["recompute"] = tr["recompute"]
         out["layout"]["backend"] = tr["backend"]
@@ -267,6 +269,27 @@ def _documents(train: dict[str, Any], steady: list[dict]) -> dict[str, Any]:
     if values:
         out["attention_imbalance"] = {"mean": statistics.mean(values), "max": max(values)}
     return out
+
+
+def _optimizer_cost(steady: list[dict], train: dict[str, Any], step_s: float
+                    ) -> dict[str, Any]:
+    """What the optimizer step costs (rank 0's ``optimizer_s`` and ``optimizer_bytes``):
+    median seconds, their share of the median step, median bytes handed to MPI."""
+    timed = [r for r in steady if "optimizer_s" in r]
+    if not timed:
+        return {}
+    seconds = statistics.median(r["optimizer_s"] for r in timed)
+    return {"optimizer_cost": {"optimizer": train.get("optimizer", "adamw"), "seconds": seconds,
+                               "share": seconds / step_s if step_s > 0 else 0.0,
+                               "bytes": int(statistics.median(r["optimizer_bytes"]
+                                                              for r in timed))}}
+
+
+def optimizer_text(cost: dict[str, Any]) -> str:
+    """The summary's line on what the optimizer step costs."""
+    return (f"optimizer ({cost['optimizer']}, rank 0, median): {cost['seconds']:.4g} s a step "
+            f"({100 * cost['share']:.1f}% of the median step), {cost['bytes']:,} bytes a step "
+            f"handed to MPI")
 
 
 def _moe_dropped(records: list[dict], top_k: int | None) -> dict[str, Any]:
@@ -513,6 +536,7 @@ def summary_text(summary: dict[str, Any]) -> str:
            "time per step (mean over steps without warm-up and ranks): " + ", ".join(
                f"{k} {t[k]:.3g} s ({100 * t[k] / total:.0f}%)" for k in TIME_KEYS)
            + f"; {total:.4g} s in all (the mean step and the I/O between steps)",
+           *([optimizer_text(s["optimizer_cost"])] if s.get("optimizer_cost") else []),
            f"pipeline bubble: {100 * s['bubble']:.0f}%",
            "bytes per step (busiest rank): " + (", ".join(
                f"{g} {b:,}" for g, b in s["comm_bytes_per_step"].items()) or "none")

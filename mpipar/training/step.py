@@ -42,7 +42,7 @@ from mpipar.model.flops import model_flops_per_step
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.lora import is_adapter
 from mpipar.observe.balance import attention_imbalance, moe_load_stats
-from mpipar.observe.metrics import EvalResult, StepResult
+from mpipar.observe.metrics import EvalResult, OptimizerCost, StepResult
 from mpipar.parallel.pipeline.executor import Microbatch
 from mpipar.parallel.placement import expert_of
 from mpipar.runtime.comm import booked_to
@@ -85,9 +85,12 @@ def train_step(rank: Rank, step: int) -> StepResult:
     rank.comms.groups["tp_pp"].allreduce_(norm_sq)   # each parameter counted once
     grad_norm = math.sqrt(float(norm_sq[0]))
     lr = w.schedule(step)
+    cost = OptimizerCost()
     if math.isfinite(loss) and math.isfinite(grad_norm):
+        cost.start(rank.ledger)
         w.optimizer.clip(tr.clip_grad, grad_norm)
         w.optimizer.step(lr)
+        cost.stop(rank.ledger)
         if m.routing.rate:
             m.routing.update(loads)
             moe["moe_bias_max_abs"] = m.routing.max_abs()
@@ -101,7 +104,7 @@ def train_step(rank: Rank, step: int) -> StepResult:
                       tr.global_batch_size * rows_per * tr.seq_len, imbalance, moe,
                       (None if docs is None else model_flops_per_step(cfg, docs))
                       if pref is None else rows_per * model_flops_per_step(cfg), rewards,
-                      batch.targets)
+                      batch.targets, cost)
 
 
 def _preference_metrics(rank: Rank, batch: StepBatch) -> dict[str, float]:

@@ -70,6 +70,41 @@ def test_precision_means_over_seeds_and_per_seed_differences():
     assert means[0]["vs_float32"] == 0.0 and means[0]["diff_stderr"] == 0.0
 
 
+def test_muon_section_reads_runs_and_compares_means_over_seeds():
+    """The muon section's numbers: a run's final loss, optimizer seconds, share and bytes from
+    its records (the warm-up step left out of the medians); the sweep's best rate (a diverged
+    rate never wins); the means over the seeds and Muon's per-seed differences from AdamW
+    (hand-computed)."""
+    import math
+    from mpipar.bench.muon import best_lr, run_numbers, seed_means
+
+    def rec(loss, step, opt, sent):
+        return {"loss": loss, "step_time_s": step, "optimizer_s": opt, "optimizer_bytes": sent,
+                "comm_bytes": {"dp_sp": 1000, "tp": 24}}
+    got = run_numbers([rec(5.0, 9.0, 9.0, 7), rec(4.0, 1.0, 0.1, 0), rec(3.0, 2.0, 0.9, 10),
+                       rec(2.0, 6.0, 0.2, 50)], last=2)
+    assert got["final_loss"] == 2.5 and got["step_time_s"] == 2.0
+    assert got["optimizer_s"] == 0.2 and math.isclose(got["optimizer_share"], 0.1)
+    assert got["optimizer_bytes"] == 10 and got["step_bytes"] == 1024
+    assert best_lr([{"lr": 1e-2, "final_loss": float("nan")}, {"lr": 3e-3, "final_loss": 2.0},
+                    {"lr": 1e-3, "final_loss": 2.5}]) == 3e-3
+    with pytest.raises(SystemExit):
+        best_lr([{"lr": 1.0, "final_loss": float("inf")}])
+
+    def row(opt, seed, final):
+        return {"optimizer": opt, "seed": seed, "lr": 0.02 if opt == "muon" else 3e-3,
+                "final_loss": final, "step_time_s": 1.0, "optimizer_s": 0.1,
+                "optimizer_share": 0.1, "optimizer_bytes": 8, "step_bytes": 100}
+    means = seed_means([row("adamw", 1, 2.0), row("muon", 1, 1.8), row("adamw", 2, 1.0),
+                        row("muon", 2, 1.1)])
+    assert math.isclose(means["adamw"]["final_loss"], 1.5)
+    assert math.isclose(means["adamw"]["final_loss_sd"], math.sqrt(0.5))
+    assert math.isclose(means["muon"]["final_loss"], 1.45) and means["muon"]["lr"] == 0.02
+    assert math.isclose(means["muon"]["vs_adamw"], (-0.1 + 0.1) / 2, abs_tol=1e-15)
+    assert math.isclose(means["muon"]["vs_adamw_stderr"], math.sqrt(2 * 0.1 ** 2) / math.sqrt(2))
+    assert "vs_adamw" not in means["adamw"] and means["muon"]["optimizer_bytes"] == 8
+
+
 def test_documents_speed_ratios_rest_on_a_brute_force_pair_count():
     """``documents``'s speed row on the CPU: the work ratio is the intra-document causal pairs
     over the full causal pairs, counted here pair by pair from the ids; the reported ratios are

@@ -51,6 +51,25 @@ def test_summary_numbers(tmp_path):
     assert s["bubble"] == pytest.approx((0.5 + 0.25) / 2)            # from the timeline
 
 
+def test_the_summary_says_what_the_optimizer_step_costs():
+    """Rank 0's measured optimizer seconds and bytes: medians over the steps after the warm-up,
+    the seconds' share of the median step, named with the optimizer; a log without them (an
+    older run) has no such line."""
+    records = [record(s, 5.0 - s, compute=0.2) for s in range(1, 5)]
+    for r, (sec, sent, step) in zip(records, [(9.0, 7, 9.0), (0.1, 40, 0.5), (0.3, 20, 0.5),
+                                               (0.2, 20, 1.0)]):
+        r["optimizer_s"], r["optimizer_bytes"], r["step_time_s"] = sec, sent, step
+    s = run_summary.summarize(records, None, {"train": {"optimizer": "muon"}})
+    assert s["optimizer_cost"] == {"optimizer": "muon", "seconds": 0.2, "share": 0.4,
+                                   "bytes": 20}
+    assert ("optimizer (muon, rank 0, median): 0.2 s a step (40.0% of the median step), 20 "
+            "bytes a step handed to MPI") in run_summary.summary_text(s).splitlines()
+    for r in records:
+        del r["optimizer_s"], r["optimizer_bytes"]
+    older = run_summary.summarize(records)
+    assert "optimizer_cost" not in older and "optimizer (" not in run_summary.summary_text(older)
+
+
 def _summary(layout: dict, **time) -> dict:
     t = {k: 0.0 for k in TIME_KEYS} | time
     return {"time_s": t, "layout": layout, "bubble": 0.0, "mfu": 0.2, "memory_bytes": [],

@@ -1,16 +1,17 @@
-"""The file a checkpoint shard is written through: its space reserved first, and an I/O error
-kept from HDF5.
+"""The file HDF5 writes through (h5py's ``fileobj`` driver): its space reserved first, and an
+I/O error kept from the library.
 
-HDF5 handles a failed write badly: the library leaves the file half-closed, h5py reports the
-error again from every object destructor (through ``sys.excepthook``, which a run turns into an
-abort of every rank), and the process crashes at exit when the library shuts down with the
-file still open. So a shard is written through :class:`ShardFile`, a file object for h5py's
-``fileobj`` driver that never raises to HDF5: the first failed write (a full disk, a quota, a
-file-size limit) is kept in :attr:`ShardFile.error`, later writes are dropped, and the writer
-raises the error once the file is closed, then removes the worthless file.
+HDF5 handles a failed write badly: the library leaves the file half-closed (its close flushes
+the caches again and fails again), h5py reports the error again from every object destructor
+(through ``sys.excepthook``, which a run turns into an abort of every rank), and the process
+crashes at exit when the library shuts down with the file still open. So every HDF5 file mpipar
+writes (a checkpoint shard, a prepared token file) goes through :class:`HDF5Sink`, a file object
+that never raises to HDF5: the first failed write (a full disk, a quota, a file-size limit) is
+kept in :attr:`HDF5Sink.error`, later writes are dropped, HDF5 closes the file normally, and the
+writer raises the error once the sink is closed, then removes the worthless file.
 
-Before HDF5 writes anything, :meth:`ShardFile.reserve` asks the filesystem for the shard's
-blocks (``fallocate`` without changing the size): on a disk without room the save fails there,
+Before HDF5 writes anything, :meth:`HDF5Sink.reserve` can ask the filesystem for the file's
+blocks (``fallocate`` without changing the size): on a disk without room the write fails there,
 cleanly, and ranks that write to one filesystem at once cannot each see room that only one of
 them gets. Where the filesystem cannot reserve, the writes find out, as above.
 """
@@ -45,14 +46,21 @@ def _fallocate():
 _FALLOCATE = _fallocate()
 
 
-class ShardFile(io.RawIOBase):
-    """A new file at ``path`` for h5py's ``fileobj`` driver (module docstring)."""
+class HDF5Sink(io.RawIOBase):
+    """A file for h5py's ``fileobj`` driver that keeps its first OSError (module docstring).
+    ``raw``: the file, unbuffered, open for reading and writing; ``path``: its name, for
+    errors. :meth:`create` opens a new file by name."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, raw: io.FileIO, path: str | os.PathLike) -> None:
         super().__init__()
-        self.path = path
-        self._raw = open(path, "w+b", buffering=0)
+        self._raw = raw
+        self.path = Path(path)
         self.error: OSError | None = None
+
+    @classmethod
+    def create(cls, path: str | os.PathLike) -> HDF5Sink:
+        """A new (or emptied) file at ``path``."""
+        return cls(open(path, "w+b", buffering=0), path)
 
     def reserve(self, nbytes: int) -> None:
         """Allocate ``nbytes`` for the file before it is written (the size stays 0). Raises
@@ -84,7 +92,7 @@ class ShardFile(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def seek(self, pos: int, whence: int = 0) -> int:
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
         return self._raw.seek(pos, whence)
 
     def tell(self) -> int:
@@ -94,24 +102,29 @@ class ShardFile(io.RawIOBase):
         return self._raw.readinto(buffer)
 
     def write(self, data) -> int:
+        """Write all of ``data``; after a failure, reported as written (the position moves on)
+        and dropped."""
         view = memoryview(data).cast("B")
-        self._kept(self._write_all, view)
+        if self.error is not None or self._kept(self._write_all, view, default=False) is False:
+            self._raw.seek(len(view), os.SEEK_CUR)
         return len(view)
 
-    def _write_all(self, view: memoryview) -> None:
+    def _write_all(self, view: memoryview) -> bool:
         done = 0
-        while done < len(view):
+        while done < len(view):  # FileIO writes may be partial
             done += self._raw.write(view[done:])
+        return True
 
     def truncate(self, size: int | None = None) -> int:
-        return self._kept(self._raw.truncate, size, default=size or 0)
+        return self._kept(self._raw.truncate, size,
+                          default=self.tell() if size is None else size)
 
     def flush(self) -> None:
-        if not self._raw.closed:
-            self._kept(self._raw.flush)
+        pass  # the file is unbuffered
 
     def close(self) -> None:
-        """Close the file; the first error of its writes stays in :attr:`error`."""
+        """fsync and close the file; the first error of its writes (or of the fsync) stays in
+        :attr:`error`."""
         if not self.closed:
             self._kept(os.fsync, self._raw.fileno())
             self._raw.close()

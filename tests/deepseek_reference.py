@@ -61,10 +61,19 @@ def float64_deepseek(monkeypatch) -> None:
         monkeypatch.setattr(owner, attr, new)
 
 
-def random_model(q_lora_rank: int | None = 16):
-    """The random float64 model (seed 0), router weights and selection biases included."""
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+        "original_max_position_embeddings": 4096}
+"""DeepSeek-V3's yarn fields with a pretraining context of 4096: of the 2 frequencies of the rope
+width 4 one is kept and one blended; mscale differs from mscale_all_dim, so the tables carry an
+attention factor other than 1 and the softmax scale a factor (0.1 * 0.8 ln 4 + 1)^2."""
+
+
+def random_model(q_lora_rank: int | None = 16, **fields):
+    """The random float64 model (seed 0), router weights and selection biases included;
+    ``fields``: more config fields."""
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(q_lora_rank=q_lora_rank, **SIZES)
+    cfg = DeepseekV3Config(q_lora_rank=q_lora_rank, **SIZES, **fields)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.float64)
     model.config._experts_implementation = "eager"
     with torch.no_grad():

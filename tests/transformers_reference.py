@@ -66,6 +66,11 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8, "rope_theta": THETA}
 """Llama 3.1's rule with a pretraining context of 8 < S: of the 4 frequencies of head_dim 8
 (wavelengths 6.3, 63, 628, 6283) one is interpolated and three are divided by the factor."""
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+        "rope_theta": THETA}
+"""YaRN over a pretraining context of 4096: of the 6 frequencies of head_dim 12 the correction
+range [1, 5] keeps two, blends three and divides the last by the factor; the tables carry the
+attention factor 0.1 ln 4 + 1."""
 
 MODELS = {
     "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
@@ -74,6 +79,8 @@ MODELS = {
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
     # Per-head q/k RMSNorms, and a head dim of 12, not hidden / heads = 8.
     "qwen3": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=12)),
+    "qwen3-yarn": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=12, rope_parameters=YARN,
+                                     max_position_embeddings=4 * 4096)),
     # A sliding window of 5 < S = 12: every query past the fifth loses keys to the window.
     "mistral": (MistralConfig, dict(tie_word_embeddings=False, sliding_window=5)),
     "linear": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 3.0,
@@ -141,16 +148,16 @@ def rmsnorm_own_dtype(self, x):
 
 @contextlib.contextmanager
 def torch_float_is_float64():
-    """``torch.float`` and the default dtype are float64: transformers' RoPE code, which asks
-    for ``torch.float`` (float32) and promotes Python scalars to the default dtype, computes in
-    float64."""
+    """``torch.float``, ``torch.float32`` and the default dtype are float64: transformers' RoPE
+    code, which asks for ``torch.float`` (yarn's ramp for ``torch.float32``) and promotes Python
+    scalars to the default dtype, computes in float64."""
     old_float, old_default = torch.float, torch.get_default_dtype()
-    torch.float = torch.float64
+    torch.float = torch.float32 = torch.float64
     torch.set_default_dtype(torch.float64)
     try:
         yield
     finally:
-        torch.float = old_float
+        torch.float = torch.float32 = old_float
         torch.set_default_dtype(old_default)
 
 

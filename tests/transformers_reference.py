@@ -52,7 +52,7 @@ from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from mpipar.checkpoint.huggingface import mpipar_name  # noqa: E402
+from mpipar.checkpoint.huggingface import mpipar_name, save_hf  # noqa: E402
 from mpipar.data.sources import load_tokens  # noqa: E402
 from mpipar.rules import validate  # noqa: E402
 from mpipar.training import step as trainer  # noqa: E402
@@ -246,6 +246,39 @@ def mpipar_rank(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
     rank = build_rank(cfg, comm, source=load_tokens(str(samples), V, S))
     trainer.load_params(rank, params)
     return rank
+
+
+def mpipar_logits(rank: Rank, tokens: np.ndarray) -> np.ndarray:
+    """Logits ``[B, S, V]`` of ``tokens [B, S]`` (the forward's LM head output)."""
+    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
+                                            np.zeros_like(tokens))
+    return cache.head.logits.reshape(tokens.shape + (-1,))
+
+
+def transformers_logits(path, tokens: np.ndarray, architecture: str | None = None) -> np.ndarray:
+    """transformers' float64 logits of ``tokens`` from the checkpoint at ``path`` (experts
+    ``eager``: its grouped GEMM takes no float64); ``architecture``: the class it must load as."""
+    model = hf_model(path)
+    assert architecture is None or type(model).__name__ == architecture, type(model).__name__
+    model.config._experts_implementation = "eager"
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+
+
+def assert_export_gives_mpipar_logits(cfg: ModelConfig, params, rows, out,
+                                      architecture: str) -> dict:
+    """``params`` of model ``cfg`` exported to ``out`` (--export-hf's writer): written as
+    ``architecture``, transformers loads them as it and computes mpipar's logits of the first
+    B rows of ``rows`` to TOL. Returns the written config.json."""
+    save_hf(out, cfg, params)
+    raw = json.loads((Path(out) / "config.json").read_text())
+    assert raw["architectures"] == [architecture], raw["architectures"]
+    tokens = np.load(rows)[:B, :S]
+    rank = mpipar_rank(cfg, params, rows)
+    want = mpipar_logits(rank, tokens)
+    trainer.close(rank)
+    assert rel(want, transformers_logits(out, tokens, architecture)) <= TOL
+    return raw
 
 
 def torch_adamw(model) -> "torch.optim.AdamW":

@@ -23,7 +23,7 @@ from tests.deepseek_reference import (ALPHA, B, E, GROUPS, LAYERS, S, SCALE, STE
                                       TOPK_GROUPS, V, YARN, float64_deepseek, loaded,
                                       random_model, torch_training)
 from tests.generation import build_generator
-from tests.transformers_reference import TOL, mpipar_rank, rel, torch
+from tests.transformers_reference import TOL, mpipar_logits, mpipar_rank, rel, torch
 
 from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
                                            load_selection_biases,
@@ -68,12 +68,6 @@ def deepseek_rank(path, rows, params=None, **fields):
     rank = mpipar_rank(cfg, read if params is None else params, rows)
     rank.model.routing.load(load_selection_biases(path))
     return rank
-
-
-def mpipar_logits(rank, tokens: np.ndarray) -> np.ndarray:
-    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
-                                            np.zeros_like(tokens))
-    return cache.head.logits.reshape(tokens.shape[0], S, V)
 
 
 def transformers_logits(model, tokens: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Callable
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when Numba first loads it
 
@@ -312,27 +313,41 @@ def _swiglu_bwd(dh, g, u, dg, du, one):
         du[i] = dh[i] * (gi * sig)
 
 
+def _gated_fwd(name: str, kernel: Callable, gate: Array, up: Array, *constants: float) -> Array:
+    """A gated activation's forward ``h = act(gate) * up`` through its elementwise ``kernel(g,
+    u, h, *constants)``, the constants in the arrays' dtype."""
+    dt = _float_dtype(gate, name)
+    require(gate.shape == up.shape, f"{name}: gate.shape={gate.shape} must equal up.shape={up.shape}")
+    h = np.empty(gate.shape, dt)
+    kernel(_c(gate, dt).reshape(-1), _c(up, dt).reshape(-1), h.reshape(-1),
+           *(dt.type(c) for c in constants))
+    return h
+
+
+def _gated_bwd(name: str, kernel: Callable, dh: Array, gate: Array, up: Array,
+               *constants: float) -> tuple[Array, Array]:
+    """(dgate, dup) of a gated activation through its elementwise ``kernel(dh, g, u, dg, du,
+    *constants)``, the constants in the arrays' dtype."""
+    dt = _float_dtype(gate, name)
+    require(dh.shape == gate.shape == up.shape,
+            f"{name}: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
+    dg = np.empty(gate.shape, dt)
+    du = np.empty(gate.shape, dt)
+    kernel(_c(dh, dt).reshape(-1), _c(gate, dt).reshape(-1), _c(up, dt).reshape(-1),
+           dg.reshape(-1), du.reshape(-1), *(dt.type(c) for c in constants))
+    return dg, du
+
+
 @ref.mixed_precision(0)
 def swiglu_fwd(gate: Array, up: Array) -> Array:
     """h = silu(gate) * up, elementwise over `[..., ffn]`."""
-    dt = _float_dtype(gate, "swiglu_fwd")
-    require(gate.shape == up.shape, f"swiglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
-    h = np.empty(gate.shape, dt)
-    _swiglu_fwd(_c(gate, dt).reshape(-1), _c(up, dt).reshape(-1), h.reshape(-1), dt.type(1))
-    return h
+    return _gated_fwd("swiglu_fwd", _swiglu_fwd, gate, up, 1)
 
 
 @ref.mixed_precision(0, 1)
 def swiglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     """(dgate, dup) of `swiglu_fwd`, elementwise over `[..., ffn]`."""
-    dt = _float_dtype(gate, "swiglu_bwd")
-    require(dh.shape == gate.shape == up.shape,
-            f"swiglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
-    dg = np.empty(gate.shape, dt)
-    du = np.empty(gate.shape, dt)
-    _swiglu_bwd(_c(dh, dt).reshape(-1), _c(gate, dt).reshape(-1), _c(up, dt).reshape(-1),
-                dg.reshape(-1), du.reshape(-1), dt.type(1))
-    return dg, du
+    return _gated_bwd("swiglu_bwd", _swiglu_bwd, dh, gate, up, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,29 +373,20 @@ def _geglu_bwd(dh, g, u, dg, du, c, k, half, one):
         du[i] = dh[i] * (half * gi * (one + t))
 
 
+_GELU_TANH = (ref.GELU_TANH_C, ref.GELU_TANH_K, 0.5, 1)
+"""The GeGLU kernels' constants: tanh-GELU's c and k, one half and one."""
+
+
 @ref.mixed_precision(0)
 def geglu_fwd(gate: Array, up: Array) -> Array:
     """h = gelu_tanh(gate) * up, elementwise over `[..., ffn]`."""
-    dt = _float_dtype(gate, "geglu_fwd")
-    require(gate.shape == up.shape, f"geglu_fwd: gate.shape={gate.shape} must equal up.shape={up.shape}")
-    h = np.empty(gate.shape, dt)
-    _geglu_fwd(_c(gate, dt).reshape(-1), _c(up, dt).reshape(-1), h.reshape(-1),
-               dt.type(ref.GELU_TANH_C), dt.type(ref.GELU_TANH_K), dt.type(0.5), dt.type(1))
-    return h
+    return _gated_fwd("geglu_fwd", _geglu_fwd, gate, up, *_GELU_TANH)
 
 
 @ref.mixed_precision(0, 1)
 def geglu_bwd(dh: Array, gate: Array, up: Array) -> tuple[Array, Array]:
     """(dgate, dup) of `geglu_fwd`, elementwise over `[..., ffn]`."""
-    dt = _float_dtype(gate, "geglu_bwd")
-    require(dh.shape == gate.shape == up.shape,
-            f"geglu_bwd: shapes dh {dh.shape}, gate {gate.shape}, up {up.shape} must be equal")
-    dg = np.empty(gate.shape, dt)
-    du = np.empty(gate.shape, dt)
-    _geglu_bwd(_c(dh, dt).reshape(-1), _c(gate, dt).reshape(-1), _c(up, dt).reshape(-1),
-               dg.reshape(-1), du.reshape(-1), dt.type(ref.GELU_TANH_C), dt.type(ref.GELU_TANH_K),
-               dt.type(0.5), dt.type(1))
-    return dg, du
+    return _gated_bwd("geglu_bwd", _geglu_bwd, dh, gate, up, *_GELU_TANH)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -63,6 +63,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .rope_frequencies import rope_attention_factor, rope_inv_freq
+
 Array = Any  # numpy.ndarray or cupy.ndarray
 
 
@@ -332,61 +334,20 @@ def add_rmsnorm_bwd(dy: Array, ds: Array, s: Array, w: Array, rstd: Array) -> tu
 # Rotary position embedding (rotate-half convention of Hugging Face Llama)
 # ----------------------------------------------------------------------------------------------
 
-ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3")
-"""RoPE frequency rules of :func:`rope_inv_freq` (transformers' ``rope_type`` names)."""
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: str = "default", factor: float = 1.0,
-                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                  original_max_positions: int = 0, seq_len: int = 0) -> np.ndarray:
-    """RoPE inverse frequencies `[head_dim // 2]`, float64 (host NumPy), under a scaling rule.
-
-    default: ``theta ** (-2i / head_dim)``. linear: those divided by ``factor`` (positions
-    stretched by ``factor``). dynamic (NTK): for ``seq_len`` beyond ``original_max_positions``,
-    theta becomes ``theta * (factor * seq_len / original - (factor - 1)) ** (d / (d - 2))``;
-    otherwise default. llama3 (Llama 3.1): with wavelengths ``2 pi / f``, the frequencies whose
-    wavelength exceeds ``original / low_freq_factor`` are divided by ``factor``, those below
-    ``original / high_freq_factor`` kept, and those between interpolated:
-    ``(1 - s) f / factor + s f`` with ``s = (original / wavelength - low) / (high - low)``.
-    These are transformers' rules (``modeling_rope_utils``), here in float64 throughout.
-    """
-    require(head_dim > 0 and head_dim % 2 == 0, f"rope_cos_sin: head_dim={head_dim} must be positive and even")
-    require(theta > 0, f"rope_cos_sin: theta={theta} must be > 0")
-    require(scaling in ROPE_SCALINGS, f"rope_cos_sin: scaling={scaling!r} must be one of {', '.join(ROPE_SCALINGS)}")
-    require(scaling == "default" or factor > 0, f"rope_cos_sin: factor={factor} must be > 0")
-    exponent = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
-    if scaling == "dynamic":
-        require(original_max_positions >= 1,
-                f"rope_cos_sin: original_max_positions={original_max_positions} must be >= 1 for dynamic scaling")
-        if seq_len > original_max_positions:
-            theta = theta * (factor * seq_len / original_max_positions - (factor - 1)) ** (head_dim / (head_dim - 2))
-    inv_freq = theta ** -exponent
-    if scaling == "linear":
-        return inv_freq / factor
-    if scaling == "llama3":
-        require(original_max_positions >= 1 and 0 < low_freq_factor < high_freq_factor,
-                f"rope_cos_sin: llama3 scaling needs original_max_positions >= 1 (got {original_max_positions}) "
-                f"and 0 < low_freq_factor < high_freq_factor (got {low_freq_factor}, {high_freq_factor})")
-        wavelength = 2 * math.pi / inv_freq
-        smooth = (original_max_positions / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        long = wavelength > original_max_positions / low_freq_factor
-        short = wavelength < original_max_positions / high_freq_factor
-        return np.where(long, inv_freq / factor, np.where(short, inv_freq, between))
-    return inv_freq
-
-
 def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any,
                  scaling: str = "default", factor: float = 1.0, low_freq_factor: float = 1.0,
                  high_freq_factor: float = 4.0, original_max_positions: int = 0,
-                 seq_len: int = 0) -> tuple[Array, Array]:
+                 seq_len: int = 0, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                 mscale: float = 0.0, mscale_all_dim: float = 0.0) -> tuple[Array, Array]:
     """cos and sin tables for the given global token positions.
 
     positions: int `[S]` -> cos, sin: `[S, head_dim // 2]` in `dtype` (float32 for bf16
     activations: the rope kernels compute in float32 and read the tables as they are). The angles
-    ``positions[s] * inv_freq[i]`` (:func:`rope_inv_freq` under ``scaling`` and its parameters)
-    are computed in float64 and then cast. ``seq_len``: the length of the whole sequence the
-    positions belong to (dynamic scaling depends on it; 0 means ``max(positions) + 1``).
+    ``positions[s] * inv_freq[i]`` (:func:`rope_frequencies.rope_inv_freq` under ``scaling`` and
+    its parameters) and their cos and sin times the rule's
+    :func:`rope_frequencies.rope_attention_factor` are computed in float64 and then cast.
+    ``seq_len``: the length of the whole sequence the positions belong to (dynamic scaling
+    depends on it; 0 means ``max(positions) + 1``).
     """
     xp = array_module(positions)
     pos = xp.asarray(positions)
@@ -395,9 +356,13 @@ def rope_cos_sin(positions: Array, head_dim: int, theta: float, dtype: Any,
     if not seq_len and pos.size:
         seq_len = int(pos.max()) + 1
     inv_freq = xp.asarray(rope_inv_freq(head_dim, theta, scaling, factor, low_freq_factor,
-                                        high_freq_factor, original_max_positions, seq_len))
+                                        high_freq_factor, original_max_positions, seq_len,
+                                        beta_fast, beta_slow))
     angles = pos.astype(np.float64)[:, None] * inv_freq[None, :]
-    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+    gain = rope_attention_factor(scaling, factor, mscale, mscale_all_dim)
+    if gain == 1.0:
+        return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+    return (xp.cos(angles) * gain).astype(dtype), (xp.sin(angles) * gain).astype(dtype)
 
 
 def check_rope_shapes(x: Array, cos: Array, sin: Array, name: str) -> None:

@@ -13,14 +13,14 @@ import copy
 
 import numpy as np
 
-from tests.transformers_reference import (OPT, rmsnorm_own_dtype, rotary_float64, torch,
-                                          torch_adamw)
+from tests.transformers_moe import by_mpipar_name as moe_by_mpipar_name, float64_moe
+from tests.transformers_reference import OPT, torch, torch_adamw
 from transformers import AutoModelForCausalLM, DeepseekV3Config  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 
 from mpipar.checkpoint import hf_deepseek
 from mpipar.checkpoint.huggingface import load_hf, mpipar_name
-from mpipar.model.params import ROUTER, SHARED_DOWN, SHARED_GATE_UP, expert_names
+from mpipar.model.params import ROUTER, SHARED_DOWN, SHARED_GATE_UP
 
 V, H, HEADS, LAYERS, S, B, STEPS, ALPHA = 64, 32, 4, 3, 12, 2, 2, 0.1
 E, TOPK, FFN, GROUPS, TOPK_GROUPS, SCALE = 8, 3, 16, 4, 2, 2.5
@@ -55,16 +55,24 @@ def grouped_topk(choice, router):
 
 
 def float64_deepseek(monkeypatch) -> None:
-    for owner, attr, new in ((hf_ds.DeepseekV3RMSNorm, "forward", rmsnorm_own_dtype),
-                             (hf_ds.DeepseekV3RotaryEmbedding, "forward", rotary_float64),
-                             (hf_ds.DeepseekV3TopkRouter, "forward", router_float64)):
-        monkeypatch.setattr(owner, attr, new)
+    """transformers' DeepSeek-V3 in float64 throughout (norms, RoPE, the grouped router)."""
+    float64_moe(monkeypatch, hf_ds.DeepseekV3RMSNorm, hf_ds.DeepseekV3RotaryEmbedding,
+                hf_ds.DeepseekV3TopkRouter, router_float64)
 
 
-def random_model(q_lora_rank: int | None = 16):
-    """The random float64 model (seed 0), router weights and selection biases included."""
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+        "original_max_position_embeddings": 4096}
+"""DeepSeek-V3's yarn fields with a pretraining context of 4096: of the 2 frequencies of the rope
+width 4 one is kept and one blended; mscale differs from mscale_all_dim, so the tables carry an
+attention factor other than 1 and the softmax scale a factor (0.1 * 0.8 ln 4 + 1)^2."""
+
+
+def random_model(q_lora_rank: int | None = 16, **fields):
+    """The random float64 model (seed 0), router weights and selection biases included;
+    ``fields``: more config fields."""
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(q_lora_rank=q_lora_rank, **SIZES)
+    cfg = DeepseekV3Config(q_lora_rank=q_lora_rank, **SIZES, **fields)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.float64)
     model.config._experts_implementation = "eager"
     with torch.no_grad():
@@ -96,25 +104,14 @@ def loaded(path):
 def by_mpipar_name(model) -> dict[str, np.ndarray]:
     """The model's parameters under mpipar's names and in its layout (fused experts split, the
     shared experts renamed, rope rows from interleaved pairs to halves)."""
-    out = {}
-    for name, p in model.named_parameters():
-        value = p.detach().numpy()
-        i = int(name.split(".")[2]) if name.startswith("model.layers.") else None
-        if name.endswith("experts.gate_up_proj"):
-            for e in range(E):
-                w1, w3, _ = expert_names(i, e)
-                out[w1], out[w3] = value[e, :FFN].copy(), value[e, FFN:].copy()
-        elif name.endswith("experts.down_proj"):
-            for e in range(E):
-                out[expert_names(i, e)[2]] = value[e].copy()
-        elif name.endswith(".mlp.gate.weight"):
-            out[f"layers.{i}." + ROUTER] = value.copy()
-        elif ".shared_experts." in name:
-            kind = name.split(".")[-2]
-            full = dict(zip(("gate_proj", "up_proj", "down_proj"), SHARED_GATE_UP + SHARED_DOWN))
-            out[f"layers.{i}." + full[kind]] = value.copy()
-        else:
-            out[mpipar_name(name)] = value.copy()
+    shared = dict(zip(("gate_proj", "up_proj", "down_proj"), SHARED_GATE_UP + SHARED_DOWN))
+
+    def other(name: str, i: int | None) -> str:
+        if ".shared_experts." in name:
+            return f"layers.{i}." + shared[name.split(".")[-2]]
+        return mpipar_name(name)
+
+    out = moe_by_mpipar_name(model, E, FFN, other)
     from mpipar.checkpoint.huggingface import model_config_from_hf
     cfg = model_config_from_hf(model.config.to_dict())
     return hf_deepseek.from_hub(cfg, {"rope_interleave": True}, out)

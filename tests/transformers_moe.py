@@ -24,13 +24,14 @@ from mpipar.training import step as trainer
 E, TOPK, FFN, ALPHA, STEPS = 4, 2, 24, 0.1, 2
 
 
-def float64_moe(monkeypatch, rmsnorm, rotary, router) -> None:
+def float64_moe(monkeypatch, rmsnorm, rotary, router, router_forward=router_float64) -> None:
     """Apply :data:`PATCHES` and the model's own ``rmsnorm``, ``rotary`` and ``router`` classes'
     float64 forwards (transformers' ``<Model>RMSNorm``, ``<Model>RotaryEmbedding``,
-    ``<Model>TopKRouter``) for the test."""
+    ``<Model>TopKRouter``; the router's ``router_forward``, a softmax top-K's by default) for
+    the test."""
     for owner, attr, replacement in PATCHES + [(rmsnorm, "forward", rmsnorm_own_dtype),
                                                (rotary, "forward", rotary_float64),
-                                               (router, "forward", router_float64)]:
+                                               (router, "forward", router_forward)]:
         monkeypatch.setattr(owner, attr, replacement)
 
 
@@ -47,25 +48,26 @@ def balance_loss(router_logits) -> "torch.Tensor":
     return ALPHA * total
 
 
-def by_mpipar_name(model) -> dict[str, np.ndarray]:
-    """The model's parameters under mpipar's names: the fused experts split into w1, w3, w2,
-    the router (``mlp.gate`` in memory in transformers 5; the hub's ``block_sparse_moe.gate``
-    for Mixtral) as :data:`ROUTER`."""
+def by_mpipar_name(model, experts: int = E, ffn: int = FFN, other=None) -> dict[str, np.ndarray]:
+    """The model's parameters under mpipar's names: the fused experts (``experts`` of width
+    ``ffn``) split into w1, w3, w2, the router (``mlp.gate`` in memory in transformers 5; the
+    hub's ``block_sparse_moe.gate`` for Mixtral) as :data:`ROUTER`; ``other(name, layer)``:
+    the mpipar name of any other tensor (default :func:`mpipar_name`)."""
     out = {}
     for name, p in model.named_parameters():
         value = p.detach().numpy()
         i = int(name.split(".")[2]) if name.startswith("model.layers.") else None
         if name.endswith("experts.gate_up_proj"):
-            for e in range(E):
+            for e in range(experts):
                 w1, w3, _ = expert_names(i, e)
-                out[w1], out[w3] = value[e, :FFN].copy(), value[e, FFN:].copy()
+                out[w1], out[w3] = value[e, :ffn].copy(), value[e, ffn:].copy()
         elif name.endswith("experts.down_proj"):
-            for e in range(E):
+            for e in range(experts):
                 out[expert_names(i, e)[2]] = value[e].copy()
         elif name.endswith(".mlp.gate.weight"):
             out[f"layers.{i}." + ROUTER] = value.copy()
         else:
-            out[mpipar_name(name)] = value.copy()
+            out[other(name, i) if other else mpipar_name(name)] = value.copy()
     return out
 
 

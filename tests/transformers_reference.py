@@ -52,7 +52,7 @@ from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 from mpipar.config import Config, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from mpipar.checkpoint.huggingface import mpipar_name  # noqa: E402
+from mpipar.checkpoint.huggingface import mpipar_name, save_hf  # noqa: E402
 from mpipar.data.sources import load_tokens  # noqa: E402
 from mpipar.rules import validate  # noqa: E402
 from mpipar.training import step as trainer  # noqa: E402
@@ -66,6 +66,11 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8, "rope_theta": THETA}
 """Llama 3.1's rule with a pretraining context of 8 < S: of the 4 frequencies of head_dim 8
 (wavelengths 6.3, 63, 628, 6283) one is interpolated and three are divided by the factor."""
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+        "rope_theta": THETA}
+"""YaRN over a pretraining context of 4096: of the 6 frequencies of head_dim 12 the correction
+range [1, 5] keeps two, blends three and divides the last by the factor; the tables carry the
+attention factor 0.1 ln 4 + 1."""
 
 MODELS = {
     "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
@@ -74,6 +79,8 @@ MODELS = {
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
     # Per-head q/k RMSNorms, and a head dim of 12, not hidden / heads = 8.
     "qwen3": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=12)),
+    "qwen3-yarn": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=12, rope_parameters=YARN,
+                                     max_position_embeddings=4 * 4096)),
     # A sliding window of 5 < S = 12: every query past the fifth loses keys to the window.
     "mistral": (MistralConfig, dict(tie_word_embeddings=False, sliding_window=5)),
     "linear": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 3.0,
@@ -141,16 +148,16 @@ def rmsnorm_own_dtype(self, x):
 
 @contextlib.contextmanager
 def torch_float_is_float64():
-    """``torch.float`` and the default dtype are float64: transformers' RoPE code, which asks
-    for ``torch.float`` (float32) and promotes Python scalars to the default dtype, computes in
-    float64."""
+    """``torch.float``, ``torch.float32`` and the default dtype are float64: transformers' RoPE
+    code, which asks for ``torch.float`` (yarn's ramp for ``torch.float32``) and promotes Python
+    scalars to the default dtype, computes in float64."""
     old_float, old_default = torch.float, torch.get_default_dtype()
-    torch.float = torch.float64
+    torch.float = torch.float32 = torch.float64
     torch.set_default_dtype(torch.float64)
     try:
         yield
     finally:
-        torch.float = old_float
+        torch.float = torch.float32 = old_float
         torch.set_default_dtype(old_default)
 
 
@@ -239,6 +246,39 @@ def mpipar_rank(model_cfg: ModelConfig, params, samples, comm=MPI.COMM_SELF,
     rank = build_rank(cfg, comm, source=load_tokens(str(samples), V, S))
     trainer.load_params(rank, params)
     return rank
+
+
+def mpipar_logits(rank: Rank, tokens: np.ndarray) -> np.ndarray:
+    """Logits ``[B, S, V]`` of ``tokens [B, S]`` (the forward's LM head output)."""
+    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
+                                            np.zeros_like(tokens))
+    return cache.head.logits.reshape(tokens.shape + (-1,))
+
+
+def transformers_logits(path, tokens: np.ndarray, architecture: str | None = None) -> np.ndarray:
+    """transformers' float64 logits of ``tokens`` from the checkpoint at ``path`` (experts
+    ``eager``: its grouped GEMM takes no float64); ``architecture``: the class it must load as."""
+    model = hf_model(path)
+    assert architecture is None or type(model).__name__ == architecture, type(model).__name__
+    model.config._experts_implementation = "eager"
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+
+
+def assert_export_gives_mpipar_logits(cfg: ModelConfig, params, rows, out,
+                                      architecture: str) -> dict:
+    """``params`` of model ``cfg`` exported to ``out`` (--export-hf's writer): written as
+    ``architecture``, transformers loads them as it and computes mpipar's logits of the first
+    B rows of ``rows`` to TOL. Returns the written config.json."""
+    save_hf(out, cfg, params)
+    raw = json.loads((Path(out) / "config.json").read_text())
+    assert raw["architectures"] == [architecture], raw["architectures"]
+    tokens = np.load(rows)[:B, :S]
+    rank = mpipar_rank(cfg, params, rows)
+    want = mpipar_logits(rank, tokens)
+    trainer.close(rank)
+    assert rel(want, transformers_logits(out, tokens, architecture)) <= TOL
+    return raw
 
 
 def torch_adamw(model) -> "torch.optim.AdamW":

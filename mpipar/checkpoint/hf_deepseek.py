@@ -11,8 +11,8 @@ huggingface` asks these rules.
   features of each query head and of the shared key come in interleaved pairs; mpipar rotates
   halves, so the rope rows of ``q_b_proj`` (``q_proj``) and ``kv_a_proj_with_mqa`` are permuted
   (evens then odds) on import and back on export (:func:`from_hub`, :func:`to_hub`): the same
-  scores. A yarn RoPE (the released models') is refused by the RoPE rule: mpipar does not build
-  yarn's frequencies nor its softmax-scale factor.
+  scores. A yarn RoPE (the released models') is read by the RoPE rule
+  (:mod:`mpipar.checkpoint.hf_rope`), its softmax-scale factor applied by latent attention.
 - The first ``first_k_dense_replace`` layers are dense (``intermediate_size``), the others
   sparse (``moe_layers``): ``n_routed_experts`` experts of ``moe_intermediate_size``, top
   ``num_experts_per_tok``, the grouped sigmoid router (``n_group``, ``topk_group``,

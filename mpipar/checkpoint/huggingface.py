@@ -18,11 +18,12 @@ and v projections have biases: mpipar's ``attention_bias``) and ``MistralForCaus
 ``Qwen3MoeForCausalLM`` (per-head q/k norms: mpipar's ``qk_norm``,
 :mod:`mpipar.checkpoint.hf_qwen3`), ``Gemma3ForCausalLM`` (:mod:`mpipar.checkpoint.hf_gemma3`),
 Mixtral and Qwen2-MoE; RoPE scaling of ``rope_type``
-``default``, ``linear``, ``dynamic`` and ``llama3`` (``rope_scaling`` in transformers 4.x,
+``default``, ``linear``, ``dynamic``, ``llama3`` and ``yarn`` (:mod:`mpipar.checkpoint.hf_rope`;
+``rope_scaling`` in transformers 4.x,
 ``rope_parameters`` in 5.x); tied embeddings (``tie_word_embeddings: true``), kept as one
 parameter, or untied on request (the LM head then starts as a copy of the embedding and trains
 apart). What is refused, with the field named: another architecture or ``model_type``, the other
-RoPE types (yarn, longrope, ...), ``partial_rotary_factor`` below 1, Llama's
+RoPE types (longrope, ...), ``partial_rotary_factor`` below 1, Llama's
 ``attention_bias`` (it adds an o_proj bias mpipar does not have) and ``mlp_bias``, Qwen2's sliding
 window, a ``hidden_act`` other than SiLU, missing or unexpected tensors, and shapes that disagree
 with the config. An export writes ``Qwen2ForCausalLM`` for a model with attention biases,
@@ -54,7 +55,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from mpipar.checkpoint import hf_deepseek, hf_gemma3, hf_moe, hf_qwen3
+from mpipar.checkpoint import hf_deepseek, hf_gemma3, hf_moe, hf_qwen3, hf_rope
 from mpipar.checkpoint.export_dir import publish
 from mpipar.checkpoint.hf_families import ARCHITECTURES, MAX_POSITIONS
 from mpipar.checkpoint.safetensors_format import read_header, write_safetensors
@@ -277,12 +278,16 @@ def _rope(raw: Mapping[str, Any]) -> Reading:
             raise HFCheckpointError(f"{field}.low_freq_factor={out['rope_low_freq_factor']!r} "
                                     f"must be below high_freq_factor="
                                     f"{out['rope_high_freq_factor']!r}")
+    extra = (f", low/high frequency factors {out['rope_low_freq_factor']:g}/"
+             f"{out['rope_high_freq_factor']:g}" if rope.frequency_band else "")
+    if rope.correction_range:
+        extra, yarn = _moe(lambda r: hf_rope.read_yarn(r, params, field), raw)
+        positions = yarn.pop("rope_original_max_positions")
+        out.update(yarn)
     if not _count(positions):
         raise HFCheckpointError(f"original_max_position_embeddings={positions!r} must be an "
                                 f"integer in [1, {MAX_SIZE}]")
     out["rope_original_max_positions"] = positions
-    extra = (f", low/high frequency factors {out['rope_low_freq_factor']:g}/"
-             f"{out['rope_high_freq_factor']:g}" if rope.frequency_band else "")
     return (f"{kind} RoPE scaling, factor {out['rope_factor']:g}{extra}, pretraining context "
             f"{positions}, theta {theta:g}"), out
 
@@ -494,7 +499,7 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
                 hf_deepseek.KIND: hf_deepseek.config_fields(m) if m.latent else {}}.get(
         kind, {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}))
     out.update(extra)
-    scaling = _rope_scaling(m)
+    scaling = hf_rope.scaling_fields(m)
     if scaling:
         out["rope_scaling"] = scaling
     if m.rope.by_sequence_length:      # transformers scales beyond max_position_embeddings
@@ -504,17 +509,6 @@ def hf_config(cfg: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = No
         for name in ("hidden_act", "mlp_bias", "pretraining_tp"):   # not Gemma's fields
             out.pop(name, None)
         out.update(hf_gemma3.config_fields(m, out["rope_parameters"]))
-    return out
-
-
-def _rope_scaling(m: ModelConfig) -> dict[str, Any]:
-    """transformers' scaling parameters of ``m``'s RoPE (empty for plain RoPE)."""
-    if not m.rope.scales:
-        return {}
-    out: dict[str, Any] = {"rope_type": m.rope_type, "factor": m.rope_factor}
-    if m.rope.frequency_band:
-        out.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
-                   original_max_position_embeddings=m.rope_original_max_positions)
     return out
 
 

@@ -27,18 +27,32 @@ class ModelConfig:
                                    "(none), linear (frequencies / rope_factor), dynamic (NTK: "
                                    "theta grows for sequences longer than "
                                    "rope_original_max_positions), llama3 (Llama 3.1's "
-                                   "low/high-frequency rule)",
+                                   "low/high-frequency rule), yarn (YaRN: interpolation and "
+                                   "extrapolation blended over a correction range, the "
+                                   "tables scaled by its attention factor)",
                         choices=ROPE_TYPES)
-    rope_factor: float = _f(1.0, "RoPE scaling factor (linear, dynamic, llama3); 1 with default")
+    rope_factor: float = _f(1.0, "RoPE scaling factor (linear, dynamic, llama3, yarn); 1 with "
+                                 "default")
     rope_low_freq_factor: float = _f(1.0, "llama3 RoPE: frequencies whose wavelength exceeds "
                                           "rope_original_max_positions / this are divided by "
                                           "rope_factor")
     rope_high_freq_factor: float = _f(4.0, "llama3 RoPE: frequencies whose wavelength is below "
                                            "rope_original_max_positions / this are kept (those "
                                            "between the two bounds are interpolated)")
-    rope_original_max_positions: int = _f(0, "pretraining context of a scaled RoPE (llama3: "
-                                             "original_max_position_embeddings; dynamic: "
+    rope_original_max_positions: int = _f(0, "pretraining context of a scaled RoPE (llama3, "
+                                             "yarn: original_max_position_embeddings; dynamic: "
                                              "max_position_embeddings)")
+    rope_beta_fast: float = _f(32.0, "yarn RoPE: dimensions turning more than this many times "
+                                     "over the pretraining context are kept (beta_fast)")
+    rope_beta_slow: float = _f(1.0, "yarn RoPE: dimensions turning fewer than this many times "
+                                    "over the pretraining context are divided by rope_factor "
+                                    "(beta_slow; those between are blended)")
+    rope_mscale: float = _f(0.0, "yarn RoPE: the attention factor's numerator weight (mscale; "
+                                 "0 = unset: the factor is 0.1 ln(rope_factor) + 1)")
+    rope_mscale_all_dim: float = _f(0.0, "yarn RoPE: the attention factor's denominator weight "
+                                         "(mscale_all_dim; 0 = unset); latent attention also "
+                                         "multiplies its softmax scale by (0.1 this "
+                                         "ln(rope_factor) + 1)^2")
     tie_embeddings: bool = _f(False, "the LM head is the embedding matrix: one parameter "
                                      "(tie_word_embeddings), a copy on the first and the last "
                                      "pipeline stage whose gradients are summed")
@@ -261,7 +275,7 @@ def check_rope_scaling(m: ModelConfig) -> None:
     if not rope.scales:
         require(m.rope_factor == 1.0,
                 f"model.rope_factor={m.rope_factor}: scales only with model.rope_type linear, "
-                f"dynamic or llama3 (rope_type is {m.rope_type!r})")
+                f"dynamic, llama3 or yarn (rope_type is {m.rope_type!r})")
     require(m.rope_factor > 0, f"model.rope_factor={m.rope_factor}: must be > 0")
     require(m.rope_original_max_positions >= 0,
             f"model.rope_original_max_positions={m.rope_original_max_positions}: must be >= 0")
@@ -274,6 +288,23 @@ def check_rope_scaling(m: ModelConfig) -> None:
                 f"model.rope_low_freq_factor={m.rope_low_freq_factor}, "
                 f"model.rope_high_freq_factor={m.rope_high_freq_factor}: llama3 RoPE needs "
                 f"0 < low < high")
+    check_yarn_fields(m)
+
+
+def check_yarn_fields(m: ModelConfig) -> None:
+    """yarn's fields: set only with rope_type yarn; 0 < beta_slow < beta_fast; mscales >= 0."""
+    yarn = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")
+    if not m.rope.correction_range:
+        changed = [f"model.{n}={getattr(m, n)}" for n in yarn
+                   if getattr(m, n) != ModelConfig.__dataclass_fields__[n].default]
+        require(not changed, f"{', '.join(changed)}: only with model.rope_type yarn "
+                             f"(rope_type is {m.rope_type!r})")
+        return
+    require(0 < m.rope_beta_slow < m.rope_beta_fast,
+            f"model.rope_beta_fast={m.rope_beta_fast}, model.rope_beta_slow={m.rope_beta_slow}: "
+            f"yarn RoPE needs 0 < beta_slow < beta_fast")
+    for name in ("rope_mscale", "rope_mscale_all_dim"):
+        require(getattr(m, name) >= 0, f"model.{name}={getattr(m, name)}: must be >= 0 (0 = unset)")
 
 
 CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_aux_loss_coef",

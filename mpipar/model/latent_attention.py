@@ -16,8 +16,10 @@ it, :meth:`mpipar.model.tensor_ops.TensorOps.linear_input`):
 - values are handed to the core zero-padded from ``d_v`` to ``D`` (the attention kernels take one
   head width; the padded columns of the output are zero and :func:`attended_values` drops them
   before o_proj), so the core's softmax scale is its default ``1 / sqrt(D)``, transformers'
-  ``qk_head_dim ** -0.5``. A scaled RoPE with yarn's attention factor is not built (refused at
-  import).
+  ``qk_head_dim ** -0.5``; under yarn RoPE with ``rope_mscale_all_dim`` set, transformers'
+  DeepSeek-V3 multiplies that scale by :meth:`RopeScaling.softmax_factor
+  <mpipar.model.rope.RopeScaling.softmax_factor>`, which is folded into the queries (as
+  :mod:`mpipar.model.attention_scale` folds Gemma's scale) and into their gradient.
 
 The latents' norms use transformers' fixed epsilon 1e-6 (:data:`LATENT_NORM_EPS`), not
 ``norm_eps``. RoPE rotates ``rope_head_dim`` features (:attr:`ModelConfig.rope_dim`), as
@@ -40,6 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from mpipar.model.attention_scale import scale_queries
 
 Array = Any
 
@@ -115,6 +119,7 @@ def latent_fwd(kernels, tp, params, i: int, m, h1_in: Array, positions,
     k = xp.concatenate([kv[..., :nope], xp.broadcast_to(k_r, k_r.shape[:2] + (h, dr))], axis=-1)
     v = xp.zeros(k.shape, k.dtype)
     v[..., :dv] = kv[..., nope:]
+    q = scale_queries(q, m.rope.softmax_factor(m))
     return q, k, v, LatentSaved(cq, rstd_q, cqn, ckv, rstd_kv, ckvn)
 
 
@@ -127,6 +132,7 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
     D, dr, dvh = m.head_dim, m.rope_head_dim, m.value_dim
     nope = D - dr
     lead = h1_in.shape[:-1]
+    dq = scale_queries(dq, m.rope.softmax_factor(m))
     dq_r, dk_r = rotate([xp.ascontiguousarray(dq[..., nope:]),
                          dk[..., nope:].sum(axis=2, keepdims=True)], positions, backward=True)
     dq = xp.concatenate([dq[..., :nope], dq_r], axis=-1).reshape(lead + (-1,))

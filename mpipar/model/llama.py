@@ -360,9 +360,7 @@ class LlamaStage:
                                              c.rope_local_theta, dtype)
         return self.kernels.rope_cos_sin(
             self.kernels.xp.asarray(positions), c.rope_dim, c.rope_theta, dtype,
-            scaling=c.rope_type, factor=c.rope_factor, low_freq_factor=c.rope_low_freq_factor,
-            high_freq_factor=c.rope_high_freq_factor,
-            original_max_positions=c.rope_original_max_positions, seq_len=self.seq_len)
+            seq_len=self.seq_len, **c.rope.table_arguments(c))
 
     def _rotate(self, xs: Sequence[Array], positions: np.ndarray, backward: bool = False,
                 local: bool = False) -> list[Array]:

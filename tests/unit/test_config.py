@@ -21,7 +21,16 @@ RULES = [
      "model.rope_original_max_positions=0: rope_type 'llama3' needs the pretraining context"),
     (["--rope-type", "llama3", "--rope-factor", "8", "--rope-original-max-positions", "64",
       "--rope-low-freq-factor", "4"], 1, "llama3 RoPE needs 0 < low < high"),
-    (["--rope-type", "yarn"], 1, "argument --rope-type: invalid choice: 'yarn'"),
+    (["--rope-type", "longrope"], 1, "argument --rope-type: invalid choice: 'longrope'"),
+    (["--rope-type", "yarn", "--rope-factor", "4"], 1,
+     "model.rope_original_max_positions=0: rope_type 'yarn' needs the pretraining context"),
+    (["--rope-type", "yarn", "--rope-factor", "0", "--rope-original-max-positions", "8"], 1,
+     "model.rope_factor=0.0: must be > 0"),
+    (["--rope-type", "yarn", "--rope-factor", "4", "--rope-original-max-positions", "8",
+      "--rope-beta-fast", "1"], 1,
+     "model.rope_beta_fast=1.0, model.rope_beta_slow=1.0: yarn RoPE needs 0 < beta_slow < "
+     "beta_fast"),
+    (["--rope-mscale", "1"], 1, "model.rope_mscale=1.0: only with model.rope_type yarn"),
     (["--norm-eps", "0"], 1, "model.norm_eps=0.0: must be > 0"),
     (["--init-std", "-1"], 1, "model.init_std=-1.0: must be > 0"),
     (["--tp", "0"], 1, "parallel.tp=0: must be a positive integer"),
@@ -240,14 +249,16 @@ def test_the_configuration_page_table_is_current():
 def test_rope_scalings_are_the_kernels():
     """Each ``model.rope_type`` resolves to the scaling whose fields its rules read, and the
     names are the frequency rules the kernels compute."""
-    from mpipar.kernels.numpy_ref import ROPE_SCALINGS
+    from mpipar.kernels.rope_frequencies import ROPE_SCALINGS
     from mpipar.model.rope import ROPE_TYPES, RopeScaling
     assert ROPE_TYPES == ROPE_SCALINGS
     flags = {n: [k for k in ("scales", "pretraining_context", "frequency_band",
-                             "by_sequence_length") if getattr(ModelConfig(rope_type=n).rope, k)]
+                             "by_sequence_length", "correction_range")
+                 if getattr(ModelConfig(rope_type=n).rope, k)]
              for n in ROPE_TYPES}
     assert flags == {"default": [], "linear": ["scales"],
                      "dynamic": ["scales", "pretraining_context", "by_sequence_length"],
-                     "llama3": ["scales", "pretraining_context", "frequency_band"]}
+                     "llama3": ["scales", "pretraining_context", "frequency_band"],
+                     "yarn": ["scales", "pretraining_context", "correction_range"]}
     with pytest.raises(ValueError, match="rope_type='ntk': must be one of default, linear"):
         RopeScaling.named("ntk")

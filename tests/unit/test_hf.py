@@ -9,7 +9,8 @@ two, grouped-query attention) are saved with ``save_pretrained`` and read by
 dim); a ``MistralForCausalLM`` with a sliding window shorter than
 the sequence. mpipar's logits, loss and three training steps must match transformers +
 ``torch.optim.AdamW`` to 1e-10 relative; so must the exported parameters. The ``linear`` and
-``dynamic`` RoPE rules are compared on logits. Why the reference removes transformers' float32
+``dynamic`` RoPE rules are compared on logits, and so is ``yarn`` (a Qwen3 with a long-context
+yarn config). Why the reference removes transformers' float32
 casts, and how: :mod:`transformers_reference`. Layouts with PP, TP, SP and ZeRO-1:
 mpi/test_hf.py."""
 from __future__ import annotations
@@ -26,7 +27,8 @@ import pytest
 # First: importing transformers_reference skips this module where torch or transformers is
 # missing. float64_transformers, hf_dirs and samples are fixtures.
 from transformers_reference import (B, EPS, FFN, H, HEADS, KV, LAYERS, LLAMA3, MODELS,  # noqa: F401
-                                    OPT, PATCHES, S, STEPS, THETA, TOL, V, float64_transformers,
+                                    OPT, PATCHES, S, STEPS, THETA, TOL, V, YARN,
+                                    float64_transformers,
                                     hf_dirs, hf_loss, hf_model, mpipar_rank, rel, samples,
                                     torch, torch_training, training_differences)
 from safetensors import safe_open
@@ -91,6 +93,9 @@ def test_import_of_scaled_tied_and_biased_models(hf_dirs):
     assert got["linear"][0].rope_type == "linear" and got["linear"][0].rope_factor == 3.0
     cfg = got["dynamic"][0]
     assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_positions) == ("dynamic", 2, 8)
+    cfg = got["qwen3-yarn"][0]
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_positions, cfg.rope_beta_fast,
+            cfg.rope_beta_slow, cfg.rope_mscale, cfg.qk_norm) == ("yarn", 4, 4096, 32, 1, 0, True)
     for kind, (_, params) in got.items():
         ref = hf_model(hf_dirs[kind]).state_dict()
         for name, value in params.items():
@@ -321,14 +326,22 @@ REFUSALS = {
     "qwen2_type_llama_arch": (lambda r: dict(r, model_type="qwen2"),
                               r"architectures=\['LlamaForCausalLM'\] is not supported for "
                               r"model_type 'qwen2'"),
-    "rope_scaling": (lambda r: dict(r, rope_scaling={"rope_type": "yarn", "factor": 8.0}),
-                     "rope_scaling.rope_type='yarn' is not supported; mpipar implements 'default', "
-                     "'linear', 'dynamic', 'llama3'"),
-    "rope_scaling_v4_type": (lambda r: dict(r, rope_scaling={"type": "longrope", "factor": 2.0}),
-                             "rope_scaling.rope_type='longrope'"),
-    "rope_parameters": (lambda r: dict(r, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+    "rope_scaling": (lambda r: dict(r, rope_scaling={"rope_type": "longrope", "factor": 8.0}),
+                     "rope_scaling.rope_type='longrope' is not supported; mpipar implements "
+                     "'default', 'linear', 'dynamic', 'llama3', 'yarn'"),
+    "rope_scaling_v4_type": (lambda r: dict(r, rope_scaling={"type": "su", "factor": 2.0}),
+                             "rope_scaling.rope_type='su'"),
+    "rope_parameters": (lambda r: dict(r, rope_parameters={"rope_type": "longrope", "factor": 4.0,
                                                            "rope_theta": 1e4}),
-                        "rope_parameters.rope_type='yarn'"),
+                        "rope_parameters.rope_type='longrope'"),
+    "yarn_without_context": (lambda r: dict(r, rope_scaling={"type": "yarn", "factor": 8.0}),
+                             "rope_scaling.original_max_position_embeddings is missing"),
+    "yarn_factor": (lambda r: dict(r, rope_parameters=dict(YARN, factor=0)),
+                    r"rope_parameters.factor=0 must be a positive number"),
+    "yarn_betas": (lambda r: dict(r, rope_scaling=dict(YARN, beta_fast=2, beta_slow=2)),
+                   "rope_scaling.beta_fast=2 must be above beta_slow=2"),
+    "yarn_attention_factor": (lambda r: dict(r, rope_scaling=dict(YARN, attention_factor=1.5)),
+                              "rope_scaling.attention_factor=1.5 is not supported"),
     "llama3_without_factors": (lambda r: dict(r, rope_scaling={"rope_type": "llama3",
                                                                "factor": 8.0}),
                                "rope_scaling.low_freq_factor is missing"),

@@ -7,7 +7,8 @@ transformers' save_pretrained and read by mpipar. mpipar's logits equal transfor
 train two AdamW steps with clipping and the grouped router's balance loss, and the losses,
 balance losses, gradient norms and trained weights agree to 1e-10 relative; the export loads in
 transformers and gives mpipar's logits; greedy generation with the KV cache equals
-transformers' ``generate``. A model without a query latent (``q_lora_rank`` null) and one built
+transformers' ``generate``. So do the logits and training of a model with the released
+checkpoints' yarn RoPE. A model without a query latent (``q_lora_rank`` null) and one built
 from mpipar's configuration alone give transformers' logits too. What is refused names the
 field. Layouts: mpi/test_hf_deepseek.py."""
 from __future__ import annotations
@@ -19,10 +20,10 @@ import pytest
 from mpi4py import MPI
 
 from tests.deepseek_reference import (ALPHA, B, E, GROUPS, LAYERS, S, SCALE, STEPS, TOPK,
-                                      TOPK_GROUPS, V, float64_deepseek, loaded, random_model,
-                                      torch_training)
+                                      TOPK_GROUPS, V, YARN, float64_deepseek, loaded,
+                                      random_model, torch_training)
 from tests.generation import build_generator
-from tests.transformers_reference import TOL, mpipar_rank, rel, torch
+from tests.transformers_reference import TOL, mpipar_logits, mpipar_rank, rel, torch
 
 from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
                                            load_selection_biases,
@@ -69,12 +70,6 @@ def deepseek_rank(path, rows, params=None, **fields):
     return rank
 
 
-def mpipar_logits(rank, tokens: np.ndarray) -> np.ndarray:
-    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
-                                            np.zeros_like(tokens))
-    return cache.head.logits.reshape(tokens.shape[0], S, V)
-
-
 def transformers_logits(model, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(tokens)).logits.numpy()
@@ -109,7 +104,7 @@ def test_multi_token_prediction_tensors_are_not_read(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("change,rule", [
     (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}),
-     "rope_type='yarn' is not supported"),
+     "rope_parameters.original_max_position_embeddings is missing"),
     (dict(num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads=4"),
     (dict(attention_bias=True), "attention_bias=True is not supported for model_type"),
     (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported"),
@@ -126,8 +121,9 @@ def test_what_mpipar_cannot_compute_is_refused_naming_the_field(hf_dir, change, 
 
 
 # ------------------------------------------------------------------- logits and training
-def test_deepseek_logits_and_training_equal_transformers(model, hf_dir, rows, tmp_path,
-                                                         deepseek_float64):
+def assert_trains_as_transformers(model, hf_dir, rows, name: str):
+    """mpipar's logits of the checkpoint at ``hf_dir`` (transformers' ``model``) and STEPS AdamW
+    steps with the balance loss equal transformers' to TOL: (trained parameters, biases)."""
     tokens = np.load(rows)[:B, :S]
     model.eval()
     rank = deepseek_rank(hf_dir, rows, moe_aux_loss_coef=ALPHA)
@@ -144,9 +140,16 @@ def test_deepseek_logits_and_training_equal_transformers(model, hf_dir, rows, tm
         assert abs(r.moe["moe_aux_loss"] - a) <= TOL * a, (r.moe["moe_aux_loss"], a)
     param_diff = max(rel(v, want[n]) for n, v in trained.items())
     moved = max(rel(trained[n], params[n]) for n in trained)
-    print(f"\ndeepseek_v3: logits rel diff {err:.2e}; after {STEPS} steps max param rel diff "
+    print(f"\n{name}: logits rel diff {err:.2e}; after {STEPS} steps max param rel diff "
           f"{param_diff:.2e} (moved {moved:.2e})")
     assert err <= TOL and param_diff <= TOL and moved > 1e-3
+    return trained, biases
+
+
+def test_deepseek_logits_and_training_equal_transformers(model, hf_dir, rows, tmp_path,
+                                                         deepseek_float64):
+    trained, biases = assert_trains_as_transformers(model, hf_dir, rows, "deepseek_v3")
+    tokens = np.load(rows)[:B, :S]
 
     # --export-hf: transformers loads the trained weights (nothing missing or unexpected)
     # and computes mpipar's logits.
@@ -159,6 +162,20 @@ def test_deepseek_logits_and_training_equal_transformers(model, hf_dir, rows, tm
     assert rel(transformers_logits(loaded(tmp_path / "trained"), tokens),
                mpipar_logits(again, tokens)) <= TOL
     trainer.close(again)
+
+
+def test_yarn_rope_logits_and_training_equal_transformers(tmp_path, rows, deepseek_float64):
+    """The released checkpoints' yarn RoPE: its frequencies, the attention factor on the tables
+    (mscale != mscale_all_dim) and the softmax-scale factor of mscale_all_dim; the export writes
+    the yarn fields back."""
+    yarn = random_model(rope_parameters=dict(YARN), max_position_embeddings=4 * 4096)
+    yarn.save_pretrained(tmp_path / "yarn")
+    cfg = read_model_config(tmp_path / "yarn")
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_positions, cfg.rope_mscale,
+            cfg.rope_mscale_all_dim) == ("yarn", 4.0, 4096, 1.0, 0.8)
+    assert_trains_as_transformers(yarn, tmp_path / "yarn", rows, "deepseek_v3 yarn")
+    written = hf_config(cfg, "float64")["rope_parameters"]
+    assert written == {k: v for k, v in YARN.items() if k not in ("beta_fast", "beta_slow")}
 
 
 def test_without_a_query_latent_the_logits_equal_transformers(tmp_path, rows, deepseek_float64):

@@ -22,15 +22,16 @@ import pytest
 from mpi4py import MPI
 
 from tests.generation import build_generator, transformers_greedy
-from tests.transformers_reference import (B, S, STEPS, TOL, hf_model, mpipar_rank, rel,
-                                          save_random, torch, torch_float_is_float64,
-                                          torch_training, training_differences)
-from transformers import AutoModelForCausalLM, Gemma3TextConfig  # noqa: E402
+from tests.transformers_reference import (B, S, STEPS, TOL, assert_export_gives_mpipar_logits,
+                                          mpipar_logits, mpipar_rank, rel, save_random, torch,
+                                          torch_float_is_float64, torch_training,
+                                          training_differences, transformers_logits)
+from transformers import Gemma3TextConfig  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.gemma3 import modeling_gemma3  # noqa: E402
 
 from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
-                                           model_config_from_hf, save_hf, support)
+                                           model_config_from_hf, support)
 from mpipar.config import ModelConfig
 from mpipar.hf import main as hf_main
 from mpipar.inference.sampling import Sampling
@@ -88,17 +89,6 @@ def rows(tmp_path_factory):
     return path
 
 
-def mpipar_logits(rank, tokens: np.ndarray) -> np.ndarray:
-    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
-                                              np.zeros_like(tokens))
-    return cache.head.logits.reshape(tokens.shape[0], S, V)
-
-
-def transformers_logits(path, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(path)(input_ids=torch.from_numpy(tokens)).logits.numpy()
-
-
 # ----------------------------------------------------------------------------------- config
 def test_gemma3_reads_as_its_fields_and_refuses_what_mpipar_does_not_compute(gemma_dir, tmp_path,
                                                                              capsys):
@@ -154,12 +144,9 @@ def test_gemma3_logits_training_and_export_equal_transformers(gemma_dir, rows, t
           f"{param_diff:.2e} (least moved {moved:.2e}), loss diffs {loss_diffs}")
     assert err <= TOL and max(loss_diffs) <= TOL and param_diff <= TOL and moved > 1e-4
 
-    save_hf(tmp_path / "trained", cfg, trained)      # --export-hf / ckpt export-hf's writer
-    raw = json.loads((tmp_path / "trained" / "config.json").read_text())
-    assert (raw["architectures"], raw["layer_types"], raw["query_pre_attn_scalar"]) == \
-        (["Gemma3ForCausalLM"], TYPES, SCALAR)
-    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
-    assert rel(want, transformers_logits(tmp_path / "trained", tokens)) <= TOL
+    raw = assert_export_gives_mpipar_logits(cfg, trained, rows, tmp_path / "trained",
+                                            "Gemma3ForCausalLM")
+    assert (raw["layer_types"], raw["query_pre_attn_scalar"]) == (TYPES, SCALAR)
 
 
 def test_a_gemma_model_from_the_configuration_exports_as_gemma3(tmp_path, rows, float64_gemma3):
@@ -178,12 +165,8 @@ def test_a_gemma_model_from_the_configuration_exports_as_gemma3(tmp_path, rows, 
     trainer.train_step(rank, 0)
     trained = trainer.gather_params(rank)
     trainer.close(rank)
-    save_hf(tmp_path / "scratch", cfg, trained)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "scratch", dtype=torch.float64)
-    assert type(model).__name__ == "Gemma3ForCausalLM"
-    tokens = np.load(rows)[:B, :S]
-    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
-    assert rel(want, transformers_logits(tmp_path / "scratch", tokens)) <= TOL
+    assert_export_gives_mpipar_logits(cfg, trained, rows, tmp_path / "scratch",
+                                      "Gemma3ForCausalLM")
     plain = ModelConfig(**{**cfg.__dict__, "embed_scale": False})
     with pytest.raises(HFCheckpointError, match="model.embed_scale=False: a model with Gemma"):
         hf_config(plain, "float64")

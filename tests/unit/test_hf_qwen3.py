@@ -25,16 +25,17 @@ from mpi4py import MPI
 from tests.transformers_moe import (E, FFN as EXPERT_FFN, TOPK, assert_export_round_trip,
                                     assert_trains_as_transformers, float64_moe)
 from tests.transformers_reference import (B, EPS, FFN, H, HEADS, KV, LAYERS, PATCHES, S,
-                                          STEPS, THETA, TOL, V, hf_loss, hf_model,
-                                          mpipar_rank, rel, save_random, torch, torch_training,
-                                          training_differences)
+                                          STEPS, THETA, TOL, V,
+                                          assert_export_gives_mpipar_logits, hf_loss, hf_model,
+                                          mpipar_logits, mpipar_rank, rel, save_random, torch,
+                                          torch_training, training_differences,
+                                          transformers_logits)
 from tests.generation import build_generator, transformers_greedy
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from mpipar.checkpoint.huggingface import (HFCheckpointError, hf_config, load_hf,
-                                           model_config_from_hf, read_model_config, save_hf,
-                                           support)
+                                           model_config_from_hf, read_model_config, support)
 from mpipar.config import ModelConfig
 from mpipar.hf import main as hf_main
 from mpipar.inference.sampling import Sampling
@@ -79,23 +80,6 @@ def rows(tmp_path_factory):
     path = tmp_path_factory.mktemp("rows") / "rows.npy"
     np.save(path, np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1)))
     return path
-
-
-def mpipar_logits(rank, tokens: np.ndarray) -> np.ndarray:
-    """Logits ``[B, S, V]`` of ``tokens [B, S]`` (the forward's LM head output)."""
-    n = tokens.shape[0]
-    _, cache = rank.model.chunks[0].forward(rank.params, tokens, rank.model.positions,
-                                              np.zeros_like(tokens))
-    return cache.head.logits.reshape(n, S, V)
-
-
-def transformers_logits(path, tokens: np.ndarray) -> np.ndarray:
-    """transformers' float64 logits of ``tokens`` (experts ``eager``: its grouped GEMM takes no
-    float64)."""
-    model = hf_model(path)
-    model.config._experts_implementation = "eager"
-    with torch.no_grad():
-        return model(input_ids=torch.from_numpy(tokens)).logits.numpy()
 
 
 # ----------------------------------------------------------------------------------- config
@@ -183,11 +167,8 @@ def test_qwen3_logits_and_training_equal_transformers(qwen3_dir, rows, qwen3_flo
                params["layers.0.self_attn.q_norm.weight"]) > 1e-3    # the norms train
 
     # --export-hf: transformers loads the trained weights and computes mpipar's logits.
-    save_hf(tmp_path / "trained", cfg, trained)
-    assert json.loads((tmp_path / "trained" / "config.json").read_text())["architectures"] == \
-        ["Qwen3ForCausalLM"]
-    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
-    assert rel(want, transformers_logits(tmp_path / "trained", tokens)) <= TOL
+    assert_export_gives_mpipar_logits(cfg, trained, rows, tmp_path / "trained",
+                                      "Qwen3ForCausalLM")
     trainer.close(rank)
 
 
@@ -222,12 +203,8 @@ def test_a_qk_norm_model_from_the_configuration_exports_as_qwen3(tmp_path, rows,
     trainer.train_step(rank, 0)
     trained = trainer.gather_params(rank)
     trainer.close(rank)
-    save_hf(tmp_path / "scratch", cfg, trained)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "scratch", dtype=torch.float64)
-    assert type(model).__name__ == "Qwen3ForCausalLM"
-    tokens = np.load(rows)[:B, :S]
-    want = mpipar_logits(mpipar_rank(cfg, trained, rows), tokens)
-    assert rel(want, transformers_logits(tmp_path / "scratch", tokens)) <= TOL
+    assert_export_gives_mpipar_logits(cfg, trained, rows, tmp_path / "scratch",
+                                      "Qwen3ForCausalLM")
     biased = ModelConfig(**{**cfg.__dict__, "attention_bias": True})
     with pytest.raises(HFCheckpointError, match="model.qk_norm=True with attention_bias=True"):
         hf_config(biased, "float64")

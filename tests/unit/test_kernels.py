@@ -13,6 +13,7 @@ import pytest
 
 from mpipar import kernels
 from mpipar.kernels import numpy_ref as ref
+from mpipar.kernels import rope_frequencies as freq
 
 numba_cpu = pytest.importorskip("mpipar.kernels.numba_cpu")
 
@@ -370,19 +371,19 @@ def test_rope_scaling_rules():
     """transformers' rules (modeling_rope_utils), checked on their defining properties; the
     float64 comparison with transformers itself is in test_hf.py."""
     d, theta = 16, 10000.0
-    base = ref.rope_inv_freq(d, theta)
+    base = freq.rope_inv_freq(d, theta)
     assert rel_err(base, theta ** (-np.arange(0, d, 2) / d)) < 1e-15
     # linear: every frequency divided by the factor (positions stretched).
-    assert rel_err(ref.rope_inv_freq(d, theta, "linear", 4.0), base / 4) == 0
+    assert rel_err(freq.rope_inv_freq(d, theta, "linear", 4.0), base / 4) == 0
     # dynamic: plain up to the pretraining context, then theta grows with the sequence length.
     dyn = dict(scaling="dynamic", factor=2.0, original_max_positions=64)
-    assert np.array_equal(ref.rope_inv_freq(d, theta, seq_len=64, **dyn), base)
+    assert np.array_equal(freq.rope_inv_freq(d, theta, seq_len=64, **dyn), base)
     grown = theta * (2.0 * 100 / 64 - 1.0) ** (d / (d - 2))
-    assert rel_err(ref.rope_inv_freq(d, theta, seq_len=100, **dyn),
-                   ref.rope_inv_freq(d, grown)) < 1e-15
+    assert rel_err(freq.rope_inv_freq(d, theta, seq_len=100, **dyn),
+                   freq.rope_inv_freq(d, grown)) < 1e-15
     # llama3: long wavelengths / factor, short ones kept, between a continuous interpolation.
     old, lo, hi, factor = 64, 1.0, 4.0, 8.0
-    got = ref.rope_inv_freq(d, theta, "llama3", factor, lo, hi, old)
+    got = freq.rope_inv_freq(d, theta, "llama3", factor, lo, hi, old)
     wave = 2 * np.pi / base
     long, short = wave > old / lo, wave < old / hi
     assert long.any() and short.any() and (~long & ~short).any()
@@ -393,13 +394,41 @@ def test_rope_scaling_rules():
     assert rel_err(got[mid], (1 - s) * base[mid] / factor + s * base[mid]) < 1e-15
     # the tables use them, for a whole sequence's length given apart from the positions
     cos, _ = ref.rope_cos_sin(np.array([3, 5]), d, theta, np.float64, seq_len=100, **dyn)
-    assert rel_err(cos, np.cos(np.array([[3], [5]]) * ref.rope_inv_freq(d, grown))) < 1e-15
-    for bad, match in ((dict(scaling="yarn"), "scaling='yarn'"),
+    assert rel_err(cos, np.cos(np.array([[3], [5]]) * freq.rope_inv_freq(d, grown))) < 1e-15
+    for bad, match in ((dict(scaling="longrope"), "scaling='longrope'"),
+                       (dict(scaling="yarn", factor=4.0, original_max_positions=64, beta_fast=1.0),
+                        "beta_fast > beta_slow > 0"),
+                       (dict(scaling="yarn", factor=4.0), "original_max_positions >= 1"),
                        (dict(scaling="llama3", factor=8.0, low_freq_factor=4.0,
                              original_max_positions=64), "low_freq_factor < high_freq_factor"),
                        (dict(scaling="dynamic", factor=2.0), "original_max_positions=0")):
         with pytest.raises(ValueError, match=match):
-            ref.rope_inv_freq(d, theta, **bad)
+            freq.rope_inv_freq(d, theta, **bad)
+
+
+def test_yarn_rope_rule():
+    """yarn: over the correction range [floor(dim(beta_fast)), ceil(dim(beta_slow))] with
+    dim(b) = d ln(original / (2 pi b)) / (2 ln theta) (here [0, 3] for d 16, theta 1e4, original
+    64), frequency i is base_i / factor blended with base_i by the ramp r = i / 3 clipped to 1;
+    the tables are scaled by the attention factor 0.1 ln(factor) + 1, or by the ratio of the two
+    mscales' factors when both are set. The float64 comparison with transformers: test_hf.py
+    (Qwen3) and test_hf_deepseek.py."""
+    d, theta, factor, old = 16, 10000.0, 8.0, 64
+    base = freq.rope_inv_freq(d, theta)
+    yarn = dict(scaling="yarn", factor=factor, original_max_positions=old)
+    got = freq.rope_inv_freq(d, theta, **yarn)
+    ramp = np.minimum(np.arange(d // 2) / 3.0, 1.0)
+    assert rel_err(got, base / factor * ramp + base * (1 - ramp)) < 1e-15
+    assert got[0] == base[0] and np.array_equal(got[3:], base[3:] / factor)
+    cos, sin = ref.rope_cos_sin(np.array([0, 5]), d, theta, np.float64, **yarn)
+    gain = 0.1 * math.log(factor) + 1
+    assert rel_err(np.hypot(cos, sin), np.full(cos.shape, gain)) < 1e-15
+    assert rel_err(cos[1], gain * np.cos(5 * got)) < 1e-15
+    both = ref.rope_cos_sin(np.array([5]), d, theta, np.float64, mscale=1.0, mscale_all_dim=0.5,
+                            **yarn)[0]
+    ratio = freq.yarn_mscale(factor, 1.0) / freq.yarn_mscale(factor, 0.5)
+    assert ratio > 1.05 and rel_err(both[0], ratio * np.cos(5 * got)) < 1e-15
+    assert freq.rope_attention_factor("llama3", factor) == 1.0 and freq.yarn_mscale(0.5) == 1.0
 
 
 # ----------------------------------------------------------------------------------------------

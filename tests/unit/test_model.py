@@ -9,7 +9,7 @@ import pytest
 
 from mpipar.config import ModelConfig
 from mpipar.kernels import get_backend
-from mpipar.kernels.numpy_ref import rope_inv_freq
+from mpipar.kernels.rope_frequencies import rope_inv_freq
 from mpipar.model.attention import LocalAttention
 from mpipar.model.llama import LlamaStage
 from mpipar.model.params import init_params, param_specs

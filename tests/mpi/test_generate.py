@@ -1,5 +1,6 @@
 """Generation on 8 ranks: greedy and seeded sampled tokens from one checkpoint are the same on
-every tp x pp layout as on one rank, logits to 1e-10."""
+every tp x pp layout as on one rank, logits to 1e-10; latent attention's cache of compressed
+latents gives the expanded cache's tokens on tp x pp."""
 from __future__ import annotations
 
 import tempfile

@@ -137,7 +137,8 @@ class Generator:
         """An empty cache of ``capacity`` positions for this rank's blocks: of latent
         attention's compressed latents and RoPE keys (:class:`LatentKVCache`; ``latent`` None:
         where the model has latent attention), else of this rank's kv heads' keys and values
-        (:class:`KVCache`, also a latent model's expanded form with ``latent=False``)."""
+        (:class:`KVCache`, also a latent model's expanded form with ``latent=False``). A latent
+        cache expands with the parameters loaded when it is made."""
         m, layers = self.model, self.stage.layers
         if m.latent if latent is None else latent:
             return LatentKVCache.empty(self.xp, layers, 1, capacity, m, self.dtype,

@@ -14,7 +14,9 @@ a time); the last stage gathers its vocabulary shards over tp
 (:meth:`TensorParallel.gather_vocab`) and broadcasts the last position's logits over pp, so
 every rank holds the same logits and picks the same next token (:mod:`mpipar.inference.sampling`, one
 generator per rank, seeded alike). Greedy output equals transformers' ``generate`` token for
-token, from one rank or any tp x pp (tests/{unit,mpi}/test_generate.py).
+token, from one rank or any tp x pp (tests/{unit,mpi}/test_generate.py). A model with latent
+attention caches its compressed latent and RoPE key per position (:class:`LatentKVCache`), each
+block's keys and values expanded from them while it attends.
 
 Parameters come from global tensors (:meth:`Generator.load_params`: a Hugging Face directory)
 or straight from a sharded mpipar checkpoint of any layout (:meth:`Generator.load_checkpoint`:
@@ -33,6 +35,7 @@ from mpipar.runtime.device import to_host, training_backend
 from mpipar.runtime.comm import Group, Ledger
 from mpipar.config import Config
 from mpipar.model.attention import LocalAttention
+from mpipar.model.latent_attention import LatentKVCache, up_projection
 from mpipar.model.llama import KVCache, LlamaStage
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only
@@ -104,18 +107,18 @@ class Generator:
                                for i, b in (moe_bias or {}).items()}
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
-                 seed: int = 0, eos: int | None = None, keep_logits: bool = False
-                 ) -> Generation:
+                 seed: int = 0, eos: int | None = None, keep_logits: bool = False,
+                 cache: KVCache | LatentKVCache | None = None) -> Generation:
         """Up to ``max_new_tokens`` tokens after ``prompt`` (ids in ``[0, vocab_size)``), each
         picked by ``sampling`` with a generator seeded by ``seed``; stops early after ``eos``.
-        Collective over the grid; the same result on every rank and every layout."""
+        ``cache``: an empty one of at least ``len(prompt) + max_new_tokens`` positions (default
+        :meth:`new_cache`'s). Collective over the grid; the same result on every rank and every
+        layout."""
         if not prompt or min(prompt) < 0 or max(prompt) >= self.model.vocab_size:
             raise ValueError(f"prompt ids must be a non-empty list in [0, "
                              f"{self.model.vocab_size}), got {list(prompt)[:8]}...")
         rng = np.random.default_rng(seed)
-        kv = KVCache.empty(self.xp, self.stage.layers, 1, len(prompt) + max_new_tokens,
-                           self.model.kv_heads // self.tensor.size, self.model.head_dim,
-                           self.dtype)
+        kv = self.new_cache(len(prompt) + max_new_tokens) if cache is None else cache
         out = Generation([], "length")
         feed = np.asarray([prompt], dtype=np.int64)
         for _ in range(max_new_tokens):
@@ -130,7 +133,20 @@ class Generator:
             feed = np.asarray([[token]], dtype=np.int64)
         return out
 
-    def next_logits(self, ids: np.ndarray, kv: KVCache) -> np.ndarray:
+    def new_cache(self, capacity: int, latent: bool | None = None) -> KVCache | LatentKVCache:
+        """An empty cache of ``capacity`` positions for this rank's blocks: of latent
+        attention's compressed latents and RoPE keys (:class:`LatentKVCache`; ``latent`` None:
+        where the model has latent attention), else of this rank's kv heads' keys and values
+        (:class:`KVCache`, also a latent model's expanded form with ``latent=False``). A latent
+        cache expands with the parameters loaded when it is made."""
+        m, layers = self.model, self.stage.layers
+        if m.latent if latent is None else latent:
+            return LatentKVCache.empty(self.xp, layers, 1, capacity, m, self.dtype,
+                                       up_projection(self.kernels, self.tensor, self.params, m))
+        return KVCache.empty(self.xp, layers, 1, capacity, m.kv_heads // self.tensor.size,
+                             m.head_dim, self.dtype)
+
+    def next_logits(self, ids: np.ndarray, kv: KVCache | LatentKVCache) -> np.ndarray:
         """Feed ``ids`` ``[B, n]`` (the positions after the ``kv.length`` cached ones) through
         the model, appending to ``kv``; return the logits ``[B, V]`` of their last position, on
         every rank."""

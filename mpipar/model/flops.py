@@ -5,6 +5,9 @@ multiply-add) and attention's ``q k^T`` and ``p v`` over the keys a query sees; 
 block's FFN counts its router and the ``K`` experts each token runs; backward is twice forward.
 Attention's products use ``head_dim`` as configured (Qwen3's is not ``hidden / heads``); the
 norms, Qwen3's per-head q/k norms (``qk_norm``) among them, are elementwise and not counted.
+Latent attention counts its own projections (:func:`latent_projection_flops`) and ``p v`` over
+``v_head_dim`` (the kernels' zero-padded value columns are not the model's work); Gemma 3's
+local layers count the keys inside their window.
 :func:`attention_flops` is the one count of attention's FLOPs, the model's and the benchmarks'.
 """
 from __future__ import annotations
@@ -17,13 +20,15 @@ from mpipar.layout import Layout
 
 
 def attention_flops(batch: int, sq: float, sk: float, heads: int, head_dim: int,
-                    causal: bool = False) -> tuple[float, float]:
+                    causal: bool = False, value_dim: int = 0) -> tuple[float, float]:
     """(forward, backward) FLOPs of attention: ``batch`` x ``heads`` blocks of ``sq`` queries
-    over ``sk`` keys, ``q k^T`` and ``p v`` at two FLOPs a multiply-add (``4 B H Sq Sk D``),
-    halved when ``causal`` over a square block (FlashAttention's count); backward 2.5 times
-    forward (five GEMMs against two). One query over the mean keys a query sees (``sq`` 1,
-    ``sk`` the context) is the model's count per token."""
-    fwd = 4.0 * batch * heads * head_dim * sq * sk * (0.5 if causal else 1.0)
+    over ``sk`` keys, ``q k^T`` over ``head_dim`` and ``p v`` over ``value_dim`` (0: the
+    same; latent attention's values are narrower) at two FLOPs a multiply-add (``4 B H Sq Sk
+    D`` with equal widths), halved when ``causal`` over a square block (FlashAttention's
+    count); backward 2.5 times forward (five GEMMs against two). One query over the mean keys
+    a query sees (``sq`` 1, ``sk`` the context) is the model's count per token."""
+    widths = head_dim + (value_dim or head_dim)
+    fwd = 2.0 * batch * heads * widths * sq * sk * (0.5 if causal else 1.0)
     return fwd, 2.5 * fwd
 
 
@@ -32,8 +37,24 @@ def block_flops_per_token(model: ModelConfig, tp: int, context: float) -> float:
     tensor-parallel ranks, attending to ``context`` keys."""
     H, D = model.hidden, model.head_dim
     hq, hkv, F = model.heads // tp, model.kv_heads // tp, model.ffn_hidden // tp
+    if model.latent:
+        return (latent_projection_flops(model, tp) + 2 * 3 * H * F
+                + attention_flops(1, 1, context, hq, D, value_dim=model.value_dim)[0])
     matmul = 2 * H * (2 * hq * D + 2 * hkv * D) + 2 * 3 * H * F   # q, o, k, v; gate, up, down
     return matmul + attention_flops(1, 1, context, hq, D)[0]       # q k^T and p v
+
+
+def latent_projection_flops(model: ModelConfig, tp: int) -> float:
+    """Forward FLOPs of latent attention's linears for one token on one of ``tp`` ranks: the
+    query's down- and up-projection (``H x r_q``, ``r_q x heads D``; without a query latent
+    ``H x heads D``), the kv down-projection with the RoPE key (``H x (r_kv + d_r)``) and its
+    up-projection (``r_kv x heads (D - d_r + d_v)``), and o (``heads d_v x H``). The
+    down-projections are whole on every tp rank; the rest split by heads."""
+    m, H, D = model, model.hidden, model.head_dim
+    h, rq, r = m.heads // tp, m.latent_q_rank, m.latent_kv_rank
+    query = H * rq + rq * h * D if rq else H * h * D
+    kv = H * (r + m.rope_head_dim) + r * h * (D - m.rope_head_dim + m.value_dim)
+    return 2.0 * (query + kv + h * m.value_dim * H)
 
 
 def sparse_ffn_extra(model: ModelConfig) -> float:

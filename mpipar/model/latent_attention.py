@@ -111,16 +111,23 @@ def latent_fwd(kernels, tp, params, i: int, m, h1_in: Array, positions,
     ckvn, rstd_kv = kernels.rmsnorm_fwd(ckv, params[p + KV_A_NORM], LATENT_NORM_EPS)
     kv, = tp.linear(params, [p + KV_B], ckvn)
     q = q.reshape(-1, S, q.shape[-1] // D, D)
-    h = q.shape[2]
-    kv = kv.reshape(-1, S, h, nope + dv)
     q_r, k_r = rotate([xp.ascontiguousarray(q[..., nope:]), k_r.reshape(-1, S, 1, dr)],
                       positions)
     q = xp.concatenate([q[..., :nope], q_r], axis=-1)
-    k = xp.concatenate([kv[..., :nope], xp.broadcast_to(k_r, k_r.shape[:2] + (h, dr))], axis=-1)
-    v = xp.zeros(k.shape, k.dtype)
-    v[..., :dv] = kv[..., nope:]
+    k, v = _heads(xp, m, kv.reshape(-1, S, q.shape[2], nope + dv), k_r)
     q = scale_queries(q, m.rope.softmax_factor(m))
     return q, k, v, LatentSaved(cq, rstd_q, cqn, ckv, rstd_kv, ckvn)
+
+
+def _heads(xp, m, kv: Array, k_r: Array) -> tuple[Array, Array]:
+    """The core's k ``[B, S, h, D]`` and v (zero-padded from ``v_head_dim`` to ``D``) from
+    the up-projected latent ``kv = c_kv W_kvb^T`` ``[B, S, h, D - d_r + d_v]`` and the rotated
+    RoPE key ``k_r`` ``[B, S, 1, d_r]`` every head shares."""
+    nope, h, dr = m.head_dim - m.rope_head_dim, kv.shape[2], m.rope_head_dim
+    k = xp.concatenate([kv[..., :nope], xp.broadcast_to(k_r, k_r.shape[:2] + (h, dr))], axis=-1)
+    v = xp.zeros(k.shape, k.dtype)
+    v[..., :m.value_dim] = kv[..., nope:]
+    return k, v
 
 
 def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: Array,
@@ -168,3 +175,68 @@ def values_grad(do: Array, out: Array, m, xp) -> Array:
     full = xp.zeros(out.shape, do.dtype)
     full[..., :m.value_dim] = do.reshape(out.shape[:-1] + (m.value_dim,))
     return full
+
+
+@dataclass
+class LatentKVCache:
+    """The KV cache of latent attention (incremental decoding, as :class:`mpipar.model.llama.
+    KVCache`): per block and position the kv latent after its norm ``c_kv`` ``[r_kv]`` and the
+    rotated RoPE key ``RoPE(k_r)`` ``[d_r]``, ``latents[i]`` ``[B, capacity, r_kv + d_r]``, in
+    place of every head's key and value. Both are what every head reads (the down-projection is
+    ``heads_replicated``), so each tp rank holds them whole: ``r_kv + d_r`` values a token and
+    block, against the expanded cache's ``2 x heads / tp x head_dim``.
+
+    :meth:`append` stores the new positions' latents and returns the block's keys and values of
+    every cached position, reconstructed by the up-projection ``kv_b_proj`` (this rank's heads)
+    as :func:`latent_fwd` makes them: the attention core and its kernels are the expanded
+    path's, and only one block's expanded keys and values exist at a time. ``expand(i,
+    ckvn)`` is block ``i``'s up-projection (:func:`up_projection`)."""
+
+    latents: dict[int, Array]
+    expand: Callable[[int, Array], tuple[Array, Array]]
+    model: Any
+    length: int = 0
+
+    @classmethod
+    def empty(cls, xp, layers: range, batch: int, capacity: int, m, dtype,
+              expand: Callable[[int, Array], tuple[Array, Array]]) -> "LatentKVCache":
+        """A cache of ``capacity`` positions for blocks ``layers`` of the model ``m``."""
+        shape = (batch, capacity, m.latent_kv_rank + m.rope_head_dim)
+        return cls({i: xp.zeros(shape, dtype) for i in layers}, expand, m)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (every block, every position of its capacity)."""
+        return sum(int(a.nbytes) for a in self.latents.values())
+
+    def append(self, layer: int, k: Array, v: Array, start: int,
+               record: LatentSaved) -> tuple[Array, Array]:
+        """Store block ``layer``'s new positions ``[start, start + n)``: its latent after the
+        norm (``record.ckvn``) and its rotated RoPE key (the rope columns of any head of ``k``
+        ``[B, n, h, D]``; ``v`` unread); return the keys and values of positions ``[0, start +
+        n)``, expanded."""
+        m, cache = self.model, self.latents[layer]
+        B, n, r = k.shape[0], k.shape[1], m.latent_kv_rank
+        end = start + n
+        if end > cache.shape[1]:
+            raise ValueError(f"LatentKVCache: position {end - 1} is beyond its capacity of "
+                             f"{cache.shape[1]} positions")
+        cache[:, start:end, :r] = record.ckvn.reshape(B, n, r)
+        cache[:, start:end, r:] = k[:, :, 0, m.head_dim - m.rope_head_dim:]
+        return self.expand(layer, cache[:, :end])
+
+
+def up_projection(kernels, tp, params, m) -> Callable[[int, Array], tuple[Array, Array]]:
+    """Block ``i``'s keys and values ``[B, L, h, D]`` (values zero-padded, as
+    :func:`latent_fwd`'s) from its cached latents ``[B, L, r_kv + d_r]`` (:class:`LatentKVCache`):
+    ``kv_b_proj`` on this rank's heads, the RoPE key broadcast to each."""
+    r, xp = m.latent_kv_rank, kernels.xp
+
+    def expand(i: int, latents: Array) -> tuple[Array, Array]:
+        B, L = latents.shape[:2]
+        kv, = tp.linear(params, [f"layers.{i}." + KV_B], xp.ascontiguousarray(latents[..., :r]))
+        nope = m.head_dim - m.rope_head_dim
+        kv = kv.reshape(B, L, -1, nope + m.value_dim)
+        return _heads(xp, m, kv, latents[..., r:].reshape(B, L, 1, m.rope_head_dim))
+
+    return expand

@@ -216,9 +216,17 @@ class KVCache:
         return cls({i: xp.zeros(shape, dtype) for i in layers},
                    {i: xp.zeros(shape, dtype) for i in layers})
 
-    def append(self, layer: int, k: Array, v: Array, start: int) -> tuple[Array, Array]:
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (every block, every position of its capacity)."""
+        return sum(int(a.nbytes) for a in (*self.keys.values(), *self.values.values()))
+
+    def append(self, layer: int, k: Array, v: Array, start: int,
+               record: Any = None) -> tuple[Array, Array]:
         """Store block ``layer``'s k, v ``[B, n, hkv, D]`` at positions ``[start, start + n)``;
-        return its keys and values of positions ``[0, start + n)``."""
+        return its keys and values of positions ``[0, start + n)``. ``record`` (the block's
+        attention-input record) is unread: a latent cache stores from it
+        (:class:`mpipar.model.latent_attention.LatentKVCache`)."""
         end = start + k.shape[1]
         if end > self.keys[layer].shape[1]:
             raise ValueError(f"KVCache: position {end - 1} is beyond its capacity of "
@@ -508,7 +516,7 @@ class LlamaStage:
         if kv is None:
             out, attention_saved = self.attention.forward(q, key, v, positions, window)
         else:
-            keys, values = kv.append(i, key, v, int(positions[0]))
+            keys, values = kv.append(i, key, v, int(positions[0]), qk)
             out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
                                                      window=window)
         scope.progress()

@@ -21,6 +21,7 @@ from mpipar.config import ModelConfig, TrainConfig
 from mpipar.data.preference import preference_pairs
 from mpipar.data.sources import DataError
 from mpipar.layout import Layout, resolve_model
+from mpipar.model.latent_attention import latent_param_shapes
 from mpipar.model.lora import Lora
 from mpipar.model.params import param_specs
 from mpipar.model.recompute import NONE, Recompute
@@ -180,12 +181,18 @@ def _frozen_bytes(layout: Layout, coord: Coord) -> int:
 def parameter_count(model: ModelConfig) -> int:
     """Parameters of ``model`` from its sizes alone (no per-layer list: a model of 10^8 layers
     is counted at once): embedding and LM head ``V x H`` each, the final norm ``H``, and per
-    block two norms, q/k/v/o and the three SwiGLU matrices; a sparse block's router ``E x H``,
-    ``E`` experts and the shared expert (three matrices each; its gate ``H``) in place of the
-    latter."""
+    block its norms (two, four with sandwich norms; with ``qk_norm`` two of ``head_dim``),
+    q/k/v (their biases) and o, or latent attention's projections and latent norms and o, and
+    the three SwiGLU matrices; a sparse block's router ``E x H``, ``E`` experts and the shared
+    expert (three matrices each; its gate ``H``) in place of the latter."""
     m = resolve_model(model)
     q, kv, H = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden
-    block = 2 * H + (2 * q + 2 * kv) * H + 3 * m.ffn_hidden * H
+    if m.latent:
+        attention = sum(math.prod(s) for _, s in latent_param_shapes(m)) + H * m.heads * m.value_dim
+    else:
+        attention = (2 * q + 2 * kv) * H + (q + 2 * kv) * m.attention_bias
+    block = (m.norms.per_block * H + 2 * m.head_dim * m.qk_norm + attention
+             + 3 * m.ffn_hidden * H)
     sparse = H * m.moe_experts * (1 + 3 * m.moe_ffn_hidden) + 3 * m.moe_shared_ffn_hidden * H \
         + m.moe_shared_gate * H - 3 * m.ffn_hidden * H
     return 2 * m.vocab_size * H + H + m.layers * block + m.sparse_layers() * sparse
@@ -257,14 +264,25 @@ def _reference_bytes(layout: Layout) -> int:
         return 0
 
 
+def kv_cache_width(model: ModelConfig, tp: int) -> int:
+    """Values one position of one block holds in a tp rank's KV cache: the keys and values of
+    its kv heads, ``2 x kv_heads / tp x head_dim``; under latent attention the compressed
+    latent and the RoPE key, ``latent_kv_rank + rope_head_dim``, whole on every tp rank
+    (:class:`mpipar.model.latent_attention.LatentKVCache`)."""
+    m = model
+    if m.latent:
+        return m.latent_kv_rank + m.rope_head_dim
+    return 2 * (m.kv_heads // tp) * m.head_dim
+
+
 def generation_lower_bound(layout: Layout, positions: int) -> int:
     """Bytes the busiest rank of a generation under ``layout`` needs at least, from the sizes
     alone (any number of layers at once): its share of the weights and of the KV cache of
-    ``positions`` positions, ``e * (parameters + 2 * layers * positions * kv_heads *
-    head_dim) / (tp * pp)``."""
+    ``positions`` positions, ``e * (parameters + layers * positions * tp *`` :func:`kv_cache_width`
+    ``) / (tp * pp)``."""
     m, par = layout.model, layout.parallel
     e = np.dtype(layout.train.dtype).itemsize
-    cache = 2 * m.layers * positions * m.kv_heads * m.head_dim
+    cache = m.layers * positions * par.tp * kv_cache_width(m, par.tp)
     return e * (parameter_count(m) + cache) // (par.tp * par.pp)
 
 
@@ -277,10 +295,11 @@ def predict_generation_memory(layout: Layout, rank: int, positions: int, prompt:
       ``read_whole`` bytes (a Hugging Face directory: every rank reads every tensor) or its
       largest shard read from a checkpoint;
     - decoding: its shards, the KV cache of its stage's blocks for ``positions`` positions
-      (keys and values ``[1, positions, kv_heads / tp, head_dim]`` a block), and the prompt's
-      pass: ``prompt`` rows hidden-, head- and FFN-wide in a block, the block's attention
-      scores and probabilities ``[heads / tp, prompt, prompt]``, and on the last stage the
-      prompt's logits ``[prompt, V / tp]``.
+      (:func:`kv_cache_width` values a position and block; under latent attention also the
+      keys and values ``[1, positions, heads / tp, head_dim]`` of the one block expanding them),
+      and the prompt's pass: ``prompt`` rows hidden-, head- and FFN-wide in a block, the
+      block's attention scores and probabilities ``[heads / tp, prompt, prompt]``, and on the
+      last stage the prompt's logits ``[prompt, V / tp]``.
     """
     m, par = layout.model, layout.parallel
     tp, e = par.tp, np.dtype(layout.train.dtype).itemsize
@@ -291,7 +310,9 @@ def predict_generation_memory(layout: Layout, rank: int, positions: int, prompt:
     loading = shards + largest_global + (read_whole or e * max(math.prod(s)
                                                                 for s in shapes.values()))
     blocks = m.layers // par.pp  # one chunk a pipeline rank when generating
-    cache = 2 * blocks * positions * (m.kv_heads // tp) * m.head_dim * e
+    cache = blocks * positions * kv_cache_width(m, tp) * e
+    if m.latent:
+        cache += 2 * positions * (m.heads // tp) * m.head_dim * e
     width = 4 * m.hidden + (3 * m.ffn_hidden + 2 * (m.heads + m.kv_heads) * m.head_dim) // tp
     passing = e * prompt * (width + 2 * (m.heads // tp) * prompt)
     if coord.pp == par.pp - 1:

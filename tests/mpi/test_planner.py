@@ -24,6 +24,8 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(dp=2, tp=2, pp=2, zero=3, zero_shared="node", schedule="zb-h1"),
          dict(dp=4, pp=2, zero=3, zero_shared="node", ranks_per_node=2),
          dict(model="qwen3", tp=2, pp=2, dp=2, recompute="selective"),
+         # latent attention: its down-projections' and latent norms' gradients summed over tp
+         dict(model="latent", tp=2, pp=2, dp=2),
          # LoRA: the adapters alone reduced and updated, the frozen base sharded and gathered;
          # DPO: two rows a pair; Muon: one momentum per matrix, its exchanges over dp x sp and tp
          dict(dp=2, tp=2, pp=2, zero=3, train=dict(lora_rank=2, lora_alpha=4.0)),

@@ -6,21 +6,23 @@ routing with selection biases and a routed scale, two shared experts) is written
 transformers' save_pretrained and read by mpipar. mpipar's logits equal transformers'; both
 train two AdamW steps with clipping and the grouped router's balance loss, and the losses,
 balance losses, gradient norms and trained weights agree to 1e-10 relative; the export loads in
-transformers and gives mpipar's logits; greedy generation with the KV cache equals
-transformers' ``generate``. So do the logits and training of a model with the released
-checkpoints' yarn RoPE. A model without a query latent (``q_lora_rank`` null) and one built
+transformers and gives mpipar's logits; greedy generation with the latent KV cache and with
+the expanded one equals transformers' ``generate``, each cache holding the bytes a token the
+memory model counts. So do the logits and training of a model with the released checkpoints'
+yarn RoPE. A model without a query latent (``q_lora_rank`` null) and one built
 from mpipar's configuration alone give transformers' logits too. What is refused names the
 field. Layouts: mpi/test_hf_deepseek.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.deepseek_reference import (ALPHA, B, E, GROUPS, LAYERS, S, SCALE, STEPS, TOPK,
-                                      TOPK_GROUPS, V, YARN, float64_deepseek, loaded,
+from tests.deepseek_reference import (ALPHA, B, E, GROUPS, HEADS, LAYERS, S, SCALE, STEPS,
+                                      TOPK, TOPK_GROUPS, V, YARN, float64_deepseek, loaded,
                                       random_model, torch_training)
 from tests.generation import build_generator
 from tests.transformers_reference import TOL, mpipar_logits, mpipar_rank, rel, torch
@@ -33,7 +35,9 @@ from mpipar.config import ModelConfig
 from mpipar.hf import main as hf_main
 from mpipar.inference.sampling import Sampling
 from mpipar.layout import resolve_model
+from mpipar.model.latent_attention import LatentKVCache
 from mpipar.model.params import init_params
+from mpipar.plan.memory import kv_cache_width
 from mpipar.training import step as trainer
 
 
@@ -214,16 +218,30 @@ def test_a_latent_model_from_the_configuration_exports_as_deepseek(tmp_path, row
 
 # --------------------------------------------------------------------------- generation
 def test_deepseek_greedy_generation_equals_transformers(model, hf_dir, deepseek_float64):
+    """With the latent cache (the compressed latent and the RoPE key a position) and with the
+    expanded one (every head's keys and values): transformers' tokens, the same logits; each
+    cache's allocation is the analytic count of bytes a token (:func:`kv_cache_width`)."""
     cfg, params = load_hf(hf_dir)
     generator = build_generator(cfg, MPI.COMM_SELF)
     generator.load_params(params, load_selection_biases(hf_dir))
     prompt, new = [5, 17, 42, 3, 50], 8
-    got = generator.generate(prompt, new, Sampling(0.0), keep_logits=True)
+    caches = {latent: generator.new_cache(len(prompt) + new, latent) for latent in (True, False)}
+    got = {latent: generator.generate(prompt, new, Sampling(0.0), keep_logits=True, cache=kv)
+           for latent, kv in caches.items()}
     model.eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
         logits = model(out).logits[0, len(prompt) - 1:-1].numpy()
-    err = max(rel(a, b) for a, b in zip(got.logits, logits))
-    print(f"\ndeepseek_v3 greedy ids {got.ids}; KV-cache logits vs transformers: {err:.2e}")
-    assert got.ids == out[0, len(prompt):].tolist() and err <= TOL
+    err = max(rel(a, b) for g in got.values() for a, b in zip(g.logits, logits))
+    same = max(rel(a, b) for a, b in zip(got[True].logits, got[False].logits))
+    per_token = {latent: kv.nbytes // (len(prompt) + new) for latent, kv in caches.items()}
+    print(f"\ndeepseek_v3 greedy ids {got[True].ids}; KV-cache logits vs transformers: "
+          f"{err:.2e}, latent vs expanded cache {same:.2e}; bytes a token {per_token}")
+    assert got[True].ids == got[False].ids == out[0, len(prompt):].tolist()
+    assert err <= TOL and same <= TOL
+    assert type(caches[True]) is LatentKVCache
+    assert per_token == {True: 8 * LAYERS * (12 + 4), False: 8 * LAYERS * 2 * HEADS * 12}
+    assert per_token == {latent: 8 * LAYERS * kv_cache_width(cfg if latent else replace(
+        cfg, latent_kv_rank=0, latent_q_rank=0, rope_head_dim=0, v_head_dim=0), 1)
+        for latent in (True, False)}

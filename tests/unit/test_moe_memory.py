@@ -25,6 +25,9 @@ MODELS = {
     "unnormalised": dataclasses.replace(HALF, moe_norm_topk=False),
     "shared": dataclasses.replace(HALF, moe_shared_ffn_hidden=12),
     "gated": dataclasses.replace(HALF, moe_shared_ffn_hidden=12, moe_shared_gate=True),
+    # DeepSeek-V3's latent attention (its latents' record: before and after their norms)
+    "latent": dataclasses.replace(HALF, kv_heads=4, head_dim=6, latent_kv_rank=5,
+                                  latent_q_rank=7, rope_head_dim=2, v_head_dim=4),
 }
 
 

@@ -39,6 +39,22 @@ def test_default_model_state_by_hand():
     assert mem.optimizer == 2 * 803_968 * 4                      # AdamW m and v
 
 
+def test_parameter_count_is_the_tensors_of_every_attention_and_norm_form():
+    """The analytic count (generation's lower bound; a LoRA merge's bytes) equals the sum
+    over the tensors for latent attention with and without a query latent, Gemma 3's four
+    norms a block with q/k norms, and q/k/v biases."""
+    import math
+    from mpipar.model.params import param_specs
+    from mpipar.plan.memory import parameter_count
+    small = dict(vocab_size=16, hidden=16, layers=2, heads=4, kv_heads=4, ffn_hidden=24)
+    latent = dict(head_dim=6, latent_kv_rank=5, rope_head_dim=2, v_head_dim=4)
+    for fields in (dict(latent, latent_q_rank=7), latent, dict(
+            norm_placement="sandwich", qk_norm=True, head_dim=8, kv_heads=2),
+            dict(attention_bias=True, kv_heads=2)):
+        m = resolve_model(ModelConfig(**{**small, **fields}))
+        assert parameter_count(m) == sum(math.prod(s.shape) for s in param_specs(m)), fields
+
+
 def test_muon_and_lora_state_by_hand():
     """Muon keeps one momentum buffer for each block matrix and AdamW's two moments for the
     rest (as the one-process engine holds them); LoRA of rank 2 on every linear: the frozen
@@ -206,6 +222,20 @@ def test_model_flops_by_hand():
     matmul = 2 * (8 * 8 + 8 * 4 * 2 + 8 * 8) + 2 * 3 * 8 * 16 + 2 * 8 * 10
     attention = 4 * 2 * 4 * (4 + 1) / 2                           # heads x head_dim x mean keys
     assert model_flops_per_step(validate(cfg, 1)) == 3 * (matmul + attention) * 3 * 4
+
+
+def test_latent_attention_model_flops_by_hand():
+    """DeepSeek-V3's latent attention per token: q down 8 -> 5 and up 5 -> 2 heads x 6, kv down
+    8 -> 3 latent + 2 rope, kv up 3 -> 2 heads x (4 nope + 4 values), q k^T over 6 and p v
+    over the 4 value columns (not the kernels' padded 6) for 2.5 mean keys, o 2 x 4 -> 8."""
+    cfg = Config(ModelConfig(vocab_size=10, hidden=8, layers=1, heads=2, kv_heads=2,
+                             head_dim=6, latent_kv_rank=3, latent_q_rank=5, rope_head_dim=2,
+                             v_head_dim=4, ffn_hidden=16),
+                 train=TrainConfig(seq_len=4, global_batch_size=3))
+    projections = 2 * (8 * 5 + 5 * 12 + 8 * (3 + 2) + 3 * 2 * (4 + 4) + 2 * 4 * 8)
+    attention = 2 * 2 * 6 * 2.5 + 2 * 2 * 4 * 2.5
+    per_token = projections + attention + 2 * 3 * 8 * 16 + 2 * 8 * 10   # FFN, LM head
+    assert model_flops_per_step(validate(cfg, 1)) == 3 * per_token * 3 * 4 == 55152
 
 
 # ---------------------------------------------------------------------------- time model

@@ -31,8 +31,8 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     forward twice in a step. With it, forward all-gathers the two normed inputs and
     reduce-scatters the two outputs; backward all-gathers the two output gradients and, again,
     the two normed inputs (kept as shards), and reduce-scatters the two input gradients. The
-    partial gradients (the norm weights' under sequence parallelism, the query and key norms'
-    with ``qk_norm``: :func:`_partial_grad_elements`) are all-reduced once a step, packed per
+    partial gradients (the norm weights' under sequence parallelism, the ``heads_replicated``
+    weights': :func:`_partial_grad_elements`) are all-reduced once a step, packed per
     gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights), or
     at ZeRO-2/3 once a microbatch, per unit before its reduce-scatter. The first stage reduces the embedding
     (forward); the last all-reduces the cross-entropy's max and then its (sum-exp, target
@@ -69,12 +69,15 @@ def _partial_grad_elements(layout: Layout, stages: Sequence[int],
                            unit_passes: Sequence[tuple[str, int]]) -> list[int]:
     """Elements in each all-reduce of the partial gradients over tp in a step (0: none made):
     under sequence parallelism a block's norms (two, four with the ``sandwich`` placement)
-    and the head's final norm (``hidden`` each), and with ``qk_norm`` a block's query and key
-    norms (``head_dim`` each, applied to this rank's heads), under LoRA a block's replicated
+    and the head's final norm (``hidden`` each), and a block's ``heads_replicated`` weights
+    (applied to this rank's heads: with ``qk_norm`` the query and key norms, under latent
+    attention the down-projections and the latents' norms), under LoRA a block's replicated
     adapter factors instead (the norms frozen); at ZeRO-2/3 one per unit reduce-scattered,
     under zb-h1 one per chunk with all its norms, else one per block and one for the head."""
     m, sp = layout.model, layout.parallel.tp_sequence_parallel
-    block = m.norms.per_block * m.hidden * sp + 2 * m.head_dim * m.qk_norm
+    block = m.norms.per_block * m.hidden * sp + sum(
+        math.prod(spec.shape) for spec in block_param_specs(m, 0)
+        if TENSOR_PARALLEL_PLAN[plan_key(spec.name)] == "heads_replicated")
     head = m.hidden * sp
     lora = Lora.of(layout.train)
     if lora is not None:   # the norms are frozen; the adapters' replicated factors are partial
@@ -105,9 +108,10 @@ def block_record_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
     ``rstd2``: token shards under tp sequence parallelism), the attention output and its lse
     over this rank's heads, the FFN's ``g``, ``u``, ``m`` over its columns (``sparse``: the
     shared expert's, split as the dense FFN), with ``qk_norm`` the ``qk`` record (this
-    rank's queries and keys before their norms, their rstds), and with ``sandwich`` norms the
-    ``post_norms`` record (the attention's and the FFN's outputs in the stream's shape, their
-    rstds)."""
+    rank's queries and keys before their norms, their rstds; under latent attention the query
+    and kv latents before and after their norms and their rstds, every tp rank's whole), and
+    with ``sandwich`` norms the ``post_norms`` record (the attention's and the FFN's outputs in
+    the stream's shape, their rstds)."""
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes
@@ -117,6 +121,8 @@ def block_record_bytes(layout: Layout, sparse: bool = False) -> dict[str, int]:
     F = (m.moe_shared_ffn_hidden if sparse else m.ffn_hidden) // par.tp
     heads = (m.heads + m.kv_heads) // par.tp      # qk_norm: q, k before their norms, the rstds
     qk = n * heads * (m.head_dim * e + se) if m.qk_norm else 0
+    if m.latent:     # the latents before and after their norms, their rstds (whole on a rank)
+        qk = n * (2 * (m.latent_q_rank + m.latent_kv_rank) * e + (1 + bool(m.latent_q_rank)) * se)
     return {"x": H * ns * e, "h1": H * ns * e, "rstd1": ns * se,
             "attention_out": q * n * e, "attention_saved": n * (m.heads // par.tp) * se,
             "x2": H * ns * e, "h2": H * ns * e, "rstd2": ns * se,

@@ -145,7 +145,8 @@ def check_config(layout) -> None:
     lora = Lora.of(t)
     if lora is None:
         require(not t.lora_rslora, f"train.lora_rslora={t.lora_rslora}: needs --lora-rank > 0")
-        require(t.lora_dropout == 0, f"train.lora_dropout={t.lora_dropout}: needs --lora-rank > 0")
+        require(t.lora_dropout == 0,
+                f"train.lora_dropout={t.lora_dropout}: needs --lora-rank > 0")
         return
     require(0 <= t.lora_dropout < 1, f"train.lora_dropout={t.lora_dropout}: must be in [0, 1)")
     require(m.moe_experts == 0, f"train.lora_rank={t.lora_rank}: LoRA needs a dense model "

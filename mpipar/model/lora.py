@@ -150,7 +150,10 @@ def check_config(layout) -> None:
         return
     require(0 <= t.lora_dropout < 1, f"train.lora_dropout={t.lora_dropout}: must be in [0, 1)")
     require(m.moe_experts == 0, f"train.lora_rank={t.lora_rank}: LoRA needs a dense model "
-                                f"(model.moe_experts={m.moe_experts})")
+                                f"(model.moe_experts={m.moe_experts}): PEFT adapts experts "
+                                f"through target_parameters on the fused 3-D expert tensors "
+                                f"(gate_up_proj, down_proj), a format mpipar does not read or "
+                                f"write")
     require(not m.latent, f"train.lora_rank={t.lora_rank}: LoRA adapts q/k/v/o and the FFN of "
                           f"standard attention, not latent attention (model.latent_kv_rank="
                           f"{m.latent_kv_rank})")

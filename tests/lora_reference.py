@@ -19,8 +19,12 @@ peft = pytest.importorskip("peft", reason="peft is a test-only dependency of the
 
 from mpipar.checkpoint.peft import PREFIX  # noqa: E402
 from mpipar.model.lora import TARGETS  # noqa: E402
+from mpipar.model.lora_dropout import keep_mask  # noqa: E402
 
 RANK, ALPHA = 4, 6.0
+SEED = 0
+"""The mpipar runs' ``--seed`` (:func:`transformers_reference.mpipar_rank`): it keys the
+dropout masks."""
 LORA_STEPS = 2
 LORA_FIELDS = dict(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(TARGETS))
 """The mpipar run's LoRA fields (TrainConfig)."""
@@ -56,12 +60,46 @@ def adapter_tensors(model) -> dict[str, np.ndarray]:
             for n, p in model.named_parameters() if "lora_" in n}
 
 
+class MaskedDropout(torch.nn.Module):
+    """PEFT's ``lora_dropout`` of the targeted linear ``target`` of block ``layer``, its mask
+    mpipar's (:func:`mpipar.model.lora_dropout.keep_mask`) of the step ``now[0]`` and the
+    global batch's rows ``[0, B)``: the same mask the mpipar run draws, so the runs compare
+    exactly."""
+
+    def __init__(self, p: float, layer: int, target: str, now: list) -> None:
+        super().__init__()
+        self.p, self.layer, self.target, self.now = p, layer, target, now
+
+    def forward(self, x):
+        b, s, width = x.shape
+        tokens = (np.arange(b)[:, None] * S + np.arange(s)[None, :]).reshape(-1)
+        key = (SEED, self.now[0], self.layer, list(TARGETS).index(self.target))
+        keep = keep_mask(np, self.p, key, tokens, range(width), width)
+        factor = keep.astype(np.float64) * (1.0 / (1.0 - self.p))
+        return x * torch.from_numpy(factor.reshape(x.shape))
+
+
+def mask_dropout(model, p: float) -> list:
+    """Give each of ``model``'s LoRA layers a :class:`MaskedDropout`; returns the step cell
+    (``[step]``) they read."""
+    now = [0]
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
+            parts = name.split(".")
+            layer = int(parts[parts.index("layers") + 1])
+            module.lora_dropout["default"] = MaskedDropout(p, layer, parts[-1], now)
+    return now
+
+
 @functools.lru_cache(maxsize=None)
-def peft_training(base: Path, adapter: Path, samples: Path) -> tuple[list, list, dict]:
+def peft_training(base: Path, adapter: Path, samples: Path, dropout: float = 0.0
+                  ) -> tuple[list, list, dict]:
     """PyTorch + PEFT training of the adapter for :data:`LORA_STEPS` steps on the samples' rows
-    in order: (losses, gradient norms, trained adapters by mpipar name). Call it with the
+    in order: (losses, gradient norms, trained adapters by mpipar name); ``dropout`` > 0: LoRA
+    dropout with mpipar's masks (:class:`MaskedDropout`, seed :data:`SEED`). Call it with the
     float64 patches applied."""
     model = peft_model(base, adapter)
+    now = mask_dropout(model, dropout) if dropout > 0 else [0]
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == 2 * 7 * model.config.num_hidden_layers
@@ -71,6 +109,7 @@ def peft_training(base: Path, adapter: Path, samples: Path) -> tuple[list, list,
     rows = torch.from_numpy(np.load(samples))
     losses, norms = [], []
     for k in range(LORA_STEPS):
+        now[0] = k
         ids = rows[k * B:(k + 1) * B]
         opt.zero_grad()
         loss = hf_loss(model(input_ids=ids[:, :S]).logits, ids)

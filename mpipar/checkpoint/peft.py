@@ -69,8 +69,9 @@ def check_config(raw: Mapping[str, Any], lora: Lora, where: str) -> None:
             sorted(targets) != sorted(lora.targets):
         raise AdapterError(f"{where}: target_modules={targets!r}, the run's --lora-targets are "
                            f"{list(lora.targets)}")
-    if float(raw.get("lora_dropout") or 0.0) != 0.0:
-        raise AdapterError(f"{where}: lora_dropout={raw['lora_dropout']!r}: only 0 is supported")
+    dropout = raw.get("lora_dropout") or 0.0     # a training setting: the run's applies
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise AdapterError(f"{where}: lora_dropout={dropout!r}: must be a number in [0, 1)")
     for key in ("layers_to_transform", "modules_to_save", "rank_pattern", "alpha_pattern"):
         if raw.get(key):
             raise AdapterError(f"{where}: {key}={raw[key]!r} is not supported (the same rank "
@@ -119,7 +120,7 @@ def adapter_config(lora: Lora, base: str) -> dict[str, Any]:
     matters written out."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
             "r": lora.rank, "lora_alpha": lora.alpha, "use_rslora": lora.rslora,
-            "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none",
+            "target_modules": list(lora.targets), "lora_dropout": lora.dropout, "bias": "none",
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
             "modules_to_save": None, "layers_to_transform": None, "use_dora": False}
 

@@ -166,7 +166,8 @@ class TrainConfig:
                            "LoRA: the linears that carry adapters, by Hugging Face module name "
                            "(PEFT's target_modules): a comma list of q_proj, k_proj, v_proj, "
                            "o_proj, gate_proj, up_proj, down_proj")
-    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input (only 0 is supported)")
+    lora_dropout: float = _f(0.0, "LoRA: dropout probability on the adapters' input, training "
+                                  "only (PEFT's lora_dropout; in [0, 1))")
     lora_rslora: bool = _f(False, "LoRA: rank-stabilised scale alpha / sqrt(rank) (PEFT's "
                                   "use_rslora)")
     init_adapter: str = _f("", "LoRA: start the adapters from a PEFT adapter directory "

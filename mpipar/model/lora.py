@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.config import TrainConfig, require
+from mpipar.model.lora_dropout import LoraDropout
 from mpipar.model.params import ParamSpec, block_param_specs
 
 Array = Any
@@ -71,12 +72,14 @@ def base_of(name: str) -> str:
 @dataclass(frozen=True)
 class Lora:
     """A run's adapters: their rank, alpha, targets (Hugging Face module names, in
-    :data:`TARGETS` order) and whether the scale is rank-stabilised."""
+    :data:`TARGETS` order), whether the scale is rank-stabilised and the dropout probability
+    on their input (:mod:`mpipar.model.lora_dropout`)."""
 
     rank: int
     alpha: float
     targets: tuple[str, ...]
     rslora: bool = False
+    dropout: float = 0.0
 
     @classmethod
     def of(cls, train: TrainConfig) -> Lora | None:
@@ -92,7 +95,8 @@ class Lora:
                 f"train.lora_targets={train.lora_targets!r}: must name each target once, at "
                 f"least one")
         return cls(train.lora_rank, float(train.lora_alpha),
-                   tuple(t for t in TARGETS if t in given), bool(train.lora_rslora))
+                   tuple(t for t in TARGETS if t in given), bool(train.lora_rslora),
+                   float(train.lora_dropout))
 
     @property
     def scale(self) -> float:
@@ -134,18 +138,22 @@ def init_adapter(spec: ParamSpec, seed: int) -> np.ndarray:
 
 
 def check_config(layout) -> None:
-    """LoRA's rules: known targets, a rank in ``[1, min(in, out)]`` of every targeted linear, no
-    dropout, a dense model with standard attention."""
+    """LoRA's rules: known targets, a rank in ``[1, min(in, out)]`` of every targeted linear, a
+    dropout in ``[0, 1)``, a dense model with standard attention."""
     cfg = layout.config
     t, m = cfg.train, cfg.model
     lora = Lora.of(t)
     if lora is None:
         require(not t.lora_rslora, f"train.lora_rslora={t.lora_rslora}: needs --lora-rank > 0")
+        require(t.lora_dropout == 0,
+                f"train.lora_dropout={t.lora_dropout}: needs --lora-rank > 0")
         return
-    require(t.lora_dropout == 0, f"train.lora_dropout={t.lora_dropout}: only 0 is supported "
-                                 f"(adapters without dropout)")
+    require(0 <= t.lora_dropout < 1, f"train.lora_dropout={t.lora_dropout}: must be in [0, 1)")
     require(m.moe_experts == 0, f"train.lora_rank={t.lora_rank}: LoRA needs a dense model "
-                                f"(model.moe_experts={m.moe_experts})")
+                                f"(model.moe_experts={m.moe_experts}): PEFT adapts experts "
+                                f"through target_parameters on the fused 3-D expert tensors "
+                                f"(gate_up_proj, down_proj), a format mpipar does not read or "
+                                f"write")
     require(not m.latent, f"train.lora_rank={t.lora_rank}: LoRA adapts q/k/v/o and the FFN of "
                           f"standard attention, not latent attention (model.latent_kv_rank="
                           f"{m.latent_kv_rank})")
@@ -161,33 +169,52 @@ class Adapters:
     """What a linear with an adapter adds forward and books backward (module docstring),
     with ``kernels``' ops. ``x_in`` is the input as the linear reads it, ``dy`` its output's
     gradient as the linear produced it (this rank's output columns, or the whole output of a
-    row-parallel linear before the sum over tp)."""
+    row-parallel linear before the sum over tp); ``columns`` the input columns ``x_in`` holds,
+    (first, width of the whole input): what the dropout mask is keyed by. ``seed`` and
+    ``seq_len`` key the dropout mask (:class:`mpipar.model.lora_dropout.LoraDropout`, None
+    without dropout)."""
 
-    def __init__(self, kernels, lora: Lora) -> None:
+    def __init__(self, kernels, lora: Lora, seed: int = 0, seq_len: int = 0) -> None:
         self.kernels, self.lora, self.scale = kernels, lora, lora.scale
+        self.dropout = (LoraDropout(kernels.xp, lora.dropout, seed, seq_len, lora.targets)
+                        if lora.dropout > 0 else None)
 
     def adapts(self, name: str) -> bool:
         return self.lora.adapts(name)
 
-    def forward(self, params: Mapping[str, Array], name: str, x_in: Array, y: Array) -> Array:
-        """``y + s (x_in A^T) B^T`` of linear ``name`` (``y`` as it is if no adapter)."""
+    def _dropped(self, name: str, x_in: Array, columns: tuple[int, int] | None
+                 ) -> tuple[Array, Array | None]:
+        """(the adapter's input: ``x_in`` with dropout applied, the dropout factor or None)."""
+        if self.dropout is None:
+            return x_in, None
+        first, width = columns or (0, x_in.shape[-1])
+        factor = self.dropout.factor(name, x_in, first, width)
+        return (x_in, None) if factor is None else (x_in * factor, factor)
+
+    def forward(self, params: Mapping[str, Array], name: str, x_in: Array, y: Array,
+                columns: tuple[int, int] | None = None) -> Array:
+        """``y + s (dropout(x_in) A^T) B^T`` of linear ``name`` (``y`` as it is if no
+        adapter)."""
         if not self.adapts(name):
             return y
         a, b = adapter_names(name)
+        x_in, _ = self._dropped(name, x_in, columns)
         t = self.kernels.linear_fwd(x_in, params[a])
         return y + self.scale * self.kernels.linear_fwd(t, params[b])
 
     def backward(self, params: Mapping[str, Array], grads: Mapping[str, Array], name: str,
-                 dy: Array, x_in: Array) -> Array | None:
+                 dy: Array, x_in: Array, columns: tuple[int, int] | None = None
+                 ) -> Array | None:
         """The adapter's share of ``dx`` of linear ``name`` (None if it has none); the factors'
         gradients added into ``grads``."""
         if not self.adapts(name):
             return None
         a, b = adapter_names(name)
+        x_in, factor = self._dropped(name, x_in, columns)
         t = self.kernels.linear_fwd(x_in, params[a])
         dt, _ = self.kernels.linear_bwd(self.scale * dy, t, params[b], dw=grads[b])
         dx, _ = self.kernels.linear_bwd(dt, x_in, params[a], dw=grads[a])
-        return dx
+        return dx if factor is None else dx * factor
 
 
 class _Discard:

@@ -135,7 +135,8 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
 def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
     """The engine's reductions of a number: the loss over dp x sp, and in a training step the
     gradient norm's sum of squares over dp x sp (ZeRO: over the slices) and over tp x pp; a
-    DPO step's rewards and accuracy over dp x sp, then sent from the last pipeline stage."""
+    DPO step's rewards and accuracy over dp x sp, then sent from the last pipeline stage (with
+    sp, each microbatch's rows' log-probabilities summed over sp on the last stage)."""
     par = layout.parallel
     calls = []
     if layout.dp * par.sp > 1:
@@ -148,6 +149,8 @@ def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
         calls += [Call("dp_sp", "allreduce", 24)] if layout.dp * par.sp > 1 else []
         calls += [Call("pp", "bcast", 24 if coord.pp == par.pp - 1 else 0)] \
             if par.pp > 1 else []
+        if par.sp > 1 and coord.pp == par.pp - 1:   # each microbatch's rows' log-probabilities
+            calls.append(Call("sp", "allreduce", 8 * layout.micro_rows, layout.microbatches))
     m = layout.config.model
     if train and m.moe_experts:  # balance loss, loads, drops (training.step._moe_stats), float64
         n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * (m.moe_experts + 1))

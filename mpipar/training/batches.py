@@ -72,9 +72,10 @@ def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,
                   reference: np.ndarray | None) -> tuple[Microbatch, ...]:
     """This rank's microbatches of its rows ``[rows_per_dp, S]`` (twice that of pairs): each
     one's sp positions (its documents' under ``--document-masking``), its tokens, targets and
-    counted targets at them, in the backend's array module; with the rows' DPO ``reference``
-    log-probabilities, each one's pair loss."""
+    counted targets at them, in the backend's array module, and its rows' indices in the global
+    batch; with the rows' DPO ``reference`` log-probabilities, each one's pair loss."""
     xp, pref = rank.compute.xp, rank.data.preference
+    sequence = rank.comms.groups["sp"] if rank.cfg.parallel.sp > 1 else None
     mbs = rank.cfg.train.micro_batch_size * (1 if pref is None else pref.objective.rows_per_pair)
     out = []
     for i in range(rank.data.microbatches):
@@ -86,7 +87,8 @@ def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,
         at = rank.model.positions if positions is None else np.asarray(positions)
         mask = None if counted is None else xp.asarray(counted[rows][:, at])
         loss = (None if reference is None
-                else PairLoss(pref.objective, mask, reference[rows], xp))
+                else PairLoss(pref.objective, mask, reference[rows], xp, sequence))
         out.append(Microbatch(xp.asarray(inputs[rows][:, at]), xp.asarray(targets[rows][:, at]),
-                              positions, mask, loss))
+                              positions, mask, loss,
+                              rank.coord.dp * len(inputs) + np.arange(rows.start, rows.stop)))
     return tuple(out)

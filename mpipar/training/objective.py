@@ -83,21 +83,29 @@ class DPO:
 class PairLoss:
     """One microbatch's DPO loss over its rows' per-token cross-entropy, for the pipeline
     executor (:attr:`mpipar.parallel.pipeline.executor.Microbatch.loss`): ``counted`` ``[2m,
-    S]``, ``reference`` ``[2m]`` the rows' reference log-probabilities."""
+    S_loc]``, ``reference`` ``[2m]`` the rows' reference log-probabilities; ``sequence``: the
+    sp group over which the rows' tokens are spread (their log-probabilities are summed over
+    it), or None (whole rows)."""
 
     objective: DPO
     counted: Array
     reference: np.ndarray
     xp: Any
+    sequence: Any = None
     logps: np.ndarray | None = None
     stats: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
     def forward(self, token_loss: Array) -> float:
         """The summed loss of the microbatch's pairs; keeps their log-probabilities and adds
         (reward chosen, reward rejected, chosen above rejected) summed over the pairs to
-        :attr:`stats`."""
-        self.logps = np.asarray(to_host(self.objective.logps(token_loss, self.counted)),
-                                np.float64)
+        :attr:`stats` (0 and nothing off the first rank of ``sequence``: its ranks' sums over
+        dp x sp count each pair once)."""
+        logps = self.objective.logps(token_loss, self.counted)
+        if self.sequence is not None:
+            logps = self.sequence.allreduce_(self.xp.ascontiguousarray(logps))
+        self.logps = np.asarray(to_host(logps), np.float64)
+        if self.sequence is not None and self.sequence.rank != 0:
+            return 0.0          # the pairs are counted once over sp: on its first rank
         chosen, rejected = self.objective.rewards(self.logps, self.reference)
         self.stats += [float(chosen.sum()), float(rejected.sum()), float((chosen > rejected).sum())]
         return float(self.objective.losses(self.logps, self.reference).sum())
@@ -149,16 +157,13 @@ def preference(train: TrainConfig) -> Preference | None:
 
 def check_config(layout: Layout) -> None:
     """``--dpo-beta`` > 0 and finite; ``--objective dpo`` trains on a preference file of
-    ``--seq-len`` rows holding at least one global batch of pairs, with whole sequences on
-    each rank (no ``--sp``: a pair's loss needs its rows' summed log-probabilities), and none of
-    the next-token loss's masks, packed documents or validation loss."""
+    ``--seq-len`` rows holding at least one global batch of pairs, and none of the next-token
+    loss's masks, packed documents or validation loss."""
     t, p = layout.train, layout.parallel
     require(math.isfinite(t.dpo_beta) and t.dpo_beta > 0,
             f"train.dpo_beta={t.dpo_beta}: must be a finite number > 0")
     if t.objective != "dpo":
         return
-    require(p.sp == 1, f"parallel.sp={p.sp} with --objective dpo: a pair's loss needs whole "
-                       f"sequences on one rank; use sp=1")
     for name in ("loss_mask", "eod_mask_loss", "document_masking"):
         require(not getattr(t, name), f"train.{name}=True with --objective dpo: DPO counts the "
                                       f"response tokens of its pairs' loss_mask only")

@@ -278,8 +278,9 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     table = PlacementTable(model=m, pp=par.pp, virtual_stages=par.virtual_stages,
                            zero=par.zero, tp_sequence_parallel=par.tp_sequence_parallel,
                            ep=expert_shards(layout), lora=lora)
+    adapters = None if lora is None else Adapters(compute.kernels, lora, tr.seed, tr.seq_len)
     tensor = TensorParallel(kernels=compute.kernels, table=table, group=groups["tp"],
-                            adapters=None if lora is None else Adapters(compute.kernels, lora))
+                            adapters=adapters)
     seq = SeqLayout(tr.seq_len, par.sp, par.sp_split, min_chunk=par.sp_min_chunk)
     routing = RoutingBias.of(m, compute.xp)   # every sparse block's, every rank
     # --recompute offload: one scratch file per rank for the saved activations.

@@ -71,7 +71,8 @@ def train_step(rank: Rank, step: int) -> StepResult:
     loss = rank.executor.run(rank.params, rank.grads, list(batch.microbatches), m.positions,
                              m.tensor.stream_shape(mbs, s_loc, cfg.model.hidden),
                              rank.compute.dtype, weight,
-                             on_ready=None if w.sharded else ready)
+                             on_ready=None if w.sharded else ready,
+                             on_microbatch=_dropout_selector(rank, step))
     w.reducer.finish()
     if recorder is not None:
         for ch in m.chunks:
@@ -216,6 +217,23 @@ def evaluate(rank: Rank) -> EvalResult:
     except OverflowError:
         perplexity = math.inf
     return EvalResult(loss, perplexity, tokens, time.perf_counter() - t0)
+
+
+def _dropout_selector(rank: Rank, step: int):
+    """What tells LoRA's dropout which microbatch of step ``step`` is computed
+    (:class:`mpipar.model.lora_dropout.LoraDropout`), or None without dropout."""
+    adapters = rank.model.tensor.adapters
+    dropout = None if adapters is None else adapters.dropout
+    if dropout is None:
+        return None
+
+    def select(mb) -> None:
+        if mb is None:
+            dropout.select(None)
+        else:
+            dropout.select(step, mb.rows,
+                           rank.model.positions if mb.positions is None else mb.positions)
+    return select
 
 
 def reference_logps(rank: Rank) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""DPO on dp x tp x pp layouts of 8 ranks (one with ZeRO-3) equals transformers +
+"""DPO on dp x tp x pp layouts of 8 ranks (one with ZeRO-3, one with zigzag sp: a row's
+log-probability summed over its sp ranks) equals transformers +
 torch.optim.AdamW in float64 with DPO's loss written out (:mod:`dpo_reference`), and with LoRA
 PyTorch + PEFT: losses, rewards, accuracy, gradient norms and trained weights (adapters) over
 two steps to 1e-10 relative."""
@@ -14,7 +15,8 @@ from conftest import check_in_groups
 from layouts import layout_name, layout_size
 from mpipar.training import step as trainer
 
-LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(dp=2, pp=2, tp=2, zero=3)]
+LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(dp=2, pp=2, tp=2, zero=3),
+           dict(sp=2, tp=2, pp=2, sp_split="zigzag")]
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,37 @@ LORA_LAYOUTS = [dict(dp=2, tp=2),
                 dict(pp=2, dp=2, zero=2)]
 
 
+DROPOUT_LAYOUTS = [dict(dp=2, tp=2, tp_sequence_parallel=True),
+                   dict(pp=2, sp=2, sp_split="zigzag")]
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", DROPOUT_LAYOUTS, ids=[layout_name(v) for v in DROPOUT_LAYOUTS])
+def test_lora_dropout_layouts_drop_as_one_process(world, lora_dirs, layout, samples,
+                                                  float64_transformers):
+    """--lora-dropout: every layout drops the elements one process drops (the mask is keyed by
+    each element's global place: rows over dp, positions over sp, a row-parallel linear's
+    columns over tp), so it equals PyTorch + PEFT fed those masks."""
+    base, adapter = lora_dirs
+    fields = {**LORA_FIELDS, "lora_dropout": 0.3}
+
+    def check(comm) -> list[str]:
+        cfg, params = load_hf(base)
+        adapters = read_adapter(adapter, cfg, Lora.of(TrainConfig(**LORA_FIELDS)))
+        rank = mpipar_rank(cfg, {**params, **adapters}, samples, comm, train_fields=fields,
+                           **layout)
+        results = [trainer.train_step(rank, k) for k in range(LORA_STEPS)]
+        trained = trainer.gather_params(rank)
+        losses, norms, want = peft_training(base, adapter, samples, 0.3)
+        problems = [f"step {k + 1}: loss {r.loss} vs {loss}, norm {r.grad_norm} vs {norm}"
+                    for k, (r, loss, norm) in enumerate(zip(results, losses, norms))
+                    if abs(r.loss - loss) > TOL * loss or abs(r.grad_norm - norm) > TOL * norm]
+        diff = max(rel(trained[n], want[n]) for n in want)
+        return problems + ([f"adapters differ by {diff:.3g}"] if diff > TOL else [])
+
+    check_in_groups(world, layout_size(layout), check)
+
+
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("layout", LORA_LAYOUTS, ids=[layout_name(v) for v in LORA_LAYOUTS])
 def test_lora_layouts_train_like_peft(world, lora_dirs, layout, samples, float64_transformers):

@@ -29,7 +29,7 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          # LoRA: the adapters alone reduced and updated, the frozen base sharded and gathered;
          # DPO: two rows a pair; Muon: one momentum per matrix, its exchanges over dp x sp and tp
          dict(dp=2, tp=2, pp=2, zero=3, train=dict(lora_rank=2, lora_alpha=4.0)),
-         dict(dp=2, tp=2, pp=2, train=dict(objective="dpo")),
+         dict(sp=2, tp=2, pp=2, train=dict(objective="dpo")),
          dict(dp=4, tp=2, zero=1, bucket_mb=0.003, train=dict(optimizer="muon"))]
 
 

@@ -460,7 +460,8 @@ def documents_alone(rank):
     chunk = rank.model.chunks[0]
     eos, masked = rank.data.eos, rank.cfg.train.eod_mask_loss
 
-    def run(params, grads, micro, positions, act_shape, dtype, weight, on_ready=None):
+    def run(params, grads, micro, positions, act_shape, dtype, weight, on_ready=None,
+            on_microbatch=None):
         total = 0.0
         for mb in micro:
             for b in range(mb.tokens.shape[0]):

@@ -85,7 +85,6 @@ def test_dpo_rules_name_the_value(files, tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.zeros(100, np.int64))
     _refused(files, tmp_path, r"train.dpo_beta=0.0: must be a finite number > 0", dpo_beta=0.0)
-    _refused(files, tmp_path, r"parallel.sp=2 with --objective dpo", parallel={"sp": 2})
     _refused(files, tmp_path, r"not an HDF5 file written by data prepare --preference",
              data=str(tokens))
     _refused(files, tmp_path, r"pairs of 12 tokens, not --seq-len 10", seq_len=10)

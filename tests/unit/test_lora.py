@@ -18,7 +18,9 @@ from lora_reference import (ALPHA, LORA_FIELDS, LORA_STEPS, RANK, adapter_tensor
 from mpipar.checkpoint.huggingface import load_hf
 from mpipar.checkpoint.peft import AdapterError, merge, read_adapter, save_adapter
 from mpipar.config import Config, ConfigError, ModelConfig, TrainConfig
+from mpipar.checkpoint.peft import PREFIX
 from mpipar.model.lora import Lora, is_adapter
+from mpipar.model.lora_dropout import keep_mask
 from mpipar.rules import validate
 from mpipar.training import step as trainer
 
@@ -51,6 +53,55 @@ def test_training_matches_peft(lora_dirs, samples, float64_transformers, recompu
     assert max(rel(trained[n], adapters[n]) for n in want) > 1e-3     # the adapters moved
     for n, v in params.items():                                       # the base did not
         np.testing.assert_array_equal(trained[n], v)
+
+
+DROPOUT = 0.3
+
+
+def test_dropout_matches_peft_fed_the_same_mask(lora_dirs, samples, float64_transformers):
+    """--lora-dropout: PEFT's ``B(A(dropout(x))) * s`` with the base reading ``x``, inverted
+    scaling, training only; float64 against PyTorch + PEFT whose dropout layers multiply by
+    mpipar's mask, under full recompute (the recomputed forward draws the forward's mask)."""
+    base, adapter = lora_dirs
+    cfg, params = load_hf(base)
+    fields = {**LORA_FIELDS, "lora_dropout": DROPOUT, "recompute": "full"}
+    adapters = read_adapter(adapter, cfg, lora_of())
+    rank = mpipar_rank(cfg, {**params, **adapters}, samples, train_fields=fields)
+    results = [trainer.train_step(rank, k) for k in range(LORA_STEPS)]
+    trained = trainer.gather_params(rank)
+    losses, norms, want = peft_training(base, adapter, samples, DROPOUT)
+    plain, _, _ = peft_training(base, adapter, samples)
+    assert min(abs(a - b) / b for a, b in zip(losses, plain)) > 1e-3     # dropout acts
+    for r, loss, norm in zip(results, losses, norms):
+        assert abs(r.loss - loss) <= TOL * loss, (r.loss, loss)
+        assert abs(r.grad_norm - norm) <= TOL * norm, (r.grad_norm, norm)
+    assert max(rel(trained[n], want[n]) for n in want) <= TOL
+    # Not in training: nothing dropped (a forward outside a step equals PEFT's eval mode).
+    rows = np.load(samples)[:2]
+    _, cache = rank.model.chunks[0].forward(rank.params, rows[:, :-1], rank.model.positions,
+                                            rows[:, 1:])
+    model = peft_model(base, adapter)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data.copy_(torch.from_numpy(trained[n.removeprefix(PREFIX).replace(".default",
+                                                                             "")]))
+    model.eval()
+    with torch.no_grad():
+        theirs = model(input_ids=torch.from_numpy(rows[:, :-1])).logits.numpy()
+    assert rel(cache.head.logits.reshape(2, S, -1), theirs) <= TOL
+
+
+def test_dropout_mask_is_a_function_of_the_place():
+    """The mask keeps 1 - p of the elements, and any part of it (a rank's columns or tokens) is
+    that part of the whole mask; another step, layer or target draws another."""
+    tokens, width, p = np.arange(40) * 7 + 3, 512, 0.25
+    whole = keep_mask(np, p, (5, 2, 1, 3), tokens, range(width), width)
+    assert abs(whole.mean() - (1 - p)) < 5 * np.sqrt(p * (1 - p) / whole.size)
+    part = keep_mask(np, p, (5, 2, 1, 3), tokens[10:30], range(128, 256), width)
+    np.testing.assert_array_equal(part, whole[10:30, 128:256])
+    for key in [(5, 3, 1, 3), (5, 2, 0, 3), (5, 2, 1, 4), (6, 2, 1, 3)]:
+        other = keep_mask(np, p, key, tokens, range(width), width)
+        assert 0.3 < (other != whole).mean() < 0.45      # 2 p (1 - p) = 0.375
 
 
 def test_export_loads_in_peft_and_merge_equals_merge_and_unload(lora_dirs, samples,
@@ -131,7 +182,8 @@ def test_adapter_of_another_model_refused(lora_dirs):
     ({"lora_rank": -1}, r"train.lora_rank=-1: must be >= 0"),
     ({"lora_targets": "q_proj,qkv"}, r"'qkv' is not a target"),
     ({"lora_rank": 9}, r"train.lora_rank=9: must be <= 8"),
-    ({"lora_dropout": 0.1}, r"lora_dropout=0.1: only 0"),
+    ({"lora_dropout": 1.0}, r"lora_dropout=1.0: must be in \[0, 1\)"),
+    ({"lora_dropout": 0.1, "lora_rank": 0}, r"lora_dropout=0.1: needs --lora-rank > 0"),
     ({"lora_alpha": 0.0}, r"lora_alpha=0.0: must be > 0"),
     ({"optimizer": "muon"}, r"train.optimizer='muon' with train.lora_rank=4: .*low-rank "
                             r"factors A and B.*--optimizer adamw"),

@@ -50,6 +50,7 @@ class Microbatch:
     loss: Any = None        # the microbatch's own loss of its per-token losses (None: their
     #                         sum over the counted targets): forward(token_loss) -> float and
     #                         dout(loss_weight) -> their gradient (training.objective.PairLoss)
+    rows: Any = None        # [B] its rows' indices in the step's global batch
 
 
 @dataclass(kw_only=True)
@@ -78,11 +79,12 @@ class PipelineExecutor:
 
     def run(self, params: dict, grads: dict, microbatches: list[Microbatch],
             positions: Any, act_shape: tuple[int, ...], dtype, loss_weight: Any,
-            on_ready=None) -> float:
+            on_ready=None, on_microbatch=None) -> float:
         """Execute the schedule; return this rank's summed token loss (0 off the last stage).
 
         act_shape: the stream's shape (what travels between stages); on_ready(names): called
-        once the gradients of ``names`` are final for the step.
+        once the gradients of ``names`` are final for the step; on_microbatch(mb): called with
+        the microbatch before each of its forwards and backwards, and with None at the end.
         """
         rank, p, v, m = self.pp.rank, self.p, self.v, len(microbatches)
         last_stage = p * v - 1
@@ -99,6 +101,8 @@ class PipelineExecutor:
             stage = op.chunk * p + rank
             chunk = self.chunks[op.chunk]
             start = time.perf_counter() - t0
+            if op.kind not in MESSAGE_KINDS and on_microbatch is not None:
+                on_microbatch(microbatches[op.microbatch])
             if op.kind in MESSAGE_KINDS:
                 wire.message(op)
             elif op.kind == "fwd":
@@ -143,6 +147,8 @@ class PipelineExecutor:
             self.timeline.append(OpRecord(op.kind, op.microbatch, op.chunk, start,
                                           time.perf_counter() - t0))
         wire.finish(caches=caches)
+        if on_microbatch is not None:
+            on_microbatch(None)
         return loss
 
     def run_forward(self, microbatches: list[Microbatch], act_shape: tuple[int, ...], dtype,

@@ -159,8 +159,15 @@ class TensorParallel:
             ys = [self.kernels.linear_fwd(x_in, params[n], params.get(bias_name(n)))
                   for n in names]
         if self.adapters is not None:   # before the sum over tp: one collective
-            ys = [self.adapters.forward(params, n, x_in, y) for n, y in zip(names, ys)]
+            cols = self._columns(names, x_in)
+            ys = [self.adapters.forward(params, n, x_in, y, cols) for n, y in zip(names, ys)]
         return [self.leave(y) for y in ys] if self.role(names) == "row" else ys
+
+    def _columns(self, names: Sequence[str], x_in: Array) -> tuple[int, int]:
+        """(first, whole width) of the input columns ``x_in`` holds: this rank's contiguous
+        share of a row-parallel linear's input, else all of it."""
+        f = x_in.shape[-1]
+        return (self.rank * f, self.size * f) if self.role(names) == "row" else (0, f)
 
     def _stacked_linear(self, params: dict[str, Array], names: Sequence[str], x_in: Array
                         ) -> list[Array]:
@@ -197,10 +204,11 @@ class TensorParallel:
             for dy, name in zip(dys, names):
                 dx = _accumulate(dx, linear_backward(dy, x_in, name))
         if self.adapters is not None:
+            cols = self._columns(names, x_in)
             for dy, name in zip(dys, names):
                 dx = _accumulate(dx, self.adapters.backward(linear_backward.params,
                                                             linear_backward.grads, name, dy,
-                                                            x_in))
+                                                            x_in, cols))
         dx = dx.astype(x_in.dtype, copy=False)
         return self.enter_backward(dx) if role in ENTERS else dx
 

@@ -3,10 +3,11 @@
 Numba compiles a kernel on its first call and keeps it in its on-disk cache (``NUMBA_CACHE_DIR``,
 else ``kernels/__pycache__``). Left to step 1, every rank of a node compiles the same kernels at
 once, on cores the ranks share (eight ranks on two cores: minutes of silence). Instead the
-first rank of each node calls every kernel of the run's dtype on tiny inputs
+first ranks of each node, one a core up to the parts of :data:`mpipar.kernels.warmup.PARTS`,
+each call their parts' kernels of the run's dtype on tiny inputs
 (:func:`mpipar.kernels.warmup.warm_up`) while the others wait at a barrier, asleep between
-polls (a spinning barrier would take the cores the compiling rank needs); then the others
-load what it compiled from the cache. Rank 0 says what is compiled before, and how long it took
+polls (a spinning barrier would take the cores the compiling ranks need); then every rank
+loads what they compiled from the cache. Rank 0 says what is compiled before, and how long it took
 after. ``python -m mpipar.bench warmup`` fills the cache ahead of a job.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 from mpipar.kernels import Backend, warmup
 from mpipar.runtime.comm import Group
-from mpipar.runtime.nodes import shared_memory_nodes
+from mpipar.runtime.nodes import cpu_count, shared_memory_nodes
 
 FIRST_RUN_SECONDS = (60, 120)
 """A cold cache's compile time, seconds of one core (measured on the 2-core test machine: a
@@ -36,15 +37,27 @@ def announcement(backend: Backend, dtype_name: str) -> str:
     lo, hi = FIRST_RUN_SECONDS
     ops = ", ".join(warmup.compiled_ops(backend))
     return (f"compiling the {backend.name} kernels for {dtype_name} ({ops}) on one rank per "
-            f"node while the others wait, then loading them from the cache ({cache_dir()}): "
+            f"core of each node (up to {len(warmup.PARTS)}, a part each) while the others "
+            f"wait, then loading them from the cache ({cache_dir()}): "
             f"with an empty cache about {lo}-{hi} s before step 1; a filled cache loads in "
             f"seconds (python -m mpipar.bench warmup fills it ahead of a job)")
 
 
+def compiling_parts(nodes: list, rank: int, cores: int) -> tuple:
+    """The warm-up parts ``rank`` compiles: the node's first ``min(ranks on it, cores, parts)``
+    ranks deal :data:`mpipar.kernels.warmup.PARTS` out in turn (the costliest first); the
+    others none. ``nodes``: each rank's node, in rank order."""
+    local = [r for r, node in enumerate(nodes) if node == nodes[rank]]
+    workers = max(1, min(len(local), cores, len(warmup.PARTS)))
+    index = local.index(rank)
+    return warmup.PARTS[index::workers] if index < workers else ()
+
+
 def compile_once(backend: Backend, dtype: Any, dtype_name: str, group: Group,
                  say: Callable[[str], None] | None = None) -> float:
-    """Compile (or load) ``backend``'s JIT kernels for ``dtype`` on the first rank of each node
-    of ``group`` (a collective), then on the others from the cache. ``say``: rank 0's printer
+    """Compile (or load) ``backend``'s JIT kernels for ``dtype`` on the first ranks of each
+    node of ``group``, a part each (a collective; :func:`compiling_parts`), then load them on
+    every rank from the cache. ``say``: rank 0's printer
     (None elsewhere). Returns this rank's seconds in it, the wait included; no-op (0) for a
     backend that compiles nothing."""
     if not warmup.compiles(backend):
@@ -53,12 +66,11 @@ def compile_once(backend: Backend, dtype: Any, dtype_name: str, group: Group,
     if say is not None:
         say(announcement(backend, dtype_name))
     nodes = shared_memory_nodes(group.comm) if group.size > 1 else [0]
-    leader = nodes.index(nodes[group.rank]) == group.rank
-    if leader:
-        warmup.warm_up(backend, dtype)
-    group.idle_barrier()  # the waiting ranks leave the node's cores to its compiling rank
-    if not leader:
-        warmup.warm_up(backend, dtype)
+    parts = compiling_parts(nodes, group.rank, cpu_count())
+    if parts:
+        warmup.warm_up(backend, dtype, parts)
+    group.idle_barrier()  # the waiting ranks leave the node's cores to its compiling ranks
+    warmup.warm_up(backend, dtype)      # loads what the node compiled (and compiles the rest)
     seconds = time.perf_counter() - t0
     if say is not None:
         say(f"kernels ready in {seconds:.1f} s")

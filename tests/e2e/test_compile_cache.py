@@ -44,7 +44,7 @@ def test_a_cold_and_a_warm_cache_train_the_same_bits(tmp_path, monkeypatch, rank
         ready = next(k for k, line in enumerate(lines) if line.startswith("mpipar: kernels ready"))
         first = next(k for k, line in enumerate(lines) if line.startswith("step      1/3"))
         assert said < ready < first, proc.stdout
-        assert f"for {dtype} (" in lines[said] and "one rank per node" in lines[said]
+        assert f"for {dtype} (" in lines[said] and "one rank per core of each node" in lines[said]
     cold = runs["cold"]
     assert [r["step"] for r in cold] == [1, 2, 3]
     for name in ("warm", "partial"):

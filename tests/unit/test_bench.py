@@ -159,3 +159,30 @@ def test_warmup_names_what_it_compiles_and_skips_a_backend_that_compiles_nothing
     assert main(["warmup", "--backend", "numpy", "--json", str(out)]) == 0
     assert "compiles nothing at run time" in capsys.readouterr().out
     assert json.loads(out.read_text())["warmup"]["seconds"] == {}
+
+
+def test_the_warm_up_parts_call_every_compiled_op_and_are_dealt_a_core_each():
+    """A node's first ranks, one a core, compile a part of the kernels each: together the parts
+    call every op the numba backend compiles; a rank past the cores or the parts compiles none."""
+    import numpy as np
+
+    from mpipar.kernels import get_backend, warmup
+    from mpipar.runtime.compile_once import compiling_parts
+
+    called: set[str] = set()
+
+    class Recorder:
+        def __init__(self, backend):
+            self._backend = backend
+
+        def __getattr__(self, op):
+            called.add(op)
+            return getattr(self._backend, op)
+
+    warmup.warm_up(Recorder(get_backend("numpy")), np.float32)
+    assert set(warmup.compiled_ops(get_backend("numba"))) <= called
+    a, b, c = warmup.PARTS
+    assert [compiling_parts([0] * 8, r, 2) for r in range(3)] == [(a, c), (b,), ()]
+    assert [compiling_parts([0] * 4 + [1] * 4, r, 8) for r in (0, 2, 3, 4, 6, 7)] == [
+        (a,), (c,), (), (a,), (c,), ()]
+    assert compiling_parts([0], 0, 1) == (a, b, c)

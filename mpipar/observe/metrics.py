@@ -108,6 +108,9 @@ class StepResult:
     # whole batch, so all agree); 0: every label masked, the loss and gradient are 0 by
     # definition and the record says so (``no_targets``). None: every target counts
     targets: int | None = None
+    # --mtp-depth: the multi-token prediction loss L_MTP (lambda / D times the sum of the
+    # modules' mean token losses; training minimises loss + mtp_loss). None without it
+    mtp_loss: float | None = None
 
 
 @dataclass
@@ -234,6 +237,7 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
         **(result.preference or {}),
         **({} if result.targets is None else {"counted_targets": result.targets}),
         **({"no_targets": True} if result.targets == 0 else {}),
+        **({} if result.mtp_loss is None else {"mtp_loss": result.mtp_loss}),
     }
 
 

@@ -68,6 +68,8 @@ def train_step(rank: Rank, step: int) -> StepResult:
     ready = _grads_ready(rank)
     for ch in m.chunks:
         ch.moe_aux, ch.moe_load, ch.moe_dropped = 0.0, {}, {}
+        if ch.mtp is not None:
+            ch.mtp.loss = 0.0
     loss = rank.executor.run(rank.params, rank.grads, list(batch.microbatches), m.positions,
                              m.tensor.stream_shape(mbs, s_loc, cfg.model.hidden),
                              rank.compute.dtype, weight,
@@ -78,6 +80,8 @@ def train_step(rank: Rank, step: int) -> StepResult:
             ch.recorder = None
         dump_step(recorder, rank_place(rank), _activation_region(rank, step + 1), cfg)
     loss = _global_sum(rank, loss) / batch.divisor
+    mtp_loss = (_global_sum(rank, sum(ch.mtp.loss for ch in m.chunks if ch.mtp is not None))
+                if cfg.model.mtp_depth else None)
     rewards = None if pref is None else _preference_metrics(rank, batch)
     moe, loads = _moe_stats(rank) if cfg.model.moe_experts else (None, None)
     norm_sq = xp.array([w.optimizer.grad_norm_sq(
@@ -101,7 +105,7 @@ def train_step(rank: Rank, step: int) -> StepResult:
                       tr.global_batch_size * rows_per * tr.seq_len, imbalance, moe,
                       (None if docs is None else model_flops_per_step(cfg, docs))
                       if pref is None else rows_per * model_flops_per_step(cfg), rewards,
-                      batch.targets)
+                      batch.targets, mtp_loss)
 
 
 def _preference_metrics(rank: Rank, batch: StepBatch) -> dict[str, float]:

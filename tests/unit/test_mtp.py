@@ -1,0 +1,137 @@
+"""Multi-token prediction (``--mtp-depth D --mtp-loss-coef lambda``, DeepSeek-V3 report section
+2.2) on one process against a NumPy implementation of the report's equations written here:
+each module k on the sequence shortened to the S - k positions that have a target k + 1 ahead
+(the engine runs the whole row and weighs the tail 0: causal attention makes the two equal).
+The loss of the main head and L_MTP = lambda / D * sum_k mean CE_k to 1e-12; the gradient of
+their sum along a random direction per parameter against the reference's complex-step
+derivative (exact to rounding: no difference quotient) to 1e-10; the configuration's refusals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+
+from mpipar.config import ConfigError, ModelConfig
+from mpipar.kernels.numpy_ref import rope_inv_freq
+from mpipar.model.mtp import mtp_weights
+from mpipar.model.params import init_params
+from mpipar.training.batches import _ahead
+from tests.unit.test_model import CFG, make_stage
+
+COEF = 0.3
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _block(p, n, x, c: ModelConfig):
+    """One pre-norm Llama block on ``x`` ``[B, S, H]`` (complex-safe: complex-step)."""
+    B, S, _ = x.shape
+    D, hq, hkv = c.head_dim, c.heads, c.kv_heads
+    inv = rope_inv_freq(D, c.rope_theta, c.rope_type, c.rope_factor, c.rope_low_freq_factor,
+                        c.rope_high_freq_factor, c.rope_original_max_positions, S)
+    ang = np.arange(S)[:, None] * inv[None, :]
+    cos = np.concatenate([np.cos(ang)] * 2, -1)[None, :, None, :]
+    sin = np.concatenate([np.sin(ang)] * 2, -1)[None, :, None, :]
+
+    def rope(a):
+        return a * cos + np.concatenate([-a[..., D // 2:], a[..., :D // 2]], -1) * sin
+
+    h = _rms(x, p[n + "input_layernorm.weight"], c.norm_eps)
+    q, k, v = (h @ p[n + f"self_attn.{w}_proj.weight"].T for w in "qkv")
+    q, k = rope(q.reshape(B, S, hq, D)), rope(k.reshape(B, S, hkv, D))
+    k = np.repeat(k, hq // hkv, axis=2)
+    v = np.repeat(v.reshape(B, S, hkv, D), hq // hkv, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    s = np.where(np.tril(np.ones((S, S), bool)), s, -1e30)
+    a = np.exp(s - s.real.max(-1, keepdims=True))
+    a = a / a.sum(-1, keepdims=True)
+    x = x + np.einsum("bhqk,bkhd->bqhd", a, v).reshape(B, S, hq * D) @ p[
+        n + "self_attn.o_proj.weight"].T
+    h = _rms(x, p[n + "post_attention_layernorm.weight"], c.norm_eps)
+    g, u = h @ p[n + "mlp.gate_proj.weight"].T, h @ p[n + "mlp.up_proj.weight"].T
+    return x + (g / (1 + np.exp(-g)) * u) @ p[n + "mlp.down_proj.weight"].T
+
+
+def _ce(logits, targets):
+    """Mean cross-entropy of ``logits`` ``[B, S, V]`` against ``targets`` ``[B, S]``."""
+    m = logits.real.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+    return (lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]).mean()
+
+
+def reference(p, tokens, targets, c: ModelConfig, coef: float):
+    """(main loss, L_MTP): the report's equations. ``tokens[:, i]`` is t_i, ``targets[:, i]``
+    t_{i+1}; module k at positions i = 0 .. S-1-k: h'_i = M_k [RMSNorm(Emb(t_{i+k}));
+    RMSNorm(h^{k-1}_i)], h^k = TRM_k(h'), P = softmax(Head(RMSNorm(h^k))) against t_{i+k+1}."""
+    S, eps, head = tokens.shape[1], c.norm_eps, p.get("lm_head.weight", p["embed_tokens.weight"])
+    h = p["embed_tokens.weight"][tokens]
+    for i in range(c.layers):
+        h = _block(p, f"layers.{i}.", h, c)
+    main = _ce(_rms(h, p["norm.weight"], eps) @ head.T, targets)
+    losses = []
+    for k in range(1, c.mtp_depth + 1):
+        n = f"layers.{c.layers + k - 1}."
+        emb = p["embed_tokens.weight"][targets[:, k - 1:S - 1]]           # t_{i+k}
+        cat = np.concatenate([_rms(emb, p[n + "enorm.weight"], eps),
+                              _rms(h[:, :S - k], p[n + "hnorm.weight"], eps)], -1)
+        h = _block(p, n, cat @ p[n + "eh_proj.weight"].T, c)
+        losses.append(_ce(_rms(h, p[n + "shared_head.norm.weight"], eps) @ head.T,
+                          targets[:, k:]))                                  # t_{i+k+1}
+    return main, coef / c.mtp_depth * sum(losses)
+
+
+def _random(p, seed):
+    """``p`` with every norm weight and bias moved off its initial constant."""
+    rng = np.random.default_rng(seed)
+    return {n: v + rng.normal(0, 0.2, v.shape) if v.ndim == 1 else v for n, v in p.items()}
+
+
+def engine(cfg, p, tokens, targets):
+    """(main loss, L_MTP, gradients of their sum) of one forward and backward of the stage."""
+    B, S = tokens.shape
+    stage = make_stage(cfg=cfg)
+    stage.mtp.weights = mtp_weights(cfg, B, S)
+    ahead = _ahead(targets, np.arange(S), cfg.mtp_depth, np)
+    loss, cache = stage.forward(p, tokens, np.arange(S), targets, ahead=ahead)
+    grads = {n: np.zeros_like(v) for n, v in p.items()}
+    stage.backward(p, grads, np.full(tokens.shape, 1.0 / tokens.size), cache)
+    return float(loss.mean()), stage.mtp.loss, grads
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_equals_the_reports_equations(depth):
+    cfg = dataclasses.replace(CFG, mtp_depth=depth, mtp_loss_coef=COEF)
+    p = _random(init_params(cfg, 5, np.float64), 2)
+    rng = np.random.default_rng(depth)
+    tokens, targets = (rng.integers(0, cfg.vocab_size, (2, 7)) for _ in range(2))
+    main, mtp, grads = engine(cfg, p, tokens, targets)
+    want_main, want_mtp = reference(p, tokens, targets, cfg, COEF)
+    assert abs(main - want_main) <= 1e-12 * abs(want_main)
+    assert abs(mtp - want_mtp) <= 1e-12 * abs(want_mtp) and want_mtp > 0.1
+    step = 1e-30   # complex step: Im f(p + i h v) / h = <grad f, v> to rounding
+    for name in p:
+        v = np.random.default_rng(zlib.crc32(name.encode())).normal(size=p[name].shape)
+        q = dict(p, **{name: p[name] + 1j * step * v})
+        want = sum(reference(q, tokens, targets, cfg, COEF)).imag / step
+        got = float((grads[name] * v).sum())
+        assert abs(got - want) <= 1e-10 * max(abs(want), 1e-3), (name, got, want)
+
+
+def test_mtp_fields_refused_with_exit_2_naming_the_field():
+    from mpipar.rules import validate
+    from tests.layouts import small_config
+    for model, fields, field in (
+            ("llama", dict(mtp_depth=-1), "model.mtp_depth=-1"),
+            ("llama", dict(mtp_depth=1, mtp_loss_coef=-0.5), "model.mtp_loss_coef=-0.5"),
+            ("moe", dict(mtp_depth=1), "model.mtp_depth=1: the multi-token prediction "
+                                       "modules are dense"),
+            ("llama", dict(mtp_depth=15), "model.mtp_depth=15: must be < train.seq_len - 1")):
+        cfg = small_config(model=model)
+        cfg.model = dataclasses.replace(cfg.model, **fields)
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            validate(cfg, 1)

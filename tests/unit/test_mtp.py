@@ -135,3 +135,46 @@ def test_mtp_fields_refused_with_exit_2_naming_the_field():
         cfg.model = dataclasses.replace(cfg.model, **fields)
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             validate(cfg, 1)
+
+
+def test_a_step_reports_mtp_loss_and_counts_the_modules():
+    """One process, the test model with two modules: the step's ``mtp_loss`` (the global
+    batch's L_MTP, its weights from the configuration) equals the reference on the step's
+    batch and initial weights, and reaches metrics.jsonl and the summary; the parameter count
+    and the step's FLOPs include the modules."""
+    import math
+    from mpi4py import MPI
+    from layouts import small_config, token_source
+    from mpipar.model.flops import (block_flops_per_token, model_flops_per_step,
+                                    mtp_module_flops_per_token)
+    from mpipar.model.params import param_specs
+    from mpipar.observe.metrics import GROUPS, TIME_KEYS, step_record
+    from mpipar.observe.summary import summarize
+    from mpipar.plan.memory import parameter_count
+    from mpipar.rules import validate
+    from mpipar.runtime.comm import Ledger
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
+    layout = validate(small_config(model="mtp"), 1)
+    m, S = layout.model, layout.train.seq_len
+    rank = build_rank(layout, MPI.COMM_SELF, source=token_source(S))
+    p = trainer.gather_params(rank)
+    tokens, targets = rank.data.sampler.batch(0)
+    result = trainer.train_step(rank, 0)
+    trainer.close(rank)
+    main, mtp = reference(p, tokens, targets, m, m.mtp_loss_coef)
+    assert abs(result.loss - main) <= 1e-12 * main
+    assert abs(result.mtp_loss - mtp) <= 1e-12 * mtp
+    row = {"memory": 0, "inter_bytes": 0, **dict.fromkeys(TIME_KEYS, 0.0),
+           **{f"bytes_{g}": 0 for g in GROUPS}}
+    record = step_record(result, [row], Ledger(), 1.0, 1.0, False, 0)
+    assert record["mtp_loss"] == result.mtp_loss
+    record.update(step_time_s=1.0, tokens_per_s=1.0, mfu=0.1)
+    assert summarize([record])["mtp_loss_last"] == result.mtp_loss
+    assert parameter_count(m) == sum(math.prod(s.shape) for s in param_specs(m))
+    plain = dataclasses.replace(layout.config.model, mtp_depth=0)
+    module = 4 * m.hidden ** 2 + block_flops_per_token(m, 1, (S + 1) / 2) + 2 * m.hidden * m.vocab_size
+    assert mtp_module_flops_per_token(m, (S + 1) / 2) == module
+    extra = model_flops_per_step(layout) - model_flops_per_step(
+        dataclasses.replace(layout.config, model=plain))
+    assert extra == 3.0 * 2 * module * layout.train.global_batch_size * S

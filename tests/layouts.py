@@ -117,11 +117,13 @@ def token_source(seq_len: int = 16):
     return load_tokens(path, VOCAB, seq_len)
 
 
-def run(cfg: Config, comm, steps: int = 2):
-    """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, rank)."""
+def run(cfg: Config, comm, steps: int = 2, results: list | None = None):
+    """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, rank);
+    ``results``: a list the steps' StepResults are appended to."""
     from mpipar.training.rank import build_rank
     rank = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-    results = [trainer.train_step(rank, k) for k in range(steps)]
+    results = results if results is not None else []
+    results += [trainer.train_step(rank, k) for k in range(steps)]
     return ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(rank), rank)
 
 
@@ -129,9 +131,14 @@ def run(cfg: Config, comm, steps: int = 2):
 def reference(dtype: str = "float64", steps: int = 2, model: str = "llama"):
     """The single-process run (computed once per process)."""
     from mpi4py import MPI
-    losses, norms, params, rank = run(small_config(dtype, model), MPI.COMM_SELF, steps)
+    results = REFERENCE_RESULTS.setdefault((dtype, steps, model), [])
+    losses, norms, params, rank = run(small_config(dtype, model), MPI.COMM_SELF, steps, results)
     trainer.close(rank)
     return losses, norms, params
+
+
+REFERENCE_RESULTS: dict[tuple, list] = {}
+"""The single-process runs' StepResults by (dtype, steps, model), filled by :func:`reference`."""
 
 
 def layout_name(layout: dict) -> str:

@@ -80,7 +80,7 @@ def train_step(rank: Rank, step: int) -> StepResult:
             ch.recorder = None
         dump_step(recorder, rank_place(rank), _activation_region(rank, step + 1), cfg)
     loss = _global_sum(rank, loss) / batch.divisor
-    mtp_loss = (_global_sum(rank, sum(ch.mtp.loss for ch in m.chunks if ch.mtp is not None))
+    mtp_loss = (_global_sum(rank, sum((ch.mtp.loss for ch in m.chunks if ch.mtp), 0.0))
                 if cfg.model.mtp_depth else None)
     rewards = None if pref is None else _preference_metrics(rank, batch)
     moe, loads = _moe_stats(rank) if cfg.model.moe_experts else (None, None)

@@ -70,6 +70,13 @@ MODELS = {
     # Multi-token prediction: two modules after the 4 blocks (blocks 4 and 5 by DeepSeek-V3's
     # numbering) on the last stage, sharing the embedding and the LM head.
     "mtp": dict(mtp_depth=2, mtp_loss_coef=0.3),
+    # ... with a multi-token prediction module (its block sparse, as the last block).
+    "deepseek_mtp": dict(kv_heads=4, head_dim=10, latent_kv_rank=8, latent_q_rank=12,
+                         rope_head_dim=4, v_head_dim=6, moe_experts=8, moe_top_k=2,
+                         moe_ffn_hidden=8, moe_layers="1,2,3", moe_router="grouped_sigmoid",
+                         moe_groups=4, moe_topk_groups=2, moe_routed_scale=2.5,
+                         moe_shared_ffn_hidden=16, moe_aux_loss_coef=0.05,
+                         moe_bias_update_rate=0.01, mtp_depth=1),
     # ... its latent attention in a dense model (tp sequence parallelism takes no experts).
     "latent": dict(kv_heads=4, head_dim=10, latent_kv_rank=8, latent_q_rank=12, rope_head_dim=4,
                    v_head_dim=6),

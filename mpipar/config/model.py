@@ -177,7 +177,9 @@ class ModelConfig:
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
-        ``moe_layers`` names it)."""
+        ``moe_layers`` names it); a multi-token prediction module's block (``layer`` >=
+        ``layers``) is of the last block's kind, as DeepSeek-V3's."""
+        layer = min(layer, self.layers - 1)
         return self.moe_experts > 0 and self.sparse_set().contains(layer)
 
     def sparse_layers(self) -> int:

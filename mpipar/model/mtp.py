@@ -9,7 +9,8 @@ last block's output for k = 1, before the final norm) with the embedding of toke
     p    = softmax(Head(RMSNorm_k(h^k)))                            (predicts ``t_{i+k+1}``)
 
 The embedding and the LM head are the model's own (shared); each module has its own three
-norms and projection and one block of the model's kind. The concatenation puts the embedding
+norms and projection and one block of the model's kind (of the last block's: sparse in a
+DeepSeek-V3, its balance loss and loads counted with the others'). The concatenation puts the embedding
 first, as the released DeepSeek-V3 checkpoints' ``eh_proj`` reads it (the report writes the
 terms the other way round; the order only permutes ``M_k``'s columns). The loss is
 ``L_MTP = lambda / D * sum_k mean CE_k``, each mean over the positions that have a target
@@ -48,6 +49,11 @@ def mtp_layers(cfg) -> range:
     return range(cfg.layers, cfg.layers + cfg.mtp_depth)
 
 
+def all_blocks(cfg) -> range:
+    """Every block index: the decoder's and the modules'."""
+    return range(cfg.layers + cfg.mtp_depth)
+
+
 def mtp_param_shapes(cfg) -> list[tuple[str, tuple[int, ...]]]:
     """(name without ``layers.{j}.``, shape) of a module's own parameters, in forward order
     (its block's come between ``eh_proj`` and ``shared_head.norm``)."""
@@ -69,14 +75,11 @@ def mtp_weights(cfg, global_rows: int, seq_len: int) -> list[float]:
 
 
 def check_config(layout) -> None:
-    """MTP's rules beyond its fields': a dense model (the modules' blocks are dense), one
-    target at least per module, a next-token objective without loss masks."""
+    """MTP's rules beyond its fields': one target at least per module, a next-token objective
+    without loss masks."""
     m, tr = layout.model, layout.train
     if m.mtp_depth == 0:
         return
-    require(m.moe_experts == 0,
-            f"model.mtp_depth={m.mtp_depth}: the multi-token prediction modules are dense "
-            f"blocks; a mixture of experts (moe_experts={m.moe_experts}) cannot take them")
     require(m.mtp_depth < tr.seq_len - 1,
             f"model.mtp_depth={m.mtp_depth}: must be < train.seq_len - 1 = {tr.seq_len - 1} "
             f"(module k predicts the token k + 1 ahead inside a row)")
@@ -167,6 +170,8 @@ class MultiTokenPrediction:
         cat = ops.concat([en, hn], axis=-1)
         x_in, = stage._apply(params, [p + EH_PROJ], cat)
         x, block = stage._block_fwd(params, j, x_in, positions)
+        if block.moe is not None:           # a sparse block: its balance loss and loads
+            stage._count_moe(j, block.moe)
         xn, rstd_x = ops.rmsnorm_fwd(x, stage._norm(params, p + HEAD_NORM), cfg.norm_eps)
         logits, = stage._apply(params, [stage.head], xn)
         logits = logits.reshape(-1, logits.shape[-1])

@@ -41,6 +41,7 @@ from mpipar.data.sources import Sampler
 from mpipar.model.flops import model_flops_per_step
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.lora import is_adapter
+from mpipar.model.mtp import all_blocks
 from mpipar.observe.balance import attention_imbalance, moe_load_stats
 from mpipar.observe.metrics import EvalResult, StepResult
 from mpipar.parallel.pipeline.executor import Microbatch
@@ -148,7 +149,7 @@ def _moe_stats(rank: Rank) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     moe_load_stats`): the chunks' balance losses, loads and drops summed over the world, each
     counted on tp rank 0 only (tp ranks compute the same), on every rank."""
     m = rank.cfg.model
-    sparse = [i for i in range(m.layers) if m.is_sparse(i)]
+    sparse = [i for i in all_blocks(m) if m.is_sparse(i)]
     n, E = len(sparse), m.moe_experts
     buf = rank.compute.xp.zeros(1 + n * (E + 1))
     if rank.model.tensor.rank == 0:

@@ -163,12 +163,12 @@ LATENT = [dict(model="latent", tp=2, sp=2, dp=2, sp_mode="ulysses", tp_sequence_
 
 # Multi-token prediction: its modules on the last pipeline stage with a copy of the embedding
 # (tp sequence parallelism: the projection's gradient partial over tp), after zigzag SP chunks
-# whose tokens ahead cross their ends, under zb-h1's deferred weight gradients, and on ZeRO-3
-# (the modules' units and the embedding gathered with the head).
-MTP = [dict(model="mtp", **v) for v in (
-    dict(tp=2, pp=2, dp=2, tp_sequence_parallel=True),
-    dict(sp=2, dp=2, pp=2, sp_split="zigzag", schedule="zb-h1"),
-    dict(dp=4, tp=2, zero=3))]
+# whose tokens ahead cross their ends, under zb-h1's deferred weight gradients; DeepSeek-V3's
+# (latent attention, its module's block sparse) with its experts over ep and ZeRO-3 (the
+# modules' units and the embedding gathered with the head).
+MTP = [dict(model="mtp", tp=2, pp=2, dp=2, tp_sequence_parallel=True),
+       dict(model="mtp", sp=2, dp=2, pp=2, sp_split="zigzag", schedule="zb-h1"),
+       dict(model="deepseek_mtp", dp=4, pp=2, ep=2, zero=3)]
 
 # Gemma 3 (its sandwich norms' gradients partial over tp under tp sequence parallelism; its
 # local and global layers on the halo exchange and the ring; ZeRO-3 over dp x sp).
@@ -290,7 +290,8 @@ def test_qk_norm_model_equals_single_process_float64(world, layout):
 @pytest.mark.parametrize("layout", MTP, ids=[layout_name(v) for v in MTP])
 def test_multi_token_prediction_equals_single_process_float64(world, layout):
     """The MTP modules keep every layout equal to one process (their loss too), and the
-    embedding's copies on the first and last stage bit-identical."""
+    embedding's copies on the first and last stage bit-identical (where they are held whole:
+    ZeRO-3 holds slices)."""
     layout, size = dict(layout), layout_size(layout)
     model = layout.pop("model")
 
@@ -302,7 +303,7 @@ def test_multi_token_prediction_equals_single_process_float64(world, layout):
             want = [r.mtp_loss for r in REFERENCE_RESULTS["float64", 2, model]]
             fails += [f"mtp_loss {a!r} vs {b!r}" for a, b in
                       zip([r.mtp_loss for r in results], want) if not abs(a - b) <= 1e-10 * b]
-            return fails + _tied_copies_differ(got[3])
+            return fails + (_tied_copies_differ(got[3]) if layout.get("zero", 0) < 3 else [])
         finally:
             trainer.close(got[3])
 

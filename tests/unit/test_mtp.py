@@ -128,8 +128,6 @@ def test_mtp_fields_refused_with_exit_2_naming_the_field():
     for model, fields, field in (
             ("llama", dict(mtp_depth=-1), "model.mtp_depth=-1"),
             ("llama", dict(mtp_depth=1, mtp_loss_coef=-0.5), "model.mtp_loss_coef=-0.5"),
-            ("moe", dict(mtp_depth=1), "model.mtp_depth=1: the multi-token prediction "
-                                       "modules are dense"),
             ("llama", dict(mtp_depth=15), "model.mtp_depth=15: must be < train.seq_len - 1")):
         cfg = small_config(model=model)
         cfg.model = dataclasses.replace(cfg.model, **fields)

@@ -45,6 +45,7 @@ dtype is asked for.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -59,6 +60,7 @@ from mpipar.checkpoint.export_dir import publish
 from mpipar.checkpoint.hf_families import ARCHITECTURES, MAX_POSITIONS
 from mpipar.checkpoint.safetensors_format import read_header, write_safetensors
 from mpipar.config import ConfigError, ModelConfig
+from mpipar.model.mtp import all_blocks
 from mpipar.model.params import EMBED, HEAD, param_specs
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
 from mpipar.layout import model_from_checkpoint, resolve_model
@@ -408,7 +410,19 @@ def read_model_config(path: str | os.PathLike, untie_embeddings: bool = False) -
     """The ModelConfig of the checkpoint in directory ``path``, from ``config.json`` alone (cheap:
     use it to validate a run before any weights are read). Raises HFCheckpointError."""
     raw = read_config_json(path)
-    return model_config_from_hf(raw, str(Path(path) / CONFIG_FILE), untie_embeddings)
+    return with_stored_mtp(model_config_from_hf(raw, str(Path(path) / CONFIG_FILE),
+                                                 untie_embeddings), raw, path)
+
+
+def with_stored_mtp(cfg: ModelConfig, raw: Mapping[str, Any], path: str | os.PathLike
+                     ) -> ModelConfig:
+    """``cfg`` with the multi-token prediction modules the DeepSeek-V3 checkpoint in ``path``
+    stores (:func:`mpipar.checkpoint.hf_deepseek.stored_mtp_depth`; from the index or the
+    headers alone)."""
+    if raw.get("model_type") != hf_deepseek.KIND or not hf_deepseek.mtp_layers(raw):
+        return cfg
+    depth = hf_deepseek.stored_mtp_depth(raw, weight_files(path))
+    return resolve_model(dataclasses.replace(cfg, mtp_depth=depth)) if depth else cfg
 
 
 def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -422,7 +436,11 @@ def model_type(cfg: ModelConfig) -> str:
     with a sliding window on every layer, qwen3 (qwen3_moe with experts) with qk_norm, else
     llama; deepseek_v3 with latent attention; gemma3_text with Gemma's norms, activation and
     scales. A window on some layers only, or with biases, has no such architecture
-    (HFCheckpointError)."""
+    (HFCheckpointError). Multi-token prediction modules only in a DeepSeek-V3."""
+    if cfg.mtp_depth and not cfg.latent:
+        raise HFCheckpointError(
+            f"model.mtp_depth={cfg.mtp_depth}: of the Hugging Face formats only DeepSeek-V3's "
+            f"(latent attention) stores multi-token prediction modules; this model has none")
     if cfg.latent:
         if hf_deepseek.export_problem(cfg):
             raise HFCheckpointError(hf_deepseek.export_problem(cfg))
@@ -627,7 +645,8 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     transformers ignores it). Raises HFCheckpointError naming the file, tensors or shapes."""
     family = raw.get("model_type", "llama")
     files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)
-             and not (family == hf_deepseek.KIND and hf_deepseek.not_parameters(raw, n))}
+             and not (family == hf_deepseek.KIND
+                      and hf_deepseek.not_parameters(raw, n, cfg.mtp_depth))}
     tied = _flag(hf_gemma3.with_defaults(raw), "tie_word_embeddings")
     specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
     expected = {hf_name(n, family) for n in specs}
@@ -693,7 +712,8 @@ def load_hf(path: str | os.PathLike, dtype: Any = None,
     dt = _check_dtype(dtype)
     root = Path(path)
     raw = read_config_json(root)
-    cfg = model_config_from_hf(raw, str(root / CONFIG_FILE), untie_embeddings)
+    cfg = with_stored_mtp(model_config_from_hf(raw, str(root / CONFIG_FILE), untie_embeddings),
+                           raw, root)
     stored, kind = check_tensors(root, raw, cfg), raw.get("model_type", "llama")
     wanted: dict[Path, list[str]] = {}
     for name, file in stored.items():
@@ -712,9 +732,9 @@ def load_selection_biases(path: str | os.PathLike) -> dict[int, np.ndarray]:
     """The routers' selection biases a DeepSeek-V3 checkpoint stores (``e_score_correction_bias``
     of each sparse block, float64 ``[E]``, for :meth:`mpipar.model.moe.RoutingBias.load`); empty
     for another model."""
-    raw, files = read_config_json(path), weight_files(path)
-    cfg = model_config_from_hf(raw, str(Path(path) / CONFIG_FILE))
-    names = {i: hf_deepseek.SELECTION_BIAS.format(i=i) for i in range(cfg.layers)
+    files = weight_files(path)
+    cfg = read_model_config(path)
+    names = {i: hf_deepseek.SELECTION_BIAS.format(i=i) for i in all_blocks(cfg)
              if cfg.is_sparse(i) and cfg.latent}
     found = {i: _read_file(files[n], [n])[n] for i, n in names.items() if n in files}
     return {i: np.asarray(b, dtype=np.float64) for i, b in found.items()}
@@ -781,7 +801,9 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
     if config["model_type"] == hf_deepseek.KIND:
         tensors.update({hf_deepseek.SELECTION_BIAS.format(i=i): np.asarray(
             (biases or {}).get(i, np.zeros(cfg.moe_experts)), dtype=np.float32)
-            for i in range(cfg.layers) if cfg.is_sparse(i)})
+            for i in all_blocks(cfg) if cfg.is_sparse(i)})
+        tensors.update({n: np.ascontiguousarray(v, dtype=dt)
+                        for n, v in hf_deepseek.mtp_copies(cfg, params).items()})
 
     dst = Path(path)
     check_export_target(dst)

@@ -176,3 +176,46 @@ def test_a_step_reports_mtp_loss_and_counts_the_modules():
     extra = model_flops_per_step(layout) - model_flops_per_step(
         dataclasses.replace(layout.config, model=plain))
     assert extra == 3.0 * 2 * module * layout.train.global_batch_size * S
+
+
+def test_deepseek_export_and_import_carry_the_modules(tmp_path, capsys):
+    """A DeepSeek-V3 with a module exports it as the released checkpoints store it (layer
+    ``layers`` with enorm, hnorm, eh_proj, a decoder layer, shared_head.norm and copies of the
+    embedding and head; ``num_nextn_predict_layers`` 1) and reads it back: the same parameters,
+    the copies not read; without its tensors the same checkpoint reads with depth 0."""
+    import json
+    from safetensors.numpy import load_file, save_file
+    from layouts import small_config
+    from mpipar.checkpoint.huggingface import load_hf, load_selection_biases, save_hf
+    from mpipar.hf import main as hf_main
+    from mpipar.layout import resolve_model
+    m = resolve_model(small_config(model="deepseek_mtp").model)
+    p = init_params(m, 3, np.float64)
+    biases = {i: np.arange(m.moe_experts) * 0.1 * i for i in (1, 2, 3, 4)}
+    save_hf(tmp_path / "out", m, p, "float64", biases=biases)
+    stored = load_file(tmp_path / "out" / "model.safetensors")
+    L = m.layers
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == 1
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.experts.7.down_proj.weight",
+                 "mlp.shared_experts.up_proj.weight", "mlp.gate.e_score_correction_bias"):
+        assert f"model.layers.{L}.{name}" in stored, name
+    assert np.array_equal(stored[f"model.layers.{L}.embed_tokens.weight"],
+                          p["embed_tokens.weight"])
+    assert np.array_equal(stored[f"model.layers.{L}.shared_head.head.weight"], p["lm_head.weight"])
+    cfg, read = load_hf(tmp_path / "out")
+    assert cfg.mtp_depth == 1 and sorted(read) == sorted(p)
+    assert all(np.array_equal(read[n], p[n]) for n in p)
+    assert np.array_equal(load_selection_biases(tmp_path / "out")[L],
+                          biases[L].astype(np.float32))   # float32, as transformers keeps it
+    assert hf_main(["inspect", str(tmp_path / "out")]) == 0
+    assert f"1 of 1 multi-token prediction module(s) stored as model.layers.{L}" in \
+        capsys.readouterr().out
+    (tmp_path / "bare").mkdir()
+    save_file({n: v for n, v in stored.items() if not n.startswith(f"model.layers.{L}.")},
+              str(tmp_path / "bare" / "model.safetensors"))
+    (tmp_path / "bare" / "config.json").write_text((tmp_path / "out" / "config.json").read_text())
+    cfg, read = load_hf(tmp_path / "bare")
+    assert cfg.mtp_depth == 0 and sorted(read) == sorted(n for n in p if not
+                                                         n.startswith(f"layers.{L}."))

@@ -219,3 +219,31 @@ def test_deepseek_export_and_import_carry_the_modules(tmp_path, capsys):
     cfg, read = load_hf(tmp_path / "bare")
     assert cfg.mtp_depth == 0 and sorted(read) == sorted(n for n in p if not
                                                          n.startswith(f"layers.{L}."))
+
+
+def test_a_checkpoint_holds_the_modules_and_resumes_them(tmp_path):
+    """The modules' weights and moments are saved with the rest: a run resumed from step 1's
+    checkpoint trains step 2 to the same weights as the run that did not stop."""
+    from mpi4py import MPI
+    from layouts import small_config, token_source
+    from mpipar.checkpoint import reader, writer
+    from mpipar.rules import validate
+    from mpipar.runtime.comm import Group, Ledger
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
+    layout = validate(small_config(model="mtp"), 1)
+
+    def fresh():
+        return build_rank(layout, MPI.COMM_SELF, source=token_source(layout.train.seq_len))
+
+    whole = fresh()
+    trainer.train_step(whole, 0)
+    writer.save(whole.state, trainer.run_position(whole, 1), tmp_path,
+                Group(whole.comms.grid.comm, "world", Ledger()))
+    want = trainer.train_step(whole, 1).mtp_loss, trainer.gather_params(whole)
+    resumed = fresh()
+    assert reader.load(resumed.state, tmp_path / "step_00000001") == 1
+    got = trainer.train_step(resumed, 1).mtp_loss, trainer.gather_params(resumed)
+    assert got[0] == want[0] and any(n.startswith("layers.4.eh_proj") for n in want[1])
+    assert all(np.array_equal(got[1][n], want[1][n]) for n in want[1])
+    trainer.close(whole), trainer.close(resumed)

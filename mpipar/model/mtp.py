@@ -28,6 +28,12 @@ rank computes it whole on the stream it holds).
 The module's tokens come with the microbatch: ``ahead`` ``[D, B, S_loc]``, the tokens
 ``t_{i+1+k}`` (k = 1..D) at this rank's global positions ``i``, -1 past the row's end
 (:mod:`mpipar.training.batches`): sequence parallelism needs no message for them.
+
+The planner counts the modules' parameters (the placement table), FLOPs
+(:func:`mpipar.model.flops.mtp_module_flops_per_token`, MFU) and activations
+(:mod:`mpipar.plan.memory`); the calls their blocks, embedding and head make on the last stage
+(tensor, sequence and ZeRO-3 traffic) are not in its byte count, nor their compute in its time
+model.
 """
 from __future__ import annotations
 

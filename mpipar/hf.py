@@ -17,7 +17,7 @@ from mpipar.checkpoint import hf_deepseek
 from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, SAVE_DTYPES,
                                            HFCheckpointError, Support, check_tensors,
                                            open_safetensors, read_config_json, support,
-                                           weight_files, with_stored_mtp)
+                                           weight_files)
 from mpipar.config import ConfigError, ModelConfig
 from mpipar.layout import resolve_model
 def _describe_tensors(path: Path) -> list[str]:
@@ -53,7 +53,8 @@ def _inspect(path: str) -> int:
         print(row)
     found, fields = support(raw)
     if not any(a.problem for a in found):
-        cfg = with_stored_mtp(resolve_model(ModelConfig(**fields)), raw, root)
+        cfg = hf_deepseek.with_stored_mtp(resolve_model(ModelConfig(**fields)), raw,
+                                          weight_files(root))
         declared = hf_deepseek.mtp_layers(raw) if raw.get("model_type") == hf_deepseek.KIND else 0
         if declared:
             found.append(Support("mtp", _mtp_reading(cfg, declared)))

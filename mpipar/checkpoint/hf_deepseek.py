@@ -40,13 +40,15 @@ Functions raise ValueError naming the field; the caller turns it into its error 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Collection, Mapping
 
 import numpy as np
 
 from mpipar.config import ModelConfig
+from mpipar.layout import resolve_model
 from mpipar.model.latent_attention import KV_A, Q_B, Q_PROJ
-from mpipar.model.mtp import mtp_layers as mtp_blocks
+from mpipar.model.mtp import all_blocks, mtp_layers as mtp_blocks
 from mpipar.model.params import EMBED, HEAD
 
 KIND = "deepseek_v3"
@@ -125,10 +127,25 @@ def stored_mtp_depth(raw: Mapping[str, Any], names: Collection[str]) -> int:
     return depth
 
 
-def mtp_copies(m: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The copies of the embedding and LM head each MTP module's layer stores on export."""
-    return {f"model.layers.{j}.{copy}": params[source] for j in mtp_blocks(m)
-            for copy, source in zip(MTP_COPIES, (EMBED, HEAD))}
+def with_stored_mtp(cfg: ModelConfig, raw: Mapping[str, Any], names: Collection[str]
+                    ) -> ModelConfig:
+    """``cfg`` read from config ``raw`` with the modules a DeepSeek-V3 checkpoint of tensors
+    ``names`` stores (:func:`stored_mtp_depth`) as its ``mtp_depth``; another model as is."""
+    if raw.get("model_type") != KIND or not mtp_layers(raw):
+        return cfg
+    depth = stored_mtp_depth(raw, names)
+    return resolve_model(dataclasses.replace(cfg, mtp_depth=depth)) if depth else cfg
+
+
+def extra_tensors(m: ModelConfig, params: Mapping[str, np.ndarray],
+                  biases: Mapping[int, Any] | None, dtype) -> dict[str, np.ndarray]:
+    """What an export stores beside the parameters: each sparse block's selection bias
+    (``biases``, by block; zeros where none), in float32 as transformers keeps it, and the
+    copies of the embedding and LM head each MTP module's layer holds (in ``dtype``)."""
+    out = {SELECTION_BIAS.format(i=i): np.asarray((biases or {}).get(
+        i, np.zeros(m.moe_experts)), dtype=np.float32) for i in all_blocks(m) if m.is_sparse(i)}
+    return out | {f"model.layers.{j}.{copy}": np.ascontiguousarray(params[source], dtype=dtype)
+                  for j in mtp_blocks(m) for copy, source in zip(MTP_COPIES, (EMBED, HEAD))}
 
 
 def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

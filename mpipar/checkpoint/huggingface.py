@@ -45,7 +45,6 @@ dtype is asked for.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -410,19 +409,8 @@ def read_model_config(path: str | os.PathLike, untie_embeddings: bool = False) -
     """The ModelConfig of the checkpoint in directory ``path``, from ``config.json`` alone (cheap:
     use it to validate a run before any weights are read). Raises HFCheckpointError."""
     raw = read_config_json(path)
-    return with_stored_mtp(model_config_from_hf(raw, str(Path(path) / CONFIG_FILE),
-                                                 untie_embeddings), raw, path)
-
-
-def with_stored_mtp(cfg: ModelConfig, raw: Mapping[str, Any], path: str | os.PathLike
-                     ) -> ModelConfig:
-    """``cfg`` with the multi-token prediction modules the DeepSeek-V3 checkpoint in ``path``
-    stores (:func:`mpipar.checkpoint.hf_deepseek.stored_mtp_depth`; from the index or the
-    headers alone)."""
-    if raw.get("model_type") != hf_deepseek.KIND or not hf_deepseek.mtp_layers(raw):
-        return cfg
-    depth = hf_deepseek.stored_mtp_depth(raw, weight_files(path))
-    return resolve_model(dataclasses.replace(cfg, mtp_depth=depth)) if depth else cfg
+    cfg = model_config_from_hf(raw, str(Path(path) / CONFIG_FILE), untie_embeddings)
+    return hf_deepseek.with_stored_mtp(cfg, raw, weight_files(path))
 
 
 def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -438,9 +426,8 @@ def model_type(cfg: ModelConfig) -> str:
     scales. A window on some layers only, or with biases, has no such architecture
     (HFCheckpointError). Multi-token prediction modules only in a DeepSeek-V3."""
     if cfg.mtp_depth and not cfg.latent:
-        raise HFCheckpointError(
-            f"model.mtp_depth={cfg.mtp_depth}: of the Hugging Face formats only DeepSeek-V3's "
-            f"(latent attention) stores multi-token prediction modules; this model has none")
+        raise HFCheckpointError(f"model.mtp_depth={cfg.mtp_depth}: only DeepSeek-V3's format "
+                                f"(latent attention) stores multi-token prediction modules")
     if cfg.latent:
         if hf_deepseek.export_problem(cfg):
             raise HFCheckpointError(hf_deepseek.export_problem(cfg))
@@ -712,8 +699,8 @@ def load_hf(path: str | os.PathLike, dtype: Any = None,
     dt = _check_dtype(dtype)
     root = Path(path)
     raw = read_config_json(root)
-    cfg = with_stored_mtp(model_config_from_hf(raw, str(root / CONFIG_FILE), untie_embeddings),
-                           raw, root)
+    cfg = model_config_from_hf(raw, str(root / CONFIG_FILE), untie_embeddings)
+    cfg = hf_deepseek.with_stored_mtp(cfg, raw, weight_files(root))
     stored, kind = check_tensors(root, raw, cfg), raw.get("model_type", "llama")
     wanted: dict[Path, list[str]] = {}
     for name, file in stored.items():
@@ -732,8 +719,7 @@ def load_selection_biases(path: str | os.PathLike) -> dict[int, np.ndarray]:
     """The routers' selection biases a DeepSeek-V3 checkpoint stores (``e_score_correction_bias``
     of each sparse block, float64 ``[E]``, for :meth:`mpipar.model.moe.RoutingBias.load`); empty
     for another model."""
-    files = weight_files(path)
-    cfg = read_model_config(path)
+    files, cfg = weight_files(path), read_model_config(path)
     names = {i: hf_deepseek.SELECTION_BIAS.format(i=i) for i in all_blocks(cfg)
              if cfg.is_sparse(i) and cfg.latent}
     found = {i: _read_file(files[n], [n])[n] for i, n in names.items() if n in files}
@@ -799,11 +785,7 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
     tensors = {hf_name(n, config["model_type"]): np.ascontiguousarray(params[n], dtype=dt)
                for n in specs}
     if config["model_type"] == hf_deepseek.KIND:
-        tensors.update({hf_deepseek.SELECTION_BIAS.format(i=i): np.asarray(
-            (biases or {}).get(i, np.zeros(cfg.moe_experts)), dtype=np.float32)
-            for i in all_blocks(cfg) if cfg.is_sparse(i)})
-        tensors.update({n: np.ascontiguousarray(v, dtype=dt)
-                        for n, v in hf_deepseek.mtp_copies(cfg, params).items()})
+        tensors.update(hf_deepseek.extra_tensors(cfg, params, biases, dt))
 
     dst = Path(path)
     check_export_target(dst)

@@ -9,7 +9,7 @@ splits it, which pipeline stage holds it, and what the data-parallel axes do wit
 parameter                        tp (:data:`TP_ROLES`)           pp                dp x sp
 ===============================  =============================  ================  ==============
 ``embed_tokens.weight``          ``vocab``: rows, padded         first stage (and  unit ``embed``
-                                                                 last, if tied)
+                                                                 last: tied, MTP)
 ``q/k/v_proj``, ``gate/up_proj``  ``column``: rows               its block's       unit ``layers.i``
 ``q/k/v_proj.bias``              ``column``: with their weight   its block's       unit ``layers.i``
 ``o_proj``, ``down_proj``         ``row``: columns                its block's       unit ``layers.i``
@@ -21,8 +21,7 @@ parameter                        tp (:data:`TP_ROLES`)           pp             
 ``q_a_*``, ``kv_a_*`` (latent)   ``heads_replicated``            its block's       unit ``layers.i``
 ``norm.weight``                  ``replicated``                  last stage        unit ``head``
 ``lm_head.weight`` (untied)      ``vocab``: rows, padded         last stage        unit ``head``
-MTP's ``enorm``, ``hnorm``,      ``replicated``                  last stage        unit ``layers.j``
-``eh_proj``, ``shared_head.norm``
+MTP's norms and ``eh_proj``      ``replicated``                  last stage        unit ``layers.j``
 ===============================  =============================  ================  ==============
 
 The tp column is the only statement of each linear's tensor-parallel role: the split of the

@@ -133,6 +133,9 @@ def test_mtp_fields_refused_with_exit_2_naming_the_field():
         cfg.model = dataclasses.replace(cfg.model, **fields)
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             validate(cfg, 1)
+    cfg = small_config(model="mtp", pp=2, dp=2, grad_compression="int8")
+    with pytest.raises(ConfigError, match=r"error feedback: not with model\.mtp_depth=2 and pp=2"):
+        validate(cfg, 4)   # the embedding's copy on the last stage, as a tied one's
 
 
 def test_a_step_reports_mtp_loss_and_counts_the_modules():

@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+from mpipar.checkpoint import hf_deepseek
 from mpipar.checkpoint.huggingface import (CONFIG_FILE, INDEX_FILE, SAVE_DTYPES,
                                            HFCheckpointError, Support, check_tensors,
                                            open_safetensors, read_config_json, support,
@@ -52,7 +53,11 @@ def _inspect(path: str) -> int:
         print(row)
     found, fields = support(raw)
     if not any(a.problem for a in found):
-        cfg = resolve_model(ModelConfig(**fields))
+        cfg = hf_deepseek.with_stored_mtp(resolve_model(ModelConfig(**fields)), raw,
+                                          weight_files(root))
+        declared = hf_deepseek.mtp_layers(raw) if raw.get("model_type") == hf_deepseek.KIND else 0
+        if declared:
+            found.append(Support("mtp", _mtp_reading(cfg, declared)))
         try:
             count = len(check_tensors(root, raw, cfg))  # what training checks before it reads
             found.append(Support("tensors", f"the {count} tensors the config implies, no other"))
@@ -69,6 +74,18 @@ def _inspect(path: str) -> int:
     for f in dataclasses.fields(cfg):
         print(f"  {f.name} = {getattr(cfg, f.name)!r}")
     return 0
+
+
+def _mtp_reading(cfg: ModelConfig, declared: int) -> str:
+    """What ``hf inspect`` says of a DeepSeek-V3's multi-token prediction modules."""
+    L, d = cfg.layers, cfg.mtp_depth
+    if not d:
+        return (f"num_nextn_predict_layers={declared}: no module stored (model.layers.{L}.* "
+                f"absent, as transformers saves it): model.mtp_depth=0")
+    return (f"{d} of {declared} multi-token prediction module(s) stored as model.layers.{L}"
+            f"{f'..{L + d - 1}' if d > 1 else ''} (enorm, hnorm, eh_proj, a decoder layer, "
+            f"shared_head.norm; embed_tokens and shared_head.head are copies of the shared "
+            f"embedding and head, not read): read as model.mtp_depth={d}")
 
 
 def _convert(src: str, dst: str, dtype: str | None, untie: bool) -> int:

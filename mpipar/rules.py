@@ -16,7 +16,7 @@ from collections.abc import Callable
 from mpipar.config import Config
 from mpipar.data import packing, sources
 from mpipar.layout import Layout, resolve
-from mpipar.model import lora
+from mpipar.model import lora, mtp
 from mpipar.parallel.registry import AXES
 from mpipar.runtime import device
 from mpipar.training import objective, optim, optimizers, recovery
@@ -31,6 +31,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("optimizer", optim.check_config),      # AdamW and the LR schedule
     ("muon", optimizers.check_config),      # Muon's momentum and Newton-Schulz steps
     ("lora", lora.check_config),            # adapters: targets, rank, what LoRA runs with
+    ("mtp", mtp.check_config),              # multi-token prediction: what its modules take
     ("recovery", recovery.check_config),    # what --on-rank-failure shrink restores
     ("backend", device.check_config),       # kernels, device, dtype, CUDA-aware MPI
 )

@@ -67,6 +67,16 @@ MODELS = {
                      moe_layers="1,2,3", moe_router="grouped_sigmoid", moe_groups=4,
                      moe_topk_groups=2, moe_routed_scale=2.5, moe_shared_ffn_hidden=16,
                      moe_aux_loss_coef=0.05, moe_bias_update_rate=0.01),
+    # Multi-token prediction: two modules after the 4 blocks (blocks 4 and 5 by DeepSeek-V3's
+    # numbering) on the last stage, sharing the embedding and the LM head.
+    "mtp": dict(mtp_depth=2, mtp_loss_coef=0.3),
+    # ... with a multi-token prediction module (its block sparse, as the last block).
+    "deepseek_mtp": dict(kv_heads=4, head_dim=10, latent_kv_rank=8, latent_q_rank=12,
+                         rope_head_dim=4, v_head_dim=6, moe_experts=8, moe_top_k=2,
+                         moe_ffn_hidden=8, moe_layers="1,2,3", moe_router="grouped_sigmoid",
+                         moe_groups=4, moe_topk_groups=2, moe_routed_scale=2.5,
+                         moe_shared_ffn_hidden=16, moe_aux_loss_coef=0.05,
+                         moe_bias_update_rate=0.01, mtp_depth=1),
     # ... its latent attention in a dense model (tp sequence parallelism takes no experts).
     "latent": dict(kv_heads=4, head_dim=10, latent_kv_rank=8, latent_q_rank=12, rope_head_dim=4,
                    v_head_dim=6),
@@ -114,11 +124,13 @@ def token_source(seq_len: int = 16):
     return load_tokens(path, VOCAB, seq_len)
 
 
-def run(cfg: Config, comm, steps: int = 2):
-    """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, rank)."""
+def run(cfg: Config, comm, steps: int = 2, results: list | None = None):
+    """Train ``steps`` steps on ``comm``; return (losses, grad norms, gathered params, rank);
+    ``results``: a list the steps' StepResults are appended to."""
     from mpipar.training.rank import build_rank
     rank = build_rank(validate(cfg, comm.Get_size()), comm, source=token_source(cfg.train.seq_len))
-    results = [trainer.train_step(rank, k) for k in range(steps)]
+    results = results if results is not None else []
+    results += [trainer.train_step(rank, k) for k in range(steps)]
     return ([r.loss for r in results], [r.grad_norm for r in results], trainer.gather_params(rank), rank)
 
 
@@ -126,9 +138,14 @@ def run(cfg: Config, comm, steps: int = 2):
 def reference(dtype: str = "float64", steps: int = 2, model: str = "llama"):
     """The single-process run (computed once per process)."""
     from mpi4py import MPI
-    losses, norms, params, rank = run(small_config(dtype, model), MPI.COMM_SELF, steps)
+    results = REFERENCE_RESULTS.setdefault((dtype, steps, model), [])
+    losses, norms, params, rank = run(small_config(dtype, model), MPI.COMM_SELF, steps, results)
     trainer.close(rank)
     return losses, norms, params
+
+
+REFERENCE_RESULTS: dict[tuple, list] = {}
+"""The single-process runs' StepResults by (dtype, steps, model), filled by :func:`reference`."""
 
 
 def layout_name(layout: dict) -> str:

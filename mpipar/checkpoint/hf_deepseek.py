@@ -24,21 +24,32 @@ huggingface` asks these rules.
   selection bias (:class:`mpipar.model.moe.RoutingBias`): read by
   :func:`mpipar.checkpoint.huggingface.load_selection_biases`, written by an export (zeros when
   the model has none).
-- Multi-token prediction (``num_nextn_predict_layers``, transformers' ``num_mtp_layers``) is not
-  built: the released checkpoints store its modules as ``model.layers.{L}.*`` past the
-  ``num_hidden_layers`` L; they are not read (transformers ignores them too), and
-  ``python -m mpipar.hf inspect`` says so. An export writes ``num_nextn_predict_layers`` 0.
+- Multi-token prediction (``num_nextn_predict_layers``, transformers' ``num_mtp_layers``;
+  :mod:`mpipar.model.mtp`): the released checkpoints store module k as decoder layer
+  ``model.layers.{L + k - 1}`` past the ``num_hidden_layers`` L: its ``enorm``, ``hnorm``,
+  ``eh_proj``, a decoder layer's tensors, ``shared_head.norm``, and copies of the shared
+  embedding and LM head (``embed_tokens``, ``shared_head.head``). mpipar reads the modules a
+  checkpoint stores as ``model.mtp_depth`` (:func:`stored_mtp_depth`; a
+  ``save_pretrained`` of transformers, which builds no MTP and ignores those tensors on load,
+  stores none: depth 0), never the two copies (the model's own embedding and head are the
+  shared ones); an export writes ``num_nextn_predict_layers`` = ``mtp_depth`` and every module
+  with its two copies, as the released checkpoints do. ``python -m mpipar.hf inspect`` says
+  which.
 
 Functions raise ValueError naming the field; the caller turns it into its error type.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Collection, Mapping
 
 import numpy as np
 
 from mpipar.config import ModelConfig
+from mpipar.layout import resolve_model
 from mpipar.model.latent_attention import KV_A, Q_B, Q_PROJ
+from mpipar.model.mtp import all_blocks, mtp_layers as mtp_blocks
+from mpipar.model.params import EMBED, HEAD
 
 KIND = "deepseek_v3"
 SELECTION_BIAS = "model.layers.{i}.mlp.gate.e_score_correction_bias"
@@ -86,9 +97,9 @@ def read_attention(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
                          f"heads)")
     mtp = mtp_layers(raw)
     queries = f"queries through a rank-{q_rank} latent" if q_rank else "queries by q_proj"
-    note = (f"; num_nextn_predict_layers={mtp}: multi-token prediction is not built, its "
-            f"modules' tensors (model.layers.{raw.get('num_hidden_layers')}.* on) are not read"
-            if mtp else "")
+    note = (f"; num_nextn_predict_layers={mtp}: the multi-token prediction modules stored as "
+            f"model.layers.{raw.get('num_hidden_layers')}.* on are read as model.mtp_depth "
+            f"(none stored: depth 0)" if mtp else "")
     return (f"multi-head latent attention: {queries}, keys/values from a rank-{kv_rank} "
             f"latent, heads of {nope}+{rope} (rope) for queries/keys and {v} for values"
             f"{', interleaved rope pairs permuted to halves' if interleave else ''}{note}",
@@ -98,8 +109,43 @@ def read_attention(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def mtp_layers(raw: Mapping[str, Any]) -> int:
-    """The multi-token prediction modules the config declares (not built)."""
+    """The multi-token prediction modules the config declares."""
     return _count(raw, "num_nextn_predict_layers", raw.get("num_mtp_layers", 0), low=0)
+
+
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+"""A stored MTP module's copies of the shared embedding and LM head (not read)."""
+
+
+def stored_mtp_depth(raw: Mapping[str, Any], names: Collection[str]) -> int:
+    """The MTP modules of those the config declares whose projection the checkpoint's tensors
+    ``names`` hold (the first k of them)."""
+    layers, depth = raw.get("num_hidden_layers"), 0
+    while (depth < mtp_layers(raw)
+           and f"model.layers.{layers + depth}.eh_proj.weight" in names):
+        depth += 1
+    return depth
+
+
+def with_stored_mtp(cfg: ModelConfig, raw: Mapping[str, Any], names: Collection[str]
+                    ) -> ModelConfig:
+    """``cfg`` read from config ``raw`` with the modules a DeepSeek-V3 checkpoint of tensors
+    ``names`` stores (:func:`stored_mtp_depth`) as its ``mtp_depth``; another model as is."""
+    if raw.get("model_type") != KIND or not mtp_layers(raw):
+        return cfg
+    depth = stored_mtp_depth(raw, names)
+    return resolve_model(dataclasses.replace(cfg, mtp_depth=depth)) if depth else cfg
+
+
+def extra_tensors(m: ModelConfig, params: Mapping[str, np.ndarray],
+                  biases: Mapping[int, Any] | None, dtype) -> dict[str, np.ndarray]:
+    """What an export stores beside the parameters: each sparse block's selection bias
+    (``biases``, by block; zeros where none), in float32 as transformers keeps it, and the
+    copies of the embedding and LM head each MTP module's layer holds (in ``dtype``)."""
+    out = {SELECTION_BIAS.format(i=i): np.asarray((biases or {}).get(
+        i, np.zeros(m.moe_experts)), dtype=np.float32) for i in all_blocks(m) if m.is_sparse(i)}
+    return out | {f"model.layers.{j}.{copy}": np.ascontiguousarray(params[source], dtype=dtype)
+                  for j in mtp_blocks(m) for copy, source in zip(MTP_COPIES, (EMBED, HEAD))}
 
 
 def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -141,14 +187,17 @@ def read_experts(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
              "moe_shared_ffn_hidden": shared * ffn, "moe_shared_gate": False})
 
 
-def not_parameters(raw: Mapping[str, Any], name: str) -> bool:
+def not_parameters(raw: Mapping[str, Any], name: str, mtp_depth: int = 0) -> bool:
     """Whether hub tensor ``name`` of a DeepSeek-V3 checkpoint is no parameter of mpipar's
-    model: a router's selection bias (read apart) or a multi-token prediction module's."""
+    model of ``mtp_depth`` modules: a router's selection bias (read apart), a multi-token
+    prediction module's copy of the embedding or head, or a module past ``mtp_depth``."""
     if name.endswith(".mlp.gate.e_score_correction_bias"):
         return True
     parts, layers = name.split("."), raw.get("num_hidden_layers")
-    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-            and isinstance(layers, int) and int(parts[2]) >= layers)
+    if not (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and isinstance(layers, int) and int(parts[2]) >= layers):
+        return False
+    return int(parts[2]) >= layers + mtp_depth or ".".join(parts[3:]) in MTP_COPIES
 
 
 def _rope_rows(m: ModelConfig, name: str) -> tuple[int, int, int] | None:
@@ -221,4 +270,4 @@ def config_fields(m: ModelConfig) -> dict[str, Any]:
             "n_shared_experts": m.moe_shared_ffn_hidden // m.moe_ffn_hidden,
             "n_group": m.moe_groups, "topk_group": m.moe_topk_groups,
             "norm_topk_prob": m.moe_norm_topk, "routed_scaling_factor": m.moe_routed_scale,
-            "first_k_dense_replace": first, "num_nextn_predict_layers": 0}
+            "first_k_dense_replace": first, "num_nextn_predict_layers": m.mtp_depth}

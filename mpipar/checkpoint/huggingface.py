@@ -60,6 +60,7 @@ from mpipar.checkpoint.export_dir import publish
 from mpipar.checkpoint.hf_families import ARCHITECTURES, MAX_POSITIONS
 from mpipar.checkpoint.safetensors_format import read_header, write_safetensors
 from mpipar.config import ConfigError, ModelConfig
+from mpipar.model.mtp import all_blocks
 from mpipar.model.params import EMBED, HEAD, param_specs
 from mpipar.model.rope import ROPE_TYPES, RopeScaling
 from mpipar.layout import model_from_checkpoint, resolve_model
@@ -413,7 +414,8 @@ def read_model_config(path: str | os.PathLike, untie_embeddings: bool = False) -
     """The ModelConfig of the checkpoint in directory ``path``, from ``config.json`` alone (cheap:
     use it to validate a run before any weights are read). Raises HFCheckpointError."""
     raw = read_config_json(path)
-    return model_config_from_hf(raw, str(Path(path) / CONFIG_FILE), untie_embeddings)
+    cfg = model_config_from_hf(raw, str(Path(path) / CONFIG_FILE), untie_embeddings)
+    return hf_deepseek.with_stored_mtp(cfg, raw, weight_files(path))
 
 
 def passthrough_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -427,7 +429,10 @@ def model_type(cfg: ModelConfig) -> str:
     with a sliding window on every layer, qwen3 (qwen3_moe with experts) with qk_norm, else
     llama; deepseek_v3 with latent attention; gemma3_text with Gemma's norms, activation and
     scales. A window on some layers only, or with biases, has no such architecture
-    (HFCheckpointError)."""
+    (HFCheckpointError). Multi-token prediction modules only in a DeepSeek-V3."""
+    if cfg.mtp_depth and not cfg.latent:
+        raise HFCheckpointError(f"model.mtp_depth={cfg.mtp_depth}: only DeepSeek-V3's format "
+                                f"(latent attention) stores multi-token prediction modules")
     if cfg.latent:
         if hf_deepseek.export_problem(cfg):
             raise HFCheckpointError(hf_deepseek.export_problem(cfg))
@@ -621,7 +626,8 @@ def check_tensors(root: Path, raw: Mapping[str, Any], cfg: ModelConfig) -> dict[
     transformers ignores it). Raises HFCheckpointError naming the file, tensors or shapes."""
     family = raw.get("model_type", "llama")
     files = {n: f for n, f in weight_files(root).items() if not n.endswith(_IGNORED_SUFFIX)
-             and not (family == hf_deepseek.KIND and hf_deepseek.not_parameters(raw, n))}
+             and not (family == hf_deepseek.KIND
+                      and hf_deepseek.not_parameters(raw, n, cfg.mtp_depth))}
     tied = _flag(hf_gemma3.with_defaults(raw), "tie_word_embeddings")
     specs = {s.name: s for s in param_specs(cfg) if not (tied and s.name == HEAD)}
     expected = {hf_name(n, family) for n in specs}
@@ -688,6 +694,7 @@ def load_hf(path: str | os.PathLike, dtype: Any = None,
     root = Path(path)
     raw = read_config_json(root)
     cfg = model_config_from_hf(raw, str(root / CONFIG_FILE), untie_embeddings)
+    cfg = hf_deepseek.with_stored_mtp(cfg, raw, weight_files(root))
     stored, kind = check_tensors(root, raw, cfg), raw.get("model_type", "llama")
     wanted: dict[Path, list[str]] = {}
     for name, file in stored.items():
@@ -706,9 +713,8 @@ def load_selection_biases(path: str | os.PathLike) -> dict[int, np.ndarray]:
     """The routers' selection biases a DeepSeek-V3 checkpoint stores (``e_score_correction_bias``
     of each sparse block, float64 ``[E]``, for :meth:`mpipar.model.moe.RoutingBias.load`); empty
     for another model."""
-    raw, files = read_config_json(path), weight_files(path)
-    cfg = model_config_from_hf(raw, str(Path(path) / CONFIG_FILE))
-    names = {i: hf_deepseek.SELECTION_BIAS.format(i=i) for i in range(cfg.layers)
+    files, cfg = weight_files(path), read_model_config(path)
+    names = {i: hf_deepseek.SELECTION_BIAS.format(i=i) for i in all_blocks(cfg)
              if cfg.is_sparse(i) and cfg.latent}
     found = {i: _read_file(files[n], [n])[n] for i, n in names.items() if n in files}
     return {i: np.asarray(b, dtype=np.float64) for i, b in found.items()}
@@ -773,9 +779,7 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.n
     tensors = {hf_name(n, config["model_type"]): np.ascontiguousarray(params[n], dtype=dt)
                for n in specs}
     if config["model_type"] == hf_deepseek.KIND:
-        tensors.update({hf_deepseek.SELECTION_BIAS.format(i=i): np.asarray(
-            (biases or {}).get(i, np.zeros(cfg.moe_experts)), dtype=np.float32)
-            for i in range(cfg.layers) if cfg.is_sparse(i)})
+        tensors.update(hf_deepseek.extra_tensors(cfg, params, biases, dt))
 
     dst = Path(path)
     check_export_target(dst)

@@ -132,6 +132,13 @@ class ModelConfig:
                                  "sum of their two best scores")
     moe_routed_scale: float = _f(1.0, "mixture of experts: the routed experts' weights multiplied "
                                       "by this (routed_scaling_factor)")
+    mtp_depth: int = _f(0, "multi-token prediction (DeepSeek-V3's num_nextn_predict_layers): D "
+                           "modules after the last block, module k predicting the token k + 1 "
+                           "ahead through the shared embedding and LM head; 0 = off")
+    mtp_loss_coef: float = _f(0.3, "multi-token prediction: weight lambda of the modules' mean "
+                                   "loss, L_MTP = lambda / D * sum of the modules' mean token "
+                                   "losses (0.3: the DeepSeek-V3 report's value for its first "
+                                   "10T tokens; 0.1 after)")
 
     def sparse_set(self) -> LayerSet:
         """The blocks ``moe_layers`` names (whether or not ``moe_experts`` makes them sparse)."""
@@ -184,7 +191,9 @@ class ModelConfig:
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block ``layer``'s FFN is a mixture of experts (``moe_experts`` > 0 and
-        ``moe_layers`` names it)."""
+        ``moe_layers`` names it); a multi-token prediction module's block (``layer`` >=
+        ``layers``) is of the last block's kind, as DeepSeek-V3's."""
+        layer = min(layer, self.layers - 1)
         return self.moe_experts > 0 and self.sparse_set().contains(layer)
 
     def sparse_layers(self) -> int:
@@ -308,7 +317,7 @@ def check_yarn_fields(m: ModelConfig) -> None:
 
 
 CHECKPOINT_OVERRIDABLE = ("init_std", "moe_bias_update_rate", "moe_aux_loss_coef",
-                          "moe_capacity_factor")
+                          "moe_capacity_factor", "mtp_loss_coef")
 
 
 def check_model(m: ModelConfig, head_dim_given: bool) -> None:
@@ -330,6 +339,9 @@ def check_model(m: ModelConfig, head_dim_given: bool) -> None:
     check_window_fields(m)
     check_latent_fields(m)
     check_moe_fields(m)
+    require(m.mtp_depth >= 0, f"model.mtp_depth={m.mtp_depth}: must be >= 0 (0: no multi-token "
+            f"prediction)")
+    require(m.mtp_loss_coef >= 0, f"model.mtp_loss_coef={m.mtp_loss_coef}: must be >= 0")
     require(m.query_pre_attn_scalar >= 0, f"model.query_pre_attn_scalar="
             f"{m.query_pre_attn_scalar}: must be >= 0 (0 = head_dim)")
     require(m.ffn_activation == "silu" or m.moe_experts == 0,

@@ -3,7 +3,8 @@
 Forward FLOPs of a block count its matrix products (q, k, v, o; gate, up, down: two FLOPs a
 multiply-add) and attention's ``q k^T`` and ``p v`` over the keys a query sees; a sparse
 block's FFN counts its router and the ``K`` experts each token runs; backward is twice forward.
-Attention's products use ``head_dim`` as configured (Qwen3's is not ``hidden / heads``); the
+The multi-token prediction modules count their projection, block and LM head
+(:func:`mtp_module_flops_per_token`). Attention's products use ``head_dim`` as configured (Qwen3's is not ``hidden / heads``); the
 norms, Qwen3's per-head q/k norms (``qk_norm``) among them, are elementwise and not counted.
 Latent attention counts its own projections (:func:`latent_projection_flops`) and ``p v`` over
 ``v_head_dim`` (the kernels' zero-padded value columns are not the model's work); Gemma 3's
@@ -16,6 +17,7 @@ import numpy as np
 
 from mpipar.config import Config, ModelConfig
 from mpipar.model.attention import document_offsets
+from mpipar.model.mtp import mtp_layers
 from mpipar.layout import Layout
 
 
@@ -68,6 +70,14 @@ def sparse_ffn_extra(model: ModelConfig) -> float:
         model.moe_top_k * model.moe_ffn_hidden + model.moe_shared_ffn_hidden - model.ffn_hidden)
 
 
+def mtp_module_flops_per_token(model: ModelConfig, context: float) -> float:
+    """Forward FLOPs of one multi-token prediction module (:mod:`mpipar.model.mtp`) per
+    token: its projection ``[H, 2H]``, its (dense) block and the shared LM head. Every position
+    of a row is counted, those past its last target too (the module runs them)."""
+    H = model.hidden
+    return 2 * H * 2 * H + block_flops_per_token(model, 1, context) + 2 * H * model.vocab_size
+
+
 def window_context(seq_len: int, window: int) -> float:
     """Mean keys a query sees over a sequence: (S + 1) / 2 causal; with a sliding window W the
     query at position i sees min(i + 1, W)."""
@@ -100,5 +110,7 @@ def model_flops_per_step(cfg: Config | Layout, docs: np.ndarray | None = None) -
                else (lambda w: window_context(tr.seq_len, w)))
     per_token = (sum(block_flops_per_token(m, 1, context(w)) for w in m.windows())
                  + 2 * m.hidden * m.vocab_size                     # LM head
-                 + sum(map(m.is_sparse, range(m.layers))) * sparse_ffn_extra(m))
+                 + sum(map(m.is_sparse, range(m.layers))) * sparse_ffn_extra(m)
+                 + sum(mtp_module_flops_per_token(m, context(m.layer_window(j)))
+                       for j in mtp_layers(m)))
     return 3.0 * per_token * tr.global_batch_size * tr.seq_len

@@ -76,6 +76,7 @@ from mpipar.model.attention_scale import query_factor, scale_queries
 from mpipar.model.embedding_scale import scale_embedding
 from mpipar.model.latent_attention import (attended_values, input_names, latent_bwd,
                                            latent_fwd, values_grad)
+from mpipar.model.mtp import MultiTokenPrediction
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
 from mpipar.model.norms import (INPUT, POST_ATTENTION, POST_FFN, PostNormSaved, norm_weight,
                                 post_norm_bwd, post_norm_fwd)
@@ -194,6 +195,7 @@ class StageCache:
     tokens: Array | None = None
     blocks: list = field(default_factory=list)
     head: Any = None
+    mtp: Any = None     # the multi-token prediction modules' records (mpipar.model.mtp)
 
 
 @dataclass
@@ -335,6 +337,9 @@ class LlamaStage:
         self.head = head_weight_name(self.cfg)
         # The units the head reads: its own, and the embedding's when tied.
         self.head_units = ["head", "embed"] if self.head == EMBED else ["head"]
+        # Multi-token prediction: its modules run with the head, in its scope.
+        self.mtp = MultiTokenPrediction.of(self.cfg, EMBED) if last else None
+        self.head_units += self.mtp.units(self.head_units) if self.mtp else []
         self.seq_len = seq_len
         self.experts = experts or LocalExperts(self.cfg.moe_experts)
         self.moe_aux_weight, self.moe_aux = 0.0, 0.0
@@ -398,14 +403,15 @@ class LlamaStage:
 
     # ---------------------------------------------------------------- forward
     def forward(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
-                targets: Array | None = None, scope: ParamScope = RESIDENT
-                ) -> tuple[Array, StageCache]:
+                targets: Array | None = None, scope: ParamScope = RESIDENT,
+                ahead: Array | None = None) -> tuple[Array, StageCache]:
         """Run the stage.
 
         inp: token ids ``[B, S]`` on the first stage, else the stream. positions: global
         positions ``[S]`` of this rank's tokens. targets ``[B, S]`` on the last stage.
         Returns the stream, or on the last stage the per-token loss ``[B, S]`` (float64).
-        scope: holds each unit while it reads ``params``.
+        scope: holds each unit while it reads ``params``. ahead: the multi-token prediction
+        modules' tokens on the last stage (:mod:`mpipar.model.mtp`).
         """
         cache = StageCache(positions, tokens=inp if self.first else None)
 
@@ -414,8 +420,12 @@ class LlamaStage:
                 self._count_moe(self.layers[len(cache.blocks)], saved.moe)
             cache.blocks.append(self._keep(saved))
 
-        out = self._walk(params, inp, positions, scope, on_block=keep,
-                         head=lambda x: self._head_fwd(params, x, targets))
+        def head(x: Array) -> tuple[Array, HeadSaved]:
+            if self.mtp is not None:
+                cache.mtp = self.mtp.forward(self, params, x, targets, ahead, positions)
+            return self._head_fwd(params, x, targets)
+
+        out = self._walk(params, inp, positions, scope, on_block=keep, head=head)
         if not self.last:
             return out, cache
         loss, cache.head = out
@@ -627,9 +637,13 @@ class LlamaStage:
         dx = dout
         if self.last:
             with scope.using(self.head_units, True, final):
+                dx_mtp = self.mtp and self.mtp.backward(self, params, grads, cache.mtp,
+                                                        cache.positions, lin, scope)
                 dx = self._head_bwd(params, grads, dout, cache.head, lin)
+                dx = dx if dx_mtp is None else dx + dx_mtp
             tied_here = self.first and self.head == EMBED  # final after the embedding's backward
-            notify and notify(["norm.weight"] + ([] if tied_here else [self.head]))
+            notify and notify(["norm.weight"] + ([] if tied_here else [self.head])
+                              + (self.mtp.final_names(self) if self.mtp else []))
         for i in reversed(self.layers):  # pop: each block's activations go once it is done
             with scope.using([f"layers.{i}"], True, final):
                 saved = self._restore(params, i, cache.blocks.pop(), cache.positions)

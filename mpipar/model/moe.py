@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mpipar.model.mtp import all_blocks
 from mpipar.model.params import ROUTER, expert_names
 from mpipar.model.router import SOFTMAX
 
@@ -420,7 +421,7 @@ class RoutingBias:
     def of(cls, model, xp) -> "RoutingBias":
         """The biases of ``model``'s sparse blocks (a resolved ModelConfig), zero; none when its
         ``moe_bias_update_rate`` is 0 (a checkpoint's may still be loaded)."""
-        return cls(sparse=[i for i in range(model.layers) if model.is_sparse(i)],
+        return cls(sparse=[i for i in all_blocks(model) if model.is_sparse(i)],
                    num_experts=model.moe_experts, rate=model.moe_bias_update_rate, xp=xp)
 
     def update(self, loads: dict[int, Any]) -> None:

@@ -11,8 +11,9 @@ norms (``layers.{i}.self_attn.{q,k}_norm.weight`` ``[head_dim]``, Qwen3's), ``la
 latent attention's projections and norms in place of q/k/v
 (:mod:`mpipar.model.latent_attention`, DeepSeek-V3's names), the ``sandwich`` norm placement a
 block's two output norms and its pre-FFN norm under Gemma's name (:mod:`mpipar.model.norms`),
-and ``tie_embeddings`` drops ``lm_head.weight``: the LM head then reads ``embed_tokens.weight``
-(:func:`head_weight_name`).
+``tie_embeddings`` drops ``lm_head.weight``: the LM head then reads ``embed_tokens.weight``
+(:func:`head_weight_name`), and ``mtp_depth`` adds the multi-token prediction modules after the
+head, each under its block index ``layers.{layers + k - 1}.`` (:mod:`mpipar.model.mtp`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.latent_attention import latent_param_shapes
+from mpipar.model.mtp import HEAD_NORM, embedding_at_last, mtp_layers, mtp_param_shapes
 from mpipar.model.norms import INPUT, POST_ATTENTION, POST_FFN
 from mpipar.model.qk_norm import K_NORM, Q_NORM
 
@@ -126,7 +128,17 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     specs.append(ParamSpec("norm.weight", (cfg.hidden,), None))
     if not cfg.tie_embeddings:
         specs.append(ParamSpec(HEAD, (cfg.vocab_size, cfg.hidden), None))
+    for j in mtp_layers(cfg):
+        specs += mtp_param_specs(cfg, j)
     return specs
+
+
+def mtp_param_specs(cfg: ModelConfig, j: int) -> list[ParamSpec]:
+    """Specs of the multi-token prediction module at block index ``j``
+    (:mod:`mpipar.model.mtp`): its norms and projection, its block, its head's norm."""
+    own = [ParamSpec(f"layers.{j}.{name}", shape, j) for name, shape in mtp_param_shapes(cfg)]
+    return own + block_param_specs(cfg, j) + [ParamSpec(f"layers.{j}.{HEAD_NORM}",
+                                                        (cfg.hidden,), j)]
 
 
 def bias_name(weight: str) -> str:
@@ -150,6 +162,10 @@ def stage_param_names(cfg: ModelConfig, layers: range, first: bool, last: bool) 
         names.append("norm.weight")
         if head_weight_name(cfg) not in names:  # tied, on a single stage: already there
             names.append(head_weight_name(cfg))
+        if embedding_at_last(cfg) and EMBED not in names:   # the MTP modules' inputs
+            names.append(EMBED)
+        for j in mtp_layers(cfg):
+            names += [s.name for s in mtp_param_specs(cfg, j)]
     return names
 
 

@@ -130,6 +130,9 @@ class StepResult:
     # definition and the record says so (``no_targets``). None: every target counts
     targets: int | None = None
     optimizer: OptimizerCost | None = None  # what the optimizer step cost this rank
+    # --mtp-depth: the multi-token prediction loss L_MTP (lambda / D times the sum of the
+    # modules' mean token losses; training minimises loss + mtp_loss). None without it
+    mtp_loss: float | None = None
 
 
 @dataclass
@@ -270,6 +273,7 @@ def step_record(result: StepResult, ranks: list[dict[str, float]], ledger: Ledge
         **({"no_targets": True} if result.targets == 0 else {}),
         **({} if result.optimizer is None else {"optimizer_s": result.optimizer.seconds,
                                                 "optimizer_bytes": result.optimizer.bytes}),
+        **({} if result.mtp_loss is None else {"mtp_loss": result.mtp_loss}),
     }
 
 

@@ -228,6 +228,9 @@ def summarize(records: list[dict], timeline: dict | None = None, config: dict | 
                                            ).describe()
     out.update(_moe_dropped(records, model.get("moe_top_k")))
     out.update(_moe_balance(steady, model))
+    mtp = [r["mtp_loss"] for r in records if _number(r.get("mtp_loss"))]
+    if mtp:   # multi-token prediction: its loss over the last steps, beside the main loss
+        out["mtp_loss_last"] = statistics.mean(mtp[-LAST_K:])
     bubble = timeline_bubble(timeline)
     if bubble is None:
         pipe = times["compute"] + times["tp_comm"] + times["sp_comm"] + times["pipeline_wait"]
@@ -549,6 +552,9 @@ def summary_text(summary: dict[str, Any]) -> str:
               + (f" ({100 * s['moe_dropped_fraction']:.2f}% of the sparse layers')"
                  if "moe_dropped_fraction" in s else "")] if s.get("moe_dropped") else []),
            *([_balance_text(s["moe_balance"])] if s.get("moe_balance") else []),
+           *([f"multi-token prediction loss (mean of the last {min(LAST_K, s['loss_last_k'])} "
+              f"steps, beside the loss above): {s['mtp_loss_last']:.4g}"]
+             if s.get("mtp_loss_last") is not None else []),
            *(recovery_text(r) for r in s.get("recoveries", ()))]
     return "\n".join(out + diagnose(s)) + "\n"
 

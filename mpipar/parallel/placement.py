@@ -9,7 +9,7 @@ splits it, which pipeline stage holds it, and what the data-parallel axes do wit
 parameter                        tp (:data:`TP_ROLES`)           pp                dp x sp
 ===============================  =============================  ================  ==============
 ``embed_tokens.weight``          ``vocab``: rows, padded         first stage (and  unit ``embed``
-                                                                 last, if tied)
+                                                                 last: tied, MTP)
 ``q/k/v_proj``, ``gate/up_proj``  ``column``: rows               its block's       unit ``layers.i``
 ``q/k/v_proj.bias``              ``column``: with their weight   its block's       unit ``layers.i``
 ``o_proj``, ``down_proj``         ``row``: columns                its block's       unit ``layers.i``
@@ -21,6 +21,7 @@ parameter                        tp (:data:`TP_ROLES`)           pp             
 ``q_a_*``, ``kv_a_*`` (latent)   ``heads_replicated``            its block's       unit ``layers.i``
 ``norm.weight``                  ``replicated``                  last stage        unit ``head``
 ``lm_head.weight`` (untied)      ``vocab``: rows, padded         last stage        unit ``head``
+MTP's norms and ``eh_proj``      ``replicated``                  last stage        unit ``layers.j``
 ===============================  =============================  ================  ==============
 
 The tp column is the only statement of each linear's tensor-parallel role: the split of the
@@ -57,7 +58,8 @@ unit of their own sharded over ``ep_dp`` (:func:`mpipar.parallel.experts.split.e
 ``ep=1`` (no ep): every rank holds every expert.
 
 Tied embeddings (``tie_embeddings``) are one parameter used by the first stage (embedding) and
-the last (LM head). With pp > 1 both pipeline ranks hold a copy (Megatron's embedding group):
+the last (LM head); so is the embedding with multi-token prediction (``mtp_depth``, whose
+modules on the last stage embed the tokens ahead). With pp > 1 both pipeline ranks hold a copy (Megatron's embedding group):
 each accumulates its own gradient, the two are summed over the ``pp_ends`` group
 (:mod:`mpipar.runtime.topology`) before the update, and identical updates keep the copies identical.
 The copy on the first stage's rank is the one counted in the gradient norm and written to
@@ -78,6 +80,7 @@ import numpy as np
 
 from mpipar.config import ModelConfig
 from mpipar.model.lora import Lora, factor_of
+from mpipar.model.mtp import embedding_at_last
 from mpipar.model.params import (EMBED, ParamSpec, param_specs, require_resolved, stage_param_names,
                                  stage_units)
 from mpipar.parallel.pipeline.schedule import stage_owner
@@ -119,6 +122,10 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     "mlp.down_proj.weight": "row",
     "norm.weight": "replicated",
     "lm_head.weight": "vocab",
+    "enorm.weight": "replicated",              # the MTP modules' (mpipar.model.mtp): whole
+    "hnorm.weight": "replicated",              # on every tp rank, computed on the stream it
+    "eh_proj.weight": "replicated",            # holds
+    "shared_head.norm.weight": "replicated",
     "block_sparse_moe.gate.weight": "replicated",
     "block_sparse_moe.experts.*.w1.weight": "replicated",
     "block_sparse_moe.experts.*.w3.weight": "replicated",
@@ -312,11 +319,11 @@ class PlacementTable:
         """The global virtual stages that use ``spec``: its block's; the embedding's first (and,
         tied, the last); the final norm's and LM head's last."""
         last = self.stages - 1
-        if spec.layer is not None:
+        if spec.layer is not None and spec.layer < self.model.layers:
             return (spec.layer // self.layers_per_stage,)
         if spec.name == EMBED:
-            return (0, last) if self.model.tie_embeddings and last > 0 else (0,)
-        return (last,)
+            return (0, last) if embedding_at_last(self.model) and last > 0 else (0,)
+        return (last,)   # the final norm, the LM head and the MTP modules
 
     def __getitem__(self, name: str) -> Placement:
         return self.rows[name]

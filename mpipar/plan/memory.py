@@ -104,6 +104,18 @@ def _head_activation_bytes(layout: Layout) -> int:
     return sum(axis.activations(layout, NONE).head for axis in AXES)
 
 
+def _mtp_activation_bytes(layout: Layout, block: int) -> int:
+    """Bytes the multi-token prediction modules keep for one microbatch on the last stage
+    (:class:`mpipar.model.mtp.ModuleSaved`): per module its block's record (``block``), its
+    head's logits and norm, and five streams beside them (the embedding, the concatenation of
+    two, the block's output and its norm)."""
+    depth = layout.model.mtp_depth
+    if not depth:
+        return 0
+    stream = _block_field_bytes(layout)["x"]
+    return depth * (block + _head_activation_bytes(layout) + 5 * stream)
+
+
 def _sparse_in(layout: Layout, stage: int, per: int) -> int:
     """How many of virtual ``stage``'s ``per`` blocks ``[stage per, (stage + 1) per)`` are
     sparse (:meth:`mpipar.parallel.placement.PlacementTable.stage_layers`), without a per-layer
@@ -122,6 +134,7 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
     mode = tr.recompute_mode
     blocks = {sparse: _block_activation_bytes(layout, mode, sparse) for sparse in (False, True)}
     head = 0 if mode.offloads else _head_activation_bytes(layout)
+    head += _mtp_activation_bytes(layout, blocks[False])
     n = layout.micro_rows * (tr.seq_len // par.sp)
     weight = {c: per * blocks[False] + _sparse_in(layout, c * p + coord.pp, per)
               * (blocks[True] - blocks[False]) + (head if c * p + coord.pp == last else 0)
@@ -184,7 +197,8 @@ def parameter_count(model: ModelConfig) -> int:
     block its norms (two, four with sandwich norms; with ``qk_norm`` two of ``head_dim``),
     q/k/v (their biases) and o, or latent attention's projections and latent norms and o, and
     the three SwiGLU matrices; a sparse block's router ``E x H``, ``E`` experts and the shared
-    expert (three matrices each; its gate ``H``) in place of the latter."""
+    expert (three matrices each; its gate ``H``) in place of the latter; each multi-token
+    prediction module's three norms, projection ``H x 2H`` and block."""
     m = resolve_model(model)
     q, kv, H = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden
     if m.latent:
@@ -195,7 +209,8 @@ def parameter_count(model: ModelConfig) -> int:
              + 3 * m.ffn_hidden * H)
     sparse = H * m.moe_experts * (1 + 3 * m.moe_ffn_hidden) + 3 * m.moe_shared_ffn_hidden * H \
         + m.moe_shared_gate * H - 3 * m.ffn_hidden * H
-    return 2 * m.vocab_size * H + H + m.layers * block + m.sparse_layers() * sparse
+    mtp = m.mtp_depth * (block + 3 * H + 2 * H * H)   # MTP modules: norms, projection, block
+    return 2 * m.vocab_size * H + H + m.layers * block + m.sparse_layers() * sparse + mtp
 
 
 def trained_parameter_count(model: ModelConfig, train: TrainConfig) -> int:

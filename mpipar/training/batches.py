@@ -90,5 +90,20 @@ def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,
                 else PairLoss(pref.objective, mask, reference[rows], xp, sequence))
         out.append(Microbatch(xp.asarray(inputs[rows][:, at]), xp.asarray(targets[rows][:, at]),
                               positions, mask, loss,
-                              rank.coord.dp * len(inputs) + np.arange(rows.start, rows.stop)))
+                              rank.coord.dp * len(inputs) + np.arange(rows.start, rows.stop),
+                              _ahead(targets[rows], at, rank.cfg.model.mtp_depth, xp)))
     return tuple(out)
+
+
+def _ahead(targets: np.ndarray, at: np.ndarray, depth: int, xp) -> Any:
+    """Multi-token prediction's tokens of rows ``targets`` ``[B, S]`` (``t_{i+1}``) at this
+    rank's positions ``at``: ``[depth, B, len(at)]``, ``t_{i+1+k}`` for k = 1..depth, -1 past
+    the row's end (:mod:`mpipar.model.mtp`); None without it."""
+    if not depth:
+        return None
+    S = targets.shape[1]
+    out = np.full((depth,) + targets.shape[:1] + (len(at),), -1, dtype=targets.dtype)
+    for k in range(1, depth + 1):
+        inside = at + k < S
+        out[k - 1][:, inside] = targets[:, at[inside] + k]
+    return xp.asarray(out)

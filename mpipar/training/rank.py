@@ -30,6 +30,7 @@ from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.lora import (Adapters, FrozenGrads, FrozenParams, Lora, init_adapter,
                                is_adapter)
 from mpipar.model.moe import RoutingBias
+from mpipar.model.mtp import mtp_weights
 from mpipar.model.params import init_param
 from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.parallel.sequence.registry import sequence_mode
@@ -298,6 +299,8 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
         # Each row's balance loss weighs alpha / rows of the global batch (mpipar.model.moe).
         chunk.moe_aux_weight = m.moe_aux_loss_coef / tr.global_batch_size
         chunk.moe_bias = routing.biases      # shared: the update reaches every chunk
+        if chunk.mtp is not None:            # each module's token weight (mpipar.model.mtp)
+            chunk.mtp.weights = mtp_weights(m, tr.global_batch_size, tr.seq_len)
         chunks.append(chunk)
     # The parameters this rank holds, each with the number of its chunks that use it (a
     # parameter two chunks use, the tied embedding with pp = 1, is held once); under --ep only

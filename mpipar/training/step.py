@@ -41,6 +41,7 @@ from mpipar.data.sources import Sampler
 from mpipar.model.flops import model_flops_per_step
 from mpipar.model.llama import RESIDENT, LlamaStage
 from mpipar.model.lora import is_adapter
+from mpipar.model.mtp import all_blocks
 from mpipar.observe.balance import attention_imbalance, moe_load_stats
 from mpipar.observe.metrics import EvalResult, OptimizerCost, StepResult
 from mpipar.parallel.pipeline.executor import Microbatch
@@ -68,6 +69,8 @@ def train_step(rank: Rank, step: int) -> StepResult:
     ready = _grads_ready(rank)
     for ch in m.chunks:
         ch.moe_aux, ch.moe_load, ch.moe_dropped = 0.0, {}, {}
+        if ch.mtp is not None:
+            ch.mtp.loss = 0.0
     loss = rank.executor.run(rank.params, rank.grads, list(batch.microbatches), m.positions,
                              m.tensor.stream_shape(mbs, s_loc, cfg.model.hidden),
                              rank.compute.dtype, weight,
@@ -79,6 +82,8 @@ def train_step(rank: Rank, step: int) -> StepResult:
             ch.recorder = None
         dump_step(recorder, rank_place(rank), _activation_region(rank, step + 1), cfg)
     loss = _global_sum(rank, loss) / batch.divisor
+    mtp_loss = (_global_sum(rank, sum((ch.mtp.loss for ch in m.chunks if ch.mtp), 0.0))
+                if cfg.model.mtp_depth else None)
     rewards = None if pref is None else _preference_metrics(rank, batch)
     moe, loads = _moe_stats(rank) if cfg.model.moe_experts else (None, None)
     norm_sq = xp.array([w.optimizer.grad_norm_sq(
@@ -105,7 +110,7 @@ def train_step(rank: Rank, step: int) -> StepResult:
                       tr.global_batch_size * rows_per * tr.seq_len, imbalance, moe,
                       (None if docs is None else model_flops_per_step(cfg, docs))
                       if pref is None else rows_per * model_flops_per_step(cfg), rewards,
-                      batch.targets, cost)
+                      batch.targets, cost, mtp_loss)
 
 
 def _preference_metrics(rank: Rank, batch: StepBatch) -> dict[str, float]:
@@ -148,7 +153,7 @@ def _moe_stats(rank: Rank) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     moe_load_stats`): the chunks' balance losses, loads and drops summed over the world, each
     counted on tp rank 0 only (tp ranks compute the same), on every rank."""
     m = rank.cfg.model
-    sparse = [i for i in range(m.layers) if m.is_sparse(i)]
+    sparse = [i for i in all_blocks(m) if m.is_sparse(i)]
     n, E = len(sparse), m.moe_experts
     buf = rank.compute.xp.zeros(1 + n * (E + 1))
     if rank.model.tensor.rank == 0:

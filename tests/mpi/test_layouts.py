@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from conftest import check_in_groups, covering, factorisations
-from layouts import compare, layout_name, layout_size, reference, run, small_config
+from layouts import (REFERENCE_RESULTS, compare, layout_name, layout_size, reference, run,
+                     small_config)
 from mpipar.parallel.placement import TENSOR_PARALLEL_PLAN
 from mpipar.runtime.topology import GridShape, NodeMap
 from mpipar.training import step as trainer
@@ -171,6 +172,15 @@ QWEN3 = [dict(model="qwen3", **v) for v in (
 # mpi/test_moe.py).
 LATENT = [dict(model="latent", tp=2, sp=2, dp=2, sp_mode="ulysses", tp_sequence_parallel=True)]
 
+# Multi-token prediction: its modules on the last pipeline stage with a copy of the embedding
+# (tp sequence parallelism: the projection's gradient partial over tp), after zigzag SP chunks
+# whose tokens ahead cross their ends, under zb-h1's deferred weight gradients; DeepSeek-V3's
+# (latent attention, its module's block sparse) with its experts over ep and ZeRO-3 (the
+# modules' units and the embedding gathered with the head).
+MTP = [dict(model="mtp", tp=2, pp=2, dp=2, tp_sequence_parallel=True),
+       dict(model="mtp", sp=2, dp=2, pp=2, sp_split="zigzag", schedule="zb-h1"),
+       dict(model="deepseek_mtp", dp=4, pp=2, ep=2, zero=3)]
+
 # Gemma 3 (its sandwich norms' gradients partial over tp under tp sequence parallelism; its
 # local and global layers on the halo exchange and the ring; ZeRO-3 over dp x sp).
 GEMMA3 = [dict(model="gemma3", **v) for v in (
@@ -285,6 +295,30 @@ def test_qk_norm_model_equals_single_process_float64(world, layout):
     """Qwen3's per-head q/k norms and decoupled head dim keep every layout equal to one
     process."""
     _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", MTP, ids=[layout_name(v) for v in MTP])
+def test_multi_token_prediction_equals_single_process_float64(world, layout):
+    """The MTP modules keep every layout equal to one process (their loss too), and the
+    embedding's copies on the first and last stage bit-identical (where they are held whole:
+    ZeRO-3 holds slices)."""
+    layout, size = dict(layout), layout_size(layout)
+    model = layout.pop("model")
+
+    def check(comm) -> list[str]:
+        results: list = []
+        got = run(small_config("float64", model, **layout), comm, results=results)
+        try:
+            fails = compare(got[:3], reference("float64", model=model), 1e-10)
+            want = [r.mtp_loss for r in REFERENCE_RESULTS["float64", 2, model]]
+            fails += [f"mtp_loss {a!r} vs {b!r}" for a, b in
+                      zip([r.mtp_loss for r in results], want) if not abs(a - b) <= 1e-10 * b]
+            return fails + (_tied_copies_differ(got[3]) if layout.get("zero", 0) < 3 else [])
+        finally:
+            trainer.close(got[3])
+
+    check_in_groups(world, size, check)
 
 
 @pytest.mark.mpi(min_size=8)

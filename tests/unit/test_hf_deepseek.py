@@ -92,18 +92,21 @@ def test_deepseek_reads_as_latent_attention_with_the_grouped_router(hf_dir, caps
     assert sorted(biases) == [1, 2] and biases[1].shape == (E,) and abs(biases[1]).max() > 0
     assert hf_main(["inspect", str(hf_dir)]) == 0
     out = capsys.readouterr().out
-    assert "multi-head latent attention" in out and "multi-token prediction is not built" in out
+    assert "multi-head latent attention" in out and "no module stored" in out
 
 
-def test_multi_token_prediction_tensors_are_not_read(hf_dir, tmp_path):
-    """A released checkpoint stores its MTP module as layer num_hidden_layers: dropped."""
+def test_multi_token_prediction_tensors_are_not_read_without_the_module(hf_dir, tmp_path):
+    """A checkpoint declaring an MTP module (layer num_hidden_layers) that stores no projection
+    for it reads with model.mtp_depth 0 and leaves the layer's tensors (here a copy of the
+    embedding) unread (modules read and written: unit/test_mtp.py)."""
     from safetensors.numpy import load_file, save_file
     tensors = load_file(hf_dir / "model.safetensors")
-    tensors[f"model.layers.{LAYERS}.eh_proj.weight"] = np.zeros((4, 4))
+    tensors[f"model.layers.{LAYERS}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     (tmp_path / "mtp").mkdir()
     save_file(tensors, str(tmp_path / "mtp" / "model.safetensors"))
     (tmp_path / "mtp" / "config.json").write_text((hf_dir / "config.json").read_text())
-    assert sorted(load_hf(tmp_path / "mtp")[1]) == sorted(load_hf(hf_dir)[1])
+    cfg, read = load_hf(tmp_path / "mtp")
+    assert cfg.mtp_depth == 0 and sorted(read) == sorted(load_hf(hf_dir)[1])
 
 
 @pytest.mark.parametrize("change,rule", [

@@ -6,6 +6,7 @@ import os
 
 from mpipar.config import require
 from mpipar.layout import Layout
+from mpipar.model.mtp import embedding_at_last
 from mpipar.runtime.precision import Precision
 from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.runtime.allreduce_modes import algorithm_named
@@ -29,11 +30,11 @@ def check_config(layout: Layout) -> None:
             f"parallel.compression_warmup={p.compression_warmup}: only with --grad-compression "
             f"int8 or topk (there is nothing to warm up from)")
     require(not (reduction.keeps_residual and dp * p.sp > 1
-                 and layout.model.tie_embeddings and p.pp > 1),
+                 and embedding_at_last(layout.model) and p.pp > 1),
             f"parallel.grad_compression={p.grad_compression!r} with error feedback: not with "
-            f"model.tie_embeddings and pp={p.pp} (the tied embedding's two copies keep different "
-            f"residuals, and a checkpoint holds one); use --error-feedback off, pp=1 or untied "
-            f"embeddings")
+            f"{_embedding_copies(layout.model)} and pp={p.pp} (the embedding's two copies, on "
+            f"the first and the last stage, keep different residuals, and a checkpoint holds "
+            f"one); use --error-feedback off, pp=1, untied embeddings and no MTP")
     require(p.reduce_dtype != "bfloat16" or Precision.of(layout.train, p).mixed,
             f"parallel.reduce_dtype='bfloat16' with train.dtype={layout.train.dtype!r}: a bf16 "
             f"gradient reduction is part of mixed precision (use --dtype bfloat16, or "
@@ -52,3 +53,8 @@ def check_config(layout: Layout) -> None:
             NodeMap.blocks(world, p.ranks_per_node))
         require(problem is None, f"parallel.dp_reduce='hierarchical' with "
                                  f"ranks_per_node={p.ranks_per_node}: {problem}")
+
+
+def _embedding_copies(m) -> str:
+    """What puts a copy of the embedding on the last stage too (the rule above names it)."""
+    return "model.tie_embeddings" if m.tie_embeddings else f"model.mtp_depth={m.mtp_depth}"

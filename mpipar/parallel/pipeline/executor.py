@@ -51,6 +51,8 @@ class Microbatch:
     #                         sum over the counted targets): forward(token_loss) -> float and
     #                         dout(loss_weight) -> their gradient (training.objective.PairLoss)
     rows: Any = None        # [B] its rows' indices in the step's global batch
+    ahead: Any = None       # [D, B, S_loc] multi-token prediction's tokens t_{i+1+k}, k = 1..D
+    #                         (-1 past the row; mpipar.model.mtp); None without it
 
 
 @dataclass(kw_only=True)
@@ -110,7 +112,8 @@ class PipelineExecutor:
                 at = positions if mb.positions is None else mb.positions
                 out, caches[key] = chunk.forward(params, wire.stage_input(op, stage, mb), at,
                                                  mb.targets if stage == last_stage else None,
-                                                 self.scope)
+                                                 self.scope,
+                                                 ahead=mb.ahead if stage == last_stage else None)
                 if stage == last_stage and mb.loss is not None:
                     loss += mb.loss.forward(out)
                 elif stage == last_stage:

@@ -64,3 +64,19 @@ def test_load_slows_the_ranks_by_the_cores_they_share(monkeypatch):
     assert nodes.load_slowdown(1, 8, load=8.0) == (8.0, 2.0)    # 8 others: half the cores
     assert nodes.load_slowdown(1, 1, load=0.5) == (0.5, 1.0)    # a spare core absorbs them
     assert nodes.load_slowdown(1, 1, load=3.0) == (3.0, 2.0)    # 4 threads on 2 cores
+
+
+def test_the_model_probe_runs_the_models_own_step():
+    """On a tiny model: the forward+backward probe runs (one block, the NumPy kernels) and its
+    rate is that of its median time after the calls' part."""
+    from mpipar.config import Config, ModelConfig, TrainConfig
+    from mpipar.plan.probe import probe_rank
+    cfg = Config(ModelConfig(vocab_size=32, hidden=16, layers=2, heads=2, kv_heads=1),
+                 train=TrainConfig(seq_len=16, global_batch_size=2))
+    probe = probe_rank(cfg, threads=1, repeats=2, seconds=0.02)
+    fit = probe.model
+    assert fit is not None and (fit.rows, fit.tokens) == (2, 16)
+    assert 0 < fit.seconds.low <= fit.seconds.median <= fit.seconds.high
+    assert probe.flops == fit.rate > 0 and probe.op_seconds == probe.call.median > 0
+    assert "the model's forward+backward (one block, NumPy kernels) on 2 x 16 tokens" in (
+        probe.describe())

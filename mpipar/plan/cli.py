@@ -8,7 +8,9 @@ schedule, SP mode and split, microbatch size, ZeRO stage; with ``--ranks-per-nod
 several nodes also flat or hierarchical reduction, no, int8 or top-k gradient compression, and
 hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the first recompute
 mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
-time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--intra-gbps``,
+time model of :mod:`mpipar.plan.step_time`, with a rank's rates probed here on its share of the
+cores (:mod:`mpipar.plan.probe`: the model's own forward and backward, a kernel call, a
+memory-bound pass; or ``--peak-gflops``), the links inside a node (``--intra-gbps``,
 default half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and
 across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here,
 or all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too). Step
@@ -17,6 +19,8 @@ first (and ``train`` picks it). Each row shows its bytes per group and, across n
 bytes on the slow link. The rejected ones are listed with the configuration rule they break or
 the memory they would need. With ``--document-masking`` attention's work and the ring's traffic
 are those of the data's first global batch (its documents; the balanced split is tried too).
+The times are those of this machine without other work; a busy machine's load average is
+printed with how much longer it makes steps (:func:`machine_load`).
 Exit status 0 when a layout fits, 1 when none does, 2 for bad flags or data the run could not
 read.
 """

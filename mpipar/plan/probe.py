@@ -181,8 +181,9 @@ def _stage_step(layout):
     from mpipar.parallel.placement import PlacementTable
     from mpipar.parallel.tensor.ops import TensorParallel
 
+    from mpipar.runtime.precision import Precision
     m, tr = layout.model, layout.train
-    dtype = np.float64 if tr.dtype == "float64" else np.float32
+    dtype = np.dtype(Precision.named(tr.dtype).master)    # the CPU kernels compute bf16 in it
     k = kernels.get_backend("numpy")
     stage = LlamaStage(cfg=m, kernels=k, layers=range(m.layers), first=True, last=True,
                        tp=TensorParallel(kernels=k, table=PlacementTable(model=m)),
@@ -213,7 +214,8 @@ def probe_rank(cfg, threads: int | None = None, repeats: int = 7,
     from mpipar.runtime.nodes import threads_in_use
     from mpipar.runtime.peak import blas_threads, probe_peak, windowed_best
 
-    dtype = "float32" if cfg.train.dtype == "bfloat16" else cfg.train.dtype
+    from mpipar.runtime.precision import Precision
+    dtype = Precision.named(cfg.train.dtype).master        # the CPU kernels compute bf16 in it
     seq_len, hidden = cfg.train.seq_len, cfg.model.hidden
     shape = gemm_shape(seq_len, hidden)
     gemm = probe_peak(dtype, threads, repeats, seconds, shape=shape)

@@ -8,7 +8,9 @@ schedule, SP mode and split, microbatch size, ZeRO stage; with ``--ranks-per-nod
 several nodes also flat or hierarchical reduction, no, int8 or top-k gradient compression, and
 hybrid SP with Ulysses inside a node); flags given fix a choice. Per layout the first recompute
 mode (none, selective, full) that fits ``--memory-gb`` is taken. Layouts are ranked by the step
-time model of :mod:`mpipar.plan.step_time`, with the links inside a node (``--intra-gbps``,
+time model of :mod:`mpipar.plan.step_time`, with a rank's rates probed here on its share of the
+cores (:mod:`mpipar.plan.probe`: the model's own forward and backward, a kernel call, a
+memory-bound pass; or ``--peak-gflops``), the links inside a node (``--intra-gbps``,
 default half this machine's memory-copy bandwidth: a shared-memory transport copies twice) and
 across nodes (``--inter-gbps``, default 10) and compression's encode/decode work measured here,
 or all of them from ``--hardware FILE`` (``python -m mpipar.bench comm``: its nodes too). Step
@@ -17,6 +19,8 @@ first (and ``train`` picks it). Each row shows its bytes per group and, across n
 bytes on the slow link. The rejected ones are listed with the configuration rule they break or
 the memory they would need. With ``--document-masking`` attention's work and the ring's traffic
 are those of the data's first global batch (its documents; the balanced split is tried too).
+The times are those of this machine without other work; a busy machine's load average is
+printed with how much longer it makes steps (:func:`machine_load`).
 Exit status 0 when a layout fits, 1 when none does, 2 for bad flags or data the run could not
 read.
 """
@@ -87,8 +91,8 @@ def _nodes(base: Config, world: int) -> str:
 
 def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: float | None,
                 top: int, peak_note: str, link_note: str = "given",
-                documents: StepDocuments | None = None) -> str:
-    """The report printed by the CLI."""
+                documents: StepDocuments | None = None, load_line: str = "") -> str:
+    """The report printed by the CLI; ``load_line``: what the machine's load does to it."""
     m, tr = resolve_model(base.model), base.train
     params = sum(math.prod(s.shape) for s in param_specs(m))
     lines = [
@@ -96,7 +100,9 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         f"{m.heads}/{m.kv_heads}, vocab {m.vocab_size} ({params / 1e6:.2f} M parameters), global "
         f"batch {tr.global_batch_size} x {tr.seq_len} tokens, {tr.dtype}",
         _training_line(base),
-        f"time model: FLOPs / {hw.peak_flops / 1e9:,.1f} GFLOP/s per rank ({peak_note}) + wire "
+        f"time model: FLOPs / {hw.peak_flops / 1e9:,.1f} GFLOP/s per rank + kernel calls x "
+        f"{hw.op_overhead * 1e6:,.1f} us + optimizer passes / {hw.elementwise_rate / 1e6:,.0f} M "
+        f"elements/s ({peak_note}) + wire "
         f"bytes / link bandwidth + latency per MPI call, inside a node "
         f"{hw.intra_bandwidth / 1e9:.3g} GB/s ({link_note}) + {hw.intra_latency * 1e6:g} us, "
         f"across nodes {hw.bandwidth / 1e9:g} GB/s + {hw.latency * 1e6:g} us "
@@ -104,6 +110,7 @@ def format_plan(plan: Plan, base: Config, world: int, hw: Hardware, memory_gb: f
         f"{hw.topk_seconds * 1e9:.3g} ns (top-k) per element; the pipeline by "
         f"a dry run of its schedule (bubble included)",
         *([_documents_line(documents, tr.seq_len)] if documents is not None else []),
+        *([load_line] if load_line else []),
         f"memory limit: {'none' if memory_gb is None else f'{memory_gb:g} GiB per rank'}",
         "",
         f"{'#':>3}  {'layout':<66} {'step ms':>8} {'tok/s':>10} {'bubble':>6}  "
@@ -167,14 +174,15 @@ def _row(i: int, c: Candidate, tokens: int) -> str:
 
 
 def memory_copy_bandwidth(nbytes: int = 1 << 26, repeats: int = 5) -> float:
-    """Bytes/s of the fastest of ``repeats`` copies of ``nbytes`` on this machine (a probe)."""
+    """Bytes/s of the fastest of ``repeats`` copies of ``nbytes`` on this machine (a probe, in
+    CPU seconds: other processes' load does not lengthen it)."""
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     return nbytes / best
 
 
@@ -191,33 +199,50 @@ def codec_seconds(base: Config) -> tuple[float, float]:
             local_work_seconds(TopKCodec(np, par.topk_ratio), dtype=grads))
 
 
-def rank_peak(dtype: str, on_node: int) -> tuple[float, str]:
-    """A rank's peak FLOP/s as ``train`` runs it, ``on_node`` ranks sharing this node: the GEMM
-    probe with a rank's threads (the node's cores divided among its ranks), times the share of
-    them a rank gets; and the note that says so."""
+def rank_rates(base: Config, on_node: int) -> tuple[float, float, float, str]:
+    """A rank's rates as ``train`` runs it, ``on_node`` ranks sharing this node: the probes of
+    :func:`mpipar.plan.probe.probe_rank` with a rank's threads (the node's cores divided among
+    its ranks), times the share of them a rank gets: (FLOP/s, seconds a kernel call costs
+    besides its FLOPs, elements/s of a memory-bound pass, the note that says so)."""
+    from mpipar.plan.probe import probe_rank
     from mpipar.runtime.nodes import cpu_count, cpu_peak_share, threads_per_rank
-    from mpipar.runtime.peak import probe_peak
-    threads = threads_per_rank(on_node)
-    probe = probe_peak(dtype, threads=threads)
+    probe = probe_rank(base, threads_per_rank(on_node))
     share = cpu_peak_share(probe.threads, on_node)
-    return probe.flops * share, (f"a GEMM probe here as {on_node} rank(s) on {cpu_count()} "
-                                 f"core(s) run it: {probe.describe()}"
-                                 + (f"; x {share:.2f} for cores shared" if share < 1 else ""))
+    return (probe.flops * share, probe.op_seconds / share, probe.passes.median * share,
+            f"probed here as {on_node} rank(s) on {cpu_count()} core(s) run it: "
+            f"{probe.describe()}" + (f"; x {share:.2f} for cores shared" if share < 1 else ""))
+
+
+def machine_load(on_node: int) -> tuple[float, str]:
+    """(how many times longer steps take now than the times the plan shows, the line that
+    says so): the cores this node's ranks would share with the other processes that keep it
+    busy now (its load average); the plan shows the times on the machine without them."""
+    from mpipar.runtime.nodes import cpu_count, load_slowdown, threads_per_rank
+    load, slowdown = load_slowdown(threads_per_rank(on_node), on_node)
+    if slowdown < 1.1:
+        return slowdown, ""
+    return slowdown, (f"machine load: load average {load:.1f} on {cpu_count()} core(s): while "
+                      f"other processes keep the cores this busy, steps take about "
+                      f"{slowdown:.1f}x the times below (which are those of this machine "
+                      f"without them)")
 
 
 def _probed_hardware(args: argparse.Namespace, base: Config) -> tuple[Hardware, str, str]:
     """The hardware of the flags, with what they leave out probed here: (hardware, where the
     peak came from, where the link inside a node came from)."""
+    overhead = elementwise = 0.0
     if args.peak_gflops:
         peak, note = args.peak_gflops * 1e9, "given"
     else:
-        peak, note = rank_peak(base.train.dtype, base.parallel.ranks_per_node or args.world)
+        peak, overhead, elementwise, note = rank_rates(
+            base, base.parallel.ranks_per_node or args.world)
     if args.intra_gbps:
         intra, link_note = args.intra_gbps * 1e9, "given"
     else:
         intra, link_note = memory_copy_bandwidth() / 2, "half the memory copy probed here"
     hw = Hardware(peak, args.inter_gbps * 1e9, args.inter_latency_us * 1e-6, intra,
-                  args.intra_latency_us * 1e-6)
+                  args.intra_latency_us * 1e-6, op_overhead=overhead,
+                  elementwise_rate=elementwise)
     return dataclasses.replace(hw, **dict(zip(("int8_seconds", "topk_seconds"),
                                               codec_seconds(base)))), note, link_note
 
@@ -259,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         except DataError as exc:
             return _fail(str(exc))
     plan = plan_layouts(base, args.world, fixed, memory, hw, documents)
+    _, load_line = machine_load(base.parallel.ranks_per_node or args.world)
     sys.stdout.write(format_plan(plan, base, args.world, hw, args.memory_gb, args.top, note,
-                                 link_note, documents))
+                                 link_note, documents, load_line))
     return 0 if plan.ranked else 1
 
 

@@ -19,9 +19,11 @@ the rank's share of that algorithm's schedule, and a tree's ``2 ceil(log2 n)`` p
 sequence, reduce then broadcast; the calls are
 :func:`mpipar.plan.traffic.step_calls`), over the link inside a node or, for a group that spans
 nodes, across them. :class:`Hardware` holds the peak, the links, the per-call overhead and
-compression's work per element: nominal, or measured by ``python -m mpipar.bench comm`` (on a
-CPU, a kernel call's Python and NumPy dispatch and the cores that ranks share dominate small
-models: the peak is a rank's share of the node). The nodes are ``parallel.ranks_per_node``
+compression's work per element: nominal, measured by ``python -m mpipar.bench comm``, or probed
+by ``python -m mpipar.plan`` (:mod:`mpipar.plan.probe`: there ``peak_flops`` is the rate the
+model's own forward and backward runs its FLOPs at, the non-GEMM passes included; on a CPU, a
+kernel call's Python and NumPy dispatch and the cores that ranks share dominate small models: the
+rates are a rank's share of the node). The nodes are ``parallel.ranks_per_node``
 consecutive ranks each, else those of the hardware file, else one (:func:`with_nodes`).
 With ``--document-masking`` the model reads a step's documents (:class:`StepDocuments`, the
 run's first global batch): attention's keys per query on the busiest sp rank and the ring's hops

@@ -210,5 +210,20 @@ def cpu_peak_share(threads: int, ranks_on_node: int) -> float:
     return min(1.0, cpu_count() / (threads * ranks_sharing_cores(ranks_on_node)))
 
 
+def load_slowdown(threads: int, ranks_on_node: int, load: float | None = None) -> tuple[float, float]:
+    """(the load average now, how many times longer a step of ``ranks_on_node`` ranks of
+    ``threads`` threads takes while other processes keep that many threads runnable): the
+    ranks' threads and the others' share the cores this rank may use. 1 on a quiet machine.
+    ``load``: the 1-minute load average (None: this machine's now)."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available here
+            return 0.0, 1.0
+    ours = threads * ranks_sharing_cores(ranks_on_node)
+    cores = cpu_count()
+    return load, max(cores, ours + load) / max(cores, ours)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -31,47 +31,67 @@ class PeakProbe:
                 f"spread {100 * self.spread:.0f}%")
 
 
+def windowed_best(fn, repeats: int, seconds: float, clock=time.perf_counter) -> list[float]:
+    """Seconds of ``fn()`` in each of ``repeats`` windows of about ``seconds / repeats`` each
+    (after one warm-up call): the fastest call of each window (at least two calls a window), so
+    that other processes taking the cores for a moment do not lengthen it. ``clock`` times the
+    calls (``time.process_time``: the CPU this process spent, which other processes' load
+    does not lengthen); the windows are wall time."""
+    if not seconds > 0 or repeats < 1:
+        raise ValueError(f"windowed_best: seconds={seconds!r} must be > 0 and repeats={repeats} "
+                         f">= 1")
+    fn()
+    out = []
+    for _ in range(repeats):
+        best, reps, t_end = math.inf, 0, time.perf_counter() + seconds / repeats
+        while reps < 2 or time.perf_counter() < t_end:
+            t0 = clock()
+            fn()
+            best = min(best, clock() - t0)
+            reps += 1
+        out.append(best)
+    return out
+
+
 def probe_peak(dtype: str = "float32", threads: int | None = None, repeats: int = 7,
-               seconds: float = 0.25, n: int = 384) -> PeakProbe:
-    """FLOP/s of a dense GEMM ``[n, n] @ [n, n]`` of ``dtype`` on the CPU: ``repeats`` windows
-    of about ``seconds / repeats`` each (after one warm-up product), the fastest product of each
-    window, and their median. ``threads``: the BLAS threads to probe with (None: this process's;
-    the planner probes with a rank's share of the node's cores, as ``train`` runs). bfloat16 is
-    measured as float32: the CPU kernels multiply bf16 operands in float32.
+               seconds: float = 0.25, n: int = 384,
+               shape: tuple[int, int, int] | None = None) -> PeakProbe:
+    """FLOP/s of a dense GEMM ``[n, n] @ [n, n]`` (``shape`` ``(m, k, p)``: ``[m, k] @ [k, p]``)
+    of ``dtype`` on the CPU: ``repeats`` windows of about ``seconds / repeats`` each
+    (:func:`windowed_best`), the fastest product of each window, and their median.
+    ``threads``: the BLAS threads to probe with (None: this process's; the planner probes with a
+    rank's share of the node's cores, as ``train`` runs). bfloat16 is measured as float32: the
+    CPU kernels multiply bf16 operands in float32.
 
     Each window's fastest product, so that other processes taking the cores for a moment do not
     lower it; the median over windows, so that one lucky or disturbed window does not set it
     (:func:`mpipar.runtime.nodes.cpu_peak_share` accounts for the sharing that lasts)."""
-    import contextlib
-
     import numpy as np
 
     dtype = "float32" if dtype == "bfloat16" else dtype
-    if not seconds > 0 or n < 1 or repeats < 1:
-        raise ValueError(f"probe_peak: seconds={seconds!r} must be > 0, n={n} >= 1 and "
-                         f"repeats={repeats} >= 1")
+    m, k, p = shape or (n, n, n)
+    if not seconds > 0 or min(m, k, p) < 1 or repeats < 1:
+        raise ValueError(f"probe_peak: seconds={seconds!r} must be > 0, n={n} (shape "
+                         f"{(m, k, p)}) >= 1 and repeats={repeats} >= 1")
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n)).astype(dtype)
-    b = rng.standard_normal((n, n)).astype(dtype)
-    out = np.empty((n, n), dtype)
-    limit = contextlib.nullcontext()
-    if threads is not None:
-        from threadpoolctl import threadpool_limits
-        limit = threadpool_limits(limits=threads, user_api="blas")
-    with limit:
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, p)).astype(dtype)
+    out = np.empty((m, p), dtype)
+    with blas_threads(threads):
         from mpipar.runtime.nodes import threads_in_use
         used = threads_in_use()
-        np.matmul(a, b, out=out)
-        rates = []
-        for _ in range(repeats):
-            best, reps, t_end = math.inf, 0, time.perf_counter() + seconds / repeats
-            while reps < 2 or time.perf_counter() < t_end:
-                t0 = time.perf_counter()
-                np.matmul(a, b, out=out)
-                best = min(best, time.perf_counter() - t0)
-                reps += 1
-            rates.append(2.0 * n ** 3 / best)
+        rates = [2.0 * m * k * p / t
+                 for t in windowed_best(lambda: np.matmul(a, b, out=out), repeats, seconds)]
     return PeakProbe(statistics.median(rates), min(rates), max(rates), repeats, used)
+
+
+def blas_threads(threads: int | None):
+    """A context in which BLAS runs ``threads`` threads (None: as it is)."""
+    import contextlib
+    if threads is None:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=threads, user_api="blas")
 
 
 def measure_peak_flops(dtype: str = "float32", seconds: float = 0.25, n: int = 384) -> float:

@@ -71,9 +71,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from mpipar.config import ModelConfig
-from mpipar.model.attention import AttentionCore, accumulator, documents_of
+from mpipar.model.attention import AttentionCore
 from mpipar.model.attention_scale import query_factor, scale_queries
 from mpipar.model.embedding_scale import scale_embedding
+from mpipar.model.head import LmHead
 from mpipar.model.latent_attention import (attended_values, input_names, latent_bwd,
                                            latent_fwd, values_grad)
 from mpipar.model.mtp import MultiTokenPrediction
@@ -83,9 +84,10 @@ from mpipar.model.norms import (INPUT, POST_ATTENTION, POST_FFN, PostNormSaved, 
 from mpipar.model.qk_norm import qk_norm_bwd, qk_norm_fwd
 from mpipar.model.recompute import Recompute
 from mpipar.model.params import (EMBED, SHARED_DOWN, SHARED_GATE, SHARED_GATE_UP, bias_name,
-                                 block_param_specs, head_weight_name, require_resolved,
-                                 stage_param_names, unit_of)
-from mpipar.model.tensor_ops import TensorOps
+                                 block_param_specs, require_resolved, stage_param_names,
+                                 unit_of)
+from mpipar.model.rotary import Rotary
+from mpipar.model.tensor_ops import TensorOps, apply_linears, apply_linears_backward
 
 Array = Any
 
@@ -171,19 +173,6 @@ class BlockSaved:
     qk: Any = None           # with qk_norm: q, k before their norms and the rstds (QKNormSaved);
     # with latent attention its latents (mpipar.model.latent_attention.LatentSaved)
     post_norms: Any = None   # with sandwich norms: the output norms' record (PostNormSaved)
-
-
-@dataclass
-class HeadSaved:
-    """What the final norm, LM head and cross-entropy keep for backward: the stream ``x``, its
-    norm ``hn`` and ``rstd``, the logits ``[N, V]``, the targets ``[N]`` and the lse ``[N]``."""
-
-    x: Array
-    hn: Array
-    rstd: Array
-    logits: Array
-    targets: Array
-    lse: Array
 
 
 @dataclass
@@ -305,8 +294,233 @@ def in_block(i: int, group: Sequence[str]) -> list[str]:
     return [f"layers.{i}.{name}" for name in group]
 
 
+class DecoderBlock:
+    """One decoder block's forward and backward by hand (module docstring), for block ``i`` of
+    the weights it is given: the attention's inputs (q/k/v, their norms, RoPE), the attention
+    core, the dense or sparse FFN (with a shared expert beside the experts), the sandwich's
+    output norms, and what it keeps for backward under the recompute mode (:meth:`keep`,
+    :meth:`restore`)."""
+
+    def __init__(self, *, cfg: ModelConfig, kernels, tp: TensorOps, attention: AttentionCore,
+                 experts: ExpertExchange, rope: Rotary, recompute: Recompute,
+                 store: CacheStore | None) -> None:
+        self.cfg, self.kernels, self.tp, self.attention = cfg, kernels, tp, attention
+        self.experts, self.rope = experts, rope
+        self.recompute, self.store = recompute, store
+        self.q_factor = query_factor(cfg.head_dim, cfg.query_pre_attn_scalar)
+
+    def _norm(self, params, name: str) -> Array:
+        """What RMSNorm ``name`` multiplies by (:func:`mpipar.model.norms.norm_weight`)."""
+        return norm_weight(params, name, self.cfg.norm_unit_offset)
+
+    def keep(self, c: BlockSaved) -> Any:
+        """What this block keeps under ``self.recompute`` (module docstring): the record, in
+        the store when the mode offloads, else the fields the mode keeps."""
+        mode = self.recompute
+        if mode.offloads:
+            return self.store.put(c)
+        if mode.keeps_everything:
+            return c
+        return replace(c, **{f.name: None for f in fields(c) if not mode.keeps_field(f.name)})
+
+    def restore(self, params, i: int, kept: Any, positions: np.ndarray, bias: Array | None = None
+                ) -> BlockSaved:
+        """The :class:`BlockSaved` backward needs, from what :meth:`keep` kept; q, k, v stay
+        None when dropped (:meth:`backward` recomputes them where it enters h1 anyway)."""
+        mode = self.recompute
+        if mode.reruns_block:
+            return self.forward(params, i, kept.x, positions, bias=bias)[1]
+        if mode.offloads:
+            return self.store.take(kept)
+        if mode.keeps_everything:
+            return kept
+        ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
+        h1, rstd1 = ops.rmsnorm_fwd(kept.x, self._norm(p, n + INPUT), eps)
+        h2, rstd2 = ops.rmsnorm_fwd(kept.x2, self._norm(p, n + self.cfg.norms.pre_ffn), eps)
+        m = None if kept.g is None else self.cfg.activation.forward(ops, kept.g, kept.u)
+        return replace(kept, h1=h1, rstd1=rstd1, h2=h2, rstd2=rstd2, m=m)
+
+    def _attention_inputs(self, params, i: int, h1_in: Array, positions: np.ndarray,
+                          scope: ParamScope = RESIDENT) -> tuple[Array, Array, Array, Any]:
+        """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` as the attention core reads them, and
+        the qk-norm's record (None without ``qk_norm``): block ``i``'s q/k/v linears on the
+        normed input as they read it (``h1_in``, :meth:`TensorOps.linear_input`), then the
+        per-head q/k norms (:mod:`mpipar.model.qk_norm`), then RoPE; under latent attention
+        :func:`mpipar.model.latent_attention.latent_fwd`'s (its record in place of qk's)."""
+        if self.cfg.latent:
+            return latent_fwd(self.kernels, self.tp, params, i, self.cfg, h1_in, positions,
+                              self.rope.rotate)
+        D, S = self.cfg.head_dim, len(positions)
+        q, key, v = (a.reshape(-1, S, a.shape[-1] // D, D)
+                     for a in self.tp.linear(params, in_block(i, QKV), h1_in))
+        scope.progress()
+        qk = None
+        if self.cfg.qk_norm:
+            q, key, qk = qk_norm_fwd(self.kernels, params, i, q, key, self.cfg.norm_eps,
+                                     self.cfg.norm_unit_offset)
+        q, key = self.rope.rotate([q, key], positions, local=self.cfg.local_rope(i))
+        return scale_queries(q, self.q_factor), key, v, qk
+
+    def forward(self, params, i: int, x: Array, positions: np.ndarray,
+                scope: ParamScope = RESIDENT, recorder: Callable | None = None,
+                kv: KVCache | None = None, bias: Array | None = None
+                ) -> tuple[Array, BlockSaved]:
+        """Block ``i`` on the stream ``x`` -> (output stream, every intermediate); ``recorder``:
+        a callable ``(layer, name, array)`` handed the :data:`ACTIVATION_NAMES` tensors; ``kv``:
+        attend over the cached positions too (incremental decoding, module docstring);
+        ``bias``: a sparse block's routing bias."""
+        ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
+        h1, rstd1 = ops.rmsnorm_fwd(x, self._norm(p, n + INPUT), eps)
+        q, key, v, qk = self._attention_inputs(
+            params, i, self.tp.linear_input(h1, self._input_names(i)), positions, scope)
+        window = self.cfg.layer_window(i)
+        if kv is None:
+            out, attention_saved = self.attention.forward(q, key, v, positions, window)
+        else:
+            keys, values = kv.append(i, key, v, int(positions[0]), qk)
+            out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
+                                                     window=window)
+        scope.progress()
+        a, = apply_linears(self.tp, params, in_block(i, O_PROJ), attended_values(out, self.cfg))
+        post = None                                  # sandwich norms: the outputs normalised
+        if self.cfg.norms.sandwich:
+            post = PostNormSaved(a, None)
+            a, post.rstd_a = post_norm_fwd(ops, p, n + POST_ATTENTION, a, eps,
+                                           self.cfg.norm_unit_offset)
+        x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, self._norm(p, n + self.cfg.norms.pre_ffn), eps)
+        g = u = m = moe = shared_gate = None
+        if not self.cfg.is_sparse(i):
+            y, g, u, m = self._ffn_fwd(params, i, h2, GATE_UP, DOWN, scope)
+        else:
+            shared: list = []        # the shared expert, computed while the experts' rows travel
+            aside = ((lambda: shared.append(self._shared_fwd(params, i, h2, scope)))
+                     if self.cfg.moe_shared_ffn_hidden else None)
+            y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
+                                 bias, positions if kv is None else None, aside)
+            if shared:  # the shared expert's output added
+                out_s, g, u, m, shared_gate = shared[0]
+                y = y + out_s
+        if post is not None:
+            post.y = y
+            y, post.rstd_y = post_norm_fwd(ops, p, n + POST_FFN, y, eps, self.cfg.norm_unit_offset)
+        block_out = x2 + y
+        if recorder is not None:
+            for name, value in zip(ACTIVATION_NAMES, (x, attended_values(out, self.cfg), a, y,
+                                                      block_out)):
+                recorder(i, name, value)
+        if not self.attention.needs_inputs:
+            q = key = v = None
+        return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
+                                     g, u, m, moe, shared_gate, qk, post)
+
+    def _ffn_fwd(self, params, i: int, h2: Array, gate_up: Sequence[str], down: Sequence[str],
+                 scope: ParamScope) -> tuple[Array, Array, Array, Array]:
+        """Block ``i``'s SwiGLU FFN of weights ``gate_up`` and ``down`` (the dense FFN, or a
+        sparse block's shared expert) on ``h2`` -> (output, g, u, m)."""
+        g, u = apply_linears(self.tp, params, in_block(i, gate_up), h2)
+        scope.progress()
+        m = self.cfg.activation.forward(self.kernels, g, u)
+        y, = apply_linears(self.tp, params, in_block(i, down), m)
+        return y, g, u, m
+
+    def _shared_fwd(self, params, i: int, h2: Array, scope: ParamScope) -> tuple:
+        """Sparse block ``i``'s shared expert on ``h2`` -> (its output, g, u, m, the gate's
+        record): DeepSeek-V3's, ungated (record None); with ``moe_shared_gate`` Qwen2-MoE's,
+        scaled per token by ``s = sigmoid(h2 w_g^T)`` (record ``(s, the ungated output)``)."""
+        y, g, u, m = self._ffn_fwd(params, i, h2, SHARED_GATE_UP, SHARED_DOWN, scope)
+        if not self.cfg.moe_shared_gate:
+            return y, g, u, m, None
+        z, = apply_linears(self.tp, params, in_block(i, SHARED_GATE), h2)
+        gate = self.kernels.sigmoid(self.kernels.upcast(z))   # float32 under bf16, as the router
+        return (gate * y).astype(y.dtype, copy=False), g, u, m, (gate, y)
+
+    def _shared_bwd(self, i: int, dout: Array, c: BlockSaved, lin: LinearGrads,
+                    scope: ParamScope) -> Array:
+        """The gradient of ``h2`` through :meth:`_shared_fwd`."""
+        if c.shared_gate is None:
+            return self._ffn_bwd(i, dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
+        gate, y, dt, upcast = *c.shared_gate, dout.dtype, self.kernels.upcast
+        dz = (upcast(dout) * upcast(y)).sum(axis=-1, keepdims=True) * gate * (1 - gate)
+        dh2 = apply_linears_backward(self.tp, [dz.astype(dt, copy=False)], c.h2,
+                                     in_block(i, SHARED_GATE), lin)
+        dy = (gate * upcast(dout)).astype(dt, copy=False)
+        return dh2 + self._ffn_bwd(i, dy, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
+
+    def _ffn_bwd(self, i: int, dout: Array, c: BlockSaved, gate_up: Sequence[str],
+                 down: Sequence[str], lin: LinearGrads, scope: ParamScope) -> Array:
+        """The gradient of ``h2`` through :meth:`_ffn_fwd`'s FFN (its g, u, m in ``c``)."""
+        dm = apply_linears_backward(self.tp, [dout], c.m, in_block(i, down), lin)
+        scope.progress()
+        dg, du = self.cfg.activation.backward(self.kernels, dm, c.g, c.u)
+        return apply_linears_backward(self.tp, [dg, du], c.h2, in_block(i, gate_up), lin)
+
+    def backward(self, params, grads, i: int, dout: Array, c: BlockSaved,
+                 positions: np.ndarray, lin: LinearGrads, scope: ParamScope = RESIDENT,
+                 aux_weight: float = 0.0) -> Array:
+        """Block ``i``'s backward from ``dout`` and its record ``c``: the input stream's
+        gradient; ``aux_weight``: each row's weight of a sparse block's balance loss."""
+        ops, p, n, post = self.kernels, params, f"layers.{i}.", c.post_norms
+        off, pre_ffn = self.cfg.norm_unit_offset, n + self.cfg.norms.pre_ffn
+        dy = dout if post is None else post_norm_bwd(ops, p, grads, n + POST_FFN, dout, post.y,
+                                                     post.rstd_y, off)
+        if c.moe is None:
+            dh2 = self._ffn_bwd(i, dy, c, GATE_UP, DOWN, lin, scope)
+        else:
+            shared: list = []        # the shared expert's, computed while the rows travel
+            aside = ((lambda: shared.append(self._shared_bwd(i, dy, c, lin, scope)))
+                     if c.g is not None else None)
+            dh2 = moe_backward(ops, i, dy, c.moe, self.experts, lin, aux_weight,
+                               aside)
+            if shared:
+                dh2 = dh2 + shared[0]
+        scope.progress()
+        dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, self._norm(p, pre_ffn), c.rstd2)
+        grads[pre_ffn] += dw
+        da = dx2 if post is None else post_norm_bwd(ops, p, grads, n + POST_ATTENTION, dx2,
+                                                    post.a, post.rstd_a, off)
+        out = c.attention_out
+        do = apply_linears_backward(self.tp, [da], attended_values(out, self.cfg),
+                                    in_block(i, O_PROJ), lin)
+        scope.progress()
+        qkv = self._input_names(i)
+        h1_in = self.tp.linear_input(c.h1, qkv)
+        q, key, v, qk = c.q, c.k, c.v, c.qk
+        if ((q is None and self.attention.needs_inputs)          # dropped by selective
+                or (qk is None and (self.cfg.qk_norm or self.cfg.latent))):  # recomputation
+            q, key, v, qk = self._attention_inputs(params, i, h1_in, positions)
+            if not self.attention.needs_inputs:
+                q = key = v = None
+        dq, dk, dv = self.attention.backward(values_grad(do, out, self.cfg, ops.xp), q, key, v,
+                                             out, c.attention_saved, self.cfg.layer_window(i))
+        scope.progress()
+        if self.cfg.latent:
+            dh1 = latent_bwd(ops, self.tp, params, grads, i, self.cfg, dq, dk, dv, qk, h1_in,
+                             positions, self.rope.rotate, lin)
+            return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
+        dq, dk = self.rope.rotate([scale_queries(dq, self.q_factor), dk], positions, backward=True,
+                              local=self.cfg.local_rope(i))
+        if qk is not None:
+            dq, dk = qk_norm_bwd(ops, params, grads, i, dq, dk, qk, off)
+        dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
+        return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
+
+    def _input_norm_bwd(self, params, grads, i: int, dh1: Array, dx2: Array, c: BlockSaved
+                        ) -> Array:
+        """The block input's gradient: through the input norm (``dh1``) and the residual."""
+        n = f"layers.{i}.{INPUT}"
+        dx, dw = self.kernels.add_rmsnorm_bwd(dh1, dx2, c.x, self._norm(params, n), c.rstd1)
+        grads[n] += dw
+        return dx
+
+    def _input_names(self, i: int) -> list[str]:
+        """The linears of block ``i`` reading its normed input (the group it enters in)."""
+        return input_names(self.cfg, i) if self.cfg.latent else in_block(i, QKV)
+
+
 class LlamaStage:
-    """Blocks ``layers`` of the model, plus embedding (``first``) and norm/head/loss (``last``)."""
+    """Blocks ``layers`` of the model, plus embedding (``first``) and norm/head/loss (``last``):
+    the walk over its units, each block a :class:`DecoderBlock`'s and the head a
+    :class:`mpipar.model.head.LmHead`'s."""
 
     def __init__(self, *, cfg: ModelConfig, kernels, layers: range, first: bool, last: bool,
                  tp: TensorOps, attention: AttentionCore, recompute: Recompute | str = "none",
@@ -329,77 +543,25 @@ class LlamaStage:
         if recompute.offloads and store is None:
             raise ValueError(f"recompute={recompute.name!r}: needs a store for the saved "
                              f"activations")
-        self.recompute, self.store = recompute, store
         self.recorder = None
         self.cfg = require_resolved(cfg)
         self.kernels, self.layers, self.first, self.last = kernels, layers, first, last
-        self.tp, self.attention = tp, attention
-        self.head = head_weight_name(self.cfg)
-        # The units the head reads: its own, and the embedding's when tied.
-        self.head_units = ["head", "embed"] if self.head == EMBED else ["head"]
+        self.tp = tp
+        self.block = DecoderBlock(cfg=self.cfg, kernels=kernels, tp=tp, attention=attention,
+                                  experts=experts or LocalExperts(self.cfg.moe_experts),
+                                  rope=Rotary(self.cfg, kernels, seq_len), recompute=recompute,
+                                  store=store)
+        self.head = LmHead(self.cfg, kernels, tp, recompute, store)
         # Multi-token prediction: its modules run with the head, in its scope.
         self.mtp = MultiTokenPrediction.of(self.cfg, EMBED) if last else None
-        self.head_units += self.mtp.units(self.head_units) if self.mtp else []
-        self.seq_len = seq_len
-        self.experts = experts or LocalExperts(self.cfg.moe_experts)
+        self.head.units += self.mtp.units(self.head.units) if self.mtp else []
         self.moe_aux_weight, self.moe_aux = 0.0, 0.0
         self.moe_load: dict[int, Array] = {}
         self.moe_dropped: dict[int, int] = {}
         self.moe_bias: dict[int, Array] = {}
-        self._rope: dict[bytes, tuple[Array, Array]] = {}
-        self.q_factor = query_factor(self.cfg.head_dim, self.cfg.query_pre_attn_scalar)
-
-    def _norm(self, params, name: str) -> Array:
-        """What RMSNorm ``name`` multiplies by (:func:`mpipar.model.norms.norm_weight`)."""
-        return norm_weight(params, name, self.cfg.norm_unit_offset)
 
     def param_names(self) -> list[str]:
         return stage_param_names(self.cfg, self.layers, self.first, self.last)
-
-    def _cos_sin(self, positions: np.ndarray, dtype, local: bool) -> tuple[Array, Array]:
-        """RoPE cos, sin ``[S, D/2]`` of ``positions`` for activations of ``dtype`` (computed
-        once per position set; float32 tables for bf16 activations)."""
-        dtype = accumulator(dtype)
-        key = positions.tobytes() + np.dtype(dtype).str.encode() + bytes([local])
-        if key not in self._rope:
-            self._rope[key] = self._tables(positions, dtype, local)
-        return self._rope[key]
-
-    def _tables(self, positions: np.ndarray, dtype, local: bool) -> tuple[Array, Array]:
-        """``local``: a sliding-window layer's tables of ``rope_local_theta``, unscaled."""
-        c, xp = self.cfg, self.kernels.xp
-        if local:
-            return self.kernels.rope_cos_sin(xp.asarray(positions), c.head_dim,
-                                             c.rope_local_theta, dtype)
-        return self.kernels.rope_cos_sin(
-            self.kernels.xp.asarray(positions), c.rope_dim, c.rope_theta, dtype,
-            seq_len=self.seq_len, **c.rope.table_arguments(c))
-
-    def _rotate(self, xs: Sequence[Array], positions: np.ndarray, backward: bool = False,
-                local: bool = False) -> list[Array]:
-        """RoPE (``backward``: its inverse) of each of ``xs`` ``[B, S, h, D]`` at ``positions``;
-        packed documents (:class:`~mpipar.model.attention.DocumentPositions`): each row at its
-        tokens' positions inside their documents (tables made once per microbatch).
-        ``local``: with a sliding-window layer's base (:meth:`ModelConfig.local_rope`)."""
-        op = self.kernels.rope_bwd if backward else self.kernels.rope_fwd
-        docs = documents_of(positions)
-        if docs is None:
-            cos, sin = self._cos_sin(positions, xs[0].dtype, local)
-            return [op(x, cos, sin) for x in xs]
-        dtype = accumulator(xs[0].dtype)   # float32 tables for bf16 activations, as above
-        tables = docs.remember(("rope", np.dtype(dtype).str, local),
-                               lambda: [self._tables(row, dtype, local) for row in docs.rope])
-        return [self.kernels.xp.concatenate([op(x[b:b + 1], *tables[b]) for b in range(len(x))])
-                for x in xs]
-
-    def _apply(self, params, names: Sequence[str], x: Array) -> list[Array]:
-        """The linears ``names`` (one input ``x``) through the tensor-parallel seam."""
-        return self.tp.linear(params, names, self.tp.linear_input(x, names))
-
-    def _apply_backward(self, dys: Sequence[Array], x: Array, names: Sequence[str],
-                        lin: LinearGrads) -> Array:
-        """The gradient of ``x`` from those of :meth:`_apply`'s outputs ``dys``."""
-        return self.tp.linear_backward(dys, self.tp.linear_input(x, names), names, lin)
 
     # ---------------------------------------------------------------- forward
     def forward(self, params: dict[str, Array], inp: Array, positions: np.ndarray,
@@ -418,19 +580,18 @@ class LlamaStage:
         def keep(saved: BlockSaved) -> None:
             if saved.moe is not None:
                 self._count_moe(self.layers[len(cache.blocks)], saved.moe)
-            cache.blocks.append(self._keep(saved))
+            cache.blocks.append(self.block.keep(saved))
 
-        def head(x: Array) -> tuple[Array, HeadSaved]:
+        def head(x: Array) -> tuple[Array, Any]:
             if self.mtp is not None:
                 cache.mtp = self.mtp.forward(self, params, x, targets, ahead, positions)
-            return self._head_fwd(params, x, targets)
+            return self.head.forward(params, x, targets)
 
         out = self._walk(params, inp, positions, scope, on_block=keep, head=head)
         if not self.last:
             return out, cache
         loss, cache.head = out
-        if self.recompute.offloads:
-            cache.head = self.store.put(cache.head)
+        cache.head = self.head.keep(cache.head)
         return loss, cache
 
     def _count_moe(self, i: int, moe) -> None:
@@ -452,8 +613,8 @@ class LlamaStage:
         """
         def head(x: Array) -> Array:
             if targets is not None:
-                return self._head_fwd(params, x, targets)[0]
-            return self._logits(params, x)[1]
+                return self.head.forward(params, x, targets)[0]
+            return self.head.logits(params, x)[1]
 
         return self._walk(params, inp, positions, scope, head=head, kv=kv)
 
@@ -472,148 +633,15 @@ class LlamaStage:
                 x = scale_embedding(x, self.cfg.hidden) if self.cfg.embed_scale else x
         for i in self.layers:
             with scope.using([f"layers.{i}"], False):
-                x, saved = self._block_fwd(params, i, x, positions, scope,
-                                           record=on_block is not None, kv=kv)
+                recorder = self.recorder if on_block is not None else None
+                x, saved = self.block.forward(params, i, x, positions, scope, recorder, kv,
+                                              self.moe_bias.get(i))
             if on_block is not None:
                 on_block(saved)
         if not self.last:
             return x
-        with scope.using(self.head_units, False):
+        with scope.using(self.head.units, False):
             return head(x)
-
-    def _keep(self, c: BlockSaved) -> Any:
-        """What this block keeps under ``self.recompute`` (module docstring): the record, in
-        the store when the mode offloads, else the fields the mode keeps."""
-        mode = self.recompute
-        if mode.offloads:
-            return self.store.put(c)
-        if mode.keeps_everything:
-            return c
-        return replace(c, **{f.name: None for f in fields(c) if not mode.keeps_field(f.name)})
-
-    def _attention_inputs(self, params, i: int, h1_in: Array, positions: np.ndarray,
-                          scope: ParamScope = RESIDENT) -> tuple[Array, Array, Array, Any]:
-        """q ``[B, S, hq, D]``, k and v ``[B, S, hkv, D]`` as the attention core reads them, and
-        the qk-norm's record (None without ``qk_norm``): block ``i``'s q/k/v linears on the
-        normed input as they read it (``h1_in``, :meth:`TensorOps.linear_input`), then the
-        per-head q/k norms (:mod:`mpipar.model.qk_norm`), then RoPE; under latent attention
-        :func:`mpipar.model.latent_attention.latent_fwd`'s (its record in place of qk's)."""
-        if self.cfg.latent:
-            return latent_fwd(self.kernels, self.tp, params, i, self.cfg, h1_in, positions,
-                              self._rotate)
-        D, S = self.cfg.head_dim, len(positions)
-        q, key, v = (a.reshape(-1, S, a.shape[-1] // D, D)
-                     for a in self.tp.linear(params, in_block(i, QKV), h1_in))
-        scope.progress()
-        qk = None
-        if self.cfg.qk_norm:
-            q, key, qk = qk_norm_fwd(self.kernels, params, i, q, key, self.cfg.norm_eps,
-                                     self.cfg.norm_unit_offset)
-        q, key = self._rotate([q, key], positions, local=self.cfg.local_rope(i))
-        return scale_queries(q, self.q_factor), key, v, qk
-
-    def _block_fwd(self, params, i: int, x: Array, positions: np.ndarray,
-                   scope: ParamScope = RESIDENT, record: bool = False,
-                   kv: KVCache | None = None) -> tuple[Array, BlockSaved]:
-        """Block ``i`` on the stream ``x`` -> (output stream, every intermediate); ``record``:
-        hand the :data:`ACTIVATION_NAMES` tensors to the recorder, if one is set; ``kv``: attend
-        over the cached positions too (incremental decoding, module docstring)."""
-        ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
-        h1, rstd1 = ops.rmsnorm_fwd(x, self._norm(p, n + INPUT), eps)
-        q, key, v, qk = self._attention_inputs(
-            params, i, self.tp.linear_input(h1, self._input_names(i)), positions, scope)
-        window = self.cfg.layer_window(i)
-        if kv is None:
-            out, attention_saved = self.attention.forward(q, key, v, positions, window)
-        else:
-            keys, values = kv.append(i, key, v, int(positions[0]), qk)
-            out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
-                                                     window=window)
-        scope.progress()
-        a, = self._apply(params, in_block(i, O_PROJ), attended_values(out, self.cfg))
-        post = None                                  # sandwich norms: the outputs normalised
-        if self.cfg.norms.sandwich:
-            post = PostNormSaved(a, None)
-            a, post.rstd_a = post_norm_fwd(ops, p, n + POST_ATTENTION, a, eps,
-                                           self.cfg.norm_unit_offset)
-        x2, h2, rstd2 = ops.add_rmsnorm_fwd(x, a, self._norm(p, n + self.cfg.norms.pre_ffn), eps)
-        g = u = m = moe = shared_gate = None
-        if not self.cfg.is_sparse(i):
-            y, g, u, m = self._ffn_fwd(params, i, h2, GATE_UP, DOWN, scope)
-        else:
-            shared: list = []        # the shared expert, computed while the experts' rows travel
-            aside = ((lambda: shared.append(self._shared_fwd(params, i, h2, scope)))
-                     if self.cfg.moe_shared_ffn_hidden else None)
-            y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
-                                 self.moe_bias.get(i), positions if kv is None else None, aside)
-            if shared:  # the shared expert's output added
-                out_s, g, u, m, shared_gate = shared[0]
-                y = y + out_s
-        if post is not None:
-            post.y = y
-            y, post.rstd_y = post_norm_fwd(ops, p, n + POST_FFN, y, eps, self.cfg.norm_unit_offset)
-        block_out = x2 + y
-        if record and self.recorder is not None:
-            for name, value in zip(ACTIVATION_NAMES, (x, attended_values(out, self.cfg), a, y,
-                                                      block_out)):
-                self.recorder(i, name, value)
-        if not self.attention.needs_inputs:
-            q = key = v = None
-        return block_out, BlockSaved(x, h1, rstd1, q, key, v, out, attention_saved, x2, h2, rstd2,
-                                     g, u, m, moe, shared_gate, qk, post)
-
-    def _ffn_fwd(self, params, i: int, h2: Array, gate_up: Sequence[str], down: Sequence[str],
-                 scope: ParamScope) -> tuple[Array, Array, Array, Array]:
-        """Block ``i``'s SwiGLU FFN of weights ``gate_up`` and ``down`` (the dense FFN, or a
-        sparse block's shared expert) on ``h2`` -> (output, g, u, m)."""
-        g, u = self._apply(params, in_block(i, gate_up), h2)
-        scope.progress()
-        m = self.cfg.activation.forward(self.kernels, g, u)
-        y, = self._apply(params, in_block(i, down), m)
-        return y, g, u, m
-
-    def _shared_fwd(self, params, i: int, h2: Array, scope: ParamScope) -> tuple:
-        """Sparse block ``i``'s shared expert on ``h2`` -> (its output, g, u, m, the gate's
-        record): DeepSeek-V3's, ungated (record None); with ``moe_shared_gate`` Qwen2-MoE's,
-        scaled per token by ``s = sigmoid(h2 w_g^T)`` (record ``(s, the ungated output)``)."""
-        y, g, u, m = self._ffn_fwd(params, i, h2, SHARED_GATE_UP, SHARED_DOWN, scope)
-        if not self.cfg.moe_shared_gate:
-            return y, g, u, m, None
-        z, = self._apply(params, in_block(i, SHARED_GATE), h2)
-        gate = self.kernels.sigmoid(self.kernels.upcast(z))   # float32 under bf16, as the router
-        return (gate * y).astype(y.dtype, copy=False), g, u, m, (gate, y)
-
-    def _shared_bwd(self, i: int, dout: Array, c: BlockSaved, lin: LinearGrads,
-                    scope: ParamScope) -> Array:
-        """The gradient of ``h2`` through :meth:`_shared_fwd`."""
-        if c.shared_gate is None:
-            return self._ffn_bwd(i, dout, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
-        gate, y, dt, upcast = *c.shared_gate, dout.dtype, self.kernels.upcast
-        dz = (upcast(dout) * upcast(y)).sum(axis=-1, keepdims=True) * gate * (1 - gate)
-        dh2 = self._apply_backward([dz.astype(dt, copy=False)], c.h2, in_block(i, SHARED_GATE),
-                                   lin)
-        dy = (gate * upcast(dout)).astype(dt, copy=False)
-        return dh2 + self._ffn_bwd(i, dy, c, SHARED_GATE_UP, SHARED_DOWN, lin, scope)
-
-    def _ffn_bwd(self, i: int, dout: Array, c: BlockSaved, gate_up: Sequence[str],
-                 down: Sequence[str], lin: LinearGrads, scope: ParamScope) -> Array:
-        """The gradient of ``h2`` through :meth:`_ffn_fwd`'s FFN (its g, u, m in ``c``)."""
-        dm = self._apply_backward([dout], c.m, in_block(i, down), lin)
-        scope.progress()
-        dg, du = self.cfg.activation.backward(self.kernels, dm, c.g, c.u)
-        return self._apply_backward([dg, du], c.h2, in_block(i, gate_up), lin)
-
-    def _logits(self, params, x: Array) -> tuple[tuple[Array, Array], Array]:
-        """((final norm of the stream ``hn``, its ``rstd``), this rank's logits ``[N, V/tp]``)."""
-        hn, rstd = self.kernels.rmsnorm_fwd(x, self._norm(params, "norm.weight"), self.cfg.norm_eps)
-        logits, = self._apply(params, [self.head], hn)
-        return (hn, rstd), logits.reshape(-1, logits.shape[-1])
-
-    def _head_fwd(self, params, x: Array, targets: Array) -> tuple[Array, HeadSaved]:
-        (hn, rstd), logits = self._logits(params, x)
-        t = targets.reshape(-1)
-        loss, lse = self.tp.cross_entropy(logits, t)
-        return loss.reshape(targets.shape), HeadSaved(x, hn, rstd, logits, t, lse)
 
     # ---------------------------------------------------------------- backward
     def backward(self, params: dict[str, Array], grads: dict[str, Array], dout: Array,
@@ -636,18 +664,21 @@ class LlamaStage:
         notify = on_ready if final else None
         dx = dout
         if self.last:
-            with scope.using(self.head_units, True, final):
+            with scope.using(self.head.units, True, final):
                 dx_mtp = self.mtp and self.mtp.backward(self, params, grads, cache.mtp,
                                                         cache.positions, lin, scope)
-                dx = self._head_bwd(params, grads, dout, cache.head, lin)
+                dx = self.head.backward(params, grads, dout, cache.head, lin)
                 dx = dx if dx_mtp is None else dx + dx_mtp
-            tied_here = self.first and self.head == EMBED  # final after the embedding's backward
-            notify and notify(["norm.weight"] + ([] if tied_here else [self.head])
+            # tied: final after the embedding's backward
+            tied_here = self.first and self.head.weight == EMBED
+            notify and notify(["norm.weight"] + ([] if tied_here else [self.head.weight])
                               + (self.mtp.final_names(self) if self.mtp else []))
         for i in reversed(self.layers):  # pop: each block's activations go once it is done
             with scope.using([f"layers.{i}"], True, final):
-                saved = self._restore(params, i, cache.blocks.pop(), cache.positions)
-                dx = self._block_bwd(params, grads, i, dx, saved, cache.positions, lin, scope)
+                saved = self.block.restore(params, i, cache.blocks.pop(), cache.positions,
+                                           self.moe_bias.get(i))
+                dx = self.block.backward(params, grads, i, dx, saved, cache.positions, lin,
+                                         scope, self.moe_aux_weight)
             notify and notify([s.name for s in block_param_specs(self.cfg, i)])
         if not self.first:
             return dx
@@ -662,95 +693,11 @@ class LlamaStage:
         """Run the weight-gradient GEMMs (and bias sums) that :meth:`backward` deferred, then
         tell ``scope`` which units' gradients are now final."""
         units = dict.fromkeys(unit_of(name) for name, _, _ in deferred)
-        if any(name == self.head for name, _, _ in deferred):
-            units.update(dict.fromkeys(self.head_units))
+        if any(name == self.head.weight for name, _, _ in deferred):
+            units.update(dict.fromkeys(self.head.units))
         lin = LinearGrads(self.kernels, {}, grads, None)
         for name, dy, x in deferred:
             self.kernels.linear_bwd(dy, x, None, dw=grads[name])
             lin.bias(dy, name)
         deferred.clear()
         scope.weights_done(list(units))
-
-    def _restore(self, params, i: int, kept: Any, positions: np.ndarray) -> BlockSaved:
-        """The :class:`BlockSaved` backward needs, from what :meth:`_keep` kept; q, k, v stay
-        None when dropped (:meth:`_block_bwd` recomputes them where it enters h1 anyway)."""
-        mode = self.recompute
-        if mode.reruns_block:
-            return self._block_fwd(params, i, kept.x, positions)[1]
-        if mode.offloads:
-            return self.store.take(kept)
-        if mode.keeps_everything:
-            return kept
-        ops, p, n, eps = self.kernels, params, f"layers.{i}.", self.cfg.norm_eps
-        h1, rstd1 = ops.rmsnorm_fwd(kept.x, self._norm(p, n + INPUT), eps)
-        h2, rstd2 = ops.rmsnorm_fwd(kept.x2, self._norm(p, n + self.cfg.norms.pre_ffn), eps)
-        m = None if kept.g is None else self.cfg.activation.forward(ops, kept.g, kept.u)
-        return replace(kept, h1=h1, rstd1=rstd1, h2=h2, rstd2=rstd2, m=m)
-
-    def _head_bwd(self, params, grads, dloss: Array, kept: Any, lin: LinearGrads) -> Array:
-        c = self.store.take(kept) if self.recompute.offloads else kept
-        dlogits = self.tp.cross_entropy_backward(c.logits, c.targets, c.lse,
-                                                 dloss.reshape(-1)).astype(c.x.dtype, copy=False)
-        dhn = self._apply_backward([dlogits], c.hn, [self.head], lin)
-        dx, dwn = self.kernels.rmsnorm_bwd(dhn, c.x, self._norm(params, "norm.weight"), c.rstd)
-        grads["norm.weight"] += dwn
-        return dx
-
-    def _block_bwd(self, params, grads, i: int, dout: Array, c: BlockSaved,
-                   positions: np.ndarray, lin: LinearGrads, scope: ParamScope = RESIDENT
-                   ) -> Array:
-        ops, p, n, post = self.kernels, params, f"layers.{i}.", c.post_norms
-        off, pre_ffn = self.cfg.norm_unit_offset, n + self.cfg.norms.pre_ffn
-        dy = dout if post is None else post_norm_bwd(ops, p, grads, n + POST_FFN, dout, post.y,
-                                                     post.rstd_y, off)
-        if c.moe is None:
-            dh2 = self._ffn_bwd(i, dy, c, GATE_UP, DOWN, lin, scope)
-        else:
-            shared: list = []        # the shared expert's, computed while the rows travel
-            aside = ((lambda: shared.append(self._shared_bwd(i, dy, c, lin, scope)))
-                     if c.g is not None else None)
-            dh2 = moe_backward(ops, i, dy, c.moe, self.experts, lin, self.moe_aux_weight,
-                               aside)
-            if shared:
-                dh2 = dh2 + shared[0]
-        scope.progress()
-        dx2, dw = ops.add_rmsnorm_bwd(dh2, dout, c.x2, self._norm(p, pre_ffn), c.rstd2)
-        grads[pre_ffn] += dw
-        da = dx2 if post is None else post_norm_bwd(ops, p, grads, n + POST_ATTENTION, dx2,
-                                                    post.a, post.rstd_a, off)
-        out = c.attention_out
-        do = self._apply_backward([da], attended_values(out, self.cfg), in_block(i, O_PROJ), lin)
-        scope.progress()
-        qkv = self._input_names(i)
-        h1_in = self.tp.linear_input(c.h1, qkv)
-        q, key, v, qk = c.q, c.k, c.v, c.qk
-        if ((q is None and self.attention.needs_inputs)          # dropped by selective
-                or (qk is None and (self.cfg.qk_norm or self.cfg.latent))):  # recomputation
-            q, key, v, qk = self._attention_inputs(params, i, h1_in, positions)
-            if not self.attention.needs_inputs:
-                q = key = v = None
-        dq, dk, dv = self.attention.backward(values_grad(do, out, self.cfg, ops.xp), q, key, v,
-                                             out, c.attention_saved, self.cfg.layer_window(i))
-        scope.progress()
-        if self.cfg.latent:
-            dh1 = latent_bwd(ops, self.tp, params, grads, i, self.cfg, dq, dk, dv, qk, h1_in,
-                             positions, self._rotate, lin)
-            return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
-        dq, dk = self._rotate([scale_queries(dq, self.q_factor), dk], positions, backward=True,
-                              local=self.cfg.local_rope(i))
-        if qk is not None:
-            dq, dk = qk_norm_bwd(ops, params, grads, i, dq, dk, qk, off)
-        dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
-        return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
-
-    def _input_norm_bwd(self, params, grads, i: int, dh1: Array, dx2: Array, c: BlockSaved
-                        ) -> Array:
-        """The block input's gradient: through the input norm (``dh1``) and the residual."""
-        n = f"layers.{i}.{INPUT}"
-        dx, dw = self.kernels.add_rmsnorm_bwd(dh1, dx2, c.x, self._norm(params, n), c.rstd1)
-        grads[n] += dw
-        return dx
-
-    def _input_names(self, i: int) -> list[str]:
-        """The linears of block ``i`` reading its normed input (the group it enters in)."""
-        return input_names(self.cfg, i) if self.cfg.latent else in_block(i, QKV)

@@ -42,12 +42,19 @@ from typing import Any
 
 from mpipar.config.schema import require
 from mpipar.model.embedding_scale import scale_embedding
+from mpipar.model.norms import norm_weight
+from mpipar.model.tensor_ops import apply_linears, apply_linears_backward
 
 Array = Any
 
 ENORM, HNORM, EH_PROJ, HEAD_NORM = ("enorm.weight", "hnorm.weight", "eh_proj.weight",
                                     "shared_head.norm.weight")
 """A module's own parameters, without ``layers.{j}.``."""
+
+
+def _norm(params, name: str, cfg) -> Array:
+    """A module norm's weight as the model's norms apply it."""
+    return norm_weight(params, name, cfg.norm_unit_offset)
 
 
 def mtp_layers(cfg) -> range:
@@ -147,7 +154,7 @@ class MultiTokenPrediction:
         does not hold it as the tied head)."""
         prefixes = tuple(f"layers.{j}." for j in mtp_layers(self.cfg))
         own = [n for n in stage.param_names() if n.startswith(prefixes)]
-        return own + ([] if stage.first or stage.head == self.embed else [self.embed])
+        return own + ([] if stage.first or stage.head.weight == self.embed else [self.embed])
 
     def forward(self, stage, params, h: Array, targets: Array, ahead: Array,
                 positions) -> list[ModuleSaved]:
@@ -171,19 +178,19 @@ class MultiTokenPrediction:
         ops, cfg, p = stage.kernels, self.cfg, f"layers.{j}."
         e = stage.tp.embed(params, self.embed, ids)
         e = scale_embedding(e, cfg.hidden) if cfg.embed_scale else e
-        en, rstd_e = ops.rmsnorm_fwd(e, stage._norm(params, p + ENORM), cfg.norm_eps)
-        hn, rstd_h = ops.rmsnorm_fwd(h, stage._norm(params, p + HNORM), cfg.norm_eps)
+        en, rstd_e = ops.rmsnorm_fwd(e, _norm(params, p + ENORM, cfg), cfg.norm_eps)
+        hn, rstd_h = ops.rmsnorm_fwd(h, _norm(params, p + HNORM, cfg), cfg.norm_eps)
         cat = ops.concat([en, hn], axis=-1)
-        x_in, = stage._apply(params, [p + EH_PROJ], cat)
-        x, block = stage._block_fwd(params, j, x_in, positions)
+        x_in, = apply_linears(stage.tp, params, [p + EH_PROJ], cat)
+        x, block = stage.block.forward(params, j, x_in, positions, bias=stage.moe_bias.get(j))
         if block.moe is not None:           # a sparse block: its balance loss and loads
             stage._count_moe(j, block.moe)
-        xn, rstd_x = ops.rmsnorm_fwd(x, stage._norm(params, p + HEAD_NORM), cfg.norm_eps)
-        logits, = stage._apply(params, [stage.head], xn)
+        xn, rstd_x = ops.rmsnorm_fwd(x, _norm(params, p + HEAD_NORM, cfg), cfg.norm_eps)
+        logits, = apply_linears(stage.tp, params, [stage.head.weight], xn)
         logits = logits.reshape(-1, logits.shape[-1])
         t = tgt.reshape(-1)
         loss, lse = stage.tp.cross_entropy(logits, t)
-        return ModuleSaved(ids, e, rstd_e, h, rstd_h, cat, stage._keep(block), x, xn, rstd_x,
+        return ModuleSaved(ids, e, rstd_e, h, rstd_h, cat, stage.block.keep(block), x, xn, rstd_x,
                            logits, t, lse, None), loss
 
     def backward(self, stage, params, grads, saved: list[ModuleSaved], positions, lin,
@@ -195,20 +202,21 @@ class MultiTokenPrediction:
         for j in reversed(mtp_layers(cfg)):
             c, p = saved.pop(), f"layers.{j}."
             dlogits = stage.tp.cross_entropy_backward(c.logits, c.targets, c.lse, c.weights)
-            dxn = stage._apply_backward([dlogits.astype(c.x.dtype, copy=False)], c.xn,
-                                        [stage.head], lin)
-            dx, dw = ops.rmsnorm_bwd(dxn, c.x, stage._norm(params, p + HEAD_NORM), c.rstd_x)
+            dxn = apply_linears_backward(stage.tp, [dlogits.astype(c.x.dtype, copy=False)], c.xn,
+                                         [stage.head.weight], lin)
+            dx, dw = ops.rmsnorm_bwd(dxn, c.x, _norm(params, p + HEAD_NORM, cfg), c.rstd_x)
             grads[p + HEAD_NORM] += dw
             if dh is not None:
                 dx = dx + dh
-            block = stage._restore(params, j, c.block, positions)
-            dx = stage._block_bwd(params, grads, j, dx, block, positions, lin, scope)
-            dcat = stage._apply_backward([dx], c.cat, [p + EH_PROJ], lin)
+            block = stage.block.restore(params, j, c.block, positions, stage.moe_bias.get(j))
+            dx = stage.block.backward(params, grads, j, dx, block, positions, lin, scope,
+                                      stage.moe_aux_weight)
+            dcat = apply_linears_backward(stage.tp, [dx], c.cat, [p + EH_PROJ], lin)
             de, dw = ops.rmsnorm_bwd(ops.xp.ascontiguousarray(dcat[..., :H]), c.e,
-                                     stage._norm(params, p + ENORM), c.rstd_e)
+                                     _norm(params, p + ENORM, cfg), c.rstd_e)
             grads[p + ENORM] += dw
             dh, dw = ops.rmsnorm_bwd(ops.xp.ascontiguousarray(dcat[..., H:]), c.h,
-                                     stage._norm(params, p + HNORM), c.rstd_h)
+                                     _norm(params, p + HNORM, cfg), c.rstd_h)
             grads[p + HNORM] += dw
             de = scale_embedding(de, cfg.hidden) if cfg.embed_scale else de
             stage.tp.embed_backward(grads, self.embed, de, c.ids)

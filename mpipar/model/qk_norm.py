@@ -12,7 +12,7 @@ token and head, so it needs no other rank); the gradient sum over dp x sp covers
 
 Forward keeps the normalised tensors' inputs and their ``rstd`` (:class:`QKNormSaved`) for
 backward; a recompute mode that drops them has the block rebuild them from the q/k
-projections (:meth:`mpipar.model.llama.LlamaStage._block_bwd`).
+projections (:meth:`mpipar.model.llama.DecoderBlock.backward`).
 """
 from __future__ import annotations
 

@@ -75,3 +75,14 @@ class TensorOps(Protocol):
     def cross_entropy_backward(self, logits: Array, targets: Array, lse: Array,
                                dloss: Array) -> Array:
         """The gradient of this rank's logits from the per-token loss weights ``dloss`` ``[N]``."""
+
+
+def apply_linears(tp: TensorOps, params, names: Sequence[str], x: Array) -> list[Array]:
+    """The linears ``names`` (one input ``x``, in the stream's shape) through the seam."""
+    return tp.linear(params, names, tp.linear_input(x, names))
+
+
+def apply_linears_backward(tp: TensorOps, dys: Sequence[Array], x: Array, names: Sequence[str],
+                           lin: LinearBackward) -> Array:
+    """The gradient of ``x`` from those of :func:`apply_linears`'s outputs ``dys``."""
+    return tp.linear_backward(dys, tp.linear_input(x, names), names, lin)

@@ -10,9 +10,11 @@ memory and time terms: what its split makes a block and the LM head keep for bac
 :class:`Held`), and the seconds it spends on a group besides its calls' transfers
 (``seconds``, added by :mod:`mpipar.plan.step_time`). What an axis reads of the rank it
 predicts for is a :class:`StepRank`: the planner computes it (from the layout alone,
-:mod:`mpipar.plan.rank`), so an axis needs nothing above ``parallel/``. :class:`AxisUnit` is
-the one implementation: a name and the functions of the axis's modules, the terms an axis
-does not have left at none.
+:mod:`mpipar.plan.rank`), so an axis needs nothing above ``parallel/``. What it builds for a
+rank is its :class:`RankHooks` (``build``): one hook per phase of
+:func:`mpipar.training.rank.build_rank`, which calls each phase's hooks over the axes in
+registry order. :class:`AxisUnit` is the one implementation: a name and the functions of the
+axis's modules, the terms and hooks an axis does not have left at none.
 """
 from __future__ import annotations
 
@@ -98,10 +100,45 @@ class Rates(Protocol):
     topk_seconds: float    # a rank's top-k selection and decode work per element
 
 
+Parts = dict[str, Any]
+"""What the axes build in one phase of a rank, by name (each name given by one axis)."""
+
+
+@dataclass(frozen=True)
+class RankHooks:
+    """What an axis builds for a rank, one hook per phase of
+    :func:`mpipar.training.rank.build_rank` (none where it builds nothing then). Each hook
+    takes the layout, the phase's arguments and ``parts``, what the axes before it in the
+    registry built in the same phase, and returns the parts it adds by name; ``comms``,
+    ``compute``, ``model`` and ``weights`` are the :class:`mpipar.training.rank.Rank`'s parts
+    built before the phase.
+
+    - ``grid(layout, grid, device, parts)``: sub-communicators of the process grid
+      (:class:`mpipar.runtime.topology.ProcessGrid`), before its groups are made; parts such
+      as ZeRO-3's copies on each node;
+    - ``groups(layout, groups, ledger, mpi_path, parts)``: groups split from the grid's
+      (:class:`mpipar.runtime.comm.Group`), returned by name;
+    - ``seams(layout, comms, compute, table, parts)``: what the model's chunks are given:
+      the tensor seam, the sequence split, a factory of attention cores or expert exchanges
+      (one object a chunk);
+    - ``weights(layout, comms, compute, model, names, tied, initial, parts)``: the trained
+      parameters' holder (the gradient reducer, or the sharded units);
+    - ``executors(layout, comms, compute, model, weights, parts)``: what walks the schedule.
+    """
+
+    grid: Callable[..., Parts] | None = None
+    groups: Callable[..., Parts] | None = None
+    seams: Callable[..., Parts] | None = None
+    weights: Callable[..., Parts] | None = None
+    executors: Callable[..., Parts] | None = None
+
+
 class Axis(Protocol):
-    """One parallel axis: its rule, the calls it predicts, its memory and time terms."""
+    """One parallel axis: its rule, the calls it predicts, its memory and time terms, and what
+    it builds for a rank."""
 
     name: str
+    build: RankHooks
 
     def check(self, layout: Layout) -> None:
         """Raise :class:`mpipar.config.ConfigError` naming the field, value and rule."""
@@ -124,8 +161,8 @@ NO_FOOTPRINT, NOTHING_HELD = Footprint(), Held()
 
 @dataclass(frozen=True)
 class AxisUnit:
-    """An :class:`Axis` made of its modules' functions: the rule and the traffic, and the terms
-    it has (``footprint``, ``holds``, ``work``; none where absent)."""
+    """An :class:`Axis` made of its modules' functions: the rule and the traffic, the terms it
+    has (``footprint``, ``holds``, ``work``; none where absent) and its build hooks."""
 
     name: str
     rule: Callable[[Layout], None]
@@ -133,6 +170,7 @@ class AxisUnit:
     footprint: Callable[[Layout, Recompute], Footprint] | None = None
     holds: Callable[[StepRank], Held] | None = None
     work: Callable[[StepRank, Any], dict[str, float]] | None = None
+    build: RankHooks = RankHooks()
 
     def check(self, layout: Layout) -> None:
         self.rule(layout)

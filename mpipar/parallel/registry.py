@@ -1,6 +1,8 @@
-"""Every parallel axis, in the order their rules are asked: adding an axis is its package and
-one line here. :mod:`mpipar.rules` asks each axis's rule; :func:`mpipar.plan.traffic.
-step_calls` concatenates their calls. The sequence axis's modes are
+"""Every parallel axis, in the order their rules are asked: adding an axis is its module (or
+package) and one line here. :mod:`mpipar.rules` asks each axis's rule;
+:func:`mpipar.plan.traffic.step_calls` concatenates their calls; :mod:`mpipar.plan.memory` and
+:mod:`mpipar.plan.step_time` sum their terms; :func:`mpipar.training.rank.build_rank` calls their
+build hooks, phase by phase. The sequence axis's modes are
 :data:`mpipar.parallel.sequence.registry.SP_MODES`."""
 from __future__ import annotations
 

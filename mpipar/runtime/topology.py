@@ -230,7 +230,10 @@ class ProcessGrid:
 
     def split_dp_sp_by_node(self) -> None:
         """Add ``dp_sp_intra`` and ``dp_sp_inter`` (hierarchical reduction); ConfigError when the
-        nodes do not split dp x sp evenly (the same answer on every rank: the node map is)."""
+        nodes do not split dp x sp evenly (the same answer on every rank: the node map is).
+        Asked again, it keeps the groups it made."""
+        if "dp_sp_intra" in self.comms:
+            return
         problem = self.shape.node_split_problem(self.nodes)
         if problem:
             raise ConfigError(f"parallel.dp_reduce='hierarchical': {problem}")

@@ -7,13 +7,18 @@ their reducer and optimizer (:class:`Weights`) and the pipeline executors. It re
 its arguments, so it can be called again on another communicator (a smaller world). The step
 that runs over a rank is :mod:`mpipar.training.step`; its batches, :mod:`mpipar.training.batches`.
 
+What each parallel axis contributes, it builds itself: ``build_rank`` calls each phase's hooks
+(:class:`mpipar.parallel.axis.RankHooks`: grid, groups, seams, weights, executors) over
+:data:`mpipar.parallel.registry.AXES` and puts the parts they return where they belong; this
+module names no axis.
+
 The parts hold live objects (chunks, buffers, ledgers) that a step mutates; what is frozen is
 which objects they are.
 """
 from __future__ import annotations
 
 from collections import ChainMap, Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,24 +30,19 @@ from mpipar.data.packing import packed_data
 from mpipar.data.sft import loss_mask_source
 from mpipar.data.sources import EvalSet, Sampler, TokenSource, load_tokens, training_batches
 from mpipar.layout import Layout
-from mpipar.model.attention import LocalAttention
-from mpipar.model.llama import RESIDENT, LlamaStage
-from mpipar.model.lora import (Adapters, FrozenGrads, FrozenParams, Lora, init_adapter,
-                               is_adapter)
+from mpipar.model.llama import LlamaStage
+from mpipar.model.lora import FrozenGrads, FrozenParams, Lora, init_adapter, is_adapter
 from mpipar.model.moe import RoutingBias
 from mpipar.model.mtp import mtp_weights
 from mpipar.model.params import init_param
+from mpipar.parallel.axis import Parts
 from mpipar.parallel.data_parallel.modes import reduction_of
-from mpipar.parallel.sequence.registry import sequence_mode
-from mpipar.parallel.data_parallel.buckets import ReduceGroups
-from mpipar.parallel.data_parallel.reducer import GradReducer, warmup_steps
-from mpipar.parallel.experts.exchange import ExpertParallel, SequenceExperts
-from mpipar.parallel.experts.split import (ExpertSplitReducer, ExpertSplitUnits, expert_shards,
-                                           expert_units)
-from mpipar.parallel.fsdp.sharded import FrozenBaseScope, ShardedParams, node_copy_layout
+from mpipar.parallel.experts.split import ExpertSplitUnits, expert_shards
+from mpipar.parallel.fsdp.sharded import FrozenBaseScope, ShardedParams
 from mpipar.parallel.pipeline.executor import PipelineExecutor
-from mpipar.parallel.pipeline.schedule import build_schedule, forward_only, virtual_stage
-from mpipar.parallel.placement import PlacementTable, expert_of
+from mpipar.parallel.pipeline.schedule import virtual_stage
+from mpipar.parallel.placement import PlacementTable
+from mpipar.parallel.registry import AXES
 from mpipar.parallel.sequence_split import SeqLayout
 from mpipar.parallel.tensor.ops import TensorParallel
 from mpipar.runtime.comm import Group, Ledger
@@ -196,14 +196,23 @@ def build_rank(layout: Layout, comm: MPI.Comm, source: TokenSource | None = None
     comms, compute = _comms_and_compute(layout, comm)
     model = _model(layout, comms, compute)
     weights = _weights(layout, comms, compute, model)
-    par = layout.config.parallel
-    ops = build_schedule(par.schedule, par.pp, layout.microbatches, par.virtual_stages)
-    pp, chunks = comms.grid.coord.pp, list(model.chunks)
-    executor = PipelineExecutor(ops=ops[pp], chunks=chunks, pp=comms.groups["pp"],
-                                xp=compute.xp, scope=weights.sharded or RESIDENT)
-    evaluator = PipelineExecutor(ops=forward_only(ops)[pp], chunks=chunks,
-                                 pp=comms.groups["pp"], xp=compute.xp)
-    return Rank(layout, comms, compute, data, model, weights, executor, evaluator)
+    run = _built("executors", layout, comms, compute, model, weights)
+    return Rank(layout, comms, compute, data, model, weights, run["executor"], run["evaluator"])
+
+
+def _built(phase: str, layout: Layout, *args: Any) -> Parts:
+    """The parts every axis builds in ``phase`` (a :class:`mpipar.parallel.axis.RankHooks`
+    field), asked in registry order; each hook sees what the axes before it built."""
+    parts: Parts = {}
+    for axis in AXES:
+        hook = getattr(axis.build, phase)
+        if hook is None:
+            continue
+        made = hook(layout, *args, dict(parts))
+        twice = sorted(set(made) & set(parts))
+        assert not twice, f"{phase}: {axis.name} builds {twice} again"
+        parts.update(made)
+    return parts
 
 
 def _data(layout: Layout, source: TokenSource | None) -> RankData:
@@ -223,66 +232,44 @@ def _data(layout: Layout, source: TokenSource | None) -> RankData:
 
 
 def _comms_and_compute(layout: Layout, comm: MPI.Comm) -> tuple[Comms, Compute]:
-    """The grid and its groups; the device (before any array: parameters, gradients, optimizer
-    state and activations are allocated by the kernels' array module, CuPy's on cuda, on it)."""
+    """The grid and its groups, the axes' first (:class:`RankHooks` ``grid``, ``groups``); the
+    device (before any array: parameters, gradients, optimizer state and activations are
+    allocated by the kernels' array module, CuPy's on cuda, on it)."""
     cfg = layout.config
     par, tr = cfg.parallel, cfg.train
     grid = ProcessGrid(comm, par.dp, par.tp, par.pp, par.sp, par.ranks_per_node)
-    sequence_mode(par).split_grid(grid, par)
     device = select_device(tr.device, comm)
     kernels, attention = attention_kernels(
         cpu_gemm_kernels(training_backend(tr.backend, device.kind), tr),
         tr.attention_backend, cfg.model)
     mpi_path = choose_path(tr.cuda_aware_mpi, device.gpu)
-    # dp x sp split by node: the hierarchical reduction, and ZeRO-3's copies on each node
-    node_copy = node_copy_layout(par, device.gpu, grid.shape, grid.nodes, grid.rank)
-    if reduction_of(par).hierarchical or (node_copy and node_copy[1] > 1):
-        grid.split_dp_sp_by_node()
+    on_grid = _built("grid", layout, grid, device)    # sp sub-groups, dp x sp by node
     ledger = Ledger()
     groups = {name: Group(c, name, ledger, grid.group_nodes(name), mpi_path,
                           par.allreduce_algorithm)
               for name, c in grid.comms.items()}
-    _add_ep_groups(layout, groups, ledger, mpi_path)
+    groups.update(_built("groups", layout, groups, ledger, mpi_path))   # ep, ep_dp
     pool_freed_memory()  # host activations reuse freed memory, microbatch after microbatch
     precision = Precision.of(tr, par)
     comms = Comms(grid=grid, groups=groups, ledger=ledger, eval_ledger=Ledger(),
                   mpi_path=mpi_path, ep_rank=groups["ep"].rank if "ep_dp" in groups else 0,
-                  node_copy=node_copy)
+                  node_copy=on_grid["node_copy"])
     compute = Compute(device=device, kernels=kernels, attention=attention, xp=kernels.xp,
                       precision=precision, dtype=numpy_dtype(precision.compute),
                       master_dtype=numpy_dtype(precision.master))
     return comms, compute
 
 
-def _add_ep_groups(layout: Layout, groups: dict[str, Group], ledger: Ledger, mpi_path) -> None:
-    """A mixture of experts: the ``ep`` group, --ep N consecutive ranks of dp x sp, and where
-    the experts are sharded over it the ``ep_dp`` group, the ranks of dp x sp at the same
-    position of their ep group, which hold the same experts (mpipar.parallel.experts)."""
-    cfg = layout.config
-    ep, dp_sp = cfg.parallel.ep, groups["dp_sp"]
-    if cfg.model.moe_experts:
-        comm = dp_sp.comm.Split(dp_sp.rank // ep, dp_sp.rank)
-        first = dp_sp.rank // ep * ep
-        groups["ep"] = Group(comm, "ep", ledger, dp_sp.nodes[first:first + ep], mpi_path)
-    if expert_shards(layout) > 1:
-        comm = dp_sp.comm.Split(dp_sp.rank % ep, dp_sp.rank)
-        groups["ep_dp"] = Group(comm, "ep_dp", ledger, dp_sp.nodes[dp_sp.rank % ep::ep],
-                                mpi_path)
-
-
 def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
-    """The placement table, the seams and this rank's chunks (one per virtual stage)."""
+    """The placement table, the axes' seams (:class:`RankHooks` ``seams``) and this rank's
+    chunks (one per virtual stage)."""
     cfg = layout.config
     par, tr, m = cfg.parallel, cfg.train, cfg.model
-    groups, coord = comms.groups, comms.grid.coord
-    lora = Lora.of(tr)
+    coord = comms.grid.coord
     table = PlacementTable(model=m, pp=par.pp, virtual_stages=par.virtual_stages,
                            zero=par.zero, tp_sequence_parallel=par.tp_sequence_parallel,
-                           ep=expert_shards(layout), lora=lora)
-    adapters = None if lora is None else Adapters(compute.kernels, lora, tr.seed, tr.seq_len)
-    tensor = TensorParallel(kernels=compute.kernels, table=table, group=groups["tp"],
-                            adapters=adapters)
-    seq = SeqLayout(tr.seq_len, par.sp, par.sp_split, min_chunk=par.sp_min_chunk)
+                           ep=expert_shards(layout), lora=Lora.of(tr))
+    seams = _built("seams", layout, comms, compute, table)
     routing = RoutingBias.of(m, compute.xp)   # every sparse block's, every rank
     # --recompute offload: one scratch file per rank for the saved activations.
     offload = (OffloadStore(offload_path(tr.run_dir, comms.grid.rank))
@@ -292,10 +279,10 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     for c in range(par.virtual_stages):
         stage = virtual_stage(coord.pp, c, par.pp)
         chunk = LlamaStage(cfg=m, kernels=compute.kernels, layers=table.stage_layers(stage),
-                           first=stage == 0, last=stage == last, tp=tensor,
-                           attention=_attention(layout, groups, compute.kernels, seq),
+                           first=stage == 0, last=stage == last, tp=seams["tensor"],
+                           attention=seams["attention"](),
                            recompute=tr.recompute_mode, store=offload, seq_len=tr.seq_len,
-                           experts=_experts(layout, groups, compute.xp, seq))
+                           experts=seams["experts"]())
         # Each row's balance loss weighs alpha / rows of the global batch (mpipar.model.moe).
         chunk.moe_aux_weight = m.moe_aux_loss_coef / tr.global_batch_size
         chunk.moe_bias = routing.biases      # shared: the update reaches every chunk
@@ -308,40 +295,23 @@ def _model(layout: Layout, comms: Comms, compute: Compute) -> RankModel:
     holders = Counter(n for c in range(par.virtual_stages)
                       for n in table.stage_names(virtual_stage(coord.pp, c, par.pp))
                       if table.holds(n, comms.ep_rank))
-    ulysses = sequence_mode(par).work_group(seq.sp, par.ulysses_size)
-    return RankModel(table=table, tensor=tensor, seq=seq, positions=seq.positions(coord.sp),
-                     routing=routing, offload=offload, chunks=tuple(chunks), holders=holders,
-                     ulysses=ulysses)
-
-
-def _attention(layout: Layout, groups: Mapping[str, Group], kernels, seq: SeqLayout):
-    """The attention core of a chunk: local, or this sp mode's over the sp group(s)."""
-    par, sp = layout.config.parallel, groups["sp"]
-    if sp.size == 1:
-        return LocalAttention(kernels)
-    return sequence_mode(par).core(kernels, dict(groups), seq, par)
-
-
-def _experts(layout: Layout, groups: Mapping[str, Group], xp, seq: SeqLayout):
-    """The sparse blocks' exchange: sequences over sp, experts over ep."""
-    m, ep = layout.config.model, groups.get("ep")
-    if ep is not None and ep.size > 1:
-        return ExpertParallel(num_experts=m.moe_experts, sp=groups["sp"], ep=ep, xp=xp,
-                              seq=seq, overlap=layout.config.parallel.ep_overlap)
-    return SequenceExperts(num_experts=m.moe_experts, sp=groups["sp"], seq=seq)
+    return RankModel(table=table, tensor=seams["tensor"], seq=seams["seq"],
+                     positions=seams["positions"], routing=routing, offload=offload,
+                     chunks=tuple(chunks), holders=holders, ulysses=seams["ulysses"])
 
 
 def _weights(layout: Layout, comms: Comms, compute: Compute, model: RankModel) -> Weights:
-    """The reducer (or the sharded units), the optimizer over it and the rank's state."""
+    """The trained parameters' holder (:class:`RankHooks` ``weights``: the reducer, or the
+    sharded units), the optimizer over it and the rank's state."""
     cfg = layout.config
     par, tr = cfg.parallel, cfg.train
     table, tensor = model.table, model.tensor
     names = [n for n in model.holders if table[n].trainable]
     tied = [n for n in names if table[n].tied_across_pipeline]
     initial = partial(_initial_shards, layout, table, tensor, compute.master_dtype)
-    sharded = (_sharded(layout, comms, compute, model, tied, initial) if par.zero >= 2
-               else None)
-    reducer = sharded or _reducer(layout, comms.groups, compute, names, tied, initial)
+    held = _built("weights", layout, comms, compute, model, names, tied, initial)
+    sharded = held.get("sharded")
+    reducer = sharded or held["reducer"]
     frozen = _frozen(layout, comms, compute, model) if table.lora is not None else None
     if isinstance(frozen, ShardedParams):
         sharded = FrozenBaseScope(sharded, frozen)
@@ -392,67 +362,3 @@ def _initial_shards(layout: Layout, table: PlacementTable, tensor: TensorParalle
 
     return {n: table[n].shard(value(n).astype(master_dtype), tensor.rank, tensor.size)
             for n in names}
-
-
-def _sharded(layout: Layout, comms: Comms, compute: Compute, model: RankModel,
-             tied: list[str], initial: Callable[[list[str]], dict[str, np.ndarray]]
-             ) -> ShardedParams | ExpertSplitUnits:
-    """ZeRO-2/3: the parameters as units sharded over dp x sp (:mod:`mpipar.parallel.fsdp`);
-    tp-partial gradients are summed over tp before each unit's reduce-scatter, the ``tied``
-    embedding's over the pipeline's ends after it. With the experts sharded over ep, this
-    rank's experts are units of their own over ``ep_dp`` beside them
-    (:class:`ExpertSplitUnits`)."""
-    par, g, table, tensor = layout.config.parallel, comms.groups, model.table, model.tensor
-    built: list = []              # the units, once built: their gradients are summed over tp
-
-    def before_reduce(unit_names: list[str]) -> None:
-        grads = built[0].grads
-        tensor.reduce_partial_grads([grads[n] for n in unit_names
-                                     if table[n].grad_partial_over_tp])
-
-    group, node_groups = g["dp_sp"], None
-    if comms.node_copy is not None:
-        node_groups = ((group, None) if comms.node_copy[1] == 1 else
-                       (g["dp_sp_intra"], g["dp_sp_inter"]))
-        if not node_groups[0].on_one_node():   # as MPI sees them
-            node_groups = None
-    dense, experts = expert_units(table.units(comms.grid.coord.pp), table, comms.ep_rank)
-    common = dict(gather=par.zero == 3, prefetch=par.zero_prefetch, xp=compute.xp,
-                  before_reduce=before_reduce, compute_dtype=compute.dtype,
-                  reduce_dtype=numpy_dtype(compute.precision.reduce))
-    store = ShardedParams(lambda n: initial([n])[n], dense, group, tied=tied,
-                          tied_group=g["pp_ends"], node_groups=node_groups, **common)
-    if any(experts):
-        store = ExpertSplitUnits(dense=store, experts=ShardedParams(
-            lambda n: initial([n])[n], experts, g["ep_dp"], pool=store.pool, **common),
-            ep=g["ep"])
-    built.append(store)
-    return store
-
-
-def _reducer(layout: Layout, g: Mapping[str, Group], compute: Compute, names: list[str],
-             tied: list[str], initial: Callable[[list[str]], dict[str, np.ndarray]]
-             ) -> GradReducer | ExpertSplitReducer:
-    """ZeRO-0/1: the gradient reducer over dp x sp: flat or hierarchical, dense or compressed;
-    the ``tied`` embedding's copies then summed over ``pp_ends``. With the experts sharded over
-    ep, this rank's experts have a flat reducer of their own over ``ep_dp`` beside it
-    (:class:`ExpertSplitReducer`)."""
-    par, xp, dtype = layout.config.parallel, compute.xp, compute.dtype
-    reduce_dtype = numpy_dtype(compute.precision.reduce)
-    experts = [n for n in names if expert_of(n) is not None]
-    if "ep_dp" in g and experts:
-        dense = _reducer(layout, g, compute, [n for n in names if expert_of(n) is None], tied,
-                         initial)
-        return ExpertSplitReducer(dense=dense, experts=GradReducer(
-            initial(experts), list(reversed(experts)), ReduceGroups(g["ep_dp"], g["ep_dp"]),
-            bucket_mb=par.bucket_mb, sharded=par.zero == 1, xp=xp, compute_dtype=dtype,
-            reduce_dtype=reduce_dtype), ep=g["ep"])
-    reduction = reduction_of(par)
-    groups = (ReduceGroups(g["dp_sp"], g["dp_sp_inter"], g["dp_sp_intra"])
-              if reduction.hierarchical else ReduceGroups(g["dp_sp"], g["dp_sp"]))
-    return GradReducer(initial(names), list(reversed(names)), groups, bucket_mb=par.bucket_mb,
-                       sharded=par.zero == 1, xp=xp,
-                       codec=reduction.compression.codec(par.topk_ratio, xp),
-                       feedback=reduction.feedback, tied=tied,
-                       tied_group=g["pp_ends"], dense_steps=warmup_steps(layout),
-                       compute_dtype=dtype, reduce_dtype=reduce_dtype)

@@ -31,10 +31,9 @@ def _in_a_small_filesystem(directory, command: list[str], options: str = "size=1
 
 @pytest.mark.parametrize("tokenized", [False, True], ids=["bytes", "tokenizer"])
 def test_a_full_disk_is_an_error_not_a_crash(tmp_path, tokenizer_dir, tokenized):
-    """Issue: a full disk during ``data prepare`` printed the right message, then ended in a
-    segmentation fault (status 139, 3 of 3): the HDF5 file was unlinked while still open and
-    could not be closed. Now the file is closed, then removed: status 2, one line, an empty
-    directory left."""
+    """A full disk during ``data prepare`` is one message and status 2, not a crash: the HDF5
+    file is closed before it is removed (unlinked while open it could not be closed, and the
+    process ended in a segmentation fault), and the directory is left empty."""
     text = tmp_path / "big.txt"
     text.write_text("the cat sat on the mat\n" * 200_000)  # 4.6 MB into 1 MiB
     full = tmp_path / "full"
@@ -48,8 +47,8 @@ def test_a_full_disk_is_an_error_not_a_crash(tmp_path, tokenizer_dir, tokenized)
 
 
 def test_a_read_only_output_directory_is_named_before_tokenizing(tmp_path, tokenizer_dir):
-    """Issue: an unwritable output directory traced back after tokenising. Now the temporary
-    output file is created first: exit 2 naming --out and the reason."""
+    """An unwritable output directory is found before tokenising: the temporary output file is
+    created first, and the run exits 2 naming --out and the reason."""
     (tmp_path / "in.txt").write_text("the cat sat")
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -84,9 +84,9 @@ def test_prepare_creates_a_missing_output_directory_and_names_an_unwritable_one(
 
 
 def test_prepare_reads_a_directory_as_data_dir_does(tmp_path, capsys):
-    """Issue: ``data prepare DIR`` refused a directory that ``--data DIR`` and ``prepare DIR
-    --tokenizer`` accept. Its files (recursive, sorted, hidden ones skipped) are prepared as
-    ``--data DIR`` reads them: the same bytes, in the same order."""
+    """``data prepare DIR`` accepts a directory as ``--data DIR`` and ``prepare DIR
+    --tokenizer`` do: its files (recursive, sorted, hidden ones skipped) are prepared as
+    ``--data DIR`` reads them, the same bytes in the same order."""
     root = tmp_path / "texts"
     (root / "sub").mkdir(parents=True)
     (root / "b.txt").write_bytes(b"second file\n")

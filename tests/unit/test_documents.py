@@ -431,12 +431,12 @@ def test_rope_inside_documents_uses_the_tables_of_each_document_alone(dtype):
     x = np.random.default_rng(2).standard_normal(
         (tokens.shape[0], tokens.shape[1], CFG.heads, CFG.head_dim)).astype(dt)
     for backward in (False, True):
-        (got,) = stage._rotate([x], pos, backward)
+        (got,) = stage.block.rope.rotate([x], pos, backward)
         assert got.dtype == x.dtype
         for b in range(x.shape[0]):
             for d in np.unique(docs[b]):
                 at = np.flatnonzero(docs[b] == d)
-                (alone,) = stage._rotate([x[b:b + 1, at]], np.arange(len(at)), backward)
+                (alone,) = stage.block.rope.rotate([x[b:b + 1, at]], np.arange(len(at)), backward)
                 assert np.array_equal(got[b:b + 1, at].view(np.uint8), alone.view(np.uint8)), \
                     (dtype, backward, b, d)
 

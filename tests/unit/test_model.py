@@ -292,7 +292,7 @@ def test_every_linear_the_model_runs_takes_its_role_from_the_placement_table(cfg
     loss_and_grads(stage, params, *batch())
     multiplied = {n for n, v in params.items() if id(v) in k.weights}
     matrices = {s.name for s in param_specs(cfg) if len(s.shape) == 2}
-    assert multiplied == matrices - ({"embed_tokens.weight"} - {stage.head})
+    assert multiplied == matrices - ({"embed_tokens.weight"} - {stage.head.weight})
     assert not {n for n, v in params.items() if id(v) in k.outside}
     assert multiplied <= tp.asked
     assert {table[n].tp for n in tp.asked} <= set(TP_ROLES)

@@ -282,10 +282,10 @@ def test_rejections_name_the_rule():
 
 
 def test_a_tie_is_printed_as_one_and_the_simplest_layout_wins_it():
-    """Issue: the 0.8M-parameter default model's first recommendation on 8 ranks was ZeRO-3 in
-    node shared memory, a few % faster than plain dp on paper, inside the time model's error.
-    Times within TIE of a tie's fastest are a tie now: its members are marked N=, the simplest
-    (no ZeRO, no shared memory) ranks first; a layout faster by more than TIE still wins."""
+    """Times within TIE of a tie's fastest are a tie, inside the time model's error: its members
+    are marked N=, and the simplest (no ZeRO, no shared memory) ranks first, so the 0.8M-parameter
+    default model on 8 ranks is recommended plain dp, not ZeRO-3 in node shared memory a few %
+    faster on paper; a layout faster by more than TIE still wins."""
     from mpipar.plan.cli import format_plan
     from mpipar.plan.search import TIE
     base = Config(parallel=ParallelConfig(dp=8))

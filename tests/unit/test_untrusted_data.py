@@ -82,9 +82,9 @@ def _virtual(tmp_path, secret):
     (_virtual, "is a virtual dataset"),
 ])
 def test_a_token_file_that_names_other_files_is_refused(tmp_path, capsys, craft, message):
-    """Issue: a token .h5 with external raw storage read the bytes of any file (/etc/passwd) as
-    tokens, and a virtual dataset with a missing source read as its fill value. A token
-    dataset must now be stored in the file itself: exit 2 naming the dataset, nothing read."""
+    """A token dataset must be stored in the file itself: one with external raw storage (which
+    would read any file, /etc/passwd, as tokens) or a virtual dataset (whose missing source
+    reads as its fill value) exits 2 naming the dataset, nothing read."""
     secret = tmp_path / "secret.txt"
     secret.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 2)
     craft(tmp_path, secret)
@@ -103,8 +103,9 @@ def test_a_token_file_that_names_other_files_is_refused(tmp_path, capsys, craft,
     (dict(eos_token=7), "attribute eos_token=7 must be a string"),
 ])
 def test_a_malformed_tokenizer_record_is_refused(tmp_path, capsys, change, message):
-    """Issue: ``tokenizer_vocab_size`` without ``tokenizer``, or as a string, crashed ``data
-    info`` and training with ``--data``/``--eval-data``. Each attribute is checked now."""
+    """Each tokenizer attribute of a token file is checked: ``tokenizer_vocab_size`` without
+    ``tokenizer``, or as a string, is refused by ``data info`` and by training with
+    ``--data``/``--eval-data``, naming it."""
     attrs = {k: v for k, v in {**_record(), **change}.items() if v is not None}
     _tokens_file(tmp_path / "t.h5", np.arange(64) % 300, **attrs)
     _refused(capsys, ["info", str(tmp_path / "t.h5"), "--seq-len", "8"], message)
@@ -122,9 +123,9 @@ def test_a_malformed_tokenizer_record_is_refused(tmp_path, capsys, change, messa
 # ------------------------------------------------------------------ validation data's origin
 @pytest.mark.parametrize("case", ["other tokenizer", "bytes against tokens"])
 def test_validation_data_from_another_tokenizer_is_refused(tmp_path, case):
-    """Issue: ``--eval-data`` from another tokenizer with the same vocabulary size, or raw
-    bytes against tokenized ``--data``, was accepted though both files record their origin;
-    the validation loss meant nothing. Exit 2 naming both, before step 1."""
+    """``--eval-data`` from another tokenizer with the same vocabulary size, or raw bytes against
+    tokenized ``--data``, is refused (both files record their origin; the validation loss
+    would mean nothing): exit 2 naming both, before step 1."""
     _tokens_file(tmp_path / "train.h5", np.arange(200) % 256, **_record(256))
     if case == "other tokenizer":
         _tokens_file(tmp_path / "eval.h5", np.arange(200) % 256, **_record(256, "cd" * 32))
@@ -149,11 +150,9 @@ def test_validation_data_from_another_tokenizer_is_refused(tmp_path, case):
 
 # ------------------------------------------------------------------- two prepares, one --out
 def test_two_prepares_with_the_same_out_keep_each_others_files(tmp_path, monkeypatch):
-    """Issue: the temporary file was ``OUT.tmp`` for every run; a second run with the same
-    ``--out`` failed to lock it and its cleanup unlinked the first run's file, which then failed
-    at its rename after all its work. Now each run writes its own temporary file and removes
-    only that: while run A writes, run B fails (its own file removed) and run C completes; A
-    then completes too, and its output is whole."""
+    """Two runs with the same ``--out`` keep each other's files: each writes its own temporary
+    file and removes only that. While run A writes, run B fails (its own file removed) and run
+    C completes; A then completes too, and its output is whole."""
     first, second = b"first run " * 1000, b"third run " * 10
     (tmp_path / "a.txt").write_bytes(first)
     (tmp_path / "b.txt").write_bytes(b"second run " * 10)
@@ -199,8 +198,8 @@ def _deny(monkeypatch, path) -> None:
 @pytest.mark.parametrize("tokenized", [False, True], ids=["bytes", "tokenizer"])
 def test_an_unreadable_input_is_named_not_the_output(tmp_path, capsys, monkeypatch,
                                                      tokenizer_dir, tokenized):
-    """Issue: an unreadable input traced back with ``--tokenizer``, and bytes mode blamed
-    ``--out`` for it. Both name the input now, before anything is written."""
+    """An unreadable input is named, with ``--tokenizer`` and in bytes mode, before anything is
+    written (not a traceback, and not blamed on ``--out``)."""
     (tmp_path / "ok.txt").write_text("the cat sat")
     (tmp_path / "locked.txt").write_text("on the mat")
     _deny(monkeypatch, tmp_path / "locked.txt")
@@ -213,8 +212,8 @@ def test_an_unreadable_input_is_named_not_the_output(tmp_path, capsys, monkeypat
 
 
 def test_a_worker_error_is_one_message(tmp_path, capsys, tokenizer_dir):
-    """Issue: with ``--workers 2`` an input error came back as a RemoteTraceback. A worker's
-    error is now the same one message as in one process, and no part file stays."""
+    """With ``--workers 2`` a worker's input error is the same one message as in one process
+    (not a RemoteTraceback), and no part file stays."""
     (tmp_path / "a.txt").write_text("the cat sat")
     (tmp_path / "b.jsonl").write_text('{"text": "the mat"}\n{"text": 5}\n')
     _refused(capsys, ["prepare", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out",
@@ -224,8 +223,8 @@ def test_a_worker_error_is_one_message(tmp_path, capsys, tokenizer_dir):
 
 
 def test_a_lone_surrogate_in_jsonl_is_named(tmp_path, capsys, tokenizer_dir):
-    """Issue: JSONL text with a lone surrogate (``"\\ud800"``, common in scraped data) traced
-    back inside the tokenizer. It is named now: file, line, character."""
+    """JSONL text with a lone surrogate (``"\\ud800"``, common in scraped data) is named: file,
+    line, character (not a traceback from inside the tokenizer)."""
     (tmp_path / "d.jsonl").write_text('{"text": "the cat"}\n{"text": "sat \\ud800 on"}\n')
     _refused(capsys, ["prepare", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "x.h5"),
                       "--tokenizer", str(tokenizer_dir)],
@@ -241,8 +240,8 @@ def test_a_lone_surrogate_in_jsonl_is_named(tmp_path, capsys, tokenizer_dir):
 def test_an_output_that_cannot_be_a_file_is_refused_before_tokenizing(tmp_path, capsys,
                                                                       monkeypatch, tokenizer_dir,
                                                                       target, message):
-    """Issue: ``--out`` an existing directory was found only after tokenising everything, and
-    an unwritable output directory traced back. Both are refused before any input is read."""
+    """``--out`` an existing directory, or in an unwritable directory, is refused before any
+    input is read."""
     (tmp_path / "outdir.h5").mkdir()
     (tmp_path / "afile").write_text("a file where a directory goes")
     (tmp_path / "in.txt").write_text("the cat sat")
@@ -353,9 +352,9 @@ def _packed(tmp_path, flags: list[str], data, message: str) -> None:
 
 @pytest.mark.parametrize("kind", ["stream", "samples", "held out"])
 def test_every_target_masked_is_refused(tmp_path, kind):
-    """Issue: when no target carried loss the run reported loss 0.0 and grad norm 0.0 and
-    "trained". A run whose training samples hold no counted target is refused now: a loss mask
-    of zeros, inputs that are all the EOS, or counted targets only in the held-out samples."""
+    """A run whose training samples hold no counted target is refused (it would report loss 0.0
+    and grad norm 0.0 and "train"): a loss mask of zeros, inputs that are all the EOS, or
+    counted targets only in the held-out samples."""
     tokens = np.arange(64) % 7 + 1
     if kind == "stream":
         with h5py.File(tmp_path / "sft.h5", "w") as f:
@@ -380,10 +379,10 @@ def test_every_target_masked_is_refused(tmp_path, kind):
 
 
 def test_a_step_with_no_counted_target_says_so(tmp_path):
-    """Issue: a step whose global batch held no counted target, while other steps had some,
-    logged loss 0 with no note. Its record marks it (``no_targets``, ``counted_targets`` 0),
-    the step line says why, and the summary names the step and leaves its 0 out of the loss
-    figures. Every rank counts the whole global batch's targets, so all agree."""
+    """A step whose global batch holds no counted target, while other steps have some, is marked:
+    its record (``no_targets``, ``counted_targets`` 0), the step line says why, and the summary
+    names the step and leaves its 0 out of the loss figures. Every rank counts the whole global
+    batch's targets, so all agree."""
     import io
     eos = 5
     rows = np.tile(np.arange(10, 19), (6, 1))
@@ -416,8 +415,8 @@ def test_a_step_with_no_counted_target_says_so(tmp_path):
 @pytest.mark.parametrize("flag", ["--document-masking", "--eod-mask-loss"])
 @pytest.mark.parametrize("fmt", ["text", "samples"])
 def test_an_eos_id_the_data_never_holds_is_refused(tmp_path, flag, fmt):
-    """Issue: ``--document-masking --eos-token-id`` with an id the data never contains ran as
-    plain causal attention, with no note. The id must occur in the training data."""
+    """``--document-masking --eos-token-id`` with an id the data never contains is refused (it
+    would run as plain causal attention): the id must occur in the training data."""
     if fmt == "text":
         (tmp_path / "d.txt").write_bytes(b"the cat sat on the mat\n" * 8)
         data, tokens = tmp_path / "d.txt", 8 * 23
@@ -445,9 +444,8 @@ def test_the_planner_refuses_an_eos_id_the_data_never_holds(tmp_path, capsys):
 
 
 def test_an_eos_id_against_the_recorded_one_is_refused(tmp_path):
-    """Issue: an ``--eos-token-id`` contradicting the data's recorded ``eos_id`` was used
-    silently. The recorded one ends the documents; another is refused naming both (the same id
-    given again is accepted)."""
+    """An ``--eos-token-id`` contradicting the data's recorded ``eos_id`` is refused naming both
+    (the recorded one ends the documents); the same id given again is accepted."""
     _tokens_file(tmp_path / "t.h5", np.arange(64) % 7, **_record())
     _packed(tmp_path, ["--document-masking", "--eos-token-id", "5"], tmp_path / "t.h5",
             f"train.eos_token_id=5: the data ({tmp_path / 't.h5'}) records eos_id=0 ('</s>') as "
@@ -470,11 +468,11 @@ def _library_ids(tok, text: str, parse_special: bool = False) -> list[int]:
 
 
 def test_special_token_text_in_sft_records_stays_text(tmp_path, capsys, chatml):
-    """Issue: a literal ``</s>`` or ``<|im_end|>`` in a prompt or completion was stored as the
-    control id, so a user's string could end or mask an example. It stays text now (the
-    library's ids with its special tokens off), in prompt/completion records and in chat
-    messages, while the ChatML template's own markup stays special tokens; the EOS id occurs
-    only where an example ends. ``--parse-special-tokens`` gives the earlier ids."""
+    """A literal ``</s>`` or ``<|im_end|>`` in a prompt or completion stays text (the library's
+    ids with its special tokens off), so a user's string cannot end or mask an example: in
+    prompt/completion records and in chat messages, while the ChatML template's own markup
+    stays special tokens; the EOS id occurs only where an example ends.
+    ``--parse-special-tokens`` gives the control ids."""
     pytest.importorskip("jinja2")
     root, tok = chatml
     vocab = tok.get_vocab()

@@ -75,9 +75,9 @@ BAD_CONFIGS = [
                          ids=[repr(sorted(f))[:40] for f, _ in BAD_CONFIGS])
 def test_a_badly_typed_config_is_refused_by_hf_inspect_and_generate(hf_dir, capsys, fields,
                                                                     message):
-    """Issue: each of these crashed ``hf inspect``, ``generate`` and ``--init-from-hf`` (exit
-    1, a traceback). Now ``inspect`` reports the field as not supported (its status 1 for an
-    unusable checkpoint, no traceback), ``convert`` and ``generate`` exit 2 naming it."""
+    """Each of these badly typed configs is handled without a traceback: ``inspect`` reports the
+    field as not supported (its status 1 for an unusable checkpoint), ``convert`` and
+    ``generate`` exit 2 naming it."""
     _edit_config(hf_dir, **fields)
     assert hf_main(["inspect", str(hf_dir)]) == 1
     out = capsys.readouterr().out
@@ -107,9 +107,8 @@ def test_a_badly_typed_config_stops_init_from_hf_before_anything_is_written(hf_d
 ])
 def test_a_weight_map_entry_outside_the_directory_is_refused(hf_dir, tmp_path, capsys, entry,
                                                              message):
-    """Issue: weight map entries with absolute or ``../`` paths were followed (a file outside
-    the directory read as weights), and non-string entries crashed. Both are refused naming the
-    entry, before any tensor is read."""
+    """Weight map entries with absolute or ``../`` paths (a file outside the directory read as
+    weights) and non-string entries are refused naming the entry, before any tensor is read."""
     weight_map = _sharded(hf_dir)
     first = sorted(weight_map)[0]
     (tmp_path / "secret.safetensors").write_bytes((hf_dir / weight_map[first]).read_bytes())

@@ -131,10 +131,9 @@ def _sparse_giant(hf_dir, vocab: int) -> int:
 
 def test_a_tensor_larger_than_memory_is_refused_before_it_is_read(hf_dir, tmp_path, capsys,
                                                                    monkeypatch):
-    """Issue: a 12 KB sparse safetensors file declaring 32 GB made ``hf convert`` raise
-    MemoryError and a Rust panic: it read every tensor at once. It streams one tensor at a
-    time now, and a tensor that does not fit in the memory this node has available is refused
-    naming it, the bytes and the rule, before any tensor is read or anything written."""
+    """``hf convert`` streams one tensor at a time, and a tensor that does not fit in the memory
+    this node has available is refused naming it, the bytes and the rule, before any tensor is
+    read or anything written (a 12 KB sparse safetensors file declaring 32 GB)."""
     from mpipar.checkpoint import hf_convert
     from mpipar.hf import main as hf_main
     from mpipar.runtime import host_memory

@@ -70,9 +70,9 @@ def _with_config(src: str, dst, old: str, new: str) -> str:
 
 # ----------------------------------------------------------------------- generate: memory
 def test_generation_beyond_memory_is_refused_at_once(saved):
-    """Issue: ``--max-new-tokens 1000000000000`` ended in a MemoryError traceback (exit 1). The
-    KV cache of the prompt and the new tokens, with the weights, is checked against the
-    available memory first: exit 2 naming both numbers, within seconds."""
+    """``--max-new-tokens 1000000000000`` is refused at once: the KV cache of the prompt and the
+    new tokens, with the weights, is checked against the available memory first: exit 2
+    naming both numbers, within seconds."""
     started = time.perf_counter()
     code, err = run_generate([saved, "--prompt", "hi", "--max-new-tokens", "1000000000000",
                               "--backend", "numpy"])
@@ -83,8 +83,8 @@ def test_generation_beyond_memory_is_refused_at_once(saved):
 
 
 def test_a_config_claiming_a_huge_model_is_refused_before_allocating(saved, tmp_path):
-    """Issue: a checkpoint whose config claims 10^8 layers ran 194 s and was killed at 24 GB.
-    The memory bound is computed from the sizes alone: exit 2 within seconds."""
+    """A checkpoint whose config claims 10^8 layers is refused before anything is allocated: the
+    memory bound is computed from the sizes alone, exit 2 within seconds."""
     huge = _with_config(saved, tmp_path / "huge", "layers = 4", "layers = 100000000")
     started = time.perf_counter()
     code, err = run_generate([huge, "--prompt", "hi", "--backend", "numpy"])
@@ -121,8 +121,8 @@ def test_a_hugging_face_config_claiming_more_layers_than_stored_is_refused(tmp_p
 
 # ------------------------------------------------------------------ generate: the prompt
 def test_a_prompt_that_is_not_utf8_is_named(saved, tmp_path):
-    """Issue: ``--tokenizer`` with a prompt that is not UTF-8 (an argument's bytes reach Python
-    as lone surrogates) was a TypeError, exit 1. Both codecs refuse it naming the byte."""
+    """A prompt that is not UTF-8 with ``--tokenizer`` (an argument's bytes reach Python as lone
+    surrogates) is refused by both codecs naming the byte."""
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"</s>": 0, "x": 1}, unk_token="x"))
     tok.save(str(tmp_path / "tokenizer.json"))
@@ -137,9 +137,8 @@ def test_a_prompt_that_is_not_utf8_is_named(saved, tmp_path):
 @pytest.mark.parametrize("model", [["--sliding-window", "4", "--window-layers", "even"],
                                    ["--attention-bias", "--sliding-window", "4"]])
 def test_a_model_that_cannot_be_exported_is_refused_before_step_1(tmp_path, model):
-    """Issue: ``--export-hf`` of a model with no Hugging Face architecture (a window on some
-    layers, or a window with biases) trained every step, then traced back. Now exit 2 before
-    step 1, nothing trained or written."""
+    """``--export-hf`` of a model with no Hugging Face architecture (a window on some layers, or
+    a window with biases) exits 2 before step 1, nothing trained or written."""
     code, err = run_train([*TINY, *model, "--export-hf", str(tmp_path / "hf"), "--run-dir",
                            str(tmp_path / "run")])
     _one_error(code, err, f"--export-hf {tmp_path / 'hf'}: model.sliding_window=4 with "
@@ -151,9 +150,9 @@ def test_a_model_that_cannot_be_exported_is_refused_before_step_1(tmp_path, mode
 
 # ----------------------------------------------------------- train: an earlier run's outputs
 def test_a_fresh_run_keeps_an_earlier_runs_metrics(tmp_path):
-    """Issue: a fresh run in a ``--run-dir`` whose earlier run saved elsewhere (``--save-dir``)
-    cut its 50-line metrics.jsonl to 3 lines and replaced its config and summaries, silently.
-    Now exit 2 naming the run directory and the steps it holds; every file unchanged."""
+    """A fresh run in a ``--run-dir`` whose earlier run saved elsewhere (``--save-dir``) exits 2
+    naming the run directory and the steps it holds; every file (metrics.jsonl, config,
+    summaries) stays unchanged."""
     run = tmp_path / "run"
     earlier_run(run)
     before = snapshot(run)
@@ -164,9 +163,9 @@ def test_a_fresh_run_keeps_an_earlier_runs_metrics(tmp_path):
 
 
 def test_resume_auto_over_only_damaged_checkpoints_keeps_them(tmp_path):
-    """Issue: ``--resume auto`` whose only checkpoint failed verification started fresh, then
-    overwrote that damaged ``step_00000050`` and the metrics. Now exit 2 naming the checkpoint
-    and why it failed; the damaged checkpoint and the metrics are as they were."""
+    """``--resume auto`` whose only checkpoint fails verification exits 2 naming the checkpoint
+    and why it failed (rather than starting fresh over it); the damaged checkpoint and the
+    metrics stay as they were."""
     run = tmp_path / "run"
     earlier_run(run)
     step = _checkpoint(run / "checkpoints", 50)
@@ -224,8 +223,8 @@ GOOD = {"step": 1, "loss": 5.0, "step_time_s": 0.1, "tokens_per_s": 100.0, "mfu"
      "timeline.json: ranks[0] must be an object"),
 ], ids=["no-loss", "a-list", "step-four", "time-string", "ranks-5", "bad-ops"])
 def test_report_refuses_malformed_records(tmp_path, capsys, lines, timeline, message):
-    """Issue: ``mpipar.report`` crashed on parseable but malformed records and timelines. Each
-    is named now (file, step or line, field): exit 2, one line, no report written."""
+    """``mpipar.report`` names each parseable but malformed record and timeline (file, step or
+    line, field): exit 2, one line, no report written."""
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if timeline is not None:
         (tmp_path / "timeline.json").write_text(json.dumps(timeline))

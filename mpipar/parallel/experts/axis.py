@@ -3,8 +3,9 @@ calls over sp, ep and ``ep_dp``, the expert record a sparse block keeps and the 
 buffers."""
 from __future__ import annotations
 
-from mpipar.parallel.axis import AxisUnit, StepRank
+from mpipar.parallel.axis import AxisUnit, RankHooks, StepRank
 from mpipar.parallel.calls import Call
+from mpipar.parallel.experts.build import expert_groups, expert_seams
 from mpipar.parallel.experts.cost import (expert_calls, expert_footprint, expert_held,
                                           expert_unit_calls)
 from mpipar.parallel.experts.rule import check_config
@@ -23,5 +24,6 @@ def _expert_traffic(rank: StepRank) -> list[Call]:
 
 
 EXPERTS = AxisUnit("experts", check_config, _expert_traffic, footprint=expert_footprint,
-                   holds=expert_held)
+                   holds=expert_held,
+                   build=RankHooks(groups=expert_groups, seams=expert_seams))
 """The expert axis: the sparse blocks' exchange over sp and ep, the experts sharded over ep."""

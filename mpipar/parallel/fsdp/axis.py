@@ -3,8 +3,9 @@ reduce-scatters over dp x sp (the experts' units over ``ep_dp`` are the expert a
 the pool of their whole buffers."""
 from __future__ import annotations
 
-from mpipar.parallel.axis import AxisUnit, StepRank
+from mpipar.parallel.axis import AxisUnit, RankHooks, StepRank
 from mpipar.parallel.calls import Call
+from mpipar.parallel.fsdp.build import sharded_grid, sharded_weights
 from mpipar.parallel.fsdp.cost import sharded_calls, sharded_held
 from mpipar.parallel.fsdp.rule import check_config
 
@@ -25,5 +26,6 @@ def _sharded_traffic(rank: StepRank) -> list[Call]:
     return calls
 
 
-FSDP = AxisUnit("fsdp", check_config, _sharded_traffic, holds=sharded_held)
+FSDP = AxisUnit("fsdp", check_config, _sharded_traffic, holds=sharded_held,
+                build=RankHooks(grid=sharded_grid, weights=sharded_weights))
 """ZeRO-2/3 groups, prefetch, node shared memory; the units sharded over dp x sp."""

@@ -2,8 +2,9 @@
 the mode's calls, and what its attention core keeps."""
 from __future__ import annotations
 
-from mpipar.parallel.axis import AxisUnit, StepRank
+from mpipar.parallel.axis import AxisUnit, RankHooks, StepRank
 from mpipar.parallel.calls import Call
+from mpipar.parallel.sequence.build import sequence_grid, sequence_seams
 from mpipar.parallel.sequence.cost import sequence_calls, sequence_footprint
 from mpipar.parallel.sequence.rule import check_config
 
@@ -17,5 +18,6 @@ def _sequence_traffic(rank: StepRank) -> list[Call]:
 
 
 SEQUENCE = AxisUnit("sequence", check_config, _sequence_traffic,
-                    footprint=sequence_footprint)
+                    footprint=sequence_footprint,
+                    build=RankHooks(grid=sequence_grid, seams=sequence_seams))
 """The sequence split over sp and the SP mode's attention across it."""

@@ -1,7 +1,7 @@
-"""The ``--sp-mode`` names, in :data:`mpipar.parallel.sequence.registry.SP_MODES` order, each
-with its line of the flag's help: what :mod:`mpipar.config` offers as the field's choices. It
-imports nothing, so the configuration (below ``parallel/``) can read it; the registry holds the
-mode objects to these names."""
+"""The ``--sp-mode`` names, each with its line of the flag's help: what :mod:`mpipar.config`
+offers as the field's choices, and the modes :data:`mpipar.parallel.sequence.registry.SP_MODES`
+imports, in this order (mode ``NAME`` is the object ``NAME`` of ``parallel/sequence/NAME.py``).
+It imports nothing, so the configuration (below ``parallel/``) can read it."""
 from __future__ import annotations
 
 SP_MODE_HELP: dict[str, str] = {

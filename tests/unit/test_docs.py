@@ -11,7 +11,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 350
-BENCHMARKS_MAX_LINES = 600
 # Words of how the work was organised, never of the product: work periods, numbered passes,
 # issue numbers, work left for later, documents outside the repository.
 HISTORY = re.compile(
@@ -95,9 +94,9 @@ def test_the_readme_is_a_front_door_with_a_table_of_contents():
     assert not missing, f"README.md's contents do not list: {missing}"
 
 
-def test_benchmarks_open_with_the_headline_table_and_stay_short():
+def test_benchmarks_headline_rows_name_their_commands():
+    """(Its length and the table's place: test_architecture.benchmarks_problems.)"""
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    assert len(text.splitlines()) <= BENCHMARKS_MAX_LINES, "docs/benchmarks.md is over its budget"
     before_first_section = text.split("\n## ", 1)[0]
     tables = [line for line in before_first_section.splitlines() if line.startswith("|")]
     assert tables and tables[0].startswith("| topic | figure | method | reproduce |"), (

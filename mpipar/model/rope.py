@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mpipar.kernels.rope_frequencies import yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,9 @@ class RopeScaling:
         else 1."""
         if not (self.correction_range and m.rope_mscale_all_dim):
             return 1.0
+        # imported here: the configuration imports this module before the thread pools are
+        # sized, so nothing here may load NumPy at import
+        from mpipar.kernels.rope_frequencies import yarn_mscale
         return yarn_mscale(m.rope_factor, m.rope_mscale_all_dim) ** 2
 
     def __str__(self) -> str:

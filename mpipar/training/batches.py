@@ -90,7 +90,7 @@ def _microbatches(rank: Rank, inputs: np.ndarray, targets: np.ndarray,
                 else PairLoss(pref.objective, mask, reference[rows], xp, sequence))
         out.append(Microbatch(xp.asarray(inputs[rows][:, at]), xp.asarray(targets[rows][:, at]),
                               positions, mask, loss,
-                              rank.coord.dp * len(inputs) + np.arange(rows.start, rows.stop),
+                              rank.coord.dp * len(inputs) + xp.arange(rows.start, rows.stop),
                               _ahead(targets[rows], at, rank.cfg.model.mtp_depth, xp)))
     return tuple(out)
 

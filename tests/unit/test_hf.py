@@ -466,10 +466,10 @@ def test_cli_inspect_and_convert(hf_dirs, tmp_path, capsys):
     assert "q, k and v projections with biases (Qwen2)" in capsys.readouterr().out
     # every unsupported aspect is named, not only the first
     bad = _copy_with_config(hf_dirs["llama"], tmp_path / "many", lambda r: dict(
-        r, mlp_bias=True, rope_scaling={"rope_type": "yarn", "factor": 2.0}, attention_bias=True))
+        r, mlp_bias=True, rope_scaling={"rope_type": "longrope", "factor": 2.0}, attention_bias=True))
     assert main(["inspect", str(bad)]) == 1
     text = capsys.readouterr().out
-    assert all(w in text for w in ("mlp_bias=True", "rope_type='yarn'", "attention_bias=true",
+    assert all(w in text for w in ("mlp_bias=True", "rope_type='longrope'", "attention_bias=true",
                                    "not supported: attention, mlp, rope"))
     missing = _copy_with_config(hf_dirs["llama"], tmp_path / "qwen", lambda r: dict(
         r, model_type="qwen2", architectures=["Qwen2ForCausalLM"]))

@@ -21,14 +21,14 @@ CASES = [dict(dp=2, sp=2, pp=2, ep=4, model="moe_qwen"),          # unnormalised
 @pytest.mark.parametrize("case", CASES, ids=[layout_name(v) for v in CASES])
 def test_sparse_records_equal_the_planner(world, case, monkeypatch):
     from mpipar.kernels import expert_routing
-    from mpipar.model.llama import LlamaStage
+    from mpipar.model.llama import DecoderBlock
     from mpipar.plan.memory import _sparse_ffn_bytes
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
     from tests.unit.test_recompute import _kept_bytes
     monkeypatch.setattr(expert_routing, "route_topk", uniform_route)
     seen: list[int] = []
-    keep = LlamaStage._keep
+    keep = DecoderBlock.keep
 
     def recording(self, c):
         kept = keep(self, c)                     # what the recompute mode keeps of the record
@@ -36,7 +36,7 @@ def test_sparse_records_equal_the_planner(world, case, monkeypatch):
             seen.append(_kept_bytes([kept.moe, kept.g, kept.u, kept.m, kept.shared_gate]))
         return kept
 
-    monkeypatch.setattr(LlamaStage, "_keep", recording)
+    monkeypatch.setattr(DecoderBlock, "keep", recording)
     case = dict(case)
     recompute, model = case.pop("recompute", "none"), case.pop("model")
     cfg = small_config("float64", model, **case)

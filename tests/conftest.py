@@ -107,16 +107,18 @@ def factorisations(n: int, parts: int = 4) -> list[tuple[int, ...]]:
     return out
 
 
-def covering(cases: list[dict], keys: tuple[str, ...] = ("dp", "tp", "pp", "sp")) -> list[dict]:
-    """A few of ``cases`` in which every value each of ``keys`` takes among them appears, and
-    every world size (the product of the keys): the greedy cover, in the cases' order. An option
-    (a schedule, an SP split) then runs with each axis split and unsplit and at each world size,
-    not on every layout that admits it."""
+def covering(cases: list[dict], keys: tuple[str, ...] = ("dp", "tp", "pp", "sp"),
+             options: tuple[str, ...] = ()) -> list[dict]:
+    """A few of ``cases`` in which every value each of ``keys`` and ``options`` takes among them
+    appears, and every world size (the product of the keys): the greedy cover, in the cases'
+    order. An option (a schedule, an SP split) then runs with each axis split and unsplit and at
+    each world size, not on every layout that admits it."""
     def features(case: dict) -> set:
         world = 1
         for key in keys:
             world *= case.get(key, 1)
-        return {(key, case.get(key, 1)) for key in keys} | {("world", world)}
+        return ({(key, case.get(key, 1)) for key in keys}
+                | {(key, case.get(key)) for key in options} | {("world", world)})
 
     left = set().union(*(features(c) for c in cases)) if cases else set()
     chosen: list[dict] = []

@@ -7,11 +7,11 @@ and unsplit, and each world size, at least once: ``conftest.covering``) gives, a
 optimizer steps, the same losses, gradient norms and (gathered) parameters as one process:
 <= 1e-10 relative in float64, <= 1e-5 in float32. A layout of 2 or 4 ranks runs on one 2- or
 4-rank slice of the world, chosen by the test's name. A covering set of the layouts with tp > 1
-runs again with ``--tp-sequence-parallel``. Every layout of 4 and 8 ranks whose nodes of 2 or 4
-ranks hold more than one rank of a dp x sp group, and more than one node, runs with
-hierarchical reduction (with and without ZeRO-1, several buckets), and every layout with sp of
-4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring across; on nodes of 2 ranks, and of 4
-at 8 ranks). ZeRO-2 and ZeRO-3 (sharded gradients, and parameters gathered per layer) run on a
+runs again with ``--tp-sequence-parallel``. A covering set of the layouts of 4 and 8 ranks whose
+nodes of 2 or 4 ranks hold more than one rank of a dp x sp group, and more than one node, runs
+with hierarchical reduction (each node size, with and without ZeRO-1, several buckets), and a
+covering set of the layouts with sp of 4 or 8 runs hybrid attention (Ulysses over 2 ranks, ring
+across; each split, with and without overlap, on nodes of 2 and 4 ranks). ZeRO-2 and ZeRO-3 (sharded gradients, and parameters gathered per layer) run on a
 covering set of the base layouts with dp x sp > 1, then with every schedule, SP mode and split,
 tp sequence parallelism, prefetch depths 0, 1 and 2, and the tied, scaled and windowed models
 (their recompute modes are in ``test_recompute.py``); ZeRO-3 with the parameters in node shared
@@ -73,16 +73,18 @@ def _nodes_split(dp, tp, pp, sp, k) -> bool:
     return 1 < per_node < dp * sp
 
 
-HIERARCHICAL = [dict(dp=dp, tp=tp, pp=pp, sp=sp, ranks_per_node=k, dp_reduce="hierarchical",
+HIERARCHICAL = covering([dict(dp=dp, tp=tp, pp=pp, sp=sp, ranks_per_node=k, dp_reduce="hierarchical",
                      bucket_mb=0.002, **zero)
                 for dp, tp, pp, sp in BASE for k in (2, 4)
                 for zero in ({}, {"zero": 1})[:1 + ((k == 2) == (dp * tp * pp * sp == 4))]
-                if k < dp * tp * pp * sp and _nodes_split(dp, tp, pp, sp, k)]
-HYBRID = [dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_size=2, **extra)
+                if k < dp * tp * pp * sp and _nodes_split(dp, tp, pp, sp, k)],
+                        options=("ranks_per_node", "zero"))
+HYBRID = covering([dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_size=2, **extra)
           for dp, tp, pp, sp in BASE if sp >= 4 and tp == 1
           for extra in ({}, {"sp_split": "zigzag"},
                         {"sp_split": "zigzag", "sp_overlap": True, "ranks_per_node": 2},
-                        {"ranks_per_node": 4})[:3 + (dp * pp * sp == 8)]]
+                        {"ranks_per_node": 4})[:3 + (dp * pp * sp == 8)]],
+                  options=("sp_split", "sp_overlap", "ranks_per_node"))
 VARIANTS = _variants() + HIERARCHICAL + HYBRID
 TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True)
                         for v in _variants(lambda dp, tp, pp, sp: tp > 1, every_base=False)]

@@ -57,3 +57,17 @@ def test_a_covering_set_holds_every_axis_value_and_world_size():
     assert ({c["dp"] * c["tp"] * c["pp"] * c["sp"] for c in chosen} == {2, 4, 8})
     assert len(chosen) < len(cases) and all(c in cases for c in chosen)
     assert covering([]) == []
+
+
+def test_a_covering_set_holds_every_option_value_absent_included():
+    """Options (the node size, the ZeRO stage) are covered beside the axes, and an option a case
+    leaves out is a value of its own: a cover of hierarchical layouts keeps one without ZeRO-1
+    and one with it, on nodes of 2 and of 4 ranks."""
+    from conftest import covering
+    cases = [dict(dp=dp, sp=8 // dp, ranks_per_node=k, **zero) for dp in (2, 4, 8)
+             for k in (2, 4) for zero in ({}, {"zero": 1})]
+    chosen = covering(cases, options=("ranks_per_node", "zero"))
+    assert {c.get("zero") for c in chosen} == {None, 1}
+    assert {c["ranks_per_node"] for c in chosen} == {2, 4}
+    assert {c["dp"] for c in chosen} == {2, 4, 8}
+    assert len(chosen) < len(cases)

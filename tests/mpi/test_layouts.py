@@ -86,8 +86,9 @@ HYBRID = covering([dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode="hybrid", ulysses_si
                         {"ranks_per_node": 4})[:3 + (dp * pp * sp == 8)]],
                   options=("sp_split", "sp_overlap", "ranks_per_node"))
 VARIANTS = _variants() + HIERARCHICAL + HYBRID
-TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True)
-                        for v in _variants(lambda dp, tp, pp, sp: tp > 1, every_base=False)]
+TP_SEQUENCE_PARALLEL = [dict(v, tp_sequence_parallel=True) for v in covering(
+    _variants(lambda dp, tp, pp, sp: tp > 1, every_base=False),
+    options=("schedule", "sp_split", "sp_mode", "sp_overlap", "zero"))]
 # ZeRO-2 and ZeRO-3 on a covering set of the base layouts with dp x sp > 1, then with each schedule, SP mode and
 # split, tp sequence parallelism, prefetch depths and the tied and scaled models.
 ZERO_BASE = [case for zero in (2, 3) for case in covering(

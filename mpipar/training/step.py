@@ -343,30 +343,55 @@ def close(rank: Rank) -> None:
 # ------------------------------------------------------------------------ global tensors
 def gather_params(rank: Rank) -> dict[str, np.ndarray]:
     """Every global parameter (the master weights), assembled from all shards, on every rank
-    (tests, export)."""
+    (tests, export): each pipeline rank joins the tensors it holds from its tp ranks' shards in
+    one all-gather, then broadcasts them to the other pipeline ranks in one call; an expert held
+    at one ep position comes from its owner, one call per owner."""
     g, table, xp = rank.comms.groups, rank.model.table, rank.compute.xp
     tp, pp = g["tp"], g["pp"]
     frozen = rank.weights.frozen
     params = {**(frozen.master_tensors() if frozen is not None else {}),
               **rank.weights.reducer.master_tensors()}
-    out = {}
-    for placement in table:
-        owner = table.pipeline_rank(placement.name)
-        held = table.holds(placement.name, rank.comms.ep_rank)
-        if held and pp.rank == owner:
-            local = xp.ascontiguousarray(params[placement.name])
-            pieces = xp.empty((tp.size,) + local.shape, local.dtype)
-            tp.allgather(local, pieces)
-            full = np.ascontiguousarray(placement.unshard(list(to_host(pieces))))
+    dtype = rank.compute.master_dtype
+    held = [p for p in table if table.holds(p.name, rank.comms.ep_rank)]
+    out: dict[str, np.ndarray] = {}
+    for owner in range(pp.size):
+        stage = [p for p in held if table.pipeline_rank(p.name) == owner]
+        if not stage:
+            continue
+        if pp.rank == owner:
+            local = [xp.ascontiguousarray(params[p.name]).astype(dtype, copy=False).ravel()
+                     for p in stage]
+            flat = xp.concatenate(local)
+            pieces = to_host(tp.allgather(flat, xp.empty((tp.size, flat.size), dtype)))
+            fulls, at = [], 0
+            for p, one in zip(stage, local):
+                shape = params[p.name].shape
+                fulls.append(np.ascontiguousarray(p.unshard(
+                    [piece[at:at + one.size].reshape(shape) for piece in pieces])).ravel())
+                at += one.size
+            whole = np.concatenate(fulls)
         else:
-            full = np.empty(placement.spec.shape, rank.compute.master_dtype)
-        if held:
-            full = pp.bcast_(full, root=owner)
-        if table.ep > 1 and expert_of(placement.name) is not None:
-            # an expert held at one ep position (tp and pp ranks alike hold it or not)
-            full = g["ep"].bcast_(full, root=table.expert_owner(placement.name))
-        out[placement.name] = full
-    return out
+            whole = np.empty(sum(math.prod(p.spec.shape) for p in stage), dtype)
+        whole = pp.bcast_(whole, root=owner)
+        at = 0
+        for p in stage:
+            n = math.prod(p.spec.shape)
+            out[p.name] = whole[at:at + n].reshape(p.spec.shape)
+            at += n
+    if table.ep > 1:   # an expert held at one ep position (tp and pp ranks alike hold it or not)
+        experts = [p for p in table if expert_of(p.name) is not None]
+        for owner in sorted({table.expert_owner(p.name) for p in experts}):
+            mine = [p for p in experts if table.expert_owner(p.name) == owner]
+            whole = (np.concatenate([out[p.name].ravel() for p in mine])
+                     if g["ep"].rank == owner else
+                     np.empty(sum(math.prod(p.spec.shape) for p in mine), dtype))
+            whole = g["ep"].bcast_(whole, root=owner)
+            at = 0
+            for p in mine:
+                n = math.prod(p.spec.shape)
+                out[p.name] = whole[at:at + n].reshape(p.spec.shape)
+                at += n
+    return {p.name: out[p.name] for p in table}
 
 
 def load_params(rank: Rank, values: dict[str, np.ndarray], source: str = "load_params",

@@ -135,3 +135,21 @@ def test_a_rank_declared_failed_is_killed_by_the_first_survivor_on_its_node():
         assert child.wait(timeout=10) == -signal.SIGKILL
     finally:
         child.kill()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--on-rank-failure", "shrink", "--state-copies", "2"],
+     "train.state_copies=2: must be 0 or 1"),
+    (["--state-copies", "1"], "train.state_copies=1 with train.on_rank_failure='abort': the "
+                              "copies serve a shrink only"),
+    (["--on-rank-failure", "shrink", "--state-copies", "1", "--optimizer", "muon"],
+     "train.state_copies=1 with train.optimizer='muon'"),
+], ids=["two copies", "without shrink", "muon"])
+def test_state_copies_are_refused_where_they_cannot_serve(flags, message, capsys):
+    """``--state-copies``: 0 or 1, with ``--on-rank-failure shrink`` and AdamW; else exit 2
+    naming the value and the rule, before any collective."""
+    from mpipar.train import resolve_config
+    with pytest.raises(SystemExit) as exc:
+        resolve_config([*TINY, "--global-batch-size", "4", "--dp", "4", *flags], 4)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

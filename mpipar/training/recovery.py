@@ -38,7 +38,9 @@ holds the whole training state (dp replicas: tp = pp = 1, ZeRO-0, experts not sh
 error-feedback residuals): the master weights and AdamW's moments, as global tensors, the
 routing biases; the last two steps' copies are kept (a survivor may be one step ahead of
 another when the failure reaches them). It costs three copies of the parameters per copy kept,
-and a copy of them a step. Other layouts recover from the last checkpoint.
+and a copy of them a step. With ``--state-copies 1`` every layout keeps its shares on partner
+ranks instead (:mod:`mpipar.training.state_copies`): the survivors pool the last step every one
+of them holds, when every lost rank's partner survived. Otherwise the last checkpoint.
 """
 from __future__ import annotations
 
@@ -51,11 +53,13 @@ import numpy as np
 from mpipar.config import ConfigError
 from mpipar.layout import Layout
 from mpipar.model.lora import Lora
+from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.parallel.data_parallel.reducer import GradReducer
 from mpipar.runtime import ulfm
 from mpipar.runtime.comm import Group, Ledger
 from mpipar.runtime.device import to_host
 from mpipar.training.optim import IDLE, AdamW
+from mpipar.training.optimizers import optimizer_mode
 from mpipar.training.rank import Rank, build_rank
 from mpipar.training.state_copies import GROUP as COPY_GROUP
 from mpipar.training.state_copies import StateCopies, assemble, recoverable
@@ -263,8 +267,10 @@ class Shrink:
         start = min(step for step, _, _ in held)
         failed_step = max(step for step, _, _ in held) + 1
         in_memory = all(start in copies for _, copies, _ in held)
-        if self.state_copies and in_memory and all(
+        common = set.intersection(*(set(copies) for _, copies, _ in held))
+        if self.state_copies and common and all(
                 recoverable(old_world, h, failed) for _, _, h in held):
+            start = max(common)   # a failure in the step's exchange: the step before it
             pool: dict = {}
             for part in world.allgather_object(shares.contribution(start, failed)):
                 pool.update(part)
@@ -316,12 +322,12 @@ def check_config(layout: Layout) -> None:
             f"train.state_copies={t.state_copies} with train.on_rank_failure="
             f"{t.on_rank_failure!r}: the copies serve a shrink only; give --on-rank-failure "
             f"shrink, or --state-copies 0")
-    if t.state_copies and t.optimizer != "adamw":
+    if t.state_copies and optimizer_mode(t).muon:
         raise ConfigError(
             f"train.state_copies={t.state_copies} with train.optimizer={t.optimizer!r}: the "
             f"copies hold AdamW's state; give --optimizer adamw, or --state-copies 0 (the "
             f"shrink then restores from the last checkpoint)")
-    if t.state_copies and layout.parallel.grad_compression != "none":
+    if t.state_copies and reduction_of(layout.parallel).compresses:
         raise ConfigError(
             f"train.state_copies={t.state_copies} with parallel.grad_compression="
             f"{layout.parallel.grad_compression!r}: the copies hold the master weights and "

@@ -153,3 +153,14 @@ def test_state_copies_are_refused_where_they_cannot_serve(flags, message, capsys
         resolve_config([*TINY, "--global-batch-size", "4", "--dp", "4", *flags], 4)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_ranks_copy_is_held_on_another_node_where_there_are_several():
+    """The holder of each rank's share: on another node when the nodes allow it (two nodes of
+    two ranks: across them; three ranks on two nodes: one shift fits none, the next rank), else
+    the next rank."""
+    from mpipar.training.state_copies import holders
+    assert holders(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert holders(["a", "b", "a", "b"]) == [1, 2, 3, 0]
+    assert holders(["a", "a", "a"]) == [1, 2, 0]
+    assert holders(["a", "a", "b"]) == [1, 2, 0]

@@ -191,7 +191,8 @@ class Shrink:
 
     def before_step(self, rank: Rank, step: int) -> None:
         """Step ``step`` (0-based) begins: copy the state it starts from, when this rank holds
-        all of it."""
+        all of it; with ``--state-copies 1``, swap this rank's share with its partners (booked
+        in the rank's ledger, group ``copy``)."""
         self.in_flight = step
         if self.state_copies:
             if self.shares is None or self.shares.group.ledger is not rank.ledger:
@@ -256,7 +257,8 @@ class Shrink:
                          tuple(node for node, _ in self.peers))
 
     def _restore_point(self, world: Group, failed: list[int], old_world: int,
-                       shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, StateCopy | None, str | None]:
+                       shapes: dict[str, tuple[int, ...]]
+                       ) -> tuple[int, int, StateCopy | None, str | None]:
         """(the step to go on from, the step (1-based) in flight when the failure struck, the
         state in memory or None, else the checkpoint holding it), the same on every survivor.
         A failure in a step's checkpoint save or evaluation is one of that step."""
@@ -287,8 +289,8 @@ class Shrink:
         if path is None:
             raise Unrecoverable(
                 f"the state of step {start} is not held by every survivor (dp replicas of "
-                f"the whole state, or --state-copies 1 with every lost rank's holder alive) and {self.save_dir} holds no "
-                f"checkpoint (--save-every)")
+                f"the whole state, or --state-copies 1 with every lost rank's holder alive) "
+                f"and {self.save_dir} holds no checkpoint (--save-every)")
         from mpipar.checkpoint import reader
         return reader.require_sound(reader.resolve_path(path)).step, failed_step, None, path
 

@@ -11,7 +11,7 @@ from mpipar.plan.memory import predict_memory
 from mpipar.plan.traffic import predict_step_bytes
 from mpipar.rules import validate
 
-CASES = [dict(dp=2, tp=2, zero=1, bucket_mb=0.003), dict(dp=2, pp=2, zero=3)]
+CASES = [dict(dp=2, tp=2, zero=1, bucket_mb=0.003), dict(dp=2, pp=2, zero=3), dict(dp=2, pp=2)]
 
 
 def _pieces(eng) -> dict:
@@ -35,7 +35,7 @@ def _check(comm, case: dict) -> list[str]:
     copies.refresh(eng, 0)
     trainer.train_step(eng, 0)
     got, want = eng.ledger.bytes_by_group(), predict_step_bytes(cfg, eng.coord)
-    if got != want or not got.get(GROUP):
+    if got != want or GROUP not in got:   # ZeRO-0: the replicas of dp rank 0 send 0 bytes
         fails.append(f"{eng.coord}: ledger bytes {got} != predicted {want}")
     copies.refresh(eng, 1)
     held = sum(s.values.nbytes for s in (*copies.own.values(), *copies.partner.values()))
@@ -59,6 +59,6 @@ def _check(comm, case: dict) -> list[str]:
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("case", CASES, ids=["dp2-tp2-zero1", "dp2-pp2-zero3"])
+@pytest.mark.parametrize("case", CASES, ids=["dp2-tp2-zero1", "dp2-pp2-zero3", "dp2-pp2-zero0"])
 def test_copies_cost_what_the_planner_says_and_restore_the_state(world, case):
     check_in_groups(world, 4, lambda comm: _check(comm, case))

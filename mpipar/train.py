@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> int:
     from mpipar.runtime.comm import Group, Ledger
     from mpipar.training.recovery import on_rank_failure
     ctx = RunContext(cfg, Group(comm, "world", Ledger()), stop, report, notes)
-    ctx.on_rank_failure = on_rank_failure(cfg.train.on_rank_failure, relayout, cfg.train.save_dir)
+    ctx.on_rank_failure = on_rank_failure(cfg.train.on_rank_failure, relayout, cfg.train.save_dir,
+                                         cfg.train.state_copies)
     refusal = ctx.on_rank_failure.refusal()   # the same on every rank, before any collective
     if refusal is not None:
         fail_usage(refusal, comm)

@@ -11,6 +11,8 @@ training step starts written to a file, so the bench reads when things happened)
   state of the step in flight from their copies in memory and redo it;
 - **shrink, from the checkpoint**: the same with ``--pp 2``: no rank holds the whole state, so
   the last checkpoint is read onto the smaller world, and the steps since it are redone;
+- **shrink, from state copies**: ``--pp 2`` with ``--state-copies 1``: the lost rank's share is
+  held by a partner, the survivors pool the state of the step in flight and redo it;
 - **requeue**: ``--on-rank-failure abort``: the job ends; a new launch on the same number of ranks
   (a replaced node) resumes with ``--resume auto`` and redoes the steps since the checkpoint.
 
@@ -36,6 +38,7 @@ KILL_VAR = "MPIPAR_BENCH_KILL"     # "RANK@STEP": that world rank dies as that s
 STARTS_VAR = "MPIPAR_BENCH_STARTS"  # a file rank 0 appends "STEP WALL_TIME" to as each step starts
 WAYS = {"shrink, from memory": ("shrink", []),
         "shrink, from the checkpoint": ("shrink", ["--pp", "2"]),
+        "shrink, from state copies": ("shrink", ["--pp", "2", "--state-copies", "1"]),
         "requeue": ("abort", [])}
 
 
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"recovery: {args.ranks} ranks, rank 1 killed as step {args.kill_step} of "
           f"{args.steps} begins, a checkpoint every {args.save_every} steps; flags: "
           f"{args.train_flags}", flush=True)
-    rows = [_way(name, args) for name in WAYS]
+    rows = [_way(name, args) for name in WAYS if name in args.ways.split(";")]
     print_header(f"{'way':<28} {'to next step s':>15} {'steps redone':>13} {'redone s':>9} "
                  f"{'lost s':>8}")
     for r in rows:
@@ -143,6 +146,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mpirun-flags", default="--with-ft ulfm --mca btl tcp,self",
                         help="Open MPI 5's mpirun flags for ULFM (add --oversubscribe when the "
                              "ranks outnumber the cores)")
+    parser.add_argument("--ways", default=";".join(WAYS),
+                        help=f"the ways to run, separated by ';', of: {'; '.join(WAYS)}")
     parser.add_argument("--out", default="bench-recovery", help="where the runs are written")
 
 

@@ -143,6 +143,12 @@ class TrainConfig:
                                        "with ULFM: the survivors drop it and train on from the "
                                        "last consistent state, the global batch kept)",
                               choices=("abort", "shrink"))
+    state_copies: int = _f(0, "with --on-rank-failure shrink: keep a copy of every rank's share "
+                              "of the training state on a partner rank (on another node when "
+                              "there are several), refreshed each step, so a lost rank's state "
+                              "is restored from the survivors' memory under any layout (0: "
+                              "only dp replicas of the whole state recover from memory; "
+                              "1: one copy, survives the loss of a rank or of a node)")
     collective_timeout: float = _f(0.0, "abort a run stuck this many seconds in one collective, "
                                         "naming the operation and group (0: off)")
     startup_timeout: float = _f(600.0, "with --collective-timeout: the limit until step 1 has "

@@ -27,6 +27,7 @@ from mpipar.model.params import param_specs
 from mpipar.model.recompute import NONE, Recompute
 from mpipar.parallel.pipeline.cost import saved_peak
 from mpipar.parallel.registry import AXES
+from mpipar.plan import state_copies
 from mpipar.plan.optimizer import optimizer_buffer_bytes, optimizer_elements
 from mpipar.plan.rank import (expert_buckets, expert_unit_lengths, frozen_unit_lengths,
                               local_param_shapes, node_copy, placement_table, rank_ops,
@@ -52,6 +53,7 @@ class MemoryEstimate:
     residuals: int = 0  # error-feedback residuals of compressed reduction
     masters: int = 0   # bf16 compute: the float32 master weights (ZeRO-0: whole; ZeRO-1/2/3:
                        # the owned slices); 0 when the weights are the masters
+    copies: int = 0    # --state-copies: the state copies kept (mpipar.plan.state_copies)
 
     @property
     def state(self) -> int:
@@ -60,7 +62,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.state + self.activations + self.buffers + self.residuals
+        return self.state + self.activations + self.buffers + self.residuals + self.copies
 
 
 def _precision(layout: Layout) -> Precision:
@@ -166,14 +168,15 @@ def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     buffers = sum(h.buffers for h in held) + optimizer_buffer_bytes(layout, coord)
     residuals = sum(h.residuals for h in held)
     frozen = _frozen_bytes(layout, coord)
+    copies = state_copies.copy_memory(layout, coord)   # --state-copies
     if par.zero < 2:
         return MemoryEstimate(flat * e + frozen, flat * g, optimizer, activations, buffers,
-                              residuals, masters)
+                              residuals, masters, copies)
     copy = node_copy(layout, coord)
     weights = (flat if par.zero == 2 else owned if copy is None     # its part of the node's
                else sum(L // copy[0] for L in lengths) + expert_owned) * e   # copy; experts
     return MemoryEstimate(weights + frozen, owned * g, optimizer, activations, buffers,
-                          residuals, masters)
+                          residuals, masters, copies)
 
 
 def _frozen_bytes(layout: Layout, coord: Coord) -> int:

@@ -93,7 +93,8 @@ def group_sizes(layout: Layout) -> dict[str, int]:
     return {"tp": par.tp, "pp": par.pp, "dp": dp, "sp": par.sp, "dp_sp": dp * par.sp,
             "tp_pp": par.tp * par.pp, "pp_ends": min(par.pp, 2), "dp_sp_intra": intra,
             "dp_sp_inter": dp * par.sp // intra, "sp_ulysses": u, "sp_ring": par.sp // u,
-            "ep": par.ep, "ep_dp": dp * par.sp // expert_shards(layout)}
+            "ep": par.ep, "ep_dp": dp * par.sp // expert_shards(layout),
+            "copy": layout.world}   # --state-copies: a rank and its holder over the world
 
 
 def group_members(layout: Layout, name: str, rank: int) -> list[int]:
@@ -102,6 +103,8 @@ def group_members(layout: Layout, name: str, rank: int) -> list[int]:
     consecutive ranks of dp x sp the engine splits off, and ``ep_dp``, the ranks of dp x sp at
     the same place of their ep group (:mod:`mpipar.parallel.experts`)."""
     shape, nodes = grid_shape(layout), nodes_of(layout)
+    if name == "copy":   # --state-copies: the world the copies' exchange runs on
+        return list(range(layout.world))
     if name in ("ep", "ep_dp"):
         dp_sp, ep = shape.members("dp_sp", rank, nodes), layout.parallel.ep
         at = dp_sp.index(rank)

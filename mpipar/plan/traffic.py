@@ -27,6 +27,7 @@ from mpipar.model.params import EMBED
 from mpipar.parallel.calls import Call
 from mpipar.parallel.fsdp.cost import unit_passes
 from mpipar.parallel.registry import AXES
+from mpipar.plan import state_copies
 from mpipar.plan.optimizer import optimizer_calls
 from mpipar.plan.rank import (expert_unit_lengths, frozen_kept_units, frozen_unit_lengths,
                               gradient_buckets, grid_shape,
@@ -129,6 +130,8 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
     rank = PlannedStep(layout, coord, train, eval_batches, documents)
     calls = [call for axis in AXES for call in axis.calls(rank)]
     calls += optimizer_calls(layout, coord) if train else []
+    # --state-copies: the step's copy of the rank's state to its holder
+    calls += state_copies.copy_calls(layout, coord) if train else []
     return [c for c in calls + _scalar_calls(layout, coord, train) if c.count]
 
 

@@ -178,10 +178,10 @@ def _loop(rank: Rank, start: int, ctx: RunContext, books: Books) -> LoopOutcome:
     peaks, flops, skipped = books.peaks, books.flops, books.skipped
     out, io = LoopOutcome(saved=start), 0.0
     for k in range(start, tr.steps):
-        ctx.on_rank_failure.before_step(rank, k)
+        rank.ledger.reset()
+        ctx.on_rank_failure.before_step(rank, k)   # the state copies' exchange is the step's
         if ctx.tracer is not None:
             ctx.tracer.begin(k + 1)
-        rank.ledger.reset()
         started = time.time()
         result = steps.train_step(rank, k)
         if ctx.tracer is not None:

@@ -38,7 +38,9 @@ holds the whole training state (dp replicas: tp = pp = 1, ZeRO-0, experts not sh
 error-feedback residuals): the master weights and AdamW's moments, as global tensors, the
 routing biases; the last two steps' copies are kept (a survivor may be one step ahead of
 another when the failure reaches them). It costs three copies of the parameters per copy kept,
-and a copy of them a step. Other layouts recover from the last checkpoint.
+and a copy of them a step. With ``--state-copies 1`` every layout keeps its shares on partner
+ranks instead (:mod:`mpipar.training.state_copies`): the survivors pool the last step every one
+of them holds, when every lost rank's partner survived. Otherwise the last checkpoint.
 """
 from __future__ import annotations
 
@@ -51,12 +53,16 @@ import numpy as np
 from mpipar.config import ConfigError
 from mpipar.layout import Layout
 from mpipar.model.lora import Lora
+from mpipar.parallel.data_parallel.modes import reduction_of
 from mpipar.parallel.data_parallel.reducer import GradReducer
 from mpipar.runtime import ulfm
 from mpipar.runtime.comm import Group, Ledger
 from mpipar.runtime.device import to_host
 from mpipar.training.optim import IDLE, AdamW
+from mpipar.training.optimizers import optimizer_mode
 from mpipar.training.rank import Rank, build_rank
+from mpipar.training.state_copies import GROUP as COPY_GROUP
+from mpipar.training.state_copies import StateCopies, assemble, recoverable
 from mpipar.training.step import close
 
 MODES = ("abort", "shrink")
@@ -128,6 +134,16 @@ class StateCopy:
                 and isinstance(w.optimizer, AdamW) and isinstance(w.reducer, GradReducer)
                 and not w.reducer.feedback)
 
+    @classmethod
+    def pooled(cls, tensors: dict, kinds: set[str], step: int, moe_bias: dict,
+               dpo_reference) -> "StateCopy":
+        """The state the survivors pooled from their shares and the copies of the lost ones
+        (:func:`mpipar.training.state_copies.assemble`)."""
+        copy = cls.__new__(cls)
+        copy.tensors, copy.kinds, copy.step = tensors, kinds, step
+        copy.moe_bias, copy.dpo_reference = moe_bias, dpo_reference
+        return copy
+
     def read(self, kind: str, name: str, region) -> np.ndarray:
         return self.tensors[kind, name][region]
 
@@ -145,16 +161,21 @@ class Shrink:
 
     name = "shrink"
 
-    def __init__(self, relayout: Callable[[Layout, int], Layout], save_dir: str) -> None:
-        self.relayout, self.save_dir = relayout, save_dir
+    def __init__(self, relayout: Callable[[Layout, int], Layout], save_dir: str,
+                 state_copies: int = 0) -> None:
+        self.relayout, self.save_dir, self.state_copies = relayout, save_dir, state_copies
         self.in_flight = 0
         self.copies: dict[int, StateCopy] = {}
         self.peers: list[tuple[str, int]] = []   # every rank's (node, process id)
+        self.control: Group | None = None
+        self.shares: StateCopies | None = None   # --state-copies 1
 
     def start(self, control: Group) -> None:
         """Before the first step (a collective): note where every rank runs, to fence the
-        ranks declared failed (:func:`mpipar.runtime.ulfm.fence`)."""
+        ranks declared failed (:func:`mpipar.runtime.ulfm.fence`) and to place the state
+        copies."""
         self.peers = ulfm.peers(control.comm)
+        self.control = control
 
     @property
     def survivable(self) -> tuple[type[BaseException], ...]:
@@ -170,9 +191,17 @@ class Shrink:
 
     def before_step(self, rank: Rank, step: int) -> None:
         """Step ``step`` (0-based) begins: copy the state it starts from, when this rank holds
-        all of it."""
+        all of it; with ``--state-copies 1``, swap this rank's share with its partners (booked
+        in the rank's ledger, group ``copy``)."""
         self.in_flight = step
-        if StateCopy.holds_everything(rank) and step not in self.copies:
+        if self.state_copies:
+            if self.shares is None or self.shares.group.ledger is not rank.ledger:
+                names = [node for node, _ in self.peers]
+                nodes = [names.index(n) for n in names]
+                self.shares = StateCopies(Group(self.control.comm, COPY_GROUP, rank.ledger,
+                                                nodes), nodes, COPIES_KEPT)
+            self.shares.refresh(rank, step)
+        elif StateCopy.holds_everything(rank) and step not in self.copies:
             self.copies[step] = StateCopy(rank)
             for old in sorted(self.copies)[:-COPIES_KEPT]:
                 del self.copies[old]
@@ -193,7 +222,11 @@ class Shrink:
             ulfm.fence(failed, self.peers, control.rank)
             self.peers = [p for r, p in enumerate(self.peers) if r not in failed]
         world = Group(comm, "world", Ledger())
-        start, failed_step, copy, path = self._restore_point(world)
+        start, failed_step, copy, path = self._restore_point(world, failed, control.size,
+                                                              rank.state.shapes)
+        if copy is not None and copy.dpo_reference is None and rank.data.preference is not None:
+            ref = rank.data.preference.reference
+            copy.dpo_reference = None if ref is None else np.array(ref)
         try:
             layout = self.relayout(rank.layout, world.size)
         except ConfigError as err:
@@ -213,7 +246,7 @@ class Shrink:
             new.model.routing.load(reader.read_moe_bias(path))
             if new.data.preference is not None:
                 new.data.preference.load(reader.read_dpo_reference(path), start)
-        self.copies = {}
+        self.copies, self.shares, self.control = {}, None, world
         record = {"failed_ranks": failed, "failed_step": failed_step,
                   "from": "memory" if copy is not None else "checkpoint",
                   "resumed_step": start, "steps_redone": failed_step - start,
@@ -223,14 +256,29 @@ class Shrink:
         return Recovered(new, world, start, record, detected,
                          tuple(node for node, _ in self.peers))
 
-    def _restore_point(self, world: Group) -> tuple[int, int, StateCopy | None, str | None]:
-        """(the step to go on from, the step (1-based) in flight when the failure struck, this
-        rank's copy of its state or None, else the checkpoint holding it), the same on every
-        survivor. A failure in a step's checkpoint save or evaluation is one of that step."""
-        held = world.allgather_object((self.in_flight, sorted(self.copies)))
-        start = min(step for step, _ in held)
-        failed_step = max(step for step, _ in held) + 1
-        if all(start in copies for _, copies in held):
+    def _restore_point(self, world: Group, failed: list[int], old_world: int,
+                       shapes: dict[str, tuple[int, ...]]
+                       ) -> tuple[int, int, StateCopy | None, str | None]:
+        """(the step to go on from, the step (1-based) in flight when the failure struck, the
+        state in memory or None, else the checkpoint holding it), the same on every survivor.
+        A failure in a step's checkpoint save or evaluation is one of that step."""
+        shares = self.shares
+        steps = shares.steps() if shares is not None else sorted(self.copies)
+        holder = shares.holder if shares is not None else []
+        held = world.allgather_object((self.in_flight, steps, holder))
+        start = min(step for step, _, _ in held)
+        failed_step = max(step for step, _, _ in held) + 1
+        in_memory = all(start in copies for _, copies, _ in held)
+        common = set.intersection(*(set(copies) for _, copies, _ in held))
+        if self.state_copies and common and all(
+                recoverable(old_world, h, failed) for _, _, h in held):
+            start = max(common)   # a failure in the step's exchange: the step before it
+            pool: dict = {}
+            for part in world.allgather_object(shares.contribution(start, failed)):
+                pool.update(part)
+            tensors, kinds, bias = assemble(pool, shapes)
+            return start, failed_step, StateCopy.pooled(tensors, kinds, start, bias, None), None
+        if not self.state_copies and in_memory:
             return start, failed_step, self.copies[start], None
         from mpipar.checkpoint import directory
         path = None
@@ -240,9 +288,9 @@ class Shrink:
         path = world.bcast_object(path)
         if path is None:
             raise Unrecoverable(
-                f"the state of step {start} is not held by every survivor (only dp replicas "
-                f"of the whole state are copied in memory) and {self.save_dir} holds no "
-                f"checkpoint (--save-every)")
+                f"the state of step {start} is not held by every survivor (dp replicas of "
+                f"the whole state, or --state-copies 1 with every lost rank's holder alive) "
+                f"and {self.save_dir} holds no checkpoint (--save-every)")
         from mpipar.checkpoint import reader
         return reader.require_sound(reader.resolve_path(path)).step, failed_step, None, path
 
@@ -266,6 +314,27 @@ def check_config(layout: Layout) -> None:
     recovery restores the trained state (the adapters and their moments), and a frozen base
     read from ``--init-from-hf`` is no part of it."""
     t = layout.train
+    if t.state_copies not in (0, 1):
+        raise ConfigError(
+            f"train.state_copies={t.state_copies}: must be 0 or 1 (one copy on another node "
+            f"survives a rank's or a node's loss; a second copy, for the loss of a rank and its "
+            f"partner at once, is not kept)")
+    if t.state_copies and t.on_rank_failure != "shrink":
+        raise ConfigError(
+            f"train.state_copies={t.state_copies} with train.on_rank_failure="
+            f"{t.on_rank_failure!r}: the copies serve a shrink only; give --on-rank-failure "
+            f"shrink, or --state-copies 0")
+    if t.state_copies and optimizer_mode(t).muon:
+        raise ConfigError(
+            f"train.state_copies={t.state_copies} with train.optimizer={t.optimizer!r}: the "
+            f"copies hold AdamW's state; give --optimizer adamw, or --state-copies 0 (the "
+            f"shrink then restores from the last checkpoint)")
+    if t.state_copies and reduction_of(layout.parallel).compresses:
+        raise ConfigError(
+            f"train.state_copies={t.state_copies} with parallel.grad_compression="
+            f"{layout.parallel.grad_compression!r}: the copies hold the master weights and "
+            f"AdamW's moments, not compression's residuals; give --grad-compression none, or "
+            f"--state-copies 0")
     if t.on_rank_failure == "shrink" and Lora.of(t) is not None and t.init_from_hf:
         raise ConfigError(
             f"train.on_rank_failure='shrink' with train.lora_rank={t.lora_rank} and "
@@ -276,10 +345,10 @@ def check_config(layout: Layout) -> None:
 
 
 def on_rank_failure(mode: str, relayout: Callable[[Layout, int], Layout],
-                    save_dir: str) -> Abort | Shrink:
-    """The object of ``--on-rank-failure`` (one of :data:`MODES`)."""
+                    save_dir: str, state_copies: int = 0) -> Abort | Shrink:
+    """The object of ``--on-rank-failure`` (one of :data:`MODES`), with ``--state-copies``."""
     if mode == "shrink":
-        return Shrink(relayout, save_dir)
+        return Shrink(relayout, save_dir, state_copies)
     if mode == "abort":
         return Abort()
     raise ValueError(f"train.on_rank_failure={mode!r}: must be one of {MODES}")

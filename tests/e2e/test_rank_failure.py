@@ -123,6 +123,12 @@ CASES = {
     "dp x tp, ZeRO-1": ("2@3", ["--dp", "2", "--tp", "2", "--zero", "1", "--save-every", "2"],
                         [4, 4, 3, 3, 3, 3],
                         [([2], "checkpoint", 2, 4, "--dp 3 --tp 1 --pp 1 --sp 1 --ep 1 --zero 1")]),
+    # the same layout with --state-copies 1: rank 2's share is held by rank 3, and the state
+    # of step 3 (the step in flight) is pooled from the survivors' memory onto ZeRO-1 over dp=3
+    "dp x tp, ZeRO-1, state copies": (
+        "2@3", ["--dp", "2", "--tp", "2", "--zero", "1", "--state-copies", "1"],
+        [4, 4, 4, 3, 3, 3],
+        [([2], "memory", 3, 4, "--dp 3 --tp 1 --pp 1 --sp 1 --ep 1 --zero 1")]),
     # the new rank 0 goes on writing the metrics; steps 2-3 traced, the recovery with them
     "rank 0": ("0@3", ["--trace-steps", "2-3"], [4, 4, 4, 3, 3, 3],
                [([0], "memory", 3, 4, "--dp 3 --tp 1 --pp 1")]),

@@ -135,3 +135,32 @@ def test_a_rank_declared_failed_is_killed_by_the_first_survivor_on_its_node():
         assert child.wait(timeout=10) == -signal.SIGKILL
     finally:
         child.kill()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--on-rank-failure", "shrink", "--state-copies", "2"],
+     "train.state_copies=2: must be 0 or 1"),
+    (["--state-copies", "1"], "train.state_copies=1 with train.on_rank_failure='abort': the "
+                              "copies serve a shrink only"),
+    (["--on-rank-failure", "shrink", "--state-copies", "1", "--optimizer", "muon"],
+     "train.state_copies=1 with train.optimizer='muon'"),
+], ids=["two copies", "without shrink", "muon"])
+def test_state_copies_are_refused_where_they_cannot_serve(flags, message, capsys):
+    """``--state-copies``: 0 or 1, with ``--on-rank-failure shrink`` and AdamW; else exit 2
+    naming the value and the rule, before any collective."""
+    from mpipar.train import resolve_config
+    with pytest.raises(SystemExit) as exc:
+        resolve_config([*TINY, "--global-batch-size", "4", "--dp", "4", *flags], 4)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_ranks_copy_is_held_on_another_node_where_there_are_several():
+    """The holder of each rank's share: on another node when the nodes allow it (two nodes of
+    two ranks: across them; three ranks on two nodes: one shift fits none, the next rank), else
+    the next rank."""
+    from mpipar.training.state_copies import holders
+    assert holders(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert holders(["a", "b", "a", "b"]) == [1, 2, 3, 0]
+    assert holders(["a", "a", "a"]) == [1, 2, 0]
+    assert holders(["a", "a", "b"]) == [1, 2, 0]

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mpipar.model.attention import as_activations
 from mpipar.model.attention_scale import scale_queries
 
 Array = Any
@@ -130,21 +131,27 @@ def _heads(xp, m, kv: Array, k_r: Array) -> tuple[Array, Array]:
     return k, v
 
 
-def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: Array,
+def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: Array | None,
                c: LatentSaved, h1_in: Array, positions, rotate: Callable, lin) -> Array:
     """The gradient of the block's normed stream (as :meth:`TensorOps.linear_backward` returns
     it: summed over tp) from those of :func:`latent_fwd`'s q, k, v; weight gradients through
-    ``lin`` and, for the latent norms, into ``grads``."""
+    ``lin`` and, for the latent norms, into ``grads``. ``dv`` None: ``dk`` is the gradient of
+    the block's latent ``[B, S, r_kv + d_r]`` (a core that took :class:`LatentBlocks`, which
+    booked ``kv_b_proj``'s weight gradient)."""
     p, xp = f"layers.{i}.", kernels.xp
-    D, dr, dvh = m.head_dim, m.rope_head_dim, m.value_dim
+    D, dr, dvh, r = m.head_dim, m.rope_head_dim, m.value_dim, m.latent_kv_rank
     nope = D - dr
     lead = h1_in.shape[:-1]
     dq = scale_queries(dq, m.rope.softmax_factor(m))
-    dq_r, dk_r = rotate([xp.ascontiguousarray(dq[..., nope:]),
-                         dk[..., nope:].sum(axis=2, keepdims=True)], positions, backward=True)
+    dk_r = (dk[..., r:].reshape(dk.shape[:2] + (1, dr)) if dv is None
+            else dk[..., nope:].sum(axis=2, keepdims=True))
+    dq_r, dk_r = rotate([xp.ascontiguousarray(dq[..., nope:]), dk_r], positions, backward=True)
     dq = xp.concatenate([dq[..., :nope], dq_r], axis=-1).reshape(lead + (-1,))
-    dkv = xp.concatenate([dk[..., :nope], dv[..., :dvh]], axis=-1).reshape(lead + (-1,))
-    dckvn = lin(dkv, c.ckvn, p + KV_B)
+    if dv is None:
+        dckvn = xp.ascontiguousarray(dk[..., :r]).reshape(lead + (r,))
+    else:
+        dkv = xp.concatenate([dk[..., :nope], dv[..., :dvh]], axis=-1).reshape(lead + (-1,))
+        dckvn = lin(dkv, c.ckvn, p + KV_B)
     dckv, dw = kernels.rmsnorm_bwd(dckvn, c.ckv, params[p + KV_A_NORM], c.rstd_kv)
     grads[p + KV_A_NORM] += dw
     dkv_a = xp.concatenate([dckv.astype(dq.dtype, copy=False), dk_r.reshape(lead + (dr,))],
@@ -157,6 +164,62 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
     grads[p + Q_A_NORM] += dw
     return tp.linear_backward([dcq.astype(dq.dtype, copy=False), dkv_a], h1_in,
                               input_names(m, i), lin)
+
+
+def ring_passes_latent(m, heads: int) -> bool:
+    """Whether a ring of latent attention passes each position's latent and RoPE key
+    (:class:`LatentBlocks`, ``r_kv + d_r`` values) rather than the expanded K and V of the
+    ``heads`` heads a rank holds (``2 x heads x head_dim``, values zero-padded): when that is
+    fewer values. At DeepSeek-V3's shape (128 heads of 192, ``r_kv`` 512, ``d_r`` 64) 576
+    against 49,152, 85.3x fewer (10.7x at tp 8)."""
+    return m.latent and m.latent_kv_rank + m.rope_head_dim < 2 * heads * m.head_dim
+
+
+class LatentBlocks:
+    """The blocks of latent attention as a sequence-parallel ring passes them (the interface of
+    :class:`mpipar.parallel.sequence.ring.ExpandedBlocks`): per position the kv latent after
+    its norm and the rotated RoPE key ``[B, S, r_kv + d_r]`` (what :class:`LatentKVCache`
+    holds), expanded through ``kv_b_proj`` on this rank's heads by the rank that attends the
+    block (:func:`up_projection`). In backward the expanded block's dk, dv go back through the
+    up-projection on that rank: the block's gradient travels latent-sized, and ``kv_b_proj``'s
+    weight gradient is booked (through ``lin``) on each rank for the blocks it expanded, its
+    sum over sp the one-process gradient. The own block is expanded by :func:`latent_fwd`."""
+
+    def __init__(self, kernels, tp, params, i: int, m, k: Array, record: LatentSaved,
+                 lin=None) -> None:
+        xp, B, S, r = kernels.xp, k.shape[0], k.shape[1], m.latent_kv_rank
+        self.xp, self.m, self.i, self.lin = xp, m, i, lin
+        self.expand = up_projection(kernels, tp, params, m)
+        self.message = xp.ascontiguousarray(xp.concatenate(
+            [record.ckvn.reshape(B, S, r).astype(k.dtype, copy=False),
+             k[:, :, 0, m.head_dim - m.rope_head_dim:]], axis=-1))
+
+    def open(self, buf: Array) -> tuple[Array, Array]:
+        """(k, v) ``[B, S, h, D]`` of a block's latents (v zero-padded)."""
+        return self.expand(self.i, buf)
+
+    def accumulate(self, buf: Array, dbuf: Array, block_grads, kv=None) -> None:
+        """Add to ``dbuf`` the gradient of the latents ``buf`` through their expansion, from the
+        dk, dv that ``block_grads(k, v, dk, dv)`` adds; ``kv``: the block already expanded."""
+        k, v = kv or self.open(buf)
+        dk, dv = self.xp.zeros(k.shape, dbuf.dtype), self.xp.zeros(v.shape, dbuf.dtype)
+        block_grads(k, v, dk, dv)
+        dbuf += self._grad(buf, dk.astype(k.dtype, copy=False), dv.astype(k.dtype, copy=False))
+
+    def _grad(self, buf: Array, dk: Array, dv: Array) -> Array:
+        """The latents' gradient ``[B, S, r_kv + d_r]`` from their expansion's; ``kv_b_proj``'s
+        weight gradient through ``lin``."""
+        m, xp, r = self.m, self.xp, self.m.latent_kv_rank
+        nope = m.head_dim - m.rope_head_dim
+        B, S = buf.shape[:2]
+        dkv = xp.concatenate([dk[..., :nope], dv[..., :m.value_dim]], axis=-1).reshape(B, S, -1)
+        dckvn = self.lin(dkv, xp.ascontiguousarray(buf[..., :r]), f"layers.{self.i}." + KV_B)
+        return xp.concatenate([dckvn.reshape(B, S, r), dk[..., nope:].sum(axis=2)], axis=-1)
+
+    def result(self, dq: Array, dbuf: Array, like: Array) -> tuple[Array, Array, None]:
+        """The core's (dq, the own latents' gradient, None)."""
+        dq, dl = as_activations((dq, dbuf), like)
+        return dq, dl, None
 
 
 def attended_values(out: Array, m) -> Array:

@@ -249,23 +249,26 @@ class LatentKVCache:
     ``heads_replicated``), so each tp rank holds them whole: ``r_kv + d_r`` values a token and
     block, against the expanded cache's ``2 x heads / tp x head_dim``.
 
-    :meth:`append` stores the new positions' latents and returns the block's keys and values of
-    every cached position, reconstructed by the up-projection ``kv_b_proj`` (this rank's heads)
-    as :func:`latent_fwd` makes them: the attention core and its kernels are the expanded
-    path's, and only one block's expanded keys and values exist at a time. ``expand(i,
-    ckvn)`` is block ``i``'s up-projection (:func:`up_projection`)."""
+    :meth:`attend` stores the new positions' latents and attends over every cached position.
+    With ``absorb`` (:func:`absorbed_attention`, DeepSeek's inference) the up-projection
+    ``kv_b_proj`` is absorbed into the queries and the output and the heads attend over the
+    latents themselves; without it (``expand``, :func:`up_projection`) every cached position's
+    keys and values are rebuilt as :func:`latent_fwd` makes them (this rank's heads) and
+    attended by the expanded path's core, one block's at a time."""
 
     latents: dict[int, Array]
     expand: Callable[[int, Array], tuple[Array, Array]]
     model: Any
     length: int = 0
+    absorb: Callable | None = None
 
     @classmethod
     def empty(cls, xp, layers: range, batch: int, capacity: int, m, dtype,
-              expand: Callable[[int, Array], tuple[Array, Array]]) -> "LatentKVCache":
+              expand: Callable[[int, Array], tuple[Array, Array]],
+              absorb: Callable | None = None) -> "LatentKVCache":
         """A cache of ``capacity`` positions for blocks ``layers`` of the model ``m``."""
         shape = (batch, capacity, m.latent_kv_rank + m.rope_head_dim)
-        return cls({i: xp.zeros(shape, dtype) for i in layers}, expand, m)
+        return cls({i: xp.zeros(shape, dtype) for i in layers}, expand, m, absorb=absorb)
 
     @property
     def nbytes(self) -> int:
@@ -278,6 +281,11 @@ class LatentKVCache:
         norm (``record.ckvn``) and its rotated RoPE key (the rope columns of any head of ``k``
         ``[B, n, h, D]``; ``v`` unread); return the keys and values of positions ``[0, start +
         n)``, expanded."""
+        return self.expand(layer, self._store(layer, k, start, record))
+
+    def _store(self, layer: int, k: Array, start: int, record: LatentSaved) -> Array:
+        """Store the new positions' latents (as :meth:`append`); the cached ones ``[B, start +
+        n, r_kv + d_r]``."""
         m, cache = self.model, self.latents[layer]
         B, n, r = k.shape[0], k.shape[1], m.latent_kv_rank
         end = start + n
@@ -286,7 +294,50 @@ class LatentKVCache:
                              f"{cache.shape[1]} positions")
         cache[:, start:end, :r] = record.ckvn.reshape(B, n, r)
         cache[:, start:end, r:] = k[:, :, 0, m.head_dim - m.rope_head_dim:]
-        return self.expand(layer, cache[:, :end])
+        return cache[:, :end]
+
+    def attend(self, kernels, layer: int, q: Array, k: Array, v: Array, start: int,
+               record: LatentSaved, window: int) -> tuple[Array, Array]:
+        """Store block ``layer``'s new positions (their q, k, v ``[B, n, h, D]`` at ``[start,
+        start + n)``) and attend with ``q`` over every cached one: (out ``[B, n, h, D]``, values
+        zero-padded as the core's, lse)."""
+        if self.absorb is None:
+            keys, values = self.append(layer, k, v, start, record)
+            return kernels.attention_fwd(q, keys, values, start, 0, True, window=window)
+        return self.absorb(layer, q, self._store(layer, k, start, record), start, window)
+
+
+def absorbed_attention(kernels, params, m) -> Callable:
+    """Block ``i``'s attention of the queries ``q`` ``[B, n, h, D]`` (rotated and scaled, as
+    :func:`latent_fwd`'s; this rank's heads) at positions from ``start`` over its cached latents
+    ``[B, L, r_kv + d_r]`` (:class:`LatentKVCache`), with ``kv_b_proj`` absorbed: its key rows
+    ``W_uk`` ``[h, D - d_r, r_kv]`` into the queries, ``q_n W_uk`` ``[B, n, h, r_kv]``, so that a
+    head's score ``q_n . k_n + q_r . k_r`` is ``[q_n W_uk | q_r] . [c_kv | k_r]``, one key head
+    of ``r_kv + d_r`` every query head shares, at the expanded path's softmax scale; the values
+    are the latents ``c_kv`` (zero-padded to the key width) and the heads' outputs go through the
+    value rows ``W_uv`` ``[h, d_v, r_kv]`` after the attention. -> (out ``[B, n, h, D]``, values
+    zero-padded, lse). A decoding step costs ``h x (2 r_kv + d_r)`` multiply-adds a cached
+    position and block, against the rebuild's ``r_kv x h x (D - d_r + d_v)`` on top of the
+    attention's (DeepSeek-V3: 139 k against 16.8 M)."""
+    xp, r, dr, nope = kernels.xp, m.latent_kv_rank, m.rope_head_dim, m.head_dim - m.rope_head_dim
+    scale = 1.0 / float(m.head_dim) ** 0.5
+
+    def attend(i: int, q: Array, latents: Array, start: int, window: int):
+        B, n, h, D = q.shape
+        w = params[f"layers.{i}." + KV_B].reshape(h, nope + m.value_dim, r)
+        q_abs = xp.einsum("bnhd,hdr->bnhr", q[..., :nope], w[:, :nope])
+        keys = xp.ascontiguousarray(latents[:, :, None, :])
+        values = xp.zeros(keys.shape, keys.dtype)
+        values[..., :r] = keys[..., :r]
+        qa = xp.ascontiguousarray(xp.concatenate([q_abs.astype(q.dtype, copy=False),
+                                                  q[..., nope:]], axis=-1))
+        o, lse = kernels.attention_fwd(qa, keys, values, start, 0, True, scale=scale,
+                                       window=window)
+        out = xp.zeros(q.shape, o.dtype)
+        out[..., :m.value_dim] = xp.einsum("bnhr,hdr->bnhd", o[..., :r], w[:, nope:])
+        return out, lse
+
+    return attend
 
 
 def up_projection(kernels, tp, params, m) -> Callable[[int, Array], tuple[Array, Array]]:

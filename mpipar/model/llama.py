@@ -194,7 +194,7 @@ class KVCache:
 
     ``keys[i]``, ``values[i]``: ``[B, capacity, hkv, D]`` of block ``i`` (this rank's kv heads);
     positions ``[0, length)`` are filled. :meth:`LlamaStage.forward_only` appends a block's new
-    positions and reads back the whole prefix."""
+    positions and attends over the whole prefix (:meth:`attend`)."""
 
     keys: dict[int, Array]
     values: dict[int, Array]
@@ -226,6 +226,13 @@ class KVCache:
         self.keys[layer][:, start:end] = k
         self.values[layer][:, start:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def attend(self, kernels, layer: int, q: Array, k: Array, v: Array, start: int,
+               record: Any, window: int) -> tuple[Array, Array]:
+        """:meth:`append` block ``layer``'s new positions, then attend with ``q`` ``[B, n, hq,
+        D]`` over every cached one: (out, lse) of ``kernels.attention_fwd``."""
+        keys, values = self.append(layer, k, v, start, record)
+        return kernels.attention_fwd(q, keys, values, start, 0, True, window=window)
 
 
 class LinearGrads:
@@ -379,9 +386,7 @@ class DecoderBlock:
             out, attention_saved = self.attention.forward(q, key, v, positions, window,
                                                           **self._latent(params, i, key, qk))
         else:
-            keys, values = kv.append(i, key, v, int(positions[0]), qk)
-            out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
-                                                     window=window)
+            out, attention_saved = kv.attend(ops, i, q, key, v, int(positions[0]), qk, window)
         scope.progress()
         a, = apply_linears(self.tp, params, in_block(i, O_PROJ), attended_values(out, self.cfg))
         post = None                                  # sandwich norms: the outputs normalised

@@ -221,9 +221,10 @@ def test_a_latent_model_from_the_configuration_exports_as_deepseek(tmp_path, row
 
 # --------------------------------------------------------------------------- generation
 def test_deepseek_greedy_generation_equals_transformers(model, hf_dir, deepseek_float64):
-    """With the latent cache (the compressed latent and the RoPE key a position) and with the
-    expanded one (every head's keys and values): transformers' tokens, the same logits; each
-    cache's allocation is the analytic count of bytes a token (:func:`kv_cache_width`)."""
+    """With the latent cache (the compressed latent and the RoPE key a position), attended with
+    ``kv_b_proj`` absorbed (the default) and by expanding the latents, and with the expanded
+    cache (every head's keys and values): transformers' tokens, the same logits; each cache's
+    allocation is the analytic count of bytes a token (:func:`kv_cache_width`)."""
     cfg, params = load_hf(hf_dir)
     generator = build_generator(cfg, MPI.COMM_SELF)
     generator.load_params(params, load_selection_biases(hf_dir))
@@ -231,6 +232,12 @@ def test_deepseek_greedy_generation_equals_transformers(model, hf_dir, deepseek_
     caches = {latent: generator.new_cache(len(prompt) + new, latent) for latent in (True, False)}
     got = {latent: generator.generate(prompt, new, Sampling(0.0), keep_logits=True, cache=kv)
            for latent, kv in caches.items()}
+    rebuilt = generator.generate(prompt, new, Sampling(0.0), keep_logits=True,
+                                 cache=generator.new_cache(len(prompt) + new, True, absorb=False))
+    absorbed = max(rel(a, b) for a, b in zip(got[True].logits, rebuilt.logits))
+    print(f"\nabsorbed vs expanded latents: logits {absorbed:.2e}")
+    assert rebuilt.ids == got[True].ids and absorbed <= TOL
+    assert caches[True].absorb is not None
     model.eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():

@@ -6,8 +6,9 @@ routing with selection biases and a routed scale, two shared experts) is written
 transformers' save_pretrained and read by mpipar. mpipar's logits equal transformers'; both
 train two AdamW steps with clipping and the grouped router's balance loss, and the losses,
 balance losses, gradient norms and trained weights agree to 1e-10 relative; the export loads in
-transformers and gives mpipar's logits; greedy generation with the latent KV cache and with
-the expanded one equals transformers' ``generate``, each cache holding the bytes a token the
+transformers and gives mpipar's logits; greedy generation with the latent KV cache (its
+up-projection absorbed, and rebuilt) and with the expanded one equals transformers'
+``generate``, each cache holding the bytes a token the
 memory model counts. So do the logits and training of a model with the released checkpoints'
 yarn RoPE. A model without a query latent (``q_lora_rank`` null) and one built
 from mpipar's configuration alone give transformers' logits too. What is refused names the

@@ -35,7 +35,7 @@ from mpipar.runtime.device import to_host, training_backend
 from mpipar.runtime.comm import Group, Ledger
 from mpipar.config import Config
 from mpipar.model.attention import LocalAttention
-from mpipar.model.latent_attention import LatentKVCache, up_projection
+from mpipar.model.latent_attention import LatentKVCache, absorbed_attention, up_projection
 from mpipar.model.llama import KVCache, LlamaStage
 from mpipar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from mpipar.parallel.pipeline.schedule import build_schedule, forward_only
@@ -133,16 +133,21 @@ class Generator:
             feed = np.asarray([[token]], dtype=np.int64)
         return out
 
-    def new_cache(self, capacity: int, latent: bool | None = None) -> KVCache | LatentKVCache:
+    def new_cache(self, capacity: int, latent: bool | None = None,
+                  absorb: bool = True) -> KVCache | LatentKVCache:
         """An empty cache of ``capacity`` positions for this rank's blocks: of latent
         attention's compressed latents and RoPE keys (:class:`LatentKVCache`; ``latent`` None:
-        where the model has latent attention), else of this rank's kv heads' keys and values
-        (:class:`KVCache`, also a latent model's expanded form with ``latent=False``). A latent
-        cache expands with the parameters loaded when it is made."""
+        where the model has latent attention), attended with ``kv_b_proj`` absorbed into the
+        queries and the output (``absorb``, :func:`absorbed_attention`) or by expanding the
+        cached latents; else of this rank's kv heads' keys and values (:class:`KVCache`, also a
+        latent model's expanded form with ``latent=False``). A latent cache uses the parameters
+        loaded when it is made."""
         m, layers = self.model, self.stage.layers
         if m.latent if latent is None else latent:
-            return LatentKVCache.empty(self.xp, layers, 1, capacity, m, self.dtype,
-                                       up_projection(self.kernels, self.tensor, self.params, m))
+            return LatentKVCache.empty(
+                self.xp, layers, 1, capacity, m, self.dtype,
+                up_projection(self.kernels, self.tensor, self.params, m),
+                absorbed_attention(self.kernels, self.params, m) if absorb else None)
         return KVCache.empty(self.xp, layers, 1, capacity, m.kv_heads // self.tensor.size,
                              m.head_dim, self.dtype)
 

@@ -15,7 +15,10 @@ backward reads, so the block's recomputation knows what it may drop:
   where it becomes an activation gradient (before a message that carries it as one);
 - ``needs_inputs``: whether backward reads q, k, v (and ``out``) as given. When it does, the
   block keeps them (``--recompute none``) or recomputes q, k, v from its input
-  (``selective``); when it does not, the block keeps none of them and passes None.
+  (``selective``); when it does not, the block keeps none of them and passes None;
+- ``passes_latent``: whether the core takes latent attention's blocks as latents (the ring,
+  :class:`mpipar.model.latent_attention.LatentBlocks`): its forward and backward then take
+  ``latent=`` and its backward returns the latent's gradient in place of dk (dv None).
 
 Shapes: q ``[B, S, hq, D]``, k/v ``[B, S, hkv, D]``, out ``[B, S, hq, D]``, lse ``[B, hq, S]``.
 """
@@ -55,6 +58,7 @@ class AttentionCore(Protocol):
     """Causal attention of this rank's queries over the whole (possibly distributed) sequence."""
 
     needs_inputs: bool
+    passes_latent: bool
 
     def forward(self, q: Array, k: Array, v: Array,
                 positions: np.ndarray) -> tuple[Array, Any]:
@@ -69,6 +73,7 @@ class LocalAttention:
     """Attention over a sequence held entirely by this rank (no SP): saves the lse only."""
 
     needs_inputs = True
+    passes_latent = False
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mpipar.model.attention import as_activations
 from mpipar.model.attention_scale import scale_queries
 
 Array = Any
@@ -130,21 +131,27 @@ def _heads(xp, m, kv: Array, k_r: Array) -> tuple[Array, Array]:
     return k, v
 
 
-def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: Array,
+def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: Array | None,
                c: LatentSaved, h1_in: Array, positions, rotate: Callable, lin) -> Array:
     """The gradient of the block's normed stream (as :meth:`TensorOps.linear_backward` returns
     it: summed over tp) from those of :func:`latent_fwd`'s q, k, v; weight gradients through
-    ``lin`` and, for the latent norms, into ``grads``."""
+    ``lin`` and, for the latent norms, into ``grads``. ``dv`` None: ``dk`` is the gradient of
+    the block's latent ``[B, S, r_kv + d_r]`` (a core that took :class:`LatentBlocks`, which
+    booked ``kv_b_proj``'s weight gradient)."""
     p, xp = f"layers.{i}.", kernels.xp
-    D, dr, dvh = m.head_dim, m.rope_head_dim, m.value_dim
+    D, dr, dvh, r = m.head_dim, m.rope_head_dim, m.value_dim, m.latent_kv_rank
     nope = D - dr
     lead = h1_in.shape[:-1]
     dq = scale_queries(dq, m.rope.softmax_factor(m))
-    dq_r, dk_r = rotate([xp.ascontiguousarray(dq[..., nope:]),
-                         dk[..., nope:].sum(axis=2, keepdims=True)], positions, backward=True)
+    dk_r = (dk[..., r:].reshape(dk.shape[:2] + (1, dr)) if dv is None
+            else dk[..., nope:].sum(axis=2, keepdims=True))
+    dq_r, dk_r = rotate([xp.ascontiguousarray(dq[..., nope:]), dk_r], positions, backward=True)
     dq = xp.concatenate([dq[..., :nope], dq_r], axis=-1).reshape(lead + (-1,))
-    dkv = xp.concatenate([dk[..., :nope], dv[..., :dvh]], axis=-1).reshape(lead + (-1,))
-    dckvn = lin(dkv, c.ckvn, p + KV_B)
+    if dv is None:
+        dckvn = xp.ascontiguousarray(dk[..., :r]).reshape(lead + (r,))
+    else:
+        dkv = xp.concatenate([dk[..., :nope], dv[..., :dvh]], axis=-1).reshape(lead + (-1,))
+        dckvn = lin(dkv, c.ckvn, p + KV_B)
     dckv, dw = kernels.rmsnorm_bwd(dckvn, c.ckv, params[p + KV_A_NORM], c.rstd_kv)
     grads[p + KV_A_NORM] += dw
     dkv_a = xp.concatenate([dckv.astype(dq.dtype, copy=False), dk_r.reshape(lead + (dr,))],
@@ -157,6 +164,62 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
     grads[p + Q_A_NORM] += dw
     return tp.linear_backward([dcq.astype(dq.dtype, copy=False), dkv_a], h1_in,
                               input_names(m, i), lin)
+
+
+def ring_passes_latent(m, heads: int) -> bool:
+    """Whether a ring of latent attention passes each position's latent and RoPE key
+    (:class:`LatentBlocks`, ``r_kv + d_r`` values) rather than the expanded K and V of the
+    ``heads`` heads a rank holds (``2 x heads x head_dim``, values zero-padded): when that is
+    fewer values. At DeepSeek-V3's shape (128 heads of 192, ``r_kv`` 512, ``d_r`` 64) 576
+    against 49,152, 85.3x fewer (10.7x at tp 8)."""
+    return m.latent and m.latent_kv_rank + m.rope_head_dim < 2 * heads * m.head_dim
+
+
+class LatentBlocks:
+    """The blocks of latent attention as a sequence-parallel ring passes them (the interface of
+    :class:`mpipar.parallel.sequence.ring.ExpandedBlocks`): per position the kv latent after
+    its norm and the rotated RoPE key ``[B, S, r_kv + d_r]`` (what :class:`LatentKVCache`
+    holds), expanded through ``kv_b_proj`` on this rank's heads by the rank that attends the
+    block (:func:`up_projection`). In backward the expanded block's dk, dv go back through the
+    up-projection on that rank: the block's gradient travels latent-sized, and ``kv_b_proj``'s
+    weight gradient is booked (through ``lin``) on each rank for the blocks it expanded, its
+    sum over sp the one-process gradient. The own block is expanded by :func:`latent_fwd`."""
+
+    def __init__(self, kernels, tp, params, i: int, m, k: Array, record: LatentSaved,
+                 lin=None) -> None:
+        xp, B, S, r = kernels.xp, k.shape[0], k.shape[1], m.latent_kv_rank
+        self.xp, self.m, self.i, self.lin = xp, m, i, lin
+        self.expand = up_projection(kernels, tp, params, m)
+        self.message = xp.ascontiguousarray(xp.concatenate(
+            [record.ckvn.reshape(B, S, r).astype(k.dtype, copy=False),
+             k[:, :, 0, m.head_dim - m.rope_head_dim:]], axis=-1))
+
+    def open(self, buf: Array) -> tuple[Array, Array]:
+        """(k, v) ``[B, S, h, D]`` of a block's latents (v zero-padded)."""
+        return self.expand(self.i, buf)
+
+    def accumulate(self, buf: Array, dbuf: Array, block_grads, kv=None) -> None:
+        """Add to ``dbuf`` the gradient of the latents ``buf`` through their expansion, from the
+        dk, dv that ``block_grads(k, v, dk, dv)`` adds; ``kv``: the block already expanded."""
+        k, v = kv or self.open(buf)
+        dk, dv = self.xp.zeros(k.shape, dbuf.dtype), self.xp.zeros(v.shape, dbuf.dtype)
+        block_grads(k, v, dk, dv)
+        dbuf += self._grad(buf, dk.astype(k.dtype, copy=False), dv.astype(k.dtype, copy=False))
+
+    def _grad(self, buf: Array, dk: Array, dv: Array) -> Array:
+        """The latents' gradient ``[B, S, r_kv + d_r]`` from their expansion's; ``kv_b_proj``'s
+        weight gradient through ``lin``."""
+        m, xp, r = self.m, self.xp, self.m.latent_kv_rank
+        nope = m.head_dim - m.rope_head_dim
+        B, S = buf.shape[:2]
+        dkv = xp.concatenate([dk[..., :nope], dv[..., :m.value_dim]], axis=-1).reshape(B, S, -1)
+        dckvn = self.lin(dkv, xp.ascontiguousarray(buf[..., :r]), f"layers.{self.i}." + KV_B)
+        return xp.concatenate([dckvn.reshape(B, S, r), dk[..., nope:].sum(axis=2)], axis=-1)
+
+    def result(self, dq: Array, dbuf: Array, like: Array) -> tuple[Array, Array, None]:
+        """The core's (dq, the own latents' gradient, None)."""
+        dq, dl = as_activations((dq, dbuf), like)
+        return dq, dl, None
 
 
 def attended_values(out: Array, m) -> Array:
@@ -186,23 +249,26 @@ class LatentKVCache:
     ``heads_replicated``), so each tp rank holds them whole: ``r_kv + d_r`` values a token and
     block, against the expanded cache's ``2 x heads / tp x head_dim``.
 
-    :meth:`append` stores the new positions' latents and returns the block's keys and values of
-    every cached position, reconstructed by the up-projection ``kv_b_proj`` (this rank's heads)
-    as :func:`latent_fwd` makes them: the attention core and its kernels are the expanded
-    path's, and only one block's expanded keys and values exist at a time. ``expand(i,
-    ckvn)`` is block ``i``'s up-projection (:func:`up_projection`)."""
+    :meth:`attend` stores the new positions' latents and attends over every cached position.
+    With ``absorb`` (:func:`absorbed_attention`, DeepSeek's inference) the up-projection
+    ``kv_b_proj`` is absorbed into the queries and the output and the heads attend over the
+    latents themselves; without it (``expand``, :func:`up_projection`) every cached position's
+    keys and values are rebuilt as :func:`latent_fwd` makes them (this rank's heads) and
+    attended by the expanded path's core, one block's at a time."""
 
     latents: dict[int, Array]
     expand: Callable[[int, Array], tuple[Array, Array]]
     model: Any
     length: int = 0
+    absorb: Callable | None = None
 
     @classmethod
     def empty(cls, xp, layers: range, batch: int, capacity: int, m, dtype,
-              expand: Callable[[int, Array], tuple[Array, Array]]) -> "LatentKVCache":
+              expand: Callable[[int, Array], tuple[Array, Array]],
+              absorb: Callable | None = None) -> "LatentKVCache":
         """A cache of ``capacity`` positions for blocks ``layers`` of the model ``m``."""
         shape = (batch, capacity, m.latent_kv_rank + m.rope_head_dim)
-        return cls({i: xp.zeros(shape, dtype) for i in layers}, expand, m)
+        return cls({i: xp.zeros(shape, dtype) for i in layers}, expand, m, absorb=absorb)
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +281,11 @@ class LatentKVCache:
         norm (``record.ckvn``) and its rotated RoPE key (the rope columns of any head of ``k``
         ``[B, n, h, D]``; ``v`` unread); return the keys and values of positions ``[0, start +
         n)``, expanded."""
+        return self.expand(layer, self._store(layer, k, start, record))
+
+    def _store(self, layer: int, k: Array, start: int, record: LatentSaved) -> Array:
+        """Store the new positions' latents (as :meth:`append`); the cached ones ``[B, start +
+        n, r_kv + d_r]``."""
         m, cache = self.model, self.latents[layer]
         B, n, r = k.shape[0], k.shape[1], m.latent_kv_rank
         end = start + n
@@ -223,7 +294,50 @@ class LatentKVCache:
                              f"{cache.shape[1]} positions")
         cache[:, start:end, :r] = record.ckvn.reshape(B, n, r)
         cache[:, start:end, r:] = k[:, :, 0, m.head_dim - m.rope_head_dim:]
-        return self.expand(layer, cache[:, :end])
+        return cache[:, :end]
+
+    def attend(self, kernels, layer: int, q: Array, k: Array, v: Array, start: int,
+               record: LatentSaved, window: int) -> tuple[Array, Array]:
+        """Store block ``layer``'s new positions (their q, k, v ``[B, n, h, D]`` at ``[start,
+        start + n)``) and attend with ``q`` over every cached one: (out ``[B, n, h, D]``, values
+        zero-padded as the core's, lse)."""
+        if self.absorb is None:
+            keys, values = self.append(layer, k, v, start, record)
+            return kernels.attention_fwd(q, keys, values, start, 0, True, window=window)
+        return self.absorb(layer, q, self._store(layer, k, start, record), start, window)
+
+
+def absorbed_attention(kernels, params, m) -> Callable:
+    """Block ``i``'s attention of the queries ``q`` ``[B, n, h, D]`` (rotated and scaled, as
+    :func:`latent_fwd`'s; this rank's heads) at positions from ``start`` over its cached latents
+    ``[B, L, r_kv + d_r]`` (:class:`LatentKVCache`), with ``kv_b_proj`` absorbed: its key rows
+    ``W_uk`` ``[h, D - d_r, r_kv]`` into the queries, ``q_n W_uk`` ``[B, n, h, r_kv]``, so that a
+    head's score ``q_n . k_n + q_r . k_r`` is ``[q_n W_uk | q_r] . [c_kv | k_r]``, one key head
+    of ``r_kv + d_r`` every query head shares, at the expanded path's softmax scale; the values
+    are the latents ``c_kv`` (zero-padded to the key width) and the heads' outputs go through the
+    value rows ``W_uv`` ``[h, d_v, r_kv]`` after the attention. -> (out ``[B, n, h, D]``, values
+    zero-padded, lse). A decoding step costs ``h x (2 r_kv + d_r)`` multiply-adds a cached
+    position and block, against the rebuild's ``r_kv x h x (D - d_r + d_v)`` on top of the
+    attention's (DeepSeek-V3: 139 k against 16.8 M)."""
+    xp, r, dr, nope = kernels.xp, m.latent_kv_rank, m.rope_head_dim, m.head_dim - m.rope_head_dim
+    scale = 1.0 / float(m.head_dim) ** 0.5
+
+    def attend(i: int, q: Array, latents: Array, start: int, window: int):
+        B, n, h, D = q.shape
+        w = params[f"layers.{i}." + KV_B].reshape(h, nope + m.value_dim, r)
+        q_abs = xp.einsum("bnhd,hdr->bnhr", q[..., :nope], w[:, :nope])
+        keys = xp.ascontiguousarray(latents[:, :, None, :])
+        values = xp.zeros(keys.shape, keys.dtype)
+        values[..., :r] = keys[..., :r]
+        qa = xp.ascontiguousarray(xp.concatenate([q_abs.astype(q.dtype, copy=False),
+                                                  q[..., nope:]], axis=-1))
+        o, lse = kernels.attention_fwd(qa, keys, values, start, 0, True, scale=scale,
+                                       window=window)
+        out = xp.zeros(q.shape, o.dtype)
+        out[..., :m.value_dim] = xp.einsum("bnhr,hdr->bnhd", o[..., :r], w[:, nope:])
+        return out, lse
+
+    return attend
 
 
 def up_projection(kernels, tp, params, m) -> Callable[[int, Array], tuple[Array, Array]]:

@@ -75,8 +75,9 @@ from mpipar.model.attention import AttentionCore
 from mpipar.model.attention_scale import query_factor, scale_queries
 from mpipar.model.embedding_scale import scale_embedding
 from mpipar.model.head import LmHead
-from mpipar.model.latent_attention import (attended_values, input_names, latent_bwd,
-                                           latent_fwd, values_grad)
+from mpipar.model.latent_attention import (LatentBlocks, attended_values, input_names,
+                                           latent_bwd, latent_fwd, ring_passes_latent,
+                                           values_grad)
 from mpipar.model.mtp import MultiTokenPrediction
 from mpipar.model.moe import ExpertExchange, LocalExperts, moe_backward, moe_forward
 from mpipar.model.norms import (INPUT, POST_ATTENTION, POST_FFN, PostNormSaved, norm_weight,
@@ -193,7 +194,7 @@ class KVCache:
 
     ``keys[i]``, ``values[i]``: ``[B, capacity, hkv, D]`` of block ``i`` (this rank's kv heads);
     positions ``[0, length)`` are filled. :meth:`LlamaStage.forward_only` appends a block's new
-    positions and reads back the whole prefix."""
+    positions and attends over the whole prefix (:meth:`attend`)."""
 
     keys: dict[int, Array]
     values: dict[int, Array]
@@ -225,6 +226,13 @@ class KVCache:
         self.keys[layer][:, start:end] = k
         self.values[layer][:, start:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def attend(self, kernels, layer: int, q: Array, k: Array, v: Array, start: int,
+               record: Any, window: int) -> tuple[Array, Array]:
+        """:meth:`append` block ``layer``'s new positions, then attend with ``q`` ``[B, n, hq,
+        D]`` over every cached one: (out, lse) of ``kernels.attention_fwd``."""
+        keys, values = self.append(layer, k, v, start, record)
+        return kernels.attention_fwd(q, keys, values, start, 0, True, window=window)
 
 
 class LinearGrads:
@@ -375,11 +383,10 @@ class DecoderBlock:
             params, i, self.tp.linear_input(h1, self._input_names(i)), positions, scope)
         window = self.cfg.layer_window(i)
         if kv is None:
-            out, attention_saved = self.attention.forward(q, key, v, positions, window)
+            out, attention_saved = self.attention.forward(q, key, v, positions, window,
+                                                          **self._latent(params, i, key, qk))
         else:
-            keys, values = kv.append(i, key, v, int(positions[0]), qk)
-            out, attention_saved = ops.attention_fwd(q, keys, values, int(positions[0]), 0, True,
-                                                     window=window)
+            out, attention_saved = kv.attend(ops, i, q, key, v, int(positions[0]), qk, window)
         scope.progress()
         a, = apply_linears(self.tp, params, in_block(i, O_PROJ), attended_values(out, self.cfg))
         post = None                                  # sandwich norms: the outputs normalised
@@ -491,7 +498,8 @@ class DecoderBlock:
             if not self.attention.needs_inputs:
                 q = key = v = None
         dq, dk, dv = self.attention.backward(values_grad(do, out, self.cfg, ops.xp), q, key, v,
-                                             out, c.attention_saved, self.cfg.layer_window(i))
+                                             out, c.attention_saved, self.cfg.layer_window(i),
+                                             **self._latent(params, i, key, qk, lin))
         scope.progress()
         if self.cfg.latent:
             dh1 = latent_bwd(ops, self.tp, params, grads, i, self.cfg, dq, dk, dv, qk, h1_in,
@@ -503,6 +511,15 @@ class DecoderBlock:
             dq, dk = qk_norm_bwd(ops, params, grads, i, dq, dk, qk, off)
         dh1 = self.tp.linear_backward([dq, dk, dv], h1_in, qkv, lin)
         return self._input_norm_bwd(params, grads, i, dh1, dx2, c)
+
+    def _latent(self, params, i: int, key: Array | None, qk: Any, lin=None) -> dict:
+        """The core's ``latent=`` argument: block ``i``'s :class:`~mpipar.model.latent_attention.
+        LatentBlocks` when the core passes latents and they are fewer values than this rank's
+        expanded K and V (:func:`~mpipar.model.latent_attention.ring_passes_latent`), else none."""
+        if not (self.cfg.latent and self.attention.passes_latent
+                and ring_passes_latent(self.cfg, key.shape[2])):
+            return {}
+        return {"latent": LatentBlocks(self.kernels, self.tp, params, i, self.cfg, key, qk, lin)}
 
     def _input_norm_bwd(self, params, grads, i: int, dh1: Array, dx2: Array, c: BlockSaved
                         ) -> Array:

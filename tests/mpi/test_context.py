@@ -107,8 +107,8 @@ def test_sp_attention_equals_full_attention(world, mode, split, overlap, window)
         if kern.fwd_calls != expect:
             fails.append(f"{kern.fwd_calls} attention blocks computed, expected {expect}")
         row = B * hkv * D * 8
-        fwd, bwd = (ring_messages(ring_hops(lay, window), row * len(pos), row * len(pos),
-                                  overlap)
+        block = 2 * row * len(pos)         # a ring block's K and V (and their gradient)
+        fwd, bwd = (ring_messages(ring_hops(lay, window), block, block, overlap)
                     if mode == "ring" else halo_messages(halo_plan(lay, comm.rank, window),
                                                          comm.rank, sp, row, row))
         want_bytes = sum(nbytes * count for _, nbytes, count, _ in fwd + bwd)

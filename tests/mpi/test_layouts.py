@@ -175,6 +175,11 @@ QWEN3 = [dict(model="qwen3", **v) for v in (
 # mpi/test_moe.py).
 LATENT = [dict(model="latent", tp=2, sp=2, dp=2, sp_mode="ulysses", tp_sequence_parallel=True)]
 
+# Latent attention on the ring, overlapped, both relays of zigzag: each block travels as its
+# latent and RoPE key, expanded by the rank that attends it, its gradient latent-sized (the
+# plain ring, contiguous and zigzag: mpi/test_moe.py's DeepSeek-V3 layouts).
+LATENT_RING = [dict(model="latent", sp=4, tp=2, sp_split="zigzag", sp_overlap=True)]
+
 # Multi-token prediction: its modules on the last pipeline stage with a copy of the embedding
 # (tp sequence parallelism: the projection's gradient partial over tp), after zigzag SP chunks
 # whose tokens ahead cross their ends, under zb-h1's deferred weight gradients; DeepSeek-V3's
@@ -327,6 +332,12 @@ def test_multi_token_prediction_equals_single_process_float64(world, layout):
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", LATENT, ids=[layout_name(v) for v in LATENT])
 def test_latent_attention_model_equals_single_process_float64(world, layout):
+    _check(world, layout, "float64", 1e-10)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LATENT_RING, ids=[layout_name(v) for v in LATENT_RING])
+def test_latent_ring_equals_single_process_float64(world, layout):
     _check(world, layout, "float64", 1e-10)
 
 

@@ -132,3 +132,15 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
             if not 0 < pooled <= mem.buffers:
                 fails.append(f"{eng.coord}: pool {pooled} B, bound {mem.buffers} B")
         trainer.close(eng)
+
+
+# Latent attention on the ring: each block travels as its latent and RoPE key, and its
+# gradient latent-sized (both relays of zigzag, overlapped).
+LATENT_RING = [dict(model="latent", sp=4, tp=2, sp_split="zigzag", sp_overlap=True)]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", LATENT_RING, ids=["latent-sp4-tp2-zigzag-overlap"])
+def test_latent_ring_messages_equal_the_engine(world, case):
+    """The ring's latent messages: the ledger's bytes are the planner's."""
+    test_state_memory_and_messages_equal_the_engine(world, case)

@@ -6,8 +6,9 @@ routing with selection biases and a routed scale, two shared experts) is written
 transformers' save_pretrained and read by mpipar. mpipar's logits equal transformers'; both
 train two AdamW steps with clipping and the grouped router's balance loss, and the losses,
 balance losses, gradient norms and trained weights agree to 1e-10 relative; the export loads in
-transformers and gives mpipar's logits; greedy generation with the latent KV cache and with
-the expanded one equals transformers' ``generate``, each cache holding the bytes a token the
+transformers and gives mpipar's logits; greedy generation with the latent KV cache (its
+up-projection absorbed, and rebuilt) and with the expanded one equals transformers'
+``generate``, each cache holding the bytes a token the
 memory model counts. So do the logits and training of a model with the released checkpoints'
 yarn RoPE. A model without a query latent (``q_lora_rank`` null) and one built
 from mpipar's configuration alone give transformers' logits too. What is refused names the
@@ -221,9 +222,10 @@ def test_a_latent_model_from_the_configuration_exports_as_deepseek(tmp_path, row
 
 # --------------------------------------------------------------------------- generation
 def test_deepseek_greedy_generation_equals_transformers(model, hf_dir, deepseek_float64):
-    """With the latent cache (the compressed latent and the RoPE key a position) and with the
-    expanded one (every head's keys and values): transformers' tokens, the same logits; each
-    cache's allocation is the analytic count of bytes a token (:func:`kv_cache_width`)."""
+    """With the latent cache (the compressed latent and the RoPE key a position), attended with
+    ``kv_b_proj`` absorbed (the default) and by expanding the latents, and with the expanded
+    cache (every head's keys and values): transformers' tokens, the same logits; each cache's
+    allocation is the analytic count of bytes a token (:func:`kv_cache_width`)."""
     cfg, params = load_hf(hf_dir)
     generator = build_generator(cfg, MPI.COMM_SELF)
     generator.load_params(params, load_selection_biases(hf_dir))
@@ -231,6 +233,12 @@ def test_deepseek_greedy_generation_equals_transformers(model, hf_dir, deepseek_
     caches = {latent: generator.new_cache(len(prompt) + new, latent) for latent in (True, False)}
     got = {latent: generator.generate(prompt, new, Sampling(0.0), keep_logits=True, cache=kv)
            for latent, kv in caches.items()}
+    rebuilt = generator.generate(prompt, new, Sampling(0.0), keep_logits=True,
+                                 cache=generator.new_cache(len(prompt) + new, True, absorb=False))
+    absorbed = max(rel(a, b) for a, b in zip(got[True].logits, rebuilt.logits))
+    print(f"\nabsorbed vs expanded latents: logits {absorbed:.2e}")
+    assert rebuilt.ids == got[True].ids and absorbed <= TOL
+    assert caches[True].absorb is not None
     model.eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():

@@ -94,6 +94,7 @@ class HaloAttention:
     rank grow with W, not with the sequence. Its backward reads q, k, v and out as given."""
 
     needs_inputs = True
+    passes_latent = False
     TAG = 300
 
     def __init__(self, kernels, sp: Group, seq_layout: SeqLayout) -> None:

@@ -25,6 +25,7 @@ class HybridAttention:
     backward works on its own copies, as Ulysses'."""
 
     needs_inputs = False
+    passes_latent = False
 
     def __init__(self, kernels, ulysses: Group, ring: Group, seq_layout: SeqLayout,
                  overlap: bool = False) -> None:
@@ -90,7 +91,8 @@ class HybridMode(SequenceMode):
                  if stride > 1 else [])
         seq = SeqLayout(t.layout.train.seq_len, par.sp // stride, par.sp_split)
         return calls + t.relay("sp_ring", stride, t.packs(seq), lambda s, w, d: ring_messages(
-            document_hops(s, w, d), t.row * t.s_loc, t.grad_row * t.s_loc, par.sp_overlap))
+            document_hops(s, w, d), 2 * t.row * t.s_loc, 2 * t.grad_row * t.s_loc,
+            par.sp_overlap))
 
     key_blocks = RingMode.key_blocks        # its ring's, over ring_split's sp / U ranks
 

@@ -19,6 +19,7 @@ from typing import Any
 from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.model.attention import DocumentPositions
+from mpipar.model.latent_attention import ring_passes_latent
 from mpipar.parallel.calls import Call
 from mpipar.parallel.sequence.common import Message, as_documents, microbatch_split
 from mpipar.parallel.sequence_split import SeqLayout
@@ -64,6 +65,27 @@ class SequenceTraffic:
     def grad_row(self) -> int:
         """Bytes of one position's dK (= dV) in the accumulator's dtype."""
         return self._elements() * Precision.of(self.layout.train, self.layout.parallel).master_bytes
+
+    def _ring_elements(self) -> int:
+        """Values of one position of a ring's block message: its K and V, or under latent
+        attention when fewer (:func:`~mpipar.model.latent_attention.ring_passes_latent`) its
+        latent and RoPE key."""
+        m, par = self.layout.model, self.layout.parallel
+        if ring_passes_latent(m, m.heads // par.tp):
+            return self.layout.micro_rows * (m.latent_kv_rank + m.rope_head_dim)
+        return 2 * self._elements()
+
+    @property
+    def ring_row(self) -> int:
+        """Bytes of one position of a ring's block message in the compute dtype."""
+        return self._ring_elements() * Precision.of(self.layout.train,
+                                                    self.layout.parallel).compute_bytes
+
+    @property
+    def ring_grad_row(self) -> int:
+        """Bytes of one position of a ring's block gradient in the accumulator's dtype."""
+        return self._ring_elements() * Precision.of(self.layout.train,
+                                                    self.layout.parallel).master_bytes
 
     @property
     def q(self) -> int:

@@ -50,27 +50,49 @@ class RingHops:
 def ring_messages(hops: RingHops, kv: int, dkv: int, overlap: bool
                   ) -> tuple[list[Message], list[Message]]:
     """(forward, backward) messages of one block of ring attention on one rank; ``kv``: bytes of
-    this rank's K (= of its V), ``dkv``: of its dK (= dV; float32 under bf16). Per relay of h
-    hops in direction d: forward h K/V Sendrecvs (with overlap Isend + Irecv); backward the K/V
-    at hop 1, K/V with their dK/dV at hops 2..h (with overlap: h K/V Isend/Irecv and h - 1
-    dK/dV Sendrecvs) and the dK/dV home, d h ranks back."""
+    this rank's block as it travels (its K and V, or its latent), ``dkv``: of that block's
+    gradient (float32 under bf16). Per relay of h hops in direction d: forward h block
+    Sendrecvs (with overlap Isend + Irecv); backward the block at hop 1, the block with its
+    gradient at hops 2..h (with overlap: h block Isend/Irecv and h - 1 gradient Sendrecvs) and
+    the gradient home, d h ranks back."""
     fwd: list[Message] = []
     bwd: list[Message] = []
     for d, h in hops.relays():
-        home = ("sendrecv", 2 * dkv, 1, -d * h)
+        home = ("sendrecv", dkv, 1, -d * h)
         if overlap:
-            fwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0)]
-            bwd += [("send", 2 * kv, h, d), ("recv", 0, h, 0),
-                    ("sendrecv", 2 * dkv, h - 1, d), home]
+            fwd += [("send", kv, h, d), ("recv", 0, h, 0)]
+            bwd += [("send", kv, h, d), ("recv", 0, h, 0), ("sendrecv", dkv, h - 1, d), home]
         else:
-            fwd += [("sendrecv", 2 * kv, h, d)]
-            bwd += [("sendrecv", 2 * kv, 1, d), ("sendrecv", 2 * kv + 2 * dkv, h - 1, d), home]
+            fwd += [("sendrecv", kv, h, d)]
+            bwd += [("sendrecv", kv, 1, d), ("sendrecv", kv + dkv, h - 1, d), home]
     return fwd, bwd
 
 
+class ExpandedBlocks:
+    """The blocks a ring passes as they are attended: K and V ``[2, B, S, hkv, D]`` (the
+    interface of :class:`mpipar.model.latent_attention.LatentBlocks`, which passes latents)."""
+
+    def __init__(self, xp, k: Array, v: Array) -> None:
+        self.xp, self.message = xp, xp.ascontiguousarray(xp.stack([k, v]))
+
+    def open(self, buf: Array) -> tuple[Array, Array]:
+        """(k, v) of a block's message."""
+        return buf[0], buf[1]
+
+    def accumulate(self, buf: Array, dbuf: Array, block_grads, kv=None) -> None:
+        """Add to ``dbuf`` (the message's gradient) what ``block_grads(k, v, dk, dv)`` adds to
+        the block's dk, dv (here in place: they are ``dbuf``'s halves)."""
+        block_grads(*(kv or self.open(buf)), dbuf[0], dbuf[1])
+
+    def result(self, dq: Array, dbuf: Array, like: Array) -> tuple[Array, Array, Array]:
+        """The core's (dq, dk, dv) from this rank's block's gradient."""
+        return as_activations((dq, dbuf[0], dbuf[1]), like)
+
+
 def _with_grads(xp, kv: Array) -> Array:
-    """One backward relay message: the bytes of the K/V ``[2, B, S, hkv, D]`` of a block, then
-    room for the dK/dV gathered for them so far (zeros, in the accumulator dtype)."""
+    """One backward relay message: the bytes of a block's message (its K/V ``[2, B, S, hkv,
+    D]`` or latent), then room for the gradient gathered for it so far (zeros, in the
+    accumulator dtype)."""
     grads = kv.size * accumulator(kv.dtype).itemsize
     buf = xp.zeros(kv.nbytes + grads, xp.uint8)
     buf[:kv.nbytes] = kv.reshape(-1).view(xp.uint8)
@@ -78,7 +100,7 @@ def _with_grads(xp, kv: Array) -> Array:
 
 
 def _unpack(buf: Array, shape: tuple[int, ...], dtype: Any) -> tuple[Array, Array]:
-    """(K/V, dK/dV) ``[2, B, S, hkv, D]`` each, views of a message of :func:`_with_grads`."""
+    """(block, its gradient) of ``shape`` each, views of a message of :func:`_with_grads`."""
     n = math.prod(shape) * np.dtype(dtype).itemsize
     return (buf[:n].view(dtype).reshape(shape),
             buf[n:].view(accumulator(dtype)).reshape(shape))
@@ -130,6 +152,7 @@ class RingAttention:
     the dK/dV follow as their own message."""
 
     needs_inputs = True
+    passes_latent = True
 
     def __init__(self, kernels, sp: Group, seq_layout: SeqLayout, overlap: bool = False) -> None:
         self.kernels, self.xp, self.sp, self.overlap = kernels, kernels.xp, sp, overlap
@@ -183,19 +206,28 @@ class RingAttention:
                        if self.overlap and nxt else None)
             yield (self.rank - d * t) % self.sp.size, buf
 
+    def _payload(self, k: Array, v: Array, latent: Any):
+        """How this rank's block travels: ``latent`` (a :class:`~mpipar.model.latent_attention.
+        LatentBlocks`) when the block passes one, else K and V (:class:`ExpandedBlocks`)."""
+        return ExpandedBlocks(self.xp, k, v) if latent is None else latent
+
     def forward(self, q: Array, k: Array, v: Array, positions: np.ndarray,
-                window: int = 0) -> tuple[Array, Array]:
-        """(out ``[B, S, hq, D]``, lse ``[B, hq, S]``: what backward needs beyond q, k, v, out)."""
+                window: int = 0, latent: Any = None) -> tuple[Array, Array]:
+        """(out ``[B, S, hq, D]``, lse ``[B, hq, S]``: what backward needs beyond q, k, v, out).
+        ``latent``: the blocks travel as latents (:class:`~mpipar.model.latent_attention.
+        LatentBlocks`), each expanded where it is attended."""
         xp = self.xp
         B, S, hq, D = q.shape
         out = xp.zeros(q.shape, accumulator(q.dtype))     # merged in float32 under bf16
         lse = xp.full((B, hq, S), -np.inf, dtype=xp.float64 if q.dtype == xp.float64
                       else xp.float32)
-        kv = xp.ascontiguousarray(xp.stack([k, v]))  # one message per hop: [2, B, S, hkv, D]
+        payload = self._payload(k, v, latent)     # one message per hop
         docs = documents_of(positions)
-        for src, blk in self._blocks(kv, document_hops(self._layout(docs), window, docs), tag=0):
+        hops = document_hops(self._layout(docs), window, docs)
+        for src, blk in self._blocks(payload.message, hops, tag=0):
+            kb, vb = (k, v) if src == self.rank else payload.open(blk)
             for qsl, qs, ksl, ks in self._pairs(src, window, docs):
-                res = attend_fwd(self.kernels, q[:, qsl], blk[0][:, ksl], blk[1][:, ksl], qs, ks,
+                res = attend_fwd(self.kernels, q[:, qsl], kb[:, ksl], vb[:, ksl], qs, ks,
                                  window, docs)
                 if res is not None:    # None: no pair of one document (packed documents)
                     out[:, qsl], lse[:, :, qsl] = self.kernels.attention_merge(
@@ -203,44 +235,49 @@ class RingAttention:
         return out.astype(q.dtype, copy=False), (lse, docs)
 
     def backward(self, dout: Array, q: Array, k: Array, v: Array, out: Array,
-                 saved: tuple, window: int = 0) -> tuple[Array, Array, Array]:
-        """``saved``: forward's (lse ``[B, hq, S]``, documents or None)."""
+                 saved: tuple, window: int = 0, latent: Any = None
+                 ) -> tuple[Array, Array, Array]:
+        """``saved``: forward's (lse ``[B, hq, S]``, documents or None). With ``latent`` (as
+        forward's): (dq, the gradient of this rank's latent ``[B, S, r_kv + d_r]``, None)."""
         xp = self.xp
         lse, docs = saved
-        acc = accumulator(q.dtype)
-        dq = xp.zeros(q.shape, acc)
-        dk, dv = xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
-        self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, self.rank, window, docs)
+        payload = self._payload(k, v, latent)
+        grad = xp.zeros(payload.message.shape, accumulator(q.dtype))
+        dq = xp.zeros(q.shape, grad.dtype)
+        payload.accumulate(payload.message, grad, self._grads_of(
+            q, out, lse, dout, dq, self.rank, window, docs), kv=(k, v))
         hops = document_hops(self._layout(docs), window, docs)
         for i, (d, h) in enumerate(hops.relays()):
             relay = self._relay_overlapped if self.overlap else self._relay
-            home = relay(q, k, v, out, lse, dout, dq, d, h, window,
-                         tag=4 * self.sp.size * (i + 1), docs=docs)
-            dk += home[0]
-            dv += home[1]
-        return as_activations((dq, dk, dv), q)
+            grad += relay(q, payload, out, lse, dout, dq, d, h, window,
+                          tag=4 * self.sp.size * (i + 1), docs=docs)
+        return payload.result(dq, grad, q)
 
-    def _relay(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int, tag: int,
+    def _grads_of(self, q, out, lse, dout, dq, src: int, window: int, docs):
+        """``block_grads(k, v, dk, dv)``: :meth:`_block_grads` of block ``src``."""
+        return lambda k, v, dk, dv: self._block_grads(q, out, lse, dout, dq, k, v, dk, dv, src,
+                                                      window, docs)
+
+    def _relay(self, q, payload, out, lse, dout, dq, d: int, hops: int, window: int, tag: int,
                docs=None):
-        """One relay of backward: -> this rank's dK/dV from the ranks it visited ``[2, B, S, hkv, D]``."""
-        xp = self.xp
-        kv = self._shift(xp.ascontiguousarray(xp.stack([k, v])), d, tag)
-        buf = _with_grads(xp, kv)             # K, V, and the dK, dV gathered for them
+        """One relay of backward: -> the gradient of this rank's block's message from the
+        ranks it visited."""
+        kv = self._shift(payload.message, d, tag)
+        buf = _with_grads(self.xp, kv)        # the block, and the gradient gathered for it
         for t in range(1, hops + 1):
             if t > 1:
                 buf = self._shift(buf, d, tag + t)
             kv, dkv = _unpack(buf, kv.shape, kv.dtype)
-            self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
-                              (self.rank - d * t) % self.sp.size, window, docs)
-        return self._home(xp.ascontiguousarray(dkv), d, hops, tag + hops + 1)
+            payload.accumulate(kv, dkv, self._grads_of(
+                q, out, lse, dout, dq, (self.rank - d * t) % self.sp.size, window, docs))
+        return self._home(self.xp.ascontiguousarray(dkv), d, hops, tag + hops + 1)
 
-    def _relay_overlapped(self, q, k, v, out, lse, dout, dq, d: int, hops: int, window: int,
+    def _relay_overlapped(self, q, payload, out, lse, dout, dq, d: int, hops: int, window: int,
                           tag: int, docs=None):
-        """As :meth:`_relay`, but the next K/V travel while this block is computed; the dK/dV
-        of a block can only leave once computed, so they follow as a second message."""
+        """As :meth:`_relay`, but the next block travels while this one is computed; a block's
+        gradient can only leave once computed, so it follows as a second message."""
         xp = self.xp
-        kv = xp.ascontiguousarray(xp.stack([k, v]))
-        dkv = None
+        kv, dkv = payload.message, None
         nxt, reqs = self._start_shift(kv, d, tag)
         for t in range(1, hops + 1):
             for r in reqs:
@@ -250,8 +287,8 @@ class RingAttention:
                 nxt, reqs = self._start_shift(kv, d, tag + t)
             dkv = (xp.zeros(kv.shape, accumulator(kv.dtype)) if dkv is None
                    else self._shift(dkv, d, tag + self.sp.size + t))
-            self._block_grads(q, out, lse, dout, dq, kv[0], kv[1], dkv[0], dkv[1],
-                              (self.rank - d * t) % self.sp.size, window, docs)
+            payload.accumulate(kv, dkv, self._grads_of(
+                q, out, lse, dout, dq, (self.rank - d * t) % self.sp.size, window, docs))
         return self._home(dkv, d, hops, tag + 3 * self.sp.size)
 
     def _home(self, dkv: Array, d: int, hops: int, tag: int) -> Array:
@@ -287,7 +324,7 @@ class RingMode(SequenceMode):
     def calls(self, t: SequenceTraffic) -> list[Call]:
         seq = t.split()
         return t.relay("sp", 1, t.packs(seq), lambda s, w, d: ring_messages(
-            document_hops(s, w, d), t.row * t.s_loc, t.grad_row * t.s_loc,
+            document_hops(s, w, d), t.ring_row * t.s_loc, t.ring_grad_row * t.s_loc,
             t.layout.parallel.sp_overlap))
 
     def key_blocks(self, seq: SeqLayout, window: int) -> int:

@@ -77,6 +77,7 @@ class UlyssesAttention:
     backward works on its own copies (:class:`UlyssesSaved`), not on the block's q, k, v."""
 
     needs_inputs = False
+    passes_latent = False
 
     def __init__(self, kernels, sp: Group, seq_layout: SeqLayout) -> None:
         self.kernels = kernels

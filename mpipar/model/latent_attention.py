@@ -33,7 +33,11 @@ and ``kv_a_proj_with_mqa`` and the two latent norms are ``heads_replicated``
 (:mod:`mpipar.parallel.placement`): every tp rank holds them whole and computes the latents of
 every token of its (entered) input; the gradients reaching them come from this rank's heads only,
 so their weight gradients are partial sums over tp (all-reduced with the other partial ones) and
-the stream's gradient through them joins the column-parallel ones' sum over tp.
+the stream's gradient through them joins the column-parallel ones' sum over tp. Every linear
+goes through the tp seam (:meth:`TensorOps.linear`, :meth:`TensorOps.linear_backward`), so LoRA
+adapters on any of them (:mod:`mpipar.model.lora`) are added where the seam adds them; the
+up-projections' input gradients stay this rank's partial ones (``summed=False``) until the
+down-projections' sum over tp.
 
 What backward reads is a :class:`LatentSaved` (the block keeps it as the attention inputs'
 record, where a block with ``qk_norm`` keeps that norm's).
@@ -144,7 +148,7 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
                          dk[..., nope:].sum(axis=2, keepdims=True)], positions, backward=True)
     dq = xp.concatenate([dq[..., :nope], dq_r], axis=-1).reshape(lead + (-1,))
     dkv = xp.concatenate([dk[..., :nope], dv[..., :dvh]], axis=-1).reshape(lead + (-1,))
-    dckvn = lin(dkv, c.ckvn, p + KV_B)
+    dckvn = tp.linear_backward([dkv], c.ckvn, [p + KV_B], lin, summed=False)
     dckv, dw = kernels.rmsnorm_bwd(dckvn, c.ckv, params[p + KV_A_NORM], c.rstd_kv)
     grads[p + KV_A_NORM] += dw
     dkv_a = xp.concatenate([dckv.astype(dq.dtype, copy=False), dk_r.reshape(lead + (dr,))],
@@ -152,7 +156,7 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
     if not m.latent_q_rank:
         dh = tp.linear_backward([dkv_a], h1_in, input_names(m, i), lin)
         return dh + tp.linear_backward([dq], h1_in, [p + Q_PROJ], lin)
-    dcqn = lin(dq, c.cqn, p + Q_B)
+    dcqn = tp.linear_backward([dq], c.cqn, [p + Q_B], lin, summed=False)
     dcq, dw = kernels.rmsnorm_bwd(dcqn, c.cq, params[p + Q_A_NORM], c.rstd_q)
     grads[p + Q_A_NORM] += dw
     return tp.linear_backward([dcq.astype(dq.dtype, copy=False), dkv_a], h1_in,

@@ -193,7 +193,7 @@ class TensorParallel:
         gradients are summed (in float32 under bf16 compute, rounded once), and over tp
         (:meth:`enter_backward`) where the input entered. ``summed`` False: this rank's partial
         input gradient of a column-parallel linear whose input every rank computed whole
-        (latent attention's latents), not summed over tp here."""
+        (latent attention's latents), in the dtype the GEMMs gave it, not summed over tp here."""
         role = self.role(names)
         lead = x_in.shape[:-1]
         if role == "row":
@@ -211,8 +211,10 @@ class TensorParallel:
                 dx = _accumulate(dx, self.adapters.backward(linear_backward.params,
                                                             linear_backward.grads, name, dy,
                                                             x_in, cols))
+        if not summed:
+            return dx
         dx = dx.astype(x_in.dtype, copy=False)
-        return self.enter_backward(dx) if role in ENTERS and summed else dx
+        return self.enter_backward(dx) if role in ENTERS else dx
 
     # ------------------------------------------------------------------ vocabulary parallel
     def embed(self, params: dict[str, Array], name: str, ids: Array) -> Array:

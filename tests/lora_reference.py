@@ -18,7 +18,6 @@ from transformers_reference import B, OPT, S, hf_loss, hf_model, make_checkpoint
 peft = pytest.importorskip("peft", reason="peft is a test-only dependency of the LoRA tests")
 
 from mpipar.checkpoint.peft import PREFIX  # noqa: E402
-from mpipar.model.lora import TARGETS  # noqa: E402
 from mpipar.model.lora_dropout import keep_mask  # noqa: E402
 
 RANK, ALPHA = 4, 6.0
@@ -26,6 +25,8 @@ SEED = 0
 """The mpipar runs' ``--seed`` (:func:`transformers_reference.mpipar_rank`): it keys the
 dropout masks."""
 LORA_STEPS = 2
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear of a Llama block: the adapter's targets."""
 LORA_FIELDS = dict(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(TARGETS))
 """The mpipar run's LoRA fields (TrainConfig)."""
 

@@ -48,6 +48,7 @@ import numpy as np
 from mpipar.config import ModelConfig
 from mpipar.layout import resolve_model
 from mpipar.model.latent_attention import KV_A, Q_B, Q_PROJ
+from mpipar.model.lora import base_of, factor_of
 from mpipar.model.mtp import all_blocks, mtp_layers as mtp_blocks
 from mpipar.model.params import EMBED, HEAD
 
@@ -239,6 +240,29 @@ def to_hub(m: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[str, np.nda
     """mpipar's parameters in the hub's layout (rope rows interleaved: an export writes
     ``rope_interleave`` true)."""
     return _permute(m, params, True)
+
+
+def _adapter_rows(m: ModelConfig, adapters: Mapping[str, np.ndarray], inverse: bool
+                  ) -> dict[str, np.ndarray]:
+    """``adapters`` (LoRA factors by mpipar name) with the ``lora_B`` of each weight holding rope
+    rows permuted as that weight's rows are (its output rows are the weight's)."""
+    bs = {base_of(n): n for n in adapters if factor_of(n) == "lora_B"}
+    moved = _permute(m, {w: adapters[n] for w, n in bs.items()}, inverse)
+    return {**adapters, **{bs[w]: v for w, v in moved.items()}}
+
+
+def adapters_from_hub(m: ModelConfig, adapters: Mapping[str, np.ndarray]
+                      ) -> dict[str, np.ndarray]:
+    """A PEFT adapter of a DeepSeek-V3 (interleaved rope rows, as transformers' default and
+    mpipar's export) in mpipar's layout: the rope rows of the ``lora_B`` of ``q_b_proj``
+    (``q_proj``) and ``kv_a_proj_with_mqa`` to halves, as :func:`from_hub` does the weights'."""
+    return _adapter_rows(m, adapters, False)
+
+
+def adapters_to_hub(m: ModelConfig, adapters: Mapping[str, np.ndarray]
+                    ) -> dict[str, np.ndarray]:
+    """mpipar's adapter factors in the hub's layout (:func:`adapters_from_hub` undone)."""
+    return _adapter_rows(m, adapters, True)
 
 
 def export_problem(m: ModelConfig) -> str:

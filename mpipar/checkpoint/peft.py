@@ -9,6 +9,12 @@ defaults a missing ``lora_alpha`` (8) and ``target_modules`` (per model type), s
 
 :func:`merge` folds adapters into their weights (``W + s B A``), as PEFT's
 ``merge_and_unload()`` does, for a Hugging Face export of the adapted model.
+
+Latent attention's adapters (DeepSeek-V3) are read and written with the rope rows of the
+``lora_B`` of ``q_b_proj`` (``q_proj``) and ``kv_a_proj_with_mqa`` interleaved, as the base's
+weights are on the hub (``rope_interleave``, transformers' default and what mpipar exports;
+:func:`mpipar.checkpoint.hf_deepseek.adapters_from_hub`); in mpipar they are halves, as its
+weights are, so :func:`merge` folds them in mpipar's layout.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from mpipar.checkpoint import hf_deepseek
 from mpipar.checkpoint.huggingface import HFCheckpointError, open_safetensors, write_safetensors
 from mpipar.config import ModelConfig
 from mpipar.model.lora import Lora, adapter_names
@@ -106,7 +113,7 @@ def read_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora
                 raise AdapterError(f"{file}: {stored[name]} has shape {list(value.shape)}, the "
                                    f"model needs {list(shape)}")
             out[name] = value.astype(np.float64)
-    return out
+    return hf_deepseek.adapters_from_hub(cfg, out) if cfg.latent else out
 
 
 def _mpipar_name(peft_name: str) -> str:
@@ -147,6 +154,8 @@ def save_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora,
                              f"the model needs {list(shape)}")
     root = Path(path)
     check_export_target(root)
+    if cfg.latent:
+        params = hf_deepseek.adapters_to_hub(cfg, {n: params[n] for n in specs})
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.resolve().parent))
     (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base), indent=2) + "\n")
     write_safetensors({PREFIX + n: np.ascontiguousarray(params[n]) for n in specs},

@@ -33,7 +33,11 @@ and ``kv_a_proj_with_mqa`` and the two latent norms are ``heads_replicated``
 (:mod:`mpipar.parallel.placement`): every tp rank holds them whole and computes the latents of
 every token of its (entered) input; the gradients reaching them come from this rank's heads only,
 so their weight gradients are partial sums over tp (all-reduced with the other partial ones) and
-the stream's gradient through them joins the column-parallel ones' sum over tp.
+the stream's gradient through them joins the column-parallel ones' sum over tp. Every linear
+goes through the tp seam (:meth:`TensorOps.linear`, :meth:`TensorOps.linear_backward`), so LoRA
+adapters on any of them (:mod:`mpipar.model.lora`) are added where the seam adds them; the
+up-projections' input gradients stay this rank's partial ones (``summed=False``) until the
+down-projections' sum over tp.
 
 What backward reads is a :class:`LatentSaved` (the block keeps it as the attention inputs'
 record, where a block with ``qk_norm`` keeps that norm's).
@@ -151,7 +155,7 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
         dckvn = xp.ascontiguousarray(dk[..., :r]).reshape(lead + (r,))
     else:
         dkv = xp.concatenate([dk[..., :nope], dv[..., :dvh]], axis=-1).reshape(lead + (-1,))
-        dckvn = lin(dkv, c.ckvn, p + KV_B)
+        dckvn = tp.linear_backward([dkv], c.ckvn, [p + KV_B], lin, summed=False)
     dckv, dw = kernels.rmsnorm_bwd(dckvn, c.ckv, params[p + KV_A_NORM], c.rstd_kv)
     grads[p + KV_A_NORM] += dw
     dkv_a = xp.concatenate([dckv.astype(dq.dtype, copy=False), dk_r.reshape(lead + (dr,))],
@@ -159,20 +163,22 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
     if not m.latent_q_rank:
         dh = tp.linear_backward([dkv_a], h1_in, input_names(m, i), lin)
         return dh + tp.linear_backward([dq], h1_in, [p + Q_PROJ], lin)
-    dcqn = lin(dq, c.cqn, p + Q_B)
+    dcqn = tp.linear_backward([dq], c.cqn, [p + Q_B], lin, summed=False)
     dcq, dw = kernels.rmsnorm_bwd(dcqn, c.cq, params[p + Q_A_NORM], c.rstd_q)
     grads[p + Q_A_NORM] += dw
     return tp.linear_backward([dcq.astype(dq.dtype, copy=False), dkv_a], h1_in,
                               input_names(m, i), lin)
 
 
-def ring_passes_latent(m, heads: int) -> bool:
+def ring_passes_latent(m, heads: int, kv_b_adapted: bool = False) -> bool:
     """Whether a ring of latent attention passes each position's latent and RoPE key
     (:class:`LatentBlocks`, ``r_kv + d_r`` values) rather than the expanded K and V of the
     ``heads`` heads a rank holds (``2 x heads x head_dim``, values zero-padded): when that is
-    fewer values. At DeepSeek-V3's shape (128 heads of 192, ``r_kv`` 512, ``d_r`` 64) 576
-    against 49,152, 85.3x fewer (10.7x at tp 8)."""
-    return m.latent and m.latent_kv_rank + m.rope_head_dim < 2 * heads * m.head_dim
+    fewer values, and ``kv_b_proj`` carries no LoRA adapter (the receiving rank expands through
+    the base weight alone). At DeepSeek-V3's shape (128 heads of 192, ``r_kv`` 512, ``d_r`` 64)
+    576 against 49,152, 85.3x fewer (10.7x at tp 8)."""
+    return (m.latent and not kv_b_adapted
+            and m.latent_kv_rank + m.rope_head_dim < 2 * heads * m.head_dim)
 
 
 class LatentBlocks:

@@ -40,9 +40,18 @@ TARGETS: dict[str, str] = {
     "gate_proj": "mlp.gate_proj.weight",
     "up_proj": "mlp.up_proj.weight",
     "down_proj": "mlp.down_proj.weight",
+    "q_a_proj": "self_attn.q_a_proj.weight",
+    "q_b_proj": "self_attn.q_b_proj.weight",
+    "kv_a_proj_with_mqa": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_b_proj": "self_attn.kv_b_proj.weight",
 }
 """The linears an adapter may target: Hugging Face module name -> weight name without the
-block's ``layers.{i}.``."""
+block's ``layers.{i}.``. A run's targets must be linears its model has (:func:`check_config`):
+standard attention's q/k/v/o, latent attention's (:mod:`mpipar.model.latent_attention`)
+``q_a_proj`` and ``q_b_proj`` (or ``q_proj`` without a query latent), ``kv_a_proj_with_mqa``,
+``kv_b_proj`` and ``o_proj``, and a dense model's FFN."""
+
+FFN_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 FACTORS = ("lora_A", "lora_B")
 
@@ -138,8 +147,9 @@ def init_adapter(spec: ParamSpec, seed: int) -> np.ndarray:
 
 
 def check_config(layout) -> None:
-    """LoRA's rules: known targets, a rank in ``[1, min(in, out)]`` of every targeted linear, a
-    dropout in ``[0, 1)``, a dense model with standard attention."""
+    """LoRA's rules: known targets that the model has, a rank in ``[1, min(in, out)]`` of every
+    targeted linear, a dropout in ``[0, 1)``; on a mixture-of-experts model the attention's
+    linears only."""
     cfg = layout.config
     t, m = cfg.train, cfg.model
     lora = Lora.of(t)
@@ -149,15 +159,20 @@ def check_config(layout) -> None:
                 f"train.lora_dropout={t.lora_dropout}: needs --lora-rank > 0")
         return
     require(0 <= t.lora_dropout < 1, f"train.lora_dropout={t.lora_dropout}: must be in [0, 1)")
-    require(m.moe_experts == 0, f"train.lora_rank={t.lora_rank}: LoRA needs a dense model "
-                                f"(model.moe_experts={m.moe_experts}): PEFT adapts experts "
-                                f"through target_parameters on the fused 3-D expert tensors "
-                                f"(gate_up_proj, down_proj), a format mpipar does not read or "
-                                f"write")
-    require(not m.latent, f"train.lora_rank={t.lora_rank}: LoRA adapts q/k/v/o and the FFN of "
-                          f"standard attention, not latent attention (model.latent_kv_rank="
-                          f"{m.latent_kv_rank})")
-    for spec in block_param_specs(m, 0):
+    ffn = [x for x in lora.targets if x in FFN_TARGETS]
+    if m.moe_experts and ffn:
+        require(False, f"train.lora_targets={t.lora_targets!r}: {', '.join(ffn)} on a "
+                       f"mixture-of-experts model (model.moe_experts={m.moe_experts}): PEFT "
+                       f"adapts experts through target_parameters on the fused 3-D expert "
+                       f"tensors (gate_up_proj, down_proj), a format mpipar does not read or "
+                       f"write, and its target_modules {ffn[0]!r} would also adapt the shared "
+                       f"experts; target the attention's linears only")
+    specs = [s for i in range(m.layers) for s in block_param_specs(m, i)]
+    has = [x for x, w in TARGETS.items() if any(s.name.split(".", 2)[2] == w for s in specs)]
+    for x in lora.targets:
+        require(x in has, f"train.lora_targets={t.lora_targets!r}: the model has no {x!r}; "
+                          f"its targets are {', '.join(has)}")
+    for spec in specs:
         if lora.adapts(spec.name):
             width = min(spec.shape)
             require(lora.rank <= width,

@@ -57,9 +57,9 @@ class TensorOps(Protocol):
         """``x_in @ w.T`` (plus the bias, where the model has one) for each weight of ``names``."""
 
     def linear_backward(self, dys: Sequence[Array], x_in: Array, names: Sequence[str],
-                        linear_backward: LinearBackward) -> Array:
+                        linear_backward: LinearBackward, summed: bool = True) -> Array:
         """The gradient of the ``x`` whose :meth:`linear_input` was ``x_in``, from the outputs'
-        gradients ``dys``."""
+        gradients ``dys`` (``summed`` False: this rank's partial share, not summed over tp)."""
 
     def embed(self, params: dict[str, Array], name: str, ids: Array) -> Array:
         """The stream of token ids ``[B, S]``: rows of the embedding ``name``."""

@@ -146,7 +146,12 @@ def adapter_roles(base_role: str) -> dict[str, str]:
     and ``A`` ``[r, in]`` is whole on every rank (it reads the whole input); a row-parallel
     linear's ``A`` is split by its input columns as the weight is and ``B`` is whole (the
     adapter's partial output joins the base's in the one sum over tp). The whole factor's
-    gradient is a partial sum over tp (:attr:`Placement.grad_partial_over_tp`)."""
+    gradient is a partial sum over tp (:attr:`Placement.grad_partial_over_tp`). A
+    ``heads_replicated`` linear (latent attention's ``q_a_proj``, ``kv_a_proj_with_mqa``) is
+    whole on every rank and so are both its factors, their gradients partial over tp as the
+    weight's (each rank's heads' share)."""
+    if base_role == "heads_replicated":
+        return {"lora_A": "heads_replicated", "lora_B": "heads_replicated"}
     if base_role == "column":
         return {"lora_A": "replicated", "lora_B": "column"}
     if base_role == "row":

@@ -406,9 +406,8 @@ def test_a_bf16_lora_run_tracks_float64_and_holds_its_base_in_bf16_alone():
     falls). Of the rank's bytes of parameters and optimizer state, the frozen base is held once,
     in bf16 (2 bytes a value, no float32 master, no moments); the adapters have float32 masters
     and moments and bf16 compute copies."""
-    from mpipar.model.lora import TARGETS, is_adapter
-    fields = dict(lora_rank=4, lora_alpha=8.0, lora_targets=",".join(TARGETS), steps=12,
-                  warmup_steps=0)
+    from mpipar.model.lora import is_adapter
+    fields = dict(lora_rank=4, lora_alpha=8.0, steps=12, warmup_steps=0)   # all seven targets
     losses = {}
     for dtype in ("float64", "bfloat16"):
         cfg = small_config(dtype)

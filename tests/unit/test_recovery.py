@@ -69,13 +69,13 @@ def test_a_lora_runs_copy_in_memory_is_its_adapters_and_moments_and_restores_it_
     from mpi4py import MPI
 
     from layouts import small_config, token_source
-    from mpipar.model.lora import TARGETS, is_adapter
+    from mpipar.model.lora import is_adapter
     from mpipar.training import step as trainer
     from mpipar.training.rank import build_rank
     from mpipar.training.recovery import StateCopy
 
     cfg = small_config("float64")
-    cfg.train.__dict__.update(lora_rank=4, lora_alpha=8.0, lora_targets=",".join(TARGETS))
+    cfg.train.__dict__.update(lora_rank=4, lora_alpha=8.0)     # the default: all seven targets
     layout = validate(cfg, 1)
     eng = build_rank(layout, MPI.COMM_SELF, source=token_source())
     for k in range(2):

@@ -20,6 +20,7 @@ from mpipar.config import require
 from mpipar.layout import Layout
 from mpipar.model.attention import DocumentPositions
 from mpipar.model.latent_attention import ring_passes_latent
+from mpipar.model.lora import Lora
 from mpipar.parallel.calls import Call
 from mpipar.parallel.sequence.common import Message, as_documents, microbatch_split
 from mpipar.parallel.sequence_split import SeqLayout
@@ -71,7 +72,9 @@ class SequenceTraffic:
         attention when fewer (:func:`~mpipar.model.latent_attention.ring_passes_latent`) its
         latent and RoPE key."""
         m, par = self.layout.model, self.layout.parallel
-        if ring_passes_latent(m, m.heads // par.tp):
+        lora = Lora.of(self.layout.train)
+        adapted = lora is not None and "kv_b_proj" in lora.targets
+        if ring_passes_latent(m, m.heads // par.tp, adapted):
             return self.layout.micro_rows * (m.latent_kv_rank + m.rope_head_dim)
         return 2 * self._elements()
 

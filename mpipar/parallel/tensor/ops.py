@@ -186,12 +186,14 @@ class TensorParallel:
         return self.kernels.split_columns(y, [w.shape[0] for w in ws])
 
     def linear_backward(self, dys: Sequence[Array], x_in: Array, names: Sequence[str],
-                        linear_backward: LinearBackward) -> Array:
+                        linear_backward: LinearBackward, summed: bool = True) -> Array:
         """Input gradient of :meth:`linear` (weight gradients through ``linear_backward``),
         in the shape of the ``x`` whose :meth:`linear_input` was ``x_in``: a row-parallel
         output's gradient is first made whole (:meth:`leave_backward`); the partial input
         gradients are summed (in float32 under bf16 compute, rounded once), and over tp
-        (:meth:`enter_backward`) where the input entered."""
+        (:meth:`enter_backward`) where the input entered. ``summed`` False: this rank's partial
+        input gradient of a column-parallel linear whose input every rank computed whole
+        (latent attention's latents), in the dtype the GEMMs gave it, not summed over tp here."""
         role = self.role(names)
         lead = x_in.shape[:-1]
         if role == "row":
@@ -209,6 +211,8 @@ class TensorParallel:
                 dx = _accumulate(dx, self.adapters.backward(linear_backward.params,
                                                             linear_backward.grads, name, dy,
                                                             x_in, cols))
+        if not summed:
+            return dx
         dx = dx.astype(x_in.dtype, copy=False)
         return self.enter_backward(dx) if role in ENTERS else dx
 

@@ -19,7 +19,8 @@ from mpipar.checkpoint.huggingface import load_hf
 from mpipar.model.lora import is_adapter
 from mpipar.training import step as trainer
 
-LATENT_LAYOUTS = [dict(dp=2, tp=2, ep=2)]
+LATENT_LAYOUTS = [dict(dp=2, tp=2, ep=2),
+                  dict(sp=2, dp=2, sp_split="zigzag")]   # the ring: kv_b_proj adapted, K and V pass expanded
 
 
 @pytest.fixture(scope="module")

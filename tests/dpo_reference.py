@@ -29,14 +29,19 @@ PAIRS, BATCH, STEPS, BETA = 5, 2, 2, 0.7
 steps, DPO's beta (large enough that the sigmoid is far from 1/2 after a step)."""
 
 
-def write_pairs(path: Path) -> Path:
-    """:data:`PAIRS` random pairs of ids (prompts of 1..5 tokens, responses of 1..8) prepared
-    for ``--seq-len`` :data:`S`; the JSONL beside the .h5."""
+LENGTHS = ((1, 6), (1, 9), (1, 9))
+"""The ranges ([lo, hi)) of the prompts', chosen and rejected responses' tokens."""
+SHORT = ((1, 3), (1, 4), (1, 4))
+"""Short pairs: their two sequences fit one row of :data:`S` together (``--pack-pairs``)."""
+
+
+def write_pairs(path: Path, lengths=LENGTHS) -> Path:
+    """:data:`PAIRS` random pairs of ids (prompts, chosen and rejected responses of
+    ``lengths`` tokens) prepared for ``--seq-len`` :data:`S`; the JSONL beside the .h5."""
     rng = np.random.default_rng(7)
     lines = []
     for _ in range(PAIRS):
-        ids = [rng.integers(1, V, rng.integers(lo, hi)).tolist() for lo, hi in
-               ((1, 6), (1, 9), (1, 9))]
+        ids = [rng.integers(1, V, rng.integers(lo, hi)).tolist() for lo, hi in lengths]
         lines.append(json.dumps(dict(zip(("prompt_ids", "chosen_ids", "rejected_ids"), ids))))
     src = path.with_suffix(".jsonl")
     src.write_text("\n".join(lines) + "\n")
@@ -45,10 +50,11 @@ def write_pairs(path: Path) -> Path:
 
 
 def dpo_rank(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path | None = None,
-               **parallel) -> Rank:
+             pack_pairs: bool = False, **parallel) -> Rank:
     """A Rank on ``comm`` with the checkpoint's weights, training the pairs in order with
-    DPO (:data:`BATCH` pairs a step; one pair a microbatch on a layout, both in one alone);
-    with ``adapter`` (a PEFT directory), LoRA of :data:`lora_reference.LORA_FIELDS` from it."""
+    DPO (:data:`BATCH` pairs a step; one pair a microbatch on a layout, both in one alone),
+    packed with ``pack_pairs``; with ``adapter`` (a PEFT directory), LoRA of
+    :data:`lora_reference.LORA_FIELDS` from it."""
     cfg, params = load_hf(checkpoint)
     lora = {}
     if adapter is not None:
@@ -59,7 +65,7 @@ def dpo_rank(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path | 
                         micro_batch_size=1 if parallel else BATCH, lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
                         shuffle=False, seed=0, data=str(pairs), objective="dpo", dpo_beta=BETA,
-                        **OPT, **lora)
+                        pack_pairs=pack_pairs, **OPT, **lora)
     layout = validate(Config(cfg, ParallelConfig(**parallel), train), comm.Get_size())
     rank = build_rank(layout, comm)
     trainer.load_params(rank, params)

@@ -59,18 +59,19 @@ def test_dpo_with_lora_trains_like_peft(files, float64_transformers, tmp_path):
 
 
 def test_packed_pairs_train_like_unpacked(files, tmp_path):
-    """--pack-pairs: the same pairs and global batch packed into half the rows (step 2's two
-    pairs share a row, the other row is padding) train as the unpacked run: losses, rewards,
-    accuracy, gradient norms, reference log-probabilities and trained weights over two steps."""
+    """--pack-pairs: the same pairs and global batch (four pairs, two microbatches of two)
+    packed into half the rows (the second microbatch's two pairs share a row, its other row
+    is padding) train as the unpacked run: losses, rewards, accuracy, gradient norms,
+    reference log-probabilities and trained weights over two steps."""
     from mpipar.data.preference import pack_pairs, sequence_lengths
     checkpoint, _ = files
     pairs = write_pairs(tmp_path / "short.h5", SHORT)
-    packed = dpo_rank(checkpoint, pairs, pack_pairs=True)
+    packed = dpo_rank(checkpoint, pairs, pack_pairs=True, batch=4, micro=2)
     with h5py.File(pairs, "r") as f:
         rows = np.asarray(f["loss_mask"])[:-1].reshape(-1, packed.cfg.train.seq_len)
     where = pack_pairs(sequence_lengths(rows[4:8]), 2, rows.shape[1])
     assert (where[1] == -1).all() and (where[0] // rows.shape[1] == 3).any()
-    diffs = packed_differences(packed, dpo_rank(checkpoint, pairs))
+    diffs = packed_differences(packed, dpo_rank(checkpoint, pairs, batch=4))
     print(f"\nDPO packed against unpacked, one process: {diffs}")
     assert max(diffs.values()) <= TOL, diffs
 

@@ -63,7 +63,8 @@ def dpo_rank(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path | 
         lora = LORA_FIELDS
         params = {**params, **read_adapter(adapter, cfg, Lora.of(TrainConfig(**lora)))}
     micro = micro or (1 if parallel else batch)
-    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=batch, micro_batch_size=micro, lr_schedule="constant",
+    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=batch, micro_batch_size=micro,
+                        lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
                         shuffle=False, seed=0, data=str(pairs), objective="dpo", dpo_beta=BETA,
                         pack_pairs=pack_pairs, **OPT, **lora)

@@ -29,14 +29,19 @@ PAIRS, BATCH, STEPS, BETA = 5, 2, 2, 0.7
 steps, DPO's beta (large enough that the sigmoid is far from 1/2 after a step)."""
 
 
-def write_pairs(path: Path) -> Path:
-    """:data:`PAIRS` random pairs of ids (prompts of 1..5 tokens, responses of 1..8) prepared
-    for ``--seq-len`` :data:`S`; the JSONL beside the .h5."""
+LENGTHS = ((1, 6), (1, 9), (1, 9))
+"""The ranges ([lo, hi)) of the prompts', chosen and rejected responses' tokens."""
+SHORT = ((1, 3), (1, 4), (1, 4))
+"""Short pairs: their two sequences fit one row of :data:`S` together (``--pack-pairs``)."""
+
+
+def write_pairs(path: Path, lengths=LENGTHS) -> Path:
+    """:data:`PAIRS` random pairs of ids (prompts, chosen and rejected responses of
+    ``lengths`` tokens) prepared for ``--seq-len`` :data:`S`; the JSONL beside the .h5."""
     rng = np.random.default_rng(7)
     lines = []
     for _ in range(PAIRS):
-        ids = [rng.integers(1, V, rng.integers(lo, hi)).tolist() for lo, hi in
-               ((1, 6), (1, 9), (1, 9))]
+        ids = [rng.integers(1, V, rng.integers(lo, hi)).tolist() for lo, hi in lengths]
         lines.append(json.dumps(dict(zip(("prompt_ids", "chosen_ids", "rejected_ids"), ids))))
     src = path.with_suffix(".jsonl")
     src.write_text("\n".join(lines) + "\n")
@@ -45,21 +50,24 @@ def write_pairs(path: Path) -> Path:
 
 
 def dpo_rank(checkpoint: Path, pairs: Path, comm=MPI.COMM_SELF, adapter: Path | None = None,
-               **parallel) -> Rank:
+             pack_pairs: bool = False, batch: int = BATCH, micro: int | None = None,
+             **parallel) -> Rank:
     """A Rank on ``comm`` with the checkpoint's weights, training the pairs in order with
-    DPO (:data:`BATCH` pairs a step; one pair a microbatch on a layout, both in one alone);
-    with ``adapter`` (a PEFT directory), LoRA of :data:`lora_reference.LORA_FIELDS` from it."""
+    DPO (``batch`` pairs a step; ``micro`` a microbatch, by default one on a layout, the whole
+    batch alone), packed with ``pack_pairs``; with ``adapter`` (a PEFT directory), LoRA of
+    :data:`lora_reference.LORA_FIELDS` from it."""
     cfg, params = load_hf(checkpoint)
     lora = {}
     if adapter is not None:
         from lora_reference import LORA_FIELDS
         lora = LORA_FIELDS
         params = {**params, **read_adapter(adapter, cfg, Lora.of(TrainConfig(**lora)))}
-    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=BATCH,
-                        micro_batch_size=1 if parallel else BATCH, lr_schedule="constant",
+    micro = micro or (1 if parallel else batch)
+    train = TrainConfig(steps=STEPS, seq_len=S, global_batch_size=batch, micro_batch_size=micro,
+                        lr_schedule="constant",
                         warmup_steps=0, min_lr=0.0, dtype="float64", backend="numpy",
                         shuffle=False, seed=0, data=str(pairs), objective="dpo", dpo_beta=BETA,
-                        **OPT, **lora)
+                        pack_pairs=pack_pairs, **OPT, **lora)
     layout = validate(Config(cfg, ParallelConfig(**parallel), train), comm.Get_size())
     rank = build_rank(layout, comm)
     trainer.load_params(rank, params)
@@ -124,4 +132,22 @@ def dpo_differences(results, trained: dict, want) -> dict[str, float]:
     out = {key: max(abs(g[key] - w[key]) / max(abs(w[key]), 1e-300) if w[key] else abs(g[key])
                     for g, w in zip(got, steps)) for key in steps[0]}
     out["params"] = max(rel(v, params[n]) for n, v in trained.items())
+    return out
+
+
+def packed_differences(packed: Rank, unpacked: Rank) -> dict[str, float]:
+    """The largest relative difference of each step quantity, of the reference
+    log-probabilities and of the trained parameters of a ``--pack-pairs`` run against the
+    unpacked run of the same pairs (two steps each); the parameters gathered on every rank."""
+    runs = []
+    for rank in (packed, unpacked):
+        results = [trainer.train_step(rank, k) for k in range(STEPS)]
+        runs.append(([{"loss": r.loss, "grad_norm": r.grad_norm, **r.preference}
+                      for r in results], trainer.gather_params(rank),
+                     rank.data.preference.reference))
+    (got, params, ref), (want, want_params, want_ref) = runs
+    out = {key: max(abs(g[key] - w[key]) / max(abs(w[key]), 1e-300) if w[key] else abs(g[key])
+                    for g, w in zip(got, want)) for key in want[0]}
+    out["reference"] = rel(ref, want_ref)
+    out["params"] = max(rel(v, want_params[n]) for n, v in params.items())
     return out

@@ -115,6 +115,12 @@ class TrainConfig:
                         choices=("tokens", "dpo"))
     dpo_beta: float = _f(0.1, "DPO: the temperature beta of the rewards beta * (log pi - "
                               "log pi_ref); > 0")
+    pack_pairs: bool = _f(False, "DPO: pack the pairs with document masking: a microbatch of "
+                                 "m pairs is m rows of --seq-len, a pair's two sequences side "
+                                 "by side in one row, each its own document (attention and "
+                                 "RoPE positions restart at it), the pairs laid in order, "
+                                 "several to a row where they fit; a pair whose two sequences "
+                                 "take more than --seq-len tokens is refused")
     run_dir: str = _f("runs/mpipar", "output directory (config.toml, metrics.jsonl)")
     log_every: int = _f(10, "print a progress line every N steps (0: never)")
     save_dir: str = _f("", "checkpoint directory (step_NNNNNNNN/ per checkpoint, plus `latest`); "
@@ -193,10 +199,17 @@ class TrainConfig:
                               "installed, else none")
 
     @property
-    def rows_per_sample(self) -> int:
+    def sequences_per_sample(self) -> int:
         """Sequences the model runs per sample of the batch: 1, or a DPO pair's 2 (its chosen
         and rejected responses, :mod:`mpipar.training.objective`)."""
         return 2 if self.objective == "dpo" else 1
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Rows of ``seq_len`` the model runs per sample of the batch: a sequence each, or
+        under ``pack_pairs`` one a pair (a microbatch of m pairs packed into m rows,
+        :func:`mpipar.data.preference.pack_pairs`)."""
+        return 1 if self.pack_pairs else self.sequences_per_sample
 
     @property
     def recompute_mode(self) -> Recompute:

@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="INPUT is one JSONL file of {prompt, chosen, rejected} text records "
                            "(with --tokenizer; the prompt may be chat messages) or {prompt_ids, "
                            "chosen_ids, rejected_ids}: write each pair as two --seq-len rows "
-                           "with a loss_mask over the responses, for --objective dpo")
+                           "with a loss_mask over the responses, for --objective dpo "
+                           "(packed with --pack-pairs at training)")
     prep.add_argument("--seq-len", type=int, default=128,
                       help="with --preference: tokens per sequence, training's --seq-len "
                            "(default: 128)")

@@ -21,7 +21,18 @@ without a tokenizer); one pad token ends the stream. Beside it a ``loss_mask`` s
 length is 1 on the response tokens and 0 on the prompt, the padding and the first token of every
 row (which no target of its row predicts): a target carries loss iff the token it predicts has
 mask 1, as for SFT. A response that the cut leaves without a token of mask 1 is refused. The file
-records ``preference_pairs`` and ``seq_len`` (and the tokenizer, as ``prepare --tokenizer`` does).
+records ``preference_pairs`` and ``seq_len`` (and the tokenizer, as ``prepare --tokenizer`` does),
+the JSONL it was read from (``preference_source``) and each pair's line there
+(``preference_lines``).
+
+Packed pairs (``--pack-pairs``, :func:`pack_pairs`): the same file trains packed. A sequence is
+its row's first ``length`` tokens, up to its last token of mask 1 (:func:`sequence_lengths`:
+prompt + response as the row holds it, cut to ``S``); a microbatch of ``m`` pairs is ``m`` rows
+of ``S`` tokens, its pairs laid in order, a pair's chosen then rejected sequence side by side in
+one row, a pair going to the next row when it does not fit the rest of the current one; each
+sequence is its own document, and what is left of a row is padding (a document of its own, no
+target counted). A pair fits a row alone iff its two sequences take at most ``S`` tokens
+together (:func:`check_packable`), and then its microbatch's pairs always fit their ``m`` rows.
 
 Any bad record (a missing or mistyped field, text without ``--tokenizer``, a negative id, a
 response cut to nothing) is a DataError naming FILE:LINE; nothing is written.
@@ -44,6 +55,8 @@ from mpipar.data.tokenizer import token_dtype
 TEXT_FIELDS = ("prompt", "chosen", "rejected")
 ID_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 MAX_ID = 1 << 32
+LINES = "preference_lines"
+"""The dataset of each pair's line in the JSONL file it was prepared from."""
 """Token ids of an ids record are below this (the widest token stream is uint32)."""
 
 
@@ -150,9 +163,10 @@ def prepare_preference(path: str | os.PathLike, out: str | os.PathLike, seq_len:
         raise DataError(f"--seq-len must be an integer >= 2, got {seq_len!r}")
     out = output_file(out)
     enc = _Encoder(tokenizer, eos)
-    rows, masks = [], []
+    rows, masks, lines = [], [], []
     for n, rec in jsonl_records(path, "--preference"):
         where = f"{path}:{n}"
+        lines.append(n)
         prompt, chosen, rejected = enc.ids(rec, where)
         pad = 0 if enc.spec is None else enc.spec.eos_id
         for name, response in (("chosen", chosen), ("rejected", rejected)):
@@ -168,9 +182,11 @@ def prepare_preference(path: str | os.PathLike, out: str | os.PathLike, seq_len:
     with hdf5_output(out) as (f, _):
         f.create_dataset("tokens", data=tokens.astype(dtype))
         f.create_dataset(MASK, data=flags)
+        f.create_dataset(LINES, data=np.asarray(lines, np.int64))
         if enc.spec is not None:
             f.attrs.update(enc.spec.attrs())
-        f.attrs.update({"preference_pairs": len(rows) // 2, "seq_len": seq_len})
+        f.attrs.update({"preference_pairs": len(rows) // 2, "seq_len": seq_len,
+                        "preference_source": str(path)})
     return PreparedPairs(len(rows) // 2, seq_len, int(flags.sum()))
 
 
@@ -189,3 +205,53 @@ def preference_pairs(path: str | os.PathLike, seq_len: int) -> int:
         raise DataError(f"--objective dpo: --data {path} holds pairs of {int(written)} tokens, "
                         f"not --seq-len {seq_len}: prepare it with --seq-len {seq_len}")
     return int(pairs)
+
+
+def sequence_lengths(masks: np.ndarray) -> np.ndarray:
+    """The lengths ``[n]`` of sequences whose rows' loss masks are ``masks [n, S]``: up to
+    and with the last token of mask 1, the end of the response as the row holds it."""
+    flipped = np.asarray(masks)[:, ::-1] != 0
+    return flipped.shape[1] - np.argmax(flipped, axis=1)
+
+
+def check_packable(path: str | os.PathLike, seq_len: int) -> None:
+    """DataError naming the pair's line (``FILE:LINE``) and the rule when a pair of the file
+    ``path`` (of :func:`prepare_preference`, rows of ``seq_len``) does not fit one packed row:
+    its two sequences take more than ``seq_len`` tokens together (module docstring)."""
+    chunk = max(1, (1 << 22) // (2 * seq_len))
+    with h5py.File(path, "r") as f:
+        pairs, mask = int(f.attrs["preference_pairs"]), f[MASK]
+        for a in range(0, pairs, chunk):
+            b = min(a + chunk, pairs)
+            rows = np.asarray(mask[2 * a * seq_len:2 * b * seq_len]).reshape(-1, seq_len)
+            need = sequence_lengths(rows).reshape(-1, 2).sum(axis=1)
+            over = np.flatnonzero(need > seq_len)
+            if over.size:
+                i = a + int(over[0])
+                where = (f"{f.attrs['preference_source']}:{int(f[LINES][i])}" if LINES in f
+                         else f"{path}: pair {i}")
+                raise DataError(f"{where}: its prompt + chosen and prompt + rejected take "
+                                f"{int(need[over[0]])} tokens together, more than one packed "
+                                f"row of --seq-len {seq_len} (--pack-pairs lays both sequences "
+                                f"of a pair in one row); shorten the pair, raise --seq-len, or "
+                                f"train without --pack-pairs")
+
+
+def pack_pairs(lengths: np.ndarray, pairs: int, seq_len: int) -> np.ndarray:
+    """Where the tokens of sequences of ``lengths [2P]`` (pair ``i``'s chosen at ``2i``, its
+    rejected at ``2i + 1``) go when packed, each group of ``pairs`` pairs (a microbatch) into
+    ``pairs`` rows of ``seq_len`` (module docstring): ``[P, seq_len]`` int64, the index of the
+    token in the sequences' rows flattened (sequence ``j``'s token ``t`` at ``j * seq_len +
+    t``), -1 where the row is padding. Every pair must fit a row (:func:`check_packable`)."""
+    lengths = np.asarray(lengths, np.int64)
+    P = len(lengths) // 2
+    out = np.full((P, seq_len), -1, np.int64)
+    for first in range(0, P, pairs):
+        row, col = first, 0
+        for i in range(first, min(first + pairs, P)):
+            if col + lengths[2 * i] + lengths[2 * i + 1] > seq_len:
+                row, col = row + 1, 0
+            for j in (2 * i, 2 * i + 1):
+                out[row, col:col + lengths[j]] = j * seq_len + np.arange(lengths[j])
+                col += lengths[j]
+    return out

@@ -142,8 +142,9 @@ def _training_line(base: Config) -> str:
     trained = trained_parameter_count(base.model, tr)
     what = (f"LoRA rank {tr.lora_rank} on {tr.lora_targets}, the base frozen"
             if tr.lora_rank else "every parameter")
-    rows = (f"; DPO: the global batch counts pairs, {tr.rows_per_sample} rows each"
-            if tr.rows_per_sample > 1 else "")
+    rows = (f"; DPO: the global batch counts pairs, "
+            + ("packed, a row each" if tr.pack_pairs else f"{tr.rows_per_sample} rows each")
+            if tr.sequences_per_sample > 1 else "")
     return (f"training: {trained / 1e6:,.3f} M parameters train ({what}), optimizer "
             f"{tr.optimizer}{rows}")
 

@@ -270,14 +270,14 @@ def predict_peak_memory(layout: Layout, coord: Coord) -> int:
 
 
 def _reference_bytes(layout: Layout) -> int:
-    """DPO: the reference log-probabilities every rank keeps, float64 for each row of the
+    """DPO: the reference log-probabilities every rank keeps, float64 for each sequence of the
     training pairs (:class:`mpipar.training.objective.Preference`); 0 otherwise, or where the
     pairs' file cannot be read (the run's rules refuse it before it starts)."""
     tr = layout.train
-    if tr.rows_per_sample == 1:
+    if tr.sequences_per_sample == 1:
         return 0
     try:
-        return 8 * tr.rows_per_sample * preference_pairs(tr.data, tr.seq_len)
+        return 8 * tr.sequences_per_sample * preference_pairs(tr.data, tr.seq_len)
     except (DataError, OSError):
         return 0
 

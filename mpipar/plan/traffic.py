@@ -148,12 +148,13 @@ def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
             calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
     if train and par.tp * par.pp > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
-    if train and layout.train.rows_per_sample > 1:   # DPO's rewards and accuracy (3 floats)
+    if train and layout.train.sequences_per_sample > 1:   # DPO's rewards and accuracy (3 floats)
         calls += [Call("dp_sp", "allreduce", 24)] if layout.dp * par.sp > 1 else []
         calls += [Call("pp", "bcast", 24 if coord.pp == par.pp - 1 else 0)] \
             if par.pp > 1 else []
-        if par.sp > 1 and coord.pp == par.pp - 1:   # each microbatch's rows' log-probabilities
-            calls.append(Call("sp", "allreduce", 8 * layout.micro_rows, layout.microbatches))
+        if par.sp > 1 and coord.pp == par.pp - 1:   # each microbatch's sequences' log-probs
+            seqs = layout.micro_batch_size * layout.train.sequences_per_sample
+            calls.append(Call("sp", "allreduce", 8 * seqs, layout.microbatches))
     m = layout.config.model
     if train and m.moe_experts:  # balance loss, loads, drops (training.step._moe_stats), float64
         n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * (m.moe_experts + 1))

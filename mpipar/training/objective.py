@@ -10,8 +10,12 @@ tokens, by the file's ``loss_mask``). With ``logπ`` the policy's and ``logπ_re
     loss(pair)  = −log σ(reward(chosen) − reward(rejected))
 
 and the step's loss is the mean over the pairs of the global batch (``--global-batch-size``
-counts pairs: a microbatch of ``m`` pairs holds ``2m`` rows, rows ``2i`` and ``2i + 1`` one pair,
-so a pair never leaves its microbatch). The model is differentiated by hand: its head takes the
+counts pairs: a microbatch of ``m`` pairs holds ``2m`` sequences, ``2i`` and ``2i + 1`` one pair,
+so a pair never leaves its microbatch). Unpacked, each sequence is a row of its own (``2m``
+rows); under ``--pack-pairs`` the ``m`` pairs are ``m`` rows, each pair's two sequences side by
+side in one row as documents of their own (:func:`mpipar.data.preference.pack_pairs`), and a
+sequence's log-probability is the sum over its own positions (:class:`Sequences`): the same
+numbers, fewer rows. The model is differentiated by hand: its head takes the
 gradient of the per-token cross-entropy (:meth:`mpipar.model.tensor_ops.TensorOps.
 cross_entropy_backward`), and a pair's is
 
@@ -39,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from mpipar.config import TrainConfig, require
-from mpipar.data.preference import preference_pairs
+from mpipar.data.preference import check_packable, preference_pairs
 from mpipar.data.sources import DataError
 from mpipar.layout import Layout
 from mpipar.runtime.device import to_host
@@ -51,13 +55,7 @@ class DPO:
     """The DPO loss of temperature ``beta`` (module docstring)."""
 
     beta: float
-    rows_per_pair: int = 2
-
-    @staticmethod
-    def logps(token_loss: Array, counted: Array) -> Array:
-        """The log-probabilities ``[rows]`` of the rows' counted targets: ``token_loss`` (the
-        per-token cross-entropy) and ``counted`` (1/0) ``[rows, S]``."""
-        return -(token_loss * counted).sum(axis=1)
+    rows_per_pair: int = 2     # rows of seq_len a pair takes: 2, or 1 packed (--pack-pairs)
 
     def rewards(self, logps: np.ndarray, reference: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -79,17 +77,42 @@ class DPO:
         return np.stack([pull, -pull], axis=1).reshape(-1)
 
 
+@dataclass(frozen=True)
+class Sequences:
+    """Where a microbatch's ``2m`` sequences lie in its rows: ``counted [R, S_loc]`` (1/0) its
+    targets that carry loss, and ``owner`` ``[2m, R * S_loc]`` 1 at the positions of each
+    sequence (the rows flattened), or None where row ``j`` is sequence ``j`` (unpacked)."""
+
+    counted: Array
+    owner: Array | None = None
+
+    def logps(self, token_loss: Array) -> Array:
+        """The log-probabilities ``[2m]`` of the sequences' counted targets, of the per-token
+        cross-entropy ``token_loss [R, S_loc]``."""
+        counted = token_loss * self.counted
+        if self.owner is None:
+            return -counted.sum(axis=1)
+        return -(self.owner @ counted.reshape(-1))
+
+    def spread(self, weights: Array) -> Array:
+        """``[R, S_loc]``: each counted target's sequence's weight of ``weights [2m]``."""
+        if self.owner is None:
+            return self.counted * weights[:, None]
+        return self.counted * (weights @ self.owner).reshape(self.counted.shape)
+
+
 @dataclass
 class PairLoss:
     """One microbatch's DPO loss over its rows' per-token cross-entropy, for the pipeline
-    executor (:attr:`mpipar.parallel.pipeline.executor.Microbatch.loss`): ``counted`` ``[2m,
-    S_loc]``, ``reference`` ``[2m]`` the rows' reference log-probabilities; ``sequence``: the
-    sp group over which the rows' tokens are spread (their log-probabilities are summed over
-    it), or None (whole rows)."""
+    executor (:attr:`mpipar.parallel.pipeline.executor.Microbatch.loss`): ``sequences`` where
+    its ``2m`` sequences lie, ``reference`` ``[2m]`` their reference log-probabilities (None
+    in the forward pass that computes them, :func:`mpipar.training.step.reference_logps`);
+    ``sequence``: the sp group over which the rows' tokens are spread (their
+    log-probabilities are summed over it), or None (whole rows)."""
 
     objective: DPO
-    counted: Array
-    reference: np.ndarray
+    sequences: Sequences
+    reference: np.ndarray | None
     xp: Any
     sequence: Any = None
     logps: np.ndarray | None = None
@@ -100,7 +123,7 @@ class PairLoss:
         (reward chosen, reward rejected, chosen above rejected) summed over the pairs to
         :attr:`stats` (0 and nothing off the first rank of ``sequence``: its ranks' sums over
         dp x sp count each pair once)."""
-        logps = self.objective.logps(token_loss, self.counted)
+        logps = self.sequences.logps(token_loss)
         if self.sequence is not None:
             logps = self.sequence.allreduce_(self.xp.ascontiguousarray(logps))
         self.logps = np.asarray(to_host(logps), np.float64)
@@ -112,9 +135,9 @@ class PairLoss:
 
     def dout(self, weight: Array) -> Array:
         """The gradient of the per-token loss: ``weight`` (the step's ``1 / pairs``) times the
-        pairs' :meth:`DPO.token_weights`."""
+        pairs' :meth:`DPO.row_weights` at their sequences' counted targets."""
         rows = self.objective.row_weights(self.logps, self.reference)
-        return weight * self.counted * self.xp.asarray(rows[:, None], dtype=weight.dtype)
+        return weight * self.sequences.spread(self.xp.asarray(rows, dtype=weight.dtype))
 
 
 @dataclass
@@ -152,16 +175,21 @@ def preference(train: TrainConfig) -> Preference | None:
     count from ``train.data``."""
     if train.objective != "dpo":
         return None
-    return Preference(DPO(train.dpo_beta), preference_pairs(train.data, train.seq_len))
+    return Preference(DPO(train.dpo_beta, train.rows_per_sample),
+                      preference_pairs(train.data, train.seq_len))
 
 
 def check_config(layout: Layout) -> None:
     """``--dpo-beta`` > 0 and finite; ``--objective dpo`` trains on a preference file of
     ``--seq-len`` rows holding at least one global batch of pairs, and none of the next-token
-    loss's masks, packed documents or validation loss."""
+    loss's masks, EOS-delimited documents or validation loss; ``--pack-pairs`` only with it,
+    on pairs that each fit a row."""
     t, p = layout.train, layout.parallel
     require(math.isfinite(t.dpo_beta) and t.dpo_beta > 0,
             f"train.dpo_beta={t.dpo_beta}: must be a finite number > 0")
+    require(not t.pack_pairs or t.objective == "dpo",
+            f"train.pack_pairs=True: packs the preference pairs of --objective dpo, not "
+            f"objective {t.objective!r} (its documents: --document-masking)")
     if t.objective != "dpo":
         return
     for name in ("loss_mask", "eod_mask_loss", "document_masking"):
@@ -177,4 +205,9 @@ def check_config(layout: Layout) -> None:
     require(pairs >= t.global_batch_size,
             f"train.global_batch_size={t.global_batch_size}: more pairs than the "
             f"{pairs} of {t.data}")
+    if t.pack_pairs:
+        try:
+            check_packable(t.data, t.seq_len)
+        except DataError as exc:
+            require(False, f"train.pack_pairs=True: {exc}")
 

@@ -180,9 +180,9 @@ def _global_sum(rank: Rank, loss: float) -> float:
 def _forward_losses(rank: Rank) -> Callable[[StepBatch], dict[int, Any]]:
     """``losses(batch)``: the last stage's per-token losses of a batch's microbatches by index
     (empty off the last stage), forward only under this layout."""
-    tr, m, sharded = rank.cfg.train, rank.model, rank.weights.sharded
-    rows = tr.micro_batch_size * (1 if rank.data.preference is None else 2)
-    shape = m.tensor.stream_shape(rows, len(m.positions), rank.cfg.model.hidden)
+    m, sharded = rank.model, rank.weights.sharded
+    shape = m.tensor.stream_shape(rank.layout.micro_rows, len(m.positions),
+                                  rank.cfg.model.hidden)
 
     def stage_forward(chunk: LlamaStage, inp: Any, mb: Microbatch) -> Any:
         return chunk.forward_only(rank.params, inp,
@@ -242,10 +242,10 @@ def _dropout_selector(rank: Rank, step: int):
 
 
 def reference_logps(rank: Rank) -> np.ndarray:
-    """The DPO reference log-probabilities ``[2 * pairs]`` of every row of the training pairs
-    (:mod:`mpipar.training.objective`): the policy's now, forward only, one global batch of
-    pairs after another in order, summed over dp and sent from the last pipeline stage to every
-    rank."""
+    """The DPO reference log-probabilities ``[2 * pairs]`` of every sequence of the training
+    pairs (:mod:`mpipar.training.objective`): the policy's now, forward only, one global batch
+    of pairs after another in order (packed as training packs them), summed over dp and sent
+    from the last pipeline stage to every rank."""
     pref, tr, g = rank.data.preference, rank.cfg.train, rank.comms.groups
     order = Sampler(rank.data.source, tr.global_batch_size, 0, shuffle=False,
                     samples=pref.pairs)
@@ -258,8 +258,7 @@ def reference_logps(rank: Rank) -> np.ndarray:
             base = rank.coord.dp * 2 * rank.data.rows_per_dp
             for i, token_loss in forward(batch).items():
                 at = base + i * rows
-                got[at:at + rows] = to_host(pref.objective.logps(token_loss,
-                                                                 batch.microbatches[i].counted))
+                got[at:at + rows] = to_host(batch.microbatches[i].loss.sequences.logps(token_loss))
             buf = g["dp_sp"].allreduce_(rank.compute.xp.asarray(got))
             got = to_host(g["pp"].bcast_(buf, root=rank.cfg.parallel.pp - 1))
             out[pref.rows(order.indices(k))] = got

@@ -2,13 +2,15 @@
 log-probability summed over its sp ranks) equals transformers +
 torch.optim.AdamW in float64 with DPO's loss written out (:mod:`dpo_reference`), and with LoRA
 PyTorch + PEFT: losses, rewards, accuracy, gradient norms and trained weights (adapters) over
-two steps to 1e-10 relative."""
+two steps to 1e-10 relative. Packed pairs (``--pack-pairs``) on dp x tp and on dp x sp x pp
+equal the unpacked run on one process."""
 from __future__ import annotations
 
 import pytest
 
 # First: importing dpo_reference skips this module where torch or transformers is missing.
-from dpo_reference import dpo_differences, dpo_rank, torch_dpo, write_pairs
+from dpo_reference import (SHORT, dpo_differences, dpo_rank, packed_differences, torch_dpo,
+                           write_pairs)
 from transformers_reference import TOL, float64_transformers, make_checkpoint  # noqa: F401
 
 from conftest import check_in_groups
@@ -60,6 +62,33 @@ def test_dpo_with_lora_on_a_layout_trains_like_peft(world, files, float64_transf
         diffs = dpo_differences(results, trained, torch_dpo(checkpoint, pairs, adapter))
         if world.rank == 0:
             print(f"\nDPO with LoRA {layout_name(layout)}: {diffs}")
+        return [] if max(diffs.values()) <= TOL else [f"{diffs}"]
+
+    check_in_groups(world, layout_size(layout), check)
+
+
+PACKED = [dict(dp=2, tp=2), dict(dp=2, sp=2, pp=2, sp_split="zigzag")]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", PACKED, ids=[layout_name(v) for v in PACKED])
+def test_packed_pairs_on_a_layout_train_like_unpacked(world, files, layout, tmp_path_factory):
+    """--pack-pairs, four pairs a step, two a microbatch (a dp rank's two pairs packed into
+    two rows, sharing one where they fit; with sp a sequence's log-probability summed over the
+    sp ranks its positions fall to) equals the unpacked run of the same pairs on one process
+    (its first rank runs it)."""
+    checkpoint, _ = files
+    pairs = write_pairs(tmp_path_factory.mktemp("short") / "short.h5", SHORT)
+
+    def check(comm) -> list[str]:
+        packed = dpo_rank(checkpoint, pairs, comm, pack_pairs=True, batch=4, micro=2, **layout)
+        if comm.rank:
+            for k in range(2):
+                trainer.train_step(packed, k)
+            trainer.gather_params(packed)
+            return []
+        diffs = packed_differences(packed, dpo_rank(checkpoint, pairs, batch=4))
+        print(f"\nDPO packed {layout_name(layout)}: {diffs}")
         return [] if max(diffs.values()) <= TOL else [f"{diffs}"]
 
     check_in_groups(world, layout_size(layout), check)

@@ -33,9 +33,9 @@ CASES = [dict(tp=2, dp=4), dict(sp=4, dp=2), dict(sp=2, tp=2, pp=2), dict(sp=2, 
          dict(dp=4, tp=2, zero=1, bucket_mb=0.003, train=dict(optimizer="muon"))]
 
 
-def _pairs_file() -> str:
-    """Preference pairs of the test model's vocabulary for its 16-token rows (this rank's
-    copy: every rank writes the same)."""
+def _pairs_file(longest: int = 6) -> str:
+    """Preference pairs of the test model's vocabulary for its 16-token rows, prompts and
+    responses of 2..``longest`` tokens (this rank's copy: every rank writes the same)."""
     import json
     import tempfile
     from pathlib import Path
@@ -45,7 +45,7 @@ def _pairs_file() -> str:
     from mpipar.data.preference import prepare_preference
     rng = np.random.default_rng(5)
     root = Path(tempfile.mkdtemp(prefix="mpipar-pairs-"))
-    lines = [json.dumps({k: rng.integers(1, VOCAB, rng.integers(2, 7)).tolist()
+    lines = [json.dumps({k: rng.integers(1, VOCAB, rng.integers(2, longest + 1)).tolist()
                          for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
              for _ in range(8)]
     (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
@@ -93,7 +93,7 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
     for name, value in train.items():
         setattr(cfg.train, name, value)
     if cfg.train.objective == "dpo":
-        cfg.train.data = _pairs_file()
+        cfg.train.data = _pairs_file(4 if cfg.train.pack_pairs else 6)
     cfg = validate(cfg, 8)
     with rank_failures(world) as fails:
         eng = build_rank(cfg, world, source=None if cfg.train.data else token_source())
@@ -144,3 +144,14 @@ LATENT_RING = [dict(model="latent", sp=4, tp=2, sp_split="zigzag", sp_overlap=Tr
 def test_latent_ring_messages_equal_the_engine(world, case):
     """The ring's latent messages: the ledger's bytes are the planner's."""
     test_state_memory_and_messages_equal_the_engine(world, case)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_packed_pairs_equal_the_engine(world):
+    """DPO with --pack-pairs: a microbatch of m pairs is m rows (the stream's and Ulysses'
+    messages), its 2m sequences' log-probabilities still summed over sp. (The ring skips the
+    hops no packed sequence crosses, which the planner, reading no documents for pairs, books:
+    it is exact for Ulysses.)"""
+    test_state_memory_and_messages_equal_the_engine(
+        world, dict(sp=2, sp_mode="ulysses", dp=2, pp=2,
+                    train=dict(objective="dpo", pack_pairs=True)))

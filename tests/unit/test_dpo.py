@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 
+import h5py
 import numpy as np
 import pytest
 
 # First: importing dpo_reference skips this module where torch or transformers is missing.
-from dpo_reference import BETA, dpo_differences, dpo_rank, torch_dpo, write_pairs
+from dpo_reference import (BETA, SHORT, dpo_differences, dpo_rank, packed_differences,
+                           torch_dpo, write_pairs)
 from transformers_reference import TOL, float64_transformers, make_checkpoint  # noqa: F401
 
 from mpipar.training import step as trainer
@@ -56,6 +58,24 @@ def test_dpo_with_lora_trains_like_peft(files, float64_transformers, tmp_path):
         np.testing.assert_array_equal(trained[n], v)
 
 
+def test_packed_pairs_train_like_unpacked(files, tmp_path):
+    """--pack-pairs: the same pairs and global batch (four pairs, two microbatches of two)
+    packed into half the rows (the second microbatch's two pairs share a row, its other row
+    is padding) train as the unpacked run: losses, rewards, accuracy, gradient norms,
+    reference log-probabilities and trained weights over two steps."""
+    from mpipar.data.preference import pack_pairs, sequence_lengths
+    checkpoint, _ = files
+    pairs = write_pairs(tmp_path / "short.h5", SHORT)
+    packed = dpo_rank(checkpoint, pairs, pack_pairs=True, batch=4, micro=2)
+    with h5py.File(pairs, "r") as f:
+        rows = np.asarray(f["loss_mask"])[:-1].reshape(-1, packed.cfg.train.seq_len)
+    where = pack_pairs(sequence_lengths(rows[4:8]), 2, rows.shape[1])
+    assert (where[1] == -1).all() and (where[0] // rows.shape[1] == 3).any()
+    diffs = packed_differences(packed, dpo_rank(checkpoint, pairs, batch=4))
+    print(f"\nDPO packed against unpacked, one process: {diffs}")
+    assert max(diffs.values()) <= TOL, diffs
+
+
 def test_pair_gradient_is_the_loss_derivative():
     """row_weights is -d(sum of pair losses)/d(log-prob of the row) (central differences)."""
     dpo, rng = DPO(BETA), np.random.default_rng(3)
@@ -91,6 +111,12 @@ def test_dpo_rules_name_the_value(files, tmp_path):
     _refused(files, tmp_path, r"train.global_batch_size=6: more pairs than the 5",
              global_batch_size=6)
     _refused(files, tmp_path, r"train.loss_mask=True with --objective dpo", loss_mask=True)
+    _refused(files, tmp_path, r"train.pack_pairs=True: .*pairs.jsonl:1: its prompt \+ chosen "
+             r"and prompt \+ rejected take 21 tokens together, more than one packed row of "
+             r"--seq-len 12", pack_pairs=True)
+    _refused(files, tmp_path, r"train.pack_pairs=True: packs the preference pairs of "
+             r"--objective dpo, not objective 'tokens'", pack_pairs=True, objective="tokens",
+             data="")
 
 
 def test_resume_equals_the_uninterrupted_run(files, tmp_path):

@@ -118,13 +118,10 @@ def reference(tmp_path_factory):
 # ranks (numbered in the world before it), where the state came from, the step it holds, the
 # step (1-based) in flight when the failure struck, and the layout flags' start
 CASES = {
-    # dp=2 x tp=2 with ZeRO-1: no rank holds the whole state, and 3 ranks cannot keep tp=2:
-    # step 2's checkpoint is read onto the planner's layout, ZeRO-1 over dp=3
-    "dp x tp, ZeRO-1": ("2@3", ["--dp", "2", "--tp", "2", "--zero", "1", "--save-every", "2"],
-                        [4, 4, 3, 3, 3, 3],
-                        [([2], "checkpoint", 2, 4, "--dp 3 --tp 1 --pp 1 --sp 1 --ep 1 --zero 1")]),
-    # the same layout with --state-copies 1: rank 2's share is held by rank 3, and the state
-    # of step 3 (the step in flight) is pooled from the survivors' memory onto ZeRO-1 over dp=3
+    # dp=2 x tp=2 with ZeRO-1 and --state-copies 1: no rank holds the whole state, and 3 ranks
+    # cannot keep tp=2; rank 2's share is held by rank 3, and the state of step 3 (the step in
+    # flight) is pooled from the survivors' memory onto the planner's layout, ZeRO-1 over dp=3
+    # (a checkpoint read onto the planner's layout: the pipeline case below)
     "dp x tp, ZeRO-1, state copies": (
         "2@3", ["--dp", "2", "--tp", "2", "--zero", "1", "--state-copies", "1"],
         [4, 4, 4, 3, 3, 3],

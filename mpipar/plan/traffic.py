@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mpipar.layout import Layout
+from mpipar.model.mtp import mtp_layers
 from mpipar.model.params import EMBED
 from mpipar.parallel.calls import Call
 from mpipar.parallel.fsdp.cost import unit_passes
@@ -62,8 +63,12 @@ class PlannedStep:
 
     @functools.cached_property
     def chunk_layers(self) -> list[list[int]]:
-        table = placement_table(self.layout)
-        return [table.stage_layers(stage) for stage in self.stages]
+        """The blocks each chunk runs: a training step's last stage also runs the multi-token
+        prediction modules' (:func:`mpipar.model.mtp.mtp_layers`; validation does not)."""
+        table, last = placement_table(self.layout), self.layout.stages - 1
+        mtp = list(mtp_layers(self.layout.model)) if self.train else []
+        return [list(table.stage_layers(stage)) + (mtp if stage == last else [])
+                for stage in self.stages]
 
     @functools.cached_property
     def ops(self) -> list:
@@ -133,7 +138,8 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
 
 
 def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
-    """The engine's reductions of a number: the loss over dp x sp, and in a training step the
+    """The engine's reductions of a number: the loss over dp x sp (and in a training step the
+    multi-token prediction loss, then broadcast from the last stage), in a training step the
     gradient norm's sum of squares over dp x sp (ZeRO: over the slices) and over tp x pp; a
     DPO step's rewards and accuracy over dp x sp, then sent from the last pipeline stage (with
     sp, each microbatch's rows' log-probabilities summed over sp on the last stage)."""
@@ -143,6 +149,9 @@ def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
         calls.append(Call("dp_sp", "allreduce", 8))                       # the loss
         if train and par.zero:
             calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
+    if train and layout.model.mtp_depth:   # the modules' loss: over dp x sp, then from the last
+        calls += [Call("dp_sp", "allreduce", 8)] if layout.dp * par.sp > 1 else []   # stage
+        calls += [Call("pp", "bcast", 8 if coord.pp == par.pp - 1 else 0)] if par.pp > 1 else []
     if train and par.tp * par.pp > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
     if train and layout.train.rows_per_sample > 1:   # DPO's rewards and accuracy (3 floats)

@@ -132,3 +132,15 @@ def test_state_memory_and_messages_equal_the_engine(world, case):
             if not 0 < pooled <= mem.buffers:
                 fails.append(f"{eng.coord}: pool {pooled} B, bound {mem.buffers} B")
         trainer.close(eng)
+
+
+MTP_CASES = [dict(model="mtp", dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003)]
+"""Multi-token prediction: the modules' state on the last stage and their calls."""
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", MTP_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items())
+                                                 for c in MTP_CASES])
+def test_state_memory_and_messages_equal_the_engine_with_mtp(world, case):
+    """As :func:`test_state_memory_and_messages_equal_the_engine`, with MTP modules."""
+    test_state_memory_and_messages_equal_the_engine(world, case)

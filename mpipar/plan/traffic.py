@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mpipar.layout import Layout
-from mpipar.model.mtp import mtp_layers
+from mpipar.model.mtp import all_blocks, mtp_layers
 from mpipar.model.params import EMBED
 from mpipar.parallel.calls import Call
 from mpipar.parallel.fsdp.cost import unit_passes
@@ -162,7 +162,7 @@ def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
             calls.append(Call("sp", "allreduce", 8 * layout.micro_rows, layout.microbatches))
     m = layout.config.model
     if train and m.moe_experts:  # balance loss, loads, drops (training.step._moe_stats), float64
-        n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * (m.moe_experts + 1))
+        n = 8 * (1 + sum(map(m.is_sparse, all_blocks(m))) * (m.moe_experts + 1))
         calls += [Call(g, "allreduce", n) for g, size in (("dp_sp", layout.dp * par.sp),
                                                            ("tp_pp", par.tp * par.pp)) if size > 1]
     return calls

@@ -173,6 +173,18 @@ def head_flops(layout: Layout) -> float:
     return 2 * m.hidden * vl * n
 
 
+def mtp_flops(layout: Layout, contexts: Sequence[float]) -> float:
+    """FLOPs of one microbatch's forward through the multi-token prediction modules on a tp
+    rank, module ``k``'s queries attending to ``contexts[k]`` keys each: its projection
+    ``[H, 2H]`` (whole on every tp rank, over the tokens of the stream it holds), its block and
+    the shared LM head (:func:`mpipar.model.flops.mtp_module_flops_per_token` on one rank)."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    n = layout.micro_rows * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)
+    return sum(4 * m.hidden * m.hidden * ns + block_flops(layout, c) + head_flops(layout)
+               for c in contexts)
+
+
 def qkv_flops(layout: Layout, blocks: int) -> int:
     """FLOPs of the q/k/v projections of one microbatch through ``blocks`` blocks on a tp rank
     (what selective recompute repeats)."""

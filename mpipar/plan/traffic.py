@@ -188,6 +188,16 @@ def predict_step_messages(layout: Layout, coord: Coord) -> dict[str, int]:
     return _per_group(step_calls(layout, coord), False)
 
 
+def predict_optimizer_bytes(layout: Layout, coord: Coord) -> int:
+    """Bytes the rank at ``coord`` hands to MPI in the optimizer step (clipping and the update:
+    what :class:`mpipar.observe.metrics.OptimizerCost` measures): Muon's exchanges and the
+    all-gathers of the updated parameters (ZeRO-1's slices, ZeRO-2's units, ZeRO-3's copies
+    in node shared memory: the reductions' only blocking all-gathers)."""
+    return sum(c.nbytes * c.count for c in step_calls(layout, coord)
+               if c.op == "allgather" and c.group != "tp") + sum(
+        c.nbytes * c.count for c in optimizer_calls(layout, coord))
+
+
 def predict_eval_bytes(layout: Layout, coord: Coord) -> dict[str, int]:
     """Bytes per group that the rank at ``coord`` hands to MPI in one validation pass of
     ``train.eval_batches`` batches (booked in the engine's ``eval_ledger``)."""

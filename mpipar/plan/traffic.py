@@ -78,8 +78,11 @@ class PlannedStep:
     def entered(self) -> list[tuple[str, int]]:
         if self.layout.parallel.zero < 2:
             return []
-        return unit_passes(self.layout, self.coord.pp, self.ops,
-                           self.chunk_layers)
+        # The last stage's head scope holds the modules' units in validation too (unrun there).
+        table, last = placement_table(self.layout), self.layout.stages - 1
+        layers = [list(table.stage_layers(s)) + (list(mtp_layers(self.layout.model))
+                                                 if s == last else []) for s in self.stages]
+        return unit_passes(self.layout, self.coord.pp, self.ops, layers)
 
     @functools.cached_property
     def group_sizes(self) -> dict[str, int]:

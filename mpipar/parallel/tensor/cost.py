@@ -37,7 +37,10 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights), or
     at ZeRO-2/3 once a microbatch, per unit before its reduce-scatter. The first stage reduces the embedding
     (forward); the last all-reduces the cross-entropy's max and then its (sum-exp, target
-    logit) per token, and the head's input gradient. Stream ``[B, S/sp, H]``."""
+    logit) per token, and the head's input gradient. In a training step the last stage's
+    multi-token prediction modules add, each, a block's calls, an embedding's and a head's
+    (their replicated projection's and norms' gradients are partial under sequence
+    parallelism, reduced with the head's). Stream ``[B, S/sp, H]``."""
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes      # activations, softmax statistics

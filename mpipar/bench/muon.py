@@ -153,9 +153,9 @@ def _print_means(means: dict[str, dict[str, Any]], seeds: int) -> None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """The muon section's options: the rates swept, seeds, steps, ranks, the final-loss window."""
-    parser.add_argument("--lrs-adamw", default="1e-3,3e-3,1e-2",
+    parser.add_argument("--lrs-adamw", default="3e-4,1e-3,3e-3,1e-2",
                         help="AdamW's learning rates swept (one: no sweep)")
-    parser.add_argument("--lrs-muon", default="1e-2,2e-2,5e-2",
+    parser.add_argument("--lrs-muon", default="5e-3,1e-2,2e-2,5e-2,1e-1",
                         help="Muon's learning rates swept (one: no sweep)")
     parser.add_argument("--sweep-steps", type=int, default=100)
     parser.add_argument("--sweep-seed", type=int, default=1234)

@@ -30,10 +30,12 @@ The module's tokens come with the microbatch: ``ahead`` ``[D, B, S_loc]``, the t
 (:mod:`mpipar.training.batches`): sequence parallelism needs no message for them.
 
 The planner counts the modules' parameters (the placement table), FLOPs
-(:func:`mpipar.model.flops.mtp_module_flops_per_token`, MFU) and activations
-(:mod:`mpipar.plan.memory`); the calls their blocks, embedding and head make on the last stage
-(tensor, sequence and ZeRO-3 traffic) are not in its byte count, nor their compute in its time
-model.
+(:func:`mpipar.model.flops.mtp_module_flops_per_token`, MFU; on a tp rank
+:func:`mpipar.parallel.tensor.cost.mtp_flops`, the time model's), activations
+(:mod:`mpipar.plan.memory`) and the calls their blocks, embeddings and heads make on the last
+stage in a training step (:mod:`mpipar.plan.traffic`: tensor, sequence, expert and ZeRO-2/3
+traffic, the embedding's copy over ``pp_ends``, their loss's reduction; validation runs no
+module).
 """
 from __future__ import annotations
 

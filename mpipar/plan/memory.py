@@ -26,6 +26,7 @@ from mpipar.model.lora import Lora
 from mpipar.model.params import param_specs
 from mpipar.model.recompute import NONE, Recompute
 from mpipar.parallel.pipeline.cost import saved_peak
+from mpipar.parallel.placement import padded_vocab
 from mpipar.parallel.registry import AXES
 from mpipar.plan import state_copies
 from mpipar.plan.optimizer import optimizer_buffer_bytes, optimizer_elements
@@ -108,14 +109,20 @@ def _head_activation_bytes(layout: Layout) -> int:
 
 def _mtp_activation_bytes(layout: Layout, block: int) -> int:
     """Bytes the multi-token prediction modules keep for one microbatch on the last stage
-    (:class:`mpipar.model.mtp.ModuleSaved`): per module its block's record (``block``), its
-    head's logits and norm, and five streams beside them (the embedding, the concatenation of
-    two, the block's output and its norm)."""
+    (:class:`mpipar.model.mtp.ModuleSaved`): per module its block's record (``block``), five
+    streams (the embedding, the concatenation of two, the block's output and its norm) and
+    three rstds, its logits over the rank's vocabulary slice, and per token its input ids,
+    targets, lse and loss weights. Its input stream is kept already (the head's, or the
+    previous module's output)."""
     depth = layout.model.mtp_depth
     if not depth:
         return 0
-    stream = _block_field_bytes(layout)["x"]
-    return depth * (block + _head_activation_bytes(layout) + 5 * stream)
+    m, par, tr = layout.model, layout.parallel, layout.train
+    se = Precision.of(tr, par).stat_bytes
+    fields = _block_field_bytes(layout)
+    n = layout.micro_rows * (tr.seq_len // par.sp)
+    logits = padded_vocab(m.vocab_size, par.tp) // par.tp * n * Precision.of(tr, par).compute_bytes
+    return depth * (block + 5 * fields["x"] + 3 * fields["rstd1"] + logits + n * (24 + se))
 
 
 def _sparse_in(layout: Layout, stage: int, per: int) -> int:

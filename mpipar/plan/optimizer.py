@@ -8,7 +8,8 @@ ZeRO-1/2/3 the first moment of the owned slice (the second moment is kept for th
 elements only). Each matrix is assembled whole on one owner (:func:`mpipar.training.
 optimizers.assign_owners`): the owned slices over the shard group, then the tp shards over tp,
 each way one all-to-all-v there and one back, booked as the bytes sent to the other ranks; the
-owner holds its matrices whole and their orthogonalised copies while it runs Newton-Schulz.
+owner holds its matrices whole and their orthogonalised copies while it runs Newton-Schulz,
+whose FLOPs (:func:`newton_schulz_flops`) the step time model counts.
 
 A rank's stores (:class:`Store`) are what it lays its trained parameters out in: ZeRO-0/1 the
 reducer's flat buckets, ZeRO-2/3 the units, as the engine builds them
@@ -159,12 +160,14 @@ def optimizer_elements(layout: Layout, coord: Coord) -> int:
     return total
 
 
-def _exchange(layout: Layout, coord: Coord, part: Part) -> tuple[list[Call], int]:
-    """Muon's all-to-all-v's of one part of the rank and the elements it assembles whole."""
+def _exchange(layout: Layout, coord: Coord, part: Part
+              ) -> tuple[list[Call], dict[str, tuple[int, int]]]:
+    """Muon's all-to-all-v's of one part of the rank and the matrices it orthogonalises (name
+    -> global shape: each whole)."""
     table, tp, t = placement_table(layout), layout.tp, coord.tp
     matrices = _matrices(layout, part)
     if not matrices:
-        return [], 0
+        return [], {}
     sharded = layout.parallel.zero > 0 and part.shards > 1
     # Owners are named by group rank (the slices a rank owns may lie elsewhere: _slot).
     slots, slot = (part.shards, _index(layout, coord, part.group)) if sharded else (1, 0)
@@ -184,9 +187,9 @@ def _exchange(layout: Layout, coord: Coord, part: Part) -> tuple[list[Call], int
         gather = sum(local[n] for n in here if owners[n][1] != t)
         scatter = sum((tp - 1) * local[n] for n in here if owners[n][1] == t)
         calls += [Call("tp", "alltoallv", gather * e), Call("tp", "alltoallv", scatter * e)]
-    whole = sum(math.prod(matrices[n]) if n in split else local[n] for n in matrices
-                if owners[n] == (slot, t) or (n not in split and owners[n][0] == slot))
-    return calls, whole
+    mine = [n for n in matrices
+            if owners[n] == (slot, t) or (n not in split and owners[n][0] == slot)]
+    return calls, {n: matrices[n] for n in mine}
 
 
 def optimizer_calls(layout: Layout, coord: Coord) -> list[Call]:
@@ -203,4 +206,17 @@ def optimizer_buffer_bytes(layout: Layout, coord: Coord) -> int:
     if not optimizer_mode(layout.train).muon:
         return 0
     e = Precision.of(layout.train, layout.parallel).master_bytes
-    return 2 * e * sum(_exchange(layout, coord, part)[1] for part in parts(layout, coord))
+    return 2 * e * sum(math.prod(shape) for part in parts(layout, coord)
+                       for shape in _exchange(layout, coord, part)[1].values())
+
+
+def newton_schulz_flops(layout: Layout, coord: Coord) -> int:
+    """FLOPs of the Newton-Schulz iterations the rank at ``coord`` runs in a step under Muon
+    (0 under AdamW): :func:`mpipar.training.muon.ns_flops` of each matrix it orthogonalises,
+    as the owners' assignment distributes them (a matrix every tp rank holds whole, at ZeRO-0
+    or on its owner's slot: on each of those tp ranks)."""
+    if not optimizer_mode(layout.train).muon:
+        return 0
+    steps = muon_config(layout.train).ns_steps
+    return sum(muon.ns_flops(*shape, steps) for part in parts(layout, coord)
+               for shape in _exchange(layout, coord, part)[1].values())

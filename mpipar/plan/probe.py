@@ -147,8 +147,9 @@ def probe_model(cfg, threads: int | None, repeats: int, seconds: float, clock,
     def layout_of(seq: int, rows: int):
         train = TrainConfig(seq_len=seq, global_batch_size=rows, micro_batch_size=rows,
                             dtype=cfg.train.dtype)
-        return validate(Config(dataclasses.replace(cfg.model, layers=1), ParallelConfig(),
-                               train), 1)
+        # One block and the head (a multi-token prediction module is a block and the head).
+        return validate(Config(dataclasses.replace(cfg.model, layers=1, mtp_depth=0),
+                               ParallelConfig(), train), 1)
 
     def flops(layout) -> float:
         return block_flops(layout, attention_context(layout)) + head_flops(layout)

@@ -11,6 +11,10 @@
     step time  = pipeline + DP x SP gradient traffic (+ compression's encode/decode work)
                  + gradient-norm all-reduce + the tied embedding's gradient sum
                  + optimizer passes over the rank's parameters / elementwise rate
+                 + Muon's Newton-Schulz FLOPs on its busiest owner / peak
+
+(the last stage's head work includes the multi-token prediction modules': a projection, a
+block and the shared head each)
 
 with traffic ``wire bytes / bandwidth + messages x latency`` (ring all-reduce moves ``2 (n-1)/n``
 of the buffer, an all-to-all ``(n-1)/n``, point-to-point all of it; an all-reduce under
@@ -43,6 +47,7 @@ import numpy as np
 from mpipar.config import Config
 from mpipar.layout import Layout, vary
 from mpipar.model.attention import DocumentPositions
+from mpipar.model.mtp import mtp_layers
 from mpipar.parallel.sequence.cost import attention_context, document_attention, extra_key_blocks
 from mpipar.parallel.sequence.mode import SequenceMode
 from mpipar.parallel.sequence.registry import sequence_mode
@@ -50,12 +55,14 @@ from mpipar.parallel.sequence_split import MIN_CHUNK
 from mpipar.parallel.pipeline.cost import message_bytes
 from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.registry import AXES
-from mpipar.parallel.tensor.cost import block_flops, head_flops, qkv_flops
+from mpipar.parallel.tensor.cost import block_flops, head_flops, mtp_flops, qkv_flops
 from mpipar.plan.rank import (bucket_lengths, grid_shape, group_members, group_sizes, nodes_of,
                               schedule_ops)
+from mpipar.plan.optimizer import newton_schulz_flops
 from mpipar.plan.traffic import PlannedStep, call_algorithm, call_wire, step_calls
 from mpipar.runtime import allreduce
 from mpipar.runtime.topology import GROUP_AXES, Coord
+from mpipar.training.optimizers import optimizer_mode
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,9 @@ def with_nodes(cfg: Config | Layout, hw: Hardware, world: int) -> Config | Layou
 # residual forward; twice as many calls backward, whose linear ops each make two GEMMs), and
 # through the embedding and LM head together.
 OPS_BLOCK_FWD, OPS_BLOCK_BWD, OPS_ENDS = 16, 32, 12
+# A multi-token prediction module's own calls forward besides its block and head
+# (mpipar/model/mtp.py: the embedding, two norms, the concatenation, the projection).
+OPS_MTP = 5
 # Ring attention adds per hop beyond the first: a block attention and a merge forward (twice as
 # many calls backward).
 OPS_RING_HOP = 2
@@ -258,6 +268,13 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
     head_fwd = head_flops(layout) / hw.peak_flops + OPS_ENDS / 3 * hw.op_overhead
     # Forward work backward repeats: the whole blocks (full) or the q/k/v projections (selective).
     redo = tr.recompute_mode.redo_seconds(block_fwd, qkv_flops(layout, per) / hw.peak_flops)
+    # The multi-token prediction modules run with the head: a projection, a block, the head each.
+    depth = m.mtp_depth
+    mtp_fwd = (mtp_flops(layout, [attention_context(layout, m.layer_window(j))
+                                  for j in mtp_layers(m)]) / hw.peak_flops
+               + depth * (OPS_BLOCK_FWD + OPS_MTP + OPS_ENDS / 3) * hw.op_overhead)
+    head_fwd += mtp_fwd + tr.recompute_mode.redo_seconds(
+        mtp_fwd, qkv_flops(layout, depth) / hw.peak_flops) / 3
 
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0
@@ -281,15 +298,30 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
 
 
 def _optimizer_time(layout: Layout, hw: Hardware) -> float:
-    """Seconds of the optimizer step on the rank with the most parameters: memory-bound passes
-    at the measured elementwise rate (0 with nominal hardware)."""
+    """Seconds of the optimizer step: memory-bound passes on the rank with the most parameters
+    at the measured elementwise rate (none with nominal hardware), plus under Muon the
+    Newton-Schulz FLOPs of the rank that runs the most (:func:`newton_schulz_seconds`)."""
+    ns = newton_schulz_seconds(layout, hw)
     if not hw.elementwise_rate:
-        return 0.0
+        return ns
     par = layout.parallel
     local = max(sum(bucket_lengths(layout, Coord(dp=0, tp=0, pp=r, sp=0)))
                 for r in range(par.pp))
     owned = local // (layout.dp * par.sp) if par.zero else local
-    return (ADAMW_PASSES * owned + GRAD_PASSES * local) / hw.elementwise_rate
+    return (ADAMW_PASSES * owned + GRAD_PASSES * local) / hw.elementwise_rate + ns
+
+
+def newton_schulz_seconds(layout: Layout, hw: Hardware) -> float:
+    """Seconds of Muon's Newton-Schulz iterations in a step at ``hw.peak_flops`` on the rank
+    that runs the most (:func:`mpipar.plan.optimizer.newton_schulz_flops`; 0 under AdamW).
+    At ZeRO-0 every dp x sp replica runs the same; with ZeRO the owners spread over dp x sp."""
+    if not optimizer_mode(layout.train).muon:
+        return 0.0
+    par = layout.parallel
+    spread = range(layout.dp) if par.zero else range(1)
+    return max(newton_schulz_flops(layout, Coord(dp=d, tp=t, pp=r, sp=s))
+               for d in spread for s in (range(par.sp) if par.zero else range(1))
+               for t in range(par.tp) for r in range(par.pp)) / hw.peak_flops
 
 
 def _crossing(layout: Layout) -> set[str]:

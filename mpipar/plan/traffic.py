@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mpipar.layout import Layout
+from mpipar.model.mtp import all_blocks, mtp_layers
 from mpipar.model.params import EMBED
 from mpipar.parallel.calls import Call
 from mpipar.parallel.fsdp.cost import unit_passes
@@ -63,8 +64,12 @@ class PlannedStep:
 
     @functools.cached_property
     def chunk_layers(self) -> list[list[int]]:
-        table = placement_table(self.layout)
-        return [table.stage_layers(stage) for stage in self.stages]
+        """The blocks each chunk runs: a training step's last stage also runs the multi-token
+        prediction modules' (:func:`mpipar.model.mtp.mtp_layers`; validation does not)."""
+        table, last = placement_table(self.layout), self.layout.stages - 1
+        mtp = list(mtp_layers(self.layout.model)) if self.train else []
+        return [list(table.stage_layers(stage)) + (mtp if stage == last else [])
+                for stage in self.stages]
 
     @functools.cached_property
     def ops(self) -> list:
@@ -74,8 +79,11 @@ class PlannedStep:
     def entered(self) -> list[tuple[str, int]]:
         if self.layout.parallel.zero < 2:
             return []
-        return unit_passes(self.layout, self.coord.pp, self.ops,
-                           self.chunk_layers)
+        # The last stage's head scope holds the modules' units in validation too (unrun there).
+        table, last = placement_table(self.layout), self.layout.stages - 1
+        layers = [list(table.stage_layers(s)) + (list(mtp_layers(self.layout.model))
+                                                 if s == last else []) for s in self.stages]
+        return unit_passes(self.layout, self.coord.pp, self.ops, layers)
 
     @functools.cached_property
     def group_sizes(self) -> dict[str, int]:
@@ -136,7 +144,8 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
 
 
 def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
-    """The engine's reductions of a number: the loss over dp x sp, and in a training step the
+    """The engine's reductions of a number: the loss over dp x sp (and in a training step the
+    multi-token prediction loss, then broadcast from the last stage), in a training step the
     gradient norm's sum of squares over dp x sp (ZeRO: over the slices) and over tp x pp; a
     DPO step's rewards and accuracy over dp x sp, then sent from the last pipeline stage (with
     sp, each microbatch's rows' log-probabilities summed over sp on the last stage)."""
@@ -146,6 +155,9 @@ def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
         calls.append(Call("dp_sp", "allreduce", 8))                       # the loss
         if train and par.zero:
             calls.append(Call("dp_sp", "allreduce", 8))                   # the gradient norm
+    if train and layout.model.mtp_depth:   # the modules' loss: over dp x sp, then from the last
+        calls += [Call("dp_sp", "allreduce", 8)] if layout.dp * par.sp > 1 else []   # stage
+        calls += [Call("pp", "bcast", 8 if coord.pp == par.pp - 1 else 0)] if par.pp > 1 else []
     if train and par.tp * par.pp > 1:
         calls.append(Call("tp_pp", "allreduce", 8))                       # the squared norm
     if train and layout.train.sequences_per_sample > 1:   # DPO's rewards and accuracy (3 floats)
@@ -157,7 +169,7 @@ def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
             calls.append(Call("sp", "allreduce", 8 * seqs, layout.microbatches))
     m = layout.config.model
     if train and m.moe_experts:  # balance loss, loads, drops (training.step._moe_stats), float64
-        n = 8 * (1 + sum(map(m.is_sparse, range(m.layers))) * (m.moe_experts + 1))
+        n = 8 * (1 + sum(map(m.is_sparse, all_blocks(m))) * (m.moe_experts + 1))
         calls += [Call(g, "allreduce", n) for g, size in (("dp_sp", layout.dp * par.sp),
                                                            ("tp_pp", par.tp * par.pp)) if size > 1]
     return calls
@@ -181,6 +193,16 @@ def predict_step_bytes(layout: Layout, coord: Coord, documents: list | None = No
 def predict_step_messages(layout: Layout, coord: Coord) -> dict[str, int]:
     """MPI calls per group (the ledger's ``messages``) of the rank at ``coord`` in one step."""
     return _per_group(step_calls(layout, coord), False)
+
+
+def predict_optimizer_bytes(layout: Layout, coord: Coord) -> int:
+    """Bytes the rank at ``coord`` hands to MPI in the optimizer step (clipping and the update:
+    what :class:`mpipar.observe.metrics.OptimizerCost` measures): Muon's exchanges and the
+    all-gathers of the updated parameters (ZeRO-1's slices, ZeRO-2's units, ZeRO-3's copies
+    in node shared memory: the reductions' only blocking all-gathers)."""
+    return sum(c.nbytes * c.count for c in step_calls(layout, coord)
+               if c.op == "allgather" and c.group != "tp") + sum(
+        c.nbytes * c.count for c in optimizer_calls(layout, coord))
 
 
 def predict_eval_bytes(layout: Layout, coord: Coord) -> dict[str, int]:

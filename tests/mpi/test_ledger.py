@@ -104,6 +104,20 @@ def test_ledger_bytes_equal_planner_prediction(world, case):
         trainer.close(eng)
 
 
+MTP_CASES = [dict(model="mtp", tp=2, pp=2, dp=2, tp_sequence_parallel=True),
+             dict(model="mtp", sp=2, dp=2, pp=2, zero=3, sp_split="zigzag")]
+"""Multi-token prediction: the modules' blocks, the embedding's copy and the shared head on
+the last stage (tensor, sequence, ZeRO-3 and the embedding's gradient over ``pp_ends``)."""
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", MTP_CASES,
+                         ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in MTP_CASES])
+def test_ledger_bytes_equal_planner_prediction_with_mtp(world, case):
+    """As :func:`test_ledger_bytes_equal_planner_prediction`, with MTP modules."""
+    test_ledger_bytes_equal_planner_prediction(world, case)
+
+
 # ------------------------------------------------------------------------ links across nodes
 LINK_CASES = [
     dict(dp=8, ranks_per_node=4), dict(dp=8, ranks_per_node=4, dp_reduce="hierarchical"),

@@ -155,3 +155,47 @@ def test_packed_pairs_equal_the_engine(world):
     test_state_memory_and_messages_equal_the_engine(
         world, dict(sp=2, sp_mode="ulysses", dp=2, pp=2,
                     train=dict(objective="dpo", pack_pairs=True)))
+
+
+MTP_CASES = [dict(model="mtp", dp=2, tp=2, pp=2, zero=1, bucket_mb=0.003)]
+"""Multi-token prediction: the modules' state on the last stage and their calls."""
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", MTP_CASES, ids=["-".join(f"{k}{v}" for k, v in c.items())
+                                                 for c in MTP_CASES])
+def test_state_memory_and_messages_equal_the_engine_with_mtp(world, case):
+    """As :func:`test_state_memory_and_messages_equal_the_engine`, with MTP modules."""
+    test_state_memory_and_messages_equal_the_engine(world, case)
+
+
+OPTIMIZER_CASES = [dict(dp=4, tp=2, zero=1, bucket_mb=0.003, train=dict(optimizer="muon")),
+                   dict(dp=2, tp=2, pp=2, zero=2, train=dict(optimizer="muon"))]
+"""What the optimizer step hands to MPI: Muon's exchanges and the updated parameters'
+all-gathers (ZeRO-1's slices, ZeRO-2's units)."""
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("case", OPTIMIZER_CASES, ids=["-".join(
+    f"{k}{v}" if k != "train" else "-".join(f"{a}{b}" for a, b in v.items())
+    for k, v in c.items()) for c in OPTIMIZER_CASES])
+def test_optimizer_bytes_equal_the_measured_cost(world, case):
+    """The bytes the planner predicts for the optimizer step are those the step's
+    OptimizerCost measures (the summary's optimizer line) on every rank."""
+    from mpipar.plan.traffic import predict_optimizer_bytes
+    from mpipar.training import step as trainer
+    from mpipar.training.rank import build_rank
+
+    case = dict(case)
+    train = case.pop("train", {})
+    cfg = small_config("float64", **case)
+    for name, value in train.items():
+        setattr(cfg.train, name, value)
+    cfg = validate(cfg, 8)
+    with rank_failures(world) as fails:
+        eng = build_rank(cfg, world, source=token_source())
+        got = trainer.train_step(eng, 0).optimizer.bytes
+        want = predict_optimizer_bytes(cfg, eng.coord)
+        if got != want or not want:
+            fails.append(f"{eng.coord}: optimizer step {got} B, predicted {want} B")
+        trainer.close(eng)

@@ -519,3 +519,50 @@ def test_plan_with_documents_tries_the_balanced_split_and_reads_them():
     full = plan_layouts(base, 4, {"global_batch_size"})
     same = next(c for c in full.ranked if c.describe() == ring.describe())
     assert ring.step_bytes["sp"] < same.step_bytes["sp"]
+
+
+# ------------------------------------------------ multi-token prediction and Newton-Schulz
+def test_time_model_flops_are_the_model_flops_with_mtp():
+    """One process, no per-call overhead: the time model's compute is the model's FLOPs (the
+    MFU count) at the peak, the multi-token prediction modules' included."""
+    hw = Hardware(peak_flops=1e9, bandwidth=1e18, latency=0.0)
+    for depth in (0, 2):
+        cfg = validate(Config(ModelConfig(vocab_size=16, hidden=8, layers=2, heads=2,
+                                          kv_heads=1, ffn_hidden=16, mtp_depth=depth),
+                              train=TrainConfig(seq_len=8, global_batch_size=2)), 1)
+        flops = model_flops_per_step(cfg)
+        assert predict_step_time(cfg, hw).compute * hw.peak_flops == pytest.approx(
+            flops, rel=1e-12), depth
+
+
+def _ns_by_hand(steps: int) -> int:
+    """Newton-Schulz FLOPs of the tiny model's block matrices (out x in; X is m x n, m <= n):
+    per iteration X X^T 2 m^2 n, A A 2 m^3, B X 2 m^2 n. q, k, v, o 8 x 8; gate, up 16 x 8
+    and down 8 x 16 (m 8, n 16)."""
+    def one(m: int, n: int) -> int:
+        return 2 * m * m * n + 2 * m ** 3 + 2 * m * m * n
+    return steps * (4 * one(8, 8) + 3 * one(8, 16))
+
+
+def test_newton_schulz_flops_by_hand_on_one_process_and_spread():
+    """Muon's Newton-Schulz FLOPs in the planner: the analytic count on one process (and its
+    seconds at the peak in the step time, beside AdamW's); spread over the owners by tp and
+    by ZeRO-1 (each matrix on one rank: the ranks' FLOPs sum to one process's), and at
+    ZeRO-0 every dp replica runs them all."""
+    from mpipar.plan.optimizer import newton_schulz_flops
+    model = ModelConfig(vocab_size=16, hidden=8, layers=1, heads=2, kv_heads=2, ffn_hidden=16)
+    hw = Hardware(peak_flops=1e9, bandwidth=1e18, latency=0.0)
+
+    def cfg(world: int, optimizer: str = "muon", **par):
+        return validate(Config(model, ParallelConfig(**par), TrainConfig(
+            seq_len=8, global_batch_size=4, optimizer=optimizer, muon_ns_steps=3)), world)
+    one = cfg(1)
+    assert newton_schulz_flops(one, Coord(0, 0, 0, 0)) == _ns_by_hand(3) == 82944
+    assert (predict_step_time(one, hw).total - predict_step_time(cfg(1, "adamw"), hw).total
+            == pytest.approx(82944 / 1e9, rel=1e-9))
+    for par, coords in ((dict(dp=2, tp=2), [Coord(0, t, 0, 0) for t in range(2)]),
+                        (dict(dp=4, zero=1), [Coord(d, 0, 0, 0) for d in range(4)])):
+        each = [newton_schulz_flops(cfg(4, **par), c) for c in coords]
+        assert sum(each) == 82944 and max(each) < 82944, (par, each)
+    assert newton_schulz_flops(cfg(4, dp=2, tp=2), Coord(1, 1, 0, 0)) == \
+        newton_schulz_flops(cfg(4, dp=2, tp=2), Coord(0, 1, 0, 0))

@@ -238,3 +238,26 @@ def test_memory_benchmark_reports_every_mode(tmp_path, capsys):
     assert added["none"] > added["selective"] > added["full"]
     assert added["offload"] < added["selective"]
     assert "selective" in capsys.readouterr().out
+
+
+def test_the_mtp_record_is_what_the_planner_counts():
+    """Two multi-token prediction modules keep, beside the stream the head keeps (module 1's
+    input), what the planner counts for them: each its block's record, five streams, three
+    rstds, its logits and four values per token."""
+    from mpipar.config import Config, ParallelConfig
+    from mpipar.plan.memory import _block_activation_bytes, _mtp_activation_bytes
+    from mpipar.rules import validate
+    cfg, B, S = dataclasses.replace(CFG, mtp_depth=2), 2, 7
+    rng = np.random.default_rng(0)
+    tokens, targets = rng.integers(0, 11, (B, S)), rng.integers(0, 11, (B, S))
+    ahead = np.stack([np.where(np.arange(S) + k < S, np.roll(targets, -k, 1), -1)
+                      for k in (1, 2)])
+    stage = _stage("none", cfg=cfg)
+    _, cache = stage.forward(init_params(cfg, 4, np.float64), tokens, np.arange(S), targets,
+                             ahead=ahead)
+    kept = _kept_bytes(cache.mtp) - cache.mtp[0].h.nbytes
+    layout = validate(Config(cfg, ParallelConfig(),
+                             TrainConfig(seq_len=S, global_batch_size=B, dtype="float64")), 1)
+    block = _block_activation_bytes(layout, Recompute.named("none"), False)
+    assert kept == _mtp_activation_bytes(layout, block) == 2 * (
+        block + 8 * B * S * (5 * cfg.hidden + 3 + cfg.vocab_size + 4))

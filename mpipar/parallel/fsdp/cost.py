@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Collection
 
 from mpipar.layout import Layout
+from mpipar.model.mtp import embedding_at_last
 from mpipar.parallel.axis import Held, StepRank
 from mpipar.parallel.calls import Call
 from mpipar.parallel.data_parallel.buckets import padded_size
@@ -34,9 +35,9 @@ def unit_passes(layout: Layout, pp_rank: int, ops: list[Op],
                 chunk_layers: list[range]) -> list[tuple[str, int]]:
     """``(unit, reduce-scatters in a step)`` of each unit a pass of a chunk of pipeline rank
     ``pp_rank`` (whose schedule is ``ops``, whose chunks hold the decoder blocks
-    ``chunk_layers``) enters, in order (:class:`mpipar.model.llama.LlamaStage`): the embedding
-    on the first stage, the blocks, the head on the last (and the tied embedding the head
-    reads). A unit's gradients leave once per microbatch, except under zb-h1's deferred weight
+    ``chunk_layers``, the multi-token prediction modules' on the last) enters, in order
+    (:class:`mpipar.model.llama.LlamaStage`): the embedding on the first stage, the blocks, the
+    head on the last (and the embedding the tied head or the modules read). A unit's gradients leave once per microbatch, except under zb-h1's deferred weight
     gradients: then once each time no backward of its chunk is left waiting for its weight
     op."""
     m, p = layout.model, layout.pp
@@ -51,7 +52,7 @@ def unit_passes(layout: Layout, pp_rank: int, ops: list[Op],
                 settled += waiting == 0 and op.kind != "bwd_input"
         blocks = [f"layers.{i}" for i in layers]
         if stage == layout.stages - 1:
-            blocks += ["head"] + (["embed"] if m.tie_embeddings else [])
+            blocks += ["head"] + (["embed"] if embedding_at_last(m) else [])
         out += [("embed", layout.microbatches)] if stage == 0 else []
         out += [(u, settled) for u in blocks]
     return out

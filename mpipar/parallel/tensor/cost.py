@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from mpipar.layout import Layout
 from mpipar.model.flops import block_flops_per_token
 from mpipar.model.lora import Lora, factor_of
+from mpipar.model.mtp import mtp_param_shapes
 from mpipar.model.params import block_param_specs
 from mpipar.model.recompute import Recompute
 from mpipar.parallel.axis import Footprint
@@ -36,32 +37,39 @@ def tensor_calls(layout: Layout, stages: Sequence[int], passes: int, backward: b
     gradient-ready call (a block, the head; a whole chunk under zb-h1's deferred weights), or
     at ZeRO-2/3 once a microbatch, per unit before its reduce-scatter. The first stage reduces the embedding
     (forward); the last all-reduces the cross-entropy's max and then its (sum-exp, target
-    logit) per token, and the head's input gradient. Stream ``[B, S/sp, H]``."""
+    logit) per token, and the head's input gradient. In a training step the last stage's
+    multi-token prediction modules add, each, a block's calls, an embedding's and a head's
+    (their replicated projection's and norms' gradients are partial under sequence
+    parallelism, reduced with the head's). Stream ``[B, S/sp, H]``."""
     m, par, tr = layout.model, layout.parallel, layout.train
     prec = Precision.of(tr, par)
     e, se = prec.compute_bytes, prec.stat_bytes      # activations, softmax statistics
     n_tok = layout.micro_rows * (tr.seq_len // par.sp)
     full = n_tok * m.hidden * e
-    blocks = m.layers // layout.stages * len(stages)
     first, last, bw = 0 in stages, layout.stages - 1 in stages, int(backward)
+    mtp = m.mtp_depth * bw * int(last)   # a step's modules: a block, an embedding, a head each
+    blocks = m.layers // layout.stages * len(stages) + mtp
     reruns = tr.recompute_mode.forward_runs(backward)   # backward may re-run each forward
-    stats = [Call("tp", "allreduce_max", n_tok * se, passes),
-             Call("tp", "allreduce", 2 * n_tok * se, passes)]
+    heads = int(last) + mtp
+    stats = [Call("tp", "allreduce_max", n_tok * se, passes * heads),
+             Call("tp", "allreduce", 2 * n_tok * se, passes * heads)]
     per = m.layers // layout.stages     # a sparse block's FFN (experts unsplit): no tp calls,
     sparse = 0 if m.moe_shared_ffn_hidden else sum(   # but its shared expert's (a dense FFN's)
-        m.is_sparse(i) for s in stages for i in range(s * per, (s + 1) * per))
+        m.is_sparse(i) for s in stages for i in range(s * per, (s + 1) * per)) + sum(
+        m.is_sparse(m.layers) for _ in range(mtp))
     grads = [Call("tp", "allreduce", n * prec.master_bytes)   # partial gradients, summed
              for n in _partial_grad_elements(layout, stages, unit_passes) if n] if bw else []
     if not par.tp_sequence_parallel:     # per block: leave o, down | enter q/k/v, gate/up
         calls = [Call("tp", "allreduce", full, passes * ((2 * reruns + 2 * bw) * blocks
                                                          - (reruns + bw) * sparse
-                                                         + int(first) + bw * int(last)))]
+                                                         + int(first) + mtp + bw * heads))]
         return calls + (stats if last else []) + grads
     shard = full // par.tp
     calls = [Call("tp", "allgather", shard, passes * ((2 * reruns + 4 * bw) * blocks
-                                                      + bw * int(first) + (1 + bw) * int(last))),
+                                                      + bw * (int(first) + mtp)
+                                                      + (1 + bw) * heads)),
              Call("tp", "reduce_scatter", full, passes * ((2 * reruns + 2 * bw) * blocks
-                                                          + int(first) + bw * int(last)))]
+                                                          + int(first) + mtp + bw * heads))]
     return calls + (stats if last else []) + grads
 
 
@@ -79,13 +87,15 @@ def _partial_grad_elements(layout: Layout, stages: Sequence[int],
         math.prod(spec.shape) for spec in block_param_specs(m, 0)
         if TENSOR_PARALLEL_PLAN[plan_key(spec.name)] == "heads_replicated")
     head = m.hidden * sp
+    module = sum(math.prod(s) for _, s in mtp_param_shapes(m)) * sp + m.hidden * sp
     lora = Lora.of(layout.train)
     if lora is not None:   # the norms are frozen; the adapters' replicated factors are partial
-        block, head = _replicated_adapter_elements(layout, lora), 0
+        block, head, module = _replicated_adapter_elements(layout, lora), 0, 0
     per, last = m.layers // layout.stages, layout.stages - 1
-    if layout.parallel.zero >= 2:
-        return [block if u.startswith("layers.") else head for u, k in unit_passes
-                if u != "embed" for _ in range(k)]
+    if layout.parallel.zero >= 2:    # a module's unit: its block, norms and projection
+        return [block + module * (int(u.split(".")[1]) >= m.layers) if u.startswith("layers.")
+                else head for u, k in unit_passes if u != "embed" for _ in range(k)]
+    head += m.mtp_depth * (block + module)     # the modules' gradients leave with the head's
     if schedule_of(layout.parallel).defers_weights:
         return [per * block + head * (s == last) for s in stages]
     return [block] * (per * len(stages)) + ([head] if last in stages else [])
@@ -164,6 +174,18 @@ def head_flops(layout: Layout) -> float:
     n = layout.micro_rows * (tr.seq_len // par.sp)
     vl = padded_vocab(m.vocab_size, par.tp) // par.tp
     return 2 * m.hidden * vl * n
+
+
+def mtp_flops(layout: Layout, contexts: Sequence[float]) -> float:
+    """FLOPs of one microbatch's forward through the multi-token prediction modules on a tp
+    rank, module ``k``'s queries attending to ``contexts[k]`` keys each: its projection
+    ``[H, 2H]`` (whole on every tp rank, over the tokens of the stream it holds), its block and
+    the shared LM head (:func:`mpipar.model.flops.mtp_module_flops_per_token` on one rank)."""
+    m, par, tr = layout.model, layout.parallel, layout.train
+    n = layout.micro_rows * (tr.seq_len // par.sp)
+    ns = n // (par.tp if par.tp_sequence_parallel else 1)
+    return sum(4 * m.hidden * m.hidden * ns + block_flops(layout, c) + head_flops(layout)
+               for c in contexts)
 
 
 def qkv_flops(layout: Layout, blocks: int) -> int:

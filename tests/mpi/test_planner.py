@@ -147,11 +147,37 @@ def test_latent_ring_messages_equal_the_engine(world, case):
 
 
 @pytest.mark.mpi(min_size=8)
+def test_packed_pairs_ring_bytes_are_the_planners_for_their_documents(world):
+    """On the ring, packed pairs skip the hops no sequence crosses: given the step's packed
+    rows' documents (each sequence one), the planner's bytes are the ledger's."""
+    from mpipar.plan.traffic import predict_step_bytes
+    from mpipar.training import step as trainer
+    from mpipar.training.batches import prepare
+    from mpipar.training.rank import build_rank
+
+    cfg = small_config("float64", sp=2, tp=2, pp=2)
+    cfg.train.objective, cfg.train.pack_pairs, cfg.train.data = "dpo", True, _pairs_file(4)
+    layout = validate(cfg, 8)
+    with rank_failures(world) as fails:
+        eng = build_rank(layout, world, source=None)
+        eng.data.preference.reference = trainer.reference_logps(eng)
+        full = predict_step_bytes(layout, eng.coord)
+        eng.ledger.reset()
+        docs = [mb.positions.docs for mb in prepare(eng, eng.data.sampler, 0).microbatches]
+        trainer.train_step(eng, 0)
+        got, want = eng.ledger.bytes_by_group(), predict_step_bytes(layout, eng.coord, docs)
+        if got != want:
+            fails.append(f"{eng.coord}: ledger {got} != predicted {want}")
+        if not got.get("sp", 0) < full["sp"]:
+            fails.append(f"sp bytes {got.get('sp')} not below the full ring's {full['sp']}")
+        trainer.close(eng)
+
+
+@pytest.mark.mpi(min_size=8)
 def test_packed_pairs_equal_the_engine(world):
     """DPO with --pack-pairs: a microbatch of m pairs is m rows (the stream's and Ulysses'
-    messages), its 2m sequences' log-probabilities still summed over sp. (The ring skips the
-    hops no packed sequence crosses, which the planner, reading no documents for pairs, books:
-    it is exact for Ulysses.)"""
+    messages), its 2m sequences' log-probabilities still summed over sp. (Ulysses: no hops to
+    skip; the ring's, given the packed documents, in the test above.)"""
     test_state_memory_and_messages_equal_the_engine(
         world, dict(sp=2, sp_mode="ulysses", dp=2, pp=2,
                     train=dict(objective="dpo", pack_pairs=True)))

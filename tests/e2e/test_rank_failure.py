@@ -107,11 +107,13 @@ def _relative(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run on 4 ranks: its metrics and final weights."""
+    """The uninterrupted run on 4 ranks: its metrics, final weights and run directory (a
+    checkpoint each step)."""
     tmp = tmp_path_factory.mktemp("reference")
-    proc = _ulfm_train(tmp, [*COMMON, "--run-dir", str(tmp / "run")], kill="")
+    proc = _ulfm_train(tmp, [*COMMON, "--save-every", "1", "--run-dir", str(tmp / "run")],
+                       kill="")
     assert proc.returncode == 0, proc.stderr
-    return metrics(tmp / "run"), _params(tmp / "run")
+    return metrics(tmp / "run"), _params(tmp / "run"), tmp / "run"
 
 
 # who dies (MPIPAR_KILL), the extra flags, the world of each step, and per recovery: the failed
@@ -145,6 +147,11 @@ CASES = {
 }
 
 
+RESUMED = {"dp x tp, ZeRO-1, state copies"}
+"""Cases whose steps after the recovery are also held to the run resumed with its layout flags
+(a layout the failure changed: tp=2 to dp=3)."""
+
+
 @needs_ulfm
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -154,7 +161,8 @@ def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, referen
     checkpoint's commit (a pipeline layout); the survivors shrink the world, restore the last
     consistent state (from memory, or the checkpoint) and train on with a smaller dp: every
     step's loss and gradient norm, and the final weights (the checkpoint verified as it is
-    read), equal an uninterrupted dp=4 run's (<= 1e-10). Each recovery is named in its metrics
+    read), equal an uninterrupted dp=4 run's (<= 1e-10) and, where the layout changed, the run
+    resumed from its checkpoint of the restored step with the recovery's layout flags. Each recovery is named in its metrics
     line, the summary and the trace. A rank lost after the last checkpoint ends the job with
     the failure report (exit 1), the run's state committed and whole."""
     kill, flags, worlds, recoveries = CASES[case]
@@ -163,7 +171,7 @@ def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, referen
                                   str(run)], kill=kill)
     after_last = "@end" in kill
     assert proc.returncode == (1 if after_last else 0), proc.stdout + proc.stderr
-    got, (want, weights) = metrics(run), reference
+    got, (want, weights, _) = metrics(run), reference
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["world"] for r in got] == worlds
     marked = [r for r in got if "recovered" in r]
@@ -206,6 +214,8 @@ def test_a_killed_rank_shrinks_the_world_with_the_same_numbers(tmp_path, referen
     assert mine.keys() == weights.keys()
     for name in weights:
         assert _relative(mine[name], weights[name]) <= 1e-10, name
+    if case in RESUMED:
+        _equal_to_the_resumed_run(tmp_path, reference[2], run)
 
 
 @needs_ulfm
@@ -249,3 +259,25 @@ def test_open_mpi_without_ulfm_refuses_shrink(tmp_path):
     assert "launched without ULFM (mpi_ft_enable=0)" in proc.stderr
     assert "mpirun --with-ft ulfm --mca btl tcp,self" in proc.stderr
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+
+def _equal_to_the_resumed_run(tmp_path, reference_run, run) -> None:
+    """The steps a recovered run trained after its recovery equal (<= 1e-10) the uninterrupted
+    run's checkpoint of ``resumed_step`` resumed with the recovery's ``layout_flags`` on the
+    smaller world, and so do the final weights."""
+    got = metrics(run)
+    rec = next(r["recovered"] for r in got if "recovered" in r)
+    resumed, again = rec["resumed_step"], tmp_path / "resumed"
+    proc = _ulfm_train(tmp_path, [*COMMON, *rec["layout_flags"].split(), "--resume",
+                                  str(reference_run / "checkpoints" / f"step_{resumed:08d}"),
+                                  "--run-dir", str(again)], kill="", ranks=rec["world"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    want, after = metrics(again), [r for r in got if r["step"] > resumed]
+    assert [r["step"] for r in want] == [r["step"] for r in after] == list(range(resumed + 1, 7))
+    for key in ("loss", "grad_norm"):
+        assert _relative([r[key] for r in after], [r[key] for r in want]) <= 1e-10, key
+    mine, theirs = _params(run), _params(again)
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert _relative(mine[name], theirs[name]) <= 1e-10, name

@@ -121,6 +121,22 @@ def peft_training(base: Path, adapter: Path, samples: Path, dropout: float = 0.0
     return losses, norms, adapter_tensors(model)
 
 
+def differences_from_peft(results, losses, norms, ours: dict, want: dict, base: dict,
+                          trained: dict) -> list[str]:
+    """What differs from PEFT's run beyond ``TOL``: each step's loss and gradient norm
+    (``results`` against ``losses``, ``norms``), the trained adapters ``ours`` against ``want``;
+    and any tensor of the frozen ``base`` that moved in ``trained``."""
+    from transformers_reference import TOL, rel
+    problems = [f"step {k + 1}: loss {r.loss} vs {loss}, norm {r.grad_norm} vs {norm}"
+                for k, (r, loss, norm) in enumerate(zip(results, losses, norms))
+                if abs(r.loss - loss) > TOL * loss or abs(r.grad_norm - norm) > TOL * norm]
+    diff = max(rel(ours[n], want[n]) for n in want)
+    if diff > TOL:
+        problems.append(f"adapters differ by {diff:.3g}")
+    return problems + [f"base {n} moved" for n, v in base.items()
+                       if not np.array_equal(trained[n], v)]
+
+
 @pytest.fixture(scope="module")
 def lora_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """(base checkpoint, PEFT adapter) directories."""

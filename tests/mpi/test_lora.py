@@ -4,14 +4,14 @@ zero-bubble schedule, sp, ZeRO-1, -2 and -3) equals PyTorch + PEFT in float64
 1e-10 relative, the frozen base unchanged (and under ZeRO-3 sharded, without gradients)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 # First: importing lora_reference skips this module where torch, transformers or peft is
 # missing. float64_transformers, lora_dirs and samples are fixtures.
 from transformers_reference import (TOL, float64_transformers, mpipar_rank, rel,  # noqa: F401
                                     samples)
-from lora_reference import LORA_FIELDS, LORA_STEPS, lora_dirs, peft_training  # noqa: F401
+from lora_reference import (LORA_FIELDS, LORA_STEPS, differences_from_peft,  # noqa: F401
+                            lora_dirs, peft_training)
 
 from conftest import check_in_groups
 from layouts import layout_name, layout_size
@@ -74,14 +74,7 @@ def test_lora_layouts_train_like_peft(world, lora_dirs, layout, samples, float64
         results = [trainer.train_step(rank, k) for k in range(LORA_STEPS)]
         trained = trainer.gather_params(rank)
         losses, norms, want = peft_training(base, adapter, samples)
-        problems = [f"step {k + 1}: loss {r.loss} vs {loss}, norm {r.grad_norm} vs {norm}"
-                    for k, (r, loss, norm) in enumerate(zip(results, losses, norms))
-                    if abs(r.loss - loss) > TOL * loss or abs(r.grad_norm - norm) > TOL * norm]
-        diff = max(rel(trained[n], want[n]) for n in want)
-        if diff > TOL:
-            problems.append(f"adapters differ by {diff:.3g}")
-        problems += [f"base {n} moved" for n, v in params.items()
-                     if not np.array_equal(trained[n], v)]
+        problems = differences_from_peft(results, losses, norms, trained, want, params, trained)
         if layout.get("zero") == 3:     # the frozen base sharded over dp x sp, no gradients
             frozen = rank.weights.frozen
             owned = sum(u.owned.size for u in frozen.units.values())

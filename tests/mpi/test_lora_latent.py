@@ -5,12 +5,11 @@ equals PyTorch + PEFT in float64: losses, gradient norms and the trained adapter
 steps to 1e-10 relative, the frozen base unchanged."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from tests.lora_latent_reference import STEPS, latent_rank, make_dirs, peft_training
 from tests.deepseek_reference import float64_deepseek
-from tests.transformers_reference import TOL, rel
+from tests.lora_reference import differences_from_peft
 
 from conftest import check_in_groups
 from layouts import layout_name, layout_size
@@ -42,13 +41,6 @@ def test_latent_attention_adapters_on_layouts_train_like_peft(world, dirs, layou
         losses, norms, want = peft_training(base, adapter, rows)
         ours = hf_deepseek.adapters_to_hub(load_hf(base)[0],
                                            {n: v for n, v in trained.items() if is_adapter(n)})
-        problems = [f"step {k + 1}: loss {r.loss} vs {loss}, norm {r.grad_norm} vs {norm}"
-                    for k, (r, loss, norm) in enumerate(zip(results, losses, norms))
-                    if abs(r.loss - loss) > TOL * loss or abs(r.grad_norm - norm) > TOL * norm]
-        diff = max(rel(ours[n], want[n]) for n in want)
-        if diff > TOL:
-            problems.append(f"adapters differ by {diff:.3g}")
-        return problems + [f"base {n} moved" for n, v in params.items()
-                           if not np.array_equal(trained[n], v)]
+        return differences_from_peft(results, losses, norms, ours, want, params, trained)
 
     check_in_groups(world, layout_size(layout), check)

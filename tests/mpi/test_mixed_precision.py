@@ -40,17 +40,18 @@ def bf16_config(steps: int = 20, recompute: str = "none", cuda_aware_mpi: str = 
     return cfg
 
 
-_REFERENCE: dict[int, tuple] = {}
+_REFERENCE: dict[tuple[int, str], tuple] = {}
 
 
-def reference(steps: int) -> tuple:
-    """The one-process bf16 run of ``steps`` steps (losses, norms, params; once per process)."""
+def reference(steps: int, model: str = "llama") -> tuple:
+    """The one-process bf16 run of ``steps`` steps of the test model ``model`` (losses, norms,
+    params; once per process)."""
     from mpi4py import MPI
-    if steps not in _REFERENCE:
-        got = run(bf16_config(steps), MPI.COMM_SELF, steps)
+    if (steps, model) not in _REFERENCE:
+        got = run(bf16_config(steps, model=model), MPI.COMM_SELF, steps)
         trainer.close(got[3])
-        _REFERENCE[steps] = got[:3]
-    return _REFERENCE[steps]
+        _REFERENCE[steps, model] = got[:3]
+    return _REFERENCE[steps, model]
 
 
 def _on_slice(world, layout: dict, steps: int, check) -> None:
@@ -95,6 +96,19 @@ def test_layouts_track_one_process(world, layout):
     hybrid attention, tp sequence parallelism, zb-h1's deferred weight gradients, interleaving
     with selective recomputation, and every axis staged through host buffers: 5 steps."""
     _on_slice(world, layout, 5, lambda got: _loss_differences(got, reference(5)))
+
+
+# Latent attention's ring: the latents and RoPE keys travel in bf16, their gradients in float32.
+LATENT_RING = [dict(model="latent", sp=2, dp=2, sp_split="zigzag", sp_overlap=True)]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", LATENT_RING, ids=[layout_name(v) for v in LATENT_RING])
+def test_the_latent_ring_tracks_one_process(world, layout):
+    """DeepSeek-V3's latent attention on the sp ring in bf16: 5 steps within the bound of the
+    one-process bf16 run of the same model."""
+    _on_slice(world, layout, 5,
+              lambda got: _loss_differences(got, reference(5, layout["model"])))
 
 
 def _mkl_missing() -> str | None:

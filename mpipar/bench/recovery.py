@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +81,7 @@ def _way(name: str, args: argparse.Namespace) -> dict[str, Any]:
     for leftover in (starts, starts + ".death"):
         if os.path.exists(leftover):
             os.remove(leftover)
+    shutil.rmtree(run_dir, ignore_errors=True)   # an earlier bench's run of this way
     flags = ["--on-rank-failure", mode, *extra]
     code, tail = _launch(args, flags, run_dir, f"1@{args.kill_step}", starts, args.ranks)
     died = _starts(starts + ".death")[0][1]

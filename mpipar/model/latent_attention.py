@@ -170,14 +170,15 @@ def latent_bwd(kernels, tp, params, grads, i: int, m, dq: Array, dk: Array, dv: 
                               input_names(m, i), lin)
 
 
-def ring_passes_latent(m, heads: int, kv_b_adapted: bool = False) -> bool:
+def ring_passes_latent(m, heads: int, lora=None) -> bool:
     """Whether a ring of latent attention passes each position's latent and RoPE key
     (:class:`LatentBlocks`, ``r_kv + d_r`` values) rather than the expanded K and V of the
     ``heads`` heads a rank holds (``2 x heads x head_dim``, values zero-padded): when that is
-    fewer values, and ``kv_b_proj`` carries no LoRA adapter (the receiving rank expands through
-    the base weight alone). At DeepSeek-V3's shape (128 heads of 192, ``r_kv`` 512, ``d_r`` 64)
+    fewer values, and ``kv_b_proj`` carries no adapter of the run's LoRA ``lora``
+    (:class:`mpipar.model.lora.Lora` or None: the receiving rank expands through the base
+    weight alone). At DeepSeek-V3's shape (128 heads of 192, ``r_kv`` 512, ``d_r`` 64)
     576 against 49,152, 85.3x fewer (10.7x at tp 8)."""
-    return (m.latent and not kv_b_adapted
+    return (m.latent and (lora is None or "kv_b_proj" not in lora.targets)
             and m.latent_kv_rank + m.rope_head_dim < 2 * heads * m.head_dim)
 
 

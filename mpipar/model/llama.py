@@ -75,7 +75,7 @@ from mpipar.model.attention import AttentionCore
 from mpipar.model.attention_scale import query_factor, scale_queries
 from mpipar.model.embedding_scale import scale_embedding
 from mpipar.model.head import LmHead
-from mpipar.model.latent_attention import (KV_B, LatentBlocks, attended_values, input_names,
+from mpipar.model.latent_attention import (LatentBlocks, attended_values, input_names,
                                            latent_bwd, latent_fwd, ring_passes_latent,
                                            values_grad)
 from mpipar.model.mtp import MultiTokenPrediction
@@ -516,10 +516,9 @@ class DecoderBlock:
         """The core's ``latent=`` argument: block ``i``'s :class:`~mpipar.model.latent_attention.
         LatentBlocks` when the core passes latents and they are fewer values than this rank's
         expanded K and V (:func:`~mpipar.model.latent_attention.ring_passes_latent`), else none."""
-        adapters = self.tp.adapters
-        adapted = adapters is not None and adapters.adapts(f"layers.{i}.{KV_B}")
+        lora = None if self.tp.adapters is None else self.tp.adapters.lora
         if not (self.cfg.latent and self.attention.passes_latent
-                and ring_passes_latent(self.cfg, key.shape[2], adapted)):
+                and ring_passes_latent(self.cfg, key.shape[2], lora)):
             return {}
         return {"latent": LatentBlocks(self.kernels, self.tp, params, i, self.cfg, key, qk, lin)}
 

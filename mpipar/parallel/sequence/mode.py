@@ -72,9 +72,7 @@ class SequenceTraffic:
         attention when fewer (:func:`~mpipar.model.latent_attention.ring_passes_latent`) its
         latent and RoPE key."""
         m, par = self.layout.model, self.layout.parallel
-        lora = Lora.of(self.layout.train)
-        adapted = lora is not None and "kv_b_proj" in lora.targets
-        if ring_passes_latent(m, m.heads // par.tp, adapted):
+        if ring_passes_latent(m, m.heads // par.tp, Lora.of(self.layout.train)):
             return self.layout.micro_rows * (m.latent_kv_rank + m.rope_head_dim)
         return 2 * self._elements()
 

@@ -155,7 +155,10 @@ def test_keys_transposed_in_the_tasks_equal_one_transposition(rng):
     bq, bk = ac.tile_sizes(64)
     st = dl.document_blocks(qend, bq)[0]
     vis = dl.visible_keys(klo, khi, 0, 0, True, 0)
-    short = np.broadcast_to(np.arange(st.shape[1] - 1) % 2 == 0, (2, st.shape[1] - 1))
+    # C-contiguous like the engine's plans: another array layout is another kernel signature
+    # (a compile of its own)
+    short = np.ascontiguousarray(np.broadcast_to(np.arange(st.shape[1] - 1) % 2 == 0,
+                                                 (2, st.shape[1] - 1)))
     for owned in (np.ones_like(short), np.zeros_like(short), short, ~short):
         out, lse = np.empty(q.shape), np.empty((2, hq, S))
         kt = ac._heads_major(k, ac._row_stride(S, 8), ac.kt_keys(klo, khi, st, owned, S))

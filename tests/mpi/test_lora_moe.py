@@ -43,3 +43,33 @@ def test_expert_adapters_on_layouts_train_like_peft(world, dirs, layout, monkeyp
         return problems
 
     check_in_groups(world, layout_size(layout), check)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_expert_adapters_resume_on_another_layout(world, dirs, monkeypatch):
+    """A checkpoint of step 1 on pp2 x dp2 x ep2 ZeRO-3 (the adapters and their moments, no
+    frozen base) resumed on tp2 x dp2 x ep2 ZeRO-1 trains step 2 as PyTorch + PEFT does."""
+    from mpipar.checkpoint import reader, writer
+    from mpipar.runtime.comm import Group, Ledger
+    from conftest import shared_tmpdir
+    float64_qwen3_moe(monkeypatch)
+    base, adapter, rows = dirs
+
+    def check(comm) -> list[str]:
+        with shared_tmpdir(comm, "mpipar-lora-moe-") as root:
+            first, params, _ = moe_rank(base, adapter, rows, comm, **MOE_LAYOUTS[1])
+            trainer.train_step(first, 0)
+            path = writer.save(first.state, trainer.run_position(first, 1), root,
+                               Group(comm, "world", Ledger()))
+            trainer.close(first)
+            rank, _, _ = moe_rank(base, adapter, rows, comm, **MOE_LAYOUTS[0])
+            step = reader.load(rank.state, path)
+            result = trainer.train_step(rank, 1)
+            trained = trainer.gather_params(rank)
+            trainer.close(rank)
+        losses, norms, want = peft_training(base, adapter, rows)
+        problems = differences_from_peft([result], losses[1:], norms[1:], trained, want, params,
+                                         trained)
+        return problems + ([f"resumed at step {step}"] if step != 1 else [])
+
+    check_in_groups(world, 4, check)

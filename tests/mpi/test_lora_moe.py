@@ -73,3 +73,15 @@ def test_expert_adapters_resume_on_another_layout(world, dirs, monkeypatch):
         return problems + ([f"resumed at step {step}"] if step != 1 else [])
 
     check_in_groups(world, 4, check)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_planner_counts_expert_adapters_as_the_engine_holds_them(world):
+    """The planner's state memory, messages and bytes of a LoRA run with the experts targeted
+    (the experts' adapters whole on every tp rank, their gradients not summed over tp) are the
+    engine's."""
+    from tests.mpi.test_planner import test_state_memory_and_messages_equal_the_engine
+    test_state_memory_and_messages_equal_the_engine(world, dict(
+        model="moe8", dp=4, tp=2, zero=1, bucket_mb=0.003, train=dict(
+            lora_rank=2, lora_alpha=4.0,
+            lora_targets="q_proj,o_proj,experts.gate_up_proj,experts.down_proj")))

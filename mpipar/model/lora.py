@@ -234,7 +234,7 @@ def check_config(layout) -> None:
     specs = [s for i in range(m.layers) for s in block_param_specs(m, i)]
     short = {s.name.split(".", 2)[2] for s in specs}
     has = [x for x, w in TARGETS.items() if w in short]
-    if any(EXPERT_TARGETS["experts.down_proj"] + ".weight" in s.name for s in specs):
+    if any(".block_sparse_moe.experts." in s.name for s in specs):
         has += list(EXPERT_TARGETS)
     for x in lora.targets:
         require(x in has, f"train.lora_targets={t.lora_targets!r}: the model has no {x!r}; "

@@ -55,7 +55,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from functools import partial
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -227,8 +226,8 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     xs = route.permute(x, order, k)
     plan = exchange.plan(counts)
     weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
-    adapted = None if lora is None else [
-        partial(_adapted, kernels, params, lora, lora.names(i, e)) for e in exchange.local_experts]
+    adapted = None if lora is None else [(lora, params, lora.names(i, e))
+                                         for e in exchange.local_experts]
     xs_local, ys, inner = experts_fwd(kernels, xs, plan, exchange.send(xs, plan), weights_e,
                                       adapted)
     back = exchange.send_back(ys, plan)
@@ -258,7 +257,8 @@ def experts_fwd(kernels, xs: Array, plan: Plan, arriving: Transfer, weights: lis
     only inside MPI calls), then on those. One GEMM per weight, expert and part, the same
     whether the rows travelled blocking or not (so both give the same bits). Returns (the local
     rows ``[A', H]``, their outputs ``[A', H]``, per local expert (g, u, m) ``[rows_j, F]``).
-    ``adapted[j]``: local expert ``j``'s LoRA (:func:`_adapted`), or None."""
+    ``adapted[j]``: local expert ``j``'s LoRA adapters (:class:`mpipar.model.lora.ExpertAdapters`,
+    the parameters, its factors' names), or None."""
     adapted = adapted or [None] * len(weights)
     parts: list[list] = [[_swiglu(kernels, xs[plan.own_src(j)], w, arriving.test, adapted[j])]
                          for j, w in enumerate(weights)]
@@ -276,31 +276,23 @@ def experts_fwd(kernels, xs: Array, plan: Plan, arriving: Transfer, weights: lis
 
 
 def _swiglu(kernels, x: Array, w: tuple, poll: Callable[[], Any],
-            adapted: Callable | None = None) -> tuple:
+            adapted: tuple | None = None) -> tuple:
     """One expert's SwiGLU on rows ``x`` ``[n, H]`` -> (g, u, m, y), ``poll`` after each GEMM;
-    ``adapted(part, inputs...)``: its LoRA adapters' shares (:func:`_adapted`)."""
+    ``adapted``: (ExpertAdapters, parameters, factor names) whose shares are added."""
     w1, w3, w2 = w
     g = kernels.linear_fwd(x, w1)
     poll()
     u = kernels.linear_fwd(x, w3)
     poll()
     if adapted is not None:
-        g, u = adapted("gate_up", x, g, u)
+        lora, params, (gate_up, down) = adapted
+        g, u = lora.gate_up(kernels, params, gate_up, x, g, u)
     m = kernels.swiglu_fwd(g, u)
     y = kernels.linear_fwd(m, w2)
     poll()
     if adapted is not None:
-        y = adapted("down", m, y)
+        y = lora.down(kernels, params, down, m, y)
     return g, u, m, y
-
-
-def _adapted(kernels, params: dict, lora, names: tuple, part: str, *args: Array):
-    """Expert adapters' ``part`` (``gate_up``: ``(x, g, u) -> (g, u)``; ``down``:
-    ``(m, y) -> y``) of the expert whose factors are ``names``
-    (:class:`mpipar.model.lora.ExpertAdapters`)."""
-    if part == "gate_up":
-        return lora.gate_up(kernels, params, names[0], *args)
-    return lora.down(kernels, params, names[1], *args)
 
 
 def _idle() -> None:

@@ -76,12 +76,22 @@ def test_expert_adapters_resume_on_another_layout(world, dirs, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=8)
-def test_planner_counts_expert_adapters_as_the_engine_holds_them(world):
+def test_planner_counts_expert_adapters_as_the_engine_holds_them(world, monkeypatch):
     """The planner's state memory, messages and bytes of a LoRA run with the experts targeted
-    (the experts' adapters whole on every tp rank, their gradients not summed over tp) are the
-    engine's."""
-    from tests.mpi.test_planner import test_state_memory_and_messages_equal_the_engine
-    test_state_memory_and_messages_equal_the_engine(world, dict(
-        model="moe8", dp=4, tp=2, zero=1, bucket_mb=0.003, train=dict(
+    equal the engine's: each ep rank's experts' adapters in buckets of their own reduced over
+    ep_dp, whole on every tp rank with their gradients not summed over tp (routing forced
+    uniform, the planner's count; the engine's two stores, dense and experts', read as one)."""
+    from mpipar.kernels import expert_routing
+    from mpipar.parallel.experts.split import ExpertSplitReducer
+    from tests.mpi import test_planner
+    from tests.mpi.test_moe import uniform_route
+    monkeypatch.setattr(expert_routing, "route_topk", uniform_route)
+    monkeypatch.setattr(ExpertSplitReducer, "buckets", property(
+        lambda store: store.dense.buckets + store.experts.buckets), raising=False)
+    moments = test_planner._moments
+    monkeypatch.setattr(test_planner, "_moments", lambda opt, zero: (
+        moments(opt.dense, zero) + moments(opt.experts, zero)))
+    test_planner.test_state_memory_and_messages_equal_the_engine(world, dict(
+        model="moe8", dp=4, tp=2, ep=2, zero=1, bucket_mb=0.003, train=dict(
             lora_rank=2, lora_alpha=4.0,
             lora_targets="q_proj,o_proj,experts.gate_up_proj,experts.down_proj")))

@@ -10,6 +10,18 @@ defaults a missing ``lora_alpha`` (8) and ``target_modules`` (per model type), s
 :func:`merge` folds adapters into their weights (``W + s B A``), as PEFT's
 ``merge_and_unload()`` does, for a Hugging Face export of the adapted model.
 
+The routed experts' adapters (``experts.gate_up_proj``, ``experts.down_proj``:
+:mod:`mpipar.model.lora`) are PEFT's ``target_parameters`` ``mlp.experts.gate_up_proj`` and
+``mlp.experts.down_proj`` on transformers' fused 3-D expert tensors. PEFT wraps the module
+``layers.{i}.mlp.experts`` once per targeted parameter, so with both targeted gate_up_proj's
+factors are the inner wrapper's, ``...mlp.experts.base_layer.lora_A.weight``, and down_proj's
+the outer's, ``...mlp.experts.lora_A.weight`` (one target alone: the latter names). Each factor
+holds every expert: ``lora_A`` ``[r*E, in]`` with expert ``e``'s ``A`` at rows
+``[e*r, (e+1)*r)`` (``A.reshape(E, r, in)[e]``), ``lora_B`` ``[out, r*E]`` with expert ``e``'s
+``B`` at columns ``e, E + e, 2E + e, ...`` (``B.reshape(out, r, E)[:, :, e]``);
+:func:`to_peft` and :func:`from_peft` fuse and split them (:func:`peft_specs`: PEFT's names and
+shapes).
+
 Latent attention's adapters (DeepSeek-V3) are read and written with the rope rows of the
 ``lora_B`` of ``q_b_proj`` (``q_proj``) and ``kv_a_proj_with_mqa`` interleaved, as the base's
 weights are on the hub (``rope_interleave``, transformers' default and what mpipar exports;
@@ -30,8 +42,8 @@ import numpy as np
 from mpipar.checkpoint import hf_deepseek
 from mpipar.checkpoint.huggingface import HFCheckpointError, open_safetensors, write_safetensors
 from mpipar.config import ModelConfig
-from mpipar.model.lora import Lora, adapter_names
-from mpipar.model.params import param_specs
+from mpipar.model.lora import EXPERT_TARGETS, Lora, adapter_names
+from mpipar.model.params import expert_names, param_specs
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -45,6 +57,74 @@ class AdapterError(HFCheckpointError):
 def adapter_specs(cfg: ModelConfig, lora: Lora) -> dict[str, tuple[int, ...]]:
     """Every adapter factor of model ``cfg`` under ``lora``: mpipar name -> global shape."""
     return {a.name: a.shape for spec in param_specs(cfg) for a in lora.specs(spec)}
+
+
+def _expert_factor(name: str) -> tuple[int, str, str, int] | None:
+    """(block, PEFT parameter ``gate_up_proj``/``down_proj``, factor, expert) of an expert's
+    adapter factor ``layers.{i}.block_sparse_moe.experts.{e}.{param}.{factor}.weight``."""
+    parts = name.split(".")
+    if len(parts) != 8 or parts[3] != "experts":
+        return None
+    return int(parts[1]), parts[5], parts[6], int(parts[4])
+
+
+def _peft_expert_name(lora: Lora, block: int, param: str, factor: str) -> str:
+    """PEFT's name (less :data:`PREFIX`) of the fused ``factor`` of expert tensor ``param`` of
+    block ``block`` (module docstring: the inner wrapper's is ``base_layer``'s)."""
+    inner = param == "gate_up_proj" and "experts.down_proj" in lora.targets
+    return f"layers.{block}.mlp.experts.{'base_layer.' if inner else ''}{factor}.weight"
+
+
+def _expert_groups(cfg: ModelConfig, lora: Lora) -> dict[str, list[str]]:
+    """PEFT's fused expert factor name -> the per-expert mpipar names it holds, by expert."""
+    groups: dict[str, list[str]] = {}
+    for name in adapter_specs(cfg, lora):
+        key = _expert_factor(name)
+        if key is not None:
+            groups.setdefault(_peft_expert_name(lora, *key[:3]), []).append(name)
+    return groups
+
+
+def peft_specs(cfg: ModelConfig, lora: Lora) -> dict[str, tuple[int, ...]]:
+    """Every tensor of PEFT's adapter of model ``cfg`` under ``lora``: name (less
+    :data:`PREFIX`) -> shape (an expert tensor's factors fused: module docstring)."""
+    specs = adapter_specs(cfg, lora)
+    out = {n: s for n, s in specs.items() if _expert_factor(n) is None}
+    for fused, names in _expert_groups(cfg, lora).items():
+        a, b = specs[names[0]]
+        out[fused] = (a * len(names), b) if fused.endswith("lora_A.weight") else (a, b * len(names))
+    return out
+
+
+def to_peft(cfg: ModelConfig, lora: Lora, params: Mapping[str, np.ndarray]
+            ) -> dict[str, np.ndarray]:
+    """The adapter factors ``params`` (mpipar names) under PEFT's names and shapes (less
+    :data:`PREFIX`): the experts' fused (module docstring)."""
+    out = {n: params[n] for n in adapter_specs(cfg, lora) if _expert_factor(n) is None}
+    for fused, names in _expert_groups(cfg, lora).items():
+        if fused.endswith("lora_A.weight"):        # [E, r, in] -> [E*r, in]
+            value = np.stack([params[n] for n in names])
+            out[fused] = value.reshape(-1, value.shape[-1])
+        else:                                       # [out, r, E] -> [out, r*E]
+            value = np.stack([params[n] for n in names], axis=-1)
+            out[fused] = value.reshape(value.shape[0], -1)
+    return out
+
+
+def from_peft(cfg: ModelConfig, lora: Lora, tensors: Mapping[str, np.ndarray]
+              ) -> dict[str, np.ndarray]:
+    """:func:`to_peft` undone: PEFT's tensors (names less :data:`PREFIX`, shapes checked) as
+    mpipar's adapter factors."""
+    out = {n: tensors[n] for n in adapter_specs(cfg, lora) if _expert_factor(n) is None}
+    for fused, names in _expert_groups(cfg, lora).items():
+        value, count = tensors[fused], len(names)
+        if fused.endswith("lora_A.weight"):
+            split = value.reshape(count, -1, value.shape[-1])
+            out.update({n: np.ascontiguousarray(split[e]) for e, n in enumerate(names)})
+        else:
+            split = value.reshape(value.shape[0], -1, count)
+            out.update({n: np.ascontiguousarray(split[:, :, e]) for e, n in enumerate(names)})
+    return out
 
 
 def _read_config(root: Path) -> dict[str, Any]:
@@ -72,10 +152,18 @@ def check_config(raw: Mapping[str, Any], lora: Lora, where: str) -> None:
             raise AdapterError(f"{where}: {key}={raw[key]!r}, the run's LoRA has {value!r} "
                                f"(--lora-rank, --lora-alpha, --lora-rslora)")
     targets = raw.get("target_modules")
+    if not lora.module_targets and targets in (None, []):
+        targets = []
     if isinstance(targets, str) or not isinstance(targets, list) or \
-            sorted(targets) != sorted(lora.targets):
+            sorted(targets) != sorted(lora.module_targets):
         raise AdapterError(f"{where}: target_modules={targets!r}, the run's --lora-targets are "
                            f"{list(lora.targets)}")
+    parameters = raw.get("target_parameters") or []
+    if not isinstance(parameters, list) or sorted(map(_expert_target, parameters)) != \
+            sorted(lora.expert_targets):
+        raise AdapterError(f"{where}: target_parameters={raw.get('target_parameters')!r}, the "
+                           f"run's --lora-targets are {list(lora.targets)} (the routed experts: "
+                           f"{', '.join('mlp.' + t for t in EXPERT_TARGETS)})")
     dropout = raw.get("lora_dropout") or 0.0     # a training setting: the run's applies
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise AdapterError(f"{where}: lora_dropout={dropout!r}: must be a number in [0, 1)")
@@ -85,6 +173,17 @@ def check_config(raw: Mapping[str, Any], lora: Lora, where: str) -> None:
                                f"and alpha on every targeted linear of every layer)")
     if raw.get("bias", "none") != "none":
         raise AdapterError(f"{where}: bias={raw['bias']!r}: only 'none' is supported")
+
+
+def _expert_target(parameter: Any) -> str:
+    """The expert target (:data:`mpipar.model.lora.EXPERT_TARGETS`) a ``target_parameters``
+    entry names (``mlp.experts.gate_up_proj``, ``experts.gate_up_proj`` or ``gate_up_proj``),
+    else the entry as text."""
+    text = str(parameter)
+    for target in EXPERT_TARGETS:
+        if text in (target, "mlp." + target, target.split(".")[1]):
+            return target
+    return text
 
 
 def read_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora
@@ -97,7 +196,7 @@ def read_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora
     file = root / WEIGHTS_FILE
     if not file.is_file():
         raise AdapterError(f"{root}: no {WEIGHTS_FILE}")
-    specs = adapter_specs(cfg, lora)
+    specs = peft_specs(cfg, lora)
     with open_safetensors(file) as f:
         stored = {_mpipar_name(k): k for k in f.keys()}
         missing = sorted(set(specs) - set(stored))
@@ -113,6 +212,7 @@ def read_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora
                 raise AdapterError(f"{file}: {stored[name]} has shape {list(value.shape)}, the "
                                    f"model needs {list(shape)}")
             out[name] = value.astype(np.float64)
+    out = from_peft(cfg, lora, out)
     return hf_deepseek.adapters_from_hub(cfg, out) if cfg.latent else out
 
 
@@ -127,7 +227,10 @@ def adapter_config(lora: Lora, base: str) -> dict[str, Any]:
     matters written out."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
             "r": lora.rank, "lora_alpha": lora.alpha, "use_rslora": lora.rslora,
-            "target_modules": list(lora.targets), "lora_dropout": lora.dropout, "bias": "none",
+            "target_modules": list(lora.module_targets),
+            "target_parameters": (["mlp." + t for t in lora.expert_targets]
+                                  if lora.expert_targets else None),
+            "lora_dropout": lora.dropout, "bias": "none",
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
             "modules_to_save": None, "layers_to_transform": None, "use_dora": False}
 
@@ -158,7 +261,8 @@ def save_adapter(path: str | os.PathLike, cfg: ModelConfig, lora: Lora,
         params = hf_deepseek.adapters_to_hub(cfg, {n: params[n] for n in specs})
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.resolve().parent))
     (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base), indent=2) + "\n")
-    write_safetensors({PREFIX + n: np.ascontiguousarray(params[n]) for n in specs},
+    write_safetensors({PREFIX + n: np.ascontiguousarray(v)
+                       for n, v in to_peft(cfg, lora, params).items()},
                       tmp / WEIGHTS_FILE, {"format": "pt"})
     if root.exists():
         for f in os.listdir(root):
@@ -178,4 +282,21 @@ def merge(cfg: ModelConfig, lora: Lora, params: Mapping[str, np.ndarray]
             a, b = adapter_names(spec.name)
             value = value + lora.scale * (params[b] @ params[a]).astype(value.dtype)
         out[spec.name] = value
+    for spec in param_specs(cfg):      # an expert's gate_up_proj: B's gate rows, then up's
+        names = lora.factor_names(spec.name) if lora.expert_target(spec.name) else ()
+        if names:
+            delta = lora.scale * (params[names[1]] @ params[names[0]])
+            if lora.expert_target(spec.name) == "experts.gate_up_proj":
+                w1, w3, _ = _expert_weights(spec.name)
+                f = delta.shape[0] // 2
+                out[w1] = out[w1] + delta[:f].astype(out[w1].dtype)
+                out[w3] = out[w3] + delta[f:].astype(out[w3].dtype)
+            else:
+                out[spec.name] = out[spec.name] + delta.astype(out[spec.name].dtype)
     return out
+
+
+def _expert_weights(name: str) -> tuple[str, str, str]:
+    """(w1, w3, w2) of the expert whose weight is ``name``."""
+    parts = name.split(".")
+    return expert_names(int(parts[1]), int(parts[4]))

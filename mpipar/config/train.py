@@ -179,8 +179,10 @@ class TrainConfig:
                            "(PEFT's target_modules): a comma list of those the model has: "
                            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; "
                            "latent attention's q_a_proj, q_b_proj (q_proj without a query "
-                           "latent), kv_a_proj_with_mqa, kv_b_proj, o_proj; on a "
-                           "mixture-of-experts model the attention's only")
+                           "latent), kv_a_proj_with_mqa, kv_b_proj, o_proj; a mixture of "
+                           "experts' routed experts as experts.gate_up_proj, "
+                           "experts.down_proj (PEFT's target_parameters mlp.experts.*; "
+                           "gate_proj, up_proj, down_proj refused on such a model)")
     lora_dropout: float = _f(0.0, "LoRA: dropout probability on the adapters' input, training "
                                   "only (PEFT's lora_dropout; in [0, 1))")
     lora_rslora: bool = _f(False, "LoRA: rank-stabilised scale alpha / sqrt(rank) (PEFT's "

@@ -403,7 +403,8 @@ class DecoderBlock:
             aside = ((lambda: shared.append(self._shared_fwd(params, i, h2, scope)))
                      if self.cfg.moe_shared_ffn_hidden else None)
             y, moe = moe_forward(ops, params, i, self.cfg, h2, self.experts,
-                                 bias, positions if kv is None else None, aside)
+                                 bias, positions if kv is None else None, aside,
+                                 None if self.tp.adapters is None else self.tp.adapters.experts)
             if shared:  # the shared expert's output added
                 out_s, g, u, m, shared_gate = shared[0]
                 y = y + out_s

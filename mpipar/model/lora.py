@@ -15,6 +15,23 @@ How tensor parallelism splits the two factors is the placement table's
 (:func:`mpipar.parallel.placement.adapter_roles`); :class:`Adapters` is what a linear adds and
 books whatever the split: its input as the linear reads it, its output as the linear leaves
 it before any sum over tp, so the adapted linear keeps its one collective.
+
+A mixture of experts' routed experts are adapted as PEFT adapts transformers' fused 3-D expert
+tensors (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])``): the targets :data:`EXPERT_TARGETS` ``experts.gate_up_proj`` and
+``experts.down_proj``. ``gate_up_proj`` is each expert's gate and up projections stacked
+``[2F, H]`` (gate rows first): one ``A`` ``[r, H]`` shared by both and one ``B`` ``[2F, r]``
+whose first ``F`` rows add to the gate and the others to the up projection (``x A^T`` computed
+once); ``down_proj`` ``[H, F]`` has ``A`` ``[r, F]``, ``B`` ``[H, r]``. mpipar holds them per
+expert, beside the expert's weights (so expert parallelism places them with their expert):
+``layers.{i}.block_sparse_moe.experts.{e}.gate_up_proj.lora_A.weight`` and so on
+(:meth:`Lora.factor_names`); :mod:`mpipar.checkpoint.peft` reads and writes PEFT's fused
+``[r*E, in]`` / ``[out, r*E]`` tensors. :class:`ExpertAdapters` is what an expert's SwiGLU adds
+(:mod:`mpipar.model.moe`). PEFT has no dropout on such adapters, nor does mpipar. On a mixture
+of experts ``gate_proj``, ``up_proj`` and ``down_proj`` are refused: PEFT (0.21, with
+transformers 5) rewrites those ``target_modules`` of a Mixtral, Qwen2-MoE or Qwen3-MoE model
+into the experts' ``target_parameters`` at twice the rank (a ``rank_pattern``), so they name
+neither the dense blocks' nor the shared expert's linears there.
 """
 from __future__ import annotations
 
@@ -28,7 +45,7 @@ import numpy as np
 
 from mpipar.config import TrainConfig, require
 from mpipar.model.lora_dropout import LoraDropout
-from mpipar.model.params import ParamSpec, block_param_specs
+from mpipar.model.params import ParamSpec, block_param_specs, expert_names
 
 Array = Any
 
@@ -52,6 +69,14 @@ standard attention's q/k/v/o, latent attention's (:mod:`mpipar.model.latent_atte
 ``kv_b_proj`` and ``o_proj``, and a dense model's FFN."""
 
 FFN_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+EXPERT_TARGETS: dict[str, str] = {
+    "experts.gate_up_proj": "w1",
+    "experts.down_proj": "w2",
+}
+"""The routed experts' adapters (module docstring): target -> the expert weight (Mixtral's name,
+:data:`mpipar.model.params.EXPERT`) its factors are placed after. A target's PEFT
+``target_parameters`` entry is ``mlp.`` + the target."""
 
 FACTORS = ("lora_A", "lora_B")
 
@@ -97,15 +122,26 @@ class Lora:
         if train.lora_rank <= 0:
             return None
         given = [t.strip() for t in train.lora_targets.split(",") if t.strip()]
+        known = [*TARGETS, *EXPERT_TARGETS]
         for t in given:
-            require(t in TARGETS, f"train.lora_targets={train.lora_targets!r}: {t!r} is not a "
-                                  f"target; the targets are {', '.join(TARGETS)}")
+            require(t in known, f"train.lora_targets={train.lora_targets!r}: {t!r} is not a "
+                                f"target; the targets are {', '.join(known)}")
         require(given and len(set(given)) == len(given),
                 f"train.lora_targets={train.lora_targets!r}: must name each target once, at "
                 f"least one")
         return cls(train.lora_rank, float(train.lora_alpha),
-                   tuple(t for t in TARGETS if t in given), bool(train.lora_rslora),
+                   tuple(t for t in known if t in given), bool(train.lora_rslora),
                    float(train.lora_dropout))
+
+    @property
+    def module_targets(self) -> tuple[str, ...]:
+        """The targeted linears (PEFT's ``target_modules``)."""
+        return tuple(t for t in self.targets if t in TARGETS)
+
+    @property
+    def expert_targets(self) -> tuple[str, ...]:
+        """The targeted expert tensors (PEFT's ``target_parameters``, less ``mlp.``)."""
+        return tuple(t for t in self.targets if t in EXPERT_TARGETS)
 
     @property
     def scale(self) -> float:
@@ -115,25 +151,49 @@ class Lora:
     @property
     def weights(self) -> frozenset[str]:
         """The targeted weights without ``layers.{i}.``."""
-        return frozenset(TARGETS[t] for t in self.targets)
+        return frozenset(TARGETS[t] for t in self.module_targets)
 
     def adapts(self, name: str) -> bool:
         """Whether weight ``name`` carries an adapter."""
         parts = name.split(".", 2)
         return parts[0] == "layers" and len(parts) == 3 and parts[2] in self.weights
 
+    def expert_target(self, name: str) -> str | None:
+        """The expert target (:data:`EXPERT_TARGETS`) whose factors follow expert weight
+        ``name`` (``layers.{i}.block_sparse_moe.experts.{e}.w1.weight``: gate_up_proj's), if
+        targeted."""
+        parts = name.split(".")
+        if len(parts) != 7 or parts[2:4] != ["block_sparse_moe", "experts"]:
+            return None
+        return next((t for t in self.expert_targets if EXPERT_TARGETS[t] == parts[5]), None)
+
+    def factor_names(self, name: str) -> tuple[str, ...]:
+        """(A, B) placed after weight ``name``: its own adapter's, or after an expert's gate
+        ``w1`` its ``gate_up_proj``'s and after its ``w2`` its ``down_proj``'s; () if none."""
+        if self.adapts(name):
+            return adapter_names(name)
+        target = self.expert_target(name)
+        if target is None:
+            return ()
+        stem = name.rsplit(".", 2)[0] + "." + target.split(".")[1]
+        return stem + ".lora_A.weight", stem + ".lora_B.weight"
+
     def specs(self, base: ParamSpec) -> list[ParamSpec]:
-        """The adapter factors of weight ``base`` (none if it is not a target)."""
-        if not self.adapts(base.name):
+        """The adapter factors placed after weight ``base`` (:meth:`factor_names`): ``A``
+        ``[r, in]`` and ``B`` ``[out, r]`` of its linear, of an expert's gate_up_proj
+        ``[r, H]`` and ``[2F, r]``."""
+        names = self.factor_names(base.name)
+        if not names:
             return []
         out, inp = base.shape
-        a, b = adapter_names(base.name)
-        return [ParamSpec(a, (self.rank, inp), base.layer),
-                ParamSpec(b, (out, self.rank), base.layer)]
+        if self.expert_target(base.name) == "experts.gate_up_proj":
+            out *= 2
+        return [ParamSpec(names[0], (self.rank, inp), base.layer),
+                ParamSpec(names[1], (out, self.rank), base.layer)]
 
     def expand(self, names: list[str]) -> list[str]:
         """``names`` with each targeted weight followed by its A and B."""
-        return [x for n in names for x in ((n, *adapter_names(n)) if self.adapts(n) else (n,))]
+        return [x for n in names for x in (n, *self.factor_names(n))]
 
 
 def init_adapter(spec: ParamSpec, seed: int) -> np.ndarray:
@@ -148,8 +208,9 @@ def init_adapter(spec: ParamSpec, seed: int) -> np.ndarray:
 
 def check_config(layout) -> None:
     """LoRA's rules: known targets that the model has, a rank in ``[1, min(in, out)]`` of every
-    targeted linear, a dropout in ``[0, 1)``; on a mixture-of-experts model the attention's
-    linears only."""
+    targeted linear (of an expert: ``min(H, F)``), a dropout in ``[0, 1)`` and none on the
+    experts' adapters; on a mixture-of-experts model no ``gate_proj``, ``up_proj``,
+    ``down_proj`` (module docstring)."""
     cfg = layout.config
     t, m = cfg.train, cfg.model
     lora = Lora.of(t)
@@ -163,17 +224,23 @@ def check_config(layout) -> None:
     if m.moe_experts and ffn:
         require(False, f"train.lora_targets={t.lora_targets!r}: {', '.join(ffn)} on a "
                        f"mixture-of-experts model (model.moe_experts={m.moe_experts}): PEFT "
-                       f"adapts experts through target_parameters on the fused 3-D expert "
-                       f"tensors (gate_up_proj, down_proj), a format mpipar does not read or "
-                       f"write, and its target_modules {ffn[0]!r} would also adapt the shared "
-                       f"experts; target the attention's linears only")
+                       f"turns these target_modules of a mixture of experts into the experts' "
+                       f"fused target_parameters at twice the rank; target the routed experts "
+                       f"as {', '.join(EXPERT_TARGETS)}")
+    require(not (lora.expert_targets and t.lora_dropout),
+            f"train.lora_dropout={t.lora_dropout}: the experts' adapters "
+            f"({', '.join(lora.expert_targets)}) have no dropout (PEFT's target_parameters "
+            f"refuse lora_dropout); give --lora-dropout 0")
     specs = [s for i in range(m.layers) for s in block_param_specs(m, i)]
-    has = [x for x, w in TARGETS.items() if any(s.name.split(".", 2)[2] == w for s in specs)]
+    short = {s.name.split(".", 2)[2] for s in specs}
+    has = [x for x, w in TARGETS.items() if w in short]
+    if any(".block_sparse_moe.experts." in s.name for s in specs):
+        has += list(EXPERT_TARGETS)
     for x in lora.targets:
         require(x in has, f"train.lora_targets={t.lora_targets!r}: the model has no {x!r}; "
                           f"its targets are {', '.join(has)}")
     for spec in specs:
-        if lora.adapts(spec.name):
+        if lora.factor_names(spec.name):
             width = min(spec.shape)
             require(lora.rank <= width,
                     f"train.lora_rank={lora.rank}: must be <= {width}, the smaller side of "
@@ -193,6 +260,7 @@ class Adapters:
         self.kernels, self.lora, self.scale = kernels, lora, lora.scale
         self.dropout = (LoraDropout(kernels.xp, lora.dropout, seed, seq_len, lora.targets)
                         if lora.dropout > 0 else None)
+        self.experts = ExpertAdapters(lora) if lora.expert_targets else None
 
     def adapts(self, name: str) -> bool:
         return self.lora.adapts(name)
@@ -230,6 +298,70 @@ class Adapters:
         dt, _ = self.kernels.linear_bwd(self.scale * dy, t, params[b], dw=grads[b])
         dx, _ = self.kernels.linear_bwd(dt, x_in, params[a], dw=grads[a])
         return dx if factor is None else dx * factor
+
+
+class ExpertAdapters:
+    """What the adapters of a routed expert add to its SwiGLU (module docstring; ``x`` its rows
+    ``[n, H]``, ``m`` ``[n, F]`` the SwiGLU's output, ``s`` the scale): ``[g | u] += s (x A^T)
+    B^T`` with gate_up_proj's factors, ``y += s (m A^T) B^T`` with down_proj's. The model's
+    expert code (:mod:`mpipar.model.moe`) calls these with its kernels and, backward, its
+    :class:`mpipar.model.llama.LinearGrads` ``lin``, which books the factors' gradients as it
+    books any weight's (now, or deferred)."""
+
+    def __init__(self, lora: Lora) -> None:
+        self.lora, self.scale = lora, lora.scale
+
+    def names(self, i: int, e: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """((A, B) of gate_up_proj, (A, B) of down_proj) of expert ``e`` of block ``i``, each
+        () when not targeted."""
+        w1, _, w2 = expert_names(i, e)
+        return self.lora.factor_names(w1), self.lora.factor_names(w2)
+
+    def gate_up(self, kernels, params: Mapping[str, Array], names: tuple[str, ...], x: Array,
+                g: Array, u: Array) -> tuple[Array, Array]:
+        """(g, u) with the gate_up_proj adapter of factors ``names`` added for rows ``x``."""
+        if not names:
+            return g, u
+        gu = kernels.linear_fwd(kernels.linear_fwd(x, params[names[0]]), params[names[1]])
+        f = g.shape[-1]
+        return g + self.scale * gu[:, :f], u + self.scale * gu[:, f:]
+
+    def down(self, kernels, params: Mapping[str, Array], names: tuple[str, ...], m: Array,
+             y: Array) -> Array:
+        """``y`` with the down_proj adapter of factors ``names`` added for ``m``."""
+        if not names:
+            return y
+        return y + self.scale * kernels.linear_fwd(kernels.linear_fwd(m, params[names[0]]),
+                                                   params[names[1]])
+
+    def down_input(self, lin, names: tuple[str, ...], dy: Array, dm: Array) -> Array:
+        """``dm`` (the gradient of ``m`` through the base) plus the down adapter's share for
+        the output gradient ``dy``."""
+        if not names:
+            return dm
+        return dm + lin.input(self.scale * lin.input(dy, names[1]), names[0])
+
+    def gate_up_input(self, lin, names: tuple[str, ...], dg: Array, du: Array, dx: Array
+                      ) -> Array:
+        """``dx`` plus the gate_up adapter's share for the gate's and up's gradients."""
+        if not names:
+            return dx
+        dgu = lin.kernels.xp.concatenate([dg, du], axis=-1)
+        return dx + lin.input(self.scale * lin.input(dgu, names[1]), names[0])
+
+    def weights(self, lin, names: tuple[tuple[str, ...], tuple[str, ...]], x: Array, m: Array,
+                dy: Array, dg: Array, du: Array) -> None:
+        """Book the factors' gradients of one expert on its whole rows: input ``x``, SwiGLU
+        output ``m``, output gradient ``dy``, gate and up gradients ``dg``, ``du``."""
+        (gu_a, gu_b), (d_a, d_b) = (n or (None, None) for n in names)
+        linear, s = lin.kernels.linear_fwd, self.scale
+        if d_a is not None:
+            lin.weight(s * dy, linear(m, lin.params[d_a]), d_b)
+            lin.weight(s * lin.input(dy, d_b), m, d_a)
+        if gu_a is not None:
+            dgu = lin.kernels.xp.concatenate([dg, du], axis=-1)
+            lin.weight(s * dgu, linear(x, lin.params[gu_a]), gu_b)
+            lin.weight(s * lin.input(dgu, gu_b), x, gu_a)
 
 
 class _Discard:

@@ -198,17 +198,20 @@ class MoeSaved:
     dropped: int = 0
     router: Any = None   # the model's Router (mpipar.model.router); None: softmax
     scale: float = 1.0   # moe_routed_scale, which the weights include
+    lora: Any = None     # the experts' LoRA adapters (mpipar.model.lora.ExpertAdapters)
 
 
 def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertExchange,
                 bias: Array | None = None, positions: np.ndarray | None = None,
-                aside: Callable[[], Any] | None = None) -> tuple[Array, MoeSaved]:
+                aside: Callable[[], Any] | None = None, lora: Any = None
+                ) -> tuple[Array, MoeSaved]:
     """Block ``i``'s sparse FFN on ``h`` ``[B, S, H]`` -> (output ``[B, S, H]``, record).
     ``bias`` ``[E]`` (auxiliary-loss-free balancing, module docstring): added to the
     probabilities for the top-K choice only; None routes on the probabilities. ``positions``
     ``[S]``: the tokens' global positions in their rows, for ``cfg.moe_capacity_factor``
     (module docstring); None (incremental decoding) routes dropless. ``aside``: work that needs
-    no routed rows (the shared expert), run while the outputs travel back."""
+    no routed rows (the shared expert), run while the outputs travel back. ``lora``: the
+    experts' adapters (:class:`mpipar.model.lora.ExpertAdapters`) or None."""
     xp, E, k, route = kernels.xp, cfg.moe_experts, cfg.moe_top_k, kernels.routing
     B = h.shape[0]
     x = h.reshape(-1, h.shape[-1])
@@ -223,7 +226,10 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     xs = route.permute(x, order, k)
     plan = exchange.plan(counts)
     weights_e = [tuple(params[n] for n in expert_names(i, e)) for e in exchange.local_experts]
-    xs_local, ys, inner = experts_fwd(kernels, xs, plan, exchange.send(xs, plan), weights_e)
+    adapted = None if lora is None else [(lora, params, lora.names(i, e))
+                                         for e in exchange.local_experts]
+    xs_local, ys, inner = experts_fwd(kernels, xs, plan, exchange.send(xs, plan), weights_e,
+                                      adapted)
     back = exchange.send_back(ys, plan)
     f_over_t, aux = _balance(router.balance_scores(probs), experts, B, E, k, exchange, xp,
                              row_counts)
@@ -239,25 +245,28 @@ def moe_forward(kernels, params: dict, i: int, cfg, h: Array, exchange: ExpertEx
     if keep is not None:       # the loads are the router's choice, before drops
         counts, dropped = xp.bincount(experts.reshape(-1), minlength=E), int((~keep).sum())
     saved = MoeSaved(x, probs, experts, weights, chosen_sum, order, xs_local, plan, inner, per,
-                     f_over_t, aux, counts, dropped, router, cfg.moe_routed_scale)
+                     f_over_t, aux, counts, dropped, router, cfg.moe_routed_scale, lora)
     return out.reshape(h.shape), saved
 
 
-def experts_fwd(kernels, xs: Array, plan: Plan, arriving: Transfer, weights: list
-                ) -> tuple[Array, Array, list]:
+def experts_fwd(kernels, xs: Array, plan: Plan, arriving: Transfer, weights: list,
+                adapted: list | None = None) -> tuple[Array, Array, list]:
     """The local experts' SwiGLU FFNs (``weights[j]`` = (w1 gate ``[F, H]``, w3 up ``[F, H]``,
     w2 down ``[H, F]``)): first on this rank's own rows of ``xs`` ``[A, H]`` while the others'
     are ``arriving`` (polled between GEMMs: an MPI on the CPU moves a non-blocking collective
     only inside MPI calls), then on those. One GEMM per weight, expert and part, the same
     whether the rows travelled blocking or not (so both give the same bits). Returns (the local
-    rows ``[A', H]``, their outputs ``[A', H]``, per local expert (g, u, m) ``[rows_j, F]``)."""
-    parts: list[list] = [[_swiglu(kernels, xs[plan.own_src(j)], w, arriving.test)]
+    rows ``[A', H]``, their outputs ``[A', H]``, per local expert (g, u, m) ``[rows_j, F]``).
+    ``adapted[j]``: local expert ``j``'s LoRA adapters (:class:`mpipar.model.lora.ExpertAdapters`,
+    the parameters, its factors' names), or None."""
+    adapted = adapted or [None] * len(weights)
+    parts: list[list] = [[_swiglu(kernels, xs[plan.own_src(j)], w, arriving.test, adapted[j])]
                          for j, w in enumerate(weights)]
     xs_local = arriving.wait()
     for j, w in enumerate(weights):
         rest = plan.rest(j)
         if rest.stop > rest.start:
-            parts[j].append(_swiglu(kernels, xs_local[rest], w, _idle))
+            parts[j].append(_swiglu(kernels, xs_local[rest], w, _idle, adapted[j]))
     ys, inner = kernels.xp.empty_like(xs_local), []
     for j, segments in enumerate(parts):
         g, u, m, y = (_joined(kernels.xp, [s[t] for s in segments]) for t in range(4))
@@ -266,16 +275,23 @@ def experts_fwd(kernels, xs: Array, plan: Plan, arriving: Transfer, weights: lis
     return xs_local, ys, inner
 
 
-def _swiglu(kernels, x: Array, w: tuple, poll: Callable[[], Any]) -> tuple:
-    """One expert's SwiGLU on rows ``x`` ``[n, H]`` -> (g, u, m, y), ``poll`` after each GEMM."""
+def _swiglu(kernels, x: Array, w: tuple, poll: Callable[[], Any],
+            adapted: tuple | None = None) -> tuple:
+    """One expert's SwiGLU on rows ``x`` ``[n, H]`` -> (g, u, m, y), ``poll`` after each GEMM;
+    ``adapted``: (ExpertAdapters, parameters, factor names) whose shares are added."""
     w1, w3, w2 = w
     g = kernels.linear_fwd(x, w1)
     poll()
     u = kernels.linear_fwd(x, w3)
     poll()
+    if adapted is not None:
+        lora, params, (gate_up, down) = adapted
+        g, u = lora.gate_up(kernels, params, gate_up, x, g, u)
     m = kernels.swiglu_fwd(g, u)
     y = kernels.linear_fwd(m, w2)
     poll()
+    if adapted is not None:
+        y = lora.down(kernels, params, down, m, y)
     return g, u, m, y
 
 
@@ -336,8 +352,10 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
     dys = ((c.weights[..., None] * d[:, None, :]).astype(dy.dtype, copy=False)
            .reshape(N * k, -1)[c.order])
     names = [expert_names(i, e) for e in exchange.local_experts]
+    adapters = [None if c.lora is None else c.lora.names(i, e) for e in exchange.local_experts]
     arriving = exchange.send(dys, c.plan)
-    dys_local, dxs, dgu = experts_input_bwd(kernels, dys, c, arriving, names, lin, aside)
+    dys_local, dxs, dgu = experts_input_bwd(kernels, dys, c, arriving, names, lin, aside,
+                                            adapters)
     back = exchange.send_back(dxs, c.plan)
     for j, (w1, w3, w2) in enumerate(names):          # the weights' gradients, whole rows
         rows = slice(c.plan.bounds[j], c.plan.bounds[j + 1])
@@ -346,6 +364,8 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
         back.test()
         lin.weight(dg, c.xs[rows], w1)
         lin.weight(du, c.xs[rows], w3)
+        if adapters[j] is not None:
+            c.lora.weights(lin, adapters[j], c.xs[rows], m, dys_local[rows], dg, du)
         back.test()
     router = c.router or SOFTMAX
     dprobs = route.route_topk_bwd(dweights, c.weights, c.chosen_sum, c.experts, E, xp, c.scale)
@@ -361,16 +381,21 @@ def moe_backward(kernels, i: int, dy: Array, c: MoeSaved, exchange: ExpertExchan
 
 
 def experts_input_bwd(kernels, dys: Array, c: MoeSaved, arriving: Transfer, names: list, lin,
-                      aside: Callable[[], Any] | None) -> tuple[Array, Array, list]:
+                      aside: Callable[[], Any] | None, adapters: list | None = None
+                      ) -> tuple[Array, Array, list]:
     """The local experts' input gradients: first for this rank's own rows of ``dys`` ``[A, H]``
     (the outputs' gradients sorted by expert) while the others' are ``arriving``, then
     ``aside``, then for the arrived rows; the same GEMMs whether they travelled blocking or
     not. Returns (the local rows' output gradients ``[A', H]``, their input gradients
-    ``[A', H]``, per local expert (dg, du) ``[rows_j, F]`` of its whole rows)."""
+    ``[A', H]``, per local expert (dg, du) ``[rows_j, F]`` of its whole rows). ``adapters[j]``:
+    local expert ``j``'s LoRA factor names (:meth:`mpipar.model.lora.ExpertAdapters.names`) or
+    None."""
     plan, parts = c.plan, []
+    adapters = adapters or [None] * len(names)
+    lora = [None if a is None else (c.lora, a) for a in adapters]
     for j, w in enumerate(names):
         parts.append([_swiglu_bwd(kernels, dys[plan.own_src(j)], c.inner[j], w, lin,
-                                  slice(0, plan.own[j]), arriving.test)])
+                                  slice(0, plan.own[j]), arriving.test, lora[j])])
     if aside is not None:
         aside()
     dys_local = arriving.wait()
@@ -380,7 +405,7 @@ def experts_input_bwd(kernels, dys: Array, c: MoeSaved, arriving: Transfer, name
         if rest.stop > rest.start:
             local = slice(plan.own[j], rest.stop - plan.bounds[j])
             parts[j].append(_swiglu_bwd(kernels, dys_local[rest], c.inner[j], w, lin, local,
-                                        _idle))
+                                        _idle, lora[j]))
         dxs[plan.own_dst(j)] = parts[j][0][0]
         if len(parts[j]) > 1:
             dxs[rest] = parts[j][1][0]
@@ -389,17 +414,22 @@ def experts_input_bwd(kernels, dys: Array, c: MoeSaved, arriving: Transfer, name
 
 
 def _swiglu_bwd(kernels, dy: Array, inner: tuple, names: tuple, lin, rows: slice,
-                poll: Callable[[], Any]) -> tuple:
+                poll: Callable[[], Any], lora: tuple | None = None) -> tuple:
     """One expert's input gradient for output gradients ``dy`` ``[n, H]`` of its saved
-    (g, u, m) rows ``rows`` -> (dx ``[n, H]``, dg, du ``[n, F]``), ``poll`` after each GEMM."""
+    (g, u, m) rows ``rows`` -> (dx ``[n, H]``, dg, du ``[n, F]``), ``poll`` after each GEMM;
+    ``lora``: (ExpertAdapters, its factor names), whose shares are added."""
     (w1, w3, w2), (g, u, _) = names, inner
     dm = lin.input(dy, w2)
     poll()
+    if lora is not None:
+        dm = lora[0].down_input(lin, lora[1][1], dy, dm)
     dg, du = kernels.swiglu_bwd(dm, g[rows], u[rows])
     dx = lin.input(dg, w1)
     poll()
     dx += lin.input(du, w3)
     poll()
+    if lora is not None:
+        dx = lora[0].gate_up_input(lin, lora[1][0], dg, du, dx)
     return dx, dg, du
 
 

@@ -149,9 +149,11 @@ def adapter_roles(base_role: str) -> dict[str, str]:
     gradient is a partial sum over tp (:attr:`Placement.grad_partial_over_tp`). A
     ``heads_replicated`` linear (latent attention's ``q_a_proj``, ``kv_a_proj_with_mqa``) is
     whole on every rank and so are both its factors, their gradients partial over tp as the
-    weight's (each rank's heads' share)."""
-    if base_role == "heads_replicated":
-        return {"lora_A": "heads_replicated", "lora_B": "heads_replicated"}
+    weight's (each rank's heads' share). A routed expert's (``replicated``: experts are unsplit
+    by tp, each tp rank computes them on the whole stream) are whole as the expert is, their
+    gradients whole as the expert's."""
+    if base_role in ("heads_replicated", "replicated"):
+        return {"lora_A": base_role, "lora_B": base_role}
     if base_role == "column":
         return {"lora_A": "replicated", "lora_B": "column"}
     if base_role == "row":
@@ -318,7 +320,8 @@ class PlacementTable:
                 factor = adapter_roles(role)[factor_of(adapter.name)]
                 self.rows[adapter.name] = Placement(adapter, factor, stages, ranks,
                                                     tp_sequence_parallel, dp_sp,
-                                                    tp_partial=factor == "replicated")
+                                                    tp_partial=factor == "replicated"
+                                                    and role != "replicated")
 
     def _stages(self, spec: ParamSpec) -> tuple[int, ...]:
         """The global virtual stages that use ``spec``: its block's; the embedding's first (and,

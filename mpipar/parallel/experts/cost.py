@@ -3,7 +3,11 @@ buckets and reduction over ``ep_dp``, and (for the memory model) the expert reco
 block keeps."""
 from __future__ import annotations
 
+import math
+
 from mpipar.layout import Layout
+from mpipar.model.lora import Lora
+from mpipar.model.params import block_param_specs, expert_names
 from mpipar.model.recompute import Recompute
 from mpipar.parallel.axis import Footprint, Held, StepRank
 from mpipar.parallel.calls import Call, element_bytes
@@ -52,18 +56,33 @@ def expert_calls(layout: Layout, layers: list[int], passes: int, train: bool) ->
 def expert_bucket_lengths(layout: Layout, layers: list[int]) -> list[int]:
     """Elements of each flat bucket of expert gradients a rank holding blocks ``layers`` lays
     out (:class:`~mpipar.parallel.experts.split.ExpertSplitReducer`'s expert reducer: E/ep
-    experts of each sparse block, three ``F x H`` tensors each, in ``bucket_mb`` buckets padded
-    to a multiple of ``ep_dp``); none when the experts are not sharded, or are units
-    (ZeRO-2/3: :func:`expert_unit_calls`)."""
+    experts of each sparse block, their trained tensors each (:func:`_expert_trained_sizes`),
+    in ``bucket_mb`` buckets padded to a multiple of ``ep_dp``); none when the experts are not
+    sharded, or are units (ZeRO-2/3: :func:`expert_unit_calls`), or train nothing (LoRA
+    without the experts' targets)."""
     m, p = layout.config.model, layout.config.parallel
     shards = expert_shards(layout)
     if shards == 1 or p.zero >= 2:
         return []
-    n = 3 * (m.moe_experts // shards) * sum(1 for i in layers if m.is_sparse(i))
-    size, e = m.moe_ffn_hidden * m.hidden, Precision.of(layout.config.train, p).master_bytes
+    sizes = _expert_trained_sizes(layout) * ((m.moe_experts // shards)
+                                             * sum(1 for i in layers if m.is_sparse(i)))
+    e = Precision.of(layout.config.train, p).master_bytes
     limit = max(1, int(p.bucket_mb * 2**20))
-    return [padded_size(size * len(idx), layout.dp * layout.sp // shards)
-            for idx in plan_buckets([size * e] * n, limit)] if n else []
+    return [padded_size(sum(sizes[j] for j in idx), layout.dp * layout.sp // shards)
+            for idx in plan_buckets([size * e for size in sizes], limit)]
+
+
+def _expert_trained_sizes(layout: Layout) -> list[int]:
+    """Elements of one expert's trained tensors in the order its reducer lays them out
+    (backward): its three ``F x H`` weights, or under LoRA its adapters' factors (none
+    without the experts' targets)."""
+    m = layout.config.model
+    lora = Lora.of(layout.config.train)
+    if lora is None:
+        return [m.moe_ffn_hidden * m.hidden] * 3
+    sparse = next(i for i in range(m.layers) if m.is_sparse(i))
+    first = [s for s in block_param_specs(m, sparse) if s.name in expert_names(sparse, 0)]
+    return [math.prod(a.shape) for s in first for a in lora.specs(s)][::-1]
 
 
 def expert_reduction_calls(layout: Layout, layers: list[int]) -> list[Call]:

@@ -104,11 +104,12 @@ def _partial_grad_elements(layout: Layout, stages: Sequence[int],
 def _replicated_adapter_elements(layout: Layout, lora: Lora) -> int:
     """Elements of a block's LoRA factors that every tp rank holds whole (A of a
     column-parallel linear, B of a row-parallel one, both of a ``heads_replicated`` one:
-    :func:`mpipar.parallel.placement.adapter_roles`), whose gradients are partial over tp."""
+    :func:`mpipar.parallel.placement.adapter_roles`), whose gradients are partial over tp (not
+    an expert's: its gradient is whole, as the expert's)."""
     return sum(math.prod(a.shape) for spec in block_param_specs(layout.model, 0)
+               if (role := TENSOR_PARALLEL_PLAN[plan_key(spec.name)]) != "replicated"
                for a in lora.specs(spec)
-               if adapter_roles(TENSOR_PARALLEL_PLAN[plan_key(spec.name)])[factor_of(a.name)]
-               in ("replicated", "heads_replicated"))
+               if adapter_roles(role)[factor_of(a.name)] in ("replicated", "heads_replicated"))
 
 
 # ------------------------------------------------------------------------- memory and time

@@ -40,12 +40,13 @@ not that exact (the probed peak alone varies more than that between calls on a b
 
 @dataclass
 class Candidate:
-    """A layout that validates, with its predictions (worst pipeline rank)."""
+    """A layout that validates, with its predictions (worst pipeline rank); one whose memory
+    exceeds the search's limit is not timed (``time`` None, no bytes)."""
 
     cfg: Layout
     memory: MemoryEstimate
     step_bytes: dict[str, int]
-    time: StepTime
+    time: StepTime | None
     link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)   # wire, worst rank
     tie: int = 0     # the rank (1-based) of the tie this layout belongs to; 0: no tie
 
@@ -158,13 +159,17 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
 
 
 def evaluate(layout: Layout, hw: Hardware = Hardware(),
-             documents: StepDocuments | None = None) -> Candidate:
+             documents: StepDocuments | None = None,
+             memory_bytes: float | None = None) -> Candidate:
     """Predictions for ``layout``: memory, bytes and wire bytes per link of its worst pipeline
     rank (its first rank on every other axis), on :func:`mpipar.plan.step_time.with_nodes`;
-    ``documents``: a step's packed documents (``--document-masking``)."""
+    ``documents``: a step's packed documents (``--document-masking``). When its memory exceeds
+    ``memory_bytes`` per rank, the memory alone (the search rejects it on that)."""
     layout = with_nodes(layout, hw, layout.world)
     ranks = planned_ranks(layout, documents)     # each rank's calls listed once, read by all
     memory = max((rank_memory(rank) for rank in ranks), key=lambda x: x.total)
+    if memory_bytes is not None and memory.total > memory_bytes:
+        return Candidate(layout, memory, {}, None)
     step_bytes: dict[str, int] = {}
     link_bytes: dict[str, dict[str, int]] = {}
     for rank in ranks:
@@ -205,8 +210,9 @@ def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
                 continue
             modes = [layout.train.recompute] if "recompute" in fixed else RECOMPUTE_ORDER
             for mode in modes:
-                trial = evaluate(vary(layout, train={"recompute": mode}), hw, documents)
-                if memory_bytes is None or trial.memory.total <= memory_bytes:
+                trial = evaluate(vary(layout, train={"recompute": mode}), hw, documents,
+                                 memory_bytes)
+                if trial.time is not None:
                     plan.ranked.append(trial)
                     accepted += 1
                     break

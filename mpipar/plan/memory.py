@@ -158,9 +158,15 @@ def _activation_bytes(layout: Layout, coord: Coord) -> int:
 
 def predict_memory(layout: Layout, coord: Coord) -> MemoryEstimate:
     """Memory of the rank at ``coord``; see :class:`MemoryEstimate`."""
+    return rank_memory(PlannedStep(layout, coord, True))   # what the axes' buffers are asked of
+
+
+def rank_memory(rank: PlannedStep) -> MemoryEstimate:
+    """:func:`predict_memory` of the planned training step ``rank`` (the planner's search
+    reads one per pipeline rank, beside its calls)."""
+    layout, coord = rank.layout, rank.coord
     par, prec = layout.parallel, _precision(layout)
     e, g = prec.compute_bytes, prec.master_bytes
-    rank = PlannedStep(layout, coord, True)       # what the axes' buffers are asked of
     lengths = list(rank.unit_lengths.values()) if par.zero >= 2 else \
         [length for length, _ in rank.gradient_buckets]
     experts = (list(rank.expert_unit_lengths.values()) if par.zero >= 2 else

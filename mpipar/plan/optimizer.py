@@ -29,7 +29,7 @@ from mpipar.parallel.data_parallel.buckets import padded_size, plan_buckets
 from mpipar.parallel.experts.split import expert_shards, expert_units
 from mpipar.parallel.placement import expert_of
 from mpipar.plan.rank import (compressed_size, grid_shape, group_members, owned_slice,
-                              placement_table)
+                              placement_table, table_shapes, table_units)
 from mpipar.runtime.precision import Precision
 from mpipar.runtime.topology import Coord
 from mpipar.training import muon
@@ -83,7 +83,7 @@ def parts(layout: Layout, coord: Coord) -> list[Part]:
     theirs over ``ep_dp`` (:mod:`mpipar.training.rank`)."""
     par, table = layout.parallel, placement_table(layout)
     ep_rank = _index(layout, coord, "ep") if layout.model.moe_experts else 0
-    shapes = table.local_shapes(coord.pp, layout.tp, ep_rank)
+    shapes = table_shapes(table, coord.pp, layout.tp, ep_rank)
     elements = {n: math.prod(s) for n, s in shapes.items() if table[n].trainable}
     split = expert_shards(layout) > 1
     groups = [("dp_sp", lambda n: not split or expert_of(n) is None)]
@@ -120,7 +120,7 @@ def _stores(layout: Layout, coord: Coord, elements: dict[str, int], shards: int,
         limit = max(1, int(par.bucket_mb * 2**20))
         return [_store([order[i] for i in idx], elements, shards, align)
                 for idx in plan_buckets([elements[n] * e for n in order], limit, tied)]
-    dense, experts = expert_units(table.units(coord.pp), table, ep_rank)
+    dense, experts = expert_units(table_units(table, coord.pp), table, ep_rank)
     seen: dict[str, Store] = {}
     for units in (experts if group == "ep_dp" else dense):
         for unit, names in units:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 from mpipar.config import ModelConfig
 from mpipar.layout import Layout
@@ -29,6 +30,10 @@ from mpipar.runtime.device import device_of
 from mpipar.runtime.topology import Coord, GridShape, NodeMap
 
 
+_MODEL_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ModelConfig)))
+"""A model configuration's field values, in order (all hashable scalars): the tables' key."""
+
+
 @functools.lru_cache(maxsize=64)
 def _table(model: tuple, pp: int, v: int, ep: int, lora: Lora | None) -> PlacementTable:
     """The placement table of the resolved model whose field values are ``model`` (cached)."""
@@ -40,9 +45,24 @@ def placement_table(layout: Layout) -> PlacementTable:
     sharded over ep where they are (:func:`mpipar.parallel.experts.split.expert_shards`; a rank
     holds as many as ep position 0's), with LoRA's adapters beside their frozen weights
     (cached)."""
-    m = layout.model     # its field values (all hashable scalars) are the cache's key
-    return _table(tuple(getattr(m, f.name) for f in dataclasses.fields(m)), layout.pp,
-                  layout.virtual_stages, expert_shards(layout), Lora.of(layout.train))
+    return _table(_MODEL_FIELDS(layout.model), layout.pp, layout.virtual_stages,
+                  expert_shards(layout), Lora.of(layout.train))
+
+
+@functools.lru_cache(maxsize=1024)
+def table_shapes(table: PlacementTable, pp_rank: int, tp: int, ep_rank: int = 0
+                 ) -> dict[str, tuple[int, ...]]:
+    """:meth:`PlacementTable.local_shapes` of a table of :func:`placement_table` (cached: only
+    read)."""
+    return table.local_shapes(pp_rank, tp, ep_rank)
+
+
+@functools.lru_cache(maxsize=1024)
+def table_units(table: PlacementTable, pp_rank: int, trained: bool = True
+                ) -> list[list[tuple[str, list[str]]]]:
+    """:meth:`PlacementTable.units` of a table of :func:`placement_table` (cached: only
+    read)."""
+    return table.units(pp_rank, trained)
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,13 +95,18 @@ def grid_shape(layout: Layout) -> GridShape:
 def local_param_shapes(layout: Layout, coord: Coord) -> dict[str, tuple[int, ...]]:
     """Shapes of the parameter shards held by the rank at ``coord``, in the order the engine
     lays them out (chunk by chunk, forward order)."""
-    return placement_table(layout).local_shapes(coord.pp, layout.tp)
+    return table_shapes(placement_table(layout), coord.pp, layout.tp)
 
 
 def nodes_of(layout: Layout) -> NodeMap:
     """The node map the planner assumes: ``ranks_per_node`` consecutive ranks a node (0: the
     whole world on one node, as when MPI finds one machine)."""
-    return NodeMap.blocks(layout.world, layout.parallel.ranks_per_node)
+    return _node_map(layout.world, layout.parallel.ranks_per_node)
+
+
+@functools.lru_cache(maxsize=256)
+def _node_map(world: int, ranks_per_node: int) -> NodeMap:
+    return NodeMap.blocks(world, ranks_per_node)
 
 
 def group_sizes(layout: Layout) -> dict[str, int]:
@@ -102,14 +127,25 @@ def group_members(layout: Layout, name: str, rank: int) -> list[int]:
     groups (:meth:`mpipar.runtime.topology.GridShape.members`), and ``ep``, the ``ep``
     consecutive ranks of dp x sp the engine splits off, and ``ep_dp``, the ranks of dp x sp at
     the same place of their ep group (:mod:`mpipar.parallel.experts`)."""
-    shape, nodes = grid_shape(layout), nodes_of(layout)
+    par = layout.parallel
+    return list(_members(grid_shape(layout), par.ranks_per_node, par.ulysses_size or 1, par.ep,
+                         name, rank))
+
+
+@functools.lru_cache(maxsize=65536)
+def _members(shape: GridShape, ranks_per_node: int, ulysses: int, ep: int, name: str,
+             rank: int) -> tuple[int, ...]:
+    """:func:`group_members` of a grid (cached: the layout search asks for the same ones many
+    times)."""
+    nodes = _node_map(shape.dp * shape.tp * shape.pp * shape.sp, ranks_per_node)
     if name == "copy":   # --state-copies: the world the copies' exchange runs on
-        return list(range(layout.world))
+        return tuple(range(len(nodes.nodes)))
     if name in ("ep", "ep_dp"):
-        dp_sp, ep = shape.members("dp_sp", rank, nodes), layout.parallel.ep
+        dp_sp = shape.members("dp_sp", rank, nodes)
         at = dp_sp.index(rank)
-        return dp_sp[at // ep * ep:at // ep * ep + ep] if name == "ep" else dp_sp[at % ep::ep]
-    return shape.members(name, rank, nodes, layout.parallel.ulysses_size or 1)
+        return tuple(dp_sp[at // ep * ep:at // ep * ep + ep] if name == "ep"
+                     else dp_sp[at % ep::ep])
+    return tuple(shape.members(name, rank, nodes, ulysses))
 
 
 def compressed_size(layout: Layout) -> int:
@@ -151,8 +187,12 @@ def rank_units(layout: Layout, coord: Coord) -> tuple[fsdp.Units, fsdp.Units]:
     """ZeRO-2/3: (the dense units, the experts' units) of the rank at ``coord`` per chunk, as
     the engine splits them (:func:`mpipar.parallel.experts.split.expert_units`; the experts' units
     only where they are sharded over ep, of ep position 0: every position holds as many)."""
-    table = placement_table(layout)
-    return expert_units(table.units(coord.pp), table, 0)
+    return _rank_units(placement_table(layout), coord.pp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_units(table: PlacementTable, pp_rank: int) -> tuple[fsdp.Units, fsdp.Units]:
+    return expert_units(table_units(table, pp_rank), table, 0)
 
 
 def _lengths(layout: Layout, coord: Coord, experts: bool) -> dict[str, int]:
@@ -181,13 +221,13 @@ def frozen_unit_lengths(layout: Layout, coord: Coord) -> dict[str, int]:
     if layout.parallel.zero < 3 or table.lora is None:
         return {}
     elements = {n: math.prod(s) for n, s in local_param_shapes(layout, coord).items()}
-    return fsdp_cost.unit_lengths(layout, table.units(coord.pp, False), elements)
+    return fsdp_cost.unit_lengths(layout, table_units(table, coord.pp, False), elements)
 
 
 def frozen_kept_units(layout: Layout, coord: Coord) -> set[str]:
     """ZeRO-3 under LoRA: the frozen base's units gathered from their forward to their
     backward (:func:`mpipar.parallel.fsdp.sharded.kept_after_forward`)."""
-    units = placement_table(layout).units(coord.pp, False)
+    units = table_units(placement_table(layout), coord.pp, False)
     return fsdp.kept_after_forward([[u for u, _ in chunk] for chunk in units],
                                    layout.parallel.zero_prefetch)
 

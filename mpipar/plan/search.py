@@ -23,14 +23,13 @@ from mpipar.parallel.data_parallel.modes import COMPRESSIONS, NODE_SPLITS, reduc
 from mpipar.parallel.fsdp.modes import PLACES, in_node_memory
 from mpipar.parallel.sequence.registry import SP_MODES, sequence_mode
 from mpipar.model.recompute import BY_MEMORY
-from mpipar.plan.memory import MemoryEstimate, predict_memory
-from mpipar.plan.step_time import (Hardware, StepDocuments, StepTime, predict_step_time,
-                                   step_microbatches, with_nodes)
-from mpipar.plan.traffic import predict_link_bytes, predict_step_bytes
+from mpipar.plan.memory import MemoryEstimate, rank_memory
+from mpipar.plan.step_time import (Hardware, StepDocuments, StepTime, planned_ranks,
+                                   predict_step_time, with_nodes)
+from mpipar.plan.traffic import rank_link_bytes, rank_step_bytes
 from mpipar.rules import validate
 from mpipar.runtime.ledger import LINKS
 from mpipar.runtime.device import device_of
-from mpipar.runtime.topology import Coord
 
 SIZE_FIELDS = ("dp", "tp", "pp", "sp")
 RECOMPUTE_ORDER = tuple(m.name for m in BY_MEMORY)
@@ -41,12 +40,13 @@ not that exact (the probed peak alone varies more than that between calls on a b
 
 @dataclass
 class Candidate:
-    """A layout that validates, with its predictions (worst pipeline rank)."""
+    """A layout that validates, with its predictions (worst pipeline rank); one whose memory
+    exceeds the search's limit is not timed (``time`` None, no bytes)."""
 
     cfg: Layout
     memory: MemoryEstimate
     step_bytes: dict[str, int]
-    time: StepTime
+    time: StepTime | None
     link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)   # wire, worst rank
     tie: int = 0     # the rank (1-based) of the tie this layout belongs to; 0: no tie
 
@@ -159,25 +159,28 @@ def _variants(base: Config, sizes: tuple[int, int, int, int], fixed: set[str]
 
 
 def evaluate(layout: Layout, hw: Hardware = Hardware(),
-             documents: StepDocuments | None = None) -> Candidate:
+             documents: StepDocuments | None = None,
+             memory_bytes: float | None = None) -> Candidate:
     """Predictions for ``layout``: memory, bytes and wire bytes per link of its worst pipeline
     rank (its first rank on every other axis), on :func:`mpipar.plan.step_time.with_nodes`;
-    ``documents``: a step's packed documents (``--document-masking``)."""
+    ``documents``: a step's packed documents (``--document-masking``). When its memory exceeds
+    ``memory_bytes`` per rank, the memory alone (the search rejects it on that)."""
     layout = with_nodes(layout, hw, layout.world)
-    micro = step_microbatches(layout, documents)
-    coords = [Coord(dp=0, tp=0, pp=r, sp=0) for r in range(layout.pp)]
-    memory = max((predict_memory(layout, c) for c in coords), key=lambda x: x.total)
+    ranks = planned_ranks(layout, documents)     # each rank's calls listed once, read by all
+    memory = max((rank_memory(rank) for rank in ranks), key=lambda x: x.total)
+    if memory_bytes is not None and memory.total > memory_bytes:
+        return Candidate(layout, memory, {}, None)
     step_bytes: dict[str, int] = {}
     link_bytes: dict[str, dict[str, int]] = {}
-    for c in coords:
-        for g, b in predict_step_bytes(layout, c, micro).items():
+    for rank in ranks:
+        for g, b in rank_step_bytes(rank).items():
             step_bytes[g] = max(step_bytes.get(g, 0), b)
-        for g, links in predict_link_bytes(layout, c, micro).items():
+        for g, links in rank_link_bytes(rank).items():
             worst = link_bytes.setdefault(g, dict.fromkeys(LINKS, 0))
             for link, b in links.items():
                 worst[link] = max(worst[link], b)
-    return Candidate(layout, memory, step_bytes, predict_step_time(layout, hw, documents),
-                     link_bytes)
+    return Candidate(layout, memory, step_bytes,
+                     predict_step_time(layout, hw, documents, ranks), link_bytes)
 
 
 def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
@@ -207,8 +210,9 @@ def plan_layouts(base: Config, world: int, fixed: set[str] = frozenset(),
                 continue
             modes = [layout.train.recompute] if "recompute" in fixed else RECOMPUTE_ORDER
             for mode in modes:
-                trial = evaluate(vary(layout, train={"recompute": mode}), hw, documents)
-                if memory_bytes is None or trial.memory.total <= memory_bytes:
+                trial = evaluate(vary(layout, train={"recompute": mode}), hw, documents,
+                                 memory_bytes)
+                if trial.time is not None:
                     plan.ranked.append(trial)
                     accepted += 1
                     break

@@ -56,10 +56,10 @@ from mpipar.parallel.pipeline.cost import message_bytes
 from mpipar.parallel.pipeline.schedule import dry_run
 from mpipar.parallel.registry import AXES
 from mpipar.parallel.tensor.cost import block_flops, head_flops, mtp_flops, qkv_flops
-from mpipar.plan.rank import (bucket_lengths, grid_shape, group_members, group_sizes, nodes_of,
+from mpipar.plan.rank import (bucket_lengths, grid_shape, group_members, nodes_of,
                               schedule_ops)
 from mpipar.plan.optimizer import newton_schulz_flops
-from mpipar.plan.traffic import PlannedStep, call_algorithm, call_wire, step_calls
+from mpipar.plan.traffic import PlannedStep, call_algorithm, call_wire
 from mpipar.runtime import allreduce
 from mpipar.runtime.topology import GROUP_AXES, Coord
 from mpipar.training.optimizers import optimizer_mode
@@ -180,16 +180,17 @@ INNER_GROUPS = ("tp", "sp", "sp_ulysses", "sp_ring", "ep")  # inside forward and
 STEP_GROUPS = ("dp_sp", "dp_sp_intra", "dp_sp_inter", "tp_pp", "pp_ends")  # after the pipeline
 
 
-def _group_seconds(layout: Layout, coord: Coord, hw: Hardware,
-                   documents: StepDocuments | None = None) -> dict[str, float]:
-    """Seconds per group of the rank at ``coord``: its wire bytes over the group's link plus
-    its calls times the link's latency. A group whose instance spans nodes runs at the pace of
-    the link across them (a ring or a pipeline waits for its slowest hop)."""
-    sizes, nodes, shape = group_sizes(layout), nodes_of(layout), grid_shape(layout)
+def _group_seconds(rank: PlannedStep, hw: Hardware) -> dict[str, float]:
+    """Seconds per group of the planned training step ``rank``: its wire bytes over the
+    group's link plus its calls times the link's latency. A group whose instance spans nodes
+    runs at the pace of the link across them (a ring or a pipeline waits for its slowest
+    hop)."""
+    layout, coord = rank.layout, rank.coord
+    sizes, nodes, shape = rank.group_sizes, nodes_of(layout), grid_shape(layout)
     me = shape.rank_of(coord)
     links: dict[str, tuple[float, float]] = {}
     out: dict[str, float] = defaultdict(float)
-    for call in step_calls(layout, coord, documents=step_microbatches(layout, documents)):
+    for call in rank.calls:
         if call.group not in links:
             members = group_members(layout, call.group, me)
             links[call.group] = hw.link("inter" if len({nodes.nodes[r] for r in members}) > 1
@@ -199,7 +200,6 @@ def _group_seconds(layout: Layout, coord: Coord, hw: Hardware,
         if call_algorithm(layout, call) == "tree":   # reduce then broadcast, level by level
             wire = 2 * math.ceil(math.log2(sizes[call.group])) * call.nbytes
         out[call.group] += (wire / bw + lat) * call.count
-    rank = PlannedStep(layout, coord, True)
     for axis in AXES:            # what the axes spend besides transfers (a codec's work)
         for group, seconds in axis.seconds(rank, hw).items():
             out[group] += seconds
@@ -243,11 +243,24 @@ def step_microbatches(layout: Layout, documents: StepDocuments | None
     return documents.microbatches(layout.parallel.dp, layout.train.micro_batch_size)
 
 
+def planned_ranks(layout: Layout, documents: StepDocuments | None = None
+                  ) -> list[PlannedStep]:
+    """The training step of each pipeline rank of ``layout`` (its first rank on every other
+    axis), with ``documents``' microbatches: what the time, traffic and memory terms of one
+    layout read, each rank's calls listed once (:attr:`mpipar.plan.traffic.PlannedStep.calls`)."""
+    micro = step_microbatches(layout, documents)
+    return [PlannedStep(layout, Coord(dp=0, tp=0, pp=r, sp=0), True, documents=micro)
+            for r in range(layout.pp)]
+
+
 def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
-                      documents: StepDocuments | None = None) -> StepTime:
+                      documents: StepDocuments | None = None,
+                      ranks: list[PlannedStep] | None = None) -> StepTime:
     """The step time model of this module's docstring for ``layout`` (on :func:`with_nodes`),
-    with ``documents`` for ``--document-masking``."""
+    with ``documents`` for ``--document-masking``; ``ranks``: its :func:`planned_ranks` when
+    the caller has them already (on :func:`with_nodes`' layout)."""
     layout = with_nodes(layout, hw, layout.world)
+    ranks = ranks or planned_ranks(layout, documents)
     m, par, tr = layout.model, layout.parallel, layout.train
     p, v, micro = par.pp, par.virtual_stages, layout.microbatches
     per = m.layers // (p * v)
@@ -279,7 +292,7 @@ def predict_step_time(layout: Layout, hw: Hardware = Hardware(),
     comm: dict[str, float] = {}
     unit, compute = 0.0, 0.0
     for r in range(p):
-        seconds = _group_seconds(layout, Coord(dp=0, tp=0, pp=r, sp=0), hw, documents)
+        seconds = _group_seconds(ranks[r], hw)
         for g, t in seconds.items():
             comm[g] = max(comm.get(g, 0.0), t)
         inner = sum(seconds.get(g, 0.0) for g in INNER_GROUPS) / (micro * v)  # per fwd + bwd

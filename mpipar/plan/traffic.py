@@ -125,6 +125,17 @@ class PlannedStep:
     def tied(self) -> bool:
         return placement_table(self.layout)[EMBED].tied_across_pipeline
 
+    @functools.cached_property
+    def calls(self) -> list[Call]:
+        """Every MPI call this rank makes (:func:`step_calls`), listed once: the bytes, calls,
+        wire bytes and seconds per group of the planner all read this list."""
+        layout, coord, train = self.layout, self.coord, self.train
+        calls = [call for axis in AXES for call in axis.calls(self)]
+        calls += optimizer_calls(layout, coord) if train else []
+        # --state-copies: the step's copy of the rank's state to its holder
+        calls += state_copies.copy_calls(layout, coord) if train else []
+        return [c for c in calls + _scalar_calls(layout, coord, train) if c.count]
+
 
 def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
                documents: list | None = None) -> list[Call]:
@@ -134,13 +145,7 @@ def step_calls(layout: Layout, coord: Coord, eval_batches: int = 0,
     (:data:`mpipar.parallel.registry.AXES`), then the step's scalar reductions.
     ``documents``: with ``--document-masking``, the document ids ``[B, S]`` of each of the
     step's microbatches on this rank (the ring skips hops no document crosses)."""
-    train = eval_batches == 0
-    rank = PlannedStep(layout, coord, train, eval_batches, documents)
-    calls = [call for axis in AXES for call in axis.calls(rank)]
-    calls += optimizer_calls(layout, coord) if train else []
-    # --state-copies: the step's copy of the rank's state to its holder
-    calls += state_copies.copy_calls(layout, coord) if train else []
-    return [c for c in calls + _scalar_calls(layout, coord, train) if c.count]
+    return PlannedStep(layout, coord, eval_batches == 0, eval_batches, documents).calls
 
 
 def _scalar_calls(layout: Layout, coord: Coord, train: bool) -> list[Call]:
@@ -187,7 +192,12 @@ def predict_step_bytes(layout: Layout, coord: Coord, documents: list | None = No
                        ) -> dict[str, int]:
     """Bytes per group that the rank at ``coord`` hands to MPI in one step (the ledger's
     :meth:`mpipar.runtime.ledger.Ledger.bytes_by_group`); ``documents`` as :func:`step_calls`."""
-    return _per_group(step_calls(layout, coord, documents=documents), True)
+    return rank_step_bytes(PlannedStep(layout, coord, True, documents=documents))
+
+
+def rank_step_bytes(rank: PlannedStep) -> dict[str, int]:
+    """:func:`predict_step_bytes` of ``rank``'s calls (:attr:`PlannedStep.calls`)."""
+    return _per_group(rank.calls, True)
 
 
 def predict_step_messages(layout: Layout, coord: Coord) -> dict[str, int]:
@@ -232,9 +242,14 @@ def predict_link_bytes(layout: Layout, coord: Coord, documents: list | None = No
     """``{group: {"intra": wire bytes, "inter": wire bytes}}`` the rank at ``coord`` sends in
     one step (the ledger's :meth:`mpipar.runtime.ledger.Ledger.bytes_by_link`); ``documents`` as
     :func:`step_calls`."""
-    sizes = group_sizes(layout)
+    return rank_link_bytes(PlannedStep(layout, coord, True, documents=documents))
+
+
+def rank_link_bytes(rank: PlannedStep) -> dict[str, dict[str, int]]:
+    """:func:`predict_link_bytes` of ``rank``'s calls (:attr:`PlannedStep.calls`)."""
+    layout, coord, sizes = rank.layout, rank.coord, rank.group_sizes
     out: dict[str, dict[str, int]] = {}
-    for call in step_calls(layout, coord, documents=documents):
+    for call in rank.calls:
         wire = call_wire(layout, coord, call, sizes) * call.count
         if wire:
             links = out.setdefault(call.group, dict.fromkeys(LINKS, 0))

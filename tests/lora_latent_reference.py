@@ -21,7 +21,7 @@ import pytest
 peft = pytest.importorskip("peft", reason="peft is a test-only dependency of the LoRA tests")
 
 from tests.deepseek_reference import B, S, V, loaded, random_model  # noqa: E402
-from tests.transformers_reference import OPT, mpipar_rank, torch  # noqa: E402
+from tests.transformers_reference import adamw_on_rows, mpipar_rank, torch  # noqa: E402
 
 from mpipar.checkpoint.huggingface import load_hf, load_selection_biases  # noqa: E402
 from mpipar.checkpoint.peft import PREFIX, read_adapter  # noqa: E402
@@ -66,19 +66,7 @@ def peft_training(base: Path, adapter: Path, rows: Path) -> tuple[list, list, di
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == 2 * len(LATENT_TARGETS) * model.config.num_hidden_layers
-    opt = torch.optim.AdamW([{"params": trainable, "weight_decay": OPT["weight_decay"]}],
-                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
-    ids_all = torch.from_numpy(np.load(rows))
-    losses, norms = [], []
-    for k in range(STEPS):
-        ids = ids_all[k * B:(k + 1) * B]
-        opt.zero_grad()
-        logits = model(input_ids=ids[:, :S]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(trainable, OPT["clip_grad"]).item())
-        opt.step()
-        losses.append(loss.item())
+    losses, norms = adamw_on_rows(model, trainable, rows, STEPS, B, S, V)
     return losses, norms, adapter_tensors(model)
 
 

@@ -20,7 +20,7 @@ import pytest
 peft = pytest.importorskip("peft", reason="peft is a test-only dependency of the LoRA tests")
 
 from tests.transformers_moe import float64_moe  # noqa: E402
-from tests.transformers_reference import OPT, mpipar_rank, save_random, torch  # noqa: E402
+from tests.transformers_reference import adamw_on_rows, mpipar_rank, save_random, torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
@@ -93,19 +93,7 @@ def peft_training(base: Path, adapter: Path, rows: Path) -> tuple[list, list, di
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == 2 * (len(MODULES) * 2 + len(EXPERTS)), len(trainable)
-    opt = torch.optim.AdamW([{"params": trainable, "weight_decay": OPT["weight_decay"]}],
-                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
-    ids_all = torch.from_numpy(np.load(rows))
-    losses, norms = [], []
-    for k in range(STEPS):
-        ids = ids_all[k * B:(k + 1) * B]
-        opt.zero_grad()
-        logits = model(input_ids=ids[:, :S]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(trainable, OPT["clip_grad"]).item())
-        opt.step()
-        losses.append(loss.item())
+    losses, norms = adamw_on_rows(model, trainable, rows, STEPS, B, S, V)
     return losses, norms, adapter_tensors(model, load_hf(base)[0])
 
 

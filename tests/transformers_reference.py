@@ -90,6 +90,28 @@ MODELS = {
                                   max_position_embeddings=8)),  # < S: the NTK theta grows
 }
 """Test checkpoints by name: the transformers config class and its settings beyond the sizes."""
+def adamw_on_rows(model, trainable: list, rows: Path, steps: int, batch: int, seq: int,
+                  vocab: int) -> tuple[list, list]:
+    """``steps`` steps of ``torch.optim.AdamW`` (:data:`OPT`, decay on every tensor of
+    ``trainable``) on the next-token loss of ``batch`` rows at a time of the token rows saved
+    at ``rows``, in order, the gradients clipped by their norm: (losses, gradient norms)."""
+    opt = torch.optim.AdamW([{"params": trainable, "weight_decay": OPT["weight_decay"]}],
+                            lr=OPT["lr"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"])
+    ids_all = torch.from_numpy(np.load(rows))
+    losses, norms = [], []
+    for k in range(steps):
+        ids = ids_all[k * batch:(k + 1) * batch]
+        opt.zero_grad()
+        logits = model(input_ids=ids[:, :seq]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
+                                                 ids[:, 1:].reshape(-1))
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(trainable, OPT["clip_grad"]).item())
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
 def rel(a, b) -> float:
     """max |a - b| / max |b| (the relative difference used throughout)."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)

@@ -21,7 +21,8 @@ import pytest
 peft = pytest.importorskip("peft", reason="peft is a test-only dependency of the LoRA tests")
 
 from tests.deepseek_reference import B, S, V, loaded, random_model  # noqa: E402
-from tests.transformers_reference import adamw_on_rows, mpipar_rank, torch  # noqa: E402
+from tests.lora_reference import nonzero_adapter  # noqa: E402
+from tests.transformers_reference import adamw_on_rows, mpipar_rank  # noqa: E402
 
 from mpipar.checkpoint.huggingface import load_hf, load_selection_biases  # noqa: E402
 from mpipar.checkpoint.peft import PREFIX, read_adapter  # noqa: E402
@@ -40,12 +41,7 @@ def make_dirs(root: Path) -> tuple[Path, Path, Path]:
     random_model().save_pretrained(base)
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(LATENT_TARGETS),
                              lora_dropout=0.0, task_type="CAUSAL_LM")
-    model = peft.get_peft_model(loaded(base), config)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    model = nonzero_adapter(loaded(base), config)
     model.save_pretrained(str(adapter))
     np.save(rows, np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1)))
     return base, adapter, rows

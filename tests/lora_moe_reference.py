@@ -20,6 +20,7 @@ import pytest
 peft = pytest.importorskip("peft", reason="peft is a test-only dependency of the LoRA tests")
 
 from tests.transformers_moe import float64_moe  # noqa: E402
+from tests.lora_reference import nonzero_adapter  # noqa: E402
 from tests.transformers_reference import adamw_on_rows, mpipar_rank, save_random, torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
@@ -63,12 +64,7 @@ def make_dirs(root: Path) -> tuple[Path, Path, Path]:
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(MODULES),
                              target_parameters=["mlp." + t for t in EXPERTS],
                              lora_dropout=0.0, task_type="CAUSAL_LM")
-    model = peft.get_peft_model(loaded(base), config)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    model = nonzero_adapter(loaded(base), config)
     model.save_pretrained(str(adapter))
     np.save(rows, np.random.default_rng(5).integers(0, V, size=(STEPS * B, S + 1)))
     return base, adapter, rows

@@ -37,8 +37,14 @@ def peft_model(base: Path, adapter: Path | None = None, rslora: bool = False):
     model = hf_model(base)
     if adapter is not None:
         return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
-                             lora_dropout=0.0, use_rslora=rslora, task_type="CAUSAL_LM")
+    return nonzero_adapter(model, peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0,
+        use_rslora=rslora, task_type="CAUSAL_LM"))
+
+
+def nonzero_adapter(model, config):
+    """PEFT's LoRA model of ``config`` on ``model`` with A and B drawn from N(0, 0.2^2) (seeded):
+    an adapter whose both factors act, unlike PEFT's zero B."""
     model = peft.get_peft_model(model, config)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():

@@ -399,23 +399,33 @@ def test_mfu_on_a_gpu_is_against_the_dense_bf16_tensor_core_rate():
 
 
 # ------------------------------------------------------------------------- bf16 with LoRA
-def test_a_bf16_lora_run_tracks_float64_and_holds_its_base_in_bf16_alone():
-    """LoRA (rank 4, all seven targets) on the test model, 12 steps in bf16 and in float64 from
-    the same base and adapters: every step's bf16 loss is within 2 % of float64's (the bound of
-    the bf16 runs above: a few %; measured: 0.3 %), and the adapters train (the loss
-    falls). Of the rank's bytes of parameters and optimizer state, the frozen base is held once,
-    in bf16 (2 bytes a value, no float32 master, no moments); the adapters have float32 masters
-    and moments and bf16 compute copies."""
+LORA_BF16 = [("llama", None),   # all seven targets
+             ("moe", "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj")]
+
+
+@pytest.mark.parametrize("model,targets", LORA_BF16, ids=[m for m, _ in LORA_BF16])
+def test_a_bf16_lora_run_tracks_float64_and_holds_its_base_in_bf16_alone(model, targets):
+    """LoRA (rank 4, all seven targets; on the mixture of experts the attention's and the
+    routed experts') on the test model, 12 steps in bf16 and in float64 from the same base and
+    adapters: every step's bf16 loss is within 2 % of float64's (the bound of the bf16 runs
+    above: a few %; measured: 0.3 %), and the adapters train (the loss falls). Of the rank's
+    bytes of parameters and optimizer state, the frozen base is held once, in bf16 (2 bytes a
+    value, no float32 master, no moments); the adapters have float32 masters and moments and
+    bf16 compute copies."""
     from mpipar.model.lora import is_adapter
-    fields = dict(lora_rank=4, lora_alpha=8.0, steps=12, warmup_steps=0)   # all seven targets
+    fields = dict(lora_rank=4, lora_alpha=8.0, steps=12, warmup_steps=0)
+    if targets:
+        fields["lora_targets"] = targets
     losses = {}
     for dtype in ("float64", "bfloat16"):
-        cfg = small_config(dtype)
+        cfg = small_config(dtype, model)
         cfg.train.__dict__.update(fields)
         rank = _rank(cfg)
         losses[dtype] = [trainer.train_step(rank, k).loss for k in range(12)]
         if dtype == "bfloat16":
             held = _lora_bytes(rank, is_adapter)
+            experts = [n for n in rank.weights.reducer.master_tensors() if ".experts." in n]
+            assert bool(experts) == (model == "moe"), experts   # the experts' adapters train
         trainer.close(rank)
     f64, bf = np.array(losses["float64"]), np.array(losses["bfloat16"])
     assert f64[-1] < 0.9 * f64[0], f64                       # the adapters trained

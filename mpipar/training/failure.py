@@ -11,9 +11,9 @@ aborting, the rank:
 2. rewrites ``RUN_DIR/summary.json`` as ``status: "failed"`` with every line of
    ``failure.txt`` so far (written through a rename: never half a file);
 3. writes the message to stderr unbuffered;
-4. waits :data:`ABORT_GRACE_S` so the launcher can forward stderr, then aborts (the last live
-   process of a job that outlived a dead rank under ULFM exits with the status itself:
-   :func:`mpipar.runtime.ulfm.alone`).
+4. waits :data:`ABORT_GRACE_S` so the launcher can forward stderr, then aborts (a process of
+   a job that outlived a dead rank under ULFM exits with the status itself, and the other
+   survivors follow as their calls fail on it: :func:`mpipar.runtime.ulfm.peers_lost`).
 
 Before the run directory is known (config still being read) only steps 3 and 4 happen. A stop
 that is not an abort (``--on-nan stop``) records its line with :meth:`FailureReport.record`.
@@ -110,7 +110,7 @@ class FailureReport:
         sys.stderr.flush()
         os.write(2, (message.rstrip("\n") + "\n").encode())
         time.sleep(ABORT_GRACE_S)
-        if ulfm.alone(self.comm):   # no process left for MPI_Abort to end (module docstring)
+        if ulfm.peers_lost(self.comm):   # MPI_Abort is not to be trusted (module docstring)
             ulfm.leave(code)
         self.comm.Abort(code)
         raise SystemExit(code)  # unreachable: MPI_Abort does not return

@@ -162,6 +162,15 @@ def adapter_roles(base_role: str) -> dict[str, str]:
                      f"carry adapters")
 
 
+def adapter_grad_partial(base_role: str, factor: str) -> bool:
+    """Whether the gradient of LoRA factor ``factor`` (``lora_A``/``lora_B``) of a linear of
+    role ``base_role`` is a partial sum over tp (:func:`adapter_roles`): a factor held whole
+    beside a split or ``heads_replicated`` linear; not a routed expert's (``replicated``: its
+    gradient is whole, as the expert's)."""
+    return base_role != "replicated" and adapter_roles(base_role)[factor] in (
+        "replicated", "heads_replicated")
+
+
 def plan_key(name: str) -> str:
     """The key of parameter ``name`` in :data:`TENSOR_PARALLEL_PLAN`: without its
     ``layers.{i}.`` and with an expert's index as ``*``."""
@@ -317,11 +326,10 @@ class PlacementTable:
             self.rows[spec.name] = Placement(spec, role, stages, ranks, tp_sequence_parallel,
                                              dp_sp, trainable=lora is None)
             for adapter in lora.specs(spec) if lora is not None else ():
-                factor = adapter_roles(role)[factor_of(adapter.name)]
-                self.rows[adapter.name] = Placement(adapter, factor, stages, ranks,
-                                                    tp_sequence_parallel, dp_sp,
-                                                    tp_partial=factor == "replicated"
-                                                    and role != "replicated")
+                factor = factor_of(adapter.name)
+                self.rows[adapter.name] = Placement(
+                    adapter, adapter_roles(role)[factor], stages, ranks, tp_sequence_parallel,
+                    dp_sp, tp_partial=adapter_grad_partial(role, factor))
 
     def _stages(self, spec: ParamSpec) -> tuple[int, ...]:
         """The global virtual stages that use ``spec``: its block's; the embedding's first (and,

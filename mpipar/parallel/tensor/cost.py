@@ -14,7 +14,7 @@ from mpipar.model.recompute import Recompute
 from mpipar.parallel.axis import Footprint
 from mpipar.parallel.calls import Call
 from mpipar.parallel.pipeline.schedule import schedule_of
-from mpipar.parallel.placement import (TENSOR_PARALLEL_PLAN, adapter_roles, padded_vocab,
+from mpipar.parallel.placement import (TENSOR_PARALLEL_PLAN, adapter_grad_partial, padded_vocab,
                                       plan_key)
 from mpipar.runtime.precision import Precision
 
@@ -102,14 +102,12 @@ def _partial_grad_elements(layout: Layout, stages: Sequence[int],
 
 
 def _replicated_adapter_elements(layout: Layout, lora: Lora) -> int:
-    """Elements of a block's LoRA factors that every tp rank holds whole (A of a
-    column-parallel linear, B of a row-parallel one, both of a ``heads_replicated`` one:
-    :func:`mpipar.parallel.placement.adapter_roles`), whose gradients are partial over tp (not
-    an expert's: its gradient is whole, as the expert's)."""
+    """Elements of a block's LoRA factors whose gradients are partial over tp
+    (:func:`mpipar.parallel.placement.adapter_grad_partial`)."""
     return sum(math.prod(a.shape) for spec in block_param_specs(layout.model, 0)
-               if (role := TENSOR_PARALLEL_PLAN[plan_key(spec.name)]) != "replicated"
                for a in lora.specs(spec)
-               if adapter_roles(role)[factor_of(a.name)] in ("replicated", "heads_replicated"))
+               if adapter_grad_partial(TENSOR_PARALLEL_PLAN[plan_key(spec.name)],
+                                       factor_of(a.name)))
 
 
 # ------------------------------------------------------------------------- memory and time
